@@ -1,0 +1,91 @@
+"""Typed configuration of the commopt backend.
+
+`torch.compile(model, backend="commopt", options={...})` maps its options dict onto
+`Config` through `Config.from_options`; unknown keys and bad values raise `ValueError`
+naming the field.  A `Config` round-trips through JSON (`to_json` / `from_json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_commopt.schedule import Schedule
+
+PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Config:
+    """Options of the commopt backend.
+
+    schedule: schedule applied to every rewritten region until the tuner lands:
+        "sequential" (collective, then compute) or "chunked" (the collective cut
+        into `chunks` pieces, each consumed as it arrives).
+    chunks: piece count S of the "chunked" schedule (clamped to the size of the
+        dimension being cut, and logged when clamped).
+    patterns: the region finders that run, by name; any subset of PATTERNS.
+    check_rank_consistency: hash the rewrite decisions and compare them across
+        ranks once per compiled graph; on mismatch the graph is left untouched.
+    consistency_timeout_s: how long a rank waits for the others' plan hashes.
+    fx_graph_cache: let Inductor serve compiled graphs from its FX cache.  Off by
+        default: a cache hit skips the commopt pass (and its rank check) on that
+        rank only, so ranks with different cache contents could run different
+        collectives.  Turn it on when every rank shares one cache directory.
+    debug: record the rewritten graph's code in the explain report.
+    """
+
+    schedule: str = "chunked"
+    chunks: int = 4
+    patterns: tuple[str, ...] = PATTERNS
+    check_rank_consistency: bool = True
+    consistency_timeout_s: float = 300.0
+    fx_graph_cache: bool = False
+    debug: bool = False
+    extra_inductor_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in Schedule.NAMES:
+            raise ValueError(f"Config.schedule: {self.schedule!r} is not one of {Schedule.NAMES}")
+        _check_type("chunks", self.chunks, int)
+        if self.chunks < 1:
+            raise ValueError(f"Config.chunks: must be >= 1, got {self.chunks}")
+        if isinstance(self.patterns, (list, str)):
+            object.__setattr__(self, "patterns", tuple([self.patterns] if isinstance(self.patterns, str) else self.patterns))
+        unknown = [p for p in self.patterns if p not in PATTERNS]
+        if unknown:
+            raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug"):
+            _check_type(name, getattr(self, name), bool)
+        if not isinstance(self.consistency_timeout_s, (int, float)) or self.consistency_timeout_s <= 0:
+            raise ValueError(f"Config.consistency_timeout_s: must be a positive number, got {self.consistency_timeout_s!r}")
+        _check_type("extra_inductor_options", self.extra_inductor_options, dict)
+
+    @property
+    def default_schedule(self) -> Schedule:
+        return Schedule(self.schedule, self.chunks if self.schedule == "chunked" else 1)
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | None) -> "Config":
+        """Build a Config from a torch.compile options dict; unknown keys raise."""
+        options = dict(options or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(f"commopt options: unknown key(s) {unknown}; known: {sorted(names)}")
+        return cls(**options)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        return cls.from_options(json.loads(text))
+
+
+def _check_type(name: str, value: Any, typ: type) -> None:
+    # bool is a subclass of int: reject it where an int is meant.
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ValueError(f"Config.{name}: expected {typ.__name__}, got {value!r}")

@@ -1,0 +1,97 @@
+"""The commopt custom ops (`torch.ops.commopt.*`): schemas, fake impls, dispatch to schedules.
+
+Every op carries its schedule as a string (`Schedule.__str__`), so the rewritten graph
+records the decision and the op runs it.  The implementations registered here are the
+reference schedules in plain torch + c10d; they run on any backend (gloo, NCCL, fake).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torch_commopt.kernels.reference.ag_matmul import ag_matmul_reference
+from torch_commopt.kernels.reference.matmul_reduce import matmul_ar_reference, matmul_rs_reference
+
+
+def gathered_shape(a: Tensor, gather_dim: int, group_size: int) -> list[int]:
+    shape = list(a.shape)
+    shape[gather_dim] *= group_size
+    return shape
+
+
+@torch.library.custom_op("commopt::ag_matmul", mutates_args=())
+def ag_matmul(
+    a: Tensor,
+    weights: list[Tensor],
+    biases: list[Optional[Tensor]],
+    gather_dim: int,
+    group_size: int,
+    group_name: str,
+    schedule: str,
+    return_gathered: bool,
+) -> list[Tensor]:
+    """All-gather `a` along `gather_dim`, then multiply by each weight.
+
+    a: (*, L, *, K) local shard, L at `gather_dim` (or K itself when gather_dim is last).
+    weights[i]: (K_full, N_i), or (B, K_full, N_i) with a 3-D gathered a (bmm).
+    biases[i]: (N_i,) or None.
+    Returns [out_0, ..., out_{n-1}] (+ [gathered] when return_gathered), where
+    gathered = cat over ranks of a along gather_dim and out_i = gathered @ weights[i] + biases[i].
+    """
+    return ag_matmul_reference(a, weights, biases, gather_dim, group_name, schedule, return_gathered)
+
+
+@ag_matmul.register_fake
+def _(a, weights, biases, gather_dim, group_size, group_name, schedule, return_gathered):
+    gshape = gathered_shape(a, gather_dim, group_size)
+    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]]) for w in weights]
+    return outs + ([a.new_empty(gshape)] if return_gathered else [])
+
+
+@torch.library.custom_op("commopt::matmul_rs", mutates_args=())
+def matmul_rs(
+    a: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    scatter_dim: int,
+    reduce_op: str,
+    group_size: int,
+    group_name: str,
+    schedule: str,
+) -> Tensor:
+    """t = a @ weight (+ bias), then reduce-scatter t along `scatter_dim`.
+
+    a: (*, K); weight: (K, N); bias: (N,) or None.
+    Returns t's shape with dim `scatter_dim` divided by group_size: block `rank`,
+    reduced over ranks with `reduce_op` ("sum" or "avg").
+    """
+    return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, schedule)
+
+
+@matmul_rs.register_fake
+def _(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, schedule):
+    shape = list(a.shape[:-1]) + [weight.shape[-1]]
+    shape[scatter_dim] //= group_size
+    return a.new_empty(shape)
+
+
+@torch.library.custom_op("commopt::matmul_ar", mutates_args=())
+def matmul_ar(
+    a: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    reduce_op: str,
+    group_size: int,
+    group_name: str,
+    schedule: str,
+) -> Tensor:
+    """t = a @ weight (+ bias), then all-reduce t.  a: (*, K); weight: (K, N); returns (*, N)."""
+    return matmul_ar_reference(a, weight, bias, reduce_op, group_name, schedule)
+
+
+@matmul_ar.register_fake
+def _(a, weight, bias, reduce_op, group_size, group_name, schedule):
+    return a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]])

@@ -1,0 +1,73 @@
+"""Reference schedules of all-gather + matmul.
+
+Semantics (every schedule): gathered = concat over ranks of `a` along `gather_dim`;
+out_i = gathered @ weights[i] (+ biases[i]) over the last dim of gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_commopt.kernels.reference.collectives import (
+    all_gather,
+    chunk_bounds,
+    linear,
+    resolve_group,
+)
+from torch_commopt.kernels.reference.chunking import ag_chunk_dim
+from torch_commopt.schedule import Schedule
+
+
+def ag_matmul_sequential(a, weights, biases, gather_dim, group, return_gathered):
+    gathered = all_gather(a, gather_dim, group, async_op=False).wait()
+    outs = [linear(gathered, w, b) for w, b in zip(weights, biases)]
+    return outs + ([gathered] if return_gathered else [])
+
+
+def ag_matmul_chunked(a, weights, biases, gather_dim, group, return_gathered, chunks):
+    world, shape = group.size(), list(a.shape)
+    g, (c, _) = gather_dim, ag_chunk_dim(shape, gather_dim, chunks)
+    gshape = shape[:g] + [world * shape[g]] + shape[g + 1 :]
+    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]]) for w in weights]
+    gathered = a.new_empty(gshape) if return_gathered else None
+    bounds = chunk_bounds(shape[c], chunks)
+    # Issue every piece first: piece j+1 travels while piece j is multiplied.
+    pending = [all_gather(a.narrow(c, s, n), g, group, async_op=True) for s, n in bounds]
+    for (s, n), piece in zip(bounds, pending):
+        rows = piece.wait()
+        for out, w, b in zip(outs, weights, biases):
+            _place(out, linear(rows, _weight_piece(w, g, c, s, n, world, shape), b), g, c, s, n, world, shape)
+        if gathered is not None:
+            _place(gathered, rows, g, c, s, n, world, shape)
+    return outs + ([gathered] if return_gathered else [])
+
+
+def _rank_blocked(x: torch.Tensor, g: int, world: int, local: int) -> torch.Tensor:
+    """View dim g (world*local) of x as (world, local)."""
+    shape = list(x.shape)
+    return x.view(shape[:g] + [world, local] + shape[g + 1 :])
+
+
+def _place(out, piece, g, c, s, n, world, shape):
+    """Copy the rows of chunk (s, n) of dim c, gathered along g, into `out`."""
+    if c == g:
+        _rank_blocked(out, g, world, shape[g]).narrow(g + 1, s, n).copy_(_rank_blocked(piece, g, world, n))
+    else:
+        out.narrow(c, s, n).copy_(piece)
+
+
+def _weight_piece(w, g, c, s, n, world, shape):
+    """A batched (3-D) weight follows the gathered batch rows of the chunk; a 2-D one is shared."""
+    if w.dim() != 3 or c != 0:
+        return w
+    if g == 0:
+        return _rank_blocked(w, 0, world, shape[0]).narrow(1, s, n).reshape(world * n, *w.shape[1:])
+    return w.narrow(0, s, n)
+
+
+def ag_matmul_reference(a, weights, biases, gather_dim, group_name, schedule, return_gathered):
+    group = resolve_group(group_name)
+    sched = Schedule.parse(schedule)
+    if sched.name == "sequential" or sched.chunks == 1:
+        return ag_matmul_sequential(a, weights, biases, gather_dim, group, return_gathered)
+    return ag_matmul_chunked(a, weights, biases, gather_dim, group, return_gathered, sched.chunks)

@@ -1,0 +1,68 @@
+"""Run a function on W local processes with a process group each (gloo on CPU, NCCL on GPUs).
+
+Used by the demo and the tests.  Bounded: a run that does not finish within `timeout_s`
+is killed and reported, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+        result = fn(rank, world, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure, including asserts, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeout_s: float = 900) -> list[Any]:
+    """Run fn(rank, world, *args) on `world` spawned processes; return the per-rank results.
+
+    Raises RuntimeError with the failing ranks' tracebacks, or on timeout."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, queue), daemon=False)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(world):
+            rank, ok, payload = queue.get(timeout=timeout_s)
+            (results if ok else errors)[rank] = payload
+    except Exception as e:  # queue.Empty on timeout
+        errors[-1] = f"timed out after {timeout_s}s waiting for ranks ({type(e).__name__})"
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("distributed run failed:\n" + "\n".join(f"[rank {r}] {t}" for r, t in sorted(errors.items())))
+    return [results[r] for r in range(world)]

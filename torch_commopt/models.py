@@ -1,0 +1,116 @@
+"""Small tensor-parallel models used by the demo and the tests.
+
+`LlamaBlock`: RMSNorm -> attention (q/k/v/o) -> residual -> RMSNorm -> SwiGLU MLP ->
+residual, with `tp_sp_plan` the torchtitan-style TP+SP plan (norms sequence-parallel,
+q/k/v and w1/w3 column-parallel behind one all-gather, o and w2 row-parallel into a
+reduce-scatter).  `FuncolMLP`: the same MLP written with functional collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed._functional_collectives as funcol
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under TP each rank holds n_heads / W of them.
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int = 64, n_heads: int = 4, hidden: int = 128):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = Attention(dim, n_heads)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = SwiGLU(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class MLPBlock(nn.Module):
+    """RMSNorm + SwiGLU MLP with a residual: the TP+SP MLP of the tests."""
+
+    def __init__(self, dim: int = 64, hidden: int = 128):
+        super().__init__()
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = SwiGLU(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def tp_sp_plan(model: nn.Module) -> dict:
+    """torchtitan's TP+SP plan for whichever of attention / feed_forward the model has."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan = {}
+    if hasattr(model, "attention"):
+        plan.update({
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    plan.update({
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    })
+    return plan
+
+
+class FuncolMLP(nn.Module):
+    """Hand-written SP MLP: all-gather rows (dim 0) -> x @ w1 -> gelu -> @ w2 -> reduce-scatter rows.
+
+    w1: (dim, hidden / W) column shard; w2: (hidden / W, dim) row shard; input (rows / W, dim)."""
+
+    def __init__(self, dim: int, hidden_local: int, group_name: str):
+        super().__init__()
+        self.group_name = group_name
+        self.w1 = nn.Parameter(torch.randn(dim, hidden_local) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(hidden_local, dim) / hidden_local**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        full = funcol.all_gather_tensor_autograd(x, gather_dim=0, group=self.group_name)
+        partial = F.gelu(full @ self.w1) @ self.w2
+        return funcol.reduce_scatter_tensor_autograd(partial, "sum", scatter_dim=0, group=self.group_name)

@@ -1,0 +1,106 @@
+"""Small helpers over post-grad aten FX graphs: op tables, shapes, collective arguments."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+ALL_GATHER = c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
+ALL_REDUCE = c10d.all_reduce.default
+WAIT = c10d.wait_tensor.default
+
+MM = aten.mm.default
+ADDMM = aten.addmm.default
+BMM = aten.bmm.default
+
+RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
+
+
+class Unsupported(Exception):
+    """A pattern that commopt leaves untouched; the message is the reason shown in explain."""
+
+
+def val(node: Any) -> torch.Tensor | None:
+    """The fake tensor recorded for `node` (None for non-nodes or nodes without one)."""
+    if isinstance(node, Node):
+        v = node.meta.get("val")
+        return v if isinstance(v, torch.Tensor) else None
+    return None
+
+
+def static_shape(node: Node) -> list[int]:
+    """The node's shape as Python ints; raises Unsupported for a dynamic (symbolic) shape."""
+    v = val(node)
+    if v is None:
+        raise Unsupported(f"{node.name} has no recorded shape")
+    shape = list(v.shape)
+    if not all(isinstance(s, int) for s in shape):
+        raise Unsupported(f"{node.name} has a dynamic shape {shape}")
+    return shape
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def group_name_of(arg: Any) -> str:
+    """The group name of a functional collective's group argument (a str; from 2.13 `Any`)."""
+    if isinstance(arg, str):
+        return arg
+    name = getattr(arg, "group_name", None)
+    if isinstance(name, str):
+        return name
+    raise Unsupported(f"cannot identify the process group from {arg!r}")
+
+
+def only_user(node: Node) -> Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def wait_of(collective: Node) -> Node:
+    """The wait_tensor that is the collective's only user."""
+    user = only_user(collective)
+    if user is None or user.target is not WAIT:
+        raise Unsupported(f"{collective.name} is not waited on by exactly one wait_tensor")
+    return user
+
+
+def is_getitem(node: Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def split_cat_dim(split: Node, world: int) -> tuple[int, Node] | None:
+    """For split(x, L, dim=d) -> W getitems -> cat(dim=e): the (d, e) form funcol and DTensor emit
+    to gather or scatter along a dim other than 0.  Returns (split dim, cat node) or None."""
+    if split.target not in SPLITS:
+        return None
+    x_shape = static_shape(split.args[0])
+    sdim = norm_dim(split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0), len(x_shape))
+    sizes = split.args[1]
+    n_pieces = len(sizes) if isinstance(sizes, (list, tuple)) else -(-x_shape[sdim] // sizes)
+    getitems = sorted(split.users, key=lambda n: n.args[1] if is_getitem(n) else -1)
+    if n_pieces != world or len(getitems) != world or not all(is_getitem(g) for g in getitems):
+        return None
+    if [g.args[1] for g in getitems] != list(range(world)):
+        return None
+    cats = {only_user(g) for g in getitems}
+    if len(cats) != 1 or None in cats:
+        return None
+    (cat,) = cats
+    if cat.target is not aten.cat.default or list(cat.args[0]) != getitems:
+        return None
+    return sdim, cat
+
+
+def cat_dim(cat: Node) -> int:
+    ndim = len(static_shape(cat))
+    return norm_dim(cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0), ndim)

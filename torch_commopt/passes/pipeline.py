@@ -1,0 +1,172 @@
+"""The commopt post-grad pass: find regions -> choose schedules -> check ranks -> rewrite.
+
+Runs on every post-grad graph Inductor compiles (forward, backward, inference) because
+the backend hands it to `compile_fx` through `config_patches`.  Finders run in the
+documented order of FINDERS and each can be disabled by name (Config.patterns).
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from collections import Counter
+
+import torch
+from torch.fx import Graph
+
+from torch_commopt import report as explain
+from torch_commopt.config import Config
+from torch_commopt.passes import consistency
+from torch_commopt.passes.find_ag_matmul import find_ag_matmul
+from torch_commopt.passes.find_matmul_reduce import find_matmul_reduce
+from torch_commopt.kernels.reference.chunking import ag_chunk_dim, ar_chunk_dim, rs_chunk_dim
+from torch_commopt.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, static_shape
+from torch_commopt.passes.regions import Region, Skip
+from torch_commopt.passes.rewrite import rewrite_region
+from torch_commopt.schedule import Schedule
+
+try:  # torch >= 2.10 tells inference-aware passes which graph they see
+    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _PassBase
+except ImportError:  # pragma: no cover - older torch
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+from torch._inductor.custom_graph_pass import get_hash_for_files
+
+log = logging.getLogger("torch_commopt.passes.pipeline")
+
+# (pattern name, finder) in the order they run: an all-gather region claims its matmuls
+# before a reduction region could claim the same matmul.
+FINDERS = (
+    ("ag_matmul", lambda g, cfg: find_ag_matmul(g)),
+    ("matmul_rs", lambda g, cfg: find_matmul_reduce(g, ("matmul_rs",))),
+    ("matmul_ar", lambda g, cfg: find_matmul_reduce(g, ("matmul_ar",))),
+)
+
+_COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+
+
+class CommoptPass(_PassBase):
+    """Inductor custom post-grad pass; `uuid` covers the package source and the config,
+    so Inductor's caches never mix graphs rewritten under different code or options."""
+
+    def __init__(self, config: Config):
+        self.config = config
+
+    def __call__(self, graph: Graph, is_inference: bool | None = None) -> None:
+        run_commopt_pass(graph, self.config, is_inference=is_inference)
+
+    def uuid(self) -> str:
+        files = tuple(sorted(str(p) for p in pathlib.Path(__file__).parents[1].rglob("*.py")))
+        return get_hash_for_files(files, self.config.to_json()).hex()
+
+
+def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None = None) -> explain.GraphReport:
+    report = explain.GraphReport(
+        graph_id=explain.next_graph_id(),
+        graph_kind=_graph_kind(graph, is_inference),
+        compile_id=_compile_id(),
+        collectives_before=_count_collectives(graph),
+    )
+    regions = _find_regions(graph, config, report)
+    schedules = [_choose_schedule(r, config, report) for r in regions]
+    decisions = [dict(r.summary(), schedule=str(s)) for r, s in zip(regions, schedules)]
+    report.plan_hash = consistency.plan_hash(decisions)
+    if regions and not _ranks_agree(graph, regions, report, config):
+        regions, schedules = [], []
+    for region, schedule in zip(regions, schedules):
+        rewrite_region(graph, region, schedule)
+        report.regions.append(explain.RegionReport(
+            region.kind, region.collective.name, region.summary(), str(schedule), "rewritten"))
+    if regions:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        stable_topological_sort(graph)
+        graph.lint()
+    report.collectives_after = _count_collectives(graph)
+    report.commopt_ops = dict(Counter(n.target._opname for n in graph.nodes if _is_commopt(n)))
+    if config.debug:
+        report.code = graph.python_code("self").src
+    explain.record(report)
+    return report
+
+
+def _find_regions(graph: Graph, config: Config, report: explain.GraphReport) -> list[Region]:
+    regions, claimed = [], set()
+    for name, finder in FINDERS:
+        if name not in config.patterns:
+            continue
+        found, skipped = finder(graph, config)
+        report.skipped += skipped
+        for region in found:
+            mms = {c.node for c in region.consumers}
+            if mms & claimed:
+                report.skipped.append(Skip(name, region.collective.name, "its matmul already belongs to another region"))
+                continue
+            claimed |= mms
+            regions.append(region)
+    for s in report.skipped:
+        log.info("commopt left %s at %s untouched: %s", s.kind, s.node, s.reason)
+    return regions
+
+
+def _choose_schedule(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
+    """The schedule from Config (until the tuner lands), clamped to the rows available."""
+    wanted = config.default_schedule
+    rows = _chunk_rows(region, wanted.chunks)
+    chosen = wanted.clamp(rows)
+    if chosen != wanted:
+        report.notes.append(f"{region.collective.name}: {wanted} clamped to {chosen} "
+                            f"(no row dim has more than {rows} rows)")
+    return chosen
+
+
+def _chunk_rows(region: Region, chunks: int) -> int:
+    """Rows along the dim the reference's chunked schedule would cut (same rule as the op)."""
+    if region.kind == "ag_matmul":
+        return ag_chunk_dim(static_shape(region.a), region.dim, chunks)[1]
+    if region.kind == "matmul_rs":
+        return rs_chunk_dim(region.t_shape, region.dim, region.group_size, chunks)[1]
+    return ar_chunk_dim(region.t_shape, chunks)[1]
+
+
+def _ranks_agree(graph: Graph, regions: list[Region], report: explain.GraphReport, config: Config) -> bool:
+    if not config.check_rank_consistency:
+        report.notes.append("rank consistency check disabled by config")
+        return True
+    reason = consistency.check_skipped_reason()
+    if reason is not None:
+        report.notes.append(f"rank consistency check skipped: {reason}")
+        return True
+    signature = consistency.digest(graph.python_code("self").src)
+    agreed, detail = consistency.ranks_agree(
+        [r.group_name for r in regions], f"{signature}:{report.plan_hash}", config.consistency_timeout_s)
+    if not agreed:
+        log.error("commopt: rewrite decisions differ across ranks, graph %d left untouched: %s",
+                  report.graph_id, detail)
+        report.notes.append(f"NOT rewritten: {detail}")
+        report.skipped += [Skip(r.kind, r.collective.name, "rank consistency check failed") for r in regions]
+    return agreed
+
+
+def _graph_kind(graph: Graph, is_inference: bool | None) -> str:
+    if is_inference:
+        return "inference"
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    if any(n.startswith("tangents") for n in names):
+        return "backward"
+    if is_inference is False or any(n.startswith("primals") for n in names):
+        return "forward"
+    return "inference"
+
+
+def _compile_id() -> str | None:
+    cid = torch._guards.CompileContext.current_compile_id()
+    return None if cid is None else str(cid)
+
+
+def _is_commopt(node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "commopt"
+
+
+def _count_collectives(graph: Graph) -> dict[str, int]:
+    return dict(Counter(_COLLECTIVES[n.target] for n in graph.nodes
+                        if n.op == "call_function" and n.target in _COLLECTIVES))

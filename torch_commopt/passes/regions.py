@@ -1,0 +1,84 @@
+"""What the finders report: regions (a compute op with the collective feeding or draining it)
+and skipped candidates with their reasons.  Pure data; the rewrite reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.fx import Node
+
+from torch_commopt.reshard.layouts import Layout
+
+
+@dataclass
+class Consumer:
+    """A matmul fed by an all-gather: `path` is the row-preserving chain from the gathered
+    tensor to the matmul's A operand."""
+
+    node: Node
+    path: list[Node]
+    weight: Node
+    bias: Node | None
+
+
+@dataclass
+class Region:
+    """One distributed operator found in a graph.
+
+    kind: "ag_matmul", "matmul_rs" or "matmul_ar".
+    collective / wait: the collective node and its wait_tensor.
+    dim: gather dim (ag_matmul) or scatter dim (matmul_rs) in the logical layout; None for matmul_ar.
+    a: the local input (ag_matmul: the shard; others: the matmul's A operand).
+    consumers: the matmuls (one for matmul_rs / matmul_ar).
+    root: ag_matmul: the node holding the gathered tensor (wait, or cat of the split/cat form).
+    keep_gathered: ag_matmul: the gathered tensor has other users, so the op returns it too.
+    path: matmul_rs / matmul_ar: the chain from the matmul output to the collective input.
+    nodes: the nodes the rewrite replaces (collective side), for erasure.
+    t_shape: matmul_rs / matmul_ar: shape of the product as the collective sees it.
+    """
+
+    kind: str
+    collective: Node
+    wait: Node
+    group_name: str
+    group_size: int
+    dim: int | None
+    a: Node
+    consumers: list[Consumer]
+    reduce_op: str | None = None
+    root: Node | None = None
+    keep_gathered: bool = False
+    path: list[Node] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    in_layout: Layout | None = None
+    out_layout: Layout | None = None
+    t_shape: list[int] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able description: what explain shows and the rank-consistency hash covers."""
+        a = self.a.meta["val"]
+        return {
+            "kind": self.kind,
+            "collective": self.collective.name,
+            "group": self.group_name,
+            "world": self.group_size,
+            "dim": self.dim,
+            "reduce_op": self.reduce_op,
+            "a_shape": list(a.shape),
+            "dtype": str(a.dtype).removeprefix("torch."),
+            "weights": [list(c.weight.meta["val"].shape) for c in self.consumers],
+            "matmuls": [c.node.name for c in self.consumers],
+            "bias": [c.bias is not None for c in self.consumers],
+            "keep_gathered": self.keep_gathered,
+            "layouts": f"{self.in_layout} -> {self.out_layout}",
+        }
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A candidate left untouched: the pattern it looked like, the node, and why."""
+
+    kind: str
+    node: str
+    reason: str

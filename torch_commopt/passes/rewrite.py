@@ -1,0 +1,90 @@
+"""The only mutating step: replace each chosen region by one call of its commopt op.
+
+ag_matmul: op(a_shard, weights, biases) returns each matmul's output in the gathered
+layout; each consumer's row-preserving chain is replayed on it (last dim K -> N), so the
+replacement has exactly the consumer's shape.  matmul_rs / matmul_ar: the chain from the
+matmul to the collective is replayed on the A operand (N -> K) and the op computes the
+product and the reduction from there.  Region nodes left without users are erased.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Graph, Node
+
+from torch_commopt.passes.chains import replay_chain, set_fake_val
+from torch_commopt.passes.graph_utils import static_shape
+from torch_commopt.passes.regions import Region
+from torch_commopt.schedule import Schedule
+
+
+def rewrite_region(graph: Graph, region: Region, schedule: Schedule) -> None:
+    if region.kind == "ag_matmul":
+        _rewrite_ag_matmul(graph, region, schedule)
+    else:
+        _rewrite_matmul_reduce(graph, region, schedule)
+
+
+def _call(graph: Graph, target, args) -> Node:
+    node = graph.call_function(target, tuple(args))
+    set_fake_val(node)
+    return node
+
+
+def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((c.node for c in region.consumers), key=order.__getitem__)
+    args = (
+        region.a,
+        [c.weight for c in region.consumers],
+        [c.bias for c in region.consumers],
+        region.dim,
+        region.group_size,
+        region.group_name,
+        str(schedule),
+        region.keep_gathered,
+    )
+    with graph.inserting_before(first):
+        op = _call(graph, torch.ops.commopt.ag_matmul.default, args)
+    k = static_shape(region.root)[-1]
+    for i, consumer in enumerate(region.consumers):
+        with graph.inserting_before(consumer.node):
+            out = _call(graph, operator.getitem, (op, i))
+            n = static_shape(consumer.node)[-1]
+            replacement = replay_chain(graph, out, consumer.path, k, n)
+        consumer.node.replace_all_uses_with(replacement)
+        graph.erase_node(consumer.node)
+        _erase_dead(graph, consumer.path)
+    if region.keep_gathered:
+        with graph.inserting_after(op):
+            gathered = _call(graph, operator.getitem, (op, len(region.consumers)))
+        region.root.replace_all_uses_with(gathered)
+    _erase_dead(graph, region.nodes)
+
+
+def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule) -> None:
+    (consumer,) = region.consumers
+    k = static_shape(region.a)[-1]
+    n = static_shape(consumer.node)[-1]
+    with graph.inserting_before(region.wait):
+        a = replay_chain(graph, region.a, region.path, n, k)
+        if region.kind == "matmul_rs":
+            args = (a, consumer.weight, consumer.bias, region.dim, region.reduce_op,
+                    region.group_size, region.group_name, str(schedule))
+            op = _call(graph, torch.ops.commopt.matmul_rs.default, args)
+        else:
+            args = (a, consumer.weight, consumer.bias, region.reduce_op,
+                    region.group_size, region.group_name, str(schedule))
+            op = _call(graph, torch.ops.commopt.matmul_ar.default, args)
+    region.wait.replace_all_uses_with(op)
+    _erase_dead(graph, region.nodes)
+
+
+def _erase_dead(graph: Graph, nodes) -> None:
+    """Erase the given nodes that have no users left, last first (users before producers)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted({n for n in nodes if n in order}, key=order.__getitem__, reverse=True):
+        if not node.users and node.op == "call_function":
+            graph.erase_node(node)

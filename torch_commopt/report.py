@@ -1,0 +1,117 @@
+"""What commopt did to each compiled graph, as data and as a printed table.
+
+    import torch_commopt
+    torch_commopt.reset_explain()
+    ...run the compiled model...
+    report = torch_commopt.explain()     # ExplainReport
+    print(report)                        # the table
+    report.to_dict()                     # JSON-able data
+
+Graphs served from Inductor's FX cache do not run the pass and are not listed (the
+backend turns that cache off by default; see Config.fx_graph_cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_commopt.passes.regions import Skip
+
+
+@dataclass
+class RegionReport:
+    kind: str
+    collective: str
+    summary: dict[str, Any]
+    schedule: str
+    status: str
+
+
+@dataclass
+class GraphReport:
+    graph_id: int
+    graph_kind: str
+    compile_id: str | None
+    regions: list[RegionReport] = field(default_factory=list)
+    skipped: list[Skip] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    collectives_before: dict[str, int] = field(default_factory=dict)
+    collectives_after: dict[str, int] = field(default_factory=dict)
+    commopt_ops: dict[str, int] = field(default_factory=dict)
+    plan_hash: str = ""
+    code: str | None = None
+
+    @property
+    def rewritten(self) -> list[RegionReport]:
+        return [r for r in self.regions if r.status == "rewritten"]
+
+
+@dataclass
+class ExplainReport:
+    graphs: list[GraphReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graphs": [dataclasses.asdict(g) for g in self.graphs]}
+
+    def table(self) -> str:
+        return "\n".join(_graph_table(g) for g in self.graphs) or "commopt: no graph compiled yet"
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+_LOCK = threading.Lock()
+_REPORTS: list[GraphReport] = []
+
+
+def record(report: GraphReport) -> None:
+    with _LOCK:
+        _REPORTS.append(report)
+
+
+def next_graph_id() -> int:
+    with _LOCK:
+        return len(_REPORTS)
+
+
+def explain() -> ExplainReport:
+    """The reports of every graph the commopt pass has seen in this process since the last reset."""
+    with _LOCK:
+        return ExplainReport(list(_REPORTS))
+
+
+def reset_explain() -> None:
+    with _LOCK:
+        _REPORTS.clear()
+
+
+_COLUMNS = ("region", "collective", "world", "dim", "A (local)", "weights", "dtype", "keep A", "layouts", "schedule", "status")
+
+
+def _row(r: RegionReport) -> tuple[str, ...]:
+    s = r.summary
+    weights = " ".join("x".join(map(str, w)) for w in s["weights"])
+    return (r.kind, r.collective, str(s["world"]), "-" if s["dim"] is None else str(s["dim"]),
+            "x".join(map(str, s["a_shape"])), weights, s["dtype"], "yes" if s["keep_gathered"] else "no",
+            s["layouts"], r.schedule, r.status)
+
+
+def _format(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _graph_table(g: GraphReport) -> str:
+    head = (f"commopt graph {g.graph_id} ({g.graph_kind}, compile {g.compile_id}): "
+            f"{len(g.rewritten)} region(s) rewritten, {len(g.skipped)} candidate(s) skipped")
+    lines = [head]
+    if g.regions:
+        lines += _format([_COLUMNS] + [_row(r) for r in g.regions])
+    lines += [f"  skipped {s.kind} at {s.node}: {s.reason}" for s in g.skipped]
+    lines += [f"  note: {n}" for n in g.notes]
+    lines.append(f"  collectives before {dict(g.collectives_before)} -> after {dict(g.collectives_after)}; "
+                 f"commopt ops {dict(g.commopt_ops)}; plan {g.plan_hash}")
+    return "\n".join(lines)
