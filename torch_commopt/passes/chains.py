@@ -22,7 +22,10 @@ LINEAR_CHAIN_OPS = RESHAPES | {
     aten.slice.Tensor,
     aten.unsqueeze.default,
     aten.squeeze.dim,
+    aten.expand.default,
 }
+# Ops whose second argument is a shape that ends with the last dim.
+SHAPE_ARG_OPS = RESHAPES | {aten.expand.default}
 
 
 def keeps_last_dim(node: Node) -> bool:
@@ -45,6 +48,8 @@ def keeps_last_dim(node: Node) -> bool:
         return norm_dim(node.args[1], nd + 1) != nd
     if t is aten.squeeze.dim:
         return norm_dim(node.args[1], nd) != nd - 1
+    if t is aten.expand.default:
+        return in_shape == out_shape  # only the no-op expand matmul decompositions insert
     # Reshapes: in row-major order, equal last sizes keep every K-run together.
     return True
 
@@ -52,7 +57,7 @@ def keeps_last_dim(node: Node) -> bool:
 def _replayed_args(node: Node, new_input: Node, last_from: int, last_to: int) -> tuple:
     args = list(node.args)
     args[0] = new_input
-    if node.target in RESHAPES:
+    if node.target in SHAPE_ARG_OPS:
         shape = list(args[1])
         if shape and shape[-1] == last_from:
             shape[-1] = last_to

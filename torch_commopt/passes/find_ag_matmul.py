@@ -21,6 +21,7 @@ from torch_commopt.passes.graph_utils import (
     BMM,
     MM,
     Unsupported,
+    aten,
     cat_dim,
     group_name_of,
     split_cat_dim,
@@ -94,8 +95,12 @@ def _as_consumer(user: Node, operand: Node, path: list[Node], forbidden: set[Nod
         n = static_shape(weight)[-1]
         if static_shape(bias) != [n]:
             return None
-    elif user.target is BMM and user.args[0] is operand and not path and len(static_shape(operand)) == 3:
+    elif user.target is BMM and user.args[0] is operand:
         weight, bias = user.args[1], None
+        if weight.op == "call_function" and weight.target is aten.expand.default and len(static_shape(weight.args[0])) == 2:
+            weight = weight.args[0]  # a 2-D weight broadcast over the batch: a row-wise matmul
+        elif path:
+            return None  # a batched weight pairs with the batch dim: no chain may move rows
     else:
         return None
     if weight in forbidden or bias in forbidden:

@@ -1,0 +1,29 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch first, pinned: pip then takes the CPU wheel on disk instead of a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test test-gpu clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m torch_commopt demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests --ignore=tests/gpu
+
+# On a machine with >= 2 GPUs (the device machine); uses the python3 that has CUDA torch.
+test-gpu:
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+	  $(PYTHON) -m pytest -q tests/gpu
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,25 @@
+"""Shared fixtures: a single-process fake process group of any world size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_commopt
+
+
+@pytest.fixture
+def fake_world(request):
+    """init_process_group("fake") with world size request.param (default 2); yields the size."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = getattr(request, "param", 2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    try:
+        yield world
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

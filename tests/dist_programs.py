@@ -1,0 +1,85 @@
+"""Programs run on live gloo groups by the numerics tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+import torch_commopt
+from torch_commopt.validate import rel_err
+
+
+def _g():
+    return dist.group.WORLD.group_name
+
+
+def _ag(x, dim):
+    return funcol.all_gather_tensor(x, gather_dim=dim, group=_g())
+
+
+def _rs(x, op, dim):
+    return funcol.reduce_scatter_tensor(x, op, scatter_dim=dim, group=_g())
+
+
+def funcol_programs(world: int):
+    """name -> (fn, input shapes, expected commopt op).  Shapes are local (per rank)."""
+    w = world
+    return {
+        "ag_dim0_2d": (lambda a, b: _ag(a, 0) @ b, [(12, 16), (16, 8)], "ag_matmul"),
+        "ag_dim1_2d_k": (lambda a, b: _ag(a, 1) @ b, [(12, 8), (8 * w, 8)], "ag_matmul"),
+        "ag_dim0_3d": (lambda a, b: _ag(a, 0) @ b, [(2, 6, 16), (16, 8)], "ag_matmul"),
+        "ag_dim1_3d": (lambda a, b: _ag(a, 1) @ b, [(2, 6, 16), (16, 8)], "ag_matmul"),
+        "ag_dim2_3d_k": (lambda a, b: _ag(a, 2) @ b, [(2, 6, 8), (8 * w, 8)], "ag_matmul"),
+        "ag_keep_a": (lambda a, b: (_ag(a, 1), _ag(a, 1) @ b), [(2, 5, 16), (16, 8)], "ag_matmul"),
+        "ag_qkv": (lambda a, q, k, v: (_ag(a, 0) @ q, _ag(a, 0) @ k, _ag(a, 0) @ v),
+                   [(6, 16), (16, 8), (16, 4), (16, 4)], "ag_matmul"),
+        "ag_linear_bias": (lambda a, wt, b: F.linear(_ag(a, 0), wt, b), [(6, 16), (24, 16), (24,)], "ag_matmul"),
+        "ag_transposed_rows": (lambda a, wt: F.linear(_ag(a, 0).transpose(0, 1), wt), [(5, 3, 16), (24, 16)], "ag_matmul"),
+        "ag_bmm_batch": (lambda a, b: torch.bmm(_ag(a, 0), b), [(3, 4, 16), (3 * w, 16, 8)], "ag_matmul"),
+        "rs_dim0_2d": (lambda a, b: _rs(a @ b, "sum", 0), [(8 * w, 16), (16, 8)], "matmul_rs"),
+        "rs_dim1_2d_n": (lambda a, b: _rs(a @ b, "sum", 1), [(12, 16), (16, 4 * w)], "matmul_rs"),
+        "rs_dim1_3d": (lambda a, b: _rs(a @ b, "sum", 1), [(2, 3 * w, 16), (16, 8)], "matmul_rs"),
+        "rs_dim2_3d_n": (lambda a, b: _rs(a @ b, "sum", 2), [(2, 5, 16), (16, 4 * w)], "matmul_rs"),
+        "rs_bias": (lambda a, wt, b: _rs(F.linear(a, wt, b), "sum", 0), [(4 * w, 16), (8, 16), (8,)], "matmul_rs"),
+        "ar_2d": (lambda a, b: funcol.all_reduce(a @ b, "sum", group=_g()), [(10, 16), (16, 8)], "matmul_ar"),
+        "ar_3d": (lambda a, b: funcol.all_reduce(a @ b, "sum", group=_g()), [(2, 5, 16), (16, 8)], "matmul_ar"),
+    }
+
+
+def _inputs(shapes, rank, seed, dtype):
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def _flat(out):
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def run_funcol_programs(rank: int, world: int, options: dict, seed: int = 0):
+    """Per program: (name, [(compiled err, eager err) per output], commopt ops in its graph)."""
+    results = []
+    for i, (name, (fn, shapes, op)) in enumerate(funcol_programs(world).items()):
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        ref = _flat(fn(*_inputs(shapes, rank, seed + i, torch.float64)))
+        eager = _flat(fn(*_inputs(shapes, rank, seed + i, torch.float32)))
+        compiled = _flat(torch.compile(fn, backend="commopt", options=options)(*_inputs(shapes, rank, seed + i, torch.float32)))
+        errors = [(rel_err(c, r), rel_err(e, r)) for c, e, r in zip(compiled, eager, ref)]
+        ops = {k: v for g in torch_commopt.explain().graphs for k, v in g.commopt_ops.items()}
+        results.append((name, errors, ops, op))
+    return results
+
+
+def run_models(rank: int, world: int, options: dict, kinds: tuple[str, ...]):
+    from torch_commopt.validate import check
+
+    out = {}
+    for kind in kinds:
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        errors = check(kind, options, shape={"batch": 2, "seq": 8 * world, "dim": 32, "hidden": 64, "heads": 2 * world})
+        rewritten = sum(len(g.rewritten) for g in torch_commopt.explain().graphs)
+        out[kind] = ([(e.name, e.compiled, e.eager) for e in errors], rewritten)
+    return out

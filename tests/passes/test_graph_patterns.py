@@ -1,0 +1,225 @@
+"""Graph tests (single process, fake process group): which regions are found, and what the
+rewritten graph holds.  Includes the patterns of PyTorch's async-TP tests, written anew."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+import torch_commopt
+
+WORLDS = [2, 4, 8]
+world_param = pytest.mark.parametrize("fake_world", WORLDS, indirect=True)
+
+
+def compiled_graphs(fn, *inputs, **options):
+    torch_commopt.reset_explain()
+    torch.compile(fn, backend="commopt", options=options or None)(*inputs)
+    return torch_commopt.explain().graphs
+
+
+def only_graph(fn, *inputs, **options):
+    (graph,) = compiled_graphs(fn, *inputs, **options)
+    return graph
+
+
+def group():
+    return dist.group.WORLD.group_name
+
+
+def assert_rewritten(graph, kind, count=1, collective=None):
+    collective = collective or {"ag_matmul": "all_gather", "matmul_rs": "reduce_scatter", "matmul_ar": "all_reduce"}[kind]
+    assert [r.kind for r in graph.rewritten].count(kind) == count, graph
+    assert graph.commopt_ops.get(kind) == count
+    assert graph.collectives_after.get(collective, 0) == graph.collectives_before[collective] - count
+
+
+# --- all-gather -> matmul -------------------------------------------------------------------
+
+@world_param
+@pytest.mark.parametrize("a_dims,gather_dim", [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)])
+@pytest.mark.parametrize("return_a", [True, False])
+def test_all_gather_matmul_any_gather_dim(fake_world, a_dims, gather_dim, return_a):
+    # async-TP's test_fuse_all_gather_matmul: A = all_gather(A_shard, gather_dim); A @ B.
+    shape = [64, 32] if a_dims == 2 else [2, 64, 32]
+    shape[gather_dim] //= fake_world if gather_dim != a_dims - 1 else 1
+    if gather_dim == a_dims - 1:
+        shape[-1] = 32 // fake_world
+    a_shard, b = torch.randn(*shape), torch.randn(32, 16)
+
+    def fn(a_shard, b):
+        a = funcol.all_gather_tensor(a_shard, gather_dim=gather_dim, group=group())
+        return (a, a @ b) if return_a else a @ b
+
+    graph = only_graph(fn, a_shard, b)
+    assert_rewritten(graph, "ag_matmul")
+    (region,) = graph.rewritten
+    assert region.summary["dim"] == gather_dim
+    assert region.summary["keep_gathered"] is return_a
+
+
+@world_param
+def test_one_all_gather_feeding_qkv_is_one_region(fake_world):
+    x, wq, wk, wv = torch.randn(8, 4, 16), torch.randn(16, 16), torch.randn(16, 8), torch.randn(16, 8)
+
+    def fn(x, wq, wk, wv):
+        full = funcol.all_gather_tensor(x, gather_dim=0, group=group())
+        return full @ wq, full @ wk, full @ wv
+
+    graph = only_graph(fn, x, wq, wk, wv)
+    assert_rewritten(graph, "ag_matmul")
+    assert graph.rewritten[0].summary["weights"] == [[16, 16], [16, 8], [16, 8]]
+
+
+@world_param
+def test_linear_with_bias_is_addmm(fake_world):
+    x, w, bias = torch.randn(8, 16), torch.randn(24, 16), torch.randn(24)
+
+    def fn(x, w, bias):
+        return F.linear(funcol.all_gather_tensor(x, gather_dim=0, group=group()), w, bias)
+
+    graph = only_graph(fn, x, w, bias)
+    assert_rewritten(graph, "ag_matmul")
+    assert graph.rewritten[0].summary["bias"] == [True]
+
+
+@world_param
+def test_transposed_rows_into_broadcast_bmm(fake_world):
+    # (S/W, B, K) gathered on the sequence dim, moved to (B, S, K): matmul decomposes into
+    # permute -> expand -> bmm with the 2-D weight expanded over the batch.
+    x, w = torch.randn(8, 2, 16), torch.randn(24, 16)
+
+    def fn(x, w):
+        return F.linear(funcol.all_gather_tensor(x, gather_dim=0, group=group()).transpose(0, 1), w)
+
+    assert_rewritten(only_graph(fn, x, w), "ag_matmul")
+
+
+@world_param
+def test_bmm_consumer(fake_world):
+    x, w = torch.randn(2, 8, 16), torch.randn(2 * fake_world, 16, 4)
+
+    def fn(x, w):
+        return torch.bmm(funcol.all_gather_tensor(x, gather_dim=0, group=group()), w)
+
+    assert_rewritten(only_graph(fn, x, w), "ag_matmul")
+
+
+def test_gathered_tensor_only_used_as_b_operand_is_left_alone(fake_world):
+    x, w = torch.randn(8, 16), torch.randn(4, 8 * fake_world)
+
+    def fn(x, w):
+        return w @ funcol.all_gather_tensor(x, gather_dim=0, group=group())
+
+    graph = only_graph(fn, x, w)
+    assert not graph.rewritten and graph.collectives_after == {"all_gather": 1}
+    assert "no mm/addmm/bmm takes the gathered tensor" in graph.skipped[0].reason
+
+
+# --- matmul -> reduce-scatter / all-reduce -----------------------------------------------------
+
+@world_param
+@pytest.mark.parametrize("a_dims,scatter_dim", [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)])
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+def test_matmul_reduce_scatter_any_scatter_dim(fake_world, a_dims, scatter_dim, reduce_op):
+    # async-TP's test_fuse_matmul_reduce_scatter: reduce_scatter(A @ B, "avg", scatter_dim).
+    a = torch.randn(64, 32) if a_dims == 2 else torch.randn(2 * fake_world, 64, 32)
+    b = torch.randn(32, 16 * fake_world)
+
+    def fn(a, b):
+        return funcol.reduce_scatter_tensor(a @ b, reduce_op, scatter_dim=scatter_dim, group=group())
+
+    graph = only_graph(fn, a, b)
+    assert_rewritten(graph, "matmul_rs")
+    assert graph.rewritten[0].summary["dim"] == scatter_dim
+    assert graph.rewritten[0].summary["reduce_op"] == reduce_op
+
+
+@world_param
+@pytest.mark.parametrize("a_dims", [2, 3])
+def test_matmul_all_reduce(fake_world, a_dims):
+    a, b = torch.randn(*([4] * (a_dims - 2)), 32, 16), torch.randn(16, 8)
+
+    def fn(a, b):
+        return funcol.all_reduce(a @ b, "sum", group=group())
+
+    assert_rewritten(only_graph(fn, a, b), "matmul_ar")
+
+
+def test_partial_product_used_elsewhere_is_left_alone(fake_world):
+    a, b = torch.randn(32, 16), torch.randn(16, 8)
+
+    def fn(a, b):
+        y = a @ b
+        return funcol.reduce_scatter_tensor(y, "sum", scatter_dim=0, group=group()), y.relu()
+
+    graph = only_graph(fn, a, b)
+    assert not graph.rewritten and graph.collectives_after == {"reduce_scatter": 1}
+    assert "other users" in graph.skipped[0].reason
+
+
+def test_reduce_scatter_of_non_matmul_is_left_alone(fake_world):
+    def fn(a):
+        return funcol.reduce_scatter_tensor(a * 2, "sum", scatter_dim=0, group=group())
+
+    graph = only_graph(fn, torch.randn(32, 16))
+    assert not graph.rewritten
+    assert "not from a matmul" in graph.skipped[0].reason
+
+
+def test_all_reduce_max_is_left_alone(fake_world):
+    def fn(a, b):
+        return funcol.all_reduce(a @ b, "max", group=group())
+
+    graph = only_graph(fn, torch.randn(32, 16), torch.randn(16, 8))
+    assert not graph.rewritten
+    assert "reduce op 'max'" in graph.skipped[0].reason
+
+
+def test_dynamic_shapes_are_left_alone(fake_world):
+    def fn(a, b):
+        return funcol.all_gather_tensor(a, gather_dim=0, group=group()) @ b
+
+    torch_commopt.reset_explain()
+    torch.compile(fn, backend="commopt", dynamic=True)(torch.randn(8, 16), torch.randn(16, 8))
+    graphs = torch_commopt.explain().graphs
+    assert graphs and all(not g.rewritten for g in graphs)
+    assert any("dynamic shape" in s.reason for g in graphs for s in g.skipped)
+
+
+def test_disabled_pattern_is_not_searched(fake_world):
+    def fn(a, b):
+        return funcol.all_gather_tensor(a, gather_dim=0, group=group()) @ b
+
+    graph = only_graph(fn, torch.randn(8, 16), torch.randn(16, 8), patterns=("matmul_rs",))
+    assert not graph.rewritten and graph.collectives_after == {"all_gather": 1}
+
+
+def test_schedule_is_clamped_to_rows_and_recorded(fake_world):
+    def fn(a, b):
+        return funcol.all_gather_tensor(a, gather_dim=0, group=group()) @ b
+
+    graph = only_graph(fn, torch.randn(2, 16), torch.randn(16, 8), schedule="chunked", chunks=8)
+    assert graph.rewritten[0].schedule == "chunked:2"
+    assert any("clamped" in n for n in graph.notes)
+
+
+# --- DTensor sequence parallel (async-TP's test_dtensor_seq_par) -------------------------------
+
+@world_param
+def test_dtensor_sequence_parallel_mlp(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    mesh = init_device_mesh("cpu", (fake_world,))
+    parallelize_module(mlp, mesh, {"0": ColwiseParallel(input_layouts=Shard(0)),
+                                   "2": RowwiseParallel(output_layouts=Shard(0))})
+    graph = only_graph(mlp, torch.randn(8, 16))
+    assert_rewritten(graph, "ag_matmul")
+    assert_rewritten(graph, "matmul_rs")
+    assert graph.collectives_after == {}

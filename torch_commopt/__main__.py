@@ -1,0 +1,29 @@
+"""Command line: `python -m torch_commopt demo [--world N] [--schedule S] [--chunks C]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_commopt")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="TP+SP Llama block compiled with commopt, with a numerics check")
+    demo.add_argument("--world", type=int, default=2)
+    demo.add_argument("--schedule", default="chunked", choices=["sequential", "chunked"])
+    demo.add_argument("--chunks", type=int, default=4)
+    demo.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    demo.add_argument("-v", "--verbose", action="store_true", help="log commopt's decisions")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    if args.command == "demo":
+        from torch_commopt.demo import run_demo
+
+        return run_demo(args.world, {"schedule": args.schedule, "chunks": args.chunks}, args.backend)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
