@@ -48,9 +48,13 @@ def funcol_programs(world: int):
     }
 
 
+def _device():
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def _inputs(shapes, rank, seed, dtype):
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(_device(), dtype) for s in shapes]
 
 
 def _flat(out):

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_commopt import Config, Schedule
+from torch_commopt.backend import commopt_backend
+
+
+def test_config_round_trips_through_json():
+    cfg = Config(schedule="sequential", chunks=2, patterns=("matmul_rs",), debug=True)
+    assert Config.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("options,field", [
+    ({"bogus": 1}, "bogus"),
+    ({"schedule": "fast"}, "schedule"),
+    ({"chunks": 0}, "chunks"),
+    ({"chunks": True}, "chunks"),
+    ({"patterns": ("ag_matmul", "nope")}, "patterns"),
+    ({"consistency_timeout_s": -1}, "consistency_timeout_s"),
+    ({"fx_graph_cache": "yes"}, "fx_graph_cache"),
+])
+def test_bad_options_raise_value_error_naming_the_field(options, field):
+    with pytest.raises(ValueError, match=field):
+        Config.from_options(options)
+
+
+def test_backend_rejects_bad_options_before_compiling():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="bogus"):
+        commopt_backend(gm, [torch.randn(1, 2)], options={"bogus": 1})
+
+
+def test_torch_compile_surfaces_the_option_error():
+    fn = torch.compile(lambda x: x + 1, backend="commopt", options={"chunks": -3})
+    with pytest.raises(Exception, match="chunks"):
+        fn(torch.randn(2))
+
+
+@pytest.mark.parametrize("text", ["sequential", "chunked:4", "chunked:1"])
+def test_schedule_string_round_trip(text):
+    assert str(Schedule.parse(text)) == text
+
+
+def test_schedule_rejects_unknown_names():
+    with pytest.raises(ValueError, match="schedule"):
+        Schedule.parse("ring:2")
