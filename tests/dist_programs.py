@@ -16,7 +16,10 @@ def _g():
 
 
 def _ag(x, dim):
-    return funcol.all_gather_tensor(x, gather_dim=dim, group=_g())
+    # Gather on dim 0 and move the rank blocks ourselves: funcol's gather_dim > 0
+    # graph-breaks on torch 2.11 (the form below is what it and DTensor emit).
+    full = funcol.all_gather_tensor(x, gather_dim=0, group=_g())
+    return full if dim == 0 else torch.cat(full.chunk(dist.get_world_size()), dim=dim)
 
 
 def _rs(x, op, dim):

@@ -15,6 +15,9 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
+FAILED_PEER_GRACE_S = 20.0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,10 +57,13 @@ def run_distributed(fn: Callable, world: int, *args: Any, backend: str = "gloo",
     errors: dict[int, str] = {}
     try:
         for _ in range(world):
-            rank, ok, payload = queue.get(timeout=timeout_s)
+            # Once a rank has failed, its peers may sit in a collective it never joins:
+            # give them a short grace period, then kill them.
+            rank, ok, payload = queue.get(timeout=FAILED_PEER_GRACE_S if errors else timeout_s)
             (results if ok else errors)[rank] = payload
     except Exception as e:  # queue.Empty on timeout
-        errors[-1] = f"timed out after {timeout_s}s waiting for ranks ({type(e).__name__})"
+        missing = sorted(set(range(world)) - set(results) - set(errors))
+        errors[-1] = f"ranks {missing} did not finish ({type(e).__name__}); killed"
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -30,6 +30,16 @@ def group():
     return dist.group.WORLD.group_name
 
 
+def all_gather(x, gather_dim):
+    """Gather on dim 0, then move the rank blocks to gather_dim: what funcol and DTensor emit.
+    (funcol.all_gather_tensor(gather_dim > 0) graph-breaks on torch 2.11, so tests spell it out.)"""
+    full = funcol.all_gather_tensor(x, gather_dim=0, group=group())
+    return full if gather_dim == 0 else torch.cat(full.chunk(dist.get_world_size()), dim=gather_dim)
+
+
+FUNCOL_GATHER_DIM_TRACES = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
 def assert_rewritten(graph, kind, count=1, collective=None):
     collective = collective or {"ag_matmul": "all_gather", "matmul_rs": "reduce_scatter", "matmul_ar": "all_reduce"}[kind]
     assert [r.kind for r in graph.rewritten].count(kind) == count, graph
@@ -51,7 +61,7 @@ def test_all_gather_matmul_any_gather_dim(fake_world, a_dims, gather_dim, return
     a_shard, b = torch.randn(*shape), torch.randn(32, 16)
 
     def fn(a_shard, b):
-        a = funcol.all_gather_tensor(a_shard, gather_dim=gather_dim, group=group())
+        a = all_gather(a_shard, gather_dim)
         return (a, a @ b) if return_a else a @ b
 
     graph = only_graph(fn, a_shard, b)
@@ -59,6 +69,19 @@ def test_all_gather_matmul_any_gather_dim(fake_world, a_dims, gather_dim, return
     (region,) = graph.rewritten
     assert region.summary["dim"] == gather_dim
     assert region.summary["keep_gathered"] is return_a
+
+
+@pytest.mark.skipif(not FUNCOL_GATHER_DIM_TRACES, reason="funcol gather_dim > 0 graph-breaks before torch 2.13")
+@pytest.mark.parametrize("gather_dim", [1, 2])
+def test_funcol_gather_dim_form(fake_world, gather_dim):
+    a_shard, b = torch.randn(2, 8, 16 if gather_dim == 1 else 8), torch.randn(16, 4)
+
+    def fn(a_shard, b):
+        return funcol.all_gather_tensor(a_shard, gather_dim=gather_dim, group=group()) @ b
+
+    graph = only_graph(fn, a_shard, b)
+    assert_rewritten(graph, "ag_matmul")
+    assert graph.rewritten[0].summary["dim"] == gather_dim
 
 
 @world_param

@@ -20,7 +20,7 @@ from torch_commopt.passes import consistency
 from torch_commopt.passes.find_ag_matmul import find_ag_matmul
 from torch_commopt.passes.find_matmul_reduce import find_matmul_reduce
 from torch_commopt.kernels.reference.chunking import ag_chunk_dim, ar_chunk_dim, rs_chunk_dim
-from torch_commopt.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, static_shape
+from torch_commopt.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, static_shape, val
 from torch_commopt.passes.regions import Region, Skip
 from torch_commopt.passes.rewrite import rewrite_region
 from torch_commopt.schedule import Schedule
@@ -68,8 +68,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     )
     regions = _find_regions(graph, config, report)
     schedules = [_choose_schedule(r, config, report) for r in regions]
-    decisions = [dict(r.summary(), schedule=str(s)) for r, s in zip(regions, schedules)]
-    report.plan_hash = consistency.plan_hash(decisions)
+    report.plan_hash = consistency.plan_hash([_decision(r, s) for r, s in zip(regions, schedules)])
     if regions and not _ranks_agree(graph, regions, report, config):
         regions, schedules = [], []
     for region, schedule in zip(regions, schedules):
@@ -136,7 +135,7 @@ def _ranks_agree(graph: Graph, regions: list[Region], report: explain.GraphRepor
     if reason is not None:
         report.notes.append(f"rank consistency check skipped: {reason}")
         return True
-    signature = consistency.digest(graph.python_code("self").src)
+    signature = consistency.digest(_collective_signature(graph))
     agreed, detail = consistency.ranks_agree(
         [r.group_name for r in regions], f"{signature}:{report.plan_hash}", config.consistency_timeout_s)
     if not agreed:
@@ -145,6 +144,21 @@ def _ranks_agree(graph: Graph, regions: list[Region], report: explain.GraphRepor
         report.notes.append(f"NOT rewritten: {detail}")
         report.skipped += [Skip(r.kind, r.collective.name, "rank consistency check failed") for r in regions]
     return agreed
+
+
+def _decision(region: Region, schedule: Schedule) -> dict:
+    """What a rank's collectives depend on; node names and the rest of the graph do not count
+    (Inductor's own passes may name or shape unrelated nodes differently on different ranks)."""
+    summary = region.summary()
+    summary.pop("matmuls")
+    summary.pop("collective")
+    return dict(summary, schedule=str(schedule))
+
+
+def _collective_signature(graph: Graph) -> list:
+    """The graph's collectives in program order, with their arguments and input shapes."""
+    return [(str(n.target), [a for a in n.args[1:] if isinstance(a, (int, str))], str(getattr(val(n.args[0]), "shape", None)))
+            for n in graph.nodes if n.op == "call_function" and n.target in _COLLECTIVES]
 
 
 def _graph_kind(graph: Graph, is_inference: bool | None) -> str:
