@@ -246,3 +246,19 @@ def test_dtensor_sequence_parallel_mlp(fake_world):
     assert_rewritten(graph, "ag_matmul")
     assert_rewritten(graph, "matmul_rs")
     assert graph.collectives_after == {}
+
+
+def test_failing_analysis_leaves_the_graph_untouched(fake_world, monkeypatch):
+    from torch_commopt.passes import pipeline
+
+    def broken(graph):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(pipeline, "FINDERS", (("ag_matmul", lambda g, cfg: broken(g)),))
+
+    def fn(a, b):
+        return funcol.all_gather_tensor(a, gather_dim=0, group=group()) @ b
+
+    graph = only_graph(fn, torch.randn(8, 16), torch.randn(16, 8))
+    assert not graph.rewritten and graph.collectives_after == {"all_gather": 1}
+    assert any("analysis failed" in n for n in graph.notes)

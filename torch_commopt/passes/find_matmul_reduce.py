@@ -70,7 +70,10 @@ def _region_of(coll: Node, kind: str) -> Region:
     if kind == "matmul_rs" and t_shape[scatter_dim] % world:
         raise Unsupported(f"scatter dim {scatter_dim} of size {t_shape[scatter_dim]} is not divisible by {world}")
     if world is None:
-        world = resolve_group(group_name).size()
+        try:
+            world = resolve_group(group_name).size()
+        except Exception as e:
+            raise Unsupported(f"cannot resolve process group {group_name!r} ({type(e).__name__})") from e
     return Region(
         kind=kind, collective=coll, wait=wait, group_name=group_name, group_size=world,
         dim=scatter_dim if kind == "matmul_rs" else None, a=a, reduce_op=reduce_op,

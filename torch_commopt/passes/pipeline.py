@@ -66,8 +66,13 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         compile_id=_compile_id(),
         collectives_before=_count_collectives(graph),
     )
-    regions = _find_regions(graph, config, report)
-    schedules = [_choose_schedule(r, config, report) for r in regions]
+    try:
+        regions = _find_regions(graph, config, report)
+        schedules = [_choose_schedule(r, config, report) for r in regions]
+    except Exception as e:  # analysis only: the graph is still untouched, so leave it so
+        log.exception("commopt: analysis of graph %d failed; graph left untouched", report.graph_id)
+        report.notes.append(f"NOT rewritten: analysis failed ({type(e).__name__}: {e})")
+        regions, schedules = [], []
     report.plan_hash = consistency.plan_hash([_decision(r, s) for r, s in zip(regions, schedules)])
     if regions and not _ranks_agree(graph, regions, report, config):
         regions, schedules = [], []
