@@ -15,11 +15,13 @@ def _g():
     return dist.group.WORLD.group_name
 
 
-def _ag(x, dim):
-    # Gather on dim 0 and move the rank blocks ourselves: funcol's gather_dim > 0
-    # graph-breaks on torch 2.11 (the form below is what it and DTensor emit).
+def all_gather_on(x, dim):
+    """Gather on dim 0 and move the rank blocks to `dim` ourselves: funcol's gather_dim > 0
+    graph-breaks on torch 2.11 (the form below is what it and DTensor emit)."""
     full = funcol.all_gather_tensor(x, gather_dim=0, group=_g())
     return full if dim == 0 else torch.cat(full.chunk(dist.get_world_size()), dim=dim)
+
+
 
 
 def _rs(x, op, dim):
@@ -30,17 +32,17 @@ def funcol_programs(world: int):
     """name -> (fn, input shapes, expected commopt op).  Shapes are local (per rank)."""
     w = world
     return {
-        "ag_dim0_2d": (lambda a, b: _ag(a, 0) @ b, [(12, 16), (16, 8)], "ag_matmul"),
-        "ag_dim1_2d_k": (lambda a, b: _ag(a, 1) @ b, [(12, 8), (8 * w, 8)], "ag_matmul"),
-        "ag_dim0_3d": (lambda a, b: _ag(a, 0) @ b, [(2, 6, 16), (16, 8)], "ag_matmul"),
-        "ag_dim1_3d": (lambda a, b: _ag(a, 1) @ b, [(2, 6, 16), (16, 8)], "ag_matmul"),
-        "ag_dim2_3d_k": (lambda a, b: _ag(a, 2) @ b, [(2, 6, 8), (8 * w, 8)], "ag_matmul"),
-        "ag_keep_a": (lambda a, b: (_ag(a, 1), _ag(a, 1) @ b), [(2, 5, 16), (16, 8)], "ag_matmul"),
-        "ag_qkv": (lambda a, q, k, v: (_ag(a, 0) @ q, _ag(a, 0) @ k, _ag(a, 0) @ v),
+        "ag_dim0_2d": (lambda a, b: all_gather_on(a, 0) @ b, [(12, 16), (16, 8)], "ag_matmul"),
+        "ag_dim1_2d_k": (lambda a, b: all_gather_on(a, 1) @ b, [(12, 8), (8 * w, 8)], "ag_matmul"),
+        "ag_dim0_3d": (lambda a, b: all_gather_on(a, 0) @ b, [(2, 6, 16), (16, 8)], "ag_matmul"),
+        "ag_dim1_3d": (lambda a, b: all_gather_on(a, 1) @ b, [(2, 6, 16), (16, 8)], "ag_matmul"),
+        "ag_dim2_3d_k": (lambda a, b: all_gather_on(a, 2) @ b, [(2, 6, 8), (8 * w, 8)], "ag_matmul"),
+        "ag_keep_a": (lambda a, b: (all_gather_on(a, 1), all_gather_on(a, 1) @ b), [(2, 5, 16), (16, 8)], "ag_matmul"),
+        "ag_qkv": (lambda a, q, k, v: (all_gather_on(a, 0) @ q, all_gather_on(a, 0) @ k, all_gather_on(a, 0) @ v),
                    [(6, 16), (16, 8), (16, 4), (16, 4)], "ag_matmul"),
-        "ag_linear_bias": (lambda a, wt, b: F.linear(_ag(a, 0), wt, b), [(6, 16), (24, 16), (24,)], "ag_matmul"),
-        "ag_transposed_rows": (lambda a, wt: F.linear(_ag(a, 0).transpose(0, 1), wt), [(5, 3, 16), (24, 16)], "ag_matmul"),
-        "ag_bmm_batch": (lambda a, b: torch.bmm(_ag(a, 0), b), [(3, 4, 16), (3 * w, 16, 8)], "ag_matmul"),
+        "ag_linear_bias": (lambda a, wt, b: F.linear(all_gather_on(a, 0), wt, b), [(6, 16), (24, 16), (24,)], "ag_matmul"),
+        "ag_transposed_rows": (lambda a, wt: F.linear(all_gather_on(a, 0).transpose(0, 1), wt), [(5, 3, 16), (24, 16)], "ag_matmul"),
+        "ag_bmm_batch": (lambda a, b: torch.bmm(all_gather_on(a, 0), b), [(3, 4, 16), (3 * w, 16, 8)], "ag_matmul"),
         "rs_dim0_2d": (lambda a, b: _rs(a @ b, "sum", 0), [(8 * w, 16), (16, 8)], "matmul_rs"),
         "rs_dim1_2d_n": (lambda a, b: _rs(a @ b, "sum", 1), [(12, 16), (16, 4 * w)], "matmul_rs"),
         "rs_dim1_3d": (lambda a, b: _rs(a @ b, "sum", 1), [(2, 3 * w, 16), (16, 8)], "matmul_rs"),

@@ -5,18 +5,16 @@ a float64 run of the same program."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_programs import run_funcol_programs, run_models
 from torch_commopt.launch import run_distributed
+from torch_commopt.validate import within_tolerance
 
-FACTOR = 4.0
-FLOOR = float(torch.finfo(torch.float32).eps)
 SCHEDULES = [{"schedule": "sequential"}, {"schedule": "chunked", "chunks": 3}]
 
 
 def _assert_close(label, compiled, eager):
-    assert compiled <= FACTOR * max(eager, FLOOR), f"{label}: commopt error {compiled:.2e} vs eager {eager:.2e}"
+    assert within_tolerance(compiled, eager), f"{label}: commopt error {compiled:.2e} vs eager {eager:.2e}"
 
 
 @pytest.mark.parametrize("world", [2, 4])

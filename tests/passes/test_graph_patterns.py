@@ -10,6 +10,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import torch_commopt
+from dist_programs import all_gather_on
 
 WORLDS = [2, 4, 8]
 world_param = pytest.mark.parametrize("fake_world", WORLDS, indirect=True)
@@ -28,13 +29,6 @@ def only_graph(fn, *inputs, **options):
 
 def group():
     return dist.group.WORLD.group_name
-
-
-def all_gather(x, gather_dim):
-    """Gather on dim 0, then move the rank blocks to gather_dim: what funcol and DTensor emit.
-    (funcol.all_gather_tensor(gather_dim > 0) graph-breaks on torch 2.11, so tests spell it out.)"""
-    full = funcol.all_gather_tensor(x, gather_dim=0, group=group())
-    return full if gather_dim == 0 else torch.cat(full.chunk(dist.get_world_size()), dim=gather_dim)
 
 
 FUNCOL_GATHER_DIM_TRACES = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
@@ -61,7 +55,7 @@ def test_all_gather_matmul_any_gather_dim(fake_world, a_dims, gather_dim, return
     a_shard, b = torch.randn(*shape), torch.randn(32, 16)
 
     def fn(a_shard, b):
-        a = all_gather(a_shard, gather_dim)
+        a = all_gather_on(a_shard, gather_dim)
         return (a, a @ b) if return_a else a @ b
 
     graph = only_graph(fn, a_shard, b)
