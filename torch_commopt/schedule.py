@@ -1,9 +1,26 @@
-"""Schedules of a distributed operator, and their string form carried by the custom ops."""
+"""Schedules of a distributed operator, and their string form carried by the custom ops.
+
+String form: `name[:chunks[:key=value,key=value...]]`, e.g. `sequential`, `chunked:4`,
+`ce_push:2`, `fused:4:bm=128,bn=256,bk=64,warps=8,stages=3,store=direct`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
+
+# Which schedules each op has (the reference schedules run everywhere; the rest need CUDA
+# and symmetric memory, and run their reference twin anywhere else).
+OP_SCHEDULES = {
+    "ag_matmul": ("sequential", "chunked", "ce_push", "fused"),
+    "matmul_rs": ("sequential", "chunked", "ce_push", "direct", "fused"),
+    "matmul_ar": ("sequential", "chunked", "ce_push", "direct"),
+}
+GPU_NAMES = ("ce_push", "direct", "fused")
+PARAM_KEYS = {
+    "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
+    "store": str, "dbg": int,
+}
 
 
 @dataclass(frozen=True)
@@ -14,31 +31,77 @@ class Schedule:
     chunked(S): the collective cut into S pieces along one dimension, each piece
         consumed (or produced) by the compute as it arrives, so that transfer of
         piece j+1 overlaps the compute of piece j (MeshSlice slicing, Mercury shift).
+        Plain torch + c10d: runs on any backend; the reference of the GPU schedules.
+    ce_push(S): GPU.  Copy engines push S pieces per rank into peers' symmetric buffers
+        (signalled by stream flag writes) while cuBLAS computes the pieces already there.
+    direct(S): GPU, reductions.  cuBLAS writes each peer's partial straight into that
+        peer's symmetric buffer (NVLink stores); the reduction is fused into the
+        epilogue (addmm) of the rank's own piece.
+    fused(S): GPU.  One persistent Triton GEMM that waits on per-chunk flags (all-gather)
+        or releases per-chunk tile counters (reduce-scatter); params: tile sizes
+        bm/bn/bk, group gm, warps, stages, sms (grid), store=ce|direct.
+    Any schedule takes dbg=1: bounded spin-waits that raise instead of hanging.
     """
 
     name: str
     chunks: int = 1
+    params: tuple[tuple[str, int | str], ...] = ()
 
-    NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked")
+    NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "ce_push", "direct", "fused")
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
             raise ValueError(f"schedule: unknown name {self.name!r}; known: {self.NAMES}")
         if self.chunks < 1:
             raise ValueError(f"schedule: chunks must be >= 1, got {self.chunks}")
+        for key, value in self.params:
+            if key not in PARAM_KEYS or not isinstance(value, PARAM_KEYS[key]):
+                raise ValueError(f"schedule: bad parameter {key}={value!r}; known: {sorted(PARAM_KEYS)}")
+        object.__setattr__(self, "params", tuple(sorted(self.params)))
 
     def __str__(self) -> str:
-        return self.name if self.name == "sequential" else f"{self.name}:{self.chunks}"
+        if self.name == "sequential" and not self.params:
+            return self.name
+        text = f"{self.name}:{self.chunks}"
+        if self.params:
+            text += ":" + ",".join(f"{k}={v}" for k, v in self.params)
+        return text
 
     @classmethod
     def parse(cls, text: str) -> "Schedule":
-        name, _, chunks = text.partition(":")
+        name, _, rest = text.partition(":")
+        chunks, _, params = rest.partition(":")
         if name not in cls.NAMES:
             raise ValueError(f"schedule: cannot parse {text!r}")
-        return cls(name, int(chunks) if chunks else 1)
+        try:
+            pairs = [p.split("=", 1) for p in params.split(",")] if params else []
+            parsed = tuple((k, PARAM_KEYS[k](v)) for k, v in pairs)
+            return cls(name, int(chunks) if chunks else 1, parsed)
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"schedule: cannot parse {text!r} ({e})") from e
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.name in GPU_NAMES
+
+    def param(self, key: str, default=None):
+        return dict(self.params).get(key, default)
+
+    def with_params(self, **params) -> "Schedule":
+        merged = dict(self.params, **params)
+        return Schedule(self.name, self.chunks, tuple(merged.items()))
+
+    def reference_twin(self) -> "Schedule":
+        """The plain torch + c10d schedule computing the same pieces in the same order."""
+        if self.name == "sequential" or self.chunks == 1:
+            return Schedule("sequential")
+        return Schedule("chunked", self.chunks)
 
     def clamp(self, size: int) -> "Schedule":
         """The same schedule with at most `size` chunks (a dimension of `size` rows)."""
-        if self.name == "chunked" and self.chunks > size:
-            return Schedule(self.name, max(1, size))
+        if self.name != "sequential" and self.chunks > size:
+            return Schedule(self.name, max(1, size), self.params)
         return self
+
+    def valid_for(self, kind: str) -> bool:
+        return self.name in OP_SCHEDULES[kind]

@@ -1,12 +1,14 @@
 """The commopt custom ops (`torch.ops.commopt.*`): schemas, fake impls, dispatch to schedules.
 
 Every op carries its schedule as a string (`Schedule.__str__`), so the rewritten graph
-records the decision and the op runs it.  The implementations registered here are the
-reference schedules in plain torch + c10d; they run on any backend (gloo, NCCL, fake).
+records the decision and the op runs it.  GPU schedules (`torch_commopt.kernels.gpu`,
+imported on first use) run on CUDA tensors; the reference schedules in plain torch + c10d
+run on any backend (gloo, NCCL, fake) and are the GPU schedules' twins elsewhere.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -14,6 +16,29 @@ from torch import Tensor
 
 from torch_commopt.kernels.reference.ag_matmul import ag_matmul_reference
 from torch_commopt.kernels.reference.matmul_reduce import matmul_ar_reference, matmul_rs_reference
+from torch_commopt.schedule import Schedule
+
+log = logging.getLogger("torch_commopt.kernels.ops")
+_warned: set[tuple[str, str]] = set()
+
+
+def resolve(op: str, schedule: str, device: torch.device, why_not) -> Schedule:
+    """The schedule this call runs.  A GPU schedule runs on CUDA tensors when the call
+    fits it (`why_not(sched)` returns None); on other devices its reference twin runs (the
+    same pieces in plain torch + c10d); a CUDA call that does not fit runs `sequential`,
+    logged once per reason."""
+    sched = Schedule.parse(schedule)
+    if not sched.is_gpu:
+        return sched
+    if device.type != "cuda":
+        return sched.reference_twin()
+    reason = why_not(sched)
+    if reason is None:
+        return sched
+    if (op, reason) not in _warned:
+        _warned.add((op, reason))
+        log.warning("commopt %s: schedule %s refused (%s); running sequential", op, sched, reason)
+    return Schedule("sequential")
 
 
 def gathered_shape(a: Tensor, gather_dim: int, group_size: int) -> list[int]:
@@ -41,7 +66,17 @@ def ag_matmul(
     Returns [out_0, ..., out_{n-1}] (+ [gathered] when return_gathered), where
     gathered = cat over ranks of a along gather_dim and out_i = gathered @ weights[i] + biases[i].
     """
-    return ag_matmul_reference(a, weights, biases, gather_dim, group_name, schedule, return_gathered)
+    def why_not(sched):
+        from torch_commopt.kernels.gpu.ag_matmul import unsupported_reason
+
+        return unsupported_reason(a, weights, gather_dim, sched)
+
+    sched = resolve("ag_matmul", schedule, a.device, why_not)
+    if sched.is_gpu:
+        from torch_commopt.kernels.gpu.ag_matmul import ag_matmul_gpu
+
+        return ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched, return_gathered)
+    return ag_matmul_reference(a, weights, biases, gather_dim, group_name, str(sched), return_gathered)
 
 
 @ag_matmul.register_fake
@@ -68,7 +103,17 @@ def matmul_rs(
     Returns t's shape with dim `scatter_dim` divided by group_size: block `rank`,
     reduced over ranks with `reduce_op` ("sum" or "avg").
     """
-    return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, schedule)
+    def why_not(sched):
+        from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
+
+        return unsupported_reason(a, weight, scatter_dim, group_size, sched)
+
+    sched = resolve("matmul_rs", schedule, a.device, why_not)
+    if sched.is_gpu:
+        from torch_commopt.kernels.gpu.matmul_reduce import matmul_rs_gpu
+
+        return matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched)
+    return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, str(sched))
 
 
 @matmul_rs.register_fake
@@ -89,7 +134,17 @@ def matmul_ar(
     schedule: str,
 ) -> Tensor:
     """t = a @ weight (+ bias), then all-reduce t.  a: (*, K); weight: (K, N); returns (*, N)."""
-    return matmul_ar_reference(a, weight, bias, reduce_op, group_name, schedule)
+    def why_not(sched):
+        from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
+
+        return unsupported_reason(a, weight, None, group_size, sched)
+
+    sched = resolve("matmul_ar", schedule, a.device, why_not)
+    if sched.is_gpu:
+        from torch_commopt.kernels.gpu.matmul_reduce import matmul_ar_gpu
+
+        return matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched)
+    return matmul_ar_reference(a, weight, bias, reduce_op, group_name, str(sched))
 
 
 @matmul_ar.register_fake

@@ -1,0 +1,154 @@
+"""GPU schedules of all-gather + matmul (`ce_push`, `fused`).
+
+Protocol (one call, epoch e, rank r of W):
+  side stream:  wait for the caller's stream -> barrier (every rank's previous consumer of
+                its buffer is done) -> for each peer p (r+1, r+2, ...): copy-engine copy of
+                piece c of the shard into p's slot r, then flag p.DATA[r, c] = e.
+  caller stream: multiply the local shard straight from the input (no wait, no staging
+                copy), then the peers' slots in arrival order (r-1, r-2, ...), each piece
+                after its flag: cuBLAS per piece (ce_push) or one persistent Triton GEMM
+                spinning on the flags (fused).
+The caller's stream joins the side stream at the end, so the input (read by the copy
+engine) and the outputs stay valid for the caching allocator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_commopt.kernels.gpu import symm
+from torch_commopt.kernels.gpu.layout import RowLayout
+from torch_commopt.kernels.gpu.symm import DATA, MAX_CHUNKS
+from torch_commopt.schedule import Schedule
+
+FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3}
+
+
+def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule) -> str | None:
+    """Why this call cannot run the GPU schedule (None: it can)."""
+    if gather_dim == a.dim() - 1:
+        return "gather along the contracted dim"
+    if any(w.dim() != 2 for w in weights):
+        return "batched (3-D) weights"
+    if a.numel() == 0:
+        return "empty input"
+    if schedule.name == "fused" and a.dtype not in (torch.bfloat16, torch.float16):
+        return f"fused needs bf16/fp16, got {a.dtype}"
+    if any(w.dtype != a.dtype for w in weights):
+        return "mixed dtypes"
+    return None
+
+
+def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, return_gathered):
+    rt = symm.runtime(group_name, a.device)
+    debug = bool(sched.param("dbg", 0)) or symm.debug_waits_from_env()
+    world, rank = rt.world, rt.rank
+    shape = list(a.shape)
+    lay = RowLayout.of(shape, gather_dim, world, gathered=True)
+    m_loc, k = lay.local_rows, shape[-1]
+    a2 = a.contiguous().view(m_loc, k)
+    pieces = lay.pieces(min(sched.chunks, MAX_CHUNKS))
+    slot_bytes = m_loc * k * a.element_size()
+    buf = rt.buffer(world * slot_bytes)
+    slots = buf.view(rank, 0, (world, m_loc, k), a.dtype)
+    epoch = rt.next_epoch()
+    cur, side = torch.cuda.current_stream(a.device), rt.side
+
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        rt.barrier(side, epoch, debug=debug)
+        for p in rt.peers:
+            dst = buf.view(p, rank * slot_bytes, (m_loc, k), a.dtype)
+            for c, (lo, hi) in enumerate(pieces):
+                dst[lo:hi].copy_(a2[lo:hi])
+                rt.signal(side, p, DATA + rank * MAX_CHUNKS + c, epoch)
+
+    gshape = shape[:gather_dim] + [world * shape[gather_dim]] + shape[gather_dim + 1:]
+    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]]) for w in weights]
+    sources = [(rank - s) % world for s in range(1, world)]
+    if sched.name == "fused":
+        _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sched, debug)
+    else:
+        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, sources, epoch, cur, debug)
+    result = outs
+    if return_gathered:
+        result = outs + [_gathered(rt, a2, slots, gshape, lay, pieces, sources, epoch, side, debug)]
+    cur.wait_stream(side)
+    if debug:
+        rt.check_status("ag_matmul")
+    return result
+
+
+def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, sources, epoch, cur, debug):
+    rank = rt.rank
+    full = [o.view(-1, o.shape[-1]) for o in outs]
+    # Own shard first, as one GEMM: it needs nothing from the peers.
+    _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows)
+    for src in sources:
+        for c, (lo, hi) in enumerate(pieces):
+            rt.wait(cur, DATA + src * MAX_CHUNKS + c, epoch, debug=debug, what="chunk", src=src, chunk=c)
+            _piece_matmuls(slots[src, lo:hi], full, weights, biases, lay, src, lo, hi)
+
+
+def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi):
+    for out, w, b in zip(full, weights, biases):
+        dst = lay.block_rows(out, block, lo, hi)
+        if lay.outer == 1:
+            if b is None:
+                torch.mm(rows, w, out=dst)
+            else:
+                torch.addmm(b, rows, w, out=dst)
+        else:  # rows of several outer blocks: strided destination
+            prod = torch.mm(rows, w) if b is None else torch.addmm(b, rows, w)
+            dst.copy_(prod.view(dst.shape))
+
+
+def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sched, debug):
+    from torch_commopt.kernels.gpu.triton_kernels import ag_gemm_kernel, num_sms
+
+    p = {**FUSED_DEFAULTS, **dict(sched.params)}
+    m_loc, k = a2.shape
+    chunk_rows = pieces[0][1] - pieces[0][0]
+    sms = p.get("sms") or num_sms(a2.device)
+    for first in range(0, len(weights), 3):  # one pass over A serves up to three B's
+        ws, bs = weights[first:first + 3], biases[first:first + 3]
+        cs = [o.view(-1, o.shape[-1]) for o in outs[first:first + 3]]
+        has_bias = any(b is not None for b in bs)
+        bs = [b if b is not None else a2.new_zeros(w.shape[-1]) for w, b in zip(ws, bs)] if has_bias else [a2] * len(ws)
+        n_b = len(ws)
+        ws3, cs3, bs3 = _pad3(ws), _pad3(cs), _pad3(bs)
+        ns = [w.shape[-1] for w in ws] + [0] * (3 - n_b)
+        tiles = rt.world * _cdiv(m_loc, p["bm"]) * sum(_cdiv(n, p["bn"]) for n in ns)
+        grid = max(1, min(sms, tiles))
+        ag_gemm_kernel[(grid,)](
+            a2, slots, rt.flags, rt.status, epoch, symm.DEFAULT_WAIT_BOUND,
+            *ws3, *cs3, *bs3,
+            ws3[0].stride(0), ws3[0].stride(1), ws3[1].stride(0), ws3[1].stride(1), ws3[2].stride(0), ws3[2].stride(1),
+            *ns, m_loc, k, lay.lin, rt.rank, chunk_rows, DATA, grid,
+            WORLD=rt.world, NUM_B=n_b, HAS_BIAS=has_bias,
+            BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
+            EVEN_K=k % p["bk"] == 0, DEBUG=debug, num_warps=p["warps"], num_stages=p["stages"],
+        )
+
+
+def _gathered(rt, a2, slots, gshape, lay, pieces, sources, epoch, side, debug):
+    """The all-gathered input, assembled by the copy engine off the critical path."""
+    gathered = a2.new_empty(gshape)
+    full = gathered.view(-1, a2.shape[-1])
+    last = len(pieces) - 1
+    with torch.cuda.stream(side):
+        lay.block_rows(full, rt.rank, 0, lay.local_rows).copy_(a2.view(lay.block_rows(full, rt.rank, 0, lay.local_rows).shape))
+        for src in sources:
+            # Pieces from one peer land in order, so the last flag covers the whole slot.
+            rt.wait(side, DATA + src * MAX_CHUNKS + last, epoch, debug=debug, what="chunk", src=src, chunk=last)
+            dst = lay.block_rows(full, src, 0, lay.local_rows)
+            dst.copy_(slots[src].view(dst.shape))
+    return gathered
+
+
+def _pad3(xs):
+    return list(xs) + [xs[0]] * (3 - len(xs))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,57 @@
+"""Row layouts shared by the GPU schedules.
+
+A tensor cut or gathered along dim d (not the last) is, as a matrix of rows, an
+(outer, W, lin) arrangement: outer = prod(shape[:d]), and each rank owns `lin` consecutive
+rows inside every outer block.  With outer == 1 a rank's rows are one contiguous block.
+Pieces (chunks) are whole rows for outer == 1 and whole outer blocks otherwise, so a
+piece is always contiguous in the rank's own (outer * lin)-row matrix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    outer: int
+    lin: int  # rows per rank inside one outer block
+    world: int
+
+    @classmethod
+    def of(cls, shape: list[int], dim: int, world: int, *, gathered: bool) -> "RowLayout":
+        """For the local shard (gathered=True: dim is gathered) or the full tensor (dim is cut)."""
+        outer = math.prod(shape[:dim])
+        rows_dim = math.prod(shape[dim:-1])
+        return cls(outer, rows_dim if gathered else rows_dim // world, world)
+
+    @property
+    def local_rows(self) -> int:
+        return self.outer * self.lin
+
+    @property
+    def unit(self) -> int:
+        """Rows of the smallest piece that stays contiguous in both layouts."""
+        return 1 if self.outer == 1 else self.lin
+
+    def chunk_rows(self, chunks: int) -> tuple[int, int]:
+        """(rows per piece, piece count): equal pieces of whole units, the last one shorter."""
+        units = self.local_rows // self.unit
+        per = math.ceil(units / max(1, min(chunks, units))) * self.unit
+        return per, math.ceil(self.local_rows / per)
+
+    def pieces(self, chunks: int) -> list[tuple[int, int]]:
+        per, n = self.chunk_rows(chunks)
+        return [(c * per, min(self.local_rows, (c + 1) * per)) for c in range(n)]
+
+    def block_rows(self, full: torch.Tensor, block: int, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of rank-block `block` of a full (outer*W*lin, X) matrix, as a view
+        (outer == 1) or a strided (n_outer, lin, X) view (outer > 1)."""
+        x = full.shape[-1]
+        if self.outer == 1:
+            return full[block * self.lin + lo: block * self.lin + hi]
+        blocked = full.view(self.outer, self.world, self.lin, x)
+        return blocked[lo // self.lin: hi // self.lin, block]

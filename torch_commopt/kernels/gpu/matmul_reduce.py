@@ -1,0 +1,220 @@
+"""GPU schedules of matmul + reduce-scatter and matmul + all-reduce.
+
+matmul_rs (rank r of W; segment p = the rows rank p keeps; epoch e):
+  caller stream: [zero tile counters] -> barrier (peers' receive slots are free) ->
+  the peers' segments in the order r+1, r+2, ... (each peer first computes what r needs):
+    direct:  cuBLAS writes piece c of segment p straight into p's receive slot r
+             (NVLink stores), then flags p.DATA[r, c] = e (a fenced stream write);
+    ce_push: cuBLAS writes into a local staging tensor; the side stream copies each
+             piece to p's slot r with the copy engine, then flags it;
+    fused:   one persistent Triton GEMM does all segments, releasing per-piece tile
+             counters (see triton_kernels.rs_gemm_kernel);
+  then the own segment, piece by piece after the peers' flags, with the reduction fused
+  into the GEMM's epilogue (addmm with the received partial, or the Triton epilogue).
+matmul_ar = the same reduce-scatter of row blocks, then the reduced pieces are pushed
+to every peer by the copy engine (flags DATA2) and copied into place there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_commopt.kernels.gpu import symm
+from torch_commopt.kernels.gpu.layout import RowLayout
+from torch_commopt.kernels.gpu.symm import COUNTERS, DATA, DATA2, MAX_CHUNKS
+from torch_commopt.schedule import Schedule
+
+FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3, "store": "direct"}
+
+
+def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule: Schedule) -> str | None:
+    rows = a.numel() // max(1, a.shape[-1])
+    if weight.dim() != 2:
+        return "batched (3-D) weight"
+    if scatter_dim is not None and scatter_dim == a.dim() - 1:
+        return "scatter along the output's last dim"
+    if rows == 0 or rows % world:
+        return f"{rows} rows do not split evenly over {world} ranks"
+    if schedule.name == "fused" and a.dtype not in (torch.bfloat16, torch.float16):
+        return f"fused needs bf16/fp16, got {a.dtype}"
+    if weight.dtype != a.dtype:
+        return "mixed dtypes"
+    return None
+
+
+class _Call:
+    """State of one reduce call: runtime, layout, buffers, epoch, streams."""
+
+    def __init__(self, a, weight, scatter_dim, group_name, sched: Schedule, reduce_op, *, phases: int):
+        self.rt = rt = symm.runtime(group_name, a.device)
+        self.sched, self.world, self.rank = sched, rt.world, rt.rank
+        self.debug = bool(sched.param("dbg", 0)) or symm.debug_waits_from_env()
+        shape = list(a.shape)
+        self.k, self.n = shape[-1], weight.shape[-1]
+        self.lay = RowLayout.of(shape, 0 if scatter_dim is None else scatter_dim, rt.world, gathered=False)
+        if scatter_dim is None:  # all-reduce: any row split works; use contiguous row blocks
+            self.lay = RowLayout(1, self.lay.outer * self.lay.lin, rt.world)
+        self.m_seg = self.lay.local_rows
+        self.a2 = a.contiguous().view(-1, self.k)
+        self.pieces = self.lay.pieces(min(sched.chunks, MAX_CHUNKS))
+        self.seg_bytes = self.m_seg * self.n * a.element_size()
+        self.buf = rt.buffer(phases * rt.world * self.seg_bytes)
+        self.dtype = a.dtype
+        self.recv = self.buf.view(self.rank, 0, (rt.world, self.m_seg, self.n), a.dtype)
+        self.alpha = 1.0 / rt.world if reduce_op == "avg" else 1.0
+        self.epoch = rt.next_epoch()
+        self.cur, self.side = torch.cuda.current_stream(a.device), rt.side
+
+    def peer_slot(self, p: int, region: int = 0) -> torch.Tensor:
+        """This rank's receive slot in rank p's buffer (region 0: partials, 1: all-gather)."""
+        offset = (region * self.world + self.rank) * self.seg_bytes
+        return self.buf.view(p, offset, (self.m_seg, self.n), self.dtype)
+
+    def segment_a(self, p: int) -> torch.Tensor:
+        """The A rows producing segment p, as a contiguous (m_seg, K) matrix."""
+        rows = self.lay.block_rows(self.a2, p, 0, self.m_seg)
+        return rows if self.lay.outer == 1 else rows.reshape(self.m_seg, self.k)
+
+    def wait(self, stream, index, src, c, what):
+        self.rt.wait(stream, index, self.epoch, debug=self.debug, what=what, src=src, chunk=c)
+
+
+def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Schedule):
+    call = _Call(a, weight, scatter_dim, group_name, sched, reduce_op, phases=1)
+    out_shape = list(a.shape[:-1]) + [weight.shape[-1]]
+    out_shape[scatter_dim] //= call.world
+    out = a.new_empty(out_shape)
+    _reduce_scatter_into(call, weight, out.view(call.m_seg, call.n))
+    if bias is not None:
+        out.add_(bias, alpha=1.0 if reduce_op == "avg" else float(call.world))
+    call.cur.wait_stream(call.side)
+    if call.debug:
+        call.rt.check_status("matmul_rs")
+    return out
+
+
+def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
+    call = _Call(a, weight, None, group_name, sched, reduce_op, phases=2)
+    out = a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]])
+    full = out.view(-1, call.n)
+    own = full[call.rank * call.m_seg: (call.rank + 1) * call.m_seg]
+    _reduce_scatter_into(call, weight, own, after_piece=lambda c, lo, hi: _push_reduced(call, own, c, lo, hi))
+    sources = [(call.rank - s) % call.world for s in range(1, call.world)]
+    with torch.cuda.stream(call.side):
+        for c, (lo, hi) in enumerate(call.pieces):
+            for src in sources:
+                call.wait(call.side, DATA2 + src * MAX_CHUNKS + c, src, c, "reduced chunk")
+                got = call.buf.view(call.rank, (call.world + src) * call.seg_bytes, (call.m_seg, call.n), call.dtype)
+                full[src * call.m_seg + lo: src * call.m_seg + hi].copy_(got[lo:hi])
+    call.cur.wait_stream(call.side)
+    if bias is not None:
+        out.add_(bias, alpha=1.0 if reduce_op == "avg" else float(call.world))
+    if call.debug:
+        call.rt.check_status("matmul_ar")
+    return out
+
+
+def _push_reduced(call: _Call, own, c, lo, hi):
+    """All-gather phase of matmul_ar: piece c of the reduced own segment to every peer."""
+    done = torch.cuda.Event()
+    done.record(call.cur)
+    call.side.wait_event(done)
+    with torch.cuda.stream(call.side):
+        for p in call.rt.peers:
+            call.peer_slot(p, region=1)[lo:hi].copy_(own[lo:hi])
+            call.rt.signal(call.side, p, DATA2 + call.rank * MAX_CHUNKS + c, call.epoch)
+
+
+def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
+    """own (m_seg, N) <- reduced segment `rank` of A @ weight (bias added by the caller)."""
+    if call.sched.name == "fused":
+        _fused(call, weight, own)
+        if after_piece is not None:
+            for c, (lo, hi) in enumerate(call.pieces):
+                after_piece(c, lo, hi)
+        return
+    rt = call.rt
+    rt.barrier(call.cur, call.epoch, debug=call.debug)
+    staging = None if call.sched.name == "direct" else torch.empty(
+        (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
+    for p in rt.peers:
+        a_p = call.segment_a(p)
+        for c, (lo, hi) in enumerate(call.pieces):
+            if staging is None:
+                torch.mm(a_p[lo:hi], weight, out=call.peer_slot(p)[lo:hi])
+                rt.signal(call.cur, p, DATA + call.rank * MAX_CHUNKS + c, call.epoch)
+            else:
+                torch.mm(a_p[lo:hi], weight, out=staging[p, lo:hi])
+                _ship(call, staging[p, lo:hi], call.peer_slot(p)[lo:hi], p, c)
+    a_r = call.segment_a(call.rank)
+    sources = [(call.rank - s) % call.world for s in range(1, call.world)]
+    for c, (lo, hi) in enumerate(call.pieces):
+        for src in sources:
+            call.wait(call.cur, DATA + src * MAX_CHUNKS + c, src, c, "partial")
+        _own_piece(call, a_r[lo:hi], weight, own[lo:hi], [call.recv[s, lo:hi] for s in sources])
+        if after_piece is not None:
+            after_piece(c, lo, hi)
+
+
+def _ship(call: _Call, src_piece, dst_piece, p, c):
+    """Copy engine: staging piece -> peer p's receive slot, then flag it."""
+    ready = torch.cuda.Event()
+    ready.record(call.cur)
+    call.side.wait_event(ready)
+    with torch.cuda.stream(call.side):
+        dst_piece.copy_(src_piece)
+        call.rt.signal(call.side, p, DATA + call.rank * MAX_CHUNKS + c, call.epoch)
+
+
+def _own_piece(call: _Call, a_rows, weight, dst, partials):
+    """dst = alpha * (a_rows @ weight + sum(partials)): the reduction as the GEMM epilogue."""
+    if len(partials) == 1:
+        torch.addmm(partials[0], a_rows, weight, beta=call.alpha, alpha=call.alpha, out=dst)
+        return
+    acc = torch.mm(a_rows, weight).float()
+    for part in partials:
+        acc += part
+    dst.copy_(acc.mul_(call.alpha))
+
+
+def _fused(call: _Call, weight, own):
+    from torch_commopt.kernels.gpu.triton_kernels import num_sms, rs_gemm_kernel
+
+    rt, p = call.rt, {**FUSED_DEFAULTS, **dict(call.sched.params)}
+    if p["store"] not in ("direct", "ce"):
+        raise ValueError(f"commopt matmul_rs fused: store must be 'direct' or 'ce', got {p['store']!r}")
+    direct = p["store"] == "direct"
+    tiles_m, tiles_n = _cdiv(call.m_seg, p["bm"]), _cdiv(call.n, p["bn"])
+    per_piece = max(1, (call.pieces[0][1] - call.pieces[0][0]) // p["bm"])
+    chunk_mt = max(1, per_piece)
+    n_chunks = _cdiv(tiles_m, chunk_mt)
+    if n_chunks > MAX_CHUNKS:
+        chunk_mt, n_chunks = _cdiv(tiles_m, MAX_CHUNKS), MAX_CHUNKS
+    rt.reset_counters(call.cur)
+    rt.barrier(call.cur, call.epoch, debug=call.debug)
+    send = own if direct else torch.empty((call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
+    if not direct:  # the copy engine ships each piece as soon as its tiles are counted
+        start = torch.cuda.Event()
+        start.record(call.cur)
+        call.side.wait_event(start)
+        with torch.cuda.stream(call.side):
+            for q in rt.peers:
+                for c in range(n_chunks):
+                    lo, hi = c * chunk_mt * p["bm"], min(call.m_seg, (c + 1) * chunk_mt * p["bm"])
+                    tiles = min(chunk_mt, tiles_m - c * chunk_mt) * tiles_n
+                    rt.wait(call.side, COUNTERS + q * MAX_CHUNKS + c, tiles, debug=call.debug, what="tiles", src=q, chunk=c)
+                    call.peer_slot(q)[lo:hi].copy_(send[q, lo:hi])
+                    rt.signal(call.side, q, DATA + rt.rank * MAX_CHUNKS + c, call.epoch)
+    grid = max(1, min(p.get("sms") or num_sms(own.device), call.world * tiles_m * tiles_n))
+    rs_gemm_kernel[(grid,)](
+        call.a2, weight, own, own, send, call.recv, call.buf.ptrs_dev, rt.flags, rt.flag_bases_dev, rt.status,
+        call.epoch, symm.DEFAULT_WAIT_BOUND, weight.stride(0), weight.stride(1), call.n, call.k, call.m_seg,
+        call.lay.lin, rt.rank, chunk_mt, call.alpha, 0.0, grid,
+        WORLD=rt.world, DIRECT=direct, HAS_BIAS=False, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
+        EVEN_K=call.k % p["bk"] == 0, DEBUG=call.debug, DATA=DATA, COUNTERS=COUNTERS,
+        num_warps=p["warps"], num_stages=p["stages"],
+    )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

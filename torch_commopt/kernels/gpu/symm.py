@@ -1,0 +1,179 @@
+"""Symmetric-memory runtime: per-group buffers, flags, epochs, side stream, barrier.
+
+One `GroupRuntime` per (process group, device), created on first use and kept:
+- a flag array (int32, symmetric) that peers write with copy-engine stream writes or
+  GPU atomics.  Data flags carry the *epoch* of the call that wrote them (one epoch per
+  op call, counted identically on every rank), so they are never reset: a stale flag
+  from an earlier call is simply smaller than the epoch being waited for.  Tile counters
+  are the exception (they count up within a call) and are zeroed at the start of a call,
+  before the barrier that lets peers write into this rank again.
+- data buffers by size class (powers of two, >= 16 MiB), allocated with
+  `torch.distributed._symmetric_memory.empty` and rendezvoused once (rendezvous blocks the
+  host and is collective, so it must never happen per call).
+- one high-priority side stream for copy-engine transfers.
+
+No NVLink multicast is used anywhere: only unicast P2P loads/stores and copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._symmetric_memory as symm_mem
+
+from torch_commopt.kernels.gpu import driver
+from torch_commopt.kernels.reference.collectives import resolve_group
+
+log = logging.getLogger("torch_commopt.kernels.gpu.symm")
+
+MAX_WORLD = 64
+MAX_CHUNKS = 256
+FLAG_SLOTS = 1 << 16
+# Flag regions (int32 indices into each rank's flag array).
+BARRIER = 0  # [p]: epoch of rank p's latest barrier arrival
+DATA = 1024  # [src * MAX_CHUNKS + c]: chunk c sent by src has landed here (value: epoch)
+DATA2 = DATA + MAX_WORLD * MAX_CHUNKS  # second phase (all-gather of matmul_ar)
+COUNTERS = DATA2 + MAX_WORLD * MAX_CHUNKS  # [p * MAX_CHUNKS + c]: tiles finished (reset per call)
+assert COUNTERS + MAX_WORLD * MAX_CHUNKS <= FLAG_SLOTS
+
+MIN_BUFFER_BYTES = 1 << 24
+DEBUG_ENV = "TORCH_COMMOPT_DEBUG_WAITS"
+DEFAULT_WAIT_BOUND = 1 << 26  # spin iterations before a debug-mode wait gives up (seconds of spinning)
+
+
+def debug_waits_from_env() -> bool:
+    return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
+
+
+@dataclass
+class SymmBuffer:
+    """One rendezvoused symmetric allocation; views of any rank's copy by byte offset."""
+
+    local: torch.Tensor  # uint8, this rank's memory
+    handle: object
+    rank: int
+    ptrs_dev: torch.Tensor  # int64 base addresses of every rank's copy (for Triton)
+
+    @property
+    def nbytes(self) -> int:
+        return self.local.numel()
+
+    def view(self, rank: int, offset_bytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor on this device aliasing rank `rank`'s buffer (peer memory through P2P)."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        elt = torch.empty((), dtype=dtype).element_size()
+        if offset_bytes % elt or offset_bytes + numel * elt > self.nbytes:
+            raise ValueError(f"commopt: symmetric view [{offset_bytes}, +{numel * elt}) outside a {self.nbytes}-byte buffer")
+        if rank == self.rank:
+            return self.local[offset_bytes: offset_bytes + numel * elt].view(dtype).view(tuple(shape))
+        return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // elt)
+
+
+class WaitTimeout(RuntimeError):
+    """A debug-mode wait exceeded its iteration bound (a peer stalled or ranks disagree)."""
+
+
+class GroupRuntime:
+    """Everything the GPU schedules of one process group need, allocated once."""
+
+    def __init__(self, group_name: str, device: torch.device):
+        group = resolve_group(group_name)
+        self.group_name, self.device = group_name, device
+        self.rank, self.world = group.rank(), group.size()
+        if self.world > MAX_WORLD:
+            raise ValueError(f"commopt: GPU schedules support up to {MAX_WORLD} ranks, group has {self.world}")
+        self.peers = [(self.rank + s) % self.world for s in range(1, self.world)]
+        self.epoch = 0
+        self.side = torch.cuda.Stream(device=device, priority=-1)
+        flags = symm_mem.empty(FLAG_SLOTS, dtype=torch.int32, device=device)
+        flags.zero_()
+        # A peer may write our flags as soon as rendezvous returns: the zeroing must be done.
+        torch.cuda.synchronize(device)
+        self.flags_handle = symm_mem.rendezvous(flags, group_name)
+        self.flags = flags
+        self.flag_bases = [int(p) for p in self.flags_handle.buffer_ptrs]
+        self.flag_bases_dev = torch.tensor(self.flag_bases, dtype=torch.int64, device=device)
+        self.status = torch.zeros(8, dtype=torch.int32, device=device)
+        self.buffers: list[SymmBuffer] = []
+        log.info("commopt: symmetric runtime for group %s (rank %d of %d) on %s", group_name, self.rank, self.world, device)
+
+    def next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    def buffer(self, nbytes: int) -> SymmBuffer:
+        """The smallest cached buffer of >= nbytes, or a new one of the next size class.
+        Every rank asks for the same sizes in the same order, so the collective rendezvous
+        of a new class happens on all ranks together."""
+        fitting = [b for b in self.buffers if b.nbytes >= nbytes]
+        if fitting:
+            return min(fitting, key=lambda b: b.nbytes)
+        size = max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+        local = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(local, self.group_name)
+        ptrs = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64, device=self.device)
+        buf = SymmBuffer(local, handle, self.rank, ptrs)
+        self.buffers.append(buf)
+        log.info("commopt: symmetric buffer of %d MiB for group %s", size >> 20, self.group_name)
+        return buf
+
+    # ---- flags -------------------------------------------------------------------------
+    def flag_address(self, rank: int, index: int) -> int:
+        return self.flag_bases[rank] + 4 * index
+
+    def signal(self, stream, dst: int, index: int, value: int) -> None:
+        """After the stream's earlier work (fenced), write `value` into rank dst's flag."""
+        driver.write_value32(stream, self.flag_address(dst, index), value)
+
+    def wait(self, stream, index: int, value: int, *, debug: bool, what: str, src: int, chunk: int) -> None:
+        """Hold `stream` until this rank's flag `index` >= value.  Debug mode spins in a
+        one-block kernel with an iteration bound and records a timeout instead of hanging."""
+        if not debug:
+            driver.wait_value32(stream, self.flag_address(self.rank, index), value)
+            return
+        from torch_commopt.kernels.gpu.triton_kernels import bounded_wait
+
+        with torch.cuda.stream(stream):
+            bounded_wait(self.flags, index, value, self.status, code=WAIT_CODES[what], src=src, chunk=chunk,
+                         bound=DEFAULT_WAIT_BOUND)
+
+    def reset_counters(self, stream) -> None:
+        with torch.cuda.stream(stream):
+            self.flags[COUNTERS: COUNTERS + MAX_WORLD * MAX_CHUNKS].zero_()
+
+    def barrier(self, stream, epoch: int, *, debug: bool) -> None:
+        """Stream-ordered barrier: every rank's `stream` has reached this point of call `epoch`."""
+        for p in self.peers:
+            self.signal(stream, p, BARRIER + self.rank, epoch)
+        for p in self.peers:
+            self.wait(stream, BARRIER + p, epoch, debug=debug, what="barrier", src=p, chunk=-1)
+
+    def check_status(self, op: str) -> None:
+        """Debug mode: synchronize and raise if any bounded wait of `op` timed out."""
+        torch.cuda.synchronize(self.device)
+        timed_out, code, src, chunk, seen, expected = self.status[:6].tolist()
+        if timed_out:
+            self.status.zero_()
+            what = {v: k for k, v in WAIT_CODES.items()}.get(code, f"code {code}")
+            raise WaitTimeout(
+                f"commopt {op}: rank {self.rank} gave up waiting for {what} from rank {src}, chunk {chunk} "
+                f"(flag {seen}, expected >= {expected}, epoch {self.epoch}) in group {self.group_name}: "
+                "a peer stalled, crashed, or runs a different schedule")
+
+
+WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk": 5}
+
+_RUNTIMES: dict[tuple[str, int], GroupRuntime] = {}
+
+
+def runtime(group_name: str, device: torch.device) -> GroupRuntime:
+    key = (group_name, device.index if device.index is not None else torch.cuda.current_device())
+    rt = _RUNTIMES.get(key)
+    if rt is None:
+        rt = _RUNTIMES[key] = GroupRuntime(group_name, torch.device("cuda", key[1]))
+    return rt

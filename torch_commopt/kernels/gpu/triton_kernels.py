@@ -1,0 +1,226 @@
+"""Triton kernels of the GPU schedules: persistent GEMMs that wait on / release flags.
+
+Memory ordering (why each fence is where it is):
+- A consumer loads a flag with an acquire atomic at system scope before it loads the data
+  the flag guards; the producer (a peer's copy engine) wrote the data, then the flag with
+  a fenced stream write, so the acquire makes the data visible.
+- A producer tile stores its outputs from all threads, then `debug_barrier` (bar.sync)
+  so every thread's stores precede the single release atomic that bumps the counter;
+  release at system scope publishes them to a peer GPU or to the copy engine.
+- Spinning blocks never wait for a kernel: producers are copy engines, stream memory
+  operations, or tiles of the peer's kernel that themselves wait for nothing, so the
+  persistent grid (<= one block per SM) cannot starve its own producer.
+Debug mode bounds every spin and records (code, src, chunk, seen, expected) in `status`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _spin_geq(ptr, expected, status, code, src, chunk, bound, DEBUG: tl.constexpr):
+    """Spin until *ptr >= expected (int32 wrap-around compare); acquire, system scope."""
+    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    if DEBUG:
+        i = 0
+        while ((v - expected) < 0) & (i < bound):
+            v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            i += 1
+        if (v - expected) < 0:
+            tl.store(status + 1, code)
+            tl.store(status + 2, src)
+            tl.store(status + 3, chunk)
+            tl.store(status + 4, v)
+            tl.store(status + 5, expected)
+            tl.atomic_xchg(status, 1, sem="release", scope="gpu")
+    else:
+        while (v - expected) < 0:
+            v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _bounded_wait_kernel(flags, index, expected, status, code, src, chunk, bound):
+    _spin_geq(flags + index, expected, status, code, src, chunk, bound, DEBUG=True)
+
+
+def bounded_wait(flags, index, expected, status, *, code, src, chunk, bound) -> None:
+    """One block spinning on flags[index] >= expected for at most `bound` iterations."""
+    _bounded_wait_kernel[(1,)](flags, index, expected, status, code, src, chunk, bound, num_warps=1)
+
+
+@triton.jit
+def _block_rows(block, i, LIN, WORLD: tl.constexpr):
+    """Row of the full (rank-blocked) tensor holding local row i of rank-block `block`.
+    The full tensor is (outer, WORLD, LIN) rows; a block's local rows are (outer, LIN)."""
+    return (i // LIN) * (WORLD * LIN) + block * LIN + (i % LIN)
+
+
+@triton.jit
+def _tile_coords(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row tiles share their B column tiles in L2."""
+    width = GROUP_M * tiles_n
+    group = local // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (local % width) % size_m
+    pid_n = (local % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _operand_ptrs(a_base, rows, b_base, sbk, sbn, offs_n, K, BK: tl.constexpr):
+    """Pointers to the first K-block of A[rows, :] (row stride K) and B[:, offs_n]."""
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a_base + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
+    b_ptrs = b_base + offs_k[:, None].to(tl.int64) * sbk + offs_n[None, :].to(tl.int64) * sbn
+    return a_ptrs, b_ptrs
+
+
+@triton.jit
+def ag_gemm_kernel(
+    a_local, a_slots, flags, status, epoch, bound,
+    b0, b1, b2, c0, c1, c2, bias0, bias1, bias2,
+    sbk0, sbn0, sbk1, sbn1, sbk2, sbn2, N0, N1, N2,
+    M_loc, K, LIN, rank, chunk_rows, flag_base, num_progs,
+    WORLD: tl.constexpr, NUM_B: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DEBUG: tl.constexpr,
+):
+    """out_i[full rows] = gathered A @ B_i for up to 3 B's in one pass over A.
+
+    a_local: (M_loc, K) this rank's shard; a_slots: (WORLD, M_loc, K) where slot s holds
+    rank s's shard once flags[flag_base + s*256 + chunk] >= epoch (chunk = row // chunk_rows).
+    Tiles run slot by slot starting with this rank's own shard, then the shards in the order
+    peers push them (rank-1, rank-2, ...), so early tiles never wait.
+    """
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M_loc, BM)
+    tn0 = tl.cdiv(N0, BN)
+    tn1 = tl.cdiv(N1, BN)
+    tiles_n = tn0 + tn1 + tl.cdiv(N2, BN)
+    per_slot = tiles_m * tiles_n
+    for t in range(pid, WORLD * per_slot, num_progs):
+        order = t // per_slot
+        slot = (rank - order + WORLD) % WORLD
+        pid_m, pid_n = _tile_coords(t % per_slot, tiles_m, tiles_n, GROUP_M)
+        i = pid_m * BM + tl.arange(0, BM)
+        row_mask = i < M_loc
+        if slot == rank:
+            a_base = a_local
+        else:
+            last = tl.minimum(pid_m * BM + BM, M_loc) - 1
+            chunk = last // chunk_rows
+            _spin_geq(flags + flag_base + slot * 256 + chunk, epoch, status, 2, slot, chunk, bound, DEBUG)
+            a_base = a_slots + slot.to(tl.int64) * M_loc * K
+        # Pick the B this column tile belongs to (uniform per tile, so a scalar branch).
+        b, c, bias, sbk, sbn, n_i, col = b0, c0, bias0, sbk0, sbn0, N0, pid_n
+        if NUM_B > 1:
+            if pid_n >= tn0:
+                b, c, bias, sbk, sbn, n_i, col = b1, c1, bias1, sbk1, sbn1, N1, pid_n - tn0
+        if NUM_B > 2:
+            if pid_n >= tn0 + tn1:
+                b, c, bias, sbk, sbn, n_i, col = b2, c2, bias2, sbk2, sbn2, N2, pid_n - tn0 - tn1
+        offs_n = col * BN + tl.arange(0, BN)
+        n_mask = offs_n < n_i
+        a_ptrs, b_ptrs = _operand_ptrs(a_base, i, b, sbk, sbn, offs_n, K, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a_blk = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                b_blk = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            else:
+                k_left = K - kb * BK
+                k_mask = tl.arange(0, BK) < k_left
+                a_blk = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b_blk = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(a_blk, b_blk, acc)
+            a_ptrs += BK
+            b_ptrs += BK * sbk
+        if HAS_BIAS:
+            acc += tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        rows = _block_rows(slot, i, LIN, WORLD)
+        c_ptrs = c + rows.to(tl.int64)[:, None] * n_i + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def rs_gemm_kernel(
+    a, b, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch, bound,
+    sbk, sbn, N, K, M_seg, LIN, rank, chunk_mt, alpha, bias_scale, num_progs,
+    WORLD: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DEBUG: tl.constexpr,
+    DATA: tl.constexpr, COUNTERS: tl.constexpr,
+):
+    """Reduce-scatter of A @ B by row blocks ("segments"): rank p gets segment p, summed.
+
+    Segments are produced in the order rank+1, rank+2, ..., rank (own last), so every peer
+    first computes what this rank needs.  A peer segment's tile goes either
+      DIRECT: straight into peer p's recv slot `rank` (NVLink stores), then a release
+              atomic on p's counter (p, chunk) at system scope; or
+      copy engine: into local `send` slot p, then a release atomic on the local counter the
+              side stream's copy waits for (the copy then sets p's DATA flag to `epoch`).
+    Own-segment tiles wait for each peer's partial of the same chunk, add it in fp32,
+    scale (avg) and add the bias, and store the result: the reduction is the epilogue.
+    """
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M_seg, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_seg = tiles_m * tiles_n
+    seg_elems = M_seg.to(tl.int64) * N
+    for t in range(pid, WORLD * per_seg, num_progs):
+        seg = (rank + 1 + t // per_seg) % WORLD
+        pid_m, pid_n = _tile_coords(t % per_seg, tiles_m, tiles_n, GROUP_M)
+        i = pid_m * BM + tl.arange(0, BM)
+        row_mask = i < M_seg
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        rows = _block_rows(seg, i, LIN, WORLD)
+        a_ptrs, b_ptrs = _operand_ptrs(a, rows, b, sbk, sbn, offs_n, K, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a_blk = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                b_blk = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            else:
+                k_left = K - kb * BK
+                k_mask = tl.arange(0, BK) < k_left
+                a_blk = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b_blk = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(a_blk, b_blk, acc)
+            a_ptrs += BK
+            b_ptrs += BK * sbk
+        chunk = pid_m // chunk_mt
+        offs = i.to(tl.int64)[:, None] * N + offs_n[None, :]
+        mask = row_mask[:, None] & n_mask[None, :]
+        if seg != rank:
+            if DIRECT:
+                dst = tl.load(recv_bases + seg).to(tl.pointer_type(out.dtype.element_ty))
+                tl.store(dst + rank * seg_elems + offs, acc.to(out.dtype.element_ty), mask=mask)
+                tl.debug_barrier()
+                cnt = tl.load(flag_bases + seg).to(tl.pointer_type(tl.int32))
+                tl.atomic_add(cnt + COUNTERS + rank * 256 + chunk, 1, sem="release", scope="sys")
+            else:
+                tl.store(send + seg * seg_elems + offs, acc.to(out.dtype.element_ty), mask=mask)
+                tl.debug_barrier()
+                tl.atomic_add(flags + COUNTERS + seg * 256 + chunk, 1, sem="release", scope="sys")
+        else:
+            tiles_in_chunk = tl.minimum(chunk_mt, tiles_m - chunk * chunk_mt) * tiles_n
+            for step in range(1, WORLD):
+                src = (rank - step + WORLD) % WORLD
+                if DIRECT:
+                    _spin_geq(flags + COUNTERS + src * 256 + chunk, tiles_in_chunk, status, 4, src, chunk, bound, DEBUG)
+                else:
+                    _spin_geq(flags + DATA + src * 256 + chunk, epoch, status, 3, src, chunk, bound, DEBUG)
+                acc += tl.load(recv + src * seg_elems + offs, mask=mask, other=0.0).to(tl.float32)
+            acc = acc * alpha
+            if HAS_BIAS:
+                acc += bias_scale * tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
