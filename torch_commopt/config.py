@@ -21,11 +21,18 @@ PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar")
 class Config:
     """Options of the commopt backend.
 
-    schedule: schedule applied to every rewritten region until the tuner lands:
-        "sequential" (collective, then compute) or "chunked" (the collective cut
-        into `chunks` pieces, each consumed as it arrives).
-    chunks: piece count S of the "chunked" schedule (clamped to the size of the
-        dimension being cut, and logged when clamped).
+    schedule: "auto" (default): on CUDA tensors the built-in rule
+        (`torch_commopt.kernels.gpu.pick`) chooses per region among NCCL
+        `sequential` and the GPU schedules; elsewhere `chunked` with `chunks`
+        pieces.  Or one schedule for every region: a name ("sequential",
+        "chunked", "ce_push", "direct", "fused"; pieces from `chunks`) or a full
+        schedule string ("fused:4:bm=128,bn=128").  A schedule an op does not
+        have falls back to "auto" for that region (noted in explain).
+    chunks: piece count S of the chunked schedules (clamped to the size of the
+        dimension being cut, and noted when clamped).
+    debug_waits: GPU schedules bound every spin-wait and raise a clear error
+        naming the op, rank and chunk instead of hanging (also enabled by the
+        environment variable TORCH_COMMOPT_DEBUG_WAITS=1); costs a sync per op.
     patterns: the region finders that run, by name; any subset of PATTERNS.
     check_rank_consistency: hash the rewrite decisions and compare them across
         ranks once per compiled graph; on mismatch the graph is left untouched.
@@ -37,18 +44,24 @@ class Config:
     debug: record the rewritten graph's code in the explain report.
     """
 
-    schedule: str = "chunked"
+    schedule: str = "auto"
     chunks: int = 4
     patterns: tuple[str, ...] = PATTERNS
     check_rank_consistency: bool = True
     consistency_timeout_s: float = 300.0
     fx_graph_cache: bool = False
     debug: bool = False
+    debug_waits: bool = False
     extra_inductor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.schedule not in Schedule.NAMES:
-            raise ValueError(f"Config.schedule: {self.schedule!r} is not one of {Schedule.NAMES}")
+        if not isinstance(self.schedule, str):
+            raise ValueError(f"Config.schedule: expected a string, got {self.schedule!r}")
+        if self.schedule != "auto":
+            try:
+                Schedule.parse(self.schedule)
+            except ValueError as e:
+                raise ValueError(f"Config.schedule: {self.schedule!r} is not 'auto' or a schedule ({e})") from e
         _check_type("chunks", self.chunks, int)
         if self.chunks < 1:
             raise ValueError(f"Config.chunks: must be >= 1, got {self.chunks}")
@@ -57,15 +70,21 @@ class Config:
         unknown = [p for p in self.patterns if p not in PATTERNS]
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
-        for name in ("check_rank_consistency", "fx_graph_cache", "debug"):
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits"):
             _check_type(name, getattr(self, name), bool)
         if not isinstance(self.consistency_timeout_s, (int, float)) or self.consistency_timeout_s <= 0:
             raise ValueError(f"Config.consistency_timeout_s: must be a positive number, got {self.consistency_timeout_s!r}")
         _check_type("extra_inductor_options", self.extra_inductor_options, dict)
 
     @property
-    def default_schedule(self) -> Schedule:
-        return Schedule(self.schedule, self.chunks if self.schedule == "chunked" else 1)
+    def fixed_schedule(self) -> Schedule | None:
+        """The schedule named by the config (None for "auto"); a bare name takes `chunks`."""
+        if self.schedule == "auto":
+            return None
+        sched = Schedule.parse(self.schedule)
+        if ":" not in self.schedule and sched.name != "sequential":
+            sched = Schedule(sched.name, self.chunks)
+        return sched
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> "Config":

@@ -83,14 +83,15 @@ def run_once(fn: Callable, model: torch.nn.Module, x: torch.Tensor, probe: torch
 
 
 def check(kind: str, options: dict[str, Any], *, seed: int = 0, shape: dict | None = None,
-          compile_fn: Callable | None = None) -> list[TensorError]:
-    """Errors of every output and gradient of `kind`, compiled with commopt `options`."""
+          compile_fn: Callable | None = None, dtype: torch.dtype = torch.float32) -> list[TensorError]:
+    """Errors of every output and gradient of `kind`, compiled with commopt `options`;
+    eager and compiled run in `dtype`, the reference in float64."""
     shape = shape or {"batch": 2, "seq": 16, "dim": 64, "hidden": 128, "heads": 4}
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     probe = None
     runs = {}
-    for label, dtype in (("ref", torch.float64), ("eager", torch.float32), ("compiled", torch.float32)):
-        model, x = build(kind, dtype, seed, shape)
+    for label, run_dtype in (("ref", torch.float64), ("eager", dtype), ("compiled", dtype)):
+        model, x = build(kind, run_dtype, seed, shape)
         model, x = model.to(device), x.to(device)
         if probe is None:
             gen = torch.Generator().manual_seed(seed + 1)

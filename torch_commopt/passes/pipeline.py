@@ -113,8 +113,24 @@ def _find_regions(graph: Graph, config: Config, report: explain.GraphReport) -> 
 
 
 def _choose_schedule(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
-    """The schedule from Config (until the tuner lands), clamped to the rows available."""
-    wanted = config.default_schedule
+    """The schedule from Config, or the built-in rule ("auto"), clamped to the rows available."""
+    name = region.collective.name
+    wanted = config.fixed_schedule
+    if wanted is not None and not wanted.valid_for(region.kind):
+        report.notes.append(f"{name}: {region.kind} has no schedule {wanted.name!r}; using auto")
+        wanted = None
+    if wanted is None:
+        a = val(region.a)
+        if a.device.type == "cuda":
+            from torch_commopt.kernels.gpu.pick import pick
+
+            wanted, why = pick(region.kind, static_shape(region.a), [list(c.weight.meta["val"].shape) for c in region.consumers],
+                               region.dim, region.group_size, str(a.dtype).removeprefix("torch."))
+            report.notes.append(f"{name}: picked {wanted} ({why})")
+        else:
+            wanted = Schedule("chunked", config.chunks)
+    if config.debug_waits and wanted.is_gpu:
+        wanted = wanted.with_params(dbg=1)
     rows = _chunk_rows(region, wanted.chunks)
     chosen = wanted.clamp(rows)
     if chosen != wanted:

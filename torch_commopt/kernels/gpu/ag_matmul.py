@@ -121,7 +121,7 @@ def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sch
         tiles = rt.world * _cdiv(m_loc, p["bm"]) * sum(_cdiv(n, p["bn"]) for n in ns)
         grid = max(1, min(sms, tiles))
         ag_gemm_kernel[(grid,)](
-            a2, slots, rt.flags, rt.status, epoch, symm.DEFAULT_WAIT_BOUND,
+            a2, slots, rt.flags, rt.status, epoch, symm.wait_bound(),
             *ws3, *cs3, *bs3,
             ws3[0].stride(0), ws3[0].stride(1), ws3[1].stride(0), ws3[1].stride(1), ws3[2].stride(0), ws3[2].stride(1),
             *ns, m_loc, k, lay.lin, rt.rank, chunk_rows, DATA, grid,

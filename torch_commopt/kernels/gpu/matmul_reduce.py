@@ -208,7 +208,7 @@ def _fused(call: _Call, weight, own):
     grid = max(1, min(p.get("sms") or num_sms(own.device), call.world * tiles_m * tiles_n))
     rs_gemm_kernel[(grid,)](
         call.a2, weight, own, own, send, call.recv, call.buf.ptrs_dev, rt.flags, rt.flag_bases_dev, rt.status,
-        call.epoch, symm.DEFAULT_WAIT_BOUND, weight.stride(0), weight.stride(1), call.n, call.k, call.m_seg,
+        call.epoch, symm.wait_bound(), weight.stride(0), weight.stride(1), call.n, call.k, call.m_seg,
         call.lay.lin, rt.rank, chunk_mt, call.alpha, 0.0, grid,
         WORLD=rt.world, DIRECT=direct, HAS_BIAS=False, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
         EVEN_K=call.k % p["bk"] == 0, DEBUG=call.debug, DATA=DATA, COUNTERS=COUNTERS,

@@ -41,11 +41,16 @@ assert COUNTERS + MAX_WORLD * MAX_CHUNKS <= FLAG_SLOTS
 
 MIN_BUFFER_BYTES = 1 << 24
 DEBUG_ENV = "TORCH_COMMOPT_DEBUG_WAITS"
+BOUND_ENV = "TORCH_COMMOPT_WAIT_BOUND"
 DEFAULT_WAIT_BOUND = 1 << 26  # spin iterations before a debug-mode wait gives up (seconds of spinning)
 
 
 def debug_waits_from_env() -> bool:
     return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
+
+
+def wait_bound() -> int:
+    return int(os.environ.get(BOUND_ENV, DEFAULT_WAIT_BOUND))
 
 
 @dataclass
@@ -140,7 +145,7 @@ class GroupRuntime:
 
         with torch.cuda.stream(stream):
             bounded_wait(self.flags, index, value, self.status, code=WAIT_CODES[what], src=src, chunk=chunk,
-                         bound=DEFAULT_WAIT_BOUND)
+                         bound=wait_bound())
 
     def reset_counters(self, stream) -> None:
         with torch.cuda.stream(stream):

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|all] [pytest -k expression]
+set -uo pipefail
+out=${1:?output dir}; what=${2:-all}; sel=${3:-}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+mkdir -p "$out"
+nvidia-smi topo -m > "$out/topo.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'GPUs')"
+if [[ $what == tests || $what == all ]]; then
+  # Bounded waits during the tests: a protocol bug fails a test instead of hanging the run.
+  TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_BOUND=${WAIT_BOUND:-20000000} \
+    timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests.log"
+fi
+if [[ $what == bench || $what == all ]]; then
+  timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_matmul_collectives.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+fi

@@ -1,0 +1,228 @@
+"""Per-rank programs checking every GPU schedule against its reference twin and NCCL + torch.mm.
+
+Every rank draws the same global tensors from a shared seed (fresh per case) and keeps its
+shard, so the float64 truth is computed locally.  Errors are relative Frobenius norms
+against that truth; a GPU schedule passes when its error is within the tolerance of the
+worse of its reference twin's and NCCL sequential's own errors (validate.within_tolerance).
+Outputs are allocated where NaN was just freed, so an unwritten element shows as NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+import torch_commopt  # noqa: F401  (registers the ops)
+from torch_commopt.schedule import Schedule
+
+AG_SCHEDULES = ["ce_push:1", "ce_push:3", "fused:1", "fused:4", "fused:2:bk=64,bm=64,bn=128,stages=3,warps=4"]
+RS_SCHEDULES = ["ce_push:1", "ce_push:3", "direct:1", "direct:2", "fused:2:store=direct", "fused:3:store=ce",
+                "fused:1:bm=64,bn=128,store=ce,warps=4"]
+AR_SCHEDULES = ["ce_push:2", "direct:1", "direct:3"]
+
+# (shard shape, gather dim, weight widths, bias, return_gathered)
+AG_CASES = [
+    ((128, 512), 0, [384], False, False),       # M_global 256
+    ((1024, 1024), 0, [1024], True, False),     # M_global 2048
+    ((500, 520), 0, [300], False, True),        # nothing a tile multiple
+    ((2, 96, 256), 1, [320, 64, 64], True, False),  # 3-D, gather dim 1, q/k/v-like
+    ((64, 3, 256), 0, [200, 200], False, True),  # 3-D, gather dim 0, w1/w3-like
+]
+# (full A shape, scatter dim, N, bias, reduce op)
+RS_CASES = [
+    ((256, 512), 0, 384, False, "sum"),
+    ((2048, 1024), 0, 1024, True, "sum"),
+    ((1002, 520), 0, 300, False, "avg"),
+    ((2, 192, 256), 1, 320, False, "sum"),
+    ((4, 50, 136), 0, 72, True, "avg"),
+]
+AR_CASES = [((256, 512), 384, False), ((1002, 520), 300, True), ((2, 96, 256), 200, False)]
+
+
+def _group_name() -> str:
+    return dist.group.WORLD.group_name
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def _poison(nbytes: int) -> None:
+    """Free a NaN-filled block so the next allocations likely land on NaNs."""
+    torch.full((nbytes // 2 + 1024,), float("nan"), dtype=torch.float16, device="cuda")
+
+
+def _global(seed: int, shape, dtype) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def _ag_case(case, dtype, schedules, seed, rank, world):
+    shard_shape, dim, ns, bias, keep = case
+    gshape = list(shard_shape)
+    gshape[dim] *= world
+    full = _global(seed, gshape, dtype)
+    shard = full.chunk(world, dim=dim)[rank].contiguous()
+    k = shard_shape[-1]
+    ws = [_global(seed + 1 + i, (k, n), dtype) / math.sqrt(k) for i, n in enumerate(ns)]
+    ws[0] = ws[0].t().contiguous().t()  # a transposed (column-major) weight, as nn.Linear gives
+    bs = [_global(seed + 7 + i, (n,), dtype) if bias else None for i, n in enumerate(ns)]
+    truth = [full.double() @ w.double() + (b.double() if b is not None else 0) for w, b in zip(ws, bs)]
+
+    def run(sched):
+        _poison(sum(t.numel() for t in truth) * 2 + full.numel() * 2)
+        return torch.ops.commopt.ag_matmul(shard, ws, bs, dim, world, _group_name(), sched, keep)
+
+    def errors(outs):
+        errs = [_rel(o, t) for o, t in zip(outs, truth)]
+        if keep:
+            errs.append(0.0 if torch.equal(outs[-1], full) else float("inf"))
+        return max(errs)
+
+    seq = errors(run("sequential"))
+    results = []
+    for sched in schedules:
+        twin = errors(run(str(Schedule.parse(sched).reference_twin())))
+        results.append((f"ag {shard_shape} dim{dim} n{ns} {dtype} {sched}", errors(run(sched)), max(twin, seq)))
+    return results
+
+
+def _rs_case(case, dtype, schedules, seed, rank, world):
+    a_shape, dim, n, bias, op = case
+    k = a_shape[-1]
+    a_all = [_global(seed + 100 * r, a_shape, dtype) for r in range(world)]
+    w_all = [_global(seed + 100 * r + 1, (k, n), dtype) / math.sqrt(k) for r in range(world)]
+    b = _global(seed + 3, (n,), dtype) if bias else None
+    total = sum(a.double() @ w.double() for a, w in zip(a_all, w_all))
+    if b is not None:
+        total = total + world * b.double()
+    if op == "avg":
+        total = total / world
+    truth = total.chunk(world, dim=dim)[rank]
+
+    def run(sched):
+        _poison(total.numel() * 2)
+        return torch.ops.commopt.matmul_rs(a_all[rank], w_all[rank], b, dim, op, world, _group_name(), sched)
+
+    seq = _rel(run("sequential"), truth)
+    results = []
+    for sched in schedules:
+        twin = _rel(run(str(Schedule.parse(sched).reference_twin())), truth)
+        results.append((f"rs {a_shape} dim{dim} n{n} {op} {dtype} {sched}", _rel(run(sched), truth), max(twin, seq)))
+    return results
+
+
+def _ar_case(case, dtype, schedules, seed, rank, world):
+    a_shape, n, bias = case
+    k = a_shape[-1]
+    a_all = [_global(seed + 100 * r, a_shape, dtype) for r in range(world)]
+    w_all = [_global(seed + 100 * r + 1, (k, n), dtype) / math.sqrt(k) for r in range(world)]
+    b = _global(seed + 3, (n,), dtype) if bias else None
+    truth = sum(a.double() @ w.double() for a, w in zip(a_all, w_all)) + (world * b.double() if bias else 0)
+
+    def run(sched):
+        _poison(truth.numel() * 2)
+        return torch.ops.commopt.matmul_ar(a_all[rank], w_all[rank], b, "sum", world, _group_name(), sched)
+
+    seq = _rel(run("sequential"), truth)
+    results = []
+    for sched in schedules:
+        twin = _rel(run(str(Schedule.parse(sched).reference_twin())), truth)
+        results.append((f"ar {a_shape} n{n} {dtype} {sched}", _rel(run(sched), truth), max(twin, seq)))
+    return results
+
+
+def run_schedule_cases(rank: int, world: int, dtypes: tuple[str, ...] = ("bfloat16", "float16")):
+    """[(name, error, reference error)] for every op x case x dtype x GPU schedule."""
+    results, seed = [], 1000
+    for dtype in (getattr(torch, d) for d in dtypes):
+        for case in AG_CASES:
+            seed += 17
+            results += _ag_case(case, dtype, AG_SCHEDULES, seed, rank, world)
+        for case in RS_CASES:
+            seed += 17
+            results += _rs_case(case, dtype, RS_SCHEDULES, seed, rank, world)
+        for case in AR_CASES:
+            seed += 17
+            results += _ar_case(case, dtype, AR_SCHEDULES, seed, rank, world)
+    # fp32 through the cuBLAS schedules (fused needs bf16/fp16 and refuses -> sequential)
+    results += _ag_case(AG_CASES[1], torch.float32, ["ce_push:2", "fused:2"], 77, rank, world)
+    results += _rs_case(RS_CASES[1], torch.float32, ["direct:2", "ce_push:2"], 78, rank, world)
+    return results
+
+
+def run_back_to_back(rank: int, world: int, calls: int = 120):
+    """`calls` interleaved ag/rs/ar calls with no synchronization in between, each on fresh
+    inputs, outputs checked only at the end: buffer reuse across calls and ops must not
+    corrupt anything.  Returns [(name, error, reference error)]."""
+    torch.manual_seed(5 + rank)
+    dtype, k, n, m = torch.bfloat16, 512, 384, 256
+    plan = ["ag ce_push:2", "rs direct:2", "ag fused:2", "rs fused:2:store=ce", "ar direct:2", "rs ce_push:1",
+            "rs fused:1:store=direct"]
+    inputs, outs = [], []
+    gn = _group_name()
+    for i in range(calls):
+        op, sched = plan[i % len(plan)].split()
+        rows = m + 64 * (i % 3)  # different shapes in one process
+        a = _global(9000 + i, (world * rows, k), dtype)
+        w = _global(9500 + i, (k, n), dtype) / math.sqrt(k)
+        if op == "ag":
+            out = torch.ops.commopt.ag_matmul(a.chunk(world)[rank].contiguous(), [w], [None], 0, world, gn, sched, False)[0]
+        elif op == "rs":
+            wr = _global(9700 + 31 * i + rank, (k, n), dtype) / math.sqrt(k)
+            out = torch.ops.commopt.matmul_rs(a, wr, None, 0, "sum", world, gn, sched)
+        else:
+            wr = _global(9700 + 31 * i + rank, (k, n), dtype) / math.sqrt(k)
+            out = torch.ops.commopt.matmul_ar(a, wr, None, "sum", world, gn, sched)
+        inputs.append((op, sched, i, a, w))
+        outs.append(out)
+    torch.cuda.synchronize()
+    results = []
+    for (op, sched, i, a, w), out in zip(inputs, outs):
+        if op == "ag":
+            truth = a.double() @ w.double()
+        else:
+            ws = [_global(9700 + 31 * i + r, (k, n), dtype).double() / math.sqrt(k) for r in range(world)]
+            total = sum(a.double() @ wr for wr in ws)
+            truth = total.chunk(world)[rank] if op == "rs" else total
+        results.append((f"b2b#{i} {op} {sched}", _rel(out, truth), 8e-3))
+    return results
+
+
+def run_debug_timeout(rank: int, world: int):
+    """Rank 1 skips a call that rank 0 makes with bounded waits: rank 0 must raise a clear
+    error naming the op, rank and chunk (no hang).  Returns rank 0's error message."""
+    import os
+
+    os.environ["TORCH_COMMOPT_WAIT_BOUND"] = "200000"
+    a = _global(1, (256, 256), torch.bfloat16)
+    w = _global(2, (256, 256), torch.bfloat16)
+    gn = _group_name()
+    # One good call in debug mode first (both ranks): the bounded path works when peers come.
+    torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, gn, "ce_push:2:dbg=1", False)
+    dist.barrier()
+    message = ""
+    if rank == 0:
+        try:
+            torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", world, gn, "direct:2:dbg=1")
+        except RuntimeError as e:
+            message = str(e)
+    dist.barrier()
+    return message
+
+
+def run_compiled_models(rank: int, world: int, options: dict, kinds: tuple[str, ...], shape: dict, dtype: str):
+    """Compile TP+SP models with commopt on the GPUs: per kind, the errors of every output
+    and gradient vs float64 (next to eager's own) and the schedules explain reports."""
+    from torch_commopt.validate import check
+
+    out = {}
+    for kind in kinds:
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        errors = check(kind, options, shape=shape, dtype=getattr(torch, dtype))
+        schedules = [r.schedule for g in torch_commopt.explain().graphs for r in g.rewritten]
+        out[kind] = ([(e.name, e.compiled, e.eager) for e in errors], schedules)
+    return out

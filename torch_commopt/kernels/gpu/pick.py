@@ -1,0 +1,60 @@
+"""The built-in schedule rule for CUDA regions (used until the tuner issue replaces it).
+
+Pure arithmetic on shapes: importable without CUDA, so the compile-time pass can call it.
+It estimates the GEMM time and the transfer time of a region with round ceilings of
+2x H200 (NVLink copy ~300 GB/s one way; bf16 GEMM ~700 TFLOP/s achieved) and picks:
+- `sequential` (NCCL + cuBLAS) when the shape is not one the GPU schedules take, or
+  when the transfer is too small to be worth hiding (fixed costs -- a barrier, flag
+  round trips, a second GEMM launch -- would exceed what overlap can save);
+- otherwise the GPU schedule that measured fastest on the benchmark shapes
+  (benchmarks/results/matmul_collectives_h200x2_*.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch_commopt.schedule import Schedule
+
+LINK_BYTES_PER_S = 300e9
+GEMM_FLOPS_PER_S = {"bfloat16": 700e12, "float16": 700e12, "float32": 50e12}
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Below this estimated transfer time the fixed costs of an overlapped schedule win.
+MIN_HIDDEN_COMM_S = 20e-6
+
+
+def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: str) -> tuple[float, float]:
+    """(gemm seconds, transfer seconds) of one rank for a region."""
+    rows, k = math.prod(a_shape[:-1]), a_shape[-1]
+    elt = ELEMENT_BYTES.get(dtype, 4)
+    if kind == "ag_matmul":
+        flops = 2 * world * rows * k * sum(ns)
+        moved = (world - 1) * rows * k * elt
+    elif kind == "matmul_rs":
+        flops = 2 * rows * k * ns[0]
+        moved = (world - 1) * rows // world * ns[0] * elt
+    else:  # all-reduce: reduce-scatter + all-gather of the product
+        flops = 2 * rows * k * ns[0]
+        moved = 2 * (world - 1) * rows // world * ns[0] * elt
+    return flops / GEMM_FLOPS_PER_S.get(dtype, 50e12), moved / LINK_BYTES_PER_S
+
+
+def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
+         dtype: str) -> tuple[Schedule, str]:
+    """(schedule, why) for a region running on CUDA."""
+    if any(len(w) != 2 for w in weight_shapes):
+        return Schedule("sequential"), "batched weights: NCCL + cuBLAS"
+    if dim is not None and dim == len(a_shape) - 1:
+        return Schedule("sequential"), "collective on the last dim: NCCL + cuBLAS"
+    rows = math.prod(a_shape[:-1])
+    if kind != "ag_matmul" and rows % world:
+        return Schedule("sequential"), "rows do not split evenly: NCCL + cuBLAS"
+    gemm_s, comm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)
+    why = f"est. gemm {gemm_s * 1e6:.0f} us, transfer {comm_s * 1e6:.0f} us"
+    if comm_s < MIN_HIDDEN_COMM_S:
+        return Schedule("sequential"), why + ": too little to hide"
+    if kind == "ag_matmul":
+        return Schedule("ce_push", 1), why
+    if kind == "matmul_rs":
+        return Schedule("direct", 1), why
+    return Schedule("direct", 2), why
