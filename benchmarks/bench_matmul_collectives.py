@@ -55,7 +55,7 @@ SHAPES = [
 ]
 SCHEDULES = {
     "ag": ["ce_push:1", "ce_push:2", "ce_push:4", "fused:1", "fused:4", "fused:4:bm=128,bn=128,stages=4"],
-    "rs": ["ce_push:2", "ce_push:4", "direct:1", "direct:2", "direct:4", "fused:2:store=direct", "fused:4:store=ce"],
+    "rs": ["ce_push:2", "ce_push:4", "direct:1", "direct:2", "direct:4", "fused:2:store=direct"],
     "ar": ["ce_push:2", "direct:1", "direct:2", "direct:4"],
 }
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
@@ -139,6 +139,7 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
         records.append(rec)
         if rank == 0:
             print(_row(rec), flush=True)
+            print("   ", ", ".join(f"{k} {v:.3f}" for k, v in rec["schedules"].items()), flush=True)
     return records
 
 

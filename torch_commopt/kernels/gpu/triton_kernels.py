@@ -224,3 +224,18 @@ def rs_gemm_kernel(
 
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def _copy_rows_kernel(src, dst, numel, BLOCK: tl.constexpr):
+    """Grid-stride copy with 16-byte accesses; dst may be a peer's memory (NVLink stores)."""
+    pid = tl.program_id(0)
+    for start in range(pid * BLOCK, numel, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < numel
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, blocks: int) -> None:
+    """dst.copy_(src) for contiguous tensors with `blocks` SM blocks (the SM-split producer)."""
+    _copy_rows_kernel[(blocks,)](src, dst, src.numel(), BLOCK=8192, num_warps=8)
