@@ -119,7 +119,8 @@ def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sch
         ws3, cs3, bs3 = _pad3(ws), _pad3(cs), _pad3(bs)
         ns = [w.shape[-1] for w in ws] + [0] * (3 - n_b)
         tiles = rt.world * _cdiv(m_loc, p["bm"]) * sum(_cdiv(n, p["bn"]) for n in ns)
-        grid = max(1, min(sms, tiles))
+        # Debug waits (the side stream's barrier) are one-block kernels: leave them an SM.
+        grid = max(1, min(sms - (1 if debug else 0), tiles))
         ag_gemm_kernel[(grid,)](
             a2, slots, rt.flags, rt.status, epoch, symm.wait_bound(),
             *ws3, *cs3, *bs3,

@@ -193,9 +193,24 @@ def _fused(call: _Call, weight, own):
     rt.reset_counters(call.cur)
     rt.barrier(call.cur, call.epoch, debug=call.debug)
     send = own if direct else torch.empty((call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
-    if not direct:  # the copy engine ships each piece as soon as its tiles are counted
-        start = torch.cuda.Event()
-        start.record(call.cur)
+    start = torch.cuda.Event()
+    start.record(call.cur)
+    # Debug waits are one-block kernels on the side stream: leave them an SM, or a grid
+    # spinning on every SM would starve the very wait its data depends on.
+    sms = (p.get("sms") or num_sms(own.device)) - (1 if call.debug else 0)
+    grid = max(1, min(sms, call.world * tiles_m * tiles_n))
+    rs_gemm_kernel[(grid,)](
+        call.a2, weight, own, own, send, call.recv, call.buf.ptrs_dev, rt.flags, rt.flag_bases_dev, rt.status,
+        call.epoch, symm.wait_bound(), weight.stride(0), weight.stride(1), call.n, call.k, call.m_seg,
+        call.lay.lin, rt.rank, chunk_mt, call.alpha, 0.0, grid,
+        WORLD=rt.world, DIRECT=direct, HAS_BIAS=False, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
+        EVEN_K=call.k % p["bk"] == 0, DEBUG=call.debug, DATA=DATA, COUNTERS=COUNTERS,
+        num_warps=p["warps"], num_stages=p["stages"],
+    )
+    if not direct:
+        # The copy engine ships each piece as soon as its tiles are counted.  Enqueued after
+        # the kernel's launch (the first launch JIT-compiles for seconds, which a bounded
+        # debug wait enqueued earlier would count against its bound).
         call.side.wait_event(start)
         with torch.cuda.stream(call.side):
             for q in rt.peers:
@@ -205,15 +220,6 @@ def _fused(call: _Call, weight, own):
                     rt.wait(call.side, COUNTERS + q * MAX_CHUNKS + c, tiles, debug=call.debug, what="tiles", src=q, chunk=c)
                     call.peer_slot(q)[lo:hi].copy_(send[q, lo:hi])
                     rt.signal(call.side, q, DATA + rt.rank * MAX_CHUNKS + c, call.epoch)
-    grid = max(1, min(p.get("sms") or num_sms(own.device), call.world * tiles_m * tiles_n))
-    rs_gemm_kernel[(grid,)](
-        call.a2, weight, own, own, send, call.recv, call.buf.ptrs_dev, rt.flags, rt.flag_bases_dev, rt.status,
-        call.epoch, symm.wait_bound(), weight.stride(0), weight.stride(1), call.n, call.k, call.m_seg,
-        call.lay.lin, rt.rank, chunk_mt, call.alpha, 0.0, grid,
-        WORLD=rt.world, DIRECT=direct, HAS_BIAS=False, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
-        EVEN_K=call.k % p["bk"] == 0, DEBUG=call.debug, DATA=DATA, COUNTERS=COUNTERS,
-        num_warps=p["warps"], num_stages=p["stages"],
-    )
 
 
 def _cdiv(a: int, b: int) -> int:
