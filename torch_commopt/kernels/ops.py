@@ -8,6 +8,7 @@ run on any backend (gloo, NCCL, fake) and are the GPU schedules' twins elsewhere
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -22,12 +23,17 @@ log = logging.getLogger("torch_commopt.kernels.ops")
 _warned: set[tuple[str, str]] = set()
 
 
+@functools.lru_cache(maxsize=256)
+def _parse(schedule: str) -> Schedule:
+    return Schedule.parse(schedule)
+
+
 def resolve(op: str, schedule: str, device: torch.device, why_not) -> Schedule:
     """The schedule this call runs.  A GPU schedule runs on CUDA tensors when the call
     fits it (`why_not(sched)` returns None); on other devices its reference twin runs (the
     same pieces in plain torch + c10d); a CUDA call that does not fit runs `sequential`,
     logged once per reason."""
-    sched = Schedule.parse(schedule)
+    sched = _parse(schedule)
     if not sched.is_gpu:
         return sched
     if device.type != "cuda":

@@ -1,15 +1,16 @@
 """GPU schedules of all-gather + matmul (`ce_push`, `fused`).
 
-Protocol (one call, epoch e, rank r of W):
-  side stream:  wait for the caller's stream -> barrier (every rank's previous consumer of
-                its buffer is done) -> for each peer p (r+1, r+2, ...): copy-engine copy of
+Protocol (one call, epoch e, rank r of W; calls alternate the halves of the buffer):
+  side stream:  wait for the caller's stream -> for each peer p (r+1, r+2, ...): wait until
+                p has finished reading epoch e-2 (same half), then copy-engine copy of
                 piece c of the shard into p's slot r, then flag p.DATA[r, c] = e.
   caller stream: multiply the local shard straight from the input (no wait, no staging
                 copy), then the peers' slots in arrival order (r-1, r-2, ...), each piece
                 after its flag: cuBLAS per piece (ce_push) or one persistent Triton GEMM
                 spinning on the flags (fused).
 The caller's stream joins the side stream at the end, so the input (read by the copy
-engine) and the outputs stay valid for the caching allocator.
+engine) and the outputs stay valid for the caching allocator, and then tells every peer
+that this rank has finished reading epoch e (CONSUMED flag).
 """
 
 from __future__ import annotations
@@ -49,16 +50,17 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     a2 = a.contiguous().view(m_loc, k)
     pieces = lay.pieces(min(sched.chunks, MAX_CHUNKS))
     slot_bytes = m_loc * k * a.element_size()
-    buf = rt.buffer(world * slot_bytes)
-    slots = buf.view(rank, 0, (world, m_loc, k), a.dtype)
+    buf = rt.buffer(2 * world * slot_bytes)
     epoch = rt.next_epoch()
+    base = (epoch % 2) * world * slot_bytes  # calls alternate buffer halves
+    slots = buf.view(rank, base, (world, m_loc, k), a.dtype)
     cur, side = torch.cuda.current_stream(a.device), rt.side
 
     side.wait_stream(cur)
     with torch.cuda.stream(side):
-        rt.barrier(side, epoch, debug=debug)
         for p in rt.peers:
-            dst = buf.view(p, rank * slot_bytes, (m_loc, k), a.dtype)
+            rt.await_free(side, p, epoch, debug=debug)
+            dst = buf.view(p, base + rank * slot_bytes, (m_loc, k), a.dtype)
             for c, (lo, hi) in enumerate(pieces):
                 dst[lo:hi].copy_(a2[lo:hi])
                 rt.signal(side, p, DATA + rank * MAX_CHUNKS + c, epoch)
@@ -74,6 +76,7 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     if return_gathered:
         result = outs + [_gathered(rt, a2, slots, gshape, lay, pieces, sources, epoch, side, debug)]
     cur.wait_stream(side)
+    rt.release(cur, epoch)
     if debug:
         rt.check_status("ag_matmul")
     return result

@@ -1,7 +1,9 @@
 """GPU schedules of matmul + reduce-scatter and matmul + all-reduce.
 
 matmul_rs (rank r of W; segment p = the rows rank p keeps; epoch e):
-  caller stream: [zero tile counters] -> barrier (peers' receive slots are free) ->
+  caller stream: wait until each peer has finished reading epoch e-2 (calls alternate the
+  halves of the buffer; the fused kernel, whose tile counters are reset per call, uses a
+  barrier instead) ->
   the peers' segments in the order r+1, r+2, ... (each peer first computes what r needs):
     direct:  cuBLAS writes piece c of segment p straight into p's receive slot r
              (NVLink stores), then flags p.DATA[r, c] = e (a fenced stream write);
@@ -58,16 +60,18 @@ class _Call:
         self.a2 = a.contiguous().view(-1, self.k)
         self.pieces = self.lay.pieces(min(sched.chunks, MAX_CHUNKS))
         self.seg_bytes = self.m_seg * self.n * a.element_size()
-        self.buf = rt.buffer(phases * rt.world * self.seg_bytes)
+        half = phases * rt.world * self.seg_bytes
+        self.buf = rt.buffer(2 * half)
         self.dtype = a.dtype
-        self.recv = self.buf.view(self.rank, 0, (rt.world, self.m_seg, self.n), a.dtype)
         self.alpha = 1.0 / rt.world if reduce_op == "avg" else 1.0
         self.epoch = rt.next_epoch()
+        self.base = (self.epoch % 2) * half  # calls alternate buffer halves
+        self.recv = self.buf.view(self.rank, self.base, (rt.world, self.m_seg, self.n), a.dtype)
         self.cur, self.side = torch.cuda.current_stream(a.device), rt.side
 
     def peer_slot(self, p: int, region: int = 0) -> torch.Tensor:
         """This rank's receive slot in rank p's buffer (region 0: partials, 1: all-gather)."""
-        offset = (region * self.world + self.rank) * self.seg_bytes
+        offset = self.base + (region * self.world + self.rank) * self.seg_bytes
         return self.buf.view(p, offset, (self.m_seg, self.n), self.dtype)
 
     def segment_a(self, p: int) -> torch.Tensor:
@@ -88,6 +92,7 @@ def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Sc
     if bias is not None:
         out.add_(bias, alpha=1.0 if reduce_op == "avg" else float(call.world))
     call.cur.wait_stream(call.side)
+    call.rt.release(call.cur, call.epoch)
     if call.debug:
         call.rt.check_status("matmul_rs")
     return out
@@ -104,9 +109,10 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
         for c, (lo, hi) in enumerate(call.pieces):
             for src in sources:
                 call.wait(call.side, DATA2 + src * MAX_CHUNKS + c, src, c, "reduced chunk")
-                got = call.buf.view(call.rank, (call.world + src) * call.seg_bytes, (call.m_seg, call.n), call.dtype)
+                got = call.buf.view(call.rank, call.base + (call.world + src) * call.seg_bytes, (call.m_seg, call.n), call.dtype)
                 full[src * call.m_seg + lo: src * call.m_seg + hi].copy_(got[lo:hi])
     call.cur.wait_stream(call.side)
+    call.rt.release(call.cur, call.epoch)
     if bias is not None:
         out.add_(bias, alpha=1.0 if reduce_op == "avg" else float(call.world))
     if call.debug:
@@ -134,11 +140,12 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
                 after_piece(c, lo, hi)
         return
     rt = call.rt
-    rt.barrier(call.cur, call.epoch, debug=call.debug)
     staging = None if call.sched.name == "direct" else torch.empty(
         (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
     for p in rt.peers:
         a_p = call.segment_a(p)
+        if staging is None:
+            rt.await_free(call.cur, p, call.epoch, debug=call.debug)
         for c, (lo, hi) in enumerate(call.pieces):
             if staging is None:
                 torch.mm(a_p[lo:hi], weight, out=call.peer_slot(p)[lo:hi])
@@ -162,6 +169,8 @@ def _ship(call: _Call, src_piece, dst_piece, p, c):
     ready.record(call.cur)
     call.side.wait_event(ready)
     with torch.cuda.stream(call.side):
+        if c == 0:
+            call.rt.await_free(call.side, p, call.epoch, debug=call.debug)
         dst_piece.copy_(src_piece)
         call.rt.signal(call.side, p, DATA + call.rank * MAX_CHUNKS + c, call.epoch)
 
@@ -201,7 +210,8 @@ def _fused(call: _Call, weight, own):
     grid = max(1, min(sms, call.world * tiles_m * tiles_n))
     rs_gemm_kernel[(grid,)](
         call.a2, weight, own, own, send, call.recv, call.buf.ptrs_dev, rt.flags, rt.flag_bases_dev, rt.status,
-        call.epoch, symm.wait_bound(), weight.stride(0), weight.stride(1), call.n, call.k, call.m_seg,
+        call.epoch, symm.wait_bound(), call.base // call.recv.element_size(),
+        weight.stride(0), weight.stride(1), call.n, call.k, call.m_seg,
         call.lay.lin, rt.rank, chunk_mt, call.alpha, 0.0, grid,
         WORLD=rt.world, DIRECT=direct, HAS_BIAS=False, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
         EVEN_K=call.k % p["bk"] == 0, DEBUG=call.debug, DATA=DATA, COUNTERS=COUNTERS,

@@ -21,6 +21,9 @@ GEMM_FLOPS_PER_S = {"bfloat16": 700e12, "float16": 700e12, "float32": 50e12}
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Below this estimated transfer time the fixed costs of an overlapped schedule win.
 MIN_HIDDEN_COMM_S = 20e-6
+# Below this estimated GEMM time a call is host-bound: the GPU schedules spend ~0.3-0.5 ms
+# of Python per call (measured on 2x H200, benchmarks/profile_schedules.py), NCCL's ~0.2.
+MIN_GEMM_S = 0.3e-3
 
 
 def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: str) -> tuple[float, float]:
@@ -53,8 +56,10 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     why = f"est. gemm {gemm_s * 1e6:.0f} us, transfer {comm_s * 1e6:.0f} us"
     if comm_s < MIN_HIDDEN_COMM_S:
         return Schedule("sequential"), why + ": too little to hide"
-    if kind == "ag_matmul":
-        return Schedule("ce_push", 1), why
+    if gemm_s < MIN_GEMM_S:
+        return Schedule("sequential"), why + ": too short to pay a GPU schedule's host cost"
+    if kind == "ag_matmul":  # finer pieces pay only on the longest GEMMs
+        return Schedule("ce_push", 4 if gemm_s > 3e-3 else 1), why
     if kind == "matmul_rs":
         return Schedule("direct", 1), why
-    return Schedule("direct", 2), why
+    return Schedule("ce_push", 2), why

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed._symmetric_memory as symm_mem
@@ -34,6 +34,7 @@ MAX_CHUNKS = 256
 FLAG_SLOTS = 1 << 16
 # Flag regions (int32 indices into each rank's flag array).
 BARRIER = 0  # [p]: epoch of rank p's latest barrier arrival
+CONSUMED = 512  # [p]: latest epoch whose data rank p has finished reading from its own buffer
 DATA = 1024  # [src * MAX_CHUNKS + c]: chunk c sent by src has landed here (value: epoch)
 DATA2 = DATA + MAX_WORLD * MAX_CHUNKS  # second phase (all-gather of matmul_ar)
 COUNTERS = DATA2 + MAX_WORLD * MAX_CHUNKS  # [p * MAX_CHUNKS + c]: tiles finished (reset per call)
@@ -53,6 +54,9 @@ def wait_bound() -> int:
     return int(os.environ.get(BOUND_ENV, DEFAULT_WAIT_BOUND))
 
 
+_ELEMENT_SIZE = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.int32: 4, torch.uint8: 1}
+
+
 @dataclass
 class SymmBuffer:
     """One rendezvoused symmetric allocation; views of any rank's copy by byte offset."""
@@ -61,6 +65,7 @@ class SymmBuffer:
     handle: object
     rank: int
     ptrs_dev: torch.Tensor  # int64 base addresses of every rank's copy (for Triton)
+    views: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -71,12 +76,18 @@ class SymmBuffer:
         numel = 1
         for s in shape:
             numel *= s
-        elt = torch.empty((), dtype=dtype).element_size()
+        elt = _ELEMENT_SIZE.get(dtype) or torch.empty((), dtype=dtype).element_size()
         if offset_bytes % elt or offset_bytes + numel * elt > self.nbytes:
             raise ValueError(f"commopt: symmetric view [{offset_bytes}, +{numel * elt}) outside a {self.nbytes}-byte buffer")
-        if rank == self.rank:
-            return self.local[offset_bytes: offset_bytes + numel * elt].view(dtype).view(tuple(shape))
-        return self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // elt)
+        key = (rank, offset_bytes, tuple(shape), dtype)
+        cached = self.views.get(key)
+        if cached is None:  # views are cached: building a peer tensor costs host time every call
+            if rank == self.rank:
+                cached = self.local[offset_bytes: offset_bytes + numel * elt].view(dtype).view(tuple(shape))
+            else:
+                cached = self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // elt)
+            self.views[key] = cached
+        return cached
 
 
 class WaitTimeout(RuntimeError):
@@ -158,6 +169,20 @@ class GroupRuntime:
         for p in self.peers:
             self.wait(stream, BARRIER + p, epoch, debug=debug, what="barrier", src=p, chunk=-1)
 
+    def await_free(self, stream, peer: int, epoch: int, *, debug: bool) -> None:
+        """Before writing epoch `epoch`'s data into `peer`'s buffer half (epoch % 2): wait
+        until the peer has finished reading what epoch - 2 left in that half.  Calls
+        alternate halves, so in steady state this never waits and the ranks are not
+        coupled call by call (a per-call barrier would stall each rank on the other's
+        host-side launch jitter)."""
+        if epoch > 2:
+            self.wait(stream, CONSUMED + peer, epoch - 2, debug=debug, what="free buffer", src=peer, chunk=-1)
+
+    def release(self, stream, epoch: int) -> None:
+        """After this rank's last read of its own buffer for `epoch` (stream-ordered)."""
+        for p in self.peers:
+            self.signal(stream, p, CONSUMED + self.rank, epoch)
+
     def check_status(self, op: str) -> None:
         """Debug mode: synchronize and raise if any bounded wait of `op` timed out."""
         torch.cuda.synchronize(self.device)
@@ -171,7 +196,7 @@ class GroupRuntime:
                 "a peer stalled, crashed, or runs a different schedule")
 
 
-WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk": 5}
+WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk": 5, "free buffer": 6}
 
 _RUNTIMES: dict[tuple[str, int], GroupRuntime] = {}
 

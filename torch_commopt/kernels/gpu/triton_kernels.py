@@ -148,7 +148,7 @@ def ag_gemm_kernel(
 
 @triton.jit
 def rs_gemm_kernel(
-    a, b, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch, bound,
+    a, b, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch, bound, recv_off,
     sbk, sbn, N, K, M_seg, LIN, rank, chunk_mt, alpha, bias_scale, num_progs,
     WORLD: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -199,7 +199,7 @@ def rs_gemm_kernel(
         if seg != rank:
             if DIRECT:
                 dst = tl.load(recv_bases + seg).to(tl.pointer_type(out.dtype.element_ty))
-                tl.store(dst + rank * seg_elems + offs, acc.to(out.dtype.element_ty), mask=mask)
+                tl.store(dst + recv_off + rank * seg_elems + offs, acc.to(out.dtype.element_ty), mask=mask)
                 tl.debug_barrier()
                 cnt = tl.load(flag_bases + seg).to(tl.pointer_type(tl.int32))
                 tl.atomic_add(cnt + COUNTERS + rank * 256 + chunk, 1, sem="release", scope="sys")
