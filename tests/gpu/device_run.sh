@@ -10,8 +10,8 @@ nvidia-smi topo -m > "$out/topo.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'GPUs')"
 if [[ $what == tests || $what == all ]]; then
   # Bounded waits during the tests: a protocol bug fails a test instead of hanging the run.
-  TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_BOUND=${WAIT_BOUND:-20000000} \
-    timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests.log"
+  TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_BOUND=${WAIT_BOUND:-200000000} \
+    timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests.log"
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_matmul_collectives.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
