@@ -5,7 +5,7 @@ NCCL sequential (the op's `sequential` schedule: NCCL collective + cuBLAS), PyTo
 (`torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`, symmetric
 memory enabled for the group), every commopt GPU schedule, and commopt's pick (the built-in
 rule's schedule, timed on its own).  Times: CUDA events around `iters` back-to-back calls,
-median of `repeats`, max over ranks.  Each commopt schedule's output is checked against
+median of `repeats` rounds (variants round-robin within a round), max over ranks.  Each commopt schedule's output is checked against
 NCCL sequential's before it is timed.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
@@ -54,32 +54,36 @@ SHAPES = [
     Shape("ar", 8192, 8192, 8192), Shape("ar", 2048, 8192, 8192),
 ]
 SCHEDULES = {
-    "ag": ["ce_push:1", "ce_push:2", "ce_push:4", "fused:1", "fused:4", "fused:4:bm=128,bn=128,stages=4"],
+    "ag": ["ce_push:1", "ce_push:2", "ce_push:4", "fused:1", "fused:4", "fused:2:bm=128,bn=128,stages=4"],
     "rs": ["ce_push:2", "ce_push:4", "direct:1", "direct:2", "direct:4", "fused:2:store=direct"],
     "ar": ["ce_push:2", "direct:1", "direct:2", "direct:4"],
 }
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 
 
-def _timed(fn, iters: int, repeats: int) -> float:
-    """Median over repeats of the mean ms per call of `iters` back-to-back calls; max over ranks."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
+def _timed_all(fns: dict, iters: int, repeats: int) -> dict:
+    """{name: ms per call}: mean of `iters` back-to-back calls, median over `repeats` rounds,
+    max over ranks.  The variants are timed round-robin inside each round, so clock or
+    thermal drift over a shape's run spreads evenly instead of penalizing whoever runs last."""
+    for fn in fns.values():
+        for _ in range(3):
             fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    t = torch.tensor([statistics.median(samples)], device="cuda")
+    torch.cuda.synchronize()
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dist.barrier()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) / iters)
+    t = torch.tensor([statistics.median(v) for v in samples.values()], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return dict(zip(fns, t.tolist()))
 
 
 def _rel(x, ref) -> float:
@@ -123,18 +127,20 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
     for shape in shapes:
         (a_shape, w_shapes, dim), gemm, comm, op, tp = _variants(shape, rank, world, group_name)
         rec = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16"}
-        rec["gemm_ms"] = _timed(gemm, iters, repeats)
-        rec["comm_ms"] = _timed(comm, iters, repeats)
-        rec["nccl_seq_ms"] = _timed(lambda: op("sequential"), iters, repeats)
-        rec["torch_async_tp_ms"] = _timed(tp, iters, repeats) if tp is not None else None
-        ref = op("sequential")
-        rec["schedules"], rec["errors_vs_nccl"] = {}, {}
-        for sched in SCHEDULES[shape.op]:
-            rec["errors_vs_nccl"][sched] = _rel(op(sched), ref)
-            rec["schedules"][sched] = _timed(lambda: op(sched), iters, repeats)
         chosen, why = pick(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16")
         rec["commopt_schedule"], rec["pick_reason"] = str(chosen), why
-        rec["commopt_ms"] = _timed(lambda: op(str(chosen)), iters, repeats)
+        ref = op("sequential")
+        rec["errors_vs_nccl"] = {s: _rel(op(s), ref) for s in SCHEDULES[shape.op]}
+        fns = {"gemm": gemm, "comm": comm, "nccl_seq": lambda: op("sequential")}
+        if tp is not None:
+            fns["torch_async_tp"] = tp
+        fns.update({f"sched {s}": (lambda s=s: op(s)) for s in SCHEDULES[shape.op]})
+        fns["pick"] = lambda: op(str(chosen))
+        ms = _timed_all(fns, iters, repeats)
+        rec["gemm_ms"], rec["comm_ms"], rec["nccl_seq_ms"] = ms["gemm"], ms["comm"], ms["nccl_seq"]
+        rec["torch_async_tp_ms"] = ms.get("torch_async_tp")
+        rec["schedules"] = {s: ms[f"sched {s}"] for s in SCHEDULES[shape.op]}
+        rec["commopt_ms"] = ms["pick"]
         _derive(rec, world)
         records.append(rec)
         if rank == 0:
@@ -179,7 +185,7 @@ def _report(records: list[dict], meta: dict) -> str:
                      f"{f(r['nccl_seq_ms'])} | {f(r['torch_async_tp_ms'])} | {f(r['commopt_ms'])} | "
                      f"{r['commopt_schedule']} | {f(r['hidden_fraction'])} | {f(r['torch_async_tp_hidden_fraction'])} | "
                      f"{r['speedup_vs_best_baseline']:.3f} | {r['balanced']} |")
-    lines += ["", "Times in ms (median of repeats of back-to-back calls, max over ranks).", "",
+    lines += ["", "Times in ms (mean of back-to-back calls, median of round-robin rounds, max over ranks).", "",
               "## Every commopt schedule (ms; relative error vs NCCL sequential)", ""]
     for r in records:
         cells = ", ".join(f"`{s}` {t:.3f} ({r['errors_vs_nccl'][s]:.1e})" for s, t in r["schedules"].items())

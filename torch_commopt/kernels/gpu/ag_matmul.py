@@ -55,6 +55,12 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     base = (epoch % 2) * world * slot_bytes  # calls alternate buffer halves
     slots = buf.view(rank, base, (world, m_loc, k), a.dtype)
     cur, side = torch.cuda.current_stream(a.device), rt.side
+    gshape = shape[:gather_dim] + [world * shape[gather_dim]] + shape[gather_dim + 1:]
+    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]]) for w in weights]
+    # Allocated before the side stream syncs with the caller's stream: the side stream
+    # writes `gathered`, and its block's previous owner may still have caller-stream work
+    # pending (the caching allocator orders reuse on the allocating stream only).
+    gathered = a.new_empty(gshape) if return_gathered else None
 
     side.wait_stream(cur)
     with torch.cuda.stream(side):
@@ -65,8 +71,6 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
                 dst[lo:hi].copy_(a2[lo:hi])
                 rt.signal(side, p, DATA + rank * MAX_CHUNKS + c, epoch)
 
-    gshape = shape[:gather_dim] + [world * shape[gather_dim]] + shape[gather_dim + 1:]
-    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]]) for w in weights]
     sources = [(rank - s) % world for s in range(1, world)]
     if sched.name == "fused":
         _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sched, debug)
@@ -74,7 +78,7 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
         _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, sources, epoch, cur, debug)
     result = outs
     if return_gathered:
-        result = outs + [_gathered(rt, a2, slots, gshape, lay, pieces, sources, epoch, side, debug)]
+        result = outs + [_gathered(rt, a2, slots, gathered, lay, pieces, sources, epoch, side, debug)]
     cur.wait_stream(side)
     rt.release(cur, epoch)
     if debug:
@@ -122,7 +126,7 @@ def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sch
         ws3, cs3, bs3 = _pad3(ws), _pad3(cs), _pad3(bs)
         ns = [w.shape[-1] for w in ws] + [0] * (3 - n_b)
         tiles = rt.world * _cdiv(m_loc, p["bm"]) * sum(_cdiv(n, p["bn"]) for n in ns)
-        # Debug waits (the side stream's barrier) are one-block kernels: leave them an SM.
+        # Debug waits (the side stream's buffer-free wait) are one-block kernels: leave them an SM.
         grid = max(1, min(sms - (1 if debug else 0), tiles))
         ag_gemm_kernel[(grid,)](
             a2, slots, rt.flags, rt.status, epoch, symm.wait_bound(),
@@ -135,9 +139,8 @@ def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sch
         )
 
 
-def _gathered(rt, a2, slots, gshape, lay, pieces, sources, epoch, side, debug):
+def _gathered(rt, a2, slots, gathered, lay, pieces, sources, epoch, side, debug):
     """The all-gathered input, assembled by the copy engine off the critical path."""
-    gathered = a2.new_empty(gshape)
     full = gathered.view(-1, a2.shape[-1])
     last = len(pieces) - 1
     with torch.cuda.stream(side):
