@@ -96,7 +96,7 @@ def probe_rs_ce(rank: int, world: int):
     import torch_commopt  # noqa: F401
     from torch_commopt.kernels.gpu import symm
 
-    os.environ["TORCH_COMMOPT_WAIT_BOUND"] = "3000000"
+    os.environ["TORCH_COMMOPT_WAIT_TIMEOUT_S"] = "5"
     gname = dist.group.WORLD.group_name
     a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)

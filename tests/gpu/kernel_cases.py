@@ -196,7 +196,7 @@ def run_debug_timeout(rank: int, world: int):
     error naming the op, rank and chunk (no hang).  Returns rank 0's error message."""
     import os
 
-    os.environ["TORCH_COMMOPT_WAIT_BOUND"] = "200000"
+    os.environ["TORCH_COMMOPT_WAIT_TIMEOUT_S"] = "5"
     a = _global(1, (256, 256), torch.bfloat16)
     w = _global(2, (256, 256), torch.bfloat16)
     gn = _group_name()

@@ -42,8 +42,8 @@ assert COUNTERS + MAX_WORLD * MAX_CHUNKS <= FLAG_SLOTS
 
 MIN_BUFFER_BYTES = 1 << 24
 DEBUG_ENV = "TORCH_COMMOPT_DEBUG_WAITS"
-BOUND_ENV = "TORCH_COMMOPT_WAIT_BOUND"
-DEFAULT_WAIT_BOUND = 1 << 26  # spin iterations before a debug-mode wait gives up (seconds of spinning)
+TIMEOUT_ENV = "TORCH_COMMOPT_WAIT_TIMEOUT_S"
+DEFAULT_WAIT_TIMEOUT_S = 120.0  # wall time a debug-mode wait spins before it gives up
 
 
 def debug_waits_from_env() -> bool:
@@ -51,7 +51,8 @@ def debug_waits_from_env() -> bool:
 
 
 def wait_bound() -> int:
-    return int(os.environ.get(BOUND_ENV, DEFAULT_WAIT_BOUND))
+    """Debug-mode spin bound in nanoseconds (TORCH_COMMOPT_WAIT_TIMEOUT_S, default 120 s)."""
+    return int(float(os.environ.get(TIMEOUT_ENV, DEFAULT_WAIT_TIMEOUT_S)) * 1e9)
 
 
 _ELEMENT_SIZE = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.int32: 4, torch.uint8: 1}

@@ -10,7 +10,7 @@ Memory ordering (why each fence is where it is):
 - Spinning blocks never wait for a kernel: producers are copy engines, stream memory
   operations, or tiles of the peer's kernel that themselves wait for nothing, so the
   persistent grid (<= one block per SM) cannot starve its own producer.
-Debug mode bounds every spin and records (code, src, chunk, seen, expected) in `status`.
+Debug mode bounds every spin in wall time and records (code, src, chunk, seen, expected) in `status`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _now_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _spin_geq(ptr, expected, status, code, src, chunk, bound, DEBUG: tl.constexpr):
-    """Spin until *ptr >= expected (int32 wrap-around compare); acquire, system scope."""
+    """Spin until *ptr >= expected (int32 wrap-around compare); acquire, system scope.
+    DEBUG: give up after `bound` nanoseconds of wall time (not iterations: a peer that is
+    JIT-compiling a kernel for seconds is slow, not stuck)."""
     v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     if DEBUG:
-        i = 0
-        while ((v - expected) < 0) & (i < bound):
+        deadline = _now_ns() + bound
+        while ((v - expected) < 0) & (_now_ns() < deadline):
             v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            i += 1
         if (v - expected) < 0:
             tl.store(status + 1, code)
             tl.store(status + 2, src)
@@ -47,7 +53,7 @@ def _bounded_wait_kernel(flags, index, expected, status, code, src, chunk, bound
 
 
 def bounded_wait(flags, index, expected, status, *, code, src, chunk, bound) -> None:
-    """One block spinning on flags[index] >= expected for at most `bound` iterations."""
+    """One block spinning on flags[index] >= expected for at most `bound` nanoseconds."""
     _bounded_wait_kernel[(1,)](flags, index, expected, status, code, src, chunk, bound, num_warps=1)
 
 
