@@ -13,7 +13,6 @@ runs as (profiler), so the "copy engine" claim is checked, not assumed.
 from __future__ import annotations
 
 import pathlib
-import statistics
 import sys
 
 import torch
@@ -21,26 +20,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_matmul_collectives import _timed_all  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
 
-def _time(fn, iters=10, repeats=5):
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        dist.barrier()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters):
-            fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) / iters)
-    t = torch.tensor([statistics.median(out)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+def _time(fn) -> float:
+    return _timed_all({"fn": fn}, iters=10, repeats=5)["fn"]
 
 
 def probe(rank: int, world: int, m: int = 8192, k: int = 8192, n: int = 4096):

@@ -46,3 +46,31 @@ def test_schedule_string_round_trip(text):
 def test_schedule_rejects_unknown_names():
     with pytest.raises(ValueError, match="schedule"):
         Schedule.parse("ring:2")
+
+
+@pytest.mark.parametrize("text", ["ce_push:2", "direct:1", "fused:4:bm=128,bn=256,store=direct",
+                                  "fused:1:dbg=1,store=ce"])
+def test_gpu_schedule_strings_round_trip(text):
+    sched = Schedule.parse(text)
+    assert Schedule.parse(str(sched)) == sched and sched.is_gpu
+
+
+@pytest.mark.parametrize("text", ["fused:2:bm=abc", "fused:2:nope=1", "ce_push:x"])
+def test_bad_schedule_parameters_raise(text):
+    with pytest.raises(ValueError, match="schedule"):
+        Schedule.parse(text)
+
+
+@pytest.mark.parametrize("text,twin", [("ce_push:3", "chunked:3"), ("direct:1", "sequential"),
+                                       ("fused:4:bm=64", "chunked:4"), ("sequential", "sequential")])
+def test_every_gpu_schedule_has_a_reference_twin(text, twin):
+    assert str(Schedule.parse(text).reference_twin()) == twin
+
+
+def test_config_schedule_auto_and_fixed():
+    assert Config().schedule == "auto" and Config().fixed_schedule is None
+    assert str(Config(schedule="ce_push", chunks=3).fixed_schedule) == "ce_push:3"
+    assert str(Config(schedule="fused:2:bm=64").fixed_schedule) == "fused:2:bm=64"
+    assert str(Config(schedule="sequential", chunks=5).fixed_schedule) == "sequential"
+    with pytest.raises(ValueError, match="debug_waits"):
+        Config(debug_waits="yes")

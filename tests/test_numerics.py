@@ -36,3 +36,13 @@ def test_models_forward_backward_match_eager(world, options):
             assert rewritten >= 3, f"{kind}: only {rewritten} regions rewritten"
             for name, c, e in errors:
                 _assert_close(f"{kind} {name}", c, e)
+
+
+def test_gpu_schedules_run_their_reference_twin_on_cpu():
+    """A graph rewritten with a GPU schedule stays portable: on gloo the ops run the twin."""
+    options = {"schedule": "ce_push", "chunks": 3}
+    for rank_results in run_distributed(run_funcol_programs, 2, options):
+        for name, errors, ops, expected_op in rank_results:
+            assert ops.get(expected_op, 0) >= 1, f"{name}: {expected_op} not rewritten ({ops})"
+            for i, (c, e) in enumerate(errors):
+                _assert_close(f"{name} output {i}", c, e)

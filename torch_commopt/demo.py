@@ -41,6 +41,10 @@ def run_demo(world: int = 2, options: dict[str, Any] | None = None, backend: str
     options = dict(options or {})
     Config.from_options(options)  # reject bad options before spawning anything
     backend = pick_backend(world) if backend == "auto" else backend
+    if backend == "nccl" and options.get("schedule", "auto") == "auto":
+        # The demo's block is far too small for the built-in rule to pick a GPU schedule
+        # (it would choose NCCL sequential); on GPUs the demo shows the copy-engine kernels.
+        options["schedule"] = "ce_push"
     shape = {"batch": 2, "seq": 32, "dim": 64, "hidden": 128, "heads": 4 * world}
     print(f"commopt demo: LlamaBlock(dim={shape['dim']}, heads={shape['heads']}, hidden={shape['hidden']}), "
           f"TP+SP over {world} ranks, backend={backend}, options={options or '{}'}")

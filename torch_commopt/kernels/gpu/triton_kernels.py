@@ -18,11 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _now_ns():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+import triton.language.extra.cuda as cuda_extra
 
 
 @triton.jit
@@ -32,8 +28,8 @@ def _spin_geq(ptr, expected, status, code, src, chunk, bound, DEBUG: tl.constexp
     JIT-compiling a kernel for seconds is slow, not stuck)."""
     v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     if DEBUG:
-        deadline = _now_ns() + bound
-        while ((v - expected) < 0) & (_now_ns() < deadline):
+        deadline = cuda_extra.globaltimer() + bound
+        while ((v - expected) < 0) & (cuda_extra.globaltimer() < deadline):
             v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         if (v - expected) < 0:
             tl.store(status + 1, code)
@@ -77,12 +73,25 @@ def _tile_coords(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _operand_ptrs(a_base, rows, b_base, sbk, sbn, offs_n, K, BK: tl.constexpr):
-    """Pointers to the first K-block of A[rows, :] (row stride K) and B[:, offs_n]."""
+def _mainloop(a_base, rows, row_mask, b_base, sbk, sbn, offs_n, n_mask, K,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc[BM, BN] = A[rows, :] @ B[:, offs_n] in fp32; A rows are contiguous with stride K."""
     offs_k = tl.arange(0, BK)
     a_ptrs = a_base + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
     b_ptrs = b_base + offs_k[:, None].to(tl.int64) * sbk + offs_n[None, :].to(tl.int64) * sbn
-    return a_ptrs, b_ptrs
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BK)):
+        if EVEN_K:
+            a_blk = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            b_blk = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < K - kb * BK
+            a_blk = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b_blk = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a_blk, b_blk, acc)
+        a_ptrs += BK
+        b_ptrs += BK * sbk
+    return acc
 
 
 @triton.jit
@@ -131,20 +140,7 @@ def ag_gemm_kernel(
                 b, c, bias, sbk, sbn, n_i, col = b2, c2, bias2, sbk2, sbn2, N2, pid_n - tn0 - tn1
         offs_n = col * BN + tl.arange(0, BN)
         n_mask = offs_n < n_i
-        a_ptrs, b_ptrs = _operand_ptrs(a_base, i, b, sbk, sbn, offs_n, K, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BK)):
-            if EVEN_K:
-                a_blk = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-                b_blk = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-            else:
-                k_left = K - kb * BK
-                k_mask = tl.arange(0, BK) < k_left
-                a_blk = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                b_blk = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a_blk, b_blk, acc)
-            a_ptrs += BK
-            b_ptrs += BK * sbk
+        acc = _mainloop(a_base, i, row_mask, b, sbk, sbn, offs_n, n_mask, K, BM, BN, BK, EVEN_K)
         if HAS_BIAS:
             acc += tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         rows = _block_rows(slot, i, LIN, WORLD)
@@ -185,20 +181,7 @@ def rs_gemm_kernel(
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         rows = _block_rows(seg, i, LIN, WORLD)
-        a_ptrs, b_ptrs = _operand_ptrs(a, rows, b, sbk, sbn, offs_n, K, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BK)):
-            if EVEN_K:
-                a_blk = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-                b_blk = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-            else:
-                k_left = K - kb * BK
-                k_mask = tl.arange(0, BK) < k_left
-                a_blk = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                b_blk = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a_blk, b_blk, acc)
-            a_ptrs += BK
-            b_ptrs += BK * sbk
+        acc = _mainloop(a, rows, row_mask, b, sbk, sbn, offs_n, n_mask, K, BM, BN, BK, EVEN_K)
         chunk = pid_m // chunk_mt
         offs = i.to(tl.int64)[:, None] * N + offs_n[None, :]
         mask = row_mask[:, None] & n_mask[None, :]

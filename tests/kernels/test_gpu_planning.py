@@ -1,0 +1,62 @@
+"""The CPU-testable parts of the GPU schedules: row layouts, dispatch, and the pick rule."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from torch_commopt.kernels.gpu.layout import RowLayout
+from torch_commopt.kernels.gpu.pick import pick
+from torch_commopt.kernels.ops import resolve
+
+
+@pytest.mark.parametrize("shape,dim,world", [((8, 6), 0, 2), ((2, 3, 5, 4), 1, 4), ((3, 7, 4), 0, 2), ((2, 5, 4), 1, 2)])
+def test_block_rows_are_the_rank_blocks_of_a_gathered_tensor(shape, dim, world):
+    shards = [torch.randn(shape) for _ in range(world)]
+    full = torch.cat(shards, dim=dim)
+    lay = RowLayout.of(list(shape), dim, world, gathered=True)
+    rows = full.reshape(-1, shape[-1])
+    for r, shard in enumerate(shards):
+        for lo, hi in lay.pieces(3):
+            got = lay.block_rows(rows, r, lo, hi)
+            assert torch.equal(got.reshape(-1, shape[-1]), shard.reshape(-1, shape[-1])[lo:hi])
+
+
+@pytest.mark.parametrize("rows,outer,chunks", [(10, 1, 3), (10, 1, 20), (12, 3, 2), (12, 4, 5)])
+def test_pieces_cover_the_rows_in_whole_units(rows, outer, chunks):
+    lay = RowLayout(outer, rows // outer, 2)
+    pieces = lay.pieces(chunks)
+    assert pieces[0][0] == 0 and pieces[-1][1] == lay.local_rows
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert all((hi - lo) % lay.unit == 0 or hi == lay.local_rows for lo, hi in pieces)
+    assert len(pieces) <= chunks
+
+
+def test_gpu_schedule_on_cpu_runs_its_reference_twin():
+    assert str(resolve("ag_matmul", "ce_push:3", torch.device("cpu"), lambda s: None)) == "chunked:3"
+    assert str(resolve("matmul_rs", "direct:1", torch.device("cpu"), lambda s: None)) == "sequential"
+
+
+def test_refused_gpu_call_runs_sequential_and_logs(caplog):
+    with caplog.at_level(logging.WARNING, logger="torch_commopt.kernels.ops"):
+        got = resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s: "planted refusal")
+    assert str(got) == "sequential" and "planted refusal" in caplog.text
+    assert str(resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s: None)) == "fused:2"
+
+
+@pytest.mark.parametrize("kind,a_shape,w_shapes,dim,expected", [
+    ("ag_matmul", [4096, 8192], [[8192, 4096]], 0, "ce_push:1"),
+    ("ag_matmul", [8192, 8192], [[8192, 14336]], 0, "ce_push:4"),
+    ("ag_matmul", [256, 8192], [[8192, 4096]], 0, "sequential"),  # too short for its host cost
+    ("ag_matmul", [4096, 8192], [[4, 8192, 4096]], 0, "sequential"),  # batched weights
+    ("ag_matmul", [4096, 8192], [[16384, 4096]], 1, "sequential"),  # gather on the contracted dim
+    ("matmul_rs", [8192, 4096], [[4096, 8192]], 0, "direct:1"),
+    ("matmul_rs", [8191, 4096], [[4096, 8192]], 0, "sequential"),  # rows do not split evenly
+    ("matmul_ar", [8192, 4096], [[4096, 8192]], None, "ce_push:2"),
+    ("matmul_ar", [512, 64], [[64, 64]], None, "sequential"),
+])
+def test_pick_rule(kind, a_shape, w_shapes, dim, expected):
+    sched, why = pick(kind, a_shape, w_shapes, dim, 2, "bfloat16")
+    assert str(sched) == expected, why
