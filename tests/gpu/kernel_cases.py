@@ -59,6 +59,13 @@ def _global(seed: int, shape, dtype) -> torch.Tensor:
     return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
 
 
+def _compare(label: str, error_of, schedules) -> list:
+    """[(name, GPU schedule's error, worse of its reference twin's and NCCL sequential's)]."""
+    seq = error_of("sequential")
+    return [(f"{label} {sched}", error_of(sched), max(error_of(str(Schedule.parse(sched).reference_twin())), seq))
+            for sched in schedules]
+
+
 def _ag_case(case, dtype, schedules, seed, rank, world):
     shard_shape, dim, ns, bias, keep = case
     gshape = list(shard_shape)
@@ -81,12 +88,7 @@ def _ag_case(case, dtype, schedules, seed, rank, world):
             errs.append(0.0 if torch.equal(outs[-1], full) else float("inf"))
         return max(errs)
 
-    seq = errors(run("sequential"))
-    results = []
-    for sched in schedules:
-        twin = errors(run(str(Schedule.parse(sched).reference_twin())))
-        results.append((f"ag {shard_shape} dim{dim} n{ns} {dtype} {sched}", errors(run(sched)), max(twin, seq)))
-    return results
+    return _compare(f"ag {shard_shape} dim{dim} n{ns} {dtype}", lambda s: errors(run(s)), schedules)
 
 
 def _rs_case(case, dtype, schedules, seed, rank, world):
@@ -106,12 +108,7 @@ def _rs_case(case, dtype, schedules, seed, rank, world):
         _poison(total.numel() * 2)
         return torch.ops.commopt.matmul_rs(a_all[rank], w_all[rank], b, dim, op, world, _group_name(), sched)
 
-    seq = _rel(run("sequential"), truth)
-    results = []
-    for sched in schedules:
-        twin = _rel(run(str(Schedule.parse(sched).reference_twin())), truth)
-        results.append((f"rs {a_shape} dim{dim} n{n} {op} {dtype} {sched}", _rel(run(sched), truth), max(twin, seq)))
-    return results
+    return _compare(f"rs {a_shape} dim{dim} n{n} {op} {dtype}", lambda s: _rel(run(s), truth), schedules)
 
 
 def _ar_case(case, dtype, schedules, seed, rank, world):
@@ -126,12 +123,7 @@ def _ar_case(case, dtype, schedules, seed, rank, world):
         _poison(truth.numel() * 2)
         return torch.ops.commopt.matmul_ar(a_all[rank], w_all[rank], b, "sum", world, _group_name(), sched)
 
-    seq = _rel(run("sequential"), truth)
-    results = []
-    for sched in schedules:
-        twin = _rel(run(str(Schedule.parse(sched).reference_twin())), truth)
-        results.append((f"ar {a_shape} n{n} {dtype} {sched}", _rel(run(sched), truth), max(twin, seq)))
-    return results
+    return _compare(f"ar {a_shape} n{n} {dtype}", lambda s: _rel(run(s), truth), schedules)
 
 
 def run_schedule_cases(rank: int, world: int, dtypes: tuple[str, ...] = ("bfloat16", "float16")):

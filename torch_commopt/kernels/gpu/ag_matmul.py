@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from torch_commopt.kernels.gpu import symm
-from torch_commopt.kernels.gpu.layout import RowLayout
+from torch_commopt.kernels.gpu.layout import RowLayout, cdiv
 from torch_commopt.kernels.gpu.symm import DATA, MAX_CHUNKS
 from torch_commopt.schedule import Schedule
 
@@ -42,7 +42,7 @@ def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule) -> str |
 
 def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, return_gathered):
     rt = symm.runtime(group_name, a.device)
-    debug = bool(sched.param("dbg", 0)) or symm.debug_waits_from_env()
+    debug = symm.debug_waits(sched)
     world, rank = rt.world, rt.rank
     shape = list(a.shape)
     lay = RowLayout.of(shape, gather_dim, world, gathered=True)
@@ -71,14 +71,13 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
                 dst[lo:hi].copy_(a2[lo:hi])
                 rt.signal(side, p, DATA + rank * MAX_CHUNKS + c, epoch)
 
-    sources = [(rank - s) % world for s in range(1, world)]
     if sched.name == "fused":
         _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sched, debug)
     else:
-        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, sources, epoch, cur, debug)
+        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, cur, debug)
     result = outs
     if return_gathered:
-        result = outs + [_gathered(rt, a2, slots, gathered, lay, pieces, sources, epoch, side, debug)]
+        result = outs + [_gathered(rt, a2, slots, gathered, lay, pieces, epoch, side, debug)]
     cur.wait_stream(side)
     rt.release(cur, epoch)
     if debug:
@@ -86,12 +85,12 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     return result
 
 
-def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, sources, epoch, cur, debug):
+def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, cur, debug):
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in outs]
     # Own shard first, as one GEMM: it needs nothing from the peers.
     _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows)
-    for src in sources:
+    for src in rt.sources:
         for c, (lo, hi) in enumerate(pieces):
             rt.wait(cur, DATA + src * MAX_CHUNKS + c, epoch, debug=debug, what="chunk", src=src, chunk=c)
             _piece_matmuls(slots[src, lo:hi], full, weights, biases, lay, src, lo, hi)
@@ -125,7 +124,7 @@ def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sch
         n_b = len(ws)
         ws3, cs3, bs3 = _pad3(ws), _pad3(cs), _pad3(bs)
         ns = [w.shape[-1] for w in ws] + [0] * (3 - n_b)
-        tiles = rt.world * _cdiv(m_loc, p["bm"]) * sum(_cdiv(n, p["bn"]) for n in ns)
+        tiles = rt.world * cdiv(m_loc, p["bm"]) * sum(cdiv(n, p["bn"]) for n in ns)
         # Debug waits (the side stream's buffer-free wait) are one-block kernels: leave them an SM.
         grid = max(1, min(sms - (1 if debug else 0), tiles))
         ag_gemm_kernel[(grid,)](
@@ -139,23 +138,19 @@ def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sch
         )
 
 
-def _gathered(rt, a2, slots, gathered, lay, pieces, sources, epoch, side, debug):
+def _gathered(rt, a2, slots, gathered, lay, pieces, epoch, side, debug):
     """The all-gathered input, assembled by the copy engine off the critical path."""
     full = gathered.view(-1, a2.shape[-1])
     last = len(pieces) - 1
     with torch.cuda.stream(side):
-        lay.block_rows(full, rt.rank, 0, lay.local_rows).copy_(a2.view(lay.block_rows(full, rt.rank, 0, lay.local_rows).shape))
-        for src in sources:
-            # Pieces from one peer land in order, so the last flag covers the whole slot.
-            rt.wait(side, DATA + src * MAX_CHUNKS + last, epoch, debug=debug, what="chunk", src=src, chunk=last)
+        for src in [rt.rank] + rt.sources:
+            if src != rt.rank:
+                # Pieces from one peer land in order, so the last flag covers the whole slot.
+                rt.wait(side, DATA + src * MAX_CHUNKS + last, epoch, debug=debug, what="chunk", src=src, chunk=last)
             dst = lay.block_rows(full, src, 0, lay.local_rows)
-            dst.copy_(slots[src].view(dst.shape))
+            dst.copy_((a2 if src == rt.rank else slots[src]).view(dst.shape))
     return gathered
 
 
 def _pad3(xs):
     return list(xs) + [xs[0]] * (3 - len(xs))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -55,3 +55,7 @@ class RowLayout:
             return full[block * self.lin + lo: block * self.lin + hi]
         blocked = full.view(self.outer, self.world, self.lin, x)
         return blocked[lo // self.lin: hi // self.lin, block]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

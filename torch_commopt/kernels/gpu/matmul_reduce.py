@@ -19,10 +19,12 @@ to every peer by the copy engine (flags DATA2) and copied into place there.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from torch_commopt.kernels.gpu import symm
-from torch_commopt.kernels.gpu.layout import RowLayout
+from torch_commopt.kernels.gpu.layout import RowLayout, cdiv
 from torch_commopt.kernels.gpu.symm import COUNTERS, DATA, DATA2, MAX_CHUNKS
 from torch_commopt.schedule import Schedule
 
@@ -50,12 +52,13 @@ class _Call:
     def __init__(self, a, weight, scatter_dim, group_name, sched: Schedule, reduce_op, *, phases: int):
         self.rt = rt = symm.runtime(group_name, a.device)
         self.sched, self.world, self.rank = sched, rt.world, rt.rank
-        self.debug = bool(sched.param("dbg", 0)) or symm.debug_waits_from_env()
+        self.debug = symm.debug_waits(sched)
         shape = list(a.shape)
         self.k, self.n = shape[-1], weight.shape[-1]
-        self.lay = RowLayout.of(shape, 0 if scatter_dim is None else scatter_dim, rt.world, gathered=False)
         if scatter_dim is None:  # all-reduce: any row split works; use contiguous row blocks
-            self.lay = RowLayout(1, self.lay.outer * self.lay.lin, rt.world)
+            self.lay = RowLayout(1, math.prod(shape[:-1]) // rt.world, rt.world)
+        else:
+            self.lay = RowLayout.of(shape, scatter_dim, rt.world, gathered=False)
         self.m_seg = self.lay.local_rows
         self.a2 = a.contiguous().view(-1, self.k)
         self.pieces = self.lay.pieces(min(sched.chunks, MAX_CHUNKS))
@@ -69,10 +72,31 @@ class _Call:
         self.recv = self.buf.view(self.rank, self.base, (rt.world, self.m_seg, self.n), a.dtype)
         self.cur, self.side = torch.cuda.current_stream(a.device), rt.side
 
+    def slot(self, owner: int, sender: int, region: int = 0) -> torch.Tensor:
+        """Slot `sender` of rank `owner`'s buffer (region 0: partials, 1: all-gather)."""
+        offset = self.base + (region * self.world + sender) * self.seg_bytes
+        return self.buf.view(owner, offset, (self.m_seg, self.n), self.dtype)
+
     def peer_slot(self, p: int, region: int = 0) -> torch.Tensor:
-        """This rank's receive slot in rank p's buffer (region 0: partials, 1: all-gather)."""
-        offset = self.base + (region * self.world + self.rank) * self.seg_bytes
-        return self.buf.view(p, offset, (self.m_seg, self.n), self.dtype)
+        """This rank's receive slot in rank p's buffer."""
+        return self.slot(p, self.rank, region)
+
+    def after_caller(self) -> None:
+        """Make the side stream wait for the caller's stream as it stands now."""
+        ready = torch.cuda.Event()
+        ready.record(self.cur)
+        self.side.wait_event(ready)
+
+    def finish(self, out, bias, reduce_op: str, op: str):
+        """Join the side stream, tell peers this rank's buffer half is read, add the bias
+        (every rank added it before the reduction: W times for sum, once for avg)."""
+        self.cur.wait_stream(self.side)
+        self.rt.release(self.cur, self.epoch)
+        if bias is not None:
+            out.add_(bias, alpha=1.0 if reduce_op == "avg" else float(self.world))
+        if self.debug:
+            self.rt.check_status(op)
+        return out
 
     def segment_a(self, p: int) -> torch.Tensor:
         """The A rows producing segment p, as a contiguous (m_seg, K) matrix."""
@@ -89,13 +113,7 @@ def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Sc
     out_shape[scatter_dim] //= call.world
     out = a.new_empty(out_shape)
     _reduce_scatter_into(call, weight, out.view(call.m_seg, call.n))
-    if bias is not None:
-        out.add_(bias, alpha=1.0 if reduce_op == "avg" else float(call.world))
-    call.cur.wait_stream(call.side)
-    call.rt.release(call.cur, call.epoch)
-    if call.debug:
-        call.rt.check_status("matmul_rs")
-    return out
+    return call.finish(out, bias, reduce_op, "matmul_rs")
 
 
 def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
@@ -104,27 +122,18 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
     full = out.view(-1, call.n)
     own = full[call.rank * call.m_seg: (call.rank + 1) * call.m_seg]
     _reduce_scatter_into(call, weight, own, after_piece=lambda c, lo, hi: _push_reduced(call, own, c, lo, hi))
-    sources = [(call.rank - s) % call.world for s in range(1, call.world)]
     with torch.cuda.stream(call.side):
         for c, (lo, hi) in enumerate(call.pieces):
-            for src in sources:
+            for src in call.rt.sources:
                 call.wait(call.side, DATA2 + src * MAX_CHUNKS + c, src, c, "reduced chunk")
-                got = call.buf.view(call.rank, call.base + (call.world + src) * call.seg_bytes, (call.m_seg, call.n), call.dtype)
+                got = call.slot(call.rank, src, region=1)
                 full[src * call.m_seg + lo: src * call.m_seg + hi].copy_(got[lo:hi])
-    call.cur.wait_stream(call.side)
-    call.rt.release(call.cur, call.epoch)
-    if bias is not None:
-        out.add_(bias, alpha=1.0 if reduce_op == "avg" else float(call.world))
-    if call.debug:
-        call.rt.check_status("matmul_ar")
-    return out
+    return call.finish(out, bias, reduce_op, "matmul_ar")
 
 
 def _push_reduced(call: _Call, own, c, lo, hi):
     """All-gather phase of matmul_ar: piece c of the reduced own segment to every peer."""
-    done = torch.cuda.Event()
-    done.record(call.cur)
-    call.side.wait_event(done)
+    call.after_caller()
     with torch.cuda.stream(call.side):
         for p in call.rt.peers:
             call.peer_slot(p, region=1)[lo:hi].copy_(own[lo:hi])
@@ -154,20 +163,17 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
                 torch.mm(a_p[lo:hi], weight, out=staging[p, lo:hi])
                 _ship(call, staging[p, lo:hi], call.peer_slot(p)[lo:hi], p, c)
     a_r = call.segment_a(call.rank)
-    sources = [(call.rank - s) % call.world for s in range(1, call.world)]
     for c, (lo, hi) in enumerate(call.pieces):
-        for src in sources:
+        for src in rt.sources:
             call.wait(call.cur, DATA + src * MAX_CHUNKS + c, src, c, "partial")
-        _own_piece(call, a_r[lo:hi], weight, own[lo:hi], [call.recv[s, lo:hi] for s in sources])
+        _own_piece(call, a_r[lo:hi], weight, own[lo:hi], [call.recv[s, lo:hi] for s in rt.sources])
         if after_piece is not None:
             after_piece(c, lo, hi)
 
 
 def _ship(call: _Call, src_piece, dst_piece, p, c):
     """Copy engine: staging piece -> peer p's receive slot, then flag it."""
-    ready = torch.cuda.Event()
-    ready.record(call.cur)
-    call.side.wait_event(ready)
+    call.after_caller()
     with torch.cuda.stream(call.side):
         if c == 0:
             call.rt.await_free(call.side, p, call.epoch, debug=call.debug)
@@ -193,17 +199,16 @@ def _fused(call: _Call, weight, own):
     if p["store"] not in ("direct", "ce"):
         raise ValueError(f"commopt matmul_rs fused: store must be 'direct' or 'ce', got {p['store']!r}")
     direct = p["store"] == "direct"
-    tiles_m, tiles_n = _cdiv(call.m_seg, p["bm"]), _cdiv(call.n, p["bn"])
-    per_piece = max(1, (call.pieces[0][1] - call.pieces[0][0]) // p["bm"])
-    chunk_mt = max(1, per_piece)
-    n_chunks = _cdiv(tiles_m, chunk_mt)
+    tiles_m, tiles_n = cdiv(call.m_seg, p["bm"]), cdiv(call.n, p["bn"])
+    chunk_mt = max(1, (call.pieces[0][1] - call.pieces[0][0]) // p["bm"])  # M tiles per piece
+    n_chunks = cdiv(tiles_m, chunk_mt)
     if n_chunks > MAX_CHUNKS:
-        chunk_mt, n_chunks = _cdiv(tiles_m, MAX_CHUNKS), MAX_CHUNKS
+        chunk_mt, n_chunks = cdiv(tiles_m, MAX_CHUNKS), MAX_CHUNKS
     rt.reset_counters(call.cur)
     rt.barrier(call.cur, call.epoch, debug=call.debug)
     send = own if direct else torch.empty((call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
-    start = torch.cuda.Event()
-    start.record(call.cur)
+    if not direct:
+        call.after_caller()  # the side stream's copies below follow the barrier, not the kernel
     # Debug waits are one-block kernels on the side stream: leave them an SM, or a grid
     # spinning on every SM would starve the very wait its data depends on.
     sms = (p.get("sms") or num_sms(own.device)) - (1 if call.debug else 0)
@@ -221,7 +226,6 @@ def _fused(call: _Call, weight, own):
         # The copy engine ships each piece as soon as its tiles are counted.  Enqueued after
         # the kernel's launch (the first launch JIT-compiles for seconds, which a bounded
         # debug wait enqueued earlier would count against its bound).
-        call.side.wait_event(start)
         with torch.cuda.stream(call.side):
             for q in rt.peers:
                 for c in range(n_chunks):
@@ -230,7 +234,3 @@ def _fused(call: _Call, weight, own):
                     rt.wait(call.side, COUNTERS + q * MAX_CHUNKS + c, tiles, debug=call.debug, what="tiles", src=q, chunk=c)
                     call.peer_slot(q)[lo:hi].copy_(send[q, lo:hi])
                     rt.signal(call.side, q, DATA + rt.rank * MAX_CHUNKS + c, call.epoch)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -18,6 +18,7 @@ No NVLink multicast is used anywhere: only unicast P2P loads/stores and copies.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -50,12 +51,14 @@ def debug_waits_from_env() -> bool:
     return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
 
 
+def debug_waits(schedule) -> bool:
+    """Bounded waits for this call: the schedule's dbg=1 (Config.debug_waits) or the env."""
+    return bool(schedule.param("dbg", 0)) or debug_waits_from_env()
+
+
 def wait_bound() -> int:
     """Debug-mode spin bound in nanoseconds (TORCH_COMMOPT_WAIT_TIMEOUT_S, default 120 s)."""
     return int(float(os.environ.get(TIMEOUT_ENV, DEFAULT_WAIT_TIMEOUT_S)) * 1e9)
-
-
-_ELEMENT_SIZE = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.int32: 4, torch.uint8: 1}
 
 
 @dataclass
@@ -73,22 +76,22 @@ class SymmBuffer:
         return self.local.numel()
 
     def view(self, rank: int, offset_bytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A tensor on this device aliasing rank `rank`'s buffer (peer memory through P2P)."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        elt = _ELEMENT_SIZE.get(dtype) or torch.empty((), dtype=dtype).element_size()
-        if offset_bytes % elt or offset_bytes + numel * elt > self.nbytes:
-            raise ValueError(f"commopt: symmetric view [{offset_bytes}, +{numel * elt}) outside a {self.nbytes}-byte buffer")
+        """A tensor on this device aliasing rank `rank`'s buffer (peer memory through P2P).
+        Views are cached: building a peer tensor costs host time on every call."""
         key = (rank, offset_bytes, tuple(shape), dtype)
         cached = self.views.get(key)
-        if cached is None:  # views are cached: building a peer tensor costs host time every call
-            if rank == self.rank:
-                cached = self.local[offset_bytes: offset_bytes + numel * elt].view(dtype).view(tuple(shape))
-            else:
-                cached = self.handle.get_buffer(rank, tuple(shape), dtype, offset_bytes // elt)
-            self.views[key] = cached
+        if cached is None:
+            cached = self.views[key] = self._make_view(rank, offset_bytes, tuple(shape), dtype)
         return cached
+
+    def _make_view(self, rank: int, offset_bytes: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        elt = torch.empty((), dtype=dtype).element_size()
+        if offset_bytes % elt or offset_bytes + numel * elt > self.nbytes:
+            raise ValueError(f"commopt: symmetric view [{offset_bytes}, +{numel * elt}) outside a {self.nbytes}-byte buffer")
+        if rank == self.rank:
+            return self.local[offset_bytes: offset_bytes + numel * elt].view(dtype).view(shape)
+        return self.handle.get_buffer(rank, shape, dtype, offset_bytes // elt)
 
 
 class WaitTimeout(RuntimeError):
@@ -104,7 +107,9 @@ class GroupRuntime:
         self.rank, self.world = group.rank(), group.size()
         if self.world > MAX_WORLD:
             raise ValueError(f"commopt: GPU schedules support up to {MAX_WORLD} ranks, group has {self.world}")
+        # Peers in the order this rank sends to them, and in the order their data arrives.
         self.peers = [(self.rank + s) % self.world for s in range(1, self.world)]
+        self.sources = [(self.rank - s) % self.world for s in range(1, self.world)]
         self.epoch = 0
         self.side = torch.cuda.Stream(device=device, priority=-1)
         flags = symm_mem.empty(FLAG_SLOTS, dtype=torch.int32, device=device)
