@@ -4,9 +4,10 @@ One run times, per shape (global M, K, N; bf16): the GEMM alone, the collective 
 NCCL sequential (the op's `sequential` schedule: NCCL collective + cuBLAS), PyTorch async-TP
 (`torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`, symmetric
 memory enabled for the group), every commopt GPU schedule, and commopt's pick (the built-in
-rule's schedule, timed on its own).  Times: CUDA events around `iters` back-to-back calls,
-median of `repeats` rounds (variants round-robin within a round), max over ranks.  Each commopt schedule's output is checked against
-NCCL sequential's before it is timed.
+rule's schedule, timed on its own).  Times: CUDA events around back-to-back calls (at least
+`iters`, and at least 5 ms of them), median of `repeats` rounds (variants round-robin within
+a round), max over ranks; the fastest and slowest rounds are reported as the spread.  Each
+commopt schedule's output is checked against NCCL sequential's before it is timed.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
       python3 benchmarks/bench_matmul_collectives.py --out benchmarks/results
@@ -61,14 +62,27 @@ SCHEDULES = {
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 
 
-def _timed_all(fns: dict, iters: int, repeats: int) -> dict:
-    """{name: ms per call}: mean of `iters` back-to-back calls, median over `repeats` rounds,
-    max over ranks.  The variants are timed round-robin inside each round, so clock or
-    thermal drift over a shape's run spreads evenly instead of penalizing whoever runs last."""
+def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 5.0) -> dict:
+    """{name: (ms per call, fastest round, slowest round)}: mean of back-to-back calls, median
+    over `repeats` rounds, max over ranks.  A variant runs max(iters, target_ms / its time)
+    calls per round (short calls are otherwise timed over a fraction of a millisecond), the
+    same count on every rank.  The variants are timed round-robin inside each round, so clock
+    or thermal drift over a shape's run spreads evenly instead of penalizing whoever runs last."""
+    counts = []
     for fn in fns.values():
         for _ in range(3):
             fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        end.synchronize()
+        counts.append(max(iters, min(400, math.ceil(target_ms / max(start.elapsed_time(end) / 3, 1e-3)))))
+    n = torch.tensor(counts, device="cuda")
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    counts = dict(zip(fns, n.tolist()))
     samples = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -76,14 +90,14 @@ def _timed_all(fns: dict, iters: int, repeats: int) -> dict:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(iters):
+            for _ in range(counts[name]):
                 fn()
             end.record()
             end.synchronize()
-            samples[name].append(start.elapsed_time(end) / iters)
-    t = torch.tensor([statistics.median(v) for v in samples.values()], device="cuda")
+            samples[name].append(start.elapsed_time(end) / counts[name])
+    t = torch.tensor([[statistics.median(v), min(v), max(v)] for v in samples.values()], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return dict(zip(fns, t.tolist()))
+    return {name: tuple(row) for name, row in zip(fns, t.tolist())}
 
 
 def _rel(x, ref) -> float:
@@ -136,11 +150,14 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
             fns["torch_async_tp"] = tp
         fns.update({f"sched {s}": (lambda s=s: op(s)) for s in SCHEDULES[shape.op]})
         fns["pick"] = lambda: op(str(chosen))
-        ms = _timed_all(fns, iters, repeats)
+        timed = _timed_all(fns, iters, repeats)
+        ms = {name: v[0] for name, v in timed.items()}
         rec["gemm_ms"], rec["comm_ms"], rec["nccl_seq_ms"] = ms["gemm"], ms["comm"], ms["nccl_seq"]
         rec["torch_async_tp_ms"] = ms.get("torch_async_tp")
         rec["schedules"] = {s: ms[f"sched {s}"] for s in SCHEDULES[shape.op]}
         rec["commopt_ms"] = ms["pick"]
+        # fastest and slowest round of each timing (max over ranks): the run-to-run spread
+        rec["round_range_ms"] = {("commopt" if k == "pick" else k): [v[1], v[2]] for k, v in timed.items()}
         _derive(rec, world)
         records.append(rec)
         if rank == 0:
@@ -186,6 +203,12 @@ def _report(records: list[dict], meta: dict) -> str:
                      f"{r['commopt_schedule']} | {f(r['hidden_fraction'])} | {f(r['torch_async_tp_hidden_fraction'])} | "
                      f"{r['speedup_vs_best_baseline']:.3f} | {r['balanced']} |")
     lines += ["", "Times in ms (mean of back-to-back calls, median of round-robin rounds, max over ranks).", "",
+              "## Spread (fastest..slowest round, ms)", ""]
+    for r in records:
+        rr = r["round_range_ms"]
+        cells = ", ".join(f"{k} {rr[k][0]:.3f}..{rr[k][1]:.3f}" for k in ("nccl_seq", "torch_async_tp", "commopt") if k in rr)
+        lines.append(f"- {r['op']} {r['M']}x{r['K']}x{r['N']}: {cells}")
+    lines += ["",
               "## Every commopt schedule (ms; relative error vs NCCL sequential)", ""]
     for r in records:
         cells = ", ".join(f"`{s}` {t:.3f} ({r['errors_vs_nccl'][s]:.1e})" for s, t in r["schedules"].items())
@@ -198,7 +221,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--only", default="", help="comma-separated ops (ag,rs,ar) to run")
     parser.add_argument("--commit", default="")
     args = parser.parse_args()

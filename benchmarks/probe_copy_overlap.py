@@ -25,7 +25,7 @@ from torch_commopt.launch import run_distributed  # noqa: E402
 
 
 def _time(fn) -> float:
-    return _timed_all({"fn": fn}, iters=10, repeats=5)["fn"]
+    return _timed_all({"fn": fn}, iters=10, repeats=5)["fn"][0]
 
 
 def probe(rank: int, world: int, m: int = 8192, k: int = 8192, n: int = 4096):

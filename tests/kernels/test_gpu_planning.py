@@ -49,10 +49,14 @@ def test_refused_gpu_call_runs_sequential_and_logs(caplog):
 @pytest.mark.parametrize("kind,a_shape,w_shapes,dim,expected", [
     ("ag_matmul", [4096, 8192], [[8192, 4096]], 0, "ce_push:1"),
     ("ag_matmul", [8192, 8192], [[8192, 14336]], 0, "ce_push:4"),
+    ("ag_matmul", [1024, 8192], [[8192, 4096]], 0, "ce_push:1"),  # M_global 2048: short but worth it
     ("ag_matmul", [256, 8192], [[8192, 4096]], 0, "sequential"),  # too short for its host cost
     ("ag_matmul", [4096, 8192], [[4, 8192, 4096]], 0, "sequential"),  # batched weights
     ("ag_matmul", [4096, 8192], [[16384, 4096]], 1, "sequential"),  # gather on the contracted dim
-    ("matmul_rs", [8192, 4096], [[4096, 8192]], 0, "direct:1"),
+    ("matmul_rs", [8192, 4096], [[4096, 8192]], 0, "ce_push:2"),
+    ("matmul_rs", [2048, 4096], [[4096, 8192]], 0, "direct:1"),  # short GEMM: fewest launches
+    ("matmul_rs", [512, 4096], [[4096, 8192]], 0, "sequential"),
+    ("matmul_ar", [2048, 4096], [[4096, 8192]], None, "sequential"),
     ("matmul_rs", [8191, 4096], [[4096, 8192]], 0, "sequential"),  # rows do not split evenly
     ("matmul_ar", [8192, 4096], [[4096, 8192]], None, "ce_push:2"),
     ("matmul_ar", [512, 64], [[64, 64]], None, "sequential"),

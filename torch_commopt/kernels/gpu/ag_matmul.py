@@ -42,7 +42,7 @@ def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule) -> str |
 
 def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, return_gathered):
     rt = symm.runtime(group_name, a.device)
-    debug = symm.debug_waits(sched)
+    debug = rt.debug_waits(sched)
     world, rank = rt.world, rt.rank
     shape = list(a.shape)
     lay = RowLayout.of(shape, gather_dim, world, gathered=True)

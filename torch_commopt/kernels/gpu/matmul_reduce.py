@@ -52,7 +52,7 @@ class _Call:
     def __init__(self, a, weight, scatter_dim, group_name, sched: Schedule, reduce_op, *, phases: int):
         self.rt = rt = symm.runtime(group_name, a.device)
         self.sched, self.world, self.rank = sched, rt.world, rt.rank
-        self.debug = symm.debug_waits(sched)
+        self.debug = rt.debug_waits(sched)
         shape = list(a.shape)
         self.k, self.n = shape[-1], weight.shape[-1]
         if scatter_dim is None:  # all-reduce: any row split works; use contiguous row blocks

@@ -7,7 +7,7 @@ It estimates the GEMM time and the transfer time of a region with round ceilings
   when the transfer is too small to be worth hiding (fixed costs -- a barrier, flag
   round trips, a second GEMM launch -- would exceed what overlap can save);
 - otherwise the GPU schedule that measured fastest on the benchmark shapes
-  (benchmarks/results/matmul_collectives_h200x2_*.md).
+  (benchmarks/results/matmul_collectives_h200x2_*.md), by GEMM length.
 """
 
 from __future__ import annotations
@@ -21,9 +21,14 @@ GEMM_FLOPS_PER_S = {"bfloat16": 700e12, "float16": 700e12, "float32": 50e12}
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Below this estimated transfer time the fixed costs of an overlapped schedule win.
 MIN_HIDDEN_COMM_S = 20e-6
-# Below this estimated GEMM time a call is host-bound: the GPU schedules spend ~0.3-0.5 ms
-# of Python per call (measured on 2x H200, benchmarks/profile_schedules.py), NCCL's ~0.2.
-MIN_GEMM_S = 0.3e-3
+# Below this estimated GEMM time a call is host-bound and NCCL + cuBLAS wins (M_global 512
+# at K = N = 8192: ce_push:1 0.19 ms, direct:1 0.17 ms vs NCCL 0.13 ms on 2x H200).
+MIN_GEMM_S = 0.1e-3
+# Up to this estimated GEMM time only the cheapest-to-launch GPU schedules pay (M_global
+# 2048: ag ce_push:1 0.21 vs 0.24-0.28 ms, rs direct:1 0.25 vs 0.29 ms, while rs ce_push:2
+# took 0.45 ms and ar direct:1 tied NCCL); above it the copy-engine schedules win
+# (rs ce_push:2 0.85 vs direct:1 0.87 ms at 8192^3, 1.68 vs 1.82 ms at 16384x8192x8192).
+SHORT_GEMM_S = 0.3e-3
 
 
 def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: str) -> tuple[float, float]:
@@ -60,6 +65,8 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         return Schedule("sequential"), why + ": too short to pay a GPU schedule's host cost"
     if kind == "ag_matmul":  # finer pieces pay only on the longest GEMMs
         return Schedule("ce_push", 4 if gemm_s > 3e-3 else 1), why
-    if kind == "matmul_rs":
-        return Schedule("direct", 1), why
+    if gemm_s < SHORT_GEMM_S:
+        if kind == "matmul_rs":
+            return Schedule("direct", 1), why + ": short GEMM, fewest launches"
+        return Schedule("sequential"), why + ": short GEMM, all-reduce ties NCCL"
     return Schedule("ce_push", 2), why

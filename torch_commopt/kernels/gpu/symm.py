@@ -122,7 +122,24 @@ class GroupRuntime:
         self.flag_bases_dev = torch.tensor(self.flag_bases, dtype=torch.int64, device=device)
         self.status = torch.zeros(8, dtype=torch.int32, device=device)
         self.buffers: list[SymmBuffer] = []
+        self._debug_kernel_loaded = False
         log.info("commopt: symmetric runtime for group %s (rank %d of %d) on %s", group_name, self.rank, self.world, device)
+
+    def debug_waits(self, schedule) -> bool:
+        """Whether this call bounds its waits (see module-level debug_waits).  The first time,
+        the wait kernel is compiled and loaded here, before this call launches anything that
+        spins: loading a CUDA module waits for the device's running kernels, so a wait kernel
+        first loaded while a persistent GEMM spins on the data behind that very wait would
+        stall until the GEMM's own bound expired (the GPU test's 'fused store=ce' failure)."""
+        if not debug_waits(schedule):
+            return False
+        if not self._debug_kernel_loaded:
+            from torch_commopt.kernels.gpu.triton_kernels import bounded_wait
+
+            bounded_wait(self.flags, BARRIER, 0, self.status, code=0, src=0, chunk=0, bound=wait_bound())
+            torch.cuda.synchronize(self.device)
+            self._debug_kernel_loaded = True
+        return True
 
     def next_epoch(self) -> int:
         self.epoch += 1

@@ -43,7 +43,10 @@ def _spin_geq(ptr, expected, status, code, src, chunk, bound, DEBUG: tl.constexp
             v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
 
 
-@triton.jit
+# Every integer argument unspecialized: one compiled variant, loaded before any spinning
+# kernel runs (GroupRuntime.load_debug_kernel).  Loading a module while one of our kernels
+# spins waits for that kernel, and the kernel may be waiting for this very wait.
+@triton.jit(do_not_specialize=["index", "expected", "code", "src", "chunk", "bound"])
 def _bounded_wait_kernel(flags, index, expected, status, code, src, chunk, bound):
     _spin_geq(flags + index, expected, status, code, src, chunk, bound, DEBUG=True)
 
@@ -94,7 +97,9 @@ def _mainloop(a_base, rows, row_mask, b_base, sbk, sbn, offs_n, n_mask, K,
     return acc
 
 
-@triton.jit
+# Per-call values (epoch, bounds, offsets) must not pick specializations: a new variant
+# would JIT-compile in the middle of a run (an epoch of 16 is "divisible by 16").
+@triton.jit(do_not_specialize=["epoch", "bound", "rank", "chunk_rows", "flag_base", "num_progs"])
 def ag_gemm_kernel(
     a_local, a_slots, flags, status, epoch, bound,
     b0, b1, b2, c0, c1, c2, bias0, bias1, bias2,
@@ -148,7 +153,7 @@ def ag_gemm_kernel(
         tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch", "bound", "recv_off", "rank", "chunk_mt", "alpha", "bias_scale", "num_progs"])
 def rs_gemm_kernel(
     a, b, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch, bound, recv_off,
     sbk, sbn, N, K, M_seg, LIN, rank, chunk_mt, alpha, bias_scale, num_progs,
