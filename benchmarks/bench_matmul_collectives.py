@@ -5,7 +5,7 @@ NCCL sequential (the op's `sequential` schedule: NCCL collective + cuBLAS), PyTo
 (`torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`, symmetric
 memory enabled for the group), every commopt GPU schedule, and commopt's pick (the built-in
 rule's schedule, timed on its own).  Times: CUDA events around back-to-back calls (at least
-`iters`, and at least 5 ms of them), median of `repeats` rounds (variants round-robin within
+`iters`, and at least 10 ms of them), median of `repeats` rounds (variants round-robin within
 a round), max over ranks; the fastest and slowest rounds are reported as the spread.  Each
 commopt schedule's output is checked against NCCL sequential's before it is timed.
 
@@ -21,6 +21,7 @@ import json
 import math
 import pathlib
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -62,12 +63,13 @@ SCHEDULES = {
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 
 
-def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 5.0) -> dict:
+def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 10.0) -> dict:
     """{name: (ms per call, fastest round, slowest round)}: mean of back-to-back calls, median
     over `repeats` rounds, max over ranks.  A variant runs max(iters, target_ms / its time)
     calls per round (short calls are otherwise timed over a fraction of a millisecond), the
-    same count on every rank.  The variants are timed round-robin inside each round, so clock
-    or thermal drift over a shape's run spreads evenly instead of penalizing whoever runs last."""
+    same count on every rank.  Each round times every variant once, in an order shuffled per
+    round (the same on every rank), so clock or thermal drift and the previous variant's
+    leftovers spread evenly instead of favouring a fixed position."""
     counts = []
     for fn in fns.values():
         for _ in range(3):
@@ -84,8 +86,11 @@ def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 5.0) -> d
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     counts = dict(zip(fns, n.tolist()))
     samples = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for round_index in range(repeats):
+        order = list(fns)
+        random.Random(round_index).shuffle(order)
+        for name in order:
+            fn = fns[name]
             dist.barrier()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -221,7 +226,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--only", default="", help="comma-separated ops (ag,rs,ar) to run")
     parser.add_argument("--commit", default="")
     args = parser.parse_args()

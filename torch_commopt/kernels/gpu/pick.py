@@ -26,9 +26,10 @@ MIN_HIDDEN_COMM_S = 20e-6
 MIN_GEMM_S = 0.1e-3
 # Up to this estimated GEMM time only the cheapest-to-launch GPU schedules pay (M_global
 # 2048: ag ce_push:1 0.21 vs 0.24-0.28 ms, rs direct:1 0.25 vs 0.29 ms, while rs ce_push:2
-# took 0.45 ms and ar direct:1 tied NCCL); above it the copy-engine schedules win
-# (rs ce_push:2 0.85 vs direct:1 0.87 ms at 8192^3, 1.68 vs 1.82 ms at 16384x8192x8192).
-SHORT_GEMM_S = 0.3e-3
+# took 0.32-0.45 ms and ar direct:1 tied NCCL; rs 4096x8192x7168: direct:1 0.44 ms in two
+# runs, ce_push:2 0.42 and 0.69 ms); above it the copy-engine schedules win (rs ce_push:2
+# 0.85 vs direct:1 0.87 ms at 8192^3, 1.69 vs 1.87 ms at 16384x8192x8192).
+SHORT_GEMM_S = 0.5e-3
 
 
 def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: str) -> tuple[float, float]:
