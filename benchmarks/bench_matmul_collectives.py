@@ -57,8 +57,8 @@ SHAPES = [
 ]
 SCHEDULES = {
     "ag": ["ce_push:1", "ce_push:2", "ce_push:4", "fused:1", "fused:4", "fused:2:bm=128,bn=128,stages=4"],
-    "rs": ["ce_push:2", "ce_push:4", "direct:1", "direct:2", "direct:4", "fused:2:store=direct"],
-    "ar": ["ce_push:2", "direct:1", "direct:2", "direct:4"],
+    "rs": ["ce_push:2", "ce_push:4", "ce_pull:2", "ce_pull:4", "direct:1", "direct:2", "direct:4", "fused:2:store=direct"],
+    "ar": ["ce_push:2", "ce_pull:2", "direct:1", "direct:2", "direct:4"],
 }
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 

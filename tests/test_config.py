@@ -48,7 +48,7 @@ def test_schedule_rejects_unknown_names():
         Schedule.parse("ring:2")
 
 
-@pytest.mark.parametrize("text", ["ce_push:2", "direct:1", "fused:4:bm=128,bn=256,store=direct",
+@pytest.mark.parametrize("text", ["ce_push:2", "ce_pull:3", "direct:1", "fused:4:bm=128,bn=256,store=direct",
                                   "fused:1:dbg=1,store=ce"])
 def test_gpu_schedule_strings_round_trip(text):
     sched = Schedule.parse(text)
@@ -61,7 +61,7 @@ def test_bad_schedule_parameters_raise(text):
         Schedule.parse(text)
 
 
-@pytest.mark.parametrize("text,twin", [("ce_push:3", "chunked:3"), ("direct:1", "sequential"),
+@pytest.mark.parametrize("text,twin", [("ce_push:3", "chunked:3"), ("ce_pull:2", "chunked:2"), ("direct:1", "sequential"),
                                        ("fused:4:bm=64", "chunked:4"), ("sequential", "sequential")])
 def test_every_gpu_schedule_has_a_reference_twin(text, twin):
     assert str(Schedule.parse(text).reference_twin()) == twin

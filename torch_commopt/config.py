@@ -25,7 +25,7 @@ class Config:
         (`torch_commopt.kernels.gpu.pick`) chooses per region among NCCL
         `sequential` and the GPU schedules; elsewhere `chunked` with `chunks`
         pieces.  Or one schedule for every region: a name ("sequential",
-        "chunked", "ce_push", "direct", "fused"; pieces from `chunks`) or a full
+        "chunked", "ce_push", "ce_pull", "direct", "fused"; pieces from `chunks`) or a full
         schedule string ("fused:4:bm=128,bn=128").  A schedule an op does not
         have falls back to "auto" for that region (noted in explain).
     chunks: piece count S of the chunked schedules (clamped to the size of the

@@ -13,10 +13,10 @@ from typing import ClassVar
 # and symmetric memory, and run their reference twin anywhere else).
 OP_SCHEDULES = {
     "ag_matmul": ("sequential", "chunked", "ce_push", "fused"),
-    "matmul_rs": ("sequential", "chunked", "ce_push", "direct", "fused"),
-    "matmul_ar": ("sequential", "chunked", "ce_push", "direct"),
+    "matmul_rs": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused"),
+    "matmul_ar": ("sequential", "chunked", "ce_push", "ce_pull", "direct"),
 }
-GPU_NAMES = ("ce_push", "direct", "fused")
+GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
     "store": str, "dbg": int,
@@ -34,6 +34,9 @@ class Schedule:
         Plain torch + c10d: runs on any backend; the reference of the GPU schedules.
     ce_push(S): GPU.  Copy engines push S pieces per rank into peers' symmetric buffers
         (signalled by stream flag writes) while cuBLAS computes the pieces already there.
+    ce_pull(S): GPU, reductions.  Each rank computes a peer's partial into its own
+        symmetric buffer (local stores) and flags it; the peer's copy engine pulls it
+        straight into its output, where its own GEMM adds in place (no staging copy).
     direct(S): GPU, reductions.  cuBLAS writes each peer's partial straight into that
         peer's symmetric buffer (NVLink stores); the reduction is fused into the
         epilogue (addmm) of the rank's own piece.
@@ -47,7 +50,7 @@ class Schedule:
     chunks: int = 1
     params: tuple[tuple[str, int | str], ...] = ()
 
-    NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "ce_push", "direct", "fused")
+    NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused")
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:

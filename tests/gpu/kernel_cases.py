@@ -18,9 +18,9 @@ import torch_commopt  # noqa: F401  (registers the ops)
 from torch_commopt.schedule import Schedule
 
 AG_SCHEDULES = ["ce_push:1", "ce_push:3", "fused:1", "fused:4", "fused:2:bk=64,bm=64,bn=128,stages=3,warps=4"]
-RS_SCHEDULES = ["ce_push:1", "ce_push:3", "direct:1", "direct:2", "fused:2:store=direct", "fused:3:store=ce",
+RS_SCHEDULES = ["ce_push:1", "ce_push:3", "ce_pull:1", "ce_pull:3", "direct:1", "direct:2", "fused:2:store=direct", "fused:3:store=ce",
                 "fused:1:bm=64,bn=128,store=ce,warps=4"]
-AR_SCHEDULES = ["ce_push:2", "direct:1", "direct:3"]
+AR_SCHEDULES = ["ce_push:2", "ce_pull:2", "direct:1", "direct:3"]
 
 # (shard shape, gather dim, weight widths, bias, return_gathered)
 AG_CASES = [
@@ -141,7 +141,7 @@ def run_schedule_cases(rank: int, world: int, dtypes: tuple[str, ...] = ("bfloat
             results += _ar_case(case, dtype, AR_SCHEDULES, seed, rank, world)
     # fp32 through the cuBLAS schedules (fused needs bf16/fp16 and refuses -> sequential)
     results += _ag_case(AG_CASES[1], torch.float32, ["ce_push:2", "fused:2"], 77, rank, world)
-    results += _rs_case(RS_CASES[1], torch.float32, ["direct:2", "ce_push:2"], 78, rank, world)
+    results += _rs_case(RS_CASES[1], torch.float32, ["direct:2", "ce_push:2", "ce_pull:2"], 78, rank, world)
     return results
 
 
@@ -152,7 +152,7 @@ def run_back_to_back(rank: int, world: int, calls: int = 120):
     torch.manual_seed(5 + rank)
     dtype, k, n, m = torch.bfloat16, 512, 384, 256
     plan = ["ag ce_push:2", "rs direct:2", "ag fused:2", "rs fused:2:store=ce", "ar direct:2", "rs ce_push:1",
-            "rs fused:1:store=direct"]
+            "rs fused:1:store=direct", "rs ce_pull:2", "ar ce_pull:1"]
     inputs, outs = [], []
     gn = _group_name()
     for i in range(calls):

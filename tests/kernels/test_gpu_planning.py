@@ -39,6 +39,11 @@ def test_gpu_schedule_on_cpu_runs_its_reference_twin():
     assert str(resolve("matmul_rs", "direct:1", torch.device("cpu"), lambda s: None)) == "sequential"
 
 
+def test_schedule_of_another_op_is_an_error():
+    with pytest.raises(ValueError, match="no schedule 'ce_pull'"):
+        resolve("ag_matmul", "ce_pull:2", torch.device("cuda", 0), lambda s: None)
+
+
 def test_refused_gpu_call_runs_sequential_and_logs(caplog):
     with caplog.at_level(logging.WARNING, logger="torch_commopt.kernels.ops"):
         got = resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s: "planted refusal")
@@ -53,7 +58,7 @@ def test_refused_gpu_call_runs_sequential_and_logs(caplog):
     ("ag_matmul", [256, 8192], [[8192, 4096]], 0, "sequential"),  # too short for its host cost
     ("ag_matmul", [4096, 8192], [[4, 8192, 4096]], 0, "sequential"),  # batched weights
     ("ag_matmul", [4096, 8192], [[16384, 4096]], 1, "sequential"),  # gather on the contracted dim
-    ("matmul_rs", [8192, 4096], [[4096, 8192]], 0, "ce_push:2"),
+    ("matmul_rs", [8192, 4096], [[4096, 8192]], 0, "ce_pull:2"),
     ("matmul_rs", [2048, 4096], [[4096, 8192]], 0, "direct:1"),  # short GEMM: fewest launches
     ("matmul_rs", [4096, 4096], [[4096, 7168]], 0, "direct:1"),
     ("matmul_rs", [512, 4096], [[4096, 8192]], 0, "sequential"),

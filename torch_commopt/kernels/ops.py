@@ -34,6 +34,8 @@ def resolve(op: str, schedule: str, device: torch.device, why_not) -> Schedule:
     same pieces in plain torch + c10d); a CUDA call that does not fit runs `sequential`,
     logged once per reason."""
     sched = _parse(schedule)
+    if not sched.valid_for(op):
+        raise ValueError(f"commopt {op}: no schedule {sched.name!r} for this op")
     if not sched.is_gpu:
         return sched
     if device.type != "cuda":

@@ -9,6 +9,9 @@ matmul_rs (rank r of W; segment p = the rows rank p keeps; epoch e):
              (NVLink stores), then flags p.DATA[r, c] = e (a fenced stream write);
     ce_push: cuBLAS writes into a local staging tensor; the side stream copies each
              piece to p's slot r with the copy engine, then flags it;
+    ce_pull: cuBLAS writes into this rank's own buffer, slot p (local stores), then
+             flags p; p's side stream pulls the piece with its copy engine straight into
+             p's output, and p's own GEMM adds into it in place (addmm_: no C copy);
     fused:   one persistent Triton GEMM does all segments, releasing per-piece tile
              counters (see triton_kernels.rs_gemm_kernel);
   then the own segment, piece by piece after the peers' flags, with the reduction fused
@@ -148,6 +151,9 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
             for c, (lo, hi) in enumerate(call.pieces):
                 after_piece(c, lo, hi)
         return
+    if call.sched.name == "ce_pull":
+        _pull_reduce(call, weight, own, after_piece)
+        return
     rt = call.rt
     staging = None if call.sched.name == "direct" else torch.empty(
         (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
@@ -167,6 +173,41 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
         for src in rt.sources:
             call.wait(call.cur, DATA + src * MAX_CHUNKS + c, src, c, "partial")
         _own_piece(call, a_r[lo:hi], weight, own[lo:hi], [call.recv[s, lo:hi] for s in rt.sources])
+        if after_piece is not None:
+            after_piece(c, lo, hi)
+
+
+def _pull_reduce(call: _Call, weight, own, after_piece):
+    """ce_pull.  A rank's buffer half is rewritten only after every peer has finished the
+    call that last pulled from it (CONSUMED, epoch e-2), which also covers the matmul_ar
+    pushes into the peers' buffers that follow."""
+    rt = call.rt
+    for p in rt.peers:
+        rt.await_free(call.cur, p, call.epoch, debug=call.debug)
+    for p in rt.peers:
+        a_p, mine = call.segment_a(p), call.slot(call.rank, p)
+        for c, (lo, hi) in enumerate(call.pieces):
+            torch.mm(a_p[lo:hi], weight, out=mine[lo:hi])
+            rt.signal(call.cur, p, DATA + call.rank * MAX_CHUNKS + c, call.epoch)
+    a_r, sources = call.segment_a(call.rank), rt.sources
+    # One source (W = 2): pull into the output itself.  More: into a local tensor each,
+    # reduced in fp32 by _own_piece.
+    pulled = None if len(sources) == 1 else torch.empty(
+        (len(sources), call.m_seg, call.n), dtype=call.dtype, device=own.device)
+    call.after_caller()  # the side stream writes `own`/`pulled`, allocated on the caller's stream
+    for c, (lo, hi) in enumerate(call.pieces):
+        with torch.cuda.stream(call.side):
+            for i, src in enumerate(sources):
+                call.wait(call.side, DATA + src * MAX_CHUNKS + c, src, c, "partial")
+                dst = own[lo:hi] if pulled is None else pulled[i, lo:hi]
+                dst.copy_(call.slot(src, call.rank)[lo:hi])
+        landed = torch.cuda.Event()
+        landed.record(call.side)
+        call.cur.wait_event(landed)
+        if pulled is None:
+            own[lo:hi].addmm_(a_r[lo:hi], weight, beta=call.alpha, alpha=call.alpha)
+        else:
+            _own_piece(call, a_r[lo:hi], weight, own[lo:hi], [pulled[i, lo:hi] for i in range(len(sources))])
         if after_piece is not None:
             after_piece(c, lo, hi)
 
