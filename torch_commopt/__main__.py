@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="TP+SP Llama block compiled with commopt, with a numerics check")
     demo.add_argument("--world", type=int, default=2)
-    demo.add_argument("--schedule", default="auto", help="auto, sequential, chunked, ce_push, direct, fused or a full schedule string")
+    demo.add_argument("--schedule", default="auto", help="auto, sequential, chunked, ce_push, ce_pull, direct, fused or a full schedule string")
     demo.add_argument("--chunks", type=int, default=4)
     demo.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     demo.add_argument("-v", "--verbose", action="store_true", help="log commopt's decisions")

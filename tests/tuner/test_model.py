@@ -1,0 +1,111 @@
+"""The cost model: pipeline arithmetic, alpha-beta factors, orderings, calibration JSON."""
+
+from __future__ import annotations
+
+import pytest
+
+from torch_commopt.schedule import Schedule
+from torch_commopt.tuner.calibration import Calibration, GemmFit, Link, prior
+from torch_commopt.tuner.model import (
+    RegionShape, _Step, collective_time, extra_bytes, pipeline_time, predict, rank, simulate,
+)
+
+H200 = prior("NVIDIA H200", 2)
+CPU = prior("cpu", 2)
+
+
+def test_simulate_follows_queues_and_dependencies():
+    steps = [_Step("comm", 3.0), _Step("compute", 1.0), _Step("compute", 2.0, (0,)), _Step("comm", 1.0, (1,))]
+    # compute: [0,1] then waits for comm 0 (ends 3) -> [3,5]; comm 1 after comm 0 and compute 0 -> [3,4]
+    assert simulate(steps) == 5.0
+
+
+@pytest.mark.parametrize("comm,compute", [(2.0, 1.0), (1.0, 2.0), (1.5, 1.5)])
+@pytest.mark.parametrize("pieces", [1, 2, 5])
+def test_simulated_pipeline_matches_the_closed_form(comm, compute, pieces):
+    steps = []
+    for _ in range(pieces):  # transfer of piece j, then its compute (all-gather shape)
+        steps.append(_Step("comm", comm))
+        steps.append(_Step("compute", compute, (len(steps) - 1,)))
+    assert simulate(steps) == pytest.approx(pipeline_time(comm, pieces, comm, compute, compute))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ring_collectives_carry_the_p_minus_one_over_p_factor(world):
+    link = Link(alpha_s=1e-5, bytes_per_s=1e11)
+    cal = Calibration(device="x", world=world, collective={c: link for c in ("all_gather", "reduce_scatter", "all_reduce")},
+                      gemm={"bfloat16": GemmFit(peak_flops=1e15, half_dim=0.0, launch_s=0.0)})
+    n = 1 << 30
+    expected = (world - 1) * 1e-5 + (world - 1) / world * n / 1e11
+    assert collective_time(cal, "all_gather", n, world) == pytest.approx(expected)
+    assert collective_time(cal, "reduce_scatter", n, world) == pytest.approx(expected)
+    assert collective_time(cal, "all_reduce", n, world) == pytest.approx(2 * expected)
+    assert collective_time(cal, "all_gather", n, 1) == 0.0
+
+
+def test_thin_gemms_are_less_efficient():
+    fit = GemmFit(peak_flops=1e15, half_dim=64.0, launch_s=0.0)
+    square = fit.time(4096, 4096, 4096) / (4096 ** 3)
+    thin = fit.time(4096, 16, 4096) / (4096 * 16 * 4096)
+    assert thin > 4 * square
+
+
+@pytest.mark.parametrize("cal,dtype", [(H200, "bfloat16"), (CPU, "float32")])
+@pytest.mark.parametrize("kind,a_shape", [("ag_matmul", (256, 256)), ("matmul_rs", (512, 8))])
+def test_sequential_wins_when_the_matmul_is_tiny(cal, dtype, kind, a_shape):
+    """Nothing to hide the transfer behind: a pipeline only adds per-piece costs."""
+    best = rank(RegionShape(kind, *a_shape, (8,), 2, dtype), cal)[0]
+    assert best.schedule == Schedule("sequential"), best
+
+
+@pytest.mark.parametrize("kind,a_shape,n,gain", [
+    ("ag_matmul", (4096, 8192), 4096, 0.15), ("matmul_rs", (8192, 4096), 8192, 0.15),
+    ("ag_matmul", (8192, 8192), 14336, 0.05),  # GEMM-heavy: the transfer is ~10% of the call
+])
+def test_overlap_wins_on_balanced_gpu_shapes(kind, a_shape, n, gain):
+    preds = rank(RegionShape(kind, *a_shape, (n,), 2, "bfloat16"), H200)
+    seq = next(p for p in preds if p.schedule.name == "sequential")
+    assert preds[0].schedule.is_gpu and preds[0].seconds < (1 - gain) * seq.seconds, preds[:3]
+
+
+def test_chunked_wins_at_large_balanced_cpu_shapes():
+    preds = rank(RegionShape("ag_matmul", 4096, 1024, (1024,), 2, "float32"), CPU)
+    assert preds[0].schedule.name == "chunked"
+
+
+def test_cpu_candidates_need_no_symmetric_memory():
+    shape = RegionShape("matmul_rs", 1024, 256, (256,), 2, "float32")
+    assert all(not p.schedule.is_gpu for p in rank(shape, CPU))
+    with pytest.raises(ValueError, match="symmetric memory"):
+        predict(shape, Schedule("direct", 1), CPU)
+
+
+def test_a_schedule_the_op_lacks_is_an_error():
+    with pytest.raises(ValueError, match="no schedule 'direct'"):
+        predict(RegionShape("ag_matmul", 64, 64, (64,), 2), Schedule("direct", 1), H200)
+
+
+def test_host_time_bounds_short_calls():
+    p = predict(RegionShape("ag_matmul", 64, 64, (64,), 2), Schedule("ce_push", 1), H200)
+    assert p.seconds == p.host_s > p.gpu_s
+
+
+def test_memory_footprint_of_the_candidates():
+    shape = RegionShape("matmul_rs", 1024, 512, (256,), 2, "bfloat16")
+    full = 1024 * 256 * 2
+    assert extra_bytes(shape, Schedule("sequential")) == full
+    # direct: two buffer halves of W segments; ce_push adds a W-segment staging tensor
+    assert extra_bytes(shape, Schedule("direct", 1)) == 2 * full
+    assert extra_bytes(shape, Schedule("ce_push", 2)) == 3 * full
+    ag = RegionShape("ag_matmul", 512, 256, (128,), 4, "bfloat16")
+    assert extra_bytes(ag, Schedule("chunked", 2)) == 4 * 512 * 256 * 2
+
+
+@pytest.mark.parametrize("cal", [H200, CPU])
+def test_calibration_round_trips_through_json(cal):
+    assert Calibration.from_json(cal.to_json()) == cal
+
+
+def test_calibration_rejects_missing_collectives():
+    with pytest.raises(ValueError, match="missing"):
+        Calibration(device="x", world=2, collective={"all_gather": Link(alpha_s=0, bytes_per_s=1)})

@@ -1,0 +1,1 @@
+"""Schedule choice: cost model (model.py), machine parameters (calibration.py), cache."""

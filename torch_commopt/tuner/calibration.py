@@ -1,0 +1,151 @@
+"""Hardware parameters of the cost model: alpha-beta links, a GEMM fit, host costs.
+
+A `Calibration` is what the model needs to know about one machine (device, world size,
+topology, software versions).  It is measured by microbenchmarks on first use and kept
+in the tuner cache; until a machine has been measured, `prior()` gives the figures
+measured on the project's reference machines (benchmarks/NOTES.md), so the model can
+rank candidates anywhere.  Every field round-trips through JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Link:
+    """t(bytes) = alpha_s + bytes / bytes_per_s (one transfer or one collective step)."""
+
+    alpha_s: float
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if self.alpha_s < 0 or self.bytes_per_s <= 0:
+            raise ValueError(f"Link: alpha_s must be >= 0 and bytes_per_s > 0, got {self}")
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes / self.bytes_per_s
+
+
+@dataclass(kw_only=True, frozen=True)
+class GemmFit:
+    """t(m, n, k) = launch_s + 2mnk / (peak_flops * eff), eff = d / (d + half_dim) with
+    d = min(m, n, k): thin GEMMs fill the machine badly (tile quantization, low reuse)."""
+
+    peak_flops: float
+    half_dim: float
+    launch_s: float
+
+    def time(self, m: int, n: int, k: int) -> float:
+        if min(m, n, k) <= 0:
+            return 0.0
+        d = min(m, n, k)
+        return self.launch_s + 2.0 * m * n * k / (self.peak_flops * d / (d + self.half_dim))
+
+
+@dataclass(kw_only=True, frozen=True)
+class Calibration:
+    """Everything the cost model knows about one machine.
+
+    collective: NCCL (or gloo) ring collectives; a collective of a full tensor of n bytes
+        over P ranks takes (P-1) steps of n/P bytes: t = (P-1) * link.time(n / P)
+        (all_reduce: twice that).
+    p2p: one copy-engine push into a peer's symmetric buffer; None where there is no
+        symmetric memory (CPU).
+    p2p_pull: one copy-engine pull from a peer's buffer, issued by the consumer after the
+        producer's flag (its alpha includes that round trip).
+    local_copy: a device-local copy (the C operand `addmm` copies into its output first).
+    gemm: per dtype name ("bfloat16", "float16", "float32").
+    host_s: host time of one op call per schedule family (Python, dispatch, launches);
+        back-to-back calls take max(GPU time, host time).
+    host_per_piece_s: extra host time per piece of a chunked / GPU schedule.
+    overlap_slowdown: GEMM slowdown while a transfer runs beside it (copy engine or NCCL
+        kernels on a GPU; on a CPU, gloo's threads take cores from the matmul).
+    remote_store_slowdown: GEMM slowdown when its epilogue stores into a peer (direct).
+    fused_efficiency: Triton persistent GEMM speed relative to cuBLAS.
+    """
+
+    device: str
+    world: int
+    collective: dict[str, Link]
+    p2p: Link | None = None
+    p2p_pull: Link | None = None
+    local_copy: Link | None = None
+    gemm: dict[str, GemmFit] = field(default_factory=dict)
+    host_s: dict[str, float] = field(default_factory=dict)
+    host_per_piece_s: float = 0.0
+    overlap_slowdown: float = 0.0
+    remote_store_slowdown: float = 0.0
+    fused_efficiency: float = 1.0
+    source: str = "prior"  # "prior" or "measured"
+
+    def __post_init__(self) -> None:
+        missing = [c for c in COLLECTIVES if c not in self.collective]
+        if missing:
+            raise ValueError(f"Calibration.collective: missing {missing}")
+        if self.world < 1:
+            raise ValueError(f"Calibration.world: must be >= 1, got {self.world}")
+
+    def gemm_fit(self, dtype: str) -> GemmFit:
+        if dtype in self.gemm:
+            return self.gemm[dtype]
+        if not self.gemm:
+            raise ValueError(f"Calibration for {self.device}: no GEMM fit at all")
+        return next(iter(self.gemm.values()))
+
+    def host(self, family: str) -> float:
+        return self.host_s.get(family, self.host_s.get("default", 0.0))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Calibration":
+        raw = json.loads(text)
+        raw["collective"] = {k: Link(**v) for k, v in raw["collective"].items()}
+        for name in ("p2p", "p2p_pull", "local_copy"):
+            raw[name] = Link(**raw[name]) if raw.get(name) else None
+        raw["gemm"] = {k: GemmFit(**v) for k, v in raw.get("gemm", {}).items()}
+        return cls(**raw)
+
+
+def prior(device: str, world: int) -> Calibration:
+    """Figures measured on the reference machines, for a machine not yet calibrated.
+    Any CUDA device gets the H200 figures (2x H200 NV18, torch 2.11, benchmarks/NOTES.md):
+    NCCL all-gather of 128 MiB per rank ~0.6 ms, copy-engine push ~390 GB/s (pull ~367),
+    a 64 MiB device-local copy ~30 us, bf16 GEMM
+    ~750 TFLOP/s on 8k shapes, host ~100 us (NCCL path) to ~150-300 us (GPU schedules)."""
+    if device == "cpu":
+        return _cpu_prior(world)
+    nccl = Link(alpha_s=8e-6, bytes_per_s=230e9)
+    bf16 = GemmFit(peak_flops=760e12, half_dim=48.0, launch_s=6e-6)
+    return Calibration(
+        device=device, world=world,
+        collective={c: nccl for c in COLLECTIVES},
+        p2p=Link(alpha_s=6e-6, bytes_per_s=390e9),
+        p2p_pull=Link(alpha_s=20e-6, bytes_per_s=150e9),
+        local_copy=Link(alpha_s=3e-6, bytes_per_s=2.2e12),
+        gemm={"bfloat16": bf16, "float16": bf16,
+              "float32": GemmFit(peak_flops=50e12, half_dim=48.0, launch_s=6e-6)},
+        host_s={"sequential": 100e-6, "chunked": 120e-6, "ce_push": 140e-6, "ce_pull": 160e-6,
+                "direct": 130e-6, "fused": 160e-6},
+        host_per_piece_s=25e-6, overlap_slowdown=0.09, remote_store_slowdown=0.12,
+        fused_efficiency=0.87,
+    )
+
+
+def _cpu_prior(world: int) -> Calibration:
+    """gloo on a small CPU machine: slow links, a few hundred GFLOP/s, cheap host side."""
+    gloo = Link(alpha_s=60e-6, bytes_per_s=2e9)
+    fp32 = GemmFit(peak_flops=100e9, half_dim=16.0, launch_s=5e-6)
+    return Calibration(
+        device="cpu", world=world,
+        collective={c: gloo for c in COLLECTIVES},
+        gemm={"float32": fp32, "bfloat16": GemmFit(peak_flops=30e9, half_dim=16.0, launch_s=5e-6)},
+        host_s={"sequential": 40e-6, "chunked": 60e-6},
+        host_per_piece_s=20e-6, overlap_slowdown=0.6,
+    )

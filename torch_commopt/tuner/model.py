@@ -1,0 +1,232 @@
+"""The cost model: predicted time and memory of each candidate schedule of a region.
+
+A schedule is modelled as two in-order queues (MeshSlice / Mercury view): a compute
+queue of GEMM steps and a transfer queue of communication steps, with "step j of one
+queue waits for step i of the other" edges.  `simulate` computes the makespan exactly;
+for a uniform pipeline of S steps it is the closed form
+    T = prologue + (S - 1) * max(comm_step, compute_step) + epilogue
+(`pipeline_time`, checked against `simulate` in the tests).  Back-to-back calls cost
+max(GPU time, host time): below ~0.2 ms of GEMM a GPU schedule is bound by its Python.
+
+Collectives use alpha-beta costs with the ring's (P-1)/P factors; copy-engine transfers
+one alpha-beta link per piece; GEMMs the shape-dependent fit of the calibration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch_commopt.schedule import OP_SCHEDULES, Schedule
+from torch_commopt.tuner.calibration import Calibration
+
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass(frozen=True)
+class RegionShape:
+    """What the model needs of a region (per rank).
+
+    kind: "ag_matmul" (a: the local shard, gathered along rows), "matmul_rs" /
+        "matmul_ar" (a: the full local input, the product is reduced over ranks).
+    rows: rows of `a` as a matrix (prod of all dims but the last); k: its last dim.
+    ns: the widths of the weights (several for q/k/v or w1/w3 sharing one all-gather).
+    """
+
+    kind: str
+    rows: int
+    k: int
+    ns: tuple[int, ...]
+    world: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.kind not in OP_SCHEDULES:
+            raise ValueError(f"RegionShape.kind: unknown {self.kind!r}")
+        if min(self.rows, self.k, self.world, *self.ns) < 1:
+            raise ValueError(f"RegionShape: sizes must be positive, got {self}")
+
+    @property
+    def elt(self) -> int:
+        return ELEMENT_BYTES.get(self.dtype, 4)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    schedule: Schedule
+    seconds: float  # what a back-to-back call costs: max(gpu_s, host_s)
+    gpu_s: float
+    host_s: float
+    extra_bytes: int  # device memory beyond inputs and outputs (staging, gathered A, buffers)
+
+
+@dataclass
+class _Step:
+    queue: str  # "compute" or "comm"
+    seconds: float
+    after: tuple[int, ...] = ()  # indices of steps (either queue) this one waits for
+
+
+def simulate(steps: list[_Step]) -> float:
+    """Makespan of steps issued in list order to two in-order queues."""
+    end: list[float] = []
+    free = {"compute": 0.0, "comm": 0.0}
+    for step in steps:
+        start = max([free[step.queue]] + [end[i] for i in step.after])
+        end.append(start + step.seconds)
+        free[step.queue] = end[-1]
+    return max(end, default=0.0)
+
+
+def pipeline_time(prologue: float, steps: int, comm_step: float, compute_step: float, epilogue: float) -> float:
+    """Closed form of a uniform pipeline (comm of piece j+1 under compute of piece j)."""
+    return prologue + max(0, steps - 1) * max(comm_step, compute_step) + epilogue
+
+
+def collective_time(cal: Calibration, name: str, full_bytes: float, world: int) -> float:
+    """Ring collective over `world` ranks of a tensor of `full_bytes` (the gathered /
+    un-scattered size): (P-1) steps of full/P bytes; all_reduce twice that."""
+    if world == 1:
+        return 0.0
+    step = cal.collective[name].time(full_bytes / world)
+    return (world - 1) * step * (2 if name == "all_reduce" else 1)
+
+
+def predict(shape: RegionShape, sched: Schedule, cal: Calibration) -> Prediction:
+    """Predicted cost of running `shape` with `sched` on the calibrated machine."""
+    if not sched.valid_for(shape.kind):
+        raise ValueError(f"cost model: {shape.kind} has no schedule {sched.name!r}")
+    if sched.is_gpu and cal.p2p is None:
+        raise ValueError(f"cost model: {sched} needs symmetric memory; {cal.device} has none")
+    fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
+    gpu = fn(shape, sched, cal)
+    pieces = 1 if sched.name == "sequential" else sched.chunks * max(1, shape.world - 1)
+    host = cal.host(sched.name) + (0 if sched.name == "sequential" else pieces * cal.host_per_piece_s)
+    return Prediction(sched, max(gpu, host), gpu, host, extra_bytes(shape, sched))
+
+
+def _gemm(shape: RegionShape, cal: Calibration, rows: float) -> float:
+    fit = cal.gemm_fit(shape.dtype)
+    rows = max(1, int(rows))
+    return sum(fit.time(rows, n, shape.k) for n in shape.ns)
+
+
+def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
+    w, m_loc = shape.world, shape.rows
+    shard_bytes = m_loc * shape.k * shape.elt
+    if sched.name == "sequential":
+        return collective_time(cal, "all_gather", w * shard_bytes, w) + _gemm(shape, cal, w * m_loc)
+    s = min(sched.chunks, m_loc)
+    if sched.name == "chunked":  # per piece: one all-gather of every rank's piece, then its GEMM
+        comm = collective_time(cal, "all_gather", w * shard_bytes / s, w)
+        gemm = _gemm(shape, cal, w * m_loc / s)
+        steps = []
+        for j in range(s):
+            steps.append(_Step("comm", comm))
+            overlapped = comm if j < s - 1 else 0.0  # the next piece's transfer runs beside it
+            steps.append(_Step("compute", gemm + cal.overlap_slowdown * min(gemm, overlapped), (len(steps) - 1,)))
+        return simulate(steps)
+    # GPU: own shard first (no wait), then the peers' pieces as the copy engine lands them.
+    fused = 1.0 / cal.fused_efficiency if sched.name == "fused" else 1.0
+    comm = cal.p2p.time(shard_bytes / s)
+    own, piece = _gemm(shape, cal, m_loc) * fused, _gemm(shape, cal, m_loc / s) * fused
+    # The copy engine slows the GEMMs only while it runs: charge the overlap once.
+    interference = cal.overlap_slowdown * min(own + (w - 1) * s * piece, (w - 1) * s * comm)
+    steps = [_Step("compute", own + interference)]
+    for _ in range(w - 1):
+        for _ in range(s):
+            steps.append(_Step("comm", comm))
+            steps.append(_Step("compute", piece, (len(steps) - 1,)))
+    return simulate(steps)
+
+
+def _reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
+    w, n = shape.world, shape.ns[0]
+    m_seg = shape.rows / w
+    full_bytes = shape.rows * n * shape.elt
+    name = "all_reduce" if shape.kind == "matmul_ar" else "reduce_scatter"
+    if sched.name == "sequential":
+        return _gemm(shape, cal, shape.rows) + collective_time(cal, name, full_bytes, w)
+    s = max(1, min(sched.chunks, int(m_seg)))
+    if sched.name == "chunked":  # per piece: its GEMM, then its collective
+        comm = collective_time(cal, name, full_bytes / s, w)
+        gemm = _gemm(shape, cal, shape.rows / s)
+        steps = []
+        for j in range(s):
+            overlapped = comm if j > 0 else 0.0  # the previous piece's collective runs beside it
+            steps.append(_Step("compute", gemm + cal.overlap_slowdown * min(gemm, overlapped)))
+            steps.append(_Step("comm", comm, (len(steps) - 1,)))
+        return simulate(steps)
+    return _gpu_reduce_time(shape, sched, cal, m_seg, s)
+
+
+def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_seg: float, s: int) -> float:
+    """Peers' segments first (each piece shipped after its GEMM, or stored straight into
+    the peer by `direct` / `fused:store=direct`), then the own segment piece by piece, each
+    after the matching incoming pieces.  Ranks are symmetric, so a piece arrives when this
+    rank's own outgoing piece of the same index would."""
+    w = shape.world
+    piece_bytes = m_seg / s * shape.ns[0] * shape.elt
+    stores = sched.name == "direct" or (sched.name == "fused" and sched.param("store", "direct") == "direct")
+    link = (cal.p2p_pull or cal.p2p) if sched.name == "ce_pull" else cal.p2p
+    # cuBLAS reductions (addmm) copy the received partial into the output first; ce_pull
+    # pulls straight into the output and fused adds in its epilogue.
+    c_copy = cal.local_copy.time(piece_bytes) if cal.local_copy and sched.name in ("ce_push", "direct") else 0.0
+    fused = 1.0 / cal.fused_efficiency if sched.name == "fused" else 1.0
+    piece = _gemm(shape, cal, m_seg / s) * fused
+    sent = (w - 1) * s
+    if stores:  # epilogue stores over NVLink slow every peer piece
+        peer_piece, interference = piece * (1.0 + cal.remote_store_slowdown), 0.0
+    else:  # the copy engine slows the GEMMs only while it runs: charge the overlap once
+        peer_piece = piece
+        interference = cal.overlap_slowdown * min(w * s * piece, sent * link.time(piece_bytes))
+    steps, arrival = [], {c: [] for c in range(s)}
+    for i in range(w - 1):
+        for c in range(s):
+            extra = interference if (i, c) == (0, 0) else 0.0
+            steps.append(_Step("compute", peer_piece + extra))
+            if not stores:
+                steps.append(_Step("comm", link.time(piece_bytes), (len(steps) - 1,)))
+            arrival[c].append(len(steps) - 1)
+    for c in range(s):
+        steps.append(_Step("compute", piece + c_copy, tuple(arrival[c])))
+        if shape.kind == "matmul_ar":  # the reduced piece pushed to every peer
+            for _ in range(w - 1):
+                steps.append(_Step("comm", cal.p2p.time(piece_bytes), (len(steps) - 1,)))
+    return simulate(steps)
+
+
+def extra_bytes(shape: RegionShape, sched: Schedule) -> int:
+    """Device memory a call needs beyond its inputs and outputs."""
+    w = shape.world
+    if shape.kind == "ag_matmul":
+        gathered = w * shape.rows * shape.k * shape.elt
+        if sched.name in ("sequential", "chunked"):
+            return gathered
+        return 2 * gathered  # symmetric buffer: two halves of W slots (kept across calls)
+    seg = math.ceil(shape.rows / w) * shape.ns[0] * shape.elt
+    phases = 2 if shape.kind == "matmul_ar" else 1
+    full = shape.rows * shape.ns[0] * shape.elt
+    if sched.name in ("sequential", "chunked"):
+        return full  # the unreduced product
+    staging = w * seg if sched.name == "ce_push" or sched.param("store", "direct") == "ce" else 0
+    return 2 * phases * w * seg + staging
+
+
+def candidates(shape: RegionShape, cal: Calibration) -> list[Schedule]:
+    """The schedules worth ranking for this region on this machine."""
+    out = [Schedule("sequential")] + [Schedule("chunked", s) for s in (2, 4, 8)]
+    if cal.p2p is None:
+        return out
+    gpu = [Schedule("ce_push", s) for s in (1, 2, 4)]
+    if shape.kind != "ag_matmul":
+        gpu += [Schedule("direct", s) for s in (1, 2)] + [Schedule("ce_pull", 2)]
+    if shape.dtype in ("bfloat16", "float16"):
+        gpu += [Schedule("fused", s) for s in (1, 4)]
+    return out + [s for s in gpu if s.valid_for(shape.kind)]
+
+
+def rank(shape: RegionShape, cal: Calibration, schedules: list[Schedule] | None = None) -> list[Prediction]:
+    """Predictions for the candidates, fastest first (ties: fewer bytes, then the name)."""
+    preds = [predict(shape, s, cal) for s in (schedules or candidates(shape, cal))]
+    return sorted(preds, key=lambda p: (p.seconds, p.extra_bytes, str(p.schedule)))
