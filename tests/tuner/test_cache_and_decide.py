@@ -1,0 +1,88 @@
+"""Tuner cache (round trip, corruption, concurrent writers) and the rank-0 decision."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+
+import pytest
+
+from torch_commopt.launch import run_distributed
+from torch_commopt.tuner.cache import CACHE_ENV, TunerCache, default_dir
+from tuner_programs import decide_rounds, hammer_cache
+
+KEY = {"device": "NVIDIA H200", "world": 2, "torch": "2.11.0", "op": "matmul_rs", "shape": [8192, 4096, 8192]}
+
+
+def test_round_trip_and_independent_keys(tmp_path):
+    cache = TunerCache(tmp_path)
+    assert cache.get(KEY) is None
+    assert cache.put(KEY, {"schedule": "ce_push:2", "ms": [0.85, 0.87]})
+    assert cache.get(dict(reversed(list(KEY.items())))) == {"schedule": "ce_push:2", "ms": [0.85, 0.87]}
+    other = dict(KEY, world=4)
+    assert cache.get(other) is None
+    cache.put(other, "direct:1")
+    assert cache.get(other) == "direct:1" and cache.get(KEY)["schedule"] == "ce_push:2"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("damage", ["{not json", "", "[1, 2]", '{"version": 1, "key": {}, "value": 3}',
+                                    '{"version": 99, "value": 3}'])
+def test_a_corrupt_entry_is_ignored_then_rewritten(tmp_path, caplog, damage):
+    cache = TunerCache(tmp_path)
+    cache.put(KEY, {"schedule": "ce_push:2"})
+    cache.path(KEY).write_text(damage)
+    with caplog.at_level(logging.WARNING, logger="torch_commopt.tuner.cache"):
+        assert cache.get(KEY) is None
+    assert "ignoring" in caplog.text
+    cache.put(KEY, {"schedule": "direct:1"})
+    assert cache.get(KEY) == {"schedule": "direct:1"}
+
+
+def test_an_unwritable_directory_only_costs_the_remembering(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cache = TunerCache(blocker / "cache")
+    with caplog.at_level(logging.WARNING, logger="torch_commopt.tuner.cache"):
+        assert cache.put(KEY, 1) is False
+    assert cache.get(KEY) is None and "could not write" in caplog.text
+
+
+def test_two_processes_writing_one_cache(tmp_path):
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        results = pool.starmap(hammer_cache, [(str(tmp_path), w, 150) for w in range(2)])
+    assert results == [[], []], results
+    assert TunerCache(tmp_path).get({"op": "ag_matmul", "M": 4096})["writer"] in (0, 1)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_cache_directory_override(monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "c"))
+    assert default_dir() == tmp_path / "c"
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert default_dir() == tmp_path / "x" / "torch_commopt"
+
+
+def test_rank0_decides_for_every_rank_over_gloo():
+    per_rank = run_distributed(decide_rounds, 2, None, timeout_s=120)
+    for rank, rounds in enumerate(per_rank):
+        for i, (value, ran) in enumerate(rounds):
+            assert value == {"schedule": f"chunked:{2 + i}", "decided_by": 0}
+            assert ran == (rank == 0)  # the others adopt, never compute
+
+
+def test_a_rank_asking_another_question_gets_an_error_not_an_answer():
+    per_rank = run_distributed(decide_rounds, 2, 1, timeout_s=120)
+    assert per_rank[0][1][0] == {"schedule": "chunked:3", "decided_by": 0}
+    assert str(per_rank[1][1][0]).startswith("mismatch:") and "another question" in per_rank[1][1][0]
+    # the decisions after it still line up
+    assert per_rank[1][2][0] == {"schedule": "chunked:4", "decided_by": 0}
+
+
+def test_without_a_process_group_the_answer_is_local():
+    from torch_commopt.tuner.decide import decide
+
+    assert decide(None, {"q": 1}, lambda: {"x": os.getpid()}, timeout_s=1) == {"x": os.getpid()}
