@@ -15,6 +15,7 @@ from typing import Any
 from torch_commopt.schedule import Schedule
 
 PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar")
+MODES = ("auto", "model", "fixed")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -30,6 +31,14 @@ class Config:
         have falls back to "auto" for that region (noted in explain).
     chunks: piece count S of the chunked schedules (clamped to the size of the
         dimension being cut, and noted when clamped).
+    mode: how a schedule is chosen per region.  "auto" (default): `schedule` if it
+        names one, else the built-in rule as above.  "model": the cost model
+        (`torch_commopt.tuner`) ranks every candidate with this machine's calibration
+        (measured and cached, or the reference machines' figures) and the fastest
+        predicted wins; explain lists the candidates with their predicted times.
+        "fixed": `schedule` must name the schedule (and its parameters).
+    cache_dir: the tuner cache directory (default $TORCH_COMMOPT_CACHE_DIR, else the
+        user's cache directory).
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
         naming the op, rank and chunk instead of hanging (also enabled by the
         environment variable TORCH_COMMOPT_DEBUG_WAITS=1); costs a sync per op.
@@ -46,6 +55,8 @@ class Config:
 
     schedule: str = "auto"
     chunks: int = 4
+    mode: str = "auto"
+    cache_dir: str | None = None
     patterns: tuple[str, ...] = PATTERNS
     check_rank_consistency: bool = True
     consistency_timeout_s: float = 300.0
@@ -62,6 +73,15 @@ class Config:
                 Schedule.parse(self.schedule)
             except ValueError as e:
                 raise ValueError(f"Config.schedule: {self.schedule!r} is not 'auto' or a schedule ({e})") from e
+        if self.mode not in MODES:
+            raise ValueError(f"Config.mode: unknown {self.mode!r}; known: {MODES}")
+        if self.mode == "fixed" and self.schedule == "auto":
+            raise ValueError("Config.mode: 'fixed' needs Config.schedule to name a schedule")
+        if self.mode == "model" and self.schedule != "auto":
+            raise ValueError(f"Config.mode: 'model' chooses the schedule itself; drop schedule={self.schedule!r} "
+                             "or use mode='fixed'")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, str):
+            raise ValueError(f"Config.cache_dir: expected a path string or None, got {self.cache_dir!r}")
         _check_type("chunks", self.chunks, int)
         if self.chunks < 1:
             raise ValueError(f"Config.chunks: must be >= 1, got {self.chunks}")

@@ -43,6 +43,9 @@ class GraphReport:
     commopt_ops: dict[str, int] = field(default_factory=dict)
     plan_hash: str = ""
     code: str | None = None
+    # per collective node: the ranked candidates of Config.mode="model"
+    # ({"schedule", "predicted_ms", "measured_ms", "extra_mib"}), best first
+    candidates: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def rewritten(self) -> list[RegionReport]:
@@ -110,6 +113,10 @@ def _graph_table(g: GraphReport) -> str:
     lines = [head]
     if g.regions:
         lines += _format([_COLUMNS] + [_row(r) for r in g.regions])
+    for node, cands in g.candidates.items():
+        cells = ", ".join(f"{c['schedule']} {c['predicted_ms']:.3f}" + ("" if c.get("measured_ms") is None
+                                                                       else f"/{c['measured_ms']:.3f}") for c in cands)
+        lines.append(f"  candidates of {node} (predicted[/measured] ms, chosen first): {cells}")
     lines += [f"  skipped {s.kind} at {s.node}: {s.reason}" for s in g.skipped]
     lines += [f"  note: {n}" for n in g.notes]
     lines.append(f"  collectives before {dict(g.collectives_before)} -> after {dict(g.collectives_after)}; "

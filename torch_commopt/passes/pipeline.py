@@ -119,6 +119,8 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
     if wanted is not None and not wanted.valid_for(region.kind):
         report.notes.append(f"{name}: {region.kind} has no schedule {wanted.name!r}; using auto")
         wanted = None
+    if wanted is None and config.mode == "model":
+        wanted = _choose_by_model(region, config, report)
     if wanted is None:
         a = val(region.a)
         if a.device.type == "cuda":
@@ -137,6 +139,21 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
         report.notes.append(f"{region.collective.name}: {wanted} clamped to {chosen} "
                             f"(no row dim has more than {rows} rows)")
     return chosen
+
+
+def _choose_by_model(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
+    from torch_commopt.tuner.choose import calibration_for, choose_by_model
+
+    a = val(region.a)
+    cal = calibration_for(a.device, region.group_size, region.group_name, config.cache_dir, config.consistency_timeout_s)
+    weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
+    sched, preds, why = choose_by_model(region.kind, static_shape(region.a), weights, region.dim, region.group_size,
+                                        str(a.dtype).removeprefix("torch."), cal, _chunk_rows(region, 8))
+    name = region.collective.name
+    report.notes.append(f"{name}: model picked {sched} ({why})")
+    report.candidates[name] = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "measured_ms": None,
+                                "extra_mib": p.extra_bytes / 2**20} for p in preds]
+    return sched
 
 
 def _chunk_rows(region: Region, chunks: int) -> int:

@@ -1,0 +1,87 @@
+"""Model-driven schedule choice for one region (Config.mode = "model").
+
+Pure in its inputs (shapes, dtype, device, group) so the compile pass can call it with
+a region's static facts.  The machine's calibration comes from the tuner cache through
+a rank-0 decision (every rank ranks with the same numbers, so every rank picks the same
+schedule), or, where this machine has not been measured, from the reference priors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import torch
+
+from torch_commopt.schedule import Schedule
+from torch_commopt.tuner.cache import TunerCache
+from torch_commopt.tuner.calibration import Calibration, prior
+from torch_commopt.tuner.decide import decide
+from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
+
+log = logging.getLogger("torch_commopt.tuner.choose")
+
+CALIBRATION_FORMAT = 1
+_CALIBRATIONS: dict[str, Calibration] = {}
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def machine_key(name: str, world: int) -> dict:
+    """Everything a calibration depends on (topology: world size of one NVLink host)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"kind": "calibration", "format": CALIBRATION_FORMAT, "device": name, "world": world,
+            "torch": torch.__version__, "triton": triton_version}
+
+
+def calibration_for(device: torch.device, world: int, group_name: str | None, cache_dir: str | None,
+                    timeout_s: float) -> Calibration:
+    """Rank 0's cached calibration of this machine, else the prior (the same on every rank)."""
+    key = machine_key(device_name(device), world)
+    memo = json.dumps(key, sort_keys=True)
+    if memo not in _CALIBRATIONS:
+        stored = decide(group_name, {"question": "calibration", **key},
+                        lambda: TunerCache(cache_dir).get(key), timeout_s)
+        cal = None
+        if stored is not None:
+            try:
+                cal = Calibration.from_json(json.dumps(stored))
+            except (TypeError, ValueError, KeyError) as e:
+                log.warning("commopt tuner: cached calibration for %s unusable (%s); using the prior", key["device"], e)
+        _CALIBRATIONS[memo] = cal or prior(key["device"], world)
+    return _CALIBRATIONS[memo]
+
+
+def gpu_refusal(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int) -> str | None:
+    """Why no GPU schedule can take this region (the kernels' own shape checks)."""
+    if any(len(w) != 2 for w in weight_shapes):
+        return "batched weights"
+    if dim is not None and dim == len(a_shape) - 1:
+        return "collective on the last dim"
+    if kind != "ag_matmul" and math.prod(a_shape[:-1]) % world:
+        return "rows do not split evenly"
+    return None
+
+
+def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
+                    dtype: str, cal: Calibration, max_chunks: int) -> tuple[Schedule, list[Prediction], str]:
+    """(schedule, ranked predictions, why) for a region; candidates cut more than
+    `max_chunks` pieces are left out, GPU ones too where the kernels refuse the shape."""
+    shape = RegionShape(kind, math.prod(a_shape[:-1]), a_shape[-1], tuple(w[-1] for w in weight_shapes), world, dtype)
+    refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
+    pool = [s for s in candidates(shape, cal)
+            if s.chunks <= max(1, max_chunks) and not (s.is_gpu and refusal)]
+    preds = rank(shape, cal, pool)
+    best = preds[0]
+    why = f"predicted {best.seconds * 1e3:.3f} ms with the {cal.source} calibration of {cal.device}"
+    if refusal and cal.p2p is not None:
+        why += f"; GPU schedules left out: {refusal}"
+    return best.schedule, preds, why
