@@ -86,3 +86,19 @@ def test_without_a_process_group_the_answer_is_local():
     from torch_commopt.tuner.decide import decide
 
     assert decide(None, {"q": 1}, lambda: {"x": os.getpid()}, timeout_s=1) == {"x": os.getpid()}
+
+
+def test_model_mode_calibrates_once_then_reads_the_cache(tmp_path):
+    from tuner_programs import compile_with_model
+
+    first = run_distributed(compile_with_model, 2, str(tmp_path), timeout_s=300)
+    second = run_distributed(compile_with_model, 2, str(tmp_path), timeout_s=300)
+    for cands, chosen, note, spent, err in first:
+        assert spent is not None and spent < 30, spent  # measured on first use, within the budget
+        assert "measured calibration of cpu" in note
+        assert chosen == cands[0]["schedule"] and all(c["predicted_ms"] > 0 for c in cands)
+        assert cands == sorted(cands, key=lambda c: c["predicted_ms"]) and err < 1e-5
+    assert first[0][:3] == first[1][:3]  # every rank ranks with the same numbers
+    for cands, chosen, note, spent, err in second:
+        assert spent is None and "measured calibration of cpu" in note and err < 1e-5
+    assert len(list(tmp_path.glob("*.json"))) == 1

@@ -43,3 +43,42 @@ def decide_rounds(rank: int, world: int, mismatch_at: int | None):
             value = f"mismatch: {e}"
         out.append((value, bool(ran)))
     return out
+
+
+def compile_with_model(rank: int, world: int, cache_dir: str):
+    """Compile AG -> mm with Config.mode="model" over gloo; returns what a test checks:
+    (candidates of the region, chosen schedule, calibration source, seconds spent
+    calibrating (None: not measured in this process), output error vs eager)."""
+    import time
+
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    import torch_commopt
+    from torch_commopt.tuner import calibrate
+
+    spent = []
+    measure = calibrate.measure
+
+    def timed_measure(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return measure(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    calibrate.measure = timed_measure
+    torch.manual_seed(rank)
+    a, b = torch.randn(256, 64), torch.randn(64, 48)
+
+    def fn(a, b):
+        return funcol.all_gather_tensor(a, gather_dim=0, group=dist.group.WORLD) @ b
+
+    torch_commopt.reset_explain()
+    got = torch.compile(fn, backend="commopt", options={"mode": "model", "cache_dir": cache_dir})(a, b)
+    want = fn(a, b)
+    (graph,) = torch_commopt.explain().graphs
+    (cands,) = graph.candidates.values()
+    note = next(n for n in graph.notes if "model picked" in n)
+    return cands, graph.rewritten[0].schedule, note, (spent[0] if spent else None), \
+        float((got - want).norm() / want.norm())

@@ -82,6 +82,7 @@ class Calibration:
     remote_store_slowdown: float = 0.0
     fused_efficiency: float = 1.0
     source: str = "prior"  # "prior" or "measured"
+    measured: tuple[str, ...] = ()  # the fields a measurement set; the rest are the prior's
 
     def __post_init__(self) -> None:
         missing = [c for c in COLLECTIVES if c not in self.collective]
@@ -89,6 +90,7 @@ class Calibration:
             raise ValueError(f"Calibration.collective: missing {missing}")
         if self.world < 1:
             raise ValueError(f"Calibration.world: must be >= 1, got {self.world}")
+        object.__setattr__(self, "measured", tuple(self.measured))
 
     def gemm_fit(self, dtype: str) -> GemmFit:
         if dtype in self.gemm:
