@@ -1,4 +1,5 @@
-"""Command line: `python -m torch_commopt demo [--world N] [--schedule S] [--chunks C]`."""
+"""Command line: `python -m torch_commopt demo [--world N] [--schedule S] [--chunks C]` and
+`python -m torch_commopt calibrate [--world N] [--backend B] [--cache-dir D]`."""
 
 from __future__ import annotations
 
@@ -16,12 +17,21 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--chunks", type=int, default=4)
     demo.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     demo.add_argument("-v", "--verbose", action="store_true", help="log commopt's decisions")
+    cal = sub.add_parser("calibrate", help="measure this machine for the cost model and store it in the tuner cache")
+    cal.add_argument("--world", type=int, default=2)
+    cal.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    cal.add_argument("--cache-dir", default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     if args.command == "demo":
         from torch_commopt.demo import run_demo
 
         return run_demo(args.world, {"schedule": args.schedule, "chunks": args.chunks}, args.backend)
+    if args.command == "calibrate":
+        from torch_commopt.tuner.calibrate import run_calibration
+
+        print(run_calibration(args.world, args.backend, args.cache_dir))
+        return 0
     return 2
 
 

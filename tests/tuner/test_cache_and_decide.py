@@ -88,17 +88,20 @@ def test_without_a_process_group_the_answer_is_local():
     assert decide(None, {"q": 1}, lambda: {"x": os.getpid()}, timeout_s=1) == {"x": os.getpid()}
 
 
-def test_model_mode_calibrates_once_then_reads_the_cache(tmp_path):
-    from tuner_programs import compile_with_model
+def test_calibration_is_measured_once_and_the_model_mode_reads_it(tmp_path):
+    from torch_commopt.tuner.calibration import Calibration
+    from tuner_programs import calibrate_program, compile_with_model
 
-    first = run_distributed(compile_with_model, 2, str(tmp_path), timeout_s=300)
-    second = run_distributed(compile_with_model, 2, str(tmp_path), timeout_s=300)
-    for cands, chosen, note, spent, err in first:
-        assert spent is not None and spent < 30, spent  # measured on first use, within the budget
-        assert "measured calibration of cpu" in note
-        assert chosen == cands[0]["schedule"] and all(c["predicted_ms"] > 0 for c in cands)
-        assert cands == sorted(cands, key=lambda c: c["predicted_ms"]) and err < 1e-5
-    assert first[0][:3] == first[1][:3]  # every rank ranks with the same numbers
-    for cands, chosen, note, spent, err in second:
-        assert spent is None and "measured calibration of cpu" in note and err < 1e-5
-    assert len(list(tmp_path.glob("*.json"))) == 1
+    before = run_distributed(compile_with_model, 2, str(tmp_path), timeout_s=300)
+    for cands, chosen, note, err in before:
+        assert "prior calibration of cpu" in note and chosen == cands[0]["schedule"] and err < 1e-5
+    measured = run_distributed(calibrate_program, 2, str(tmp_path), timeout_s=300)
+    (text0, spent0), (text1, _) = measured
+    assert text0 == text1 and spent0 < 30  # every rank holds the same figures
+    cal = Calibration.from_json(text0)
+    assert cal.source == "measured" and cal.device == "cpu" and cal.gemm["float32"].peak_flops > 1e8
+    after = run_distributed(compile_with_model, 2, str(tmp_path), timeout_s=300)
+    for cands, chosen, note, err in after:
+        assert "measured calibration of cpu" in note and err < 1e-5
+        assert chosen == cands[0]["schedule"] and cands == sorted(cands, key=lambda c: c["predicted_ms"])
+    assert after[0][:3] == after[1][:3]  # every rank ranks with the same numbers

@@ -109,3 +109,20 @@ def test_calibration_round_trips_through_json(cal):
 def test_calibration_rejects_missing_collectives():
     with pytest.raises(ValueError, match="missing"):
         Calibration(device="x", world=2, collective={"all_gather": Link(alpha_s=0, bytes_per_s=1)})
+
+
+def test_fits_recover_the_parameters_that_made_the_samples():
+    from torch_commopt.tuner.calibrate import fit_gemm, fit_link
+
+    truth = GemmFit(peak_flops=5e14, half_dim=48.0, launch_s=7e-6)
+    shapes = [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192)]
+    fit = fit_gemm([(m, n, k, truth.time(m, n, k)) for m, n, k in shapes])
+    assert fit.peak_flops == pytest.approx(5e14, rel=1e-6) and fit.half_dim == pytest.approx(48.0, rel=1e-6)
+    assert fit.launch_s == pytest.approx(7e-6, rel=1e-4)
+    link = Link(alpha_s=2e-5, bytes_per_s=2e11)
+    sizes = (1 << 20, 16 << 20, 64 << 20)
+    got = fit_link(4, sizes, tuple(3 * link.time(n / 4) for n in sizes), steps=3)
+    assert got.alpha_s == pytest.approx(2e-5, rel=1e-6) and got.bytes_per_s == pytest.approx(2e11, rel=1e-6)
+    # a noisy, non-increasing pair falls back to the largest size's throughput
+    flat = fit_link(2, (1 << 20, 4 << 20), (1e-3, 1e-3), steps=1)
+    assert flat.alpha_s == 0.0 and flat.bytes_per_s == pytest.approx((4 << 20) / 2 / 1e-3)

@@ -5,14 +5,18 @@ them all); each figure is the slowest rank's (all-reduce MAX), so every rank end
 the identical `Calibration` and therefore the identical ranking.  Sizes are small enough
 for a 2-core CI machine (gloo) to finish in seconds and for 2x H200 well under 30 s.
 
-Measured: the collectives' alpha-beta, the GEMM fit per dtype, the host cost per call and
-per piece.  Not yet measured (taken from the prior, and listed as such in
-`Calibration.measured`): the copy-engine links and the overlap / remote-store / fused
-factors, which need the GPU schedules' own probes.
+Measured: the collectives' alpha-beta, the GEMM fit per dtype, the host cost of a
+`sequential` call.  Not yet measured (taken from the prior; `Calibration.measured` lists
+what was): the host cost of the other families and per piece, the copy-engine links and
+the overlap / remote-store / fused factors, which need the GPU schedules' own probes.
+Run it outside a compile (`python -m torch_commopt calibrate`, or `calibrate_and_store`
+from every rank): issuing collectives from inside the compile pass stalled two gloo ranks
+intermittently under pytest (not yet explained), so the pass only reads the cache.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import time
@@ -29,7 +33,7 @@ log = logging.getLogger("torch_commopt.tuner.calibrate")
 # (m, n, k): square, wide and thin, so the fit sees both efficiency regimes
 GEMM_SHAPES = {"cuda": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192)],
                "cpu": [(128, 128, 128), (384, 384, 384), (768, 768, 768), (768, 16, 768), (32, 768, 768)]}
-COLLECTIVE_BYTES = {"cuda": (1 << 20, 64 << 20), "cpu": (64 << 10, 4 << 20)}
+COLLECTIVE_BYTES = {"cuda": (1 << 20, 16 << 20, 64 << 20), "cpu": (256 << 10, 2 << 20, 8 << 20)}
 
 
 def _timed(fn, device: torch.device, reps: int) -> float:
@@ -69,12 +73,15 @@ def fit_gemm(samples: list[tuple[int, int, int, float]]) -> GemmFit:
     return GemmFit(peak_flops=1.0 / inv_peak, half_dim=max(0.0, half_over_peak / inv_peak), launch_s=max(0.0, launch))
 
 
-def fit_link(world: int, sizes: tuple[int, int], times: tuple[float, float], steps: float) -> Link:
-    """alpha-beta from two sizes of a ring collective: t(n) = steps * (alpha + n / world / bw)."""
-    (n1, n2), (t1, t2) = sizes, times
-    per_byte = max((t2 - t1) / (n2 - n1), 1e-15) / steps * world  # seconds per byte of one step's payload
-    alpha = max(0.0, t1 / steps - n1 / world * per_byte)
-    return Link(alpha_s=alpha, bytes_per_s=1.0 / per_byte)
+def fit_link(world: int, sizes: tuple[int, ...], times: tuple[float, ...], steps: float) -> Link:
+    """alpha-beta of a ring collective from several sizes: t(n) = steps * (alpha + n / world / bw),
+    least squares; a noisy non-positive slope falls back to the largest size's throughput."""
+    x = np.array(sizes, dtype=float) / world
+    y = np.array(times, dtype=float) / steps
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope <= 0:
+        return Link(alpha_s=0.0, bytes_per_s=float(x[-1] / y[-1]))
+    return Link(alpha_s=max(0.0, float(intercept)), bytes_per_s=float(1.0 / slope))
 
 
 def _gemm_samples(device: torch.device, dtype: torch.dtype, reps: int) -> list[tuple[int, int, int, float]]:
@@ -103,16 +110,13 @@ def _collective_times(group, world: int, device: torch.device, reps: int) -> dic
     return out
 
 
-def _host_costs(group_name: str, world: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """Per-call cost of tiny op calls (host-bound), sequential vs chunked:1 and chunked:4."""
+def _host_cost(group_name: str, world: int, device: torch.device, dtype: torch.dtype) -> float:
+    """Per-call cost of a tiny `sequential` op call (host-bound: dispatch + collective)."""
     a = torch.randn(8 * world, 16, device=device, dtype=dtype)
     w = torch.randn(16, 16, device=device, dtype=dtype)
-    out = {}
-    for sched in ("sequential", "chunked:1", "chunked:4"):
-        fn = lambda s=sched: torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, group_name, s, False)  # noqa: E731
-        dist.barrier(group=resolve_group(group_name))
-        out[sched] = _timed(fn, device, 20)
-    return out
+    dist.barrier(group=resolve_group(group_name))
+    return _timed(lambda: torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, group_name, "sequential", False),
+                  device, 20)
 
 
 def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] = ("float32",),
@@ -123,12 +127,12 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     start = time.perf_counter()
     gemm = {d: _gemm_samples(device, getattr(torch, d), reps) for d in dtype_names}
     coll = _collective_times(group, world, device, reps)
-    host = _host_costs(group_name, world, device, getattr(torch, dtype_names[0]))
-    flat = [t for d in dtype_names for *_, t in gemm[d]] + [t for c in COLLECTIVES for t in coll[c]] + list(host.values())
+    host = _host_cost(group_name, world, device, getattr(torch, dtype_names[0]))
+    flat = [t for d in dtype_names for *_, t in gemm[d]] + [t for c in COLLECTIVES for t in coll[c]] + [host]
     flat = iter(_slowest(flat, group, device))
     gemm = {d: [(m, n, k, next(flat)) for m, n, k, _ in gemm[d]] for d in dtype_names}
-    coll = {c: (next(flat), next(flat)) for c in COLLECTIVES}
-    host = {s: next(flat) for s in host}
+    coll = {c: tuple(next(flat) for _ in COLLECTIVE_BYTES[device.type]) for c in COLLECTIVES}
+    host = next(flat)
     links = {c: fit_link(world, COLLECTIVE_BYTES[device.type], coll[c],
                          (world - 1) * (2 if c == "all_reduce" else 1)) for c in COLLECTIVES}
     base = prior(device.type if device.type == "cpu" else torch.cuda.get_device_name(device), world)
@@ -136,11 +140,44 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     cal = Calibration(
         device=name, world=world, collective=links, p2p=base.p2p, p2p_pull=base.p2p_pull, local_copy=base.local_copy,
         gemm={d: fit_gemm(gemm[d]) for d in dtype_names},
-        host_s={**base.host_s, "sequential": host["sequential"], "chunked": host["chunked:1"]},
-        host_per_piece_s=max(0.0, (host["chunked:4"] - host["chunked:1"]) / 3),
+        host_s={**base.host_s, "sequential": host},
+        host_per_piece_s=base.host_per_piece_s,
         overlap_slowdown=base.overlap_slowdown, remote_store_slowdown=base.remote_store_slowdown,
         fused_efficiency=base.fused_efficiency, source="measured",
-        measured=("collective", "gemm", "host_s", "host_per_piece_s"))
+        measured=("collective", "gemm", "host_s.sequential"))
     log.info("commopt tuner: calibrated %s x%d in %.1f s", name, world, time.perf_counter() - start)
     return cal
 
+
+def calibrate_and_store(group_name: str, device: torch.device, cache_dir: str | None = None) -> Calibration:
+    """Every rank: measure together; rank 0 of the group stores the result in the tuner cache
+    under this machine's key, where `Config.mode="model"` finds it."""
+    from torch_commopt.tuner.cache import TunerCache
+    from torch_commopt.tuner.choose import device_name, machine_key
+
+    dtypes = ("float32",) if device.type == "cpu" else ("bfloat16", "float16", "float32")
+    cal = measure(group_name, device, dtypes)
+    if dist.get_rank() == dist.get_process_group_ranks(resolve_group(group_name))[0]:
+        TunerCache(cache_dir).put(machine_key(device_name(device), cal.world), json.loads(cal.to_json()))
+    return cal
+
+
+def _calibrate_worker(rank: int, world: int, cache_dir: str | None) -> str:
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return calibrate_and_store(dist.group.WORLD.group_name, device, cache_dir).to_json()
+
+
+def run_calibration(world: int, backend: str = "auto", cache_dir: str | None = None) -> str:
+    """Launch `world` local processes, calibrate, store; a summary of what was measured."""
+    from torch_commopt.launch import run_distributed
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    start = time.perf_counter()
+    cal = Calibration.from_json(run_distributed(_calibrate_worker, world, cache_dir, backend=backend, timeout_s=600)[0])
+    gemm = ", ".join(f"{d} {f.peak_flops / 1e12:.1f} TFLOP/s" for d, f in cal.gemm.items())
+    links = ", ".join(f"{c} {link.bytes_per_s / 1e9:.1f} GB/s + {link.alpha_s * 1e6:.0f} us"
+                      for c, link in cal.collective.items())
+    return (f"commopt calibrate: {cal.device} x{cal.world} ({backend}) in {time.perf_counter() - start:.1f} s: "
+            f"gemm {gemm}; {links}; host {cal.host('sequential') * 1e6:.0f} us per call; "
+            f"stored in {cache_dir or 'the default tuner cache'}")

@@ -44,15 +44,17 @@ def machine_key(name: str, world: int) -> dict:
 
 def calibration_for(device: torch.device, world: int, group_name: str | None, cache_dir: str | None,
                     timeout_s: float) -> Calibration:
-    """This machine's calibration, the same on every rank: rank 0's cached one; else, on
-    first use, measured now by every rank together and cached by rank 0; else (no real
-    process group, or the measurement failed) the prior."""
+    """This machine's calibration, the same on every rank: rank 0's cached one (stored by
+    `python -m torch_commopt calibrate`), else the reference priors."""
     key = machine_key(device_name(device), world)
-    memo = json.dumps(key, sort_keys=True)
+    memo = json.dumps(key, sort_keys=True) + str(cache_dir)
     if memo not in _CALIBRATIONS:
         cache = TunerCache(cache_dir)
         stored = decide(group_name, {"question": "calibration", **key}, lambda: cache.get(key), timeout_s)
-        cal = _parse(stored, key["device"]) if stored is not None else _measure(device, group_name, cache, key)
+        cal = _parse(stored, key["device"]) if stored is not None else None
+        if cal is None:
+            log.info("commopt tuner: %s x%d not calibrated (python -m torch_commopt calibrate); using the priors",
+                     key["device"], world)
         _CALIBRATIONS[memo] = cal or prior(key["device"], world)
     return _CALIBRATIONS[memo]
 
@@ -63,29 +65,6 @@ def _parse(stored, device: str) -> Calibration | None:
     except (TypeError, ValueError, KeyError) as e:
         log.warning("commopt tuner: cached calibration for %s unusable (%s); using the prior", device, e)
         return None
-
-
-def _measure(device: torch.device, group_name: str | None, cache: TunerCache, key: dict) -> Calibration | None:
-    import torch.distributed as dist
-
-    if group_name is None or not dist.is_initialized() or dist.get_backend() == "fake":
-        return None
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from torch_commopt.tuner.calibrate import measure
-
-    dtypes = ("float32",) if device.type == "cpu" else ("bfloat16", "float16", "float32")
-    with unset_fake_temporarily():  # the compile pass may run under fake-tensor mode
-        cal = measure(group_name, device, dtypes)
-    if dist.get_rank() == dist.get_process_group_ranks(_group(group_name))[0]:
-        cache.put(key, json.loads(cal.to_json()))
-    return cal
-
-
-def _group(group_name: str):
-    from torch_commopt.kernels.reference.collectives import resolve_group
-
-    return resolve_group(group_name)
 
 
 def gpu_refusal(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int) -> str | None:
