@@ -1,5 +1,6 @@
 """Command line: `python -m torch_commopt demo [--world N] [--schedule S] [--chunks C]` and
-`python -m torch_commopt calibrate [--world N] [--backend B] [--cache-dir D]`."""
+`python -m torch_commopt calibrate [--world N] [--backend B] [--cache-dir D]` and
+`python -m torch_commopt explain --shape KIND:ROWSxKxN [--world N] [--device NAME]`."""
 
 from __future__ import annotations
 
@@ -21,12 +22,24 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--world", type=int, default=2)
     cal.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     cal.add_argument("--cache-dir", default=None)
+    exp = sub.add_parser("explain", help="the cost model's ranking of the candidates for region shapes")
+    exp.add_argument("--shape", action="append", required=True,
+                     help="KIND:ROWSxKxN[,N2...] (rows and K of the local A), e.g. matmul_rs:8192x4096x8192")
+    exp.add_argument("--world", type=int, default=2)
+    exp.add_argument("--device", default="cpu", help='"cpu" or a CUDA device name, e.g. "NVIDIA H200"')
+    exp.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 otherwise")
+    exp.add_argument("--cache-dir", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     if args.command == "demo":
         from torch_commopt.demo import run_demo
 
         return run_demo(args.world, {"schedule": args.schedule, "chunks": args.chunks}, args.backend)
+    if args.command == "explain":
+        from torch_commopt.tuner.choose import explain_shapes
+
+        print(explain_shapes(args.shape, args.world, args.device, args.dtype, args.cache_dir))
+        return 0
     if args.command == "calibrate":
         from torch_commopt.tuner.calibrate import run_calibration
 

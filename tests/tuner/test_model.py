@@ -126,3 +126,18 @@ def test_fits_recover_the_parameters_that_made_the_samples():
     # a noisy, non-increasing pair falls back to the largest size's throughput
     flat = fit_link(2, (1 << 20, 4 << 20), (1e-3, 1e-3), steps=1)
     assert flat.alpha_s == 0.0 and flat.bytes_per_s == pytest.approx((4 << 20) / 2 / 1e-3)
+
+
+def test_explain_command_prints_the_ranking(capsys, tmp_path):
+    from torch_commopt.__main__ import main
+
+    assert main(["explain", "--shape", "matmul_rs:8192x4096x8192", "--shape", "ag_matmul:256x8192x4096",
+                 "--device", "NVIDIA H200", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "cost model: prior calibration of NVIDIA H200 x2, bfloat16"
+    rs = out[2:out.index("ag_matmul:256x8192x4096:")]
+    times = [float(line.split()[1]) for line in rs]
+    assert times == sorted(times) and rs[0].split()[0] != "sequential"
+    assert out[out.index("ag_matmul:256x8192x4096:") + 1].split()[0] == "sequential"
+    with pytest.raises(ValueError, match="bad --shape"):
+        main(["explain", "--shape", "matmul_rs:8192x4096"])

@@ -92,3 +92,23 @@ def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]
     if refusal and cal.p2p is not None:
         why += f"; GPU schedules left out: {refusal}"
     return best.schedule, preds, why
+
+
+def explain_shapes(specs: list[str], world: int, device: str, dtype: str | None, cache_dir: str | None) -> str:
+    """The model's ranking for shapes given as "KIND:ROWSxKxN[,N2...]" (what the CLI prints)."""
+    stored = TunerCache(cache_dir).get(machine_key(device, world))
+    cal = (_parse(stored, device) if stored is not None else None) or prior(device, world)
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    lines = [f"cost model: {cal.source} calibration of {cal.device} x{world}, {dtype}"]
+    for spec in specs:
+        kind, _, dims = spec.partition(":")
+        try:
+            rows, k, ns = dims.split("x")
+            shape = RegionShape(kind, int(rows), int(k), tuple(int(n) for n in ns.split(",")), world, dtype)
+        except ValueError as e:
+            raise ValueError(f"commopt explain: bad --shape {spec!r} (want KIND:ROWSxKxN[,N2...]): {e}") from e
+        preds = rank(shape, cal)
+        lines.append(f"{spec}:")
+        lines += [f"  {str(p.schedule):<12} {p.seconds * 1e3:9.3f} ms  (gpu {p.gpu_s * 1e3:.3f}, host {p.host_s * 1e3:.3f}, "
+                  f"+{p.extra_bytes / 2**20:.0f} MiB)" for p in preds]
+    return "\n".join(lines)
