@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from torch_commopt.kernels.reference.collectives import resolve_group
 from torch_commopt.tuner.calibration import COLLECTIVES, Calibration, GemmFit, Link, prior
+from torch_commopt.tuner.choose import device_name, machine_key
 
 log = logging.getLogger("torch_commopt.tuner.calibrate")
 
@@ -93,7 +94,7 @@ def _gemm_samples(device: torch.device, dtype: torch.dtype, reps: int) -> list[t
     return out
 
 
-def _collective_times(group, world: int, device: torch.device, reps: int) -> dict[str, tuple[float, float]]:
+def _collective_times(group, world: int, device: torch.device, reps: int) -> dict[str, tuple[float, ...]]:
     out = {}
     for name in COLLECTIVES:
         times = []
@@ -135,8 +136,8 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     host = next(flat)
     links = {c: fit_link(world, COLLECTIVE_BYTES[device.type], coll[c],
                          (world - 1) * (2 if c == "all_reduce" else 1)) for c in COLLECTIVES}
-    base = prior(device.type if device.type == "cpu" else torch.cuda.get_device_name(device), world)
-    name = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    name = device_name(device)
+    base = prior(name, world)
     cal = Calibration(
         device=name, world=world, collective=links, p2p=base.p2p, p2p_pull=base.p2p_pull, local_copy=base.local_copy,
         gemm={d: fit_gemm(gemm[d]) for d in dtype_names},
@@ -153,7 +154,6 @@ def calibrate_and_store(group_name: str, device: torch.device, cache_dir: str | 
     """Every rank: measure together; rank 0 of the group stores the result in the tuner cache
     under this machine's key, where `Config.mode="model"` finds it."""
     from torch_commopt.tuner.cache import TunerCache
-    from torch_commopt.tuner.choose import device_name, machine_key
 
     dtypes = ("float32",) if device.type == "cpu" else ("bfloat16", "float16", "float32")
     cal = measure(group_name, device, dtypes)

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from torch_commopt.kernels.gpu.pick import gpu_refusal
 from torch_commopt.schedule import Schedule
 from torch_commopt.tuner.cache import TunerCache
 from torch_commopt.tuner.calibration import Calibration, prior
@@ -51,31 +52,21 @@ def calibration_for(device: torch.device, world: int, group_name: str | None, ca
     if memo not in _CALIBRATIONS:
         cache = TunerCache(cache_dir)
         stored = decide(group_name, {"question": "calibration", **key}, lambda: cache.get(key), timeout_s)
-        cal = _parse(stored, key["device"]) if stored is not None else None
-        if cal is None:
-            log.info("commopt tuner: %s x%d not calibrated (python -m torch_commopt calibrate); using the priors",
-                     key["device"], world)
-        _CALIBRATIONS[memo] = cal or prior(key["device"], world)
+        _CALIBRATIONS[memo] = _stored_or_prior(stored, key["device"], world)
     return _CALIBRATIONS[memo]
 
 
-def _parse(stored, device: str) -> Calibration | None:
-    try:
-        return Calibration.from_json(json.dumps(stored))
-    except (TypeError, ValueError, KeyError) as e:
-        log.warning("commopt tuner: cached calibration for %s unusable (%s); using the prior", device, e)
-        return None
-
-
-def gpu_refusal(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int) -> str | None:
-    """Why no GPU schedule can take this region (the kernels' own shape checks)."""
-    if any(len(w) != 2 for w in weight_shapes):
-        return "batched weights"
-    if dim is not None and dim == len(a_shape) - 1:
-        return "collective on the last dim"
-    if kind != "ag_matmul" and math.prod(a_shape[:-1]) % world:
-        return "rows do not split evenly"
-    return None
+def _stored_or_prior(stored, device: str, world: int) -> Calibration:
+    """The stored calibration (JSON data from the cache), else the priors, logged."""
+    if stored is not None:
+        try:
+            return Calibration.from_json(json.dumps(stored))
+        except (TypeError, ValueError, KeyError) as e:
+            log.warning("commopt tuner: cached calibration for %s unusable (%s); using the prior", device, e)
+    else:
+        log.info("commopt tuner: %s x%d not calibrated (python -m torch_commopt calibrate); using the priors",
+                 device, world)
+    return prior(device, world)
 
 
 def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
@@ -96,8 +87,7 @@ def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]
 
 def explain_shapes(specs: list[str], world: int, device: str, dtype: str | None, cache_dir: str | None) -> str:
     """The model's ranking for shapes given as "KIND:ROWSxKxN[,N2...]" (what the CLI prints)."""
-    stored = TunerCache(cache_dir).get(machine_key(device, world))
-    cal = (_parse(stored, device) if stored is not None else None) or prior(device, world)
+    cal = _stored_or_prior(TunerCache(cache_dir).get(machine_key(device, world)), device, world)
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     lines = [f"cost model: {cal.source} calibration of {cal.device} x{world}, {dtype}"]
     for spec in specs:

@@ -17,11 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from torch_commopt.schedule import OP_SCHEDULES, Schedule
 from torch_commopt.tuner.calibration import Calibration
-
-ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-
 
 @dataclass(frozen=True)
 class RegionShape:
@@ -45,10 +44,12 @@ class RegionShape:
             raise ValueError(f"RegionShape.kind: unknown {self.kind!r}")
         if min(self.rows, self.k, self.world, *self.ns) < 1:
             raise ValueError(f"RegionShape: sizes must be positive, got {self}")
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"RegionShape.dtype: not a torch dtype name: {self.dtype!r}")
 
     @property
     def elt(self) -> int:
-        return ELEMENT_BYTES.get(self.dtype, 4)
+        return getattr(torch, self.dtype).itemsize
 
 
 @dataclass(frozen=True)

@@ -48,16 +48,23 @@ def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: st
     return flops / GEMM_FLOPS_PER_S.get(dtype, 50e12), moved / LINK_BYTES_PER_S
 
 
+def gpu_refusal(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int) -> str | None:
+    """Why no GPU schedule can take a region of this shape (the kernels' own checks), or None."""
+    if any(len(w) != 2 for w in weight_shapes):
+        return "batched weights"
+    if dim is not None and dim == len(a_shape) - 1:
+        return "collective on the last dim"
+    if kind != "ag_matmul" and math.prod(a_shape[:-1]) % world:
+        return "rows do not split evenly"
+    return None
+
+
 def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
          dtype: str) -> tuple[Schedule, str]:
     """(schedule, why) for a region running on CUDA."""
-    if any(len(w) != 2 for w in weight_shapes):
-        return Schedule("sequential"), "batched weights: NCCL + cuBLAS"
-    if dim is not None and dim == len(a_shape) - 1:
-        return Schedule("sequential"), "collective on the last dim: NCCL + cuBLAS"
-    rows = math.prod(a_shape[:-1])
-    if kind != "ag_matmul" and rows % world:
-        return Schedule("sequential"), "rows do not split evenly: NCCL + cuBLAS"
+    refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
+    if refusal is not None:
+        return Schedule("sequential"), refusal + ": NCCL + cuBLAS"
     gemm_s, comm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)
     why = f"est. gemm {gemm_s * 1e6:.0f} us, transfer {comm_s * 1e6:.0f} us"
     if comm_s < MIN_HIDDEN_COMM_S:
