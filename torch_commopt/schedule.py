@@ -12,7 +12,7 @@ from typing import ClassVar
 # Which schedules each op has (the reference schedules run everywhere; the rest need CUDA
 # and symmetric memory, and run their reference twin anywhere else).
 OP_SCHEDULES = {
-    "ag_matmul": ("sequential", "chunked", "ce_push", "fused"),
+    "ag_matmul": ("sequential", "chunked", "local_first", "ce_push", "fused"),
     "matmul_rs": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused"),
     "matmul_ar": ("sequential", "chunked", "ce_push", "ce_pull", "direct"),
 }
@@ -32,6 +32,10 @@ class Schedule:
         consumed (or produced) by the compute as it arrives, so that transfer of
         piece j+1 overlaps the compute of piece j (MeshSlice slicing, Mercury shift).
         Plain torch + c10d: runs on any backend; the reference of the GPU schedules.
+    local_first: all-gather only.  The collective is issued asynchronously and the
+        rank's own shard is multiplied while it travels; the peers' rows follow in one
+        or two GEMMs.  Plain torch + c10d (NCCL on the GPU): the cheapest overlap to
+        launch, for short GEMMs where host time bounds the GPU schedules.
     ce_push(S): GPU.  Copy engines push S pieces per rank into peers' symmetric buffers
         (signalled by stream flag writes) while cuBLAS computes the pieces already there.
     ce_pull(S): GPU, reductions.  Each rank computes a peer's partial into its own
@@ -50,7 +54,7 @@ class Schedule:
     chunks: int = 1
     params: tuple[tuple[str, int | str], ...] = ()
 
-    NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused")
+    NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "local_first", "ce_push", "ce_pull", "direct", "fused")
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch_commopt  # noqa: F401  (registers the ops)
 from torch_commopt.schedule import Schedule
 
-AG_SCHEDULES = ["ce_push:1", "ce_push:3", "fused:1", "fused:4", "fused:2:bk=64,bm=64,bn=128,stages=3,warps=4"]
+AG_SCHEDULES = ["local_first", "ce_push:1", "ce_push:3", "fused:1", "fused:4", "fused:2:bk=64,bm=64,bn=128,stages=3,warps=4"]
 RS_SCHEDULES = ["ce_push:1", "ce_push:3", "ce_pull:1", "ce_pull:3", "direct:1", "direct:2", "fused:2:store=direct", "fused:3:store=ce",
                 "fused:1:bm=64,bn=128,store=ce,warps=4"]
 AR_SCHEDULES = ["ce_push:2", "ce_pull:2", "direct:1", "direct:3"]

@@ -10,6 +10,7 @@ import torch_commopt  # noqa: F401  (registers the ops)
 from torch_commopt.validate import rel_err
 
 SCHEDULES = ("sequential", "chunked:2", "chunked:3", "chunked:64")
+AG_ONLY = ("local_first",)
 
 
 def _rand(gen, *shape):
@@ -63,7 +64,7 @@ def run_reference_cases(rank: int, world: int, seed: int = 0):
         weights = [_rand(gen, *s) for s in wshapes]
         biases = [_rand(gen, s[-1]) if with_bias else None for s in wshapes]
         for keep in (False, True):
-            for sched in SCHEDULES:
+            for sched in SCHEDULES + AG_ONLY:
                 def expected(dtype):
                     full = torch.cat([s.to(dtype) for s in shards], dim=g)
                     outs = [torch.matmul(full, w.to(dtype)) + (0 if b is None else b.to(dtype)) for w, b in zip(weights, biases)]

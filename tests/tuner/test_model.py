@@ -7,6 +7,7 @@ import pytest
 from torch_commopt.schedule import Schedule
 from torch_commopt.tuner.calibration import Calibration, GemmFit, Link, prior
 from torch_commopt.tuner.model import (
+    candidates,
     RegionShape, _Step, collective_time, extra_bytes, pipeline_time, predict, rank, simulate,
 )
 
@@ -53,8 +54,13 @@ def test_thin_gemms_are_less_efficient():
 @pytest.mark.parametrize("cal,dtype", [(H200, "bfloat16"), (CPU, "float32")])
 @pytest.mark.parametrize("kind,a_shape", [("ag_matmul", (256, 256)), ("matmul_rs", (512, 8))])
 def test_sequential_wins_when_the_matmul_is_tiny(cal, dtype, kind, a_shape):
-    """Nothing to hide the transfer behind: a pipeline only adds per-piece costs."""
-    best = rank(RegionShape(kind, *a_shape, (8,), 2, dtype), cal)[0]
+    """Nothing to hide the transfer behind: a pipeline only adds per-piece costs.  (Not
+    `local_first`: one collective and no pieces, it hides the transfer behind the own
+    shard's GEMM however small -- on 2 CPU ranks it measured 1.07 vs 1.89 ms for a
+    256x256 shard at N = 8.)"""
+    shape = RegionShape(kind, *a_shape, (8,), 2, dtype)
+    pipelines = [s for s in candidates(shape, cal) if s.name != "local_first"]
+    best = rank(shape, cal, pipelines)[0]
     assert best.schedule == Schedule("sequential"), best
 
 
@@ -68,9 +74,10 @@ def test_overlap_wins_on_balanced_gpu_shapes(kind, a_shape, n, gain):
     assert preds[0].schedule.is_gpu and preds[0].seconds < (1 - gain) * seq.seconds, preds[:3]
 
 
-def test_chunked_wins_at_large_balanced_cpu_shapes():
-    preds = rank(RegionShape("ag_matmul", 4096, 1024, (1024,), 2, "float32"), CPU)
-    assert preds[0].schedule.name == "chunked"
+@pytest.mark.parametrize("kind", ["ag_matmul", "matmul_rs"])
+def test_overlap_wins_at_large_balanced_cpu_shapes(kind):
+    preds = rank(RegionShape(kind, 4096, 1024, (1024,), 2, "float32"), CPU)
+    assert preds[0].schedule.name in ("chunked", "local_first"), preds[:3]
 
 
 def test_cpu_candidates_need_no_symmetric_memory():

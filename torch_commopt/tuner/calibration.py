@@ -133,7 +133,7 @@ def prior(device: str, world: int) -> Calibration:
         local_copy=Link(alpha_s=3e-6, bytes_per_s=2.2e12),
         gemm={"bfloat16": bf16, "float16": bf16,
               "float32": GemmFit(peak_flops=50e12, half_dim=48.0, launch_s=6e-6)},
-        host_s={"sequential": 100e-6, "chunked": 120e-6, "ce_push": 140e-6, "ce_pull": 160e-6,
+        host_s={"sequential": 100e-6, "chunked": 120e-6, "local_first": 110e-6, "ce_push": 140e-6, "ce_pull": 160e-6,
                 "direct": 130e-6, "fused": 160e-6},
         host_per_piece_s=25e-6, overlap_slowdown=0.09, remote_store_slowdown=0.12,
         fused_efficiency=0.87,
@@ -148,6 +148,6 @@ def _cpu_prior(world: int) -> Calibration:
         device="cpu", world=world,
         collective={c: gloo for c in COLLECTIVES},
         gemm={"float32": fp32, "bfloat16": GemmFit(peak_flops=30e9, half_dim=16.0, launch_s=5e-6)},
-        host_s={"sequential": 40e-6, "chunked": 60e-6},
+        host_s={"sequential": 40e-6, "chunked": 60e-6, "local_first": 60e-6},
         host_per_piece_s=20e-6, overlap_slowdown=0.6,
     )

@@ -101,9 +101,12 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration) -> Prediction
         raise ValueError(f"cost model: {sched} needs symmetric memory; {cal.device} has none")
     fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
     gpu = fn(shape, sched, cal)
-    pieces = 1 if sched.name == "sequential" else sched.chunks * max(1, shape.world - 1)
-    host = cal.host(sched.name) + (0 if sched.name == "sequential" else pieces * cal.host_per_piece_s)
-    return Prediction(sched, max(gpu, host), gpu, host, extra_bytes(shape, sched))
+    pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
+    host = cal.host(sched.name) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
+    # A GPU runs the device work while the host enqueues the next call: back-to-back calls
+    # take the longer of the two.  On a CPU the host *is* the device: they add up.
+    seconds = gpu + host if cal.device == "cpu" else max(gpu, host)
+    return Prediction(sched, seconds, gpu, host, extra_bytes(shape, sched))
 
 
 def _gemm(shape: RegionShape, cal: Calibration, rows: float) -> float:
@@ -117,6 +120,12 @@ def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
     shard_bytes = m_loc * shape.k * shape.elt
     if sched.name == "sequential":
         return collective_time(cal, "all_gather", w * shard_bytes, w) + _gemm(shape, cal, w * m_loc)
+    if sched.name == "local_first":  # the own shard's GEMM beside the gather, then the rest
+        comm = collective_time(cal, "all_gather", w * shard_bytes, w)
+        own = _gemm(shape, cal, m_loc)
+        steps = [_Step("comm", comm), _Step("compute", own + cal.overlap_slowdown * min(own, comm))]
+        steps.append(_Step("compute", _gemm(shape, cal, (w - 1) * m_loc), (0,)))
+        return simulate(steps)
     s = min(sched.chunks, m_loc)
     if sched.name == "chunked":  # per piece: one all-gather of every rank's piece, then its GEMM
         comm = collective_time(cal, "all_gather", w * shard_bytes / s, w)
@@ -202,7 +211,7 @@ def extra_bytes(shape: RegionShape, sched: Schedule) -> int:
     w = shape.world
     if shape.kind == "ag_matmul":
         gathered = w * shape.rows * shape.k * shape.elt
-        if sched.name in ("sequential", "chunked"):
+        if sched.name in ("sequential", "chunked", "local_first"):
             return gathered
         return 2 * gathered  # symmetric buffer: two halves of W slots (kept across calls)
     seg = math.ceil(shape.rows / w) * shape.ns[0] * shape.elt
@@ -217,6 +226,8 @@ def extra_bytes(shape: RegionShape, sched: Schedule) -> int:
 def candidates(shape: RegionShape, cal: Calibration) -> list[Schedule]:
     """The schedules worth ranking for this region on this machine."""
     out = [Schedule("sequential")] + [Schedule("chunked", s) for s in (2, 4, 8)]
+    if shape.kind == "ag_matmul":
+        out.append(Schedule("local_first"))
     if cal.p2p is None:
         return out
     gpu = [Schedule("ce_push", s) for s in (1, 2, 4)]

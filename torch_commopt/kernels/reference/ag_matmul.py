@@ -12,6 +12,7 @@ from torch_commopt.kernels.reference.collectives import (
     all_gather,
     chunk_bounds,
     linear,
+    merge_rank_dim,
     resolve_group,
 )
 from torch_commopt.kernels.reference.chunking import ag_chunk_dim
@@ -42,6 +43,42 @@ def ag_matmul_chunked(a, weights, biases, gather_dim, group, return_gathered, ch
     return outs + ([gathered] if return_gathered else [])
 
 
+def ag_matmul_local_first(a, weights, biases, gather_dim, group, return_gathered):
+    """Gather asynchronously; multiply the own shard meanwhile, then the peers' rows.
+
+    The gather lands rank-major in a flat (W * d0, ...) buffer, so the peers before and
+    after this rank are two contiguous row ranges: at most two more GEMMs per weight,
+    written straight into a rank-major output (a view of the result when gather_dim is 0,
+    one copy otherwise).  Batched (3-D) weights follow the gathered batch rows, and a
+    gather along the contracted dim has no own-rows product: both run `sequential`."""
+    if any(w.dim() != 2 for w in weights) or gather_dim == a.dim() - 1:
+        return ag_matmul_sequential(a, weights, biases, gather_dim, group, return_gathered)
+    world, rank = group.size(), group.rank()
+    a = a.contiguous()
+    pending = all_gather(a, gather_dim, group, async_op=True)
+    rows, k = a.numel() // a.shape[-1], a.shape[-1]
+    blocks = [a.new_empty((world,) + tuple(a.shape[:-1]) + (w.shape[-1],)) for w in weights]
+    own = a.view(rows, k)
+    for blk, w, b in zip(blocks, weights, biases):
+        _mm_into(blk[rank].view(rows, -1), own, w, b)
+    if pending.work is not None:
+        pending.work.wait()
+    src = pending.buffer.view(world * rows, k)
+    for lo, hi in ((0, rank), (rank + 1, world)):
+        if hi > lo:
+            for blk, w, b in zip(blocks, weights, biases):
+                _mm_into(blk[lo:hi].view((hi - lo) * rows, -1), src[lo * rows: hi * rows], w, b)
+    outs = [merge_rank_dim(blk, gather_dim) for blk in blocks]
+    return outs + ([pending.finish(pending.buffer)] if return_gathered else [])
+
+
+def _mm_into(out, rows, w, b):
+    if b is None:
+        torch.mm(rows, w, out=out)
+    else:
+        torch.addmm(b, rows, w, out=out)
+
+
 def _rank_blocked(x: torch.Tensor, g: int, world: int, local: int) -> torch.Tensor:
     """View dim g (world*local) of x as (world, local)."""
     shape = list(x.shape)
@@ -68,6 +105,8 @@ def _weight_piece(w, g, c, s, n, world, shape):
 def ag_matmul_reference(a, weights, biases, gather_dim, group_name, schedule, return_gathered):
     group = resolve_group(group_name)
     sched = Schedule.parse(schedule)
+    if sched.name == "local_first":
+        return ag_matmul_local_first(a, weights, biases, gather_dim, group, return_gathered)
     if sched.name == "sequential" or sched.chunks == 1:
         return ag_matmul_sequential(a, weights, biases, gather_dim, group, return_gathered)
     return ag_matmul_chunked(a, weights, biases, gather_dim, group, return_gathered, sched.chunks)

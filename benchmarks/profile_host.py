@@ -1,0 +1,103 @@
+"""Host time of one commopt call per schedule on short shapes, and where it goes (cProfile).
+
+Short GEMMs are host-bound: back-to-back calls take max(GPU time, host time).  This prints
+the enqueue time per call (the GPU is idle at the start of each timed batch, so the loop
+measures the host) and writes rank 0's cProfile of each case, sorted by own time.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+      python3 benchmarks/profile_host.py OUTDIR
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import math
+import pathlib
+import pstats
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import torch_commopt  # noqa: E402,F401
+from torch_commopt.launch import run_distributed  # noqa: E402
+
+CASES = [("ag", 512, s) for s in ("sequential", "local_first", "chunked:2", "ce_push:1", "fused:1")] + \
+        [("rs", 512, s) for s in ("sequential", "chunked:2", "direct:1", "ce_push:2", "fused:2:store=direct")] + \
+        [("ar", 2048, s) for s in ("sequential", "chunked:2", "direct:1")]
+K = N = 8192
+
+
+def _call(op, m, world, rank, gname):
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    if op == "ag":
+        a, w = rnd(m // world, K), rnd(K, N // world) / math.sqrt(K)
+        return lambda s: torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, gname, s, False)
+    a, w = rnd(m, K // world), rnd(K // world, N) / math.sqrt(K)
+    if op == "rs":
+        return lambda s: torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", world, gname, s)
+    return lambda s: torch.ops.commopt.matmul_ar(a, w, None, "sum", world, gname, s)
+
+
+def worker(rank, world, out):
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    gname = dist.group.WORLD.group_name
+    enable_symm_mem_for_group(gname)
+    result = {}
+    for op, m, sched in CASES:
+        fn = _call(op, m, world, rank, gname)
+        for _ in range(5):
+            fn(sched)
+        torch.cuda.synchronize()
+        enqueue = []
+        for _ in range(5):
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn(sched)
+            enqueue.append((time.perf_counter() - t0) / 20 * 1e6)
+            torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        start.record()
+        for _ in range(200):
+            fn(sched)
+        end.record()
+        end.synchronize()
+        key = f"{op} {m} {sched}"
+        result[key] = {"enqueue_us": sorted(enqueue)[len(enqueue) // 2], "back_to_back_us": start.elapsed_time(end) / 200 * 1e3}
+        if rank == 0:
+            prof = cProfile.Profile()
+            dist.barrier()
+            prof.enable()
+            for _ in range(50):
+                fn(sched)
+            prof.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            (pathlib.Path(out) / f"cprofile_{op}_{m}_{sched.replace(':', '_').replace(',', '_').replace('=', '')}.txt").write_text(text.getvalue())
+        else:
+            dist.barrier()
+            for _ in range(50):
+                fn(sched)
+            torch.cuda.synchronize()
+    return result
+
+
+if __name__ == "__main__":
+    out = pathlib.Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    per_rank = run_distributed(worker, 2, str(out), backend="nccl", timeout_s=300)
+    (out / "host_profile.json").write_text(json.dumps(per_rank, indent=1))
+    for key in per_rank[0]:
+        print(f"{key:40s} " + "  ".join(f"rank{r}: enqueue {res[key]['enqueue_us']:6.1f} us, back-to-back {res[key]['back_to_back_us']:6.1f} us"
+                                         for r, res in enumerate(per_rank)))
