@@ -16,7 +16,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from torch_commopt.schedule import Schedule  # noqa: E402
-from torch_commopt.tuner.calibration import prior  # noqa: E402
+from torch_commopt.tuner.calibration import Calibration, prior  # noqa: E402
 from torch_commopt.tuner.model import RegionShape, predict, rank  # noqa: E402
 
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
@@ -29,10 +29,11 @@ def region_shape(r: dict) -> RegionShape:
     return RegionShape(KIND[r["op"]], r["M"], r["K"] // w, (r["N"],), w, r["dtype"])
 
 
-def compare(records: list[dict]) -> tuple[list[dict], float, int]:
+def compare(records: list[dict], calibration: Calibration | None = None) -> tuple[list[dict], float, int]:
+    """calibration: a measured one (else the priors of the record's device)."""
     rows, errors, hits = [], [], 0
     for r in records:
-        shape, cal = region_shape(r), prior(r.get("device", "NVIDIA H200"), r["world"])
+        shape, cal = region_shape(r), calibration or prior(r.get("device", "NVIDIA H200"), r["world"])
         measured = dict(r["schedules"], sequential=r["nccl_seq_ms"])
         for s, ms in measured.items():
             p = predict(shape, Schedule.parse(s), cal).seconds * 1e3
@@ -47,9 +48,14 @@ def compare(records: list[dict]) -> tuple[list[dict], float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bench_json")
+    parser.add_argument("--calibration", help="a tuner-cache calibration entry (JSON) to use instead of the priors")
     args = parser.parse_args()
     records = json.loads(pathlib.Path(args.bench_json).read_text())
-    rows, median_err, hits = compare(records)
+    cal = None
+    if args.calibration:
+        entry = json.loads(pathlib.Path(args.calibration).read_text())
+        cal = Calibration.from_json(json.dumps(entry.get("value", entry)))
+    rows, median_err, hits = compare(records, cal)
     for row in rows:
         print(f"{row['op']} {row['M']}x{row['K']}x{row['N']} {row['candidate']:<32} "
               f"predicted {row['predicted_ms']:.3f} measured {row['measured_ms']:.3f}")

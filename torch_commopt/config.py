@@ -15,7 +15,7 @@ from typing import Any
 from torch_commopt.schedule import Schedule
 
 PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar")
-MODES = ("auto", "model", "fixed")
+MODES = ("auto", "model", "autotune", "fixed")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -36,7 +36,12 @@ class Config:
         (`torch_commopt.tuner`) ranks every candidate with this machine's calibration
         (measured and cached, or the reference machines' figures) and the fastest
         predicted wins; explain lists the candidates with their predicted times.
+        "autotune": the model's `autotune_top_k` best candidates (and `sequential`)
+        are timed by every rank at the region's first call, on that call's inputs
+        (slowest rank counts); the fastest runs from then on and is cached, so later
+        compiles emit it directly.  explain adds the measured times.
         "fixed": `schedule` must name the schedule (and its parameters).
+    autotune_top_k: how many of the model's best candidates autotune times per region.
     cache_dir: the tuner cache directory (default $TORCH_COMMOPT_CACHE_DIR, else the
         user's cache directory).
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
@@ -56,6 +61,7 @@ class Config:
     schedule: str = "auto"
     chunks: int = 4
     mode: str = "auto"
+    autotune_top_k: int = 4
     cache_dir: str | None = None
     patterns: tuple[str, ...] = PATTERNS
     check_rank_consistency: bool = True
@@ -77,9 +83,12 @@ class Config:
             raise ValueError(f"Config.mode: unknown {self.mode!r}; known: {MODES}")
         if self.mode == "fixed" and self.schedule == "auto":
             raise ValueError("Config.mode: 'fixed' needs Config.schedule to name a schedule")
-        if self.mode == "model" and self.schedule != "auto":
-            raise ValueError(f"Config.mode: 'model' chooses the schedule itself; drop schedule={self.schedule!r} "
+        if self.mode in ("model", "autotune") and self.schedule != "auto":
+            raise ValueError(f"Config.mode: {self.mode!r} chooses the schedule itself; drop schedule={self.schedule!r} "
                              "or use mode='fixed'")
+        _check_type("autotune_top_k", self.autotune_top_k, int)
+        if self.autotune_top_k < 1:
+            raise ValueError(f"Config.autotune_top_k: must be >= 1, got {self.autotune_top_k}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, str):
             raise ValueError(f"Config.cache_dir: expected a path string or None, got {self.cache_dir!r}")
         _check_type("chunks", self.chunks, int)

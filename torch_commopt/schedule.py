@@ -12,14 +12,14 @@ from typing import ClassVar
 # Which schedules each op has (the reference schedules run everywhere; the rest need CUDA
 # and symmetric memory, and run their reference twin anywhere else).
 OP_SCHEDULES = {
-    "ag_matmul": ("sequential", "chunked", "local_first", "ce_push", "fused"),
-    "matmul_rs": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused"),
-    "matmul_ar": ("sequential", "chunked", "ce_push", "ce_pull", "direct"),
+    "ag_matmul": ("sequential", "chunked", "local_first", "ce_push", "fused", "autotune"),
+    "matmul_rs": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused", "autotune"),
+    "matmul_ar": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "autotune"),
 }
 GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
-    "store": str, "dbg": int,
+    "store": str, "dbg": int, "id": str,
 }
 
 
@@ -47,6 +47,8 @@ class Schedule:
     fused(S): GPU.  One persistent Triton GEMM that waits on per-chunk flags (all-gather)
         or releases per-chunk tile counters (reduce-scatter); params: tile sizes
         bm/bn/bk, group gm, warps, stages, sms (grid), store=ce|direct.
+    autotune(id=...): a placeholder of Config.mode="autotune": the first call times the
+        candidates registered under `id` (tuner.autotune) and runs the winner from then on.
     Any schedule takes dbg=1: bounded spin-waits that raise instead of hanging.
     """
 
@@ -54,7 +56,8 @@ class Schedule:
     chunks: int = 1
     params: tuple[tuple[str, int | str], ...] = ()
 
-    NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "local_first", "ce_push", "ce_pull", "direct", "fused")
+    NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "local_first", "ce_push", "ce_pull", "direct", "fused",
+                                        "autotune")
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:

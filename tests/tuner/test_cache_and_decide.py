@@ -105,3 +105,29 @@ def test_calibration_is_measured_once_and_the_model_mode_reads_it(tmp_path):
         assert "measured calibration of cpu" in note and err < 1e-5
         assert chosen == cands[0]["schedule"] and cands == sorted(cands, key=lambda c: c["predicted_ms"])
     assert after[0][:3] == after[1][:3]  # every rank ranks with the same numbers
+
+
+def test_autotune_times_at_the_first_call_caches_and_every_rank_agrees(tmp_path):
+    """mode="autotune": the first call times the model's top candidates and sequential
+    (every rank, slowest counts), runs the fastest; a recompile reads the cache instead."""
+    from tuner_programs import compile_with_autotune
+
+    (cold0, warm0), (cold1, warm1) = run_distributed(compile_with_autotune, 2, str(tmp_path), timeout_s=600)
+    for cands, scheds, notes, err, _, _ in (cold0, cold1):
+        assert err < 1e-5 and len(cands) == 2
+        assert all(s.startswith("autotune:1:id=") for s in scheds), scheds  # placeholders until the first call
+        for rows in cands.values():
+            timed = {r["schedule"]: r["measured_ms"] for r in rows if r["measured_ms"] is not None}
+            assert "sequential" in timed and len(timed) in (2, 3), timed  # the top 2 and sequential
+            assert set(timed) == {r["schedule"] for r in rows[:2]} | {"sequential"}
+        assert sum("autotune measured" in n for n in notes) == 2
+    assert cold0[0] == cold1[0]  # the same measurements (slowest rank's) on both ranks
+    winners = {}
+    for rows in cold0[0].values():
+        timed = {r["schedule"]: r["measured_ms"] for r in rows if r["measured_ms"] is not None}
+        winners[min(timed, key=timed.get)] = True
+    for cands, scheds, notes, err, first, _ in (warm0, warm1):
+        assert err < 1e-5 and not any(s.startswith("autotune") for s in scheds)
+        assert set(scheds) <= set(winners), (scheds, winners)
+        assert sum("cached measurement" in n for n in notes) == 2
+    assert warm0[1] == warm1[1]

@@ -79,3 +79,41 @@ def compile_with_model(rank: int, world: int, cache_dir: str):
     (cands,) = graph.candidates.values()
     note = next(n for n in graph.notes if "model picked" in n)
     return cands, graph.rewritten[0].schedule, note, float((got - want).norm() / want.norm())
+
+
+def compile_with_autotune(rank: int, world: int, cache_dir: str):
+    """Compile AG -> mm and mm -> RS with Config.mode="autotune" over gloo, run it twice,
+    then recompile from scratch with the cache now warm.  Returns per compile:
+    (candidate rows, rewritten schedules, notes, output error vs eager, seconds of the
+    first call (compile + timing) and of the second call)."""
+    import time
+
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    import torch_commopt
+
+    torch.manual_seed(rank)
+    a, b, c = torch.randn(256, 64), torch.randn(64, 96), torch.randn(96, 32)
+
+    def fn(a, b, c):
+        h = funcol.all_gather_tensor(a, gather_dim=0, group=dist.group.WORLD) @ b
+        return funcol.reduce_scatter_tensor(torch.relu(h) @ c, "sum", scatter_dim=0, group=dist.group.WORLD)
+
+    want = fn(a, b, c)
+    out = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        compiled = torch.compile(fn, backend="commopt", options={"mode": "autotune", "cache_dir": cache_dir,
+                                                                 "autotune_top_k": 2})
+        t0 = time.perf_counter()
+        got = compiled(a, b, c)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        again = compiled(a, b, c)
+        second = time.perf_counter() - t0
+        (graph,) = torch_commopt.explain().graphs
+        err = max(float((g - want).norm() / want.norm()) for g in (got, again))
+        out.append((graph.candidates, [r.schedule for r in graph.rewritten], list(graph.notes), err, first, second))
+    return out

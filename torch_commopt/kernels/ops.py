@@ -28,19 +28,33 @@ def _parse(schedule: str) -> Schedule:
     return Schedule.parse(schedule)
 
 
-def resolve(op: str, schedule: str, device: torch.device, why_not) -> Schedule:
-    """The schedule this call runs.  A GPU schedule runs on CUDA tensors when the call
-    fits it (`why_not(sched)` returns None); on other devices its reference twin runs (the
-    same pieces in plain torch + c10d); a CUDA call that does not fit runs `sequential`,
-    logged once per reason."""
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):  # a CPU-only build
+        return False
+
+
+def resolve(op: str, schedule: str, device: torch.device, why_not, run=None) -> Schedule:
+    """The schedule this call runs.  `autotune` placeholders become the measured winner
+    (timed now, at the region's first call, with `run(schedule)`).  A GPU schedule runs on
+    CUDA tensors when the call fits it (`why_not(sched)` returns None) and no CUDA graph is
+    being captured (its flags carry per-call epochs that a replay would repeat); on other
+    devices its reference twin runs (the same pieces in plain torch + c10d); a CUDA call
+    that does not fit runs `sequential`, logged once per reason."""
     sched = _parse(schedule)
     if not sched.valid_for(op):
         raise ValueError(f"commopt {op}: no schedule {sched.name!r} for this op")
+    if sched.name == "autotune":
+        from torch_commopt.tuner.autotune import resolve_at_call
+
+        sched = _parse(resolve_at_call(sched, run, device))
     if not sched.is_gpu:
         return sched
     if device.type != "cuda":
         return sched.reference_twin()
-    reason = why_not(sched)
+    reason = "CUDA-graph capture" if capturing() else why_not(sched)
     if reason is None:
         return sched
     if (op, reason) not in _warned:
@@ -79,7 +93,10 @@ def ag_matmul(
 
         return unsupported_reason(a, weights, gather_dim, sched)
 
-    sched = resolve("ag_matmul", schedule, a.device, why_not)
+    def run(s):
+        return ag_matmul(a, weights, biases, gather_dim, group_size, group_name, s, return_gathered)
+
+    sched = resolve("ag_matmul", schedule, a.device, why_not, run)
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.ag_matmul import ag_matmul_gpu
 
@@ -116,7 +133,10 @@ def matmul_rs(
 
         return unsupported_reason(a, weight, scatter_dim, group_size, sched)
 
-    sched = resolve("matmul_rs", schedule, a.device, why_not)
+    def run(s):
+        return matmul_rs(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, s)
+
+    sched = resolve("matmul_rs", schedule, a.device, why_not, run)
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_rs_gpu
 
@@ -147,7 +167,10 @@ def matmul_ar(
 
         return unsupported_reason(a, weight, None, group_size, sched)
 
-    sched = resolve("matmul_ar", schedule, a.device, why_not)
+    def run(s):
+        return matmul_ar(a, weight, bias, reduce_op, group_size, group_name, s)
+
+    sched = resolve("matmul_ar", schedule, a.device, why_not, run)
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_ar_gpu
 

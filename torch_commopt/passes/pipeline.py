@@ -119,7 +119,7 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
     if wanted is not None and not wanted.valid_for(region.kind):
         report.notes.append(f"{name}: {region.kind} has no schedule {wanted.name!r}; using auto")
         wanted = None
-    if wanted is None and config.mode == "model":
+    if wanted is None and config.mode in ("model", "autotune"):
         wanted = _choose_by_model(region, config, report)
     if wanted is None:
         a = val(region.a)
@@ -150,10 +150,39 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
     sched, preds, why = choose_by_model(region.kind, static_shape(region.a), weights, region.dim, region.group_size,
                                         str(a.dtype).removeprefix("torch."), cal, _chunk_rows(region, 8))
     name = region.collective.name
-    report.notes.append(f"{name}: model picked {sched} ({why})")
-    report.candidates[name] = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "measured_ms": None,
-                                "extra_mib": p.extra_bytes / 2**20} for p in preds]
+    rows = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "measured_ms": None,
+             "extra_mib": p.extra_bytes / 2**20} for p in preds]
+    report.candidates[name] = rows
+    if config.mode == "autotune":
+        sched, why = _autotune(region, config, preds, sched, a.device, rows, report)
+    report.notes.append(f"{name}: {config.mode} picked {sched} ({why})")
     return sched
+
+
+def _autotune(region: Region, config: Config, preds, model_pick: Schedule, device, rows, report):
+    """(schedule, why): rank 0's cached measurement of this region's candidates, or an
+    `autotune` placeholder that times them at the first call (tuner.autotune)."""
+    from torch_commopt.tuner.autotune import TuneRequest, register
+    from torch_commopt.tuner.cache import TunerCache
+    from torch_commopt.tuner.choose import device_name, machine_key
+    from torch_commopt.tuner.decide import decide
+
+    top = [str(p.schedule) for p in preds[:config.autotune_top_k]]
+    top += [str(p.schedule) for p in preds if p.schedule.name == "sequential" and str(p.schedule) not in top]
+    weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
+    key = {"question": "autotune", **machine_key(device_name(device), region.group_size), "kind": region.kind,
+           "a_shape": list(static_shape(region.a)), "weights": weights, "dim": region.dim,
+           "bias": [c.bias is not None for c in region.consumers], "reduce_op": region.reduce_op,
+           "keep_gathered": region.keep_gathered, "dtype": str(val(region.a).dtype), "candidates": top}
+    cache = TunerCache(config.cache_dir)
+    cached = decide(region.group_name, key, lambda: cache.get(key), config.consistency_timeout_s)
+    if cached is not None and cached.get("schedule") in top:
+        for row in rows:
+            row["measured_ms"] = cached["measured_ms"].get(row["schedule"])
+        return Schedule.parse(cached["schedule"]), "cached measurement"
+    request = TuneRequest(key, top, str(model_pick), region.group_name, config.cache_dir, config.debug_waits,
+                          rows, report.notes, region.collective.name)
+    return register(request), f"{len(top)} candidates timed at the first call; model's pick {model_pick}"
 
 
 def _chunk_rows(region: Region, chunks: int) -> int:

@@ -5,10 +5,11 @@ them all); each figure is the slowest rank's (all-reduce MAX), so every rank end
 the identical `Calibration` and therefore the identical ranking.  Sizes are small enough
 for a 2-core CI machine (gloo) to finish in seconds and for 2x H200 well under 30 s.
 
-Measured: the collectives' alpha-beta, the GEMM fit per dtype, the host cost of a
-`sequential` call.  Not yet measured (taken from the prior; `Calibration.measured` lists
-what was): the host cost of the other families and per piece, the copy-engine links and
-the overlap / remote-store / fused factors, which need the GPU schedules' own probes.
+Measured (`Calibration.measured` lists it): the collectives' alpha-beta, the GEMM fit per
+dtype (device time, sustained clocks), the host cost of a call per schedule family and per
+piece; on GPUs also the copy-engine links (push, pull, local copy) and the GEMM slowdowns
+beside a copy-engine push, beside an NCCL collective and when storing into a peer.  Taken
+from the prior: the Triton GEMM's speed relative to cuBLAS (`fused_efficiency`).
 Run it outside a compile (`python -m torch_commopt calibrate`, or `calibrate_and_store`
 from every rank): issuing collectives from inside the compile pass stalled two gloo ranks
 intermittently under pytest (not yet explained), so the pass only reads the cache.
@@ -35,25 +36,62 @@ log = logging.getLogger("torch_commopt.tuner.calibrate")
 GEMM_SHAPES = {"cuda": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192)],
                "cpu": [(128, 128, 128), (384, 384, 384), (768, 768, 768), (768, 16, 768), (32, 768, 768)]}
 COLLECTIVE_BYTES = {"cuda": (1 << 20, 16 << 20, 64 << 20), "cpu": (256 << 10, 2 << 20, 8 << 20)}
+P2P_BYTES = (4 << 20, 64 << 20)
+SLEEP_CYCLES_PER_CALL = 100_000  # ~50 us of a ~2 GHz GPU per queued call: more than enqueueing one costs
+# The representative call of each schedule family whose host cost is measured (tiny shapes).
+HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2")],
+               "cuda": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2"),
+                        ("ag_matmul", "ce_push:1"), ("ag_matmul", "ce_push:4"), ("matmul_rs", "ce_pull:2"),
+                        ("matmul_rs", "direct:1")]}
 
 
 def _timed(fn, device: torch.device, reps: int) -> float:
-    """Median seconds per call of `fn` (after two warm-up calls)."""
+    """Median seconds per call of `fn`, device time.  On a GPU each sample is a batch of
+    back-to-back calls (>= ~2 ms of them) enqueued behind a sleep kernel, so the host's
+    launch cost is not in the figure (the model adds host time separately) and the GPU
+    runs at its sustained clocks; on a CPU, wall time of single calls."""
     for _ in range(2):
         fn()
-    samples = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
+    if device.type != "cuda":
+        samples = []
+        for _ in range(reps):
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    n = int(min(200, max(1, 2e-3 // max(time.perf_counter() - t0, 1e-6))))
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(SLEEP_CYCLES_PER_CALL * n))  # keeps the GPU busy while the batch is enqueued
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / n)
+    return statistics.median(samples)
+
+
+def _host_time(fn, device: torch.device, calls: int = 30) -> float:
+    """Wall seconds per call of back-to-back calls of a tiny op (its host cost: the GPU
+    work is shorter than the enqueue)."""
+    for _ in range(3):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - t0) / calls)
     return statistics.median(samples)
 
 
@@ -111,13 +149,82 @@ def _collective_times(group, world: int, device: torch.device, reps: int) -> dic
     return out
 
 
-def _host_cost(group_name: str, world: int, device: torch.device, dtype: torch.dtype) -> float:
-    """Per-call cost of a tiny `sequential` op call (host-bound: dispatch + collective)."""
-    a = torch.randn(8 * world, 16, device=device, dtype=dtype)
-    w = torch.randn(16, 16, device=device, dtype=dtype)
-    dist.barrier(group=resolve_group(group_name))
-    return _timed(lambda: torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, group_name, "sequential", False),
-                  device, 20)
+def _host_costs(group_name: str, world: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """{"kind schedule": seconds} host cost per call of each HOST_PROBES entry (tiny shapes)."""
+    a = torch.randn(8 * world, 64, device=device, dtype=dtype)
+    w = torch.randn(64, 64, device=device, dtype=dtype)
+    ops = torch.ops.commopt
+    out = {}
+    for kind, sched in HOST_PROBES[device.type]:
+        if kind == "ag_matmul":
+            fn = lambda s=sched: ops.ag_matmul(a, [w], [None], 0, world, group_name, s, False)  # noqa: E731
+        else:
+            fn = lambda s=sched: ops.matmul_rs(a, w, None, 0, "sum", world, group_name, s)  # noqa: E731
+        dist.barrier(group=resolve_group(group_name))
+        out[f"{kind} {sched}"] = _host_time(fn, device)
+    return out
+
+
+def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) -> dict[str, float]:
+    """Copy-engine links (push into / pull from a peer's symmetric buffer, local copy), and
+    the slowdowns: GEMM beside a copy-engine push, beside an NCCL all-gather, and with its
+    output stored into a peer's buffer.  Times in seconds."""
+    from torch_commopt.kernels.gpu import symm
+
+    group = resolve_group(group_name)
+    rt = symm.runtime(group_name, device)
+    peer = rt.peers[0]
+    buf = rt.buffer(2 * P2P_BYTES[-1])
+    out = {}
+    for nbytes in P2P_BYTES:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+        remote = buf.view(peer, 0, (nbytes,), torch.uint8)
+        local = buf.view(rt.rank, nbytes if 2 * nbytes <= buf.nbytes else 0, (nbytes,), torch.uint8)
+        dist.barrier(group=group)
+        out[f"push {nbytes}"] = _timed(lambda: remote.copy_(src), device, reps)
+        dist.barrier(group=group)
+        out[f"pull {nbytes}"] = _timed(lambda: src.copy_(remote), device, reps)
+        out[f"local {nbytes}"] = _timed(lambda: local.copy_(src), device, reps)
+    dist.barrier(group=group)
+    a = torch.randn(8192, 4096, device=device, dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    c = torch.empty(8192, 4096, device=device, dtype=torch.bfloat16)
+    out["gemm"] = gemm = _timed(lambda: torch.mm(a, b, out=c), device, reps)
+    src = torch.empty(P2P_BYTES[-1] // 2, dtype=torch.uint8, device=device)
+    remote = buf.view(peer, 0, (src.numel(),), torch.uint8)
+    out["push half"] = _timed(lambda: remote.copy_(src), device, reps)
+
+    def gemm_beside_push():
+        rt.side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(rt.side):
+            remote.copy_(src)
+        torch.mm(a, b, out=c)
+        torch.cuda.current_stream(device).wait_stream(rt.side)
+
+    dist.barrier(group=group)
+    out["gemm beside push"] = _timed(gemm_beside_push, device, reps)
+    full = torch.empty(world * (P2P_BYTES[-1] // 4), device=device, dtype=torch.bfloat16)
+    part = full[: full.numel() // world]
+    dist.barrier(group=group)
+    out["gather"] = _timed(lambda: dist.all_gather_into_tensor(full, part, group=group), device, reps)
+
+    def gemm_beside_gather():
+        work = dist.all_gather_into_tensor(full, part, group=group, async_op=True)
+        torch.mm(a, b, out=c)
+        work.wait()
+
+    dist.barrier(group=group)
+    out["gemm beside gather"] = _timed(gemm_beside_gather, device, reps)
+    remote_c = buf.view(peer, 0, (8192, 4096), torch.bfloat16)
+    dist.barrier(group=group)
+    out["gemm into peer"] = _timed(lambda: torch.mm(a, b, out=remote_c), device, reps)
+    dist.barrier(group=group)
+    return out
+
+
+def _slowdown(both: float, longer: float, shorter: float) -> float:
+    """s in both = longer + s * shorter (clamped to [0, 1])."""
+    return min(1.0, max(0.0, (both - longer) / max(shorter, 1e-9)))
 
 
 def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] = ("float32",),
@@ -128,26 +235,60 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     start = time.perf_counter()
     gemm = {d: _gemm_samples(device, getattr(torch, d), reps) for d in dtype_names}
     coll = _collective_times(group, world, device, reps)
-    host = _host_cost(group_name, world, device, getattr(torch, dtype_names[0]))
-    flat = [t for d in dtype_names for *_, t in gemm[d]] + [t for c in COLLECTIVES for t in coll[c]] + [host]
+    hosts = _host_costs(group_name, world, device, getattr(torch, dtype_names[0]))
+    probes = _gpu_probes(group_name, world, device, reps) if device.type == "cuda" and world > 1 else {}
+    flat = ([t for d in dtype_names for *_, t in gemm[d]] + [t for c in COLLECTIVES for t in coll[c]]
+            + list(hosts.values()) + list(probes.values()))
     flat = iter(_slowest(flat, group, device))
     gemm = {d: [(m, n, k, next(flat)) for m, n, k, _ in gemm[d]] for d in dtype_names}
     coll = {c: tuple(next(flat) for _ in COLLECTIVE_BYTES[device.type]) for c in COLLECTIVES}
-    host = next(flat)
+    hosts = {k: next(flat) for k in hosts}
+    probes = {k: next(flat) for k in probes}
     links = {c: fit_link(world, COLLECTIVE_BYTES[device.type], coll[c],
                          (world - 1) * (2 if c == "all_reduce" else 1)) for c in COLLECTIVES}
     name = device_name(device)
     base = prior(name, world)
+    host_s, per_piece = _host_families(hosts, world, base.host_per_piece_s)
+    fields = dict(p2p=base.p2p, p2p_pull=base.p2p_pull, local_copy=base.local_copy,
+                  overlap_slowdown=base.overlap_slowdown, collective_overlap_slowdown=base.collective_overlap_slowdown,
+                  remote_store_slowdown=base.remote_store_slowdown)
+    measured = ["collective", "gemm", "host_s"] + (["host_per_piece_s"] if "ag_matmul ce_push:4" in hosts else [])
+    if probes:
+        one = lambda kind: fit_link(1, P2P_BYTES, tuple(probes[f"{kind} {n}"] for n in P2P_BYTES), 1.0)  # noqa: E731
+        g = probes["gemm"]
+        fields.update(
+            p2p=one("push"), p2p_pull=one("pull"), local_copy=one("local"),
+            overlap_slowdown=_slowdown(probes["gemm beside push"], g, probes["push half"]) if g > probes["push half"]
+            else base.overlap_slowdown,
+            collective_overlap_slowdown=_slowdown(probes["gemm beside gather"], max(g, probes["gather"]),
+                                                  min(g, probes["gather"])),
+            remote_store_slowdown=max(0.0, probes["gemm into peer"] / g - 1.0))
+        measured += ["p2p", "p2p_pull", "local_copy", "overlap_slowdown", "collective_overlap_slowdown",
+                     "remote_store_slowdown"]
     cal = Calibration(
-        device=name, world=world, collective=links, p2p=base.p2p, p2p_pull=base.p2p_pull, local_copy=base.local_copy,
-        gemm={d: fit_gemm(gemm[d]) for d in dtype_names},
-        host_s={**base.host_s, "sequential": host},
-        host_per_piece_s=base.host_per_piece_s,
-        overlap_slowdown=base.overlap_slowdown, remote_store_slowdown=base.remote_store_slowdown,
-        fused_efficiency=base.fused_efficiency, source="measured",
-        measured=("collective", "gemm", "host_s.sequential"))
+        device=name, world=world, collective=links, gemm={d: fit_gemm(gemm[d]) for d in dtype_names},
+        host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece,
+        fused_efficiency=base.fused_efficiency, source="measured", measured=tuple(measured), **fields)
     log.info("commopt tuner: calibrated %s x%d in %.1f s", name, world, time.perf_counter() - start)
     return cal
+
+
+def _host_families(hosts: dict[str, float], world: int, per_piece: float) -> tuple[dict[str, float], float]:
+    """Host cost per schedule family and per piece from the probes: a family's figure is its
+    call's cost less the per-piece cost of its pieces (as the model adds them back).  The
+    per-piece cost comes from ce_push:4 vs ce_push:1 where both were probed, else `per_piece`."""
+    peers = max(1, world - 1)
+    if "ag_matmul ce_push:1" in hosts and "ag_matmul ce_push:4" in hosts:
+        per_piece = max(0.0, (hosts["ag_matmul ce_push:4"] - hosts["ag_matmul ce_push:1"]) / (3 * peers))
+    out = {}
+    for key, t in hosts.items():
+        kind, sched = key.split(" ")
+        name, _, chunks = sched.partition(":")
+        if name in out:
+            continue
+        pieces = 1 if name in ("sequential", "local_first") else int(chunks or 1) * peers
+        out[name] = max(0.0, t - (0 if pieces == 1 else pieces * per_piece))
+    return out, per_piece
 
 
 def calibrate_and_store(group_name: str, device: torch.device, cache_dir: str | None = None) -> Calibration:
@@ -179,5 +320,7 @@ def run_calibration(world: int, backend: str = "auto", cache_dir: str | None = N
     links = ", ".join(f"{c} {link.bytes_per_s / 1e9:.1f} GB/s + {link.alpha_s * 1e6:.0f} us"
                       for c, link in cal.collective.items())
     return (f"commopt calibrate: {cal.device} x{cal.world} ({backend}) in {time.perf_counter() - start:.1f} s: "
-            f"gemm {gemm}; {links}; host {cal.host('sequential') * 1e6:.0f} us per call; "
+            f"gemm {gemm}; {links}; host {cal.host('sequential') * 1e6:.0f} us per sequential call; "
+            + (f"copy-engine push {cal.p2p.bytes_per_s / 1e9:.0f} GB/s, GEMM slowdown beside it "
+               f"{cal.overlap_slowdown:.2f}, beside NCCL {cal.collective_slowdown:.2f}; " if cal.p2p else "") +
             f"stored in {cache_dir or 'the default tuner cache'}")

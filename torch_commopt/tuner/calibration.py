@@ -63,8 +63,11 @@ class Calibration:
     host_s: host time of one op call per schedule family (Python, dispatch, launches);
         back-to-back calls take max(GPU time, host time).
     host_per_piece_s: extra host time per piece of a chunked / GPU schedule.
-    overlap_slowdown: GEMM slowdown while a transfer runs beside it (copy engine or NCCL
-        kernels on a GPU; on a CPU, gloo's threads take cores from the matmul).
+    overlap_slowdown: GEMM slowdown while a copy-engine transfer runs beside it, as a
+        fraction of the transfer's time (t = gemm + slowdown * min(gemm, transfer)).
+    collective_overlap_slowdown: the same for a collective of the process group (NCCL
+        kernels take SMs from the GEMM; on a CPU, gloo's threads take cores); None: as
+        overlap_slowdown.
     remote_store_slowdown: GEMM slowdown when its epilogue stores into a peer (direct).
     fused_efficiency: Triton persistent GEMM speed relative to cuBLAS.
     """
@@ -79,6 +82,7 @@ class Calibration:
     host_s: dict[str, float] = field(default_factory=dict)
     host_per_piece_s: float = 0.0
     overlap_slowdown: float = 0.0
+    collective_overlap_slowdown: float | None = None
     remote_store_slowdown: float = 0.0
     fused_efficiency: float = 1.0
     source: str = "prior"  # "prior" or "measured"
@@ -98,6 +102,10 @@ class Calibration:
         if not self.gemm:
             raise ValueError(f"Calibration for {self.device}: no GEMM fit at all")
         return next(iter(self.gemm.values()))
+
+    @property
+    def collective_slowdown(self) -> float:
+        return self.overlap_slowdown if self.collective_overlap_slowdown is None else self.collective_overlap_slowdown
 
     def host(self, family: str) -> float:
         return self.host_s.get(family, self.host_s.get("default", 0.0))

@@ -123,7 +123,7 @@ def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
     if sched.name == "local_first":  # the own shard's GEMM beside the gather, then the rest
         comm = collective_time(cal, "all_gather", w * shard_bytes, w)
         own = _gemm(shape, cal, m_loc)
-        steps = [_Step("comm", comm), _Step("compute", own + cal.overlap_slowdown * min(own, comm))]
+        steps = [_Step("comm", comm), _Step("compute", own + cal.collective_slowdown * min(own, comm))]
         steps.append(_Step("compute", _gemm(shape, cal, (w - 1) * m_loc), (0,)))
         return simulate(steps)
     s = min(sched.chunks, m_loc)
@@ -134,7 +134,7 @@ def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
         for j in range(s):
             steps.append(_Step("comm", comm))
             overlapped = comm if j < s - 1 else 0.0  # the next piece's transfer runs beside it
-            steps.append(_Step("compute", gemm + cal.overlap_slowdown * min(gemm, overlapped), (len(steps) - 1,)))
+            steps.append(_Step("compute", gemm + cal.collective_slowdown * min(gemm, overlapped), (len(steps) - 1,)))
         return simulate(steps)
     # GPU: own shard first (no wait), then the peers' pieces as the copy engine lands them.
     fused = 1.0 / cal.fused_efficiency if sched.name == "fused" else 1.0
@@ -164,7 +164,7 @@ def _reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float
         steps = []
         for j in range(s):
             overlapped = comm if j > 0 else 0.0  # the previous piece's collective runs beside it
-            steps.append(_Step("compute", gemm + cal.overlap_slowdown * min(gemm, overlapped)))
+            steps.append(_Step("compute", gemm + cal.collective_slowdown * min(gemm, overlapped)))
             steps.append(_Step("comm", comm, (len(steps) - 1,)))
         return simulate(steps)
     return _gpu_reduce_time(shape, sched, cal, m_seg, s)

@@ -1,0 +1,165 @@
+"""The tuner on W GPUs: calibration time, the cost model against measurement, autotune's pick,
+and what a warm tuner cache adds to a compile.
+
+One run:
+1. `calibrate_and_store` on every rank (timed) into a fresh cache directory;
+2. for every shape of bench_matmul_collectives' sweep, every candidate the model ranks is
+   measured (back-to-back calls, median of rounds, slowest rank) next to its prediction;
+3. autotune's own path (`tuner.autotune.measure_candidates` over the model's top-k and
+   sequential, timed separately) picks a schedule, compared with the best of step 2;
+4. a TP MLP (all-gather -> matmul, matmul -> reduce-scatter) compiled with mode="autotune"
+   cold (the first call times), then recompiled with the cache warm, against mode="auto".
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+      python3 benchmarks/bench_costmodel.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch_commopt  # noqa: E402,F401
+from bench_matmul_collectives import KIND, SHAPES, _variants  # noqa: E402
+from costmodel_vs_bench import region_shape  # noqa: E402
+from torch_commopt.launch import run_distributed  # noqa: E402
+from torch_commopt.schedule import Schedule  # noqa: E402
+from torch_commopt.tuner.autotune import measure_candidates  # noqa: E402
+from torch_commopt.tuner.model import candidates, rank  # noqa: E402
+
+TOP_K = 4  # Config.autotune_top_k's default
+
+
+def worker(rank_: int, world: int, cache_dir: str, only: str):
+    from torch_commopt.tuner.calibrate import calibrate_and_store
+
+    device = torch.device("cuda", rank_)
+    group_name = dist.group.WORLD.group_name
+    dist.barrier()
+    t0 = time.perf_counter()
+    cal = calibrate_and_store(group_name, device, cache_dir)
+    calibration_s = time.perf_counter() - t0
+    records, shapes = [], []
+    for shape in SHAPES:
+        if only and shape.op not in only.split(","):
+            continue
+        region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
+                               "dtype": "bfloat16"})
+        preds = rank(region, cal, candidates(region, cal))
+        _, _, _, op, _ = _variants(shape, rank_, world, group_name)
+        names = [str(p.schedule) for p in preds]
+        measured = measure_candidates(op, names, group_name, device)
+        base = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16"}
+        for p in preds:
+            s = str(p.schedule)
+            records.append(dict(base, candidate=s, predicted_ms=p.seconds * 1e3, measured_ms=measured[s],
+                                predicted_gpu_ms=p.gpu_s * 1e3, predicted_host_ms=p.host_s * 1e3))
+        top = names[:TOP_K] + (["sequential"] if "sequential" not in names[:TOP_K] else [])
+        tuned = measure_candidates(op, top, group_name, device)
+        pick = min(tuned, key=lambda s: (tuned[s], s))
+        best = min(measured, key=measured.get)
+        shapes.append(dict(base, model_top1=names[0], measured_best=best, measured_best_ms=measured[best],
+                           model_top1_measured_ms=measured[names[0]], autotune_candidates=top,
+                           autotune_pick=pick, autotune_pick_measured_ms=measured[pick], autotune_timing_ms=tuned))
+        if rank_ == 0:
+            print(f"{shape.op} {shape.M}x{shape.K}x{shape.N}: model {names[0]} ({measured[names[0]]:.3f}), "
+                  f"best {best} ({measured[best]:.3f}), autotune {pick} ({measured[pick]:.3f})", flush=True)
+        torch.cuda.empty_cache()
+    compile_times = _compile_overhead(rank_, world, group_name, cache_dir)
+    return {"calibration_s": calibration_s, "calibration": json.loads(cal.to_json()), "records": records,
+            "shapes": shapes, "compile": compile_times}
+
+
+def _compile_overhead(rank_: int, world: int, group_name: str, cache_dir: str) -> dict:
+    """Seconds of (compile + first call) of a TP MLP with mode auto, autotune cold, autotune warm."""
+    import torch.distributed._functional_collectives as funcol
+
+    torch.manual_seed(rank_)
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(4096, 8192 // world, device="cuda", dtype=torch.bfloat16) / 64
+    w2 = torch.randn(8192 // world, 4096, device="cuda", dtype=torch.bfloat16) / 64
+
+    def mlp(x, w1, w2):
+        h = funcol.all_gather_tensor(x, gather_dim=0, group=dist.group.WORLD) @ w1
+        return funcol.reduce_scatter_tensor(torch.relu(h) @ w2, "sum", scatter_dim=0, group=dist.group.WORLD)
+
+    want = mlp(x, w1, w2)
+    out = {}
+    for label, options in (("auto", {}), ("autotune_cold", {"mode": "autotune", "cache_dir": cache_dir + "/mlp"}),
+                           ("autotune_warm", {"mode": "autotune", "cache_dir": cache_dir + "/mlp"}),
+                           ("auto_again", {})):
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        got = torch.compile(mlp, backend="commopt", options=options)(x, w1, w2)
+        torch.cuda.synchronize()
+        spent = time.perf_counter() - t0
+        (graph,) = torch_commopt.explain().graphs
+        err = float((got.float() - want.float()).norm() / want.float().norm())
+        out[label] = {"seconds": spent, "schedules": [r.schedule for r in graph.rewritten], "rel_err": err,
+                      "regions": len(graph.rewritten), "notes": list(graph.notes)}
+    return out
+
+
+def summarize(result: dict) -> dict:
+    recs, shapes = result["records"], result["shapes"]
+    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in recs]
+    top1 = [s["model_top1_measured_ms"] <= 1.05 * s["measured_best_ms"] for s in shapes]
+    exact = [s["autotune_pick"] == s["measured_best"] for s in shapes]
+    near = [s["autotune_pick_measured_ms"] <= 1.02 * s["measured_best_ms"] for s in shapes]
+    comp = result["compile"]
+    regions = max(1, comp["autotune_warm"]["regions"])
+    base = min(comp["auto"]["seconds"], comp["auto_again"]["seconds"])
+    return {"median_rel_error": statistics.median(errors), "records": len(recs),
+            "top1_within_5pct": f"{sum(top1)}/{len(top1)}", "autotune_is_measured_best": f"{sum(exact)}/{len(exact)}",
+            "autotune_within_2pct_of_best": f"{sum(near)}/{len(near)}", "calibration_s": result["calibration_s"],
+            "warm_cache_compile_overhead_s_per_region": (comp["autotune_warm"]["seconds"] - base) / regions,
+            "cold_autotune_overhead_s_per_region": (comp["autotune_cold"]["seconds"] - base) / regions}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--only", default="")
+    parser.add_argument("--commit", default="")
+    args = parser.parse_args()
+    cache_dir = tempfile.mkdtemp(prefix="commopt_tuner_")
+    per_rank = run_distributed(worker, args.world, cache_dir, args.only, backend="nccl", timeout_s=1200)
+    result = per_rank[0]
+    import triton
+
+    date = datetime.date.today().isoformat()
+    meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
+            "triton": triton.__version__, "commit": args.commit, "host": platform.node(),
+            "command": "python3 " + " ".join(sys.argv)}
+    summary = summarize(result)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"costmodel_h200x{args.world}_{date}"
+    (out / f"{stem}.json").write_text(json.dumps([dict(r, **{k: meta[k] for k in ("device", "torch", "date", "commit")})
+                                                  for r in result["records"]], indent=1))
+    (out / f"{stem}_summary.json").write_text(json.dumps({"meta": meta, "summary": summary, "shapes": result["shapes"],
+                                                          "compile": result["compile"],
+                                                          "calibration": result["calibration"]}, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

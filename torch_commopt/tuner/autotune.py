@@ -1,0 +1,150 @@
+"""Config.mode = "autotune": the model's best candidates are timed on the real call, once.
+
+At compile time the pass asks the tuner cache (rank 0's answer, through the c10d store) for
+a region's measured winner.  On a miss it registers a `TuneRequest` and gives the region the
+schedule `autotune:1:id=<digest of the request's key>`.  The first time the compiled program
+calls that op, every rank of the group is in the same call (the op is collective and the
+plan hash is checked at compile time), so every rank times the same candidates on the call's
+own inputs, in the same order; each figure is the slowest rank's (all-reduce MAX), so all
+ranks pick the same winner, and rank 0 stores it.  Later calls run the winner directly;
+later compiles find it in the cache and emit it without an `autotune` placeholder.
+
+Timing at the first call rather than inside the compile pass keeps collectives out of the
+compiler (issuing them from the pass stalled gloo ranks intermittently under pytest) and
+times the exact tensors the program uses.  Under CUDA-graph capture nothing is timed: the
+model's choice runs (logged) and the measurement waits for an uncaptured call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from torch_commopt.kernels.reference.collectives import resolve_group
+from torch_commopt.schedule import Schedule
+
+log = logging.getLogger("torch_commopt.tuner.autotune")
+
+ROUNDS = 5  # timing rounds; every candidate once per round, in an order rotated per round
+TARGET_S = {"cuda": 5e-3, "cpu": 20e-3}  # back-to-back calls per sample last at least this
+
+
+@dataclass
+class TuneRequest:
+    """One region waiting for its first call."""
+
+    key: dict[str, Any]
+    candidates: list[str]
+    fallback: str  # the model's choice, run where nothing can be timed
+    group_name: str
+    cache_dir: str | None
+    debug_waits: bool = False
+    report_rows: list[dict[str, Any]] = field(default_factory=list)  # explain's candidate rows
+    report_notes: list[str] = field(default_factory=list)
+    name: str = ""
+    decided: str | None = None
+    measured: dict[str, float] = field(default_factory=dict)
+
+
+_REQUESTS: dict[str, TuneRequest] = {}
+_warned: set[str] = set()
+
+
+def digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def register(request: TuneRequest) -> Schedule:
+    """The placeholder schedule the rewritten op carries until its first call.  Regions
+    with the same key (identical layers, a recompile) share one request and one timing."""
+    token = digest(request.key)
+    known = _REQUESTS.setdefault(token, request)
+    if known is not request:
+        known.report_rows += request.report_rows
+        if known.decided is not None:
+            for row in request.report_rows:
+                row["measured_ms"] = known.measured.get(row["schedule"])
+    return Schedule("autotune", 1, (("id", token),))
+
+
+def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch.device) -> str:
+    """The schedule string this call of an `autotune` op runs (timing the candidates first
+    if this is the region's first call)."""
+    token = schedule.param("id")
+    req = _REQUESTS.get(token)
+    if req is None:
+        if token not in _warned:
+            _warned.add(token)
+            log.warning("commopt autotune: no request %s in this process (a graph compiled elsewhere?); "
+                        "running sequential", token)
+        return "sequential"
+    if req.decided is not None:
+        return req.decided
+    from torch_commopt.kernels.ops import capturing
+
+    if device.type == "cuda" and capturing():
+        if token not in _warned:
+            _warned.add(token)
+            log.warning("commopt autotune: %s is called under CUDA-graph capture; running the model's %s untimed",
+                        req.name, req.fallback)
+        return req.fallback
+    start = time.perf_counter()
+    measured = measure_candidates(run, req.candidates, req.group_name, device)
+    best = min(measured, key=lambda s: (measured[s], s))
+    sched = Schedule.parse(best)
+    if req.debug_waits and sched.is_gpu:
+        sched = sched.with_params(dbg=1)
+    req.decided, req.measured = str(sched), measured
+    group = resolve_group(req.group_name)
+    if dist.get_rank() == dist.get_process_group_ranks(group)[0]:
+        from torch_commopt.tuner.cache import TunerCache
+
+        TunerCache(req.cache_dir).put(req.key, {"schedule": best, "measured_ms": measured})
+    for row in req.report_rows:
+        row["measured_ms"] = measured.get(row["schedule"])
+    req.report_notes.append(f"{req.name}: autotune measured {len(measured)} candidates at the first call in "
+                            f"{time.perf_counter() - start:.2f} s; runs {req.decided} ({measured[best]:.3f} ms)")
+    log.info("commopt autotune: %s -> %s %s", req.name, req.decided, {k: round(v, 4) for k, v in measured.items()})
+    return req.decided
+
+
+def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_name: str,
+                       device: torch.device) -> dict[str, float]:
+    """{schedule: ms per call} of back-to-back calls (the host cost included: that is what
+    the program will see), median over rounds, slowest rank.  Every rank must call this
+    with the same candidates at the same point of its program."""
+    group = resolve_group(group_name)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # noqa: E731
+    counts = []
+    for s in candidates:
+        run(s)  # warm-up: first-use costs (buffers, kernels) stay out of the timing
+        sync()
+        t0 = time.perf_counter()
+        run(s)
+        sync()
+        counts.append(max(1, min(200, math.ceil(TARGET_S[device.type] / max(time.perf_counter() - t0, 1e-6)))))
+    n = torch.tensor(counts, dtype=torch.float64, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    counts = [int(c) for c in n.tolist()]
+    samples: list[list[float]] = [[] for _ in candidates]
+    for r in range(ROUNDS):
+        for i in [(j + r) % len(candidates) for j in range(len(candidates))]:
+            dist.barrier(group=group)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(counts[i]):
+                run(candidates[i])
+            sync()
+            samples[i].append((time.perf_counter() - t0) / counts[i] * 1e3)
+    t = torch.tensor([statistics.median(v) for v in samples], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(candidates, t.tolist()))
