@@ -45,11 +45,13 @@ HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first")
                         ("matmul_rs", "direct:1")]}
 
 
-def _timed(fn, device: torch.device, reps: int) -> float:
+def _timed(fn, device: torch.device, reps: int, group=None) -> float:
     """Median seconds per call of `fn`, device time.  On a GPU each sample is a batch of
     back-to-back calls (>= ~2 ms of them) enqueued behind a sleep kernel, so the host's
     launch cost is not in the figure (the model adds host time separately) and the GPU
-    runs at its sustained clocks; on a CPU, wall time of single calls."""
+    runs at its sustained clocks; on a CPU, wall time of single calls.  `fn` issuing a
+    collective of `group`: the batch size is agreed over the group (every rank must
+    issue the same number of collectives)."""
     for _ in range(2):
         fn()
     if device.type != "cuda":
@@ -64,6 +66,10 @@ def _timed(fn, device: torch.device, reps: int) -> float:
     fn()
     torch.cuda.synchronize(device)
     n = int(min(200, max(1, 2e-3 // max(time.perf_counter() - t0, 1e-6))))
+    if group is not None:
+        agreed = torch.tensor([n], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        n = int(agreed.item())
     samples = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -144,7 +150,7 @@ def _collective_times(group, world: int, device: torch.device, reps: int) -> dic
                   "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=group),
                   "all_reduce": lambda: dist.all_reduce(full, group=group)}[name]
             dist.barrier(group=group)
-            times.append(_timed(fn, device, reps))
+            times.append(_timed(fn, device, reps, group))
         out[name] = tuple(times)
     return out
 
@@ -161,7 +167,7 @@ def _host_costs(group_name: str, world: int, device: torch.device, dtype: torch.
         else:
             fn = lambda s=sched: ops.matmul_rs(a, w, None, 0, "sum", world, group_name, s)  # noqa: E731
         dist.barrier(group=resolve_group(group_name))
-        out[f"{kind} {sched}"] = _host_time(fn, device)
+        out[f"{kind} {sched}"] = _host_time(fn, device)  # fixed call counts: the same on every rank
     return out
 
 
@@ -206,7 +212,7 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
     full = torch.empty(world * (P2P_BYTES[-1] // 4), device=device, dtype=torch.bfloat16)
     part = full[: full.numel() // world]
     dist.barrier(group=group)
-    out["gather"] = _timed(lambda: dist.all_gather_into_tensor(full, part, group=group), device, reps)
+    out["gather"] = _timed(lambda: dist.all_gather_into_tensor(full, part, group=group), device, reps, group)
 
     def gemm_beside_gather():
         work = dist.all_gather_into_tensor(full, part, group=group, async_op=True)
@@ -214,7 +220,7 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
         work.wait()
 
     dist.barrier(group=group)
-    out["gemm beside gather"] = _timed(gemm_beside_gather, device, reps)
+    out["gemm beside gather"] = _timed(gemm_beside_gather, device, reps, group)
     remote_c = buf.view(peer, 0, (8192, 4096), torch.bfloat16)
     dist.barrier(group=group)
     out["gemm into peer"] = _timed(lambda: torch.mm(a, b, out=remote_c), device, reps)
