@@ -8,8 +8,11 @@ for a 2-core CI machine (gloo) to finish in seconds and for 2x H200 well under 3
 Measured (`Calibration.measured` lists it): the collectives' alpha-beta, the GEMM fit per
 dtype (device time, sustained clocks), the host cost of a call per schedule family and per
 piece; on GPUs also the copy-engine links (push, pull, local copy) and the GEMM slowdowns
-beside a copy-engine push, beside an NCCL collective and when storing into a peer.  Taken
-from the prior: the Triton GEMM's speed relative to cuBLAS (`fused_efficiency`).
+beside a copy-engine push, beside an NCCL collective and when storing into a peer, and
+then each schedule family's measured / predicted device time on a probe shape (M_global,
+K, N 4096 -- not a benchmark shape), which the model applies to that family.  Taken from
+the prior: the Triton GEMM's speed relative to cuBLAS (`fused_efficiency`; the fused
+family's factor absorbs what it misses).
 Run it outside a compile (`python -m torch_commopt calibrate`, or `calibrate_and_store`
 from every rank): issuing collectives from inside the compile pass stalled two gloo ranks
 intermittently under pytest (not yet explained), so the pass only reads the cache.
@@ -17,6 +20,7 @@ intermittently under pytest (not yet explained), so the pass only reads the cach
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
@@ -37,6 +41,8 @@ GEMM_SHAPES = {"cuda": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 819
                "cpu": [(128, 128, 128), (384, 384, 384), (768, 768, 768), (768, 16, 768), (32, 768, 768)]}
 COLLECTIVE_BYTES = {"cuda": (1 << 20, 16 << 20, 64 << 20), "cpu": (256 << 10, 2 << 20, 8 << 20)}
 P2P_BYTES = (4 << 20, 64 << 20)
+BATCH_S = 5e-3  # device time per timing sample
+WARM_S = 1.0  # seconds of GEMMs before the GEMM samples
 SLEEP_CYCLES_PER_CALL = 100_000  # ~50 us of a ~2 GHz GPU per queued call: more than enqueueing one costs
 # The representative call of each schedule family whose host cost is measured (tiny shapes).
 HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2")],
@@ -47,7 +53,7 @@ HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first")
 
 def _timed(fn, device: torch.device, reps: int, group=None) -> float:
     """Median seconds per call of `fn`, device time.  On a GPU each sample is a batch of
-    back-to-back calls (>= ~2 ms of them) enqueued behind a sleep kernel, so the host's
+    back-to-back calls (>= BATCH_S of them) enqueued behind a sleep kernel, so the host's
     launch cost is not in the figure (the model adds host time separately) and the GPU
     runs at its sustained clocks; on a CPU, wall time of single calls.  `fn` issuing a
     collective of `group`: the batch size is agreed over the group (every rank must
@@ -65,7 +71,7 @@ def _timed(fn, device: torch.device, reps: int, group=None) -> float:
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize(device)
-    n = int(min(200, max(1, 2e-3 // max(time.perf_counter() - t0, 1e-6))))
+    n = int(min(200, max(1, BATCH_S // max(time.perf_counter() - t0, 1e-6))))
     if group is not None:
         agreed = torch.tensor([n], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
@@ -83,21 +89,23 @@ def _timed(fn, device: torch.device, reps: int, group=None) -> float:
     return statistics.median(samples)
 
 
-def _host_time(fn, device: torch.device, calls: int = 30) -> float:
-    """Wall seconds per call of back-to-back calls of a tiny op (its host cost: the GPU
-    work is shorter than the enqueue)."""
+def _host_time(fn, device: torch.device, calls: int = 20) -> float:
+    """Host seconds per call: on a GPU, the time to enqueue `calls` calls while the device
+    is held by a sleep kernel (so the host never waits for it); on a CPU, wall time."""
     for _ in range(3):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     samples = []
     for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda._sleep(int(SLEEP_CYCLES_PER_CALL * calls * 10))
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        samples.append((time.perf_counter() - t0) / calls)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        samples.append((time.perf_counter() - t0) / calls)
     return statistics.median(samples)
 
 
@@ -131,6 +139,13 @@ def fit_link(world: int, sizes: tuple[int, ...], times: tuple[float, ...], steps
 
 def _gemm_samples(device: torch.device, dtype: torch.dtype, reps: int) -> list[tuple[int, int, int, float]]:
     out = []
+    if device.type == "cuda":  # GEMMs at full power lower the clocks: measure them settled
+        a = torch.randn(8192, 8192, device=device, dtype=dtype)
+        deadline = time.perf_counter() + WARM_S
+        while time.perf_counter() < deadline:
+            for _ in range(20):
+                torch.mm(a, a)
+            torch.cuda.synchronize(device)
     for m, n, k in GEMM_SHAPES[device.type]:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
@@ -156,9 +171,9 @@ def _collective_times(group, world: int, device: torch.device, reps: int) -> dic
 
 
 def _host_costs(group_name: str, world: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """{"kind schedule": seconds} host cost per call of each HOST_PROBES entry (tiny shapes)."""
-    a = torch.randn(8 * world, 64, device=device, dtype=dtype)
-    w = torch.randn(64, 64, device=device, dtype=dtype)
+    """{"kind schedule": seconds} host cost per call of each HOST_PROBES entry."""
+    a = torch.randn(64 * world, 256, device=device, dtype=dtype)
+    w = torch.randn(256, 256, device=device, dtype=dtype)
     ops = torch.ops.commopt
     out = {}
     for kind, sched in HOST_PROBES[device.type]:
@@ -228,6 +243,50 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
     return out
 
 
+# Probe shapes of the schedule families (local A, weight), unlike the benchmark sweep's:
+# M_global 4096, K 4096, N 4096 at two ranks.
+PROBE_SHAPES = {"ag_matmul": ((2048, 4096), (4096, 2048)), "matmul_rs": ((4096, 2048), (2048, 4096)),
+                "matmul_ar": ((4096, 2048), (2048, 4096))}
+PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_push:2", "fused:1"),
+                   "matmul_rs": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "fused:2"),
+                   "matmul_ar": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1")}
+
+
+def _schedule_probes(group_name: str, world: int, device: torch.device, reps: int) -> dict[str, float]:
+    """{"kind schedule": device seconds per call} of one schedule per family on a probe shape."""
+    group = resolve_group(group_name)
+    ops = torch.ops.commopt
+    out = {}
+    for kind, (a_shape, w_shape) in PROBE_SHAPES.items():
+        a = torch.randn(a_shape, device=device, dtype=torch.bfloat16)
+        w = torch.randn(w_shape, device=device, dtype=torch.bfloat16) / w_shape[0] ** 0.5
+        for sched in PROBE_SCHEDULES[kind]:
+            if kind == "ag_matmul":
+                fn = lambda s=sched: ops.ag_matmul(a, [w], [None], 0, world, group_name, s, False)  # noqa: E731
+            elif kind == "matmul_rs":
+                fn = lambda s=sched: ops.matmul_rs(a, w, None, 0, "sum", world, group_name, s)  # noqa: E731
+            else:
+                fn = lambda s=sched: ops.matmul_ar(a, w, None, "sum", world, group_name, s)  # noqa: E731
+            dist.barrier(group=group)
+            out[f"{kind} {sched}"] = _timed(fn, device, reps, group)
+    return out
+
+
+def _schedule_factors(probes: dict[str, float], cal: Calibration) -> dict[str, float]:
+    """measured / predicted device time of each probed family (the rest of `cal` measured)."""
+    from torch_commopt.schedule import Schedule
+    from torch_commopt.tuner.model import RegionShape, predict
+
+    out = {}
+    for key, seconds in probes.items():
+        kind, sched = key.split(" ")
+        (rows, k), (_, n) = PROBE_SHAPES[kind]
+        shape = RegionShape(kind, rows, k, (n,), cal.world, "bfloat16")
+        predicted = predict(shape, Schedule.parse(sched), cal).gpu_s
+        out[f"{kind} {Schedule.parse(sched).name}"] = seconds / predicted
+    return out
+
+
 def _slowdown(both: float, longer: float, shorter: float) -> float:
     """s in both = longer + s * shorter (clamped to [0, 1])."""
     return min(1.0, max(0.0, (both - longer) / max(shorter, 1e-9)))
@@ -275,6 +334,11 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         device=name, world=world, collective=links, gemm={d: fit_gemm(gemm[d]) for d in dtype_names},
         host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece,
         fused_efficiency=base.fused_efficiency, source="measured", measured=tuple(measured), **fields)
+    if probes:  # the families on probe shapes, against the model with everything above
+        timed = _schedule_probes(group_name, world, device, reps)
+        timed = dict(zip(timed, _slowest(list(timed.values()), group, device)))
+        cal = dataclasses.replace(cal, schedule_factor=_schedule_factors(timed, cal),
+                                  measured=cal.measured + ("schedule_factor",))
     log.info("commopt tuner: calibrated %s x%d in %.1f s", name, world, time.perf_counter() - start)
     return cal
 

@@ -70,6 +70,10 @@ class Calibration:
         overlap_slowdown.
     remote_store_slowdown: GEMM slowdown when its epilogue stores into a peer (direct).
     fused_efficiency: Triton persistent GEMM speed relative to cuBLAS.
+    schedule_factor: {"kind family": measured / predicted device time} of each schedule
+        family on a probe shape (calibrate._schedule_probes): what the pipeline model
+        leaves out (flag round trips, the order the streams really run in, a family's
+        own inefficiencies), applied to that family's predicted device time.
     """
 
     device: str
@@ -85,6 +89,7 @@ class Calibration:
     collective_overlap_slowdown: float | None = None
     remote_store_slowdown: float = 0.0
     fused_efficiency: float = 1.0
+    schedule_factor: dict[str, float] = field(default_factory=dict)
     source: str = "prior"  # "prior" or "measured"
     measured: tuple[str, ...] = ()  # the fields a measurement set; the rest are the prior's
 

@@ -100,7 +100,7 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration) -> Prediction
     if sched.is_gpu and cal.p2p is None:
         raise ValueError(f"cost model: {sched} needs symmetric memory; {cal.device} has none")
     fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
-    gpu = fn(shape, sched, cal)
+    gpu = fn(shape, sched, cal) * cal.schedule_factor.get(f"{shape.kind} {sched.name}", 1.0)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
     host = cal.host(sched.name) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
     # A GPU runs the device work while the host enqueues the next call: back-to-back calls
