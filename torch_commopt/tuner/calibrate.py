@@ -9,8 +9,8 @@ Measured (`Calibration.measured` lists it): the collectives' alpha-beta, the GEM
 dtype (device time, sustained clocks), the host cost of a call per schedule family and per
 piece; on GPUs also the copy-engine links (push, pull, local copy) and the GEMM slowdowns
 beside a copy-engine push, beside an NCCL collective and when storing into a peer, and
-then each schedule family's measured / predicted device time on a probe shape (M_global,
-K, N 4096 -- not a benchmark shape), which the model applies to that family.  Taken from
+then each schedule family's measured / predicted time on a probe shape (M_global 12288,
+K = N = 6144 -- not a benchmark shape), which the model applies to that family.  Taken from
 the prior: the Triton GEMM's speed relative to cuBLAS (`fused_efficiency`; the fused
 family's factor absorbs what it misses).
 Run it outside a compile (`python -m torch_commopt calibrate`, or `calibrate_and_store`
@@ -43,6 +43,7 @@ COLLECTIVE_BYTES = {"cuda": (1 << 20, 16 << 20, 64 << 20), "cpu": (256 << 10, 2 
 P2P_BYTES = (4 << 20, 64 << 20)
 BATCH_S = 5e-3  # device time per timing sample
 WARM_S = 1.0  # seconds of GEMMs before the GEMM samples
+SLEEP_CYCLES_PER_S = 3e9  # more than a GPU's clock: a sleep of t * this outlasts t seconds
 SLEEP_CYCLES_PER_CALL = 100_000  # ~50 us of a ~2 GHz GPU per queued call: more than enqueueing one costs
 # The representative call of each schedule family whose host cost is measured (tiny shapes).
 HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2")],
@@ -71,7 +72,8 @@ def _timed(fn, device: torch.device, reps: int, group=None) -> float:
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize(device)
-    n = int(min(200, max(1, BATCH_S // max(time.perf_counter() - t0, 1e-6))))
+    single = time.perf_counter() - t0  # host + device of one call: the sleep must outlast n enqueues
+    n = int(min(200, max(1, BATCH_S // max(single, 1e-6))))
     if group is not None:
         agreed = torch.tensor([n], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
@@ -79,7 +81,8 @@ def _timed(fn, device: torch.device, reps: int, group=None) -> float:
     samples = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(SLEEP_CYCLES_PER_CALL * n))  # keeps the GPU busy while the batch is enqueued
+        # keeps the GPU busy while the batch is enqueued
+        torch.cuda._sleep(int(n * max(SLEEP_CYCLES_PER_CALL, single * SLEEP_CYCLES_PER_S)))
         start.record()
         for _ in range(n):
             fn()
@@ -89,23 +92,21 @@ def _timed(fn, device: torch.device, reps: int, group=None) -> float:
     return statistics.median(samples)
 
 
-def _host_time(fn, device: torch.device, calls: int = 20) -> float:
-    """Host seconds per call: on a GPU, the time to enqueue `calls` calls while the device
-    is held by a sleep kernel (so the host never waits for it); on a CPU, wall time."""
+def _host_time(fn, device: torch.device, calls: int = 30) -> float:
+    """Wall seconds per call of back-to-back calls of a tiny op: its host cost (the device
+    work is shorter than the enqueue, and buffers recycle as they would in a program)."""
     for _ in range(3):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     samples = []
     for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda._sleep(int(SLEEP_CYCLES_PER_CALL * calls * 10))
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - t0) / calls)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - t0) / calls)
     return statistics.median(samples)
 
 
@@ -244,36 +245,39 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
 
 
 # Probe shapes of the schedule families (local A, weight), unlike the benchmark sweep's:
-# M_global 4096, K 4096, N 4096 at two ranks.
-PROBE_SHAPES = {"ag_matmul": ((2048, 4096), (4096, 2048)), "matmul_rs": ((4096, 2048), (2048, 4096)),
-                "matmul_ar": ((4096, 2048), (2048, 4096))}
+# M_global 12288, K 6144, N 6144 at two ranks (long enough that the device, not the host,
+# bounds back-to-back calls).
+PROBE_SHAPES = {"ag_matmul": ((6144, 6144), (6144, 3072)), "matmul_rs": ((12288, 3072), (3072, 6144)),
+                "matmul_ar": ((12288, 3072), (3072, 6144))}
 PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_push:2", "fused:1"),
                    "matmul_rs": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "fused:2"),
                    "matmul_ar": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1")}
 
 
-def _schedule_probes(group_name: str, world: int, device: torch.device, reps: int) -> dict[str, float]:
-    """{"kind schedule": device seconds per call} of one schedule per family on a probe shape."""
-    group = resolve_group(group_name)
+def _schedule_probes(group_name: str, world: int, device: torch.device) -> dict[str, float]:
+    """{"kind schedule": seconds per call} of one schedule per family on a probe shape:
+    back-to-back calls as a program makes them (tuner.autotune's timing, slowest rank)."""
+    from torch_commopt.tuner.autotune import measure_candidates
+
     ops = torch.ops.commopt
     out = {}
     for kind, (a_shape, w_shape) in PROBE_SHAPES.items():
         a = torch.randn(a_shape, device=device, dtype=torch.bfloat16)
         w = torch.randn(w_shape, device=device, dtype=torch.bfloat16) / w_shape[0] ** 0.5
-        for sched in PROBE_SCHEDULES[kind]:
-            if kind == "ag_matmul":
-                fn = lambda s=sched: ops.ag_matmul(a, [w], [None], 0, world, group_name, s, False)  # noqa: E731
-            elif kind == "matmul_rs":
-                fn = lambda s=sched: ops.matmul_rs(a, w, None, 0, "sum", world, group_name, s)  # noqa: E731
-            else:
-                fn = lambda s=sched: ops.matmul_ar(a, w, None, "sum", world, group_name, s)  # noqa: E731
-            dist.barrier(group=group)
-            out[f"{kind} {sched}"] = _timed(fn, device, reps, group)
+        if kind == "ag_matmul":
+            run = lambda s: ops.ag_matmul(a, [w], [None], 0, world, group_name, s, False)  # noqa: E731
+        elif kind == "matmul_rs":
+            run = lambda s: ops.matmul_rs(a, w, None, 0, "sum", world, group_name, s)  # noqa: E731
+        else:
+            run = lambda s: ops.matmul_ar(a, w, None, "sum", world, group_name, s)  # noqa: E731
+        ms = measure_candidates(run, list(PROBE_SCHEDULES[kind]), group_name, device)
+        out.update({f"{kind} {s}": t / 1e3 for s, t in ms.items()})
     return out
 
 
 def _schedule_factors(probes: dict[str, float], cal: Calibration) -> dict[str, float]:
-    """measured / predicted device time of each probed family (the rest of `cal` measured)."""
+    """measured / predicted device time of each probed family (the rest of `cal` measured);
+    a family whose probe the model calls host-bound keeps factor 1."""
     from torch_commopt.schedule import Schedule
     from torch_commopt.tuner.model import RegionShape, predict
 
@@ -281,9 +285,9 @@ def _schedule_factors(probes: dict[str, float], cal: Calibration) -> dict[str, f
     for key, seconds in probes.items():
         kind, sched = key.split(" ")
         (rows, k), (_, n) = PROBE_SHAPES[kind]
-        shape = RegionShape(kind, rows, k, (n,), cal.world, "bfloat16")
-        predicted = predict(shape, Schedule.parse(sched), cal).gpu_s
-        out[f"{kind} {Schedule.parse(sched).name}"] = seconds / predicted
+        pred = predict(RegionShape(kind, rows, k, (n,), cal.world, "bfloat16"), Schedule.parse(sched), cal)
+        if pred.gpu_s > pred.host_s:
+            out[f"{kind} {Schedule.parse(sched).name}"] = seconds / pred.gpu_s
     return out
 
 
@@ -335,8 +339,7 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece,
         fused_efficiency=base.fused_efficiency, source="measured", measured=tuple(measured), **fields)
     if probes:  # the families on probe shapes, against the model with everything above
-        timed = _schedule_probes(group_name, world, device, reps)
-        timed = dict(zip(timed, _slowest(list(timed.values()), group, device)))
+        timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
         cal = dataclasses.replace(cal, schedule_factor=_schedule_factors(timed, cal),
                                   measured=cal.measured + ("schedule_factor",))
     log.info("commopt tuner: calibrated %s x%d in %.1f s", name, world, time.perf_counter() - start)
