@@ -123,12 +123,21 @@ def summarize(result: dict) -> dict:
     top1 = [s["model_top1_measured_ms"] <= 1.05 * s["measured_best_ms"] for s in shapes]
     exact = [s["autotune_pick"] == s["measured_best"] for s in shapes]
     near = [s["autotune_pick_measured_ms"] <= 1.02 * s["measured_best_ms"] for s in shapes]
+    # The same schedule timed twice (the sweep, then autotune's own pass): how far apart
+    # two measurements of one thing land -- the resolution of "the measured best".
+    sweep = {(r["op"], r["M"], r["N"], r["candidate"]): r["measured_ms"] for r in recs}
+    remeasure = [abs(t - sweep[(s["op"], s["M"], s["N"], c)]) / sweep[(s["op"], s["M"], s["N"], c)]
+                 for s in shapes for c, t in s["autotune_timing_ms"].items()]
+    gaps = [s["autotune_pick_measured_ms"] / s["measured_best_ms"] - 1 for s in shapes]
     comp = result["compile"]
     regions = max(1, comp["autotune_warm"]["regions"])
     base = min(comp["auto"]["seconds"], comp["auto_again"]["seconds"])
     return {"median_rel_error": statistics.median(errors), "records": len(recs),
             "top1_within_5pct": f"{sum(top1)}/{len(top1)}", "autotune_is_measured_best": f"{sum(exact)}/{len(exact)}",
-            "autotune_within_2pct_of_best": f"{sum(near)}/{len(near)}", "calibration_s": result["calibration_s"],
+            "autotune_within_2pct_of_best": f"{sum(near)}/{len(near)}",
+            "autotune_pick_max_gap_to_best": max(gaps),
+            "remeasure_spread_median": statistics.median(remeasure), "remeasure_spread_max": max(remeasure),
+            "calibration_s": result["calibration_s"],
             "warm_cache_compile_overhead_s_per_region": (comp["autotune_warm"]["seconds"] - base) / regions,
             "cold_autotune_overhead_s_per_region": (comp["autotune_cold"]["seconds"] - base) / regions}
 
