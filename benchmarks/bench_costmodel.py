@@ -142,13 +142,46 @@ def summarize(result: dict) -> dict:
             "cold_autotune_overhead_s_per_region": (comp["autotune_cold"]["seconds"] - base) / regions}
 
 
+def report(doc: dict, records: list[dict]) -> str:
+    """The dated Markdown report of a run (its summary document and records)."""
+    meta, summ = doc["meta"], doc["summary"]
+    lines = [f"# Tuner on {meta['device']} x{meta['world']} ({meta['date']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, bf16.", "",
+             f"Command: `{meta['command']}`", "", "## Summary", ""]
+    lines += [f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summ.items()]
+    lines += ["", "## Per shape", "",
+              "| op | M | K | N | model top-1 (measured ms) | measured best (ms) | autotune pick (ms in sweep) | autotune timed |",
+              "|---|---|---|---|---|---|---|---|"]
+    for s in doc["shapes"]:
+        lines.append(f"| {s['op']} | {s['M']} | {s['K']} | {s['N']} | {s['model_top1']} ({s['model_top1_measured_ms']:.3f}) | "
+                     f"{s['measured_best']} ({s['measured_best_ms']:.3f}) | {s['autotune_pick']} "
+                     f"({s['autotune_pick_measured_ms']:.3f}) | {', '.join(s['autotune_candidates'])} |")
+    lines += ["", "## Every candidate: predicted vs measured (ms)", ""]
+    for r in records:
+        err = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+        lines.append(f"- {r['op']} {r['M']}x{r['K']}x{r['N']} `{r['candidate']}`: predicted {r['predicted_ms']:.3f}, "
+                     f"measured {r['measured_ms']:.3f} ({err:+.1%})")
+    comp = doc["compile"]
+    lines += ["", "## Compile + first call of a TP MLP (2 regions), seconds", ""]
+    lines += [f"- {k}: {v['seconds']:.3f} s, schedules {v['schedules']}, rel. error {v['rel_err']:.1e}" for k, v in comp.items()]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--only", default="")
     parser.add_argument("--commit", default="")
+    parser.add_argument("--report-only", metavar="SUMMARY_JSON",
+                        help="rewrite the Markdown report of a finished run from its JSON files")
     args = parser.parse_args()
+    if args.report_only:
+        summary_path = pathlib.Path(args.report_only)
+        doc = json.loads(summary_path.read_text())
+        records = json.loads(pathlib.Path(str(summary_path).replace("_summary.json", ".json")).read_text())
+        summary_path.with_name(summary_path.name.replace("_summary.json", ".md")).write_text(report(doc, records))
+        return
     cache_dir = tempfile.mkdtemp(prefix="commopt_tuner_")
     per_rank = run_distributed(worker, args.world, cache_dir, args.only, backend="nccl", timeout_s=1200)
     result = per_rank[0]
@@ -164,9 +197,10 @@ def main() -> None:
     stem = f"costmodel_h200x{args.world}_{date}"
     (out / f"{stem}.json").write_text(json.dumps([dict(r, **{k: meta[k] for k in ("device", "torch", "date", "commit")})
                                                   for r in result["records"]], indent=1))
-    (out / f"{stem}_summary.json").write_text(json.dumps({"meta": meta, "summary": summary, "shapes": result["shapes"],
-                                                          "compile": result["compile"],
-                                                          "calibration": result["calibration"]}, indent=1))
+    doc = {"meta": meta, "summary": summary, "shapes": result["shapes"], "compile": result["compile"],
+           "calibration": result["calibration"]}
+    (out / f"{stem}_summary.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{stem}.md").write_text(report(doc, result["records"]))
     print(json.dumps(summary, indent=1))
 
 

@@ -50,6 +50,11 @@ def funcol_programs(world: int):
         "rs_bias": (lambda a, wt, b: _rs(F.linear(a, wt, b), "sum", 0), [(4 * w, 16), (8, 16), (8,)], "matmul_rs"),
         "ar_2d": (lambda a, b: funcol.all_reduce(a @ b, "sum", group=_g()), [(10, 16), (16, 8)], "matmul_ar"),
         "ar_3d": (lambda a, b: funcol.all_reduce(a @ b, "sum", group=_g()), [(2, 5, 16), (16, 8)], "matmul_ar"),
+        # one region's output is the next one's matmul input, nothing in between
+        "ag_mm_mm_rs": (lambda a, b, c: _rs(all_gather_on(a, 0) @ b @ c, "sum", 0), [(6, 16), (16, 12), (12, 8)],
+                        "matmul_rs"),
+        "rs_then_ag": (lambda a, b, c: all_gather_on(_rs(a @ b, "sum", 0), 0) @ c, [(4 * w, 16), (16, 8), (8, 4)],
+                       "ag_matmul"),
     }
 
 

@@ -1,6 +1,7 @@
 """Command line: `python -m torch_commopt demo [--world N] [--schedule S] [--chunks C]` and
 `python -m torch_commopt calibrate [--world N] [--backend B] [--cache-dir D]` and
-`python -m torch_commopt explain --shape KIND:ROWSxKxN [--world N] [--device NAME]`."""
+`python -m torch_commopt explain --shape KIND:ROWSxKxN [--world N] [--device NAME]` and
+`python -m torch_commopt tune (--shape KIND:ROWSxKxN ... | --model demo) [--world N] [--cache-dir D]`."""
 
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--device", default="cpu", help='"cpu" or a CUDA device name, e.g. "NVIDIA H200"')
     exp.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 otherwise")
     exp.add_argument("--cache-dir", default=None)
+    tune = sub.add_parser("tune", help="time the candidates of region shapes (or a model) now and fill the tuner cache")
+    tune.add_argument("--shape", action="append", default=[], help="KIND:ROWSxKxN[,N2...] as for explain")
+    tune.add_argument("--model", choices=["demo"], help="run this model once with mode='autotune' instead")
+    tune.add_argument("--world", type=int, default=2)
+    tune.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    tune.add_argument("--dtype", default=None, help="default: bfloat16 on GPUs, float32 on CPUs")
+    tune.add_argument("--top-k", type=int, default=4)
+    tune.add_argument("--cache-dir", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     if args.command == "demo":
@@ -39,6 +48,18 @@ def main(argv: list[str] | None = None) -> int:
         from torch_commopt.tuner.choose import explain_shapes
 
         print(explain_shapes(args.shape, args.world, args.device, args.dtype, args.cache_dir))
+        return 0
+    if args.command == "tune":
+        if bool(args.shape) == bool(args.model):
+            parser.error("tune: give --shape (one or more) or --model, not both")
+        if args.model:
+            from torch_commopt.demo import run_demo
+
+            return run_demo(args.world, {"mode": "autotune", "cache_dir": args.cache_dir,
+                                         "autotune_top_k": args.top_k}, args.backend)
+        from torch_commopt.tuner.tune import run_tune
+
+        print(run_tune(args.shape, args.world, args.backend, args.dtype, args.cache_dir, args.top_k))
         return 0
     if args.command == "calibrate":
         from torch_commopt.tuner.calibrate import run_calibration

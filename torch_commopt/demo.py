@@ -41,7 +41,7 @@ def run_demo(world: int = 2, options: dict[str, Any] | None = None, backend: str
     options = dict(options or {})
     Config.from_options(options)  # reject bad options before spawning anything
     backend = pick_backend(world) if backend == "auto" else backend
-    if backend == "nccl" and options.get("schedule", "auto") == "auto":
+    if backend == "nccl" and options.get("schedule", "auto") == "auto" and options.get("mode", "auto") == "auto":
         # The demo's block is far too small for the built-in rule to pick a GPU schedule
         # (it would choose NCCL sequential); on GPUs the demo shows the copy-engine kernels.
         options["schedule"] = "ce_push"

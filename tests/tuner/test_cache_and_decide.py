@@ -131,3 +131,28 @@ def test_autotune_times_at_the_first_call_caches_and_every_rank_agrees(tmp_path)
         assert set(scheds) <= set(winners), (scheds, winners)
         assert sum("cached measurement" in n for n in notes) == 2
     assert warm0[1] == warm1[1]
+
+
+def test_tune_cli_prefills_what_the_pass_asks_for(tmp_path):
+    """`python -m torch_commopt tune --shape ...` times the same candidates under the same
+    keys as the pass: a later autotune compile times nothing."""
+    from torch_commopt.__main__ import main
+    from tuner_programs import compile_after_tune
+
+    # the local A of each region: the AG shard (256, 64) @ (64, 96); the RS input (512, 96) @ (96, 32)
+    assert main(["tune", "--shape", "ag_matmul:256x64x96", "--shape", "matmul_rs:512x96x32", "--world", "2",
+                 "--top-k", "2", "--cache-dir", str(tmp_path)]) == 0
+    for scheds, notes, err in run_distributed(compile_after_tune, 2, str(tmp_path), timeout_s=300):
+        assert err < 1e-5 and not any(s.startswith("autotune") for s in scheds), scheds
+        assert sum("cached measurement" in n for n in notes) == 2, notes
+
+
+def test_tune_cli_rejects_bad_shapes():
+    from torch_commopt.tuner.tune import parse_shape
+
+    with pytest.raises(ValueError, match="unknown kind"):
+        parse_shape("conv:1x2x3")
+    with pytest.raises(ValueError, match="want KIND"):
+        parse_shape("ag_matmul:1x2")
+    with pytest.raises(ValueError, match="one weight"):
+        parse_shape("matmul_rs:4x2x3,5")

@@ -117,3 +117,26 @@ def compile_with_autotune(rank: int, world: int, cache_dir: str):
         err = max(float((g - want).norm() / want.norm()) for g in (got, again))
         out.append((graph.candidates, [r.schedule for r in graph.rewritten], list(graph.notes), err, first, second))
     return out
+
+
+def compile_after_tune(rank: int, world: int, cache_dir: str):
+    """AG -> mm and mm -> RS (shapes of the tune test) compiled with mode="autotune":
+    (rewritten schedules, notes) -- a prefilled cache leaves nothing to time."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    import torch_commopt
+
+    torch.manual_seed(rank)
+    a, b, c = torch.randn(256, 64), torch.randn(64, 96), torch.randn(96, 32)
+
+    def fn(a, b, c):
+        h = funcol.all_gather_tensor(a, gather_dim=0, group=dist.group.WORLD) @ b
+        return funcol.reduce_scatter_tensor(h @ c, "sum", scatter_dim=0, group=dist.group.WORLD)
+
+    torch_commopt.reset_explain()
+    got = torch.compile(fn, backend="commopt", options={"mode": "autotune", "cache_dir": cache_dir,
+                                                        "autotune_top_k": 2})(a, b, c)
+    want = fn(a, b, c)
+    (graph,) = torch_commopt.explain().graphs
+    return [r.schedule for r in graph.rewritten], list(graph.notes), float((got - want).norm() / want.norm())

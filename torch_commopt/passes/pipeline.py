@@ -76,8 +76,9 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     report.plan_hash = consistency.plan_hash([_decision(r, s) for r, s in zip(regions, schedules)])
     if regions and not _ranks_agree(graph, regions, report, config):
         regions, schedules = [], []
+    replaced = {}
     for region, schedule in zip(regions, schedules):
-        rewrite_region(graph, region, schedule)
+        rewrite_region(graph, region, schedule, replaced)
         report.regions.append(explain.RegionReport(
             region.kind, region.collective.name, region.summary(), str(schedule), "rewritten"))
     if regions:
@@ -142,41 +143,37 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
 
 
 def _choose_by_model(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
-    from torch_commopt.tuner.choose import calibration_for, choose_by_model
+    from torch_commopt.tuner.autotune import plan
+    from torch_commopt.tuner.choose import calibration_for, device_name
 
     a = val(region.a)
     cal = calibration_for(a.device, region.group_size, region.group_name, config.cache_dir, config.consistency_timeout_s)
     weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
-    sched, preds, why = choose_by_model(region.kind, static_shape(region.a), weights, region.dim, region.group_size,
-                                        str(a.dtype).removeprefix("torch."), cal, _chunk_rows(region, 8))
+    sched, preds, top, key, why = plan(
+        region.kind, list(static_shape(region.a)), weights, region.dim, [c.bias is not None for c in region.consumers],
+        region.reduce_op, region.keep_gathered, region.group_size, str(a.dtype).removeprefix("torch."),
+        device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k)
     name = region.collective.name
     rows = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "measured_ms": None,
              "extra_mib": p.extra_bytes / 2**20} for p in preds]
     report.candidates[name] = rows
     if config.mode == "autotune":
-        sched, why = _autotune(region, config, preds, sched, a.device, rows, report)
+        sched, why = _autotune(region, config, sched, top, key, rows, report)
     report.notes.append(f"{name}: {config.mode} picked {sched} ({why})")
     return sched
 
 
-def _autotune(region: Region, config: Config, preds, model_pick: Schedule, device, rows, report):
-    """(schedule, why): rank 0's cached measurement of this region's candidates, or an
-    `autotune` placeholder that times them at the first call (tuner.autotune)."""
+def _autotune(region: Region, config: Config, model_pick: Schedule, top: list[str], key: dict, rows, report):
+    """(schedule, why): rank 0's cached measurement of this region's candidates (from an
+    earlier run or `python -m torch_commopt tune`), or an `autotune` placeholder that times
+    them at the first call (tuner.autotune)."""
     from torch_commopt.tuner.autotune import TuneRequest, register
     from torch_commopt.tuner.cache import TunerCache
-    from torch_commopt.tuner.choose import device_name, machine_key
     from torch_commopt.tuner.decide import decide
 
-    top = [str(p.schedule) for p in preds[:config.autotune_top_k]]
-    top += [str(p.schedule) for p in preds if p.schedule.name == "sequential" and str(p.schedule) not in top]
-    weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
-    key = {"question": "autotune", **machine_key(device_name(device), region.group_size), "kind": region.kind,
-           "a_shape": list(static_shape(region.a)), "weights": weights, "dim": region.dim,
-           "bias": [c.bias is not None for c in region.consumers], "reduce_op": region.reduce_op,
-           "keep_gathered": region.keep_gathered, "dtype": str(val(region.a).dtype), "candidates": top}
     cache = TunerCache(config.cache_dir)
     cached = decide(region.group_name, key, lambda: cache.get(key), config.consistency_timeout_s)
-    if cached is not None and cached.get("schedule") in top:
+    if isinstance(cached, dict) and cached.get("schedule") in top and isinstance(cached.get("measured_ms"), dict):
         for row in rows:
             row["measured_ms"] = cached["measured_ms"].get(row["schedule"])
         return Schedule.parse(cached["schedule"]), "cached measurement"

@@ -20,11 +20,21 @@ from torch_commopt.passes.regions import Region
 from torch_commopt.schedule import Schedule
 
 
-def rewrite_region(graph: Graph, region: Region, schedule: Schedule) -> None:
+def rewrite_region(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node]) -> None:
+    """Rewrite one region.  `replaced` maps the nodes earlier rewrites removed to what took
+    their place (one region's output can be the next one's input: AG -> mm -> mm -> RS), and
+    is updated with this region's replacements."""
     if region.kind == "ag_matmul":
-        _rewrite_ag_matmul(graph, region, schedule)
+        _rewrite_ag_matmul(graph, region, schedule, replaced)
     else:
-        _rewrite_matmul_reduce(graph, region, schedule)
+        _rewrite_matmul_reduce(graph, region, schedule, replaced)
+
+
+def _now(node, replaced: dict[Node, Node]):
+    """What stands for `node` after the rewrites so far (None and non-nodes pass through)."""
+    while isinstance(node, Node) and node in replaced:
+        node = replaced[node]
+    return node
 
 
 def _call(graph: Graph, target, args) -> Node:
@@ -33,13 +43,13 @@ def _call(graph: Graph, target, args) -> Node:
     return node
 
 
-def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule) -> None:
+def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node]) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((c.node for c in region.consumers), key=order.__getitem__)
     args = (
-        region.a,
-        [c.weight for c in region.consumers],
-        [c.bias for c in region.consumers],
+        _now(region.a, replaced),
+        [_now(c.weight, replaced) for c in region.consumers],
+        [_now(c.bias, replaced) for c in region.consumers],
         region.dim,
         region.group_size,
         region.group_name,
@@ -55,6 +65,7 @@ def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule) -> None
             n = static_shape(consumer.node)[-1]
             replacement = replay_chain(graph, out, consumer.path, k, n)
         consumer.node.replace_all_uses_with(replacement)
+        replaced[consumer.node] = replacement
         graph.erase_node(consumer.node)
         _erase_dead(graph, consumer.path)
     if region.keep_gathered:
@@ -64,21 +75,23 @@ def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule) -> None
     _erase_dead(graph, region.nodes)
 
 
-def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule) -> None:
+def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node]) -> None:
     (consumer,) = region.consumers
     k = static_shape(region.a)[-1]
     n = static_shape(consumer.node)[-1]
+    weight, bias = _now(consumer.weight, replaced), _now(consumer.bias, replaced)
     with graph.inserting_before(region.wait):
-        a = replay_chain(graph, region.a, region.path, n, k)
+        a = replay_chain(graph, _now(region.a, replaced), region.path, n, k)
         if region.kind == "matmul_rs":
-            args = (a, consumer.weight, consumer.bias, region.dim, region.reduce_op,
+            args = (a, weight, bias, region.dim, region.reduce_op,
                     region.group_size, region.group_name, str(schedule))
             op = _call(graph, torch.ops.commopt.matmul_rs.default, args)
         else:
-            args = (a, consumer.weight, consumer.bias, region.reduce_op,
+            args = (a, weight, bias, region.reduce_op,
                     region.group_size, region.group_name, str(schedule))
             op = _call(graph, torch.ops.commopt.matmul_ar.default, args)
     region.wait.replace_all_uses_with(op)
+    replaced[region.wait] = op
     _erase_dead(graph, region.nodes)
 
 

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -57,6 +58,23 @@ class TuneRequest:
 
 _REQUESTS: dict[str, TuneRequest] = {}
 _warned: set[str] = set()
+
+
+def plan(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, bias: list[bool],
+         reduce_op: str | None, keep_gathered: bool, world: int, dtype: str, device_name: str, cal,
+         max_chunks: int, top_k: int):
+    """(model's pick, ranked predictions, candidates to time, cache key) of a region: the one
+    definition the compile pass and `python -m torch_commopt tune` share, so a prefilled
+    cache answers the pass."""
+    from torch_commopt.tuner.choose import choose_by_model, machine_key
+
+    pick, preds, why = choose_by_model(kind, a_shape, weight_shapes, dim, world, dtype, cal, max_chunks)
+    top = [str(p.schedule) for p in preds[:top_k]]
+    top += [str(p.schedule) for p in preds if p.schedule.name == "sequential" and str(p.schedule) not in top]
+    key = {"question": "autotune", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
+           "weights": [list(w) for w in weight_shapes], "dim": dim, "bias": list(bias), "reduce_op": reduce_op,
+           "keep_gathered": keep_gathered, "dtype": dtype, "candidates": top}
+    return pick, preds, top, key, why
 
 
 def digest(key: dict[str, Any]) -> str:
@@ -98,7 +116,7 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
                         req.name, req.fallback)
         return req.fallback
     start = time.perf_counter()
-    measured = measure_candidates(run, req.candidates, req.group_name, device)
+    measured = measure_candidates(run, req.candidates, req.group_name, device, req.name)
     best = min(measured, key=lambda s: (measured[s], s))
     sched = Schedule.parse(best)
     if req.debug_waits and sched.is_gpu:
@@ -118,7 +136,7 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
 
 
 def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_name: str,
-                       device: torch.device) -> dict[str, float]:
+                       device: torch.device, label: str = "") -> dict[str, float]:
     """{schedule: ms per call} of back-to-back calls (the host cost included: that is what
     the program will see), median over rounds, slowest rank.  Every rank must call this
     with the same candidates at the same point of its program."""
@@ -136,8 +154,11 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
     counts = [int(c) for c in n.tolist()]
     samples: list[list[float]] = [[] for _ in candidates]
+    bar = Progress(ROUNDS * len(candidates), f"commopt autotune {label}".rstrip(),
+                   show=dist.get_rank() == dist.get_process_group_ranks(group)[0])
     for r in range(ROUNDS):
         for i in [(j + r) % len(candidates) for j in range(len(candidates))]:
+            bar.step(candidates[i])
             dist.barrier(group=group)
             sync()
             t0 = time.perf_counter()
@@ -145,6 +166,45 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
                 run(candidates[i])
             sync()
             samples[i].append((time.perf_counter() - t0) / counts[i] * 1e3)
+    bar.close()
     t = torch.tensor([statistics.median(v) for v in samples], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(candidates, t.tolist()))
+
+
+class Progress:
+    """A progress bar on one rank: tqdm when it is installed, else a one-line bar on a
+    terminal's stderr, else (not a terminal) log lines at INFO."""
+
+    def __init__(self, total: int, desc: str, show: bool):
+        self.total, self.desc, self.done, self.show = total, desc, 0, show
+        self._tqdm = None
+        if not show:
+            return
+        try:
+            from tqdm import tqdm
+
+            self._tqdm = tqdm(total=total, desc=desc, leave=False)
+        except ImportError:
+            self._tty = sys.stderr.isatty()
+
+    def step(self, what: str) -> None:
+        if not self.show:
+            return
+        self.done += 1
+        if self._tqdm is not None:
+            self._tqdm.set_postfix_str(what, refresh=False)
+            self._tqdm.update(1)
+        elif self._tty:
+            filled = int(20 * self.done / self.total)
+            sys.stderr.write(f"\r{self.desc} [{'#' * filled}{'.' * (20 - filled)}] {self.done}/{self.total} {what:<24}")
+            sys.stderr.flush()
+        else:
+            log.info("%s: %d/%d %s", self.desc, self.done, self.total, what)
+
+    def close(self) -> None:
+        if self._tqdm is not None:
+            self._tqdm.close()
+        elif self.show and self._tty:
+            sys.stderr.write("\r" + " " * (len(self.desc) + 60) + "\r")
+            sys.stderr.flush()

@@ -1,0 +1,96 @@
+"""`python -m torch_commopt tune`: fill the tuner cache before training starts.
+
+For region shapes (`KIND:ROWSxKxN[,N2...]`, the local A of the op as in `explain`; collective
+dim 0, no bias, sum) every rank times the same candidates the compile pass would (the model's
+top-k and sequential, tuner.autotune.plan) and rank 0 stores the winner under the key the
+pass asks for, so `Config.mode="autotune"` then compiles with no timing at all.  `--model
+demo` instead runs the demo's TP+SP block with mode="autotune" once (its first call times
+and caches every region).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from torch_commopt.kernels.reference.chunking import ag_chunk_dim, ar_chunk_dim, rs_chunk_dim
+
+log = logging.getLogger("torch_commopt.tuner.tune")
+KINDS = ("ag_matmul", "matmul_rs", "matmul_ar")
+
+
+def parse_shape(spec: str) -> tuple[str, list[int], list[list[int]]]:
+    """"KIND:ROWSxKxN[,N2...]" -> (kind, local A shape, weight shapes)."""
+    kind, _, dims = spec.partition(":")
+    try:
+        rows, k, ns = dims.split("x")
+        a_shape, widths = [int(rows), int(k)], [int(n) for n in ns.split(",")]
+    except ValueError as e:
+        raise ValueError(f"commopt tune: bad --shape {spec!r} (want KIND:ROWSxKxN[,N2...]): {e}") from e
+    if kind not in KINDS:
+        raise ValueError(f"commopt tune: unknown kind {kind!r} in {spec!r}; known: {KINDS}")
+    if kind != "ag_matmul" and len(widths) != 1:
+        raise ValueError(f"commopt tune: {kind} takes one weight, got {spec!r}")
+    return kind, a_shape, [[a_shape[1], n] for n in widths]
+
+
+def _max_chunks(kind: str, a_shape: list[int], n: int, world: int) -> int:
+    """Rows the chunked schedules may cut (the pass's rule, pipeline._chunk_rows)."""
+    if kind == "ag_matmul":
+        return ag_chunk_dim(a_shape, 0, 8)[1]
+    if kind == "matmul_rs":
+        return rs_chunk_dim([a_shape[0], n], 0, world, 8)[1]
+    return ar_chunk_dim([a_shape[0], n], 8)[1]
+
+
+def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache_dir: str | None, top_k: int):
+    from torch_commopt.tuner.autotune import measure_candidates, plan
+    from torch_commopt.tuner.cache import TunerCache
+    from torch_commopt.tuner.choose import calibration_for, device_name
+
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    group_name = dist.group.WORLD.group_name
+    dtype = getattr(torch, dtype_name)
+    cal = calibration_for(device, world, group_name, cache_dir, 300.0)
+    ops, out = torch.ops.commopt, []
+    for spec in specs:
+        kind, a_shape, w_shapes = parse_shape(spec)
+        dim, reduce_op = (0, None) if kind == "ag_matmul" else (None if kind == "matmul_ar" else 0, "sum")
+        _, _, top, key, _ = plan(kind, a_shape, w_shapes, dim, [False] * len(w_shapes), reduce_op, False, world,
+                                 dtype_name, device_name(device), cal,
+                                 _max_chunks(kind, a_shape, w_shapes[0][1], world), top_k)
+        a = torch.randn(a_shape, device=device, dtype=dtype)
+        ws = [torch.randn(s, device=device, dtype=dtype) / s[0] ** 0.5 for s in w_shapes]
+        if kind == "ag_matmul":
+            run = lambda s: ops.ag_matmul(a, ws, [None] * len(ws), 0, world, group_name, s, False)  # noqa: E731
+        elif kind == "matmul_rs":
+            run = lambda s: ops.matmul_rs(a, ws[0], None, 0, "sum", world, group_name, s)  # noqa: E731
+        else:
+            run = lambda s: ops.matmul_ar(a, ws[0], None, "sum", world, group_name, s)  # noqa: E731
+        measured = measure_candidates(run, top, group_name, device, spec)
+        best = min(measured, key=lambda s: (measured[s], s))
+        if rank == 0:
+            TunerCache(cache_dir).put(key, {"schedule": best, "measured_ms": measured})
+        out.append((spec, best, measured))
+    return out
+
+
+def run_tune(specs: list[str], world: int, backend: str = "auto", dtype: str | None = None,
+             cache_dir: str | None = None, top_k: int = 4) -> str:
+    """Time and cache the candidates of each shape on `world` local processes; a summary."""
+    from torch_commopt.launch import run_distributed
+
+    for spec in specs:
+        parse_shape(spec)  # bad input fails here, before anything is spawned
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    dtype = dtype or ("bfloat16" if backend == "nccl" else "float32")
+    results = run_distributed(_tune_worker, world, specs, dtype, cache_dir, top_k, backend=backend, timeout_s=1800)[0]
+    lines = [f"commopt tune: {len(specs)} shape(s), {world} ranks ({backend}), {dtype}; "
+             f"stored in {cache_dir or 'the default tuner cache'}"]
+    for spec, best, measured in results:
+        lines.append(f"{spec}: {best}  (" + ", ".join(f"{s} {t:.3f} ms" for s, t in sorted(measured.items(), key=lambda x: x[1]))
+                     + ")")
+    return "\n".join(lines)
