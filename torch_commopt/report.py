@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_commopt.passes.regions import Skip
+from torch_commopt.schedule import Schedule
 
 
 @dataclass
@@ -107,6 +108,19 @@ def _format(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
 
+def _chosen(g: GraphReport, node: str, cands: list[dict[str, Any]]) -> str | None:
+    """The candidate the region runs: its schedule, or (an autotune placeholder) the fastest
+    measured one once the first call has timed them (schedule strings without debug params)."""
+    schedule = next((r.schedule for r in g.regions if r.collective == node), None)
+    if schedule is not None and schedule.startswith("autotune"):
+        timed = [c for c in cands if c.get("measured_ms") is not None]
+        return min(timed, key=lambda c: c["measured_ms"])["schedule"] if timed else None
+    if schedule is None:
+        return None
+    sched = Schedule.parse(schedule)
+    return str(Schedule(sched.name, sched.chunks, tuple(kv for kv in sched.params if kv[0] != "dbg")))
+
+
 def _graph_table(g: GraphReport) -> str:
     head = (f"commopt graph {g.graph_id} ({g.graph_kind}, compile {g.compile_id}): "
             f"{len(g.rewritten)} region(s) rewritten, {len(g.skipped)} candidate(s) skipped")
@@ -114,9 +128,10 @@ def _graph_table(g: GraphReport) -> str:
     if g.regions:
         lines += _format([_COLUMNS] + [_row(r) for r in g.regions])
     for node, cands in g.candidates.items():
-        cells = ", ".join(f"{c['schedule']} {c['predicted_ms']:.3f}" + ("" if c.get("measured_ms") is None
-                                                                       else f"/{c['measured_ms']:.3f}") for c in cands)
-        lines.append(f"  candidates of {node} (predicted[/measured] ms, chosen first): {cells}")
+        chosen = _chosen(g, node, cands)
+        cells = ", ".join(("*" if c["schedule"] == chosen else "") + f"{c['schedule']} {c['predicted_ms']:.3f}"
+                          + ("" if c.get("measured_ms") is None else f"/{c['measured_ms']:.3f}") for c in cands)
+        lines.append(f"  candidates of {node} (predicted[/measured] ms, best predicted first, *chosen): {cells}")
     lines += [f"  skipped {s.kind} at {s.node}: {s.reason}" for s in g.skipped]
     lines += [f"  note: {n}" for n in g.notes]
     lines.append(f"  collectives before {dict(g.collectives_before)} -> after {dict(g.collectives_after)}; "

@@ -31,8 +31,19 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def topology(name: str) -> str:
+    """What this host's links look like, as far as torch can tell: the GPU count and whether
+    every pair has peer access (NVLink or PCIe P2P); "cpu" for CPU calibrations."""
+    if name == "cpu" or not torch.cuda.is_available():
+        return "cpu" if name == "cpu" else "unknown"
+    n = torch.cuda.device_count()
+    pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
+    p2p = sum(torch.cuda.can_device_access_peer(i, j) for i, j in pairs)
+    return f"{n} GPUs, peer access {'all' if p2p == len(pairs) else 'none' if p2p == 0 else 'partial'}"
+
+
 def machine_key(name: str, world: int) -> dict:
-    """Everything a calibration depends on (topology: world size of one NVLink host)."""
+    """Everything a calibration depends on: device, world size, topology, versions."""
     try:
         import triton
 
@@ -40,7 +51,7 @@ def machine_key(name: str, world: int) -> dict:
     except ImportError:
         triton_version = None
     return {"kind": "calibration", "format": CALIBRATION_FORMAT, "device": name, "world": world,
-            "torch": torch.__version__, "triton": triton_version}
+            "topology": topology(name), "torch": torch.__version__, "triton": triton_version}
 
 
 def calibration_for(device: torch.device, world: int, group_name: str | None, cache_dir: str | None,
