@@ -130,9 +130,19 @@ def test_fits_recover_the_parameters_that_made_the_samples():
     sizes = (1 << 20, 16 << 20, 64 << 20)
     got = fit_link(4, sizes, tuple(3 * link.time(n / 4) for n in sizes), steps=3)
     assert got.alpha_s == pytest.approx(2e-5, rel=1e-6) and got.bytes_per_s == pytest.approx(2e11, rel=1e-6)
-    # a noisy, non-increasing pair falls back to the largest size's throughput
-    flat = fit_link(2, (1 << 20, 4 << 20), (1e-3, 1e-3), steps=1)
-    assert flat.alpha_s == 0.0 and flat.bytes_per_s == pytest.approx((4 << 20) / 2 / 1e-3)
+    # a noisy, non-increasing set falls back to the best throughput seen, not the outlier's
+    flat = fit_link(2, (1 << 20, 4 << 20, 64 << 20), (1e-4, 3e-4, 5e-2), steps=1)
+    assert flat.alpha_s == 0.0 and flat.bytes_per_s == pytest.approx((4 << 20) / 2 / 3e-4)
+
+
+def test_calibration_spots_timings_no_line_fits():
+    """One slow sample among the collective sizes triggers a re-measurement (calibrate)."""
+    from torch_commopt.tuner.calibrate import _consistent
+
+    sizes = (1 << 20, 16 << 20, 64 << 20)
+    assert _consistent(sizes, (2e-5, 8e-5, 3e-4))
+    assert not _consistent(sizes, (2e-5, 8e-5, 5e-3))  # 64 MiB at a tenth of the bandwidth
+    assert not _consistent(sizes, (3e-4, 8e-5, 3e-4))  # the smallest size slowest
 
 
 def test_explain_command_prints_the_ranking(capsys, tmp_path):
