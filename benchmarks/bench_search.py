@@ -1,0 +1,125 @@
+"""Speed of the exact plan search (torch_commopt.reshard.search) on a Llama-style layer stack.
+
+The problem is built the way the whole-graph planner sees a TP+SP transformer: per layer two
+residual-stream nodes (residual add + RMSNorm, sequence-sharded S(0) or replicated R) and four
+matmul-collective regions (q/k/v all-gather+matmul, attention output matmul+reduce-scatter or
+all-reduce, w1/w3 all-gather+matmul, w2 matmul+reduce-scatter or all-reduce).  Region options
+carry their layouts, the cost model's time (2x H200 priors) and the memory they keep for
+backward (the sharded or the gathered input); edges carry the reshard between layouts
+(reshard.layouts), residual connections included.  Prints one JSON line: regions, nodes,
+edges, seconds to solve without and with a memory budget.
+
+    python3 benchmarks/bench_search.py [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from torch_commopt.reshard.layouts import Replicate, Shard, reshard  # noqa: E402
+from torch_commopt.reshard.search import Problem, least_memory, solve  # noqa: E402
+from torch_commopt.schedule import Schedule  # noqa: E402
+from torch_commopt.tuner.calibration import prior  # noqa: E402
+from torch_commopt.tuner.model import RegionShape, predict  # noqa: E402
+
+HBM_BYTES_PER_S = 4.0e12
+
+
+def llama_problem(layers: int, world: int = 2, tokens: int = 8192, dim: int = 4096, hidden: int = 14336,
+                  kv_dim: int = 1024) -> tuple[Problem, int]:
+    """(problem, number of matmul-collective regions) of a TP+SP Llama stack (bf16)."""
+    cal, elt = prior("NVIDIA H200", world), 2
+    act = tokens * dim * elt  # one residual-stream activation, unsharded
+    S, R = Shard(0), Replicate()
+
+    def region_options(kind, rows, k, n, in_bytes):
+        """[(time, memory, input layout, output layout)] of one region."""
+        out = []
+        if kind == "ag_matmul":
+            shape = RegionShape(kind, rows // world, k, (n,), world, "bfloat16")
+            for sched in ("ce_push:1", "sequential"):
+                t = predict(shape, Schedule.parse(sched), cal).seconds
+                out.append((t, in_bytes / world, S, S))  # keep the shard for backward (re-gather)
+                out.append((t * 0.98, in_bytes, S, S))  # keep the gathered input (no re-gather)
+            local = RegionShape("matmul_rs", rows, k, (n,), 1, "bfloat16")
+            out.append((predict(local, Schedule("sequential"), cal).seconds, in_bytes, R, S))  # input replicated
+        else:
+            shape = RegionShape(kind, rows, k, (n,), world, "bfloat16")
+            for sched in ("ce_push:2", "sequential"):
+                out.append((predict(shape, Schedule.parse(sched), cal).seconds, act / world, S, S))
+            ar = RegionShape("matmul_ar", rows, k, (n,), world, "bfloat16")
+            out.append((predict(ar, Schedule("sequential"), cal).seconds, act, S, R))
+        return out
+
+    options, layouts, edges = {}, {}, {}
+
+    def node(name, opts):
+        options[name] = [(t, m) for t, m, *_ in opts]
+        layouts[name] = [tuple(o[2:]) for o in opts]  # (input layout, output layout)
+
+    def edge(u, v, nbytes):
+        table = []
+        for _, out_u in layouts[u]:
+            row = []
+            for in_v, _ in layouts[v]:
+                r = reshard(out_u, in_v, nbytes, world, cal)
+                row.append((r.time, r.memory))
+            table.append(row)
+        edges[(u, v)] = table
+
+    def stream(name):  # residual add + RMSNorm, sharded or replicated
+        node(name, [(act / world * 3 / HBM_BYTES_PER_S, act / world, S, S),
+                    (act * 3 / HBM_BYTES_PER_S, act, R, R)])
+
+    stream("x0")
+    regions = 0
+    for i in range(layers):
+        x, y, z = f"x{i}", f"y{i}", f"x{i + 1}"
+        node(f"qkv{i}", region_options("ag_matmul", tokens, dim, (dim + 2 * kv_dim) // world, act))
+        node(f"wo{i}", region_options("matmul_rs", tokens, dim // world, dim, act))
+        stream(y)
+        node(f"w13_{i}", region_options("ag_matmul", tokens, dim, 2 * hidden // world, act))
+        node(f"w2_{i}", region_options("matmul_rs", tokens, hidden // world, dim, act))
+        stream(z)
+        regions += 4
+        edge(x, f"qkv{i}", act)
+        edges[(f"qkv{i}", f"wo{i}")] = [[(0.0, 0.0)] * len(options[f"wo{i}"]) for _ in options[f"qkv{i}"]]
+        edge(f"wo{i}", y, act)
+        edge(x, y, act)  # residual
+        edge(y, f"w13_{i}", act)
+        edges[(f"w13_{i}", f"w2_{i}")] = [[(0.0, 0.0)] * len(options[f"w2_{i}"]) for _ in options[f"w13_{i}"]]
+        edge(f"w2_{i}", z, act)
+        edge(y, z, act)  # residual
+    return Problem(options, edges), regions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    problem, regions = llama_problem(args.layers)
+    built = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    free = solve(problem)
+    unbounded = time.perf_counter() - t0
+    low = least_memory(problem)
+    budget = low.memory + 0.5 * (free.memory - low.memory)
+    t0 = time.perf_counter()
+    bounded = solve(problem, budget)
+    with_budget = time.perf_counter() - t0
+    print(json.dumps({"layers": args.layers, "regions": regions, "nodes": len(problem.options),
+                      "edges": len(problem.edges), "build_s": built, "solve_s": unbounded,
+                      "solve_with_budget_s": with_budget, "plan_ms": free.time * 1e3,
+                      "plan_mib": free.memory / 2**20, "budget_mib": budget / 2**20,
+                      "budget_plan_ms": bounded.time * 1e3, "budget_plan_mib": bounded.memory / 2**20}))
+
+
+if __name__ == "__main__":
+    main()
