@@ -42,6 +42,10 @@ class Config:
         compiles emit it directly.  explain adds the measured times.
         "fixed": `schedule` must name the schedule (and its parameters).
     autotune_top_k: how many of the model's best candidates autotune times per region.
+    memory_budget_mib: with mode="model", the extra device memory (MiB) the chosen schedules
+        of one graph may hold together (buffers, gathered copies); the fastest set of choices
+        that fits is found exactly (reshard.plan).  A budget nothing fits runs the
+        least-memory plan, logged.  None: no budget.
     cache_dir: the tuner cache directory (default $TORCH_COMMOPT_CACHE_DIR, else the
         user's cache directory).
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
@@ -62,6 +66,7 @@ class Config:
     chunks: int = 4
     mode: str = "auto"
     autotune_top_k: int = 4
+    memory_budget_mib: float | None = None
     cache_dir: str | None = None
     patterns: tuple[str, ...] = PATTERNS
     check_rank_consistency: bool = True
@@ -86,6 +91,13 @@ class Config:
         if self.mode in ("model", "autotune") and self.schedule != "auto":
             raise ValueError(f"Config.mode: {self.mode!r} chooses the schedule itself; drop schedule={self.schedule!r} "
                              "or use mode='fixed'")
+        if self.memory_budget_mib is not None:
+            if isinstance(self.memory_budget_mib, bool) or not isinstance(self.memory_budget_mib, (int, float)) \
+                    or self.memory_budget_mib < 0:
+                raise ValueError(f"Config.memory_budget_mib: a non-negative number of MiB or None, "
+                                 f"got {self.memory_budget_mib!r}")
+            if self.mode != "model":
+                raise ValueError("Config.memory_budget_mib: only mode='model' plans under a budget so far")
         _check_type("autotune_top_k", self.autotune_top_k, int)
         if self.autotune_top_k < 1:
             raise ValueError(f"Config.autotune_top_k: must be >= 1, got {self.autotune_top_k}")

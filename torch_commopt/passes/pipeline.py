@@ -69,6 +69,8 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     try:
         regions = _find_regions(graph, config, report)
         schedules = [_choose_schedule(r, config, report) for r in regions]
+        if config.memory_budget_mib is not None and regions:
+            schedules = _fit_budget(regions, schedules, config, report)
     except Exception as e:  # analysis only: the graph is still untouched, so leave it so
         log.exception("commopt: analysis of graph %d failed; graph left untouched", report.graph_id)
         report.notes.append(f"NOT rewritten: analysis failed ({type(e).__name__}: {e})")
@@ -132,6 +134,11 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
             report.notes.append(f"{name}: picked {wanted} ({why})")
         else:
             wanted = Schedule("chunked", config.chunks)
+    return _finish(wanted, region, config, report)
+
+
+def _finish(wanted: Schedule, region: Region, config: Config, report: explain.GraphReport) -> Schedule:
+    """The chosen schedule with the config's debug waits, clamped to the rows available."""
     if config.debug_waits and wanted.is_gpu:
         wanted = wanted.with_params(dbg=1)
     rows = _chunk_rows(region, wanted.chunks)
@@ -140,6 +147,26 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
         report.notes.append(f"{region.collective.name}: {wanted} clamped to {chosen} "
                             f"(no row dim has more than {rows} rows)")
     return chosen
+
+
+def _fit_budget(regions: list[Region], schedules: list[Schedule], config: Config,
+                report: explain.GraphReport) -> list[Schedule]:
+    """Re-choose every region's schedule jointly within Config.memory_budget_mib."""
+    from torch_commopt.reshard.plan import choose_within_budget
+
+    names = [r.collective.name for r in regions]
+    if any(n not in report.candidates for n in names):
+        report.notes.append("memory budget not applied: a region has no ranked candidates")
+        return schedules
+    choice, note = choose_within_budget({n: report.candidates[n] for n in names}, config.memory_budget_mib)
+    report.notes.append(note)
+    out = []
+    for region, name, old in zip(regions, names, schedules):
+        new = _finish(Schedule.parse(report.candidates[name][choice[name]]["schedule"]), region, config, report)
+        if new != old:
+            report.notes.append(f"{name}: {new} instead of {old} to fit the memory budget")
+        out.append(new)
+    return out
 
 
 def _choose_by_model(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
