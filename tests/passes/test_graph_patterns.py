@@ -256,3 +256,26 @@ def test_failing_analysis_leaves_the_graph_untouched(fake_world, monkeypatch):
     graph = only_graph(fn, torch.randn(8, 16), torch.randn(16, 8))
     assert not graph.rewritten and graph.collectives_after == {"all_gather": 1}
     assert any("analysis failed" in n for n in graph.notes)
+
+
+# --- the region DAG (explain's plan view) ---------------------------------------------------
+
+@world_param
+def test_region_dag_links_regions_through_the_ops_between_them(fake_world):
+    """TP+SP MLP then a second one fed by the first one's reduce-scatter directly: the edges
+    name the ops in between and need no reshard (S(0) out of the RS, S(0) into the AG)."""
+    w = fake_world
+    x, w1, w2, w3, w4 = (torch.randn(8, 16), torch.randn(16, 8 * w), torch.randn(8 * w, 16),
+                         torch.randn(16, 8 * w), torch.randn(8 * w, 16))
+
+    def fn(x, w1, w2, w3, w4):
+        h = torch.relu(all_gather_on(x, 0) @ w1)
+        y = funcol.reduce_scatter_tensor(h @ w2, "sum", scatter_dim=0, group=group())
+        h2 = all_gather_on(y, 0) @ w3
+        return funcol.reduce_scatter_tensor(h2 @ w4, "sum", scatter_dim=0, group=group())
+
+    graph = only_graph(fn, x, w1, w2, w3, w4)
+    assert len(graph.rewritten) == 4 and len(graph.edges) == 3, graph.edges
+    assert any("via relu" in e and "reshard: none" in e for e in graph.edges), graph.edges
+    assert sum("directly; reshard: none" in e for e in graph.edges) == 2, graph.edges
+    assert "edge " in str(torch_commopt.explain())

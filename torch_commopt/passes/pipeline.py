@@ -68,6 +68,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     )
     try:
         regions = _find_regions(graph, config, report)
+        report.edges = _edges(regions)
         schedules = [_choose_schedule(r, config, report) for r in regions]
         if config.memory_budget_mib is not None and regions:
             schedules = _fit_budget(regions, schedules, config, report)
@@ -147,6 +148,17 @@ def _finish(wanted: Schedule, region: Region, config: Config, report: explain.Gr
         report.notes.append(f"{region.collective.name}: {wanted} clamped to {chosen} "
                             f"(no row dim has more than {rows} rows)")
     return chosen
+
+
+def _edges(regions: list[Region]) -> list[str]:
+    """The region DAG for explain (analysis only: a failure here costs the view, nothing else)."""
+    from torch_commopt.reshard.dag import region_edges
+
+    try:
+        return [e.describe(regions) for e in region_edges(regions)]
+    except Exception as e:  # noqa: BLE001 - informational
+        log.warning("commopt: region DAG not derived (%s: %s)", type(e).__name__, e)
+        return []
 
 
 def _fit_budget(regions: list[Region], schedules: list[Schedule], config: Config,
