@@ -204,3 +204,14 @@ def matmul_ar(
 @torch.library.register_fake("commopt::matmul_ar")
 def _(a, weight, bias, reduce_op, group_size, group_name, schedule):
     return a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]])
+
+
+def runner(kind: str, a: Tensor, weights: list[Tensor], world: int, group_name: str):
+    """fn(schedule) calling op `kind` on `a` with `weights` (no bias; collective dim 0, sum):
+    how calibration probes and the tune CLI time a region shape."""
+    ops = torch.ops.commopt
+    if kind == "ag_matmul":
+        return lambda s: ops.ag_matmul(a, weights, [None] * len(weights), 0, world, group_name, s, False)
+    if kind == "matmul_rs":
+        return lambda s: ops.matmul_rs(a, weights[0], None, 0, "sum", world, group_name, s)
+    return lambda s: ops.matmul_ar(a, weights[0], None, "sum", world, group_name, s)

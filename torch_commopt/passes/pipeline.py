@@ -19,7 +19,7 @@ from torch_commopt.config import Config
 from torch_commopt.passes import consistency
 from torch_commopt.passes.find_ag_matmul import find_ag_matmul
 from torch_commopt.passes.find_matmul_reduce import find_matmul_reduce
-from torch_commopt.kernels.reference.chunking import ag_chunk_dim, ar_chunk_dim, rs_chunk_dim
+from torch_commopt.kernels.reference.chunking import chunk_rows
 from torch_commopt.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, static_shape, val
 from torch_commopt.passes.regions import Region, Skip
 from torch_commopt.passes.rewrite import rewrite_region
@@ -223,11 +223,7 @@ def _autotune(region: Region, config: Config, model_pick: Schedule, top: list[st
 
 def _chunk_rows(region: Region, chunks: int) -> int:
     """Rows along the dim the reference's chunked schedule would cut (same rule as the op)."""
-    if region.kind == "ag_matmul":
-        return ag_chunk_dim(static_shape(region.a), region.dim, chunks)[1]
-    if region.kind == "matmul_rs":
-        return rs_chunk_dim(region.t_shape, region.dim, region.group_size, chunks)[1]
-    return ar_chunk_dim(region.t_shape, chunks)[1]
+    return chunk_rows(region.kind, static_shape(region.a), region.t_shape, region.dim, region.group_size, chunks)
 
 
 def _ranks_agree(graph: Graph, regions: list[Region], report: explain.GraphReport, config: Config) -> bool:

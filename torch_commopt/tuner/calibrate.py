@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torch_commopt.kernels.ops import runner
 from torch_commopt.kernels.reference.collectives import resolve_group
 from torch_commopt.tuner.calibration import COLLECTIVES, Calibration, GemmFit, Link, prior
 from torch_commopt.tuner.choose import device_name, machine_key
@@ -185,16 +186,15 @@ def _collective_times_checked(group, world: int, device: torch.device, reps: int
     them (an outlier -- one 64 MiB all-reduce at 1/40 of its bandwidth was seen on 2x H200 --
     bends the alpha-beta fit); each sample is then the faster of its two measurements.
     Every rank sees the same figures, so all ranks re-measure alike."""
-    first = _collective_times(group, world, device, reps)
-    flat = _slowest([t for c in COLLECTIVES for t in first[c]], group, device)
-    n = len(COLLECTIVE_BYTES[device.type])
-    out = {c: tuple(flat[i * n:(i + 1) * n]) for i, c in enumerate(COLLECTIVES)}
+    def slowest(times: dict[str, tuple[float, ...]]) -> dict[str, tuple[float, ...]]:
+        flat, n = _slowest([t for c in COLLECTIVES for t in times[c]], group, device), len(COLLECTIVE_BYTES[device.type])
+        return {c: tuple(flat[i * n:(i + 1) * n]) for i, c in enumerate(COLLECTIVES)}
+
+    out = slowest(_collective_times(group, world, device, reps))
     if all(_consistent(COLLECTIVE_BYTES[device.type], t) for t in out.values()):
         return out
-    again = _collective_times(group, world, device, reps)
-    flat = _slowest([t for c in COLLECTIVES for t in again[c]], group, device)
-    second = {c: tuple(flat[i * n:(i + 1) * n]) for i, c in enumerate(COLLECTIVES)}
-    log.info("commopt calibrate: collective timings not increasing with size (%s); measured again: %s", out, second)
+    second = slowest(_collective_times(group, world, device, reps))
+    log.info("commopt calibrate: no line fits the collective timings (%s); measured again: %s", out, second)
     return {c: tuple(min(a, b) for a, b in zip(out[c], second[c])) for c in COLLECTIVES}
 
 
@@ -202,15 +202,11 @@ def _host_costs(group_name: str, world: int, device: torch.device, dtype: torch.
     """{"kind schedule": seconds} host cost per call of each HOST_PROBES entry."""
     a = torch.randn(64 * world, 256, device=device, dtype=dtype)
     w = torch.randn(256, 256, device=device, dtype=dtype)
-    ops = torch.ops.commopt
     out = {}
     for kind, sched in HOST_PROBES[device.type]:
-        if kind == "ag_matmul":
-            fn = lambda s=sched: ops.ag_matmul(a, [w], [None], 0, world, group_name, s, False)  # noqa: E731
-        else:
-            fn = lambda s=sched: ops.matmul_rs(a, w, None, 0, "sum", world, group_name, s)  # noqa: E731
+        run = runner(kind, a, [w], world, group_name)
         dist.barrier(group=resolve_group(group_name))
-        out[f"{kind} {sched}"] = _host_time(fn, device)  # fixed call counts: the same on every rank
+        out[f"{kind} {sched}"] = _host_time(lambda s=sched: run(s), device)  # fixed call counts: the same on every rank
     return out
 
 
@@ -238,7 +234,7 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
     a = torch.randn(8192, 4096, device=device, dtype=torch.bfloat16)
     b = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     c = torch.empty(8192, 4096, device=device, dtype=torch.bfloat16)
-    out["gemm"] = gemm = _timed(lambda: torch.mm(a, b, out=c), device, reps)
+    out["gemm"] = _timed(lambda: torch.mm(a, b, out=c), device, reps)
     src = torch.empty(P2P_BYTES[-1] // 2, dtype=torch.uint8, device=device)
     remote = buf.view(peer, 0, (src.numel(),), torch.uint8)
     out["push half"] = _timed(lambda: remote.copy_(src), device, reps)
@@ -287,18 +283,11 @@ def _schedule_probes(group_name: str, world: int, device: torch.device) -> dict[
     back-to-back calls as a program makes them (tuner.autotune's timing, slowest rank)."""
     from torch_commopt.tuner.autotune import measure_candidates
 
-    ops = torch.ops.commopt
     out = {}
     for kind, (a_shape, w_shape) in PROBE_SHAPES.items():
         a = torch.randn(a_shape, device=device, dtype=torch.bfloat16)
         w = torch.randn(w_shape, device=device, dtype=torch.bfloat16) / w_shape[0] ** 0.5
-        if kind == "ag_matmul":
-            run = lambda s: ops.ag_matmul(a, [w], [None], 0, world, group_name, s, False)  # noqa: E731
-        elif kind == "matmul_rs":
-            run = lambda s: ops.matmul_rs(a, w, None, 0, "sum", world, group_name, s)  # noqa: E731
-        else:
-            run = lambda s: ops.matmul_ar(a, w, None, "sum", world, group_name, s)  # noqa: E731
-        ms = measure_candidates(run, list(PROBE_SCHEDULES[kind]), group_name, device)
+        ms = measure_candidates(runner(kind, a, [w], world, group_name), list(PROBE_SCHEDULES[kind]), group_name, device)
         out.update({f"{kind} {s}": t / 1e3 for s, t in ms.items()})
     return out
 
@@ -337,14 +326,12 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     world = dist.get_world_size(group)
     start = time.perf_counter()
     gemm = {d: _gemm_samples(device, getattr(torch, d), reps) for d in dtype_names}
-    coll = _collective_times_checked(group, world, device, reps)
+    coll = _collective_times_checked(group, world, device, reps)  # already the slowest rank's
     hosts = _host_costs(group_name, world, device, getattr(torch, dtype_names[0]))
     probes = _gpu_probes(group_name, world, device, reps) if device.type == "cuda" and world > 1 else {}
-    flat = ([t for d in dtype_names for *_, t in gemm[d]] + [t for c in COLLECTIVES for t in coll[c]]
-            + list(hosts.values()) + list(probes.values()))
+    flat = [t for d in dtype_names for *_, t in gemm[d]] + list(hosts.values()) + list(probes.values())
     flat = iter(_slowest(flat, group, device))
     gemm = {d: [(m, n, k, next(flat)) for m, n, k, _ in gemm[d]] for d in dtype_names}
-    coll = {c: tuple(next(flat) for _ in COLLECTIVE_BYTES[device.type]) for c in COLLECTIVES}
     hosts = {k: next(flat) for k in hosts}
     probes = {k: next(flat) for k in probes}
     links = {c: fit_link(world, COLLECTIVE_BYTES[device.type], coll[c],

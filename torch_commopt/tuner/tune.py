@@ -15,7 +15,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from torch_commopt.kernels.reference.chunking import ag_chunk_dim, ar_chunk_dim, rs_chunk_dim
+from torch_commopt.kernels.ops import runner
+from torch_commopt.kernels.reference.chunking import chunk_rows
 
 log = logging.getLogger("torch_commopt.tuner.tune")
 KINDS = ("ag_matmul", "matmul_rs", "matmul_ar")
@@ -36,15 +37,6 @@ def parse_shape(spec: str) -> tuple[str, list[int], list[list[int]]]:
     return kind, a_shape, [[a_shape[1], n] for n in widths]
 
 
-def _max_chunks(kind: str, a_shape: list[int], n: int, world: int) -> int:
-    """Rows the chunked schedules may cut (the pass's rule, pipeline._chunk_rows)."""
-    if kind == "ag_matmul":
-        return ag_chunk_dim(a_shape, 0, 8)[1]
-    if kind == "matmul_rs":
-        return rs_chunk_dim([a_shape[0], n], 0, world, 8)[1]
-    return ar_chunk_dim([a_shape[0], n], 8)[1]
-
-
 def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache_dir: str | None, top_k: int):
     from torch_commopt.tuner.autotune import measure_candidates, plan
     from torch_commopt.tuner.cache import TunerCache
@@ -54,22 +46,16 @@ def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache
     group_name = dist.group.WORLD.group_name
     dtype = getattr(torch, dtype_name)
     cal = calibration_for(device, world, group_name, cache_dir, 300.0)
-    ops, out = torch.ops.commopt, []
+    out = []
     for spec in specs:
         kind, a_shape, w_shapes = parse_shape(spec)
         dim, reduce_op = (0, None) if kind == "ag_matmul" else (None if kind == "matmul_ar" else 0, "sum")
         _, _, top, key, _ = plan(kind, a_shape, w_shapes, dim, [False] * len(w_shapes), reduce_op, False, world,
                                  dtype_name, device_name(device), cal,
-                                 _max_chunks(kind, a_shape, w_shapes[0][1], world), top_k)
+                                 chunk_rows(kind, a_shape, [a_shape[0], w_shapes[0][1]], dim, world, 8), top_k)
         a = torch.randn(a_shape, device=device, dtype=dtype)
         ws = [torch.randn(s, device=device, dtype=dtype) / s[0] ** 0.5 for s in w_shapes]
-        if kind == "ag_matmul":
-            run = lambda s: ops.ag_matmul(a, ws, [None] * len(ws), 0, world, group_name, s, False)  # noqa: E731
-        elif kind == "matmul_rs":
-            run = lambda s: ops.matmul_rs(a, ws[0], None, 0, "sum", world, group_name, s)  # noqa: E731
-        else:
-            run = lambda s: ops.matmul_ar(a, ws[0], None, "sum", world, group_name, s)  # noqa: E731
-        measured = measure_candidates(run, top, group_name, device, spec)
+        measured = measure_candidates(runner(kind, a, ws, world, group_name), top, group_name, device, spec)
         best = min(measured, key=lambda s: (measured[s], s))
         if rank == 0:
             TunerCache(cache_dir).put(key, {"schedule": best, "measured_ms": measured})

@@ -35,3 +35,14 @@ def rs_chunk_dim(t_shape: list[int], scatter_dim: int, world: int, chunks: int) 
 
 def ar_chunk_dim(t_shape: list[int], chunks: int) -> tuple[int, int]:
     return chunk_dim(t_shape, None, None, chunks)
+
+
+def chunk_rows(kind: str, a_shape: list[int], t_shape: list[int] | None, dim: int | None, world: int,
+               chunks: int) -> int:
+    """Rows along the dim a chunked schedule of this op would cut (the pass and the tune CLI
+    bound the candidates' piece counts with it).  t_shape: the product's shape (reductions)."""
+    if kind == "ag_matmul":
+        return ag_chunk_dim(a_shape, dim, chunks)[1]
+    if kind == "matmul_rs":
+        return rs_chunk_dim(t_shape, dim, world, chunks)[1]
+    return ar_chunk_dim(t_shape, chunks)[1]
