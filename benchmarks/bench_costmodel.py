@@ -34,10 +34,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch_commopt  # noqa: E402,F401
-from bench_matmul_collectives import KIND, SHAPES, _variants  # noqa: E402
+from bench_matmul_collectives import SHAPES, _variants  # noqa: E402
 from costmodel_vs_bench import region_shape  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.schedule import Schedule  # noqa: E402
 from torch_commopt.tuner.autotune import measure_candidates  # noqa: E402
 from torch_commopt.tuner.model import candidates, rank  # noqa: E402
 
@@ -60,7 +59,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str):
         region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
                                "dtype": "bfloat16"})
         preds = rank(region, cal, candidates(region, cal))
-        _, _, _, op, _ = _variants(shape, rank_, world, group_name)
+        _, _, _, _, op, _ = _variants(shape, rank_, world, group_name)
         names = [str(p.schedule) for p in preds]
         measured = measure_candidates(op, names, group_name, device)
         base = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16"}

@@ -1,13 +1,20 @@
 """AG+GEMM, GEMM+RS and GEMM+AR on W GPUs: every commopt schedule next to the baselines.
 
 One run times, per shape (global M, K, N; bf16): the GEMM alone, the collective alone (NCCL),
-NCCL sequential (the op's `sequential` schedule: NCCL collective + cuBLAS), PyTorch async-TP
-(`torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`, symmetric
-memory enabled for the group), every commopt GPU schedule, and commopt's pick (the built-in
-rule's schedule, timed on its own).  Times: CUDA events around back-to-back calls (at least
-`iters`, and at least 10 ms of them), median of `repeats` rounds (variants round-robin within
-a round), max over ranks; the fastest and slowest rounds are reported as the spread.  Each
-commopt schedule's output is checked against NCCL sequential's before it is timed.
+NCCL sequential (`dist` collective + `torch.mm` called directly, as a user would), PyTorch
+async-TP (`torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`,
+symmetric memory enabled for the group), every commopt schedule (`sequential` included: the
+same NCCL + cuBLAS work through the op), and commopt's pick (the built-in rule's schedule,
+timed on its own).  Times: CUDA events around back-to-back calls (at least `iters`, and at
+least 10 ms of them), median of `repeats` rounds (variants round-robin within a round), max
+over ranks; the fastest and slowest rounds are reported as the spread.  Each commopt
+schedule's output is checked against NCCL sequential's before it is timed.
+
+Every variant is timed twice: eager (each call pays its host cost: short shapes measure the
+host, not the GPUs) and replayed from a CUDA graph that holds the same back-to-back calls
+(host cost gone: what `torch.compile(mode="reduce-overhead")` or a serving loop sees; the
+pick is then the rule's with Config.cuda_graphs).  A variant whose capture fails on any rank
+is reported as not capturable.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
       python3 benchmarks/bench_matmul_collectives.py --out benchmarks/results
@@ -65,12 +72,35 @@ SCHEDULES = {
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 
 
-def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 10.0) -> dict:
+def _capture(fns: dict, counts: dict) -> dict:
+    """{name: fn replaying a CUDA graph of counts[name] back-to-back calls}; a variant whose
+    capture fails on any rank is left out on every rank (its graph holds collectives)."""
+    graphs, ok = {}, []
+    for name, fn in fns.items():
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(counts[name]):
+                    fn()
+            graphs[name] = graph
+            ok.append(1)
+        except Exception as e:  # noqa: BLE001 - reported, and the variant is dropped everywhere
+            print(f"rank {dist.get_rank()}: capture of {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            ok.append(0)
+    flags = torch.tensor(ok, device="cuda")
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    torch.cuda.synchronize()
+    return {name: graphs[name].replay for name, good in zip(fns, flags.tolist()) if good}
+
+
+def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 10.0, graphs: bool = False) -> dict:
     """{name: [ms per call in each round]}: mean of back-to-back calls, max over ranks.  A variant runs max(iters, target_ms / its time)
     calls per round (short calls are otherwise timed over a fraction of a millisecond), the
     same count on every rank.  Each round times every variant once, in an order shuffled per
     round (the same on every rank), so clock or thermal drift and the previous variant's
-    leftovers spread evenly instead of favouring a fixed position."""
+    leftovers spread evenly instead of favouring a fixed position.  graphs=True: the calls
+    of a round are one replay of a CUDA graph holding them (variants that cannot be
+    captured are missing from the result)."""
     counts = []
     for fn in fns.values():
         for _ in range(3):
@@ -86,6 +116,10 @@ def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 10.0) -> 
     n = torch.tensor(counts, device="cuda")
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     counts = dict(zip(fns, n.tolist()))
+    calls = dict(counts)  # calls of fn per timed sample
+    if graphs:
+        fns = _capture(fns, counts)
+        calls = {name: 1 for name in fns}
     samples = {name: [] for name in fns}
     for round_index in range(repeats):
         order = list(fns)
@@ -96,7 +130,7 @@ def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 10.0) -> 
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(counts[name]):
+            for _ in range(calls[name]):
                 fn()
             end.record()
             end.synchronize()
@@ -123,8 +157,14 @@ def _variants(shape: Shape, rank: int, world: int, group_name: str):
         op = lambda s: torch.ops.commopt.ag_matmul(shard, [w], [None], 0, w_, group_name, s, False)[0]  # noqa: E731
         gemm = lambda: torch.mm(full, w)  # noqa: E731
         comm = lambda: dist.all_gather_into_tensor(full, shard)  # noqa: E731
+
+        def seq():
+            gathered = torch.empty(shape.M, shape.K, device="cuda", dtype=torch.bfloat16)
+            dist.all_gather_into_tensor(gathered, shard)
+            return torch.mm(gathered, w)
+
         tp = lambda: torch.ops.symm_mem.fused_all_gather_matmul(shard, [w], 0, group_name, return_A=False)[1][0]  # noqa: E731
-        return ([shape.M // w_, shape.K], [[shape.K, shape.N // w_]], 0), gemm, comm, op, tp
+        return ([shape.M // w_, shape.K], [[shape.K, shape.N // w_]], 0), gemm, comm, seq, op, tp
     a, w = rnd(shape.M, shape.K // w_), rnd(shape.K // w_, shape.N) / math.sqrt(shape.K)
     t = torch.mm(a, w)
     gemm = lambda: torch.mm(a, w)  # noqa: E731
@@ -132,100 +172,155 @@ def _variants(shape: Shape, rank: int, world: int, group_name: str):
         part = torch.empty(shape.M // w_, shape.N, device="cuda", dtype=torch.bfloat16)
         op = lambda s: torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", w_, group_name, s)  # noqa: E731
         comm = lambda: dist.reduce_scatter_tensor(part, t)  # noqa: E731
+
+        def seq():
+            out = torch.empty(shape.M // w_, shape.N, device="cuda", dtype=torch.bfloat16)
+            dist.reduce_scatter_tensor(out, torch.mm(a, w))
+            return out
+
         tp = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", 0, group_name)  # noqa: E731
-        return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], 0), gemm, comm, op, tp
+        return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], 0), gemm, comm, seq, op, tp
     op = lambda s: torch.ops.commopt.matmul_ar(a, w, None, "sum", w_, group_name, s)  # noqa: E731
     comm = lambda: dist.all_reduce(t)  # noqa: E731
-    return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], None), gemm, comm, op, None
+
+    def seq():
+        out = torch.mm(a, w)
+        dist.all_reduce(out)
+        return out
+
+    return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], None), gemm, comm, seq, op, None
 
 
-def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats: int):
+def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats: int, modes: tuple[str, ...]):
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     group_name = dist.group.WORLD.group_name
     enable_symm_mem_for_group(group_name)
     records = []
     for shape in shapes:
-        (a_shape, w_shapes, dim), gemm, comm, op, tp = _variants(shape, rank, world, group_name)
+        (a_shape, w_shapes, dim), gemm, comm, seq, op, tp = _variants(shape, rank, world, group_name)
         rec = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16"}
-        chosen, why = pick(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16")
-        rec["commopt_schedule"], rec["pick_reason"] = str(chosen), why
-        ref = op("sequential")
-        rec["errors_vs_nccl"] = {s: _rel(op(s), ref) for s in SCHEDULES[shape.op]}
-        fns = {"gemm": gemm, "comm": comm, "nccl_seq": lambda: op("sequential")}
-        if tp is not None:
-            fns["torch_async_tp"] = tp
-        fns.update({f"sched {s}": (lambda s=s: op(s)) for s in SCHEDULES[shape.op]})
-        fns["pick"] = lambda: op(str(chosen))
-        rounds = _timed_all(fns, iters, repeats)
-        ms = {name: statistics.median(v) for name, v in rounds.items()}
-        rec["gemm_ms"], rec["comm_ms"], rec["nccl_seq_ms"] = ms["gemm"], ms["comm"], ms["nccl_seq"]
-        rec["torch_async_tp_ms"] = ms.get("torch_async_tp")
-        rec["schedules"] = {s: ms[f"sched {s}"] for s in SCHEDULES[shape.op]}
-        rec["commopt_ms"] = ms["pick"]
-        # fastest and slowest round of each timing (max over ranks): the run-to-run spread
-        rec["round_range_ms"] = {("commopt" if k == "pick" else k): [min(v), max(v)] for k, v in rounds.items()}
-        # Paired: the pick against the best baseline *of the same round*, median over rounds
-        # (drift between rounds -- clocks, temperature -- cancels within a round).
-        best_in_round = [min(x) for x in zip(*[rounds[k] for k in ("nccl_seq", "torch_async_tp") if k in rounds])]
-        rec["paired_speedup_vs_best_baseline"] = statistics.median(b / c for b, c in zip(best_in_round, rounds["pick"]))
-        _derive(rec, world)
+        ref = seq()
+        rec["errors_vs_nccl"] = {s: _rel(op(s), ref) for s in ["sequential"] + SCHEDULES[shape.op]}
+        for mode in modes:
+            graphs = mode == "graph"
+            chosen, why = pick(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16", graphs=graphs)
+            fns = {"gemm": gemm, "comm": comm, "nccl_seq": seq}
+            if tp is not None:
+                fns["torch_async_tp"] = tp
+            fns.update({f"sched {s}": (lambda s=s: op(s)) for s in ["sequential"] + SCHEDULES[shape.op]})
+            fns["pick"] = lambda c=str(chosen): op(c)
+            rounds = _timed_all(fns, iters, repeats, graphs=graphs)
+            res = _summarize(rounds, shape, world)
+            res["commopt_schedule"], res["pick_reason"] = str(chosen), why
+            _derive(res)
+            if graphs:
+                rec["graph"] = res
+            else:
+                rec.update(res)
+            if rank == 0:
+                print(f"[{mode}]", _row(rec, res), flush=True)
+                print("   ", ", ".join(f"{k} {v:.3f}" for k, v in res["schedules"].items()), flush=True)
+        _balanced(rec, world)
         records.append(rec)
-        if rank == 0:
-            print(_row(rec), flush=True)
-            print("   ", ", ".join(f"{k} {v:.3f}" for k, v in rec["schedules"].items()), flush=True)
     return records
 
 
-def _derive(rec: dict, world: int) -> None:
-    seq, t = rec["nccl_seq_ms"], rec["commopt_ms"]
-    floor = max(rec["gemm_ms"], rec["comm_ms"])
-    rec["hidden_fraction"] = (seq - t) / (seq - floor) if seq > floor else None
-    best = min(x for x in (seq, rec["torch_async_tp_ms"]) if x is not None)
-    rec["speedup_vs_best_baseline"] = best / t
-    tp = rec["torch_async_tp_ms"]
-    rec["torch_async_tp_hidden_fraction"] = (seq - tp) / (seq - floor) if tp is not None and seq > floor else None
+def _summarize(rounds: dict, shape: Shape, world: int) -> dict:
+    """Medians, spreads and the paired ratio of one timing mode."""
+    ms = {name: statistics.median(v) for name, v in rounds.items()}
+    res = {"gemm_ms": ms["gemm"], "comm_ms": ms["comm"], "nccl_seq_ms": ms.get("nccl_seq"),
+           "torch_async_tp_ms": ms.get("torch_async_tp"),
+           "schedules": {k.removeprefix("sched "): v for k, v in ms.items() if k.startswith("sched ")},
+           "commopt_ms": ms.get("pick")}
+    # fastest and slowest round of each timing (max over ranks): the run-to-run spread
+    res["round_range_ms"] = {("commopt" if k == "pick" else k): [min(v), max(v)] for k, v in rounds.items()}
+    # Paired: the pick against the best baseline *of the same round*, median over rounds
+    # (drift between rounds -- clocks, temperature -- cancels within a round).
+    base = [rounds[k] for k in ("nccl_seq", "torch_async_tp") if k in rounds]
+    if base and "pick" in rounds:
+        best_in_round = [min(x) for x in zip(*base)]
+        res["paired_speedup_vs_best_baseline"] = statistics.median(b / c for b, c in zip(best_in_round, rounds["pick"]))
+    else:
+        res["paired_speedup_vs_best_baseline"] = None
+    best = min(res["schedules"], key=res["schedules"].get) if res["schedules"] else None
+    res["best_schedule"], res["best_schedule_ms"] = best, res["schedules"].get(best)
+    flops = 2 * shape.M * shape.K * shape.N / world
+    res["commopt_tflops"] = flops / (res["commopt_ms"] * 1e-3) / 1e12 if res["commopt_ms"] else None
+    return res
+
+
+def _derive(res: dict) -> None:
+    seq, t = res["nccl_seq_ms"], res["commopt_ms"]
+    floor = max(res["gemm_ms"], res["comm_ms"])
+    ok = seq is not None and t is not None
+    res["hidden_fraction"] = (seq - t) / (seq - floor) if ok and seq > floor else None
+    baselines = [x for x in (seq, res["torch_async_tp_ms"]) if x is not None]
+    res["speedup_vs_best_baseline"] = min(baselines) / t if baselines and t else None
+    tp = res["torch_async_tp_ms"]
+    res["torch_async_tp_hidden_fraction"] = (seq - tp) / (seq - floor) if tp is not None and seq and seq > floor else None
+
+
+def _balanced(rec: dict, world: int) -> None:
     n_local = rec["N"] // world if rec["op"] == "ag" else rec["N"]
     k_local = rec["K"] if rec["op"] == "ag" else rec["K"] // world
     rec["balanced"] = rec["M"] >= 8192 and (n_local >= 4096 if rec["op"] == "ag" else k_local >= 4096)
-    flops = 2 * rec["M"] * rec["K"] * rec["N"] / world
-    rec["commopt_tflops"] = flops / (t * 1e-3) / 1e12
 
 
-def _row(r: dict) -> str:
-    tp = "-" if r["torch_async_tp_ms"] is None else f"{r['torch_async_tp_ms']:.3f}"
-    hf = "-" if r["hidden_fraction"] is None else f"{r['hidden_fraction']:.2f}"
-    return (f"{r['op']:>2} {r['M']:>6} {r['K']:>5} {r['N']:>6} | gemm {r['gemm_ms']:.3f} comm {r['comm_ms']:.3f} "
-            f"| nccl {r['nccl_seq_ms']:.3f} tp {tp} | commopt {r['commopt_ms']:.3f} ({r['commopt_schedule']}) "
-            f"| hidden {hf} speedup {r['speedup_vs_best_baseline']:.3f} (paired {r['paired_speedup_vs_best_baseline']:.3f})")
+def _f(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _row(r: dict, res: dict) -> str:
+    return (f"{r['op']:>2} {r['M']:>6} {r['K']:>5} {r['N']:>6} | gemm {_f(res['gemm_ms'])} comm {_f(res['comm_ms'])} "
+            f"| nccl {_f(res['nccl_seq_ms'])} tp {_f(res['torch_async_tp_ms'])} | commopt {_f(res['commopt_ms'])} "
+            f"({res['commopt_schedule']}) | hidden {_f(res['hidden_fraction'], 2)} speedup "
+            f"{_f(res['speedup_vs_best_baseline'])} (paired {_f(res['paired_speedup_vs_best_baseline'])}) "
+            f"| best {res['best_schedule']} {_f(res['best_schedule_ms'])}")
 
 
 def _report(records: list[dict], meta: dict) -> str:
     lines = [f"# matmul + collective on {meta['device']} x{meta['world']} ({meta['date']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, bf16.", "",
-             f"Command: `{meta['command']}`", "",
-             "| op | M | K | N | GEMM | comm | NCCL seq | torch async-TP | commopt pick | schedule | hidden | "
-             "async-TP hidden | speedup vs best | paired speedup | balanced |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    for r in records:
-        lines.append(f"| {r['op']} | {r['M']} | {r['K']} | {r['N']} | {f(r['gemm_ms'])} | {f(r['comm_ms'])} | "
-                     f"{f(r['nccl_seq_ms'])} | {f(r['torch_async_tp_ms'])} | {f(r['commopt_ms'])} | "
-                     f"{r['commopt_schedule']} | {f(r['hidden_fraction'])} | {f(r['torch_async_tp_hidden_fraction'])} | "
-                     f"{r['speedup_vs_best_baseline']:.3f} | {r['paired_speedup_vs_best_baseline']:.3f} | {r['balanced']} |")
-    lines += ["", "Times in ms (mean of back-to-back calls, median of round-robin rounds, max over ranks).",
-              "speedup vs best = best baseline median / pick median; paired = median over rounds of "
-              "(best baseline in that round / pick in that round).", "",
-              "## Spread (fastest..slowest round, ms)", ""]
-    for r in records:
-        rr = r["round_range_ms"]
-        cells = ", ".join(f"{k} {rr[k][0]:.3f}..{rr[k][1]:.3f}" for k in ("nccl_seq", "torch_async_tp", "commopt") if k in rr)
-        lines.append(f"- {r['op']} {r['M']}x{r['K']}x{r['N']}: {cells}")
-    lines += ["",
-              "## Every commopt schedule (ms; relative error vs NCCL sequential)", ""]
-    for r in records:
-        cells = ", ".join(f"`{s}` {t:.3f} ({r['errors_vs_nccl'][s]:.1e})" for s, t in r["schedules"].items())
-        lines.append(f"- {r['op']} {r['M']}x{r['K']}x{r['N']}: {cells}")
+             f"Command: `{meta['command']}`", ""]
+    modes = [("eager", "Eager calls (each call pays its host cost)", lambda r: r),
+             ("graph", "CUDA-graph replay (the same back-to-back calls captured once)", lambda r: r.get("graph"))]
+    for mode, title, get in modes:
+        if not any(get(r) for r in records):
+            continue
+        lines += [f"## {title}", "",
+                  "| op | M | K | N | GEMM | comm | NCCL seq | torch async-TP | commopt pick | schedule | hidden | "
+                  "async-TP hidden | speedup vs best | paired speedup | best schedule (ms) | balanced |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in records:
+            x = get(r)
+            if not x:
+                continue
+            lines.append(f"| {r['op']} | {r['M']} | {r['K']} | {r['N']} | {_f(x['gemm_ms'])} | {_f(x['comm_ms'])} | "
+                         f"{_f(x['nccl_seq_ms'])} | {_f(x['torch_async_tp_ms'])} | {_f(x['commopt_ms'])} | "
+                         f"{x['commopt_schedule']} | {_f(x['hidden_fraction'])} | {_f(x['torch_async_tp_hidden_fraction'])} | "
+                         f"{_f(x['speedup_vs_best_baseline'])} | {_f(x['paired_speedup_vs_best_baseline'])} | "
+                         f"{x['best_schedule']} ({_f(x['best_schedule_ms'])}) | {r['balanced']} |")
+        lines += ["", "Times in ms (mean of back-to-back calls, median of round-robin rounds, max over ranks); "
+                  "'-': not measured (not capturable).",
+                  "speedup vs best = best baseline median / pick median; paired = median over rounds of "
+                  "(best baseline in that round / pick in that round).", "",
+                  f"### Spread ({mode}; fastest..slowest round, ms)", ""]
+        for r in records:
+            x = get(r)
+            if not x:
+                continue
+            rr = x["round_range_ms"]
+            cells = ", ".join(f"{k} {rr[k][0]:.3f}..{rr[k][1]:.3f}" for k in ("nccl_seq", "torch_async_tp", "commopt") if k in rr)
+            lines.append(f"- {r['op']} {r['M']}x{r['K']}x{r['N']}: {cells}")
+        lines += ["", f"### Every commopt schedule ({mode}; ms, relative error vs NCCL sequential)", ""]
+        for r in records:
+            x = get(r)
+            if not x:
+                continue
+            cells = ", ".join(f"`{s}` {t:.3f} ({r['errors_vs_nccl'][s]:.1e})" for s, t in x["schedules"].items())
+            lines.append(f"- {r['op']} {r['M']}x{r['K']}x{r['N']}: {cells}")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -237,9 +332,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--only", default="", help="comma-separated ops (ag,rs,ar) to run")
     parser.add_argument("--commit", default="")
+    parser.add_argument("--modes", default="eager,graph", help="timing modes: eager, graph (CUDA-graph replay)")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args()
     shapes = [s for s in SHAPES if not args.only or s.op in args.only.split(",")]
-    per_rank = run_distributed(bench_worker, args.world, shapes, args.iters, args.repeats, backend="nccl", timeout_s=1800)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    per_rank = run_distributed(bench_worker, args.world, shapes, args.iters, args.repeats, modes, backend="nccl",
+                               timeout_s=1800)
     records = per_rank[0]
     import triton
 
@@ -250,7 +349,7 @@ def main() -> None:
             "command": "python3 " + " ".join(sys.argv)}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"matmul_collectives_h200x{args.world}_{date}"
+    stem = f"matmul_collectives_h200x{args.world}_{date}{'_' + args.tag if args.tag else ''}"
     tagged = [dict(r, device=meta["device"], torch=meta["torch"], triton=meta["triton"], commit=commit, date=date)
               for r in records]
     (out / f"{stem}.json").write_text(json.dumps(tagged, indent=1))

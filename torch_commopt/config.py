@@ -48,6 +48,11 @@ class Config:
         least-memory plan, logged.  None: no budget.
     cache_dir: the tuner cache directory (default $TORCH_COMMOPT_CACHE_DIR, else the
         user's cache directory).
+    cuda_graphs: the compiled program is replayed from CUDA graphs (torch.compile's
+        mode="reduce-overhead" around this backend, or a capture of your own): the
+        built-in rule then ranks schedules by GPU time only, since a replay pays no
+        per-call host cost.  GPU schedules run inside a capture either way (their flags
+        hold constants), except the fused reductions (sequential there, logged).
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
         naming the op, rank and chunk instead of hanging (also enabled by the
         environment variable TORCH_COMMOPT_DEBUG_WAITS=1); costs a sync per op.
@@ -74,6 +79,7 @@ class Config:
     fx_graph_cache: bool = False
     debug: bool = False
     debug_waits: bool = False
+    cuda_graphs: bool = False
     extra_inductor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -111,7 +117,7 @@ class Config:
         unknown = [p for p in self.patterns if p not in PATTERNS]
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
-        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits"):
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs"):
             _check_type(name, getattr(self, name), bool)
         if not isinstance(self.consistency_timeout_s, (int, float)) or self.consistency_timeout_s <= 0:
             raise ValueError(f"Config.consistency_timeout_s: must be a positive number, got {self.consistency_timeout_s!r}")

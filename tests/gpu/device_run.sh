@@ -14,5 +14,5 @@ if [[ $what == tests || $what == all ]]; then
     timeout ${TEST_TIMEOUT:-480} python3 -m pytest -v -p no:cacheprovider tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests.log"
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_matmul_collectives.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+  timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_matmul_collectives.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
 fi

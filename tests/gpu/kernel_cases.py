@@ -218,3 +218,82 @@ def run_compiled_models(rank: int, world: int, options: dict, kinds: tuple[str, 
         schedules = [r.schedule for g in torch_commopt.explain().graphs for r in g.rewritten]
         out[kind] = ([(e.name, e.compiled, e.eager) for e in errors], schedules)
     return out
+
+
+GRAPH_CASES = [("ag", "ce_push:2"), ("ag", "fused:2"), ("rs", "ce_push:2"), ("rs", "direct:1"), ("rs", "ce_pull:2"),
+               ("ar", "direct:2"), ("ar", "ce_push:1"), ("ar", "ce_pull:1"),
+               ("rs", "fused:2:store=direct")]  # inside a capture it runs ce_push:2 (its barrier counts epochs)
+
+
+def _graph_inputs(op: str, seed: int, rank: int, world: int, m: int, k: int, n: int, dtype):
+    """(this rank's input, this rank's weight, float64 truth of this rank's output)."""
+    if op == "ag":
+        full = _global(seed, (world * m, k), dtype)
+        w = _global(seed + 1, (k, n), dtype) / math.sqrt(k)
+        return full.chunk(world)[rank].contiguous(), w, full.double() @ w.double()
+    a_all = [_global(seed + 100 * r, (world * m, k), dtype) for r in range(world)]
+    w_all = [_global(seed + 100 * r + 1, (k, n), dtype) / math.sqrt(k) for r in range(world)]
+    total = sum(a.double() @ w.double() for a, w in zip(a_all, w_all))
+    return a_all[rank], w_all[rank], (total.chunk(world)[rank] if op == "rs" else total)
+
+
+def _graph_call(op: str, a, w, sched: str):
+    gn, world = _group_name(), dist.get_world_size()
+    if op == "ag":
+        return torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, gn, sched, False)[0]
+    if op == "rs":
+        return torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", world, gn, sched)
+    return torch.ops.commopt.matmul_ar(a, w, None, "sum", world, gn, sched)
+
+
+def run_graph_replay(rank: int, world: int, replays: int = 4):
+    """Each GPU schedule captured in a CUDA graph (after one eager call that sets up its
+    buffers) and replayed on fresh inputs copied into the captured ones, with an eager call
+    of another schedule on other data right after every replay and no synchronization in
+    between (graph replays and eager calls share buffers and flags); then one graph that
+    holds two ops back to back.  Returns [(name, error, reference error)]."""
+    dtype, m, k, n = torch.bfloat16, 256, 512, 384
+    results, seed = [], 20000
+    for op, sched in GRAPH_CASES:
+        a, w, _ = _graph_inputs(op, seed, rank, world, m, k, n, dtype)
+        static_a, static_w = a.clone(), w.clone()
+        _graph_call(op, static_a, static_w, sched)  # eager: creates the buffers, compiles kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _graph_call(op, static_a, static_w, sched)
+        pending = []
+        for rep in range(replays):
+            seed += 7
+            a, w, truth = _graph_inputs(op, seed, rank, world, m, k, n, dtype)
+            a2, w2, truth2 = _graph_inputs(op, seed + 3, rank, world, m + 64, k, n, dtype)
+            static_a.copy_(a)
+            static_w.copy_(w)
+            graph.replay()
+            got = out.clone()
+            eager = _graph_call(op, a2, w2, "ce_push:1")
+            pending += [(f"graph {op} {sched} replay {rep}", got, truth), (f"eager after graph {op} {sched} #{rep}", eager, truth2)]
+        torch.cuda.synchronize()
+        results += [(name, _rel(x, t), 8e-3) for name, x, t in pending]
+        seed += 50
+    # Two ops in one graph: an all-gather GEMM feeding a reduce-scatter GEMM.
+    x, w1, _ = _graph_inputs("ag", seed, rank, world, m, k, n, dtype)
+    w2_all = [_global(seed + 9 + r, (n, k), dtype) / math.sqrt(n) for r in range(world)]
+    w2 = w2_all[rank]
+    static_x = x.clone()
+    chain = lambda: _graph_call("rs", _graph_call("ag", static_x, w1, "ce_push:2"), w2, "direct:2")  # noqa: E731
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for rep in range(replays):
+        seed += 11
+        full = _global(seed, (world * m, k), dtype)
+        static_x.copy_(full.chunk(world)[rank])
+        graph.replay()
+        torch.cuda.synchronize()
+        hidden = (full.double() @ w1.double()).to(dtype).double()
+        truth = sum(hidden @ wr.double() for wr in w2_all).chunk(world)[rank]
+        results.append((f"graph ag->rs chain replay {rep}", _rel(out, truth), 8e-3))
+    return results

@@ -61,3 +61,12 @@ def test_compiled_tp_sp_blocks_use_gpu_schedules(two_gpus, options, shape):
             assert len(gpu) >= (1 if options["schedule"] == "direct" else 2), (kind, schedules)
             bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
             assert not bad, (kind, bad)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay(two_gpus):
+    from kernel_cases import run_graph_replay
+
+    for results in run_distributed(run_graph_replay, two_gpus, backend="nccl", timeout_s=300):
+        assert len(results) >= 70
+        _check(results)

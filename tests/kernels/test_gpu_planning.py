@@ -35,20 +35,20 @@ def test_pieces_cover_the_rows_in_whole_units(rows, outer, chunks):
 
 
 def test_gpu_schedule_on_cpu_runs_its_reference_twin():
-    assert str(resolve("ag_matmul", "ce_push:3", torch.device("cpu"), lambda s: None)) == "chunked:3"
-    assert str(resolve("matmul_rs", "direct:1", torch.device("cpu"), lambda s: None)) == "sequential"
+    assert str(resolve("ag_matmul", "ce_push:3", torch.device("cpu"), lambda s, capturing: None)) == "chunked:3"
+    assert str(resolve("matmul_rs", "direct:1", torch.device("cpu"), lambda s, capturing: None)) == "sequential"
 
 
 def test_schedule_of_another_op_is_an_error():
     with pytest.raises(ValueError, match="no schedule 'ce_pull'"):
-        resolve("ag_matmul", "ce_pull:2", torch.device("cuda", 0), lambda s: None)
+        resolve("ag_matmul", "ce_pull:2", torch.device("cuda", 0), lambda s, capturing: None)
 
 
 def test_refused_gpu_call_runs_sequential_and_logs(caplog):
     with caplog.at_level(logging.WARNING, logger="torch_commopt.kernels.ops"):
-        got = resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s: "planted refusal")
+        got = resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s, capturing: "planted refusal")
     assert str(got) == "sequential" and "planted refusal" in caplog.text
-    assert str(resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s: None)) == "fused:2"
+    assert str(resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s, capturing: None)) == "fused:2"
 
 
 @pytest.mark.parametrize("kind,a_shape,w_shapes,dim,expected", [
@@ -70,3 +70,25 @@ def test_refused_gpu_call_runs_sequential_and_logs(caplog):
 def test_pick_rule(kind, a_shape, w_shapes, dim, expected):
     sched, why = pick(kind, a_shape, w_shapes, dim, 2, "bfloat16")
     assert str(sched) == expected, why
+
+
+def test_rule_under_cuda_graphs_ignores_host_cost():
+    # M_global 512: eager calls are host-bound (sequential); graph replays pay GPU time only.
+    assert str(pick("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16")[0]) == "sequential"
+    assert str(pick("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", graphs=True)[0]) == "ce_push:1"
+    assert str(pick("matmul_rs", [512, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True)[0]) == "direct:1"
+    # too little to hide stays sequential either way
+    assert str(pick("ag_matmul", [8, 64], [[64, 64]], 0, 2, "bfloat16", graphs=True)[0]) == "sequential"
+
+
+def test_fused_reduction_inside_a_capture_runs_ce_push(monkeypatch, caplog):
+    import torch_commopt.kernels.ops as ops
+
+    monkeypatch.setattr(ops, "capturing", lambda: True)
+    refuse_fused = lambda s, capturing: "epoch barrier" if s.name == "fused" and capturing else None  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="torch_commopt.kernels.ops"):
+        got = resolve("matmul_rs", "fused:3:store=ce", torch.device("cuda", 0), refuse_fused)
+    assert str(got) == "ce_push:3" and "capturable" in caplog.text
+    # no capturable alternative: sequential, logged
+    got = resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s, capturing: "no buffer")
+    assert str(got) == "sequential"

@@ -62,10 +62,11 @@ def capturing() -> bool:
 def resolve(op: str, schedule: str, device: torch.device, why_not, run=None) -> Schedule:
     """The schedule this call runs.  `autotune` placeholders become the measured winner
     (timed now, at the region's first call, with `run(schedule)`).  A GPU schedule runs on
-    CUDA tensors when the call fits it (`why_not(sched)` returns None) and no CUDA graph is
-    being captured (its flags carry per-call epochs that a replay would repeat); on other
-    devices its reference twin runs (the same pieces in plain torch + c10d); a CUDA call
-    that does not fit runs `sequential`, logged once per reason."""
+    CUDA tensors when the call fits it (`why_not(sched, capturing)` returns None; inside a
+    CUDA-graph capture a schedule also needs its symmetric buffer to exist already, and the
+    fused reductions are refused); on other devices its reference twin runs (the same
+    pieces in plain torch + c10d); a CUDA call that does not fit runs `sequential`, logged
+    once per reason."""
     sched = _parse(schedule)
     if not sched.valid_for(op):
         raise ValueError(f"commopt {op}: no schedule {sched.name!r} for this op")
@@ -77,13 +78,26 @@ def resolve(op: str, schedule: str, device: torch.device, why_not, run=None) -> 
         return sched
     if device.type != "cuda":
         return sched.reference_twin()
-    reason = "CUDA-graph capture" if capturing() else why_not(sched)
+    in_capture = capturing()
+    reason = why_not(sched, in_capture)
     if reason is None:
         return sched
-    if (op, reason) not in _warned:
-        _warned.add((op, reason))
-        log.warning("commopt %s: schedule %s refused (%s); running sequential", op, sched, reason)
+    if in_capture and sched.name == "fused" and op != "ag_matmul":
+        # The fused reduction's barrier counts epochs; the copy-engine schedule with the same
+        # pieces is capturable (and falling back to NCCL here could hit a communicator's
+        # first use, which NCCL cannot do inside a capture).
+        alt = Schedule("ce_push", sched.chunks, tuple((k, v) for k, v in sched.params if k == "dbg"))
+        if why_not(alt, True) is None:
+            _warn_once(op, f"schedule {sched} inside a CUDA-graph capture runs {alt} (capturable, same pieces)")
+            return alt
+    _warn_once(op, f"schedule {sched} refused ({reason}); running sequential")
     return Schedule("sequential")
+
+
+def _warn_once(op: str, message: str) -> None:
+    if (op, message) not in _warned:
+        _warned.add((op, message))
+        log.warning("commopt %s: %s", op, message)
 
 
 def gathered_shape(a: Tensor, gather_dim: int, group_size: int) -> list[int]:
@@ -111,10 +125,10 @@ def ag_matmul(
     Returns [out_0, ..., out_{n-1}] (+ [gathered] when return_gathered), where
     gathered = cat over ranks of a along gather_dim and out_i = gathered @ weights[i] + biases[i].
     """
-    def why_not(sched):
+    def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.ag_matmul import unsupported_reason
 
-        return unsupported_reason(a, weights, gather_dim, sched)
+        return unsupported_reason(a, weights, gather_dim, sched, group_name, in_capture)
 
     def run(s):
         return ag_matmul(a, weights, biases, gather_dim, group_size, group_name, s, return_gathered)
@@ -151,10 +165,10 @@ def matmul_rs(
     Returns t's shape with dim `scatter_dim` divided by group_size: block `rank`,
     reduced over ranks with `reduce_op` ("sum" or "avg").
     """
-    def why_not(sched):
+    def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 
-        return unsupported_reason(a, weight, scatter_dim, group_size, sched)
+        return unsupported_reason(a, weight, scatter_dim, group_size, sched, group_name, in_capture)
 
     def run(s):
         return matmul_rs(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, s)
@@ -185,10 +199,10 @@ def matmul_ar(
     schedule: str,
 ) -> Tensor:
     """t = a @ weight (+ bias), then all-reduce t.  a: (*, K); weight: (K, N); returns (*, N)."""
-    def why_not(sched):
+    def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 
-        return unsupported_reason(a, weight, None, group_size, sched)
+        return unsupported_reason(a, weight, None, group_size, sched, group_name, in_capture)
 
     def run(s):
         return matmul_ar(a, weight, bias, reduce_op, group_size, group_name, s)

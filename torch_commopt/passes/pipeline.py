@@ -131,7 +131,8 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
             from torch_commopt.kernels.gpu.pick import pick
 
             wanted, why = pick(region.kind, static_shape(region.a), [list(c.weight.meta["val"].shape) for c in region.consumers],
-                               region.dim, region.group_size, str(a.dtype).removeprefix("torch."))
+                               region.dim, region.group_size, str(a.dtype).removeprefix("torch."),
+                               graphs=config.cuda_graphs)
             report.notes.append(f"{name}: picked {wanted} ({why})")
         else:
             wanted = Schedule("chunked", config.chunks)

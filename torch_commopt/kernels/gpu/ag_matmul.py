@@ -1,16 +1,18 @@
 """GPU schedules of all-gather + matmul (`ce_push`, `fused`).
 
-Protocol (one call, epoch e, rank r of W; calls alternate the halves of the buffer):
-  side stream:  wait for the caller's stream -> for each peer p (r+1, r+2, ...): wait until
-                p has finished reading epoch e-2 (same half), then copy-engine copy of
-                piece c of the shard into p's slot r, then flag p.DATA[r, c] = e.
+Protocol (one call in buffer half h, rank r of W; calls alternate the halves; see symm):
+  side stream:  wait for the caller's stream -> for each peer p (r+1, r+2, ...): take the
+                (h, p) token (p has finished reading what r sent it in half h before),
+                then copy-engine copy of piece c of the shard into p's slot r, then set
+                p.DATA[h, r, c] = 1.
   caller stream: multiply the local shard straight from the input (no wait, no staging
                 copy), then the peers' slots in arrival order (r-1, r-2, ...), each piece
                 after its flag: cuBLAS per piece (ce_push) or one persistent Triton GEMM
                 spinning on the flags (fused).
 The caller's stream joins the side stream at the end, so the input (read by the copy
-engine) and the outputs stay valid for the caching allocator, and then tells every peer
-that this rank has finished reading epoch e (CONSUMED flag).
+engine) and the outputs stay valid for the caching allocator, then lowers its DATA flags
+and gives every source its token back.  Every value is a constant: the call can be
+captured in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import torch
 
 from torch_commopt.kernels.gpu import symm
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv
-from torch_commopt.kernels.gpu.symm import DATA, MAX_CHUNKS
+from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
 from torch_commopt.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3}
 
 
-def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule) -> str | None:
+def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule, group_name: str,
+                       capturing: bool = False) -> str | None:
     """Why this call cannot run the GPU schedule (None: it can)."""
     if gather_dim == a.dim() - 1:
         return "gather along the contracted dim"
@@ -37,7 +40,20 @@ def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule) -> str |
         return f"fused needs bf16/fp16, got {a.dtype}"
     if any(w.dtype != a.dtype for w in weights):
         return "mixed dtypes"
+    if capturing:
+        return symm.capture_refusal(group_name, a.device, "ag_matmul", schedule, buffer_bytes(a, _world(group_name)))
     return None
+
+
+def _world(group_name: str) -> int:
+    from torch_commopt.kernels.reference.collectives import resolve_group
+
+    return resolve_group(group_name).size()
+
+
+def buffer_bytes(a, world: int) -> int:
+    """Symmetric buffer bytes a call needs (both halves)."""
+    return 2 * world * a.numel() * a.element_size()
 
 
 def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, return_gathered):
@@ -50,9 +66,9 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     a2 = a.contiguous().view(m_loc, k)
     pieces = lay.pieces(min(sched.chunks, MAX_CHUNKS))
     slot_bytes = m_loc * k * a.element_size()
-    buf = rt.buffer(2 * world * slot_bytes)
-    epoch = rt.next_epoch()
-    base = (epoch % 2) * world * slot_bytes  # calls alternate buffer halves
+    buf = rt.buffer(buffer_bytes(a, world))
+    half = rt.next_epoch() % 2  # calls alternate buffer halves
+    base = half * world * slot_bytes
     slots = buf.view(rank, base, (world, m_loc, k), a.dtype)
     cur, side = torch.cuda.current_stream(a.device), rt.side
     gshape = shape[:gather_dim] + [world * shape[gather_dim]] + shape[gather_dim + 1:]
@@ -65,34 +81,34 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     side.wait_stream(cur)
     with torch.cuda.stream(side):
         for p in rt.peers:
-            rt.await_free(side, p, epoch, debug=debug)
+            rt.acquire(side, p, half, debug=debug)
             dst = buf.view(p, base + rank * slot_bytes, (m_loc, k), a.dtype)
             for c, (lo, hi) in enumerate(pieces):
                 dst[lo:hi].copy_(a2[lo:hi])
-                rt.signal(side, p, DATA + rank * MAX_CHUNKS + c, epoch)
+                rt.signal(side, p, data_index(half, rank, c), 1)
 
     if sched.name == "fused":
-        _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sched, debug)
+        _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug)
     else:
-        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, cur, debug)
+        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug)
     result = outs
     if return_gathered:
-        result = outs + [_gathered(rt, a2, slots, gathered, lay, pieces, epoch, side, debug)]
+        result = outs + [_gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug)]
     cur.wait_stream(side)
-    rt.release(cur, epoch)
+    rt.done_reading(cur, half, len(pieces))
     if debug:
         rt.check_status("ag_matmul")
     return result
 
 
-def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, cur, debug):
+def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug):
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in outs]
     # Own shard first, as one GEMM: it needs nothing from the peers.
     _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows)
     for src in rt.sources:
         for c, (lo, hi) in enumerate(pieces):
-            rt.wait(cur, DATA + src * MAX_CHUNKS + c, epoch, debug=debug, what="chunk", src=src, chunk=c)
+            rt.wait(cur, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
             _piece_matmuls(slots[src, lo:hi], full, weights, biases, lay, src, lo, hi)
 
 
@@ -109,7 +125,7 @@ def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi):
             dst.copy_(prod.view(dst.shape))
 
 
-def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sched, debug):
+def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug):
     from torch_commopt.kernels.gpu.triton_kernels import ag_gemm_kernel, num_sms
 
     p = {**FUSED_DEFAULTS, **dict(sched.params)}
@@ -128,17 +144,17 @@ def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, epoch, sch
         # Debug waits (the side stream's buffer-free wait) are one-block kernels: leave them an SM.
         grid = max(1, min(sms - (1 if debug else 0), tiles))
         ag_gemm_kernel[(grid,)](
-            a2, slots, rt.flags, rt.status, epoch, symm.wait_bound(),
+            a2, slots, rt.flags, rt.status, 1, symm.wait_bound(),
             *ws3, *cs3, *bs3,
             ws3[0].stride(0), ws3[0].stride(1), ws3[1].stride(0), ws3[1].stride(1), ws3[2].stride(0), ws3[2].stride(1),
-            *ns, m_loc, k, lay.lin, rt.rank, chunk_rows, DATA, grid,
+            *ns, m_loc, k, lay.lin, rt.rank, chunk_rows, data_index(half, 0, 0), grid,
             WORLD=rt.world, NUM_B=n_b, HAS_BIAS=has_bias,
             BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
             EVEN_K=k % p["bk"] == 0, DEBUG=debug, num_warps=p["warps"], num_stages=p["stages"],
         )
 
 
-def _gathered(rt, a2, slots, gathered, lay, pieces, epoch, side, debug):
+def _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug):
     """The all-gathered input, assembled by the copy engine off the critical path."""
     full = gathered.view(-1, a2.shape[-1])
     last = len(pieces) - 1
@@ -146,7 +162,7 @@ def _gathered(rt, a2, slots, gathered, lay, pieces, epoch, side, debug):
         for src in [rt.rank] + rt.sources:
             if src != rt.rank:
                 # Pieces from one peer land in order, so the last flag covers the whole slot.
-                rt.wait(side, DATA + src * MAX_CHUNKS + last, epoch, debug=debug, what="chunk", src=src, chunk=last)
+                rt.wait(side, data_index(half, src, last), 1, debug=debug, what="chunk", src=src, chunk=last)
             dst = lay.block_rows(full, src, 0, lay.local_rows)
             dst.copy_((a2 if src == rt.rank else slots[src]).view(dst.shape))
     return gathered

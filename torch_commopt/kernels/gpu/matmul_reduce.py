@@ -1,12 +1,12 @@
 """GPU schedules of matmul + reduce-scatter and matmul + all-reduce.
 
-matmul_rs (rank r of W; segment p = the rows rank p keeps; epoch e):
-  caller stream: wait until each peer has finished reading epoch e-2 (calls alternate the
-  halves of the buffer; the fused kernel, whose tile counters are reset per call, uses a
-  barrier instead) ->
+matmul_rs (rank r of W; segment p = the rows rank p keeps; buffer half h, alternating):
+  before its first write that peer p will read, r takes the (h, p) token (p has finished
+  its reads of the last half-h call; see symm); the fused kernel, whose tile counters are
+  reset per call, also passes a barrier ->
   the peers' segments in the order r+1, r+2, ... (each peer first computes what r needs):
     direct:  cuBLAS writes piece c of segment p straight into p's receive slot r
-             (NVLink stores), then flags p.DATA[r, c] = e (a fenced stream write);
+             (NVLink stores), then sets p.DATA[h, r, c] = 1 (a fenced stream write);
     ce_push: cuBLAS writes into a local staging tensor; the side stream copies each
              piece to p's slot r with the copy engine, then flags it;
     ce_pull: cuBLAS writes into this rank's own buffer, slot p (local stores), then
@@ -18,6 +18,9 @@ matmul_rs (rank r of W; segment p = the rows rank p keeps; epoch e):
   into the GEMM's epilogue (addmm with the received partial, or the Triton epilogue).
 matmul_ar = the same reduce-scatter of row blocks, then the reduced pieces are pushed
 to every peer by the copy engine (flags DATA2) and copied into place there.
+At the end a rank lowers the DATA flags it waited for and gives its sources their tokens
+back.  Every flag value is a constant, so the calls (but `fused`, whose barrier counts
+epochs) can be captured in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ import torch
 
 from torch_commopt.kernels.gpu import symm
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv
-from torch_commopt.kernels.gpu.symm import COUNTERS, DATA, DATA2, MAX_CHUNKS
+from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
 from torch_commopt.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3, "store": "direct"}
 
 
-def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule: Schedule) -> str | None:
+def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule: Schedule, group_name: str,
+                       capturing: bool = False) -> str | None:
     rows = a.numel() // max(1, a.shape[-1])
     if weight.dim() != 2:
         return "batched (3-D) weight"
@@ -46,11 +50,20 @@ def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule:
         return f"fused needs bf16/fp16, got {a.dtype}"
     if weight.dtype != a.dtype:
         return "mixed dtypes"
+    if capturing:
+        op, phases = ("matmul_ar", 2) if scatter_dim is None else ("matmul_rs", 1)
+        return symm.capture_refusal(group_name, a.device, op, schedule, buffer_bytes(a, weight, world, phases=phases))
     return None
 
 
+def buffer_bytes(a, weight, world: int, *, phases: int) -> int:
+    """Symmetric buffer bytes a call needs (both halves)."""
+    rows = a.numel() // max(1, a.shape[-1])
+    return 2 * phases * rows * weight.shape[-1] * a.element_size()
+
+
 class _Call:
-    """State of one reduce call: runtime, layout, buffers, epoch, streams."""
+    """State of one reduce call: runtime, layout, buffers, half, streams."""
 
     def __init__(self, a, weight, scatter_dim, group_name, sched: Schedule, reduce_op, *, phases: int):
         self.rt = rt = symm.runtime(group_name, a.device)
@@ -66,14 +79,16 @@ class _Call:
         self.a2 = a.contiguous().view(-1, self.k)
         self.pieces = self.lay.pieces(min(sched.chunks, MAX_CHUNKS))
         self.seg_bytes = self.m_seg * self.n * a.element_size()
-        half = phases * rt.world * self.seg_bytes
-        self.buf = rt.buffer(2 * half)
+        self.phases, self.n_chunks = phases, len(self.pieces)
+        self.buf = rt.buffer(buffer_bytes(a, weight, rt.world, phases=phases))
         self.dtype = a.dtype
         self.alpha = 1.0 / rt.world if reduce_op == "avg" else 1.0
-        self.epoch = rt.next_epoch()
-        self.base = (self.epoch % 2) * half  # calls alternate buffer halves
+        self.epoch = rt.next_epoch()  # the fused kernel's barrier counts epochs
+        self.half = self.epoch % 2  # calls alternate buffer halves
+        self.base = self.half * phases * rt.world * self.seg_bytes
         self.recv = self.buf.view(self.rank, self.base, (rt.world, self.m_seg, self.n), a.dtype)
         self.cur, self.side = torch.cuda.current_stream(a.device), rt.side
+        self.side_used = False  # join the side stream only if this call forked it (graph capture)
 
     def slot(self, owner: int, sender: int, region: int = 0) -> torch.Tensor:
         """Slot `sender` of rank `owner`'s buffer (region 0: partials, 1: all-gather)."""
@@ -89,12 +104,22 @@ class _Call:
         ready = torch.cuda.Event()
         ready.record(self.cur)
         self.side.wait_event(ready)
+        self.side_used = True
+
+    def acquire(self, stream, p: int) -> None:
+        self.rt.acquire(stream, p, self.half, debug=self.debug)
+
+    def signal(self, stream, p: int, c: int, phase: int = 0) -> None:
+        """Chunk c of this rank's data for p (phase 0: partial, 1: reduced) has landed."""
+        self.rt.signal(stream, p, data_index(self.half, self.rank, c, phase), 1)
 
     def finish(self, out, bias, reduce_op: str, op: str):
-        """Join the side stream, tell peers this rank's buffer half is read, add the bias
-        (every rank added it before the reduction: W times for sum, once for avg)."""
-        self.cur.wait_stream(self.side)
-        self.rt.release(self.cur, self.epoch)
+        """Join the side stream, lower the flags and give the tokens back (this rank's reads
+        are done), add the bias (every rank added it before the reduction: W times for sum,
+        once for avg)."""
+        if self.side_used:
+            self.cur.wait_stream(self.side)
+        self.rt.done_reading(self.cur, self.half, self.n_chunks, phases=self.phases)
         if bias is not None:
             out.add_(bias, alpha=1.0 if reduce_op == "avg" else float(self.world))
         if self.debug:
@@ -106,8 +131,8 @@ class _Call:
         rows = self.lay.block_rows(self.a2, p, 0, self.m_seg)
         return rows if self.lay.outer == 1 else rows.reshape(self.m_seg, self.k)
 
-    def wait(self, stream, index, src, c, what):
-        self.rt.wait(stream, index, self.epoch, debug=self.debug, what=what, src=src, chunk=c)
+    def wait(self, stream, src, c, what, phase: int = 0):
+        self.rt.wait(stream, data_index(self.half, src, c, phase), 1, debug=self.debug, what=what, src=src, chunk=c)
 
 
 def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Schedule):
@@ -128,7 +153,7 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
     with torch.cuda.stream(call.side):
         for c, (lo, hi) in enumerate(call.pieces):
             for src in call.rt.sources:
-                call.wait(call.side, DATA2 + src * MAX_CHUNKS + c, src, c, "reduced chunk")
+                call.wait(call.side, src, c, "reduced chunk", phase=1)
                 got = call.slot(call.rank, src, region=1)
                 full[src * call.m_seg + lo: src * call.m_seg + hi].copy_(got[lo:hi])
     return call.finish(out, bias, reduce_op, "matmul_ar")
@@ -140,7 +165,7 @@ def _push_reduced(call: _Call, own, c, lo, hi):
     with torch.cuda.stream(call.side):
         for p in call.rt.peers:
             call.peer_slot(p, region=1)[lo:hi].copy_(own[lo:hi])
-            call.rt.signal(call.side, p, DATA2 + call.rank * MAX_CHUNKS + c, call.epoch)
+            call.signal(call.side, p, c, phase=1)
 
 
 def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
@@ -160,18 +185,18 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
     for p in rt.peers:
         a_p = call.segment_a(p)
         if staging is None:
-            rt.await_free(call.cur, p, call.epoch, debug=call.debug)
+            call.acquire(call.cur, p)
         for c, (lo, hi) in enumerate(call.pieces):
             if staging is None:
                 torch.mm(a_p[lo:hi], weight, out=call.peer_slot(p)[lo:hi])
-                rt.signal(call.cur, p, DATA + call.rank * MAX_CHUNKS + c, call.epoch)
+                call.signal(call.cur, p, c)
             else:
                 torch.mm(a_p[lo:hi], weight, out=staging[p, lo:hi])
                 _ship(call, staging[p, lo:hi], call.peer_slot(p)[lo:hi], p, c)
     a_r = call.segment_a(call.rank)
     for c, (lo, hi) in enumerate(call.pieces):
         for src in rt.sources:
-            call.wait(call.cur, DATA + src * MAX_CHUNKS + c, src, c, "partial")
+            call.wait(call.cur, src, c, "partial")
         _own_piece(call, a_r[lo:hi], weight, own[lo:hi], [call.recv[s, lo:hi] for s in rt.sources])
         if after_piece is not None:
             after_piece(c, lo, hi)
@@ -179,16 +204,16 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
 
 def _pull_reduce(call: _Call, weight, own, after_piece):
     """ce_pull.  A rank's buffer half is rewritten only after every peer has finished the
-    call that last pulled from it (CONSUMED, epoch e-2), which also covers the matmul_ar
+    call that last pulled from it (the peer's token), which also covers the matmul_ar
     pushes into the peers' buffers that follow."""
     rt = call.rt
     for p in rt.peers:
-        rt.await_free(call.cur, p, call.epoch, debug=call.debug)
+        call.acquire(call.cur, p)
     for p in rt.peers:
         a_p, mine = call.segment_a(p), call.slot(call.rank, p)
         for c, (lo, hi) in enumerate(call.pieces):
             torch.mm(a_p[lo:hi], weight, out=mine[lo:hi])
-            rt.signal(call.cur, p, DATA + call.rank * MAX_CHUNKS + c, call.epoch)
+            call.signal(call.cur, p, c)
     a_r, sources = call.segment_a(call.rank), rt.sources
     # One source (W = 2): pull into the output itself.  More: into a local tensor each,
     # reduced in fp32 by _own_piece.
@@ -198,7 +223,7 @@ def _pull_reduce(call: _Call, weight, own, after_piece):
     for c, (lo, hi) in enumerate(call.pieces):
         with torch.cuda.stream(call.side):
             for i, src in enumerate(sources):
-                call.wait(call.side, DATA + src * MAX_CHUNKS + c, src, c, "partial")
+                call.wait(call.side, src, c, "partial")
                 dst = own[lo:hi] if pulled is None else pulled[i, lo:hi]
                 dst.copy_(call.slot(src, call.rank)[lo:hi])
         landed = torch.cuda.Event()
@@ -217,9 +242,9 @@ def _ship(call: _Call, src_piece, dst_piece, p, c):
     call.after_caller()
     with torch.cuda.stream(call.side):
         if c == 0:
-            call.rt.await_free(call.side, p, call.epoch, debug=call.debug)
+            call.acquire(call.side, p)
         dst_piece.copy_(src_piece)
-        call.rt.signal(call.side, p, DATA + call.rank * MAX_CHUNKS + c, call.epoch)
+        call.signal(call.side, p, c)
 
 
 def _own_piece(call: _Call, a_rows, weight, dst, partials):
@@ -245,6 +270,9 @@ def _fused(call: _Call, weight, own):
     n_chunks = cdiv(tiles_m, chunk_mt)
     if n_chunks > MAX_CHUNKS:
         chunk_mt, n_chunks = cdiv(tiles_m, MAX_CHUNKS), MAX_CHUNKS
+    call.n_chunks = n_chunks
+    for q in rt.peers:  # the kernel (direct) or the side stream (ce) writes into every peer
+        call.acquire(call.cur, q)
     rt.reset_counters(call.cur)
     rt.barrier(call.cur, call.epoch, debug=call.debug)
     send = own if direct else torch.empty((call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
@@ -256,11 +284,11 @@ def _fused(call: _Call, weight, own):
     grid = max(1, min(sms, call.world * tiles_m * tiles_n))
     rs_gemm_kernel[(grid,)](
         call.a2, weight, own, own, send, call.recv, call.buf.ptrs_dev, rt.flags, rt.flag_bases_dev, rt.status,
-        call.epoch, symm.wait_bound(), call.base // call.recv.element_size(),
+        1, symm.wait_bound(), call.base // call.recv.element_size(), data_index(call.half, 0, 0),
         weight.stride(0), weight.stride(1), call.n, call.k, call.m_seg,
         call.lay.lin, rt.rank, chunk_mt, call.alpha, 0.0, grid,
         WORLD=rt.world, DIRECT=direct, HAS_BIAS=False, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
-        EVEN_K=call.k % p["bk"] == 0, DEBUG=call.debug, DATA=DATA, COUNTERS=COUNTERS,
+        EVEN_K=call.k % p["bk"] == 0, DEBUG=call.debug, COUNTERS=COUNTERS,
         num_warps=p["warps"], num_stages=p["stages"],
     )
     if not direct:
@@ -274,4 +302,4 @@ def _fused(call: _Call, weight, own):
                     tiles = min(chunk_mt, tiles_m - c * chunk_mt) * tiles_n
                     rt.wait(call.side, COUNTERS + q * MAX_CHUNKS + c, tiles, debug=call.debug, what="tiles", src=q, chunk=c)
                     call.peer_slot(q)[lo:hi].copy_(send[q, lo:hi])
-                    rt.signal(call.side, q, DATA + rt.rank * MAX_CHUNKS + c, call.epoch)
+                    call.signal(call.side, q, c)

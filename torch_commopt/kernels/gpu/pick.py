@@ -21,6 +21,9 @@ GEMM_FLOPS_PER_S = {"bfloat16": 700e12, "float16": 700e12, "float32": 50e12}
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Below this estimated transfer time the fixed costs of an overlapped schedule win.
 MIN_HIDDEN_COMM_S = 20e-6
+# Under CUDA-graph replay only the GPU-side fixed costs remain (flag round trips, a second
+# GEMM launch): a few microseconds.
+MIN_HIDDEN_COMM_S_GRAPHS = 5e-6
 # Below this estimated GEMM time a call is host-bound and NCCL + cuBLAS wins (M_global 512
 # at K = N = 8192: ce_push:1 0.19 ms, direct:1 0.17 ms vs NCCL 0.13 ms on 2x H200).
 MIN_GEMM_S = 0.1e-3
@@ -60,19 +63,23 @@ def gpu_refusal(kind: str, a_shape: list[int], weight_shapes: list[list[int]], d
 
 
 def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
-         dtype: str) -> tuple[Schedule, str]:
-    """(schedule, why) for a region running on CUDA."""
+         dtype: str, *, graphs: bool = False) -> tuple[Schedule, str]:
+    """(schedule, why) for a region running on CUDA.  graphs=True: the calls are replayed
+    from a CUDA graph (Config.cuda_graphs), so the host cost that makes short GEMMs run
+    `sequential` in eager mode is not paid; only the GPU-side fixed costs count."""
     refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
     if refusal is not None:
         return Schedule("sequential"), refusal + ": NCCL + cuBLAS"
     gemm_s, comm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)
     why = f"est. gemm {gemm_s * 1e6:.0f} us, transfer {comm_s * 1e6:.0f} us"
-    if comm_s < MIN_HIDDEN_COMM_S:
+    if comm_s < (MIN_HIDDEN_COMM_S_GRAPHS if graphs else MIN_HIDDEN_COMM_S):
         return Schedule("sequential"), why + ": too little to hide"
-    if gemm_s < MIN_GEMM_S:
+    if gemm_s < MIN_GEMM_S and not graphs:
         return Schedule("sequential"), why + ": too short to pay a GPU schedule's host cost"
     if kind == "ag_matmul":  # finer pieces pay only on the longest GEMMs
         return Schedule("ce_push", 4 if gemm_s > 3e-3 else 1), why
+    if graphs and gemm_s < SHORT_GEMM_S:
+        return Schedule("direct", 1), why + ": short GEMM under CUDA graphs, no staging copy"
     if gemm_s < SHORT_GEMM_S:
         if kind == "matmul_rs":
             return Schedule("direct", 1), why + ": short GEMM, fewest launches"

@@ -1,15 +1,24 @@
-"""Symmetric-memory runtime: per-group buffers, flags, epochs, side stream, barrier.
+"""Symmetric-memory runtime: per-group buffers, flags, tokens, side stream, barrier.
 
 One `GroupRuntime` per (process group, device), created on first use and kept:
-- a flag array (int32, symmetric) that peers write with copy-engine stream writes or
-  GPU atomics.  Data flags carry the *epoch* of the call that wrote them (one epoch per
-  op call, counted identically on every rank), so they are never reset: a stale flag
-  from an earlier call is simply smaller than the epoch being waited for.  Tile counters
-  are the exception (they count up within a call) and are zeroed at the start of a call,
-  before the barrier that lets peers write into this rank again.
+- a flag array (int32, symmetric) that peers write with stream memory operations
+  (cuStreamWriteValue32) or GPU atomics.  The protocol is *closed*: every value a call
+  writes or waits for is a constant (0 or 1), and every flag is back to its resting value
+  once the call's reads are done, so a call's work can be captured in a CUDA graph and
+  replayed, and eager calls and graph replays can interleave on the same buffers:
+  * DATA flags (per buffer half, source rank and chunk): the sender sets 1 when the chunk
+    has landed; the receiver waits for 1 and sets 0 again after its last read;
+  * FREE tokens (per half and peer, in the *sender's* flags): 1 while peer p has no
+    unfinished reads of half h data exchanged with this rank.  Before its first write that
+    p will read in a call (into p's buffer, or into its own buffer for p to pull) a rank
+    waits for the token and takes it (sets 0); p gives it back (sets 1, a remote write)
+    after its last read of that call.  Calls alternate the halves, so in steady state the
+    wait is already satisfied and the ranks are not coupled call by call.
+  Tile counters (fused schedules) count up within a call and are zeroed at its start,
+  before a barrier (epochs, eager only) that lets peers write into this rank again.
 - data buffers by size class (powers of two, >= 16 MiB), allocated with
   `torch.distributed._symmetric_memory.empty` and rendezvoused once (rendezvous blocks the
-  host and is collective, so it must never happen per call).
+  host and is collective, so it must never happen per call, nor inside a graph capture).
 - one high-priority side stream for copy-engine transfers.
 
 No NVLink multicast is used anywhere: only unicast P2P loads/stores and copies.
@@ -32,14 +41,17 @@ log = logging.getLogger("torch_commopt.kernels.gpu.symm")
 
 MAX_WORLD = 64
 MAX_CHUNKS = 256
-FLAG_SLOTS = 1 << 16
+HALVES = 2  # calls alternate the two halves of a buffer
+FLAG_SLOTS = 1 << 17
 # Flag regions (int32 indices into each rank's flag array).
-BARRIER = 0  # [p]: epoch of rank p's latest barrier arrival
-CONSUMED = 512  # [p]: latest epoch whose data rank p has finished reading from its own buffer
-DATA = 1024  # [src * MAX_CHUNKS + c]: chunk c sent by src has landed here (value: epoch)
-DATA2 = DATA + MAX_WORLD * MAX_CHUNKS  # second phase (all-gather of matmul_ar)
-COUNTERS = DATA2 + MAX_WORLD * MAX_CHUNKS  # [p * MAX_CHUNKS + c]: tiles finished (reset per call)
+BARRIER = 0  # [p]: epoch of rank p's latest barrier arrival (fused reductions, eager only)
+FREE = 512  # [h * MAX_WORLD + p]: token, 1 while peer p has no unfinished reads of half h
+DATA = 1024  # [h * PHASE_SLOTS + src * MAX_CHUNKS + c]: 1 once chunk c from src has landed
+PHASE_SLOTS = MAX_WORLD * MAX_CHUNKS
+DATA2 = DATA + HALVES * PHASE_SLOTS  # second phase (all-gather of matmul_ar)
+COUNTERS = DATA2 + HALVES * PHASE_SLOTS  # [p * MAX_CHUNKS + c]: tiles finished (reset per call)
 assert COUNTERS + MAX_WORLD * MAX_CHUNKS <= FLAG_SLOTS
+assert FREE + HALVES * MAX_WORLD <= DATA
 
 MIN_BUFFER_BYTES = 1 << 24
 DEBUG_ENV = "TORCH_COMMOPT_DEBUG_WAITS"
@@ -114,6 +126,7 @@ class GroupRuntime:
         self.side = torch.cuda.Stream(device=device, priority=-1)
         flags = symm_mem.empty(FLAG_SLOTS, dtype=torch.int32, device=device)
         flags.zero_()
+        flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
         # A peer may write our flags as soon as rendezvous returns: the zeroing must be done.
         torch.cuda.synchronize(device)
         self.flags_handle = symm_mem.rendezvous(flags, group_name)
@@ -123,6 +136,7 @@ class GroupRuntime:
         self.status = torch.zeros(8, dtype=torch.int32, device=device)
         self.buffers: list[SymmBuffer] = []
         self._debug_kernel_loaded = False
+        self._warned_capture_debug = False
         log.info("commopt: symmetric runtime for group %s (rank %d of %d) on %s", group_name, self.rank, self.world, device)
 
     def debug_waits(self, schedule) -> bool:
@@ -132,6 +146,12 @@ class GroupRuntime:
         first loaded while a persistent GEMM spins on the data behind that very wait would
         stall until the GEMM's own bound expired (the GPU test's 'fused store=ce' failure)."""
         if not debug_waits(schedule):
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            if not self._warned_capture_debug:
+                self._warned_capture_debug = True
+                log.warning("commopt: bounded (debug) waits are off inside a CUDA-graph capture: their status "
+                            "check synchronizes the device")
             return False
         if not self._debug_kernel_loaded:
             from torch_commopt.kernels.gpu.triton_kernels import bounded_wait
@@ -144,6 +164,10 @@ class GroupRuntime:
     def next_epoch(self) -> int:
         self.epoch += 1
         return self.epoch
+
+    def has_buffer(self, nbytes: int) -> bool:
+        """Whether a buffer of >= nbytes exists (a graph capture cannot create one)."""
+        return any(b.nbytes >= nbytes for b in self.buffers)
 
     def buffer(self, nbytes: int) -> SymmBuffer:
         """The smallest cached buffer of >= nbytes, or a new one of the next size class.
@@ -192,19 +216,24 @@ class GroupRuntime:
         for p in self.peers:
             self.wait(stream, BARRIER + p, epoch, debug=debug, what="barrier", src=p, chunk=-1)
 
-    def await_free(self, stream, peer: int, epoch: int, *, debug: bool) -> None:
-        """Before writing epoch `epoch`'s data into `peer`'s buffer half (epoch % 2): wait
-        until the peer has finished reading what epoch - 2 left in that half.  Calls
-        alternate halves, so in steady state this never waits and the ranks are not
-        coupled call by call (a per-call barrier would stall each rank on the other's
-        host-side launch jitter)."""
-        if epoch > 2:
-            self.wait(stream, CONSUMED + peer, epoch - 2, debug=debug, what="free buffer", src=peer, chunk=-1)
+    def acquire(self, stream, peer: int, half: int, *, debug: bool) -> None:
+        """Before this rank's first write of a call that `peer` will read (half `half`):
+        wait for the token of (half, peer) and take it."""
+        index = FREE + half * MAX_WORLD + peer
+        self.wait(stream, index, 1, debug=debug, what="free buffer", src=peer, chunk=-1)
+        driver.write_value32(stream, self.flag_address(self.rank, index), 0)
 
-    def release(self, stream, epoch: int) -> None:
-        """After this rank's last read of its own buffer for `epoch` (stream-ordered)."""
-        for p in self.peers:
-            self.signal(stream, p, CONSUMED + self.rank, epoch)
+    def done_reading(self, stream, half: int, chunks: int, *, phases: int = 1) -> None:
+        """After this rank's last read of a call (stream-ordered): lower the DATA flags the
+        call waited for (`chunks` per source and phase), then give every source its token
+        back.  The flags are lowered first: a source writes them again only after it has
+        taken the token back."""
+        for src in self.sources:
+            for phase in range(phases):
+                first = data_index(half, src, 0, phase)
+                for c in range(chunks):
+                    driver.write_value32(stream, self.flag_address(self.rank, first + c), 0)
+            driver.write_value32(stream, self.flag_address(src, FREE + half * MAX_WORLD + self.rank), 1)
 
     def check_status(self, op: str) -> None:
         """Debug mode: synchronize and raise if any bounded wait of `op` timed out."""
@@ -219,9 +248,30 @@ class GroupRuntime:
                 "a peer stalled, crashed, or runs a different schedule")
 
 
+def data_index(half: int, src: int, chunk: int, phase: int = 0) -> int:
+    """Flag index of chunk `chunk` from `src` in buffer half `half` (phase 1: matmul_ar's
+    all-gather of the reduced pieces)."""
+    return (DATA2 if phase else DATA) + half * PHASE_SLOTS + src * MAX_CHUNKS + chunk
+
+
 WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk": 5, "free buffer": 6}
 
 _RUNTIMES: dict[tuple[str, int], GroupRuntime] = {}
+
+
+def capture_refusal(group_name: str, device: torch.device, op: str, schedule, nbytes: int) -> str | None:
+    """Why a call cannot run `schedule` inside the CUDA-graph capture now under way (None:
+    it can).  Creating the runtime or a buffer rendezvouses (host-blocking, collective) and
+    synchronizes, which a capture forbids; the fused reductions pass a barrier that counts
+    epochs, values a replay would repeat."""
+    if schedule.name == "fused" and op != "ag_matmul":
+        return "CUDA-graph capture (the fused reduction's barrier counts epochs)"
+    key = (group_name, device.index if device.index is not None else torch.cuda.current_device())
+    rt = _RUNTIMES.get(key)
+    if rt is None or not rt.has_buffer(nbytes):
+        return (f"CUDA-graph capture before a {max(nbytes, 1) >> 20} MiB symmetric buffer exists "
+                "(run the call once outside the graph first)")
+    return None
 
 
 def runtime(group_name: str, device: torch.device) -> GroupRuntime:

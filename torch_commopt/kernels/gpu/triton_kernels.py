@@ -153,14 +153,15 @@ def ag_gemm_kernel(
         tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["epoch", "bound", "recv_off", "rank", "chunk_mt", "alpha", "bias_scale", "num_progs"])
+@triton.jit(do_not_specialize=["epoch", "bound", "recv_off", "data_base", "rank", "chunk_mt", "alpha", "bias_scale",
+                               "num_progs"])
 def rs_gemm_kernel(
-    a, b, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch, bound, recv_off,
+    a, b, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch, bound, recv_off, data_base,
     sbk, sbn, N, K, M_seg, LIN, rank, chunk_mt, alpha, bias_scale, num_progs,
     WORLD: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DEBUG: tl.constexpr,
-    DATA: tl.constexpr, COUNTERS: tl.constexpr,
+    COUNTERS: tl.constexpr,
 ):
     """Reduce-scatter of A @ B by row blocks ("segments"): rank p gets segment p, summed.
 
@@ -169,7 +170,8 @@ def rs_gemm_kernel(
       DIRECT: straight into peer p's recv slot `rank` (NVLink stores), then a release
               atomic on p's counter (p, chunk) at system scope; or
       copy engine: into local `send` slot p, then a release atomic on the local counter the
-              side stream's copy waits for (the copy then sets p's DATA flag to `epoch`).
+              side stream's copy waits for (the copy then sets p's DATA flag,
+              flags[data_base + rank*256 + chunk], to `epoch`).
     Own-segment tiles wait for each peer's partial of the same chunk, add it in fp32,
     scale (avg) and add the bias, and store the result: the reduction is the epilogue.
     """
@@ -208,7 +210,7 @@ def rs_gemm_kernel(
                 if DIRECT:
                     _spin_geq(flags + COUNTERS + src * 256 + chunk, tiles_in_chunk, status, 4, src, chunk, bound, DEBUG)
                 else:
-                    _spin_geq(flags + DATA + src * 256 + chunk, epoch, status, 3, src, chunk, bound, DEBUG)
+                    _spin_geq(flags + data_base + src * 256 + chunk, epoch, status, 3, src, chunk, bound, DEBUG)
                 acc += tl.load(recv + src * seg_elems + offs, mask=mask, other=0.0).to(tl.float32)
             acc = acc * alpha
             if HAS_BIAS:
