@@ -76,7 +76,9 @@ def test_rule_under_cuda_graphs_ignores_host_cost():
     # M_global 512: eager calls are host-bound (sequential); graph replays pay GPU time only.
     assert str(pick("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16")[0]) == "sequential"
     assert str(pick("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", graphs=True)[0]) == "ce_push:1"
-    assert str(pick("matmul_rs", [512, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True)[0]) == "direct:1"
+    assert str(pick("matmul_rs", [512, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True)[0]) == "sequential"
+    assert str(pick("matmul_rs", [2048, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True)[0]) == "ce_push:2"
+    assert str(pick("matmul_rs", [2048, 4096], [[4096, 8192]], 0, 2, "bfloat16")[0]) == "direct:1"
     # too little to hide stays sequential either way
     assert str(pick("ag_matmul", [8, 64], [[64, 64]], 0, 2, "bfloat16", graphs=True)[0]) == "sequential"
 

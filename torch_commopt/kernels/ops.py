@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torch_commopt.kernels import sequential
 from torch_commopt.kernels.reference.ag_matmul import ag_matmul_reference
 from torch_commopt.kernels.reference.matmul_reduce import matmul_ar_reference, matmul_rs_reference
 from torch_commopt.schedule import Schedule
@@ -125,6 +126,8 @@ def ag_matmul(
     Returns [out_0, ..., out_{n-1}] (+ [gathered] when return_gathered), where
     gathered = cat over ranks of a along gather_dim and out_i = gathered @ weights[i] + biases[i].
     """
+    if schedule == "sequential" and sequential.applies(a, weights, gather_dim, group_size, cut=False):
+        return sequential.ag_matmul(a, weights, biases, group_name, return_gathered)
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.ag_matmul import unsupported_reason
 
@@ -165,6 +168,8 @@ def matmul_rs(
     Returns t's shape with dim `scatter_dim` divided by group_size: block `rank`,
     reduced over ranks with `reduce_op` ("sum" or "avg").
     """
+    if schedule == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
+        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name)
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 
@@ -199,6 +204,8 @@ def matmul_ar(
     schedule: str,
 ) -> Tensor:
     """t = a @ weight (+ bias), then all-reduce t.  a: (*, K); weight: (K, N); returns (*, N)."""
+    if schedule == "sequential" and sequential.applies(a, [weight], None, group_size, cut=False):
+        return sequential.matmul_ar(a, weight, bias, reduce_op, group_name)
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 

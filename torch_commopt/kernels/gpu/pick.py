@@ -78,8 +78,13 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         return Schedule("sequential"), why + ": too short to pay a GPU schedule's host cost"
     if kind == "ag_matmul":  # finer pieces pay only on the longest GEMMs
         return Schedule("ce_push", 4 if gemm_s > 3e-3 else 1), why
-    if graphs and gemm_s < SHORT_GEMM_S:
-        return Schedule("direct", 1), why + ": short GEMM under CUDA graphs, no staging copy"
+    if graphs:
+        # Replayed (2x H200, CUDA graphs): at M_global 512 NCCL + cuBLAS beat every
+        # reduction schedule (0.080 vs direct:1 0.086 ms); from M_global 2048 up ce_push:2
+        # was the fastest (rs 0.236 vs direct:1 0.249, ar 0.286 vs 0.330 ms).
+        if gemm_s < MIN_GEMM_S:
+            return Schedule("sequential"), why + ": short reduction, GPU-side fixed costs exceed the overlap"
+        return Schedule("ce_push", 2), why + ": CUDA graphs (no host cost)"
     if gemm_s < SHORT_GEMM_S:
         if kind == "matmul_rs":
             return Schedule("direct", 1), why + ": short GEMM, fewest launches"

@@ -1,0 +1,68 @@
+"""`sequential` (collective, then GEMM) with the least host work per call.
+
+The schedule is the NCCL + cuBLAS baseline itself; on a short GEMM its cost is host time.
+The `torch.distributed` wrappers (`all_gather_into_tensor`, ...) check their arguments,
+resolve the group and build an options object on every call; here the process group's
+own methods are called with options built once, and the rank-major layout
+shuffles of the general reference path are skipped.  Covered: the collective along dim 0
+of a contiguous input (what TP/SP regions use); anything else takes the reference path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
+
+from torch_commopt.kernels.reference.collectives import resolve_group
+
+
+@functools.cache
+def _options():
+    """All-gather / reduce-scatter / all-reduce options (sum, blocking), built once."""
+    ag, rs, ar = AllgatherOptions(), ReduceScatterOptions(), AllreduceOptions()
+    rs.reduceOp = ar.reduceOp = dist.ReduceOp.SUM
+    for opts in (ag, rs, ar):
+        if hasattr(opts, "asyncOp"):  # torch >= 2.7: a blocking collective runs on the current stream
+            opts.asyncOp = False
+    return ag, rs, ar
+
+
+def applies(a: torch.Tensor, weights: list[torch.Tensor], dim: int | None, world: int, *, cut: bool) -> bool:
+    """Whether the lean path covers this call: the collective along dim 0 of a contiguous
+    input, 2-D weights, and (cut=True: reduce-scatter) rows that split evenly."""
+    if dim not in (None, 0) or not a.is_contiguous() or a.dim() < 2 or any(w.dim() != 2 for w in weights):
+        return False
+    return not cut or a.shape[0] % world == 0
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+    rows = x.view(-1, x.shape[-1])
+    out = torch.mm(rows, w) if b is None else torch.addmm(b, rows, w)
+    return out.view(*x.shape[:-1], w.shape[-1])
+
+
+def ag_matmul(a, weights, biases, group_name: str, return_gathered: bool) -> list[torch.Tensor]:
+    group, (opts, _, _) = resolve_group(group_name), _options()
+    gathered = a.new_empty((group.size() * a.shape[0],) + tuple(a.shape[1:]))
+    group._allgather_base(gathered, a, opts).wait()
+    outs = [_linear(gathered, w, b) for w, b in zip(weights, biases)]
+    return outs + [gathered] if return_gathered else outs
+
+
+def matmul_rs(a, weight, bias, reduce_op: str, group_name: str) -> torch.Tensor:
+    group, (_, opts, _) = resolve_group(group_name), _options()
+    world = group.size()
+    full = _linear(a, weight, bias)
+    out = full.new_empty((full.shape[0] // world,) + tuple(full.shape[1:]))
+    group._reduce_scatter_base(out, full, opts).wait()
+    return out.div_(world) if reduce_op == "avg" else out
+
+
+def matmul_ar(a, weight, bias, reduce_op: str, group_name: str) -> torch.Tensor:
+    group, (_, _, opts) = resolve_group(group_name), _options()
+    out = _linear(a, weight, bias)
+    group.allreduce([out], opts).wait()
+    return out.div_(group.size()) if reduce_op == "avg" else out
