@@ -38,6 +38,13 @@ def applies(a: torch.Tensor, weights: list[torch.Tensor], dim: int | None, world
     return not cut or a.shape[0] % world == 0
 
 
+def _wait(work) -> None:
+    """A blocking NCCL collective (asyncOp=False) ran on the current stream and returns no
+    work object; gloo returns one to wait on."""
+    if work is not None:
+        work.wait()
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
     rows = x.view(-1, x.shape[-1])
     out = torch.mm(rows, w) if b is None else torch.addmm(b, rows, w)
@@ -47,7 +54,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 def ag_matmul(a, weights, biases, group_name: str, return_gathered: bool) -> list[torch.Tensor]:
     group, (opts, _, _) = resolve_group(group_name), _options()
     gathered = a.new_empty((group.size() * a.shape[0],) + tuple(a.shape[1:]))
-    group._allgather_base(gathered, a, opts).wait()
+    _wait(group._allgather_base(gathered, a, opts))
     outs = [_linear(gathered, w, b) for w, b in zip(weights, biases)]
     return outs + [gathered] if return_gathered else outs
 
@@ -57,12 +64,12 @@ def matmul_rs(a, weight, bias, reduce_op: str, group_name: str) -> torch.Tensor:
     world = group.size()
     full = _linear(a, weight, bias)
     out = full.new_empty((full.shape[0] // world,) + tuple(full.shape[1:]))
-    group._reduce_scatter_base(out, full, opts).wait()
+    _wait(group._reduce_scatter_base(out, full, opts))
     return out.div_(world) if reduce_op == "avg" else out
 
 
 def matmul_ar(a, weight, bias, reduce_op: str, group_name: str) -> torch.Tensor:
     group, (_, _, opts) = resolve_group(group_name), _options()
     out = _linear(a, weight, bias)
-    group.allreduce([out], opts).wait()
+    _wait(group.allreduce([out], opts))
     return out.div_(group.size()) if reduce_op == "avg" else out
