@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
 # Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|all] [pytest -k expression]
+# The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
+# e.g. `... tests "not nccl"` (~7 min) then `... tests nccl` (~3 min).
 set -uo pipefail
 out=${1:?output dir}; what=${2:-all}; sel=${3:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

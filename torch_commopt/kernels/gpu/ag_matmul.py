@@ -68,7 +68,7 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     slot_bytes = m_loc * k * a.element_size()
     buf = rt.buffer(buffer_bytes(a, world))
     half = rt.next_epoch() % 2  # calls alternate buffer halves
-    base = half * world * slot_bytes
+    base = half * (buf.nbytes // 2)  # the same offset for every op: tokens guard halves
     slots = buf.view(rank, base, (world, m_loc, k), a.dtype)
     cur, side = torch.cuda.current_stream(a.device), rt.side
     gshape = shape[:gather_dim] + [world * shape[gather_dim]] + shape[gather_dim + 1:]

@@ -85,7 +85,9 @@ class _Call:
         self.alpha = 1.0 / rt.world if reduce_op == "avg" else 1.0
         self.epoch = rt.next_epoch()  # the fused kernel's barrier counts epochs
         self.half = self.epoch % 2  # calls alternate buffer halves
-        self.base = self.half * phases * rt.world * self.seg_bytes
+        # Half h starts at the same offset whatever the op or shape: the FREE tokens guard
+        # halves, so two calls' half-0 and half-1 regions must never overlap in one buffer.
+        self.base = self.half * (self.buf.nbytes // 2)
         self.recv = self.buf.view(self.rank, self.base, (rt.world, self.m_seg, self.n), a.dtype)
         self.cur, self.side = torch.cuda.current_stream(a.device), rt.side
         self.side_used = False  # join the side stream only if this call forked it (graph capture)
