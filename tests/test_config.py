@@ -74,3 +74,6 @@ def test_config_schedule_auto_and_fixed():
     assert str(Config(schedule="sequential", chunks=5).fixed_schedule) == "sequential"
     with pytest.raises(ValueError, match="debug_waits"):
         Config(debug_waits="yes")
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        Config(cuda_graphs=1)
+    assert Config.from_options({"cuda_graphs": True}).cuda_graphs

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--dtype", default=None, help="default: bfloat16 on GPUs, float32 on CPUs")
     tune.add_argument("--top-k", type=int, default=4)
     tune.add_argument("--cache-dir", default=None)
+    tune.add_argument("--cuda-graphs", action="store_true",
+                      help="tune for a program replayed from CUDA graphs (Config.cuda_graphs): time graph replays")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     if args.command == "demo":
@@ -56,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
             from torch_commopt.demo import run_demo
 
             return run_demo(args.world, {"mode": "autotune", "cache_dir": args.cache_dir,
-                                         "autotune_top_k": args.top_k}, args.backend)
+                                         "autotune_top_k": args.top_k, "cuda_graphs": args.cuda_graphs}, args.backend)
         from torch_commopt.tuner.tune import run_tune
 
-        print(run_tune(args.shape, args.world, args.backend, args.dtype, args.cache_dir, args.top_k))
+        print(run_tune(args.shape, args.world, args.backend, args.dtype, args.cache_dir, args.top_k, args.cuda_graphs))
         return 0
     if args.command == "calibrate":
         from torch_commopt.tuner.calibrate import run_calibration

@@ -50,9 +50,10 @@ class Config:
         user's cache directory).
     cuda_graphs: the compiled program is replayed from CUDA graphs (torch.compile's
         mode="reduce-overhead" around this backend, or a capture of your own): the
-        built-in rule then ranks schedules by GPU time only, since a replay pays no
-        per-call host cost.  GPU schedules run inside a capture either way (their flags
-        hold constants), except the fused reductions (sequential there, logged).
+        built-in rule and the cost model rank schedules by GPU time only, since a replay
+        pays no per-call host cost, and autotune times replays of captured calls (its
+        own cache entries).  GPU schedules run inside a capture either way (their flags
+        hold constants); the fused reductions run ce_push there (logged).
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
         naming the op, rank and chunk instead of hanging (also enabled by the
         environment variable TORCH_COMMOPT_DEBUG_WAITS=1); costs a sync per op.

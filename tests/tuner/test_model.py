@@ -158,3 +158,26 @@ def test_explain_command_prints_the_ranking(capsys, tmp_path):
     assert out[out.index("ag_matmul:256x8192x4096:") + 1].split()[0] == "sequential"
     with pytest.raises(ValueError, match="bad --shape"):
         main(["explain", "--shape", "matmul_rs:8192x4096"])
+
+
+def test_cuda_graph_replay_drops_the_host_cost():
+    # M_global 512 at K = N = 8192 on 2x H200: eager calls are host-bound (sequential wins);
+    # replayed from a graph only GPU time counts and an overlapped schedule ranks first.
+    gpu, cpu = prior("NVIDIA H200", 2), prior("cpu", 2)
+    shape = RegionShape("ag_matmul", 256, 8192, (4096,), 2, "bfloat16")
+    assert str(rank(shape, gpu)[0].schedule) == "sequential"
+    replayed = rank(shape, gpu, graphs=True)
+    assert replayed[0].schedule.is_gpu and all(p.host_s == 0 and p.seconds == p.gpu_s for p in replayed)
+    # a CPU has no graphs to replay: the flag changes nothing there
+    small = RegionShape("ag_matmul", 64, 64, (64,), 2, "float32")
+    assert [p.seconds for p in rank(small, cpu, graphs=True)] == [p.seconds for p in rank(small, cpu)]
+
+
+def test_autotune_keys_tell_graph_replay_apart():
+    from torch_commopt.tuner.autotune import plan
+
+    args = ("ag_matmul", [256, 8192], [[8192, 4096]], 0, [False], None, False, 2, "bfloat16", "NVIDIA H200",
+            prior("NVIDIA H200", 2), 8, 4)
+    eager, replayed = plan(*args), plan(*args, True)
+    assert "cuda_graphs" not in eager[3] and replayed[3]["cuda_graphs"] is True
+    assert eager[0] != replayed[0]  # sequential eager, an overlapped schedule replayed

@@ -192,7 +192,7 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
     sched, preds, top, key, why = plan(
         region.kind, list(static_shape(region.a)), weights, region.dim, [c.bias is not None for c in region.consumers],
         region.reduce_op, region.keep_gathered, region.group_size, str(a.dtype).removeprefix("torch."),
-        device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k)
+        device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, config.cuda_graphs)
     name = region.collective.name
     rows = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "measured_ms": None,
              "extra_mib": p.extra_bytes / 2**20} for p in preds]
@@ -218,7 +218,7 @@ def _autotune(region: Region, config: Config, model_pick: Schedule, top: list[st
             row["measured_ms"] = cached["measured_ms"].get(row["schedule"])
         return Schedule.parse(cached["schedule"]), "cached measurement"
     request = TuneRequest(key, top, str(model_pick), region.group_name, config.cache_dir, config.debug_waits,
-                          rows, report.notes, region.collective.name)
+                          config.cuda_graphs, rows, report.notes, region.collective.name)
     return register(request), f"{len(top)} candidates timed at the first call; model's pick {model_pick}"
 
 

@@ -17,6 +17,7 @@ model's choice runs (logged) and the measurement waits for an uncaptured call.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -50,6 +51,7 @@ class TuneRequest:
     group_name: str
     cache_dir: str | None
     debug_waits: bool = False
+    graphs: bool = False  # time replays of CUDA graphs (Config.cuda_graphs)
     report_rows: list[dict[str, Any]] = field(default_factory=list)  # explain's candidate rows
     report_notes: list[str] = field(default_factory=list)
     name: str = ""
@@ -63,18 +65,21 @@ _warned: set[str] = set()
 
 def plan(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, bias: list[bool],
          reduce_op: str | None, keep_gathered: bool, world: int, dtype: str, device_name: str, cal,
-         max_chunks: int, top_k: int):
+         max_chunks: int, top_k: int, graphs: bool = False):
     """(model's pick, ranked predictions, candidates to time, cache key) of a region: the one
     definition the compile pass and `python -m torch_commopt tune` share, so a prefilled
-    cache answers the pass."""
+    cache answers the pass.  graphs=True: for a program replayed from CUDA graphs (its own
+    ranking, timing and cache entry)."""
     from torch_commopt.tuner.choose import choose_by_model, machine_key
 
-    pick, preds, why = choose_by_model(kind, a_shape, weight_shapes, dim, world, dtype, cal, max_chunks)
+    pick, preds, why = choose_by_model(kind, a_shape, weight_shapes, dim, world, dtype, cal, max_chunks, graphs=graphs)
     top = [str(p.schedule) for p in preds[:top_k]]
     top += [str(p.schedule) for p in preds if p.schedule.name == "sequential" and str(p.schedule) not in top]
     key = {"question": "autotune", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
            "weights": [list(w) for w in weight_shapes], "dim": dim, "bias": list(bias), "reduce_op": reduce_op,
            "keep_gathered": keep_gathered, "dtype": dtype, "candidates": top}
+    if graphs:
+        key["cuda_graphs"] = True
     return pick, preds, top, key, why
 
 
@@ -117,7 +122,7 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
                         req.name, req.fallback)
         return req.fallback
     start = time.perf_counter()
-    measured = measure_candidates(run, req.candidates, req.group_name, device, req.name)
+    measured = measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs)
     best = min(measured, key=lambda s: (measured[s], s))
     sched = Schedule.parse(best)
     if req.debug_waits and sched.is_gpu:
@@ -137,10 +142,12 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
 
 
 def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_name: str,
-                       device: torch.device, label: str = "") -> dict[str, float]:
+                       device: torch.device, label: str = "", *, graphs: bool = False) -> dict[str, float]:
     """{schedule: ms per call} of back-to-back calls (the host cost included: that is what
     the program will see), median over rounds, slowest rank.  Every rank must call this
-    with the same candidates at the same point of its program."""
+    with the same candidates at the same point of its program.  graphs=True (CUDA): each
+    sample is one replay of a CUDA graph holding the back-to-back calls (what a program
+    replayed from graphs sees); a candidate whose capture fails on any rank is left out."""
     group = resolve_group(group_name)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # noqa: E731
     counts = []
@@ -154,6 +161,9 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     n = torch.tensor(counts, dtype=torch.float64, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
     counts = [int(c) for c in n.tolist()]
+    calls = [functools.partial(_repeat, run, s, c) for s, c in zip(candidates, counts)]
+    if graphs and device.type == "cuda":
+        candidates, calls, counts = _graphed(run, candidates, counts, group)
     samples: list[list[float]] = [[] for _ in candidates]
     show = dist.get_rank() == dist.get_process_group_ranks(group)[0]
 
@@ -167,8 +177,7 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
                 dist.barrier(group=group)
                 sync()
                 t0 = time.perf_counter()
-                for _ in range(counts[i]):
-                    run(candidates[i])
+                calls[i]()
                 sync()
                 samples[i].append((time.perf_counter() - t0) / counts[i] * 1e3)
         bar.close()
@@ -184,6 +193,35 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     if len(close) > 1:
         medians = rounds(close, EXTRA_ROUNDS, "(near-tie)")
     return dict(zip(candidates, medians))
+
+
+def _repeat(run: Callable[[str], Any], schedule: str, count: int) -> None:
+    for _ in range(count):
+        run(schedule)
+
+
+def _graphed(run: Callable[[str], Any], candidates: list[str], counts: list[int], group):
+    """(candidates, replay functions, counts) of the candidates captured in one CUDA graph of
+    `count` back-to-back calls each; a candidate whose capture fails on any rank is left out
+    everywhere (its graph may hold collectives the others would not join)."""
+    graphs, ok = [], []
+    for s, c in zip(candidates, counts):
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                _repeat(run, s, c)
+            ok.append(1)
+        except Exception as e:  # noqa: BLE001 - logged; the candidate is dropped on every rank
+            log.warning("commopt autotune: %s could not be captured in a CUDA graph (%s: %s); not timed",
+                        s, type(e).__name__, e)
+            ok.append(0)
+        graphs.append(graph)
+    agreed = torch.tensor(ok, device=torch.cuda.current_device())
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    keep = [i for i, good in enumerate(agreed.tolist()) if good]
+    if not keep:
+        raise RuntimeError("commopt autotune: no candidate could be captured in a CUDA graph")
+    return [candidates[i] for i in keep], [graphs[i].replay for i in keep], [counts[i] for i in keep]
 
 
 class Progress:

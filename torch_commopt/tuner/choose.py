@@ -81,16 +81,20 @@ def _stored_or_prior(stored, device: str, world: int) -> Calibration:
 
 
 def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
-                    dtype: str, cal: Calibration, max_chunks: int) -> tuple[Schedule, list[Prediction], str]:
+                    dtype: str, cal: Calibration, max_chunks: int, *,
+                    graphs: bool = False) -> tuple[Schedule, list[Prediction], str]:
     """(schedule, ranked predictions, why) for a region; candidates cut more than
-    `max_chunks` pieces are left out, GPU ones too where the kernels refuse the shape."""
+    `max_chunks` pieces are left out, GPU ones too where the kernels refuse the shape.
+    graphs=True: ranked for CUDA-graph replay (no per-call host cost)."""
     shape = RegionShape(kind, math.prod(a_shape[:-1]), a_shape[-1], tuple(w[-1] for w in weight_shapes), world, dtype)
     refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
     pool = [s for s in candidates(shape, cal)
             if s.chunks <= max(1, max_chunks) and not (s.is_gpu and refusal)]
-    preds = rank(shape, cal, pool)
+    preds = rank(shape, cal, pool, graphs=graphs)
     best = preds[0]
     why = f"predicted {best.seconds * 1e3:.3f} ms with the {cal.source} calibration of {cal.device}"
+    if graphs and cal.device != "cpu":
+        why += ", replayed from CUDA graphs (no host cost)"
     if refusal and cal.p2p is not None:
         why += f"; GPU schedules left out: {refusal}"
     return best.schedule, preds, why

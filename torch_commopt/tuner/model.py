@@ -93,8 +93,9 @@ def collective_time(cal: Calibration, name: str, full_bytes: float, world: int) 
     return (world - 1) * step * (2 if name == "all_reduce" else 1)
 
 
-def predict(shape: RegionShape, sched: Schedule, cal: Calibration) -> Prediction:
-    """Predicted cost of running `shape` with `sched` on the calibrated machine."""
+def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bool = False) -> Prediction:
+    """Predicted cost of running `shape` with `sched` on the calibrated machine.  graphs=True
+    (GPUs): the calls are replayed from a CUDA graph, which pays no per-call host cost."""
     if not sched.valid_for(shape.kind):
         raise ValueError(f"cost model: {shape.kind} has no schedule {sched.name!r}")
     if sched.is_gpu and cal.p2p is None:
@@ -103,6 +104,8 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration) -> Prediction
     gpu = fn(shape, sched, cal) * cal.schedule_factor.get(f"{shape.kind} {sched.name}", 1.0)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
     host = cal.host(sched.name) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
+    if graphs and cal.device != "cpu":
+        host = 0.0
     # A GPU runs the device work while the host enqueues the next call: back-to-back calls
     # take the longer of the two.  On a CPU the host *is* the device: they add up.
     seconds = gpu + host if cal.device == "cpu" else max(gpu, host)
@@ -238,7 +241,8 @@ def candidates(shape: RegionShape, cal: Calibration) -> list[Schedule]:
     return out + [s for s in gpu if s.valid_for(shape.kind)]
 
 
-def rank(shape: RegionShape, cal: Calibration, schedules: list[Schedule] | None = None) -> list[Prediction]:
+def rank(shape: RegionShape, cal: Calibration, schedules: list[Schedule] | None = None, *,
+         graphs: bool = False) -> list[Prediction]:
     """Predictions for the candidates, fastest first (ties: fewer bytes, then the name)."""
-    preds = [predict(shape, s, cal) for s in (schedules or candidates(shape, cal))]
+    preds = [predict(shape, s, cal, graphs=graphs) for s in (schedules or candidates(shape, cal))]
     return sorted(preds, key=lambda p: (p.seconds, p.extra_bytes, str(p.schedule)))

@@ -37,7 +37,8 @@ def parse_shape(spec: str) -> tuple[str, list[int], list[list[int]]]:
     return kind, a_shape, [[a_shape[1], n] for n in widths]
 
 
-def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache_dir: str | None, top_k: int):
+def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache_dir: str | None, top_k: int,
+                 graphs: bool = False):
     from torch_commopt.tuner.autotune import measure_candidates, plan
     from torch_commopt.tuner.cache import TunerCache
     from torch_commopt.tuner.choose import calibration_for, device_name
@@ -52,10 +53,11 @@ def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache
         dim, reduce_op = (0, None) if kind == "ag_matmul" else (None if kind == "matmul_ar" else 0, "sum")
         _, _, top, key, _ = plan(kind, a_shape, w_shapes, dim, [False] * len(w_shapes), reduce_op, False, world,
                                  dtype_name, device_name(device), cal,
-                                 chunk_rows(kind, a_shape, [a_shape[0], w_shapes[0][1]], dim, world, 8), top_k)
+                                 chunk_rows(kind, a_shape, [a_shape[0], w_shapes[0][1]], dim, world, 8), top_k, graphs)
         a = torch.randn(a_shape, device=device, dtype=dtype)
         ws = [torch.randn(s, device=device, dtype=dtype) / s[0] ** 0.5 for s in w_shapes]
-        measured = measure_candidates(runner(kind, a, ws, world, group_name), top, group_name, device, spec)
+        measured = measure_candidates(runner(kind, a, ws, world, group_name), top, group_name, device, spec,
+                                      graphs=graphs)
         best = min(measured, key=lambda s: (measured[s], s))
         if rank == 0:
             TunerCache(cache_dir).put(key, {"schedule": best, "measured_ms": measured})
@@ -64,8 +66,9 @@ def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache
 
 
 def run_tune(specs: list[str], world: int, backend: str = "auto", dtype: str | None = None,
-             cache_dir: str | None = None, top_k: int = 4) -> str:
-    """Time and cache the candidates of each shape on `world` local processes; a summary."""
+             cache_dir: str | None = None, top_k: int = 4, cuda_graphs: bool = False) -> str:
+    """Time and cache the candidates of each shape on `world` local processes; a summary.
+    cuda_graphs: for programs replayed from CUDA graphs (Config.cuda_graphs)."""
     from torch_commopt.launch import run_distributed
 
     for spec in specs:
@@ -73,7 +76,8 @@ def run_tune(specs: list[str], world: int, backend: str = "auto", dtype: str | N
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
     dtype = dtype or ("bfloat16" if backend == "nccl" else "float32")
-    results = run_distributed(_tune_worker, world, specs, dtype, cache_dir, top_k, backend=backend, timeout_s=1800)[0]
+    results = run_distributed(_tune_worker, world, specs, dtype, cache_dir, top_k, cuda_graphs, backend=backend,
+                              timeout_s=1800)[0]
     lines = [f"commopt tune: {len(specs)} shape(s), {world} ranks ({backend}), {dtype}; "
              f"stored in {cache_dir or 'the default tuner cache'}"]
     for spec, best, measured in results:
