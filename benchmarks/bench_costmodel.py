@@ -43,7 +43,7 @@ from torch_commopt.tuner.model import candidates, rank  # noqa: E402
 TOP_K = 4  # Config.autotune_top_k's default
 
 
-def worker(rank_: int, world: int, cache_dir: str, only: str):
+def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False):
     from torch_commopt.tuner.calibrate import calibrate_and_store
 
     device = torch.device("cuda", rank_)
@@ -58,17 +58,17 @@ def worker(rank_: int, world: int, cache_dir: str, only: str):
             continue
         region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
                                "dtype": "bfloat16"})
-        preds = rank(region, cal, candidates(region, cal))
+        preds = rank(region, cal, candidates(region, cal), graphs=graphs)
         _, _, _, _, op, _ = _variants(shape, rank_, world, group_name)
         names = [str(p.schedule) for p in preds]
-        measured = measure_candidates(op, names, group_name, device)
+        measured = measure_candidates(op, names, group_name, device, graphs=graphs)
         base = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16"}
         for p in preds:
             s = str(p.schedule)
             records.append(dict(base, candidate=s, predicted_ms=p.seconds * 1e3, measured_ms=measured[s],
                                 predicted_gpu_ms=p.gpu_s * 1e3, predicted_host_ms=p.host_s * 1e3))
         top = names[:TOP_K] + (["sequential"] if "sequential" not in names[:TOP_K] else [])
-        tuned = measure_candidates(op, top, group_name, device)
+        tuned = measure_candidates(op, top, group_name, device, graphs=graphs)
         pick = min(tuned, key=lambda s: (tuned[s], s))
         best = min(measured, key=measured.get)
         shapes.append(dict(base, model_top1=names[0], measured_best=best, measured_best_ms=measured[best],
@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--only", default="")
     parser.add_argument("--commit", default="")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the program is replayed from CUDA graphs: predictions without host cost, timings of "
+                             "graph replays (Config.cuda_graphs)")
     parser.add_argument("--report-only", metavar="SUMMARY_JSON",
                         help="rewrite the Markdown report of a finished run from its JSON files")
     args = parser.parse_args()
@@ -182,7 +185,8 @@ def main() -> None:
         summary_path.with_name(summary_path.name.replace("_summary.json", ".md")).write_text(report(doc, records))
         return
     cache_dir = tempfile.mkdtemp(prefix="commopt_tuner_")
-    per_rank = run_distributed(worker, args.world, cache_dir, args.only, backend="nccl", timeout_s=1200)
+    per_rank = run_distributed(worker, args.world, cache_dir, args.only, args.cuda_graphs, backend="nccl",
+                               timeout_s=1200)
     result = per_rank[0]
     import triton
 
@@ -193,7 +197,7 @@ def main() -> None:
     summary = summarize(result)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"costmodel_h200x{args.world}_{date}"
+    stem = f"costmodel_h200x{args.world}_{date}{'_graphs' if args.cuda_graphs else ''}"
     (out / f"{stem}.json").write_text(json.dumps([dict(r, **{k: meta[k] for k in ("device", "torch", "date", "commit")})
                                                   for r in result["records"]], indent=1))
     doc = {"meta": meta, "summary": summary, "shapes": result["shapes"], "compile": result["compile"],
