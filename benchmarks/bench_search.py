@@ -118,7 +118,8 @@ def main() -> None:
                       "edges": len(problem.edges), "build_s": built, "solve_s": unbounded,
                       "solve_with_budget_s": with_budget, "plan_ms": free.time * 1e3,
                       "plan_mib": free.memory / 2**20, "budget_mib": budget / 2**20,
-                      "budget_plan_ms": bounded.time * 1e3, "budget_plan_mib": bounded.memory / 2**20}))
+                      "budget_plan_ms": bounded.time * 1e3, "budget_plan_mib": bounded.memory / 2**20,
+                      "method": free.method}))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,41 @@ def test_least_memory_plan_and_infeasible_budget():
     assert err.value.least_memory == pytest.approx(least.memory)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_ilp_fallback_equals_brute_force(seed):
+    # max_table=1 sends every graph with an edge to the integer program
+    rng = random.Random(100 + seed)
+    problem = random_dag(rng, nodes=rng.randint(3, 10), max_options=4, max_combos=20_000)
+    best = brute_force(problem)
+    got = solve(problem, max_table=1)
+    assert got.method == "ilp"
+    assert got.time == pytest.approx(best.time, rel=1e-9, abs=1e-9)
+    low = least_memory(problem).memory
+    budget = low + rng.uniform(0, 1) * max(0.0, got.memory - low)
+    bounded = solve(problem, budget, max_table=1)
+    assert bounded.memory <= budget + 1e-6
+    assert bounded.time == pytest.approx(brute_force(problem, budget).time, rel=1e-9, abs=1e-9)
+    with pytest.raises(InfeasibleBudget) as err:
+        solve(problem, low - 1.0, max_table=1)
+    assert err.value.least_memory == pytest.approx(low, abs=1e-9)
+
+
+def test_a_dense_graph_goes_to_the_ilp_and_stays_exact():
+    # every region feeds every later one: elimination would build a 4^12-entry table
+    rng = random.Random(3)
+    names = [f"r{i}" for i in range(13)]
+    options = {n: [(rng.uniform(0, 10), 0.0) for _ in range(4)] for n in names}
+    edges = {(u, v): [[(rng.uniform(0, 1), 0.0) for _ in range(4)] for _ in range(4)]
+             for i, u in enumerate(names) for v in names[i + 1:]}
+    problem = Problem(options, edges)
+    got = solve(problem)
+    assert got.method == "ilp"
+    # the optimum cannot be beaten by any single-node change (a cheap exactness check)
+    for n in names:
+        for i in range(4):
+            assert problem.cost({**got.choice, n: i})[0] >= got.time - 1e-9
+
+
 def test_bad_problems_are_rejected():
     with pytest.raises(ValueError, match="no options"):
         Problem({"a": []})

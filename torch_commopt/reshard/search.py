@@ -8,7 +8,8 @@ activations and buffers of the chosen options live together).
 
 Method: variable elimination on the interaction graph (min-degree order, exact for any
 graph; its cost grows with the graph's width, which is small for layer stacks with residual
-connections), where every table entry is a Pareto front of (time, memory) pairs instead of a
+connections; a graph whose elimination would build tables larger than `max_table` entries
+goes to the integer program in `reshard.ilp` instead, also exact), where every table entry is a Pareto front of (time, memory) pairs instead of a
 single number: pairs over the budget are dropped as soon as they appear (memory is never
 negative), dominated pairs as soon as they are found.  Without a budget every front has one
 pair and this is ordinary min-sum elimination.  Each pair keeps the choices that made it, so
@@ -67,6 +68,7 @@ class Plan:
     choice: dict[str, int]
     time: float
     memory: float
+    method: str = "elimination"  # or "ilp"
 
 
 # A front: Pareto pairs (time, memory, choices), memory ascending, time strictly descending.
@@ -97,8 +99,17 @@ class _Factor:
     table: dict[tuple[int, ...], Front]
 
 
-def solve(problem: Problem, budget: float = math.inf) -> Plan:
+# Largest table (entries) variable elimination may build before the ILP takes over.
+MAX_TABLE = 1 << 16
+
+
+def solve(problem: Problem, budget: float = math.inf, *, max_table: int = MAX_TABLE) -> Plan:
     """The exact minimum-time plan within `budget` (raises InfeasibleBudget if none fits)."""
+    order, largest = _elimination_order(problem)
+    if largest > max_table:
+        from torch_commopt.reshard.ilp import solve_ilp
+
+        return solve_ilp(problem, budget)
     factors = [_Factor((n,), {(i,): [(t, m, ((n, i),))] for i, (t, m) in enumerate(opts)})
                for n, opts in problem.options.items()]
     for (u, v), table in problem.edges.items():
@@ -107,7 +118,7 @@ def solve(problem: Problem, budget: float = math.inf) -> Plan:
         factors.append(_Factor((u, v), {(i, j): [(t, m, ())] for i, row in enumerate(table)
                                         for j, (t, m) in enumerate(row)}))
     sizes = {n: len(o) for n, o in problem.options.items()}
-    for var in _elimination_order(problem):
+    for var in order:
         touching = [f for f in factors if var in f.scope]
         factors = [f for f in factors if var not in f.scope]
         factors.append(_eliminate(var, touching, sizes, budget))
@@ -126,7 +137,7 @@ def least_memory(problem: Problem) -> Plan:
     swapped = Problem({n: [(m, t) for t, m in o] for n, o in problem.options.items()},
                       {e: [[(m, t) for t, m in row] for row in table] for e, table in problem.edges.items()})
     plan = solve(swapped)
-    return Plan(plan.choice, *problem.cost(plan.choice))
+    return Plan(plan.choice, *problem.cost(plan.choice), method=plan.method)
 
 
 def _eliminate(var: str, touching: list[_Factor], sizes: dict[str, int], budget: float) -> _Factor:
@@ -147,13 +158,15 @@ def _eliminate(var: str, touching: list[_Factor], sizes: dict[str, int], budget:
     return _Factor(scope, table)
 
 
-def _elimination_order(problem: Problem) -> list[str]:
-    """Greedy min-degree (ties: min fill, then name) on the interaction graph."""
+def _elimination_order(problem: Problem) -> tuple[list[str], int]:
+    """Greedy min-degree (ties: min fill, then name) on the interaction graph, and the
+    largest table it builds (entries: the product of the option counts of a variable and
+    its neighbours when it is eliminated)."""
     adj = {n: set() for n in problem.options}
     for u, v in problem.edges:
         adj[u].add(v)
         adj[v].add(u)
-    order = []
+    order, largest = [], 1
     while adj:
         def key(n):
             nb = adj[n]
@@ -162,11 +175,12 @@ def _elimination_order(problem: Problem) -> list[str]:
 
         var = min(adj, key=key)
         nb = adj.pop(var)
+        largest = max(largest, math.prod(len(problem.options[n]) for n in nb | {var}))
         for a in nb:
             adj[a].discard(var)
             adj[a] |= nb - {a}
         order.append(var)
-    return order
+    return order, largest
 
 
 def _flatten(choices) -> list[tuple[str, int]]:
