@@ -58,7 +58,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
             continue
         region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
                                "dtype": "bfloat16"})
-        preds = rank(region, cal, candidates(region, cal), graphs=graphs)
+        preds = rank(region, cal, candidates(region, cal, graphs=graphs), graphs=graphs)
         _, _, _, _, op, _ = _variants(shape, rank_, world, group_name)
         names = [str(p.schedule) for p in preds]
         measured = measure_candidates(op, names, group_name, device, graphs=graphs)

@@ -181,3 +181,12 @@ def test_autotune_keys_tell_graph_replay_apart():
     eager, replayed = plan(*args), plan(*args, True)
     assert "cuda_graphs" not in eager[3] and replayed[3]["cuda_graphs"] is True
     assert eager[0] != replayed[0]  # sequential eager, an overlapped schedule replayed
+
+
+def test_replayed_fused_reductions_are_ranked_as_what_runs():
+    # inside a capture a fused reduction runs ce_push with its pieces
+    shape = RegionShape("matmul_rs", 8192, 4096, (8192,), 2, "bfloat16")
+    fused, push = predict(shape, Schedule("fused", 4), H200, graphs=True), predict(shape, Schedule("ce_push", 4), H200, graphs=True)
+    assert fused.seconds == push.seconds
+    assert not [c for c in candidates(shape, H200, graphs=True) if c.name == "fused"]
+    assert [c for c in candidates(shape, H200) if c.name == "fused"]

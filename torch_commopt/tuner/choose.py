@@ -88,7 +88,7 @@ def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]
     graphs=True: ranked for CUDA-graph replay (no per-call host cost)."""
     shape = RegionShape(kind, math.prod(a_shape[:-1]), a_shape[-1], tuple(w[-1] for w in weight_shapes), world, dtype)
     refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
-    pool = [s for s in candidates(shape, cal)
+    pool = [s for s in candidates(shape, cal, graphs=graphs)
             if s.chunks <= max(1, max_chunks) and not (s.is_gpu and refusal)]
     preds = rank(shape, cal, pool, graphs=graphs)
     best = preds[0]

@@ -100,6 +100,9 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
         raise ValueError(f"cost model: {shape.kind} has no schedule {sched.name!r}")
     if sched.is_gpu and cal.p2p is None:
         raise ValueError(f"cost model: {sched} needs symmetric memory; {cal.device} has none")
+    if graphs and sched.name == "fused" and shape.kind != "ag_matmul":
+        # Inside a CUDA-graph capture a fused reduction runs ce_push with its pieces (kernels.ops).
+        sched = Schedule("ce_push", sched.chunks)
     fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
     gpu = fn(shape, sched, cal) * cal.schedule_factor.get(f"{shape.kind} {sched.name}", 1.0)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
@@ -226,8 +229,9 @@ def extra_bytes(shape: RegionShape, sched: Schedule) -> int:
     return 2 * phases * w * seg + staging
 
 
-def candidates(shape: RegionShape, cal: Calibration) -> list[Schedule]:
-    """The schedules worth ranking for this region on this machine."""
+def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool = False) -> list[Schedule]:
+    """The schedules worth ranking for this region on this machine (graphs=True: for CUDA-graph
+    replay, where a fused reduction would run as ce_push and is left out)."""
     out = [Schedule("sequential")] + [Schedule("chunked", s) for s in (2, 4, 8)]
     if shape.kind == "ag_matmul":
         out.append(Schedule("local_first"))
@@ -236,7 +240,7 @@ def candidates(shape: RegionShape, cal: Calibration) -> list[Schedule]:
     gpu = [Schedule("ce_push", s) for s in (1, 2, 4)]
     if shape.kind != "ag_matmul":
         gpu += [Schedule("direct", s) for s in (1, 2)] + [Schedule("ce_pull", 2)]
-    if shape.dtype in ("bfloat16", "float16"):
+    if shape.dtype in ("bfloat16", "float16") and not (graphs and shape.kind != "ag_matmul"):
         gpu += [Schedule("fused", s) for s in (1, 4)]
     return out + [s for s in gpu if s.valid_for(shape.kind)]
 
@@ -244,5 +248,5 @@ def candidates(shape: RegionShape, cal: Calibration) -> list[Schedule]:
 def rank(shape: RegionShape, cal: Calibration, schedules: list[Schedule] | None = None, *,
          graphs: bool = False) -> list[Prediction]:
     """Predictions for the candidates, fastest first (ties: fewer bytes, then the name)."""
-    preds = [predict(shape, s, cal, graphs=graphs) for s in (schedules or candidates(shape, cal))]
+    preds = [predict(shape, s, cal, graphs=graphs) for s in (schedules or candidates(shape, cal, graphs=graphs))]
     return sorted(preds, key=lambda p: (p.seconds, p.extra_bytes, str(p.schedule)))
