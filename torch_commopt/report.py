@@ -49,6 +49,8 @@ class GraphReport:
     candidates: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # the region DAG: "producer (out layout) -> consumer (in layout) via ops; reshard: kind"
     edges: list[str] = field(default_factory=list)
+    # the whole-graph plan (modes model/autotune): total predicted time and memory, runner-up
+    plan: list[str] = field(default_factory=list)
 
     @property
     def rewritten(self) -> list[RegionReport]:
@@ -135,6 +137,7 @@ def _graph_table(g: GraphReport) -> str:
                           + ("" if c.get("measured_ms") is None else f"/{c['measured_ms']:.3f}") for c in cands)
         lines.append(f"  candidates of {node} (predicted[/measured] ms, best predicted first, *chosen): {cells}")
     lines += [f"  edge {e}" for e in g.edges]
+    lines += [f"  plan: {p}" for p in g.plan]
     lines += [f"  skipped {s.kind} at {s.node}: {s.reason}" for s in g.skipped]
     lines += [f"  note: {n}" for n in g.notes]
     lines.append(f"  collectives before {dict(g.collectives_before)} -> after {dict(g.collectives_after)}; "

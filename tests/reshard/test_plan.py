@@ -57,10 +57,26 @@ def _compile_with_budget(rank_: int, world: int, budget):
     got = torch.compile(fn, backend="commopt", options={"mode": "model", "memory_budget_mib": budget})(a, b, c)
     want = fn(a, b, c)
     (graph,) = torch_commopt.explain().graphs
-    return list(graph.notes), float((got - want).norm() / want.norm())
+    return list(graph.notes) + list(graph.plan), float((got - want).norm() / want.norm())
 
 
 def test_the_pass_plans_within_the_budget_on_gloo():
     for budget, expected in ((1e6, "plan within"), (0.0, "no plan fits")):
         for notes, err in run_distributed(_compile_with_budget, 2, budget, timeout_s=300):
             assert err < 1e-5 and any(expected in n for n in notes), notes
+            assert any(n.startswith("2 region(s), predicted") for n in notes), notes
+            assert any(n.startswith("runner-up:") for n in notes), notes
+
+
+def test_plan_view_totals_and_runner_up():
+    from torch_commopt.reshard.plan import describe_plan
+
+    cands = {"ag": [{"schedule": "ce_push:1", "predicted_ms": 1.0, "extra_mib": 64},
+                    {"schedule": "sequential", "predicted_ms": 1.5, "extra_mib": 0}],
+             "rs": [{"schedule": "ce_push:2", "predicted_ms": 2.0, "extra_mib": 32},
+                    {"schedule": "direct:1", "predicted_ms": 2.1, "extra_mib": 16}]}
+    lines = describe_plan(cands, {"ag": "ce_push:1", "rs": "ce_push:2"}, None)
+    assert lines[0] == "2 region(s), predicted 3.000 ms, 96 MiB extra"
+    assert lines[1] == "runner-up: rs direct:1: predicted 3.100 ms (+0.100), 80 MiB extra"
+    # a chosen schedule that is not among the ranked candidates (an autotune placeholder): no view
+    assert describe_plan(cands, {"ag": "autotune:1:id=x", "rs": "ce_push:2"}, None) == []

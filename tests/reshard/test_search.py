@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from torch_commopt.reshard.search import InfeasibleBudget, Problem, brute_force, least_memory, solve
+from torch_commopt.reshard.search import InfeasibleBudget, Problem, brute_force, least_memory, runner_up, solve
 
 
 def random_dag(rng: random.Random, nodes: int, max_options: int, max_combos: int = 60_000) -> Problem:
@@ -96,6 +96,22 @@ def test_a_dense_graph_goes_to_the_ilp_and_stays_exact():
     for n in names:
         for i in range(4):
             assert problem.cost({**got.choice, n: i})[0] >= got.time - 1e-9
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_runner_up_is_the_second_best_plan(seed):
+    rng = random.Random(500 + seed)
+    problem = random_dag(rng, nodes=rng.randint(2, 8), max_options=3, max_combos=3_000)
+    nodes = list(problem.options)
+    plans = sorted(problem.cost(dict(zip(nodes, c))) for c in itertools.product(*(range(len(problem.options[n]))
+                                                                                    for n in nodes)))
+    best = solve(problem)
+    second = runner_up(problem, best)
+    if len(plans) == 1:
+        assert second is None
+    else:
+        assert second.choice != best.choice
+        assert second.time == pytest.approx(plans[1][0], rel=1e-12, abs=1e-12)
 
 
 def test_bad_problems_are_rejected():

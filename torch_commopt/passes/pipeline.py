@@ -72,6 +72,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         schedules = [_choose_schedule(r, config, report) for r in regions]
         if config.memory_budget_mib is not None and regions:
             schedules = _fit_budget(regions, schedules, config, report)
+        report.plan = _plan_view(regions, schedules, config, report)
     except Exception as e:  # analysis only: the graph is still untouched, so leave it so
         log.exception("commopt: analysis of graph %d failed; graph left untouched", report.graph_id)
         report.notes.append(f"NOT rewritten: analysis failed ({type(e).__name__}: {e})")
@@ -159,6 +160,25 @@ def _edges(regions: list[Region]) -> list[str]:
         return [e.describe(regions) for e in region_edges(regions)]
     except Exception as e:  # noqa: BLE001 - informational
         log.warning("commopt: region DAG not derived (%s: %s)", type(e).__name__, e)
+        return []
+
+
+def _plan_view(regions: list[Region], schedules: list[Schedule], config: Config,
+               report: explain.GraphReport) -> list[str]:
+    """explain's whole-graph plan (analysis only: a failure here costs the view, nothing else)."""
+    if config.mode not in ("model", "autotune") or not regions:
+        return []
+    from torch_commopt.reshard.plan import describe_plan
+
+    names = [r.collective.name for r in regions]
+    if any(n not in report.candidates for n in names):
+        return []
+    try:
+        chosen = {n: str(Schedule(s.name, s.chunks, tuple(kv for kv in s.params if kv[0] != "dbg")))
+                  for n, s in zip(names, schedules)}
+        return describe_plan({n: report.candidates[n] for n in names}, chosen, config.memory_budget_mib)
+    except Exception as e:  # noqa: BLE001 - informational
+        log.warning("commopt: plan view not derived (%s: %s)", type(e).__name__, e)
         return []
 
 

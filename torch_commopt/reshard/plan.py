@@ -9,8 +9,9 @@ The search then finds the fastest set of choices whose extra memory fits, exactl
 from __future__ import annotations
 
 import logging
+import math
 
-from torch_commopt.reshard.search import InfeasibleBudget, Problem, least_memory, solve
+from torch_commopt.reshard.search import InfeasibleBudget, Plan, Problem, least_memory, runner_up, solve
 
 log = logging.getLogger("torch_commopt.reshard.plan")
 
@@ -33,3 +34,27 @@ def choose_within_budget(candidates: dict[str, list[dict]], budget_mib: float) -
                 f"least-memory plan, predicted {plan.time:.3f} ms")
         log.warning("commopt: %s", note)
     return plan.choice, note
+
+
+def describe_plan(candidates: dict[str, list[dict]], chosen: dict[str, str], budget_mib: float | None) -> list[str]:
+    """explain's plan view: the chosen schedules' total predicted time and extra memory, and
+    the runner-up (the best other set of choices within the budget) with what it changes.
+    chosen: per region the schedule it runs (regions whose schedule is not among its ranked
+    candidates, e.g. an autotune placeholder not yet timed, leave the view out)."""
+    if not candidates or any(chosen.get(n) not in [r["schedule"] for r in rows] for n, rows in candidates.items()):
+        return []
+    names = list(candidates)
+    problem = Problem({n: [(r["predicted_ms"], r["extra_mib"]) for r in candidates[n]] for n in names})
+    index = {n: [r["schedule"] for r in candidates[n]].index(chosen[n]) for n in names}
+    plan = Plan(index, *problem.cost(index))
+    budget = math.inf if budget_mib is None else budget_mib
+    lines = [f"{len(names)} region(s), predicted {plan.time:.3f} ms, {plan.memory:.0f} MiB extra"
+             + ("" if budget_mib is None else f" (budget {budget_mib:g} MiB)")]
+    other = runner_up(problem, plan, max(budget, plan.memory))
+    if other is None:
+        lines.append("runner-up: none (one candidate per region)")
+    else:
+        changes = ", ".join(f"{n} {candidates[n][i]['schedule']}" for n, i in other.choice.items() if i != index[n])
+        lines.append(f"runner-up: {changes}: predicted {other.time:.3f} ms ({other.time - plan.time:+.3f}), "
+                     f"{other.memory:.0f} MiB extra")
+    return lines

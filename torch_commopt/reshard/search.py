@@ -132,6 +132,29 @@ def solve(problem: Problem, budget: float = math.inf, *, max_table: int = MAX_TA
     return Plan(choice, *problem.cost(choice))
 
 
+def runner_up(problem: Problem, best: Plan, budget: float = math.inf) -> Plan | None:
+    """The best plan other than `best` (None when `best` is the only one within the budget).
+    Exact: any other plan differs from `best` at some node, so it is among the optima with
+    one node held to one of its other options."""
+    found = None
+    for node, opts in problem.options.items():
+        for i in range(len(opts)):
+            if i == best.choice[node]:
+                continue
+            held = Problem({**problem.options, node: [opts[i]]},
+                           {e: ([table[i]] if e[0] == node else [[row[i]] for row in table] if e[1] == node else table)
+                            for e, table in problem.edges.items()})
+            try:
+                plan = solve(held, budget)
+            except InfeasibleBudget:
+                continue
+            choice = {**plan.choice, node: i}
+            t, m = problem.cost(choice)
+            if found is None or (t, m) < (found.time, found.memory):
+                found = Plan(choice, t, m, plan.method)
+    return found
+
+
 def least_memory(problem: Problem) -> Plan:
     """The plan with the least memory (ties: the least time)."""
     swapped = Problem({n: [(m, t) for t, m in o] for n, o in problem.options.items()},
