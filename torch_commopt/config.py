@@ -48,6 +48,10 @@ class Config:
         least-memory plan, logged.  None: no budget.
     cache_dir: the tuner cache directory (default $TORCH_COMMOPT_CACHE_DIR, else the
         user's cache directory).
+    coconet: apply CoCoNet's all-gather reorder before finding regions: an all-gather whose
+        result only goes through row-wise ops (casts, activations, scalar or bias
+        arithmetic) is moved after them, so they run on the shard and the gather meets its
+        matmul (passes/coconet.py).  Off by default until measured on GPUs.
     cuda_graphs: the compiled program is replayed from CUDA graphs (torch.compile's
         mode="reduce-overhead" around this backend, or a capture of your own): the
         built-in rule and the cost model rank schedules by GPU time only, since a replay
@@ -81,6 +85,7 @@ class Config:
     debug: bool = False
     debug_waits: bool = False
     cuda_graphs: bool = False
+    coconet: bool = False
     extra_inductor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -118,7 +123,7 @@ class Config:
         unknown = [p for p in self.patterns if p not in PATTERNS]
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
-        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs"):
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet"):
             _check_type(name, getattr(self, name), bool)
         if not isinstance(self.consistency_timeout_s, (int, float)) or self.consistency_timeout_s <= 0:
             raise ValueError(f"Config.consistency_timeout_s: must be a positive number, got {self.consistency_timeout_s!r}")

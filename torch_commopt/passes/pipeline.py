@@ -66,6 +66,14 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         compile_id=_compile_id(),
         collectives_before=_count_collectives(graph),
     )
+    if config.coconet:
+        from torch_commopt.passes.coconet import reorder_all_gathers
+
+        try:
+            report.notes += reorder_all_gathers(graph)
+        except Exception as e:  # each move edits the graph only after its checks: none is half done
+            log.exception("commopt: CoCoNet reorder stopped on graph %d", report.graph_id)
+            report.notes.append(f"CoCoNet reorder stopped ({type(e).__name__}: {e})")
     try:
         regions = _find_regions(graph, config, report)
         report.edges = _edges(regions)
