@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|all] [pytest -k expression]
+# (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
+# can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
 # e.g. `... tests "not nccl"` (~7 min) then `... tests nccl` (~3 min).
 set -uo pipefail
@@ -17,4 +19,11 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_matmul_collectives.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+fi
+if [[ $what == costmodel ]]; then
+  # the tuner figures, eager and replayed from CUDA graphs (~1 min each)
+  mkdir -p "$out/eager" "$out/graphs"
+  timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/eager" ${BENCH_ARGS:-} > "$out/costmodel_eager.log" 2>&1
+  timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/graphs" --cuda-graphs ${BENCH_ARGS:-} > "$out/costmodel_graphs.log" 2>&1
+  tail -14 "$out/costmodel_eager.log" "$out/costmodel_graphs.log"
 fi
