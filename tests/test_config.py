@@ -77,3 +77,12 @@ def test_config_schedule_auto_and_fixed():
     with pytest.raises(ValueError, match="cuda_graphs"):
         Config(cuda_graphs=1)
     assert Config.from_options({"cuda_graphs": True}).cuda_graphs
+
+
+def test_cuda_graphs_turns_on_inductor_cudagraph_trees():
+    from torch_commopt.backend import inductor_patches
+
+    assert inductor_patches(Config(cuda_graphs=True))["triton.cudagraphs"] is True
+    assert "triton.cudagraphs" not in inductor_patches(Config())
+    off = Config(cuda_graphs=True, extra_inductor_options={"triton.cudagraphs": False})
+    assert inductor_patches(off)["triton.cudagraphs"] is False

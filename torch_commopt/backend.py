@@ -26,6 +26,8 @@ def inductor_patches(config: Config, mode: str | None = None) -> dict[str, Any]:
     patches: dict[str, Any] = {}
     if mode is not None:
         patches.update(torch._inductor.list_mode_options(mode))
+    if config.cuda_graphs:  # replayed from CUDA graphs: let Inductor capture them (CUDA graphs only)
+        patches["triton.cudagraphs"] = True
     patches.update(config.extra_inductor_options)
     if torch._inductor.config.post_grad_custom_post_pass is not None:
         log.warning("commopt replaces the post_grad_custom_post_pass already set in Inductor's config")

@@ -52,8 +52,9 @@ class Config:
         result only goes through row-wise ops (casts, activations, scalar or bias
         arithmetic) is moved after them, so they run on the shard and the gather meets its
         matmul (passes/coconet.py).  Off by default until measured on GPUs.
-    cuda_graphs: the compiled program is replayed from CUDA graphs (torch.compile's
-        mode="reduce-overhead" around this backend, or a capture of your own): the
+    cuda_graphs: the compiled program is replayed from CUDA graphs: Inductor's CUDA-graph
+        trees are turned on (`triton.cudagraphs`; extra_inductor_options can turn them
+        off again, e.g. for a capture of your own around the compiled module); the
         built-in rule and the cost model rank schedules by GPU time only, since a replay
         pays no per-call host cost, and autotune times replays of captured calls (its
         own cache entries).  GPU schedules run inside a capture either way (their flags

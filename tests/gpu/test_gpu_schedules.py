@@ -70,3 +70,13 @@ def test_cuda_graph_capture_and_replay(two_gpus):
     for results in run_distributed(run_graph_replay, two_gpus, backend="nccl", timeout_s=300):
         assert len(results) >= 70
         _check(results)
+
+
+@pytest.mark.gpu
+def test_compiled_with_cuda_graph_trees(two_gpus):
+    from kernel_cases import run_compiled_cuda_graphs
+
+    for errors, schedules, skips in run_distributed(run_compiled_cuda_graphs, two_gpus, backend="nccl", timeout_s=300):
+        assert sum(s.startswith("ce_push") for s in schedules) == 2, schedules
+        assert skips == 0, "Inductor skipped CUDA graphs"
+        _check(errors)
