@@ -38,7 +38,7 @@ from bench_matmul_collectives import SHAPES, _variants  # noqa: E402
 from costmodel_vs_bench import region_shape  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 from torch_commopt.tuner.autotune import measure_candidates  # noqa: E402
-from torch_commopt.tuner.model import candidates, rank  # noqa: E402
+from torch_commopt.tuner.model import rank  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
 
@@ -58,7 +58,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
             continue
         region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
                                "dtype": "bfloat16"})
-        preds = rank(region, cal, candidates(region, cal, graphs=graphs), graphs=graphs)
+        preds = rank(region, cal, graphs=graphs)
         _, _, _, _, op, _ = _variants(shape, rank_, world, group_name)
         names = [str(p.schedule) for p in preds]
         measured = measure_candidates(op, names, group_name, device, graphs=graphs)

@@ -23,6 +23,7 @@ is reported as not capturable.
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime
 import json
 import math
@@ -41,6 +42,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch_commopt  # noqa: E402,F401
+from torch_commopt.tuner.autotune import capture_agreed  # noqa: E402
 from torch_commopt.kernels.gpu.pick import pick  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
@@ -72,25 +74,9 @@ SCHEDULES = {
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 
 
-def _capture(fns: dict, counts: dict) -> dict:
-    """{name: fn replaying a CUDA graph of counts[name] back-to-back calls}; a variant whose
-    capture fails on any rank is left out on every rank (its graph holds collectives)."""
-    graphs, ok = {}, []
-    for name, fn in fns.items():
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(counts[name]):
-                    fn()
-            graphs[name] = graph
-            ok.append(1)
-        except Exception as e:  # noqa: BLE001 - reported, and the variant is dropped everywhere
-            print(f"rank {dist.get_rank()}: capture of {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            ok.append(0)
-    flags = torch.tensor(ok, device="cuda")
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    torch.cuda.synchronize()
-    return {name: graphs[name].replay for name, good in zip(fns, flags.tolist()) if good}
+def _repeat(fn, count: int) -> None:
+    for _ in range(count):
+        fn()
 
 
 def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 10.0, graphs: bool = False) -> dict:
@@ -117,8 +103,9 @@ def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 10.0, gra
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     counts = dict(zip(fns, n.tolist()))
     calls = dict(counts)  # calls of fn per timed sample
-    if graphs:
-        fns = _capture(fns, counts)
+    if graphs:  # one replay of a graph holding counts[name] calls
+        fns = capture_agreed({name: functools.partial(_repeat, fn, counts[name]) for name, fn in fns.items()})
+        torch.cuda.synchronize()
         calls = {name: 1 for name in fns}
     samples = {name: [] for name in fns}
     for round_index in range(repeats):

@@ -49,9 +49,9 @@ class Config:
     cache_dir: the tuner cache directory (default $TORCH_COMMOPT_CACHE_DIR, else the
         user's cache directory).
     coconet: apply CoCoNet's all-gather reorder before finding regions: an all-gather whose
-        result only goes through row-wise ops (casts, activations, scalar or bias
-        arithmetic) is moved after them, so they run on the shard and the gather meets its
-        matmul (passes/coconet.py).  Off by default until measured on GPUs.
+        result goes through unary elementwise ops (non-widening casts, activations) is
+        moved after them, so they run on the shard and the gather meets its matmul
+        (passes/coconet.py).  Off by default until measured on GPUs.
     cuda_graphs: the compiled program is replayed from CUDA graphs: Inductor's CUDA-graph
         trees are turned on (`triton.cudagraphs`; extra_inductor_options can turn them
         off again, e.g. for a capture of your own around the compiled module); the

@@ -121,8 +121,7 @@ def _chosen(g: GraphReport, node: str, cands: list[dict[str, Any]]) -> str | Non
         return min(timed, key=lambda c: c["measured_ms"])["schedule"] if timed else None
     if schedule is None:
         return None
-    sched = Schedule.parse(schedule)
-    return str(Schedule(sched.name, sched.chunks, tuple(kv for kv in sched.params if kv[0] != "dbg")))
+    return str(Schedule.parse(schedule).without_debug())
 
 
 def _graph_table(g: GraphReport) -> str:

@@ -101,6 +101,17 @@ class Schedule:
         merged = dict(self.params, **params)
         return Schedule(self.name, self.chunks, tuple(merged.items()))
 
+    def without_debug(self) -> "Schedule":
+        """The same schedule without dbg=1 (how candidates are named)."""
+        return Schedule(self.name, self.chunks, tuple(kv for kv in self.params if kv[0] != "dbg"))
+
+    def in_capture(self, op: str) -> "Schedule":
+        """What runs for `op` inside a CUDA-graph capture: a fused reduction's barrier counts
+        epochs, so it runs ce_push with the same pieces (and debug setting); the rest as is."""
+        if self.name == "fused" and op != "ag_matmul":
+            return Schedule("ce_push", self.chunks, tuple(kv for kv in self.params if kv[0] == "dbg"))
+        return self
+
     def reference_twin(self) -> "Schedule":
         """The plain torch + c10d schedule computing the same pieces in the same order."""
         if self.name == "sequential" or self.chunks == 1:

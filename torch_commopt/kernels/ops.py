@@ -83,11 +83,10 @@ def resolve(op: str, schedule: str, device: torch.device, why_not, run=None) -> 
     reason = why_not(sched, in_capture)
     if reason is None:
         return sched
-    if in_capture and sched.name == "fused" and op != "ag_matmul":
-        # The fused reduction's barrier counts epochs; the copy-engine schedule with the same
-        # pieces is capturable (and falling back to NCCL here could hit a communicator's
-        # first use, which NCCL cannot do inside a capture).
-        alt = Schedule("ce_push", sched.chunks, tuple((k, v) for k, v in sched.params if k == "dbg"))
+    alt = sched.in_capture(op) if in_capture else sched
+    if alt != sched:
+        # Capturable with the same pieces; falling back to NCCL here could instead hit a
+        # communicator's first use, which NCCL cannot do inside a capture.
         if why_not(alt, True) is None:
             _warn_once(op, f"schedule {sched} inside a CUDA-graph capture runs {alt} (capturable, same pieces)")
             return alt
@@ -131,7 +130,7 @@ def ag_matmul(
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.ag_matmul import unsupported_reason
 
-        return unsupported_reason(a, weights, gather_dim, sched, group_name, in_capture)
+        return unsupported_reason(a, weights, gather_dim, sched, group_name, group_size, in_capture)
 
     def run(s):
         return ag_matmul(a, weights, biases, gather_dim, group_size, group_name, s, return_gathered)

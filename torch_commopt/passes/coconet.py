@@ -32,7 +32,7 @@ UNARY = {
 }
 
 
-def _row_wise(node: Node, src: Node) -> bool:
+def _movable(node: Node, src: Node) -> bool:
     """Whether `node` is a unary elementwise op of `src` (no other tensor or value operand)
     that does not widen the dtype (gathering the wider result would move more bytes)."""
     if node.op != "call_function" or node.target not in UNARY or node.args[0] is not src:
@@ -53,7 +53,7 @@ def reorder_all_gathers(graph: Graph) -> list[str]:
         chain, cur = [], wait
         while True:
             nxt = only_user(cur)
-            if nxt is None or not _row_wise(nxt, cur):
+            if nxt is None or not _movable(nxt, cur):
                 break
             chain.append(nxt)
             cur = nxt

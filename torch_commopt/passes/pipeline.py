@@ -182,8 +182,7 @@ def _plan_view(regions: list[Region], schedules: list[Schedule], config: Config,
     if any(n not in report.candidates for n in names):
         return []
     try:
-        chosen = {n: str(Schedule(s.name, s.chunks, tuple(kv for kv in s.params if kv[0] != "dbg")))
-                  for n, s in zip(names, schedules)}
+        chosen = {n: str(s.without_debug()) for n, s in zip(names, schedules)}
         return describe_plan({n: report.candidates[n] for n in names}, chosen, config.memory_budget_mib)
     except Exception as e:  # noqa: BLE001 - informational
         log.warning("commopt: plan view not derived (%s: %s)", type(e).__name__, e)

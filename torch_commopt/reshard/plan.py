@@ -21,8 +21,7 @@ def choose_within_budget(candidates: dict[str, list[dict]], budget_mib: float) -
 
     candidates: per region, rows with "predicted_ms" and "extra_mib".  A budget no plan fits
     gives the least-memory plan, logged (a compile must not fail over it)."""
-    problem = Problem({name: [(row["predicted_ms"], row["extra_mib"]) for row in rows]
-                       for name, rows in candidates.items()})
+    problem = _problem(candidates)
     try:
         plan = solve(problem, budget_mib)
         fastest = solve(problem)
@@ -43,12 +42,11 @@ def describe_plan(candidates: dict[str, list[dict]], chosen: dict[str, str], bud
     candidates, e.g. an autotune placeholder not yet timed, leave the view out)."""
     if not candidates or any(chosen.get(n) not in [r["schedule"] for r in rows] for n, rows in candidates.items()):
         return []
-    names = list(candidates)
-    problem = Problem({n: [(r["predicted_ms"], r["extra_mib"]) for r in candidates[n]] for n in names})
-    index = {n: [r["schedule"] for r in candidates[n]].index(chosen[n]) for n in names}
+    problem = _problem(candidates)
+    index = {n: [r["schedule"] for r in rows].index(chosen[n]) for n, rows in candidates.items()}
     plan = Plan(index, *problem.cost(index))
     budget = math.inf if budget_mib is None else budget_mib
-    lines = [f"{len(names)} region(s), predicted {plan.time:.3f} ms, {plan.memory:.0f} MiB extra"
+    lines = [f"{len(candidates)} region(s), predicted {plan.time:.3f} ms, {plan.memory:.0f} MiB extra"
              + ("" if budget_mib is None else f" (budget {budget_mib:g} MiB)")]
     other = runner_up(problem, plan, max(budget, plan.memory))
     if other is None:
@@ -58,3 +56,8 @@ def describe_plan(candidates: dict[str, list[dict]], chosen: dict[str, str], bud
         lines.append(f"runner-up: {changes}: predicted {other.time:.3f} ms ({other.time - plan.time:+.3f}), "
                      f"{other.memory:.0f} MiB extra")
     return lines
+
+
+def _problem(candidates: dict[str, list[dict]]) -> Problem:
+    """One node per region, its candidate rows' (predicted ms, extra MiB) as options."""
+    return Problem({name: [(row["predicted_ms"], row["extra_mib"]) for row in rows] for name, rows in candidates.items()})

@@ -163,7 +163,11 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     counts = [int(c) for c in n.tolist()]
     calls = [functools.partial(_repeat, run, s, c) for s, c in zip(candidates, counts)]
     if graphs and device.type == "cuda":
-        candidates, calls, counts = _graphed(run, candidates, counts, group)
+        replays = capture_agreed({s: call for s, call in zip(candidates, calls)}, group)
+        if not replays:
+            raise RuntimeError("commopt autotune: no candidate could be captured in a CUDA graph")
+        keep = [i for i, s in enumerate(candidates) if s in replays]
+        candidates, calls, counts = [candidates[i] for i in keep], list(replays.values()), [counts[i] for i in keep]
     samples: list[list[float]] = [[] for _ in candidates]
     show = dist.get_rank() == dist.get_process_group_ranks(group)[0]
 
@@ -200,28 +204,24 @@ def _repeat(run: Callable[[str], Any], schedule: str, count: int) -> None:
         run(schedule)
 
 
-def _graphed(run: Callable[[str], Any], candidates: list[str], counts: list[int], group):
-    """(candidates, replay functions, counts) of the candidates captured in one CUDA graph of
-    `count` back-to-back calls each; a candidate whose capture fails on any rank is left out
-    everywhere (its graph may hold collectives the others would not join)."""
+def capture_agreed(calls: dict[str, Callable[[], Any]], group=None) -> dict[str, Callable[[], None]]:
+    """{name: replay of a CUDA graph holding what calls[name]() does}, in the order of
+    `calls`; a call whose capture fails on any rank is left out on every rank (its graph may
+    hold collectives the others would not join)."""
     graphs, ok = [], []
-    for s, c in zip(candidates, counts):
+    for name, call in calls.items():
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                _repeat(run, s, c)
+                call()
             ok.append(1)
-        except Exception as e:  # noqa: BLE001 - logged; the candidate is dropped on every rank
-            log.warning("commopt autotune: %s could not be captured in a CUDA graph (%s: %s); not timed",
-                        s, type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - logged; the call is dropped on every rank
+            log.warning("commopt: %s could not be captured in a CUDA graph (%s: %s); left out", name, type(e).__name__, e)
             ok.append(0)
         graphs.append(graph)
     agreed = torch.tensor(ok, device=torch.cuda.current_device())
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    keep = [i for i, good in enumerate(agreed.tolist()) if good]
-    if not keep:
-        raise RuntimeError("commopt autotune: no candidate could be captured in a CUDA graph")
-    return [candidates[i] for i in keep], [graphs[i].replay for i in keep], [counts[i] for i in keep]
+    return {name: graph.replay for name, graph, good in zip(calls, graphs, agreed.tolist()) if good}
 
 
 class Progress:

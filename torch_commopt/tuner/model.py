@@ -100,9 +100,8 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
         raise ValueError(f"cost model: {shape.kind} has no schedule {sched.name!r}")
     if sched.is_gpu and cal.p2p is None:
         raise ValueError(f"cost model: {sched} needs symmetric memory; {cal.device} has none")
-    if graphs and sched.name == "fused" and shape.kind != "ag_matmul":
-        # Inside a CUDA-graph capture a fused reduction runs ce_push with its pieces (kernels.ops).
-        sched = Schedule("ce_push", sched.chunks)
+    if graphs:  # what runs inside a capture (a fused reduction: ce_push, Schedule.in_capture)
+        sched = sched.in_capture(shape.kind)
     fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
     gpu = fn(shape, sched, cal) * cal.schedule_factor.get(f"{shape.kind} {sched.name}", 1.0)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
@@ -240,9 +239,10 @@ def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool = False) ->
     gpu = [Schedule("ce_push", s) for s in (1, 2, 4)]
     if shape.kind != "ag_matmul":
         gpu += [Schedule("direct", s) for s in (1, 2)] + [Schedule("ce_pull", 2)]
-    if shape.dtype in ("bfloat16", "float16") and not (graphs and shape.kind != "ag_matmul"):
+    if shape.dtype in ("bfloat16", "float16"):
         gpu += [Schedule("fused", s) for s in (1, 4)]
-    return out + [s for s in gpu if s.valid_for(shape.kind)]
+    # replayed, a schedule that runs as another one inside a capture would only repeat it
+    return out + [s for s in gpu if s.valid_for(shape.kind) and not (graphs and s.in_capture(shape.kind) != s)]
 
 
 def rank(shape: RegionShape, cal: Calibration, schedules: list[Schedule] | None = None, *,

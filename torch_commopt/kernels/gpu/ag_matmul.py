@@ -27,7 +27,7 @@ from torch_commopt.schedule import Schedule
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3}
 
 
-def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule, group_name: str,
+def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule, group_name: str, world: int,
                        capturing: bool = False) -> str | None:
     """Why this call cannot run the GPU schedule (None: it can)."""
     if gather_dim == a.dim() - 1:
@@ -41,14 +41,8 @@ def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule, group_na
     if any(w.dtype != a.dtype for w in weights):
         return "mixed dtypes"
     if capturing:
-        return symm.capture_refusal(group_name, a.device, "ag_matmul", schedule, buffer_bytes(a, _world(group_name)))
+        return symm.capture_refusal(group_name, a.device, "ag_matmul", schedule, buffer_bytes(a, world))
     return None
-
-
-def _world(group_name: str) -> int:
-    from torch_commopt.kernels.reference.collectives import resolve_group
-
-    return resolve_group(group_name).size()
 
 
 def buffer_bytes(a, world: int) -> int:

@@ -264,8 +264,8 @@ def capture_refusal(group_name: str, device: torch.device, op: str, schedule, nb
     it can).  Creating the runtime or a buffer rendezvouses (host-blocking, collective) and
     synchronizes, which a capture forbids; the fused reductions pass a barrier that counts
     epochs, values a replay would repeat."""
-    if schedule.name == "fused" and op != "ag_matmul":
-        return "CUDA-graph capture (the fused reduction's barrier counts epochs)"
+    if schedule.in_capture(op) != schedule:
+        return f"CUDA-graph capture (runs {schedule.in_capture(op)} there)"
     key = (group_name, device.index if device.index is not None else torch.cuda.current_device())
     rt = _RUNTIMES.get(key)
     if rt is None or not rt.has_buffer(nbytes):
