@@ -27,9 +27,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch_commopt  # noqa: E402,F401
 from torch_commopt.launch import run_distributed  # noqa: E402
 
-CASES = [("ag", 512, s) for s in ("sequential", "local_first", "chunked:2", "ce_push:1", "fused:1")] + \
-        [("rs", 512, s) for s in ("sequential", "chunked:2", "direct:1", "ce_push:2", "fused:2:store=direct")] + \
-        [("ar", 2048, s) for s in ("sequential", "chunked:2", "direct:1")]
+# "raw": the bare `dist` collective + torch.mm a user would write (the benchmark's baseline)
+CASES = [("rs", 512, s) for s in ("raw", "sequential", "direct:1")] + \
+        [("rs", 2048, s) for s in ("raw", "direct:1", "ce_push:2")] + \
+        [("ag", 2048, s) for s in ("raw", "sequential", "ce_push:1")] + \
+        [("ar", 2048, s) for s in ("raw", "sequential", "ce_push:2")]
 K = N = 8192
 
 
@@ -38,11 +40,31 @@ def _call(op, m, world, rank, gname):
     rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
     if op == "ag":
         a, w = rnd(m // world, K), rnd(K, N // world) / math.sqrt(K)
-        return lambda s: torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, gname, s, False)
+        return lambda s: _raw_ag(a, w, world) if s == "raw" else torch.ops.commopt.ag_matmul(
+            a, [w], [None], 0, world, gname, s, False)
     a, w = rnd(m, K // world), rnd(K // world, N) / math.sqrt(K)
     if op == "rs":
-        return lambda s: torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", world, gname, s)
-    return lambda s: torch.ops.commopt.matmul_ar(a, w, None, "sum", world, gname, s)
+        return lambda s: _raw_rs(a, w, world) if s == "raw" else torch.ops.commopt.matmul_rs(
+            a, w, None, 0, "sum", world, gname, s)
+    return lambda s: _raw_ar(a, w) if s == "raw" else torch.ops.commopt.matmul_ar(a, w, None, "sum", world, gname, s)
+
+
+def _raw_ag(a, w, world):
+    gathered = a.new_empty((world * a.shape[0], a.shape[1]))
+    dist.all_gather_into_tensor(gathered, a)
+    return torch.mm(gathered, w)
+
+
+def _raw_rs(a, w, world):
+    out = a.new_empty((a.shape[0] // world, w.shape[1]))
+    dist.reduce_scatter_tensor(out, torch.mm(a, w))
+    return out
+
+
+def _raw_ar(a, w):
+    out = torch.mm(a, w)
+    dist.all_reduce(out)
+    return out
 
 
 def worker(rank, world, out):

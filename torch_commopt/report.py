@@ -126,7 +126,8 @@ def _chosen(g: GraphReport, node: str, cands: list[dict[str, Any]]) -> str | Non
 
 def _graph_table(g: GraphReport) -> str:
     head = (f"commopt graph {g.graph_id} ({g.graph_kind}, compile {g.compile_id}): "
-            f"{len(g.rewritten)} region(s) rewritten, {len(g.skipped)} candidate(s) skipped")
+            f"{len(g.rewritten)} region(s) rewritten, {len(g.regions) - len(g.rewritten)} kept as compiled, "
+            f"{len(g.skipped)} candidate(s) skipped")
     lines = [head]
     if g.regions:
         lines += _format([_COLUMNS] + [_row(r) for r in g.regions])

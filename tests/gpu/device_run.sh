@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -19,6 +19,11 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_matmul_collectives.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+fi
+if [[ $what == probes ]]; then
+  # cuBLAS wave quantization (the ag lead's premise) and the host cost per call (cProfile)
+  timeout 120 python3 benchmarks/probe_waves.py "$out" 2>&1 | tee "$out/probe_waves.log"
+  timeout 240 python3 benchmarks/profile_host.py "$out/host" 2>&1 | tee "$out/profile_host.log"
 fi
 if [[ $what == costmodel ]]; then
   # the tuner figures, eager and replayed from CUDA graphs (~1 min each)

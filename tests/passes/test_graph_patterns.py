@@ -279,3 +279,24 @@ def test_region_dag_links_regions_through_the_ops_between_them(fake_world):
     assert any("via relu" in e and "reshard: none" in e for e in graph.edges), graph.edges
     assert sum("directly; reshard: none" in e for e in graph.edges) == 2, graph.edges
     assert "edge " in str(torch_commopt.explain())
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_a_chosen_sequential_keeps_the_graph_as_compiled(fake_world, monkeypatch):
+    # The rule or the model choosing `sequential` leaves the region's own collective + matmul
+    # (no op of ours in between); a user who fixes schedule="sequential" gets the op.
+    import torch_commopt.passes.pipeline as pipeline
+    from torch_commopt.schedule import Schedule
+
+    a, b = torch.randn(64, 32), torch.randn(32, 16 * fake_world)
+
+    def fn(a, b):
+        return funcol.reduce_scatter_tensor(a @ b, "sum", 0, group())
+
+    monkeypatch.setattr(pipeline, "_choose_schedule", lambda region, config, report: Schedule("sequential"))
+    graph = only_graph(fn, a, b)
+    assert not graph.rewritten and not graph.commopt_ops
+    assert [r.status for r in graph.regions] == [pipeline.KEPT]
+    assert graph.collectives_after == graph.collectives_before
+    monkeypatch.undo()
+    assert_rewritten(only_graph(fn, a, b, schedule="sequential"), "matmul_rs")

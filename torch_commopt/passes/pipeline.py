@@ -41,6 +41,7 @@ FINDERS = (
     ("matmul_ar", lambda g, cfg: find_matmul_reduce(g, ("matmul_ar",))),
 )
 
+KEPT = "kept (sequential: the graph's own collective + matmul)"
 _COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
 
 
@@ -88,12 +89,17 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     report.plan_hash = consistency.plan_hash([_decision(r, s) for r, s in zip(regions, schedules)])
     if regions and not _ranks_agree(graph, regions, report, config):
         regions, schedules = [], []
-    replaced = {}
+    replaced, rewritten = {}, 0
     for region, schedule in zip(regions, schedules):
+        if _keep_as_compiled(region, schedule, config):
+            report.regions.append(explain.RegionReport(
+                region.kind, region.collective.name, region.summary(), str(schedule), KEPT))
+            continue
         rewrite_region(graph, region, schedule, replaced)
+        rewritten += 1
         report.regions.append(explain.RegionReport(
             region.kind, region.collective.name, region.summary(), str(schedule), "rewritten"))
-    if regions:
+    if rewritten:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
         stable_topological_sort(graph)
@@ -104,6 +110,14 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         report.code = graph.python_code("self").src
     explain.record(report)
     return report
+
+
+def _keep_as_compiled(region: Region, schedule: Schedule, config: Config) -> bool:
+    """A region whose *chosen* schedule is `sequential` keeps the graph's own collective and
+    matmul: that is the sequential schedule, with no op of ours in between (no host cost on
+    short calls, nothing to trust).  A schedule the user fixed is applied as asked."""
+    fixed = config.fixed_schedule
+    return schedule.name == "sequential" and not (fixed is not None and fixed.valid_for(region.kind))
 
 
 def _find_regions(graph: Graph, config: Config, report: explain.GraphReport) -> list[Region]:
@@ -141,11 +155,18 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
 
             wanted, why = pick(region.kind, static_shape(region.a), [list(c.weight.meta["val"].shape) for c in region.consumers],
                                region.dim, region.group_size, str(a.dtype).removeprefix("torch."),
-                               graphs=config.cuda_graphs)
+                               graphs=config.cuda_graphs, sms=_sm_count(a.device))
             report.notes.append(f"{name}: picked {wanted} ({why})")
         else:
             wanted = Schedule("chunked", config.chunks)
     return _finish(wanted, region, config, report)
+
+
+def _sm_count(device: torch.device) -> int | None:
+    try:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    except (RuntimeError, AssertionError, AttributeError):  # no usable CUDA device here
+        return None
 
 
 def _finish(wanted: Schedule, region: Region, config: Config, report: explain.GraphReport) -> Schedule:

@@ -63,17 +63,17 @@ class Prediction:
 
 @dataclass
 class _Step:
-    queue: str  # "compute" or "comm"
+    queue: str  # "compute", "comm" (the side stream's copies) or "local" (the local copy stream)
     seconds: float
     after: tuple[int, ...] = ()  # indices of steps (either queue) this one waits for
 
 
 def simulate(steps: list[_Step]) -> float:
-    """Makespan of steps issued in list order to two in-order queues."""
+    """Makespan of steps issued in list order to in-order queues (named by _Step.queue)."""
     end: list[float] = []
-    free = {"compute": 0.0, "comm": 0.0}
+    free: dict[str, float] = {}
     for step in steps:
-        start = max([free[step.queue]] + [end[i] for i in step.after])
+        start = max([free.get(step.queue, 0.0)] + [end[i] for i in step.after])
         end.append(start + step.seconds)
         free[step.queue] = end[-1]
     return max(end, default=0.0)
@@ -184,9 +184,11 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
     piece_bytes = m_seg / s * shape.ns[0] * shape.elt
     stores = sched.name == "direct" or (sched.name == "fused" and sched.param("store", "direct") == "direct")
     link = (cal.p2p_pull or cal.p2p) if sched.name == "ce_pull" else cal.p2p
-    # cuBLAS reductions (addmm) copy the received partial into the output first; ce_pull
-    # pulls straight into the output and fused adds in its epilogue.
-    c_copy = cal.local_copy.time(piece_bytes) if cal.local_copy and sched.name in ("ce_push", "direct") else 0.0
+    # cuBLAS reductions move the received partial into the output before the GEMM adds
+    # into it: on the local copy stream at W = 2 (beside the GEMMs), else in the GEMM's
+    # addmm (on the SMs); ce_pull pulls straight into the output, fused adds in its epilogue.
+    copy = cal.local_copy.time(piece_bytes) if cal.local_copy and sched.name in ("ce_push", "direct") else 0.0
+    c_copy, local_copy = (0.0, copy) if w == 2 else (copy, 0.0)
     fused = 1.0 / cal.fused_efficiency if sched.name == "fused" else 1.0
     piece = _gemm(shape, cal, m_seg / s) * fused
     sent = (w - 1) * s
@@ -204,6 +206,9 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
                 steps.append(_Step("comm", link.time(piece_bytes), (len(steps) - 1,)))
             arrival[c].append(len(steps) - 1)
     for c in range(s):
+        if local_copy:
+            steps.append(_Step("local", local_copy, tuple(arrival[c])))
+            arrival[c] = [len(steps) - 1]
         steps.append(_Step("compute", piece + c_copy, tuple(arrival[c])))
         if shape.kind == "matmul_ar":  # the reduced piece pushed to every peer
             for _ in range(w - 1):

@@ -15,7 +15,9 @@ matmul_rs (rank r of W; segment p = the rows rank p keeps; buffer half h, altern
     fused:   one persistent Triton GEMM does all segments, releasing per-piece tile
              counters (see triton_kernels.rs_gemm_kernel);
   then the own segment, piece by piece after the peers' flags, with the reduction fused
-  into the GEMM's epilogue (addmm with the received partial, or the Triton epilogue).
+  into the GEMM's epilogue (the Triton epilogue; with cuBLAS at W = 2 a second copy
+  stream moves the received partial into the output as it lands and the GEMM adds in
+  place, addmm_; at W > 2 the partials are summed in fp32 after the GEMM).
 matmul_ar = the same reduce-scatter of row blocks, then the reduced pieces are pushed
 to every peer by the copy engine (flags DATA2) and copied into place there.
 At the end a rank lowers the DATA flags it waited for and gives its sources their tokens
@@ -196,10 +198,36 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
                 torch.mm(a_p[lo:hi], weight, out=staging[p, lo:hi])
                 _ship(call, staging[p, lo:hi], call.peer_slot(p)[lo:hi], p, c)
     a_r = call.segment_a(call.rank)
+    if len(rt.sources) == 1:
+        _own_in_place(call, a_r, weight, own, rt.sources[0], after_piece)
+        return
     for c, (lo, hi) in enumerate(call.pieces):
         for src in rt.sources:
             call.wait(call.cur, src, c, "partial")
         _own_piece(call, a_r[lo:hi], weight, own[lo:hi], [call.recv[s, lo:hi] for s in rt.sources])
+        if after_piece is not None:
+            after_piece(c, lo, hi)
+
+
+def _own_in_place(call: _Call, a_r, weight, own, src: int, after_piece):
+    """One source (W = 2): the local copy stream moves each received partial into the
+    output as soon as it lands (the copy engine, beside the GEMMs still running), and the
+    own piece's GEMM adds into it in place (addmm_): the reduction costs the SMs nothing
+    but the epilogue's read of C, where addmm(C, out=D) would first copy C into D on them."""
+    local = call.rt.local
+    forked = torch.cuda.Event()
+    forked.record(call.cur)  # after `own` was allocated on the caller's stream
+    local.wait_event(forked)
+    landed = []
+    with torch.cuda.stream(local):
+        for c, (lo, hi) in enumerate(call.pieces):
+            call.wait(local, src, c, "partial")
+            own[lo:hi].copy_(call.recv[src, lo:hi])
+            landed.append(torch.cuda.Event())
+            landed[-1].record(local)
+    for c, (lo, hi) in enumerate(call.pieces):
+        call.cur.wait_event(landed[c])
+        own[lo:hi].addmm_(a_r[lo:hi], weight, beta=call.alpha, alpha=call.alpha)
         if after_piece is not None:
             after_piece(c, lo, hi)
 

@@ -19,7 +19,7 @@ One `GroupRuntime` per (process group, device), created on first use and kept:
 - data buffers by size class (powers of two, >= 16 MiB), allocated with
   `torch.distributed._symmetric_memory.empty` and rendezvoused once (rendezvous blocks the
   host and is collective, so it must never happen per call, nor inside a graph capture).
-- one high-priority side stream for copy-engine transfers.
+- two high-priority side streams for copy-engine transfers (pushes to peers; local copies).
 
 No NVLink multicast is used anywhere: only unicast P2P loads/stores and copies.
 """
@@ -124,6 +124,9 @@ class GroupRuntime:
         self.sources = [(self.rank - s) % self.world for s in range(1, self.world)]
         self.epoch = 0
         self.side = torch.cuda.Stream(device=device, priority=-1)
+        # A second copy stream for local copies that must not queue behind the pushes
+        # (the received partial into the output, while the side stream still ships).
+        self.local = torch.cuda.Stream(device=device, priority=-1)
         flags = symm_mem.empty(FLAG_SLOTS, dtype=torch.int32, device=device)
         flags.zero_()
         flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
