@@ -50,7 +50,15 @@ DATA = 1024  # [h * PHASE_SLOTS + src * MAX_CHUNKS + c]: 1 once chunk c from src
 PHASE_SLOTS = MAX_WORLD * MAX_CHUNKS
 DATA2 = DATA + HALVES * PHASE_SLOTS  # second phase (all-gather of matmul_ar)
 COUNTERS = DATA2 + HALVES * PHASE_SLOTS  # [p * MAX_CHUNKS + c]: tiles finished (reset per call)
-assert COUNTERS + MAX_WORLD * MAX_CHUNKS <= FLAG_SLOTS
+# This rank's own small device state lives in its flag array too (written locally only):
+# a tensor from the caching allocator kept by the runtime would be flagged by Inductor's
+# CUDA-graph trees when the runtime is created during their warm-up run, which allocates
+# everything on the thread from the graph's private pool.
+STATUS = COUNTERS + MAX_WORLD * MAX_CHUNKS  # [8]: debug-wait timeout record
+FLAG_BASES = STATUS + 8  # int64 [MAX_WORLD]: every rank's flag array address (for Triton)
+BUFFER_PTRS = FLAG_BASES + 2 * MAX_WORLD  # int64 [MAX_BUFFERS][MAX_WORLD]: data buffer addresses
+MAX_BUFFERS = 32
+assert BUFFER_PTRS + MAX_BUFFERS * 2 * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0
 assert FREE + HALVES * MAX_WORLD <= DATA
 
 MIN_BUFFER_BYTES = 1 << 24
@@ -135,8 +143,8 @@ class GroupRuntime:
         self.flags_handle = symm_mem.rendezvous(flags, group_name)
         self.flags = flags
         self.flag_bases = [int(p) for p in self.flags_handle.buffer_ptrs]
-        self.flag_bases_dev = torch.tensor(self.flag_bases, dtype=torch.int64, device=device)
-        self.status = torch.zeros(8, dtype=torch.int32, device=device)
+        self.flag_bases_dev = self._int64_table(FLAG_BASES, self.flag_bases)
+        self.status = flags[STATUS: STATUS + 8]  # zeroed above
         self.buffers: list[SymmBuffer] = []
         self._debug_kernel_loaded = False
         self._warned_capture_debug = False
@@ -180,13 +188,21 @@ class GroupRuntime:
         if fitting:
             return min(fitting, key=lambda b: b.nbytes)
         size = max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+        if len(self.buffers) >= MAX_BUFFERS:
+            raise RuntimeError(f"commopt: more than {MAX_BUFFERS} symmetric buffer size classes for group {self.group_name}")
         local = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(local, self.group_name)
-        ptrs = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64, device=self.device)
+        ptrs = self._int64_table(BUFFER_PTRS + len(self.buffers) * 2 * MAX_WORLD, [int(p) for p in handle.buffer_ptrs])
         buf = SymmBuffer(local, handle, self.rank, ptrs)
         self.buffers.append(buf)
         log.info("commopt: symmetric buffer of %d MiB for group %s", size >> 20, self.group_name)
         return buf
+
+    def _int64_table(self, index: int, values: list[int]) -> torch.Tensor:
+        """int64 `values` stored at int32 index `index` of this rank's flag array (a view)."""
+        table = self.flags[index: index + 2 * len(values)].view(torch.int64)
+        table.copy_(torch.tensor(values, dtype=torch.int64))
+        return table
 
     # ---- flags -------------------------------------------------------------------------
     def flag_address(self, rank: int, index: int) -> int:
