@@ -21,8 +21,8 @@ if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_matmul_collectives.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
 fi
 if [[ $what == probes ]]; then
-  # cuBLAS wave quantization (the ag lead's premise) and the host cost per call (cProfile)
-  timeout 120 python3 benchmarks/probe_waves.py "$out" 2>&1 | tee "$out/probe_waves.log"
+  # per-shard GEMM split cost (one vs two streams) and the host cost per call (cProfile)
+  timeout 150 python3 benchmarks/probe_gemm_split.py "$out" 2>&1 | tee "$out/probe_gemm_split.log"
   timeout 240 python3 benchmarks/profile_host.py "$out/host" 2>&1 | tee "$out/profile_host.log"
 fi
 if [[ $what == costmodel ]]; then

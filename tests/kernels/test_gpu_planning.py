@@ -10,7 +10,6 @@ import torch
 from torch_commopt.kernels.gpu.layout import RowLayout
 from torch_commopt.kernels.gpu.pick import pick
 from torch_commopt.kernels.ops import resolve
-from torch_commopt.schedule import Schedule
 
 
 @pytest.mark.parametrize("shape,dim,world", [((8, 6), 0, 2), ((2, 3, 5, 4), 1, 4), ((3, 7, 4), 0, 2), ((2, 5, 4), 1, 2)])
@@ -95,63 +94,3 @@ def test_fused_reduction_inside_a_capture_runs_ce_push(monkeypatch, caplog):
     # no capturable alternative: sequential, logged
     got = resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s, capturing: "no buffer")
     assert str(got) == "sequential"
-
-
-# --- ag ce_push lead: the own-shard GEMM sized to whole waves ---------------------------------
-
-def test_wave_lead_saves_a_wave_only_where_one_is_lost():
-    from torch_commopt.kernels.gpu.pick import wave_lead, waves
-
-    # AG 16384x8192x28672 at world 2 on 132 SMs: two 8192-row GEMMs are 28 + 28 waves.
-    lead = wave_lead(8192, 14336, 2, 132)
-    assert lead == 4224 and lead % 128 == 0
-    assert waves(lead, 14336, 132) + waves(2 * 8192 - lead, 14336, 132) == waves(16384, 14336, 132) == 55
-    assert 2 * waves(8192, 14336, 132) == 56
-    # the per-shard GEMMs already fill whole waves: nothing to save
-    assert wave_lead(4096, 4096, 2, 132) == 0 and wave_lead(8192, 4096, 2, 132) == 0
-    assert wave_lead(8192, 14336, 1, 132) == 0
-
-
-def test_pick_uses_the_lead_only_with_an_sm_count_and_a_long_enough_lead():
-    shape = ([8192, 8192], [[8192, 14336]])
-    assert str(pick("ag_matmul", *shape, 0, 2, "bfloat16")[0]) == "ce_push:4"  # no SM count: no lead
-    assert str(pick("ag_matmul", *shape, 0, 2, "bfloat16", sms=132)[0]) == "ce_push:1:lead=4224"
-    # two weights (q/k/v-like) or a gather along a later dim: no lead
-    assert "lead" not in str(pick("ag_matmul", [8192, 8192], [[8192, 14336]] * 2, 0, 2, "bfloat16", sms=132)[0])
-    assert "lead" not in str(pick("ag_matmul", [2, 4096, 8192], [[8192, 14336]], 1, 2, "bfloat16", sms=132)[0])
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("m_loc,lead", [(8192, 4224), (500, 100), (7, 3)])
-def test_lead_rows_cover_every_output_row_once(world, m_loc, lead):
-    from torch_commopt.kernels.gpu.ag_matmul import LeadRows
-
-    for rank in range(world):
-        rows = LeadRows.of(rank, m_loc, lead)
-        assert rows.peer in ((rank - 1) % world, rank + 1) and rows.peer != rank
-        covered = [0] * (world * m_loc)
-        for g in range(rank * m_loc + rows.lead[0], rank * m_loc + rows.lead[1]):
-            covered[g] += 1
-        for src in range(world):  # the other peers' shards, one GEMM each
-            if src not in (rank, rows.peer):
-                for g in range(src * m_loc, (src + 1) * m_loc):
-                    covered[g] += 1
-        for g in range(*rows.merged):
-            covered[g] += 1
-        assert covered == [1] * (world * m_loc)
-        # the merged block is the rest of the own shard plus the whole peer shard
-        own = set(range(rank * m_loc + rows.rest[0], rank * m_loc + rows.rest[1]))
-        peer = set(range(rows.peer * m_loc, (rows.peer + 1) * m_loc))
-        assert set(range(*rows.merged)) == own | peer
-
-
-def test_lead_is_refused_where_it_does_not_apply():
-    from torch_commopt.kernels.gpu.ag_matmul import unsupported_reason
-
-    a, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 16, dtype=torch.bfloat16)
-    ok = Schedule.parse("ce_push:1:lead=32")
-    assert unsupported_reason(a, [w], 0, ok, "g", 2) is None
-    assert "lead" in unsupported_reason(a, [w, w], 0, ok, "g", 2)
-    assert "lead" in unsupported_reason(a, [w], 0, Schedule.parse("ce_push:2:lead=32"), "g", 2)
-    assert "lead" in unsupported_reason(a, [w], 0, Schedule.parse("ce_push:1:lead=64"), "g", 2)
-    assert "lead" in unsupported_reason(torch.randn(2, 32, 32, dtype=torch.bfloat16), [w], 1, ok, "g", 2)

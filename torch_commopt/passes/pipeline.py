@@ -155,18 +155,11 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
 
             wanted, why = pick(region.kind, static_shape(region.a), [list(c.weight.meta["val"].shape) for c in region.consumers],
                                region.dim, region.group_size, str(a.dtype).removeprefix("torch."),
-                               graphs=config.cuda_graphs, sms=_sm_count(a.device))
+                               graphs=config.cuda_graphs)
             report.notes.append(f"{name}: picked {wanted} ({why})")
         else:
             wanted = Schedule("chunked", config.chunks)
     return _finish(wanted, region, config, report)
-
-
-def _sm_count(device: torch.device) -> int | None:
-    try:
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    except (RuntimeError, AssertionError, AttributeError):  # no usable CUDA device here
-        return None
 
 
 def _finish(wanted: Schedule, region: Region, config: Config, report: explain.GraphReport) -> Schedule:

@@ -8,11 +8,10 @@ Protocol (one call in buffer half h, rank r of W; calls alternate the halves; se
   caller stream: multiply the local shard straight from the input (no wait, no staging
                 copy), then the peers' slots in arrival order (r-1, r-2, ...), each piece
                 after its flag: cuBLAS per piece (ce_push) or one persistent Triton GEMM
-                spinning on the flags (fused).
-  ce_push lead=L: the first GEMM takes L rows of the own shard (a whole number of waves,
-                pick.wave_lead); the side stream also copies the rest of the own shard
-                into this rank's own slot, so that rest and the adjacent peer's slot are one
-                contiguous block of rows: one GEMM, one partial last wave instead of two.
+                spinning on the flags (fused).  ce_push par=1: the peers' pieces on a
+                second compute stream (forked after the outputs are allocated), so the
+                hardware starts their GEMMs on the SMs the own shard's GEMM frees in its
+                last wave instead of after it.
 The caller's stream joins the side stream at the end, so the input (read by the copy
 engine) and the outputs stay valid for the caching allocator, then lowers its DATA flags
 and gives every source its token back.  Every value is a constant: the call can be
@@ -21,7 +20,7 @@ captured in a CUDA graph and replayed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
 
 import torch
 
@@ -46,13 +45,8 @@ def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule, group_na
         return f"fused needs bf16/fp16, got {a.dtype}"
     if any(w.dtype != a.dtype for w in weights):
         return "mixed dtypes"
-    lead = schedule.param("lead", 0)
-    if lead:
-        lay = RowLayout.of(list(a.shape), gather_dim, world, gathered=True)
-        if schedule.name != "ce_push" or schedule.chunks != 1 or len(weights) != 1:
-            return "lead needs ce_push with one piece and one weight"
-        if lay.outer != 1 or not 0 < lead < lay.local_rows:
-            return f"lead={lead} needs the shard's rows contiguous in the output and 0 < lead < {lay.local_rows}"
+    if schedule.param("par", 0) and schedule.name != "ce_push":
+        return "par=1 is a ce_push parameter"
     if capturing:
         return symm.capture_refusal(group_name, a.device, "ag_matmul", schedule, buffer_bytes(a, world))
     return None
@@ -85,8 +79,6 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     # pending (the caching allocator orders reuse on the allocating stream only).
     gathered = a.new_empty(gshape) if return_gathered else None
 
-    lead = LeadRows.of(rank, m_loc, sched.param("lead")) if sched.name == "ce_push" and sched.param("lead") else None
-    copied = torch.cuda.Event() if lead is not None else None
     side.wait_stream(cur)
     with torch.cuda.stream(side):
         for p in rt.peers:
@@ -95,16 +87,12 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
             for c, (lo, hi) in enumerate(pieces):
                 dst[lo:hi].copy_(a2[lo:hi])
                 rt.signal(side, p, data_index(half, rank, c), 1)
-        if lead is not None:  # the rest of the own shard next to the adjacent peer's slot
-            slots[rank, lead.rest[0]:lead.rest[1]].copy_(a2[lead.rest[0]:lead.rest[1]])
-            copied.record(side)
 
     if sched.name == "fused":
         _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug)
-    elif lead is not None:
-        _consume_lead(rt, a2, slots, weights[0], biases[0], outs[0], lead, copied, half, cur, debug)
     else:
-        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug)
+        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug,
+                        par=bool(sched.param("par", 0)))
     result = outs
     if return_gathered:
         result = outs + [_gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug)]
@@ -115,63 +103,21 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     return result
 
 
-def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug):
+def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug, par: bool = False):
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in outs]
+    peers_stream = rt.compute if par else cur
+    if par:  # forked here: after the outputs were allocated on the caller's stream
+        peers_stream.wait_stream(cur)
     # Own shard first, as one GEMM: it needs nothing from the peers.
     _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows)
-    for src in rt.sources:
-        for c, (lo, hi) in enumerate(pieces):
-            rt.wait(cur, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
-            _piece_matmuls(slots[src, lo:hi], full, weights, biases, lay, src, lo, hi)
-
-
-@dataclass(frozen=True)
-class LeadRows:
-    """Row bookkeeping of ce_push lead=L (outer == 1, one piece, one weight).  The merged
-    GEMM covers the rest of the own shard and the shard of the adjacent peer (r-1, or r+1
-    on rank 0), which sit next to each other in this rank's buffer once the rest has been
-    copied into its own slot; the lead rows are the end of the own shard away from it.
-    lead/rest: own-shard rows [lo, hi); merged: global rows (= buffer rows) [lo, hi)."""
-
-    peer: int
-    lead: tuple[int, int]
-    rest: tuple[int, int]
-    merged: tuple[int, int]
-
-    @classmethod
-    def of(cls, rank: int, m_loc: int, lead: int) -> "LeadRows":
-        if rank > 0:  # slots [q | own]: lead = own rows [m-L, m), rest [0, m-L)
-            peer, lead_rows, rest = rank - 1, (m_loc - lead, m_loc), (0, m_loc - lead)
-            lo = peer * m_loc
-        else:  # slots [own | q]: lead = own rows [0, L), rest [L, m)
-            peer, lead_rows, rest = rank + 1, (0, lead), (lead, m_loc)
-            lo = lead
-        return cls(peer, lead_rows, rest, (lo, lo + 2 * m_loc - lead))
-
-
-def _consume_lead(rt, a2, slots, weight, bias, out, lead: LeadRows, copied, half, cur, debug):
-    """Lead GEMM on own rows, the other peers' shards, then one GEMM over [rest | q] (or [q | rest])."""
-    rank, m_loc = rt.rank, a2.shape[0]
-    full, flat = out.view(-1, out.shape[-1]), slots.view(-1, a2.shape[-1])
-
-    def mm(rows, lo, hi):
-        dst = full[lo:hi]
-        if bias is None:
-            torch.mm(rows, weight, out=dst)
-        else:
-            torch.addmm(bias, rows, weight, out=dst)
-
-    lo, hi = lead.lead
-    mm(a2[lo:hi], rank * m_loc + lo, rank * m_loc + hi)
-    for src in rt.sources:
-        if src == lead.peer:
-            continue
-        rt.wait(cur, data_index(half, src, 0), 1, debug=debug, what="chunk", src=src, chunk=0)
-        mm(slots[src], src * m_loc, (src + 1) * m_loc)
-    rt.wait(cur, data_index(half, lead.peer, 0), 1, debug=debug, what="chunk", src=lead.peer, chunk=0)
-    cur.wait_event(copied)
-    mm(flat[lead.merged[0]:lead.merged[1]], *lead.merged)
+    with torch.cuda.stream(peers_stream) if par else contextlib.nullcontext():
+        for src in rt.sources:
+            for c, (lo, hi) in enumerate(pieces):
+                rt.wait(peers_stream, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
+                _piece_matmuls(slots[src, lo:hi], full, weights, biases, lay, src, lo, hi)
+    if par:
+        cur.wait_stream(peers_stream)
 
 
 def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi):

@@ -33,9 +33,6 @@ MIN_GEMM_S = 0.1e-3
 # runs, ce_push:2 0.42 and 0.69 ms); above it the copy-engine schedules win (rs ce_push:2
 # 0.85 vs direct:1 0.87 ms at 8192^3, 1.69 vs 1.87 ms at 16384x8192x8192).
 SHORT_GEMM_S = 0.5e-3
-# cuBLAS's tile for long bf16 GEMMs on H100/H200 (128 x 256 outputs per SM): what the wave
-# arithmetic of the all-gather lead assumes.
-TILE_M, TILE_N = 128, 256
 
 
 def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: str) -> tuple[float, float]:
@@ -54,33 +51,6 @@ def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: st
     return flops / GEMM_FLOPS_PER_S.get(dtype, 50e12), moved / LINK_BYTES_PER_S
 
 
-def waves(rows: int, n: int, sms: int) -> int:
-    """Waves of TILE_M x TILE_N output tiles one GEMM of rows x n runs on `sms` SMs."""
-    return math.ceil(math.ceil(rows / TILE_M) * math.ceil(n / TILE_N) / sms)
-
-
-def wave_lead(m_loc: int, n: int, world: int, sms: int) -> int:
-    """Rows of the own shard for ag ce_push's first GEMM (Schedule param lead), or 0.
-
-    ce_push:1 runs one GEMM per shard: W partial last waves.  With a lead of L rows (a
-    whole number of waves) and one GEMM over the rest of the own shard plus the adjacent
-    peer's shard, one partial wave is saved whenever the per-shard GEMMs waste more than
-    a wave between them (AG 16384x8192x28672 on 132 SMs: 28 + 28 waves of two 8192-row
-    GEMMs vs 14 + 41 with L = 4224).  The largest such L of at least a quarter of the
-    shard, so that the lead GEMM still hides the transfer; 0 when no L saves a wave."""
-    if world < 2 or sms < 1:
-        return 0
-    per_shard = world * waves(m_loc, n, sms)
-    tiles_n = math.ceil(n / TILE_N)
-    for lead in range(m_loc // TILE_M * TILE_M, max(TILE_M, m_loc // 4) - 1, -TILE_M):
-        if lead >= m_loc or (lead // TILE_M) * tiles_n % sms:
-            continue
-        split = waves(lead, n, sms) + waves(2 * m_loc - lead, n, sms) + (world - 2) * waves(m_loc, n, sms)
-        if split < per_shard:
-            return lead
-    return 0
-
-
 def gpu_refusal(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int) -> str | None:
     """Why no GPU schedule can take a region of this shape (the kernels' own checks), or None."""
     if any(len(w) != 2 for w in weight_shapes):
@@ -93,11 +63,10 @@ def gpu_refusal(kind: str, a_shape: list[int], weight_shapes: list[list[int]], d
 
 
 def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
-         dtype: str, *, graphs: bool = False, sms: int | None = None) -> tuple[Schedule, str]:
+         dtype: str, *, graphs: bool = False) -> tuple[Schedule, str]:
     """(schedule, why) for a region running on CUDA.  graphs=True: the calls are replayed
     from a CUDA graph (Config.cuda_graphs), so the host cost that makes short GEMMs run
-    `sequential` in eager mode is not paid; only the GPU-side fixed costs count.  sms: the
-    device's SM count (all-gather: the lead sized to whole waves; None: no lead)."""
+    `sequential` in eager mode is not paid; only the GPU-side fixed costs count."""
     refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
     if refusal is not None:
         return Schedule("sequential"), refusal + ": NCCL + cuBLAS"
@@ -107,11 +76,7 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         return Schedule("sequential"), why + ": too little to hide"
     if gemm_s < MIN_GEMM_S and not graphs:
         return Schedule("sequential"), why + ": too short to pay a GPU schedule's host cost"
-    if kind == "ag_matmul":
-        lead = _ag_lead(a_shape, weight_shapes, dim, world, sms, gemm_s, comm_s)
-        if lead:
-            return Schedule("ce_push", 1, (("lead", lead),)), why + f": own-shard GEMM of {lead} rows (whole waves)"
-        # finer pieces pay only on the longest GEMMs
+    if kind == "ag_matmul":  # finer pieces pay only on the longest GEMMs
         return Schedule("ce_push", 4 if gemm_s > 3e-3 else 1), why
     if graphs:
         # Replayed (2x H200, CUDA graphs): at M_global 512 NCCL + cuBLAS beat every
@@ -127,16 +92,3 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     # ce_pull (no staging, no C copy) measured slower than ce_push on every long shape
     # (0.92 vs 0.86 ms at 8192^3, 1.87 vs 1.74 ms at 16384x8192x8192): not picked.
     return Schedule("ce_push", 2), why
-
-
-def _ag_lead(a_shape, weight_shapes, dim, world, sms, gemm_s: float, comm_s: float) -> int:
-    """wave_lead for a region the lead applies to: one weight, the shard's rows contiguous
-    in the gathered output (gathered along the first row dim), a lead GEMM long enough to
-    hide the transfer and the local copy of the rest of the shard (~twice the transfer)."""
-    if not sms or len(weight_shapes) != 1 or dim not in (None, 0) or len(a_shape) < 2:
-        return 0
-    m_loc = math.prod(a_shape[:-1])
-    lead = wave_lead(m_loc, weight_shapes[0][-1], world, sms)
-    if lead and gemm_s * lead / (world * m_loc) >= 2.0 * comm_s:
-        return lead
-    return 0

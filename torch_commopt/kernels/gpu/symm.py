@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -135,12 +136,14 @@ class GroupRuntime:
         # A second copy stream for local copies that must not queue behind the pushes
         # (the received partial into the output, while the side stream still ships).
         self.local = torch.cuda.Stream(device=device, priority=-1)
-        flags = symm_mem.empty(FLAG_SLOTS, dtype=torch.int32, device=device)
+        # A second compute stream (ag ce_push par=1: the peers' GEMMs beside the own one).
+        self.compute = torch.cuda.Stream(device=device)
+        flags = _off_thread(device, symm_mem.empty, FLAG_SLOTS, dtype=torch.int32, device=device)
         flags.zero_()
         flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
         # A peer may write our flags as soon as rendezvous returns: the zeroing must be done.
         torch.cuda.synchronize(device)
-        self.flags_handle = symm_mem.rendezvous(flags, group_name)
+        self.flags_handle = _off_thread(device, symm_mem.rendezvous, flags, group_name)
         self.flags = flags
         self.flag_bases = [int(p) for p in self.flags_handle.buffer_ptrs]
         self.flag_bases_dev = self._int64_table(FLAG_BASES, self.flag_bases)
@@ -190,8 +193,8 @@ class GroupRuntime:
         size = max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         if len(self.buffers) >= MAX_BUFFERS:
             raise RuntimeError(f"commopt: more than {MAX_BUFFERS} symmetric buffer size classes for group {self.group_name}")
-        local = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(local, self.group_name)
+        local = _off_thread(self.device, symm_mem.empty, size, dtype=torch.uint8, device=self.device)
+        handle = _off_thread(self.device, symm_mem.rendezvous, local, self.group_name)
         ptrs = self._int64_table(BUFFER_PTRS + len(self.buffers) * 2 * MAX_WORLD, [int(p) for p in handle.buffer_ptrs])
         buf = SymmBuffer(local, handle, self.rank, ptrs)
         self.buffers.append(buf)
@@ -265,6 +268,29 @@ class GroupRuntime:
                 f"commopt {op}: rank {self.rank} gave up waiting for {what} from rank {src}, chunk {chunk} "
                 f"(flag {seen}, expected >= {expected}, epoch {self.epoch}) in group {self.group_name}: "
                 "a peer stalled, crashed, or runs a different schedule")
+
+
+def _off_thread(device: torch.device, fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a helper thread (the caller waits).  Symmetric allocations and
+    their rendezvous are kept for the process's lifetime, and rendezvous allocates small
+    device tables through the caching allocator: Inductor's CUDA-graph trees route every
+    allocation of the *calling thread* to the graph's private pool during their warm-up
+    run, and then refuse a pool holding tensors that are not outputs."""
+    result: dict = {}
+
+    def run():
+        try:
+            with torch.cuda.device(device):
+                result["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # re-raised on the caller's thread
+            result["error"] = e
+
+    worker = threading.Thread(target=run, name="commopt-symm-setup")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def data_index(half: int, src: int, chunk: int, phase: int = 0) -> int:
