@@ -65,8 +65,7 @@ SHAPES = [
     Shape("ar", 8192, 8192, 8192), Shape("ar", 2048, 8192, 8192),
 ]
 SCHEDULES = {  # one or two piece counts per mechanism (the rest measured slower in earlier runs)
-    "ag": ["local_first", "chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "ce_push:1:par=1", "ce_push:2:par=1",
-           "fused:1", "fused:4"],
+    "ag": ["local_first", "chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "fused:1", "fused:4"],
     "rs": ["chunked:2", "ce_push:2", "ce_push:4", "ce_pull:2", "direct:1", "direct:2", "fused:2:store=direct"],
     "ar": ["chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "direct:2"],
 }
@@ -177,7 +176,10 @@ def _variants(shape: Shape, rank: int, world: int, group_name: str):
     return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], None), gemm, comm, seq, op, None
 
 
-def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats: int, modes: tuple[str, ...]):
+def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats: int, modes: tuple[str, ...],
+                 partial_path: str | None = None):
+    """Per shape and mode: every variant timed round-robin.  Rank 0 appends each finished
+    record to `partial_path` (JSON lines) so that a run cut short keeps what it measured."""
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     group_name = dist.group.WORLD.group_name
@@ -218,6 +220,9 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
                 print("   ", ", ".join(f"{k} {v:.3f}" for k, v in res["schedules"].items()), flush=True)
         _balanced(rec, world)
         records.append(rec)
+        if partial_path and rank == 0:
+            with open(partial_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
     return records
 
 
@@ -335,8 +340,10 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [s for s in SHAPES if not args.only or s.op in args.only.split(",")]
     modes = tuple(m for m in args.modes.split(",") if m)
-    per_rank = run_distributed(bench_worker, args.world, shapes, args.iters, args.repeats, modes, backend="nccl",
-                               timeout_s=1800)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    per_rank = run_distributed(bench_worker, args.world, shapes, args.iters, args.repeats, modes,
+                               str(out / "partial.jsonl"), backend="nccl", timeout_s=1800)
     records = per_rank[0]
     import triton
 
@@ -345,8 +352,6 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
             "triton": triton.__version__, "commit": commit, "host": platform.node(),
             "command": "python3 " + " ".join(sys.argv)}
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"matmul_collectives_h200x{args.world}_{date}{'_' + args.tag if args.tag else ''}"
     tagged = [dict(r, device=meta["device"], torch=meta["torch"], triton=meta["triton"], commit=commit, date=date)
               for r in records]

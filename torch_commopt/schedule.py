@@ -19,7 +19,7 @@ OP_SCHEDULES = {
 GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
-    "store": str, "dbg": int, "id": str, "par": int,
+    "store": str, "dbg": int, "id": str,
 }
 
 
@@ -38,8 +38,6 @@ class Schedule:
         launch, for short GEMMs where host time bounds the GPU schedules.
     ce_push(S): GPU.  Copy engines push S pieces per rank into peers' symmetric buffers
         (signalled by stream flag writes) while cuBLAS computes the pieces already there.
-        All-gather param par=1: the peers' pieces are multiplied on a second compute
-        stream, so their GEMMs take the SMs the own shard's GEMM frees in its last wave.
     ce_pull(S): GPU, reductions.  Each rank computes a peer's partial into its own
         symmetric buffer (local stores) and flags it; the peer's copy engine pulls it
         straight into its output, where its own GEMM adds in place (no staging copy).

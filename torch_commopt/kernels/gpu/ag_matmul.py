@@ -8,10 +8,7 @@ Protocol (one call in buffer half h, rank r of W; calls alternate the halves; se
   caller stream: multiply the local shard straight from the input (no wait, no staging
                 copy), then the peers' slots in arrival order (r-1, r-2, ...), each piece
                 after its flag: cuBLAS per piece (ce_push) or one persistent Triton GEMM
-                spinning on the flags (fused).  ce_push par=1: the peers' pieces on a
-                second compute stream (forked after the outputs are allocated), so the
-                hardware starts their GEMMs on the SMs the own shard's GEMM frees in its
-                last wave instead of after it.
+                spinning on the flags (fused).
 The caller's stream joins the side stream at the end, so the input (read by the copy
 engine) and the outputs stay valid for the caching allocator, then lowers its DATA flags
 and gives every source its token back.  Every value is a constant: the call can be
@@ -19,8 +16,6 @@ captured in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -45,8 +40,6 @@ def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule, group_na
         return f"fused needs bf16/fp16, got {a.dtype}"
     if any(w.dtype != a.dtype for w in weights):
         return "mixed dtypes"
-    if schedule.param("par", 0) and schedule.name != "ce_push":
-        return "par=1 is a ce_push parameter"
     if capturing:
         return symm.capture_refusal(group_name, a.device, "ag_matmul", schedule, buffer_bytes(a, world))
     return None
@@ -91,8 +84,7 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     if sched.name == "fused":
         _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug)
     else:
-        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug,
-                        par=bool(sched.param("par", 0)))
+        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug)
     result = outs
     if return_gathered:
         result = outs + [_gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug)]
@@ -103,21 +95,15 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     return result
 
 
-def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug, par: bool = False):
+def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug):
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in outs]
-    peers_stream = rt.compute if par else cur
-    if par:  # forked here: after the outputs were allocated on the caller's stream
-        peers_stream.wait_stream(cur)
     # Own shard first, as one GEMM: it needs nothing from the peers.
     _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows)
-    with torch.cuda.stream(peers_stream) if par else contextlib.nullcontext():
-        for src in rt.sources:
-            for c, (lo, hi) in enumerate(pieces):
-                rt.wait(peers_stream, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
-                _piece_matmuls(slots[src, lo:hi], full, weights, biases, lay, src, lo, hi)
-    if par:
-        cur.wait_stream(peers_stream)
+    for src in rt.sources:
+        for c, (lo, hi) in enumerate(pieces):
+            rt.wait(cur, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
+            _piece_matmuls(slots[src, lo:hi], full, weights, biases, lay, src, lo, hi)
 
 
 def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi):

@@ -26,6 +26,7 @@ No NVLink multicast is used anywhere: only unicast P2P loads/stores and copies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -136,14 +137,12 @@ class GroupRuntime:
         # A second copy stream for local copies that must not queue behind the pushes
         # (the received partial into the output, while the side stream still ships).
         self.local = torch.cuda.Stream(device=device, priority=-1)
-        # A second compute stream (ag ce_push par=1: the peers' GEMMs beside the own one).
-        self.compute = torch.cuda.Stream(device=device)
-        flags = _off_thread(device, symm_mem.empty, FLAG_SLOTS, dtype=torch.int32, device=device)
+        flags = _off_thread(lambda: symm_mem.empty(FLAG_SLOTS, dtype=torch.int32, device=device), device)
         flags.zero_()
         flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
         # A peer may write our flags as soon as rendezvous returns: the zeroing must be done.
         torch.cuda.synchronize(device)
-        self.flags_handle = _off_thread(device, symm_mem.rendezvous, flags, group_name)
+        self.flags_handle = _off_thread(lambda: symm_mem.rendezvous(flags, group_name), device)
         self.flags = flags
         self.flag_bases = [int(p) for p in self.flags_handle.buffer_ptrs]
         self.flag_bases_dev = self._int64_table(FLAG_BASES, self.flag_bases)
@@ -193,8 +192,8 @@ class GroupRuntime:
         size = max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         if len(self.buffers) >= MAX_BUFFERS:
             raise RuntimeError(f"commopt: more than {MAX_BUFFERS} symmetric buffer size classes for group {self.group_name}")
-        local = _off_thread(self.device, symm_mem.empty, size, dtype=torch.uint8, device=self.device)
-        handle = _off_thread(self.device, symm_mem.rendezvous, local, self.group_name)
+        local = _off_thread(lambda: symm_mem.empty(size, dtype=torch.uint8, device=self.device), self.device)
+        handle = _off_thread(lambda: symm_mem.rendezvous(local, self.group_name), self.device)
         ptrs = self._int64_table(BUFFER_PTRS + len(self.buffers) * 2 * MAX_WORLD, [int(p) for p in handle.buffer_ptrs])
         buf = SymmBuffer(local, handle, self.rank, ptrs)
         self.buffers.append(buf)
@@ -270,8 +269,8 @@ class GroupRuntime:
                 "a peer stalled, crashed, or runs a different schedule")
 
 
-def _off_thread(device: torch.device, fn, *args, **kwargs):
-    """fn(*args, **kwargs) on a helper thread (the caller waits).  Symmetric allocations and
+def _off_thread(fn, device: torch.device | None = None):
+    """fn() on a helper thread with `device` current there (the caller waits).  Symmetric allocations and
     their rendezvous are kept for the process's lifetime, and rendezvous allocates small
     device tables through the caching allocator: Inductor's CUDA-graph trees route every
     allocation of the *calling thread* to the graph's private pool during their warm-up
@@ -280,8 +279,8 @@ def _off_thread(device: torch.device, fn, *args, **kwargs):
 
     def run():
         try:
-            with torch.cuda.device(device):
-                result["value"] = fn(*args, **kwargs)
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                result["value"] = fn()
         except BaseException as e:  # re-raised on the caller's thread
             result["error"] = e
 
