@@ -24,9 +24,15 @@ MIN_HIDDEN_COMM_S = 20e-6
 # Under CUDA-graph replay only the GPU-side fixed costs remain (flag round trips, a second
 # GEMM launch): a few microseconds.
 MIN_HIDDEN_COMM_S_GRAPHS = 5e-6
-# Below this estimated GEMM time a call is host-bound and NCCL + cuBLAS wins (M_global 512
-# at K = N = 8192: ce_push:1 0.19 ms, direct:1 0.17 ms vs NCCL 0.13 ms on 2x H200).
-MIN_GEMM_S = 0.1e-3
+# Below this estimated GEMM time an eager call is host-bound and NCCL + cuBLAS wins.  A GPU
+# schedule costs 0.17-0.45 ms of host per call against ~0.05 ms for NCCL + cuBLAS, and the
+# host's speed varies between machines of one kind: at M_global 2048 (est. 0.2 ms of GEMM)
+# ag ce_push:1 took 0.200 ms on one 2x H200 host (NCCL 0.281) and 0.366 on another (NCCL
+# 0.270), rs direct:1 0.259 vs 0.276 and 0.360 vs 0.278.  Never losing to NCCL wins: the
+# region stays as compiled.
+MIN_GEMM_S = 0.25e-3
+# Replayed reductions: below this GEMM time NCCL's latency-optimal small collectives win.
+MIN_GEMM_S_GRAPHS = 0.1e-3
 # Up to this estimated GEMM time only the cheapest-to-launch GPU schedules pay (M_global
 # 2048: ag ce_push:1 0.21 vs 0.24-0.28 ms, rs direct:1 0.25 vs 0.29 ms, while rs ce_push:2
 # took 0.32-0.45 ms and ar direct:1 tied NCCL; rs 4096x8192x7168: direct:1 0.44 ms in two
@@ -76,13 +82,16 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         return Schedule("sequential"), why + ": too little to hide"
     if gemm_s < MIN_GEMM_S and not graphs:
         return Schedule("sequential"), why + ": too short to pay a GPU schedule's host cost"
-    if kind == "ag_matmul":  # finer pieces pay only on the longest GEMMs
-        return Schedule("ce_push", 4 if gemm_s > 3e-3 else 1), why
+    if kind == "ag_matmul":
+        # One piece: the peer's shard lands long before the own shard's GEMM ends, and more
+        # pieces only add GEMM tails (16384x8192x28672: ce_push:1 5.820 / 5.771 ms vs :4
+        # 5.838 / 5.834 in two runs).
+        return Schedule("ce_push", 1), why
     if graphs:
         # Replayed (2x H200, CUDA graphs): at M_global 512 NCCL + cuBLAS beat every
         # reduction schedule (0.080 vs direct:1 0.086 ms); from M_global 2048 up ce_push:2
         # was the fastest (rs 0.236 vs direct:1 0.249, ar 0.286 vs 0.330 ms).
-        if gemm_s < MIN_GEMM_S:
+        if gemm_s < MIN_GEMM_S_GRAPHS:
             return Schedule("sequential"), why + ": short reduction, GPU-side fixed costs exceed the overlap"
         return Schedule("ce_push", 2), why + ": CUDA graphs (no host cost)"
     if gemm_s < SHORT_GEMM_S:
