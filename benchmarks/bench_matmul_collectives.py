@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch_commopt  # noqa: E402,F401
 from torch_commopt.tuner.autotune import capture_agreed  # noqa: E402
-from torch_commopt.kernels.gpu.pick import pick  # noqa: E402
+from torch_commopt.kernels.gpu.pick import measure_band, pick  # noqa: E402
+from torch_commopt.tuner.autotune import band_request, decided  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
 
@@ -194,6 +195,12 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
         for mode in modes:
             graphs = mode == "graph"
             chosen, why = pick(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16", graphs=graphs)
+            band = measure_band(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16", graphs=graphs)
+            if band is not None:  # what the compile pass emits there: timed at the first call
+                chosen = band_request(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16",
+                                      torch.cuda.get_device_name(0), group_name, band, str(chosen), None,
+                                      f"{shape.op} {shape.M}x{shape.K}x{shape.N}")
+                why += f": host-bound band, {', '.join(band)} timed at the first call"
             fns = {"gemm": gemm, "comm": comm, "nccl_seq": seq}
             if tp is not None:
                 fns["torch_async_tp"] = tp
@@ -209,6 +216,8 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
                 rounds["pick"] = rounds["nccl_seq"]
             res = _summarize(rounds, shape, world)
             res["commopt_schedule"], res["pick_reason"] = str(chosen), why
+            if band is not None:
+                res["commopt_schedule"] = f"measured: {decided(chosen)}"
             res["pick_runs"] = "the NCCL sequential baseline (region kept as compiled)" if kept else f"commopt op, {chosen}"
             _derive(res)
             if graphs:
@@ -305,7 +314,9 @@ def _report(records: list[dict], meta: dict) -> str:
                   "'-': not measured (not capturable).",
                   "Pick `sequential`: the compiled path keeps such a region as the graph's own collective + "
                   "matmul, i.e. the NCCL sequential program itself, so the pick's time is that baseline's "
-                  "(our op's own `sequential` path is listed with the schedules below).",
+                  "(our op's own `sequential` path is listed with the schedules below). Pick `measured: X`: "
+                  "the rule's host-bound band (pick.measure_band), timed at the region's first call "
+                  "(tuner.autotune), which chose X; the pick's time includes resolving the placeholder.",
                   "speedup vs best = best baseline median / pick median; paired = median over rounds of "
                   "(best baseline in that round / pick in that round).", "",
                   f"### Spread ({mode}; fastest..slowest round, ms)", ""]

@@ -94,3 +94,31 @@ def test_fused_reduction_inside_a_capture_runs_ce_push(monkeypatch, caplog):
     # no capturable alternative: sequential, logged
     got = resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s, capturing: "no buffer")
     assert str(got) == "sequential"
+
+
+def test_host_bound_band_is_measured_not_guessed():
+    from torch_commopt.kernels.gpu.pick import measure_band
+
+    # M_global 2048 / RS 4096x7168: which of NCCL and our schedule wins depends on the host
+    assert measure_band("ag_matmul", [1024, 8192], [[8192, 4096]], 0, 2, "bfloat16") == ["sequential", "ce_push:1"]
+    assert measure_band("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16")[0] == "sequential"
+    assert measure_band("matmul_ar", [2048, 4096], [[4096, 8192]], None, 2, "bfloat16") is not None
+    # long GEMMs, tiny ones, CUDA-graph replay and refused shapes are decided by the rule
+    assert measure_band("matmul_rs", [8192, 4096], [[4096, 8192]], 0, 2, "bfloat16") is None
+    assert measure_band("matmul_rs", [512, 4096], [[4096, 8192]], 0, 2, "bfloat16") is None
+    assert measure_band("ag_matmul", [1024, 8192], [[8192, 4096]], 0, 2, "bfloat16", graphs=True) is None
+    assert measure_band("matmul_rs", [2047, 4096], [[4096, 8192]], 0, 2, "bfloat16") is None
+
+
+def test_band_request_is_an_autotune_placeholder_with_the_rule_as_fallback():
+    from torch_commopt.tuner import autotune
+
+    sched = autotune.band_request("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16", "cpu", "g",
+                                  ["sequential", "direct:1"], "direct:1", None, "rs0")
+    assert sched.name == "autotune"
+    req = autotune._REQUESTS[sched.param("id")]
+    assert req.candidates == ["sequential", "direct:1"] and req.fallback == "direct:1"
+    assert autotune.decided(sched) is None
+    again = autotune.band_request("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16", "cpu", "g",
+                                  ["sequential", "direct:1"], "direct:1", None, "rs1")
+    assert again == sched  # identical layers share one measurement

@@ -151,11 +151,21 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
     if wanted is None:
         a = val(region.a)
         if a.device.type == "cuda":
-            from torch_commopt.kernels.gpu.pick import pick
+            from torch_commopt.kernels.gpu.pick import measure_band, pick
 
-            wanted, why = pick(region.kind, static_shape(region.a), [list(c.weight.meta["val"].shape) for c in region.consumers],
-                               region.dim, region.group_size, str(a.dtype).removeprefix("torch."),
-                               graphs=config.cuda_graphs)
+            shape, weights = static_shape(region.a), [list(c.weight.meta["val"].shape) for c in region.consumers]
+            dtype = str(a.dtype).removeprefix("torch.")
+            wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=config.cuda_graphs)
+            band = measure_band(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=config.cuda_graphs)
+            if band is not None:
+                from torch_commopt.tuner.autotune import band_request
+                from torch_commopt.tuner.choose import device_name
+
+                fallback = str(wanted)
+                wanted = band_request(region.kind, shape, weights, region.dim, region.group_size, dtype,
+                                      device_name(a.device), region.group_name, band, fallback, config.cache_dir,
+                                      name, config.debug_waits, report.notes)
+                why += f": host-bound band, {', '.join(band)} timed at the first call ({fallback} under a capture)"
             report.notes.append(f"{name}: picked {wanted} ({why})")
         else:
             wanted = Schedule("chunked", config.chunks)

@@ -83,6 +83,27 @@ def plan(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     return pick, preds, top, key, why
 
 
+def band_request(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
+                 dtype: str, device_name: str, group_name: str, candidates: list[str], fallback: str,
+                 cache_dir: str | None, name: str, debug_waits: bool = False,
+                 notes: list[str] | None = None) -> Schedule:
+    """The placeholder of a region the built-in rule leaves to measurement (pick.measure_band):
+    `candidates` are timed at its first call like Config.mode="autotune" (`fallback` runs
+    where nothing can be timed, e.g. under a CUDA-graph capture)."""
+    from torch_commopt.tuner.choose import machine_key
+
+    key = {"question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
+           "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates)}
+    return register(TuneRequest(key, list(candidates), fallback, group_name, cache_dir, debug_waits=debug_waits,
+                                report_notes=notes if notes is not None else [], name=name))
+
+
+def decided(schedule: Schedule) -> str | None:
+    """What an `autotune` placeholder resolved to (None before its first call)."""
+    req = _REQUESTS.get(schedule.param("id"))
+    return req.decided if req is not None else None
+
+
 def digest(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -33,6 +33,12 @@ MIN_HIDDEN_COMM_S_GRAPHS = 5e-6
 MIN_GEMM_S = 0.25e-3
 # Replayed reductions: below this GEMM time NCCL's latency-optimal small collectives win.
 MIN_GEMM_S_GRAPHS = 0.1e-3
+# Eager calls between MIN_GEMM_S_GRAPHS and SHORT_GEMM_S of estimated GEMM: whether our GPU
+# schedule, NCCL + cuBLAS or neither wins depends on the host's speed, so the rule names
+# candidates to time at the region's first call (tuner.autotune) instead of guessing.
+BAND_CANDIDATES = {"ag_matmul": ["sequential", "ce_push:1"],
+                   "matmul_rs": ["sequential", "direct:1", "ce_push:2"],
+                   "matmul_ar": ["sequential", "direct:1", "ce_push:2"]}
 # Up to this estimated GEMM time only the cheapest-to-launch GPU schedules pay (M_global
 # 2048: ag ce_push:1 0.21 vs 0.24-0.28 ms, rs direct:1 0.25 vs 0.29 ms, while rs ce_push:2
 # took 0.32-0.45 ms and ar direct:1 tied NCCL; rs 4096x8192x7168: direct:1 0.44 ms in two
@@ -55,6 +61,18 @@ def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: st
         flops = 2 * rows * k * ns[0]
         moved = 2 * (world - 1) * rows // world * ns[0] * elt
     return flops / GEMM_FLOPS_PER_S.get(dtype, 50e12), moved / LINK_BYTES_PER_S
+
+
+def measure_band(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
+                 dtype: str, *, graphs: bool = False) -> list[str] | None:
+    """Candidates to time at the first call when the rule cannot tell from the shape alone
+    (an eager call in the host-bound band, see BAND_CANDIDATES), else None."""
+    if graphs or gpu_refusal(kind, a_shape, weight_shapes, dim, world) is not None:
+        return None
+    gemm_s, comm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)
+    if comm_s < MIN_HIDDEN_COMM_S or not MIN_GEMM_S_GRAPHS <= gemm_s < SHORT_GEMM_S:
+        return None
+    return list(BAND_CANDIDATES[kind])
 
 
 def gpu_refusal(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int) -> str | None:
