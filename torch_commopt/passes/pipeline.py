@@ -112,6 +112,27 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     return report
 
 
+def _band(region: Region, shape, weights, dtype: str, band: list[str], rule_pick: Schedule, why: str,
+          config: Config, report: explain.GraphReport) -> tuple[Schedule, str]:
+    """A region in the rule's host-bound band: rank 0's cached measurement, or a placeholder
+    that times `band` at the first call (the rule's pick runs under a CUDA-graph capture)."""
+    from torch_commopt.tuner.autotune import band_key, band_request
+    from torch_commopt.tuner.cache import TunerCache
+    from torch_commopt.tuner.choose import device_name
+    from torch_commopt.tuner.decide import decide
+
+    dev = device_name(val(region.a).device)
+    key = band_key(region.kind, shape, weights, region.dim, region.group_size, dtype, dev, band)
+    cache = TunerCache(config.cache_dir)
+    cached = decide(region.group_name, key, lambda: cache.get(key), config.consistency_timeout_s)
+    if isinstance(cached, dict) and cached.get("schedule") in band:
+        return Schedule.parse(cached["schedule"]), why + ": host-bound band, cached measurement"
+    sched = band_request(region.kind, shape, weights, region.dim, region.group_size, dtype, dev, region.group_name,
+                         band, str(rule_pick), config.cache_dir, region.collective.name, config.debug_waits,
+                         report.notes)
+    return sched, why + f": host-bound band, {', '.join(band)} timed at the first call ({rule_pick} under a capture)"
+
+
 def _keep_as_compiled(region: Region, schedule: Schedule, config: Config) -> bool:
     """A region whose *chosen* schedule is `sequential` keeps the graph's own collective and
     matmul: that is the sequential schedule, with no op of ours in between (no host cost on
@@ -158,14 +179,7 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
             wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=config.cuda_graphs)
             band = measure_band(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=config.cuda_graphs)
             if band is not None:
-                from torch_commopt.tuner.autotune import band_request
-                from torch_commopt.tuner.choose import device_name
-
-                fallback = str(wanted)
-                wanted = band_request(region.kind, shape, weights, region.dim, region.group_size, dtype,
-                                      device_name(a.device), region.group_name, band, fallback, config.cache_dir,
-                                      name, config.debug_waits, report.notes)
-                why += f": host-bound band, {', '.join(band)} timed at the first call ({fallback} under a capture)"
+                wanted, why = _band(region, shape, weights, dtype, band, wanted, why, config, report)
             report.notes.append(f"{name}: picked {wanted} ({why})")
         else:
             wanted = Schedule("chunked", config.chunks)

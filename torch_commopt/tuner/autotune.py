@@ -90,12 +90,18 @@ def band_request(kind: str, a_shape: list[int], weight_shapes: list[list[int]], 
     """The placeholder of a region the built-in rule leaves to measurement (pick.measure_band):
     `candidates` are timed at its first call like Config.mode="autotune" (`fallback` runs
     where nothing can be timed, e.g. under a CUDA-graph capture)."""
-    from torch_commopt.tuner.choose import machine_key
-
-    key = {"question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
-           "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates)}
+    key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates)
     return register(TuneRequest(key, list(candidates), fallback, group_name, cache_dir, debug_waits=debug_waits,
                                 report_notes=notes if notes is not None else [], name=name))
+
+
+def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
+             dtype: str, device_name: str, candidates: list[str]) -> dict[str, Any]:
+    """The tuner-cache key of a band region's measurement (band_request)."""
+    from torch_commopt.tuner.choose import machine_key
+
+    return {"question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
+            "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates)}
 
 
 def decided(schedule: Schedule) -> str | None:
