@@ -4,7 +4,8 @@
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
-# e.g. `... tests "not nccl"` (~7 min) then `... tests nccl` (~3 min).
+# e.g. `... tests "not test_nccl_reference"` (~5 min) then `... tests test_nccl_reference` (~1 min)
+# ("not nccl" would also drop test_every_gpu_schedule_matches_reference_and_nccl).
 set -uo pipefail
 out=${1:?output dir}; what=${2:-all}; sel=${3:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -140,6 +140,8 @@ def ag_matmul(
         from torch_commopt.kernels.gpu.ag_matmul import ag_matmul_gpu
 
         return ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched, return_gathered)
+    if sched.name == "sequential" and sequential.applies(a, weights, gather_dim, group_size, cut=False):
+        return sequential.ag_matmul(a, weights, biases, group_name, return_gathered)  # e.g. autotune's winner
     return ag_matmul_reference(a, weights, biases, gather_dim, group_name, str(sched), return_gathered)
 
 
@@ -182,6 +184,8 @@ def matmul_rs(
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_rs_gpu
 
         return matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched)
+    if sched.name == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
+        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name)  # e.g. autotune's winner
     return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, str(sched))
 
 
@@ -218,6 +222,8 @@ def matmul_ar(
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_ar_gpu
 
         return matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched)
+    if sched.name == "sequential" and sequential.applies(a, [weight], None, group_size, cut=False):
+        return sequential.matmul_ar(a, weight, bias, reduce_op, group_name)  # e.g. autotune's winner
     return matmul_ar_reference(a, weight, bias, reduce_op, group_name, str(sched))
 
 
