@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from torch_commopt.schedule import Schedule
@@ -190,3 +192,31 @@ def test_replayed_fused_reductions_are_ranked_as_what_runs():
     assert fused.seconds == push.seconds
     assert not [c for c in candidates(shape, H200, graphs=True) if c.name == "fused"]
     assert [c for c in candidates(shape, H200) if c.name == "fused"]
+
+
+def test_family_factor_is_interpolated_between_a_short_and_a_long_probe():
+    cal = dataclasses.replace(prior("NVIDIA H200", 2), schedule_factor={"matmul_rs ce_push": 1.0},
+                              schedule_factor_curve={"matmul_rs ce_push": [[1e-3, 1.0], [1e-4, 0.8]]})
+    assert cal.factor("matmul_rs ce_push", 1e-4) == pytest.approx(0.8)
+    assert cal.factor("matmul_rs ce_push", 1e-5) == pytest.approx(0.8)  # clamped to the end points
+    assert cal.factor("matmul_rs ce_push", 5e-3) == pytest.approx(1.0)
+    mid = 10 ** -3.5  # halfway in log(time)
+    assert cal.factor("matmul_rs ce_push", mid) == pytest.approx(0.9)
+    assert cal.factor("matmul_rs direct", 1e-4) == 1.0  # no curve, no factor
+    one_point = dataclasses.replace(cal, schedule_factor_curve={"matmul_rs ce_push": [[1e-3, 1.2]]})
+    assert one_point.factor("matmul_rs ce_push", 1e-4) == 1.0  # falls back to schedule_factor
+    assert Calibration.from_json(cal.to_json()) == cal
+    # the model applies it to the family's raw prediction: a short reduction gets the short factor
+    shape = RegionShape("matmul_rs", 2048, 4096, (8192,), 2)
+    plain = predict(shape, Schedule("ce_push", 2), prior("NVIDIA H200", 2), graphs=True).gpu_s
+    curved = predict(shape, Schedule("ce_push", 2), cal, graphs=True).gpu_s
+    assert curved == pytest.approx(plain * cal.factor("matmul_rs ce_push", plain))
+    assert curved < plain
+
+
+def test_factor_curves_pair_the_two_probes_of_each_family():
+    from torch_commopt.tuner.calibrate import _factor_curves
+
+    long = {"matmul_rs ce_push": (1e-3, 1.1), "matmul_rs fused": (1e-3, 1.3)}
+    short = {"matmul_rs ce_push": (1e-4, 0.85), "ag_matmul ce_push": (1e-4, 0.9)}
+    assert _factor_curves(long, short) == {"matmul_rs ce_push": [[1e-4, 0.85], [1e-3, 1.1]]}

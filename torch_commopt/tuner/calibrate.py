@@ -272,46 +272,62 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
 # bounds back-to-back calls).
 PROBE_SHAPES = {"ag_matmul": ((6144, 6144), (6144, 3072)), "matmul_rs": ((12288, 3072), (3072, 6144)),
                 "matmul_ar": ((12288, 3072), (3072, 6144))}
+# Short probes (M_global 3072, K = N = 6144 at two ranks), timed as CUDA-graph replays (device
+# time: an eager call this short is host-bound): the second point of each family's factor.
+SHORT_PROBE_SHAPES = {"ag_matmul": ((1536, 6144), (6144, 3072)), "matmul_rs": ((3072, 3072), (3072, 6144)),
+                      "matmul_ar": ((3072, 3072), (3072, 6144))}
 FACTOR_RANGE = (0.5, 3.0)  # measured / predicted outside this is a measurement problem
 PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_push:2", "fused:1"),
                    "matmul_rs": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "fused:2"),
                    "matmul_ar": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1")}
 
 
-def _schedule_probes(group_name: str, world: int, device: torch.device) -> dict[str, float]:
+def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=PROBE_SHAPES,
+                     graphs: bool = False) -> dict[str, float]:
     """{"kind schedule": seconds per call} of one schedule per family on a probe shape:
-    back-to-back calls as a program makes them (tuner.autotune's timing, slowest rank)."""
+    back-to-back calls as a program makes them (tuner.autotune's timing, slowest rank);
+    graphs=True: replays of CUDA graphs (device time), without the schedules that run as
+    another one inside a capture."""
+    from torch_commopt.schedule import Schedule
     from torch_commopt.tuner.autotune import measure_candidates
 
     out = {}
-    for kind, (a_shape, w_shape) in PROBE_SHAPES.items():
+    for kind, (a_shape, w_shape) in shapes.items():
         a = torch.randn(a_shape, device=device, dtype=torch.bfloat16)
         w = torch.randn(w_shape, device=device, dtype=torch.bfloat16) / w_shape[0] ** 0.5
-        ms = measure_candidates(runner(kind, a, [w], world, group_name), list(PROBE_SCHEDULES[kind]), group_name, device)
+        scheds = [s for s in PROBE_SCHEDULES[kind] if not graphs or Schedule.parse(s).in_capture(kind) == Schedule.parse(s)]
+        ms = measure_candidates(runner(kind, a, [w], world, group_name), scheds, group_name, device, graphs=graphs)
         out.update({f"{kind} {s}": t / 1e3 for s, t in ms.items()})
     return out
 
 
-def _schedule_factors(probes: dict[str, float], cal: Calibration) -> dict[str, float]:
-    """measured / predicted device time of each probed family (the rest of `cal` measured);
-    a family whose probe the model calls host-bound keeps factor 1."""
+def _schedule_factors(probes: dict[str, float], cal: Calibration, shapes=PROBE_SHAPES,
+                      graphs: bool = False) -> dict[str, tuple[float, float]]:
+    """{"kind family": (predicted device s, measured / predicted)} of each probed family (the
+    rest of `cal` measured); a family whose (eager) probe the model calls host-bound, or whose
+    ratio is outside FACTOR_RANGE (a broken probe, not a model correction), is left out."""
     from torch_commopt.schedule import Schedule
     from torch_commopt.tuner.model import RegionShape, predict
 
     out = {}
     for key, seconds in probes.items():
         kind, sched = key.split(" ")
-        (rows, k), (_, n) = PROBE_SHAPES[kind]
-        pred = predict(RegionShape(kind, rows, k, (n,), cal.world, "bfloat16"), Schedule.parse(sched), cal)
-        if pred.gpu_s <= pred.host_s:
+        (rows, k), (_, n) = shapes[kind]
+        pred = predict(RegionShape(kind, rows, k, (n,), cal.world, "bfloat16"), Schedule.parse(sched), cal, graphs=graphs)
+        if not graphs and pred.gpu_s <= pred.host_s:
             continue
         factor = seconds / pred.gpu_s
-        if not FACTOR_RANGE[0] <= factor <= FACTOR_RANGE[1]:  # a broken probe, not a model correction
+        if not FACTOR_RANGE[0] <= factor <= FACTOR_RANGE[1]:
             log.warning("commopt calibrate: %s measured %.3f ms vs %.3f ms predicted; factor left at 1",
                         key, seconds * 1e3, pred.gpu_s * 1e3)
             continue
-        out[f"{kind} {Schedule.parse(sched).name}"] = factor
+        out[f"{kind} {Schedule.parse(sched).name}"] = (pred.gpu_s, factor)
     return out
+
+
+def _factor_curves(long: dict[str, tuple[float, float]], short: dict[str, tuple[float, float]]) -> dict:
+    """The families with both points, as Calibration.schedule_factor_curve."""
+    return {key: sorted([list(long[key]), list(short[key])]) for key in long if key in short}
 
 
 def _slowdown(both: float, longer: float, shorter: float) -> float:
@@ -361,8 +377,13 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         fused_efficiency=base.fused_efficiency, source="measured", measured=tuple(measured), **fields)
     if probes:  # the families on probe shapes, against the model with everything above
         timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
-        cal = dataclasses.replace(cal, schedule_factor=_schedule_factors(timed, cal),
-                                  measured=cal.measured + ("schedule_factor",))
+        long = _schedule_factors(timed, cal)
+        timed = _schedule_probes(group_name, world, device, SHORT_PROBE_SHAPES, graphs=True)
+        # the model's own raw prediction: factors are applied to it, not to a corrected one
+        short = _schedule_factors(timed, cal, SHORT_PROBE_SHAPES, graphs=True)
+        cal = dataclasses.replace(cal, schedule_factor={k: f for k, (_, f) in long.items()},
+                                  schedule_factor_curve=_factor_curves(long, short),
+                                  measured=cal.measured + ("schedule_factor", "schedule_factor_curve"))
     log.info("commopt tuner: calibrated %s x%d in %.1f s", name, world, time.perf_counter() - start)
     return cal
 

@@ -103,7 +103,8 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
     if graphs:  # what runs inside a capture (a fused reduction: ce_push, Schedule.in_capture)
         sched = sched.in_capture(shape.kind)
     fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
-    gpu = fn(shape, sched, cal) * cal.schedule_factor.get(f"{shape.kind} {sched.name}", 1.0)
+    raw = fn(shape, sched, cal)
+    gpu = raw * cal.factor(f"{shape.kind} {sched.name}", raw)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
     host = cal.host(sched.name) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
     if graphs and cal.device != "cpu":
