@@ -10,6 +10,7 @@ import torch
 from torch_commopt.kernels.gpu.layout import RowLayout
 from torch_commopt.kernels.gpu.pick import pick
 from torch_commopt.kernels.ops import resolve
+from torch_commopt.schedule import Schedule
 
 
 @pytest.mark.parametrize("shape,dim,world", [((8, 6), 0, 2), ((2, 3, 5, 4), 1, 4), ((3, 7, 4), 0, 2), ((2, 5, 4), 1, 2)])
@@ -122,3 +123,31 @@ def test_band_request_is_an_autotune_placeholder_with_the_rule_as_fallback():
     again = autotune.band_request("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16", "cpu", "g",
                                   ["sequential", "direct:1"], "direct:1", None, "rs1")
     assert again == sched  # identical layers share one measurement
+
+
+def test_band_region_uses_the_cached_measurement_or_a_first_call_placeholder(tmp_path):
+    # pipeline._band, the compile pass's side of the host-bound band (no process group: the
+    # decision is local, as in single-process tracing)
+    from types import SimpleNamespace
+
+    import torch_commopt.passes.pipeline as pipeline
+    from torch_commopt import report as explain
+    from torch_commopt.config import Config
+    from torch_commopt.tuner import autotune
+    from torch_commopt.tuner.cache import TunerCache
+
+    a = torch.fx.Graph().placeholder("a")
+    a.meta["val"] = torch.empty(0)
+    region = SimpleNamespace(kind="matmul_rs", a=a, dim=0, group_size=2,
+                             group_name="g", collective=SimpleNamespace(name="reduce_scatter_7"))
+    shape, weights, band = [2048, 4096], [[4096, 8192]], ["sequential", "direct:1", "ce_push:2"]
+    config = Config(cache_dir=str(tmp_path))
+    report = explain.GraphReport(graph_id=0, graph_kind="forward", compile_id=None)
+    sched, why = pipeline._band(region, shape, weights, "bfloat16", band, Schedule("sequential"), "est.", config, report)
+    assert sched.name == "autotune" and "timed at the first call" in why
+    req = autotune._REQUESTS[sched.param("id")]
+    assert req.candidates == band and req.fallback == "sequential" and req.cache_dir == str(tmp_path)
+    # what the first call stores (rank 0) is what the next compile emits, without a placeholder
+    TunerCache(str(tmp_path)).put(req.key, {"schedule": "direct:1", "measured_ms": {"direct:1": 0.3}})
+    sched, why = pipeline._band(region, shape, weights, "bfloat16", band, Schedule("sequential"), "est.", config, report)
+    assert str(sched) == "direct:1" and "cached measurement" in why
