@@ -76,6 +76,13 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
             log.exception("commopt: CoCoNet reorder stopped on graph %d", report.graph_id)
             report.notes.append(f"CoCoNet reorder stopped ({type(e).__name__}: {e})")
     try:
+        from torch_commopt.passes.ar_split import find_ar_splits
+
+        # analysis only (reshard issue): where CoCoNet's all-reduce split could apply
+        report.notes += [f"split candidate: {c.describe()}" for c in find_ar_splits(graph)]
+    except Exception as e:  # an explain note at most: never in the way of a compile
+        log.debug("commopt: all-reduce split analysis failed: %s", e)
+    try:
         regions = _find_regions(graph, config, report)
         report.edges = _edges(regions)
         schedules = [_choose_schedule(r, config, report) for r in regions]
