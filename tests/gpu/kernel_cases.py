@@ -220,6 +220,19 @@ def run_compiled_models(rank: int, world: int, options: dict, kinds: tuple[str, 
     return out
 
 
+def run_compiled_band(rank: int, world: int, shape: dict):
+    """A TP+SP MLP whose regions fall in the rule's host-bound band, compiled with the rule:
+    (errors vs float64 next to eager's, the schedules the compile emitted, explain notes)."""
+    from torch_commopt.validate import check
+
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    errors = check("tp_sp_mlp", {"schedule": "auto"}, shape=shape, dtype=torch.bfloat16)
+    graphs = torch_commopt.explain().graphs
+    return ([(e.name, e.compiled, e.eager) for e in errors], [r.schedule for g in graphs for r in g.regions],
+            [n for g in graphs for n in g.notes])
+
+
 GRAPH_CASES = [("ag", "ce_push:2"), ("ag", "fused:2"), ("rs", "ce_push:2"), ("rs", "direct:1"), ("rs", "ce_pull:2"),
                ("ar", "direct:2"), ("ar", "ce_push:1"), ("ar", "ce_pull:1"),
                ("rs", "fused:2:store=direct")]  # inside a capture it runs ce_push:2 (its barrier counts epochs)

@@ -65,6 +65,20 @@ def test_compiled_tp_sp_blocks_use_gpu_schedules(two_gpus, options, shape):
 
 
 @pytest.mark.gpu
+def test_compiled_band_regions_measure_at_the_first_call(two_gpus):
+    # est. GEMM 0.2-0.4 ms per region: the rule leaves the choice to a first-call measurement
+    from kernel_cases import run_compiled_band
+
+    shape = {"batch": 2, "seq": 2048, "dim": 4096, "hidden": 8192, "heads": 32}
+    for errors, schedules, notes in run_distributed(run_compiled_band, two_gpus, shape, backend="nccl",
+                                                    timeout_s=300):
+        assert any(s.startswith("autotune") for s in schedules), schedules
+        assert any("host-bound band" in n for n in notes) and any("autotune measured" in n for n in notes), notes
+        bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
+        assert not bad, bad
+
+
+@pytest.mark.gpu
 def test_cuda_graph_capture_and_replay(two_gpus):
     from kernel_cases import run_graph_replay
 
