@@ -53,13 +53,17 @@ HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first")
                         ("matmul_rs", "direct:1")]}
 
 
-def _timed(fn, device: torch.device, reps: int, group=None) -> float:
+def _timed(fn, device: torch.device, reps: int, group=None, preroll: bool = False) -> float:
     """Median seconds per call of `fn`, device time.  On a GPU each sample is a batch of
     back-to-back calls (>= BATCH_S of them) enqueued behind a sleep kernel, so the host's
-    launch cost is not in the figure (the model adds host time separately) and the GPU
-    runs at its sustained clocks; on a CPU, wall time of single calls.  `fn` issuing a
-    collective of `group`: the batch size is agreed over the group (every rank must
-    issue the same number of collectives)."""
+    launch cost is not in the figure (the model adds host time separately); on a CPU, wall
+    time of single calls.  `fn` issuing a collective of `group`: the batch size is agreed
+    over the group (every rank must issue the same number of collectives).  preroll=True:
+    another batch of `fn` runs untimed between the sleep and the timed batch, so the timed
+    one runs at the clocks of a GPU kept busy (a program's back-to-back GEMMs) rather than
+    those of one that just idled in the sleep (the fit from samples timed right after the
+    sleep predicted long TP GEMMs 15-20% faster than the benchmark measured them back to
+    back on 2x H200; the preroll is the suspected fix, not yet measured)."""
     for _ in range(2):
         fn()
     if device.type != "cuda":
@@ -82,8 +86,11 @@ def _timed(fn, device: torch.device, reps: int, group=None) -> float:
     samples = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        calls = 2 * n if preroll else n
         # keeps the GPU busy while the batch is enqueued
-        torch.cuda._sleep(int(n * max(SLEEP_CYCLES_PER_CALL, single * SLEEP_CYCLES_PER_S)))
+        torch.cuda._sleep(int(calls * max(SLEEP_CYCLES_PER_CALL, single * SLEEP_CYCLES_PER_S)))
+        for _ in range(calls - n):
+            fn()
         start.record()
         for _ in range(n):
             fn()
@@ -152,7 +159,7 @@ def _gemm_samples(device: torch.device, dtype: torch.dtype, reps: int) -> list[t
     for m, n, k in GEMM_SHAPES[device.type]:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        out.append((m, n, k, _timed(lambda: torch.mm(a, b), device, reps)))
+        out.append((m, n, k, _timed(lambda: torch.mm(a, b), device, reps, preroll=device.type == "cuda")))
     return out
 
 
