@@ -52,6 +52,12 @@ class Config:
         result goes through unary elementwise ops (non-widening casts, activations) is
         moved after them, so they run on the shard and the gather meets its matmul
         (passes/coconet.py).  Off by default until measured on GPUs.
+    ar_split: apply CoCoNet's all-reduce split where a GEMM sits on both sides: all_reduce ->
+        row-local ops (residual add, norm) becomes reduce_scatter -> the ops on 1/W of the
+        rows -> all_gather, which the region finders then overlap with both GEMMs
+        (passes/ar_split.py).  ASSUMES the other operands of those ops (the residual stream,
+        norm weights) hold the same values on every rank of the group, as in tensor
+        parallelism without sequence parallelism; explain lists them.  Off by default.
     cuda_graphs: the compiled program is replayed from CUDA graphs: Inductor's CUDA-graph
         trees are turned on (`triton.cudagraphs`; extra_inductor_options can turn them
         off again, e.g. for a capture of your own around the compiled module); the
@@ -87,6 +93,7 @@ class Config:
     debug_waits: bool = False
     cuda_graphs: bool = False
     coconet: bool = False
+    ar_split: bool = False
     extra_inductor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -124,7 +131,8 @@ class Config:
         unknown = [p for p in self.patterns if p not in PATTERNS]
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
-        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet"):
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet",
+                     "ar_split"):
             _check_type(name, getattr(self, name), bool)
         if not isinstance(self.consistency_timeout_s, (int, float)) or self.consistency_timeout_s <= 0:
             raise ValueError(f"Config.consistency_timeout_s: must be a positive number, got {self.consistency_timeout_s!r}")

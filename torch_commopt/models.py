@@ -99,6 +99,21 @@ def tp_sp_plan(model: nn.Module) -> dict:
     return plan
 
 
+def tp_plan(model: nn.Module) -> dict:
+    """Tensor parallelism without sequence parallelism (Megatron): the block's input and
+    residual stream replicated, q/k/v and w1/w3 column-parallel, o and w2 row-parallel into
+    an all-reduce."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    if hasattr(model, "attention"):
+        plan.update({"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                     "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel()})
+    plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(),
+                 "feed_forward.w3": ColwiseParallel()})
+    return plan
+
+
 class FuncolMLP(nn.Module):
     """Hand-written SP MLP: all-gather rows (dim 0) -> x @ w1 -> gelu -> @ w2 -> reduce-scatter rows.
 

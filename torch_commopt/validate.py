@@ -15,9 +15,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from torch_commopt.models import FuncolMLP, LlamaBlock, MLPBlock, tp_sp_plan
+from torch_commopt.models import FuncolMLP, LlamaBlock, MLPBlock, tp_plan, tp_sp_plan
 
-MODELS = ("funcol_mlp", "tp_sp_mlp", "tp_sp_block")
+MODELS = ("funcol_mlp", "tp_sp_mlp", "tp_sp_block", "tp_block")
 TOLERANCE_FACTOR = 4.0  # commopt's error may be this many times eager float32's own error
 ERROR_FLOOR = float(torch.finfo(torch.float32).eps)  # below this, errors are rounding noise
 
@@ -64,9 +64,12 @@ def build(kind: str, dtype: torch.dtype, seed: int, shape: dict) -> tuple[torch.
     from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(seed)
-    model = (LlamaBlock(d, shape["heads"], h) if kind == "tp_sp_block" else MLPBlock(d, h)).to(dtype)
+    model = (LlamaBlock(d, shape["heads"], h) if kind in ("tp_sp_block", "tp_block") else MLPBlock(d, h)).to(dtype)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (world,))
+    if kind == "tp_block":  # no sequence parallelism: every rank takes the whole input
+        parallelize_module(model.to(device), mesh, tp_plan(model))
+        return model, x.to(dtype)
     parallelize_module(model.to(device), mesh, tp_sp_plan(model))
     return model, x.chunk(world, dim=1)[rank].to(dtype)
 

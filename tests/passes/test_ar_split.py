@@ -10,7 +10,7 @@ import torch.distributed._functional_collectives as funcol
 
 import torch_commopt
 
-pytestmark = pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
+fake_worlds = pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
 
 
 def _notes(fn, *inputs):
@@ -27,6 +27,7 @@ def _rmsnorm(h, g):
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
 
 
+@fake_worlds
 def test_tp_block_residual_and_norm_are_a_candidate_that_pays(fake_world):
     # row-parallel output -> all-reduce -> residual add -> RMSNorm -> column-parallel matmul
     x, a, wo, g, w1 = (torch.randn(16, 32), torch.randn(16, 8), torch.randn(8, 32), torch.randn(32),
@@ -42,6 +43,7 @@ def test_tp_block_residual_and_norm_are_a_candidate_that_pays(fake_world):
     assert "all-gather of 2 value(s)" in note  # h (an output) and the normalized rows (to the matmul)
 
 
+@fake_worlds
 def test_no_matmul_after_it_is_reported_as_not_worth_it(fake_world):
     a, w = torch.randn(8, 16), torch.randn(16, 16)
 
@@ -52,6 +54,7 @@ def test_no_matmul_after_it_is_reported_as_not_worth_it(fake_world):
     assert "no GEMM to overlap on both sides" in note
 
 
+@fake_worlds
 def test_ops_that_are_not_row_local_end_the_candidate(fake_world):
     a, w = torch.randn(8, 16), torch.randn(16, 16)
 
@@ -71,6 +74,37 @@ def test_ops_that_are_not_row_local_end_the_candidate(fake_world):
     assert "-> 1 row-local op(s)" in note  # the mean only; the broadcasting mul is outside
 
 
+@fake_worlds
 def test_rows_that_do_not_split_are_not_a_candidate(fake_world):
     a, w = torch.randn(fake_world + 1, 16), torch.randn(16, 16)
     assert _notes(lambda a, w: torch.relu(_all_reduce(a @ w)), a, w) == []
+
+
+def test_split_matches_eager_and_forms_overlapped_regions():
+    from ar_split_programs import split_forward
+    from torch_commopt.launch import run_distributed
+
+    for notes, kinds, errors in run_distributed(split_forward, 2):
+        splits = [n for n in notes if "split into reduce-scatter" in n]
+        assert len(splits) == 2, notes  # both all-reduces: a GEMM on each side
+        assert "assumed equal on every rank" in splits[0]
+        # each all-reduce became a reduce-scatter meeting its matmul, and the gathers meet theirs
+        assert kinds.count("matmul_rs") == 2 and kinds.count("ag_matmul") >= 2, kinds
+        assert max(errors) < 1e-5, errors
+        # the first layer's gathered residual is used on the rows only (by the second split)
+        assert any("1 all-gather(s) dropped" in n for n in notes), notes
+
+
+def test_split_on_a_dtensor_tp_block_matches_eager_forward_and_backward():
+    # tensor parallelism without sequence parallelism: the residual stream and the norm
+    # weights are replicated, which is the split's assumption
+    from ar_split_programs import split_tp_block
+    from torch_commopt.launch import run_distributed
+    from torch_commopt.validate import within_tolerance
+
+    for errors, notes, kinds in run_distributed(split_tp_block, 2):
+        assert any("split into reduce-scatter" in n for n in notes), notes
+        assert ("forward", "matmul_rs") in kinds and ("forward", "ag_matmul") in kinds, kinds
+        assert len(errors) >= 10  # output, input grad, every parameter grad
+        bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
+        assert not bad, bad

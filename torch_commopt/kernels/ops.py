@@ -34,6 +34,7 @@ _SCHEMAS = {
                  "str group_name, str schedule) -> Tensor",
     "matmul_ar": "matmul_ar(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int group_size, str group_name, "
                  "str schedule) -> Tensor",
+    "shard_rows": "shard_rows(Tensor x, int group_size, str group_name) -> Tensor",
 }
 
 
@@ -230,6 +231,21 @@ def matmul_ar(
 @torch.library.register_fake("commopt::matmul_ar")
 def _(a, weight, bias, reduce_op, group_size, group_name, schedule):
     return a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]])
+
+
+@_op("shard_rows")
+def shard_rows(x: Tensor, group_size: int, group_name: str) -> Tensor:
+    """This rank's block of dim 0 of `x` (which holds the same values on every rank): what
+    the all-reduce split (passes/ar_split.py) gives the ops that now run on 1/W of the rows."""
+    from torch_commopt.kernels.reference.collectives import resolve_group
+
+    rank = resolve_group(group_name).rank()
+    return x.chunk(group_size, dim=0)[rank].contiguous()
+
+
+@torch.library.register_fake("commopt::shard_rows")
+def _(x, group_size, group_name):
+    return x.new_empty([x.shape[0] // group_size] + list(x.shape[1:]))
 
 
 def runner(kind: str, a: Tensor, weights: list[Tensor], world: int, group_name: str):

@@ -138,6 +138,8 @@ def _row_local(node: Node, inside: set[Node], rows: int) -> dict[Node, str] | No
             if v.dim() != outs[0].dim():  # a row vector of the region broadcast along columns
                 return None
             continue
+        if _is_all_reduce_result(a):  # another all-reduce's result starts its own candidate
+            return None
         if v.dim() == outs[0].dim() and v.shape[0] == rows:
             kinds[a] = "full"
         elif v.dim() < outs[0].dim() or v.shape[0] == 1:  # right-aligned: does not span dim 0
@@ -145,6 +147,11 @@ def _row_local(node: Node, inside: set[Node], rows: int) -> dict[Node, str] | No
         else:
             return None
     return kinds
+
+
+def _is_all_reduce_result(node: Node) -> bool:
+    return (node.op == "call_function" and node.target is WAIT and isinstance(node.args[0], Node)
+            and node.args[0].target is ALL_REDUCE)
 
 
 def _tensor_args(node: Node) -> list[Node]:
@@ -166,3 +173,110 @@ def _reaches_matmul(node: Node, depth: int = 3) -> bool:
     if depth and (node.target in RESHAPES or node.target is torch.ops.prims.convert_element_type.default):
         return any(_reaches_matmul(u, depth - 1) for u in node.users)
     return False
+
+
+# ---- the rewrite (Config.ar_split) ---------------------------------------------------------
+
+MAX_SPLITS = 256  # per graph: each split removes an all-reduce, so this only bounds a bug
+
+
+def split_all_reduces(graph: Graph) -> list[str]:
+    """Apply the split to every candidate with a GEMM on both sides; one note per split.
+    Candidates are found again after each split: a split replaces values later candidates
+    use (a residual stream gathered by one split is sliced back by the next -- to the shard
+    it came from, not through a slice of the gathered tensor)."""
+    notes, shards = [], {}
+    for _ in range(MAX_SPLITS):
+        cand = next((c for c in find_ar_splits(graph) if c.from_matmul and c.feeds_matmul), None)
+        if cand is None:
+            break
+        _apply(graph, cand, shards)
+        operands = ", ".join(a.name for a in cand.full_operands + cand.broadcast_operands) or "none"
+        notes.append(f"{cand.all_reduce.name}: split into reduce-scatter -> {len(cand.ops)} op(s) on the rows -> "
+                     f"all-gather of {len(cand.frontier)} value(s); assumed equal on every rank: {operands}")
+    dropped = 0
+    for done in list(shards):  # gathers whose every user now takes the shard
+        if not done.users:
+            gathered = done.args[0]
+            graph.erase_node(done)
+            graph.erase_node(gathered)
+            dropped += 1
+    if dropped:
+        notes.append(f"{dropped} all-gather(s) dropped: their values are used on the rows only")
+    return notes
+
+
+def _apply(graph: Graph, cand: SplitCandidate, shards: dict[Node, Node]) -> None:
+    """Rebuild the candidate's ops on this rank's rows.  Fake values are computed before the
+    graph is edited; each new node goes just before the node it replaces, where all of that
+    node's operands exist.  `shards`: gathered value -> the shard it was gathered from."""
+    from torch_commopt.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
+
+    ar = cand.all_reduce
+    partial, group = ar.args[0], ar.args[2]
+    world = resolve_group(group_name_of(group)).size()
+    shard_rows = torch.ops.commopt.shard_rows.default
+    full = set(cand.full_operands)
+    fakes = _shard_fakes(cand, world, group_name_of(group))  # raises before any edit
+    with graph.inserting_after(ar):
+        rs = graph.call_function(REDUCE_SCATTER, (partial, "sum", world, group))
+        rs.meta["val"] = REDUCE_SCATTER(val(partial), "sum", world, group)
+    with graph.inserting_after(rs):
+        waited = graph.call_function(WAIT, (rs,))
+        waited.meta["val"] = val(rs)
+    local = {cand.wait: waited}  # original node -> its value on this rank's rows
+
+    def operand(a, before: Node):
+        if not isinstance(a, Node):
+            return a
+        if a in local:
+            return local[a]
+        if a in full:
+            if a in shards:  # gathered by an earlier split: use the shard it came from
+                local[a] = shards[a]
+            else:
+                with graph.inserting_before(before):
+                    local[a] = graph.call_function(shard_rows, (a, world, group_name_of(group)))
+                    local[a].meta["val"] = shard_rows(val(a), world, group_name_of(group))
+            return local[a]
+        return a  # broadcast along dim 0: as is
+
+    for op in cand.ops:
+        args = tuple(operand(a, op) for a in op.args)
+        kwargs = {k: operand(v, op) for k, v in op.kwargs.items()}
+        with graph.inserting_before(op):
+            new = graph.call_function(op.target, args, kwargs)
+        new.meta["val"] = fakes[op]
+        local[op] = new
+    for value in cand.frontier:
+        outside = [u for u in value.users if u not in local and u is not cand.wait]
+        with graph.inserting_after(local[value]):
+            gathered = graph.call_function(ALL_GATHER, (local[value], world, group))
+            gathered.meta["val"] = ALL_GATHER(val(local[value]), world, group)
+        with graph.inserting_after(gathered):
+            done = graph.call_function(WAIT, (gathered,))
+            done.meta["val"] = val(value)
+        for user in outside:
+            user.replace_input_with(value, done)
+        shards[done] = local[value]
+    for node in reversed([cand.wait] + cand.ops):
+        graph.erase_node(node)
+    graph.erase_node(ar)
+
+
+def _shard_fakes(cand: SplitCandidate, world: int, group_name: str) -> dict[Node, object]:
+    """The fake value of every candidate op run on this rank's rows (no graph edit)."""
+    shard_rows = torch.ops.commopt.shard_rows.default
+    full = set(cand.full_operands)
+    rows = {cand.wait: shard_rows(val(cand.wait), world, group_name)}
+    for a in full:
+        rows[a] = shard_rows(val(a), world, group_name)
+
+    def fake(a):
+        if not isinstance(a, Node):
+            return a
+        return rows[a] if a in rows else val(a)
+
+    for op in cand.ops:
+        rows[op] = op.target(*[fake(a) for a in op.args], **{k: fake(v) for k, v in op.kwargs.items()})
+    return {op: rows[op] for op in cand.ops}

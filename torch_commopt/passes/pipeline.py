@@ -75,6 +75,14 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         except Exception as e:  # each move edits the graph only after its checks: none is half done
             log.exception("commopt: CoCoNet reorder stopped on graph %d", report.graph_id)
             report.notes.append(f"CoCoNet reorder stopped ({type(e).__name__}: {e})")
+    if config.ar_split:
+        from torch_commopt.passes.ar_split import split_all_reduces
+
+        try:
+            report.notes += split_all_reduces(graph)
+        except Exception as e:  # a split edits the graph only after its fake values are computed
+            log.exception("commopt: all-reduce split stopped on graph %d", report.graph_id)
+            report.notes.append(f"all-reduce split stopped ({type(e).__name__}: {e})")
     try:
         from torch_commopt.passes.ar_split import find_ar_splits
 
