@@ -240,7 +240,8 @@ def shard_rows(x: Tensor, group_size: int, group_name: str) -> Tensor:
     from torch_commopt.kernels.reference.collectives import resolve_group
 
     rank = resolve_group(group_name).rank()
-    return x.chunk(group_size, dim=0)[rank].contiguous()
+    # a new tensor, never a view: an op's output may not alias its input
+    return x.chunk(group_size, dim=0)[rank].clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("commopt::shard_rows")
