@@ -58,6 +58,8 @@ class Config:
         (passes/ar_split.py).  ASSUMES the other operands of those ops (the residual stream,
         norm weights) hold the same values on every rank of the group, as in tensor
         parallelism without sequence parallelism; explain lists them.  Off by default.
+        "checked": the same, and every call compares those operands across the ranks (a
+        checksum all-gather each) and raises a clear error where they differ.
     cuda_graphs: the compiled program is replayed from CUDA graphs: Inductor's CUDA-graph
         trees are turned on (`triton.cudagraphs`; extra_inductor_options can turn them
         off again, e.g. for a capture of your own around the compiled module); the
@@ -93,7 +95,7 @@ class Config:
     debug_waits: bool = False
     cuda_graphs: bool = False
     coconet: bool = False
-    ar_split: bool = False
+    ar_split: bool | str = False
     extra_inductor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -131,9 +133,10 @@ class Config:
         unknown = [p for p in self.patterns if p not in PATTERNS]
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
-        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet",
-                     "ar_split"):
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet"):
             _check_type(name, getattr(self, name), bool)
+        if self.ar_split not in (False, True, "checked"):
+            raise ValueError(f"Config.ar_split: expected False, True or 'checked', got {self.ar_split!r}")
         if not isinstance(self.consistency_timeout_s, (int, float)) or self.consistency_timeout_s <= 0:
             raise ValueError(f"Config.consistency_timeout_s: must be a positive number, got {self.consistency_timeout_s!r}")
         _check_type("extra_inductor_options", self.extra_inductor_options, dict)

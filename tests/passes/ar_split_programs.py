@@ -24,19 +24,27 @@ def _tp_layer(x, a, wo, g, w1):
     return h2, n2 @ w1
 
 
-def split_forward(rank: int, world: int, rows: int = 16):
+def split_forward(rank: int, world: int, rows: int = 16, mode=True, replicated_x: bool = True):
     """(notes, region kinds, relative error of each output vs eager) for the program compiled
-    with ar_split=True; x and g are the same on every rank (the split's assumption), the
-    matmul operands differ per rank."""
+    with ar_split=mode; x and g are the same on every rank (the split's assumption) unless
+    replicated_x=False, the matmul operands differ per rank.  A raised NotReplicated comes
+    back as its message."""
+    from torch_commopt.kernels.ops import NotReplicated
+
     shared = torch.Generator().manual_seed(7)
     x, g = torch.randn(rows, 32, generator=shared), torch.randn(32, generator=shared)
+    if not replicated_x:
+        x = x + rank
     torch.manual_seed(100 + rank)
     a, wo, w1 = torch.randn(rows, 8), torch.randn(8, 32) / 8**0.5, torch.randn(32, 16) / 32**0.5
     want = _tp_layer(x, a, wo, g, w1)
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    got = torch.compile(_tp_layer, backend="commopt",
-                        options={"ar_split": True, "schedule": "chunked", "chunks": 2})(x, a, wo, g, w1)
+    compiled = torch.compile(_tp_layer, backend="commopt", options={"ar_split": mode, "schedule": "chunked", "chunks": 2})
+    try:
+        got = compiled(x, a, wo, g, w1)
+    except NotReplicated as e:
+        return str(e)
     graphs = torch_commopt.explain().graphs
     notes = [n for gr in graphs for n in gr.notes]
     kinds = [r.kind for gr in graphs for r in gr.rewritten]

@@ -108,3 +108,22 @@ def test_split_on_a_dtensor_tp_block_matches_eager_forward_and_backward():
         assert len(errors) >= 10  # output, input grad, every parameter grad
         bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
         assert not bad, bad
+
+
+def test_checked_split_verifies_the_replication_it_assumes():
+    from ar_split_programs import split_forward
+    from torch_commopt.launch import run_distributed
+
+    for notes, kinds, errors in run_distributed(split_forward, 2, 16, "checked"):
+        assert max(errors) < 1e-5 and kinds.count("matmul_rs") == 2
+    # a residual that differs per rank: a clear error, not a silently different result
+    for message in run_distributed(split_forward, 2, 16, "checked", False):
+        assert isinstance(message, str) and "differs between the ranks" in message and "ar_split" in message
+
+
+def test_ar_split_option_values():
+    from torch_commopt.config import Config
+
+    assert Config(ar_split="checked").ar_split == "checked"
+    with pytest.raises(ValueError, match="ar_split"):
+        Config(ar_split="yes")

@@ -34,7 +34,8 @@ _SCHEMAS = {
                  "str group_name, str schedule) -> Tensor",
     "matmul_ar": "matmul_ar(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int group_size, str group_name, "
                  "str schedule) -> Tensor",
-    "shard_rows": "shard_rows(Tensor x, int group_size, str group_name) -> Tensor",
+    "shard_rows": "shard_rows(Tensor x, int group_size, str group_name, bool check=False) -> Tensor",
+    "replicated": "replicated(Tensor x, int group_size, str group_name) -> Tensor",
 }
 
 
@@ -234,19 +235,59 @@ def _(a, weight, bias, reduce_op, group_size, group_name, schedule):
 
 
 @_op("shard_rows")
-def shard_rows(x: Tensor, group_size: int, group_name: str) -> Tensor:
+def shard_rows(x: Tensor, group_size: int, group_name: str, check: bool = False) -> Tensor:
     """This rank's block of dim 0 of `x` (which holds the same values on every rank): what
-    the all-reduce split (passes/ar_split.py) gives the ops that now run on 1/W of the rows."""
+    the all-reduce split (passes/ar_split.py) gives the ops that now run on 1/W of the rows.
+    check=True: first verify that `x` is the same on every rank (Config.ar_split="checked")."""
     from torch_commopt.kernels.reference.collectives import resolve_group
 
+    if check:
+        _check_replicated(x, group_name, "a full-shaped operand")
     rank = resolve_group(group_name).rank()
     # a new tensor, never a view: an op's output may not alias its input
     return x.chunk(group_size, dim=0)[rank].clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("commopt::shard_rows")
-def _(x, group_size, group_name):
+def _(x, group_size, group_name, check=False):
     return x.new_empty([x.shape[0] // group_size] + list(x.shape[1:]))
+
+
+@_op("replicated")
+def replicated(x: Tensor, group_size: int, group_name: str) -> Tensor:
+    """`x` (a copy), after verifying that it holds the same values on every rank: the
+    all-reduce split's check of a broadcast operand (Config.ar_split="checked")."""
+    _check_replicated(x, group_name, "a broadcast operand")
+    return x.clone()
+
+
+@torch.library.register_fake("commopt::replicated")
+def _(x, group_size, group_name):
+    return torch.empty_like(x)
+
+
+class NotReplicated(RuntimeError):
+    """An operand the all-reduce split assumed equal on every rank differs between ranks."""
+
+
+def _check_replicated(x: Tensor, group_name: str, what: str) -> None:
+    """Compare a checksum of `x` across the group (one small all-gather); raise where it differs."""
+    import torch.distributed as dist
+
+    from torch_commopt.kernels.reference.collectives import resolve_group
+
+    group = resolve_group(group_name)
+    xd = x.detach().double()
+    mine = torch.stack([xd.sum(), xd.abs().sum(), (xd * torch.arange(1, xd.numel() + 1, dtype=torch.float64,
+                                                                       device=x.device).view(xd.shape)).sum()])
+    every = torch.empty(group.size() * 3, dtype=torch.float64, device=x.device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    every = every.view(group.size(), 3)
+    if not bool((every == every[0]).all()):
+        raise NotReplicated(
+            f"commopt ar_split: {what} of shape {list(x.shape)} differs between the ranks of group {group_name} "
+            f"(checksums {every.tolist()}); the all-reduce split assumes it is replicated -- turn Config.ar_split off "
+            "for this program")
 
 
 def runner(kind: str, a: Tensor, weights: list[Tensor], world: int, group_name: str):

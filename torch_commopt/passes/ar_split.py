@@ -180,7 +180,7 @@ def _reaches_matmul(node: Node, depth: int = 3) -> bool:
 MAX_SPLITS = 256  # per graph: each split removes an all-reduce, so this only bounds a bug
 
 
-def split_all_reduces(graph: Graph) -> list[str]:
+def split_all_reduces(graph: Graph, check: bool = False) -> list[str]:
     """Apply the split to every candidate with a GEMM on both sides; one note per split.
     Candidates are found again after each split: a split replaces values later candidates
     use (a residual stream gathered by one split is sliced back by the next -- to the shard
@@ -190,7 +190,7 @@ def split_all_reduces(graph: Graph) -> list[str]:
         cand = next((c for c in find_ar_splits(graph) if c.from_matmul and c.feeds_matmul), None)
         if cand is None:
             break
-        _apply(graph, cand, shards)
+        _apply(graph, cand, shards, check)
         operands = ", ".join(a.name for a in cand.full_operands + cand.broadcast_operands) or "none"
         notes.append(f"{cand.all_reduce.name}: split into reduce-scatter -> {len(cand.ops)} op(s) on the rows -> "
                      f"all-gather of {len(cand.frontier)} value(s); assumed equal on every rank: {operands}")
@@ -206,10 +206,11 @@ def split_all_reduces(graph: Graph) -> list[str]:
     return notes
 
 
-def _apply(graph: Graph, cand: SplitCandidate, shards: dict[Node, Node]) -> None:
+def _apply(graph: Graph, cand: SplitCandidate, shards: dict[Node, Node], check: bool = False) -> None:
     """Rebuild the candidate's ops on this rank's rows.  Fake values are computed before the
     graph is edited; each new node goes just before the node it replaces, where all of that
-    node's operands exist.  `shards`: gathered value -> the shard it was gathered from."""
+    node's operands exist.  `shards`: gathered value -> the shard it was gathered from.
+    check: the operands assumed equal on every rank are compared across ranks at each call."""
     from torch_commopt.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
 
     ar = cand.all_reduce
@@ -236,8 +237,13 @@ def _apply(graph: Graph, cand: SplitCandidate, shards: dict[Node, Node]) -> None
                 local[a] = shards[a]
             else:
                 with graph.inserting_before(before):
-                    local[a] = graph.call_function(shard_rows, (a, world, group_name_of(group)))
+                    local[a] = graph.call_function(shard_rows, (a, world, group_name_of(group), check))
                     local[a].meta["val"] = shard_rows(val(a), world, group_name_of(group))
+            return local[a]
+        if check:  # broadcast along dim 0: as is, once verified
+            with graph.inserting_before(before):
+                local[a] = graph.call_function(torch.ops.commopt.replicated.default, (a, world, group_name_of(group)))
+                local[a].meta["val"] = torch.ops.commopt.replicated.default(val(a), world, group_name_of(group))
             return local[a]
         return a  # broadcast along dim 0: as is
 

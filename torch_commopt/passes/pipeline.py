@@ -79,7 +79,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         from torch_commopt.passes.ar_split import split_all_reduces
 
         try:
-            report.notes += split_all_reduces(graph)
+            report.notes += split_all_reduces(graph, check=config.ar_split == "checked")
         except Exception as e:  # a split edits the graph only after its fake values are computed
             log.exception("commopt: all-reduce split stopped on graph %d", report.graph_id)
             report.notes.append(f"all-reduce split stopped ({type(e).__name__}: {e})")
