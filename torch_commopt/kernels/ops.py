@@ -13,9 +13,11 @@ import logging
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from torch_commopt.kernels import sequential
+from torch_commopt.kernels.reference.collectives import resolve_group
 from torch_commopt.kernels.reference.ag_matmul import ag_matmul_reference
 from torch_commopt.kernels.reference.matmul_reduce import matmul_ar_reference, matmul_rs_reference
 from torch_commopt.schedule import Schedule
@@ -239,8 +241,6 @@ def shard_rows(x: Tensor, group_size: int, group_name: str, check: bool = False)
     """This rank's block of dim 0 of `x` (which holds the same values on every rank): what
     the all-reduce split (passes/ar_split.py) gives the ops that now run on 1/W of the rows.
     check=True: first verify that `x` is the same on every rank (Config.ar_split="checked")."""
-    from torch_commopt.kernels.reference.collectives import resolve_group
-
     if check:
         _check_replicated(x, group_name, "a full-shaped operand")
     rank = resolve_group(group_name).rank()
@@ -272,10 +272,6 @@ class NotReplicated(RuntimeError):
 
 def _check_replicated(x: Tensor, group_name: str, what: str) -> None:
     """Compare a checksum of `x` across the group (one small all-gather); raise where it differs."""
-    import torch.distributed as dist
-
-    from torch_commopt.kernels.reference.collectives import resolve_group
-
     group = resolve_group(group_name)
     xd = x.detach().double()
     mine = torch.stack([xd.sum(), xd.abs().sum(), (xd * torch.arange(1, xd.numel() + 1, dtype=torch.float64,

@@ -1,5 +1,6 @@
-"""CoCoNet's all-reduce split, analysis side: where all_reduce -> row-local ops could become
-reduce_scatter -> the same ops on 1/W of the rows -> all_gather.
+"""CoCoNet's all-reduce split: where all_reduce -> row-local ops could become
+reduce_scatter -> the same ops on 1/W of the rows -> all_gather (find_ar_splits, explain),
+and the rewrite that makes it so (split_all_reduces, Config.ar_split).
 
     t = wait(all_reduce(mm(...)));  h = x + t;  n = rmsnorm(h) * g;  ... n @ w
 could run as
@@ -12,8 +13,8 @@ row-local ops -- elementwise ops and reductions over the last dim that keep dim 
 whose other tensor operands are either full-shaped (each rank would use its block of rows)
 or broadcast along dim 0 (used as they are).  Both kinds must hold the same values on every
 rank (the residual stream and the norm weight of a tensor-parallel block without sequence
-parallelism), which a post-grad graph cannot show: the rewrite (reshard issue) needs that
-as an assumption the user states.  Random ops (dropout) end a candidate: their per-rank
+parallelism), which a post-grad graph cannot show: the rewrite runs only when the user
+states it (Config.ar_split; "checked" verifies it at every call).  Random ops (dropout) end a candidate: their per-rank
 masks would be drawn for other rows.  The frontier is the candidate's values used outside
 it; those would be all-gathered.
 """
@@ -26,16 +27,18 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.kernels.reference.collectives import resolve_group
+from torch_commopt.passes.chains import set_fake_val
+from torch_commopt.passes.coconet import UNARY
 from torch_commopt.passes.graph_utils import (
-    ADDMM, ALL_REDUCE, BMM, MM, RESHAPES, WAIT, aten, group_name_of, is_getitem, only_user, val,
+    ADDMM, ALL_GATHER, ALL_REDUCE, BMM, MM, REDUCE_SCATTER, RESHAPES, WAIT, aten, group_name_of, is_getitem,
+    only_user, val,
 )
 
-ELEMENTWISE = {
+ELEMENTWISE = UNARY | {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
     aten.mul.Scalar, aten.div.Scalar, aten.pow.Tensor_Scalar, aten.maximum.default, aten.minimum.default,
-    aten.where.self, aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default, aten.neg.default,
-    aten.abs.default, aten.reciprocal.default, aten.relu.default, aten.gelu.default, aten.silu.default,
-    aten.sigmoid.default, aten.tanh.default, aten.clone.default, torch.ops.prims.convert_element_type.default,
+    aten.where.self, aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default,
+    aten.abs.default, aten.reciprocal.default, aten.clone.default,
 }
 # reductions whose `dim` argument (args[1]) must leave dim 0 alone
 LAST_DIM_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var_mean.correction}
@@ -207,62 +210,48 @@ def split_all_reduces(graph: Graph, check: bool = False) -> list[str]:
 
 
 def _apply(graph: Graph, cand: SplitCandidate, shards: dict[Node, Node], check: bool = False) -> None:
-    """Rebuild the candidate's ops on this rank's rows.  Fake values are computed before the
-    graph is edited; each new node goes just before the node it replaces, where all of that
-    node's operands exist.  `shards`: gathered value -> the shard it was gathered from.
+    """Rebuild the candidate's ops on this rank's rows.  Their fake values are computed before
+    the graph is edited; each new node goes just before the node it replaces, where all of
+    that node's operands exist.  `shards`: gathered value -> the shard it was gathered from.
     check: the operands assumed equal on every rank are compared across ranks at each call."""
-    from torch_commopt.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
-
     ar = cand.all_reduce
     partial, group = ar.args[0], ar.args[2]
-    world = resolve_group(group_name_of(group)).size()
-    shard_rows = torch.ops.commopt.shard_rows.default
-    full = set(cand.full_operands)
-    fakes = _shard_fakes(cand, world, group_name_of(group))  # raises before any edit
-    with graph.inserting_after(ar):
-        rs = graph.call_function(REDUCE_SCATTER, (partial, "sum", world, group))
-        rs.meta["val"] = REDUCE_SCATTER(val(partial), "sum", world, group)
-    with graph.inserting_after(rs):
-        waited = graph.call_function(WAIT, (rs,))
-        waited.meta["val"] = val(rs)
-    local = {cand.wait: waited}  # original node -> its value on this rank's rows
+    gname = group_name_of(group)
+    world = resolve_group(gname).size()
+    full, region = set(cand.full_operands), set(cand.ops)
+    fakes = _shard_fakes(cand, world, gname)  # raises before any edit
+
+    def add(target, args, *, before=None, after=None) -> Node:
+        with graph.inserting_before(before) if before is not None else graph.inserting_after(after):
+            node = graph.call_function(target, args)
+        set_fake_val(node)
+        return node
+
+    rs = add(REDUCE_SCATTER, (partial, "sum", world, group), after=ar)
+    local = {cand.wait: add(WAIT, (rs,), after=rs)}  # original node -> its value on this rank's rows
 
     def operand(a, before: Node):
-        if not isinstance(a, Node):
+        if not isinstance(a, Node) or a in local:
+            return local.get(a, a)
+        if a in full:  # this rank's rows; a value an earlier split gathered: the shard it came from
+            local[a] = shards[a] if a in shards else add(torch.ops.commopt.shard_rows.default,
+                                                          (a, world, gname, check), before=before)
+        elif check:  # broadcast along dim 0: as is, once verified
+            local[a] = add(torch.ops.commopt.replicated.default, (a, world, gname), before=before)
+        else:
             return a
-        if a in local:
-            return local[a]
-        if a in full:
-            if a in shards:  # gathered by an earlier split: use the shard it came from
-                local[a] = shards[a]
-            else:
-                with graph.inserting_before(before):
-                    local[a] = graph.call_function(shard_rows, (a, world, group_name_of(group), check))
-                    local[a].meta["val"] = shard_rows(val(a), world, group_name_of(group))
-            return local[a]
-        if check:  # broadcast along dim 0: as is, once verified
-            with graph.inserting_before(before):
-                local[a] = graph.call_function(torch.ops.commopt.replicated.default, (a, world, group_name_of(group)))
-                local[a].meta["val"] = torch.ops.commopt.replicated.default(val(a), world, group_name_of(group))
-            return local[a]
-        return a  # broadcast along dim 0: as is
+        return local[a]
 
     for op in cand.ops:
         args = tuple(operand(a, op) for a in op.args)
         kwargs = {k: operand(v, op) for k, v in op.kwargs.items()}
         with graph.inserting_before(op):
-            new = graph.call_function(op.target, args, kwargs)
-        new.meta["val"] = fakes[op]
-        local[op] = new
+            local[op] = graph.call_function(op.target, args, kwargs)
+        local[op].meta["val"] = fakes[op]
     for value in cand.frontier:
-        outside = [u for u in value.users if u not in local and u is not cand.wait]
-        with graph.inserting_after(local[value]):
-            gathered = graph.call_function(ALL_GATHER, (local[value], world, group))
-            gathered.meta["val"] = ALL_GATHER(val(local[value]), world, group)
-        with graph.inserting_after(gathered):
-            done = graph.call_function(WAIT, (gathered,))
-            done.meta["val"] = val(value)
-        for user in outside:
+        gathered = add(ALL_GATHER, (local[value], world, group), after=local[value])
+        done = add(WAIT, (gathered,), after=gathered)
+        for user in [u for u in value.users if u not in region]:
             user.replace_input_with(value, done)
         shards[done] = local[value]
     for node in reversed([cand.wait] + cand.ops):

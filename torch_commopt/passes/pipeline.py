@@ -70,19 +70,11 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     if config.coconet:
         from torch_commopt.passes.coconet import reorder_all_gathers
 
-        try:
-            report.notes += reorder_all_gathers(graph)
-        except Exception as e:  # each move edits the graph only after its checks: none is half done
-            log.exception("commopt: CoCoNet reorder stopped on graph %d", report.graph_id)
-            report.notes.append(f"CoCoNet reorder stopped ({type(e).__name__}: {e})")
+        _graph_rewrite("CoCoNet reorder", lambda: reorder_all_gathers(graph), report)
     if config.ar_split:
         from torch_commopt.passes.ar_split import split_all_reduces
 
-        try:
-            report.notes += split_all_reduces(graph, check=config.ar_split == "checked")
-        except Exception as e:  # a split edits the graph only after its fake values are computed
-            log.exception("commopt: all-reduce split stopped on graph %d", report.graph_id)
-            report.notes.append(f"all-reduce split stopped ({type(e).__name__}: {e})")
+        _graph_rewrite("all-reduce split", lambda: split_all_reduces(graph, check=config.ar_split == "checked"), report)
     try:
         from torch_commopt.passes.ar_split import find_ar_splits
 
@@ -125,6 +117,17 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         report.code = graph.python_code("self").src
     explain.record(report)
     return report
+
+
+def _graph_rewrite(what: str, apply, report: explain.GraphReport) -> None:
+    """Run a CoCoNet rewrite (its notes go to explain).  Each step edits the graph only after
+    its checks and fake values are done, so a failure leaves no step half done: the steps
+    already made stand, the rest are skipped, logged."""
+    try:
+        report.notes += apply()
+    except Exception as e:
+        log.exception("commopt: %s stopped on graph %d", what, report.graph_id)
+        report.notes.append(f"{what} stopped ({type(e).__name__}: {e})")
 
 
 def _band(region: Region, shape, weights, dtype: str, band: list[str], rule_pick: Schedule, why: str,

@@ -302,7 +302,8 @@ def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=P
     for kind, (a_shape, w_shape) in shapes.items():
         a = torch.randn(a_shape, device=device, dtype=torch.bfloat16)
         w = torch.randn(w_shape, device=device, dtype=torch.bfloat16) / w_shape[0] ** 0.5
-        scheds = [s for s in PROBE_SCHEDULES[kind] if not graphs or Schedule.parse(s).in_capture(kind) == Schedule.parse(s)]
+        scheds = [s for s in PROBE_SCHEDULES[kind]
+                  if not graphs or (p := Schedule.parse(s)).in_capture(kind) == p]
         ms = measure_candidates(runner(kind, a, [w], world, group_name), scheds, group_name, device, graphs=graphs)
         out.update({f"{kind} {s}": t / 1e3 for s, t in ms.items()})
     return out
