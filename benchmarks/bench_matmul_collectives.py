@@ -67,8 +67,9 @@ SHAPES = [
 ]
 SCHEDULES = {  # one or two piece counts per mechanism (the rest measured slower in earlier runs)
     "ag": ["local_first", "chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "fused:1", "fused:4"],
-    "rs": ["chunked:2", "ce_push:2", "ce_push:4", "ce_pull:2", "direct:1", "direct:2", "fused:2:store=direct"],
-    "ar": ["chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "direct:2"],
+    "rs": ["chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "ce_pull:2", "direct:1", "direct:2",
+           "fused:2:store=direct"],
+    "ar": ["chunked:2", "ce_push:1", "ce_push:2", "ce_pull:2", "direct:1", "direct:2"],
 }
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 

@@ -81,7 +81,10 @@ def run_funcol_programs(rank: int, world: int, options: dict, seed: int = 0):
         eager = _flat(fn(*_inputs(shapes, rank, seed + i, torch.float32)))
         compiled = _flat(torch.compile(fn, backend="commopt", options=options)(*_inputs(shapes, rank, seed + i, torch.float32)))
         errors = [(rel_err(c, r), rel_err(e, r)) for c, e, r in zip(compiled, eager, ref)]
-        ops = {k: v for g in torch_commopt.explain().graphs for k, v in g.commopt_ops.items()}
+        report = torch_commopt.explain()
+        ops = {k: v for g in report.graphs for k, v in g.commopt_ops.items()}
+        if ops.get(op, 0) < 1:  # the report says why, in the failing test's message
+            name = f"{name}: no {op} in\n{report}"
         results.append((name, errors, ops, op))
     return results
 

@@ -220,3 +220,33 @@ def test_factor_curves_pair_the_two_probes_of_each_family():
     long = {"matmul_rs ce_push": (1e-3, 1.1), "matmul_rs fused": (1e-3, 1.3)}
     short = {"matmul_rs ce_push": (1e-4, 0.85), "ag_matmul ce_push": (1e-4, 0.9)}
     assert _factor_curves(long, short) == {"matmul_rs ce_push": [[1e-4, 0.85], [1e-3, 1.1]]}
+
+
+def test_a_probed_piece_count_has_its_own_factor():
+    cal = dataclasses.replace(H200, schedule_factor={"matmul_rs direct": 1.2, "matmul_rs direct:2": 1.5})
+    assert cal.factor("matmul_rs direct:2", 1e-3) == 1.5
+    assert cal.factor("matmul_rs direct:1", 1e-3) == 1.2  # not probed alone: the family's
+    shape = RegionShape("matmul_rs", 8192, 4096, (8192,), 2)
+    for s, f in ((Schedule("direct", 2), 1.5), (Schedule("direct", 4), 1.2)):
+        assert predict(shape, s, cal).gpu_s == pytest.approx(predict(shape, s, H200).gpu_s * f)
+
+
+def test_factors_are_keyed_by_family_and_by_piece_count():
+    from torch_commopt.tuner.calibrate import _schedule_factors
+
+    shape = {"matmul_rs": ((8192, 4096), (4096, 8192))}
+    raw = {s: predict(RegionShape("matmul_rs", 8192, 4096, (8192,), 2, "bfloat16"), Schedule.parse(s), H200).gpu_s
+           for s in ("direct:1", "direct:2")}
+    timed = {"matmul_rs direct:1": raw["direct:1"] * 1.1, "matmul_rs direct:2": raw["direct:2"] * 1.4}
+    out = _schedule_factors(timed, H200, shape)
+    assert out["matmul_rs direct"][1] == pytest.approx(1.1)  # the first probe stands for the family
+    assert out["matmul_rs direct:2"][1] == pytest.approx(1.4)
+
+
+def test_one_piece_reduction_at_two_ranks_does_not_wait_for_the_partial_before_its_gemm():
+    shape = RegionShape("matmul_rs", 8192, 8192, (8192,), 2, "bfloat16")
+    one = predict(shape, Schedule("ce_push", 1), H200, graphs=True).gpu_s
+    gemm_half = predict(RegionShape("matmul_rs", 4096, 8192, (8192,), 1, "bfloat16"), Schedule("sequential"), H200,
+                        graphs=True).gpu_s
+    push = H200.p2p.time(4096 * 8192 * 2)
+    assert one < 2 * gemm_half + push  # the push hides under the own GEMM

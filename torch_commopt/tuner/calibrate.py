@@ -284,9 +284,15 @@ PROBE_SHAPES = {"ag_matmul": ((6144, 6144), (6144, 3072)), "matmul_rs": ((12288,
 SHORT_PROBE_SHAPES = {"ag_matmul": ((1536, 6144), (6144, 3072)), "matmul_rs": ((3072, 3072), (3072, 6144)),
                       "matmul_ar": ((3072, 3072), (3072, 6144))}
 FACTOR_RANGE = (0.5, 3.0)  # measured / predicted outside this is a measurement problem
-PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_push:2", "fused:1"),
-                   "matmul_rs": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "fused:2"),
-                   "matmul_ar": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1")}
+# The first of a family stands for it; the piece counts after it get factors of their own
+# (2x H200: rs direct:2 measured 8 % slower than direct:1 where the family factor ranked it
+# first; ce_push:1 reductions add the partial after the own GEMM, a different pipeline).
+PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_push:2", "fused:1", "ce_push:1",
+                                 "ce_push:4", "fused:4"),
+                   "matmul_rs": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "fused:2",
+                                 "ce_push:1", "ce_push:4", "direct:2"),
+                   "matmul_ar": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "ce_push:1",
+                                 "ce_push:4", "direct:2")}
 
 
 def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=PROBE_SHAPES,
@@ -329,7 +335,9 @@ def _schedule_factors(probes: dict[str, float], cal: Calibration, shapes=PROBE_S
             log.warning("commopt calibrate: %s measured %.3f ms vs %.3f ms predicted; factor left at 1",
                         key, seconds * 1e3, pred.gpu_s * 1e3)
             continue
-        out[f"{kind} {Schedule.parse(sched).name}"] = (pred.gpu_s, factor)
+        parsed = Schedule.parse(sched)
+        out.setdefault(f"{kind} {parsed.name}", (pred.gpu_s, factor))  # the family's first probe
+        out[f"{kind} {parsed.name}:{parsed.chunks}"] = (pred.gpu_s, factor)
     return out
 
 

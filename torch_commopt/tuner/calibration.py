@@ -71,7 +71,7 @@ class Calibration:
         overlap_slowdown.
     remote_store_slowdown: GEMM slowdown when its epilogue stores into a peer (direct).
     fused_efficiency: Triton persistent GEMM speed relative to cuBLAS.
-    schedule_factor: {"kind family": measured / predicted device time} of each schedule
+    schedule_factor: {"kind family" or "kind family:S": measured / predicted device time} of each schedule
         family on a probe shape (calibrate._schedule_probes): what the pipeline model
         leaves out (flag round trips, the order the streams really run in, a family's
         own inefficiencies), applied to that family's predicted device time.
@@ -120,7 +120,11 @@ class Calibration:
         return self.overlap_slowdown if self.collective_overlap_slowdown is None else self.collective_overlap_slowdown
 
     def factor(self, key: str, predicted_s: float) -> float:
-        """The model correction of family `key` ("kind family") at a predicted device time."""
+        """The model correction of `key` ("kind family:S", else "kind family") at a predicted
+        device time: a piece count probed on its own has its own factor (splitting a cuBLAS
+        GEMM costs what the GEMM fit does not see), the others take their family's."""
+        if key not in self.schedule_factor and key not in self.schedule_factor_curve:
+            key = key.split(":")[0]
         curve = sorted(self.schedule_factor_curve.get(key, ()))
         if len(curve) < 2 or predicted_s <= 0:
             return self.schedule_factor.get(key, 1.0)

@@ -104,7 +104,7 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
         sched = sched.in_capture(shape.kind)
     fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
     raw = fn(shape, sched, cal)
-    gpu = raw * cal.factor(f"{shape.kind} {sched.name}", raw)
+    gpu = raw * cal.factor(f"{shape.kind} {sched.name}:{sched.chunks}", raw)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
     host = cal.host(sched.name) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
     if graphs and cal.device != "cpu":
@@ -206,15 +206,25 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
             if not stores:
                 steps.append(_Step("comm", link.time(piece_bytes), (len(steps) - 1,)))
             arrival[c].append(len(steps) - 1)
+    if w == 2 and s == 1 and sched.name == "ce_push":  # own GEMM first, the partial added after
+        add = cal.local_copy.time(1.5 * piece_bytes) if cal.local_copy else 0.0  # reads 2, writes 1
+        steps += [_Step("compute", piece), _Step("compute", add, tuple(arrival[0]))]
+        _push_reduced_step(shape, cal, steps, piece_bytes)
+        return simulate(steps)
     for c in range(s):
         if local_copy:
             steps.append(_Step("local", local_copy, tuple(arrival[c])))
             arrival[c] = [len(steps) - 1]
         steps.append(_Step("compute", piece + c_copy, tuple(arrival[c])))
-        if shape.kind == "matmul_ar":  # the reduced piece pushed to every peer
-            for _ in range(w - 1):
-                steps.append(_Step("comm", cal.p2p.time(piece_bytes), (len(steps) - 1,)))
+        _push_reduced_step(shape, cal, steps, piece_bytes)
     return simulate(steps)
+
+
+def _push_reduced_step(shape: RegionShape, cal: Calibration, steps: list[_Step], piece_bytes: float) -> None:
+    """matmul_ar: the reduced piece just computed is pushed to every peer."""
+    if shape.kind == "matmul_ar":
+        for _ in range(shape.world - 1):
+            steps.append(_Step("comm", cal.p2p.time(piece_bytes), (len(steps) - 1,)))
 
 
 def extra_bytes(shape: RegionShape, sched: Schedule) -> int:

@@ -37,8 +37,8 @@ MIN_GEMM_S_GRAPHS = 0.1e-3
 # schedule, NCCL + cuBLAS or neither wins depends on the host's speed, so the rule names
 # candidates to time at the region's first call (tuner.autotune) instead of guessing.
 BAND_CANDIDATES = {"ag_matmul": ["sequential", "ce_push:1"],
-                   "matmul_rs": ["sequential", "direct:1", "ce_push:2"],
-                   "matmul_ar": ["sequential", "direct:1", "ce_push:2"]}
+                   "matmul_rs": ["sequential", "direct:1", "ce_push:1", "ce_push:2"],
+                   "matmul_ar": ["sequential", "direct:1", "ce_push:1", "ce_push:2"]}
 # Up to this estimated GEMM time only the cheapest-to-launch GPU schedules pay (M_global
 # 2048: ag ce_push:1 0.21 vs 0.24-0.28 ms, rs direct:1 0.25 vs 0.29 ms, while rs ce_push:2
 # took 0.32-0.45 ms and ar direct:1 tied NCCL; rs 4096x8192x7168: direct:1 0.44 ms in two
