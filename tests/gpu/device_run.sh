@@ -31,5 +31,5 @@ if [[ $what == costmodel ]]; then
   mkdir -p "$out/eager" "$out/graphs"
   timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/eager" ${BENCH_ARGS:-} > "$out/costmodel_eager.log" 2>&1
   timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/graphs" --cuda-graphs ${BENCH_ARGS:-} > "$out/costmodel_graphs.log" 2>&1
-  tail -14 "$out/costmodel_eager.log" "$out/costmodel_graphs.log"
+  tail -14 "$out/costmodel_eager.log"; tail -14 "$out/costmodel_graphs.log"
 fi
