@@ -19,7 +19,7 @@ OP_SCHEDULES = {
 GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
-    "store": str, "dbg": int, "id": str,
+    "store": str, "dbg": int, "id": str, "gemm": str,
 }
 
 
@@ -38,6 +38,8 @@ class Schedule:
         launch, for short GEMMs where host time bounds the GPU schedules.
     ce_push(S): GPU.  Copy engines push S pieces per rank into peers' symmetric buffers
         (signalled by stream flag writes) while cuBLAS computes the pieces already there.
+        All-gather with gemm=whole: the pieces are pushed the same way, but one GEMM runs
+        over the gathered rows once all are there (short M, where each GEMM re-reads B).
     ce_pull(S): GPU, reductions.  Each rank computes a peer's partial into its own
         symmetric buffer (local stores) and flags it; the peer's copy engine pulls it
         straight into its output, where its own GEMM adds in place (no staging copy).
@@ -67,6 +69,9 @@ class Schedule:
         for key, value in self.params:
             if key not in PARAM_KEYS or not isinstance(value, PARAM_KEYS[key]):
                 raise ValueError(f"schedule: bad parameter {key}={value!r}; known: {sorted(PARAM_KEYS)}")
+        if dict(self.params).get("gemm", "whole") != "whole" or (dict(self.params).get("gemm") and self.name != "ce_push"):
+            raise ValueError(f"schedule: gemm=whole is a ce_push option (the only value); got {self.name} "
+                             f"gemm={dict(self.params)['gemm']!r}")
         object.__setattr__(self, "params", tuple(sorted(self.params)))
 
     def __str__(self) -> str:
@@ -125,4 +130,5 @@ class Schedule:
         return self
 
     def valid_for(self, kind: str) -> bool:
-        return self.name in OP_SCHEDULES[kind]
+        """Whether an op of `kind` runs this schedule (gemm=whole: all-gather only)."""
+        return self.name in OP_SCHEDULES[kind] and (self.param("gemm") is None or kind == "ag_matmul")

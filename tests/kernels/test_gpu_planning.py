@@ -59,7 +59,8 @@ def test_refused_gpu_call_runs_sequential_and_logs(caplog):
     ("ag_matmul", [256, 8192], [[8192, 4096]], 0, "sequential"),  # too short for its host cost
     ("ag_matmul", [4096, 8192], [[4, 8192, 4096]], 0, "sequential"),  # batched weights
     ("ag_matmul", [4096, 8192], [[16384, 4096]], 1, "sequential"),  # gather on the contracted dim
-    ("matmul_rs", [8192, 4096], [[4096, 8192]], 0, "ce_push:2"),
+    ("matmul_rs", [8192, 4096], [[4096, 8192]], 0, "ce_push:1"),  # est. GEMM 0.79 ms: one piece
+    ("matmul_rs", [16384, 4096], [[4096, 8192]], 0, "ce_push:2"),  # 1.6 ms: two
     ("matmul_rs", [2048, 4096], [[4096, 8192]], 0, "sequential"),  # host-bound eager
     ("matmul_rs", [4096, 4096], [[4096, 7168]], 0, "direct:1"),
     ("matmul_rs", [512, 4096], [[4096, 8192]], 0, "sequential"),
@@ -78,7 +79,8 @@ def test_rule_under_cuda_graphs_ignores_host_cost():
     assert str(pick("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16")[0]) == "sequential"
     assert str(pick("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", graphs=True)[0]) == "ce_push:1"
     assert str(pick("matmul_rs", [512, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True)[0]) == "sequential"
-    assert str(pick("matmul_rs", [2048, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True)[0]) == "ce_push:2"
+    assert str(pick("matmul_rs", [2048, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True)[0]) == "ce_push:1"
+    assert str(pick("matmul_ar", [2048, 4096], [[4096, 8192]], None, 2, "bfloat16", graphs=True)[0]) == "ce_push:1"
     assert str(pick("matmul_rs", [2048, 4096], [[4096, 8192]], 0, 2, "bfloat16")[0]) == "sequential"
     # too little to hide stays sequential either way
     assert str(pick("ag_matmul", [8, 64], [[64, 64]], 0, 2, "bfloat16", graphs=True)[0]) == "sequential"
@@ -103,7 +105,8 @@ def test_host_bound_band_is_measured_not_guessed():
     # M_global 2048 / RS 4096x7168: which of NCCL and our schedule wins depends on the host
     assert measure_band("ag_matmul", [1024, 8192], [[8192, 4096]], 0, 2, "bfloat16") == ["sequential", "ce_push:1"]
     assert measure_band("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16")[0] == "sequential"
-    assert measure_band("matmul_ar", [2048, 4096], [[4096, 8192]], None, 2, "bfloat16") is not None
+    # all-reduce has no band: its GPU schedules lost to NCCL there in every eager run
+    assert measure_band("matmul_ar", [2048, 4096], [[4096, 8192]], None, 2, "bfloat16") is None
     # long GEMMs, tiny ones, CUDA-graph replay and refused shapes are decided by the rule
     assert measure_band("matmul_rs", [8192, 4096], [[4096, 8192]], 0, 2, "bfloat16") is None
     assert measure_band("matmul_rs", [512, 4096], [[4096, 8192]], 0, 2, "bfloat16") is None
@@ -151,3 +154,25 @@ def test_band_region_uses_the_cached_measurement_or_a_first_call_placeholder(tmp
     TunerCache(str(tmp_path)).put(req.key, {"schedule": "direct:1", "measured_ms": {"direct:1": 0.3}})
     sched, why = pipeline._band(region, shape, weights, "bfloat16", band, Schedule("sequential"), "est.", config, report)
     assert str(sched) == "direct:1" and "cached measurement" in why
+
+
+def test_band_winner_leaves_sequential_only_by_a_margin():
+    from torch_commopt.tuner.autotune import BAND_MARGIN, winner
+
+    measured = {"sequential": 0.300, "ce_push:1": 0.300 * (1 - BAND_MARGIN / 2), "direct:1": 0.31}
+    assert winner(measured) == "ce_push:1"  # autotune proper: the fastest
+    assert winner(measured, BAND_MARGIN) == "sequential"  # within the margin: NCCL stays
+    measured["ce_push:1"] = 0.300 * (1 - 2 * BAND_MARGIN)
+    assert winner(measured, BAND_MARGIN) == "ce_push:1"
+    assert winner({"ce_push:1": 0.2, "direct:1": 0.1}, BAND_MARGIN) == "direct:1"  # no sequential timed
+
+
+def test_whole_gemm_is_an_all_gather_ce_push_option():
+    from torch_commopt.schedule import Schedule
+
+    whole = Schedule.parse("ce_push:1:gemm=whole")
+    assert whole.valid_for("ag_matmul") and not whole.valid_for("matmul_rs")
+    assert str(whole.reference_twin()) == "sequential" and str(whole) == "ce_push:1:gemm=whole"
+    for bad in ("direct:1:gemm=whole", "ce_push:1:gemm=split"):
+        with pytest.raises(ValueError, match="gemm"):
+            Schedule.parse(bad)

@@ -250,3 +250,23 @@ def test_one_piece_reduction_at_two_ranks_does_not_wait_for_the_partial_before_i
                         graphs=True).gpu_s
     push = H200.p2p.time(4096 * 8192 * 2)
     assert one < 2 * gemm_half + push  # the push hides under the own GEMM
+
+
+def test_whole_gemm_all_gather_pays_the_push_then_one_gemm_and_keys_its_own_factor():
+    from torch_commopt.tuner.calibrate import _schedule_factors
+    from torch_commopt.tuner.model import _gemm, factor_key
+
+    whole = Schedule.parse("ce_push:1:gemm=whole")
+    shape = RegionShape("ag_matmul", 256, 8192, (4096,), 2, "bfloat16")
+    shard = 256 * 8192 * 2
+    expected = max(H200.p2p.time(shard), H200.local_copy.time(shard) if H200.local_copy else 0.0) + _gemm(shape, H200, 512)
+    assert predict(shape, whole, H200, graphs=True).gpu_s == pytest.approx(expected)
+    assert whole in candidates(shape, H200)
+    assert not any(s.param("gemm") for s in candidates(RegionShape("matmul_rs", 512, 4096, (8192,), 2), H200))
+    assert factor_key("ag_matmul", whole) == "ag_matmul ce_push:1:gemm=whole"
+    probes = {"ag_matmul ce_push:1": 1e-3, "ag_matmul ce_push:1:gemm=whole": 1e-3}
+    raw = {k: predict(RegionShape("ag_matmul", 6144, 6144, (3072,), 2, "bfloat16"), Schedule.parse(k.split()[1]),
+                      H200).gpu_s for k in probes}
+    out = _schedule_factors({k: raw[k] * f for k, f in zip(probes, (1.1, 1.3))}, H200)
+    assert out["ag_matmul ce_push:1:gemm=whole"][1] == pytest.approx(1.3)
+    assert out["ag_matmul ce_push:1"][1] == pytest.approx(1.1)

@@ -39,6 +39,11 @@ log = logging.getLogger("torch_commopt.tuner.autotune")
 ROUNDS = 5  # timing rounds; every candidate once per round, in an order rotated per round
 CLOSE, EXTRA_ROUNDS = 0.03, 10  # candidates within 3% of the best get 10 more rounds
 TARGET_S = {"cuda": 5e-3, "cpu": 20e-3}  # back-to-back calls per sample last at least this
+# A band region (host-bound eager calls, pick.measure_band) leaves NCCL + cuBLAS only for a
+# schedule measured this much faster: there the host's speed moves a GPU schedule's time
+# between rounds (2x H200: ar ce_push:1 at M_global 2048 ran 0.31-0.58 ms, NCCL 0.32-0.33),
+# and a first-call measurement that caught the fast rounds must not make the program lose.
+BAND_MARGIN = 0.05
 
 
 @dataclass
@@ -57,6 +62,7 @@ class TuneRequest:
     name: str = ""
     decided: str | None = None
     measured: dict[str, float] = field(default_factory=dict)
+    margin: float = 0.0  # another schedule must beat `sequential` by this fraction to be run
 
 
 _REQUESTS: dict[str, TuneRequest] = {}
@@ -92,7 +98,7 @@ def band_request(kind: str, a_shape: list[int], weight_shapes: list[list[int]], 
     where nothing can be timed, e.g. under a CUDA-graph capture)."""
     key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates)
     return register(TuneRequest(key, list(candidates), fallback, group_name, cache_dir, debug_waits=debug_waits,
-                                report_notes=notes if notes is not None else [], name=name))
+                                report_notes=notes if notes is not None else [], name=name, margin=BAND_MARGIN))
 
 
 def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
@@ -150,7 +156,7 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
         return req.fallback
     start = time.perf_counter()
     measured = measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs)
-    best = min(measured, key=lambda s: (measured[s], s))
+    best = winner(measured, req.margin)
     sched = Schedule.parse(best)
     if req.debug_waits and sched.is_gpu:
         sched = sched.with_params(dbg=1)
@@ -166,6 +172,17 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
                             f"{time.perf_counter() - start:.2f} s; runs {req.decided} ({measured[best]:.3f} ms)")
     log.info("commopt autotune: %s -> %s %s", req.name, req.decided, {k: round(v, 4) for k, v in measured.items()})
     return req.decided
+
+
+def winner(measured: dict[str, float], margin: float = 0.0) -> str:
+    """The fastest candidate; `sequential` unless another is faster by `margin` (a fraction)."""
+    best = min(measured, key=lambda s: (measured[s], s))
+    seq = measured.get("sequential")
+    if seq is not None and best != "sequential" and measured[best] > seq * (1.0 - margin):
+        log.info("commopt autotune: %s (%.3f ms) is within %.0f%% of sequential (%.3f ms): sequential runs",
+                 best, measured[best], margin * 100, seq)
+        return "sequential"
+    return best
 
 
 def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_name: str,

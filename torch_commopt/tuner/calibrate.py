@@ -288,7 +288,7 @@ FACTOR_RANGE = (0.5, 3.0)  # measured / predicted outside this is a measurement 
 # (2x H200: rs direct:2 measured 8 % slower than direct:1 where the family factor ranked it
 # first; ce_push:1 reductions add the partial after the own GEMM, a different pipeline).
 PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_push:2", "fused:1", "ce_push:1",
-                                 "ce_push:4", "fused:4"),
+                                 "ce_push:4", "fused:4", "ce_push:1:gemm=whole"),
                    "matmul_rs": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "fused:2",
                                  "ce_push:1", "ce_push:4", "direct:2"),
                    "matmul_ar": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "ce_push:1",
@@ -321,7 +321,7 @@ def _schedule_factors(probes: dict[str, float], cal: Calibration, shapes=PROBE_S
     rest of `cal` measured); a family whose (eager) probe the model calls host-bound, or whose
     ratio is outside FACTOR_RANGE (a broken probe, not a model correction), is left out."""
     from torch_commopt.schedule import Schedule
-    from torch_commopt.tuner.model import RegionShape, predict
+    from torch_commopt.tuner.model import RegionShape, factor_key, predict
 
     out = {}
     for key, seconds in probes.items():
@@ -337,7 +337,7 @@ def _schedule_factors(probes: dict[str, float], cal: Calibration, shapes=PROBE_S
             continue
         parsed = Schedule.parse(sched)
         out.setdefault(f"{kind} {parsed.name}", (pred.gpu_s, factor))  # the family's first probe
-        out[f"{kind} {parsed.name}:{parsed.chunks}"] = (pred.gpu_s, factor)
+        out[factor_key(kind, parsed)] = (pred.gpu_s, factor)
     return out
 
 

@@ -23,7 +23,7 @@ from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
 
 log = logging.getLogger("torch_commopt.tuner.choose")
 
-CALIBRATION_FORMAT = 4  # 3: schedule_factor_curve, GEMM samples at busy clocks; 4: per piece count
+CALIBRATION_FORMAT = 5  # 5: ag ce_push:1:gemm=whole probed; 3: schedule_factor_curve, GEMM samples at busy clocks; 4: per piece count
 _CALIBRATIONS: dict[str, Calibration] = {}
 
 

@@ -104,7 +104,7 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
         sched = sched.in_capture(shape.kind)
     fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
     raw = fn(shape, sched, cal)
-    gpu = raw * cal.factor(f"{shape.kind} {sched.name}:{sched.chunks}", raw)
+    gpu = raw * cal.factor(factor_key(shape.kind, sched), raw)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
     host = cal.host(sched.name) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
     if graphs and cal.device != "cpu":
@@ -113,6 +113,13 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
     # take the longer of the two.  On a CPU the host *is* the device: they add up.
     seconds = gpu + host if cal.device == "cpu" else max(gpu, host)
     return Prediction(sched, seconds, gpu, host, extra_bytes(shape, sched))
+
+
+def factor_key(kind: str, sched: Schedule) -> str:
+    """The calibration key of a schedule's own factor: "kind name:S", with its variant
+    parameters (gemm=whole) where it has any; Calibration.factor falls back to "kind name"."""
+    key = f"{kind} {sched.name}:{sched.chunks}"
+    return key + ":gemm=whole" if sched.param("gemm") == "whole" else key
 
 
 def _gemm(shape: RegionShape, cal: Calibration, rows: float) -> float:
@@ -132,6 +139,9 @@ def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
         steps = [_Step("comm", comm), _Step("compute", own + cal.collective_slowdown * min(own, comm))]
         steps.append(_Step("compute", _gemm(shape, cal, (w - 1) * m_loc), (0,)))
         return simulate(steps)
+    if sched.param("gemm") == "whole":  # pushed (own shard copied locally), then one GEMM
+        local = cal.local_copy.time(shard_bytes) if cal.local_copy else 0.0
+        return max(cal.p2p.time(shard_bytes), local) + _gemm(shape, cal, w * m_loc)
     s = min(sched.chunks, m_loc)
     if sched.name == "chunked":  # per piece: one all-gather of every rank's piece, then its GEMM
         comm = collective_time(cal, "all_gather", w * shard_bytes / s, w)
@@ -253,7 +263,9 @@ def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool = False) ->
     if cal.p2p is None:
         return out
     gpu = [Schedule("ce_push", s) for s in (1, 2, 4)]
-    if shape.kind != "ag_matmul":
+    if shape.kind == "ag_matmul":
+        gpu.append(Schedule("ce_push", 1, (("gemm", "whole"),)))
+    else:
         gpu += [Schedule("direct", s) for s in (1, 2)] + [Schedule("ce_pull", 2)]
     if shape.dtype in ("bfloat16", "float16"):
         gpu += [Schedule("fused", s) for s in (1, 4)]

@@ -36,15 +36,19 @@ MIN_GEMM_S_GRAPHS = 0.1e-3
 # Eager calls between MIN_GEMM_S_GRAPHS and SHORT_GEMM_S of estimated GEMM: whether our GPU
 # schedule, NCCL + cuBLAS or neither wins depends on the host's speed, so the rule names
 # candidates to time at the region's first call (tuner.autotune) instead of guessing.
+# All-reduce has no band: its GPU schedules lost to NCCL in every eager run at M_global 2048
+# (ce_push:1 0.392 vs 0.324 ms, 2x H200, 2026-11-22 s7; measured at the first call it once
+# chose ce_push:1, which then ran 0.31-0.58 ms, bimodal), so it stays sequential there.
 BAND_CANDIDATES = {"ag_matmul": ["sequential", "ce_push:1"],
-                   "matmul_rs": ["sequential", "direct:1", "ce_push:1", "ce_push:2"],
-                   "matmul_ar": ["sequential", "direct:1", "ce_push:1", "ce_push:2"]}
+                   "matmul_rs": ["sequential", "direct:1", "ce_push:1", "ce_push:2"]}
 # Up to this estimated GEMM time only the cheapest-to-launch GPU schedules pay (M_global
 # 2048: ag ce_push:1 0.21 vs 0.24-0.28 ms, rs direct:1 0.25 vs 0.29 ms, while rs ce_push:2
 # took 0.32-0.45 ms and ar direct:1 tied NCCL; rs 4096x8192x7168: direct:1 0.44 ms in two
 # runs, ce_push:2 0.42 and 0.69 ms); above it the copy-engine schedules win (rs ce_push:2
 # 0.85 vs direct:1 0.87 ms at 8192^3, 1.69 vs 1.87 ms at 16384x8192x8192).
 SHORT_GEMM_S = 0.5e-3
+# Reductions run ce_push:1 below this estimated GEMM time, ce_push:2 above (see pick()).
+SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
 
 
 def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: str) -> tuple[float, float]:
@@ -70,7 +74,7 @@ def measure_band(kind: str, a_shape: list[int], weight_shapes: list[list[int]], 
     if graphs or gpu_refusal(kind, a_shape, weight_shapes, dim, world) is not None:
         return None
     gemm_s, comm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)
-    if comm_s < MIN_HIDDEN_COMM_S or not MIN_GEMM_S_GRAPHS <= gemm_s < SHORT_GEMM_S:
+    if kind not in BAND_CANDIDATES or comm_s < MIN_HIDDEN_COMM_S or not MIN_GEMM_S_GRAPHS <= gemm_s < SHORT_GEMM_S:
         return None
     return list(BAND_CANDIDATES[kind])
 
@@ -105,17 +109,22 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         # pieces only add GEMM tails (16384x8192x28672: ce_push:1 5.820 / 5.771 ms vs :4
         # 5.838 / 5.834 in two runs).
         return Schedule("ce_push", 1), why
-    if graphs:
+    if graphs and gemm_s < MIN_GEMM_S_GRAPHS:
         # Replayed (2x H200, CUDA graphs): at M_global 512 NCCL + cuBLAS beat every
-        # reduction schedule (0.080 vs direct:1 0.086 ms); from M_global 2048 up ce_push:2
-        # was the fastest (rs 0.236 vs direct:1 0.249, ar 0.286 vs 0.330 ms).
-        if gemm_s < MIN_GEMM_S_GRAPHS:
-            return Schedule("sequential"), why + ": short reduction, GPU-side fixed costs exceed the overlap"
-        return Schedule("ce_push", 2), why + ": CUDA graphs (no host cost)"
-    if gemm_s < SHORT_GEMM_S:
+        # reduction schedule (0.080 vs direct:1 0.086 ms).
+        return Schedule("sequential"), why + ": short reduction, GPU-side fixed costs exceed the overlap"
+    if not graphs and gemm_s < SHORT_GEMM_S:
         if kind == "matmul_rs":
             return Schedule("direct", 1), why + ": short GEMM, fewest launches"
         return Schedule("sequential"), why + ": short GEMM, all-reduce ties NCCL"
-    # ce_pull (no staging, no C copy) measured slower than ce_push on every long shape
-    # (0.92 vs 0.86 ms at 8192^3, 1.87 vs 1.74 ms at 16384x8192x8192): not picked.
+    # One piece while the GEMM is short: the own GEMM runs first and the peer's partial is
+    # added after it, and a second piece only adds a GEMM tail (2x H200, s7, replayed / eager:
+    # rs 2048 ce_push:1 0.223 vs :2 0.241 ms; rs 4096x8192x7168 0.399 / 0.409 vs 0.421 / 0.462;
+    # rs 8192^3 0.850 / 0.847 vs 0.868 / 0.884; ar 2048 0.280 vs 0.288).  Longer GEMMs hide
+    # the last transfer better in two pieces (rs 16384x8192^2 :2 1.695 / 1.727 vs :1 1.749 /
+    # 1.794; ar 8192^3 0.972 / 1.012 vs 1.015 / 1.036).  ce_pull (no staging, no C copy)
+    # measured slower than ce_push on every long shape: not picked.
+    one_piece = SHORT_REDUCE_S[kind]
+    if gemm_s < one_piece:
+        return Schedule("ce_push", 1), why + f": GEMM under {one_piece * 1e3:.1f} ms, one piece"
     return Schedule("ce_push", 2), why
