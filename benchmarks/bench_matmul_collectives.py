@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 import torch_commopt  # noqa: E402,F401
 from torch_commopt.tuner.autotune import capture_agreed  # noqa: E402
 from torch_commopt.kernels.gpu.pick import measure_band, pick  # noqa: E402
-from torch_commopt.tuner.autotune import band_request, decided  # noqa: E402
+from torch_commopt.tuner.autotune import band_request, decided, measurement  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
 
@@ -219,6 +219,7 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
             res["commopt_schedule"], res["pick_reason"] = str(chosen), why
             if band is not None:
                 res["commopt_schedule"] = f"measured: {decided(chosen)}"
+                res["band_first_call_ms"] = measurement(chosen)  # what the first call saw
             res["pick_runs"] = "the NCCL sequential baseline (region kept as compiled)" if kept else f"commopt op, {chosen}"
             _derive(res)
             if graphs:

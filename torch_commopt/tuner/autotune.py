@@ -116,6 +116,12 @@ def decided(schedule: Schedule) -> str | None:
     return req.decided if req is not None else None
 
 
+def measurement(schedule: Schedule) -> dict[str, float]:
+    """{candidate: ms} an `autotune` placeholder's first call measured ({} before it)."""
+    req = _REQUESTS.get(schedule.param("id"))
+    return dict(req.measured) if req is not None else {}
+
+
 def digest(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -36,11 +36,13 @@ MIN_GEMM_S_GRAPHS = 0.1e-3
 # Eager calls between MIN_GEMM_S_GRAPHS and SHORT_GEMM_S of estimated GEMM: whether our GPU
 # schedule, NCCL + cuBLAS or neither wins depends on the host's speed, so the rule names
 # candidates to time at the region's first call (tuner.autotune) instead of guessing.
-# All-reduce has no band: its GPU schedules lost to NCCL in every eager run at M_global 2048
-# (ce_push:1 0.392 vs 0.324 ms, 2x H200, 2026-11-22 s7; measured at the first call it once
-# chose ce_push:1, which then ran 0.31-0.58 ms, bimodal), so it stays sequential there.
-BAND_CANDIDATES = {"ag_matmul": ["sequential", "ce_push:1"],
-                   "matmul_rs": ["sequential", "direct:1", "ce_push:1", "ce_push:2"]}
+# All-gather and all-reduce have no band.  All-reduce's GPU schedules lost to NCCL in every
+# eager run at M_global 2048 (ce_push:1 0.392 vs 0.324 ms, 2x H200, 2026-11-22 s7; measured
+# at the first call it once chose ce_push:1, which then ran 0.31-0.58 ms, bimodal).  All-gather
+# at M_global 2048: the first call measured ce_push:1 at least 5% faster than NCCL, and back to
+# back it then ran 0.340-0.358 ms against NCCL's 0.271 (s7b); earlier leases 0.200 vs 0.281.
+# The first-call timing does not see what a long eager run pays, so both stay sequential.
+BAND_CANDIDATES = {"matmul_rs": ["sequential", "direct:1", "ce_push:1", "ce_push:2"]}
 # Up to this estimated GEMM time only the cheapest-to-launch GPU schedules pay (M_global
 # 2048: ag ce_push:1 0.21 vs 0.24-0.28 ms, rs direct:1 0.25 vs 0.29 ms, while rs ce_push:2
 # took 0.32-0.45 ms and ar direct:1 tied NCCL; rs 4096x8192x7168: direct:1 0.44 ms in two
