@@ -1,0 +1,176 @@
+"""Whole-graph plan vs fixed per-region plans on a compiled TP+SP transformer block (2 GPUs).
+
+One Llama-style block (attention + SwiGLU MLP, DTensor TP with sequence parallelism, bf16) is
+compiled once per variant and trained forward + backward:
+
+    inductor            torch.compile's default backend (NCCL collectives + cuBLAS)
+    fixed X             backend="commopt", every region runs schedule X (a region whose op has
+                        no X, e.g. `direct` for an all-gather, takes the built-in rule: noted)
+    rule                the built-in rule (Config default)
+    searched            Config(mode="model"): every region's schedule chosen by the cost model
+                        and the exact plan search (reshard/plan.py), the same for every rank
+
+Steps are timed back to back (each sample >= 20 ms of steps, median over rounds that visit
+the variants in a rotated order, slowest rank); outputs and input gradients are compared with
+inductor's (bf16 noise).  Writes plan_h200x2_<date>.json/.md:
+
+    python3 benchmarks/bench_plan.py --out DIR [--commit SHA] [--seq 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from torch_commopt.launch import run_distributed  # noqa: E402
+
+FIXED = ["sequential", "ce_push:1", "ce_push:2", "direct:1"]
+TARGET_S = 20e-3
+
+
+def variants() -> dict[str, tuple[str, dict]]:
+    out = {"inductor": ("inductor", {})}
+    for s in FIXED:
+        name, _, chunks = s.partition(":")
+        out[f"fixed {s}"] = ("commopt", {"schedule": name, "chunks": int(chunks or 1)})
+    out["rule"] = ("commopt", {})
+    out["searched"] = ("commopt", {"mode": "model"})
+    return out
+
+
+def worker(rank: int, world: int, shape: dict, repeats: int) -> dict:
+    import torch_commopt
+    from torch_commopt.validate import build, rel_err
+
+    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+    steps, plans, outs = {}, {}, {}
+    for label, (backend, options) in variants().items():
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        model, x = build("tp_sp_block", torch.bfloat16, 0, shape)
+        fn = torch.compile(model, backend=backend, **({"options": options} if backend == "commopt" else {}))
+        x = x.to(dev).requires_grad_(True)
+        probe = torch.randn(fn(x).shape, generator=torch.Generator().manual_seed(1)).to(dev, torch.bfloat16)
+
+        def step(fn=fn, x=x, probe=probe, model=model):
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+            out = fn(x)
+            (out * probe).sum().backward()
+            return out
+
+        out = step()  # compile (and, for autotune-like first calls, resolve) before timing
+        outs[label] = (out.detach().float(), x.grad.detach().float())
+        if backend == "commopt":
+            plans[label] = [{"graph": g.graph_kind, "region": r.collective, "kind": r.kind, "schedule": r.schedule}
+                            for g in torch_commopt.explain().graphs for r in g.regions]
+        steps[label] = step
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    counts = _agreed_counts(steps, sync, dev)
+    samples = {k: [] for k in steps}
+    names = list(steps)
+    for r in range(repeats):
+        for label in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(counts[label]):
+                steps[label]()
+            sync()
+            samples[label].append((time.perf_counter() - t0) / counts[label] * 1e3)
+    med = torch.tensor([statistics.median(samples[k]) for k in names], dtype=torch.float64, device=dev)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    ref_out, ref_grad = outs["inductor"]
+    return {"step_ms": dict(zip(names, med.tolist())),
+            "spread_ms": {k: [min(v), max(v)] for k, v in samples.items()},
+            "plans": plans,
+            "rel_diff_vs_inductor": {k: {"out": rel_err(o, ref_out), "grad_x": rel_err(g, ref_grad)}
+                                     for k, (o, g) in outs.items()},
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
+
+
+def _agreed_counts(steps: dict, sync, dev: str) -> dict[str, int]:
+    """Steps per sample (>= TARGET_S each), the same on every rank (MAX over ranks)."""
+    counts = []
+    for step in steps.values():
+        step()
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        counts.append(max(1, min(50, int(TARGET_S / max(time.perf_counter() - t0, 1e-6)) + 1)))
+    n = torch.tensor(counts, dtype=torch.float64, device=dev)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return dict(zip(steps, (int(c) for c in n.tolist())))
+
+
+def report(res: dict, meta: dict) -> str:
+    fixed = {k: v for k, v in res["step_ms"].items() if k.startswith("fixed ")}
+    best_fixed = min(fixed, key=fixed.get)
+    searched = res["step_ms"]["searched"]
+    lines = [f"# Whole-graph plan vs fixed per-region plans on {meta['device']} x{meta['world']} ({meta['date']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, bf16, "
+             f"shape {meta['shape']}.", "", f"Command: `{meta['command']}`", "",
+             "| variant | step ms (fwd+bwd) | fastest..slowest round | vs inductor | out diff vs inductor |",
+             "|---|---|---|---|---|"]
+    base = res["step_ms"]["inductor"]
+    for k, v in res["step_ms"].items():
+        lo, hi = res["spread_ms"][k]
+        diff = res["rel_diff_vs_inductor"][k]["out"]
+        lines.append(f"| {k} | {v:.3f} | {lo:.3f}..{hi:.3f} | {base / v:.3f} | {diff:.1e} |")
+    lines += ["", f"Best fixed plan: {best_fixed} ({fixed[best_fixed]:.3f} ms); searched {searched:.3f} ms: "
+              f"{fixed[best_fixed] / searched:.3f}x the best fixed plan.", "", "## Searched plan (per region)", ""]
+    lines += [f"- {p['graph']} {p['region']} ({p['kind']}): {p['schedule']}" for p in res["plans"].get("searched", [])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=14336)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--commit", default="")
+    parser.add_argument("--cpu", action="store_true", help="smoke run on gloo (CPU), no figures")
+    args = parser.parse_args()
+    shape = {"batch": args.batch, "seq": args.seq, "dim": args.dim, "hidden": args.hidden, "heads": args.heads}
+    res = run_distributed(worker, args.world, shape, args.repeats, backend="gloo" if args.cpu else "nccl",
+                          timeout_s=900)[0]
+    if args.cpu:
+        print(json.dumps(res, indent=1))
+        return
+    import triton
+
+    date = datetime.date.today().isoformat()
+    meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
+            "triton": triton.__version__, "commit": args.commit, "shape": shape, "command": "python3 " + " ".join(sys.argv)}
+    fixed = {k: v for k, v in res["step_ms"].items() if k.startswith("fixed ")}
+    res["best_fixed"] = min(fixed, key=fixed.get)
+    res["searched_vs_best_fixed"] = fixed[res["best_fixed"]] / res["step_ms"]["searched"]
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"plan_h200x{args.world}_{date}"
+    (out / f"{stem}.json").write_text(json.dumps({**meta, **res}, indent=1))
+    (out / f"{stem}.md").write_text(report(res, meta))
+    print(report(res, meta))
+
+
+if __name__ == "__main__":
+    main()
