@@ -80,3 +80,47 @@ def test_plan_view_totals_and_runner_up():
     assert lines[1] == "runner-up: rs direct:1: predicted 3.100 ms (+0.100), 80 MiB extra"
     # a chosen schedule that is not among the ranked candidates (an autotune placeholder): no view
     assert describe_plan(cands, {"ag": "autotune:1:id=x", "rs": "ce_push:2"}, None) == []
+
+
+def _gpu_rows(shape):
+    return [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "extra_mib": p.extra_bytes / 2**20,
+             "gpu_ms": p.gpu_s * 1e3, "host_ms": p.host_s * 1e3} for p in rank(shape, prior("NVIDIA H200", 2))]
+
+
+def test_graph_plan_weighs_summed_device_time_while_the_host_runs_ahead():
+    from torch_commopt.reshard.plan import choose_for_graph
+
+    # Short reductions: alone, a GPU schedule is host-bound and sequential-like choices rank first
+    short = {f"rs{i}": _gpu_rows(RegionShape("matmul_rs", 8192, 2048, (4096,), 2, "bfloat16")) for i in range(2)}
+    alone = {n: min(range(len(rows)), key=lambda i: rows[i]["predicted_ms"]) for n, rows in short.items()}
+    choice, note, key = choose_for_graph(short, None)
+    gpu = {n: min(range(len(rows)), key=lambda i: rows[i]["gpu_ms"]) for n, rows in short.items()}
+    host = sum(short[n][i]["host_ms"] for n, i in gpu.items())
+    total = sum(short[n][i]["gpu_ms"] for n, i in gpu.items())
+    if host <= total:
+        assert key == "gpu_ms" and choice == gpu and "device time" in note
+    else:
+        assert key == "predicted_ms" and choice == alone and "host-bound" in note
+    # a graph whose host work exceeds its device work is planned per region
+    bound = {n: [dict(r, host_ms=r["gpu_ms"] * 10) for r in rows] for n, rows in short.items()}
+    choice, note, key = choose_for_graph(bound, None)
+    assert key == "predicted_ms" and choice == alone and "host-bound" in note
+    # and one where the host is cheap picks by device time even where a region alone is host-bound
+    cheap = {n: [dict(r, host_ms=r["gpu_ms"] / 10, predicted_ms=r["gpu_ms"] + (1.0 if "ce_push" in r["schedule"] else 0))
+                 for r in rows] for n, rows in short.items()}
+    choice, note, key = choose_for_graph(cheap, None)
+    assert key == "gpu_ms" and choice == gpu
+    # rows without device/host times (CPU calibration): per-region times
+    plain = {n: [{k: v for k, v in r.items() if k not in ("gpu_ms", "host_ms")} for r in rows] for n, rows in short.items()}
+    assert choose_for_graph(plain, None)[2] == "predicted_ms"
+
+
+def test_graph_plan_respects_the_budget():
+    from torch_commopt.reshard.plan import choose_for_graph
+
+    big = _gpu_rows(RegionShape("ag_matmul", 8192, 8192, (14336,), 2, "bfloat16"))
+    small = _gpu_rows(RegionShape("ag_matmul", 8192, 8192, (2048,), 2, "bfloat16"))
+    gathered = 2 * 8192 * 8192 * 2 / 2**20
+    choice, note, _ = choose_for_graph({"big": big, "small": small}, 3 * gathered)
+    assert big[choice["big"]]["extra_mib"] + small[choice["small"]]["extra_mib"] <= 3 * gathered
+    assert "plan within" in note

@@ -86,9 +86,10 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         regions = _find_regions(graph, config, report)
         report.edges = _edges(regions)
         schedules = [_choose_schedule(r, config, report) for r in regions]
-        if config.memory_budget_mib is not None and regions:
-            schedules = _fit_budget(regions, schedules, config, report)
-        report.plan = _plan_view(regions, schedules, config, report)
+        key = "predicted_ms"
+        if regions and (config.mode == "model" or config.memory_budget_mib is not None):
+            schedules, key = _fit_graph(regions, schedules, config, report)
+        report.plan = _plan_view(regions, schedules, config, report, key)
     except Exception as e:  # analysis only: the graph is still untouched, so leave it so
         log.exception("commopt: analysis of graph %d failed; graph left untouched", report.graph_id)
         report.notes.append(f"NOT rewritten: analysis failed ({type(e).__name__}: {e})")
@@ -228,7 +229,7 @@ def _edges(regions: list[Region]) -> list[str]:
 
 
 def _plan_view(regions: list[Region], schedules: list[Schedule], config: Config,
-               report: explain.GraphReport) -> list[str]:
+               report: explain.GraphReport, key: str = "predicted_ms") -> list[str]:
     """explain's whole-graph plan (analysis only: a failure here costs the view, nothing else)."""
     if config.mode not in ("model", "autotune") or not regions:
         return []
@@ -239,30 +240,36 @@ def _plan_view(regions: list[Region], schedules: list[Schedule], config: Config,
         return []
     try:
         chosen = {n: str(s.without_debug()) for n, s in zip(names, schedules)}
-        return describe_plan({n: report.candidates[n] for n in names}, chosen, config.memory_budget_mib)
+        return describe_plan({n: report.candidates[n] for n in names}, chosen, config.memory_budget_mib, key)
     except Exception as e:  # noqa: BLE001 - informational
         log.warning("commopt: plan view not derived (%s: %s)", type(e).__name__, e)
         return []
 
 
-def _fit_budget(regions: list[Region], schedules: list[Schedule], config: Config,
-                report: explain.GraphReport) -> list[Schedule]:
-    """Re-choose every region's schedule jointly within Config.memory_budget_mib."""
-    from torch_commopt.reshard.plan import choose_within_budget
+def _fit_graph(regions: list[Region], schedules: list[Schedule], config: Config,
+               report: explain.GraphReport) -> tuple[list[Schedule], str]:
+    """Re-choose every region's schedule jointly: mode "model" by the whole graph's time
+    (reshard.plan.choose_for_graph), within Config.memory_budget_mib where one is given.
+    Returns the schedules and the candidate-row key the plan was chosen by."""
+    from torch_commopt.reshard.plan import choose_for_graph, choose_within_budget
 
     names = [r.collective.name for r in regions]
     if any(n not in report.candidates for n in names):
-        report.notes.append("memory budget not applied: a region has no ranked candidates")
-        return schedules
-    choice, note = choose_within_budget({n: report.candidates[n] for n in names}, config.memory_budget_mib)
+        report.notes.append("whole-graph plan not applied: a region has no ranked candidates")
+        return schedules, "predicted_ms"
+    cands = {n: report.candidates[n] for n in names}
+    if config.mode == "model":
+        choice, note, key = choose_for_graph(cands, config.memory_budget_mib)
+    else:
+        (choice, note), key = choose_within_budget(cands, config.memory_budget_mib), "predicted_ms"
     report.notes.append(note)
     out = []
     for region, name, old in zip(regions, names, schedules):
-        new = _finish(Schedule.parse(report.candidates[name][choice[name]]["schedule"]), region, config, report)
+        new = _finish(Schedule.parse(cands[name][choice[name]]["schedule"]), region, config, report)
         if new != old:
-            report.notes.append(f"{name}: {new} instead of {old} to fit the memory budget")
+            report.notes.append(f"{name}: {new} instead of {old} (whole-graph plan)")
         out.append(new)
-    return out
+    return out, key
 
 
 def _choose_by_model(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
@@ -279,6 +286,9 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
     name = region.collective.name
     rows = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "measured_ms": None,
              "extra_mib": p.extra_bytes / 2**20} for p in preds]
+    if cal.device != "cpu":  # a GPU works while the host enqueues: the whole-graph plan weighs both
+        for row, p in zip(rows, preds):
+            row.update(gpu_ms=p.gpu_s * 1e3, host_ms=p.host_s * 1e3)
     report.candidates[name] = rows
     if config.mode == "autotune":
         sched, why = _autotune(region, config, sched, top, key, rows, report)
