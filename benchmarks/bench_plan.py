@@ -8,7 +8,9 @@ compiled once per variant and trained forward + backward:
                         no X, e.g. `direct` for an all-gather, takes the built-in rule: noted)
     rule                the built-in rule (Config default)
     searched            Config(mode="model"): every region's schedule chosen by the cost model
-                        and the exact plan search (reshard/plan.py), the same for every rank
+                        and the exact plan search (reshard/plan.py), the same for every rank;
+                        the machine is calibrated first (`python -m torch_commopt calibrate`,
+                        what the README asks of a user of mode="model")
 
 Steps are timed back to back (each sample >= 20 ms of steps, median over rounds that visit
 the variants in a rotated order, slowest rank); outputs and input gradients are compared with
@@ -75,8 +77,12 @@ def worker(rank: int, world: int, shape: dict, repeats: int) -> dict:
         out = step()  # compile (and, for autotune-like first calls, resolve) before timing
         outs[label] = (out.detach().float(), x.grad.detach().float())
         if backend == "commopt":
-            plans[label] = [{"graph": g.graph_kind, "region": r.collective, "kind": r.kind, "schedule": r.schedule}
-                            for g in torch_commopt.explain().graphs for r in g.regions]
+            graphs = torch_commopt.explain().graphs
+            plans[label] = [{"graph": g.graph_kind, "region": r.collective, "kind": r.kind, "schedule": r.schedule,
+                             "summary": {k: str(v) for k, v in r.summary.items()},
+                             "candidates": g.candidates.get(r.collective, [])[:6]} for g in graphs for r in g.regions]
+            if label == "searched":
+                plans["searched notes"] = [n for g in graphs for n in g.notes + g.plan]
         steps[label] = step
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     counts = _agreed_counts(steps, sync, dev)
@@ -133,7 +139,12 @@ def report(res: dict, meta: dict) -> str:
         lines.append(f"| {k} | {v:.3f} | {lo:.3f}..{hi:.3f} | {base / v:.3f} | {diff:.1e} |")
     lines += ["", f"Best fixed plan: {best_fixed} ({fixed[best_fixed]:.3f} ms); searched {searched:.3f} ms: "
               f"{fixed[best_fixed] / searched:.3f}x the best fixed plan.", "", "## Searched plan (per region)", ""]
-    lines += [f"- {p['graph']} {p['region']} ({p['kind']}): {p['schedule']}" for p in res["plans"].get("searched", [])]
+    for p in res["plans"].get("searched", []):
+        lines.append(f"- {p['graph']} {p['region']} ({p['kind']}): {p['schedule']}")
+        lines += [f"  - {c['schedule']}: predicted {c['predicted_ms']:.3f} ms"
+                  + (f" (device {c['gpu_ms']:.3f}, host {c['host_ms']:.3f})" if "gpu_ms" in c else "")
+                  for c in p["candidates"]]
+    lines += ["", "Notes:", ""] + [f"- {n}" for n in res["plans"].get("searched notes", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -151,8 +162,13 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="smoke run on gloo (CPU), no figures")
     args = parser.parse_args()
     shape = {"batch": args.batch, "seq": args.seq, "dim": args.dim, "hidden": args.hidden, "heads": args.heads}
-    res = run_distributed(worker, args.world, shape, args.repeats, backend="gloo" if args.cpu else "nccl",
-                          timeout_s=900)[0]
+    backend = "gloo" if args.cpu else "nccl"
+    from torch_commopt.tuner.calibrate import run_calibration
+
+    calibration = run_calibration(args.world, backend)
+    print(calibration, flush=True)
+    res = run_distributed(worker, args.world, shape, args.repeats, backend=backend, timeout_s=900)[0]
+    res["calibration"] = calibration
     if args.cpu:
         print(json.dumps(res, indent=1))
         return

@@ -176,3 +176,23 @@ def test_whole_gemm_is_an_all_gather_ce_push_option():
     for bad in ("direct:1:gemm=whole", "ce_push:1:gemm=split"):
         with pytest.raises(ValueError, match="gemm"):
             Schedule.parse(bad)
+
+
+def test_reduction_regions_are_planned_with_the_operand_the_op_receives():
+    # SP reduce-scatter: mm of a 2-D input, the product viewed (B, S, D) and scattered on dim 1.
+    # Judged on the 2-D mm input, dim 1 looked like the contracted dim and GPU schedules were
+    # refused ("collective on the last dim"); the op receives A replayed to (B, S, K).
+    from types import SimpleNamespace
+
+    from torch.fx import Graph
+
+    from torch_commopt.passes.pipeline import op_a_shape
+
+    a = Graph().placeholder("a")
+    a.meta["val"] = torch.empty(8192, 2048, device="meta")
+    region = SimpleNamespace(kind="matmul_rs", a=a, t_shape=[1, 8192, 4096], dim=1)
+    assert op_a_shape(region) == [1, 8192, 2048]
+    assert str(pick("matmul_rs", op_a_shape(region), [[2048, 4096]], 1, 2, "bfloat16", graphs=True)[0]) == "ce_push:1"
+    assert "last dim" in pick("matmul_rs", [8192, 2048], [[2048, 4096]], 1, 2, "bfloat16", graphs=True)[1]
+    region.kind = "ag_matmul"
+    assert op_a_shape(region) == [8192, 2048]

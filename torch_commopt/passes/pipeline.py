@@ -193,7 +193,7 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
         if a.device.type == "cuda":
             from torch_commopt.kernels.gpu.pick import measure_band, pick
 
-            shape, weights = static_shape(region.a), [list(c.weight.meta["val"].shape) for c in region.consumers]
+            shape, weights = op_a_shape(region), [list(c.weight.meta["val"].shape) for c in region.consumers]
             dtype = str(a.dtype).removeprefix("torch.")
             wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=config.cuda_graphs)
             band = measure_band(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=config.cuda_graphs)
@@ -272,6 +272,16 @@ def _fit_graph(regions: list[Region], schedules: list[Schedule], config: Config,
     return out, key
 
 
+def op_a_shape(region: Region) -> list[int]:
+    """The shape of the A operand the rewritten op receives: a reduction's A is replayed
+    through the chain to the product's leading dims (rewrite.replay_chain), which is what
+    its scatter dim counts in -- not the matmul's (often 2-D) input."""
+    a = list(static_shape(region.a))
+    if region.kind == "ag_matmul" or region.t_shape is None:
+        return a
+    return list(region.t_shape[:-1]) + [a[-1]]
+
+
 def _choose_by_model(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
     from torch_commopt.tuner.autotune import plan
     from torch_commopt.tuner.choose import calibration_for, device_name
@@ -280,7 +290,7 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
     cal = calibration_for(a.device, region.group_size, region.group_name, config.cache_dir, config.consistency_timeout_s)
     weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
     sched, preds, top, key, why = plan(
-        region.kind, list(static_shape(region.a)), weights, region.dim, [c.bias is not None for c in region.consumers],
+        region.kind, op_a_shape(region), weights, region.dim, [c.bias is not None for c in region.consumers],
         region.reduce_op, region.keep_gathered, region.group_size, str(a.dtype).removeprefix("torch."),
         device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, config.cuda_graphs)
     name = region.collective.name
