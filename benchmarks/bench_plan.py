@@ -41,17 +41,20 @@ FIXED = ["sequential", "ce_push:1", "ce_push:2", "direct:1"]
 TARGET_S = 20e-3
 
 
-def variants() -> dict[str, tuple[str, dict]]:
+def variants(model: str) -> dict[str, tuple[str, dict]]:
     out = {"inductor": ("inductor", {})}
     for s in FIXED:
         name, _, chunks = s.partition(":")
         out[f"fixed {s}"] = ("commopt", {"schedule": name, "chunks": int(chunks or 1)})
     out["rule"] = ("commopt", {})
     out["searched"] = ("commopt", {"mode": "model"})
+    if model == "tp_block":  # TP without SP: the all-reduce split's layouts (reshard/ar_cost.py)
+        out["searched + ar_split by cost"] = ("commopt", {"mode": "model", "ar_split": True})
+        out["searched + ar_split always"] = ("commopt", {"mode": "model", "ar_split": True, "ar_split_policy": "always"})
     return out
 
 
-def worker(rank: int, world: int, shape: dict, repeats: int) -> dict:
+def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "tp_sp_block") -> dict:
     import torch_commopt
     from torch_commopt.validate import build, rel_err
 
@@ -59,10 +62,10 @@ def worker(rank: int, world: int, shape: dict, repeats: int) -> dict:
     if dev == "cuda":
         torch.cuda.set_device(rank)
     steps, plans, outs = {}, {}, {}
-    for label, (backend, options) in variants().items():
+    for label, (backend, options) in variants(model_kind).items():
         torch._dynamo.reset()
         torch_commopt.reset_explain()
-        model, x = build("tp_sp_block", torch.bfloat16, 0, shape)
+        model, x = build(model_kind, torch.bfloat16, 0, shape)
         fn = torch.compile(model, backend=backend, **({"options": options} if backend == "commopt" else {}))
         x = x.to(dev).requires_grad_(True)
         probe = torch.randn(fn(x).shape, generator=torch.Generator().manual_seed(1)).to(dev, torch.bfloat16)
@@ -81,8 +84,8 @@ def worker(rank: int, world: int, shape: dict, repeats: int) -> dict:
             plans[label] = [{"graph": g.graph_kind, "region": r.collective, "kind": r.kind, "schedule": r.schedule,
                              "summary": {k: str(v) for k, v in r.summary.items()},
                              "candidates": g.candidates.get(r.collective, [])[:6]} for g in graphs for r in g.regions]
-            if label == "searched":
-                plans["searched notes"] = [n for g in graphs for n in g.notes + g.plan]
+            if label.startswith("searched"):
+                plans[f"{label} notes"] = [n for g in graphs for n in g.notes + g.plan]
         steps[label] = step
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     counts = _agreed_counts(steps, sync, dev)
@@ -144,7 +147,9 @@ def report(res: dict, meta: dict) -> str:
         lines += [f"  - {c['schedule']}: predicted {c['predicted_ms']:.3f} ms"
                   + (f" (device {c['gpu_ms']:.3f}, host {c['host_ms']:.3f})" if "gpu_ms" in c else "")
                   for c in p["candidates"]]
-    lines += ["", "Notes:", ""] + [f"- {n}" for n in res["plans"].get("searched notes", [])]
+    for key, notes in res["plans"].items():
+        if key.endswith(" notes"):
+            lines += ["", f"Notes ({key[:-6]}):", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
 
@@ -160,6 +165,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--commit", default="")
     parser.add_argument("--cpu", action="store_true", help="smoke run on gloo (CPU), no figures")
+    parser.add_argument("--model", default="tp_sp_block", choices=["tp_sp_block", "tp_block"],
+                        help="tp_block: TP without SP, adds the all-reduce split variants")
     args = parser.parse_args()
     shape = {"batch": args.batch, "seq": args.seq, "dim": args.dim, "hidden": args.hidden, "heads": args.heads}
     backend = "gloo" if args.cpu else "nccl"
@@ -167,7 +174,7 @@ def main() -> None:
 
     calibration = run_calibration(args.world, backend)
     print(calibration, flush=True)
-    res = run_distributed(worker, args.world, shape, args.repeats, backend=backend, timeout_s=900)[0]
+    res = run_distributed(worker, args.world, shape, args.repeats, args.model, backend=backend, timeout_s=900)[0]
     res["calibration"] = calibration
     if args.cpu:
         print(json.dumps(res, indent=1))
@@ -176,13 +183,13 @@ def main() -> None:
 
     date = datetime.date.today().isoformat()
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
-            "triton": triton.__version__, "commit": args.commit, "shape": shape, "command": "python3 " + " ".join(sys.argv)}
+            "triton": triton.__version__, "commit": args.commit, "shape": shape, "model": args.model, "command": "python3 " + " ".join(sys.argv)}
     fixed = {k: v for k, v in res["step_ms"].items() if k.startswith("fixed ")}
     res["best_fixed"] = min(fixed, key=fixed.get)
     res["searched_vs_best_fixed"] = fixed[res["best_fixed"]] / res["step_ms"]["searched"]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"plan_h200x{args.world}_{date}"
+    stem = f"plan_h200x{args.world}_{date}" + ("" if args.model == "tp_sp_block" else f"_{args.model}")
     (out / f"{stem}.json").write_text(json.dumps({**meta, **res}, indent=1))
     (out / f"{stem}.md").write_text(report(res, meta))
     print(report(res, meta))

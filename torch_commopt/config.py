@@ -60,6 +60,10 @@ class Config:
         parallelism without sequence parallelism; explain lists them.  Off by default.
         "checked": the same, and every call compares those operands across the ranks (a
         checksum all-gather each) and raises a clear error where they differ.
+    ar_split_policy: which candidates ar_split rewrites: "cost" (default) those the cost
+        model predicts faster split than kept as an all-reduce (reshard/ar_cost.py; the
+        machine's calibration, else the priors; explain notes both times), "always" every
+        candidate with a GEMM on both sides.
     cuda_graphs: the compiled program is replayed from CUDA graphs: Inductor's CUDA-graph
         trees are turned on (`triton.cudagraphs`; extra_inductor_options can turn them
         off again, e.g. for a capture of your own around the compiled module); the
@@ -96,6 +100,7 @@ class Config:
     cuda_graphs: bool = False
     coconet: bool = False
     ar_split: bool | str = False
+    ar_split_policy: str = "cost"
     extra_inductor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -137,6 +142,8 @@ class Config:
             _check_type(name, getattr(self, name), bool)
         if self.ar_split not in (False, True, "checked"):
             raise ValueError(f"Config.ar_split: expected False, True or 'checked', got {self.ar_split!r}")
+        if self.ar_split_policy not in ("cost", "always"):
+            raise ValueError(f"Config.ar_split_policy: expected 'cost' or 'always', got {self.ar_split_policy!r}")
         if not isinstance(self.consistency_timeout_s, (int, float)) or self.consistency_timeout_s <= 0:
             raise ValueError(f"Config.consistency_timeout_s: must be a positive number, got {self.consistency_timeout_s!r}")
         _check_type("extra_inductor_options", self.extra_inductor_options, dict)

@@ -24,7 +24,7 @@ def _tp_layer(x, a, wo, g, w1):
     return h2, n2 @ w1
 
 
-def split_forward(rank: int, world: int, rows: int = 16, mode=True, replicated_x: bool = True):
+def split_forward(rank: int, world: int, rows: int = 16, mode=True, replicated_x: bool = True, policy: str = "always"):
     """(notes, region kinds, relative error of each output vs eager) for the program compiled
     with ar_split=mode; x and g are the same on every rank (the split's assumption) unless
     replicated_x=False, the matmul operands differ per rank.  A raised NotReplicated comes
@@ -40,7 +40,8 @@ def split_forward(rank: int, world: int, rows: int = 16, mode=True, replicated_x
     want = _tp_layer(x, a, wo, g, w1)
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    compiled = torch.compile(_tp_layer, backend="commopt", options={"ar_split": mode, "schedule": "chunked", "chunks": 2})
+    compiled = torch.compile(_tp_layer, backend="commopt", options={"ar_split": mode, "ar_split_policy": policy, "schedule": "chunked",
+                                                                   "chunks": 2})
     try:
         got = compiled(x, a, wo, g, w1)
     except NotReplicated as e:
@@ -58,7 +59,7 @@ def split_tp_block(rank: int, world: int):
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    errors = check("tp_block", {"ar_split": True, "schedule": "chunked", "chunks": 2},
+    errors = check("tp_block", {"ar_split": True, "ar_split_policy": "always", "schedule": "chunked", "chunks": 2},
                    shape={"batch": 2, "seq": 8, "dim": 32, "hidden": 64, "heads": 2 * world})
     graphs = torch_commopt.explain().graphs
     return ([(e.name, e.compiled, e.eager) for e in errors], [n for g in graphs for n in g.notes],

@@ -127,3 +127,38 @@ def test_ar_split_option_values():
     assert Config(ar_split="checked").ar_split == "checked"
     with pytest.raises(ValueError, match="ar_split"):
         Config(ar_split="yes")
+    with pytest.raises(ValueError, match="ar_split_policy"):
+        Config(ar_split=True, ar_split_policy="sometimes")
+
+
+def test_cost_policy_splits_where_the_model_predicts_it_faster():
+    from torch_commopt.reshard.ar_cost import SplitShapes, op_bytes, split_cost
+    from torch_commopt.tuner.calibration import prior
+
+    h200 = prior("NVIDIA H200", 2)
+    # TP attention output (8192 tokens, K_local 2048, dim 4096) into the MLP's w1/w3
+    # (K 4096 -> 2 x 7168 per rank), a residual add + RMSNorm in between
+    big = SplitShapes(rows=8192, k=2048, n=4096, op_bytes=op_bytes([8192 * 4096] * 6, 2),
+                      gathered=((4096, (7168, 7168)), (4096, ())), world=2, dtype="bfloat16")
+    cost = split_cost(big, h200)
+    assert cost.pays and cost.split_ms < cost.keep_ms and "split" in cost.describe()
+    # the same without the GEMMs after it and with nothing on the rows: the all-reduce stays
+    bare = SplitShapes(rows=8192, k=2048, n=4096, op_bytes=0, gathered=((4096, ()), (4096, ()), (4096, ())),
+                       world=2, dtype="bfloat16")
+    assert not split_cost(bare, h200).pays
+    # row-local work shrinks by W when split: more of it makes the split cheaper, never dearer
+    more = SplitShapes(**{**big.__dict__, "op_bytes": 10 * big.op_bytes})
+    assert split_cost(more, h200).keep_ms - split_cost(more, h200).split_ms > cost.keep_ms - cost.split_ms
+
+
+def test_cost_policy_decides_each_candidate_and_matches_eager_either_way():
+    from ar_split_programs import split_forward
+    from torch_commopt.launch import run_distributed
+
+    for notes, kinds, errors in run_distributed(split_forward, 2, 16, True, True, "cost"):
+        decided = [n for n in notes if "as an all-reduce" in n]
+        assert len(decided) == 2, notes  # both candidates costed, split or kept
+        assert all("predicted" in n for n in decided)
+        splits = sum("split into reduce-scatter" in n for n in notes)
+        assert splits == sum(": split:" in n for n in decided), notes
+        assert max(errors) < 1e-5, errors

@@ -22,6 +22,7 @@ it; those would be all-gathered.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.fx import Graph, Node
@@ -178,21 +179,65 @@ def _reaches_matmul(node: Node, depth: int = 3) -> bool:
     return False
 
 
+def split_shapes(cand: SplitCandidate, world: int):
+    """The candidate as reshard.ar_cost sees it: the producing GEMM, the bytes of the
+    row-local ops, and per value used outside the widths of the GEMMs it feeds."""
+    from torch_commopt.reshard.ar_cost import SplitShapes, op_bytes, rows_of
+
+    reduced = val(cand.all_reduce.args[0])
+    mm = cand.all_reduce.args[0]
+    while mm.target in RESHAPES:
+        mm = mm.args[0]
+    a = mm.args[1] if mm.target is ADDMM else mm.args[0]
+    outs = [val(n) for n in cand.ops]
+    numels = [t.numel() for t in outs if isinstance(t, torch.Tensor)]
+    gathered = tuple((val(v).shape[-1], tuple(_gemm_widths(v))) for v in cand.frontier)
+    return SplitShapes(rows=rows_of(list(reduced.shape)), k=val(a).shape[-1], n=reduced.shape[-1],
+                       op_bytes=op_bytes(numels, reduced.element_size()), gathered=gathered, world=world,
+                       dtype=str(reduced.dtype).removeprefix("torch."))
+
+
+def _gemm_widths(node: Node, depth: int = 3) -> list[int]:
+    """Output widths of the matmuls `node` feeds as their left operand (through a few
+    reshapes / dtype casts)."""
+    out = []
+    for user in node.users:
+        if user.op != "call_function":
+            continue
+        if user.target in (MM, BMM) and user.args[0] is node:
+            out.append(val(user).shape[-1])
+        elif user.target is ADDMM and user.args[1] is node:
+            out.append(val(user).shape[-1])
+        elif depth and (user.target in RESHAPES or user.target is torch.ops.prims.convert_element_type.default):
+            out += _gemm_widths(user, depth - 1)
+    return out
+
+
 # ---- the rewrite (Config.ar_split) ---------------------------------------------------------
 
 MAX_SPLITS = 256  # per graph: each split removes an all-reduce, so this only bounds a bug
 
 
-def split_all_reduces(graph: Graph, check: bool = False) -> list[str]:
-    """Apply the split to every candidate with a GEMM on both sides; one note per split.
-    Candidates are found again after each split: a split replaces values later candidates
-    use (a residual stream gathered by one split is sliced back by the next -- to the shard
-    it came from, not through a slice of the gathered tensor)."""
-    notes, shards = [], {}
+def split_all_reduces(graph: Graph, check: bool = False,
+                      decide: Callable[[SplitCandidate], tuple[bool, str]] | None = None) -> list[str]:
+    """Apply the split to every candidate with a GEMM on both sides that `decide` accepts
+    (None: every one); one note per decision.  Candidates are found again after each split:
+    a split replaces values later candidates use (a residual stream gathered by one split is
+    sliced back by the next -- to the shard it came from, not through a slice of the
+    gathered tensor)."""
+    notes, shards, kept = [], {}, set()
     for _ in range(MAX_SPLITS):
-        cand = next((c for c in find_ar_splits(graph) if c.from_matmul and c.feeds_matmul), None)
+        cand = next((c for c in find_ar_splits(graph) if c.from_matmul and c.feeds_matmul and c.all_reduce not in kept),
+                    None)
         if cand is None:
             break
+        if decide is not None:
+            ok, why = decide(cand)
+            if not ok:
+                kept.add(cand.all_reduce)
+                notes.append(f"{cand.all_reduce.name}: not split ({why})")
+                continue
+            notes.append(f"{cand.all_reduce.name}: {why}")
         _apply(graph, cand, shards, check)
         operands = ", ".join(a.name for a in cand.full_operands + cand.broadcast_operands) or "none"
         notes.append(f"{cand.all_reduce.name}: split into reduce-scatter -> {len(cand.ops)} op(s) on the rows -> "

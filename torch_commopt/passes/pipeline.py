@@ -7,6 +7,7 @@ documented order of FINDERS and each can be disabled by name (Config.patterns).
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 from collections import Counter
@@ -20,7 +21,8 @@ from torch_commopt.passes import consistency
 from torch_commopt.passes.find_ag_matmul import find_ag_matmul
 from torch_commopt.passes.find_matmul_reduce import find_matmul_reduce
 from torch_commopt.kernels.reference.chunking import chunk_rows
-from torch_commopt.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, static_shape, val
+from torch_commopt.kernels.reference.collectives import resolve_group
+from torch_commopt.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, group_name_of, static_shape, val
 from torch_commopt.passes.regions import Region, Skip
 from torch_commopt.passes.rewrite import rewrite_region
 from torch_commopt.schedule import Schedule
@@ -74,7 +76,9 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     if config.ar_split:
         from torch_commopt.passes.ar_split import split_all_reduces
 
-        _graph_rewrite("all-reduce split", lambda: split_all_reduces(graph, check=config.ar_split == "checked"), report)
+        decide = None if config.ar_split_policy == "always" else functools.partial(_split_pays, config)
+        _graph_rewrite("all-reduce split", lambda: split_all_reduces(graph, check=config.ar_split == "checked",
+                                                                     decide=decide), report)
     try:
         from torch_commopt.passes.ar_split import find_ar_splits
 
@@ -270,6 +274,25 @@ def _fit_graph(regions: list[Region], schedules: list[Schedule], config: Config,
             report.notes.append(f"{name}: {new} instead of {old} (whole-graph plan)")
         out.append(new)
     return out, key
+
+
+def _split_pays(config: Config, cand) -> tuple[bool, str]:
+    """Config.ar_split_policy="cost": whether the cost model predicts the split faster (the
+    same answer on every rank: identical shapes, rank 0's calibration).  A candidate that
+    cannot be costed is kept as it is."""
+    from torch_commopt.passes.ar_split import split_shapes
+    from torch_commopt.reshard.ar_cost import split_cost
+    from torch_commopt.tuner.choose import calibration_for
+
+    try:
+        group_name = group_name_of(cand.all_reduce.args[2])
+        world = resolve_group(group_name).size()
+        cal = calibration_for(val(cand.all_reduce.args[0]).device, world, group_name, config.cache_dir,
+                              config.consistency_timeout_s)
+        cost = split_cost(split_shapes(cand, world), cal)
+    except Exception as e:  # noqa: BLE001 - a decision we cannot make is "keep the all-reduce"
+        return False, f"not costed: {type(e).__name__}: {e}"
+    return cost.pays, cost.describe()
 
 
 def op_a_shape(region: Region) -> list[int]:
