@@ -51,6 +51,9 @@ def variants(model: str) -> dict[str, tuple[str, dict]]:
     if model == "tp_block":  # TP without SP: the all-reduce split's layouts (reshard/ar_cost.py)
         out["searched + ar_split by cost"] = ("commopt", {"mode": "model", "ar_split": True})
         out["searched + ar_split always"] = ("commopt", {"mode": "model", "ar_split": True, "ar_split_policy": "always"})
+        # control: the searched variant compiled once more, last (compile-to-compile and
+        # build-order variation of identical graphs)
+        out["searched, compiled again"] = ("commopt", {"mode": "model", "cache_dir": None})
     return out
 
 
