@@ -60,6 +60,9 @@ class Config:
         parallelism without sequence parallelism; explain lists them.  Off by default.
         "checked": the same, and every call compares those operands across the ranks (a
         checksum all-gather each) and raises a clear error where they differ.
+    regather_for_backward: save each forward all-gather's shard instead of its gathered
+        result for backward; the backward gathers again (passes/regather.py): (W-1)/W of each
+        gathered activation's memory for one more all-gather per region in backward.
     ar_split_policy: which candidates ar_split rewrites: "cost" (default) those the cost
         model predicts faster split than kept as an all-reduce (reshard/ar_cost.py; the
         machine's calibration, else the priors; explain notes both times), "always" every
@@ -101,6 +104,7 @@ class Config:
     coconet: bool = False
     ar_split: bool | str = False
     ar_split_policy: str = "cost"
+    regather_for_backward: bool = False
     extra_inductor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -138,7 +142,8 @@ class Config:
         unknown = [p for p in self.patterns if p not in PATTERNS]
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
-        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet"):
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet",
+                     "regather_for_backward"):
             _check_type(name, getattr(self, name), bool)
         if self.ar_split not in (False, True, "checked"):
             raise ValueError(f"Config.ar_split: expected False, True or 'checked', got {self.ar_split!r}")

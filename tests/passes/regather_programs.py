@@ -1,0 +1,37 @@
+"""Per-rank program: a TP+SP block compiled with and without Config.regather_for_backward."""
+
+from __future__ import annotations
+
+import torch
+
+import torch_commopt
+
+SHAPE = {"batch": 2, "seq": 16, "dim": 64, "hidden": 128, "heads": 4}
+
+
+def saved_and_gathers(rank: int, world: int, kind: str, regather: bool):
+    """(bytes saved for backward, all-gathers in the backward graph, notes, errors vs float64
+    next to eager's) of `kind` compiled with regather_for_backward=regather."""
+    from torch_commopt.validate import build, check
+
+    options = {"schedule": "sequential", "regather_for_backward": regather}
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    errors = check(kind, options, shape=SHAPE)
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    model, x = build(kind, torch.float32, 0, SHAPE)
+    fn = torch.compile(model, backend="commopt", options=options)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    x = x.requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(x)
+    out.sum().backward()
+    graphs = torch_commopt.explain().graphs
+    gathers = sum(g.collectives_before.get("all_gather", 0) for g in graphs if g.graph_kind == "backward")
+    return sum(saved), gathers, [(e.name, e.compiled, e.eager) for e in errors]
