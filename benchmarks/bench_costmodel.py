@@ -37,7 +37,7 @@ import torch_commopt  # noqa: E402,F401
 from bench_matmul_collectives import SHAPES, _variants  # noqa: E402
 from costmodel_vs_bench import region_shape  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.tuner.autotune import measure_candidates  # noqa: E402
+from torch_commopt.tuner.autotune import measure_candidates, timed_candidates  # noqa: E402
 from torch_commopt.tuner.model import rank  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
@@ -67,7 +67,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
             s = str(p.schedule)
             records.append(dict(base, candidate=s, predicted_ms=p.seconds * 1e3, measured_ms=measured[s],
                                 predicted_gpu_ms=p.gpu_s * 1e3, predicted_host_ms=p.host_s * 1e3))
-        top = names[:TOP_K] + (["sequential"] if "sequential" not in names[:TOP_K] else [])
+        top = timed_candidates(preds, TOP_K)  # what Config(mode="autotune") times
         tuned = measure_candidates(op, top, group_name, device, graphs=graphs)
         pick = min(tuned, key=lambda s: (tuned[s], s))
         best = min(measured, key=measured.get)

@@ -270,3 +270,16 @@ def test_whole_gemm_all_gather_pays_the_push_then_one_gemm_and_keys_its_own_fact
     out = _schedule_factors({k: raw[k] * f for k, f in zip(probes, (1.1, 1.3))}, H200)
     assert out["ag_matmul ce_push:1:gemm=whole"][1] == pytest.approx(1.3)
     assert out["ag_matmul ce_push:1"][1] == pytest.approx(1.1)
+
+
+def test_autotune_times_every_piece_count_of_the_models_first_family():
+    from torch_commopt.tuner.autotune import timed_candidates
+
+    shape = RegionShape("matmul_ar", 8192, 4096, (8192,), 2, "bfloat16")
+    preds = rank(shape, H200)
+    top = timed_candidates(preds, 2)
+    first = preds[0].schedule
+    siblings = {str(p.schedule) for p in preds if p.schedule.name == first.name and p.schedule.params == first.params}
+    assert siblings <= set(top) and len(siblings) > 1  # e.g. ce_push:1, :2 and :4
+    assert top[:2] == [str(p.schedule) for p in preds[:2]] and "sequential" in top
+    assert len(top) == len(set(top))

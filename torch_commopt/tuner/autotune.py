@@ -79,14 +79,29 @@ def plan(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     from torch_commopt.tuner.choose import choose_by_model, machine_key
 
     pick, preds, why = choose_by_model(kind, a_shape, weight_shapes, dim, world, dtype, cal, max_chunks, graphs=graphs)
-    top = [str(p.schedule) for p in preds[:top_k]]
-    top += [str(p.schedule) for p in preds if p.schedule.name == "sequential" and str(p.schedule) not in top]
+    top = timed_candidates(preds, top_k)
     key = {"question": "autotune", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
            "weights": [list(w) for w in weight_shapes], "dim": dim, "bias": list(bias), "reduce_op": reduce_op,
            "keep_gathered": keep_gathered, "dtype": dtype, "candidates": top}
     if graphs:
         key["cuda_graphs"] = True
     return pick, preds, top, key, why
+
+
+def timed_candidates(preds, top_k: int) -> list[str]:
+    """What autotune times for ranked predictions: the top_k, every other piece count of the
+    model's first schedule family, and `sequential`.  Piece counts of one mechanism are
+    near-ties the model cannot order reliably (2x H200, session 7: AR 8192^3 measured best
+    with ce_push:4 and RS 16384x8192x8192 with ce_push:2 while the model ranked ce_push:1
+    first and neither sibling among its top 4)."""
+    top = [str(p.schedule) for p in preds[:top_k]]
+    first = preds[0].schedule if preds else None
+    for p in preds:
+        s = str(p.schedule)
+        sibling = first is not None and p.schedule.name == first.name and p.schedule.params == first.params
+        if (sibling or p.schedule.name == "sequential") and s not in top:
+            top.append(s)
+    return top
 
 
 def band_request(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
