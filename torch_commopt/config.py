@@ -36,9 +36,9 @@ class Config:
         (`torch_commopt.tuner`) ranks every candidate with this machine's calibration
         (measured and cached, or the reference machines' figures) and the fastest
         predicted wins; explain lists the candidates with their predicted times.
-        "autotune": the model's `autotune_top_k` best candidates (with the other piece counts of its first and `sequential`)
-        are timed by every rank at the region's first call, on that call's inputs
-        (slowest rank counts); the fastest runs from then on and is cached, so later
+        "autotune": the model's `autotune_top_k` best candidates (with the other piece
+        counts of its first and `sequential`) are timed by every rank at the region's
+        first call, on that call's inputs (slowest rank counts); the fastest runs from then on and is cached, so later
         compiles emit it directly.  explain adds the measured times.
         "fixed": `schedule` must name the schedule (and its parameters).
     autotune_top_k: how many of the model's best candidates autotune times per region.
