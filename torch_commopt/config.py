@@ -38,8 +38,9 @@ class Config:
         predicted wins; explain lists the candidates with their predicted times.
         "autotune": the model's `autotune_top_k` best candidates (with the other piece
         counts of its first and `sequential`) are timed by every rank at the region's
-        first call, on that call's inputs (slowest rank counts); the fastest runs from then on and is cached, so later
-        compiles emit it directly.  explain adds the measured times.
+        first call, on that call's inputs (slowest rank counts); the fastest runs from
+        then on and is cached, so later compiles emit it directly.  explain adds the
+        measured times.
         "fixed": `schedule` must name the schedule (and its parameters).
     autotune_top_k: how many of the model's best candidates autotune times per region.
     memory_budget_mib: with mode="model", the extra device memory (MiB) the chosen schedules
