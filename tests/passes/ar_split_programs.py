@@ -52,7 +52,7 @@ def split_forward(rank: int, world: int, rows: int = 16, mode=True, replicated_x
     return notes, kinds, [float((o - w).norm() / w.norm()) for o, w in zip(got, want)]
 
 
-def split_tp_block(rank: int, world: int):
+def split_tp_block(rank: int, world: int, batch: int = 2):
     """A Llama block with tensor parallelism and no sequence parallelism (DTensor), compiled
     with ar_split=True: (errors vs float64 next to eager's, notes, region kinds)."""
     from torch_commopt.validate import check
@@ -60,7 +60,7 @@ def split_tp_block(rank: int, world: int):
     torch._dynamo.reset()
     torch_commopt.reset_explain()
     errors = check("tp_block", {"ar_split": True, "ar_split_policy": "always", "schedule": "chunked", "chunks": 2},
-                   shape={"batch": 2, "seq": 8, "dim": 32, "hidden": 64, "heads": 2 * world})
+                   shape={"batch": batch, "seq": 8, "dim": 32, "hidden": 64, "heads": 2 * world})
     graphs = torch_commopt.explain().graphs
     return ([(e.name, e.compiled, e.eager) for e in errors], [n for g in graphs for n in g.notes],
             [(g.graph_kind, r.kind) for g in graphs for r in g.rewritten])

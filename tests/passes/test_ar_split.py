@@ -110,6 +110,21 @@ def test_split_on_a_dtensor_tp_block_matches_eager_forward_and_backward():
         assert not bad, bad
 
 
+def test_split_of_a_batch_one_block_cuts_the_sequence_dim():
+    # (1, S, D) activations: dim 0 cannot be cut, the split goes along the sequence (dim 1)
+    # through the funcol split/cat forms, which the finders then overlap like DTensor's own
+    from ar_split_programs import split_tp_block
+    from torch_commopt.launch import run_distributed
+    from torch_commopt.validate import within_tolerance
+
+    for errors, notes, kinds in run_distributed(split_tp_block, 2, 1):
+        splits = [n for n in notes if "split into reduce-scatter" in n]
+        assert splits and all("(dim 1)" in n for n in splits), notes
+        assert ("forward", "matmul_rs") in kinds and ("forward", "ag_matmul") in kinds, kinds
+        bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
+        assert not bad, bad
+
+
 def test_checked_split_verifies_the_replication_it_assumes():
     from ar_split_programs import split_forward
     from torch_commopt.launch import run_distributed

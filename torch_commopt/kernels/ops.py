@@ -36,7 +36,7 @@ _SCHEMAS = {
                  "str group_name, str schedule) -> Tensor",
     "matmul_ar": "matmul_ar(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int group_size, str group_name, "
                  "str schedule) -> Tensor",
-    "shard_rows": "shard_rows(Tensor x, int group_size, str group_name, bool check=False) -> Tensor",
+    "shard_rows": "shard_rows(Tensor x, int group_size, str group_name, bool check=False, int dim=0) -> Tensor",
     "replicated": "replicated(Tensor x, int group_size, str group_name) -> Tensor",
 }
 
@@ -237,20 +237,22 @@ def _(a, weight, bias, reduce_op, group_size, group_name, schedule):
 
 
 @_op("shard_rows")
-def shard_rows(x: Tensor, group_size: int, group_name: str, check: bool = False) -> Tensor:
-    """This rank's block of dim 0 of `x` (which holds the same values on every rank): what
+def shard_rows(x: Tensor, group_size: int, group_name: str, check: bool = False, dim: int = 0) -> Tensor:
+    """This rank's block of dim `dim` of `x` (which holds the same values on every rank): what
     the all-reduce split (passes/ar_split.py) gives the ops that now run on 1/W of the rows.
     check=True: first verify that `x` is the same on every rank (Config.ar_split="checked")."""
     if check:
         _check_replicated(x, group_name, "a full-shaped operand")
     rank = resolve_group(group_name).rank()
     # a new tensor, never a view: an op's output may not alias its input
-    return x.chunk(group_size, dim=0)[rank].clone(memory_format=torch.contiguous_format)
+    return x.chunk(group_size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("commopt::shard_rows")
-def _(x, group_size, group_name, check=False):
-    return x.new_empty([x.shape[0] // group_size] + list(x.shape[1:]))
+def _(x, group_size, group_name, check=False, dim=0):
+    shape = list(x.shape)
+    shape[dim] //= group_size
+    return x.new_empty(shape)
 
 
 @_op("replicated")

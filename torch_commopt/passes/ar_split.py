@@ -21,6 +21,7 @@ it; those would be all-gathered.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -50,25 +51,27 @@ MATMULS = {MM, ADDMM, BMM}
 class SplitCandidate:
     all_reduce: Node
     wait: Node
-    rows: int  # dim 0 of the reduced tensor, cut into W blocks
+    rows: int  # size of the cut dim of the reduced tensor, cut into W blocks
     ops: list[Node] = field(default_factory=list)  # the row-local ops, graph order
     frontier: list[Node] = field(default_factory=list)  # values used outside (to gather)
     full_operands: list[Node] = field(default_factory=list)  # external, full-shaped (to slice)
     broadcast_operands: list[Node] = field(default_factory=list)  # external, no dim 0 (as is)
     from_matmul: bool = False  # the reduced value is a matmul's (matmul_rs would form)
     feeds_matmul: bool = False  # a frontier value reaches a matmul (ag_matmul would form)
+    dim: int = 0  # the cut dim: the first leading dim the group's size divides
 
     def describe(self) -> str:
         worth = "worth it" if self.from_matmul and self.feeds_matmul else "no GEMM to overlap on both sides"
         return (f"{self.all_reduce.name}: all-reduce -> {len(self.ops)} row-local op(s) could run on 1/W of "
-                f"{self.rows} rows (reduce-scatter ... all-gather of {len(self.frontier)} value(s)); "
+                f"{self.rows} rows of dim {self.dim} (reduce-scatter ... all-gather of {len(self.frontier)} value(s)); "
                 f"needs {len(self.full_operands)} full and {len(self.broadcast_operands)} broadcast operand(s) "
                 f"equal on every rank; {worth}")
 
 
 def find_ar_splits(graph: Graph) -> list[SplitCandidate]:
-    """Every sum all-reduce whose result starts a non-empty row-local region, with dim 0
-    a multiple of the group's size."""
+    """Every sum all-reduce whose result starts a non-empty row-local region, cut along its
+    first leading dim that is a multiple of the group's size (dim 0, or the sequence dim of
+    a batch-1 (1, S, D) activation)."""
     out = []
     for ar in [n for n in graph.nodes if n.op == "call_function" and n.target is ALL_REDUCE]:
         wait = only_user(ar)
@@ -79,9 +82,12 @@ def find_ar_splits(graph: Graph) -> list[SplitCandidate]:
             world = resolve_group(group_name_of(ar.args[2])).size()
         except Exception:  # noqa: BLE001 - an unknown group: not a candidate
             continue
-        if ar.args[1] != "sum" or not isinstance(reduced.shape[0], int) or reduced.shape[0] % world:
+        dims = [d for d in range(reduced.dim() - 1)
+                if isinstance(reduced.shape[d], int) and reduced.shape[d] >= world and reduced.shape[d] % world == 0]
+        if ar.args[1] != "sum" or not dims:
             continue
-        cand = SplitCandidate(ar, wait, reduced.shape[0], from_matmul=_is_matmul_product(ar.args[0]))
+        cand = SplitCandidate(ar, wait, reduced.shape[dims[0]], from_matmul=_is_matmul_product(ar.args[0]),
+                              dim=dims[0])
         _grow(cand)
         if cand.ops:
             out.append(cand)
@@ -94,7 +100,7 @@ def _grow(cand: SplitCandidate) -> None:
     while todo:
         node = todo.pop()
         for user in list(node.users):
-            kinds = None if user in inside else _row_local(user, inside, cand.rows)
+            kinds = None if user in inside else _row_local(user, inside, cand.rows, cand.dim)
             if kinds is None:
                 continue
             inside.add(user)
@@ -114,24 +120,25 @@ def _grow(cand: SplitCandidate) -> None:
         (cand.full_operands if operands[a] == "full" else cand.broadcast_operands).append(a)
 
 
-def _row_local(node: Node, inside: set[Node], rows: int) -> dict[Node, str] | None:
-    """If `node` computes each row of its output from the same row of its region operands,
-    with every other tensor operand full-shaped ("full": sliced to the rank's rows) or
-    broadcast along dim 0 ("broadcast": used as is): those operands and their kinds; else None."""
+def _row_local(node: Node, inside: set[Node], rows: int, dim: int = 0) -> dict[Node, str] | None:
+    """If `node` computes each row (index along the cut dim `dim`) of its output from the same
+    row of its region operands, with every other tensor operand full-shaped ("full": sliced to
+    the rank's rows) or broadcast along `dim` ("broadcast": used as is): those operands and
+    their kinds; else None.  Reductions must reduce only dims after the cut one."""
     if node.op != "call_function":
         return None
     out = val(node)
     if node.target in LAST_DIM_REDUCTIONS:
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         src = val(node.args[0])
-        if src is None or not isinstance(dims, (list, tuple)) or not dims or any(d % src.dim() == 0 for d in dims):
+        if src is None or not isinstance(dims, (list, tuple)) or not dims or any(d % src.dim() <= dim for d in dims):
             return None
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
     elif node.target in ELEMENTWISE:
         outs = [out]
     else:
         return None
-    if any(not isinstance(o, torch.Tensor) or o.dim() < 1 or o.shape[0] != rows for o in outs):
+    if any(not isinstance(o, torch.Tensor) or o.dim() <= dim or o.shape[dim] != rows for o in outs):
         return None
     kinds = {}
     for a in _tensor_args(node):
@@ -144,10 +151,10 @@ def _row_local(node: Node, inside: set[Node], rows: int) -> dict[Node, str] | No
             continue
         if _is_all_reduce_result(a):  # another all-reduce's result starts its own candidate
             return None
-        if v.dim() == outs[0].dim() and v.shape[0] == rows:
+        if v.dim() == outs[0].dim() and v.shape[dim] == rows:
             kinds[a] = "full"
-        elif v.dim() < outs[0].dim() or v.shape[0] == 1:  # right-aligned: does not span dim 0
-            kinds[a] = "broadcast"
+        elif v.dim() < outs[0].dim() - dim or (v.dim() == outs[0].dim() and v.shape[dim] == 1):
+            kinds[a] = "broadcast"  # right-aligned, it does not span the cut dim
         else:
             return None
     return kinds
@@ -240,14 +247,12 @@ def split_all_reduces(graph: Graph, check: bool = False,
             notes.append(f"{cand.all_reduce.name}: {why}")
         _apply(graph, cand, shards, check)
         operands = ", ".join(a.name for a in cand.full_operands + cand.broadcast_operands) or "none"
-        notes.append(f"{cand.all_reduce.name}: split into reduce-scatter -> {len(cand.ops)} op(s) on the rows -> "
-                     f"all-gather of {len(cand.frontier)} value(s); assumed equal on every rank: {operands}")
+        notes.append(f"{cand.all_reduce.name}: split into reduce-scatter (dim {cand.dim}) -> {len(cand.ops)} op(s) "
+                     f"on the rows -> all-gather of {len(cand.frontier)} value(s); assumed equal on every rank: {operands}")
     dropped = 0
     for done in list(shards):  # gathers whose every user now takes the shard
         if not done.users:
-            gathered = done.args[0]
-            graph.erase_node(done)
-            graph.erase_node(gathered)
+            _erase_gather(graph, done)
             dropped += 1
     if dropped:
         notes.append(f"{dropped} all-gather(s) dropped: their values are used on the rows only")
@@ -272,15 +277,20 @@ def _apply(graph: Graph, cand: SplitCandidate, shards: dict[Node, Node], check: 
         set_fake_val(node)
         return node
 
-    rs = add(REDUCE_SCATTER, (partial, "sum", world, group), after=ar)
+    dim = cand.dim
+    if dim:  # the funcol form of a scatter along dim > 0: W blocks of that dim stacked on dim 0
+        items = _items(add, add(aten.split.Tensor, (partial, cand.rows // world, dim), after=ar), world)
+        partial = add(aten.cat.default, (items, 0), after=items[-1])
+    rs = add(REDUCE_SCATTER, (partial, "sum", world, group), after=partial if dim else ar)
     local = {cand.wait: add(WAIT, (rs,), after=rs)}  # original node -> its value on this rank's rows
 
     def operand(a, before: Node):
         if not isinstance(a, Node) or a in local:
             return local.get(a, a)
         if a in full:  # this rank's rows; a value an earlier split gathered: the shard it came from
-            local[a] = shards[a] if a in shards else add(torch.ops.commopt.shard_rows.default,
-                                                          (a, world, gname, check), before=before)
+            shard, shard_dim = shards.get(a, (None, None))
+            local[a] = shard if shard_dim == dim else add(torch.ops.commopt.shard_rows.default,
+                                                           (a, world, gname, check, dim), before=before)
         elif check:  # broadcast along dim 0: as is, once verified
             local[a] = add(torch.ops.commopt.replicated.default, (a, world, gname), before=before)
         else:
@@ -296,21 +306,44 @@ def _apply(graph: Graph, cand: SplitCandidate, shards: dict[Node, Node], check: 
     for value in cand.frontier:
         gathered = add(ALL_GATHER, (local[value], world, group), after=local[value])
         done = add(WAIT, (gathered,), after=gathered)
+        if dim:  # dim 0 holds the W blocks: put them back along the cut dim
+            items = _items(add, add(aten.split.Tensor, (done, val(local[value]).shape[0], 0), after=done), world)
+            done = add(aten.cat.default, (items, dim), after=items[-1])
         for user in [u for u in value.users if u not in region]:
             user.replace_input_with(value, done)
-        shards[done] = local[value]
+        shards[done] = (local[value], dim)
     for node in reversed([cand.wait] + cand.ops):
         graph.erase_node(node)
     graph.erase_node(ar)
+
+
+def _erase_gather(graph: Graph, done: Node) -> None:
+    """Erase an unused gathered value and what made it, back to (and with) its all-gather."""
+    todo = [done]
+    while todo:
+        node = todo.pop()
+        if node.users:
+            continue
+        todo += [] if node.target is ALL_GATHER else list(node.all_input_nodes)
+        graph.erase_node(node)
+
+
+def _items(add, split: Node, world: int) -> list[Node]:
+    """The W getitems of a split node, in order, each right after the previous."""
+    items, prev = [], split
+    for i in range(world):
+        prev = add(operator.getitem, (split, i), after=prev)
+        items.append(prev)
+    return items
 
 
 def _shard_fakes(cand: SplitCandidate, world: int, group_name: str) -> dict[Node, object]:
     """The fake value of every candidate op run on this rank's rows (no graph edit)."""
     shard_rows = torch.ops.commopt.shard_rows.default
     full = set(cand.full_operands)
-    rows = {cand.wait: shard_rows(val(cand.wait), world, group_name)}
+    rows = {cand.wait: shard_rows(val(cand.wait), world, group_name, False, cand.dim)}
     for a in full:
-        rows[a] = shard_rows(val(a), world, group_name)
+        rows[a] = shard_rows(val(a), world, group_name, False, cand.dim)
 
     def fake(a):
         if not isinstance(a, Node):
