@@ -12,6 +12,8 @@
     ops.py        torch.ops.commopt.cp_attention_fwd / _bwd and the autograd wrapper cp_attention
     cost.py       alpha-beta + launch + FLOP estimates per schedule, candidates and their ranking
                   (pure arithmetic)
+    detect.py     find context-parallel attention in an FX graph (K/V all-gathered into SDPA with
+                  Q local; all-to-all -> SDPA -> all-to-all); analysis only, not imported here
 
 Importing registers the two ops; it touches neither CUDA nor a process group.
 """
