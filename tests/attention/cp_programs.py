@@ -1,0 +1,292 @@
+"""Per-rank programs: every context-parallel schedule on a live group against eager full attention.
+
+Every rank draws the same global q, k, v, dout (float64, fresh per case) and keeps its
+contiguous shard, so the truth is computed locally: F.scaled_dot_product_attention on the
+whole sequence in float64 (autograd for the gradients).  A schedule's error is compared with
+eager's own error in the case's dtype against that truth (validate.within_tolerance).
+
+Besides the numbers, each case records what this rank sent (`Traffic`, at the boundary of
+attention/comm.py and the collectives) and compares it with what the schedule should send:
+K/V with their H_kv heads only (never expanded for GQA), dK/dV in the accumulation dtype,
+the number of ring steps of the schedule's ring degree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torch_commopt.attention import comm, cp_attention, cp_attention_bwd, cp_attention_fwd, refusal, schedules
+from torch_commopt.attention.local import acc_dtype
+from torch_commopt.attention.ring import DKV_TAG
+from torch_commopt.attention.spec import CPSchedule
+from torch_commopt.validate import rel_err
+
+HYBRIDS = {2: ["hybrid:1:2", "hybrid:2:1"], 4: ["hybrid:1:4", "hybrid:2:2", "hybrid:4:1"]}
+
+
+@dataclass(frozen=True)
+class Case:
+    schedule: str
+    causal: bool
+    heads: tuple[int, int]  # (H, H_kv)
+    seq_local: int = 8
+    head_dim: int = 64
+    v_dim: Optional[int] = None  # None: head_dim
+    batch: int = 2
+    dtype: torch.dtype = torch.float32
+    scale: Optional[float] = None
+
+    @property
+    def dv(self) -> int:
+        return self.v_dim or self.head_dim
+
+    def label(self) -> str:
+        extra = "".join(f" {k}={getattr(self, k)}" for k in ("v_dim", "scale") if getattr(self, k) is not None)
+        return (f"{self.schedule} causal={self.causal} heads={self.heads} S_loc={self.seq_local} "
+                f"D={self.head_dim} B={self.batch} {self.dtype}{extra}")
+
+
+def schedule_names(world: int) -> list[str]:
+    return ["allgather", "ring", "ring_zigzag", "ulysses"] + HYBRIDS[world]
+
+
+def _gqa_heads(schedule: str, world: int) -> tuple[int, int]:
+    """GQA heads the schedule takes: (4, 2), or (8, 4) where the all-to-all splits 4 ways."""
+    return (4, 2) if refusal(schedule, (1, 4, 2, 2 * world, 8), world, True) is None else (8, 4)
+
+
+def cases(world: int) -> list[Case]:
+    """Every schedule x mask x head dim (64, 128) with GQA; per schedule the shortest length it
+    takes and an odd one (even for zigzag's causal split); then one-off variations: MHA, MQA,
+    Dv != D, bfloat16, float64, an explicit scale, batch 1."""
+    out = []
+    for sched in schedule_names(world):
+        heads = _gqa_heads(sched, world)
+        out += [Case(sched, c, heads, head_dim=d) for c in (False, True) for d in (64, 128)]
+        lengths = (2, 6) if sched == "ring_zigzag" else (1, 5)
+        out += [Case(sched, True, heads, seq_local=s, head_dim=32) for s in lengths]
+    out += [Case("ring_zigzag", False, (4, 2), seq_local=5, head_dim=32),  # no mask: runs ring, any length
+            Case("ring", True, (4, 4)), Case("ulysses", False, (2 * world, 2 * world), head_dim=32),
+            Case("ring_zigzag", True, (4, 1)), Case("allgather", True, (4, 1), head_dim=32),
+            Case("ring", True, (4, 2), v_dim=32), Case("ulysses", True, _gqa_heads("ulysses", world), v_dim=48),
+            Case("ring_zigzag", True, (4, 2), dtype=torch.bfloat16),
+            Case("ulysses", True, _gqa_heads("ulysses", world), dtype=torch.bfloat16),
+            Case("allgather", True, (4, 2), dtype=torch.bfloat16, head_dim=32),
+            Case(HYBRIDS[world][-2], True, (4, 2), dtype=torch.float64, head_dim=32),
+            Case("allgather", False, (4, 2), dtype=torch.float64, head_dim=32),
+            Case("ring", False, (4, 2), scale=0.3, head_dim=32), Case("ring_zigzag", True, (4, 2), batch=1)]
+    return out
+
+
+# ---- traffic ---------------------------------------------------------------------------------
+
+class Traffic:
+    """What this rank hands to the network, by kind: "kv" / "dkv" (a ring step's message),
+    "a2a" (an all-to-all's payload, all destinations, this rank's own piece included), "ag"
+    (an all-gather's input), "rs" (a reduce-scatter's input).  Counter of (kind, bytes)."""
+
+    def __init__(self) -> None:
+        self.sent: Counter = Counter()
+
+    @contextlib.contextmanager
+    def record(self):
+        originals = (comm.RingShift.start, comm.exchange, schedules.all_gather, schedules.reduce_scatter)
+        start, exchange, all_gather, reduce_scatter = originals
+
+        def ring_start(shift):
+            if comm.size(shift.group) > 1:
+                buf = shift.bufs[shift.cur]
+                self.sent["dkv" if shift.tag == DKV_TAG else "kv", buf.numel() * buf.itemsize] += 1
+            return start(shift)
+
+        def exchange_(send, recv, group, device):
+            self.sent["a2a", sum(t.numel() * t.itemsize for pieces in send for t in pieces)] += 1
+            return exchange(send, recv, group, device)
+
+        def gather(x, *args, **kwargs):
+            self.sent["ag", x.numel() * x.itemsize] += 1
+            return all_gather(x, *args, **kwargs)
+
+        def scatter(x, *args, **kwargs):
+            self.sent["rs", x.numel() * x.itemsize] += 1
+            return reduce_scatter(x, *args, **kwargs)
+
+        comm.RingShift.start, comm.exchange = ring_start, exchange_
+        schedules.all_gather, schedules.reduce_scatter = gather, scatter
+        try:
+            yield self
+        finally:
+            comm.RingShift.start, comm.exchange, schedules.all_gather, schedules.reduce_scatter = originals
+
+
+def expected_traffic(case: Case, world: int) -> tuple[Counter, Counter]:
+    """(forward, backward) messages of a schedule on this case: K/V of H_kv heads in the input
+    dtype, dK/dV in the acc dtype, ring_degree - 1 K/V steps, ring_degree dK/dV steps."""
+    elt, acc = case.dtype.itemsize, acc_dtype(case.dtype).itemsize
+    h, h_kv = case.heads
+    rows = case.batch * case.seq_local
+    q, out, lse = rows * h * case.head_dim * elt, rows * h * case.dv * elt, rows * h * acc
+    kv_numel = rows * h_kv * (case.head_dim + case.dv)
+    kv = kv_numel * elt
+    sched = CPSchedule.parse(case.schedule)
+    if sched.name == "allgather":
+        return Counter({("ag", kv): 1}), Counter({("ag", kv): 1, ("rs", world * kv_numel * acc): 1})
+    zigzag = sched.name == "ring_zigzag" and case.causal
+    u, r = (1, world) if zigzag else sched.degrees(world)
+    fwd, bwd = Counter(), Counter()
+    if zigzag or u > 1:  # relayout / all-to-all there and back
+        fwd.update({("a2a", q + kv): 1, ("a2a", out + lse): 1})
+        bwd.update({("a2a", q + kv + out + out + lse): 1, ("a2a", q + kv): 1})
+    if r > 1:
+        fwd["kv", kv] += r - 1
+        bwd.update({("kv", kv): r - 1, ("dkv", kv_numel * acc): r})
+    return fwd, bwd
+
+
+# ---- numerics --------------------------------------------------------------------------------
+
+def _truth(q, k, v, dout, causal, scale):
+    """(out, lse, dq, dk, dv) of full attention in q's dtype, by eager SDPA + autograd."""
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, scale=scale)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    g = q.shape[1] // k.shape[1]
+    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return out.detach(), torch.logsumexp(s.detach(), -1), dq, dk, dv
+
+
+def _global_inputs(case: Case, world: int, seed: int) -> list[torch.Tensor]:
+    h, h_kv = case.heads
+    b, s, d, dv = case.batch, case.seq_local * world, case.head_dim, case.dv
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(b, h, s, d), (b, h_kv, s, d), (b, h_kv, s, dv), (b, h, s, dv)]
+    return [torch.randn(*sh, generator=gen, dtype=torch.float64) for sh in shapes]
+
+
+def run_case(case: Case, seed: int, group) -> tuple[list[tuple[str, float, float]], list[str]]:
+    """[(label, schedule's error, eager's error) per tensor], [traffic problems]."""
+    rank, world = group.rank(), group.size()
+    q, k, v, dout = _global_inputs(case, world, seed)
+    truth = _truth(q, k, v, dout, case.causal, case.scale)
+    eager = _truth(*(t.to(case.dtype) for t in (q, k, v, dout)), case.causal, case.scale)
+
+    def shard(t):
+        return t[:, :, rank * case.seq_local : (rank + 1) * case.seq_local]
+
+    ql, kl, vl = (shard(t).to(case.dtype).requires_grad_(True) for t in (q, k, v))
+    kw = dict(schedule=case.schedule, causal=case.causal, scale=case.scale, group=group)
+    fwd, bwd = Traffic(), Traffic()
+    with fwd.record():
+        out, lse = cp_attention_fwd(ql.detach(), kl.detach(), vl.detach(), **kw)
+    problems = []
+    if (out.dtype, lse.dtype, out.shape, lse.shape) != (case.dtype, acc_dtype(case.dtype), shard(truth[0]).shape,
+                                                        out.shape[:3]):
+        problems.append(f"{case.label()}: out {out.dtype} {tuple(out.shape)}, lse {lse.dtype} {tuple(lse.shape)}")
+    y = cp_attention(ql, kl, vl, **kw)
+    with bwd.record():
+        y.backward(shard(dout).to(case.dtype))
+    want_fwd, want_bwd = expected_traffic(case, world)
+    for phase, got, want in (("forward", fwd.sent, want_fwd), ("backward", bwd.sent, want_bwd)):
+        if got != want:
+            problems.append(f"{case.label()} {phase} sent {dict(got)}, expected {dict(want)}")
+    got = [_unshard(t, group) for t in (out, lse, ql.grad, kl.grad, vl.grad)]
+    errors = [(f"{case.label()} {n}", rel_err(x, t), rel_err(e, t))
+              for n, x, t, e in zip(("out", "lse", "dq", "dk", "dv"), got, truth, eager)]
+    return errors, problems
+
+
+def _unshard(t: torch.Tensor, group) -> torch.Tensor:
+    """The whole tensor from every rank's shard (sequence dim 2): errors are measured on the
+    whole, as a shard's own norm can be ~0 (the first token's dq under a causal mask is 0)."""
+    parts = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=2)
+
+
+def run_cp_cases(rank: int, world: int, seed: int = 0) -> tuple[list[tuple[str, float, float]], list[str]]:
+    """Every case of `cases(world)` on the default group: (errors, traffic problems)."""
+    torch.set_num_threads(1)  # W processes share the CI's few cores
+    errors, problems = [], []
+    for i, case in enumerate(cases(world)):
+        e, p = run_case(case, seed + 1000 * i, dist.group.WORLD)
+        errors += e
+        problems += p
+    return errors, problems
+
+
+def run_all(rank: int, world: int, seed: int = 0) -> dict:
+    """The cases, the refusals and the compiled wrapper in one process group (one spawn)."""
+    return {"cases": run_cp_cases(rank, world, seed), "refusals": run_refusals(rank, world),
+            "compiled": run_compiled_wrapper(rank, world, seed)}
+
+
+# ---- refusals --------------------------------------------------------------------------------
+
+def refused_calls(world: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(schedule, q, k) of calls that must be refused: zigzag on an odd local length (2W
+    chunks do not divide the sequence), all-to-alls whose degree does not divide the heads."""
+    odd = torch.randn(1, 4, 3, 16)  # S_total = 3W: not a multiple of 2W
+    bad_heads = torch.randn(1, 2 * world + 1, 4, 16)
+    hybrid = f"hybrid:2:{world // 2}"
+    return [("ring_zigzag", odd, odd), ("ulysses", bad_heads, bad_heads[:, :1]), (hybrid, bad_heads, bad_heads[:, :1]),
+            ("ulysses", torch.randn(1, 2 * world, 4, 16), torch.randn(1, world // 2, 4, 16))]
+
+
+def run_refusals(rank: int, world: int) -> list[tuple[str, str, Optional[str], int]]:
+    """Per refused call and entry point: (schedule, entry, ValueError message or None, bytes sent)."""
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    results = []
+    for sched, q, k in refused_calls(world):
+        calls = {"fwd": lambda: cp_attention_fwd(q, k, k, schedule=sched, causal=True, group=group),
+                 "bwd": lambda: cp_attention_bwd(q, q, k, k, q, q[..., 0], schedule=sched, causal=True, group=group),
+                 "wrapper": lambda: cp_attention(q, k, k, schedule=sched, causal=True, group=group)}
+        for entry, fn in calls.items():
+            traffic, message = Traffic(), None
+            try:
+                with traffic.record():
+                    fn()
+            except ValueError as e:
+                message = str(e)
+            results.append((sched, entry, message, sum(traffic.sent.values())))
+    return results
+
+
+# ---- the autograd wrapper under torch.compile, and the ops' registrations ---------------------
+
+def run_compiled_wrapper(rank: int, world: int, seed: int = 0) -> list[tuple[str, float, float]]:
+    """cp_attention inside torch.compile(fullgraph=True) (aot_eager: the ops' fake impls and
+    the autograd.Function traced) against the eager wrapper, forward and backward; then
+    torch.library.opcheck of both ops.  Returns (label, compiled error, 0) per tensor and
+    raises on an opcheck failure."""
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    case = Case("ring_zigzag" if world == 2 else "hybrid:2:2", True, (4, 2), head_dim=32)
+    q, k, v, dout = (t[:, :, rank * case.seq_local : (rank + 1) * case.seq_local].float()
+                     for t in _global_inputs(case, world, seed))
+
+    def fn(q, k, v):  # default group (None): a group *name* would be resolved by c10d, untraceable
+        return torch.tanh(cp_attention(q * 1.5, k, v, schedule=case.schedule, causal=True))
+
+    results = []
+    for label, f in (("eager", fn), ("compiled", torch.compile(fn, backend="aot_eager", fullgraph=True))):
+        args = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = f(*args)
+        out.backward(dout)
+        results.append([out.detach()] + [a.grad for a in args])
+    errs = [(f"compiled wrapper {n}", rel_err(c, e), 0.0) for n, c, e in zip(("out", "dq", "dk", "dv"), *results)]
+    name = group.group_name
+    fwd_args = (q, k, v, case.schedule, True, None, world, name, "auto")
+    out, lse = torch.ops.commopt.cp_attention_fwd(*fwd_args)
+    torch.library.opcheck(torch.ops.commopt.cp_attention_fwd, fwd_args)
+    torch.library.opcheck(torch.ops.commopt.cp_attention_bwd, (dout, q, k, v, out, lse) + fwd_args[3:])
+    return errs

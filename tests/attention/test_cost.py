@@ -1,0 +1,106 @@
+"""cost.py: the orderings the attention cost model must get right, its consistency, and what it
+offers.  Machine figures of an H100-class node (NVLink-ish link, bf16 attention throughput)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from torch_commopt.attention import CPMachine, candidates, estimate_ms, rank_schedules
+
+MACHINE = CPMachine(link_bytes_per_s=100e9, alpha_s=10e-6, flops_per_s=400e12, launch_s=5e-6)
+GQA = (1, 32, 8)  # batch, heads, kv heads
+
+
+def _ms(sched, seq, world, causal=True, *, heads=GQA, backward=False, machine=MACHINE, d=128):
+    return estimate_ms(sched, heads + (seq, d), world=world, causal=causal, dtype="bfloat16", machine=machine,
+                       backward=backward)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_sequences_are_latency_bound_and_one_all_to_all_beats_the_ring(world, causal):
+    assert _ms("ulysses", 256 * world // 4, world, causal) < _ms("ring", 256 * world // 4, world, causal)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_short_sequences_one_all_gather_beats_the_ring(world):
+    assert _ms("allgather", 256, world, causal=False) < _ms("ring", 256, world, causal=False)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("backward", [False, True])
+def test_long_causal_sequences_zigzag_beats_the_contiguous_ring(world, backward):
+    assert _ms("ring_zigzag", 65536, world, backward=backward) < 0.8 * _ms("ring", 65536, world, backward=backward)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_short_causal_sequences_zigzag_does_not_pay_for_its_relayouts(world):
+    assert _ms("ring_zigzag", 512, world) > _ms("ring", 512, world)
+
+
+def test_without_a_mask_zigzag_is_the_ring_and_is_not_offered():
+    assert _ms("ring_zigzag", 8192, 4, causal=False) == _ms("ring", 8192, 4, causal=False)
+    assert "ring_zigzag" not in {str(s) for s in candidates(GQA + (8192, 128), world=4, causal=False)}
+    assert "ring_zigzag" in {str(s) for s in candidates(GQA + (8192, 128), world=4, causal=True)}
+
+
+def test_ring_overlap_beats_gather_then_compute_when_both_are_comparable():
+    """Non-causal, long: the ring hides the K/V transfer behind the blocks, allgather adds them."""
+    slow_link = CPMachine(link_bytes_per_s=20e9, alpha_s=10e-6, flops_per_s=400e12, launch_s=5e-6)
+    for world in (2, 4, 8):
+        assert _ms("ring", 32768, world, False, machine=slow_link) < 0.9 * _ms("allgather", 32768, world, False,
+                                                                              machine=slow_link)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_hybrid_extremes_are_ulysses_and_ring(world):
+    for causal in (False, True):
+        assert _ms(f"hybrid:{world}:1", 8192, world, causal) == _ms("ulysses", 8192, world, causal)
+        assert _ms(f"hybrid:1:{world}", 8192, world, causal) == _ms("ring", 8192, world, causal)
+
+
+@pytest.mark.parametrize("sched", ["allgather", "ring", "ring_zigzag", "ulysses", "hybrid:2:2"])
+def test_more_work_costs_more(sched):
+    assert _ms(sched, 8192, 4) < _ms(sched, 16384, 4)
+    assert _ms(sched, 8192, 4) < _ms(sched, 8192, 4, backward=True)
+    # the mask halves the blocks (zigzag: once they outweigh its relayouts, which the unmasked run skips)
+    assert _ms(sched, 65536, 4, causal=False) > _ms(sched, 65536, 4, causal=True)
+    # GQA sends a quarter of MHA's K/V
+    assert _ms(sched, 8192, 4, heads=(1, 32, 8)) < _ms(sched, 8192, 4, heads=(1, 32, 32))
+
+
+def test_refused_schedules_cost_inf_and_are_not_offered():
+    odd_heads = (1, 6, 6, 8192, 128)  # 6 heads over 4 ranks
+    assert math.isinf(estimate_ms("ulysses", odd_heads, world=4, causal=True, dtype="bfloat16", machine=MACHINE))
+    offered = {str(s) for s in candidates(odd_heads, world=4, causal=True)}
+    assert offered == {"allgather", "ring", "ring_zigzag", "hybrid:2:2"}
+    odd_len = (1, 8, 8, 12, 128)  # S_loc = 3 over 4 ranks: no 8 equal chunks
+    assert math.isinf(estimate_ms("ring_zigzag", odd_len, world=4, causal=True, dtype="bfloat16", machine=MACHINE))
+    assert "ring_zigzag" not in {s for s, _ in rank_schedules(odd_len, world=4, causal=True, dtype="bfloat16",
+                                                              machine=MACHINE)}
+
+
+def test_candidates_and_ranking():
+    shape = GQA + (8192, 128)
+    assert [str(s) for s in candidates(shape, world=8, causal=True)] == [
+        "allgather", "ring", "ring_zigzag", "ulysses", "hybrid:2:4", "hybrid:4:2"]
+    ranked = rank_schedules(shape, world=8, causal=True, dtype="bfloat16", machine=MACHINE, backward=True)
+    assert len(ranked) == 6 and [t for _, t in ranked] == sorted(t for _, t in ranked)
+    assert all(math.isfinite(t) and t > 0 for _, t in ranked)
+
+
+@pytest.mark.parametrize("field,value", [("link_bytes_per_s", 0.0), ("flops_per_s", -1.0), ("alpha_s", -1e-6),
+                                         ("launch_s", float("nan"))])
+def test_bad_machine_figures_name_the_field(field, value):
+    figures = dict(link_bytes_per_s=1e9, alpha_s=0.0, flops_per_s=1e12, launch_s=0.0)
+    with pytest.raises(ValueError, match=f"CPMachine.{field}"):
+        CPMachine(**{**figures, field: value})
+
+
+def test_bad_dtype_and_schedule_raise_value_error():
+    with pytest.raises(ValueError, match="dtype"):
+        estimate_ms("ring", GQA + (64, 128), world=2, causal=True, dtype="bfloat17", machine=MACHINE)
+    with pytest.raises(ValueError, match="cp schedule"):
+        estimate_ms("rign", GQA + (64, 128), world=2, causal=True, dtype="bfloat16", machine=MACHINE)

@@ -1,0 +1,82 @@
+"""spec.py: schedule names and refusals; ops.py: the fake impls (shapes, refusal at trace time)
+and a lean import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from torch_commopt.attention import CPSchedule, refusal
+
+
+@pytest.mark.parametrize("text", ["allgather", "ring", "ring_zigzag", "ulysses", "hybrid:2:4", "hybrid:1:8"])
+def test_names_round_trip(text):
+    assert str(CPSchedule.parse(text)) == text and CPSchedule.parse(CPSchedule.parse(text)) == CPSchedule.parse(text)
+
+
+@pytest.mark.parametrize("text,match", [("zigzag", "unknown name"), ("ring:2", "takes no parameters"),
+                                        ("hybrid:2", "hybrid:U:R"), ("hybrid:0:4", "U, R >= 1"),
+                                        ("hybrid:a:b", "hybrid:U:R")])
+def test_bad_names_raise_value_error(text, match):
+    with pytest.raises(ValueError, match=match):
+        CPSchedule.parse(text)
+
+
+def test_degrees():
+    assert CPSchedule.parse("ulysses").degrees(8) == (8, 1)
+    assert CPSchedule.parse("ring_zigzag").degrees(8) == (1, 8)
+    assert CPSchedule.parse("hybrid:2:4").degrees(8) == (2, 4)
+
+
+@pytest.mark.parametrize("sched,shape,world,causal,reason", [
+    ("ring_zigzag", (1, 8, 8, 12, 64), 4, True, "2*W = 8 equal chunks"),  # S_loc = 3: odd
+    ("ulysses", (1, 8, 2, 16, 64), 4, False, "not both divisible by 4"),  # kv heads 2 over 4 ranks
+    ("ulysses", (1, 6, 6, 16, 64), 4, True, "not both divisible by 4"),
+    ("hybrid:2:2", (1, 6, 1, 16, 64), 4, True, "not both divisible by 2"),
+    ("hybrid:2:4", (1, 8, 8, 16, 64), 4, True, "degrees 2 x 4 != world size 4"),
+    ("ring", (1, 6, 4, 16, 64), 2, True, "kv heads 4 do not divide query heads 6"),
+    ("ring", (1, 8, 8, 15, 64), 2, True, "not a multiple of the world size"),
+    ("allgather", (0, 8, 8, 16, 64), 2, True, "sizes must be positive"),
+])
+def test_refusals_say_why(sched, shape, world, causal, reason):
+    assert reason in refusal(sched, shape, world, causal)
+
+
+@pytest.mark.parametrize("sched,shape,world,causal", [
+    ("ring_zigzag", (1, 8, 8, 12, 64), 4, False),  # no mask: runs ring, takes any length
+    ("ring_zigzag", (1, 8, 8, 16, 64), 4, True),
+    ("ulysses", (1, 8, 4, 16, 64), 4, True), ("hybrid:2:2", (1, 6, 2, 16, 64), 4, True),
+    ("ring", (1, 8, 1, 12, 64), 4, True), ("allgather", (1, 8, 1, 12, 64), 4, True)])
+def test_shapes_taken(sched, shape, world, causal):
+    assert refusal(sched, shape, world, causal) is None
+
+
+def test_fake_impls_give_shapes_and_refuse_at_trace_time():
+    """The ops' fake impls (what a graph pass traces with) need no process group."""
+    import torch_commopt.attention  # noqa: F401  (registers the ops)
+
+    with FakeTensorMode():
+        q, dout = torch.empty(2, 8, 6, 64), torch.empty(2, 8, 6, 32)
+        k, v = torch.empty(2, 2, 6, 64), torch.empty(2, 2, 6, 32)
+        out, lse = torch.ops.commopt.cp_attention_fwd(q, k, v, "ring", True, None, 4, "unused", "auto")
+        assert out.shape == (2, 8, 6, 32) and lse.shape == (2, 8, 6) and lse.dtype == torch.float32
+        dq, dk, dv = torch.ops.commopt.cp_attention_bwd(dout, q, k, v, out, lse, "ulysses", True, None, 2, "x")
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        q_odd, k_odd = torch.empty(1, 8, 3, 64), torch.empty(1, 8, 3, 64)
+        with pytest.raises(ValueError, match="cp attention ring_zigzag: sequence length 12"):
+            torch.ops.commopt.cp_attention_fwd(q_odd, k_odd, k_odd, "ring_zigzag", True, None, 4, "x", "auto")
+        with pytest.raises(ValueError, match="cp attention ulysses: .* kv heads 2 are not both divisible by 4"):
+            torch.ops.commopt.cp_attention_fwd(q, k, v, "ulysses", True, None, 4, "x", "auto")
+
+
+def test_import_touches_neither_cuda_nor_a_process_group():
+    code = ("import torch, torch.distributed as dist, torch_commopt.attention\n"
+            "assert not torch.cuda.is_initialized() and not dist.is_initialized()\n"
+            "assert hasattr(torch.ops.commopt, 'cp_attention_fwd')\n"
+            "import sys; assert 'torch_commopt.attention.fused' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

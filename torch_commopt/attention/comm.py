@@ -1,0 +1,200 @@
+"""The communication pieces of the schedules: a double-buffered ring shift, a packed
+all-to-all, sequence <-> heads and contiguous <-> zigzag relayouts, sub-groups.
+
+Any backend (gloo on CPU, NCCL on GPU).  A `group` of None stands for a rank alone (a
+degree-1 part of a hybrid): every piece then runs without communicating.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Group = Optional[dist.ProcessGroup]
+_ALIGN = 16  # bytes: every packed piece starts aligned, so it can be viewed back as any dtype
+
+
+def size(group: Group) -> int:
+    return 1 if group is None else group.size()
+
+
+def rank(group: Group) -> int:
+    return 0 if group is None else group.rank()
+
+
+class RingShift:
+    """Tensors shifted one peer along the ring per step: group rank p sends to p+1 and
+    receives from p-1.  Double-buffered: `start()` sends the current buffer while the
+    next one is received into the other, so the caller issues step i+1's transfer before
+    computing on step i's tensors (`current()`), then `wait()`s and flips.  On a GPU the
+    transfers would go on a side stream; the loop's shape stays the same.
+
+    tensors: same dtype and device; packed into one flat buffer (one message per step).
+    tag: distinguishes concurrent shifts between the same peers (gloo matches by tag;
+        NCCL in issue order, which is the same on every rank).
+    """
+
+    def __init__(self, tensors: Sequence[Tensor], group: Group, tag: int) -> None:
+        self.shapes = [t.shape for t in tensors]
+        self.bufs = [torch.cat([t.reshape(-1) for t in tensors]), None]
+        self.group, self.tag, self.cur, self.works = group, tag, 0, []
+        n = size(group)
+        if n > 1:
+            p = group.rank()
+            self.peers = (dist.get_global_rank(group, (p + 1) % n), dist.get_global_rank(group, (p - 1) % n))
+
+    def current(self) -> list[Tensor]:
+        """Views of the tensors of this step (writable: dK/dV accumulate into them)."""
+        views, offset = [], 0
+        for shape in self.shapes:
+            n = shape.numel()
+            views.append(self.bufs[self.cur][offset : offset + n].view(shape))
+            offset += n
+        return views
+
+    def start(self) -> None:
+        if self.group is None or self.group.size() == 1:
+            return
+        if self.bufs[1 - self.cur] is None:
+            self.bufs[1 - self.cur] = torch.empty_like(self.bufs[self.cur])
+        nxt, prev = self.peers
+        ops = [dist.P2POp(dist.isend, self.bufs[self.cur], nxt, self.group, self.tag),
+               dist.P2POp(dist.irecv, self.bufs[1 - self.cur], prev, self.group, self.tag)]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> None:
+        if self.group is None or self.group.size() == 1:
+            return
+        for work in self.works:
+            work.wait()
+        self.works, self.cur = [], 1 - self.cur
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    flat = t.contiguous().view(-1).view(torch.uint8)
+    pad = -flat.numel() % _ALIGN
+    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = torch.Size(shape).numel() * dtype.itemsize
+    return n + (-n % _ALIGN)
+
+
+Spec = tuple[Sequence[int], torch.dtype]
+
+
+def exchange(send: list[list[Tensor]], recv: list[list[Spec]], group: Group, device: torch.device) -> list[list[Tensor]]:
+    """One all-to-all of mixed tensors: send[d] go to group rank d; recv[s] lists the
+    (shape, dtype) that group rank s sends here, in its order.  Packed as bytes, so one
+    collective carries any dtypes (an output and its fp32 lse together)."""
+    if group is None:
+        return [[t.clone() for t in send[0]]]
+    chunks = [[_as_bytes(t) for t in pieces] for pieces in send]
+    in_splits = [sum(c.numel() for c in cs) for cs in chunks]
+    out_splits = [sum(_nbytes(s, dt) for s, dt in specs) for specs in recv]
+    flat = torch.cat([c for cs in chunks for c in cs]) if sum(in_splits) else torch.empty(0, dtype=torch.uint8,
+                                                                                          device=device)
+    out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(out, flat, out_splits, in_splits, group=group)
+    result, offset = [], 0
+    for specs in recv:
+        pieces = []
+        for shape, dtype in specs:
+            n = torch.Size(shape).numel() * dtype.itemsize
+            pieces.append(out[offset : offset + n].view(dtype).view(shape))
+            offset += _nbytes(shape, dtype)
+        result.append(pieces)
+    return result
+
+
+def seq_to_heads(xs: Sequence[Tensor], group: Group) -> list[Tensor]:
+    """Ulysses all-to-all: each x (B, H_x, S_loc, *tail) -> (B, H_x / n, n * S_loc, *tail),
+    this rank keeping head block `rank` of the whole sequence (n = group size)."""
+    n = size(group)
+    if n == 1:
+        return list(xs)
+    send = [[x[:, d * (x.shape[1] // n) : (d + 1) * (x.shape[1] // n)] for x in xs] for d in range(n)]
+    spec = [((x.shape[0], x.shape[1] // n) + tuple(x.shape[2:]), x.dtype) for x in xs]
+    got = exchange(send, [spec] * n, group, xs[0].device)
+    return [torch.cat([got[s][i] for s in range(n)], dim=2) for i in range(len(xs))]
+
+
+def heads_to_seq(xs: Sequence[Tensor], group: Group) -> list[Tensor]:
+    """Inverse of seq_to_heads: each x (B, h, n * S_loc, *tail) -> (B, n * h, S_loc, *tail)."""
+    n = size(group)
+    if n == 1:
+        return list(xs)
+    send = [[x[:, :, d * (x.shape[2] // n) : (d + 1) * (x.shape[2] // n)] for x in xs] for d in range(n)]
+    spec = [((x.shape[0], x.shape[1], x.shape[2] // n) + tuple(x.shape[3:]), x.dtype) for x in xs]
+    got = exchange(send, [spec] * n, group, xs[0].device)
+    return [torch.cat([got[s][i] for s in range(n)], dim=1) for i in range(len(xs))]
+
+
+def zigzag_chunks(p: int, n: int) -> list[int]:
+    """Sequence chunks (of 2n) that rank p holds in the zigzag layout, in local order."""
+    return [p, 2 * n - 1 - p]
+
+
+def contiguous_chunks(p: int, n: int) -> list[int]:
+    return [2 * p, 2 * p + 1]
+
+
+def relayout(xs: Sequence[Tensor], group: Group, now: Callable[[int, int], list[int]],
+             then: Callable[[int, int], list[int]]) -> list[Tensor]:
+    """Move sequence chunks between ranks: x (B, H, S_loc, *tail) holds chunks now(rank, n)
+    along dim 2 (equal lengths); returns x holding chunks then(rank, n).  One all-to-all
+    for all xs (chunks travel in ascending chunk order between each pair of ranks)."""
+    n, p = size(group), rank(group)
+    if n == 1:
+        return list(xs)
+    c = xs[0].shape[2] // len(now(p, n))
+    mine = now(p, n)
+    piece = {ch: [x[:, :, i * c : (i + 1) * c] for x in xs] for i, ch in enumerate(mine)}
+    send = [[t for ch in sorted(set(mine) & set(then(d, n))) for t in piece[ch]] for d in range(n)]
+    wanted = then(p, n)
+    recv_chunks = [sorted(set(now(s, n)) & set(wanted)) for s in range(n)]
+    spec = [((x.shape[0], x.shape[1], c) + tuple(x.shape[3:]), x.dtype) for x in xs]
+    got = exchange(send, [spec * len(chs) for chs in recv_chunks], group, xs[0].device)
+    where = {ch: (s, j) for s, chs in enumerate(recv_chunks) for j, ch in enumerate(chs)}
+    out = []
+    for i in range(len(xs)):
+        parts = [got[where[ch][0]][where[ch][1] * len(xs) + i] for ch in wanted]
+        out.append(torch.cat(parts, dim=2))
+    return out
+
+
+def subgroup(ranks: list[int]) -> dist.ProcessGroup:
+    """The process group of exactly these global ranks, in this order (group rank i is
+    ranks[i]): an existing one if the program has it, else created.  Created with local
+    synchronization, so only its members take part (the parent group may be part of a larger
+    world); every member creates its groups in the same order.  Looked up in c10d's own
+    registry rather than cached here, so a group destroyed with its world is never reused."""
+    key = list(ranks)
+    for pg in dist.distributed_c10d._world.pg_group_ranks:
+        if dist.get_process_group_ranks(pg) == key:
+            return pg
+    pg = dist.new_group(key, use_local_synchronization=True)
+    if dist.get_process_group_ranks(pg) != key:
+        raise RuntimeError(f"commopt attention: sub-group of ranks {key} came out ordered "
+                           f"{dist.get_process_group_ranks(pg)}")
+    return pg
+
+
+def hybrid_groups(group: dist.ProcessGroup, u: int, r: int) -> tuple[Group, Group]:
+    """(Ulysses group, ring group) of this rank for hybrid:u:r over `group`: Ulysses over u
+    consecutive group ranks (so their gathered sequence is one contiguous segment), the
+    ring over the r ranks at the same position in each segment.  None for a degree of 1."""
+    members = dist.get_process_group_ranks(group)
+    if u * r != len(members):
+        raise ValueError(f"hybrid:{u}:{r}: degrees do not multiply to the group size {len(members)}")
+    p = group.rank()
+    seg, pos = divmod(p, u)
+    uranks = members[seg * u : (seg + 1) * u]
+    rranks = members[pos::u]
+    ugroup = None if u == 1 else group if u == len(members) else subgroup(uranks)
+    rgroup = None if r == 1 else group if r == len(members) else subgroup(rranks)
+    return ugroup, rgroup

@@ -1,0 +1,196 @@
+"""Cost estimates of the context-parallel attention schedules: alpha-beta links + attention FLOPs.
+
+Pure arithmetic (no device, no process group), so the tuner can rank schedules anywhere.
+
+    link(m bytes)       alpha + m / bw                        one message (a ring step's K/V)
+    issuing an op       launch                                every kernel (an attention block, a
+                                                              merge) and every communication call
+    all-gather / reduce-scatter of m bytes per rank:  launch + (P-1) * link(m)
+    all-to-all of m bytes per rank (pairwise, full bisection):  launch + alpha + (P-1)/P * m / bw
+    attention block of a queries x b keys, h heads:  4*B*h*a*b*D FLOPs forward (two matmuls),
+        half of it on a causal diagonal block; backward 2.5x (five matmuls, s recomputed).
+
+A ring step costs max(compute, transfer): the transfer of the next block (one launch, one
+link) runs beside the compute of this one (a block and its merge: two launches).  The slowest
+rank sets the time, so a causal contiguous ring costs what its last rank does (W - 1/2 blocks)
+while zigzag costs the average (W/2 blocks).  The collectives outside the ring (all-gather,
+all-to-all, the zigzag relayouts) are not overlapped.  What the model says at its ends:
+short sequences are bound by launches and latencies, where one collective (allgather, or
+ulysses's two all-to-alls at W > 2) beats W - 1 ring steps; long causal sequences are bound
+by the slowest rank's blocks, where zigzag's balance pays for its two relayouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal
+
+BWD_FLOP_FACTOR = 2.5
+ShapeLike = Union[AttentionShape, tuple]
+
+
+@dataclass(kw_only=True, frozen=True)
+class CPMachine:
+    """What the model knows about the machine.
+
+    link_bytes_per_s: one link's bandwidth; alpha_s: latency of one message (one ring step,
+    one hop of a collective); flops_per_s: the attention kernel's throughput on one device;
+    launch_s: the cost of issuing one kernel or one communication call (host + launch).
+    """
+
+    link_bytes_per_s: float
+    alpha_s: float
+    flops_per_s: float
+    launch_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("link_bytes_per_s", "flops_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CPMachine.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("alpha_s", "launch_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"CPMachine.{name} must be >= 0, got {getattr(self, name)}")
+
+    def link(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes / self.link_bytes_per_s
+
+    def ring_collective(self, piece_bytes: float, p: int) -> float:
+        return self.launch_s + (p - 1) * self.link(piece_bytes) if p > 1 else 0.0
+
+    def all_to_all(self, nbytes: float, p: int) -> float:
+        return self.launch_s + self.alpha_s + (p - 1) / p * nbytes / self.link_bytes_per_s if p > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Per-rank bytes of one call: q (and out, dout, dq), k + v (and dk + dv), lse."""
+
+    q: float
+    kv: float
+    dkv: float  # dK/dV travel in fp32
+    lse: float
+
+
+def _sizes(shape: AttentionShape, world: int, elt: int) -> _Sizes:
+    b, h, h_kv, seq, d = shape
+    s_loc = seq // world
+    kv = 2 * b * h_kv * s_loc * d * elt
+    return _Sizes(b * h * s_loc * d * elt, kv, kv * 4 / elt, b * h * s_loc * 4)
+
+
+def _ring_fractions(n: int, causal: bool, zigzag: bool) -> list[list[float]]:
+    """Per rank, per step: the fraction of a full L x L block it computes."""
+    rows = []
+    for p in range(n):
+        row = []
+        for i in range(n):
+            s = (p - i) % n
+            if not causal:
+                row.append(1.0)
+            elif zigzag or s == p:
+                row.append(0.5)  # the diagonal; zigzag: c x 2c or (2c)^2 / 2
+            else:
+                row.append(1.0 if s < p else 0.0)
+        rows.append(row)
+    return rows
+
+
+def _ring_time(fractions: list[list[float]], block_s: float, launch_s: float, transfer_s: float,
+               tail_s: float) -> float:
+    """The slowest rank's time: each step's compute (a block and its merge) beside the next
+    step's transfer; `tail_s` is exposed after the last step (the backward's final dK/dV hop)."""
+    worst = 0.0
+    for row in fractions:
+        compute = [f * block_s + (2 * launch_s if f else 0.0) for f in row]
+        t = sum(max(c, transfer_s) for c in compute[:-1]) + compute[-1]
+        worst = max(worst, t + tail_s)
+    return worst
+
+
+def _allgather_seconds(shape: AttentionShape, causal: bool, world: int, sz: _Sizes, m: CPMachine,
+                       backward: bool) -> float:
+    b, h, _, seq, d = shape
+    s_loc = seq // world
+    block_s = 4 * b * h * s_loc * s_loc * d / m.flops_per_s
+    # the last rank: (W - 1) full blocks and the causal diagonal in two kernels, or W in one
+    kernels = 2 if causal and world > 1 else 1
+    compute = (world - 0.5 if causal else world) * block_s
+    launches = 2 * kernels * m.launch_s  # each block and its merge
+    fwd = m.ring_collective(sz.kv, world) + compute + launches
+    if not backward:
+        return fwd
+    bwd = m.ring_collective(sz.kv, world) + BWD_FLOP_FACTOR * compute + launches
+    return fwd + bwd + m.ring_collective(sz.dkv, world)
+
+
+def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world: int, sz: _Sizes,
+                  m: CPMachine, backward: bool) -> float:
+    """ring, ring_zigzag, ulysses and hybrid: all-to-alls (or zigzag relayouts) around a ring."""
+    b, h, _, seq, d = shape
+    zigzag = sched.name == "ring_zigzag" and causal
+    u, r = sched.degrees(world)
+    length = u * (seq // world)
+    block_s = 4 * b * (h // u) * length * length * d / m.flops_per_s
+    fractions = _ring_fractions(r, causal, zigzag)
+    group = world if zigzag else u  # who takes part in the exchanges before and after the ring
+
+    def exchange(nbytes: float) -> float:
+        return m.all_to_all(nbytes, group)
+
+    hop = m.launch_s + m.link(sz.kv) if r > 1 else 0.0
+    fwd = exchange(sz.q + sz.kv) + _ring_time(fractions, block_s, m.launch_s, hop, 0.0) + exchange(sz.q + sz.lse)
+    if not backward:
+        return fwd
+    dkv_hop = m.launch_s + m.link(sz.dkv) if r > 1 else 0.0
+    pre = exchange(3 * sz.q + sz.kv + sz.lse)  # dout, q, out, k, v, lse
+    ring = _ring_time(fractions, BWD_FLOP_FACTOR * block_s, m.launch_s, hop + dkv_hop, dkv_hop)
+    return fwd + pre + ring + exchange(sz.q + sz.kv)
+
+
+def _dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:
+    dt = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"estimate_ms: dtype must be a torch dtype or its name, got {dtype!r}")
+    return dt
+
+
+def estimate_ms(schedule: Union[str, CPSchedule], shape: ShapeLike, *, world: int, causal: bool,
+                dtype: Union[torch.dtype, str], machine: CPMachine, backward: bool = False) -> float:
+    """Predicted milliseconds of one call of `schedule` (forward, or forward + backward with
+    backward=True) for global q (B, H, S, D), k/v (B, H_kv, S, D) over `world` ranks;
+    math.inf where the schedule refuses the shape (spec.refusal).
+
+    shape: AttentionShape (batch, heads, kv_heads, seq, head_dim) or such a tuple;
+    dtype: of q/k/v (torch dtype or its name)."""
+    sched, shape, dt = CPSchedule.parse(schedule), AttentionShape(*shape), _dtype(dtype)
+    if refusal(sched, shape, world, causal) is not None:
+        return math.inf
+    sz = _sizes(shape, world, dt.itemsize)
+    if sched.name == "allgather":
+        seconds = _allgather_seconds(shape, causal, world, sz, machine, backward)
+    else:
+        seconds = _ring_seconds(sched, shape, causal, world, sz, machine, backward)
+    return 1e3 * seconds
+
+
+def candidates(shape: ShapeLike, *, world: int, causal: bool) -> list[CPSchedule]:
+    """Every schedule that takes `shape` over `world` ranks: allgather, ring, ring_zigzag
+    (causal only: without a mask it is ring), ulysses and the proper hybrids hybrid:U:R
+    (1 < U < W); the refused ones (spec.refusal) are left out."""
+    names = ["allgather", "ring"] + (["ring_zigzag"] if causal else []) + ["ulysses"]
+    names += [f"hybrid:{u}:{world // u}" for u in range(2, world) if world % u == 0]
+    scheds = [CPSchedule.parse(n) for n in names]
+    return [s for s in scheds if refusal(s, shape, world, causal) is None]
+
+
+def rank_schedules(shape: ShapeLike, *, world: int, causal: bool, dtype: Union[torch.dtype, str],
+                   machine: CPMachine, backward: bool = False) -> list[tuple[str, float]]:
+    """(schedule name, predicted ms) of the candidates, fastest first (ties: by name)."""
+    est = [(str(s), estimate_ms(s, shape, world=world, causal=causal, dtype=dtype, machine=machine,
+                                backward=backward)) for s in candidates(shape, world=world, causal=causal)]
+    return sorted(est, key=lambda e: (e[1], e[0]))

@@ -1,0 +1,205 @@
+"""Fused block-attention backends: aten's SDPA kernels that return the log-sum-exp, and flash-attn.
+
+Imported on the first call that can use them (a CUDA tensor, or a backend asked for by name),
+never at package import: the availability checks below query CUDA.  Each adapter turns its
+kernel's conventions into the registry's (local.py): lse (B, H, S_q) in float32, K/V with
+H_kv heads (expanded locally to H for kernels without GQA, their gradients summed back in
+float32), and backward given the global out and lse.
+
+Conventions of the kernels (DESIGN.md section 4):
+    flash      lse (B, H, S) fp32; sm80+, fp16/bf16, head dim % 8 == 0 and <= 256.
+    cudnn      lse (B, H, S, 1): squeezed here, unsqueezed for its backward.
+    efficient  lse (B, H, ceil(S/32)*32): sliced to S here, padded again for its backward.
+    flash_attn (B, S, H, D) layout, GQA natively, lse (B, H, S); its backward's signature
+               varies across releases (filled by parameter name).
+    cpu_flash  aten's CPU flash kernel; by name only (the math path is CPU's default).
+The CUDA adapters cannot run on the CPU CI; their argument plumbing is checked on meta
+tensors (tests/attention/test_local.py) and their numerics on the device machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from torch_commopt.attention.local import LocalBackend, register
+
+aten = torch.ops.aten
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _expand(kv: Tensor, heads: int) -> Tensor:
+    """K or V with its H_kv heads repeated to `heads` (query head h reads kv head h // G)."""
+    g = heads // kv.shape[1]
+    return kv.contiguous() if g == 1 else kv.repeat_interleave(g, dim=1)
+
+
+def _fold(grad: Tensor, kv_heads: int) -> Tensor:
+    """(B, H, S, D) gradient of expanded K/V -> (B, H_kv, S, D), summed over each group in fp32."""
+    b, h, s, d = grad.shape
+    grad = grad.float() if grad.dtype in HALF else grad
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def _cuda_why_not(q: Tensor, dtypes: tuple[torch.dtype, ...], max_dim: int) -> Optional[str]:
+    if q.device.type != "cuda":
+        return "not a CUDA tensor"
+    if q.dtype not in dtypes:
+        return f"dtype {q.dtype} (takes {dtypes})"
+    d = q.shape[-1]
+    if d % 8 or d > max_dim:
+        return f"head dim {d} (needs a multiple of 8, at most {max_dim})"
+    return None
+
+
+def _sm80(q: Tensor) -> bool:
+    return torch.cuda.get_device_capability(q.device) >= (8, 0)
+
+
+# ---- aten flash -----------------------------------------------------------------------------
+
+def _flash_fwd(q, k, v, scale, causal):
+    h = q.shape[1]
+    out, lse = aten._scaled_dot_product_flash_attention(q.contiguous(), _expand(k, h), _expand(v, h), 0.0, causal,
+                                                         False, scale=scale)[:2]
+    return out, lse
+
+
+def _flash_bwd(dout, q, k, v, out, lse, scale, causal):
+    h, h_kv = q.shape[1], k.shape[1]
+    # Without dropout the rng state is never read; these mimic the forward's (2,) / () outputs.
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+        dout.to(q.dtype).contiguous(), q.contiguous(), _expand(k, h), _expand(v, h), out.to(q.dtype).contiguous(),
+        lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
+    return dq, _fold(dk, h_kv), _fold(dv, h_kv)
+
+
+def _flash_why_not(q: Tensor, k: Tensor) -> Optional[str]:
+    reason = _cuda_why_not(q, HALF, 256)
+    if reason is None and not (torch.backends.cuda.flash_sdp_enabled() and _sm80(q)):
+        reason = "flash SDPA disabled or not built for this GPU"
+    return reason
+
+
+# ---- cuDNN ----------------------------------------------------------------------------------
+
+def _cudnn_fwd(q, k, v, scale, causal):
+    h = q.shape[1]
+    res = aten._scaled_dot_product_cudnn_attention(q.contiguous(), _expand(k, h), _expand(v, h), None, True, 0.0,
+                                                   causal, False, scale=scale)
+    return res[0], res[1].squeeze(-1)  # lse (B, H, S, 1) -> (B, H, S)
+
+
+def _cudnn_bwd(dout, q, k, v, out, lse, scale, causal):
+    h, h_kv = q.shape[1], k.shape[1]
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout seed/offset: unused at p=0
+    dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+        dout.to(q.dtype).contiguous(), q.contiguous(), _expand(k, h), _expand(v, h), out.to(q.dtype).contiguous(),
+        lse.float().unsqueeze(-1).contiguous(), zero, zero, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
+        scale=scale)
+    return dq, _fold(dk, h_kv), _fold(dv, h_kv)
+
+
+def _cudnn_why_not(q: Tensor, k: Tensor) -> Optional[str]:
+    reason = _cuda_why_not(q, HALF, 128)
+    if reason is None and not (torch.backends.cuda.cudnn_sdp_enabled() and _sm80(q)):
+        reason = "cuDNN SDPA disabled or unsupported on this GPU"
+    return reason
+
+
+# ---- memory-efficient -----------------------------------------------------------------------
+
+def _efficient_fwd(q, k, v, scale, causal):
+    h = q.shape[1]
+    out, lse = aten._scaled_dot_product_efficient_attention(q.contiguous(), _expand(k, h), _expand(v, h), None, True,
+                                                            0.0, causal, scale=scale)[:2]
+    return out, lse[..., : q.shape[2]]  # its lse is padded to a multiple of 32 rows
+
+
+def _efficient_bwd(dout, q, k, v, out, lse, scale, causal):
+    h, h_kv, s = q.shape[1], k.shape[1], q.shape[2]
+    padded = F.pad(lse.float(), (0, -s % 32)).contiguous()  # the shape its forward returned
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout.to(q.dtype).contiguous(), q.contiguous(), _expand(k, h), _expand(v, h), None, out.to(q.dtype).contiguous(),
+        padded, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, _fold(dk, h_kv), _fold(dv, h_kv)
+
+
+def _efficient_why_not(q: Tensor, k: Tensor) -> Optional[str]:
+    reason = _cuda_why_not(q, HALF + (torch.float32,), 1 << 16)
+    if reason is None and not torch.backends.cuda.mem_efficient_sdp_enabled():
+        reason = "memory-efficient SDPA disabled"
+    return reason
+
+
+# ---- flash-attn (the package) ---------------------------------------------------------------
+
+def _bshd(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x.to(dtype).transpose(1, 2).contiguous()
+
+
+def _fa_fwd(q, k, v, scale, causal):
+    from flash_attn import flash_attn_func
+
+    out, lse, _ = flash_attn_func(_bshd(q, q.dtype), _bshd(k, q.dtype), _bshd(v, q.dtype), dropout_p=0.0,
+                                  softmax_scale=scale, causal=causal, return_attn_probs=True)
+    return out.transpose(1, 2), lse
+
+
+def _fa_bwd(dout, q, k, v, out, lse, scale, causal):
+    from flash_attn import flash_attn_interface as fai
+
+    qt, kt, vt = _bshd(q, q.dtype), _bshd(k, q.dtype), _bshd(v, q.dtype)
+    dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
+    params = inspect.signature(fai._flash_attn_backward).parameters
+    named = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "window_size": (-1, -1),
+             "window_size_left": -1, "window_size_right": -1, "softcap": 0.0, "alibi_slopes": None,
+             "deterministic": False, "rng_state": None}
+    fai._flash_attn_backward(_bshd(dout, q.dtype), qt, kt, vt, _bshd(out, q.dtype), lse.float().contiguous(), dq, dk, dv,
+                             **{key: val for key, val in named.items() if key in params})
+    return dq.transpose(1, 2), dk.transpose(1, 2).float(), dv.transpose(1, 2).float()
+
+
+def _fa_why_not(q: Tensor, k: Tensor) -> Optional[str]:
+    reason = _cuda_why_not(q, HALF, 256)
+    if reason is None and importlib.util.find_spec("flash_attn") is None:
+        reason = "flash_attn is not installed"
+    return reason
+
+
+# ---- aten CPU flash -------------------------------------------------------------------------
+
+def _cpu_flash_fwd(q, k, v, scale, causal):
+    h = q.shape[1]
+    return aten._scaled_dot_product_flash_attention_for_cpu(q.contiguous(), _expand(k, h), _expand(v, h), 0.0, causal,
+                                                            scale=scale)
+
+
+def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, causal):
+    h, h_kv = q.shape[1], k.shape[1]
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(q.dtype).contiguous(), q.contiguous(), _expand(k, h), _expand(v, h), out.to(q.dtype).contiguous(),
+        lse.to(lse_dtype).contiguous(), 0.0, causal, scale=scale)
+    return dq, _fold(dk, h_kv), _fold(dv, h_kv)
+
+
+def _cpu_flash_why_not(q: Tensor, k: Tensor) -> Optional[str]:
+    if q.device.type != "cpu":
+        return "not a CPU tensor"
+    return None if q.dtype in HALF + (torch.float32, torch.float64) else f"dtype {q.dtype}"
+
+
+register(LocalBackend("flash_attn", _fa_fwd, _fa_bwd, _fa_why_not))
+register(LocalBackend("flash", _flash_fwd, _flash_bwd, _flash_why_not))
+register(LocalBackend("cudnn", _cudnn_fwd, _cudnn_bwd, _cudnn_why_not))
+register(LocalBackend("efficient", _efficient_fwd, _efficient_bwd, _efficient_why_not))
+register(LocalBackend("cpu_flash", _cpu_flash_fwd, _cpu_flash_bwd, _cpu_flash_why_not, auto=False))

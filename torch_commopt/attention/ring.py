@@ -1,0 +1,114 @@
+"""Ring attention: K/V travel one peer per step, each rank merges its partials by lse.
+
+Step i of rank p (group of n ranks) holds the K/V block of rank (p - i) mod n.  The step
+loop issues the transfer of step i+1's block before computing on step i's (RingShift), so
+the transfer hides behind the compute.  Which part of the block a rank computes is a
+`Plan`: a list of (query slice, key slice, mask) per step.
+
+    contiguous layout (ring):  source s == p: the diagonal block, causal; s < p: full;
+        s > p: skipped under causal (the block still travels on).  Rank n-1 does n blocks of
+        work, rank 0 one half-block: the causal imbalance zigzag removes.
+    zigzag layout (ring_zigzag): rank p holds chunks p and 2n-1-p (each of c tokens).  s == p:
+        causal over both chunks (the local order is the global order); s < p: all queries
+        against the source's first chunk; s > p: the second query chunk against both of the
+        source's chunks.  Every step but the first is c x 2c keys: balanced.
+
+Backward (given the global out and lse): K/V travel as in the forward, and their gradient
+accumulators (fp32) travel one step behind them; after n sends each is back at its owner.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from torch_commopt.attention import comm
+from torch_commopt.attention.local import acc_dtype, attend_bwd, attend_fwd
+from torch_commopt.attention.merge import empty_accumulator, merge_
+
+Block = tuple[slice, slice, str]  # (query slice, key slice, mask) along the sequence dim
+Plan = Callable[[int, int, int, int], list[Block]]  # (rank, source, n, S_loc) -> blocks
+ALL = slice(None)
+KV_TAG, DKV_TAG = 0, 1
+
+
+def contiguous_plan(causal: bool) -> Plan:
+    """Blocks of the contiguous layout (rank p holds tokens [p*S_loc, (p+1)*S_loc))."""
+    def plan(p: int, s: int, n: int, length: int) -> list[Block]:
+        if not causal:
+            return [(ALL, ALL, "full")]
+        if s == p:
+            return [(ALL, ALL, "causal")]
+        return [(ALL, ALL, "full")] if s < p else []
+    return plan
+
+
+def zigzag_plan(causal: bool) -> Plan:
+    """Blocks of the zigzag layout (rank p holds chunks p and 2n-1-p, c = S_loc / 2 each)."""
+    def plan(p: int, s: int, n: int, length: int) -> list[Block]:
+        c = length // 2
+        if not causal:
+            return [(ALL, ALL, "full")]
+        if s == p:
+            return [(ALL, ALL, "causal")]
+        if s < p:
+            return [(ALL, slice(0, c), "full")]
+        return [(slice(c, length), ALL, "full")]
+    return plan
+
+
+def _seq(x: Tensor, sl: slice) -> Tensor:
+    return x[:, :, sl]
+
+
+def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group: comm.Group,
+             backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """q: (B, H, S_loc, D); k, v: (B, H_kv, S_loc, D) this rank's shard of the ring's layout.
+    Returns out (B, H, S_loc, D) in q's dtype and lse (B, H, S_loc) in the acc dtype."""
+    n, p = comm.size(group), comm.rank(group)
+    out, lse = empty_accumulator(q, v.shape[-1], acc_dtype(q.dtype))
+    shift = comm.RingShift([k, v], group, KV_TAG)
+    for i in range(n):
+        k_i, v_i = shift.current()
+        if i + 1 < n:
+            shift.start()  # step i+1's block travels while step i computes
+        for qs, ks, mask in plan(p, (p - i) % n, n, q.shape[2]):
+            o_b, l_b = attend_fwd(_seq(q, qs), _seq(k_i, ks), _seq(v_i, ks), scale=scale, mask=mask, backend=backend)
+            merge_(_seq(out, qs), _seq(lse, qs), o_b, l_b)
+        if i + 1 < n:
+            shift.wait()
+    return out.to(q.dtype), lse
+
+
+def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float, plan: Plan,
+             group: comm.Group, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ring_fwd given its (global) out and lse; shapes as ring_fwd's inputs.
+    Returns (dq, dk, dv) in the inputs' dtypes, accumulated in the acc dtype."""
+    n, p = comm.size(group), comm.rank(group)
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros_like(q, dtype=acc)
+    kv = comm.RingShift([k, v], group, KV_TAG)
+    dkv = comm.RingShift([torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)], group, DKV_TAG)
+    for i in range(n):
+        k_i, v_i = kv.current()
+        if i + 1 < n:
+            kv.start()
+        parts = [(qs, ks, attend_bwd(_seq(dout, qs), _seq(q, qs), _seq(k_i, ks), _seq(v_i, ks), _seq(out, qs),
+                                     _seq(lse, qs).contiguous(), scale=scale, mask=mask, backend=backend))
+                 for qs, ks, mask in plan(p, (p - i) % n, n, q.shape[2])]
+        if i > 0:
+            dkv.wait()  # the accumulator of the block held now, from the previous rank
+        dk_acc, dv_acc = dkv.current()
+        for qs, ks, (dq_b, dk_b, dv_b) in parts:
+            _seq(dq, qs).add_(dq_b)
+            _seq(dk_acc, ks).add_(dk_b)
+            _seq(dv_acc, ks).add_(dv_b)
+        dkv.start()  # on to the next rank; after step n-1 that is the block's owner
+        if i + 1 < n:
+            kv.wait()
+    dkv.wait()
+    dk, dv = dkv.current()
+    # copies: dk and dv are views of one buffer, and an op's outputs may not alias
+    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)

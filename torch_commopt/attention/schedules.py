@@ -1,0 +1,145 @@
+"""Context-parallel attention over a process group: forward and backward of every schedule.
+
+Inputs are this rank's shards of the program's contiguous layout (rank r holds tokens
+[r*S_loc, (r+1)*S_loc) of the sequence dim 2):
+
+    q: (B, H, S_loc, D), k: (B, H_kv, S_loc, D), v: (B, H_kv, S_loc, Dv); H_kv divides H.
+
+Forward returns out (B, H, S_loc, Dv) in q's dtype and lse (B, H, S_loc) in float32 (float64
+for a float64 run); backward takes them back, with dout, and returns dq, dk, dv in the inputs'
+dtypes.  The two are separate calls, so a graph pass can place them in the forward and the
+backward graphs.  Schedules (spec.py):
+
+    allgather    all-gather K/V (one collective of K and V together), attention of the local
+                 queries against the keys up to this rank's (causal: the earlier ranks' keys in
+                 full, its own block causal).  Backward gathers again and reduce-scatters dK/dV
+                 in fp32.
+    ring         ring.py on the contiguous layout.
+    ring_zigzag  causal load balance.  The program's layout is contiguous, so the op permutes:
+                 one all-to-all moves q, k, v to the zigzag layout (rank r: chunks r and
+                 2W-1-r of 2W) and one moves out, lse back; the backward moves dout, q, k, v,
+                 out, lse there and dq, dk, dv back.  About one local q+k+v (+out) of extra
+                 traffic per call, on top of the ring's (W-1) K/V shifts: worth it where the
+                 causal ring's imbalance (rank W-1 does ~2x the average work) costs more.
+                 Without causal there is nothing to balance: it runs ring, no exchange.
+                 A program already in zigzag layout can call ring.ring_fwd with zigzag_plan.
+    ulysses      all-to-all sequence -> heads (q, k, v in one collective), full-sequence
+                 attention on H/W heads, all-to-all back (out and lse in one collective).
+    hybrid:U:R   Ulysses over U consecutive ranks, then a contiguous ring over R of them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_commopt.attention import comm
+from torch_commopt.attention.local import acc_dtype, attend_bwd, attend_fwd, default_scale
+from torch_commopt.attention.merge import empty_accumulator, merge_
+from torch_commopt.attention.ring import contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
+from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal
+from torch_commopt.kernels.reference.collectives import all_gather, reduce_scatter, resolve_group
+
+GroupLike = Union[dist.ProcessGroup, str, None]
+
+
+def as_group(group: GroupLike) -> dist.ProcessGroup:
+    """A process group from a group, its name, or None (the default group)."""
+    if group is None:
+        return dist.group.WORLD
+    return resolve_group(group) if isinstance(group, str) else group
+
+
+def check(sched: CPSchedule, q: Tensor, k: Tensor, v: Tensor, world: int, causal: bool) -> None:
+    """Raise ValueError where the schedule cannot take these shards."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] \
+            or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"cp attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want "
+                         "(B, H, S_loc, D), (B, H_kv, S_loc, D), (B, H_kv, S_loc, Dv)")
+    b, h, s, d = q.shape
+    reason = refusal(sched, AttentionShape(b, h, k.shape[1], s * world, d), world, causal)
+    if reason is not None:
+        raise ValueError(f"cp attention {sched}: {reason}")
+
+
+def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CPSchedule], causal: bool,
+                     scale: Optional[float] = None, group: GroupLike = None,
+                     backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """Context-parallel attention forward.  Shapes in the module docstring; `backend` picks
+    the local attention kernel (local.py: "auto", "math", ...).  Returns (out, lse)."""
+    pg, sched = as_group(group), CPSchedule.parse(schedule)
+    check(sched, q, k, v, pg.size(), causal)
+    scale = default_scale(q.shape[-1], scale)
+    if sched.name == "allgather":
+        return _allgather_fwd(q, k, v, causal, scale, pg, backend)
+    if sched.name == "ring_zigzag" and causal:
+        qz, kz, vz = comm.relayout([q, k, v], pg, comm.contiguous_chunks, comm.zigzag_chunks)
+        out, lse = ring_fwd(qz, kz, vz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
+        out, lse = comm.relayout([out, lse], pg, comm.zigzag_chunks, comm.contiguous_chunks)
+        return out, lse
+    ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
+    qh, kh, vh = comm.seq_to_heads([q, k, v], ugroup)
+    out, lse = ring_fwd(qh, kh, vh, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
+    out, lse = comm.heads_to_seq([out, lse], ugroup)
+    return out, lse
+
+
+def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+                     schedule: Union[str, CPSchedule], causal: bool, scale: Optional[float] = None,
+                     group: GroupLike = None, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """Context-parallel attention backward, given the forward's (out, lse) (global: merged over
+    all K/V).  dout, out: (B, H, S_loc, Dv); lse: (B, H, S_loc).  Returns (dq, dk, dv)."""
+    pg, sched = as_group(group), CPSchedule.parse(schedule)
+    check(sched, q, k, v, pg.size(), causal)
+    scale = default_scale(q.shape[-1], scale)
+    if sched.name == "allgather":
+        return _allgather_bwd(dout, q, k, v, out, lse, causal, scale, pg, backend)
+    if sched.name == "ring_zigzag" and causal:
+        zz = comm.relayout([dout, q, k, v, out, lse], pg, comm.contiguous_chunks, comm.zigzag_chunks)
+        grads = ring_bwd(*zz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
+        dq, dk, dv = comm.relayout(list(grads), pg, comm.zigzag_chunks, comm.contiguous_chunks)
+        return dq, dk, dv
+    ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
+    heads = comm.seq_to_heads([dout, q, k, v, out, lse], ugroup)
+    grads = ring_bwd(*heads, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
+    dq, dk, dv = comm.heads_to_seq(list(grads), ugroup)
+    return dq, dk, dv
+
+
+def _gathered_blocks(p: int, length: int, causal: bool) -> list[tuple[slice, str]]:
+    """(key slice of the gathered sequence, mask) that rank p's queries attend to."""
+    if not causal:
+        return [(slice(None), "full")]
+    past = [(slice(0, p * length), "full")] if p else []
+    return past + [(slice(p * length, (p + 1) * length), "causal")]
+
+
+def _gather_kv(k: Tensor, v: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    kv = all_gather(torch.cat([k, v], dim=-1), 2, group, async_op=False).wait()
+    return kv[..., : k.shape[-1]], kv[..., k.shape[-1] :]
+
+
+def _allgather_fwd(q, k, v, causal, scale, group, backend):
+    keys, values = _gather_kv(k, v, group)
+    out, lse = empty_accumulator(q, v.shape[-1], acc_dtype(q.dtype))
+    for ks, mask in _gathered_blocks(group.rank(), q.shape[2], causal):
+        o_b, l_b = attend_fwd(q, keys[:, :, ks], values[:, :, ks], scale=scale, mask=mask, backend=backend)
+        merge_(out, lse, o_b, l_b)
+    return out.to(q.dtype), lse
+
+
+def _allgather_bwd(dout, q, k, v, out, lse, causal, scale, group, backend):
+    keys, values = _gather_kv(k, v, group)
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros_like(q, dtype=acc)
+    dkv = torch.zeros(keys.shape[:3] + (k.shape[-1] + v.shape[-1],), dtype=acc, device=q.device)
+    for ks, mask in _gathered_blocks(group.rank(), q.shape[2], causal):
+        dq_b, dk_b, dv_b = attend_bwd(dout, q, keys[:, :, ks], values[:, :, ks], out, lse, scale=scale, mask=mask,
+                                      backend=backend)
+        dq.add_(dq_b)
+        dkv[:, :, ks].add_(torch.cat([dk_b, dv_b], dim=-1))
+    dkv = reduce_scatter(dkv, 2, "sum", group, async_op=False).wait()  # dK/dV travel in fp32
+    return dq.to(q.dtype), dkv[..., : k.shape[-1]].to(k.dtype, copy=True), dkv[..., k.shape[-1] :].to(v.dtype, copy=True)

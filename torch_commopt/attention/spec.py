@@ -1,0 +1,95 @@
+"""Context-parallel attention schedules by name, and why a schedule cannot take a shape.
+
+String form (what the custom ops carry):
+    allgather      all-gather K/V, then local attention (the reference)
+    ring           K/V shifted one peer per step, partials merged by lse
+    ring_zigzag    ring on the causal load-balanced layout (rank r: chunks r and 2W-1-r);
+                   without a causal mask there is nothing to balance and it runs ring
+    ulysses        all-to-all sequence -> heads, full-sequence attention, all-to-all back
+    hybrid:U:R     Ulysses over groups of U consecutive ranks, a ring over R such groups
+                   (U * R = W); hybrid:W:1 is ulysses, hybrid:1:W is ring.
+
+Every schedule takes the program's contiguous layout: rank r holds tokens [r*S_loc, (r+1)*S_loc).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple, Union
+
+
+class AttentionShape(NamedTuple):
+    """Global shape of one attention call: q (B, H, S, D), k/v (B, H_kv, S, D), S = W * S_loc."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seq: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class CPSchedule:
+    """A parsed schedule name; `ulysses` x `ring` are the hybrid's degrees (0 for the others)."""
+
+    name: str
+    ulysses: int = 0
+    ring: int = 0
+
+    NAMES: ClassVar[tuple[str, ...]] = ("allgather", "ring", "ring_zigzag", "ulysses", "hybrid")
+
+    def __post_init__(self) -> None:
+        if self.name not in self.NAMES:
+            raise ValueError(f"cp schedule: unknown name {self.name!r}; known: {self.NAMES} (hybrid as hybrid:U:R)")
+        degrees = (self.ulysses, self.ring)
+        if self.name == "hybrid" and min(degrees) < 1:
+            raise ValueError(f"cp schedule: hybrid needs degrees U, R >= 1, got {degrees}")
+        if self.name != "hybrid" and degrees != (0, 0):
+            raise ValueError(f"cp schedule: {self.name} takes no degrees, got {degrees}")
+
+    @classmethod
+    def parse(cls, text: Union[str, "CPSchedule"]) -> "CPSchedule":
+        if isinstance(text, CPSchedule):
+            return text
+        name, *rest = text.strip().split(":")
+        if name != "hybrid":
+            if rest:
+                raise ValueError(f"cp schedule: {name} takes no parameters, got {text!r}")
+            return cls(name)
+        if len(rest) != 2 or not all(r.isdigit() for r in rest):
+            raise ValueError(f"cp schedule: hybrid is written hybrid:U:R (e.g. hybrid:2:4), got {text!r}")
+        return cls("hybrid", int(rest[0]), int(rest[1]))
+
+    def __str__(self) -> str:
+        return f"hybrid:{self.ulysses}:{self.ring}" if self.name == "hybrid" else self.name
+
+    def degrees(self, world: int) -> tuple[int, int]:
+        """(Ulysses degree, ring degree) over a group of `world` ranks."""
+        if self.name == "hybrid":
+            return self.ulysses, self.ring
+        return (world, 1) if self.name == "ulysses" else (1, world)
+
+
+def refusal(schedule: Union[str, CPSchedule], shape: Union[AttentionShape, tuple], world: int,
+            causal: bool) -> Union[str, None]:
+    """Why `schedule` cannot run attention of global `shape` over `world` ranks; None if it can.
+
+    shape: AttentionShape or a tuple (batch, heads, kv_heads, seq_total, head_dim)."""
+    sched = CPSchedule.parse(schedule)
+    b, h, h_kv, seq, d = AttentionShape(*shape)
+    if min(b, h, h_kv, seq, d, world) < 1:
+        return f"sizes must be positive, got {AttentionShape(*shape)} over {world} ranks"
+    if h % h_kv:
+        return f"kv heads {h_kv} do not divide query heads {h}"
+    if seq % world:
+        return f"sequence length {seq} is not a multiple of the world size {world}"
+    u, r = sched.degrees(world)
+    if u * r != world:
+        return f"degrees {u} x {r} != world size {world}"
+    if sched.name == "ring_zigzag" and causal and seq % (2 * world):
+        return (f"sequence length {seq} cannot be cut into 2*W = {2 * world} equal chunks "
+                f"(W = {world}); use ring, or pad the sequence to a multiple of {2 * world}")
+    if u > 1 and (h % u or h_kv % u):
+        return (f"the all-to-all splits heads over {u} ranks, but heads {h} / kv heads {h_kv} "
+                f"are not both divisible by {u} (K/V heads are never replicated)")
+    return None
