@@ -14,7 +14,7 @@ from typing import Any
 
 from torch_commopt.schedule import Schedule
 
-PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar")
+PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar", "attention")
 MODES = ("auto", "model", "autotune", "fixed")
 
 
@@ -61,6 +61,9 @@ class Config:
         parallelism without sequence parallelism; explain lists them.  Off by default.
         "checked": the same, and every call compares those operands across the ranks (a
         checksum all-gather each) and raises a clear error where they differ.
+    attention_schedule: the context-parallel attention schedule of the regions the "attention"
+        pattern rewrites (attention/rewrite.py: inference graphs): "auto" (the attention cost
+        model's first) or a name: allgather, ring, ring_zigzag, ulysses, hybrid:U:R.
     regather_for_backward: save each forward all-gather's shard instead of its gathered
         result for backward; the backward gathers again (passes/regather.py): (W-1)/W of each
         gathered activation's memory for one more all-gather per region in backward.
@@ -106,6 +109,7 @@ class Config:
     ar_split: bool | str = False
     ar_split_policy: str = "cost"
     regather_for_backward: bool = False
+    attention_schedule: str = "auto"
     extra_inductor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -148,6 +152,13 @@ class Config:
             _check_type(name, getattr(self, name), bool)
         if self.ar_split not in (False, True, "checked"):
             raise ValueError(f"Config.ar_split: expected False, True or 'checked', got {self.ar_split!r}")
+        if self.attention_schedule != "auto":
+            from torch_commopt.attention.spec import CPSchedule
+
+            try:
+                CPSchedule.parse(self.attention_schedule)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"Config.attention_schedule: {e}") from e
         if self.ar_split_policy not in ("cost", "always"):
             raise ValueError(f"Config.ar_split_policy: expected 'cost' or 'always', got {self.ar_split_policy!r}")
         if not isinstance(self.consistency_timeout_s, (int, float)) or self.consistency_timeout_s <= 0:

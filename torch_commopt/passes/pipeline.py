@@ -79,6 +79,11 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         decide = None if config.ar_split_policy == "always" else functools.partial(_split_pays, config)
         _graph_rewrite("all-reduce split", lambda: split_all_reduces(graph, check=config.ar_split == "checked",
                                                                      decide=decide), report)
+    if "attention" in config.patterns:
+        from torch_commopt.attention.rewrite import rewrite_attention
+
+        _graph_rewrite("attention rewrite", lambda: rewrite_attention(
+            graph, inference=report.graph_kind == "inference", schedule=config.attention_schedule), report)
     try:
         from torch_commopt.passes.ar_split import find_ar_splits
 

@@ -1,0 +1,50 @@
+"""backend="commopt" on all-gather context parallelism (attention/rewrite.py), gloo."""
+
+from __future__ import annotations
+
+import pytest
+
+from torch_commopt.launch import run_distributed
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_inference_allgather_attention_runs_as_cp_attention(layout, heads):
+    from compiled_programs import compiled_cp
+
+    for err, notes, gathers in run_distributed(compiled_cp, 2, layout, heads, False):
+        assert any("cp_attention_fwd" in n for n in notes), notes
+        assert gathers == 0, notes  # the K/V gathers are gone
+        assert err < 1e-5, (err, notes)
+
+
+@pytest.mark.parametrize("schedule", ["allgather", "ring", "ulysses"])
+def test_a_named_attention_schedule_is_run(schedule):
+    from compiled_programs import compiled_cp
+
+    for err, notes, _ in run_distributed(compiled_cp, 2, "bhsd", (4, 2), False, schedule):
+        assert any(f"cp_attention_fwd {schedule}" in n for n in notes), notes
+        assert err < 1e-5, (err, notes)
+
+
+def test_training_graphs_are_reported_not_rewritten():
+    from compiled_programs import compiled_cp
+
+    for err, notes, gathers in run_distributed(compiled_cp, 2, "bhsd", (4, 4), True):
+        assert any("not rewritten in a training graph" in n for n in notes), notes
+        assert gathers >= 2 and err < 1e-5
+
+
+def test_head_parallel_attention_is_not_touched():
+    from compiled_programs import head_parallel_notes
+
+    for notes in run_distributed(head_parallel_notes, 2):
+        assert not any("cp_attention_fwd" in n for n in notes), notes
+
+
+def test_attention_schedule_option_is_validated():
+    from torch_commopt.config import Config
+
+    Config(attention_schedule="hybrid:2:2")
+    with pytest.raises(ValueError, match="attention_schedule"):
+        Config(attention_schedule="spiral")

@@ -1,0 +1,147 @@
+"""Rewrite the context-parallel attention detect.py finds (the pass pipeline's attention step).
+
+Inference graphs (no backward): an `allgather_kv` region -- K and V all-gathered along the
+sequence into SDPA with the rank's local queries -- becomes one `commopt.cp_attention_fwd`
+on the local q, k, v (k and v taken before their gathers, brought to (B, H_kv, S_loc, D) by
+the same layout ops with the sequence cut by W), running the schedule the attention cost
+model ranks first (or Config.attention_schedule); the gathers are dropped.  The op's output
+replaces the attention's; a region whose other outputs (the LSE, philox state) are used is
+left alone.
+
+Training graphs are only reported: the backward graph expects the gathered K/V the forward
+saves, so the rewrite there belongs before the forward/backward partition (a joint-graph
+pass with cp_attention_bwd as the backward), which is not built yet.  Ulysses regions are
+reported too (their operands are in the program's layout; not rewritten yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+from torch.fx import Graph, Node
+
+from torch_commopt.attention.cost import CPMachine, rank_schedules
+from torch_commopt.attention.detect import AttentionRegion, _map_dim, find_attention
+from torch_commopt.attention.spec import refusal
+from torch_commopt.passes.chains import set_fake_val
+from torch_commopt.passes.graph_utils import aten, static_shape, val
+
+log = logging.getLogger("torch_commopt.attention.rewrite")
+
+# Uncalibrated machine figures for the schedule ranking (attention/cost.py): 2x H200 NVLink
+# and a gloo CPU pair, round numbers.
+MACHINES = {"cuda": CPMachine(link_bytes_per_s=300e9, alpha_s=20e-6, flops_per_s=400e12, launch_s=20e-6),
+            "cpu": CPMachine(link_bytes_per_s=2e9, alpha_s=50e-6, flops_per_s=20e9, launch_s=50e-6)}
+RESIZE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto") -> list[str]:
+    """Find the graph's context-parallel attention; rewrite it where it can run as
+    cp_attention_fwd (inference graphs).  One explain note per region and per skip."""
+    regions, skips = find_attention(graph)
+    notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
+    for region in regions:
+        what = f"attention {region.attention.name} ({region.form}, shape {tuple(region.shape)}, W={region.world})"
+        if not inference:
+            notes.append(f"{what}: found; not rewritten in a training graph (the rewrite before the "
+                         "forward/backward split is not built yet)")
+            continue
+        if region.form != "allgather_kv":
+            notes.append(f"{what}: found; {region.form} is not rewritten yet")
+            continue
+        why = _unsupported(region)
+        if why:
+            notes.append(f"{what}: not rewritten ({why})")
+            continue
+        chosen, ranked = _choose(region, schedule)
+        _apply(graph, region, chosen)
+        shown = ", ".join(f"{n} {ms:.3f} ms" for n, ms in ranked[:4])
+        notes.append(f"{what}: cp_attention_fwd {chosen} (predicted: {shown})")
+    for note in notes:
+        log.info("commopt: %s", note)
+    return notes
+
+
+def _unsupported(region: AttentionRegion) -> str | None:
+    node = region.attention
+    if node.target is not aten.scaled_dot_product_attention.default:
+        used = {u.args[1] for u in node.users if u.op == "call_function" and u.target is operator.getitem and u.users}
+        if used - {0}:
+            return f"outputs {sorted(used - {0})} of {node.target.__name__} are used"
+    if any(not isinstance(val(n), torch.Tensor) for n in region.inputs.values()):
+        return "an operand has no recorded value"
+    return None
+
+
+def _choose(region: AttentionRegion, schedule: str) -> tuple[str, list[tuple[str, float]]]:
+    q = val(region.inputs["q"])
+    machine = MACHINES["cuda" if q.device.type == "cuda" else "cpu"]
+    ranked = rank_schedules(region.shape, world=region.world, causal=region.causal, dtype=q.dtype, machine=machine)
+    if schedule != "auto":
+        why = refusal(schedule, region.shape, region.world, region.causal)
+        if why is not None:
+            raise ValueError(f"Config.attention_schedule: {schedule!r} cannot take {tuple(region.shape)} over "
+                             f"{region.world} ranks: {why}")
+        return schedule, ranked
+    return ranked[0][0], ranked
+
+
+def _apply(graph: Graph, region: AttentionRegion, schedule: str) -> None:
+    node = region.attention
+    with graph.inserting_before(node):
+        k = _local(graph, region, "k")
+        v = _local(graph, region, "v")
+        cp = graph.call_function(torch.ops.commopt.cp_attention_fwd.default,
+                                 (region.inputs["q"], k, v, schedule, region.causal, region.scale, region.world,
+                                  region.group_name))
+        set_fake_val(cp)
+        out = graph.call_function(operator.getitem, (cp, 0))
+        set_fake_val(out)
+    region.output.replace_all_uses_with(out)
+    _erase_unused(graph, [node, *node.users, *region.paths["k"], *region.paths["v"]], region.collectives)
+
+
+def _local(graph: Graph, region: AttentionRegion, name: str) -> Node:
+    """The rank's own K (or V) in the attention's layout: the gather's input through the same
+    layout ops, with the gathered dim's size divided by W where an op names sizes."""
+    gather = region.collectives[0 if name == "k" else 1]
+    x, path = gather.args[0], region.paths[name]
+    if not path:  # the gathered tensor feeds the attention as it is: the shard has its layout
+        return x
+    origin = path[0].args[0]  # the gathered tensor (the wait, or the cat of the dim > 0 form)
+    dim = _gathered_dim(gather, origin)
+    for i, op in enumerate(path):
+        args = list(op.args)
+        if op.target in RESIZE:
+            sizes = list(static_shape(op))
+            sizes[_map_dim(dim, origin, path[: i + 1])] //= region.world
+            args[1] = sizes
+        x = graph.call_function(op.target, (x, *args[1:]), dict(op.kwargs))
+        set_fake_val(x)
+    return x
+
+
+def _gathered_dim(gather: Node, origin: Node) -> int:
+    """The dim of `origin` (the gathered tensor) that the gather grew."""
+    local, full = static_shape(gather.args[0]), static_shape(origin)
+    diff = [d for d, (a, b) in enumerate(zip(local, full)) if a != b]
+    if len(diff) != 1:
+        raise ValueError(f"commopt attention: cannot tell the gathered dim of {origin.name} ({local} -> {full})")
+    return diff[0]
+
+
+def _erase_unused(graph: Graph, first: list[Node], collectives: list[Node]) -> None:
+    """Erase the replaced attention and the gathers that nothing uses any more."""
+    chain = set(first)
+    for gather in collectives:
+        todo = [gather]
+        while todo:
+            n = todo.pop()
+            if n not in chain:
+                chain.add(n)
+                todo += list(n.users)
+    for n in reversed(list(graph.nodes)):
+        if n in chain and not n.users:
+            graph.erase_node(n)
