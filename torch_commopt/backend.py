@@ -32,12 +32,12 @@ def inductor_patches(config: Config, mode: str | None = None) -> dict[str, Any]:
     if torch._inductor.config.post_grad_custom_post_pass is not None:
         log.warning("commopt replaces the post_grad_custom_post_pass already set in Inductor's config")
     patches["post_grad_custom_post_pass"] = CommoptPass(config)
-    if config.regather_for_backward:
-        from torch_commopt.passes.regather import RegatherPass
+    if config.regather_for_backward or "attention" in config.patterns:
+        from torch_commopt.passes.regather import JointPass
 
         if torch._inductor.config.joint_custom_post_pass is not None:
             log.warning("commopt replaces the joint_custom_post_pass already set in Inductor's config")
-        patches["joint_custom_post_pass"] = RegatherPass()
+        patches["joint_custom_post_pass"] = JointPass(config)
     patches["fx_graph_cache"] = config.fx_graph_cache
     return patches
 

@@ -27,12 +27,17 @@ def test_a_named_attention_schedule_is_run(schedule):
         assert err < 1e-5, (err, notes)
 
 
-def test_training_graphs_are_reported_not_rewritten():
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_training_allgather_attention_runs_cp_forward_and_backward(layout, heads):
+    # the joint-graph rewrite: forward and backward change together, no K/V gather or
+    # reduce-scatter is left, output and dq/dk/dv match full attention
     from compiled_programs import compiled_cp
 
-    for err, notes, gathers in run_distributed(compiled_cp, 2, "bhsd", (4, 4), True):
-        assert any("not rewritten in a training graph" in n for n in notes), notes
-        assert gathers >= 2 and err < 1e-5
+    for err, notes, gathers in run_distributed(compiled_cp, 2, layout, heads, True):
+        assert any("cp_attention_fwd/bwd" in n for n in notes), notes
+        assert gathers == 0, notes
+        assert err < 1e-5, (err, notes)
 
 
 def test_head_parallel_attention_is_not_touched():

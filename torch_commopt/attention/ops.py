@@ -42,8 +42,9 @@ def cp_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, schedule: str, causal: 
     q: (B, H, S_loc, D); k: (B, H_kv, S_loc, D); v: (B, H_kv, S_loc, Dv).
     Returns out (B, H, S_loc, Dv) in q's dtype, lse (B, H, S_loc) float32 (float64 for float64 q).
     """
-    return schedules.cp_attention_fwd(q, k, v, schedule=schedule, causal=causal, scale=scale,
-                                      group=_group(group_size, group_name), backend=backend)
+    out, lse = schedules.cp_attention_fwd(q, k, v, schedule=schedule, causal=causal, scale=scale,
+                                          group=_group(group_size, group_name), backend=backend)
+    return out.contiguous(), lse.contiguous()  # what the fake impl promises
 
 
 def cp_attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, schedule: str,
@@ -51,8 +52,9 @@ def cp_attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                         backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """Context-parallel attention backward: dout, out (B, H, S_loc, Dv), lse (B, H, S_loc) of the
     forward; q, k, v as there.  Returns dq, dk, dv shaped and typed as q, k, v."""
-    return schedules.cp_attention_bwd(dout, q, k, v, out, lse, schedule=schedule, causal=causal, scale=scale,
-                                      group=_group(group_size, group_name), backend=backend)
+    grads = schedules.cp_attention_bwd(dout, q, k, v, out, lse, schedule=schedule, causal=causal, scale=scale,
+                                       group=_group(group_size, group_name), backend=backend)
+    return tuple(g.contiguous() for g in grads)  # what the fake impl promises
 
 
 _LIB.impl("cp_attention_fwd", cp_attention_fwd_op, "CompositeExplicitAutograd")
@@ -73,7 +75,8 @@ def _(q, k, v, schedule, causal, scale, group_size, group_name, backend="auto"):
 @torch.library.register_fake("commopt::cp_attention_bwd")
 def _(dout, q, k, v, out, lse, schedule, causal, scale, group_size, group_name, backend="auto"):
     _refuse_at_trace(schedule, q, k, v, group_size, causal)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, whatever the inputs' strides (the impl returns contiguous tensors)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 class CPAttention(torch.autograd.Function):

@@ -8,10 +8,11 @@ model ranks first (or Config.attention_schedule); the gathers are dropped.  The 
 replaces the attention's; a region whose other outputs (the LSE, philox state) are used is
 left alone.
 
-Training graphs are only reported: the backward graph expects the gathered K/V the forward
-saves, so the rewrite there belongs before the forward/backward partition (a joint-graph
-pass with cp_attention_bwd as the backward), which is not built yet.  Ulysses regions are
-reported too (their operands are in the program's layout; not rewritten yet).
+Training graphs are rewritten before they get here, on the joint graph (attention/joint.py:
+the backward expects what the forward saves, so both halves change together); a region still
+found in a post-grad training graph is one the joint rewrite did not take, and is reported.
+Ulysses regions are reported too (their operands are in the program's layout; not rewritten
+yet).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto") 
     for region in regions:
         what = f"attention {region.attention.name} ({region.form}, shape {tuple(region.shape)}, W={region.world})"
         if not inference:
-            notes.append(f"{what}: found; not rewritten in a training graph (the rewrite before the "
-                         "forward/backward split is not built yet)")
+            notes.append(f"{what}: found in a training graph and left as it is (the joint-graph "
+                         "rewrite did not take it; see its note)")
             continue
         if region.form != "allgather_kv":
             notes.append(f"{what}: found; {region.form} is not rewritten yet")

@@ -73,13 +73,39 @@ def _tangent_dependent(graph: Graph) -> set[Node]:
     return seen
 
 
-class RegatherPass(CustomGraphPass):
-    """Inductor's joint_custom_post_pass (a CustomGraphPass: `uuid` keys Inductor's caches)."""
+class JointPass(CustomGraphPass):
+    """Inductor's joint_custom_post_pass (a CustomGraphPass: `uuid` keys Inductor's caches):
+    context-parallel attention in training (attention/joint.py, pattern "attention"), then
+    Config.regather_for_backward.  Its notes go to the log and to the next graph report."""
+
+    def __init__(self, config):
+        self.config = config
 
     def __call__(self, graph: Graph) -> None:
-        mark_regather(graph)
+        notes = []
+        if "attention" in self.config.patterns:
+            from torch_commopt.attention.joint import rewrite_joint_attention
+
+            try:
+                notes += rewrite_joint_attention(graph, self.config.attention_schedule)
+            except Exception as e:  # noqa: BLE001 - the joint graph is left as far as it got: each
+                # region is edited only after it matched, so a failure leaves whole regions
+                log.exception("commopt: attention rewrite of the joint graph stopped")
+                notes.append(f"attention rewrite (joint graph) stopped ({type(e).__name__}: {e})")
+        if self.config.regather_for_backward:
+            notes += mark_regather(graph)
+        for note in notes:
+            log.info("commopt joint graph: %s", note)
+        PENDING_NOTES.extend(notes)
 
     def uuid(self) -> str:
+        import pathlib
+
         from torch._inductor.custom_graph_pass import get_hash_for_files
 
-        return get_hash_for_files((__file__,)).hex()
+        files = tuple(sorted(str(p) for p in pathlib.Path(__file__).parents[1].rglob("*.py")))
+        return get_hash_for_files(files, self.config.to_json()).hex()
+
+
+# notes of the joint-graph pass, picked up by the report of the next graph the post-grad pass sees
+PENDING_NOTES: list[str] = []
