@@ -19,13 +19,22 @@ def _allgather_cp(q, k, v, gqa: bool):
     return F.scaled_dot_product_attention(q, _gather(k, 2), _gather(v, 2), enable_gqa=gqa)
 
 
+def _allgather_cp_causal(q, k, v, gqa: bool):
+    """Causal: this rank's rows of the global causal mask, built from its rank."""
+    s_loc = q.shape[2]
+    rows = torch.arange(s_loc) + dist.get_rank() * s_loc
+    mask = rows[:, None] >= torch.arange(s_loc * dist.get_world_size())[None, :]
+    return F.scaled_dot_product_attention(q, _gather(k, 2), _gather(v, 2), attn_mask=mask, enable_gqa=gqa)
+
+
 def _allgather_cp_bshd(q, k, v, gqa: bool):
     """The same with (B, S, H, D) activations gathered before the transpose to (B, H, S, D)."""
     kf, vf = _gather(k, 1).transpose(1, 2), _gather(v, 1).transpose(1, 2)
     return F.scaled_dot_product_attention(q.transpose(1, 2), kf, vf, enable_gqa=gqa).transpose(1, 2)
 
 
-def compiled_cp(rank: int, world: int, layout: str, heads: tuple[int, int], grad: bool, schedule: str = "auto"):
+def compiled_cp(rank: int, world: int, layout: str, heads: tuple[int, int], grad: bool, schedule: str = "auto",
+                causal: bool = False):
     """(max relative error of the output -- and with grad=True of dq, dk, dv -- vs full
     attention on the whole sequence, explain notes, all-gathers left in the compiled graphs)."""
     h, h_kv = heads
@@ -33,13 +42,13 @@ def compiled_cp(rank: int, world: int, layout: str, heads: tuple[int, int], grad
     gen = torch.Generator().manual_seed(3)
     full = [torch.randn(b, h_, world * s_loc, d, generator=gen, requires_grad=True) for h_ in (h, h_kv, h_kv)]
     dout = torch.randn(b, h, world * s_loc, d, generator=gen)
-    ref = F.scaled_dot_product_attention(*full, enable_gqa=h != h_kv)
+    ref = F.scaled_dot_product_attention(*full, enable_gqa=h != h_kv, is_causal=causal)
     ref.backward(dout)
     want = ref.detach().chunk(world, dim=2)[rank]
     want_grads = [t.grad.chunk(world, dim=2)[rank] for t in full]
     full = [t.detach() for t in full]
     local = [t.chunk(world, dim=2)[rank].contiguous() for t in full]
-    fn = _allgather_cp
+    fn = _allgather_cp_causal if causal else _allgather_cp
     if layout == "bshd":
         local = [t.transpose(1, 2).contiguous() for t in local]
         fn = _allgather_cp_bshd

@@ -53,3 +53,14 @@ def test_attention_schedule_option_is_validated():
     Config(attention_schedule="hybrid:2:2")
     with pytest.raises(ValueError, match="attention_schedule"):
         Config(attention_schedule="spiral")
+
+
+@pytest.mark.parametrize("schedule", ["auto", "ring_zigzag", "allgather"])
+def test_causal_program_with_the_global_mask_runs_causal_cp(schedule):
+    # the program's explicit mask is this rank's rows of the global causal mask (checked by
+    # evaluating it at compile time): the region runs causal, forward and backward
+    from compiled_programs import compiled_cp
+
+    for err, notes, gathers in run_distributed(compiled_cp, 2, "bhsd", (4, 2), True, schedule, True):
+        assert any("cp_attention_fwd/bwd" in n for n in notes), notes
+        assert gathers == 0 and err < 1e-5, (err, notes)

@@ -128,10 +128,17 @@ def _local_causal(q, k, v):
     return _sdpa(q, k, v, is_causal=True)
 
 
-def _explicit_mask(q, k, v):
+def _explicit_mask(q, k, v):  # a sliding window: not the global causal mask
     k, v = (funcol.all_gather_tensor(t, gather_dim=2, group=_group()) for t in (k, v))
-    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril() & torch.ones(
+        q.shape[2], k.shape[2], dtype=torch.bool).triu(-1)
     return _sdpa(q, k, v, attn_mask=mask)
+
+
+def _global_causal_mask(q, k, v):  # this rank's rows of the global causal mask, built from its rank
+    k, v = (funcol.all_gather_tensor(t, gather_dim=2, group=_group()) for t in (k, v))
+    rows = torch.arange(q.shape[2]) + dist.get_rank() * q.shape[2]
+    return _sdpa(q, k, v, attn_mask=rows[:, None] >= torch.arange(k.shape[2])[None, :])
 
 
 def _only_k(q, k, v):
@@ -150,12 +157,19 @@ def _q_whole_sequence(q, k, v):
     (_head_gather, 1, "lands on dim 1, not the sequence dim 2"),
     (_q_gathered_too, 2, "operands come from all_gather (q), all_gather (k), all_gather (v)"),
     (_local_causal, 2, "top-left aligned"),
-    (_explicit_mask, 2, "explicit attention mask"),
+    (_explicit_mask, 2, "explicit attention mask: not the global causal mask"),
     (_only_k, 2, "from None (q), all_gather (k), None (v)"),
 ])
 def test_collective_fed_attention_that_cannot_be_taken_is_skipped_with_the_reason(fake_world, program, h_kv, reason):
     (regions, skips), *_ = _found(program, *_qkv(fake_world, h=4, h_kv=h_kv))
     assert regions == [] and len(skips) == 1 and reason in skips[0].reason, skips
+
+
+@pytest.mark.parametrize("fake_world", [4], indirect=True)
+def test_a_mask_that_is_the_global_causal_mask_makes_a_causal_region(fake_world):
+    # the mask is evaluated at compile time (it is built from constants: the rank and aranges)
+    (regions, skips), *_ = _found(_global_causal_mask, *_qkv(fake_world, h=4, h_kv=2))
+    assert skips == [] and len(regions) == 1 and regions[0]["causal"], (regions, skips)
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)

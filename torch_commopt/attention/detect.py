@@ -136,14 +136,15 @@ def _region_of(node: Node) -> Optional[AttentionRegion]:
     kinds = {name: _collective_kind(origin) for name, (origin, _) in sources.items()}
     if not any(kinds.values()):
         return None  # head-parallel or plain attention: not ours
-    if args.get("attn_mask") is not None or args.get("attn_bias") is not None:
-        raise Unsupported("explicit attention mask (the cp ops take is_causal only)")
+    mask = args.get("attn_mask") if args.get("attn_mask") is not None else args.get("attn_bias")
     if args.get("dropout_p"):
         raise Unsupported(f"dropout_p={args['dropout_p']}")
     if kinds["query"] == kinds["key"] == kinds["value"] == "all_to_all":
+        if mask is not None:
+            raise Unsupported("explicit attention mask (the cp ops take is_causal only)")
         return _ulysses(node, args, sources)
     if kinds["key"] == kinds["value"] == "all_gather" and kinds["query"] is None:
-        return _allgather_kv(node, args, sources)
+        return _allgather_kv(node, args, sources, mask)
     raise Unsupported(f"operands come from {kinds['query']} (q), {kinds['key']} (k), {kinds['value']} (v): "
                       "neither K/V gathered with a local Q nor all-to-alls on all three")
 
@@ -200,7 +201,7 @@ def _gather_of(origin: Node) -> tuple[Node, int]:
     return wait.args[0], cat_dim(origin)
 
 
-def _allgather_kv(node: Node, args: dict, sources: dict) -> AttentionRegion:
+def _allgather_kv(node: Node, args: dict, sources: dict, mask: Any = None) -> AttentionRegion:
     gathers, paths, world = {}, {}, None
     for name, key in (("key", "k"), ("value", "v")):
         origin, path = sources[name]
@@ -218,14 +219,70 @@ def _allgather_kv(node: Node, args: dict, sources: dict) -> AttentionRegion:
     if q[SEQ_DIM] * world != k[SEQ_DIM]:
         raise Unsupported(f"q holds {q[SEQ_DIM]} positions, gathered k {k[SEQ_DIM]} over {world} ranks: q is not "
                           "this rank's sequence shard")
-    causal = bool(args.get("is_causal"))
-    if causal:
+    if args.get("is_causal"):
         raise Unsupported("is_causal on a local query block against the gathered keys is top-left aligned, "
                           "not the global causal mask")
+    causal = mask is not None
+    if causal:
+        why = _not_global_causal(mask, q[SEQ_DIM], k[SEQ_DIM], group_name)
+        if why:
+            raise Unsupported(f"explicit attention mask: {why}")
     shape = AttentionShape(q[0], q[1], k[1], k[SEQ_DIM], q[3])
     inputs = {"q": args["query"], "k": gathers["k"].args[0], "v": gathers["v"].args[0]}
     return AttentionRegion("allgather_kv", node, ATTENTION_OPS[node.target], group_name, world, shape, causal,
                            args.get("scale"), inputs, list(gathers.values()), _output_of(node), paths)
+
+
+MAX_MASK_NODES, MAX_MASK_ELEMENTS = 64, 1 << 26
+
+
+def _not_global_causal(mask: Any, s_q: int, s_kv: int, group_name: str) -> Optional[str]:
+    """None when `mask` -- computed from constants only -- is this rank's rows of the global
+    causal mask (query i of rank r sees key j iff r*S_q + i >= j; boolean, or 0 / -inf
+    additive), else why not.  The mask is evaluated at compile time: what the program builds
+    from its rank and aranges is checked, not guessed."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from torch_commopt.kernels.reference.collectives import resolve_group
+
+    rank = resolve_group(group_name).rank()
+    with unset_fake_temporarily():  # real values: compile passes run under a fake mode
+        try:
+            value = _evaluate(mask, set())
+        except Unsupported as e:
+            return str(e)
+        return _causal_mismatch(value, s_q, s_kv, rank)
+
+
+def _causal_mismatch(value: torch.Tensor, s_q: int, s_kv: int, rank: int) -> Optional[str]:
+    if value.dim() < 2 or tuple(value.shape[-2:]) != (s_q, s_kv) or value.numel() > MAX_MASK_ELEMENTS:
+        return f"shape {list(value.shape)} is not (.., {s_q}, {s_kv})"
+    if value.dtype == torch.bool:
+        allowed = value
+    else:
+        allowed = value == 0
+        if not bool((allowed | (value == float("-inf"))).all()):
+            return "an additive mask with values other than 0 and -inf"
+    rows = torch.arange(s_q, device=allowed.device)[:, None] + rank * s_q
+    want = rows >= torch.arange(s_kv, device=allowed.device)[None, :]
+    if not bool((allowed == want).all()):
+        return "not the global causal mask of this rank's query rows"
+    return None
+
+
+def _evaluate(node: Any, seen: set) -> Any:
+    """The value of a node computed from constants alone (iota/arange, arithmetic, compare)."""
+    if not isinstance(node, Node):
+        if isinstance(node, (list, tuple)):
+            return type(node)(_evaluate(a, seen) for a in node)
+        return node
+    if node.op != "call_function" or len(seen) > MAX_MASK_NODES:
+        raise Unsupported(f"{node.name} is not computed from constants")
+    seen.add(node)
+    args = [_evaluate(a, seen) for a in node.args]
+    kwargs = {k: _evaluate(v, seen) for k, v in node.kwargs.items()}
+    with torch.no_grad():
+        return node.target(*args, **kwargs)
 
 
 def _map_dim(dim: int, origin: Node, path: list[Node]) -> Optional[int]:
