@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|plan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|plan|attention|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -24,6 +24,12 @@ fi
 if [[ $what == plan ]]; then
   # the whole-graph plan figure: a compiled TP+SP block, searched plan vs fixed per-region plans
   timeout ${PLAN_TIMEOUT:-420} python3 benchmarks/bench_plan.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/plan.log"
+fi
+if [[ $what == attention ]]; then
+  # context-parallel attention (issue 6): commopt schedules vs one GPU and torch CP; ~8 min default
+  # sweep (BENCH_ARGS may add --full, --seq ..., --passes ...; partial.jsonl keeps a cut-short run)
+  mkdir -p "$out/attention"
+  timeout ${ATTN_TIMEOUT:-560} python3 benchmarks/bench_attention.py --out "$out/attention" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention.log"
 fi
 if [[ $what == probes ]]; then
   # per-shard GEMM split cost (one vs two streams) and the host cost per call (cProfile)

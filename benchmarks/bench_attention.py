@@ -1,0 +1,712 @@
+"""Context-parallel attention on W GPUs: commopt's schedules next to one GPU and torch's CP (issue 6).
+
+Per case (B, H, H_kv, D, S_total, causal, pass "fwd" or "fwd+bwd"; bf16) one run times, side by side:
+
+    single GPU full     F.scaled_dot_product_attention over the whole sequence; EVERY rank computes
+                        the same whole-sequence attention on its own GPU at the same time (no
+                        communication); the figure is the slowest rank's, like every other figure
+    torch CP            torch.distributed.tensor.experimental.context_parallel with
+                        _attention.set_rotate_method("allgather") and ("alltoall"), its default
+                        load balancing (head-tail: rank r holds chunks r and 2W-1-r of 2W when
+                        S % 2W == 0).  It refuses non-causal attention with load balancing on
+                        ("Load balancing requires `is_causal=True`"): recorded as null with that
+                        reason, or measured with load balancing off under --torch-cp-no-lb.
+                        Every sample enters the context with fresh full-size buffers (q, k, v,
+                        dout; all in no_restore_buffers) and makes its requires-grad leaves from
+                        the shards inside it; after each context F.scaled_dot_product_attention
+                        must be the original function again (RuntimeError if not).  GQA is
+                        tried natively (enable_gqa=True); if torch CP refuses it, K/V are
+                        expanded to H heads before sharding (noted in torch_cp_gqa).
+    commopt             every schedule cost.candidates accepts (torch.ops.commopt.cp_attention_fwd;
+                        fwd+bwd through the autograd wrapper cp_attention), on contiguous shards;
+                        commopt's pick = cost.rank_schedules' first with the backend's machine
+                        figures (attention/rewrite.py MACHINES, UNCALIBRATED round numbers): its
+                        time is that schedule's time in the same rounds.
+
+Before timing, every commopt schedule's out shard (and for fwd+bwd dq/dk/dv shards) is compared
+with the single-device full attention (relative error; torch CP's too, in its own layout).
+Times: back-to-back calls (each sample >= --target-ms), median over --repeats rounds that visit
+the variants in a rotated order, each round's slowest rank (all_reduce MAX).
+efficiency = single_gpu_full_ms / (W * commopt_ms); speedup_vs_torch_cp = the faster of the
+two torch CP times / commopt_ms.  Writes attention_h200x<W>_<date>.json/.md (records also
+appended to partial.jsonl as they finish, so a run cut short keeps them).
+
+NVLink multicast must stay off on the device machine (as for every benchmark here):
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+      python3 benchmarks/bench_attention.py --out benchmarks/results --commit SHA [--full]
+
+    python3 benchmarks/bench_attention.py --cpu      # gloo smoke run, float32, tiny shapes
+
+The default sweep (B 1; H/H_kv 32/32 and 32/8; D 128; S_total 8K, 32K, 128K; causal and not;
+fwd and fwd+bwd) is meant to finish within ~8 minutes on 2x H200; --full adds B 2, 4 and
+S_total 16K, 64K.  Every sweep flag overrides its preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from torch_commopt.launch import run_distributed  # noqa: E402
+
+log = logging.getLogger("torch_commopt.bench_attention")
+
+# Captured at import, before any torch CP context could patch it.
+_ORIGINAL_SDPA = F.scaled_dot_product_attention
+PASSES = ("fwd", "fwd+bwd")
+TORCH_CP_METHODS = ("allgather", "alltoall")
+PRESETS = {
+    "default": {"batch": "1", "heads": "32/32,32/8", "head_dim": "128", "seq": "8192,32768,131072",
+                "causal": "1,0", "passes": "fwd,fwd+bwd"},
+    "full": {"batch": "1,2,4", "heads": "32/32,32/8", "head_dim": "128",
+             "seq": "8192,16384,32768,65536,131072", "causal": "1,0", "passes": "fwd,fwd+bwd"},
+    "cpu": {"batch": "1", "heads": "4/4,4/2", "head_dim": "16", "seq": "64", "causal": "1,0",
+            "passes": "fwd,fwd+bwd"},
+}
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq: int
+    causal: bool
+    pass_: str  # "fwd" or "fwd+bwd"
+
+    @property
+    def backward(self) -> bool:
+        return self.pass_ == "fwd+bwd"
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.batch, self.heads, self.kv_heads, self.seq, self.head_dim)
+
+    def label(self) -> str:
+        return (f"B{self.batch} H{self.heads}/{self.kv_heads} D{self.head_dim} S{self.seq} "
+                f"{'causal' if self.causal else 'full'} {self.pass_}")
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: want comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}: want positive integers, got {text!r}")
+    return values
+
+
+def _heads(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for item in text.split(","):
+        h, _, h_kv = item.strip().partition("/")
+        if not (h.isdigit() and (h_kv or h).isdigit()):
+            raise ValueError(f"--heads: want H/H_kv pairs such as 32/32,32/8, got {text!r}")
+        h, h_kv = int(h), int(h_kv or h)
+        if h_kv < 1 or h % h_kv:
+            raise ValueError(f"--heads: H_kv {h_kv} must divide H {h} (in {text!r})")
+        pairs.append((h, h_kv))
+    return pairs
+
+
+def sweep(args: argparse.Namespace) -> list[Case]:
+    """The cases of the run, shortest sequences first (a run cut short loses the longest)."""
+    preset = PRESETS["cpu" if args.cpu else "full" if args.full else "default"]
+    get = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]  # noqa: E731
+    passes = [p.strip() for p in get("passes").split(",") if p.strip()]
+    if not passes or set(passes) - set(PASSES):
+        raise ValueError(f"--passes: want a comma-separated subset of {PASSES}, got {get('passes')!r}")
+    causals = [c.strip() for c in get("causal").split(",") if c.strip()]
+    if not causals or set(causals) - {"0", "1"}:
+        raise ValueError(f"--causal: want a comma-separated subset of 1 (causal), 0 (not), got {get('causal')!r}")
+    seqs = _ints("--seq", get("seq"))
+    for s in seqs:
+        if s % args.world:
+            raise ValueError(f"--seq: S_total {s} is not a multiple of --world {args.world}")
+    cases = [Case(b, h, h_kv, d, s, c == "1", p)
+             for s in sorted(seqs) for b in _ints("--batch", get("batch")) for h, h_kv in _heads(get("heads"))
+             for d in _ints("--head-dim", get("head_dim")) for c in causals for p in passes]
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs, layouts, numerics
+
+
+def _full_inputs(case: Case, dtype: torch.dtype, dev: str) -> dict[str, torch.Tensor]:
+    """The whole-sequence q, k, v, dout: the same on every rank (one seed)."""
+    g = torch.Generator(device=dev).manual_seed(1234)
+    rnd = lambda h: torch.randn(case.batch, h, case.seq, case.head_dim, generator=g, device=dev, dtype=dtype)  # noqa: E731
+    return {"q": rnd(case.heads), "k": rnd(case.kv_heads), "v": rnd(case.kv_heads), "dout": rnd(case.heads)}
+
+
+def shard(t: torch.Tensor, rank: int, world: int, layout: str) -> torch.Tensor:
+    """This rank's part of `t` along dim 2: `contiguous` (chunk r of W) or `head_tail` (torch
+    CP's load balancing: chunks r and 2W-1-r of 2W)."""
+    if layout == "contiguous":
+        return t.chunk(world, dim=2)[rank].contiguous()
+    if layout == "head_tail":
+        chunks = t.chunk(2 * world, dim=2)
+        return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=2).contiguous()
+    raise ValueError(f"shard: layout must be contiguous or head_tail, got {layout!r}")
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    from torch_commopt.validate import rel_err
+
+    return rel_err(x, ref)
+
+
+def _errors(got: dict, ref: dict, rank: int, world: int, layout: str) -> dict[str, float]:
+    return {name: _rel_err(got[name], shard(ref[name], rank, world, layout)) for name in got}
+
+
+def _leaves(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def _grads(leaves: list[torch.Tensor], kv_heads: int = 0) -> dict[str, torch.Tensor]:
+    """dq, dk, dv of the last backward; kv_heads: fold K/V grads that were expanded to H heads
+    back to kv_heads (sum over each group of H / kv_heads query heads)."""
+    dq, dk, dv = (t.grad for t in leaves)
+    if kv_heads and dk.shape[1] != kv_heads:
+        b, h, s, d = dk.shape
+        dk, dv = (g.view(b, kv_heads, h // kv_heads, s, d).sum(2) for g in (dk, dv))
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
+def _reset(leaves: list[torch.Tensor]) -> None:
+    for t in leaves:
+        t.grad = None
+
+
+# ---------------------------------------------------------------------------------------------
+# variants: each is a context manager yielding (step, outputs) -- step() runs one call,
+# outputs() returns {"out": ..., "dq": ...} of the last call, in the variant's own layout
+
+
+def _sdpa_kwargs(case: Case) -> dict:
+    return {"is_causal": case.causal, **({"enable_gqa": True} if case.heads != case.kv_heads else {})}
+
+
+def _fused_only(dev: str):
+    """On CUDA, SDPA without its math fallback: at long sequences math would materialize S x S
+    scores (an OOM, or a meaningless figure) instead of saying that no fused kernel takes the call."""
+    if dev != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+@contextlib.contextmanager
+def single_gpu(case: Case, full: dict):
+    """The whole sequence on this rank's device (every rank the same, no communication)."""
+    last = {}
+    fused = lambda: _fused_only(full["q"].device.type)  # noqa: E731
+    if not case.backward:
+        def step():
+            with torch.no_grad(), fused():
+                last["out"] = F.scaled_dot_product_attention(full["q"], full["k"], full["v"], **_sdpa_kwargs(case))
+        yield step, lambda: dict(last)
+        return
+    leaves = _leaves(full["q"], full["k"], full["v"])
+
+    def step():
+        _reset(leaves)
+        with fused():
+            last["out"] = F.scaled_dot_product_attention(*leaves, **_sdpa_kwargs(case))
+        last["out"].backward(full["dout"])
+    yield step, lambda: {"out": last["out"].detach(), **_grads(leaves)}
+
+
+@contextlib.contextmanager
+def commopt_schedule(case: Case, local: dict, schedule: str, group: dist.ProcessGroup):
+    from torch_commopt.attention import cp_attention
+
+    last = {}
+    world, name = group.size(), group.group_name
+    if not case.backward:
+        def step():
+            last["out"] = torch.ops.commopt.cp_attention_fwd(local["q"], local["k"], local["v"], schedule,
+                                                             case.causal, None, world, name)[0]
+        yield step, lambda: dict(last)
+        return
+    leaves = _leaves(local["q"], local["k"], local["v"])
+
+    def step():
+        _reset(leaves)
+        last["out"] = cp_attention(*leaves, schedule=schedule, causal=case.causal, group=group)
+        last["out"].backward(local["dout"])
+    yield step, lambda: {"out": last["out"].detach(), **_grads(leaves)}
+
+
+@dataclass
+class TorchCP:
+    """How torch CP runs a case: the rotate method, whether load balancing is on (its default)
+    and whether K/V are expanded to H heads (GQA fallback)."""
+
+    method: str
+    load_balance: bool = True
+    expand_kv: bool = False
+
+    def layout(self, case: Case, world: int) -> str:
+        # context_parallel's default balancer exists only when S % 2W == 0 (_load_balancer.py)
+        return "head_tail" if self.load_balance and case.seq % (2 * world) == 0 else "contiguous"
+
+
+def _cp_state() -> tuple:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._attention import _cp_options
+
+    return (_cp_options.enable_load_balance, frozenset(DTensor._op_dispatcher._custom_op_handlers))
+
+
+class TorchCPLeak(RuntimeError):
+    """A torch CP context left global state patched: every later timing would be wrong."""
+
+
+def check_torch_cp_restored(before: tuple) -> None:
+    """Raise if a torch CP context left SDPA patched (or its dispatcher / options changed): later
+    timings would silently run through it."""
+    if F.scaled_dot_product_attention is not _ORIGINAL_SDPA:
+        raise TorchCPLeak("torch CP context exit left F.scaled_dot_product_attention patched "
+                           f"({F.scaled_dot_product_attention!r}); later timings would be contaminated")
+    if _cp_state() != before:
+        raise TorchCPLeak("torch CP context exit left _cp_options.enable_load_balance or DTensor's custom op "
+                           "handlers changed; later timings would be contaminated")
+
+
+@contextlib.contextmanager
+def torch_cp(case: Case, full: dict, how: TorchCP, mesh, warm: bool = False):
+    """One torch CP context with fresh full-size buffers (sharded in place by the context, never
+    restored: all in no_restore_buffers); leaves requiring grad are made inside from the shards,
+    since the context's exit cannot resize tensors that require grad.  warm: one call before
+    yielding (a fresh context re-registers CP's DTensor handlers and sharding rules; whatever
+    its first call pays for that stays out of the timed window)."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+
+    before = _cp_state()
+    set_rotate_method(how.method)
+    bufs = [full[n].clone() for n in ("q", "k", "v", "dout")]
+    if how.expand_kv:
+        rep = case.heads // case.kv_heads
+        bufs[1], bufs[2] = (t.repeat_interleave(rep, dim=1) for t in bufs[1:3])
+    kwargs = {"is_causal": case.causal, **({"enable_gqa": True} if bufs[1].shape[1] != case.heads else {})}
+    old_lb = _cp_options.enable_load_balance
+    _cp_options.enable_load_balance = how.load_balance
+    last = {}
+    try:
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
+            q, k, v, dout = bufs  # now this rank's shards
+            if not case.backward:
+                def step():
+                    with torch.no_grad():
+                        last["out"] = F.scaled_dot_product_attention(q, k, v, **kwargs)
+                if warm:
+                    step()
+                yield step, lambda: dict(last)
+            else:
+                leaves = _leaves(q, k, v)
+
+                def step():
+                    _reset(leaves)
+                    last["out"] = F.scaled_dot_product_attention(*leaves, **kwargs)
+                    last["out"].backward(dout)
+                if warm:
+                    step()
+                yield step, lambda: {"out": last["out"].detach(), **_grads(leaves, case.kv_heads)}
+    finally:
+        _cp_options.enable_load_balance = old_lb
+        check_torch_cp_restored(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+class Clock:
+    """CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, dev: str):
+        self.cuda = dev == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time_ms(self, step, count: int) -> float:
+        self.sync()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(count):
+                step()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / count
+        t0 = time.perf_counter()
+        for _ in range(count):
+            step()
+        return (time.perf_counter() - t0) * 1e3 / count
+
+
+def _agreed_count(ms: float, target_ms: float, dev: str) -> int:
+    n = torch.tensor([max(1, min(200, int(target_ms / max(ms, 1e-3)) + 1))], device=dev, dtype=torch.float64)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n.item())
+
+
+def time_variants(variants: dict, clock: Clock, dev: str, repeats: int, target_ms: float) -> dict[str, list[float]]:
+    """{name: [ms per call in each round, slowest rank]}.  A variant is a zero-argument
+    callable returning a fresh context manager that yields (step, outputs); torch CP's
+    contexts are entered once per sample, outside the timed window."""
+    names = list(variants)
+    counts = {}
+    for name in names:
+        with variants[name]() as (step, _):
+            step()  # warm-up (kernel selection, allocator)
+            counts[name] = _agreed_count(clock.time_ms(step, 1), target_ms, dev)
+    samples = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            with variants[name]() as (step, _):
+                dist.barrier()
+                samples[name].append(clock.time_ms(step, counts[name]))
+    t = torch.tensor([samples[n] for n in names], device=dev, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(names, t.tolist()))
+
+
+# ---------------------------------------------------------------------------------------------
+# one case
+
+
+def _agree_max(values: list[float], dev: str) -> list[float]:
+    t = torch.tensor(values, device=dev, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _global_errors(errors: dict[str, float], dev: str) -> dict[str, float]:
+    """Each error's maximum over ranks (every rank checks its own shard)."""
+    return dict(zip(errors, _agree_max(list(errors.values()), dev))) if errors else {}
+
+
+def _commopt_plan(case: Case, world: int, dtype: torch.dtype, dev: str, only: list[str] | None):
+    """(schedules to run, pick, the cost model's ranking).  The pick is always run."""
+    from torch_commopt.attention.cost import candidates, rank_schedules
+    from torch_commopt.attention.rewrite import MACHINES
+    from torch_commopt.attention.spec import refusal
+
+    accepted = [str(s) for s in candidates(case.shape, world=world, causal=case.causal)]
+    ranked = rank_schedules(case.shape, world=world, causal=case.causal, dtype=dtype, machine=MACHINES[dev],
+                            backward=case.backward)
+    pick = ranked[0][0]
+    if only is None:
+        return accepted, pick, ranked
+    chosen = [s for s in only if refusal(s, case.shape, world, case.causal) is None]
+    for s in set(only) - set(chosen):
+        log.info("%s: --schedules %s skipped (%s)", case.label(), s, refusal(s, case.shape, world, case.causal))
+    return chosen + ([pick] if pick not in chosen else []), pick, ranked
+
+
+def _try_torch_cp(case: Case, full: dict, ref: dict, how: TorchCP, mesh, rank: int, world: int, dev: str):
+    """(errors vs the full attention, None) if torch CP runs the case, else (None, reason).
+    Every rank must agree: a failure on any rank is a failure on all."""
+    errors, reason = None, None
+    try:
+        with torch_cp(case, full, how, mesh) as (step, outputs):
+            step()
+            errors = _errors(outputs(), ref, rank, world, how.layout(case, world))
+    except TorchCPLeak:
+        raise
+    except (RuntimeError, NotImplementedError, ValueError, AssertionError, TypeError) as e:
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    ok = torch.tensor([0.0 if reason else 1.0], device=dev)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if reason is None and ok.item() < 1:
+        reason = "failed on another rank"
+    return (None, reason) if reason else (_global_errors(errors, dev), None)
+
+
+def _torch_cp_plans(case, full, ref, mesh, rank, world, dev, no_lb: bool) -> dict[str, dict]:
+    """Per rotate method: {"how": TorchCP or None, "errors", "reason", "gqa"}."""
+    plans = {}
+    for method in TORCH_CP_METHODS:
+        how = TorchCP(method, load_balance=not (no_lb and not case.causal))
+        errors, reason = _try_torch_cp(case, full, ref, how, mesh, rank, world, dev)
+        gqa = "native" if case.heads != case.kv_heads else None
+        if reason and gqa:  # GQA refused? retry with K/V expanded to H heads (more bytes moved)
+            expanded = TorchCP(method, load_balance=how.load_balance, expand_kv=True)
+            errors, reason2 = _try_torch_cp(case, full, ref, expanded, mesh, rank, world, dev)
+            if reason2 is None:
+                how, gqa, reason = expanded, f"K/V expanded to H heads (native GQA: {reason})", None
+            else:
+                reason = f"{reason}; with K/V expanded: {reason2}"
+        plans[method] = {"how": None if reason else how, "errors": errors, "reason": reason, "gqa": gqa,
+                         "layout": how.layout(case, world), "load_balance": how.load_balance}
+    return plans
+
+
+def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, mesh, args) -> dict:
+    """Check numerics of every variant, then time them all in the same rounds."""
+    from torch_commopt.attention.local import pick as local_pick
+
+    group = dist.group.WORLD
+    clock = Clock(dev)
+    full = _full_inputs(case, dtype, dev)
+    local = {n: shard(t, rank, world, "contiguous") for n, t in full.items()}
+    with single_gpu(case, full) as (step, outputs):
+        step()
+        ref = outputs()
+    scheds, pick, ranked = _commopt_plan(case, world, dtype, dev, args.schedules)
+    tol = TOLERANCE.get(dtype, 3e-2)
+    errors = {}
+    for s in scheds:
+        with commopt_schedule(case, local, s, group) as (step, outputs):
+            step()
+            errors[s] = _global_errors(_errors(outputs(), ref, rank, world, "contiguous"), dev)
+        if max(errors[s].values()) > tol:
+            log.warning("%s: commopt %s relative error %s above %.0e", case.label(), s, errors[s], tol)
+    cp = _torch_cp_plans(case, full, ref, mesh, rank, world, dev, args.torch_cp_no_lb)
+    variants = {"single_gpu_full": lambda: single_gpu(case, full)}
+    variants.update({f"torch_cp_{m}": (lambda h=p["how"]: torch_cp(case, full, h, mesh, warm=True))
+                     for m, p in cp.items() if p["how"] is not None})
+    variants.update({f"commopt {s}": (lambda s=s: commopt_schedule(case, local, s, group)) for s in scheds})
+    rounds = time_variants(variants, clock, dev, args.repeats, args.target_ms)
+    rec = _record(case, world, dtype, rounds, errors, tol, pick, ranked, cp)
+    rec["commopt_local_backend"] = local_pick(local["q"], local["k"]).name
+    return rec
+
+
+def _record(case: Case, world: int, dtype: torch.dtype, rounds: dict, errors: dict, tol: float, pick: str,
+            ranked: list, cp: dict) -> dict:
+    ms = {name: statistics.median(v) for name, v in rounds.items()}
+    sched_ms = {k.removeprefix("commopt "): v for k, v in ms.items() if k.startswith("commopt ")}
+    torch_ms = {m: ms.get(f"torch_cp_{m}") for m in TORCH_CP_METHODS}
+    commopt_ms = sched_ms[pick]
+    timed_torch = [t for t in torch_ms.values() if t is not None]
+    best = min(sched_ms, key=sched_ms.get)
+    return {
+        "B": case.batch, "H": case.heads, "H_kv": case.kv_heads, "D": case.head_dim, "S_total": case.seq,
+        "causal": case.causal, "world": world, "pass": case.pass_, "dtype": str(dtype).removeprefix("torch."),
+        "single_gpu_full_ms": ms["single_gpu_full"],
+        "single_gpu_full_note": "every rank computes the whole-sequence attention on its own device at once; "
+                                "slowest rank",
+        "torch_cp_allgather_ms": torch_ms["allgather"], "torch_cp_alltoall_ms": torch_ms["alltoall"],
+        "torch_cp": {m: {k: v for k, v in p.items() if k != "how"} for m, p in cp.items()},
+        "commopt_ms": commopt_ms, "commopt_schedule": pick,
+        "commopt_pick_by": "attention.cost.rank_schedules (rewrite.MACHINES figures, uncalibrated)",
+        "commopt_predicted_ms": dict(ranked),
+        "efficiency": ms["single_gpu_full"] / (world * commopt_ms),
+        "speedup_vs_torch_cp": min(timed_torch) / commopt_ms if timed_torch else None,
+        "torch_cp_best": min((m for m in torch_ms if torch_ms[m] is not None), key=torch_ms.get, default=None),
+        "schedules_ms": sched_ms, "schedule_errors": errors,
+        "numerics_ok": {s: max(e.values()) <= tol for s, e in errors.items()}, "tolerance": tol,
+        "best_schedule": best, "best_schedule_ms": sched_ms[best],
+        "round_range_ms": {k: [min(v), max(v)] for k, v in rounds.items()},
+    }
+
+
+def worker(rank: int, world: int, cases: list[Case], args: argparse.Namespace, partial_path: str | None) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_commopt  # noqa: F401  (registers the commopt ops)
+
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+    dtype = torch.float32 if dev == "cpu" else getattr(torch, args.dtype)
+    mesh = init_device_mesh(dev, (world,))
+    records = []
+    for i, case in enumerate(cases):
+        t0 = time.perf_counter()
+        rec = run_case(case, rank, world, dev, dtype, mesh, args)
+        records.append(rec)
+        if rank == 0:
+            log.info("[%d/%d %.1fs] %s", i + 1, len(cases), time.perf_counter() - t0, _row(rec))
+            if partial_path:
+                with open(partial_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return records
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def _f(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _case_cell(r: dict) -> str:
+    return (f"{r['B']} | {r['H']}/{r['H_kv']} | {r['D']} | {r['S_total']} | {'yes' if r['causal'] else 'no'} | "
+            f"{r['pass']}")
+
+
+def _row(r: dict) -> str:
+    return (f"B{r['B']} H{r['H']}/{r['H_kv']} D{r['D']} S{r['S_total']} {'causal' if r['causal'] else 'full'} "
+            f"{r['pass']}: single {_f(r['single_gpu_full_ms'])} | torch CP ag {_f(r['torch_cp_allgather_ms'])} "
+            f"a2a {_f(r['torch_cp_alltoall_ms'])} | commopt {_f(r['commopt_ms'])} ({r['commopt_schedule']}) | "
+            f"eff {_f(r['efficiency'], 2)} speedup {_f(r['speedup_vs_torch_cp'])} | best {r['best_schedule']}")
+
+
+def report(records: list[dict], meta: dict) -> str:
+    lines = [f"# Context-parallel attention on {meta['device']} x{meta['world']} ({meta['date']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, {meta['dtype']}.", "",
+             f"Command: `{meta['command']}`", ""]
+    if meta["device"].startswith("CPU"):
+        lines += ["CPU smoke run (gloo): the figures mean nothing. torch CP's ring dispatches only the CUDA SDPA "
+                  "kernels; what runs here (if anything) is DTensor's generic SDPA sharding, not its ring.", ""]
+    lines += ["| B | H/H_kv | D | S_total | causal | pass | single GPU full | torch CP allgather | torch CP alltoall "
+             "| commopt | schedule | efficiency | speedup vs torch CP | best schedule (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        flag = "" if r["numerics_ok"][r["commopt_schedule"]] else " (NUMERICS FAILED)"
+        lines.append(f"| {_case_cell(r)} | {_f(r['single_gpu_full_ms'])} | {_f(r['torch_cp_allgather_ms'])} | "
+                     f"{_f(r['torch_cp_alltoall_ms'])} | {_f(r['commopt_ms'])} | {r['commopt_schedule']}{flag} | "
+                     f"{_f(r['efficiency'], 2)} | {_f(r['speedup_vs_torch_cp'])} | "
+                     f"{r['best_schedule']} ({_f(r['best_schedule_ms'])}) |")
+    lines += ["", "Times in ms per call (back-to-back calls, median of rounds in rotated order, slowest rank). "
+              "Single GPU full: every rank computes the whole-sequence attention on its own device at the same "
+              "time. efficiency = single / (W x commopt); speedup = faster torch CP / commopt. commopt's pick "
+              "is attention.cost.rank_schedules' first with UNCALIBRATED machine figures (rewrite.MACHINES); "
+              "its time is that schedule's. '-': not measured (reason below).", "",
+              "## Every commopt schedule (ms; max relative error vs single-device full attention over out, "
+              "dq, dk, dv; predicted ms)", ""]
+    for r in records:
+        cells = ", ".join(f"`{s}` {t:.3f} ({max(r['schedule_errors'][s].values()):.1e}"
+                          f"{'' if r['numerics_ok'][s] else ' FAILED'}; pred {r['commopt_predicted_ms'].get(s, 0):.3f})"
+                          for s, t in r["schedules_ms"].items())
+        lines.append(f"- {_row_key(r)}: {cells}")
+    lines += ["", "## torch CP (per rotate method: layout, GQA, error vs full attention, or why not run)", ""]
+    for r in records:
+        cells = []
+        for m, p in r["torch_cp"].items():
+            what = (f"{p['layout']}{', ' + p['gqa'] if p['gqa'] else ''}, err "
+                    f"{max(p['errors'].values()):.1e}" if p["errors"] else f"not run: {p['reason']}")
+            cells.append(f"{m}: {what}")
+        lines.append(f"- {_row_key(r)}: " + "; ".join(cells))
+    lines += ["", "## Spread (fastest..slowest round, ms)", ""]
+    for r in records:
+        lines.append(f"- {_row_key(r)}: " + ", ".join(f"{k} {lo:.3f}..{hi:.3f}"
+                                                     for k, (lo, hi) in r["round_range_ms"].items()))
+    return "\n".join(lines) + "\n"
+
+
+def _row_key(r: dict) -> str:
+    return (f"B{r['B']} H{r['H']}/{r['H_kv']} D{r['D']} S{r['S_total']} {'causal' if r['causal'] else 'full'} "
+            f"{r['pass']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+
+def _meta(args: argparse.Namespace) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = "CPU (gloo)" if args.cpu else torch.cuda.get_device_name(0)
+    return {"device": device, "world": args.world, "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "triton": triton_version, "commit": args.commit or _git_commit(),
+            "host": platform.node(), "dtype": "float32" if args.cpu else args.dtype,
+            "command": "python3 " + " ".join(sys.argv)}
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="result folder (default benchmarks/results; --cpu: none)")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--full", action="store_true", help="the full sweep (B 1,2,4; S_total 8K..128K)")
+    parser.add_argument("--cpu", action="store_true", help="smoke run on gloo: float32, tiny shapes")
+    parser.add_argument("--batch", help="comma-separated B values")
+    parser.add_argument("--heads", help="comma-separated H/H_kv pairs, e.g. 32/32,32/8")
+    parser.add_argument("--head-dim", dest="head_dim", help="comma-separated D values")
+    parser.add_argument("--seq", help="comma-separated S_total values")
+    parser.add_argument("--causal", help="comma-separated 1 (causal) / 0 (not)")
+    parser.add_argument("--passes", help="comma-separated fwd / fwd+bwd")
+    parser.add_argument("--schedules", type=lambda s: [x for x in s.split(",") if x] or None, default=None,
+                        help="commopt schedules to time (default: every one the spec accepts; the pick always)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--repeats", type=int, default=None, help="timing rounds (default 5; --cpu 2)")
+    parser.add_argument("--target-ms", dest="target_ms", type=float, default=None,
+                        help="each sample's back-to-back calls last at least this long (default 20; --cpu 1)")
+    parser.add_argument("--torch-cp-no-lb", dest="torch_cp_no_lb", action="store_true",
+                        help="run torch CP on non-causal cases with its load balancing off (it refuses them with "
+                             "the default load balancing)")
+    parser.add_argument("--commit", default="")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (2 if args.cpu else 5)
+    args.target_ms = args.target_ms or (1.0 if args.cpu else 20.0)
+    if args.world < 2:
+        raise ValueError(f"--world must be >= 2, got {args.world}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cases = sweep(args)
+    out = pathlib.Path(args.out) if args.out else (None if args.cpu else ROOT / "benchmarks" / "results")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    log.info("%d cases: %s", len(cases), "; ".join(c.label() for c in cases))
+    backend = "gloo" if args.cpu else "nccl"
+    records = run_distributed(worker, args.world, cases, args, str(out / "partial.jsonl") if out else None,
+                              backend=backend, timeout_s=3600)[0]
+    meta = _meta(args)
+    text = report(records, meta)
+    if out:
+        stem = f"attention_{'cpu' if args.cpu else 'h200'}x{args.world}_{meta['date']}{'_' + args.tag if args.tag else ''}"
+        (out / f"{stem}.json").write_text(json.dumps({**meta, "records": records}, indent=1))
+        (out / f"{stem}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
