@@ -84,3 +84,27 @@ def head_parallel_notes(rank: int, world: int):
     torch_commopt.reset_explain()
     check("tp_block", {}, shape={"batch": 2, "seq": 8, "dim": 32, "hidden": 64, "heads": 2 * world})
     return [n for g in torch_commopt.explain().graphs for n in g.notes if n.startswith("attention")]
+
+
+def _rank_dependent_mask(q, k, v, gqa: bool):
+    """Rank 0's mask is the global causal mask, rank 1's a sliding window: only rank 0 could
+    rewrite, which would deadlock; both must keep the program as it is."""
+    s_loc = q.shape[2]
+    rows = torch.arange(s_loc)[:, None] + dist.get_rank() * s_loc
+    cols = torch.arange(s_loc * dist.get_world_size())[None, :]
+    mask = rows >= cols
+    if dist.get_rank() != 0:
+        mask = mask & (rows - cols < 3)
+    return F.scaled_dot_product_attention(q, _gather(k, 2), _gather(v, 2), attn_mask=mask, enable_gqa=gqa)
+
+
+def disagreeing_ranks(rank: int, world: int):
+    """(relative error vs the same program run eagerly, explain notes)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 8, 16, generator=gen) for _ in range(3))
+    want = _rank_dependent_mask(q, k, v, False)
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    got = torch.compile(_rank_dependent_mask, backend="commopt")(*(t.requires_grad_(True) for t in (q, k, v)), False)
+    notes = [n for g in torch_commopt.explain().graphs for n in g.notes if "attention" in n]
+    return float((got.detach() - want).norm() / want.norm()), notes

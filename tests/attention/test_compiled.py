@@ -64,3 +64,13 @@ def test_causal_program_with_the_global_mask_runs_causal_cp(schedule):
     for err, notes, gathers in run_distributed(compiled_cp, 2, "bhsd", (4, 2), True, schedule, True):
         assert any("cp_attention_fwd/bwd" in n for n in notes), notes
         assert gathers == 0 and err < 1e-5, (err, notes)
+
+
+def test_ranks_that_decide_differently_leave_the_attention_alone():
+    # a rewrite on one rank only would deadlock: the decisions are compared across ranks first
+    from compiled_programs import disagreeing_ranks
+
+    for err, notes in run_distributed(disagreeing_ranks, 2):
+        assert any("decisions differ" in n for n in notes), notes
+        assert not any("cp_attention_fwd" in n for n in notes), notes
+        assert err < 1e-5, (err, notes)

@@ -27,7 +27,7 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.attention.detect import AttentionRegion, _reshaped_dim, find_attention
-from torch_commopt.attention.rewrite import _choose, _local
+from torch_commopt.attention.rewrite import _choose, _local, ranks_disagree
 from torch_commopt.passes.chains import set_fake_val
 from torch_commopt.passes.graph_utils import REDUCE_SCATTER, WAIT, aten, group_name_of, static_shape
 
@@ -53,10 +53,14 @@ class NotMatched(Exception):
     """The region's backward does not have the expected shape; left alone."""
 
 
-def rewrite_joint_attention(graph: Graph, schedule: str = "auto") -> list[str]:
-    """Rewrite every all-gather CP attention of a joint graph whose backward matches; notes."""
+def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_timeout_s: float | None = None) -> list[str]:
+    """Rewrite every all-gather CP attention of a joint graph whose backward matches; notes.
+    consistency_timeout_s: check the decisions across ranks first (None: no check)."""
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
+    disagree = ranks_disagree(regions, skips, consistency_timeout_s, schedule)
+    if disagree:
+        return notes + [disagree]
     for region in regions:
         what = f"attention {region.attention.name} ({region.form}, shape {tuple(region.shape)}, W={region.world})"
         if region.form != "allgather_kv" or region.attention.target not in BACKWARD:

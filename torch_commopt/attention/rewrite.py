@@ -38,11 +38,17 @@ MACHINES = {"cuda": CPMachine(link_bytes_per_s=300e9, alpha_s=20e-6, flops_per_s
 RESIZE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 
-def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto") -> list[str]:
+def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
+                      consistency_timeout_s: float | None = None) -> list[str]:
     """Find the graph's context-parallel attention; rewrite it where it can run as
-    cp_attention_fwd (inference graphs).  One explain note per region and per skip."""
+    cp_attention_fwd (inference graphs).  One explain note per region and per skip.
+    consistency_timeout_s: check the decisions across ranks first (None: no check)."""
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
+    if inference:
+        disagree = ranks_disagree(regions, skips, consistency_timeout_s, schedule)
+        if disagree:
+            return notes + [disagree]
     for region in regions:
         what = f"attention {region.attention.name} ({region.form}, shape {tuple(region.shape)}, W={region.world})"
         if not inference:
@@ -63,6 +69,24 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto") 
     for note in notes:
         log.info("commopt: %s", note)
     return notes
+
+
+def ranks_disagree(regions: list[AttentionRegion], skips: list, timeout_s: float | None, schedule: str) -> str | None:
+    """Why the attention rewrite must not run on this graph: the ranks' decisions differ
+    (a rank that rewrites while another keeps the gathers deadlocks both).  A mask is
+    evaluated per rank, so the decision can differ by rank.  None: they agree (or no check)."""
+    from torch_commopt.passes import consistency
+
+    if timeout_s is None or not (regions or skips) or consistency.check_skipped_reason() is not None:
+        return None
+    import torch.distributed as dist
+
+    decisions = [("skip",) for _ in skips] + [
+        (r.form, tuple(r.shape), r.causal, r.world, _choose(r, schedule)[0] if not _unsupported(r) else "kept")
+        for r in regions]
+    world = dist.distributed_c10d._get_default_group().group_name
+    agreed, detail = consistency.ranks_agree([world], consistency.digest(sorted(map(str, decisions))), timeout_s)
+    return None if agreed else f"attention NOT rewritten: the ranks' decisions differ ({detail})"
 
 
 def _unsupported(region: AttentionRegion) -> str | None:

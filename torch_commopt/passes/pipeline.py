@@ -86,8 +86,10 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     if "attention" in config.patterns:
         from torch_commopt.attention.rewrite import rewrite_attention
 
+        timeout = config.consistency_timeout_s if config.check_rank_consistency else None
         _graph_rewrite("attention rewrite", lambda: rewrite_attention(
-            graph, inference=report.graph_kind == "inference", schedule=config.attention_schedule), report)
+            graph, inference=report.graph_kind == "inference", schedule=config.attention_schedule,
+            consistency_timeout_s=timeout), report)
     try:
         from torch_commopt.passes.ar_split import find_ar_splits
 
