@@ -104,3 +104,16 @@ def test_bad_dtype_and_schedule_raise_value_error():
         estimate_ms("ring", GQA + (64, 128), world=2, causal=True, dtype="bfloat17", machine=MACHINE)
     with pytest.raises(ValueError, match="cp schedule"):
         estimate_ms("rign", GQA + (64, 128), world=2, causal=True, dtype="bfloat16", machine=MACHINE)
+
+
+def test_machine_figures_come_from_the_tuner_calibration():
+    from torch_commopt.attention.cost import ATTENTION_OF_GEMM_PEAK, machine_from_calibration
+    from torch_commopt.tuner.calibration import prior
+
+    gpu, cpu = prior("NVIDIA H200", 2), prior("cpu", 2)
+    m = machine_from_calibration(gpu, "bfloat16")
+    assert m.link_bytes_per_s == gpu.p2p.bytes_per_s and m.alpha_s == gpu.p2p.alpha_s  # a ring step is a push
+    assert m.flops_per_s == gpu.gemm_fit("bfloat16").peak_flops * ATTENTION_OF_GEMM_PEAK
+    assert m.launch_s == gpu.host("sequential")
+    c = machine_from_calibration(cpu, "float32")
+    assert cpu.p2p is None and c.link_bytes_per_s == cpu.collective["all_gather"].bytes_per_s

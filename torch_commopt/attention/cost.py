@@ -66,6 +66,22 @@ class CPMachine:
         return self.launch_s + self.alpha_s + (p - 1) / p * nbytes / self.link_bytes_per_s if p > 1 else 0.0
 
 
+# attention kernels reach about this fraction of the GEMM fit's peak (flash-attention
+# forward/backward on H100/H200-class GPUs: ~50-65% of dense bf16 GEMM throughput); not
+# calibrated on its own yet
+ATTENTION_OF_GEMM_PEAK = 0.55
+
+
+def machine_from_calibration(cal, dtype: str) -> CPMachine:
+    """The attention model's machine figures from the tuner's calibration (tuner/calibration.py):
+    a copy-engine push per ring step where the machine has one, else the all-gather's link;
+    the GEMM fit's peak scaled to attention; the NCCL path's host cost per call."""
+    link = cal.p2p if cal.p2p is not None else cal.collective["all_gather"]
+    fit = cal.gemm_fit(dtype)
+    return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s,
+                     flops_per_s=fit.peak_flops * ATTENTION_OF_GEMM_PEAK, launch_s=cal.host("sequential"))
+
+
 @dataclass(frozen=True)
 class _Sizes:
     """Per-rank bytes of one call: q (and out, dout, dq), k + v (and dk + dv), lse."""

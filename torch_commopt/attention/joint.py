@@ -53,12 +53,13 @@ class NotMatched(Exception):
     """The region's backward does not have the expected shape; left alone."""
 
 
-def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_timeout_s: float | None = None) -> list[str]:
+def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_timeout_s: float | None = None,
+                            cache_dir: str | None = None) -> list[str]:
     """Rewrite every all-gather CP attention of a joint graph whose backward matches; notes.
     consistency_timeout_s: check the decisions across ranks first (None: no check)."""
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
-    disagree = ranks_disagree(regions, skips, consistency_timeout_s, schedule)
+    disagree = ranks_disagree(regions, skips, consistency_timeout_s, schedule, cache_dir)
     if disagree:
         return notes + [disagree]
     for region in regions:
@@ -71,7 +72,7 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
         except NotMatched as e:
             notes.append(f"{what}: not rewritten ({e})")
             continue
-        chosen, ranked = _choose(region, schedule)
+        chosen, ranked = _choose(region, schedule, cache_dir)
         _apply(graph, region, plan, chosen)
         shown = ", ".join(f"{n} {ms:.3f} ms" for n, ms in ranked[:4])
         notes.append(f"{what}: cp_attention_fwd/bwd {chosen} in the joint graph (predicted forward: {shown})")

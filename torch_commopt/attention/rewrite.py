@@ -39,14 +39,14 @@ RESIZE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 
 
 def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
-                      consistency_timeout_s: float | None = None) -> list[str]:
+                      consistency_timeout_s: float | None = None, cache_dir: str | None = None) -> list[str]:
     """Find the graph's context-parallel attention; rewrite it where it can run as
     cp_attention_fwd (inference graphs).  One explain note per region and per skip.
     consistency_timeout_s: check the decisions across ranks first (None: no check)."""
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
     if inference:
-        disagree = ranks_disagree(regions, skips, consistency_timeout_s, schedule)
+        disagree = ranks_disagree(regions, skips, consistency_timeout_s, schedule, cache_dir)
         if disagree:
             return notes + [disagree]
     for region in regions:
@@ -62,7 +62,7 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
         if why:
             notes.append(f"{what}: not rewritten ({why})")
             continue
-        chosen, ranked = _choose(region, schedule)
+        chosen, ranked = _choose(region, schedule, cache_dir)
         _apply(graph, region, chosen)
         shown = ", ".join(f"{n} {ms:.3f} ms" for n, ms in ranked[:4])
         notes.append(f"{what}: cp_attention_fwd {chosen} (predicted: {shown})")
@@ -71,7 +71,8 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
     return notes
 
 
-def ranks_disagree(regions: list[AttentionRegion], skips: list, timeout_s: float | None, schedule: str) -> str | None:
+def ranks_disagree(regions: list[AttentionRegion], skips: list, timeout_s: float | None, schedule: str,
+                   cache_dir: str | None = None) -> str | None:
     """Why the attention rewrite must not run on this graph: the ranks' decisions differ
     (a rank that rewrites while another keeps the gathers deadlocks both).  A mask is
     evaluated per rank, so the decision can differ by rank.  None: they agree (or no check)."""
@@ -82,7 +83,7 @@ def ranks_disagree(regions: list[AttentionRegion], skips: list, timeout_s: float
     import torch.distributed as dist
 
     decisions = [("skip",) for _ in skips] + [
-        (r.form, tuple(r.shape), r.causal, r.world, _choose(r, schedule)[0] if not _unsupported(r) else "kept")
+        (r.form, tuple(r.shape), r.causal, r.world, _choose(r, schedule, cache_dir, timeout_s)[0] if not _unsupported(r) else "kept")
         for r in regions]
     world = dist.distributed_c10d._get_default_group().group_name
     agreed, detail = consistency.ranks_agree([world], consistency.digest(sorted(map(str, decisions))), timeout_s)
@@ -100,10 +101,13 @@ def _unsupported(region: AttentionRegion) -> str | None:
     return None
 
 
-def _choose(region: AttentionRegion, schedule: str) -> tuple[str, list[tuple[str, float]]]:
+def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None,
+            timeout_s: float = 300.0) -> tuple[str, list[tuple[str, float]]]:
+    """(schedule, ranked predictions): the named one (checked), else the attention model's
+    first with the machine's tuner calibration (rank 0's; else the priors)."""
     q = val(region.inputs["q"])
-    machine = MACHINES["cuda" if q.device.type == "cuda" else "cpu"]
-    ranked = rank_schedules(region.shape, world=region.world, causal=region.causal, dtype=q.dtype, machine=machine)
+    ranked = rank_schedules(region.shape, world=region.world, causal=region.causal, dtype=q.dtype,
+                            machine=_machine(q, region, cache_dir, timeout_s))
     if schedule != "auto":
         why = refusal(schedule, region.shape, region.world, region.causal)
         if why is not None:
@@ -111,6 +115,18 @@ def _choose(region: AttentionRegion, schedule: str) -> tuple[str, list[tuple[str
                              f"{region.world} ranks: {why}")
         return schedule, ranked
     return ranked[0][0], ranked
+
+
+def _machine(q: torch.Tensor, region: AttentionRegion, cache_dir: str | None, timeout_s: float) -> CPMachine:
+    from torch_commopt.attention.cost import machine_from_calibration
+    from torch_commopt.tuner.choose import calibration_for
+
+    try:
+        cal = calibration_for(q.device, region.world, region.group_name, cache_dir, timeout_s)
+        return machine_from_calibration(cal, str(q.dtype).removeprefix("torch."))
+    except (KeyError, ValueError, RuntimeError) as e:  # no usable calibration: the round figures
+        log.info("commopt attention: no calibration for %s (%s); using the round figures", q.device, e)
+        return MACHINES["cuda" if q.device.type == "cuda" else "cpu"]
 
 
 def _apply(graph: Graph, region: AttentionRegion, schedule: str) -> None:
