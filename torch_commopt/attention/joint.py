@@ -27,7 +27,7 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.attention.detect import AttentionRegion, _reshaped_dim, find_attention
-from torch_commopt.attention.rewrite import _choose, _local, ranks_disagree
+from torch_commopt.attention.rewrite import _choose, _local, _shown, describe, ranks_disagree
 from torch_commopt.passes.chains import set_fake_val
 from torch_commopt.passes.graph_utils import REDUCE_SCATTER, WAIT, aten, group_name_of, static_shape
 
@@ -59,23 +59,25 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
     consistency_timeout_s: check the decisions across ranks first (None: no check)."""
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
-    disagree = ranks_disagree(regions, skips, consistency_timeout_s, schedule, cache_dir)
+    plans = {}
+    for region in regions:
+        if region.form != "allgather_kv" or region.attention.target not in BACKWARD:
+            notes.append(f"{describe(region)}: found; {region.form} with {region.op} is not rewritten in training yet")
+            continue
+        try:
+            plans[id(region)] = _match(region)
+        except NotMatched as e:
+            notes.append(f"{describe(region)}: not rewritten ({e})")
+    choices = {id(r): _choose(r, schedule, cache_dir) for r in regions if id(r) in plans}
+    disagree = ranks_disagree(regions, skips, choices, consistency_timeout_s)
     if disagree:
         return notes + [disagree]
     for region in regions:
-        what = f"attention {region.attention.name} ({region.form}, shape {tuple(region.shape)}, W={region.world})"
-        if region.form != "allgather_kv" or region.attention.target not in BACKWARD:
-            notes.append(f"{what}: found; {region.form} with {region.op} is not rewritten in training yet")
-            continue
-        try:
-            plan = _match(region)
-        except NotMatched as e:
-            notes.append(f"{what}: not rewritten ({e})")
-            continue
-        chosen, ranked = _choose(region, schedule, cache_dir)
-        _apply(graph, region, plan, chosen)
-        shown = ", ".join(f"{n} {ms:.3f} ms" for n, ms in ranked[:4])
-        notes.append(f"{what}: cp_attention_fwd/bwd {chosen} in the joint graph (predicted forward: {shown})")
+        if id(region) in plans:
+            chosen, ranked = choices[id(region)]
+            _apply(graph, region, plans[id(region)], chosen)
+            notes.append(f"{describe(region)}: cp_attention_fwd/bwd {chosen} in the joint graph "
+                         f"(predicted forward: {_shown(ranked)})")
     return notes
 
 

@@ -45,37 +45,48 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
     consistency_timeout_s: check the decisions across ranks first (None: no check)."""
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
+    reasons = {id(r): _why_kept(r, inference) for r in regions}
+    choices = {id(r): _choose(r, schedule, cache_dir) for r in regions if reasons[id(r)] is None}
     if inference:
-        disagree = ranks_disagree(regions, skips, consistency_timeout_s, schedule, cache_dir)
+        disagree = ranks_disagree(regions, skips, choices, consistency_timeout_s)
         if disagree:
             return notes + [disagree]
     for region in regions:
-        what = f"attention {region.attention.name} ({region.form}, shape {tuple(region.shape)}, W={region.world})"
-        if not inference:
-            notes.append(f"{what}: found in a training graph and left as it is (the joint-graph "
-                         "rewrite did not take it; see its note)")
+        what = describe(region)
+        if reasons[id(region)] is not None:
+            notes.append(f"{what}: {reasons[id(region)]}")
             continue
-        if region.form != "allgather_kv":
-            notes.append(f"{what}: found; {region.form} is not rewritten yet")
-            continue
-        why = _unsupported(region)
-        if why:
-            notes.append(f"{what}: not rewritten ({why})")
-            continue
-        chosen, ranked = _choose(region, schedule, cache_dir)
+        chosen, ranked = choices[id(region)]
         _apply(graph, region, chosen)
-        shown = ", ".join(f"{n} {ms:.3f} ms" for n, ms in ranked[:4])
-        notes.append(f"{what}: cp_attention_fwd {chosen} (predicted: {shown})")
+        notes.append(f"{what}: cp_attention_fwd {chosen} (predicted: {_shown(ranked)})")
     for note in notes:
         log.info("commopt: %s", note)
     return notes
 
 
-def ranks_disagree(regions: list[AttentionRegion], skips: list, timeout_s: float | None, schedule: str,
-                   cache_dir: str | None = None) -> str | None:
+def describe(region: AttentionRegion) -> str:
+    return f"attention {region.attention.name} ({region.form}, shape {tuple(region.shape)}, W={region.world})"
+
+
+def _shown(ranked: list[tuple[str, float]]) -> str:
+    return ", ".join(f"{n} {ms:.3f} ms" for n, ms in ranked[:4])
+
+
+def _why_kept(region: AttentionRegion, inference: bool) -> str | None:
+    """Why the post-grad rewrite leaves a region as it is (None: it rewrites it)."""
+    if not inference:
+        return "found in a training graph and left as it is (the joint-graph rewrite did not take it; see its note)"
+    if region.form != "allgather_kv":
+        return f"found; {region.form} is not rewritten yet"
+    why = _unsupported(region)
+    return f"not rewritten ({why})" if why else None
+
+
+def ranks_disagree(regions: list[AttentionRegion], skips: list, choices: dict, timeout_s: float | None) -> str | None:
     """Why the attention rewrite must not run on this graph: the ranks' decisions differ
     (a rank that rewrites while another keeps the gathers deadlocks both).  A mask is
-    evaluated per rank, so the decision can differ by rank.  None: they agree (or no check)."""
+    evaluated per rank, so the decision can differ by rank.  choices: id(region) -> (schedule,
+    ranking) of the regions this rank would rewrite.  None: they agree (or no check)."""
     from torch_commopt.passes import consistency
 
     if timeout_s is None or not (regions or skips) or consistency.check_skipped_reason() is not None:
@@ -83,7 +94,7 @@ def ranks_disagree(regions: list[AttentionRegion], skips: list, timeout_s: float
     import torch.distributed as dist
 
     decisions = [("skip",) for _ in skips] + [
-        (r.form, tuple(r.shape), r.causal, r.world, _choose(r, schedule, cache_dir, timeout_s)[0] if not _unsupported(r) else "kept")
+        (r.form, tuple(r.shape), r.causal, r.world, choices[id(r)][0] if id(r) in choices else "kept")
         for r in regions]
     world = dist.distributed_c10d._get_default_group().group_name
     agreed, detail = consistency.ranks_agree([world], consistency.digest(sorted(map(str, decisions))), timeout_s)

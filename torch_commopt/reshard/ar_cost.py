@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from torch_commopt.tuner.calibration import Calibration
 from torch_commopt.tuner.model import RegionShape, collective_time, rank
 
@@ -60,7 +62,7 @@ def split_cost(s: SplitShapes, cal: Calibration) -> SplitCost:
     keep = _best(RegionShape("matmul_ar", s.rows, s.k, (s.n,), s.world, s.dtype), cal) + ops_s
     split = _best(RegionShape("matmul_rs", s.rows, s.k, (s.n,), s.world, s.dtype), cal) + ops_s / s.world
     local_rows = s.rows // s.world
-    elt = RegionShape("ag_matmul", 1, 1, (1,), s.world, s.dtype).elt
+    elt = getattr(torch, s.dtype).itemsize
     for width, gemms in s.gathered:
         if gemms:  # the all-gather meets its GEMMs: what the region costs beyond them
             region = RegionShape("ag_matmul", local_rows, width, tuple(gemms), s.world, s.dtype)
