@@ -1,4 +1,5 @@
-"""GPU tests run on the device machine (`make test-gpu`); each skips without 2 GPUs.
+"""GPU tests run on the device machine (`make test-gpu`); each skips without the GPUs it needs
+(`two_gpus`: 2; `one_gpu`: 1).
 CUDA is queried inside the tests, never at import."""
 
 from __future__ import annotations
@@ -19,3 +20,12 @@ def two_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     return 2
+
+
+@pytest.fixture
+def one_gpu():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch.device("cuda", 0)

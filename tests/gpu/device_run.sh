@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|plan|attention|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|plan|attention|attention1|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -30,6 +30,11 @@ if [[ $what == attention ]]; then
   # sweep (BENCH_ARGS may add --full, --seq ..., --passes ...; partial.jsonl keeps a cut-short run)
   mkdir -p "$out/attention"
   timeout ${ATTN_TIMEOUT:-560} python3 benchmarks/bench_attention.py --out "$out/attention" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention.log"
+fi
+if [[ $what == attention1 ]]; then
+  # one GPU: the CUDA local-attention backends vs math, and each schedule's compute alone per rank
+  timeout 200 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_attention_local.py 2>&1 | tee "$out/gpu_attention_local.log"
+  timeout ${PROBE_TIMEOUT:-380} python3 benchmarks/probe_attention_blocks.py "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention_blocks.log"
 fi
 if [[ $what == probes ]]; then
   # per-shard GEMM split cost (one vs two streams) and the host cost per call (cProfile)

@@ -123,13 +123,20 @@ def _efficient_fwd(q, k, v, scale, causal):
     return out, lse[..., : q.shape[2]]  # its lse is padded to a multiple of 32 rows
 
 
+def _bshd_memory(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x (B, H, S, D) as a view of (B, S, H, D)-contiguous memory: the layout the kernel's own
+    forward returns out in, and the one its backward reads out and dout in."""
+    return x.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _efficient_bwd(dout, q, k, v, out, lse, scale, causal):
     h, h_kv, s = q.shape[1], k.shape[1], q.shape[2]
     padded = F.pad(lse.float(), (0, -s % 32)).contiguous()  # the shape its forward returned
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout.to(q.dtype).contiguous(), q.contiguous(), _expand(k, h), _expand(v, h), None, out.to(q.dtype).contiguous(),
-        padded, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+        _bshd_memory(dout, q.dtype), _bshd_memory(q, q.dtype), _bshd_memory(_expand(k, h), q.dtype),
+        _bshd_memory(_expand(v, h), q.dtype), None, _bshd_memory(out, q.dtype), padded, zero, zero, 0.0,
+        [True, True, True, False], causal, scale=scale)
     return dq, _fold(dk, h_kv), _fold(dv, h_kv)
 
 

@@ -1,0 +1,234 @@
+"""One GPU: what a context-parallel attention schedule's compute alone costs, before any link.
+
+Each rank of a ring (or all-gather) schedule runs a list of block attentions (ring.py's plans)
+and merges them by lse.  Here one GPU runs, for every rank of a simulated world in turn, that
+rank's blocks exactly as the schedule would (local.attend_fwd + merge.merge_, attend_bwd +
+the fp32 sums), with no communication.  The slowest rank bounds the schedule from below, so
+
+    efficiency_bound = single_gpu_full_ms / (world * slowest_rank_ms)
+
+is the best efficiency (issue 6's figure) the schedule can reach with perfectly hidden
+transfers.  Also timed: the whole-sequence attention per local backend (flash, cuDNN,
+memory-efficient, and SDPA's own pick), the backend that `auto` picks, and each backend's
+numerics against an fp32 math reference on a small shape.
+
+    python benchmarks/probe_attention_blocks.py OUTDIR [--seq 16384,32768,65536,131072] [--world 2,4]
+
+Writes OUTDIR/attention_blocks.json and prints one line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from torch_commopt.attention import local  # noqa: E402
+from torch_commopt.attention.local import attend_bwd, attend_fwd, default_scale  # noqa: E402
+from torch_commopt.attention.merge import empty_accumulator, merge_  # noqa: E402
+from torch_commopt.attention.ring import contiguous_plan, zigzag_plan  # noqa: E402
+from torch_commopt.attention.schedules import _gathered_blocks  # noqa: E402
+
+SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def timed(fn, repeats: int = 5, target_ms: float = 100.0) -> float:
+    """Median ms of `fn` over `repeats` rounds of enough calls to fill ~target_ms."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = (time.perf_counter() - t0) * 1e3
+    calls = max(1, min(50, int(target_ms / max(once, 1e-3))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rounds = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        rounds.append(start.elapsed_time(end) / calls)
+    return statistics.median(rounds)
+
+
+def inputs(b, h, h_kv, s, d, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, dout = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, h_kv, s, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    return q, k, v, dout
+
+
+def full_sdpa(q, k, v, dout, causal: bool, backend: str | None, bwd: bool):
+    """A closure running whole-sequence SDPA (fwd, or fwd+bwd) with one backend (None: its pick)."""
+    leaves = [t.detach().requires_grad_(bwd) for t in (q, k, v)]
+
+    def run():
+        ctx = sdpa_kernel([SDPA[backend]]) if backend else torch.enable_grad()
+        with ctx:
+            out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+            if bwd:
+                torch.autograd.grad(out, leaves, dout)
+    return run
+
+
+def rank_blocks(schedule: str, p: int, world: int, s_loc: int, causal: bool):
+    """[(query slice, key slice into the keys this rank sees, mask)] of rank p, in step order."""
+    if schedule == "allgather":
+        return [(slice(None), ks, mask) for ks, mask in _gathered_blocks(p, s_loc, causal)], world * s_loc
+    plan = (zigzag_plan if schedule == "ring_zigzag" else contiguous_plan)(causal)
+    blocks = []
+    for i in range(world):
+        blocks += plan(p, (p - i) % world, world, s_loc)
+    return blocks, s_loc  # a ring step's keys are one rank's block
+
+
+def rank_compute(q, k, v, dout, blocks, scale, bwd: bool, backend: str = "auto"):
+    """A closure doing rank p's block attentions and merges (and backward) as ring.py does."""
+    def run():
+        out, lse = empty_accumulator(q, v.shape[-1], torch.float32)
+        for qs, ks, mask in blocks:
+            o_b, l_b = attend_fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale=scale, mask=mask, backend=backend)
+            merge_(out[:, :, qs], lse[:, :, qs], o_b, l_b)
+        if not bwd:
+            return
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for qs, ks, mask in blocks:
+            g = attend_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                           lse[:, :, qs].contiguous(), scale=scale, mask=mask, backend=backend)
+            dq[:, :, qs].add_(g[0])
+            dk[:, :, ks].add_(g[1])
+            dv[:, :, ks].add_(g[2])
+    return run
+
+
+def numerics(record) -> None:
+    """Each CUDA backend's block fwd/bwd against fp32 math, causal and full, GQA 4/2, S 1000."""
+    q, k, v, dout = inputs(1, 4, 2, 1000, 128, seed=3)
+    for mask in ("full", "causal"):
+        truth = attend_fwd(q.float(), k.float(), v.float(), scale=0.09, mask=mask, backend="math")
+        tg = attend_bwd(dout.float(), q.float(), k.float(), v.float(), *truth, scale=0.09, mask=mask, backend="math")
+        for name in ("flash", "cudnn", "efficient", "flash_attn"):
+            try:
+                out, lse = attend_fwd(q, k, v, scale=0.09, mask=mask, backend=name)
+                g = attend_bwd(dout, q, k, v, out, lse, scale=0.09, mask=mask, backend=name)
+            except Exception as e:  # noqa: BLE001  (a refusal or a kernel error is the finding)
+                record({"kind": "numerics", "backend": name, "mask": mask, "error": f"{type(e).__name__}: {e}"[:300]})
+                continue
+            errs = {n: float((a.double() - b.double()).norm() / b.double().norm())
+                    for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(g), truth + tuple(tg))}
+            record({"kind": "numerics", "backend": name, "mask": mask, **errs})
+
+
+def report(data: dict) -> str:
+    """Markdown: per shape and pass the whole-sequence times per backend, and per world and
+    schedule the slowest rank's compute and the efficiency bound."""
+    m = data["meta"]
+    lines = [f"# Attention block compute on one GPU ({m['device']})", "",
+             f"torch {m['torch']}, cuDNN {m['cudnn']}, commit {m.get('commit', '?')}, {m.get('date', '?')}; "
+             f"command: `{m.get('command', '?')}`", "",
+             "Numerics (block fwd/bwd vs fp32 math, B1 H4/2 S1000 D128 bf16, rel. error):", "",
+             "| backend | mask | out | lse | dq | dk | dv |", "|---|---|---|---|---|---|---|"]
+    for r in data["records"]:
+        if r["kind"] == "numerics":
+            cells = [r.get("error", "")[:60]] if "error" in r else [f"{r[k]:.1e}" for k in ("out", "lse", "dq", "dk", "dv")]
+            lines.append(f"| {r['backend']} | {r['mask']} | " + " | ".join(cells) + " |")
+    lines += ["", "Whole sequence on one GPU (ms) and each schedule's slowest rank computing alone "
+              "(efficiency bound = full / (world x slowest)):", "",
+              "| S_total | H/H_kv | causal | pass | sdpa | flash | cudnn | efficient | auto | world | schedule | "
+              "slowest rank ms | bound |", "|" + "---|" * 13]
+    full = {}
+    for r in data["records"]:
+        key = (r.get("S_total"), r.get("H"), r.get("H_kv"), r.get("causal"), r.get("pass"))
+        if r["kind"] == "single_gpu":
+            full[key] = r
+        elif r["kind"] == "rank_compute":
+            f = full.get(key, {"ms": {}, "auto": "?"})
+            ms = [f"{f['ms'][b]:.2f}" if isinstance(f["ms"].get(b), float) else "-" for b in
+                  ("sdpa", "flash", "cudnn", "efficient")]
+            lines.append(f"| {r['S_total']} | {r['H']}/{r['H_kv']} | {r['causal']} | {r['pass']} | " + " | ".join(ms)
+                         + f" | {f['auto']} | {r['world']} | {r['schedule']} | {max(r['per_rank_ms']):.2f} | "
+                         f"{r['efficiency_bound']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--seq", default="16384,32768,65536,131072")
+    ap.add_argument("--world", default="2,4")
+    ap.add_argument("--heads", default="32/32,32/8")
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--commit", default="?")
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records, t_start = [], time.perf_counter()
+
+    def record(r):
+        records.append(r)
+        print(json.dumps(r), flush=True)
+        data = {"meta": meta, "records": records}
+        (out / "attention_blocks.json").write_text(json.dumps(data, indent=1))
+        (out / "attention_blocks.md").write_text(report(data))
+
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version(), "commit": args.commit,
+            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv])}
+    numerics(record)
+    b, d = 1, 128
+    for s_total in (int(x) for x in args.seq.split(",")):
+        for heads in args.heads.split(","):
+            h, h_kv = (int(x) for x in heads.split("/"))
+            q, k, v, dout = inputs(b, h, h_kv, s_total, d)
+            for causal in (True, False):
+                if time.perf_counter() - t_start > args.budget_s:
+                    record({"kind": "stopped", "reason": f"budget {args.budget_s} s spent"})
+                    return
+                shape = {"B": b, "H": h, "H_kv": h_kv, "D": d, "S_total": s_total, "causal": causal}
+                auto = local.pick(q, k).name
+                for bwd in (False, True):
+                    full = {}
+                    for name in (None, "flash", "cudnn", "efficient"):
+                        try:
+                            full[name or "sdpa"] = timed(full_sdpa(q, k, v, dout, causal, name, bwd))
+                        except Exception as e:  # noqa: BLE001
+                            full[name or "sdpa"] = f"{type(e).__name__}: {str(e)[:160]}"
+                    record({"kind": "single_gpu", **shape, "pass": "fwd+bwd" if bwd else "fwd", "auto": auto,
+                            "ms": full})
+                    best_full = min(x for x in full.values() if isinstance(x, float))
+                    for world in (int(x) for x in args.world.split(",")):
+                        s_loc = s_total // world
+                        scale = default_scale(d, None)
+                        for sched in ("allgather", "ring", "ring_zigzag"):
+                            per_rank = []
+                            for p in range(world):
+                                blocks, s_k = rank_blocks(sched, p, world, s_loc, causal)
+                                per_rank.append(timed(rank_compute(q[:, :, :s_loc], k[:, :, :s_k], v[:, :, :s_k],
+                                                                   dout[:, :, :s_loc], blocks, scale, bwd), repeats=3))
+                                if not causal:
+                                    per_rank *= world  # every rank does the same work
+                                    break
+                            slowest = max(per_rank)
+                            record({"kind": "rank_compute", **shape, "pass": "fwd+bwd" if bwd else "fwd",
+                                    "world": world, "schedule": sched, "per_rank_ms": per_rank,
+                                    "single_gpu_full_ms": best_full,
+                                    "efficiency_bound": best_full / (world * slowest)})
+            del q, k, v, dout
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
