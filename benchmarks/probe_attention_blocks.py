@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from torch_commopt.attention import local  # noqa: E402
 from torch_commopt.attention.local import attend_bwd, attend_fwd, default_scale  # noqa: E402
-from torch_commopt.attention.merge import empty_accumulator, merge_  # noqa: E402
+from torch_commopt.attention.merge import Accumulator  # noqa: E402
 from torch_commopt.attention.ring import contiguous_plan, zigzag_plan  # noqa: E402
 from torch_commopt.attention.schedules import _gathered_blocks  # noqa: E402
 
@@ -97,10 +97,11 @@ def rank_blocks(schedule: str, p: int, world: int, s_loc: int, causal: bool):
 def rank_compute(q, k, v, dout, blocks, scale, bwd: bool, backend: str = "auto"):
     """A closure doing rank p's block attentions and merges (and backward) as ring.py does."""
     def run():
-        out, lse = empty_accumulator(q, v.shape[-1], torch.float32)
+        acc = Accumulator(q, v.shape[-1], torch.float32)
         for qs, ks, mask in blocks:
-            o_b, l_b = attend_fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale=scale, mask=mask, backend=backend)
-            merge_(out[:, :, qs], lse[:, :, qs], o_b, l_b)
+            acc.add(qs, *attend_fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale=scale, mask=mask, backend=backend))
+        out, lse = acc.result()
+        out = out.to(q.dtype)  # as ring_fwd returns it
         if not bwd:
             return
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -164,6 +165,41 @@ def report(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_cost(record) -> None:
+    """The merge of one bf16 partial into an fp32 accumulator (B1 H32 S8K D128): the Triton
+    kernel against the torch formula it replaced."""
+    from torch_commopt.attention import merge as merge_mod
+    from torch_commopt.attention import merge_triton
+
+    out = torch.randn(1, 32, 8192, 128, device="cuda")
+    lse = torch.randn(1, 32, 8192, device="cuda")
+    out_b, lse_b = torch.randn_like(out).bfloat16(), torch.randn_like(lse)
+    torch_ms = timed(lambda: merge_mod._merge_torch(out.clone(), lse.clone(), out_b, lse_b))
+    triton_ms = timed(lambda: merge_triton.merge_(out.clone(), lse.clone(), out_b, lse_b))
+    clone_ms = timed(lambda: (out.clone(), lse.clone()))
+    record({"kind": "merge", "shape": [1, 32, 8192, 128], "torch_ms": torch_ms - clone_ms,
+            "triton_ms": triton_ms - clone_ms})
+
+
+def profile(out: pathlib.Path, s_total: int, h: int, h_kv: int) -> None:
+    """torch.profiler's kernel table of rank 0 of ring_zigzag (world 2, causal, fwd+bwd)."""
+    q, k, v, dout = inputs(1, h, h_kv, s_total, 128)
+    s_loc = s_total // 2
+    blocks, s_k = rank_blocks("ring_zigzag", 0, 2, s_loc, True)
+    run = rank_compute(q[:, :, :s_loc], k[:, :, :s_k], v[:, :, :s_k], dout[:, :, :s_loc], blocks,
+                       default_scale(128, None), True)
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
+    (out / "attention_profile.txt").write_text(f"ring_zigzag rank 0, world 2, S_total {s_total}, H {h}/{h_kv}, "
+                                               f"causal fwd+bwd, 3 calls\n{table}")
+    print(table, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -172,6 +208,7 @@ def main() -> None:
     ap.add_argument("--heads", default="32/32,32/8")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--commit", default="?")
+    ap.add_argument("--profile", action="store_true", help="kernel table of one zigzag rank (first --seq)")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +225,9 @@ def main() -> None:
             "cudnn": torch.backends.cudnn.version(), "commit": args.commit,
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv])}
     numerics(record)
+    merge_cost(record)
+    if args.profile:
+        profile(out, int(args.seq.split(",")[0]), 32, 32)
     b, d = 1, 128
     for s_total in (int(x) for x in args.seq.split(",")):
         for heads in args.heads.split(","):

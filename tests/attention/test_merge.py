@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from torch_commopt.attention.local import attend_fwd
-from torch_commopt.attention.merge import empty_accumulator, merge, merge_
+from torch_commopt.attention.merge import Accumulator, empty_accumulator, merge, merge_
 from torch_commopt.validate import rel_err, within_tolerance
 
 
@@ -75,3 +79,68 @@ def test_merge_writes_through_a_view_of_the_sequence_dim():
     want_o, want_l = merge(oa, la, ob, lb)
     assert torch.equal(out[:, :, :2], oa[:, :, :2]) and rel_err(out[:, :, 2:], want_o[:, :, 2:]) < 1e-13
     assert rel_err(lse[:, :, 2:], want_l[:, :, 2:]) < 1e-13
+
+
+def test_rows_empty_on_both_sides_keep_the_accumulator_whatever_the_partial_holds():
+    """A kernel may leave anything in a fully masked row of its output: with lse -inf on both
+    sides the accumulator's row stays as it was."""
+    out, lse = torch.zeros(1, 1, 3, 4), torch.tensor([[[float("-inf"), 0.5, float("-inf")]]])
+    out_b, lse_b = torch.full((1, 1, 3, 4), 7.0), torch.tensor([[[float("-inf"), float("-inf"), 1.0]]])
+    merge_(out, lse, out_b, lse_b)
+    assert (out[0, 0, 0] == 0).all() and torch.isneginf(lse[0, 0, 0])
+    assert (out[0, 0, 1] == 0).all() and lse[0, 0, 1] == 0.5  # the partial is empty: weight 0
+    assert (out[0, 0, 2] == 7).all() and lse[0, 0, 2] == 1.0  # the accumulator is empty: the partial
+
+
+def test_accumulator_takes_the_first_whole_partial_and_merges_the_rest():
+    q, k, v = _qkv(11)
+    full_out, full_lse = attend_fwd(q, k, v, scale=0.25, backend="math")
+    (oa, la), (ob, lb) = _halves(q, k, v, 4)
+    acc = Accumulator(q, v.shape[-1], torch.float64)
+    acc.add(slice(None), oa, la)
+    assert acc.out is not oa and acc.out.is_contiguous()  # a copy: the partial is not written
+    acc.add(slice(None), ob, lb)
+    out, lse = acc.result()
+    assert rel_err(out, full_out) < 1e-12 and rel_err(lse, full_lse) < 1e-12
+    part = Accumulator(q, v.shape[-1], torch.float64)  # a first partial over some rows: from empty
+    part.add(slice(2, 6), oa[:, :, 2:], la[:, :, 2:])
+    out, lse = part.result()
+    assert (out[:, :, :2] == 0).all() and torch.isneginf(lse[:, :, :2]).all()
+    assert rel_err(out[:, :, 2:], oa[:, :, 2:]) < 1e-15
+    empty_out, empty_lse = Accumulator(q, v.shape[-1], torch.float64).result()
+    assert (empty_out == 0).all() and torch.isneginf(empty_lse).all()
+
+
+TRITON_CHECK = """
+import torch
+from torch_commopt.attention import merge_triton
+from torch_commopt.attention.merge import _merge_torch
+g = torch.Generator().manual_seed(5)
+worst = 0.0
+for d in (64, 96, 128):
+    full_out, full_lse = torch.randn(2, 4, 300, d, generator=g), torch.randn(2, 4, 300, generator=g) * 3
+    out, lse = full_out[:, :, 100:250], full_lse[:, :, 100:250]
+    out_b = torch.randn(2, 4, 150, d, generator=g).to(torch.bfloat16)
+    lse_b = torch.randn(2, 4, 150, generator=g) * 3
+    lse[:, :, :10] = float("-inf"); out[:, :, :10] = 0; lse_b[:, :, 5:15] = float("-inf")
+    ref_out, ref_lse = out.double().clone(), lse.double().clone()
+    _merge_torch(ref_out, ref_lse, out_b.double(), lse_b.double())
+    before = full_out.clone()
+    merge_triton.merge_(out, lse, out_b, lse_b)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = ~torch.isneginf(ref_lse)
+    worst = max(worst, float((lse[finite].double() - ref_lse[finite]).abs().max()),
+                float((out.double() - ref_out).norm() / ref_out.norm()))
+    assert torch.equal(full_out[:, :, :100], before[:, :, :100]) and torch.equal(full_out[:, :, 250:], before[:, :, 250:])
+assert worst < 1e-5, worst
+print("ok", worst)
+"""
+
+
+def test_triton_merge_kernel_in_the_interpreter_matches_the_torch_merge():
+    """The CUDA merge kernel (merge_triton.py) run by Triton's CPU interpreter; skipped where
+    Triton is not installed (the CPU CI); tests/gpu runs it on the GPU."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-2000:]

@@ -98,3 +98,42 @@ def test_auto_picks_a_fused_kernel_on_cuda(one_gpu):
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     assert pick(q, k).name == ("cudnn" if hopper else "flash")  # flash_attn is not on the device machine
     assert pick(q.float(), k.float()).name in ("efficient", "math")  # flash/cuDNN take half types only
+
+
+def test_triton_merge_matches_the_torch_merge(one_gpu):
+    """merge_triton (what merge_ runs on CUDA) against the torch formula in fp64: a bf16 partial
+    into an fp32 accumulator viewed as a slice of the sequence dim, rows empty on either or both
+    sides, 200 back-to-back calls."""
+    from torch_commopt.attention import merge_triton
+    from torch_commopt.attention.merge import merge_
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for d in (64, 128, 96):
+        full_out = torch.randn(2, 4, 300, d, device="cuda", generator=gen)
+        full_lse = torch.randn(2, 4, 300, device="cuda", generator=gen) * 3
+        out, lse = full_out[:, :, 100:250], full_lse[:, :, 100:250]  # strided views
+        out_b = torch.randn(2, 4, 150, d, device="cuda", generator=gen).to(torch.bfloat16)
+        lse_b = torch.randn(2, 4, 150, device="cuda", generator=gen) * 3
+        lse[:, :, :10] = float("-inf")
+        out[:, :, :10] = 0
+        lse_b[:, :, 5:15] = float("-inf")
+        assert merge_triton.fits(out, lse, out_b, lse_b)
+        ref_out, ref_lse = out.double().clone(), lse.double().clone()
+        merge_(ref_out, ref_lse, out_b.double(), lse_b.double())  # fp64: the torch path
+        before = full_out.clone()
+        merge_triton.merge_(out, lse, out_b, lse_b)  # the kernel itself (merge_ would fall back)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        assert torch.isfinite(out).all() and (out[:, :, 5:10] == 0).all()  # both sides empty: stays 0
+        finite = ~torch.isneginf(ref_lse)
+        assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-5
+        assert rel_err(out, ref_out) < 1e-6
+        assert torch.equal(full_out[:, :, :100], before[:, :, :100]) and torch.equal(full_out[:, :, 250:],
+                                                                                      before[:, :, 250:])
+    acc_out, acc_lse = out.clone(), lse.clone()
+    ref_out, ref_lse = acc_out.double(), acc_lse.double()
+    for _ in range(200):
+        ob = torch.randn_like(out_b)
+        lb = torch.randn_like(lse_b)
+        merge_triton.merge_(acc_out, acc_lse, ob, lb)
+        merge_(ref_out, ref_lse, ob.double(), lb.double())
+    assert rel_err(acc_out, ref_out) < 1e-5 and rel_err(acc_lse, ref_lse) < 1e-6

@@ -14,9 +14,14 @@ row); the merge then takes the other side as is, and two -inf sides stay (0, -in
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+log = logging.getLogger(__name__)
+_TRITON_BROKEN = False  # set once the Triton merge kernel fails to build or launch here
 
 
 def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -25,13 +30,31 @@ def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tens
     out: (B, H, S, D) float32 (float64 for a float64 run), may be a view (a slice of the
         sequence dim); out_b: (B, H, S, D), any floating dtype (bf16 from a fused kernel).
     lse, lse_b: (B, H, S) in out's dtype.
-    Returns (out, lse), the same tensors.
+    Returns (out, lse), the same tensors.  On CUDA one Triton kernel does it (merge_triton.py).
     """
+    global _TRITON_BROKEN
+    if out.is_cuda and not _TRITON_BROKEN:
+        from torch_commopt.attention import merge_triton
+
+        if merge_triton.fits(out, lse, out_b, lse_b):
+            try:
+                return merge_triton.merge_(out, lse, out_b, lse_b)
+            except Exception as exc:  # noqa: BLE001  (a Triton build failure: the torch formula does it)
+                _TRITON_BROKEN = True
+                log.warning("attention merge: the Triton kernel failed (%s: %s); using the torch formula from now on",
+                            type(exc).__name__, exc)
+    return _merge_torch(out, lse, out_b, lse_b)
+
+
+def _merge_torch(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """merge_ in torch ops: CPU, dtypes other than float32, and the Triton kernel's reference."""
     both_empty = torch.isneginf(lse) & torch.isneginf(lse_b)
     # lse_b - lse is +inf where only the accumulator is empty (weight 1 on out_b), -inf where
-    # only the partial is (weight 0), and NaN where both are: set to 0 there (out stays 0).
+    # only the partial is (weight 0), and NaN where both are: weight 0 there (out stays as it
+    # is, whatever a kernel left in out_b's fully masked rows).
     diff = torch.where(both_empty, torch.zeros_like(lse), lse_b - lse)
-    out.sub_(torch.sigmoid(diff).unsqueeze(-1) * (out - out_b))
+    weight = torch.where(both_empty, torch.zeros_like(lse), torch.sigmoid(diff))
+    out.sub_(weight.unsqueeze(-1) * (out - out_b))
     merged = torch.where(torch.isneginf(lse), lse_b, lse - F.logsigmoid(-diff))
     lse.copy_(merged)
     return out, lse
@@ -52,3 +75,32 @@ def empty_accumulator(q: Tensor, head_dim_v: int, dtype: torch.dtype) -> tuple[T
     out = torch.zeros(b, h, s, head_dim_v, dtype=dtype, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=dtype, device=q.device)
     return out, lse
+
+
+class Accumulator:
+    """The merged (out, lse) of one query block over the K/V blocks seen so far.
+
+    add(qs, out_b, lse_b) merges a partial for the query rows qs (a slice of the sequence
+    dim).  The first partial that covers all rows becomes the accumulator as it is (copied
+    into the acc dtype), which saves the zero fill and one merge pass; a first partial over
+    some rows starts from an empty accumulator.  result() gives (out, lse) in the acc dtype.
+    """
+
+    def __init__(self, q: Tensor, head_dim_v: int, dtype: torch.dtype) -> None:
+        self._q, self._dv, self._dtype = q, head_dim_v, dtype
+        self.out: Tensor | None = None
+        self.lse: Tensor | None = None
+
+    def add(self, qs: slice, out_b: Tensor, lse_b: Tensor) -> None:
+        if self.out is None and qs == slice(None):
+            self.out = out_b.to(self._dtype, memory_format=torch.contiguous_format, copy=True)
+            self.lse = lse_b.to(self._dtype, copy=True).contiguous()
+            return
+        if self.out is None:
+            self.out, self.lse = empty_accumulator(self._q, self._dv, self._dtype)
+        merge_(self.out[:, :, qs], self.lse[:, :, qs], out_b, lse_b)
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        if self.out is None:
+            self.out, self.lse = empty_accumulator(self._q, self._dv, self._dtype)
+        return self.out, self.lse

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from torch_commopt.attention import comm
 from torch_commopt.attention.local import acc_dtype, attend_bwd, attend_fwd
-from torch_commopt.attention.merge import empty_accumulator, merge_
+from torch_commopt.attention.merge import Accumulator
 
 Block = tuple[slice, slice, str]  # (query slice, key slice, mask) along the sequence dim
 Plan = Callable[[int, int, int, int], list[Block]]  # (rank, source, n, S_loc) -> blocks
@@ -68,17 +68,18 @@ def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group
     """q: (B, H, S_loc, D); k, v: (B, H_kv, S_loc, D) this rank's shard of the ring's layout.
     Returns out (B, H, S_loc, D) in q's dtype and lse (B, H, S_loc) in the acc dtype."""
     n, p = comm.size(group), comm.rank(group)
-    out, lse = empty_accumulator(q, v.shape[-1], acc_dtype(q.dtype))
+    acc = Accumulator(q, v.shape[-1], acc_dtype(q.dtype))
     shift = comm.RingShift([k, v], group, KV_TAG)
     for i in range(n):
         k_i, v_i = shift.current()
         if i + 1 < n:
             shift.start()  # step i+1's block travels while step i computes
         for qs, ks, mask in plan(p, (p - i) % n, n, q.shape[2]):
-            o_b, l_b = attend_fwd(_seq(q, qs), _seq(k_i, ks), _seq(v_i, ks), scale=scale, mask=mask, backend=backend)
-            merge_(_seq(out, qs), _seq(lse, qs), o_b, l_b)
+            acc.add(qs, *attend_fwd(_seq(q, qs), _seq(k_i, ks), _seq(v_i, ks), scale=scale, mask=mask,
+                                    backend=backend))
         if i + 1 < n:
             shift.wait()
+    out, lse = acc.result()
     return out.to(q.dtype), lse
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from torch_commopt.attention import comm
 from torch_commopt.attention.local import acc_dtype, attend_bwd, attend_fwd, default_scale
-from torch_commopt.attention.merge import empty_accumulator, merge_
+from torch_commopt.attention.merge import Accumulator
 from torch_commopt.attention.ring import contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
 from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal
 from torch_commopt.kernels.reference.collectives import all_gather, reduce_scatter, resolve_group
@@ -124,10 +124,10 @@ def _gather_kv(k: Tensor, v: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, 
 
 def _allgather_fwd(q, k, v, causal, scale, group, backend):
     keys, values = _gather_kv(k, v, group)
-    out, lse = empty_accumulator(q, v.shape[-1], acc_dtype(q.dtype))
+    acc = Accumulator(q, v.shape[-1], acc_dtype(q.dtype))
     for ks, mask in _gathered_blocks(group.rank(), q.shape[2], causal):
-        o_b, l_b = attend_fwd(q, keys[:, :, ks], values[:, :, ks], scale=scale, mask=mask, backend=backend)
-        merge_(out, lse, o_b, l_b)
+        acc.add(slice(None), *attend_fwd(q, keys[:, :, ks], values[:, :, ks], scale=scale, mask=mask, backend=backend))
+    out, lse = acc.result()
     return out.to(q.dtype), lse
 
 
