@@ -108,3 +108,59 @@ def disagreeing_ranks(rank: int, world: int):
     got = torch.compile(_rank_dependent_mask, backend="commopt")(*(t.requires_grad_(True) for t in (q, k, v)), False)
     notes = [n for g in torch_commopt.explain().graphs for n in g.notes if "attention" in n]
     return float((got.detach() - want).norm() / want.norm()), notes
+
+
+def _ulysses_program(world: int, causal: bool, interleaved: bool = False):
+    """DeepSpeed-style Ulysses on (B, S_loc, H, D) activations: all-to-all sequence -> heads,
+    attention on H/W heads over the whole sequence, all-to-all back.  interleaved: the
+    gathered sequence is laid out position-major (rank r's token i at i*W + r)."""
+    group = dist.group.WORLD
+
+    def seq_to_heads(x):  # (B, S_loc, H, D) -> (B, H/W, S, D)
+        b, s, h, d = x.shape
+        x = x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+        y = funcol.all_to_all_single(x, None, None, group=group)  # (W_src, B, S_loc, H/W, D)
+        order = (1, 2, 0, 3, 4) if interleaved else (1, 0, 2, 3, 4)
+        return y.permute(*order).reshape(b, world * s, h // world, d).transpose(1, 2)
+
+    def heads_to_seq(x):  # (B, H/W, S, D) -> (B, S_loc, H, D)
+        b, h, s, d = x.shape
+        x = x.transpose(1, 2)
+        x = (x.reshape(b, s // world, world, h, d).permute(2, 0, 1, 3, 4) if interleaved
+             else x.reshape(b, world, s // world, h, d).permute(1, 0, 2, 3, 4)).contiguous()
+        y = funcol.all_to_all_single(x, None, None, group=group)  # (W_heads, B, S_loc, H/W, D)
+        return y.permute(1, 2, 0, 3, 4).reshape(b, s // world, world * h, d)
+
+    def program(q, k, v):
+        out = F.scaled_dot_product_attention(seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), is_causal=causal,
+                                             enable_gqa=True)
+        return heads_to_seq(out)
+    return program
+
+
+def compiled_ulysses(rank: int, world: int, heads: tuple[int, int], causal: bool, schedule: str = "auto",
+                     interleaved: bool = False):
+    """(relative error vs full attention on the whole sequence, explain notes, all-to-alls
+    left in the compiled graph) of a Ulysses program compiled with backend="commopt"."""
+    h, h_kv = heads
+    b, s_loc, d = 2, 8, 16
+    gen = torch.Generator().manual_seed(4)
+    full = [torch.randn(b, world * s_loc, h_, d, generator=gen) for h_ in (h, h_kv, h_kv)]  # (B, S, H, D)
+    if interleaved:  # rank r holds tokens r, r+W, ...: the program's sequence order is position-major
+        perm = torch.arange(world * s_loc).view(s_loc, world).t().reshape(-1)
+        local = [t[:, perm].chunk(world, dim=1)[rank].contiguous() for t in full]
+        ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in full), is_causal=causal, enable_gqa=True)
+        want = ref.transpose(1, 2)[:, perm].chunk(world, dim=1)[rank]
+    else:
+        local = [t.chunk(world, dim=1)[rank].contiguous() for t in full]
+        ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in full), is_causal=causal, enable_gqa=True)
+        want = ref.transpose(1, 2).chunk(world, dim=1)[rank]
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    program = _ulysses_program(world, causal, interleaved)
+    with torch.no_grad():
+        got = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})(*local)
+    graphs = torch_commopt.explain().graphs
+    notes = [n for g in graphs for n in g.notes if "attention" in n]
+    a2as = sum(g.collectives_after.get("all_to_all", 0) for g in graphs)
+    return float((got - want).norm() / want.norm()), notes, a2as

@@ -43,6 +43,7 @@ from torch.fx import Graph, Node
 from torch_commopt.attention.spec import AttentionShape
 from torch_commopt.passes.graph_utils import (
     ALL_GATHER,
+    ALL_TO_ALL,
     RESHAPES,
     SPLITS,
     WAIT,
@@ -61,7 +62,6 @@ from torch_commopt.passes.regions import Skip
 
 log = logging.getLogger("torch_commopt.attention.detect")
 
-ALL_TO_ALL = c10d.all_to_all_single.default
 ATTENTION_OPS = {
     aten._scaled_dot_product_flash_attention.default: "flash",
     aten._scaled_dot_product_efficient_attention.default: "efficient",
@@ -84,7 +84,10 @@ class AttentionRegion:
     inputs: {"q", "k", "v"} -> the local (sequence-sharded) tensors before their collective:
         allgather_kv: q is the attention's own q, k/v the all-gathers' inputs; ulysses: the
         tensors the layout ops before each all-to-all start from.
-    paths: {"k", "v"} (allgather_kv) -> layout ops from the gathered tensor to the attention.
+    paths: allgather_kv: {"k", "v"} -> layout ops from the gathered tensor to the attention;
+        ulysses: {"q_pre", ...} -> layout ops from an input to its all-to-all, {"q_post", ...}
+        from the all-to-all's wait to the attention, "out" from the attention's output to the
+        output all-to-all.
     collectives: the gathers of K and V, or the four all-to-alls (q, k, v, out).
     output: the node that delivers the region's result (the attention's output, or the wait
         of the output all-to-all).
@@ -330,15 +333,15 @@ def _output_of(node: Node) -> Node:
 # ---- ulysses ---------------------------------------------------------------------------------
 
 def _ulysses(node: Node, args: dict, sources: dict) -> AttentionRegion:
-    a2as, inputs = [], {}
+    a2as, inputs, paths = [], {}, {}
     for name, key in (("query", "q"), ("key", "k"), ("value", "v")):
-        origin, _ = sources[name]
+        origin, paths[f"{key}_post"] = sources[name]
         a2a = origin.args[0]
         if val(a2a).numel() != val(args[name]).numel():
             raise Unsupported(f"{name}: the ops between the all-to-all and the attention change its size")
         a2as.append(a2a)
-        inputs[key] = _trace_back(a2a.args[0])[0]
-    out_a2a = _drain_all_to_all(_output_of(node))
+        inputs[key], paths[f"{key}_pre"] = _trace_back(a2a.args[0])
+    out_a2a, paths["out"] = _drain_all_to_all(_output_of(node))
     groups = {(group_name_of(n.args[3]), _equal_parts(n)) for n in a2as + [out_a2a]}
     if len(groups) != 1 or None in next(iter(groups)):
         raise Unsupported(f"the four all-to-alls differ in group or are split unevenly: {sorted(map(str, groups))}")
@@ -349,13 +352,14 @@ def _ulysses(node: Node, args: dict, sources: dict) -> AttentionRegion:
     shape = AttentionShape(q[0], q[1] * world, k[1] * world, q[SEQ_DIM], q[3])
     return AttentionRegion("ulysses", node, ATTENTION_OPS[node.target], group_name, world, shape,
                            bool(args.get("is_causal")), args.get("scale"), inputs, a2as + [out_a2a],
-                           only_user(out_a2a))
+                           only_user(out_a2a), paths)
 
 
-def _drain_all_to_all(out: Node) -> Node:
+def _drain_all_to_all(out: Node) -> tuple[Node, list[Node]]:
     """The all_to_all_single the attention output reaches through layout ops used once (a
-    forward graph may also return the output, saved for the backward: that use is allowed)."""
-    node = out
+    forward graph may also return the output, saved for the backward: that use is allowed),
+    and those layout ops in order."""
+    node, path = out, []
     while True:
         users = [u for u in node.users if not _only_returned(u)]
         if len(users) != 1:
@@ -364,10 +368,11 @@ def _drain_all_to_all(out: Node) -> Node:
         if user.target is ALL_TO_ALL:
             if only_user(user) is None or only_user(user).target is not WAIT:
                 raise Unsupported(f"{user.name} is not waited on by exactly one wait_tensor")
-            return user
+            return user, path
         if user.op != "call_function" or user.target not in LAYOUT_OPS:
             raise Unsupported(f"the attention output goes through {user.target}, not an all-to-all")
         node = user
+        path.append(user)
 
 
 def _only_returned(node: Node) -> bool:

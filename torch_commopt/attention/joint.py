@@ -57,12 +57,15 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
                             cache_dir: str | None = None) -> list[str]:
     """Rewrite every all-gather CP attention of a joint graph whose backward matches; notes.
     consistency_timeout_s: check the decisions across ranks first (None: no check)."""
+    if not any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
+        return []  # an inference graph (Inductor runs joint passes on those too): rewrite.py takes it
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
     plans = {}
     for region in regions:
         if region.form != "allgather_kv" or region.attention.target not in BACKWARD:
-            notes.append(f"{describe(region)}: found; {region.form} with {region.op} is not rewritten in training yet")
+            notes.append(f"{describe(region)}: found; {region.form} with {region.op} is not rewritten in training "
+                         "(the program keeps its own)")
             continue
         try:
             plans[id(region)] = _match(region)

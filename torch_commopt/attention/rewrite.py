@@ -8,11 +8,15 @@ model ranks first (or Config.attention_schedule); the gathers are dropped.  The 
 replaces the attention's; a region whose other outputs (the LSE, philox state) are used is
 left alone.
 
+A `ulysses` region (all-to-all -> attention -> all-to-all, operands in the program's own
+layout) becomes cp_attention_fwd too, on the rank's q, k, v before their all-to-alls brought
+to the op's layout, its output brought to the one the output all-to-all delivered
+(ulysses.py; the relayouts come from the layout algebra, layout.py); the four all-to-alls go.
+
 Training graphs are rewritten before they get here, on the joint graph (attention/joint.py:
 the backward expects what the forward saves, so both halves change together); a region still
-found in a post-grad training graph is one the joint rewrite did not take, and is reported.
-Ulysses regions are reported too (their operands are in the program's layout; not rewritten
-yet).
+found in a post-grad training graph is one the joint rewrite did not take, and is reported
+(the joint rewrite takes all-gather regions; a training Ulysses program keeps its own).
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
+from torch_commopt.attention import ulysses
 from torch_commopt.attention.cost import CPMachine, rank_schedules
 from torch_commopt.attention.detect import AttentionRegion, _map_dim, find_attention
 from torch_commopt.attention.spec import refusal
 from torch_commopt.passes.chains import set_fake_val
-from torch_commopt.passes.graph_utils import aten, static_shape, val
+from torch_commopt.passes.graph_utils import Unsupported, aten, static_shape, val
 
 log = logging.getLogger("torch_commopt.attention.rewrite")
 
@@ -45,7 +50,8 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
     consistency_timeout_s: check the decisions across ranks first (None: no check)."""
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
-    reasons = {id(r): _why_kept(r, inference) for r in regions}
+    plans: dict[int, ulysses.UlyssesPlan] = {}
+    reasons = {id(r): _why_kept(r, inference, plans) for r in regions}
     choices = {id(r): _choose(r, schedule, cache_dir) for r in regions if reasons[id(r)] is None}
     if inference:
         disagree = ranks_disagree(regions, skips, choices, consistency_timeout_s)
@@ -57,7 +63,10 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
             notes.append(f"{what}: {reasons[id(region)]}")
             continue
         chosen, ranked = choices[id(region)]
-        _apply(graph, region, chosen)
+        if region.form == "ulysses":
+            _apply_ulysses(graph, region, plans[id(region)], chosen)
+        else:
+            _apply(graph, region, chosen)
         notes.append(f"{what}: cp_attention_fwd {chosen} (predicted: {_shown(ranked)})")
     for note in notes:
         log.info("commopt: %s", note)
@@ -72,13 +81,17 @@ def _shown(ranked: list[tuple[str, float]]) -> str:
     return ", ".join(f"{n} {ms:.3f} ms" for n, ms in ranked[:4])
 
 
-def _why_kept(region: AttentionRegion, inference: bool) -> str | None:
-    """Why the post-grad rewrite leaves a region as it is (None: it rewrites it)."""
+def _why_kept(region: AttentionRegion, inference: bool, plans: dict) -> str | None:
+    """Why the post-grad rewrite leaves a region as it is (None: it rewrites it; a Ulysses
+    region's relayouts go to `plans`)."""
     if not inference:
         return "found in a training graph and left as it is (the joint-graph rewrite did not take it; see its note)"
-    if region.form != "allgather_kv":
-        return f"found; {region.form} is not rewritten yet"
     why = _unsupported(region)
+    if why is None and region.form == "ulysses":
+        try:
+            plans[id(region)] = ulysses.plan(region)
+        except Unsupported as e:
+            why = str(e)
     return f"not rewritten ({why})" if why else None
 
 
@@ -153,6 +166,14 @@ def _apply(graph: Graph, region: AttentionRegion, schedule: str) -> None:
         set_fake_val(out)
     region.output.replace_all_uses_with(out)
     _erase_unused(graph, [node, *node.users, *region.paths["k"], *region.paths["v"]], region.collectives)
+
+
+def _apply_ulysses(graph: Graph, region: AttentionRegion, plan: ulysses.UlyssesPlan, schedule: str) -> None:
+    ulysses.apply(graph, region, plan, schedule)
+    node = region.attention
+    pre = [n for key in "qkv" for n in region.paths[f"{key}_pre"]]
+    post = [n for key in "qkv" for n in region.paths[f"{key}_post"]] + region.paths["out"]
+    _erase_unused(graph, [node, *node.users, *post, *pre], region.collectives)
 
 
 def _local(graph: Graph, region: AttentionRegion, name: str) -> Node:

@@ -22,7 +22,8 @@ from torch_commopt.passes.find_ag_matmul import find_ag_matmul
 from torch_commopt.passes.find_matmul_reduce import find_matmul_reduce
 from torch_commopt.kernels.reference.chunking import chunk_rows
 from torch_commopt.kernels.reference.collectives import resolve_group
-from torch_commopt.passes.graph_utils import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, group_name_of, static_shape, val
+from torch_commopt.passes.graph_utils import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, group_name_of,
+                                               static_shape, val)
 from torch_commopt.passes.regions import Region, Skip
 from torch_commopt.passes.rewrite import rewrite_region
 from torch_commopt.schedule import Schedule
@@ -44,7 +45,8 @@ FINDERS = (
 )
 
 KEPT = "kept (sequential: the graph's own collective + matmul)"
-_COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+_COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
+                ALL_TO_ALL: "all_to_all"}
 
 
 class CommoptPass(_PassBase):
