@@ -212,3 +212,24 @@ def test_the_post_grad_graph_gives_the_same_region(fake_world):
     keys = ("form", "op", "world", "shape", "causal", "scale", "input_shapes", "collectives")
     assert len(seen) == 1 and len(seen[0]) == len(aot_regions) == 1
     assert {k: seen[0][0][k] for k in keys} == {k: aot_regions[0][k] for k in keys}
+
+
+def _flex_gathered(q, k, v):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    k, v = (funcol.all_gather_tensor(t, gather_dim=2, group=_group()) for t in (k, v))
+    return flex_attention(q, k, v)
+
+
+def test_flex_attention_with_gathered_kv_is_a_skip_with_the_reason(fake_world):
+    found = []
+
+    def capture(gm, _):
+        found.append(find_attention(gm.graph))
+        return make_boxed_func(gm)
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))  # inference: flex has no CPU backward
+    torch.compile(_flex_gathered, backend=aot_autograd(fw_compiler=capture), fullgraph=True)(q, k, v)
+    (regions, skips), = found
+    assert regions == [] and len(skips) == 1
+    assert "flex_attention with all_gather K and all_gather V" in skips[0].reason

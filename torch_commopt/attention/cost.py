@@ -30,7 +30,9 @@ import torch
 
 from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal
 
-BWD_FLOP_FACTOR = 2.5
+# the backward's time over the forward's: cuDNN on an H200, B1 H32 D128 bf16, 16K-64K: 2.72
+# (causal) - 2.81 (full) (benchmarks/results/attention_blocks_h200_2026-11-23.md)
+BWD_FLOP_FACTOR = 2.75
 ShapeLike = Union[AttentionShape, tuple]
 
 
@@ -66,10 +68,12 @@ class CPMachine:
         return self.launch_s + self.alpha_s + (p - 1) / p * nbytes / self.link_bytes_per_s if p > 1 else 0.0
 
 
-# attention kernels reach about this fraction of the GEMM fit's peak (flash-attention
-# forward/backward on H100/H200-class GPUs: ~50-65% of dense bf16 GEMM throughput); not
-# calibrated on its own yet
-ATTENTION_OF_GEMM_PEAK = 0.55
+# attention kernels reach about this fraction of the GEMM fit's peak: cuDNN's forward (the
+# local backend on sm90) ran at 576-615 TFLOP/s on an H200 (B1 H32 D128 bf16, S 16K-64K,
+# causal and full), against the GEMM fit's ~880 TFLOP/s peak there: 0.65-0.70
+# (benchmarks/results/attention_blocks_h200_2026-11-23.md; aten flash reached 0.40).  Not
+# calibrated per machine yet.
+ATTENTION_OF_GEMM_PEAK = 0.67
 
 
 def machine_from_calibration(cal, dtype: str) -> CPMachine:

@@ -1,7 +1,8 @@
 """Find context-parallel attention regions in a post-grad FX graph: analysis only, no mutation.
 
 Two forward forms, attention being any of aten's SDPA ops (flash, efficient, cuDNN, CPU flash,
-or scaled_dot_product_attention itself) on (B, H, S, D) operands:
+or scaled_dot_product_attention itself) on (B, H, S, D) operands (flex_attention whose K or V
+comes from a collective is reported as a Skip, never taken: see _flex_skip):
 
   allgather_kv  K and V each all-gathered along the sequence: all_gather_into_tensor -> wait
                 (-> split(dim 0) -> W getitems -> cat(dim g): the form funcol and DTensor emit
@@ -73,6 +74,7 @@ ATTENTION_OPS = {
 LAYOUT_OPS = RESHAPES | {aten.permute.default, aten.transpose.int, aten.clone.default, aten.alias.default,
                          aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default}
 SEQ_DIM = 2  # of the attention's (B, H, S, D) operands
+FLEX_ATTENTION = getattr(torch.ops.higher_order, "flex_attention", None)
 
 
 @dataclass
@@ -120,6 +122,11 @@ def find_attention(graph: Graph) -> tuple[list[AttentionRegion], list[Skip]]:
     that were left alone (with the reason)."""
     regions, skips = [], []
     for node in graph.nodes:
+        if node.op == "call_function" and node.target is FLEX_ATTENTION:
+            skip = _flex_skip(node)
+            if skip is not None:
+                skips.append(skip)
+            continue
         if node.op != "call_function" or node.target not in ATTENTION_OPS:
             continue
         try:
@@ -150,6 +157,21 @@ def _region_of(node: Node) -> Optional[AttentionRegion]:
         return _allgather_kv(node, args, sources, mask)
     raise Unsupported(f"operands come from {kinds['query']} (q), {kinds['key']} (k), {kinds['value']} (v): "
                       "neither K/V gathered with a local Q nor all-to-alls on all three")
+
+
+def _flex_skip(node: Node) -> Optional[Skip]:
+    """flex_attention whose K or V comes from a collective: reported, never rewritten.  Its
+    score_mod / mask_mod are functions of the gathered positions; running it by blocks would
+    need them re-evaluated per block with global offsets and the block mask rebuilt per step,
+    which the schedules here (SDPA kernels with a causal flag) do not do."""
+    kinds = {name: _collective_kind(_trace_back(node.args[i])[0]) for i, name in ((1, "key"), (2, "value"))}
+    if not any(kinds.values()):
+        return None
+    why = (f"flex_attention with {kinds['key'] or 'local'} K and {kinds['value'] or 'local'} V: its "
+           "score_mod/mask_mod see the gathered positions, which the cp schedules do not re-evaluate per block; "
+           "left as the program runs it")
+    log.info("attention %s left alone: %s", node.name, why)
+    return Skip("attention", node.name, why)
 
 
 def _bound(node: Node) -> dict[str, Any]:
