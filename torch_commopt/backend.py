@@ -32,14 +32,14 @@ def inductor_patches(config: Config, mode: str | None = None) -> dict[str, Any]:
     if torch._inductor.config.post_grad_custom_post_pass is not None:
         log.warning("commopt replaces the post_grad_custom_post_pass already set in Inductor's config")
     patches["post_grad_custom_post_pass"] = CommoptPass(config)
-    if config.regather_for_backward or "attention" in config.patterns:
+    if config.regather_for_backward or config.saved_gather_budget_mib is not None or "attention" in config.patterns:
         from torch_commopt.passes.regather import JointPass
 
         if torch._inductor.config.joint_custom_post_pass is None:
             patches["joint_custom_post_pass"] = JointPass(config)
         else:  # the user's own joint pass stays; what commopt does on the joint graph is off
             log.warning("commopt keeps the joint_custom_post_pass set in Inductor's config: context-parallel "
-                        "attention in training and regather_for_backward are off for this compile")
+                        "attention in training and the regather options are off for this compile")
     patches["fx_graph_cache"] = config.fx_graph_cache
     return patches
 

@@ -67,6 +67,11 @@ class Config:
     regather_for_backward: save each forward all-gather's shard instead of its gathered
         result for backward; the backward gathers again (passes/regather.py): (W-1)/W of each
         gathered activation's memory for one more all-gather per region in backward.
+    saved_gather_budget_mib: the most MiB per GPU that one graph's gathered activations kept
+        for backward may hold beyond their shards; the forward all-gathers whose results do
+        not fit are re-gathered in backward, chosen for the least predicted backward time
+        (passes/regather.choose_regather).  None (default): all are kept.  Not with
+        regather_for_backward (which re-gathers all).
     ar_split_policy: which candidates ar_split rewrites: "cost" (default) those the cost
         model predicts faster split than kept as an all-reduce (reshard/ar_cost.py; the
         machine's calibration, else the priors; explain notes both times), "always" every
@@ -109,6 +114,7 @@ class Config:
     ar_split: bool | str = False
     ar_split_policy: str = "cost"
     regather_for_backward: bool = False
+    saved_gather_budget_mib: float | None = None
     attention_schedule: str = "auto"
     extra_inductor_options: dict[str, Any] = field(default_factory=dict)
 
@@ -150,6 +156,15 @@ class Config:
         for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet",
                      "regather_for_backward"):
             _check_type(name, getattr(self, name), bool)
+        if self.saved_gather_budget_mib is not None:
+            if isinstance(self.saved_gather_budget_mib, bool) or not isinstance(self.saved_gather_budget_mib,
+                                                                                  (int, float)) \
+                    or self.saved_gather_budget_mib < 0:
+                raise ValueError(f"Config.saved_gather_budget_mib: a non-negative number of MiB or None, "
+                                 f"got {self.saved_gather_budget_mib!r}")
+            if self.regather_for_backward:
+                raise ValueError("Config.saved_gather_budget_mib: regather_for_backward=True re-gathers every "
+                                 "all-gather already; set one of the two")
         if self.ar_split not in (False, True, "checked"):
             raise ValueError(f"Config.ar_split: expected False, True or 'checked', got {self.ar_split!r}")
         if self.attention_schedule != "auto":

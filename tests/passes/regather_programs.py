@@ -9,12 +9,13 @@ import torch_commopt
 SHAPE = {"batch": 2, "seq": 16, "dim": 64, "hidden": 128, "heads": 4}
 
 
-def saved_and_gathers(rank: int, world: int, kind: str, regather: bool):
-    """(bytes saved for backward, all-gathers in the backward graph, notes, errors vs float64
-    next to eager's) of `kind` compiled with regather_for_backward=regather."""
+def saved_and_gathers(rank: int, world: int, kind: str, regather: bool, budget_mib: float | None = None):
+    """(bytes saved for backward, all-gathers in the backward graph, errors vs float64 next to
+    eager's, the joint-graph notes) of `kind` compiled with regather_for_backward=regather
+    (or saved_gather_budget_mib=budget_mib)."""
     from torch_commopt.validate import build, check
 
-    options = {"schedule": "sequential", "regather_for_backward": regather}
+    options = {"schedule": "sequential", "regather_for_backward": regather, "saved_gather_budget_mib": budget_mib}
     torch._dynamo.reset()
     torch_commopt.reset_explain()
     errors = check(kind, options, shape=SHAPE)
@@ -34,4 +35,5 @@ def saved_and_gathers(rank: int, world: int, kind: str, regather: bool):
     out.sum().backward()
     graphs = torch_commopt.explain().graphs
     gathers = sum(g.collectives_before.get("all_gather", 0) for g in graphs if g.graph_kind == "backward")
-    return sum(saved), gathers, [(e.name, e.compiled, e.eager) for e in errors]
+    notes = [n for g in graphs for n in g.notes if "gather" in n]
+    return sum(saved), gathers, [(e.name, e.compiled, e.eager) for e in errors], notes

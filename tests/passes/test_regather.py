@@ -15,7 +15,7 @@ def test_regather_saves_the_shard_and_gathers_again_in_backward(kind):
 
     base = run_distributed(saved_and_gathers, 2, kind, False)
     again = run_distributed(saved_and_gathers, 2, kind, True)
-    for (saved0, gathers0, _), (saved1, gathers1, errors) in zip(base, again):
+    for (saved0, gathers0, _, _), (saved1, gathers1, errors, _) in zip(base, again):
         assert gathers1 > gathers0, (gathers0, gathers1)  # the forward's gathers run again
         assert saved1 < saved0, (saved0, saved1)  # shards saved instead of gathered results
         bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
@@ -41,3 +41,32 @@ def test_only_forward_gathers_are_marked():
     marked = [n for n in g.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE]
     assert len(notes) == 1 and len(marked) == 3  # the forward gather, its wait and the view
     assert bwd not in marked and bwd.args[0] not in marked
+
+
+def test_saved_gather_budget_regathers_only_what_does_not_fit():
+    # tp_sp_block (seq 16, dim 64, fp32, W=2) gathers two norm outputs of 2x16x64x4 B = 8 KiB
+    # each, 4 KiB of each kept beyond its shard: a budget of 5 KiB keeps one and re-gathers
+    # the other, 0 keeps none, a large one re-gathers nothing
+    from regather_programs import saved_and_gathers
+
+    runs = {b: run_distributed(saved_and_gathers, 2, "tp_sp_block", False, b) for b in (None, 5 / 1024, 0.0, 1.0)}
+    for rank in range(2):
+        saved = {b: runs[b][rank][0] for b in runs}
+        gathers = {b: runs[b][rank][1] for b in runs}
+        assert saved[1.0] == saved[None] and gathers[1.0] == gathers[None]
+        assert saved[0.0] < saved[5 / 1024] < saved[None], saved
+        assert gathers[0.0] == gathers[None] + 2 and gathers[5 / 1024] == gathers[None] + 1, gathers
+        notes = runs[5 / 1024][rank][3]
+        assert any("re-gather 1 of 2" in n for n in notes), notes
+        for b in runs:
+            bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in runs[b][rank][2] if not within_tolerance(c, e)]
+            assert not bad, (b, bad)
+
+
+def test_saved_gather_budget_is_validated():
+    from torch_commopt.config import Config
+
+    with pytest.raises(ValueError, match="saved_gather_budget_mib"):
+        Config(saved_gather_budget_mib=-1)
+    with pytest.raises(ValueError, match="set one of the two"):
+        Config(saved_gather_budget_mib=10, regather_for_backward=True)

@@ -9,6 +9,9 @@ views) -- as MUST_RECOMPUTE, so the partitioner saves the shard and the backward
 gathers it again (one more all-gather per region, which the finders then treat like any
 other; the weight-gradient matmul contracts the gathered rows, so it runs as NCCL + GEMM).
 The trade: (W-1)/W of each gathered activation's memory against one all-gather in backward.
+With Config.saved_gather_budget_mib instead, the pass chooses which gathers to re-gather: the
+least predicted backward time whose kept gathered results fit the budget (choose_regather, an
+exact search over the gathers' two options).
 
 Only forward gathers are marked (those that do not depend on a tangent); the backward's own
 all-gathers are left alone.
@@ -32,26 +35,74 @@ RELAYOUT = {WAIT, aten.view.default, aten.reshape.default, aten._unsafe_view.def
             aten.clone.default, aten.t.default, aten.transpose.int, aten.slice.Tensor, operator.getitem}
 
 
-def mark_regather(graph: Graph) -> list[str]:
-    """Mark every forward all-gather (with its wait and relayout) MUST_RECOMPUTE; one note
-    per all-gather: its name and the bytes its gathered result would have kept."""
+def mark_regather(graph: Graph, only: set[str] | None = None) -> list[str]:
+    """Mark every forward all-gather (with its wait and relayout) MUST_RECOMPUTE, or those
+    named in `only`; one note per all-gather: its name and the bytes its gathered result
+    would have kept."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    backward = _tangent_dependent(graph)
     notes = []
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not ALL_GATHER or node in backward:
+    for node in forward_gathers(graph):
+        if only is not None and node.name not in only:
             continue
         marked = _chain(node)
         for n in marked:
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        out = val(node)
-        size = out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
         notes.append(f"{node.name}: re-gathered in backward ({len(marked)} node(s) marked; the gathered "
-                     f"result holds {size / 2**20:.1f} MiB)")
+                     f"result holds {_nbytes(node) / 2**20:.1f} MiB)")
     for note in notes:
         log.info("commopt regather: %s", note)
     return notes
+
+
+def forward_gathers(graph: Graph) -> list[Node]:
+    """The joint graph's forward all-gathers (those that do not depend on a tangent)."""
+    backward = _tangent_dependent(graph)
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is ALL_GATHER and n not in backward]
+
+
+def choose_regather(graph: Graph, budget_mib: float, cache_dir: str | None = None,
+                    timeout_s: float = 300.0) -> tuple[set[str], str]:
+    """(names of the forward all-gathers to re-gather, a note): the least predicted backward
+    time such that the gathered results kept for backward fit `budget_mib` per GPU.
+
+    A gathered result the backward uses costs (W-1)/W of its bytes over the shard the
+    partitioner would save instead; re-gathering it costs one all-gather of it in backward
+    (tuner/model.collective_time with the machine's calibration, else the priors).  One
+    search node per gather, two options, solved exactly (reshard/search.py)."""
+    from torch_commopt.reshard.search import Problem, solve
+
+    backward = _tangent_dependent(graph)
+    options, names = {}, {}
+    for node in forward_gathers(graph):
+        if not any(u in backward for n in _chain(node) for u in n.users):
+            continue  # the backward does not read it: nothing is kept either way
+        world = int(node.args[1])
+        full = _nbytes(node)
+        options[node.name] = [(0.0, full * (world - 1) / world / 2**20), (_gather_ms(node, full, world, cache_dir,
+                                                                                     timeout_s), 0.0)]
+        names[node.name] = node
+    if not options:
+        return set(), "no forward all-gather is kept for backward"
+    plan = solve(Problem(options), budget_mib)
+    chosen = {n for n, i in plan.choice.items() if i == 1}
+    kept = sum(options[n][0][1] for n in options) - plan.memory
+    return chosen, (f"saved gathers within {budget_mib:g} MiB: re-gather {len(chosen)} of {len(options)} "
+                    f"(predicted +{plan.time:.3f} ms in backward, {kept:.1f} MiB freed, {plan.memory:.1f} MiB kept)")
+
+
+def _gather_ms(node: Node, full_bytes: int, world: int, cache_dir: str | None, timeout_s: float) -> float:
+    from torch_commopt.passes.graph_utils import group_name_of
+    from torch_commopt.tuner.choose import calibration_for
+    from torch_commopt.tuner.model import collective_time
+
+    cal = calibration_for(val(node).device, world, group_name_of(node.args[2]), cache_dir, timeout_s)
+    return 1e3 * collective_time(cal, "all_gather", full_bytes, world)
+
+
+def _nbytes(node: Node) -> int:
+    out = val(node)
+    return out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
 
 
 def _chain(gather: Node) -> list[Node]:
@@ -95,6 +146,10 @@ class JointPass(CustomGraphPass):
                 notes.append(f"attention rewrite (joint graph) stopped ({type(e).__name__}: {e})")
         if self.config.regather_for_backward:
             notes += mark_regather(graph)
+        elif self.config.saved_gather_budget_mib is not None:
+            timeout = self.config.consistency_timeout_s
+            chosen, note = choose_regather(graph, self.config.saved_gather_budget_mib, self.config.cache_dir, timeout)
+            notes += [note] + (mark_regather(graph, chosen) if chosen else [])
         for note in notes:
             log.info("commopt joint graph: %s", note)
         PENDING_NOTES.extend(notes)
