@@ -110,16 +110,18 @@ def disagreeing_ranks(rank: int, world: int):
     return float((got.detach() - want).norm() / want.norm()), notes
 
 
-def _ulysses_program(world: int, causal: bool, interleaved: bool = False):
+def _ulysses_program(world: int, causal: bool, interleaved: bool = False, autograd: bool = False):
     """DeepSpeed-style Ulysses on (B, S_loc, H, D) activations: all-to-all sequence -> heads,
     attention on H/W heads over the whole sequence, all-to-all back.  interleaved: the
-    gathered sequence is laid out position-major (rank r's token i at i*W + r)."""
+    gathered sequence is laid out position-major (rank r's token i at i*W + r).  autograd:
+    funcol's differentiable all-to-all (a training program)."""
     group = dist.group.WORLD
+    a2a = funcol.all_to_all_single_autograd if autograd else funcol.all_to_all_single
 
     def seq_to_heads(x):  # (B, S_loc, H, D) -> (B, H/W, S, D)
         b, s, h, d = x.shape
         x = x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
-        y = funcol.all_to_all_single(x, None, None, group=group)  # (W_src, B, S_loc, H/W, D)
+        y = a2a(x, None, None, group=group)  # (W_src, B, S_loc, H/W, D)
         order = (1, 2, 0, 3, 4) if interleaved else (1, 0, 2, 3, 4)
         return y.permute(*order).reshape(b, world * s, h // world, d).transpose(1, 2)
 
@@ -128,7 +130,7 @@ def _ulysses_program(world: int, causal: bool, interleaved: bool = False):
         x = x.transpose(1, 2)
         x = (x.reshape(b, s // world, world, h, d).permute(2, 0, 1, 3, 4) if interleaved
              else x.reshape(b, world, s // world, h, d).permute(1, 0, 2, 3, 4)).contiguous()
-        y = funcol.all_to_all_single(x, None, None, group=group)  # (W_heads, B, S_loc, H/W, D)
+        y = a2a(x, None, None, group=group)  # (W_heads, B, S_loc, H/W, D)
         return y.permute(1, 2, 0, 3, 4).reshape(b, s // world, world * h, d)
 
     def program(q, k, v):
@@ -164,3 +166,29 @@ def compiled_ulysses(rank: int, world: int, heads: tuple[int, int], causal: bool
     notes = [n for g in graphs for n in g.notes if "attention" in n]
     a2as = sum(g.collectives_after.get("all_to_all", 0) for g in graphs)
     return float((got - want).norm() / want.norm()), notes, a2as
+
+
+def trained_ulysses(rank: int, world: int, heads: tuple[int, int], causal: bool, schedule: str = "auto"):
+    """(max relative error of out, dq, dk, dv vs full attention, notes, all-to-alls left) of a
+    Ulysses training program (funcol's autograd all-to-all) compiled with backend="commopt"."""
+    h, h_kv = heads
+    b, s_loc, d = 2, 8, 16
+    gen = torch.Generator().manual_seed(6)
+    full = [torch.randn(b, world * s_loc, h_, d, generator=gen, requires_grad=True) for h_ in (h, h_kv, h_kv)]
+    dout = torch.randn(b, world * s_loc, h, d, generator=gen)
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in full), is_causal=causal,
+                                         enable_gqa=True).transpose(1, 2)
+    ref.backward(dout)
+    mine = lambda t: t.detach().chunk(world, dim=1)[rank]  # noqa: E731
+    local = [mine(t).contiguous().requires_grad_(True) for t in full]
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    program = _ulysses_program(world, causal, autograd=True)
+    got = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})(*local)
+    got.backward(mine(dout))
+    errs = [float((got.detach() - mine(ref)).norm() / mine(ref).norm())]
+    errs += [float((t.grad - mine(f.grad)).norm() / mine(f.grad).norm()) for t, f in zip(local, full)]
+    graphs = torch_commopt.explain().graphs
+    notes = [n for g in graphs for n in g.notes if "attention" in n]
+    a2as = sum(g.collectives_after.get("all_to_all", 0) for g in graphs)
+    return max(errs), notes, a2as

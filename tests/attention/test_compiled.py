@@ -110,3 +110,15 @@ def test_interleaved_ulysses_sequence_is_rewritten_only_without_causal(causal):
             assert any("not rank-major" in n for n in notes) and a2as > 0, notes
         else:
             assert any("cp_attention_fwd" in n for n in notes) and a2as == 0, notes
+
+
+@pytest.mark.parametrize("world,heads,causal", [(2, (4, 4), True), (2, (4, 2), False), (4, (8, 4), True)])
+def test_training_ulysses_program_runs_cp_forward_and_backward(world, heads, causal):
+    # the joint-graph rewrite: the forward's and the backward's all-to-alls go, out and
+    # dq/dk/dv match full attention
+    from compiled_programs import trained_ulysses
+
+    for err, notes, a2as in run_distributed(trained_ulysses, world, heads, causal):
+        assert any("ulysses" in n and "cp_attention_fwd/bwd" in n for n in notes), notes
+        assert a2as == 0, notes
+        assert err < 1e-5, (err, notes)

@@ -75,6 +75,15 @@ LAYOUT_OPS = RESHAPES | {aten.permute.default, aten.transpose.int, aten.clone.de
                          aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default}
 SEQ_DIM = 2  # of the attention's (B, H, S, D) operands
 FLEX_ATTENTION = getattr(torch.ops.higher_order, "flex_attention", None)
+# the backward ops a joint graph holds beside the forward ones (they read the forward's output)
+ATTENTION_BACKWARD = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default:
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_flash_attention.default: aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention.default:
+        aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention.default: aten._scaled_dot_product_cudnn_attention_backward.default,
+}
 
 
 @dataclass
@@ -379,11 +388,12 @@ def _ulysses(node: Node, args: dict, sources: dict) -> AttentionRegion:
 
 def _drain_all_to_all(out: Node) -> tuple[Node, list[Node]]:
     """The all_to_all_single the attention output reaches through layout ops used once (a
-    forward graph may also return the output, saved for the backward: that use is allowed),
-    and those layout ops in order."""
+    forward graph may also return the output, saved for the backward, and a joint graph's
+    attention backward reads it: those uses are allowed), and those layout ops in order."""
     node, path = out, []
+    backward = set(ATTENTION_BACKWARD.values())
     while True:
-        users = [u for u in node.users if not _only_returned(u)]
+        users = [u for u in node.users if not _only_returned(u) and not (node is out and u.target in backward)]
         if len(users) != 1:
             raise Unsupported(f"the attention output {out.name} has {len(users)} users before any all-to-all")
         user = users[0]

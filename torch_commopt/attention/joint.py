@@ -14,7 +14,9 @@ and becomes
     dk = inverse layout(dk');  dv = ...
 
 so the partitioner saves q, the local k/v, out and the LSE instead of the gathered K/V, and no
-all-gather or reduce-scatter of K/V runs (the schedule moves what it needs).  A region whose
+all-gather or reduce-scatter of K/V runs (the schedule moves what it needs).  Ulysses programs
+(all-to-all -> attention -> all-to-all, and the mirror in backward) go the same way through
+ulysses_joint.py.  A region whose
 pieces do not match exactly (another user of K or dK, an expand in the layout, a reduce-scatter
 over another group) is left alone and reported.
 """
@@ -26,19 +28,13 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from torch_commopt.attention.detect import AttentionRegion, _reshaped_dim, find_attention
+from torch_commopt.attention.detect import ATTENTION_BACKWARD, AttentionRegion, _reshaped_dim, find_attention
 from torch_commopt.attention.rewrite import _choose, _local, _shown, describe, ranks_disagree
 from torch_commopt.passes.chains import set_fake_val
-from torch_commopt.passes.graph_utils import REDUCE_SCATTER, WAIT, aten, group_name_of, static_shape
+from torch_commopt.attention import ulysses_joint
+from torch_commopt.passes.graph_utils import REDUCE_SCATTER, WAIT, Unsupported, aten, group_name_of, static_shape
 
-BACKWARD = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default:
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten._scaled_dot_product_flash_attention.default: aten._scaled_dot_product_flash_attention_backward.default,
-    aten._scaled_dot_product_efficient_attention.default:
-        aten._scaled_dot_product_efficient_attention_backward.default,
-    aten._scaled_dot_product_cudnn_attention.default: aten._scaled_dot_product_cudnn_attention_backward.default,
-}
+BACKWARD = ATTENTION_BACKWARD
 # ops between dK and its reduce-scatter: the relayout of the gather, run backwards
 DRAIN = {aten.slice.Tensor, aten.cat.default, aten.split.Tensor, operator.getitem, aten.transpose.int,
          aten.permute.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -63,13 +59,13 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
     plans = {}
     for region in regions:
-        if region.form != "allgather_kv" or region.attention.target not in BACKWARD:
+        if region.attention.target not in BACKWARD:
             notes.append(f"{describe(region)}: found; {region.form} with {region.op} is not rewritten in training "
                          "(the program keeps its own)")
             continue
         try:
-            plans[id(region)] = _match(region)
-        except NotMatched as e:
+            plans[id(region)] = _match(region) if region.form == "allgather_kv" else ulysses_joint.match(region)
+        except (NotMatched, Unsupported) as e:
             notes.append(f"{describe(region)}: not rewritten ({e})")
     choices = {id(r): _choose(r, schedule, cache_dir) for r in regions if id(r) in plans}
     disagree = ranks_disagree(regions, skips, choices, consistency_timeout_s)
@@ -78,7 +74,10 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
     for region in regions:
         if id(region) in plans:
             chosen, ranked = choices[id(region)]
-            _apply(graph, region, plans[id(region)], chosen)
+            if region.form == "allgather_kv":
+                _apply(graph, region, plans[id(region)], chosen)
+            else:
+                ulysses_joint.apply(graph, region, plans[id(region)], chosen)
             notes.append(f"{describe(region)}: cp_attention_fwd/bwd {chosen} in the joint graph "
                          f"(predicted forward: {_shown(ranked)})")
     return notes

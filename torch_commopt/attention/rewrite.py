@@ -16,7 +16,7 @@ to the op's layout, its output brought to the one the output all-to-all delivere
 Training graphs are rewritten before they get here, on the joint graph (attention/joint.py:
 the backward expects what the forward saves, so both halves change together); a region still
 found in a post-grad training graph is one the joint rewrite did not take, and is reported
-(the joint rewrite takes all-gather regions; a training Ulysses program keeps its own).
+(the joint rewrite takes all-gather and Ulysses regions whose backward is the exact mirror).
 """
 
 from __future__ import annotations

@@ -40,37 +40,66 @@ class UlyssesPlan:
 
 def plan(region: AttentionRegion) -> UlyssesPlan:
     """Raises Unsupported where the region's element movement is not a relayout of the op's."""
-    atoms, world = Atoms(), region.world
-    owner = atoms.new("R", world)  # the rank that holds a sequence shard in the program
-    starts, ends = {}, {}
+    algebra = Algebra(region.world, region.causal)
     for i, key in enumerate("qkv"):
-        x, a2a = region.inputs[key], region.collectives[i]
-        starts[key] = Layout.fresh(atoms, key, static_shape(x), owner)
-        lay = starts[key].through(region.paths[f"{key}_pre"]).all_to_all(world)
+        algebra.operand(key, region.inputs[key], region.paths[f"{key}_pre"], region.collectives[i],
+                        region.paths[f"{key}_post"])
+    inputs = {key: algebra.to_op[key] for key in "qkv"}
+    out_in = region.paths["out"][0].args[0] if region.paths["out"] else region.collectives[3].args[0]
+    output = algebra.result("out", "q", static_shape(out_in)[-1], region.paths["out"], region.output)
+    return UlyssesPlan(inputs, output)
+
+
+class Algebra:
+    """The layout algebra of one Ulysses region: operands in (to_op: the program's tensor ->
+    the op's layout), results out (the op's layout -> the tensor the program's all-to-all
+    delivered)."""
+
+    def __init__(self, world: int, causal: bool) -> None:
+        self.atoms, self.world, self.causal = Atoms(), world, causal
+        self.owner = self.atoms.new("R", world)  # the rank that holds a sequence shard in the program
+        self.ends: dict[str, Layout] = {}  # the attention operand's layout, per operand
+        self.op_dims: dict[str, list[list[str]]] = {}  # the op's (B, H, S_loc, D) dims, per operand
+        self.to_op: dict[str, Relayout] = {}
+
+    def operand(self, key: str, x: Node, pre: list[Node], a2a: Node, post: list[Node]) -> None:
+        """x -> pre -> all-to-all -> post -> the attention's operand `key` (B, H/W, S, D)."""
+        start = Layout.fresh(self.atoms, key, static_shape(x), self.owner)
+        lay = start.through(pre).all_to_all(self.world)
         if lay.shape() != list(static_shape(a2a)):
             raise Unsupported(f"{a2a.name}: the all-to-all's shape is not its input's")
-        ends[key] = lay.through(region.paths[f"{key}_post"])
-        if len(ends[key].dims) != 4:
+        end = lay.through(post)
+        if len(end.dims) != 4:
             raise Unsupported(f"attention operand {key} is not 4-D")
-    q_end = ends["q"]
-    local_seq = {key: _local_seq(atoms, ends[key].dims[2], owner, region.causal, key) for key in "qkv"}
-    targets = {key: [ends[key].dims[0], ends[key].rank + ends[key].dims[1], local_seq[key], ends[key].dims[3]]
-               for key in "qkv"}
-    inputs = {key: relayout(atoms, _flat(starts[key].dims), targets[key]) for key in "qkv"}
+        self.ends[key] = end
+        self.op_dims[key] = [end.dims[0], end.rank + end.dims[1], self._local_seq(end.dims[2], key), end.dims[3]]
+        self.to_op[key] = relayout(self.atoms, _flat(start.dims), self.op_dims[key])
 
-    out_shape = static_shape(region.paths["out"][0].args[0] if region.paths["out"] else region.collectives[3].args[0])
-    dv = atoms.new("dv", out_shape[-1])
-    att = Layout(atoms, q_end.dims[:3] + [dv], q_end.rank)
-    if att.shape() != list(out_shape):
-        raise Unsupported(f"attention output {list(out_shape)} is not q's (B, H/W, S) with its head dim")
-    back = att.through(region.paths["out"]).all_to_all(world)
-    if back.shape() != list(static_shape(region.output)):
-        raise Unsupported("the output all-to-all's shape is not its input's")
-    if atoms.leaves(back.rank) != atoms.leaves(owner):
-        raise Unsupported("the output all-to-all does not return each rank its own sequence shard")
-    canonical_out = targets["q"][:3] + [dv]
-    output = relayout(atoms, _flat(canonical_out), back.dims)
-    return UlyssesPlan(inputs, output)
+    def same_positions(self, a: str, b: str) -> None:
+        """Operands a and b must order their sequence positions alike (an output and its gradient)."""
+        sig = {k: [(f in self.atoms.leaves(self.owner), self.atoms.sizes[f])
+                   for f in self.atoms.leaves(self.ends[k].dims[2])] for k in (a, b)}
+        if sig[a] != sig[b]:
+            raise Unsupported(f"{a} and {b} lay the sequence out differently")
+
+    def result(self, name: str, like: str, last_dim: int, path: list[Node], delivered: Node) -> Relayout:
+        """A result with operand `like`'s (B, H/W, S) and `last_dim` -> path -> all-to-all ->
+        `delivered` (its wait): the relayout from the op's layout to `delivered`."""
+        end = self.ends[like]
+        last = self.atoms.new(f"{name}.d", last_dim) if last_dim != end.shape()[3] else end.dims[3]
+        att = Layout(self.atoms, end.dims[:3] + [last], end.rank)
+        if path and att.shape() != list(static_shape(path[0].args[0])):
+            raise Unsupported(f"{name}: {list(static_shape(path[0].args[0]))} is not {like}'s (B, H/W, S) with its "
+                              "last dim")
+        back = att.through(path).all_to_all(self.world)
+        if back.shape() != list(static_shape(delivered)):
+            raise Unsupported(f"{name}: the all-to-all's shape is not its input's")
+        if self.atoms.leaves(back.rank) != self.atoms.leaves(self.owner):
+            raise Unsupported(f"{name}: the all-to-all does not return each rank its own sequence shard")
+        return relayout(self.atoms, _flat(self.op_dims[like][:3] + [last]), back.dims)
+
+    def _local_seq(self, seq: list[str], key: str) -> list[str]:
+        return _local_seq(self.atoms, seq, self.owner, self.causal, key)
 
 
 def _flat(dims: list[list[str]]) -> list[str]:
