@@ -1,6 +1,7 @@
 """torch_commopt: a torch.compile backend that overlaps communication with computation.
 
     model = torch.compile(model, backend="commopt", options={"schedule": "chunked", "chunks": 4})
+    model.mlp = torch_commopt.optimize(model.mlp, mode="model")   # or only the modules named
     print(torch_commopt.explain())
 
 Importing registers the custom ops (`torch.ops.commopt.*`) and the backend; it touches
@@ -12,8 +13,9 @@ from torch_commopt.report import ExplainReport, explain, reset_explain
 from torch_commopt.kernels import ops as _ops  # noqa: F401  (registers torch.ops.commopt.*)
 from torch_commopt.backend import commopt_backend, register as _register
 from torch_commopt.schedule import Schedule
+from torch_commopt.optimize import optimize
 
 _register()
 
-__all__ = ["Config", "ExplainReport", "Schedule", "commopt_backend", "explain", "reset_explain"]
+__all__ = ["Config", "ExplainReport", "Schedule", "commopt_backend", "explain", "optimize", "reset_explain"]
 __version__ = "0.1.0"

@@ -1,0 +1,95 @@
+"""Per-module opt-in: compile only what the user names with backend="commopt".
+
+    model.mlp = torch_commopt.optimize(model.mlp)             # one module (compiled in place)
+    step = torch_commopt.optimize(step, mode="model")          # a function
+
+    @torch_commopt.optimize(schedule="sequential")             # a function, decorator form
+    def attn(q, k, v): ...
+
+    @torch_commopt.optimize                                    # a Module subclass: every
+    class Block(nn.Module): ...                                # instance compiles itself
+
+Everything not named runs as before (eager, or however the caller compiles it).  A module is
+compiled with `nn.Module.compile` (its forward traced on the first call, so parallelize it
+with DTensor before or after: the trace sees what it is called with).  The options are checked
+when `optimize` is called: a bad one raises there, not inside a training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Optional, TypeVar, Union
+
+import torch
+from torch import nn
+
+from torch_commopt.config import Config
+
+T = TypeVar("T")
+
+
+def resolve_config(config: Optional[Union[Config, dict]], options: dict[str, Any]) -> Config:
+    """`config` (a Config, a dict of its fields, or None) with `options` on top, validated."""
+    if config is None:
+        base: dict[str, Any] = {}
+    elif isinstance(config, Config):
+        base = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)}
+    elif isinstance(config, dict):
+        base = dict(config)
+    else:
+        raise TypeError(f"torch_commopt.optimize: config must be a Config, a dict or None, got {type(config).__name__}")
+    return Config.from_options({**base, **options})
+
+
+def optimize(target: Any = None, *, config: Optional[Union[Config, dict]] = None, dynamic: Optional[bool] = None,
+             fullgraph: bool = False, **options: Any) -> Any:
+    """Compile `target` with backend="commopt" and Config(config, **options).
+
+    target: an nn.Module instance (compiled in place and returned), an nn.Module subclass
+    (returned with each new instance compiling itself), a function (its compiled version is
+    returned), or nothing (a decorator taking one of those).  dynamic, fullgraph: as in
+    torch.compile.  Raises ValueError for an unknown or invalid option, TypeError for a target
+    that is none of these."""
+    cfg = resolve_config(config, options)
+    if target is None:
+        return functools.partial(_apply, cfg=cfg, dynamic=dynamic, fullgraph=fullgraph)
+    return _apply(target, cfg=cfg, dynamic=dynamic, fullgraph=fullgraph)
+
+
+def _apply(target: T, *, cfg: Config, dynamic: Optional[bool], fullgraph: bool) -> T:
+    kwargs = {"backend": "commopt", "options": cfg, "dynamic": dynamic, "fullgraph": fullgraph}
+    if isinstance(target, nn.Module):
+        target.compile(**kwargs)
+        target._commopt_config = cfg  # noqa: SLF001  (what optimized it, for inspection)
+        return target
+    if inspect.isclass(target) and issubclass(target, nn.Module):
+        return _compiling_class(target, kwargs, cfg)
+    if callable(target):
+        compiled = torch.compile(target, **kwargs)
+        compiled._commopt_config = cfg
+        return compiled
+    raise TypeError(f"torch_commopt.optimize: expected an nn.Module, a Module subclass or a function, "
+                    f"got {type(target).__name__}")
+
+
+def _compiling_class(cls: type, kwargs: dict, cfg: Config) -> type:
+    """cls with an __init__ that compiles each instance once it is built."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kw):
+        init(self, *args, **kw)
+        if getattr(self, "_commopt_config", None) is None:  # once, also for subclasses
+            self.compile(**kwargs)
+            self._commopt_config = cfg
+
+    cls.__init__ = __init__
+    return cls
+
+
+def is_optimized(module: nn.Module) -> bool:
+    """Whether `module` was compiled by optimize (directly or through its class)."""
+    return getattr(module, "_commopt_config", None) is not None and module._compiled_call_impl is not None
+
