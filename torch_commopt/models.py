@@ -15,12 +15,16 @@ import torch.distributed._functional_collectives as funcol
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int):
+    """Causal self-attention; n_kv_heads < n_heads is GQA (Llama-3: 32 / 8)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None):
         super().__init__()
         self.head_dim = dim // n_heads
+        kv = (n_kv_heads or n_heads) * self.head_dim
+        self.gqa = kv != dim
         self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv, bias=False)
+        self.wv = nn.Linear(dim, kv, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -29,7 +33,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -45,10 +49,10 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, dim: int = 64, n_heads: int = 4, hidden: int = 128):
+    def __init__(self, dim: int = 64, n_heads: int = 4, hidden: int = 128, n_kv_heads: int | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim)
-        self.attention = Attention(dim, n_heads)
+        self.attention = Attention(dim, n_heads, n_kv_heads)
         self.ffn_norm = nn.RMSNorm(dim)
         self.feed_forward = SwiGLU(dim, hidden)
 

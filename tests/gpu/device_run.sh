@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|plan|attention|attention1|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|plan|attention|attention1|e2e|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -30,6 +30,10 @@ if [[ $what == attention ]]; then
   # sweep (BENCH_ARGS may add --full, --seq ..., --passes ...; partial.jsonl keeps a cut-short run)
   mkdir -p "$out/attention"
   timeout ${ATTN_TIMEOUT:-560} python3 benchmarks/bench_attention.py --out "$out/attention" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention.log"
+fi
+if [[ $what == e2e ]]; then
+  # issue 7: a few Llama-3-8B layers trained with inductor, inductor + async-TP and commopt
+  timeout ${E2E_TIMEOUT:-560} python3 benchmarks/bench_e2e.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log"
 fi
 if [[ $what == attention1 ]]; then
   # one GPU: the CUDA local-attention backends vs math, and each schedule's compute alone per rank
