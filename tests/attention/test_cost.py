@@ -113,7 +113,8 @@ def test_machine_figures_come_from_the_tuner_calibration():
     gpu, cpu = prior("NVIDIA H200", 2), prior("cpu", 2)
     m = machine_from_calibration(gpu, "bfloat16")
     assert m.link_bytes_per_s == gpu.p2p.bytes_per_s and m.alpha_s == gpu.p2p.alpha_s  # a ring step is a push
-    assert m.flops_per_s == gpu.gemm_fit("bfloat16").peak_flops * ATTENTION_OF_GEMM_PEAK
+    assert m.flops_per_s == gpu.attention_flops["bfloat16"] and m.bwd_factor == gpu.attention_bwd_factor
     assert m.launch_s == gpu.host("sequential")
-    c = machine_from_calibration(cpu, "float32")
+    c = machine_from_calibration(cpu, "float32")  # no attention figures: the GEMM fit's, scaled
+    assert c.flops_per_s == cpu.gemm_fit("float32").peak_flops * ATTENTION_OF_GEMM_PEAK
     assert cpu.p2p is None and c.link_bytes_per_s == cpu.collective["all_gather"].bytes_per_s

@@ -100,6 +100,9 @@ def test_calibration_is_measured_once_and_the_model_mode_reads_it(tmp_path):
     assert text0 == text1 and spent0 < 30  # every rank holds the same figures
     cal = Calibration.from_json(text0)
     assert cal.source == "measured" and cal.device == "cpu" and cal.gemm["float32"].peak_flops > 1e8
+    # the local attention kernel (math on CPU) measured too: its throughput and backward factor
+    assert cal.attention_flops["float32"] > 1e7 and 1.0 < cal.attention_bwd_factor < 10.0
+    assert {"attention_flops", "attention_bwd_factor"} <= set(cal.measured)
     after = run_distributed(compile_with_model, 2, str(tmp_path), timeout_s=300)
     for cands, chosen, note, err in after:
         assert "measured calibration of cpu" in note and err < 1e-5

@@ -42,16 +42,18 @@ class CPMachine:
 
     link_bytes_per_s: one link's bandwidth; alpha_s: latency of one message (one ring step,
     one hop of a collective); flops_per_s: the attention kernel's throughput on one device;
-    launch_s: the cost of issuing one kernel or one communication call (host + launch).
+    launch_s: the cost of issuing one kernel or one communication call (host + launch);
+    bwd_factor: the backward's time over the forward's for the same block.
     """
 
     link_bytes_per_s: float
     alpha_s: float
     flops_per_s: float
     launch_s: float = 0.0
+    bwd_factor: float = BWD_FLOP_FACTOR
 
     def __post_init__(self) -> None:
-        for name in ("link_bytes_per_s", "flops_per_s"):
+        for name in ("link_bytes_per_s", "flops_per_s", "bwd_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CPMachine.{name} must be > 0, got {getattr(self, name)}")
         for name in ("alpha_s", "launch_s"):
@@ -79,11 +81,13 @@ ATTENTION_OF_GEMM_PEAK = 0.67
 def machine_from_calibration(cal, dtype: str) -> CPMachine:
     """The attention model's machine figures from the tuner's calibration (tuner/calibration.py):
     a copy-engine push per ring step where the machine has one, else the all-gather's link;
-    the GEMM fit's peak scaled to attention; the NCCL path's host cost per call."""
+    the local attention kernel's measured throughput and backward factor (else the GEMM fit's
+    peak scaled to attention, and BWD_FLOP_FACTOR); the NCCL path's host cost per call."""
     link = cal.p2p if cal.p2p is not None else cal.collective["all_gather"]
-    fit = cal.gemm_fit(dtype)
-    return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s,
-                     flops_per_s=fit.peak_flops * ATTENTION_OF_GEMM_PEAK, launch_s=cal.host("sequential"))
+    flops = getattr(cal, "attention_flops", {}).get(dtype) or cal.gemm_fit(dtype).peak_flops * ATTENTION_OF_GEMM_PEAK
+    bwd = getattr(cal, "attention_bwd_factor", 0.0) or BWD_FLOP_FACTOR
+    return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s, flops_per_s=flops,
+                     launch_s=cal.host("sequential"), bwd_factor=bwd)
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ def _allgather_seconds(shape: AttentionShape, causal: bool, world: int, sz: _Siz
     fwd = m.ring_collective(sz.kv, world) + compute + launches
     if not backward:
         return fwd
-    bwd = m.ring_collective(sz.kv, world) + BWD_FLOP_FACTOR * compute + launches
+    bwd = m.ring_collective(sz.kv, world) + m.bwd_factor * compute + launches
     return fwd + bwd + m.ring_collective(sz.dkv, world)
 
 
@@ -168,7 +172,7 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
         return fwd
     dkv_hop = m.launch_s + m.link(sz.dkv) if r > 1 else 0.0
     pre = exchange(3 * sz.q + sz.kv + sz.lse)  # dout, q, out, k, v, lse
-    ring = _ring_time(fractions, BWD_FLOP_FACTOR * block_s, m.launch_s, hop + dkv_hop, dkv_hop)
+    ring = _ring_time(fractions, m.bwd_factor * block_s, m.launch_s, hop + dkv_hop, dkv_hop)
     return fwd + pre + ring + exchange(sz.q + sz.kv)
 
 

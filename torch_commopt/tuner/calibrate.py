@@ -205,6 +205,24 @@ def _collective_times_checked(group, world: int, device: torch.device, reps: int
     return {c: tuple(min(a, b) for a, b in zip(out[c], second[c])) for c in COLLECTIVES}
 
 
+# one block of local attention: (B, H, S, D) per device type
+ATTENTION_PROBE = {"cuda": (1, 32, 4096, 128), "cpu": (1, 4, 256, 64)}
+
+
+def _attention_times(device: torch.device, dtype: torch.dtype, reps: int) -> tuple[float, float, float]:
+    """(flops, forward s, backward s) of one full (non-causal) block of local attention, the
+    backend attention/local.py picks for this device and dtype."""
+    from torch_commopt.attention.local import attend_bwd, attend_fwd
+
+    b, h, s, d = ATTENTION_PROBE[device.type]
+    q, k, v, dout = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(4))
+    scale = d ** -0.5
+    out, lse = attend_fwd(q, k, v, scale=scale)
+    fwd = _timed(lambda: attend_fwd(q, k, v, scale=scale), device, reps)
+    bwd = _timed(lambda: attend_bwd(dout, q, k, v, out.to(dtype), lse, scale=scale), device, reps)
+    return 4.0 * b * h * s * s * d, fwd, bwd
+
+
 def _host_costs(group_name: str, world: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """{"kind schedule": seconds} host cost per call of each HOST_PROBES entry."""
     a = torch.randn(64 * world, 256, device=device, dtype=dtype)
@@ -361,11 +379,14 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     coll = _collective_times_checked(group, world, device, reps)  # already the slowest rank's
     hosts = _host_costs(group_name, world, device, getattr(torch, dtype_names[0]))
     probes = _gpu_probes(group_name, world, device, reps) if device.type == "cuda" and world > 1 else {}
+    attn = {d: _attention_times(device, getattr(torch, d), reps) for d in dtype_names}
     flat = [t for d in dtype_names for *_, t in gemm[d]] + list(hosts.values()) + list(probes.values())
+    flat += [t for d in dtype_names for t in attn[d][1:]]
     flat = iter(_slowest(flat, group, device))
     gemm = {d: [(m, n, k, next(flat)) for m, n, k, _ in gemm[d]] for d in dtype_names}
     hosts = {k: next(flat) for k in hosts}
     probes = {k: next(flat) for k in probes}
+    attn = {d: (attn[d][0], next(flat), next(flat)) for d in dtype_names}
     links = {c: fit_link(world, COLLECTIVE_BYTES[device.type], coll[c],
                          (world - 1) * (2 if c == "all_reduce" else 1)) for c in COLLECTIVES}
     name = device_name(device)
@@ -390,7 +411,9 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     cal = Calibration(
         device=name, world=world, collective=links, gemm={d: fit_gemm(gemm[d]) for d in dtype_names},
         host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece,
-        fused_efficiency=base.fused_efficiency, source="measured", measured=tuple(measured), **fields)
+        fused_efficiency=base.fused_efficiency, attention_flops={d: f / t for d, (f, t, _) in attn.items()},
+        attention_bwd_factor=statistics.median(b / t for _, t, b in attn.values()),
+        source="measured", measured=tuple(measured) + ("attention_flops", "attention_bwd_factor"), **fields)
     if probes:  # the families on probe shapes, against the model with everything above
         timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
         long = _schedule_factors(timed, cal)

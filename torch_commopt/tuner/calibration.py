@@ -75,6 +75,10 @@ class Calibration:
         family on a probe shape (calibrate._schedule_probes): what the pipeline model
         leaves out (flag round trips, the order the streams really run in, a family's
         own inefficiencies), applied to that family's predicted device time.
+    attention_flops: {dtype name: flop/s} of the local attention kernel (attention/local.py's
+        `auto` pick) on a block of the calibration shape, forward; attention_bwd_factor: its
+        backward's time over the forward's (0: not known; the attention model then uses its
+        defaults).
     schedule_factor_curve: {"kind family": [[predicted device s, factor], ...]} from probes of
         different lengths (a short one timed as CUDA-graph replays, the long one above); a
         family with two points or more takes its factor interpolated in log(predicted
@@ -97,6 +101,8 @@ class Calibration:
     fused_efficiency: float = 1.0
     schedule_factor: dict[str, float] = field(default_factory=dict)
     schedule_factor_curve: dict[str, list[list[float]]] = field(default_factory=dict)
+    attention_flops: dict[str, float] = field(default_factory=dict)
+    attention_bwd_factor: float = 0.0
     source: str = "prior"  # "prior" or "measured"
     measured: tuple[str, ...] = ()  # the fields a measurement set; the rest are the prior's
 
@@ -177,6 +183,8 @@ def prior(device: str, world: int) -> Calibration:
         # an NCCL collective beside cuBLAS barely overlaps (calibrated 0.71-0.87 on 2x H200)
         collective_overlap_slowdown=0.8,
         fused_efficiency=0.87,
+        # cuDNN attention on one H200, B1 H32 D128 bf16, 16K-64K (attention_blocks_h200_2026-11-23)
+        attention_flops={"bfloat16": 600e12, "float16": 600e12}, attention_bwd_factor=2.75,
     )
 
 
