@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch_commopt.attention import local  # noqa: E402
 from torch_commopt.attention.local import attend_bwd, attend_fwd, default_scale  # noqa: E402
 from torch_commopt.attention.merge import Accumulator  # noqa: E402
-from torch_commopt.attention.ring import contiguous_plan, zigzag_plan  # noqa: E402
+from torch_commopt.attention.ring import _accumulate, contiguous_plan, zigzag_plan  # noqa: E402
 from torch_commopt.attention.schedules import _gathered_blocks  # noqa: E402
 
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -104,14 +104,13 @@ def rank_compute(q, k, v, dout, blocks, scale, bwd: bool, backend: str = "auto")
         out = out.to(q.dtype)  # as ring_fwd returns it
         if not bwd:
             return
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        dq, dk, dv = (torch.empty_like(t, dtype=torch.float32) for t in (q, k, v))
+        fresh = {"dq": True, "dkv": True}  # as ring_bwd: the first block writes, the rest add
         for qs, ks, mask in blocks:
             g = attend_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
                            lse[:, :, qs].contiguous(), scale=scale, mask=mask, backend=backend)
-            dq[:, :, qs].add_(g[0])
-            dk[:, :, ks].add_(g[1])
-            dv[:, :, ks].add_(g[2])
+            _accumulate(dq, qs, g[0], fresh, "dq")
+            _accumulate((dk, dv), ks, g[1:], fresh, "dkv")
     return run
 
 

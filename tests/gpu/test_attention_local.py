@@ -59,7 +59,7 @@ def test_backend_matches_math(one_gpu, name, dtype, causal, heads, d, s):
     grads = attend_bwd(dout, q, k, v, out, lse, scale=scale, mask=mask, backend=name)
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-    assert grads[1].dtype == grads[2].dtype == torch.float32  # dK/dV accumulate in fp32
+    assert {g.dtype for g in grads} <= {torch.float32, dtype}  # the kernel's, or folded GQA heads in fp32
     assert rel_err(lse, truth[1]) < 1e-3
     for what, got, want, eager in zip(("out", "dq", "dk", "dv"), (out,) + grads, (truth[0],) + truth_g, ref):
         assert within_tolerance(rel_err(got, want), rel_err(eager, want)), (name, what)

@@ -58,8 +58,8 @@ class LocalBackend:
     """One implementation of block attention.
 
     fwd(q, k, v, scale, causal) -> (out (B, H, S_q, D) any float dtype, lse (B, H, S_q) acc dtype)
-    bwd(dout, q, k, v, out, lse, scale, causal) -> (dq, dk, dv) in the acc dtype; dk, dv have
-        k's H_kv heads.
+    bwd(dout, q, k, v, out, lse, scale, causal) -> (dq, dk, dv) in the acc dtype or q's; dk, dv
+        have k's H_kv heads (folded from expanded heads in the acc dtype).
     why_not(q, k) -> None when the backend can take these operands, else the reason.
     auto: whether backend="auto" may pick it.
     """
@@ -139,15 +139,17 @@ def attend_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     """Gradients of one block, given the GLOBAL out and lse of q's rows (all blocks merged).
 
     dout, out: (B, H, S_q, Dv); q: (B, H, S_q, D); k: (B, H_kv, S_k, D); v: (B, H_kv, S_k, Dv);
-    lse: (B, H, S_q).  Returns dq (B, H, S_q, D), dk, dv (B, H_kv, S_k, *) in the acc dtype, to
-    be summed over the blocks (dq) and over the query blocks that saw this K/V (dk, dv).
+    lse: (B, H, S_q).  Returns dq (B, H, S_q, D), dk, dv (B, H_kv, S_k, *) as the kernel gives
+    them -- the acc dtype, or the inputs' dtype (a fused kernel's bf16 output, which the acc
+    dtype holds exactly) -- to be summed in the acc dtype over the blocks (dq) and over the
+    query blocks that saw this K/V (dk, dv): callers add them into acc-dtype buffers, which
+    converts on the fly instead of in a separate pass.
     """
     _check(q, k, v, mask)
     acc = acc_dtype(q.dtype)
     if mask == "skip":
         return (torch.zeros_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
-    grads = pick(q, k, backend).bwd(dout, q, k, v, out, lse, scale, mask == "causal")
-    return tuple(g.to(acc) for g in grads)
+    return tuple(pick(q, k, backend).bwd(dout, q, k, v, out, lse, scale, mask == "causal"))
 
 
 # ---- math: the reference path ---------------------------------------------------------------

@@ -63,6 +63,23 @@ def _seq(x: Tensor, sl: slice) -> Tensor:
     return x[:, :, sl]
 
 
+def _accumulate(buf, sl: slice, grad, fresh: dict, key: str) -> None:
+    """Sum a block's gradient(s) into the acc-dtype buffer(s) at sequence slice `sl`.  A fresh
+    (unwritten) buffer takes a gradient covering all of it by a copy, else is zeroed first;
+    adding a half-precision gradient into the buffer converts it on the fly."""
+    bufs, grads = (buf, grad) if isinstance(buf, tuple) else ((buf,), (grad,))
+    if fresh[key]:
+        fresh[key] = False
+        if sl == ALL:
+            for b, g in zip(bufs, grads):
+                b.copy_(g)
+            return
+        for b in bufs:
+            b.zero_()
+    for b, g in zip(bufs, grads):
+        _seq(b, sl).add_(g)
+
+
 def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group: comm.Group,
              backend: str = "auto") -> tuple[Tensor, Tensor]:
     """q: (B, H, S_loc, D); k, v: (B, H_kv, S_loc, D) this rank's shard of the ring's layout.
@@ -89,9 +106,11 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     Returns (dq, dk, dv) in the inputs' dtypes, accumulated in the acc dtype."""
     n, p = comm.size(group), comm.rank(group)
     acc = acc_dtype(q.dtype)
-    dq = torch.zeros_like(q, dtype=acc)
+    dq = torch.empty_like(q, dtype=acc)
     kv = comm.RingShift([k, v], group, KV_TAG)
-    dkv = comm.RingShift([torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)], group, DKV_TAG)
+    # dK/dV accumulators: filled by step 0's blocks (written, not added: no zero fill)
+    dkv = comm.RingShift([torch.empty_like(k, dtype=acc), torch.empty_like(v, dtype=acc)], group, DKV_TAG)
+    fresh = {"dq": True, "dkv": True}  # buffers not yet written
     for i in range(n):
         k_i, v_i = kv.current()
         if i + 1 < n:
@@ -103,9 +122,13 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             dkv.wait()  # the accumulator of the block held now, from the previous rank
         dk_acc, dv_acc = dkv.current()
         for qs, ks, (dq_b, dk_b, dv_b) in parts:
-            _seq(dq, qs).add_(dq_b)
-            _seq(dk_acc, ks).add_(dk_b)
-            _seq(dv_acc, ks).add_(dv_b)
+            _accumulate(dq, qs, dq_b, fresh, "dq")
+            _accumulate((dk_acc, dv_acc), ks, (dk_b, dv_b), fresh, "dkv")
+        for key, bufs in (("dq", (dq,)), ("dkv", (dk_acc, dv_acc))):
+            if fresh[key]:  # no block wrote it this step (a rank with nothing to compute)
+                for b in bufs:
+                    b.zero_()
+                fresh[key] = False
         dkv.start()  # on to the next rank; after step n-1 that is the block's owner
         if i + 1 < n:
             kv.wait()
