@@ -1,0 +1,108 @@
+"""torchrun entry point: torchtitan 0.2.2's own trainer on CPU/gloo, for the smoke test only.
+
+    torchrun --nproc_per_node 2 titan_cpu_train.py --job.config_file X.toml ...
+
+torchtitan 0.2.2 assumes an accelerator; these shims (test code, not part of the recipe) let
+its unchanged Trainer run on CPU:
+  - tools/utils.py falls back to device type "cuda" when no accelerator is found: report "cpu"
+    (then init_distributed picks gloo, the model is materialised on "cpu");
+  - DeviceMemoryMonitor (components/metrics.py) asks the device module for a name, properties
+    and memory statistics that torch.cpu does not have: constants;
+  - set_pg_timeouts (distributed/utils.py) calls barrier(device_ids=[current_device()]), and
+    torch.cpu.current_device() is the string "cpu": 0;
+  - DTensor.redistribute runs synchronously (async_op=False).  On torch 2.13 (CPU) the
+    tensor-parallel styles' asynchronous redistribute of an eager module's output (llama3's
+    tok_embeddings, RowwiseParallel) feeding a compiled block fails in backward
+    (Redistribute.backward -> NestedRedistribute gets a plain Tensor: "'Tensor' object has no
+    attribute '_local_tensor'"); stock torchtitan compiling with backend="aot_eager" fails the
+    same way, so it is not commopt's; torch 2.11 has no NestedRedistribute.  The values are
+    the same either way: only when the collective is waited for changes;
+  - FSDP (data_parallel_shard_degree > 1) reduces gradients with ReduceOp.PREMUL_SUM once
+    torchtitan sets the divide factor to 1, which gloo lacks: plain sums (the factor is 1).
+Then it runs `torchtitan.train.main` with a Trainer that, when $TT_RESULT is set, writes per
+rank to $TT_RESULT.<rank>.json: the logged losses, the class names of model.layers' children,
+whether torch_commopt.optimize compiled them, and torch_commopt.explain()'s graphs (kinds,
+rewritten regions, commopt ops emitted).
+"""
+
+import json
+import os
+
+import torch
+import torch._utils
+
+torch._utils._get_available_device_type = lambda: "cpu"  # before torchtitan is imported
+
+
+class _Props:
+    total_memory = 64 * 2**30
+
+
+for _name, _fn in {"get_device_name": lambda *a, **k: "cpu", "get_device_properties": lambda *a, **k: _Props(),
+                   "memory_stats": lambda *a, **k: {}, "reset_peak_memory_stats": lambda *a, **k: None,
+                   "empty_cache": lambda *a, **k: None}.items():
+    if not hasattr(torch.cpu, _name):
+        setattr(torch.cpu, _name, _fn)
+torch.cpu.current_device = lambda: 0
+
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+_redistribute = DTensor.redistribute
+
+
+def _sync_redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):
+    return _redistribute(self, device_mesh, placements, async_op=False, **kwargs)
+
+
+DTensor.redistribute = _sync_redistribute
+
+import torch_commopt  # noqa: E402
+from torch_commopt.optimize import is_optimized  # noqa: E402
+import torchtitan.models.llama3.infra.parallelize as _llama3_parallelize  # noqa: E402
+
+_disable_division = _llama3_parallelize.disable_fsdp_gradient_division
+
+
+def _disable_division_gloo(model):
+    _disable_division(model)
+    for m in model.modules():
+        if isinstance(m, _llama3_parallelize.FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+
+
+_llama3_parallelize.disable_fsdp_gradient_division = _disable_division_gloo
+from torchtitan.train import Trainer, main  # noqa: E402
+
+
+class RecordingTrainer(Trainer):
+    def __init__(self, job_config):
+        super().__init__(job_config)
+        self.losses: list[float] = []
+        log = self.metrics_processor.log
+
+        def record(step, global_avg_loss, *args, **kwargs):
+            self.losses.append(float(global_avg_loss))
+            return log(step, global_avg_loss, *args, **kwargs)
+
+        self.metrics_processor.log = record
+
+    def train(self):
+        super().train()
+        path = os.environ.get("TT_RESULT")
+        if not path:
+            return
+        graphs = torch_commopt.explain().graphs
+        result = {
+            "losses": self.losses,
+            "blocks": [type(b).__name__ for b in self.model_parts[0].layers.children()],
+            "optimized": [is_optimized(b) for b in self.model_parts[0].layers.children()],
+            "graph_kinds": [g.graph_kind for g in graphs],
+            "rewritten": [[r.kind, r.schedule] for g in graphs for r in g.rewritten],
+            "commopt_ops": sum(sum(g.commopt_ops.values()) for g in graphs),
+        }
+        with open(f"{path}.{torch.distributed.get_rank()}.json", "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(RecordingTrainer)

@@ -1,0 +1,45 @@
+"""The torchtitan train spec "llama3_commopt": llama3's, with parallelize_llama_commopt.
+
+Everything else (model class and flavors, pipelining, optimizers, LR schedulers, data
+loader, tokenizer, loss, validator, state-dict adapter) is llama3's own spec object's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from torch_commopt.integrations.torchtitan.parallelize import parallelize_llama_commopt
+
+TRAIN_SPEC_NAME = "llama3_commopt"
+log = logging.getLogger(__name__)
+
+
+def llama3_commopt_train_spec() -> Any:
+    """torchtitan.models.llama3's TrainSpec with parallelize_fn = parallelize_llama_commopt."""
+    from torchtitan.models.llama3 import get_train_spec
+
+    return dataclasses.replace(get_train_spec(), parallelize_fn=parallelize_llama_commopt)
+
+
+def register(name: str = TRAIN_SPEC_NAME) -> None:
+    """Register the spec under `name` (model.name in the job config); a second call is a
+    no-op, a different spec already under that name is a ValueError."""
+    import torchtitan
+    from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+
+    from torch_commopt.integrations.torchtitan import TORCHTITAN_VERSION
+
+    if getattr(torchtitan, "__version__", None) != TORCHTITAN_VERSION:
+        log.warning("torch_commopt's torchtitan recipe is written for torchtitan %s, found %s",
+                    TORCHTITAN_VERSION, getattr(torchtitan, "__version__", "unknown"))
+    try:
+        existing = get_train_spec(name)
+    except ValueError:  # "TrainSpec ... is not registered."
+        existing = None
+    if existing is not None:
+        if existing.parallelize_fn is parallelize_llama_commopt:
+            return
+        raise ValueError(f"torchtitan already has a train spec named {name!r}; register commopt's under another name")
+    register_train_spec(name, llama3_commopt_train_spec())
