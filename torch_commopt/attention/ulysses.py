@@ -1,4 +1,5 @@
-"""A Ulysses region (detect.py's "ulysses" form) as one cp_attention_fwd, inference graphs.
+"""A Ulysses region (detect.py's "ulysses" form) as one cp_attention_fwd: inference graphs here,
+training in ulysses_joint.py (which reuses the Algebra below).
 
 The program's q, k, v go through layout ops, an all-to-all (sequence -> heads), layout ops,
 attention over the full sequence on H/W heads, and back the mirrored way.  The rewrite takes
