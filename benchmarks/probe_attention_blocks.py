@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch_commopt.attention import local  # noqa: E402
 from torch_commopt.attention.local import attend_bwd, attend_fwd, default_scale  # noqa: E402
 from torch_commopt.attention.merge import Accumulator  # noqa: E402
-from torch_commopt.attention.ring import _accumulate, contiguous_plan, zigzag_plan  # noqa: E402
+from torch_commopt.attention.ring import GradSum, contiguous_plan, zigzag_plan  # noqa: E402
 from torch_commopt.attention.schedules import _gathered_blocks  # noqa: E402
 
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -105,12 +105,12 @@ def rank_compute(q, k, v, dout, blocks, scale, bwd: bool, backend: str = "auto")
         if not bwd:
             return
         dq, dk, dv = (torch.empty_like(t, dtype=torch.float32) for t in (q, k, v))
-        fresh = {"dq": True, "dkv": True}  # as ring_bwd: the first block writes, the rest add
+        dq_sum, dkv_sum = GradSum(), GradSum()  # as ring_bwd: the first block writes, the rest add
         for qs, ks, mask in blocks:
             g = attend_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
                            lse[:, :, qs].contiguous(), scale=scale, mask=mask, backend=backend)
-            _accumulate(dq, qs, g[0], fresh, "dq")
-            _accumulate((dk, dv), ks, g[1:], fresh, "dkv")
+            dq_sum.add((dq,), qs, g[:1])
+            dkv_sum.add((dk, dv), ks, g[1:])
     return run
 
 

@@ -84,8 +84,8 @@ def machine_from_calibration(cal, dtype: str) -> CPMachine:
     the local attention kernel's measured throughput and backward factor (else the GEMM fit's
     peak scaled to attention, and BWD_FLOP_FACTOR); the NCCL path's host cost per call."""
     link = cal.p2p if cal.p2p is not None else cal.collective["all_gather"]
-    flops = getattr(cal, "attention_flops", {}).get(dtype) or cal.gemm_fit(dtype).peak_flops * ATTENTION_OF_GEMM_PEAK
-    bwd = getattr(cal, "attention_bwd_factor", 0.0) or BWD_FLOP_FACTOR
+    flops = cal.attention_flops.get(dtype) or cal.gemm_fit(dtype).peak_flops * ATTENTION_OF_GEMM_PEAK
+    bwd = cal.attention_bwd_factor or BWD_FLOP_FACTOR
     return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s, flops_per_s=flops,
                      launch_s=cal.host("sequential"), bwd_factor=bwd)
 

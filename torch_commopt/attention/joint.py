@@ -30,11 +30,10 @@ from torch.fx import Graph, Node
 
 from torch_commopt.attention.detect import ATTENTION_BACKWARD, AttentionRegion, _reshaped_dim, find_attention
 from torch_commopt.attention.rewrite import _choose, _local, _shown, describe, ranks_disagree
-from torch_commopt.passes.chains import set_fake_val
+from torch_commopt.passes.chains import add_node
 from torch_commopt.attention import ulysses_joint
 from torch_commopt.passes.graph_utils import REDUCE_SCATTER, WAIT, Unsupported, aten, group_name_of, static_shape
 
-BACKWARD = ATTENTION_BACKWARD
 # ops between dK and its reduce-scatter: the relayout of the gather, run backwards
 DRAIN = {aten.slice.Tensor, aten.cat.default, aten.split.Tensor, operator.getitem, aten.transpose.int,
          aten.permute.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -59,7 +58,7 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
     plans = {}
     for region in regions:
-        if region.attention.target not in BACKWARD:
+        if region.attention.target not in ATTENTION_BACKWARD:
             notes.append(f"{describe(region)}: found; {region.form} with {region.op} is not rewritten in training "
                          "(the program keeps its own)")
             continue
@@ -88,7 +87,7 @@ def _match(region: AttentionRegion) -> dict:
     the gradient of the gathered shard."""
     fwd = region.attention
     key, value = fwd.args[1], fwd.args[2]
-    bwds = [u for u in key.users if u.target is BACKWARD[fwd.target] and u.args[2] is key and u.args[3] is value]
+    bwds = [u for u in key.users if u.target is ATTENTION_BACKWARD[fwd.target] and u.args[2] is key and u.args[3] is value]
     if len(bwds) != 1 or set(key.users) - {fwd, bwds[0]} or set(value.users) - {fwd, bwds[0]}:
         raise NotMatched("the gathered K/V have users besides the attention and its backward")
     bwd = bwds[0]
@@ -133,13 +132,13 @@ def _apply(graph: Graph, region: AttentionRegion, plan: dict, schedule: str) -> 
     common = (schedule, region.causal, region.scale, region.world, region.group_name)
     with graph.inserting_before(fwd):
         k, v = _local(graph, region, "k"), _local(graph, region, "v")
-        cp = _add(graph, torch.ops.commopt.cp_attention_fwd.default, (region.inputs["q"], k, v, *common))
-        out, lse = _add(graph, operator.getitem, (cp, 0)), _add(graph, operator.getitem, (cp, 1))
+        cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default, (region.inputs["q"], k, v, *common))
+        out, lse = add_node(graph, operator.getitem, (cp, 0)), add_node(graph, operator.getitem, (cp, 1))
     region.output.replace_all_uses_with(out)
     with graph.inserting_before(bwd):
-        grads = _add(graph, torch.ops.commopt.cp_attention_bwd.default,
+        grads = add_node(graph, torch.ops.commopt.cp_attention_bwd.default,
                      (bwd.args[0], region.inputs["q"], k, v, out, lse, *common))
-        parts = [_add(graph, operator.getitem, (grads, i)) for i in range(3)]
+        parts = [add_node(graph, operator.getitem, (grads, i)) for i in range(3)]
     plan["dq"].replace_all_uses_with(parts[0])
     for i, name in ((1, "k"), (2, "v")):
         wait = plan["grads"][name]
@@ -194,17 +193,11 @@ def _local_shapes(region: AttentionRegion, name: str) -> list[list[int]]:
 def _inverse(graph: Graph, op: Node, grad: Node, shape_before: list[int]) -> Node:
     t = op.target
     if t is aten.transpose.int:
-        return _add(graph, t, (grad, op.args[1], op.args[2]))
+        return add_node(graph, t, (grad, op.args[1], op.args[2]))
     if t is aten.permute.default:
         dims = [d % len(shape_before) for d in op.args[1]]
-        return _add(graph, t, (grad, [dims.index(i) for i in range(len(dims))]))
+        return add_node(graph, t, (grad, [dims.index(i) for i in range(len(dims))]))
     if t in RESHAPE_OPS:
-        dense = _add(graph, aten.clone.default, (grad,), {"memory_format": torch.contiguous_format})
-        return _add(graph, aten.view.default, (dense, shape_before))
+        dense = add_node(graph, aten.clone.default, (grad,), {"memory_format": torch.contiguous_format})
+        return add_node(graph, aten.view.default, (dense, shape_before))
     return grad  # clone / alias
-
-
-def _add(graph: Graph, target, args, kwargs=None) -> Node:
-    node = graph.call_function(target, args, kwargs or {})
-    set_fake_val(node)
-    return node

@@ -23,6 +23,7 @@ Backends (a registry, `backend="auto"` picks the first that takes the call):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -41,7 +42,13 @@ CUDA_ORDER_SM90 = ("cudnn", "flash_attn", "flash", "efficient", "math")
 
 def cuda_order(device: torch.device) -> tuple[str, ...]:
     """The order backend="auto" tries the CUDA backends in, for this device's architecture."""
-    return CUDA_ORDER_SM90 if torch.cuda.get_device_capability(device) >= (9, 0) else CUDA_ORDER
+    return _cuda_order(torch.device(device).index if torch.device(device).index is not None
+                       else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_order(index: int) -> tuple[str, ...]:  # once per device: pick() runs per block
+    return CUDA_ORDER_SM90 if torch.cuda.get_device_capability(index) >= (9, 0) else CUDA_ORDER
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

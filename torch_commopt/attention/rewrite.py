@@ -31,7 +31,7 @@ from torch_commopt.attention import ulysses
 from torch_commopt.attention.cost import CPMachine, rank_schedules
 from torch_commopt.attention.detect import AttentionRegion, _map_dim, find_attention
 from torch_commopt.attention.spec import refusal
-from torch_commopt.passes.chains import set_fake_val
+from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import Unsupported, aten, static_shape, val
 
 log = logging.getLogger("torch_commopt.attention.rewrite")
@@ -158,12 +158,9 @@ def _apply(graph: Graph, region: AttentionRegion, schedule: str) -> None:
     with graph.inserting_before(node):
         k = _local(graph, region, "k")
         v = _local(graph, region, "v")
-        cp = graph.call_function(torch.ops.commopt.cp_attention_fwd.default,
-                                 (region.inputs["q"], k, v, schedule, region.causal, region.scale, region.world,
-                                  region.group_name))
-        set_fake_val(cp)
-        out = graph.call_function(operator.getitem, (cp, 0))
-        set_fake_val(out)
+        cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default,
+                      (region.inputs["q"], k, v, schedule, region.causal, region.scale, region.world, region.group_name))
+        out = add_node(graph, operator.getitem, (cp, 0))
     region.output.replace_all_uses_with(out)
     _erase_unused(graph, [node, *node.users, *region.paths["k"], *region.paths["v"]], region.collectives)
 
@@ -191,8 +188,7 @@ def _local(graph: Graph, region: AttentionRegion, name: str) -> Node:
             sizes = list(static_shape(op))
             sizes[_map_dim(dim, origin, path[: i + 1])] //= region.world
             args[1] = sizes
-        x = graph.call_function(op.target, (x, *args[1:]), dict(op.kwargs))
-        set_fake_val(x)
+        x = add_node(graph, op.target, (x, *args[1:]), dict(op.kwargs))
     return x
 
 
@@ -206,7 +202,8 @@ def _gathered_dim(gather: Node, origin: Node) -> int:
 
 
 def _erase_unused(graph: Graph, first: list[Node], collectives: list[Node]) -> None:
-    """Erase the replaced attention and the gathers that nothing uses any more."""
+    """Erase, of `first` and of everything downstream of `collectives` (the replaced
+    collectives, or any node whose whole downstream was replaced), what nothing uses any more."""
     chain = set(first)
     for gather in collectives:
         todo = [gather]

@@ -63,21 +63,31 @@ def _seq(x: Tensor, sl: slice) -> Tensor:
     return x[:, :, sl]
 
 
-def _accumulate(buf, sl: slice, grad, fresh: dict, key: str) -> None:
-    """Sum a block's gradient(s) into the acc-dtype buffer(s) at sequence slice `sl`.  A fresh
-    (unwritten) buffer takes a gradient covering all of it by a copy, else is zeroed first;
-    adding a half-precision gradient into the buffer converts it on the fly."""
-    bufs, grads = (buf, grad) if isinstance(buf, tuple) else ((buf,), (grad,))
-    if fresh[key]:
-        fresh[key] = False
-        if sl == ALL:
-            for b, g in zip(bufs, grads):
-                b.copy_(g)
-            return
-        for b in bufs:
-            b.zero_()
-    for b, g in zip(bufs, grads):
-        _seq(b, sl).add_(g)
+class GradSum:
+    """Block gradients summed into acc-dtype buffers along the sequence dim.  Until the first
+    write the buffers hold garbage (allocated empty): a first gradient covering all of them
+    is copied in, anything else zeroes them first.  Adding a half-precision gradient into a
+    buffer converts it on the fly."""
+
+    def __init__(self) -> None:
+        self.written = False
+
+    def add(self, bufs: tuple[Tensor, ...], sl: slice, grads: tuple[Tensor, ...]) -> None:
+        if not self.written:
+            self.settle(bufs, zero=sl != ALL)
+            if sl == ALL:
+                for b, g in zip(bufs, grads):
+                    b.copy_(g)
+                return
+        for b, g in zip(bufs, grads):
+            _seq(b, sl).add_(g)
+
+    def settle(self, bufs: tuple[Tensor, ...], zero: bool = True) -> None:
+        """Mark the buffers written (zeroing them where no gradient has been)."""
+        if not self.written and zero:
+            for b in bufs:
+                b.zero_()
+        self.written = True
 
 
 def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group: comm.Group,
@@ -110,7 +120,7 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     kv = comm.RingShift([k, v], group, KV_TAG)
     # dK/dV accumulators: filled by step 0's blocks (written, not added: no zero fill)
     dkv = comm.RingShift([torch.empty_like(k, dtype=acc), torch.empty_like(v, dtype=acc)], group, DKV_TAG)
-    fresh = {"dq": True, "dkv": True}  # buffers not yet written
+    dq_sum, dkv_sum = GradSum(), GradSum()
     for i in range(n):
         k_i, v_i = kv.current()
         if i + 1 < n:
@@ -122,13 +132,10 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             dkv.wait()  # the accumulator of the block held now, from the previous rank
         dk_acc, dv_acc = dkv.current()
         for qs, ks, (dq_b, dk_b, dv_b) in parts:
-            _accumulate(dq, qs, dq_b, fresh, "dq")
-            _accumulate((dk_acc, dv_acc), ks, (dk_b, dv_b), fresh, "dkv")
-        for key, bufs in (("dq", (dq,)), ("dkv", (dk_acc, dv_acc))):
-            if fresh[key]:  # no block wrote it this step (a rank with nothing to compute)
-                for b in bufs:
-                    b.zero_()
-                fresh[key] = False
+            dq_sum.add((dq,), qs, (dq_b,))
+            dkv_sum.add((dk_acc, dv_acc), ks, (dk_b, dv_b))
+        dq_sum.settle((dq,))  # a step with no block (nothing to compute) still leaves sums
+        dkv_sum.settle((dk_acc, dv_acc))
         dkv.start()  # on to the next rank; after step n-1 that is the block's owner
         if i + 1 < n:
             kv.wait()

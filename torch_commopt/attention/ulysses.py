@@ -26,7 +26,7 @@ from torch.fx import Graph, Node
 
 from torch_commopt.attention.detect import AttentionRegion
 from torch_commopt.attention.layout import Atoms, Layout, Relayout, relayout
-from torch_commopt.passes.chains import set_fake_val
+from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import Unsupported, aten, static_shape, val
 
 
@@ -123,11 +123,9 @@ def apply(graph: Graph, region: AttentionRegion, ulysses: UlyssesPlan, schedule:
     and return the op's node (the replaced nodes are erased by the caller)."""
     with graph.inserting_before(region.attention):
         q, k, v = (_emit(graph, region.inputs[key], ulysses.inputs[key]) for key in "qkv")
-        cp = graph.call_function(torch.ops.commopt.cp_attention_fwd.default,
-                                 (q, k, v, schedule, region.causal, region.scale, region.world, region.group_name))
-        set_fake_val(cp)
-        out = graph.call_function(operator.getitem, (cp, 0))
-        set_fake_val(out)
+        cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default,
+                      (q, k, v, schedule, region.causal, region.scale, region.world, region.group_name))
+        out = add_node(graph, operator.getitem, (cp, 0))
         result = _emit(graph, out, ulysses.output)
     region.output.replace_all_uses_with(result)
     return cp
@@ -144,6 +142,5 @@ def _emit(graph: Graph, x: Node, how: Relayout) -> Node:
                   (aten.clone.default, (), {"memory_format": torch.contiguous_format})]
     steps.append((aten.view.default, (list(how.shape),), {}))
     for target, args, kwargs in steps:
-        x = graph.call_function(target, (x, *args), kwargs)
-        set_fake_val(x)
+        x = add_node(graph, target, (x, *args), kwargs)
     return x

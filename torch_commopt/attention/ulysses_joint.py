@@ -31,7 +31,8 @@ from torch_commopt.attention.detect import (ALL_TO_ALL, ATTENTION_BACKWARD, LAYO
                                             _trace_back)
 from torch_commopt.attention.layout import Relayout
 from torch_commopt.attention.ulysses import Algebra, _emit
-from torch_commopt.passes.chains import set_fake_val
+from torch_commopt.attention.rewrite import _erase_unused
+from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import WAIT, Unsupported, only_user, static_shape
 
 
@@ -110,30 +111,16 @@ def apply(graph: Graph, region: AttentionRegion, plan: JointPlan, schedule: str)
     common = (schedule, region.causal, region.scale, region.world, region.group_name)
     with graph.inserting_before(fwd):
         q, k, v = (_emit(graph, region.inputs[key], plan.to_op[key]) for key in "qkv")
-        cp = _add(graph, torch.ops.commopt.cp_attention_fwd.default, (q, k, v, *common))
-        out, lse = _add(graph, operator.getitem, (cp, 0)), _add(graph, operator.getitem, (cp, 1))
+        cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default, (q, k, v, *common))
+        out, lse = add_node(graph, operator.getitem, (cp, 0)), add_node(graph, operator.getitem, (cp, 1))
         result = _emit(graph, out, plan.output)
     region.output.replace_all_uses_with(result)
     with graph.inserting_before(bwd):
         dout = _emit(graph, plan.dy, plan.to_op["dout"])
-        grads = _add(graph, torch.ops.commopt.cp_attention_bwd.default, (dout, q, k, v, out, lse, *common))
+        grads = add_node(graph, torch.ops.commopt.cp_attention_bwd.default, (dout, q, k, v, out, lse, *common))
         for i, key in enumerate("qkv"):
-            part = _add(graph, operator.getitem, (grads, i))
+            part = add_node(graph, operator.getitem, (grads, i))
             plan.grad_waits[key].replace_all_uses_with(_emit(graph, part, plan.grads[key]))
-    chain, todo = set(), list(region.collectives) + [plan.dout_collective] + plan.grad_collectives
-    while todo:  # everything downstream of the old all-to-alls, up to the replaced waits
-        node = todo.pop()
-        if node not in chain:
-            chain.add(node)
-            todo += list(node.users)
-    chain |= {fwd, bwd, *fwd.users, *bwd.users, *plan.dy_pre}
-    chain |= {n for key in "qkv" for n in region.paths[f"{key}_pre"]}
-    for node in reversed(list(graph.nodes)):
-        if node in chain and not node.users:
-            graph.erase_node(node)
-
-
-def _add(graph: Graph, target, args) -> Node:
-    node = graph.call_function(target, args)
-    set_fake_val(node)
-    return node
+    pre = [n for key in "qkv" for n in region.paths[f"{key}_pre"]] + plan.dy_pre
+    # everything downstream of the old all-to-alls and attention ops (up to the replaced waits)
+    _erase_unused(graph, pre, region.collectives + [plan.dout_collective, fwd, bwd] + plan.grad_collectives)

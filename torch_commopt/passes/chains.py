@@ -77,6 +77,13 @@ def replay_chain(graph: Graph, start: Node, path: list[Node], last_from: int, la
     return current
 
 
+def add_node(graph: Graph, target, args: tuple, kwargs: dict | None = None) -> Node:
+    """graph.call_function at the current insert point, with its fake value recorded."""
+    node = graph.call_function(target, args, kwargs or {})
+    set_fake_val(node)
+    return node
+
+
 def set_fake_val(node: Node) -> None:
     """Record node.meta['val'] by running the node's target on the inputs' fake values."""
 

@@ -26,7 +26,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
-from torch_commopt.passes.graph_utils import ALL_GATHER, WAIT, aten, val
+from torch_commopt.passes.graph_utils import ALL_GATHER, WAIT, aten, group_name_of, val
 
 log = logging.getLogger("torch_commopt.passes.regather")
 
@@ -55,9 +55,10 @@ def mark_regather(graph: Graph, only: set[str] | None = None) -> list[str]:
     return notes
 
 
-def forward_gathers(graph: Graph) -> list[Node]:
-    """The joint graph's forward all-gathers (those that do not depend on a tangent)."""
-    backward = _tangent_dependent(graph)
+def forward_gathers(graph: Graph, backward: set[Node] | None = None) -> list[Node]:
+    """The joint graph's forward all-gathers (those that do not depend on a tangent);
+    backward: the tangent-dependent nodes, when the caller has them."""
+    backward = _tangent_dependent(graph) if backward is None else backward
     return [n for n in graph.nodes if n.op == "call_function" and n.target is ALL_GATHER and n not in backward]
 
 
@@ -73,15 +74,14 @@ def choose_regather(graph: Graph, budget_mib: float, cache_dir: str | None = Non
     from torch_commopt.reshard.search import Problem, solve
 
     backward = _tangent_dependent(graph)
-    options, names = {}, {}
-    for node in forward_gathers(graph):
+    options = {}
+    for node in forward_gathers(graph, backward):
         if not any(u in backward for n in _chain(node) for u in n.users):
             continue  # the backward does not read it: nothing is kept either way
         world = int(node.args[1])
         full = _nbytes(node)
-        options[node.name] = [(0.0, full * (world - 1) / world / 2**20), (_gather_ms(node, full, world, cache_dir,
-                                                                                     timeout_s), 0.0)]
-        names[node.name] = node
+        options[node.name] = [(0.0, full * (world - 1) / world / 2**20),
+                              (_gather_ms(node, full, world, cache_dir, timeout_s), 0.0)]
     if not options:
         return set(), "no forward all-gather is kept for backward"
     plan = solve(Problem(options), budget_mib)
@@ -92,7 +92,6 @@ def choose_regather(graph: Graph, budget_mib: float, cache_dir: str | None = Non
 
 
 def _gather_ms(node: Node, full_bytes: int, world: int, cache_dir: str | None, timeout_s: float) -> float:
-    from torch_commopt.passes.graph_utils import group_name_of
     from torch_commopt.tuner.choose import calibration_for
     from torch_commopt.tuner.model import collective_time
 
