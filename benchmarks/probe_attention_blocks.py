@@ -181,22 +181,47 @@ def merge_cost(record) -> None:
 
 
 def profile(out: pathlib.Path, s_total: int, h: int, h_kv: int) -> None:
-    """torch.profiler's kernel table of rank 0 of ring_zigzag (world 2, causal, fwd+bwd)."""
-    q, k, v, dout = inputs(1, h, h_kv, s_total, 128)
-    s_loc = s_total // 2
-    blocks, s_k = rank_blocks("ring_zigzag", 0, 2, s_loc, True)
-    run = rank_compute(q[:, :, :s_loc], k[:, :, :s_k], v[:, :, :s_k], dout[:, :, :s_loc], blocks,
-                       default_scale(128, None), True)
-    run()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+    """torch.profiler's kernel tables of ring_zigzag's two ranks (world 2, causal), forward
+    alone and forward+backward, on contiguous per-rank shards (what the op gets), and the
+    cuDNN forward on a sequence slice of q with and without a contiguous copy."""
+    q, k, v, dout = (t[:, :, : s_total // 2].contiguous() for t in inputs(1, h, h_kv, s_total, 128))
+    s_loc, scale, text = s_total // 2, default_scale(128, None), []
+    for p in (0, 1):
+        blocks, _ = rank_blocks("ring_zigzag", p, 2, s_loc, True)
+        for bwd in (False, True):
+            run = rank_compute(q, k, v, dout, blocks, scale, bwd)
             run()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
-    (out / "attention_profile.txt").write_text(f"ring_zigzag rank 0, world 2, S_total {s_total}, H {h}/{h_kv}, "
-                                               f"causal fwd+bwd, 3 calls\n{table}")
-    print(table, flush=True)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    run()
+                torch.cuda.synchronize()
+            wall = timed(run, repeats=3)
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=80)
+            text.append(f"## ring_zigzag rank {p}, world 2, S_total {s_total}, H {h}/{h_kv}, causal "
+                        f"{'fwd+bwd' if bwd else 'fwd'}: {wall:.3f} ms per call; profile of 3 calls\n"
+                        f"blocks {blocks}\n{table}")
+            print(text[-1], flush=True)
+    # cuDNN on a strided sequence slice (the zigzag s > p block's queries) vs a contiguous copy
+    c = s_loc // 2
+    fused_cudnn = local.backends()["cudnn"].fwd
+    ref = fused_cudnn(q[:, :, c:].contiguous(), k, v, scale, False)
+    try:
+        strided = torch.ops.aten._scaled_dot_product_cudnn_attention(q[:, :, c:], k, v, None, True, 0.0, False, False,
+                                                                      scale=scale)
+        err = float((strided[0].float() - ref[0].float()).norm() / ref[0].float().norm())
+        t_strided = timed(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q[:, :, c:], k, v, None, True, 0.0, False, False, scale=scale))
+        msg = f"strided q slice: rel err {err:.2e} vs contiguous, out strides {strided[0].stride()}, {t_strided:.3f} ms"
+    except Exception as e:  # noqa: BLE001
+        msg = f"strided q slice refused: {type(e).__name__}: {str(e)[:200]}"
+    t_contig = timed(lambda: fused_cudnn(q[:, :, c:].contiguous(), k, v, scale, False))
+    t_causal = timed(lambda: fused_cudnn(q, k, v, scale, True))
+    text.append(f"## cuDNN fwd pieces (S_loc {s_loc}): {msg}; contiguous copy + kernel {t_contig:.3f} ms; "
+                f"causal S_loc x S_loc {t_causal:.3f} ms")
+    print(text[-1], flush=True)
+    (out / "attention_profile.txt").write_text("\n\n".join(text) + "\n")
 
 
 def main() -> None:
@@ -255,8 +280,9 @@ def main() -> None:
                             per_rank = []
                             for p in range(world):
                                 blocks, s_k = rank_blocks(sched, p, world, s_loc, causal)
-                                per_rank.append(timed(rank_compute(q[:, :, :s_loc], k[:, :, :s_k], v[:, :, :s_k],
-                                                                   dout[:, :, :s_loc], blocks, scale, bwd), repeats=3))
+                                shard = [t[:, :, :n].contiguous() for t, n in ((q, s_loc), (k, s_k), (v, s_k),
+                                                                              (dout, s_loc))]
+                                per_rank.append(timed(rank_compute(*shard, blocks, scale, bwd), repeats=3))
                                 if not causal:
                                     per_rank *= world  # every rank does the same work
                                     break

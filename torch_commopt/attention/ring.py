@@ -95,6 +95,7 @@ def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group
     """q: (B, H, S_loc, D); k, v: (B, H_kv, S_loc, D) this rank's shard of the ring's layout.
     Returns out (B, H, S_loc, D) in q's dtype and lse (B, H, S_loc) in the acc dtype."""
     n, p = comm.size(group), comm.rank(group)
+    q = q.contiguous()  # once, not per block: the fused kernels want contiguous operands
     acc = Accumulator(q, v.shape[-1], acc_dtype(q.dtype))
     shift = comm.RingShift([k, v], group, KV_TAG)
     for i in range(n):
@@ -115,6 +116,7 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     """Gradients of ring_fwd given its (global) out and lse; shapes as ring_fwd's inputs.
     Returns (dq, dk, dv) in the inputs' dtypes, accumulated in the acc dtype."""
     n, p = comm.size(group), comm.rank(group)
+    dout, q, out = dout.contiguous(), q.contiguous(), out.to(q.dtype).contiguous()  # once, not per block
     acc = acc_dtype(q.dtype)
     dq = torch.empty_like(q, dtype=acc)
     kv = comm.RingShift([k, v], group, KV_TAG)
