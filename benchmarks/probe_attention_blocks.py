@@ -167,7 +167,9 @@ def report(data: dict) -> str:
 def merge_cost(record) -> None:
     """The merge of one bf16 partial into an fp32 accumulator (B1 H32 S8K D128): the Triton
     kernel against the torch formula it replaced."""
-    from torch_commopt.attention import merge as merge_mod
+    import importlib
+
+    merge_mod = importlib.import_module("torch_commopt.attention.merge")  # the package exports a merge function
     from torch_commopt.attention import merge_triton
 
     out = torch.randn(1, 32, 8192, 128, device="cuda")
