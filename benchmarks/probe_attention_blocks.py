@@ -98,8 +98,9 @@ def rank_compute(q, k, v, dout, blocks, scale, bwd: bool, backend: str = "auto")
     """A closure doing rank p's block attentions and merges (and backward) as ring.py does."""
     def run():
         acc = Accumulator(q, v.shape[-1], torch.float32)
-        for qs, ks, mask in blocks:
-            acc.add(qs, *attend_fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale=scale, mask=mask, backend=backend))
+        for j, (qs, ks, mask) in enumerate(blocks):
+            acc.add(qs, *attend_fwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale=scale, mask=mask, backend=backend),
+                    last=j == len(blocks) - 1)
         out, lse = acc.result()
         out = out.to(q.dtype)  # as ring_fwd returns it
         if not bwd:

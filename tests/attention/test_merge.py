@@ -111,6 +111,38 @@ def test_accumulator_takes_the_first_whole_partial_and_merges_the_rest():
     assert (empty_out == 0).all() and torch.isneginf(empty_lse).all()
 
 
+def test_a_half_first_partial_is_merged_in_place_once_and_converted_before_more_merges():
+    """A bf16 first partial stays bf16 for a last merge (math in fp32, rounded once: the same
+    as merging in an fp32 accumulator and rounding the result); a merge with more to come
+    converts it to the acc dtype first."""
+    q, k, v = _qkv(13, s_k=12)
+    thirds = [attend_fwd(q.float(), k[:, :, c].float(), v[:, :, c].float(), scale=0.25, backend="math")
+              for c in (slice(0, 4), slice(4, 8), slice(8, 12))]
+    parts = [(o.bfloat16(), lse) for o, lse in thirds]
+    rows = slice(2, 6)
+
+    ref = Accumulator(q, v.shape[-1], torch.float32)
+    ref.add(slice(None), parts[0][0].float(), parts[0][1])
+    ref.add(rows, parts[1][0][:, :, rows], parts[1][1][:, :, rows])
+    one = Accumulator(q, v.shape[-1], torch.float32)
+    first = parts[0][0].clone()
+    one.add(slice(None), first, parts[0][1])
+    assert one.out is first  # handed over, not copied
+    one.add(rows, parts[1][0][:, :, rows], parts[1][1][:, :, rows], last=True)
+    out, lse = one.result()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref.result()[0].bfloat16())
+    assert torch.equal(lse, ref.result()[1])
+
+    three = Accumulator(q, v.shape[-1], torch.float32)
+    three.add(slice(None), parts[0][0].clone(), parts[0][1])
+    three.add(slice(None), *parts[1])
+    assert three.out.dtype == torch.float32  # another merge follows: accumulate in fp32
+    three.add(slice(None), *parts[2], last=True)
+    truth, _ = attend_fwd(q, k, v, scale=0.25, backend="math")
+    bf16_rounding = rel_err(truth.bfloat16(), truth)
+    assert within_tolerance(rel_err(three.result()[0], truth), 4 * bf16_rounding)
+
+
 TRITON_CHECK = """
 import torch
 from torch_commopt.attention import merge_triton
@@ -133,6 +165,14 @@ for d in (64, 96, 128):
                 float((out.double() - ref_out).norm() / ref_out.norm()))
     assert torch.equal(full_out[:, :, :100], before[:, :, :100]) and torch.equal(full_out[:, :, 250:], before[:, :, 250:])
 assert worst < 1e-5, worst
+# a half-precision accumulator (a last merge): fp32 math, rounded once, as the torch path does
+out16, lse16 = full_out[:, :, 100:250].bfloat16(), full_lse[:, :, 100:250].clone()
+ref16, ref_lse16 = out16.clone(), lse16.clone()
+_merge_torch(ref16, ref_lse16, out_b, lse_b)
+merge_triton.merge_(out16, lse16, out_b, lse_b)
+assert out16.dtype == torch.bfloat16
+assert float((out16.double() - ref16.double()).norm() / ref16.double().norm()) < 1e-2
+assert (out16.double() - ref16.double()).abs().max() <= 2 ** -7 * ref16.double().abs().max()
 print("ok", worst)
 """
 

@@ -93,6 +93,30 @@ def test_blocks_merged_by_lse_equal_the_whole(one_gpu, name):
         assert rel_err(got, want) < 3e-2
 
 
+def test_a_half_first_partial_takes_its_last_merge_in_place(one_gpu):
+    """A zigzag rank's forward at world 2 -- the diagonal causal block, then its second query
+    chunk (a strided slice, passed to cuDNN uncopied) against another rank's keys: the bf16
+    first partial merged in place by the Triton kernel equals the fp32-accumulated result to
+    within bf16 rounding, and stays bf16."""
+    from torch_commopt.attention.merge import Accumulator
+
+    q, k, v, _ = _inputs(9, torch.bfloat16, h=8, h_kv=2, s=512)
+    _, k2, v2, _ = _inputs(10, torch.bfloat16, h=8, h_kv=2, s=512)
+    scale, rows = 128 ** -0.5, slice(256, 512)
+    a = attend_fwd(q, k, v, scale=scale, mask="causal")
+    b = attend_fwd(q[:, :, rows], k2, v2, scale=scale, mask="full")
+    ref = Accumulator(q, 128, torch.float32)
+    ref.add(slice(None), a[0].float(), a[1])
+    ref.add(rows, *b)
+    acc = Accumulator(q, 128, torch.float32)
+    acc.add(slice(None), a[0].clone(), a[1])
+    acc.add(rows, *b, last=True)
+    out, lse = acc.result()
+    assert out.dtype == torch.bfloat16 and ref.out.dtype == torch.float32
+    assert rel_err(out, ref.out) <= 1.5 * rel_err(ref.out.bfloat16(), ref.out)
+    assert rel_err(lse, ref.lse) < 1e-6
+
+
 def test_auto_picks_a_fused_kernel_on_cuda(one_gpu):
     q, k, _, _ = _inputs(11, torch.bfloat16)
     hopper = torch.cuda.get_device_capability() >= (9, 0)

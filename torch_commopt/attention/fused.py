@@ -33,17 +33,28 @@ aten = torch.ops.aten
 HALF = (torch.float16, torch.bfloat16)
 
 
-def _expand(kv: Tensor, heads: int) -> Tensor:
-    """K or V with its H_kv heads repeated to `heads` (query head h reads kv head h // G)."""
+def _expand(kv: Tensor, heads: int, layout=Tensor.contiguous) -> Tensor:
+    """K or V with its H_kv heads repeated to `heads` (query head h reads kv head h // G),
+    else `layout(kv)` (contiguous, or _rows for a kernel that takes strided operands)."""
     g = heads // kv.shape[1]
-    return kv.contiguous() if g == 1 else kv.repeat_interleave(g, dim=1)
+    return layout(kv) if g == 1 else kv.repeat_interleave(g, dim=1)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x (B, H, S, D) as is when each (b, h, s) row is contiguous (a slice of a contiguous
+    tensor along S: what a ring step's query or key range is), else a contiguous copy.  cuDNN
+    takes such strides (checked against contiguous operands in tests/gpu/test_attention_local.py);
+    skipping the copy saves a pass over the block per call."""
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
 
 
 def _fold(grad: Tensor, kv_heads: int) -> Tensor:
-    """(B, H, S, D) gradient of expanded K/V -> (B, H_kv, S, D), summed over each group in fp32."""
+    """(B, H, S, D) gradient of expanded K/V -> (B, H_kv, S, D), summed over each group in fp32;
+    without expansion the kernel's gradient as it is (the caller's fp32 sum converts it)."""
     b, h, s, d = grad.shape
-    grad = grad.float() if grad.dtype in HALF else grad
-    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+    if h == kv_heads:
+        return grad
+    return (grad.float() if grad.dtype in HALF else grad).view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
 def _cuda_why_not(q: Tensor, dtypes: tuple[torch.dtype, ...], max_dim: int) -> Optional[str]:
@@ -92,8 +103,8 @@ def _flash_why_not(q: Tensor, k: Tensor) -> Optional[str]:
 
 def _cudnn_fwd(q, k, v, scale, causal):
     h = q.shape[1]
-    res = aten._scaled_dot_product_cudnn_attention(q.contiguous(), _expand(k, h), _expand(v, h), None, True, 0.0,
-                                                   causal, False, scale=scale)
+    res = aten._scaled_dot_product_cudnn_attention(_rows(q), _expand(k, h, _rows), _expand(v, h, _rows), None, True,
+                                                   0.0, causal, False, scale=scale)
     return res[0], res[1].squeeze(-1)  # lse (B, H, S, 1) -> (B, H, S)
 
 
@@ -101,7 +112,7 @@ def _cudnn_bwd(dout, q, k, v, out, lse, scale, causal):
     h, h_kv = q.shape[1], k.shape[1]
     zero = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout seed/offset: unused at p=0
     dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-        dout.to(q.dtype).contiguous(), q.contiguous(), _expand(k, h), _expand(v, h), out.to(q.dtype).contiguous(),
+        _rows(dout.to(q.dtype)), _rows(q), _expand(k, h, _rows), _expand(v, h, _rows), _rows(out.to(q.dtype)),
         lse.float().unsqueeze(-1).contiguous(), zero, zero, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
         scale=scale)
     return dq, _fold(dk, h_kv), _fold(dv, h_kv)

@@ -27,9 +27,10 @@ _TRITON_BROKEN = False  # set once the Triton merge kernel fails to build or lau
 def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """Merge the partial (out_b, lse_b) into the accumulator (out, lse), in place.
 
-    out: (B, H, S, D) float32 (float64 for a float64 run), may be a view (a slice of the
+    out: (B, H, S, D) in the acc dtype (float32, float64 for a float64 run), or half precision
+        for a last merge (computed in float32, rounded once); may be a view (a slice of the
         sequence dim); out_b: (B, H, S, D), any floating dtype (bf16 from a fused kernel).
-    lse, lse_b: (B, H, S) in out's dtype.
+    lse, lse_b: (B, H, S) in the acc dtype.
     Returns (out, lse), the same tensors.  On CUDA one Triton kernel does it (merge_triton.py).
     """
     global _TRITON_BROKEN
@@ -48,6 +49,11 @@ def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tens
 
 def _merge_torch(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """merge_ in torch ops: CPU, dtypes other than float32, and the Triton kernel's reference."""
+    if out.dtype != lse.dtype:  # a half-precision accumulator (a last merge): the math in lse's dtype
+        wide = out.to(lse.dtype)
+        _merge_torch(wide, lse, out_b, lse_b)
+        out.copy_(wide)
+        return out, lse
     both_empty = torch.isneginf(lse) & torch.isneginf(lse_b)
     # lse_b - lse is +inf where only the accumulator is empty (weight 1 on out_b), -inf where
     # only the partial is (weight 0), and NaN where both are: weight 0 there (out stays as it
@@ -80,10 +86,14 @@ def empty_accumulator(q: Tensor, head_dim_v: int, dtype: torch.dtype) -> tuple[T
 class Accumulator:
     """The merged (out, lse) of one query block over the K/V blocks seen so far.
 
-    add(qs, out_b, lse_b) merges a partial for the query rows qs (a slice of the sequence
-    dim).  The first partial that covers all rows becomes the accumulator as it is (copied
-    into the acc dtype), which saves the zero fill and one merge pass; a first partial over
-    some rows starts from an empty accumulator.  result() gives (out, lse) in the acc dtype.
+    add(qs, out_b, lse_b, last) merges a partial for the query rows qs (a slice of the sequence
+    dim).  The first partial that covers all rows becomes the accumulator (the caller hands it
+    over: a fresh kernel output): a half-precision one stays as it is until a merge that is not
+    the last needs the acc dtype, so a query block that gets one merge (a ring of two ranks)
+    merges in place, in float32 registers, rounded once -- no conversion passes.  Any other
+    first partial is copied into the acc dtype; a first partial over some rows starts from an
+    empty accumulator.  result() gives out (the acc dtype, or the half partial's) and lse (the
+    acc dtype).
     """
 
     def __init__(self, q: Tensor, head_dim_v: int, dtype: torch.dtype) -> None:
@@ -91,13 +101,16 @@ class Accumulator:
         self.out: Tensor | None = None
         self.lse: Tensor | None = None
 
-    def add(self, qs: slice, out_b: Tensor, lse_b: Tensor) -> None:
+    def add(self, qs: slice, out_b: Tensor, lse_b: Tensor, last: bool = False) -> None:
         if self.out is None and qs == slice(None):
-            self.out = out_b.to(self._dtype, memory_format=torch.contiguous_format, copy=True)
+            keep = out_b.dtype in (torch.float16, torch.bfloat16) and out_b.is_contiguous()
+            self.out = out_b if keep else out_b.to(self._dtype, memory_format=torch.contiguous_format, copy=True)
             self.lse = lse_b.to(self._dtype, copy=True).contiguous()
             return
         if self.out is None:
             self.out, self.lse = empty_accumulator(self._q, self._dv, self._dtype)
+        elif self.out.dtype != self._dtype and not last:
+            self.out = self.out.to(self._dtype)  # more merges follow: accumulate in the acc dtype
         merge_(self.out[:, :, qs], self.lse[:, :, qs], out_b, lse_b)
 
     def result(self) -> tuple[Tensor, Tensor]:

@@ -1,8 +1,9 @@
 """merge.merge_ as one Triton kernel on CUDA: one read of each operand, one write of out and lse.
 
-The torch version makes ~8 passes over the (B, H, S, D) fp32 accumulator; at B1 H32 S8K D128
-(128 MB) that is ~0.5 ms per merge on an H200, a third of a ring step's attention.  This
-kernel reads out, out_b, lse, lse_b once and writes out and lse once.  Same semantics: a row
+The torch version makes ~8 passes over the (B, H, S, D) fp32 accumulator.  This kernel reads
+out, out_b, lse, lse_b once and writes out and lse once: at B1 H32 S8K D128 with a bf16
+partial, 0.137 vs 0.352 ms on an H200 (benchmarks/probe_attention_blocks.py, merge_cost).
+A half-precision out (a last merge, merge.Accumulator) is computed in fp32 and rounded once.  Same semantics: a row
 whose lse is -inf on one side takes the other side as is; two -inf sides stay (0, -inf).
 
 Imported on the first CUDA merge (merge.py), never at package import.
@@ -39,18 +40,19 @@ def _merge_kernel(out_ptr, lse_ptr, ob_ptr, lb_ptr, rows, heads, seq, dim,
     dmask = live[:, None] & (d[None, :] < dim)
     o_off = (b * o_sb + h * o_sh + s * o_ss)[:, None] + d[None, :]
     ob_off = (b * ob_sb + h * ob_sh + s * ob_ss)[:, None] + d[None, :]
-    o = tl.load(out_ptr + o_off, mask=dmask, other=0.0)
+    o = tl.load(out_ptr + o_off, mask=dmask, other=0.0).to(tl.float32)
     ob = tl.load(ob_ptr + ob_off, mask=dmask, other=0.0).to(tl.float32)
     merged = (o * (wa * inv)[:, None] + ob * (wb * inv)[:, None])
     merged = tl.where(empty[:, None], o, merged)
-    tl.store(out_ptr + o_off, merged, mask=dmask)
+    tl.store(out_ptr + o_off, merged.to(out_ptr.dtype.element_ty), mask=dmask)  # half out: rounded once
     tl.store(lse_ptr + b * l_sb + h * l_sh + s * l_ss, new_lse, mask=live)
 
 
 def fits(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> bool:
-    """Whether the kernel takes these operands: CUDA, out and lse float32, the head dim
-    contiguous in out and out_b, 4-D / 3-D shapes that agree."""
-    return (out.is_cuda and out.dim() == 4 and out.dtype == lse.dtype == lse_b.dtype == torch.float32
+    """Whether the kernel takes these operands: CUDA, lse float32, out float32 or half (a last
+    merge), the head dim contiguous in out and out_b, 4-D / 3-D shapes that agree."""
+    return (out.is_cuda and out.dim() == 4 and lse.dtype == lse_b.dtype == torch.float32
+            and out.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and out_b.shape == out.shape and lse.shape == lse_b.shape == out.shape[:3]
             and out.stride(-1) == 1 and out_b.stride(-1) == 1 and out.shape[-1] <= 512)
 

@@ -98,13 +98,15 @@ def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group
     q = q.contiguous()  # once, not per block: the fused kernels want contiguous operands
     acc = Accumulator(q, v.shape[-1], acc_dtype(q.dtype))
     shift = comm.RingShift([k, v], group, KV_TAG)
+    steps = [plan(p, (p - i) % n, n, q.shape[2]) for i in range(n)]
+    final = max((i for i in range(n) if steps[i]), default=-1)  # the step of the last merge
     for i in range(n):
         k_i, v_i = shift.current()
         if i + 1 < n:
             shift.start()  # step i+1's block travels while step i computes
-        for qs, ks, mask in plan(p, (p - i) % n, n, q.shape[2]):
+        for j, (qs, ks, mask) in enumerate(steps[i]):
             acc.add(qs, *attend_fwd(_seq(q, qs), _seq(k_i, ks), _seq(v_i, ks), scale=scale, mask=mask,
-                                    backend=backend))
+                                    backend=backend), last=(i, j) == (final, len(steps[i]) - 1))
         if i + 1 < n:
             shift.wait()
     out, lse = acc.result()

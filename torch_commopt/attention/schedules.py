@@ -125,8 +125,10 @@ def _gather_kv(k: Tensor, v: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, 
 def _allgather_fwd(q, k, v, causal, scale, group, backend):
     keys, values = _gather_kv(k, v, group)
     acc = Accumulator(q, v.shape[-1], acc_dtype(q.dtype))
-    for ks, mask in _gathered_blocks(group.rank(), q.shape[2], causal):
-        acc.add(slice(None), *attend_fwd(q, keys[:, :, ks], values[:, :, ks], scale=scale, mask=mask, backend=backend))
+    blocks = _gathered_blocks(group.rank(), q.shape[2], causal)
+    for j, (ks, mask) in enumerate(blocks):
+        acc.add(slice(None), *attend_fwd(q, keys[:, :, ks], values[:, :, ks], scale=scale, mask=mask, backend=backend),
+                last=j == len(blocks) - 1)
     out, lse = acc.result()
     return out.to(q.dtype), lse
 
