@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch_commopt.attention import local  # noqa: E402
 from torch_commopt.attention.local import attend_bwd, attend_fwd, default_scale  # noqa: E402
 from torch_commopt.attention.merge import Accumulator  # noqa: E402
-from torch_commopt.attention.ring import GradSum, contiguous_plan, zigzag_plan  # noqa: E402
+from torch_commopt.attention.ring import GradSum, LocalSum, contiguous_plan, zigzag_plan  # noqa: E402
 from torch_commopt.attention.schedules import _gathered_blocks  # noqa: E402
 
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -105,13 +105,14 @@ def rank_compute(q, k, v, dout, blocks, scale, bwd: bool, backend: str = "auto")
         out = out.to(q.dtype)  # as ring_fwd returns it
         if not bwd:
             return
-        dq, dk, dv = (torch.empty_like(t, dtype=torch.float32) for t in (q, k, v))
-        dq_sum, dkv_sum = GradSum(), GradSum()  # as ring_bwd: the first block writes, the rest add
-        for qs, ks, mask in blocks:
+        dk, dv = (torch.empty_like(t, dtype=torch.float32) for t in (k, v))
+        dq, dkv_sum = LocalSum(q, torch.float32), GradSum()  # as ring_bwd
+        for j, (qs, ks, mask) in enumerate(blocks):
             g = attend_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
                            lse[:, :, qs].contiguous(), scale=scale, mask=mask, backend=backend)
-            dq_sum.add((dq,), qs, g[:1])
+            dq.add(qs, g[0], last=j == len(blocks) - 1)
             dkv_sum.add((dk, dv), ks, g[1:])
+        dq.result(q.dtype), dk.to(k.dtype), dv.to(v.dtype)  # the op's outputs
     return run
 
 
@@ -224,7 +225,41 @@ def profile(out: pathlib.Path, s_total: int, h: int, h_kv: int) -> None:
     text.append(f"## cuDNN fwd pieces (S_loc {s_loc}): {msg}; contiguous copy + kernel {t_contig:.3f} ms; "
                 f"causal S_loc x S_loc {t_causal:.3f} ms")
     print(text[-1], flush=True)
+    text.append(gqa_native_check(scale))
+    print(text[-1], flush=True)
     (out / "attention_profile.txt").write_text("\n\n".join(text) + "\n")
+
+
+def gqa_native_check(scale: float) -> str:
+    """Whether aten's cuDNN ops take K/V with fewer heads than q (H_kv < H) directly, and
+    their result and time against the expanded K/V our adapter passes today."""
+    q, k, v, dout = inputs(1, 32, 8, 8192, 128, seed=4)
+    expanded = [t.repeat_interleave(4, dim=1) for t in (k, v)]
+    zero = torch.zeros((), dtype=torch.int64, device="cuda")
+    aten = torch.ops.aten
+
+    def fwd(kk, vv):
+        return aten._scaled_dot_product_cudnn_attention(q, kk, vv, None, True, 0.0, True, False, scale=scale)
+
+    def bwd(kk, vv, res):
+        return aten._scaled_dot_product_cudnn_attention_backward(dout, q, kk, vv, res[0], res[1], zero, zero, None,
+                                                                  None, None, 8192, 8192, 0.0, True, scale=scale)
+    ref = fwd(*expanded)
+    ref_g = bwd(*expanded, ref)
+    try:
+        got = fwd(k, v)
+        got_g = bwd(k, v, got)
+    except Exception as e:  # noqa: BLE001  (a refusal is the finding)
+        return f"## cuDNN GQA native (H 32 / H_kv 8, S 8192, causal): refused: {type(e).__name__}: {str(e)[:300]}"
+    err = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    folded = [g.float().view(1, 8, 4, 8192, 128).sum(2) for g in ref_g[1:]]
+    msg = (f"out err {err(got[0], ref[0]):.2e}, dq {err(got_g[0], ref_g[0]):.2e}, dk {err(got_g[1], folded[0]):.2e}, "
+           f"dv {err(got_g[2], folded[1]):.2e}; dk shape {tuple(got_g[1].shape)}")
+    t_native = timed(lambda: bwd(k, v, fwd(k, v)))
+    t_expanded = timed(lambda: bwd(*[t.repeat_interleave(4, dim=1) for t in (k, v)],
+                                   fwd(*[t.repeat_interleave(4, dim=1) for t in (k, v)])))
+    return (f"## cuDNN GQA native (H 32 / H_kv 8, S 8192, causal): {msg}; fwd+bwd {t_native:.3f} ms native vs "
+            f"{t_expanded:.3f} ms with expanded K/V (expansion included, fold not)")
 
 
 def main() -> None:

@@ -184,3 +184,31 @@ def test_triton_merge_kernel_in_the_interpreter_matches_the_torch_merge():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
     res = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-2000:]
+
+
+def test_local_gradient_sum_keeps_a_half_term_and_rounds_once():
+    """ring_bwd's dq sum: the first whole bf16 term is handed over; a last term is added in
+    place in bf16 (fp32 math, one rounding: equal to summing in fp32 and rounding at the end);
+    a term with more to come converts the sum to fp32 first."""
+    from torch_commopt.attention.ring import LocalSum
+
+    gen = torch.Generator().manual_seed(21)
+    like = torch.empty(2, 3, 8, 16, dtype=torch.bfloat16)
+    terms = [torch.randn(2, 3, 8, 16, generator=gen).bfloat16() for _ in range(3)]
+    rows = slice(3, 7)
+    two = LocalSum(like, torch.float32)
+    first = terms[0].clone()
+    two.add(slice(None), first, last=False)
+    assert two.sum is first
+    two.add(rows, terms[1][:, :, rows], last=True)
+    want = terms[0].float()
+    want[:, :, rows] += terms[1][:, :, rows].float()
+    assert two.sum.dtype == torch.bfloat16 and torch.equal(two.result(torch.bfloat16), want.bfloat16())
+    three = LocalSum(like, torch.float32)
+    three.add(slice(None), terms[0].clone(), last=False)
+    three.add(slice(None), terms[1], last=False)
+    assert three.sum.dtype == torch.float32
+    three.add(slice(None), terms[2], last=True)
+    exact = sum(t.double() for t in terms)
+    assert torch.equal(three.result(torch.bfloat16), exact.float().bfloat16())
+    assert (LocalSum(like, torch.float32).result(torch.bfloat16) == 0).all()

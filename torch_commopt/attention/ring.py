@@ -90,6 +90,36 @@ class GradSum:
         self.written = True
 
 
+class LocalSum:
+    """A rank-local gradient (dq) summed over blocks along the sequence dim.  The first term
+    covering all rows is kept as the kernel gave it (handed over: no copy or zero fill); a
+    half-precision sum takes its last term in place (fp32 math, one rounding: what summing
+    in the acc dtype and rounding at the end gives) and converts to the acc dtype before any
+    other term.  With two terms (a ring of two) that is one pass instead of three."""
+
+    def __init__(self, like: Tensor, acc: torch.dtype) -> None:
+        self.like, self.acc, self.sum = like, acc, None
+
+    def add(self, sl: slice, grad: Tensor, last: bool) -> None:
+        if self.sum is None and sl == ALL and grad.is_contiguous():
+            self.sum = grad
+            return
+        if self.sum is None:
+            self.sum = torch.zeros_like(self.like, dtype=self.acc)
+        elif self.sum.dtype != self.acc and not last:
+            self.sum = self.sum.to(self.acc)
+        _seq(self.sum, sl).add_(grad)
+
+    def result(self, dtype: torch.dtype) -> Tensor:
+        return torch.zeros_like(self.like, dtype=dtype) if self.sum is None else self.sum.to(dtype)
+
+
+def _final(steps: list[list[Block]]) -> tuple[int, int]:
+    """(step, index) of the last block of a rank's plan (every block adds to its sums)."""
+    i = max((i for i, blocks in enumerate(steps) if blocks), default=-1)
+    return i, len(steps[i]) - 1 if i >= 0 else -1
+
+
 def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group: comm.Group,
              backend: str = "auto") -> tuple[Tensor, Tensor]:
     """q: (B, H, S_loc, D); k, v: (B, H_kv, S_loc, D) this rank's shard of the ring's layout.
@@ -99,14 +129,14 @@ def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group
     acc = Accumulator(q, v.shape[-1], acc_dtype(q.dtype))
     shift = comm.RingShift([k, v], group, KV_TAG)
     steps = [plan(p, (p - i) % n, n, q.shape[2]) for i in range(n)]
-    final = max((i for i in range(n) if steps[i]), default=-1)  # the step of the last merge
+    final = _final(steps)  # the last merge may round into a half-precision accumulator
     for i in range(n):
         k_i, v_i = shift.current()
         if i + 1 < n:
             shift.start()  # step i+1's block travels while step i computes
         for j, (qs, ks, mask) in enumerate(steps[i]):
             acc.add(qs, *attend_fwd(_seq(q, qs), _seq(k_i, ks), _seq(v_i, ks), scale=scale, mask=mask,
-                                    backend=backend), last=(i, j) == (final, len(steps[i]) - 1))
+                                    backend=backend), last=(i, j) == final)
         if i + 1 < n:
             shift.wait()
     out, lse = acc.result()
@@ -120,30 +150,31 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     n, p = comm.size(group), comm.rank(group)
     dout, q, out = dout.contiguous(), q.contiguous(), out.to(q.dtype).contiguous()  # once, not per block
     acc = acc_dtype(q.dtype)
-    dq = torch.empty_like(q, dtype=acc)
+    dq = LocalSum(q, acc)
     kv = comm.RingShift([k, v], group, KV_TAG)
     # dK/dV accumulators: filled by step 0's blocks (written, not added: no zero fill)
     dkv = comm.RingShift([torch.empty_like(k, dtype=acc), torch.empty_like(v, dtype=acc)], group, DKV_TAG)
-    dq_sum, dkv_sum = GradSum(), GradSum()
+    dkv_sum = GradSum()
+    steps = [plan(p, (p - i) % n, n, q.shape[2]) for i in range(n)]
+    final = _final(steps)
     for i in range(n):
         k_i, v_i = kv.current()
         if i + 1 < n:
             kv.start()
         parts = [(qs, ks, attend_bwd(_seq(dout, qs), _seq(q, qs), _seq(k_i, ks), _seq(v_i, ks), _seq(out, qs),
                                      _seq(lse, qs).contiguous(), scale=scale, mask=mask, backend=backend))
-                 for qs, ks, mask in plan(p, (p - i) % n, n, q.shape[2])]
+                 for qs, ks, mask in steps[i]]
         if i > 0:
             dkv.wait()  # the accumulator of the block held now, from the previous rank
         dk_acc, dv_acc = dkv.current()
-        for qs, ks, (dq_b, dk_b, dv_b) in parts:
-            dq_sum.add((dq,), qs, (dq_b,))
+        for j, (qs, ks, (dq_b, dk_b, dv_b)) in enumerate(parts):
+            dq.add(qs, dq_b, last=(i, j) == final)
             dkv_sum.add((dk_acc, dv_acc), ks, (dk_b, dv_b))
-        dq_sum.settle((dq,))  # a step with no block (nothing to compute) still leaves sums
-        dkv_sum.settle((dk_acc, dv_acc))
+        dkv_sum.settle((dk_acc, dv_acc))  # a step with no block (nothing to compute) still leaves sums
         dkv.start()  # on to the next rank; after step n-1 that is the block's owner
         if i + 1 < n:
             kv.wait()
     dkv.wait()
     dk, dv = dkv.current()
     # copies: dk and dv are views of one buffer, and an op's outputs may not alias
-    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
+    return dq.result(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
