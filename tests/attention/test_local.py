@@ -109,7 +109,10 @@ def test_bad_blocks_are_refused(bad):
 @pytest.mark.parametrize("name", ["flash", "cudnn", "efficient"])
 def test_cuda_adapters_plumbing_on_meta(name):
     """The aten SDPA adapters turn their kernel's conventions into the registry's (lse (B, H, S)
-    fp32, K/V gradients folded back to H_kv heads in fp32), for an S not a multiple of 32."""
+    fp32, K/V gradients with H_kv heads: cuDNN's own GQA sums in bf16, the others' expanded
+    heads folded in fp32), for an S not a multiple of 32."""
+    from torch_commopt.attention import fused  # noqa: F401  (registers the CUDA adapters)
+
     b, h, h_kv, s, d = 2, 4, 2, 40, 64
     q, dout = (torch.empty(b, h, s, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.empty(b, h_kv, s, d, device="meta", dtype=torch.bfloat16) for _ in range(2))
@@ -117,7 +120,8 @@ def test_cuda_adapters_plumbing_on_meta(name):
     out, lse = backend.fwd(q, k, v, 0.125, True)
     assert out.shape == q.shape and lse.shape == (b, h, s) and lse.dtype == torch.float32
     dq, dk, dv = backend.bwd(dout, q, k, v, out, lse, 0.125, True)
-    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and dk.dtype == dv.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+    assert dk.dtype == dv.dtype == (torch.bfloat16 if name == "cudnn" else torch.float32)
     assert backend.why_not(q, k) == "not a CUDA tensor"
 
 

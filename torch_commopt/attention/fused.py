@@ -8,7 +8,8 @@ float32), and backward given the global out and lse.
 
 Conventions of the kernels (DESIGN.md section 4):
     flash      lse (B, H, S) fp32; sm80+, fp16/bf16, head dim % 8 == 0 and <= 256.
-    cudnn      lse (B, H, S, 1): squeezed here, unsqueezed for its backward.
+    cudnn      lse (B, H, S, 1): squeezed here, unsqueezed for its backward; GQA natively
+               (K/V expanded only where a build refuses that).
     efficient  lse (B, H, ceil(S/32)*32): sliced to S here, padded again for its backward.
     flash_attn (B, S, H, D) layout, GQA natively, lse (B, H, S); its backward's signature
                varies across releases (filled by parameter name).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 from typing import Optional
 
 import torch
@@ -30,6 +32,7 @@ from torch import Tensor
 from torch_commopt.attention.local import LocalBackend, register
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -101,21 +104,54 @@ def _flash_why_not(q: Tensor, k: Tensor) -> Optional[str]:
 
 # ---- cuDNN ----------------------------------------------------------------------------------
 
-def _cudnn_fwd(q, k, v, scale, causal):
+# aten's cuDNN ops take K/V with H_kv < H heads directly (GQA: H200, torch 2.11, cuDNN 9.19,
+# H 32 / H_kv 8, S 8K causal: out identical, dK/dV the kernel's bf16 group sums, fwd+bwd
+# 3.92 vs 4.18 ms with expanded K/V before the fp32 fold; probe_attention_blocks.py).  Where an
+# older build refuses, the adapter expands from then on (logged once).
+_CUDNN_GQA = [True]
+
+
+def _cudnn_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     h = q.shape[1]
-    res = aten._scaled_dot_product_cudnn_attention(_rows(q), _expand(k, h, _rows), _expand(v, h, _rows), None, True,
-                                                   0.0, causal, False, scale=scale)
+    if _CUDNN_GQA[0]:
+        return _rows(k), _rows(v)
+    return _expand(k, h, _rows), _expand(v, h, _rows)
+
+
+def _gqa_refused(q: Tensor, k: Tensor, exc: Exception) -> bool:
+    """Whether exc is a refusal of unexpanded GQA heads (then switch to expanding)."""
+    if not (_CUDNN_GQA[0] and k.shape[1] != q.shape[1] and isinstance(exc, RuntimeError)):
+        return False
+    _CUDNN_GQA[0] = False
+    log.warning("cuDNN attention refused K/V with %d of %d heads (%s); expanding K/V from now on",
+                k.shape[1], q.shape[1], str(exc).splitlines()[0][:200])
+    return True
+
+
+def _cudnn_fwd(q, k, v, scale, causal):
+    try:
+        res = aten._scaled_dot_product_cudnn_attention(_rows(q), *_cudnn_kv(q, k, v), None, True, 0.0, causal, False,
+                                                       scale=scale)
+    except RuntimeError as exc:
+        if not _gqa_refused(q, k, exc):
+            raise
+        return _cudnn_fwd(q, k, v, scale, causal)
     return res[0], res[1].squeeze(-1)  # lse (B, H, S, 1) -> (B, H, S)
 
 
 def _cudnn_bwd(dout, q, k, v, out, lse, scale, causal):
-    h, h_kv = q.shape[1], k.shape[1]
+    h_kv = k.shape[1]
     zero = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout seed/offset: unused at p=0
-    dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-        _rows(dout.to(q.dtype)), _rows(q), _expand(k, h, _rows), _expand(v, h, _rows), _rows(out.to(q.dtype)),
-        lse.float().unsqueeze(-1).contiguous(), zero, zero, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
-        scale=scale)
-    return dq, _fold(dk, h_kv), _fold(dv, h_kv)
+    kk, vv = _cudnn_kv(q, k, v)
+    try:
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            _rows(dout.to(q.dtype)), _rows(q), kk, vv, _rows(out.to(q.dtype)), lse.float().unsqueeze(-1).contiguous(),
+            zero, zero, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+    except RuntimeError as exc:
+        if not _gqa_refused(q, k, exc):
+            raise
+        return _cudnn_bwd(dout, q, k, v, out, lse, scale, causal)
+    return dq, _fold(dk, h_kv), _fold(dv, h_kv)  # unexpanded: already H_kv heads (fold is a no-op)
 
 
 def _cudnn_why_not(q: Tensor, k: Tensor) -> Optional[str]:
