@@ -1,0 +1,136 @@
+"""torchtitan 0.2.2 training with commopt against torchtitan's own inductor compile (issue 7).
+
+Runs torchtitan's trainer (torchrun, one process per GPU) on the llama3 job of the recipe
+(torch_commopt/integrations/torchtitan/llama3_debug_tp2_commopt.toml) twice from the same
+seed and data: blocks compiled by commopt (the recipe's train spec), and the stock llama3
+parallelize with `[compile] enable` (inductor).  TP = the number of GPUs (with SP; 1 on one
+GPU, where there is nothing to overlap and the run only checks the plumbing on the device's
+torch).  Parses torchtitan's per-step log lines (loss, memory, tps) and writes
+torchtitan_<device>_<date>.json/.md with issue 7's record fields.
+
+    python3 benchmarks/bench_torchtitan.py --out DIR [--steps 20] [--flavor debugmodel]
+        [--seq 2048] [--batch 8] [--commit SHA] [--extra "--model.flavor 8B ..."]
+
+torchtitan and its missing dependencies must be importable (device_run.sh's torchtitan mode
+installs the carried wheels into a target directory and puts it on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOML = ROOT / "torch_commopt/integrations/torchtitan/llama3_debug_tp2_commopt.toml"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.naNinf]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+VARIANTS = {
+    "commopt": ["--commopt.enable", "--compile.enable", "--compile.components", "loss"],  # loss by inductor, as below
+    "inductor": ["--commopt.no-enable", "--compile.enable"],
+}
+
+
+def gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def run_variant(name: str, args, out: pathlib.Path, ngpu: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}",
+           "-m", "torchtitan.train", "--job.config_file", str(TOML),
+           "--parallelism.tensor_parallel_degree", str(ngpu), "--training.steps", str(args.steps),
+           "--training.seq_len", str(args.seq), "--training.local_batch_size", str(args.batch),
+           "--model.flavor", args.flavor, "--debug.seed", "0",
+           "--model.hf_assets_path", f"{args.assets}/tokenizer", "--training.dataset_path", f"{args.assets}/c4_test",
+           "--job.dump_folder", f"/tmp/tt_outputs/{name}", *VARIANTS[name], *shlex.split(args.extra)]
+    log_path = out / f"torchtitan_{name}.log"
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, cwd=ROOT,
+                                env=dict(os.environ)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    steps = {}
+    for line in ANSI.sub("", log_path.read_text()).splitlines():
+        m = STEP.search(line)
+        if m:
+            steps[int(m.group(1))] = (float(m.group(2)), float(m.group(3)), int(m.group(4).replace(",", "")))
+    losses = [steps[s][0] for s in sorted(steps)]
+    tps = [steps[s][2] for s in sorted(steps)][max(1, len(steps) // 4):]  # past compile and warm-up
+    tokens_per_step = args.batch * args.seq  # TP over all GPUs, data-parallel degree 1: one batch a step
+    rec = {"model": f"llama3 {args.flavor}", "tp": ngpu, "seq": args.seq, "batch": args.batch, "backend": name,
+           "returncode": rc, "steps_logged": len(steps), "losses": losses,
+           "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+           "tokens_per_s": statistics.median(tps) * ngpu if tps else None,  # torchtitan's tps is per GPU
+           "peak_mem_gib": max((v[1] for v in steps.values()), default=None)}
+    rec["step_ms"] = 1e3 * tokens_per_step / rec["tokens_per_s"] if rec["tokens_per_s"] else None
+    return rec
+
+
+def report(meta: dict, records: list[dict]) -> str:
+    lines = [f"# torchtitan {meta['torchtitan']} with commopt vs inductor ({meta['device']})", "",
+             f"torch {meta['torch']}, commit {meta['commit']}, {meta['date']}; command: `{meta['command']}`", "",
+             "| backend | tp | seq | batch | rc | steps | step ms | tokens/s | peak GiB | loss first | loss last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    for r in records:
+        lines.append(f"| {r['backend']} | {r['tp']} | {r['seq']} | {r['batch']} | {r['returncode']} | "
+                     f"{r['steps_logged']} | {fmt(r['step_ms'], '.1f')} | {fmt(r['tokens_per_s'], ',.0f')} | "
+                     f"{fmt(r['peak_mem_gib'], '.2f')} | {fmt(r['loss_first'], '.4f')} | {fmt(r['loss_last'], '.4f')} |")
+    if len(records) == 2 and all(r["losses"] for r in records):
+        a, b = records[0]["losses"], records[1]["losses"]
+        diff = max(abs(x - y) for x, y in zip(a, b))
+        lines += ["", f"Largest per-step loss difference: {diff:.4f} over {min(len(a), len(b))} steps.", "",
+                  "Losses: " + "; ".join(f"{r['backend']}: " + ", ".join(f"{x:.3f}" for x in r["losses"])
+                                         for r in records)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--flavor", default="debugmodel")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--assets", default="/tmp/tt_assets")
+    ap.add_argument("--variants", default="commopt,inductor")
+    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--extra", default="", help="more torchtitan CLI arguments for every variant")
+    ap.add_argument("--commit", default="?")
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "torch_commopt.integrations.torchtitan.assets", args.assets], check=True,
+                   cwd=ROOT)
+    import torch
+    import torchtitan
+
+    ngpu = gpus()
+    device = torch.cuda.get_device_name() if ngpu else "cpu"
+    meta = {"device": f"{ngpu}x {device}", "torch": torch.__version__,
+            "torchtitan": getattr(torchtitan, "__version__", "0.2.2?"), "commit": args.commit,
+            "date": datetime.date.today().isoformat(), "command": " ".join(["python3", *sys.argv])}
+    records = []
+    for name in args.variants.split(","):
+        records.append(run_variant(name, args, out, ngpu))
+        print(json.dumps({k: v for k, v in records[-1].items() if k != "losses"}), flush=True)
+    tag = f"torchtitan_{'h200x' if 'H200' in device else 'gpux'}{ngpu}_{meta['date']}"
+    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    (out / f"{tag}.md").write_text(report(meta, records))
+    print(report(meta, records))
+
+
+if __name__ == "__main__":
+    main()
