@@ -28,7 +28,8 @@ also refuses backends other than inductor/aot_eager for FlexAttention models.  T
 keeps `[compile]` for the loss and routes the blocks through commopt with its options.
 Refused with commopt.enable (ValueError): async TP, activation_checkpoint.mode="memory_budget".
 
-Install (GPU machine, torch 2.11 already there; no network, so carry the wheels):
+Install (GPU machine, torch 2.11 already there; no network, so carry the wheels --
+benchmarks/torchtitan_wheels.sh builds exactly the set that machine lacks into .whl/):
 
     # torchtitan-0.2.2-py3-none-any.whl (pure Python, ~450 KB), built from the tag:
     git -C torchtitan checkout v0.2.2 && pip wheel --no-deps --no-build-isolation ./torchtitan
@@ -61,7 +62,10 @@ validation, the CLI and toml plumbing through torchtitan's ConfigManager, the tr
 registration, parallelize_llama_commopt on one process (with and without activation
 checkpointing), and torchtitan's own trainer (shimmed for CPU, tests/integrations/
 titan_cpu_train.py) for 5 steps with TP=2 + SP and with FSDP=2: losses equal to the same job
-without commopt.  Not tested: GPUs and torch 2.11 (the pin), speed, activation checkpointing
+without commopt.  On the GPU machine (torch 2.11, one H200; benchmarks/bench_torchtitan.py,
+wheels from benchmarks/torchtitan_wheels.sh): installed from the carried wheels and trained 20
+steps with TP=1, losses equal to the inductor job's at every step.  Not tested: TP on GPUs,
+speed, activation checkpointing
 with TP under compile (fails on torch 2.13 CPU with backend="aot_eager" too), FlexAttention
 flavors, context and pipeline parallelism, checkpoint save/load.
 """
