@@ -19,7 +19,7 @@ OP_SCHEDULES = {
 GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
-    "store": str, "dbg": int, "id": str, "gemm": str,
+    "store": str, "dbg": int, "id": str, "gemm": str, "tma": int,
 }
 
 

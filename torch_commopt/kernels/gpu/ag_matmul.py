@@ -146,32 +146,76 @@ def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi):
 
 
 def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug):
-    from torch_commopt.kernels.gpu.triton_kernels import ag_gemm_kernel, num_sms
+    launch_fused(a2, slots.view(-1, a2.shape[-1]), rt.flags, rt.status, weights, biases,
+                 [o.view(-1, o.shape[-1]) for o in outs], lin=lay.lin, rank=rt.rank, world=rt.world,
+                 chunk_rows=pieces[0][1] - pieces[0][0], flag_base=data_index(half, 0, 0),
+                 params=dict(sched.params), debug=debug)
 
-    p = {**FUSED_DEFAULTS, **dict(sched.params)}
+
+def launch_fused(a2, slots2, flags, status, weights, biases, outs2, *, lin, rank, world, chunk_rows, flag_base,
+                 params, debug=False, epoch=1):
+    """The fused consumer: one persistent Triton GEMM over this rank's shard a2 (M_loc, K) and
+    the peers' slots2 (world * M_loc, K) (slot s: rank s's shard, ready once
+    flags[flag_base + s * 256 + chunk] >= epoch), writing outs2[i] (full rows, N_i) = gathered
+    A @ weights[i] (+ biases[i]).  params: the schedule's (bm, bn, bk, gm, warps, stages, sms,
+    tma).  tma=1 moves the tiles with the TMA unit (ag_gemm_tma_kernel) where the operands
+    allow it (16-byte aligned rows and bases), else the pointer-load kernel runs.  Callable on
+    one GPU with flags set beforehand (benchmarks/probe_fused_gemm.py, tests/gpu)."""
+    from torch_commopt.kernels.gpu.triton_kernels import ag_gemm_kernel, ag_gemm_tma_kernel, num_sms
+
+    p = {**FUSED_DEFAULTS, **params}
     m_loc, k = a2.shape
-    chunk_rows = pieces[0][1] - pieces[0][0]
     sms = p.get("sms") or num_sms(a2.device)
     for first in range(0, len(weights), 3):  # one pass over A serves up to three B's
         ws, bs = weights[first:first + 3], biases[first:first + 3]
-        cs = [o.view(-1, o.shape[-1]) for o in outs[first:first + 3]]
+        cs = outs2[first:first + 3]
         has_bias = any(b is not None for b in bs)
         bs = [b if b is not None else a2.new_zeros(w.shape[-1]) for w, b in zip(ws, bs)] if has_bias else [a2] * len(ws)
         n_b = len(ws)
         ws3, cs3, bs3 = _pad3(ws), _pad3(cs), _pad3(bs)
         ns = [w.shape[-1] for w in ws] + [0] * (3 - n_b)
-        tiles = rt.world * cdiv(m_loc, p["bm"]) * sum(cdiv(n, p["bn"]) for n in ns)
+        tiles = world * cdiv(m_loc, p["bm"]) * sum(cdiv(n, p["bn"]) for n in ns)
         # Debug waits (the side stream's buffer-free wait) are one-block kernels: leave them an SM.
         grid = max(1, min(sms - (1 if debug else 0), tiles))
+        common = dict(WORLD=world, NUM_B=n_b, HAS_BIAS=has_bias, BM=p["bm"], BN=p["bn"], BK=p["bk"],
+                      GROUP_M=p["gm"], DEBUG=debug, num_warps=p["warps"], num_stages=p["stages"])
+        descs = _tma_operands(a2, slots2, ws3, p) if p.get("tma") else None
+        if descs is not None:
+            a_d, s_d, b_ds, kmajor = descs
+            ag_gemm_tma_kernel[(grid,)](
+                a_d, s_d, flags, status, epoch, symm.wait_bound(), *b_ds, *cs3, *bs3, *ns,
+                m_loc, k, lin, rank, chunk_rows, flag_base, grid, B_KMAJOR=kmajor, **common)
+            continue
         ag_gemm_kernel[(grid,)](
-            a2, slots, rt.flags, rt.status, 1, symm.wait_bound(),
+            a2, slots2, flags, status, epoch, symm.wait_bound(),
             *ws3, *cs3, *bs3,
             ws3[0].stride(0), ws3[0].stride(1), ws3[1].stride(0), ws3[1].stride(1), ws3[2].stride(0), ws3[2].stride(1),
-            *ns, m_loc, k, lay.lin, rt.rank, chunk_rows, data_index(half, 0, 0), grid,
-            WORLD=rt.world, NUM_B=n_b, HAS_BIAS=has_bias,
-            BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
-            EVEN_K=k % p["bk"] == 0, DEBUG=debug, num_warps=p["warps"], num_stages=p["stages"],
-        )
+            *ns, m_loc, k, lin, rank, chunk_rows, flag_base, grid, EVEN_K=k % p["bk"] == 0, **common)
+
+
+def _tma_operands(a2, slots2, ws3, p):
+    """Host tensor descriptors (A shard, A slots, the three B's) and whether the B's are
+    K-major (nn.Linear weights transposed), or None where TMA cannot take the operands: every
+    row pitch and base 16-byte aligned, the B's all of one layout, no tensor smaller than its
+    box."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def aligned(t):
+        return t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
+
+    kmajor = all(w.stride(0) == 1 for w in ws3)
+    rowmajor = all(w.stride(1) == 1 for w in ws3)
+    if not (kmajor or rowmajor):
+        return None
+    bs = [w.t() for w in ws3] if kmajor else list(ws3)  # the contiguous view: (N, K) or (K, N)
+    if not all(aligned(t) for t in [a2, slots2, *bs]):
+        return None
+    b_block = [p["bn"], p["bk"]] if kmajor else [p["bk"], p["bn"]]
+    a_block = [p["bm"], p["bk"]]
+    if any(d < blk for t, block in [(a2, a_block), *[(b, b_block) for b in bs]] for d, blk in zip(t.shape, block)):
+        return None  # a tensor smaller than one box: the pointer kernel (masks) takes it
+    return (TensorDescriptor.from_tensor(a2, a_block), TensorDescriptor.from_tensor(slots2, a_block),
+            [TensorDescriptor.from_tensor(b, b_block) for b in bs], kmajor)
 
 
 def _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug):

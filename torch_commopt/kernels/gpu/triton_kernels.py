@@ -153,6 +153,104 @@ def ag_gemm_kernel(
         tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _fence_proxy_async():
+    """Order this thread's earlier generic-proxy accesses (the flag's acquire) before its
+    later async-proxy ones (TMA loads of the data the flag guards)."""
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _tma_acc(a_desc, a_row, b_desc, n0, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             B_KMAJOR: tl.constexpr):
+    """acc[BM, BN] = A[a_row:+BM, :] @ B[:, n0:+BN] in fp32, tiles moved by the TMA unit.
+    B_KMAJOR: b_desc describes B^T (N, K) (nn.Linear's weight), else B (K, N).  Out-of-bounds
+    rows and columns of a tile read as zeros."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BK)):
+        a_blk = a_desc.load([a_row, kb * BK])
+        if B_KMAJOR:
+            b_blk = b_desc.load([n0, kb * BK]).T
+        else:
+            b_blk = b_desc.load([kb * BK, n0])
+        acc = tl.dot(a_blk, b_blk, acc)
+    return acc
+
+
+@triton.jit
+def _tma_tile(own, a_local, a_slots, slot_row, row0, b_desc, n0, K, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, B_KMAJOR: tl.constexpr):
+    if own:
+        acc = _tma_acc(a_local, row0, b_desc, n0, K, BM, BN, BK, B_KMAJOR)
+    else:
+        acc = _tma_acc(a_slots, slot_row, b_desc, n0, K, BM, BN, BK, B_KMAJOR)
+    return acc
+
+
+@triton.jit(do_not_specialize=["epoch", "bound", "rank", "chunk_rows", "flag_base", "num_progs"])
+def ag_gemm_tma_kernel(
+    a_local, a_slots, flags, status, epoch, bound,
+    b0, b1, b2, c0, c1, c2, bias0, bias1, bias2, N0, N1, N2,
+    M_loc, K, LIN, rank, chunk_rows, flag_base, num_progs,
+    WORLD: tl.constexpr, NUM_B: tl.constexpr, HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DEBUG: tl.constexpr,
+):
+    """ag_gemm_kernel with TMA loads: a_local (M_loc, K) and a_slots (WORLD * M_loc, K) and the
+    B's are tensor descriptors (block [BM, BK], and [BN, BK] or [BK, BN]); c and bias pointers
+    as there.  Same tile order and flag protocol; after a peer slot's flag the proxy fence
+    orders the flag's acquire before the TMA reads.  The tile loop is not flattened: a
+    pipelined prefetch of the next tile's A would run ahead of that tile's flag wait."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M_loc, BM)
+    tn0 = tl.cdiv(N0, BN)
+    tn1 = tl.cdiv(N1, BN)
+    tiles_n = tn0 + tn1 + tl.cdiv(N2, BN)
+    per_slot = tiles_m * tiles_n
+    for t in range(pid, WORLD * per_slot, num_progs):
+        order = t // per_slot
+        slot = (rank - order + WORLD) % WORLD
+        pid_m, pid_n = _tile_coords(t % per_slot, tiles_m, tiles_n, GROUP_M)
+        i = pid_m * BM + tl.arange(0, BM)
+        row_mask = i < M_loc
+        own = slot == rank
+        if not own:
+            last = tl.minimum(pid_m * BM + BM, M_loc) - 1
+            chunk = last // chunk_rows
+            _spin_geq(flags + flag_base + slot * 256 + chunk, epoch, status, 2, slot, chunk, bound, DEBUG)
+            _fence_proxy_async()
+        slot_row = slot * M_loc + pid_m * BM
+        c, bias, n_i, col = c0, bias0, N0, pid_n
+        if NUM_B > 1:
+            if pid_n >= tn0:
+                c, bias, n_i, col = c1, bias1, N1, pid_n - tn0
+        if NUM_B > 2:
+            if pid_n >= tn0 + tn1:
+                c, bias, n_i, col = c2, bias2, N2, pid_n - tn0 - tn1
+        row0, n0 = pid_m * BM, col * BN
+        if NUM_B == 1:  # descriptors cannot be picked like pointers: one mainloop per B
+            acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b0, n0, K, BM, BN, BK, B_KMAJOR)
+        elif NUM_B == 2:
+            if pid_n < tn0:
+                acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b0, n0, K, BM, BN, BK, B_KMAJOR)
+            else:
+                acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b1, n0, K, BM, BN, BK, B_KMAJOR)
+        else:
+            if pid_n < tn0:
+                acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b0, n0, K, BM, BN, BK, B_KMAJOR)
+            elif pid_n < tn0 + tn1:
+                acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b1, n0, K, BM, BN, BK, B_KMAJOR)
+            else:
+                acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b2, n0, K, BM, BN, BK, B_KMAJOR)
+        offs_n = col * BN + tl.arange(0, BN)
+        n_mask = offs_n < n_i
+        if HAS_BIAS:
+            acc += tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        rows = _block_rows(slot, i, LIN, WORLD)
+        c_ptrs = c + rows.to(tl.int64)[:, None] * n_i + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["epoch", "bound", "recv_off", "data_base", "rank", "chunk_mt", "alpha", "bias_scale",
                                "num_progs"])
 def rs_gemm_kernel(
