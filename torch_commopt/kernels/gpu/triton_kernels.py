@@ -179,13 +179,48 @@ def _tma_acc(a_desc, a_row, b_desc, n0, K, BM: tl.constexpr, BN: tl.constexpr, B
 
 
 @triton.jit
-def _tma_tile(own, a_local, a_slots, slot_row, row0, b_desc, n0, K, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, B_KMAJOR: tl.constexpr):
-    if own:
-        acc = _tma_acc(a_local, row0, b_desc, n0, K, BM, BN, BK, B_KMAJOR)
+def _tma_sweep(g0, pid, num_progs, a_desc, b_desc, c, bias, n_i, flags, status, epoch, bound, M_loc, K, LIN, rank,
+               chunk_rows, flag_base, OWN: tl.constexpr, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr,
+               B_KMAJOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+               DEBUG: tl.constexpr):
+    """One phase of ag_gemm_tma_kernel: the tiles of one B over this rank's own shard (OWN) or
+    over the peers' slots (in arrival order rank-1, rank-2, ...).  Phases number their tiles
+    after the previous one's (g0 on): program pid takes the global tiles g = pid (mod
+    num_progs), so no phase leaves a tail of idle programs.  Returns the next phase's g0."""
+    tiles_m = tl.cdiv(M_loc, BM)
+    tiles_n = tl.cdiv(n_i, BN)
+    per_slot = tiles_m * tiles_n
+    if OWN:
+        count = per_slot
     else:
-        acc = _tma_acc(a_slots, slot_row, b_desc, n0, K, BM, BN, BK, B_KMAJOR)
-    return acc
+        count = (WORLD - 1) * per_slot
+    first = ((pid - g0) % num_progs + num_progs) % num_progs
+    for lt in range(first, count, num_progs):
+        if OWN:
+            slot = rank
+            local = lt
+        else:
+            slot = (rank - 1 - lt // per_slot + WORLD) % WORLD
+            local = lt % per_slot
+        pid_m, pid_n = _tile_coords(local, tiles_m, tiles_n, GROUP_M)
+        if OWN:
+            a_row = pid_m * BM
+        else:
+            last = tl.minimum(pid_m * BM + BM, M_loc) - 1
+            chunk = last // chunk_rows
+            _spin_geq(flags + flag_base + slot * 256 + chunk, epoch, status, 2, slot, chunk, bound, DEBUG)
+            _fence_proxy_async()
+            a_row = slot * M_loc + pid_m * BM
+        acc = _tma_acc(a_desc, a_row, b_desc, pid_n * BN, K, BM, BN, BK, B_KMAJOR)
+        i = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < n_i
+        if HAS_BIAS:
+            acc += tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        rows = _block_rows(slot, i, LIN, WORLD)
+        c_ptrs = c + rows.to(tl.int64)[:, None] * n_i + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(i < M_loc)[:, None] & n_mask[None, :])
+    return g0 + count
 
 
 @triton.jit(do_not_specialize=["epoch", "bound", "rank", "chunk_rows", "flag_base", "num_progs"])
@@ -198,57 +233,29 @@ def ag_gemm_tma_kernel(
 ):
     """ag_gemm_kernel with TMA loads: a_local (M_loc, K) and a_slots (WORLD * M_loc, K) and the
     B's are tensor descriptors (block [BM, BK], and [BN, BK] or [BK, BN]); c and bias pointers
-    as there.  Same tile order and flag protocol; after a peer slot's flag the proxy fence
-    orders the flag's acquire before the TMA reads.  The tile loop is not flattened: a
-    pipelined prefetch of the next tile's A would run ahead of that tile's flag wait."""
+    as there.  Same flag protocol; after a peer slot's flag the proxy fence orders the flag's
+    acquire before the TMA reads.  The tiles run as sequential phases (own shard x each B,
+    then the peers x each B), one mainloop each: a descriptor cannot be picked per tile like
+    a pointer, and mainloops in branches each keep their own shared-memory pipeline (2-6x the
+    shared memory).  The loops are not flattened: a pipelined prefetch of the next tile's A
+    would run ahead of that tile's flag wait."""
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M_loc, BM)
-    tn0 = tl.cdiv(N0, BN)
-    tn1 = tl.cdiv(N1, BN)
-    tiles_n = tn0 + tn1 + tl.cdiv(N2, BN)
-    per_slot = tiles_m * tiles_n
-    for t in range(pid, WORLD * per_slot, num_progs):
-        order = t // per_slot
-        slot = (rank - order + WORLD) % WORLD
-        pid_m, pid_n = _tile_coords(t % per_slot, tiles_m, tiles_n, GROUP_M)
-        i = pid_m * BM + tl.arange(0, BM)
-        row_mask = i < M_loc
-        own = slot == rank
-        if not own:
-            last = tl.minimum(pid_m * BM + BM, M_loc) - 1
-            chunk = last // chunk_rows
-            _spin_geq(flags + flag_base + slot * 256 + chunk, epoch, status, 2, slot, chunk, bound, DEBUG)
-            _fence_proxy_async()
-        slot_row = slot * M_loc + pid_m * BM
-        c, bias, n_i, col = c0, bias0, N0, pid_n
-        if NUM_B > 1:
-            if pid_n >= tn0:
-                c, bias, n_i, col = c1, bias1, N1, pid_n - tn0
-        if NUM_B > 2:
-            if pid_n >= tn0 + tn1:
-                c, bias, n_i, col = c2, bias2, N2, pid_n - tn0 - tn1
-        row0, n0 = pid_m * BM, col * BN
-        if NUM_B == 1:  # descriptors cannot be picked like pointers: one mainloop per B
-            acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b0, n0, K, BM, BN, BK, B_KMAJOR)
-        elif NUM_B == 2:
-            if pid_n < tn0:
-                acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b0, n0, K, BM, BN, BK, B_KMAJOR)
-            else:
-                acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b1, n0, K, BM, BN, BK, B_KMAJOR)
-        else:
-            if pid_n < tn0:
-                acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b0, n0, K, BM, BN, BK, B_KMAJOR)
-            elif pid_n < tn0 + tn1:
-                acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b1, n0, K, BM, BN, BK, B_KMAJOR)
-            else:
-                acc = _tma_tile(own, a_local, a_slots, slot_row, row0, b2, n0, K, BM, BN, BK, B_KMAJOR)
-        offs_n = col * BN + tl.arange(0, BN)
-        n_mask = offs_n < n_i
-        if HAS_BIAS:
-            acc += tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        rows = _block_rows(slot, i, LIN, WORLD)
-        c_ptrs = c + rows.to(tl.int64)[:, None] * n_i + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    g = _tma_sweep(0, pid, num_progs, a_local, b0, c0, bias0, N0, flags, status, epoch, bound, M_loc, K, LIN, rank,
+                   chunk_rows, flag_base, True, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
+    if NUM_B > 1:
+        g = _tma_sweep(g, pid, num_progs, a_local, b1, c1, bias1, N1, flags, status, epoch, bound, M_loc, K, LIN,
+                       rank, chunk_rows, flag_base, True, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
+    if NUM_B > 2:
+        g = _tma_sweep(g, pid, num_progs, a_local, b2, c2, bias2, N2, flags, status, epoch, bound, M_loc, K, LIN,
+                       rank, chunk_rows, flag_base, True, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
+    g = _tma_sweep(g, pid, num_progs, a_slots, b0, c0, bias0, N0, flags, status, epoch, bound, M_loc, K, LIN, rank,
+                   chunk_rows, flag_base, False, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
+    if NUM_B > 1:
+        g = _tma_sweep(g, pid, num_progs, a_slots, b1, c1, bias1, N1, flags, status, epoch, bound, M_loc, K, LIN,
+                       rank, chunk_rows, flag_base, False, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
+    if NUM_B > 2:
+        g = _tma_sweep(g, pid, num_progs, a_slots, b2, c2, bias2, N2, flags, status, epoch, bound, M_loc, K, LIN,
+                       rank, chunk_rows, flag_base, False, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
 
 
 @triton.jit(do_not_specialize=["epoch", "bound", "recv_off", "data_base", "rank", "chunk_mt", "alpha", "bias_scale",
