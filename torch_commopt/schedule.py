@@ -72,6 +72,8 @@ class Schedule:
         if dict(self.params).get("gemm", "whole") != "whole" or (dict(self.params).get("gemm") and self.name != "ce_push"):
             raise ValueError(f"schedule: gemm=whole is a ce_push option (the only value); got {self.name} "
                              f"gemm={dict(self.params)['gemm']!r}")
+        if dict(self.params).get("tma") is not None and (self.name != "fused" or dict(self.params)["tma"] not in (0, 1)):
+            raise ValueError(f"schedule: tma=0/1 is a fused option; got {self.name} tma={dict(self.params)['tma']!r}")
         object.__setattr__(self, "params", tuple(sorted(self.params)))
 
     def __str__(self) -> str:

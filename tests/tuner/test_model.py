@@ -283,3 +283,15 @@ def test_autotune_times_every_piece_count_of_the_models_first_family():
     assert siblings <= set(top) and len(siblings) > 1  # e.g. ce_push:1, :2 and :4
     assert top[:2] == [str(p.schedule) for p in preds[:2]] and "sequential" in top
     assert len(top) == len(set(top))
+
+
+def test_the_tma_fused_variant_is_its_own_candidate():
+    from torch_commopt.tuner.model import factor_key
+
+    tma = Schedule.parse("fused:1:tma=1")
+    assert str(tma) == "fused:1:tma=1" and tma.param("tma") == 1
+    assert factor_key("ag_matmul", tma) == "ag_matmul fused:1:tma=1"
+    assert factor_key("ag_matmul", Schedule.parse("fused:1")) == "ag_matmul fused:1"
+    for bad in ("ce_push:1:tma=1", "fused:1:tma=2"):
+        with pytest.raises(ValueError, match="tma"):
+            Schedule.parse(bad)

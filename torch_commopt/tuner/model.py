@@ -117,9 +117,13 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
 
 def factor_key(kind: str, sched: Schedule) -> str:
     """The calibration key of a schedule's own factor: "kind name:S", with its variant
-    parameters (gemm=whole) where it has any; Calibration.factor falls back to "kind name"."""
+    parameters (gemm=whole, tma=1) where it has any; Calibration.factor falls back to "kind name"."""
     key = f"{kind} {sched.name}:{sched.chunks}"
-    return key + ":gemm=whole" if sched.param("gemm") == "whole" else key
+    if sched.param("gemm") == "whole":
+        key += ":gemm=whole"
+    if sched.param("tma"):
+        key += ":tma=1"
+    return key
 
 
 def _gemm(shape: RegionShape, cal: Calibration, rows: float) -> float:
