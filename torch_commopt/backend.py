@@ -33,7 +33,7 @@ def inductor_patches(config: Config, mode: str | None = None) -> dict[str, Any]:
         log.warning("commopt replaces the post_grad_custom_post_pass already set in Inductor's config")
     patches["post_grad_custom_post_pass"] = CommoptPass(config)
     if config.regather_for_backward or config.saved_gather_budget_mib is not None or "attention" in config.patterns:
-        from torch_commopt.passes.regather import JointPass
+        from torch_commopt.passes.joint import JointPass
 
         if torch._inductor.config.joint_custom_post_pass is None:
             patches["joint_custom_post_pass"] = JointPass(config)

@@ -151,7 +151,7 @@ def find_attention(graph: Graph) -> tuple[list[AttentionRegion], list[Skip]]:
 
 def _region_of(node: Node) -> Optional[AttentionRegion]:
     args = _bound(node)
-    sources = {name: _trace_back(args[name]) for name in ("query", "key", "value")}
+    sources = {name: trace_back(args[name]) for name in ("query", "key", "value")}
     kinds = {name: _collective_kind(origin) for name, (origin, _) in sources.items()}
     if not any(kinds.values()):
         return None  # head-parallel or plain attention: not ours
@@ -173,7 +173,7 @@ def _flex_skip(node: Node) -> Optional[Skip]:
     score_mod / mask_mod are functions of the gathered positions; running it by blocks would
     need them re-evaluated per block with global offsets and the block mask rebuilt per step,
     which the schedules here (SDPA kernels with a causal flag) do not do."""
-    kinds = {name: _collective_kind(_trace_back(node.args[i])[0]) for i, name in ((1, "key"), (2, "value"))}
+    kinds = {name: _collective_kind(trace_back(node.args[i])[0]) for i, name in ((1, "key"), (2, "value"))}
     if not any(kinds.values()):
         return None
     why = (f"flex_attention with {kinds['key'] or 'local'} K and {kinds['value'] or 'local'} V: its "
@@ -196,7 +196,7 @@ def _bound(node: Node) -> dict[str, Any]:
     return bound
 
 
-def _trace_back(node: Any) -> tuple[Any, list[Node]]:
+def trace_back(node: Any) -> tuple[Any, list[Node]]:
     """(origin, path): walk up through layout-only ops; path runs from origin (exclusive) to
     `node` (inclusive), in graph order."""
     path = []
@@ -371,7 +371,7 @@ def _ulysses(node: Node, args: dict, sources: dict) -> AttentionRegion:
         if val(a2a).numel() != val(args[name]).numel():
             raise Unsupported(f"{name}: the ops between the all-to-all and the attention change its size")
         a2as.append(a2a)
-        inputs[key], paths[f"{key}_pre"] = _trace_back(a2a.args[0])
+        inputs[key], paths[f"{key}_pre"] = trace_back(a2a.args[0])
     out_a2a, paths["out"] = _drain_all_to_all(_output_of(node))
     groups = {(group_name_of(n.args[3]), _equal_parts(n)) for n in a2as + [out_a2a]}
     if len(groups) != 1 or None in next(iter(groups)):

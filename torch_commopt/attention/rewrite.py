@@ -162,7 +162,7 @@ def _apply(graph: Graph, region: AttentionRegion, schedule: str) -> None:
                       (region.inputs["q"], k, v, schedule, region.causal, region.scale, region.world, region.group_name))
         out = add_node(graph, operator.getitem, (cp, 0))
     region.output.replace_all_uses_with(out)
-    _erase_unused(graph, [node, *node.users, *region.paths["k"], *region.paths["v"]], region.collectives)
+    erase_unused(graph, [node, *node.users, *region.paths["k"], *region.paths["v"]], region.collectives)
 
 
 def _apply_ulysses(graph: Graph, region: AttentionRegion, plan: ulysses.UlyssesPlan, schedule: str) -> None:
@@ -170,7 +170,7 @@ def _apply_ulysses(graph: Graph, region: AttentionRegion, plan: ulysses.UlyssesP
     node = region.attention
     pre = [n for key in "qkv" for n in region.paths[f"{key}_pre"]]
     post = [n for key in "qkv" for n in region.paths[f"{key}_post"]] + region.paths["out"]
-    _erase_unused(graph, [node, *node.users, *post, *pre], region.collectives)
+    erase_unused(graph, [node, *node.users, *post, *pre], region.collectives)
 
 
 def _local(graph: Graph, region: AttentionRegion, name: str) -> Node:
@@ -201,7 +201,7 @@ def _gathered_dim(gather: Node, origin: Node) -> int:
     return diff[0]
 
 
-def _erase_unused(graph: Graph, first: list[Node], collectives: list[Node]) -> None:
+def erase_unused(graph: Graph, first: list[Node], collectives: list[Node]) -> None:
     """Erase, of `first` and of everything downstream of `collectives` (the replaced
     collectives, or any node whose whole downstream was replaced), what nothing uses any more."""
     chain = set(first)

@@ -122,16 +122,16 @@ def apply(graph: Graph, region: AttentionRegion, ulysses: UlyssesPlan, schedule:
     """Insert the op before the attention, route the output all-to-all's users to its result,
     and return the op's node (the replaced nodes are erased by the caller)."""
     with graph.inserting_before(region.attention):
-        q, k, v = (_emit(graph, region.inputs[key], ulysses.inputs[key]) for key in "qkv")
+        q, k, v = (emit(graph, region.inputs[key], ulysses.inputs[key]) for key in "qkv")
         cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default,
                       (q, k, v, schedule, region.causal, region.scale, region.world, region.group_name))
         out = add_node(graph, operator.getitem, (cp, 0))
-        result = _emit(graph, out, ulysses.output)
+        result = emit(graph, out, ulysses.output)
     region.output.replace_all_uses_with(result)
     return cp
 
 
-def _emit(graph: Graph, x: Node, how: Relayout) -> Node:
+def emit(graph: Graph, x: Node, how: Relayout) -> Node:
     """x.reshape(split).permute(order), contiguous, viewed as the target shape."""
     if how.is_identity() and tuple(static_shape(x)) == how.shape:
         return x

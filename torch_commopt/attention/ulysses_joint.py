@@ -28,10 +28,10 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.attention.detect import (ALL_TO_ALL, ATTENTION_BACKWARD, LAYOUT_OPS, AttentionRegion,
-                                            _trace_back)
+                                            trace_back)
 from torch_commopt.attention.layout import Relayout
-from torch_commopt.attention.ulysses import Algebra, _emit
-from torch_commopt.attention.rewrite import _erase_unused
+from torch_commopt.attention.ulysses import Algebra, emit
+from torch_commopt.attention.rewrite import erase_unused
 from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import WAIT, Unsupported, only_user, static_shape
 
@@ -63,11 +63,11 @@ def match(region: AttentionRegion) -> JointPlan:
     for operand in fwd.args[:3]:
         if set(operand.users) - {fwd, bwd}:
             raise Unsupported(f"{operand.name} has users besides the attention and its backward")
-    origin, dout_post = _trace_back(bwd.args[0])
+    origin, dout_post = trace_back(bwd.args[0])
     if origin.target is not WAIT or origin.args[0].target is not ALL_TO_ALL:
         raise Unsupported(f"{bwd.name}'s dout does not come from an all-to-all")
     dout_a2a = origin.args[0]
-    dy, dy_pre = _trace_back(dout_a2a.args[0])
+    dy, dy_pre = trace_back(dout_a2a.args[0])
 
     algebra = Algebra(region.world, region.causal)
     for i, key in enumerate("qkv"):
@@ -110,17 +110,17 @@ def apply(graph: Graph, region: AttentionRegion, plan: JointPlan, schedule: str)
     fwd, bwd = region.attention, plan.bwd
     common = (schedule, region.causal, region.scale, region.world, region.group_name)
     with graph.inserting_before(fwd):
-        q, k, v = (_emit(graph, region.inputs[key], plan.to_op[key]) for key in "qkv")
+        q, k, v = (emit(graph, region.inputs[key], plan.to_op[key]) for key in "qkv")
         cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default, (q, k, v, *common))
         out, lse = add_node(graph, operator.getitem, (cp, 0)), add_node(graph, operator.getitem, (cp, 1))
-        result = _emit(graph, out, plan.output)
+        result = emit(graph, out, plan.output)
     region.output.replace_all_uses_with(result)
     with graph.inserting_before(bwd):
-        dout = _emit(graph, plan.dy, plan.to_op["dout"])
+        dout = emit(graph, plan.dy, plan.to_op["dout"])
         grads = add_node(graph, torch.ops.commopt.cp_attention_bwd.default, (dout, q, k, v, out, lse, *common))
         for i, key in enumerate("qkv"):
             part = add_node(graph, operator.getitem, (grads, i))
-            plan.grad_waits[key].replace_all_uses_with(_emit(graph, part, plan.grads[key]))
+            plan.grad_waits[key].replace_all_uses_with(emit(graph, part, plan.grads[key]))
     pre = [n for key in "qkv" for n in region.paths[f"{key}_pre"]] + plan.dy_pre
     # everything downstream of the old all-to-alls and attention ops (up to the replaced waits)
-    _erase_unused(graph, pre, region.collectives + [plan.dout_collective, fwd, bwd] + plan.grad_collectives)
+    erase_unused(graph, pre, region.collectives + [plan.dout_collective, fwd, bwd] + plan.grad_collectives)

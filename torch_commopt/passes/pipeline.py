@@ -71,7 +71,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         compile_id=_compile_id(),
         collectives_before=_count_collectives(graph),
     )
-    from torch_commopt.passes.regather import PENDING_NOTES
+    from torch_commopt.passes.joint import PENDING_NOTES
 
     report.notes += PENDING_NOTES  # the joint-graph pass of this compile (training graphs)
     PENDING_NOTES.clear()

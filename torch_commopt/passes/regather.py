@@ -23,7 +23,6 @@ import logging
 import operator
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
 from torch_commopt.passes.graph_utils import ALL_GATHER, WAIT, aten, group_name_of, val
@@ -121,46 +120,3 @@ def _tangent_dependent(graph: Graph) -> set[Node]:
         if node not in seen and any(isinstance(a, Node) and a in seen for a in node.all_input_nodes):
             seen.add(node)
     return seen
-
-
-class JointPass(CustomGraphPass):
-    """Inductor's joint_custom_post_pass (a CustomGraphPass: `uuid` keys Inductor's caches):
-    context-parallel attention in training (attention/joint.py, pattern "attention"), then
-    Config.regather_for_backward.  Its notes go to the log and to the next graph report."""
-
-    def __init__(self, config):
-        self.config = config
-
-    def __call__(self, graph: Graph) -> None:
-        notes = []
-        if "attention" in self.config.patterns:
-            from torch_commopt.attention.joint import rewrite_joint_attention
-
-            try:
-                timeout = self.config.consistency_timeout_s if self.config.check_rank_consistency else None
-                notes += rewrite_joint_attention(graph, self.config.attention_schedule, timeout, self.config.cache_dir)
-            except Exception as e:  # noqa: BLE001 - the joint graph is left as far as it got: each
-                # region is edited only after it matched, so a failure leaves whole regions
-                log.exception("commopt: attention rewrite of the joint graph stopped")
-                notes.append(f"attention rewrite (joint graph) stopped ({type(e).__name__}: {e})")
-        if self.config.regather_for_backward:
-            notes += mark_regather(graph)
-        elif self.config.saved_gather_budget_mib is not None:
-            timeout = self.config.consistency_timeout_s
-            chosen, note = choose_regather(graph, self.config.saved_gather_budget_mib, self.config.cache_dir, timeout)
-            notes += [note] + (mark_regather(graph, chosen) if chosen else [])
-        for note in notes:
-            log.info("commopt joint graph: %s", note)
-        PENDING_NOTES.extend(notes)
-
-    def uuid(self) -> str:
-        import pathlib
-
-        from torch._inductor.custom_graph_pass import get_hash_for_files
-
-        files = tuple(sorted(str(p) for p in pathlib.Path(__file__).parents[1].rglob("*.py")))
-        return get_hash_for_files(files, self.config.to_json()).hex()
-
-
-# notes of the joint-graph pass, picked up by the report of the next graph the post-grad pass sees
-PENDING_NOTES: list[str] = []
