@@ -8,10 +8,17 @@ the transfer hides behind the compute.  Which part of the block a rank computes 
     contiguous layout (ring):  source s == p: the diagonal block, causal; s < p: full;
         s > p: skipped under causal (the block still travels on).  Rank n-1 does n blocks of
         work, rank 0 one half-block: the causal imbalance zigzag removes.
-    zigzag layout (ring_zigzag): rank p holds chunks p and 2n-1-p (each of c tokens).  s == p:
-        causal over both chunks (the local order is the global order); s < p: all queries
-        against the source's first chunk; s > p: the second query chunk against both of the
-        source's chunks.  Every step but the first is c x 2c keys: balanced.
+    zigzag layout: rank p holds chunks p and 2n-1-p (each of c tokens).  s == p: causal over
+        both chunks (the local order is the global order); s < p: all queries against the
+        source's first chunk; s > p: the second query chunk against both of the source's
+        chunks.  Every step but the first is c x 2c keys: balanced.
+    zigzag queries, contiguous keys (ring_zigzag): the queries as in the zigzag layout, K/V
+        as the program holds them (rank s: chunks 2s and 2s+1).  Only the queries move to
+        balance the work (and the outputs back): K/V go round the ring anyway, so relaying
+        them out would only add traffic.  Per (query chunk a, key chunk b): full if b < a,
+        the causal diagonal if b == a, nothing if b > a.  Every rank's total is balanced
+        (2n chunk pairs); single steps are not (world 2: 0.625 / 0.375 and 0.125 / 0.875 of
+        an S_loc^2 block).
 
 Backward (given the global out and lse): K/V travel as in the forward, and their gradient
 accumulators (fp32) travel one step behind them; after n sends each is back at its owner.
@@ -57,6 +64,35 @@ def zigzag_plan(causal: bool) -> Plan:
             return [(ALL, slice(0, c), "full")]
         return [(slice(c, length), ALL, "full")]
     return plan
+
+
+def zigzag_q_plan(causal: bool) -> Plan:
+    """Blocks of zigzag queries against contiguous K/V (see the module docstring): rank p's
+    query chunks p and 2n-1-p (local rows [0, c) and [c, 2c)) against source s's key chunks
+    2s and 2s+1; a query chunk that sees both key chunks in full takes them as one block."""
+    def plan(p: int, s: int, n: int, length: int) -> list[Block]:
+        if not causal:
+            return [(ALL, ALL, "full")]
+        c = length // 2
+        halves = (slice(0, c), slice(c, length))
+        blocks = []
+        for a, qs in zip((p, 2 * n - 1 - p), halves):
+            masks = ["full" if b < a else "causal" if b == a else "" for b in (2 * s, 2 * s + 1)]
+            if masks == ["full", "full"]:
+                blocks.append((qs, ALL, "full"))
+            else:
+                blocks += [(qs, ks, mask) for mask, ks in zip(masks, halves) if mask]
+        return blocks
+    return plan
+
+
+def block_fractions(plan: Plan, n: int, length: int = 4) -> list[list[float]]:
+    """Per rank, per ring step: the share of a full S_loc x S_loc block that `plan` computes
+    (a causal diagonal block counts half): what the cost model charges each step."""
+    def area(qs: slice, ks: slice, mask: str) -> float:
+        rows = len(range(length)[qs]) * len(range(length)[ks]) / length ** 2
+        return rows / 2 if mask == "causal" else rows
+    return [[sum(area(*blk) for blk in plan(p, (p - i) % n, n, length)) for i in range(n)] for p in range(n)]
 
 
 def _seq(x: Tensor, sl: slice) -> Tensor:
