@@ -87,7 +87,7 @@ def rank_blocks(schedule: str, p: int, world: int, s_loc: int, causal: bool):
     """[(query slice, key slice into the keys this rank sees, mask)] of rank p, in step order."""
     if schedule == "allgather":
         return [(slice(None), ks, mask) for ks, mask in _gathered_blocks(p, s_loc, causal)], world * s_loc
-    plan = {"ring_zigzag": zigzag_q_plan, "zigzag_all": zigzag_plan}.get(schedule, contiguous_plan)(causal)
+    plan = {"ring_zigzag": zigzag_plan, "zigzag_q": zigzag_q_plan}.get(schedule, contiguous_plan)(causal)
     blocks = []
     for i in range(world):
         blocks += plan(p, (p - i) % world, world, s_loc)
@@ -314,7 +314,7 @@ def main() -> None:
                     for world in (int(x) for x in args.world.split(",")):
                         s_loc = s_total // world
                         scale = default_scale(d, None)
-                        for sched in ("allgather", "ring", "ring_zigzag", "zigzag_all"):
+                        for sched in ("allgather", "ring", "ring_zigzag"):
                             per_rank = []
                             for p in range(world):
                                 blocks, s_k = rank_blocks(sched, p, world, s_loc, causal)

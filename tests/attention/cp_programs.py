@@ -128,8 +128,7 @@ class Traffic:
 
 def expected_traffic(case: Case, world: int) -> tuple[Counter, Counter]:
     """(forward, backward) messages of a schedule on this case: K/V of H_kv heads in the input
-    dtype, dK/dV in the acc dtype, ring_degree - 1 K/V steps, ring_degree dK/dV steps; the
-    zigzag relayouts carry the query side only (q; dout, q, out, lse; out, lse and dq back)."""
+    dtype, dK/dV in the acc dtype, ring_degree - 1 K/V steps, ring_degree dK/dV steps."""
     elt, acc = case.dtype.itemsize, acc_dtype(case.dtype).itemsize
     h, h_kv = case.heads
     rows = case.batch * case.seq_local
@@ -142,10 +141,9 @@ def expected_traffic(case: Case, world: int) -> tuple[Counter, Counter]:
     zigzag = sched.name == "ring_zigzag" and case.causal
     u, r = (1, world) if zigzag else sched.degrees(world)
     fwd, bwd = Counter(), Counter()
-    if zigzag or u > 1:  # relayout / all-to-all there and back; zigzag moves the query side only
-        moved_kv = 0 if zigzag else kv
-        fwd.update({("a2a", q + moved_kv): 1, ("a2a", out + lse): 1})
-        bwd.update({("a2a", q + moved_kv + out + out + lse): 1, ("a2a", q + moved_kv): 1})
+    if zigzag or u > 1:  # relayout / all-to-all there and back
+        fwd.update({("a2a", q + kv): 1, ("a2a", out + lse): 1})
+        bwd.update({("a2a", q + kv + out + out + lse): 1, ("a2a", q + kv): 1})
     if r > 1:
         fwd["kv", kv] += r - 1
         bwd.update({("kv", kv): r - 1, ("dkv", kv_numel * acc): r})

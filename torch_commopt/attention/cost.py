@@ -110,9 +110,9 @@ def _sizes(shape: AttentionShape, world: int, elt: int) -> _Sizes:
 def _ring_fractions(n: int, causal: bool, zigzag: bool) -> list[list[float]]:
     """Per rank, per step: the fraction of a full L x L block it computes (from the plan the
     schedule runs, ring.py)."""
-    from torch_commopt.attention.ring import block_fractions, contiguous_plan, zigzag_q_plan
+    from torch_commopt.attention.ring import block_fractions, contiguous_plan, zigzag_plan
 
-    return block_fractions((zigzag_q_plan if zigzag else contiguous_plan)(causal), n)
+    return block_fractions((zigzag_plan if zigzag else contiguous_plan)(causal), n)
 
 
 def _ring_time(fractions: list[list[float]], block_s: float, launch_s: float, transfer_s: float,
@@ -158,12 +158,12 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
         return m.all_to_all(nbytes, group)
 
     hop = m.launch_s + m.link(sz.kv) if r > 1 else 0.0
-    kv = 0.0 if zigzag else sz.kv  # zigzag relays the query side only; Ulysses moves K/V too
+    kv = sz.kv  # the zigzag relayout and Ulysses's all-to-alls move K/V too
     fwd = exchange(sz.q + kv) + _ring_time(fractions, block_s, m.launch_s, hop, 0.0) + exchange(sz.q + sz.lse)
     if not backward:
         return fwd
     dkv_hop = m.launch_s + m.link(sz.dkv) if r > 1 else 0.0
-    pre = exchange(3 * sz.q + kv + sz.lse)  # dout, q, out, lse (and k, v)
+    pre = exchange(3 * sz.q + kv + sz.lse)  # dout, q, out, lse, k, v
     ring = _ring_time(fractions, m.bwd_factor * block_s, m.launch_s, hop + dkv_hop, dkv_hop)
     return fwd + pre + ring + exchange(sz.q + kv)
 

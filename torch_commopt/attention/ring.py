@@ -12,13 +12,15 @@ the transfer hides behind the compute.  Which part of the block a rank computes 
         both chunks (the local order is the global order); s < p: all queries against the
         source's first chunk; s > p: the second query chunk against both of the source's
         chunks.  Every step but the first is c x 2c keys: balanced.
-    zigzag queries, contiguous keys (ring_zigzag): the queries as in the zigzag layout, K/V
-        as the program holds them (rank s: chunks 2s and 2s+1).  Only the queries move to
-        balance the work (and the outputs back): K/V go round the ring anyway, so relaying
-        them out would only add traffic.  Per (query chunk a, key chunk b): full if b < a,
-        the causal diagonal if b == a, nothing if b > a.  Every rank's total is balanced
-        (2n chunk pairs); single steps are not (world 2: 0.625 / 0.375 and 0.125 / 0.875 of
-        an S_loc^2 block).
+    zigzag queries, contiguous keys (zigzag_q_plan, not used by a schedule): the queries as
+        in the zigzag layout, K/V as the program holds them (rank s: chunks 2s and 2s+1), so
+        only the query side would be relaid (K/V go round the ring anyway): half the bytes.
+        Per (query chunk a, key chunk b): full if b < a, the causal diagonal if b == a,
+        nothing if b > a.  Totals balanced, single steps not (world 2: 0.625 / 0.375 and
+        0.125 / 0.875 of an S_loc^2 block).  Measured on an H200 at 8K tokens/GPU, world 2:
+        its four smaller blocks per rank cost 12% more compute than zigzag's two (causal
+        fwd+bwd 8.94 vs 7.95 ms, MHA), more than the relayout bytes it saves, so ring_zigzag
+        relays q, k, v (benchmarks/NOTES.md, session 9).
 
 Backward (given the global out and lse): K/V travel as in the forward, and their gradient
 accumulators (fp32) travel one step behind them; after n sends each is back at its owner.

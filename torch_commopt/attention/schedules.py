@@ -15,16 +15,17 @@ backward graphs.  Schedules (spec.py):
                  full, its own block causal).  Backward gathers again and reduce-scatters dK/dV
                  in fp32.
     ring         ring.py on the contiguous layout.
-    ring_zigzag  causal load balance.  The program's layout is contiguous, so the op permutes
-                 the query side only: one all-to-all moves q to the zigzag layout (rank r:
-                 chunks r and 2W-1-r of 2W) and one moves out, lse back; the backward moves
-                 dout, q, out, lse there and dq back.  K/V stay in the program's layout (they
-                 go round the ring anyway: ring.zigzag_q_plan), and so do dK/dV.  About half a
-                 local q (+out) each way per call on top of the ring's (W-1) K/V shifts -- half
-                 of what relaying q, k, v and dk, dv as well cost (a change measured nowhere yet;
-                 the per-rank work stays balanced, single steps do not).  Without causal there
-                 is nothing to balance: it runs ring, no exchange.  A program already in zigzag
-                 layout can call ring.ring_fwd with zigzag_plan.
+    ring_zigzag  causal load balance.  The program's layout is contiguous, so the op permutes:
+                 one all-to-all moves q, k, v to the zigzag layout (rank r: chunks r and
+                 2W-1-r of 2W) and one moves out, lse back; the backward moves dout, q, k, v,
+                 out, lse there and dq, dk, dv back.  About one local q+k+v (+out) of extra
+                 traffic per call, on top of the ring's (W-1) K/V shifts: worth it where the
+                 causal ring's imbalance (rank W-1 does ~2x the average work) costs more.
+                 Relaying the query side only (ring.zigzag_q_plan: K/V stay contiguous, half
+                 the bytes) was measured and not taken: its smaller blocks cost 12% more
+                 compute at 8K tokens/GPU on an H200, more than the bytes it saves.
+                 Without causal there is nothing to balance: it runs ring, no exchange.
+                 A program already in zigzag layout can call ring.ring_fwd with zigzag_plan.
     ulysses      all-to-all sequence -> heads (q, k, v in one collective), full-sequence
                  attention on H/W heads, all-to-all back (out and lse in one collective).
     hybrid:U:R   Ulysses over U consecutive ranks, then a contiguous ring over R of them.
@@ -41,7 +42,7 @@ from torch import Tensor
 from torch_commopt.attention import comm
 from torch_commopt.attention.local import acc_dtype, attend_bwd, attend_fwd, default_scale
 from torch_commopt.attention.merge import Accumulator
-from torch_commopt.attention.ring import contiguous_plan, ring_bwd, ring_fwd, zigzag_q_plan
+from torch_commopt.attention.ring import contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
 from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal
 from torch_commopt.kernels.reference.collectives import all_gather, reduce_scatter, resolve_group
 
@@ -77,9 +78,9 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
     scale = default_scale(q.shape[-1], scale)
     if sched.name == "allgather":
         return _allgather_fwd(q, k, v, causal, scale, pg, backend)
-    if sched.name == "ring_zigzag" and causal:  # only the queries are relaid (ring.zigzag_q_plan)
-        (qz,) = comm.relayout([q], pg, comm.contiguous_chunks, comm.zigzag_chunks)
-        out, lse = ring_fwd(qz, k, v, scale=scale, plan=zigzag_q_plan(True), group=pg, backend=backend)
+    if sched.name == "ring_zigzag" and causal:
+        qz, kz, vz = comm.relayout([q, k, v], pg, comm.contiguous_chunks, comm.zigzag_chunks)
+        out, lse = ring_fwd(qz, kz, vz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
         out, lse = comm.relayout([out, lse], pg, comm.zigzag_chunks, comm.contiguous_chunks)
         return out, lse
     ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
@@ -99,10 +100,10 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     scale = default_scale(q.shape[-1], scale)
     if sched.name == "allgather":
         return _allgather_bwd(dout, q, k, v, out, lse, causal, scale, pg, backend)
-    if sched.name == "ring_zigzag" and causal:  # the query side relaid; K/V and dK/dV stay put
-        dz, qz, oz, lz = comm.relayout([dout, q, out, lse], pg, comm.contiguous_chunks, comm.zigzag_chunks)
-        dq, dk, dv = ring_bwd(dz, qz, k, v, oz, lz, scale=scale, plan=zigzag_q_plan(True), group=pg, backend=backend)
-        (dq,) = comm.relayout([dq], pg, comm.zigzag_chunks, comm.contiguous_chunks)
+    if sched.name == "ring_zigzag" and causal:
+        zz = comm.relayout([dout, q, k, v, out, lse], pg, comm.contiguous_chunks, comm.zigzag_chunks)
+        grads = ring_bwd(*zz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
+        dq, dk, dv = comm.relayout(list(grads), pg, comm.zigzag_chunks, comm.contiguous_chunks)
         return dq, dk, dv
     ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
     heads = comm.seq_to_heads([dout, q, k, v, out, lse], ugroup)
