@@ -73,8 +73,11 @@ def test_the_train_spec_is_llama3_with_our_parallelize_fn():
     ours, stock = get_train_spec(TRAIN_SPEC_NAME), get_train_spec("llama3")
     assert ours.parallelize_fn is parallelize_llama_commopt
     for f in dataclasses.fields(TrainSpec):
-        if f.name != "parallelize_fn":
+        if f.name not in ("parallelize_fn", "model_args"):
             assert getattr(ours, f.name) == getattr(stock, f.name), f.name  # the same builders and classes
+    assert {k: v for k, v in ours.model_args.items() if k in stock.model_args} == dict(stock.model_args)
+    four = ours.model_args["8B_4layers"]  # llama3 8B's layers, four of them
+    assert four.n_layers == 4 and dataclasses.replace(four, n_layers=32) == stock.model_args["8B"]
     register()  # again: a no-op
     assert get_train_spec(TRAIN_SPEC_NAME) is ours
     with pytest.raises(ValueError, match="already has a train spec"):

@@ -16,11 +16,21 @@ TRAIN_SPEC_NAME = "llama3_commopt"
 log = logging.getLogger(__name__)
 
 
+# Extra flavors: Llama-3-8B's layer shapes (dim 4096, 32 / 8 heads, SwiGLU hidden 14336) with
+# fewer layers, for speed runs on 2 GPUs (issue 7's end-to-end figure) that compile fast.
+EXTRA_FLAVORS = {"8B_4layers": ("8B", 4), "8B_8layers": ("8B", 8)}
+
+
 def llama3_commopt_train_spec() -> Any:
-    """torchtitan.models.llama3's TrainSpec with parallelize_fn = parallelize_llama_commopt."""
+    """torchtitan.models.llama3's TrainSpec with parallelize_fn = parallelize_llama_commopt
+    and llama3's flavors plus EXTRA_FLAVORS."""
     from torchtitan.models.llama3 import get_train_spec
 
-    return dataclasses.replace(get_train_spec(), parallelize_fn=parallelize_llama_commopt)
+    spec = get_train_spec()
+    flavors = dict(spec.model_args)
+    for name, (base, layers) in EXTRA_FLAVORS.items():
+        flavors[name] = dataclasses.replace(flavors[base], n_layers=layers)
+    return dataclasses.replace(spec, parallelize_fn=parallelize_llama_commopt, model_args=flavors)
 
 
 def register(name: str = TRAIN_SPEC_NAME) -> None:
