@@ -246,7 +246,7 @@ def single_gpu(case: Case, full: dict):
 
 
 @contextlib.contextmanager
-def commopt_schedule(case: Case, local: dict, schedule: str, group: dist.ProcessGroup):
+def commopt_schedule(case: Case, local: dict, schedule: str, group: dist.ProcessGroup, layout: str = "contiguous"):
     from torch_commopt.attention import cp_attention
 
     last = {}
@@ -254,16 +254,19 @@ def commopt_schedule(case: Case, local: dict, schedule: str, group: dist.Process
     if not case.backward:
         def step():
             last["out"] = torch.ops.commopt.cp_attention_fwd(local["q"], local["k"], local["v"], schedule,
-                                                             case.causal, None, world, name)[0]
+                                                             case.causal, None, world, name, "auto", layout)[0]
         yield step, lambda: dict(last)
         return
     leaves = _leaves(local["q"], local["k"], local["v"])
 
     def step():
         _reset(leaves)
-        last["out"] = cp_attention(*leaves, schedule=schedule, causal=case.causal, group=group)
+        last["out"] = cp_attention(*leaves, schedule=schedule, causal=case.causal, group=group, layout=layout)
         last["out"].backward(local["dout"])
     yield step, lambda: {"out": last["out"].detach(), **_grads(leaves)}
+
+
+ZIGZAG_LAYOUT = "ring_zigzag on zigzag shards"  # a variant, not a schedule the pick chooses from
 
 
 @dataclass
@@ -495,8 +498,17 @@ def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, me
             errors[s] = _global_errors(_errors(outputs(), ref, rank, world, "contiguous"), dev)
         if max(errors[s].values()) > tol:
             log.warning("%s: commopt %s relative error %s above %.0e", case.label(), s, errors[s], tol)
+    # the same sequence sharded zigzag (torch CP's head-tail layout): ring_zigzag without relayouts
+    zz_local = ({n: shard(t, rank, world, "head_tail") for n, t in full.items()}
+                if case.causal and case.seq % (2 * world) == 0 and "ring_zigzag" in scheds else None)
+    if zz_local is not None:
+        with commopt_schedule(case, zz_local, "ring_zigzag", group, "zigzag") as (step, outputs):
+            step()
+            errors[ZIGZAG_LAYOUT] = _global_errors(_errors(outputs(), ref, rank, world, "head_tail"), dev)
     cp = _torch_cp_plans(case, full, ref, mesh, rank, world, dev, args.torch_cp_no_lb)
     variants = {"single_gpu_full": lambda: single_gpu(case, full)}
+    if zz_local is not None:
+        variants[ZIGZAG_LAYOUT] = lambda: commopt_schedule(case, zz_local, "ring_zigzag", group, "zigzag")
     variants.update({f"torch_cp_{m}": (lambda h=p["how"]: torch_cp(case, full, h, mesh, warm=True))
                      for m, p in cp.items() if p["how"] is not None})
     variants.update({f"commopt {s}": (lambda s=s: commopt_schedule(case, local, s, group)) for s in scheds})
@@ -510,6 +522,8 @@ def _record(case: Case, world: int, dtype: torch.dtype, rounds: dict, errors: di
             ranked: list, cp: dict) -> dict:
     ms = {name: statistics.median(v) for name, v in rounds.items()}
     sched_ms = {k.removeprefix("commopt "): v for k, v in ms.items() if k.startswith("commopt ")}
+    zz_ms = ms.get(ZIGZAG_LAYOUT)
+    zz_err = errors.pop(ZIGZAG_LAYOUT, None)
     torch_ms = {m: ms.get(f"torch_cp_{m}") for m in TORCH_CP_METHODS}
     commopt_ms = sched_ms[pick]
     timed_torch = [t for t in torch_ms.values() if t is not None]
@@ -532,6 +546,12 @@ def _record(case: Case, world: int, dtype: torch.dtype, rounds: dict, errors: di
         "numerics_ok": {s: max(e.values()) <= tol for s, e in errors.items()}, "tolerance": tol,
         "best_schedule": best, "best_schedule_ms": sched_ms[best],
         "round_range_ms": {k: [min(v), max(v)] for k, v in rounds.items()},
+        "commopt_zigzag_layout_ms": zz_ms,
+        "commopt_zigzag_layout_note": "ring_zigzag on a zigzag-sharded sequence (layout='zigzag', torch CP's "
+                                      "head-tail sharding): no relayouts; causal cases only",
+        "efficiency_zigzag_layout": ms["single_gpu_full"] / (world * zz_ms) if zz_ms else None,
+        "zigzag_layout_errors": zz_err,
+        "zigzag_layout_numerics_ok": None if zz_err is None else max(zz_err.values()) <= tol,
     }
 
 
@@ -609,6 +629,18 @@ def report(records: list[dict], meta: dict) -> str:
                           f"{'' if r['numerics_ok'][s] else ' FAILED'}; pred {r['commopt_predicted_ms'].get(s, 0):.3f})"
                           for s, t in r["schedules_ms"].items())
         lines.append(f"- {_row_key(r)}: {cells}")
+    zz = [r for r in records if r.get("commopt_zigzag_layout_ms")]
+    if zz:
+        lines += ["", "## ring_zigzag on zigzag-sharded inputs (torch CP's head-tail layout: no relayouts)", "",
+                  "| B | H/H_kv | D | S_total | causal | pass | ms | efficiency | vs faster torch CP | max error |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in zz:
+            t = r["commopt_zigzag_layout_ms"]
+            cp = [x for x in (r["torch_cp_allgather_ms"], r["torch_cp_alltoall_ms"]) if x is not None]
+            err = max(r["zigzag_layout_errors"].values())
+            lines.append(f"| {_case_cell(r)} | {_f(t)} | {_f(r['efficiency_zigzag_layout'], 2)} | "
+                         f"{_f(min(cp) / t) if cp else '-'} | {err:.1e}"
+                         f"{'' if r['zigzag_layout_numerics_ok'] else ' FAILED'} |")
     lines += ["", "## torch CP (per rotate method: layout, GQA, error vs full attention, or why not run)", ""]
     for r in records:
         cells = []

@@ -226,7 +226,62 @@ def run_cp_cases(rank: int, world: int, seed: int = 0) -> tuple[list[tuple[str, 
 def run_all(rank: int, world: int, seed: int = 0) -> dict:
     """The cases, the refusals and the compiled wrapper in one process group (one spawn)."""
     return {"cases": run_cp_cases(rank, world, seed), "refusals": run_refusals(rank, world),
-            "compiled": run_compiled_wrapper(rank, world, seed)}
+            "compiled": run_compiled_wrapper(rank, world, seed), "zigzag_layout": run_zigzag_layout(rank, world, seed)}
+
+
+# ---- a program already sharded zigzag ----------------------------------------------------------
+
+ZIGZAG_LAYOUT_CASES = [Case("ring_zigzag", True, (4, 2), seq_local=6), Case("ring_zigzag", True, (4, 4), seq_local=2,
+                                                                            dtype=torch.float64),
+                       Case("ring", False, (4, 1), seq_local=4)]
+
+
+def run_zigzag_layout(rank: int, world: int, seed: int = 0) -> dict:
+    """layout="zigzag": each rank holds chunks r and 2W-1-r of the sequence.  ring_zigzag takes a
+    causal one as it is (no all-to-all: only ring steps), any schedule a non-causal one; the
+    other causal schedules refuse it.  Returns {"errors": [...], "problems": [...], "refused": str}."""
+    group, errors, problems = dist.group.WORLD, [], []
+    for i, case in enumerate(ZIGZAG_LAYOUT_CASES):
+        q, k, v, dout = _global_inputs(case, world, seed + 77 + i)
+        truth = _truth(q, k, v, dout, case.causal, case.scale)
+        eager = _truth(*(t.to(case.dtype) for t in (q, k, v, dout)), case.causal, case.scale)
+        c = case.seq_local // 2
+
+        def shard(t):
+            chunks = t.split(c, dim=2)
+            return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=2)
+
+        ql, kl, vl = (shard(t).to(case.dtype).requires_grad_(True) for t in (q, k, v))
+        kw = dict(schedule=case.schedule, causal=case.causal, scale=case.scale, group=group, layout="zigzag")
+        traffic = Traffic()
+        with traffic.record():
+            y = cp_attention(ql, kl, vl, **kw)
+            y.backward(shard(dout).to(case.dtype))
+        if any(kind == "a2a" for kind, _ in traffic.sent):
+            problems.append(f"{case.label()} zigzag layout: an all-to-all was sent ({dict(traffic.sent)})")
+        _, lse = cp_attention_fwd(ql.detach(), kl.detach(), vl.detach(), **kw)
+        got = [_unzigzag(t, group) for t in (y, lse, ql.grad, kl.grad, vl.grad)]
+        errors += [(f"{case.label()} zigzag layout {n}", rel_err(x, t), rel_err(e, t))
+                   for n, x, t, e in zip(("out", "lse", "dq", "dk", "dv"), got, truth, eager)]
+    try:
+        cp_attention_fwd(*(torch.randn(1, 2, 4, 8) for _ in range(3)), schedule="ring", causal=True, group=group,
+                         layout="zigzag")
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"errors": errors, "problems": problems, "refused": refused}
+
+
+def _unzigzag(t: torch.Tensor, group) -> torch.Tensor:
+    """The whole sequence from zigzag shards (rank r: chunks r and 2W-1-r)."""
+    world = group.size()
+    parts = [torch.empty_like(t.detach().contiguous()) for _ in range(world)]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    c = t.shape[2] // 2
+    chunks = [None] * (2 * world)
+    for r, part in enumerate(parts):
+        chunks[r], chunks[2 * world - 1 - r] = part[:, :, :c], part[:, :, c:]
+    return torch.cat(chunks, dim=2)
 
 
 # ---- refusals --------------------------------------------------------------------------------

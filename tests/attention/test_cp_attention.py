@@ -87,3 +87,17 @@ def test_compiled_wrapper_matches_eager_wrapper(results):
     for res in ranks:
         for label, err, _ in res["compiled"]:
             assert err <= 1e-6, f"{label}: {err:.2e}"
+
+
+def test_a_zigzag_sharded_program_runs_without_relayouts(results):
+    """layout="zigzag" (torch CP's head-tail sharding): ring_zigzag computes a causal sequence
+    on the shards as they are -- forward and backward match full attention and no all-to-all
+    is sent; a non-causal one runs under any schedule; causal ring refuses it."""
+    _, ranks = results
+    for rank, res in enumerate(ranks):
+        zz = res["zigzag_layout"]
+        assert len(zz["errors"]) == 5 * len(cp_programs.ZIGZAG_LAYOUT_CASES)
+        bad = [f"{label}: {got:.2e} vs eager {eager:.2e}" for label, got, eager in zz["errors"]
+               if not within_tolerance(got, eager)]
+        assert not bad and not zz["problems"], f"rank {rank}:\n" + "\n".join(bad + zz["problems"])
+        assert "needs ring_zigzag" in zz["refused"]

@@ -56,8 +56,21 @@ def as_group(group: GroupLike) -> dist.ProcessGroup:
     return resolve_group(group) if isinstance(group, str) else group
 
 
-def check(sched: CPSchedule, q: Tensor, k: Tensor, v: Tensor, world: int, causal: bool) -> None:
-    """Raise ValueError where the schedule cannot take these shards."""
+# How the program shards the sequence: rank r holds chunk r of W ("contiguous"), or chunks r and
+# 2W-1-r of 2W ("zigzag": torch context_parallel's head-tail load balancing).
+SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
+
+
+def check(sched: CPSchedule, q: Tensor, k: Tensor, v: Tensor, world: int, causal: bool,
+          layout: str = "contiguous") -> None:
+    """Raise ValueError where the schedule cannot take these shards.  A zigzag-sharded causal
+    sequence is taken by ring_zigzag only (the other schedules' masks assume rank order);
+    without a mask any schedule takes any layout (the keys' order does not matter)."""
+    if layout not in SEQUENCE_LAYOUTS:
+        raise ValueError(f"cp attention: layout must be one of {SEQUENCE_LAYOUTS}, got {layout!r}")
+    if layout == "zigzag" and causal and sched.name != "ring_zigzag":
+        raise ValueError(f"cp attention {sched}: a causal zigzag-sharded sequence needs ring_zigzag "
+                         "(the other schedules' causal masks assume the contiguous layout)")
     if q.dim() != 4 or k.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] \
             or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"cp attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want "
@@ -70,12 +83,15 @@ def check(sched: CPSchedule, q: Tensor, k: Tensor, v: Tensor, world: int, causal
 
 def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CPSchedule], causal: bool,
                      scale: Optional[float] = None, group: GroupLike = None,
-                     backend: str = "auto") -> tuple[Tensor, Tensor]:
+                     backend: str = "auto", layout: str = "contiguous") -> tuple[Tensor, Tensor]:
     """Context-parallel attention forward.  Shapes in the module docstring; `backend` picks
-    the local attention kernel (local.py: "auto", "math", ...).  Returns (out, lse)."""
+    the local attention kernel (local.py: "auto", "math", ...); `layout`: how the sequence is
+    sharded (SEQUENCE_LAYOUTS).  Returns (out, lse)."""
     pg, sched = as_group(group), CPSchedule.parse(schedule)
-    check(sched, q, k, v, pg.size(), causal)
+    check(sched, q, k, v, pg.size(), causal, layout)
     scale = default_scale(q.shape[-1], scale)
+    if layout == "zigzag" and causal:  # already balanced: the ring runs on the shards as they are
+        return ring_fwd(q, k, v, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
     if sched.name == "allgather":
         return _allgather_fwd(q, k, v, causal, scale, pg, backend)
     if sched.name == "ring_zigzag" and causal:
@@ -92,12 +108,15 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
 
 def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                      schedule: Union[str, CPSchedule], causal: bool, scale: Optional[float] = None,
-                     group: GroupLike = None, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+                     group: GroupLike = None, backend: str = "auto",
+                     layout: str = "contiguous") -> tuple[Tensor, Tensor, Tensor]:
     """Context-parallel attention backward, given the forward's (out, lse) (global: merged over
     all K/V).  dout, out: (B, H, S_loc, Dv); lse: (B, H, S_loc).  Returns (dq, dk, dv)."""
     pg, sched = as_group(group), CPSchedule.parse(schedule)
-    check(sched, q, k, v, pg.size(), causal)
+    check(sched, q, k, v, pg.size(), causal, layout)
     scale = default_scale(q.shape[-1], scale)
+    if layout == "zigzag" and causal:
+        return ring_bwd(dout, q, k, v, out, lse, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
     if sched.name == "allgather":
         return _allgather_bwd(dout, q, k, v, out, lse, causal, scale, pg, backend)
     if sched.name == "ring_zigzag" and causal:
