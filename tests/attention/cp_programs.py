@@ -106,9 +106,9 @@ class Traffic:
                 self.sent["dkv" if shift.tag == DKV_TAG else "kv", buf.numel() * buf.itemsize] += 1
             return start(shift)
 
-        def exchange_(send, recv, group, device):
+        def exchange_(send, recv, group, device, **kwargs):
             self.sent["a2a", sum(t.numel() * t.itemsize for pieces in send for t in pieces)] += 1
-            return exchange(send, recv, group, device)
+            return exchange(send, recv, group, device, **kwargs)
 
         def gather(x, *args, **kwargs):
             self.sent["ag", x.numel() * x.itemsize] += 1
@@ -226,7 +226,45 @@ def run_cp_cases(rank: int, world: int, seed: int = 0) -> tuple[list[tuple[str, 
 def run_all(rank: int, world: int, seed: int = 0) -> dict:
     """The cases, the refusals and the compiled wrapper in one process group (one spawn)."""
     return {"cases": run_cp_cases(rank, world, seed), "refusals": run_refusals(rank, world),
-            "compiled": run_compiled_wrapper(rank, world, seed), "zigzag_layout": run_zigzag_layout(rank, world, seed)}
+            "compiled": run_compiled_wrapper(rank, world, seed), "zigzag_layout": run_zigzag_layout(rank, world, seed),
+            "head_groups": run_head_groups(rank, world, seed)}
+
+
+def run_head_groups(rank: int, world: int, seed: int = 0) -> dict:
+    """ring_zigzag with its relayouts pipelined over 2 head groups (schedules._zigzag_pipelined,
+    forced: the CPU shapes are below the automatic threshold), MHA and GQA: forward and
+    backward against full attention, and the all-to-alls: two of half the size each way."""
+    group, errors, problems = dist.group.WORLD, [], []
+    for i, heads in enumerate([(4, 4), (8, 2)]):
+        case = Case("ring_zigzag", True, heads, seq_local=4)
+        q, k, v, dout = _global_inputs(case, world, seed + 300 + i)
+        truth = _truth(q, k, v, dout, True, None)
+        eager = _truth(*(t.to(case.dtype) for t in (q, k, v, dout)), True, None)
+
+        def shard(t):
+            return t[:, :, rank * case.seq_local:(rank + 1) * case.seq_local].to(case.dtype)
+        ql, kl, vl, dl = (shard(t) for t in (q, k, v, dout))
+        kw = dict(schedule="ring_zigzag", causal=True, group=group)
+        one, two = Traffic(), Traffic()
+        with one.record():
+            schedules.cp_attention_fwd(ql, kl, vl, head_groups=1, **kw)
+        with two.record():
+            out, lse = schedules.cp_attention_fwd(ql, kl, vl, head_groups=2, **kw)
+        halves = Counter({("a2a", size // 2): 2 * n for (kind, size), n in one.sent.items() if kind == "a2a"})
+        got_a2a = Counter({key: n for key, n in two.sent.items() if key[0] == "a2a"})
+        if got_a2a != halves:
+            problems.append(f"{heads}: forward all-to-alls {dict(got_a2a)}, expected {dict(halves)}")
+        dq, dk, dv = schedules.cp_attention_bwd(dl, ql, kl, vl, out, lse, head_groups=2, **kw)
+        got = [_unshard(t, group) for t in (out, lse, dq, dk, dv)]
+        errors += [(f"head groups {heads} {n}", rel_err(x, t), rel_err(e, t))
+                   for n, x, t, e in zip(("out", "lse", "dq", "dk", "dv"), got, truth, eager)]
+    try:
+        schedules.cp_attention_fwd(*(torch.randn(1, 3, 4, 8) for _ in range(3)), schedule="ring_zigzag", causal=True,
+                                   group=group, head_groups=2)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"errors": errors, "problems": problems, "refused": refused}
 
 
 # ---- a program already sharded zigzag ----------------------------------------------------------

@@ -101,3 +101,18 @@ def test_a_zigzag_sharded_program_runs_without_relayouts(results):
                if not within_tolerance(got, eager)]
         assert not bad and not zz["problems"], f"rank {rank}:\n" + "\n".join(bad + zz["problems"])
         assert "needs ring_zigzag" in zz["refused"]
+
+
+def test_zigzag_relayouts_pipelined_over_head_groups(results):
+    """ring_zigzag's relayouts split over 2 head groups (group g+1's in flight while group g
+    computes): forward and backward match full attention (MHA and GQA 8/2), the forward's
+    all-to-alls are two of half the size each way, and a head count the groups do not divide
+    is refused."""
+    _, ranks = results
+    for rank, res in enumerate(ranks):
+        hg = res["head_groups"]
+        assert len(hg["errors"]) == 10
+        bad = [f"{label}: {got:.2e} vs eager {eager:.2e}" for label, got, eager in hg["errors"]
+               if not within_tolerance(got, eager)]
+        assert not bad and not hg["problems"], f"rank {rank}:\n" + "\n".join(bad + hg["problems"])
+        assert "head groups do not divide" in hg["refused"]

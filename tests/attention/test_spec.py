@@ -80,3 +80,12 @@ def test_import_touches_neither_cuda_nor_a_process_group():
             "import sys; assert 'torch_commopt.attention.fused' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_zigzag_pipelines_its_relayouts_over_two_head_groups_for_large_shards_only():
+    from torch_commopt.attention.spec import ZIGZAG_PIPELINE_MIN_BYTES, zigzag_head_groups
+
+    big = 2 * ZIGZAG_PIPELINE_MIN_BYTES
+    assert zigzag_head_groups(big, 8) == 2  # e.g. 8K tokens/GPU, H 32, D 128, bf16: 64 MiB of q
+    assert zigzag_head_groups(big - 2, 8) == 1  # each group would keep less than the minimum
+    assert zigzag_head_groups(4 * big, 1) == 1  # MQA: one K/V head cannot be split

@@ -87,28 +87,37 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 Spec = tuple[Sequence[int], torch.dtype]
 
 
-def exchange(send: list[list[Tensor]], recv: list[list[Spec]], group: Group, device: torch.device) -> list[list[Tensor]]:
+def exchange(send: list[list[Tensor]], recv: list[list[Spec]], group: Group, device: torch.device,
+             async_op: bool = False):
     """One all-to-all of mixed tensors: send[d] go to group rank d; recv[s] lists the
     (shape, dtype) that group rank s sends here, in its order.  Packed as bytes, so one
-    collective carries any dtypes (an output and its fp32 lse together)."""
+    collective carries any dtypes (an output and its fp32 lse together).  Returns the
+    received tensors per source rank; with async_op, a function that waits and returns them
+    (the collective is in flight meanwhile)."""
     if group is None:
-        return [[t.clone() for t in send[0]]]
+        got = [[t.clone() for t in send[0]]]
+        return (lambda: got) if async_op else got
     chunks = [[_as_bytes(t) for t in pieces] for pieces in send]
     in_splits = [sum(c.numel() for c in cs) for cs in chunks]
     out_splits = [sum(_nbytes(s, dt) for s, dt in specs) for specs in recv]
     flat = torch.cat([c for cs in chunks for c in cs]) if sum(in_splits) else torch.empty(0, dtype=torch.uint8,
                                                                                           device=device)
     out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(out, flat, out_splits, in_splits, group=group)
-    result, offset = [], 0
-    for specs in recv:
-        pieces = []
-        for shape, dtype in specs:
-            n = torch.Size(shape).numel() * dtype.itemsize
-            pieces.append(out[offset : offset + n].view(dtype).view(shape))
-            offset += _nbytes(shape, dtype)
-        result.append(pieces)
-    return result
+    work = dist.all_to_all_single(out, flat, out_splits, in_splits, group=group, async_op=async_op)
+
+    def unpack() -> list[list[Tensor]]:
+        if work is not None:
+            work.wait()
+        result, offset = [], 0
+        for specs in recv:
+            pieces = []
+            for shape, dtype in specs:
+                n = torch.Size(shape).numel() * dtype.itemsize
+                pieces.append(out[offset : offset + n].view(dtype).view(shape))
+                offset += _nbytes(shape, dtype)
+            result.append(pieces)
+        return result
+    return unpack if async_op else unpack()
 
 
 def seq_to_heads(xs: Sequence[Tensor], group: Group) -> list[Tensor]:
@@ -144,13 +153,14 @@ def contiguous_chunks(p: int, n: int) -> list[int]:
 
 
 def relayout(xs: Sequence[Tensor], group: Group, now: Callable[[int, int], list[int]],
-             then: Callable[[int, int], list[int]]) -> list[Tensor]:
+             then: Callable[[int, int], list[int]], async_op: bool = False):
     """Move sequence chunks between ranks: x (B, H, S_loc, *tail) holds chunks now(rank, n)
     along dim 2 (equal lengths); returns x holding chunks then(rank, n).  One all-to-all
-    for all xs (chunks travel in ascending chunk order between each pair of ranks)."""
+    for all xs (chunks travel in ascending chunk order between each pair of ranks).  With
+    async_op, returns a function that waits and gives the list (the all-to-all in flight)."""
     n, p = size(group), rank(group)
     if n == 1:
-        return list(xs)
+        return (lambda: list(xs)) if async_op else list(xs)
     c = xs[0].shape[2] // len(now(p, n))
     mine = now(p, n)
     piece = {ch: [x[:, :, i * c : (i + 1) * c] for x in xs] for i, ch in enumerate(mine)}
@@ -158,13 +168,14 @@ def relayout(xs: Sequence[Tensor], group: Group, now: Callable[[int, int], list[
     wanted = then(p, n)
     recv_chunks = [sorted(set(now(s, n)) & set(wanted)) for s in range(n)]
     spec = [((x.shape[0], x.shape[1], c) + tuple(x.shape[3:]), x.dtype) for x in xs]
-    got = exchange(send, [spec * len(chs) for chs in recv_chunks], group, xs[0].device)
+    pending = exchange(send, [spec * len(chs) for chs in recv_chunks], group, xs[0].device, async_op=True)
     where = {ch: (s, j) for s, chs in enumerate(recv_chunks) for j, ch in enumerate(chs)}
-    out = []
-    for i in range(len(xs)):
-        parts = [got[where[ch][0]][where[ch][1] * len(xs) + i] for ch in wanted]
-        out.append(torch.cat(parts, dim=2))
-    return out
+
+    def assemble() -> list[Tensor]:
+        got = pending()
+        return [torch.cat([got[where[ch][0]][where[ch][1] * len(xs) + i] for ch in wanted], dim=2)
+                for i in range(len(xs))]
+    return assemble if async_op else assemble()
 
 
 def subgroup(ranks: list[int]) -> dist.ProcessGroup:

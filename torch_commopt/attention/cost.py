@@ -28,7 +28,7 @@ from typing import Union
 
 import torch
 
-from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal
+from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal, zigzag_head_groups
 
 # the backward's time over the forward's: cuDNN on an H200, B1 H32 D128 bf16, 16K-64K: 2.72
 # (causal) - 2.81 (full) (benchmarks/results/attention_blocks_h200_2026-11-23.md)
@@ -154,18 +154,25 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
     fractions = _ring_fractions(r, causal, zigzag)
     group = world if zigzag else u  # who takes part in the exchanges before and after the ring
 
-    def exchange(nbytes: float) -> float:
-        return m.all_to_all(nbytes, group)
+    # ring_zigzag pipelines its relayouts over G head groups (spec.zigzag_head_groups): the ring
+    # runs G times on 1/G of the heads and only the first group's inputs and the last group's
+    # results are exposed; the other relayouts hide behind the rings.
+    groups = zigzag_head_groups(int(sz.q), shape.kv_heads) if zigzag else 1
 
-    hop = m.launch_s + m.link(sz.kv) if r > 1 else 0.0
+    def exchange(nbytes: float) -> float:
+        return m.all_to_all(nbytes / groups, group)
+
+    def rings(block: float, transfer: float, tail: float) -> float:
+        return groups * _ring_time(fractions, block / groups, m.launch_s, transfer, tail)
+
     kv = sz.kv  # the zigzag relayout and Ulysses's all-to-alls move K/V too
-    fwd = exchange(sz.q + kv) + _ring_time(fractions, block_s, m.launch_s, hop, 0.0) + exchange(sz.q + sz.lse)
+    hop = m.launch_s + m.link(kv / groups) if r > 1 else 0.0
+    fwd = exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q + sz.lse)
     if not backward:
         return fwd
-    dkv_hop = m.launch_s + m.link(sz.dkv) if r > 1 else 0.0
+    dkv_hop = m.launch_s + m.link(sz.dkv / groups) if r > 1 else 0.0
     pre = exchange(3 * sz.q + kv + sz.lse)  # dout, q, out, lse, k, v
-    ring = _ring_time(fractions, m.bwd_factor * block_s, m.launch_s, hop + dkv_hop, dkv_hop)
-    return fwd + pre + ring + exchange(sz.q + kv)
+    return fwd + pre + rings(m.bwd_factor * block_s, hop + dkv_hop, dkv_hop) + exchange(sz.q + kv)
 
 
 def _dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:

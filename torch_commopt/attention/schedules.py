@@ -21,6 +21,9 @@ backward graphs.  Schedules (spec.py):
                  out, lse there and dq, dk, dv back.  About one local q+k+v (+out) of extra
                  traffic per call, on top of the ring's (W-1) K/V shifts: worth it where the
                  causal ring's imbalance (rank W-1 does ~2x the average work) costs more.
+                 Large shards pipeline the relayouts over two head groups (spec.
+                 zigzag_head_groups): group 2's inputs travel while group 1's ring computes,
+                 group 1's results while group 2's does; only half of each relayout is exposed.
                  Relaying the query side only (ring.zigzag_q_plan: K/V stay contiguous, half
                  the bytes) was measured and not taken: its smaller blocks cost 12% more
                  compute at 8K tokens/GPU on an H200, more than the bytes it saves.
@@ -43,7 +46,7 @@ from torch_commopt.attention import comm
 from torch_commopt.attention.local import acc_dtype, attend_bwd, attend_fwd, default_scale
 from torch_commopt.attention.merge import Accumulator
 from torch_commopt.attention.ring import contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
-from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal
+from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal, zigzag_head_groups
 from torch_commopt.kernels.reference.collectives import all_gather, reduce_scatter, resolve_group
 
 GroupLike = Union[dist.ProcessGroup, str, None]
@@ -83,10 +86,12 @@ def check(sched: CPSchedule, q: Tensor, k: Tensor, v: Tensor, world: int, causal
 
 def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CPSchedule], causal: bool,
                      scale: Optional[float] = None, group: GroupLike = None,
-                     backend: str = "auto", layout: str = "contiguous") -> tuple[Tensor, Tensor]:
+                     backend: str = "auto", layout: str = "contiguous",
+                     head_groups: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """Context-parallel attention forward.  Shapes in the module docstring; `backend` picks
     the local attention kernel (local.py: "auto", "math", ...); `layout`: how the sequence is
-    sharded (SEQUENCE_LAYOUTS).  Returns (out, lse)."""
+    sharded (SEQUENCE_LAYOUTS); head_groups: ring_zigzag's relayout pipeline depth (None:
+    spec.zigzag_head_groups).  Returns (out, lse)."""
     pg, sched = as_group(group), CPSchedule.parse(schedule)
     check(sched, q, k, v, pg.size(), causal, layout)
     scale = default_scale(q.shape[-1], scale)
@@ -95,10 +100,9 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
     if sched.name == "allgather":
         return _allgather_fwd(q, k, v, causal, scale, pg, backend)
     if sched.name == "ring_zigzag" and causal:
-        qz, kz, vz = comm.relayout([q, k, v], pg, comm.contiguous_chunks, comm.zigzag_chunks)
-        out, lse = ring_fwd(qz, kz, vz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
-        out, lse = comm.relayout([out, lse], pg, comm.zigzag_chunks, comm.contiguous_chunks)
-        return out, lse
+        def ring(qz, kz, vz):
+            return ring_fwd(qz, kz, vz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
+        return _zigzag_pipelined([q, k, v], ring, pg, head_groups or _head_groups(q, k))
     ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
     qh, kh, vh = comm.seq_to_heads([q, k, v], ugroup)
     out, lse = ring_fwd(qh, kh, vh, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
@@ -109,7 +113,7 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
 def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                      schedule: Union[str, CPSchedule], causal: bool, scale: Optional[float] = None,
                      group: GroupLike = None, backend: str = "auto",
-                     layout: str = "contiguous") -> tuple[Tensor, Tensor, Tensor]:
+                     layout: str = "contiguous", head_groups: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Context-parallel attention backward, given the forward's (out, lse) (global: merged over
     all K/V).  dout, out: (B, H, S_loc, Dv); lse: (B, H, S_loc).  Returns (dq, dk, dv)."""
     pg, sched = as_group(group), CPSchedule.parse(schedule)
@@ -120,15 +124,43 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     if sched.name == "allgather":
         return _allgather_bwd(dout, q, k, v, out, lse, causal, scale, pg, backend)
     if sched.name == "ring_zigzag" and causal:
-        zz = comm.relayout([dout, q, k, v, out, lse], pg, comm.contiguous_chunks, comm.zigzag_chunks)
-        grads = ring_bwd(*zz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
-        dq, dk, dv = comm.relayout(list(grads), pg, comm.zigzag_chunks, comm.contiguous_chunks)
-        return dq, dk, dv
+        def ring(*zz):
+            return ring_bwd(*zz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
+        return _zigzag_pipelined([dout, q, k, v, out, lse], ring, pg, head_groups or _head_groups(q, k))
     ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
     heads = comm.seq_to_heads([dout, q, k, v, out, lse], ugroup)
     grads = ring_bwd(*heads, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
     dq, dk, dv = comm.heads_to_seq(list(grads), ugroup)
     return dq, dk, dv
+
+
+def _head_groups(q: Tensor, k: Tensor) -> int:
+    return zigzag_head_groups(q.numel() * q.element_size(), k.shape[1])
+
+
+def _zigzag_pipelined(xs: list[Tensor], ring, group: dist.ProcessGroup, groups: int):
+    """ring(*zigzag xs) per head group, each group's relayout issued before the previous group's
+    ring runs and its results sent back while the next one runs; the results are concatenated
+    along heads in the contiguous layout.  Group g takes heads [g*h/G, (g+1)*h/G) of every
+    tensor (h its own head count: H for q-side tensors, H_kv for K/V), so every query head
+    keeps its K/V head (GQA: head i reads kv head i // (H/H_kv))."""
+    if groups < 1 or any(x.shape[1] % groups for x in xs):
+        raise ValueError(f"cp attention ring_zigzag: {groups} head groups do not divide the heads "
+                         f"{[x.shape[1] for x in xs]}")
+
+    def part(g: int) -> list[Tensor]:
+        return [x[:, g * (x.shape[1] // groups):(g + 1) * (x.shape[1] // groups)] for x in xs]
+    pending = comm.relayout(part(0), group, comm.contiguous_chunks, comm.zigzag_chunks, async_op=True)
+    back = []
+    for g in range(groups):
+        zz = pending()
+        if g + 1 < groups:
+            pending = comm.relayout(part(g + 1), group, comm.contiguous_chunks, comm.zigzag_chunks, async_op=True)
+        back.append(comm.relayout(list(ring(*zz)), group, comm.zigzag_chunks, comm.contiguous_chunks, async_op=True))
+    results = [finish() for finish in back]
+    if groups == 1:
+        return tuple(results[0])
+    return tuple(torch.cat([r[i] for r in results], dim=1) for i in range(len(results[0])))
 
 
 def _gathered_blocks(p: int, length: int, causal: bool) -> list[tuple[slice, str]]:

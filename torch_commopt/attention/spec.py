@@ -70,6 +70,21 @@ class CPSchedule:
         return (world, 1) if self.name == "ulysses" else (1, world)
 
 
+# ring_zigzag on a contiguous program relays its inputs to the zigzag layout and its results
+# back (all-to-alls); done for all heads at once, neither hides behind compute (at 8K tokens/GPU,
+# world 2, MHA: ~1.2 ms per fwd+bwd on ~8 ms).  Split over head groups, group g+1's relayout is
+# in flight while group g's ring computes and group g's results travel back meanwhile; each
+# group's kernels get H/G heads, so G stays small and applies to large shards only.
+ZIGZAG_PIPELINE_MIN_BYTES = 32 << 20  # q bytes of one rank per head group
+
+
+def zigzag_head_groups(q_bytes: int, kv_heads: int) -> int:
+    """How many head groups ring_zigzag pipelines its relayouts over (schedules and the cost
+    model): 2 when each group keeps >= ZIGZAG_PIPELINE_MIN_BYTES of q and the K/V heads split
+    evenly, else 1."""
+    return 2 if kv_heads % 2 == 0 and q_bytes // 2 >= ZIGZAG_PIPELINE_MIN_BYTES else 1
+
+
 def refusal(schedule: Union[str, CPSchedule], shape: Union[AttentionShape, tuple], world: int,
             causal: bool) -> Union[str, None]:
     """Why `schedule` cannot run attention of global `shape` over `world` ranks; None if it can.
