@@ -1,0 +1,108 @@
+"""Per-rank programs: context-parallel attention on NCCL with the CUDA local kernels (cuDNN,
+the Triton LSE merge), every schedule against full attention on one device.
+
+Every rank draws the same global q, k, v, dout (bf16, fresh per case) and keeps its shard
+(contiguous, or zigzag: chunks r and 2W-1-r), so the truth is computed locally: SDPA on the
+whole sequence in float32 (autograd for the gradients).  A schedule passes when its error is
+within the tolerance of eager bf16 SDPA's own error against that truth (validate.within_tolerance).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torch_commopt  # noqa: F401  (registers the ops)
+from torch_commopt.attention import cp_attention
+from torch_commopt.attention.spec import refusal
+from torch_commopt.validate import rel_err
+
+# (B, H, H_kv, S_loc, D, causal)
+SHAPES = [(2, 8, 8, 512, 128, True), (1, 8, 2, 1000, 64, True), (1, 8, 2, 768, 128, False), (2, 4, 1, 256, 128, True)]
+SCHEDULES = ["allgather", "ring", "ring_zigzag", "ulysses"]
+BIG = (1, 32, 8, 8192, 128, True)  # large enough for ring_zigzag's two head groups on its own
+
+
+def _truth(q, k, v, dout, causal):
+    q, k, v = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    return (out.detach(),) + torch.autograd.grad(out, (q, k, v), dout.float())
+
+
+def _eager(q, k, v, dout, causal):
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    return (out.detach(),) + torch.autograd.grad(out, (q, k, v), dout)
+
+
+def _chunks(rank: int, world: int, layout: str) -> list[int]:
+    return [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
+
+
+def _shard(t: torch.Tensor, rank: int, world: int, layout: str) -> torch.Tensor:
+    n = 1 if layout == "contiguous" else 2
+    pieces = t.chunk(n * world, dim=2)
+    return torch.cat([pieces[c] for c in _chunks(rank, world, layout)], dim=2).contiguous()
+
+
+def _unshard(t: torch.Tensor, world: int, layout: str) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.detach().contiguous())
+    n = 1 if layout == "contiguous" else 2
+    c = t.shape[2] // n
+    chunks = [None] * (n * world)
+    for r, part in enumerate(parts):
+        for j, ch in enumerate(_chunks(r, world, layout)):
+            chunks[ch] = part[:, :, j * c:(j + 1) * c]
+    return torch.cat(chunks, dim=2)
+
+
+def _case(rank, world, shape, schedule, layout, seed, head_groups=None, device="cuda"):
+    b, h, h_kv, s_loc, d, causal = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda *sz: torch.randn(*sz, device=device, generator=gen).bfloat16()  # noqa: E731
+    s = s_loc * world
+    q, dout = mk(b, h, s, d), mk(b, h, s, d)
+    k, v = mk(b, h_kv, s, d), mk(b, h_kv, s, d)
+    truth, eager = _truth(q, k, v, dout, causal), _eager(q, k, v, dout, causal)
+    leaves = [_shard(t, rank, world, layout).requires_grad_(True) for t in (q, k, v)]
+    if head_groups is None:
+        out = cp_attention(*leaves, schedule=schedule, causal=causal, layout=layout)
+    else:  # the schedules' own entry: the pipeline depth forced
+        from torch_commopt.attention import schedules
+
+        out_, lse = schedules.cp_attention_fwd(*(t.detach() for t in leaves), schedule=schedule, causal=causal,
+                                                head_groups=head_groups)
+        grads = schedules.cp_attention_bwd(_shard(dout, rank, world, layout), *(t.detach() for t in leaves), out_,
+                                           lse, schedule=schedule, causal=causal, head_groups=head_groups)
+        got = [_unshard(x, world, layout) for x in (out_, *grads)]
+        return [(f"{shape} {schedule} groups={head_groups} {n}", rel_err(x, t), rel_err(e, t))
+                for n, x, t, e in zip(("out", "dq", "dk", "dv"), got, truth, eager)]
+    out.backward(_shard(dout, rank, world, layout))
+    got = [_unshard(x, world, layout) for x in (out, *(t.grad for t in leaves))]
+    return [(f"{shape} {schedule} {layout} {n}", rel_err(x, t), rel_err(e, t))
+            for n, x, t, e in zip(("out", "dq", "dk", "dv"), got, truth, eager)]
+
+
+def run_cp_attention_cases(rank: int, world: int, device: str = "cuda") -> list[tuple[str, float, float]]:
+    """[(label, error, eager bf16's error)] for every accepted schedule x shape (contiguous
+    program), ring_zigzag on zigzag shards, two head groups forced, and one large shard whose
+    size makes ring_zigzag pipeline on its own (CUDA only; device="cpu" checks the harness on
+    gloo)."""
+    results, seed = [], 0
+    for shape in SHAPES:
+        b, h, h_kv, s_loc, d, causal = shape
+        for schedule in SCHEDULES:
+            if refusal(schedule, (b, h, h_kv, s_loc * world, d), world, causal) is None:
+                seed += 1
+                results += _case(rank, world, shape, schedule, "contiguous", seed, device=device)
+        if causal and s_loc % 2 == 0:
+            seed += 1
+            results += _case(rank, world, shape, "ring_zigzag", "zigzag", seed, device=device)
+            if h_kv % 2 == 0:
+                seed += 1
+                results += _case(rank, world, shape, "ring_zigzag", "contiguous", seed, head_groups=2, device=device)
+    if device == "cuda":
+        results += _case(rank, world, BIG, "ring_zigzag", "contiguous", seed + 1)
+    return results

@@ -1,0 +1,20 @@
+"""Context-parallel attention on 2 GPUs (NCCL, cuDNN local kernels, the Triton merge): every
+schedule, both sequence layouts and the head-group pipeline against full attention (see
+attention_cases)."""
+
+from __future__ import annotations
+
+import pytest
+
+from attention_cases import run_cp_attention_cases
+from torch_commopt.launch import run_distributed
+from torch_commopt.validate import within_tolerance
+
+
+@pytest.mark.gpu
+def test_every_cp_schedule_matches_full_attention_on_gpus(two_gpus):
+    for results in run_distributed(run_cp_attention_cases, two_gpus, backend="nccl", timeout_s=400):
+        assert len(results) >= 60
+        bad = [f"{label}: {err:.2e} vs eager bf16 {ref:.2e}" for label, err, ref in results
+               if not within_tolerance(err, ref)]
+        assert not bad, "\n".join(bad)
