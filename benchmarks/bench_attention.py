@@ -520,6 +520,8 @@ def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, me
 
 def _record(case: Case, world: int, dtype: torch.dtype, rounds: dict, errors: dict, tol: float, pick: str,
             ranked: list, cp: dict) -> dict:
+    from torch_commopt.attention.spec import zigzag_head_groups
+
     ms = {name: statistics.median(v) for name, v in rounds.items()}
     sched_ms = {k.removeprefix("commopt "): v for k, v in ms.items() if k.startswith("commopt ")}
     zz_ms = ms.get(ZIGZAG_LAYOUT)
@@ -546,6 +548,8 @@ def _record(case: Case, world: int, dtype: torch.dtype, rounds: dict, errors: di
         "numerics_ok": {s: max(e.values()) <= tol for s, e in errors.items()}, "tolerance": tol,
         "best_schedule": best, "best_schedule_ms": sched_ms[best],
         "round_range_ms": {k: [min(v), max(v)] for k, v in rounds.items()},
+        "ring_zigzag_head_groups": zigzag_head_groups(
+            case.batch * case.heads * (case.seq // world) * case.head_dim * dtype.itemsize, case.kv_heads),
         "commopt_zigzag_layout_ms": zz_ms,
         "commopt_zigzag_layout_note": "ring_zigzag on a zigzag-sharded sequence (layout='zigzag', torch CP's "
                                       "head-tail sharding): no relayouts; causal cases only",
