@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch_commopt.attention import local  # noqa: E402
 from torch_commopt.attention.local import attend_bwd, attend_fwd, default_scale  # noqa: E402
 from torch_commopt.attention.merge import Accumulator  # noqa: E402
-from torch_commopt.attention.ring import GradSum, LocalSum, contiguous_plan, zigzag_plan, zigzag_q_plan  # noqa: E402
+from torch_commopt.attention.ring import GradSum, LocalSum, contiguous_plan, zigzag_plan  # noqa: E402
 from torch_commopt.attention.schedules import _gathered_blocks  # noqa: E402
 
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -87,7 +87,7 @@ def rank_blocks(schedule: str, p: int, world: int, s_loc: int, causal: bool):
     """[(query slice, key slice into the keys this rank sees, mask)] of rank p, in step order."""
     if schedule == "allgather":
         return [(slice(None), ks, mask) for ks, mask in _gathered_blocks(p, s_loc, causal)], world * s_loc
-    plan = {"ring_zigzag": zigzag_plan, "zigzag_q": zigzag_q_plan}.get(schedule, contiguous_plan)(causal)
+    plan = (zigzag_plan if schedule == "ring_zigzag" else contiguous_plan)(causal)
     blocks = []
     for i in range(world):
         blocks += plan(p, (p - i) % world, world, s_loc)

@@ -108,21 +108,22 @@ def _flash_why_not(q: Tensor, k: Tensor) -> Optional[str]:
 # H 32 / H_kv 8, S 8K causal: out identical, dK/dV the kernel's bf16 group sums, fwd+bwd
 # 3.92 vs 4.18 ms with expanded K/V before the fp32 fold; probe_attention_blocks.py).  Where an
 # older build refuses, the adapter expands from then on (logged once).
-_CUDNN_GQA = [True]
+_CUDNN_GQA = True
 
 
 def _cudnn_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     h = q.shape[1]
-    if _CUDNN_GQA[0]:
+    if _CUDNN_GQA:
         return _rows(k), _rows(v)
     return _expand(k, h, _rows), _expand(v, h, _rows)
 
 
 def _gqa_refused(q: Tensor, k: Tensor, exc: Exception) -> bool:
     """Whether exc is a refusal of unexpanded GQA heads (then switch to expanding)."""
-    if not (_CUDNN_GQA[0] and k.shape[1] != q.shape[1] and isinstance(exc, RuntimeError)):
+    global _CUDNN_GQA
+    if not (_CUDNN_GQA and k.shape[1] != q.shape[1] and isinstance(exc, RuntimeError)):
         return False
-    _CUDNN_GQA[0] = False
+    _CUDNN_GQA = False
     log.warning("cuDNN attention refused K/V with %d of %d heads (%s); expanding K/V from now on",
                 k.shape[1], q.shape[1], str(exc).splitlines()[0][:200])
     return True

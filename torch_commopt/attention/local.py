@@ -66,7 +66,7 @@ class LocalBackend:
 
     fwd(q, k, v, scale, causal) -> (out (B, H, S_q, D) any float dtype, lse (B, H, S_q) acc dtype)
     bwd(dout, q, k, v, out, lse, scale, causal) -> (dq, dk, dv) in the acc dtype or q's; dk, dv
-        have k's H_kv heads (folded from expanded heads in the acc dtype).
+        have k's H_kv heads (the kernel's own group sums, or expanded heads folded in the acc dtype).
     why_not(q, k) -> None when the backend can take these operands, else the reason.
     auto: whether backend="auto" may pick it.
     """
