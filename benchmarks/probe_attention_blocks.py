@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch_commopt.attention import local  # noqa: E402
 from torch_commopt.attention.local import attend_bwd, attend_fwd, default_scale  # noqa: E402
 from torch_commopt.attention.merge import Accumulator  # noqa: E402
-from torch_commopt.attention.ring import GradSum, LocalSum, contiguous_plan, zigzag_plan  # noqa: E402
+from torch_commopt.attention.ring import GradRing, LocalSum, contiguous_plan, zigzag_plan  # noqa: E402
 from torch_commopt.attention.schedules import _gathered_blocks  # noqa: E402
 
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -84,18 +84,23 @@ def full_sdpa(q, k, v, dout, causal: bool, backend: str | None, bwd: bool):
 
 
 def rank_blocks(schedule: str, p: int, world: int, s_loc: int, causal: bool):
-    """[(query slice, key slice into the keys this rank sees, mask)] of rank p, in step order."""
+    """Rank p's blocks per step [[(query slice, key slice into the keys this rank sees, mask)]]
+    (the all-gather schedule: one step), the keys a step sees, and the ring's plan (None for
+    the all-gather schedule)."""
     if schedule == "allgather":
-        return [(slice(None), ks, mask) for ks, mask in _gathered_blocks(p, s_loc, causal)], world * s_loc
+        return [[(slice(None), ks, mask) for ks, mask in _gathered_blocks(p, s_loc, causal)]], world * s_loc, None
     plan = (zigzag_plan if schedule == "ring_zigzag" else contiguous_plan)(causal)
-    blocks = []
-    for i in range(world):
-        blocks += plan(p, (p - i) % world, world, s_loc)
-    return blocks, s_loc  # a ring step's keys are one rank's block
+    return [plan(p, (p - i) % world, world, s_loc) for i in range(world)], s_loc, plan  # keys: one rank's block
 
 
-def rank_compute(q, k, v, dout, blocks, scale, bwd: bool, backend: str = "auto"):
-    """A closure doing rank p's block attentions and merges (and backward) as ring.py does."""
+def rank_compute(q, k, v, dout, steps, scale, bwd: bool, backend: str = "auto", plan=None, rank: int = 0):
+    """A closure doing rank p's block attentions and merges (and backward) as ring.py does:
+    with a ring `plan`, the dK/dV sums of each step as ring.GradRing forms them (what arrives
+    from the previous rank simulated by an uninitialized buffer of the hop's dtype); without,
+    the all-gather schedule's fp32 sums."""
+    blocks = [blk for step in steps for blk in step]
+    n, p = len(steps), rank
+
     def run():
         acc = Accumulator(q, v.shape[-1], torch.float32)
         for j, (qs, ks, mask) in enumerate(blocks):
@@ -105,14 +110,26 @@ def rank_compute(q, k, v, dout, blocks, scale, bwd: bool, backend: str = "auto")
         out = out.to(q.dtype)  # as ring_fwd returns it
         if not bwd:
             return
-        dk, dv = (torch.empty_like(t, dtype=torch.float32) for t in (k, v))
-        dq, dkv_sum = LocalSum(q, torch.float32), GradSum()  # as ring_bwd
-        for j, (qs, ks, mask) in enumerate(blocks):
-            g = attend_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
-                           lse[:, :, qs].contiguous(), scale=scale, mask=mask, backend=backend)
-            dq.add(qs, g[0], last=j == len(blocks) - 1)
-            dkv_sum.add((dk, dv), ks, g[1:])
-        dq.result(q.dtype), dk.to(k.dtype), dv.to(v.dtype)  # the op's outputs
+        dq, j = LocalSum(q, torch.float32), 0  # as ring_bwd
+        dkv = GradRing(plan, n, q.shape[2], (k, v), None) if plan is not None else None
+        sums = [torch.zeros_like(t, dtype=torch.float32) for t in (k, v)] if plan is None else None
+        for i, step in enumerate(steps):
+            terms = []
+            for qs, ks, mask in step:
+                g = attend_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                               lse[:, :, qs].contiguous(), scale=scale, mask=mask, backend=backend)
+                dq.add(qs, g[0], last=j == len(blocks) - 1)
+                terms.append((ks, g[1:]))
+                j += 1
+            if dkv is None:
+                for ks, (dk_b, dv_b) in terms:
+                    sums[0][:, :, ks].add_(dk_b)
+                    sums[1][:, :, ks].add_(dv_b)
+                continue
+            s = (p - i) % n
+            incoming = None if i == 0 else [torch.empty_like(t, dtype=dkv.dtype(s, i - 1)) for t in (k, v)]
+            sums = dkv.step(i, s, incoming, terms)
+        dq.result(q.dtype), sums[0].to(k.dtype), sums[1].to(v.dtype)  # the op's outputs
     return run
 
 
@@ -191,9 +208,9 @@ def profile(out: pathlib.Path, s_total: int, h: int, h_kv: int) -> None:
     q, k, v, dout = (t[:, :, : s_total // 2].contiguous() for t in inputs(1, h, h_kv, s_total, 128))
     s_loc, scale, text = s_total // 2, default_scale(128, None), []
     for p in (0, 1):
-        blocks, _ = rank_blocks("ring_zigzag", p, 2, s_loc, True)
+        steps, _, plan = rank_blocks("ring_zigzag", p, 2, s_loc, True)
         for bwd in (False, True):
-            run = rank_compute(q, k, v, dout, blocks, scale, bwd)
+            run = rank_compute(q, k, v, dout, steps, scale, bwd, plan=plan, rank=p)
             run()
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -205,7 +222,7 @@ def profile(out: pathlib.Path, s_total: int, h: int, h_kv: int) -> None:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=80)
             text.append(f"## ring_zigzag rank {p}, world 2, S_total {s_total}, H {h}/{h_kv}, causal "
                         f"{'fwd+bwd' if bwd else 'fwd'}: {wall:.3f} ms per call; profile of 3 calls\n"
-                        f"blocks {blocks}\n{table}")
+                        f"blocks {steps}\n{table}")
             print(text[-1], flush=True)
     # cuDNN on a strided sequence slice (the zigzag s > p block's queries) vs a contiguous copy
     c = s_loc // 2
@@ -317,10 +334,10 @@ def main() -> None:
                         for sched in ("allgather", "ring", "ring_zigzag"):
                             per_rank = []
                             for p in range(world):
-                                blocks, s_k = rank_blocks(sched, p, world, s_loc, causal)
+                                steps, s_k, plan = rank_blocks(sched, p, world, s_loc, causal)
                                 shard = [t[:, :, :n].contiguous() for t, n in ((q, s_loc), (k, s_k), (v, s_k),
                                                                               (dout, s_loc))]
-                                per_rank.append(timed(rank_compute(*shard, blocks, scale, bwd), repeats=3))
+                                per_rank.append(timed(rank_compute(*shard, steps, scale, bwd, plan=plan, rank=p), repeats=3))
                                 if not causal:
                                     per_rank *= world  # every rank does the same work
                                     break

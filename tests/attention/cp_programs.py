@@ -7,8 +7,9 @@ eager's own error in the case's dtype against that truth (validate.within_tolera
 
 Besides the numbers, each case records what this rank sent (`Traffic`, at the boundary of
 attention/comm.py and the collectives) and compares it with what the schedule should send:
-K/V with their H_kv heads only (never expanded for GQA), dK/dV in the accumulation dtype,
-the number of ring steps of the schedule's ring degree.
+K/V with their H_kv heads only (never expanded for GQA), dK/dV sums in the accumulation
+dtype except where a half-precision hop is lossless (ring.GradRing), the number of ring steps
+of the schedule's ring degree.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torch_commopt.attention import comm, cp_attention, cp_attention_bwd, cp_attention_fwd, refusal, schedules
+from torch_commopt.attention import comm, cp_attention, cp_attention_bwd, cp_attention_fwd, local, refusal, schedules
 from torch_commopt.attention.local import acc_dtype
-from torch_commopt.attention.ring import DKV_TAG
+from torch_commopt.attention.ring import GradRing, contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
 from torch_commopt.attention.spec import CPSchedule
 from torch_commopt.validate import rel_err
 
@@ -88,23 +89,29 @@ def cases(world: int) -> list[Case]:
 # ---- traffic ---------------------------------------------------------------------------------
 
 class Traffic:
-    """What this rank hands to the network, by kind: "kv" / "dkv" (a ring step's message),
-    "a2a" (an all-to-all's payload, all destinations, this rank's own piece included), "ag"
-    (an all-gather's input), "rs" (a reduce-scatter's input).  Counter of (kind, bytes)."""
+    """What this rank hands to the network, by kind: "kv" / "dkv" (a ring step's message: K/V,
+    or the dK/dV sums), "a2a" (an all-to-all's payload, all destinations, this rank's own piece
+    included), "ag" (an all-gather's input), "rs" (a reduce-scatter's input).  Counter of
+    (kind, bytes)."""
 
     def __init__(self) -> None:
         self.sent: Counter = Counter()
 
     @contextlib.contextmanager
     def record(self):
-        originals = (comm.RingShift.start, comm.exchange, schedules.all_gather, schedules.reduce_scatter)
-        start, exchange, all_gather, reduce_scatter = originals
+        originals = (comm.RingShift.start, comm.ring_pass, comm.exchange, schedules.all_gather,
+                     schedules.reduce_scatter)
+        start, ring_pass, exchange, all_gather, reduce_scatter = originals
 
         def ring_start(shift):
             if comm.size(shift.group) > 1:
                 buf = shift.bufs[shift.cur]
-                self.sent["dkv" if shift.tag == DKV_TAG else "kv", buf.numel() * buf.itemsize] += 1
+                self.sent["kv", buf.numel() * buf.itemsize] += 1
             return start(shift)
+
+        def ring_pass_(send, *args, **kwargs):
+            self.sent["dkv", sum(t.numel() * t.itemsize for t in send)] += 1
+            return ring_pass(send, *args, **kwargs)
 
         def exchange_(send, recv, group, device, **kwargs):
             self.sent["a2a", sum(t.numel() * t.itemsize for pieces in send for t in pieces)] += 1
@@ -118,17 +125,34 @@ class Traffic:
             self.sent["rs", x.numel() * x.itemsize] += 1
             return reduce_scatter(x, *args, **kwargs)
 
-        comm.RingShift.start, comm.exchange = ring_start, exchange_
+        comm.RingShift.start, comm.ring_pass, comm.exchange = ring_start, ring_pass_, exchange_
         schedules.all_gather, schedules.reduce_scatter = gather, scatter
         try:
             yield self
         finally:
-            comm.RingShift.start, comm.exchange, schedules.all_gather, schedules.reduce_scatter = originals
+            (comm.RingShift.start, comm.ring_pass, comm.exchange, schedules.all_gather,
+             schedules.reduce_scatter) = originals
 
 
-def expected_traffic(case: Case, world: int) -> tuple[Counter, Counter]:
-    """(forward, backward) messages of a schedule on this case: K/V of H_kv heads in the input
-    dtype, dK/dV in the acc dtype, ring_degree - 1 K/V steps, ring_degree dK/dV steps."""
+def dkv_hop_dtypes(plan, r: int, p: int, half_terms: bool) -> list[bool]:
+    """Per ring step i of ring rank p: whether the dK/dV sums it sends travel in the inputs'
+    (half) dtype.  The sums leaving step i belong to block s = p - i and hold the terms of
+    ranks s..s+i; half where lossless: the last hop (the final sum), or at most one term so
+    far when the kernel's terms come in half (`half_terms`)."""
+    out = []
+    for i in range(r):
+        s = (p - i) % r
+        terms = sum(len(plan((s + j) % r, s, r, 4)) for j in range(i + 1))
+        out.append(i == r - 1 or (terms <= 1 and half_terms))
+    return out
+
+
+def expected_traffic(case: Case, world: int, rank: int = 0, half_terms: bool = False) -> tuple[Counter, Counter]:
+    """(forward, backward) messages of a schedule on this case for group rank `rank`: K/V of
+    H_kv heads in the input dtype, ring_degree - 1 K/V steps, ring_degree dK/dV steps (each in
+    the acc dtype or, where lossless, the input dtype: dkv_hop_dtypes).  half_terms: the local
+    attention kernel returns dK/dV in the input dtype (CUDA's fused kernels; math on CPU
+    returns the acc dtype)."""
     elt, acc = case.dtype.itemsize, acc_dtype(case.dtype).itemsize
     h, h_kv = case.heads
     rows = case.batch * case.seq_local
@@ -146,7 +170,10 @@ def expected_traffic(case: Case, world: int) -> tuple[Counter, Counter]:
         bwd.update({("a2a", q + kv + out + out + lse): 1, ("a2a", q + kv): 1})
     if r > 1:
         fwd["kv", kv] += r - 1
-        bwd.update({("kv", kv): r - 1, ("dkv", kv_numel * acc): r})
+        bwd["kv", kv] += r - 1
+        plan = zigzag_plan(True) if zigzag else contiguous_plan(case.causal)
+        for half in dkv_hop_dtypes(plan, r, rank if zigzag else rank // u, half_terms):
+            bwd["dkv", kv_numel * (elt if half else acc)] += 1
     return fwd, bwd
 
 
@@ -194,10 +221,14 @@ def run_case(case: Case, seed: int, group) -> tuple[list[tuple[str, float, float
     y = cp_attention(ql, kl, vl, **kw)
     with bwd.record():
         y.backward(shard(dout).to(case.dtype))
-    want_fwd, want_bwd = expected_traffic(case, world)
-    for phase, got, want in (("forward", fwd.sent, want_fwd), ("backward", bwd.sent, want_bwd)):
-        if got != want:
-            problems.append(f"{case.label()} {phase} sent {dict(got)}, expected {dict(want)}")
+    # the dK/dV hops depend on the dtype the local kernel returns: CPU math, the acc dtype; on
+    # CUDA the fused kernels' half output, or the acc dtype where GQA heads are folded
+    wants = [expected_traffic(case, world, rank, half) for half in ((False, True) if ql.is_cuda else (False,))]
+    for phase in (0, 1):
+        got = (fwd, bwd)[phase].sent
+        if all(got != w[phase] for w in wants):
+            problems.append(f"{case.label()} {('forward', 'backward')[phase]} sent {dict(got)}, expected "
+                            f"{' or '.join(str(dict(w[phase])) for w in wants)}")
     got = [_unshard(t, group) for t in (out, lse, ql.grad, kl.grad, vl.grad)]
     errors = [(f"{case.label()} {n}", rel_err(x, t), rel_err(e, t))
               for n, x, t, e in zip(("out", "lse", "dq", "dk", "dv"), got, truth, eager)]
@@ -227,7 +258,53 @@ def run_all(rank: int, world: int, seed: int = 0) -> dict:
     """The cases, the refusals and the compiled wrapper in one process group (one spawn)."""
     return {"cases": run_cp_cases(rank, world, seed), "refusals": run_refusals(rank, world),
             "compiled": run_compiled_wrapper(rank, world, seed), "zigzag_layout": run_zigzag_layout(rank, world, seed),
-            "head_groups": run_head_groups(rank, world, seed)}
+            "head_groups": run_head_groups(rank, world, seed), "grad_ring": run_grad_ring(rank, world, seed)}
+
+
+def _half_math_bwd(dout, q, k, v, out, lse, scale, causal):
+    """The math backward with its gradients rounded to the inputs' dtype, as CUDA's fused
+    kernels return them."""
+    return tuple(g.to(q.dtype) for g in local.backends()["math"].bwd(dout, q, k, v, out, lse, scale, causal))
+
+
+def run_grad_ring(rank: int, world: int, seed: int = 0) -> list[str]:
+    """ring_bwd's dK/dV sums with a backend returning bf16 gradients (as the fused kernels
+    do): the hops that ring.GradRing sends in bf16 (dkv_hop_dtypes with half terms) and the
+    same bits as a ring whose every hop is fp32 (GradRing.dtype forced to the acc dtype).
+    Contiguous causal and full, zigzag causal; MHA and GQA.  Returns the problems."""
+    local.register(local.LocalBackend("half_math", local.backends()["math"].fwd, _half_math_bwd,
+                                      local.backends()["math"].why_not, auto=False))
+    group, problems = dist.group.WORLD, []
+    gen = torch.Generator().manual_seed(seed + 500)
+    for name, plan in (("contiguous causal", contiguous_plan(True)), ("contiguous full", contiguous_plan(False)),
+                       ("zigzag", zigzag_plan(True))):
+        for h, h_kv in ((4, 4), (4, 2)):
+            q, dout = (torch.randn(2, h, 6, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+            k, v = (torch.randn(2, h_kv, 6, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+            kw = dict(scale=0.25, plan=plan, group=group, backend="half_math")
+            out, lse = ring_fwd(q, k, v, **kw)
+            traffic = Traffic()
+            with traffic.record():
+                got = ring_bwd(dout, q, k, v, out, lse, **kw)
+            original = GradRing.dtype
+            GradRing.dtype = lambda self, s, i: self.acc
+            try:
+                fp32_ring = ring_bwd(dout, q, k, v, out, lse, **kw)
+            finally:
+                GradRing.dtype = original
+            label = f"{name} heads {h}/{h_kv}"
+            for what, a, b in zip(("dq", "dk", "dv"), got, fp32_ring):
+                if a.dtype != b.dtype or not torch.equal(a, b):
+                    problems.append(f"{label}: {what} differs from the fp32 ring's ({(a.float() - b.float()).abs().max()})")
+            sums = (k.numel() + v.numel())
+            want = Counter({("dkv", sums * (2 if half else 4)): 0 for half in (False, True)})
+            for half in dkv_hop_dtypes(plan, world, rank, half_terms=True):
+                want["dkv", sums * (2 if half else 4)] += 1
+            want = +want
+            dkv = Counter({key: n for key, n in traffic.sent.items() if key[0] == "dkv"})
+            if dkv != want:
+                problems.append(f"{label}: dK/dV hops {dict(dkv)}, expected {dict(want)}")
+    return problems
 
 
 def run_head_groups(rank: int, world: int, seed: int = 0) -> dict:

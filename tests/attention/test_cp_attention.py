@@ -116,3 +116,26 @@ def test_zigzag_relayouts_pipelined_over_head_groups(results):
                if not within_tolerance(got, eager)]
         assert not bad and not hg["problems"], f"rank {rank}:\n" + "\n".join(bad + hg["problems"])
         assert "head groups do not divide" in hg["refused"]
+
+
+def test_dkv_hops_travel_in_bf16_where_lossless_with_the_bits_of_an_fp32_ring(results):
+    """With bf16 kernel gradients, ring_bwd's dK/dV sums go in bf16 on the hops that lose
+    nothing (at world 2 every hop; at 4 the first where one term is held, and the last), and
+    dq, dk, dv are bit-identical to a ring whose every hop is fp32."""
+    world, ranks = results
+    for rank, res in enumerate(ranks):
+        assert not res["grad_ring"], f"rank {rank}:\n" + "\n".join(res["grad_ring"])
+
+
+def test_dkv_hop_dtypes_by_plan():
+    """Which hops are bf16 (half terms): world 2 all; world 4 contiguous causal: a block's sums
+    hold one term until a later rank sees it in full (rank 0's step 1 holds block 3: skipped
+    under causal); the last hop always."""
+    from torch_commopt.attention.ring import contiguous_plan, zigzag_plan
+
+    for plan in (contiguous_plan(True), contiguous_plan(False), zigzag_plan(True)):
+        assert cp_programs.dkv_hop_dtypes(plan, 2, 0, True) == [True, True]
+        assert cp_programs.dkv_hop_dtypes(plan, 2, 1, False) == [False, True]
+    assert cp_programs.dkv_hop_dtypes(contiguous_plan(True), 4, 0, True) == [True, True, False, True]
+    assert cp_programs.dkv_hop_dtypes(contiguous_plan(True), 4, 2, True) == [True, False, False, True]
+    assert cp_programs.dkv_hop_dtypes(zigzag_plan(True), 4, 1, True) == [True, False, False, True]

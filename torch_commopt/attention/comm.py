@@ -73,6 +73,26 @@ class RingShift:
         self.works, self.cur = [], 1 - self.cur
 
 
+def ring_pass(send: Sequence[Tensor], recv: Sequence["Spec"], group: Group,
+              tag: int) -> Callable[[], list[Tensor]]:
+    """One ring step of tensors that change dtype from hop to hop (the backward's dK/dV
+    sums, ring.GradRing): send[i] goes to group rank p+1, a (shape, dtype) recv[i] comes
+    from p-1, each under tag + i; no packing copy.  Returns a function that waits and gives
+    the received tensors (the transfers are in flight meanwhile)."""
+    n, p = size(group), rank(group)
+    nxt, prev = dist.get_global_rank(group, (p + 1) % n), dist.get_global_rank(group, (p - 1) % n)
+    got = [torch.empty(shape, dtype=dtype, device=send[0].device) for shape, dtype in recv]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group, tag + i) for i, t in enumerate(send)]
+    ops += [dist.P2POp(dist.irecv, t, prev, group, tag + i) for i, t in enumerate(got)]
+    works = dist.batch_isend_irecv(ops)
+
+    def wait() -> list[Tensor]:
+        for work in works:
+            work.wait()
+        return got
+    return wait
+
+
 def _as_bytes(t: Tensor) -> Tensor:
     flat = t.contiguous().view(-1).view(torch.uint8)
     pad = -flat.numel() % _ALIGN

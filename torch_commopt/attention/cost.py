@@ -96,7 +96,7 @@ class _Sizes:
 
     q: float
     kv: float
-    dkv: float  # dK/dV travel in fp32
+    dkv: float  # dK/dV in fp32 (the all-gather's reduce-scatter, a ring's middle hops)
     lse: float
 
 
@@ -170,9 +170,12 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
     fwd = exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q + sz.lse)
     if not backward:
         return fwd
-    dkv_hop = m.launch_s + m.link(sz.dkv / groups) if r > 1 else 0.0
+    # dK/dV sums (ring.GradRing): the last hop in the input dtype, the others in fp32 except
+    # while a block's sums hold one kernel term (at world 2: every hop in the input dtype)
+    dkv_hop = m.launch_s + m.link((kv if r == 2 else sz.dkv) / groups) if r > 1 else 0.0
+    dkv_last = m.launch_s + m.link(kv / groups) if r > 1 else 0.0
     pre = exchange(3 * sz.q + kv + sz.lse)  # dout, q, out, lse, k, v
-    return fwd + pre + rings(m.bwd_factor * block_s, hop + dkv_hop, dkv_hop) + exchange(sz.q + kv)
+    return fwd + pre + rings(m.bwd_factor * block_s, hop + dkv_hop, dkv_last) + exchange(sz.q + kv)
 
 
 def _dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:

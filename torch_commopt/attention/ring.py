@@ -23,12 +23,16 @@ the transfer hides behind the compute.  Which part of the block a rank computes 
         relays q, k, v (benchmarks/NOTES.md, session 9).
 
 Backward (given the global out and lse): K/V travel as in the forward, and their gradient
-accumulators (fp32) travel one step behind them; after n sends each is back at its owner.
+sums travel one step behind them; after n sends each is back at its owner.  The sums are
+accumulated in fp32; a hop travels in the inputs' half dtype only where that loses nothing
+(`GradRing`): while it holds a single term as the kernel gave it (bf16), and on the last hop,
+which carries the final sum rounded as its owner would round it.  At world 2 that is every
+hop: half the bytes, no fp32 conversions, and the same bits as an fp32 ring.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -40,7 +44,7 @@ from torch_commopt.attention.merge import Accumulator
 Block = tuple[slice, slice, str]  # (query slice, key slice, mask) along the sequence dim
 Plan = Callable[[int, int, int, int], list[Block]]  # (rank, source, n, S_loc) -> blocks
 ALL = slice(None)
-KV_TAG, DKV_TAG = 0, 1
+KV_TAG, DKV_TAG = 0, 1  # dK and dV go as tags DKV_TAG and DKV_TAG + 1
 
 
 def contiguous_plan(causal: bool) -> Plan:
@@ -101,31 +105,69 @@ def _seq(x: Tensor, sl: slice) -> Tensor:
     return x[:, :, sl]
 
 
-class GradSum:
-    """Block gradients summed into acc-dtype buffers along the sequence dim.  Until the first
-    write the buffers hold garbage (allocated empty): a first gradient covering all of them
-    is copied in, anything else zeroes them first.  Adding a half-precision gradient into a
-    buffer converts it on the fly."""
+class GradRing:
+    """dK/dV sums of the K/V blocks on their way round the ring (ring_bwd), one step behind
+    the blocks: at step i rank p adds its terms to block s = (p - i) mod n's sums and sends
+    them on; after step n-1 they reach their owner s.  Sums are formed in the acc dtype; the
+    message leaving step i travels in the inputs' dtype (`half`) where that is lossless:
 
-    def __init__(self) -> None:
-        self.written = False
+        i == n - 1: the final sum, rounded as the owner would round it;
+        at most one term so far, and the terms come as the kernel's half-precision output
+            (its fp32 value is that half value exactly);
+        otherwise the acc dtype.
 
-    def add(self, bufs: tuple[Tensor, ...], sl: slice, grads: tuple[Tensor, ...]) -> None:
-        if not self.written:
-            self.settle(bufs, zero=sl != ALL)
-            if sl == ALL:
-                for b, g in zip(bufs, grads):
-                    b.copy_(g)
-                return
-        for b, g in zip(bufs, grads):
-            _seq(b, sl).add_(g)
+    Every rank computes every block's dtypes from the plan (the number of terms each rank
+    adds at each step) and from its own first term's dtype: the first step's block (s == p)
+    is the same shape, mask and backend on every rank, hence the same output dtype."""
 
-    def settle(self, bufs: tuple[Tensor, ...], zero: bool = True) -> None:
-        """Mark the buffers written (zeroing them where no gradient has been)."""
-        if not self.written and zero:
-            for b in bufs:
-                b.zero_()
-        self.written = True
+    def __init__(self, plan: Plan, n: int, length: int, like: tuple[Tensor, Tensor], group: comm.Group) -> None:
+        self.n, self.group, self.like = n, group, like
+        self.half, self.acc = like[0].dtype, acc_dtype(like[0].dtype)
+        # terms[s][i]: how many block gradients block s's sums hold after step i
+        self.terms = [[0] * n for _ in range(n)]
+        for s in range(n):
+            total = 0
+            for i in range(n):
+                total += len(plan((s + i) % n, s, n, length))
+                self.terms[s][i] = total
+        self.term_dtype: Optional[torch.dtype] = None
+        self.pending: Optional[Callable[[], list[Tensor]]] = None
+
+    def dtype(self, s: int, i: int) -> torch.dtype:
+        """The dtype of block s's sums as they leave step i."""
+        if i == self.n - 1 or (self.terms[s][i] <= 1 and self.term_dtype == self.half):
+            return self.half
+        return self.acc
+
+    def step(self, i: int, s: int, incoming: Optional[list[Tensor]],
+             terms: list[tuple[slice, tuple[Tensor, Tensor]]]) -> list[Tensor]:
+        """Block s's sums after step i: `incoming` (None at step 0: nothing yet) plus this
+        rank's terms [(key slice, (dk, dv))], in dtype(s, i)."""
+        if i == 0 and self.term_dtype is None:
+            self.term_dtype = terms[0][1][0].dtype if len(terms) == 1 else self.acc
+        out = self.dtype(s, i)
+        if incoming is None and len(terms) == 1 and terms[0][0] == ALL:
+            return [g.to(out).contiguous() for g in terms[0][1]]  # handed over as the kernel gave it
+        if incoming is not None and incoming[0].dtype == out and (out == self.acc or len(terms) <= 1):
+            sums = incoming  # in place: in the acc dtype, or one term and one rounding
+        elif incoming is not None:
+            sums = [t.to(self.acc) for t in incoming]
+        else:
+            sums = [torch.zeros_like(t, dtype=self.acc) for t in self.like]
+        for ks, grads in terms:
+            for total, g in zip(sums, grads):
+                _seq(total, ks).add_(g)
+        return [t.to(out) for t in sums]
+
+    def send(self, sums: list[Tensor], s: int, i: int) -> None:
+        """Send block s's sums (leaving step i) to the next rank; receive block s - 1's."""
+        prev = (s - 1) % self.n
+        self.pending = comm.ring_pass(sums, [(t.shape, self.dtype(prev, i)) for t in self.like], self.group,
+                                      DKV_TAG)
+
+    def receive(self) -> list[Tensor]:
+        got, self.pending = self.pending(), None
+        return got
 
 
 class LocalSum:
@@ -187,14 +229,11 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     Returns (dq, dk, dv) in the inputs' dtypes, accumulated in the acc dtype."""
     n, p = comm.size(group), comm.rank(group)
     dout, q, out = dout.contiguous(), q.contiguous(), out.to(q.dtype).contiguous()  # once, not per block
-    acc = acc_dtype(q.dtype)
-    dq = LocalSum(q, acc)
+    dq = LocalSum(q, acc_dtype(q.dtype))
     kv = comm.RingShift([k, v], group, KV_TAG)
-    # dK/dV accumulators: filled by step 0's blocks (written, not added: no zero fill)
-    dkv = comm.RingShift([torch.empty_like(k, dtype=acc), torch.empty_like(v, dtype=acc)], group, DKV_TAG)
-    dkv_sum = GradSum()
     steps = [plan(p, (p - i) % n, n, q.shape[2]) for i in range(n)]
-    final = _final(steps)
+    dkv = GradRing(plan, n, q.shape[2], (k, v), group)
+    final, incoming = _final(steps), None
     for i in range(n):
         k_i, v_i = kv.current()
         if i + 1 < n:
@@ -203,16 +242,24 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
                                      _seq(lse, qs).contiguous(), scale=scale, mask=mask, backend=backend))
                  for qs, ks, mask in steps[i]]
         if i > 0:
-            dkv.wait()  # the accumulator of the block held now, from the previous rank
-        dk_acc, dv_acc = dkv.current()
-        for j, (qs, ks, (dq_b, dk_b, dv_b)) in enumerate(parts):
+            incoming = dkv.receive()  # the sums of the block held now, from the previous rank
+        for j, (qs, _, (dq_b, _, _)) in enumerate(parts):
             dq.add(qs, dq_b, last=(i, j) == final)
-            dkv_sum.add((dk_acc, dv_acc), ks, (dk_b, dv_b))
-        dkv_sum.settle((dk_acc, dv_acc))  # a step with no block (nothing to compute) still leaves sums
-        dkv.start()  # on to the next rank; after step n-1 that is the block's owner
+        sums = dkv.step(i, (p - i) % n, incoming, [(ks, (dk_b, dv_b)) for _, ks, (_, dk_b, dv_b) in parts])
+        if n > 1:
+            dkv.send(sums, (p - i) % n, i)  # on to the next rank; after step n-1 that is the block's owner
         if i + 1 < n:
             kv.wait()
-    dkv.wait()
-    dk, dv = dkv.current()
-    # copies: dk and dv are views of one buffer, and an op's outputs may not alias
-    return dq.result(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
+    dk, dv = dkv.receive() if n > 1 else sums
+    return _unaliased(dq.result(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+
+
+def _unaliased(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors, each copied if its storage is another's (an op's outputs may not alias:
+    a kernel may hand out dq, dk, dv as views of one buffer)."""
+    out, seen = [], set()
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        out.append(t.clone() if ptr in seen else t)
+        seen.add(ptr)
+    return tuple(out)
