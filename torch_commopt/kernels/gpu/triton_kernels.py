@@ -233,29 +233,22 @@ def ag_gemm_tma_kernel(
 ):
     """ag_gemm_kernel with TMA loads: a_local (M_loc, K) and a_slots (WORLD * M_loc, K) and the
     B's are tensor descriptors (block [BM, BK], and [BN, BK] or [BK, BN]); c and bias pointers
-    as there.  Same flag protocol; after a peer slot's flag the proxy fence orders the flag's
-    acquire before the TMA reads.  The tiles run as sequential phases (own shard x each B,
-    then the peers x each B), one mainloop each: a descriptor cannot be picked per tile like
-    a pointer, and mainloops in branches each keep their own shared-memory pipeline (2-6x the
-    shared memory).  The loops are not flattened: a pipelined prefetch of the next tile's A
-    would run ahead of that tile's flag wait."""
+    as there (NUM_B of the three used; descriptors go as separate arguments: Triton 3.6's
+    launcher refuses them inside tuples, so the kernel builds its tuples).  Same flag protocol;
+    after a peer slot's flag the proxy fence orders the flag's acquire before the TMA reads.
+    The tiles run as sequential phases (own shard x each B, then the peers x each B), one
+    mainloop each: a descriptor cannot be picked per tile like a pointer, and mainloops in
+    branches each keep their own shared-memory pipeline (2-6x the shared memory).  The loops
+    are not flattened: a pipelined prefetch of the next tile's A would run ahead of that
+    tile's flag wait."""
     pid = tl.program_id(0)
-    g = _tma_sweep(0, pid, num_progs, a_local, b0, c0, bias0, N0, flags, status, epoch, bound, M_loc, K, LIN, rank,
-                   chunk_rows, flag_base, True, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
-    if NUM_B > 1:
-        g = _tma_sweep(g, pid, num_progs, a_local, b1, c1, bias1, N1, flags, status, epoch, bound, M_loc, K, LIN,
-                       rank, chunk_rows, flag_base, True, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
-    if NUM_B > 2:
-        g = _tma_sweep(g, pid, num_progs, a_local, b2, c2, bias2, N2, flags, status, epoch, bound, M_loc, K, LIN,
-                       rank, chunk_rows, flag_base, True, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
-    g = _tma_sweep(g, pid, num_progs, a_slots, b0, c0, bias0, N0, flags, status, epoch, bound, M_loc, K, LIN, rank,
-                   chunk_rows, flag_base, False, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
-    if NUM_B > 1:
-        g = _tma_sweep(g, pid, num_progs, a_slots, b1, c1, bias1, N1, flags, status, epoch, bound, M_loc, K, LIN,
-                       rank, chunk_rows, flag_base, False, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
-    if NUM_B > 2:
-        g = _tma_sweep(g, pid, num_progs, a_slots, b2, c2, bias2, N2, flags, status, epoch, bound, M_loc, K, LIN,
-                       rank, chunk_rows, flag_base, False, WORLD, HAS_BIAS, B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
+    a_descs, b_descs, cs, biases, ns = (a_local, a_slots), (b0, b1, b2), (c0, c1, c2), (bias0, bias1, bias2), (N0, N1, N2)
+    g = 0
+    for phase in tl.static_range(2):  # 0: own shard, 1: the peers' slots
+        for j in tl.static_range(NUM_B):
+            g = _tma_sweep(g, pid, num_progs, a_descs[phase], b_descs[j], cs[j], biases[j], ns[j], flags, status,
+                           epoch, bound, M_loc, K, LIN, rank, chunk_rows, flag_base, phase == 0, WORLD, HAS_BIAS,
+                           B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
 
 
 @triton.jit(do_not_specialize=["epoch", "bound", "recv_off", "data_base", "rank", "chunk_mt", "alpha", "bias_scale",
