@@ -47,7 +47,7 @@ class RingShift:
             self.peers = (dist.get_global_rank(group, (p + 1) % n), dist.get_global_rank(group, (p - 1) % n))
 
     def current(self) -> list[Tensor]:
-        """Views of the tensors of this step (writable: dK/dV accumulate into them)."""
+        """Views of the tensors of this step."""
         views, offset = [], 0
         for shape in self.shapes:
             n = shape.numel()
