@@ -19,7 +19,7 @@ from torch_commopt.schedule import Schedule
 
 AG_SCHEDULES = ["local_first", "ce_push:1", "ce_push:3", "ce_push:1:gemm=whole", "ce_push:2:gemm=whole", "fused:1", "fused:4", "fused:2:bk=64,bm=64,bn=128,stages=3,warps=4", "fused:1:tma=1", "fused:3:tma=1"]
 RS_SCHEDULES = ["ce_push:1", "ce_push:3", "ce_pull:1", "ce_pull:3", "direct:1", "direct:2", "fused:2:store=direct", "fused:3:store=ce",
-                "fused:1:bm=64,bn=128,store=ce,warps=4"]
+                "fused:1:bm=64,bn=128,store=ce,warps=4", "fused:2:store=direct,tma=1", "fused:1:store=ce,tma=1"]
 AR_SCHEDULES = ["ce_push:2", "ce_pull:2", "direct:1", "direct:3"]
 
 # (shard shape, gather dim, weight widths, bias, return_gathered)
@@ -152,7 +152,8 @@ def run_back_to_back(rank: int, world: int, calls: int = 120):
     torch.manual_seed(5 + rank)
     dtype, k, n, m = torch.bfloat16, 512, 384, 256
     plan = ["ag ce_push:2", "rs direct:2", "ag fused:2", "rs fused:2:store=ce", "ar direct:2", "rs ce_push:1",
-            "rs fused:1:store=direct", "rs ce_pull:2", "ar ce_pull:1", "ag ce_push:1:gemm=whole", "ag fused:2:tma=1"]
+            "rs fused:1:store=direct", "rs ce_pull:2", "ar ce_pull:1", "ag ce_push:1:gemm=whole", "ag fused:2:tma=1",
+            "rs fused:2:store=direct,tma=1"]
     inputs, outs = [], []
     gn = _group_name()
     for i in range(calls):

@@ -1,8 +1,12 @@
-"""The fused AG+GEMM consumer kernels on one GPU (kernels/gpu/ag_matmul.launch_fused): the peer
-slots filled locally and their flags set beforehand, so the kernel's indexing, tile order,
-bias, several B's, the 3-D row mapping and both load paths (pointers, TMA) are checked
-without a second GPU.  Fresh random inputs; tolerance relative to cuBLAS's own error against
-an fp32 product."""
+"""The fused GEMM kernels on one GPU, with local stand-ins for the peers and their flags set
+beforehand, so the kernels' indexing, tile order, row mappings and both load paths
+(pointers, TMA) are checked without a second GPU:
+- AG+GEMM's consumer (kernels/gpu/ag_matmul.launch_fused): the peer slots filled locally;
+  bias, several B's, 3-D rows;
+- GEMM+RS (kernels/gpu/matmul_reduce.launch_rs_fused): the peers' partials already in the
+  receive slots, the peers' buffers and counters local tensors; both stores (direct into a
+  peer's slot, or into the local send buffer for the copy engine), avg scaling, 3-D rows.
+Fresh random inputs; tolerance relative to cuBLAS's own error against an fp32 product."""
 
 from __future__ import annotations
 
@@ -57,3 +61,87 @@ def test_fused_kernel_ragged_shapes_three_weights_bias_3d(one_gpu, tma):
 def test_fused_tma_small_shard(one_gpu):
     """A shard smaller than one tile (TMA boxes beyond the tensor read zeros)."""
     _run(one_gpu, world=2, m_loc=40, k=64, ns=[48], tma=1, seed=5)
+
+
+def _run_rs(one_gpu, monkeypatch, *, world, m_seg, k, n, lin=None, kmajor=True, direct=True, tma=1, alpha=1.0,
+            dtype=torch.bfloat16, seed=0, want_tma=None, bases_aligned=True):
+    from torch_commopt.kernels.gpu import tma as tma_mod
+    from torch_commopt.kernels.gpu.layout import cdiv
+    from torch_commopt.kernels.gpu.matmul_reduce import launch_rs_fused
+    from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS
+
+    took = []
+    descriptors = tma_mod.descriptors
+    monkeypatch.setattr(tma_mod, "descriptors", lambda *a, **kw: took.append(descriptors(*a, **kw)) or took[-1])
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(dtype)  # noqa: E731
+    rank, lin = 1 % world, lin or m_seg
+    outer = m_seg // lin
+    a2 = mk(world * m_seg, k)  # rows (outer, world, lin): segment s is block s of every outer block
+    w = mk(n, k).t() / k ** 0.5 if kmajor else mk(k, n) / k ** 0.5
+    recv = mk(world, m_seg, n)  # the peers' partials, landed
+    peer_bufs = [torch.zeros(world, m_seg, n, device="cuda", dtype=dtype) for _ in range(world)]
+    flag_len = COUNTERS + world * MAX_CHUNKS
+    flags = torch.zeros(flag_len, dtype=torch.int32, device="cuda")
+    peer_flags = [torch.zeros(flag_len, dtype=torch.int32, device="cuda") for _ in range(world)]
+    params = {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3, "gm": 8}
+    tiles_m, tiles_n = cdiv(m_seg, 128), cdiv(n, 128)
+    chunk_mt = max(1, cdiv(tiles_m, 3))
+    for src in range(world):  # every partial this rank waits for has arrived
+        if src != rank and direct:  # the peers' tile counts of this rank's segment
+            flags[COUNTERS + src * MAX_CHUNKS: COUNTERS + (src + 1) * MAX_CHUNKS] = 1 << 20
+        elif src != rank:  # the copy engine's DATA flags (data_base 0) at epoch 1
+            flags[src * MAX_CHUNKS: (src + 1) * MAX_CHUNKS] = 1
+    send = torch.zeros(world, m_seg, n, device="cuda", dtype=dtype)
+    out = torch.empty(m_seg, n, device="cuda", dtype=dtype)
+    recv_bases = torch.tensor([(recv if s == rank else peer_bufs[s]).data_ptr() for s in range(world)],
+                              dtype=torch.int64, device="cuda")
+    flag_bases = torch.tensor([(flags if s == rank else peer_flags[s]).data_ptr() for s in range(world)],
+                              dtype=torch.int64, device="cuda")
+    status = torch.zeros(8, dtype=torch.int32, device="cuda")
+    launch_rs_fused(a2, w, out, send, recv, recv_bases, flags, flag_bases, status, recv_off=0, data_base=0, lin=lin,
+                    rank=rank, world=world, m_seg=m_seg, chunk_mt=chunk_mt, alpha=alpha, params=params, direct=direct,
+                    bases_aligned=bases_aligned)
+    torch.cuda.synchronize()
+    assert int(status[0]) == 0
+    if want_tma is not None:
+        assert (bool(took) and took[-1] is not None) == want_tma, "TMA path taken" if not want_tma else "TMA refused"
+    seg_rows = [a2.view(outer, world, lin, k)[:, s].reshape(m_seg, k) for s in range(world)]
+    partials = sum(recv[s].float() for s in range(world) if s != rank)
+    truth = alpha * (seg_rows[rank].float() @ w.float() + partials)
+    cublas = (alpha * (torch.mm(seg_rows[rank], w).float() + partials)).to(dtype)
+    assert within_tolerance(rel_err(out, truth), rel_err(cublas, truth)), (rel_err(out, truth), rel_err(cublas, truth))
+    tiles = [min(chunk_mt, tiles_m - c * chunk_mt) * tiles_n for c in range(cdiv(tiles_m, chunk_mt))]
+    for s in range(world):
+        if s == rank:
+            continue
+        got = peer_bufs[s][rank] if direct else send[s]
+        truth_s = seg_rows[s].float() @ w.float()
+        assert within_tolerance(rel_err(got, truth_s), rel_err(torch.mm(seg_rows[s], w), truth_s))
+        counters = (peer_flags[s][COUNTERS + rank * MAX_CHUNKS:] if direct
+                    else flags[COUNTERS + s * MAX_CHUNKS:])[:len(tiles)]
+        assert counters.tolist() == tiles
+
+
+@pytest.mark.parametrize("tma", [0, 1])
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("kmajor", [True, False])
+def test_fused_rs_kernel_matches_cublas(one_gpu, monkeypatch, tma, direct, kmajor):
+    _run_rs(one_gpu, monkeypatch, world=2, m_seg=1024, k=512, n=768, kmajor=kmajor, direct=direct, tma=tma,
+            want_tma=bool(tma))
+
+
+def test_fused_rs_ragged_avg_world4(one_gpu, monkeypatch):
+    """Sizes that are not tile multiples (a last tile reads the next segment's rows through
+    TMA and masks them), avg scaling, fp16, world 4; direct stores with and without the
+    alignment hint."""
+    for aligned in (True, False):
+        _run_rs(one_gpu, monkeypatch, world=4, m_seg=333, k=520, n=1000, alpha=0.25, dtype=torch.float16, seed=3,
+                want_tma=True, bases_aligned=aligned)
+
+
+def test_fused_rs_3d_rows(one_gpu, monkeypatch):
+    """Rows of a 3-D scatter (outer blocks): TMA where each block's run is a multiple of BM,
+    the pointer kernel where a tile would straddle two runs."""
+    _run_rs(one_gpu, monkeypatch, world=2, m_seg=512, k=256, n=384, lin=128, seed=4, want_tma=True)
+    _run_rs(one_gpu, monkeypatch, world=2, m_seg=333, k=256, n=384, lin=111, seed=5, want_tma=False)

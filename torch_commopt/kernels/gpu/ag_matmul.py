@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_commopt.kernels.gpu import symm
+from torch_commopt.kernels.gpu import symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
 from torch_commopt.schedule import Schedule
@@ -179,9 +179,9 @@ def launch_fused(a2, slots2, flags, status, weights, biases, outs2, *, lin, rank
         grid = max(1, min(sms - (1 if debug else 0), tiles))
         common = dict(WORLD=world, NUM_B=n_b, HAS_BIAS=has_bias, BM=p["bm"], BN=p["bn"], BK=p["bk"],
                       GROUP_M=p["gm"], DEBUG=debug, num_warps=p["warps"], num_stages=p["stages"])
-        descs = _tma_operands(a2, slots2, ws3, p) if p.get("tma") else None
+        descs = tma.descriptors([a2, slots2], ws3, p["bm"], p["bn"], p["bk"]) if p.get("tma") else None
         if descs is not None:
-            a_d, s_d, b_ds, kmajor = descs
+            (a_d, s_d), b_ds, kmajor = descs
             ag_gemm_tma_kernel[(grid,)](
                 a_d, s_d, flags, status, epoch, symm.wait_bound(), *b_ds, *cs3, *bs3, *ns,
                 m_loc, k, lin, rank, chunk_rows, flag_base, grid, B_KMAJOR=kmajor, **common)
@@ -191,31 +191,6 @@ def launch_fused(a2, slots2, flags, status, weights, biases, outs2, *, lin, rank
             *ws3, *cs3, *bs3,
             ws3[0].stride(0), ws3[0].stride(1), ws3[1].stride(0), ws3[1].stride(1), ws3[2].stride(0), ws3[2].stride(1),
             *ns, m_loc, k, lin, rank, chunk_rows, flag_base, grid, EVEN_K=k % p["bk"] == 0, **common)
-
-
-def _tma_operands(a2, slots2, ws3, p):
-    """Host tensor descriptors (A shard, A slots, the three B's) and whether the B's are
-    K-major (nn.Linear weights transposed), or None where TMA cannot take the operands: every
-    row pitch and base 16-byte aligned, the B's all of one layout, no tensor smaller than its
-    box."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    def aligned(t):
-        return t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
-
-    kmajor = all(w.stride(0) == 1 for w in ws3)
-    rowmajor = all(w.stride(1) == 1 for w in ws3)
-    if not (kmajor or rowmajor):
-        return None
-    bs = [w.t() for w in ws3] if kmajor else list(ws3)  # the contiguous view: (N, K) or (K, N)
-    if not all(aligned(t) for t in [a2, slots2, *bs]):
-        return None
-    b_block = [p["bn"], p["bk"]] if kmajor else [p["bk"], p["bn"]]
-    a_block = [p["bm"], p["bk"]]
-    if any(d < blk for t, block in [(a2, a_block), *[(b, b_block) for b in bs]] for d, blk in zip(t.shape, block)):
-        return None  # a tensor smaller than one box: the pointer kernel (masks) takes it
-    return (TensorDescriptor.from_tensor(a2, a_block), TensorDescriptor.from_tensor(slots2, a_block),
-            [TensorDescriptor.from_tensor(b, b_block) for b in bs], kmajor)
 
 
 def _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug):

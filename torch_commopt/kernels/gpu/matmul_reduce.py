@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from torch_commopt.kernels.gpu import symm
+from torch_commopt.kernels.gpu import symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
 from torch_commopt.schedule import Schedule
@@ -308,8 +308,6 @@ def _own_piece(call: _Call, a_rows, weight, dst, partials):
 
 
 def _fused(call: _Call, weight, own):
-    from torch_commopt.kernels.gpu.triton_kernels import num_sms, rs_gemm_kernel
-
     rt, p = call.rt, {**FUSED_DEFAULTS, **dict(call.sched.params)}
     if p["store"] not in ("direct", "ce"):
         raise ValueError(f"commopt matmul_rs fused: store must be 'direct' or 'ce', got {p['store']!r}")
@@ -327,19 +325,11 @@ def _fused(call: _Call, weight, own):
     send = own if direct else torch.empty((call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
     if not direct:
         call.after_caller()  # the side stream's copies below follow the barrier, not the kernel
-    # Debug waits are one-block kernels on the side stream: leave them an SM, or a grid
-    # spinning on every SM would starve the very wait its data depends on.
-    sms = (p.get("sms") or num_sms(own.device)) - (1 if call.debug else 0)
-    grid = max(1, min(sms, call.world * tiles_m * tiles_n))
-    rs_gemm_kernel[(grid,)](
-        call.a2, weight, own, own, send, call.recv, call.buf.ptrs_dev, rt.flags, rt.flag_bases_dev, rt.status,
-        1, symm.wait_bound(), call.base // call.recv.element_size(), data_index(call.half, 0, 0),
-        weight.stride(0), weight.stride(1), call.n, call.k, call.m_seg,
-        call.lay.lin, rt.rank, chunk_mt, call.alpha, 0.0, grid,
-        WORLD=rt.world, DIRECT=direct, HAS_BIAS=False, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
-        EVEN_K=call.k % p["bk"] == 0, DEBUG=call.debug, COUNTERS=COUNTERS,
-        num_warps=p["warps"], num_stages=p["stages"],
-    )
+    launch_rs_fused(call.a2, weight, own, send, call.recv, call.buf.ptrs_dev, rt.flags, rt.flag_bases_dev, rt.status,
+                    recv_off=call.base // call.recv.element_size(), data_base=data_index(call.half, 0, 0),
+                    lin=call.lay.lin, rank=rt.rank, world=rt.world, m_seg=call.m_seg, chunk_mt=chunk_mt,
+                    alpha=call.alpha, params=p, direct=direct, debug=call.debug,
+                    bases_aligned=all(int(ptr) % 16 == 0 for ptr in call.buf.handle.buffer_ptrs))
     if not direct:
         # The copy engine ships each piece as soon as its tiles are counted.  Enqueued after
         # the kernel's launch (the first launch JIT-compiles for seconds, which a bounded
@@ -352,3 +342,40 @@ def _fused(call: _Call, weight, own):
                     rt.wait(call.side, COUNTERS + q * MAX_CHUNKS + c, tiles, debug=call.debug, what="tiles", src=q, chunk=c)
                     call.peer_slot(q)[lo:hi].copy_(send[q, lo:hi])
                     call.signal(call.side, q, c)
+
+
+def launch_rs_fused(a2, weight, out, send, recv, recv_bases, flags, flag_bases, status, *, recv_off, data_base, lin,
+                    rank, world, m_seg, chunk_mt, alpha, params, direct, bases_aligned, debug=False, epoch=1):
+    """The fused reduce-scatter GEMM (rs_gemm_kernel): a2 (world * m_seg, K) rows in the
+    layout's order, out (m_seg, N) this rank's reduced segment; the peers' segments go to
+    recv_bases[p] + recv_off (direct) or to send[p] (ce); partials arrive in recv (world,
+    m_seg, N); bases_aligned: every recv_bases entry is 16-byte aligned (the direct stores
+    are then vectorized when the slot offsets are too).  params: the schedule's (bm, bn, bk, gm, warps, stages, sms, tma).  tma=1 moves
+    the tiles with the TMA unit (rs_gemm_tma_kernel) where the operands allow it (aligned,
+    every tile one run of rows: one outer block or lin a multiple of bm), else the
+    pointer-load kernel runs.  Callable on one GPU with local stand-ins for the peers' buffers
+    and flags set beforehand (tests/gpu/test_fused_gemm_one_gpu.py, benchmarks/probe_fused_gemm.py)."""
+    from torch_commopt.kernels.gpu.triton_kernels import num_sms, rs_gemm_kernel, rs_gemm_tma_kernel
+
+    p = {**FUSED_DEFAULTS, **params}
+    k, n = a2.shape[-1], weight.shape[-1]
+    # Debug waits are one-block kernels on the side stream: leave them an SM, or a grid
+    # spinning on every SM would starve the very wait its data depends on.
+    sms = (p.get("sms") or num_sms(out.device)) - (1 if debug else 0)
+    grid = max(1, min(sms, world * cdiv(m_seg, p["bm"]) * cdiv(n, p["bn"])))
+    one_run = lin == m_seg or lin % p["bm"] == 0  # every tile's rows one contiguous run of A
+    descs = tma.descriptors([a2], [weight], p["bm"], p["bn"], p["bk"]) if p.get("tma") and one_run else None
+    elt = out.element_size()
+    dst_aligned = bases_aligned and (recv_off * elt) % 16 == 0 and (m_seg * n * elt) % 16 == 0
+    common = dict(WORLD=world, DIRECT=direct, HAS_BIAS=False, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
+                  DEBUG=debug, COUNTERS=COUNTERS, DST_ALIGNED=dst_aligned, num_warps=p["warps"],
+                  num_stages=p["stages"])
+    flag_args = (out, out, send, recv, recv_bases, flags, flag_bases, status, epoch, symm.wait_bound(), recv_off,
+                 data_base)
+    if descs is not None:
+        (a_d,), (b_d,), kmajor = descs
+        rs_gemm_tma_kernel[(grid,)](a_d, b_d, *flag_args, n, k, m_seg, lin, rank, chunk_mt, alpha, 0.0, grid,
+                                    B_KMAJOR=kmajor, **common)
+        return
+    rs_gemm_kernel[(grid,)](a2, weight, *flag_args, weight.stride(0), weight.stride(1), n, k, m_seg, lin, rank,
+                            chunk_mt, alpha, 0.0, grid, EVEN_K=k % p["bk"] == 0, **common)

@@ -251,6 +251,49 @@ def ag_gemm_tma_kernel(
                            B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
 
 
+@triton.jit
+def _rs_tile_out(acc, seg, pid_m, pid_n, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch, bound,
+                 recv_off, data_base, N, M_seg, rank, chunk_mt, alpha, bias_scale, tiles_m,
+                 WORLD: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, DEBUG: tl.constexpr, COUNTERS: tl.constexpr, DST_ALIGNED: tl.constexpr):
+    """Where a reduce-scatter tile's fp32 product acc goes (rs_gemm_kernel's epilogue).
+    DST_ALIGNED: the host vouches that a peer's slot starts 16-byte aligned, so the stores
+    through a pointer read from recv_bases can be vectorized like those to a tensor argument."""
+    i = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    seg_elems = M_seg.to(tl.int64) * N
+    chunk = pid_m // chunk_mt
+    offs = i.to(tl.int64)[:, None] * N + offs_n[None, :]
+    mask = (i < M_seg)[:, None] & n_mask[None, :]
+    if seg != rank:
+        if DIRECT:
+            dst = tl.load(recv_bases + seg).to(tl.pointer_type(out.dtype.element_ty)) + recv_off + rank * seg_elems
+            if DST_ALIGNED:
+                dst = tl.multiple_of(dst, 16)
+            tl.store(dst + offs, acc.to(out.dtype.element_ty), mask=mask)
+            tl.debug_barrier()
+            cnt = tl.load(flag_bases + seg).to(tl.pointer_type(tl.int32))
+            tl.atomic_add(cnt + COUNTERS + rank * 256 + chunk, 1, sem="release", scope="sys")
+        else:
+            tl.store(send + seg * seg_elems + offs, acc.to(out.dtype.element_ty), mask=mask)
+            tl.debug_barrier()
+            tl.atomic_add(flags + COUNTERS + seg * 256 + chunk, 1, sem="release", scope="sys")
+    else:
+        tiles_in_chunk = tl.minimum(chunk_mt, tiles_m - chunk * chunk_mt) * tl.cdiv(N, BN)
+        for step in range(1, WORLD):
+            src = (rank - step + WORLD) % WORLD
+            if DIRECT:
+                _spin_geq(flags + COUNTERS + src * 256 + chunk, tiles_in_chunk, status, 4, src, chunk, bound, DEBUG)
+            else:
+                _spin_geq(flags + data_base + src * 256 + chunk, epoch, status, 3, src, chunk, bound, DEBUG)
+            acc += tl.load(recv + src * seg_elems + offs, mask=mask, other=0.0).to(tl.float32)
+        acc = acc * alpha
+        if HAS_BIAS:
+            acc += bias_scale * tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["epoch", "bound", "recv_off", "data_base", "rank", "chunk_mt", "alpha", "bias_scale",
                                "num_progs"])
 def rs_gemm_kernel(
@@ -259,7 +302,7 @@ def rs_gemm_kernel(
     WORLD: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DEBUG: tl.constexpr,
-    COUNTERS: tl.constexpr,
+    COUNTERS: tl.constexpr, DST_ALIGNED: tl.constexpr,
 ):
     """Reduce-scatter of A @ B by row blocks ("segments"): rank p gets segment p, summed.
 
@@ -277,43 +320,44 @@ def rs_gemm_kernel(
     tiles_m = tl.cdiv(M_seg, BM)
     tiles_n = tl.cdiv(N, BN)
     per_seg = tiles_m * tiles_n
-    seg_elems = M_seg.to(tl.int64) * N
     for t in range(pid, WORLD * per_seg, num_progs):
         seg = (rank + 1 + t // per_seg) % WORLD
         pid_m, pid_n = _tile_coords(t % per_seg, tiles_m, tiles_n, GROUP_M)
         i = pid_m * BM + tl.arange(0, BM)
-        row_mask = i < M_seg
         offs_n = pid_n * BN + tl.arange(0, BN)
-        n_mask = offs_n < N
-        rows = _block_rows(seg, i, LIN, WORLD)
-        acc = _mainloop(a, rows, row_mask, b, sbk, sbn, offs_n, n_mask, K, BM, BN, BK, EVEN_K)
-        chunk = pid_m // chunk_mt
-        offs = i.to(tl.int64)[:, None] * N + offs_n[None, :]
-        mask = row_mask[:, None] & n_mask[None, :]
-        if seg != rank:
-            if DIRECT:
-                dst = tl.load(recv_bases + seg).to(tl.pointer_type(out.dtype.element_ty))
-                tl.store(dst + recv_off + rank * seg_elems + offs, acc.to(out.dtype.element_ty), mask=mask)
-                tl.debug_barrier()
-                cnt = tl.load(flag_bases + seg).to(tl.pointer_type(tl.int32))
-                tl.atomic_add(cnt + COUNTERS + rank * 256 + chunk, 1, sem="release", scope="sys")
-            else:
-                tl.store(send + seg * seg_elems + offs, acc.to(out.dtype.element_ty), mask=mask)
-                tl.debug_barrier()
-                tl.atomic_add(flags + COUNTERS + seg * 256 + chunk, 1, sem="release", scope="sys")
-        else:
-            tiles_in_chunk = tl.minimum(chunk_mt, tiles_m - chunk * chunk_mt) * tiles_n
-            for step in range(1, WORLD):
-                src = (rank - step + WORLD) % WORLD
-                if DIRECT:
-                    _spin_geq(flags + COUNTERS + src * 256 + chunk, tiles_in_chunk, status, 4, src, chunk, bound, DEBUG)
-                else:
-                    _spin_geq(flags + data_base + src * 256 + chunk, epoch, status, 3, src, chunk, bound, DEBUG)
-                acc += tl.load(recv + src * seg_elems + offs, mask=mask, other=0.0).to(tl.float32)
-            acc = acc * alpha
-            if HAS_BIAS:
-                acc += bias_scale * tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+        acc = _mainloop(a, _block_rows(seg, i, LIN, WORLD), i < M_seg, b, sbk, sbn, offs_n, offs_n < N, K, BM, BN, BK,
+                        EVEN_K)
+        _rs_tile_out(acc, seg, pid_m, pid_n, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch,
+                     bound, recv_off, data_base, N, M_seg, rank, chunk_mt, alpha, bias_scale, tiles_m, WORLD, DIRECT,
+                     HAS_BIAS, BM, BN, DEBUG, COUNTERS, DST_ALIGNED)
+
+
+@triton.jit(do_not_specialize=["epoch", "bound", "recv_off", "data_base", "rank", "chunk_mt", "alpha", "bias_scale",
+                               "num_progs"])
+def rs_gemm_tma_kernel(
+    a_desc, b_desc, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch, bound, recv_off, data_base,
+    N, K, M_seg, LIN, rank, chunk_mt, alpha, bias_scale, num_progs,
+    WORLD: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DEBUG: tl.constexpr,
+    COUNTERS: tl.constexpr, DST_ALIGNED: tl.constexpr,
+):
+    """rs_gemm_kernel with the tiles moved by the TMA unit: a_desc describes A (rows, K) with
+    block [BM, BK], b_desc B as in ag_gemm_tma_kernel.  A tile's rows must be one contiguous
+    run of A (the host checks: one outer block, or LIN a multiple of BM); rows of a last,
+    partial tile past the segment are read (the next segment's, or zeros past the tensor)
+    and their results masked.  The flags are only touched after the mainloop, so it may be
+    pipelined like any GEMM's."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M_seg, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_seg = tiles_m * tiles_n
+    for t in range(pid, WORLD * per_seg, num_progs):
+        seg = (rank + 1 + t // per_seg) % WORLD
+        pid_m, pid_n = _tile_coords(t % per_seg, tiles_m, tiles_n, GROUP_M)
+        acc = _tma_acc(a_desc, _block_rows(seg, pid_m * BM, LIN, WORLD), b_desc, pid_n * BN, K, BM, BN, BK, B_KMAJOR)
+        _rs_tile_out(acc, seg, pid_m, pid_n, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch,
+                     bound, recv_off, data_base, N, M_seg, rank, chunk_mt, alpha, bias_scale, tiles_m, WORLD, DIRECT,
+                     HAS_BIAS, BM, BN, DEBUG, COUNTERS, DST_ALIGNED)
 
 
 def num_sms(device: torch.device) -> int:
