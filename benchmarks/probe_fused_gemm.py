@@ -9,7 +9,10 @@ received, its segment stored into a local stand-in of its buffer (direct) or the
 buffer (ce); shapes: the GEMM+RS sweep at world 2 (M, K/2, N).  Weights as nn.Linear's
 transposed.
 
-    python benchmarks/probe_fused_gemm.py OUTDIR [--commit SHA]
+    python benchmarks/probe_fused_gemm.py OUTDIR [--commit SHA] [--configs "128,256,64,8,3;128,256,64,8,4"]
+
+--configs: tile configurations (bm, bn, bk, warps, stages) to time the TMA kernels with
+(AG, and RS with direct stores) besides their defaults.
 """
 
 from __future__ import annotations
@@ -50,7 +53,11 @@ def timed(fn, reps: int = 20) -> float:
     return statistics.median(rounds)
 
 
-def rs_records() -> list[dict]:
+def config_params(text: str) -> list[dict]:
+    return [dict(zip(("bm", "bn", "bk", "warps", "stages"), map(int, c.split(",")))) for c in text.split(";") if c]
+
+
+def rs_records(configs: list[dict]) -> list[dict]:
     """The fused GEMM+RS kernel as rank 0 of 2 against cuBLAS over all M rows."""
     flags = torch.zeros(COUNTERS + 2 * MAX_CHUNKS, dtype=torch.int32, device="cuda")
     flags[COUNTERS + MAX_CHUNKS: COUNTERS + 2 * MAX_CHUNKS] = 1 << 30  # direct: the peer's tiles counted
@@ -83,16 +90,31 @@ def rs_records() -> list[dict]:
                     rec["fused"][f"store={store},tma={tma}"] = {"ms": timed(run), "rel_err_vs_cublas": err}
                 except Exception as e:  # noqa: BLE001
                     rec["fused"][f"store={store},tma={tma}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        for cfg in configs:
+            def run_cfg():
+                launch_rs_fused(a2, w, out, send, recv, recv_bases, flags, flag_bases, status, recv_off=0,
+                                data_base=0, lin=m_seg, rank=0, world=2, m_seg=m_seg, chunk_mt=8, alpha=1.0,
+                                params={"tma": 1, **cfg}, direct=True, bases_aligned=True)
+            rec["fused"]["store=direct,tma=1," + ",".join(f"{k}={v}" for k, v in cfg.items())] = _timed_or_error(run_cfg)
         records.append(rec)
         print(json.dumps(rec), flush=True)
     return records
+
+
+def _timed_or_error(run) -> dict:
+    try:
+        return {"ms": timed(run)}
+    except Exception as e:  # noqa: BLE001  (a configuration out of shared memory)
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--commit", default="?")
+    ap.add_argument("--configs", default="")
     args = ap.parse_args()
+    configs = config_params(args.configs)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     flags = torch.zeros(FLAG_BASE + 4 * 256, dtype=torch.int32, device="cuda")
@@ -123,9 +145,14 @@ def main() -> None:
                 rec["fused"][f"tma={tma}"] = {"ms": timed(run), "rel_err_vs_cublas": err}
             except Exception as e:  # noqa: BLE001
                 rec["fused"][f"tma={tma}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        for cfg in configs:
+            def run_cfg():
+                launch_fused(a2, slots2, flags, status, [w], [None], [c], lin=m_loc, rank=0, world=2,
+                             chunk_rows=m_loc, flag_base=FLAG_BASE, params={"tma": 1, **cfg})
+            rec["fused"]["tma=1," + ",".join(f"{k}={v}" for k, v in cfg.items())] = _timed_or_error(run_cfg)
         records.append(rec)
         print(json.dumps(rec), flush=True)
-    records += rs_records()
+    records += rs_records(configs)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": args.commit, "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv])}
     (out / "fused_gemm.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
