@@ -350,12 +350,13 @@ def launch_rs_fused(a2, weight, out, send, recv, recv_bases, flags, flag_bases, 
     layout's order, out (m_seg, N) this rank's reduced segment; the peers' segments go to
     recv_bases[p] + recv_off (direct) or to send[p] (ce); partials arrive in recv (world,
     m_seg, N); bases_aligned: every recv_bases entry is 16-byte aligned (the direct stores
-    are then vectorized when the slot offsets are too).  params: the schedule's (bm, bn, bk, gm, warps, stages, sms, tma).  tma=1 moves
-    the tiles with the TMA unit (rs_gemm_tma_kernel) where the operands allow it (aligned,
-    every tile one run of rows: one outer block or lin a multiple of bm), else the
-    pointer-load kernel runs.  Callable on one GPU with local stand-ins for the peers' buffers
-    and flags set beforehand (tests/gpu/test_fused_gemm_one_gpu.py, benchmarks/probe_fused_gemm.py)."""
-    from torch_commopt.kernels.gpu.triton_kernels import num_sms, rs_gemm_kernel, rs_gemm_tma_kernel
+    are then vectorized when the slot offsets are too).  params: the schedule's (bm, bn, bk,
+    gm, warps, stages, sms, tma).  tma=1 moves the tiles with the TMA unit (the kernel's
+    TMA=True) where the operands allow it (aligned, every tile one run of rows: one outer
+    block or lin a multiple of bm), else pointer loads.  Callable on one GPU with local
+    stand-ins for the peers' buffers and flags set beforehand
+    (tests/gpu/test_fused_gemm_one_gpu.py, benchmarks/probe_fused_gemm.py)."""
+    from torch_commopt.kernels.gpu.triton_kernels import num_sms, rs_gemm_kernel
 
     p = {**FUSED_DEFAULTS, **params}
     k, n = a2.shape[-1], weight.shape[-1]
@@ -365,17 +366,12 @@ def launch_rs_fused(a2, weight, out, send, recv, recv_bases, flags, flag_bases, 
     grid = max(1, min(sms, world * cdiv(m_seg, p["bm"]) * cdiv(n, p["bn"])))
     one_run = lin == m_seg or lin % p["bm"] == 0  # every tile's rows one contiguous run of A
     descs = tma.descriptors([a2], [weight], p["bm"], p["bn"], p["bk"]) if p.get("tma") and one_run else None
+    a_op, b_op, kmajor = (a2, weight, False) if descs is None else (descs[0][0], descs[1][0], descs[2])
     elt = out.element_size()
     dst_aligned = bases_aligned and (recv_off * elt) % 16 == 0 and (m_seg * n * elt) % 16 == 0
-    common = dict(WORLD=world, DIRECT=direct, HAS_BIAS=False, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
-                  DEBUG=debug, COUNTERS=COUNTERS, DST_ALIGNED=dst_aligned, num_warps=p["warps"],
-                  num_stages=p["stages"])
-    flag_args = (out, out, send, recv, recv_bases, flags, flag_bases, status, epoch, symm.wait_bound(), recv_off,
-                 data_base)
-    if descs is not None:
-        (a_d,), (b_d,), kmajor = descs
-        rs_gemm_tma_kernel[(grid,)](a_d, b_d, *flag_args, n, k, m_seg, lin, rank, chunk_mt, alpha, 0.0, grid,
-                                    B_KMAJOR=kmajor, **common)
-        return
-    rs_gemm_kernel[(grid,)](a2, weight, *flag_args, weight.stride(0), weight.stride(1), n, k, m_seg, lin, rank,
-                            chunk_mt, alpha, 0.0, grid, EVEN_K=k % p["bk"] == 0, **common)
+    rs_gemm_kernel[(grid,)](
+        a_op, b_op, out, out, send, recv, recv_bases, flags, flag_bases, status, epoch, symm.wait_bound(), recv_off,
+        data_base, weight.stride(0), weight.stride(1), n, k, m_seg, lin, rank, chunk_mt, alpha, 0.0, grid,
+        WORLD=world, DIRECT=direct, HAS_BIAS=False, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=p["gm"],
+        EVEN_K=k % p["bk"] == 0, DEBUG=debug, COUNTERS=COUNTERS, DST_ALIGNED=dst_aligned, TMA=descs is not None,
+        B_KMAJOR=kmajor, num_warps=p["warps"], num_stages=p["stages"])

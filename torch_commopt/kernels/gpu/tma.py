@@ -1,5 +1,5 @@
 """Host-side checks and tensor descriptors for the TMA kernels (ag_gemm_tma_kernel,
-rs_gemm_tma_kernel): where the TMA unit cannot take an operand the pointer-load kernel runs."""
+rs_gemm_kernel with TMA=True): where the TMA unit cannot take an operand, pointer loads run."""
 
 from __future__ import annotations
 

@@ -302,7 +302,7 @@ def rs_gemm_kernel(
     WORLD: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DEBUG: tl.constexpr,
-    COUNTERS: tl.constexpr, DST_ALIGNED: tl.constexpr,
+    COUNTERS: tl.constexpr, DST_ALIGNED: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
 ):
     """Reduce-scatter of A @ B by row blocks ("segments"): rank p gets segment p, summed.
 
@@ -315,6 +315,13 @@ def rs_gemm_kernel(
               flags[data_base + rank*256 + chunk], to `epoch`).
     Own-segment tiles wait for each peer's partial of the same chunk, add it in fp32,
     scale (avg) and add the bias, and store the result: the reduction is the epilogue.
+
+    TMA: a and b are tensor descriptors (A (rows, K) with block [BM, BK]; B as in
+    ag_gemm_tma_kernel, B_KMAJOR) and the tiles move by the TMA unit; sbk, sbn and EVEN_K are
+    unused.  A tile's rows must then be one contiguous run of A (the host checks: one outer
+    block, or LIN a multiple of BM); rows of a last, partial tile past the segment are read
+    (the next segment's, or zeros past the tensor) and their results masked.  The flags are
+    only touched after the mainloop, so it may be pipelined like any GEMM's.
     """
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M_seg, BM)
@@ -323,38 +330,13 @@ def rs_gemm_kernel(
     for t in range(pid, WORLD * per_seg, num_progs):
         seg = (rank + 1 + t // per_seg) % WORLD
         pid_m, pid_n = _tile_coords(t % per_seg, tiles_m, tiles_n, GROUP_M)
-        i = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        acc = _mainloop(a, _block_rows(seg, i, LIN, WORLD), i < M_seg, b, sbk, sbn, offs_n, offs_n < N, K, BM, BN, BK,
-                        EVEN_K)
-        _rs_tile_out(acc, seg, pid_m, pid_n, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch,
-                     bound, recv_off, data_base, N, M_seg, rank, chunk_mt, alpha, bias_scale, tiles_m, WORLD, DIRECT,
-                     HAS_BIAS, BM, BN, DEBUG, COUNTERS, DST_ALIGNED)
-
-
-@triton.jit(do_not_specialize=["epoch", "bound", "recv_off", "data_base", "rank", "chunk_mt", "alpha", "bias_scale",
-                               "num_progs"])
-def rs_gemm_tma_kernel(
-    a_desc, b_desc, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch, bound, recv_off, data_base,
-    N, K, M_seg, LIN, rank, chunk_mt, alpha, bias_scale, num_progs,
-    WORLD: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DEBUG: tl.constexpr,
-    COUNTERS: tl.constexpr, DST_ALIGNED: tl.constexpr,
-):
-    """rs_gemm_kernel with the tiles moved by the TMA unit: a_desc describes A (rows, K) with
-    block [BM, BK], b_desc B as in ag_gemm_tma_kernel.  A tile's rows must be one contiguous
-    run of A (the host checks: one outer block, or LIN a multiple of BM); rows of a last,
-    partial tile past the segment are read (the next segment's, or zeros past the tensor)
-    and their results masked.  The flags are only touched after the mainloop, so it may be
-    pipelined like any GEMM's."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M_seg, BM)
-    tiles_n = tl.cdiv(N, BN)
-    per_seg = tiles_m * tiles_n
-    for t in range(pid, WORLD * per_seg, num_progs):
-        seg = (rank + 1 + t // per_seg) % WORLD
-        pid_m, pid_n = _tile_coords(t % per_seg, tiles_m, tiles_n, GROUP_M)
-        acc = _tma_acc(a_desc, _block_rows(seg, pid_m * BM, LIN, WORLD), b_desc, pid_n * BN, K, BM, BN, BK, B_KMAJOR)
+        if TMA:
+            acc = _tma_acc(a, _block_rows(seg, pid_m * BM, LIN, WORLD), b, pid_n * BN, K, BM, BN, BK, B_KMAJOR)
+        else:
+            i = pid_m * BM + tl.arange(0, BM)
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            acc = _mainloop(a, _block_rows(seg, i, LIN, WORLD), i < M_seg, b, sbk, sbn, offs_n, offs_n < N, K, BM, BN,
+                            BK, EVEN_K)
         _rs_tile_out(acc, seg, pid_m, pid_n, out, bias, send, recv, recv_bases, flags, flag_bases, status, epoch,
                      bound, recv_off, data_base, N, M_seg, rank, chunk_mt, alpha, bias_scale, tiles_m, WORLD, DIRECT,
                      HAS_BIAS, BM, BN, DEBUG, COUNTERS, DST_ALIGNED)
