@@ -179,7 +179,7 @@ def launch_fused(a2, slots2, flags, status, weights, biases, outs2, *, lin, rank
         grid = max(1, min(sms - (1 if debug else 0), tiles))
         common = dict(WORLD=world, NUM_B=n_b, HAS_BIAS=has_bias, BM=p["bm"], BN=p["bn"], BK=p["bk"],
                       GROUP_M=p["gm"], DEBUG=debug, num_warps=p["warps"], num_stages=p["stages"])
-        descs = tma.descriptors([a2, slots2], ws3, p["bm"], p["bn"], p["bk"]) if p.get("tma") else None
+        descs = tma.descriptors("ag_matmul", [a2, slots2], ws3, p["bm"], p["bn"], p["bk"]) if p.get("tma") else None
         if descs is not None:
             (a_d, s_d), b_ds, kmajor = descs
             ag_gemm_tma_kernel[(grid,)](

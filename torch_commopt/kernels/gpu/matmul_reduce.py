@@ -365,7 +365,8 @@ def launch_rs_fused(a2, weight, out, send, recv, recv_bases, flags, flag_bases, 
     sms = (p.get("sms") or num_sms(out.device)) - (1 if debug else 0)
     grid = max(1, min(sms, world * cdiv(m_seg, p["bm"]) * cdiv(n, p["bn"])))
     one_run = lin == m_seg or lin % p["bm"] == 0  # every tile's rows one contiguous run of A
-    descs = tma.descriptors([a2], [weight], p["bm"], p["bn"], p["bk"]) if p.get("tma") and one_run else None
+    split = None if one_run else f"a tile's rows span two runs of A (run of {lin} rows, bm {p['bm']})"
+    descs = tma.descriptors("matmul_rs", [a2], [weight], p["bm"], p["bn"], p["bk"], split) if p.get("tma") else None
     a_op, b_op, kmajor = (a2, weight, False) if descs is None else (descs[0][0], descs[1][0], descs[2])
     elt = out.element_size()
     dst_aligned = bases_aligned and (recv_off * elt) % 16 == 0 and (m_seg * n * elt) % 16 == 0

@@ -1,11 +1,16 @@
 """Host-side checks and tensor descriptors for the TMA kernels (ag_gemm_tma_kernel,
-rs_gemm_kernel with TMA=True): where the TMA unit cannot take an operand, pointer loads run."""
+rs_gemm_kernel with TMA=True): where the TMA unit cannot take an operand, pointer loads run
+(logged once per op and reason)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
+_logged: set[tuple[str, str]] = set()
 
 
 def aligned(t: torch.Tensor) -> bool:
@@ -23,21 +28,39 @@ def b_views(weights: Sequence[torch.Tensor]) -> Optional[tuple[list[torch.Tensor
     return None
 
 
-def descriptors(a_operands: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], bm: int, bn: int, bk: int):
-    """(A descriptors [bm, bk], B descriptors, B K-major) for the TMA kernels, or None where
-    TMA cannot take the operands: a row pitch or base not 16-byte aligned, B's of mixed
-    layouts, or a tensor smaller than its box (the pointer kernel's masks take those)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+def _boxes(a_operands, bs, kmajor: bool, bm: int, bn: int, bk: int):
+    a_block, b_block = [bm, bk], ([bn, bk] if kmajor else [bk, bn])
+    return [(a, a_block) for a in a_operands] + [(b, b_block) for b in bs]
 
+
+def refusal(a_operands: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], bm: int, bn: int,
+            bk: int) -> Optional[str]:
+    """Why the TMA kernels cannot take these operands (None: they can)."""
     views = b_views(weights)
     if views is None:
-        return None
+        return "the weights are neither all K-major nor all row-major"
     bs, kmajor = views
     if not all(aligned(t) for t in [*a_operands, *bs]):
+        return "a base or row pitch is not 16-byte aligned"
+    if any(d < blk for t, block in _boxes(a_operands, bs, kmajor, bm, bn, bk) for d, blk in zip(t.shape, block)):
+        return "a tensor is smaller than one tile"
+    return None
+
+
+def descriptors(op: str, a_operands: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], bm: int, bn: int,
+                bk: int, why_not: Optional[str] = None):
+    """(A descriptors [bm, bk], B descriptors, B K-major) for the TMA kernels, or None where
+    TMA cannot take the operands (`refusal`, or the caller's own `why_not`): then the
+    pointer-load kernel runs, which is logged once per op and reason."""
+    why = why_not or refusal(a_operands, weights, bm, bn, bk)
+    if why is not None:
+        if (op, why) not in _logged:
+            _logged.add((op, why))
+            log.info("commopt %s fused tma=1: %s; this call runs the pointer-load kernel", op, why)
         return None
-    a_block, b_block = [bm, bk], ([bn, bk] if kmajor else [bk, bn])
-    boxes = [(a, a_block) for a in a_operands] + [(b, b_block) for b in bs]
-    if any(d < blk for t, block in boxes for d, blk in zip(t.shape, block)):
-        return None
-    return ([TensorDescriptor.from_tensor(a, a_block) for a in a_operands],
-            [TensorDescriptor.from_tensor(b, b_block) for b in bs], kmajor)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bs, kmajor = b_views(weights)
+    boxes = _boxes(a_operands, bs, kmajor, bm, bn, bk)
+    descs = [TensorDescriptor.from_tensor(t, block) for t, block in boxes]
+    return descs[:len(a_operands)], descs[len(a_operands):], kmajor
