@@ -25,9 +25,17 @@ BIG = (1, 32, 8, 8192, 128, True)  # large enough for ring_zigzag's two head gro
 
 
 def _truth(q, k, v, dout, causal):
-    q, k, v = (t.detach().float().requires_grad_(True) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    return (out.detach(),) + torch.autograd.grad(out, (q, k, v), dout.float())
+    """fp32 attention and its gradients, one K/V head (and its query heads) at a time: fp32
+    SDPA takes the math path, whose score matrix for all heads of a 16K sequence (B1 H32)
+    would be 32 GiB."""
+    g = q.shape[1] // k.shape[1]
+    parts = []
+    for j in range(k.shape[1]):
+        qj, kj, vj = (t.detach().float().requires_grad_(True)
+                      for t in (q[:, j * g:(j + 1) * g], k[:, j:j + 1], v[:, j:j + 1]))
+        out = F.scaled_dot_product_attention(qj, kj, vj, is_causal=causal, enable_gqa=True)
+        parts.append((out.detach(),) + torch.autograd.grad(out, (qj, kj, vj), dout[:, j * g:(j + 1) * g].float()))
+    return tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(4))
 
 
 def _eager(q, k, v, dout, causal):
