@@ -19,9 +19,10 @@ Per case (B, H, H_kv, D, S_total, causal, pass "fwd" or "fwd+bwd"; bf16) one run
                         expanded to H heads before sharding (noted in torch_cp_gqa).
     commopt             every schedule cost.candidates accepts (torch.ops.commopt.cp_attention_fwd;
                         fwd+bwd through the autograd wrapper cp_attention), on contiguous shards;
-                        commopt's pick = cost.rank_schedules' first with the backend's machine
-                        figures (attention/rewrite.py MACHINES, UNCALIBRATED round numbers): its
-                        time is that schedule's time in the same rounds.
+                        commopt's pick = cost.rank_schedules' first with the machine figures the
+                        compiled path uses (rewrite._machine: this machine's stored tuner
+                        calibration, else the priors; `commopt_pick_by` says which): its time
+                        is that schedule's time in the same rounds.
 
 Before timing, every commopt schedule's out shard (and for fwd+bwd dq/dk/dv shards) is compared
 with the single-device full attention (relative error; torch CP's too, in its own layout).
@@ -422,14 +423,31 @@ def _global_errors(errors: dict[str, float], dev: str) -> dict[str, float]:
     return dict(zip(errors, _agree_max(list(errors.values()), dev))) if errors else {}
 
 
-def _commopt_plan(case: Case, world: int, dtype: torch.dtype, dev: str, only: list[str] | None):
+def pick_machine(dev: str, world: int, dtype: torch.dtype):
+    """(CPMachine, how it was obtained): what the compiled path ranks with (rewrite._machine):
+    this machine's stored calibration (rank 0's), else the priors; the round figures on CPU."""
+    from torch_commopt.attention.cost import machine_from_calibration
+    from torch_commopt.attention.rewrite import MACHINES
+    from torch_commopt.tuner.choose import calibration_for
+
+    if dev != "cuda":
+        return MACHINES["cpu"], "rewrite.MACHINES round figures (CPU)"
+    try:
+        cal = calibration_for(torch.device("cuda", torch.cuda.current_device()), world, dist.group.WORLD.group_name,
+                              None, 300.0)
+        machine = machine_from_calibration(cal, str(dtype).removeprefix("torch."))
+        return machine, f"tuner calibration ({cal.source}: {cal.device} x{cal.world})"
+    except (KeyError, ValueError, RuntimeError) as e:
+        return MACHINES["cuda"], f"rewrite.MACHINES round figures (no calibration: {e})"
+
+
+def _commopt_plan(case: Case, world: int, dtype: torch.dtype, machine, only: list[str] | None):
     """(schedules to run, pick, the cost model's ranking).  The pick is always run."""
     from torch_commopt.attention.cost import candidates, rank_schedules
-    from torch_commopt.attention.rewrite import MACHINES
     from torch_commopt.attention.spec import refusal
 
     accepted = [str(s) for s in candidates(case.shape, world=world, causal=case.causal)]
-    ranked = rank_schedules(case.shape, world=world, causal=case.causal, dtype=dtype, machine=MACHINES[dev],
+    ranked = rank_schedules(case.shape, world=world, causal=case.causal, dtype=dtype, machine=machine,
                             backward=case.backward)
     pick = ranked[0][0]
     if only is None:
@@ -478,7 +496,7 @@ def _torch_cp_plans(case, full, ref, mesh, rank, world, dev, no_lb: bool) -> dic
     return plans
 
 
-def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, mesh, args) -> dict:
+def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, mesh, args, machine) -> dict:
     """Check numerics of every variant, then time them all in the same rounds."""
     from torch_commopt.attention.local import pick as local_pick
 
@@ -489,7 +507,7 @@ def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, me
     with single_gpu(case, full) as (step, outputs):
         step()
         ref = outputs()
-    scheds, pick, ranked = _commopt_plan(case, world, dtype, dev, args.schedules)
+    scheds, pick, ranked = _commopt_plan(case, world, dtype, machine[0], args.schedules)
     tol = TOLERANCE.get(dtype, 3e-2)
     errors = {}
     for s in scheds:
@@ -513,13 +531,13 @@ def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, me
                      for m, p in cp.items() if p["how"] is not None})
     variants.update({f"commopt {s}": (lambda s=s: commopt_schedule(case, local, s, group)) for s in scheds})
     rounds = time_variants(variants, clock, dev, args.repeats, args.target_ms)
-    rec = _record(case, world, dtype, rounds, errors, tol, pick, ranked, cp)
+    rec = _record(case, world, dtype, rounds, errors, tol, pick, ranked, cp, machine[1])
     rec["commopt_local_backend"] = local_pick(local["q"], local["k"]).name
     return rec
 
 
 def _record(case: Case, world: int, dtype: torch.dtype, rounds: dict, errors: dict, tol: float, pick: str,
-            ranked: list, cp: dict) -> dict:
+            ranked: list, cp: dict, pick_by: str) -> dict:
     from torch_commopt.attention.spec import zigzag_head_groups
 
     ms = {name: statistics.median(v) for name, v in rounds.items()}
@@ -539,7 +557,7 @@ def _record(case: Case, world: int, dtype: torch.dtype, rounds: dict, errors: di
         "torch_cp_allgather_ms": torch_ms["allgather"], "torch_cp_alltoall_ms": torch_ms["alltoall"],
         "torch_cp": {m: {k: v for k, v in p.items() if k != "how"} for m, p in cp.items()},
         "commopt_ms": commopt_ms, "commopt_schedule": pick,
-        "commopt_pick_by": "attention.cost.rank_schedules (rewrite.MACHINES figures, uncalibrated)",
+        "commopt_pick_by": f"attention.cost.rank_schedules with {pick_by}",
         "commopt_predicted_ms": dict(ranked),
         "efficiency": ms["single_gpu_full"] / (world * commopt_ms),
         "speedup_vs_torch_cp": min(timed_torch) / commopt_ms if timed_torch else None,
@@ -570,10 +588,11 @@ def worker(rank: int, world: int, cases: list[Case], args: argparse.Namespace, p
         torch.cuda.set_device(rank)
     dtype = torch.float32 if dev == "cpu" else getattr(torch, args.dtype)
     mesh = init_device_mesh(dev, (world,))
+    machine = pick_machine(dev, world, dtype)
     records = []
     for i, case in enumerate(cases):
         t0 = time.perf_counter()
-        rec = run_case(case, rank, world, dev, dtype, mesh, args)
+        rec = run_case(case, rank, world, dev, dtype, mesh, args, machine)
         records.append(rec)
         if rank == 0:
             log.info("[%d/%d %.1fs] %s", i + 1, len(cases), time.perf_counter() - t0, _row(rec))
@@ -624,7 +643,8 @@ def report(records: list[dict], meta: dict) -> str:
     lines += ["", "Times in ms per call (back-to-back calls, median of rounds in rotated order, slowest rank). "
               "Single GPU full: every rank computes the whole-sequence attention on its own device at the same "
               "time. efficiency = single / (W x commopt); speedup = faster torch CP / commopt. commopt's pick "
-              "is attention.cost.rank_schedules' first with UNCALIBRATED machine figures (rewrite.MACHINES); "
+              "is attention.cost.rank_schedules' first with the figures the compiled path uses "
+              f"({records[0]['commopt_pick_by'].split(' with ', 1)[-1] if records else '-'}); "
               "its time is that schedule's. '-': not measured (reason below).", "",
               "## Every commopt schedule (ms; max relative error vs single-device full attention over out, "
               "dq, dk, dv; predicted ms)", ""]
