@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|plan|attention|attention1|e2e|torchtitan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|plan|attention|attention1|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -41,6 +41,10 @@ if [[ $what == torchtitan ]]; then
   python3 -m pip install -q --no-deps --target /tmp/ttsite .whl/*.whl > "$out/tt_install.log" 2>&1
   PYTHONPATH=/tmp/ttsite:$PYTHONPATH timeout ${TT_TIMEOUT:-560} python3 benchmarks/bench_torchtitan.py --out "$out" \
     ${BENCH_ARGS:-} 2>&1 | tee "$out/torchtitan.log"
+fi
+if [[ $what == cpprofile ]]; then
+  # where a cp attention schedule's time goes: kernel tables per variant and rank (2+ GPUs)
+  timeout ${PROFILE_TIMEOUT:-400} python3 benchmarks/profile_cp_attention.py "$out/cpprofile" ${BENCH_ARGS:-} 2>&1 | tee "$out/cpprofile.log"
 fi
 if [[ $what == attention1 ]]; then
   # one GPU: the CUDA local-attention backends vs math, and each schedule's compute alone per rank

@@ -1,0 +1,160 @@
+"""Two or more GPUs: where a context-parallel attention schedule's time goes (torch.profiler).
+
+bench_attention.py (2x H200, 2026-11-23) measured ring_zigzag on a contiguous program 3.5 ms
+slower than the same ring on zigzag shards (16K tokens, MHA, fwd+bwd), where the relayout
+bytes predict ~1.3 ms, and the zigzag-layout ring 1.2 ms slower than its per-rank compute
+alone.  This runs each variant fwd+bwd on one shape, times it (back-to-back calls, slowest
+rank), then profiles a few calls per rank and writes, per variant and rank, the kernel table
+(device time by kernel, NCCL separately) and the busy time of the compute stream, so the
+exposed communication, the relayout copies and the NCCL kernels' share of the SMs can be
+read off.  Variants (any subset with --variants):
+
+    zigzag_g1   ring_zigzag on contiguous shards, relayouts not pipelined (head_groups=1)
+    zigzag_g2   the same, relayouts pipelined over two head groups (what the op picks at
+                >= 32 MiB of q per group)
+    zigzag_lay  ring_zigzag on zigzag shards (layout="zigzag"): no relayouts
+    ulysses     all-to-all to heads, full attention on H/W heads, all-to-all back
+    ring        the contiguous ring (causal imbalance)
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+      python3 benchmarks/profile_cp_attention.py OUTDIR [--seq 16384] [--heads 32/32] [--world 2]
+
+Writes OUTDIR/cp_profile.json (times, per-variant kernel totals per rank) and
+OUTDIR/cp_profile_<variant>_rank<r>.txt (kernel tables); --trace adds chrome traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from torch_commopt.launch import run_distributed  # noqa: E402
+
+VARIANTS = {"zigzag_g1": ("ring_zigzag", "contiguous", 1), "zigzag_g2": ("ring_zigzag", "contiguous", 2),
+            "zigzag_lay": ("ring_zigzag", "zigzag", None), "ulysses": ("ulysses", "contiguous", None),
+            "ring": ("ring", "contiguous", None)}
+
+
+def _shard(t: torch.Tensor, rank: int, world: int, layout: str) -> torch.Tensor:
+    """This rank's part along dim 2: contiguous, or zigzag (chunks r and 2W-1-r of 2W)."""
+    if layout == "contiguous":
+        return t.chunk(world, dim=2)[rank].contiguous()
+    chunks = t.chunk(2 * world, dim=2)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=2).contiguous()
+
+
+def _step(schedule: str, layout: str, head_groups, q, k, v, dout, group):
+    """One fwd+bwd call of the schedule's ops (the autograd wrapper's two halves)."""
+    from torch_commopt.attention import schedules
+
+    kw = dict(schedule=schedule, causal=True, group=group, layout=layout, head_groups=head_groups)
+
+    def step():
+        out, lse = schedules.cp_attention_fwd(q, k, v, **kw)
+        return schedules.cp_attention_bwd(dout, q, k, v, out, lse, **kw)
+    return step
+
+
+def _timed(step, sync, dev: str, calls: int = 10, rounds: int = 3) -> float:
+    step()
+    sync()
+    samples = []
+    for _ in range(rounds):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        sync()
+        samples.append((time.perf_counter() - t0) / calls * 1e3)
+    ms = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=dev)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return ms.item()
+
+
+def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+    (out / f"cp_profile_{name}_rank{rank}.txt").write_text(table + "\n")
+    if trace:
+        prof.export_chrome_trace(str(out / f"cp_trace_{name}_rank{rank}.json"))
+    totals: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = evt.self_device_time_total / 1e3 / 3
+        key = evt.key.lower()
+        cat = ("nccl" if "nccl" in key else "attention" if any(s in key for s in ("cudnn", "flash", "fmha", "sdpa"))
+               else "merge" if "merge" in key else "copy" if any(s in key for s in ("memcpy", "copy", "cat"))
+               else "other")
+        totals[cat] = totals.get(cat, 0.0) + ms
+    return {k: round(v, 3) for k, v in sorted(totals.items())}
+
+
+def worker(rank: int, world: int, args) -> dict:
+    import torch_commopt  # noqa: F401  (registers the ops)
+
+    dev = "cpu" if args.cpu else "cuda"
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+    out = pathlib.Path(args.out)
+    h, h_kv = (int(x) for x in args.heads.split("/"))
+    g = torch.Generator(device=dev).manual_seed(7)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    full = {n: torch.randn(args.batch, hh, args.seq, args.head_dim, generator=g, device=dev, dtype=dtype)
+            for n, hh in (("q", h), ("k", h_kv), ("v", h_kv), ("dout", h))}
+    group, sync = dist.group.WORLD, (torch.cuda.synchronize if dev == "cuda" else (lambda: None))
+    res = {}
+    for name in args.variants.split(","):
+        schedule, layout, head_groups = VARIANTS[name]
+        local = {n: _shard(t, rank, world, layout) for n, t in full.items()}
+        step = _step(schedule, layout, head_groups, local["q"], local["k"], local["v"], local["dout"], group)
+        res[name] = {"ms": _timed(step, sync, dev), "device_ms_by_kind": _profile(step, sync, out, name, rank, args.trace)}
+        if rank == 0:
+            print(name, json.dumps(res[name]), flush=True)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=16384)
+    ap.add_argument("--heads", default="32/32")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--head-dim", dest="head_dim", type=int, default=128)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--trace", action="store_true", help="also write chrome traces (large)")
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--cpu", action="store_true", help="gloo smoke run (use tiny --seq/--heads): the script's logic only")
+    args = ap.parse_args()
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    per_rank = run_distributed(worker, args.world, args, backend="gloo" if args.cpu else "nccl", timeout_s=500)
+    meta = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "world": args.world, "torch": torch.__version__,
+            "commit": args.commit, "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python3", *sys.argv])}
+    data = {"meta": meta, "per_rank": per_rank}
+    (pathlib.Path(args.out) / "cp_profile.json").write_text(json.dumps(data, indent=1))
+    print(json.dumps(data, indent=1))
+
+
+if __name__ == "__main__":
+    main()
