@@ -423,6 +423,13 @@ def _global_errors(errors: dict[str, float], dev: str) -> dict[str, float]:
     return dict(zip(errors, _agree_max(list(errors.values()), dev))) if errors else {}
 
 
+def _transport() -> str:
+    """How the ring schedules move K/V on CUDA (attention/ce_ring.py's switch)."""
+    from torch_commopt.attention.ce_ring import ENV, transport
+
+    return f"{transport()} ({ENV})"
+
+
 def pick_machine(dev: str, world: int, dtype: torch.dtype):
     """(CPMachine, how it was obtained): what the compiled path ranks with (rewrite._machine):
     this machine's stored calibration (rank 0's), else the priors; the round figures on CPU."""
@@ -627,7 +634,7 @@ def _row(r: dict) -> str:
 def report(records: list[dict], meta: dict) -> str:
     lines = [f"# Context-parallel attention on {meta['device']} x{meta['world']} ({meta['date']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, {meta['dtype']}.", "",
-             f"Command: `{meta['command']}`", ""]
+             f"Command: `{meta['command']}`; ring transfers: {meta.get('ring_transport', 'nccl')}.", ""]
     if meta["device"].startswith("CPU"):
         lines += ["CPU smoke run (gloo): the figures mean nothing. torch CP's ring dispatches only the CUDA SDPA "
                   "kernels; what runs here (if anything) is DTensor's generic SDPA sharding, not its ring.", ""]
@@ -700,6 +707,7 @@ def _meta(args: argparse.Namespace) -> dict:
     return {"device": device, "world": args.world, "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton_version, "commit": args.commit or _git_commit(),
             "host": platform.node(), "dtype": "float32" if args.cpu else args.dtype,
+            "ring_transport": _transport(),
             "command": "python3 " + " ".join(sys.argv)}
 
 

@@ -1,6 +1,7 @@
 """Context-parallel attention on 2 GPUs (NCCL, cuDNN local kernels, the Triton merge): every
 schedule, both sequence layouts and the head-group pipeline against full attention (see
-attention_cases)."""
+attention_cases); again with the ring's K/V pushed by the copy engine (attention/ce_ring.py,
+TORCH_COMMOPT_ATTENTION_TRANSPORT=ce) and bounded waits, so a protocol error raises."""
 
 from __future__ import annotations
 
@@ -11,10 +12,22 @@ from torch_commopt.launch import run_distributed
 from torch_commopt.validate import within_tolerance
 
 
-@pytest.mark.gpu
-def test_every_cp_schedule_matches_full_attention_on_gpus(two_gpus):
-    for results in run_distributed(run_cp_attention_cases, two_gpus, backend="nccl", timeout_s=400):
+def _check_all(world: int) -> None:
+    for results in run_distributed(run_cp_attention_cases, world, backend="nccl", timeout_s=400):
         assert len(results) >= 60
         bad = [f"{label}: {err:.2e} vs eager bf16 {ref:.2e}" for label, err, ref in results
                if not within_tolerance(err, ref)]
         assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+def test_every_cp_schedule_matches_full_attention_on_gpus(two_gpus):
+    _check_all(two_gpus)
+
+
+@pytest.mark.gpu
+def test_every_cp_schedule_matches_full_attention_with_copy_engine_ring(two_gpus, monkeypatch):
+    monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", "ce")
+    monkeypatch.setenv("TORCH_COMMOPT_DEBUG_WAITS", "1")
+    monkeypatch.setenv("TORCH_COMMOPT_WAIT_TIMEOUT_S", "60")
+    _check_all(two_gpus)

@@ -72,6 +72,19 @@ class RingShift:
             work.wait()
         self.works, self.cur = [], 1 - self.cur
 
+    def finish(self) -> None:
+        """After the last use of the current tensors (nothing to release here)."""
+
+
+def ring_shift(tensors: Sequence[Tensor], group: Group, tag: int):
+    """A RingShift, or on CUDA with TORCH_COMMOPT_ATTENTION_TRANSPORT=ce the copy-engine
+    shift of attention/ce_ring.py (same interface: current, start, wait, finish)."""
+    from torch_commopt.attention import ce_ring
+
+    if ce_ring.usable(tensors, group):
+        return ce_ring.CEShift(tensors, group)
+    return RingShift(tensors, group, tag)
+
 
 def ring_pass(send: Sequence[Tensor], recv: Sequence["Spec"], group: Group,
               tag: int) -> Callable[[], list[Tensor]]:

@@ -207,7 +207,7 @@ def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group
     n, p = comm.size(group), comm.rank(group)
     q = q.contiguous()  # once, not per block: the fused kernels want contiguous operands
     acc = Accumulator(q, v.shape[-1], acc_dtype(q.dtype))
-    shift = comm.RingShift([k, v], group, KV_TAG)
+    shift = comm.ring_shift([k, v], group, KV_TAG)
     steps = [plan(p, (p - i) % n, n, q.shape[2]) for i in range(n)]
     final = _final(steps)  # the last merge may round into a half-precision accumulator
     for i in range(n):
@@ -219,6 +219,7 @@ def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group
                                     backend=backend), last=(i, j) == final)
         if i + 1 < n:
             shift.wait()
+    shift.finish()
     out, lse = acc.result()
     return out.to(q.dtype), lse
 
@@ -230,7 +231,7 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     n, p = comm.size(group), comm.rank(group)
     dout, q, out = dout.contiguous(), q.contiguous(), out.to(q.dtype).contiguous()  # once, not per block
     dq = LocalSum(q, acc_dtype(q.dtype))
-    kv = comm.RingShift([k, v], group, KV_TAG)
+    kv = comm.ring_shift([k, v], group, KV_TAG)
     steps = [plan(p, (p - i) % n, n, q.shape[2]) for i in range(n)]
     dkv = GradRing(plan, n, q.shape[2], (k, v), group)
     final, incoming = _final(steps), None
@@ -250,6 +251,7 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             dkv.send(sums, (p - i) % n, i)  # on to the next rank; after step n-1 that is the block's owner
         if i + 1 < n:
             kv.wait()
+    kv.finish()
     dk, dv = dkv.receive() if n > 1 else sums
     return _unaliased(dq.result(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
 

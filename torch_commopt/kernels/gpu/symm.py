@@ -48,6 +48,12 @@ FLAG_SLOTS = 1 << 17
 # Flag regions (int32 indices into each rank's flag array).
 BARRIER = 0  # [p]: epoch of rank p's latest barrier arrival (fused reductions, eager only)
 FREE = 512  # [h * MAX_WORLD + p]: token, 1 while peer p has no unfinished reads of half h
+# The attention ring's copy-engine transfers (attention/ce_ring.py), channel c (0: K/V, 1:
+# spare) and half h: RING_FREE [c * HALVES + h]: token, 1 while the next rank has no unfinished
+# reads of slot (c, h) this rank wrote into its ring buffer; RING_DATA [c * HALVES + h]: 1 once
+# the previous rank has written this rank's slot (c, h).
+RING_FREE = FREE + HALVES * MAX_WORLD
+RING_DATA = RING_FREE + 2 * HALVES
 DATA = 1024  # [h * PHASE_SLOTS + src * MAX_CHUNKS + c]: 1 once chunk c from src has landed
 PHASE_SLOTS = MAX_WORLD * MAX_CHUNKS
 DATA2 = DATA + HALVES * PHASE_SLOTS  # second phase (all-gather of matmul_ar)
@@ -61,7 +67,7 @@ FLAG_BASES = STATUS + 8  # int64 [MAX_WORLD]: every rank's flag array address (f
 BUFFER_PTRS = FLAG_BASES + 2 * MAX_WORLD  # int64 [MAX_BUFFERS][MAX_WORLD]: data buffer addresses
 MAX_BUFFERS = 32
 assert BUFFER_PTRS + MAX_BUFFERS * 2 * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0
-assert FREE + HALVES * MAX_WORLD <= DATA
+assert RING_DATA + 2 * HALVES <= DATA
 
 MIN_BUFFER_BYTES = 1 << 24
 DEBUG_ENV = "TORCH_COMMOPT_DEBUG_WAITS"
@@ -90,7 +96,7 @@ class SymmBuffer:
     local: torch.Tensor  # uint8, this rank's memory
     handle: object
     rank: int
-    ptrs_dev: torch.Tensor  # int64 base addresses of every rank's copy (for Triton)
+    ptrs_dev: torch.Tensor | None  # int64 base addresses of every rank's copy (for Triton; None: not needed)
     views: dict = field(default_factory=dict)
 
     @property
@@ -140,6 +146,7 @@ class GroupRuntime:
         flags = _off_thread(lambda: symm_mem.empty(FLAG_SLOTS, dtype=torch.int32, device=device), device)
         flags.zero_()
         flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
+        flags[RING_FREE: RING_FREE + 2 * HALVES].fill_(1)
         # A peer may write our flags as soon as rendezvous returns: the zeroing must be done.
         torch.cuda.synchronize(device)
         self.flags_handle = _off_thread(lambda: symm_mem.rendezvous(flags, group_name), device)
@@ -148,6 +155,7 @@ class GroupRuntime:
         self.flag_bases_dev = self._int64_table(FLAG_BASES, self.flag_bases)
         self.status = flags[STATUS: STATUS + 8]  # zeroed above
         self.buffers: list[SymmBuffer] = []
+        self.owned: dict[str, list[SymmBuffer]] = {}  # own_buffer's, by purpose (the last is current)
         self._debug_kernel_loaded = False
         self._warned_capture_debug = False
         log.info("commopt: symmetric runtime for group %s (rank %d of %d) on %s", group_name, self.rank, self.world, device)
@@ -199,6 +207,24 @@ class GroupRuntime:
         self.buffers.append(buf)
         log.info("commopt: symmetric buffer of %d MiB for group %s", size >> 20, self.group_name)
         return buf
+
+    def has_own_buffer(self, purpose: str, nbytes: int) -> bool:
+        return bool(self.owned.get(purpose)) and self.owned[purpose][-1].nbytes >= nbytes
+
+    def own_buffer(self, purpose: str, nbytes: int) -> SymmBuffer:
+        """A symmetric buffer of >= nbytes that only `purpose` uses (not one of `buffer`'s
+        shared size classes: its slots are guarded by tokens of its own).  A larger request
+        allocates a new one (collective, like `buffer`); the old ones stay allocated, since
+        peers may still hold mappings of them."""
+        kept = self.owned.setdefault(purpose, [])
+        if kept and kept[-1].nbytes >= nbytes:
+            return kept[-1]
+        size = max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+        local = _off_thread(lambda: symm_mem.empty(size, dtype=torch.uint8, device=self.device), self.device)
+        handle = _off_thread(lambda: symm_mem.rendezvous(local, self.group_name), self.device)
+        kept.append(SymmBuffer(local, handle, self.rank, None))
+        log.info("commopt: symmetric %s buffer of %d MiB for group %s", purpose, size >> 20, self.group_name)
+        return kept[-1]
 
     def _int64_table(self, index: int, values: list[int]) -> torch.Tensor:
         """int64 `values` stored at int32 index `index` of this rank's flag array (a view)."""
@@ -298,7 +324,8 @@ def data_index(half: int, src: int, chunk: int, phase: int = 0) -> int:
     return (DATA2 if phase else DATA) + half * PHASE_SLOTS + src * MAX_CHUNKS + chunk
 
 
-WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk": 5, "free buffer": 6}
+WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk": 5, "free buffer": 6,
+              "ring block": 7, "free ring slot": 8}
 
 _RUNTIMES: dict[tuple[str, int], GroupRuntime] = {}
 
@@ -310,12 +337,16 @@ def capture_refusal(group_name: str, device: torch.device, op: str, schedule, nb
     epochs, values a replay would repeat."""
     if schedule.in_capture(op) != schedule:
         return f"CUDA-graph capture (runs {schedule.in_capture(op)} there)"
-    key = (group_name, device.index if device.index is not None else torch.cuda.current_device())
-    rt = _RUNTIMES.get(key)
+    rt = existing(group_name, device)
     if rt is None or not rt.has_buffer(nbytes):
         return (f"CUDA-graph capture before a {max(nbytes, 1) >> 20} MiB symmetric buffer exists "
                 "(run the call once outside the graph first)")
     return None
+
+
+def existing(group_name: str, device: torch.device) -> GroupRuntime | None:
+    """The group's runtime on `device` if one was created (creating one synchronizes)."""
+    return _RUNTIMES.get((group_name, device.index if device.index is not None else torch.cuda.current_device()))
 
 
 def runtime(group_name: str, device: torch.device) -> GroupRuntime:
