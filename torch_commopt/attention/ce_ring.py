@@ -72,9 +72,18 @@ def transport() -> str:
     return want
 
 
+def _layout(tensors: Sequence[Tensor]) -> tuple[list[int], int]:
+    """(offset of each tensor in a slot, the slot's bytes): every piece starts aligned."""
+    offsets, off = [], 0
+    for t in tensors:
+        offsets.append(off)
+        off += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return offsets, off
+
+
 def slot_bytes(tensors: Sequence[Tensor]) -> int:
-    """Bytes one message of these tensors takes in a slot (each piece aligned)."""
-    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
+    """Bytes one message of these tensors takes in a slot."""
+    return _layout(tensors)[1]
 
 
 def usable(tensors: Sequence[Tensor], group) -> bool:
@@ -105,11 +114,7 @@ class CEShift:
         self.symm, self.channel = symm, channel
         self.rt = rt = symm.runtime(group.group_name, tensors[0].device)
         self.specs = [(t.shape, t.dtype) for t in tensors]
-        self.offsets, off = [], 0
-        for t in tensors:
-            self.offsets.append(off)
-            off += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        self.slot = off
+        self.offsets, self.slot = _layout(tensors)
         self.buf = rt.own_buffer(PURPOSE, (channel + 1) * 2 * self.slot)  # two halves per channel
         n, p = rt.world, rt.rank
         self.next, self.prev = (p + 1) % n, (p - 1) % n
