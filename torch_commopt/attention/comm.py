@@ -126,13 +126,16 @@ def exchange(send: list[list[Tensor]], recv: list[list[Spec]], group: Group, dev
     (shape, dtype) that group rank s sends here, in its order.  Packed as bytes, so one
     collective carries any dtypes (an output and its fp32 lse together).  Returns the
     received tensors per source rank; with async_op, a function that waits and returns them
-    (the collective is in flight meanwhile)."""
+    (the collective is in flight meanwhile).  This rank's own pieces do not travel: they are
+    returned as given (views of the caller's tensors: not to be written), which saves a
+    packing copy and the collective's local copy of them."""
     if group is None:
         got = [[t.clone() for t in send[0]]]
         return (lambda: got) if async_op else got
-    chunks = [[_as_bytes(t) for t in pieces] for pieces in send]
+    me = group.rank()
+    chunks = [[] if d == me else [_as_bytes(t) for t in pieces] for d, pieces in enumerate(send)]
     in_splits = [sum(c.numel() for c in cs) for cs in chunks]
-    out_splits = [sum(_nbytes(s, dt) for s, dt in specs) for specs in recv]
+    out_splits = [0 if s == me else sum(_nbytes(sh, dt) for sh, dt in specs) for s, specs in enumerate(recv)]
     flat = torch.cat([c for cs in chunks for c in cs]) if sum(in_splits) else torch.empty(0, dtype=torch.uint8,
                                                                                           device=device)
     out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
@@ -142,7 +145,10 @@ def exchange(send: list[list[Tensor]], recv: list[list[Spec]], group: Group, dev
         if work is not None:
             work.wait()
         result, offset = [], 0
-        for specs in recv:
+        for s, specs in enumerate(recv):
+            if s == me:
+                result.append(list(send[me]))
+                continue
             pieces = []
             for shape, dtype in specs:
                 n = torch.Size(shape).numel() * dtype.itemsize
