@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from probe_attention_blocks import timed  # noqa: E402  (median of rounds of back-to-back calls)
 
 from torch_commopt.kernels.gpu.ag_matmul import launch_fused  # noqa: E402
 from torch_commopt.kernels.gpu.matmul_reduce import launch_rs_fused  # noqa: E402
@@ -36,21 +36,6 @@ from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS  # noqa: E402
 SHAPES = [(8192, 8192, 4096), (16384, 8192, 4096), (4096, 8192, 14336), (16384, 8192, 14336)]
 RS_SHAPES = [(8192, 4096, 8192), (16384, 4096, 8192), (4096, 4096, 7168), (16384, 4096, 7168)]
 FLAG_BASE = 1024
-
-
-def timed(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    rounds = []
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        rounds.append(start.elapsed_time(end) / reps)
-    return statistics.median(rounds)
 
 
 def config_params(text: str) -> list[dict]:
@@ -95,7 +80,8 @@ def rs_records(configs: list[dict]) -> list[dict]:
                 launch_rs_fused(a2, w, out, send, recv, recv_bases, flags, flag_bases, status, recv_off=0,
                                 data_base=0, lin=m_seg, rank=0, world=2, m_seg=m_seg, chunk_mt=8, alpha=1.0,
                                 params={"tma": 1, **cfg}, direct=True, bases_aligned=True)
-            rec["fused"]["store=direct,tma=1," + ",".join(f"{k}={v}" for k, v in cfg.items())] = _timed_or_error(run_cfg)
+            label = "store=direct,tma=1," + ",".join(f"{k}={v}" for k, v in cfg.items())
+            rec["fused"][label] = _timed_or_error(run_cfg)
         records.append(rec)
         print(json.dumps(rec), flush=True)
     return records

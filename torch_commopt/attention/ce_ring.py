@@ -54,10 +54,10 @@ class _NoParams:
 _NO_PARAMS = _NoParams()
 
 
-def _once(key: str, msg: str, *args) -> None:
+def _once(key: str, level: int, msg: str, *args) -> None:
     if key not in _logged:
         _logged.add(key)
-        log.info(msg, *args)
+        log.log(level, msg, *args)
 
 
 def transport() -> str:
@@ -65,9 +65,8 @@ def transport() -> str:
     read as nccl: a typo must not stop a training step)."""
     want = os.environ.get(ENV, "nccl").strip().lower() or "nccl"
     if want not in TRANSPORTS:
-        if f"bad {want}" not in _logged:
-            _logged.add(f"bad {want}")
-            log.warning("commopt attention: %s=%r is not one of %s; using nccl", ENV, want, TRANSPORTS)
+        _once(f"bad {want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; using nccl", ENV, want,
+              TRANSPORTS)
         return "nccl"
     return want
 
@@ -97,10 +96,10 @@ def usable(tensors: Sequence[Tensor], group) -> bool:
 
         rt = symm.existing(group.group_name, tensors[0].device)
         if rt is None or not rt.has_own_buffer(PURPOSE, 2 * slot_bytes(tensors)):
-            _once("capture", "commopt attention: copy-engine ring buffer not yet allocated inside a CUDA-graph "
-                  "capture; the ring runs on NCCL (run a call outside the graph first)")
+            _once("capture", logging.INFO, "commopt attention: copy-engine ring buffer not yet allocated inside a "
+                  "CUDA-graph capture; the ring runs on NCCL (run a call outside the graph first)")
             return False
-    _once("on", "commopt attention: ring transfers by the copy engine (%s=ce)", ENV)
+    _once("on", logging.INFO, "commopt attention: ring transfers by the copy engine (%s=ce)", ENV)
     return True
 
 

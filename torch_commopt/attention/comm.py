@@ -29,8 +29,9 @@ class RingShift:
     """Tensors shifted one peer along the ring per step: group rank p sends to p+1 and
     receives from p-1.  Double-buffered: `start()` sends the current buffer while the
     next one is received into the other, so the caller issues step i+1's transfer before
-    computing on step i's tensors (`current()`), then `wait()`s and flips.  On a GPU the
-    transfers would go on a side stream; the loop's shape stays the same.
+    computing on step i's tensors (`current()`), then `wait()`s and flips.  Any backend
+    (NCCL's send/recv kernels on a GPU); ce_ring.CEShift is the copy-engine variant with the
+    same interface, chosen by `ring_shift`.
 
     tensors: same dtype and device; packed into one flat buffer (one message per step).
     tag: distinguishes concurrent shifts between the same peers (gloo matches by tag;
