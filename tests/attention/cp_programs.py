@@ -308,12 +308,16 @@ def run_grad_ring(rank: int, world: int, seed: int = 0) -> list[str]:
 
 
 def run_head_groups(rank: int, world: int, seed: int = 0) -> dict:
-    """ring_zigzag with its relayouts pipelined over 2 head groups (schedules._zigzag_pipelined,
-    forced: the CPU shapes are below the automatic threshold), MHA and GQA: forward and
-    backward against full attention, and the all-to-alls: two of half the size each way."""
+    """ring_zigzag's relayouts and ulysses / hybrid:2:R's all-to-alls pipelined over 2 head
+    groups (schedules._pipelined, forced: the CPU shapes are below the automatic thresholds),
+    MHA and GQA: forward and backward against full attention, and the forward's all-to-alls:
+    two of half the size each way."""
     group, errors, problems = dist.group.WORLD, [], []
-    for i, heads in enumerate([(4, 4), (8, 2)]):
-        case = Case("ring_zigzag", True, heads, seq_local=4)
+    runs = [("ring_zigzag", (4, 4)), ("ring_zigzag", (8, 2)), ("ulysses", (16, 16)), ("ulysses", (16, 8))]
+    if world == 4:
+        runs.append(("hybrid:2:2", (8, 4)))
+    for i, (schedule, heads) in enumerate(runs):
+        case = Case(schedule, True, heads, seq_local=4)
         q, k, v, dout = _global_inputs(case, world, seed + 300 + i)
         truth = _truth(q, k, v, dout, True, None)
         eager = _truth(*(t.to(case.dtype) for t in (q, k, v, dout)), True, None)
@@ -321,7 +325,7 @@ def run_head_groups(rank: int, world: int, seed: int = 0) -> dict:
         def shard(t):
             return t[:, :, rank * case.seq_local:(rank + 1) * case.seq_local].to(case.dtype)
         ql, kl, vl, dl = (shard(t) for t in (q, k, v, dout))
-        kw = dict(schedule="ring_zigzag", causal=True, group=group)
+        kw = dict(schedule=schedule, causal=True, group=group)
         one, two = Traffic(), Traffic()
         with one.record():
             schedules.cp_attention_fwd(ql, kl, vl, head_groups=1, **kw)
@@ -329,19 +333,21 @@ def run_head_groups(rank: int, world: int, seed: int = 0) -> dict:
             out, lse = schedules.cp_attention_fwd(ql, kl, vl, head_groups=2, **kw)
         halves = Counter({("a2a", size // 2): 2 * n for (kind, size), n in one.sent.items() if kind == "a2a"})
         got_a2a = Counter({key: n for key, n in two.sent.items() if key[0] == "a2a"})
-        if got_a2a != halves:
-            problems.append(f"{heads}: forward all-to-alls {dict(got_a2a)}, expected {dict(halves)}")
+        if got_a2a != halves or not halves:
+            problems.append(f"{schedule} {heads}: forward all-to-alls {dict(got_a2a)}, expected {dict(halves)}")
         dq, dk, dv = schedules.cp_attention_bwd(dl, ql, kl, vl, out, lse, head_groups=2, **kw)
         got = [_unshard(t, group) for t in (out, lse, dq, dk, dv)]
-        errors += [(f"head groups {heads} {n}", rel_err(x, t), rel_err(e, t))
+        errors += [(f"{schedule} head groups {heads} {n}", rel_err(x, t), rel_err(e, t))
                    for n, x, t, e in zip(("out", "lse", "dq", "dk", "dv"), got, truth, eager)]
-    try:
-        schedules.cp_attention_fwd(*(torch.randn(1, 3, 4, 8) for _ in range(3)), schedule="ring_zigzag", causal=True,
-                                   group=group, head_groups=2)
-        refused = ""
-    except ValueError as e:
-        refused = str(e)
-    return {"errors": errors, "problems": problems, "refused": refused}
+    refused = []
+    for schedule, heads in (("ring_zigzag", 3), ("ulysses", 3 * world)):
+        try:
+            schedules.cp_attention_fwd(*(torch.randn(1, heads, 4, 8) for _ in range(3)), schedule=schedule,
+                                       causal=True, group=group, head_groups=2)
+            refused.append("")
+        except ValueError as e:
+            refused.append(str(e))
+    return {"errors": errors, "problems": problems, "refused": refused, "runs": len(runs)}
 
 
 # ---- a program already sharded zigzag ----------------------------------------------------------

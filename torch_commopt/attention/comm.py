@@ -160,27 +160,64 @@ def exchange(send: list[list[Tensor]], recv: list[list[Spec]], group: Group, dev
     return unpack if async_op else unpack()
 
 
-def seq_to_heads(xs: Sequence[Tensor], group: Group) -> list[Tensor]:
+def seq_to_heads(xs: Sequence[Tensor], group: Group, async_op: bool = False):
     """Ulysses all-to-all: each x (B, H_x, S_loc, *tail) -> (B, H_x / n, n * S_loc, *tail),
-    this rank keeping head block `rank` of the whole sequence (n = group size)."""
+    this rank keeping head block `rank` of the whole sequence (n = group size).  With
+    async_op, a function that waits and gives the list (the all-to-all in flight)."""
     n = size(group)
     if n == 1:
-        return list(xs)
+        return (lambda: list(xs)) if async_op else list(xs)
     send = [[x[:, d * (x.shape[1] // n) : (d + 1) * (x.shape[1] // n)] for x in xs] for d in range(n)]
     spec = [((x.shape[0], x.shape[1] // n) + tuple(x.shape[2:]), x.dtype) for x in xs]
-    got = exchange(send, [spec] * n, group, xs[0].device)
-    return [torch.cat([got[s][i] for s in range(n)], dim=2) for i in range(len(xs))]
+    pending = exchange(send, [spec] * n, group, xs[0].device, async_op=True)
+
+    def assemble() -> list[Tensor]:
+        got = pending()
+        return [torch.cat([got[s][i] for s in range(n)], dim=2) for i in range(len(xs))]
+    return assemble if async_op else assemble()
 
 
-def heads_to_seq(xs: Sequence[Tensor], group: Group) -> list[Tensor]:
-    """Inverse of seq_to_heads: each x (B, h, n * S_loc, *tail) -> (B, n * h, S_loc, *tail)."""
+def heads_to_seq(xs: Sequence[Tensor], group: Group, async_op: bool = False,
+                 out: Optional[Sequence[Tensor]] = None):
+    """Inverse of seq_to_heads: each x (B, h, n * S_loc, *tail) -> (B, n * h, S_loc, *tail).
+    out: tensors of those shapes to write the results into (else new ones); async_op as in
+    seq_to_heads."""
     n = size(group)
+    shapes = [(x.shape[0], n * x.shape[1], x.shape[2] // n) + tuple(x.shape[3:]) for x in xs]
     if n == 1:
-        return list(xs)
+        got = _into(out, [list(xs)], [[0]], 1, shapes)
+        return (lambda: got) if async_op else got
     send = [[x[:, :, d * (x.shape[2] // n) : (d + 1) * (x.shape[2] // n)] for x in xs] for d in range(n)]
     spec = [((x.shape[0], x.shape[1], x.shape[2] // n) + tuple(x.shape[3:]), x.dtype) for x in xs]
-    got = exchange(send, [spec] * n, group, xs[0].device)
-    return [torch.cat([got[s][i] for s in range(n)], dim=1) for i in range(len(xs))]
+    pending = exchange(send, [spec] * n, group, xs[0].device, async_op=True)
+
+    def assemble() -> list[Tensor]:
+        return _into(out, pending(), [[s] for s in range(n)], 1, shapes)
+    return assemble if async_op else assemble()
+
+
+def _into(out: Optional[Sequence[Tensor]], got: list[list[Tensor]], order: list[list[int]], dim: int,
+          shapes: Sequence[Sequence[int]]) -> list[Tensor]:
+    """Tensor i of the result: the pieces got[s][j * len(shapes) + i] for (s, j) in the order
+    (order[s]: the result positions of source s's pieces) concatenated along dim -- written
+    into out[i] where given (one copy per piece), else a new tensor."""
+    count = len(shapes)
+    where = sorted((pos, s, j) for s, poss in enumerate(order) for j, pos in enumerate(poss))
+    result = []
+    for i in range(count):
+        pieces = [got[s][j * count + i] for _, s, j in where]
+        if out is None:
+            result.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim))
+            continue
+        dst = out[i]
+        if tuple(dst.shape) != tuple(shapes[i]):
+            raise ValueError(f"commopt attention: result {i} has shape {tuple(shapes[i])}, out {tuple(dst.shape)}")
+        offset = 0
+        for piece in pieces:
+            dst.narrow(dim, offset, piece.shape[dim]).copy_(piece)
+            offset += piece.shape[dim]
+        result.append(dst)
+    return result
 
 
 def zigzag_chunks(p: int, n: int) -> list[int]:
@@ -193,14 +230,18 @@ def contiguous_chunks(p: int, n: int) -> list[int]:
 
 
 def relayout(xs: Sequence[Tensor], group: Group, now: Callable[[int, int], list[int]],
-             then: Callable[[int, int], list[int]], async_op: bool = False):
+             then: Callable[[int, int], list[int]], async_op: bool = False,
+             out: Optional[Sequence[Tensor]] = None):
     """Move sequence chunks between ranks: x (B, H, S_loc, *tail) holds chunks now(rank, n)
     along dim 2 (equal lengths); returns x holding chunks then(rank, n).  One all-to-all
     for all xs (chunks travel in ascending chunk order between each pair of ranks).  With
-    async_op, returns a function that waits and gives the list (the all-to-all in flight)."""
+    async_op, returns a function that waits and gives the list (the all-to-all in flight);
+    out: tensors of the xs' shapes to write the results into (else new ones)."""
     n, p = size(group), rank(group)
+    shapes = [x.shape for x in xs]
     if n == 1:
-        return (lambda: list(xs)) if async_op else list(xs)
+        got = _into(out, [list(xs)], [[0]], 2, shapes)
+        return (lambda: got) if async_op else got
     c = xs[0].shape[2] // len(now(p, n))
     mine = now(p, n)
     piece = {ch: [x[:, :, i * c : (i + 1) * c] for x in xs] for i, ch in enumerate(mine)}
@@ -209,12 +250,10 @@ def relayout(xs: Sequence[Tensor], group: Group, now: Callable[[int, int], list[
     recv_chunks = [sorted(set(now(s, n)) & set(wanted)) for s in range(n)]
     spec = [((x.shape[0], x.shape[1], c) + tuple(x.shape[3:]), x.dtype) for x in xs]
     pending = exchange(send, [spec * len(chs) for chs in recv_chunks], group, xs[0].device, async_op=True)
-    where = {ch: (s, j) for s, chs in enumerate(recv_chunks) for j, ch in enumerate(chs)}
+    order = [[wanted.index(ch) for ch in chs] for chs in recv_chunks]
 
     def assemble() -> list[Tensor]:
-        got = pending()
-        return [torch.cat([got[where[ch][0]][where[ch][1] * len(xs) + i] for ch in wanted], dim=2)
-                for i in range(len(xs))]
+        return _into(out, pending(), order, 2, shapes)
     return assemble if async_op else assemble()
 
 

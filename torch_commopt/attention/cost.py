@@ -13,8 +13,9 @@ Pure arithmetic (no device, no process group), so the tuner can rank schedules a
 A ring step costs max(compute, transfer): the transfer of the next block (one launch, one
 link) runs beside the compute of this one (a block and its merge: two launches).  The slowest
 rank sets the time, so a causal contiguous ring costs what its last rank does (W - 1/2 blocks)
-while zigzag costs the average (W/2 blocks).  The collectives outside the ring (all-gather,
-all-to-all, the zigzag relayouts) are not overlapped.  What the model says at its ends:
+while zigzag costs the average (W/2 blocks).  The all-gather is not overlapped; the
+all-to-alls of ulysses/hybrid and the zigzag relayouts are pipelined over head groups, so only
+the first group's inputs and the last group's results are charged.  What the model says at its ends:
 short sequences are bound by launches and latencies, where one collective (allgather, or
 ulysses's two all-to-alls at W > 2) beats W - 1 ring steps; long causal sequences are bound
 by the slowest rank's blocks, where zigzag's balance pays for its two relayouts.
@@ -28,7 +29,7 @@ from typing import Union
 
 import torch
 
-from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal, zigzag_head_groups
+from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal, ulysses_head_groups, zigzag_head_groups
 
 # the backward's time over the forward's: cuDNN on an H200, B1 H32 D128 bf16, 16K-64K: 2.72
 # (causal) - 2.81 (full) (benchmarks/results/attention_blocks_h200_2026-11-23.md)
@@ -154,10 +155,12 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
     fractions = _ring_fractions(r, causal, zigzag)
     group = world if zigzag else u  # who takes part in the exchanges before and after the ring
 
-    # ring_zigzag pipelines its relayouts over G head groups (spec.zigzag_head_groups): the ring
-    # runs G times on 1/G of the heads and only the first group's inputs and the last group's
-    # results are exposed; the other relayouts hide behind the rings.
-    groups = zigzag_head_groups(int(sz.q), shape.kv_heads) if zigzag else 1
+    # ring_zigzag and ulysses/hybrid pipeline their relayouts / all-to-alls over G head groups
+    # (spec.zigzag_head_groups, spec.ulysses_head_groups): the ring runs G times on 1/G of the
+    # heads and only the first group's inputs and the last group's results are exposed; the
+    # other exchanges hide behind the rings.
+    groups = zigzag_head_groups(int(sz.q), shape.kv_heads) if zigzag \
+        else ulysses_head_groups(int(sz.q), h, shape.kv_heads, u)
 
     def exchange(nbytes: float) -> float:
         return m.all_to_all(nbytes / groups, group)

@@ -43,10 +43,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_commopt.attention import comm
+from torch_commopt.attention.lane import Lane
 from torch_commopt.attention.local import acc_dtype, attend_bwd, attend_fwd, default_scale
 from torch_commopt.attention.merge import Accumulator
 from torch_commopt.attention.ring import contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
-from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal, zigzag_head_groups
+from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal, ulysses_head_groups, zigzag_head_groups
 from torch_commopt.kernels.reference.collectives import all_gather, reduce_scatter, resolve_group
 
 GroupLike = Union[dist.ProcessGroup, str, None]
@@ -104,10 +105,10 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
             return ring_fwd(qz, kz, vz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
         return _zigzag_pipelined([q, k, v], ring, pg, head_groups or _head_groups(q, k))
     ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
-    qh, kh, vh = comm.seq_to_heads([q, k, v], ugroup)
-    out, lse = ring_fwd(qh, kh, vh, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
-    out, lse = comm.heads_to_seq([out, lse], ugroup)
-    return out, lse
+
+    def ring(qh, kh, vh):
+        return ring_fwd(qh, kh, vh, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
+    return _ulysses_pipelined([q, k, v], ring, ugroup, head_groups or _ulysses_groups(q, k, ugroup))
 
 
 def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
@@ -128,39 +129,92 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             return ring_bwd(*zz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
         return _zigzag_pipelined([dout, q, k, v, out, lse], ring, pg, head_groups or _head_groups(q, k))
     ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
-    heads = comm.seq_to_heads([dout, q, k, v, out, lse], ugroup)
-    grads = ring_bwd(*heads, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
-    dq, dk, dv = comm.heads_to_seq(list(grads), ugroup)
-    return dq, dk, dv
+
+    def ring(*heads):
+        return ring_bwd(*heads, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
+    return _ulysses_pipelined([dout, q, k, v, out, lse], ring, ugroup, head_groups or _ulysses_groups(q, k, ugroup))
 
 
 def _head_groups(q: Tensor, k: Tensor) -> int:
     return zigzag_head_groups(q.numel() * q.element_size(), k.shape[1])
 
 
-def _zigzag_pipelined(xs: list[Tensor], ring, group: dist.ProcessGroup, groups: int):
-    """ring(*zigzag xs) per head group, each group's relayout issued before the previous group's
-    ring runs and its results sent back while the next one runs; the results are concatenated
-    along heads in the contiguous layout.  Group g takes heads [g*h/G, (g+1)*h/G) of every
-    tensor (h its own head count: H for q-side tensors, H_kv for K/V), so every query head
-    keeps its K/V head (GQA: head i reads kv head i // (H/H_kv))."""
-    if groups < 1 or any(x.shape[1] % groups for x in xs):
-        raise ValueError(f"cp attention ring_zigzag: {groups} head groups do not divide the heads "
-                         f"{[x.shape[1] for x in xs]}")
+def _ulysses_groups(q: Tensor, k: Tensor, ugroup) -> int:
+    return ulysses_head_groups(q.numel() * q.element_size(), q.shape[1], k.shape[1], comm.size(ugroup))
 
-    def part(g: int) -> list[Tensor]:
-        return [x[:, g * (x.shape[1] // groups):(g + 1) * (x.shape[1] // groups)] for x in xs]
-    pending = comm.relayout(part(0), group, comm.contiguous_chunks, comm.zigzag_chunks, async_op=True)
-    back = []
+
+def _zigzag_pipelined(xs: list[Tensor], ring, group: dist.ProcessGroup, groups: int):
+    """ring(*zigzag xs) per head group, its inputs relaid to the zigzag layout and its results
+    back to the contiguous one (_pipelined)."""
+    def there(parts, async_op):
+        return comm.relayout(parts, group, comm.contiguous_chunks, comm.zigzag_chunks, async_op=async_op)
+
+    def back(results, async_op, out):
+        return comm.relayout(results, group, comm.zigzag_chunks, comm.contiguous_chunks, async_op=async_op, out=out)
+    return _pipelined("ring_zigzag", xs, there, ring, back, lambda shape: shape, groups)
+
+
+def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int):
+    """ring(*head-sharded xs) per head group (ulysses: a ring of one rank, i.e. the local
+    attention over the whole sequence; hybrid: a ring over the ring group), its inputs moved
+    sequence -> heads and its results heads -> sequence over the Ulysses group (_pipelined).
+    Group g takes heads [g*h/G, (g+1)*h/G) of every tensor, which the all-to-all splits again
+    over the n Ulysses ranks, so every query head keeps its K/V head."""
+    n = comm.size(ugroup)
+    if n == 1:  # the ring schedule (hybrid:1:W): nothing moves
+        return tuple(ring(*xs))
+
+    def there(parts, async_op):
+        return comm.seq_to_heads(parts, ugroup, async_op=async_op)
+
+    def back(results, async_op, out):
+        return comm.heads_to_seq(results, ugroup, async_op=async_op, out=out)
+
+    def shape(s):
+        return (s[0], n * s[1], s[2] // n) + tuple(s[3:])
+    return _pipelined("ulysses", xs, there, ring, back, shape, groups, per_group=n)
+
+
+def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, groups: int, per_group: int = 1):
+    """compute(*moved xs) per head group, pipelined: group g+1's inputs are moved (there) while
+    group g computes, and group g's results move back while group g+1 computes, so only the
+    first group's inputs and the last group's results are exposed.  The moves run on a side
+    stream on CUDA (lane.Lane: their packing copies overlap the compute too).  Group g takes
+    heads [g*h/G, (g+1)*h/G) of every x (h its own head count: H for q-side tensors, H_kv for
+    K/V), so every query head keeps its K/V head (GQA: head i reads kv head i // (H/H_kv));
+    each group's results are written into their head slice of the outputs (no concatenation).
+    there(parts, async_op) / back(results, async_op, out): comm moves; back_shape: a result's
+    shape after the move back."""
+    if groups < 1 or any(x.shape[1] % (groups * per_group) for x in xs):
+        raise ValueError(f"cp attention {name}: {groups} head groups" + (f" of {per_group} ranks" if per_group > 1 else "")
+                         + f" do not divide the heads {[x.shape[1] for x in xs]}")
+    lane = Lane(xs[0].device)
+
+    def part(x: Tensor, g: int) -> Tensor:
+        h = x.shape[1] // groups
+        return x[:, g * h:(g + 1) * h]
+
+    def inbound(g: int):
+        parts = [part(x, g) for x in xs]
+        return lane.move(lambda async_op: there(parts, async_op), parts)
+    pending, outs, backs = inbound(0), None, []
     for g in range(groups):
-        zz = pending()
+        moved = pending()
         if g + 1 < groups:
-            pending = comm.relayout(part(g + 1), group, comm.contiguous_chunks, comm.zigzag_chunks, async_op=True)
-        back.append(comm.relayout(list(ring(*zz)), group, comm.zigzag_chunks, comm.contiguous_chunks, async_op=True))
-    results = [finish() for finish in back]
-    if groups == 1:
-        return tuple(results[0])
-    return tuple(torch.cat([r[i] for r in results], dim=1) for i in range(len(results[0])))
+            pending = inbound(g + 1)
+        results = list(compute(*moved))
+        del moved
+        if outs is None:
+            outs = []
+            for r in results:
+                full = list(back_shape(tuple(r.shape)))
+                full[1] *= groups
+                outs.append(torch.empty(full, dtype=r.dtype, device=r.device))
+        dst = [part(o, g) for o in outs]
+        backs.append(lane.move(lambda async_op, res=results, dst=dst: back(res, async_op, dst), results))
+    for finish in backs:
+        finish()
+    return tuple(outs)
 
 
 def _gathered_blocks(p: int, length: int, causal: bool) -> list[tuple[slice, str]]:

@@ -85,6 +85,29 @@ def zigzag_head_groups(q_bytes: int, kv_heads: int) -> int:
     return 2 if kv_heads % 2 == 0 and q_bytes // 2 >= ZIGZAG_PIPELINE_MIN_BYTES else 1
 
 
+# Ulysses (and hybrid) move every input and result through all-to-alls.  Split over head
+# groups, group g+1's inputs travel while group g's attention runs and group g's results travel
+# back meanwhile, on a side stream with their packing copies (schedules._pipelined): only the
+# first group's inputs and the last group's results are exposed.  Each group's attention still
+# spans the whole sequence (1/G of the heads), so its kernels keep their efficiency down to a
+# few heads; groups smaller than ULYSSES_PIPELINE_MIN_BYTES of q are not worth their launches.
+ULYSSES_PIPELINE_MIN_BYTES = 8 << 20  # q bytes of one rank per head group
+ULYSSES_MAX_HEAD_GROUPS = 4
+
+
+def ulysses_head_groups(q_bytes: int, heads: int, kv_heads: int, u: int) -> int:
+    """How many head groups ulysses / hybrid:U:R pipeline their all-to-alls over (schedules and
+    the cost model): the largest G <= ULYSSES_MAX_HEAD_GROUPS that splits the heads and K/V
+    heads into G * u equal parts and keeps >= ULYSSES_PIPELINE_MIN_BYTES of q per group; 1 if
+    none does (or u == 1: nothing to move)."""
+    if u <= 1:
+        return 1
+    for g in range(ULYSSES_MAX_HEAD_GROUPS, 1, -1):
+        if heads % (g * u) == 0 and kv_heads % (g * u) == 0 and q_bytes // g >= ULYSSES_PIPELINE_MIN_BYTES:
+            return g
+    return 1
+
+
 def refusal(schedule: Union[str, CPSchedule], shape: Union[AttentionShape, tuple], world: int,
             causal: bool) -> Union[str, None]:
     """Why `schedule` cannot run attention of global `shape` over `world` ranks; None if it can.

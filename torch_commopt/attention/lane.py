@@ -1,0 +1,61 @@
+"""Where the schedules' all-to-alls run: a side stream on CUDA, so their packing and unpacking
+copies overlap the attention kernels instead of queueing between them.
+
+A move is a function `fn(async_op)` (comm.exchange and its users): with async_op it starts the
+transfer and returns a function that waits and gives the moved tensors; without, it returns
+them.  `Lane.move` runs `fn(False)` on the device's high-priority side stream (after the
+compute stream's work so far), records an event, and returns a waiter that makes the compute
+stream wait for that event -- the CPU never blocks.  The caching allocator is told about the
+cross-stream uses (record_stream): what the side stream reads, and what it hands back.
+
+No side stream (the move runs as `fn(True)`, the collective in flight on its own) on a CPU
+device, and inside a CUDA-graph capture (a side stream there would need its own fork/join
+events per capture; the copies then stay on the compute stream, as before).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+Move = Callable[[bool], object]
+_SIDE: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE.get(index)
+    if stream is None:
+        stream = _SIDE[index] = torch.cuda.Stream(device=index, priority=-1)
+    return stream
+
+
+class Lane:
+    """Runs moves off the compute stream where it can (module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.side = None
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            self.compute = torch.cuda.current_stream(device)
+            self.side = _side_stream(device)
+
+    def move(self, fn: Move, reads: Sequence[Tensor]) -> Callable[[], list[Tensor]]:
+        """Start fn; returns a function that (on the compute stream) waits and gives its result.
+        reads: the tensors fn reads that the compute stream made or will reuse."""
+        if self.side is None:
+            return fn(True)
+        self.side.wait_stream(self.compute)
+        with torch.cuda.stream(self.side):
+            for t in reads:
+                t.record_stream(self.side)
+            got = fn(False)
+            done = self.side.record_event()
+
+        def wait() -> list[Tensor]:
+            self.compute.wait_event(done)
+            for t in got:
+                t.record_stream(self.compute)
+            return got
+        return wait
