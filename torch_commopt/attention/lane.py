@@ -10,12 +10,15 @@ cross-stream uses (record_stream): what the side stream reads, and what it hands
 
 No side stream (the move runs as `fn(True)`, the collective in flight on its own) on a CPU
 device, and inside a CUDA-graph capture (a side stream there would need its own fork/join
-events per capture; the copies then stay on the compute stream, as before).
+events per capture; the copies then stay on the compute stream, as before), or with
+TORCH_COMMOPT_ATTENTION_LANE=0.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
+
+import os
 
 import torch
 from torch import Tensor
@@ -37,7 +40,8 @@ class Lane:
 
     def __init__(self, device: torch.device) -> None:
         self.side = None
-        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda" and os.environ.get("TORCH_COMMOPT_ATTENTION_LANE", "1") != "0" \
+                and not torch.cuda.is_current_stream_capturing():
             self.compute = torch.cuda.current_stream(device)
             self.side = _side_stream(device)
 
