@@ -68,6 +68,21 @@ def _step(schedule: str, layout: str, head_groups, q, k, v, dout, group):
     return step
 
 
+def _graphed(step):
+    """step captured once in a CUDA graph (after two warm-up calls on a side stream, as
+    torch.cuda.graphs asks): its replay, without the host's per-op cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def _timed(step, sync, dev: str, calls: int = 10, rounds: int = 3) -> float:
     step()
     sync()
@@ -129,6 +144,8 @@ def worker(rank: int, world: int, args) -> dict:
         schedule, layout, head_groups = VARIANTS[name]
         local = {n: _shard(t, rank, world, layout) for n, t in full.items()}
         step = _step(schedule, layout, head_groups, local["q"], local["k"], local["v"], local["dout"], group)
+        if args.graphs and dev == "cuda":
+            step = _graphed(step)
         res[name] = {"ms": _timed(step, sync, dev), "device_ms_by_kind": _profile(step, sync, out, name, rank, args.trace)}
         if rank == 0:
             print(name, json.dumps(res[name]), flush=True)
@@ -147,6 +164,7 @@ def main() -> None:
     ap.add_argument("--head-dim", dest="head_dim", type=int, default=128)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--trace", action="store_true", help="also write chrome traces (large)")
+    ap.add_argument("--graphs", action="store_true", help="time and profile CUDA-graph replays (no host cost)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--cpu", action="store_true", help="gloo smoke run (use tiny --seq/--heads): the script's logic only")
     args = ap.parse_args()
@@ -155,7 +173,7 @@ def main() -> None:
     from torch_commopt.attention.ce_ring import transport
 
     meta = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "world": args.world,
-            "ring_transport": transport(), "torch": torch.__version__,
+            "ring_transport": transport(), "cuda_graphs": args.graphs, "torch": torch.__version__,
             "commit": args.commit, "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python3", *sys.argv])}
     data = {"meta": meta, "per_rank": per_rank}
     (pathlib.Path(args.out) / "cp_profile.json").write_text(json.dumps(data, indent=1))

@@ -87,12 +87,13 @@ def zigzag_head_groups(q_bytes: int, kv_heads: int) -> int:
 
 # Ulysses (and hybrid) move every input and result through all-to-alls.  Split over head
 # groups, group g+1's inputs travel while group g's attention runs and group g's results travel
-# back meanwhile, on a side stream with their packing copies (schedules._pipelined): only the
-# first group's inputs and the last group's results are exposed.  Each group's attention still
-# spans the whole sequence (1/G of the heads), so its kernels keep their efficiency down to a
-# few heads; groups smaller than ULYSSES_PIPELINE_MIN_BYTES of q are not worth their launches.
-ULYSSES_PIPELINE_MIN_BYTES = 8 << 20  # q bytes of one rank per head group
-ULYSSES_MAX_HEAD_GROUPS = 4
+# back meanwhile (schedules._pipelined): only the first group's inputs and the last group's
+# results are exposed.  Measured on 2x H200 (16K tokens, H 32, fwd+bwd, NCCL; results/
+# attention_h200x2_2026-11-23_s11.md): 1 group 9.30 ms, 2 groups 9.10-9.19, 4 groups 12.2-14.9
+# -- every group adds ~16 c10d all-to-all calls' host time per fwd+bwd and NCCL's kernels share
+# the SMs with cuDNN's, so the pipeline stays shallow: 2 groups, for large shards only.
+ULYSSES_PIPELINE_MIN_BYTES = 32 << 20  # q bytes of one rank per head group
+ULYSSES_MAX_HEAD_GROUPS = 2
 
 
 def ulysses_head_groups(q_bytes: int, heads: int, kv_heads: int, u: int) -> int:
