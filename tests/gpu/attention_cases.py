@@ -21,7 +21,7 @@ from torch_commopt.validate import rel_err
 # (B, H, H_kv, S_loc, D, causal)
 SHAPES = [(2, 8, 8, 512, 128, True), (1, 8, 2, 1000, 64, True), (1, 8, 2, 768, 128, False), (2, 4, 1, 256, 128, True)]
 SCHEDULES = ["allgather", "ring", "ring_zigzag", "ulysses"]
-BIG = (1, 32, 8, 8192, 128, True)  # large enough for ring_zigzag's two head groups on its own
+BIG = (1, 32, 8, 8192, 128, True)  # large enough for ring_zigzag's and ulysses's head groups on their own
 
 
 def _truth(q, k, v, dout, causal):
@@ -111,6 +111,10 @@ def run_cp_attention_cases(rank: int, world: int, device: str = "cuda") -> list[
             if h_kv % 2 == 0:
                 seed += 1
                 results += _case(rank, world, shape, "ring_zigzag", "contiguous", seed, head_groups=2, device=device)
-    if device == "cuda":
+        if h_kv % (2 * world) == 0:  # ulysses's all-to-alls over two head groups
+            seed += 1
+            results += _case(rank, world, shape, "ulysses", "contiguous", seed, head_groups=2, device=device)
+    if device == "cuda":  # pipelined on their own: ring_zigzag over 2 head groups, ulysses over 4 (ce) or 2
         results += _case(rank, world, BIG, "ring_zigzag", "contiguous", seed + 1)
+        results += _case(rank, world, BIG, "ulysses", "contiguous", seed + 2)
     return results

@@ -1,7 +1,9 @@
 """Context-parallel attention on 2 GPUs (NCCL, cuDNN local kernels, the Triton merge): every
-schedule, both sequence layouts and the head-group pipeline against full attention (see
-attention_cases); again with the ring's K/V pushed by the copy engine (attention/ce_ring.py,
-TORCH_COMMOPT_ATTENTION_TRANSPORT=ce) and bounded waits, so a protocol error raises."""
+schedule, both sequence layouts and the head-group pipelines against full attention (see
+attention_cases), Ulysses's all-to-alls by the copy engine (attention/ce_a2a.py, the CUDA
+default); again with the ring's K/V pushed by the copy engine too (attention/ce_ring.py,
+TORCH_COMMOPT_ATTENTION_TRANSPORT=ce) and bounded waits, so a protocol error raises; and with
+NCCL's all-to-alls (TORCH_COMMOPT_ATTENTION_A2A=nccl)."""
 
 from __future__ import annotations
 
@@ -30,4 +32,10 @@ def test_every_cp_schedule_matches_full_attention_with_copy_engine_ring(two_gpus
     monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", "ce")
     monkeypatch.setenv("TORCH_COMMOPT_DEBUG_WAITS", "1")
     monkeypatch.setenv("TORCH_COMMOPT_WAIT_TIMEOUT_S", "60")
+    _check_all(two_gpus)
+
+
+@pytest.mark.gpu
+def test_every_cp_schedule_matches_full_attention_with_nccl_all_to_alls(two_gpus, monkeypatch):
+    monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_A2A", "nccl")
     _check_all(two_gpus)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_commopt.attention import comm
+from torch_commopt.attention import ce_a2a, comm
 from torch_commopt.attention.lane import Lane
 from torch_commopt.attention.local import acc_dtype, attend_bwd, attend_fwd, default_scale
 from torch_commopt.attention.merge import Accumulator
@@ -108,7 +108,8 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
 
     def ring(qh, kh, vh):
         return ring_fwd(qh, kh, vh, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
-    return _ulysses_pipelined([q, k, v], ring, ugroup, head_groups or _ulysses_groups(q, k, ugroup))
+    outs = [(q.shape[:3] + v.shape[3:], q.dtype), (q.shape[:3], acc_dtype(q.dtype))]
+    return _ulysses_pipelined([q, k, v], q, k, ring, ugroup, head_groups, outs)
 
 
 def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
@@ -132,15 +133,12 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
 
     def ring(*heads):
         return ring_bwd(*heads, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
-    return _ulysses_pipelined([dout, q, k, v, out, lse], ring, ugroup, head_groups or _ulysses_groups(q, k, ugroup))
+    outs = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
+    return _ulysses_pipelined([dout, q, k, v, out, lse], q, k, ring, ugroup, head_groups, outs)
 
 
 def _head_groups(q: Tensor, k: Tensor) -> int:
     return zigzag_head_groups(q.numel() * q.element_size(), k.shape[1])
-
-
-def _ulysses_groups(q: Tensor, k: Tensor, ugroup) -> int:
-    return ulysses_head_groups(q.numel() * q.element_size(), q.shape[1], k.shape[1], comm.size(ugroup))
 
 
 def _zigzag_pipelined(xs: list[Tensor], ring, group: dist.ProcessGroup, groups: int):
@@ -154,15 +152,25 @@ def _zigzag_pipelined(xs: list[Tensor], ring, group: dist.ProcessGroup, groups: 
     return _pipelined("ring_zigzag", xs, there, ring, back, lambda shape: shape, groups)
 
 
-def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int):
+def _ulysses_pipelined(xs: list[Tensor], q: Tensor, k: Tensor, ring, ugroup, head_groups: Optional[int], outs):
     """ring(*head-sharded xs) per head group (ulysses: a ring of one rank, i.e. the local
     attention over the whole sequence; hybrid: a ring over the ring group), its inputs moved
-    sequence -> heads and its results heads -> sequence over the Ulysses group (_pipelined).
-    Group g takes heads [g*h/G, (g+1)*h/G) of every tensor, which the all-to-all splits again
-    over the n Ulysses ranks, so every query head keeps its K/V head."""
+    sequence -> heads and its results heads -> sequence over the Ulysses group: by the copy
+    engine where ce_a2a can (CUDA), else by comm's all-to-alls (_pipelined).  Group g takes
+    heads [g*h/G, (g+1)*h/G) of every tensor, which the all-to-all splits again over the n
+    Ulysses ranks, so every query head keeps its K/V head.  outs: the results' (shape, dtype)
+    in the sequence layout; head_groups: G (None: spec.ulysses_head_groups for the transport)."""
     n = comm.size(ugroup)
     if n == 1:  # the ring schedule (hybrid:1:W): nothing moves
         return tuple(ring(*xs))
+    copy_engine = ce_a2a.transport() == "ce" and q.device.type == "cuda"
+    groups = head_groups or ulysses_head_groups(q.numel() * q.element_size(), q.shape[1], k.shape[1], n,
+                                                "ce" if copy_engine else "nccl")
+    if any(x.shape[1] % (groups * n) for x in xs):
+        raise ValueError(f"cp attention ulysses: {groups} head groups of {n} ranks do not divide the heads "
+                         f"{[x.shape[1] for x in xs]}")
+    if copy_engine and ce_a2a.usable(xs, ugroup, groups, outs):
+        return ce_a2a.pipelined(xs, ring, ugroup, groups, outs)
 
     def there(parts, async_op):
         return comm.seq_to_heads(parts, ugroup, async_op=async_op)
@@ -172,10 +180,10 @@ def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int):
 
     def shape(s):
         return (s[0], n * s[1], s[2] // n) + tuple(s[3:])
-    return _pipelined("ulysses", xs, there, ring, back, shape, groups, per_group=n)
+    return _pipelined("ulysses", xs, there, ring, back, shape, groups)
 
 
-def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, groups: int, per_group: int = 1):
+def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, groups: int):
     """compute(*moved xs) per head group, pipelined: group g+1's inputs are moved (there) while
     group g computes, and group g's results move back while group g+1 computes, so only the
     first group's inputs and the last group's results are exposed.  The moves run on a side
@@ -185,9 +193,8 @@ def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, gr
     each group's results are written into their head slice of the outputs (no concatenation).
     there(parts, async_op) / back(results, async_op, out): comm moves; back_shape: a result's
     shape after the move back."""
-    if groups < 1 or any(x.shape[1] % (groups * per_group) for x in xs):
-        raise ValueError(f"cp attention {name}: {groups} head groups" + (f" of {per_group} ranks" if per_group > 1 else "")
-                         + f" do not divide the heads {[x.shape[1] for x in xs]}")
+    if groups < 1 or any(x.shape[1] % groups for x in xs):
+        raise ValueError(f"cp attention {name}: {groups} head groups do not divide the heads {[x.shape[1] for x in xs]}")
     lane = Lane(xs[0].device)
 
     def part(x: Tensor, g: int) -> Tensor:

@@ -87,24 +87,25 @@ def zigzag_head_groups(q_bytes: int, kv_heads: int) -> int:
 
 # Ulysses (and hybrid) move every input and result through all-to-alls.  Split over head
 # groups, group g+1's inputs travel while group g's attention runs and group g's results travel
-# back meanwhile (schedules._pipelined): only the first group's inputs and the last group's
-# results are exposed.  Measured on 2x H200 (16K tokens, H 32, fwd+bwd, NCCL; results/
-# attention_h200x2_2026-11-23_s11.md): 1 group 9.30 ms, 2 groups 9.10-9.19, 4 groups 12.2-14.9
-# -- every group adds ~16 c10d all-to-all calls' host time per fwd+bwd and NCCL's kernels share
-# the SMs with cuDNN's, so the pipeline stays shallow: 2 groups, for large shards only.
-ULYSSES_PIPELINE_MIN_BYTES = 32 << 20  # q bytes of one rank per head group
-ULYSSES_MAX_HEAD_GROUPS = 2
+# back meanwhile (schedules._pipelined, ce_a2a.pipelined): only the first group's inputs and the
+# last group's results are exposed.  With NCCL, measured on 2x H200 (16K tokens, H 32, fwd+bwd;
+# results/attention_h200x2_2026-11-23_s11.md): 1 group 9.30 ms, 2 groups 9.10-9.19, 4 groups
+# 12.2-14.9 eager and 9.34 replayed from a CUDA graph -- every group adds ~16 c10d calls' host
+# time and NCCL's kernels share the SMs with cuDNN's, so that pipeline stays shallow.  The
+# copy engine's (ce_a2a) takes no SM and little host time per group: up to 4 groups.
+ULYSSES_PIPELINE = {"nccl": (2, 32 << 20), "ce": (4, 8 << 20)}  # (most groups, least q bytes per group)
 
 
-def ulysses_head_groups(q_bytes: int, heads: int, kv_heads: int, u: int) -> int:
+def ulysses_head_groups(q_bytes: int, heads: int, kv_heads: int, u: int, transport: str = "nccl") -> int:
     """How many head groups ulysses / hybrid:U:R pipeline their all-to-alls over (schedules and
-    the cost model): the largest G <= ULYSSES_MAX_HEAD_GROUPS that splits the heads and K/V
-    heads into G * u equal parts and keeps >= ULYSSES_PIPELINE_MIN_BYTES of q per group; 1 if
-    none does (or u == 1: nothing to move)."""
+    the cost model) with `transport` ("nccl" or "ce": ce_a2a): the largest G up to the
+    transport's most that splits the heads and K/V heads into G * u equal parts and keeps at
+    least its least bytes of this rank's q per group; 1 if none does (or u == 1: nothing moves)."""
+    most, least = ULYSSES_PIPELINE[transport]
     if u <= 1:
         return 1
-    for g in range(ULYSSES_MAX_HEAD_GROUPS, 1, -1):
-        if heads % (g * u) == 0 and kv_heads % (g * u) == 0 and q_bytes // g >= ULYSSES_PIPELINE_MIN_BYTES:
+    for g in range(most, 1, -1):
+        if heads % (g * u) == 0 and kv_heads % (g * u) == 0 and q_bytes // g >= least:
             return g
     return 1
 

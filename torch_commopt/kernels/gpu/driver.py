@@ -1,4 +1,5 @@
-"""Stream memory operations of the CUDA driver (cuStreamWriteValue32 / cuStreamWaitValue32).
+"""Stream memory operations of the CUDA driver (cuStreamWriteValue32 / cuStreamWaitValue32),
+and strided copies by the copy engine (cuMemcpy2DAsync).
 
 They run on the GPU's front end, not on SMs: a flag write queued behind a copy signals a
 peer without a kernel, and a wait holds back a stream without a spinning block, so neither
@@ -29,7 +30,38 @@ def _lib():
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         fn.restype = ctypes.c_int
         fns[name] = fn
+    fn = getattr(lib, "cuMemcpy2DAsync_v2", None) or getattr(lib, "cuMemcpy2DAsync")
+    fn.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    fns["cuMemcpy2DAsync"] = fn
     return fns
+
+
+_MEMORY_DEVICE = 2  # CU_MEMORYTYPE_DEVICE
+
+
+class _Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D."""
+
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+                ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+def memcpy2d_async(stream, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int) -> None:
+    """Queue on `stream` a copy of `height` rows of `width` bytes, row r from src + r*src_pitch
+    to dst + r*dst_pitch (device addresses; a peer's memory mapped through symmetric memory is
+    one): a DMA on the copy engine, no SM."""
+    if height == 0 or width == 0:
+        return
+    desc = _Memcpy2D(srcMemoryType=_MEMORY_DEVICE, srcDevice=src, srcPitch=src_pitch,
+                     dstMemoryType=_MEMORY_DEVICE, dstDevice=dst, dstPitch=dst_pitch,
+                     WidthInBytes=width, Height=height)
+    _check(_lib()["cuMemcpy2DAsync"](ctypes.byref(desc), stream.cuda_stream), "cuMemcpy2DAsync")
 
 
 def _check(rc: int, what: str) -> None:

@@ -66,7 +66,14 @@ STATUS = COUNTERS + MAX_WORLD * MAX_CHUNKS  # [8]: debug-wait timeout record
 FLAG_BASES = STATUS + 8  # int64 [MAX_WORLD]: every rank's flag array address (for Triton)
 BUFFER_PTRS = FLAG_BASES + 2 * MAX_WORLD  # int64 [MAX_BUFFERS][MAX_WORLD]: data buffer addresses
 MAX_BUFFERS = 32
-assert BUFFER_PTRS + MAX_BUFFERS * 2 * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0
+# The attention all-to-alls' copy-engine transfers (attention/ce_a2a.py), region r (0: inputs
+# sequence -> heads, 1: results heads -> sequence) and half h: A2A_FREE [(r * HALVES + h) *
+# MAX_WORLD + p]: token, 1 while peer p has no unfinished reads of what this rank wrote into
+# its slot (r, h); A2A_DATA [same index with p the source]: 1 once source p has written
+# this rank's slot (r, h).
+A2A_FREE = BUFFER_PTRS + MAX_BUFFERS * 2 * MAX_WORLD
+A2A_DATA = A2A_FREE + 2 * HALVES * MAX_WORLD
+assert A2A_DATA + 2 * HALVES * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0
 assert RING_DATA + 2 * HALVES <= DATA
 
 MIN_BUFFER_BYTES = 1 << 24
@@ -147,6 +154,7 @@ class GroupRuntime:
         flags.zero_()
         flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
         flags[RING_FREE: RING_FREE + 2 * HALVES].fill_(1)
+        flags[A2A_FREE: A2A_FREE + 2 * HALVES * MAX_WORLD].fill_(1)
         # A peer may write our flags as soon as rendezvous returns: the zeroing must be done.
         torch.cuda.synchronize(device)
         self.flags_handle = _off_thread(lambda: symm_mem.rendezvous(flags, group_name), device)
@@ -325,7 +333,8 @@ def data_index(half: int, src: int, chunk: int, phase: int = 0) -> int:
 
 
 WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk": 5, "free buffer": 6,
-              "ring block": 7, "free ring slot": 8}
+              "ring block": 7, "free ring slot": 8,
+              "all-to-all piece": 9, "free all-to-all slot": 10}
 
 _RUNTIMES: dict[tuple[str, int], GroupRuntime] = {}
 

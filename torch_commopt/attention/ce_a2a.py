@@ -1,0 +1,287 @@
+"""Ulysses's all-to-alls by the copy engine over symmetric memory, pipelined over head groups.
+
+NCCL's all-to-alls do not overlap the attention on an H200: their kernels share the SMs with
+cuDNN's, and their packing/unpacking copies queue on the compute stream (2x H200, 16K tokens,
+H 32, fwd+bwd, CUDA-graph replays: 1, 2, 4 head groups 9.27, 9.14, 9.34 ms for 6.5 ms of
+attention; results/attention_h200x2_2026-11-23_s11.md).  Here every piece is one strided DMA
+(cuMemcpy2DAsync) written straight into its final place in the peer's symmetric buffer:
+
+  inputs, sequence -> heads (region IN): rank p's rows (b, head) of its S_loc tokens land at
+      sequence offset p*S_loc of the destination's [B, h, S, D] tensors, which the attention
+      then reads in place -- no packing, no unpacking, no SM;
+  results, heads -> sequence (region OUT): the rows of the destination's token block go to a
+      staging slot of the destination (the result tensors are ordinary memory, which a peer
+      cannot write), which copies them into its output (one DMA per source); the own block
+      goes straight to the output.
+
+Group g's inputs travel while group g-1's attention runs, group g's results while group g+1's
+runs.  Flags (symm.A2A_FREE / A2A_DATA, region r, half h = g % 2): before writing a peer's
+slot (r, h) a rank takes its token for that slot (the peer gave it back once it had read what
+was there), after writing it sets the peer's data flag; the reader waits for every source's
+flag, reads, lowers its flags and gives every source its token back.  Stream memory
+operations throughout (no spinning kernel, except debug mode's bounded waits); every flag is
+back at rest after a call, so a CUDA graph may replay it once the buffer exists.
+
+Transfers run on the group runtime's side stream; the compute stream waits on flags and events
+only.  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
+logged once); inside a CUDA-graph capture before the buffer exists, NCCL runs (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+ENV = "TORCH_COMMOPT_ATTENTION_A2A"
+PURPOSE = "attention all-to-all"  # the runtime's own_buffer key
+TRANSPORTS = ("nccl", "ce")
+IN, OUT = 0, 1  # flag regions
+_ALIGN = 256  # bytes: every tensor's place in a slot starts aligned
+_logged: set[str] = set()
+Spec = tuple[Sequence[int], torch.dtype]
+
+
+def _once(key: str, level: int, msg: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.log(level, msg, *args)
+
+
+def transport() -> str:
+    """The all-to-all transport the environment asks for (default ce; an unknown value is
+    logged and read as nccl)."""
+    want = os.environ.get(ENV, "ce").strip().lower() or "ce"
+    if want not in TRANSPORTS:
+        _once(f"bad {want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; using nccl", ENV, want,
+              TRANSPORTS)
+        return "nccl"
+    return want
+
+
+def _rows(shape: Sequence[int]) -> tuple[int, int, int, int]:
+    """(B, heads, seq, tail): a (B, H, S, *tail) tensor as rows (b, head) of seq * tail."""
+    tail = 1
+    for n in shape[3:]:
+        tail *= n
+    return shape[0], shape[1], shape[2], tail
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class _Layout:
+    """Byte offsets of one half of the buffer: IN (this rank's [B, h/(G n), S, tail] inputs of a
+    group) then OUT (per source, its [B, h/(G n), S_loc, tail] block of each result)."""
+
+    def __init__(self, xs: Sequence[Tensor], outs: Sequence[Spec], groups: int, n: int) -> None:
+        self.ins, off = [], 0
+        for x in xs:
+            b, h, s, t = _rows(x.shape)
+            self.ins.append(off)
+            off += _aligned(b * (h // (groups * n)) * s * n * t * x.element_size())
+        self.outs, self.out_bytes = [], 0
+        for shape, dtype in outs:
+            b, h, s, t = _rows(shape)
+            self.outs.append(self.out_bytes)
+            self.out_bytes += _aligned(b * (h // (groups * n)) * s * t * dtype.itemsize)
+        self.in_bytes = off
+        self.half = _aligned(off + n * self.out_bytes)
+
+
+def _rows_ok(x: Tensor) -> Tensor:
+    """x with each (b, head) row's (seq, tail) contiguous (a copy only where it is not)."""
+    b, h, s, t = _rows(x.shape)
+    if x.dim() >= 3 and (x.dim() == 3 or x[0, 0].is_contiguous()) and x.stride(2) == t and \
+            (x.dim() == 3 or x.stride(-1) == 1):
+        return x
+    return x.contiguous()
+
+
+def usable(xs: Sequence[Tensor], group, groups: int, outs: Sequence[Spec]) -> bool:
+    """Whether the all-to-alls over `group` run here: asked for (transport() == "ce"), CUDA
+    tensors, two or more ranks, and outside a CUDA-graph capture unless the buffer already
+    exists (creating it is collective and synchronizes)."""
+    if transport() != "ce" or group is None or group.size() < 2 or xs[0].device.type != "cuda":
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        from torch_commopt.kernels.gpu import symm
+
+        rt = symm.existing(group.group_name, xs[0].device)
+        need = 2 * _Layout(xs, outs, groups, group.size()).half
+        if rt is None or not rt.has_own_buffer(PURPOSE, need):
+            _once("capture", logging.INFO, "commopt attention: copy-engine all-to-all buffer not yet allocated inside "
+                  "a CUDA-graph capture; the all-to-alls run on NCCL (run a call outside the graph first)")
+            return False
+    _once("on", logging.INFO, "commopt attention: Ulysses all-to-alls by the copy engine (%s=ce)", ENV)
+    return True
+
+
+def pipelined(xs: list[Tensor], compute: Callable, group, groups: int, outs: Sequence[Spec]) -> tuple[Tensor, ...]:
+    """schedules._pipelined's contract with copy-engine moves: compute(*head-sharded group
+    inputs) per head group g (heads [g*h/G, (g+1)*h/G) of every x, split again over the n
+    ranks), its results moved back into outputs shaped and typed as `outs` (sequence layout)."""
+    return _Pipeline(xs, group, groups, outs).run(compute)
+
+
+class _Pipeline:
+    def __init__(self, xs: list[Tensor], group, groups: int, outs: Sequence[Spec]) -> None:
+        from torch_commopt.attention.ce_ring import _NO_PARAMS
+        from torch_commopt.kernels.gpu import driver, symm
+
+        self.symm, self.driver = symm, driver
+        self.xs = [_rows_ok(x) for x in xs]
+        self.groups, self.specs = groups, list(outs)
+        self.rt = rt = symm.runtime(group.group_name, xs[0].device)
+        self.n, self.me = rt.world, rt.rank
+        self.layout = _Layout(self.xs, self.specs, groups, self.n)
+        self.buf = rt.own_buffer(PURPOSE, 2 * self.layout.half)
+        self.bases = [int(ptr) for ptr in self.buf.handle.buffer_ptrs]
+        self.debug = rt.debug_waits(_NO_PARAMS)
+        self.compute, self.side = torch.cuda.current_stream(xs[0].device), rt.side
+        self.outs = [torch.empty(shape, dtype=dtype, device=xs[0].device) for shape, dtype in self.specs]
+        self.seq_local = self.xs[0].shape[2]
+
+    # ---- flags ------------------------------------------------------------------------------
+    def _free(self, region: int, half: int, peer: int) -> int:
+        return self.symm.A2A_FREE + (region * self.symm.HALVES + half) * self.symm.MAX_WORLD + peer
+
+    def _data(self, region: int, half: int, src: int) -> int:
+        return self.symm.A2A_DATA + (region * self.symm.HALVES + half) * self.symm.MAX_WORLD + src
+
+    def _take(self, region: int, half: int, peer: int, g: int) -> None:
+        """Side stream: hold until peer's slot (region, half) is free, and take its token."""
+        index = self._free(region, half, peer)
+        self.rt.wait(self.side, index, 1, debug=self.debug, what="free all-to-all slot", src=peer, chunk=g)
+        self.driver.write_value32(self.side, self.rt.flag_address(self.me, index), 0)
+
+    def _arrived(self, region: int, half: int, g: int) -> None:
+        """Compute stream: hold until every source has written this rank's slot (region, half)."""
+        for src in self.rt.sources:
+            self.rt.wait(self.compute, self._data(region, half, src), 1, debug=self.debug, what="all-to-all piece",
+                         src=src, chunk=g)
+
+    def _release(self, region: int, half: int) -> None:
+        """Compute stream, after the last read of slot (region, half): flags down, tokens back."""
+        for src in self.rt.sources:
+            self.driver.write_value32(self.compute, self.rt.flag_address(self.me, self._data(region, half, src)), 0)
+        for src in self.rt.sources:
+            self.rt.signal(self.compute, src, self._free(region, half, self.me), 1)
+
+    # ---- copies -----------------------------------------------------------------------------
+    def _copy_rows(self, stream, dst: int, dst_row: int, dst_batch: int, src: Tensor, head0: int, heads: int,
+                   tok0: int, tokens: int) -> None:
+        """Rows (b, head0 + j), tokens [tok0, tok0 + tokens) of src -> dst + b*dst_batch +
+        j*dst_row (bytes), j < heads, one DMA per batch."""
+        _, _, _, t = _rows(src.shape)
+        elt = src.element_size()
+        for b in range(src.shape[0]):
+            at = src.data_ptr() + (b * src.stride(0) + head0 * src.stride(1) + tok0 * t) * elt
+            self.driver.memcpy2d_async(stream, dst + b * dst_batch, dst_row, at, src.stride(1) * elt,
+                                       tokens * t * elt, heads)
+
+    def _inbound(self, g: int, start) -> Callable[[], list[Tensor]]:
+        """Push group g's inputs to every rank (own piece included); returns the compute-side
+        wait giving this rank's [B, h, S, tail] views of its IN slot."""
+        half, lay, s_loc, n = g % 2, self.layout, self.seq_local, self.n
+        base = half * lay.half
+        self.side.wait_event(start)
+        with torch.cuda.stream(self.side):
+            for d in [*self.rt.peers, self.me]:
+                if d != self.me:
+                    self._take(IN, half, d, g)
+                address = self.bases[d]
+                for x, off in zip(self.xs, lay.ins):
+                    b, h, _, t = _rows(x.shape)
+                    hd = h // (self.groups * n)
+                    row = s_loc * n * t * x.element_size()
+                    self._copy_rows(self.side, address + base + off + self.me * s_loc * t * x.element_size(), row,
+                                    hd * row, x, g * (h // self.groups) + d * hd, hd, 0, s_loc)
+                if d != self.me:
+                    self.rt.signal(self.side, d, self._data(IN, half, self.me), 1)
+            done = self.side.record_event()
+
+        def wait() -> list[Tensor]:
+            self.compute.wait_event(done)
+            self._arrived(IN, half, g)
+            views = []
+            for x, off in zip(self.xs, lay.ins):
+                b, h, _, _ = _rows(x.shape)
+                shape = (b, h // (self.groups * n), s_loc * n) + tuple(x.shape[3:])
+                views.append(self.buf.view(self.me, base + off, shape, x.dtype))
+            return views
+        return wait
+
+    def _outbound(self, g: int, results: list[Tensor]) -> Callable[[], None]:
+        """Push group g's results' token blocks to their ranks (own block straight into the
+        outputs); returns the compute-side finish (wait, copy the staged blocks in, release)."""
+        half, lay, s_loc, n = g % 2, self.layout, self.seq_local, self.n
+        base = half * lay.half + lay.in_bytes
+        results = [_rows_ok(r) for r in results]
+        for r, (shape, dtype) in zip(results, self.specs):
+            b, h, _, t = _rows(shape)
+            if r.dtype != dtype or tuple(r.shape) != (b, h // (self.groups * n), s_loc * n) + tuple(shape[3:]):
+                raise RuntimeError(f"commopt attention all-to-all: result {tuple(r.shape)} {r.dtype} does not match "
+                                   f"output {tuple(shape)} {dtype} over {self.groups} head groups of {n} ranks")
+        ready = self.compute.record_event()
+        self.side.wait_event(ready)
+        with torch.cuda.stream(self.side):
+            for r in results:
+                r.record_stream(self.side)
+            for d in [*self.rt.peers, self.me]:
+                if d != self.me:
+                    self._take(OUT, half, d, g)
+                    address = self.bases[d] + base + self.me * lay.out_bytes
+                for r, o, off in zip(results, self.outs, lay.outs):
+                    b, h, _, t = _rows(o.shape)
+                    hr, elt = h // (self.groups * n), r.element_size()
+                    if d == self.me:  # the own block: straight into the output
+                        dst = o.data_ptr() + (g * (h // self.groups) + self.me * hr) * o.stride(1) * elt
+                        self._copy_rows(self.side, dst, o.stride(1) * elt, o.stride(0) * elt, r, 0, hr, d * s_loc, s_loc)
+                    else:
+                        row = s_loc * t * elt
+                        self._copy_rows(self.side, address + off, row, hr * row, r, 0, hr, d * s_loc, s_loc)
+                if d != self.me:
+                    self.rt.signal(self.side, d, self._data(OUT, half, self.me), 1)
+            done = self.side.record_event()
+
+        def finish() -> None:
+            self.compute.wait_event(done)
+            self._arrived(OUT, half, g)
+            for src in self.rt.sources:
+                for o, off in zip(self.outs, lay.outs):
+                    b, h, _, t = _rows(o.shape)
+                    hr, elt = h // (self.groups * n), o.element_size()
+                    row = s_loc * t * elt
+                    staged = self.bases[self.me] + base + src * lay.out_bytes + off
+                    dst = o.data_ptr() + (g * (h // self.groups) + src * hr) * o.stride(1) * elt
+                    for bi in range(b):
+                        self.driver.memcpy2d_async(self.compute, dst + bi * o.stride(0) * elt, o.stride(1) * elt,
+                                                   staged + bi * hr * row, row, row, hr)
+            self._release(OUT, half)
+        return finish
+
+    def run(self, compute: Callable) -> tuple[Tensor, ...]:
+        for x in self.xs:
+            x.record_stream(self.side)
+        start = self.compute.record_event()
+        pending, backs = self._inbound(0, start), []
+        for g in range(self.groups):
+            moved = pending()
+            if g + 1 < self.groups:
+                pending = self._inbound(g + 1, start)
+            results = list(compute(*moved))
+            self._release(IN, g % 2)  # stream-ordered after the compute's reads of the slot
+            del moved
+            backs.append(self._outbound(g, results))
+            if g >= 1:
+                backs[g - 1]()
+        backs[-1]()
+        if self.debug:
+            self.rt.check_status("cp attention all-to-all")
+        return tuple(self.outs)
