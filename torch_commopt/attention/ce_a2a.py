@@ -22,8 +22,8 @@ flag, reads, lowers its flags and gives every source its token back.  Stream mem
 operations throughout (no spinning kernel, except debug mode's bounded waits); every flag is
 back at rest after a call, so a CUDA graph may replay it once the buffer exists.
 
-Transfers run on the group runtime's side stream; the compute stream waits on flags and events
-only.  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
+Transfers run on the group runtime's side stream, the own pieces' local copies beside them on
+its local stream; the compute stream waits on flags and events only.  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
 logged once); inside a CUDA-graph capture before the buffer exists, NCCL runs (logged once).
 """
 
@@ -143,9 +143,10 @@ class _Pipeline:
         self.buf = rt.own_buffer(PURPOSE, 2 * self.layout.half)
         self.bases = [int(ptr) for ptr in self.buf.handle.buffer_ptrs]
         self.debug = rt.debug_waits(_NO_PARAMS)
-        self.compute, self.side = torch.cuda.current_stream(xs[0].device), rt.side
+        self.compute, self.side, self.local = torch.cuda.current_stream(xs[0].device), rt.side, rt.local
         self.outs = [torch.empty(shape, dtype=dtype, device=xs[0].device) for shape, dtype in self.specs]
         self.seq_local = self.xs[0].shape[2]
+        self.in_read = [None, None]  # per half: compute-stream event after the last read of the IN slot
 
     # ---- flags ------------------------------------------------------------------------------
     def _free(self, region: int, half: int, peer: int) -> int:
@@ -190,24 +191,27 @@ class _Pipeline:
         wait giving this rank's [B, h, S, tail] views of its IN slot."""
         half, lay, s_loc, n = g % 2, self.layout, self.seq_local, self.n
         base = half * lay.half
-        self.side.wait_event(start)
-        with torch.cuda.stream(self.side):
-            for d in [*self.rt.peers, self.me]:
-                if d != self.me:
-                    self._take(IN, half, d, g)
-                address = self.bases[d]
-                for x, off in zip(self.xs, lay.ins):
-                    b, h, _, t = _rows(x.shape)
-                    hd = h // (self.groups * n)
-                    row = s_loc * n * t * x.element_size()
-                    self._copy_rows(self.side, address + base + off + self.me * s_loc * t * x.element_size(), row,
-                                    hd * row, x, g * (h // self.groups) + d * hd, hd, 0, s_loc)
-                if d != self.me:
-                    self.rt.signal(self.side, d, self._data(IN, half, self.me), 1)
-            done = self.side.record_event()
+        for stream in (self.side, self.local):
+            stream.wait_event(start)
+        if self.in_read[half] is not None:  # the own piece overwrites what group g-2 read
+            self.local.wait_event(self.in_read[half])
+        for d in [*self.rt.peers, self.me]:
+            stream = self.side if d != self.me else self.local  # the own piece beside the pushes
+            if d != self.me:
+                self._take(IN, half, d, g)
+            for x, off in zip(self.xs, lay.ins):
+                b, h, _, t = _rows(x.shape)
+                hd = h // (self.groups * n)
+                row = s_loc * n * t * x.element_size()
+                self._copy_rows(stream, self.bases[d] + base + off + self.me * s_loc * t * x.element_size(), row,
+                                hd * row, x, g * (h // self.groups) + d * hd, hd, 0, s_loc)
+            if d != self.me:
+                self.rt.signal(self.side, d, self._data(IN, half, self.me), 1)
+        done = [self.side.record_event(), self.local.record_event()]
 
         def wait() -> list[Tensor]:
-            self.compute.wait_event(done)
+            for event in done:
+                self.compute.wait_event(event)
             self._arrived(IN, half, g)
             views = []
             for x, off in zip(self.xs, lay.ins):
@@ -229,29 +233,30 @@ class _Pipeline:
                 raise RuntimeError(f"commopt attention all-to-all: result {tuple(r.shape)} {r.dtype} does not match "
                                    f"output {tuple(shape)} {dtype} over {self.groups} head groups of {n} ranks")
         ready = self.compute.record_event()
-        self.side.wait_event(ready)
-        with torch.cuda.stream(self.side):
+        for stream in (self.side, self.local):
+            stream.wait_event(ready)
             for r in results:
-                r.record_stream(self.side)
-            for d in [*self.rt.peers, self.me]:
-                if d != self.me:
-                    self._take(OUT, half, d, g)
-                    address = self.bases[d] + base + self.me * lay.out_bytes
-                for r, o, off in zip(results, self.outs, lay.outs):
-                    b, h, _, t = _rows(o.shape)
-                    hr, elt = h // (self.groups * n), r.element_size()
-                    if d == self.me:  # the own block: straight into the output
-                        dst = o.data_ptr() + (g * (h // self.groups) + self.me * hr) * o.stride(1) * elt
-                        self._copy_rows(self.side, dst, o.stride(1) * elt, o.stride(0) * elt, r, 0, hr, d * s_loc, s_loc)
-                    else:
-                        row = s_loc * t * elt
-                        self._copy_rows(self.side, address + off, row, hr * row, r, 0, hr, d * s_loc, s_loc)
-                if d != self.me:
-                    self.rt.signal(self.side, d, self._data(OUT, half, self.me), 1)
-            done = self.side.record_event()
+                r.record_stream(stream)
+        for d in [*self.rt.peers, self.me]:
+            if d != self.me:
+                self._take(OUT, half, d, g)
+                address = self.bases[d] + base + self.me * lay.out_bytes
+            for r, o, off in zip(results, self.outs, lay.outs):
+                b, h, _, t = _rows(o.shape)
+                hr, elt = h // (self.groups * n), r.element_size()
+                if d == self.me:  # the own block: straight into the output, beside the pushes
+                    dst = o.data_ptr() + (g * (h // self.groups) + self.me * hr) * o.stride(1) * elt
+                    self._copy_rows(self.local, dst, o.stride(1) * elt, o.stride(0) * elt, r, 0, hr, d * s_loc, s_loc)
+                else:
+                    row = s_loc * t * elt
+                    self._copy_rows(self.side, address + off, row, hr * row, r, 0, hr, d * s_loc, s_loc)
+            if d != self.me:
+                self.rt.signal(self.side, d, self._data(OUT, half, self.me), 1)
+        done = [self.side.record_event(), self.local.record_event()]
 
         def finish() -> None:
-            self.compute.wait_event(done)
+            for event in done:
+                self.compute.wait_event(event)
             self._arrived(OUT, half, g)
             for src in self.rt.sources:
                 for o, off in zip(self.outs, lay.outs):
@@ -269,6 +274,7 @@ class _Pipeline:
     def run(self, compute: Callable) -> tuple[Tensor, ...]:
         for x in self.xs:
             x.record_stream(self.side)
+            x.record_stream(self.local)
         start = self.compute.record_event()
         pending, backs = self._inbound(0, start), []
         for g in range(self.groups):
@@ -277,6 +283,7 @@ class _Pipeline:
                 pending = self._inbound(g + 1, start)
             results = list(compute(*moved))
             self._release(IN, g % 2)  # stream-ordered after the compute's reads of the slot
+            self.in_read[g % 2] = self.compute.record_event()
             del moved
             backs.append(self._outbound(g, results))
             if g >= 1:

@@ -92,8 +92,10 @@ def zigzag_head_groups(q_bytes: int, kv_heads: int) -> int:
 # results/attention_h200x2_2026-11-23_s11.md): 1 group 9.30 ms, 2 groups 9.10-9.19, 4 groups
 # 12.2-14.9 eager and 9.34 replayed from a CUDA graph -- every group adds ~16 c10d calls' host
 # time and NCCL's kernels share the SMs with cuDNN's, so that pipeline stays shallow.  The
-# copy engine's (ce_a2a) takes no SM and little host time per group: up to 4 groups.
-ULYSSES_PIPELINE = {"nccl": (2, 32 << 20), "ce": (4, 8 << 20)}  # (most groups, least q bytes per group)
+# copy engine's (ce_a2a) takes no SM and little host time per group, but each group's attention
+# loses to the tail of its last wave as its heads shrink (16K: 1, 2, 4 groups 8.68, 8.48, 8.80
+# ms, the attention alone 6.53, 6.95, 7.22): up to 4 groups of >= 32 MiB of q.
+ULYSSES_PIPELINE = {"nccl": (2, 32 << 20), "ce": (4, 32 << 20)}  # (most groups, least q bytes per group)
 
 
 def ulysses_head_groups(q_bytes: int, heads: int, kv_heads: int, u: int, transport: str = "nccl") -> int:
