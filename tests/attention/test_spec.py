@@ -91,16 +91,15 @@ def test_zigzag_pipelines_its_relayouts_over_two_head_groups_for_large_shards_on
     assert zigzag_head_groups(4 * big, 1) == 1  # MQA: one K/V head cannot be split
 
 
-def test_ulysses_pipelines_its_all_to_alls_by_transport_and_shard_size():
-    from torch_commopt.attention.spec import ULYSSES_PIPELINE, ulysses_head_groups
+def test_ulysses_pipelines_its_all_to_alls_over_two_head_groups_for_large_shards_only():
+    from torch_commopt.attention.spec import ULYSSES_PIPELINE_MIN_BYTES, ulysses_head_groups
 
-    least = ULYSSES_PIPELINE["ce"][1]
-    assert ulysses_head_groups(4 * least, 32, 8, 2, "ce") == 4  # e.g. 32K tokens, H 32, bf16: 128 MiB of q
-    assert ulysses_head_groups(4 * least, 32, 8, 2, "nccl") == 2  # NCCL's pipeline stays shallow
-    assert ulysses_head_groups(2 * least, 32, 8, 2, "ce") == 2  # each group keeps the least
-    assert ulysses_head_groups(4 * least, 32, 4, 2, "ce") == 2  # 4 K/V heads: 2 groups x 2 ranks
-    assert ulysses_head_groups(least - 2, 32, 8, 2, "ce") == 1
-    assert ulysses_head_groups(64 * least, 32, 8, 1, "ce") == 1  # no Ulysses rank to move to
+    least = ULYSSES_PIPELINE_MIN_BYTES
+    assert ulysses_head_groups(2 * least, 32, 8, 2) == 2  # e.g. 16K tokens, H 32, bf16: 64 MiB of q
+    assert ulysses_head_groups(8 * least, 32, 8, 2) == 2  # never deeper: smaller groups lose to the last wave
+    assert ulysses_head_groups(2 * least - 2, 32, 8, 2) == 1  # each group would keep less than the least
+    assert ulysses_head_groups(2 * least, 32, 2, 2) == 1  # 2 K/V heads: no 2 groups x 2 ranks
+    assert ulysses_head_groups(64 * least, 32, 8, 1) == 1  # no Ulysses rank to move to
 
 
 def test_copy_engine_all_to_alls_only_on_cuda_and_bad_values_read_as_nccl(monkeypatch):

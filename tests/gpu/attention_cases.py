@@ -114,7 +114,7 @@ def run_cp_attention_cases(rank: int, world: int, device: str = "cuda") -> list[
         if h_kv % (2 * world) == 0:  # ulysses's all-to-alls over two head groups
             seed += 1
             results += _case(rank, world, shape, "ulysses", "contiguous", seed, head_groups=2, device=device)
-    if device == "cuda":  # pipelined on their own: ring_zigzag over 2 head groups, ulysses over 4 (ce) or 2
+    if device == "cuda":  # pipelined on their own over 2 head groups: ring_zigzag and ulysses
         results += _case(rank, world, BIG, "ring_zigzag", "contiguous", seed + 1)
         results += _case(rank, world, BIG, "ulysses", "contiguous", seed + 2)
     return results

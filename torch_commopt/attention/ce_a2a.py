@@ -3,7 +3,7 @@
 NCCL's all-to-alls do not overlap the attention on an H200: their kernels share the SMs with
 cuDNN's, and their packing/unpacking copies queue on the compute stream (2x H200, 16K tokens,
 H 32, fwd+bwd, CUDA-graph replays: 1, 2, 4 head groups 9.27, 9.14, 9.34 ms for 6.5 ms of
-attention; results/attention_h200x2_2026-11-23_s11.md).  Here every piece is one strided DMA
+attention; results/cp_profile_h200x2_2026-11-23_s11.md; by the copy engine 8.68, 8.48, 8.80).  Here every piece is one strided DMA
 (cuMemcpy2DAsync) written straight into its final place in the peer's symmetric buffer:
 
   inputs, sequence -> heads (region IN): rank p's rows (b, head) of its S_loc tokens land at

@@ -22,15 +22,18 @@ backward graphs.  Schedules (spec.py):
                  traffic per call, on top of the ring's (W-1) K/V shifts: worth it where the
                  causal ring's imbalance (rank W-1 does ~2x the average work) costs more.
                  Large shards pipeline the relayouts over two head groups (spec.
-                 zigzag_head_groups): group 2's inputs travel while group 1's ring computes,
-                 group 1's results while group 2's does; only half of each relayout is exposed.
+                 zigzag_head_groups, _pipelined): group 2's inputs travel while group 1's ring
+                 computes, group 1's results while group 2's does.
                  Relaying the query side only (ring.zigzag_q_plan: K/V stay contiguous, half
                  the bytes) was measured and not taken: its smaller blocks cost 12% more
                  compute at 8K tokens/GPU on an H200, more than the bytes it saves.
                  Without causal there is nothing to balance: it runs ring, no exchange.
                  A program already in zigzag layout can call ring.ring_fwd with zigzag_plan.
-    ulysses      all-to-all sequence -> heads (q, k, v in one collective), full-sequence
-                 attention on H/W heads, all-to-all back (out and lse in one collective).
+    ulysses      all-to-all sequence -> heads (q, k, v together), full-sequence attention on
+                 H/W heads, all-to-all back (out and lse together); for large shards
+                 pipelined over two head groups (spec.ulysses_head_groups).  On CUDA the
+                 all-to-alls go by the copy engine straight into the attention's layout
+                 (ce_a2a.py), elsewhere by comm.exchange (NCCL or gloo).
     hybrid:U:R   Ulysses over U consecutive ranks, then a contiguous ring over R of them.
 """
 
@@ -159,17 +162,15 @@ def _ulysses_pipelined(xs: list[Tensor], q: Tensor, k: Tensor, ring, ugroup, hea
     engine where ce_a2a can (CUDA), else by comm's all-to-alls (_pipelined).  Group g takes
     heads [g*h/G, (g+1)*h/G) of every tensor, which the all-to-all splits again over the n
     Ulysses ranks, so every query head keeps its K/V head.  outs: the results' (shape, dtype)
-    in the sequence layout; head_groups: G (None: spec.ulysses_head_groups for the transport)."""
+    in the sequence layout; head_groups: G (None: spec.ulysses_head_groups)."""
     n = comm.size(ugroup)
     if n == 1:  # the ring schedule (hybrid:1:W): nothing moves
         return tuple(ring(*xs))
-    copy_engine = ce_a2a.transport() == "ce" and q.device.type == "cuda"
-    groups = head_groups or ulysses_head_groups(q.numel() * q.element_size(), q.shape[1], k.shape[1], n,
-                                                "ce" if copy_engine else "nccl")
+    groups = head_groups or ulysses_head_groups(q.numel() * q.element_size(), q.shape[1], k.shape[1], n)
     if any(x.shape[1] % (groups * n) for x in xs):
         raise ValueError(f"cp attention ulysses: {groups} head groups of {n} ranks do not divide the heads "
                          f"{[x.shape[1] for x in xs]}")
-    if copy_engine and ce_a2a.usable(xs, ugroup, groups, outs):
+    if ce_a2a.usable(xs, ugroup, groups, outs):
         return ce_a2a.pipelined(xs, ring, ugroup, groups, outs)
 
     def there(parts, async_op):

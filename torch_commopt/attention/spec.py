@@ -88,26 +88,26 @@ def zigzag_head_groups(q_bytes: int, kv_heads: int) -> int:
 # Ulysses (and hybrid) move every input and result through all-to-alls.  Split over head
 # groups, group g+1's inputs travel while group g's attention runs and group g's results travel
 # back meanwhile (schedules._pipelined, ce_a2a.pipelined): only the first group's inputs and the
-# last group's results are exposed.  With NCCL, measured on 2x H200 (16K tokens, H 32, fwd+bwd;
-# results/attention_h200x2_2026-11-23_s11.md): 1 group 9.30 ms, 2 groups 9.10-9.19, 4 groups
-# 12.2-14.9 eager and 9.34 replayed from a CUDA graph -- every group adds ~16 c10d calls' host
-# time and NCCL's kernels share the SMs with cuDNN's, so that pipeline stays shallow.  The
-# copy engine's (ce_a2a) takes no SM and little host time per group, but each group's attention
-# loses to the tail of its last wave as its heads shrink (16K: 1, 2, 4 groups 8.68, 8.48, 8.80
-# ms, the attention alone 6.53, 6.95, 7.22): up to 4 groups of >= 32 MiB of q.
-ULYSSES_PIPELINE = {"nccl": (2, 32 << 20), "ce": (4, 32 << 20)}  # (most groups, least q bytes per group)
+# last group's results are exposed.  Measured on 2x H200, H 32, fwd+bwd (results/
+# cp_profile_h200x2_2026-11-23_s11.md): with NCCL, 16K tokens, 1/2/4 groups 9.30/9.10/12.2 ms
+# eager and 9.27/9.14/9.34 replayed from a CUDA graph (every group adds ~16 c10d calls' host
+# time; NCCL's kernels share the SMs with cuDNN's); by the copy engine (ce_a2a: no SM, little
+# host time) 8.68/8.48/8.80 at 16K and -/29.98/30.44 at 32K -- each group's attention loses to
+# the tail of its last wave as its heads shrink (attention alone 6.53/6.95/7.22 at 16K).  So
+# two groups, each keeping >= 32 MiB of q, for either transport.
+ULYSSES_MAX_HEAD_GROUPS = 2
+ULYSSES_PIPELINE_MIN_BYTES = 32 << 20  # q bytes of one rank per head group
 
 
-def ulysses_head_groups(q_bytes: int, heads: int, kv_heads: int, u: int, transport: str = "nccl") -> int:
+def ulysses_head_groups(q_bytes: int, heads: int, kv_heads: int, u: int) -> int:
     """How many head groups ulysses / hybrid:U:R pipeline their all-to-alls over (schedules and
-    the cost model) with `transport` ("nccl" or "ce": ce_a2a): the largest G up to the
-    transport's most that splits the heads and K/V heads into G * u equal parts and keeps at
-    least its least bytes of this rank's q per group; 1 if none does (or u == 1: nothing moves)."""
-    most, least = ULYSSES_PIPELINE[transport]
+    the cost model): the largest G <= ULYSSES_MAX_HEAD_GROUPS that splits the heads and K/V heads
+    into G * u equal parts and keeps >= ULYSSES_PIPELINE_MIN_BYTES of this rank's q per group;
+    1 if none does (or u == 1: nothing moves)."""
     if u <= 1:
         return 1
-    for g in range(most, 1, -1):
-        if heads % (g * u) == 0 and kv_heads % (g * u) == 0 and q_bytes // g >= least:
+    for g in range(ULYSSES_MAX_HEAD_GROUPS, 1, -1):
+        if heads % (g * u) == 0 and kv_heads % (g * u) == 0 and q_bytes // g >= ULYSSES_PIPELINE_MIN_BYTES:
             return g
     return 1
 
