@@ -466,3 +466,14 @@ def run_compiled_wrapper(rank: int, world: int, seed: int = 0) -> list[tuple[str
     torch.library.opcheck(torch.ops.commopt.cp_attention_fwd, fwd_args)
     torch.library.opcheck(torch.ops.commopt.cp_attention_bwd, (dout, q, k, v, out, lse) + fwd_args[3:])
     return errs
+
+
+def run_a2a_votes(rank: int, world: int) -> list[tuple[bool, str]]:
+    """ce_a2a.vote on the default group: one host with peer access everywhere; rank 1 on
+    another host; one rank without peer access (every rank must get the same answer)."""
+    from torch_commopt.attention import ce_a2a
+
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    return [ce_a2a.vote(group, cpu, "node-a", True),
+            ce_a2a.vote(group, cpu, "node-b" if rank == 1 else "node-a", True),
+            ce_a2a.vote(group, cpu, "node-a", rank != world - 1)]

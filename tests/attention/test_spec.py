@@ -101,18 +101,3 @@ def test_ulysses_pipelines_its_all_to_alls_over_two_head_groups_for_large_shards
     assert ulysses_head_groups(2 * least, 32, 2, 2) == 1  # 2 K/V heads: no 2 groups x 2 ranks
     assert ulysses_head_groups(64 * least, 32, 8, 1) == 1  # no Ulysses rank to move to
 
-
-def test_copy_engine_all_to_alls_only_on_cuda_and_bad_values_read_as_nccl(monkeypatch):
-    import torch
-
-    from torch_commopt.attention import ce_a2a
-
-    monkeypatch.delenv(ce_a2a.ENV, raising=False)
-    assert ce_a2a.transport() == "ce"
-    monkeypatch.setenv(ce_a2a.ENV, "NCCL ")
-    assert ce_a2a.transport() == "nccl"
-    monkeypatch.setenv(ce_a2a.ENV, "copyengine")
-    assert ce_a2a.transport() == "nccl"
-    monkeypatch.setenv(ce_a2a.ENV, "ce")
-    x = torch.randn(1, 4, 8, 16)
-    assert not ce_a2a.usable([x, x, x], None, 1, [(x.shape, x.dtype)])  # CPU tensors, no group

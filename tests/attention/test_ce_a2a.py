@@ -1,0 +1,62 @@
+"""The copy-engine all-to-alls' switch and layout (attention/ce_a2a.py): on by default, never on
+CPU tensors or a rank alone, an unknown transport name read as nccl, the ranks' vote on taking
+part, and the byte layout of a slot (the GPU protocol itself is tested in
+tests/gpu/test_cp_attention_gpu.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import cp_programs
+from torch_commopt.attention import ce_a2a
+from torch_commopt.launch import run_distributed
+
+
+def test_transport_defaults_to_ce_and_reads_nccl(monkeypatch, caplog):
+    monkeypatch.delenv(ce_a2a.ENV, raising=False)
+    assert ce_a2a.transport() == "ce"
+    monkeypatch.setenv(ce_a2a.ENV, " NCCL ")
+    assert ce_a2a.transport() == "nccl"
+    monkeypatch.setenv(ce_a2a.ENV, "copyengine")
+    with caplog.at_level(logging.WARNING, logger=ce_a2a.log.name):
+        assert ce_a2a.transport() == "nccl"
+    assert any("copyengine" in r.getMessage() for r in caplog.records)
+
+
+def test_cpu_tensors_and_lone_ranks_keep_nccl(monkeypatch):
+    monkeypatch.setenv(ce_a2a.ENV, "ce")
+    x = torch.randn(1, 4, 8, 16)
+    assert not ce_a2a.usable([x, x, x], None, 1, [(x.shape, x.dtype)])
+
+
+def test_every_rank_gets_the_same_vote():
+    """One host with peer access: yes everywhere; a rank elsewhere or without peer access: no
+    everywhere, with the reason (a rank going on alone would wait for flags forever)."""
+    for world in (2, 3):
+        for votes in run_distributed(cp_programs.run_a2a_votes, world, timeout_s=60):
+            assert votes == [(True, ""), (False, "spans hosts"), (False, "has GPUs without peer access")]
+
+
+def test_slot_layout_keeps_every_piece_aligned_and_sized_for_its_group():
+    q = torch.empty(2, 8, 5, 16, dtype=torch.bfloat16)  # B 2, H 8, S_loc 5, D 16
+    k = torch.empty(2, 4, 5, 16, dtype=torch.bfloat16)
+    lse = (torch.Size([2, 8, 5]), torch.float32)
+    lay = ce_a2a._Layout([q, k, k], [((2, 8, 5, 16), torch.bfloat16), lse], groups=2, n=2)
+    # IN: this rank's [B, H/(G n), n S_loc, D] of each input; OUT: per source, [B, H/(G n), S_loc, D]
+    assert lay.ins == [0, 1280, 1280 + 768]  # 2*2*10*16*2 = 1280; 2*1*10*16*2 = 640 -> 768
+    assert lay.in_bytes == 1280 + 768 + 768
+    assert lay.outs == [0, 768] and lay.out_bytes == 768 + 256  # 2*2*5*16*2 = 640 -> 768; 2*2*5*4 = 80 -> 256
+    assert lay.half == lay.in_bytes + 2 * lay.out_bytes and lay.half % 256 == 0
+
+
+def test_rows_that_are_not_runs_are_copied_once():
+    x = torch.randn(2, 4, 6, 8)
+    assert ce_a2a._rows_ok(x) is x
+    assert ce_a2a._rows_ok(x[:, 1:3]) is not None and ce_a2a._rows_ok(x[:, 1:3]).data_ptr() == x[:, 1:3].data_ptr()
+    bshd = torch.randn(2, 6, 4, 8).transpose(1, 2)  # (B, H, S, D) view of (B, S, H, D) memory
+    fixed = ce_a2a._rows_ok(bshd)
+    assert fixed.is_contiguous() and torch.equal(fixed, bshd)
+    lse = torch.randn(2, 4, 6)
+    assert ce_a2a._rows_ok(lse) is lse
