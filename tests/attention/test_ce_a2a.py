@@ -1,28 +1,14 @@
-"""The copy-engine all-to-alls' switch and layout (attention/ce_a2a.py): on by default, never on
-CPU tensors or a rank alone, an unknown transport name read as nccl, the ranks' vote on taking
-part, and the byte layout of a slot (the GPU protocol itself is tested in
-tests/gpu/test_cp_attention_gpu.py)."""
+"""The copy-engine all-to-alls (attention/ce_a2a.py): never on CPU tensors or a rank alone, the
+ranks' vote on taking part, and the byte layout of a slot (its environment switch:
+test_switches.py; the GPU protocol itself is tested in tests/gpu/test_cp_attention_gpu.py)."""
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
 import cp_programs
 from torch_commopt.attention import ce_a2a
 from torch_commopt.launch import run_distributed
-
-
-def test_transport_defaults_to_ce_and_reads_nccl(monkeypatch, caplog):
-    monkeypatch.delenv(ce_a2a.ENV, raising=False)
-    assert ce_a2a.transport() == "ce"
-    monkeypatch.setenv(ce_a2a.ENV, " NCCL ")
-    assert ce_a2a.transport() == "nccl"
-    monkeypatch.setenv(ce_a2a.ENV, "copyengine")
-    with caplog.at_level(logging.WARNING, logger=ce_a2a.log.name):
-        assert ce_a2a.transport() == "nccl"
-    assert any("copyengine" in r.getMessage() for r in caplog.records)
 
 
 def test_cpu_tensors_and_lone_ranks_keep_nccl(monkeypatch):

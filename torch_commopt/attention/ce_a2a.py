@@ -30,7 +30,6 @@ logged once); inside a CUDA-graph capture before the buffer exists, NCCL runs (l
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import zlib
 from typing import Callable, Sequence
@@ -39,32 +38,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torch_commopt.attention import switches
+
 log = logging.getLogger(__name__)
 ENV = "TORCH_COMMOPT_ATTENTION_A2A"
 PURPOSE = "attention all-to-all"  # the runtime's own_buffer key
-TRANSPORTS = ("nccl", "ce")
 IN, OUT = 0, 1  # flag regions
 _ALIGN = 256  # bytes: every tensor's place in a slot starts aligned
-_logged: set[str] = set()
 _AGREED: dict[str, bool] = {}  # group name -> every rank can take part
 Spec = tuple[Sequence[int], torch.dtype]
 
 
 def _once(key: str, level: int, msg: str, *args) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.log(level, msg, *args)
+    switches.once(log, key, level, msg, *args)
 
 
 def transport() -> str:
     """The all-to-all transport the environment asks for (default ce; an unknown value is
     logged and read as nccl)."""
-    want = os.environ.get(ENV, "ce").strip().lower() or "ce"
-    if want not in TRANSPORTS:
-        _once(f"bad {want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; using nccl", ENV, want,
-              TRANSPORTS)
-        return "nccl"
-    return want
+    return switches.transport(log, ENV, "ce")
 
 
 def _rows(shape: Sequence[int]) -> tuple[int, int, int, int]:

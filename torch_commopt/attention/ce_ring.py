@@ -29,18 +29,17 @@ on (logged once); inside a CUDA-graph capture before the ring buffer exists, NCC
 from __future__ import annotations
 
 import logging
-import os
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from torch_commopt.attention import switches
+
 log = logging.getLogger(__name__)
 ENV = "TORCH_COMMOPT_ATTENTION_TRANSPORT"
 PURPOSE = "attention ring"  # the runtime's own_buffer key
-TRANSPORTS = ("nccl", "ce")
 _ALIGN = 256  # bytes: every tensor of a message starts aligned in its slot
-_logged: set[str] = set()
 
 
 class _NoParams:
@@ -55,20 +54,13 @@ _NO_PARAMS = _NoParams()
 
 
 def _once(key: str, level: int, msg: str, *args) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.log(level, msg, *args)
+    switches.once(log, key, level, msg, *args)
 
 
 def transport() -> str:
     """The transport the environment asks for (default nccl; an unknown value is logged and
     read as nccl: a typo must not stop a training step)."""
-    want = os.environ.get(ENV, "nccl").strip().lower() or "nccl"
-    if want not in TRANSPORTS:
-        _once(f"bad {want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; using nccl", ENV, want,
-              TRANSPORTS)
-        return "nccl"
-    return want
+    return switches.transport(log, ENV, "nccl")
 
 
 def _layout(tensors: Sequence[Tensor]) -> tuple[list[int], int]:
