@@ -430,6 +430,13 @@ def _transport() -> str:
     return f"{transport()} ({ENV})"
 
 
+def _a2a_transport() -> str:
+    """How Ulysses's all-to-alls move on CUDA (attention/ce_a2a.py's switch)."""
+    from torch_commopt.attention.ce_a2a import ENV, transport
+
+    return f"{transport()} ({ENV})"
+
+
 def pick_machine(dev: str, world: int, dtype: torch.dtype):
     """(CPMachine, how it was obtained): what the compiled path ranks with (rewrite._machine):
     this machine's stored calibration (rank 0's), else the priors; the round figures on CPU."""
@@ -634,7 +641,8 @@ def _row(r: dict) -> str:
 def report(records: list[dict], meta: dict) -> str:
     lines = [f"# Context-parallel attention on {meta['device']} x{meta['world']} ({meta['date']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, {meta['dtype']}.", "",
-             f"Command: `{meta['command']}`; ring transfers: {meta.get('ring_transport', 'nccl')}.", ""]
+             f"Command: `{meta['command']}`; ring transfers: {meta.get('ring_transport', 'nccl')}; Ulysses "
+             f"all-to-alls: {meta.get('a2a_transport', 'nccl')}.", ""]
     if meta["device"].startswith("CPU"):
         lines += ["CPU smoke run (gloo): the figures mean nothing. torch CP's ring dispatches only the CUDA SDPA "
                   "kernels; what runs here (if anything) is DTensor's generic SDPA sharding, not its ring.", ""]
@@ -707,7 +715,8 @@ def _meta(args: argparse.Namespace) -> dict:
     return {"device": device, "world": args.world, "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton_version, "commit": args.commit or _git_commit(),
             "host": platform.node(), "dtype": "float32" if args.cpu else args.dtype,
-            "ring_transport": _transport(),
+            "ring_transport": "gloo" if args.cpu else _transport(),
+            "a2a_transport": "gloo" if args.cpu else _a2a_transport(),
             "command": "python3 " + " ".join(sys.argv)}
 
 

@@ -170,10 +170,11 @@ def main() -> None:
     args = ap.parse_args()
     pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     per_rank = run_distributed(worker, args.world, args, backend="gloo" if args.cpu else "nccl", timeout_s=500)
+    from torch_commopt.attention import ce_a2a
     from torch_commopt.attention.ce_ring import transport
 
     meta = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "world": args.world,
-            "ring_transport": transport(), "cuda_graphs": args.graphs, "torch": torch.__version__,
+            "ring_transport": transport(), "a2a_transport": ce_a2a.transport(), "cuda_graphs": args.graphs, "torch": torch.__version__,
             "commit": args.commit, "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python3", *sys.argv])}
     data = {"meta": meta, "per_rank": per_rank}
     (pathlib.Path(args.out) / "cp_profile.json").write_text(json.dumps(data, indent=1))
