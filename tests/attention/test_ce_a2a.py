@@ -46,3 +46,35 @@ def test_rows_that_are_not_runs_are_copied_once():
     assert fixed.is_contiguous() and torch.equal(fixed, bshd)
     lse = torch.randn(2, 4, 6)
     assert ce_a2a._rows_ok(lse) is lse
+
+
+class _HostDriver:
+    """driver.memcpy2d_async on host memory (the pitch checks the CUDA driver makes)."""
+
+    @staticmethod
+    def memcpy2d_async(stream, dst, dst_pitch, src, src_pitch, width, height):
+        import ctypes
+
+        assert src_pitch >= width and dst_pitch >= width, (src_pitch, dst_pitch, width)
+        for r in range(height):
+            ctypes.memmove(dst + r * dst_pitch, src + r * src_pitch, width)
+
+
+class _Copier:
+    driver = _HostDriver()
+    copy_rows = ce_a2a._Pipeline._copy_rows
+
+
+def test_row_copies_land_where_the_layout_says():
+    """_copy_rows's address arithmetic, run on host memory: heads [1, 3), tokens [2, 5) of a
+    (B 2, H 4, S 6, D 8) tensor into a [B, 2, 3, D] block; and one head whose size-1 dim has
+    an odd stride (the driver's pitch check would refuse it as the pitch)."""
+    x = torch.randn(2, 4, 6, 8)
+    dst = torch.zeros(2, 2, 3, 8)
+    row = 3 * 8 * 4
+    _Copier().copy_rows(None, dst.data_ptr(), row, 2 * row, x, 1, 2, 2, 3)
+    assert torch.equal(dst, x[:, 1:3, 2:5])
+    one = torch.randn(2, 6, 8).unsqueeze(1).as_strided((2, 1, 6, 8), (48, 1, 8, 1))
+    dst = torch.zeros(2, 1, 6, 8)
+    _Copier().copy_rows(None, dst.data_ptr(), 6 * 8 * 4, 6 * 8 * 4, one, 0, 1, 0, 6)
+    assert torch.equal(dst, one)

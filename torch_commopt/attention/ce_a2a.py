@@ -212,10 +212,14 @@ class _Pipeline:
         j*dst_row (bytes), j < heads, one DMA per batch."""
         _, _, _, t = _rows(src.shape)
         elt = src.element_size()
+        width = tokens * t * elt
+        # one row: its pitch is never used, but the driver wants pitch >= width (a size-1 dim's
+        # stride can be anything)
+        src_row = src.stride(1) * elt if heads > 1 else width
         for b in range(src.shape[0]):
             at = src.data_ptr() + (b * src.stride(0) + head0 * src.stride(1) + tok0 * t) * elt
-            self.driver.memcpy2d_async(stream, dst + b * dst_batch, dst_row, at, src.stride(1) * elt,
-                                       tokens * t * elt, heads)
+            self.driver.memcpy2d_async(stream, dst + b * dst_batch, dst_row if heads > 1 else width, at, src_row,
+                                       width, heads)
 
     def _inbound(self, g: int, start) -> Callable[[], list[Tensor]]:
         """Push group g's inputs to every rank (own piece included); returns the compute-side
