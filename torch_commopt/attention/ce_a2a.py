@@ -108,9 +108,7 @@ def usable(xs: Sequence[Tensor], group, groups: int, outs: Sequence[Spec]) -> bo
     if torch.cuda.is_current_stream_capturing():
         from torch_commopt.kernels.gpu import symm
 
-        rt = symm.existing(group.group_name, xs[0].device)
-        if not _AGREED.get(group.group_name, False):
-            rt = None
+        rt = symm.existing(group.group_name, xs[0].device) if _AGREED.get(group.group_name) else None
         need = 2 * _Layout(xs, outs, groups, group.size()).half
         if rt is None or not rt.has_own_buffer(PURPOSE, need):
             _once("capture", logging.INFO, "commopt attention: copy-engine all-to-all buffer not yet allocated inside "
@@ -162,7 +160,6 @@ def pipelined(xs: list[Tensor], compute: Callable, group, groups: int, outs: Seq
 
 class _Pipeline:
     def __init__(self, xs: list[Tensor], group, groups: int, outs: Sequence[Spec]) -> None:
-        from torch_commopt.attention.ce_ring import _NO_PARAMS
         from torch_commopt.kernels.gpu import driver, symm
 
         self.symm, self.driver = symm, driver
@@ -173,7 +170,7 @@ class _Pipeline:
         self.layout = _Layout(self.xs, self.specs, groups, self.n)
         self.buf = rt.own_buffer(PURPOSE, 2 * self.layout.half)
         self.bases = [int(ptr) for ptr in self.buf.handle.buffer_ptrs]
-        self.debug = rt.debug_waits(_NO_PARAMS)
+        self.debug = rt.debug_waits()
         self.compute, self.side, self.local = torch.cuda.current_stream(xs[0].device), rt.side, rt.local
         self.outs = [torch.empty(shape, dtype=dtype, device=xs[0].device) for shape, dtype in self.specs]
         self.seq_local = self.xs[0].shape[2]

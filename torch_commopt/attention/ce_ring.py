@@ -42,17 +42,6 @@ PURPOSE = "attention ring"  # the runtime's own_buffer key
 _ALIGN = 256  # bytes: every tensor of a message starts aligned in its slot
 
 
-class _NoParams:
-    """A schedule without parameters, for symm's debug_waits (the env decides)."""
-
-    @staticmethod
-    def param(name: str, default=None):
-        return default
-
-
-_NO_PARAMS = _NoParams()
-
-
 def _once(key: str, level: int, msg: str, *args) -> None:
     switches.once(log, key, level, msg, *args)
 
@@ -112,7 +101,7 @@ class CEShift:
         self.views = [t.contiguous() for t in tensors]
         self.step, self.held = 0, None  # held: the half of this rank's slot holding the current block
         # bounded waits (TORCH_COMMOPT_DEBUG_WAITS): the runtime loads the wait kernel first
-        self.debug = rt.debug_waits(_NO_PARAMS)
+        self.debug = rt.debug_waits()
         self.compute = torch.cuda.current_stream(tensors[0].device)
 
     def _base(self, half: int) -> int:

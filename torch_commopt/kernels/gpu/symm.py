@@ -86,9 +86,10 @@ def debug_waits_from_env() -> bool:
     return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
 
 
-def debug_waits(schedule) -> bool:
-    """Bounded waits for this call: the schedule's dbg=1 (Config.debug_waits) or the env."""
-    return bool(schedule.param("dbg", 0)) or debug_waits_from_env()
+def debug_waits(schedule=None) -> bool:
+    """Bounded waits for this call: the schedule's dbg=1 (Config.debug_waits) or the env
+    (the env alone for callers without a schedule, e.g. the attention transports)."""
+    return (schedule is not None and bool(schedule.param("dbg", 0))) or debug_waits_from_env()
 
 
 def wait_bound() -> int:
@@ -168,7 +169,7 @@ class GroupRuntime:
         self._warned_capture_debug = False
         log.info("commopt: symmetric runtime for group %s (rank %d of %d) on %s", group_name, self.rank, self.world, device)
 
-    def debug_waits(self, schedule) -> bool:
+    def debug_waits(self, schedule=None) -> bool:
         """Whether this call bounds its waits (see module-level debug_waits).  The first time,
         the wait kernel is compiled and loaded here, before this call launches anything that
         spins: loading a CUDA module waits for the device's running kernels, so a wait kernel
@@ -205,15 +206,12 @@ class GroupRuntime:
         fitting = [b for b in self.buffers if b.nbytes >= nbytes]
         if fitting:
             return min(fitting, key=lambda b: b.nbytes)
-        size = max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         if len(self.buffers) >= MAX_BUFFERS:
             raise RuntimeError(f"commopt: more than {MAX_BUFFERS} symmetric buffer size classes for group {self.group_name}")
-        local = _off_thread(lambda: symm_mem.empty(size, dtype=torch.uint8, device=self.device), self.device)
-        handle = _off_thread(lambda: symm_mem.rendezvous(local, self.group_name), self.device)
+        local, handle = self._rendezvoused(nbytes, "shared")
         ptrs = self._int64_table(BUFFER_PTRS + len(self.buffers) * 2 * MAX_WORLD, [int(p) for p in handle.buffer_ptrs])
         buf = SymmBuffer(local, handle, self.rank, ptrs)
         self.buffers.append(buf)
-        log.info("commopt: symmetric buffer of %d MiB for group %s", size >> 20, self.group_name)
         return buf
 
     def has_own_buffer(self, purpose: str, nbytes: int) -> bool:
@@ -227,12 +225,17 @@ class GroupRuntime:
         kept = self.owned.setdefault(purpose, [])
         if kept and kept[-1].nbytes >= nbytes:
             return kept[-1]
+        kept.append(SymmBuffer(*self._rendezvoused(nbytes, purpose), self.rank, None))
+        return kept[-1]
+
+    def _rendezvoused(self, nbytes: int, purpose: str):
+        """(local uint8 tensor, handle) of a new symmetric allocation of the size class of
+        nbytes (a power of two, at least MIN_BUFFER_BYTES); collective."""
         size = max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         local = _off_thread(lambda: symm_mem.empty(size, dtype=torch.uint8, device=self.device), self.device)
         handle = _off_thread(lambda: symm_mem.rendezvous(local, self.group_name), self.device)
-        kept.append(SymmBuffer(local, handle, self.rank, None))
         log.info("commopt: symmetric %s buffer of %d MiB for group %s", purpose, size >> 20, self.group_name)
-        return kept[-1]
+        return local, handle
 
     def _int64_table(self, index: int, values: list[int]) -> torch.Tensor:
         """int64 `values` stored at int32 index `index` of this rank's flag array (a view)."""
@@ -353,13 +356,17 @@ def capture_refusal(group_name: str, device: torch.device, op: str, schedule, nb
     return None
 
 
+def _key(group_name: str, device: torch.device) -> tuple[str, int]:
+    return group_name, device.index if device.index is not None else torch.cuda.current_device()
+
+
 def existing(group_name: str, device: torch.device) -> GroupRuntime | None:
     """The group's runtime on `device` if one was created (creating one synchronizes)."""
-    return _RUNTIMES.get((group_name, device.index if device.index is not None else torch.cuda.current_device()))
+    return _RUNTIMES.get(_key(group_name, device))
 
 
 def runtime(group_name: str, device: torch.device) -> GroupRuntime:
-    key = (group_name, device.index if device.index is not None else torch.cuda.current_device())
+    key = _key(group_name, device)
     rt = _RUNTIMES.get(key)
     if rt is None:
         rt = _RUNTIMES[key] = GroupRuntime(group_name, torch.device("cuda", key[1]))
