@@ -9,8 +9,11 @@ Per case (B, H, H_kv, D, S_total, causal, pass "fwd" or "fwd+bwd"; bf16) one run
                         _attention.set_rotate_method("allgather") and ("alltoall"), its default
                         load balancing (head-tail: rank r holds chunks r and 2W-1-r of 2W when
                         S % 2W == 0).  It refuses non-causal attention with load balancing on
-                        ("Load balancing requires `is_causal=True`"): recorded as null with that
-                        reason, or measured with load balancing off under --torch-cp-no-lb.
+                        ("Load balancing requires `is_causal=True`"; after that error its
+                        context exit left SDPA wrapped on the GPUs): non-causal cases run it
+                        with load balancing off (nothing to balance there; `load_balance` in
+                        the record).  A context that fails inside is repaired before the
+                        check below.
                         Every sample enters the context with fresh full-size buffers (q, k, v,
                         dout; all in no_restore_buffers) and makes its requires-grad leaves from
                         the shards inside it; after each context F.scaled_dot_product_attention
@@ -295,6 +298,21 @@ class TorchCPLeak(RuntimeError):
     """A torch CP context left global state patched: every later timing would be wrong."""
 
 
+def _repair_torch_cp(handlers: dict) -> None:
+    """Put back what a torch CP context had patched.  Its exit after an error raised inside it
+    (e.g. load balancing refusing a non-causal call, torch 2.11) leaves
+    F.scaled_dot_product_attention wrapped; check_torch_cp_restored runs after this."""
+    from torch.distributed.tensor import DTensor
+
+    if F.scaled_dot_product_attention is not _ORIGINAL_SDPA:
+        log.info("torch CP: its context exit after an error left SDPA wrapped; restored")
+        F.scaled_dot_product_attention = _ORIGINAL_SDPA
+    live = DTensor._op_dispatcher._custom_op_handlers
+    if live != handlers:
+        live.clear()
+        live.update(handlers)
+
+
 def check_torch_cp_restored(before: tuple) -> None:
     """Raise if a torch CP context left SDPA patched (or its dispatcher / options changed): later
     timings would silently run through it."""
@@ -313,10 +331,11 @@ def torch_cp(case: Case, full: dict, how: TorchCP, mesh, warm: bool = False):
     since the context's exit cannot resize tensors that require grad.  warm: one call before
     yielding (a fresh context re-registers CP's DTensor handlers and sharding rules; whatever
     its first call pays for that stays out of the timed window)."""
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
-    before = _cp_state()
+    before, handlers, failed = _cp_state(), dict(DTensor._op_dispatcher._custom_op_handlers), False
     set_rotate_method(how.method)
     bufs = [full[n].clone() for n in ("q", "k", "v", "dout")]
     if how.expand_kv:
@@ -346,8 +365,13 @@ def torch_cp(case: Case, full: dict, how: TorchCP, mesh, warm: bool = False):
                 if warm:
                     step()
                 yield step, lambda: {"out": last["out"].detach(), **_grads(leaves, case.kv_heads)}
+    except BaseException:
+        failed = True
+        raise
     finally:
         _cp_options.enable_load_balance = old_lb
+        if failed:
+            _repair_torch_cp(handlers)
         check_torch_cp_restored(before)
 
 
@@ -491,11 +515,11 @@ def _try_torch_cp(case: Case, full: dict, ref: dict, how: TorchCP, mesh, rank: i
     return (None, reason) if reason else (_global_errors(errors, dev), None)
 
 
-def _torch_cp_plans(case, full, ref, mesh, rank, world, dev, no_lb: bool) -> dict[str, dict]:
+def _torch_cp_plans(case, full, ref, mesh, rank, world, dev) -> dict[str, dict]:
     """Per rotate method: {"how": TorchCP or None, "errors", "reason", "gqa"}."""
     plans = {}
     for method in TORCH_CP_METHODS:
-        how = TorchCP(method, load_balance=not (no_lb and not case.causal))
+        how = TorchCP(method, load_balance=case.causal)
         errors, reason = _try_torch_cp(case, full, ref, how, mesh, rank, world, dev)
         gqa = "native" if case.heads != case.kv_heads else None
         if reason and gqa:  # GQA refused? retry with K/V expanded to H heads (more bytes moved)
@@ -537,7 +561,7 @@ def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, me
         with commopt_schedule(case, zz_local, "ring_zigzag", group, "zigzag") as (step, outputs):
             step()
             errors[ZIGZAG_LAYOUT] = _global_errors(_errors(outputs(), ref, rank, world, "head_tail"), dev)
-    cp = _torch_cp_plans(case, full, ref, mesh, rank, world, dev, args.torch_cp_no_lb)
+    cp = _torch_cp_plans(case, full, ref, mesh, rank, world, dev)
     variants = {"single_gpu_full": lambda: single_gpu(case, full)}
     if zz_local is not None:
         variants[ZIGZAG_LAYOUT] = lambda: commopt_schedule(case, zz_local, "ring_zigzag", group, "zigzag")
@@ -746,9 +770,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="timing rounds (default 5; --cpu 2)")
     parser.add_argument("--target-ms", dest="target_ms", type=float, default=None,
                         help="each sample's back-to-back calls last at least this long (default 20; --cpu 1)")
-    parser.add_argument("--torch-cp-no-lb", dest="torch_cp_no_lb", action="store_true",
-                        help="run torch CP on non-causal cases with its load balancing off (it refuses them with "
-                             "the default load balancing)")
     parser.add_argument("--commit", default="")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args(argv)
