@@ -49,6 +49,10 @@ class Config:
         least-memory plan, logged.  None: no budget.
     cache_dir: the tuner cache directory (default $TORCH_COMMOPT_CACHE_DIR, else the
         user's cache directory).
+    concat_k: a sum of matmuls that feeds a reduce-scatter or all-reduce (the backward of
+        q/k/v or w1/w3: dX = dq Wq + dk Wk + dv Wv) becomes one matmul over its operands
+        concatenated along K, so it forms an overlapped region (passes/concat_k.py; costs a
+        copy of the A operands and of the weights per call).  On by default.
     coconet: apply CoCoNet's all-gather reorder before finding regions: an all-gather whose
         result goes through unary elementwise ops (non-widening casts, activations) is
         moved after them, so they run on the shard and the gather meets its matmul
@@ -110,6 +114,7 @@ class Config:
     debug: bool = False
     debug_waits: bool = False
     cuda_graphs: bool = False
+    concat_k: bool = True
     coconet: bool = False
     ar_split: bool | str = False
     ar_split_policy: str = "cost"
@@ -154,7 +159,7 @@ class Config:
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
         for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet",
-                     "regather_for_backward"):
+                     "concat_k", "regather_for_backward"):
             _check_type(name, getattr(self, name), bool)
         if self.saved_gather_budget_mib is not None:
             if isinstance(self.saved_gather_budget_mib, bool) or not isinstance(self.saved_gather_budget_mib,

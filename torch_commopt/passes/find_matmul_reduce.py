@@ -61,7 +61,7 @@ def _region_of(coll: Node, kind: str) -> Region:
         raise Unsupported(f"reduce op {reduce_op!r} is not one of {REDUCE_OPS}")
     wait = wait_of(coll)
     t, scatter_dim, nodes = coll.args[0], 0, [coll, wait]
-    if kind == "matmul_rs" and (form := _scatter_form(t, world)) is not None:
+    if kind == "matmul_rs" and (form := scatter_form(t, world)) is not None:
         t, scatter_dim, extra = form
         nodes += extra
     mm, path = _walk_back(t)
@@ -84,7 +84,7 @@ def _region_of(coll: Node, kind: str) -> Region:
     )
 
 
-def _scatter_form(x: Node, world: int) -> tuple[Node, int, list[Node]] | None:
+def scatter_form(x: Node, world: int) -> tuple[Node, int, list[Node]] | None:
     """x = cat(split(t, L, dim d), dim 0): the form of a scatter along d > 0."""
     if x.target is not aten.cat.default or cat_dim(x) != 0 or only_user(x) is None:
         return None

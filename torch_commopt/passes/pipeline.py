@@ -75,6 +75,10 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
 
     report.notes += PENDING_NOTES  # the joint-graph pass of this compile (training graphs)
     PENDING_NOTES.clear()
+    if config.concat_k and ("matmul_rs" in config.patterns or "matmul_ar" in config.patterns):
+        from torch_commopt.passes.concat_k import concat_k
+
+        _graph_rewrite("concat-K", lambda: concat_k(graph), report)
     if config.coconet:
         from torch_commopt.passes.coconet import reorder_all_gathers
 

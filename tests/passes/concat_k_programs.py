@@ -1,0 +1,91 @@
+"""Per-rank programs for the concat-K tests (gloo)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import torch_commopt
+
+B, S, N = 2, 8, 12
+KS = (4, 6, 10)  # the three terms' K
+
+
+def _reduce(t, how):
+    if how == "rs":  # scatter dim 1: the split/cat form SP's reduce-scatter has
+        return funcol.reduce_scatter_tensor(t, "sum", 1, dist.group.WORLD)
+    return funcol.all_reduce(t, "sum", dist.group.WORLD)
+
+
+def _sum3(a1, w1, a2, w2, a3, w3):
+    return (a1 @ w1).view(B, S, N) + (a2 @ w2).view(B, S, N) + (a3 @ w3).view(B, S, N)
+
+
+def _three_rs(a1, w1, a2, w2, a3, w3):
+    return _reduce(_sum3(a1, w1, a2, w2, a3, w3), "rs")
+
+
+def _three_ar(a1, w1, a2, w2, a3, w3):
+    return _reduce(_sum3(a1, w1, a2, w2, a3, w3), "ar")
+
+
+def _alpha(a1, w1, a2, w2, a3, w3):
+    return _reduce(torch.add((a1 @ w1).view(B, S, N), (a2 @ w2).view(B, S, N), alpha=2.0), "rs")
+
+
+def _shared(a1, w1, a2, w2, a3, w3):
+    p = a1 @ w1  # a partial product used twice: not foldable
+    return _reduce(p.view(B, S, N) + (a2 @ w2).view(B, S, N), "rs"), p
+
+
+def _bias(a1, w1, a2, w2, a3, w3):
+    return _reduce((a1 @ w1).view(B, S, N) + w3[0, :N], "rs")
+
+
+def _no_collective(a1, w1, a2, w2, a3, w3):
+    return (a1 @ w1).view(B, S, N) + (a2 @ w2).view(B, S, N)
+
+
+PROGRAMS = {"three_rs": (_three_rs, 3), "three_ar": (_three_ar, 3), "alpha": (_alpha, 0),
+            "shared": (_shared, 0), "bias": (_bias, 0), "no_collective": (_no_collective, 0)}
+
+
+def graph_cases(rank: int, world: int):
+    """Per program: (terms folded per note, matmuls left, max abs error vs eager, error scale)."""
+    from torch_commopt.passes.concat_k import concat_k
+
+    torch.manual_seed(1 + rank)
+    ins = []
+    for k in KS:
+        ins += [torch.randn(B * S, k, dtype=torch.float64), torch.randn(k, N, dtype=torch.float64)]
+    out = {}
+    for name, (fn, _) in PROGRAMS.items():
+        want = fn(*ins)
+        gm = make_fx(fn, tracing_mode="fake")(*ins)
+        notes = concat_k(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        got = gm(*ins)
+        flat = lambda o: o if isinstance(o, (tuple, list)) else (o,)  # noqa: E731
+        err = max(float((torch.as_tensor(g) - torch.as_tensor(w)).abs().max()) for g, w in zip(flat(got), flat(want)))
+        folded = [int(n.split("sum of ")[1].split()[0]) for n in notes]
+        mms = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.mm.default)
+        out[name] = (folded, mms, err)
+    return out
+
+
+def block_regions(rank: int, world: int, concat_k: bool):
+    """A TP+SP Llama block (GQA) compiled with commopt: backward regions, notes, max error ratio
+    of every output and gradient vs eager (validate.check)."""
+    from torch_commopt.validate import check
+
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    errors = check("tp_sp_block", {"schedule": "chunked", "chunks": 2, "concat_k": concat_k},
+                   shape={"batch": 2, "seq": 8 * world, "dim": 32, "hidden": 64, "heads": 2 * world})
+    graphs = torch_commopt.explain().graphs
+    backward = [r.kind for g in graphs if g.graph_kind == "backward" for r in g.rewritten]
+    notes = [n for g in graphs for n in g.notes if "concat-K" in n]
+    return backward, notes, [(e.name, e.compiled, e.eager) for e in errors]
