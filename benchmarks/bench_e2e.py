@@ -42,6 +42,11 @@ import torch.distributed as dist  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
 VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model"]
+# commopt variants' optimize() options; "... no concat-K" (not run by default) isolates what
+# folding the backward's sums of matmuls into one reduce-scatter region brings
+COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
+                   "commopt no concat-K": {"concat_k": False},
+                   "commopt model no concat-K": {"mode": "model", "concat_k": False}}
 CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
               ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
               ("commopt/triton", ("triton", "commopt")), ("copy", ("memcpy", "memset", "copy")))
@@ -76,7 +81,7 @@ def build(variant: str, shape: dict, dev: str) -> Stack:
         # dynamic=False: the blocks share one forward, and a recompile for the next block would
         # otherwise turn on automatic dynamic shapes (which DTensor's rms_norm does not take)
         if variant.startswith("commopt"):
-            torch_commopt.optimize(block, dynamic=False, **({"mode": "model"} if variant == "commopt model" else {}))
+            torch_commopt.optimize(block, dynamic=False, **COMMOPT_OPTIONS[variant])
         else:
             block.compile(dynamic=False)
     return model
@@ -244,8 +249,11 @@ def main() -> None:
     shape = {"layers": args.layers, "batch": args.batch, "seq": args.seq, "dim": args.dim, "heads": args.heads,
              "kv_heads": args.kv_heads, "hidden": args.hidden}
     variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS and v not in COMMOPT_OPTIONS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; known: {sorted(set(VARIANTS) | set(COMMOPT_OPTIONS))}")
     backend = "gloo" if args.cpu else "nccl"
-    if "commopt model" in variants:
+    if any(COMMOPT_OPTIONS.get(v, {}).get("mode") == "model" for v in variants):
         from torch_commopt.tuner.calibrate import run_calibration
 
         print(run_calibration(args.world, backend), flush=True)
