@@ -248,7 +248,8 @@ def main() -> None:
         args.steps, args.repeats = 3, 2
     shape = {"layers": args.layers, "batch": args.batch, "seq": args.seq, "dim": args.dim, "heads": args.heads,
              "kv_heads": args.kv_heads, "hidden": args.hidden}
-    variants = [v for v in args.variants.split(",") if v]
+    # "_" stands for a space ("commopt_model"): BENCH_ARGS reaches the script word-split
+    variants = [v.strip().replace("_", " ") for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS and v not in COMMOPT_OPTIONS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; known: {sorted(set(VARIANTS) | set(COMMOPT_OPTIONS))}")
