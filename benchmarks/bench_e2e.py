@@ -132,17 +132,19 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             loss = step()
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
-        times = []
+        times, enqueue = [], []
         for _ in range(repeats):
             dist.barrier()
             sync()
             t0 = time.perf_counter()
             step()
+            enqueue.append((time.perf_counter() - t0) * 1e3)  # the host's share: step() returns
             sync()
             times.append((time.perf_counter() - t0) * 1e3)
         ms = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-        rec = {"step_ms": ms.item(), "step_ms_spread": [min(times), max(times)], "losses": losses,
+        rec = {"step_ms": ms.item(), "step_ms_spread": [min(times), max(times)], "step_ms_all": times,
+               "host_enqueue_ms": statistics.median(enqueue), "losses": losses,
                "tokens_per_s": b * s / (ms.item() / 1e3),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
         if dev == "cuda" and rank == 0:
@@ -173,6 +175,18 @@ def _breakdown(step, sync) -> dict[str, float]:
         step()
         sync()
     totals: dict[str, float] = {}
+    # GPU idle: the union of every kernel / copy interval of the step against its span
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, last = 0.0, None
+    for lo, hi in spans:
+        if last is None or lo > last:
+            busy, last = busy + hi - lo, hi
+        elif hi > last:
+            busy, last = busy + hi - last, hi
+    if spans:
+        totals["gpu_span"] = (max(hi for _, hi in spans) - spans[0][0]) / 1e3
+        totals["gpu_busy"] = busy / 1e3
     for evt in prof.key_averages():
         ms = getattr(evt, "device_time_total", getattr(evt, "cuda_time_total", 0.0)) / 1e3
         if ms <= 0:
@@ -192,7 +206,8 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                      "seq": shape["seq"], "batch": shape["batch"], "backend": variant, "step_ms": r["step_ms"],
                      "tokens_per_s": r["tokens_per_s"], "peak_mem_gib": r["peak_mem_gib"],
                      "loss_first": r["losses"][0], "loss_last": r["losses"][-1], "losses": r["losses"],
-                     "breakdown_ms": r.get("breakdown_ms"), "regions": r.get("regions")})
+                     "breakdown_ms": r.get("breakdown_ms"), "regions": r.get("regions"),
+                     "host_enqueue_ms": r.get("host_enqueue_ms"), "step_ms_all": r.get("step_ms_all")})
     base = {r["backend"]: r for r in rows}
     for r in rows:
         for ref in ("inductor", "inductor+async-TP"):
@@ -217,9 +232,11 @@ def report(rows: list[dict], meta: dict) -> str:
                      f"{r['peak_mem_gib'] if r['peak_mem_gib'] is None else round(r['peak_mem_gib'], 2)} | "
                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
                      f"{r.get('max_loss_rel_diff_vs_inductor', 0):.1e} |")
-    lines += ["", "Device time of one step by kernel category (rank 0, ms; overlapped kernels both count):", ""]
+    lines += ["", "Device time of one step by kernel category (rank 0, ms; overlapped kernels both count; "
+              "gpu_busy: the union of all kernels and copies over gpu_span, the first to the last; host "
+              "enqueue: the median time until step() returned, before the synchronize):", ""]
     for r in rows:
-        lines.append(f"- {r['backend']}: {r['breakdown_ms']}")
+        lines.append(f"- {r['backend']}: {r['breakdown_ms']}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms")
     for r in rows:
         if r.get("regions"):
             lines += ["", f"Regions ({r['backend']}):", ""] + [f"- {x}" for x in r["regions"]]
