@@ -46,7 +46,12 @@ VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model"]
 # folding the backward's sums of matmuls into one reduce-scatter region brings
 COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt no concat-K": {"concat_k": False},
-                   "commopt model no concat-K": {"mode": "model", "concat_k": False}}
+                   "commopt model no concat-K": {"mode": "model", "concat_k": False},
+                   # replayed from CUDA graphs (Inductor's CUDA-graph trees): no per-call host cost
+                   "commopt graphs": {"cuda_graphs": True},
+                   "commopt model graphs": {"mode": "model", "cuda_graphs": True}}
+# Inductor's own compile options of the baseline variants (not run by default: "inductor+cudagraphs")
+INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraphs": {"triton.cudagraphs": True}}
 CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
               ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
               ("commopt/triton", ("triton", "commopt")), ("copy", ("memcpy", "memset", "copy")))
@@ -83,7 +88,7 @@ def build(variant: str, shape: dict, dev: str) -> Stack:
         if variant.startswith("commopt"):
             torch_commopt.optimize(block, dynamic=False, **COMMOPT_OPTIONS[variant])
         else:
-            block.compile(dynamic=False)
+            block.compile(dynamic=False, options=INDUCTOR_OPTIONS[variant] or None)
     return model
 
 
@@ -121,6 +126,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
         def step():
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA-graph trees (else a no-op)
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.mse_loss(model(x).float(), target.float())
             loss.backward()
@@ -267,9 +273,9 @@ def main() -> None:
              "kv_heads": args.kv_heads, "hidden": args.hidden}
     # "_" stands for a space ("commopt_model"): BENCH_ARGS reaches the script word-split
     variants = [v.strip().replace("_", " ") for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in VARIANTS and v not in COMMOPT_OPTIONS]
+    unknown = [v for v in variants if v not in INDUCTOR_OPTIONS and v not in COMMOPT_OPTIONS]
     if unknown:
-        p.error(f"--variants: unknown {unknown}; known: {sorted(set(VARIANTS) | set(COMMOPT_OPTIONS))}")
+        p.error(f"--variants: unknown {unknown}; known: {sorted(set(INDUCTOR_OPTIONS) | set(COMMOPT_OPTIONS))}")
     backend = "gloo" if args.cpu else "nccl"
     if any(COMMOPT_OPTIONS.get(v, {}).get("mode") == "model" for v in variants):
         from torch_commopt.tuner.calibrate import run_calibration
