@@ -37,3 +37,19 @@ def reorder_fwd_bwd(rank: int, world: int):
     notes = [n for g in graphs for n in g.notes]
     kinds = [r.kind for g in graphs for r in g.rewritten]
     return notes, kinds, rel(got, want.detach()), [rel(t.grad, gr) for t, gr in zip(ins, grads)]
+
+
+def tp_sp_block_with_coconet(rank: int, world: int, dtype_name: str):
+    """A TP+SP Llama block compiled with coconet=True (and concat-K) vs eager: (moved
+    all-gather notes, rewritten region kinds, [(name, compiled error, eager error)])."""
+    from torch_commopt.validate import check
+
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    errors = check("tp_sp_block", {"coconet": True, "schedule": "chunked", "chunks": 2},
+                   shape={"batch": 2, "seq": 8 * world, "dim": 32, "hidden": 64, "heads": 2 * world},
+                   dtype=getattr(torch, dtype_name))
+    graphs = torch_commopt.explain().graphs
+    moved = [n for g in graphs for n in g.notes if "all-gather moved after" in n]
+    kinds = [r.kind for g in graphs for r in g.rewritten]
+    return moved, kinds, [(e.name, e.compiled, e.eager) for e in errors]

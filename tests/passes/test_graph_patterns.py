@@ -300,3 +300,39 @@ def test_a_chosen_sequential_keeps_the_graph_as_compiled(fake_world, monkeypatch
     assert graph.collectives_after == graph.collectives_before
     monkeypatch.undo()
     assert_rewritten(only_graph(fn, a, b, schedule="sequential"), "matmul_rs")
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_an_edge_through_a_collective_outside_the_regions_is_priced(fake_world):
+    """RS -> all-gather -> relu -> matmul -> RS: the gather feeds no matmul directly, so it is
+    no region; the edge between the two reductions asks S(0) -> R, an all-gather of the RS
+    output's gathered size, priced by the layout algebra."""
+    from torch_commopt.reshard.layouts import Replicate, Shard, reshard
+    from torch_commopt.tuner.calibration import prior
+
+    w = fake_world
+    x, w1, w2 = torch.randn(16, 32), torch.randn(32, 64), torch.randn(64, 32)
+
+    def fn(x, w1, w2):
+        y = funcol.reduce_scatter_tensor(x @ w1, "sum", scatter_dim=0, group=group())
+        z = torch.relu(all_gather_on(y, 0))
+        return funcol.reduce_scatter_tensor(z @ w2, "sum", scatter_dim=0, group=group())
+
+    graph = only_graph(fn, x, w1, w2)
+    assert len(graph.rewritten) == 2, graph.regions
+    (edge,) = graph.edges
+    want = reshard(Shard(0), Replicate(), 16 * 64 * 4, w, prior("cpu", w))
+    assert "via" in edge and "relu" in edge and "reshard: all_gather" in edge, edge
+    assert f"({want.time * 1e3:.3f} ms, {want.memory / 2**20:.0f} MiB)" in edge, (edge, want)
+
+
+def test_plan_view_adds_the_edges_reshards_to_the_graph_total():
+    from torch_commopt.reshard.dag import Edge
+    from torch_commopt.reshard.plan import describe_edges
+
+    cands = {"a": [{"schedule": "ce_push:1", "predicted_ms": 1.0}, {"schedule": "sequential", "predicted_ms": 2.0}],
+             "b": [{"schedule": "sequential", "predicted_ms": 0.5}]}
+    edges = [Edge(0, 1, ("relu",), "all_gather", 0.25, 8.0), Edge(1, 0, (), "none")]
+    (line,) = describe_edges(edges, cands, {"a": "ce_push:1", "b": "sequential"})
+    assert line == "edges: 2, 1 with a reshard (0.250 ms, 8 MiB at most); graph total 1.750 ms", line
+    assert describe_edges(edges, cands, {"a": "autotune:1", "b": "sequential"}) == []  # not yet decided

@@ -105,12 +105,13 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         log.debug("commopt: all-reduce split analysis failed: %s", e)
     try:
         regions = _find_regions(graph, config, report)
-        report.edges = _edges(regions)
+        edges = _region_edges(regions, config)
+        report.edges = [e.describe(regions) for e in edges]
         schedules = [_choose_schedule(r, config, report) for r in regions]
         key = "predicted_ms"
         if regions and (config.mode == "model" or config.memory_budget_mib is not None):
             schedules, key = _fit_graph(regions, schedules, config, report)
-        report.plan = _plan_view(regions, schedules, config, report, key)
+        report.plan = _plan_view(regions, schedules, config, report, key, edges)
     except Exception as e:  # analysis only: the graph is still untouched, so leave it so
         log.exception("commopt: analysis of graph %d failed; graph left untouched", report.graph_id)
         report.notes.append(f"NOT rewritten: analysis failed ({type(e).__name__}: {e})")
@@ -238,30 +239,42 @@ def _finish(wanted: Schedule, region: Region, config: Config, report: explain.Gr
     return chosen
 
 
-def _edges(regions: list[Region]) -> list[str]:
-    """The region DAG for explain (analysis only: a failure here costs the view, nothing else)."""
+def _region_edges(regions: list[Region], config: Config) -> list:
+    """The region DAG, its reshards priced with this machine's calibration in modes that use
+    one (else the priors).  Analysis only: a failure here costs the view, nothing else."""
     from torch_commopt.reshard.dag import region_edges
+    from torch_commopt.tuner.choose import calibration_for
 
+    if not regions:
+        return []
     try:
-        return [e.describe(regions) for e in region_edges(regions)]
+        cal = None
+        if config.mode in ("model", "autotune"):
+            r = regions[0]
+            cal = calibration_for(val(r.a).device, r.group_size, r.group_name, config.cache_dir,
+                                  config.consistency_timeout_s)
+        return region_edges(regions, cal=cal)
     except Exception as e:  # noqa: BLE001 - informational
         log.warning("commopt: region DAG not derived (%s: %s)", type(e).__name__, e)
         return []
 
 
 def _plan_view(regions: list[Region], schedules: list[Schedule], config: Config,
-               report: explain.GraphReport, key: str = "predicted_ms") -> list[str]:
-    """explain's whole-graph plan (analysis only: a failure here costs the view, nothing else)."""
+               report: explain.GraphReport, key: str = "predicted_ms", edges=()) -> list[str]:
+    """explain's whole-graph plan (analysis only: a failure here costs the view, nothing else):
+    the regions' totals and runner-up (reshard.plan.describe_plan), then the reshards on the
+    edges between regions and the graph's total."""
     if config.mode not in ("model", "autotune") or not regions:
         return []
-    from torch_commopt.reshard.plan import describe_plan
+    from torch_commopt.reshard.plan import describe_edges, describe_plan
 
     names = [r.collective.name for r in regions]
     if any(n not in report.candidates for n in names):
         return []
     try:
         chosen = {n: str(s.without_debug()) for n, s in zip(names, schedules)}
-        return describe_plan({n: report.candidates[n] for n in names}, chosen, config.memory_budget_mib, key)
+        lines = describe_plan({n: report.candidates[n] for n in names}, chosen, config.memory_budget_mib, key)
+        return lines + describe_edges(edges, {n: report.candidates[n] for n in names}, chosen, key)
     except Exception as e:  # noqa: BLE001 - informational
         log.warning("commopt: plan view not derived (%s: %s)", type(e).__name__, e)
         return []

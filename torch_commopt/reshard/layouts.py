@@ -2,8 +2,9 @@
 
 Shard(d): each rank holds block `rank` of dim d; Replicate: every rank holds the whole
 tensor; Partial(op): every rank holds a partial value, reduced over ranks with `op`.
-The graph search (reshard issue) will choose between layouts; today regions record them
-so explain shows what each operator consumes and produces.
+Regions record the layouts they consume and produce (explain shows them); `reshard` prices
+the collective between two layouts (time from a calibration, memory), which the region DAG's
+edges (dag.py) and the all-reduce split's two layouts (ar_cost.py) use.
 """
 
 from __future__ import annotations

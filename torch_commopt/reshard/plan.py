@@ -95,6 +95,20 @@ def describe_plan(candidates: dict[str, list[dict]], chosen: dict[str, str], bud
     return lines
 
 
+def describe_edges(edges, candidates: dict[str, list[dict]], chosen: dict[str, str],
+                   key: str = "predicted_ms") -> list[str]:
+    """explain's line for the reshards between regions (dag.Edge: the program's own
+    collectives outside every region, fixed whatever the regions choose) and the graph's
+    total: the chosen schedules' time plus theirs."""
+    if not edges or any(chosen.get(n) not in [r["schedule"] for r in rows] for n, rows in candidates.items()):
+        return []
+    costed = [e for e in edges if e.time_ms or e.mib]
+    regions_ms = sum(next(r[key] for r in rows if r["schedule"] == chosen[n]) for n, rows in candidates.items())
+    edges_ms = sum(e.time_ms for e in costed)
+    return [f"edges: {len(edges)}, {len(costed)} with a reshard ({edges_ms:.3f} ms, "
+            f"{max((e.mib for e in costed), default=0):.0f} MiB at most); graph total {regions_ms + edges_ms:.3f} ms"]
+
+
 def _problem(candidates: dict[str, list[dict]], key: str = "predicted_ms") -> Problem:
     """One node per region, its candidate rows' (row[key] ms, extra MiB) as options."""
     return Problem({name: [(row[key], row["extra_mib"]) for row in rows] for name, rows in candidates.items()})
