@@ -64,3 +64,16 @@ def split_tp_block(rank: int, world: int, batch: int = 2):
     graphs = torch_commopt.explain().graphs
     return ([(e.name, e.compiled, e.eager) for e in errors], [n for g in graphs for n in g.notes],
             [(g.graph_kind, r.kind) for g in graphs for r in g.rewritten])
+
+
+def joint_split_decisions(rank: int, world: int, keep_ms: float, split_ms: float, gather_ms: float):
+    """The split decisions of split_forward's two-layer program with split_cost and the residual
+    gather's price fixed (every candidate: keep_ms kept, split_ms split alone, of which
+    gather_ms is the residual's gather): (notes, relative errors vs eager)."""
+    import torch_commopt.reshard.split_plan as split_plan
+    from torch_commopt.reshard.ar_cost import SplitCost
+
+    split_plan.split_cost = lambda shapes, cal: SplitCost(keep_ms, split_ms)
+    split_plan.gather_ms = lambda v, world, cal: gather_ms
+    notes, _, errors = split_forward(rank, world, 16, True, True, "cost")
+    return [n for n in notes if "joint plan" in n or "split into" in n], errors

@@ -173,7 +173,28 @@ def test_cost_policy_decides_each_candidate_and_matches_eager_either_way():
     for notes, kinds, errors in run_distributed(split_forward, 2, 16, True, True, "cost"):
         decided = [n for n in notes if "as an all-reduce" in n]
         assert len(decided) == 2, notes  # both candidates costed, split or kept
-        assert all("predicted" in n for n in decided)
+        assert all("predicted" in n and "joint plan of 2 candidate(s)" in n for n in decided), decided
         splits = sum("split into reduce-scatter" in n for n in notes)
-        assert splits == sum(": split:" in n for n in decided), notes
+        assert splits == sum(": split by the joint plan" in n for n in decided), notes
+        assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("keep_ms, split_ms, gather_ms, want", [
+    # alone each split loses (1.04 > 1.00), together they win: the first one's residual gather
+    # (0.10 of its 1.04) goes when the second splits too: 0.94 + 1.04 < 2.00
+    (1.00, 1.04, 0.10, ["split", "split"]),
+    (1.00, 1.04, 0.01, ["kept", "kept"]),  # the gather saved is too small to matter
+    (1.00, 0.90, 0.05, ["split", "split"]),  # each pays alone
+])
+def test_cost_policy_decides_the_splits_together(keep_ms, split_ms, gather_ms, want):
+    """Deciding each all-reduce alone charges every split for a residual gather a split
+    neighbour makes unnecessary; the joint plan (reshard.split_plan) sees it on the edge."""
+    from ar_split_programs import joint_split_decisions
+    from torch_commopt.launch import run_distributed
+
+    for notes, errors in run_distributed(joint_split_decisions, 2, keep_ms, split_ms, gather_ms):
+        decided = [n for n in notes if "joint plan" in n]
+        assert ["split" if ": split by the joint plan" in n else "kept" for n in decided] == want, notes
+        assert all(("not split (kept by" in n) == (w == "kept") for n, w in zip(decided, want)), notes
+        assert ("residual gather goes if" in decided[0]) and sum("split into" in n for n in notes) == want.count("split")
         assert max(errors) < 1e-5, errors

@@ -86,7 +86,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     if config.ar_split:
         from torch_commopt.passes.ar_split import split_all_reduces
 
-        decide = None if config.ar_split_policy == "always" else functools.partial(_split_pays, config)
+        decide = None if config.ar_split_policy == "always" else _split_decider(graph, config, report)
         _graph_rewrite("all-reduce split", lambda: split_all_reduces(graph, check=config.ar_split == "checked",
                                                                      decide=decide), report)
     if "attention" in config.patterns:
@@ -304,6 +304,38 @@ def _fit_graph(regions: list[Region], schedules: list[Schedule], config: Config,
             report.notes.append(f"{name}: {new} instead of {old} (whole-graph plan)")
         out.append(new)
     return out, key
+
+
+def _split_decider(graph: Graph, config: Config, report: explain.GraphReport):
+    """ar_split_policy="cost": the graph's split candidates decided together (reshard.split_plan:
+    exact, with the residual gathers a split neighbour removes on the edges between them); a
+    candidate the joint plan does not cover (one the splits before it created) or a plan that
+    cannot be made falls back to deciding that candidate alone (_split_pays)."""
+    from torch_commopt.passes.ar_split import find_ar_splits
+    from torch_commopt.reshard.split_plan import plan_splits
+    from torch_commopt.tuner.choose import calibration_for
+
+    alone = functools.partial(_split_pays, config)
+    try:
+        cands = [c for c in find_ar_splits(graph) if c.from_matmul and c.feeds_matmul]
+        groups = {group_name_of(c.all_reduce.args[2]) for c in cands}
+        if len(cands) < 2 or len(groups) != 1:
+            return alone
+        (group_name,) = groups
+        world = resolve_group(group_name).size()
+        cal = calibration_for(val(cands[0].all_reduce.args[0]).device, world, group_name, config.cache_dir,
+                              config.consistency_timeout_s)
+        plan = plan_splits(cands, world, cal)
+    except Exception as e:  # noqa: BLE001 - each candidate is then decided alone
+        report.notes.append(f"all-reduce split: no joint plan ({type(e).__name__}: {e}); candidates decided alone")
+        return alone
+
+    def decide(cand) -> tuple[bool, str]:
+        if cand.all_reduce in plan.split:
+            return plan.split[cand.all_reduce], plan.why[cand.all_reduce]
+        return alone(cand)
+
+    return decide
 
 
 def _split_pays(config: Config, cand) -> tuple[bool, str]:
