@@ -19,6 +19,7 @@ rank 0 (GEMM, attention, NCCL, commopt/Triton kernels, copies, other).  Writes
 e2e_h200x<W>_<date>.json/.md:
 
     python3 benchmarks/bench_e2e.py --out DIR [--commit SHA] [--layers 4] [--seq 8192] [--steps 20]
+                                    [--host-profile 5]  # cProfile of the host's enqueue per variant
     python3 benchmarks/bench_e2e.py --cpu     # gloo smoke run, tiny shapes, no figures
 """
 
@@ -100,7 +101,8 @@ def _async_tp(on: bool) -> None:
         enable_symm_mem_for_group(dist.group.WORLD.group_name)
 
 
-def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variants: list[str]) -> dict:
+def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variants: list[str],
+           host_profile: int = 0) -> dict:
     import torch_commopt
 
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -157,6 +159,12 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             rec["breakdown_ms"] = _breakdown(step, sync)
         elif dev == "cuda":
             _breakdown(step, sync)  # every rank runs the profiled step (collectives)
+        if host_profile and rank == 0:
+            rec["host_profile"] = _host_profile(step, sync, host_profile)
+        elif host_profile:  # the same steps, unprofiled (collectives)
+            for _ in range(host_profile):
+                step()
+            sync()
         if variant.startswith("commopt"):
             graphs = torch_commopt.explain().graphs
             rec["regions"] = sorted({f"{g.graph_kind} {r.kind}: {r.schedule}" for g in graphs for r in g.regions})
@@ -169,6 +177,26 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
         gc.collect()
         _async_tp(False)
     return out
+
+
+def _host_profile(step, sync, steps: int, top: int = 30) -> list[str]:
+    """Where the host's time goes while it enqueues `steps` steps back to back (cProfile on
+    this rank; the other ranks run the same steps unprofiled): the functions with the most
+    own time, as 'own ms per step | cumulative ms per step | calls per step | function'."""
+    import cProfile
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    sync()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [f"{tt / steps * 1e3:8.3f} | {ct / steps * 1e3:8.3f} | {nc / steps:7.1f} | "
+            f"{pathlib.Path(f).name}:{line}({name})" for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
 def _breakdown(step, sync) -> dict[str, float]:
@@ -213,7 +241,8 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                      "tokens_per_s": r["tokens_per_s"], "peak_mem_gib": r["peak_mem_gib"],
                      "loss_first": r["losses"][0], "loss_last": r["losses"][-1], "losses": r["losses"],
                      "breakdown_ms": r.get("breakdown_ms"), "regions": r.get("regions"),
-                     "host_enqueue_ms": r.get("host_enqueue_ms"), "step_ms_all": r.get("step_ms_all")})
+                     "host_enqueue_ms": r.get("host_enqueue_ms"), "step_ms_all": r.get("step_ms_all"),
+                     "host_profile": r.get("host_profile")})
     base = {r["backend"]: r for r in rows}
     for r in rows:
         for ref in ("inductor", "inductor+async-TP"):
@@ -244,6 +273,10 @@ def report(rows: list[dict], meta: dict) -> str:
     for r in rows:
         lines.append(f"- {r['backend']}: {r['breakdown_ms']}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms")
     for r in rows:
+        if r.get("host_profile"):
+            lines += ["", f"Host profile ({r['backend']}, rank 0; own ms/step | cumulative ms/step | calls/step | "
+                      "function):", "", "```", *r["host_profile"], "```"]
+    for r in rows:
         if r.get("regions"):
             lines += ["", f"Regions ({r['backend']}):", ""] + [f"- {x}" for x in r["regions"]]
     return "\n".join(lines) + "\n"
@@ -264,6 +297,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--commit", default="")
+    p.add_argument("--host-profile", dest="host_profile", type=int, default=0, metavar="STEPS",
+                   help="cProfile STEPS steps on rank 0 per variant: the host's own time by function")
     p.add_argument("--cpu", action="store_true", help="gloo smoke run with tiny shapes; prints, writes nothing")
     args = p.parse_args()
     if args.cpu:
@@ -281,7 +316,8 @@ def main() -> None:
         from torch_commopt.tuner.calibrate import run_calibration
 
         print(run_calibration(args.world, backend), flush=True)
-    res = run_distributed(worker, args.world, shape, args.steps, args.repeats, variants, backend=backend,
+    res = run_distributed(worker, args.world, shape, args.steps, args.repeats, variants, args.host_profile,
+                          backend=backend,
                           timeout_s=1500)[0]
     rows = records(res, shape, args.world)
     if args.cpu:
