@@ -11,12 +11,16 @@ compiled once per variant and trained forward + backward:
                         and the exact plan search (reshard/plan.py), the same for every rank;
                         the machine is calibrated first (`python -m torch_commopt calibrate`,
                         what the README asks of a user of mode="model")
+    searched within B   the same under Config.memory_budget_mib=B (--budget-mib B,...): a budget
+                        that binds makes the search mix schedules; the report sets it against
+                        the fastest fixed plan whose predicted memory fits B in every graph
+                        (and says when the unconstrained searched plan equals a fixed one)
 
 Steps are timed back to back (each sample >= 20 ms of steps, median over rounds that visit
 the variants in a rotated order, slowest rank); outputs and input gradients are compared with
 inductor's (bf16 noise).  Writes plan_h200x2_<date>.json/.md:
 
-    python3 benchmarks/bench_plan.py --out DIR [--commit SHA] [--seq 8192]
+    python3 benchmarks/bench_plan.py --out DIR [--commit SHA] [--seq 8192] [--budget-mib 300,600]
 """
 
 from __future__ import annotations
@@ -41,13 +45,15 @@ FIXED = ["sequential", "ce_push:1", "ce_push:2", "direct:1"]
 TARGET_S = 20e-3
 
 
-def variants(model: str) -> dict[str, tuple[str, dict]]:
+def variants(model: str, budgets: tuple[float, ...] = ()) -> dict[str, tuple[str, dict]]:
     out = {"inductor": ("inductor", {})}
     for s in FIXED:
         name, _, chunks = s.partition(":")
         out[f"fixed {s}"] = ("commopt", {"schedule": name, "chunks": int(chunks or 1)})
     out["rule"] = ("commopt", {})
     out["searched"] = ("commopt", {"mode": "model"})
+    for b in budgets:  # a binding budget: the search must mix schedules (report: best fixed plan that fits)
+        out[f"searched within {b:g} MiB"] = ("commopt", {"mode": "model", "memory_budget_mib": b})
     if model == "tp_block":  # TP without SP: the all-reduce split's layouts (reshard/ar_cost.py)
         out["searched + ar_split by cost"] = ("commopt", {"mode": "model", "ar_split": True})
         out["searched + ar_split always"] = ("commopt", {"mode": "model", "ar_split": True, "ar_split_policy": "always"})
@@ -57,7 +63,8 @@ def variants(model: str) -> dict[str, tuple[str, dict]]:
     return out
 
 
-def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "tp_sp_block") -> dict:
+def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "tp_sp_block",
+           budgets: tuple[float, ...] = ()) -> dict:
     import torch_commopt
     from torch_commopt.validate import build, rel_err
 
@@ -65,7 +72,7 @@ def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "
     if dev == "cuda":
         torch.cuda.set_device(rank)
     steps, plans, outs = {}, {}, {}
-    for label, (backend, options) in variants(model_kind).items():
+    for label, (backend, options) in variants(model_kind, budgets).items():
         torch._dynamo.reset()
         torch_commopt.reset_explain()
         model, x = build(model_kind, torch.bfloat16, 0, shape)
@@ -86,7 +93,7 @@ def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "
             graphs = torch_commopt.explain().graphs
             plans[label] = [{"graph": g.graph_kind, "region": r.collective, "kind": r.kind, "schedule": r.schedule,
                              "summary": {k: str(v) for k, v in r.summary.items()},
-                             "candidates": g.candidates.get(r.collective, [])[:6]} for g in graphs for r in g.regions]
+                             "candidates": g.candidates.get(r.collective, [])} for g in graphs for r in g.regions]
             if label.startswith("searched"):
                 plans[f"{label} notes"] = [n for g in graphs for n in g.notes + g.plan]
         steps[label] = step
@@ -129,6 +136,45 @@ def _agreed_counts(steps: dict, sync, dev: str) -> dict[str, int]:
     return dict(zip(steps, (int(c) for c in n.tolist())))
 
 
+def _schedules(res: dict, label: str) -> list[str]:
+    return [p["schedule"] for p in res["plans"].get(label, [])]
+
+
+def _same_plan(res: dict) -> str | None:
+    """The fixed variant whose per-region schedules equal the searched plan's, if any."""
+    searched = _schedules(res, "searched")
+    return next((k for k in res["plans"] if k.startswith("fixed ") and _schedules(res, k) == searched), None)
+
+
+def _plan_mib(res: dict, label: str) -> dict[str, float] | None:
+    """A variant's predicted extra memory per graph (MiB; the budget holds per graph) from the
+    searched variant's candidate rows (same regions); None where a schedule has no row (a
+    region kept as compiled, `sequential`, holds none)."""
+    rows = {(p["graph"], p["region"]): {c["schedule"]: c["extra_mib"] for c in p["candidates"]}
+            for p in res["plans"].get("searched", [])}
+    total: dict[str, float] = {}
+    for p in res["plans"].get(label, []):
+        mib = 0.0 if p["schedule"] == "sequential" else rows.get((p["graph"], p["region"]), {}).get(p["schedule"])
+        if mib is None:
+            return None
+        total[p["graph"]] = total.get(p["graph"], 0.0) + mib
+    return total
+
+
+def _budget_rows(res: dict, budgets) -> dict:
+    """Per budget: the searched plan's predicted MiB (largest graph), the fixed plans whose every
+    graph fits it, and the fastest of those."""
+    out = {}
+    for b in budgets:
+        label = f"searched within {b:g} MiB"
+        fitting = [k for k in res["step_ms"] if k.startswith("fixed ")
+                   and (m := _plan_mib(res, k)) is not None and max(m.values(), default=0.0) <= b]
+        mine = _plan_mib(res, label) or {}
+        out[label] = {"budget_mib": b, "searched_mib": max(mine.values(), default=0.0), "fitting": fitting,
+                      "best_fitting": min(fitting, key=res["step_ms"].get) if fitting else None}
+    return out
+
+
 def report(res: dict, meta: dict) -> str:
     fixed = {k: v for k, v in res["step_ms"].items() if k.startswith("fixed ")}
     best_fixed = min(fixed, key=fixed.get)
@@ -144,12 +190,20 @@ def report(res: dict, meta: dict) -> str:
         diff = res["rel_diff_vs_inductor"][k]["out"]
         lines.append(f"| {k} | {v:.3f} | {lo:.3f}..{hi:.3f} | {base / v:.3f} | {diff:.1e} |")
     lines += ["", f"Best fixed plan: {best_fixed} ({fixed[best_fixed]:.3f} ms); searched {searched:.3f} ms: "
-              f"{fixed[best_fixed] / searched:.3f}x the best fixed plan.", "", "## Searched plan (per region)", ""]
+              f"{fixed[best_fixed] / searched:.3f}x the best fixed plan."]
+    if res.get("plans_equal"):
+        lines.append(f"(The searched plan is {res['plans_equal']}'s: same schedule in every region.)")
+    for label, b in res.get("budgets", {}).items():
+        lines.append(f"Within {b['budget_mib']:g} MiB: searched {res['step_ms'][label]:.3f} ms ({b['searched_mib']:.0f} MiB "
+                     f"predicted); fixed plans that fit: {b['fitting'] or 'none'}"
+                     + (f"; the best, {b['best_fitting']}, {res['step_ms'][b['best_fitting']]:.3f} ms: "
+                        f"{res['step_ms'][b['best_fitting']] / res['step_ms'][label]:.3f}x" if b["best_fitting"] else ""))
+    lines += ["", "## Searched plan (per region)", ""]
     for p in res["plans"].get("searched", []):
         lines.append(f"- {p['graph']} {p['region']} ({p['kind']}): {p['schedule']}")
         lines += [f"  - {c['schedule']}: predicted {c['predicted_ms']:.3f} ms"
                   + (f" (device {c['gpu_ms']:.3f}, host {c['host_ms']:.3f})" if "gpu_ms" in c else "")
-                  for c in p["candidates"]]
+                  for c in p["candidates"][:6]]
     for key, notes in res["plans"].items():
         if key.endswith(" notes"):
             lines += ["", f"Notes ({key[:-6]}):", ""] + [f"- {n}" for n in notes]
@@ -168,6 +222,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--commit", default="")
     parser.add_argument("--cpu", action="store_true", help="smoke run on gloo (CPU), no figures")
+    parser.add_argument("--budget-mib", dest="budgets", type=lambda t: tuple(float(x) for x in t.split(",") if x),
+                        default=(), help="comma-separated memory budgets (MiB per graph): a 'searched within B MiB' "
+                                         "variant each, against the fixed plans whose predicted memory fits")
     parser.add_argument("--model", default="tp_sp_block", choices=["tp_sp_block", "tp_block"],
                         help="tp_block: TP without SP, adds the all-reduce split variants")
     args = parser.parse_args()
@@ -177,7 +234,10 @@ def main() -> None:
 
     calibration = run_calibration(args.world, backend)
     print(calibration, flush=True)
-    res = run_distributed(worker, args.world, shape, args.repeats, args.model, backend=backend, timeout_s=900)[0]
+    res = run_distributed(worker, args.world, shape, args.repeats, args.model, args.budgets, backend=backend,
+                          timeout_s=900)[0]
+    res["plans_equal"] = _same_plan(res)
+    res["budgets"] = _budget_rows(res, args.budgets)
     res["calibration"] = calibration
     if args.cpu:
         print(json.dumps(res, indent=1))
