@@ -11,6 +11,12 @@ and compiled on its own as torchtitan does, trained with AdamW in bf16 from the 
     commopt             torch_commopt.optimize(block) (the built-in rule)
     commopt model       torch_commopt.optimize(block, mode="model") (cost model + plan search;
                         the machine is calibrated first)
+    inductor+cudagraphs block.compile(options={"triton.cudagraphs": True}): replayed from CUDA
+                        graphs (Inductor's CUDA-graph trees), no per-kernel host cost
+    commopt graphs      torch_commopt.optimize(block, cuda_graphs=True): the same for commopt
+                        (its schedules' per-call host cost goes too)
+(--variants also takes "commopt no concat-K", "commopt model no concat-K" and "commopt model
+graphs"; "_" may stand for a space.)
 
 Per variant: the loss of every step (the curves must agree within bf16 noise), step time
 (median of back-to-back timed steps after warm-up, slowest rank), tokens/s (batch x seq per
@@ -42,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 
 from torch_commopt.launch import run_distributed  # noqa: E402
 
-VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model"]
+VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model", "inductor+cudagraphs", "commopt graphs"]
 # commopt variants' optimize() options; "... no concat-K" (not run by default) isolates what
 # folding the backward's sums of matmuls into one reduce-scatter region brings
 COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
@@ -51,7 +57,7 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    # replayed from CUDA graphs (Inductor's CUDA-graph trees): no per-call host cost
                    "commopt graphs": {"cuda_graphs": True},
                    "commopt model graphs": {"mode": "model", "cuda_graphs": True}}
-# Inductor's own compile options of the baseline variants (not run by default: "inductor+cudagraphs")
+# Inductor's own compile options of the baseline variants
 INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraphs": {"triton.cudagraphs": True}}
 CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
               ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
