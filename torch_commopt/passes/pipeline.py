@@ -273,8 +273,8 @@ def _plan_view(regions: list[Region], schedules: list[Schedule], config: Config,
         return []
     try:
         chosen = {n: str(s.without_debug()) for n, s in zip(names, schedules)}
-        lines = describe_plan({n: report.candidates[n] for n in names}, chosen, config.memory_budget_mib, key)
-        return lines + describe_edges(edges, {n: report.candidates[n] for n in names}, chosen, key)
+        cands = {n: report.candidates[n] for n in names}
+        return describe_plan(cands, chosen, config.memory_budget_mib, key) + describe_edges(edges, cands, chosen, key)
     except Exception as e:  # noqa: BLE001 - informational
         log.warning("commopt: plan view not derived (%s: %s)", type(e).__name__, e)
         return []
@@ -313,19 +313,13 @@ def _split_decider(graph: Graph, config: Config, report: explain.GraphReport):
     cannot be made falls back to deciding that candidate alone (_split_pays)."""
     from torch_commopt.passes.ar_split import find_ar_splits
     from torch_commopt.reshard.split_plan import plan_splits
-    from torch_commopt.tuner.choose import calibration_for
 
     alone = functools.partial(_split_pays, config)
     try:
         cands = [c for c in find_ar_splits(graph) if c.from_matmul and c.feeds_matmul]
-        groups = {group_name_of(c.all_reduce.args[2]) for c in cands}
-        if len(cands) < 2 or len(groups) != 1:
+        if len(cands) < 2 or len({group_name_of(c.all_reduce.args[2]) for c in cands}) != 1:
             return alone
-        (group_name,) = groups
-        world = resolve_group(group_name).size()
-        cal = calibration_for(val(cands[0].all_reduce.args[0]).device, world, group_name, config.cache_dir,
-                              config.consistency_timeout_s)
-        plan = plan_splits(cands, world, cal)
+        plan = plan_splits(cands, *_split_machine(cands[0], config))
     except Exception as e:  # noqa: BLE001 - each candidate is then decided alone
         report.notes.append(f"all-reduce split: no joint plan ({type(e).__name__}: {e}); candidates decided alone")
         return alone
@@ -338,19 +332,26 @@ def _split_decider(graph: Graph, config: Config, report: explain.GraphReport):
     return decide
 
 
+def _split_machine(cand, config: Config):
+    """(group size, calibration) of a split candidate's all-reduce group (rank 0's calibration,
+    so every rank decides alike)."""
+    from torch_commopt.tuner.choose import calibration_for
+
+    group_name = group_name_of(cand.all_reduce.args[2])
+    world = resolve_group(group_name).size()
+    return world, calibration_for(val(cand.all_reduce.args[0]).device, world, group_name, config.cache_dir,
+                                  config.consistency_timeout_s)
+
+
 def _split_pays(config: Config, cand) -> tuple[bool, str]:
     """Config.ar_split_policy="cost": whether the cost model predicts the split faster (the
     same answer on every rank: identical shapes, rank 0's calibration).  A candidate that
     cannot be costed is kept as it is."""
     from torch_commopt.passes.ar_split import split_shapes
     from torch_commopt.reshard.ar_cost import split_cost
-    from torch_commopt.tuner.choose import calibration_for
 
     try:
-        group_name = group_name_of(cand.all_reduce.args[2])
-        world = resolve_group(group_name).size()
-        cal = calibration_for(val(cand.all_reduce.args[0]).device, world, group_name, config.cache_dir,
-                              config.consistency_timeout_s)
+        world, cal = _split_machine(cand, config)
         cost = split_cost(split_shapes(cand, world), cal)
     except Exception as e:  # noqa: BLE001 - a decision we cannot make is "keep the all-reduce"
         return False, f"not costed: {type(e).__name__}: {e}"

@@ -68,8 +68,13 @@ def split_cost(s: SplitShapes, cal: Calibration) -> SplitCost:
             region = RegionShape("ag_matmul", local_rows, width, tuple(gemms), s.world, s.dtype)
             split += max(0.0, _best(region, cal) - _gemm_only(cal, s.dtype, s.rows, width, gemms))
         else:
-            split += collective_time(cal, "all_gather", s.rows * width * elt, s.world)
+            split += plain_gather_s(s.rows * width * elt, s.world, cal)
     return SplitCost(keep * 1e3, split * 1e3)
+
+
+def plain_gather_s(full_bytes: float, world: int, cal: Calibration) -> float:
+    """What a split pays for all-gathering a value no GEMM takes (`full_bytes`: its whole rows)."""
+    return collective_time(cal, "all_gather", full_bytes, world)
 
 
 def _best(shape: RegionShape, cal: Calibration) -> float:

@@ -76,7 +76,7 @@ def describe_plan(candidates: dict[str, list[dict]], chosen: dict[str, str], bud
     the runner-up (the best other set of choices within the budget) with what it changes.
     chosen: per region the schedule it runs (regions whose schedule is not among its ranked
     candidates, e.g. an autotune placeholder not yet timed, leave the view out)."""
-    if not candidates or any(chosen.get(n) not in [r["schedule"] for r in rows] for n, rows in candidates.items()):
+    if not candidates or not _decided(candidates, chosen):
         return []
     problem = _problem(candidates, key)
     index = {n: [r["schedule"] for r in rows].index(chosen[n]) for n, rows in candidates.items()}
@@ -100,13 +100,19 @@ def describe_edges(edges, candidates: dict[str, list[dict]], chosen: dict[str, s
     """explain's line for the reshards between regions (dag.Edge: the program's own
     collectives outside every region, fixed whatever the regions choose) and the graph's
     total: the chosen schedules' time plus theirs."""
-    if not edges or any(chosen.get(n) not in [r["schedule"] for r in rows] for n, rows in candidates.items()):
+    if not edges or not _decided(candidates, chosen):
         return []
     costed = [e for e in edges if e.time_ms or e.mib]
     regions_ms = sum(next(r[key] for r in rows if r["schedule"] == chosen[n]) for n, rows in candidates.items())
     edges_ms = sum(e.time_ms for e in costed)
     return [f"edges: {len(edges)}, {len(costed)} with a reshard ({edges_ms:.3f} ms, "
             f"{max((e.mib for e in costed), default=0):.0f} MiB at most); graph total {regions_ms + edges_ms:.3f} ms"]
+
+
+def _decided(candidates: dict[str, list[dict]], chosen: dict[str, str]) -> bool:
+    """Whether every region runs one of its ranked candidates (not e.g. an untimed autotune
+    placeholder)."""
+    return all(chosen.get(n) in [r["schedule"] for r in rows] for n, rows in candidates.items())
 
 
 def _problem(candidates: dict[str, list[dict]], key: str = "predicted_ms") -> Problem:

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from torch.fx import Node
 
 from torch_commopt.passes.graph_utils import val
-from torch_commopt.reshard.ar_cost import split_cost
+from torch_commopt.reshard.ar_cost import plain_gather_s, split_cost
 from torch_commopt.reshard.search import Problem, solve
-from torch_commopt.tuner.model import collective_time
 
 KEEP, SPLIT = 0, 1
 
@@ -80,7 +79,6 @@ def _handed_on(c, cands: list) -> list[tuple[Node, object]]:
 
 
 def gather_ms(v: Node, world: int, cal) -> float:
-    """What the split charges for gathering value v (a plain all-gather: its users are row-local
-    ops, no GEMM), as ar_cost.split_cost does."""
+    """What split_cost charged for gathering value v (its users are row-local ops, no GEMM)."""
     t = val(v)  # the whole rows: the graph is not split yet
-    return collective_time(cal, "all_gather", t.numel() * t.element_size(), world) * 1e3
+    return plain_gather_s(t.numel() * t.element_size(), world, cal) * 1e3
