@@ -17,9 +17,11 @@ captured in a CUDA graph and replayed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from torch_commopt.kernels.gpu import symm, tma
+from torch_commopt.kernels.gpu import driver, symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
 from torch_commopt.schedule import Schedule
@@ -50,36 +52,41 @@ def buffer_bytes(a, world: int) -> int:
     return 2 * world * a.numel() * a.element_size()
 
 
+@functools.lru_cache(maxsize=512)
+def _plan(shape: tuple, gather_dim: int, world: int, chunks: int) -> tuple:
+    """What a call's shape decides, computed once per shape: (layout, pieces, gathered shape)."""
+    lay = RowLayout.of(list(shape), gather_dim, world, gathered=True)
+    gshape = list(shape[:gather_dim]) + [world * shape[gather_dim]] + list(shape[gather_dim + 1:])
+    return lay, tuple(lay.pieces(min(chunks, MAX_CHUNKS))), gshape
+
+
 def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, return_gathered):
     rt = symm.runtime(group_name, a.device)
     debug = rt.debug_waits(sched)
     world, rank = rt.world, rt.rank
-    shape = list(a.shape)
-    lay = RowLayout.of(shape, gather_dim, world, gathered=True)
-    m_loc, k = lay.local_rows, shape[-1]
+    lay, pieces, gshape = _plan(tuple(a.shape), gather_dim, world, sched.chunks)
+    m_loc, k = lay.local_rows, a.shape[-1]
     a2 = a.contiguous().view(m_loc, k)
-    pieces = lay.pieces(min(sched.chunks, MAX_CHUNKS))
-    slot_bytes = m_loc * k * a.element_size()
+    row_bytes = k * a.element_size()
     buf = rt.buffer(buffer_bytes(a, world))
     half = rt.next_epoch() % 2  # calls alternate buffer halves
     base = half * (buf.nbytes // 2)  # the same offset for every op: tokens guard halves
     slots = buf.view(rank, base, (world, m_loc, k), a.dtype)
     cur, side = torch.cuda.current_stream(a.device), rt.side
-    gshape = shape[:gather_dim] + [world * shape[gather_dim]] + shape[gather_dim + 1:]
     outs = [a.new_empty(gshape[:-1] + [w.shape[-1]]) for w in weights]
     # Allocated before the side stream syncs with the caller's stream: the side stream
     # writes `gathered`, and its block's previous owner may still have caller-stream work
     # pending (the caching allocator orders reuse on the allocating stream only).
     gathered = a.new_empty(gshape) if return_gathered else None
 
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        for p in rt.peers:
-            rt.acquire(side, p, half, debug=debug)
-            dst = buf.view(p, base + rank * slot_bytes, (m_loc, k), a.dtype)
-            for c, (lo, hi) in enumerate(pieces):
-                dst[lo:hi].copy_(a2[lo:hi])
-                rt.signal(side, p, data_index(half, rank, c), 1)
+    rt.after(side, cur)
+    src_ptr = a2.data_ptr()
+    for p in rt.peers:  # driver calls on the side stream: no stream context, no tensor views
+        rt.acquire(side, p, half, debug=debug)
+        dst_ptr = buf.address(p, base + rank * m_loc * row_bytes)
+        for c, (lo, hi) in enumerate(pieces):
+            driver.memcpy_async(side, dst_ptr + lo * row_bytes, src_ptr + lo * row_bytes, (hi - lo) * row_bytes)
+            rt.signal(side, p, data_index(half, rank, c), 1)
 
     if sched.param("gemm") == "whole":
         _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug)
@@ -90,7 +97,7 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     result = outs
     if return_gathered:
         result = outs + [_gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug)]
-    cur.wait_stream(side)
+    rt.after(cur, side)
     rt.done_reading(cur, half, len(pieces))
     if debug:
         rt.check_status("ag_matmul")
@@ -197,13 +204,11 @@ def _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug):
     """The all-gathered input, assembled by the copy engine off the critical path."""
     full = gathered.view(-1, a2.shape[-1])
     last = len(pieces) - 1
-    with torch.cuda.stream(side):
-        for src in [rt.rank] + rt.sources:
-            if src != rt.rank:
-                # Pieces from one peer land in order, so the last flag covers the whole slot.
-                rt.wait(side, data_index(half, src, last), 1, debug=debug, what="chunk", src=src, chunk=last)
-            dst = lay.block_rows(full, src, 0, lay.local_rows)
-            dst.copy_((a2 if src == rt.rank else slots[src]).view(dst.shape))
+    for src in [rt.rank] + rt.sources:
+        if src != rt.rank:
+            # Pieces from one peer land in order, so the last flag covers the whole slot.
+            rt.wait(side, data_index(half, src, last), 1, debug=debug, what="chunk", src=src, chunk=last)
+        rt.copy(side, lay.block_rows(full, src, 0, lay.local_rows), a2 if src == rt.rank else slots[src])
     return gathered
 
 

@@ -1,10 +1,16 @@
 """Stream memory operations of the CUDA driver (cuStreamWriteValue32 / cuStreamWaitValue32),
-and strided copies by the copy engine (cuMemcpy2DAsync).
+copies by the copy engine (cuMemcpyDtoDAsync, cuMemcpy2DAsync) and events between streams
+(cuEventRecord / cuStreamWaitEvent).
 
 They run on the GPU's front end, not on SMs: a flag write queued behind a copy signals a
 peer without a kernel, and a wait holds back a stream without a spinning block, so neither
 can be starved by a persistent kernel that fills every SM.  The address may be a peer's
 memory mapped through symmetric memory (NVLink P2P).
+
+They are also the cheap way for the host to queue work: a schedule's call queues tens of
+these, and each costs about a microsecond through ctypes, where the same step through torch
+(`Tensor.copy_` on another stream, `torch.cuda.Event`, stream contexts) costs 5-30 us.
+Every function takes a stream as a torch stream or its raw handle (int).
 """
 
 from __future__ import annotations
@@ -34,7 +40,22 @@ def _lib():
     fn.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
     fn.restype = ctypes.c_int
     fns["cuMemcpy2DAsync"] = fn
+    signatures = {
+        "cuMemcpyDtoDAsync": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
+        "cuEventCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
+        "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
+        "cuStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+        fns[name] = fn
     return fns
+
+
+def _handle(stream) -> int:
+    return stream if isinstance(stream, int) else stream.cuda_stream
 
 
 _MEMORY_DEVICE = 2  # CU_MEMORYTYPE_DEVICE
@@ -61,7 +82,41 @@ def memcpy2d_async(stream, dst: int, dst_pitch: int, src: int, src_pitch: int, w
     desc = _Memcpy2D(srcMemoryType=_MEMORY_DEVICE, srcDevice=src, srcPitch=src_pitch,
                      dstMemoryType=_MEMORY_DEVICE, dstDevice=dst, dstPitch=dst_pitch,
                      WidthInBytes=width, Height=height)
-    _check(_lib()["cuMemcpy2DAsync"](ctypes.byref(desc), stream.cuda_stream), "cuMemcpy2DAsync")
+    _check(_lib()["cuMemcpy2DAsync"](ctypes.byref(desc), _handle(stream)), "cuMemcpy2DAsync")
+
+
+def memcpy_async(stream, dst: int, src: int, nbytes: int) -> None:
+    """Queue on `stream` a copy of `nbytes` contiguous bytes from device address src to dst
+    (the copy engine; either side may be a peer's symmetric memory)."""
+    if nbytes:
+        _check(_lib()["cuMemcpyDtoDAsync"](dst, src, nbytes, _handle(stream)), "cuMemcpyDtoDAsync")
+
+
+_EVENT_DISABLE_TIMING = 0x2
+
+
+def event_create() -> int:
+    """A new CUDA event (no timing), as its raw handle; kept for the process's lifetime."""
+    ev = ctypes.c_void_p()
+    _check(_lib()["cuEventCreate"](ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
+    return ev.value
+
+
+def record(event: int, stream) -> None:
+    """cuEventRecord: the event completes once `stream`'s work queued so far is done."""
+    _check(_lib()["cuEventRecord"](event, _handle(stream)), "cuEventRecord")
+
+
+def wait_event(waiter, event: int) -> None:
+    """cuStreamWaitEvent: `waiter`'s later work waits for the event's latest record."""
+    _check(_lib()["cuStreamWaitEvent"](_handle(waiter), event, 0), "cuStreamWaitEvent")
+
+
+def stream_after(waiter, event: int, stream) -> None:
+    """`waiter` runs nothing queued after this call before `stream`'s work queued so far is
+    done (the event may be recorded again as soon as this returns)."""
+    record(event, stream)
+    wait_event(waiter, event)
 
 
 def _check(rc: int, what: str) -> None:
@@ -71,11 +126,11 @@ def _check(rc: int, what: str) -> None:
 
 def wait_value32(stream, address: int, value: int) -> None:
     """Hold `stream` until the uint32 at `address` is >= value (modulo 2**32)."""
-    _check(_lib()["cuStreamWaitValue32"](stream.cuda_stream, address, value & 0xFFFFFFFF, WAIT_GEQ),
+    _check(_lib()["cuStreamWaitValue32"](_handle(stream), address, value & 0xFFFFFFFF, WAIT_GEQ),
            "cuStreamWaitValue32")
 
 
 def write_value32(stream, address: int, value: int) -> None:
     """Queue on `stream`: fence the stream's earlier writes, then store `value` at `address`."""
-    _check(_lib()["cuStreamWriteValue32"](stream.cuda_stream, address, value & 0xFFFFFFFF, WRITE_FENCED),
+    _check(_lib()["cuStreamWriteValue32"](_handle(stream), address, value & 0xFFFFFFFF, WRITE_FENCED),
            "cuStreamWriteValue32")

@@ -28,11 +28,12 @@ epochs) can be captured in a CUDA graph and replayed.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from torch_commopt.kernels.gpu import symm, tma
+from torch_commopt.kernels.gpu import driver, symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
 from torch_commopt.schedule import Schedule
@@ -65,6 +66,16 @@ def buffer_bytes(a, weight, world: int, *, phases: int) -> int:
     return 2 * phases * rows * weight.shape[-1] * a.element_size()
 
 
+@functools.lru_cache(maxsize=512)
+def _plan(shape: tuple, scatter_dim: int | None, world: int, chunks: int) -> tuple:
+    """What a call's shape decides, computed once per shape: (layout, pieces)."""
+    if scatter_dim is None:  # all-reduce: any row split works; use contiguous row blocks
+        lay = RowLayout(1, math.prod(shape[:-1]) // world, world)
+    else:
+        lay = RowLayout.of(list(shape), scatter_dim, world, gathered=False)
+    return lay, tuple(lay.pieces(min(chunks, MAX_CHUNKS)))
+
+
 class _Call:
     """State of one reduce call: runtime, layout, buffers, half, streams."""
 
@@ -72,15 +83,10 @@ class _Call:
         self.rt = rt = symm.runtime(group_name, a.device)
         self.sched, self.world, self.rank = sched, rt.world, rt.rank
         self.debug = rt.debug_waits(sched)
-        shape = list(a.shape)
-        self.k, self.n = shape[-1], weight.shape[-1]
-        if scatter_dim is None:  # all-reduce: any row split works; use contiguous row blocks
-            self.lay = RowLayout(1, math.prod(shape[:-1]) // rt.world, rt.world)
-        else:
-            self.lay = RowLayout.of(shape, scatter_dim, rt.world, gathered=False)
+        self.k, self.n = a.shape[-1], weight.shape[-1]
+        self.lay, self.pieces = _plan(tuple(a.shape), scatter_dim, rt.world, sched.chunks)
         self.m_seg = self.lay.local_rows
         self.a2 = a.contiguous().view(-1, self.k)
-        self.pieces = self.lay.pieces(min(sched.chunks, MAX_CHUNKS))
         self.seg_bytes = self.m_seg * self.n * a.element_size()
         self.phases, self.n_chunks = phases, len(self.pieces)
         self.buf = rt.buffer(buffer_bytes(a, weight, rt.world, phases=phases))
@@ -106,9 +112,7 @@ class _Call:
 
     def after_caller(self) -> None:
         """Make the side stream wait for the caller's stream as it stands now."""
-        ready = torch.cuda.Event()
-        ready.record(self.cur)
-        self.side.wait_event(ready)
+        self.rt.after(self.side, self.cur)
         self.side_used = True
 
     def acquire(self, stream, p: int) -> None:
@@ -123,7 +127,7 @@ class _Call:
         are done), add the bias (every rank added it before the reduction: W times for sum,
         once for avg)."""
         if self.side_used:
-            self.cur.wait_stream(self.side)
+            self.rt.after(self.cur, self.side)
         self.rt.done_reading(self.cur, self.half, self.n_chunks, phases=self.phases)
         if bias is not None:
             out.add_(bias, alpha=1.0 if reduce_op == "avg" else float(self.world))
@@ -155,22 +159,20 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
     full = out.view(-1, call.n)
     own = full[call.rank * call.m_seg: (call.rank + 1) * call.m_seg]
     _reduce_scatter_into(call, weight, own, after_piece=lambda c, lo, hi: _push_reduced(call, own, c, lo, hi))
-    with torch.cuda.stream(call.side):
-        for c, (lo, hi) in enumerate(call.pieces):
-            for src in call.rt.sources:
-                call.wait(call.side, src, c, "reduced chunk", phase=1)
-                got = call.slot(call.rank, src, region=1)
-                full[src * call.m_seg + lo: src * call.m_seg + hi].copy_(got[lo:hi])
+    for c, (lo, hi) in enumerate(call.pieces):
+        for src in call.rt.sources:
+            call.wait(call.side, src, c, "reduced chunk", phase=1)
+            got = call.slot(call.rank, src, region=1)
+            call.rt.copy(call.side, full[src * call.m_seg + lo: src * call.m_seg + hi], got[lo:hi])
     return call.finish(out, bias, reduce_op, "matmul_ar")
 
 
 def _push_reduced(call: _Call, own, c, lo, hi):
     """All-gather phase of matmul_ar: piece c of the reduced own segment to every peer."""
     call.after_caller()
-    with torch.cuda.stream(call.side):
-        for p in call.rt.peers:
-            call.peer_slot(p, region=1)[lo:hi].copy_(own[lo:hi])
-            call.signal(call.side, p, c, phase=1)
+    for p in call.rt.peers:
+        call.rt.copy(call.side, call.peer_slot(p, region=1)[lo:hi], own[lo:hi])
+        call.signal(call.side, p, c, phase=1)
 
 
 def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
@@ -218,19 +220,15 @@ def _own_in_place(call: _Call, a_r, weight, own, src: int, after_piece):
     if call.n_chunks == 1 and call.sched.name == "ce_push":
         _own_then_add(call, a_r, weight, own, src, after_piece)
         return
-    local = call.rt.local
-    forked = torch.cuda.Event()
-    forked.record(call.cur)  # after `own` was allocated on the caller's stream
-    local.wait_event(forked)
-    landed = []
-    with torch.cuda.stream(local):
-        for c, (lo, hi) in enumerate(call.pieces):
-            call.wait(local, src, c, "partial")
-            own[lo:hi].copy_(call.recv[src, lo:hi])
-            landed.append(torch.cuda.Event())
-            landed[-1].record(local)
+    rt, local = call.rt, call.rt.local
+    rt.after(local, call.cur)  # after `own` was allocated on the caller's stream
+    landed = rt.events(call.n_chunks)
     for c, (lo, hi) in enumerate(call.pieces):
-        call.cur.wait_event(landed[c])
+        call.wait(local, src, c, "partial")
+        rt.copy(local, own[lo:hi], call.recv[src, lo:hi])
+        driver.record(landed[c], local)
+    for c, (lo, hi) in enumerate(call.pieces):
+        driver.wait_event(call.cur, landed[c])
         own[lo:hi].addmm_(a_r[lo:hi], weight, beta=call.alpha, alpha=call.alpha)
         if after_piece is not None:
             after_piece(c, lo, hi)
@@ -270,14 +268,11 @@ def _pull_reduce(call: _Call, weight, own, after_piece):
         (len(sources), call.m_seg, call.n), dtype=call.dtype, device=own.device)
     call.after_caller()  # the side stream writes `own`/`pulled`, allocated on the caller's stream
     for c, (lo, hi) in enumerate(call.pieces):
-        with torch.cuda.stream(call.side):
-            for i, src in enumerate(sources):
-                call.wait(call.side, src, c, "partial")
-                dst = own[lo:hi] if pulled is None else pulled[i, lo:hi]
-                dst.copy_(call.slot(src, call.rank)[lo:hi])
-        landed = torch.cuda.Event()
-        landed.record(call.side)
-        call.cur.wait_event(landed)
+        for i, src in enumerate(sources):
+            call.wait(call.side, src, c, "partial")
+            dst = own[lo:hi] if pulled is None else pulled[i, lo:hi]
+            rt.copy(call.side, dst, call.slot(src, call.rank)[lo:hi])
+        rt.after(call.cur, call.side)
         if pulled is None:
             own[lo:hi].addmm_(a_r[lo:hi], weight, beta=call.alpha, alpha=call.alpha)
         else:
@@ -289,11 +284,10 @@ def _pull_reduce(call: _Call, weight, own, after_piece):
 def _ship(call: _Call, src_piece, dst_piece, p, c):
     """Copy engine: staging piece -> peer p's receive slot, then flag it."""
     call.after_caller()
-    with torch.cuda.stream(call.side):
-        if c == 0:
-            call.acquire(call.side, p)
-        dst_piece.copy_(src_piece)
-        call.signal(call.side, p, c)
+    if c == 0:
+        call.acquire(call.side, p)
+    call.rt.copy(call.side, dst_piece, src_piece)
+    call.signal(call.side, p, c)
 
 
 def _own_piece(call: _Call, a_rows, weight, dst, partials):
@@ -334,14 +328,13 @@ def _fused(call: _Call, weight, own):
         # The copy engine ships each piece as soon as its tiles are counted.  Enqueued after
         # the kernel's launch (the first launch JIT-compiles for seconds, which a bounded
         # debug wait enqueued earlier would count against its bound).
-        with torch.cuda.stream(call.side):
-            for q in rt.peers:
-                for c in range(n_chunks):
-                    lo, hi = c * chunk_mt * p["bm"], min(call.m_seg, (c + 1) * chunk_mt * p["bm"])
-                    tiles = min(chunk_mt, tiles_m - c * chunk_mt) * tiles_n
-                    rt.wait(call.side, COUNTERS + q * MAX_CHUNKS + c, tiles, debug=call.debug, what="tiles", src=q, chunk=c)
-                    call.peer_slot(q)[lo:hi].copy_(send[q, lo:hi])
-                    call.signal(call.side, q, c)
+        for q in rt.peers:
+            for c in range(n_chunks):
+                lo, hi = c * chunk_mt * p["bm"], min(call.m_seg, (c + 1) * chunk_mt * p["bm"])
+                tiles = min(chunk_mt, tiles_m - c * chunk_mt) * tiles_n
+                rt.wait(call.side, COUNTERS + q * MAX_CHUNKS + c, tiles, debug=call.debug, what="tiles", src=q, chunk=c)
+                rt.copy(call.side, call.peer_slot(q)[lo:hi], send[q, lo:hi])
+                call.signal(call.side, q, c)
 
 
 def launch_rs_fused(a2, weight, out, send, recv, recv_bases, flags, flag_bases, status, *, recv_off, data_base, lin,

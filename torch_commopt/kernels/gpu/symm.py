@@ -111,6 +111,14 @@ class SymmBuffer:
     def nbytes(self) -> int:
         return self.local.numel()
 
+    def address(self, rank: int, offset_bytes: int) -> int:
+        """Device address of byte `offset_bytes` of rank `rank`'s copy (mapped here)."""
+        bases = self.views.get("bases")
+        if bases is None:
+            bases = self.views["bases"] = [int(p) for p in self.handle.buffer_ptrs]
+            bases[self.rank] = self.local.data_ptr()
+        return bases[rank] + offset_bytes
+
     def view(self, rank: int, offset_bytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor on this device aliasing rank `rank`'s buffer (peer memory through P2P).
         Views are cached: building a peer tensor costs host time on every call."""
@@ -167,6 +175,8 @@ class GroupRuntime:
         self.owned: dict[str, list[SymmBuffer]] = {}  # own_buffer's, by purpose (the last is current)
         self._debug_kernel_loaded = False
         self._warned_capture_debug = False
+        self._order_event: int | None = None  # after()'s event (driver handle)
+        self._events: list[int] = []  # events(n)'s pool
         log.info("commopt: symmetric runtime for group %s (rank %d of %d) on %s", group_name, self.rank, self.world, device)
 
     def debug_waits(self, schedule=None) -> bool:
@@ -242,6 +252,36 @@ class GroupRuntime:
         table = self.flags[index: index + 2 * len(values)].view(torch.int64)
         table.copy_(torch.tensor(values, dtype=torch.int64))
         return table
+
+    # ---- streams -----------------------------------------------------------------------
+    def after(self, waiter, stream) -> None:
+        """`waiter` (a stream) waits for the work queued on `stream` so far.  One event serves
+        every call: it is recorded and waited on back to back, and a wait binds to the
+        record before it."""
+        if self._order_event is None:
+            self._order_event = self._new_event()
+        driver.stream_after(waiter, self._order_event, stream)
+
+    def events(self, n: int) -> list[int]:
+        """n events (driver handles) for one call's records that are waited on later, out of
+        a pool kept for the runtime's lifetime (reused call after call: a wait binds to the
+        record queued before it)."""
+        while len(self._events) < n:
+            self._events.append(self._new_event())
+        return self._events[:n]
+
+    def _new_event(self) -> int:
+        with torch.cuda.device(self.device):
+            return driver.event_create()
+
+    def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst <- src queued on `stream` (the copy engine): one driver copy when both are
+        contiguous, else Tensor.copy_ under the stream."""
+        if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.numel() == src.numel():
+            driver.memcpy_async(stream, dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+            return
+        with torch.cuda.stream(stream):
+            dst.copy_(src if src.shape == dst.shape else src.reshape(dst.shape))
 
     # ---- flags -------------------------------------------------------------------------
     def flag_address(self, rank: int, index: int) -> int:
