@@ -222,13 +222,14 @@ def run_compiled_models(rank: int, world: int, options: dict, kinds: tuple[str, 
 
 
 def run_compiled_band(rank: int, world: int, shape: dict):
-    """A TP+SP MLP whose regions fall in the rule's host-bound band, compiled with the rule:
-    (errors vs float64 next to eager's, the schedules the compile emitted, explain notes)."""
+    """A TP block (all-reduces: the band is all-reduce's) whose MLP all-reduce falls in the
+    rule's host-bound band, compiled with the rule: (errors vs float64 next to eager's, the
+    schedules the compile emitted, explain notes)."""
     from torch_commopt.validate import check
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    errors = check("tp_sp_mlp", {"schedule": "auto"}, shape=shape, dtype=torch.bfloat16)
+    errors = check("tp_block", {"schedule": "auto"}, shape=shape, dtype=torch.bfloat16)
     graphs = torch_commopt.explain().graphs
     return ([(e.name, e.compiled, e.eager) for e in errors], [r.schedule for g in graphs for r in g.regions],
             [n for g in graphs for n in g.notes])

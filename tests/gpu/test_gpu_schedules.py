@@ -66,7 +66,7 @@ def test_compiled_tp_sp_blocks_use_gpu_schedules(two_gpus, options, shape):
 
 @pytest.mark.gpu
 def test_compiled_band_regions_measure_at_the_first_call(two_gpus):
-    # est. GEMM 0.2-0.4 ms per region: the rule leaves the choice to a first-call measurement
+    # an all-reduce of est. GEMM 0.2 ms: the rule leaves the choice to a first-call measurement
     from kernel_cases import run_compiled_band
 
     shape = {"batch": 2, "seq": 2048, "dim": 4096, "hidden": 8192, "heads": 32}

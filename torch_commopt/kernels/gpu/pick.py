@@ -24,30 +24,25 @@ MIN_HIDDEN_COMM_S = 20e-6
 # Under CUDA-graph replay only the GPU-side fixed costs remain (flag round trips, a second
 # GEMM launch): a few microseconds.
 MIN_HIDDEN_COMM_S_GRAPHS = 5e-6
-# Below this estimated GEMM time an eager call is host-bound and NCCL + cuBLAS wins.  A GPU
-# schedule costs 0.17-0.45 ms of host per call against ~0.05 ms for NCCL + cuBLAS, and the
-# host's speed varies between machines of one kind: at M_global 2048 (est. 0.2 ms of GEMM)
-# ag ce_push:1 took 0.200 ms on one 2x H200 host (NCCL 0.281) and 0.366 on another (NCCL
-# 0.270), rs direct:1 0.259 vs 0.276 and 0.360 vs 0.278.  Never losing to NCCL wins: the
-# region stays as compiled.
-MIN_GEMM_S = 0.25e-3
+# Below this estimated GEMM time an eager call is host-bound and NCCL + cuBLAS wins.  Until
+# 2026-11-24 a GPU schedule cost 0.17-0.45 ms of host per call (torch Events, stream contexts
+# and Tensor.copy_ on the side streams), so the floor was 0.25 ms and M_global 2048 ran
+# sequential (AG 2048: 0.772x the best baseline, s7c).  With the side-stream work queued by
+# driver calls (kernels/gpu/driver.py) a training step's 16 ag_matmul calls went from 0.95 to
+# 0.49 ms each under cProfile (bench_e2e --host-profile, 2x H200), and the floor is the one of
+# CUDA-graph replay: at M_global 512 (est. 0.05 ms) NCCL + cuBLAS still win.
+MIN_GEMM_S = 0.1e-3
 # Replayed reductions: below this GEMM time NCCL's latency-optimal small collectives win.
 MIN_GEMM_S_GRAPHS = 0.1e-3
-# Eager calls between MIN_GEMM_S_GRAPHS and SHORT_GEMM_S of estimated GEMM: whether our GPU
-# schedule, NCCL + cuBLAS or neither wins depends on the host's speed, so the rule names
-# candidates to time at the region's first call (tuner.autotune) instead of guessing.
-# All-gather and all-reduce have no band.  All-reduce's GPU schedules lost to NCCL in every
-# eager run at M_global 2048 (ce_push:1 0.392 vs 0.324 ms, 2x H200, 2026-11-22 s7; measured
-# at the first call it once chose ce_push:1, which then ran 0.31-0.58 ms, bimodal).  All-gather
-# at M_global 2048: the first call measured ce_push:1 at least 5% faster than NCCL, and back to
-# back it then ran 0.340-0.358 ms against NCCL's 0.271 (s7b); earlier leases 0.200 vs 0.281.
-# The first-call timing does not see what a long eager run pays, so both stay sequential.
-BAND_CANDIDATES = {"matmul_rs": ["sequential", "direct:1", "ce_push:1", "ce_push:2"]}
-# Up to this estimated GEMM time only the cheapest-to-launch GPU schedules pay (M_global
-# 2048: ag ce_push:1 0.21 vs 0.24-0.28 ms, rs direct:1 0.25 vs 0.29 ms, while rs ce_push:2
-# took 0.32-0.45 ms and ar direct:1 tied NCCL; rs 4096x8192x7168: direct:1 0.44 ms in two
-# runs, ce_push:2 0.42 and 0.69 ms); above it the copy-engine schedules win (rs ce_push:2
-# 0.85 vs direct:1 0.87 ms at 8192^3, 1.69 vs 1.87 ms at 16384x8192x8192).
+# Eager calls between MIN_GEMM_S and SHORT_GEMM_S of estimated GEMM where the winner depends
+# on the host's speed: the rule names candidates to time at the region's first call
+# (tuner.autotune) instead of guessing.  Only all-reduce is left there: its two phases queue
+# twice the host work, and it lost to NCCL in every eager run with the old host path at
+# M_global 2048 (ce_push:1 0.392 vs 0.324 ms, s7) while it won replayed (1.22x).
+# Reduce-scatter left the band with the cheaper host path: its first-call timing chose NCCL
+# at M_global 2048 where ce_push:1 then ran 0.218 vs 0.278 ms (s7c); it now follows the
+# replayed rule (ce_push:1 under SHORT_REDUCE_S).
+BAND_CANDIDATES = {"matmul_ar": ["sequential", "ce_push:1"]}
 SHORT_GEMM_S = 0.5e-3
 # Reductions run ce_push:1 below this estimated GEMM time, ce_push:2 above (see pick()).
 SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
@@ -115,10 +110,8 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         # Replayed (2x H200, CUDA graphs): at M_global 512 NCCL + cuBLAS beat every
         # reduction schedule (0.080 vs direct:1 0.086 ms).
         return Schedule("sequential"), why + ": short reduction, GPU-side fixed costs exceed the overlap"
-    if not graphs and gemm_s < SHORT_GEMM_S:
-        if kind == "matmul_rs":
-            return Schedule("direct", 1), why + ": short GEMM, fewest launches"
-        return Schedule("sequential"), why + ": short GEMM, all-reduce ties NCCL"
+    if not graphs and gemm_s < SHORT_GEMM_S and kind == "matmul_ar":
+        return Schedule("sequential"), why + ": short GEMM, all-reduce ties NCCL eager"
     # One piece while the GEMM is short: the own GEMM runs first and the peer's partial is
     # added after it, and a second piece only adds a GEMM tail (2x H200, s7, replayed / eager:
     # rs 2048 ce_push:1 0.223 vs :2 0.241 ms; rs 4096x8192x7168 0.399 / 0.409 vs 0.421 / 0.462;
