@@ -222,8 +222,7 @@ def run_compiled_models(rank: int, world: int, options: dict, kinds: tuple[str, 
 
 
 def run_compiled_band(rank: int, world: int, shape: dict):
-    """A TP block (all-reduces: the band is all-reduce's) whose MLP all-reduce falls in the
-    rule's host-bound band, compiled with the rule: (errors vs float64 next to eager's, the
+    """A TP block whose MLP all-reduce falls in the rule's host-bound band, compiled with the rule: (errors vs float64 next to eager's, the
     schedules the compile emitted, explain notes)."""
     from torch_commopt.validate import check
 

@@ -26,23 +26,20 @@ MIN_HIDDEN_COMM_S = 20e-6
 MIN_HIDDEN_COMM_S_GRAPHS = 5e-6
 # Below this estimated GEMM time an eager call is host-bound and NCCL + cuBLAS wins.  Until
 # 2026-11-24 a GPU schedule cost 0.17-0.45 ms of host per call (torch Events, stream contexts
-# and Tensor.copy_ on the side streams), so the floor was 0.25 ms and M_global 2048 ran
-# sequential (AG 2048: 0.772x the best baseline, s7c).  With the side-stream work queued by
-# driver calls (kernels/gpu/driver.py) a training step's 16 ag_matmul calls went from 0.95 to
-# 0.49 ms each under cProfile (bench_e2e --host-profile, 2x H200), and the floor is the one of
-# CUDA-graph replay: at M_global 512 (est. 0.05 ms) NCCL + cuBLAS still win.
+# and Tensor.copy_ on the side streams); with the side-stream work queued by driver calls
+# (kernels/gpu/driver.py) a training step's ag_matmul calls went from 0.95 to 0.49 ms each
+# under cProfile (bench_e2e --host-profile, 2x H200).  At M_global 512 (est. 0.05 ms) NCCL +
+# cuBLAS still win eager on every host (ce_push:1 0.19-0.22 vs 0.08-0.09 ms, s13).
 MIN_GEMM_S = 0.1e-3
 # Replayed reductions: below this GEMM time NCCL's latency-optimal small collectives win.
 MIN_GEMM_S_GRAPHS = 0.1e-3
-# Eager calls between MIN_GEMM_S and SHORT_GEMM_S of estimated GEMM where the winner depends
-# on the host's speed: the rule names candidates to time at the region's first call
-# (tuner.autotune) instead of guessing.  Only all-reduce is left there: its two phases queue
-# twice the host work, and it lost to NCCL in every eager run with the old host path at
-# M_global 2048 (ce_push:1 0.392 vs 0.324 ms, s7) while it won replayed (1.22x).
-# Reduce-scatter left the band with the cheaper host path: its first-call timing chose NCCL
-# at M_global 2048 where ce_push:1 then ran 0.218 vs 0.278 ms (s7c); it now follows the
-# replayed rule (ce_push:1 under SHORT_REDUCE_S).
-BAND_CANDIDATES = {"matmul_ar": ["sequential", "ce_push:1"]}
+# Eager calls between MIN_GEMM_S and SHORT_GEMM_S of estimated GEMM: whether ce_push:1 or
+# NCCL + cuBLAS wins depends on the host's speed, which varies 2x between leases of one
+# kind, so the rule names both to time at the region's first call (tuner.autotune) instead
+# of guessing.  M_global 2048 (est. 0.2 ms), 2x H200: on a fast host ce_push:1 ran AG 0.199
+# / RS 0.218 ms against NCCL's 0.287 / 0.278 (s7c); on a slow one (s13, torch async-TP's
+# eager AG 0.525 ms there against 0.222 in s7c) AG 0.280 / RS 0.439 against 0.274 / 0.282.
+BAND_CANDIDATES = {kind: ["sequential", "ce_push:1"] for kind in ("ag_matmul", "matmul_rs", "matmul_ar")}
 SHORT_GEMM_S = 0.5e-3
 # Reductions run ce_push:1 below this estimated GEMM time, ce_push:2 above (see pick()).
 SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
@@ -111,6 +108,7 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         # reduction schedule (0.080 vs direct:1 0.086 ms).
         return Schedule("sequential"), why + ": short reduction, GPU-side fixed costs exceed the overlap"
     if not graphs and gemm_s < SHORT_GEMM_S and kind == "matmul_ar":
+        # (inside the band: the fallback when the first-call measurement cannot run)
         return Schedule("sequential"), why + ": short GEMM, all-reduce ties NCCL eager"
     # One piece while the GEMM is short: the own GEMM runs first and the peer's partial is
     # added after it, and a second piece only adds a GEMM tail (2x H200, s7, replayed / eager:
