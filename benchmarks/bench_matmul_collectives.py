@@ -66,7 +66,7 @@ SHAPES = [
     Shape("ar", 8192, 8192, 8192), Shape("ar", 2048, 8192, 8192),
 ]
 SCHEDULES = {  # one or two piece counts per mechanism (the rest measured slower in earlier runs)
-    "ag": ["local_first", "chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "fused:1", "fused:4", "ce_push:1:gemm=whole",
+    "ag": ["local_first", "chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "ce_push:1:par=1", "ce_push:2:par=1", "fused:1", "fused:4", "ce_push:1:gemm=whole",
            "fused:1:tma=1", "fused:2:tma=1"],
     "rs": ["chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "ce_pull:2", "direct:1", "direct:2",
            "fused:2:store=direct", "fused:1:store=direct,tma=1", "fused:2:store=direct,tma=1"],

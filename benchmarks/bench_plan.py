@@ -148,13 +148,14 @@ def _same_plan(res: dict) -> str | None:
 
 def _plan_mib(res: dict, label: str) -> dict[str, float] | None:
     """A variant's predicted extra memory per graph (MiB; the budget holds per graph) from the
-    searched variant's candidate rows (same regions); None where a schedule has no row (a
-    region kept as compiled, `sequential`, holds none)."""
+    searched variant's candidate rows (same regions), counted as the search counts it under a
+    budget (`sequential` holds its gathered input or unreduced product); None where a schedule
+    has no row."""
     rows = {(p["graph"], p["region"]): {c["schedule"]: c["extra_mib"] for c in p["candidates"]}
             for p in res["plans"].get("searched", [])}
     total: dict[str, float] = {}
     for p in res["plans"].get(label, []):
-        mib = 0.0 if p["schedule"] == "sequential" else rows.get((p["graph"], p["region"]), {}).get(p["schedule"])
+        mib = rows.get((p["graph"], p["region"]), {}).get(p["schedule"])
         if mib is None:
             return None
         total[p["graph"]] = total.get(p["graph"], 0.0) + mib

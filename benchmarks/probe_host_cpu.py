@@ -79,7 +79,7 @@ def fake_runtime(world: int = 2, rank: int = 0) -> symm.GroupRuntime:
     rt.peers = [(rank + s) % world for s in range(1, world)]
     rt.sources = [(rank - s) % world for s in range(1, world)]
     rt.epoch = 0
-    rt.side, rt.local = _Stream(), _Stream()
+    rt.side, rt.local, rt.compute2 = _Stream(), _Stream(), _Stream()
     rt.flags = torch.zeros(symm.FLAG_SLOTS, dtype=torch.int32)
     rt.flag_bases = [1 << 40 + i for i in range(world)]
     rt.flag_bases_dev = None
@@ -123,6 +123,8 @@ def cases(world: int):
         "ag ce_push:1 3 weights +gathered": lambda: agm.ag_matmul_gpu(a_ag, qkv, [None] * 3, 1, "fake", s1, True),
         "ag ce_push:1 1 weight": lambda: agm.ag_matmul_gpu(a_ag, qkv[:1], [None], 1, "fake", s1, False),
         "ag ce_push:2 1 weight": lambda: agm.ag_matmul_gpu(a_ag, qkv[:1], [None], 1, "fake", s2, False),
+        "ag ce_push:1:par=1 1 weight": lambda: agm.ag_matmul_gpu(a_ag, qkv[:1], [None], 1, "fake",
+                                                                  Schedule.parse("ce_push:1:par=1"), False),
         "rs ce_push:1": lambda: mr.matmul_rs_gpu(a_rs, w_rs, None, 1, "sum", "fake", s1),
         "rs ce_push:2": lambda: mr.matmul_rs_gpu(a_rs, w_rs, None, 1, "sum", "fake", s2),
         "ar ce_push:1": lambda: mr.matmul_ar_gpu(a_rs, w_rs, None, "sum", "fake", s1),

@@ -19,7 +19,7 @@ OP_SCHEDULES = {
 GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
-    "store": str, "dbg": int, "id": str, "gemm": str, "tma": int,
+    "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int,
 }
 
 
@@ -40,6 +40,8 @@ class Schedule:
         (signalled by stream flag writes) while cuBLAS computes the pieces already there.
         All-gather with gemm=whole: the pieces are pushed the same way, but one GEMM runs
         over the gathered rows once all are there (short M, where each GEMM re-reads B).
+        All-gather with par=1: the peers' GEMMs run on a second compute stream, beside the
+        own shard's (short M, where one shard's GEMM fills few SMs).
     ce_pull(S): GPU, reductions.  Each rank computes a peer's partial into its own
         symmetric buffer (local stores) and flags it; the peer's copy engine pulls it
         straight into its output, where its own GEMM adds in place (no staging copy).
@@ -72,6 +74,9 @@ class Schedule:
         if dict(self.params).get("gemm", "whole") != "whole" or (dict(self.params).get("gemm") and self.name != "ce_push"):
             raise ValueError(f"schedule: gemm=whole is a ce_push option (the only value); got {self.name} "
                              f"gemm={dict(self.params)['gemm']!r}")
+        par = dict(self.params).get("par")
+        if par is not None and (self.name != "ce_push" or par not in (0, 1) or dict(self.params).get("gemm")):
+            raise ValueError(f"schedule: par=0/1 is a ce_push option (not with gemm=whole); got {self.name} par={par!r}")
         if dict(self.params).get("tma") is not None and (self.name != "fused" or dict(self.params)["tma"] not in (0, 1)):
             raise ValueError(f"schedule: tma=0/1 is a fused option; got {self.name} tma={dict(self.params)['tma']!r}")
         object.__setattr__(self, "params", tuple(sorted(self.params)))
@@ -132,5 +137,6 @@ class Schedule:
         return self
 
     def valid_for(self, kind: str) -> bool:
-        """Whether an op of `kind` runs this schedule (gemm=whole: all-gather only)."""
-        return self.name in OP_SCHEDULES[kind] and (self.param("gemm") is None or kind == "ag_matmul")
+        """Whether an op of `kind` runs this schedule (gemm=whole, par=1: all-gather only)."""
+        ag_only = self.param("gemm") is not None or self.param("par") is not None
+        return self.name in OP_SCHEDULES[kind] and (not ag_only or kind == "ag_matmul")

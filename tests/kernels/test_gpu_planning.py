@@ -179,6 +179,15 @@ def test_whole_gemm_is_an_all_gather_ce_push_option():
             Schedule.parse(bad)
 
 
+def test_par_is_an_all_gather_ce_push_option():
+    par = Schedule.parse("ce_push:2:par=1")
+    assert par.valid_for("ag_matmul") and not par.valid_for("matmul_rs") and not par.valid_for("matmul_ar")
+    assert str(par.reference_twin()) == "chunked:2" and str(par) == "ce_push:2:par=1"
+    for bad in ("direct:1:par=1", "ce_push:1:par=2", "ce_push:1:gemm=whole,par=1"):
+        with pytest.raises(ValueError, match="par"):
+            Schedule.parse(bad)
+
+
 def test_reduction_regions_are_planned_with_the_operand_the_op_receives():
     # SP reduce-scatter: mm of a 2-D input, the product viewed (B, S, D) and scattered on dim 1.
     # Judged on the 2-D mm input, dim 1 looked like the contracted dim and GPU schedules were

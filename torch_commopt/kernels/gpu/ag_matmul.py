@@ -17,6 +17,7 @@ captured in a CUDA graph and replayed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -93,7 +94,8 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     elif sched.name == "fused":
         _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug)
     else:
-        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug)
+        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug,
+                        rt.compute2 if sched.param("par") else None)
     result = outs
     if return_gathered:
         result = outs + [_gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug)]
@@ -104,15 +106,23 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     return result
 
 
-def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug):
+def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug, second=None):
+    """cuBLAS per piece.  second (par=1): the peers' pieces run on that stream, so their GEMMs
+    can share the SMs with the own shard's (the GEMMs write disjoint rows)."""
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in outs]
+    peers = cur if second is None else second
+    if second is not None:
+        rt.after(second, cur)  # the outputs were allocated on the caller's stream
     # Own shard first, as one GEMM: it needs nothing from the peers.
     _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows)
-    for src in rt.sources:
-        for c, (lo, hi) in enumerate(pieces):
-            rt.wait(cur, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
-            _piece_matmuls(slots[src, lo:hi], full, weights, biases, lay, src, lo, hi)
+    with contextlib.nullcontext() if second is None else torch.cuda.stream(second):
+        for src in rt.sources:
+            for c, (lo, hi) in enumerate(pieces):
+                rt.wait(peers, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
+                _piece_matmuls(slots[src, lo:hi], full, weights, biases, lay, src, lo, hi)
+    if second is not None:
+        rt.after(cur, second)
 
 
 def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug):

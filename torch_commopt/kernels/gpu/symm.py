@@ -159,6 +159,9 @@ class GroupRuntime:
         # A second copy stream for local copies that must not queue behind the pushes
         # (the received partial into the output, while the side stream still ships).
         self.local = torch.cuda.Stream(device=device, priority=-1)
+        # A second compute stream: ce_push:S:par=1 runs the peers' GEMMs there, beside the own
+        # shard's GEMM on the caller's stream.
+        self.compute2 = torch.cuda.Stream(device=device)
         flags = _off_thread(lambda: symm_mem.empty(FLAG_SLOTS, dtype=torch.int32, device=device), device)
         flags.zero_()
         flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
