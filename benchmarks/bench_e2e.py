@@ -48,6 +48,9 @@ import torch.distributed as dist  # noqa: E402
 
 from torch_commopt.launch import run_distributed  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from step_profile import breakdown  # noqa: E402
+
 VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model", "inductor+cudagraphs", "commopt graphs"]
 # commopt variants' optimize() options; "... no concat-K" (not run by default) isolates what
 # folding the backward's sums of matmuls into one reduce-scatter region brings
@@ -59,11 +62,6 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt model graphs": {"mode": "model", "cuda_graphs": True}}
 # Inductor's own compile options of the baseline variants
 INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraphs": {"triton.cudagraphs": True}}
-CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-              ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
-              ("commopt/triton", ("triton", "commopt")), ("copy", ("memcpy", "memset", "copy")))
-
-
 class Stack(torch.nn.Module):
     def __init__(self, layers: int, dim: int, heads: int, kv_heads: int, hidden: int) -> None:
         super().__init__()
@@ -162,9 +160,9 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                "tokens_per_s": b * s / (ms.item() / 1e3),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
         if dev == "cuda" and rank == 0:
-            rec["breakdown_ms"] = _breakdown(step, sync)
+            rec["breakdown_ms"] = breakdown(step, sync)
         elif dev == "cuda":
-            _breakdown(step, sync)  # every rank runs the profiled step (collectives)
+            breakdown(step, sync)  # every rank runs the profiled step (collectives)
         if host_profile and rank == 0:
             rec["host_profile"] = _host_profile(step, sync, host_profile)
         elif host_profile:  # the same steps, unprofiled (collectives)
@@ -203,38 +201,6 @@ def _host_profile(step, sync, steps: int, top: int = 30) -> list[str]:
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     return [f"{tt / steps * 1e3:8.3f} | {ct / steps * 1e3:8.3f} | {nc / steps:7.1f} | "
             f"{pathlib.Path(f).name}:{line}({name})" for (f, line, name), (_, nc, tt, ct, _) in rows]
-
-
-def _breakdown(step, sync) -> dict[str, float]:
-    """Device time of one step by kernel category (ms, summed over kernels; overlapped kernels
-    both count, so the sum can exceed the step)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        sync()
-    totals: dict[str, float] = {}
-    # GPU idle: the union of every kernel / copy interval of the step against its span
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    busy, last = 0.0, None
-    for lo, hi in spans:
-        if last is None or lo > last:
-            busy, last = busy + hi - lo, hi
-        elif hi > last:
-            busy, last = busy + hi - last, hi
-    if spans:
-        totals["gpu_span"] = (max(hi for _, hi in spans) - spans[0][0]) / 1e3
-        totals["gpu_busy"] = busy / 1e3
-    for evt in prof.key_averages():
-        ms = getattr(evt, "device_time_total", getattr(evt, "cuda_time_total", 0.0)) / 1e3
-        if ms <= 0:
-            continue
-        name = evt.key.lower()
-        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
-        totals[cat] = totals.get(cat, 0.0) + ms
-    return {k: round(v, 3) for k, v in sorted(totals.items())}
 
 
 def records(res: dict, shape: dict, world: int) -> list[dict]:

@@ -41,6 +41,9 @@ import torch.distributed as dist  # noqa: E402
 
 from torch_commopt.launch import run_distributed  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from step_profile import breakdown  # noqa: E402
+
 FIXED = ["sequential", "ce_push:1", "ce_push:2", "direct:1"]
 TARGET_S = 20e-3
 
@@ -112,13 +115,16 @@ def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "
             samples[label].append((time.perf_counter() - t0) / counts[label] * 1e3)
     med = torch.tensor([statistics.median(samples[k]) for k in names], dtype=torch.float64, device=dev)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    # one profiled step per variant (every rank runs it: collectives), rank 0's categories kept
+    profiled = {k: breakdown(steps[k], sync) for k in names} if dev == "cuda" else {}
     ref_out, ref_grad = outs["inductor"]
     return {"step_ms": dict(zip(names, med.tolist())),
             "spread_ms": {k: [min(v), max(v)] for k, v in samples.items()},
             "plans": plans,
             "rel_diff_vs_inductor": {k: {"out": rel_err(o, ref_out), "grad_x": rel_err(g, ref_grad)}
                                      for k, (o, g) in outs.items()},
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
+            "breakdown_ms": profiled}
 
 
 def _agreed_counts(steps: dict, sync, dev: str) -> dict[str, int]:
@@ -199,6 +205,10 @@ def report(res: dict, meta: dict) -> str:
                      f"predicted); fixed plans that fit: {b['fitting'] or 'none'}"
                      + (f"; the best, {b['best_fitting']}, {res['step_ms'][b['best_fitting']]:.3f} ms: "
                         f"{res['step_ms'][b['best_fitting']] / res['step_ms'][label]:.3f}x" if b["best_fitting"] else ""))
+    if res.get("breakdown_ms"):
+        lines += ["", "Device time of one step by kernel category (rank 0, ms; overlapped kernels both count; gpu_busy: "
+                  "the union of all kernels and copies over gpu_span):", ""]
+        lines += [f"- {k}: {v}" for k, v in res["breakdown_ms"].items()]
     lines += ["", "## Searched plan (per region)", ""]
     for p in res["plans"].get("searched", []):
         lines.append(f"- {p['graph']} {p['region']} ({p['kind']}): {p['schedule']}")

@@ -7,9 +7,11 @@ peer without a kernel, and a wait holds back a stream without a spinning block, 
 can be starved by a persistent kernel that fills every SM.  The address may be a peer's
 memory mapped through symmetric memory (NVLink P2P).
 
-They are also the cheap way for the host to queue work: a schedule's call queues tens of
-these, and each costs about a microsecond through ctypes, where the same step through torch
-(`Tensor.copy_` on another stream, `torch.cuda.Event`, stream contexts) costs 5-30 us.
+They are also the cheaper way for the host to queue work: a schedule's call queues tens of
+these.  Under cProfile on a 2x H200 host, in a training step: a peer copy 14 us, a flag wait
+or write 5-8 us, an event record 6 us through ctypes, where the same steps through torch cost
+31 us (`Tensor.copy_` into a peer's tensor on a side stream) and 11 us (`torch.cuda.Event`
+record + wait), plus the stream contexts around them.
 Every function takes a stream as a torch stream or its raw handle (int).
 """
 

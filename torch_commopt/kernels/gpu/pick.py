@@ -39,7 +39,14 @@ MIN_GEMM_S_GRAPHS = 0.1e-3
 # of guessing.  M_global 2048 (est. 0.2 ms), 2x H200: on a fast host ce_push:1 ran AG 0.199
 # / RS 0.218 ms against NCCL's 0.287 / 0.278 (s7c); on a slow one (s13, torch async-TP's
 # eager AG 0.525 ms there against 0.222 in s7c) AG 0.280 / RS 0.439 against 0.274 / 0.282.
+# A first-call measurement can still mislead: with the old host path one chose ce_push:1 for
+# AG 2048 that then ran 0.358 ms back to back against NCCL's 0.268 (s7b); with the new one
+# (s13b) it chose ce_push:1 for AG / RS / AR 2048, which then ran 1.20x / 1.01x / 1.12x the
+# best baseline.  The 5% margin in favour of NCCL (tuner.autotune.BAND_MARGIN) stays.
 BAND_CANDIDATES = {kind: ["sequential", "ce_push:1"] for kind in ("ag_matmul", "matmul_rs", "matmul_ar")}
+# The band's upper end: above it a GPU schedule's GEMM outlasts its host cost on every host
+# seen (RS 8192^3, est. 0.79 ms: ce_push:1 1.10x the best baseline eager on s13's slow host,
+# 1.15x on s13b's).
 SHORT_GEMM_S = 0.5e-3
 # Reductions run ce_push:1 below this estimated GEMM time, ce_push:2 above (see pick()).
 SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}

@@ -106,6 +106,7 @@ class SymmBuffer:
     rank: int
     ptrs_dev: torch.Tensor | None  # int64 base addresses of every rank's copy (for Triton; None: not needed)
     views: dict = field(default_factory=dict)
+    bases: list[int] | None = None  # every rank's copy's address here (address(), filled at first use)
 
     @property
     def nbytes(self) -> int:
@@ -113,11 +114,10 @@ class SymmBuffer:
 
     def address(self, rank: int, offset_bytes: int) -> int:
         """Device address of byte `offset_bytes` of rank `rank`'s copy (mapped here)."""
-        bases = self.views.get("bases")
-        if bases is None:
-            bases = self.views["bases"] = [int(p) for p in self.handle.buffer_ptrs]
-            bases[self.rank] = self.local.data_ptr()
-        return bases[rank] + offset_bytes
+        if self.bases is None:
+            self.bases = [int(p) for p in self.handle.buffer_ptrs]
+            self.bases[self.rank] = self.local.data_ptr()
+        return self.bases[rank] + offset_bytes
 
     def view(self, rank: int, offset_bytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor on this device aliasing rank `rank`'s buffer (peer memory through P2P).
