@@ -9,7 +9,9 @@ torch).  Parses torchtitan's per-step log lines (loss, memory, tps) and writes
 torchtitan_<device>_<date>.json/.md with issue 7's record fields.
 
     python3 benchmarks/bench_torchtitan.py --out DIR [--steps 20] [--flavor debugmodel]
-        [--seq 2048] [--batch 8] [--commit SHA] [--extra "--model.flavor 8B ..."]
+        [--seq 2048] [--batch 8] [--commit SHA] [--extra=--optimizer.lr=3e-4] [--profile-step 10]
+
+(BENCH_ARGS in device_run.sh is split on spaces: give --extra as one token, `--extra=--key=value`.)
 
 torchtitan and its missing dependencies must be importable (device_run.sh's torchtitan mode
 installs the carried wheels into a target directory and puts it on PYTHONPATH).
@@ -52,13 +54,17 @@ def run_variant(name: str, args, out: pathlib.Path, ngpu: int) -> dict:
            "--model.flavor", args.flavor, "--debug.seed", "0",
            "--model.hf_assets_path", f"{args.assets}/tokenizer", "--training.dataset_path", f"{args.assets}/c4_test",
            "--job.dump_folder", f"/tmp/tt_outputs/{name}", *VARIANTS[name], *shlex.split(args.extra)]
+    env = dict(os.environ)
+    if args.profile_step:  # benchmarks/tt_profile.py: one step under torch.profiler, tables in the log
+        cmd += ["--experimental.custom_import", "benchmarks.tt_profile"]
+        env["TT_PROFILE_STEP"] = str(args.profile_step)
     log_path = out / f"torchtitan_{name}.log"
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
         try:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, cwd=ROOT,
-                                env=dict(os.environ)).returncode
+                                env=env).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     steps = {}
@@ -109,6 +115,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--extra", default="", help="more torchtitan CLI arguments for every variant")
     ap.add_argument("--commit", default="?")
+    ap.add_argument("--profile-step", dest="profile_step", type=int, default=0,
+                    help="profile this train step (benchmarks/tt_profile.py): op tables in torchtitan_<variant>.log")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
