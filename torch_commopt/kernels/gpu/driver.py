@@ -32,23 +32,18 @@ def _lib():
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:  # pragma: no cover - only on a machine without the driver
         raise RuntimeError(f"commopt: the CUDA driver library is not loadable: {e}") from e
-    fns = {}
-    for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
-        fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        fns[name] = fn
-    fn = getattr(lib, "cuMemcpy2DAsync_v2", None) or getattr(lib, "cuMemcpy2DAsync")
-    fn.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    fns["cuMemcpy2DAsync"] = fn
+    value_op = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
     signatures = {
+        "cuStreamWaitValue32": value_op,
+        "cuStreamWriteValue32": value_op,
+        "cuMemcpy2DAsync": [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p],
         "cuMemcpyDtoDAsync": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
         "cuEventCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
         "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
         "cuStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
     }
-    for name, argtypes in signatures.items():
+    fns = {}
+    for name, argtypes in signatures.items():  # the versioned entry point where there is one
         fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
