@@ -52,7 +52,8 @@ class Config:
     concat_k: a sum of matmuls that feeds a reduce-scatter or all-reduce (the backward of
         q/k/v or w1/w3: dX = dq Wq + dk Wk + dv Wv) becomes one matmul over its operands
         concatenated along K, so it forms an overlapped region (passes/concat_k.py; costs a
-        copy of the A operands and of the weights per call).  On by default.
+        copy of the A operands and of the weights per call, so it is undone where the region
+        is kept as compiled).  On by default.
     coconet: apply CoCoNet's all-gather reorder before finding regions: an all-gather whose
         result goes through unary elementwise ops (non-widening casts, activations) is
         moved after them, so they run on the shard and the gather meets its matmul

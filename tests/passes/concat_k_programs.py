@@ -52,9 +52,22 @@ PROGRAMS = {"three_rs": (_three_rs, 3), "three_ar": (_three_ar, 3), "alpha": (_a
             "shared": (_shared, 0), "bias": (_bias, 0), "no_collective": (_no_collective, 0)}
 
 
+def _run(gm, ins, want) -> float:
+    gm.graph.lint()
+    gm.recompile()
+    got = gm(*ins)
+    flat = lambda o: o if isinstance(o, (tuple, list)) else (o,)  # noqa: E731
+    return max(float((torch.as_tensor(g) - torch.as_tensor(w)).abs().max()) for g, w in zip(flat(got), flat(want)))
+
+
+def _ops(gm, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
 def graph_cases(rank: int, world: int):
-    """Per program: (terms folded per note, matmuls left, max abs error vs eager, error scale)."""
-    from torch_commopt.passes.concat_k import concat_k
+    """Per program: (terms folded per note, matmuls left, max abs error vs eager, and after
+    undo_unclaimed: notes, (matmuls, cats) beyond the traced program's, max abs error vs eager)."""
+    from torch_commopt.passes.concat_k import concat_k, undo_unclaimed
 
     torch.manual_seed(1 + rank)
     ins = []
@@ -64,28 +77,33 @@ def graph_cases(rank: int, world: int):
     for name, (fn, _) in PROGRAMS.items():
         want = fn(*ins)
         gm = make_fx(fn, tracing_mode="fake")(*ins)
+        traced = (_ops(gm, torch.ops.aten.mm.default), _ops(gm, torch.ops.aten.cat.default))
         notes = concat_k(gm.graph)
-        gm.graph.lint()
-        gm.recompile()
-        got = gm(*ins)
-        flat = lambda o: o if isinstance(o, (tuple, list)) else (o,)  # noqa: E731
-        err = max(float((torch.as_tensor(g) - torch.as_tensor(w)).abs().max()) for g, w in zip(flat(got), flat(want)))
+        err = _run(gm, ins, want)
         folded = [int(n.split("sum of ")[1].split()[0]) for n in notes]
-        mms = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.mm.default)
-        out[name] = (folded, mms, err)
+        mms = _ops(gm, torch.ops.aten.mm.default)
+        undone = undo_unclaimed(gm.graph)  # nothing consumed the fused matmuls here
+        left = (_ops(gm, torch.ops.aten.mm.default) - traced[0], _ops(gm, torch.ops.aten.cat.default) - traced[1])
+        out[name] = (folded, mms, err, len(undone), left, _run(gm, ins, want))
     return out
 
 
-def block_regions(rank: int, world: int, concat_k: bool):
-    """A TP+SP Llama block (GQA) compiled with commopt: backward regions, notes, max error ratio
-    of every output and gradient vs eager (validate.check)."""
+CHUNKED = {"schedule": "chunked", "chunks": 2}
+KEPT = {"mode": "model", "memory_budget_mib": 0}  # the least-memory plan: every region kept as compiled
+
+
+def block_regions(rank: int, world: int, concat_k: bool, options: dict = CHUNKED):
+    """A TP+SP Llama block (GQA) compiled with commopt: backward regions, concat-K notes, the
+    backward graphs' aten.cat count, and each output's and gradient's error vs eager
+    (validate.check)."""
     from torch_commopt.validate import check
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    errors = check("tp_sp_block", {"schedule": "chunked", "chunks": 2, "concat_k": concat_k},
+    errors = check("tp_sp_block", {**options, "concat_k": concat_k, "debug": True},
                    shape={"batch": 2, "seq": 8 * world, "dim": 32, "hidden": 64, "heads": 2 * world})
     graphs = torch_commopt.explain().graphs
     backward = [r.kind for g in graphs if g.graph_kind == "backward" for r in g.rewritten]
     notes = [n for g in graphs for n in g.notes if "concat-K" in n]
-    return backward, notes, [(e.name, e.compiled, e.eager) for e in errors]
+    cats = sum(g.code.count("aten.cat.default") for g in graphs if g.graph_kind == "backward")
+    return backward, notes, cats, [(e.name, e.compiled, e.eager) for e in errors]

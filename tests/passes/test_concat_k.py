@@ -2,29 +2,45 @@
 
 from __future__ import annotations
 
-from concat_k_programs import PROGRAMS, block_regions, graph_cases
+from concat_k_programs import KEPT, PROGRAMS, block_regions, graph_cases
 from torch_commopt.launch import run_distributed
 from torch_commopt.validate import within_tolerance
 
 
 def test_sums_of_matmuls_before_a_reduction_fold_into_one_exact_matmul():
     for per_rank in run_distributed(graph_cases, 2, timeout_s=300):
-        for name, (folded, mms, err) in per_rank.items():
+        for name, (folded, mms, err, undone, left, err_undone) in per_rank.items():
             want = PROGRAMS[name][1]
             if want:
                 assert folded == [want] and mms == 1, (name, folded, mms)
             else:
                 assert folded == [] and mms >= 1, (name, folded, mms)  # left as traced
             assert err < 1e-10, (name, err)  # float64: the same sum, another order
+            # undo_unclaimed restores the traced program: its matmuls, no cat, its order of sums
+            assert undone == len(folded) and left == (0, 0), (name, undone, left)
+            assert err_undone == 0.0, (name, err_undone)
 
 
 def test_tp_sp_block_backward_reductions_become_regions_and_match_eager():
     with_k = run_distributed(block_regions, 2, True, timeout_s=600)
     without = run_distributed(block_regions, 2, False, timeout_s=600)
-    for (bwd, notes, errors), (bwd0, notes0, _) in zip(with_k, without):
+    for (bwd, notes, _, errors), (bwd0, notes0, _, _) in zip(with_k, without):
         # dX = dq Wq + dk Wk + dv Wv and d1 W1 + d3 W3: two more reduce-scatter regions
         assert bwd.count("matmul_rs") == bwd0.count("matmul_rs") + 2, (bwd, bwd0)
         assert len(notes) == 2 and notes0 == [], (notes, notes0)
         assert any("sum of 3 matmuls" in n for n in notes) and any("sum of 2 matmuls" in n for n in notes), notes
+        for name, c, e in errors:
+            assert within_tolerance(c, e), f"{name}: commopt error {c:.2e} vs eager {e:.2e}"
+
+
+def test_kept_regions_get_their_sum_of_matmuls_back():
+    with_k = run_distributed(block_regions, 2, True, KEPT, timeout_s=600)
+    without = run_distributed(block_regions, 2, False, KEPT, timeout_s=600)
+    for (bwd, notes, cats, errors), (bwd0, _, cats0, _) in zip(with_k, without):
+        assert bwd == bwd0 == [], (bwd, bwd0)  # every region kept as compiled
+        folded = [n for n in notes if "matmuls (K =" in n]
+        undone = [n for n in notes if "concat-K undone" in n]
+        assert len(folded) == 2 and len(undone) == 2, notes
+        assert cats == cats0, (cats, cats0)  # no copy of A or of the weights is left behind
         for name, c, e in errors:
             assert within_tolerance(c, e), f"{name}: commopt error {c:.2e} vs eager {e:.2e}"

@@ -129,6 +129,10 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         rewritten += 1
         report.regions.append(explain.RegionReport(
             region.kind, region.collective.name, region.summary(), str(schedule), "rewritten"))
+    if config.concat_k:
+        from torch_commopt.passes.concat_k import undo_unclaimed
+
+        _graph_rewrite("concat-K undo", lambda: undo_unclaimed(graph), report)
     if rewritten:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
