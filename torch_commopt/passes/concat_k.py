@@ -147,6 +147,14 @@ class _Undo:
     name: str
 
 
+def copy_bytes(mm: Node) -> int:
+    """Bytes the concat-K copies of this matmul write per call (0: not a concat-K matmul):
+    what the cost model charges an op of ours for it (tuner.model.RegionShape.copy_bytes)."""
+    if META not in mm.meta:
+        return 0
+    return sum(int(x.numel()) * x.element_size() for x in map(val, mm.args[:2]))
+
+
 def undo_unclaimed(graph: Graph) -> list[str]:
     """Restore the sum of matmuls wherever a concat-K matmul is still in the graph, i.e. no
     op of ours consumed it (the region rewrite erases the matmul it takes).  One note each."""

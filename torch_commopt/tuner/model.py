@@ -30,6 +30,9 @@ class RegionShape:
         "matmul_ar" (a: the full local input, the product is reduced over ranks).
     rows: rows of `a` as a matrix (prod of all dims but the last); k: its last dim.
     ns: the widths of the weights (several for q/k/v or w1/w3 sharing one all-gather).
+    copy_bytes: bytes the graph copies for the region only where an op of ours runs it
+        (concat-K's side-by-side A operands and stacked weights, passes/concat_k.py): charged
+        to every schedule but `sequential`, which keeps the region as compiled, uncopied.
     """
 
     kind: str
@@ -38,12 +41,15 @@ class RegionShape:
     ns: tuple[int, ...]
     world: int
     dtype: str = "bfloat16"
+    copy_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in OP_SCHEDULES:
             raise ValueError(f"RegionShape.kind: unknown {self.kind!r}")
         if min(self.rows, self.k, self.world, *self.ns) < 1:
             raise ValueError(f"RegionShape: sizes must be positive, got {self}")
+        if self.copy_bytes < 0:
+            raise ValueError(f"RegionShape.copy_bytes: must be >= 0, got {self.copy_bytes}")
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"RegionShape.dtype: not a torch dtype name: {self.dtype!r}")
 
@@ -104,7 +110,7 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
         sched = sched.in_capture(shape.kind)
     fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
     raw = fn(shape, sched, cal)
-    gpu = raw * cal.factor(factor_key(shape.kind, sched), raw)
+    gpu = raw * cal.factor(factor_key(shape.kind, sched), raw) + _graph_copies(shape, sched, cal)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
     host = cal.host(sched.name) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
     if graphs and cal.device != "cpu":
@@ -113,6 +119,14 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
     # take the longer of the two.  On a CPU the host *is* the device: they add up.
     seconds = gpu + host if cal.device == "cpu" else max(gpu, host)
     return Prediction(sched, seconds, gpu, host, extra_bytes(shape, sched))
+
+
+def _graph_copies(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
+    """The copies the graph makes for this region's op (shape.copy_bytes), none when kept.  A
+    cat reads and writes its bytes as a device-local copy does (no such figure: free)."""
+    if not shape.copy_bytes or sched.name == "sequential" or cal.local_copy is None:
+        return 0.0
+    return cal.local_copy.time(shape.copy_bytes)
 
 
 def factor_key(kind: str, sched: Schedule) -> str:
