@@ -83,7 +83,7 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     rt.after(side, cur)
     src_ptr = a2.data_ptr()
     for p in rt.peers:  # driver calls on the side stream: no stream context, no tensor views
-        rt.acquire(side, p, half, debug=debug)
+        rt.acquire(side, p, half, debug=debug, defer_take=True)  # taken with the first piece's signal
         dst_ptr = buf.address(p, base + rank * m_loc * row_bytes)
         for c, (lo, hi) in enumerate(pieces):
             driver.memcpy_async(side, dst_ptr + lo * row_bytes, src_ptr + lo * row_bytes, (hi - lo) * row_bytes)

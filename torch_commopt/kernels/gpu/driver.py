@@ -41,6 +41,7 @@ def _lib():
         "cuEventCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
         "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
         "cuStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+        "cuStreamBatchMemOp": [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint],
     }
     fns = {}
     for name, argtypes in signatures.items():  # the versioned entry point where there is one
@@ -114,6 +115,39 @@ def stream_after(waiter, event: int, stream) -> None:
     done (the event may be recorded again as soon as this returns)."""
     record(event, stream)
     wait_event(waiter, event)
+
+
+class _BatchMemOp(ctypes.Structure):
+    """CUstreamBatchMemOpParams for a 32-bit wait or write (the union is 48 bytes)."""
+
+    _fields_ = [("operation", ctypes.c_uint), ("_pad0", ctypes.c_uint), ("address", ctypes.c_uint64),
+                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint), ("_pad1", ctypes.c_uint),
+                ("alias", ctypes.c_uint64), ("_pad2", ctypes.c_uint64)]
+
+
+assert ctypes.sizeof(_BatchMemOp) == 48
+_OP_WAIT32, _OP_WRITE32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STREAM_MEM_OP_WRITE_VALUE_32
+MAX_BATCH = 256  # the driver's limit on one batch
+
+
+def batch(stream, ops) -> None:
+    """Queue `ops` -- ("wait", address, value) (>=, as wait_value32) or ("write", address, value)
+    (fenced, as write_value32) -- as ONE stream memory operation, executed in order.  Replayed
+    from a CUDA graph it is one node where separate calls are one each, and every node on a
+    stream's path costs the GPU's front end a few microseconds (benchmarks/probe_protocol_cost.py)."""
+    ops = list(ops)
+    if not ops:
+        return
+    if len(ops) > MAX_BATCH:
+        raise ValueError(f"commopt: {len(ops)} memory operations in one batch, at most {MAX_BATCH}")
+    params = (_BatchMemOp * len(ops))()
+    for slot, (kind, address, value) in zip(params, ops):
+        if kind not in ("wait", "write"):
+            raise ValueError(f"commopt: unknown stream memory operation {kind!r}")
+        slot.operation = _OP_WAIT32 if kind == "wait" else _OP_WRITE32
+        slot.address, slot.value = address, value & 0xFFFFFFFF
+        slot.flags = WAIT_GEQ if kind == "wait" else WRITE_FENCED
+    _check(_lib()["cuStreamBatchMemOp"](_handle(stream), len(ops), params, 0), "cuStreamBatchMemOp")
 
 
 def _check(rc: int, what: str) -> None:

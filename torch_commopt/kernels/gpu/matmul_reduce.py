@@ -115,8 +115,9 @@ class _Call:
         self.rt.after(self.side, self.cur)
         self.side_used = True
 
-    def acquire(self, stream, p: int) -> None:
-        self.rt.acquire(stream, p, self.half, debug=self.debug)
+    def acquire(self, stream, p: int, *, defer_take: bool = False) -> None:
+        """Wait for p's token (symm.GroupRuntime.acquire; defer_take: the next `signal` to p takes it)."""
+        self.rt.acquire(stream, p, self.half, debug=self.debug, defer_take=defer_take)
 
     def signal(self, stream, p: int, c: int, phase: int = 0) -> None:
         """Chunk c of this rank's data for p (phase 0: partial, 1: reduced) has landed."""
@@ -192,7 +193,7 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
     for p in rt.peers:
         a_p = call.segment_a(p)
         if staging is None:
-            call.acquire(call.cur, p)
+            call.acquire(call.cur, p, defer_take=True)
         for c, (lo, hi) in enumerate(call.pieces):
             if staging is None:
                 torch.mm(a_p[lo:hi], weight, out=call.peer_slot(p)[lo:hi])
@@ -255,7 +256,7 @@ def _pull_reduce(call: _Call, weight, own, after_piece):
     pushes into the peers' buffers that follow."""
     rt = call.rt
     for p in rt.peers:
-        call.acquire(call.cur, p)
+        call.acquire(call.cur, p, defer_take=True)
     for p in rt.peers:
         a_p, mine = call.segment_a(p), call.slot(call.rank, p)
         for c, (lo, hi) in enumerate(call.pieces):
@@ -285,7 +286,7 @@ def _ship(call: _Call, src_piece, dst_piece, p, c):
     """Copy engine: staging piece -> peer p's receive slot, then flag it."""
     call.after_caller()
     if c == 0:
-        call.acquire(call.side, p)
+        call.acquire(call.side, p, defer_take=True)
     call.rt.copy(call.side, dst_piece, src_piece)
     call.signal(call.side, p, c)
 

@@ -180,6 +180,7 @@ class GroupRuntime:
         self._warned_capture_debug = False
         self._order_event: int | None = None  # after()'s event (driver handle)
         self._events: list[int] = []  # events(n)'s pool
+        self._untaken: dict[int, int] = {}  # peer -> token index acquired in this call, not yet taken
         log.info("commopt: symmetric runtime for group %s (rank %d of %d) on %s", group_name, self.rank, self.world, device)
 
     def debug_waits(self, schedule=None) -> bool:
@@ -205,6 +206,8 @@ class GroupRuntime:
         return True
 
     def next_epoch(self) -> int:
+        """A new call: its number (and no deferred token take left from a call that raised)."""
+        self._untaken.clear()
         self.epoch += 1
         return self.epoch
 
@@ -291,8 +294,14 @@ class GroupRuntime:
         return self.flag_bases[rank] + 4 * index
 
     def signal(self, stream, dst: int, index: int, value: int) -> None:
-        """After the stream's earlier work (fenced), write `value` into rank dst's flag."""
-        driver.write_value32(stream, self.flag_address(dst, index), value)
+        """After the stream's earlier work (fenced), write `value` into rank dst's flag (and
+        take dst's token first if acquire left it to this signal)."""
+        token = self._untaken.pop(dst, None)
+        if token is None:
+            driver.write_value32(stream, self.flag_address(dst, index), value)
+            return
+        driver.batch(stream, [("write", self.flag_address(self.rank, token), 0),
+                              ("write", self.flag_address(dst, index), value)])
 
     def wait(self, stream, index: int, value: int, *, debug: bool, what: str, src: int, chunk: int) -> None:
         """Hold `stream` until this rank's flag `index` >= value.  Debug mode spins in a
@@ -317,24 +326,39 @@ class GroupRuntime:
         for p in self.peers:
             self.wait(stream, BARRIER + p, epoch, debug=debug, what="barrier", src=p, chunk=-1)
 
-    def acquire(self, stream, peer: int, half: int, *, debug: bool) -> None:
+    def acquire(self, stream, peer: int, half: int, *, debug: bool, defer_take: bool = False) -> None:
         """Before this rank's first write of a call that `peer` will read (half `half`):
-        wait for the token of (half, peer) and take it."""
+        wait for the token of (half, peer) and take it (set 0).  defer_take: the caller's
+        next `signal` to `peer` takes it, in the same stream memory operation as the signal
+        -- one operation fewer a peer and call, and each costs the GPU's front end
+        microseconds in a replayed graph (benchmarks/probe_protocol_cost.py).  Only for
+        callers whose data signals go through `signal` (a kernel's own flag stores do not):
+        a token must be taken before the signal that lets `peer` read, since `peer` gives it
+        back after that read; taking it after the copies is safe for the same reason."""
         index = FREE + half * MAX_WORLD + peer
         self.wait(stream, index, 1, debug=debug, what="free buffer", src=peer, chunk=-1)
-        driver.write_value32(stream, self.flag_address(self.rank, index), 0)
+        if defer_take:
+            self._untaken[peer] = index
+        else:
+            driver.write_value32(stream, self.flag_address(self.rank, index), 0)
 
     def done_reading(self, stream, half: int, chunks: int, *, phases: int = 1) -> None:
         """After this rank's last read of a call (stream-ordered): lower the DATA flags the
         call waited for (`chunks` per source and phase), then give every source its token
-        back.  The flags are lowered first: a source writes them again only after it has
-        taken the token back."""
+        back, as few stream memory operations as the driver takes (a batch runs in order).
+        The flags are lowered first: a source writes them again only after it has taken the
+        token back."""
+        if self._untaken:  # a deferred take no signal made: a schedule's bug, not the user's
+            peers, self._untaken = sorted(self._untaken), {}
+            raise RuntimeError(f"commopt: rank {self.rank} acquired the tokens of peers {peers} and never took them")
+        ops = []
         for src in self.sources:
             for phase in range(phases):
                 first = data_index(half, src, 0, phase)
-                for c in range(chunks):
-                    driver.write_value32(stream, self.flag_address(self.rank, first + c), 0)
-            driver.write_value32(stream, self.flag_address(src, FREE + half * MAX_WORLD + self.rank), 1)
+                ops += [("write", self.flag_address(self.rank, first + c), 0) for c in range(chunks)]
+        ops += [("write", self.flag_address(src, FREE + half * MAX_WORLD + self.rank), 1) for src in self.sources]
+        for start in range(0, len(ops), driver.MAX_BATCH):
+            driver.batch(stream, ops[start: start + driver.MAX_BATCH])
 
     def check_status(self, op: str) -> None:
         """Debug mode: synchronize and raise if any bounded wait of `op` timed out."""

@@ -1,0 +1,150 @@
+"""What do ce_push:1's stream memory operations cost per call, replayed, on one GPU?
+
+AG 512x8192x8192 at world 2 replayed from CUDA graphs (2x H200, results/
+matmul_collectives_h200x2_2026-11-24_s13b): ce_push:1 0.082 ms a call where its two per-shard
+GEMMs take 0.056 (probe_gemm_split) and torch's async-TP 0.079.  This probe queues, on one
+GPU, exactly the operations a ce_push:1 call queues at world 2 (kernels/gpu/ag_matmul.py with
+symm.GroupRuntime's acquire / signal / wait / done_reading), with the peer played by this GPU
+itself: its flags are this GPU's flags and the push is a device-local copy.  So what it times
+is the front end's cost of the fork/join events and the flag operations, without NVLink's
+latency.  Variants (each 20 back-to-back calls captured in one CUDA graph, median of replays):
+
+    gemms         the two 256-row GEMMs alone
+    copy          + the copy of the shard on the side stream (fork / join by events)
+    protocol      + the tokens and flags, as ce_push:1 queues them (every write fenced)
+    flags_only    protocol without the GEMMs and the copy: the operations' own cost
+    batched       protocol with each stream's writes in one cuStreamBatchMemOp (driver.batch):
+                  the token is taken in the same node as the signal, after the copy, and
+                  done_reading's two writes are one node (4 nodes a call instead of 6)
+    batched_flags_only   the same without the GEMMs and the copy
+
+(Unfenced writes, CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER, are not to be had: the _v2 entry
+point refuses the flag with 1, invalid value, and the unversioned one fails with 801, not
+supported, on the H100 of 2026-11-25.)
+
+    python3 benchmarks/probe_protocol_cost.py OUTDIR
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torch_commopt.kernels.gpu import driver  # noqa: E402
+
+M_SHARD, K, N, CALLS, REPLAYS = 256, 8192, 4096, 20, 30
+FREE, DATA = 0, 8  # int32 indices into the flag tensor, per buffer half
+
+
+class Call:
+    def __init__(self, variant: str):
+        self.variant = variant
+        dev = torch.device("cuda")
+        self.a = torch.randn(M_SHARD, K, device=dev, dtype=torch.bfloat16)
+        self.w = torch.randn(K, N, device=dev, dtype=torch.bfloat16) / K ** 0.5
+        self.out = torch.empty(2 * M_SHARD, N, device=dev, dtype=torch.bfloat16)
+        self.slots = torch.empty(2, M_SHARD, K, device=dev, dtype=torch.bfloat16)  # two buffer halves
+        self.flags = torch.zeros(64, device=dev, dtype=torch.int32)
+        self.flags[FREE:FREE + 2] = 1  # both halves' tokens at rest: free
+        self.side = torch.cuda.Stream(priority=-1)
+        self.fork, self.join = driver.event_create(), driver.event_create()
+        self.epoch = 0
+
+    def flag(self, index: int) -> int:
+        return self.flags.data_ptr() + 4 * index
+
+    def __call__(self) -> None:
+        v, cur = self.variant, torch.cuda.current_stream()
+        half = self.epoch % 2
+        self.epoch += 1
+        gemms, copy = not v.endswith("flags_only"), v not in ("gemms", "flags_only", "batched_flags_only")
+        flags, batched = v not in ("gemms", "copy"), v.startswith("batched")
+        free, data = self.flag(FREE + half), self.flag(DATA + half)
+        if copy or flags:
+            driver.stream_after(self.side, self.fork, cur)
+        if flags:  # acquire: wait for the peer's token of this half (and take it, unless batched below)
+            driver.wait_value32(self.side, free, 1)
+            if not batched:
+                driver.write_value32(self.side, free, 0)
+        if copy:
+            nbytes = self.a.numel() * self.a.element_size()
+            driver.memcpy_async(self.side, self.slots[half].data_ptr(), self.a.data_ptr(), nbytes)
+        if flags:  # signal: the piece has landed (batched: the token is taken here, one node)
+            if batched:
+                driver.batch(self.side, [("write", free, 0), ("write", data, 1)])
+            else:
+                driver.write_value32(self.side, data, 1)
+        if gemms:
+            torch.mm(self.a, self.w, out=self.out[:M_SHARD])
+        if flags:
+            driver.wait_value32(cur, data, 1)
+        if gemms:
+            torch.mm(self.slots[half], self.w, out=self.out[M_SHARD:])
+        if copy or flags:
+            driver.stream_after(cur, self.join, self.side)
+        if flags:  # done_reading: lower the data flag, give the token back
+            if batched:
+                driver.batch(cur, [("write", data, 0), ("write", free, 1)])
+            else:
+                driver.write_value32(cur, data, 0)
+                driver.write_value32(cur, free, 1)
+
+
+def time_variant(variant: str) -> float:
+    call = Call(variant)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()  # warm-up outside the capture (cuBLAS picks its kernels)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    if call.flags[FREE:FREE + 2].tolist() != [1, 1] or call.flags[DATA:DATA + 2].tolist() != [0, 0]:
+        raise RuntimeError(f"{variant}: flags not at rest after a replay: {call.flags[:16].tolist()}")
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / CALLS)
+    return statistics.median(times)
+
+
+def main() -> None:
+    out = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    out.mkdir(parents=True, exist_ok=True)
+    variants = ["gemms", "copy", "protocol", "batched", "flags_only", "batched_flags_only"]
+    results = {}
+    errors = {}
+    for _ in range(3):  # rounds, variants interleaved: the median of the rounds' medians
+        for v in variants:
+            if v in errors:
+                continue
+            try:
+                results.setdefault(v, []).append(time_variant(v))
+            except RuntimeError as e:  # a driver refusing an operation: say so, time the rest
+                errors[v] = str(e)
+                results.pop(v, None)
+    record = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "m_shard": M_SHARD, "k": K, "n": N,
+              "calls_per_replay": CALLS, "ms_per_call": {v: statistics.median(t) for v, t in results.items()},
+              "rounds": results, "errors": errors}
+    print(json.dumps(record, indent=1))
+    (out / "probe_protocol_cost.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()

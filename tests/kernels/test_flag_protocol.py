@@ -1,0 +1,99 @@
+"""The flag protocol's stream memory operations as symm.GroupRuntime queues them, with the
+driver recorded instead of called (no CUDA): which flag each operation touches, in which order,
+and how they are batched.  The GPU tests run the same protocol between two GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from torch_commopt.kernels.gpu import driver, symm
+
+FLAG_BASES = [0x10000000, 0x20000000, 0x30000000, 0x40000000]
+
+
+def _runtime(rank: int, world: int) -> symm.GroupRuntime:
+    rt = object.__new__(symm.GroupRuntime)  # the protocol's fields only: no CUDA, no rendezvous
+    rt.rank, rt.world, rt.epoch, rt.group_name = rank, world, 0, "test"
+    rt.peers = [(rank + s) % world for s in range(1, world)]
+    rt.sources = [(rank - s) % world for s in range(1, world)]
+    rt.flag_bases, rt._untaken = FLAG_BASES[:world], {}
+    return rt
+
+
+@pytest.fixture
+def queued(monkeypatch):
+    """Every stream memory operation queued, as (stream, kind, rank, flag index, value);
+    a batch as one entry ("batch", [its operations])."""
+    log = []
+
+    def where(address):
+        rank = max(r for r, base in enumerate(FLAG_BASES) if address >= base)
+        return rank, (address - FLAG_BASES[rank]) // 4
+
+    monkeypatch.setattr(driver, "wait_value32", lambda s, a, v: log.append((s, "wait", *where(a), v)))
+    monkeypatch.setattr(driver, "write_value32", lambda s, a, v: log.append((s, "write", *where(a), v)))
+
+    def batch(stream, ops):
+        ops = list(ops)
+        if len(ops) > driver.MAX_BATCH:
+            raise ValueError("too many")
+        log.append((stream, "batch", [(kind, *where(a), v) for kind, a, v in ops]))
+    monkeypatch.setattr(driver, "batch", batch)
+    return log
+
+
+def _free(half: int, peer: int) -> int:
+    return symm.FREE + half * symm.MAX_WORLD + peer
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_a_deferred_take_rides_on_the_first_signal(queued, half):
+    rt = _runtime(rank=1, world=3)
+    rt.acquire("side", 2, half, debug=False, defer_take=True)
+    rt.signal("side", 2, symm.data_index(half, 1, 0), 1)
+    rt.signal("side", 2, symm.data_index(half, 1, 1), 1)  # later pieces: plain signals
+    assert queued == [
+        ("side", "wait", 1, _free(half, 2), 1),
+        ("side", "batch", [("write", 1, _free(half, 2), 0), ("write", 2, symm.data_index(half, 1, 0), 1)]),
+        ("side", "write", 2, symm.data_index(half, 1, 1), 1),
+    ]
+
+
+def test_an_immediate_take_follows_the_wait(queued):
+    rt = _runtime(rank=0, world=2)
+    rt.acquire("cur", 1, 1, debug=False)
+    assert queued == [("cur", "wait", 0, _free(1, 1), 1), ("cur", "write", 0, _free(1, 1), 0)]
+    rt.signal("cur", 1, symm.data_index(1, 0, 0), 1)  # the fused paths' signals: no batch
+    assert queued[-1] == ("cur", "write", 1, symm.data_index(1, 0, 0), 1)
+
+
+@pytest.mark.parametrize("world,chunks,phases", [(2, 1, 1), (4, 3, 2), (4, 100, 1)])
+def test_done_reading_lowers_every_flag_before_any_token_goes_back(queued, world, chunks, phases):
+    rt = _runtime(rank=world - 1, world=world)
+    rt.done_reading("cur", 1, chunks, phases=phases)
+    batches = [entry for entry in queued if entry[1] == "batch"]
+    assert len(batches) == len(queued) == -(-((world - 1) * (chunks * phases + 1)) // driver.MAX_BATCH)
+    ops = [op for _, _, batch in batches for op in batch]
+    lowered = {(src, symm.data_index(1, src, c, phase)) for src in rt.sources for c in range(chunks)
+               for phase in range(phases)}
+    tokens = [("write", src, _free(1, rt.rank), 1) for src in rt.sources]
+    assert ops[-len(tokens):] == tokens  # the tokens last, after every lowering
+    assert {(index, v) for _, rank, index, v in ops[:-len(tokens)] if rank == rt.rank} == \
+        {(index, 0) for _, index in lowered}
+    assert len(ops) == len(lowered) + len(tokens)
+
+
+def test_a_deferred_take_no_signal_made_is_refused(queued):
+    rt = _runtime(rank=0, world=2)
+    rt.acquire("side", 1, 0, debug=False, defer_take=True)
+    with pytest.raises(RuntimeError, match=r"acquired the tokens of peers \[1\] and never took them"):
+        rt.done_reading("cur", 0, 1)
+    rt.done_reading("cur", 0, 1)  # the refusal cleared it
+
+
+def test_a_new_call_forgets_a_failed_calls_deferred_take(queued):
+    rt = _runtime(rank=0, world=2)
+    rt.acquire("side", 1, 0, debug=False, defer_take=True)
+    rt.next_epoch()  # the call raised before its signal; the next one starts clean
+    rt.signal("side", 1, symm.data_index(1, 0, 0), 1)
+    assert queued[-1] == ("side", "write", 1, symm.data_index(1, 0, 0), 1)
