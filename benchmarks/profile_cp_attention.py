@@ -57,10 +57,18 @@ def _shard(t: torch.Tensor, rank: int, world: int, layout: str) -> torch.Tensor:
 
 
 def _step(schedule: str, layout: str, head_groups, q, k, v, dout, group):
-    """One fwd+bwd call of the schedule's ops (the autograd wrapper's two halves)."""
+    """One fwd+bwd call of the schedule's ops (the autograd wrapper's two halves: the kept
+    pair for a schedule that moves its inputs)."""
     from torch_commopt.attention import schedules
 
     kw = dict(schedule=schedule, causal=True, group=group, layout=layout, head_groups=head_groups)
+    if schedules.moves_inputs(schedule, group.size(), True, layout):  # the training form, as cp_attention runs it
+        del kw["layout"]
+
+        def step():
+            _, kept = schedules.cp_attention_fwd_keep(q, k, v, **kw)
+            return schedules.cp_attention_bwd_kept(dout, kept, **{n: kw[n] for n in kw if n != "head_groups"})
+        return step
 
     def step():
         out, lse = schedules.cp_attention_fwd(q, k, v, **kw)

@@ -168,9 +168,11 @@ def compiled_ulysses(rank: int, world: int, heads: tuple[int, int], causal: bool
     return float((got - want).norm() / want.norm()), notes, a2as
 
 
-def trained_ulysses(rank: int, world: int, heads: tuple[int, int], causal: bool, schedule: str = "auto"):
-    """(max relative error of out, dq, dk, dv vs full attention, notes, all-to-alls left) of a
-    Ulysses training program (funcol's autograd all-to-all) compiled with backend="commopt"."""
+def trained_ulysses(rank: int, world: int, heads: tuple[int, int], causal: bool, schedule: str = "auto",
+                    return_saved: bool = False):
+    """(max relative error of out, dq, dk, dv vs full attention, notes, all-to-alls left[, bytes
+    the compiled forward saved for its backward]) of a Ulysses training program (funcol's
+    autograd all-to-all) compiled with backend="commopt"."""
     h, h_kv = heads
     b, s_loc, d = 2, 8, 16
     gen = torch.Generator().manual_seed(6)
@@ -184,11 +186,19 @@ def trained_ulysses(rank: int, world: int, heads: tuple[int, int], causal: bool,
     torch._dynamo.reset()
     torch_commopt.reset_explain()
     program = _ulysses_program(world, causal, autograd=True)
-    got = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})(*local)
+    saved = {}
+
+    def pack(t):  # what the compiled forward keeps for its backward, by storage
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})(*local)
     got.backward(mine(dout))
     errs = [float((got.detach() - mine(ref)).norm() / mine(ref).norm())]
     errs += [float((t.grad - mine(f.grad)).norm() / mine(f.grad).norm()) for t, f in zip(local, full)]
     graphs = torch_commopt.explain().graphs
     notes = [n for g in graphs for n in g.notes if "attention" in n]
     a2as = sum(g.collectives_after.get("all_to_all", 0) for g in graphs)
-    return max(errs), notes, a2as
+    if not return_saved:
+        return max(errs), notes, a2as
+    return max(errs), notes, a2as, sum(saved.values())

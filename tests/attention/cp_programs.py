@@ -147,12 +147,15 @@ def dkv_hop_dtypes(plan, r: int, p: int, half_terms: bool) -> list[bool]:
     return out
 
 
-def expected_traffic(case: Case, world: int, rank: int = 0, half_terms: bool = False) -> tuple[Counter, Counter]:
-    """(forward, backward) messages of a schedule on this case for group rank `rank`: K/V of
-    H_kv heads in the input dtype, ring_degree - 1 K/V steps, ring_degree dK/dV steps (each in
-    the acc dtype or, where lossless, the input dtype: dkv_hop_dtypes).  half_terms: the local
-    attention kernel returns dK/dV in the input dtype (CUDA's fused kernels; math on CPU
-    returns the acc dtype)."""
+def expected_traffic(case: Case, world: int, rank: int = 0, half_terms: bool = False) -> tuple[Counter, ...]:
+    """(forward, training forward, backward) messages of a schedule on this case for group rank
+    `rank`: K/V of H_kv heads in the input dtype, ring_degree - 1 K/V steps, ring_degree dK/dV
+    steps (each in the acc dtype or, where lossless, the input dtype: dkv_hop_dtypes).  A
+    schedule that moves its inputs (schedules.moves_inputs) moves q, k, v there and out, lse
+    back in the forward; in training it keeps them moved, so its forward moves out alone back
+    and its backward dout alone there (and dq, dk, dv back).  half_terms: the local attention
+    kernel returns dK/dV in the input dtype (CUDA's fused kernels; math on CPU returns the acc
+    dtype)."""
     elt, acc = case.dtype.itemsize, acc_dtype(case.dtype).itemsize
     h, h_kv = case.heads
     rows = case.batch * case.seq_local
@@ -161,20 +164,22 @@ def expected_traffic(case: Case, world: int, rank: int = 0, half_terms: bool = F
     kv = kv_numel * elt
     sched = CPSchedule.parse(case.schedule)
     if sched.name == "allgather":
-        return Counter({("ag", kv): 1}), Counter({("ag", kv): 1, ("rs", world * kv_numel * acc): 1})
+        fwd = Counter({("ag", kv): 1})
+        return fwd, fwd, Counter({("ag", kv): 1, ("rs", world * kv_numel * acc): 1})
     zigzag = sched.name == "ring_zigzag" and case.causal
     u, r = (1, world) if zigzag else sched.degrees(world)
-    fwd, bwd = Counter(), Counter()
+    fwd, train, bwd = Counter(), Counter(), Counter()
     if zigzag or u > 1:  # relayout / all-to-all there and back
         fwd.update({("a2a", q + kv): 1, ("a2a", out + lse): 1})
-        bwd.update({("a2a", q + kv + out + out + lse): 1, ("a2a", q + kv): 1})
+        train.update({("a2a", q + kv): 1, ("a2a", out): 1})
+        bwd.update({("a2a", out): 1, ("a2a", q + kv): 1})  # dout there, dq, dk, dv back
     if r > 1:
-        fwd["kv", kv] += r - 1
-        bwd["kv", kv] += r - 1
+        for counter in (fwd, train, bwd):
+            counter["kv", kv] += r - 1
         plan = zigzag_plan(True) if zigzag else contiguous_plan(case.causal)
         for half in dkv_hop_dtypes(plan, r, rank if zigzag else rank // u, half_terms):
             bwd["dkv", kv_numel * (elt if half else acc)] += 1
-    return fwd, bwd
+    return fwd, train, bwd
 
 
 # ---- numerics --------------------------------------------------------------------------------
@@ -218,16 +223,18 @@ def run_case(case: Case, seed: int, group) -> tuple[list[tuple[str, float, float
     if (out.dtype, lse.dtype, out.shape, lse.shape) != (case.dtype, acc_dtype(case.dtype), shard(truth[0]).shape,
                                                         out.shape[:3]):
         problems.append(f"{case.label()}: out {out.dtype} {tuple(out.shape)}, lse {lse.dtype} {tuple(lse.shape)}")
-    y = cp_attention(ql, kl, vl, **kw)
+    train = Traffic()
+    with train.record():
+        y = cp_attention(ql, kl, vl, **kw)
     with bwd.record():
         y.backward(shard(dout).to(case.dtype))
     # the dK/dV hops depend on the dtype the local kernel returns: CPU math, the acc dtype; on
     # CUDA the fused kernels' half output, or the acc dtype where GQA heads are folded
     wants = [expected_traffic(case, world, rank, half) for half in ((False, True) if ql.is_cuda else (False,))]
-    for phase in (0, 1):
-        got = (fwd, bwd)[phase].sent
+    for phase, name in enumerate(("forward", "training forward", "backward")):
+        got = (fwd, train, bwd)[phase].sent
         if all(got != w[phase] for w in wants):
-            problems.append(f"{case.label()} {('forward', 'backward')[phase]} sent {dict(got)}, expected "
+            problems.append(f"{case.label()} {name} sent {dict(got)}, expected "
                             f"{' or '.join(str(dict(w[phase])) for w in wants)}")
     got = [_unshard(t, group) for t in (out, lse, ql.grad, kl.grad, vl.grad)]
     errors = [(f"{case.label()} {n}", rel_err(x, t), rel_err(e, t))
@@ -258,7 +265,8 @@ def run_all(rank: int, world: int, seed: int = 0) -> dict:
     """The cases, the refusals and the compiled wrapper in one process group (one spawn)."""
     return {"cases": run_cp_cases(rank, world, seed), "refusals": run_refusals(rank, world),
             "compiled": run_compiled_wrapper(rank, world, seed), "zigzag_layout": run_zigzag_layout(rank, world, seed),
-            "head_groups": run_head_groups(rank, world, seed), "grad_ring": run_grad_ring(rank, world, seed)}
+            "head_groups": run_head_groups(rank, world, seed), "grad_ring": run_grad_ring(rank, world, seed),
+            "kept": run_kept(rank, world, seed)}
 
 
 def _half_math_bwd(dout, q, k, v, out, lse, scale, causal):
@@ -348,6 +356,43 @@ def run_head_groups(rank: int, world: int, seed: int = 0) -> dict:
         except ValueError as e:
             refused.append(str(e))
     return {"errors": errors, "problems": problems, "refused": refused, "runs": len(runs)}
+
+
+def run_kept(rank: int, world: int, seed: int = 0) -> list[str]:
+    """The training forms of the schedules that move their inputs (cp_attention_fwd_keep /
+    cp_attention_bwd_kept), 1 and 2 head groups, causal and not, MHA and GQA, against the plain
+    forward and backward of the same schedule: out, dq, dk, dv bit-identical (the same
+    kernels on the same values: the kept tensors are what the plain backward moves again),
+    the kept tensors shaped as kept_shapes says, the backward moving dout alone there and
+    dq, dk, dv back.  Returns the problems found."""
+    torch.set_num_threads(1)
+    group, problems = dist.group.WORLD, []
+    names = [n for n in schedule_names(world) if schedules.moves_inputs(n, world, True)]
+    for i, (schedule, causal, heads, groups) in enumerate(
+            (n, c, h, g) for n in names for c in (True, False) for h in ((16, 16), (16, 8)) for g in (1, 2)):
+        if not schedules.moves_inputs(schedule, world, causal):
+            continue  # ring_zigzag without a mask is the ring
+        case = Case(schedule, causal, heads, seq_local=4, head_dim=16)
+        q, k, v, dout = (t[:, :, rank * 4:(rank + 1) * 4].float() for t in _global_inputs(case, world, seed + 500 + i))
+        kw = dict(schedule=schedule, causal=causal, group=group, head_groups=groups)
+        out, lse = schedules.cp_attention_fwd(q, k, v, **kw)
+        plain = schedules.cp_attention_bwd(dout, q, k, v, out, lse, **kw)
+        out_k, kept = schedules.cp_attention_fwd_keep(q, k, v, **kw)
+        traffic = Traffic()
+        with traffic.record():
+            grads = schedules.cp_attention_bwd_kept(dout, kept, **{key: kw[key] for key in kw if key != "head_groups"})
+        label = f"{schedule} causal={causal} heads={heads} groups={groups}"
+        want = [(shape, dt) for shape, dt in schedules.kept_shapes(schedule, q, k, v, world, groups)]
+        if [(tuple(t.shape), t.dtype) for t in kept] != want:
+            problems.append(f"{label}: kept {[(tuple(t.shape), t.dtype) for t in kept]}, want {want}")
+        if not all(torch.equal(a, b) for a, b in zip((out_k, *grads), (out, *plain))):
+            problems.append(f"{label}: the kept form differs from the plain one")
+        a2a = Counter({key: n for key, n in traffic.sent.items() if key[0] == "a2a"})
+        want_a2a = Counter({("a2a", dout.numel() * 4 // groups): groups,
+                            ("a2a", (q.numel() + k.numel() + v.numel()) * 4 // groups): groups})
+        if a2a != want_a2a:
+            problems.append(f"{label}: the kept backward's all-to-alls {dict(a2a)}, expected {dict(want_a2a)}")
+    return problems
 
 
 # ---- a program already sharded zigzag ----------------------------------------------------------
@@ -465,6 +510,9 @@ def run_compiled_wrapper(rank: int, world: int, seed: int = 0) -> list[tuple[str
     out, lse = torch.ops.commopt.cp_attention_fwd(*fwd_args)
     torch.library.opcheck(torch.ops.commopt.cp_attention_fwd, fwd_args)
     torch.library.opcheck(torch.ops.commopt.cp_attention_bwd, (dout, q, k, v, out, lse) + fwd_args[3:])
+    _, *kept = torch.ops.commopt.cp_attention_fwd_keep(*fwd_args)
+    torch.library.opcheck(torch.ops.commopt.cp_attention_fwd_keep, fwd_args)
+    torch.library.opcheck(torch.ops.commopt.cp_attention_bwd_kept, (dout, *kept) + fwd_args[3:])
     return errs
 
 

@@ -122,3 +122,20 @@ def test_training_ulysses_program_runs_cp_forward_and_backward(world, heads, cau
         assert any("ulysses" in n and "cp_attention_fwd/bwd" in n for n in notes), notes
         assert a2as == 0, notes
         assert err < 1e-5, (err, notes)
+
+
+@pytest.mark.parametrize("schedule,kept", [("ulysses", True), ("ring_zigzag", True), ("ring", False)])
+def test_training_ulysses_program_keeps_the_moved_tensors_for_a_moving_schedule(schedule, kept):
+    # a schedule that moves q, k, v (to heads, or to zigzag chunks) runs as the kept pair: the
+    # backward takes what the forward's attention saw and moves dout alone; a ring moves
+    # nothing and runs the plain pair.  Both match full attention.
+    from compiled_programs import trained_ulysses
+
+    for err, notes, a2as, saved in run_distributed(trained_ulysses, 2, (4, 2), True, schedule, True):
+        mine = [n for n in notes if f"cp_attention_fwd/bwd {schedule} " in n]
+        assert mine and all(("kept form" in n) == kept for n in mine), notes
+        assert a2as == 0 and err < 1e-5, (err, notes)
+        # the same memory either way: one rank's q, k, v, out (fp32 here) and lse, in one layout
+        # or the other, and nothing else
+        b, s_loc, d, (h, h_kv) = 2, 8, 16, (4, 2)
+        assert saved == 4 * (b * s_loc * d * (h + 2 * h_kv + h) + b * h * s_loc), saved

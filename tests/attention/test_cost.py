@@ -118,3 +118,17 @@ def test_machine_figures_come_from_the_tuner_calibration():
     c = machine_from_calibration(cpu, "float32")  # no attention figures: the GEMM fit's, scaled
     assert c.flops_per_s == cpu.gemm_fit("float32").peak_flops * ATTENTION_OF_GEMM_PEAK
     assert cpu.p2p is None and c.link_bytes_per_s == cpu.collective["all_gather"].bytes_per_s
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_training_ulysses_moves_q_kv_there_and_out_back_then_dout_there_and_grads_back(world):
+    """In training Ulysses keeps its moved inputs (schedules.cp_attention_fwd_keep): with free
+    compute and launches, its time is four all-to-alls of q + k + v, out, dout and dq + dk + dv
+    (one head group at this size), not the backward's old six-tensor move."""
+    link = CPMachine(link_bytes_per_s=1e9, alpha_s=0.0, flops_per_s=1e30, launch_s=0.0)
+    seq, heads = 1024 * world, (1, 8, 8)
+    q = 8 * (seq // world) * 64 * 2  # one rank's q bytes; k + v twice that
+    want = (world - 1) / world * (2 * (q + 2 * q) + 2 * q) / 1e9 * 1e3
+    assert _ms("ulysses", seq, world, heads=heads, backward=True, machine=link, d=64) == pytest.approx(want)
+    fwd = (world - 1) / world * (q + 2 * q + q + 8 * (seq // world) * 4) / 1e9 * 1e3  # inference: out and lse back
+    assert _ms("ulysses", seq, world, heads=heads, machine=link, d=64) == pytest.approx(fwd)

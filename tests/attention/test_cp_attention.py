@@ -60,7 +60,7 @@ def test_kv_travel_unexpanded_and_dkv_in_fp32(results):
 def test_expected_traffic_tells_expanded_kv_apart():
     """The traffic check can fail: K/V expanded to H heads would not match the expectation."""
     case = cp_programs.Case("ring", True, (4, 1))
-    fwd, _ = cp_programs.expected_traffic(case, 4)
+    fwd, _, _ = cp_programs.expected_traffic(case, 4)
     expanded = cp_programs.expected_traffic(cp_programs.Case("ring", True, (4, 4)), 4)[0]
     assert fwd != expanded and sum(fwd.values()) == 3
 
@@ -116,6 +116,15 @@ def test_relayouts_and_all_to_alls_pipelined_over_head_groups(results):
                if not within_tolerance(got, eager)]
         assert not bad and not hg["problems"], f"rank {rank}:\n" + "\n".join(bad + hg["problems"])
         assert all("head groups" in r and "do not divide" in r for r in hg["refused"]), hg["refused"]
+
+
+def test_kept_training_forms_equal_the_plain_schedules_and_move_dout_alone(results):
+    """ring_zigzag, ulysses and the hybrids with U > 1 keep q, k, v, out, lse in the layout their
+    attention ran in (1 and 2 head groups): the backward from the kept tensors gives the plain
+    backward's gradients bit for bit and moves only dout there (and dq, dk, dv back)."""
+    _, ranks = results
+    for rank, res in enumerate(ranks):
+        assert not res["kept"], f"rank {rank}:\n" + "\n".join(res["kept"])
 
 
 def test_dkv_hops_travel_in_bf16_where_lossless_with_the_bits_of_an_fp32_ring(results):

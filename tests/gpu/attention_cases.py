@@ -80,13 +80,20 @@ def _case(rank, world, shape, schedule, layout, seed, head_groups=None, device="
     else:  # the schedules' own entry: the pipeline depth forced
         from torch_commopt.attention import schedules
 
-        out_, lse = schedules.cp_attention_fwd(*(t.detach() for t in leaves), schedule=schedule, causal=causal,
-                                                head_groups=head_groups)
-        grads = schedules.cp_attention_bwd(_shard(dout, rank, world, layout), *(t.detach() for t in leaves), out_,
-                                           lse, schedule=schedule, causal=causal, head_groups=head_groups)
-        got = [_unshard(x, world, layout) for x in (out_, *grads)]
-        return [(f"{shape} {schedule} groups={head_groups} {n}", rel_err(x, t), rel_err(e, t))
-                for n, x, t, e in zip(("out", "dq", "dk", "dv"), got, truth, eager)]
+        kw = dict(schedule=schedule, causal=causal)
+        shards = [t.detach() for t in leaves]
+        dout_l = _shard(dout, rank, world, layout)
+        out_, lse = schedules.cp_attention_fwd(*shards, head_groups=head_groups, **kw)
+        runs = [("plain", out_, schedules.cp_attention_bwd(dout_l, *shards, out_, lse, head_groups=head_groups, **kw))]
+        # the training form: q, k, v, out, lse kept where the attention ran, dout alone moved
+        out_k, kept = schedules.cp_attention_fwd_keep(*shards, head_groups=head_groups, **kw)
+        runs.append(("kept", out_k, schedules.cp_attention_bwd_kept(dout_l, kept, **kw)))
+        results = []
+        for form, o, grads in runs:
+            got = [_unshard(x, world, layout) for x in (o, *grads)]
+            results += [(f"{shape} {schedule} groups={head_groups} {form} {n}", rel_err(x, t), rel_err(e, t))
+                        for n, x, t, e in zip(("out", "dq", "dk", "dv"), got, truth, eager)]
+        return results
     out.backward(_shard(dout, rank, world, layout))
     got = [_unshard(x, world, layout) for x in (out, *(t.grad for t in leaves))]
     return [(f"{shape} {schedule} {layout} {n}", rel_err(x, t), rel_err(e, t))
@@ -95,9 +102,10 @@ def _case(rank, world, shape, schedule, layout, seed, head_groups=None, device="
 
 def run_cp_attention_cases(rank: int, world: int, device: str = "cuda") -> list[tuple[str, float, float]]:
     """[(label, error, eager bf16's error)] for every accepted schedule x shape (contiguous
-    program), ring_zigzag on zigzag shards, two head groups forced, and one large shard whose
-    size makes ring_zigzag pipeline on its own (CUDA only; device="cpu" checks the harness on
-    gloo)."""
+    program; through cp_attention's autograd, i.e. the kept training form for ulysses and
+    ring_zigzag), ring_zigzag on zigzag shards, two head groups forced (the plain and the kept
+    forms), and one large shard whose size makes ring_zigzag and ulysses pipeline on their own
+    (CUDA only; device="cpu" checks the harness on gloo)."""
     results, seed = [], 0
     for shape in SHAPES:
         b, h, h_kv, s_loc, d, causal = shape

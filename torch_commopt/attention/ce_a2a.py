@@ -151,11 +151,14 @@ def vote(group, device: torch.device, host: str, peers: bool) -> tuple[bool, str
     return True, ""
 
 
-def pipelined(xs: list[Tensor], compute: Callable, group, groups: int, outs: Sequence[Spec]) -> tuple[Tensor, ...]:
+def pipelined(xs: list[Tensor], compute: Callable, group, groups: int, outs: Sequence[Spec],
+              keep_in: Sequence[Tensor] | None = None, keep_out: Sequence[Tensor] | None = None) -> tuple[Tensor, ...]:
     """schedules._pipelined's contract with copy-engine moves: compute(*head-sharded group
     inputs) per head group g (heads [g*h/G, (g+1)*h/G) of every x, split again over the n
-    ranks), its results moved back into outputs shaped and typed as `outs` (sequence layout)."""
-    return _Pipeline(xs, group, groups, outs).run(compute)
+    ranks), once per group in order, its results moved back into outputs shaped and typed as
+    `outs` (sequence layout); keep_in / keep_out: (G, ...) tensors that receive group g's moved
+    inputs / results at [g], copied by the local copy stream beside the compute."""
+    return _Pipeline(xs, group, groups, outs).run(compute, keep_in or (), keep_out or ())
 
 
 class _Pipeline:
@@ -303,24 +306,42 @@ class _Pipeline:
             self._release(OUT, half)
         return finish
 
-    def run(self, compute: Callable) -> tuple[Tensor, ...]:
+    def _keep(self, kept: Sequence[Tensor], g: int, tensors: Sequence[Tensor]):
+        """Local copy stream: tensors -> kept[i][g], after the compute stream's work so far (they
+        are in the IN slot, arrived, or results just computed); returns the copies' event."""
+        if not kept:
+            return None
+        self.local.wait_event(self.compute.record_event())
+        for dst, src in zip(kept, tensors):
+            src.record_stream(self.local)
+            self.rt.copy(self.local, dst[g], src)
+        return self.local.record_event()
+
+    def run(self, compute: Callable, keep_in: Sequence[Tensor] = (), keep_out: Sequence[Tensor] = ()) -> tuple[Tensor, ...]:
         for x in self.xs:
             x.record_stream(self.side)
             x.record_stream(self.local)
         start = self.compute.record_event()
-        pending, backs = self._inbound(0, start), []
+        pending, backs, kept = self._inbound(0, start), [], []
         for g in range(self.groups):
             moved = pending()
+            kept_in = self._keep(keep_in, g, moved)  # before the next group's own pieces on the local stream
             if g + 1 < self.groups:
                 pending = self._inbound(g + 1, start)
             results = list(compute(*moved))
+            if kept_in is not None:  # the slot is read by the copies too
+                self.compute.wait_event(kept_in)
             self._release(IN, g % 2)  # stream-ordered after the compute's reads of the slot
             self.in_read[g % 2] = self.compute.record_event()
             del moved
+            kept.append(self._keep(keep_out, g, results))
             backs.append(self._outbound(g, results))
             if g >= 1:
                 backs[g - 1]()
         backs[-1]()
+        for event in kept:  # the kept results are the caller's once the call returns
+            if event is not None:
+                self.compute.wait_event(event)
         if self.debug:
             self.rt.check_status("cp attention all-to-all")
         return tuple(self.outs)

@@ -170,15 +170,16 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
 
     kv = sz.kv  # the zigzag relayout and Ulysses's all-to-alls move K/V too
     hop = m.launch_s + m.link(kv / groups) if r > 1 else 0.0
-    fwd = exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q + sz.lse)
-    if not backward:
-        return fwd
+    if not backward:  # inference: out and the lse come back
+        return exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q + sz.lse)
+    # training (the kept pair, schedules.cp_attention_fwd_keep): the forward moves out alone
+    # back and keeps q, k, v, out, lse where its attention ran; the backward moves dout there.
+    fwd = exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q)
     # dK/dV sums (ring.GradRing): the last hop in the input dtype, the others in fp32 except
     # while a block's sums hold one kernel term (at world 2: every hop in the input dtype)
     dkv_hop = m.launch_s + m.link((kv if r == 2 else sz.dkv) / groups) if r > 1 else 0.0
     dkv_last = m.launch_s + m.link(kv / groups) if r > 1 else 0.0
-    pre = exchange(3 * sz.q + kv + sz.lse)  # dout, q, out, lse, k, v
-    return fwd + pre + rings(m.bwd_factor * block_s, hop + dkv_hop, dkv_last) + exchange(sz.q + kv)
+    return fwd + exchange(sz.q) + rings(m.bwd_factor * block_s, hop + dkv_hop, dkv_last) + exchange(sz.q + kv)
 
 
 def _dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:

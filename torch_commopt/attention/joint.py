@@ -14,7 +14,9 @@ and becomes
     dk = inverse layout(dk');  dv = ...
 
 so the partitioner saves q, the local k/v, out and the LSE instead of the gathered K/V, and no
-all-gather or reduce-scatter of K/V runs (the schedule moves what it needs).  Ulysses programs
+all-gather or reduce-scatter of K/V runs (the schedule moves what it needs).  A schedule that
+moves its inputs (ulysses, ring_zigzag: schedules.moves_inputs) runs as the kept pair,
+cp_attention_fwd_keep / cp_attention_bwd_kept (rewrite.insert_training_forward).  Ulysses programs
 (all-to-all -> attention -> all-to-all, and the mirror in backward) go the same way through
 ulysses_joint.py.  A region whose
 pieces do not match exactly (another user of K or dK, an expand in the layout, a reduce-scatter
@@ -29,9 +31,10 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.attention.detect import ATTENTION_BACKWARD, AttentionRegion, _reshaped_dim, find_attention
-from torch_commopt.attention.rewrite import _choose, _local, _shown, describe, ranks_disagree
+from torch_commopt.attention.rewrite import (_choose, _local, _shown, describe, insert_training_backward,
+                                             insert_training_forward, ranks_disagree)
 from torch_commopt.passes.chains import add_node
-from torch_commopt.attention import ulysses_joint
+from torch_commopt.attention import schedules, ulysses_joint
 from torch_commopt.passes.graph_utils import REDUCE_SCATTER, WAIT, Unsupported, aten, group_name_of, static_shape
 
 # ops between dK and its reduce-scatter: the relayout of the gather, run backwards
@@ -77,7 +80,9 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
                 _apply(graph, region, plans[id(region)], chosen)
             else:
                 ulysses_joint.apply(graph, region, plans[id(region)], chosen)
-            notes.append(f"{describe(region)}: cp_attention_fwd/bwd {chosen} in the joint graph "
+            kept = schedules.moves_inputs(chosen, region.world, region.causal)
+            form = ", kept form: the backward moves dout alone" if kept else ""
+            notes.append(f"{describe(region)}: cp_attention_fwd/bwd {chosen} in the joint graph{form} "
                          f"(predicted forward: {_shown(ranked)})")
     return notes
 
@@ -132,12 +137,10 @@ def _apply(graph: Graph, region: AttentionRegion, plan: dict, schedule: str) -> 
     common = (schedule, region.causal, region.scale, region.world, region.group_name)
     with graph.inserting_before(fwd):
         k, v = _local(graph, region, "k"), _local(graph, region, "v")
-        cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default, (region.inputs["q"], k, v, *common))
-        out, lse = add_node(graph, operator.getitem, (cp, 0)), add_node(graph, operator.getitem, (cp, 1))
+        out, saved = insert_training_forward(graph, region.inputs["q"], k, v, common)
     region.output.replace_all_uses_with(out)
     with graph.inserting_before(bwd):
-        grads = add_node(graph, torch.ops.commopt.cp_attention_bwd.default,
-                     (bwd.args[0], region.inputs["q"], k, v, out, lse, *common))
+        grads = insert_training_backward(graph, bwd.args[0], saved, common)
         parts = [add_node(graph, operator.getitem, (grads, i)) for i in range(3)]
     plan["dq"].replace_all_uses_with(parts[0])
     for i, name in ((1, "k"), (2, "v")):

@@ -27,7 +27,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from torch_commopt.attention import ulysses
+from torch_commopt.attention import schedules, ulysses
 from torch_commopt.attention.cost import CPMachine, rank_schedules
 from torch_commopt.attention.detect import AttentionRegion, _map_dim, find_attention
 from torch_commopt.attention.spec import refusal
@@ -215,3 +215,26 @@ def erase_unused(graph: Graph, first: list[Node], collectives: list[Node]) -> No
     for n in reversed(list(graph.nodes)):
         if n in chain and not n.users:
             graph.erase_node(n)
+
+
+def insert_training_forward(graph: Graph, q: Node, k: Node, v: Node, common: tuple) -> tuple[Node, tuple[Node, ...]]:
+    """The joint graph's forward op at the insertion point, for `common` = (schedule, causal,
+    scale, world, group name): (out, saved), saved being what insert_training_backward takes --
+    the kept tensors of cp_attention_fwd_keep for a schedule that moves its inputs (the
+    backward then moves dout alone), else q, k, v, out, lse of cp_attention_fwd."""
+    schedule, causal, _, world, _ = common
+    if schedules.moves_inputs(schedule, world, causal):
+        cp = add_node(graph, torch.ops.commopt.cp_attention_fwd_keep.default, (q, k, v, *common))
+        items = [add_node(graph, operator.getitem, (cp, i)) for i in range(1 + len(schedules.KEPT))]
+        return items[0], tuple(items[1:])
+    cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default, (q, k, v, *common))
+    out, lse = add_node(graph, operator.getitem, (cp, 0)), add_node(graph, operator.getitem, (cp, 1))
+    return out, (q, k, v, out, lse)
+
+
+def insert_training_backward(graph: Graph, dout: Node, saved: tuple[Node, ...], common: tuple) -> Node:
+    """The backward op of insert_training_forward's pair at the insertion point: dq, dk, dv."""
+    schedule, causal, _, world, _ = common
+    op = torch.ops.commopt.cp_attention_bwd_kept if schedules.moves_inputs(schedule, world, causal) \
+        else torch.ops.commopt.cp_attention_bwd
+    return add_node(graph, op.default, (dout, *saved, *common))

@@ -112,7 +112,7 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
     def ring(qh, kh, vh):
         return ring_fwd(qh, kh, vh, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
     outs = [(q.shape[:3] + v.shape[3:], q.dtype), (q.shape[:3], acc_dtype(q.dtype))]
-    return _ulysses_pipelined([q, k, v], q, k, ring, ugroup, head_groups, outs)
+    return _ulysses_pipelined([q, k, v], ring, ugroup, _ulysses_groups(q, k, comm.size(ugroup), head_groups), outs)
 
 
 def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
@@ -137,41 +137,159 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     def ring(*heads):
         return ring_bwd(*heads, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
     outs = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
-    return _ulysses_pipelined([dout, q, k, v, out, lse], q, k, ring, ugroup, head_groups, outs)
+    groups = _ulysses_groups(q, k, comm.size(ugroup), head_groups)
+    return _ulysses_pipelined([dout, q, k, v, out, lse], ring, ugroup, groups, outs)
+
+
+# ---- the training forms of the schedules that move their inputs ------------------------------
+# Ulysses (and a hybrid) runs its attention on head shards of the whole sequence, ring_zigzag on
+# the zigzag chunks.  A backward given the sequence-layout q, k, v, out, lse moves all five there
+# again beside dout (what cp_attention_bwd does); the program's own Ulysses keeps the moved
+# tensors instead and moves dout alone.  So do these: the forward keeps q, k, v, out, lse in the
+# layout its attention ran in -- the same bytes as the sequence-layout tensors a plain forward's
+# backward would keep -- and the backward takes them.
+
+KEPT = ("q", "k", "v", "out", "lse")
+
+
+def moves_inputs(schedule: Union[str, CPSchedule], world: int, causal: bool, layout: str = "contiguous") -> bool:
+    """Whether `schedule` moves q, k, v to another layout before its attention (Ulysses's
+    heads with U > 1; ring_zigzag's chunks, causal, on a contiguous program): the schedules
+    that have a training form (cp_attention_fwd_keep / cp_attention_bwd_kept)."""
+    sched = CPSchedule.parse(schedule)
+    if layout == "zigzag" and causal:
+        return False
+    if sched.name == "ring_zigzag":
+        return causal
+    return sched.name in ("ulysses", "hybrid") and sched.degrees(world)[0] > 1
+
+
+def kept_shapes(schedule: Union[str, CPSchedule], q, k, v, world: int, head_groups: Optional[int] = None) -> list:
+    """(shape, dtype) of each kept tensor (KEPT) for shards q, k, v (tensors or fakes) of a
+    schedule that moves them: (G, B, h, S_m, D) -- head group g's at [g], h its heads on this
+    rank, S_m the sequence it attended over (Ulysses: n * S_loc over n ranks; zigzag: S_loc
+    in chunk order) -- and the lse (G, B, h_q, S_m) in float32 (float64 for float64 q)."""
+    sched = CPSchedule.parse(schedule)
+    (b, h, s, d), h_kv, dv = q.shape, k.shape[1], v.shape[3]
+    if sched.name == "ring_zigzag":
+        n, groups = 1, head_groups or _head_groups(q, k)
+    else:
+        n = sched.degrees(world)[0]
+        groups = _ulysses_groups(q, k, n, head_groups)
+    hq, hk, sm = h // (groups * n), h_kv // (groups * n), s * n
+    return [((groups, b, hq, sm, d), q.dtype), ((groups, b, hk, sm, d), k.dtype), ((groups, b, hk, sm, dv), v.dtype),
+            ((groups, b, hq, sm, dv), q.dtype), ((groups, b, hq, sm), acc_dtype(q.dtype))]
+
+
+def unkept_shapes(schedule: Union[str, CPSchedule], q_m, k_m, v_m, world: int) -> list[tuple]:
+    """The sequence-layout shapes of q, k, v (dq, dk, dv) from their kept tensors."""
+    sched = CPSchedule.parse(schedule)
+    n = 1 if sched.name == "ring_zigzag" else sched.degrees(world)[0]
+
+    def seq(x):
+        groups, b, h, sm, d = x.shape
+        return (b, groups * n * h, sm // n, d)
+    return [seq(q_m), seq(k_m), seq(v_m)]
+
+
+def cp_attention_fwd_keep(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CPSchedule], causal: bool,
+                          scale: Optional[float] = None, group: GroupLike = None, backend: str = "auto",
+                          head_groups: Optional[int] = None) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The training forward of a schedule that moves its inputs (moves_inputs; contiguous
+    program layout): out (B, H, S_loc, Dv) as cp_attention_fwd's, and the kept q, k, v, out,
+    lse (kept_shapes) for cp_attention_bwd_kept.  The lse is not moved back."""
+    pg, sched = as_group(group), CPSchedule.parse(schedule)
+    check(sched, q, k, v, pg.size(), causal)
+    if not moves_inputs(sched, pg.size(), causal):
+        raise ValueError(f"cp attention {sched}: moves no inputs here (causal={causal}); use cp_attention_fwd")
+    scale = default_scale(q.shape[-1], scale)
+    kept = [torch.empty(shape, dtype=dt, device=q.device) for shape, dt in
+            kept_shapes(sched, q, k, v, pg.size(), head_groups)]
+    groups, step = kept[0].shape[0], iter(range(kept[0].shape[0]))
+
+    def attend(*moved):
+        out_h, lse_h = ring(*moved)
+        kept[4][next(step)].copy_(lse_h)
+        return (out_h,)
+    if sched.name == "ring_zigzag":
+        def ring(*zz):
+            return ring_fwd(*zz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
+        (out,) = _zigzag_pipelined([q, k, v], attend, pg, groups, kept[:3], kept[3:4])
+    else:
+        ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
+
+        def ring(*heads):
+            return ring_fwd(*heads, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
+        (out,) = _ulysses_pipelined([q, k, v], attend, ugroup, groups, [(q.shape[:3] + v.shape[3:], q.dtype)],
+                                    kept[:3], kept[3:4])
+    return out, tuple(kept)
+
+
+def cp_attention_bwd_kept(dout: Tensor, kept: tuple[Tensor, ...], *, schedule: Union[str, CPSchedule], causal: bool,
+                          scale: Optional[float] = None, group: GroupLike = None,
+                          backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of cp_attention_fwd_keep: dout (B, H, S_loc, Dv) and its kept tensors.
+    Only dout moves to the attention's layout (head group by head group, as the forward's
+    groups); returns dq, dk, dv in the sequence layout, typed as q, k, v."""
+    pg, sched = as_group(group), CPSchedule.parse(schedule)
+    if len(kept) != len(KEPT):
+        raise ValueError(f"cp attention {sched}: want the kept {KEPT}, got {len(kept)} tensors")
+    q_m, k_m, v_m, out_m, lse_m = kept
+    shapes = unkept_shapes(sched, q_m, k_m, v_m, pg.size())
+    reason = refusal(sched, AttentionShape(shapes[0][0], shapes[0][1], shapes[1][1], shapes[0][2] * pg.size(),
+                                           shapes[0][3]), pg.size(), causal)
+    if reason is not None or not moves_inputs(sched, pg.size(), causal) or tuple(dout.shape) != \
+            shapes[0][:3] + (v_m.shape[-1],):
+        raise ValueError(f"cp attention {sched}: dout {tuple(dout.shape)} and kept {[tuple(t.shape) for t in kept]} "
+                         f"do not fit ({reason or 'the shapes disagree, or the schedule keeps nothing'})")
+    scale = default_scale(q_m.shape[-1], scale)
+    groups, step = q_m.shape[0], iter(range(q_m.shape[0]))
+    plan, ring_group = (zigzag_plan(True), pg) if sched.name == "ring_zigzag" else (contiguous_plan(causal), None)
+    ugroup = None
+    if ring_group is None:
+        ugroup, ring_group = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
+
+    def attend(dout_h):
+        g = next(step)
+        return ring_bwd(dout_h, q_m[g], k_m[g], v_m[g], out_m[g], lse_m[g], scale=scale, plan=plan, group=ring_group,
+                        backend=backend)
+    if sched.name == "ring_zigzag":
+        return _zigzag_pipelined([dout], attend, pg, groups)
+    outs = [(shape, t.dtype) for shape, t in zip(shapes, (q_m, k_m, v_m))]
+    return _ulysses_pipelined([dout], attend, ugroup, groups, outs)
 
 
 def _head_groups(q: Tensor, k: Tensor) -> int:
     return zigzag_head_groups(q.numel() * q.element_size(), k.shape[1])
 
 
-def _zigzag_pipelined(xs: list[Tensor], ring, group: dist.ProcessGroup, groups: int):
+def _zigzag_pipelined(xs: list[Tensor], ring, group: dist.ProcessGroup, groups: int, keep_in=None, keep_out=None):
     """ring(*zigzag xs) per head group, its inputs relaid to the zigzag layout and its results
-    back to the contiguous one (_pipelined)."""
+    back to the contiguous one (_pipelined; keep_in / keep_out as there)."""
     def there(parts, async_op):
         return comm.relayout(parts, group, comm.contiguous_chunks, comm.zigzag_chunks, async_op=async_op)
 
     def back(results, async_op, out):
         return comm.relayout(results, group, comm.zigzag_chunks, comm.contiguous_chunks, async_op=async_op, out=out)
-    return _pipelined("ring_zigzag", xs, there, ring, back, lambda shape: shape, groups)
+    return _pipelined("ring_zigzag", xs, there, ring, back, lambda shape: shape, groups, keep_in, keep_out)
 
 
-def _ulysses_pipelined(xs: list[Tensor], q: Tensor, k: Tensor, ring, ugroup, head_groups: Optional[int], outs):
+def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int, outs, keep_in=None, keep_out=None):
     """ring(*head-sharded xs) per head group (ulysses: a ring of one rank, i.e. the local
     attention over the whole sequence; hybrid: a ring over the ring group), its inputs moved
     sequence -> heads and its results heads -> sequence over the Ulysses group: by the copy
     engine where ce_a2a can (CUDA), else by comm's all-to-alls (_pipelined).  Group g takes
     heads [g*h/G, (g+1)*h/G) of every tensor, which the all-to-all splits again over the n
     Ulysses ranks, so every query head keeps its K/V head.  outs: the results' (shape, dtype)
-    in the sequence layout; head_groups: G (None: spec.ulysses_head_groups)."""
+    in the sequence layout; groups: G (_ulysses_groups); keep_in / keep_out as _pipelined's."""
     n = comm.size(ugroup)
     if n == 1:  # the ring schedule (hybrid:1:W): nothing moves
         return tuple(ring(*xs))
-    groups = head_groups or ulysses_head_groups(q.numel() * q.element_size(), q.shape[1], k.shape[1], n)
     if any(x.shape[1] % (groups * n) for x in xs):
         raise ValueError(f"cp attention ulysses: {groups} head groups of {n} ranks do not divide the heads "
                          f"{[x.shape[1] for x in xs]}")
     if ce_a2a.usable(xs, ugroup, groups, outs):
-        return ce_a2a.pipelined(xs, ring, ugroup, groups, outs)
+        return ce_a2a.pipelined(xs, ring, ugroup, groups, outs, keep_in, keep_out)
 
     def there(parts, async_op):
         return comm.seq_to_heads(parts, ugroup, async_op=async_op)
@@ -181,10 +299,14 @@ def _ulysses_pipelined(xs: list[Tensor], q: Tensor, k: Tensor, ring, ugroup, hea
 
     def shape(s):
         return (s[0], n * s[1], s[2] // n) + tuple(s[3:])
-    return _pipelined("ulysses", xs, there, ring, back, shape, groups)
+    return _pipelined("ulysses", xs, there, ring, back, shape, groups, keep_in, keep_out)
 
 
-def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, groups: int):
+def _ulysses_groups(q: Tensor, k: Tensor, n: int, head_groups: Optional[int]) -> int:
+    return head_groups or ulysses_head_groups(q.numel() * q.element_size(), q.shape[1], k.shape[1], n)
+
+
+def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, groups: int, keep_in=None, keep_out=None):
     """compute(*moved xs) per head group, pipelined: group g+1's inputs are moved (there) while
     group g computes, and group g's results move back while group g+1 computes, so only the
     first group's inputs and the last group's results are exposed.  The moves run on a side
@@ -192,8 +314,10 @@ def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, gr
     heads [g*h/G, (g+1)*h/G) of every x (h its own head count: H for q-side tensors, H_kv for
     K/V), so every query head keeps its K/V head (GQA: head i reads kv head i // (H/H_kv));
     each group's results are written into their head slice of the outputs (no concatenation).
+    compute is called once per group, in group order.
     there(parts, async_op) / back(results, async_op, out): comm moves; back_shape: a result's
-    shape after the move back."""
+    shape after the move back.  keep_in / keep_out (the training forward, _Kept): tensors
+    (G, ...) that receive group g's moved inputs / its results at [g] (None: not kept)."""
     if groups < 1 or any(x.shape[1] % groups for x in xs):
         raise ValueError(f"cp attention {name}: {groups} head groups do not divide the heads {[x.shape[1] for x in xs]}")
     lane = Lane(xs[0].device)
@@ -210,8 +334,12 @@ def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, gr
         moved = pending()
         if g + 1 < groups:
             pending = inbound(g + 1)
+        for dst, x in zip(keep_in or (), moved):
+            dst[g].copy_(x)
         results = list(compute(*moved))
         del moved
+        for dst, r in zip(keep_out or (), results):
+            dst[g].copy_(r)
         if outs is None:
             outs = []
             for r in results:

@@ -8,14 +8,17 @@ The joint graph holds the forward (ulysses.py's region) and its mirror:
 
 and becomes
 
-    out, lse = cp_attention_fwd(q', k', v');  result = relayout(out)
-    dq', dk', dv' = cp_attention_bwd(relayout(dy), q', k', v', out, lse)
+    out, kept = cp_attention_fwd_keep(q', k', v');  result = relayout(out)
+    dq', dk', dv' = cp_attention_bwd_kept(relayout(dy), kept)
     gq = relayout(dq') ...
 
 with every relayout from the layout algebra (ulysses.Algebra): dy is brought to the op's layout
 like an operand (and must order the sequence like q), each gradient back to what its
-all-to-all delivered like the output.  The partitioner then saves q', k', v', out and the LSE;
-the eight all-to-alls go (the schedule moves what it needs).  A region whose backward does not
+all-to-all delivered like the output.  The partitioner then saves the kept q, k, v, out and LSE
+in the layout the attention ran in (the program's own Ulysses saves the same), so the backward
+moves dout alone; a schedule the cost model picks that moves nothing (a ring) gets the plain
+pair, cp_attention_fwd / cp_attention_bwd on q', k', v', out, lse.  The eight all-to-alls go
+(the schedule moves what it needs).  A region whose backward does not
 have exactly this form is left alone with the reason.
 """
 
@@ -24,14 +27,13 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.attention.detect import (ALL_TO_ALL, ATTENTION_BACKWARD, LAYOUT_OPS, AttentionRegion,
                                             trace_back)
 from torch_commopt.attention.layout import Relayout
 from torch_commopt.attention.ulysses import Algebra, emit
-from torch_commopt.attention.rewrite import erase_unused
+from torch_commopt.attention.rewrite import erase_unused, insert_training_backward, insert_training_forward
 from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import WAIT, Unsupported, only_user, static_shape
 
@@ -111,13 +113,12 @@ def apply(graph: Graph, region: AttentionRegion, plan: JointPlan, schedule: str)
     common = (schedule, region.causal, region.scale, region.world, region.group_name)
     with graph.inserting_before(fwd):
         q, k, v = (emit(graph, region.inputs[key], plan.to_op[key]) for key in "qkv")
-        cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default, (q, k, v, *common))
-        out, lse = add_node(graph, operator.getitem, (cp, 0)), add_node(graph, operator.getitem, (cp, 1))
+        out, saved = insert_training_forward(graph, q, k, v, common)
         result = emit(graph, out, plan.output)
     region.output.replace_all_uses_with(result)
     with graph.inserting_before(bwd):
         dout = emit(graph, plan.dy, plan.to_op["dout"])
-        grads = add_node(graph, torch.ops.commopt.cp_attention_bwd.default, (dout, q, k, v, out, lse, *common))
+        grads = insert_training_backward(graph, dout, saved, common)
         for i, key in enumerate("qkv"):
             part = add_node(graph, operator.getitem, (grads, i))
             plan.grad_waits[key].replace_all_uses_with(emit(graph, part, plan.grads[key]))
