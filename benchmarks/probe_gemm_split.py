@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import statistics
 import sys
 
 import torch
+from replay_timing import replayed_ms_per_call  # benchmarks/, the script's own folder
 
 K, CALLS, REPLAYS = 8192, 20, 15
 CASES = [(8192, 14336), (8192, 4096), (4096, 4096), (2048, 14336), (1024, 4096), (256, 4096)]
@@ -87,26 +87,7 @@ def _time(parts: list[int], n: int, streams: int = 1, arrival_cycles: int = 0) -
         if arrival_cycles:
             cur.wait_stream(link)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()  # warm-up: cuBLAS picks its kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS)
-    return statistics.median(times)
+    return replayed_ms_per_call(call, calls=CALLS, replays=REPLAYS)
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ import statistics
 import sys
 
 import torch
+from replay_timing import replayed_ms_per_call  # benchmarks/, the script's own folder
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -99,29 +100,11 @@ class Call:
 
 def time_variant(variant: str) -> float:
     call = Call(variant)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            call()  # warm-up outside the capture (cuBLAS picks its kernels)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    if call.flags[FREE:FREE + 2].tolist() != [1, 1] or call.flags[DATA:DATA + 2].tolist() != [0, 0]:
-        raise RuntimeError(f"{variant}: flags not at rest after a replay: {call.flags[:16].tolist()}")
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS)
-    return statistics.median(times)
+
+    def check() -> None:
+        if call.flags[FREE:FREE + 2].tolist() != [1, 1] or call.flags[DATA:DATA + 2].tolist() != [0, 0]:
+            raise RuntimeError(f"{variant}: flags not at rest after a replay: {call.flags[:16].tolist()}")
+    return replayed_ms_per_call(call, calls=CALLS, replays=REPLAYS, warmups=2, check=check)
 
 
 def main() -> None:
