@@ -316,7 +316,7 @@ def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, gr
     each group's results are written into their head slice of the outputs (no concatenation).
     compute is called once per group, in group order.
     there(parts, async_op) / back(results, async_op, out): comm moves; back_shape: a result's
-    shape after the move back.  keep_in / keep_out (the training forward, _Kept): tensors
+    shape after the move back.  keep_in / keep_out (cp_attention_fwd_keep): tensors
     (G, ...) that receive group g's moved inputs / its results at [g] (None: not kept)."""
     if groups < 1 or any(x.shape[1] % groups for x in xs):
         raise ValueError(f"cp attention {name}: {groups} head groups do not divide the heads {[x.shape[1] for x in xs]}")
