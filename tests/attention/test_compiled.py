@@ -134,6 +134,7 @@ def test_training_ulysses_program_keeps_the_moved_tensors_for_a_moving_schedule(
     for err, notes, a2as, saved in run_distributed(trained_ulysses, 2, (4, 2), True, schedule, True):
         mine = [n for n in notes if f"cp_attention_fwd/bwd {schedule} " in n]
         assert mine and all(("kept form" in n) == kept for n in mine), notes
+        assert all("predicted forward + backward" in n for n in mine), notes  # training ranks both passes
         assert a2as == 0 and err < 1e-5, (err, notes)
         # the same memory either way: one rank's q, k, v, out (fp32 here) and lse, in one layout
         # or the other, and nothing else

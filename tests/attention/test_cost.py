@@ -132,3 +132,26 @@ def test_training_ulysses_moves_q_kv_there_and_out_back_then_dout_there_and_grad
     assert _ms("ulysses", seq, world, heads=heads, backward=True, machine=link, d=64) == pytest.approx(want)
     fwd = (world - 1) / world * (q + 2 * q + q + 8 * (seq // world) * 4) / 1e9 * 1e3  # inference: out and lse back
     assert _ms("ulysses", seq, world, heads=heads, machine=link, d=64) == pytest.approx(fwd)
+
+
+def test_a_training_graph_ranks_schedules_by_forward_and_backward(monkeypatch):
+    """The joint-graph rewrite (training) picks by forward + backward, the inference rewrite by
+    the forward: at 8K tokens, world 2, MHA the forward alone favours the ring and the pair
+    favours ulysses (its training form moves dout alone into the backward)."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.fx import Graph
+
+    from torch_commopt.attention import rewrite
+
+    shape = (1, 32, 32, 8192, 128)
+    q = Graph().placeholder("q")
+    q.meta["val"] = torch.empty(1, 32, 4096, 128, dtype=torch.bfloat16, device="meta")
+    region = SimpleNamespace(inputs={"q": q}, shape=shape, world=2, causal=True, group_name="unused")
+    monkeypatch.setattr(rewrite, "_machine", lambda *args: MACHINE)
+    fwd = rank_schedules(shape, world=2, causal=True, dtype="bfloat16", machine=MACHINE)
+    both = rank_schedules(shape, world=2, causal=True, dtype="bfloat16", machine=MACHINE, backward=True)
+    assert fwd[0][0] != both[0][0]
+    assert rewrite._choose(region, "auto") == (fwd[0][0], fwd)
+    assert rewrite._choose(region, "auto", backward=True) == (both[0][0], both)

@@ -69,7 +69,7 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
             plans[id(region)] = _match(region) if region.form == "allgather_kv" else ulysses_joint.match(region)
         except (NotMatched, Unsupported) as e:
             notes.append(f"{describe(region)}: not rewritten ({e})")
-    choices = {id(r): _choose(r, schedule, cache_dir) for r in regions if id(r) in plans}
+    choices = {id(r): _choose(r, schedule, cache_dir, backward=True) for r in regions if id(r) in plans}
     disagree = ranks_disagree(regions, skips, choices, consistency_timeout_s)
     if disagree:
         return notes + [disagree]
@@ -83,7 +83,7 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
             kept = schedules.moves_inputs(chosen, region.world, region.causal)
             form = ", kept form: the backward moves dout alone" if kept else ""
             notes.append(f"{describe(region)}: cp_attention_fwd/bwd {chosen} in the joint graph{form} "
-                         f"(predicted forward: {_shown(ranked)})")
+                         f"(predicted forward + backward: {_shown(ranked)})")
     return notes
 
 

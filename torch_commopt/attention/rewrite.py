@@ -126,12 +126,13 @@ def _unsupported(region: AttentionRegion) -> str | None:
 
 
 def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None,
-            timeout_s: float = 300.0) -> tuple[str, list[tuple[str, float]]]:
+            timeout_s: float = 300.0, *, backward: bool = False) -> tuple[str, list[tuple[str, float]]]:
     """(schedule, ranked predictions): the named one (checked), else the attention model's
-    first with the machine's tuner calibration (rank 0's; else the priors)."""
+    first with the machine's tuner calibration (rank 0's; else the priors).  backward: rank
+    by forward + backward (a training graph runs both), else by the forward."""
     q = val(region.inputs["q"])
     ranked = rank_schedules(region.shape, world=region.world, causal=region.causal, dtype=q.dtype,
-                            machine=_machine(q, region, cache_dir, timeout_s))
+                            machine=_machine(q, region, cache_dir, timeout_s), backward=backward)
     if schedule != "auto":
         why = refusal(schedule, region.shape, region.world, region.causal)
         if why is not None:
