@@ -3,10 +3,10 @@
 The eager training step loses to its host: each commopt region call spends hundreds of
 microseconds of Python before the GPU sees its work (bench_e2e --host-profile).  This probe
 runs the real host code of the GPU schedules (`ag_matmul_gpu`, `matmul_rs_gpu`,
-`matmul_ar_gpu`) on tiny CPU tensors, with the CUDA pieces replaced by stand-ins: streams,
-events and stream contexts are no-ops, the driver's stream memory operations and copies are
-no-op functions, and the symmetric buffers are CPU tensors (a peer's buffer is a second
-one).  What it times is therefore the Python and dispatcher work per call, without the
+`matmul_ar_gpu`) on tiny CPU tensors, with the CUDA pieces replaced by the stand-ins of
+tests/kernels/fake_cuda.py (the protocol tests' fakes): stream contexts are no-ops, the
+driver's stream memory operations, copies and events are dropped, and the symmetric buffers
+are CPU tensors.  What it times is therefore the Python and dispatcher work per call, without the
 CUDA launch latencies (a few us per kernel, the same for every variant), so it ranks
 host-path changes on any machine; the device figure is profile_host.py / bench_e2e.
 
@@ -18,97 +18,24 @@ Prints one JSON line per case: {"case", "us_per_call"}.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import json
 import pathlib
 import pstats
 import sys
 import time
-from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels")]
 
 from torch_commopt.kernels.gpu import ag_matmul as agm  # noqa: E402
-from torch_commopt.kernels.gpu import driver, symm  # noqa: E402
 from torch_commopt.kernels.gpu import matmul_reduce as mr  # noqa: E402
 from torch_commopt.schedule import Schedule  # noqa: E402
+from fake_cuda import fake_runtimes, faked_cuda  # noqa: E402  (tests/kernels: the fakes the protocol tests use)
 
 M, K, N = 16, 16, 16  # global rows, contracted dim, output columns (tiny fp32: the host cost only)
-
-
-class _Stream:
-    cuda_stream = 0
-
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        return event
-
-
-class _Event:
-    def __init__(self, *a, **k):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-
-class _Handle:
-    def __init__(self, peer: torch.Tensor, world: int):
-        self.peer = peer
-        self.buffer_ptrs = [0] * world
-
-    def get_buffer(self, rank, shape, dtype, offset):
-        numel = 1
-        for s in shape:
-            numel *= s
-        return self.peer.view(dtype)[offset: offset + numel].view(shape)
-
-
-def fake_runtime(world: int = 2, rank: int = 0) -> symm.GroupRuntime:
-    rt = symm.GroupRuntime.__new__(symm.GroupRuntime)
-    rt.group_name, rt.device = "fake", torch.device("cpu")
-    rt.rank, rt.world = rank, world
-    rt.peers = [(rank + s) % world for s in range(1, world)]
-    rt.sources = [(rank - s) % world for s in range(1, world)]
-    rt.epoch = 0
-    rt.side, rt.local, rt.compute2 = _Stream(), _Stream(), _Stream()
-    rt.flags = torch.zeros(symm.FLAG_SLOTS, dtype=torch.int32)
-    rt.flag_bases = [1 << 40 + i for i in range(world)]
-    rt.flag_bases_dev = None
-    rt.status = rt.flags[symm.STATUS: symm.STATUS + 8]
-    size = 1 << 20
-    rt.buffers = [symm.SymmBuffer(torch.zeros(size, dtype=torch.uint8), _Handle(torch.zeros(size, dtype=torch.uint8), world),
-                                  rank, None)]
-    rt.owned = {}
-    rt._debug_kernel_loaded = False
-    rt._warned_capture_debug = False
-    rt._order_event, rt._events = 1, []
-    rt._new_event = lambda: 1
-    return rt
-
-
-@contextlib.contextmanager
-def faked_cuda(rt):
-    noop = lambda *a, **k: 0  # noqa: E731
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(symm, "runtime", lambda *a, **k: rt))
-        names = ("cuStreamWaitValue32", "cuStreamWriteValue32", "cuMemcpy2DAsync", "cuMemcpyDtoDAsync", "cuEventCreate",
-                 "cuEventRecord", "cuStreamWaitEvent")
-        stack.enter_context(mock.patch.object(driver, "_lib", lambda: dict.fromkeys(names, noop)))
-        stack.enter_context(mock.patch.object(torch.cuda, "current_stream", lambda *a, **k: _Stream()))
-        stack.enter_context(mock.patch.object(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()))
-        stack.enter_context(mock.patch.object(torch.cuda, "Event", _Event))
-        stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False))
-        stack.enter_context(mock.patch.object(torch.Tensor, "data_ptr", lambda self: 0))
-        yield
 
 
 def cases(world: int):
@@ -150,8 +77,7 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="a case name: print its cProfile (own time)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rt = fake_runtime(args.world)
-    with faked_cuda(rt):
+    with faked_cuda(fake_runtimes(args.world)):  # rank 0's host code; the driver calls are dropped
         table = cases(args.world)
         for name, fn in table.items():
             print(json.dumps({"case": name, "world": args.world, "us_per_call": round(time_case(fn, args.calls), 1)}))

@@ -1,0 +1,137 @@
+"""The GPU schedules' host code on the CPU with CUDA faked out, for tests and probes.
+
+`fake_runtimes(world)` gives one symm.GroupRuntime per rank whose buffers and flags are CPU
+tensors (a peer's buffer is that rank's own tensor, so views and addresses of every rank are
+distinct); `faked_cuda(runtimes, queue)` patches symm.runtime, the driver's entry points and
+torch.cuda's streams so that `ag_matmul_gpu`, `matmul_rs_gpu`, `matmul_ar_gpu` run their real
+host code: the GEMMs run at once on the CPU and everything the schedules queue through the
+driver -- flag waits and writes (batched or not), copies, event records and waits -- is
+appended to `queue` as (rank, stream handle, op), or dropped when `queue` is None (the host
+timing probe).  protocol_sim.py executes such a queue.
+
+    op: ("wait", address, value) | ("write", address, value) | ("copy", dst address, bytes)
+        | ("record", event, instance) | ("wait_event", event, instance)
+
+An event's `instance` numbers its records: a wait binds to the record queued before it."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from unittest import mock
+
+import torch
+
+from torch_commopt.kernels.gpu import driver, symm
+
+FLAG_BASE = 1 << 40  # rank r's flags live at FLAG_BASE * (r + 1) in the fake address space
+BUFFER_BYTES = 1 << 20
+
+
+class FakeStream:
+    """A stream as the schedules use it: a handle; torch-level syncs are not used by them."""
+
+    _handles = itertools.count(100)
+
+    def __init__(self, *args, **kwargs):
+        self.cuda_stream = next(self._handles)
+
+    def wait_stream(self, other):  # pragma: no cover - the schedules sync through the driver
+        raise AssertionError("a GPU schedule synced streams through torch; the fake records driver calls only")
+
+    wait_event = record_event = wait_stream
+
+
+class _Handle:
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers = buffers
+        self.buffer_ptrs = [b.data_ptr() for b in buffers]
+
+    def get_buffer(self, rank, shape, dtype, offset):
+        numel = 1
+        for s in shape:
+            numel *= s
+        return self.buffers[rank].view(dtype)[offset: offset + numel].view(shape)
+
+
+def fake_runtimes(world: int = 2) -> list[symm.GroupRuntime]:
+    """One runtime per rank over shared CPU buffers and per-rank flag address ranges."""
+    buffers = [torch.zeros(BUFFER_BYTES, dtype=torch.uint8) for _ in range(world)]
+    events = itertools.count(1)
+    runtimes = []
+    for rank in range(world):
+        rt = symm.GroupRuntime.__new__(symm.GroupRuntime)
+        rt.group_name, rt.device = "fake", torch.device("cpu")
+        rt.rank, rt.world = rank, world
+        rt.peers = [(rank + s) % world for s in range(1, world)]
+        rt.sources = [(rank - s) % world for s in range(1, world)]
+        rt.epoch = 0
+        rt.side, rt.local, rt.compute2, rt.compute = FakeStream(), FakeStream(), FakeStream(), FakeStream()
+        rt.flags = torch.zeros(symm.FLAG_SLOTS, dtype=torch.int32)
+        rt.flag_bases = [FLAG_BASE * (r + 1) for r in range(world)]
+        rt.flag_bases_dev = None
+        rt.status = rt.flags[symm.STATUS: symm.STATUS + 8]
+        rt.buffers = [symm.SymmBuffer(buffers[rank], _Handle(buffers), rank, None)]
+        rt.owned = {}
+        rt._debug_kernel_loaded = False
+        rt._warned_capture_debug = False
+        rt._order_event, rt._events, rt._untaken = None, [], {}
+        rt._new_event = lambda events=events: next(events)
+        runtimes.append(rt)
+    return runtimes
+
+
+def _entry_points(queue, active: dict):
+    """The driver's entry points, recording into `queue` for the active rank (None: no-ops)."""
+    instances: dict = {}
+
+    def put(stream, op):
+        if queue is not None:
+            queue.append((active["rank"], stream, op))
+        return 0
+
+    def record(event, stream):
+        key = (active["rank"], event)
+        instances[key] = instances.get(key, 0) + 1
+        return put(stream, ("record", event, instances[key]))
+
+    def batch(stream, count, params, flags):
+        for op in params[:count]:
+            kind = "wait" if op.operation == driver._OP_WAIT32 else "write"
+            put(stream, (kind, op.address, op.value))
+        return 0
+
+    return {
+        "cuStreamWaitValue32": lambda s, a, v, f: put(s, ("wait", a, v)),
+        "cuStreamWriteValue32": lambda s, a, v, f: put(s, ("write", a, v)),
+        "cuStreamBatchMemOp": batch,
+        "cuMemcpyDtoDAsync": lambda dst, src, n, s: put(s, ("copy", dst, n)),
+        "cuMemcpy2DAsync": lambda desc, s: put(s, ("copy", desc._obj.dstDevice, desc._obj.WidthInBytes)),
+        "cuEventCreate": lambda ev, flags: 0,  # runtimes number their own events (_new_event)
+        "cuEventRecord": record,
+        "cuStreamWaitEvent": lambda s, e, f: put(s, ("wait_event", e, instances.get((active["rank"], e), 0))),
+    }
+
+
+@contextlib.contextmanager
+def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
+    """Within: symm.runtime() is the active rank's runtime (`active(rank)` switches), the
+    driver records into `queue`, torch.cuda.current_stream() is the rank's compute stream."""
+    state = {"rank": 0}
+
+    def active(rank: int) -> None:
+        state["rank"] = rank
+
+    def handle(stream) -> int:
+        return stream if isinstance(stream, int) else stream.cuda_stream
+
+    entry_points = _entry_points(queue, state)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(symm, "runtime", lambda *a, **k: runtimes[state["rank"]]))
+        stack.enter_context(mock.patch.object(driver, "_lib", lambda: entry_points))
+        stack.enter_context(mock.patch.object(driver, "_handle", handle))
+        stack.enter_context(mock.patch.object(torch.cuda, "current_stream",
+                                              lambda *a, **k: runtimes[state["rank"]].compute))
+        stack.enter_context(mock.patch.object(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()))
+        stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False))
+        yield active

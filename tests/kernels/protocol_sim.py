@@ -1,0 +1,147 @@
+"""Runs what faked GPU schedules queued (fake_cuda.py) the way the GPUs would, to check the
+flag protocol of symm.GroupRuntime across ranks without GPUs.
+
+Every stream runs its operations in order; a flag wait holds its stream until the flag is >= its
+value (modulo 2**32, as cuStreamWaitValue32's GEQ); an event wait holds it until the record it
+bound to has run.  The streams of all ranks interleave in an order a seeded scheduler picks.
+Reported as errors:
+- Deadlock: no stream can move while some still have work (what each one waits for);
+- Race: a copy by rank r into rank p's buffer while p still reads what that place held: the
+  copy lands the piece whose data flag r raises next on that stream, and p reads that piece
+  from its wait on the flag until it lowers the flag again;
+- NotAtRest: after everything ran, a token not back at 1 or a data flag not back at 0 (the
+  protocol is closed: a CUDA graph may replay a call only if every flag returns to rest)."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict, deque
+
+from fake_cuda import FLAG_BASE
+
+from torch_commopt.kernels.gpu import symm
+
+
+class Deadlock(AssertionError):
+    pass
+
+
+class Race(AssertionError):
+    pass
+
+
+class NotAtRest(AssertionError):
+    pass
+
+
+def _flag(address: int) -> tuple[int, int]:
+    """(rank, int32 index) of a flag address."""
+    return address // FLAG_BASE - 1, (address % FLAG_BASE) // 4
+
+
+def _data_flag(index: int):
+    """(half, source) of a DATA / DATA2 flag index, else None."""
+    if not symm.DATA <= index < symm.DATA2 + symm.HALVES * symm.PHASE_SLOTS:
+        return None
+    rel = (index - symm.DATA) % (symm.HALVES * symm.PHASE_SLOTS)
+    return rel // symm.PHASE_SLOTS, (rel % symm.PHASE_SLOTS) // symm.MAX_CHUNKS
+
+
+def _token(index: int):
+    """(half, peer) of a FREE token index, else None."""
+    if not symm.FREE <= index < symm.FREE + symm.HALVES * symm.MAX_WORLD:
+        return None
+    return divmod(index - symm.FREE, symm.MAX_WORLD)
+
+
+class Machine:
+    def __init__(self, runtimes, seed: int):
+        self.runtimes, self.rng = runtimes, random.Random(seed)
+        self.mem: dict[tuple[int, int], int] = defaultdict(int)
+        world = len(runtimes)
+        for rank in range(world):  # every token starts free
+            for half in range(symm.HALVES):
+                for peer in range(world):
+                    self.mem[rank, symm.FREE + half * symm.MAX_WORLD + peer] = 1
+        self.records: set = set()
+        self.reading: set = set()  # (reader, flag index) of data flags a reader waited for and has not lowered
+        self.buffers = [(rt.buffers[0].local.data_ptr(), rt.buffers[0].nbytes) for rt in runtimes]
+
+    def ready(self, rank: int, op) -> bool:
+        kind = op[0]
+        if kind == "wait":
+            value = self.mem[_flag(op[1])]
+            return ((value - op[2]) & 0xFFFFFFFF) < (1 << 31)
+        if kind == "wait_event":
+            return op[2] == 0 or (rank, op[1], op[2]) in self.records
+        return True
+
+    def execute(self, rank: int, op) -> None:
+        kind = op[0]
+        if kind == "write":
+            owner, index = _flag(op[1])
+            self.mem[owner, index] = op[2] & 0xFFFFFFFF
+            if owner == rank and op[2] == 0:  # a reader lowers a data flag: its reads of that piece are done
+                self.reading.discard((rank, index))
+        elif kind == "wait":
+            owner, index = _flag(op[1])
+            if owner == rank and _data_flag(index) is not None:
+                self.reading.add((rank, index))
+        elif kind == "record":
+            self.records.add((rank, op[1], op[2]))
+        elif kind == "copy" and len(op) > 3 and op[3] in self.reading:
+            reader, index = op[3]
+            raise Race(f"rank {rank} copies the piece of data flag {index} into rank {reader}'s buffer while "
+                       f"rank {reader} still reads what was there")
+
+    def _pieces(self, ops: list) -> list:
+        """Each copy into a rank's buffer annotated with the (rank, data flag) the stream raises
+        next for that rank: the piece the copy lands."""
+        out, nxt = [], None
+        for op in reversed(ops):
+            if op[0] == "write" and op[2] == 1 and _data_flag(_flag(op[1])[1]) is not None:
+                nxt = _flag(op[1])
+            if op[0] == "copy" and nxt is not None:
+                base, size = self.buffers[nxt[0]]
+                if base <= op[1] < base + size:
+                    op = op + (nxt,)
+            out.append(op)
+        return out[::-1]
+
+    def run(self, queue) -> None:
+        ops: dict = defaultdict(list)
+        for rank, stream, op in queue:
+            ops[rank, stream].append(op)
+        streams = {key: deque(self._pieces(stream_ops)) for key, stream_ops in ops.items()}
+        while True:
+            busy = [key for key, ops in streams.items() if ops]
+            if not busy:
+                break
+            movable = [key for key in busy if self.ready(key[0], streams[key][0])]
+            if not movable:
+                heads = {f"rank {k[0]} stream {k[1]}": (streams[k][0][0], *_describe(streams[k][0])) for k in busy}
+                raise Deadlock(f"no stream can move: {heads}")
+            key = self.rng.choice(movable)
+            self.execute(key[0], streams[key].popleft())
+
+    def check_at_rest(self) -> None:
+        bad = {}
+        for (rank, index), value in self.mem.items():
+            if _token(index) is not None and value != 1 or _data_flag(index) is not None and value != 0:
+                bad[f"rank {rank} flag {index}"] = value
+        if bad:
+            raise NotAtRest(f"flags not at rest after every call: {bad}")
+
+
+def _describe(op) -> tuple:
+    if op[0] in ("wait", "write"):
+        return (*_flag(op[1]), op[2])
+    return op[1:]
+
+
+def simulate(queue, runtimes, seed: int) -> None:
+    """Run `queue` (fake_cuda's) on a machine of len(runtimes) GPUs; raise on a deadlock, a
+    race or flags not at rest."""
+    machine = Machine(runtimes, seed)
+    machine.run(queue)
+    machine.check_at_rest()

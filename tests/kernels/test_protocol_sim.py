@@ -1,0 +1,111 @@
+"""The GPU schedules' flag protocol across ranks, on the CPU: each rank's real host code
+(ag_matmul_gpu, matmul_rs_gpu, matmul_ar_gpu) runs with CUDA faked (fake_cuda.py), and what it
+queued -- flag waits and writes, batched take-and-signal, copies, events -- is executed by
+protocol_sim.py in several interleavings of every rank's streams: no deadlock, no copy into a
+buffer half its reader still reads, every flag back at rest.  Sequences of calls mix ops and
+piece counts, so both buffer halves are reused across ops.  Planted protocol bugs are caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fake_cuda import fake_runtimes, faked_cuda
+from protocol_sim import Deadlock, NotAtRest, Race, simulate
+from torch_commopt.kernels.gpu import ag_matmul as agm
+from torch_commopt.kernels.gpu import matmul_reduce as mr
+from torch_commopt.kernels.gpu import symm
+from torch_commopt.schedule import Schedule
+
+M, K, N = 24, 16, 8  # global rows, contracted dim, output columns (tiny fp32)
+
+
+def _call(name: str, world: int):
+    op, sched = name.split(" ", 1)
+    s = Schedule.parse(sched)
+    gen = torch.Generator().manual_seed(len(name))
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    if op == "ag":
+        a, ws = rnd(M // world * 2, K), [rnd(K, N), rnd(K, N)]
+        return lambda: agm.ag_matmul_gpu(a, ws, [None, None], 0, "fake", s, True)
+    a, w = rnd(M, K), rnd(K, N)
+    if op == "rs":
+        return lambda: mr.matmul_rs_gpu(a, w, None, 0, "sum", "fake", s)
+    return lambda: mr.matmul_ar_gpu(a, w, None, "sum", "fake", s)
+
+
+SEQUENCES = {
+    "ag": ["ag ce_push:1", "ag ce_push:1", "ag ce_push:2", "ag ce_push:1:par=1", "ag ce_push:1:gemm=whole"],
+    "reductions": ["rs ce_push:1", "rs ce_push:2", "ar ce_push:1", "rs direct:1", "rs ce_pull:2", "ar ce_push:2"],
+    "mixed": ["ag ce_push:1", "rs ce_push:1", "ag ce_push:2", "ar ce_push:1", "rs direct:2", "ag ce_push:1"],
+}
+
+
+def _queue(world: int, names: list[str]) -> tuple[list, list]:
+    runtimes, queue = fake_runtimes(world), []
+    with faked_cuda(runtimes, queue) as active:
+        for name in names:  # every rank queues the call, then the next call: the GPUs run them later
+            for rank in range(world):
+                active(rank)
+                _call(name, world)()
+    return queue, runtimes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence", sorted(SEQUENCES))
+def test_the_protocol_neither_deadlocks_nor_races_and_comes_to_rest(world, sequence):
+    queue, runtimes = _queue(world, SEQUENCES[sequence])
+    assert any(op[0] == "copy" for _, _, op in queue) and any(op[0] == "wait" for _, _, op in queue)
+    for seed in range(8):
+        simulate(queue, runtimes, seed)
+    assert all(not rt._untaken for rt in runtimes)
+
+
+def test_a_token_never_given_back_deadlocks_the_next_call_on_that_half(monkeypatch):
+    def forgetful(self, stream, half, chunks, *, phases=1):
+        for src in self.sources:  # lowers the flags, keeps the tokens
+            for c in range(chunks):
+                symm.driver.write_value32(stream, self.flag_address(self.rank, symm.data_index(half, src, c)), 0)
+    monkeypatch.setattr(symm.GroupRuntime, "done_reading", forgetful)
+    queue, runtimes = _queue(2, SEQUENCES["ag"][:3])
+    with pytest.raises(Deadlock, match="no stream can move"):
+        simulate(queue, runtimes, 0)
+
+
+def _writer_runs_ahead(monkeypatch):
+    """The side stream no longer forks from the caller's: a rank's pushes of its next calls may
+    run while its peer still reads an earlier one (only the tokens hold them back)."""
+    real = symm.GroupRuntime.after
+
+    def after(self, waiter, stream):
+        if waiter is not self.side:
+            real(self, waiter, stream)
+    monkeypatch.setattr(symm.GroupRuntime, "after", after)
+
+
+def test_the_tokens_alone_hold_back_a_writer_that_runs_ahead(monkeypatch):
+    _writer_runs_ahead(monkeypatch)
+    queue, runtimes = _queue(2, SEQUENCES["ag"][:4])
+    for seed in range(20):
+        simulate(queue, runtimes, seed)
+
+
+def test_a_writer_that_runs_ahead_without_the_tokens_races(monkeypatch):
+    _writer_runs_ahead(monkeypatch)
+    real = symm.GroupRuntime.wait
+
+    def impatient(self, stream, index, value, **kw):
+        if kw.get("what") != "free buffer":
+            real(self, stream, index, value, **kw)
+    monkeypatch.setattr(symm.GroupRuntime, "wait", impatient)
+    queue, runtimes = _queue(2, SEQUENCES["ag"][:4])
+    with pytest.raises(Race, match="still reads what was there"):
+        for seed in range(50):
+            simulate(queue, runtimes, seed)
+
+
+def test_flags_left_raised_are_not_at_rest(monkeypatch):
+    monkeypatch.setattr(symm.GroupRuntime, "done_reading", lambda self, *a, **k: None)
+    queue, runtimes = _queue(2, SEQUENCES["ag"][:1])
+    with pytest.raises(NotAtRest):
+        simulate(queue, runtimes, 0)
