@@ -3,10 +3,10 @@
 `fake_runtimes(world)` gives one symm.GroupRuntime per rank whose buffers and flags are CPU
 tensors (a peer's buffer is that rank's own tensor, so views and addresses of every rank are
 distinct); `faked_cuda(runtimes, queue)` patches symm.runtime, the driver's entry points and
-torch.cuda's streams so that `ag_matmul_gpu`, `matmul_rs_gpu`, `matmul_ar_gpu` run their real
-host code: the GEMMs run at once on the CPU and everything the schedules queue through the
-driver -- flag waits and writes (batched or not), copies, event records and waits -- is
-appended to `queue` as (rank, stream handle, op), or dropped when `queue` is None (the host
+torch.cuda's streams so that `ag_matmul_gpu`, `matmul_rs_gpu`, `matmul_ar_gpu` and the
+attention's copy-engine all-to-alls (ce_a2a.pipelined) run their real host code: the GEMMs run at once on the CPU and everything the schedules queue through the
+driver or torch's stream events -- flag waits and writes (batched or not), copies, event
+records and waits -- is appended to `queue` as (rank, stream handle, op), or dropped when `queue` is None (the host
 timing probe).  protocol_sim.py executes such a queue.
 
     op: ("wait", address, value) | ("write", address, value) | ("copy", dst address, bytes)
@@ -28,18 +28,35 @@ FLAG_BASE = 1 << 40  # rank r's flags live at FLAG_BASE * (r + 1) in the fake ad
 BUFFER_BYTES = 1 << 20
 
 
+class FakeEvent:
+    """torch.cuda.Event's stand-in: a handle of its own (apart from the runtimes' driver events)."""
+
+    _handles = itertools.count(1 << 20)
+
+    def __init__(self, *args, **kwargs):
+        self.handle = next(self._handles)
+
+
 class FakeStream:
-    """A stream as the schedules use it: a handle; torch-level syncs are not used by them."""
+    """A stream: a handle, and torch's record_event / wait_event (the attention transports use
+    them), recorded like the driver's (faked_cuda binds them to the queue)."""
 
     _handles = itertools.count(100)
+    driver_calls: dict = {}  # faked_cuda's entry points while it is active
 
     def __init__(self, *args, **kwargs):
         self.cuda_stream = next(self._handles)
 
-    def wait_stream(self, other):  # pragma: no cover - the schedules sync through the driver
-        raise AssertionError("a GPU schedule synced streams through torch; the fake records driver calls only")
+    def record_event(self, event=None):
+        event = event or FakeEvent()
+        self.driver_calls["cuEventRecord"](event.handle, self.cuda_stream)
+        return event
 
-    wait_event = record_event = wait_stream
+    def wait_event(self, event) -> None:
+        self.driver_calls["cuStreamWaitEvent"](self.cuda_stream, event.handle, 0)
+
+    def wait_stream(self, other) -> None:
+        self.wait_event(other.record_event())
 
 
 class _Handle:
@@ -54,9 +71,11 @@ class _Handle:
         return self.buffers[rank].view(dtype)[offset: offset + numel].view(shape)
 
 
-def fake_runtimes(world: int = 2) -> list[symm.GroupRuntime]:
-    """One runtime per rank over shared CPU buffers and per-rank flag address ranges."""
+def fake_runtimes(world: int = 2, owned: tuple[str, ...] = ()) -> list[symm.GroupRuntime]:
+    """One runtime per rank over shared CPU buffers and per-rank flag address ranges; `owned`:
+    purposes that get an own_buffer of their own (e.g. the attention all-to-all's)."""
     buffers = [torch.zeros(BUFFER_BYTES, dtype=torch.uint8) for _ in range(world)]
+    own = {purpose: [torch.zeros(BUFFER_BYTES, dtype=torch.uint8) for _ in range(world)] for purpose in owned}
     events = itertools.count(1)
     runtimes = []
     for rank in range(world):
@@ -72,7 +91,7 @@ def fake_runtimes(world: int = 2) -> list[symm.GroupRuntime]:
         rt.flag_bases_dev = None
         rt.status = rt.flags[symm.STATUS: symm.STATUS + 8]
         rt.buffers = [symm.SymmBuffer(buffers[rank], _Handle(buffers), rank, None)]
-        rt.owned = {}
+        rt.owned = {purpose: [symm.SymmBuffer(bufs[rank], _Handle(bufs), rank, None)] for purpose, bufs in own.items()}
         rt._debug_kernel_loaded = False
         rt._warned_capture_debug = False
         rt._order_event, rt._events, rt._untaken = None, [], {}
@@ -127,6 +146,8 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
 
     entry_points = _entry_points(queue, state)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(FakeStream, "driver_calls", entry_points))
+        stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None))
         stack.enter_context(mock.patch.object(symm, "runtime", lambda *a, **k: runtimes[state["rank"]]))
         stack.enter_context(mock.patch.object(driver, "_lib", lambda: entry_points))
         stack.enter_context(mock.patch.object(driver, "_handle", handle))

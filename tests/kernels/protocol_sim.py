@@ -39,30 +39,33 @@ def _flag(address: int) -> tuple[int, int]:
     return address // FLAG_BASE - 1, (address % FLAG_BASE) // 4
 
 
-def _data_flag(index: int):
-    """(half, source) of a DATA / DATA2 flag index, else None."""
-    if not symm.DATA <= index < symm.DATA2 + symm.HALVES * symm.PHASE_SLOTS:
-        return None
-    rel = (index - symm.DATA) % (symm.HALVES * symm.PHASE_SLOTS)
-    return rel // symm.PHASE_SLOTS, (rel % symm.PHASE_SLOTS) // symm.MAX_CHUNKS
+TOKENS = [(symm.FREE, symm.HALVES * symm.MAX_WORLD), (symm.A2A_FREE, 2 * symm.HALVES * symm.MAX_WORLD)]
+DATA_FLAGS = [(symm.DATA, 2 * symm.HALVES * symm.PHASE_SLOTS),  # DATA and DATA2 (matmul_ar's second phase)
+              (symm.A2A_DATA, 2 * symm.HALVES * symm.MAX_WORLD)]
 
 
-def _token(index: int):
-    """(half, peer) of a FREE token index, else None."""
-    if not symm.FREE <= index < symm.FREE + symm.HALVES * symm.MAX_WORLD:
-        return None
-    return divmod(index - symm.FREE, symm.MAX_WORLD)
+def _within(index: int, regions) -> bool:
+    return any(start <= index < start + size for start, size in regions)
+
+
+def _data_flag(index: int) -> bool:
+    """Whether the index is a data flag (raised by a sender, lowered by its reader)."""
+    return _within(index, DATA_FLAGS)
+
+
+def _token(index: int) -> bool:
+    """Whether the index is a token (1 while the peer has no unfinished reads)."""
+    return _within(index, TOKENS)
 
 
 class Machine:
     def __init__(self, runtimes, seed: int):
         self.runtimes, self.rng = runtimes, random.Random(seed)
         self.mem: dict[tuple[int, int], int] = defaultdict(int)
-        world = len(runtimes)
-        for rank in range(world):  # every token starts free
-            for half in range(symm.HALVES):
-                for peer in range(world):
-                    self.mem[rank, symm.FREE + half * symm.MAX_WORLD + peer] = 1
+        for rank in range(len(runtimes)):  # every token starts free
+            for start, size in TOKENS:
+                for index in range(start, start + size):
+                    self.mem[rank, index] = 1
         self.records: set = set()
         self.reading: set = set()  # (reader, flag index) of data flags a reader waited for and has not lowered
         self.buffers = [(rt.buffers[0].local.data_ptr(), rt.buffers[0].nbytes) for rt in runtimes]
@@ -85,7 +88,7 @@ class Machine:
                 self.reading.discard((rank, index))
         elif kind == "wait":
             owner, index = _flag(op[1])
-            if owner == rank and _data_flag(index) is not None:
+            if owner == rank and _data_flag(index):
                 self.reading.add((rank, index))
         elif kind == "record":
             self.records.add((rank, op[1], op[2]))
@@ -99,7 +102,7 @@ class Machine:
         next for that rank: the piece the copy lands."""
         out, nxt = [], None
         for op in reversed(ops):
-            if op[0] == "write" and op[2] == 1 and _data_flag(_flag(op[1])[1]) is not None:
+            if op[0] == "write" and op[2] == 1 and _data_flag(_flag(op[1])[1]):
                 nxt = _flag(op[1])
             if op[0] == "copy" and nxt is not None:
                 base, size = self.buffers[nxt[0]]
@@ -127,7 +130,7 @@ class Machine:
     def check_at_rest(self) -> None:
         bad = {}
         for (rank, index), value in self.mem.items():
-            if _token(index) is not None and value != 1 or _data_flag(index) is not None and value != 0:
+            if _token(index) and value != 1 or _data_flag(index) and value != 0:
                 bad[f"rank {rank} flag {index}"] = value
         if bad:
             raise NotAtRest(f"flags not at rest after every call: {bad}")

@@ -3,7 +3,9 @@
 queued -- flag waits and writes, batched take-and-signal, copies, events -- is executed by
 protocol_sim.py in several interleavings of every rank's streams: no deadlock, no copy into a
 buffer half its reader still reads, every flag back at rest.  Sequences of calls mix ops and
-piece counts, so both buffer halves are reused across ops.  Planted protocol bugs are caught."""
+piece counts, so both buffer halves are reused across ops; the attention's copy-engine
+all-to-alls run a Ulysses training step (the forward keeping its moved tensors).  Planted
+protocol bugs are caught."""
 
 from __future__ import annotations
 
@@ -108,4 +110,67 @@ def test_flags_left_raised_are_not_at_rest(monkeypatch):
     monkeypatch.setattr(symm.GroupRuntime, "done_reading", lambda self, *a, **k: None)
     queue, runtimes = _queue(2, SEQUENCES["ag"][:1])
     with pytest.raises(NotAtRest):
+        simulate(queue, runtimes, 0)
+
+
+def _a2a_calls(world: int):
+    """The attention's copy-engine all-to-alls (ce_a2a.pipelined) as a Ulysses training step
+    runs them: a forward that keeps its moved inputs and results, a backward moving dout alone
+    with three results back; 1 and 2 head groups (both buffer halves within a call)."""
+    from types import SimpleNamespace
+
+    from torch_commopt.attention import ce_a2a
+
+    group = SimpleNamespace(group_name="fake")
+    b, s_loc, d = 2, 4, 8
+    h, h_kv = 4 * world, 2 * world
+
+    def forward(groups: int, keep: bool):
+        q, k, v = torch.randn(b, h, s_loc, d), torch.randn(b, h_kv, s_loc, d), torch.randn(b, h_kv, s_loc, d)
+        hq, hk, sm = h // (groups * world), h_kv // (groups * world), s_loc * world
+        keep_in = [torch.empty(groups, b, x, sm, d) for x in (hq, hk, hk)] if keep else None
+        keep_out = [torch.empty(groups, b, hq, sm, d)] if keep else None
+        return lambda: ce_a2a.pipelined([q, k, v], lambda qh, kh, vh: [qh * 2], group, groups, [(q.shape, q.dtype)],
+                                        keep_in, keep_out)
+
+    def backward(groups: int):
+        dout = torch.randn(b, h, s_loc, d)
+        hk, sm = h_kv // (groups * world), s_loc * world
+        specs = [((b, h, s_loc, d), dout.dtype), ((b, h_kv, s_loc, d), dout.dtype), ((b, h_kv, s_loc, d), dout.dtype)]
+        return lambda: ce_a2a.pipelined([dout], lambda dh: [dh * 2, torch.ones(b, hk, sm, d), torch.ones(b, hk, sm, d)],
+                                        group, groups, specs)
+    return [forward(2, True), backward(2), forward(1, False), forward(1, True), backward(1), forward(2, True),
+            backward(2)]
+
+
+def _a2a_queue(world: int):
+    from torch_commopt.attention import ce_a2a
+
+    runtimes, queue = fake_runtimes(world, owned=(ce_a2a.PURPOSE,)), []
+    calls = [_a2a_calls(world) for _ in range(world)]  # every rank's own tensors
+    with faked_cuda(runtimes, queue) as active:
+        for i in range(len(calls[0])):
+            for rank in range(world):
+                active(rank)
+                calls[rank][i]()
+    return queue, runtimes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(world):
+    queue, runtimes = _a2a_queue(world)
+    assert sum(op[0] == "copy" for _, _, op in queue) > 50
+    for seed in range(8):
+        simulate(queue, runtimes, seed)
+
+
+def test_an_all_to_all_slot_never_released_deadlocks(monkeypatch):
+    from torch_commopt.attention import ce_a2a
+
+    def keeps_the_tokens(self, region, half):  # lowers its flags, gives no token back
+        for src in self.rt.sources:
+            self.driver.write_value32(self.compute, self.rt.flag_address(self.me, self._data(region, half, src)), 0)
+    monkeypatch.setattr(ce_a2a._Pipeline, "_release", keeps_the_tokens)
+    queue, runtimes = _a2a_queue(2)
+    with pytest.raises(Deadlock):
         simulate(queue, runtimes, 0)
