@@ -387,6 +387,11 @@ def run_kept(rank: int, world: int, seed: int = 0) -> list[str]:
             problems.append(f"{label}: kept {[(tuple(t.shape), t.dtype) for t in kept]}, want {want}")
         if not all(torch.equal(a, b) for a, b in zip((out_k, *grads), (out, *plain))):
             problems.append(f"{label}: the kept form differs from the plain one")
+        if groups > 1:  # the same depth named in the schedule: the same call
+            named = schedules.cp_attention_fwd_keep(q, k, v, **{**kw, "schedule": f"{schedule}:g={groups}",
+                                                               "head_groups": None})
+            if not all(torch.equal(a, b) for a, b in zip((named[0], *named[1]), (out_k, *kept))):
+                problems.append(f"{label}: {schedule}:g={groups} differs from head_groups={groups}")
         a2a = Counter({key: n for key, n in traffic.sent.items() if key[0] == "a2a"})
         want_a2a = Counter({("a2a", dout.numel() * 4 // groups): groups,
                             ("a2a", (q.numel() + k.numel() + v.numel()) * 4 // groups): groups})

@@ -13,14 +13,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch_commopt.attention import CPSchedule, refusal
 
 
-@pytest.mark.parametrize("text", ["allgather", "ring", "ring_zigzag", "ulysses", "hybrid:2:4", "hybrid:1:8"])
+@pytest.mark.parametrize("text", ["allgather", "ring", "ring_zigzag", "ulysses", "hybrid:2:4", "hybrid:1:8",
+                                  "ulysses:g=1", "ring_zigzag:g=2", "hybrid:2:4:g=2"])
 def test_names_round_trip(text):
     assert str(CPSchedule.parse(text)) == text and CPSchedule.parse(CPSchedule.parse(text)) == CPSchedule.parse(text)
 
 
 @pytest.mark.parametrize("text,match", [("zigzag", "unknown name"), ("ring:2", "takes no parameters"),
                                         ("hybrid:2", "hybrid:U:R"), ("hybrid:0:4", "U, R >= 1"),
-                                        ("hybrid:a:b", "hybrid:U:R")])
+                                        ("hybrid:a:b", "hybrid:U:R"), ("ring:g=2", "only"),
+                                        ("allgather:g=1", "only"), ("ulysses:g=0", ">= 1"), ("ulysses:g=x", "g=G"),
+                                        ("hybrid:2:g=2", "hybrid:U:R")])
 def test_bad_names_raise_value_error(text, match):
     with pytest.raises(ValueError, match=match):
         CPSchedule.parse(text)
@@ -41,6 +44,8 @@ def test_degrees():
     ("ring", (1, 6, 4, 16, 64), 2, True, "kv heads 4 do not divide query heads 6"),
     ("ring", (1, 8, 8, 15, 64), 2, True, "not a multiple of the world size"),
     ("allgather", (0, 8, 8, 16, 64), 2, True, "sizes must be positive"),
+    ("ulysses:g=2", (1, 8, 2, 16, 64), 2, True, "2 head groups of 2 rank(s) do not divide"),  # kv 2 over 2x2
+    ("ring_zigzag:g=4", (1, 8, 2, 16, 64), 2, True, "4 head groups of 1 rank(s) do not divide"),
 ])
 def test_refusals_say_why(sched, shape, world, causal, reason):
     assert reason in refusal(sched, shape, world, causal)
@@ -53,6 +58,16 @@ def test_refusals_say_why(sched, shape, world, causal, reason):
     ("ring", (1, 8, 1, 12, 64), 4, True), ("allgather", (1, 8, 1, 12, 64), 4, True)])
 def test_shapes_taken(sched, shape, world, causal):
     assert refusal(sched, shape, world, causal) is None
+
+
+def test_pipeline_groups_are_the_schedules_or_the_rules():
+    from torch_commopt.attention.spec import pipeline_groups
+
+    big, small = 128 << 20, 1 << 20  # one rank's q bytes: two groups of >= 32 MiB, or not
+    assert pipeline_groups("ulysses", big, 32, 8, 2) == 2 and pipeline_groups("ulysses", small, 32, 8, 2) == 1
+    assert pipeline_groups("ulysses:g=1", big, 32, 8, 2) == 1 and pipeline_groups("ulysses:g=2", small, 32, 8, 2) == 2
+    assert pipeline_groups("ring_zigzag", big, 32, 8, 2) == 2 and pipeline_groups("ring_zigzag:g=1", big, 32, 8, 2) == 1
+    assert pipeline_groups("hybrid:1:2", big, 32, 8, 2) == 1 and pipeline_groups("ring", big, 32, 8, 2) == 1
 
 
 def test_fake_impls_give_shapes_and_refuse_at_trace_time():

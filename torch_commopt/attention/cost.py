@@ -29,7 +29,7 @@ from typing import Union
 
 import torch
 
-from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal, ulysses_head_groups, zigzag_head_groups
+from torch_commopt.attention.spec import AttentionShape, CPSchedule, pipeline_groups, refusal
 
 # the backward's time over the forward's: cuDNN on an H200, B1 H32 D128 bf16, 16K-64K: 2.72
 # (causal) - 2.81 (full) (benchmarks/results/attention_blocks_h200_2026-11-23.md)
@@ -156,11 +156,10 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
     group = world if zigzag else u  # who takes part in the exchanges before and after the ring
 
     # ring_zigzag and ulysses/hybrid pipeline their relayouts / all-to-alls over G head groups
-    # (spec.zigzag_head_groups, spec.ulysses_head_groups): the ring runs G times on 1/G of the
+    # (spec.pipeline_groups: the schedule's g=G or the rule's): the ring runs G times on 1/G of the
     # heads and only the first group's inputs and the last group's results are exposed; the
     # other exchanges hide behind the rings.
-    groups = zigzag_head_groups(int(sz.q), shape.kv_heads) if zigzag \
-        else ulysses_head_groups(int(sz.q), h, shape.kv_heads, u)
+    groups = pipeline_groups(sched, int(sz.q), h, shape.kv_heads, world) if zigzag or u > 1 else 1
 
     def exchange(nbytes: float) -> float:
         return m.all_to_all(nbytes / groups, group)

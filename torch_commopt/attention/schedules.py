@@ -22,7 +22,7 @@ backward graphs.  Schedules (spec.py):
                  traffic per call, on top of the ring's (W-1) K/V shifts: worth it where the
                  causal ring's imbalance (rank W-1 does ~2x the average work) costs more.
                  Large shards pipeline the relayouts over two head groups (spec.
-                 zigzag_head_groups, _pipelined): group 2's inputs travel while group 1's ring
+                 zigzag_head_groups, or the schedule's g=G; _pipelined): group 2's inputs travel while group 1's ring
                  computes, group 1's results while group 2's does.
                  Relaying the query side only (ring.zigzag_q_plan: K/V stay contiguous, half
                  the bytes) was measured and not taken: its smaller blocks cost 12% more
@@ -31,7 +31,7 @@ backward graphs.  Schedules (spec.py):
                  A program already in zigzag layout can call ring.ring_fwd with zigzag_plan.
     ulysses      all-to-all sequence -> heads (q, k, v together), full-sequence attention on
                  H/W heads, all-to-all back (out and lse together); for large shards
-                 pipelined over two head groups (spec.ulysses_head_groups).  On CUDA the
+                 pipelined over two head groups (spec.ulysses_head_groups, or g=G).  On CUDA the
                  all-to-alls go by the copy engine straight into the attention's layout
                  (ce_a2a.py), elsewhere by comm.exchange (NCCL or gloo).
     hybrid:U:R   Ulysses over U consecutive ranks, then a contiguous ring over R of them.
@@ -50,7 +50,7 @@ from torch_commopt.attention.lane import Lane
 from torch_commopt.attention.local import acc_dtype, attend_bwd, attend_fwd, default_scale
 from torch_commopt.attention.merge import Accumulator
 from torch_commopt.attention.ring import contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
-from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal, ulysses_head_groups, zigzag_head_groups
+from torch_commopt.attention.spec import AttentionShape, CPSchedule, pipeline_groups, refusal
 from torch_commopt.kernels.reference.collectives import all_gather, reduce_scatter, resolve_group
 
 GroupLike = Union[dist.ProcessGroup, str, None]
@@ -106,13 +106,13 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
     if sched.name == "ring_zigzag" and causal:
         def ring(qz, kz, vz):
             return ring_fwd(qz, kz, vz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
-        return _zigzag_pipelined([q, k, v], ring, pg, head_groups or _head_groups(q, k))
+        return _zigzag_pipelined([q, k, v], ring, pg, _groups(sched, q, k, pg.size(), head_groups))
     ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
 
     def ring(qh, kh, vh):
         return ring_fwd(qh, kh, vh, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
     outs = [(q.shape[:3] + v.shape[3:], q.dtype), (q.shape[:3], acc_dtype(q.dtype))]
-    return _ulysses_pipelined([q, k, v], ring, ugroup, _ulysses_groups(q, k, comm.size(ugroup), head_groups), outs)
+    return _ulysses_pipelined([q, k, v], ring, ugroup, _groups(sched, q, k, pg.size(), head_groups), outs)
 
 
 def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
@@ -131,13 +131,13 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     if sched.name == "ring_zigzag" and causal:
         def ring(*zz):
             return ring_bwd(*zz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
-        return _zigzag_pipelined([dout, q, k, v, out, lse], ring, pg, head_groups or _head_groups(q, k))
+        return _zigzag_pipelined([dout, q, k, v, out, lse], ring, pg, _groups(sched, q, k, pg.size(), head_groups))
     ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
 
     def ring(*heads):
         return ring_bwd(*heads, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
     outs = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
-    groups = _ulysses_groups(q, k, comm.size(ugroup), head_groups)
+    groups = _groups(sched, q, k, pg.size(), head_groups)
     return _ulysses_pipelined([dout, q, k, v, out, lse], ring, ugroup, groups, outs)
 
 
@@ -171,11 +171,8 @@ def kept_shapes(schedule: Union[str, CPSchedule], q, k, v, world: int, head_grou
     in chunk order) -- and the lse (G, B, h_q, S_m) in float32 (float64 for float64 q)."""
     sched = CPSchedule.parse(schedule)
     (b, h, s, d), h_kv, dv = q.shape, k.shape[1], v.shape[3]
-    if sched.name == "ring_zigzag":
-        n, groups = 1, head_groups or _head_groups(q, k)
-    else:
-        n = sched.degrees(world)[0]
-        groups = _ulysses_groups(q, k, n, head_groups)
+    n = 1 if sched.name == "ring_zigzag" else sched.degrees(world)[0]
+    groups = _groups(sched, q, k, world, head_groups)
     hq, hk, sm = h // (groups * n), h_kv // (groups * n), s * n
     return [((groups, b, hq, sm, d), q.dtype), ((groups, b, hk, sm, d), k.dtype), ((groups, b, hk, sm, dv), v.dtype),
             ((groups, b, hq, sm, dv), q.dtype), ((groups, b, hq, sm), acc_dtype(q.dtype))]
@@ -259,8 +256,10 @@ def cp_attention_bwd_kept(dout: Tensor, kept: tuple[Tensor, ...], *, schedule: U
     return _ulysses_pipelined([dout], attend, ugroup, groups, outs)
 
 
-def _head_groups(q: Tensor, k: Tensor) -> int:
-    return zigzag_head_groups(q.numel() * q.element_size(), k.shape[1])
+def _groups(sched: CPSchedule, q, k, world: int, head_groups: Optional[int]) -> int:
+    """The head groups a call pipelines over: head_groups if given, else the schedule's g=G,
+    else the rule's (spec.pipeline_groups)."""
+    return head_groups or pipeline_groups(sched, q.numel() * q.element_size(), q.shape[1], k.shape[1], world)
 
 
 def _zigzag_pipelined(xs: list[Tensor], ring, group: dist.ProcessGroup, groups: int, keep_in=None, keep_out=None):
@@ -281,7 +280,7 @@ def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int, outs, keep_i
     engine where ce_a2a can (CUDA), else by comm's all-to-alls (_pipelined).  Group g takes
     heads [g*h/G, (g+1)*h/G) of every tensor, which the all-to-all splits again over the n
     Ulysses ranks, so every query head keeps its K/V head.  outs: the results' (shape, dtype)
-    in the sequence layout; groups: G (_ulysses_groups); keep_in / keep_out as _pipelined's."""
+    in the sequence layout; groups: G (_groups); keep_in / keep_out as _pipelined's."""
     n = comm.size(ugroup)
     if n == 1:  # the ring schedule (hybrid:1:W): nothing moves
         return tuple(ring(*xs))
@@ -300,10 +299,6 @@ def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int, outs, keep_i
     def shape(s):
         return (s[0], n * s[1], s[2] // n) + tuple(s[3:])
     return _pipelined("ulysses", xs, there, ring, back, shape, groups, keep_in, keep_out)
-
-
-def _ulysses_groups(q: Tensor, k: Tensor, n: int, head_groups: Optional[int]) -> int:
-    return head_groups or ulysses_head_groups(q.numel() * q.element_size(), q.shape[1], k.shape[1], n)
 
 
 def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, groups: int, keep_in=None, keep_out=None):

@@ -9,6 +9,12 @@ String form (what the custom ops carry):
     hybrid:U:R     Ulysses over groups of U consecutive ranks, a ring over R such groups
                    (U * R = W); hybrid:W:1 is ulysses, hybrid:1:W is ring.
 
+The schedules that move their inputs (ulysses, hybrid, ring_zigzag) pipeline the moves over
+head groups; `:g=G` names the depth (e.g. ulysses:g=1, hybrid:2:2:g=2), else the rule below
+(ulysses_head_groups, zigzag_head_groups) picks it.  G splits the attention into G calls
+(on one H200 at 16K tokens, MHA, two calls cost 0.2 ms more forward and 0.3 ms backward than
+one: benchmarks/results/probe_attention_streams_h200_2026-11-25) against the moves it hides.
+
 Every schedule takes the program's contiguous layout: rank r holds tokens [r*S_loc, (r+1)*S_loc).
 """
 
@@ -35,8 +41,10 @@ class CPSchedule:
     name: str
     ulysses: int = 0
     ring: int = 0
+    groups: int = 0  # head groups its moves are pipelined over (0: the rule's choice)
 
     NAMES: ClassVar[tuple[str, ...]] = ("allgather", "ring", "ring_zigzag", "ulysses", "hybrid")
+    PIPELINED: ClassVar[tuple[str, ...]] = ("ring_zigzag", "ulysses", "hybrid")
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -46,22 +54,33 @@ class CPSchedule:
             raise ValueError(f"cp schedule: hybrid needs degrees U, R >= 1, got {degrees}")
         if self.name != "hybrid" and degrees != (0, 0):
             raise ValueError(f"cp schedule: {self.name} takes no degrees, got {degrees}")
+        if self.groups < 0 or self.groups and self.name not in self.PIPELINED:
+            raise ValueError(f"cp schedule: head groups g={self.groups} for {self.name} (only {self.PIPELINED} "
+                             "pipeline over head groups, g >= 1)")
 
     @classmethod
     def parse(cls, text: Union[str, "CPSchedule"]) -> "CPSchedule":
         if isinstance(text, CPSchedule):
             return text
         name, *rest = text.strip().split(":")
+        groups = 0
+        if rest and rest[-1].startswith("g="):
+            if not rest[-1][2:].isdigit():
+                raise ValueError(f"cp schedule: head groups are written g=G (e.g. ulysses:g=2), got {text!r}")
+            groups = int(rest.pop()[2:])
+            if groups < 1:
+                raise ValueError(f"cp schedule: head groups must be >= 1, got {text!r}")
         if name != "hybrid":
             if rest:
-                raise ValueError(f"cp schedule: {name} takes no parameters, got {text!r}")
-            return cls(name)
+                raise ValueError(f"cp schedule: {name} takes no parameters but g=G, got {text!r}")
+            return cls(name, groups=groups)
         if len(rest) != 2 or not all(r.isdigit() for r in rest):
             raise ValueError(f"cp schedule: hybrid is written hybrid:U:R (e.g. hybrid:2:4), got {text!r}")
-        return cls("hybrid", int(rest[0]), int(rest[1]))
+        return cls("hybrid", int(rest[0]), int(rest[1]), groups)
 
     def __str__(self) -> str:
-        return f"hybrid:{self.ulysses}:{self.ring}" if self.name == "hybrid" else self.name
+        text = f"hybrid:{self.ulysses}:{self.ring}" if self.name == "hybrid" else self.name
+        return f"{text}:g={self.groups}" if self.groups else text
 
     def degrees(self, world: int) -> tuple[int, int]:
         """(Ulysses degree, ring degree) over a group of `world` ranks."""
@@ -134,4 +153,21 @@ def refusal(schedule: Union[str, CPSchedule], shape: Union[AttentionShape, tuple
     if u > 1 and (h % u or h_kv % u):
         return (f"the all-to-all splits heads over {u} ranks, but heads {h} / kv heads {h_kv} "
                 f"are not both divisible by {u} (K/V heads are never replicated)")
+    parts = sched.groups * (u if sched.name != "ring_zigzag" else 1)
+    if sched.groups and (h % parts or h_kv % parts):
+        return f"{sched.groups} head groups of {parts // sched.groups} rank(s) do not divide heads {h} / kv heads {h_kv}"
     return None
+
+
+def pipeline_groups(schedule: Union[str, CPSchedule], q_bytes: int, heads: int, kv_heads: int, world: int) -> int:
+    """The head groups a schedule pipelines its moves over: its g=G, else the rule's
+    (zigzag_head_groups, ulysses_head_groups); 1 for the schedules that move nothing.
+    q_bytes: this rank's q."""
+    sched = CPSchedule.parse(schedule)
+    if sched.groups:
+        return sched.groups
+    if sched.name == "ring_zigzag":
+        return zigzag_head_groups(q_bytes, kv_heads)
+    if sched.name in ("ulysses", "hybrid"):
+        return ulysses_head_groups(q_bytes, heads, kv_heads, sched.degrees(world)[0])
+    return 1
