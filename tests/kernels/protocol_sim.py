@@ -39,9 +39,10 @@ def _flag(address: int) -> tuple[int, int]:
     return address // FLAG_BASE - 1, (address % FLAG_BASE) // 4
 
 
-TOKENS = [(symm.FREE, symm.HALVES * symm.MAX_WORLD), (symm.A2A_FREE, 2 * symm.HALVES * symm.MAX_WORLD)]
+TOKENS = [(symm.FREE, symm.HALVES * symm.MAX_WORLD), (symm.A2A_FREE, 2 * symm.HALVES * symm.MAX_WORLD),
+          (symm.RING_FREE, 2 * symm.HALVES)]
 DATA_FLAGS = [(symm.DATA, 2 * symm.HALVES * symm.PHASE_SLOTS),  # DATA and DATA2 (matmul_ar's second phase)
-              (symm.A2A_DATA, 2 * symm.HALVES * symm.MAX_WORLD)]
+              (symm.A2A_DATA, 2 * symm.HALVES * symm.MAX_WORLD), (symm.RING_DATA, 2 * symm.HALVES)]
 
 
 def _within(index: int, regions) -> bool:

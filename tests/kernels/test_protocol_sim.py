@@ -4,8 +4,8 @@ queued -- flag waits and writes, batched take-and-signal, copies, events -- is e
 protocol_sim.py in several interleavings of every rank's streams: no deadlock, no copy into a
 buffer half its reader still reads, every flag back at rest.  Sequences of calls mix ops and
 piece counts, so both buffer halves are reused across ops; the attention's copy-engine
-all-to-alls run a Ulysses training step (the forward keeping its moved tensors).  Planted
-protocol bugs are caught."""
+all-to-alls run a Ulysses training step (the forward keeping its moved tensors), and the
+copy-engine ring runs rings on both channels.  Planted protocol bugs are caught."""
 
 from __future__ import annotations
 
@@ -172,5 +172,55 @@ def test_an_all_to_all_slot_never_released_deadlocks(monkeypatch):
             self.driver.write_value32(self.compute, self.rt.flag_address(self.me, self._data(region, half, src)), 0)
     monkeypatch.setattr(ce_a2a._Pipeline, "_release", keeps_the_tokens)
     queue, runtimes = _a2a_queue(2)
+    with pytest.raises(Deadlock):
+        simulate(queue, runtimes, 0)
+
+
+def _ring_queue(world: int):
+    """attention/ce_ring.CEShift (its pushes are tensor copies, so only its flags and events are
+    recorded): two rings one after the other on channel 0 and one on channel 1 between them,
+    each of world - 1 steps, as a ring attention call runs them."""
+    from types import SimpleNamespace
+
+    from torch_commopt.attention import ce_ring
+
+    group = SimpleNamespace(group_name="fake")
+    runtimes, queue = fake_runtimes(world, owned=(ce_ring.PURPOSE,)), []
+    with faked_cuda(runtimes, queue) as active:
+        for channel in (0, 1, 0):
+            shifts = []
+            for rank in range(world):
+                active(rank)
+                shifts.append(ce_ring.CEShift([torch.randn(2, 4, 8), torch.randn(2, 4, 8)], group, channel))
+            for _ in range(world - 1):
+                for rank, shift in enumerate(shifts):
+                    active(rank)
+                    shift.start()
+                for rank, shift in enumerate(shifts):
+                    active(rank)
+                    shift.wait()
+            for rank, shift in enumerate(shifts):
+                active(rank)
+                shift.finish()
+    return queue, runtimes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_copy_engine_ring_neither_deadlocks_and_comes_to_rest(world):
+    queue, runtimes = _ring_queue(world)
+    assert any(op[0] == "wait" for _, _, op in queue)
+    for seed in range(8):
+        simulate(queue, runtimes, seed)
+
+
+def test_a_ring_slot_never_given_back_deadlocks_the_next_ring(monkeypatch):
+    from torch_commopt.attention import ce_ring
+
+    def keeps_the_token(self):  # lowers its data flag only
+        if self.held is not None:
+            data = self._index(self.symm.RING_DATA, self.held)
+            self.symm.driver.write_value32(self.compute, self.rt.flag_address(self.rt.rank, data), 0)
+    monkeypatch.setattr(ce_ring.CEShift, "_release", keeps_the_token)
+    queue, runtimes = _ring_queue(2)
     with pytest.raises(Deadlock):
         simulate(queue, runtimes, 0)
