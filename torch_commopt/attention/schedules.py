@@ -171,7 +171,7 @@ def kept_shapes(schedule: Union[str, CPSchedule], q, k, v, world: int, head_grou
     in chunk order) -- and the lse (G, B, h_q, S_m) in float32 (float64 for float64 q)."""
     sched = CPSchedule.parse(schedule)
     (b, h, s, d), h_kv, dv = q.shape, k.shape[1], v.shape[3]
-    n = 1 if sched.name == "ring_zigzag" else sched.degrees(world)[0]
+    n = _spread(sched, world)
     groups = _groups(sched, q, k, world, head_groups)
     hq, hk, sm = h // (groups * n), h_kv // (groups * n), s * n
     return [((groups, b, hq, sm, d), q.dtype), ((groups, b, hk, sm, d), k.dtype), ((groups, b, hk, sm, dv), v.dtype),
@@ -180,8 +180,7 @@ def kept_shapes(schedule: Union[str, CPSchedule], q, k, v, world: int, head_grou
 
 def unkept_shapes(schedule: Union[str, CPSchedule], q_m, k_m, v_m, world: int) -> list[tuple]:
     """The sequence-layout shapes of q, k, v (dq, dk, dv) from their kept tensors."""
-    sched = CPSchedule.parse(schedule)
-    n = 1 if sched.name == "ring_zigzag" else sched.degrees(world)[0]
+    n = _spread(CPSchedule.parse(schedule), world)
 
     def seq(x):
         groups, b, h, sm, d = x.shape
@@ -203,22 +202,14 @@ def cp_attention_fwd_keep(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[st
     kept = [torch.empty(shape, dtype=dt, device=q.device) for shape, dt in
             kept_shapes(sched, q, k, v, pg.size(), head_groups)]
     groups, step = kept[0].shape[0], iter(range(kept[0].shape[0]))
+    plan, ring_group, ugroup = _ring_of(sched, pg, causal)
 
     def attend(*moved):
-        out_h, lse_h = ring(*moved)
+        out_h, lse_h = ring_fwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
         kept[4][next(step)].copy_(lse_h)
         return (out_h,)
-    if sched.name == "ring_zigzag":
-        def ring(*zz):
-            return ring_fwd(*zz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
-        (out,) = _zigzag_pipelined([q, k, v], attend, pg, groups, kept[:3], kept[3:4])
-    else:
-        ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
-
-        def ring(*heads):
-            return ring_fwd(*heads, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
-        (out,) = _ulysses_pipelined([q, k, v], attend, ugroup, groups, [(q.shape[:3] + v.shape[3:], q.dtype)],
-                                    kept[:3], kept[3:4])
+    (out,) = _moved(sched, [q, k, v], attend, pg, ugroup, groups, [(q.shape[:3] + v.shape[3:], q.dtype)],
+                    kept[:3], kept[3:4])
     return out, tuple(kept)
 
 
@@ -241,19 +232,37 @@ def cp_attention_bwd_kept(dout: Tensor, kept: tuple[Tensor, ...], *, schedule: U
                          f"do not fit ({reason or 'the shapes disagree, or the schedule keeps nothing'})")
     scale = default_scale(q_m.shape[-1], scale)
     groups, step = q_m.shape[0], iter(range(q_m.shape[0]))
-    plan, ring_group = (zigzag_plan(True), pg) if sched.name == "ring_zigzag" else (contiguous_plan(causal), None)
-    ugroup = None
-    if ring_group is None:
-        ugroup, ring_group = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
+    plan, ring_group, ugroup = _ring_of(sched, pg, causal)
 
     def attend(dout_h):
         g = next(step)
         return ring_bwd(dout_h, q_m[g], k_m[g], v_m[g], out_m[g], lse_m[g], scale=scale, plan=plan, group=ring_group,
                         backend=backend)
-    if sched.name == "ring_zigzag":
-        return _zigzag_pipelined([dout], attend, pg, groups)
     outs = [(shape, t.dtype) for shape, t in zip(shapes, (q_m, k_m, v_m))]
-    return _ulysses_pipelined([dout], attend, ugroup, groups, outs)
+    return _moved(sched, [dout], attend, pg, ugroup, groups, outs)
+
+
+def _spread(sched: CPSchedule, world: int) -> int:
+    """The ranks a head group's heads are split over where the schedule moves them: the
+    Ulysses degree (ring_zigzag moves sequence chunks, not heads: 1)."""
+    return 1 if sched.name == "ring_zigzag" else sched.degrees(world)[0]
+
+
+def _ring_of(sched: CPSchedule, pg: dist.ProcessGroup, causal: bool):
+    """(ring plan, ring group, Ulysses group) of a schedule that moves its inputs: ring_zigzag's
+    ring over the whole group on the zigzag chunks, else the hybrid's two sub-groups."""
+    if sched.name == "ring_zigzag":
+        return zigzag_plan(True), pg, None
+    ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
+    return contiguous_plan(causal), rgroup, ugroup
+
+
+def _moved(sched: CPSchedule, xs, attend, pg, ugroup, groups: int, outs, keep_in=None, keep_out=None):
+    """attend per head group, its inputs moved there and its results back: ring_zigzag's
+    relayouts, else Ulysses's all-to-alls (outs: the results' sequence-layout specs)."""
+    if sched.name == "ring_zigzag":
+        return _zigzag_pipelined(xs, attend, pg, groups, keep_in, keep_out)
+    return _ulysses_pipelined(xs, attend, ugroup, groups, outs, keep_in, keep_out)
 
 
 def _groups(sched: CPSchedule, q, k, world: int, head_groups: Optional[int]) -> int:
