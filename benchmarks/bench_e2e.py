@@ -49,7 +49,7 @@ import torch.distributed as dist  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from step_profile import breakdown  # noqa: E402
+from step_profile import breakdown, format_idle, split  # noqa: E402
 
 VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model", "inductor+cudagraphs", "commopt graphs"]
 # commopt variants' optimize() options; "... no concat-K" (not run by default) isolates what
@@ -243,7 +243,11 @@ def report(rows: list[dict], meta: dict) -> str:
               "gpu_busy: the union of all kernels and copies over gpu_span, the first to the last; host "
               "enqueue: the median time until step() returned, before the synchronize):", ""]
     for r in rows:
-        lines.append(f"- {r['backend']}: {r['breakdown_ms']}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms")
+        lines.append(f"- {r['backend']}: {split(r['breakdown_ms'])[0]}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms")
+    idle = [x for r in rows for x in format_idle(r["backend"], split(r["breakdown_ms"])[1])]
+    if idle:
+        lines += ["", "Where the device sat idle in that step (rank 0; the kernel before and after each gap; a wait "
+                  "for a peer's copy-engine push shows as a gap before the kernel that reads it):", "", *idle]
     for r in rows:
         if r.get("host_profile"):
             lines += ["", f"Host profile ({r['backend']}, rank 0; own ms/step | cumulative ms/step | calls/step | "

@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from step_profile import breakdown  # noqa: E402
+from step_profile import breakdown, format_idle, split  # noqa: E402
 
 FIXED = ["sequential", "ce_push:1", "ce_push:2", "direct:1"]
 TARGET_S = 20e-3
@@ -208,7 +208,10 @@ def report(res: dict, meta: dict) -> str:
     if res.get("breakdown_ms"):
         lines += ["", "Device time of one step by kernel category (rank 0, ms; overlapped kernels both count; gpu_busy: "
                   "the union of all kernels and copies over gpu_span):", ""]
-        lines += [f"- {k}: {v}" for k, v in res["breakdown_ms"].items()]
+        lines += [f"- {k}: {split(v)[0]}" for k, v in res["breakdown_ms"].items()]
+        idle = [x for k, v in res["breakdown_ms"].items() for x in format_idle(k, split(v)[1])]
+        if idle:
+            lines += ["", "Where the device sat idle in that step (rank 0; the kernel before and after each gap):", "", *idle]
     lines += ["", "## Searched plan (per region)", ""]
     for p in res["plans"].get("searched", []):
         lines.append(f"- {p['graph']} {p['region']} ({p['kind']}): {p['schedule']}")

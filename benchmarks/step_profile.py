@@ -5,6 +5,11 @@ returns ms per category, summed over kernels (overlapped kernels both count, so 
 exceed the step), plus gpu_span (first kernel start to last end) and gpu_busy (the union of
 every kernel and copy interval over that span).  Every rank of a distributed step must run it
 (the step's collectives), even where only one rank keeps the result.
+
+`idle_gaps` names what the device waited between: each stretch of the step where no kernel or
+copy ran, with the kernel that ended before it and the one that started after it.  In a
+copy-engine schedule a peer's push into this rank runs on the peer's copy engine, so waiting for
+it shows here as idle time before the kernel that reads the data.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ def breakdown(step, sync) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         sync()
-    totals: dict[str, float] = {}
+    totals: dict = {}
     # GPU idle: the union of every kernel / copy interval of the step against its span
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    spans = sorted((lo, hi) for _, lo, hi in events)
     busy, last = 0.0, None
     for lo, hi in spans:
         if last is None or lo > last:
@@ -45,4 +51,53 @@ def breakdown(step, sync) -> dict[str, float]:
         name = evt.key.lower()
         cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
         totals[cat] = totals.get(cat, 0.0) + ms
-    return {k: round(v, 3) for k, v in sorted(totals.items())}
+    out = {k: round(v, 3) for k, v in sorted(totals.items())}
+    out["idle_gaps"] = idle_gaps(events)
+    return out
+
+
+def _short(name: str, width: int = 48) -> str:
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def idle_gaps(events: list[tuple[str, float, float]], min_us: float = 5.0, top: int = 10) -> dict:
+    """Where the device sat idle: `events` are (name, start_us, end_us) of every kernel and copy.
+    Returns the idle total over gaps of at least `min_us`, the largest gaps (offset from the first
+    event, length, the kernel before and the one after; in us) and the gaps summed by their
+    (before, after) pair, largest first (ms)."""
+    events = sorted(events, key=lambda e: (e[1], e[2]))
+    gaps, last_end, last_name = [], None, None
+    for name, lo, hi in events:
+        if last_end is not None and lo - last_end >= min_us:
+            gaps.append((lo - last_end, last_end, last_name, name))
+        if last_end is None or hi > last_end:
+            last_end, last_name = hi, name
+    t0 = events[0][1] if events else 0.0
+    pairs: dict[tuple[str, str], list[float]] = {}
+    for length, at, before, after in gaps:
+        acc = pairs.setdefault((_short(before), _short(after)), [0.0, 0])
+        acc[0] += length
+        acc[1] += 1
+    largest = sorted(gaps, reverse=True)[:top]
+    return {"idle_ms": round(sum(g[0] for g in gaps) / 1e3, 3), "gaps": len(gaps), "min_us": min_us,
+            "largest": [{"at_ms": round((at - t0) / 1e3, 3), "us": round(length, 1), "before": _short(before),
+                         "after": _short(after)} for length, at, before, after in largest],
+            "by_pair": [{"before": b, "after": a, "ms": round(v[0] / 1e3, 3), "count": v[1]}
+                        for (b, a), v in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
+def split(breakdown_ms: dict | None) -> tuple[dict, dict | None]:
+    """The category totals and the idle-gap summary of one `breakdown` (either may be absent)."""
+    b = dict(breakdown_ms or {})
+    return b, b.pop("idle_gaps", None)
+
+
+def format_idle(label: str, idle: dict | None) -> list[str]:
+    """Markdown lines for one idle-gap summary."""
+    if not idle:
+        return []
+    lines = [f"- {label}: idle {idle['idle_ms']} ms in {idle['gaps']} gaps of >= {idle['min_us']:g} us; by "
+             "(before -> after): " + "; ".join(f"{p['before']} -> {p['after']} {p['ms']} ms x{p['count']}"
+                                               for p in idle["by_pair"][:6])]
+    lines += [f"  - at {g['at_ms']} ms: {g['us']} us, {g['before']} -> {g['after']}" for g in idle["largest"][:5]]
+    return lines

@@ -1,0 +1,39 @@
+"""The step profiler's idle-gap attribution (benchmarks/step_profile.py), on synthetic timelines."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from step_profile import format_idle, idle_gaps, split  # noqa: E402
+
+
+def test_gaps_are_named_by_the_last_to_end_and_the_next_to_start():
+    # a long GEMM overlaps a short copy that ends first: the gap after them follows the GEMM
+    events = [("gemm_a", 0.0, 100.0), ("memcpy", 10.0, 40.0), ("gemm_b", 130.0, 200.0),
+              ("add", 203.0, 210.0),  # 3 us: under the threshold
+              ("gemm_a", 260.0, 300.0), ("gemm_b", 320.0, 330.0)]
+    got = idle_gaps(events, min_us=5.0)
+    assert got["gaps"] == 3
+    assert got["idle_ms"] == round((30 + 50 + 20) / 1e3, 3)
+    assert [g["us"] for g in got["largest"]] == [50.0, 30.0, 20.0]
+    assert got["largest"][0] == {"at_ms": 0.21, "us": 50.0, "before": "add", "after": "gemm_a"}
+    pairs = {(p["before"], p["after"]): (p["ms"], p["count"]) for p in got["by_pair"]}
+    assert pairs == {("gemm_a", "gemm_b"): (0.05, 2), ("add", "gemm_a"): (0.05, 1)}
+
+
+def test_no_events_and_no_gaps():
+    assert idle_gaps([])["gaps"] == 0
+    busy = idle_gaps([("k", 0.0, 10.0), ("k", 10.0, 20.0), ("c", 5.0, 25.0)])
+    assert busy["gaps"] == 0 and busy["idle_ms"] == 0 and busy["largest"] == []
+
+
+def test_long_names_are_cut_and_reports_split_out_the_gaps():
+    name = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1"
+    got = idle_gaps([(name, 0.0, 1.0), (name, 11.0, 12.0)])
+    assert len(got["largest"][0]["before"]) == 48 and got["largest"][0]["before"].endswith("...")
+    totals, idle = split({"gemm": 1.0, "idle_gaps": got})
+    assert totals == {"gemm": 1.0} and idle is got
+    lines = format_idle("commopt", idle)
+    assert lines[0].startswith("- commopt: idle 0.01 ms in 1 gaps") and "x1" in lines[0]
+    assert split(None) == ({}, None) and format_idle("x", None) == []
