@@ -1,7 +1,8 @@
 """Command line: `python -m torch_commopt demo [--world N] [--schedule S] [--chunks C]` and
 `python -m torch_commopt calibrate [--world N] [--backend B] [--cache-dir D]` and
 `python -m torch_commopt explain --shape KIND:ROWSxKxN [--world N] [--device NAME]` and
-`python -m torch_commopt tune (--shape KIND:ROWSxKxN ... | --model demo) [--world N] [--cache-dir D]`."""
+`python -m torch_commopt tune (--shape KIND:ROWSxKxN ... --attention B,H,HKV,S,D[:causal][:train] ... |
+--model demo) [--world N] [--cache-dir D]`."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--cache-dir", default=None)
     tune = sub.add_parser("tune", help="time the candidates of region shapes (or a model) now and fill the tuner cache")
     tune.add_argument("--shape", action="append", default=[], help="KIND:ROWSxKxN[,N2...] as for explain")
+    tune.add_argument("--attention", action="append", default=[],
+                      help="B,H,HKV,S,D[:causal][:train]: a context-parallel attention's global q/k/v shape, "
+                           "timed forward (or forward + backward with :train)")
     tune.add_argument("--model", choices=["demo"], help="run this model once with mode='autotune' instead")
     tune.add_argument("--world", type=int, default=2)
     tune.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
@@ -52,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print(explain_shapes(args.shape, args.world, args.device, args.dtype, args.cache_dir))
         return 0
     if args.command == "tune":
-        if bool(args.shape) == bool(args.model):
-            parser.error("tune: give --shape (one or more) or --model, not both")
+        if bool(args.shape or args.attention) == bool(args.model):
+            parser.error("tune: give --shape / --attention (one or more) or --model, not both")
         if args.model:
             from torch_commopt.demo import run_demo
 
@@ -61,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "autotune_top_k": args.top_k, "cuda_graphs": args.cuda_graphs}, args.backend)
         from torch_commopt.tuner.tune import run_tune
 
-        print(run_tune(args.shape, args.world, args.backend, args.dtype, args.cache_dir, args.top_k, args.cuda_graphs))
+        print(run_tune(args.shape, args.world, args.backend, args.dtype, args.cache_dir, args.top_k, args.cuda_graphs,
+                       args.attention))
         return 0
     if args.command == "calibrate":
         from torch_commopt.tuner.calibrate import run_calibration

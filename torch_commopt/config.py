@@ -40,7 +40,11 @@ class Config:
         counts of its first and `sequential`) are timed by every rank at the region's
         first call, on that call's inputs (slowest rank counts); the fastest runs from
         then on and is cached, so later compiles emit it directly.  explain adds the
-        measured times.
+        measured times.  Context-parallel attention regions run the schedule the tuner
+        cache holds for their shape (measured by `python -m torch_commopt tune --attention
+        ...` or `torch_commopt.attention.tune.measure_and_store`; a training graph's kept
+        tensors take the schedule's shapes when it is traced, so it cannot be timed at the
+        first call), else the attention model's pick, noted in explain.
         "fixed": `schedule` must name the schedule (and its parameters).
     autotune_top_k: how many of the model's best candidates autotune times per region.
     memory_budget_mib: with mode="model", the extra device memory (MiB) the chosen schedules
@@ -68,7 +72,9 @@ class Config:
         checksum all-gather each) and raises a clear error where they differ.
     attention_schedule: the context-parallel attention schedule of the regions the "attention"
         pattern rewrites (attention/rewrite.py: inference graphs): "auto" (the attention cost
-        model's first) or a name: allgather, ring, ring_zigzag, ulysses, hybrid:U:R.
+        model's first, or with mode="autotune" the measured winner where the tuner cache has
+        one) or a name: allgather, ring, ring_zigzag, ulysses, hybrid:U:R, with `:g=G` for the
+        head-group depth of ring_zigzag, ulysses and hybrid.
     regather_for_backward: save each forward all-gather's shard instead of its gathered
         result for backward; the backward gathers again (passes/regather.py): (W-1)/W of each
         gathered activation's memory for one more all-gather per region in backward.

@@ -34,9 +34,10 @@ def _allgather_cp_bshd(q, k, v, gqa: bool):
 
 
 def compiled_cp(rank: int, world: int, layout: str, heads: tuple[int, int], grad: bool, schedule: str = "auto",
-                causal: bool = False):
+                causal: bool = False, options: dict | None = None):
     """(max relative error of the output -- and with grad=True of dq, dk, dv -- vs full
-    attention on the whole sequence, explain notes, all-gathers left in the compiled graphs)."""
+    attention on the whole sequence, explain notes, all-gathers left in the compiled graphs).
+    options: more Config options."""
     h, h_kv = heads
     b, s_loc, d = 2, 8, 16
     gen = torch.Generator().manual_seed(3)
@@ -54,7 +55,7 @@ def compiled_cp(rank: int, world: int, layout: str, heads: tuple[int, int], grad
         fn = _allgather_cp_bshd
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    compiled = torch.compile(fn, backend="commopt", options={"attention_schedule": schedule})
+    compiled = torch.compile(fn, backend="commopt", options={"attention_schedule": schedule, **(options or {})})
     errs = []
     if grad:
         local = [t.requires_grad_(True) for t in local]

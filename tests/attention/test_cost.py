@@ -153,5 +153,6 @@ def test_a_training_graph_ranks_schedules_by_forward_and_backward(monkeypatch):
     fwd = rank_schedules(shape, world=2, causal=True, dtype="bfloat16", machine=MACHINE)
     both = rank_schedules(shape, world=2, causal=True, dtype="bfloat16", machine=MACHINE, backward=True)
     assert fwd[0][0] != both[0][0]
-    assert rewrite._choose(region, "auto") == (fwd[0][0], fwd)
-    assert rewrite._choose(region, "auto", backward=True) == (both[0][0], both)
+    assert rewrite._choose(region, "auto")[:2] == (fwd[0][0], fwd)
+    chosen, ranked, why = rewrite._choose(region, "auto", backward=True)
+    assert (chosen, ranked) == (both[0][0], both) and why.startswith("predicted forward + backward: ")

@@ -31,7 +31,7 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.attention.detect import ATTENTION_BACKWARD, AttentionRegion, _reshaped_dim, find_attention
-from torch_commopt.attention.rewrite import (_choose, _local, _shown, describe, insert_training_backward,
+from torch_commopt.attention.rewrite import (_choose, _local, describe, insert_training_backward,
                                              insert_training_forward, ranks_disagree)
 from torch_commopt.passes.chains import add_node
 from torch_commopt.attention import schedules, ulysses_joint
@@ -52,9 +52,11 @@ class NotMatched(Exception):
 
 
 def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_timeout_s: float | None = None,
-                            cache_dir: str | None = None) -> list[str]:
+                            cache_dir: str | None = None, *, mode: str = "auto", top_k: int = 4,
+                            tune_timeout_s: float = 300.0) -> list[str]:
     """Rewrite every all-gather CP attention of a joint graph whose backward matches; notes.
-    consistency_timeout_s: check the decisions across ranks first (None: no check)."""
+    consistency_timeout_s: check the decisions across ranks first (None: no check); mode, top_k,
+    tune_timeout_s: as rewrite.rewrite_attention."""
     if not any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
         return []  # an inference graph (Inductor runs joint passes on those too): rewrite.py takes it
     regions, skips = find_attention(graph)
@@ -69,21 +71,21 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
             plans[id(region)] = _match(region) if region.form == "allgather_kv" else ulysses_joint.match(region)
         except (NotMatched, Unsupported) as e:
             notes.append(f"{describe(region)}: not rewritten ({e})")
-    choices = {id(r): _choose(r, schedule, cache_dir, backward=True) for r in regions if id(r) in plans}
+    choices = {id(r): _choose(r, schedule, cache_dir, tune_timeout_s, backward=True, mode=mode, top_k=top_k)
+               for r in regions if id(r) in plans}
     disagree = ranks_disagree(regions, skips, choices, consistency_timeout_s)
     if disagree:
         return notes + [disagree]
     for region in regions:
         if id(region) in plans:
-            chosen, ranked = choices[id(region)]
+            chosen, _, why = choices[id(region)]
             if region.form == "allgather_kv":
                 _apply(graph, region, plans[id(region)], chosen)
             else:
                 ulysses_joint.apply(graph, region, plans[id(region)], chosen)
             kept = schedules.moves_inputs(chosen, region.world, region.causal)
             form = ", kept form: the backward moves dout alone" if kept else ""
-            notes.append(f"{describe(region)}: cp_attention_fwd/bwd {chosen} in the joint graph{form} "
-                         f"(predicted forward + backward: {_shown(ranked)})")
+            notes.append(f"{describe(region)}: cp_attention_fwd/bwd {chosen} in the joint graph{form} ({why})")
     return notes
 
 

@@ -44,15 +44,19 @@ RESIZE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 
 
 def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
-                      consistency_timeout_s: float | None = None, cache_dir: str | None = None) -> list[str]:
+                      consistency_timeout_s: float | None = None, cache_dir: str | None = None,
+                      mode: str = "auto", top_k: int = 4, tune_timeout_s: float = 300.0) -> list[str]:
     """Find the graph's context-parallel attention; rewrite it where it can run as
     cp_attention_fwd (inference graphs).  One explain note per region and per skip.
-    consistency_timeout_s: check the decisions across ranks first (None: no check)."""
+    consistency_timeout_s: check the decisions across ranks first (None: no check); mode,
+    top_k: Config.mode and autotune_top_k (_choose); tune_timeout_s: how long a rank waits for
+    rank 0's calibration or cached answer."""
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
     plans: dict[int, ulysses.UlyssesPlan] = {}
     reasons = {id(r): _why_kept(r, inference, plans) for r in regions}
-    choices = {id(r): _choose(r, schedule, cache_dir) for r in regions if reasons[id(r)] is None}
+    choices = {id(r): _choose(r, schedule, cache_dir, tune_timeout_s, mode=mode, top_k=top_k)
+               for r in regions if reasons[id(r)] is None}
     if inference:
         disagree = ranks_disagree(regions, skips, choices, consistency_timeout_s)
         if disagree:
@@ -62,12 +66,12 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
         if reasons[id(region)] is not None:
             notes.append(f"{what}: {reasons[id(region)]}")
             continue
-        chosen, ranked = choices[id(region)]
+        chosen, _, why = choices[id(region)]
         if region.form == "ulysses":
             _apply_ulysses(graph, region, plans[id(region)], chosen)
         else:
             _apply(graph, region, chosen)
-        notes.append(f"{what}: cp_attention_fwd {chosen} (predicted: {_shown(ranked)})")
+        notes.append(f"{what}: cp_attention_fwd {chosen} ({why})")
     for note in notes:
         log.info("commopt: %s", note)
     return notes
@@ -126,32 +130,61 @@ def _unsupported(region: AttentionRegion) -> str | None:
 
 
 def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None,
-            timeout_s: float = 300.0, *, backward: bool = False) -> tuple[str, list[tuple[str, float]]]:
-    """(schedule, ranked predictions): the named one (checked), else the attention model's
-    first with the machine's tuner calibration (rank 0's; else the priors).  backward: rank
-    by forward + backward (a training graph runs both), else by the forward."""
+            timeout_s: float = 300.0, *, backward: bool = False, mode: str = "auto",
+            top_k: int = 4) -> tuple[str, list[tuple[str, float]], str]:
+    """(schedule, ranked predictions, why, for explain): the named one (checked); else with
+    mode="autotune" rank 0's cached measurement of this shape (attention/tune.py) where there is
+    one; else the attention model's first with the machine's tuner calibration (rank 0's; else
+    the priors).  backward: rank and measure forward + backward (a training graph runs both),
+    else the forward."""
     q = val(region.inputs["q"])
-    ranked = rank_schedules(region.shape, world=region.world, causal=region.causal, dtype=q.dtype,
-                            machine=_machine(q, region, cache_dir, timeout_s), backward=backward)
+    machine = _machine(q, region, cache_dir, timeout_s)
+    dtype = str(q.dtype).removeprefix("torch.")
+    ranked = rank_schedules(region.shape, world=region.world, causal=region.causal, dtype=dtype,
+                            machine=machine, backward=backward)
+    shown = f"predicted{' forward + backward' if backward else ''}: {_shown(ranked)}"
     if schedule != "auto":
         why = refusal(schedule, region.shape, region.world, region.causal)
         if why is not None:
             raise ValueError(f"Config.attention_schedule: {schedule!r} cannot take {tuple(region.shape)} over "
                              f"{region.world} ranks: {why}")
-        return schedule, ranked
-    return ranked[0][0], ranked
+        return schedule, ranked, f"named by Config.attention_schedule; {shown}"
+    if mode != "autotune":
+        return ranked[0][0], ranked, shown
+    from torch_commopt.attention import tune
+    from torch_commopt.tuner.choose import device_name
+
+    _, top, key = tune.question(region.shape, region.world, region.causal, dtype, backward, device_name(q.device),
+                                machine, top_k)
+    entry = tune.cached(key, region.group_name, cache_dir, timeout_s)
+    if entry is None:
+        b, h, h_kv, seq, d = region.shape
+        spec = f"{b},{h},{h_kv},{seq},{d}" + (":causal" if region.causal else "") + (":train" if backward else "")
+        return ranked[0][0], ranked, (f"{shown}; autotune: this shape was not measured (`python -m torch_commopt "
+                                      f"tune --attention {spec} --world {region.world}` measures it): the model's pick")
+    measured = sorted(entry["measured_ms"].items(), key=lambda kv: kv[1])
+    return entry["schedule"], ranked, ("measured: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in measured[:5])
+                                       + f" (cached); {shown}")
 
 
 def _machine(q: torch.Tensor, region: AttentionRegion, cache_dir: str | None, timeout_s: float) -> CPMachine:
+    return machine_for(q.device, region.world, region.group_name, str(q.dtype).removeprefix("torch."), cache_dir,
+                       timeout_s)
+
+
+def machine_for(device: torch.device, world: int, group_name: str | None, dtype: str, cache_dir: str | None,
+                timeout_s: float) -> CPMachine:
+    """The attention model's machine: from the tuner calibration of `device` over `world` ranks
+    (rank 0's), else the round figures (MACHINES)."""
     from torch_commopt.attention.cost import machine_from_calibration
     from torch_commopt.tuner.choose import calibration_for
 
     try:
-        cal = calibration_for(q.device, region.world, region.group_name, cache_dir, timeout_s)
-        return machine_from_calibration(cal, str(q.dtype).removeprefix("torch."))
+        cal = calibration_for(device, world, group_name, cache_dir, timeout_s)
+        return machine_from_calibration(cal, dtype)
     except (KeyError, ValueError, RuntimeError) as e:  # no usable calibration: the round figures
-        log.info("commopt attention: no calibration for %s (%s); using the round figures", q.device, e)
-        return MACHINES["cuda" if q.device.type == "cuda" else "cpu"]
+        log.info("commopt attention: no calibration for %s (%s); using the round figures", device, e)
+        return MACHINES["cuda" if device.type == "cuda" else "cpu"]
 
 
 def _apply(graph: Graph, region: AttentionRegion, schedule: str) -> None:

@@ -34,7 +34,9 @@ class JointPass(CustomGraphPass):
 
             try:
                 timeout = self.config.consistency_timeout_s if self.config.check_rank_consistency else None
-                notes += rewrite_joint_attention(graph, self.config.attention_schedule, timeout, self.config.cache_dir)
+                notes += rewrite_joint_attention(graph, self.config.attention_schedule, timeout, self.config.cache_dir,
+                                                 mode=self.config.mode, top_k=self.config.autotune_top_k,
+                                                 tune_timeout_s=self.config.consistency_timeout_s)
             except Exception as e:  # noqa: BLE001 - the joint graph is left as far as it got: each
                 # region is edited only after it matched, so a failure leaves whole regions
                 log.exception("commopt: attention rewrite of the joint graph stopped")

@@ -95,7 +95,8 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         timeout = config.consistency_timeout_s if config.check_rank_consistency else None
         _graph_rewrite("attention rewrite", lambda: rewrite_attention(
             graph, inference=report.graph_kind == "inference", schedule=config.attention_schedule,
-            consistency_timeout_s=timeout, cache_dir=config.cache_dir), report)
+            consistency_timeout_s=timeout, cache_dir=config.cache_dir, mode=config.mode, top_k=config.autotune_top_k,
+            tune_timeout_s=config.consistency_timeout_s), report)
     try:
         from torch_commopt.passes.ar_split import find_ar_splits
 

@@ -1,0 +1,168 @@
+"""Measured choice of a context-parallel attention schedule (Config.mode = "autotune").
+
+The attention model (attention/cost.py) ranks the schedules; with mode="autotune" the rewrite
+asks the tuner cache -- rank 0's answer, published through the c10d store (tuner/decide.py) --
+for a measurement of the region's shape and runs its winner.  The measurement is made outside
+the compile: `python -m torch_commopt tune --attention B,H,HKV,S,D[:causal][:train]` on the
+program's GPUs, or `measure_and_store` from a script whose process group is up (every rank).
+Where the cache has none, the model's pick runs and explain says how to measure.
+
+Why not at the first call, as the matmul regions do (tuner/autotune.py): a training graph's
+kept tensors have the chosen schedule's shapes (schedules.kept_shapes), fixed when the graph is
+traced, so the schedule cannot change after the compile.
+
+What is timed: the model's top-k, every head-group depth of the pipelined schedules among them
+(`ulysses:g=1` against the rule's two groups: the split's cost against the moves it hides is a
+near-tie the model does not order -- benchmarks/results/probe_attention_streams_h200_2026-11-25)
+and the all-gather reference; forward alone for an inference graph, forward + backward (the
+autograd pair the training rewrite emits) for a training graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from torch_commopt.attention.cost import _dtype, rank_schedules
+from torch_commopt.attention.spec import ULYSSES_MAX_HEAD_GROUPS, AttentionShape, CPSchedule, pipeline_groups, refusal
+
+log = logging.getLogger("torch_commopt.attention.tune")
+
+
+def timed_candidates(ranked: list[tuple[str, float]], shape: AttentionShape, world: int, causal: bool,
+                     dtype: str, top_k: int) -> list[str]:
+    """What a measurement times for the model's ranking: its top_k, the other head-group depths
+    (g=1..ULYSSES_MAX_HEAD_GROUPS, where they differ from the depth the rule gives the plain
+    name) of each pipelined schedule among them, and `allgather`."""
+    b, h, h_kv, seq, d = AttentionShape(*shape)
+    q_bytes = b * h * (seq // world) * d * _dtype(dtype).itemsize
+    top = [name for name, _ in ranked[:top_k]]
+    for name in list(top):
+        sched = CPSchedule.parse(name)
+        if sched.name not in CPSchedule.PIPELINED or sched.groups:
+            continue
+        rule = pipeline_groups(sched, q_bytes, h, h_kv, world)
+        for g in range(1, ULYSSES_MAX_HEAD_GROUPS + 1):
+            variant = str(CPSchedule(sched.name, sched.ulysses, sched.ring, g))
+            if g != rule and variant not in top and refusal(variant, shape, world, causal) is None:
+                top.append(variant)
+    if "allgather" not in top and any(name == "allgather" for name, _ in ranked):
+        top.append("allgather")
+    return top
+
+
+def cache_key(shape: AttentionShape, world: int, causal: bool, dtype: str, backward: bool, device: str,
+              candidates: list[str]) -> dict[str, Any]:
+    """The tuner-cache key of one attention measurement (everything that changes the answer)."""
+    from torch_commopt.tuner.choose import machine_key
+
+    return {"question": "attention", **machine_key(device, world), "shape": list(AttentionShape(*shape)),
+            "causal": bool(causal), "dtype": dtype, "backward": bool(backward), "candidates": list(candidates)}
+
+
+def question(shape: AttentionShape, world: int, causal: bool, dtype: str, backward: bool, device: str, machine,
+             top_k: int) -> tuple[list[tuple[str, float]], list[str], dict[str, Any]]:
+    """(the model's ranking, the candidates to time, the cache key) of one attention shape: the
+    one definition the rewrite and the tune command share, so a prefilled cache answers the
+    rewrite."""
+    ranked = rank_schedules(shape, world=world, causal=causal, dtype=dtype, machine=machine, backward=backward)
+    top = timed_candidates(ranked, AttentionShape(*shape), world, causal, dtype, top_k)
+    return ranked, top, cache_key(shape, world, causal, dtype, backward, device, top)
+
+
+def cached(key: dict[str, Any], group_name: Optional[str], cache_dir: Optional[str],
+           timeout_s: float) -> Optional[dict[str, Any]]:
+    """Rank 0's cached measurement of `key` ({"schedule", "measured_ms"}) on every rank, or None."""
+    from torch_commopt.tuner.cache import TunerCache
+    from torch_commopt.tuner.decide import decide
+
+    cache = TunerCache(cache_dir)
+    entry = decide(group_name, key, lambda: cache.get(key), timeout_s)
+    ok = (isinstance(entry, dict) and entry.get("schedule") in key["candidates"]
+          and isinstance(entry.get("measured_ms"), dict))
+    return entry if ok else None
+
+
+def runner(shape: AttentionShape, causal: bool, dtype: torch.dtype, backward: bool, group_name: str,
+           device: torch.device, seed: int = 0):
+    """run(schedule): one call of the schedule on fresh random shards of this rank (the
+    program's contiguous layout), forward or forward + backward."""
+    from torch_commopt.attention.ops import cp_attention
+    from torch_commopt.kernels.reference.collectives import resolve_group
+
+    b, h, h_kv, seq, d = AttentionShape(*shape)
+    group = resolve_group(group_name)
+    world, rank = group.size(), dist.get_rank(group)
+    if seq % world:
+        raise ValueError(f"commopt attention tune: sequence {seq} is not a multiple of the world size {world}")
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    s_loc = seq // world
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(b, heads, s_loc, d, generator=gen).to(device, dtype)
+
+    q, k, v = rand(h), rand(h_kv), rand(h_kv)
+    if not backward:
+        def run(schedule: str):
+            return torch.ops.commopt.cp_attention_fwd(q, k, v, schedule, causal, None, world, group_name)[0]
+        return run
+    dout = rand(h)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def run(schedule: str):
+        for x in leaves:
+            x.grad = None
+        out = cp_attention(*leaves, schedule=schedule, causal=causal, group=group)
+        out.backward(dout)
+        return out
+    return run
+
+
+def measure_and_store(shape: AttentionShape, causal: bool, dtype: torch.dtype, backward: bool, *,
+                      group=None, cache_dir: Optional[str] = None, top_k: int = 4,
+                      timeout_s: float = 300.0) -> tuple[str, dict[str, float]]:
+    """Time the candidates of one attention shape on `group` (a ProcessGroup, its name, or None
+    for the default group; every rank calls it, at the same point) and store the winner where
+    the rewrite looks: (winner, {schedule: ms}).
+    shape: the global (batch, heads, kv_heads, seq, head_dim) of q/k/v."""
+    from torch_commopt.attention.rewrite import machine_for
+    from torch_commopt.attention.schedules import as_group
+    from torch_commopt.tuner.autotune import measure_candidates
+    from torch_commopt.tuner.cache import TunerCache
+    from torch_commopt.tuner.choose import device_name
+
+    group = as_group(group)
+    group_name, world = group.group_name, group.size()
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+              else torch.device("cpu"))
+    dtype_name = str(dtype).removeprefix("torch.")
+    machine = machine_for(device, world, group_name, dtype_name, cache_dir, timeout_s)
+    shape = AttentionShape(*shape)
+    _, top, key = question(shape, world, causal, dtype_name, backward, device_name(device), machine, top_k)
+    label = f"attention {tuple(shape)}{' causal' if causal else ''}{' fwd+bwd' if backward else ' fwd'}"
+    measured = measure_candidates(runner(shape, causal, dtype, backward, group_name, device), top, group_name,
+                                  device, label)
+    best = min(measured, key=lambda s: (measured[s], s))
+    if dist.get_rank() == dist.get_process_group_ranks(group)[0]:
+        TunerCache(cache_dir).put(key, {"schedule": best, "measured_ms": measured})
+    log.info("commopt attention tune: %s -> %s %s", label, best, {s: round(t, 4) for s, t in measured.items()})
+    return best, measured
+
+
+def parse_spec(spec: str) -> tuple[AttentionShape, bool, bool]:
+    """"B,H,HKV,S,D[:causal][:train]" -> (shape, causal, backward)."""
+    dims, *flags = spec.split(":")
+    try:
+        shape = AttentionShape(*(int(x) for x in dims.split(",")))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"commopt tune: bad --attention {spec!r} (want B,H,HKV,S,D[:causal][:train]): {e}") from e
+    unknown = set(flags) - {"causal", "train"}
+    if unknown:
+        raise ValueError(f"commopt tune: unknown flag(s) {sorted(unknown)} in --attention {spec!r} "
+                         "(known: causal, train)")
+    if min(shape) < 1 or shape.heads % shape.kv_heads:
+        raise ValueError(f"commopt tune: --attention {spec!r}: sizes must be positive and kv heads must divide heads")
+    return shape, "causal" in flags, "train" in flags
