@@ -88,6 +88,31 @@ def test_fake_impls_give_shapes_and_refuse_at_trace_time():
             torch.ops.commopt.cp_attention_fwd(q, k, v, "ulysses", True, None, 4, "x", "auto")
 
 
+def test_kept_pair_fakes_give_shapes_and_refuse_kept_tensors_that_do_not_fit():
+    import torch_commopt.attention  # noqa: F401  (registers the ops)
+
+    with FakeTensorMode():
+        q, k, v = torch.empty(2, 8, 6, 64), torch.empty(2, 4, 6, 64), torch.empty(2, 4, 6, 32)
+        out, *kept = torch.ops.commopt.cp_attention_fwd_keep(q, k, v, "ulysses:g=2", False, None, 2, "x", "auto")
+        # 2 head groups of 8 / (2 groups x 2 ranks) = 2 query heads over the whole sequence (12)
+        assert [tuple(t.shape) for t in kept] == [(2, 2, 2, 12, 64), (2, 2, 1, 12, 64), (2, 2, 1, 12, 32),
+                                                  (2, 2, 2, 12, 32), (2, 2, 2, 12)]
+        dout = torch.empty(2, 8, 6, 32)
+        dq, dk, dv = torch.ops.commopt.cp_attention_bwd_kept(dout, *kept, "ulysses:g=2", False, None, 2, "x", "auto")
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        with pytest.raises(ValueError, match="do not fit"):  # dout of another head dim
+            torch.ops.commopt.cp_attention_bwd_kept(torch.empty(2, 8, 6, 64), *kept, "ulysses:g=2", False, None, 2,
+                                                    "x", "auto")
+        with pytest.raises(ValueError, match="do not fit"):  # out kept for another sequence length
+            torch.ops.commopt.cp_attention_bwd_kept(dout, *kept[:3], torch.empty(2, 2, 2, 10, 32), kept[4],
+                                                    "ulysses:g=2", False, None, 2, "x", "auto")
+        with pytest.raises(ValueError, match="do not fit"):  # ring moves nothing: it has no kept form
+            torch.ops.commopt.cp_attention_bwd_kept(dout, *kept, "ring", False, None, 2, "x", "auto")
+        with pytest.raises(ValueError, match="are not"):
+            torch.ops.commopt.cp_attention_bwd_kept(dout, *kept[:4], torch.empty(2, 2, 2, 12, 1), "ulysses:g=2",
+                                                    False, None, 2, "x", "auto")
+
+
 def test_import_touches_neither_cuda_nor_a_process_group():
     code = ("import torch, torch.distributed as dist, torch_commopt.attention\n"
             "assert not torch.cuda.is_initialized() and not dist.is_initialized()\n"

@@ -126,7 +126,8 @@ def _(q, k, v, schedule, causal, scale, group_size, group_name, backend="auto"):
 
 @torch.library.register_fake("commopt::cp_attention_bwd_kept")
 def _(dout, q_kept, k_kept, v_kept, out_kept, lse_kept, schedule, causal, scale, group_size, group_name, backend="auto"):
-    shapes = schedules.unkept_shapes(schedule, q_kept, k_kept, v_kept, group_size)
+    shapes = schedules.check_kept(CPSchedule.parse(schedule), dout, (q_kept, k_kept, v_kept, out_kept, lse_kept),
+                                  group_size, causal)
     return tuple(x.new_empty(shape) for x, shape in zip((q_kept, k_kept, v_kept), shapes))
 
 

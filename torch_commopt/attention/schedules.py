@@ -103,16 +103,12 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
         return ring_fwd(q, k, v, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
     if sched.name == "allgather":
         return _allgather_fwd(q, k, v, causal, scale, pg, backend)
-    if sched.name == "ring_zigzag" and causal:
-        def ring(qz, kz, vz):
-            return ring_fwd(qz, kz, vz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
-        return _zigzag_pipelined([q, k, v], ring, pg, _groups(sched, q, k, pg.size(), head_groups))
-    ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
+    plan, ring_group, ugroup = _ring_of(sched, pg, causal)
 
-    def ring(qh, kh, vh):
-        return ring_fwd(qh, kh, vh, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
+    def attend(*moved):
+        return ring_fwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
     outs = [(q.shape[:3] + v.shape[3:], q.dtype), (q.shape[:3], acc_dtype(q.dtype))]
-    return _ulysses_pipelined([q, k, v], ring, ugroup, _groups(sched, q, k, pg.size(), head_groups), outs)
+    return _moved(sched, causal, [q, k, v], attend, pg, ugroup, _groups(sched, q, k, pg.size(), head_groups), outs)
 
 
 def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
@@ -128,17 +124,13 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         return ring_bwd(dout, q, k, v, out, lse, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
     if sched.name == "allgather":
         return _allgather_bwd(dout, q, k, v, out, lse, causal, scale, pg, backend)
-    if sched.name == "ring_zigzag" and causal:
-        def ring(*zz):
-            return ring_bwd(*zz, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
-        return _zigzag_pipelined([dout, q, k, v, out, lse], ring, pg, _groups(sched, q, k, pg.size(), head_groups))
-    ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
+    plan, ring_group, ugroup = _ring_of(sched, pg, causal)
 
-    def ring(*heads):
-        return ring_bwd(*heads, scale=scale, plan=contiguous_plan(causal), group=rgroup, backend=backend)
+    def attend(*moved):
+        return ring_bwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
     outs = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
-    groups = _groups(sched, q, k, pg.size(), head_groups)
-    return _ulysses_pipelined([dout, q, k, v, out, lse], ring, ugroup, groups, outs)
+    return _moved(sched, causal, [dout, q, k, v, out, lse], attend, pg, ugroup,
+                  _groups(sched, q, k, pg.size(), head_groups), outs)
 
 
 # ---- the training forms of the schedules that move their inputs ------------------------------
@@ -208,7 +200,7 @@ def cp_attention_fwd_keep(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[st
         out_h, lse_h = ring_fwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
         kept[4][next(step)].copy_(lse_h)
         return (out_h,)
-    (out,) = _moved(sched, [q, k, v], attend, pg, ugroup, groups, [(q.shape[:3] + v.shape[3:], q.dtype)],
+    (out,) = _moved(sched, causal, [q, k, v], attend, pg, ugroup, groups, [(q.shape[:3] + v.shape[3:], q.dtype)],
                     kept[:3], kept[3:4])
     return out, tuple(kept)
 
@@ -220,16 +212,8 @@ def cp_attention_bwd_kept(dout: Tensor, kept: tuple[Tensor, ...], *, schedule: U
     Only dout moves to the attention's layout (head group by head group, as the forward's
     groups); returns dq, dk, dv in the sequence layout, typed as q, k, v."""
     pg, sched = as_group(group), CPSchedule.parse(schedule)
-    if len(kept) != len(KEPT):
-        raise ValueError(f"cp attention {sched}: want the kept {KEPT}, got {len(kept)} tensors")
+    shapes = check_kept(sched, dout, kept, pg.size(), causal)
     q_m, k_m, v_m, out_m, lse_m = kept
-    shapes = unkept_shapes(sched, q_m, k_m, v_m, pg.size())
-    reason = refusal(sched, AttentionShape(shapes[0][0], shapes[0][1], shapes[1][1], shapes[0][2] * pg.size(),
-                                           shapes[0][3]), pg.size(), causal)
-    if reason is not None or not moves_inputs(sched, pg.size(), causal) or tuple(dout.shape) != \
-            shapes[0][:3] + (v_m.shape[-1],):
-        raise ValueError(f"cp attention {sched}: dout {tuple(dout.shape)} and kept {[tuple(t.shape) for t in kept]} "
-                         f"do not fit ({reason or 'the shapes disagree, or the schedule keeps nothing'})")
     scale = default_scale(q_m.shape[-1], scale)
     groups, step = q_m.shape[0], iter(range(q_m.shape[0]))
     plan, ring_group, ugroup = _ring_of(sched, pg, causal)
@@ -239,7 +223,30 @@ def cp_attention_bwd_kept(dout: Tensor, kept: tuple[Tensor, ...], *, schedule: U
         return ring_bwd(dout_h, q_m[g], k_m[g], v_m[g], out_m[g], lse_m[g], scale=scale, plan=plan, group=ring_group,
                         backend=backend)
     outs = [(shape, t.dtype) for shape, t in zip(shapes, (q_m, k_m, v_m))]
-    return _moved(sched, [dout], attend, pg, ugroup, groups, outs)
+    return _moved(sched, causal, [dout], attend, pg, ugroup, groups, outs)
+
+
+def check_kept(sched: CPSchedule, dout, kept, world: int, causal: bool) -> list[tuple]:
+    """The sequence-layout shapes of dq, dk, dv (unkept_shapes) for dout and the kept tensors of
+    cp_attention_fwd_keep (tensors or fakes); a clear error where they do not fit the schedule
+    (wrong count, shapes that disagree with each other or with dout, a schedule that keeps
+    nothing)."""
+    if len(kept) != len(KEPT):
+        raise ValueError(f"cp attention {sched}: want the kept {KEPT}, got {len(kept)} tensors")
+    got = [tuple(t.shape) for t in kept]
+    if any(len(x) != 5 for x in got[:4]) or len(got[4]) != 4:
+        raise ValueError(f"cp attention {sched}: kept {got} are not (G, B, h, S_m, D) x 4 and (G, B, h, S_m)")
+    q_m, k_m, v_m, out_m, lse_m = kept
+    shapes = unkept_shapes(sched, q_m, k_m, v_m, world)
+    reason = refusal(sched, AttentionShape(shapes[0][0], shapes[0][1], shapes[1][1], shapes[0][2] * world,
+                                           shapes[0][3]), world, causal)
+    agree = (got[3] == got[0][:4] + (got[2][4],) and got[4] == got[0][:4] and got[1] == got[2][:4] + (got[1][4],)
+             and got[1][:2] == got[0][:2] and got[1][3] == got[0][3])
+    if reason is not None or not moves_inputs(sched, world, causal) or not agree or \
+            tuple(dout.shape) != shapes[0][:3] + (got[2][4],):
+        raise ValueError(f"cp attention {sched}: dout {tuple(dout.shape)} and kept {got} do not fit "
+                         f"({reason or 'the shapes disagree, or the schedule keeps nothing'})")
+    return shapes
 
 
 def _spread(sched: CPSchedule, world: int) -> int:
@@ -249,18 +256,21 @@ def _spread(sched: CPSchedule, world: int) -> int:
 
 
 def _ring_of(sched: CPSchedule, pg: dist.ProcessGroup, causal: bool):
-    """(ring plan, ring group, Ulysses group) of a schedule that moves its inputs: ring_zigzag's
-    ring over the whole group on the zigzag chunks, else the hybrid's two sub-groups."""
-    if sched.name == "ring_zigzag":
+    """(ring plan, ring group, Ulysses group) of a ring-based schedule on a contiguous program:
+    causal ring_zigzag's ring over the whole group on the zigzag chunks, else the hybrid's two
+    sub-groups (ring: a Ulysses group of one; ulysses: a ring of one; ring_zigzag without a
+    mask: ring)."""
+    if sched.name == "ring_zigzag" and causal:
         return zigzag_plan(True), pg, None
     ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
     return contiguous_plan(causal), rgroup, ugroup
 
 
-def _moved(sched: CPSchedule, xs, attend, pg, ugroup, groups: int, outs, keep_in=None, keep_out=None):
-    """attend per head group, its inputs moved there and its results back: ring_zigzag's
-    relayouts, else Ulysses's all-to-alls (outs: the results' sequence-layout specs)."""
-    if sched.name == "ring_zigzag":
+def _moved(sched: CPSchedule, causal: bool, xs, attend, pg, ugroup, groups: int, outs, keep_in=None, keep_out=None):
+    """attend per head group, its inputs moved there and its results back: causal ring_zigzag's
+    relayouts, else Ulysses's all-to-alls (none for a Ulysses group of one; outs: the results'
+    sequence-layout specs)."""
+    if sched.name == "ring_zigzag" and causal:
         return _zigzag_pipelined(xs, attend, pg, groups, keep_in, keep_out)
     return _ulysses_pipelined(xs, attend, ugroup, groups, outs, keep_in, keep_out)
 
