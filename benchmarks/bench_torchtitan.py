@@ -53,7 +53,8 @@ def run_variant(name: str, args, out: pathlib.Path, ngpu: int) -> dict:
            "--training.seq_len", str(args.seq), "--training.local_batch_size", str(args.batch),
            "--model.flavor", args.flavor, "--debug.seed", "0",
            "--model.hf_assets_path", f"{args.assets}/tokenizer", "--training.dataset_path", f"{args.assets}/c4_test",
-           "--job.dump_folder", f"/tmp/tt_outputs/{name}", *VARIANTS[name], *shlex.split(args.extra)]
+           "--job.dump_folder", f"/tmp/tt_outputs/{name}", "--training.dtype", args.dtype, *VARIANTS[name],
+           *shlex.split(args.extra)]
     env = dict(os.environ)
     if args.profile_step:  # benchmarks/tt_profile.py: one step under torch.profiler, tables in the log
         cmd += ["--experimental.custom_import", "benchmarks.tt_profile"]
@@ -75,7 +76,8 @@ def run_variant(name: str, args, out: pathlib.Path, ngpu: int) -> dict:
     losses = [steps[s][0] for s in sorted(steps)]
     tps = [steps[s][2] for s in sorted(steps)][max(1, len(steps) // 4):]  # past compile and warm-up
     tokens_per_step = args.batch * args.seq  # TP over all GPUs, data-parallel degree 1: one batch a step
-    rec = {"model": f"llama3 {args.flavor}", "tp": ngpu, "seq": args.seq, "batch": args.batch, "backend": name,
+    rec = {"model": f"llama3 {args.flavor}", "tp": ngpu, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
+           "backend": name,
            "returncode": rc, "steps_logged": len(steps), "losses": losses,
            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
            "tokens_per_s": statistics.median(tps) * ngpu if tps else None,  # torchtitan's tps is per GPU
@@ -87,11 +89,12 @@ def run_variant(name: str, args, out: pathlib.Path, ngpu: int) -> dict:
 def report(meta: dict, records: list[dict]) -> str:
     lines = [f"# torchtitan {meta['torchtitan']} with commopt vs inductor ({meta['device']})", "",
              f"torch {meta['torch']}, commit {meta['commit']}, {meta['date']}; command: `{meta['command']}`", "",
-             "| backend | tp | seq | batch | rc | steps | step ms | tokens/s | peak GiB | loss first | loss last |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| backend | tp | seq | batch | dtype | rc | steps | step ms | tokens/s | peak GiB | loss first | loss last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     for r in records:
-        lines.append(f"| {r['backend']} | {r['tp']} | {r['seq']} | {r['batch']} | {r['returncode']} | "
+        lines.append(f"| {r['backend']} | {r['tp']} | {r['seq']} | {r['batch']} | {r.get('dtype', '?')} | "
+                     f"{r['returncode']} | "
                      f"{r['steps_logged']} | {fmt(r['step_ms'], '.1f')} | {fmt(r['tokens_per_s'], ',.0f')} | "
                      f"{fmt(r['peak_mem_gib'], '.2f')} | {fmt(r['loss_first'], '.4f')} | {fmt(r['loss_last'], '.4f')} |")
     if len(records) == 2 and all(r["losses"] for r in records):
@@ -113,6 +116,10 @@ def main() -> None:
     ap.add_argument("--assets", default="/tmp/tt_assets")
     ap.add_argument("--variants", default="commopt,inductor")
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="training.dtype of every variant: torchtitan 0.2.2 gives TP without FSDP no mixed "
+                         "precision, so float32 trains in full fp32 (the runs before 2026-11-25 did: ~870 ms a "
+                         "step at 8B_4layers TP=2)")
     ap.add_argument("--extra", default="", help="more torchtitan CLI arguments for every variant")
     ap.add_argument("--commit", default="?")
     ap.add_argument("--profile-step", dest="profile_step", type=int, default=0,

@@ -163,3 +163,23 @@ def test_synthetic_assets(tmp_path):
     again = tmp_path / "again"
     write_debug_assets(str(again), docs=5, words_per_doc=20)
     assert (again / "c4_test" / "data.json").read_text() == "\n".join(json.dumps({"text": d}) for d in docs) + "\n"
+
+
+def test_a_tp_job_without_fsdp_that_would_train_in_float32_is_warned_about():
+    """torchtitan 0.2.2 gives TP without FSDP no mixed precision (pytorch/torchtitan#630)."""
+    from types import SimpleNamespace as NS
+
+    from torch_commopt.integrations.torchtitan.parallelize import fp32_tp_warning
+
+    def dims(tp=1, pp=1, fsdp=False):
+        return NS(tp_enabled=tp > 1, pp_enabled=pp > 1, fsdp_enabled=fsdp)
+
+    def job(dtype="float32", mp="bfloat16"):
+        return NS(training=NS(dtype=dtype, mixed_precision_param=mp))
+
+    assert "trains in float32" in fp32_tp_warning(dims(tp=2), job())
+    assert "trains in float32" in fp32_tp_warning(dims(pp=2), job())
+    assert fp32_tp_warning(dims(tp=2), job(dtype="bfloat16")) is None  # the recipe's toml
+    assert fp32_tp_warning(dims(tp=2, fsdp=True), job()) is None  # fully_shard's mixed precision
+    assert fp32_tp_warning(dims(), job()) is None  # one device / DDP: torchtitan's autocast
+    assert fp32_tp_warning(dims(tp=2), job(mp="float32")) is None  # float32 asked for

@@ -53,6 +53,7 @@ def test_cli_overrides_reach_the_section():
 def test_the_example_toml_parses_and_the_cli_wins():
     cfg = _parse(["--job.config_file", EXAMPLE_TOML])
     assert cfg.model.name == TRAIN_SPEC_NAME and cfg.parallelism.tensor_parallel_degree == 2
+    assert cfg.training.dtype == "bfloat16"  # TP without FSDP: torchtitan would train in fp32 (fp32_tp_warning)
     assert cfg.commopt.enable and cfg.commopt.schedule == "auto"
     assert cfg.experimental.custom_import == "torch_commopt.integrations.torchtitan.register"
     cfg = _parse(["--job.config_file", EXAMPLE_TOML, "--commopt.schedule", "sequential", "--commopt.no-enable"])
@@ -183,7 +184,9 @@ def _train(assets, tmp_path, nproc, *args):
            "--job.config_file", EXAMPLE_TOML, "--job.dump_folder", str(out / "dump"),
            "--model.hf_assets_path", tok_dir, "--training.dataset_path", data_dir,
            "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
-           "--debug.seed", "7", "--metrics.log_freq", "1", *args]
+           "--debug.seed", "7", "--metrics.log_freq", "1",
+           "--training.dtype", "float32",  # the toml's bf16 is for GPUs; fp32 keeps the comparisons tight
+           *args]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = []
@@ -214,6 +217,15 @@ def test_smoke_tp2_sp_trains_like_eager(assets, tmp_path):
     ours = _train(assets, tmp_path, 2)
     losses = _check(ours, eager, rewritten={"ag_matmul", "matmul_rs"}, rtol=1e-5)
     print("TP=2 losses (commopt):", losses, "eager:", eager[0]["losses"])
+
+
+def test_smoke_tp2_in_bf16_as_the_toml_sets(assets, tmp_path):
+    """The toml's training.dtype = bfloat16 (what the GPU runs use): TP=2 + SP trains through
+    commopt's rewritten regions, losses within bf16 noise of the job without commopt."""
+    eager = _train(assets, tmp_path, 2, "--commopt.no-enable", "--training.dtype", "bfloat16")
+    ours = _train(assets, tmp_path, 2, "--training.dtype", "bfloat16")
+    losses = _check(ours, eager, rewritten={"ag_matmul", "matmul_rs"}, rtol=2e-2)
+    print("TP=2 bf16 losses (commopt):", losses, "eager:", eager[0]["losses"])
 
 
 def test_smoke_fsdp2_compiles_the_sharded_blocks(assets, tmp_path):

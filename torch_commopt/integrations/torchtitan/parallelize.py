@@ -49,11 +49,34 @@ def compile_blocks(model: nn.Module, config: Config) -> int:
     return len(blocks)
 
 
+def fp32_tp_warning(parallel_dims: Any, job_config: Any) -> str | None:
+    """Why this job would train in float32 without meaning to, or None.  torchtitan 0.2.2 applies
+    `training.mixed_precision_param` through fully_shard (FSDP or CP on) or torch.autocast
+    (DDP or one device) but not to tensor or pipeline parallelism without FSDP
+    (distributed/utils.py maybe_enable_amp; pytorch/torchtitan#630): such a job runs its
+    matmuls and attention in float32 unless `training.dtype` is bfloat16.  On 2x H200 that made
+    the 8B_4layers TP=2 step ~870 ms against 159 ms at TP=1 (bf16 by autocast) and its peak
+    memory higher (fp32 attention takes the math path)."""
+    if parallel_dims.fsdp_enabled or not (parallel_dims.tp_enabled or parallel_dims.pp_enabled):
+        return None
+    training = job_config.training
+    if training.dtype != "float32" or training.mixed_precision_param == "float32":
+        return None
+    return ("torchtitan applies no mixed precision to tensor/pipeline parallelism without FSDP "
+            "(maybe_enable_amp; pytorch/torchtitan#630): this job trains in float32 (full-precision matmuls: "
+            "torchtitan turns on no TF32; attention on the math path: flash and cuDNN take no float32).  Set "
+            "training.dtype = \"bfloat16\" (the recipe's toml does) or shard with FSDP")
+
+
 def parallelize_llama_commopt(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
     """torchtitan's parallelize_llama, then each TransformerBlock compiled by commopt when
-    `job_config.commopt.enable` (the TrainSpec's parallelize_fn of "llama3_commopt")."""
+    `job_config.commopt.enable` (the TrainSpec's parallelize_fn of "llama3_commopt").  Warns
+    (fp32_tp_warning) where the job would train in float32 without asking to."""
     from torchtitan.models.llama3.infra.parallelize import parallelize_llama
 
+    warning = fp32_tp_warning(parallel_dims, job_config)
+    if warning:
+        log.warning("commopt recipe: %s", warning)
     section = commopt_section(job_config)
     if not section.enable:
         return parallelize_llama(model, parallel_dims, job_config)
