@@ -37,6 +37,8 @@ STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.naNinf]+).*?memory:\s*([\d.]+)
 VARIANTS = {
     "commopt": ["--commopt.enable", "--compile.enable", "--compile.components", "loss"],  # loss by inductor, as below
     "inductor": ["--commopt.no-enable", "--compile.enable"],
+    # torchtitan's async TP: Inductor's micro-pipeline pass (needs its model compile)
+    "inductor+async-TP": ["--commopt.no-enable", "--compile.enable", "--parallelism.enable_async_tensor_parallel"],
 }
 
 
@@ -97,12 +99,19 @@ def report(meta: dict, records: list[dict]) -> str:
                      f"{r['returncode']} | "
                      f"{r['steps_logged']} | {fmt(r['step_ms'], '.1f')} | {fmt(r['tokens_per_s'], ',.0f')} | "
                      f"{fmt(r['peak_mem_gib'], '.2f')} | {fmt(r['loss_first'], '.4f')} | {fmt(r['loss_last'], '.4f')} |")
-    if len(records) == 2 and all(r["losses"] for r in records):
-        a, b = records[0]["losses"], records[1]["losses"]
-        diff = max(abs(x - y) for x, y in zip(a, b))
-        lines += ["", f"Largest per-step loss difference: {diff:.4f} over {min(len(a), len(b))} steps.", "",
-                  "Losses: " + "; ".join(f"{r['backend']}: " + ", ".join(f"{x:.3f}" for x in r["losses"])
-                                         for r in records)]
+    ref = next((r for r in records if r["backend"] == "inductor" and r["losses"]), None)
+    others = [r for r in records if r is not ref and r["losses"]]
+    if ref is not None and others:
+        lines.append("")
+        for r in others:
+            diff = max(abs(x - y) for x, y in zip(r["losses"], ref["losses"]))
+            speed = (f", {r['tokens_per_s'] / ref['tokens_per_s']:.3f}x its tokens/s"
+                     if r["tokens_per_s"] and ref["tokens_per_s"] else "")
+            lines.append(f"- {r['backend']} vs inductor: largest per-step loss difference {diff:.4f} over "
+                         f"{min(len(r['losses']), len(ref['losses']))} steps{speed}.")
+    if any(r["losses"] for r in records):
+        lines += ["", "Losses: " + "; ".join(f"{r['backend']}: " + ", ".join(f"{x:.3f}" for x in r["losses"])
+                                             for r in records if r["losses"])]
     return "\n".join(lines) + "\n"
 
 
@@ -114,7 +123,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--assets", default="/tmp/tt_assets")
-    ap.add_argument("--variants", default="commopt,inductor")
+    ap.add_argument("--variants", default="commopt,inductor,inductor+async-TP", help=f"of {sorted(VARIANTS)}")
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="training.dtype of every variant: torchtitan 0.2.2 gives TP without FSDP no mixed "
