@@ -55,6 +55,8 @@ VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model", "induct
 # commopt variants' optimize() options; "... no concat-K" (not run by default) isolates what
 # folding the backward's sums of matmuls into one reduce-scatter region brings
 COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
+                   # each region's candidates timed at its first call (one of the loss-curve steps)
+                   "commopt autotune": {"mode": "autotune"},
                    "commopt no concat-K": {"concat_k": False},
                    "commopt model no concat-K": {"mode": "model", "concat_k": False},
                    # replayed from CUDA graphs (Inductor's CUDA-graph trees): no per-call host cost
