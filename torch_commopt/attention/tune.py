@@ -98,11 +98,11 @@ def runner(shape: AttentionShape, causal: bool, dtype: torch.dtype, backward: bo
     world, rank = group.size(), dist.get_rank(group)
     if seq % world:
         raise ValueError(f"commopt attention tune: sequence {seq} is not a multiple of the world size {world}")
-    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    gen = torch.Generator(device=device).manual_seed(seed * 1009 + rank)
     s_loc = seq // world
 
     def rand(heads: int) -> torch.Tensor:
-        return torch.randn(b, heads, s_loc, d, generator=gen).to(device, dtype)
+        return torch.randn(b, heads, s_loc, d, generator=gen, device=device, dtype=dtype)
 
     q, k, v = rand(h), rand(h_kv), rand(h_kv)
     if not backward:
