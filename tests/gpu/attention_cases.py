@@ -126,3 +126,13 @@ def run_cp_attention_cases(rank: int, world: int, device: str = "cuda") -> list[
         results += _case(rank, world, BIG, "ring_zigzag", "contiguous", seed + 1)
         results += _case(rank, world, BIG, "ulysses", "contiguous", seed + 2)
     return results
+
+
+def tune_attention(rank: int, world: int, cache_dir: str):
+    """attention.tune.measure_and_store on the GPUs (forward + backward, causal GQA, bf16):
+    (winner, {schedule: ms}) of this rank."""
+    from torch_commopt.attention.spec import AttentionShape
+    from torch_commopt.attention.tune import measure_and_store
+
+    return measure_and_store(AttentionShape(1, 8, 4, 4096, 64), True, torch.bfloat16, True, cache_dir=cache_dir,
+                             top_k=2)

@@ -39,3 +39,19 @@ def test_every_cp_schedule_matches_full_attention_with_copy_engine_ring(two_gpus
 def test_every_cp_schedule_matches_full_attention_with_nccl_all_to_alls(two_gpus, monkeypatch):
     monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_A2A", "nccl")
     _check_all(two_gpus)
+
+
+@pytest.mark.gpu
+def test_attention_tune_measures_on_gpus_and_every_rank_agrees(two_gpus, tmp_path):
+    import json
+
+    from attention_cases import tune_attention
+
+    results = run_distributed(tune_attention, two_gpus, str(tmp_path), backend="nccl", timeout_s=400)
+    best, measured = results[0]
+    assert all(r == results[0] for r in results[1:]), results  # the slowest rank's figures, on every rank
+    assert best == min(measured, key=measured.get) and all(ms > 0 for ms in measured.values()), measured
+    assert "allgather" in measured and len(measured) >= 3, measured  # top-2, allgather (+ other depths)
+    entries = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    stored = [e["value"] for e in entries if e["key"].get("question") == "attention"]
+    assert stored == [{"schedule": best, "measured_ms": measured}], stored
