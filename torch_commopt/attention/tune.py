@@ -136,7 +136,8 @@ def measure_and_store(shape: AttentionShape, causal: bool, dtype: torch.dtype, b
 
     group = as_group(group)
     group_name, world = group.group_name, group.size()
-    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+    # "nccl", or a multi-device group's "cpu:gloo,cuda:nccl": the GPUs
+    device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group))
               else torch.device("cpu"))
     dtype_name = str(dtype).removeprefix("torch.")
     machine = machine_for(device, world, group_name, dtype_name, cache_dir, timeout_s)
