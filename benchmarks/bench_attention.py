@@ -22,7 +22,8 @@ Per case (B, H, H_kv, D, S_total, causal, pass "fwd" or "fwd+bwd"; bf16) one run
                         expanded to H heads before sharding (noted in torch_cp_gqa).
     commopt             every schedule cost.candidates accepts (torch.ops.commopt.cp_attention_fwd;
                         fwd+bwd through the autograd wrapper cp_attention), on contiguous shards;
-                        commopt's pick = cost.rank_schedules' first with the machine figures the
+                        commopt's pick = cost.rank_schedules' first (head-group depths included,
+                        as the rewrite ranks them) with the machine figures the
                         compiled path uses (rewrite._machine: this machine's stored tuner
                         calibration, else the priors; `commopt_pick_by` says which): its time
                         is that schedule's time in the same rounds.
@@ -485,8 +486,10 @@ def _commopt_plan(case: Case, world: int, dtype: torch.dtype, machine, only: lis
     from torch_commopt.attention.spec import refusal
 
     accepted = [str(s) for s in candidates(case.shape, world=world, causal=case.causal)]
+    # the compiled path's ranking (rewrite._choose): head-group depths included, so the pick may be
+    # e.g. ulysses:g=1 (run beside the plain names)
     ranked = rank_schedules(case.shape, world=world, causal=case.causal, dtype=dtype, machine=machine,
-                            backward=case.backward)
+                            backward=case.backward, depths=True)
     pick = ranked[0][0]
     if only is None:
         return accepted, pick, ranked

@@ -1,6 +1,7 @@
 """Command line: `python -m torch_commopt demo [--world N] [--schedule S] [--chunks C]` and
 `python -m torch_commopt calibrate [--world N] [--backend B] [--cache-dir D]` and
-`python -m torch_commopt explain --shape KIND:ROWSxKxN [--world N] [--device NAME]` and
+`python -m torch_commopt explain (--shape KIND:ROWSxKxN | --attention B,H,HKV,S,D[:causal][:train]) ...
+[--world N] [--device NAME]` and
 `python -m torch_commopt tune (--shape KIND:ROWSxKxN ... --attention B,H,HKV,S,D[:causal][:train] ... |
 --model demo) [--world N] [--cache-dir D]`."""
 
@@ -25,8 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     cal.add_argument("--cache-dir", default=None)
     exp = sub.add_parser("explain", help="the cost model's ranking of the candidates for region shapes")
-    exp.add_argument("--shape", action="append", required=True,
+    exp.add_argument("--shape", action="append", default=[],
                      help="KIND:ROWSxKxN[,N2...] (rows and K of the local A), e.g. matmul_rs:8192x4096x8192")
+    exp.add_argument("--attention", action="append", default=[],
+                     help="B,H,HKV,S,D[:causal][:train]: a context-parallel attention's global q/k/v shape")
     exp.add_argument("--world", type=int, default=2)
     exp.add_argument("--device", default="cpu", help='"cpu" or a CUDA device name, e.g. "NVIDIA H200"')
     exp.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 otherwise")
@@ -51,9 +54,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(args.world, {"schedule": args.schedule, "chunks": args.chunks}, args.backend)
     if args.command == "explain":
-        from torch_commopt.tuner.choose import explain_shapes
+        if not (args.shape or args.attention):
+            parser.error("explain: give --shape and/or --attention (one or more)")
+        if args.shape:
+            from torch_commopt.tuner.choose import explain_shapes
 
-        print(explain_shapes(args.shape, args.world, args.device, args.dtype, args.cache_dir))
+            print(explain_shapes(args.shape, args.world, args.device, args.dtype, args.cache_dir))
+        if args.attention:
+            from torch_commopt.attention.tune import explain
+
+            print(explain(args.attention, args.world, args.device, args.dtype, args.cache_dir))
         return 0
     if args.command == "tune":
         if bool(args.shape or args.attention) == bool(args.model):

@@ -153,6 +153,28 @@ def test_a_training_graph_ranks_schedules_by_forward_and_backward(monkeypatch):
     fwd = rank_schedules(shape, world=2, causal=True, dtype="bfloat16", machine=MACHINE)
     both = rank_schedules(shape, world=2, causal=True, dtype="bfloat16", machine=MACHINE, backward=True)
     assert fwd[0][0] != both[0][0]
+    # the rewrite ranks the head-group depths too (cost.depth_variants)
+    kw = dict(world=2, causal=True, dtype="bfloat16", machine=MACHINE, depths=True)
+    fwd, both = rank_schedules(shape, **kw), rank_schedules(shape, backward=True, **kw)
     assert rewrite._choose(region, "auto")[:2] == (fwd[0][0], fwd)
     chosen, ranked, why = rewrite._choose(region, "auto", backward=True)
     assert (chosen, ranked) == (both[0][0], both) and why.startswith("predicted forward + backward: ")
+
+
+def test_head_group_depths_are_candidates_where_they_differ_from_the_rule():
+    from torch_commopt.attention.cost import depth_variants
+
+    big = (1, 32, 32, 16384, 128)  # 64 MiB of bf16 q per rank at W=2: the rule gives Ulysses 2 groups
+    assert [str(s) for s in candidates(big, world=2, causal=True, dtype="bfloat16")] == [
+        "allgather", "ring", "ring_zigzag", "ulysses", "ring_zigzag:g=1", "ulysses:g=1"]
+    assert [str(s) for s in candidates(big, world=2, causal=True)] == ["allgather", "ring", "ring_zigzag", "ulysses"]
+    small = (1, 32, 32, 4096, 128)  # 16 MiB: one group by the rule, so g=2 is the other depth
+    assert [str(v) for v in depth_variants("ulysses", small, world=2, causal=True, dtype="bfloat16")] == ["ulysses:g=2"]
+    assert depth_variants("ring", big, world=2, causal=True, dtype="bfloat16") == []  # moves nothing
+    assert depth_variants("ulysses:g=1", big, world=2, causal=True, dtype="bfloat16") == []  # names its depth
+    assert depth_variants("ring_zigzag", big, world=2, causal=False, dtype="bfloat16") == []  # no mask: ring
+    assert depth_variants("hybrid:1:2", big, world=2, causal=True, dtype="bfloat16") == []  # a Ulysses group of one
+    gqa = (1, 32, 2, 4096, 128)  # 2 kv heads cannot be split over 2 groups x 2 ranks
+    assert depth_variants("ulysses", gqa, world=2, causal=True, dtype="bfloat16") == []
+    ranked = dict(rank_schedules(big, world=2, causal=True, dtype="bfloat16", machine=MACHINE, depths=True))
+    assert set(ranked) == {"allgather", "ring", "ring_zigzag", "ulysses", "ring_zigzag:g=1", "ulysses:g=1"}

@@ -29,7 +29,7 @@ from typing import Union
 
 import torch
 
-from torch_commopt.attention.spec import AttentionShape, CPSchedule, pipeline_groups, refusal
+from torch_commopt.attention.spec import ULYSSES_MAX_HEAD_GROUPS, AttentionShape, CPSchedule, pipeline_groups, refusal
 
 # the backward's time over the forward's: cuDNN on an H200, B1 H32 D128 bf16, 16K-64K: 2.72
 # (causal) - 2.81 (full) (benchmarks/results/attention_blocks_h200_2026-11-23.md)
@@ -207,19 +207,44 @@ def estimate_ms(schedule: Union[str, CPSchedule], shape: ShapeLike, *, world: in
     return 1e3 * seconds
 
 
-def candidates(shape: ShapeLike, *, world: int, causal: bool) -> list[CPSchedule]:
+def candidates(shape: ShapeLike, *, world: int, causal: bool,
+               dtype: Union[torch.dtype, str, None] = None) -> list[CPSchedule]:
     """Every schedule that takes `shape` over `world` ranks: allgather, ring, ring_zigzag
     (causal only: without a mask it is ring), ulysses and the proper hybrids hybrid:U:R
-    (1 < U < W); the refused ones (spec.refusal) are left out."""
+    (1 < U < W); the refused ones (spec.refusal) are left out.  With `dtype`, also the other
+    head-group depths of the schedules that move their inputs (depth_variants)."""
     names = ["allgather", "ring"] + (["ring_zigzag"] if causal else []) + ["ulysses"]
     names += [f"hybrid:{u}:{world // u}" for u in range(2, world) if world % u == 0]
     scheds = [CPSchedule.parse(n) for n in names]
-    return [s for s in scheds if refusal(s, shape, world, causal) is None]
+    out = [s for s in scheds if refusal(s, shape, world, causal) is None]
+    if dtype is None:
+        return out
+    return out + [v for s in out for v in depth_variants(s, shape, world=world, causal=causal, dtype=dtype)]
+
+
+def depth_variants(sched: Union[str, CPSchedule], shape: ShapeLike, *, world: int, causal: bool,
+                   dtype: Union[torch.dtype, str]) -> list[CPSchedule]:
+    """The other head-group depths of a schedule named without one (`ulysses:g=1` where the
+    rule, spec.pipeline_groups, gives ulysses two groups), g = 1..ULYSSES_MAX_HEAD_GROUPS, those
+    the shape takes; [] for a schedule that moves nothing or names its depth.  The model weighs
+    a depth's hidden moves against its extra launches; a measurement (attention/tune.py) also
+    sees the split's cost to the attention kernel itself."""
+    sched, shape = CPSchedule.parse(sched), AttentionShape(*shape)
+    u = sched.degrees(world)[0]
+    if sched.groups or sched.name not in CPSchedule.PIPELINED or (sched.name == "ring_zigzag" and not causal) \
+            or (sched.name != "ring_zigzag" and u <= 1):
+        return []
+    b, h, h_kv, seq, d = shape
+    rule = pipeline_groups(sched, b * h * (seq // world) * d * _dtype(dtype).itemsize, h, h_kv, world)
+    variants = [CPSchedule(sched.name, sched.ulysses, sched.ring, g) for g in range(1, ULYSSES_MAX_HEAD_GROUPS + 1)]
+    return [v for v in variants if v.groups != rule and refusal(v, shape, world, causal) is None]
 
 
 def rank_schedules(shape: ShapeLike, *, world: int, causal: bool, dtype: Union[torch.dtype, str],
-                   machine: CPMachine, backward: bool = False) -> list[tuple[str, float]]:
-    """(schedule name, predicted ms) of the candidates, fastest first (ties: by name)."""
+                   machine: CPMachine, backward: bool = False, depths: bool = False) -> list[tuple[str, float]]:
+    """(schedule name, predicted ms) of the candidates, fastest first (ties: by name); depths:
+    with the other head-group depths of the schedules that move their inputs."""
+    scheds = candidates(shape, world=world, causal=causal, dtype=dtype if depths else None)
     est = [(str(s), estimate_ms(s, shape, world=world, causal=causal, dtype=dtype, machine=machine,
-                                backward=backward)) for s in candidates(shape, world=world, causal=causal)]
+                                backward=backward)) for s in scheds]
     return sorted(est, key=lambda e: (e[1], e[0]))

@@ -141,7 +141,7 @@ def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None
     machine = _machine(q, region, cache_dir, timeout_s)
     dtype = str(q.dtype).removeprefix("torch.")
     ranked = rank_schedules(region.shape, world=region.world, causal=region.causal, dtype=dtype,
-                            machine=machine, backward=backward)
+                            machine=machine, backward=backward, depths=True)
     shown = f"predicted{' forward + backward' if backward else ''}: {_shown(ranked)}"
     if schedule != "auto":
         why = refusal(schedule, region.shape, region.world, region.causal)

@@ -26,8 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from torch_commopt.attention.cost import _dtype, rank_schedules
-from torch_commopt.attention.spec import ULYSSES_MAX_HEAD_GROUPS, AttentionShape, CPSchedule, pipeline_groups, refusal
+from torch_commopt.attention.cost import depth_variants, rank_schedules
+from torch_commopt.attention.spec import AttentionShape, CPSchedule, refusal
 
 log = logging.getLogger("torch_commopt.attention.tune")
 
@@ -35,20 +35,18 @@ log = logging.getLogger("torch_commopt.attention.tune")
 def timed_candidates(ranked: list[tuple[str, float]], shape: AttentionShape, world: int, causal: bool,
                      dtype: str, top_k: int) -> list[str]:
     """What a measurement times for the model's ranking: its top_k, the other head-group depths
-    (g=1..ULYSSES_MAX_HEAD_GROUPS, where they differ from the depth the rule gives the plain
-    name) of each pipelined schedule among them, and `allgather`."""
-    b, h, h_kv, seq, d = AttentionShape(*shape)
-    q_bytes = b * h * (seq // world) * d * _dtype(dtype).itemsize
+    of each pipelined schedule among them (cost.depth_variants, where the ranking did not
+    already hold them), and `allgather`."""
     top = [name for name, _ in ranked[:top_k]]
     for name in list(top):
+        for variant in depth_variants(name, shape, world=world, causal=causal, dtype=dtype):
+            if str(variant) not in top:
+                top.append(str(variant))
+    for name in list(top):  # a depth variant among the top: its plain name (the rule's depth) too
         sched = CPSchedule.parse(name)
-        if sched.name not in CPSchedule.PIPELINED or sched.groups:
-            continue
-        rule = pipeline_groups(sched, q_bytes, h, h_kv, world)
-        for g in range(1, ULYSSES_MAX_HEAD_GROUPS + 1):
-            variant = str(CPSchedule(sched.name, sched.ulysses, sched.ring, g))
-            if g != rule and variant not in top and refusal(variant, shape, world, causal) is None:
-                top.append(variant)
+        plain = str(CPSchedule(sched.name, sched.ulysses, sched.ring))
+        if sched.groups and plain not in top and refusal(plain, shape, world, causal) is None:
+            top.append(plain)
     if "allgather" not in top and any(name == "allgather" for name, _ in ranked):
         top.append("allgather")
     return top
@@ -68,7 +66,8 @@ def question(shape: AttentionShape, world: int, causal: bool, dtype: str, backwa
     """(the model's ranking, the candidates to time, the cache key) of one attention shape: the
     one definition the rewrite and the tune command share, so a prefilled cache answers the
     rewrite."""
-    ranked = rank_schedules(shape, world=world, causal=causal, dtype=dtype, machine=machine, backward=backward)
+    ranked = rank_schedules(shape, world=world, causal=causal, dtype=dtype, machine=machine, backward=backward,
+                            depths=True)
     top = timed_candidates(ranked, AttentionShape(*shape), world, causal, dtype, top_k)
     return ranked, top, cache_key(shape, world, causal, dtype, backward, device, top)
 
@@ -167,3 +166,34 @@ def parse_spec(spec: str) -> tuple[AttentionShape, bool, bool]:
     if min(shape) < 1 or shape.heads % shape.kv_heads:
         raise ValueError(f"commopt tune: --attention {spec!r}: sizes must be positive and kv heads must divide heads")
     return shape, "causal" in flags, "train" in flags
+
+
+def explain(specs: list[str], world: int, device: str, dtype: Optional[str], cache_dir: Optional[str],
+            top_k: int = 4) -> str:
+    """What `python -m torch_commopt explain --attention ...` prints: per shape the attention
+    model's prediction for every schedule and head-group depth, fastest first, with the
+    measurement the tuner cache holds for it (from `tune --attention`) and what runs under
+    mode="auto"/"model" and mode="autotune".  device: "cpu" or a CUDA device name."""
+    from torch_commopt.attention.cost import machine_from_calibration
+    from torch_commopt.tuner.cache import TunerCache
+    from torch_commopt.tuner.choose import _stored_or_prior, machine_key
+
+    cal = _stored_or_prior(TunerCache(cache_dir).get(machine_key(device, world)), device, world)
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    machine = machine_from_calibration(cal, dtype)
+    lines = [f"attention model: {cal.source} calibration of {cal.device} x{world}, {dtype}"]
+    for spec in specs:
+        shape, causal, backward = parse_spec(spec)
+        if shape.seq % world:
+            raise ValueError(f"commopt explain: --attention {spec!r}: sequence {shape.seq} is not a multiple of "
+                             f"--world {world}")
+        ranked, top, key = question(shape, world, causal, dtype, backward, device, machine, top_k)
+        entry = TunerCache(cache_dir).get(key)
+        measured = entry.get("measured_ms", {}) if isinstance(entry, dict) else {}
+        rows = ranked
+        lines.append(f"{spec} ({'forward + backward' if backward else 'forward'}; model picks {ranked[0][0]}"
+                     + (f", autotune runs {entry['schedule']} (measured)" if measured else
+                        ", not measured: autotune would run the model's pick") + "):")
+        lines += [f"  {n:<18} {ms:9.3f} ms predicted" + (f", {measured[n]:.3f} ms measured" if n in measured else "")
+                  + ("  (timed by tune)" if n in top else "") for n, ms in rows]
+    return "\n".join(lines)
