@@ -77,3 +77,28 @@ def test_tune_refuses_a_sequence_the_world_does_not_split():
 
     with pytest.raises(ValueError, match="not a multiple of --world 2"):
         run_tune([], 2, "gloo", attention=["1,4,4,15,8"])
+
+
+def test_explain_attention_prints_the_ranking_with_the_cached_measurement(capsys, tmp_path):
+    from torch_commopt.__main__ import main
+    from torch_commopt.tuner.cache import TunerCache
+
+    spec = "1,32,32,16384,128:causal:train"
+    assert main(["explain", "--attention", spec, "--device", "NVIDIA H200", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "attention model: prior calibration of NVIDIA H200 x2, bfloat16"
+    assert out[1].startswith(f"{spec} (forward + backward; model picks ") and "not measured" in out[1]
+    rows = out[2:]
+    times = [float(line.split()[1]) for line in rows]
+    assert times == sorted(times) and {"ulysses", "ulysses:g=1", "allgather"} <= {r.split()[0] for r in rows}
+    # a measurement in the cache (what `tune --attention` stores) is shown and named as autotune's choice
+    from torch_commopt.attention.cost import machine_from_calibration
+    from torch_commopt.tuner.choose import prior
+
+    shape, causal, backward = tune.parse_spec(spec)
+    machine = machine_from_calibration(prior("NVIDIA H200", 2), "bfloat16")
+    _, top, key = tune.question(shape, 2, causal, "bfloat16", backward, "NVIDIA H200", machine, 4)
+    TunerCache(str(tmp_path)).put(key, {"schedule": "allgather", "measured_ms": {t: 9.0 for t in top}})
+    assert main(["explain", "--attention", spec, "--device", "NVIDIA H200", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "autotune runs allgather (measured)" in out[1] and "9.000 ms measured" in out[2]
