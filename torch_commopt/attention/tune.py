@@ -11,9 +11,10 @@ Why not at the first call, as the matmul regions do (tuner/autotune.py): a train
 kept tensors have the chosen schedule's shapes (schedules.kept_shapes), fixed when the graph is
 traced, so the schedule cannot change after the compile.
 
-What is timed: the model's top-k, every head-group depth of the pipelined schedules among them
-(`ulysses:g=1` against the rule's two groups: the split's cost against the moves it hides is a
-near-tie the model does not order -- benchmarks/results/probe_attention_streams_h200_2026-11-25)
+What is timed: the model's top-k (head-group depths included, cost.depth_variants), the other
+depths of the pipelined schedules among them (`ulysses:g=1` against two groups: the model weighs
+the moves a group hides against its launches, not the split's cost to the attention kernel,
+0.16-0.53 ms at 16K on one H200 -- benchmarks/results/probe_attention_streams_h200_2026-11-25)
 and the all-gather reference; forward alone for an inference graph, forward + backward (the
 autograd pair the training rewrite emits) for a training graph.
 """
@@ -190,10 +191,9 @@ def explain(specs: list[str], world: int, device: str, dtype: Optional[str], cac
         ranked, top, key = question(shape, world, causal, dtype, backward, device, machine, top_k)
         entry = TunerCache(cache_dir).get(key)
         measured = entry.get("measured_ms", {}) if isinstance(entry, dict) else {}
-        rows = ranked
         lines.append(f"{spec} ({'forward + backward' if backward else 'forward'}; model picks {ranked[0][0]}"
                      + (f", autotune runs {entry['schedule']} (measured)" if measured else
                         ", not measured: autotune would run the model's pick") + "):")
         lines += [f"  {n:<18} {ms:9.3f} ms predicted" + (f", {measured[n]:.3f} ms measured" if n in measured else "")
-                  + ("  (timed by tune)" if n in top else "") for n, ms in rows]
+                  + ("  (timed by tune)" if n in top else "") for n, ms in ranked]
     return "\n".join(lines)
