@@ -7,6 +7,10 @@ cuDNN through attention/local.py), forward then backward, in CUDA-graph replays:
     par2       group 0 on the caller's stream, group 1 on a second stream launched right after
                it (the GPU dispatches group 0's blocks first, then group 1's as SMs free up)
 
+    one+copy   one call with the kept form's local copies beside it on a second stream (the
+               copy engine copies q, k, v -- the moved inputs -- out of the all-to-all buffer
+               into the kept tensors while the attention runs; forward only, as there)
+
 For each: the pass's time and when group 0 ended (its results can travel from then on: a
 second stream that delays group 0 would expose more of its all-to-all).  The session 11
 profile: 16K MHA, attention alone 6.53 ms with one group, 6.95 with two.
@@ -60,11 +64,22 @@ def _time(variant: str, groups: list[dict], backward: bool) -> tuple[float, floa
     marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
               torch.cuda.Event(enable_timing=True)) for _ in range(CALLS)]
 
+    copies = []
+    if variant == "one+copy":  # sources and destinations of the kept form's copies (q, k, v)
+        copies = [(torch.empty_like(groups[0][key]), groups[0][key]) for key in ("q", "k", "v")]
+
     def call(i: int) -> None:
         start, first, end = marks[i]
         start.record()
+        if copies:
+            other.wait_event(start)
+            with torch.cuda.stream(other):
+                for dst, src in copies:
+                    dst.copy_(src)
         runs[0]()
         first.record()
+        if copies:
+            cur.wait_stream(other)
         if variant == "par2":
             other.wait_event(start)
             with torch.cuda.stream(other):
@@ -103,12 +118,16 @@ def main() -> None:
             t = _tensors(seq, h, h_kv)
             for backward in (False, True):
                 rec = {"seq_total": seq, "heads_per_rank": f"{h}/{h_kv}", "pass": "bwd" if backward else "fwd"}
-                for variant, n in (("one", 1), ("seq2", 2), ("par2", 2)):
+                variants = (("one", 1), ("seq2", 2), ("par2", 2)) + ((("one+copy", 1),) if not backward else ())
+                for variant, n in variants:
                     total, first = _time(variant, _groups(t, n), backward)
                     rec[f"{variant}_ms"], rec[f"{variant}_group0_ms"] = round(total, 4), round(first, 4)
+                if not backward:
+                    rec["copy_mib"] = round(sum(x.numel() * x.element_size() for x in (t["q"], t["k"], t["v"])) / 2**20)
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "records": records}
+    result["command"] = " ".join(["python3", *sys.argv])
     (out / "probe_attention_streams.json").write_text(json.dumps(result, indent=1))
 
 
