@@ -36,18 +36,15 @@ log = logging.getLogger("torch_commopt.attention.tune")
 def timed_candidates(ranked: list[tuple[str, float]], shape: AttentionShape, world: int, causal: bool,
                      dtype: str, top_k: int) -> list[str]:
     """What a measurement times for the model's ranking: its top_k, the other head-group depths
-    of each pipelined schedule among them (cost.depth_variants, where the ranking did not
-    already hold them), and `allgather`."""
+    of each pipelined schedule among them (its plain name and cost.depth_variants, where the
+    top_k did not already hold them), and `allgather`."""
     top = [name for name, _ in ranked[:top_k]]
-    for name in list(top):
-        for variant in depth_variants(name, shape, world=world, causal=causal, dtype=dtype):
-            if str(variant) not in top:
-                top.append(str(variant))
-    for name in list(top):  # a depth variant among the top: its plain name (the rule's depth) too
+    for name in list(top):  # each one's depth family: the plain name (the rule's depth) and the others
         sched = CPSchedule.parse(name)
-        plain = str(CPSchedule(sched.name, sched.ulysses, sched.ring))
-        if sched.groups and plain not in top and refusal(plain, shape, world, causal) is None:
-            top.append(plain)
+        plain = CPSchedule(sched.name, sched.ulysses, sched.ring)
+        for member in [plain, *depth_variants(plain, shape, world=world, causal=causal, dtype=dtype)]:
+            if str(member) not in top and refusal(member, shape, world, causal) is None:
+                top.append(str(member))
     if "allgather" not in top and any(name == "allgather" for name, _ in ranked):
         top.append("allgather")
     return top
@@ -177,9 +174,9 @@ def explain(specs: list[str], world: int, device: str, dtype: Optional[str], cac
     mode="auto"/"model" and mode="autotune".  device: "cpu" or a CUDA device name."""
     from torch_commopt.attention.cost import machine_from_calibration
     from torch_commopt.tuner.cache import TunerCache
-    from torch_commopt.tuner.choose import _stored_or_prior, machine_key
+    from torch_commopt.tuner.choose import stored_calibration
 
-    cal = _stored_or_prior(TunerCache(cache_dir).get(machine_key(device, world)), device, world)
+    cal = stored_calibration(device, world, cache_dir)
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     machine = machine_from_calibration(cal, dtype)
     lines = [f"attention model: {cal.source} calibration of {cal.device} x{world}, {dtype}"]

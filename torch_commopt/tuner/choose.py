@@ -104,9 +104,15 @@ def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]
     return best.schedule, preds, why
 
 
+def stored_calibration(device: str, world: int, cache_dir: str | None) -> Calibration:
+    """The calibration the cache holds for a device name and world size (no process group:
+    what the explain commands read), else the priors."""
+    return _stored_or_prior(TunerCache(cache_dir).get(machine_key(device, world)), device, world)
+
+
 def explain_shapes(specs: list[str], world: int, device: str, dtype: str | None, cache_dir: str | None) -> str:
     """The model's ranking for shapes given as "KIND:ROWSxKxN[,N2...]" (what the CLI prints)."""
-    cal = _stored_or_prior(TunerCache(cache_dir).get(machine_key(device, world)), device, world)
+    cal = stored_calibration(device, world, cache_dir)
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     lines = [f"cost model: {cal.source} calibration of {cal.device} x{world}, {dtype}"]
     for spec in specs:
