@@ -7,7 +7,9 @@ is killed and reported, never waited on forever.
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -16,6 +18,7 @@ import torch.multiprocessing as mp
 
 
 FAILED_PEER_GRACE_S = 20.0
+POLL_S = 2.0
 
 
 def free_port() -> int:
@@ -55,12 +58,28 @@ def run_distributed(fn: Callable, world: int, *args: Any, backend: str = "gloo",
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    exited: dict[int, float] = {}  # rank -> when its process was first seen gone without a report
     try:
-        for _ in range(world):
-            # Once a rank has failed, its peers may sit in a collective it never joins:
-            # give them a short grace period, then kill them.
-            rank, ok, payload = queue.get(timeout=FAILED_PEER_GRACE_S if errors else timeout_s)
-            (results if ok else errors)[rank] = payload
+        while len(results) + len(errors) < world:
+            try:
+                rank, ok, payload = queue.get(timeout=POLL_S)
+                (results if ok else errors)[rank] = payload
+            except queue_module.Empty:
+                now = time.monotonic()
+                # A rank killed by a signal (a crash in native code) never reports: say so instead
+                # of waiting out the timeout (after one more poll, for a report still in the pipe).
+                for r, p in enumerate(procs):
+                    if r in results or r in errors or p.exitcode is None:
+                        continue
+                    if now - exited.setdefault(r, now) >= POLL_S:
+                        errors[r] = f"process exited with code {p.exitcode} without reporting (a crash in native code?)"
+                if now > deadline:
+                    raise
+            if errors:
+                # Once a rank has failed, its peers may sit in a collective it never joins:
+                # give them a short grace period, then kill them.
+                deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
     except Exception as e:  # queue.Empty on timeout
         missing = sorted(set(range(world)) - set(results) - set(errors))
         errors[-1] = f"ranks {missing} did not finish ({type(e).__name__}); killed"

@@ -1,5 +1,6 @@
 """GPU tests run on the device machine (`make test-gpu`); each skips without the GPUs it needs
-(`two_gpus`: 2; `one_gpu`: 1).
+(`two_gpus`: 2; `one_gpu`: 1; `two_ranks`: 2, or one GPU shared by two ranks over gloo when
+TORCH_COMMOPT_SHARED_DEVICE=1 -- kernels/gpu/shared_device.py: correctness only).
 CUDA is queried inside the tests, never at import."""
 
 from __future__ import annotations
@@ -29,3 +30,18 @@ def one_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     return torch.device("cuda", 0)
+
+
+@pytest.fixture
+def two_ranks():
+    """(world, process-group backend): two GPUs with NCCL, or with TORCH_COMMOPT_SHARED_DEVICE=1
+    two ranks on one GPU with gloo (the symmetric buffers mapped by CUDA IPC)."""
+    import torch
+
+    from torch_commopt.kernels.gpu import shared_device
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2 and not shared_device.enabled():
+        return 2, "nccl"
+    if torch.cuda.is_available() and shared_device.enabled():
+        return 2, "gloo"
+    pytest.skip(f"needs 2 CUDA GPUs, or one with {shared_device.ENV}=1")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|bench|costmodel|plan|attention|attention1|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|bench|costmodel|plan|attention|attention1|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -17,6 +17,12 @@ if [[ $what == tests || $what == all ]]; then
   # Bounded waits during the tests: a protocol bug fails a test instead of hanging the run.
   TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
     timeout ${TEST_TIMEOUT:-480} python3 -m pytest -v -p no:cacheprovider tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests.log"
+fi
+if [[ $what == shared ]]; then
+  # One GPU, two ranks sharing it over gloo (torch_commopt/kernels/gpu/shared_device.py): every
+  # two-rank GPU test's numerics and flag protocol on a one-GPU machine; no timing, no NCCL.
+  TORCH_COMMOPT_SHARED_DEVICE=1 TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
+    timeout ${TEST_TIMEOUT:-540} python3 -m pytest -v -p no:cacheprovider tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests_shared.log"
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_matmul_collectives.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"

@@ -14,8 +14,9 @@ from torch_commopt.launch import run_distributed
 from torch_commopt.validate import within_tolerance
 
 
-def _check_all(world: int) -> None:
-    for results in run_distributed(run_cp_attention_cases, world, backend="nccl", timeout_s=400):
+def _check_all(ranks: tuple[int, str]) -> None:
+    world, backend = ranks
+    for results in run_distributed(run_cp_attention_cases, world, backend=backend, timeout_s=400):
         assert len(results) >= 60
         bad = [f"{label}: {err:.2e} vs eager bf16 {ref:.2e}" for label, err, ref in results
                if not within_tolerance(err, ref)]
@@ -23,31 +24,31 @@ def _check_all(world: int) -> None:
 
 
 @pytest.mark.gpu
-def test_every_cp_schedule_matches_full_attention_on_gpus(two_gpus):
-    _check_all(two_gpus)
+def test_every_cp_schedule_matches_full_attention_on_gpus(two_ranks):
+    _check_all(two_ranks)
 
 
 @pytest.mark.gpu
-def test_every_cp_schedule_matches_full_attention_with_copy_engine_ring(two_gpus, monkeypatch):
+def test_every_cp_schedule_matches_full_attention_with_copy_engine_ring(two_ranks, monkeypatch):
     monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", "ce")
     monkeypatch.setenv("TORCH_COMMOPT_DEBUG_WAITS", "1")
     monkeypatch.setenv("TORCH_COMMOPT_WAIT_TIMEOUT_S", "60")
-    _check_all(two_gpus)
+    _check_all(two_ranks)
 
 
 @pytest.mark.gpu
-def test_every_cp_schedule_matches_full_attention_with_nccl_all_to_alls(two_gpus, monkeypatch):
+def test_every_cp_schedule_matches_full_attention_with_nccl_all_to_alls(two_ranks, monkeypatch):
     monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_A2A", "nccl")
-    _check_all(two_gpus)
+    _check_all(two_ranks)
 
 
 @pytest.mark.gpu
-def test_attention_tune_measures_on_gpus_and_every_rank_agrees(two_gpus, tmp_path):
+def test_attention_tune_measures_on_gpus_and_every_rank_agrees(two_ranks, tmp_path):
     import json
 
     from attention_cases import tune_attention
 
-    results = run_distributed(tune_attention, two_gpus, str(tmp_path), backend="nccl", timeout_s=400)
+    results = run_distributed(tune_attention, two_ranks[0], str(tmp_path), backend=two_ranks[1], timeout_s=400)
     best, measured = results[0]
     assert all(r == results[0] for r in results[1:]), results  # the slowest rank's figures, on every rank
     assert best == min(measured, key=measured.get) and all(ms > 0 for ms in measured.values()), measured

@@ -62,15 +62,14 @@ class RingShift:
         if self.bufs[1 - self.cur] is None:
             self.bufs[1 - self.cur] = torch.empty_like(self.bufs[self.cur])
         nxt, prev = self.peers
-        ops = [dist.P2POp(dist.isend, self.bufs[self.cur], nxt, self.group, self.tag),
-               dist.P2POp(dist.irecv, self.bufs[1 - self.cur], prev, self.group, self.tag)]
-        self.works = dist.batch_isend_irecv(ops)
+        self.works = [_p2p([(self.bufs[self.cur], nxt, self.tag)], [(self.bufs[1 - self.cur], prev, self.tag)],
+                           self.group)]
 
     def wait(self) -> None:
         if self.group is None or self.group.size() == 1:
             return
-        for work in self.works:
-            work.wait()
+        for wait in self.works:
+            wait()
         self.works, self.cur = [], 1 - self.cur
 
     def finish(self) -> None:
@@ -96,14 +95,36 @@ def ring_pass(send: Sequence[Tensor], recv: Sequence["Spec"], group: Group,
     n, p = size(group), rank(group)
     nxt, prev = dist.get_global_rank(group, (p + 1) % n), dist.get_global_rank(group, (p - 1) % n)
     got = [torch.empty(shape, dtype=dtype, device=send[0].device) for shape, dtype in recv]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group, tag + i) for i, t in enumerate(send)]
-    ops += [dist.P2POp(dist.irecv, t, prev, group, tag + i) for i, t in enumerate(got)]
-    works = dist.batch_isend_irecv(ops)
+    pending = _p2p([(t.contiguous(), nxt, tag + i) for i, t in enumerate(send)],
+                   [(t, prev, tag + i) for i, t in enumerate(got)], group)
 
     def wait() -> list[Tensor]:
+        pending()
+        return got
+    return wait
+
+
+def _p2p(sends: Sequence[tuple[Tensor, int, int]], recvs: Sequence[tuple[Tensor, int, int]],
+         group: dist.ProcessGroup) -> Callable[[], None]:
+    """Issue (tensor, global peer, tag) sends and receives as one batch; returns the wait.
+    gloo's send/recv read and write host memory only: with CUDA tensors on a gloo group the
+    messages are staged through host copies (slow, but right; e.g. ranks sharing one GPU in
+    the GPU tests, kernels/gpu/shared_device.py)."""
+    staged = any(t.is_cuda for t, _, _ in [*sends, *recvs]) and dist.get_backend(group) == "gloo"
+    if staged:
+        sends = [(t.cpu(), peer, tag) for t, peer, tag in sends]
+        targets = [t for t, _, _ in recvs]
+        recvs = [(torch.empty(t.shape, dtype=t.dtype), peer, tag) for t, peer, tag in recvs]
+    ops = [dist.P2POp(dist.isend, t, peer, group, tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer, tag in recvs]
+    works = dist.batch_isend_irecv(ops)
+
+    def wait() -> None:
         for work in works:
             work.wait()
-        return got
+        if staged:
+            for target, (host, _, _) in zip(targets, recvs):
+                target.copy_(host)
     return wait
 
 

@@ -127,14 +127,14 @@ def measure_and_store(shape: AttentionShape, causal: bool, dtype: torch.dtype, b
     shape: the global (batch, heads, kv_heads, seq, head_dim) of q/k/v."""
     from torch_commopt.attention.rewrite import machine_for
     from torch_commopt.attention.schedules import as_group
+    from torch_commopt.kernels.gpu import shared_device
     from torch_commopt.tuner.autotune import measure_candidates
     from torch_commopt.tuner.cache import TunerCache
     from torch_commopt.tuner.choose import device_name
 
     group = as_group(group)
     group_name, world = group.group_name, group.size()
-    # "nccl", or a multi-device group's "cpu:gloo,cuda:nccl": the GPUs
-    device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group))
+    device = (torch.device("cuda", torch.cuda.current_device()) if shared_device.on_cuda(dist.get_backend(group))
               else torch.device("cpu"))
     dtype_name = str(dtype).removeprefix("torch.")
     machine = machine_for(device, world, group_name, dtype_name, cache_dir, timeout_s)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed._symmetric_memory as symm_mem
 
-from torch_commopt.kernels.gpu import driver
+from torch_commopt.kernels.gpu import driver, shared_device
 from torch_commopt.kernels.reference.collectives import resolve_group
 
 log = logging.getLogger("torch_commopt.kernels.gpu.symm")
@@ -162,14 +162,18 @@ class GroupRuntime:
         # A second compute stream: ce_push:S:par=1 runs the peers' GEMMs there, beside the own
         # shard's GEMM on the caller's stream.
         self.compute2 = torch.cuda.Stream(device=device)
-        flags = _off_thread(lambda: symm_mem.empty(FLAG_SLOTS, dtype=torch.int32, device=device), device)
+        self.shared_device = shared_device.enabled()
+        if self.shared_device:
+            log.warning("commopt: %s=1: symmetric buffers by CUDA IPC, ranks may share a GPU (for correctness runs only)",
+                        shared_device.ENV)
+        flags = _off_thread(lambda: self._empty(FLAG_SLOTS, torch.int32), device)
         flags.zero_()
         flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
         flags[RING_FREE: RING_FREE + 2 * HALVES].fill_(1)
         flags[A2A_FREE: A2A_FREE + 2 * HALVES * MAX_WORLD].fill_(1)
         # A peer may write our flags as soon as rendezvous returns: the zeroing must be done.
         torch.cuda.synchronize(device)
-        self.flags_handle = _off_thread(lambda: symm_mem.rendezvous(flags, group_name), device)
+        self.flags_handle = _off_thread(lambda: self._rendezvous(flags), device)
         self.flags = flags
         self.flag_bases = [int(p) for p in self.flags_handle.buffer_ptrs]
         self.flag_bases_dev = self._int64_table(FLAG_BASES, self.flag_bases)
@@ -248,10 +252,20 @@ class GroupRuntime:
         """(local uint8 tensor, handle) of a new symmetric allocation of the size class of
         nbytes (a power of two, at least MIN_BUFFER_BYTES); collective."""
         size = max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
-        local = _off_thread(lambda: symm_mem.empty(size, dtype=torch.uint8, device=self.device), self.device)
-        handle = _off_thread(lambda: symm_mem.rendezvous(local, self.group_name), self.device)
+        local = _off_thread(lambda: self._empty(size, torch.uint8), self.device)
+        handle = _off_thread(lambda: self._rendezvous(local), self.device)
         log.info("commopt: symmetric %s buffer of %d MiB for group %s", purpose, size >> 20, self.group_name)
         return local, handle
+
+    def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.shared_device:
+            return shared_device.empty(numel, dtype=dtype, device=self.device)
+        return symm_mem.empty(numel, dtype=dtype, device=self.device)
+
+    def _rendezvous(self, local: torch.Tensor):
+        if self.shared_device:
+            return shared_device.rendezvous(local, resolve_group(self.group_name))
+        return symm_mem.rendezvous(local, self.group_name)
 
     def _int64_table(self, index: int, values: list[int]) -> torch.Tensor:
         """int64 `values` stored at int32 index `index` of this rank's flag array (a view)."""
