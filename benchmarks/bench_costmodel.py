@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch_commopt  # noqa: E402,F401
-from bench_matmul_collectives import SHAPES, _variants  # noqa: E402
+from bench_matmul_collectives import _variants, shapes_for  # noqa: E402
 from costmodel_vs_bench import region_shape  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 from torch_commopt.tuner.autotune import measure_candidates, timed_candidates  # noqa: E402
@@ -53,7 +53,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
     cal = calibrate_and_store(group_name, device, cache_dir)
     calibration_s = time.perf_counter() - t0
     records, shapes = [], []
-    for shape in SHAPES:
+    for shape in shapes_for(world):
         if only and shape.op not in only.split(","):
             continue
         region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,

@@ -75,6 +75,12 @@ SCHEDULES = {  # one or two piece counts per mechanism (the rest measured slower
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 
 
+def shapes_for(world: int) -> list[Shape]:
+    """The sweep at `world` ranks: SHAPES, and above 2 ranks PyTorch async-TP's own AG+GEMM
+    shape (M 16384, K 8192, N 3584 per rank; issue 8)."""
+    return SHAPES + ([Shape("ag", 16384, 8192, 3584 * world)] if world > 2 else [])
+
+
 def _repeat(fn, count: int) -> None:
     for _ in range(count):
         fn()
@@ -352,7 +358,7 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,graph", help="timing modes: eager, graph (CUDA-graph replay)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args()
-    shapes = [s for s in SHAPES if not args.only or s.op in args.only.split(",")]
+    shapes = [s for s in shapes_for(args.world) if not args.only or s.op in args.only.split(",")]
     modes = tuple(m for m in args.modes.split(",") if m)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -107,9 +107,10 @@ def run_cp_attention_cases(rank: int, world: int, device: str = "cuda") -> list[
     forms), and one large shard whose size makes ring_zigzag and ulysses pipeline on their own
     (CUDA only; device="cpu" checks the harness on gloo)."""
     results, seed = [], 0
+    schedules = SCHEDULES + (["hybrid:2:2"] if world == 4 else [])
     for shape in SHAPES:
         b, h, h_kv, s_loc, d, causal = shape
-        for schedule in SCHEDULES:
+        for schedule in schedules:
             if refusal(schedule, (b, h, h_kv, s_loc * world, d), world, causal) is None:
                 seed += 1
                 results += _case(rank, world, shape, schedule, "contiguous", seed, device=device)
@@ -122,7 +123,9 @@ def run_cp_attention_cases(rank: int, world: int, device: str = "cuda") -> list[
         if h_kv % (2 * world) == 0:  # ulysses's all-to-alls over two head groups
             seed += 1
             results += _case(rank, world, shape, "ulysses", "contiguous", seed, head_groups=2, device=device)
-    if device == "cuda":  # pipelined on their own over 2 head groups: ring_zigzag and ulysses
+    # pipelined on their own over 2 head groups: ring_zigzag and ulysses (at world 2: at 4 the
+    # fp32 truth over BIG's 32K tokens would take ~50 GiB per rank)
+    if device == "cuda" and world == 2:
         results += _case(rank, world, BIG, "ring_zigzag", "contiguous", seed + 1)
         results += _case(rank, world, BIG, "ulysses", "contiguous", seed + 2)
     return results

@@ -32,16 +32,25 @@ def one_gpu():
     return torch.device("cuda", 0)
 
 
-@pytest.fixture
-def two_ranks():
-    """(world, process-group backend): two GPUs with NCCL, or with TORCH_COMMOPT_SHARED_DEVICE=1
-    two ranks on one GPU with gloo (the symmetric buffers mapped by CUDA IPC)."""
+def _ranks(world: int) -> tuple[int, str]:
+    """(world, process-group backend): `world` GPUs with NCCL, or with TORCH_COMMOPT_SHARED_DEVICE=1
+    `world` ranks on one GPU with gloo (the symmetric buffers mapped by CUDA IPC)."""
     import torch
 
     from torch_commopt.kernels.gpu import shared_device
 
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2 and not shared_device.enabled():
-        return 2, "nccl"
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world and not shared_device.enabled():
+        return world, "nccl"
     if torch.cuda.is_available() and shared_device.enabled():
-        return 2, "gloo"
-    pytest.skip(f"needs 2 CUDA GPUs, or one with {shared_device.ENV}=1")
+        return world, "gloo"
+    pytest.skip(f"needs {world} CUDA GPUs, or one with {shared_device.ENV}=1")
+
+
+@pytest.fixture
+def two_ranks():
+    return _ranks(2)
+
+
+@pytest.fixture
+def four_ranks():
+    return _ranks(4)

@@ -134,6 +134,9 @@ def run_schedule_cases(rank: int, world: int, dtypes: tuple[str, ...] = ("bfloat
             seed += 17
             results += _ag_case(case, dtype, AG_SCHEDULES, seed, rank, world)
         for case in RS_CASES:
+            a_shape, dim, n = case[:3]
+            if (list(a_shape[:-1]) + [n])[dim] % world:  # a reduce-scatter needs equal blocks (the op refuses others)
+                continue
             seed += 17
             results += _rs_case(case, dtype, RS_SCHEDULES, seed, rank, world)
         for case in AR_CASES:

@@ -29,6 +29,14 @@ def test_every_cp_schedule_matches_full_attention_on_gpus(two_ranks):
 
 
 @pytest.mark.gpu
+def test_every_cp_schedule_matches_full_attention_at_world_4(four_ranks, monkeypatch):
+    # the copy-engine all-to-alls and ring over four peers, hybrid:2:2 among the schedules
+    monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", "ce")
+    monkeypatch.setenv("TORCH_COMMOPT_DEBUG_WAITS", "1")
+    _check_all(four_ranks)
+
+
+@pytest.mark.gpu
 def test_every_cp_schedule_matches_full_attention_with_copy_engine_ring(two_ranks, monkeypatch):
     monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", "ce")
     monkeypatch.setenv("TORCH_COMMOPT_DEBUG_WAITS", "1")

@@ -40,6 +40,22 @@ def test_back_to_back_calls_do_not_corrupt(two_ranks):
 
 
 @pytest.mark.gpu
+def test_every_gpu_schedule_matches_reference_at_world_4(four_ranks):
+    # four peers: rotated send orders, a token per peer, uneven rows among four
+    for results in run_distributed(run_schedule_cases, four_ranks[0], ("bfloat16",), backend=four_ranks[1],
+                                   timeout_s=600):
+        assert len(results) > 50
+        _check(results)
+
+
+@pytest.mark.gpu
+def test_back_to_back_calls_do_not_corrupt_at_world_4(four_ranks):
+    for results in run_distributed(run_back_to_back, four_ranks[0], 60, backend=four_ranks[1], timeout_s=600):
+        assert len(results) == 60
+        _check(results)
+
+
+@pytest.mark.gpu
 def test_debug_mode_raises_instead_of_hanging(two_ranks):
     messages = run_distributed(run_debug_timeout, two_ranks[0], backend=two_ranks[1], timeout_s=300)
     assert "matmul_rs" in messages[0] and "rank 0" in messages[0] and "chunk" in messages[0], messages[0]

@@ -173,8 +173,10 @@ def matmul_rs(
     Returns t's shape with dim `scatter_dim` divided by group_size: block `rank`,
     reduced over ranks with `reduce_op` ("sum" or "avg").
     """
+    _check_scatter(a, weight, scatter_dim, group_size)
     if schedule == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
         return sequential.matmul_rs(a, weight, bias, reduce_op, group_name)
+
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 
@@ -193,8 +195,19 @@ def matmul_rs(
     return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, str(sched))
 
 
+def _check_scatter(a: Tensor, weight: Tensor, scatter_dim: int, group_size: int) -> None:
+    """A reduce-scatter gives every rank an equal block of the product: refuse a dim that does not split."""
+    shape = list(a.shape[:-1]) + [weight.shape[-1]]
+    if not 0 <= scatter_dim < len(shape):
+        raise ValueError(f"commopt matmul_rs: scatter_dim {scatter_dim} outside the product's {len(shape)} dims")
+    if shape[scatter_dim] % group_size:
+        raise ValueError(f"commopt matmul_rs: dim {scatter_dim} of the product {tuple(shape)} does not split into "
+                         f"{group_size} equal blocks (a reduce-scatter needs it)")
+
+
 @torch.library.register_fake("commopt::matmul_rs")
 def _(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, schedule):
+    _check_scatter(a, weight, scatter_dim, group_size)
     shape = list(a.shape[:-1]) + [weight.shape[-1]]
     shape[scatter_dim] //= group_size
     return a.new_empty(shape)
