@@ -8,18 +8,15 @@ flag protocol, copies and kernels run across real processes on a one-GPU machine
 
 What it checks: ordering, flags at rest, buffer reuse, numerics.  What it cannot: timing
 (the processes' contexts time-slice one GPU), NVLink's memory ordering, NCCL.  Never on in
-production: `enabled()` is read once per runtime and logged.
+production: `enabled()` is read once per runtime, which logs a warning when it is on.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger("torch_commopt.kernels.gpu.shared_device")
 
 ENV = "TORCH_COMMOPT_SHARED_DEVICE"
 
