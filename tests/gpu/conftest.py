@@ -1,6 +1,6 @@
 """GPU tests run on the device machine (`make test-gpu`); each skips without the GPUs it needs
-(`two_gpus`: 2; `one_gpu`: 1; `two_ranks`: 2, or one GPU shared by two ranks over gloo when
-TORCH_COMMOPT_SHARED_DEVICE=1 -- kernels/gpu/shared_device.py: correctness only).
+(`two_gpus`: 2; `one_gpu`: 1; `two_ranks` / `four_ranks`: 2 / 4, or one GPU shared by that many
+ranks over gloo when TORCH_COMMOPT_SHARED_DEVICE=1 -- kernels/gpu/shared_device.py: correctness only).
 CUDA is queried inside the tests, never at import."""
 
 from __future__ import annotations
