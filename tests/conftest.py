@@ -1,12 +1,22 @@
-"""Shared fixtures: a single-process fake process group of any world size."""
+"""Shared fixtures: a single-process fake process group of any world size.  The suite's tuner
+cache is a fresh directory (pytest_configure), never the user's: a calibration or measurement
+stored there by a benchmark would change what the model and autotune tests decide."""
 
 from __future__ import annotations
+
+import os
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import torch_commopt
+from torch_commopt.tuner.cache import CACHE_ENV
+
+
+def pytest_configure(config):
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="commopt_test_cache_")  # before any test spawns ranks (they inherit it)
 
 
 @pytest.fixture
