@@ -24,7 +24,7 @@ Per case (B, H, H_kv, D, S_total, causal, pass "fwd" or "fwd+bwd"; bf16) one run
                         fwd+bwd through the autograd wrapper cp_attention), on contiguous shards;
                         commopt's pick = cost.rank_schedules' first (head-group depths included,
                         as the rewrite ranks them) with the machine figures the
-                        compiled path uses (rewrite._machine: this machine's stored tuner
+                        compiled path uses (rewrite.machine_for: this machine's stored tuner
                         calibration, else the priors; `commopt_pick_by` says which): its time
                         is that schedule's time in the same rounds.
 
@@ -463,7 +463,7 @@ def _a2a_transport() -> str:
 
 
 def pick_machine(dev: str, world: int, dtype: torch.dtype):
-    """(CPMachine, how it was obtained): what the compiled path ranks with (rewrite._machine):
+    """(CPMachine, how it was obtained): what the compiled path ranks with (rewrite.machine_for):
     this machine's stored calibration (rank 0's), else the priors; the round figures on CPU."""
     from torch_commopt.attention.cost import machine_from_calibration
     from torch_commopt.attention.rewrite import MACHINES

@@ -149,7 +149,7 @@ def test_a_training_graph_ranks_schedules_by_forward_and_backward(monkeypatch):
     q = Graph().placeholder("q")
     q.meta["val"] = torch.empty(1, 32, 4096, 128, dtype=torch.bfloat16, device="meta")
     region = SimpleNamespace(inputs={"q": q}, shape=shape, world=2, causal=True, group_name="unused")
-    monkeypatch.setattr(rewrite, "_machine", lambda *args: MACHINE)
+    monkeypatch.setattr(rewrite, "machine_for", lambda *args: MACHINE)
     fwd = rank_schedules(shape, world=2, causal=True, dtype="bfloat16", machine=MACHINE)
     both = rank_schedules(shape, world=2, causal=True, dtype="bfloat16", machine=MACHINE, backward=True)
     assert fwd[0][0] != both[0][0]

@@ -39,7 +39,7 @@ def _exchange(rank: int, world: int) -> list[float]:
 
     # a CPU tensor's fd-strategy handle can be taken once, by one peer; CUDA IPC handles any number
     torch.multiprocessing.set_sharing_strategy("file_system")
-    local = shared_device.empty(8, dtype=torch.float32, device=torch.device("cpu"))
+    local = torch.empty(8, dtype=torch.float32)
     local.fill_(-1.0)
     handle = shared_device.rendezvous(local, dist.group.WORLD)
     peer = (rank + 1) % world

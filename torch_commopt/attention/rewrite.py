@@ -138,8 +138,8 @@ def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None
     the priors).  backward: rank and measure forward + backward (a training graph runs both),
     else the forward."""
     q = val(region.inputs["q"])
-    machine = _machine(q, region, cache_dir, timeout_s)
     dtype = str(q.dtype).removeprefix("torch.")
+    machine = machine_for(q.device, region.world, region.group_name, dtype, cache_dir, timeout_s)
     ranked = rank_schedules(region.shape, world=region.world, causal=region.causal, dtype=dtype,
                             machine=machine, backward=backward, depths=True)
     shown = f"predicted{' forward + backward' if backward else ''}: {_shown(ranked)}"
@@ -158,18 +158,12 @@ def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None
                                 machine, top_k)
     entry = tune.cached(key, region.group_name, cache_dir, timeout_s)
     if entry is None:
-        b, h, h_kv, seq, d = region.shape
-        spec = f"{b},{h},{h_kv},{seq},{d}" + (":causal" if region.causal else "") + (":train" if backward else "")
+        spec = tune.format_spec(region.shape, region.causal, backward)
         return ranked[0][0], ranked, (f"{shown}; autotune: this shape was not measured (`python -m torch_commopt "
                                       f"tune --attention {spec} --world {region.world}` measures it): the model's pick")
     measured = sorted(entry["measured_ms"].items(), key=lambda kv: kv[1])
     return entry["schedule"], ranked, ("measured: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in measured[:5])
                                        + f" (cached); {shown}")
-
-
-def _machine(q: torch.Tensor, region: AttentionRegion, cache_dir: str | None, timeout_s: float) -> CPMachine:
-    return machine_for(q.device, region.world, region.group_name, str(q.dtype).removeprefix("torch."), cache_dir,
-                       timeout_s)
 
 
 def machine_for(device: torch.device, world: int, group_name: str | None, dtype: str, cache_dir: str | None,

@@ -166,6 +166,11 @@ def parse_spec(spec: str) -> tuple[AttentionShape, bool, bool]:
     return shape, "causal" in flags, "train" in flags
 
 
+def format_spec(shape: AttentionShape, causal: bool, backward: bool) -> str:
+    """The inverse of parse_spec: "B,H,HKV,S,D[:causal][:train]"."""
+    return ",".join(str(x) for x in shape) + (":causal" if causal else "") + (":train" if backward else "")
+
+
 def explain(specs: list[str], world: int, device: str, dtype: Optional[str], cache_dir: Optional[str],
             top_k: int = 4) -> str:
     """What `python -m torch_commopt explain --attention ...` prints: per shape the attention

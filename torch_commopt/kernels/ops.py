@@ -173,9 +173,9 @@ def matmul_rs(
     Returns t's shape with dim `scatter_dim` divided by group_size: block `rank`,
     reduced over ranks with `reduce_op` ("sum" or "avg").
     """
-    _check_scatter(a, weight, scatter_dim, group_size)
     if schedule == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
-        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name)
+        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name)  # rows split: checked there
+    _check_scatter(a, weight, scatter_dim, group_size)
 
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason

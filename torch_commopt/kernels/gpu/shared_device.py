@@ -49,10 +49,6 @@ class IpcHandle:
         return flat[storage_offset: storage_offset + numel].view(tuple(shape))
 
 
-def empty(numel: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device=device)
-
-
 def rendezvous(local: torch.Tensor, group: dist.ProcessGroup) -> IpcHandle:
     """Collective: every rank's `local` mapped into every process (CUDA IPC; a CPU tensor goes
     through shared memory, which the CPU tests use)."""

@@ -258,8 +258,8 @@ class GroupRuntime:
         return local, handle
 
     def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.shared_device:
-            return shared_device.empty(numel, dtype=dtype, device=self.device)
+        if self.shared_device:  # a plain allocation, mapped by CUDA IPC at rendezvous
+            return torch.empty(numel, dtype=dtype, device=self.device)
         return symm_mem.empty(numel, dtype=dtype, device=self.device)
 
     def _rendezvous(self, local: torch.Tensor):
