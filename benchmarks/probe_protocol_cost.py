@@ -17,12 +17,20 @@ latency.  Variants (each 20 back-to-back calls captured in one CUDA graph, media
                   the token is taken in the same node as the signal, after the copy, and
                   done_reading's two writes are one node (4 nodes a call instead of 6)
     batched_flags_only   the same without the GEMMs and the copy
+    gemms_par     the two GEMMs on two streams (the peer's forked from the caller's): how much
+                  of the serial GEMMs' time is quantization (a 256-row GEMM fills few SMs)
+    batched_par   batched, with the peer's GEMM on a second compute stream that waits on the
+                  data flag (ag ce_push:S:par=1)
+
+Shapes (--shapes MxKxN of one rank's shard GEMM, default 256x8192x4096,1024x8192x4096,
+2048x8192x14336): AG 512, 2048 (K = N = 8192) and 4096x8192x28672 at world 2, the three where
+ce_push:1 replayed ran 0.957x / 0.988x / 0.995x torch's async-TP in s13b.
 
 (Unfenced writes, CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER, are not to be had: the _v2 entry
 point refuses the flag with 1, invalid value, and the unversioned one fails with 801, not
 supported, on the H100 of 2026-11-25.)
 
-    python3 benchmarks/probe_protocol_cost.py OUTDIR
+    python3 benchmarks/probe_protocol_cost.py OUTDIR [--shapes 256x8192x4096,...]
 """
 
 from __future__ import annotations
@@ -40,18 +48,22 @@ sys.path.insert(0, str(ROOT))
 
 from torch_commopt.kernels.gpu import driver  # noqa: E402
 
-M_SHARD, K, N, CALLS, REPLAYS = 256, 8192, 4096, 20, 30
+CALLS, REPLAYS = 20, 30
+SHAPES = "256x8192x4096,1024x8192x4096,2048x8192x14336"
+VARIANTS = ["gemms", "gemms_par", "copy", "protocol", "batched", "batched_par", "flags_only", "batched_flags_only"]
 FREE, DATA = 0, 8  # int32 indices into the flag tensor, per buffer half
 
 
 class Call:
-    def __init__(self, variant: str):
-        self.variant = variant
+    def __init__(self, variant: str, m: int, k: int, n: int):
+        self.variant, self.m = variant, m
         dev = torch.device("cuda")
-        self.a = torch.randn(M_SHARD, K, device=dev, dtype=torch.bfloat16)
-        self.w = torch.randn(K, N, device=dev, dtype=torch.bfloat16) / K ** 0.5
-        self.out = torch.empty(2 * M_SHARD, N, device=dev, dtype=torch.bfloat16)
-        self.slots = torch.empty(2, M_SHARD, K, device=dev, dtype=torch.bfloat16)  # two buffer halves
+        self.a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        self.w = torch.randn(k, n, device=dev, dtype=torch.bfloat16) / k ** 0.5
+        self.out = torch.empty(2 * m, n, device=dev, dtype=torch.bfloat16)
+        self.slots = torch.empty(2, m, k, device=dev, dtype=torch.bfloat16)  # two buffer halves
+        self.second = torch.cuda.Stream()  # par: the peer's GEMM
+        self.fork2, self.join2 = driver.event_create(), driver.event_create()
         self.flags = torch.zeros(64, device=dev, dtype=torch.int32)
         self.flags[FREE:FREE + 2] = 1  # both halves' tokens at rest: free
         self.side = torch.cuda.Stream(priority=-1)
@@ -65,8 +77,13 @@ class Call:
         v, cur = self.variant, torch.cuda.current_stream()
         half = self.epoch % 2
         self.epoch += 1
-        gemms, copy = not v.endswith("flags_only"), v not in ("gemms", "flags_only", "batched_flags_only")
-        flags, batched = v not in ("gemms", "copy"), v.startswith("batched")
+        gemms = not v.endswith("flags_only")
+        copy = v not in ("gemms", "gemms_par", "flags_only", "batched_flags_only")
+        flags, batched = v not in ("gemms", "gemms_par", "copy"), v.startswith("batched")
+        par = v.endswith("_par")
+        peer = self.second if par else cur  # the stream of the peer shard's GEMM
+        if par:
+            driver.stream_after(self.second, self.fork2, cur)
         free, data = self.flag(FREE + half), self.flag(DATA + half)
         if copy or flags:
             driver.stream_after(self.side, self.fork, cur)
@@ -83,11 +100,14 @@ class Call:
             else:
                 driver.write_value32(self.side, data, 1)
         if gemms:
-            torch.mm(self.a, self.w, out=self.out[:M_SHARD])
+            torch.mm(self.a, self.w, out=self.out[:self.m])
         if flags:
-            driver.wait_value32(cur, data, 1)
+            driver.wait_value32(peer, data, 1)
         if gemms:
-            torch.mm(self.slots[half], self.w, out=self.out[M_SHARD:])
+            with torch.cuda.stream(peer):
+                torch.mm(self.slots[half], self.w, out=self.out[self.m:])
+        if par:
+            driver.stream_after(cur, self.join2, self.second)
         if copy or flags:
             driver.stream_after(cur, self.join, self.side)
         if flags:  # done_reading: lower the data flag, give the token back
@@ -98,8 +118,8 @@ class Call:
                 driver.write_value32(cur, free, 1)
 
 
-def time_variant(variant: str) -> float:
-    call = Call(variant)
+def time_variant(variant: str, m: int, k: int, n: int) -> float:
+    call = Call(variant, m, k, n)
 
     def check() -> None:
         if call.flags[FREE:FREE + 2].tolist() != [1, 1] or call.flags[DATA:DATA + 2].tolist() != [0, 0]:
@@ -108,25 +128,33 @@ def time_variant(variant: str) -> float:
 
 
 def main() -> None:
-    out = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    args = sys.argv[1:]
+    shapes = SHAPES
+    if "--shapes" in args:
+        at = args.index("--shapes")
+        shapes = args[at + 1]
+        del args[at:at + 2]
+    out = pathlib.Path(args[0] if args else ".")
     out.mkdir(parents=True, exist_ok=True)
-    variants = ["gemms", "copy", "protocol", "batched", "flags_only", "batched_flags_only"]
-    results = {}
-    errors = {}
-    for _ in range(3):  # rounds, variants interleaved: the median of the rounds' medians
-        for v in variants:
-            if v in errors:
-                continue
-            try:
-                results.setdefault(v, []).append(time_variant(v))
-            except RuntimeError as e:  # a driver refusing an operation: say so, time the rest
-                errors[v] = str(e)
-                results.pop(v, None)
-    record = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "m_shard": M_SHARD, "k": K, "n": N,
-              "calls_per_replay": CALLS, "ms_per_call": {v: statistics.median(t) for v, t in results.items()},
-              "rounds": results, "errors": errors}
-    print(json.dumps(record, indent=1))
-    (out / "probe_protocol_cost.json").write_text(json.dumps(record, indent=1))
+    records = []
+    for shape in shapes.split(","):
+        m, k, n = (int(x) for x in shape.split("x"))
+        results, errors = {}, {}
+        for _ in range(3):  # rounds, variants interleaved: the median of the rounds' medians
+            for v in VARIANTS:
+                if v in errors:
+                    continue
+                try:
+                    results.setdefault(v, []).append(time_variant(v, m, k, n))
+                except RuntimeError as e:  # a driver refusing an operation: say so, time the rest
+                    errors[v] = str(e)
+                    results.pop(v, None)
+        records.append({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "m_shard": m, "k": k,
+                        "n": n, "calls_per_replay": CALLS,
+                        "ms_per_call": {v: statistics.median(t) for v, t in results.items()},
+                        "rounds": results, "errors": errors})
+        print(json.dumps(records[-1]["ms_per_call"] | {"shape": shape}), flush=True)
+    (out / "probe_protocol_cost.json").write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":

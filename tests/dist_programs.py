@@ -89,6 +89,14 @@ def run_funcol_programs(rank: int, world: int, options: dict, seed: int = 0):
     return results
 
 
+def model_shape(world: int) -> dict:
+    """A block's sizes that shard evenly: dim 32 and hidden 64 at 2 or 4 ranks (heads 2W),
+    multiples of 3 at 3 ranks."""
+    if 32 % (2 * world) == 0:
+        return {"batch": 2, "seq": 8 * world, "dim": 32, "hidden": 64, "heads": 2 * world}
+    return {"batch": 2, "seq": 8 * world, "dim": 12 * world, "hidden": 24 * world, "heads": 2 * world}
+
+
 def run_models(rank: int, world: int, options: dict, kinds: tuple[str, ...]):
     from torch_commopt.validate import check
 
@@ -96,7 +104,7 @@ def run_models(rank: int, world: int, options: dict, kinds: tuple[str, ...]):
     for kind in kinds:
         torch._dynamo.reset()
         torch_commopt.reset_explain()
-        errors = check(kind, options, shape={"batch": 2, "seq": 8 * world, "dim": 32, "hidden": 64, "heads": 2 * world})
+        errors = check(kind, options, shape=model_shape(world))
         rewritten = sum(len(g.rewritten) for g in torch_commopt.explain().graphs)
         out[kind] = ([(e.name, e.compiled, e.eager) for e in errors], rewritten)
     return out

@@ -1,4 +1,4 @@
-"""compiled-with-commopt vs eager on real gloo groups (2 and 4 ranks), forward and backward,
+"""compiled-with-commopt vs eager on real gloo groups (2, 3 and 4 ranks), forward and backward,
 for both reference schedules.  Tolerance: a few times eager float32's own error against
 a float64 run of the same program."""
 
@@ -27,9 +27,10 @@ def test_funcol_patterns_match_eager(world, options):
                 _assert_close(f"{name} output {i}", c, e)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("options", SCHEDULES, ids=lambda o: o["schedule"])
+@pytest.mark.parametrize("world, options", [(w, o) for w in (2, 4) for o in SCHEDULES] + [(3, SCHEDULES[1])],
+                         ids=lambda x: f"world{x}" if isinstance(x, int) else x["schedule"])
 def test_models_forward_backward_match_eager(world, options):
+    # world 3: an odd world (blocks of 36 / 72 features, 6 heads), the overlapped schedule
     kinds = ("funcol_mlp", "tp_sp_mlp", "tp_sp_block")
     for rank_results in run_distributed(run_models, world, options, kinds):
         for kind, (errors, rewritten) in rank_results.items():

@@ -15,7 +15,7 @@ import torch
 
 from torch_commopt.config import Config
 from torch_commopt.launch import run_distributed
-from torch_commopt.validate import TOLERANCE_FACTOR
+from torch_commopt.validate import TOLERANCE_FACTOR, check_shape
 
 
 def _demo_rank(rank: int, world: int, options: dict[str, Any], shape: dict[str, int]) -> dict[str, Any]:
@@ -45,7 +45,9 @@ def run_demo(world: int = 2, options: dict[str, Any] | None = None, backend: str
         # The demo's block is far too small for the built-in rule to pick a GPU schedule
         # (it would choose NCCL sequential); on GPUs the demo shows the copy-engine kernels.
         options["schedule"] = "ce_push"
-    shape = {"batch": 2, "seq": 32, "dim": 64, "hidden": 128, "heads": 4 * world}
+    # 8 features a head, every sharded size a multiple of the world (64 / 128 features at 2 ranks)
+    shape = {"batch": 2, "seq": 16 * world, "dim": 32 * world, "hidden": 64 * world, "heads": 4 * world}
+    check_shape("tp_sp_block", shape, world)
     print(f"commopt demo: LlamaBlock(dim={shape['dim']}, heads={shape['heads']}, hidden={shape['hidden']}), "
           f"TP+SP over {world} ranks, backend={backend}, options={options or '{}'}")
     results = run_distributed(_demo_rank, world, options, shape, backend=backend)

@@ -51,6 +51,7 @@ def build(kind: str, dtype: torch.dtype, seed: int, shape: dict) -> tuple[torch.
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(seed)
     b, s, d, h = shape["batch"], shape["seq"], shape["dim"], shape["hidden"]
+    check_shape(kind, shape, world)
     x = torch.randn(b, s, d, generator=gen, dtype=torch.float64)
     if kind == "funcol_mlp":
         model = FuncolMLP(d, h // world, dist.group.WORLD.group_name)
@@ -72,6 +73,21 @@ def build(kind: str, dtype: torch.dtype, seed: int, shape: dict) -> tuple[torch.
         return model, x.to(dtype)
     parallelize_module(model.to(device), mesh, tp_sp_plan(model))
     return model, x.chunk(world, dim=1)[rank].to(dtype)
+
+
+def check_shape(kind: str, shape: dict, world: int) -> None:
+    """Raise ValueError unless the sizes `build` shards over `world` ranks split evenly (a clear
+    error instead of a size mismatch inside the ranks)."""
+    splits = [("hidden", shape["hidden"], world, "ranks")]
+    if kind == "funcol_mlp":
+        splits.append(("batch x seq", shape["batch"] * shape["seq"], world, "ranks"))
+    elif kind != "tp_block":  # sequence parallel: the sequence is sharded
+        splits.append(("seq", shape["seq"], world, "ranks"))
+    if kind in ("tp_sp_block", "tp_block"):
+        splits += [("heads", shape["heads"], world, "ranks"), ("dim", shape["dim"], shape["heads"], "heads")]
+    bad = [f"{name} {n} over {by} {what}" for name, n, by, what in splits if n % by]
+    if bad:
+        raise ValueError(f"commopt validate: {kind}: sizes that do not split evenly: {', '.join(bad)}")
 
 
 def run_once(fn: Callable, model: torch.nn.Module, x: torch.Tensor, probe: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -29,7 +29,20 @@ from torch_commopt.attention.ring import GradRing, contiguous_plan, ring_bwd, ri
 from torch_commopt.attention.spec import CPSchedule
 from torch_commopt.validate import rel_err
 
-HYBRIDS = {2: ["hybrid:1:2", "hybrid:2:1"], 4: ["hybrid:1:4", "hybrid:2:2", "hybrid:4:1"]}
+def hybrids(world: int) -> list[str]:
+    """Every Ulysses x ring factorization of the world (hybrid:1:W ... hybrid:W:1)."""
+    return [f"hybrid:{u}:{world // u}" for u in range(1, world + 1) if world % u == 0]
+
+
+def split_heads(world: int) -> int:
+    """Heads that an all-to-all over the world splits into two head groups per rank (16, or
+    4W where 2W does not divide 16)."""
+    return 16 if 16 % (2 * world) == 0 else 4 * world
+
+
+def ulysses_hybrid(world: int) -> str:
+    """The hybrid with the smallest all-to-all degree > 1 (hybrid:2:W/2, or hybrid:3:1 at 3)."""
+    return next(h for h in hybrids(world) if not h.startswith("hybrid:1:"))
 
 
 @dataclass(frozen=True)
@@ -55,12 +68,16 @@ class Case:
 
 
 def schedule_names(world: int) -> list[str]:
-    return ["allgather", "ring", "ring_zigzag", "ulysses"] + HYBRIDS[world]
+    return ["allgather", "ring", "ring_zigzag", "ulysses"] + hybrids(world)
 
 
 def _gqa_heads(schedule: str, world: int) -> tuple[int, int]:
-    """GQA heads the schedule takes: (4, 2), or (8, 4) where the all-to-all splits 4 ways."""
-    return (4, 2) if refusal(schedule, (1, 4, 2, 2 * world, 8), world, True) is None else (8, 4)
+    """GQA heads the schedule takes: (4, 2), else (2U, U) for its all-to-all degree U (the
+    Ulysses degree: 4 gives (8, 4), 3 gives (6, 3))."""
+    for heads in [(4, 2)] + [(2 * u, u) for u in range(2, world + 1)]:
+        if refusal(schedule, (1, heads[0], heads[1], 2 * world, 8), world, True) is None:
+            return heads
+    raise ValueError(f"no GQA heads for {schedule} at world {world}")
 
 
 def cases(world: int) -> list[Case]:
@@ -80,7 +97,7 @@ def cases(world: int) -> list[Case]:
             Case("ring_zigzag", True, (4, 2), dtype=torch.bfloat16),
             Case("ulysses", True, _gqa_heads("ulysses", world), dtype=torch.bfloat16),
             Case("allgather", True, (4, 2), dtype=torch.bfloat16, head_dim=32),
-            Case(HYBRIDS[world][-2], True, (4, 2), dtype=torch.float64, head_dim=32),
+            Case(hybrids(world)[-2], True, _gqa_heads(hybrids(world)[-2], world), dtype=torch.float64, head_dim=32),
             Case("allgather", False, (4, 2), dtype=torch.float64, head_dim=32),
             Case("ring", False, (4, 2), scale=0.3, head_dim=32), Case("ring_zigzag", True, (4, 2), batch=1)]
     return out
@@ -321,7 +338,8 @@ def run_head_groups(rank: int, world: int, seed: int = 0) -> dict:
     MHA and GQA: forward and backward against full attention, and the forward's all-to-alls:
     two of half the size each way."""
     group, errors, problems = dist.group.WORLD, [], []
-    runs = [("ring_zigzag", (4, 4)), ("ring_zigzag", (8, 2)), ("ulysses", (16, 16)), ("ulysses", (16, 8))]
+    h = split_heads(world)
+    runs = [("ring_zigzag", (4, 4)), ("ring_zigzag", (8, 2)), ("ulysses", (h, h)), ("ulysses", (h, h // 2))]
     if world == 4:
         runs.append(("hybrid:2:2", (8, 4)))
     for i, (schedule, heads) in enumerate(runs):
@@ -368,8 +386,9 @@ def run_kept(rank: int, world: int, seed: int = 0) -> list[str]:
     torch.set_num_threads(1)
     group, problems = dist.group.WORLD, []
     names = [n for n in schedule_names(world) if schedules.moves_inputs(n, world, True)]
+    hs = split_heads(world)
     for i, (schedule, causal, heads, groups) in enumerate(
-            (n, c, h, g) for n in names for c in (True, False) for h in ((16, 16), (16, 8)) for g in (1, 2)):
+            (n, c, h, g) for n in names for c in (True, False) for h in ((hs, hs), (hs, hs // 2)) for g in (1, 2)):
         if not schedules.moves_inputs(schedule, world, causal):
             continue  # ring_zigzag without a mask is the ring
         case = Case(schedule, causal, heads, seq_local=4, head_dim=16)
@@ -462,7 +481,7 @@ def refused_calls(world: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     chunks do not divide the sequence), all-to-alls whose degree does not divide the heads."""
     odd = torch.randn(1, 4, 3, 16)  # S_total = 3W: not a multiple of 2W
     bad_heads = torch.randn(1, 2 * world + 1, 4, 16)
-    hybrid = f"hybrid:2:{world // 2}"
+    hybrid = ulysses_hybrid(world)
     return [("ring_zigzag", odd, odd), ("ulysses", bad_heads, bad_heads[:, :1]), (hybrid, bad_heads, bad_heads[:, :1]),
             ("ulysses", torch.randn(1, 2 * world, 4, 16), torch.randn(1, world // 2, 4, 16))]
 
@@ -496,7 +515,8 @@ def run_compiled_wrapper(rank: int, world: int, seed: int = 0) -> list[tuple[str
     raises on an opcheck failure."""
     torch.set_num_threads(1)
     group = dist.group.WORLD
-    case = Case("ring_zigzag" if world == 2 else "hybrid:2:2", True, (4, 2), head_dim=32)
+    sched = "ring_zigzag" if world == 2 else ulysses_hybrid(world)
+    case = Case(sched, True, _gqa_heads(sched, world), head_dim=32)
     q, k, v, dout = (t[:, :, rank * case.seq_local : (rank + 1) * case.seq_local].float()
                      for t in _global_inputs(case, world, seed))
 

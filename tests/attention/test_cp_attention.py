@@ -1,4 +1,4 @@
-"""Context-parallel attention on live gloo groups (2 and 4 ranks) against eager full attention.
+"""Context-parallel attention on live gloo groups (2, 3 and 4 ranks) against eager full attention.
 
 One spawned group per world size runs every case (cp_programs.run_all) and the tests below
 read its results: per case the forward (out, lse) and the gradients (dq, dk, dv) through the
@@ -14,7 +14,7 @@ import cp_programs
 from torch_commopt.launch import run_distributed
 from torch_commopt.validate import within_tolerance
 
-WORLDS = [2, 4]
+WORLDS = [2, 3, 4]
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")

@@ -29,11 +29,12 @@ def test_every_cp_schedule_matches_full_attention_on_gpus(two_ranks):
 
 
 @pytest.mark.gpu
-def test_every_cp_schedule_matches_full_attention_at_world_4(four_ranks, monkeypatch):
-    # the copy-engine all-to-alls and ring over four peers, hybrid:2:2 among the schedules
+def test_every_cp_schedule_matches_full_attention_at_worlds_3_and_4(more_ranks, monkeypatch):
+    # the copy-engine all-to-alls and ring over three and four ranks (a ring of two and three
+    # steps), hybrid:2:2 among the schedules at four
     monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", "ce")
     monkeypatch.setenv("TORCH_COMMOPT_DEBUG_WAITS", "1")
-    _check_all(four_ranks)
+    _check_all(more_ranks)
 
 
 @pytest.mark.gpu

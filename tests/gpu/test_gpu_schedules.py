@@ -40,17 +40,17 @@ def test_back_to_back_calls_do_not_corrupt(two_ranks):
 
 
 @pytest.mark.gpu
-def test_every_gpu_schedule_matches_reference_at_world_4(four_ranks):
-    # four peers: rotated send orders, a token per peer, uneven rows among four
-    for results in run_distributed(run_schedule_cases, four_ranks[0], ("bfloat16",), backend=four_ranks[1],
+def test_every_gpu_schedule_matches_reference_at_worlds_3_and_4(more_ranks):
+    # three and four peers: rotated send orders, a token per peer, rows split three and four ways
+    for results in run_distributed(run_schedule_cases, more_ranks[0], ("bfloat16",), backend=more_ranks[1],
                                    timeout_s=600):
         assert len(results) > 50
         _check(results)
 
 
 @pytest.mark.gpu
-def test_back_to_back_calls_do_not_corrupt_at_world_4(four_ranks):
-    for results in run_distributed(run_back_to_back, four_ranks[0], 60, backend=four_ranks[1], timeout_s=600):
+def test_back_to_back_calls_do_not_corrupt_at_worlds_3_and_4(more_ranks):
+    for results in run_distributed(run_back_to_back, more_ranks[0], 60, backend=more_ranks[1], timeout_s=600):
         assert len(results) == 60
         _check(results)
 

@@ -11,7 +11,7 @@ from torch_commopt.launch import run_distributed
 from torch_commopt.validate import within_tolerance
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_reference_schedules_match_plain_torch(world):
     for results, fake_mismatch in run_distributed(run_reference_cases, world):
         assert not fake_mismatch, f"fake impl shapes differ from real ones: {fake_mismatch}"
