@@ -37,6 +37,7 @@ RS_CASES = [
     ((1002, 520), 0, 300, False, "avg"),
     ((2, 192, 256), 1, 320, False, "sum"),
     ((4, 50, 136), 0, 72, True, "avg"),
+    ((1200, 520), 0, 300, True, "sum"),         # rows that split 2, 3 and 4 ways, no tile multiple
 ]
 AR_CASES = [((256, 512), 384, False), ((1002, 520), 300, True), ((2, 96, 256), 200, False)]
 
@@ -133,10 +134,7 @@ def run_schedule_cases(rank: int, world: int, dtypes: tuple[str, ...] = ("bfloat
         for case in AG_CASES:
             seed += 17
             results += _ag_case(case, dtype, AG_SCHEDULES, seed, rank, world)
-        for case in RS_CASES:
-            a_shape, dim, n = case[:3]
-            if (list(a_shape[:-1]) + [n])[dim] % world:  # a reduce-scatter needs equal blocks (the op refuses others)
-                continue
+        for case in _splitting(RS_CASES, world):
             seed += 17
             results += _rs_case(case, dtype, RS_SCHEDULES, seed, rank, world)
         for case in AR_CASES:
@@ -144,8 +142,15 @@ def run_schedule_cases(rank: int, world: int, dtypes: tuple[str, ...] = ("bfloat
             results += _ar_case(case, dtype, AR_SCHEDULES, seed, rank, world)
     # fp32 through the cuBLAS schedules (fused needs bf16/fp16 and refuses -> sequential)
     results += _ag_case(AG_CASES[1], torch.float32, ["ce_push:2", "fused:2"], 77, rank, world)
-    results += _rs_case(RS_CASES[1], torch.float32, ["direct:2", "ce_push:2", "ce_pull:2"], 78, rank, world)
+    results += _rs_case(_splitting(RS_CASES, world)[1], torch.float32, ["direct:2", "ce_push:2", "ce_pull:2"], 78,
+                        rank, world)
     return results
+
+
+def _splitting(cases, world: int) -> list:
+    """The reduce-scatter cases whose scatter dim splits into `world` equal blocks (the op
+    refuses the others: tests/kernels/test_reference.py)."""
+    return [c for c in cases if (list(c[0][:-1]) + [c[2]])[c[1]] % world == 0]
 
 
 def run_back_to_back(rank: int, world: int, calls: int = 120):
