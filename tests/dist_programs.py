@@ -108,3 +108,40 @@ def run_models(rank: int, world: int, options: dict, kinds: tuple[str, ...]):
         rewritten = sum(len(g.rewritten) for g in torch_commopt.explain().graphs)
         out[kind] = ([(e.name, e.compiled, e.eager) for e in errors], rewritten)
     return out
+
+
+def run_dp_tp_block(rank: int, world: int, options_list: list[dict]) -> list[tuple[int, list[tuple[float, float]]]]:
+    """A TP+SP block on the "tp" dim of a (dp, tp) = (2, world / 2) mesh: the TP groups are
+    subgroups (global ranks {0, 1} and {2, 3} at world 4), each replica its own batch.  Per
+    options: (regions rewritten on this rank, [(compiled error, eager error)] of the output,
+    the input grad and every parameter grad, against float64 eager)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from torch_commopt.models import LlamaBlock, tp_sp_plan
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    tp, replica = mesh["tp"], mesh["dp"].get_local_rank()
+    results = []
+    for options in options_list:
+        runs = {}
+        for label, dtype in (("ref", torch.float64), ("eager", torch.float32), ("compiled", torch.float32)):
+            torch.manual_seed(0)
+            model = LlamaBlock(32, 4, 64).to(dtype)
+            parallelize_module(model, tp, tp_sp_plan(model))
+            x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(100 + replica), dtype=torch.float64)
+            x = x.chunk(tp.size(), dim=1)[tp.get_local_rank()].to(dtype).requires_grad_(True)
+            fn = model
+            if label == "compiled":
+                torch._dynamo.reset()
+                torch_commopt.reset_explain()
+                fn = torch.compile(model, backend="commopt", options=options)
+            out = fn(x)
+            probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + replica), dtype=torch.float64)
+            (out * probe.to(out.dtype)).sum().backward()
+            runs[label] = [out.detach(), x.grad] + [p.grad.full_tensor() for p in model.parameters()]
+        rewritten = sum(len(g.rewritten) for g in torch_commopt.explain().graphs)
+        results.append((rewritten, [(rel_err(c, r), rel_err(e, r)) for c, e, r in
+                                    zip(runs["compiled"], runs["eager"], runs["ref"])]))
+    return results

@@ -278,6 +278,22 @@ def run_cp_cases(rank: int, world: int, seed: int = 0) -> tuple[list[tuple[str, 
     return errors, problems
 
 
+def run_cp_cases_on_strided_subgroups(rank: int, world: int, seed: int = 0):
+    """Every world-2 case on the "cp" dim of a (cp, dp) = (2, world / 2) mesh: the CP groups are
+    strided subgroups ({0, 2} and {1, 3} at world 4), whose group ranks are not the global ones
+    (the ring's peers, the all-to-alls, the hybrids' own subgroups).  Same results as run_cp_cases."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    group = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp", "dp"))["cp"].get_group()
+    errors, problems = [], []
+    for i, case in enumerate(cases(2)):
+        e, p = run_case(case, seed + i, group)
+        errors += e
+        problems += p
+    return errors, problems
+
+
 def run_all(rank: int, world: int, seed: int = 0) -> dict:
     """The cases, the refusals and the compiled wrapper in one process group (one spawn)."""
     return {"cases": run_cp_cases(rank, world, seed), "refusals": run_refusals(rank, world),

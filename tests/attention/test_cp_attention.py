@@ -148,3 +148,13 @@ def test_dkv_hop_dtypes_by_plan():
     assert cp_programs.dkv_hop_dtypes(contiguous_plan(True), 4, 0, True) == [True, True, False, True]
     assert cp_programs.dkv_hop_dtypes(contiguous_plan(True), 4, 2, True) == [True, False, False, True]
     assert cp_programs.dkv_hop_dtypes(zigzag_plan(True), 4, 1, True) == [True, False, False, True]
+
+
+def test_every_schedule_on_strided_subgroups_of_a_mesh():
+    """CP over the outer dim of a (cp, dp) mesh: groups {0, 2} and {1, 3}."""
+    for rank, (errors, problems) in enumerate(run_distributed(cp_programs.run_cp_cases_on_strided_subgroups, 4,
+                                                              timeout_s=300)):
+        assert len(errors) == len(cp_programs.cases(2)) * 5 and not problems, problems
+        bad = [f"{label}: {got:.2e} vs eager {eager:.2e}" for label, got, eager in errors
+               if not within_tolerance(got, eager)]
+        assert not bad, f"rank {rank}:\n" + "\n".join(bad)

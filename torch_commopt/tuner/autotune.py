@@ -236,12 +236,16 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
         keep = [i for i, s in enumerate(candidates) if s in replays]
         candidates, calls, counts = [candidates[i] for i in keep], list(replays.values()), [counts[i] for i in keep]
     samples: list[list[float]] = [[] for _ in candidates]
+    # The group's first rank reports; a bar only on global rank 0: with several groups tuning
+    # at once (each TP group of a DP x TP mesh) their bars would overwrite each other on the
+    # launcher's one terminal, so the others log their progress at INFO.
     show = dist.get_rank() == dist.get_process_group_ranks(group)[0]
+    bar_here = dist.get_rank() == 0
 
     def rounds(indices: list[int], count: int, desc: str) -> list[float]:
         """Time the candidates `indices` for `count` rounds (order rotated per round); the
         medians of all samples so far, slowest rank's."""
-        bar = Progress(count * len(indices), f"commopt autotune {label} {desc}".rstrip(), show)
+        bar = Progress(count * len(indices), f"commopt autotune {label} {desc}".rstrip(), show, bar_here)
         for r in range(count):
             for i in [indices[(j + r) % len(indices)] for j in range(len(indices))]:
                 bar.step(candidates[i])
@@ -293,12 +297,12 @@ def capture_agreed(calls: dict[str, Callable[[], Any]], group=None) -> dict[str,
 
 class Progress:
     """A progress bar on one rank: tqdm when it is installed, else a one-line bar on a
-    terminal's stderr, else (not a terminal) log lines at INFO."""
+    terminal's stderr, else (not a terminal, or bar=False) log lines at INFO."""
 
-    def __init__(self, total: int, desc: str, show: bool):
+    def __init__(self, total: int, desc: str, show: bool, bar: bool = True):
         self.total, self.desc, self.done, self.show = total, desc, 0, show
-        self._tqdm = None
-        if not show:
+        self._tqdm, self._tty = None, False
+        if not show or not bar:
             return
         try:
             from tqdm import tqdm
