@@ -37,6 +37,9 @@ def val(node: Any) -> torch.Tensor | None:
     return None
 
 
+DYNAMIC_SHAPE = "has a dynamic shape"  # in the reason of every region a symbolic size stops
+
+
 def static_shape(node: Node) -> list[int]:
     """The node's shape as Python ints; raises Unsupported for a dynamic (symbolic) shape."""
     v = val(node)
@@ -44,7 +47,7 @@ def static_shape(node: Node) -> list[int]:
         raise Unsupported(f"{node.name} has no recorded shape")
     shape = list(v.shape)
     if not all(isinstance(s, int) for s in shape):
-        raise Unsupported(f"{node.name} has a dynamic shape {shape}")
+        raise Unsupported(f"{node.name} {DYNAMIC_SHAPE} {shape}")
     return shape
 
 

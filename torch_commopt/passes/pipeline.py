@@ -22,7 +22,7 @@ from torch_commopt.passes.find_ag_matmul import find_ag_matmul
 from torch_commopt.passes.find_matmul_reduce import find_matmul_reduce
 from torch_commopt.kernels.reference.chunking import chunk_rows
 from torch_commopt.kernels.reference.collectives import resolve_group
-from torch_commopt.passes.graph_utils import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, group_name_of,
+from torch_commopt.passes.graph_utils import (DYNAMIC_SHAPE, ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, group_name_of,
                                                static_shape, val)
 from torch_commopt.passes.regions import Region, Skip
 from torch_commopt.passes.rewrite import rewrite_region
@@ -203,7 +203,17 @@ def _find_regions(graph: Graph, config: Config, report: explain.GraphReport) -> 
             regions.append(region)
     for s in report.skipped:
         log.info("commopt left %s at %s untouched: %s", s.kind, s.node, s.reason)
+    dynamic = [s for s in report.skipped if DYNAMIC_SHAPE in s.reason]
+    if dynamic and not _warned["dynamic"]:
+        _warned["dynamic"] = True  # once a process: every recompiled graph would repeat it
+        log.warning("commopt: %d collective(s) left untouched in a graph compiled with dynamic shapes (%s); "
+                    "torch.compile recompiles with dynamic sizes when an input's shape changes (e.g. a short "
+                    "last batch), and later steps may run that graph. To keep the overlap, compile with "
+                    "dynamic=False or keep the shapes fixed (drop_last=True)", len(dynamic), dynamic[0].reason)
     return regions
+
+
+_warned = {"dynamic": False}
 
 
 def _choose_schedule(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
