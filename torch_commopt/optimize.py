@@ -43,14 +43,16 @@ def resolve_config(config: Optional[Union[Config, dict]], options: dict[str, Any
     return Config.from_options({**base, **options})
 
 
-def optimize(target: Any = None, *, config: Optional[Union[Config, dict]] = None, dynamic: Optional[bool] = None,
+def optimize(target: Any = None, *, config: Optional[Union[Config, dict]] = None, dynamic: Optional[bool] = False,
              fullgraph: bool = False, **options: Any) -> Any:
     """Compile `target` with backend="commopt" and Config(config, **options).
 
     target: an nn.Module instance (compiled in place and returned), an nn.Module subclass
     (returned with each new instance compiling itself), a function (its compiled version is
     returned), or nothing (a decorator taking one of those).  dynamic, fullgraph: as in
-    torch.compile.  Raises ValueError for an unknown or invalid option, TypeError for a target
+    torch.compile, but dynamic defaults to False: commopt leaves graphs with symbolic sizes
+    untouched, and torch.compile's default (None) would recompile with them at the first change
+    of an input's shape and keep running that graph.  Raises ValueError for an unknown or invalid option, TypeError for a target
     that is none of these."""
     cfg = resolve_config(config, options)
     if target is None:

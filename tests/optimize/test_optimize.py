@@ -53,3 +53,21 @@ def test_config_and_options_combine():
     compiled = torch_commopt.optimize(lambda x: x * 2, config={"schedule": "sequential"})
     assert compiled._commopt_config.schedule == "sequential"
     assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_a_changed_shape_compiles_a_static_graph_of_its_own(fake_world):
+    """optimize's dynamic=False: a short batch gets its own static graph, and the usual shape
+    keeps running its rewritten one (torch.compile's default would switch every later call to
+    a dynamic graph, which commopt leaves alone)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD.group_name
+    fn = torch_commopt.optimize(lambda a, b: funcol.all_gather_tensor(a, gather_dim=0, group=group) @ b)
+    torch_commopt.reset_explain()
+    w = torch.randn(16, 8)
+    for rows in (8, 6, 8, 8):
+        fn(torch.randn(rows, 16), w)
+    graphs = torch_commopt.explain().graphs
+    assert len(graphs) == 2 and all(g.rewritten for g in graphs), [g.skipped for g in graphs]
+    assert not any("dynamic shape" in s.reason for g in graphs for s in g.skipped)
