@@ -61,7 +61,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -463,21 +463,11 @@ def _a2a_transport() -> str:
 
 
 def pick_machine(dev: str, world: int, dtype: torch.dtype):
-    """(CPMachine, how it was obtained): what the compiled path ranks with (rewrite.machine_for):
-    this machine's stored calibration (rank 0's), else the priors; the round figures on CPU."""
-    from torch_commopt.attention.cost import machine_from_calibration
-    from torch_commopt.attention.rewrite import MACHINES
-    from torch_commopt.tuner.choose import calibration_for
+    """(CPMachine, how it was obtained): what the compiled path ranks with (rewrite.machine_for)."""
+    from torch_commopt.attention.rewrite import machine_and_source
 
-    if dev != "cuda":
-        return MACHINES["cpu"], "rewrite.MACHINES round figures (CPU)"
-    try:
-        cal = calibration_for(torch.device("cuda", torch.cuda.current_device()), world, dist.group.WORLD.group_name,
-                              None, 300.0)
-        machine = machine_from_calibration(cal, str(dtype).removeprefix("torch."))
-        return machine, f"tuner calibration ({cal.source}: {cal.device} x{cal.world})"
-    except (KeyError, ValueError, RuntimeError) as e:
-        return MACHINES["cuda"], f"rewrite.MACHINES round figures (no calibration: {e})"
+    device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
+    return machine_and_source(device, world, dist.group.WORLD.group_name, str(dtype).removeprefix("torch."), None, 300.0)
 
 
 def _commopt_plan(case: Case, world: int, dtype: torch.dtype, machine, only: list[str] | None):

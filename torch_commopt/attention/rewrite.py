@@ -170,15 +170,21 @@ def machine_for(device: torch.device, world: int, group_name: str | None, dtype:
                 timeout_s: float) -> CPMachine:
     """The attention model's machine: from the tuner calibration of `device` over `world` ranks
     (rank 0's), else the round figures (MACHINES)."""
+    return machine_and_source(device, world, group_name, dtype, cache_dir, timeout_s)[0]
+
+
+def machine_and_source(device: torch.device, world: int, group_name: str | None, dtype: str, cache_dir: str | None,
+                       timeout_s: float) -> tuple[CPMachine, str]:
+    """(machine_for's machine, where its figures come from)."""
     from torch_commopt.attention.cost import machine_from_calibration
     from torch_commopt.tuner.choose import calibration_for
 
     try:
         cal = calibration_for(device, world, group_name, cache_dir, timeout_s)
-        return machine_from_calibration(cal, dtype)
+        return machine_from_calibration(cal, dtype), f"tuner calibration ({cal.source}: {cal.device} x{cal.world})"
     except (KeyError, ValueError, RuntimeError) as e:  # no usable calibration: the round figures
         log.info("commopt attention: no calibration for %s (%s); using the round figures", device, e)
-        return MACHINES["cuda" if device.type == "cuda" else "cpu"]
+        return MACHINES["cuda" if device.type == "cuda" else "cpu"], f"rewrite.MACHINES round figures (no calibration: {e})"
 
 
 def _apply(graph: Graph, region: AttentionRegion, schedule: str) -> None:
