@@ -145,3 +145,56 @@ def run_dp_tp_block(rank: int, world: int, options_list: list[dict]) -> list[tup
         results.append((rewritten, [(rel_err(c, r), rel_err(e, r)) for c, e, r in
                                     zip(runs["compiled"], runs["eager"], runs["ref"])]))
     return results
+
+
+def run_checkpointed_block(rank: int, world: int, how: str, options: dict) -> dict:
+    """A TP+SP block under activation checkpointing ("full": each sub-block wrapped, as
+    torchtitan's full AC; "selective": matmuls saved, the rest recomputed), compiled with plain
+    inductor and with commopt, against float64 eager.  The backward graph recomputes the
+    forward's all-gathers.  {"inductor_error": why torch's own compile failed (or None),
+    "rewritten": regions per graph, "errors": [(commopt error, eager error)]}."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from torch_commopt.models import LlamaBlock, tp_sp_plan
+
+    def save_matmuls(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    runs, result = {}, {"inductor_error": None, "rewritten": [], "errors": []}
+    for label, dtype in (("ref", torch.float64), ("eager", torch.float32), ("inductor", torch.float32),
+                         ("commopt", torch.float32)):
+        torch.manual_seed(0)
+        block = LlamaBlock(32, 4, 64).to(dtype)
+        parallelize_module(block, mesh, tp_sp_plan(block))
+        if how == "full":
+            block.attention = checkpoint_wrapper(block.attention)
+            block.feed_forward = checkpoint_wrapper(block.feed_forward)
+            fwd = block
+        else:
+            context = functools.partial(create_selective_checkpoint_contexts, save_matmuls)
+            fwd = functools.partial(checkpoint, block, use_reentrant=False, context_fn=context)
+        x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        x = x.chunk(world, dim=1)[rank].to(dtype).requires_grad_(True)
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        fn = {"inductor": torch.compile(fwd), "commopt": torch.compile(fwd, backend="commopt", options=options)}.get(label, fwd)
+        try:
+            out = fn(x)
+            probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+            (out * probe.to(out.dtype)).sum().backward()
+        except Exception as e:  # noqa: BLE001 - torch's own failure is reported, not ours
+            if label != "inductor":
+                raise
+            result["inductor_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            return result
+        runs[label] = [out.detach(), x.grad] + [p.grad.full_tensor() for p in block.parameters()]
+    result["rewritten"] = [len(g.rewritten) for g in torch_commopt.explain().graphs]
+    result["errors"] = [(rel_err(c, r), rel_err(e, r)) for c, e, r in zip(runs["commopt"], runs["eager"], runs["ref"])]
+    return result
