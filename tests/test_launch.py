@@ -31,6 +31,21 @@ def _rank_one_dies(rank: int, world: int) -> int:
     return rank
 
 
+def _rank_one_uses_the_store_late(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    if rank == 1:  # rank 0 (the store's host) has returned by now
+        time.sleep(1.5)
+        store = dist.distributed_c10d._get_default_store()
+        store.set("late", "still here")
+        return store.get("late").decode()
+    return "done"
+
+
+def test_rank_0_keeps_the_store_up_until_every_rank_is_done():
+    assert run_distributed(_rank_one_uses_the_store_late, 2) == ["done", "still here"]
+
+
 def test_results_come_back_in_rank_order():
     assert run_distributed(_rank_squared, 2, 5) == [5, 6]
 

@@ -19,6 +19,8 @@ import torch.multiprocessing as mp
 
 FAILED_PEER_GRACE_S = 20.0
 POLL_S = 2.0
+FINISHED_KEY = "commopt/launch/finished"
+LEAVE_WAIT_S = 3600.0  # rank 0's wait for the others at exit (the parent's timeout comes first)
 
 
 def free_port() -> int:
@@ -38,11 +40,30 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
         result = fn(rank, world, *args)
         queue.put((rank, True, result))
+        if dist.is_initialized():
+            _leave_together(rank, world)  # (a failed run is the parent's to end: it kills the rest)
     except BaseException:  # report every failure, including asserts, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave_together(rank: int, world: int) -> None:
+    """Rank 0 hosts the c10d store: it stays until every rank has finished, so that a rank
+    done early (e.g. one TP group of a DP x TP mesh, which never waits for the other) does not
+    take the store down under ranks still using it (broken pipe in their next store call).
+    The others leave at once; a rank that dies is the parent's to report (it kills the rest)."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add(FINISHED_KEY, 1)
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        while rank == 0 and store.add(FINISHED_KEY, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store is already gone: nothing left to protect
+        pass
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeout_s: float = 900) -> list[Any]:
@@ -84,8 +105,8 @@ def run_distributed(fn: Callable, world: int, *args: Any, backend: str = "gloo",
         missing = sorted(set(range(world)) - set(results) - set(errors))
         errors[-1] = f"ranks {missing} did not finish ({type(e).__name__}); killed"
     finally:
-        for p in procs:
-            p.join(timeout=30)
+        for p in procs:  # after a failure, a rank still alive only waits for peers that will not come
+            p.join(timeout=3 if errors else 30)
             if p.is_alive():
                 p.kill()
     if errors:

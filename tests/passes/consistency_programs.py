@@ -41,3 +41,18 @@ def one_rank_missing(rank: int, world: int):
 
 def values_differ(rank: int, world: int):
     return consistency.ranks_agree([dist.group.WORLD.group_name], f"value-{rank % 2}", timeout_s=60.0)
+
+
+class _BrokenStore:
+    """A c10d store whose server is gone (every call raises, as a broken pipe does)."""
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise RuntimeError("Broken pipe")
+        return fail
+
+
+def store_unreachable(rank: int, world: int):
+    """ranks_agree with the store gone: an answer (not agreed), never an exception."""
+    dist.distributed_c10d._get_default_store = lambda: _BrokenStore()
+    return consistency.ranks_agree([dist.group.WORLD.group_name], "x", timeout_s=2.0)

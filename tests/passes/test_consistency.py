@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consistency_programs import forced_mismatch, one_rank_missing, values_differ
+from consistency_programs import forced_mismatch, one_rank_missing, store_unreachable, values_differ
 from torch_commopt.launch import run_distributed
 
 
@@ -22,3 +22,9 @@ def test_a_missing_rank_ends_in_a_timeout_not_a_hang():
 def test_differing_values_are_detected_on_every_rank():
     for agreed, detail in run_distributed(values_differ, 2):
         assert not agreed and "plans differ" in detail
+
+
+def test_an_unreachable_store_is_an_answer_not_a_crash():
+    # (a crash here would surface as an InductorError inside the user's training step)
+    for agreed, detail in run_distributed(store_unreachable, 2):
+        assert not agreed and "could not publish" in detail and "Broken pipe" in detail

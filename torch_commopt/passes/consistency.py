@@ -54,13 +54,16 @@ def ranks_agree(group_names: list[str], value: str, timeout_s: float) -> tuple[b
         seq = _CHECKS_PER_GROUP[name]
         _CHECKS_PER_GROUP[name] += 1
         prefix = f"commopt/plan/{name}/{seq}"
-        store.set(f"{prefix}/{me}", value)
         keys = [f"{prefix}/{r}" for r in ranks]
         try:
+            store.set(f"{prefix}/{me}", value)
+        except Exception as e:  # the store is unreachable: the peers time out waiting for this key
+            return False, f"group {name}: could not publish this rank's plan ({type(e).__name__}: {e})"
+        try:
             store.wait(keys, timedelta(seconds=timeout_s))
+            values = {r: store.get(k).decode() for r, k in zip(ranks, keys)}
         except Exception as e:  # c10d raises DistStoreError / RuntimeError on timeout
             return False, f"group {name}: ranks did not all publish a plan within {timeout_s}s ({type(e).__name__})"
-        values = {r: store.get(k).decode() for r, k in zip(ranks, keys)}
         if len(set(values.values())) != 1:
             return False, f"group {name}: plans differ across ranks {values}"
     return True, "plans agree"
