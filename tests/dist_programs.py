@@ -184,7 +184,11 @@ def run_checkpointed_block(rank: int, world: int, how: str, options: dict) -> di
         x = x.chunk(world, dim=1)[rank].to(dtype).requires_grad_(True)
         torch._dynamo.reset()
         torch_commopt.reset_explain()
-        fn = {"inductor": torch.compile(fwd), "commopt": torch.compile(fwd, backend="commopt", options=options)}.get(label, fwd)
+        fn = fwd
+        if label == "inductor":
+            fn = torch.compile(fwd)
+        elif label == "commopt":
+            fn = torch.compile(fwd, backend="commopt", options=options)
         try:
             out = fn(x)
             probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)

@@ -52,8 +52,8 @@ def optimize(target: Any = None, *, config: Optional[Union[Config, dict]] = None
     returned), or nothing (a decorator taking one of those).  dynamic, fullgraph: as in
     torch.compile, but dynamic defaults to False: commopt leaves graphs with symbolic sizes
     untouched, and torch.compile's default (None) would recompile with them at the first change
-    of an input's shape and keep running that graph.  Raises ValueError for an unknown or invalid option, TypeError for a target
-    that is none of these."""
+    of an input's shape and keep running that graph.  Raises ValueError for an unknown or
+    invalid option, TypeError for a target that is none of these."""
     cfg = resolve_config(config, options)
     if target is None:
         return functools.partial(_apply, cfg=cfg, dynamic=dynamic, fullgraph=fullgraph)

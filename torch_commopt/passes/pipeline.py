@@ -22,8 +22,8 @@ from torch_commopt.passes.find_ag_matmul import find_ag_matmul
 from torch_commopt.passes.find_matmul_reduce import find_matmul_reduce
 from torch_commopt.kernels.reference.chunking import chunk_rows
 from torch_commopt.kernels.reference.collectives import resolve_group
-from torch_commopt.passes.graph_utils import (DYNAMIC_SHAPE, ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, group_name_of,
-                                               static_shape, val)
+from torch_commopt.passes.graph_utils import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, DYNAMIC_SHAPE, REDUCE_SCATTER,
+                                               group_name_of, static_shape, val)
 from torch_commopt.passes.regions import Region, Skip
 from torch_commopt.passes.rewrite import rewrite_region
 from torch_commopt.schedule import Schedule
