@@ -97,14 +97,14 @@ def model_shape(world: int) -> dict:
     return {"batch": 2, "seq": 8 * world, "dim": 12 * world, "hidden": 24 * world, "heads": 2 * world}
 
 
-def run_models(rank: int, world: int, options: dict, kinds: tuple[str, ...]):
+def run_models(rank: int, world: int, options: dict, kinds: tuple[str, ...], shape: dict | None = None):
     from torch_commopt.validate import check
 
     out = {}
     for kind in kinds:
         torch._dynamo.reset()
         torch_commopt.reset_explain()
-        errors = check(kind, options, shape=model_shape(world))
+        errors = check(kind, options, shape=shape or model_shape(world))
         rewritten = sum(len(g.rewritten) for g in torch_commopt.explain().graphs)
         out[kind] = ([(e.name, e.compiled, e.eager) for e in errors], rewritten)
     return out

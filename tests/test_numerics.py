@@ -39,6 +39,16 @@ def test_models_forward_backward_match_eager(world, options):
                 _assert_close(f"{kind} {name}", c, e)
 
 
+def test_gqa_block_matches_eager():
+    # Llama-3's attention: 8 query heads over 2 key/value heads (wk, wv narrower than wq)
+    shape = {"batch": 2, "seq": 16, "dim": 64, "hidden": 128, "heads": 8, "kv_heads": 2}
+    for rank_results in run_distributed(run_models, 2, SCHEDULES[1], ("tp_sp_block",), shape):
+        errors, rewritten = rank_results["tp_sp_block"]
+        assert rewritten >= 6, f"only {rewritten} regions rewritten"
+        for name, c, e in errors:
+            _assert_close(f"gqa block {name}", c, e)
+
+
 def test_gpu_schedules_run_their_reference_twin_on_cpu():
     """A graph rewritten with a GPU schedule stays portable: on gloo the ops run the twin."""
     options = {"schedule": "ce_push", "chunks": 3}

@@ -20,6 +20,7 @@ def test_a_shape_that_splits_is_accepted():
     ("tp_sp_block", {**BLOCK, "heads": 4}, 3, "heads 4 over 3 ranks"),
     ("tp_sp_block", {**BLOCK, "dim": 40}, 2, "dim 40 over 6 heads"),
     ("tp_sp_mlp", {**BLOCK, "seq": 7}, 2, "seq 7 over 2 ranks"),
+    ("tp_sp_block", {**BLOCK, "kv_heads": 2}, 3, "kv heads 2 over 3 ranks"),
     ("funcol_mlp", {**BLOCK, "seq": 5, "batch": 1}, 2, "batch x seq 5 over 2 ranks"),
 ])
 def test_a_shape_that_does_not_split_is_refused_by_name(kind, shape, world, named):

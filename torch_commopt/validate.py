@@ -65,7 +65,8 @@ def build(kind: str, dtype: torch.dtype, seed: int, shape: dict) -> tuple[torch.
     from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(seed)
-    model = (LlamaBlock(d, shape["heads"], h) if kind in ("tp_sp_block", "tp_block") else MLPBlock(d, h)).to(dtype)
+    model = (LlamaBlock(d, shape["heads"], h, n_kv_heads=shape.get("kv_heads")) if kind in ("tp_sp_block", "tp_block")
+             else MLPBlock(d, h)).to(dtype)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (world,))
     if kind == "tp_block":  # no sequence parallelism: every rank takes the whole input
@@ -84,7 +85,8 @@ def check_shape(kind: str, shape: dict, world: int) -> None:
     elif kind != "tp_block":  # sequence parallel: the sequence is sharded
         splits.append(("seq", shape["seq"], world, "ranks"))
     if kind in ("tp_sp_block", "tp_block"):
-        splits += [("heads", shape["heads"], world, "ranks"), ("dim", shape["dim"], shape["heads"], "heads")]
+        splits += [("heads", shape["heads"], world, "ranks"), ("dim", shape["dim"], shape["heads"], "heads"),
+                   ("kv heads", shape.get("kv_heads") or shape["heads"], world, "ranks")]
     bad = [f"{name} {n} over {by} {what}" for name, n, by, what in splits if n % by]
     if bad:
         raise ValueError(f"commopt validate: {kind}: sizes that do not split evenly: {', '.join(bad)}")
