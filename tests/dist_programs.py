@@ -110,40 +110,57 @@ def run_models(rank: int, world: int, options: dict, kinds: tuple[str, ...], sha
     return out
 
 
+def _block_runs(build_fn, labels: dict, x_global: torch.Tensor, shard) -> dict:
+    """{label: validate.run_once's results} of a freshly built TP+SP block per label, fed
+    shard(x_global) in that label's dtype with one float64 probe.  labels: {label: (dtype,
+    wrap)}, wrap(block) -> what runs (the block itself, a compiled or checkpointed form)."""
+    from torch_commopt.validate import run_once
+
+    probe = torch.randn(shard(x_global).shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    runs = {}
+    for label, (dtype, wrap) in labels.items():
+        torch.manual_seed(0)
+        block = build_fn().to(dtype)
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        runs[label] = run_once(wrap(block), block, shard(x_global).to(dtype), probe)
+    return runs
+
+
+def _errors(runs: dict, test: str) -> list[tuple[float, float]]:
+    """[(runs[test]'s error, eager's error)] against the float64 run, tensor by tensor."""
+    return [(rel_err(runs[test][k], ref), rel_err(runs["eager"][k], ref)) for k, ref in runs["ref"].items()]
+
+
+def _tp_sp_block(mesh):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from torch_commopt.models import LlamaBlock, tp_sp_plan
+
+    block = LlamaBlock(32, 4, 64)
+    parallelize_module(block, mesh, tp_sp_plan(block))
+    return block
+
+
 def run_dp_tp_block(rank: int, world: int, options_list: list[dict]) -> list[tuple[int, list[tuple[float, float]]]]:
     """A TP+SP block on the "tp" dim of a (dp, tp) = (2, world / 2) mesh: the TP groups are
     subgroups (global ranks {0, 1} and {2, 3} at world 4), each replica its own batch.  Per
     options: (regions rewritten on this rank, [(compiled error, eager error)] of the output,
     the input grad and every parameter grad, against float64 eager)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from torch_commopt.models import LlamaBlock, tp_sp_plan
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     tp, replica = mesh["tp"], mesh["dp"].get_local_rank()
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(100 + replica), dtype=torch.float64)
     results = []
     for options in options_list:
-        runs = {}
-        for label, dtype in (("ref", torch.float64), ("eager", torch.float32), ("compiled", torch.float32)):
-            torch.manual_seed(0)
-            model = LlamaBlock(32, 4, 64).to(dtype)
-            parallelize_module(model, tp, tp_sp_plan(model))
-            x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(100 + replica), dtype=torch.float64)
-            x = x.chunk(tp.size(), dim=1)[tp.get_local_rank()].to(dtype).requires_grad_(True)
-            fn = model
-            if label == "compiled":
-                torch._dynamo.reset()
-                torch_commopt.reset_explain()
-                fn = torch.compile(model, backend="commopt", options=options)
-            out = fn(x)
-            probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + replica), dtype=torch.float64)
-            (out * probe.to(out.dtype)).sum().backward()
-            runs[label] = [out.detach(), x.grad] + [p.grad.full_tensor() for p in model.parameters()]
+        plain = lambda block: block  # noqa: E731
+        labels = {"ref": (torch.float64, plain), "eager": (torch.float32, plain),
+                  "compiled": (torch.float32, lambda block: torch.compile(block, backend="commopt", options=options))}
+        runs = _block_runs(lambda: _tp_sp_block(tp), labels, x, lambda t: t.chunk(tp.size(), dim=1)[tp.get_local_rank()])
         rewritten = sum(len(g.rewritten) for g in torch_commopt.explain().graphs)
-        results.append((rewritten, [(rel_err(c, r), rel_err(e, r)) for c, e, r in
-                                    zip(runs["compiled"], runs["eager"], runs["ref"])]))
+        results.append((rewritten, _errors(runs, "compiled")))
     return results
 
 
@@ -157,48 +174,33 @@ def run_checkpointed_block(rank: int, world: int, how: str, options: dict) -> di
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-    from torch_commopt.models import LlamaBlock, tp_sp_plan
 
     def save_matmuls(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
 
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world,))
-    runs, result = {}, {"inductor_error": None, "rewritten": [], "errors": []}
-    for label, dtype in (("ref", torch.float64), ("eager", torch.float32), ("inductor", torch.float32),
-                         ("commopt", torch.float32)):
-        torch.manual_seed(0)
-        block = LlamaBlock(32, 4, 64).to(dtype)
-        parallelize_module(block, mesh, tp_sp_plan(block))
+    def checkpointed(block):
         if how == "full":
             block.attention = checkpoint_wrapper(block.attention)
             block.feed_forward = checkpoint_wrapper(block.feed_forward)
-            fwd = block
-        else:
-            context = functools.partial(create_selective_checkpoint_contexts, save_matmuls)
-            fwd = functools.partial(checkpoint, block, use_reentrant=False, context_fn=context)
-        x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-        x = x.chunk(world, dim=1)[rank].to(dtype).requires_grad_(True)
-        torch._dynamo.reset()
-        torch_commopt.reset_explain()
-        fn = fwd
-        if label == "inductor":
-            fn = torch.compile(fwd)
-        elif label == "commopt":
-            fn = torch.compile(fwd, backend="commopt", options=options)
-        try:
-            out = fn(x)
-            probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-            (out * probe.to(out.dtype)).sum().backward()
-        except Exception as e:  # noqa: BLE001 - torch's own failure is reported, not ours
-            if label != "inductor":
-                raise
-            result["inductor_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            return result
-        runs[label] = [out.detach(), x.grad] + [p.grad.full_tensor() for p in block.parameters()]
+            return block
+        context = functools.partial(create_selective_checkpoint_contexts, save_matmuls)
+        return functools.partial(checkpoint, block, use_reentrant=False, context_fn=context)
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    shard = lambda t: t.chunk(world, dim=1)[rank]  # noqa: E731
+    result = {"inductor_error": None, "rewritten": [], "errors": []}
+    try:  # torch's own compile first: where it fails, there is nothing of ours to check
+        _block_runs(lambda: _tp_sp_block(mesh), {"inductor": (torch.float32, lambda b: torch.compile(checkpointed(b)))},
+                    x, shard)
+    except Exception as e:  # noqa: BLE001 - torch's own failure is reported, not ours
+        result["inductor_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return result
+    labels = {"ref": (torch.float64, checkpointed), "eager": (torch.float32, checkpointed),
+              "commopt": (torch.float32, lambda b: torch.compile(checkpointed(b), backend="commopt", options=options))}
+    runs = _block_runs(lambda: _tp_sp_block(mesh), labels, x, shard)
     result["rewritten"] = [len(g.rewritten) for g in torch_commopt.explain().graphs]
-    result["errors"] = [(rel_err(c, r), rel_err(e, r)) for c, e, r in zip(runs["commopt"], runs["eager"], runs["ref"])]
+    result["errors"] = _errors(runs, "commopt")
     return result

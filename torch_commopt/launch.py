@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 FAILED_PEER_GRACE_S = 20.0
 POLL_S = 2.0
-FINISHED_KEY = "commopt/launch/finished"
+FINISHED_KEY, ALL_FINISHED_KEY = "commopt/launch/finished", "commopt/launch/all_finished"
 LEAVE_WAIT_S = 3600.0  # rank 0's wait for the others at exit (the parent's timeout comes first)
 
 
@@ -58,10 +58,10 @@ def _leave_together(rank: int, world: int) -> None:
 
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.add(FINISHED_KEY, 1)
-        deadline = time.monotonic() + LEAVE_WAIT_S
-        while rank == 0 and store.add(FINISHED_KEY, 0) < world and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if store.add(FINISHED_KEY, 1) == world:  # the last one to finish says so
+            store.set(ALL_FINISHED_KEY, "1")
+        if rank == 0:
+            store.wait([ALL_FINISHED_KEY], timedelta(seconds=LEAVE_WAIT_S))
     except Exception:  # noqa: BLE001 - the store is already gone: nothing left to protect
         pass
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch_commopt.models import FuncolMLP, LlamaBlock, MLPBlock, tp_plan, tp_sp_plan
 
 MODELS = ("funcol_mlp", "tp_sp_mlp", "tp_sp_block", "tp_block")
+BLOCKS = ("tp_sp_block", "tp_block")  # the kinds with attention (a LlamaBlock)
 TOLERANCE_FACTOR = 4.0  # commopt's error may be this many times eager float32's own error
 ERROR_FLOOR = float(torch.finfo(torch.float32).eps)  # below this, errors are rounding noise
 
@@ -65,7 +66,7 @@ def build(kind: str, dtype: torch.dtype, seed: int, shape: dict) -> tuple[torch.
     from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(seed)
-    model = (LlamaBlock(d, shape["heads"], h, n_kv_heads=shape.get("kv_heads")) if kind in ("tp_sp_block", "tp_block")
+    model = (LlamaBlock(d, shape["heads"], h, n_kv_heads=shape.get("kv_heads")) if kind in BLOCKS
              else MLPBlock(d, h)).to(dtype)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (world,))
@@ -84,7 +85,7 @@ def check_shape(kind: str, shape: dict, world: int) -> None:
         splits.append(("batch x seq", shape["batch"] * shape["seq"], world, "ranks"))
     elif kind != "tp_block":  # sequence parallel: the sequence is sharded
         splits.append(("seq", shape["seq"], world, "ranks"))
-    if kind in ("tp_sp_block", "tp_block"):
+    if kind in BLOCKS:
         splits += [("heads", shape["heads"], world, "ranks"), ("dim", shape["dim"], shape["heads"], "heads"),
                    ("kv heads", shape.get("kv_heads") or shape["heads"], world, "ranks")]
     bad = [f"{name} {n} over {by} {what}" for name, n, by, what in splits if n % by]

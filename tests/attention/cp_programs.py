@@ -269,10 +269,14 @@ def _unshard(t: torch.Tensor, group) -> torch.Tensor:
 
 def run_cp_cases(rank: int, world: int, seed: int = 0) -> tuple[list[tuple[str, float, float]], list[str]]:
     """Every case of `cases(world)` on the default group: (errors, traffic problems)."""
+    return _run_cases(cases(world), seed, dist.group.WORLD)
+
+
+def _run_cases(case_list: list[Case], seed: int, group) -> tuple[list[tuple[str, float, float]], list[str]]:
     torch.set_num_threads(1)  # W processes share the CI's few cores
     errors, problems = [], []
-    for i, case in enumerate(cases(world)):
-        e, p = run_case(case, seed + 1000 * i, dist.group.WORLD)
+    for i, case in enumerate(case_list):
+        e, p = run_case(case, seed + 1000 * i, group)
         errors += e
         problems += p
     return errors, problems
@@ -284,14 +288,8 @@ def run_cp_cases_on_strided_subgroups(rank: int, world: int, seed: int = 0):
     (the ring's peers, the all-to-alls, the hybrids' own subgroups).  Same results as run_cp_cases."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
     group = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp", "dp"))["cp"].get_group()
-    errors, problems = [], []
-    for i, case in enumerate(cases(2)):
-        e, p = run_case(case, seed + i, group)
-        errors += e
-        problems += p
-    return errors, problems
+    return _run_cases(cases(2), seed, group)
 
 
 def run_all(rank: int, world: int, seed: int = 0) -> dict:

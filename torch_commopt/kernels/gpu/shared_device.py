@@ -13,6 +13,7 @@ production: `enabled()` is read once per runtime, which logs a warning when it i
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -40,9 +41,7 @@ class IpcHandle:
         self.buffer_ptrs = [t.data_ptr() for t in mapped]
 
     def get_buffer(self, rank: int, shape, dtype: torch.dtype, storage_offset: int = 0) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         flat = self.mapped[rank].view(dtype)
         if storage_offset + numel > flat.numel():
             raise ValueError(f"commopt: shared-device view [{storage_offset}, +{numel}) outside {flat.numel()} elements")
