@@ -15,11 +15,24 @@ def _g():
     return dist.group.WORLD.group_name
 
 
+# torch 2.11's dynamo will not trace funcol's gather_dim > 0 (`_maybe_view_chunk_cat` is marked
+# skipped: a graph break under fullgraph); 2.13's does.
+FUNCOL_GATHER_DIM_TRACES = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
 def all_gather_on(x, dim):
     """Gather on dim 0 and move the rank blocks to `dim` ourselves: funcol's gather_dim > 0
     graph-breaks on torch 2.11 (the form below is what it and DTensor emit)."""
     full = funcol.all_gather_tensor(x, gather_dim=0, group=_g())
     return full if dim == 0 else torch.cat(full.chunk(dist.get_world_size()), dim=dim)
+
+
+def funcol_gather(x, dim):
+    """funcol.all_gather_tensor(x, gather_dim=dim) where dynamo traces it, else its written-out
+    form (all_gather_on): the same program on every torch the suite runs on."""
+    if dim == 0 or FUNCOL_GATHER_DIM_TRACES:
+        return funcol.all_gather_tensor(x, gather_dim=dim, group=_g())
+    return all_gather_on(x, dim)
 
 
 

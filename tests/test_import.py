@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from importlib import metadata
+
+import pytest
 
 LEAN = """
 import torch, torch.distributed as dist
@@ -37,4 +40,8 @@ def test_import_is_lean():
 
 
 def test_backend_resolves_by_name_without_import():
+    # the entry point is the installed distribution's (make test installs it); a checkout put on
+    # PYTHONPATH only, as on the device machine, has none
+    if not any(e.name == "commopt" for e in metadata.entry_points(group="torch_dynamo_backends")):
+        pytest.skip("torch_commopt is not pip-installed here: no torch_dynamo_backends entry point")
     assert "by-name" in _run(BY_NAME)

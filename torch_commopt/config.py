@@ -28,7 +28,9 @@ class Config:
         pieces.  Or one schedule for every region: a name ("sequential",
         "chunked", "ce_push", "ce_pull", "direct", "fused"; pieces from `chunks`) or a full
         schedule string ("fused:4:bm=128,bn=128").  A schedule an op does not
-        have falls back to "auto" for that region (noted in explain).
+        have falls back to "auto" for that region (noted in explain).  A region whose rows
+        are symbolic (dynamic shapes) runs schedule `auto` unless one is named here: the rule
+        per call shape (`torch_commopt.kernels.auto`), whatever the mode.
     chunks: piece count S of the chunked schedules (clamped to the size of the
         dimension being cut, and noted when clamped).
     mode: how a schedule is chosen per region.  "auto" (default): `schedule` if it

@@ -12,14 +12,14 @@ from typing import ClassVar
 # Which schedules each op has (the reference schedules run everywhere; the rest need CUDA
 # and symmetric memory, and run their reference twin anywhere else).
 OP_SCHEDULES = {
-    "ag_matmul": ("sequential", "chunked", "local_first", "ce_push", "fused", "autotune"),
-    "matmul_rs": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused", "autotune"),
-    "matmul_ar": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "autotune"),
+    "ag_matmul": ("sequential", "chunked", "local_first", "ce_push", "fused", "autotune", "auto"),
+    "matmul_rs": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused", "autotune", "auto"),
+    "matmul_ar": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "autotune", "auto"),
 }
 GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
-    "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int,
+    "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int, "graphs": int,
 }
 
 
@@ -53,6 +53,9 @@ class Schedule:
         bm/bn/bk, group gm, warps, stages, sms (grid), store=ce|direct.
     autotune(id=...): a placeholder of Config.mode="autotune": the first call times the
         candidates registered under `id` (tuner.autotune) and runs the winner from then on.
+    auto(S): a region whose row count is symbolic (compiled with dynamic shapes): each call
+        runs what the built-in rule picks for its concrete shape (kernels.auto), on CUDA
+        by the GPU rule (graphs=1: its CUDA-graph variant), elsewhere chunked(S).
     Any schedule takes dbg=1: bounded spin-waits that raise instead of hanging.
     """
 
@@ -61,7 +64,7 @@ class Schedule:
     params: tuple[tuple[str, int | str], ...] = ()
 
     NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "local_first", "ce_push", "ce_pull", "direct", "fused",
-                                        "autotune")
+                                        "autotune", "auto")
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -79,6 +82,8 @@ class Schedule:
             raise ValueError(f"schedule: par=0/1 is a ce_push option (not with gemm=whole); got {self.name} par={par!r}")
         if dict(self.params).get("tma") is not None and (self.name != "fused" or dict(self.params)["tma"] not in (0, 1)):
             raise ValueError(f"schedule: tma=0/1 is a fused option; got {self.name} tma={dict(self.params)['tma']!r}")
+        if dict(self.params).get("graphs") is not None and (self.name != "auto" or dict(self.params)["graphs"] not in (0, 1)):
+            raise ValueError(f"schedule: graphs=0/1 is an auto option; got {self.name} graphs={dict(self.params)['graphs']!r}")
         object.__setattr__(self, "params", tuple(sorted(self.params)))
 
     def __str__(self) -> str:

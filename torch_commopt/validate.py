@@ -124,3 +124,30 @@ def check(kind: str, options: dict[str, Any], *, seed: int = 0, shape: dict | No
         runs[label] = run_once(fn, model, x, probe)
     return [TensorError(k, rel_err(runs["compiled"][k], v), rel_err(runs["eager"][k], v))
             for k, v in runs["ref"].items()]
+
+
+def check_sizes(kind: str, options: dict[str, Any], seqs: tuple[int, ...], *, dynamic: bool | None = True,
+                shape: dict | None = None, dtype: torch.dtype = torch.float32) -> list[tuple[int, list[TensorError]]]:
+    """check() for one compiled model called with each global sequence length in `seqs`
+    (torch.compile's `dynamic`: True compiles one graph with symbolic sizes at the first call;
+    None lets torch recompile with them at the first new size).  Every length is compared with
+    eager and float64 runs of the same weights; gradients are cleared between runs."""
+    shape = dict(shape or {"batch": 2, "dim": 64, "hidden": 128, "heads": 4}, seq=seqs[0])
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    model, _ = build(kind, dtype, 0, shape)
+    model = model.to(device)
+    compiled = torch.compile(model, backend="commopt", options=options, dynamic=dynamic)
+    out = []
+    for seq in seqs:
+        ref_model, x64 = build(kind, torch.float64, 0, dict(shape, seq=seq))
+        ref_model, x64 = ref_model.to(device), x64.to(device)
+        gen = torch.Generator().manual_seed(seq)
+        probe = torch.randn(x64.shape[:-1] + (shape["dim"],), generator=gen, dtype=torch.float64).to(device)
+        runs = {}
+        for label, fn, m, x in (("ref", ref_model, ref_model, x64), ("eager", model, model, x64.to(dtype)),
+                                ("compiled", compiled, model, x64.to(dtype))):
+            m.zero_grad(set_to_none=True)
+            runs[label] = run_once(fn, m, x, probe)
+        out.append((seq, [TensorError(k, rel_err(runs["compiled"][k], v), rel_err(runs["eager"][k], v))
+                          for k, v in runs["ref"].items()]))
+    return out

@@ -18,7 +18,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
 
-from dist_programs import all_gather_on
+from dist_programs import all_gather_on, funcol_gather
 from torch_commopt.attention.detect import find_attention
 
 worlds = pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
@@ -55,8 +55,8 @@ def _sdpa(q, k, v, **kw):
 
 
 def _gather_kv_dim2(q, k, v):
-    return _sdpa(q, funcol.all_gather_tensor(k, gather_dim=2, group=_group()),
-                 funcol.all_gather_tensor(v, gather_dim=2, group=_group()), scale=0.3)
+    return _sdpa(q, funcol_gather(k, 2),
+                 funcol_gather(v, 2), scale=0.3)
 
 
 def _gather_kv_bshd(q, k, v):
@@ -67,7 +67,7 @@ def _gather_kv_bshd(q, k, v):
 
 def _gather_kv_seq_first(q, k, v):
     """(S, B, H, D) gathered on dim 0 (a plain wait), permuted to (B, H, S, D)."""
-    k, v = (funcol.all_gather_tensor(t, gather_dim=0, group=_group()).permute(1, 2, 0, 3) for t in (k, v))
+    k, v = (funcol_gather(t, 0).permute(1, 2, 0, 3) for t in (k, v))
     return _sdpa(q.permute(1, 2, 0, 3), k, v)
 
 
@@ -114,40 +114,40 @@ def test_all_to_all_attention_all_to_all_is_ulysses(fake_world, causal):
 
 
 def _head_gather(q, k, v):
-    return _sdpa(q, funcol.all_gather_tensor(k, gather_dim=1, group=_group()),
-                 funcol.all_gather_tensor(v, gather_dim=1, group=_group()))
+    return _sdpa(q, funcol_gather(k, 1),
+                 funcol_gather(v, 1))
 
 
 def _q_gathered_too(q, k, v):
-    q, k, v = (funcol.all_gather_tensor(t, gather_dim=2, group=_group()) for t in (q, k, v))
+    q, k, v = (funcol_gather(t, 2) for t in (q, k, v))
     return _sdpa(q, k, v)
 
 
 def _local_causal(q, k, v):
-    k, v = (funcol.all_gather_tensor(t, gather_dim=2, group=_group()) for t in (k, v))
+    k, v = (funcol_gather(t, 2) for t in (k, v))
     return _sdpa(q, k, v, is_causal=True)
 
 
 def _explicit_mask(q, k, v):  # a sliding window: not the global causal mask
-    k, v = (funcol.all_gather_tensor(t, gather_dim=2, group=_group()) for t in (k, v))
+    k, v = (funcol_gather(t, 2) for t in (k, v))
     mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril() & torch.ones(
         q.shape[2], k.shape[2], dtype=torch.bool).triu(-1)
     return _sdpa(q, k, v, attn_mask=mask)
 
 
 def _global_causal_mask(q, k, v):  # this rank's rows of the global causal mask, built from its rank
-    k, v = (funcol.all_gather_tensor(t, gather_dim=2, group=_group()) for t in (k, v))
+    k, v = (funcol_gather(t, 2) for t in (k, v))
     rows = torch.arange(q.shape[2]) + dist.get_rank() * q.shape[2]
     return _sdpa(q, k, v, attn_mask=rows[:, None] >= torch.arange(k.shape[2])[None, :])
 
 
 def _only_k(q, k, v):
-    k = funcol.all_gather_tensor(k, gather_dim=2, group=_group())
+    k = funcol_gather(k, 2)
     return _sdpa(q, k, v.repeat(1, 1, dist.get_world_size(), 1))
 
 
 def _q_whole_sequence(q, k, v):
-    k, v = (funcol.all_gather_tensor(t, gather_dim=2, group=_group()) for t in (k, v))
+    k, v = (funcol_gather(t, 2) for t in (k, v))
     return _sdpa(q.repeat(1, 1, dist.get_world_size(), 1), k, v)  # every rank's queries: not a shard
 
 
@@ -217,7 +217,7 @@ def test_the_post_grad_graph_gives_the_same_region(fake_world):
 def _flex_gathered(q, k, v):
     from torch.nn.attention.flex_attention import flex_attention
 
-    k, v = (funcol.all_gather_tensor(t, gather_dim=2, group=_group()) for t in (k, v))
+    k, v = (funcol_gather(t, 2) for t in (k, v))
     return flex_attention(q, k, v)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|bench|costmodel|plan|attention|attention1|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|costmodel|plan|attention|attention1|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -68,4 +68,13 @@ if [[ $what == costmodel ]]; then
   timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/eager" ${BENCH_ARGS:-} > "$out/costmodel_eager.log" 2>&1
   timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/graphs" --cuda-graphs ${BENCH_ARGS:-} > "$out/costmodel_graphs.log" 2>&1
   tail -14 "$out/costmodel_eager.log"; tail -14 "$out/costmodel_graphs.log"
+fi
+if [[ $what == cpu ]]; then
+  # The CPU suite on this machine's torch (2.11: the oldest we support), CUDA hidden, in
+  # CPU_SHARDS pytest-xdist workers (the device machine has xdist; CI does not).  The third
+  # argument, if any, names the test paths (the whole suite needs more than one call there).
+  export CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=${CPU_THREADS:-1}
+  timeout ${CPU_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider -n ${CPU_SHARDS:-8} --durations=25 \
+    ${sel:-tests} --ignore=tests/gpu > "$out/cpu_suite.log" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/cpu_suite.log" | tail -40
 fi

@@ -153,6 +153,26 @@ def _splitting(cases, world: int) -> list:
     return [c for c in cases if (list(c[0][:-1]) + [c[2]])[c[1]] % world == 0]
 
 
+def run_auto_cases(rank: int, world: int):
+    """Schedule `auto` (a region with dynamic rows) called with row counts on both sides of the
+    rule's thresholds in one process: [(name, error, reference error)] and the schedules the
+    calls resolved to (kernels.auto)."""
+    from torch_commopt.kernels.auto import auto_schedule
+
+    k = n = 4096
+    results, picked, seed = [], set(), 4000
+    for rows in (8, 2048, 8192):  # per rank: decode-sized, the host-bound band, a long GEMM
+        for sched in ("auto:1", "auto:2:graphs=1"):
+            seed += 17
+            results += _ag_case(((rows, k), 0, [n], False, False), torch.bfloat16, [sched], seed, rank, world)
+            results += _rs_case(((world * rows, k), 0, n, False, "sum"), torch.bfloat16, [sched], seed + 5, rank, world)
+            results += _ar_case(((world * rows, k), n, False), torch.bfloat16, [sched], seed + 9, rank, world)
+            for kind, a_shape, dim in (("ag_matmul", (rows, k), 0), ("matmul_rs", (world * rows, k), 0),
+                                       ("matmul_ar", (world * rows, k), None)):
+                picked.add(auto_schedule(kind, sched, a_shape, ((k, n),), dim, world, "bfloat16", "cuda"))
+    return results, sorted(picked)
+
+
 def run_back_to_back(rank: int, world: int, calls: int = 120):
     """`calls` interleaved ag/rs/ar calls with no synchronization in between, each on fresh
     inputs, outputs checked only at the end: buffer reuse across calls and ops must not
@@ -240,6 +260,22 @@ def run_compiled_band(rank: int, world: int, shape: dict):
     graphs = torch_commopt.explain().graphs
     return ([(e.name, e.compiled, e.eager) for e in errors], [r.schedule for g in graphs for r in g.regions],
             [n for g in graphs for n in g.notes])
+
+
+def run_compiled_dynamic(rank: int, world: int, seqs: tuple[int, ...], shape: dict):
+    """A TP+SP MLP compiled with dynamic shapes (bf16, the rule) and called with each global
+    sequence length: ([(seq, [(name, compiled err, eager err)])], schedules emitted, the
+    schedules `auto` resolved to)."""
+    from torch_commopt.kernels import auto
+    from torch_commopt.validate import check_sizes
+
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    auto.reset()
+    per_seq = check_sizes("tp_sp_mlp", {"schedule": "auto"}, seqs, shape=shape, dtype=torch.bfloat16)
+    schedules = [r.schedule for g in torch_commopt.explain().graphs for r in g.rewritten]
+    ran = sorted(set(auto.resolved().values()))
+    return [(q, [(e.name, e.compiled, e.eager) for e in errs]) for q, errs in per_seq], schedules, ran
 
 
 GRAPH_CASES = [("ag", "ce_push:2"), ("ag", "ce_push:1:par=1"), ("ag", "ce_push:1:gemm=whole"), ("ag", "fused:2"), ("ag", "fused:2:tma=1"), ("rs", "ce_push:2"), ("rs", "direct:1"), ("rs", "ce_pull:2"),

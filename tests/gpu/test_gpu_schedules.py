@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_cases import run_back_to_back, run_debug_timeout, run_schedule_cases
+from kernel_cases import run_auto_cases, run_back_to_back, run_debug_timeout, run_schedule_cases
 from torch_commopt.launch import run_distributed
 from torch_commopt.validate import within_tolerance
 
@@ -29,6 +29,15 @@ def _check(results):
 def test_every_gpu_schedule_matches_reference_and_nccl(two_ranks):
     for results in run_distributed(run_schedule_cases, two_ranks[0], backend=two_ranks[1]):
         assert len(results) > 100
+        _check(results)
+
+
+@pytest.mark.gpu
+def test_auto_schedule_resolves_per_call_shape(two_ranks):
+    # a region with dynamic rows: NCCL + cuBLAS for short calls, a GPU schedule for long ones
+    for results, picked in run_distributed(run_auto_cases, two_ranks[0], backend=two_ranks[1], timeout_s=300):
+        assert "sequential" in picked and any(p.startswith("ce_push") for p in picked), picked
+        assert len(results) == 18
         _check(results)
 
 
@@ -103,6 +112,22 @@ def test_compiled_band_regions_measure_at_the_first_call(two_ranks):
         assert any(s.startswith("autotune") for s in schedules), schedules
         assert any("host-bound band" in n for n in notes) and any("autotune measured" in n for n in notes), notes
         bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
+        assert not bad, bad
+
+
+@pytest.mark.gpu
+def test_compiled_dynamic_shapes_pick_per_call(two_ranks):
+    _funcol_ranks(two_ranks)
+    # one graph with symbolic rows: a long sequence runs a GPU schedule, a short one NCCL + cuBLAS
+    from kernel_cases import run_compiled_dynamic
+
+    shape = {"batch": 1, "dim": 4096, "hidden": 8192, "heads": 32}
+    for per_seq, schedules, ran in run_distributed(run_compiled_dynamic, two_ranks[0], (8192, 256, 8192), shape,
+                                                   backend=two_ranks[1], timeout_s=300):
+        assert schedules and all(s.startswith("auto") for s in schedules), schedules
+        assert "sequential" in ran and any(r.startswith("ce_push") for r in ran), ran
+        bad = [f"seq {q} {n}: {c:.2e} vs eager {e:.2e}" for q, errs in per_seq for n, c, e in errs
+               if not within_tolerance(c, e)]
         assert not bad, bad
 
 

@@ -3,7 +3,6 @@ rewritten graph holds.  Includes the patterns of PyTorch's async-TP tests, writt
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import torch_commopt
-from dist_programs import all_gather_on
+from dist_programs import FUNCOL_GATHER_DIM_TRACES, all_gather_on
 
 WORLDS = [2, 4, 8]
 world_param = pytest.mark.parametrize("fake_world", WORLDS, indirect=True)
@@ -33,7 +32,6 @@ def group():
     return dist.group.WORLD.group_name
 
 
-FUNCOL_GATHER_DIM_TRACES = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 def assert_rewritten(graph, kind, count=1, collective=None):
@@ -196,26 +194,6 @@ def test_all_reduce_max_is_left_alone(fake_world):
     graph = only_graph(fn, torch.randn(32, 16), torch.randn(16, 8))
     assert not graph.rewritten
     assert "reduce op 'max'" in graph.skipped[0].reason
-
-
-def test_dynamic_shapes_are_left_alone_with_one_warning(fake_world, caplog, monkeypatch):
-    from torch_commopt.passes import pipeline
-
-    def fn(a, b):
-        return funcol.all_gather_tensor(a, gather_dim=0, group=group()) @ b
-
-    monkeypatch.setitem(pipeline._warned, "dynamic", False)
-    torch_commopt.reset_explain()
-    with caplog.at_level(logging.WARNING, logger="torch_commopt"):
-        compiled = torch.compile(fn, backend="commopt", dynamic=True)
-        compiled(torch.randn(8, 16), torch.randn(16, 8))
-        torch._dynamo.reset()
-        torch.compile(fn, backend="commopt", dynamic=True)(torch.randn(6, 16), torch.randn(16, 8))
-    graphs = torch_commopt.explain().graphs
-    assert graphs and all(not g.rewritten for g in graphs)
-    assert any("dynamic shape" in s.reason for g in graphs for s in g.skipped)
-    warnings = [r.getMessage() for r in caplog.records if "dynamic shapes" in r.getMessage()]
-    assert len(warnings) == 1 and "dynamic=False" in warnings[0], warnings
 
 
 def test_disabled_pattern_is_not_searched(fake_world):

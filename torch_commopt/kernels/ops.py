@@ -64,9 +64,11 @@ def capturing() -> bool:
         return False
 
 
-def resolve(op: str, schedule: str, device: torch.device, why_not, run=None) -> Schedule:
+def resolve(op: str, schedule: str, device: torch.device, why_not, run=None, shapes=None) -> Schedule:
     """The schedule this call runs.  `autotune` placeholders become the measured winner
-    (timed now, at the region's first call, with `run(schedule)`).  A GPU schedule runs on
+    (timed now, at the region's first call, with `run(schedule)`); `auto` becomes the rule's
+    pick for this call's shapes (`shapes()`: kernels.auto.auto_schedule's arguments after the
+    schedule; a region compiled with dynamic shapes).  A GPU schedule runs on
     CUDA tensors when the call fits it (`why_not(sched, capturing)` returns None; inside a
     CUDA-graph capture a schedule also needs its symmetric buffer to exist already, and the
     fused reductions are refused); on other devices its reference twin runs (the same
@@ -79,6 +81,10 @@ def resolve(op: str, schedule: str, device: torch.device, why_not, run=None) -> 
         from torch_commopt.tuner.autotune import resolve_at_call
 
         sched = _parse(resolve_at_call(sched, run, device))
+    elif sched.name == "auto":
+        from torch_commopt.kernels.auto import auto_schedule
+
+        sched = _parse(auto_schedule(op, schedule, *shapes()))
     if not sched.is_gpu:
         return sched
     if device.type != "cuda":
@@ -96,6 +102,12 @@ def resolve(op: str, schedule: str, device: torch.device, why_not, run=None) -> 
             return alt
     _warn_once(op, f"schedule {sched} refused ({reason}); running sequential")
     return Schedule("sequential")
+
+
+def _shapes(a: Tensor, weights: list[Tensor], dim: int | None, group_size: int) -> tuple:
+    """What an `auto` call's choice depends on (kernels.auto.auto_schedule's arguments)."""
+    return (tuple(a.shape), tuple(tuple(w.shape) for w in weights), dim, group_size,
+            str(a.dtype).removeprefix("torch."), a.device.type)
 
 
 def _warn_once(op: str, message: str) -> None:
@@ -139,7 +151,7 @@ def ag_matmul(
     def run(s):
         return ag_matmul(a, weights, biases, gather_dim, group_size, group_name, s, return_gathered)
 
-    sched = resolve("ag_matmul", schedule, a.device, why_not, run)
+    sched = resolve("ag_matmul", schedule, a.device, why_not, run, lambda: _shapes(a, weights, gather_dim, group_size))
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.ag_matmul import ag_matmul_gpu
 
@@ -185,7 +197,7 @@ def matmul_rs(
     def run(s):
         return matmul_rs(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, s)
 
-    sched = resolve("matmul_rs", schedule, a.device, why_not, run)
+    sched = resolve("matmul_rs", schedule, a.device, why_not, run, lambda: _shapes(a, [weight], scatter_dim, group_size))
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_rs_gpu
 
@@ -234,7 +246,7 @@ def matmul_ar(
     def run(s):
         return matmul_ar(a, weight, bias, reduce_op, group_size, group_name, s)
 
-    sched = resolve("matmul_ar", schedule, a.device, why_not, run)
+    sched = resolve("matmul_ar", schedule, a.device, why_not, run, lambda: _shapes(a, [weight], None, group_size))
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_ar_gpu
 

@@ -12,7 +12,7 @@ from torch.fx import Graph, Node
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._guards import detect_fake_mode
 
-from torch_commopt.passes.graph_utils import RESHAPES, aten, norm_dim, static_shape, val
+from torch_commopt.passes.graph_utils import RESHAPES, Unsupported, aten, norm_dim, row_shape, same_shape, val
 
 LINEAR_CHAIN_OPS = RESHAPES | {
     aten.permute.default,
@@ -34,7 +34,10 @@ def keeps_last_dim(node: Node) -> bool:
         return False
     if val(node) is None or val(node.args[0]) is None:
         return False
-    in_shape, out_shape = static_shape(node.args[0]), static_shape(node)
+    try:  # rows may be symbolic (dynamic shapes); the last dim never is
+        in_shape, out_shape = row_shape(node.args[0]), row_shape(node)
+    except Unsupported:
+        return False
     nd, t = len(in_shape), node.target
     if nd == 0 or not out_shape or in_shape[-1] != out_shape[-1]:
         return False
@@ -49,7 +52,8 @@ def keeps_last_dim(node: Node) -> bool:
     if t is aten.squeeze.dim:
         return norm_dim(node.args[1], nd) != nd - 1
     if t is aten.expand.default:
-        return in_shape == out_shape  # only the no-op expand matmul decompositions insert
+        # only the no-op expand matmul decompositions insert
+        return same_shape(in_shape, out_shape)
     # Reshapes: in row-major order, equal last sizes keep every K-run together.
     return True
 

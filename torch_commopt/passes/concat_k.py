@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.passes.chains import keeps_last_dim, set_fake_val
 from torch_commopt.passes.find_matmul_reduce import scatter_form
-from torch_commopt.passes.graph_utils import ALL_REDUCE, MM, REDUCE_SCATTER, RESHAPES, aten, only_user, static_shape, val
+from torch_commopt.passes.graph_utils import (ALL_REDUCE, MM, REDUCE_SCATTER, RESHAPES, aten, row_shape, same_shape,
+                                               size_hint, val)
 
 ADD = aten.add.Tensor
 META = "commopt_concat_k"  # on the fused mm: how to restore the sum it replaced (_Undo)
@@ -42,7 +42,7 @@ def concat_k(graph: Graph) -> list[str]:
         terms = _terms(top) if top is not None else None
         if terms is None or len(terms) < 2:
             continue
-        k = " + ".join(str(static_shape(mm.args[0])[-1]) for _, mm in terms)
+        k = " + ".join(str(row_shape(mm.args[0])[-1]) for _, mm in terms)
         _rewrite(graph, top, terms, _tree(top, iter(range(len(terms)))))
         notes.append(f"{coll.name}: sum of {len(terms)} matmuls (K = {k}) -> one matmul over the concatenated K "
                      "(concat-K)")
@@ -68,14 +68,14 @@ def _is_plain_add(node: Node) -> bool:
     """add(x, y) of two nodes of one shape (no alpha, no broadcast, no scalar)."""
     if node.kwargs or len(node.args) != 2 or not all(isinstance(a, Node) for a in node.args):
         return False
-    shapes = [val(a) for a in (node, *node.args)]
-    return all(s is not None for s in shapes) and len({tuple(s.shape) for s in shapes}) == 1
+    vals = [val(a) for a in (node, *node.args)]
+    return all(v is not None for v in vals) and all(same_shape(v.shape, vals[0].shape) for v in vals[1:])
 
 
 def _terms(add: Node) -> list[tuple[Node | None, Node]] | None:
     """The (view or None, mm) leaves of a single-user add tree, or None where a leaf is not
     a single-user matmul (through at most one reshape to the add's shape)."""
-    out_shape, terms = static_shape(add), []
+    out_shape, terms = row_shape(add), []
     for x in add.args:
         if len(x.users) != 1 or x.op != "call_function":
             return None
@@ -87,13 +87,13 @@ def _terms(add: Node) -> list[tuple[Node | None, Node]] | None:
         view, mm = (x, x.args[0]) if x.target in RESHAPES else (None, x)
         if not isinstance(mm, Node) or mm.op != "call_function" or mm.target is not MM or len(mm.users) != 1:
             return None
-        if view is None and static_shape(mm) != out_shape:
+        if view is None and not same_shape(row_shape(mm), out_shape):
             return None
         terms.append((view, mm))
     first = val(terms[0][1])
     for view, mm in terms:
         a, w, out = val(mm.args[0]), val(mm.args[1]), val(mm)
-        if a is None or w is None or out.dtype != first.dtype or a.dtype != w.dtype or out.shape != first.shape:
+        if a is None or w is None or out.dtype != first.dtype or a.dtype != w.dtype or not same_shape(out.shape, first.shape):
             return None
         if (view is None) != (terms[0][0] is None):
             return None
@@ -122,7 +122,7 @@ def _rewrite(graph: Graph, add: Node, terms: list[tuple[Node | None, Node]], tre
         if view is not None:
             out = graph.call_function(view.target, (mm, *view.args[1:]), dict(view.kwargs))
             set_fake_val(out)
-    if tuple(val(out).shape) != tuple(val(add).shape) or val(out).dtype != val(add).dtype:
+    if not same_shape(val(out).shape, val(add).shape) or val(out).dtype != val(add).dtype:
         raise AssertionError(f"concat-K: {out.name} {tuple(val(out).shape)} does not match {add.name}")
     add.replace_all_uses_with(out)
     _erase_tree(graph, add)
@@ -152,7 +152,7 @@ def copy_bytes(mm: Node) -> int:
     what the cost model charges an op of ours for it (tuner.model.RegionShape.copy_bytes)."""
     if META not in mm.meta:
         return 0
-    return sum(int(x.numel()) * x.element_size() for x in map(val, mm.args[:2]))
+    return sum(size_hint(x.numel()) * x.element_size() for x in map(val, mm.args[:2]))
 
 
 def undo_unclaimed(graph: Graph) -> list[str]:

@@ -24,6 +24,7 @@ from torch_commopt.passes.graph_utils import (
     aten,
     cat_dim,
     group_name_of,
+    row_shape,
     split_cat_dim,
     static_shape,
     wait_of,
@@ -46,7 +47,7 @@ def find_ag_matmul(graph: Graph) -> tuple[list[Region], list[Skip]]:
 def _region_of(ag: Node) -> Region:
     group_name, world = group_name_of(ag.args[2]), ag.args[1]
     wait = wait_of(ag)
-    a_shape = static_shape(ag.args[0])
+    a_shape = row_shape(ag.args[0])
     if len(a_shape) < 2:
         raise Unsupported(f"gathered tensor is {len(a_shape)}-D; a matmul needs rows")
     root, gather_dim, nodes = wait, 0, [ag, wait]

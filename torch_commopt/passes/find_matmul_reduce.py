@@ -24,9 +24,11 @@ from torch_commopt.passes.graph_utils import (
     Unsupported,
     aten,
     cat_dim,
+    divides,
     group_name_of,
     is_getitem,
     only_user,
+    row_shape,
     split_cat_dim,
     static_shape,
     wait_of,
@@ -66,8 +68,8 @@ def _region_of(coll: Node, kind: str) -> Region:
         nodes += extra
     mm, path = _walk_back(t)
     a, weight, bias = _operands(mm)
-    t_shape = static_shape(t)
-    if kind == "matmul_rs" and t_shape[scatter_dim] % world:
+    t_shape = row_shape(t)
+    if kind == "matmul_rs" and not divides(t_shape[scatter_dim], world):
         raise Unsupported(f"scatter dim {scatter_dim} of size {t_shape[scatter_dim]} is not divisible by {world}")
     if world is None:
         try:

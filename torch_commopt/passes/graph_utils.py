@@ -51,6 +51,54 @@ def static_shape(node: Node) -> list[int]:
     return shape
 
 
+def row_shape(node: Node) -> list:
+    """The node's shape with symbolic (dynamic) sizes allowed in every dim but the last, which
+    a matmul contracts or produces and so must be a Python int; raises Unsupported otherwise.
+    What the matmul-collective finders take: their ops handle any row count."""
+    v = val(node)
+    if v is None:
+        raise Unsupported(f"{node.name} has no recorded shape")
+    shape = list(v.shape)
+    if shape and not isinstance(shape[-1], int):
+        raise Unsupported(f"{node.name} {DYNAMIC_SHAPE} {shape} in its last dim")
+    return shape
+
+
+def is_static(shape) -> bool:
+    return all(isinstance(s, int) for s in shape)
+
+
+def same_size(a, b) -> bool:
+    """a == b for sizes that may be symbolic: True only when it holds for every value of the
+    symbols (never a guard: a post-grad pass must not specialize the graph)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(a == b)
+
+
+def same_shape(a, b) -> bool:
+    """Two shapes equal for every value of their symbols."""
+    return len(a) == len(b) and all(map(same_size, a, b))
+
+
+def divides(n, world: int) -> bool:
+    """Whether `world` divides the size `n` (symbolic: for every value of its symbols)."""
+    return n % world == 0 if isinstance(n, int) else same_size(n % world, 0)
+
+
+def size_hint(n) -> int:
+    """A size as an int: itself, or the example value a symbolic size was traced with (what
+    costs and reports of dynamic regions are computed for)."""
+    if isinstance(n, int):
+        return n
+    hint = getattr(getattr(n, "node", None), "hint", None)
+    if hint is None:
+        raise Unsupported(f"size {n} has no example value (unbacked)")
+    return int(hint)
+
+
 def norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
@@ -87,10 +135,16 @@ def split_cat_dim(split: Node, world: int) -> tuple[int, Node] | None:
     to gather or scatter along a dim other than 0.  Returns (split dim, cat node) or None."""
     if split.target not in SPLITS:
         return None
-    x_shape = static_shape(split.args[0])
+    x_shape = row_shape(split.args[0])
     sdim = norm_dim(split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0), len(x_shape))
     sizes = split.args[1]
-    n_pieces = len(sizes) if isinstance(sizes, (list, tuple)) else -(-x_shape[sdim] // sizes)
+    if isinstance(sizes, (list, tuple)):
+        n_pieces = len(sizes)
+    else:  # one piece size, symbolic (a graph input or a node) with dynamic shapes
+        size = sizes.meta.get("val") if isinstance(sizes, Node) else sizes
+        n_pieces = world if size is not None and same_size(size * world, x_shape[sdim]) else None
+        if isinstance(size, int) and isinstance(x_shape[sdim], int):
+            n_pieces = -(-x_shape[sdim] // size)
     getitems = sorted(split.users, key=lambda n: n.args[1] if is_getitem(n) else -1)
     if n_pieces != world or len(getitems) != world or not all(is_getitem(g) for g in getitems):
         return None
@@ -106,5 +160,5 @@ def split_cat_dim(split: Node, world: int) -> tuple[int, Node] | None:
 
 
 def cat_dim(cat: Node) -> int:
-    ndim = len(static_shape(cat))
+    ndim = len(row_shape(cat))
     return norm_dim(cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0), ndim)

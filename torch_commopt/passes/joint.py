@@ -41,15 +41,23 @@ class JointPass(CustomGraphPass):
                 # region is edited only after it matched, so a failure leaves whole regions
                 log.exception("commopt: attention rewrite of the joint graph stopped")
                 notes.append(f"attention rewrite (joint graph) stopped ({type(e).__name__}: {e})")
-        if self.config.regather_for_backward:
-            notes += mark_regather(graph)
-        elif self.config.saved_gather_budget_mib is not None:
-            timeout = self.config.consistency_timeout_s
-            chosen, note = choose_regather(graph, self.config.saved_gather_budget_mib, self.config.cache_dir, timeout)
-            notes += [note] + (mark_regather(graph, chosen) if chosen else [])
+        try:
+            notes += self._regather(graph)
+        except Exception as e:  # noqa: BLE001 - marks only: what is marked recomputes, the rest is saved
+            log.exception("commopt: re-gather marking of the joint graph stopped")
+            notes.append(f"re-gather for backward stopped ({type(e).__name__}: {e})")
         for note in notes:
             log.info("commopt joint graph: %s", note)
         PENDING_NOTES.extend(notes)
+
+    def _regather(self, graph: Graph) -> list[str]:
+        if self.config.regather_for_backward:
+            return mark_regather(graph)
+        if self.config.saved_gather_budget_mib is None:
+            return []
+        timeout = self.config.consistency_timeout_s
+        chosen, note = choose_regather(graph, self.config.saved_gather_budget_mib, self.config.cache_dir, timeout)
+        return [note] + (mark_regather(graph, chosen) if chosen else [])
 
     def uuid(self) -> str:
         import pathlib

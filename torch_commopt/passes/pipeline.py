@@ -23,7 +23,7 @@ from torch_commopt.passes.find_matmul_reduce import find_matmul_reduce
 from torch_commopt.kernels.reference.chunking import chunk_rows
 from torch_commopt.kernels.reference.collectives import resolve_group
 from torch_commopt.passes.graph_utils import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, DYNAMIC_SHAPE, REDUCE_SCATTER,
-                                               group_name_of, static_shape, val)
+                                               Unsupported, group_name_of, static_shape, val)
 from torch_commopt.passes.regions import Region, Skip
 from torch_commopt.passes.rewrite import rewrite_region
 from torch_commopt.schedule import Schedule
@@ -153,6 +153,9 @@ def _graph_rewrite(what: str, apply, report: explain.GraphReport) -> None:
     already made stand, the rest are skipped, logged."""
     try:
         report.notes += apply()
+    except Unsupported as e:  # a form the rewrite does not take (e.g. dynamic sizes): a note, no trace
+        log.info("commopt: %s stopped on graph %d: %s", what, report.graph_id, e)
+        report.notes.append(f"{what} stopped ({e})")
     except Exception as e:
         log.exception("commopt: %s stopped on graph %d", what, report.graph_id)
         report.notes.append(f"{what} stopped ({type(e).__name__}: {e})")
@@ -208,7 +211,8 @@ def _find_regions(graph: Graph, config: Config, report: explain.GraphReport) -> 
         _warned["dynamic"] = True  # once a process: every recompiled graph would repeat it
         log.warning("commopt: %d collective(s) left untouched in a graph compiled with dynamic shapes (%s); "
                     "torch.compile recompiles with dynamic sizes when an input's shape changes (e.g. a short "
-                    "last batch), and later steps may run that graph. To keep the overlap, compile with "
+                    "last batch), and later steps may run that graph. Matmul regions with dynamic rows are "
+                    "rewritten (schedule auto), these are not: to keep their overlap, compile with "
                     "dynamic=False or keep the shapes fixed (drop_last=True)", len(dynamic), dynamic[0].reason)
     return regions
 
@@ -223,6 +227,8 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
     if wanted is not None and not wanted.valid_for(region.kind):
         report.notes.append(f"{name}: {region.kind} has no schedule {wanted.name!r}; using auto")
         wanted = None
+    if region.dynamic:
+        return _dynamic_schedule(region, wanted, config, report)
     if wanted is None and config.mode in ("model", "autotune"):
         wanted = _choose_by_model(region, config, report)
     if wanted is None:
@@ -240,6 +246,27 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
         else:
             wanted = Schedule("chunked", config.chunks)
     return _finish(wanted, region, config, report)
+
+
+def _dynamic_schedule(region: Region, wanted: Schedule | None, config: Config,
+                      report: explain.GraphReport) -> Schedule:
+    """A region with symbolic rows runs for every size the graph is called with: the schedule
+    the config names (the ops cut any size into at most its pieces), else `auto`, the built-in
+    rule applied per call shape (kernels.auto).  The cost model, autotune and the host-bound
+    band's first-call timing need one shape, so they leave such regions to the rule."""
+    name, rows = region.collective.name, region.summary()["a_shape"]
+    if wanted is None and config.memory_budget_mib is not None:
+        # a schedule's extra memory grows with the rows, unknown here: only the program's own
+        # collective and matmul are sure to fit
+        report.notes.append(f"{name}: rows {rows} are dynamic and a memory budget is set: kept as compiled")
+        return Schedule("sequential")
+    if wanted is None:
+        wanted = Schedule("auto", config.chunks, (("graphs", 1),) if config.cuda_graphs else ())
+        report.notes.append(f"{name}: rows {rows} are dynamic: {wanted}, the built-in rule per call shape"
+                            + (f" (mode {config.mode!r} ranks one shape)" if config.mode in ("model", "autotune") else ""))
+    if config.debug_waits and (wanted.is_gpu or wanted.name == "auto"):
+        wanted = wanted.with_params(dbg=1)
+    return wanted
 
 
 def _finish(wanted: Schedule, region: Region, config: Config, report: explain.GraphReport) -> Schedule:
@@ -283,11 +310,12 @@ def _plan_view(regions: list[Region], schedules: list[Schedule], config: Config,
         return []
     from torch_commopt.reshard.plan import describe_edges, describe_plan
 
-    names = [r.collective.name for r in regions]
-    if any(n not in report.candidates for n in names):
+    static = [(r.collective.name, s) for r, s in zip(regions, schedules) if not r.dynamic]
+    names = [n for n, _ in static]
+    if not names or any(n not in report.candidates for n in names):
         return []
     try:
-        chosen = {n: str(s.without_debug()) for n, s in zip(names, schedules)}
+        chosen = {n: str(s.without_debug()) for n, s in static}
         cands = {n: report.candidates[n] for n in names}
         return describe_plan(cands, chosen, config.memory_budget_mib, key) + describe_edges(edges, cands, chosen, key)
     except Exception as e:  # noqa: BLE001 - informational
@@ -302,7 +330,9 @@ def _fit_graph(regions: list[Region], schedules: list[Schedule], config: Config,
     Returns the schedules and the candidate-row key the plan was chosen by."""
     from torch_commopt.reshard.plan import choose_for_graph, choose_within_budget
 
-    names = [r.collective.name for r in regions]
+    names = [r.collective.name for r in regions if not r.dynamic]  # dynamic ones pick per call
+    if not names:
+        return schedules, "predicted_ms"
     if any(n not in report.candidates for n in names):
         report.notes.append("whole-graph plan not applied: a region has no ranked candidates")
         return schedules, "predicted_ms"
@@ -313,7 +343,11 @@ def _fit_graph(regions: list[Region], schedules: list[Schedule], config: Config,
         (choice, note), key = choose_within_budget(cands, config.memory_budget_mib), "predicted_ms"
     report.notes.append(note)
     out = []
-    for region, name, old in zip(regions, names, schedules):
+    for region, old in zip(regions, schedules):
+        name = region.collective.name
+        if region.dynamic:
+            out.append(old)
+            continue
         new = _finish(Schedule.parse(cands[name][choice[name]]["schedule"]), region, config, report)
         if new != old:
             report.notes.append(f"{name}: {new} instead of {old} (whole-graph plan)")

@@ -25,7 +25,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from torch_commopt.passes.graph_utils import ALL_GATHER, WAIT, aten, group_name_of, val
+from torch_commopt.passes.graph_utils import ALL_GATHER, WAIT, aten, group_name_of, size_hint, val
 
 log = logging.getLogger("torch_commopt.passes.regather")
 
@@ -99,8 +99,9 @@ def _gather_ms(node: Node, full_bytes: int, world: int, cache_dir: str | None, t
 
 
 def _nbytes(node: Node) -> int:
+    """The bytes of the node's value (a dynamic size: at the size it was traced with)."""
     out = val(node)
-    return out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
+    return size_hint(out.numel()) * out.element_size() if isinstance(out, torch.Tensor) else 0
 
 
 def _chain(gather: Node) -> list[Node]:

@@ -55,6 +55,14 @@ class Region:
     out_layout: Layout | None = None
     t_shape: list[int] | None = None
 
+    @property
+    def dynamic(self) -> bool:
+        """Whether a row count is symbolic (a graph compiled with dynamic shapes): the region
+        then runs for every size the graph is called with, so its schedule is picked per call
+        (Schedule "auto") instead of from the shape at compile time."""
+        sizes = list(self.a.meta["val"].shape) + list(self.t_shape or [])
+        return not all(isinstance(s, int) for s in sizes)
+
     def summary(self) -> dict[str, Any]:
         """JSON-able description: what explain shows and the rank-consistency hash covers."""
         a = self.a.meta["val"]
@@ -65,7 +73,7 @@ class Region:
             "world": self.group_size,
             "dim": self.dim,
             "reduce_op": self.reduce_op,
-            "a_shape": list(a.shape),
+            "a_shape": [s if isinstance(s, int) else str(s) for s in a.shape],
             "dtype": str(a.dtype).removeprefix("torch."),
             "weights": [list(c.weight.meta["val"].shape) for c in self.consumers],
             "matmuls": [c.node.name for c in self.consumers],

@@ -15,7 +15,7 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.passes.chains import replay_chain, set_fake_val
-from torch_commopt.passes.graph_utils import static_shape
+from torch_commopt.passes.graph_utils import row_shape
 from torch_commopt.passes.regions import Region
 from torch_commopt.schedule import Schedule
 
@@ -58,11 +58,11 @@ def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule, replace
     )
     with graph.inserting_before(first):
         op = _call(graph, torch.ops.commopt.ag_matmul.default, args)
-    k = static_shape(region.root)[-1]
+    k = row_shape(region.root)[-1]
     for i, consumer in enumerate(region.consumers):
         with graph.inserting_before(consumer.node):
             out = _call(graph, operator.getitem, (op, i))
-            n = static_shape(consumer.node)[-1]
+            n = row_shape(consumer.node)[-1]
             replacement = replay_chain(graph, out, consumer.path, k, n)
         consumer.node.replace_all_uses_with(replacement)
         replaced[consumer.node] = replacement
@@ -77,8 +77,8 @@ def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule, replace
 
 def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node]) -> None:
     (consumer,) = region.consumers
-    k = static_shape(region.a)[-1]
-    n = static_shape(consumer.node)[-1]
+    k = row_shape(region.a)[-1]
+    n = row_shape(consumer.node)[-1]
     weight, bias = _now(consumer.weight, replaced), _now(consumer.bias, replaced)
     with graph.inserting_before(region.wait):
         a = replay_chain(graph, _now(region.a, replaced), region.path, n, k)

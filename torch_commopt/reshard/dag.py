@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch.fx import Node
 
-from torch_commopt.passes.graph_utils import val
+from torch_commopt.passes.graph_utils import size_hint, val
 from torch_commopt.passes.regions import Region
 from torch_commopt.reshard.layouts import Layout, Replicate, Shard, reshard
 
@@ -90,7 +90,8 @@ def region_edges(regions: list[Region], max_nodes: int = 10_000, cal=None) -> li
             continue
         world = regions[i].group_size
         t = val(origin)
-        full = 0 if t is None else t.numel() * t.element_size() * (world if isinstance(src, Shard) else 1)
+        # (a dynamic size priced at the size it was traced with)
+        full = 0 if t is None else size_hint(t.numel()) * t.element_size() * (world if isinstance(src, Shard) else 1)
         try:
             cost = reshard(src, dst, full, world, cal if cal is not None else _prior(t, world))
         except ValueError as e:
