@@ -173,6 +173,41 @@ def run_auto_cases(rank: int, world: int):
     return results, sorted(picked)
 
 
+def run_alloc_failure(rank: int, world: int):
+    """Symmetric allocations of 64 MiB or more fail on the last rank (an injected out-of-memory):
+    every rank runs NCCL + cuBLAS for the calls that need such a buffer, and the GPU schedule
+    for those a 16 MiB buffer serves.  [(name, error, reference error)] and the warnings the
+    ops logged."""
+    import logging
+
+    from torch_commopt.kernels.gpu import symm
+
+    allocate = symm.GroupRuntime._empty
+
+    def failing(self, numel, dtype):
+        if self.rank == world - 1 and dtype == torch.uint8 and numel >= 64 << 20:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected): tried to allocate {numel >> 20} MiB")
+        return allocate(self, numel, dtype)
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    ops_log = logging.getLogger("torch_commopt.kernels.ops")
+    symm.GroupRuntime._empty = failing
+    ops_log.addHandler(handler)
+    try:
+        bf16, results = torch.bfloat16, []
+        results += _ag_case(((256, 1024), 0, [512], False, False), bf16, ["ce_push:1"], 7100, rank, world)
+        # a 64 MiB (world 2) buffer: the vote fails; then a 128 MiB one: refused at once
+        results += _rs_case(((world * 4096, 4096), 0, 2048, False, "sum"), bf16, ["ce_push:2"], 7300, rank, world)
+        results += _ag_case(((4096, 4096), 0, [1024], False, False), bf16, ["ce_push:1"], 7200, rank, world)
+        results += _rs_case(((world * 128, 1024), 0, 512, False, "sum"), bf16, ["ce_push:1"], 7400, rank, world)
+    finally:
+        symm.GroupRuntime._empty = allocate
+        ops_log.removeHandler(handler)
+    return results, warnings
+
+
 def run_back_to_back(rank: int, world: int, calls: int = 120):
     """`calls` interleaved ag/rs/ar calls with no synchronization in between, each on fresh
     inputs, outputs checked only at the end: buffer reuse across calls and ops must not

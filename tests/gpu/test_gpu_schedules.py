@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_cases import run_auto_cases, run_back_to_back, run_debug_timeout, run_schedule_cases
+from kernel_cases import run_alloc_failure, run_auto_cases, run_back_to_back, run_debug_timeout, run_schedule_cases
 from torch_commopt.launch import run_distributed
 from torch_commopt.validate import within_tolerance
 
@@ -39,6 +39,17 @@ def test_auto_schedule_resolves_per_call_shape(two_ranks):
         assert "sequential" in picked and any(p.startswith("ce_push") for p in picked), picked
         assert len(results) == 18
         _check(results)
+
+
+@pytest.mark.gpu
+def test_a_failed_symmetric_allocation_on_one_rank_runs_nccl_on_every_rank(two_ranks):
+    # the ranks vote on each allocation: none is left in the rendezvous, none in a hang
+    for results, warnings in run_distributed(run_alloc_failure, two_ranks[0], backend=two_ranks[1], timeout_s=300):
+        _check(results)
+        refused = [w for w in warnings if "running sequential" in w]
+        assert len(refused) == 2, warnings
+        assert "not allocated on every rank" in refused[0] and "out of memory (injected)" in refused[0], refused
+        assert "already failed" in refused[1], refused
 
 
 @pytest.mark.gpu

@@ -7,11 +7,14 @@ degree-1 part of a hybrid): every piece then runs without communicating.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+log = logging.getLogger("torch_commopt.attention.comm")
 
 Group = Optional[dist.ProcessGroup]
 _ALIGN = 16  # bytes: every packed piece starts aligned, so it can be viewed back as any dtype
@@ -82,8 +85,23 @@ def ring_shift(tensors: Sequence[Tensor], group: Group, tag: int):
     from torch_commopt.attention import ce_ring
 
     if ce_ring.usable(tensors, group):
-        return ce_ring.CEShift(tensors, group)
+        from torch_commopt.kernels.gpu.symm import SymmAllocError
+
+        try:
+            return ce_ring.CEShift(tensors, group)
+        except SymmAllocError as e:  # on every rank of the group together, before anything moved
+            refused_once(f"commopt attention: {e}; the ring runs on NCCL")
     return RingShift(tensors, group, tag)
+
+
+_REFUSED: set[str] = set()
+
+
+def refused_once(message: str) -> None:
+    """Log a copy-engine transfer that fell back to NCCL, once per message."""
+    if message not in _REFUSED:
+        _REFUSED.add(message)
+        log.warning(message)
 
 
 def ring_pass(send: Sequence[Tensor], recv: Sequence["Spec"], group: Group,

@@ -307,7 +307,12 @@ def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int, outs, keep_i
         raise ValueError(f"cp attention ulysses: {groups} head groups of {n} ranks do not divide the heads "
                          f"{[x.shape[1] for x in xs]}")
     if ce_a2a.usable(xs, ugroup, groups, outs):
-        return ce_a2a.pipelined(xs, ring, ugroup, groups, outs, keep_in, keep_out)
+        from torch_commopt.kernels.gpu.symm import SymmAllocError
+
+        try:
+            return ce_a2a.pipelined(xs, ring, ugroup, groups, outs, keep_in, keep_out)
+        except SymmAllocError as e:  # on every rank of the group together, before anything moved
+            comm.refused_once(f"commopt attention: {e}; the Ulysses all-to-alls run on NCCL")
 
     def there(parts, async_op):
         return comm.seq_to_heads(parts, ugroup, async_op=async_op)

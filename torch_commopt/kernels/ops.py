@@ -104,6 +104,19 @@ def resolve(op: str, schedule: str, device: torch.device, why_not, run=None, sha
     return Schedule("sequential")
 
 
+def _on_gpu(op: str, sched: Schedule, call):
+    """call()'s result (a GPU schedule's), or None where its symmetric memory could not be
+    allocated on every rank of the group: then every rank gets None at this call, before
+    anything moved (kernels.gpu.symm.SymmAllocError), and runs sequential instead, logged."""
+    from torch_commopt.kernels.gpu.symm import SymmAllocError
+
+    try:
+        return call()
+    except SymmAllocError as e:
+        _warn_once(op, f"schedule {sched}: {e}; running sequential")
+        return None
+
+
 def _shapes(a: Tensor, weights: list[Tensor], dim: int | None, group_size: int) -> tuple:
     """What an `auto` call's choice depends on (kernels.auto.auto_schedule's arguments)."""
     return (tuple(a.shape), tuple(tuple(w.shape) for w in weights), dim, group_size,
@@ -155,7 +168,11 @@ def ag_matmul(
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.ag_matmul import ag_matmul_gpu
 
-        return ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched, return_gathered)
+        out = _on_gpu("ag_matmul", sched, lambda: ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched,
+                                                                 return_gathered))
+        if out is not None:
+            return out
+        sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, weights, gather_dim, group_size, cut=False):
         return sequential.ag_matmul(a, weights, biases, group_name, return_gathered)  # e.g. autotune's winner
     return ag_matmul_reference(a, weights, biases, gather_dim, group_name, str(sched), return_gathered)
@@ -201,7 +218,11 @@ def matmul_rs(
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_rs_gpu
 
-        return matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched)
+        out = _on_gpu("matmul_rs", sched, lambda: matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name,
+                                                                sched))
+        if out is not None:
+            return out
+        sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
         return sequential.matmul_rs(a, weight, bias, reduce_op, group_name)  # e.g. autotune's winner
     return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, str(sched))
@@ -250,7 +271,10 @@ def matmul_ar(
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_ar_gpu
 
-        return matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched)
+        out = _on_gpu("matmul_ar", sched, lambda: matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched))
+        if out is not None:
+            return out
+        sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, [weight], None, group_size, cut=False):
         return sequential.matmul_ar(a, weight, bias, reduce_op, group_name)  # e.g. autotune's winner
     return matmul_ar_reference(a, weight, bias, reduce_op, group_name, str(sched))

@@ -22,7 +22,7 @@ from torch_commopt.kernels.reference.collectives import resolve_group
 
 log = logging.getLogger("torch_commopt.passes.consistency")
 
-_CHECKS_PER_GROUP: Counter[str] = Counter()
+_CHECKS_PER_GROUP: Counter[tuple[str, str]] = Counter()  # (topic, group) -> checks so far
 
 
 def digest(obj) -> str:
@@ -43,27 +43,30 @@ def check_skipped_reason() -> str | None:
     return None
 
 
-def ranks_agree(group_names: list[str], value: str, timeout_s: float) -> tuple[bool, str]:
-    """Publish `value` for each group and compare with the group's other ranks.
+def ranks_agree(group_names: list[str], value: str, timeout_s: float, topic: str = "plan") -> tuple[bool, str]:
+    """Publish `value` for each group and compare with the group's other ranks.  topic: what
+    is compared ("plan", or "allocation" for the GPU runtime's symmetric allocations); each
+    topic numbers its checks per group on its own, so checks of different topics may
+    interleave differently on different ranks.
 
     Returns (agreed, detail).  Never blocks longer than `timeout_s` per group."""
     store = dist.distributed_c10d._get_default_store()
     me = dist.get_rank()
     for name in sorted(set(group_names)):
         ranks = dist.get_process_group_ranks(resolve_group(name))
-        seq = _CHECKS_PER_GROUP[name]
-        _CHECKS_PER_GROUP[name] += 1
-        prefix = f"commopt/plan/{name}/{seq}"
+        seq = _CHECKS_PER_GROUP[topic, name]
+        _CHECKS_PER_GROUP[topic, name] += 1
+        prefix = f"commopt/{topic}/{name}/{seq}"
         keys = [f"{prefix}/{r}" for r in ranks]
         try:
             store.set(f"{prefix}/{me}", value)
         except Exception as e:  # the store is unreachable: the peers time out waiting for this key
-            return False, f"group {name}: could not publish this rank's plan ({type(e).__name__}: {e})"
+            return False, f"group {name}: could not publish this rank's {topic} ({type(e).__name__}: {e})"
         try:
             store.wait(keys, timedelta(seconds=timeout_s))
             values = {r: store.get(k).decode() for r, k in zip(ranks, keys)}
         except Exception as e:  # c10d raises DistStoreError / RuntimeError on timeout
-            return False, f"group {name}: ranks did not all publish a plan within {timeout_s}s ({type(e).__name__})"
+            return False, f"group {name}: ranks did not all publish a {topic} within {timeout_s}s ({type(e).__name__})"
         if len(set(values.values())) != 1:
-            return False, f"group {name}: plans differ across ranks {values}"
-    return True, "plans agree"
+            return False, f"group {name}: {topic}s differ across ranks {values}"
+    return True, f"{topic}s agree"

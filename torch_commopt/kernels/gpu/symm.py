@@ -21,6 +21,13 @@ One `GroupRuntime` per (process group, device), created on first use and kept:
   host and is collective, so it must never happen per call, nor inside a graph capture).
 - two high-priority side streams for copy-engine transfers (pushes to peers; local copies).
 
+Every symmetric allocation is voted on before its rendezvous (through the c10d store, not a
+collective): a rank whose allocation fails (out of memory) would otherwise leave its peers
+blocked in the rendezvous until the process group times out.  When any rank fails, every rank
+raises SymmAllocError at that call, before the call has moved anything, and the op runs NCCL
+instead (kernels/ops.py, attention/comm.py, attention/schedules.py); a size class that failed
+is refused at once afterwards, on every rank alike.
+
 No NVLink multicast is used anywhere: only unicast P2P loads/stores and copies.
 """
 
@@ -80,6 +87,9 @@ MIN_BUFFER_BYTES = 1 << 24
 DEBUG_ENV = "TORCH_COMMOPT_DEBUG_WAITS"
 TIMEOUT_ENV = "TORCH_COMMOPT_WAIT_TIMEOUT_S"
 DEFAULT_WAIT_TIMEOUT_S = 120.0  # wall time a debug-mode wait spins before it gives up
+# How long an allocation vote waits for the group's other ranks to reach the same allocation
+# (they reach it at the same call of the same program, give or take a compile).
+ALLOC_VOTE_TIMEOUT_S = 600.0
 
 
 def debug_waits_from_env() -> bool:
@@ -142,6 +152,12 @@ class WaitTimeout(RuntimeError):
     """A debug-mode wait exceeded its iteration bound (a peer stalled or ranks disagree)."""
 
 
+class SymmAllocError(RuntimeError):
+    """A symmetric allocation failed on at least one rank of the group.  Every rank of the
+    group raises it at the same call, before the call has moved anything (see the module
+    docstring), so the caller can run another schedule instead."""
+
+
 class GroupRuntime:
     """Everything the GPU schedules of one process group need, allocated once."""
 
@@ -166,7 +182,8 @@ class GroupRuntime:
         if self.shared_device:
             log.warning("commopt: %s=1: symmetric buffers by CUDA IPC, ranks may share a GPU (for correctness runs only)",
                         shared_device.ENV)
-        flags = _off_thread(lambda: self._empty(FLAG_SLOTS, torch.int32), device)
+        self.refused: int | None = None  # the smallest size class whose allocation failed somewhere
+        flags = self._voted(lambda: self._empty(FLAG_SLOTS, torch.int32), "flag array")
         flags.zero_()
         flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
         flags[RING_FREE: RING_FREE + 2 * HALVES].fill_(1)
@@ -252,10 +269,34 @@ class GroupRuntime:
         """(local uint8 tensor, handle) of a new symmetric allocation of the size class of
         nbytes (a power of two, at least MIN_BUFFER_BYTES); collective."""
         size = max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
-        local = _off_thread(lambda: self._empty(size, torch.uint8), self.device)
+        what = f"{purpose} buffer of {size >> 20} MiB"
+        if self.refused is not None and size >= self.refused:  # known on every rank: no vote
+            raise SymmAllocError(f"commopt: no symmetric {what} for group {self.group_name}: one of "
+                                 f"{self.refused >> 20} MiB already failed")
+        try:
+            local = self._voted(lambda: self._empty(size, torch.uint8), what)
+        except SymmAllocError:
+            self.refused = size if self.refused is None else min(self.refused, size)
+            raise
         handle = _off_thread(lambda: self._rendezvous(local), self.device)
         log.info("commopt: symmetric %s buffer of %d MiB for group %s", purpose, size >> 20, self.group_name)
         return local, handle
+
+    def _voted(self, allocate, what: str) -> torch.Tensor:
+        """allocate() (off-thread), then a vote of the group's ranks: the tensor if every rank
+        allocated, else SymmAllocError on every rank (the local tensor, if any, is dropped)."""
+        from torch_commopt.passes import consistency
+
+        try:
+            local, mine = _off_thread(allocate, self.device), "ok"
+        except Exception as e:  # out of memory, mostly; any failure must reach the vote
+            local, mine = None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        agreed, detail = consistency.ranks_agree([self.group_name], mine, ALLOC_VOTE_TIMEOUT_S, topic="allocation")
+        if agreed and local is not None:
+            return local
+        del local
+        raise SymmAllocError(f"commopt: the symmetric {what} for group {self.group_name} was not allocated on "
+                             f"every rank ({mine if agreed else detail})")
 
     def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.shared_device:  # a plain allocation, mapped by CUDA IPC at rendezvous

@@ -1,0 +1,44 @@
+"""symm.GroupRuntime's allocation vote on live gloo groups, with the CUDA parts stubbed: each
+rank's allocation is a CPU tensor, or an out-of-memory error on the ranks told to fail."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torch_commopt.kernels.gpu import symm
+
+
+def _runtime(fail_on: dict[int, set[int]]) -> tuple[symm.GroupRuntime, list[int]]:
+    """A runtime whose allocation of n bytes fails on the ranks in fail_on[n] (the sizes it
+    tried are recorded in the returned list); rendezvous returns a stand-in handle."""
+    rt = object.__new__(symm.GroupRuntime)  # the allocation path only: no CUDA streams, no flags
+    rt.group_name, rt.device, rt.rank, rt.refused = dist.group.WORLD.group_name, None, dist.get_rank(), None
+    tried: list[int] = []
+
+    def empty(numel, dtype):
+        tried.append(numel)
+        if rt.rank in fail_on.get(numel, ()):
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {numel >> 20} MiB (rank {rt.rank})")
+        return torch.empty(numel, dtype=dtype)
+
+    rt._empty, rt._rendezvous = empty, lambda local: ("handle", local.numel())
+    return rt, tried
+
+
+def _attempt(rt, nbytes: int) -> str:
+    try:
+        local, handle = rt._rendezvoused(nbytes, "shared")
+    except symm.SymmAllocError as e:
+        return f"refused: {e}"
+    return f"ok {local.numel() >> 20} MiB, {handle[0]}"
+
+
+def vote_sequence(rank: int, world: int):
+    """The same requests on every rank: 32 MiB (fine), 64 MiB (rank world-1 out of memory),
+    128 MiB (refused at once: a smaller class failed), 16 MiB (fine).  Returns each request's
+    outcome and the sizes this rank tried to allocate."""
+    mib = 1 << 20
+    rt, tried = _runtime({64 * mib: {world - 1}})
+    outcomes = [_attempt(rt, n * mib) for n in (32, 64, 128, 16)]
+    return outcomes, [n >> 20 for n in tried], rt.refused >> 20
