@@ -9,6 +9,11 @@ import torch_commopt
 SHAPE = {"batch": 2, "seq": 16, "dim": 64, "hidden": 128, "heads": 4}
 
 
+def saved_and_gathers_by_budget(rank: int, world: int, kind: str, budgets: tuple) -> dict:
+    """{budget_mib: saved_and_gathers(..., budget_mib)} in one process (one spawn for them all)."""
+    return {b: saved_and_gathers(rank, world, kind, False, b) for b in budgets}
+
+
 def saved_and_gathers(rank: int, world: int, kind: str, regather: bool, budget_mib: float | None = None):
     """(bytes saved for backward, all-gathers in the backward graph, errors vs float64 next to
     eager's, the joint-graph notes) of `kind` compiled with regather_for_backward=regather

@@ -47,9 +47,10 @@ def test_saved_gather_budget_regathers_only_what_does_not_fit():
     # tp_sp_block (seq 16, dim 64, fp32, W=2) gathers two norm outputs of 2x16x64x4 B = 8 KiB
     # each, 4 KiB of each kept beyond its shard: a budget of 5 KiB keeps one and re-gathers
     # the other, 0 keeps none, a large one re-gathers nothing
-    from regather_programs import saved_and_gathers
+    from regather_programs import saved_and_gathers_by_budget
 
-    runs = {b: run_distributed(saved_and_gathers, 2, "tp_sp_block", False, b) for b in (None, 5 / 1024, 0.0, 1.0)}
+    per_rank = run_distributed(saved_and_gathers_by_budget, 2, "tp_sp_block", (None, 5 / 1024, 0.0, 1.0))
+    runs = {b: [per_rank[r][b] for r in range(2)] for b in per_rank[0]}
     for rank in range(2):
         saved = {b: runs[b][rank][0] for b in runs}
         gathers = {b: runs[b][rank][1] for b in runs}
