@@ -82,8 +82,9 @@ class Schedule:
             raise ValueError(f"schedule: par=0/1 is a ce_push option (not with gemm=whole); got {self.name} par={par!r}")
         if dict(self.params).get("tma") is not None and (self.name != "fused" or dict(self.params)["tma"] not in (0, 1)):
             raise ValueError(f"schedule: tma=0/1 is a fused option; got {self.name} tma={dict(self.params)['tma']!r}")
-        if dict(self.params).get("graphs") is not None and (self.name != "auto" or dict(self.params)["graphs"] not in (0, 1)):
-            raise ValueError(f"schedule: graphs=0/1 is an auto option; got {self.name} graphs={dict(self.params)['graphs']!r}")
+        graphs = self.param("graphs")
+        if graphs is not None and (self.name != "auto" or graphs not in (0, 1)):
+            raise ValueError(f"schedule: graphs=0/1 is an auto option; got {self.name} graphs={graphs!r}")
         object.__setattr__(self, "params", tuple(sorted(self.params)))
 
     def __str__(self) -> str:

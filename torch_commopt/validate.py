@@ -122,6 +122,11 @@ def check(kind: str, options: dict[str, Any], *, seed: int = 0, shape: dict | No
         if label == "compiled":
             fn = (compile_fn or torch.compile)(model, backend="commopt", options=options)
         runs[label] = run_once(fn, model, x, probe)
+    return _errors(runs)
+
+
+def _errors(runs: dict[str, dict]) -> list[TensorError]:
+    """Per tensor: compiled's and eager's relative error against the float64 run ("ref")."""
     return [TensorError(k, rel_err(runs["compiled"][k], v), rel_err(runs["eager"][k], v))
             for k, v in runs["ref"].items()]
 
@@ -148,6 +153,5 @@ def check_sizes(kind: str, options: dict[str, Any], seqs: tuple[int, ...], *, dy
                                 ("compiled", compiled, model, x64.to(dtype))):
             m.zero_grad(set_to_none=True)
             runs[label] = run_once(fn, m, x, probe)
-        out.append((seq, [TensorError(k, rel_err(runs["compiled"][k], v), rel_err(runs["eager"][k], v))
-                          for k, v in runs["ref"].items()]))
+        out.append((seq, _errors(runs)))
     return out

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torch_commopt.attention import switches
+
 log = logging.getLogger("torch_commopt.attention.comm")
 
 Group = Optional[dist.ProcessGroup]
@@ -94,14 +96,9 @@ def ring_shift(tensors: Sequence[Tensor], group: Group, tag: int):
     return RingShift(tensors, group, tag)
 
 
-_REFUSED: set[str] = set()
-
-
 def refused_once(message: str) -> None:
-    """Log a copy-engine transfer that fell back to NCCL, once per message."""
-    if message not in _REFUSED:
-        _REFUSED.add(message)
-        log.warning(message)
+    """Log, once per message, a copy-engine transfer that fell back to NCCL."""
+    switches.once(log, message, logging.WARNING, "%s", message)
 
 
 def ring_pass(send: Sequence[Tensor], recv: Sequence["Spec"], group: Group,

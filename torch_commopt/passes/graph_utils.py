@@ -40,13 +40,17 @@ def val(node: Any) -> torch.Tensor | None:
 DYNAMIC_SHAPE = "has a dynamic shape"  # in the reason of every region a symbolic size stops
 
 
-def static_shape(node: Node) -> list[int]:
-    """The node's shape as Python ints; raises Unsupported for a dynamic (symbolic) shape."""
+def _shape(node: Node) -> list:
     v = val(node)
     if v is None:
         raise Unsupported(f"{node.name} has no recorded shape")
-    shape = list(v.shape)
-    if not all(isinstance(s, int) for s in shape):
+    return list(v.shape)
+
+
+def static_shape(node: Node) -> list[int]:
+    """The node's shape as Python ints; raises Unsupported for a dynamic (symbolic) shape."""
+    shape = _shape(node)
+    if not is_static(shape):
         raise Unsupported(f"{node.name} {DYNAMIC_SHAPE} {shape}")
     return shape
 
@@ -55,10 +59,7 @@ def row_shape(node: Node) -> list:
     """The node's shape with symbolic (dynamic) sizes allowed in every dim but the last, which
     a matmul contracts or produces and so must be a Python int; raises Unsupported otherwise.
     What the matmul-collective finders take: their ops handle any row count."""
-    v = val(node)
-    if v is None:
-        raise Unsupported(f"{node.name} has no recorded shape")
-    shape = list(v.shape)
+    shape = _shape(node)
     if shape and not isinstance(shape[-1], int):
         raise Unsupported(f"{node.name} {DYNAMIC_SHAPE} {shape} in its last dim")
     return shape
@@ -140,11 +141,12 @@ def split_cat_dim(split: Node, world: int) -> tuple[int, Node] | None:
     sizes = split.args[1]
     if isinstance(sizes, (list, tuple)):
         n_pieces = len(sizes)
-    else:  # one piece size, symbolic (a graph input or a node) with dynamic shapes
+    else:  # one piece size: an int, or with dynamic shapes a symbolic one (a node's value)
         size = sizes.meta.get("val") if isinstance(sizes, Node) else sizes
-        n_pieces = world if size is not None and same_size(size * world, x_shape[sdim]) else None
         if isinstance(size, int) and isinstance(x_shape[sdim], int):
             n_pieces = -(-x_shape[sdim] // size)
+        else:  # symbolic: taken only as exactly `world` pieces
+            n_pieces = world if size is not None and same_size(size * world, x_shape[sdim]) else None
     getitems = sorted(split.users, key=lambda n: n.args[1] if is_getitem(n) else -1)
     if n_pieces != world or len(getitems) != world or not all(is_getitem(g) for g in getitems):
         return None

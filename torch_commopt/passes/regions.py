@@ -8,6 +8,7 @@ from typing import Any
 
 from torch.fx import Node
 
+from torch_commopt.passes.graph_utils import is_static
 from torch_commopt.reshard.layouts import Layout
 
 
@@ -60,8 +61,7 @@ class Region:
         """Whether a row count is symbolic (a graph compiled with dynamic shapes): the region
         then runs for every size the graph is called with, so its schedule is picked per call
         (Schedule "auto") instead of from the shape at compile time."""
-        sizes = list(self.a.meta["val"].shape) + list(self.t_shape or [])
-        return not all(isinstance(s, int) for s in sizes)
+        return not is_static(list(self.a.meta["val"].shape) + list(self.t_shape or []))
 
     def summary(self) -> dict[str, Any]:
         """JSON-able description: what explain shows and the rank-consistency hash covers."""
