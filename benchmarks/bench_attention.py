@@ -65,6 +65,8 @@ from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from naming import card_tag  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -789,7 +791,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = _meta(args)
     text = report(records, meta)
     if out:
-        stem = f"attention_{'cpu' if args.cpu else 'h200'}x{args.world}_{meta['date']}{'_' + args.tag if args.tag else ''}"
+        stem = f"attention_{card_tag(meta['device'], args.world)}_{meta['date']}{'_' + args.tag if args.tag else ''}"
         (out / f"{stem}.json").write_text(json.dumps({**meta, "records": records}, indent=1))
         (out / f"{stem}.md").write_text(text)
     print(text)

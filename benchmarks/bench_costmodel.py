@@ -32,6 +32,7 @@ import torch.distributed as dist
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from naming import card_tag  # noqa: E402
 
 import torch_commopt  # noqa: E402,F401
 from bench_matmul_collectives import _variants, shapes_for  # noqa: E402
@@ -197,7 +198,7 @@ def main() -> None:
     summary = summarize(result)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"costmodel_h200x{args.world}_{date}{'_graphs' if args.cuda_graphs else ''}"
+    stem = f"costmodel_{card_tag(meta['device'], args.world)}_{date}{'_graphs' if args.cuda_graphs else ''}"
     (out / f"{stem}.json").write_text(json.dumps([dict(r, **{k: meta[k] for k in ("device", "torch", "date", "commit")})
                                                   for r in result["records"]], indent=1))
     doc = {"meta": meta, "summary": summary, "shapes": result["shapes"], "compile": result["compile"],

@@ -49,6 +49,7 @@ import torch.distributed as dist  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from naming import card_tag  # noqa: E402
 from step_profile import breakdown, format_idle, split  # noqa: E402
 
 VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model", "inductor+cudagraphs", "commopt graphs"]
@@ -306,7 +307,7 @@ def main() -> None:
             "commit": args.commit, "shape": shape, "steps": args.steps, "command": "python3 " + " ".join(sys.argv)}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"e2e_h200x{args.world}_{date}"
+    stem = f"e2e_{card_tag(meta['device'], args.world)}_{date}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "records": rows, "raw": res}, indent=1))
     (out / f"{stem}.md").write_text(report(rows, meta))
     print(report(rows, meta))

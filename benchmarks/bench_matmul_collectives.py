@@ -40,6 +40,8 @@ import torch.distributed as dist
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from naming import card_tag  # noqa: E402
 
 import torch_commopt  # noqa: E402,F401
 from torch_commopt.tuner.autotune import capture_agreed  # noqa: E402
@@ -372,7 +374,7 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
             "triton": triton.__version__, "commit": commit, "host": platform.node(),
             "command": "python3 " + " ".join(sys.argv)}
-    stem = f"matmul_collectives_h200x{args.world}_{date}{'_' + args.tag if args.tag else ''}"
+    stem = f"matmul_collectives_{card_tag(meta['device'], args.world)}_{date}{'_' + args.tag if args.tag else ''}"
     tagged = [dict(r, device=meta["device"], torch=meta["torch"], triton=meta["triton"], commit=commit, date=date)
               for r in records]
     (out / f"{stem}.json").write_text(json.dumps(tagged, indent=1))

@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from naming import card_tag  # noqa: E402
 from step_profile import breakdown, format_idle, split  # noqa: E402
 
 FIXED = ["sequential", "ce_push:1", "ce_push:2", "direct:1"]
@@ -266,7 +267,7 @@ def main() -> None:
     res["searched_vs_best_fixed"] = fixed[res["best_fixed"]] / res["step_ms"]["searched"]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"plan_h200x{args.world}_{date}" + ("" if args.model == "tp_sp_block" else f"_{args.model}")
+    stem = f"plan_{card_tag(meta['device'], args.world)}_{date}" + ("" if args.model == "tp_sp_block" else f"_{args.model}")
     (out / f"{stem}.json").write_text(json.dumps({**meta, **res}, indent=1))
     (out / f"{stem}.md").write_text(report(res, meta))
     print(report(res, meta))

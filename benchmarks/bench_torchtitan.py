@@ -31,6 +31,8 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from naming import card_tag  # noqa: E402
 TOML = ROOT / "torch_commopt/integrations/torchtitan/llama3_debug_tp2_commopt.toml"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.naNinf]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
@@ -150,7 +152,7 @@ def main() -> None:
     for name in args.variants.split(","):
         records.append(run_variant(name, args, out, ngpu))
         print(json.dumps({k: v for k, v in records[-1].items() if k != "losses"}), flush=True)
-    tag = f"torchtitan_{'h200x' if 'H200' in device else 'gpux'}{ngpu}_{meta['date']}"
+    tag = f"torchtitan_{card_tag(device, ngpu)}_{meta['date']}"
     (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     (out / f"{tag}.md").write_text(report(meta, records))
     print(report(meta, records))

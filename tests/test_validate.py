@@ -1,4 +1,4 @@
-"""validate.check_shape: a model the ranks cannot shard evenly is refused before it is built."""
+"""validate.check_shape: a model the ranks cannot shard evenly is refused before it is built; the tolerance rule."""
 
 from __future__ import annotations
 
@@ -30,3 +30,12 @@ def test_a_shape_that_does_not_split_is_refused_by_name(kind, shape, world, name
 
 def test_tp_block_does_not_shard_the_sequence():
     check_shape("tp_block", {**BLOCK, "seq": 7}, 3)
+
+
+def test_tolerance_refuses_a_reference_that_is_not_the_same_computation():
+    from torch_commopt.validate import within_tolerance
+
+    assert within_tolerance(3e-3, 1e-3) and not within_tolerance(5e-3, 1e-3)
+    assert within_tolerance(1e-9, 0.0)  # rounding noise
+    # eager far from float64 (other weights, other inputs): "as close as eager" proves nothing
+    assert not within_tolerance(1.37, 1.37)

@@ -21,11 +21,14 @@ MODELS = ("funcol_mlp", "tp_sp_mlp", "tp_sp_block", "tp_block")
 BLOCKS = ("tp_sp_block", "tp_block")  # the kinds with attention (a LlamaBlock)
 TOLERANCE_FACTOR = 4.0  # commopt's error may be this many times eager float32's own error
 ERROR_FLOOR = float(torch.finfo(torch.float32).eps)  # below this, errors are rounding noise
+# eager's own error above this: the float64 run is not the same computation (different weights or
+# inputs), so "as close as eager" would prove nothing -- the check fails instead
+EAGER_ERROR_CAP = 0.1
 
 
 def within_tolerance(compiled: float, eager: float) -> bool:
     """The numerics rule of the demo and the tests."""
-    return compiled <= TOLERANCE_FACTOR * max(eager, ERROR_FLOOR)
+    return eager <= EAGER_ERROR_CAP and compiled <= TOLERANCE_FACTOR * max(eager, ERROR_FLOOR)
 
 
 @dataclass
@@ -56,7 +59,8 @@ def build(kind: str, dtype: torch.dtype, seed: int, shape: dict) -> tuple[torch.
     x = torch.randn(b, s, d, generator=gen, dtype=torch.float64)
     if kind == "funcol_mlp":
         model = FuncolMLP(d, h // world, dist.group.WORLD.group_name)
-        w1, w2 = torch.randn(d, h, generator=gen) / d**0.5, torch.randn(h, d, generator=gen) / h**0.5
+        wgen = torch.Generator().manual_seed(seed + 1)  # the weights do not depend on the input's size
+        w1, w2 = torch.randn(d, h, generator=wgen) / d**0.5, torch.randn(h, d, generator=wgen) / h**0.5
         with torch.no_grad():
             model.w1.copy_(w1.chunk(world, dim=1)[rank])
             model.w2.copy_(w2.chunk(world, dim=0)[rank])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|costmodel|plan|attention|attention1|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|costmodel|plan|attention|attention1|stress|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -36,6 +36,12 @@ if [[ $what == attention ]]; then
   # sweep (BENCH_ARGS may add --full, --seq ..., --passes ...; partial.jsonl keeps a cut-short run)
   mkdir -p "$out/attention"
   timeout ${ATTN_TIMEOUT:-560} python3 benchmarks/bench_attention.py --out "$out/attention" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention.log"
+fi
+if [[ $what == stress ]]; then
+  # every cp attention call checked against full attention, flags checked at rest between calls
+  # (the session-20 ulysses:g=1 deviation); BENCH_ARGS: --rounds, --calls, --seq, --heads, --schedules
+  timeout ${STRESS_TIMEOUT:-400} torchrun --nproc-per-node ${NGPU:-2} benchmarks/stress_cp_attention.py "$out/stress" \
+    ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$out/stress.log" | grep "^{" | tail -20
 fi
 if [[ $what == e2e ]]; then
   # issue 7: a few Llama-3-8B layers trained with inductor, inductor + async-TP and commopt
