@@ -27,7 +27,7 @@ import torch.distributed as dist
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_attention import (TOLERANCE, Case, _errors, _full_inputs, _global_errors, commopt_schedule,  # noqa: E402
+from bench_attention import (TOLERANCE, Case, _errors, _full_inputs, _global_errors, _grads, _leaves,  # noqa: E402
                              shard, single_gpu)
 
 
@@ -53,6 +53,15 @@ def _flags_at_rest(group) -> dict:
     return bad
 
 
+def _buffers(group) -> list[int]:
+    """The all-to-all buffers of `group`'s runtime, MiB, oldest first."""
+    from torch_commopt.attention.ce_a2a import PURPOSE
+    from torch_commopt.kernels.gpu import symm
+
+    rt = symm.existing(group.group_name, torch.device("cuda", torch.cuda.current_device()))
+    return [b.nbytes >> 20 for b in rt.owned.get(PURPOSE, [])] if rt is not None else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -61,13 +70,14 @@ def main() -> None:
     parser.add_argument("--seq", default="16384,32768")
     parser.add_argument("--heads", default="32/32,32/8")
     parser.add_argument("--schedules", default="ulysses:g=1,ulysses:g=2,ring_zigzag,ulysses")
+    parser.add_argument("--fresh-group", type=int, default=1, help="a new process group every round after the first")
+    parser.add_argument("--rotate", type=int, default=0, help="rotate the case order by round (default: the bench's order)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()  # without: a gloo smoke run of this script (float32, no flags)
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(rank)
-    group = dist.group.WORLD
     dtype, dev = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
     cases = [Case(1, int(h.split("/")[0]), int(h.split("/")[1]), 128, int(s), True, "fwd+bwd")
              for s in args.seq.split(",") for h in args.heads.split(",")]
@@ -83,21 +93,31 @@ def main() -> None:
         prepared.append((case, local, ref))
         del full
     failures, calls, start = [], 0, time.perf_counter()
+    from torch_commopt.attention import cp_attention
+
     for rnd in range(args.rounds):
+        # a new group per round: a fresh runtime whose all-to-all buffer grows from the first case's
+        # size class to the larger ones during the round (the failing call of session 20 was the
+        # one that grew it, 512 -> 1024 MiB)
+        group = dist.new_group(list(range(world))) if args.fresh_group and rnd else dist.group.WORLD
         for i in range(len(prepared)):
-            case, local, ref = prepared[(i + rnd) % len(prepared)]
+            case, local, ref = prepared[(i + rnd) % len(prepared)] if args.rotate else prepared[i]
             for j in range(len(schedules)):
                 s = schedules[(j + rnd) % len(schedules)]
-                with commopt_schedule(case, local, s, group) as (step, outputs):
-                    for c in range(args.calls):
-                        step()
-                        errors = _global_errors(_errors(outputs(), ref, rank, world, "contiguous"), dev)
-                        flags = _flags_at_rest(group) if cuda else {}
-                        calls += 1
-                        if max(errors.values()) > tol or flags:
-                            failures.append({"round": rnd, "case": case.label(), "schedule": s, "call": c,
-                                             "errors": errors, "flags_not_at_rest": flags})
-                            print(json.dumps({"rank": rank, **failures[-1]}), flush=True)
+                for c in range(args.calls):
+                    leaves = _leaves(local["q"], local["k"], local["v"])
+                    out = cp_attention(*leaves, schedule=s, causal=case.causal, group=group)
+                    fwd = _global_errors(_errors({"out": out.detach()}, ref, rank, world, "contiguous"), dev)
+                    out.backward(local["dout"])
+                    errors = _global_errors(_errors({"out": out.detach(), **_grads(leaves)}, ref, rank, world,
+                                                    "contiguous"), dev)
+                    flags = _flags_at_rest(group) if cuda else {}
+                    calls += 1
+                    if max(errors.values()) > tol or fwd["out"] > tol or flags:
+                        failures.append({"round": rnd, "case": case.label(), "schedule": s, "call": c,
+                                         "out_after_forward": fwd["out"], "errors": errors,
+                                         "flags_not_at_rest": flags, "buffers_mib": _buffers(group) if cuda else None})
+                        print(json.dumps({"rank": rank, **failures[-1]}), flush=True)
     summary = {"rank": rank, "world": world, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
                "calls": calls, "failures": len(failures), "seconds": round(time.perf_counter() - start, 1),
                "cases": [c.label() for c, _, _ in prepared], "schedules": schedules, "records": failures}

@@ -77,7 +77,10 @@ def test_pick_rule(kind, a_shape, w_shapes, dim, expected):
 def test_rule_under_cuda_graphs_ignores_host_cost():
     # M_global 512: eager calls are host-bound (sequential); graph replays pay GPU time only.
     assert str(pick("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16")[0]) == "sequential"
-    assert str(pick("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", graphs=True)[0]) == "ce_push:1"
+    # (replayed, a short all-gather runs one GEMM once everything is in)
+    assert str(pick("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", graphs=True)[0]) == \
+        "ce_push:1:gemm=whole"
+    assert str(pick("ag_matmul", [1024, 8192], [[8192, 4096]], 0, 2, "bfloat16", graphs=True)[0]) == "ce_push:1"
     assert str(pick("matmul_rs", [512, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True)[0]) == "sequential"
     assert str(pick("matmul_rs", [2048, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True)[0]) == "ce_push:1"
     assert str(pick("matmul_ar", [2048, 4096], [[4096, 8192]], None, 2, "bfloat16", graphs=True)[0]) == "ce_push:1"

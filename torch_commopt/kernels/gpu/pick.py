@@ -106,6 +106,11 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     if gemm_s < MIN_GEMM_S and not graphs:
         return Schedule("sequential"), why + ": too short to pay a GPU schedule's host cost"
     if kind == "ag_matmul":
+        if graphs and gemm_s < MIN_GEMM_S_GRAPHS:
+            # Replayed short all-gathers: one GEMM over the gathered rows once they are all in
+            # (M_global 512, K = N = 8192: 2x H100 gemm=whole 0.082 ms vs ce_push:1 0.091, NCCL
+            # 0.088, matmul_collectives_h100x2_2026-11-25_s20; 2x H200 0.082 / 0.082 / 0.084, s13b).
+            return Schedule.parse("ce_push:1:gemm=whole"), why + ": short GEMM, one GEMM after the gather"
         # One piece: the peer's shard lands long before the own shard's GEMM ends, and more
         # pieces only add GEMM tails (16384x8192x28672: ce_push:1 5.820 / 5.771 ms vs :4
         # 5.838 / 5.834 in two runs).
