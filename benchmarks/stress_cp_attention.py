@@ -53,13 +53,16 @@ def _flags_at_rest(group) -> dict:
     return bad
 
 
-def _buffers(group) -> list[int]:
-    """The all-to-all buffers of `group`'s runtime, MiB, oldest first."""
+def _buffers(group) -> list[tuple[int, int]]:
+    """The all-to-all buffers of `group`'s runtime, oldest first."""
     from torch_commopt.attention.ce_a2a import PURPOSE
     from torch_commopt.kernels.gpu import symm
 
     rt = symm.existing(group.group_name, torch.device("cuda", torch.cuda.current_device()))
-    return [b.nbytes >> 20 for b in rt.owned.get(PURPOSE, [])] if rt is not None else []
+    if rt is None:
+        return []
+    # (MiB, the handle's own address minus the tensor's: 0 unless torch maps it elsewhere)
+    return [(b.nbytes >> 20, int(b.handle.buffer_ptrs[rt.rank]) - b.local.data_ptr()) for b in rt.owned.get(PURPOSE, [])]
 
 
 def main() -> None:

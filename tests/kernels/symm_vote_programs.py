@@ -3,6 +3,8 @@ rank's allocation is a CPU tensor, or an out-of-memory error on the ranks told t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 
@@ -14,6 +16,7 @@ def _runtime(fail_on: dict[int, set[int]]) -> tuple[symm.GroupRuntime, list[int]
     tried are recorded in the returned list); rendezvous returns a stand-in handle."""
     rt = object.__new__(symm.GroupRuntime)  # the allocation path only: no CUDA streams, no flags
     rt.group_name, rt.device, rt.rank, rt.refused = dist.group.WORLD.group_name, None, dist.get_rank(), None
+    rt.shared_device = False
     tried: list[int] = []
 
     def empty(numel, dtype):
@@ -22,7 +25,10 @@ def _runtime(fail_on: dict[int, set[int]]) -> tuple[symm.GroupRuntime, list[int]
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {numel >> 20} MiB (rank {rt.rank})")
         return torch.empty(numel, dtype=dtype)
 
-    rt._empty, rt._rendezvous = empty, lambda local: ("handle", local.numel())
+    def rendezvous(local):
+        return SimpleNamespace(name="handle", buffer_ptrs=[local.data_ptr()] * dist.get_world_size())
+
+    rt._empty, rt._rendezvous = empty, rendezvous
     return rt, tried
 
 
@@ -31,7 +37,7 @@ def _attempt(rt, nbytes: int) -> str:
         local, handle = rt._rendezvoused(nbytes, "shared")
     except symm.SymmAllocError as e:
         return f"refused: {e}"
-    return f"ok {local.numel() >> 20} MiB, {handle[0]}"
+    return f"ok {local.numel() >> 20} MiB, {handle.name}"
 
 
 def vote_sequence(rank: int, world: int):

@@ -172,7 +172,7 @@ class _Pipeline:
         self.n, self.me = rt.world, rt.rank
         self.layout = _Layout(self.xs, self.specs, groups, self.n)
         self.buf = rt.own_buffer(PURPOSE, 2 * self.layout.half)
-        self.bases = [int(ptr) for ptr in self.buf.handle.buffer_ptrs]
+        self.bases = [self.buf.address(r, 0) for r in range(self.n)]  # this rank's own: its tensor's address
         self.debug = rt.debug_waits()
         self.compute, self.side, self.local = torch.cuda.current_stream(xs[0].device), rt.side, rt.local
         self.outs = [torch.empty(shape, dtype=dtype, device=xs[0].device) for shape, dtype in self.specs]

@@ -280,6 +280,10 @@ class GroupRuntime:
             raise
         handle = _off_thread(lambda: self._rendezvous(local), self.device)
         log.info("commopt: symmetric %s buffer of %d MiB for group %s", purpose, size >> 20, self.group_name)
+        mapped = int(handle.buffer_ptrs[self.rank])
+        if mapped != local.data_ptr() and not self.shared_device:  # a diagnostic (session 20's open question)
+            log.warning("commopt: the %s buffer's own address in the rendezvous handle (%#x) is not its tensor's "
+                        "(%#x): offset %d", what, mapped, local.data_ptr(), mapped - local.data_ptr())
         return local, handle
 
     def _voted(self, allocate, what: str) -> torch.Tensor:
