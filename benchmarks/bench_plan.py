@@ -247,13 +247,15 @@ def main() -> None:
     backend = "gloo" if args.cpu else "nccl"
     from torch_commopt.tuner.calibrate import run_calibration
 
-    calibration = run_calibration(args.world, backend)
+    figures: dict = {}
+    calibration = run_calibration(args.world, backend, values=figures)
     print(calibration, flush=True)
     res = run_distributed(worker, args.world, shape, args.repeats, args.model, args.budgets, backend=backend,
                           timeout_s=900)[0]
     res["plans_equal"] = _same_plan(res)
     res["budgets"] = _budget_rows(res, args.budgets)
     res["calibration"] = calibration
+    res["calibration_figures"] = figures  # what the plans were predicted with (a calibration varies run to run)
     if args.cpu:
         print(json.dumps(res, indent=1))
         return

@@ -462,14 +462,19 @@ def _calibrate_worker(rank: int, world: int, cache_dir: str | None) -> str:
     return calibrate_and_store(dist.group.WORLD.group_name, device, cache_dir).to_json()
 
 
-def run_calibration(world: int, backend: str = "auto", cache_dir: str | None = None) -> str:
-    """Launch `world` local processes, calibrate, store; a summary of what was measured."""
+def run_calibration(world: int, backend: str = "auto", cache_dir: str | None = None, *,
+                    values: dict | None = None) -> str:
+    """Launch `world` local processes, calibrate, store; a summary of what was measured
+    (`values`, if given, receives every calibrated figure: the stored JSON as a dict)."""
     from torch_commopt.launch import run_distributed
 
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
     start = time.perf_counter()
-    cal = Calibration.from_json(run_distributed(_calibrate_worker, world, cache_dir, backend=backend, timeout_s=600)[0])
+    text = run_distributed(_calibrate_worker, world, cache_dir, backend=backend, timeout_s=600)[0]
+    cal = Calibration.from_json(text)
+    if values is not None:
+        values.update(json.loads(text))
     gemm = ", ".join(f"{d} {f.peak_flops / 1e12:.1f} TFLOP/s" for d, f in cal.gemm.items())
     links = ", ".join(f"{c} {link.bytes_per_s / 1e9:.1f} GB/s + {link.alpha_s * 1e6:.0f} us"
                       for c, link in cal.collective.items())
