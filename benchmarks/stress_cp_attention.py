@@ -53,6 +53,22 @@ def _flags_at_rest(group) -> dict:
     return bad
 
 
+def _can_flush_remote_writes(ordinal: int) -> int | None:
+    """CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES (98): whether cuStreamWaitValue32 may take
+    CU_STREAM_WAIT_VALUE_FLUSH, which makes remote writes that arrived before the flag visible
+    to the work after the wait (our waits do not ask for it; one hypothesis for a wrong call)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        dev, value = ctypes.c_int(), ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(dev), ordinal) or lib.cuDeviceGetAttribute(ctypes.byref(value), 98, dev):
+            return None
+        return value.value
+    except OSError:
+        return None
+
+
 def _buffers(group) -> list[tuple[int, int]]:
     """The all-to-all buffers of `group`'s runtime, oldest first."""
     from torch_commopt.attention.ce_a2a import PURPOSE
@@ -122,6 +138,7 @@ def main() -> None:
                                          "flags_not_at_rest": flags, "buffers_mib": _buffers(group) if cuda else None})
                         print(json.dumps({"rank": rank, **failures[-1]}), flush=True)
     summary = {"rank": rank, "world": world, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+               "can_flush_remote_writes": _can_flush_remote_writes(rank) if cuda else None,
                "calls": calls, "failures": len(failures), "seconds": round(time.perf_counter() - start, 1),
                "cases": [c.label() for c, _, _ in prepared], "schedules": schedules, "records": failures}
     print(json.dumps({k: v for k, v in summary.items() if k != "records"}), flush=True)
