@@ -139,3 +139,37 @@ def tune_attention(rank: int, world: int, cache_dir: str):
 
     return measure_and_store(AttentionShape(1, 8, 4, 4096, 64), True, torch.bfloat16, True, cache_dir=cache_dir,
                              top_k=2)
+
+
+def run_a2a_buffer_growth(rank: int, world: int) -> list[tuple[str, bool, int]]:
+    """Ulysses's training forward (cp_attention_fwd_keep, one head group: everything in one
+    all-to-all) by the copy engine against the same call on NCCL's all-to-alls, on a fresh group
+    whose buffer starts at 512 MiB and grows to 1 GiB at the second shape, as bench_attention's
+    sequence did when one such call came back wrong (session 20, 2x H100: 0.6 off at B1 H32/32
+    S32768).  Both run the same local attention on the same inputs, so out and every kept tensor
+    must agree bit for bit.  [(label, equal, the copy-engine buffers' MiB)] per call."""
+    import os
+
+    from torch_commopt.attention import ce_a2a
+    from torch_commopt.attention.schedules import cp_attention_fwd_keep
+    from torch_commopt.kernels.gpu import symm
+
+    group = dist.new_group(list(range(world)))
+    results = []
+    for i, (h, h_kv, s_total) in enumerate([(32, 32, 16384), (32, 32, 32768), (32, 8, 32768), (32, 32, 16384)]):
+        gen = torch.Generator(device="cuda").manual_seed(100 + i * world + rank)
+        mk = lambda heads: torch.randn(1, heads, s_total // world, 128, device="cuda",  # noqa: E731
+                                       generator=gen).bfloat16()
+        q, k, v = mk(h), mk(h_kv), mk(h_kv)
+        runs = {}
+        for transport in ("ce", "nccl"):
+            os.environ[ce_a2a.ENV] = transport
+            out, kept = cp_attention_fwd_keep(q, k, v, schedule="ulysses:g=1", causal=True, group=group, head_groups=1)
+            torch.cuda.synchronize()
+            runs[transport] = [out.clone()] + [t.clone() for t in kept]
+        os.environ.pop(ce_a2a.ENV)
+        rt = symm.existing(group.group_name, q.device)
+        mib = max((b.nbytes >> 20 for b in rt.owned.get(ce_a2a.PURPOSE, [])), default=0) if rt is not None else 0
+        same = all(torch.equal(a, b) for a, b in zip(runs["ce"], runs["nccl"]))
+        results.append((f"H{h}/{h_kv} S{s_total}", same, mib))
+    return results
