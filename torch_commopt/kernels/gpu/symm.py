@@ -282,8 +282,9 @@ class GroupRuntime:
         log.info("commopt: symmetric %s buffer of %d MiB for group %s", purpose, size >> 20, self.group_name)
         mapped = int(handle.buffer_ptrs[self.rank])
         if mapped != local.data_ptr() and not self.shared_device:  # a diagnostic (session 20's open question)
-            log.warning("commopt: the %s buffer's own address in the rendezvous handle (%#x) is not its tensor's "
-                        "(%#x): offset %d", what, mapped, local.data_ptr(), mapped - local.data_ptr())
+            log.info("commopt: the %s buffer's own address in the rendezvous handle (%#x) is not its tensor's "
+                     "(%#x): offset %d (the schedules address their own slots through the tensor)", what, mapped,
+                     local.data_ptr(), mapped - local.data_ptr())
         return local, handle
 
     def _voted(self, allocate, what: str) -> torch.Tensor:
