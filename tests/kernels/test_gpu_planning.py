@@ -160,6 +160,32 @@ def test_band_region_uses_the_cached_measurement_or_a_first_call_placeholder(tmp
     assert str(sched) == "direct:1" and "cached measurement" in why
 
 
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_a_decided_placeholder_runs_its_schedule_without_resolving_again(fake_world, monkeypatch):
+    # once a band region's first call has measured, later calls take the winner's own path (for
+    # `sequential`: the graph's NCCL + matmul, with nothing of the placeholder's resolution left)
+    import torch.distributed as dist
+
+    from torch_commopt.kernels import ops, sequential
+    from torch_commopt.tuner import autotune
+
+    group = dist.group.WORLD.group_name
+    sched = autotune.band_request("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32", "cpu", group,
+                                  ["sequential", "direct:1"], "direct:1", None, "rs_decided")
+    autotune._REQUESTS[sched.param("id")].decided = "sequential"  # as its first call's measurement
+    ran = []
+    monkeypatch.setattr(sequential, "matmul_rs", lambda *args: ran.append(args) or torch.zeros(4, 4))
+    a, w = torch.randn(8, 4), torch.randn(4, 4)
+    ops.matmul_rs(a, w, None, 0, "sum", 2, group, str(sched))  # resolves once
+    assert ops._DECIDED[str(sched)] == "sequential" and len(ran) == 1
+
+    def no_resolution(*args, **kwargs):
+        raise AssertionError("a decided placeholder was resolved again")
+    monkeypatch.setattr(ops, "resolve", no_resolution)
+    ops.matmul_rs(a, w, None, 0, "sum", 2, group, str(sched))
+    assert len(ran) == 2
+
+
 def test_band_winner_leaves_sequential_only_by_a_margin():
     from torch_commopt.tuner.autotune import BAND_MARGIN, winner
 

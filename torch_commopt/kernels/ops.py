@@ -56,6 +56,14 @@ def _parse(schedule: str) -> Schedule:
     return Schedule.parse(schedule)
 
 
+# `autotune` placeholders whose first call decided -> the schedule they run from then on (a
+# decision never changes within a process): each op looks its schedule up here first, so a
+# band region that measured `sequential` takes the same path as `sequential` itself (2x H100,
+# session 20: the placeholder's resolution cost RS / AR 2048 0.6-2% against NCCL, and ~10 us a
+# call of host time on a slow CPU).
+_DECIDED: dict[str, str] = {}
+
+
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
     try:
@@ -80,7 +88,12 @@ def resolve(op: str, schedule: str, device: torch.device, why_not, run=None, sha
     if sched.name == "autotune":
         from torch_commopt.tuner.autotune import resolve_at_call
 
-        sched = _parse(resolve_at_call(sched, run, device))
+        from torch_commopt.tuner.autotune import decided
+
+        picked = resolve_at_call(sched, run, device)
+        if decided(sched) is not None:
+            _DECIDED[schedule] = picked
+        sched = _parse(picked)
     elif sched.name == "auto":
         from torch_commopt.kernels.auto import auto_schedule
 
@@ -154,6 +167,7 @@ def ag_matmul(
     Returns [out_0, ..., out_{n-1}] (+ [gathered] when return_gathered), where
     gathered = cat over ranks of a along gather_dim and out_i = gathered @ weights[i] + biases[i].
     """
+    schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, weights, gather_dim, group_size, cut=False):
         return sequential.ag_matmul(a, weights, biases, group_name, return_gathered)
     def why_not(sched, in_capture):
@@ -202,6 +216,7 @@ def matmul_rs(
     Returns t's shape with dim `scatter_dim` divided by group_size: block `rank`,
     reduced over ranks with `reduce_op` ("sum" or "avg").
     """
+    schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
         return sequential.matmul_rs(a, weight, bias, reduce_op, group_name)  # rows split: checked there
     _check_scatter(a, weight, scatter_dim, group_size)
@@ -257,6 +272,7 @@ def matmul_ar(
     schedule: str,
 ) -> Tensor:
     """t = a @ weight (+ bias), then all-reduce t.  a: (*, K); weight: (K, N); returns (*, N)."""
+    schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, [weight], None, group_size, cut=False):
         return sequential.matmul_ar(a, weight, bias, reduce_op, group_name)
     def why_not(sched, in_capture):
