@@ -61,9 +61,10 @@ def main() -> None:
         errs = {n: _rel(a, b) for n, a, b in zip(names, got, ref)}
         again = _run(q, k, v, dout, g, backward, "ce")
         errs2 = {n: _rel(a, b) for n, a, b in zip(names, again, ref)}
+        from torch_commopt.attention import ce_a2a
         from torch_commopt.kernels.gpu import symm
-        rt = symm.existing(dist.group.WORLD.group_name, q.device) if hasattr(symm, "existing") else None
-        owned = [b.nbytes >> 20 for b in rt.owned.get("attention all-to-all", [])] if rt is not None else None
+        rt = symm.existing(dist.group.WORLD.group_name, q.device)
+        owned = [b.nbytes >> 20 for b in rt.owned.get(ce_a2a.PURPOSE, [])] if rt is not None else None
         row = dict(rank=rank, S=s, H=h, H_kv=hkv, G=g, backward=backward, first=errs, second=errs2, buffers_mib=owned)
         rows.append(row)
         print(json.dumps(row), flush=True)

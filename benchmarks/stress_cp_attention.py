@@ -31,6 +31,13 @@ from bench_attention import (TOLERANCE, Case, _errors, _full_inputs, _global_err
                              shard, single_gpu)
 
 
+def _runtime(group):
+    """`group`'s symmetric-memory runtime on this rank's GPU (None before its first GPU call)."""
+    from torch_commopt.kernels.gpu import symm
+
+    return symm.existing(group.group_name, torch.device("cuda", torch.cuda.current_device()))
+
+
 def _flags_at_rest(group) -> dict:
     """The copy-engine all-to-all's flags on this rank, checked once every rank has finished
     (synchronize + barrier): every token back (1), every data flag down (0)."""
@@ -39,7 +46,7 @@ def _flags_at_rest(group) -> dict:
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.synchronize()
-    rt = symm.existing(group.group_name, torch.device("cuda", torch.cuda.current_device()))
+    rt = _runtime(group)
     if rt is None:
         return {}
     span = 2 * symm.HALVES * symm.MAX_WORLD
@@ -72,9 +79,8 @@ def _can_flush_remote_writes(ordinal: int) -> int | None:
 def _buffers(group) -> list[tuple[int, int]]:
     """The all-to-all buffers of `group`'s runtime, oldest first."""
     from torch_commopt.attention.ce_a2a import PURPOSE
-    from torch_commopt.kernels.gpu import symm
 
-    rt = symm.existing(group.group_name, torch.device("cuda", torch.cuda.current_device()))
+    rt = _runtime(group)
     if rt is None:
         return []
     # (MiB, the handle's own address minus the tensor's: 0 unless torch maps it elsewhere)

@@ -86,9 +86,7 @@ def resolve(op: str, schedule: str, device: torch.device, why_not, run=None, sha
     if not sched.valid_for(op):
         raise ValueError(f"commopt {op}: no schedule {sched.name!r} for this op")
     if sched.name == "autotune":
-        from torch_commopt.tuner.autotune import resolve_at_call
-
-        from torch_commopt.tuner.autotune import decided
+        from torch_commopt.tuner.autotune import decided, resolve_at_call
 
         picked = resolve_at_call(sched, run, device)
         if decided(sched) is not None:
