@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -40,7 +41,9 @@ def _runtime(group):
 
 def _flags_at_rest(group) -> dict:
     """The copy-engine all-to-all's flags on this rank, checked once every rank has finished
-    (synchronize + barrier): every token back (1), every data flag down (0)."""
+    (synchronize + barrier): every token back (1), every data flag down (0).  A second barrier
+    after the read: without it a peer that left the first barrier sooner may already have
+    raised a flag for its next call (session 21's first "flags not at rest" were that race)."""
     from torch_commopt.kernels.gpu import symm
 
     torch.cuda.synchronize()
@@ -48,10 +51,12 @@ def _flags_at_rest(group) -> dict:
     torch.cuda.synchronize()
     rt = _runtime(group)
     if rt is None:
+        dist.barrier()
         return {}
     span = 2 * symm.HALVES * symm.MAX_WORLD
-    free = rt.flags[symm.A2A_FREE: symm.A2A_FREE + span].view(2, symm.HALVES, symm.MAX_WORLD)[..., :rt.world]
-    data = rt.flags[symm.A2A_DATA: symm.A2A_DATA + span].view(2, symm.HALVES, symm.MAX_WORLD)[..., :rt.world]
+    free = rt.flags[symm.A2A_FREE: symm.A2A_FREE + span].view(2, symm.HALVES, symm.MAX_WORLD)[..., :rt.world].cpu()
+    data = rt.flags[symm.A2A_DATA: symm.A2A_DATA + span].view(2, symm.HALVES, symm.MAX_WORLD)[..., :rt.world].cpu()
+    dist.barrier()
     bad = {}
     if bool((free != 1).any()):
         bad["free"] = free.tolist()
@@ -87,6 +92,16 @@ def _buffers(group) -> list[tuple[int, int]]:
     return [(b.nbytes >> 20, int(b.handle.buffer_ptrs[rt.rank]) - b.local.data_ptr()) for b in rt.owned.get(PURPOSE, [])]
 
 
+def _rolled(case, local: dict, ref: dict) -> tuple[dict, dict]:
+    """The case's inputs with their heads rotated (queries and dout by H / H_kv, K/V by one, so
+    every query head keeps its K/V head) and the truth rotated the same way: a second input set
+    whose truth needs no second single-GPU run."""
+    rq = case.heads // case.kv_heads
+    by = {"q": rq, "dout": rq, "out": rq, "dq": rq, "k": 1, "v": 1, "dk": 1, "dv": 1}
+    return ({n: t.roll(by[n], dims=1) for n, t in local.items()},
+            {n: t.roll(by[n], dims=1) for n, t in ref.items()})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -97,6 +112,10 @@ def main() -> None:
     parser.add_argument("--schedules", default="ulysses:g=1,ulysses:g=2,ring_zigzag,ulysses")
     parser.add_argument("--fresh-group", type=int, default=1, help="a new process group every round after the first")
     parser.add_argument("--rotate", type=int, default=0, help="rotate the case order by round (default: the bench's order)")
+    parser.add_argument("--alternate", type=int, default=1,
+                        help="every other call takes the inputs with their heads rotated (a call that reads the previous "
+                             "call's data, e.g. through a stale flag, then gives a wrong result instead of a right one)")
+    parser.add_argument("--check-forward", type=int, default=1, help="check the flags at rest after the forward too")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()  # without: a gloo smoke run of this script (float32, no flags)
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -130,22 +149,27 @@ def main() -> None:
             for j in range(len(schedules)):
                 s = schedules[(j + rnd) % len(schedules)]
                 for c in range(args.calls):
-                    leaves = _leaves(local["q"], local["k"], local["v"])
+                    rolled = bool(args.alternate and calls % 2)
+                    x, want = _rolled(case, local, ref) if rolled else (local, ref)
+                    leaves = _leaves(x["q"], x["k"], x["v"])
                     out = cp_attention(*leaves, schedule=s, causal=case.causal, group=group)
-                    fwd = _global_errors(_errors({"out": out.detach()}, ref, rank, world, "contiguous"), dev)
-                    out.backward(local["dout"])
-                    errors = _global_errors(_errors({"out": out.detach(), **_grads(leaves)}, ref, rank, world,
+                    fwd = _global_errors(_errors({"out": out.detach()}, want, rank, world, "contiguous"), dev)
+                    flags_fwd = _flags_at_rest(group) if cuda and args.check_forward else {}
+                    out.backward(x["dout"])
+                    errors = _global_errors(_errors({"out": out.detach(), **_grads(leaves)}, want, rank, world,
                                                     "contiguous"), dev)
                     flags = _flags_at_rest(group) if cuda else {}
                     calls += 1
-                    if max(errors.values()) > tol or fwd["out"] > tol or flags:
-                        failures.append({"round": rnd, "case": case.label(), "schedule": s, "call": c,
+                    del want
+                    if max(errors.values()) > tol or fwd["out"] > tol or flags or flags_fwd:
+                        failures.append({"round": rnd, "case": case.label(), "schedule": s, "call": c, "rolled": rolled,
                                          "out_after_forward": fwd["out"], "errors": errors,
+                                         "flags_not_at_rest_after_forward": flags_fwd,
                                          "flags_not_at_rest": flags, "buffers_mib": _buffers(group) if cuda else None})
                         print(json.dumps({"rank": rank, **failures[-1]}), flush=True)
     summary = {"rank": rank, "world": world, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
                "can_flush_remote_writes": _can_flush_remote_writes(rank) if cuda else None,
-               "calls": calls, "failures": len(failures), "seconds": round(time.perf_counter() - start, 1),
+               "calls": calls, "failures": len(failures), "alternate": args.alternate, "debug_waits": os.environ.get("TORCH_COMMOPT_DEBUG_WAITS", "0"), "seconds": round(time.perf_counter() - start, 1),
                "cases": [c.label() for c, _, _ in prepared], "schedules": schedules, "records": failures}
     print(json.dumps({k: v for k, v in summary.items() if k != "records"}), flush=True)
     out = pathlib.Path(args.out)

@@ -319,7 +319,9 @@ def run_compiled_dynamic(rank: int, world: int, seqs: tuple[int, ...], shape: di
     except Exception as e:  # noqa: BLE001 - torch's own failure is reported, not ours
         skipped = f"torch {torch.__version__}'s own inductor fails on the DTensor model: {type(e).__name__}: " + \
             ([line for line in str(e).splitlines() if "Error" in line] or [str(e)[:200]])[0][:200]
-        kind = "funcol_mlp"
+        # its one up-projection as wide as SwiGLU's gate + up (one GEMM of N = 2 hidden / W behind
+        # the all-gather), so the long sequence's regions are as large as the DTensor model's
+        kind, shape = "funcol_mlp", dict(shape, hidden=2 * shape["hidden"])
     torch._dynamo.reset()
     torch_commopt.reset_explain()
     auto.reset()
