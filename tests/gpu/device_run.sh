@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|costmodel|plan|attention|attention1|stress|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -42,6 +42,20 @@ if [[ $what == stress ]]; then
   # (the session-20 ulysses:g=1 deviation); BENCH_ARGS: --rounds, --calls, --seq, --heads, --schedules
   timeout ${STRESS_TIMEOUT:-400} torchrun --nproc-per-node ${NGPU:-2} benchmarks/stress_cp_attention.py "$out/stress" \
     ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$out/stress.log" | grep "^{" | tail -20
+fi
+if [[ $what == growth ]]; then
+  # the all-to-all's first call on a grown buffer (session 21's reproduced wrong result): what the
+  # first uses read (zeros now and 50 ms later), unprepared, settled (sync + barrier), warmed, and
+  # ulysses:g=1 alone; ~40 s each (GROWTH_ARGS: bench_attention arguments)
+  args=${GROWTH_ARGS:---seq 16384,32768 --heads 32/32 --batch 1 --passes fwd+bwd --causal 1}
+  for v in "none ulysses:g=1,ulysses:g=2" "settle ulysses:g=1,ulysses:g=2" "warm ulysses:g=1,ulysses:g=2" \
+           "none ulysses:g=1"; do
+    set -- $v
+    tag=$1_$(echo $2 | tr -d ':=' | tr ',' '+')
+    timeout ${GROWTH_TIMEOUT:-120} python3 benchmarks/probe_a2a_growth.py "$out/growth/$tag" --prepare $1 --later-ms 50 \
+      -- $args --schedules $2 > "$out/growth_$tag.log" 2>&1
+    echo "== $tag"; grep '^{' "$out/growth_$tag.log" | cut -c1-400 | head -24
+  done
 fi
 if [[ $what == e2e ]]; then
   # issue 7: a few Llama-3-8B layers trained with inductor, inductor + async-TP and commopt
