@@ -12,13 +12,14 @@ This runs bench_attention's own worker (its cases, schedules, order and timing r
 hook in ce_a2a: right after each of the first `--uses` pipelines on every buffer has waited for
 its data (compute stream, before the attention reads it), the fraction of exactly-zero elements
 in every source's block of the IN slot and of the OUT staging slot (bf16 randn inputs have
-practically none).  --prepare settle: a new buffer's first use waits until every rank's GPU is
-idle (synchronize + barrier), as in the stress runs; --prepare warm: that, and every page of
-each peer's copy written once by the copy engine first (a first-touch effect).
+practically none).  --prepare off: without the library's settling of a new buffer
+(symm.GroupRuntime._settle: zeroed here and the device synchronized before the rendezvous, the
+session-21 fix), i.e. as the failing runs were; library (default): with it; warm: with it, and
+every page of each peer's copy written once by the copy engine before the first use.
 --later-ms T: the first use's zeros measured again T ms later (zeros that stay: the data went
 elsewhere, e.g. a peer mapping that is not this buffer; zeros that go: it came late).
 
-    python benchmarks/probe_a2a_growth.py OUTDIR [--uses 2] [--prepare none|settle|warm] [--later-ms 50] -- <bench_attention args>
+    python benchmarks/probe_a2a_growth.py OUTDIR [--uses 2] [--prepare off|library|warm] [--later-ms 50] -- <bench_attention args>
 """
 
 from __future__ import annotations
@@ -92,11 +93,9 @@ def _install(uses: int, prepare: str, later_ms: float) -> None:
     def warmed_own_buffer(self, purpose, nbytes):
         before = len(self.owned.get(purpose, []))
         buf = own_buffer(self, purpose, nbytes)
-        if prepare != "none" and len(self.owned.get(purpose, [])) > before:
+        if prepare == "warm" and len(self.owned.get(purpose, [])) > before:
             torch.cuda.synchronize(self.device)
             dist.barrier()
-            if prepare == "settle":
-                return buf
             scratch = torch.empty(1 << 20, dtype=torch.uint8, device=self.device)
             for peer in self.peers:  # every page of the peer's copy written once by the copy engine
                 for start in range(0, buf.nbytes, scratch.numel()):
@@ -108,6 +107,8 @@ def _install(uses: int, prepare: str, later_ms: float) -> None:
 
     ce_a2a._Pipeline.__init__, ce_a2a._Pipeline._arrived = hooked_init, hooked_arrived
     symm.GroupRuntime.own_buffer = warmed_own_buffer
+    if prepare == "off":  # the library before session 21's fix: peers write a buffer nobody settled
+        symm.GroupRuntime._settle = lambda self, local: None
 
 
 def hooked_worker(rank: int, world: int, cases, args, partial_path, uses: int, prepare: str, later_ms: float):
@@ -125,8 +126,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--uses", type=int, default=2, help="pipelines per buffer to inspect (fwd and bwd each count)")
-    parser.add_argument("--prepare", choices=("none", "settle", "warm"), default="none",
-                        help="what a rank does with a new buffer before its first use")
+    parser.add_argument("--prepare", choices=("off", "library", "warm"), default="library",
+                        help="what a rank does with a new buffer before peers write it: nothing, the "
+                             "library's (symm.GroupRuntime._settle), or that and a write of every page "
+                             "of each peer's copy")
     parser.add_argument("--later-ms", type=float, default=0.0,
                         help="measure the first use's zeros again after this pause (GPU sleep; ~1.5 GHz clocks)")
     mine = parser.parse_args(own)

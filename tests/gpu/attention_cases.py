@@ -141,13 +141,17 @@ def tune_attention(rank: int, world: int, cache_dir: str):
                              top_k=2)
 
 
-def run_a2a_buffer_growth(rank: int, world: int) -> list[tuple[str, bool, int]]:
+def run_a2a_buffer_growth(rank: int, world: int, busy_ms: float = 0.0) -> list[tuple[str, bool, int]]:
     """Ulysses's training forward (cp_attention_fwd_keep, one head group: everything in one
     all-to-all) by the copy engine against the same call on NCCL's all-to-alls, on a fresh group
     whose buffer starts at 512 MiB and grows to 1 GiB at the second shape, as bench_attention's
     sequence did when one such call came back wrong (session 20, 2x H100: 0.6 off at B1 H32/32
     S32768).  Both run the same local attention on the same inputs, so out and every kept tensor
-    must agree bit for bit.  [(label, equal, the copy-engine buffers' MiB)] per call."""
+    must agree bit for bit.  busy_ms: each copy-engine call queued behind that much GPU work
+    (a spin), so the buffer grows while the GPU is busy -- bench_attention's condition (the
+    single-GPU reference runs right before its first check), under which session 21 reproduced
+    the wrong call before symm.GroupRuntime._settle.  [(label, equal, the copy-engine buffers'
+    MiB)] per call."""
     import os
 
     from torch_commopt.attention import ce_a2a
@@ -164,6 +168,8 @@ def run_a2a_buffer_growth(rank: int, world: int) -> list[tuple[str, bool, int]]:
         runs = {}
         for transport in ("ce", "nccl"):
             os.environ[ce_a2a.ENV] = transport
+            if busy_ms and transport == "ce":
+                torch.cuda._sleep(int(busy_ms * 1.5e6))  # ~1.5 GHz: cycles per ms, roughly
             out, kept = cp_attention_fwd_keep(q, k, v, schedule="ulysses:g=1", causal=True, group=group, head_groups=1)
             torch.cuda.synchronize()
             runs[transport] = [out.clone()] + [t.clone() for t in kept]

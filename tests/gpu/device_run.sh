@@ -45,11 +45,12 @@ if [[ $what == stress ]]; then
 fi
 if [[ $what == growth ]]; then
   # the all-to-all's first call on a grown buffer (session 21's reproduced wrong result): what the
-  # first uses read (zeros now and 50 ms later), unprepared, settled (sync + barrier), warmed, and
-  # ulysses:g=1 alone; ~40 s each (GROWTH_ARGS: bench_attention arguments)
+  # first uses read (zeros now and 50 ms later) without the library's settling of new buffers (as
+  # the failing runs), with it, with it and every peer page written first, and with it beside
+  # ring_zigzag too; ~40 s each (GROWTH_ARGS: bench_attention arguments)
   args=${GROWTH_ARGS:---seq 16384,32768 --heads 32/32 --batch 1 --passes fwd+bwd --causal 1}
-  for v in "none ulysses:g=1,ulysses:g=2" "settle ulysses:g=1,ulysses:g=2" "warm ulysses:g=1,ulysses:g=2" \
-           "none ulysses:g=1"; do
+  for v in "off ulysses:g=1,ulysses:g=2" "library ulysses:g=1,ulysses:g=2" "warm ulysses:g=1,ulysses:g=2" \
+           "library ulysses:g=1,ulysses:g=2,ring_zigzag"; do
     set -- $v
     tag=$1_$(echo $2 | tr -d ':=' | tr ',' '+')
     timeout ${GROWTH_TIMEOUT:-120} python3 benchmarks/probe_a2a_growth.py "$out/growth/$tag" --prepare $1 --later-ms 50 \

@@ -68,9 +68,10 @@ def test_attention_tune_measures_on_gpus_and_every_rank_agrees(two_ranks, tmp_pa
 
 
 @pytest.mark.gpu
-def test_copy_engine_all_to_alls_stay_exact_while_their_buffer_grows(two_ranks):
+@pytest.mark.parametrize("busy_ms", [0, 50], ids=["idle", "busy"])
+def test_copy_engine_all_to_alls_stay_exact_while_their_buffer_grows(two_ranks, busy_ms):
     from attention_cases import run_a2a_buffer_growth
 
-    for results in run_distributed(run_a2a_buffer_growth, two_ranks[0], backend=two_ranks[1], timeout_s=300):
+    for results in run_distributed(run_a2a_buffer_growth, two_ranks[0], busy_ms, backend=two_ranks[1], timeout_s=300):
         assert all(same for _, same, _ in results), results
         assert results[0][2] >= 512 and results[1][2] >= 1024, results  # it did grow

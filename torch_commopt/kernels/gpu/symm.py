@@ -278,6 +278,7 @@ class GroupRuntime:
         except SymmAllocError:
             self.refused = size if self.refused is None else min(self.refused, size)
             raise
+        self._settle(local)
         handle = _off_thread(lambda: self._rendezvous(local), self.device)
         log.info("commopt: symmetric %s buffer of %d MiB for group %s", purpose, size >> 20, self.group_name)
         mapped = int(handle.buffer_ptrs[self.rank])
@@ -286,6 +287,20 @@ class GroupRuntime:
                      "(%#x): offset %d (the schedules address their own slots through the tensor)", what, mapped,
                      local.data_ptr(), mapped - local.data_ptr())
         return local, handle
+
+    def _settle(self, local: torch.Tensor) -> None:
+        """A new allocation written once by this rank (zeros, on its current stream) and the device
+        synchronized, before the rendezvous lets a peer write it -- the flag array's rule too.
+        Session 21 (2x H100): the first call on a Ulysses all-to-all buffer grown while the GPU was
+        busy (a 57 ms attention queued) was wrong (relative error 0.6-0.71, as if half the output
+        were missing; results/a2a_growth_h100x2_2026-11-25_s21.md), the same growth on an idle
+        GPU never was, nor the first buffer (allocated after the runtime's synchronize).
+        Suspected, not yet shown: the driver's own first initialization of the new pages, ordered
+        before this device's later work but not before a peer's writes over NVLink.  Once per
+        buffer: ~0.4 ms for 1 GiB."""
+        with torch.cuda.device(self.device):
+            local.zero_()
+            torch.cuda.synchronize(self.device)
 
     def _voted(self, allocate, what: str) -> torch.Tensor:
         """allocate() (off-thread), then a vote of the group's ranks: the tensor if every rank
