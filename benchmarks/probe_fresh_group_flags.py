@@ -1,11 +1,14 @@
-"""Which part of a fresh process group's first call leaves a copy-engine all-to-all flag up.
+"""Whether a fresh process group's first calls leave a copy-engine all-to-all flag up.
 
-Session 21's stress runs (2x H100, benchmarks/stress_cp_attention.py) found a data flag of the
-Ulysses all-to-all (attention/ce_a2a.py) still 1 after a call -- always on rank 1, always the
-flag of source 0, always the first call of a fresh process group (3 of 3; 0 in the ~700 other
-calls).  A flag up at rest lets the next call's wait pass before its data has landed: a wrong
-result (likely session 20's 0.6-off call).  This probe repeats that first call on many fresh
-groups, each prepared differently before it, and counts the flags left up:
+Session 21's first stress runs (2x H100, benchmarks/stress_cp_attention.py) reported a data
+flag of the Ulysses all-to-all (attention/ce_a2a.py) still 1 after the first call of a fresh
+process group (rank 1, source 0).  A flag up at rest would let the next call's wait pass
+before its data landed.  This probe repeated that first call on many fresh groups, each
+prepared differently before it, and counted the flags left up -- and showed the report to be
+the check's own race: a rank read its flags after synchronize + barrier while the faster peer
+had already left the barrier and raised the flag of its next call (the ping-pong saw it at every
+time but the last).  With a second barrier after the read (here and in the stress script), 240
+ping-pongs and 30 first attention calls rest (results/a2a_growth_h100x2_2026-11-25_s21.md).
 
   none     the first call straight away (as the stress runs)
   nccl     one NCCL all-reduce on the new group first (its communicator set up before the call)
@@ -37,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_attention import TOLERANCE, Case, _errors, _full_inputs, _global_errors, _grads, _leaves, shard, single_gpu  # noqa: E402
-from stress_cp_attention import _flags_at_rest  # noqa: E402
+from stress_cp_attention import _flags_at_rest, write_summary  # noqa: E402
 
 
 def _prepare(prep: str, group, dev: torch.device) -> None:
@@ -152,9 +155,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in summary.items() if k != "records"}), flush=True)
     for r in records:
         print(json.dumps({"rank": rank, **r}), flush=True)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"probe_fresh_group_flags_rank{rank}.json").write_text(json.dumps(summary, indent=1))
+    write_summary(args.out, "probe_fresh_group_flags", rank, summary)
     dist.destroy_process_group()
 
 

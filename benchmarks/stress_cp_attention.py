@@ -172,10 +172,15 @@ def main() -> None:
                "calls": calls, "failures": len(failures), "alternate": args.alternate, "debug_waits": os.environ.get("TORCH_COMMOPT_DEBUG_WAITS", "0"), "seconds": round(time.perf_counter() - start, 1),
                "cases": [c.label() for c, _, _ in prepared], "schedules": schedules, "records": failures}
     print(json.dumps({k: v for k, v in summary.items() if k != "records"}), flush=True)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"stress_cp_attention_rank{rank}.json").write_text(json.dumps(summary, indent=1))
+    write_summary(args.out, "stress_cp_attention", rank, summary)
     dist.destroy_process_group()
+
+
+def write_summary(out_dir: str, stem: str, rank: int, summary: dict) -> None:
+    """OUT_DIR/<stem>_rank<rank>.json (the directory made if missing)."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}_rank{rank}.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
