@@ -9,7 +9,12 @@ schedule and shape alone (a second bench run, benchmarks/probe_a2a_large.py) wer
 result that is wrong once in many calls is what this looks for: the failures are listed with
 their round, case, schedule and call, and where the flags were not at rest.
 
-    torchrun --nproc-per-node 2 benchmarks/stress_cp_attention.py OUTDIR [--rounds 4] [--calls 3]
+Session 21: the wrong call is bench_attention's first call on a buffer grown while the GPU still
+ran the case's single-GPU reference; this script's checks left the GPU idle before every call,
+and it never failed.  --busy-ms (default 50) now queues GPU work before the first call of each
+case and schedule, so its buffers grow on a busy GPU too.
+
+    torchrun --nproc-per-node 2 benchmarks/stress_cp_attention.py OUTDIR [--rounds 4] [--calls 3] [--busy-ms 50]
         [--seq 16384,32768] [--heads 32/32,32/8] [--schedules ulysses:g=1,ulysses:g=2,ring_zigzag,ulysses]
 """
 
@@ -116,6 +121,9 @@ def main() -> None:
                         help="every other call takes the inputs with their heads rotated (a call that reads the previous "
                              "call's data, e.g. through a stale flag, then gives a wrong result instead of a right one)")
     parser.add_argument("--check-forward", type=int, default=1, help="check the flags at rest after the forward too")
+    parser.add_argument("--busy-ms", type=float, default=50.0,
+                        help="queue this much GPU work (a spin) before the first call of each case and schedule, so "
+                             "a buffer grows while the GPU is busy, as in bench_attention (session 21's wrong call)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()  # without: a gloo smoke run of this script (float32, no flags)
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -152,6 +160,8 @@ def main() -> None:
                     rolled = bool(args.alternate and calls % 2)
                     x, want = _rolled(case, local, ref) if rolled else (local, ref)
                     leaves = _leaves(x["q"], x["k"], x["v"])
+                    if cuda and args.busy_ms and c == 0:
+                        torch.cuda._sleep(int(args.busy_ms * 1.5e6))  # ~1.5 GHz: cycles per ms, roughly
                     out = cp_attention(*leaves, schedule=s, causal=case.causal, group=group)
                     fwd = _global_errors(_errors({"out": out.detach()}, want, rank, world, "contiguous"), dev)
                     flags_fwd = _flags_at_rest(group) if cuda and args.check_forward else {}
@@ -169,7 +179,7 @@ def main() -> None:
                         print(json.dumps({"rank": rank, **failures[-1]}), flush=True)
     summary = {"rank": rank, "world": world, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
                "can_flush_remote_writes": _can_flush_remote_writes(rank) if cuda else None,
-               "calls": calls, "failures": len(failures), "alternate": args.alternate, "debug_waits": os.environ.get("TORCH_COMMOPT_DEBUG_WAITS", "0"), "seconds": round(time.perf_counter() - start, 1),
+               "calls": calls, "failures": len(failures), "alternate": args.alternate, "busy_ms": args.busy_ms, "debug_waits": os.environ.get("TORCH_COMMOPT_DEBUG_WAITS", "0"), "seconds": round(time.perf_counter() - start, 1),
                "cases": [c.label() for c, _, _ in prepared], "schedules": schedules, "records": failures}
     print(json.dumps({k: v for k, v in summary.items() if k != "records"}), flush=True)
     write_summary(args.out, "stress_cp_attention", rank, summary)
