@@ -110,7 +110,7 @@ def test_host_bound_band_is_measured_not_guessed():
     band = ["sequential", "ce_push:1"]
     assert measure_band("matmul_ar", [2048, 4096], [[4096, 8192]], None, 2, "bfloat16") == band
     assert measure_band("ag_matmul", [1024, 8192], [[8192, 4096]], 0, 2, "bfloat16") == band
-    assert measure_band("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16") == band
+    assert measure_band("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16") == band + ["direct:1"]
     # long GEMMs, tiny ones, CUDA-graph replay and refused shapes are decided by the rule
     assert measure_band("matmul_rs", [8192, 4096], [[4096, 8192]], 0, 2, "bfloat16") is None
     assert measure_band("matmul_rs", [512, 4096], [[4096, 8192]], 0, 2, "bfloat16") is None

@@ -43,7 +43,13 @@ MIN_GEMM_S_GRAPHS = 0.1e-3
 # AG 2048 that then ran 0.358 ms back to back against NCCL's 0.268 (s7b); with the new one
 # (s13b) it chose ce_push:1 for AG / RS / AR 2048, which then ran 1.20x / 1.01x / 1.12x the
 # best baseline.  The 5% margin in favour of NCCL (tuner.autotune.BAND_MARGIN) stays.
-BAND_CANDIDATES = {kind: ["sequential", "ce_push:1"] for kind in ("ag_matmul", "matmul_rs", "matmul_ar")}
+# Reduce-scatters also time direct:1 (the partial stored straight into the peer's output, no
+# staging copy): eager RS M_global 2048, direct:1 / ce_push:1 / NCCL ms: 2x H100 s21 0.265 /
+# 0.271 / 0.287 (the band measured only the last two and kept NCCL by the margin), s20 0.381 /
+# 0.433 / 0.281; 2x H200 s7c 0.253 / 0.218 / 0.283, s13 0.392 / 0.439 / 0.282, s13b 0.270 /
+# 0.264 / 0.280 -- direct:1 ahead of ce_push:1 in 3 of 5 runs.
+BAND_CANDIDATES = {"ag_matmul": ["sequential", "ce_push:1"], "matmul_rs": ["sequential", "ce_push:1", "direct:1"],
+                   "matmul_ar": ["sequential", "ce_push:1"]}
 # The band's upper end: above it a GPU schedule's GEMM outlasts its host cost on every host
 # seen (RS 8192^3, est. 0.79 ms: ce_push:1 1.10x the best baseline eager on s13's slow host,
 # 1.15x on s13b's).
