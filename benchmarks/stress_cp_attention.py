@@ -121,6 +121,8 @@ def main() -> None:
                         help="every other call takes the inputs with their heads rotated (a call that reads the previous "
                              "call's data, e.g. through a stale flag, then gives a wrong result instead of a right one)")
     parser.add_argument("--check-forward", type=int, default=1, help="check the flags at rest after the forward too")
+    parser.add_argument("--empty-cache", type=int, default=1, help="torch.cuda.empty_cache() after each case, as "
+                        "bench_attention does")
     parser.add_argument("--busy-ms", type=float, default=50.0,
                         help="queue this much GPU work (a spin) before the first call of each case and schedule, so "
                              "a buffer grows while the GPU is busy, as in bench_attention (session 21's wrong call)")
@@ -177,9 +179,11 @@ def main() -> None:
                                          "flags_not_at_rest_after_forward": flags_fwd,
                                          "flags_not_at_rest": flags, "buffers_mib": _buffers(group) if cuda else None})
                         print(json.dumps({"rank": rank, **failures[-1]}), flush=True)
+            if cuda and args.empty_cache:  # as bench_attention does after each case
+                torch.cuda.empty_cache()
     summary = {"rank": rank, "world": world, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
                "can_flush_remote_writes": _can_flush_remote_writes(rank) if cuda else None,
-               "calls": calls, "failures": len(failures), "alternate": args.alternate, "busy_ms": args.busy_ms, "debug_waits": os.environ.get("TORCH_COMMOPT_DEBUG_WAITS", "0"), "seconds": round(time.perf_counter() - start, 1),
+               "calls": calls, "failures": len(failures), "alternate": args.alternate, "busy_ms": args.busy_ms, "empty_cache": args.empty_cache, "debug_waits": os.environ.get("TORCH_COMMOPT_DEBUG_WAITS", "0"), "seconds": round(time.perf_counter() - start, 1),
                "cases": [c.label() for c, _, _ in prepared], "schedules": schedules, "records": failures}
     print(json.dumps({k: v for k, v in summary.items() if k != "records"}), flush=True)
     write_summary(args.out, "stress_cp_attention", rank, summary)
