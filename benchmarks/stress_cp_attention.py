@@ -144,7 +144,8 @@ def main() -> None:
             step()
             ref = {k: v.detach().clone() for k, v in outputs().items()}
         local = {n: shard(t, rank, world, "contiguous") for n, t in full.items()}
-        prepared.append((case, local, ref))
+        # the head-rotated second input set and its truth, once per case (args.alternate)
+        prepared.append((case, (local, ref), _rolled(case, local, ref) if args.alternate else None))
         del full
     failures, calls, start = [], 0, time.perf_counter()
     from torch_commopt.attention import cp_attention
@@ -155,12 +156,12 @@ def main() -> None:
         # one that grew it, 512 -> 1024 MiB)
         group = dist.new_group(list(range(world))) if args.fresh_group and rnd else dist.group.WORLD
         for i in range(len(prepared)):
-            case, local, ref = prepared[(i + rnd) % len(prepared)] if args.rotate else prepared[i]
+            case, plain, rotated = prepared[(i + rnd) % len(prepared)] if args.rotate else prepared[i]
             for j in range(len(schedules)):
                 s = schedules[(j + rnd) % len(schedules)]
                 for c in range(args.calls):
                     rolled = bool(args.alternate and calls % 2)
-                    x, want = _rolled(case, local, ref) if rolled else (local, ref)
+                    x, want = rotated if rolled else plain
                     leaves = _leaves(x["q"], x["k"], x["v"])
                     if cuda and args.busy_ms and c == 0:
                         torch.cuda._sleep(int(args.busy_ms * 1.5e6))  # ~1.5 GHz: cycles per ms, roughly
@@ -172,7 +173,6 @@ def main() -> None:
                                                     "contiguous"), dev)
                     flags = _flags_at_rest(group) if cuda else {}
                     calls += 1
-                    del want
                     if max(errors.values()) > tol or fwd["out"] > tol or flags or flags_fwd:
                         failures.append({"round": rnd, "case": case.label(), "schedule": s, "call": c, "rolled": rolled,
                                          "out_after_forward": fwd["out"], "errors": errors,
