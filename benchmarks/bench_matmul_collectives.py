@@ -46,7 +46,7 @@ from naming import card_tag  # noqa: E402
 import torch_commopt  # noqa: E402,F401
 from torch_commopt.tuner.autotune import capture_agreed  # noqa: E402
 from torch_commopt.kernels.gpu.pick import measure_band, pick  # noqa: E402
-from torch_commopt.tuner.autotune import band_request, decided, measurement  # noqa: E402
+from torch_commopt.tuner.autotune import band_request, decided, host_measurement, measurement  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
 
@@ -229,6 +229,7 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
             if band is not None:
                 res["commopt_schedule"] = f"measured: {decided(chosen)}"
                 res["band_first_call_ms"] = measurement(chosen)  # what the first call saw
+                res["band_first_call_host_ms"] = host_measurement(chosen)  # its enqueue times
             res["pick_runs"] = "the NCCL sequential baseline (region kept as compiled)" if kept else f"commopt op, {chosen}"
             _derive(res)
             if graphs:

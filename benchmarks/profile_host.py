@@ -6,6 +6,12 @@ measures the host) and writes each rank's cProfile of every case, sorted by own 
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
       python3 benchmarks/profile_host.py OUTDIR
+    python3 benchmarks/profile_host.py OUTDIR --series 40   # per-round series instead
+
+--series R: the band's question over time -- R rounds, each timing every variant of the
+reductions at M_global 2048 once (10 back-to-back calls, in an order rotated per round, as
+bench_matmul_collectives does), recording each rank's enqueue time and the batch's CUDA-event
+time, so slow rounds can be told apart: host (enqueue near the batch time) or GPU-side waits.
 """
 
 from __future__ import annotations
@@ -108,9 +114,60 @@ def worker(rank, world, out):
     return result
 
 
+SERIES = [("rs", 2048, s) for s in ("raw", "sequential", "ce_push:1", "direct:1")] + \
+    [("ar", 2048, s) for s in ("raw", "sequential", "ce_push:1")]
+
+
+def series_worker(rank, world, rounds):
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    gname = dist.group.WORLD.group_name
+    enable_symm_mem_for_group(gname)
+    fns = {(op, m): _call(op, m, world, rank, gname) for op, m, _ in SERIES}
+    for op, m, sched in SERIES:
+        for _ in range(5):
+            fns[op, m](sched)
+    torch.cuda.synchronize()
+    rows = []
+    for r in range(rounds):
+        order = SERIES[r % len(SERIES):] + SERIES[:r % len(SERIES)]
+        for op, m, sched in order:
+            fn = fns[op, m]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            start.record()
+            for _ in range(10):
+                fn(sched)
+            end.record()
+            enqueue = (time.perf_counter() - t0) / 10 * 1e6
+            end.synchronize()
+            rows.append({"round": r, "case": f"{op} {m} {sched}", "enqueue_us": round(enqueue, 1),
+                         "batch_us": round(start.elapsed_time(end) / 10 * 1e3, 1)})
+    return rows
+
+
+def print_series(per_rank) -> None:
+    cases = list(dict.fromkeys(row["case"] for row in per_rank[0]))
+    for case in cases:
+        mine = [[row for row in rows if row["case"] == case] for rows in per_rank]
+        batch = sorted(max(rs[i]["batch_us"] for rs in mine) for i in range(len(mine[0])))
+        print(json.dumps({"case": case, "batch_us_median_slowest_rank": batch[len(batch) // 2],
+                          "batch_us_range": [batch[0], batch[-1]],
+                          "per_round": [[(rs[i]["enqueue_us"], rs[i]["batch_us"]) for rs in mine]
+                                        for i in range(len(mine[0]))]}))
+
+
 if __name__ == "__main__":
     out = pathlib.Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
+    if "--series" in sys.argv:
+        rounds = int(sys.argv[sys.argv.index("--series") + 1])
+        per_rank = run_distributed(series_worker, 2, rounds, backend="nccl", timeout_s=300)
+        (out / "host_series.json").write_text(json.dumps(per_rank))
+        print_series(per_rank)
+        sys.exit(0)
     per_rank = run_distributed(worker, 2, str(out), backend="nccl", timeout_s=300)
     (out / "host_profile.json").write_text(json.dumps(per_rank, indent=1))
     for key in per_rank[0]:

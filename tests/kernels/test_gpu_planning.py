@@ -197,6 +197,21 @@ def test_band_winner_leaves_sequential_only_by_a_margin():
     assert winner({"ce_push:1": 0.2, "direct:1": 0.1}, BAND_MARGIN) == "direct:1"  # no sequential timed
 
 
+def test_band_winner_needs_host_headroom():
+    # a band call runs at max(GPU, host): a schedule whose enqueue time leaves no headroom under
+    # sequential's time loses as soon as the host slows, however fast its first call measured
+    from torch_commopt.tuner.autotune import BAND_HOST_HEADROOM as H, BAND_MARGIN, winner
+
+    measured = {"sequential": 0.288, "ce_push:1": 0.234, "direct:1": 0.256}
+    roomy = {"sequential": 0.07, "ce_push:1": 0.288 / H * 0.9, "direct:1": 0.288 / H * 0.9}
+    assert winner(measured, BAND_MARGIN, roomy, H) == "ce_push:1"
+    tight = dict(roomy, **{"ce_push:1": 0.288 / H * 1.1})
+    assert winner(measured, BAND_MARGIN, tight, H) == "direct:1"  # the next fastest with headroom
+    assert winner(measured, BAND_MARGIN, dict(tight, **{"direct:1": 0.2}), H) == "sequential"
+    assert winner(measured, BAND_MARGIN, {"sequential": 0.07}, H) == "sequential"  # not measured: no headroom
+    assert winner(measured, BAND_MARGIN, tight) == "ce_push:1"  # headroom 0: no check (autotune proper)
+
+
 def test_whole_gemm_is_an_all_gather_ce_push_option():
     from torch_commopt.schedule import Schedule
 

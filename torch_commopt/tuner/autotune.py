@@ -44,6 +44,14 @@ TARGET_S = {"cuda": 5e-3, "cpu": 20e-3}  # back-to-back calls per sample last at
 # between rounds (2x H200: ar ce_push:1 at M_global 2048 ran 0.31-0.58 ms, NCCL 0.32-0.33),
 # and a first-call measurement that caught the fast rounds must not make the program lose.
 BAND_MARGIN = 0.05
+# ... and only for a schedule whose host enqueue time, this many times over, still fits in
+# `sequential`'s time: a band call runs at max(GPU, host), the host slows 1.5-9x in bursts
+# (2x H100, profile_host --series, s22: RS M_global 2048 ce_push:1 enqueued 185 us a call
+# against NCCL's 287 us GPU time; over 60 rounds its median was 1.27x NCCL's but its mean
+# 1.03x, and AR ce_push:1 (230 us enqueue) lost on the mean, 350 vs 334 us), and one first
+# call's measurement saw the fast host: bench s22 eager RS 2048 chose ce_push:1 at 0.234 vs
+# 0.288 ms, which then ran 0.393 ms a call (0.72x NCCL).  NCCL's own enqueue is 55-75 us.
+BAND_HOST_HEADROOM = 1.5
 
 
 @dataclass
@@ -63,6 +71,8 @@ class TuneRequest:
     decided: str | None = None
     measured: dict[str, float] = field(default_factory=dict)
     margin: float = 0.0  # another schedule must beat `sequential` by this fraction to be run
+    headroom: float = 0.0  # ... and enqueue in 1/headroom of `sequential`'s time (0: no check)
+    host: dict[str, float] = field(default_factory=dict)  # measured enqueue ms per call
 
 
 _REQUESTS: dict[str, TuneRequest] = {}
@@ -115,7 +125,8 @@ def band_request(kind: str, a_shape: list[int], weight_shapes: list[list[int]], 
     where nothing can be timed, e.g. under a CUDA-graph capture)."""
     key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates)
     return register(TuneRequest(key, list(candidates), fallback, group_name, cache_dir, debug_waits=debug_waits,
-                                report_notes=notes if notes is not None else [], name=name, margin=BAND_MARGIN))
+                                report_notes=notes if notes is not None else [], name=name, margin=BAND_MARGIN,
+                                headroom=BAND_HOST_HEADROOM))
 
 
 def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
@@ -124,7 +135,8 @@ def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim:
     from torch_commopt.tuner.choose import machine_key
 
     return {"question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
-            "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates)}
+            "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates),
+            "host_headroom": BAND_HOST_HEADROOM}  # decisions made without the host check are not reused
 
 
 def decided(schedule: Schedule) -> str | None:
@@ -137,6 +149,12 @@ def measurement(schedule: Schedule) -> dict[str, float]:
     """{candidate: ms} an `autotune` placeholder's first call measured ({} before it)."""
     req = _REQUESTS.get(schedule.param("id"))
     return dict(req.measured) if req is not None else {}
+
+
+def host_measurement(schedule: Schedule) -> dict[str, float]:
+    """{candidate: host enqueue ms per call} of that first call ({} before it)."""
+    req = _REQUESTS.get(schedule.param("id"))
+    return dict(req.host) if req is not None else {}
 
 
 def digest(key: dict[str, Any]) -> str:
@@ -178,43 +196,61 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
                         req.name, req.fallback)
         return req.fallback
     start = time.perf_counter()
-    measured = measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs)
-    best = winner(measured, req.margin)
+    host: dict[str, float] = {}
+    measured = measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs, host=host)
+    best = winner(measured, req.margin, host if req.headroom else None, req.headroom)
     sched = Schedule.parse(best)
     if req.debug_waits and sched.is_gpu:
         sched = sched.with_params(dbg=1)
-    req.decided, req.measured = str(sched), measured
+    req.decided, req.measured, req.host = str(sched), measured, host
     group = resolve_group(req.group_name)
     if dist.get_rank() == dist.get_process_group_ranks(group)[0]:
         from torch_commopt.tuner.cache import TunerCache
 
-        TunerCache(req.cache_dir).put(req.key, {"schedule": best, "measured_ms": measured})
+        TunerCache(req.cache_dir).put(req.key, {"schedule": best, "measured_ms": measured, "host_ms": host})
     for row in req.report_rows:
         row["measured_ms"] = measured.get(row["schedule"])
     req.report_notes.append(f"{req.name}: autotune measured {len(measured)} candidates at the first call in "
-                            f"{time.perf_counter() - start:.2f} s; runs {req.decided} ({measured[best]:.3f} ms)")
-    log.info("commopt autotune: %s -> %s %s", req.name, req.decided, {k: round(v, 4) for k, v in measured.items()})
+                            f"{time.perf_counter() - start:.2f} s; runs {req.decided} ({measured[best]:.3f} ms)"
+                            + (f"; host enqueue ms {_rounded(host)}" if req.headroom else ""))
+    log.info("commopt autotune: %s -> %s %s (host %s)", req.name, req.decided, _rounded(measured), _rounded(host))
     return req.decided
 
 
-def winner(measured: dict[str, float], margin: float = 0.0) -> str:
-    """The fastest candidate; `sequential` unless another is faster by `margin` (a fraction)."""
-    best = min(measured, key=lambda s: (measured[s], s))
+def _rounded(figures: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in figures.items()}
+
+
+def winner(measured: dict[str, float], margin: float = 0.0, host: dict[str, float] | None = None,
+           headroom: float = 0.0) -> str:
+    """The fastest candidate; `sequential` unless another is faster by `margin` (a fraction)
+    and, given `host` (enqueue ms per call), enqueues within 1/headroom of sequential's time
+    (a slower host would otherwise make it lose); the fastest such candidate else."""
     seq = measured.get("sequential")
-    if seq is not None and best != "sequential" and measured[best] > seq * (1.0 - margin):
+    eligible = dict(measured)
+    if seq is not None and host is not None and headroom > 0:
+        for s in [s for s in eligible if s != "sequential" and host.get(s, math.inf) * headroom > seq]:
+            log.info("commopt autotune: %s enqueues %.3f ms a call, over 1/%.1f of sequential's %.3f ms: not run",
+                     s, host.get(s, math.inf), headroom, seq)
+            del eligible[s]
+    best = min(eligible, key=lambda s: (eligible[s], s))
+    if seq is not None and best != "sequential" and eligible[best] > seq * (1.0 - margin):
         log.info("commopt autotune: %s (%.3f ms) is within %.0f%% of sequential (%.3f ms): sequential runs",
-                 best, measured[best], margin * 100, seq)
+                 best, eligible[best], margin * 100, seq)
         return "sequential"
     return best
 
 
 def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_name: str,
-                       device: torch.device, label: str = "", *, graphs: bool = False) -> dict[str, float]:
+                       device: torch.device, label: str = "", *, graphs: bool = False,
+                       host: dict[str, float] | None = None) -> dict[str, float]:
     """{schedule: ms per call} of back-to-back calls (the host cost included: that is what
     the program will see), median over rounds, slowest rank.  Every rank must call this
     with the same candidates at the same point of its program.  graphs=True (CUDA): each
     sample is one replay of a CUDA graph holding the back-to-back calls (what a program
-    replayed from graphs sees); a candidate whose capture fails on any rank is left out."""
+    replayed from graphs sees); a candidate whose capture fails on any rank is left out.
+    host: filled with {schedule: ms per call the host spent enqueueing}, measured the same way
+    (the device idle at each sample's start), median over rounds, slowest rank."""
     group = resolve_group(group_name)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # noqa: E731
     counts = []
@@ -236,6 +272,7 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
         keep = [i for i, s in enumerate(candidates) if s in replays]
         candidates, calls, counts = [candidates[i] for i in keep], list(replays.values()), [counts[i] for i in keep]
     samples: list[list[float]] = [[] for _ in candidates]
+    enqueued: list[list[float]] = [[] for _ in candidates]
     # The group's first rank reports; a bar only on global rank 0: with several groups tuning
     # at once (each TP group of a DP x TP mesh) their bars would overwrite each other on the
     # launcher's one terminal, so the others log their progress at INFO.
@@ -253,12 +290,17 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
                 sync()
                 t0 = time.perf_counter()
                 calls[i]()
+                enqueued[i].append((time.perf_counter() - t0) / counts[i] * 1e3)
                 sync()
                 samples[i].append((time.perf_counter() - t0) / counts[i] * 1e3)
         bar.close()
-        t = torch.tensor([statistics.median(v) for v in samples], dtype=torch.float64, device=device)
+        t = torch.tensor([statistics.median(v) for v in samples] + [statistics.median(v) for v in enqueued],
+                         dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t.tolist()
+        figures = t.tolist()
+        if host is not None:
+            host.update((candidates[i], figures[len(candidates) + i]) for i in indices)
+        return figures[:len(candidates)]
 
     medians = rounds(list(range(len(candidates))), ROUNDS, "")
     # Near-ties get more rounds: two medians within the run-to-run spread swap places
