@@ -19,6 +19,12 @@ every page of each peer's copy written once by the copy engine before the first 
 --later-ms T: the first use's zeros measured again T ms later (zeros that stay: the data went
 elsewhere, e.g. a peer mapping that is not this buffer; zeros that go: it came late).
 
+Session 22 (2x H100): the measurement hides the race.  With it (`--uses 2`) `off` was exact
+too; with `--uses 0` (no hook: only the settling removed) `off` was wrong in 2 of 3 runs with
+session 21's exact errors and `library` exact (results/a2a_growth_h100x2_2026-11-25_s22.md).
+So the A/B of the fix is `--uses 0 --later-ms 0`; the hooked runs say what a first use reads
+once the host has synchronized right after its waits (nothing missing, in every variant).
+
     python benchmarks/probe_a2a_growth.py OUTDIR [--uses 2] [--prepare off|library|warm] [--later-ms 50] -- <bench_attention args>
 """
 

@@ -47,7 +47,7 @@ if [[ $what == growth ]]; then
   # the all-to-all's first call on a grown buffer (session 21's reproduced wrong result): what the
   # first uses read (zeros now and 50 ms later) without the library's settling of new buffers (as
   # the failing runs), with it, with it and every peer page written first, and with it beside
-  # ring_zigzag too; ~40 s each (GROWTH_ARGS: bench_attention arguments)
+  # ring_zigzag too; then unhooked, off / library twice each; ~40 s each (GROWTH_ARGS: bench_attention arguments)
   args=${GROWTH_ARGS:---seq 16384,32768 --heads 32/32 --batch 1 --passes fwd+bwd --causal 1}
   for v in "off ulysses:g=1,ulysses:g=2" "library ulysses:g=1,ulysses:g=2" "warm ulysses:g=1,ulysses:g=2" \
            "library ulysses:g=1,ulysses:g=2,ring_zigzag"; do
@@ -56,6 +56,14 @@ if [[ $what == growth ]]; then
     timeout ${GROWTH_TIMEOUT:-120} python3 benchmarks/probe_a2a_growth.py "$out/growth/$tag" --prepare $1 --later-ms 50 \
       -- $args --schedules $2 > "$out/growth_$tag.log" 2>&1
     echo "== $tag"; grep '^{' "$out/growth_$tag.log" | cut -c1-400 | head -24
+  done
+  # the A/B without the hook (its host synchronize hides the race): off should fail, library pass
+  n=0
+  for v in off library off library; do
+    tag=unhooked_${v}_$((++n))
+    timeout ${GROWTH_TIMEOUT:-120} python3 benchmarks/probe_a2a_growth.py "$out/growth/$tag" --prepare $v --uses 0 \
+      --later-ms 0 -- $args --schedules ulysses:g=1,ulysses:g=2 > "$out/growth_$tag.log" 2>&1
+    echo "== $tag"; grep '"case"' "$out/growth_$tag.log" | cut -c1-400
   done
 fi
 if [[ $what == e2e ]]; then
