@@ -569,6 +569,13 @@ def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, me
     return rec
 
 
+def _pred(rec: dict, sched: str) -> str:
+    """The model's predicted ms of a timed schedule; '-' where it ranked none by that name (a
+    depth named explicitly that is the rule's own, e.g. ulysses:g=2 where `ulysses` means it)."""
+    ms = rec["commopt_predicted_ms"].get(sched)
+    return "-" if ms is None else f"{ms:.3f}"
+
+
 def _record(case: Case, world: int, dtype: torch.dtype, rounds: dict, errors: dict, tol: float, pick: str,
             ranked: list, cp: dict, pick_by: str) -> dict:
     from torch_commopt.attention.spec import zigzag_head_groups
@@ -684,7 +691,7 @@ def report(records: list[dict], meta: dict) -> str:
               "dq, dk, dv; predicted ms)", ""]
     for r in records:
         cells = ", ".join(f"`{s}` {t:.3f} ({max(r['schedule_errors'][s].values()):.1e}"
-                          f"{'' if r['numerics_ok'][s] else ' FAILED'}; pred {r['commopt_predicted_ms'].get(s, 0):.3f})"
+                          f"{'' if r['numerics_ok'][s] else ' FAILED'}; pred {_pred(r, s)})"
                           for s, t in r["schedules_ms"].items())
         lines.append(f"- {_row_key(r)}: {cells}")
     zz = [r for r in records if r.get("commopt_zigzag_layout_ms")]
