@@ -295,7 +295,9 @@ class GroupRuntime:
         busy (a 57 ms attention queued) was wrong (relative error 0.6-0.71, as if half the output
         were missing; results/a2a_growth_h100x2_2026-11-25_s21.md), the same growth on an idle
         GPU never was, nor the first buffer (allocated after the runtime's synchronize).
-        Suspected, not yet shown: the driver's own first initialization of the new pages, ordered
+        Session 22 (2x H100, results/a2a_growth_h100x2_2026-11-25_s22.md): without this step the
+        same worker was wrong in 2 of 3 runs (s21's exact errors), with it exact in 8 of 8.
+        Suspected, not shown: the driver's own first initialization of the new pages, ordered
         before this device's later work but not before a peer's writes over NVLink.  Once per
         buffer: ~0.4 ms for 1 GiB."""
         with torch.cuda.device(self.device):
