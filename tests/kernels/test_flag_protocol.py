@@ -97,3 +97,18 @@ def test_a_new_call_forgets_a_failed_calls_deferred_take(queued):
     rt.next_epoch()  # the call raised before its signal; the next one starts clean
     rt.signal("side", 1, symm.data_index(1, 0, 0), 1)
     assert queued[-1] == ("side", "write", 1, symm.data_index(1, 0, 0), 1)
+
+
+def test_batch_parameters_are_built_once_and_hold_the_ops():
+    # driver.batch reuses one ctypes array per distinct batch (the host cost of filling it was most
+    # of batch's time); the array must hold exactly the ops, masked to 32 bits, and bad batches
+    # must still raise before anything reaches the driver
+    ops = (("wait", 0x1000, 3), ("write", 0x2004, (1 << 32) + 5))
+    params = driver._batch_params(ops)
+    assert driver._batch_params(tuple(ops)) is params
+    assert [(p.operation, p.address, p.value, p.flags) for p in params] == [
+        (driver._OP_WAIT32, 0x1000, 3, driver.WAIT_GEQ), (driver._OP_WRITE32, 0x2004, 5, driver.WRITE_FENCED)]
+    with pytest.raises(ValueError, match="unknown stream memory operation"):
+        driver._batch_params((("add", 0x1000, 1),))
+    with pytest.raises(ValueError, match="at most"):
+        driver._batch_params((("write", 0x1000, 1),) * (driver.MAX_BATCH + 1))

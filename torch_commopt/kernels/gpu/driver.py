@@ -135,9 +135,19 @@ def batch(stream, ops) -> None:
     (fenced, as write_value32) -- as ONE stream memory operation, executed in order.  Replayed
     from a CUDA graph it is one node where separate calls are one each, and every node on a
     stream's path costs the GPU's front end a few microseconds (benchmarks/probe_protocol_cost.py)."""
-    ops = list(ops)
+    ops = tuple(ops)
     if not ops:
         return
+    params = _batch_params(ops)
+    _check(_lib()["cuStreamBatchMemOp"](_handle(stream), len(ops), params, 0), "cuStreamBatchMemOp")
+
+
+@functools.lru_cache(maxsize=4096)
+def _batch_params(ops: tuple) -> ctypes.Array:
+    """The parameter array of a batch, built once per distinct batch: a schedule's calls repeat
+    the same few (flag addresses and values are constants), and filling the ctypes structures
+    was most of `batch`'s host time.  The driver reads the array during the call, so one array
+    serves every call (it is never written after it is built)."""
     if len(ops) > MAX_BATCH:
         raise ValueError(f"commopt: {len(ops)} memory operations in one batch, at most {MAX_BATCH}")
     params = (_BatchMemOp * len(ops))()
@@ -147,7 +157,7 @@ def batch(stream, ops) -> None:
         slot.operation = _OP_WAIT32 if kind == "wait" else _OP_WRITE32
         slot.address, slot.value = address, value & 0xFFFFFFFF
         slot.flags = WAIT_GEQ if kind == "wait" else WRITE_FENCED
-    _check(_lib()["cuStreamBatchMemOp"](_handle(stream), len(ops), params, 0), "cuStreamBatchMemOp")
+    return params
 
 
 def _check(rc: int, what: str) -> None:
