@@ -183,7 +183,9 @@ def main() -> None:
                 torch.cuda.empty_cache()
     summary = {"rank": rank, "world": world, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
                "can_flush_remote_writes": _can_flush_remote_writes(rank) if cuda else None,
-               "calls": calls, "failures": len(failures), "alternate": args.alternate, "busy_ms": args.busy_ms, "empty_cache": args.empty_cache, "debug_waits": os.environ.get("TORCH_COMMOPT_DEBUG_WAITS", "0"), "seconds": round(time.perf_counter() - start, 1),
+               "calls": calls, "failures": len(failures), "alternate": args.alternate, "busy_ms": args.busy_ms,
+               "empty_cache": args.empty_cache, "debug_waits": os.environ.get("TORCH_COMMOPT_DEBUG_WAITS", "0"),
+               "seconds": round(time.perf_counter() - start, 1),
                "cases": [c.label() for c, _, _ in prepared], "schedules": schedules, "records": failures}
     print(json.dumps({k: v for k, v in summary.items() if k != "records"}), flush=True)
     write_summary(args.out, "stress_cp_attention", rank, summary)
