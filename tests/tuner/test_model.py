@@ -287,17 +287,25 @@ def test_whole_gemm_all_gather_pays_the_push_then_one_gemm_and_keys_its_own_fact
     assert out["ag_matmul ce_push:1"][1] == pytest.approx(1.1)
 
 
-def test_autotune_times_every_piece_count_of_the_models_first_family():
+def test_autotune_times_every_piece_count_of_each_family_it_times():
     from torch_commopt.tuner.autotune import timed_candidates
 
-    shape = RegionShape("matmul_ar", 8192, 4096, (8192,), 2, "bfloat16")
-    preds = rank(shape, H200)
-    top = timed_candidates(preds, 2)
+    for shape in (RegionShape("matmul_ar", 8192, 4096, (8192,), 2, "bfloat16"),
+                  RegionShape("matmul_rs", 16384, 4096, (7168,), 2, "bfloat16"),
+                  RegionShape("ag_matmul", 16384, 8192, (14336,), 2, "bfloat16")):
+        preds = rank(shape, H200)
+        for k in (1, 2, 4):
+            top = timed_candidates(preds, k)
+            families = {(p.schedule.name, p.schedule.params) for p in preds[:k]}
+            siblings = {str(p.schedule) for p in preds if (p.schedule.name, p.schedule.params) in families}
+            assert siblings <= set(top)  # e.g. ce_push:1, :2 and :4 when ce_push:1 is among the top k
+            assert top[:k] == [str(p.schedule) for p in preds[:k]] and "sequential" in top
+            assert len(top) == len(set(top))
+            others = {str(p.schedule) for p in preds} - siblings - {"sequential"}
+            assert not others & set(top)  # nothing from a family outside the top k
+    preds = rank(RegionShape("matmul_ar", 8192, 4096, (8192,), 2, "bfloat16"), H200)
     first = preds[0].schedule
-    siblings = {str(p.schedule) for p in preds if p.schedule.name == first.name and p.schedule.params == first.params}
-    assert siblings <= set(top) and len(siblings) > 1  # e.g. ce_push:1, :2 and :4
-    assert top[:2] == [str(p.schedule) for p in preds[:2]] and "sequential" in top
-    assert len(top) == len(set(top))
+    assert len([p for p in preds if (p.schedule.name, p.schedule.params) == (first.name, first.params)]) > 1
 
 
 def test_the_tma_fused_variant_is_its_own_candidate():

@@ -101,17 +101,17 @@ def plan(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
 
 
 def timed_candidates(preds, top_k: int) -> list[str]:
-    """What autotune times for ranked predictions: the top_k, every other piece count of the
-    model's first schedule family, and `sequential`.  Piece counts of one mechanism are
+    """What autotune times for ranked predictions: the top_k, every other piece count of each
+    schedule family among them, and `sequential`.  Piece counts of one mechanism are
     near-ties the model cannot order reliably (2x H200, session 7: AR 8192^3 measured best
     with ce_push:4 and RS 16384x8192x8192 with ce_push:2 while the model ranked ce_push:1
-    first and neither sibling among its top 4)."""
+    first and neither sibling among its top 4; 2x H100, session 23: RS 16384x8192x7168
+    measured best with direct:2, a sibling of the model's fourth, direct:1)."""
     top = [str(p.schedule) for p in preds[:top_k]]
-    first = preds[0].schedule if preds else None
+    families = {(p.schedule.name, p.schedule.params) for p in preds[:top_k]}
     for p in preds:
         s = str(p.schedule)
-        sibling = first is not None and p.schedule.name == first.name and p.schedule.params == first.params
-        if (sibling or p.schedule.name == "sequential") and s not in top:
+        if ((p.schedule.name, p.schedule.params) in families or p.schedule.name == "sequential") and s not in top:
             top.append(s)
     return top
 
