@@ -1,0 +1,36 @@
+"""The calibration's guard against one noisy pass (calibrate.agreed)."""
+
+from __future__ import annotations
+
+from torch_commopt.tuner.calibrate import AGREE, agreed, disagreeing
+
+
+def test_two_passes_that_agree_give_their_median_without_a_third():
+    calls = []
+    first, second = {"host": 100e-6, "gemm": 1.0e-3}, {"host": 104e-6, "gemm": 0.97e-3}
+    out = agreed([first, second], lambda: calls.append(1) or {}, "test")
+    assert not calls and disagreeing(first, second) == []
+    assert out == {"host": 102e-6, "gemm": 0.985e-3}
+
+
+def test_a_pass_out_of_line_is_outvoted_by_a_third():
+    # session 20's calibration: one pass in a host burst (134 us against ~70-110)
+    first, second, third = {"host": 134e-6, "x": 1.0}, {"host": 70e-6, "x": 1.02}, {"host": 72e-6, "x": 0.5}
+    calls = []
+
+    def another():
+        calls.append(1)
+        return third
+
+    assert disagreeing(first, second) == ["host"]
+    out = agreed([first, second], another, "test")
+    assert calls == [1]
+    assert out == {"host": 72e-6, "x": 1.0}  # per figure: the median of the three
+
+
+def test_the_tolerance_is_relative_to_the_smaller_figure():
+    edge = 1.0 + AGREE
+    assert disagreeing({"a": 1.0}, {"a": edge * 0.999}) == []
+    assert disagreeing({"a": 1.0}, {"a": edge * 1.001}) == ["a"]
+    assert disagreeing({"a": edge * 1.001}, {"a": 1.0}) == ["a"]  # symmetric
+    assert disagreeing({"a": 0.0}, {"a": 0.0}) == []
