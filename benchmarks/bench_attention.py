@@ -483,8 +483,8 @@ def _commopt_plan(case: Case, world: int, dtype: torch.dtype, machine, only: lis
     ranked = rank_schedules(case.shape, world=world, causal=case.causal, dtype=dtype, machine=machine,
                             backward=case.backward, depths=True)
     pick = ranked[0][0]
-    if only is None:
-        return accepted, pick, ranked
+    if only is None:  # the pick may be a depth (ulysses:g=1) that `accepted` names only as ulysses
+        return accepted + ([pick] if pick not in accepted else []), pick, ranked
     chosen = [s for s in only if refusal(s, case.shape, world, case.causal) is None]
     for s in set(only) - set(chosen):
         log.info("%s: --schedules %s skipped (%s)", case.label(), s, refusal(s, case.shape, world, case.causal))
