@@ -73,10 +73,8 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         pick = min(tuned, key=lambda s: (tuned[s], s))
         best = min(measured, key=measured.get)
         # Two measurements of near-ties disagree within their spread: where the sweep's best is
-        # not autotune's pick or the model's top-1, they meet again, alone, for as many rounds as
-        # a near-tie gets.
-        # The model's top-1 joins them where it is neither (its "within 5% of the best" is judged
-        # on the same pair-wise timing too).
+        # not autotune's pick or the model's top-1, those two or three meet again, alone, for as
+        # many rounds as a near-tie gets (the pick and the top-1 are then judged on that timing).
         duel = list(dict.fromkeys([pick, best, names[0]]))
         head = measure_candidates(op, duel, group_name, device, graphs=graphs) if len(duel) > 1 else {}
         shapes.append(dict(base, model_top1=names[0], measured_best=best, measured_best_ms=measured[best],
@@ -131,8 +129,8 @@ def summarize(result: dict) -> dict:
     top1 = [s["model_top1_measured_ms"] <= 1.05 * s["measured_best_ms"] for s in shapes]
     exact = [s["autotune_pick"] == s["measured_best"] for s in shapes]
     # the pick is the sweep's best, or at least as fast as it when the two are timed alone
-    held = [not s.get("head_to_head_ms") or s["head_to_head_ms"][s["autotune_pick"]] <= s["head_to_head_ms"][s["measured_best"]]
-            for s in shapes]
+    held = [not s.get("head_to_head_ms")
+            or s["head_to_head_ms"][s["autotune_pick"]] <= s["head_to_head_ms"][s["measured_best"]] for s in shapes]
     top1_head = [s["head_to_head_ms"][s["model_top1"]] <= 1.05 * min(s["head_to_head_ms"].values())
                  if s["model_top1"] in s.get("head_to_head_ms", {}) else ok for s, ok in zip(shapes, top1)]
     near = [s["autotune_pick_measured_ms"] <= 1.02 * s["measured_best_ms"] for s in shapes]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from torch_commopt.tuner.calibrate import AGREE, agreed, disagreeing
 
 
@@ -10,7 +12,7 @@ def test_two_passes_that_agree_give_their_median_without_a_third():
     first, second = {"host": 100e-6, "gemm": 1.0e-3}, {"host": 104e-6, "gemm": 0.97e-3}
     out = agreed([first, second], lambda: calls.append(1) or {}, "test")
     assert not calls and disagreeing(first, second) == []
-    assert out == {"host": 102e-6, "gemm": 0.985e-3}
+    assert out == pytest.approx({"host": 102e-6, "gemm": 0.985e-3})
 
 
 def test_a_pass_out_of_line_is_outvoted_by_a_third():
