@@ -15,6 +15,11 @@ compiled once per variant and trained forward + backward:
                         that binds makes the search mix schedules; the report sets it against
                         the fastest fixed plan whose predicted memory fits B in every graph
                         (and says when the unconstrained searched plan equals a fixed one)
+    control: X, no concat-K   (--concat-k-controls) fixed ce_push:1 and searched with
+                        Config.concat_k=False: the summed matmuls stay as compiled, so each pair
+                        differs only in the concat-K regions (ce_push:1 with the concat copies
+                        vs NCCL), the choice the searched plan made differently from fixed
+                        ce_push:1 on 2x H200 in session 23; not counted as fixed plans
 
 Steps are timed back to back (each sample >= 20 ms of steps, median over rounds that visit
 the variants in a rotated order, slowest rank); outputs and input gradients are compared with
@@ -49,7 +54,7 @@ FIXED = ["sequential", "ce_push:1", "ce_push:2", "direct:1"]
 TARGET_S = 20e-3
 
 
-def variants(model: str, budgets: tuple[float, ...] = ()) -> dict[str, tuple[str, dict]]:
+def variants(model: str, budgets: tuple[float, ...] = (), concat_k_controls: bool = False) -> dict[str, tuple[str, dict]]:
     out = {"inductor": ("inductor", {})}
     for s in FIXED:
         name, _, chunks = s.partition(":")
@@ -64,11 +69,14 @@ def variants(model: str, budgets: tuple[float, ...] = ()) -> dict[str, tuple[str
         # control: the searched variant compiled once more, last (compile-to-compile and
         # build-order variation of identical graphs)
         out["searched, compiled again"] = ("commopt", {"mode": "model", "cache_dir": None})
+    if concat_k_controls:
+        out["control: ce_push:1, no concat-K"] = ("commopt", {"schedule": "ce_push", "chunks": 1, "concat_k": False})
+        out["control: searched, no concat-K"] = ("commopt", {"mode": "model", "concat_k": False})
     return out
 
 
 def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "tp_sp_block",
-           budgets: tuple[float, ...] = ()) -> dict:
+           budgets: tuple[float, ...] = (), concat_k_controls: bool = False) -> dict:
     import torch_commopt
     from torch_commopt.validate import build, rel_err
 
@@ -76,7 +84,7 @@ def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "
     if dev == "cuda":
         torch.cuda.set_device(rank)
     steps, plans, outs = {}, {}, {}
-    for label, (backend, options) in variants(model_kind, budgets).items():
+    for label, (backend, options) in variants(model_kind, budgets, concat_k_controls).items():
         torch._dynamo.reset()
         torch_commopt.reset_explain()
         model, x = build(model_kind, torch.bfloat16, 0, shape)
@@ -201,6 +209,12 @@ def report(res: dict, meta: dict) -> str:
               f"{fixed[best_fixed] / searched:.3f}x the best fixed plan."]
     if res.get("plans_equal"):
         lines.append(f"(The searched plan is {res['plans_equal']}'s: same schedule in every region.)")
+    for with_k, without in (("fixed ce_push:1", "control: ce_push:1, no concat-K"),
+                            ("searched", "control: searched, no concat-K")):
+        if without in res["step_ms"] and with_k in res["step_ms"]:
+            lines.append(f"Concat-K's regions: {with_k} {res['step_ms'][with_k]:.3f} ms with them, "
+                         f"{res['step_ms'][without]:.3f} ms without (their sums kept as compiled): "
+                         f"{res['step_ms'][without] / res['step_ms'][with_k]:.3f}x.")
     for label, b in res.get("budgets", {}).items():
         lines.append(f"Within {b['budget_mib']:g} MiB: searched {res['step_ms'][label]:.3f} ms ({b['searched_mib']:.0f} MiB "
                      f"predicted); fixed plans that fit: {b['fitting'] or 'none'}"
@@ -242,6 +256,8 @@ def main() -> None:
                                          "variant each, against the fixed plans whose predicted memory fits")
     parser.add_argument("--model", default="tp_sp_block", choices=["tp_sp_block", "tp_block"],
                         help="tp_block: TP without SP, adds the all-reduce split variants")
+    parser.add_argument("--concat-k-controls", dest="concat_k_controls", action="store_true",
+                        help="add fixed ce_push:1 and searched with concat-K off (controls, not fixed plans)")
     args = parser.parse_args()
     shape = {"batch": args.batch, "seq": args.seq, "dim": args.dim, "hidden": args.hidden, "heads": args.heads}
     backend = "gloo" if args.cpu else "nccl"
@@ -250,8 +266,8 @@ def main() -> None:
     figures: dict = {}
     calibration = run_calibration(args.world, backend, values=figures)
     print(calibration, flush=True)
-    res = run_distributed(worker, args.world, shape, args.repeats, args.model, args.budgets, backend=backend,
-                          timeout_s=900)[0]
+    res = run_distributed(worker, args.world, shape, args.repeats, args.model, args.budgets, args.concat_k_controls,
+                          backend=backend, timeout_s=900)[0]
     res["plans_equal"] = _same_plan(res)
     res["budgets"] = _budget_rows(res, args.budgets)
     res["calibration"] = calibration
