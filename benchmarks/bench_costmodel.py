@@ -85,9 +85,24 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
             print(f"{shape.op} {shape.M}x{shape.K}x{shape.N}: model {names[0]} ({measured[names[0]]:.3f}), "
                   f"best {best} ({measured[best]:.3f}), autotune {pick} ({measured[pick]:.3f})", flush=True)
         torch.cuda.empty_cache()
+    drift = _drift(shapes[0], rank_, world, group_name, device, graphs, records) if shapes else {}
     compile_times = _compile_overhead(rank_, world, group_name, cache_dir)
     return {"calibration_s": calibration_s, "calibration": json.loads(cal.to_json()), "records": records,
-            "shapes": shapes, "compile": compile_times}
+            "shapes": shapes, "compile": compile_times, "drift": drift}
+
+
+def _drift(first: dict, rank_: int, world: int, group_name: str, device, graphs: bool, records: list[dict]) -> dict:
+    """The first shape's sweep best and `sequential` timed again after the whole sweep:
+    {schedule: [ms in the sweep, ms now]}.  How far one schedule moves within a run (clocks,
+    heat) is the resolution of every "measured best" above (session 23, 2x H200: the same
+    schedule 0.810 ms in the sweep and 0.935 ms in a head-to-head minutes later)."""
+    shape = next(s for s in shapes_for(world) if (s.op, s.M, s.K, s.N) == (first["op"], first["M"], first["K"], first["N"]))
+    _, _, _, _, op, _ = _variants(shape, rank_, world, group_name)
+    names = list(dict.fromkeys([first["measured_best"], "sequential"]))
+    again = measure_candidates(op, names, group_name, device, graphs=graphs)
+    swept = {r["candidate"]: r["measured_ms"] for r in records
+             if (r["op"], r["M"], r["K"], r["N"]) == (first["op"], first["M"], first["K"], first["N"])}
+    return {s: [swept[s], again[s]] for s in names}
 
 
 def _compile_overhead(rank_: int, world: int, group_name: str, cache_dir: str) -> dict:
@@ -150,6 +165,7 @@ def summarize(result: dict) -> dict:
             "top1_within_5pct_head_to_head": f"{sum(top1_head)}/{len(top1_head)}",
             "autotune_pick_max_gap_to_best": max(gaps),
             "remeasure_spread_median": statistics.median(remeasure), "remeasure_spread_max": max(remeasure),
+            "drift_first_shape_max": max((abs(b / a - 1) for a, b in result.get("drift", {}).values()), default=None),
             "calibration_s": result["calibration_s"],
             "warm_cache_compile_overhead_s_per_region": (comp["autotune_warm"]["seconds"] - base) / regions,
             "cold_autotune_overhead_s_per_region": (comp["autotune_cold"]["seconds"] - base) / regions}
@@ -220,7 +236,7 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps([dict(r, **{k: meta[k] for k in ("device", "torch", "date", "commit")})
                                                   for r in result["records"]], indent=1))
     doc = {"meta": meta, "summary": summary, "shapes": result["shapes"], "compile": result["compile"],
-           "calibration": result["calibration"]}
+           "calibration": result["calibration"], "drift": result.get("drift", {})}
     (out / f"{stem}_summary.json").write_text(json.dumps(doc, indent=1))
     (out / f"{stem}.md").write_text(report(doc, result["records"]))
     print(json.dumps(summary, indent=1))
