@@ -102,7 +102,7 @@ def _drift(first: dict, rank_: int, world: int, group_name: str, device, graphs:
     again = measure_candidates(op, names, group_name, device, graphs=graphs)
     swept = {r["candidate"]: r["measured_ms"] for r in records
              if (r["op"], r["M"], r["K"], r["N"]) == (first["op"], first["M"], first["K"], first["N"])}
-    return {s: [swept[s], again[s]] for s in names}
+    return {s: [swept[s], again[s]] for s in names if s in again and s in swept}
 
 
 def _compile_overhead(rank_: int, world: int, group_name: str, cache_dir: str) -> dict:
