@@ -1,0 +1,78 @@
+"""Replay stored cost-model runs through the current model code (CPU only, no GPU).
+
+Each committed `costmodel_<card>_<date>[_tag][_graphs]_summary.json` holds the calibration its
+run measured, and the matching `.json` every candidate's measured time.  This re-predicts
+every record with today's `tuner.model` and that calibration, and prints per run the median
+|predicted - measured| / measured and how often the model's top-1 is within 5% of the
+sweep's best -- so a model change can be judged on every GPU run made so far before the next
+GPU session.  A run whose stored predictions the current code no longer reproduces is
+flagged (`recomputed` differs from what the run recorded).
+
+    python3 benchmarks/costmodel_replay.py [benchmarks/results/costmodel_*_summary.json ...]
+
+Judge a change on runs it was not tuned on: session 23 tried shrinking each piece count's
+own factor toward its family's one-piece factor (geometric mean); it lifted the top-1 count on
+the 2026-11-23/25 runs (137 -> 145 of 154) but not on the 2026-11-22 ones (77 -> 76 of 98), so
+it was not kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import statistics
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from costmodel_vs_bench import region_shape  # noqa: E402
+
+from torch_commopt.schedule import Schedule  # noqa: E402
+from torch_commopt.tuner.calibration import Calibration  # noqa: E402
+from torch_commopt.tuner.model import predict  # noqa: E402
+
+
+def replay(summary_path: pathlib.Path) -> dict:
+    """{run, median_rel_error, top1_within_5pct, shapes, recomputed_max_diff} of one stored run."""
+    doc = json.loads(summary_path.read_text())
+    records = json.loads(pathlib.Path(str(summary_path).replace("_summary.json", ".json")).read_text())
+    cal = Calibration.from_json(json.dumps(doc["calibration"]))
+    graphs = summary_path.name.endswith("_graphs_summary.json")
+    by_shape: dict[tuple, dict[str, tuple[float, float]]] = collections.defaultdict(dict)
+    errors, drift = [], []
+    for r in records:
+        shape = region_shape(dict(r, dtype=r.get("dtype", "bfloat16")))
+        ms = predict(shape, Schedule.parse(r["candidate"]), cal, graphs=graphs).seconds * 1e3
+        by_shape[(r["op"], r["M"], r["K"], r["N"])][r["candidate"]] = (ms, r["measured_ms"])
+        errors.append(abs(ms - r["measured_ms"]) / r["measured_ms"])
+        drift.append(abs(ms - r["predicted_ms"]) / r["predicted_ms"])
+    hits = 0
+    for cands in by_shape.values():
+        top = min(cands, key=lambda s: (cands[s][0], s))
+        hits += cands[top][1] <= 1.05 * min(m for _, m in cands.values())
+    return {"run": summary_path.name.removeprefix("costmodel_").removesuffix("_summary.json"),
+            "median_rel_error": statistics.median(errors), "top1_within_5pct": hits, "shapes": len(by_shape),
+            "recomputed_max_diff": max(drift)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("summaries", nargs="*", type=pathlib.Path,
+                        help="summary files (default: every costmodel_*_summary.json under benchmarks/results)")
+    args = parser.parse_args()
+    paths = args.summaries or sorted((ROOT / "benchmarks" / "results").glob("costmodel_*_summary.json"))
+    rows = [replay(p) for p in paths]
+    for r in rows:
+        flag = "" if r["recomputed_max_diff"] < 1e-6 else f"  (recomputed: up to {r['recomputed_max_diff']:.1%} off the run's own)"
+        print(f"{r['run']:34s} median error {r['median_rel_error']:.3f}  top-1 within 5% "
+              f"{r['top1_within_5pct']}/{r['shapes']}{flag}")
+    hits, shapes = sum(r["top1_within_5pct"] for r in rows), sum(r["shapes"] for r in rows)
+    print(json.dumps({"runs": len(rows), "top1_within_5pct": f"{hits}/{shapes}",
+                      "median_of_run_medians": statistics.median(r["median_rel_error"] for r in rows)}))
+
+
+if __name__ == "__main__":
+    main()
