@@ -10,6 +10,7 @@ import pytest
 
 from torch_commopt.launch import run_distributed
 from torch_commopt.schedule import Schedule
+from torch_commopt.tuner.calibrate import HOST_PROBES
 from torch_commopt.tuner.cache import CACHE_ENV, TunerCache, default_dir
 from tuner_programs import decide_rounds, hammer_cache
 
@@ -101,6 +102,8 @@ def test_calibration_is_measured_once_and_the_model_mode_reads_it(tmp_path):
     assert text0 == text1 and spent0 < 30  # every rank holds the same figures
     cal = Calibration.from_json(text0)
     assert cal.source == "measured" and cal.device == "cpu" and cal.gemm["float32"].peak_flops > 1e8
+    # host costs measured in two passes; any figure they disagreed on is named (a third pass decided it)
+    assert {r.removeprefix("host ") for r in cal.remeasured} <= {f"{k} {s}" for k, s in HOST_PROBES["cpu"]}
     # the local attention kernel (math on CPU) measured too: its throughput and backward factor
     assert cal.attention_flops["float32"] > 1e7 and 1.0 < cal.attention_bwd_factor < 10.0
     assert {"attention_flops", "attention_bwd_factor"} <= set(cal.measured)

@@ -10,8 +10,8 @@ from torch_commopt.tuner.calibrate import AGREE, agreed, disagreeing
 def test_two_passes_that_agree_give_their_median_without_a_third():
     calls = []
     first, second = {"host": 100e-6, "gemm": 1.0e-3}, {"host": 104e-6, "gemm": 0.97e-3}
-    out = agreed([first, second], lambda: calls.append(1) or {}, "test")
-    assert not calls and disagreeing(first, second) == []
+    out, far = agreed([first, second], lambda: calls.append(1) or {}, "test")
+    assert not calls and far == disagreeing(first, second) == []
     assert out == pytest.approx({"host": 102e-6, "gemm": 0.985e-3})
 
 
@@ -25,8 +25,8 @@ def test_a_pass_out_of_line_is_outvoted_by_a_third():
         return third
 
     assert disagreeing(first, second) == ["host"]
-    out = agreed([first, second], another, "test")
-    assert calls == [1]
+    out, far = agreed([first, second], another, "test")
+    assert calls == [1] and far == ["host"]
     assert out == {"host": 72e-6, "x": 1.0}  # per figure: the median of the three
 
 

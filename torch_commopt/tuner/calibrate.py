@@ -142,17 +142,19 @@ def disagreeing(first: dict[str, float], second: dict[str, float], tolerance: fl
     return [k for k in first if abs(first[k] - second[k]) > tolerance * max(min(first[k], second[k]), 1e-12)]
 
 
-def agreed(passes: list[dict[str, float]], another: Callable[[], dict[str, float]], label: str) -> dict[str, float]:
-    """Per-figure median of two passes that agree (within AGREE), else of three: `another()`
-    measures the third.  The passes must already be the slowest rank's (the same on every
-    rank, so every rank takes the same branch and issues the same collectives)."""
+def agreed(passes: list[dict[str, float]], another: Callable[[], dict[str, float]],
+           label: str) -> tuple[dict[str, float], list[str]]:
+    """(per-figure median of two passes that agree (within AGREE), else of three, the figures
+    that disagreed): `another()` measures the third.  The passes must already be the slowest
+    rank's (the same on every rank, so every rank takes the same branch and issues the same
+    collectives)."""
     far = disagreeing(*passes)
     if far:
         passes = passes + [another()]
         log.info("commopt calibrate: %s figures %s disagreed by more than %.0f%% between two passes "
                  "(%s vs %s); a third pass: %s", label, far, AGREE * 100, [round(passes[0][k], 7) for k in far],
                  [round(passes[1][k], 7) for k in far], [round(passes[2][k], 7) for k in far])
-    return {k: statistics.median(p[k] for p in passes) for k in passes[0]}
+    return {k: statistics.median(p[k] for p in passes) for k in passes[0]}, far
 
 
 def fit_gemm(samples: list[tuple[int, int, int, float]]) -> GemmFit:
@@ -412,12 +414,12 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     gemm = {d: _gemm_samples(device, getattr(torch, d), reps) for d in dtype_names}
     coll = _collective_times_checked(group, world, device, reps)  # already the slowest rank's
     hosts.append(host_pass())
-    probes = {}
+    probes, far_probes = {}, []
     if device.type == "cuda" and world > 1:
         probe_pass = lambda: _slowest_figures(_gpu_probes(group_name, world, device, reps), group, device)  # noqa: E731
-        probes = agreed([probe_pass(), probe_pass()], probe_pass, "copy-engine and overlap")
+        probes, far_probes = agreed([probe_pass(), probe_pass()], probe_pass, "copy-engine and overlap")
     attn = {d: _attention_times(device, getattr(torch, d), reps) for d in dtype_names}
-    hosts = agreed(hosts, host_pass, "host")
+    hosts, far_hosts = agreed(hosts, host_pass, "host")
     flat = [t for d in dtype_names for *_, t in gemm[d]]
     flat += [t for d in dtype_names for t in attn[d][1:]]
     flat = iter(_slowest(flat, group, device))
@@ -449,7 +451,8 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece,
         fused_efficiency=base.fused_efficiency, attention_flops={d: f / t for d, (f, t, _) in attn.items()},
         attention_bwd_factor=statistics.median(b / t for _, t, b in attn.values()),
-        source="measured", measured=tuple(measured) + ("attention_flops", "attention_bwd_factor"), **fields)
+        source="measured", measured=tuple(measured) + ("attention_flops", "attention_bwd_factor"),
+        remeasured=tuple(f"host {k}" for k in far_hosts) + tuple(f"probe {k}" for k in far_probes), **fields)
     if probes:  # the families on probe shapes, against the model with everything above
         timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
         long = _schedule_factors(timed, cal)
@@ -518,4 +521,5 @@ def run_calibration(world: int, backend: str = "auto", cache_dir: str | None = N
             f"gemm {gemm}; {links}; host {cal.host('sequential') * 1e6:.0f} us per sequential call; "
             + (f"copy-engine push {cal.p2p.bytes_per_s / 1e9:.0f} GB/s, GEMM slowdown beside it "
                f"{cal.overlap_slowdown:.2f}, beside NCCL {cal.collective_slowdown:.2f}; " if cal.p2p else "") +
-            f"stored in {cache_dir or 'the default tuner cache'}")
+            (f"a third pass for {', '.join(cal.remeasured)} (two disagreed by > {AGREE:.0%}); " if cal.remeasured else "")
+            + f"stored in {cache_dir or 'the default tuner cache'}")

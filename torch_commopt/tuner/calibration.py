@@ -105,6 +105,7 @@ class Calibration:
     attention_bwd_factor: float = 0.0
     source: str = "prior"  # "prior" or "measured"
     measured: tuple[str, ...] = ()  # the fields a measurement set; the rest are the prior's
+    remeasured: tuple[str, ...] = ()  # figures whose two passes disagreed: a third decided (calibrate.agreed)
 
     def __post_init__(self) -> None:
         missing = [c for c in COLLECTIVES if c not in self.collective]
@@ -113,6 +114,7 @@ class Calibration:
         if self.world < 1:
             raise ValueError(f"Calibration.world: must be >= 1, got {self.world}")
         object.__setattr__(self, "measured", tuple(self.measured))
+        object.__setattr__(self, "remeasured", tuple(self.remeasured))
 
     def gemm_fit(self, dtype: str) -> GemmFit:
         if dtype in self.gemm:
