@@ -53,7 +53,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
     t0 = time.perf_counter()
     cal = calibrate_and_store(group_name, device, cache_dir)
     calibration_s = time.perf_counter() - t0
-    records, shapes = [], []
+    records, shapes, first = [], [], None
     for shape in shapes_for(world):
         if only and shape.op not in only.split(","):
             continue
@@ -72,6 +72,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         tuned = measure_candidates(op, top, group_name, device, graphs=graphs)
         pick = min(tuned, key=lambda s: (tuned[s], s))
         best = min(measured, key=measured.get)
+        first = first or (shape, measured, best)
         # Two measurements of near-ties disagree within their spread: where the sweep's best is
         # not autotune's pick or the model's top-1, those two or three meet again, alone, for as
         # many rounds as a near-tie gets (the pick and the top-1 are then judged on that timing).
@@ -85,23 +86,21 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
             print(f"{shape.op} {shape.M}x{shape.K}x{shape.N}: model {names[0]} ({measured[names[0]]:.3f}), "
                   f"best {best} ({measured[best]:.3f}), autotune {pick} ({measured[pick]:.3f})", flush=True)
         torch.cuda.empty_cache()
-    drift = _drift(shapes[0], rank_, world, group_name, device, graphs, records) if shapes else {}
+    drift = _drift(*first, rank_, world, group_name, device, graphs) if first else {}
     compile_times = _compile_overhead(rank_, world, group_name, cache_dir)
     return {"calibration_s": calibration_s, "calibration": json.loads(cal.to_json()), "records": records,
             "shapes": shapes, "compile": compile_times, "drift": drift}
 
 
-def _drift(first: dict, rank_: int, world: int, group_name: str, device, graphs: bool, records: list[dict]) -> dict:
+def _drift(shape, swept: dict[str, float], best: str, rank_: int, world: int, group_name: str, device,
+           graphs: bool) -> dict:
     """The first shape's sweep best and `sequential` timed again after the whole sweep:
     {schedule: [ms in the sweep, ms now]}.  How far one schedule moves within a run (clocks,
     heat) is the resolution of every "measured best" above (session 23, 2x H200: the same
     schedule 0.810 ms in the sweep and 0.935 ms in a head-to-head minutes later)."""
-    shape = next(s for s in shapes_for(world) if (s.op, s.M, s.K, s.N) == (first["op"], first["M"], first["K"], first["N"]))
     _, _, _, _, op, _ = _variants(shape, rank_, world, group_name)
-    names = list(dict.fromkeys([first["measured_best"], "sequential"]))
+    names = list(dict.fromkeys([best, "sequential"]))
     again = measure_candidates(op, names, group_name, device, graphs=graphs)
-    swept = {r["candidate"]: r["measured_ms"] for r in records
-             if (r["op"], r["M"], r["K"], r["N"]) == (first["op"], first["M"], first["K"], first["N"])}
     return {s: [swept[s], again[s]] for s in names if s in again and s in swept}
 
 

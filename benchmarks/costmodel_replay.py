@@ -42,20 +42,20 @@ def replay(summary_path: pathlib.Path) -> dict:
     cal = Calibration.from_json(json.dumps(doc["calibration"]))
     graphs = summary_path.name.endswith("_graphs_summary.json")
     by_shape: dict[tuple, dict[str, tuple[float, float]]] = collections.defaultdict(dict)
-    errors, drift = [], []
+    errors, recomputed = [], []
     for r in records:
         shape = region_shape(dict(r, dtype=r.get("dtype", "bfloat16")))
         ms = predict(shape, Schedule.parse(r["candidate"]), cal, graphs=graphs).seconds * 1e3
         by_shape[(r["op"], r["M"], r["K"], r["N"])][r["candidate"]] = (ms, r["measured_ms"])
         errors.append(abs(ms - r["measured_ms"]) / r["measured_ms"])
-        drift.append(abs(ms - r["predicted_ms"]) / r["predicted_ms"])
+        recomputed.append(abs(ms - r["predicted_ms"]) / r["predicted_ms"])
     hits = 0
     for cands in by_shape.values():
         top = min(cands, key=lambda s: (cands[s][0], s))
         hits += cands[top][1] <= 1.05 * min(m for _, m in cands.values())
     return {"run": summary_path.name.removeprefix("costmodel_").removesuffix("_summary.json"),
             "median_rel_error": statistics.median(errors), "top1_within_5pct": hits, "shapes": len(by_shape),
-            "recomputed_max_diff": max(drift)}
+            "recomputed_max_diff": max(recomputed)}
 
 
 def main() -> None:
