@@ -107,3 +107,46 @@ def block_regions(rank: int, world: int, concat_k: bool, options: dict = CHUNKED
     notes = [n for g in graphs for n in g.notes if "concat-K" in n]
     cats = sum(g.code.count("aten.cat.default") for g in graphs if g.graph_kind == "backward")
     return backward, notes, cats, [(e.name, e.compiled, e.eager) for e in errors]
+
+
+def _readers(a1, w1, a2, w2, a3, w3):
+    """The backward's form: pointwise operands that weight-gradient GEMMs also read, one of
+    them (d2) defined after d1's reader, plus an operand read by a reshape (which cannot take a
+    strided slice) and one that is a graph input (copied whatever happens)."""
+    d1 = a1 * 2.0
+    g1 = d1.t() @ a3[:, :N]
+    d2 = torch.sin(a2)
+    g2 = d2.t() @ a3[:, :N]
+    d3 = torch.cos(a3)
+    flat = d3.reshape(-1)
+    dx = _reduce((d1 @ w1).view(B, S, N) + (d2 @ w2).view(B, S, N) + (d3 @ w3).view(B, S, N) + (a1 @ w1).view(B, S, N),
+                 "rs")
+    return dx, g1, g2, flat
+
+
+def shared_readers(rank: int, world: int):
+    """(max abs error vs eager after the rewrite, slices made, charged bytes and what the
+    weights + copied operands weigh, readers of the slices, error and slices left after
+    undo_unclaimed, the sum's kept bytes)."""
+    from torch_commopt.passes.concat_k import META, concat_k, copy_bytes, kept_bytes, undo_unclaimed
+
+    torch.manual_seed(3 + rank)
+    ins = []
+    for k in KS:
+        ins += [torch.randn(B * S, k, dtype=torch.float64), torch.randn(k, N, dtype=torch.float64)]
+    want = _readers(*ins)
+    gm = make_fx(_readers, tracing_mode="fake")(*ins)
+    notes = concat_k(gm.graph)
+    assert len(notes) == 1, notes
+    err = _run(gm, ins, want)
+    mm = next(n for n in gm.graph.nodes if "commopt_concat_k" in n.meta)
+    slices = mm.meta[META].slices
+    # expected charge: the 4 weights (w1 twice) and d3 (its reshape keeps it) and a1 (an input)
+    elt = 8
+    expect = (2 * KS[0] + KS[1] + KS[2]) * N * elt + (KS[2] + KS[0]) * B * S * elt
+    readers = sorted(u.target.__name__ for sl in slices for u in sl.users if u is not mm.args[0])
+    charged, kept = copy_bytes(mm), kept_bytes(mm)
+    undo_unclaimed(gm.graph)
+    left = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.slice.Tensor
+               and n.args[0].target is torch.ops.aten.cat.default)
+    return err, len(slices), (charged, expect), readers, (_run(gm, ins, want), left), (kept, 3 * 1.5 * B * S * N * elt)

@@ -44,3 +44,17 @@ def test_kept_regions_get_their_sum_of_matmuls_back():
         assert cats == cats0, (cats, cats0)  # no copy of A or of the weights is left behind
         for name, c, e in errors:
             assert within_tolerance(c, e), f"{name}: commopt error {c:.2e} vs eager {e:.2e}"
+
+
+def test_operands_other_readers_take_slices_so_pointwise_operands_are_not_copied():
+    from concat_k_programs import shared_readers
+
+    for err, slices, (charged, expect), readers, (err_undone, left), (kept, kept_expect) in run_distributed(
+            shared_readers, 2, timeout_s=300):
+        assert err < 1e-10 and err_undone < 1e-10, (err, err_undone)
+        # d1 and d2 (pointwise, read by transposes that feed matmuls) are shared; d3's reader is
+        # a reshape of the whole tensor (no strided view) and a1 is an input that is read raw
+        assert slices == 2 and readers == ["t.default", "t.default"], (slices, readers)
+        assert charged == expect, (charged, expect)
+        assert left == 0
+        assert kept == kept_expect

@@ -8,9 +8,15 @@ which the matmul -> reduce finder then turns into one overlapped region.  The ba
 column-parallel layer group has this form: dX = dq Wq + dk Wk + dv Wv (attention) and
 dX = d1 W1 + d3 W3 (SwiGLU), each summed and then reduce-scattered (SP) or all-reduced (TP).
 Exact up to rounding, and closer to the fp32 sum than the original: the products are added in
-the GEMM's fp32 accumulator instead of being rounded to the dtype one by one and added.  The
-price is two copies, the A operands side by side (M x sum K) and the weights stacked
-(sum K x N), each written once per call.
+the GEMM's fp32 accumulator instead of being rounded to the dtype one by one and added.
+
+What it costs: the weights stacked (sum K x N), a copy per call, and the A operands side by
+side (M x sum K).  The cat of the A operands is placed right after the last of them, and their
+other readers (the weight-gradient GEMMs of the backward) read their slices of it instead, so
+an operand computed by a pointwise kernel (SwiGLU's backward, or the clone that lays out
+attention's dq/dk/dv) is written straight into its slice by Inductor, no copy; any other
+operand is copied (`copy_bytes`).  A reader whose output would change layout on the strided
+slice (other than a transpose feeding matmuls) keeps the operand, which is then copied.
 
 The rewrite is a bet on the region: it pays only where an op of ours takes the fused matmul.
 Where the region is kept as compiled (its chosen schedule is `sequential`, or it was not
@@ -23,15 +29,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.passes.chains import keeps_last_dim, set_fake_val
 from torch_commopt.passes.find_matmul_reduce import scatter_form
 from torch_commopt.passes.graph_utils import (ALL_REDUCE, MM, REDUCE_SCATTER, RESHAPES, aten, row_shape, same_shape,
-                                               size_hint, val)
+                                               same_size, size_hint, val)
 
 ADD = aten.add.Tensor
+SLICE = aten.slice.Tensor
 META = "commopt_concat_k"  # on the fused mm: how to restore the sum it replaced (_Undo)
+# a reader of an operand that may take its slice of the cat even though its output's strides
+# change (a transposed view), provided every reader of that output is a matmul
+TRANSPOSES = {aten.permute.default, aten.t.default, aten.transpose.int}
+MATMULS = {MM, aten.addmm.default, aten.bmm.default}
 
 
 def concat_k(graph: Graph) -> list[str]:
@@ -108,15 +120,16 @@ def _tree(add: Node, leaves) -> tuple:
 
 def _rewrite(graph: Graph, add: Node, terms: list[tuple[Node | None, Node]], tree: tuple) -> None:
     """One mm over the concatenated operands, viewed like the first term, replaces the add tree."""
+    operands = [mm.args[0] for _, mm in terms]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_after(max(operands, key=order.__getitem__)):  # then their readers can take slices
+        a = graph.call_function(aten.cat.default, (operands, 1))
+    set_fake_val(a)
     with graph.inserting_before(add):
-        a = graph.call_function(aten.cat.default, ([mm.args[0] for _, mm in terms], 1))
-        set_fake_val(a)
         w = graph.call_function(aten.cat.default, ([mm.args[1] for _, mm in terms], 0))
         set_fake_val(w)
         mm = graph.call_function(MM, (a, w))
         set_fake_val(mm)
-        mm.meta[META] = _Undo([None if v is None else (v.target, v.args[1:], dict(v.kwargs)) for v, _ in terms],
-                              tree, add.name)
         out = mm
         view = terms[0][0]
         if view is not None:
@@ -126,6 +139,96 @@ def _rewrite(graph: Graph, add: Node, terms: list[tuple[Node | None, Node]], tre
         raise AssertionError(f"concat-K: {out.name} {tuple(val(out).shape)} does not match {add.name}")
     add.replace_all_uses_with(out)
     _erase_tree(graph, add)
+    slices = _share(graph, a, operands, min(operands, key=order.__getitem__))
+    mm.meta[META] = _Undo([None if v is None else (v.target, v.args[1:], dict(v.kwargs)) for v, _ in terms],
+                          tree, add.name, slices)
+
+
+def _share(graph: Graph, cat: Node, operands: list[Node], first: Node) -> dict[Node, Node]:
+    """Point the operands' other readers at their slices of the cat, so that Inductor can
+    compute each operand straight into the cat (module docstring).  `first`: the earliest
+    operand in the graph.  {slice: operand}."""
+    slices, start, anchor = {}, 0, cat
+    for x in operands:
+        k = row_shape(x)[-1]
+        readers = [u for u in x.users if u is not cat]
+        start, lo = start + k, start
+        if not readers or operands.count(x) > 1:
+            continue
+        with graph.inserting_after(anchor):
+            sl = graph.call_function(SLICE, (cat, 1, lo, lo + k))
+        set_fake_val(sl)
+        window = _between(first, cat)
+        moved = [u for u in readers if _redirect(u, x, sl, set(operands), window)]
+        if not moved:
+            graph.erase_node(sl)
+            continue
+        slices[sl] = x
+        anchor = _after(sl, set(moved), first, cat)
+    return slices
+
+
+def _between(first: Node, last: Node) -> set[Node]:
+    """The nodes from `first` up to (not including) `last`, in graph order."""
+    out, n = set(), first
+    while n is not last:
+        out.add(n)
+        n = n.next
+    return out
+
+
+def _redirect(user: Node, x: Node, sl: Node, operands: set[Node], window: set[Node]) -> bool:
+    """Let `user` read `sl` instead of `x` where its result keeps its layout (or it is a
+    transpose only matmuls read) and no operand depends on it (a cycle through the cat)."""
+    if _reaches(user, operands, window):
+        return False
+    before = user.meta.get("val")
+    user.replace_input_with(x, sl)
+    try:
+        set_fake_val(user)
+        after = val(user)
+        same = (isinstance(before, torch.Tensor) and after is not None and after.dtype == before.dtype
+                and same_shape(after.shape, before.shape) and _same_strides(after, before))
+        ok = same or (user.target in TRANSPOSES and all(u.target in MATMULS for u in user.users))
+    except Exception:  # noqa: BLE001 - the reader cannot take the strided slice: it keeps x
+        ok = False
+    if not ok:
+        user.replace_input_with(sl, x)
+        user.meta["val"] = before
+    return ok
+
+
+def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return len(a.stride()) == len(b.stride()) and all(same_size(p, q) for p, q in zip(a.stride(), b.stride()))
+
+
+def _reaches(start: Node, targets: set[Node], window: set[Node]) -> bool:
+    """Whether one of `targets` (all inside `window`) depends on `start`: only nodes inside
+    the window can lead to them."""
+    seen, todo = set(), [start]
+    while todo:
+        n = todo.pop()
+        if n in targets:
+            return True
+        if n in seen or n not in window:
+            continue
+        seen.add(n)
+        todo.extend(n.users)
+    return False
+
+
+def _after(anchor: Node, readers: set[Node], first: Node, cat: Node) -> Node:
+    """Move the readers that precede the cat, and what depends on them before it, to just
+    after `anchor`, keeping their order; the last node placed (the next anchor)."""
+    moving, n = set(), first
+    while n is not cat:
+        nxt = n.next
+        if n in readers or any(i in moving for i in n.all_input_nodes):
+            moving.add(n)
+            anchor.append(n)
+            anchor = n
+        n = nxt
+    return anchor
 
 
 def _erase_tree(graph: Graph, node: Node) -> None:
@@ -140,19 +243,47 @@ def _erase_tree(graph: Graph, node: Node) -> None:
 @dataclass(frozen=True)
 class _Undo:
     """What the fused mm replaced: each term's view (target, args after the input, kwargs)
-    or None, the add tree over the terms, and the root add's name (for explain)."""
+    or None, the add tree over the terms, the root add's name (for explain), and the slices
+    of the A cat that other readers took in place of an operand ({slice: operand})."""
 
     views: list
     tree: tuple
     name: str
+    slices: dict
 
 
 def copy_bytes(mm: Node) -> int:
     """Bytes the concat-K copies of this matmul write per call (0: not a concat-K matmul):
-    what the cost model charges an op of ours for it (tuner.model.RegionShape.copy_bytes)."""
+    the stacked weights, and each A operand Inductor cannot compute in its slice (module
+    docstring).  What the cost model charges an op of ours (tuner.model.RegionShape.copy_bytes)."""
     if META not in mm.meta:
         return 0
-    return sum(size_hint(x.numel()) * x.element_size() for x in map(val, mm.args[:2]))
+    cat_a, cat_w = mm.args[:2]
+    copied = [x for x in cat_a.args[0] if not _in_place(x, cat_a)]
+    return sum(size_hint(v.numel()) * v.element_size() for v in map(val, [*copied, cat_w]))
+
+
+def _in_place(x: Node, cat: Node) -> bool:
+    """Whether Inductor writes `x` straight into the cat: a pointwise result (through views),
+    read by nothing else."""
+    while len(x.users) == 1 and x.op == "call_function":
+        if torch.Tag.pointwise in getattr(x.target, "tags", ()):
+            return True
+        if x.target not in RESHAPES:
+            return False
+        x = x.args[0]
+    return False
+
+
+def kept_bytes(mm: Node) -> int:
+    """What the summed form adds to one matmul where the region is kept as compiled: each add
+    reads two products and writes one, charged as a device copy of 1.5 products
+    (tuner.model.RegionShape.kept_bytes; 0: not a concat-K matmul)."""
+    if META not in mm.meta:
+        return 0
+    out = val(mm)
+    terms = len(mm.meta[META].views)
+    return int(1.5 * (terms - 1) * size_hint(out.numel()) * out.element_size())
 
 
 def undo_unclaimed(graph: Graph) -> list[str]:
@@ -170,6 +301,13 @@ def _undo(graph: Graph, mm: Node) -> bool:
     """Replace the fused mm (and its view) by the original add tree; False if the fused form
     was changed since (then it stays as it is: still exact)."""
     undo, (cat_a, cat_w) = mm.meta[META], mm.args
+    if any(sl not in cat_a.users for sl in undo.slices):
+        return False
+    for sl, x in undo.slices.items():  # the other readers take their operand back
+        for user in list(sl.users):
+            user.replace_input_with(sl, x)
+            set_fake_val(user)
+        graph.erase_node(sl)
     fused = [cat_a, cat_w]
     if any(c.target is not aten.cat.default or len(c.users) != 1 for c in fused):
         return False

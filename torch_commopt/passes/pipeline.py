@@ -418,7 +418,7 @@ def op_a_shape(region: Region) -> list[int]:
 
 
 def _choose_by_model(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
-    from torch_commopt.passes.concat_k import copy_bytes
+    from torch_commopt.passes.concat_k import copy_bytes, kept_bytes
     from torch_commopt.tuner.autotune import plan
     from torch_commopt.tuner.choose import calibration_for, device_name
 
@@ -429,7 +429,7 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
         region.kind, op_a_shape(region), weights, region.dim, [c.bias is not None for c in region.consumers],
         region.reduce_op, region.keep_gathered, region.group_size, str(a.dtype).removeprefix("torch."),
         device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, config.cuda_graphs,
-        sum(copy_bytes(c.node) for c in region.consumers))
+        sum(copy_bytes(c.node) for c in region.consumers), sum(kept_bytes(c.node) for c in region.consumers))
     name = region.collective.name
     rows = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "measured_ms": None,
              "extra_mib": p.extra_bytes / 2**20} for p in preds]

@@ -82,13 +82,15 @@ def _stored_or_prior(stored, device: str, world: int) -> Calibration:
 
 def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
                     dtype: str, cal: Calibration, max_chunks: int, *,
-                    graphs: bool = False, copy_bytes: int = 0) -> tuple[Schedule, list[Prediction], str]:
+                    graphs: bool = False, copy_bytes: int = 0,
+                    kept_bytes: int = 0) -> tuple[Schedule, list[Prediction], str]:
     """(schedule, ranked predictions, why) for a region; candidates cut more than
     `max_chunks` pieces are left out, GPU ones too where the kernels refuse the shape.
     graphs=True: ranked for CUDA-graph replay (no per-call host cost).  copy_bytes: what the
-    graph copies only for an op of ours (RegionShape.copy_bytes)."""
+    graph copies only for an op of ours, kept_bytes: what the region kept as compiled moves
+    beyond one matmul (RegionShape)."""
     shape = RegionShape(kind, math.prod(a_shape[:-1]), a_shape[-1], tuple(w[-1] for w in weight_shapes), world, dtype,
-                        copy_bytes)
+                        copy_bytes, kept_bytes)
     refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
     pool = [s for s in candidates(shape, cal, graphs=graphs)
             if s.chunks <= max(1, max_chunks) and not (s.is_gpu and refusal)]
@@ -100,7 +102,8 @@ def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]
     if refusal and cal.p2p is not None:
         why += f"; GPU schedules left out: {refusal}"
     if copy_bytes and cal.local_copy is not None:  # the charge (model._graph_copies) needs that figure
-        why += f"; every candidate but sequential (kept as compiled) pays concat-K's {copy_bytes / 2**20:.1f} MiB of copies"
+        why += (f"; every candidate but sequential (kept as compiled) pays concat-K's {copy_bytes / 2**20:.1f} MiB "
+                f"of copies, sequential the sum's {kept_bytes / 2**20:.1f} MiB")
     return best.schedule, preds, why
 
 

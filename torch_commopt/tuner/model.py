@@ -31,8 +31,11 @@ class RegionShape:
     rows: rows of `a` as a matrix (prod of all dims but the last); k: its last dim.
     ns: the widths of the weights (several for q/k/v or w1/w3 sharing one all-gather).
     copy_bytes: bytes the graph copies for the region only where an op of ours runs it
-        (concat-K's side-by-side A operands and stacked weights, passes/concat_k.py): charged
-        to every schedule but `sequential`, which keeps the region as compiled, uncopied.
+        (concat-K's stacked weights and the A operands not computed in place,
+        passes/concat_k.py): charged to every schedule but `sequential`, which keeps the
+        region as compiled, uncopied.
+    kept_bytes: what the region as compiled moves beyond one matmul, as device-copy bytes
+        (concat-K: the sum of products it restores): charged to `sequential` only.
     """
 
     kind: str
@@ -42,14 +45,16 @@ class RegionShape:
     world: int
     dtype: str = "bfloat16"
     copy_bytes: int = 0
+    kept_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in OP_SCHEDULES:
             raise ValueError(f"RegionShape.kind: unknown {self.kind!r}")
         if min(self.rows, self.k, self.world, *self.ns) < 1:
             raise ValueError(f"RegionShape: sizes must be positive, got {self}")
-        if self.copy_bytes < 0:
-            raise ValueError(f"RegionShape.copy_bytes: must be >= 0, got {self.copy_bytes}")
+        for name in ("copy_bytes", "kept_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RegionShape.{name}: must be >= 0, got {getattr(self, name)}")
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"RegionShape.dtype: not a torch dtype name: {self.dtype!r}")
 
@@ -122,11 +127,13 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
 
 
 def _graph_copies(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
-    """The copies the graph makes for this region's op (shape.copy_bytes), none when kept.  A
-    cat reads and writes its bytes as a device-local copy does (no such figure: free)."""
-    if not shape.copy_bytes or sched.name == "sequential" or cal.local_copy is None:
+    """The copies the graph makes for this region's op (shape.copy_bytes) or, kept as
+    compiled, what the kept form moves beyond one matmul (shape.kept_bytes).  A cat reads
+    and writes its bytes as a device-local copy does (no such figure: free)."""
+    moved = shape.kept_bytes if sched.name == "sequential" else shape.copy_bytes
+    if not moved or cal.local_copy is None:
         return 0.0
-    return cal.local_copy.time(shape.copy_bytes)
+    return cal.local_copy.time(moved)
 
 
 def factor_key(kind: str, sched: Schedule) -> str:
