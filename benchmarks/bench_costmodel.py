@@ -22,6 +22,7 @@ import json
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +43,20 @@ from torch_commopt.tuner.autotune import measure_candidates, timed_candidates  #
 from torch_commopt.tuner.model import rank  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
+SMI_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
+
+
+def gpu_state(index: int) -> dict | None:
+    """The GPU's SM clock (MHz), power (W), temperature (C) and active throttle reasons now
+    (nvidia-smi), or None where it cannot be read: whether two timings of one schedule ran
+    at different clocks (the drift question)."""
+    try:
+        row = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits",
+                              "-i", str(index)], capture_output=True, text=True, timeout=5, check=True).stdout
+        sm, power, temp, reasons = [x.strip() for x in row.strip().split(",")]
+        return {"sm_mhz": float(sm), "power_w": float(power), "temp_c": float(temp), "throttle": reasons}
+    except Exception:  # noqa: BLE001 - a figure for the report only
+        return None
 
 
 def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False):
@@ -62,7 +77,9 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         preds = rank(region, cal, graphs=graphs)
         _, _, _, _, op, _ = _variants(shape, rank_, world, group_name)
         names = [str(p.schedule) for p in preds]
+        clocks = {"before": gpu_state(rank_)}
         measured = measure_candidates(op, names, group_name, device, graphs=graphs)
+        clocks["after_sweep"] = gpu_state(rank_)
         base = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16"}
         for p in preds:
             s = str(p.schedule)
@@ -70,6 +87,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
                                 predicted_gpu_ms=p.gpu_s * 1e3, predicted_host_ms=p.host_s * 1e3))
         top = timed_candidates(preds, TOP_K)  # what Config(mode="autotune") times
         tuned = measure_candidates(op, top, group_name, device, graphs=graphs)
+        clocks["after_autotune"] = gpu_state(rank_)
         pick = min(tuned, key=lambda s: (tuned[s], s))
         best = min(measured, key=measured.get)
         first = first or (shape, measured, best)
@@ -78,30 +96,33 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         # many rounds as a near-tie gets (the pick and the top-1 are then judged on that timing).
         duel = list(dict.fromkeys([pick, best, names[0]]))
         head = measure_candidates(op, duel, group_name, device, graphs=graphs) if len(duel) > 1 else {}
+        clocks["after_head_to_head"] = gpu_state(rank_)
         shapes.append(dict(base, model_top1=names[0], measured_best=best, measured_best_ms=measured[best],
                            model_top1_measured_ms=measured[names[0]], autotune_candidates=top,
                            autotune_pick=pick, autotune_pick_measured_ms=measured[pick], autotune_timing_ms=tuned,
-                           head_to_head_ms=head))
+                           head_to_head_ms=head, gpu_state=clocks))
         if rank_ == 0:
             print(f"{shape.op} {shape.M}x{shape.K}x{shape.N}: model {names[0]} ({measured[names[0]]:.3f}), "
                   f"best {best} ({measured[best]:.3f}), autotune {pick} ({measured[pick]:.3f})", flush=True)
         torch.cuda.empty_cache()
-    drift = _drift(*first, rank_, world, group_name, device, graphs) if first else {}
+    drift, drift_state = _drift(*first, rank_, world, group_name, device, graphs) if first else ({}, None)
     compile_times = _compile_overhead(rank_, world, group_name, cache_dir)
     return {"calibration_s": calibration_s, "calibration": json.loads(cal.to_json()), "records": records,
-            "shapes": shapes, "compile": compile_times, "drift": drift}
+            "shapes": shapes, "compile": compile_times, "drift": drift,
+            "drift_gpu_state": drift_state}
 
 
 def _drift(shape, swept: dict[str, float], best: str, rank_: int, world: int, group_name: str, device,
-           graphs: bool) -> dict:
+           graphs: bool) -> tuple[dict, list]:
     """The first shape's sweep best and `sequential` timed again after the whole sweep:
     {schedule: [ms in the sweep, ms now]}.  How far one schedule moves within a run (clocks,
     heat) is the resolution of every "measured best" above (session 23, 2x H200: the same
     schedule 0.810 ms in the sweep and 0.935 ms in a head-to-head minutes later)."""
     _, _, _, _, op, _ = _variants(shape, rank_, world, group_name)
     names = list(dict.fromkeys([best, "sequential"]))
+    before = gpu_state(rank_)
     again = measure_candidates(op, names, group_name, device, graphs=graphs)
-    return {s: [swept[s], again[s]] for s in names if s in again and s in swept}
+    return {s: [swept[s], again[s]] for s in names if s in again and s in swept}, [before, gpu_state(rank_)]
 
 
 def _compile_overhead(rank_: int, world: int, group_name: str, cache_dir: str) -> dict:
@@ -235,7 +256,8 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps([dict(r, **{k: meta[k] for k in ("device", "torch", "date", "commit")})
                                                   for r in result["records"]], indent=1))
     doc = {"meta": meta, "summary": summary, "shapes": result["shapes"], "compile": result["compile"],
-           "calibration": result["calibration"], "drift": result.get("drift", {})}
+           "calibration": result["calibration"], "drift": result.get("drift", {}),
+           "drift_gpu_state": result.get("drift_gpu_state")}
     (out / f"{stem}_summary.json").write_text(json.dumps(doc, indent=1))
     (out / f"{stem}.md").write_text(report(doc, result["records"]))
     print(json.dumps(summary, indent=1))
