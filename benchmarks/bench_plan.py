@@ -231,6 +231,10 @@ def report(res: dict, meta: dict) -> str:
         idle = [x for k, v in res["breakdown_ms"].items() for x in format_idle(k, split(v)[1])]
         if idle:
             lines += ["", "Where the device sat idle in that step (rank 0; the kernel before and after each gap):", "", *idle]
+        for r, other in enumerate(res.get("breakdown_ms_other_ranks") or [], start=1):
+            idle = [x for k, v in other.items() for x in format_idle(k, split(v)[1])]
+            if idle:
+                lines += ["", f"Rank {r}'s idle gaps in its profiled step:", "", *idle]
     lines += ["", "## Searched plan (per region)", ""]
     for p in res["plans"].get("searched", []):
         lines.append(f"- {p['graph']} {p['region']} ({p['kind']}): {p['schedule']}")
@@ -270,8 +274,11 @@ def main() -> None:
     figures: dict = {}
     calibration = run_calibration(args.world, backend, values=figures)
     print(calibration, flush=True)
-    res = run_distributed(worker, args.world, shape, args.repeats, args.model, args.budgets, args.concat_k_controls,
-                          backend=backend, timeout_s=900)[0]
+    per_rank = run_distributed(worker, args.world, shape, args.repeats, args.model, args.budgets, args.concat_k_controls,
+                               backend=backend, timeout_s=900)
+    res = per_rank[0]
+    # the other ranks' profiled step: a wait for a peer shows on the rank that waits
+    res["breakdown_ms_other_ranks"] = [r["breakdown_ms"] for r in per_rank[1:]]
     res["plans_equal"] = _same_plan(res)
     res["budgets"] = _budget_rows(res, args.budgets)
     res["calibration"] = calibration
