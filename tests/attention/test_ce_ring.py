@@ -17,12 +17,12 @@ class _Group:
         return self.n
 
 
-def test_cpu_tensors_and_lone_ranks_keep_the_nccl_shift(monkeypatch):
+def test_cpu_tensors_and_lone_ranks_take_no_copy_engine_shift(monkeypatch):
     monkeypatch.setenv(ce_ring.ENV, "ce")
     t = torch.zeros(4)
     assert not ce_ring.usable([t], _Group(2))
     assert not ce_ring.usable([t], None)
-    assert isinstance(comm.ring_shift([t], None, 0), comm.RingShift)
+    assert isinstance(comm.ring_shift([t], None, 0), comm.Unmoved)  # a lone rank moves nothing
 
 
 def test_slot_bytes_align_every_piece():
