@@ -164,17 +164,20 @@ def _same_plan(res: dict) -> str | None:
 def _plan_mib(res: dict, label: str) -> dict[str, float] | None:
     """A variant's predicted extra memory per graph (MiB; the budget holds per graph) from the
     searched variant's candidate rows (same regions), counted as the search counts it under a
-    budget (`sequential` holds its gathered input or unreduced product); None where a schedule
-    has no row."""
-    rows = {(p["graph"], p["region"]): {c["schedule"]: c["extra_mib"] for c in p["candidates"]}
-            for p in res["plans"].get("searched", [])}
-    total: dict[str, float] = {}
+    budget (reshard.plan.footprint: each size class of symmetric buffers once, plus the
+    largest per-call need); None where a schedule has no row."""
+    from torch_commopt.reshard.plan import footprint
+
+    rows = {(p["graph"], p["region"]): p["candidates"] for p in res["plans"].get("searched", [])}
+    graphs: dict[str, tuple[dict, dict]] = {}
     for p in res["plans"].get(label, []):
-        mib = rows.get((p["graph"], p["region"]), {}).get(p["schedule"])
-        if mib is None:
+        cands = rows.get((p["graph"], p["region"]), [])
+        index = next((i for i, c in enumerate(cands) if c["schedule"] == p["schedule"]), None)
+        if index is None:
             return None
-        total[p["graph"]] = total.get(p["graph"], 0.0) + mib
-    return total
+        table, choice = graphs.setdefault(p["graph"], ({}, {}))
+        table[p["region"]], choice[p["region"]] = cands, index
+    return {g: footprint(table, choice) for g, (table, choice) in graphs.items()}
 
 
 def _budget_rows(res: dict, budgets) -> dict:

@@ -50,9 +50,10 @@ class Config:
         "fixed": `schedule` must name the schedule (and its parameters).
     autotune_top_k: how many of the model's best candidates autotune times per region.
     memory_budget_mib: with mode="model", the extra device memory (MiB) the chosen schedules
-        of one graph may hold together (buffers, gathered copies); the fastest set of choices
-        that fits is found exactly (reshard.plan).  A budget nothing fits runs the
-        least-memory plan, logged.  None: no budget.
+        of one graph may hold together: each size class of symmetric buffers once (regions
+        share them), plus the largest per-call need (staging, gathered copies); the fastest
+        set of choices that fits is found exactly (reshard.plan).  A budget nothing fits runs
+        the least-memory plan, logged.  None: no budget.
     cache_dir: the tuner cache directory (default $TORCH_COMMOPT_CACHE_DIR, else the
         user's cache directory).
     concat_k: a sum of matmuls that feeds a reduce-scatter or all-reduce (the backward of

@@ -2,33 +2,77 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
 from torch_commopt import Config
 from torch_commopt.launch import run_distributed
-from torch_commopt.reshard.plan import choose_within_budget
+from torch_commopt.reshard.plan import choose_within_budget, footprint, least_memory_plan
 from torch_commopt.tuner.calibration import prior
 from torch_commopt.tuner.model import RegionShape, rank
 
 
 def _rows(shape):
-    return [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "extra_mib": p.extra_bytes / 2**20}
-            for p in rank(shape, prior("NVIDIA H200", 2))]
+    return [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "extra_mib": p.extra_bytes / 2**20,
+             "pool_mib": p.pool_bytes / 2**20} for p in rank(shape, prior("NVIDIA H200", 2))]
 
 
-def test_budget_gives_the_copy_engine_buffers_to_the_region_that_gains_most():
+def test_regions_whose_buffers_share_a_size_class_hold_it_once():
     big = _rows(RegionShape("ag_matmul", 8192, 8192, (14336,), 2, "bfloat16"))
     small = _rows(RegionShape("ag_matmul", 8192, 8192, (2048,), 2, "bfloat16"))
-    gathered = 2 * 8192 * 8192 * 2 / 2**20  # MiB of one gathered input
+    short = _rows(RegionShape("ag_matmul", 1024, 8192, (8192,), 2, "bfloat16"))
+    gathered = 2 * 8192 * 8192 * 2 / 2**20  # MiB of one gathered input (sequential's, for one call)
+    buffer = 2 * gathered  # both regions' symmetric request: one 512 MiB class
     free, _ = choose_within_budget({"big": big, "small": small}, 1e9)
-    assert big[free["big"]]["extra_mib"] == small[free["small"]]["extra_mib"] == 2 * gathered  # both GPU
-    # room for one symmetric buffer pair and one gathered copy: the big GEMM hides more
-    choice, note = choose_within_budget({"big": big, "small": small}, 3 * gathered)
-    assert big[choice["big"]]["extra_mib"] == 2 * gathered and small[choice["small"]]["extra_mib"] == gathered
-    assert "plan within" in note
+    assert big[free["big"]]["pool_mib"] == small[free["small"]]["pool_mib"] == buffer  # both GPU
+    assert footprint({"big": big, "small": small}, free) == buffer  # one buffer, not two
+    choice, note = choose_within_budget({"big": big, "small": small}, buffer)
+    assert choice == free and "plan within" in note
+    # a budget under the class: both keep NCCL, each holding its gathered input for one call
+    choice, note = choose_within_budget({"big": big, "small": small}, buffer - 1)
+    assert all(rows[choice[n]]["pool_mib"] == 0 for n, rows in (("big", big), ("small", small)))
+    assert footprint({"big": big, "small": small}, choice) == gathered
+    # a third region in a smaller class gets the copy engine only where both classes fit
+    three = {"big": big, "small": small, "short": short}
+    choice, _ = choose_within_budget(three, buffer + gathered / 8)
+    assert short[choice["short"]]["pool_mib"] == 0 and big[choice["big"]]["pool_mib"] == buffer
+    choice, _ = choose_within_budget(three, buffer + buffer / 8)
+    assert short[choice["short"]]["pool_mib"] > 0
     choice, note = choose_within_budget({"big": big, "small": small}, 1.0)
     assert "no plan fits" in note and all(rows[choice[n]]["extra_mib"] == gathered
                                           for n, rows in (("big", big), ("small", small)))
+
+
+def _brute(cands, key, budget):
+    names = list(cands)
+    plans = [dict(zip(names, c)) for c in itertools.product(*(range(len(cands[n])) for n in names))]
+    fits = [p for p in plans if footprint(cands, p) <= budget]
+    rank = lambda p: (sum(cands[n][i][key] for n, i in p.items()), footprint(cands, p))  # noqa: E731
+    return min(map(rank, fits)) if fits else None, min((footprint(cands, p) for p in plans))
+
+
+def test_the_budgeted_plan_is_the_brute_force_optimum_of_the_shared_buffer_count():
+    rng = random.Random(5)
+    for _ in range(300):
+        cands = {}
+        for r in range(rng.randint(1, 5)):
+            rows = []
+            for j in range(rng.randint(1, 4)):
+                pool = rng.choice([0, 0, 16, 40, 64, 100, 128, 256])
+                rows.append({"schedule": f"s{j}", "predicted_ms": rng.uniform(0.5, 2.0),
+                             "pool_mib": pool, "extra_mib": pool + rng.choice([0, 8, 32, 64])})
+            cands[f"r{r}"] = rows
+        budget = rng.uniform(0, 500)
+        want, least = _brute(cands, "predicted_ms", budget)
+        choice, note = choose_within_budget(cands, budget)
+        got = (sum(cands[n][i]["predicted_ms"] for n, i in choice.items()), footprint(cands, choice))
+        if want is None:
+            assert "no plan fits" in note and got[1] == pytest.approx(least)
+        else:
+            assert got[0] == pytest.approx(want[0]) and got[1] <= budget, (got, want)
+        assert footprint(cands, least_memory_plan(cands)) == pytest.approx(least)
 
 
 def test_budget_options_are_validated():
@@ -71,10 +115,11 @@ def test_the_pass_plans_within_the_budget_on_gloo():
 def test_plan_view_totals_and_runner_up():
     from torch_commopt.reshard.plan import describe_plan
 
-    cands = {"ag": [{"schedule": "ce_push:1", "predicted_ms": 1.0, "extra_mib": 64},
+    # buffers: ag 64 MiB, rs 16 MiB (two classes); rs ce_push:2 also stages 16 MiB per call
+    cands = {"ag": [{"schedule": "ce_push:1", "predicted_ms": 1.0, "extra_mib": 64, "pool_mib": 64},
                     {"schedule": "sequential", "predicted_ms": 1.5, "extra_mib": 0}],
-             "rs": [{"schedule": "ce_push:2", "predicted_ms": 2.0, "extra_mib": 32},
-                    {"schedule": "direct:1", "predicted_ms": 2.1, "extra_mib": 16}]}
+             "rs": [{"schedule": "ce_push:2", "predicted_ms": 2.0, "extra_mib": 32, "pool_mib": 16},
+                    {"schedule": "direct:1", "predicted_ms": 2.1, "extra_mib": 16, "pool_mib": 16}]}
     lines = describe_plan(cands, {"ag": "ce_push:1", "rs": "ce_push:2"}, None)
     assert lines[0] == "2 region(s), predicted 3.000 ms, 96 MiB extra"
     assert lines[1] == "runner-up: rs direct:1: predicted 3.100 ms (+0.100), 80 MiB extra"
@@ -84,7 +129,8 @@ def test_plan_view_totals_and_runner_up():
 
 def _gpu_rows(shape):
     return [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "extra_mib": p.extra_bytes / 2**20,
-             "gpu_ms": p.gpu_s * 1e3, "host_ms": p.host_s * 1e3} for p in rank(shape, prior("NVIDIA H200", 2))]
+             "pool_mib": p.pool_bytes / 2**20, "gpu_ms": p.gpu_s * 1e3, "host_ms": p.host_s * 1e3}
+            for p in rank(shape, prior("NVIDIA H200", 2))]
 
 
 def test_graph_plan_weighs_summed_device_time_while_the_host_runs_ahead():
@@ -122,5 +168,5 @@ def test_graph_plan_respects_the_budget():
     small = _gpu_rows(RegionShape("ag_matmul", 8192, 8192, (2048,), 2, "bfloat16"))
     gathered = 2 * 8192 * 8192 * 2 / 2**20
     choice, note, _ = choose_for_graph({"big": big, "small": small}, 3 * gathered)
-    assert big[choice["big"]]["extra_mib"] + small[choice["small"]]["extra_mib"] <= 3 * gathered
+    assert footprint({"big": big, "small": small}, choice) <= 3 * gathered
     assert "plan within" in note

@@ -432,7 +432,7 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
         sum(copy_bytes(c.node) for c in region.consumers), sum(kept_bytes(c.node) for c in region.consumers))
     name = region.collective.name
     rows = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "measured_ms": None,
-             "extra_mib": p.extra_bytes / 2**20} for p in preds]
+             "extra_mib": p.extra_bytes / 2**20, "pool_mib": p.pool_bytes / 2**20} for p in preds]
     if cal.device != "cpu":  # a GPU works while the host enqueues: the whole-graph plan weighs both
         for row, p in zip(rows, preds):
             row.update(gpu_ms=p.gpu_s * 1e3, host_ms=p.host_s * 1e3)

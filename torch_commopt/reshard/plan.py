@@ -1,9 +1,20 @@
 """One choice per region for a whole graph under a per-GPU memory budget (Config.memory_budget_mib).
 
 Each region's ranked candidates (the cost model's predicted ms and extra MiB, as explain lists
-them) become the options of a node of `search.Problem`; the layouts between regions are fixed
-by the program today, so no edge costs anything and the budget is what couples the regions.
-The search then finds the fastest set of choices whose extra memory fits, exactly.
+them) are the options; the layouts between regions are fixed by the program today, so no edge
+costs anything and the budget is what couples the regions.
+
+What a plan holds (`footprint`): the GPU schedules' symmetric buffers are allocated once per
+size class and group and shared by every region whose request falls in a class already
+there (kernels/gpu/symm.py), so they count once per distinct class ("pool_mib" rows: the
+request), not once per region; everything else a schedule needs (staging, the unreduced
+product, the gathered input of `sequential`) lives for one call and is freed before the next
+region runs, so the largest of those counts.  Counting each class the plan's requests fall in
+never counts less than the runtime allocates.  Summing every region's buffer instead had a
+TP+SP block at 640 MiB per graph where it holds one 128 MiB class, and a 400 MiB budget then
+kept two regions on NCCL beside the copy-engine ones (2x H200, s24: 0.79-0.97x the all-NCCL
+plan).  The search under a budget is exact for this count: one pass per set of allowed size
+classes, each region taking its fastest candidate that the set and the room left allow.
 
 What "fastest" means for a graph: a region's predicted time for back-to-back calls of it alone
 is max(device time, host time) -- a short GPU schedule is host-bound there.  Inside a compiled
@@ -18,10 +29,9 @@ decide, as before.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
-
-from torch_commopt.reshard.search import InfeasibleBudget, Plan, Problem, least_memory, runner_up, solve
 
 log = logging.getLogger("torch_commopt.reshard.plan")
 
@@ -30,20 +40,102 @@ def choose_within_budget(candidates: dict[str, list[dict]], budget_mib: float,
                          key: str = "predicted_ms") -> tuple[dict[str, int], str]:
     """({region: index into its candidate rows}, a note for explain).
 
-    candidates: per region, rows with "predicted_ms" and "extra_mib".  A budget no plan fits
-    gives the least-memory plan, logged (a compile must not fail over it)."""
-    problem = _problem(candidates, key)
-    try:
-        plan = solve(problem, budget_mib)
-        fastest = solve(problem)
-        note = (f"plan within {budget_mib:g} MiB: predicted {plan.time:.3f} ms, {plan.memory:.0f} MiB extra "
-                f"(unconstrained: {fastest.time:.3f} ms, {fastest.memory:.0f} MiB)")
-    except InfeasibleBudget as e:
-        plan = least_memory(problem)
-        note = (f"no plan fits {budget_mib:g} MiB (the least is {e.least_memory:.0f} MiB): running the "
-                f"least-memory plan, predicted {plan.time:.3f} ms")
-        log.warning("commopt: %s", note)
-    return plan.choice, note
+    candidates: per region, rows with `key`, "extra_mib" and (GPU schedules) "pool_mib".  A
+    budget no plan fits gives the least-memory plan, logged (a compile must not fail over it)."""
+    fastest = _fastest(candidates, key, lambda n, r: True)
+    plan = _within(candidates, budget_mib, key)
+    if plan is not None:
+        note = (f"plan within {budget_mib:g} MiB: predicted {_time(candidates, plan, key):.3f} ms, "
+                f"{footprint(candidates, plan):.0f} MiB extra (unconstrained: {_time(candidates, fastest, key):.3f} ms, "
+                f"{footprint(candidates, fastest):.0f} MiB)")
+        return plan, note
+    plan = least_memory_plan(candidates, key)
+    note = (f"no plan fits {budget_mib:g} MiB (the least is {footprint(candidates, plan):.0f} MiB): running the "
+            f"least-memory plan, predicted {_time(candidates, plan, key):.3f} ms")
+    log.warning("commopt: %s", note)
+    return plan, note
+
+
+def pool_class_mib(row: dict) -> float:
+    """The size class (MiB) of the symmetric buffer a candidate requests; 0 without one."""
+    from torch_commopt.kernels.gpu.symm import size_class
+
+    pool = row.get("pool_mib", 0.0)
+    return size_class(math.ceil(pool * 2**20)) / 2**20 if pool > 0 else 0.0
+
+
+def transient_mib(row: dict) -> float:
+    """What a candidate holds for one call only (its extra memory beyond the shared buffer)."""
+    return max(0.0, row["extra_mib"] - row.get("pool_mib", 0.0))
+
+
+def footprint(candidates: dict[str, list[dict]], choice: dict[str, int]) -> float:
+    """MiB a plan holds: each distinct size class of its symmetric buffers once, plus the
+    largest per-call need (module docstring)."""
+    rows = [candidates[n][i] for n, i in choice.items()]
+    classes = {c for c in map(pool_class_mib, rows) if c}
+    return sum(classes) + max(map(transient_mib, rows), default=0.0)
+
+
+def _time(candidates: dict[str, list[dict]], choice: dict[str, int], key: str) -> float:
+    return sum(candidates[n][i][key] for n, i in choice.items())
+
+
+def _fastest(candidates: dict[str, list[dict]], key: str, allowed) -> dict[str, int] | None:
+    """Per region the fastest allowed row (ties: the least memory), None where a region has none."""
+    choice = {}
+    for n, rows in candidates.items():
+        ok = [i for i, r in enumerate(rows) if allowed(n, r)]
+        if not ok:
+            return None
+        choice[n] = min(ok, key=lambda i: (rows[i][key], transient_mib(rows[i]), pool_class_mib(rows[i])))
+    return choice
+
+
+def _class_sets(candidates: dict[str, list[dict]]):
+    """Every set of the size classes the candidates request (the empty set first)."""
+    classes = sorted({c for rows in candidates.values() for c in map(pool_class_mib, rows) if c})
+    for k in range(len(classes) + 1):
+        yield from itertools.combinations(classes, k)
+
+
+def _within(candidates: dict[str, list[dict]], budget_mib: float, key: str) -> dict[str, int] | None:
+    """The fastest plan whose footprint fits the budget (ties: the least memory), or None.
+    Exact: a plan's classes are some set S; given S, the regions are independent, each its
+    fastest row whose class is in S and whose per-call need fits what S leaves."""
+    best, best_rank = None, None
+    for classes in _class_sets(candidates):
+        room = budget_mib - sum(classes)
+        if room < 0:
+            continue
+        allowed = set(classes)
+        choice = _fastest(candidates, key, lambda n, r: (pool_class_mib(r) in allowed or not pool_class_mib(r))
+                          and transient_mib(r) <= room)
+        if choice is None:
+            continue
+        rank = (_time(candidates, choice, key), footprint(candidates, choice))
+        if best_rank is None or rank < best_rank:
+            best, best_rank = choice, rank
+    return best
+
+
+def least_memory_plan(candidates: dict[str, list[dict]], key: str = "predicted_ms") -> dict[str, int]:
+    """The plan holding the least (ties: the fastest)."""
+    best, best_rank = None, None
+    for classes in _class_sets(candidates):
+        allowed = set(classes)
+
+        def fits(r):
+            return pool_class_mib(r) in allowed or not pool_class_mib(r)
+        need = max(min(transient_mib(r) for r in rows if fits(r)) if any(map(fits, rows)) else math.inf
+                   for rows in candidates.values())
+        if need == math.inf:
+            continue
+        choice = _fastest(candidates, key, lambda n, r: fits(r) and transient_mib(r) <= need)
+        rank = (footprint(candidates, choice), _time(candidates, choice, key))
+        if best_rank is None or rank < best_rank:
+            best, best_rank = choice, rank
+    return best
 
 
 def choose_for_graph(candidates: dict[str, list[dict]], budget_mib: float | None) -> tuple[dict[str, int], str, str]:
@@ -66,32 +158,34 @@ def choose_for_graph(candidates: dict[str, list[dict]], budget_mib: float | None
 
 def _choose(candidates: dict[str, list[dict]], budget_mib: float | None, key: str) -> tuple[dict[str, int], str]:
     if budget_mib is None:
-        return solve(_problem(candidates, key)).choice, ""
+        return _fastest(candidates, key, lambda n, r: True), ""
     return choose_within_budget(candidates, budget_mib, key)
 
 
 def describe_plan(candidates: dict[str, list[dict]], chosen: dict[str, str], budget_mib: float | None,
                   key: str = "predicted_ms") -> list[str]:
-    """explain's plan view: the chosen schedules' total predicted time and extra memory, and
-    the runner-up (the best other set of choices within the budget) with what it changes.
-    chosen: per region the schedule it runs (regions whose schedule is not among its ranked
-    candidates, e.g. an autotune placeholder not yet timed, leave the view out)."""
+    """explain's plan view: the chosen schedules' total predicted time and extra memory
+    (`footprint`), and the runner-up: the best plan within the budget that differs in one
+    region, with what it changes.  chosen: per region the schedule it runs (regions whose
+    schedule is not among its ranked candidates, e.g. an autotune placeholder not yet timed,
+    leave the view out)."""
     if not candidates or not _decided(candidates, chosen):
         return []
-    problem = _problem(candidates, key)
     index = {n: [r["schedule"] for r in rows].index(chosen[n]) for n, rows in candidates.items()}
-    plan = Plan(index, *problem.cost(index))
+    time, memory = _time(candidates, index, key), footprint(candidates, index)
     budget = math.inf if budget_mib is None else budget_mib
     what = "device time" if key == "gpu_ms" else "predicted"
-    lines = [f"{len(candidates)} region(s), {what} {plan.time:.3f} ms, {plan.memory:.0f} MiB extra"
+    lines = [f"{len(candidates)} region(s), {what} {time:.3f} ms, {memory:.0f} MiB extra"
              + ("" if budget_mib is None else f" (budget {budget_mib:g} MiB)")]
-    other = runner_up(problem, plan, max(budget, plan.memory))
-    if other is None:
+    others = [{**index, n: i} for n, rows in candidates.items() for i in range(len(rows)) if i != index[n]]
+    others = [(_time(candidates, o, key), footprint(candidates, o), o) for o in others]
+    others = [o for o in others if o[1] <= max(budget, memory)]
+    if not others:
         lines.append("runner-up: none (one candidate per region)")
     else:
-        changes = ", ".join(f"{n} {candidates[n][i]['schedule']}" for n, i in other.choice.items() if i != index[n])
-        lines.append(f"runner-up: {changes}: predicted {other.time:.3f} ms ({other.time - plan.time:+.3f}), "
-                     f"{other.memory:.0f} MiB extra")
+        t, m, other = min(others, key=lambda o: o[:2])
+        changes = ", ".join(f"{n} {candidates[n][i]['schedule']}" for n, i in other.items() if i != index[n])
+        lines.append(f"runner-up: {changes}: predicted {t:.3f} ms ({t - time:+.3f}), {m:.0f} MiB extra")
     return lines
 
 
@@ -113,8 +207,3 @@ def _decided(candidates: dict[str, list[dict]], chosen: dict[str, str]) -> bool:
     """Whether every region runs one of its ranked candidates (not e.g. an untimed autotune
     placeholder)."""
     return all(chosen.get(n) in [r["schedule"] for r in rows] for n, rows in candidates.items())
-
-
-def _problem(candidates: dict[str, list[dict]], key: str = "predicted_ms") -> Problem:
-    """One node per region, its candidate rows' (row[key] ms, extra MiB) as options."""
-    return Problem({name: [(row[key], row["extra_mib"]) for row in rows] for name, rows in candidates.items()})

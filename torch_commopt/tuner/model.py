@@ -70,6 +70,7 @@ class Prediction:
     gpu_s: float
     host_s: float
     extra_bytes: int  # device memory beyond inputs and outputs (staging, gathered A, buffers)
+    pool_bytes: int = 0  # of which the symmetric buffer requested (kept, shared per size class)
 
 
 @dataclass
@@ -123,7 +124,7 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
     # A GPU runs the device work while the host enqueues the next call: back-to-back calls
     # take the longer of the two.  On a CPU the host *is* the device: they add up.
     seconds = gpu + host if cal.device == "cpu" else max(gpu, host)
-    return Prediction(sched, seconds, gpu, host, extra_bytes(shape, sched))
+    return Prediction(sched, seconds, gpu, host, extra_bytes(shape, sched), pool_bytes(shape, sched))
 
 
 def _graph_copies(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
@@ -277,6 +278,19 @@ def extra_bytes(shape: RegionShape, sched: Schedule) -> int:
         return full  # the unreduced product
     staging = w * seg if sched.name == "ce_push" or sched.param("store", "direct") == "ce" else 0
     return 2 * phases * w * seg + staging
+
+
+def pool_bytes(shape: RegionShape, sched: Schedule) -> int:
+    """The symmetric buffer a GPU schedule's call requests (both halves; what the kernels ask
+    `GroupRuntime.buffer` for: ag_matmul.buffer_bytes, matmul_reduce.buffer_bytes).  It is
+    allocated once per size class and group and kept, so regions share it; the rest of
+    extra_bytes is per call.  0 for the schedules without one."""
+    if not sched.is_gpu:
+        return 0
+    if shape.kind == "ag_matmul":
+        return 2 * shape.world * shape.rows * shape.k * shape.elt
+    phases = 2 if shape.kind == "matmul_ar" else 1
+    return 2 * phases * shape.world * math.ceil(shape.rows / shape.world) * shape.ns[0] * shape.elt
 
 
 def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool = False) -> list[Schedule]:

@@ -84,6 +84,14 @@ assert A2A_DATA + 2 * HALVES * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0
 assert RING_DATA + 2 * HALVES <= DATA
 
 MIN_BUFFER_BYTES = 1 << 24
+
+
+def size_class(nbytes: int) -> int:
+    """The bytes a symmetric buffer of at least nbytes is allocated with: a power of two, at
+    least MIN_BUFFER_BYTES.  `GroupRuntime.buffer` serves a request from the smallest cached
+    buffer that holds it, so regions whose requests share a class share one buffer (what the
+    whole-graph plan counts, reshard/plan.py)."""
+    return max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
 DEBUG_ENV = "TORCH_COMMOPT_DEBUG_WAITS"
 TIMEOUT_ENV = "TORCH_COMMOPT_WAIT_TIMEOUT_S"
 DEFAULT_WAIT_TIMEOUT_S = 120.0  # wall time a debug-mode wait spins before it gives up
@@ -266,9 +274,9 @@ class GroupRuntime:
         return kept[-1]
 
     def _rendezvoused(self, nbytes: int, purpose: str):
-        """(local uint8 tensor, handle) of a new symmetric allocation of the size class of
-        nbytes (a power of two, at least MIN_BUFFER_BYTES); collective."""
-        size = max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+        """(local uint8 tensor, handle) of a new symmetric allocation of nbytes' size class;
+        collective."""
+        size = size_class(nbytes)
         what = f"{purpose} buffer of {size >> 20} MiB"
         if self.refused is not None and size >= self.refused:  # known on every rank: no vote
             raise SymmAllocError(f"commopt: no symmetric {what} for group {self.group_name}: one of "
