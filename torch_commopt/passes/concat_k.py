@@ -148,7 +148,7 @@ def _share(graph: Graph, cat: Node, operands: list[Node], first: Node) -> dict[N
     """Point the operands' other readers at their slices of the cat, so that Inductor can
     compute each operand straight into the cat (module docstring).  `first`: the earliest
     operand in the graph.  {slice: operand}."""
-    slices, start, anchor = {}, 0, cat
+    slices, start, anchor, targets = {}, 0, cat, set(operands)
     for x in operands:
         k = row_shape(x)[-1]
         readers = [u for u in x.users if u is not cat]
@@ -159,7 +159,7 @@ def _share(graph: Graph, cat: Node, operands: list[Node], first: Node) -> dict[N
             sl = graph.call_function(SLICE, (cat, 1, lo, lo + k))
         set_fake_val(sl)
         window = _between(first, cat)
-        moved = [u for u in readers if _redirect(u, x, sl, set(operands), window)]
+        moved = [u for u in readers if _redirect(u, x, sl, targets, window)]
         if not moved:
             graph.erase_node(sl)
             continue

@@ -264,31 +264,28 @@ def _push_reduced_step(shape: RegionShape, cal: Calibration, steps: list[_Step],
 
 
 def extra_bytes(shape: RegionShape, sched: Schedule) -> int:
-    """Device memory a call needs beyond its inputs and outputs."""
+    """Device memory a call needs beyond its inputs and outputs: a GPU schedule's symmetric
+    buffer (pool_bytes) and its staging, else the gathered input or the unreduced product."""
     w = shape.world
-    if shape.kind == "ag_matmul":
-        gathered = w * shape.rows * shape.k * shape.elt
-        if sched.name in ("sequential", "chunked", "local_first"):
-            return gathered
-        return 2 * gathered  # symmetric buffer: two halves of W slots (kept across calls)
-    seg = math.ceil(shape.rows / w) * shape.ns[0] * shape.elt
-    phases = 2 if shape.kind == "matmul_ar" else 1
-    full = shape.rows * shape.ns[0] * shape.elt
-    if sched.name in ("sequential", "chunked"):
-        return full  # the unreduced product
-    staging = w * seg if sched.name == "ce_push" or sched.param("store", "direct") == "ce" else 0
-    return 2 * phases * w * seg + staging
+    if not sched.is_gpu:
+        if shape.kind == "ag_matmul":
+            return w * shape.rows * shape.k * shape.elt  # the gathered input
+        return shape.rows * shape.ns[0] * shape.elt  # the unreduced product
+    staging = 0
+    if shape.kind != "ag_matmul" and (sched.name == "ce_push" or sched.param("store", "direct") == "ce"):
+        staging = w * math.ceil(shape.rows / w) * shape.ns[0] * shape.elt
+    return pool_bytes(shape, sched) + staging
 
 
 def pool_bytes(shape: RegionShape, sched: Schedule) -> int:
-    """The symmetric buffer a GPU schedule's call requests (both halves; what the kernels ask
-    `GroupRuntime.buffer` for: ag_matmul.buffer_bytes, matmul_reduce.buffer_bytes).  It is
-    allocated once per size class and group and kept, so regions share it; the rest of
+    """The symmetric buffer a GPU schedule's call requests (both halves of W slots; what the
+    kernels ask `GroupRuntime.buffer` for: ag_matmul.buffer_bytes, matmul_reduce.buffer_bytes).
+    It is allocated once per size class and group and kept, so regions share it; the rest of
     extra_bytes is per call.  0 for the schedules without one."""
     if not sched.is_gpu:
         return 0
     if shape.kind == "ag_matmul":
-        return 2 * shape.world * shape.rows * shape.k * shape.elt
+        return 2 * shape.world * shape.rows * shape.k * shape.elt  # twice the gathered input
     phases = 2 if shape.kind == "matmul_ar" else 1
     return 2 * phases * shape.world * math.ceil(shape.rows / shape.world) * shape.ns[0] * shape.elt
 

@@ -92,6 +92,8 @@ def size_class(nbytes: int) -> int:
     buffer that holds it, so regions whose requests share a class share one buffer (what the
     whole-graph plan counts, reshard/plan.py)."""
     return max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
 DEBUG_ENV = "TORCH_COMMOPT_DEBUG_WAITS"
 TIMEOUT_ENV = "TORCH_COMMOPT_WAIT_TIMEOUT_S"
 DEFAULT_WAIT_TIMEOUT_S = 120.0  # wall time a debug-mode wait spins before it gives up
