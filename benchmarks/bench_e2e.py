@@ -163,9 +163,9 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                "tokens_per_s": b * s / (ms.item() / 1e3),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
         if dev == "cuda" and rank == 0:
-            rec["breakdown_ms"] = breakdown(step, sync)
+            rec["breakdown_ms"] = breakdown(step, sync, variant)
         elif dev == "cuda":
-            breakdown(step, sync)  # every rank runs the profiled step (collectives)
+            breakdown(step, sync, variant)  # every rank runs the profiled step (collectives)
         if host_profile and rank == 0:
             rec["host_profile"] = _host_profile(step, sync, host_profile)
         elif host_profile:  # the same steps, unprofiled (collectives)

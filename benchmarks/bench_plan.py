@@ -133,7 +133,7 @@ def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "
     med = torch.tensor([statistics.median(samples[k]) for k in names], dtype=torch.float64, device=dev)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     # one profiled step per variant (every rank runs it: collectives), rank 0's categories kept
-    profiled = {k: breakdown(steps[k], sync) for k in names} if dev == "cuda" else {}
+    profiled = {k: breakdown(steps[k], sync, k) for k in names} if dev == "cuda" else {}
     if _compiles() != compiled:
         raise RuntimeError(f"bench_plan: Dynamo compiled again while the variants were timed ({compiled} -> "
                            f"{_compiles()} frames/graphs): some figures are not of the variants as compiled")

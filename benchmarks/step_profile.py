@@ -21,15 +21,28 @@ CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "att
               ("commopt/triton", ("triton", "commopt")), ("copy", ("memcpy", "memset", "copy")))
 
 
-def breakdown(step, sync) -> dict[str, float]:
+def breakdown(step, sync, label: str = "") -> dict[str, float]:
     """Device time of one step by kernel category (ms, summed over kernels; overlapped kernels
-    both count, so the sum can exceed the step)."""
+    both count, so the sum can exceed the step).  With COMMOPT_TRACE_DIR set, the step's
+    Chrome trace is written there too, one file per rank (<label>_rank<r>.json), for the
+    timelines the categories cannot show (which stream waited on what)."""
+    import os
+
     from torch.profiler import ProfilerActivity, profile
 
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         sync()
+    trace_dir = os.environ.get("COMMOPT_TRACE_DIR")
+    if trace_dir:
+        import re
+
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        os.makedirs(trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace_dir, f"{re.sub(r'[^A-Za-z0-9]+', '_', label) or 'step'}_rank{rank}.json"))
     totals: dict = {}
     # GPU idle: the union of every kernel / copy interval of the step against its span
     events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
