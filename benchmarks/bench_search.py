@@ -9,6 +9,12 @@ backward (the sharded or the gathered input); edges carry the reshard between la
 (reshard.layouts), residual connections included.  Prints one JSON line: regions, nodes,
 edges, seconds to solve without and with a memory budget.
 
+It also times what a compile runs on such a stack's graphs (reshard.plan.choose_for_graph, the
+planner of Config(mode="model")): every forward and backward region of the stack with the
+candidate rows the pass builds (tuner.choose.choose_by_model's predictions, 2x H200 priors;
+no concat-K copy charges),
+planned without a budget and within one between the least-memory and the unconstrained plan.
+
     python3 benchmarks/bench_search.py [--layers 32]
 """
 
@@ -99,6 +105,50 @@ def llama_problem(layers: int, world: int = 2, tokens: int = 8192, dim: int = 40
     return Problem(options, edges), regions
 
 
+def compile_path_rows(layers: int, world: int = 2, tokens: int = 8192, dim: int = 4096, hidden: int = 14336,
+                      kv_dim: int = 1024) -> dict[str, list[dict]]:
+    """{region: candidate rows} as the compile pass builds them (passes.pipeline) for every
+    forward and backward matmul-collective region of the TP+SP stack (bf16, GPU rows)."""
+    from torch_commopt.tuner.choose import choose_by_model
+
+    cal, loc = prior("NVIDIA H200", world), tokens // world
+    regions = {  # per layer: (kind, A shape, weight shapes); backward regions gather dY / reduce dX
+        "qkv": ("ag_matmul", [loc, dim], [[dim, dim // world], [dim, kv_dim // world], [dim, kv_dim // world]]),
+        "wo": ("matmul_rs", [tokens, dim // world], [[dim // world, dim]]),
+        "w13": ("ag_matmul", [loc, dim], [[dim, hidden // world], [dim, hidden // world]]),
+        "w2": ("matmul_rs", [tokens, hidden // world], [[hidden // world, dim]]),
+        "w2_bwd": ("ag_matmul", [loc, dim], [[dim, hidden // world]]),
+        "w13_bwd": ("matmul_rs", [tokens, 2 * hidden // world], [[2 * hidden // world, dim]]),
+        "wo_bwd": ("ag_matmul", [loc, dim], [[dim, dim // world]]),
+        "qkv_bwd": ("matmul_rs", [tokens, (dim + 2 * kv_dim) // world], [[(dim + 2 * kv_dim) // world, dim]]),
+    }
+    rows = {}
+    for name, (kind, a, ws) in regions.items():
+        _, preds, _ = choose_by_model(kind, a, ws, 0, world, "bfloat16", cal, 8)
+        proto = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "extra_mib": p.extra_bytes / 2**20,
+                  "pool_mib": p.pool_bytes / 2**20, "gpu_ms": p.gpu_s * 1e3, "host_ms": p.host_s * 1e3} for p in preds]
+        for i in range(layers):
+            rows[f"{name}{i}"] = [dict(r) for r in proto]
+    return rows
+
+
+def time_compile_planner(layers: int) -> dict:
+    from torch_commopt.reshard.plan import choose_for_graph, footprint, least_memory_plan
+
+    rows = compile_path_rows(layers)
+    t0 = time.perf_counter()
+    free, _, key = choose_for_graph(rows, None)
+    unbounded = time.perf_counter() - t0
+    low = footprint(rows, least_memory_plan(rows, key))
+    budget = low + 0.5 * (footprint(rows, free) - low)
+    t0 = time.perf_counter()
+    bounded, _, _ = choose_for_graph(rows, budget)
+    return {"compile_path_regions": len(rows), "compile_path_solve_s": unbounded,
+            "compile_path_solve_with_budget_s": time.perf_counter() - t0,
+            "compile_path_plan_mib": footprint(rows, free), "compile_path_budget_mib": budget,
+            "compile_path_budget_plan_mib": footprint(rows, bounded)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
@@ -119,7 +169,7 @@ def main() -> None:
                       "solve_with_budget_s": with_budget, "plan_ms": free.time * 1e3,
                       "plan_mib": free.memory / 2**20, "budget_mib": budget / 2**20,
                       "budget_plan_ms": bounded.time * 1e3, "budget_plan_mib": bounded.memory / 2**20,
-                      "method": free.method}))
+                      "method": free.method, **time_compile_planner(args.layers)}))
 
 
 if __name__ == "__main__":
