@@ -23,9 +23,10 @@ CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "att
 
 def breakdown(step, sync, label: str = "") -> dict[str, float]:
     """Device time of one step by kernel category (ms, summed over kernels; overlapped kernels
-    both count, so the sum can exceed the step).  With COMMOPT_TRACE_DIR set, the step's
-    Chrome trace is written there too, one file per rank (<label>_rank<r>.json), for the
-    timelines the categories cannot show (which stream waited on what)."""
+    both count, so the sum can exceed the step).  With COMMOPT_TRACE_DIR set, one more step is
+    profiled with its host ops (input shapes and strides recorded) and its Chrome trace written
+    there, one file per rank (<label>_rank<r>.json), for the timelines the categories cannot
+    show (which stream waited on what, what the host was doing)."""
     import os
 
     from torch.profiler import ProfilerActivity, profile
@@ -35,14 +36,17 @@ def breakdown(step, sync, label: str = "") -> dict[str, float]:
         step()
         sync()
     trace_dir = os.environ.get("COMMOPT_TRACE_DIR")
-    if trace_dir:
+    if trace_dir:  # one more step, host ops (with their input shapes and strides) and device, for the trace only
         import re
 
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         os.makedirs(trace_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(trace_dir, f"{re.sub(r'[^A-Za-z0-9]+', '_', label) or 'step'}_rank{rank}.json"))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as traced:
+            step()
+            sync()
+        traced.export_chrome_trace(os.path.join(trace_dir, f"{re.sub(r'[^A-Za-z0-9]+', '_', label) or 'step'}_rank{rank}.json"))
     totals: dict = {}
     # GPU idle: the union of every kernel / copy interval of the step against its span
     events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
