@@ -50,6 +50,7 @@ from torch_commopt.launch import run_distributed  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from naming import card_tag  # noqa: E402
+from gpu_clocks import ClockSampler  # noqa: E402
 from step_profile import breakdown, format_idle, split  # noqa: E402
 
 VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model", "inductor+cudagraphs", "commopt graphs"]
@@ -148,20 +149,22 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
         times, enqueue = [], []
-        for _ in range(repeats):
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            step()
-            enqueue.append((time.perf_counter() - t0) * 1e3)  # the host's share: step() returns
-            sync()
-            times.append((time.perf_counter() - t0) * 1e3)
+        with ClockSampler() if dev == "cuda" and rank == 0 else _Nothing() as clocks:  # every GPU, from rank 0
+            for _ in range(repeats):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                step()
+                enqueue.append((time.perf_counter() - t0) * 1e3)  # the host's share: step() returns
+                sync()
+                times.append((time.perf_counter() - t0) * 1e3)
         ms = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
         rec = {"step_ms": ms.item(), "step_ms_spread": [min(times), max(times)], "step_ms_all": times,
                "host_enqueue_ms": statistics.median(enqueue), "losses": losses,
                "tokens_per_s": b * s / (ms.item() / 1e3),
-               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
+               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
+               "gpu_clocks": clocks.summary()}
         if dev == "cuda" and rank == 0:
             rec["breakdown_ms"] = breakdown(step, sync, variant)
         elif dev == "cuda":
@@ -184,6 +187,19 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
         gc.collect()
         _async_tp(False)
     return out
+
+
+class _Nothing:
+    """ClockSampler's stand-in where no clocks are read (CPU, ranks other than 0)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def summary(self) -> dict:
+        return {}
 
 
 def _host_profile(step, sync, steps: int, top: int = 30) -> list[str]:
@@ -217,7 +233,7 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                      "loss_first": r["losses"][0], "loss_last": r["losses"][-1], "losses": r["losses"],
                      "breakdown_ms": r.get("breakdown_ms"), "regions": r.get("regions"),
                      "host_enqueue_ms": r.get("host_enqueue_ms"), "step_ms_all": r.get("step_ms_all"),
-                     "host_profile": r.get("host_profile")})
+                     "host_profile": r.get("host_profile"), "gpu_clocks": r.get("gpu_clocks")})
     base = {r["backend"]: r for r in rows}
     for r in rows:
         for ref in ("inductor", "inductor+async-TP"):
@@ -247,6 +263,14 @@ def report(rows: list[dict], meta: dict) -> str:
               "enqueue: the median time until step() returned, before the synchronize):", ""]
     for r in rows:
         lines.append(f"- {r['backend']}: {split(r['breakdown_ms'])[0]}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms")
+    if any(r.get("gpu_clocks") for r in rows):
+        lines += ["", "GPU clocks while the steps were timed (nvidia-smi every 100 ms, per GPU: mean SM MHz "
+                  "[lowest..highest], mean W, share of samples under the software power cap):", ""]
+        for r in rows:
+            g = r.get("gpu_clocks") or {}
+            lines.append(f"- {r['backend']}: " + "; ".join(
+                f"GPU {i} {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], {c['power_w_mean']:.0f} W, "
+                f"capped {c['power_capped_share']:.0%}" for i, c in g.items()))
     idle = [x for r in rows for x in format_idle(r["backend"], split(r["breakdown_ms"])[1])]
     if idle:
         lines += ["", "Where the device sat idle in that step (rank 0; the kernel before and after each gap; a wait "

@@ -1,0 +1,59 @@
+"""SM clock, power and throttle reasons of the GPUs while a benchmark times something.
+
+`ClockSampler` runs `nvidia-smi --query-gpu=... -lms PERIOD` beside the timed work and
+summarizes each GPU's samples: mean / lowest / highest SM clock, mean power, and the share of
+samples with the software power cap active (throttle reason 0x4).  On 2x H200 the SM clock
+fell from ~1.9 GHz to 1.44-1.56 GHz under sustained load with that reason set (bench_costmodel's
+snapshots, session 25), which slows every kernel of a denser program: the figure that tells
+"the overlap made the step denser, the clocks dropped" from "a kernel got slower".
+
+    with ClockSampler() as clocks:
+        ... timed work ...
+    clocks.summary()  # {gpu index: {...}} or {} where nvidia-smi is missing
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+
+FIELDS = ("index", "clocks.sm", "power.draw", "clocks_throttle_reasons.active")
+SW_POWER_CAP = 0x4
+
+
+class ClockSampler:
+    def __init__(self, period_ms: int = 100):
+        self.period_ms, self.proc, self.out = period_ms, None, ""
+
+    def __enter__(self) -> "ClockSampler":
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
+                                          f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         text=True)
+        except OSError:  # no nvidia-smi: no figures
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.out, _ = self.proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.out, _ = self.proc.communicate()
+
+    def summary(self) -> dict[int, dict]:
+        samples: dict[int, list[tuple[float, float, int]]] = {}
+        for line in self.out.splitlines():
+            try:
+                idx, sm, power, reasons = [x.strip() for x in line.split(",")]
+                samples.setdefault(int(idx), []).append((float(sm), float(power), int(reasons, 16)))
+            except ValueError:  # a header, a cut line, "[N/A]"
+                continue
+        return {idx: {"samples": len(s), "sm_mhz_mean": round(statistics.mean(x[0] for x in s), 1),
+                      "sm_mhz_min": min(x[0] for x in s), "sm_mhz_max": max(x[0] for x in s),
+                      "power_w_mean": round(statistics.mean(x[1] for x in s), 1),
+                      "power_capped_share": round(sum(1 for x in s if x[2] & SW_POWER_CAP) / len(s), 3)}
+                for idx, s in sorted(samples.items()) if s}
