@@ -23,6 +23,7 @@ is reported as not capturable.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import datetime
 import json
@@ -41,6 +42,7 @@ import torch.distributed as dist
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_clocks import ClockSampler  # noqa: E402
 from naming import card_tag  # noqa: E402
 
 import torch_commopt  # noqa: E402,F401
@@ -218,13 +220,15 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
             kept = chosen.name == "sequential"
             if not kept:
                 fns["pick"] = lambda c=str(chosen): op(c)
-            rounds = _timed_all(fns, iters, repeats, graphs=graphs)
+            with ClockSampler() if rank == 0 else contextlib.nullcontext() as clocks:  # both GPUs, from rank 0
+                rounds = _timed_all(fns, iters, repeats, graphs=graphs)
             if kept:
                 # The compiled path keeps a region whose pick is sequential as the graph's own
                 # collective + matmul (passes.pipeline._keep_as_compiled): the program that runs
                 # is the NCCL + cuBLAS baseline itself, so its timing is that baseline's.
                 rounds["pick"] = rounds["nccl_seq"]
             res = _summarize(rounds, shape, world)
+            res["gpu_clocks"] = clocks.summary() if clocks is not None else {}
             res["commopt_schedule"], res["pick_reason"] = str(chosen), why
             if band is not None:
                 res["commopt_schedule"] = f"measured: {decided(chosen)}"
@@ -264,6 +268,17 @@ def _summarize(rounds: dict, shape: Shape, world: int) -> dict:
         res["paired_speedup_vs_best_baseline"] = statistics.median(b / c for b, c in zip(best_in_round, rounds["pick"]))
     else:
         res["paired_speedup_vs_best_baseline"] = None
+    # Paired hidden fraction: the formula on each round's own times, median over rounds.  On a
+    # GEMM-dominated shape the medians' formula divides by a small difference (AG 16384x8192x28672:
+    # 6.27 - 5.70 ms), so 1% of clock drift between two timings of the GEMM moves it by ~0.1;
+    # within a round the four timings run close together (the GPUs sit at their power cap and
+    # their clocks wander between rounds).
+    if all(k in rounds for k in ("nccl_seq", "pick", "gemm", "comm")):
+        per_round = [(n - c) / (n - max(g, m)) for n, c, g, m in zip(rounds["nccl_seq"], rounds["pick"], rounds["gemm"],
+                                                                     rounds["comm"]) if n > max(g, m)]
+        res["paired_hidden_fraction"] = statistics.median(per_round) if per_round else None
+    else:
+        res["paired_hidden_fraction"] = None
     best = min(res["schedules"], key=res["schedules"].get) if res["schedules"] else None
     res["best_schedule"], res["best_schedule_ms"] = best, res["schedules"].get(best)
     flops = 2 * shape.M * shape.K * shape.N / world
@@ -311,15 +326,16 @@ def _report(records: list[dict], meta: dict) -> str:
             continue
         lines += [f"## {title}", "",
                   "| op | M | K | N | GEMM | comm | NCCL seq | torch async-TP | commopt pick | schedule | hidden | "
-                  "async-TP hidden | speedup vs best | paired speedup | best schedule (ms) | balanced |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "paired hidden | async-TP hidden | speedup vs best | paired speedup | best schedule (ms) | balanced |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in records:
             x = get(r)
             if not x:
                 continue
             lines.append(f"| {r['op']} | {r['M']} | {r['K']} | {r['N']} | {_f(x['gemm_ms'])} | {_f(x['comm_ms'])} | "
                          f"{_f(x['nccl_seq_ms'])} | {_f(x['torch_async_tp_ms'])} | {_f(x['commopt_ms'])} | "
-                         f"{x['commopt_schedule']} | {_f(x['hidden_fraction'])} | {_f(x['torch_async_tp_hidden_fraction'])} | "
+                         f"{x['commopt_schedule']} | {_f(x['hidden_fraction'])} | {_f(x.get('paired_hidden_fraction'))} | "
+                         f"{_f(x['torch_async_tp_hidden_fraction'])} | "
                          f"{_f(x['speedup_vs_best_baseline'])} | {_f(x['paired_speedup_vs_best_baseline'])} | "
                          f"{x['best_schedule']} ({_f(x['best_schedule_ms'])}) | {r['balanced']} |")
         lines += ["", "Times in ms (mean of back-to-back calls, median of round-robin rounds, max over ranks); "
@@ -330,7 +346,8 @@ def _report(records: list[dict], meta: dict) -> str:
                   "the rule's host-bound band (pick.measure_band), timed at the region's first call "
                   "(tuner.autotune), which chose X; the pick's time includes resolving the placeholder.",
                   "speedup vs best = best baseline median / pick median; paired = median over rounds of "
-                  "(best baseline in that round / pick in that round).", "",
+                  "(best baseline in that round / pick in that round); paired hidden = median over rounds of "
+                  "the hidden fraction of that round's own times.", "",
                   f"### Spread ({mode}; fastest..slowest round, ms)", ""]
         for r in records:
             x = get(r)
@@ -338,7 +355,9 @@ def _report(records: list[dict], meta: dict) -> str:
                 continue
             rr = x["round_range_ms"]
             cells = ", ".join(f"{k} {rr[k][0]:.3f}..{rr[k][1]:.3f}" for k in ("nccl_seq", "torch_async_tp", "commopt") if k in rr)
-            lines.append(f"- {r['op']} {r['M']}x{r['K']}x{r['N']}: {cells}")
+            clocks = "; ".join(f"GPU {i} {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], "
+                               f"power-capped {c['power_capped_share']:.0%}" for i, c in (x.get("gpu_clocks") or {}).items())
+            lines.append(f"- {r['op']} {r['M']}x{r['K']}x{r['N']}: {cells}" + (f" (clocks while timed: {clocks})" if clocks else ""))
         lines += ["", f"### Every commopt schedule ({mode}; ms, relative error vs NCCL sequential)", ""]
         for r in records:
             x = get(r)
