@@ -250,3 +250,38 @@ def test_reduction_regions_are_planned_with_the_operand_the_op_receives():
     assert "last dim" in pick("matmul_rs", [8192, 2048], [[2048, 4096]], 1, 2, "bfloat16", graphs=True)[1]
     region.kind = "ag_matmul"
     assert op_a_shape(region) == [8192, 2048]
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_band_measurement_takes_more_rounds_and_the_fastest_host_round(fake_world, monkeypatch):
+    # a host burst at the first call must not decide for the whole run: the band times more
+    # rounds than autotune proper, and its host check takes each candidate's fastest round
+    import itertools
+    import time as time_mod
+
+    import torch.distributed as dist
+
+    from torch_commopt.tuner import autotune
+
+    group = dist.group.WORLD.group_name
+    sched = autotune.band_request("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32", "cpu", group,
+                                  ["sequential", "direct:1"], "direct:1", None, "rs_rounds")
+    req = autotune._REQUESTS[sched.param("id")]
+    assert req.rounds == autotune.BAND_ROUNDS > autotune.ROUNDS
+    assert autotune.band_key("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32", "cpu",
+                             ["sequential", "direct:1"])["host_check"] == "fastest round"
+    monkeypatch.setattr(autotune, "TARGET_S", {"cpu": 1e-4, "cuda": 1e-4})
+    burst = itertools.chain([2e-3] * 40, itertools.repeat(0.0))  # the first calls are slow
+    calls = {"sequential": 0, "direct:1": 0}
+
+    def run(s):
+        calls[s] += 1
+        time_mod.sleep(next(burst))
+
+    host, floor = {}, {}
+    measured = autotune.measure_candidates(run, ["sequential", "direct:1"], group, torch.device("cpu"),
+                                           host=host, host_floor=floor, rounds=autotune.BAND_ROUNDS)
+    assert set(measured) == set(host) == set(floor) == {"sequential", "direct:1"}
+    assert all(floor[s] <= host[s] for s in floor)
+    assert floor["sequential"] < 1.0  # ms: the fast rounds, not the burst's 2 ms calls
+    assert min(calls.values()) >= autotune.BAND_ROUNDS

@@ -52,6 +52,14 @@ BAND_MARGIN = 0.05
 # call's measurement saw the fast host: bench s22 eager RS 2048 chose ce_push:1 at 0.234 vs
 # 0.288 ms, which then ran 0.393 ms a call (0.72x NCCL).  NCCL's own enqueue is 55-75 us.
 BAND_HOST_HEADROOM = 1.5
+# The band's measurement runs more rounds than autotune's, and its host check takes each
+# candidate's fastest round: a host burst at the first call otherwise decides for the whole run
+# (2x H200, session 25: RS M_global 2048's first call saw ce_push:1 enqueue 0.289 ms a call,
+# median of 5 rounds, and AR's 0.219, so both kept NCCL, while ce_push:1 then ran 0.213 / 0.285
+# ms back to back against NCCL's 0.286 / 0.324 and torch async-TP's 0.249 for RS: 0.86x the best
+# baseline; matmul_collectives_h200x2_2026-11-26_s25b).  The headroom factor stays for the
+# slower hosts of later calls; more rounds spread the timed calls over ~0.2 s instead of ~0.07.
+BAND_ROUNDS = 15
 
 
 @dataclass
@@ -72,7 +80,8 @@ class TuneRequest:
     measured: dict[str, float] = field(default_factory=dict)
     margin: float = 0.0  # another schedule must beat `sequential` by this fraction to be run
     headroom: float = 0.0  # ... and enqueue in 1/headroom of `sequential`'s time (0: no check)
-    host: dict[str, float] = field(default_factory=dict)  # measured enqueue ms per call
+    host: dict[str, float] = field(default_factory=dict)  # enqueue ms per call, fastest round (the check's)
+    rounds: int = ROUNDS  # timing rounds of the first call
 
 
 _REQUESTS: dict[str, TuneRequest] = {}
@@ -126,7 +135,7 @@ def band_request(kind: str, a_shape: list[int], weight_shapes: list[list[int]], 
     key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates)
     return register(TuneRequest(key, list(candidates), fallback, group_name, cache_dir, debug_waits=debug_waits,
                                 report_notes=notes if notes is not None else [], name=name, margin=BAND_MARGIN,
-                                headroom=BAND_HOST_HEADROOM))
+                                headroom=BAND_HOST_HEADROOM, rounds=BAND_ROUNDS))
 
 
 def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
@@ -136,7 +145,8 @@ def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim:
 
     return {"question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
             "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates),
-            "host_headroom": BAND_HOST_HEADROOM}  # decisions made without the host check are not reused
+            "host_headroom": BAND_HOST_HEADROOM,  # decisions made under another check are not reused
+            "host_check": "fastest round", "rounds": BAND_ROUNDS}
 
 
 def decided(schedule: Schedule) -> str | None:
@@ -197,7 +207,8 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
         return req.fallback
     start = time.perf_counter()
     host: dict[str, float] = {}
-    measured = measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs, host=host)
+    measured = measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs,
+                                  host_floor=host, rounds=req.rounds)
     best = winner(measured, req.margin, host if req.headroom else None, req.headroom)
     sched = Schedule.parse(best)
     if req.debug_waits and sched.is_gpu:
@@ -212,7 +223,7 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
         row["measured_ms"] = measured.get(row["schedule"])
     req.report_notes.append(f"{req.name}: autotune measured {len(measured)} candidates at the first call in "
                             f"{time.perf_counter() - start:.2f} s; runs {req.decided} ({measured[best]:.3f} ms)"
-                            + (f"; host enqueue ms {_rounded(host)}" if req.headroom else ""))
+                            + (f"; host enqueue ms (fastest round) {_rounded(host)}" if req.headroom else ""))
     log.info("commopt autotune: %s -> %s %s (host %s)", req.name, req.decided, _rounded(measured), _rounded(host))
     return req.decided
 
@@ -243,14 +254,16 @@ def winner(measured: dict[str, float], margin: float = 0.0, host: dict[str, floa
 
 def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_name: str,
                        device: torch.device, label: str = "", *, graphs: bool = False,
-                       host: dict[str, float] | None = None) -> dict[str, float]:
+                       host: dict[str, float] | None = None, host_floor: dict[str, float] | None = None,
+                       rounds: int = ROUNDS) -> dict[str, float]:
     """{schedule: ms per call} of back-to-back calls (the host cost included: that is what
     the program will see), median over rounds, slowest rank.  Every rank must call this
     with the same candidates at the same point of its program.  graphs=True (CUDA): each
     sample is one replay of a CUDA graph holding the back-to-back calls (what a program
     replayed from graphs sees); a candidate whose capture fails on any rank is left out.
     host: filled with {schedule: ms per call the host spent enqueueing}, measured the same way
-    (the device idle at each sample's start), median over rounds, slowest rank."""
+    (the device idle at each sample's start), median over rounds, slowest rank; host_floor: the
+    same, fastest round (slowest rank's).  rounds: timing rounds before the near-tie ones."""
     group = resolve_group(group_name)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # noqa: E731
     counts = []
@@ -279,7 +292,7 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     show = dist.get_rank() == dist.get_process_group_ranks(group)[0]
     bar_here = dist.get_rank() == 0
 
-    def rounds(indices: list[int], count: int, desc: str) -> list[float]:
+    def timed_rounds(indices: list[int], count: int, desc: str) -> list[float]:
         """Time the candidates `indices` for `count` rounds (order rotated per round); the
         medians of all samples so far, slowest rank's."""
         bar = Progress(count * len(indices), f"commopt autotune {label} {desc}".rstrip(), show, bar_here)
@@ -294,21 +307,23 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
                 sync()
                 samples[i].append((time.perf_counter() - t0) / counts[i] * 1e3)
         bar.close()
-        t = torch.tensor([statistics.median(v) for v in samples] + [statistics.median(v) for v in enqueued],
-                         dtype=torch.float64, device=device)
+        t = torch.tensor([statistics.median(v) for v in samples] + [statistics.median(v) for v in enqueued]
+                         + [min(v) for v in enqueued], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        figures = t.tolist()
+        figures, n = t.tolist(), len(candidates)
         if host is not None:
-            host.update((candidates[i], figures[len(candidates) + i]) for i in indices)
-        return figures[:len(candidates)]
+            host.update((candidates[i], figures[n + i]) for i in indices)
+        if host_floor is not None:
+            host_floor.update((candidates[i], figures[2 * n + i]) for i in indices)
+        return figures[:n]
 
-    medians = rounds(list(range(len(candidates))), ROUNDS, "")
+    medians = timed_rounds(list(range(len(candidates))), rounds, "")
     # Near-ties get more rounds: two medians within the run-to-run spread swap places
     # between measurements.  Every rank holds the same medians, so all agree on the extra work.
     best = min(medians)
     close = [i for i, m in enumerate(medians) if m <= best * (1 + CLOSE)]
     if len(close) > 1:
-        medians = rounds(close, EXTRA_ROUNDS, "(near-tie)")
+        medians = timed_rounds(close, EXTRA_ROUNDS, "(near-tie)")
     return dict(zip(candidates, medians))
 
 
