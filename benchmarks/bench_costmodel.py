@@ -22,7 +22,6 @@ import json
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,25 +37,12 @@ from naming import card_tag  # noqa: E402
 import torch_commopt  # noqa: E402,F401
 from bench_matmul_collectives import _variants, shapes_for  # noqa: E402
 from costmodel_vs_bench import region_shape  # noqa: E402
+from gpu_clocks import snapshot as gpu_state  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 from torch_commopt.tuner.autotune import measure_candidates, timed_candidates  # noqa: E402
 from torch_commopt.tuner.model import rank  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
-SMI_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
-
-
-def gpu_state(index: int) -> dict | None:
-    """The GPU's SM clock (MHz), power (W), temperature (C) and active throttle reasons now
-    (nvidia-smi), or None where it cannot be read: whether two timings of one schedule ran
-    at different clocks (the drift question)."""
-    try:
-        row = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits",
-                              "-i", str(index)], capture_output=True, text=True, timeout=5, check=True).stdout
-        sm, power, temp, reasons = [x.strip() for x in row.strip().split(",")]
-        return {"sm_mhz": float(sm), "power_w": float(power), "temp_c": float(temp), "throttle": reasons}
-    except Exception:  # noqa: BLE001 - a figure for the report only
-        return None
 
 
 def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False):

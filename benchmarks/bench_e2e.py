@@ -149,7 +149,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
         times, enqueue = [], []
-        with ClockSampler() if dev == "cuda" and rank == 0 else _Nothing() as clocks:  # every GPU, from rank 0
+        with ClockSampler(enabled=dev == "cuda" and rank == 0) as clocks:  # every GPU, from rank 0
             for _ in range(repeats):
                 dist.barrier()
                 sync()
@@ -187,19 +187,6 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
         gc.collect()
         _async_tp(False)
     return out
-
-
-class _Nothing:
-    """ClockSampler's stand-in where no clocks are read (CPU, ranks other than 0)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def summary(self) -> dict:
-        return {}
 
 
 def _host_profile(step, sync, steps: int, top: int = 30) -> list[str]:

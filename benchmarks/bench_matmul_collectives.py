@@ -23,7 +23,6 @@ is reported as not capturable.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import datetime
 import json
@@ -220,7 +219,7 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
             kept = chosen.name == "sequential"
             if not kept:
                 fns["pick"] = lambda c=str(chosen): op(c)
-            with ClockSampler() if rank == 0 else contextlib.nullcontext() as clocks:  # both GPUs, from rank 0
+            with ClockSampler(enabled=rank == 0) as clocks:  # both GPUs, from rank 0
                 rounds = _timed_all(fns, iters, repeats, graphs=graphs)
             if kept:
                 # The compiled path keeps a region whose pick is sequential as the graph's own
@@ -228,7 +227,7 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
                 # is the NCCL + cuBLAS baseline itself, so its timing is that baseline's.
                 rounds["pick"] = rounds["nccl_seq"]
             res = _summarize(rounds, shape, world)
-            res["gpu_clocks"] = clocks.summary() if clocks is not None else {}
+            res["gpu_clocks"] = clocks.summary()
             res["commopt_schedule"], res["pick_reason"] = str(chosen), why
             if band is not None:
                 res["commopt_schedule"] = f"measured: {decided(chosen)}"

@@ -109,6 +109,7 @@ def compile_path_rows(layers: int, world: int = 2, tokens: int = 8192, dim: int 
                       kv_dim: int = 1024) -> dict[str, list[dict]]:
     """{region: candidate rows} as the compile pass builds them (passes.pipeline) for every
     forward and backward matmul-collective region of the TP+SP stack (bf16, GPU rows)."""
+    from torch_commopt.reshard.plan import candidate_rows
     from torch_commopt.tuner.choose import choose_by_model
 
     cal, loc = prior("NVIDIA H200", world), tokens // world
@@ -125,8 +126,7 @@ def compile_path_rows(layers: int, world: int = 2, tokens: int = 8192, dim: int 
     rows = {}
     for name, (kind, a, ws) in regions.items():
         _, preds, _ = choose_by_model(kind, a, ws, 0, world, "bfloat16", cal, 8)
-        proto = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "extra_mib": p.extra_bytes / 2**20,
-                  "pool_mib": p.pool_bytes / 2**20, "gpu_ms": p.gpu_s * 1e3, "host_ms": p.host_s * 1e3} for p in preds]
+        proto = candidate_rows(preds, device_split=True)
         for i in range(layers):
             rows[f"{name}{i}"] = [dict(r) for r in proto]
     return rows

@@ -7,9 +7,11 @@ fell from ~1.9 GHz to 1.44-1.56 GHz under sustained load with that reason set (b
 snapshots, session 25), which slows every kernel of a denser program: the figure that tells
 "the overlap made the step denser, the clocks dropped" from "a kernel got slower".
 
-    with ClockSampler() as clocks:
+    with ClockSampler(enabled=rank == 0) as clocks:
         ... timed work ...
-    clocks.summary()  # {gpu index: {...}} or {} where nvidia-smi is missing
+    clocks.summary()  # {gpu index: {...}}; {} where disabled or nvidia-smi is missing
+
+`snapshot(index)` reads one GPU once (bench_costmodel's before / after figures).
 """
 
 from __future__ import annotations
@@ -21,11 +23,28 @@ FIELDS = ("index", "clocks.sm", "power.draw", "clocks_throttle_reasons.active")
 SW_POWER_CAP = 0x4
 
 
+def snapshot(index: int) -> dict | None:
+    """GPU `index`'s SM clock (MHz), power (W), temperature (C) and active throttle reasons now,
+    or None where nvidia-smi cannot be read."""
+    fields = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
+    try:
+        row = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                              "-i", str(index)], capture_output=True, text=True, timeout=5, check=True).stdout
+        sm, power, temp, reasons = [x.strip() for x in row.strip().split(",")]
+        return {"sm_mhz": float(sm), "power_w": float(power), "temp_c": float(temp), "throttle": reasons}
+    except Exception:  # noqa: BLE001 - a figure for the report only
+        return None
+
+
 class ClockSampler:
-    def __init__(self, period_ms: int = 100):
-        self.period_ms, self.proc, self.out = period_ms, None, ""
+    """enabled=False: samples nothing, summary() is {} (CPU runs, ranks other than the reader)."""
+
+    def __init__(self, period_ms: int = 100, enabled: bool = True):
+        self.period_ms, self.enabled, self.proc, self.out = period_ms, enabled, None, ""
 
     def __enter__(self) -> "ClockSampler":
+        if not self.enabled:
+            return self
         try:
             self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
                                           f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

@@ -419,6 +419,7 @@ def op_a_shape(region: Region) -> list[int]:
 
 def _choose_by_model(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
     from torch_commopt.passes.concat_k import copy_bytes, kept_bytes
+    from torch_commopt.reshard.plan import candidate_rows
     from torch_commopt.tuner.autotune import plan
     from torch_commopt.tuner.choose import calibration_for, device_name
 
@@ -431,11 +432,8 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
         device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, config.cuda_graphs,
         sum(copy_bytes(c.node) for c in region.consumers), sum(kept_bytes(c.node) for c in region.consumers))
     name = region.collective.name
-    rows = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "measured_ms": None,
-             "extra_mib": p.extra_bytes / 2**20, "pool_mib": p.pool_bytes / 2**20} for p in preds]
-    if cal.device != "cpu":  # a GPU works while the host enqueues: the whole-graph plan weighs both
-        for row, p in zip(rows, preds):
-            row.update(gpu_ms=p.gpu_s * 1e3, host_ms=p.host_s * 1e3)
+    # a GPU works while the host enqueues: the whole-graph plan weighs both
+    rows = candidate_rows(preds, device_split=cal.device != "cpu")
     report.candidates[name] = rows
     if config.mode == "autotune":
         sched, why = _autotune(region, config, sched, top, key, rows, report)

@@ -36,6 +36,18 @@ import math
 log = logging.getLogger("torch_commopt.reshard.plan")
 
 
+def candidate_rows(preds, device_split: bool) -> list[dict]:
+    """A region's candidate rows (this module's options, explain's table) from the cost model's
+    ranked predictions (tuner.model.Prediction); device_split: with the device / host times
+    the whole-graph objective weighs (a GPU works while the host enqueues)."""
+    rows = [{"schedule": str(p.schedule), "predicted_ms": p.seconds * 1e3, "measured_ms": None,
+             "extra_mib": p.extra_bytes / 2**20, "pool_mib": p.pool_bytes / 2**20} for p in preds]
+    if device_split:
+        for row, p in zip(rows, preds):
+            row.update(gpu_ms=p.gpu_s * 1e3, host_ms=p.host_s * 1e3)
+    return rows
+
+
 def choose_within_budget(candidates: dict[str, list[dict]], budget_mib: float,
                          key: str = "predicted_ms") -> tuple[dict[str, int], str]:
     """({region: index into its candidate rows}, a note for explain).
