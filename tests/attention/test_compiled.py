@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from torch_commopt.launch import run_distributed
-from torch_commopt.validate import ERROR_FLOOR, TOLERANCE_FACTOR, within_tolerance
+from compiled_programs import close
+from torch_commopt.validate import TOLERANCE_FACTOR
+
+# Four ranks on the CI's two cores: the world-4 Ulysses programs are held to 100x eager
+# float32's error, the rest to the usual 4x.  With two threads per rank one run in ~20 came out
+# 40-100x on every rank, traced to one plain-torch logsumexp call on bit-exact inputs
+# (compiled_programs._one_thread_per_rank; benchmarks/NOTES.md, session 26); the programs now
+# run one thread per rank, which showed none in 70 runs.  A wrong mask, block or hop gives >= 1e-3.
+WORLD4_FACTOR = 100.0
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -13,19 +21,19 @@ from torch_commopt.validate import ERROR_FLOOR, TOLERANCE_FACTOR, within_toleran
 def test_inference_allgather_attention_runs_as_cp_attention(layout, heads):
     from compiled_programs import compiled_cp
 
-    for err, notes, gathers in run_distributed(compiled_cp, 2, layout, heads, False):
+    for errs, notes, gathers in run_distributed(compiled_cp, 2, layout, heads, False):
         assert any("cp_attention_fwd" in n for n in notes), notes
         assert gathers == 0, notes  # the K/V gathers are gone
-        assert err < 1e-5, (err, notes)
+        assert close(errs), (errs, notes)
 
 
 @pytest.mark.parametrize("schedule", ["allgather", "ring", "ulysses"])
 def test_a_named_attention_schedule_is_run(schedule):
     from compiled_programs import compiled_cp
 
-    for err, notes, _ in run_distributed(compiled_cp, 2, "bhsd", (4, 2), False, schedule):
+    for errs, notes, _ in run_distributed(compiled_cp, 2, "bhsd", (4, 2), False, schedule):
         assert any(f"cp_attention_fwd {schedule}" in n for n in notes), notes
-        assert err < 1e-5, (err, notes)
+        assert close(errs), (errs, notes)
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -35,10 +43,10 @@ def test_training_allgather_attention_runs_cp_forward_and_backward(layout, heads
     # reduce-scatter is left, output and dq/dk/dv match full attention
     from compiled_programs import compiled_cp
 
-    for err, notes, gathers in run_distributed(compiled_cp, 2, layout, heads, True):
+    for errs, notes, gathers in run_distributed(compiled_cp, 2, layout, heads, True):
         assert any("cp_attention_fwd/bwd" in n for n in notes), notes
         assert gathers == 0, notes
-        assert err < 1e-5, (err, notes)
+        assert close(errs), (errs, notes)
 
 
 def test_head_parallel_attention_is_not_touched():
@@ -62,9 +70,9 @@ def test_causal_program_with_the_global_mask_runs_causal_cp(schedule):
     # evaluating it at compile time): the region runs causal, forward and backward
     from compiled_programs import compiled_cp
 
-    for err, notes, gathers in run_distributed(compiled_cp, 2, "bhsd", (4, 2), True, schedule, True):
+    for errs, notes, gathers in run_distributed(compiled_cp, 2, "bhsd", (4, 2), True, schedule, True):
         assert any("cp_attention_fwd/bwd" in n for n in notes), notes
-        assert gathers == 0 and err < 1e-5, (err, notes)
+        assert gathers == 0 and close(errs), (errs, notes)
 
 
 def test_ranks_that_decide_differently_leave_the_attention_alone():
@@ -84,19 +92,19 @@ def test_inference_ulysses_program_runs_as_cp_attention(world, causal):
     # brought to the op's layout (GQA 8/4: kv heads split over the ranks as the program does)
     from compiled_programs import compiled_ulysses
 
-    for err, notes, a2as in run_distributed(compiled_ulysses, world, (8, 4), causal):
+    for errs, notes, a2as in run_distributed(compiled_ulysses, world, (8, 4), causal):
         assert any("ulysses" in n and "cp_attention_fwd" in n for n in notes), notes
         assert a2as == 0, notes
-        assert err < 1e-5, (err, notes)
+        assert close(errs, WORLD4_FACTOR if world == 4 else TOLERANCE_FACTOR), (errs, notes)
 
 
 @pytest.mark.parametrize("schedule", ["ring", "ring_zigzag", "allgather"])
 def test_ulysses_program_runs_any_named_schedule(schedule):
     from compiled_programs import compiled_ulysses
 
-    for err, notes, _ in run_distributed(compiled_ulysses, 2, (4, 2), True, schedule):
+    for errs, notes, _ in run_distributed(compiled_ulysses, 2, (4, 2), True, schedule):
         assert any(f"cp_attention_fwd {schedule}" in n for n in notes), notes
-        assert err < 1e-5, (err, notes)
+        assert close(errs), (errs, notes)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -105,8 +113,8 @@ def test_interleaved_ulysses_sequence_is_rewritten_only_without_causal(causal):
     # causal program is left alone with the reason; without causal the key order is irrelevant
     from compiled_programs import compiled_ulysses
 
-    for err, notes, a2as in run_distributed(compiled_ulysses, 2, (4, 2), causal, "auto", True):
-        assert err < 1e-5, (err, notes)
+    for errs, notes, a2as in run_distributed(compiled_ulysses, 2, (4, 2), causal, "auto", True):
+        assert close(errs), (errs, notes)
         if causal:
             assert any("not rank-major" in n for n in notes) and a2as > 0, notes
         else:
@@ -122,12 +130,7 @@ def test_training_ulysses_program_runs_cp_forward_and_backward(world, heads, cau
     for errs, notes, a2as in run_distributed(trained_ulysses, world, heads, causal):
         assert any("ulysses" in n and "cp_attention_fwd/bwd" in n for n in notes), notes
         assert a2as == 0, notes
-        # Open (benchmarks/NOTES.md, sessions 18-19): at world 4 about one run in 14 ends with
-        # every tensor 20-80x eager float32's error (out 5.6e-6, dq 9.7e-6 against float64),
-        # not reproduced in isolation yet; a wrong mask, block or hop gives >= 1e-3.  Until it
-        # is found this case is held to 100x eager's error, the others to the usual 4x.
-        factor = 100.0 if world == 4 else TOLERANCE_FACTOR
-        assert all(c <= factor * max(e, ERROR_FLOOR) for _, c, e in errs), (errs, notes)
+        assert close(errs, WORLD4_FACTOR if world == 4 else TOLERANCE_FACTOR), (errs, notes)
 
 
 @pytest.mark.parametrize("schedule,kept", [("ulysses", True), ("ring_zigzag", True), ("ring", False)])
@@ -141,7 +144,7 @@ def test_training_ulysses_program_keeps_the_moved_tensors_for_a_moving_schedule(
         mine = [n for n in notes if f"cp_attention_fwd/bwd {schedule} " in n]
         assert mine and all(("kept form" in n) == kept for n in mine), notes
         assert all("predicted forward + backward" in n for n in mine), notes  # training ranks both passes
-        assert a2as == 0 and all(within_tolerance(c, e) for _, c, e in errs), (errs, notes)
+        assert a2as == 0 and close(errs), (errs, notes)
         # the same memory either way: one rank's q, k, v, out (fp32 here) and lse, in one layout
         # or the other, and nothing else
         b, s_loc, d, (h, h_kv) = 2, 8, 16, (4, 2)
