@@ -37,6 +37,12 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        elif "OMP_NUM_THREADS" not in os.environ:
+            # torchrun's default for several processes: W ranks each with torch's default thread
+            # count oversubscribe the cores (and on the 2-core CI machine, ranks with two threads
+            # showed a rare precision-level deviation in plain torch ops: benchmarks/NOTES.md,
+            # session 26)
+            torch.set_num_threads(1)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
         result = fn(rank, world, *args)
         queue.put((rank, True, result))
