@@ -47,6 +47,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from torch_commopt.launch import run_distributed  # noqa: E402
+from torch_commopt.validate import check_shape  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from naming import card_tag  # noqa: E402
@@ -291,11 +292,16 @@ def main() -> None:
                    help="cProfile STEPS steps on rank 0 per variant: the host's own time by function")
     p.add_argument("--cpu", action="store_true", help="gloo smoke run with tiny shapes; prints, writes nothing")
     args = p.parse_args()
-    if args.cpu:
-        args.layers, args.seq, args.dim, args.heads, args.kv_heads, args.hidden = 2, 16, 64, 4, 2, 128
+    if args.cpu:  # head dim 16, two query heads and one kv head per rank
+        args.heads, args.kv_heads = 2 * args.world, args.world
+        args.layers, args.seq, args.dim, args.hidden = 2, 8 * args.world, 16 * args.heads, 32 * args.heads
         args.steps, args.repeats = 3, 2
     shape = {"layers": args.layers, "batch": args.batch, "seq": args.seq, "dim": args.dim, "heads": args.heads,
              "kv_heads": args.kv_heads, "hidden": args.hidden}
+    try:  # before any rank starts: a clear error instead of a view failure inside the ranks
+        check_shape("tp_sp_block", shape, args.world)
+    except ValueError as e:
+        p.error(str(e))
     # "_" stands for a space ("commopt_model"): BENCH_ARGS reaches the script word-split
     variants = [v.strip().replace("_", " ") for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in INDUCTOR_OPTIONS and v not in COMMOPT_OPTIONS]
