@@ -17,16 +17,6 @@ def close(errs, factor: float = TOLERANCE_FACTOR) -> bool:
     return all(e <= EAGER_ERROR_CAP and c <= factor * max(e, ERROR_FLOOR) for _, c, e in errs)
 
 
-def _one_thread_per_rank() -> None:
-    """W ranks share the CI's two cores: one intra-op thread each, as cp_programs runs.  With
-    torch's default two, about one world-4 run in 20 (6 of 122) came out 40-100x eager
-    float32's error on every rank: one rank's first local attention returned a logsumexp
-    1e-5..5e-5 too high in the rows of one batch half, on inputs checked bit-exact, and the
-    same call repeated in that process was exact (plain torch ops; benchmarks/NOTES.md,
-    session 26).  None in 70 runs with one thread."""
-    torch.set_num_threads(1)
-
-
 def _gather(x, dim):  # differentiable (its backward is a reduce-scatter), as a training program needs
     return funcol.all_gather_tensor_autograd(x, gather_dim=dim, group=dist.group.WORLD)
 
@@ -55,7 +45,6 @@ def compiled_cp(rank: int, world: int, layout: str, heads: tuple[int, int], grad
     """([(tensor, relative error, eager float32's relative error)] of out -- and with grad=True
     of dq, dk, dv -- against full attention on the whole sequence in float64, explain notes,
     all-gathers left in the compiled graphs).  options: more Config options."""
-    _one_thread_per_rank()
     h, h_kv = heads
     b, s_loc, d = 2, 8, 16
     gen = torch.Generator().manual_seed(3)
@@ -99,7 +88,6 @@ def compiled_cp(rank: int, world: int, layout: str, heads: tuple[int, int], grad
 
 def head_parallel_notes(rank: int, world: int):
     """Explain's attention notes for a TP block (heads sharded, no sequence sharding)."""
-    _one_thread_per_rank()
     from torch_commopt.validate import check
 
     torch._dynamo.reset()
@@ -122,7 +110,6 @@ def _rank_dependent_mask(q, k, v, gqa: bool):
 
 def disagreeing_ranks(rank: int, world: int):
     """(relative error vs the same program run eagerly, explain notes)."""
-    _one_thread_per_rank()
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 4, 8, 16, generator=gen) for _ in range(3))
     want = _rank_dependent_mask(q, k, v, False)
@@ -168,7 +155,6 @@ def compiled_ulysses(rank: int, world: int, heads: tuple[int, int], causal: bool
     """([("out", relative error, eager float32's relative error)] against full attention on
     the whole sequence in float64, explain notes, all-to-alls left in the compiled graph) of a
     Ulysses program compiled with backend="commopt"."""
-    _one_thread_per_rank()
     h, h_kv = heads
     b, s_loc, d = 2, 8, 16
     gen = torch.Generator().manual_seed(4)
@@ -201,7 +187,6 @@ def trained_ulysses(rank: int, world: int, heads: tuple[int, int], causal: bool,
     attention in float64, notes, all-to-alls left[, bytes the compiled forward saved for its
     backward]) of a Ulysses training program (funcol's autograd all-to-all) compiled with
     backend="commopt"."""
-    _one_thread_per_rank()
     h, h_kv = heads
     b, s_loc, d = 2, 8, 16
     gen = torch.Generator().manual_seed(6)

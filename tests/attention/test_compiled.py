@@ -9,10 +9,12 @@ from compiled_programs import close
 from torch_commopt.validate import TOLERANCE_FACTOR
 
 # Four ranks on the CI's two cores: the world-4 Ulysses programs are held to 100x eager
-# float32's error, the rest to the usual 4x.  With two threads per rank one run in ~20 came out
-# 40-100x on every rank, traced to one plain-torch logsumexp call on bit-exact inputs
-# (compiled_programs._one_thread_per_rank; benchmarks/NOTES.md, session 26); the programs now
-# run one thread per rank, which showed none in 70 runs.  A wrong mask, block or hop gives >= 1e-3.
+# float32's error, the rest to the usual 4x.  With two intra-op threads per rank, about one run
+# in 20 (6 of 122) came out 40-100x on every rank: one rank's first local attention returned a
+# logsumexp 1e-5..5e-5 too high in the rows of one batch half, on inputs checked bit-exact, and
+# the same call repeated in that process was exact (plain torch ops; benchmarks/NOTES.md,
+# session 26).  The ranks now run one thread (launch.run_distributed), which showed none in 70
+# runs.  A wrong mask, block or hop gives >= 1e-3.
 WORLD4_FACTOR = 100.0
 
 
