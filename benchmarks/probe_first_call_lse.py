@@ -54,9 +54,9 @@ def worker(rank: int, world: int, causal: bool) -> dict:
             return self.backend.bwd(*args)
 
     local.pick = lambda q, k, name="auto": Checked(pick(q, k, name))
-    errs, _, _ = compiled_programs.compiled_ulysses(rank, world, (2 * world, world), causal)
+    errs, notes, _ = compiled_programs.compiled_ulysses(rank, world, (2 * world, world), causal)
     (_, err, eager), = errs
-    return {"rank": rank, "threads": torch.get_num_threads(), "err": err, "eager_err": eager, **seen}
+    return {"rank": rank, "threads": torch.get_num_threads(), "err": err, "eager_err": eager, "notes": notes, **seen}
 
 
 def _rel(x, ref) -> float:
