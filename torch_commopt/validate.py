@@ -26,9 +26,9 @@ ERROR_FLOOR = float(torch.finfo(torch.float32).eps)  # below this, errors are ro
 EAGER_ERROR_CAP = 0.1
 
 
-def within_tolerance(compiled: float, eager: float) -> bool:
-    """The numerics rule of the demo and the tests."""
-    return eager <= EAGER_ERROR_CAP and compiled <= TOLERANCE_FACTOR * max(eager, ERROR_FLOOR)
+def within_tolerance(compiled: float, eager: float, factor: float = TOLERANCE_FACTOR) -> bool:
+    """The numerics rule of the demo and the tests (factor: a looser bound a test states why it needs)."""
+    return eager <= EAGER_ERROR_CAP and compiled <= factor * max(eager, ERROR_FLOOR)
 
 
 @dataclass

@@ -8,13 +8,12 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import torch_commopt
-from torch_commopt.validate import EAGER_ERROR_CAP, ERROR_FLOOR, TOLERANCE_FACTOR, rel_err
+from torch_commopt.validate import TOLERANCE_FACTOR, rel_err, within_tolerance
 
 
 def close(errs, factor: float = TOLERANCE_FACTOR) -> bool:
-    """Every (tensor, error, eager float32's error) against float64 within `factor` times eager's
-    error (validate.within_tolerance's rule, whose factor is TOLERANCE_FACTOR)."""
-    return all(e <= EAGER_ERROR_CAP and c <= factor * max(e, ERROR_FLOOR) for _, c, e in errs)
+    """Every (tensor, error, eager float32's error) against float64 within validate's rule."""
+    return all(within_tolerance(c, e, factor) for _, c, e in errs)
 
 
 def _gather(x, dim):  # differentiable (its backward is a reduce-scatter), as a training program needs
