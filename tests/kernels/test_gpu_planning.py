@@ -90,6 +90,18 @@ def test_rule_under_cuda_graphs_ignores_host_cost():
     assert str(pick("ag_matmul", [8, 64], [[64, 64]], 0, 2, "bfloat16", graphs=True)[0]) == "sequential"
 
 
+def test_replayed_short_all_gathers_over_several_peers_skip_the_whole_gemm():
+    # 4 ranks: the whole GEMM waits for the last of three shards (4x H100: it lost to NCCL)
+    def at4(rows):
+        return str(pick("ag_matmul", [rows, 8192], [[8192, 2048]], 0, 4, "bfloat16", graphs=True)[0])
+
+    assert at4(128) == "sequential"  # M_global 512, est. GEMM 25 us
+    assert at4(512) == "ce_push:1"  # M_global 2048, est. 98 us
+    assert at4(2048) == "ce_push:1"  # long: the usual rule
+    assert str(pick("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", graphs=True)[0]) == \
+        "ce_push:1:gemm=whole"  # two ranks keep it
+
+
 def test_fused_reduction_inside_a_capture_runs_ce_push(monkeypatch, caplog):
     import torch_commopt.kernels.ops as ops
 

@@ -2,7 +2,10 @@
 
 Pure arithmetic on shapes: importable without CUDA, so the compile-time pass can call it.
 It estimates the GEMM time and the transfer time of a region with round ceilings of
-2x H200 (NVLink copy ~300 GB/s one way; bf16 GEMM ~700 TFLOP/s achieved) and picks:
+2x H200 (NVLink copy ~300 GB/s one way; bf16 GEMM ~700 TFLOP/s achieved) and picks
+(measured at 2 ranks; at 4 ranks, 4x H100, its picks beat or tied NCCL + cuBLAS on every
+benchmark shape once the reductions summed their partials in one pass, session 27, but for
+the replayed short all-gathers, which pick() treats apart):
 - `sequential` (NCCL + cuBLAS) when the shape is not one the GPU schedules take, or
   when the transfer is too small to be worth hiding (fixed costs -- a barrier, flag
   round trips, a second GEMM launch -- would exceed what overlap can save);
@@ -33,6 +36,9 @@ MIN_HIDDEN_COMM_S_GRAPHS = 5e-6
 MIN_GEMM_S = 0.1e-3
 # Replayed reductions: below this GEMM time NCCL's latency-optimal small collectives win.
 MIN_GEMM_S_GRAPHS = 0.1e-3
+# Replayed all-gathers at W > 2 below MIN_GEMM_S_GRAPHS: under this, NCCL + cuBLAS; above,
+# ce_push:1 (gemm=whole, the W = 2 choice, lost to NCCL at 4 ranks; see pick()).
+SHORT_AG_GRAPHS_WIDE_S = 0.05e-3
 # Eager calls between MIN_GEMM_S and SHORT_GEMM_S of estimated GEMM: whether ce_push:1 or
 # NCCL + cuBLAS wins depends on the host's speed, which varies 2x between leases of one
 # kind, so the rule names both to time at the region's first call (tuner.autotune) instead
@@ -112,6 +118,14 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     if gemm_s < MIN_GEMM_S and not graphs:
         return Schedule("sequential"), why + ": too short to pay a GPU schedule's host cost"
     if kind == "ag_matmul":
+        if graphs and gemm_s < MIN_GEMM_S_GRAPHS and world > 2:
+            # Replayed short all-gathers over more than one peer: the whole GEMM waits for the
+            # last of W - 1 shards.  4x H100 (matmul_collectives_h100x4_2026-11-26), K = N =
+            # 8192: M_global 512 (est. 25 us) NCCL 0.082 ms, gemm=whole 0.098, ce_push:1 0.108;
+            # M_global 2048 (est. 98 us) NCCL 0.197, gemm=whole 0.225, ce_push:1 0.182.
+            if gemm_s < SHORT_AG_GRAPHS_WIDE_S:
+                return Schedule("sequential"), why + f": short GEMM over {world - 1} peers' shards, NCCL + cuBLAS"
+            return Schedule("ce_push", 1), why + f": short GEMM over {world - 1} peers' shards, one piece each"
         if graphs and gemm_s < MIN_GEMM_S_GRAPHS:
             # Replayed short all-gathers: one GEMM over the gathered rows once they are all in
             # (M_global 512, K = N = 8192: 2x H100 gemm=whole 0.082 ms vs ce_push:1 0.091, NCCL
