@@ -102,6 +102,17 @@ def test_replayed_short_all_gathers_over_several_peers_skip_the_whole_gemm():
         "ce_push:1:gemm=whole"  # two ranks keep it
 
 
+def test_long_all_gathers_over_several_peers_run_the_fused_kernel():
+    # 4 ranks, est. GEMM >= 0.5 ms: one fused pass (4x H100: up to 10% ahead of ce_push:1)
+    for graphs in (False, True):
+        assert str(pick("ag_matmul", [1024, 8192], [[8192, 7168]], 0, 4, "bfloat16", graphs=graphs)[0]) == \
+            "fused:2:tma=1"
+        # shorter (8192^3 at 4 ranks, est. 0.39 ms), fp32 (no fused kernel) or 2 ranks: ce_push:1
+        assert str(pick("ag_matmul", [2048, 8192], [[8192, 2048]], 0, 4, "bfloat16", graphs=graphs)[0]) == "ce_push:1"
+        assert str(pick("ag_matmul", [1024, 8192], [[8192, 7168]], 0, 4, "float32", graphs=graphs)[0]) == "ce_push:1"
+        assert str(pick("ag_matmul", [2048, 8192], [[8192, 14336]], 0, 2, "bfloat16", graphs=graphs)[0]) == "ce_push:1"
+
+
 def test_fused_reduction_inside_a_capture_runs_ce_push(monkeypatch, caplog):
     import torch_commopt.kernels.ops as ops
 

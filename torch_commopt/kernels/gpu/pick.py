@@ -5,7 +5,7 @@ It estimates the GEMM time and the transfer time of a region with round ceilings
 2x H200 (NVLink copy ~300 GB/s one way; bf16 GEMM ~700 TFLOP/s achieved) and picks
 (measured at 2 ranks; at 4 ranks, 4x H100, its picks beat or tied NCCL + cuBLAS on every
 benchmark shape once the reductions summed their partials in one pass, session 27, but for
-the replayed short all-gathers, which pick() treats apart):
+the replayed short all-gathers, which pick() treats apart, as it does long all-gathers there):
 - `sequential` (NCCL + cuBLAS) when the shape is not one the GPU schedules take, or
   when the transfer is too small to be worth hiding (fixed costs -- a barrier, flag
   round trips, a second GEMM launch -- would exceed what overlap can save);
@@ -131,6 +131,15 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
             # (M_global 512, K = N = 8192: 2x H100 gemm=whole 0.082 ms vs ce_push:1 0.091, NCCL
             # 0.088, matmul_collectives_h100x2_2026-11-25_s20; 2x H200 0.082 / 0.082 / 0.084, s13b).
             return Schedule.parse("ce_push:1:gemm=whole"), why + ": short GEMM, one GEMM after the gather"
+        if world > 2 and gemm_s >= SHORT_GEMM_S and dtype in ("bfloat16", "float16"):
+            # More than one peer: cuBLAS runs W GEMMs of M/W rows each, the fused persistent
+            # kernel one pass over every tile as its rows land.  4x H100 (ms, eager / replayed,
+            # matmul_collectives_h100x4_2026-11-26): 4096x8192x28672 fused:2:tma=1 0.738 / 0.716
+            # vs ce_push:1 0.806 / 0.850 (async-TP 0.858 / 0.811); 16384x8192x14336 1.468 / 1.449
+            # vs 1.579 / 1.608; 16384x8192x8192 0.838 / 0.829 vs 0.844 / 0.846; 16384x8192x28672
+            # 2.918 / 2.927 vs 2.897 / 2.968.  Under SHORT_GEMM_S it was mixed (8192^3: 0.468 /
+            # 0.428 vs 0.443 / 0.444) and ce_push:1 stays.
+            return Schedule.parse("fused:2:tma=1"), why + f": {world - 1} peers, one fused pass over the tiles"
         # One piece: the peer's shard lands long before the own shard's GEMM ends, and more
         # pieces only add GEMM tails (16384x8192x28672: ce_push:1 5.820 / 5.771 ms vs :4
         # 5.838 / 5.834 in two runs).
