@@ -269,6 +269,26 @@ def test_one_piece_reduction_at_two_ranks_does_not_wait_for_the_partial_before_i
     assert one < 2 * gemm_half + push  # the push hides under the own GEMM
 
 
+def test_reductions_over_several_peers_run_the_own_gemm_before_the_last_partial_lands():
+    # 4 ranks, a slow link (a push takes two GEMM pieces): the pushes end at q + 3P, the own
+    # GEMM (the fourth piece) ends at 4q beside them, then one pass sums the four slots
+    from torch_commopt.tuner.model import _gemm
+
+    shape = RegionShape("matmul_rs", 8192, 2048, (8192,), 4, "bfloat16")
+    base = prior("NVIDIA H200", 4)
+    q = _gemm(shape, base, 2048)
+    piece_bytes = 2048 * 8192 * 2
+    slow = Link(alpha_s=0.0, bytes_per_s=piece_bytes / (2 * q))
+    cal = dataclasses.replace(base, p2p=slow, overlap_slowdown=0.0)
+    total = base.local_copy.time(2.5 * piece_bytes)  # reads 4 pieces, writes 1
+    assert cal.factor("matmul_rs ce_push:1", 1e-3) == cal.factor("matmul_ar ce_push:1", 1e-3) == 1.0  # a prior
+    got = predict(shape, Schedule("ce_push", 1), cal, graphs=True).gpu_s
+    assert got == pytest.approx(q + 3 * 2 * q + total)  # not q + 3P + q: the own GEMM did not wait
+    # the all-reduce adds the pushes of the reduced piece to three peers after the sum
+    ar = predict(dataclasses.replace(shape, kind="matmul_ar"), Schedule("ce_push", 1), cal, graphs=True).gpu_s
+    assert ar == pytest.approx(q + 3 * 2 * q + total + 3 * 2 * q)
+
+
 def test_whole_gemm_all_gather_pays_the_push_then_one_gemm_and_keys_its_own_factor():
     from torch_commopt.tuner.calibrate import _schedule_factors
     from torch_commopt.tuner.model import _gemm, factor_key

@@ -221,11 +221,11 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
     piece_bytes = m_seg / s * shape.ns[0] * shape.elt
     stores = sched.name == "direct" or (sched.name == "fused" and sched.param("store", "direct") == "direct")
     link = (cal.p2p_pull or cal.p2p) if sched.name == "ce_pull" else cal.p2p
-    # cuBLAS reductions move the received partial into the output before the GEMM adds
-    # into it: on the local copy stream at W = 2 (beside the GEMMs), else in the GEMM's
-    # addmm (on the SMs); ce_pull pulls straight into the output, fused adds in its epilogue.
+    # cuBLAS reductions at W = 2 move the received partial into the output on the local copy
+    # stream (beside the GEMMs) before the GEMM adds into it; ce_pull pulls straight into the
+    # output, fused adds in its epilogue.  (W > 2: see below.)
     copy = cal.local_copy.time(piece_bytes) if cal.local_copy and sched.name in ("ce_push", "direct") else 0.0
-    c_copy, local_copy = (0.0, copy) if w == 2 else (copy, 0.0)
+    local_copy = copy if w == 2 else 0.0
     fused = 1.0 / cal.fused_efficiency if sched.name == "fused" else 1.0
     piece = _gemm(shape, cal, m_seg / s) * fused
     sent = (w - 1) * s
@@ -247,11 +247,21 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
         steps += [_Step("compute", piece), _Step("compute", add, tuple(arrival[0]))]
         _push_reduced_step(shape, cal, steps, piece_bytes)
         return simulate(steps)
+    if w > 2 and sched.name != "fused":
+        # The own piece's GEMM first (into this rank's own receive slot, no wait), then one
+        # pass sums the W slots once the peers' pieces are in: it reads W pieces and writes
+        # one (kernels/gpu/matmul_reduce._sum_slots).
+        total = cal.local_copy.time((w + 1) / 2 * piece_bytes) if cal.local_copy else 0.0
+        for c in range(s):
+            steps.append(_Step("compute", piece))
+            steps.append(_Step("compute", total, tuple(arrival[c])))
+            _push_reduced_step(shape, cal, steps, piece_bytes)
+        return simulate(steps)
     for c in range(s):
         if local_copy:
             steps.append(_Step("local", local_copy, tuple(arrival[c])))
             arrival[c] = [len(steps) - 1]
-        steps.append(_Step("compute", piece + c_copy, tuple(arrival[c])))
+        steps.append(_Step("compute", piece, tuple(arrival[c])))
         _push_reduced_step(shape, cal, steps, piece_bytes)
     return simulate(steps)
 
