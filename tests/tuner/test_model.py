@@ -298,6 +298,11 @@ def test_whole_gemm_all_gather_pays_the_push_then_one_gemm_and_keys_its_own_fact
     shard = 256 * 8192 * 2
     expected = max(H200.p2p.time(shard), H200.local_copy.time(shard) if H200.local_copy else 0.0) + _gemm(shape, H200, 512)
     assert predict(shape, whole, H200, graphs=True).gpu_s == pytest.approx(expected)
+    # 4 ranks: each pushes its shard to three peers in turn, the GEMM waits for the last
+    at4 = RegionShape("ag_matmul", 256, 8192, (4096,), 4, "bfloat16")
+    h200_4 = prior("NVIDIA H200", 4)
+    assert predict(at4, whole, h200_4, graphs=True).gpu_s == pytest.approx(
+        3 * h200_4.p2p.time(shard) + _gemm(at4, h200_4, 1024))
     assert whole in candidates(shape, H200)
     assert not any(s.param("gemm") for s in candidates(RegionShape("matmul_rs", 512, 4096, (8192,), 2), H200))
     assert factor_key("ag_matmul", whole) == "ag_matmul ce_push:1:gemm=whole"

@@ -166,8 +166,10 @@ def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
         steps.append(_Step("compute", _gemm(shape, cal, (w - 1) * m_loc), (0,)))
         return simulate(steps)
     if sched.param("gemm") == "whole":  # pushed (own shard copied locally), then one GEMM
+        # Every rank pushes its shard to its W - 1 peers one after another on one copy
+        # stream, so (ranks being symmetric) the last shard lands after W - 1 pushes.
         local = cal.local_copy.time(shard_bytes) if cal.local_copy else 0.0
-        return max(cal.p2p.time(shard_bytes), local) + _gemm(shape, cal, w * m_loc)
+        return max((w - 1) * cal.p2p.time(shard_bytes), local) + _gemm(shape, cal, w * m_loc)
     s = min(sched.chunks, m_loc)
     if sched.name == "chunked":  # per piece: one all-gather of every rank's piece, then its GEMM
         comm = collective_time(cal, "all_gather", w * shard_bytes / s, w)
