@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one script for the device machine (2 GPUs): GPU tests, then the benchmark.
+# The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
+# benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
 # Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
@@ -33,7 +34,9 @@ if [[ $what == plan ]]; then
 fi
 if [[ $what == attention ]]; then
   # context-parallel attention (issue 6): commopt schedules vs one GPU and torch CP; ~8 min default
-  # sweep (BENCH_ARGS may add --full, --seq ..., --passes ...; partial.jsonl keeps a cut-short run)
+  # sweep (BENCH_ARGS may add --full, --seq ..., --passes ...; partial.jsonl keeps a cut-short run;
+  # benchmarks/render_attention.py joins runs).  S_total 256K on 80 GB cards: torch CP's backward
+  # ring needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (4x H100, session 27)
   mkdir -p "$out/attention"
   timeout ${ATTN_TIMEOUT:-560} python3 benchmarks/bench_attention.py --out "$out/attention" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention.log"
 fi
