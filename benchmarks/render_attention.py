@@ -31,13 +31,13 @@ def load_records(path: pathlib.Path) -> list[dict]:
 
 
 def merge(sources: list[list[dict]]) -> list[dict]:
-    seen, out = {}, []
+    seen, out = set(), []
     for records in sources:
         for rec in records:
             key = tuple(rec.get(k) for k in CASE_KEYS)
             if key in seen:
                 raise ValueError(f"case {dict(zip(CASE_KEYS, key))} appears in two runs")
-            seen[key] = True
+            seen.add(key)
             out.append(rec)
     return out
 

@@ -225,9 +225,8 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
     link = (cal.p2p_pull or cal.p2p) if sched.name == "ce_pull" else cal.p2p
     # cuBLAS reductions at W = 2 move the received partial into the output on the local copy
     # stream (beside the GEMMs) before the GEMM adds into it; ce_pull pulls straight into the
-    # output, fused adds in its epilogue.  (W > 2: see below.)
-    copy = cal.local_copy.time(piece_bytes) if cal.local_copy and sched.name in ("ce_push", "direct") else 0.0
-    local_copy = copy if w == 2 else 0.0
+    # output, fused adds in its epilogue.  (ce_push:1 at W = 2 and cuBLAS at W > 2: see below.)
+    local_copy = cal.local_copy.time(piece_bytes) if cal.local_copy and sched.name in ("ce_push", "direct") else 0.0
     fused = 1.0 / cal.fused_efficiency if sched.name == "fused" else 1.0
     piece = _gemm(shape, cal, m_seg / s) * fused
     sent = (w - 1) * s
@@ -244,15 +243,10 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
             if not stores:
                 steps.append(_Step("comm", link.time(piece_bytes), (len(steps) - 1,)))
             arrival[c].append(len(steps) - 1)
-    if w == 2 and s == 1 and sched.name == "ce_push":  # own GEMM first, the partial added after
-        add = cal.local_copy.time(1.5 * piece_bytes) if cal.local_copy else 0.0  # reads 2, writes 1
-        steps += [_Step("compute", piece), _Step("compute", add, tuple(arrival[0]))]
-        _push_reduced_step(shape, cal, steps, piece_bytes)
-        return simulate(steps)
-    if w > 2 and sched.name != "fused":
-        # The own piece's GEMM first (into this rank's own receive slot, no wait), then one
-        # pass sums the W slots once the peers' pieces are in: it reads W pieces and writes
-        # one (kernels/gpu/matmul_reduce._sum_slots).
+    if (w == 2 and s == 1 and sched.name == "ce_push") or (w > 2 and sched.name != "fused"):
+        # The own piece's GEMM first (no wait), then one pass adds the partials once the
+        # peers' pieces are in: it reads W pieces and writes one (ce_push:1 at W = 2 adds the
+        # partial after its GEMM; at W > 2 kernels/gpu/matmul_reduce._sum_slots).
         total = cal.local_copy.time((w + 1) / 2 * piece_bytes) if cal.local_copy else 0.0
         for c in range(s):
             steps.append(_Step("compute", piece))

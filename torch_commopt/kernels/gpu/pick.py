@@ -118,19 +118,20 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     if gemm_s < MIN_GEMM_S and not graphs:
         return Schedule("sequential"), why + ": too short to pay a GPU schedule's host cost"
     if kind == "ag_matmul":
-        if graphs and gemm_s < MIN_GEMM_S_GRAPHS and world > 2:
-            # Replayed short all-gathers over more than one peer: the whole GEMM waits for the
-            # last of W - 1 shards.  4x H100 (matmul_collectives_h100x4_2026-11-26), K = N =
-            # 8192: M_global 512 (est. 25 us) NCCL 0.082 ms, gemm=whole 0.098, ce_push:1 0.108;
-            # M_global 2048 (est. 98 us) NCCL 0.197, gemm=whole 0.225, ce_push:1 0.182.
+        if graphs and gemm_s < MIN_GEMM_S_GRAPHS:
+            if world <= 2:
+                # Replayed short all-gathers: one GEMM over the gathered rows once they are all
+                # in (M_global 512, K = N = 8192: 2x H100 gemm=whole 0.082 ms vs ce_push:1 0.091,
+                # NCCL 0.088, matmul_collectives_h100x2_2026-11-25_s20; 2x H200 0.082 / 0.082 /
+                # 0.084, s13b).
+                return Schedule.parse("ce_push:1:gemm=whole"), why + ": short GEMM, one GEMM after the gather"
+            # Over more than one peer the whole GEMM waits for the last of W - 1 shards.  4x
+            # H100 (matmul_collectives_h100x4_2026-11-26), K = N = 8192: M_global 512 (est. 25
+            # us) NCCL 0.082 ms, gemm=whole 0.098, ce_push:1 0.108; M_global 2048 (est. 98 us)
+            # NCCL 0.197, gemm=whole 0.225, ce_push:1 0.182.
             if gemm_s < SHORT_AG_GRAPHS_WIDE_S:
                 return Schedule("sequential"), why + f": short GEMM over {world - 1} peers' shards, NCCL + cuBLAS"
             return Schedule("ce_push", 1), why + f": short GEMM over {world - 1} peers' shards, one piece each"
-        if graphs and gemm_s < MIN_GEMM_S_GRAPHS:
-            # Replayed short all-gathers: one GEMM over the gathered rows once they are all in
-            # (M_global 512, K = N = 8192: 2x H100 gemm=whole 0.082 ms vs ce_push:1 0.091, NCCL
-            # 0.088, matmul_collectives_h100x2_2026-11-25_s20; 2x H200 0.082 / 0.082 / 0.084, s13b).
-            return Schedule.parse("ce_push:1:gemm=whole"), why + ": short GEMM, one GEMM after the gather"
         if world > 2 and gemm_s >= SHORT_GEMM_S and dtype in ("bfloat16", "float16"):
             # More than one peer: cuBLAS runs W GEMMs of M/W rows each, the fused persistent
             # kernel one pass over every tile as its rows land.  4x H100 (ms, eager / replayed,
