@@ -166,9 +166,6 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                "tokens_per_s": b * s / (ms.item() / 1e3),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
                "gpu_clocks": clocks.summary()}
-        for c in rec["gpu_clocks"].values():  # NVML's counter over the timed steps (barriers included)
-            if "energy_j" in c:
-                c["energy_j_per_step"] = round(c["energy_j"] / repeats, 4)
         if dev == "cuda" and rank == 0:
             rec["breakdown_ms"] = breakdown(step, sync, variant)
         elif dev == "cuda":
@@ -236,25 +233,6 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
     return rows
 
 
-def energy_lines(rows: list[dict]) -> list[str]:
-    """Energy a step against inductor's, beside the speedup: at the power cap a step's time is
-    its energy over the cap, so a variant gains only what it saves in energy."""
-    def joules(r):
-        g = r.get("gpu_clocks") or {}
-        e = [c["energy_j_per_step"] for c in g.values() if "energy_j_per_step" in c]
-        return sum(e) if e else None
-
-    base = next((r for r in rows if r["backend"] == "inductor"), None)
-    if base is None or joules(base) is None:
-        return []
-    out = ["", "Energy a step, both GPUs (J), against inductor's, beside the step-time speedup:", ""]
-    for r in rows:
-        if joules(r) is not None:
-            out.append(f"- {r['backend']}: {joules(r):.2f} J, inductor / this {joules(base) / joules(r):.3f}; "
-                       f"speedup {r.get('speedup_vs_inductor', float('nan')):.3f}")
-    return out
-
-
 def report(rows: list[dict], meta: dict) -> str:
     lines = [f"# End-to-end training, Llama-3-8B-shaped stack, {meta['device']} x{meta['world']} ({meta['date']})", "",
              f"torch {meta['torch']}, commit {meta['commit']}, shape {meta['shape']}, bf16, AdamW, "
@@ -275,17 +253,12 @@ def report(rows: list[dict], meta: dict) -> str:
         lines.append(f"- {r['backend']}: {split(r['breakdown_ms'])[0]}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms")
     if any(r.get("gpu_clocks") for r in rows):
         lines += ["", "GPU clocks while the steps were timed (nvidia-smi every 100 ms, per GPU: mean SM MHz "
-                  "[lowest..highest], mean W, share of samples under the software power cap; where NVML "
-                  "answered, the energy a timed step took (its counter over the timed steps, the barriers "
-                  "between them included) and the enforced power limit):", ""]
+                  "[lowest..highest], mean W, share of samples under the software power cap):", ""]
         for r in rows:
             g = r.get("gpu_clocks") or {}
             lines.append(f"- {r['backend']}: " + "; ".join(
                 f"GPU {i} {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], {c['power_w_mean']:.0f} W, "
-                f"capped {c['power_capped_share']:.0%}"
-                + (f", {c['energy_j_per_step']:.2f} J a step (limit {c.get('power_limit_w', 0):.0f} W)"
-                   if "energy_j_per_step" in c else "") for i, c in g.items()))
-        lines += energy_lines(rows)
+                f"capped {c['power_capped_share']:.0%}" for i, c in g.items()))
     idle = [x for r in rows for x in format_idle(r["backend"], split(r["breakdown_ms"])[1])]
     if idle:
         lines += ["", "Where the device sat idle in that step (rank 0; the kernel before and after each gap; a wait "
