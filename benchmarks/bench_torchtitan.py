@@ -38,6 +38,9 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.naNinf]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
 VARIANTS = {
     "commopt": ["--commopt.enable", "--compile.enable", "--compile.components", "loss"],  # loss by inductor, as below
+    # the cost model and the whole-graph plan per block (the [commopt] section's mode; the
+    # machine's calibration if `python -m torch_commopt calibrate` ran there, else the priors)
+    "commopt-model": ["--commopt.enable", "--commopt.mode", "model", "--compile.enable", "--compile.components", "loss"],
     "inductor": ["--commopt.no-enable", "--compile.enable"],
     # torchtitan's async TP: Inductor's micro-pipeline pass (needs its model compile)
     "inductor+async-TP": ["--commopt.no-enable", "--compile.enable", "--parallelism.enable_async_tensor_parallel"],
