@@ -19,9 +19,11 @@ and compiled on its own as torchtitan does, trained with AdamW in bf16 from the 
 graphs"; "_" may stand for a space.)
 
 Per variant: the loss of every step (the curves must agree within bf16 noise), step time
-(median of back-to-back timed steps after warm-up, slowest rank), tokens/s (batch x seq per
-step over the TP group), peak memory, and a device-time breakdown of one profiled step on
-rank 0 (GEMM, attention, NCCL, commopt/Triton kernels, copies, other).  Writes
+(median of its timed steps, slowest rank; every variant is built and warmed up first, then
+their steps are timed in turns, the order rotated each round, so all see the same clocks),
+tokens/s (batch x seq per step over the TP group), peak memory (its own), the GPU clocks
+while its steps ran, and a device-time breakdown of one profiled step on rank 0 (GEMM,
+attention, NCCL, commopt/Triton kernels, copies, other).  Writes
 e2e_h200x<W>_<date>.json/.md:
 
     python3 benchmarks/bench_e2e.py --out DIR [--commit SHA] [--layers 4] [--seq 8192] [--steps 20]
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import pathlib
 import statistics
@@ -112,6 +113,11 @@ def _async_tp(on: bool) -> None:
 
 def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variants: list[str],
            host_profile: int = 0) -> dict:
+    """Every variant built, compiled and trained `steps` steps (its loss curve) in turn, all kept;
+    then their steps timed in turns, `repeats` rounds with the order rotated each round, so
+    every variant sees the same GPU clocks and temperatures (timed one after the other, the
+    variant timed first ran ~2% faster on the power-capped GPUs: e2e_h100x2_2026-11-26_s28,
+    s28b); then one profiled step each."""
     import torch_commopt
 
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -123,71 +129,105 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
     target = torch.randn(b, s, d, generator=gen).chunk(world, dim=1)[rank].to(dev, torch.bfloat16)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     out: dict = {}
+    prepared: dict = {}
+    # The variants' blocks share one forward code object and keep their compiled entries: one
+    # reset, and a recompile limit above what they need that fails loudly (bench_plan's rule)
+    torch._dynamo.reset()
+    _dynamo_limits(len(variants) * shape["layers"])
     for variant in variants:
         if variant == "inductor+async-TP" and dev != "cuda":
             out[variant] = {"skipped": "async-TP needs CUDA symmetric memory"}
             continue
-        torch._dynamo.reset()
         torch_commopt.reset_explain()
         _async_tp(variant == "inductor+async-TP")
         if dev == "cuda":
-            torch.cuda.empty_cache()
+            sync()
+            base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         model = build(variant, shape, dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-        def step():
-            torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA-graph trees (else a no-op)
-            opt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.mse_loss(model(x).float(), target.float())
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
+        step = _train_step(model, x, target)
         losses = []
         for _ in range(steps):  # the loss curve (the first steps also compile and warm up)
             loss = step()
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
-        times, enqueue = [], []
-        with ClockSampler(enabled=dev == "cuda" and rank == 0) as clocks:  # every GPU, from rank 0
-            for _ in range(repeats):
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                step()
-                enqueue.append((time.perf_counter() - t0) * 1e3)  # the host's share: step() returns
-                sync()
-                times.append((time.perf_counter() - t0) * 1e3)
-        ms = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-        rec = {"step_ms": ms.item(), "step_ms_spread": [min(times), max(times)], "step_ms_all": times,
-               "host_enqueue_ms": statistics.median(enqueue), "losses": losses,
-               "tokens_per_s": b * s / (ms.item() / 1e3),
-               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
-               "gpu_clocks": clocks.summary()}
-        if dev == "cuda" and rank == 0:
-            rec["breakdown_ms"] = breakdown(step, sync, variant)
-        elif dev == "cuda":
-            breakdown(step, sync, variant)  # every rank runs the profiled step (collectives)
-        if host_profile and rank == 0:
-            rec["host_profile"] = _host_profile(step, sync, host_profile)
-        elif host_profile:  # the same steps, unprofiled (collectives)
-            for _ in range(host_profile):
-                step()
-            sync()
+        rec = {"losses": losses,  # its own memory: what the variants built before it hold is not counted
+               "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else None}
         if variant.startswith("commopt"):
             graphs = torch_commopt.explain().graphs
             rec["regions"] = sorted({f"{g.graph_kind} {r.kind}: {r.schedule}" for g in graphs for r in g.regions})
             rec["notes"] = sorted({n for g in graphs for n in g.notes + g.plan})[:40]
-        out[variant] = rec
-        del model, opt
-        # the model, its parameters and optimizer state sit in reference cycles (the module's
-        # compiled call holds the module): collect them now, or a later variant's peak memory
-        # counts them (seen at TP 1: the last variant 5.94 GiB vs 4.31 for the others)
-        gc.collect()
         _async_tp(False)
+        out[variant], prepared[variant] = rec, step
+    compiled = _compiles()
+    names = list(prepared)
+    times: dict = {v: [] for v in names}
+    enqueue: dict = {v: [] for v in names}
+    windows: dict = {v: [] for v in names}
+    with ClockSampler(period_ms=50, enabled=dev == "cuda" and rank == 0) as clocks:  # every GPU, from rank 0
+        for r in range(repeats):
+            for variant in names[r % len(names):] + names[:r % len(names)]:
+                dist.barrier()
+                sync()
+                w0, t0 = time.time(), time.perf_counter()
+                prepared[variant]()
+                enqueue[variant].append((time.perf_counter() - t0) * 1e3)  # the host's share: step() returns
+                sync()
+                times[variant].append((time.perf_counter() - t0) * 1e3)
+                windows[variant].append((w0, time.time()))
+    per_variant_clocks = clocks.summary(windows) if clocks.enabled else {}
+    ms = torch.tensor([statistics.median(times[v]) for v in names], dtype=torch.float64, device=dev)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    for variant, t in zip(names, ms.tolist()):
+        out[variant].update(step_ms=t, step_ms_spread=[min(times[variant]), max(times[variant])],
+                            step_ms_all=times[variant], host_enqueue_ms=statistics.median(enqueue[variant]),
+                            tokens_per_s=b * s / (t / 1e3), gpu_clocks=per_variant_clocks.get(variant, {}))
+    for variant in names:
+        if dev == "cuda":  # every rank runs the profiled step (collectives); rank 0's figures kept
+            got = breakdown(prepared[variant], sync, variant)
+            if rank == 0:
+                out[variant]["breakdown_ms"] = got
+        if host_profile and rank == 0:
+            out[variant]["host_profile"] = _host_profile(prepared[variant], sync, host_profile)
+        elif host_profile:  # the same steps, unprofiled (collectives)
+            for _ in range(host_profile):
+                prepared[variant]()
+            sync()
+    if _compiles() != compiled:
+        raise RuntimeError(f"bench_e2e: Dynamo compiled again while the variants were timed ({compiled} -> "
+                           f"{_compiles()} frames/graphs): some figures are not of the variants as compiled")
     return out
+
+
+def _train_step(model, x: torch.Tensor, target: torch.Tensor):
+    """One AdamW training step of `model` on (x, target); returns the loss (a device tensor)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA-graph trees (else a no-op)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x).float(), target.float())
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def _dynamo_limits(entries: int) -> None:
+    """Dynamo's per-code-object recompile limit raised above the entries the variants need
+    (a block each at most), and hitting it made an error instead of a silent eager fallback
+    (where this torch has the option)."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 2 * entries)
+    if "fail_on_recompile_limit_hit" in cfg._config:
+        cfg.fail_on_recompile_limit_hit = True
+
+
+def _compiles() -> tuple[int, int]:
+    """(frames Dynamo converted, graphs it compiled) so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"], counters["stats"]["unique_graphs"]
 
 
 def _host_profile(step, sync, steps: int, top: int = 30) -> list[str]:
@@ -236,7 +276,9 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
 def report(rows: list[dict], meta: dict) -> str:
     lines = [f"# End-to-end training, Llama-3-8B-shaped stack, {meta['device']} x{meta['world']} ({meta['date']})", "",
              f"torch {meta['torch']}, commit {meta['commit']}, shape {meta['shape']}, bf16, AdamW, "
-             f"{meta['steps']} steps per backend.", "", f"Command: `{meta['command']}`", "",
+             f"{meta['steps']} steps per backend (the loss curve); then {meta.get('repeats', '?')} timed steps each, "
+             "the variants in turns (order rotated per round); step ms: the median, slowest rank.", "",
+             f"Command: `{meta['command']}`", "",
              "| backend | step ms | tokens/s | vs inductor | vs inductor+async-TP | peak GiB | loss first -> last | "
              "max loss diff vs inductor |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -252,12 +294,13 @@ def report(rows: list[dict], meta: dict) -> str:
     for r in rows:
         lines.append(f"- {r['backend']}: {split(r['breakdown_ms'])[0]}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms")
     if any(r.get("gpu_clocks") for r in rows):
-        lines += ["", "GPU clocks while the steps were timed (nvidia-smi every 100 ms, per GPU: mean SM MHz "
-                  "[lowest..highest], mean W, share of samples under the software power cap):", ""]
+        lines += ["", "GPU clocks while the variant's own steps ran (nvidia-smi every 50 ms, the samples inside "
+                  "its timed steps; per GPU: samples, mean SM MHz [lowest..highest], mean W, share of samples "
+                  "under the software power cap):", ""]
         for r in rows:
             g = r.get("gpu_clocks") or {}
             lines.append(f"- {r['backend']}: " + "; ".join(
-                f"GPU {i} {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], {c['power_w_mean']:.0f} W, "
+                f"GPU {i} ({c['samples']}) {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], {c['power_w_mean']:.0f} W, "
                 f"capped {c['power_capped_share']:.0%}" for i, c in g.items()))
     idle = [x for r in rows for x in format_idle(r["backend"], split(r["breakdown_ms"])[1])]
     if idle:
@@ -285,7 +328,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--hidden", type=int, default=14336)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--commit", default="")
     p.add_argument("--host-profile", dest="host_profile", type=int, default=0, metavar="STEPS",
@@ -321,7 +364,8 @@ def main() -> None:
         return
     date = datetime.date.today().isoformat()
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
-            "commit": args.commit, "shape": shape, "steps": args.steps, "command": "python3 " + " ".join(sys.argv)}
+            "commit": args.commit, "shape": shape, "steps": args.steps, "repeats": args.repeats,
+            "command": "python3 " + " ".join(sys.argv)}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"e2e_{card_tag(meta['device'], args.world)}_{date}"

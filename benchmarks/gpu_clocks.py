@@ -10,16 +10,19 @@ snapshots, session 25), which slows every kernel of a denser program: the figure
     with ClockSampler(enabled=rank == 0) as clocks:
         ... timed work ...
     clocks.summary()  # {gpu index: {...}}; {} where disabled or nvidia-smi is missing
+    clocks.summary({"a": [(t0, t1), ...], ...})  # {label: {gpu index: {...}}}: the samples taken
+                                                 # inside each label's time.time() windows
 
 `snapshot(index)` reads one GPU once (bench_costmodel's before / after figures).
 """
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import subprocess
 
-FIELDS = ("index", "clocks.sm", "power.draw", "clocks_throttle_reasons.active")
+FIELDS = ("timestamp", "index", "clocks.sm", "power.draw", "clocks_throttle_reasons.active")
 SW_POWER_CAP = 0x4
 
 
@@ -63,16 +66,35 @@ class ClockSampler:
             self.proc.kill()
             self.out, _ = self.proc.communicate()
 
-    def summary(self) -> dict[int, dict]:
-        samples: dict[int, list[tuple[float, float, int]]] = {}
+    def samples(self) -> list[tuple[float, int, float, float, int]]:
+        """(epoch seconds, GPU index, SM MHz, W, throttle reasons) of every sample read."""
+        out = []
         for line in self.out.splitlines():
             try:
-                idx, sm, power, reasons = [x.strip() for x in line.split(",")]
-                samples.setdefault(int(idx), []).append((float(sm), float(power), int(reasons, 16)))
+                stamp, idx, sm, power, reasons = [x.strip() for x in line.split(",")]
+                when = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time, as time.time()
+                out.append((when, int(idx), float(sm), float(power), int(reasons, 16)))
             except ValueError:  # a header, a cut line, "[N/A]"
                 continue
-        return {idx: {"samples": len(s), "sm_mhz_mean": round(statistics.mean(x[0] for x in s), 1),
-                      "sm_mhz_min": min(x[0] for x in s), "sm_mhz_max": max(x[0] for x in s),
-                      "power_w_mean": round(statistics.mean(x[1] for x in s), 1),
-                      "power_capped_share": round(sum(1 for x in s if x[2] & SW_POWER_CAP) / len(s), 3)}
-                for idx, s in sorted(samples.items()) if s}
+        return out
+
+    def summary(self, windows: dict[str, list[tuple[float, float]]] | None = None) -> dict:
+        """{GPU index: figures} over every sample; with `windows` ({label: [(start, end), ...]} in
+        time.time() seconds), {label: {GPU index: figures}} over the samples inside its windows
+        (variants timed in turns: each one's own clocks)."""
+        rows = self.samples()
+        if windows is None:
+            return _figures(rows)
+        return {label: _figures([r for r in rows if any(a <= r[0] <= b for a, b in spans)])
+                for label, spans in windows.items()}
+
+
+def _figures(rows: list[tuple[float, int, float, float, int]]) -> dict[int, dict]:
+    per_gpu: dict[int, list[tuple[float, float, int]]] = {}
+    for _, idx, sm, power, reasons in rows:
+        per_gpu.setdefault(idx, []).append((sm, power, reasons))
+    return {idx: {"samples": len(s), "sm_mhz_mean": round(statistics.mean(x[0] for x in s), 1),
+                  "sm_mhz_min": min(x[0] for x in s), "sm_mhz_max": max(x[0] for x in s),
+                  "power_w_mean": round(statistics.mean(x[1] for x in s), 1),
+                  "power_capped_share": round(sum(1 for x in s if x[2] & SW_POWER_CAP) / len(s), 3)}
+            for idx, s in sorted(per_gpu.items()) if s}
