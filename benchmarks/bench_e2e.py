@@ -183,6 +183,8 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                             step_ms_all=times[variant], host_enqueue_ms=statistics.median(enqueue[variant]),
                             tokens_per_s=b * s / (t / 1e3), gpu_clocks=per_variant_clocks.get(variant, {}))
     for variant in names:
+        dist.barrier()  # the ranks start each profiled step together: the last one's profile
+        sync()          # processing takes each rank its own time (else its NCCL waits are counted)
         if dev == "cuda":  # every rank runs the profiled step (collectives); rank 0's figures kept
             got = breakdown(prepared[variant], sync, variant)
             if rank == 0:
