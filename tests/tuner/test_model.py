@@ -179,6 +179,35 @@ def test_explain_command_prints_the_ranking(capsys, tmp_path):
         main(["explain", "--shape", "matmul_rs:8192x4096"])
 
 
+def test_an_ops_own_host_figure_is_used_where_it_was_measured():
+    from torch_commopt.tuner.calibrate import _host_families
+
+    # probes as calibrate times them ("kind schedule": seconds a call); per piece from ce_push:4
+    hosts = {"ag_matmul sequential": 70e-6, "ag_matmul ce_push:1": 150e-6, "ag_matmul ce_push:4": 270e-6,
+             "matmul_rs ce_push:1": 300e-6, "matmul_ar ce_push:1": 400e-6, "matmul_rs direct:1": 200e-6}
+    fam, per_piece = _host_families(hosts, 2, 0.0)
+    assert per_piece == pytest.approx(40e-6)
+    # a family's figure is its first probe's, every probe also gives its op's own (one piece at
+    # two ranks: nothing to take off; ce_push:4's four pieces are, had it come first)
+    assert fam["ce_push"] == fam["ag_matmul ce_push"] == 150e-6
+    assert fam["matmul_rs ce_push"] == 300e-6 and fam["matmul_ar ce_push"] == 400e-6
+    assert fam["sequential"] == fam["ag_matmul sequential"] == 70e-6 and fam["direct"] == 200e-6
+    assert _host_families({"ag_matmul ce_push:4": 270e-6}, 2, 40e-6)[0]["ce_push"] == pytest.approx(110e-6)
+    cal = dataclasses.replace(H200, host_s={**H200.host_s, **fam}, host_per_piece_s=per_piece)
+    assert cal.host("ce_push", "matmul_rs") == fam["matmul_rs ce_push"]
+    assert cal.host("direct", "matmul_ar") == cal.host("direct") == fam["direct"]  # no AR probe: the family's
+    assert cal.host("ce_pull", "matmul_ar") == H200.host_s["ce_pull"]  # never probed: the prior's
+    one = Schedule("ce_push", 1)
+    rs = predict(RegionShape("matmul_rs", 64, 64, (64,), 2), one, cal)
+    ag = predict(RegionShape("ag_matmul", 64, 64, (64,), 2), one, cal)
+    assert rs.host_s == fam["matmul_rs ce_push"] and ag.host_s == fam["ce_push"]
+    assert rs.seconds == rs.host_s > rs.gpu_s  # a call this short is the host's
+    two = predict(RegionShape("matmul_rs", 64, 64, (64,), 2), Schedule("ce_push", 2), cal)
+    assert two.host_s == pytest.approx(fam["matmul_rs ce_push"] + 2 * per_piece)
+    # a calibration without the ops' figures (every one stored before them) predicts as before
+    assert predict(RegionShape("matmul_rs", 64, 64, (64,), 2), one, H200).host_s == H200.host("ce_push")
+
+
 def test_cuda_graph_replay_drops_the_host_cost():
     # M_global 512 at K = N = 8192 on 2x H200: eager calls are host-bound (sequential wins);
     # replayed from a graph only GPU time counts and an overlapped schedule ranks first.

@@ -47,11 +47,15 @@ BATCH_S = 5e-3  # device time per timing sample
 WARM_S = 1.0  # seconds of GEMMs before the GEMM samples
 SLEEP_CYCLES_PER_S = 3e9  # more than a GPU's clock: a sleep of t * this outlasts t seconds
 SLEEP_CYCLES_PER_CALL = 100_000  # ~50 us of a ~2 GHz GPU per queued call: more than enqueueing one costs
-# The representative call of each schedule family whose host cost is measured (tiny shapes).
+# The representative call of each schedule family whose host cost is measured (tiny shapes);
+# the first probe of a family gives its figure, and each probe also its op's own ("matmul_rs
+# ce_push"): the reductions' ce_push enqueues more than the all-gather's (2x H100, session 23:
+# RS ~168 us, AR ~208 us a call; session 28's cost-model run measured RS 2048 ce_push:1 at 0.358
+# ms eager, 0.216 replayed, against 0.230 predicted from the all-gather's 144 us).
 HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2")],
                "cuda": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2"),
                         ("ag_matmul", "ce_push:1"), ("ag_matmul", "ce_push:4"), ("matmul_rs", "ce_pull:2"),
-                        ("matmul_rs", "direct:1")]}
+                        ("matmul_rs", "direct:1"), ("matmul_rs", "ce_push:1"), ("matmul_ar", "ce_push:1")]}
 
 
 def _timed(fn, device: torch.device, reps: int, group=None, preroll: bool = False) -> float:
@@ -467,9 +471,10 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
 
 
 def _host_families(hosts: dict[str, float], world: int, per_piece: float) -> tuple[dict[str, float], float]:
-    """Host cost per schedule family and per piece from the probes: a family's figure is its
-    call's cost less the per-piece cost of its pieces (as the model adds them back).  The
-    per-piece cost comes from ce_push:4 vs ce_push:1 where both were probed, else `per_piece`."""
+    """Host cost per schedule family ("ce_push") and per op and family ("matmul_rs ce_push"),
+    and per piece, from the probes: a figure is its call's cost less the per-piece cost of its
+    pieces (as the model adds them back); a family's is its first probe's.  The per-piece cost
+    comes from ce_push:4 vs ce_push:1 where both were probed, else `per_piece`."""
     peers = max(1, world - 1)
     if "ag_matmul ce_push:1" in hosts and "ag_matmul ce_push:4" in hosts:
         per_piece = max(0.0, (hosts["ag_matmul ce_push:4"] - hosts["ag_matmul ce_push:1"]) / (3 * peers))
@@ -477,10 +482,10 @@ def _host_families(hosts: dict[str, float], world: int, per_piece: float) -> tup
     for key, t in hosts.items():
         kind, sched = key.split(" ")
         name, _, chunks = sched.partition(":")
-        if name in out:
-            continue
         pieces = 1 if name in ("sequential", "local_first") else int(chunks or 1) * peers
-        out[name] = max(0.0, t - (0 if pieces == 1 else pieces * per_piece))
+        own = max(0.0, t - (0 if pieces == 1 else pieces * per_piece))
+        out.setdefault(name, own)
+        out.setdefault(f"{kind} {name}", own)
     return out, per_piece
 
 

@@ -61,8 +61,9 @@ class Calibration:
         producer's flag (its alpha includes that round trip).
     local_copy: a device-local copy (the C operand `addmm` copies into its output first).
     gemm: per dtype name ("bfloat16", "float16", "float32").
-    host_s: host time of one op call per schedule family (Python, dispatch, launches);
-        back-to-back calls take max(GPU time, host time).
+    host_s: host time of one op call per schedule family (Python, dispatch, launches), and
+        per op and family where measured ("matmul_rs ce_push"); back-to-back calls take
+        max(GPU time, host time).
     host_per_piece_s: extra host time per piece of a chunked / GPU schedule.
     overlap_slowdown: GEMM slowdown while a copy-engine transfer runs beside it, as a
         fraction of the transfer's time (t = gemm + slowdown * min(gemm, transfer)).
@@ -145,7 +146,11 @@ class Calibration:
                 return fa + w * (fb - fa)
         return curve[-1][1]
 
-    def host(self, family: str) -> float:
+    def host(self, family: str, kind: str | None = None) -> float:
+        """Host seconds of one call of a `family` schedule: op `kind`'s own figure where it was
+        measured ("matmul_rs ce_push"), else the family's, else "default"."""
+        if kind is not None and f"{kind} {family}" in self.host_s:
+            return self.host_s[f"{kind} {family}"]
         return self.host_s.get(family, self.host_s.get("default", 0.0))
 
     def to_json(self) -> str:

@@ -118,7 +118,7 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
     raw = fn(shape, sched, cal)
     gpu = raw * cal.factor(factor_key(shape.kind, sched), raw) + _graph_copies(shape, sched, cal)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
-    host = cal.host(sched.name) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
+    host = cal.host(sched.name, shape.kind) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
     if graphs and cal.device != "cpu":
         host = 0.0
     # A GPU runs the device work while the host enqueues the next call: back-to-back calls
