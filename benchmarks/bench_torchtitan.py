@@ -8,8 +8,15 @@ GPU, where there is nothing to overlap and the run only checks the plumbing on t
 torch).  Parses torchtitan's per-step log lines (loss, memory, tps) and writes
 torchtitan_<device>_<date>.json/.md with issue 7's record fields.
 
+Each job is its own process and its steps drift as the GPUs heat (2x H100, session 28: up to 8%
+within a job; commopt measured 1.083x inductor in one sequence of jobs and 0.976x in the next),
+so the jobs run in `--rounds` rounds, the variant order reversed every other round (A B C, C B
+A, ...: a drift that is linear in time cancels over two rounds), and the report compares each
+variant with the inductor job of the same round, then takes the median over rounds.
+
     python3 benchmarks/bench_torchtitan.py --out DIR [--steps 20] [--flavor debugmodel]
-        [--seq 2048] [--batch 8] [--commit SHA] [--extra=--optimizer.lr=3e-4] [--profile-step 10]
+        [--seq 2048] [--batch 8] [--rounds 2] [--commit SHA] [--extra=--optimizer.lr=3e-4]
+        [--profile-step 10]
 
 (BENCH_ARGS in device_run.sh is split on spaces: give --extra as one token, `--extra=--key=value`.)
 
@@ -53,20 +60,20 @@ def gpus() -> int:
     return torch.cuda.device_count()
 
 
-def run_variant(name: str, args, out: pathlib.Path, ngpu: int) -> dict:
+def run_variant(name: str, args, out: pathlib.Path, ngpu: int, rnd: int = 0) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}",
            "-m", "torchtitan.train", "--job.config_file", str(TOML),
            "--parallelism.tensor_parallel_degree", str(ngpu), "--training.steps", str(args.steps),
            "--training.seq_len", str(args.seq), "--training.local_batch_size", str(args.batch),
            "--model.flavor", args.flavor, "--debug.seed", "0",
            "--model.hf_assets_path", f"{args.assets}/tokenizer", "--training.dataset_path", f"{args.assets}/c4_test",
-           "--job.dump_folder", f"/tmp/tt_outputs/{name}", "--training.dtype", args.dtype, *VARIANTS[name],
+           "--job.dump_folder", f"/tmp/tt_outputs/{name}_r{rnd}", "--training.dtype", args.dtype, *VARIANTS[name],
            *shlex.split(args.extra)]
     env = dict(os.environ)
     if args.profile_step:  # benchmarks/tt_profile.py: one step under torch.profiler, tables in the log
         cmd += ["--experimental.custom_import", "benchmarks.tt_profile"]
         env["TT_PROFILE_STEP"] = str(args.profile_step)
-    log_path = out / f"torchtitan_{name}.log"
+    log_path = out / f"torchtitan_{name}_r{rnd}.log"
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
@@ -84,7 +91,7 @@ def run_variant(name: str, args, out: pathlib.Path, ngpu: int) -> dict:
     tps = [steps[s][2] for s in sorted(steps)][max(1, len(steps) // 4):]  # past compile and warm-up
     tokens_per_step = args.batch * args.seq  # TP over all GPUs, data-parallel degree 1: one batch a step
     rec = {"model": f"llama3 {args.flavor}", "tp": ngpu, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
-           "backend": name,
+           "backend": name, "round": rnd,
            "returncode": rc, "steps_logged": len(steps), "losses": losses,
            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
            "tokens_per_s": statistics.median(tps) * ngpu if tps else None,  # torchtitan's tps is per GPU
@@ -93,14 +100,39 @@ def run_variant(name: str, args, out: pathlib.Path, ngpu: int) -> dict:
     return rec
 
 
+def round_orders(variants: list[str], rounds: int) -> list[list[str]]:
+    """The variant order of each round: as given, reversed, as given, ..."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    return [list(variants) if r % 2 == 0 else list(reversed(variants)) for r in range(rounds)]
+
+
+def paired(records: list[dict], ref: str = "inductor") -> dict[str, dict]:
+    """Per backend: its median step ms over rounds, and its speedup over the `ref` job of the
+    same round (ref's step ms / its step ms) in each round and their median."""
+    by_round = {(r["backend"], r.get("round", 0)): r for r in records if r["step_ms"]}
+    out = {}
+    for backend in dict.fromkeys(r["backend"] for r in records):
+        mine = sorted((rnd, r["step_ms"]) for (b, rnd), r in by_round.items() if b == backend)
+        if not mine:
+            continue
+        ratios = [by_round[(ref, rnd)]["step_ms"] / ms for rnd, ms in mine if (ref, rnd) in by_round]
+        out[backend] = {"step_ms_median": statistics.median(ms for _, ms in mine), "rounds": len(mine),
+                        f"speedup_vs_{ref}_by_round": ratios,
+                        f"speedup_vs_{ref}": statistics.median(ratios) if ratios else None}
+    return out
+
+
 def report(meta: dict, records: list[dict]) -> str:
     lines = [f"# torchtitan {meta['torchtitan']} with commopt vs inductor ({meta['device']})", "",
              f"torch {meta['torch']}, commit {meta['commit']}, {meta['date']}; command: `{meta['command']}`", "",
-             "| backend | tp | seq | batch | dtype | rc | steps | step ms | tokens/s | peak GiB | loss first | loss last |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| backend | round | tp | seq | batch | dtype | rc | steps | step ms | tokens/s | peak GiB | loss first | "
+             "loss last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     for r in records:
-        lines.append(f"| {r['backend']} | {r['tp']} | {r['seq']} | {r['batch']} | {r.get('dtype', '?')} | "
+        lines.append(f"| {r['backend']} | {r.get('round', 0)} | {r['tp']} | {r['seq']} | {r['batch']} | "
+                     f"{r.get('dtype', '?')} | "
                      f"{r['returncode']} | "
                      f"{r['steps_logged']} | {fmt(r['step_ms'], '.1f')} | {fmt(r['tokens_per_s'], ',.0f')} | "
                      f"{fmt(r['peak_mem_gib'], '.2f')} | {fmt(r['loss_first'], '.4f')} | {fmt(r['loss_last'], '.4f')} |")
@@ -108,14 +140,23 @@ def report(meta: dict, records: list[dict]) -> str:
     others = [r for r in records if r is not ref and r["losses"]]
     if ref is not None and others:
         lines.append("")
-        for r in others:
+        for r in others:  # the loss curves against the first inductor job (speed: paired by round, below)
             diff = max(abs(x - y) for x, y in zip(r["losses"], ref["losses"]))
-            speed = (f", {r['tokens_per_s'] / ref['tokens_per_s']:.3f}x its tokens/s"
-                     if r["tokens_per_s"] and ref["tokens_per_s"] else "")
-            lines.append(f"- {r['backend']} vs inductor: largest per-step loss difference {diff:.4f} over "
-                         f"{min(len(r['losses']), len(ref['losses']))} steps{speed}.")
+            lines.append(f"- {r['backend']} (round {r.get('round', 0)}) vs inductor (round {ref.get('round', 0)}): "
+                         f"largest per-step loss difference {diff:.4f} over "
+                         f"{min(len(r['losses']), len(ref['losses']))} steps.")
+    pairs = paired(records)
+    if any(p["speedup_vs_inductor"] for p in pairs.values()):
+        lines += ["", "Against the inductor job of the same round (the order reversed every other round), median "
+                  "over rounds:", ""]
+        for backend, p in pairs.items():
+            if backend != "inductor" and p["speedup_vs_inductor"]:
+                lines.append(f"- {backend}: {p['speedup_vs_inductor']:.3f}x inductor's tokens/s (rounds: "
+                             + ", ".join(f"{x:.3f}" for x in p["speedup_vs_inductor_by_round"])
+                             + f"); median step {p['step_ms_median']:.1f} ms")
     if any(r["losses"] for r in records):
-        lines += ["", "Losses: " + "; ".join(f"{r['backend']}: " + ", ".join(f"{x:.3f}" for x in r["losses"])
+        lines += ["", "Losses: " + "; ".join(f"{r['backend']} (round {r.get('round', 0)}): "
+                                             + ", ".join(f"{x:.3f}" for x in r["losses"])
                                              for r in records if r["losses"])]
     return "\n".join(lines) + "\n"
 
@@ -130,6 +171,8 @@ def main() -> None:
     ap.add_argument("--assets", default="/tmp/tt_assets")
     ap.add_argument("--variants", default="commopt,inductor,inductor+async-TP", help=f"of {sorted(VARIANTS)}")
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="run every variant this many times, the order reversed every other round")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="training.dtype of every variant: torchtitan 0.2.2 gives TP without FSDP no mixed "
                          "precision, so float32 trains in full fp32 (the runs before 2026-11-25 did: ~870 ms a "
@@ -152,11 +195,13 @@ def main() -> None:
             "torchtitan": getattr(torchtitan, "__version__", "0.2.2?"), "commit": args.commit,
             "date": datetime.date.today().isoformat(), "command": " ".join(["python3", *sys.argv])}
     records = []
-    for name in args.variants.split(","):
-        records.append(run_variant(name, args, out, ngpu))
-        print(json.dumps({k: v for k, v in records[-1].items() if k != "losses"}), flush=True)
+    for rnd, names in enumerate(round_orders(args.variants.split(","), args.rounds)):
+        for name in names:
+            records.append(run_variant(name, args, out, ngpu, rnd))
+            print(json.dumps({k: v for k, v in records[-1].items() if k != "losses"}), flush=True)
     tag = f"torchtitan_{card_tag(device, ngpu)}_{meta['date']}"
-    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "records": records, "paired": paired(records)},
+                                                indent=1))
     (out / f"{tag}.md").write_text(report(meta, records))
     print(report(meta, records))
 

@@ -1,0 +1,35 @@
+"""bench_torchtitan's rounds (the job order reversed every other round) and its pairing of each
+variant with the inductor job of the same round, on synthetic records."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_torchtitan  # noqa: E402
+
+
+def test_every_other_round_runs_the_variants_in_reverse():
+    assert bench_torchtitan.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    with pytest.raises(ValueError, match="rounds"):
+        bench_torchtitan.round_orders(["a"], 0)
+
+
+def test_each_variant_is_compared_with_the_inductor_job_of_its_round():
+    # the GPUs slow down over the run: round 1's jobs are all 10% slower, the ratio stays
+    recs = [{"backend": "inductor", "round": 0, "step_ms": 100.0}, {"backend": "commopt", "round": 0, "step_ms": 95.0},
+            {"backend": "commopt", "round": 1, "step_ms": 104.5}, {"backend": "inductor", "round": 1, "step_ms": 110.0},
+            {"backend": "broken", "round": 0, "step_ms": None}, {"backend": "alone", "round": 2, "step_ms": 90.0}]
+    got = bench_torchtitan.paired(recs)
+    assert got["commopt"]["speedup_vs_inductor_by_round"] == pytest.approx([100 / 95, 110 / 104.5])
+    assert got["commopt"]["speedup_vs_inductor"] == pytest.approx(100 / 95)
+    assert got["commopt"]["step_ms_median"] == pytest.approx((95 + 104.5) / 2) and got["commopt"]["rounds"] == 2
+    assert "broken" not in got  # a job that logged no steps has nothing to pair
+    assert got["alone"]["speedup_vs_inductor"] is None  # no inductor job in its round
+    lines = bench_torchtitan.report({"torchtitan": "0.2.2", "device": "2x X", "torch": "t", "commit": "c", "date": "d",
+                                     "command": "python3 x"},
+                                    [dict(r, tp=2, seq=8, batch=1, returncode=0, steps_logged=0, tokens_per_s=None,
+                                          peak_mem_gib=None, loss_first=None, loss_last=None, losses=[]) for r in recs])
+    assert "- commopt: 1.053x inductor's tokens/s (rounds: 1.053, 1.053); median step 99.8 ms" in lines
