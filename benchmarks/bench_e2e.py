@@ -53,6 +53,7 @@ from torch_commopt.validate import check_shape  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from naming import card_tag  # noqa: E402
 from gpu_clocks import ClockSampler  # noqa: E402
+from compiled_variants import allow_entries, check_unchanged, compile_counts  # noqa: E402
 from step_profile import breakdown, format_idle, split  # noqa: E402
 
 VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model", "inductor+cudagraphs", "commopt graphs"]
@@ -131,9 +132,9 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
     out: dict = {}
     prepared: dict = {}
     # The variants' blocks share one forward code object and keep their compiled entries: one
-    # reset, and a recompile limit above what they need that fails loudly (bench_plan's rule)
+    # reset, and a recompile limit above what they need that fails loudly (compiled_variants)
     torch._dynamo.reset()
-    _dynamo_limits(len(variants) * shape["layers"])
+    allow_entries(len(variants) * shape["layers"])
     for variant in variants:
         if variant == "inductor+async-TP" and dev != "cuda":
             out[variant] = {"skipped": "async-TP needs CUDA symmetric memory"}
@@ -159,7 +160,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             rec["notes"] = sorted({n for g in graphs for n in g.notes + g.plan})[:40]
         _async_tp(False)
         out[variant], prepared[variant] = rec, step
-    compiled = _compiles()
+    compiled = compile_counts()
     names = list(prepared)
     times: dict = {v: [] for v in names}
     enqueue: dict = {v: [] for v in names}
@@ -195,9 +196,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             for _ in range(host_profile):
                 prepared[variant]()
             sync()
-    if _compiles() != compiled:
-        raise RuntimeError(f"bench_e2e: Dynamo compiled again while the variants were timed ({compiled} -> "
-                           f"{_compiles()} frames/graphs): some figures are not of the variants as compiled")
+    check_unchanged(compiled, "bench_e2e")
     return out
 
 
@@ -213,23 +212,6 @@ def _train_step(model, x: torch.Tensor, target: torch.Tensor):
         opt.step()
         return loss.detach()
     return step
-
-
-def _dynamo_limits(entries: int) -> None:
-    """Dynamo's per-code-object recompile limit raised above the entries the variants need
-    (a block each at most), and hitting it made an error instead of a silent eager fallback
-    (where this torch has the option)."""
-    cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, 2 * entries)
-    if "fail_on_recompile_limit_hit" in cfg._config:
-        cfg.fail_on_recompile_limit_hit = True
-
-
-def _compiles() -> tuple[int, int]:
-    """(frames Dynamo converted, graphs it compiled) so far in this process."""
-    from torch._dynamo.utils import counters
-
-    return counters["frames"]["total"], counters["stats"]["unique_graphs"]
 
 
 def _host_profile(step, sync, steps: int, top: int = 30) -> list[str]:

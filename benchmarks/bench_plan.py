@@ -48,6 +48,7 @@ from torch_commopt.launch import run_distributed  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from naming import card_tag  # noqa: E402
+from compiled_variants import allow_entries, check_unchanged, compile_counts  # noqa: E402
 from step_profile import breakdown, format_idle, split  # noqa: E402
 
 FIXED = ["sequential", "ce_push:1", "ce_push:2", "direct:1"]
@@ -91,7 +92,7 @@ def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "
     # ran uncompiled, eagerly: session 24's "within 400 MiB" and no-concat-K controls, found in
     # session 25), and a limit above the variant count that fails loudly if it is still hit.
     torch._dynamo.reset()
-    _dynamo_limits(len(todo))
+    allow_entries(len(todo))
     for label, (backend, options) in todo.items():
         torch_commopt.reset_explain()
         model, x = build(model_kind, torch.bfloat16, 0, shape)
@@ -117,7 +118,7 @@ def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "
                 plans[f"{label} notes"] = [n for g in graphs for n in g.notes + g.plan]
         steps[label] = step
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    compiled = _compiles()
+    compiled = compile_counts()
     counts = _agreed_counts(steps, sync, dev)
     samples = {k: [] for k in steps}
     names = list(steps)
@@ -134,9 +135,7 @@ def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     # one profiled step per variant (every rank runs it: collectives), rank 0's categories kept
     profiled = {k: breakdown(steps[k], sync, k) for k in names} if dev == "cuda" else {}
-    if _compiles() != compiled:
-        raise RuntimeError(f"bench_plan: Dynamo compiled again while the variants were timed ({compiled} -> "
-                           f"{_compiles()} frames/graphs): some figures are not of the variants as compiled")
+    check_unchanged(compiled, "bench_plan")
     ref_out, ref_grad = outs["inductor"]
     return {"step_ms": dict(zip(names, med.tolist())),
             "spread_ms": {k: [min(v), max(v)] for k, v in samples.items()},
@@ -145,22 +144,6 @@ def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "
                                      for k, (o, g) in outs.items()},
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
             "breakdown_ms": profiled}
-
-
-def _dynamo_limits(n_variants: int) -> None:
-    """Dynamo's per-code-object recompile limit raised above the variant count, and hitting it
-    made an error instead of a silent eager fallback (where this torch has the option)."""
-    cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, 2 * n_variants)
-    if "fail_on_recompile_limit_hit" in cfg._config:
-        cfg.fail_on_recompile_limit_hit = True
-
-
-def _compiles() -> tuple[int, int]:
-    """(frames Dynamo converted, graphs it compiled) so far in this process."""
-    from torch._dynamo.utils import counters
-
-    return counters["frames"]["total"], counters["stats"]["unique_graphs"]
 
 
 def _agreed_counts(steps: dict, sync, dev: str) -> dict[str, int]:
