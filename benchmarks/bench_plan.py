@@ -271,7 +271,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--commit", default="")
-    parser.add_argument("--cpu", action="store_true", help="smoke run on gloo (CPU), no figures")
+    parser.add_argument("--cpu", action="store_true",
+                        help="smoke run on gloo (CPU) with a tiny block (the GPU shapes take over 10 minutes there), "
+                             "no figures")
     parser.add_argument("--budget-mib", dest="budgets", type=lambda t: tuple(float(x) for x in t.split(",") if x),
                         default=(), help="comma-separated memory budgets (MiB per graph): a 'searched within B MiB' "
                                          "variant each, against the fixed plans whose predicted memory fits")
@@ -280,6 +282,9 @@ def main() -> None:
     parser.add_argument("--concat-k-controls", dest="concat_k_controls", action="store_true",
                         help="add fixed ce_push:1 and searched with concat-K off (controls, not fixed plans)")
     args = parser.parse_args()
+    if args.cpu:  # two heads of head dim 16 per rank, 32 tokens per rank
+        args.heads, args.seq = 2 * args.world, 32 * args.world
+        args.dim, args.hidden, args.repeats = 16 * args.heads, 32 * args.heads, min(args.repeats, 2)
     shape = {"batch": args.batch, "seq": args.seq, "dim": args.dim, "hidden": args.hidden, "heads": args.heads}
     backend = "gloo" if args.cpu else "nccl"
     from torch_commopt.tuner.calibrate import run_calibration
