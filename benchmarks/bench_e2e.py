@@ -3,7 +3,8 @@
 A few Llama-3-8B layers (dim 4096, 32 heads / 8 KV heads, SwiGLU hidden 14336; no RoPE and no
 embedding: the input is a random activation, the loss the MSE to a fixed random target), each
 block parallelized with DTensor TP + sequence parallelism (torchtitan's plan, models.tp_sp_plan)
-and compiled on its own as torchtitan does, trained with AdamW in bf16 from the same seed:
+and compiled on its own as torchtitan does, trained with AdamW (fused on CUDA, torchtitan's
+default) in bf16 from the same seed:
 
     inductor            block.compile() (NCCL collectives + cuBLAS)
     inductor+async-TP   the same with torch._inductor.config._micro_pipeline_tp and symmetric
@@ -19,8 +20,10 @@ and compiled on its own as torchtitan does, trained with AdamW in bf16 from the 
 graphs"; "_" may stand for a space.)
 
 Per variant: the loss of every step (the curves must agree within bf16 noise), step time
-(median of its timed steps, slowest rank; every variant is built and warmed up first, then
-their steps are timed in turns, the order rotated each round, so all see the same clocks),
+(median over rounds, slowest rank, of --burst steps run back to back with one synchronize at
+the end, as a training loop runs them; and of one step synchronized on its own; every variant
+is built and warmed up first, then timed in turns, the order rotated each round, so all see
+the same clocks),
 tokens/s (batch x seq per step over the TP group), peak memory (its own), the GPU clocks
 while its steps ran, and a device-time breakdown of one profiled step on rank 0 (GEMM,
 attention, NCCL, commopt/Triton kernels, copies, other).  Writes
@@ -113,12 +116,13 @@ def _async_tp(on: bool) -> None:
 
 
 def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variants: list[str],
-           host_profile: int = 0) -> dict:
+           host_profile: int = 0, burst: int = 5) -> dict:
     """Every variant built, compiled and trained `steps` steps (its loss curve) in turn, all kept;
     then their steps timed in turns, `repeats` rounds with the order rotated each round, so
     every variant sees the same GPU clocks and temperatures (timed one after the other, the
     variant timed first ran ~2% faster on the power-capped GPUs: e2e_h100x2_2026-11-26_s28,
-    s28b); then one profiled step each."""
+    s28b); each turn one step on its own (synchronized before and after) and then `burst`
+    steps back to back; then one profiled step each."""
     import torch_commopt
 
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -146,7 +150,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         model = build(variant, shape, dev)
-        step = _train_step(model, x, target)
+        step = _train_step(model, x, target, fused=dev == "cuda")
         losses = []
         for _ in range(steps):  # the loss curve (the first steps also compile and warm up)
             loss = step()
@@ -163,6 +167,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
     compiled = compile_counts()
     names = list(prepared)
     times: dict = {v: [] for v in names}
+    isolated: dict = {v: [] for v in names}
     enqueue: dict = {v: [] for v in names}
     windows: dict = {v: [] for v in names}
     with ClockSampler(period_ms=50, enabled=dev == "cuda" and rank == 0) as clocks:  # every GPU, from rank 0
@@ -174,14 +179,29 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                 prepared[variant]()
                 enqueue[variant].append((time.perf_counter() - t0) * 1e3)  # the host's share: step() returns
                 sync()
-                times[variant].append((time.perf_counter() - t0) * 1e3)
+                isolated[variant].append((time.perf_counter() - t0) * 1e3)
+                # then `burst` steps back to back, one synchronize at the end, as a training loop
+                # runs them (torchtitan reads the loss every log_freq = 10 steps): the host
+                # enqueues the next step while the GPUs finish this one
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(burst):
+                    prepared[variant]()
+                sync()
+                times[variant].append((time.perf_counter() - t0) * 1e3 / burst)
                 windows[variant].append((w0, time.time()))
     per_variant_clocks = clocks.summary(windows) if clocks.enabled else {}
     ms = torch.tensor([statistics.median(times[v]) for v in names], dtype=torch.float64, device=dev)
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    iso = torch.tensor([statistics.median(isolated[v]) for v in names], dtype=torch.float64, device=dev)
+    dist.all_reduce(iso, op=dist.ReduceOp.MAX)
+    iso_ms = dict(zip(names, iso.tolist()))
     for variant, t in zip(names, ms.tolist()):
         out[variant].update(step_ms=t, step_ms_spread=[min(times[variant]), max(times[variant])],
-                            step_ms_all=times[variant], host_enqueue_ms=statistics.median(enqueue[variant]),
+                            step_ms_all=times[variant], step_ms_isolated=iso_ms[variant],
+                            step_ms_isolated_all=isolated[variant],
+                            host_enqueue_ms=statistics.median(enqueue[variant]),
                             tokens_per_s=b * s / (t / 1e3), gpu_clocks=per_variant_clocks.get(variant, {}))
     for variant in names:
         dist.barrier()  # the ranks start each profiled step together: the last one's profile
@@ -200,9 +220,10 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
     return out
 
 
-def _train_step(model, x: torch.Tensor, target: torch.Tensor):
-    """One AdamW training step of `model` on (x, target); returns the loss (a device tensor)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+def _train_step(model, x: torch.Tensor, target: torch.Tensor, fused: bool = False):
+    """One AdamW training step of `model` on (x, target); returns the loss (a device tensor).
+    fused: the fused AdamW kernel (torchtitan's default, CUDA), else the foreach one."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
 
     def step():
         torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA-graph trees (else a no-op)
@@ -245,12 +266,15 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                      "loss_first": r["losses"][0], "loss_last": r["losses"][-1], "losses": r["losses"],
                      "breakdown_ms": r.get("breakdown_ms"), "regions": r.get("regions"),
                      "host_enqueue_ms": r.get("host_enqueue_ms"), "step_ms_all": r.get("step_ms_all"),
+                     "step_ms_isolated": r.get("step_ms_isolated"),
                      "host_profile": r.get("host_profile"), "gpu_clocks": r.get("gpu_clocks")})
     base = {r["backend"]: r for r in rows}
     for r in rows:
         for ref in ("inductor", "inductor+async-TP"):
             if ref in base:
                 r[f"speedup_vs_{ref}"] = base[ref]["step_ms"] / r["step_ms"]
+                if r.get("step_ms_isolated") and base[ref].get("step_ms_isolated"):
+                    r[f"isolated_speedup_vs_{ref}"] = base[ref]["step_ms_isolated"] / r["step_ms_isolated"]
         if "inductor" in base:
             ref_l = base["inductor"]["losses"]
             r["max_loss_rel_diff_vs_inductor"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_l))
@@ -259,16 +283,21 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
 
 def report(rows: list[dict], meta: dict) -> str:
     lines = [f"# End-to-end training, Llama-3-8B-shaped stack, {meta['device']} x{meta['world']} ({meta['date']})", "",
-             f"torch {meta['torch']}, commit {meta['commit']}, shape {meta['shape']}, bf16, AdamW, "
-             f"{meta['steps']} steps per backend (the loss curve); then {meta.get('repeats', '?')} timed steps each, "
-             "the variants in turns (order rotated per round); step ms: the median, slowest rank.", "",
+             f"torch {meta['torch']}, commit {meta['commit']}, shape {meta['shape']}, bf16, fused AdamW, "
+             f"{meta['steps']} steps per backend (the loss curve); then {meta.get('repeats', '?')} rounds, the "
+             "variants in turns (order rotated per round); a turn: one step on its own (synchronized before "
+             f"and after: 'isolated'), then {meta.get('burst', 1)} steps back to back with one synchronize at "
+             "the end, as a training loop runs them (step ms, tokens/s); each the median over rounds, slowest "
+             "rank.", "",
              f"Command: `{meta['command']}`", "",
-             "| backend | step ms | tokens/s | vs inductor | vs inductor+async-TP | peak GiB | loss first -> last | "
-             "max loss diff vs inductor |", "|---|---|---|---|---|---|---|---|"]
+             "| backend | step ms | tokens/s | vs inductor | vs inductor+async-TP | isolated step ms (vs inductor) "
+             "| peak GiB | loss first -> last | max loss diff vs inductor |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        iso = (f"{r['step_ms_isolated']:.2f} ({r.get('isolated_speedup_vs_inductor', float('nan')):.3f})"
+               if r.get("step_ms_isolated") else "-")
         lines.append(f"| {r['backend']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
                      f"{r.get('speedup_vs_inductor', float('nan')):.3f} | "
-                     f"{r.get('speedup_vs_inductor+async-TP', float('nan')):.3f} | "
+                     f"{r.get('speedup_vs_inductor+async-TP', float('nan')):.3f} | {iso} | "
                      f"{r['peak_mem_gib'] if r['peak_mem_gib'] is None else round(r['peak_mem_gib'], 2)} | "
                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
                      f"{r.get('max_loss_rel_diff_vs_inductor', 0):.1e} |")
@@ -313,6 +342,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=14336)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--burst", type=int, default=5,
+                   help="steps run back to back per turn (one synchronize at the end): the step time reported")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--commit", default="")
     p.add_argument("--host-profile", dest="host_profile", type=int, default=0, metavar="STEPS",
@@ -322,7 +353,7 @@ def main() -> None:
     if args.cpu:  # head dim 16, two query heads and one kv head per rank
         args.heads, args.kv_heads = 2 * args.world, args.world
         args.layers, args.seq, args.dim, args.hidden = 2, 8 * args.world, 16 * args.heads, 32 * args.heads
-        args.steps, args.repeats = 3, 2
+        args.steps, args.repeats, args.burst = 3, 2, 2
     shape = {"layers": args.layers, "batch": args.batch, "seq": args.seq, "dim": args.dim, "heads": args.heads,
              "kv_heads": args.kv_heads, "hidden": args.hidden}
     try:  # before any rank starts: a clear error instead of a view failure inside the ranks
@@ -339,7 +370,7 @@ def main() -> None:
         from torch_commopt.tuner.calibrate import run_calibration
 
         print(run_calibration(args.world, backend), flush=True)
-    res = run_distributed(worker, args.world, shape, args.steps, args.repeats, variants, args.host_profile,
+    res = run_distributed(worker, args.world, shape, args.steps, args.repeats, variants, args.host_profile, args.burst,
                           backend=backend,
                           timeout_s=1500)[0]
     rows = records(res, shape, args.world)
@@ -348,7 +379,7 @@ def main() -> None:
         return
     date = datetime.date.today().isoformat()
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
-            "commit": args.commit, "shape": shape, "steps": args.steps, "repeats": args.repeats,
+            "commit": args.commit, "shape": shape, "steps": args.steps, "repeats": args.repeats, "burst": args.burst,
             "command": "python3 " + " ".join(sys.argv)}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
