@@ -116,13 +116,13 @@ def _async_tp(on: bool) -> None:
 
 
 def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variants: list[str],
-           host_profile: int = 0, burst: int = 5) -> dict:
+           host_profile: int = 0, burst: int = 5, profile_steps: int = 3) -> dict:
     """Every variant built, compiled and trained `steps` steps (its loss curve) in turn, all kept;
     then their steps timed in turns, `repeats` rounds with the order rotated each round, so
     every variant sees the same GPU clocks and temperatures (timed one after the other, the
     variant timed first ran ~2% faster on the power-capped GPUs: e2e_h100x2_2026-11-26_s28,
     s28b); each turn one step on its own (synchronized before and after) and then `burst`
-    steps back to back; then one profiled step each."""
+    steps back to back; then `profile_steps` profiled steps back to back each."""
     import torch_commopt
 
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -168,6 +168,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
     names = list(prepared)
     times: dict = {v: [] for v in names}
     isolated: dict = {v: [] for v in names}
+    burst_enqueue: dict = {v: [] for v in names}  # per step, until the burst's last step() returned
     enqueue: dict = {v: [] for v in names}
     windows: dict = {v: [] for v in names}
     with ClockSampler(period_ms=50, enabled=dev == "cuda" and rank == 0) as clocks:  # every GPU, from rank 0
@@ -188,6 +189,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                 t0 = time.perf_counter()
                 for _ in range(burst):
                     prepared[variant]()
+                burst_enqueue[variant].append((time.perf_counter() - t0) * 1e3 / burst)
                 sync()
                 times[variant].append((time.perf_counter() - t0) * 1e3 / burst)
                 windows[variant].append((w0, time.time()))
@@ -202,12 +204,13 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                             step_ms_all=times[variant], step_ms_isolated=iso_ms[variant],
                             step_ms_isolated_all=isolated[variant],
                             host_enqueue_ms=statistics.median(enqueue[variant]),
+                            burst_enqueue_ms=statistics.median(burst_enqueue[variant]),
                             tokens_per_s=b * s / (t / 1e3), gpu_clocks=per_variant_clocks.get(variant, {}))
     for variant in names:
         dist.barrier()  # the ranks start each profiled step together: the last one's profile
         sync()          # processing takes each rank its own time (else its NCCL waits are counted)
         if dev == "cuda":  # every rank runs the profiled step (collectives); rank 0's figures kept
-            got = breakdown(prepared[variant], sync, variant)
+            got = breakdown(prepared[variant], sync, variant, steps=profile_steps)
             if rank == 0:
                 out[variant]["breakdown_ms"] = got
         if host_profile and rank == 0:
@@ -266,7 +269,7 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                      "loss_first": r["losses"][0], "loss_last": r["losses"][-1], "losses": r["losses"],
                      "breakdown_ms": r.get("breakdown_ms"), "regions": r.get("regions"),
                      "host_enqueue_ms": r.get("host_enqueue_ms"), "step_ms_all": r.get("step_ms_all"),
-                     "step_ms_isolated": r.get("step_ms_isolated"),
+                     "step_ms_isolated": r.get("step_ms_isolated"), "burst_enqueue_ms": r.get("burst_enqueue_ms"),
                      "host_profile": r.get("host_profile"), "gpu_clocks": r.get("gpu_clocks")})
     base = {r["backend"]: r for r in rows}
     for r in rows:
@@ -301,11 +304,13 @@ def report(rows: list[dict], meta: dict) -> str:
                      f"{r['peak_mem_gib'] if r['peak_mem_gib'] is None else round(r['peak_mem_gib'], 2)} | "
                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
                      f"{r.get('max_loss_rel_diff_vs_inductor', 0):.1e} |")
-    lines += ["", "Device time of one step by kernel category (rank 0, ms; overlapped kernels both count; "
-              "gpu_busy: the union of all kernels and copies over gpu_span, the first to the last; host "
-              "enqueue: the median time until step() returned, before the synchronize):", ""]
+    lines += ["", f"Device time per step by kernel category ({meta.get('profile_steps', 1)} steps profiled back to "
+              "back, per step; rank 0, ms; overlapped kernels both count; gpu_busy: the union of all kernels and "
+              "copies over gpu_span, the first to the last; host enqueue: the median time until an isolated "
+              "step() returned, before the synchronize):", ""]
     for r in rows:
-        lines.append(f"- {r['backend']}: {split(r['breakdown_ms'])[0]}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms")
+        lines.append(f"- {r['backend']}: {split(r['breakdown_ms'])[0]}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms "
+                     f"(in a burst {r.get('burst_enqueue_ms') or 0:.2f} ms per step)")
     if any(r.get("gpu_clocks") for r in rows):
         lines += ["", "GPU clocks while the variant's own steps ran (nvidia-smi every 50 ms, the samples inside "
                   "its timed steps; per GPU: samples, mean SM MHz [lowest..highest], mean W, share of samples "
@@ -317,7 +322,7 @@ def report(rows: list[dict], meta: dict) -> str:
                 f"capped {c['power_capped_share']:.0%}" for i, c in g.items()))
     idle = [x for r in rows for x in format_idle(r["backend"], split(r["breakdown_ms"])[1])]
     if idle:
-        lines += ["", "Where the device sat idle in that step (rank 0; the kernel before and after each gap; a wait "
+        lines += ["", "Where the device sat idle in those steps (rank 0, all of them; the kernel before and after each gap; a wait "
                   "for a peer's copy-engine push shows as a gap before the kernel that reads it):", "", *idle]
     for r in rows:
         if r.get("host_profile"):
@@ -342,6 +347,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=14336)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--profile-steps", dest="profile_steps", type=int, default=3,
+                   help="steps profiled back to back per variant for the breakdown (its figures per step)")
     p.add_argument("--burst", type=int, default=5,
                    help="steps run back to back per turn (one synchronize at the end): the step time reported")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -371,6 +378,7 @@ def main() -> None:
 
         print(run_calibration(args.world, backend), flush=True)
     res = run_distributed(worker, args.world, shape, args.steps, args.repeats, variants, args.host_profile, args.burst,
+                          args.profile_steps,
                           backend=backend,
                           timeout_s=1500)[0]
     rows = records(res, shape, args.world)
@@ -380,6 +388,7 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
             "commit": args.commit, "shape": shape, "steps": args.steps, "repeats": args.repeats, "burst": args.burst,
+            "profile_steps": args.profile_steps,
             "command": "python3 " + " ".join(sys.argv)}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

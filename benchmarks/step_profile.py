@@ -21,9 +21,11 @@ CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "att
               ("commopt/triton", ("triton", "commopt")), ("copy", ("memcpy", "memset", "copy")))
 
 
-def breakdown(step, sync, label: str = "") -> dict[str, float]:
+def breakdown(step, sync, label: str = "", steps: int = 1) -> dict[str, float]:
     """Device time of one step by kernel category (ms, summed over kernels; overlapped kernels
-    both count, so the sum can exceed the step).  With COMMOPT_TRACE_DIR set, one more step is
+    both count, so the sum can exceed the step).  steps > 1: that many steps run back to back
+    (one synchronize at the end) and every figure is per step (their sum over `steps`); the
+    idle gaps are the whole run's.  With COMMOPT_TRACE_DIR set, one more step is
     profiled with its host ops (input shapes and strides recorded) and its Chrome trace written
     there, one file per rank (<label>_rank<r>.json), for the timelines the categories cannot
     show (which stream waited on what, what the host was doing)."""
@@ -33,7 +35,8 @@ def breakdown(step, sync, label: str = "") -> dict[str, float]:
 
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(steps):
+            step()
         sync()
     trace_dir = os.environ.get("COMMOPT_TRACE_DIR")
     if trace_dir:  # one more step, host ops (with their input shapes and strides) and device, for the trace only
@@ -68,7 +71,7 @@ def breakdown(step, sync, label: str = "") -> dict[str, float]:
         name = evt.key.lower()
         cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
         totals[cat] = totals.get(cat, 0.0) + ms
-    out = {k: round(v, 3) for k, v in sorted(totals.items())}
+    out = {k: round(v / steps, 3) for k, v in sorted(totals.items())}
     out["idle_gaps"] = idle_gaps(events)
     return out
 
