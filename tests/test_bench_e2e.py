@@ -1,0 +1,46 @@
+"""bench_e2e's records and report on synthetic results: the headline step time is the burst's
+(steps back to back), the isolated step's figures sit beside it, and the breakdown is per step."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_e2e  # noqa: E402
+
+
+def _result(burst_ms: float, isolated_ms: float, losses: list[float]) -> dict:
+    return {"losses": losses, "peak_mem_gib": 5.0, "step_ms": burst_ms, "tokens_per_s": 8192 / (burst_ms / 1e3),
+            "step_ms_isolated": isolated_ms, "host_enqueue_ms": 20.0, "burst_enqueue_ms": 18.0,
+            "breakdown_ms": {"gemm": 28.0, "gpu_busy": 44.0, "gpu_span": 45.0}}
+
+
+def test_speedups_come_from_the_burst_and_the_isolated_step_each_against_its_own():
+    res = {"inductor": _result(51.5, 53.4, [2.0, 1.0]), "inductor+async-TP": _result(51.5, 53.0, [2.0, 1.01]),
+           "commopt": _result(49.0, 48.5, [2.0, 1.02]), "skipped one": {"skipped": "no CUDA"}}
+    rows = {r["backend"]: r for r in bench_e2e.records(res, {"layers": 4, "seq": 8192, "batch": 1}, 2)}
+    assert "skipped one" not in rows
+    c = rows["commopt"]
+    assert c["speedup_vs_inductor"] == pytest.approx(51.5 / 49.0)
+    assert c["isolated_speedup_vs_inductor"] == pytest.approx(53.4 / 48.5)
+    assert c["isolated_speedup_vs_inductor+async-TP"] == pytest.approx(53.0 / 48.5)
+    assert c["max_loss_rel_diff_vs_inductor"] == pytest.approx(0.02)
+    meta = {"device": "X", "world": 2, "date": "d", "torch": "t", "commit": "c", "shape": {}, "steps": 2,
+            "repeats": 20, "burst": 5, "profile_steps": 3, "command": "python3 x"}
+    text = bench_e2e.report(list(rows.values()), meta)
+    assert "| commopt | 49.00 | 167184 | 1.051 | 1.051 | 48.50 (1.101) |" in text
+    assert "then 5 steps back to back" in text and "3 steps profiled back to back, per step" in text
+    assert "host enqueue 20.00 ms (in a burst 18.00 ms per step)" in text
+
+
+def test_a_record_without_the_isolated_step_still_reports():
+    """Results written before the burst timing (no isolated figures) render with '-'."""
+    old = _result(51.0, 0.0, [1.0])
+    del old["step_ms_isolated"]
+    rows = bench_e2e.records({"inductor": old}, {"layers": 1, "seq": 8, "batch": 1}, 2)
+    assert "isolated_speedup_vs_inductor" not in rows[0]
+    assert "| inductor | 51.00 |" in bench_e2e.report(rows, {"device": "X", "world": 2, "date": "d", "torch": "t",
+                                                           "commit": "c", "shape": {}, "steps": 1,
+                                                           "command": "x"})
