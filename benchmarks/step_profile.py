@@ -18,7 +18,9 @@ import torch
 
 CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
               ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
-              ("commopt/triton", ("triton", "commopt")), ("copy", ("memcpy", "memset", "copy")))
+              ("commopt/triton", ("triton", "commopt")),
+              # copy-engine transfers to a peer (commopt's pushes) apart from the device-local ones
+              ("copy to peer", ("memcpy ptop",)), ("copy", ("memcpy", "memset", "copy")))
 
 
 def breakdown(step, sync, label: str = "", steps: int = 1) -> dict[str, float]:
