@@ -23,7 +23,15 @@ operations throughout (no spinning kernel, except debug mode's bounded waits); e
 back at rest after a call, so a CUDA graph may replay it once the buffer exists.
 
 Transfers run on the group runtime's side stream, the own pieces' local copies beside them on
-its local stream; the compute stream waits on flags and events only.  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
+its local stream; the compute stream waits on flags and events only.
+
+Concurrent groups (TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=1, pure Ulysses only: its attention
+moves nothing itself): the odd head groups' attention runs on a second compute stream, so a
+group's kernel starts on the SMs the previous group's last wave leaves idle instead of after
+it (2x H200, 16K tokens, H 32: the attention alone took 6.53 ms in one call and 6.95 in two
+head groups, results/cp_profile_h200x2_2026-11-23_s11.md).  Each group's waits, release and
+results stay on its own stream; the outputs are completed on the caller's stream, which joins
+the second one through the last group's events.  Off by default until measured.  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
 logged once); inside a CUDA-graph capture before the buffer exists, NCCL runs (logged once).
 """
 
@@ -42,6 +50,8 @@ from torch_commopt.attention import switches
 
 log = logging.getLogger(__name__)
 ENV = "TORCH_COMMOPT_ATTENTION_A2A"
+GROUP_STREAMS_ENV = "TORCH_COMMOPT_ATTENTION_GROUP_STREAMS"
+_SECOND: dict[int, "torch.cuda.Stream"] = {}  # device index -> the second compute stream
 PURPOSE = "attention all-to-all"  # the runtime's own_buffer key
 IN, OUT = 0, 1  # flag regions
 _ALIGN = 256  # bytes: every tensor's place in a slot starts aligned
@@ -152,13 +162,32 @@ def vote(group, device: torch.device, host: str, peers: bool) -> tuple[bool, str
 
 
 def pipelined(xs: list[Tensor], compute: Callable, group, groups: int, outs: Sequence[Spec],
-              keep_in: Sequence[Tensor] | None = None, keep_out: Sequence[Tensor] | None = None) -> tuple[Tensor, ...]:
+              keep_in: Sequence[Tensor] | None = None, keep_out: Sequence[Tensor] | None = None,
+              concurrent: bool = False) -> tuple[Tensor, ...]:
     """schedules._pipelined's contract with copy-engine moves: compute(*head-sharded group
     inputs) per head group g (heads [g*h/G, (g+1)*h/G) of every x, split again over the n
     ranks), once per group in order, its results moved back into outputs shaped and typed as
     `outs` (sequence layout); keep_in / keep_out: (G, ...) tensors that receive group g's moved
-    inputs / results at [g], copied by the local copy stream beside the compute."""
-    return _Pipeline(xs, group, groups, outs).run(compute, keep_in or (), keep_out or ())
+    inputs / results at [g], copied by the local copy stream beside the compute.  concurrent:
+    compute makes no collective calls, so the odd groups may run on a second stream (where
+    GROUP_STREAMS_ENV asks for it; module docstring)."""
+    return _Pipeline(xs, group, groups, outs).run(compute, keep_in or (), keep_out or (),
+                                                  second=concurrent and groups > 1 and group_streams())
+
+
+def group_streams() -> bool:
+    """Whether GROUP_STREAMS_ENV asks for concurrent head groups (read per call; never inside a
+    CUDA-graph capture, where a second stream needs its own fork and join per capture)."""
+    import os
+
+    return os.environ.get(GROUP_STREAMS_ENV, "0") == "1" and not torch.cuda.is_current_stream_capturing()
+
+
+def _second_stream(device: torch.device) -> "torch.cuda.Stream":
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SECOND:
+        _SECOND[index] = torch.cuda.Stream(device=index)
+    return _SECOND[index]
 
 
 class _Pipeline:
@@ -192,18 +221,20 @@ class _Pipeline:
         self.rt.wait(self.side, index, 1, debug=self.debug, what="free all-to-all slot", src=peer, chunk=g)
         self.driver.write_value32(self.side, self.rt.flag_address(self.me, index), 0)
 
-    def _arrived(self, region: int, half: int, g: int) -> None:
-        """Compute stream: hold until every source has written this rank's slot (region, half)."""
+    def _arrived(self, region: int, half: int, g: int, stream) -> None:
+        """`stream` (a compute stream): hold until every source has written this rank's slot
+        (region, half)."""
         for src in self.rt.sources:
-            self.rt.wait(self.compute, self._data(region, half, src), 1, debug=self.debug, what="all-to-all piece",
+            self.rt.wait(stream, self._data(region, half, src), 1, debug=self.debug, what="all-to-all piece",
                          src=src, chunk=g)
 
-    def _release(self, region: int, half: int) -> None:
-        """Compute stream, after the last read of slot (region, half): flags down, tokens back."""
+    def _release(self, region: int, half: int, stream) -> None:
+        """`stream` (a compute stream), after the last read of slot (region, half): flags down,
+        tokens back."""
         for src in self.rt.sources:
-            self.driver.write_value32(self.compute, self.rt.flag_address(self.me, self._data(region, half, src)), 0)
+            self.driver.write_value32(stream, self.rt.flag_address(self.me, self._data(region, half, src)), 0)
         for src in self.rt.sources:
-            self.rt.signal(self.compute, src, self._free(region, half, self.me), 1)
+            self.rt.signal(stream, src, self._free(region, half, self.me), 1)
 
     # ---- copies -----------------------------------------------------------------------------
     def _copy_rows(self, stream, dst: int, dst_row: int, dst_batch: int, src: Tensor, head0: int, heads: int,
@@ -244,10 +275,10 @@ class _Pipeline:
                 self.rt.signal(self.side, d, self._data(IN, half, self.me), 1)
         done = [self.side.record_event(), self.local.record_event()]
 
-        def wait() -> list[Tensor]:
+        def wait(stream) -> list[Tensor]:
             for event in done:
-                self.compute.wait_event(event)
-            self._arrived(IN, half, g)
+                stream.wait_event(event)
+            self._arrived(IN, half, g, stream)
             views = []
             for x, off in zip(self.xs, lay.ins):
                 b, h, _, _ = _rows(x.shape)
@@ -256,9 +287,10 @@ class _Pipeline:
             return views
         return wait
 
-    def _outbound(self, g: int, results: list[Tensor]) -> Callable[[], None]:
+    def _outbound(self, g: int, results: list[Tensor], stream) -> Callable[[], None]:
         """Push group g's results' token blocks to their ranks (own block straight into the
-        outputs); returns the compute-side finish (wait, copy the staged blocks in, release)."""
+        outputs), after `stream` (the compute stream that made them); returns the finish on the
+        caller's compute stream (wait, copy the staged blocks in, release)."""
         half, lay, s_loc, n = g % 2, self.layout, self.seq_local, self.n
         base = half * lay.half + lay.in_bytes
         results = [_rows_ok(r) for r in results]
@@ -267,11 +299,11 @@ class _Pipeline:
             if r.dtype != dtype or tuple(r.shape) != (b, h // (self.groups * n), s_loc * n) + tuple(shape[3:]):
                 raise RuntimeError(f"commopt attention all-to-all: result {tuple(r.shape)} {r.dtype} does not match "
                                    f"output {tuple(shape)} {dtype} over {self.groups} head groups of {n} ranks")
-        ready = self.compute.record_event()
-        for stream in (self.side, self.local):
-            stream.wait_event(ready)
+        ready = stream.record_event()
+        for mover in (self.side, self.local):
+            mover.wait_event(ready)
             for r in results:
-                r.record_stream(stream)
+                r.record_stream(mover)
         for d in [*self.rt.peers, self.me]:
             if d != self.me:
                 self._take(OUT, half, d, g)
@@ -292,7 +324,7 @@ class _Pipeline:
         def finish() -> None:
             for event in done:
                 self.compute.wait_event(event)
-            self._arrived(OUT, half, g)
+            self._arrived(OUT, half, g, self.compute)
             for src in self.rt.sources:
                 for o, off in zip(self.outs, lay.outs):
                     b, h, _, t = _rows(o.shape)
@@ -303,39 +335,49 @@ class _Pipeline:
                     for bi in range(b):
                         self.driver.memcpy2d_async(self.compute, dst + bi * o.stride(0) * elt, o.stride(1) * elt,
                                                    staged + bi * hr * row, row, row, hr)
-            self._release(OUT, half)
+            self._release(OUT, half, self.compute)
         return finish
 
-    def _keep(self, kept: Sequence[Tensor], g: int, tensors: Sequence[Tensor]):
-        """Local copy stream: tensors -> kept[i][g], after the compute stream's work so far (they
-        are in the IN slot, arrived, or results just computed); returns the copies' event."""
+    def _keep(self, kept: Sequence[Tensor], g: int, tensors: Sequence[Tensor], stream):
+        """Local copy stream: tensors -> kept[i][g], after `stream`'s work so far (the compute
+        stream of group g: they are in the IN slot, arrived, or results just computed); returns
+        the copies' event."""
         if not kept:
             return None
-        self.local.wait_event(self.compute.record_event())
+        self.local.wait_event(stream.record_event())
         for dst, src in zip(kept, tensors):
             src.record_stream(self.local)
             self.rt.copy(self.local, dst[g], src)
         return self.local.record_event()
 
-    def run(self, compute: Callable, keep_in: Sequence[Tensor] = (), keep_out: Sequence[Tensor] = ()) -> tuple[Tensor, ...]:
+    def run(self, compute: Callable, keep_in: Sequence[Tensor] = (), keep_out: Sequence[Tensor] = (),
+            second: bool = False) -> tuple[Tensor, ...]:
+        """second: the odd groups' compute on the second compute stream (module docstring)."""
         for x in self.xs:
             x.record_stream(self.side)
             x.record_stream(self.local)
         start = self.compute.record_event()
+        streams = [self.compute]
+        if second:  # it starts where the caller's stream is: what compute reads besides the moved inputs
+            streams.append(_second_stream(self.xs[0].device))
+            streams[1].wait_event(start)
         pending, backs, kept = self._inbound(0, start), [], []
         for g in range(self.groups):
-            moved = pending()
-            kept_in = self._keep(keep_in, g, moved)  # before the next group's own pieces on the local stream
+            stream = streams[g % len(streams)]
+            moved = pending(stream)
+            kept_in = self._keep(keep_in, g, moved, stream)  # before the next group's own pieces on the local stream
             if g + 1 < self.groups:
                 pending = self._inbound(g + 1, start)
-            results = list(compute(*moved))
+            with torch.cuda.stream(stream):
+                results = list(compute(*moved))
             if kept_in is not None:  # the slot is read by the copies too
-                self.compute.wait_event(kept_in)
-            self._release(IN, g % 2)  # stream-ordered after the compute's reads of the slot
-            self.in_read[g % 2] = self.compute.record_event()
+                stream.wait_event(kept_in)
+            self._release(IN, g % 2, stream)  # stream-ordered after the compute's reads of the slot
+            self.in_read[g % 2] = stream.record_event()
             del moved
-            kept.append(self._keep(keep_out, g, results))
-            backs.append(self._outbound(g, results))
+            kept.append(self._keep(keep_out, g, results, stream))
+            # the caller's stream joins the second through each group's outbound events (finish)
+            backs.append(self._outbound(g, results, stream))
             if g >= 1:
                 backs[g - 1]()
         backs[-1]()

@@ -108,7 +108,8 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
     def attend(*moved):
         return ring_fwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
     outs = [(q.shape[:3] + v.shape[3:], q.dtype), (q.shape[:3], acc_dtype(q.dtype))]
-    return _moved(sched, causal, [q, k, v], attend, pg, ugroup, _groups(sched, q, k, pg.size(), head_groups), outs)
+    return _moved(sched, causal, [q, k, v], attend, pg, ugroup, _groups(sched, q, k, pg.size(), head_groups), outs,
+                  ring_group=ring_group)
 
 
 def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
@@ -130,7 +131,7 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         return ring_bwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
     outs = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
     return _moved(sched, causal, [dout, q, k, v, out, lse], attend, pg, ugroup,
-                  _groups(sched, q, k, pg.size(), head_groups), outs)
+                  _groups(sched, q, k, pg.size(), head_groups), outs, ring_group=ring_group)
 
 
 # ---- the training forms of the schedules that move their inputs ------------------------------
@@ -201,7 +202,7 @@ def cp_attention_fwd_keep(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[st
         kept[4][next(step)].copy_(lse_h)
         return (out_h,)
     (out,) = _moved(sched, causal, [q, k, v], attend, pg, ugroup, groups, [(q.shape[:3] + v.shape[3:], q.dtype)],
-                    kept[:3], kept[3:4])
+                    kept[:3], kept[3:4], ring_group=ring_group)
     return out, tuple(kept)
 
 
@@ -223,7 +224,7 @@ def cp_attention_bwd_kept(dout: Tensor, kept: tuple[Tensor, ...], *, schedule: U
         return ring_bwd(dout_h, q_m[g], k_m[g], v_m[g], out_m[g], lse_m[g], scale=scale, plan=plan, group=ring_group,
                         backend=backend)
     outs = [(shape, t.dtype) for shape, t in zip(shapes, (q_m, k_m, v_m))]
-    return _moved(sched, causal, [dout], attend, pg, ugroup, groups, outs)
+    return _moved(sched, causal, [dout], attend, pg, ugroup, groups, outs, ring_group=ring_group)
 
 
 def check_kept(sched: CPSchedule, dout, kept, world: int, causal: bool) -> list[tuple]:
@@ -266,13 +267,16 @@ def _ring_of(sched: CPSchedule, pg: dist.ProcessGroup, causal: bool):
     return contiguous_plan(causal), rgroup, ugroup
 
 
-def _moved(sched: CPSchedule, causal: bool, xs, attend, pg, ugroup, groups: int, outs, keep_in=None, keep_out=None):
+def _moved(sched: CPSchedule, causal: bool, xs, attend, pg, ugroup, groups: int, outs, keep_in=None, keep_out=None,
+           ring_group=None):
     """attend per head group, its inputs moved there and its results back: causal ring_zigzag's
     relayouts, else Ulysses's all-to-alls (none for a Ulysses group of one; outs: the results'
-    sequence-layout specs)."""
+    sequence-layout specs).  ring_group: attend's own ring (None: a ring of one, which moves
+    nothing, so its head groups may run concurrently: ce_a2a's group streams)."""
     if sched.name == "ring_zigzag" and causal:
         return _zigzag_pipelined(xs, attend, pg, groups, keep_in, keep_out)
-    return _ulysses_pipelined(xs, attend, ugroup, groups, outs, keep_in, keep_out)
+    return _ulysses_pipelined(xs, attend, ugroup, groups, outs, keep_in, keep_out,
+                              concurrent=comm.size(ring_group) == 1)
 
 
 def _groups(sched: CPSchedule, q, k, world: int, head_groups: Optional[int]) -> int:
@@ -292,14 +296,16 @@ def _zigzag_pipelined(xs: list[Tensor], ring, group: dist.ProcessGroup, groups: 
     return _pipelined("ring_zigzag", xs, there, ring, back, lambda shape: shape, groups, keep_in, keep_out)
 
 
-def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int, outs, keep_in=None, keep_out=None):
+def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int, outs, keep_in=None, keep_out=None,
+                       concurrent: bool = False):
     """ring(*head-sharded xs) per head group (ulysses: a ring of one rank, i.e. the local
     attention over the whole sequence; hybrid: a ring over the ring group), its inputs moved
     sequence -> heads and its results heads -> sequence over the Ulysses group: by the copy
     engine where ce_a2a can (CUDA), else by comm's all-to-alls (_pipelined).  Group g takes
     heads [g*h/G, (g+1)*h/G) of every tensor, which the all-to-all splits again over the n
     Ulysses ranks, so every query head keeps its K/V head.  outs: the results' (shape, dtype)
-    in the sequence layout; groups: G (_groups); keep_in / keep_out as _pipelined's."""
+    in the sequence layout; groups: G (_groups); keep_in / keep_out as _pipelined's;
+    concurrent: ring makes no collective calls (ce_a2a.pipelined)."""
     n = comm.size(ugroup)
     if n == 1:  # the ring schedule (hybrid:1:W): nothing moves
         return tuple(ring(*xs))
@@ -310,7 +316,7 @@ def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int, outs, keep_i
         from torch_commopt.kernels.gpu.symm import SymmAllocError
 
         try:
-            return ce_a2a.pipelined(xs, ring, ugroup, groups, outs, keep_in, keep_out)
+            return ce_a2a.pipelined(xs, ring, ugroup, groups, outs, keep_in, keep_out, concurrent=concurrent)
         except SymmAllocError as e:  # on every rank of the group together, before anything moved
             comm.refused_once(f"commopt attention: {e}; the Ulysses all-to-alls run on NCCL")
 
