@@ -25,11 +25,13 @@ the end, as a training loop runs them; and of one step synchronized on its own; 
 is built and warmed up first, then timed in turns, the order rotated each round, so all see
 the same clocks),
 tokens/s (batch x seq per step over the TP group), peak memory (its own), the GPU clocks
-while its steps ran, and a device-time breakdown of one profiled step on rank 0 (GEMM,
-attention, NCCL, commopt/Triton kernels, copies, other).  Writes
+while its steps ran, and a device-time breakdown per step of --profile-steps steps profiled
+back to back on rank 0 (GEMM, attention, NCCL, commopt/Triton kernels, copies to the peer,
+other copies, other).  Writes
 e2e_h200x<W>_<date>.json/.md:
 
     python3 benchmarks/bench_e2e.py --out DIR [--commit SHA] [--layers 4] [--seq 8192] [--steps 20]
+                                    [--repeats 20] [--burst 5] [--profile-steps 3]
                                     [--host-profile 5]  # cProfile of the host's enqueue per variant
     python3 benchmarks/bench_e2e.py --cpu     # gloo smoke run, tiny shapes, no figures
 """

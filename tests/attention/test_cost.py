@@ -120,6 +120,43 @@ def test_machine_figures_come_from_the_tuner_calibration():
     assert cpu.p2p is None and c.link_bytes_per_s == cpu.collective["all_gather"].bytes_per_s
 
 
+def test_concurrent_head_groups_launch_once_and_turn_the_pick_to_two_groups(monkeypatch):
+    """ce_a2a's group streams (on by default where the all-to-alls run by the copy engine): a
+    later head group queues behind the first, so the model charges its launches once.  At 16K
+    tokens on 2 GPUs the two-group Ulysses then ranks first, as it measured (2x H100, session 29:
+    7.82 / 7.91 ms against one group's 8.07 / 7.96 in the same runs, MHA / GQA); with them off one
+    group does."""
+    import dataclasses
+
+    from torch_commopt.attention import ce_a2a
+    from torch_commopt.attention.cost import machine_from_calibration
+    from torch_commopt.tuner.calibration import prior
+
+    for name in (ce_a2a.ENV, ce_a2a.GROUP_STREAMS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    on = machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16")
+    assert on.concurrent_groups and not machine_from_calibration(prior("cpu", 2), "float32").concurrent_groups
+    for env, value in ((ce_a2a.GROUP_STREAMS_ENV, "0"), (ce_a2a.ENV, "nccl")):  # either switch turns it off
+        monkeypatch.setenv(env, value)
+        assert not machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16").concurrent_groups
+        monkeypatch.delenv(env)
+    off = dataclasses.replace(on, concurrent_groups=False)
+    kw = dict(world=2, causal=True, dtype="bfloat16", backward=True)
+    for heads in ((32, 32), (32, 8)):
+        shape = (1, *heads, 16384, 128)
+        g1, g2 = (estimate_ms(s, shape, machine=on, **kw) for s in ("ulysses:g=1", "ulysses:g=2"))
+        # fwd and bwd: the second group's two launches (block, merge) each, no longer charged
+        assert estimate_ms("ulysses:g=2", shape, machine=off, **kw) - g2 == pytest.approx(4 * on.launch_s * 1e3)
+        assert estimate_ms("ulysses:g=1", shape, machine=off, **kw) == pytest.approx(g1)  # one group: unchanged
+        assert rank_schedules(shape, machine=on, depths=True, **kw)[0][0] == "ulysses"  # the rule's two groups
+        assert rank_schedules(shape, machine=off, depths=True, **kw)[0][0] == "ulysses:g=1"
+    # a ring of more than one rank runs its own transfers in each group: charged per group as before
+    shape4 = (1, 32, 8, 32768, 128)
+    assert estimate_ms("hybrid:2:2:g=2", shape4, world=4, causal=True, dtype="bfloat16", machine=on, backward=True) \
+        == pytest.approx(estimate_ms("hybrid:2:2:g=2", shape4, world=4, causal=True, dtype="bfloat16", machine=off,
+                                     backward=True))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_training_ulysses_moves_q_kv_there_and_out_back_then_dout_there_and_grads_back(world):
     """In training Ulysses keeps its moved inputs (schedules.cp_attention_fwd_keep): with free

@@ -27,3 +27,30 @@ def test_an_unknown_transport_is_logged_and_read_as_nccl(monkeypatch, caplog, mo
     with caplog.at_level(logging.WARNING, logger=module.log.name):
         assert module.transport() == "nccl"
     assert any("nvshmem" in r.getMessage() and module.ENV in r.getMessage() for r in caplog.records)
+
+
+def test_concurrent_head_groups_are_on_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(ce_a2a.GROUP_STREAMS_ENV, raising=False)
+    assert ce_a2a.group_streams_asked()
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, " 0 ")
+    assert not ce_a2a.group_streams_asked()
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1")
+    assert ce_a2a.group_streams_asked()
+
+
+def test_only_a_ring_of_one_runs_its_head_groups_concurrently(monkeypatch):
+    """schedules._moved tells the all-to-all pipeline whether the attention it runs per group
+    makes collective calls of its own (a ring over more than one rank): only pure Ulysses's
+    groups may run on two streams."""
+    from torch_commopt.attention import schedules
+    from torch_commopt.attention.spec import CPSchedule
+
+    seen = []
+    monkeypatch.setattr(schedules, "_ulysses_pipelined", lambda *a, concurrent=False, **k: seen.append(concurrent))
+
+    class Ring:
+        def size(self):
+            return 2
+    for ring_group in (None, Ring()):
+        schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [], ring_group=ring_group)
+    assert seen == [True, False]

@@ -25,13 +25,17 @@ back at rest after a call, so a CUDA graph may replay it once the buffer exists.
 Transfers run on the group runtime's side stream, the own pieces' local copies beside them on
 its local stream; the compute stream waits on flags and events only.
 
-Concurrent groups (TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=1, pure Ulysses only: its attention
-moves nothing itself): the odd head groups' attention runs on a second compute stream, so a
-group's kernel starts on the SMs the previous group's last wave leaves idle instead of after
-it (2x H200, 16K tokens, H 32: the attention alone took 6.53 ms in one call and 6.95 in two
-head groups, results/cp_profile_h200x2_2026-11-23_s11.md).  Each group's waits, release and
-results stay on its own stream; the outputs are completed on the caller's stream, which joins
-the second one through the last group's events.  Off by default until measured.  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
+Concurrent groups (pure Ulysses only: its attention moves nothing itself; on by default,
+TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=0 turns it off): the odd head groups' attention runs on a
+second compute stream, so a group's kernel starts on the SMs the previous group's last wave
+leaves idle instead of after it (2x H200, 16K tokens, H 32: the attention alone took 6.53 ms in
+one call and 6.95 in two head groups, results/cp_profile_h200x2_2026-11-23_s11.md).  Each
+group's waits, release and results stay on its own stream; the outputs are completed on the
+caller's stream, which joins the second one through the last group's events.  2x H100, 16K
+tokens, B1 H32 D128 causal fwd+bwd, three runs each way (results/attention_h100x2_2026-11-26_
+s29_groups.md): two head groups took 7.82 / 7.91 ms (MHA / GQA 32/8) on two streams against
+7.95 / 8.03 on one, and went from 0.97-0.99x / 1.01-1.02x one head group's time to
+0.95-0.98x / 0.99x.  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
 logged once); inside a CUDA-graph capture before the buffer exists, NCCL runs (logged once).
 """
 
@@ -176,11 +180,16 @@ def pipelined(xs: list[Tensor], compute: Callable, group, groups: int, outs: Seq
 
 
 def group_streams() -> bool:
-    """Whether GROUP_STREAMS_ENV asks for concurrent head groups (read per call; never inside a
-    CUDA-graph capture, where a second stream needs its own fork and join per capture)."""
+    """Whether head groups run concurrently here: asked for (group_streams_asked) and not
+    inside a CUDA-graph capture, where a second stream needs its own fork and join per capture."""
+    return group_streams_asked() and not torch.cuda.is_current_stream_capturing()
+
+
+def group_streams_asked() -> bool:
+    """GROUP_STREAMS_ENV, read per call: on unless "0" (the cost model reads it too)."""
     import os
 
-    return os.environ.get(GROUP_STREAMS_ENV, "0") == "1" and not torch.cuda.is_current_stream_capturing()
+    return os.environ.get(GROUP_STREAMS_ENV, "1").strip() != "0"
 
 
 def _second_stream(device: torch.device) -> "torch.cuda.Stream":

@@ -44,7 +44,9 @@ class CPMachine:
     link_bytes_per_s: one link's bandwidth; alpha_s: latency of one message (one ring step,
     one hop of a collective); flops_per_s: the attention kernel's throughput on one device;
     launch_s: the cost of issuing one kernel or one communication call (host + launch);
-    bwd_factor: the backward's time over the forward's for the same block.
+    bwd_factor: the backward's time over the forward's for the same block;
+    concurrent_groups: Ulysses's later head groups start while the previous group's attention
+        finishes (ce_a2a's group streams, GPUs), so their launches cost nothing.
     """
 
     link_bytes_per_s: float
@@ -52,6 +54,7 @@ class CPMachine:
     flops_per_s: float
     launch_s: float = 0.0
     bwd_factor: float = BWD_FLOP_FACTOR
+    concurrent_groups: bool = False
 
     def __post_init__(self) -> None:
         for name in ("link_bytes_per_s", "flops_per_s", "bwd_factor"):
@@ -83,12 +86,17 @@ def machine_from_calibration(cal, dtype: str) -> CPMachine:
     """The attention model's machine figures from the tuner's calibration (tuner/calibration.py):
     a copy-engine push per ring step where the machine has one, else the all-gather's link;
     the local attention kernel's measured throughput and backward factor (else the GEMM fit's
-    peak scaled to attention, and BWD_FLOP_FACTOR); the NCCL path's host cost per call."""
+    peak scaled to attention, and BWD_FLOP_FACTOR); the NCCL path's host cost per call;
+    concurrent head groups where the all-to-alls run by the copy engine (a machine with p2p,
+    ce_a2a.ENV not nccl) and ce_a2a.GROUP_STREAMS_ENV leaves them on."""
+    from torch_commopt.attention import ce_a2a
+
     link = cal.p2p if cal.p2p is not None else cal.collective["all_gather"]
     flops = cal.attention_flops.get(dtype) or cal.gemm_fit(dtype).peak_flops * ATTENTION_OF_GEMM_PEAK
     bwd = cal.attention_bwd_factor or BWD_FLOP_FACTOR
     return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s, flops_per_s=flops,
-                     launch_s=cal.host("sequential"), bwd_factor=bwd)
+                     launch_s=cal.host("sequential"), bwd_factor=bwd,
+                     concurrent_groups=cal.p2p is not None and ce_a2a.transport() == "ce" and ce_a2a.group_streams_asked())
 
 
 @dataclass(frozen=True)
@@ -165,7 +173,10 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
         return m.all_to_all(nbytes / groups, group)
 
     def rings(block: float, transfer: float, tail: float) -> float:
-        return groups * _ring_time(fractions, block / groups, m.launch_s, transfer, tail)
+        one = _ring_time(fractions, block / groups, m.launch_s, transfer, tail)
+        if r == 1 and m.concurrent_groups:  # the later groups queue behind the first: no launches of their own
+            return one + (groups - 1) * _ring_time(fractions, block / groups, 0.0, transfer, tail)
+        return groups * one
 
     kv = sz.kv  # the zigzag relayout and Ulysses's all-to-alls move K/V too
     hop = m.launch_s + m.link(kv / groups) if r > 1 else 0.0
