@@ -113,10 +113,11 @@ def test_flags_left_raised_are_not_at_rest(monkeypatch):
         simulate(queue, runtimes, 0)
 
 
-def _a2a_calls(world: int):
+def _a2a_calls(world: int, concurrent: bool = False):
     """The attention's copy-engine all-to-alls (ce_a2a.pipelined) as a Ulysses training step
     runs them: a forward that keeps its moved inputs and results, a backward moving dout alone
-    with three results back; 1 and 2 head groups (both buffer halves within a call)."""
+    with three results back; 1 and 2 head groups (both buffer halves within a call);
+    concurrent: the odd groups' compute on the second compute stream (where the switch is on)."""
     from types import SimpleNamespace
 
     from torch_commopt.attention import ce_a2a
@@ -131,23 +132,23 @@ def _a2a_calls(world: int):
         keep_in = [torch.empty(groups, b, x, sm, d) for x in (hq, hk, hk)] if keep else None
         keep_out = [torch.empty(groups, b, hq, sm, d)] if keep else None
         return lambda: ce_a2a.pipelined([q, k, v], lambda qh, kh, vh: [qh * 2], group, groups, [(q.shape, q.dtype)],
-                                        keep_in, keep_out)
+                                        keep_in, keep_out, concurrent=concurrent)
 
     def backward(groups: int):
         dout = torch.randn(b, h, s_loc, d)
         hk, sm = h_kv // (groups * world), s_loc * world
         specs = [((b, h, s_loc, d), dout.dtype), ((b, h_kv, s_loc, d), dout.dtype), ((b, h_kv, s_loc, d), dout.dtype)]
         return lambda: ce_a2a.pipelined([dout], lambda dh: [dh * 2, torch.ones(b, hk, sm, d), torch.ones(b, hk, sm, d)],
-                                        group, groups, specs)
+                                        group, groups, specs, concurrent=concurrent)
     return [forward(2, True), backward(2), forward(1, False), forward(1, True), backward(1), forward(2, True),
             backward(2)]
 
 
-def _a2a_queue(world: int):
+def _a2a_queue(world: int, concurrent: bool = False):
     from torch_commopt.attention import ce_a2a
 
     runtimes, queue = fake_runtimes(world, owned=(ce_a2a.PURPOSE,)), []
-    calls = [_a2a_calls(world) for _ in range(world)]  # every rank's own tensors
+    calls = [_a2a_calls(world, concurrent) for _ in range(world)]  # every rank's own tensors
     with faked_cuda(runtimes, queue) as active:
         for i in range(len(calls[0])):
             for rank in range(world):
@@ -157,9 +158,24 @@ def _a2a_queue(world: int):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(world):
-    queue, runtimes = _a2a_queue(world)
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one_stream", "two_streams"])
+def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(world, concurrent, monkeypatch):
+    from fake_cuda import FakeStream
+
+    from torch_commopt.attention import ce_a2a
+
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1" if concurrent else "0")
+    # the second compute stream, faked per test (the CPU tensors name no device index)
+    monkeypatch.setattr(ce_a2a, "_SECOND", {})
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    queue, runtimes = _a2a_queue(world, concurrent)
     assert sum(op[0] == "copy" for _, _, op in queue) > 50
+    streams = {(rank, stream) for rank, stream, op in queue if op[0] == "wait"}  # where flags are waited on
+    compute = {(r, rt.compute.cuda_stream) for r, rt in enumerate(runtimes)}
+    # two streams: the odd groups wait for their pieces on the second one too
+    assert (len({s for s in streams if s not in compute and s[1] not in
+                 {rt.side.cuda_stream for rt in runtimes} | {rt.local.cuda_stream for rt in runtimes}}) > 0) == concurrent
     for seed in range(8):
         simulate(queue, runtimes, seed)
 
@@ -167,9 +183,9 @@ def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(w
 def test_an_all_to_all_slot_never_released_deadlocks(monkeypatch):
     from torch_commopt.attention import ce_a2a
 
-    def keeps_the_tokens(self, region, half):  # lowers its flags, gives no token back
+    def keeps_the_tokens(self, region, half, stream):  # lowers its flags, gives no token back
         for src in self.rt.sources:
-            self.driver.write_value32(self.compute, self.rt.flag_address(self.me, self._data(region, half, src)), 0)
+            self.driver.write_value32(stream, self.rt.flag_address(self.me, self._data(region, half, src)), 0)
     monkeypatch.setattr(ce_a2a._Pipeline, "_release", keeps_the_tokens)
     queue, runtimes = _a2a_queue(2)
     with pytest.raises(Deadlock):
