@@ -8,7 +8,7 @@ sweep's best -- so a model change can be judged on every GPU run made so far bef
 GPU session.  A run whose stored predictions the current code no longer reproduces is
 flagged (`recomputed` differs from what the run recorded).
 
-    python3 benchmarks/costmodel_replay.py [benchmarks/results/costmodel_*_summary.json ...]
+    python3 benchmarks/costmodel_replay.py [--misses] [benchmarks/results/costmodel_*_summary.json ...]
 
 Judge a change on runs it was not tuned on: session 23 tried shrinking each piece count's
 own factor toward its family's one-piece factor (geometric mean); it lifted the top-1 count on
@@ -49,19 +49,25 @@ def replay(summary_path: pathlib.Path) -> dict:
         by_shape[(r["op"], r["M"], r["K"], r["N"])][r["candidate"]] = (ms, r["measured_ms"])
         errors.append(abs(ms - r["measured_ms"]) / r["measured_ms"])
         recomputed.append(abs(ms - r["predicted_ms"]) / r["predicted_ms"])
-    hits = 0
-    for cands in by_shape.values():
+    hits, misses = 0, []
+    for key, cands in by_shape.items():
         top = min(cands, key=lambda s: (cands[s][0], s))
-        hits += cands[top][1] <= 1.05 * min(m for _, m in cands.values())
+        best = min(cands, key=lambda s: (cands[s][1], s))
+        if cands[top][1] <= 1.05 * cands[best][1]:
+            hits += 1
+        else:  # (op, M, K, N), then (name, predicted ms, measured ms) of the model's top-1 and the measured best
+            misses.append((key, (top, *cands[top]), (best, *cands[best])))
     return {"run": summary_path.name.removeprefix("costmodel_").removesuffix("_summary.json"),
             "median_rel_error": statistics.median(errors), "top1_within_5pct": hits, "shapes": len(by_shape),
-            "recomputed_max_diff": max(recomputed)}
+            "recomputed_max_diff": max(recomputed), "misses": misses}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("summaries", nargs="*", type=pathlib.Path,
                         help="summary files (default: every costmodel_*_summary.json under benchmarks/results)")
+    parser.add_argument("--misses", action="store_true",
+                        help="also list every shape whose top-1 is not within 5%% of the best, and count them by shape")
     args = parser.parse_args()
     paths = args.summaries or sorted((ROOT / "benchmarks" / "results").glob("costmodel_*_summary.json"))
     rows = [replay(p) for p in paths]
@@ -69,6 +75,12 @@ def main() -> None:
         flag = "" if r["recomputed_max_diff"] < 1e-6 else f"  (recomputed: up to {r['recomputed_max_diff']:.1%} off the run's own)"
         print(f"{r['run']:34s} median error {r['median_rel_error']:.3f}  top-1 within 5% "
               f"{r['top1_within_5pct']}/{r['shapes']}{flag}")
+        for (op, m, k, n), top, best in r["misses"] if args.misses else ():
+            print(f"    {op} {m}x{k}x{n}: top-1 {top[0]} measured {top[2]:.3f} (predicted {top[1]:.3f}), "
+                  f"best {best[0]} {best[2]:.3f} (predicted {best[1]:.3f})")
+    if args.misses:
+        count = collections.Counter(f"{op} {m}x{k}x{n}" for r in rows for (op, m, k, n), *_ in r["misses"])
+        print("misses by shape:", ", ".join(f"{shape} {c}" for shape, c in count.most_common()))
     hits, shapes = sum(r["top1_within_5pct"] for r in rows), sum(r["shapes"] for r in rows)
     print(json.dumps({"runs": len(rows), "top1_within_5pct": f"{hits}/{shapes}",
                       "median_of_run_medians": statistics.median(r["median_rel_error"] for r in rows)}))
