@@ -196,12 +196,12 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                 times[variant].append((time.perf_counter() - t0) * 1e3 / burst)
                 windows[variant].append((w0, time.time()))
     per_variant_clocks = clocks.summary(windows) if clocks.enabled else {}
-    ms = torch.tensor([statistics.median(times[v]) for v in names], dtype=torch.float64, device=dev)
-    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    iso = torch.tensor([statistics.median(isolated[v]) for v in names], dtype=torch.float64, device=dev)
-    dist.all_reduce(iso, op=dist.ReduceOp.MAX)
-    iso_ms = dict(zip(names, iso.tolist()))
-    for variant, t in zip(names, ms.tolist()):
+    medians = torch.tensor([[statistics.median(times[v]) for v in names],
+                            [statistics.median(isolated[v]) for v in names]], dtype=torch.float64, device=dev)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
+    ms, iso = medians.tolist()
+    iso_ms = dict(zip(names, iso))
+    for variant, t in zip(names, ms):
         out[variant].update(step_ms=t, step_ms_spread=[min(times[variant]), max(times[variant])],
                             step_ms_all=times[variant], step_ms_isolated=iso_ms[variant],
                             step_ms_isolated_all=isolated[variant],

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_commopt.attention import switches
+from torch_commopt.attention import lane, switches
 
 log = logging.getLogger(__name__)
 ENV = "TORCH_COMMOPT_ATTENTION_A2A"
@@ -190,13 +190,6 @@ def group_streams_asked() -> bool:
     import os
 
     return os.environ.get(GROUP_STREAMS_ENV, "1").strip() != "0"
-
-
-def _second_stream(device: torch.device) -> "torch.cuda.Stream":
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SECOND:
-        _SECOND[index] = torch.cuda.Stream(device=index)
-    return _SECOND[index]
 
 
 class _Pipeline:
@@ -368,7 +361,7 @@ class _Pipeline:
         start = self.compute.record_event()
         streams = [self.compute]
         if second:  # it starts where the caller's stream is: what compute reads besides the moved inputs
-            streams.append(_second_stream(self.xs[0].device))
+            streams.append(lane.device_stream(_SECOND, self.xs[0].device))
             streams[1].wait_event(start)
         pending, backs, kept = self._inbound(0, start), [], []
         for g in range(self.groups):

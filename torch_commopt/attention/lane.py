@@ -29,12 +29,12 @@ ENV = "TORCH_COMMOPT_ATTENTION_LANE"
 _SIDE: dict[int, "torch.cuda.Stream"] = {}
 
 
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+def device_stream(cache: dict, device: torch.device, priority: int = 0) -> "torch.cuda.Stream":
+    """The stream `cache` keeps for `device` (made on first use with `priority`)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE.get(index)
-    if stream is None:
-        stream = _SIDE[index] = torch.cuda.Stream(device=index, priority=-1)
-    return stream
+    if index not in cache:
+        cache[index] = torch.cuda.Stream(device=index, priority=priority)
+    return cache[index]
 
 
 class Lane:
@@ -45,7 +45,7 @@ class Lane:
         if device.type == "cuda" and os.environ.get(ENV, "0") == "1" \
                 and not torch.cuda.is_current_stream_capturing():
             self.compute = torch.cuda.current_stream(device)
-            self.side = _side_stream(device)
+            self.side = device_stream(_SIDE, device, priority=-1)
 
     def move(self, fn: Move, reads: Sequence[Tensor]) -> Callable[[], list[Tensor]]:
         """Start fn; returns a function that (on the compute stream) waits and gives its result.
