@@ -21,7 +21,10 @@ read off.  Variants (any subset with --variants):
       python3 benchmarks/profile_cp_attention.py OUTDIR [--seq 16384] [--heads 32/32] [--world 2]
 
 Writes OUTDIR/cp_profile.json (times, per-variant kernel totals per rank) and
-OUTDIR/cp_profile_<variant>_rank<r>.txt (kernel tables); --trace adds chrome traces.
+OUTDIR/cp_profile_<variant>_rank<r>.txt (kernel tables) and OUTDIR/cp_timeline_<variant>_rank<r>.json
+(attention_gaps: the stretches where no attention kernel ran on any stream, and what the device
+did meanwhile; host_ops: who called cat / copy_ / add_ ..., with input shapes and the commopt
+frames); --trace adds chrome traces.
 """
 
 from __future__ import annotations
@@ -113,25 +116,97 @@ def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool) -
 
     sync()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+        for _ in range(STEPS):
             step()
         sync()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
     (out / f"cp_profile_{name}_rank{rank}.txt").write_text(table + "\n")
     if trace:
         prof.export_chrome_trace(str(out / f"cp_trace_{name}_rank{rank}.json"))
+    device = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    (out / f"cp_timeline_{name}_rank{rank}.json").write_text(json.dumps(
+        {"attention_gaps": attention_gaps(device, STEPS), "host_ops": host_ops(prof.events())}, indent=1))
     totals: dict[str, float] = {}
     for evt in prof.key_averages():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        ms = evt.self_device_time_total / 1e3 / 3
+        ms = evt.self_device_time_total / 1e3 / STEPS
         key = evt.key.lower()
         cat = ("nccl" if "nccl" in key else "attention" if any(s in key for s in ("cudnn", "flash", "fmha", "sdpa"))
                else "merge" if "merge" in key else "copy" if any(s in key for s in ("memcpy", "copy", "cat"))
                else "other")
         totals[cat] = totals.get(cat, 0.0) + ms
     return {k: round(v, 3) for k, v in sorted(totals.items())}
+
+
+STEPS = 3  # profiled calls per variant
+ATTENTION_KEYS = ("cudnn", "flash", "fmha", "sdpa")
+HOST_OPS = ("aten::cat", "aten::copy_", "aten::add_", "aten::zeros", "aten::to")  # whose callers host_ops names
+
+
+def _is_attention(name: str) -> bool:
+    return any(s in name.lower() for s in ATTENTION_KEYS)
+
+
+def attention_gaps(events: list[tuple[str, float, float]], steps: int, top: int = 12) -> dict:
+    """Where no attention kernel ran (on any stream) within the profiled span, and what the
+    device did meanwhile: events (name, start_us, end_us) of every kernel and copy.  Returns
+    per call: the span, the attention's union, the gaps' total, the other work overlapping the
+    gaps by name (ms per call), and the largest gaps with their neighbours and overlapping work."""
+    if not events:
+        return {}
+    att = sorted((lo, hi, n) for n, lo, hi in events if _is_attention(n))
+    t0, t1 = min(lo for _, lo, _ in events), max(hi for _, _, hi in events)
+    gaps, last, last_name = [], t0, "(start)"
+    for lo, hi, n in att:
+        if lo > last:
+            gaps.append((last, lo, last_name, n))
+        if hi > last:
+            last, last_name = hi, n
+    if t1 > last:
+        gaps.append((last, t1, last_name, "(end)"))
+    def overlap(lo: float, hi: float) -> dict[str, float]:
+        got: dict[str, float] = {}
+        for n, a, b in events:
+            if _is_attention(n) or b <= lo or a >= hi:
+                continue
+            key = n if len(n) <= 60 else n[:57] + "..."
+            got[key] = got.get(key, 0.0) + min(b, hi) - max(a, lo)
+        return got
+    during: dict[str, float] = {}
+    for lo, hi, _, _ in gaps:
+        for k, v in overlap(lo, hi).items():
+            during[k] = during.get(k, 0.0) + v
+    largest = sorted(gaps, key=lambda g: g[0] - g[1])[:top]
+    per = 1e3 * steps
+    return {"span_ms": round((t1 - t0) / per, 3), "attention_busy_ms": round(
+        (t1 - t0 - sum(hi - lo for lo, hi, _, _ in gaps)) / per, 3),
+        "gaps_ms": round(sum(hi - lo for lo, hi, _, _ in gaps) / per, 3), "gaps": len(gaps) / steps,
+        "during_gaps_ms": {k: round(v / per, 4) for k, v in sorted(during.items(), key=lambda kv: -kv[1])[:top]},
+        "largest": [{"at_ms": round((lo - t0) / 1e3, 3), "us": round(hi - lo, 1), "before": b[:60], "after": a[:60],
+                     "during_us": {k: round(v, 1) for k, v in sorted(overlap(lo, hi).items(), key=lambda kv: -kv[1])[:4]}}
+                    for lo, hi, b, a in largest]}
+
+
+def host_ops(events) -> dict:
+    """Per op of HOST_OPS: calls, device-side child time and the distinct (input shapes,
+    innermost commopt / benchmark stack frames) it was called with."""
+    got: dict[str, dict] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or e.name not in HOST_OPS:
+            continue
+        frames, parent = [], e.cpu_parent  # with_stack: the Python frames are the op's ancestors
+        while parent is not None and len(frames) < 4:
+            if "torch_commopt" in parent.name or "benchmarks" in parent.name:
+                frames.append(parent.name.rsplit("/", 1)[-1])
+            parent = parent.cpu_parent
+        key = f"{e.name} {e.input_shapes} <- {' <- '.join(frames)}"
+        row = got.setdefault(key, {"calls": 0, "device_us": 0.0})
+        row["calls"] += 1
+        row["device_us"] += getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0))
+    return dict(sorted(got.items(), key=lambda kv: -kv[1]["device_us"])[:20])
 
 
 def worker(rank: int, world: int, args) -> dict:
