@@ -24,7 +24,9 @@ Writes OUTDIR/cp_profile.json (times, per-variant kernel totals per rank) and
 OUTDIR/cp_profile_<variant>_rank<r>.txt (kernel tables) and OUTDIR/cp_timeline_<variant>_rank<r>.json
 (attention_gaps: the stretches where no attention kernel ran on any stream, and what the device
 did meanwhile; host_ops: who called cat / copy_ / add_ ..., with input shapes and the commopt
-frames); --trace adds chrome traces.
+frames; --host-ops only); each variant's "host" figures say whether the call is host-bound
+(enqueue time, cudaMalloc/cudaFree per call); --cprofile adds OUTDIR/cp_cprofile_<variant>_rank<r>.txt;
+--trace adds chrome traces.
 """
 
 from __future__ import annotations
@@ -94,6 +96,50 @@ def _graphed(step):
     return graph.replay
 
 
+ALLOC_KEYS = ("segment.all.allocated", "segment.all.freed", "num_alloc_retries", "num_sync_all_streams")
+
+
+def _host(step, sync, dev: str, calls: int = 10) -> dict:
+    """The host side of one call: its enqueue time (ms, median over calls, each started on an
+    idle device) and what the caching allocator did per call over `calls` back-to-back calls
+    (cudaMalloc / cudaFree segments, retries after a failed allocation, whole-device syncs): a
+    call whose enqueue reaches its device time is host-bound."""
+    enqueue = []
+    for _ in range(calls):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        enqueue.append((time.perf_counter() - t0) * 1e3)
+    sync()
+    got = {"enqueue_ms": round(statistics.median(enqueue), 3)}
+    if dev == "cuda":
+        before = torch.cuda.memory_stats()
+        for _ in range(calls):
+            step()
+        sync()
+        after = torch.cuda.memory_stats()
+        got.update({k: (after.get(k, 0) - before.get(k, 0)) / calls for k in ALLOC_KEYS})
+    return got
+
+
+def _cprofiled(step, sync, out: pathlib.Path, name: str, rank: int, calls: int = 5) -> None:
+    """cProfile of `calls` back-to-back calls (host functions by their own time) -> a text file."""
+    import cProfile
+    import io
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    sync()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    (out / f"cp_cprofile_{name}_rank{rank}.txt").write_text(text.getvalue())
+
+
 def _timed(step, sync, dev: str, calls: int = 10, rounds: int = 3) -> float:
     step()
     sync()
@@ -111,12 +157,15 @@ def _timed(step, sync, dev: str, calls: int = 10, rounds: int = 3) -> float:
     return ms.item()
 
 
-def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool) -> dict:
+def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool, host_ops_too: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     sync()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+    # input shapes and Python frames slow the host several-fold: only with --host-ops, whose
+    # timelines are then host-bound (session 30: 16K spans 8.6-18 ms a call against 8.2-9.9 timed)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=host_ops_too,
+                 with_stack=host_ops_too) as prof:
         for _ in range(STEPS):
             step()
         sync()
@@ -127,7 +176,8 @@ def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool) -
     device = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
     (out / f"cp_timeline_{name}_rank{rank}.json").write_text(json.dumps(
-        {"attention_gaps": attention_gaps(device, STEPS), "host_ops": host_ops(prof.events())}, indent=1))
+        {"attention_gaps": attention_gaps(device, STEPS), "host_ops": host_ops(prof.events()) if host_ops_too else {}},
+        indent=1))
     totals: dict[str, float] = {}
     for evt in prof.key_averages():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
@@ -229,7 +279,10 @@ def worker(rank: int, world: int, args) -> dict:
         step = _step(schedule, layout, head_groups, local["q"], local["k"], local["v"], local["dout"], group)
         if args.graphs and dev == "cuda":
             step = _graphed(step)
-        res[name] = {"ms": _timed(step, sync, dev), "device_ms_by_kind": _profile(step, sync, out, name, rank, args.trace)}
+        res[name] = {"ms": _timed(step, sync, dev), "host": _host(step, sync, dev),
+                     "device_ms_by_kind": _profile(step, sync, out, name, rank, args.trace, args.host_ops)}
+        if args.cprofile:
+            _cprofiled(step, sync, out, name, rank)
         if rank == 0:
             print(name, json.dumps(res[name]), flush=True)
         if dev == "cuda":
@@ -247,6 +300,9 @@ def main() -> None:
     ap.add_argument("--head-dim", dest="head_dim", type=int, default=128)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--trace", action="store_true", help="also write chrome traces (large)")
+    ap.add_argument("--host-ops", dest="host_ops", action="store_true",
+                    help="record who called cat / copy_ / ... (input shapes, Python frames; slows the host)")
+    ap.add_argument("--cprofile", action="store_true", help="also cProfile a few calls per variant and rank")
     ap.add_argument("--graphs", action="store_true", help="time and profile CUDA-graph replays (no host cost)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--cpu", action="store_true", help="gloo smoke run (use tiny --seq/--heads): the script's logic only")
