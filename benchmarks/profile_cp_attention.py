@@ -122,6 +122,56 @@ def _host(step, sync, dev: str, calls: int = 10) -> dict:
     return got
 
 
+def _host_ops(step, sync, calls: int = 10) -> dict:
+    """Host time per call of each driver-level operation a call makes (the copy-engine copies,
+    stream memory operations, events, record_stream, the local attention's kernels' launches),
+    by wrapping them for `calls` back-to-back calls: per op, calls, total and the largest single
+    call (ms per step), and the ten slowest single calls -- one that blocks shows here."""
+    import dataclasses
+
+    from torch_commopt.attention import local
+    from torch_commopt.kernels.gpu import driver
+
+    times: dict[str, list[float]] = {}
+    order = []
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = (time.perf_counter() - t0) * 1e3
+                times.setdefault(name, []).append(dt)
+                order.append((dt, name, len(order)))
+        return wrapper
+
+    patched = [(driver, n, getattr(driver, n)) for n in ("memcpy2d_async", "memcpy_async", "write_value32",
+                                                          "wait_value32", "batch", "record", "wait_event")]
+    patched += [(torch.cuda.Stream, n, getattr(torch.cuda.Stream, n)) for n in ("record_event", "wait_event")]
+    patched += [(torch.Tensor, "record_stream", torch.Tensor.record_stream)]
+    saved = local.backends()
+    try:
+        for owner, n, fn in patched:
+            setattr(owner, n, timed(n, fn))
+        for n, b in saved.items():
+            local._REGISTRY[n] = dataclasses.replace(b, fwd=timed(f"{n} fwd", b.fwd), bwd=timed(f"{n} bwd", b.bwd))
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        wall = (time.perf_counter() - t0) * 1e3
+        sync()
+    finally:
+        for owner, n, fn in patched:
+            setattr(owner, n, fn)
+        local._REGISTRY.update(saved)
+    per = {n: {"calls": len(v) / calls, "ms": round(sum(v) / calls, 3), "max_ms": round(max(v), 3)}
+           for n, v in sorted(times.items(), key=lambda kv: -sum(kv[1]))}
+    return {"enqueue_ms": round(wall / calls, 3), "timed_ops_ms": round(sum(sum(v) for v in times.values()) / calls, 3),
+            "ops": per, "slowest": [{"ms": round(dt, 3), "op": n, "at": i} for dt, n, i in sorted(order)[-10:][::-1]]}
+
+
 def _cprofiled(step, sync, out: pathlib.Path, name: str, rank: int, calls: int = 5) -> None:
     """cProfile of `calls` back-to-back calls (host functions by their own time) -> a text file."""
     import cProfile
@@ -283,6 +333,8 @@ def worker(rank: int, world: int, args) -> dict:
                      "device_ms_by_kind": _profile(step, sync, out, name, rank, args.trace, args.host_ops)}
         if args.cprofile:
             _cprofiled(step, sync, out, name, rank)
+        if args.host_timing:
+            res[name]["host_ops"] = _host_ops(step, sync)
         if rank == 0:
             print(name, json.dumps(res[name]), flush=True)
         if dev == "cuda":
@@ -303,6 +355,8 @@ def main() -> None:
     ap.add_argument("--host-ops", dest="host_ops", action="store_true",
                     help="record who called cat / copy_ / ... (input shapes, Python frames; slows the host)")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile a few calls per variant and rank")
+    ap.add_argument("--host-timing", dest="host_timing", action="store_true",
+                    help="host time of each driver-level operation of a call (wrapped)")
     ap.add_argument("--graphs", action="store_true", help="time and profile CUDA-graph replays (no host cost)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--cpu", action="store_true", help="gloo smoke run (use tiny --seq/--heads): the script's logic only")
