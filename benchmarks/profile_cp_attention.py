@@ -24,7 +24,8 @@ Writes OUTDIR/cp_profile.json (times, per-variant kernel totals per rank) and
 OUTDIR/cp_profile_<variant>_rank<r>.txt (kernel tables) and OUTDIR/cp_timeline_<variant>_rank<r>.json
 (attention_gaps: the stretches where no attention kernel ran on any stream, and what the device
 did meanwhile; host_ops: who called cat / copy_ / add_ ..., with input shapes and the commopt
-frames; --host-ops only); each variant's "host" figures say whether the call is host-bound
+frames; --host-ops only; events: every kernel and copy of the profiled calls as [start us from the
+first, duration us, stream, name]); each variant's "host" figures say whether the call is host-bound
 (enqueue time, cudaMalloc/cudaFree per call); --cprofile adds OUTDIR/cp_cprofile_<variant>_rank<r>.txt;
 --trace adds chrome traces.
 """
@@ -214,8 +215,12 @@ def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool, h
     dist.barrier()
     # input shapes and Python frames slow the host several-fold: only with --host-ops, whose
     # timelines are then host-bound (session 30: 16K spans 8.6-18 ms a call against 8.2-9.9 timed)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=host_ops_too,
-                 with_stack=host_ops_too) as prof:
+    # and host-op tracing alone slows it enough to bend the device timeline: device activity only
+    # unless the host ops are asked for
+    on_cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] if host_ops_too or not on_cuda else []
+    activities += [ProfilerActivity.CUDA] if on_cuda else []
+    with profile(activities=activities, record_shapes=host_ops_too, with_stack=host_ops_too) as prof:
         for _ in range(STEPS):
             step()
         sync()
@@ -223,11 +228,15 @@ def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool, h
     (out / f"cp_profile_{name}_rank{rank}.txt").write_text(table + "\n")
     if trace:
         prof.export_chrome_trace(str(out / f"cp_trace_{name}_rank{rank}.json"))
-    device = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-              if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    on_device = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                        and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+    device = [(e.name, e.time_range.start, e.time_range.end) for e in on_device]
+    t0 = on_device[0].time_range.start if on_device else 0.0
+    events = [[round(e.time_range.start - t0, 1), round(e.time_range.end - e.time_range.start, 1),
+               getattr(e, "device_resource_id", None), e.name[:48]] for e in on_device]
     (out / f"cp_timeline_{name}_rank{rank}.json").write_text(json.dumps(
-        {"attention_gaps": attention_gaps(device, STEPS), "host_ops": host_ops(prof.events()) if host_ops_too else {}},
-        indent=1))
+        {"attention_gaps": attention_gaps(device, STEPS), "host_ops": host_ops(prof.events()) if host_ops_too else {},
+         "events": events}, indent=0))
     totals: dict[str, float] = {}
     for evt in prof.key_averages():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
