@@ -45,8 +45,12 @@ from torch_commopt.tuner.model import rank  # noqa: E402
 TOP_K = 4  # Config.autotune_top_k's default
 
 
-def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False):
+def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False, gemm_shapes=None):
+    from torch_commopt.tuner import calibrate
     from torch_commopt.tuner.calibrate import calibrate_and_store
+
+    if gemm_shapes:  # an A/B of the GEMM fit's samples (--gemm-shapes)
+        calibrate.GEMM_SHAPES["cuda"] = gemm_shapes
 
     device = torch.device("cuda", rank_)
     group_name = dist.group.WORLD.group_name
@@ -216,6 +220,10 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the program is replayed from CUDA graphs: predictions without host cost, timings of "
                              "graph replays (Config.cuda_graphs)")
+    parser.add_argument("--gemm-shapes", dest="gemm_shapes", default="",
+                        type=lambda t: [tuple(int(x) for x in shape.split(",")) for shape in t.split(";") if shape],
+                        help="m,n,k;m,n,k...: the calibration's GEMM samples instead of calibrate.GEMM_SHAPES "
+                             "(an A/B of the GEMM fit)")
     parser.add_argument("--report-only", metavar="SUMMARY_JSON",
                         help="rewrite the Markdown report of a finished run from its JSON files")
     args = parser.parse_args()
@@ -226,8 +234,8 @@ def main() -> None:
         summary_path.with_name(summary_path.name.replace("_summary.json", ".md")).write_text(report(doc, records))
         return
     cache_dir = tempfile.mkdtemp(prefix="commopt_tuner_")
-    per_rank = run_distributed(worker, args.world, cache_dir, args.only, args.cuda_graphs, backend="nccl",
-                               timeout_s=1200)
+    per_rank = run_distributed(worker, args.world, cache_dir, args.only, args.cuda_graphs, args.gemm_shapes or None,
+                               backend="nccl", timeout_s=1200)
     result = per_rank[0]
     import triton
 

@@ -58,6 +58,54 @@ def cases(world: int):
     }
 
 
+def attention_cases(world: int):
+    """Ulysses training calls (cp_attention_fwd_keep + cp_attention_bwd_kept) through the
+    copy-engine all-to-alls (ce_a2a, its usability check forced), one and two head groups, the
+    local attention a stand-in that returns its outputs at once: the schedules' and the
+    pipeline's own host work (on the GPU each group-pass also pays ~25 driver calls and cuDNN's
+    launch).  Call inside attention_fakes()."""
+    from types import SimpleNamespace
+
+    from torch_commopt.attention import schedules
+
+    g = torch.Generator().manual_seed(0)
+    b, h, s_loc, d = 1, 4 * world, 8, 16
+    q, k, v, dout = (torch.randn(b, h, s_loc, d, generator=g) for _ in range(4))
+    group = SimpleNamespace(group_name="fake", size=lambda: world, rank=lambda: 0)
+
+    def step(groups: int):
+        def run():
+            out, kept = schedules.cp_attention_fwd_keep(q, k, v, schedule="ulysses", causal=True, group=group,
+                                                        backend="noop", head_groups=groups)
+            schedules.cp_attention_bwd_kept(dout, kept, schedule="ulysses", causal=True, group=group, backend="noop")
+        return run
+    return {f"ulysses fwd+bwd kept g={n}": step(n) for n in (1, 2)}
+
+
+def attention_fakes(world: int):
+    """What attention_cases needs besides faked_cuda: a local backend `noop`, the all-to-alls by
+    ce_a2a on CPU tensors, the group's size and a ring group of one."""
+    import contextlib
+    from unittest import mock
+
+    from torch_commopt.attention import ce_a2a, comm, local
+
+    def fwd(q, k, v, scale, causal):
+        return torch.empty_like(q), q.new_empty(q.shape[:3])
+
+    def bwd(dout, q, k, v, out, lse, scale, causal):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.dict(local._REGISTRY, {"noop": local.LocalBackend("noop", fwd, bwd,
+                                                                                     lambda q, k: None, auto=False)}))
+    stack.enter_context(mock.patch.object(ce_a2a, "usable", lambda *a, **k: True))
+    stack.enter_context(mock.patch.object(ce_a2a, "group_streams", lambda: False))
+    stack.enter_context(mock.patch.object(comm, "hybrid_groups", lambda pg, u, r: (pg, None)))
+    stack.enter_context(mock.patch.object(comm, "size", lambda group: 1 if group is None else group.size()))
+    return stack
+
+
 def time_case(fn, calls: int) -> float:
     for _ in range(50):
         fn()
@@ -75,10 +123,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--profile", default="", help="a case name: print its cProfile (own time)")
+    ap.add_argument("--sort", default="tottime", help="the cProfile order (tottime, cumulative)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    with faked_cuda(fake_runtimes(args.world)):  # rank 0's host code; the driver calls are dropped
-        table = cases(args.world)
+    from torch_commopt.attention import ce_a2a
+
+    with faked_cuda(fake_runtimes(args.world, owned=(ce_a2a.PURPOSE,))), attention_fakes(args.world):
+        # rank 0's host code; the driver calls are dropped
+        table = {**cases(args.world), **attention_cases(args.world)}
         for name, fn in table.items():
             print(json.dumps({"case": name, "world": args.world, "us_per_call": round(time_case(fn, args.calls), 1)}))
         if args.profile:
@@ -87,7 +139,7 @@ def main() -> None:
             for _ in range(args.calls):
                 table[args.profile]()
             prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof).sort_stats(args.sort).print_stats(25)
 
 
 if __name__ == "__main__":

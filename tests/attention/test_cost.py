@@ -157,6 +157,50 @@ def test_concurrent_head_groups_launch_once_and_turn_the_pick_to_two_groups(monk
                                      backward=True))
 
 
+def test_short_ulysses_calls_are_host_bound_and_one_head_group_ranks_first(monkeypatch):
+    """The copy-engine pipeline's host time per head-group pass (2x H100, session 30): at 8K
+    tokens on 2 GPUs two groups on two streams measured 4.5-5.5 ms against one group's 2.6-3.5,
+    where the device model alone ranked them 2.71 vs 2.89 ms; back-to-back calls take
+    max(device, host), so one group ranks first there, and at 16K (device-bound) nothing moves."""
+    import dataclasses
+
+    from torch_commopt.attention import ce_a2a
+    from torch_commopt.attention.cost import HOST_CALL_S, HOST_PASS_CONCURRENT_S, HOST_PASS_S, machine_from_calibration
+    from torch_commopt.tuner.calibration import prior
+
+    for name in (ce_a2a.ENV, ce_a2a.GROUP_STREAMS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    cal = prior("NVIDIA H100 80GB HBM3", 2)
+    gpu = machine_from_calibration(cal, "bfloat16")
+    device_only = dataclasses.replace(gpu, host_call_s=0.0, host_pass_s=0.0)
+    kw = dict(world=2, causal=True, dtype="bfloat16", backward=True, depths=True)
+    short = (1, 32, 32, 8192, 128)
+    assert rank_schedules(short, machine=device_only, **kw)[0][0] == "ulysses:g=2"
+    assert rank_schedules(short, machine=gpu, **kw)[0][0] == "ulysses"  # the rule's one group at 8K
+    host_g2 = 1e3 * (gpu.host_call_s + 4 * gpu.host_pass_s)  # fwd + bwd of two groups
+    assert estimate_ms("ulysses:g=2", short, world=2, causal=True, dtype="bfloat16", machine=gpu,
+                       backward=True) == pytest.approx(host_g2)
+    inference = estimate_ms("ulysses:g=2", short, world=2, causal=True, dtype="bfloat16", machine=gpu)
+    assert inference >= 1e3 * (gpu.host_call_s + 2 * gpu.host_pass_s)
+    long = (1, 32, 32, 16384, 128)
+    assert [n for n, _ in rank_schedules(long, machine=gpu, **kw)] == [n for n, _ in rank_schedules(
+        long, machine=device_only, **kw)]
+    # the figures: the prior's at the prior's host speed, two streams dearer, scaled by a measured
+    # host, none where the all-to-alls are NCCL's or on a CPU
+    assert gpu.host_call_s == pytest.approx(HOST_CALL_S) and gpu.host_pass_s == pytest.approx(HOST_PASS_CONCURRENT_S)
+    slower = dataclasses.replace(cal, host_s={**cal.host_s, "ce_push": 2 * cal.host("ce_push")})
+    assert machine_from_calibration(slower, "bfloat16").host_pass_s == pytest.approx(2 * HOST_PASS_CONCURRENT_S)
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "0")
+    assert machine_from_calibration(cal, "bfloat16").host_pass_s == pytest.approx(HOST_PASS_S)
+    monkeypatch.setenv(ce_a2a.ENV, "nccl")
+    assert machine_from_calibration(cal, "bfloat16").host_pass_s == 0.0
+    assert machine_from_calibration(prior("cpu", 2), "float32").host_call_s == 0.0
+    # the NCCL schedules (ring, all-gather) and zigzag's relayouts carry no such charge
+    assert estimate_ms("ring", short, world=2, causal=True, dtype="bfloat16", machine=gpu, backward=True) == \
+        pytest.approx(estimate_ms("ring", short, world=2, causal=True, dtype="bfloat16", machine=device_only,
+                                  backward=True))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_training_ulysses_moves_q_kv_there_and_out_back_then_dout_there_and_grads_back(world):
     """In training Ulysses keeps its moved inputs (schedules.cp_attention_fwd_keep): with free

@@ -46,7 +46,12 @@ class CPMachine:
     launch_s: the cost of issuing one kernel or one communication call (host + launch);
     bwd_factor: the backward's time over the forward's for the same block;
     concurrent_groups: Ulysses's later head groups start while the previous group's attention
-        finishes (ce_a2a's group streams, GPUs), so their launches cost nothing.
+        finishes (ce_a2a's group streams, GPUs), so their launches cost nothing;
+    host_call_s, host_pass_s: the host time of one call of a schedule whose all-to-alls run by
+        the copy engine (ce_a2a) -- its schedules layer -- and of each head group's pass through
+        the pipeline (the copies, flags and events it queues, the attention's launch; a training
+        call makes 2G passes, an inference call G): back-to-back calls take max(device, host)
+        (0: not charged, the NCCL path and CPUs).
     """
 
     link_bytes_per_s: float
@@ -55,12 +60,14 @@ class CPMachine:
     launch_s: float = 0.0
     bwd_factor: float = BWD_FLOP_FACTOR
     concurrent_groups: bool = False
+    host_call_s: float = 0.0
+    host_pass_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("link_bytes_per_s", "flops_per_s", "bwd_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CPMachine.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("alpha_s", "launch_s"):
+        for name in ("alpha_s", "launch_s", "host_call_s", "host_pass_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CPMachine.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -82,6 +89,19 @@ class CPMachine:
 ATTENTION_OF_GEMM_PEAK = 0.67
 
 
+# Host time of the copy-engine Ulysses pipeline (ce_a2a), 2x H100, session 30
+# (results/attention_h100x2_2026-11-26_s30.md; profile_cp_attention's enqueue time, B1 H32 D128
+# causal fwd+bwd, 1/2/4 head groups, on two machines): 0.5-0.75 ms a group-pass with one compute
+# stream, 0.8-1.4 ms with the groups on two, the rest of a call ~0.2 ms.  At 8K tokens a call is
+# host-bound: two groups on two streams measured 4.5-5.5 ms against one group's 2.6-3.5 while
+# the device model, which sees no host, ranked them 2.71 vs 2.89 ms.  Scaled by the machine's
+# measured host speed (its ce_push host figure against the prior's).
+HOST_CALL_S = 0.2e-3
+HOST_PASS_S = 0.6e-3
+HOST_PASS_CONCURRENT_S = 0.9e-3
+_PRIOR_CE_PUSH_HOST_S = 140e-6
+
+
 def machine_from_calibration(cal, dtype: str) -> CPMachine:
     """The attention model's machine figures from the tuner's calibration (tuner/calibration.py):
     a copy-engine push per ring step where the machine has one, else the all-gather's link;
@@ -94,9 +114,13 @@ def machine_from_calibration(cal, dtype: str) -> CPMachine:
     link = cal.p2p if cal.p2p is not None else cal.collective["all_gather"]
     flops = cal.attention_flops.get(dtype) or cal.gemm_fit(dtype).peak_flops * ATTENTION_OF_GEMM_PEAK
     bwd = cal.attention_bwd_factor or BWD_FLOP_FACTOR
+    ce = cal.p2p is not None and ce_a2a.transport() == "ce"
+    concurrent = ce and ce_a2a.group_streams_asked()
+    speed = min(3.0, max(0.5, cal.host("ce_push") / _PRIOR_CE_PUSH_HOST_S)) if ce else 0.0
     return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s, flops_per_s=flops,
-                     launch_s=cal.host("sequential"), bwd_factor=bwd,
-                     concurrent_groups=cal.p2p is not None and ce_a2a.transport() == "ce" and ce_a2a.group_streams_asked())
+                     launch_s=cal.host("sequential"), bwd_factor=bwd, concurrent_groups=concurrent,
+                     host_call_s=speed * HOST_CALL_S,
+                     host_pass_s=speed * (HOST_PASS_CONCURRENT_S if concurrent else HOST_PASS_S))
 
 
 @dataclass(frozen=True)
@@ -180,8 +204,10 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
 
     kv = sz.kv  # the zigzag relayout and Ulysses's all-to-alls move K/V too
     hop = m.launch_s + m.link(kv / groups) if r > 1 else 0.0
+    # the copy-engine pipeline's host time (Ulysses and hybrid; zigzag's relayouts are NCCL's)
+    host = 0.0 if zigzag or u <= 1 else m.host_call_s + groups * (2 if backward else 1) * m.host_pass_s
     if not backward:  # inference: out and the lse come back
-        return exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q + sz.lse)
+        return max(host, exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q + sz.lse))
     # training (the kept pair, schedules.cp_attention_fwd_keep): the forward moves out alone
     # back and keeps q, k, v, out, lse where its attention ran; the backward moves dout there.
     fwd = exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q)
@@ -189,7 +215,8 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
     # while a block's sums hold one kernel term (at world 2: every hop in the input dtype)
     dkv_hop = m.launch_s + m.link((kv if r == 2 else sz.dkv) / groups) if r > 1 else 0.0
     dkv_last = m.launch_s + m.link(kv / groups) if r > 1 else 0.0
-    return fwd + exchange(sz.q) + rings(m.bwd_factor * block_s, hop + dkv_hop, dkv_last) + exchange(sz.q + kv)
+    bwd = exchange(sz.q) + rings(m.bwd_factor * block_s, hop + dkv_hop, dkv_last) + exchange(sz.q + kv)
+    return max(host, fwd + bwd)
 
 
 def _dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:

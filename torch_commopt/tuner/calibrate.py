@@ -38,8 +38,13 @@ from torch_commopt.tuner.choose import device_name, machine_key
 
 log = logging.getLogger("torch_commopt.tuner.calibrate")
 
-# (m, n, k): square, wide and thin, so the fit sees both efficiency regimes
-GEMM_SHAPES = {"cuda": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192)],
+# (m, n, k): square, wide and thin, so the fit sees both efficiency regimes; and a chunked
+# reduction's piece (1024 rows of a K-sharded 8192^3 GEMM): with only the 64- and 256-wide thin
+# samples the fit's half_dim (~170-235 on H100/H200) charged such pieces ~16% where tile waves
+# lose a few percent, and the chunked all-reduce at 8192^3 was over-predicted 8-15% in every
+# stored run (session 29, costmodel_replay --misses)
+GEMM_SHAPES = {"cuda": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192),
+                        (1024, 8192, 4096)],
                "cpu": [(128, 128, 128), (384, 384, 384), (768, 768, 768), (768, 16, 768), (32, 768, 768)]}
 COLLECTIVE_BYTES = {"cuda": (1 << 20, 16 << 20, 64 << 20), "cpu": (256 << 10, 2 << 20, 8 << 20)}
 P2P_BYTES = (4 << 20, 64 << 20)
@@ -452,6 +457,7 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
                      "remote_store_slowdown"]
     cal = Calibration(
         device=name, world=world, collective=links, gemm={d: fit_gemm(gemm[d]) for d in dtype_names},
+        gemm_samples={d: [list(sample) for sample in gemm[d]] for d in dtype_names},
         host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece,
         fused_efficiency=base.fused_efficiency, attention_flops={d: f / t for d, (f, t, _) in attn.items()},
         attention_bwd_factor=statistics.median(b / t for _, t, b in attn.values()),

@@ -61,6 +61,8 @@ class Calibration:
         producer's flag (its alpha includes that round trip).
     local_copy: a device-local copy (the C operand `addmm` copies into its output first).
     gemm: per dtype name ("bfloat16", "float16", "float32").
+    gemm_samples: per dtype name, the [m, n, k, seconds] samples its fit came from (measured
+        calibrations since session 30; kept so a change of the fit can be judged offline).
     host_s: host time of one op call per schedule family (Python, dispatch, launches), and
         per op and family where measured ("matmul_rs ce_push"); back-to-back calls take
         max(GPU time, host time).
@@ -94,6 +96,7 @@ class Calibration:
     p2p_pull: Link | None = None
     local_copy: Link | None = None
     gemm: dict[str, GemmFit] = field(default_factory=dict)
+    gemm_samples: dict[str, list[list[float]]] = field(default_factory=dict)
     host_s: dict[str, float] = field(default_factory=dict)
     host_per_piece_s: float = 0.0
     overlap_slowdown: float = 0.0
