@@ -38,13 +38,12 @@ from torch_commopt.tuner.choose import device_name, machine_key
 
 log = logging.getLogger("torch_commopt.tuner.calibrate")
 
-# (m, n, k): square, wide and thin, so the fit sees both efficiency regimes; and a chunked
-# reduction's piece (1024 rows of a K-sharded 8192^3 GEMM): with only the 64- and 256-wide thin
-# samples the fit's half_dim (~170-235 on H100/H200) charged such pieces ~16% where tile waves
-# lose a few percent, and the chunked all-reduce at 8192^3 was over-predicted 8-15% in every
-# stored run (session 29, costmodel_replay --misses)
-GEMM_SHAPES = {"cuda": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192),
-                        (1024, 8192, 4096)],
+# (m, n, k): square, wide and thin, so the fit sees both efficiency regimes.  A chunked
+# reduction's piece (1024 x 8192 x 4096) as a sixth sample was tried (2x H100, session 30,
+# results/costmodel_h100x2_2026-11-26_s30*): the fit already predicted it within 4% (half_dim 174
+# with it, 169 without) and the eager top-1 stayed 11/14, so it is not taken; the suspicion that
+# the fit over-charges such pieces (the chunked all-reduce at 8192^3 over-predicted) is refuted.
+GEMM_SHAPES = {"cuda": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192)],
                "cpu": [(128, 128, 128), (384, 384, 384), (768, 768, 768), (768, 16, 768), (32, 768, 768)]}
 COLLECTIVE_BYTES = {"cuda": (1 << 20, 16 << 20, 64 << 20), "cpu": (256 << 10, 2 << 20, 8 << 20)}
 P2P_BYTES = (4 << 20, 64 << 20)
