@@ -113,6 +113,19 @@ def _rows_ok(x: Tensor) -> Tensor:
     return x.contiguous()
 
 
+class _Geo:
+    """One tensor's copy geometry, read once (the host path runs per head group and pass):
+    its address, (B, heads, seq, tail) as _rows, element size and the batch / head strides in
+    bytes."""
+
+    __slots__ = ("ptr", "b", "h", "s", "t", "elt", "batch", "head")
+
+    def __init__(self, x: Tensor) -> None:
+        self.b, self.h, self.s, self.t = _rows(x.shape)
+        self.ptr, self.elt = x.data_ptr(), x.element_size()
+        self.batch, self.head = x.stride(0) * self.elt, x.stride(1) * self.elt
+
+
 def usable(xs: Sequence[Tensor], group, groups: int, outs: Sequence[Spec]) -> bool:
     """Whether the all-to-alls over `group` run here: asked for (transport() == "ce"), CUDA
     tensors, two or more ranks on one host with peer access (_agreed), and outside a CUDA-graph
@@ -207,8 +220,16 @@ class _Pipeline:
         self.debug = rt.debug_waits()
         self.compute, self.side, self.local = torch.cuda.current_stream(xs[0].device), rt.side, rt.local
         self.outs = [torch.empty(shape, dtype=dtype, device=xs[0].device) for shape, dtype in self.specs]
-        self.seq_local = self.xs[0].shape[2]
+        self.seq_local = s_loc = self.xs[0].shape[2]
         self.in_read = [None, None]  # per half: compute-stream event after the last read of the IN slot
+        # what every group-pass reads again: the inputs' and outputs' geometry, the moved views'
+        # shapes, each result's expected shape (per tensor, heads per rank and group: x.h // (G n))
+        self.x_geo, self.out_geo = [_Geo(x) for x in self.xs], [_Geo(o) for o in self.outs]
+        gn = groups * self.n
+        self.in_views = [((g.b, g.h // gn, s_loc * self.n) + tuple(x.shape[3:]), x.dtype)
+                         for g, x in zip(self.x_geo, self.xs)]
+        self.result_shapes = [(g.b, g.h // gn, s_loc * self.n) + tuple(shape[3:])
+                              for g, (shape, _) in zip(self.out_geo, self.specs)]
 
     # ---- flags ------------------------------------------------------------------------------
     def _free(self, region: int, half: int, peer: int) -> int:
@@ -239,20 +260,17 @@ class _Pipeline:
             self.rt.signal(stream, src, self._free(region, half, self.me), 1)
 
     # ---- copies -----------------------------------------------------------------------------
-    def _copy_rows(self, stream, dst: int, dst_row: int, dst_batch: int, src: Tensor, head0: int, heads: int,
+    def _copy_rows(self, stream, dst: int, dst_row: int, dst_batch: int, src: _Geo, head0: int, heads: int,
                    tok0: int, tokens: int) -> None:
         """Rows (b, head0 + j), tokens [tok0, tok0 + tokens) of src -> dst + b*dst_batch +
         j*dst_row (bytes), j < heads, one DMA per batch."""
-        _, _, _, t = _rows(src.shape)
-        elt = src.element_size()
-        width = tokens * t * elt
+        width = tokens * src.t * src.elt
         # one row: its pitch is never used, but the driver wants pitch >= width (a size-1 dim's
         # stride can be anything)
-        src_row = src.stride(1) * elt if heads > 1 else width
-        for b in range(src.shape[0]):
-            at = src.data_ptr() + (b * src.stride(0) + head0 * src.stride(1) + tok0 * t) * elt
-            self.driver.memcpy2d_async(stream, dst + b * dst_batch, dst_row if heads > 1 else width, at, src_row,
-                                       width, heads)
+        src_row, dst_row = (src.head, dst_row) if heads > 1 else (width, width)
+        at = src.ptr + head0 * src.head + tok0 * src.t * src.elt
+        for b in range(src.b):
+            self.driver.memcpy2d_async(stream, dst + b * dst_batch, dst_row, at + b * src.batch, src_row, width, heads)
 
     def _inbound(self, g: int, start) -> Callable[[], list[Tensor]]:
         """Push group g's inputs to every rank (own piece included); returns the compute-side
@@ -267,12 +285,11 @@ class _Pipeline:
             stream = self.side if d != self.me else self.local  # the own piece beside the pushes
             if d != self.me:
                 self._take(IN, half, d, g)
-            for x, off in zip(self.xs, lay.ins):
-                b, h, _, t = _rows(x.shape)
-                hd = h // (self.groups * n)
-                row = s_loc * n * t * x.element_size()
-                self._copy_rows(stream, self.bases[d] + base + off + self.me * s_loc * t * x.element_size(), row,
-                                hd * row, x, g * (h // self.groups) + d * hd, hd, 0, s_loc)
+            for x, off in zip(self.x_geo, lay.ins):
+                hd = x.h // (self.groups * n)
+                block = s_loc * x.t * x.elt  # one source's tokens of a row
+                self._copy_rows(stream, self.bases[d] + base + off + self.me * block, n * block, hd * n * block, x,
+                                g * (x.h // self.groups) + d * hd, hd, 0, s_loc)
             if d != self.me:
                 self.rt.signal(self.side, d, self._data(IN, half, self.me), 1)
         done = [self.side.record_event(), self.local.record_event()]
@@ -281,12 +298,8 @@ class _Pipeline:
             for event in done:
                 stream.wait_event(event)
             self._arrived(IN, half, g, stream)
-            views = []
-            for x, off in zip(self.xs, lay.ins):
-                b, h, _, _ = _rows(x.shape)
-                shape = (b, h // (self.groups * n), s_loc * n) + tuple(x.shape[3:])
-                views.append(self.buf.view(self.me, base + off, shape, x.dtype))
-            return views
+            return [self.buf.view(self.me, base + off, shape, dtype) for (shape, dtype), off in zip(self.in_views,
+                                                                                                  lay.ins)]
         return wait
 
     def _outbound(self, g: int, results: list[Tensor], stream) -> Callable[[], None]:
@@ -296,11 +309,11 @@ class _Pipeline:
         half, lay, s_loc, n = g % 2, self.layout, self.seq_local, self.n
         base = half * lay.half + lay.in_bytes
         results = [_rows_ok(r) for r in results]
-        for r, (shape, dtype) in zip(results, self.specs):
-            b, h, _, t = _rows(shape)
-            if r.dtype != dtype or tuple(r.shape) != (b, h // (self.groups * n), s_loc * n) + tuple(shape[3:]):
+        for r, (shape, dtype), want in zip(results, self.specs, self.result_shapes):
+            if r.dtype != dtype or tuple(r.shape) != want:
                 raise RuntimeError(f"commopt attention all-to-all: result {tuple(r.shape)} {r.dtype} does not match "
                                    f"output {tuple(shape)} {dtype} over {self.groups} head groups of {n} ranks")
+        geos = [_Geo(r) for r in results]
         ready = stream.record_event()
         for mover in (self.side, self.local):
             mover.wait_event(ready)
@@ -310,14 +323,13 @@ class _Pipeline:
             if d != self.me:
                 self._take(OUT, half, d, g)
                 address = self.bases[d] + base + self.me * lay.out_bytes
-            for r, o, off in zip(results, self.outs, lay.outs):
-                b, h, _, t = _rows(o.shape)
-                hr, elt = h // (self.groups * n), r.element_size()
+            for r, o, off in zip(geos, self.out_geo, lay.outs):
+                hr = o.h // (self.groups * n)
                 if d == self.me:  # the own block: straight into the output, beside the pushes
-                    dst = o.data_ptr() + (g * (h // self.groups) + self.me * hr) * o.stride(1) * elt
-                    self._copy_rows(self.local, dst, o.stride(1) * elt, o.stride(0) * elt, r, 0, hr, d * s_loc, s_loc)
+                    dst = o.ptr + (g * (o.h // self.groups) + self.me * hr) * o.head
+                    self._copy_rows(self.local, dst, o.head, o.batch, r, 0, hr, d * s_loc, s_loc)
                 else:
-                    row = s_loc * t * elt
+                    row = s_loc * o.t * r.elt
                     self._copy_rows(self.side, address + off, row, hr * row, r, 0, hr, d * s_loc, s_loc)
             if d != self.me:
                 self.rt.signal(self.side, d, self._data(OUT, half, self.me), 1)
@@ -328,15 +340,14 @@ class _Pipeline:
                 self.compute.wait_event(event)
             self._arrived(OUT, half, g, self.compute)
             for src in self.rt.sources:
-                for o, off in zip(self.outs, lay.outs):
-                    b, h, _, t = _rows(o.shape)
-                    hr, elt = h // (self.groups * n), o.element_size()
-                    row = s_loc * t * elt
+                for o, off in zip(self.out_geo, lay.outs):
+                    hr = o.h // (self.groups * n)
+                    row = s_loc * o.t * o.elt
                     staged = self.bases[self.me] + base + src * lay.out_bytes + off
-                    dst = o.data_ptr() + (g * (h // self.groups) + src * hr) * o.stride(1) * elt
-                    for bi in range(b):
-                        self.driver.memcpy2d_async(self.compute, dst + bi * o.stride(0) * elt, o.stride(1) * elt,
-                                                   staged + bi * hr * row, row, row, hr)
+                    dst = o.ptr + (g * (o.h // self.groups) + src * hr) * o.head
+                    for bi in range(o.b):
+                        self.driver.memcpy2d_async(self.compute, dst + bi * o.batch, o.head, staged + bi * hr * row,
+                                                   row, row, hr)
             self._release(OUT, half, self.compute)
         return finish
 

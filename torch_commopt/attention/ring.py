@@ -206,6 +206,13 @@ def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group
     Returns out (B, H, S_loc, D) in q's dtype and lse (B, H, S_loc) in the acc dtype."""
     n, p = comm.size(group), comm.rank(group)
     q = q.contiguous()  # once, not per block: the fused kernels want contiguous operands
+    blocks = plan(0, 0, 1, q.shape[2]) if n == 1 else None
+    if blocks is not None and len(blocks) == 1 and blocks[0][:2] == (ALL, ALL):
+        # a ring of one (Ulysses) is one block: the accumulator's hand-over without its machinery
+        out_b, lse_b = attend_fwd(q, k, v, scale=scale, mask=blocks[0][2], backend=backend)
+        if not (out_b.dtype in (torch.float16, torch.bfloat16) and out_b.is_contiguous()):
+            out_b = out_b.to(acc_dtype(q.dtype), memory_format=torch.contiguous_format, copy=True)
+        return out_b.to(q.dtype), lse_b.to(acc_dtype(q.dtype)).contiguous()
     acc = Accumulator(q, v.shape[-1], acc_dtype(q.dtype))
     shift = comm.ring_shift([k, v], group, KV_TAG)
     steps = [plan(p, (p - i) % n, n, q.shape[2]) for i in range(n)]
@@ -230,6 +237,13 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     Returns (dq, dk, dv) in the inputs' dtypes, accumulated in the acc dtype."""
     n, p = comm.size(group), comm.rank(group)
     dout, q, out = dout.contiguous(), q.contiguous(), out.to(q.dtype).contiguous()  # once, not per block
+    blocks = plan(0, 0, 1, q.shape[2]) if n == 1 else None
+    if blocks is not None and len(blocks) == 1 and blocks[0][:2] == (ALL, ALL):
+        # a ring of one (Ulysses): one block's gradients, as LocalSum and GradRing hand them over
+        dq_b, dk_b, dv_b = attend_bwd(dout, q, k, v, out, lse.contiguous(), scale=scale, mask=blocks[0][2],
+                                      backend=backend)
+        dq_b = dq_b if dq_b.is_contiguous() else torch.zeros_like(q, dtype=acc_dtype(q.dtype)).add_(dq_b)
+        return _unaliased(dq_b.to(q.dtype), dk_b.to(k.dtype).contiguous(), dv_b.to(v.dtype).contiguous())
     dq = LocalSum(q, acc_dtype(q.dtype))
     kv = comm.ring_shift([k, v], group, KV_TAG)
     steps = [plan(p, (p - i) % n, n, q.shape[2]) for i in range(n)]
