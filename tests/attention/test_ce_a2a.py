@@ -78,3 +78,25 @@ def test_row_copies_land_where_the_layout_says():
     dst = torch.zeros(2, 1, 6, 8)
     _Copier().copy_rows(None, dst.data_ptr(), 6 * 8 * 4, 6 * 8 * 4, ce_a2a._Geo(one), 0, 1, 0, 6)
     assert torch.equal(dst, one)
+
+
+def test_rows_ok_copies_exactly_where_a_row_is_not_contiguous():
+    """_rows_ok reads the strides arithmetically (the host path calls it per tensor and pass):
+    it keeps x exactly where x[0, 0] is contiguous, its seq stride is the tail's size and its
+    last stride 1 (what the copy geometry needs), and copies otherwise."""
+    def reference(x):
+        t = 1
+        for n in x.shape[3:]:
+            t *= n
+        return x.dim() >= 3 and (x.dim() == 3 or x[0, 0].is_contiguous()) and x.stride(2) == t and \
+            (x.dim() == 3 or x.stride(-1) == 1)
+
+    base = torch.randn(2, 4, 6, 8)
+    cases = [base, base.transpose(1, 2), base[:, 1:3], base[:, :, 1:5], base[..., :4], base.transpose(2, 3),
+             base[:, :1], base[:, :, :1], base.unsqueeze(-1), base.reshape(2, 4, 48), base.reshape(2, 4, 48)[:, :, ::2],
+             torch.randn(2, 6, 8).unsqueeze(1).as_strided((2, 1, 6, 8), (48, 1, 8, 1)), torch.randn(3, 5),
+             torch.randn(2, 3, 1, 8).as_strided((2, 3, 1, 8), (24, 8, 5, 1)), base.permute(0, 1, 3, 2).contiguous()]
+    for x in cases:
+        got = ce_a2a._rows_ok(x)
+        assert (got is x) == (reference(x) or x.is_contiguous()), (tuple(x.shape), x.stride())  # contiguous(): x
+        assert torch.equal(got, x)

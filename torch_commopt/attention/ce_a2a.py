@@ -106,11 +106,15 @@ class _Layout:
 
 def _rows_ok(x: Tensor) -> Tensor:
     """x with each (b, head) row's (seq, tail) contiguous (a copy only where it is not)."""
-    b, h, s, t = _rows(x.shape)
-    if x.dim() >= 3 and (x.dim() == 3 or x[0, 0].is_contiguous()) and x.stride(2) == t and \
-            (x.dim() == 3 or x.stride(-1) == 1):
-        return x
-    return x.contiguous()
+    shape, strides = x.shape, x.stride()
+    if len(shape) < 3 or strides[2] != _rows(shape)[3] or strides[-1] != 1:
+        return x.contiguous()
+    expected = 1  # dims 2..: contiguous, a size-1 dim's stride free (as x[0, 0].is_contiguous() reads it)
+    for size, stride in zip(reversed(shape[2:]), reversed(strides[2:])):
+        if size != 1 and stride != expected:
+            return x.contiguous()
+        expected *= size
+    return x
 
 
 class _Geo:
@@ -222,6 +226,7 @@ class _Pipeline:
         self.outs = [torch.empty(shape, dtype=dtype, device=xs[0].device) for shape, dtype in self.specs]
         self.seq_local = s_loc = self.xs[0].shape[2]
         self.in_read = [None, None]  # per half: compute-stream event after the last read of the IN slot
+        self.events, self._next_event = rt.event_pool(PURPOSE), 0
         # what every group-pass reads again: the inputs' and outputs' geometry, the moved views'
         # shapes, each result's expected shape (per tensor, heads per rank and group: x.h // (G n))
         self.x_geo, self.out_geo = [_Geo(x) for x in self.xs], [_Geo(o) for o in self.outs]
@@ -230,6 +235,23 @@ class _Pipeline:
                          for g, x in zip(self.x_geo, self.xs)]
         self.result_shapes = [(g.b, g.h // gn, s_loc * self.n) + tuple(shape[3:])
                               for g, (shape, _) in zip(self.out_geo, self.specs)]
+
+    # ---- events -----------------------------------------------------------------------------
+    def _record(self, stream) -> int:
+        """An event (a driver handle from the runtime's pool for this purpose) recorded on
+        `stream` now.  Each event of the pool is recorded once per call and waited on only within
+        the call, and a wait binds to the record queued before it, so the next call may record
+        it again; a raw driver event costs the host a fraction of a torch.cuda.Event, and a
+        call records ~17 per head-group pass."""
+        if self._next_event == len(self.events):
+            self.events.append(self.rt._new_event())
+        event = self.events[self._next_event]
+        self._next_event += 1
+        self.driver.record(event, stream)
+        return event
+
+    def _wait(self, stream, event: int) -> None:
+        self.driver.wait_event(stream, event)
 
     # ---- flags ------------------------------------------------------------------------------
     def _free(self, region: int, half: int, peer: int) -> int:
@@ -278,9 +300,9 @@ class _Pipeline:
         half, lay, s_loc, n = g % 2, self.layout, self.seq_local, self.n
         base = half * lay.half
         for stream in (self.side, self.local):
-            stream.wait_event(start)
+            self._wait(stream, start)
         if self.in_read[half] is not None:  # the own piece overwrites what group g-2 read
-            self.local.wait_event(self.in_read[half])
+            self._wait(self.local, self.in_read[half])
         for d in [*self.rt.peers, self.me]:
             stream = self.side if d != self.me else self.local  # the own piece beside the pushes
             if d != self.me:
@@ -292,11 +314,11 @@ class _Pipeline:
                                 g * (x.h // self.groups) + d * hd, hd, 0, s_loc)
             if d != self.me:
                 self.rt.signal(self.side, d, self._data(IN, half, self.me), 1)
-        done = [self.side.record_event(), self.local.record_event()]
+        done = [self._record(self.side), self._record(self.local)]
 
         def wait(stream) -> list[Tensor]:
             for event in done:
-                stream.wait_event(event)
+                self._wait(stream, event)
             self._arrived(IN, half, g, stream)
             return [self.buf.view(self.me, base + off, shape, dtype) for (shape, dtype), off in zip(self.in_views,
                                                                                                   lay.ins)]
@@ -314,9 +336,9 @@ class _Pipeline:
                 raise RuntimeError(f"commopt attention all-to-all: result {tuple(r.shape)} {r.dtype} does not match "
                                    f"output {tuple(shape)} {dtype} over {self.groups} head groups of {n} ranks")
         geos = [_Geo(r) for r in results]
-        ready = stream.record_event()
+        ready = self._record(stream)
         for mover in (self.side, self.local):
-            mover.wait_event(ready)
+            self._wait(mover, ready)
             for r in results:
                 r.record_stream(mover)
         for d in [*self.rt.peers, self.me]:
@@ -333,11 +355,11 @@ class _Pipeline:
                     self._copy_rows(self.side, address + off, row, hr * row, r, 0, hr, d * s_loc, s_loc)
             if d != self.me:
                 self.rt.signal(self.side, d, self._data(OUT, half, self.me), 1)
-        done = [self.side.record_event(), self.local.record_event()]
+        done = [self._record(self.side), self._record(self.local)]
 
         def finish() -> None:
             for event in done:
-                self.compute.wait_event(event)
+                self._wait(self.compute, event)
             self._arrived(OUT, half, g, self.compute)
             for src in self.rt.sources:
                 for o, off in zip(self.out_geo, lay.outs):
@@ -357,11 +379,11 @@ class _Pipeline:
         the copies' event."""
         if not kept:
             return None
-        self.local.wait_event(stream.record_event())
+        self._wait(self.local, self._record(stream))
         for dst, src in zip(kept, tensors):
             src.record_stream(self.local)
             self.rt.copy(self.local, dst[g], src)
-        return self.local.record_event()
+        return self._record(self.local)
 
     def run(self, compute: Callable, keep_in: Sequence[Tensor] = (), keep_out: Sequence[Tensor] = (),
             second: bool = False) -> tuple[Tensor, ...]:
@@ -369,11 +391,11 @@ class _Pipeline:
         for x in self.xs:
             x.record_stream(self.side)
             x.record_stream(self.local)
-        start = self.compute.record_event()
+        start = self._record(self.compute)
         streams = [self.compute]
         if second:  # it starts where the caller's stream is: what compute reads besides the moved inputs
             streams.append(lane.device_stream(_SECOND, self.xs[0].device))
-            streams[1].wait_event(start)
+            self._wait(streams[1], start)
         pending, backs, kept = self._inbound(0, start), [], []
         for g in range(self.groups):
             stream = streams[g % len(streams)]
@@ -384,9 +406,9 @@ class _Pipeline:
             with torch.cuda.stream(stream):
                 results = list(compute(*moved))
             if kept_in is not None:  # the slot is read by the copies too
-                stream.wait_event(kept_in)
+                self._wait(stream, kept_in)
             self._release(IN, g % 2, stream)  # stream-ordered after the compute's reads of the slot
-            self.in_read[g % 2] = stream.record_event()
+            self.in_read[g % 2] = self._record(stream)
             del moved
             kept.append(self._keep(keep_out, g, results, stream))
             # the caller's stream joins the second through each group's outbound events (finish)
@@ -396,7 +418,7 @@ class _Pipeline:
         backs[-1]()
         for event in kept:  # the kept results are the caller's once the call returns
             if event is not None:
-                self.compute.wait_event(event)
+                self._wait(self.compute, event)
         if self.debug:
             self.rt.check_status("cp attention all-to-all")
         return tuple(self.outs)

@@ -363,6 +363,13 @@ class GroupRuntime:
             self._events.append(self._new_event())
         return self._events[:n]
 
+    def event_pool(self, purpose: str) -> list[int]:
+        """The events (driver handles) of one purpose's calls, created as they are needed and kept
+        for the runtime's lifetime; the caller records each at most once per call and waits on it
+        only within the call (a wait binds to the record queued before it)."""
+        pools = self.__dict__.setdefault("_event_pools", {})
+        return pools.setdefault(purpose, [])
+
     def _new_event(self) -> int:
         with torch.cuda.device(self.device):
             return driver.event_create()
