@@ -8,7 +8,10 @@ Reported as errors:
 - Deadlock: no stream can move while some still have work (what each one waits for);
 - Race: a copy by rank r into rank p's buffer while p still reads what that place held: the
   copy lands the piece whose data flag r raises next on that stream, and p reads that piece
-  from its wait on the flag until it lowers the flag again;
+  from its wait on the flag until it lowers the flag again -- the bytes the piece's copies
+  wrote, so a copy of another piece (or an untagged one, e.g. p's own local copy) that lands
+  on any of them is one too (calls whose slot layouts differ reuse the same bytes under
+  different flags);
 - NotAtRest: after everything ran, a token not back at 1 or a data flag not back at 0 (the
   protocol is closed: a CUDA graph may replay a call only if every flag returns to rest)."""
 
@@ -69,7 +72,11 @@ class Machine:
                     self.mem[rank, index] = 1
         self.records: set = set()
         self.reading: set = set()  # (reader, flag index) of data flags a reader waited for and has not lowered
-        self.buffers = [(rt.buffers[0].local.data_ptr(), rt.buffers[0].nbytes) for rt in runtimes]
+        # every rank's symmetric buffers: the shared one and those an op owns (the attention's)
+        self.buffers = [[(b.local.data_ptr(), b.nbytes) for b in [rt.buffers[0], *(
+            bufs[0] for bufs in getattr(rt, "owned", {}).values())]] for rt in runtimes]
+        self.landed: dict = defaultdict(list)  # piece -> byte intervals its copies wrote since it was last read
+        self.read_bytes: dict = {}  # piece being read -> the byte intervals it is read from
 
     def ready(self, rank: int, op) -> bool:
         kind = op[0]
@@ -87,16 +94,34 @@ class Machine:
             self.mem[owner, index] = op[2] & 0xFFFFFFFF
             if owner == rank and op[2] == 0:  # a reader lowers a data flag: its reads of that piece are done
                 self.reading.discard((rank, index))
+                self.read_bytes.pop((rank, index), None)
         elif kind == "wait":
             owner, index = _flag(op[1])
             if owner == rank and _data_flag(index):
                 self.reading.add((rank, index))
+                self.read_bytes[rank, index] = self.landed.pop((rank, index), [])
         elif kind == "record":
             self.records.add((rank, op[1], op[2]))
-        elif kind == "copy" and len(op) > 3 and op[3] in self.reading:
-            reader, index = op[3]
-            raise Race(f"rank {rank} copies the piece of data flag {index} into rank {reader}'s buffer while "
-                       f"rank {reader} still reads what was there")
+        elif kind == "copy":
+            piece = op[4] if len(op) > 4 else None
+            if piece in self.reading:
+                reader, index = piece
+                raise Race(f"rank {rank} copies the piece of data flag {index} into rank {reader}'s buffer while "
+                           f"rank {reader} still reads what was there")
+            owner = self._owner(op[1])
+            for (reader, index), spans in self.read_bytes.items():
+                if reader == owner and _overlap(op[3], spans):
+                    raise Race(f"rank {rank} copies into rank {reader}'s buffer (piece {piece}) over bytes rank "
+                               f"{reader} still reads as the piece of data flag {index}")
+            if piece is not None:
+                self.landed[piece].extend(op[3])
+
+    def _owner(self, address: int):
+        """The rank whose symmetric buffer holds `address` (None: ordinary memory)."""
+        for rank, spans in enumerate(self.buffers):
+            if any(base <= address < base + size for base, size in spans):
+                return rank
+        return None
 
     def _pieces(self, ops: list) -> list:
         """Each copy into a rank's buffer annotated with the (rank, data flag) the stream raises
@@ -106,8 +131,7 @@ class Machine:
             if op[0] == "write" and op[2] == 1 and _data_flag(_flag(op[1])[1]):
                 nxt = _flag(op[1])
             if op[0] == "copy" and nxt is not None:
-                base, size = self.buffers[nxt[0]]
-                if base <= op[1] < base + size:
+                if any(base <= op[1] < base + size for base, size in self.buffers[nxt[0]]):
                     op = op + (nxt,)
             out.append(op)
         return out[::-1]
@@ -135,6 +159,11 @@ class Machine:
                 bad[f"rank {rank} flag {index}"] = value
         if bad:
             raise NotAtRest(f"flags not at rest after every call: {bad}")
+
+
+def _overlap(a, b) -> bool:
+    """Whether two lists of [start, end) byte intervals share a byte."""
+    return any(s0 < e1 and s1 < e0 for s0, e0 in a for s1, e1 in b)
 
 
 def _describe(op) -> tuple:

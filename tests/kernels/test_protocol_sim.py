@@ -238,3 +238,28 @@ def test_a_ring_slot_never_given_back_deadlocks_the_next_ring(monkeypatch):
     queue, runtimes = _ring_queue(2)
     with pytest.raises(Deadlock):
         simulate(queue, runtimes, 0)
+
+
+def test_a_call_that_does_not_wait_for_the_peers_to_drain_races_on_a_new_layout(monkeypatch):
+    """Session 30: a forward (q, k, v in, out back) and its backward (dout in, dq, dk, dv back)
+    lay the all-to-all buffer out differently, so one slot's token does not guard the bytes a
+    peer still reads as another slot of the call before; without the drain at a call's first
+    push (ce_a2a._Pipeline._drained) a push lands on them (the GPU test's plain backward over
+    two head groups came out wrong)."""
+    from fake_cuda import FakeStream
+
+    from torch_commopt.attention import ce_a2a
+
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "0")
+    monkeypatch.setattr(ce_a2a, "_SECOND", {})
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ce_a2a._Pipeline, "_drained", lambda self: None)
+    queue, runtimes = _a2a_queue(2)
+    raced = 0
+    for seed in range(8):
+        try:
+            simulate(queue, runtimes, seed)
+        except Race:
+            raced += 1
+    assert raced

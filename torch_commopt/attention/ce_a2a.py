@@ -276,6 +276,21 @@ class _Pipeline:
         self.rt.wait(self.side, index, 1, debug=self.debug, what="free all-to-all slot", src=peer, chunk=g)
         self.driver.write_value32(self.side, self.rt.flag_address(self.me, index), 0)
 
+    def _drained(self) -> None:
+        """Side stream, before a call's first push: hold until every peer has read all it was
+        sent before (each of its four slots' tokens back), without taking them.  A slot's
+        token guards its bytes under one call's layout, but the layout follows the call's
+        tensors (a forward sends q, k, v and gets out back, its backward sends dout and gets
+        dq, dk, dv), so a push of this call into one slot can land on bytes a peer still reads
+        as another slot of the call before -- the protocol simulator showed a push into IN
+        half 1 landing on the OUT half 0 a peer had not yet copied out (session 30; and the GPU
+        test's plain backward over two head groups came out wrong, dq relative error 2.3)."""
+        for peer in self.rt.peers:
+            for region in (IN, OUT):
+                for half in range(self.symm.HALVES):
+                    self.rt.wait(self.side, self._free(region, half, peer), 1, debug=self.debug,
+                                 what="free all-to-all slot", src=peer, chunk=-1)
+
     def _arrived(self, region: int, half: int, g: int, stream) -> None:
         """`stream` (a compute stream): hold until every source has written this rank's slot
         (region, half)."""
@@ -311,6 +326,8 @@ class _Pipeline:
         base = half * lay.half
         for stream in (self.side, self.local):
             self._wait(stream, start)
+        if g == 0:
+            self._drained()
         if self.in_read[half] is not None:  # the own piece overwrites what group g-2 read
             self._wait(self.local, self.in_read[half])
         for d in [*self.rt.peers, self.me]:
