@@ -3,9 +3,8 @@ schedule, both sequence layouts and the head-group pipelines against full attent
 attention_cases), Ulysses's all-to-alls by the copy engine (attention/ce_a2a.py, the CUDA
 default); again with the ring's K/V pushed by the copy engine too (attention/ce_ring.py,
 TORCH_COMMOPT_ATTENTION_TRANSPORT=ce) and bounded waits, so a protocol error raises; with
-Ulysses's head groups on one compute stream spelled out (TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=0,
-the default since session 30: with =1 the plain backward over two head groups came out wrong);
-and with NCCL's all-to-alls (TORCH_COMMOPT_ATTENTION_A2A=nccl)."""
+Ulysses's head groups on one compute stream (TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=0; by default
+the odd ones run on a second); and with NCCL's all-to-alls (TORCH_COMMOPT_ATTENTION_A2A=nccl)."""
 
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ def test_every_cp_schedule_matches_full_attention_at_worlds_3_and_4(more_ranks, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", [{"TORCH_COMMOPT_ATTENTION_TRANSPORT": "ce"},
                                  # Ulysses's head groups one after the other on one compute stream
-                                 # (the default; ce_a2a.GROUP_STREAMS_ENV=1 runs the odd ones on a second)
+                                 # (the default runs the odd ones on a second: ce_a2a.GROUP_STREAMS_ENV)
                                  {"TORCH_COMMOPT_ATTENTION_GROUP_STREAMS": "0"}],
                          ids=["copy_engine_ring", "one_compute_stream"])
 def test_every_cp_schedule_matches_full_attention_with_bounded_waits(two_ranks, monkeypatch, env):

