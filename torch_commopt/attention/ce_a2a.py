@@ -119,13 +119,13 @@ def _rows_ok(x: Tensor) -> Tensor:
 
 class _Geo:
     """One tensor's copy geometry, read once (the host path runs per head group and pass):
-    its address, (B, heads, seq, tail) as _rows, element size and the batch / head strides in
-    bytes."""
+    its address, B, heads and tail as _rows reads them, element size and the batch / head
+    strides in bytes."""
 
-    __slots__ = ("ptr", "b", "h", "s", "t", "elt", "batch", "head")
+    __slots__ = ("ptr", "b", "h", "t", "elt", "batch", "head")
 
     def __init__(self, x: Tensor) -> None:
-        self.b, self.h, self.s, self.t = _rows(x.shape)
+        self.b, self.h, _, self.t = _rows(x.shape)
         self.ptr, self.elt = x.data_ptr(), x.element_size()
         self.batch, self.head = x.stride(0) * self.elt, x.stride(1) * self.elt
 
@@ -226,7 +226,7 @@ class _Pipeline:
         self.outs = [torch.empty(shape, dtype=dtype, device=xs[0].device) for shape, dtype in self.specs]
         self.seq_local = s_loc = self.xs[0].shape[2]
         self.in_read = [None, None]  # per half: compute-stream event after the last read of the IN slot
-        self.events, self._next_event = rt.event_pool(PURPOSE), 0
+        self._next_event = 0  # this call's next event of the runtime's pool (_record)
         # what every group-pass reads again: the inputs' and outputs' geometry, the moved views'
         # shapes, each result's expected shape (per tensor, heads per rank and group: x.h // (G n))
         self.x_geo, self.out_geo = [_Geo(x) for x in self.xs], [_Geo(o) for o in self.outs]
@@ -243,9 +243,7 @@ class _Pipeline:
         the call, and a wait binds to the record queued before it, so the next call may record
         it again; a raw driver event costs the host a fraction of a torch.cuda.Event, and a
         call records ~17 per head-group pass."""
-        if self._next_event == len(self.events):
-            self.events.append(self.rt._new_event())
-        event = self.events[self._next_event]
+        event = self.rt.pooled_event(PURPOSE, self._next_event)
         self._next_event += 1
         self.driver.record(event, stream)
         return event
@@ -316,8 +314,6 @@ class _Pipeline:
         base = half * lay.half
         for stream in (self.side, self.local):
             self._wait(stream, start)
-        if g == 0:
-            self._drained()
         if self.in_read[half] is not None:  # the own piece overwrites what group g-2 read
             self._wait(self.local, self.in_read[half])
         for d in [*self.rt.peers, self.me]:
@@ -413,6 +409,7 @@ class _Pipeline:
         if second:  # it starts where the caller's stream is: what compute reads besides the moved inputs
             streams.append(lane.device_stream(_SECOND, self.xs[0].device))
             self._wait(streams[1], start)
+        self._drained()
         pending, backs, kept = self._inbound(0, start), [], []
         for g in range(self.groups):
             stream = streams[g % len(streams)]

@@ -90,7 +90,7 @@ ATTENTION_OF_GEMM_PEAK = 0.67
 
 
 # Host time of the copy-engine Ulysses pipeline (ce_a2a), 2x H100, session 30
-# (results/attention_h100x2_2026-11-26_s30.md; profile_cp_attention's enqueue time, B1 H32 D128
+# (results/cp_host_h100x2_2026-11-26_s30.md; profile_cp_attention's enqueue time, B1 H32 D128
 # causal fwd+bwd, 1/2/4 head groups, on two machines): 0.5-0.75 ms a group-pass with one compute
 # stream, 0.8-1.4 ms with the groups on two, the rest of a call ~0.2 ms.  At 8K tokens a call is
 # host-bound: two groups on two streams measured 4.5-5.5 ms against one group's 2.6-3.5 while
@@ -99,7 +99,6 @@ ATTENTION_OF_GEMM_PEAK = 0.67
 HOST_CALL_S = 0.2e-3
 HOST_PASS_S = 0.6e-3
 HOST_PASS_CONCURRENT_S = 0.9e-3
-_PRIOR_CE_PUSH_HOST_S = 140e-6
 
 
 def machine_from_calibration(cal, dtype: str) -> CPMachine:
@@ -108,15 +107,17 @@ def machine_from_calibration(cal, dtype: str) -> CPMachine:
     the local attention kernel's measured throughput and backward factor (else the GEMM fit's
     peak scaled to attention, and BWD_FLOP_FACTOR); the NCCL path's host cost per call;
     concurrent head groups where the all-to-alls run by the copy engine (a machine with p2p,
-    ce_a2a.ENV not nccl) and ce_a2a.GROUP_STREAMS_ENV leaves them on."""
+    ce_a2a.ENV not nccl) and ce_a2a.GROUP_STREAMS_ENV leaves them on; the copy-engine
+    pipeline's host time at this machine's host speed against the prior's."""
     from torch_commopt.attention import ce_a2a
+    from torch_commopt.tuner.calibration import prior
 
     link = cal.p2p if cal.p2p is not None else cal.collective["all_gather"]
     flops = cal.attention_flops.get(dtype) or cal.gemm_fit(dtype).peak_flops * ATTENTION_OF_GEMM_PEAK
     bwd = cal.attention_bwd_factor or BWD_FLOP_FACTOR
     ce = cal.p2p is not None and ce_a2a.transport() == "ce"
     concurrent = ce and ce_a2a.group_streams_asked()
-    speed = min(3.0, max(0.5, cal.host("ce_push") / _PRIOR_CE_PUSH_HOST_S)) if ce else 0.0
+    speed = min(3.0, max(0.5, cal.host("ce_push") / prior(cal.device, cal.world).host("ce_push"))) if ce else 0.0
     return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s, flops_per_s=flops,
                      launch_s=cal.host("sequential"), bwd_factor=bwd, concurrent_groups=concurrent,
                      host_call_s=speed * HOST_CALL_S,

@@ -200,16 +200,23 @@ def _final(steps: list[list[Block]]) -> tuple[int, int]:
     return i, len(steps[i]) - 1 if i >= 0 else -1
 
 
+def _single_block(plan: Plan, n: int, length: int) -> Optional[str]:
+    """The mask of a ring of one whose plan is one block over all rows and keys, else None."""
+    if n != 1:
+        return None
+    blocks = plan(0, 0, 1, length)
+    return blocks[0][2] if len(blocks) == 1 and blocks[0][:2] == (ALL, ALL) else None
+
+
 def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group: comm.Group,
              backend: str = "auto") -> tuple[Tensor, Tensor]:
     """q: (B, H, S_loc, D); k, v: (B, H_kv, S_loc, D) this rank's shard of the ring's layout.
     Returns out (B, H, S_loc, D) in q's dtype and lse (B, H, S_loc) in the acc dtype."""
     n, p = comm.size(group), comm.rank(group)
     q = q.contiguous()  # once, not per block: the fused kernels want contiguous operands
-    blocks = plan(0, 0, 1, q.shape[2]) if n == 1 else None
-    if blocks is not None and len(blocks) == 1 and blocks[0][:2] == (ALL, ALL):
-        # a ring of one (Ulysses) is one block: the accumulator's hand-over without its machinery
-        out_b, lse_b = attend_fwd(q, k, v, scale=scale, mask=blocks[0][2], backend=backend)
+    mask = _single_block(plan, n, q.shape[2])
+    if mask is not None:  # a ring of one (Ulysses): the accumulator's hand-over without its machinery
+        out_b, lse_b = attend_fwd(q, k, v, scale=scale, mask=mask, backend=backend)
         if not (out_b.dtype in (torch.float16, torch.bfloat16) and out_b.is_contiguous()):
             out_b = out_b.to(acc_dtype(q.dtype), memory_format=torch.contiguous_format, copy=True)
         return out_b.to(q.dtype), lse_b.to(acc_dtype(q.dtype)).contiguous()
@@ -237,11 +244,9 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     Returns (dq, dk, dv) in the inputs' dtypes, accumulated in the acc dtype."""
     n, p = comm.size(group), comm.rank(group)
     dout, q, out = dout.contiguous(), q.contiguous(), out.to(q.dtype).contiguous()  # once, not per block
-    blocks = plan(0, 0, 1, q.shape[2]) if n == 1 else None
-    if blocks is not None and len(blocks) == 1 and blocks[0][:2] == (ALL, ALL):
-        # a ring of one (Ulysses): one block's gradients, as LocalSum and GradRing hand them over
-        dq_b, dk_b, dv_b = attend_bwd(dout, q, k, v, out, lse.contiguous(), scale=scale, mask=blocks[0][2],
-                                      backend=backend)
+    mask = _single_block(plan, n, q.shape[2])
+    if mask is not None:  # a ring of one (Ulysses): one block's gradients, as LocalSum and GradRing hand them over
+        dq_b, dk_b, dv_b = attend_bwd(dout, q, k, v, out, lse.contiguous(), scale=scale, mask=mask, backend=backend)
         dq_b = dq_b if dq_b.is_contiguous() else torch.zeros_like(q, dtype=acc_dtype(q.dtype)).add_(dq_b)
         return _unaliased(dq_b.to(q.dtype), dk_b.to(k.dtype).contiguous(), dv_b.to(v.dtype).contiguous())
     dq = LocalSum(q, acc_dtype(q.dtype))

@@ -363,12 +363,14 @@ class GroupRuntime:
             self._events.append(self._new_event())
         return self._events[:n]
 
-    def event_pool(self, purpose: str) -> list[int]:
-        """The events (driver handles) of one purpose's calls, created as they are needed and kept
+    def pooled_event(self, purpose: str, index: int) -> int:
+        """Event `index` (a driver handle) of one purpose's pool, created on first use and kept
         for the runtime's lifetime; the caller records each at most once per call and waits on it
         only within the call (a wait binds to the record queued before it)."""
-        pools = self.__dict__.setdefault("_event_pools", {})
-        return pools.setdefault(purpose, [])
+        pool = self.__dict__.setdefault("_event_pools", {}).setdefault(purpose, [])
+        while len(pool) <= index:
+            pool.append(self._new_event())
+        return pool[index]
 
     def _new_event(self) -> int:
         with torch.cuda.device(self.device):
