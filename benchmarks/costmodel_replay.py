@@ -8,7 +8,13 @@ sweep's best -- so a model change can be judged on every GPU run made so far bef
 GPU session.  A run whose stored predictions the current code no longer reproduces is
 flagged (`recomputed` differs from what the run recorded).
 
-    python3 benchmarks/costmodel_replay.py [--misses] [benchmarks/results/costmodel_*_summary.json ...]
+    python3 benchmarks/costmodel_replay.py [--misses] [--refit] [benchmarks/results/costmodel_*_summary.json ...]
+
+--refit also re-derives each run's schedule factors from its probes (a factor curve's points
+hold the model's prediction at the probe and measured / predicted, so the probe's measured time
+is their product) against today's model, as the calibration would have: a change to the
+model's structure is then judged with the factors it would have got, not with factors that
+corrected the old structure.  Keys without a curve (no short probe) keep their stored factor.
 
 Judge a change on runs it was not tuned on: session 23 tried shrinking each piece count's
 own factor toward its family's one-piece factor (geometric mean); it lifted the top-1 count on
@@ -35,11 +41,50 @@ from torch_commopt.tuner.calibration import Calibration  # noqa: E402
 from torch_commopt.tuner.model import predict  # noqa: E402
 
 
-def replay(summary_path: pathlib.Path) -> dict:
-    """{run, median_rel_error, top1_within_5pct, shapes, recomputed_max_diff} of one stored run."""
+def _probe_schedule(key: str) -> Schedule:
+    """The schedule a factor key was probed with: "kind name:S..." itself; a family key
+    ("kind name") is a copy of its family's first probe (calibrate._schedule_factors)."""
+    from torch_commopt.tuner.calibrate import PROBE_SCHEDULES
+
+    kind, sched = key.split(" ")
+    if ":" in sched:
+        return Schedule.parse(sched)
+    return next(Schedule.parse(s) for s in PROBE_SCHEDULES[kind] if Schedule.parse(s).name == sched)
+
+
+def refit(cal: Calibration) -> Calibration:
+    """`cal` with its schedule factors re-derived against today's model from the probe times
+    its factor curves imply (the short probe: a graph replay; the long one: eager)."""
+    import dataclasses
+
+    from torch_commopt.tuner.calibrate import FACTOR_RANGE, PROBE_SHAPES, SHORT_PROBE_SHAPES
+    from torch_commopt.tuner.model import RegionShape
+
+    bare = dataclasses.replace(cal, schedule_factor={}, schedule_factor_curve={})
+    factors, curves = dict(cal.schedule_factor), {}
+    for key, points in cal.schedule_factor_curve.items():
+        kind, sched = key.split(" ")[0], _probe_schedule(key)
+        (short_pred, short_f), (long_pred, long_f) = sorted(points)
+        new = []
+        for shapes, graphs, measured in ((SHORT_PROBE_SHAPES, True, short_pred * short_f),
+                                         (PROBE_SHAPES, False, long_pred * long_f)):
+            (rows, k), (_, n) = shapes[kind]
+            pred = predict(RegionShape(kind, rows, k, (n,), cal.world, "bfloat16"), sched, bare, graphs=graphs).gpu_s
+            new.append([pred, min(max(measured / pred, FACTOR_RANGE[0]), FACTOR_RANGE[1])])
+        curves[key] = sorted(new)
+        if key in factors:
+            factors[key] = new[1][1]
+    return dataclasses.replace(cal, schedule_factor=factors, schedule_factor_curve=curves)
+
+
+def replay(summary_path: pathlib.Path, refit_factors: bool = False) -> dict:
+    """{run, median_rel_error, top1_within_5pct, shapes, recomputed_max_diff} of one stored run
+    (refit_factors: with its factors re-derived against today's model, `refit`)."""
     doc = json.loads(summary_path.read_text())
     records = json.loads(pathlib.Path(str(summary_path).replace("_summary.json", ".json")).read_text())
     cal = Calibration.from_json(json.dumps(doc["calibration"]))
+    if refit_factors:
+        cal = refit(cal)
     graphs = summary_path.name.endswith("_graphs_summary.json")
     by_shape: dict[tuple, dict[str, tuple[float, float]]] = collections.defaultdict(dict)
     errors, recomputed = [], []
@@ -68,9 +113,11 @@ def main() -> None:
                         help="summary files (default: every costmodel_*_summary.json under benchmarks/results)")
     parser.add_argument("--misses", action="store_true",
                         help="also list every shape whose top-1 is not within 5%% of the best, and count them by shape")
+    parser.add_argument("--refit", action="store_true",
+                        help="re-derive each run's schedule factors from its probes against today's model")
     args = parser.parse_args()
     paths = args.summaries or sorted((ROOT / "benchmarks" / "results").glob("costmodel_*_summary.json"))
-    rows = [replay(p) for p in paths]
+    rows = [replay(p, args.refit) for p in paths]
     for r in rows:
         flag = "" if r["recomputed_max_diff"] < 1e-6 else f"  (recomputed: up to {r['recomputed_max_diff']:.1%} off the run's own)"
         print(f"{r['run']:34s} median error {r['median_rel_error']:.3f}  top-1 within 5% "

@@ -19,3 +19,27 @@ def test_a_stored_run_replays_with_its_misses_named():
     for (op, m, k, n), (top, top_pred, top_meas), (best, best_pred, best_meas) in got["misses"]:
         assert top != best and top_pred <= best_pred and top_meas > 1.05 * best_meas
     assert len({key for key, *_ in got["misses"]}) == len(got["misses"])  # one entry per shape
+
+
+def test_refit_factors_reproduce_the_probe_times_the_run_measured():
+    # a factor curve point is (the model's prediction at the probe, measured / predicted): after
+    # the refit, today's model times its new factor must give the same measured probe time
+    import json
+
+    from torch_commopt.tuner.calibrate import PROBE_SHAPES, SHORT_PROBE_SHAPES
+    from torch_commopt.tuner.calibration import Calibration
+    from torch_commopt.tuner.model import RegionShape, predict
+
+    cal = Calibration.from_json(json.dumps(json.loads(RUN.read_text())["calibration"]))
+    new = costmodel_replay.refit(cal)
+    assert set(new.schedule_factor_curve) == set(cal.schedule_factor_curve) and len(cal.schedule_factor_curve) > 30
+    for key, points in cal.schedule_factor_curve.items():
+        kind, sched = key.split(" ")[0], costmodel_replay._probe_schedule(key)
+        measured = sorted(p * f for p, f in points)
+        got = []
+        for shapes, graphs in ((SHORT_PROBE_SHAPES, True), (PROBE_SHAPES, False)):
+            (rows, k), (_, n) = shapes[kind]
+            shape = RegionShape(kind, rows, k, (n,), cal.world)
+            got.append(predict(shape, sched, new, graphs=graphs).gpu_s)
+        assert got == __import__("pytest").approx(measured, rel=1e-6), key
+        assert new.schedule_factor.get(key, new.schedule_factor_curve[key][1][1]) == new.schedule_factor_curve[key][1][1]

@@ -23,7 +23,9 @@ from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
 
 log = logging.getLogger("torch_commopt.tuner.choose")
 
-CALIBRATION_FORMAT = 5  # 5: ag ce_push:1:gemm=whole probed; 3: schedule_factor_curve, GEMM samples at busy clocks; 4: per piece count
+# 6: the all-reduce model copies the gathered pieces out of its slots (factors derived anew);
+# 5: ag ce_push:1:gemm=whole probed; 4: per piece count; 3: schedule_factor_curve, GEMM samples at busy clocks
+CALIBRATION_FORMAT = 6
 _CALIBRATIONS: dict[str, Calibration] = {}
 
 

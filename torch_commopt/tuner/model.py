@@ -235,7 +235,7 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
     else:  # the copy engine slows the GEMMs only while it runs: charge the overlap once
         peer_piece = piece
         interference = cal.overlap_slowdown * min(w * s * piece, sent * link.time(piece_bytes))
-    steps, arrival = [], {c: [] for c in range(s)}
+    steps, arrival, pushed = [], {c: [] for c in range(s)}, []
     for i in range(w - 1):
         for c in range(s):
             extra = interference if (i, c) == (0, 0) else 0.0
@@ -251,22 +251,39 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
         for c in range(s):
             steps.append(_Step("compute", piece))
             steps.append(_Step("compute", total, tuple(arrival[c])))
-            _push_reduced_step(shape, cal, steps, piece_bytes)
+            pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes))
+        _gathered_copies(shape, cal, steps, piece_bytes, pushed)
         return simulate(steps)
     for c in range(s):
         if local_copy:
             steps.append(_Step("local", local_copy, tuple(arrival[c])))
             arrival[c] = [len(steps) - 1]
         steps.append(_Step("compute", piece, tuple(arrival[c])))
-        _push_reduced_step(shape, cal, steps, piece_bytes)
+        pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes))
+    _gathered_copies(shape, cal, steps, piece_bytes, pushed)
     return simulate(steps)
 
 
-def _push_reduced_step(shape: RegionShape, cal: Calibration, steps: list[_Step], piece_bytes: float) -> None:
-    """matmul_ar: the reduced piece just computed is pushed to every peer."""
+def _push_reduced_step(shape: RegionShape, cal: Calibration, steps: list[_Step], piece_bytes: float) -> int:
+    """matmul_ar: the reduced piece just computed is pushed to every peer; the index of the
+    last push (-1 for matmul_rs)."""
     if shape.kind == "matmul_ar":
         for _ in range(shape.world - 1):
             steps.append(_Step("comm", cal.p2p.time(piece_bytes), (len(steps) - 1,)))
+        return len(steps) - 1
+    return -1
+
+
+def _gathered_copies(shape: RegionShape, cal: Calibration, steps: list[_Step], piece_bytes: float,
+                     pushed: list[int]) -> None:
+    """matmul_ar: each peer's reduced piece, landed in this rank's slot when its own push of the
+    same piece ends (ranks are symmetric), is copied into the output on the side stream after
+    every push (matmul_reduce.matmul_ar_gpu)."""
+    if shape.kind != "matmul_ar" or cal.local_copy is None:
+        return
+    for last in pushed:
+        for _ in range(shape.world - 1):
+            steps.append(_Step("comm", cal.local_copy.time(piece_bytes), (last,)))
 
 
 def extra_bytes(shape: RegionShape, sched: Schedule) -> int:
