@@ -8,7 +8,7 @@ sweep's best -- so a model change can be judged on every GPU run made so far bef
 GPU session.  A run whose stored predictions the current code no longer reproduces is
 flagged (`recomputed` differs from what the run recorded).
 
-    python3 benchmarks/costmodel_replay.py [--misses] [--refit] [benchmarks/results/costmodel_*_summary.json ...]
+    python3 benchmarks/costmodel_replay.py [--misses] [--refit] [--transfer-slowdown X] [costmodel_*_summary.json ...]
 
 --refit also re-derives each run's schedule factors from its probes (a factor curve's points
 hold the model's prediction at the probe and measured / predicted, so the probe's measured time
@@ -77,12 +77,17 @@ def refit(cal: Calibration) -> Calibration:
     return dataclasses.replace(cal, schedule_factor=factors, schedule_factor_curve=curves)
 
 
-def replay(summary_path: pathlib.Path, refit_factors: bool = False) -> dict:
+def replay(summary_path: pathlib.Path, refit_factors: bool = False, transfer_slowdown: float | None = None) -> dict:
     """{run, median_rel_error, top1_within_5pct, shapes, recomputed_max_diff} of one stored run
-    (refit_factors: with its factors re-derived against today's model, `refit`)."""
+    (refit_factors: with its factors re-derived against today's model, `refit`;
+    transfer_slowdown: the figure assumed where the run's calibration did not measure it)."""
+    import dataclasses
+
     doc = json.loads(summary_path.read_text())
     records = json.loads(pathlib.Path(str(summary_path).replace("_summary.json", ".json")).read_text())
     cal = Calibration.from_json(json.dumps(doc["calibration"]))
+    if transfer_slowdown is not None and "transfer_slowdown" not in doc["calibration"]:
+        cal = dataclasses.replace(cal, transfer_slowdown=transfer_slowdown)
     if refit_factors:
         cal = refit(cal)
     graphs = summary_path.name.endswith("_graphs_summary.json")
@@ -115,9 +120,12 @@ def main() -> None:
                         help="also list every shape whose top-1 is not within 5%% of the best, and count them by shape")
     parser.add_argument("--refit", action="store_true",
                         help="re-derive each run's schedule factors from its probes against today's model")
+    parser.add_argument("--transfer-slowdown", type=float, default=None,
+                        help="assume this Calibration.transfer_slowdown for runs whose calibration did not measure "
+                             "it (a hypothesis to judge with --refit, not a measurement)")
     args = parser.parse_args()
     paths = args.summaries or sorted((ROOT / "benchmarks" / "results").glob("costmodel_*_summary.json"))
-    rows = [replay(p, args.refit) for p in paths]
+    rows = [replay(p, args.refit, args.transfer_slowdown) for p in paths]
     for r in rows:
         flag = "" if r["recomputed_max_diff"] < 1e-6 else f"  (recomputed: up to {r['recomputed_max_diff']:.1%} off the run's own)"
         print(f"{r['run']:34s} median error {r['median_rel_error']:.3f}  top-1 within 5% "

@@ -375,3 +375,32 @@ def test_the_tma_fused_variant_is_its_own_candidate():
     for bad in ("ce_push:1:tma=1", "fused:1:tma=2"):
         with pytest.raises(ValueError, match="tma"):
             Schedule.parse(bad)
+
+
+def test_transfers_beside_gemms_take_the_calibrated_slowdown():
+    # 2 ranks, ce_push:2 reduce-scatter and all-gather on a link as fast as a GEMM piece: a
+    # transfer slowed by half beside the GEMMs shows in the pipeline, `sequential` (NCCL) does not move
+    from torch_commopt.tuner.calibrate import _transfer_slowdown
+    from torch_commopt.tuner.model import _gemm
+
+    shape = RegionShape("matmul_rs", 8192, 4096, (8192,), 2, "bfloat16")
+    base = dataclasses.replace(prior("NVIDIA H200", 2), overlap_slowdown=0.0)
+    q = _gemm(shape, base, 2048)
+    cal = dataclasses.replace(base, p2p=Link(alpha_s=0.0, bytes_per_s=2048 * 8192 * 2 / q))
+    slowed = dataclasses.replace(cal, transfer_slowdown=0.5)
+    # peer pieces q, q (pushes 1.5q each: the first lands at 2.5q, the second at 4q), own
+    # pieces after the local copy of each landed partial; the last own piece ends at 5q + copy
+    copy = cal.local_copy.time(2048 * 8192 * 2)
+    rs = lambda c: predict(shape, Schedule("ce_push", 2), c, graphs=True).gpu_s  # noqa: E731
+    assert rs(cal) == pytest.approx(4 * q + copy)
+    assert rs(slowed) == pytest.approx(4 * q + copy + q)
+    seq = Schedule("sequential")
+    assert predict(shape, seq, slowed, graphs=True).gpu_s == predict(shape, seq, cal, graphs=True).gpu_s
+    # all-gather on a link twice as slow as a GEMM piece: the pipeline is the pushes'
+    ag = RegionShape("ag_matmul", 4096, 4096, (8192,), 2, "bfloat16")
+    slow = Link(alpha_s=0.0, bytes_per_s=2048 * 4096 * 2 / (2 * _gemm(ag, base, 2048)))
+    ag_time = lambda x: predict(ag, Schedule("ce_push", 2), dataclasses.replace(  # noqa: E731
+        base, p2p=slow, transfer_slowdown=x), graphs=True).gpu_s
+    assert ag_time(0.5) - ag_time(0.0) == pytest.approx(0.5 * 2 * slow.time(2048 * 4096 * 2))  # two pushes in series
+    assert _transfer_slowdown(1.5e-4, 1e-4) == pytest.approx(0.5)
+    assert _transfer_slowdown(0.9e-4, 1e-4) == 0.0 and _transfer_slowdown(1.0, 1e-4) == 2.0  # clamped

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import statistics
 import time
 from typing import Callable
@@ -314,6 +315,9 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
 
     dist.barrier(group=group)
     out["gemm beside push"] = _timed(gemm_beside_push, device, reps)
+    dist.barrier(group=group)
+    out["push alone"], out["push beside gemms"] = _push_timings(rt.side, remote, src, lambda: torch.mm(a, b, out=c),
+                                                                device, reps)
     full = torch.empty(world * (P2P_BYTES[-1] // 4), device=device, dtype=torch.bfloat16)
     part = full[: full.numel() // world]
     dist.barrier(group=group)
@@ -331,6 +335,38 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
     out["gemm into peer"] = _timed(lambda: torch.mm(a, b, out=remote_c), device, reps)
     dist.barrier(group=group)
     return out
+
+
+def _push_timings(side, remote: torch.Tensor, src: torch.Tensor, gemm, device: torch.device,
+                  reps: int) -> tuple[float, float]:
+    """(alone, beside GEMMs): median seconds of one push of `src` into `remote` on the `side`
+    stream, timed by events on that stream, on its own and while `gemm` calls run on the
+    current stream before, throughout and after it (every rank pushes to its peer at once, as
+    the schedules do).  Both behind a sleep, so the host enqueues everything first."""
+    cur = torch.cuda.current_stream(device)
+    gemm_s = _timed(gemm, device, 1)
+    alone_est = _timed(lambda: remote.copy_(src), device, 1)
+    cover = 2 + math.ceil(2 * alone_est / max(gemm_s, 1e-9))  # GEMMs after the push's start: twice its time
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(reps + 1):
+        for beside in (False, True):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            go = torch.cuda.Event()
+            torch.cuda._sleep(int(SLEEP_CYCLES_PER_CALL * (cover + 4)))
+            if beside:
+                gemm()  # the push starts once this GEMM is done: GEMMs run before and after it
+            go.record(cur)
+            for _ in range(cover if beside else 0):
+                gemm()
+            side.wait_event(go)
+            with torch.cuda.stream(side):
+                start.record()
+                remote.copy_(src)
+                end.record()
+            cur.wait_stream(side)
+            end.synchronize()
+            samples[beside].append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples[False][1:]), statistics.median(samples[True][1:])
 
 
 # Probe shapes of the schedule families (local A, weight), unlike the benchmark sweep's:
@@ -405,6 +441,14 @@ def _factor_curves(long: dict[str, tuple[float, float]], short: dict[str, tuple[
     return {key: sorted([list(long[key]), list(short[key])]) for key in long if key in short}
 
 
+TRANSFER_SLOWDOWN_MAX = 2.0  # a push 3x slower beside GEMMs than alone is a broken probe, not a slowdown
+
+
+def _transfer_slowdown(beside: float, alone: float) -> float:
+    """A transfer's time beside GEMMs over its time alone, less 1, in [0, TRANSFER_SLOWDOWN_MAX]."""
+    return min(TRANSFER_SLOWDOWN_MAX, max(0.0, beside / max(alone, 1e-12) - 1.0))
+
+
 def _slowdown(both: float, longer: float, shorter: float) -> float:
     """s in both = longer + s * shorter (clamped to [0, 1])."""
     return min(1.0, max(0.0, (both - longer) / max(shorter, 1e-9)))
@@ -451,9 +495,10 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
             else base.overlap_slowdown,
             collective_overlap_slowdown=_slowdown(probes["gemm beside gather"], max(g, probes["gather"]),
                                                   min(g, probes["gather"])),
-            remote_store_slowdown=max(0.0, probes["gemm into peer"] / g - 1.0))
+            remote_store_slowdown=max(0.0, probes["gemm into peer"] / g - 1.0),
+            transfer_slowdown=_transfer_slowdown(probes["push beside gemms"], probes["push alone"]))
         measured += ["p2p", "p2p_pull", "local_copy", "overlap_slowdown", "collective_overlap_slowdown",
-                     "remote_store_slowdown"]
+                     "remote_store_slowdown", "transfer_slowdown"]
     cal = Calibration(
         device=name, world=world, collective=links, gemm={d: fit_gemm(gemm[d]) for d in dtype_names},
         gemm_samples={d: [list(sample) for sample in gemm[d]] for d in dtype_names},

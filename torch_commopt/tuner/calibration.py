@@ -73,6 +73,10 @@ class Calibration:
         kernels take SMs from the GEMM; on a CPU, gloo's threads take cores); None: as
         overlap_slowdown.
     remote_store_slowdown: GEMM slowdown when its epilogue stores into a peer (direct).
+    transfer_slowdown: a copy-engine transfer's slowdown while cuBLAS GEMMs run beside it
+        (the transfer's time there is (1 + slowdown) times its time alone): one push to the
+        peer timed on its own stream, alone and with GEMMs throughout (calibrate._push_timings).
+        0 where not measured.
     fused_efficiency: Triton persistent GEMM speed relative to cuBLAS.
     schedule_factor: {"kind family" or "kind family:S": measured / predicted device time} of each schedule
         family on a probe shape (calibrate._schedule_probes): what the pipeline model
@@ -102,6 +106,7 @@ class Calibration:
     overlap_slowdown: float = 0.0
     collective_overlap_slowdown: float | None = None
     remote_store_slowdown: float = 0.0
+    transfer_slowdown: float = 0.0
     fused_efficiency: float = 1.0
     schedule_factor: dict[str, float] = field(default_factory=dict)
     schedule_factor_curve: dict[str, list[list[float]]] = field(default_factory=dict)

@@ -182,7 +182,7 @@ def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
         return simulate(steps)
     # GPU: own shard first (no wait), then the peers' pieces as the copy engine lands them.
     fused = 1.0 / cal.fused_efficiency if sched.name == "fused" else 1.0
-    comm = cal.p2p.time(shard_bytes / s)
+    comm = cal.p2p.time(shard_bytes / s) * (1.0 + cal.transfer_slowdown)  # every push runs beside a GEMM
     own, piece = _gemm(shape, cal, m_loc) * fused, _gemm(shape, cal, m_loc / s) * fused
     # The copy engine slows the GEMMs only while it runs: charge the overlap once.
     interference = cal.overlap_slowdown * min(own + (w - 1) * s * piece, (w - 1) * s * comm)
@@ -223,6 +223,7 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
     piece_bytes = m_seg / s * shape.ns[0] * shape.elt
     stores = sched.name == "direct" or (sched.name == "fused" and sched.param("store", "direct") == "direct")
     link = (cal.p2p_pull or cal.p2p) if sched.name == "ce_pull" else cal.p2p
+    beside = 1.0 + cal.transfer_slowdown  # a partial's transfer runs beside the next GEMM
     # cuBLAS reductions at W = 2 move the received partial into the output on the local copy
     # stream (beside the GEMMs) before the GEMM adds into it; ce_pull pulls straight into the
     # output, fused adds in its epilogue.  (ce_push:1 at W = 2 and cuBLAS at W > 2: see below.)
@@ -234,14 +235,14 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
         peer_piece, interference = piece * (1.0 + cal.remote_store_slowdown), 0.0
     else:  # the copy engine slows the GEMMs only while it runs: charge the overlap once
         peer_piece = piece
-        interference = cal.overlap_slowdown * min(w * s * piece, sent * link.time(piece_bytes))
+        interference = cal.overlap_slowdown * min(w * s * piece, sent * beside * link.time(piece_bytes))
     steps, arrival, pushed = [], {c: [] for c in range(s)}, []
     for i in range(w - 1):
         for c in range(s):
             extra = interference if (i, c) == (0, 0) else 0.0
             steps.append(_Step("compute", peer_piece + extra))
             if not stores:
-                steps.append(_Step("comm", link.time(piece_bytes), (len(steps) - 1,)))
+                steps.append(_Step("comm", beside * link.time(piece_bytes), (len(steps) - 1,)))
             arrival[c].append(len(steps) - 1)
     if (w == 2 and s == 1 and sched.name == "ce_push") or (w > 2 and sched.name != "fused"):
         # The own piece's GEMM first (no wait), then one pass adds the partials once the
@@ -251,7 +252,7 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
         for c in range(s):
             steps.append(_Step("compute", piece))
             steps.append(_Step("compute", total, tuple(arrival[c])))
-            pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes))
+            pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes, c < s - 1))
         _gathered_copies(shape, cal, steps, piece_bytes, pushed)
         return simulate(steps)
     for c in range(s):
@@ -259,17 +260,19 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
             steps.append(_Step("local", local_copy, tuple(arrival[c])))
             arrival[c] = [len(steps) - 1]
         steps.append(_Step("compute", piece, tuple(arrival[c])))
-        pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes))
+        pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes, c < s - 1))
     _gathered_copies(shape, cal, steps, piece_bytes, pushed)
     return simulate(steps)
 
 
-def _push_reduced_step(shape: RegionShape, cal: Calibration, steps: list[_Step], piece_bytes: float) -> int:
-    """matmul_ar: the reduced piece just computed is pushed to every peer; the index of the
-    last push (-1 for matmul_rs)."""
+def _push_reduced_step(shape: RegionShape, cal: Calibration, steps: list[_Step], piece_bytes: float,
+                       beside_gemm: bool) -> int:
+    """matmul_ar: the reduced piece just computed is pushed to every peer (beside_gemm: while
+    the next piece's GEMM runs); the index of the last push (-1 for matmul_rs)."""
     if shape.kind == "matmul_ar":
+        push = cal.p2p.time(piece_bytes) * (1.0 + cal.transfer_slowdown if beside_gemm else 1.0)
         for _ in range(shape.world - 1):
-            steps.append(_Step("comm", cal.p2p.time(piece_bytes), (len(steps) - 1,)))
+            steps.append(_Step("comm", push, (len(steps) - 1,)))
         return len(steps) - 1
     return -1
 
