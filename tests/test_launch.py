@@ -60,3 +60,34 @@ def test_a_rank_killed_by_a_signal_is_reported_without_waiting_for_the_timeout()
     with pytest.raises(RuntimeError, match=r"\[rank 1\] process exited with code -9 without reporting"):
         run_distributed(_rank_one_dies, 2, timeout_s=600)
     assert time.monotonic() - start < 120
+
+
+def _env_and_modules(rank: int, world: int, names: tuple[str, ...]) -> tuple[dict, bool]:
+    import os
+    import sys
+
+    return {n: os.environ.get(n) for n in names}, "torch._inductor.compile_fx" in sys.modules
+
+
+def test_ranks_see_the_callers_environment_at_the_call(monkeypatch):
+    # the fork server (started by an earlier call) keeps the environment it began with; a rank
+    # must see the caller's as it is now: a variable set since, one removed since
+    monkeypatch.setenv("COMMOPT_LAUNCH_TEST_GONE", "before")
+    run_distributed(_rank_squared, 2, 0)
+    monkeypatch.setenv("COMMOPT_LAUNCH_TEST_SET", "now")
+    monkeypatch.delenv("COMMOPT_LAUNCH_TEST_GONE")
+    names = ("COMMOPT_LAUNCH_TEST_SET", "COMMOPT_LAUNCH_TEST_GONE")
+    for env, _ in run_distributed(_env_and_modules, 2, names):
+        assert env == {"COMMOPT_LAUNCH_TEST_SET": "now", "COMMOPT_LAUNCH_TEST_GONE": None}
+
+
+def test_ranks_start_from_a_server_that_imported_the_package():
+    import multiprocessing
+
+    from torch_commopt import launch
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork server on this platform: the ranks are spawned")
+    assert launch._context().get_start_method() == "forkserver"
+    # (importing torch_commopt alone, as a spawned rank unpickling this test does, leaves it out)
+    assert all(preloaded for _, preloaded in run_distributed(_env_and_modules, 2, ()))

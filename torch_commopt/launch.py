@@ -2,6 +2,12 @@
 
 Used by the demo and the tests.  Bounded: a run that does not finish within `timeout_s`
 is killed and reported, never waited on forever.
+
+The ranks are forked from a fork server that imported torch and torch_commopt once (where the
+platform has one; spawned otherwise): a spawned rank spends ~3 s of CPU importing them, which
+on the 2-core CI machine was a large part of every multi-process test.  A rank takes the
+caller's environment as it is at the call (the fork server's is the one it started with), and
+nothing in torch_commopt reads its switches at import.  The server never touches CUDA.
 """
 
 from __future__ import annotations
@@ -29,7 +35,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue) -> None:
+# What the fork server imports before it forks any rank.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "torch_commopt")
+
+
+def _context():
+    """The multiprocessing context the ranks start from: a fork server with PRELOAD imported
+    where the platform has one, else spawn."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue,
+            env: dict[str, str] | None = None) -> None:
+    if env is not None:  # the caller's environment at the call, not the fork server's
+        os.environ.clear()
+        os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -73,13 +99,15 @@ def _leave_together(rank: int, world: int) -> None:
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeout_s: float = 900) -> list[Any]:
-    """Run fn(rank, world, *args) on `world` spawned processes; return the per-rank results.
+    """Run fn(rank, world, *args) on `world` processes (forked from the fork server, else
+    spawned); return the per-rank results.
 
     Raises RuntimeError with the failing ranks' tracebacks, or on timeout."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, queue), daemon=False)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, queue, env), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()
