@@ -88,6 +88,17 @@ def test_ranks_start_from_a_server_that_imported_the_package():
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         pytest.skip("no fork server on this platform: the ranks are spawned")
-    assert launch._context().get_start_method() == "forkserver"
+    assert launch._context().get_start_method() == "forkserver"  # the CPU suite has no CUDA device
     # (importing torch_commopt alone, as a spawned rank unpickling this test does, leaves it out)
     assert all(preloaded for _, preloaded in run_distributed(_env_and_modules, 2, ()))
+
+
+def test_ranks_that_may_use_cuda_are_spawned(monkeypatch):
+    # a fork server's preload initializes CUDA, and torch refuses CUDA in a process forked after
+    import torch
+
+    from torch_commopt import launch
+
+    assert launch._context("nccl").get_start_method() == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # e.g. gloo ranks sharing a GPU
+    assert launch._context("gloo").get_start_method() == "spawn"

@@ -3,11 +3,13 @@
 Used by the demo and the tests.  Bounded: a run that does not finish within `timeout_s`
 is killed and reported, never waited on forever.
 
-The ranks are forked from a fork server that imported torch and torch_commopt once (where the
-platform has one; spawned otherwise): a spawned rank spends ~3 s of CPU importing them, which
-on the 2-core CI machine was a large part of every multi-process test.  A rank takes the
-caller's environment as it is at the call (the fork server's is the one it started with), and
-nothing in torch_commopt reads its switches at import.  The server never touches CUDA.
+On a machine without a visible CUDA device the ranks are forked from a fork server that
+imported torch and torch_commopt once (where the platform has one): a spawned rank spends ~3 s
+of CPU importing them, which on the 2-core CI machine was half of the test suite's time.  A
+rank takes the caller's environment as it is at the call (the fork server's is the one it
+started with), and nothing in torch_commopt reads its switches at import.  With CUDA devices
+the ranks are spawned: the preload initializes CUDA in the server, and torch refuses CUDA in a
+process forked after that (2x H100: "Cannot re-initialize CUDA in forked subprocess").
 """
 
 from __future__ import annotations
@@ -39,12 +41,16 @@ def free_port() -> int:
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "torch_commopt")
 
 
-def _context():
+def _context(backend: str = "gloo"):
     """The multiprocessing context the ranks start from: a fork server with PRELOAD imported
-    where the platform has one, else spawn."""
+    where the platform has one and the ranks cannot use CUDA (gloo, no CUDA device visible),
+    else spawn."""
     import multiprocessing
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    import torch
+
+    cuda = backend == "nccl" or torch.cuda.is_available()
+    if cuda or "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
@@ -99,11 +105,11 @@ def _leave_together(rank: int, world: int) -> None:
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeout_s: float = 900) -> list[Any]:
-    """Run fn(rank, world, *args) on `world` processes (forked from the fork server, else
-    spawned); return the per-rank results.
+    """Run fn(rank, world, *args) on `world` processes (forked from the fork server without
+    CUDA, else spawned); return the per-rank results.
 
     Raises RuntimeError with the failing ranks' tracebacks, or on timeout."""
-    ctx = _context()
+    ctx = _context(backend)
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
