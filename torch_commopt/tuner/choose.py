@@ -24,7 +24,8 @@ from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
 log = logging.getLogger("torch_commopt.tuner.choose")
 
 # 7: transfer_slowdown measured (a push beside GEMMs); 6: the all-reduce model copies the gathered
-# pieces out of its slots (factors derived anew); 5: ag ce_push:1:gemm=whole probed; 4: per piece count; 3: schedule_factor_curve, GEMM samples at busy clocks
+# pieces out of its slots (factors derived anew); 5: ag ce_push:1:gemm=whole probed; 4: per piece
+# count; 3: schedule_factor_curve, GEMM samples at busy clocks
 CALIBRATION_FORMAT = 7
 _CALIBRATIONS: dict[str, Calibration] = {}
 
