@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -55,8 +56,6 @@ def _probe_schedule(key: str) -> Schedule:
 def refit(cal: Calibration) -> Calibration:
     """`cal` with its schedule factors re-derived against today's model from the probe times
     its factor curves imply (the short probe: a graph replay; the long one: eager)."""
-    import dataclasses
-
     from torch_commopt.tuner.calibrate import FACTOR_RANGE, PROBE_SHAPES, SHORT_PROBE_SHAPES
     from torch_commopt.tuner.model import RegionShape
 
@@ -81,8 +80,6 @@ def replay(summary_path: pathlib.Path, refit_factors: bool = False, transfer_slo
     """{run, median_rel_error, top1_within_5pct, shapes, recomputed_max_diff} of one stored run
     (refit_factors: with its factors re-derived against today's model, `refit`;
     transfer_slowdown: the figure assumed where the run's calibration did not measure it)."""
-    import dataclasses
-
     doc = json.loads(summary_path.read_text())
     records = json.loads(pathlib.Path(str(summary_path).replace("_summary.json", ".json")).read_text())
     cal = Calibration.from_json(json.dumps(doc["calibration"]))

@@ -316,8 +316,8 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
     dist.barrier(group=group)
     out["gemm beside push"] = _timed(gemm_beside_push, device, reps)
     dist.barrier(group=group)
-    out["push alone"], out["push beside gemms"] = _push_timings(rt.side, remote, src, lambda: torch.mm(a, b, out=c),
-                                                                device, reps)
+    out["push alone"], out["push beside gemms"] = _push_timings(
+        rt.side, remote, src, lambda: torch.mm(a, b, out=c), out["gemm"], out["push half"], device, reps)
     full = torch.empty(world * (P2P_BYTES[-1] // 4), device=device, dtype=torch.bfloat16)
     part = full[: full.numel() // world]
     dist.barrier(group=group)
@@ -337,16 +337,15 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
     return out
 
 
-def _push_timings(side, remote: torch.Tensor, src: torch.Tensor, gemm, device: torch.device,
-                  reps: int) -> tuple[float, float]:
+def _push_timings(side, remote: torch.Tensor, src: torch.Tensor, gemm, gemm_s: float, push_s: float,
+                  device: torch.device, reps: int) -> tuple[float, float]:
     """(alone, beside GEMMs): median seconds of one push of `src` into `remote` on the `side`
-    stream, timed by events on that stream, on its own and while `gemm` calls run on the
-    current stream before, throughout and after it (every rank pushes to its peer at once, as
-    the schedules do).  Both behind a sleep, so the host enqueues everything first."""
+    stream, timed by events on that stream, on its own and while `gemm` calls (gemm_s each; the
+    push push_s back to back) run on the current stream before, throughout and after it (every
+    rank pushes to its peer at once, as the schedules do).  Both behind a sleep, so the host
+    enqueues everything first."""
     cur = torch.cuda.current_stream(device)
-    gemm_s = _timed(gemm, device, 1)
-    alone_est = _timed(lambda: remote.copy_(src), device, 1)
-    cover = 2 + math.ceil(2 * alone_est / max(gemm_s, 1e-9))  # GEMMs after the push's start: twice its time
+    cover = 2 + math.ceil(2 * push_s / max(gemm_s, 1e-9))  # GEMMs after the push's start: twice its time
     samples: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(reps + 1):
         for beside in (False, True):

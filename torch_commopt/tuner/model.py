@@ -252,7 +252,7 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
         for c in range(s):
             steps.append(_Step("compute", piece))
             steps.append(_Step("compute", total, tuple(arrival[c])))
-            pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes, c < s - 1))
+            pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes, beside if c < s - 1 else 1.0))
         _gathered_copies(shape, cal, steps, piece_bytes, pushed)
         return simulate(steps)
     for c in range(s):
@@ -260,17 +260,18 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
             steps.append(_Step("local", local_copy, tuple(arrival[c])))
             arrival[c] = [len(steps) - 1]
         steps.append(_Step("compute", piece, tuple(arrival[c])))
-        pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes, c < s - 1))
+        pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes, beside if c < s - 1 else 1.0))
     _gathered_copies(shape, cal, steps, piece_bytes, pushed)
     return simulate(steps)
 
 
 def _push_reduced_step(shape: RegionShape, cal: Calibration, steps: list[_Step], piece_bytes: float,
-                       beside_gemm: bool) -> int:
-    """matmul_ar: the reduced piece just computed is pushed to every peer (beside_gemm: while
-    the next piece's GEMM runs); the index of the last push (-1 for matmul_rs)."""
+                       slowdown: float) -> int:
+    """matmul_ar: the reduced piece just computed is pushed to every peer, its time times
+    `slowdown` (1 + the transfer slowdown while the next piece's GEMM runs beside it, else 1);
+    the index of the last push (-1 for matmul_rs)."""
     if shape.kind == "matmul_ar":
-        push = cal.p2p.time(piece_bytes) * (1.0 + cal.transfer_slowdown if beside_gemm else 1.0)
+        push = cal.p2p.time(piece_bytes) * slowdown
         for _ in range(shape.world - 1):
             steps.append(_Step("comm", push, (len(steps) - 1,)))
         return len(steps) - 1

@@ -210,7 +210,7 @@ class GroupRuntime:
         self._debug_kernel_loaded = False
         self._warned_capture_debug = False
         self._order_event: int | None = None  # after()'s event (driver handle)
-        self._events: list[int] = []  # events(n)'s pool
+        self._event_pools: dict[str, list[int]] = {}  # pooled_event's pools, per purpose (events(n): "")
         self._untaken: dict[int, int] = {}  # peer -> token index acquired in this call, not yet taken
         log.info("commopt: symmetric runtime for group %s (rank %d of %d) on %s", group_name, self.rank, self.world, device)
 
@@ -359,15 +359,13 @@ class GroupRuntime:
         """n events (driver handles) for one call's records that are waited on later, out of
         a pool kept for the runtime's lifetime (reused call after call: a wait binds to the
         record queued before it)."""
-        while len(self._events) < n:
-            self._events.append(self._new_event())
-        return self._events[:n]
+        return [self.pooled_event("", i) for i in range(n)]
 
     def pooled_event(self, purpose: str, index: int) -> int:
         """Event `index` (a driver handle) of one purpose's pool, created on first use and kept
         for the runtime's lifetime; the caller records each at most once per call and waits on it
         only within the call (a wait binds to the record queued before it)."""
-        pool = self.__dict__.setdefault("_event_pools", {}).setdefault(purpose, [])
+        pool = self._event_pools.setdefault(purpose, [])
         while len(pool) <= index:
             pool.append(self._new_event())
         return pool[index]
