@@ -68,7 +68,7 @@ class Case:
 
 
 def schedule_names(world: int) -> list[str]:
-    return ["allgather", "ring", "ring_zigzag", "ulysses"] + hybrids(world)
+    return ["allgather", "ring", "ring_zigzag", "ulysses", "ulysses:early"] + hybrids(world)
 
 
 def _gqa_heads(schedule: str, world: int) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from torch_commopt.validate import rel_err
 
 # (B, H, H_kv, S_loc, D, causal)
 SHAPES = [(2, 8, 8, 512, 128, True), (1, 8, 2, 1000, 64, True), (1, 8, 2, 768, 128, False), (2, 4, 1, 256, 128, True)]
-SCHEDULES = ["allgather", "ring", "ring_zigzag", "ulysses"]
+SCHEDULES = ["allgather", "ring", "ring_zigzag", "ulysses", "ulysses:early"]
 BIG = (1, 32, 8, 8192, 128, True)  # large enough for ring_zigzag's and ulysses's head groups on their own
 
 
@@ -121,13 +121,15 @@ def run_cp_attention_cases(rank: int, world: int, device: str = "cuda") -> list[
                 seed += 1
                 results += _case(rank, world, shape, "ring_zigzag", "contiguous", seed, head_groups=2, device=device)
         if h_kv % (2 * world) == 0:  # ulysses's all-to-alls over two head groups
-            seed += 1
-            results += _case(rank, world, shape, "ulysses", "contiguous", seed, head_groups=2, device=device)
+            for schedule in ("ulysses", "ulysses:early"):
+                seed += 1
+                results += _case(rank, world, shape, schedule, "contiguous", seed, head_groups=2, device=device)
     # pipelined on their own over 2 head groups: ring_zigzag and ulysses (at world 2: at 4 the
     # fp32 truth over BIG's 32K tokens would take ~50 GiB per rank)
     if device == "cuda" and world == 2:
         results += _case(rank, world, BIG, "ring_zigzag", "contiguous", seed + 1)
         results += _case(rank, world, BIG, "ulysses", "contiguous", seed + 2)
+        results += _case(rank, world, BIG, "ulysses:early", "contiguous", seed + 3)
     return results
 
 

@@ -113,11 +113,12 @@ def test_flags_left_raised_are_not_at_rest(monkeypatch):
         simulate(queue, runtimes, 0)
 
 
-def _a2a_calls(world: int, concurrent: bool = False):
+def _a2a_calls(world: int, concurrent: bool = False, rank: int = 0):
     """The attention's copy-engine all-to-alls (ce_a2a.pipelined) as a Ulysses training step
     runs them: a forward that keeps its moved inputs and results, a backward moving dout alone
     with three results back; 1 and 2 head groups (both buffer halves within a call);
-    concurrent: the odd groups' compute on the second compute stream (where the switch is on)."""
+    concurrent: the odd groups' compute on the second compute stream (where the switch is on);
+    then ulysses:early's staged computes (rank: whose calls these are)."""
     from types import SimpleNamespace
 
     from torch_commopt.attention import ce_a2a
@@ -140,15 +141,33 @@ def _a2a_calls(world: int, concurrent: bool = False):
         specs = [((b, h, s_loc, d), dout.dtype), ((b, h_kv, s_loc, d), dout.dtype), ((b, h_kv, s_loc, d), dout.dtype)]
         return lambda: ce_a2a.pipelined([dout], lambda dh: [dh * 2, torch.ones(b, hk, sm, d), torch.ones(b, hk, sm, d)],
                                         group, groups, specs, concurrent=concurrent)
-    return [forward(2, True), backward(2), forward(1, False), forward(1, True), backward(1), forward(2, True),
-            backward(2)]
+    def early(groups: int):
+        """ulysses:early's staged computes (own_first: the own block before the wait, each
+        piece pushed back once final, so a peer's piece leaves before the own rows are done)
+        as a training step: a forward keeping its tensors, then the backward on them."""
+        from torch_commopt.attention import own_first
+
+        q, k, v = torch.randn(b, h, s_loc, d), torch.randn(b, h_kv, s_loc, d), torch.randn(b, h_kv, s_loc, d)
+        hq, hk, sm = h // (groups * world), h_kv // (groups * world), s_loc * world
+        kept = [torch.empty(groups, b, x, sm, d) for x in (hq, hk, hk, hq)] + [torch.empty(groups, b, hq, sm)]
+        kw = dict(me=rank, n=world, causal=True, scale=0.1, backend="math")
+
+        def step():
+            ce_a2a.pipelined([q, k, v], own_first.Forward(**kw, kept_lse=kept[4]), group, groups,
+                             [(q.shape, q.dtype)], kept[:3], kept[3:4], concurrent=concurrent)
+            specs = [((b, h, s_loc, d), q.dtype), ((b, h_kv, s_loc, d), q.dtype), ((b, h_kv, s_loc, d), q.dtype)]
+            ce_a2a.pipelined([torch.randn(b, h, s_loc, d)], own_first.Backward(**kw, kept=kept), group, groups,
+                             specs, concurrent=concurrent)
+        return step
+    return [forward(2, True), backward(2), forward(1, False), forward(1, True), backward(1), early(1),
+            forward(2, True), backward(2), early(2)]
 
 
 def _a2a_queue(world: int, concurrent: bool = False):
     from torch_commopt.attention import ce_a2a
 
     runtimes, queue = fake_runtimes(world, owned=(ce_a2a.PURPOSE,)), []
-    calls = [_a2a_calls(world, concurrent) for _ in range(world)]  # every rank's own tensors
+    calls = [_a2a_calls(world, concurrent, rank) for rank in range(world)]  # every rank's own tensors
     with faked_cuda(runtimes, queue) as active:
         for i in range(len(calls[0])):
             for rank in range(world):

@@ -209,6 +209,79 @@ def group_streams_asked() -> bool:
     return os.environ.get(GROUP_STREAMS_ENV, "1").strip() != "0"
 
 
+class _Back:
+    """Group g's results on their way back (region OUT), piece by piece as the compute hands
+    them over (push: after the compute stream's work so far): a peer's token block of a result
+    goes into the peer's staging slot (its token taken before the first, its data flag raised
+    after the last), the own block straight into the output, a kept result's block into its
+    kept tensor; close() returns the finish on the caller's compute stream (wait, copy the
+    staged blocks in, release)."""
+
+    def __init__(self, pipe: "_Pipeline", g: int, stream, keep_out: Sequence[Tensor]) -> None:
+        self.p, self.g, self.stream, self.keep_out = pipe, g, stream, keep_out
+        self.half = g % 2
+        self.base = self.half * pipe.layout.half + pipe.layout.in_bytes
+        self.left = {d: set(range(len(pipe.specs))) for d in [*pipe.rt.peers, pipe.me]}
+        self.kept_geo = [_Geo(t[g]) for t in keep_out]
+
+    def push(self, pieces: Sequence[tuple[int, int, Tensor]]) -> None:
+        p, lay, s_loc = self.p, self.p.layout, self.p.seq_local
+        ready = p._record(self.stream)
+        for mover in (p.side, p.local):
+            p._wait(mover, ready)
+        for i, d, piece in sorted(pieces, key=lambda e: e[1] == p.me):  # the peers' first
+            piece = _rows_ok(piece)
+            o = p.out_geo[i]
+            hr = o.h // (p.groups * p.n)
+            want = (o.b, hr, s_loc) + tuple(p.specs[i][0][3:])
+            if i not in self.left.get(d, ()) or piece.dtype != p.specs[i][1] or tuple(piece.shape) != want:
+                raise RuntimeError(f"commopt attention all-to-all: piece {i} for rank {d}, {tuple(piece.shape)} "
+                                   f"{piece.dtype}, is not one of {want} {p.specs[i][1]} still due")
+            for mover in (p.side, p.local):
+                piece.record_stream(mover)
+            geo = _Geo(piece)
+            if d == p.me:  # the own block: straight into the output, beside the pushes
+                dst = o.ptr + (self.g * (o.h // p.groups) + p.me * hr) * o.head
+                p._copy_rows(p.local, dst, o.head, o.batch, geo, 0, hr, 0, s_loc)
+            else:
+                if len(self.left[d]) == len(p.specs):
+                    p._take(OUT, self.half, d, self.g)
+                row = s_loc * o.t * geo.elt
+                address = p.bases[d] + self.base + p.me * lay.out_bytes + lay.outs[i]
+                p._copy_rows(p.side, address, row, hr * row, geo, 0, hr, 0, s_loc)
+            if i < len(self.kept_geo):  # a kept result's block: into its (G, B, h, S, tail) tensor
+                k = self.kept_geo[i]
+                p._copy_rows(p.local, k.ptr + d * s_loc * k.t * k.elt, k.head, k.batch, geo, 0, hr, 0, s_loc)
+            self.left[d].discard(i)
+            if d != p.me and not self.left[d]:
+                p.rt.signal(p.side, d, p._data(OUT, self.half, p.me), 1)
+
+    def close(self) -> Callable[[], None]:
+        p, lay, s_loc = self.p, self.p.layout, self.p.seq_local
+        missing = {d: sorted(left) for d, left in self.left.items() if left}
+        if missing:
+            raise RuntimeError(f"commopt attention all-to-all: group {self.g}'s compute left result pieces unsent "
+                               f"(rank: result indices) {missing}")
+        done = [p._record(p.side), p._record(p.local)]
+        half, g = self.half, self.g
+
+        def finish() -> None:
+            for event in done:
+                p._wait(p.compute, event)
+            p._arrived(OUT, half, g, p.compute)
+            for src in p.rt.sources:
+                for o, off in zip(p.out_geo, lay.outs):
+                    hr = o.h // (p.groups * p.n)
+                    row = s_loc * o.t * o.elt
+                    staged = p.bases[p.me] + self.base + src * lay.out_bytes + off
+                    dst = o.ptr + (g * (o.h // p.groups) + src * hr) * o.head
+                    for bi in range(o.b):
+                        p.driver.memcpy2d_async(p.compute, dst + bi * o.batch, o.head, staged + bi * hr * row,
+                                                row, row, hr)
+            p._release(OUT, half, p.compute)
+        return finish
+
+
 class _Pipeline:
     def __init__(self, xs: list[Tensor], group, groups: int, outs: Sequence[Spec]) -> None:
         from torch_commopt.kernels.gpu import driver, symm
@@ -337,54 +410,26 @@ class _Pipeline:
                                                                                                   lay.ins)]
         return wait
 
-    def _outbound(self, g: int, results: list[Tensor], stream) -> Callable[[], None]:
-        """Push group g's results' token blocks to their ranks (own block straight into the
-        outputs), after `stream` (the compute stream that made them); returns the finish on the
-        caller's compute stream (wait, copy the staged blocks in, release)."""
-        half, lay, s_loc, n = g % 2, self.layout, self.seq_local, self.n
-        base = half * lay.half + lay.in_bytes
+    def _own(self, g: int) -> list[Tensor]:
+        """This rank's own pieces of group g's inputs ([B, h/(G n), S_loc, tail] views of the
+        caller's tensors): what a staged compute's early part reads before anything arrives."""
+        own = []
+        for x, geo in zip(self.xs, self.x_geo):
+            hd = geo.h // (self.groups * self.n)
+            first = g * (geo.h // self.groups) + self.me * hd
+            own.append(x[:, first:first + hd])
+        return own
+
+    def _whole(self, results: list[Tensor]) -> list[tuple[int, int, Tensor]]:
+        """A plain compute's results as pieces (result index, destination, its token block)."""
+        s_loc = self.seq_local
         results = [_rows_ok(r) for r in results]
         for r, (shape, dtype), want in zip(results, self.specs, self.result_shapes):
             if r.dtype != dtype or tuple(r.shape) != want:
                 raise RuntimeError(f"commopt attention all-to-all: result {tuple(r.shape)} {r.dtype} does not match "
-                                   f"output {tuple(shape)} {dtype} over {self.groups} head groups of {n} ranks")
-        geos = [_Geo(r) for r in results]
-        ready = self._record(stream)
-        for mover in (self.side, self.local):
-            self._wait(mover, ready)
-            for r in results:
-                r.record_stream(mover)
-        for d in [*self.rt.peers, self.me]:
-            if d != self.me:
-                self._take(OUT, half, d, g)
-                address = self.bases[d] + base + self.me * lay.out_bytes
-            for r, o, off in zip(geos, self.out_geo, lay.outs):
-                hr = o.h // (self.groups * n)
-                if d == self.me:  # the own block: straight into the output, beside the pushes
-                    dst = o.ptr + (g * (o.h // self.groups) + self.me * hr) * o.head
-                    self._copy_rows(self.local, dst, o.head, o.batch, r, 0, hr, d * s_loc, s_loc)
-                else:
-                    row = s_loc * o.t * r.elt
-                    self._copy_rows(self.side, address + off, row, hr * row, r, 0, hr, d * s_loc, s_loc)
-            if d != self.me:
-                self.rt.signal(self.side, d, self._data(OUT, half, self.me), 1)
-        done = [self._record(self.side), self._record(self.local)]
-
-        def finish() -> None:
-            for event in done:
-                self._wait(self.compute, event)
-            self._arrived(OUT, half, g, self.compute)
-            for src in self.rt.sources:
-                for o, off in zip(self.out_geo, lay.outs):
-                    hr = o.h // (self.groups * n)
-                    row = s_loc * o.t * o.elt
-                    staged = self.bases[self.me] + base + src * lay.out_bytes + off
-                    dst = o.ptr + (g * (o.h // self.groups) + src * hr) * o.head
-                    for bi in range(o.b):
-                        self.driver.memcpy2d_async(self.compute, dst + bi * o.batch, o.head, staged + bi * hr * row,
-                                                   row, row, hr)
-            self._release(OUT, half, self.compute)
-        return finish
+                                   f"output {tuple(shape)} {dtype} over {self.groups} head groups of {self.n} ranks")
+        return [(i, d, r[:, :, d * s_loc:(d + 1) * s_loc]) for d in [*self.rt.peers, self.me]
+                for i, r in enumerate(results)]
 
     def _keep(self, kept: Sequence[Tensor], g: int, tensors: Sequence[Tensor], stream):
         """Local copy stream: tensors -> kept[i][g], after `stream`'s work so far (the compute
@@ -398,9 +443,11 @@ class _Pipeline:
             self.rt.copy(self.local, dst[g], src)
         return self._record(self.local)
 
-    def run(self, compute: Callable, keep_in: Sequence[Tensor] = (), keep_out: Sequence[Tensor] = (),
+    def run(self, compute, keep_in: Sequence[Tensor] = (), keep_out: Sequence[Tensor] = (),
             second: bool = False) -> tuple[Tensor, ...]:
-        """second: the odd groups' compute on the second compute stream (module docstring)."""
+        """second: the odd groups' compute on the second compute stream (module docstring).
+        compute: a callable on the moved inputs, or a staged compute (pipelined)."""
+        staged = hasattr(compute, "rest")
         for x in self.xs:
             x.record_stream(self.side)
             x.record_stream(self.local)
@@ -410,29 +457,33 @@ class _Pipeline:
             streams.append(lane.device_stream(_SECOND, self.xs[0].device))
             self._wait(streams[1], start)
         self._drained()
-        pending, backs, kept = self._inbound(0, start), [], []
+        pending, backs = self._inbound(0, start), []
         for g in range(self.groups):
             stream = streams[g % len(streams)]
+            if staged:  # the own block's attention, queued before the wait for the peers' pieces
+                with torch.cuda.stream(stream):
+                    compute.early(g, self._own(g))
             moved = pending(stream)
             kept_in = self._keep(keep_in, g, moved, stream)  # before the next group's own pieces on the local stream
             if g + 1 < self.groups:
                 pending = self._inbound(g + 1, start)
+            back = _Back(self, g, stream, keep_out)
             with torch.cuda.stream(stream):
-                results = list(compute(*moved))
+                if staged:
+                    for pieces in compute.rest(g, moved):
+                        back.push(pieces)
+                else:
+                    back.push(self._whole(list(compute(*moved))))
             if kept_in is not None:  # the slot is read by the copies too
                 self._wait(stream, kept_in)
             self._release(IN, g % 2, stream)  # stream-ordered after the compute's reads of the slot
             self.in_read[g % 2] = self._record(stream)
             del moved
-            kept.append(self._keep(keep_out, g, results, stream))
             # the caller's stream joins the second through each group's outbound events (finish)
-            backs.append(self._outbound(g, results, stream))
+            backs.append(back.close())
             if g >= 1:
                 backs[g - 1]()
         backs[-1]()
-        for event in kept:  # the kept results are the caller's once the call returns
-            if event is not None:
-                self._wait(self.compute, event)
         if self.debug:
             self.rt.check_status("cp attention all-to-all")
         return tuple(self.outs)

@@ -34,6 +34,9 @@ backward graphs.  Schedules (spec.py):
                  pipelined over two head groups (spec.ulysses_head_groups, or g=G).  On CUDA the
                  all-to-alls go by the copy engine straight into the attention's layout
                  (ce_a2a.py), elsewhere by comm.exchange (NCCL or gloo).
+    ulysses:early  ulysses whose attention starts on the rank's own sequence block while the
+                 peers' blocks arrive, runs the rest block by block and sends each result
+                 piece back as soon as it is final (own_first.py).
     hybrid:U:R   Ulysses over U consecutive ranks, then a contiguous ring over R of them.
 """
 
@@ -45,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_commopt.attention import ce_a2a, comm
+from torch_commopt.attention import ce_a2a, comm, own_first
 from torch_commopt.attention.lane import Lane
 from torch_commopt.attention.local import acc_dtype, attend_bwd, attend_fwd, default_scale
 from torch_commopt.attention.merge import Accumulator
@@ -107,6 +110,9 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
 
     def attend(*moved):
         return ring_fwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
+    if sched.early:
+        attend = own_first.Forward(me=comm.rank(ugroup), n=comm.size(ugroup), causal=causal, scale=scale,
+                                   backend=backend)
     outs = [(q.shape[:3] + v.shape[3:], q.dtype), (q.shape[:3], acc_dtype(q.dtype))]
     return _moved(sched, causal, [q, k, v], attend, pg, ugroup, _groups(sched, q, k, pg.size(), head_groups), outs,
                   ring_group=ring_group)
@@ -129,6 +135,9 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
 
     def attend(*moved):
         return ring_bwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
+    if sched.early:
+        attend = own_first.Backward(me=comm.rank(ugroup), n=comm.size(ugroup), causal=causal, scale=scale,
+                                    backend=backend)
     outs = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
     return _moved(sched, causal, [dout, q, k, v, out, lse], attend, pg, ugroup,
                   _groups(sched, q, k, pg.size(), head_groups), outs, ring_group=ring_group)
@@ -201,6 +210,9 @@ def cp_attention_fwd_keep(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[st
         out_h, lse_h = ring_fwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
         kept[4][next(step)].copy_(lse_h)
         return (out_h,)
+    if sched.early:
+        attend = own_first.Forward(me=comm.rank(ugroup), n=comm.size(ugroup), causal=causal, scale=scale,
+                                   backend=backend, kept_lse=kept[4])
     (out,) = _moved(sched, causal, [q, k, v], attend, pg, ugroup, groups, [(q.shape[:3] + v.shape[3:], q.dtype)],
                     kept[:3], kept[3:4], ring_group=ring_group)
     return out, tuple(kept)
@@ -223,6 +235,9 @@ def cp_attention_bwd_kept(dout: Tensor, kept: tuple[Tensor, ...], *, schedule: U
         g = next(step)
         return ring_bwd(dout_h, q_m[g], k_m[g], v_m[g], out_m[g], lse_m[g], scale=scale, plan=plan, group=ring_group,
                         backend=backend)
+    if sched.early:
+        attend = own_first.Backward(me=comm.rank(ugroup), n=comm.size(ugroup), causal=causal, scale=scale,
+                                    backend=backend, kept=kept)
     outs = [(shape, t.dtype) for shape, t in zip(shapes, (q_m, k_m, v_m))]
     return _moved(sched, causal, [dout], attend, pg, ugroup, groups, outs, ring_group=ring_group)
 
@@ -328,10 +343,11 @@ def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int, outs, keep_i
 
     def shape(s):
         return (s[0], n * s[1], s[2] // n) + tuple(s[3:])
-    return _pipelined("ulysses", xs, there, ring, back, shape, groups, keep_in, keep_out)
+    return _pipelined("ulysses", xs, there, ring, back, shape, groups, keep_in, keep_out, comm.rank(ugroup), n)
 
 
-def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, groups: int, keep_in=None, keep_out=None):
+def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, groups: int, keep_in=None, keep_out=None,
+               me: int = 0, n: int = 1):
     """compute(*moved xs) per head group, pipelined: group g+1's inputs are moved (there) while
     group g computes, and group g's results move back while group g+1 computes, so only the
     first group's inputs and the last group's results are exposed.  The moves run on a side
@@ -342,7 +358,10 @@ def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, gr
     compute is called once per group, in group order.
     there(parts, async_op) / back(results, async_op, out): comm moves; back_shape: a result's
     shape after the move back.  keep_in / keep_out (cp_attention_fwd_keep): tensors
-    (G, ...) that receive group g's moved inputs / its results at [g] (None: not kept)."""
+    (G, ...) that receive group g's moved inputs / its results at [g] (None: not kept).
+    compute may be staged (own_first.Forward / Backward; Ulysses only): early(g, own) on this
+    rank's own pieces (rank `me` of the n it splits heads over) before the moved inputs are
+    waited for, then rest(g, moved), whose pieces are put together into whole results here."""
     if groups < 1 or any(x.shape[1] % groups for x in xs):
         raise ValueError(f"cp attention {name}: {groups} head groups do not divide the heads {[x.shape[1] for x in xs]}")
     lane = Lane(xs[0].device)
@@ -351,17 +370,23 @@ def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, gr
         h = x.shape[1] // groups
         return x[:, g * h:(g + 1) * h]
 
+    def own(g: int) -> list[Tensor]:
+        return [part(x, g)[:, me * (x.shape[1] // (groups * n)):(me + 1) * (x.shape[1] // (groups * n))] for x in xs]
+
     def inbound(g: int):
         parts = [part(x, g) for x in xs]
         return lane.move(lambda async_op: there(parts, async_op), parts)
+    staged = hasattr(compute, "rest")
     pending, outs, backs = inbound(0), None, []
     for g in range(groups):
+        if staged:  # the own block's attention before the wait for the moved inputs
+            compute.early(g, own(g))
         moved = pending()
         if g + 1 < groups:
             pending = inbound(g + 1)
         for dst, x in zip(keep_in or (), moved):
             dst[g].copy_(x)
-        results = list(compute(*moved))
+        results = _assembled(compute.rest(g, moved), moved[0].shape[2]) if staged else list(compute(*moved))
         del moved
         for dst, r in zip(keep_out or (), results):
             dst[g].copy_(r)
@@ -376,6 +401,27 @@ def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, gr
     for finish in backs:
         finish()
     return tuple(outs)
+
+
+def _assembled(batches, seq: int) -> list[Tensor]:
+    """A staged compute's pieces (result index, destination rank, its token block) put together
+    into whole [B, h, seq, tail] results; every block of every result must come exactly once."""
+    results: dict[int, Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    length = seq
+    for pieces in batches:
+        for i, d, piece in pieces:
+            length = piece.shape[2]
+            if i not in results:
+                results[i] = piece.new_empty(tuple(piece.shape[:2]) + (seq,) + tuple(piece.shape[3:]))
+            if (i, d) in seen or (d + 1) * length > seq:
+                raise RuntimeError(f"cp attention: staged compute gave piece ({i}, {d}) twice or out of range")
+            seen.add((i, d))
+            results[i][:, :, d * length:(d + 1) * length].copy_(piece)
+    count = len(results)
+    if sorted(results) != list(range(count)) or len(seen) != count * (seq // length):
+        raise RuntimeError(f"cp attention: staged compute left pieces out (got {sorted(seen)})")
+    return [results[i] for i in range(count)]
 
 
 def _gathered_blocks(p: int, length: int, causal: bool) -> list[tuple[slice, str]]:

@@ -6,6 +6,8 @@ String form (what the custom ops carry):
     ring_zigzag    ring on the causal load-balanced layout (rank r: chunks r and 2W-1-r);
                    without a causal mask there is nothing to balance and it runs ring
     ulysses        all-to-all sequence -> heads, full-sequence attention, all-to-all back
+    ulysses:early  ulysses whose attention starts on the rank's own block while the peers'
+                   arrive, block by block, each result piece sent back once final (own_first.py)
     hybrid:U:R     Ulysses over groups of U consecutive ranks, a ring over R such groups
                    (U * R = W); hybrid:W:1 is ulysses, hybrid:1:W is ring.
 
@@ -42,6 +44,7 @@ class CPSchedule:
     ulysses: int = 0
     ring: int = 0
     groups: int = 0  # head groups its moves are pipelined over (0: the rule's choice)
+    early: bool = False  # ulysses only: the attention starts on the own block (own_first.py)
 
     NAMES: ClassVar[tuple[str, ...]] = ("allgather", "ring", "ring_zigzag", "ulysses", "hybrid")
     PIPELINED: ClassVar[tuple[str, ...]] = ("ring_zigzag", "ulysses", "hybrid")
@@ -54,6 +57,8 @@ class CPSchedule:
             raise ValueError(f"cp schedule: hybrid needs degrees U, R >= 1, got {degrees}")
         if self.name != "hybrid" and degrees != (0, 0):
             raise ValueError(f"cp schedule: {self.name} takes no degrees, got {degrees}")
+        if self.early and self.name != "ulysses":
+            raise ValueError(f"cp schedule: early is a ulysses option, not {self.name}'s")
         if self.groups < 0 or self.groups and self.name not in self.PIPELINED:
             raise ValueError(f"cp schedule: head groups g={self.groups} for {self.name} (only {self.PIPELINED} "
                              "pipeline over head groups, g >= 1)")
@@ -70,16 +75,22 @@ class CPSchedule:
             groups = int(rest.pop()[2:])
             if groups < 1:
                 raise ValueError(f"cp schedule: head groups must be >= 1, got {text!r}")
+        early = "early" in rest
+        if early:
+            rest.remove("early")
         if name != "hybrid":
             if rest:
-                raise ValueError(f"cp schedule: {name} takes no parameters but g=G, got {text!r}")
-            return cls(name, groups=groups)
+                raise ValueError(f"cp schedule: {name} takes no parameters but early and g=G, got {text!r}")
+            return cls(name, groups=groups, early=early)
+        if early:
+            raise ValueError(f"cp schedule: early is a ulysses option, got {text!r}")
         if len(rest) != 2 or not all(r.isdigit() for r in rest):
             raise ValueError(f"cp schedule: hybrid is written hybrid:U:R (e.g. hybrid:2:4), got {text!r}")
         return cls("hybrid", int(rest[0]), int(rest[1]), groups)
 
     def __str__(self) -> str:
         text = f"hybrid:{self.ulysses}:{self.ring}" if self.name == "hybrid" else self.name
+        text += ":early" if self.early else ""
         return f"{text}:g={self.groups}" if self.groups else text
 
     def degrees(self, world: int) -> tuple[int, int]:
@@ -153,6 +164,8 @@ def refusal(schedule: Union[str, CPSchedule], shape: Union[AttentionShape, tuple
     if u > 1 and (h % u or h_kv % u):
         return (f"the all-to-all splits heads over {u} ranks, but heads {h} / kv heads {h_kv} "
                 f"are not both divisible by {u} (K/V heads are never replicated)")
+    if sched.early and u < 2:
+        return "ulysses:early starts on the own block of an all-to-all: it needs two or more ranks"
     parts = sched.groups * (u if sched.name != "ring_zigzag" else 1)
     if sched.groups and (h % parts or h_kv % parts):
         return f"{sched.groups} head groups of {parts // sched.groups} rank(s) do not divide heads {h} / kv heads {h_kv}"
@@ -166,6 +179,8 @@ def pipeline_groups(schedule: Union[str, CPSchedule], q_bytes: int, heads: int, 
     sched = CPSchedule.parse(schedule)
     if sched.groups:
         return sched.groups
+    if sched.early:  # its own block hides the inputs' arrival, its pieces the results' return
+        return 1
     if sched.name == "ring_zigzag":
         return zigzag_head_groups(q_bytes, kv_heads)
     if sched.name in ("ulysses", "hybrid"):
