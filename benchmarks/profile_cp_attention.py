@@ -15,6 +15,7 @@ read off.  Variants (any subset with --variants):
     zigzag_lay  ring_zigzag on zigzag shards (layout="zigzag"): no relayouts
     ulysses     all-to-all to heads, full attention on H/W heads, all-to-all back (its
                 head groups by spec.ulysses_head_groups; ulysses_g1/g2/g4: 1, 2, 4 forced)
+    ulysses_early  ulysses:early (attention/own_first.py): the own block first, pieces back early
     ring        the contiguous ring (causal imbalance)
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
@@ -50,7 +51,7 @@ from torch_commopt.launch import run_distributed  # noqa: E402
 VARIANTS = {"zigzag_g1": ("ring_zigzag", "contiguous", 1), "zigzag_g2": ("ring_zigzag", "contiguous", 2),
             "zigzag_lay": ("ring_zigzag", "zigzag", None), "ulysses": ("ulysses", "contiguous", None),
             "ulysses_g1": ("ulysses", "contiguous", 1), "ulysses_g2": ("ulysses", "contiguous", 2),
-            "ulysses_g4": ("ulysses", "contiguous", 4),
+            "ulysses_g4": ("ulysses", "contiguous", 4), "ulysses_early": ("ulysses:early", "contiguous", None),
             "ring": ("ring", "contiguous", None)}
 
 
