@@ -142,9 +142,9 @@ def _a2a_calls(world: int, concurrent: bool = False, rank: int = 0):
         return lambda: ce_a2a.pipelined([dout], lambda dh: [dh * 2, torch.ones(b, hk, sm, d), torch.ones(b, hk, sm, d)],
                                         group, groups, specs, concurrent=concurrent)
     def early(groups: int):
-        """ulysses:early's staged computes (own_first: the own block before the wait, each
+        """ulysses:early's staged forward (own_first: the own block before the wait, each
         piece pushed back once final, so a peer's piece leaves before the own rows are done)
-        as a training step: a forward keeping its tensors, then the backward on them."""
+        keeping its tensors, then a backward."""
         from torch_commopt.attention import own_first
 
         q, k, v = torch.randn(b, h, s_loc, d), torch.randn(b, h_kv, s_loc, d), torch.randn(b, h_kv, s_loc, d)
@@ -155,9 +155,7 @@ def _a2a_calls(world: int, concurrent: bool = False, rank: int = 0):
         def step():
             ce_a2a.pipelined([q, k, v], own_first.Forward(**kw, kept_lse=kept[4]), group, groups,
                              [(q.shape, q.dtype)], kept[:3], kept[3:4], concurrent=concurrent)
-            specs = [((b, h, s_loc, d), q.dtype), ((b, h_kv, s_loc, d), q.dtype), ((b, h_kv, s_loc, d), q.dtype)]
-            ce_a2a.pipelined([torch.randn(b, h, s_loc, d)], own_first.Backward(**kw, kept=kept), group, groups,
-                             specs, concurrent=concurrent)
+            backward(groups)()  # its backward is plain ulysses's
         return step
     return [forward(2, True), backward(2), forward(1, False), forward(1, True), backward(1), early(1),
             forward(2, True), backward(2), early(2)]

@@ -34,9 +34,10 @@ backward graphs.  Schedules (spec.py):
                  pipelined over two head groups (spec.ulysses_head_groups, or g=G).  On CUDA the
                  all-to-alls go by the copy engine straight into the attention's layout
                  (ce_a2a.py), elsewhere by comm.exchange (NCCL or gloo).
-    ulysses:early  ulysses whose attention starts on the rank's own sequence block while the
-                 peers' blocks arrive, runs the rest block by block and sends each result
-                 piece back as soon as it is final (own_first.py).
+    ulysses:early  ulysses whose forward attention starts on the rank's own sequence block
+                 while the peers' blocks arrive, runs the rest block by block and sends each
+                 result piece back as soon as it is final (own_first.py); its backward is
+                 ulysses's (one attention call: split, cuDNN's backward lost more than it hid).
     hybrid:U:R   Ulysses over U consecutive ranks, then a contiguous ring over R of them.
 """
 
@@ -135,9 +136,6 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
 
     def attend(*moved):
         return ring_bwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
-    if sched.early:
-        attend = own_first.Backward(me=comm.rank(ugroup), n=comm.size(ugroup), causal=causal, scale=scale,
-                                    backend=backend)
     outs = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
     return _moved(sched, causal, [dout, q, k, v, out, lse], attend, pg, ugroup,
                   _groups(sched, q, k, pg.size(), head_groups), outs, ring_group=ring_group)
@@ -235,9 +233,6 @@ def cp_attention_bwd_kept(dout: Tensor, kept: tuple[Tensor, ...], *, schedule: U
         g = next(step)
         return ring_bwd(dout_h, q_m[g], k_m[g], v_m[g], out_m[g], lse_m[g], scale=scale, plan=plan, group=ring_group,
                         backend=backend)
-    if sched.early:
-        attend = own_first.Backward(me=comm.rank(ugroup), n=comm.size(ugroup), causal=causal, scale=scale,
-                                    backend=backend, kept=kept)
     outs = [(shape, t.dtype) for shape, t in zip(shapes, (q_m, k_m, v_m))]
     return _moved(sched, causal, [dout], attend, pg, ugroup, groups, outs, ring_group=ring_group)
 
