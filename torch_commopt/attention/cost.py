@@ -250,7 +250,9 @@ def candidates(shape: ShapeLike, *, world: int, causal: bool,
                dtype: Union[torch.dtype, str, None] = None) -> list[CPSchedule]:
     """Every schedule that takes `shape` over `world` ranks: allgather, ring, ring_zigzag
     (causal only: without a mask it is ring), ulysses and the proper hybrids hybrid:U:R
-    (1 < U < W); the refused ones (spec.refusal) are left out.  With `dtype`, also the other
+    (1 < U < W); the refused ones (spec.refusal) are left out.  Not ulysses:early: run only
+    where named (its block split measured 1-4% slower than ulysses:g=1 on 2x H100, 16K tokens,
+    session 32; estimate_ms charges it as ulysses with its depth, without the split's cost).  With `dtype`, also the other
     head-group depths of the schedules that move their inputs (depth_variants)."""
     names = ["allgather", "ring"] + (["ring_zigzag"] if causal else []) + ["ulysses"]
     names += [f"hybrid:{u}:{world // u}" for u in range(2, world) if world % u == 0]

@@ -27,7 +27,12 @@ dv per key block, summed in the acc dtype, each piece sent once final) it was co
 on 2x H100 (B1 H32 D128, 16K tokens, causal fwd+bwd: 9.59 ms against ulysses' 8.06): cuDNN's
 backward over the three blocks took 5.03 ms a call against 4.59 in one, its per-call
 dO.O and dq passes 0.1 ms more, the sums 0.1 ms -- more than the ~0.4 ms of transfers it hid.
-The forward's split costs 1.84 vs 1.75 ms of kernels and ~0.05 ms of merges.
+The forward's split costs 1.84 vs 1.75 ms of kernels and ~0.05 ms of merges.  With the
+backward plain, two runs on the same shape: ulysses:early 8.33 / 8.50 ms (MHA) and 8.15 / 8.32
+(GQA 32/8) against ulysses:g=1's 8.25 / 8.30 and 8.07 / 8.01 -- what the own block hides, its
+split gives back -- and the two-group ulysses stays faster (7.88 / 8.09, 7.91 / 8.07).  So the
+schedule runs where named (a machine whose link is slow against its attention may gain) and is
+not among the cost model's candidates (cost.candidates).
 """
 
 from __future__ import annotations

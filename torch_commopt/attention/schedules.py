@@ -111,11 +111,9 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
 
     def attend(*moved):
         return ring_fwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
-    if sched.early:
-        attend = own_first.Forward(me=comm.rank(ugroup), n=comm.size(ugroup), causal=causal, scale=scale,
-                                   backend=backend)
     outs = [(q.shape[:3] + v.shape[3:], q.dtype), (q.shape[:3], acc_dtype(q.dtype))]
-    return _moved(sched, causal, [q, k, v], attend, pg, ugroup, _groups(sched, q, k, pg.size(), head_groups), outs,
+    compute = _early(sched, ugroup, causal, scale, backend) or attend
+    return _moved(sched, causal, [q, k, v], compute, pg, ugroup, _groups(sched, q, k, pg.size(), head_groups), outs,
                   ring_group=ring_group)
 
 
@@ -208,10 +206,8 @@ def cp_attention_fwd_keep(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[st
         out_h, lse_h = ring_fwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
         kept[4][next(step)].copy_(lse_h)
         return (out_h,)
-    if sched.early:
-        attend = own_first.Forward(me=comm.rank(ugroup), n=comm.size(ugroup), causal=causal, scale=scale,
-                                   backend=backend, kept_lse=kept[4])
-    (out,) = _moved(sched, causal, [q, k, v], attend, pg, ugroup, groups, [(q.shape[:3] + v.shape[3:], q.dtype)],
+    compute = _early(sched, ugroup, causal, scale, backend, kept[4]) or attend
+    (out,) = _moved(sched, causal, [q, k, v], compute, pg, ugroup, groups, [(q.shape[:3] + v.shape[3:], q.dtype)],
                     kept[:3], kept[3:4], ring_group=ring_group)
     return out, tuple(kept)
 
@@ -258,6 +254,14 @@ def check_kept(sched: CPSchedule, dout, kept, world: int, causal: bool) -> list[
         raise ValueError(f"cp attention {sched}: dout {tuple(dout.shape)} and kept {got} do not fit "
                          f"({reason or 'the shapes disagree, or the schedule keeps nothing'})")
     return shapes
+
+
+def _early(sched: CPSchedule, ugroup, causal: bool, scale: float, backend: str, kept_lse=None):
+    """ulysses:early's staged forward compute (own_first.Forward), None for other schedules."""
+    if not sched.early:
+        return None
+    return own_first.Forward(me=comm.rank(ugroup), n=comm.size(ugroup), causal=causal, scale=scale, backend=backend,
+                             kept_lse=kept_lse)
 
 
 def _spread(sched: CPSchedule, world: int) -> int:
