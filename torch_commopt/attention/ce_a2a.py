@@ -218,7 +218,7 @@ class _Back:
     staged blocks in, release)."""
 
     def __init__(self, pipe: "_Pipeline", g: int, stream, keep_out: Sequence[Tensor]) -> None:
-        self.p, self.g, self.stream, self.keep_out = pipe, g, stream, keep_out
+        self.p, self.g, self.stream = pipe, g, stream
         self.half = g % 2
         self.base = self.half * pipe.layout.half + pipe.layout.in_bytes
         self.left = {d: set(range(len(pipe.specs))) for d in [*pipe.rt.peers, pipe.me]}
