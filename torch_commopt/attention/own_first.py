@@ -121,6 +121,10 @@ class Forward:
         self.me, self.n, self.causal, self.scale, self.backend = me, n, causal, scale, backend
         self.kept_lse = kept_lse
         self.plan = order(me, n, causal)
+        self.first = early_rows(me, n, causal)
+        self.blocks_per_rows: dict[int, int] = {}  # query block -> its blocks (the early one included)
+        for block in [early_block(me, causal)] + [b for b, _ in self.plan]:
+            self.blocks_per_rows[block.rows] = self.blocks_per_rows.get(block.rows, 0) + 1
         self.accs: dict[int, Accumulator] = {}
         self.left: dict[int, int] = {}
 
@@ -130,13 +134,8 @@ class Forward:
         acc.add(slice(None), *attend_fwd(q, k, v, scale=self.scale, mask=block.mask, backend=self.backend),
                 last=self.left[block.rows] == 0)
 
-    def _count(self) -> None:
-        self.accs, self.left = {}, {}
-        for block in [early_block(self.me, self.causal)] + [b for b, _ in self.plan]:
-            self.left[block.rows] = self.left.get(block.rows, 0) + 1
-
     def early(self, g: int, own: Sequence[Tensor]) -> None:
-        self._count()
+        self.accs, self.left = {}, dict(self.blocks_per_rows)
         q, k, v = own[:3]  # head slices of the caller's tensors: rows contiguous, as the kernels take them
         self._add(early_block(self.me, self.causal), q, k, v)
 
@@ -151,7 +150,7 @@ class Forward:
     def rest(self, g: int, moved: Sequence[Tensor]) -> Iterator[list[Piece]]:
         q, k, v = moved[:3]
         length = q.shape[2] // self.n
-        for rows in early_rows(self.me, self.n, self.causal):
+        for rows in self.first:
             yield self._pieces(g, rows, q.dtype)
         for block, done in self.plan:
             self._add(block, _seq(q, block.rows, block.rows + 1, length), _seq(k, *block.keys, length),

@@ -358,7 +358,7 @@ def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, gr
     there(parts, async_op) / back(results, async_op, out): comm moves; back_shape: a result's
     shape after the move back.  keep_in / keep_out (cp_attention_fwd_keep): tensors
     (G, ...) that receive group g's moved inputs / its results at [g] (None: not kept).
-    compute may be staged (own_first.Forward / Backward; Ulysses only): early(g, own) on this
+    compute may be staged (own_first.Forward; Ulysses only): early(g, own) on this
     rank's own pieces (rank `me` of the n it splits heads over) before the moved inputs are
     waited for, then rest(g, moved), whose pieces are put together into whole results here."""
     if groups < 1 or any(x.shape[1] % groups for x in xs):
@@ -370,7 +370,11 @@ def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, gr
         return x[:, g * h:(g + 1) * h]
 
     def own(g: int) -> list[Tensor]:
-        return [part(x, g)[:, me * (x.shape[1] // (groups * n)):(me + 1) * (x.shape[1] // (groups * n))] for x in xs]
+        pieces = []
+        for x in xs:
+            hd = x.shape[1] // (groups * n)  # heads per rank in a group
+            pieces.append(part(x, g)[:, me * hd:(me + 1) * hd])
+        return pieces
 
     def inbound(g: int):
         parts = [part(x, g) for x in xs]

@@ -6,7 +6,7 @@ String form (what the custom ops carry):
     ring_zigzag    ring on the causal load-balanced layout (rank r: chunks r and 2W-1-r);
                    without a causal mask there is nothing to balance and it runs ring
     ulysses        all-to-all sequence -> heads, full-sequence attention, all-to-all back
-    ulysses:early  ulysses whose attention starts on the rank's own block while the peers'
+    ulysses:early  ulysses whose forward attention starts on the rank's own block while the peers'
                    arrive, block by block, each result piece sent back once final (own_first.py)
     hybrid:U:R     Ulysses over groups of U consecutive ranks, a ring over R such groups
                    (U * R = W); hybrid:W:1 is ulysses, hybrid:1:W is ring.
