@@ -10,7 +10,7 @@ records and waits -- is appended to `queue` as (rank, stream handle, op), or dro
 timing probe).  protocol_sim.py executes such a queue.
 
     op: ("wait", address, value) | ("write", address, value) | ("copy", dst address, bytes, the
-        [start, end) byte intervals it writes)
+        [start, end) byte intervals it writes, those it reads)
         | ("record", event, instance) | ("wait_event", event, instance)
 
 An event's `instance` numbers its records: a wait binds to the record queued before it."""
@@ -101,10 +101,9 @@ def fake_runtimes(world: int = 2, owned: tuple[str, ...] = ()) -> list[symm.Grou
     return runtimes
 
 
-def _rows_written(desc) -> tuple:
-    """The byte intervals [start, end) a 2-D copy writes: one per row."""
-    return tuple((desc.dstDevice + r * desc.dstPitch, desc.dstDevice + r * desc.dstPitch + desc.WidthInBytes)
-                 for r in range(desc.Height))
+def _rows(base: int, pitch: int, desc) -> tuple:
+    """The byte intervals [start, end) of a 2-D copy's rows at `base` with `pitch`."""
+    return tuple((base + r * pitch, base + r * pitch + desc.WidthInBytes) for r in range(desc.Height))
 
 
 def _entry_points(queue, active: dict):
@@ -131,9 +130,10 @@ def _entry_points(queue, active: dict):
         "cuStreamWaitValue32": lambda s, a, v, f: put(s, ("wait", a, v)),
         "cuStreamWriteValue32": lambda s, a, v, f: put(s, ("write", a, v)),
         "cuStreamBatchMemOp": batch,
-        "cuMemcpyDtoDAsync": lambda dst, src, n, s: put(s, ("copy", dst, n, ((dst, dst + n),))),
+        "cuMemcpyDtoDAsync": lambda dst, src, n, s: put(s, ("copy", dst, n, ((dst, dst + n),), ((src, src + n),))),
         "cuMemcpy2DAsync": lambda desc, s: put(s, ("copy", desc._obj.dstDevice, desc._obj.WidthInBytes,
-                                                   _rows_written(desc._obj))),
+                                                   _rows(desc._obj.dstDevice, desc._obj.dstPitch, desc._obj),
+                                                   _rows(desc._obj.srcDevice, desc._obj.srcPitch, desc._obj))),
         "cuEventCreate": lambda ev, flags: 0,  # runtimes number their own events (_new_event)
         "cuEventRecord": record,
         "cuStreamWaitEvent": lambda s, e, f: put(s, ("wait_event", e, instances.get((active["rank"], e), 0))),

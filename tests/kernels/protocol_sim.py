@@ -7,11 +7,18 @@ bound to has run.  The streams of all ranks interleave in an order a seeded sche
 Reported as errors:
 - Deadlock: no stream can move while some still have work (what each one waits for);
 - Race: a copy by rank r into rank p's buffer while p still reads what that place held: the
-  copy lands the piece whose data flag r raises next on that stream, and p reads that piece
-  from its wait on the flag until it lowers the flag again -- the bytes the piece's copies
-  wrote, so a copy of another piece (or an untagged one, e.g. p's own local copy) that lands
-  on any of them is one too (calls whose slot layouts differ reuse the same bytes under
-  different flags);
+  copy lands the piece whose data flag r raises next on that stream, to the value it writes
+  (a flag may count pieces: 1, 2, ...), and p reads the pieces up to the value it waited for
+  from that wait until it lowers the flag again -- the bytes the pieces' copies wrote, so a
+  copy of a piece already waited for, or of another piece (or an untagged one, e.g. p's own
+  local copy) that lands on any of those bytes or on a piece landed and not yet read, is one
+  too (calls whose slot layouts differ
+  reuse the same bytes under different flags);
+- Early read: a copy by rank p out of a buffer p's op owns (the attention's; the matmul
+  schedules' kernels write the shared one unseen) from bytes that no copy has
+  put there since p last lowered the flag of the piece they held (landed pieces, waited for or
+  not, and p's own local copies count) -- a piece read before it landed, which a wait on the
+  wrong flag or value lets happen in some interleavings;
 - NotAtRest: after everything ran, a token not back at 1 or a data flag not back at 0 (the
   protocol is closed: a CUDA graph may replay a call only if every flag returns to rest)."""
 
@@ -71,12 +78,21 @@ class Machine:
                 for index in range(start, start + size):
                     self.mem[rank, index] = 1
         self.records: set = set()
-        self.reading: set = set()  # (reader, flag index) of data flags a reader waited for and has not lowered
+        # (reader, flag index) of data flags a reader waited for and has not lowered -> the
+        # highest value waited for (the pieces up to it are being read)
+        self.reading: dict = {}
         # every rank's symmetric buffers: the shared one and those an op owns (the attention's)
         self.buffers = [[(b.local.data_ptr(), b.nbytes) for b in [rt.buffers[0], *(
             bufs[0] for bufs in getattr(rt, "owned", {}).values())]] for rt in runtimes]
-        self.landed: dict = defaultdict(list)  # piece -> byte intervals its copies wrote since it was last read
+        # (reader, flag index) -> [(value, byte intervals)]: what copies tagged with that flag and
+        # value wrote since they were last read
+        self.landed: dict = defaultdict(list)
         self.read_bytes: dict = {}  # piece being read -> the byte intervals it is read from
+        self.own_copies: dict = defaultdict(list)  # rank -> what its untagged copies wrote into its buffers
+        # the buffers ops own (the attention's), whose every write is a recorded copy: reads are
+        # checked there (the matmul schedules' kernels store into the shared one unseen)
+        self.owned = [[(b.local.data_ptr(), b.nbytes) for bufs in getattr(rt, "owned", {}).values()
+                       for b in bufs[:1]] for rt in runtimes]
 
     def ready(self, rank: int, op) -> bool:
         kind = op[0]
@@ -93,18 +109,24 @@ class Machine:
             owner, index = _flag(op[1])
             self.mem[owner, index] = op[2] & 0xFFFFFFFF
             if owner == rank and op[2] == 0:  # a reader lowers a data flag: its reads of that piece are done
-                self.reading.discard((rank, index))
+                self.reading.pop((rank, index), None)
                 self.read_bytes.pop((rank, index), None)
         elif kind == "wait":
             owner, index = _flag(op[1])
             if owner == rank and _data_flag(index):
-                self.reading.add((rank, index))
-                self.read_bytes[rank, index] = self.landed.pop((rank, index), [])
+                key = rank, index
+                self.reading[key] = max(self.reading.get(key, 0), op[2])
+                pending = self.landed.pop(key, [])
+                self.read_bytes.setdefault(key, []).extend(s for v, spans in pending if v <= op[2] for s in spans)
+                later = [(v, spans) for v, spans in pending if v > op[2]]
+                if later:
+                    self.landed[key] = later
         elif kind == "record":
             self.records.add((rank, op[1], op[2]))
         elif kind == "copy":
-            piece = op[4] if len(op) > 4 else None
-            if piece in self.reading:
+            piece, value = (op[5][:2], op[5][2]) if len(op) > 5 else (None, 0)
+            self._check_read(rank, op[4])
+            if piece is not None and value <= self.reading.get(piece, 0):
                 reader, index = piece
                 raise Race(f"rank {rank} copies the piece of data flag {index} into rank {reader}'s buffer while "
                            f"rank {reader} still reads what was there")
@@ -113,8 +135,28 @@ class Machine:
                 if reader == owner and _overlap(op[3], spans):
                     raise Race(f"rank {rank} copies into rank {reader}'s buffer (piece {piece}) over bytes rank "
                                f"{reader} still reads as the piece of data flag {index}")
+            for (reader, index), pending in self.landed.items():
+                for v, spans in pending:
+                    if reader == owner and (piece, value) != ((reader, index), v) and _overlap(op[3], spans):
+                        raise Race(f"rank {rank} copies into rank {reader}'s buffer (piece {piece}) over bytes "
+                                   f"that landed as piece {v} of data flag {index}, not yet read")
             if piece is not None:
-                self.landed[piece].extend(op[3])
+                self.landed[piece].append((value, op[3]))
+            elif owner == rank:
+                self.own_copies[rank].extend(op[3])
+
+    def _check_read(self, rank: int, reads) -> None:
+        """A copy by `rank` reading `reads`: those in its own symmetric buffers must have landed
+        (Early read in the module docstring)."""
+        mine = [(s, e) for s, e in reads if any(base <= s < base + size for base, size in self.owned[rank])]
+        if not mine:
+            return
+        present = [span for (reader, _), spans in self.read_bytes.items() if reader == rank for span in spans]
+        present += [span for (reader, _), pending in self.landed.items() if reader == rank
+                    for _, spans in pending for span in spans]
+        uncovered = _uncovered(mine, present + self.own_copies[rank])
+        if uncovered:
+            raise Race(f"rank {rank} reads bytes {uncovered[0]} of its buffer before any piece landed there")
 
     def _owner(self, address: int):
         """The rank whose symmetric buffer holds `address` (None: ordinary memory)."""
@@ -124,12 +166,12 @@ class Machine:
         return None
 
     def _pieces(self, ops: list) -> list:
-        """Each copy into a rank's buffer annotated with the (rank, data flag) the stream raises
-        next for that rank: the piece the copy lands."""
+        """Each copy into a rank's buffer annotated with the (rank, data flag, value) the stream
+        raises next for that rank: the piece the copy lands."""
         out, nxt = [], None
         for op in reversed(ops):
-            if op[0] == "write" and op[2] == 1 and _data_flag(_flag(op[1])[1]):
-                nxt = _flag(op[1])
+            if op[0] == "write" and op[2] != 0 and _data_flag(_flag(op[1])[1]):
+                nxt = (*_flag(op[1]), op[2])
             if op[0] == "copy" and nxt is not None:
                 if any(base <= op[1] < base + size for base, size in self.buffers[nxt[0]]):
                     op = op + (nxt,)
@@ -159,6 +201,17 @@ class Machine:
                 bad[f"rank {rank} flag {index}"] = value
         if bad:
             raise NotAtRest(f"flags not at rest after every call: {bad}")
+
+
+def _uncovered(reads, spans) -> list:
+    """The intervals of `reads` not wholly inside the union of `spans`."""
+    merged: list = []
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in reads if not any(ms <= s and e <= me for ms, me in merged)]
 
 
 def _overlap(a, b) -> bool:

@@ -191,7 +191,7 @@ def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(w
     # two streams: the odd groups wait for their pieces on a stream that is none of the runtimes'
     known = {s.cuda_stream for rt in runtimes for s in (rt.compute, rt.side, rt.local)}
     assert bool({stream for _, stream, op in queue if op[0] == "wait"} - known) == concurrent
-    for seed in range(8):
+    for seed in range(32):
         simulate(queue, runtimes, seed)
 
 
@@ -205,6 +205,31 @@ def test_an_all_to_all_slot_never_released_deadlocks(monkeypatch):
     queue, runtimes = _a2a_queue(2)
     with pytest.raises(Deadlock):
         simulate(queue, runtimes, 0)
+
+
+def test_a_reader_that_copies_every_result_out_after_the_first_arrived_reads_too_early(monkeypatch):
+    """The results' data flag counts the results a source sent (ce_a2a._Back): a reader that
+    waits for the first alone and copies them all out reads the later ones before they land
+    in some interleavings (the simulator's early-read check)."""
+    from fake_cuda import FakeStream
+
+    from torch_commopt.attention import ce_a2a
+
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "0")
+    monkeypatch.setattr(ce_a2a, "_SECOND", {})
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    arrived = ce_a2a._Pipeline._arrived
+    monkeypatch.setattr(ce_a2a._Pipeline, "_arrived",
+                        lambda self, region, half, g, stream, count=1: arrived(self, region, half, g, stream, 1))
+    queue, runtimes = _a2a_queue(2)
+    early = 0
+    for seed in range(32):
+        try:
+            simulate(queue, runtimes, seed)
+        except Race as e:
+            early += "before any piece landed" in str(e)
+    assert early
 
 
 def _ring_queue(world: int):
@@ -274,7 +299,7 @@ def test_a_call_that_does_not_wait_for_the_peers_to_drain_races_on_a_new_layout(
     monkeypatch.setattr(ce_a2a._Pipeline, "_drained", lambda self: None)
     queue, runtimes = _a2a_queue(2)
     raced = 0
-    for seed in range(8):
+    for seed in range(64):  # results copied out one by one as they arrive narrow the window: 26 of 300 seeds race
         try:
             simulate(queue, runtimes, seed)
         except Race:

@@ -18,7 +18,11 @@ Group g's inputs travel while group g-1's attention runs, group g's results whil
 runs.  Flags (symm.A2A_FREE / A2A_DATA, region r, half h = g % 2): before writing a peer's
 slot (r, h) a rank takes its token for that slot (the peer gave it back once it had read what
 was there), after writing it sets the peer's data flag; the reader waits for every source's
-flag, reads, lowers its flags and gives every source its token back.  Stream memory
+flag, reads, lowers its flags and gives every source its token back.  In OUT the flag counts the
+results written so far (a peer's go in result order), so the reader copies result i out of its
+slot as soon as every source has sent results 0..i, beside the pushes of the later ones (2x
+H100, 16K tokens, one head group: the backward's three staged copies of 41 us each had queued
+behind all three pushes).  Stream memory
 operations throughout (no spinning kernel, except debug mode's bounded waits); every flag is
 back at rest after a call, so a CUDA graph may replay it once the buffer exists.
 
@@ -212,8 +216,8 @@ def group_streams_asked() -> bool:
 class _Back:
     """Group g's results on their way back (region OUT), piece by piece as the compute hands
     them over (push: after the compute stream's work so far): a peer's token block of a result
-    goes into the peer's staging slot (its token taken before the first, its data flag raised
-    after the last), the own block straight into the output, a kept result's block into its
+    goes into the peer's staging slot (its token taken before the first, its data flag set to
+    the count of results sent after each), the own block straight into the output, a kept result's block into its
     kept tensor; close() returns the finish on the caller's compute stream (wait, copy the
     staged blocks in, release)."""
 
@@ -237,6 +241,9 @@ class _Back:
             if i not in self.left.get(d, ()) or piece.dtype != p.specs[i][1] or tuple(piece.shape) != want:
                 raise RuntimeError(f"commopt attention all-to-all: piece {i} for rank {d}, {tuple(piece.shape)} "
                                    f"{piece.dtype}, is not one of {want} {p.specs[i][1]} still due")
+            if d != p.me and i != min(self.left[d]):
+                raise RuntimeError(f"commopt attention all-to-all: piece {i} for rank {d} comes before result "
+                                   f"{min(self.left[d])}'s (a peer's pieces go in result order)")
             for mover in (p.side, p.local):
                 piece.record_stream(mover)
             geo = _Geo(piece)
@@ -253,8 +260,8 @@ class _Back:
                 k = self.kept_geo[i]
                 p._copy_rows(p.local, k.ptr + d * s_loc * k.t * k.elt, k.head, k.batch, geo, 0, hr, 0, s_loc)
             self.left[d].discard(i)
-            if d != p.me and not self.left[d]:
-                p.rt.signal(p.side, d, p._data(OUT, self.half, p.me), 1)
+            if d != p.me:  # results 0..i are in the peer's slot: it may copy them out
+                p.rt.signal(p.side, d, p._data(OUT, self.half, p.me), i + 1)
 
     def close(self) -> Callable[[], None]:
         p, lay, s_loc = self.p, self.p.layout, self.p.seq_local
@@ -266,18 +273,21 @@ class _Back:
         half, g = self.half, self.g
 
         def finish() -> None:
-            for event in done:
-                p._wait(p.compute, event)
-            p._arrived(OUT, half, g, p.compute)
-            for src in p.rt.sources:
-                for o, off in zip(p.out_geo, lay.outs):
-                    hr = o.h // (p.groups * p.n)
-                    row = s_loc * o.t * o.elt
+            # result i's staged blocks are copied in once every source has sent results 0..i, so
+            # the copies of the first results run beside the pushes of the later ones; this
+            # rank's own movers are joined after them (the copies do not read what they wrote)
+            for i, (o, off) in enumerate(zip(p.out_geo, lay.outs)):
+                p._arrived(OUT, half, g, p.compute, i + 1)
+                hr = o.h // (p.groups * p.n)
+                row = s_loc * o.t * o.elt
+                for src in p.rt.sources:
                     staged = p.bases[p.me] + self.base + src * lay.out_bytes + off
                     dst = o.ptr + (g * (o.h // p.groups) + src * hr) * o.head
                     for bi in range(o.b):
                         p.driver.memcpy2d_async(p.compute, dst + bi * o.batch, o.head, staged + bi * hr * row,
                                                 row, row, hr)
+            for event in done:
+                p._wait(p.compute, event)
             p._release(OUT, half, p.compute)
         return finish
 
@@ -352,11 +362,11 @@ class _Pipeline:
                     self.rt.wait(self.side, self._free(region, half, peer), 1, debug=self.debug,
                                  what="free all-to-all slot", src=peer, chunk=-1)
 
-    def _arrived(self, region: int, half: int, g: int, stream) -> None:
+    def _arrived(self, region: int, half: int, g: int, stream, count: int = 1) -> None:
         """`stream` (a compute stream): hold until every source has written this rank's slot
-        (region, half)."""
+        (region, half) -- for OUT, its first `count` results (the data flag counts them)."""
         for src in self.rt.sources:
-            self.rt.wait(stream, self._data(region, half, src), 1, debug=self.debug, what="all-to-all piece",
+            self.rt.wait(stream, self._data(region, half, src), count, debug=self.debug, what="all-to-all piece",
                          src=src, chunk=g)
 
     def _release(self, region: int, half: int, stream) -> None:
@@ -428,8 +438,10 @@ class _Pipeline:
             if r.dtype != dtype or tuple(r.shape) != want:
                 raise RuntimeError(f"commopt attention all-to-all: result {tuple(r.shape)} {r.dtype} does not match "
                                    f"output {tuple(shape)} {dtype} over {self.groups} head groups of {self.n} ranks")
-        return [(i, d, r[:, :, d * s_loc:(d + 1) * s_loc]) for d in [*self.rt.peers, self.me]
-                for i, r in enumerate(results)]
+        # result by result (each to every rank): a reader copies result i in once every
+        # source has sent it (_Back)
+        return [(i, d, r[:, :, d * s_loc:(d + 1) * s_loc]) for i, r in enumerate(results)
+                for d in [*self.rt.peers, self.me]]
 
     def _keep(self, kept: Sequence[Tensor], g: int, tensors: Sequence[Tensor], stream):
         """Local copy stream: tensors -> kept[i][g], after `stream`'s work so far (the compute

@@ -77,7 +77,7 @@ MAX_BUFFERS = 32
 # sequence -> heads, 1: results heads -> sequence) and half h: A2A_FREE [(r * HALVES + h) *
 # MAX_WORLD + p]: token, 1 while peer p has no unfinished reads of what this rank wrote into
 # its slot (r, h); A2A_DATA [same index with p the source]: 1 once source p has written
-# this rank's slot (r, h).
+# this rank's slot (r, h) -- in region 1, the number of results p has written (in order).
 A2A_FREE = BUFFER_PTRS + MAX_BUFFERS * 2 * MAX_WORLD
 A2A_DATA = A2A_FREE + 2 * HALVES * MAX_WORLD
 assert A2A_DATA + 2 * HALVES * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0
