@@ -5,7 +5,8 @@ tensors (a peer's buffer is that rank's own tensor, so views and addresses of ev
 distinct); `faked_cuda(runtimes, queue)` patches symm.runtime, the driver's entry points and
 torch.cuda's streams so that `ag_matmul_gpu`, `matmul_rs_gpu`, `matmul_ar_gpu` and the
 attention's copy-engine all-to-alls (ce_a2a.pipelined) run their real host code: the GEMMs run at once on the CPU and everything the schedules queue through the
-driver or torch's stream events -- flag waits and writes (batched or not), copies, event
+driver or torch's stream events -- flag waits and writes (batched or not), copies (ce_a2a's SM
+copies too), event
 records and waits -- is appended to `queue` as (rank, stream handle, op), or dropped when `queue` is None (the host
 timing probe).  protocol_sim.py executes such a queue.
 
@@ -23,6 +24,7 @@ from unittest import mock
 
 import torch
 
+from torch_commopt.attention import ce_a2a
 from torch_commopt.kernels.gpu import driver, symm
 
 FLAG_BASE = 1 << 40  # rank r's flags live at FLAG_BASE * (r + 1) in the fake address space
@@ -106,6 +108,26 @@ def _rows(base: int, pitch: int, desc) -> tuple:
     return tuple((base + r * pitch, base + r * pitch + desc.WidthInBytes) for r in range(desc.Height))
 
 
+def _tensor_rows(t: torch.Tensor) -> tuple:
+    """The byte intervals of a tensor whose last dim is contiguous: one per row."""
+    elt, width = t.element_size(), t.shape[-1] * t.element_size()
+    starts = [t.data_ptr()]
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+        starts = [s + j * stride * elt for s in starts for j in range(size)]
+    return tuple((s, s + width) for s in starts)
+
+
+def _sm_copy_recorder(queue, active: dict):
+    """ce_a2a._sm_copy, recorded as a copy of the rows it writes and reads (and done)."""
+    def sm_copy(stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if queue is not None:
+            written = _tensor_rows(dst)
+            queue.append((active["rank"], stream if isinstance(stream, int) else stream.cuda_stream,
+                          ("copy", dst.data_ptr(), written[0][1] - written[0][0], written, _tensor_rows(src))))
+        dst.copy_(src)
+    return sm_copy
+
+
 def _entry_points(queue, active: dict):
     """The driver's entry points, recording into `queue` for the active rank (None: no-ops)."""
     instances: dict = {}
@@ -155,6 +177,7 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
     entry_points = _entry_points(queue, state)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(FakeStream, "driver_calls", entry_points))
+        stack.enter_context(mock.patch.object(ce_a2a, "_sm_copy", _sm_copy_recorder(queue, state)))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None))
         stack.enter_context(mock.patch.object(symm, "runtime", lambda *a, **k: runtimes[state["rank"]]))
         stack.enter_context(mock.patch.object(driver, "_lib", lambda: entry_points))
