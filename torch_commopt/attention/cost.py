@@ -51,7 +51,10 @@ class CPMachine:
         the copy engine (ce_a2a) -- its schedules layer -- and of each head group's pass through
         the pipeline (the copies, flags and events it queues, the attention's launch; a training
         call makes 2G passes, an inference call G): back-to-back calls take max(device, host)
-        (0: not charged, the NCCL path and CPUs).
+        (0: not charged, the NCCL path and CPUs);
+    host_pass_concurrent_s: a pass's host time where the head groups run on two compute streams
+        (concurrent_groups, pure Ulysses, G > 1; 0: host_pass_s).  One group has no second
+        stream, so it pays host_pass_s.
     """
 
     link_bytes_per_s: float
@@ -62,12 +65,13 @@ class CPMachine:
     concurrent_groups: bool = False
     host_call_s: float = 0.0
     host_pass_s: float = 0.0
+    host_pass_concurrent_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("link_bytes_per_s", "flops_per_s", "bwd_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CPMachine.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("alpha_s", "launch_s", "host_call_s", "host_pass_s"):
+        for name in ("alpha_s", "launch_s", "host_call_s", "host_pass_s", "host_pass_concurrent_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CPMachine.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -120,8 +124,8 @@ def machine_from_calibration(cal, dtype: str) -> CPMachine:
     speed = min(3.0, max(0.5, cal.host("ce_push") / prior(cal.device, cal.world).host("ce_push"))) if ce else 0.0
     return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s, flops_per_s=flops,
                      launch_s=cal.host("sequential"), bwd_factor=bwd, concurrent_groups=concurrent,
-                     host_call_s=speed * HOST_CALL_S,
-                     host_pass_s=speed * (HOST_PASS_CONCURRENT_S if concurrent else HOST_PASS_S))
+                     host_call_s=speed * HOST_CALL_S, host_pass_s=speed * HOST_PASS_S,
+                     host_pass_concurrent_s=speed * HOST_PASS_CONCURRENT_S if concurrent else 0.0)
 
 
 @dataclass(frozen=True)
@@ -206,7 +210,11 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
     kv = sz.kv  # the zigzag relayout and Ulysses's all-to-alls move K/V too
     hop = m.launch_s + m.link(kv / groups) if r > 1 else 0.0
     # the copy-engine pipeline's host time (Ulysses and hybrid; zigzag's relayouts are NCCL's)
-    host = 0.0 if zigzag or u <= 1 else m.host_call_s + groups * (2 if backward else 1) * m.host_pass_s
+    # (on two compute streams only with two or more groups of pure Ulysses: session 33's 8K
+    # sweep, one group's forward measured 0.75 ms where two streams' figure had charged 1.1)
+    two_streams = r == 1 and groups > 1 and m.concurrent_groups
+    per_pass = (m.host_pass_concurrent_s or m.host_pass_s) if two_streams else m.host_pass_s
+    host = 0.0 if zigzag or u <= 1 else m.host_call_s + groups * (2 if backward else 1) * per_pass
     if not backward:  # inference: out and the lse come back
         return max(host, exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q + sz.lse))
     # training (the kept pair, schedules.cp_attention_fwd_keep): the forward moves out alone
