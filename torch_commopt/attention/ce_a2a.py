@@ -224,9 +224,9 @@ class _Back:
     """Group g's results on their way back (region OUT), piece by piece as the compute hands
     them over (push: after the compute stream's work so far): a peer's token block of a result
     goes into the peer's staging slot (its token taken before the first, its data flag set to
-    the count of results sent after each), the own block straight into the output, a kept result's block into its
-    kept tensor; close() returns the finish on the caller's compute stream (wait, copy the
-    staged blocks in, release)."""
+    the count of results sent after each), the own block straight into the output, a kept
+    result's block into its kept tensor; close() returns the finish on the caller's compute
+    stream (wait, copy the staged blocks in, release)."""
 
     def __init__(self, pipe: "_Pipeline", g: int, stream, keep_out: Sequence[Tensor]) -> None:
         self.p, self.g, self.stream = pipe, g, stream
