@@ -269,3 +269,26 @@ def test_head_group_depths_are_candidates_where_they_differ_from_the_rule():
     assert depth_variants("ulysses", gqa, world=2, causal=True, dtype="bfloat16") == []
     ranked = dict(rank_schedules(big, world=2, causal=True, dtype="bfloat16", machine=MACHINE, depths=True))
     assert set(ranked) == {"allgather", "ring", "ring_zigzag", "ulysses", "ring_zigzag:g=1", "ulysses:g=1"}
+
+
+def test_copy_engine_all_to_alls_are_charged_the_link_without_a_collective_launch():
+    """ce_a2a's all-to-alls launch no NCCL collective (their host time is the pipeline's, charged
+    separately), so each of a training call's four exchanges costs the link alone; NCCL's pay
+    the calibrated launch each (session 33: the model had over-predicted one group at 16K by
+    ~0.4 ms on 2x H100)."""
+    import dataclasses
+
+    from torch_commopt.attention.cost import machine_from_calibration
+    from torch_commopt.tuner.calibration import prior
+
+    ce = dataclasses.replace(machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16"),
+                             ce_all_to_all=True, host_call_s=0.0, host_pass_s=0.0, host_pass_concurrent_s=0.0)
+    nccl = dataclasses.replace(ce, ce_all_to_all=False)
+    shape, kw = (1, 32, 32, 16384, 128), dict(world=2, causal=True, dtype="bfloat16")
+    for backward, exchanges in ((True, 4), (False, 2)):
+        got = {m: estimate_ms("ulysses:g=1", shape, machine=mach, backward=backward, **kw)
+               for m, mach in (("ce", ce), ("nccl", nccl))}
+        assert got["nccl"] - got["ce"] == pytest.approx(exchanges * 1e3 * ce.launch_s)
+    for sched in ("ring", "allgather", "ring_zigzag"):  # NCCL's collectives either way
+        assert estimate_ms(sched, shape, machine=ce, backward=True, **kw) == \
+            pytest.approx(estimate_ms(sched, shape, machine=nccl, backward=True, **kw))

@@ -47,6 +47,8 @@ class CPMachine:
     bwd_factor: the backward's time over the forward's for the same block;
     concurrent_groups: Ulysses's later head groups start while the previous group's attention
         finishes (ce_a2a's group streams, GPUs), so their launches cost nothing;
+    ce_all_to_all: Ulysses's all-to-alls run by the copy engine (ce_a2a): they launch no
+        collective (their host time is host_call_s / host_pass_s), so an exchange costs the link;
     host_call_s, host_pass_s: the host time of one call of a schedule whose all-to-alls run by
         the copy engine (ce_a2a) -- its schedules layer -- and of each head group's pass through
         the pipeline (the copies, flags and events it queues, the attention's launch; a training
@@ -63,6 +65,7 @@ class CPMachine:
     launch_s: float = 0.0
     bwd_factor: float = BWD_FLOP_FACTOR
     concurrent_groups: bool = False
+    ce_all_to_all: bool = False
     host_call_s: float = 0.0
     host_pass_s: float = 0.0
     host_pass_concurrent_s: float = 0.0
@@ -123,7 +126,7 @@ def machine_from_calibration(cal, dtype: str) -> CPMachine:
     concurrent = ce and ce_a2a.group_streams_asked()
     speed = min(3.0, max(0.5, cal.host("ce_push") / prior(cal.device, cal.world).host("ce_push"))) if ce else 0.0
     return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s, flops_per_s=flops,
-                     launch_s=cal.host("sequential"), bwd_factor=bwd, concurrent_groups=concurrent,
+                     launch_s=cal.host("sequential"), bwd_factor=bwd, concurrent_groups=concurrent, ce_all_to_all=ce,
                      host_call_s=speed * HOST_CALL_S, host_pass_s=speed * HOST_PASS_S,
                      host_pass_concurrent_s=speed * HOST_PASS_CONCURRENT_S if concurrent else 0.0)
 
@@ -198,8 +201,14 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
     # other exchanges hide behind the rings.
     groups = pipeline_groups(sched, int(sz.q), h, shape.kv_heads, world) if zigzag or u > 1 else 1
 
+    # the copy-engine pipeline launches no collective: its host time is `host` below, so an
+    # exchange costs the link alone (session 33's default sweep: 23 of 24 picks within 5% of the
+    # measured best with this, 22 without, benchmarks/attention_picks.py)
+    ce = not zigzag and u > 1 and m.ce_all_to_all
+
     def exchange(nbytes: float) -> float:
-        return m.all_to_all(nbytes / groups, group)
+        t = m.all_to_all(nbytes / groups, group)
+        return t - m.launch_s if ce and group > 1 else t
 
     def rings(block: float, transfer: float, tail: float) -> float:
         one = _ring_time(fractions, block / groups, m.launch_s, transfer, tail)
