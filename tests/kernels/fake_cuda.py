@@ -108,6 +108,11 @@ def _rows(base: int, pitch: int, desc) -> tuple:
     return tuple((base + r * pitch, base + r * pitch + desc.WidthInBytes) for r in range(desc.Height))
 
 
+def _handle(stream) -> int:
+    """A stream's handle as the driver takes it (a fake or a raw handle)."""
+    return stream if isinstance(stream, int) else stream.cuda_stream
+
+
 def _tensor_rows(t: torch.Tensor) -> tuple:
     """The byte intervals of a tensor whose last dim is contiguous: one per row."""
     elt, width = t.element_size(), t.shape[-1] * t.element_size()
@@ -122,7 +127,7 @@ def _sm_copy_recorder(queue, active: dict):
     def sm_copy(stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         if queue is not None:
             written = _tensor_rows(dst)
-            queue.append((active["rank"], stream if isinstance(stream, int) else stream.cuda_stream,
+            queue.append((active["rank"], _handle(stream),
                           ("copy", dst.data_ptr(), written[0][1] - written[0][0], written, _tensor_rows(src))))
         dst.copy_(src)
     return sm_copy
@@ -171,9 +176,6 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
     def active(rank: int) -> None:
         state["rank"] = rank
 
-    def handle(stream) -> int:
-        return stream if isinstance(stream, int) else stream.cuda_stream
-
     entry_points = _entry_points(queue, state)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(FakeStream, "driver_calls", entry_points))
@@ -181,7 +183,7 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None))
         stack.enter_context(mock.patch.object(symm, "runtime", lambda *a, **k: runtimes[state["rank"]]))
         stack.enter_context(mock.patch.object(driver, "_lib", lambda: entry_points))
-        stack.enter_context(mock.patch.object(driver, "_handle", handle))
+        stack.enter_context(mock.patch.object(driver, "_handle", _handle))
         stack.enter_context(mock.patch.object(torch.cuda, "current_stream",
                                               lambda *a, **k: runtimes[state["rank"]].compute))
         stack.enter_context(mock.patch.object(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()))

@@ -161,6 +161,19 @@ def _a2a_calls(world: int, concurrent: bool = False, rank: int = 0):
             forward(2, True), backward(2), early(2)]
 
 
+def _fake_group_streams(monkeypatch, concurrent: bool = False) -> None:
+    """ce_a2a's head groups on one compute stream or two, the second stream faked per test (the
+    CPU tensors name no device index)."""
+    from fake_cuda import FakeStream
+
+    from torch_commopt.attention import ce_a2a
+
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1" if concurrent else "0")
+    monkeypatch.setattr(ce_a2a, "_SECOND", {})
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
 def _a2a_queue(world: int, concurrent: bool = False):
     from torch_commopt.attention import ce_a2a
 
@@ -177,15 +190,7 @@ def _a2a_queue(world: int, concurrent: bool = False):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("concurrent", [False, True], ids=["one_stream", "two_streams"])
 def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(world, concurrent, monkeypatch):
-    from fake_cuda import FakeStream
-
-    from torch_commopt.attention import ce_a2a
-
-    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1" if concurrent else "0")
-    # the second compute stream, faked per test (the CPU tensors name no device index)
-    monkeypatch.setattr(ce_a2a, "_SECOND", {})
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    _fake_group_streams(monkeypatch, concurrent)
     queue, runtimes = _a2a_queue(world, concurrent)
     assert sum(op[0] == "copy" for _, _, op in queue) > 50
     # two streams: the odd groups wait for their pieces on a stream that is none of the runtimes'
@@ -211,14 +216,9 @@ def test_a_reader_that_copies_every_result_out_after_the_first_arrived_reads_too
     """The results' data flag counts the results a source sent (ce_a2a._Back): a reader that
     waits for the first alone and copies them all out reads the later ones before they land
     in some interleavings (the simulator's early-read check)."""
-    from fake_cuda import FakeStream
-
     from torch_commopt.attention import ce_a2a
 
-    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "0")
-    monkeypatch.setattr(ce_a2a, "_SECOND", {})
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    _fake_group_streams(monkeypatch)
     arrived = ce_a2a._Pipeline._arrived
     monkeypatch.setattr(ce_a2a._Pipeline, "_arrived",
                         lambda self, region, half, g, stream, count=1: arrived(self, region, half, g, stream, 1))
@@ -288,14 +288,9 @@ def test_a_call_that_does_not_wait_for_the_peers_to_drain_races_on_a_new_layout(
     peer still reads as another slot of the call before; without the drain at a call's first
     push (ce_a2a._Pipeline._drained) a push lands on them (the GPU test's plain backward over
     two head groups came out wrong)."""
-    from fake_cuda import FakeStream
-
     from torch_commopt.attention import ce_a2a
 
-    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "0")
-    monkeypatch.setattr(ce_a2a, "_SECOND", {})
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    _fake_group_streams(monkeypatch)
     monkeypatch.setattr(ce_a2a._Pipeline, "_drained", lambda self: None)
     queue, runtimes = _a2a_queue(2)
     raced = 0

@@ -291,13 +291,13 @@ class _Back:
                 p._arrived(OUT, half, g, p.compute, i + 1)
                 hr = o.h // (p.groups * p.n)
                 row = s_loc * o.t * o.elt
+                block = (o.b, hr, s_loc) + tuple(p.specs[i][0][3:])  # a source's staged block
                 for src in p.rt.sources:
                     staged = self.base + src * lay.out_bytes + off
                     first = g * (o.h // p.groups) + src * hr
                     if on_sms:
-                        shape, dtype = p.specs[i]
                         _sm_copy(p.compute, p.outs[i][:, first:first + hr],
-                                 p.buf.view(p.me, staged, (o.b, hr, s_loc) + tuple(shape[3:]), dtype))
+                                 p.buf.view(p.me, staged, block, p.specs[i][1]))
                         continue
                     for bi in range(o.b):
                         p.driver.memcpy2d_async(p.compute, o.ptr + first * o.head + bi * o.batch, o.head,
