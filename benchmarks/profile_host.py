@@ -7,6 +7,7 @@ measures the host) and writes each rank's cProfile of every case, sorted by own 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
       python3 benchmarks/profile_host.py OUTDIR
     python3 benchmarks/profile_host.py OUTDIR --series 40   # per-round series instead
+    python3 benchmarks/profile_host.py OUTDIR --world 4     # over 4 GPUs (default 2)
 
 --series R: the band's question over time -- R rounds, each timing every variant of the
 reductions at M_global 2048 once (10 back-to-back calls, in an order rotated per round, as
@@ -35,7 +36,7 @@ from torch_commopt.launch import run_distributed  # noqa: E402
 
 # "raw": the bare `dist` collective + torch.mm a user would write (the benchmark's baseline)
 # "raw": the bare `dist` collective + torch.mm a user would write (the benchmark's baseline)
-CASES = [("rs", 2048, s) for s in ("raw", "direct:1", "ce_push:2")] + [("ag", 2048, s) for s in ("raw", "ce_push:1")]
+CASES = [("rs", 2048, s) for s in ("raw", "ce_push:1", "direct:1", "ce_push:2")] + [("ag", 2048, s) for s in ("raw", "ce_push:1")]
 K = N = 8192
 
 
@@ -162,13 +163,14 @@ def print_series(per_rank) -> None:
 if __name__ == "__main__":
     out = pathlib.Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
+    world = int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else 2
     if "--series" in sys.argv:
         rounds = int(sys.argv[sys.argv.index("--series") + 1])
-        per_rank = run_distributed(series_worker, 2, rounds, backend="nccl", timeout_s=300)
+        per_rank = run_distributed(series_worker, world, rounds, backend="nccl", timeout_s=300)
         (out / "host_series.json").write_text(json.dumps(per_rank))
         print_series(per_rank)
         sys.exit(0)
-    per_rank = run_distributed(worker, 2, str(out), backend="nccl", timeout_s=300)
+    per_rank = run_distributed(worker, world, str(out), backend="nccl", timeout_s=300)
     (out / "host_profile.json").write_text(json.dumps(per_rank, indent=1))
     for key in per_rank[0]:
         print(f"{key:40s} " + "  ".join(f"rank{r}: enqueue {res[key]['enqueue_us']:6.1f} us, back-to-back {res[key]['back_to_back_us']:6.1f} us"

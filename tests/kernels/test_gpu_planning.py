@@ -102,6 +102,20 @@ def test_replayed_short_all_gathers_over_several_peers_skip_the_whole_gemm():
         "ce_push:1:gemm=whole"  # two ranks keep it
 
 
+def test_replayed_short_reduce_scatters_over_several_peers_ship_their_pieces():
+    # 4 ranks, replayed: est. GEMM 50-100 us runs ce_push:1 (4x H100: 0.202 vs NCCL 0.227 ms)
+    def at4(kind, rows, graphs=True):
+        return str(pick(kind, [rows, 2048], [[2048, 8192]], 0 if kind == "matmul_rs" else None, 4, "bfloat16",
+                        graphs=graphs)[0])
+
+    assert at4("matmul_rs", 2048) == "ce_push:1"  # M_global 2048, est. 98 us
+    assert at4("matmul_rs", 512) == "sequential"  # M_global 512, est. 25 us
+    assert at4("matmul_ar", 2048) == "sequential"  # the all-reduce keeps NCCL
+    assert at4("matmul_rs", 2048, graphs=False) == "sequential"  # eager: host-bound
+    # two ranks keep NCCL under 100 us (M_global 1024 at W = 2, est. 49 us)
+    assert str(pick("matmul_rs", [1024, 2048], [[2048, 8192]], 0, 2, "bfloat16", graphs=True)[0]) == "sequential"
+
+
 def test_long_all_gathers_over_several_peers_run_the_fused_kernel():
     # 4 ranks, est. GEMM >= 0.5 ms: one fused pass (4x H100: up to 10% ahead of ce_push:1)
     for graphs in (False, True):

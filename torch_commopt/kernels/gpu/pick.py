@@ -36,9 +36,10 @@ MIN_HIDDEN_COMM_S_GRAPHS = 5e-6
 MIN_GEMM_S = 0.1e-3
 # Replayed reductions: below this GEMM time NCCL's latency-optimal small collectives win.
 MIN_GEMM_S_GRAPHS = 0.1e-3
-# Replayed all-gathers at W > 2 below MIN_GEMM_S_GRAPHS: under this, NCCL + cuBLAS; above,
-# ce_push:1 (gemm=whole, the W = 2 choice, lost to NCCL at 4 ranks; see pick()).
-SHORT_AG_GRAPHS_WIDE_S = 0.05e-3
+# Replayed all-gathers and reduce-scatters at W > 2 below MIN_GEMM_S_GRAPHS: under this,
+# NCCL + cuBLAS; above, ce_push:1 (for all-gathers gemm=whole, the W = 2 choice, lost to NCCL
+# at 4 ranks; see pick()).
+SHORT_GRAPHS_WIDE_S = 0.05e-3
 # Eager calls between MIN_GEMM_S and SHORT_GEMM_S of estimated GEMM: whether ce_push:1 or
 # NCCL + cuBLAS wins depends on the host's speed, which varies 2x between leases of one
 # kind, so the rule names both to time at the region's first call (tuner.autotune) instead
@@ -129,7 +130,7 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
             # H100 (matmul_collectives_h100x4_2026-11-26), K = N = 8192: M_global 512 (est. 25
             # us) NCCL 0.082 ms, gemm=whole 0.098, ce_push:1 0.108; M_global 2048 (est. 98 us)
             # NCCL 0.197, gemm=whole 0.225, ce_push:1 0.182.
-            if gemm_s < SHORT_AG_GRAPHS_WIDE_S:
+            if gemm_s < SHORT_GRAPHS_WIDE_S:
                 return Schedule("sequential"), why + f": short GEMM over {world - 1} peers' shards, NCCL + cuBLAS"
             return Schedule("ce_push", 1), why + f": short GEMM over {world - 1} peers' shards, one piece each"
         if world > 2 and gemm_s >= SHORT_GEMM_S and dtype in ("bfloat16", "float16"):
@@ -146,6 +147,14 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         # 5.838 / 5.834 in two runs).
         return Schedule("ce_push", 1), why
     if graphs and gemm_s < MIN_GEMM_S_GRAPHS:
+        if kind == "matmul_rs" and world > 2 and gemm_s >= SHORT_GRAPHS_WIDE_S:
+            # Over more than one peer NCCL's reduce-scatter moves W - 1 pieces after the whole
+            # GEMM; ce_push:1 ships each peer's piece as soon as its GEMM ends.  4x H100,
+            # replayed (matmul_collectives_h100x4_2026-11-27_s34_world4), K = N = 8192:
+            # M_global 2048 (est. 98 us) ce_push:1 0.202 ms vs NCCL 0.227 (async-TP 0.207);
+            # M_global 512 (est. 25 us) NCCL 0.070 vs ce_push:1 0.110.  The all-reduce keeps
+            # NCCL (M_global 2048: 0.292 vs ce_push:1 0.321).
+            return Schedule("ce_push", 1), why + f": short GEMM, {world - 1} peers' pieces shipped as they end"
         # Replayed (2x H200, CUDA graphs): at M_global 512 NCCL + cuBLAS beat every
         # reduction schedule (0.080 vs direct:1 0.086 ms).
         return Schedule("sequential"), why + ": short reduction, GPU-side fixed costs exceed the overlap"
