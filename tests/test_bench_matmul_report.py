@@ -1,0 +1,42 @@
+"""bench_matmul_collectives' report on synthetic records: a run of one timing mode renders that
+mode's section only (a --modes graph run has no eager figures at the record's top level)."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_matmul_collectives as bench  # noqa: E402
+
+META = {"device": "X", "world": 4, "date": "d", "torch": "t", "triton": "tr", "commit": "c", "command": "cmd"}
+
+
+def _mode(pick_ms: float) -> dict:
+    res = {"gemm_ms": 0.1, "comm_ms": 0.12, "nccl_seq_ms": 0.226, "torch_async_tp_ms": 0.209, "commopt_ms": pick_ms,
+           "schedules": {"sequential": 0.23, "ce_push:1": pick_ms}, "commopt_schedule": "ce_push:1",
+           "round_range_ms": {"nccl_seq": [0.22, 0.23], "commopt": [0.2, 0.21]}, "paired_hidden_fraction": None,
+           "paired_speedup_vs_best_baseline": 1.0, "best_schedule": "ce_push:1", "best_schedule_ms": pick_ms}
+    bench._derive(res)
+    return res
+
+
+def _record(**modes) -> dict:
+    rec = {"op": "rs", "M": 2048, "K": 8192, "N": 8192, "world": 4, "balanced": False,
+           "errors_vs_nccl": {"sequential": 0.0, "ce_push:1": 3e-3}}
+    if "eager" in modes:
+        rec.update(modes["eager"])
+    if "graph" in modes:
+        rec["graph"] = modes["graph"]
+    return rec
+
+
+def test_a_graph_only_run_renders_its_replayed_section_alone():
+    text = bench._report([_record(graph=_mode(0.206))], META)
+    assert "CUDA-graph replay" in text and "Eager calls" not in text
+    assert "| rs | 2048 | 8192 | 8192 |" in text and "1.015" in text  # 0.209 / 0.206
+
+
+def test_both_modes_render_both_sections():
+    text = bench._report([_record(eager=_mode(0.25), graph=_mode(0.206))], META)
+    assert "Eager calls" in text and "CUDA-graph replay" in text
+    assert "0.836" in text  # eager speedup 0.209 / 0.25
