@@ -137,6 +137,12 @@ class _Call:
             self.rt.check_status(op)
         return out
 
+    def rows(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of a segment-sized tensor: the tensor itself for the whole segment
+        (one piece), saving a view per use -- at W = 4 a call indexes ~16 of them, a tenth
+        of its host time (benchmarks/probe_host_cpu.py)."""
+        return t if lo == 0 and hi == t.shape[0] else t[lo:hi]
+
     def segment_a(self, p: int) -> torch.Tensor:
         """The A rows producing segment p, as a contiguous (m_seg, K) matrix."""
         rows = self.lay.block_rows(self.a2, p, 0, self.m_seg)
@@ -165,15 +171,16 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
         for src in call.rt.sources:
             call.wait(call.side, src, c, "reduced chunk", phase=1)
             got = call.slot(call.rank, src, region=1)
-            call.rt.copy(call.side, full[src * call.m_seg + lo: src * call.m_seg + hi], got[lo:hi])
+            call.rt.copy(call.side, full[src * call.m_seg + lo: src * call.m_seg + hi], call.rows(got, lo, hi))
     return call.finish(out, bias, reduce_op, "matmul_ar")
 
 
 def _push_reduced(call: _Call, own, c, lo, hi):
     """All-gather phase of matmul_ar: piece c of the reduced own segment to every peer."""
     call.after_caller()
+    piece = call.rows(own, lo, hi)
     for p in call.rt.peers:
-        call.rt.copy(call.side, call.peer_slot(p, region=1)[lo:hi], own[lo:hi])
+        call.rt.copy(call.side, call.rows(call.peer_slot(p, region=1), lo, hi), piece)
         call.signal(call.side, p, c, phase=1)
 
 
@@ -188,31 +195,35 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
     if call.sched.name == "ce_pull":
         _pull_reduce(call, weight, own, after_piece)
         return
-    rt = call.rt
+    rt, rows = call.rt, call.rows
     staging = None if call.sched.name == "direct" else torch.empty(
         (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
     for p in rt.peers:
-        a_p = call.segment_a(p)
+        a_p, slot = call.segment_a(p), call.peer_slot(p)
         if staging is None:
             call.acquire(call.cur, p, defer_take=True)
+        else:
+            staged = staging[p]
         for c, (lo, hi) in enumerate(call.pieces):
             if staging is None:
-                torch.mm(a_p[lo:hi], weight, out=call.peer_slot(p)[lo:hi])
+                torch.mm(rows(a_p, lo, hi), weight, out=rows(slot, lo, hi))
                 call.signal(call.cur, p, c)
             else:
-                torch.mm(a_p[lo:hi], weight, out=staging[p, lo:hi])
-                _ship(call, staging[p, lo:hi], call.peer_slot(p)[lo:hi], p, c)
+                piece = rows(staged, lo, hi)
+                torch.mm(rows(a_p, lo, hi), weight, out=piece)
+                _ship(call, piece, rows(slot, lo, hi), p, c)
     a_r = call.segment_a(call.rank)
     if len(rt.sources) == 1:
         _own_in_place(call, a_r, weight, own, rt.sources[0], after_piece)
         return
+    mine = call.slot(call.rank, call.rank)  # this rank's own receive slot (a cached view)
     for c, (lo, hi) in enumerate(call.pieces):
         # The own product goes to this rank's own slot (no peer writes it) before the waits,
         # so it runs while the last partials are still landing.
-        torch.mm(a_r[lo:hi], weight, out=call.recv[call.rank, lo:hi])
+        torch.mm(rows(a_r, lo, hi), weight, out=rows(mine, lo, hi))
         for src in rt.sources:
             call.wait(call.cur, src, c, "partial")
-        _sum_slots(call, call.recv[:, lo:hi], own[lo:hi])
+        _sum_slots(call, call.recv if call.n_chunks == 1 else call.recv[:, lo:hi], rows(own, lo, hi))
         if after_piece is not None:
             after_piece(c, lo, hi)
 
@@ -227,14 +238,14 @@ def _own_in_place(call: _Call, a_r, weight, own, src: int, after_piece):
         return
     rt, local = call.rt, call.rt.local
     rt.after(local, call.cur)  # after `own` was allocated on the caller's stream
-    landed = rt.events(call.n_chunks)
+    landed, rows, got = rt.events(call.n_chunks), call.rows, call.slot(call.rank, src)
     for c, (lo, hi) in enumerate(call.pieces):
         call.wait(local, src, c, "partial")
-        rt.copy(local, own[lo:hi], call.recv[src, lo:hi])
+        rt.copy(local, rows(own, lo, hi), rows(got, lo, hi))
         driver.record(landed[c], local)
     for c, (lo, hi) in enumerate(call.pieces):
         driver.wait_event(call.cur, landed[c])
-        own[lo:hi].addmm_(a_r[lo:hi], weight, beta=call.alpha, alpha=call.alpha)
+        rows(own, lo, hi).addmm_(rows(a_r, lo, hi), weight, beta=call.alpha, alpha=call.alpha)
         if after_piece is not None:
             after_piece(c, lo, hi)
 
@@ -247,7 +258,7 @@ def _own_then_add(call: _Call, a_r, weight, own, src: int, after_piece):
     ce_push:2 at 8192^3)."""
     torch.mm(a_r, weight, out=own)
     call.wait(call.cur, src, 0, "partial")
-    own.add_(call.recv[src])
+    own.add_(call.slot(call.rank, src))
     if call.alpha != 1.0:
         own.mul_(call.alpha)
     if after_piece is not None:

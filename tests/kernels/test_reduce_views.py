@@ -1,0 +1,35 @@
+"""The reductions' host shortcuts name the same memory as the views they replace: a rank's
+receive slot for a source (a cached symmetric view) is recv[src], and a whole-segment piece is
+the tensor itself (matmul_reduce._Call.rows), at two and four ranks and for both buffer halves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fake_cuda import fake_runtimes, faked_cuda
+from torch_commopt.kernels.gpu import matmul_reduce as mr
+from torch_commopt.schedule import Schedule
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype) == (y.data_ptr(), y.shape, y.stride(), y.dtype)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_receive_slots_and_whole_pieces_are_the_views_they_replace(world, chunks):
+    runtimes = fake_runtimes(world)
+    a, w = torch.randn(8 * world, 16), torch.randn(16, 8)
+    with faked_cuda(runtimes, None) as active:
+        active(world - 1)
+        for _ in range(2):  # consecutive calls take the two buffer halves
+            call = mr._Call(a, w, 0, "fake", Schedule("ce_push", chunks), "sum", phases=1)
+            for src in range(world):
+                assert _same(call.slot(call.rank, src), call.recv[src])
+            if chunks == 1:  # the whole segment: _sum_slots then reads recv itself
+                assert call.pieces == ((0, call.m_seg),) and call.n_chunks == 1
+            seg = call.recv[0]
+            assert call.rows(seg, 0, call.m_seg) is seg
+            for lo, hi in call.pieces:
+                assert _same(call.rows(seg, lo, hi), seg[lo:hi])
