@@ -1,6 +1,7 @@
-"""The reductions' host shortcuts name the same memory as the views they replace: a rank's
-receive slot for a source (a cached symmetric view) is recv[src], and a whole-segment piece is
-the tensor itself (matmul_reduce._Call.rows), at two and four ranks and for both buffer halves."""
+"""The host shortcuts name the same memory as the views they replace: a rank's receive slot for
+a source (a cached symmetric view) is recv[src] in the reductions and slots[src] in the
+all-gather, and a whole-segment piece is the tensor itself (matmul_reduce._Call.rows), at two
+and four ranks and for both buffer halves."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from fake_cuda import fake_runtimes, faked_cuda
+from torch_commopt.kernels.gpu import ag_matmul as agm
 from torch_commopt.kernels.gpu import matmul_reduce as mr
 from torch_commopt.schedule import Schedule
 
@@ -33,3 +35,17 @@ def test_receive_slots_and_whole_pieces_are_the_views_they_replace(world, chunks
             assert call.rows(seg, 0, call.m_seg) is seg
             for lo, hi in call.pieces:
                 assert _same(call.rows(seg, lo, hi), seg[lo:hi])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_gather_source_slots_are_the_slots_rows(world, dtype):
+    rt = fake_runtimes(world)[world - 1]
+    m_loc, k = 6, 16
+    row_bytes = k * torch.empty((), dtype=dtype).element_size()
+    buf = rt.buffer(2 * world * m_loc * row_bytes)
+    for half in (0, 1):
+        base = half * (buf.nbytes // 2)
+        slots = buf.view(rt.rank, base, (world, m_loc, k), dtype)
+        for src in range(world):
+            assert _same(agm._source_slot(buf, rt.rank, base, m_loc, k, row_bytes, dtype, src), slots[src])

@@ -94,7 +94,8 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     elif sched.name == "fused":
         _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug)
     else:
-        _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug,
+        slot_of = functools.partial(_source_slot, buf, rank, base, m_loc, k, row_bytes, a.dtype)
+        _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, cur, debug,
                         rt.compute2 if sched.param("par") else None)
     result = outs
     if return_gathered:
@@ -106,9 +107,17 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     return result
 
 
-def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug, second=None):
-    """cuBLAS per piece.  second (par=1): the peers' pieces run on that stream, so their GEMMs
-    can share the SMs with the own shard's (the GEMMs write disjoint rows)."""
+def _source_slot(buf, rank: int, base: int, m_loc: int, k: int, row_bytes: int, dtype, src: int) -> torch.Tensor:
+    """Source src's (M_loc, K) slot of this rank's buffer half at `base` (rows of row_bytes):
+    slots[src] of ag_matmul_gpu's (W, M_loc, K) view, as the buffer's cached view (indexing
+    `slots` costs a new view every call)."""
+    return buf.view(rank, base + src * m_loc * row_bytes, (m_loc, k), dtype)
+
+
+def _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, cur, debug, second=None):
+    """cuBLAS per piece; slot_of(src): source src's (M_loc, K) slot.  second (par=1): the peers'
+    pieces run on that stream, so their GEMMs can share the SMs with the own shard's (the GEMMs
+    write disjoint rows)."""
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in outs]
     peers = cur if second is None else second
@@ -118,9 +127,11 @@ def _consume_cublas(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur
     _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows)
     with contextlib.nullcontext() if second is None else torch.cuda.stream(second):
         for src in rt.sources:
+            slot = slot_of(src)
             for c, (lo, hi) in enumerate(pieces):
                 rt.wait(peers, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
-                _piece_matmuls(slots[src, lo:hi], full, weights, biases, lay, src, lo, hi)
+                rows = slot if lo == 0 and hi == lay.local_rows else slot[lo:hi]
+                _piece_matmuls(rows, full, weights, biases, lay, src, lo, hi)
     if second is not None:
         rt.after(cur, second)
 
