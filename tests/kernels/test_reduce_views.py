@@ -1,6 +1,6 @@
 """The host shortcuts name the same memory as the views they replace: a rank's receive slot for
 a source (a cached symmetric view) is recv[src] in the reductions and slots[src] in the
-all-gather, and a whole-segment piece is the tensor itself (matmul_reduce._Call.rows), at two
+all-gather, and a whole-segment piece is the tensor itself (layout.piece_rows), at two
 and four ranks and for both buffer halves."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from fake_cuda import fake_runtimes, faked_cuda
 from torch_commopt.kernels.gpu import ag_matmul as agm
 from torch_commopt.kernels.gpu import matmul_reduce as mr
+from torch_commopt.kernels.gpu.layout import piece_rows
 from torch_commopt.schedule import Schedule
 
 
@@ -32,14 +33,14 @@ def test_receive_slots_and_whole_pieces_are_the_views_they_replace(world, chunks
             if chunks == 1:  # the whole segment: _sum_slots then reads recv itself
                 assert call.pieces == ((0, call.m_seg),) and call.n_chunks == 1
             seg = call.recv[0]
-            assert call.rows(seg, 0, call.m_seg) is seg
+            assert piece_rows(seg, 0, call.m_seg) is seg
             for lo, hi in call.pieces:
-                assert _same(call.rows(seg, lo, hi), seg[lo:hi])
+                assert _same(piece_rows(seg, lo, hi), seg[lo:hi])
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_all_gather_source_slots_are_the_slots_rows(world, dtype):
+def test_all_gather_source_slots_are_the_slot_views(world, dtype):
     rt = fake_runtimes(world)[world - 1]
     m_loc, k = 6, 16
     row_bytes = k * torch.empty((), dtype=dtype).element_size()

@@ -23,7 +23,7 @@ import functools
 import torch
 
 from torch_commopt.kernels.gpu import driver, symm, tma
-from torch_commopt.kernels.gpu.layout import RowLayout, cdiv
+from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
 from torch_commopt.schedule import Schedule
 
@@ -130,8 +130,7 @@ def _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, c
             slot = slot_of(src)
             for c, (lo, hi) in enumerate(pieces):
                 rt.wait(peers, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
-                rows = slot if lo == 0 and hi == lay.local_rows else slot[lo:hi]
-                _piece_matmuls(rows, full, weights, biases, lay, src, lo, hi)
+                _piece_matmuls(piece_rows(slot, lo, hi), full, weights, biases, lay, src, lo, hi)
     if second is not None:
         rt.after(cur, second)
 

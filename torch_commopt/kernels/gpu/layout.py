@@ -57,5 +57,12 @@ class RowLayout:
         return blocked[lo // self.lin: hi // self.lin, block]
 
 
+def piece_rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of t: t itself when they are all of it (one piece), saving the view a
+    slice costs on every use -- at W = 4 a reduce-scatter call indexed ~16 of them, a tenth of
+    its host time (benchmarks/probe_host_cpu.py)."""
+    return t if lo == 0 and hi == t.shape[0] else t[lo:hi]
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

@@ -35,7 +35,7 @@ import math
 import torch
 
 from torch_commopt.kernels.gpu import driver, symm, tma
-from torch_commopt.kernels.gpu.layout import RowLayout, cdiv
+from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
 from torch_commopt.schedule import Schedule
 
@@ -137,12 +137,6 @@ class _Call:
             self.rt.check_status(op)
         return out
 
-    def rows(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Rows [lo, hi) of a segment-sized tensor: the tensor itself for the whole segment
-        (one piece), saving a view per use -- at W = 4 a call indexes ~16 of them, a tenth
-        of its host time (benchmarks/probe_host_cpu.py)."""
-        return t if lo == 0 and hi == t.shape[0] else t[lo:hi]
-
     def segment_a(self, p: int) -> torch.Tensor:
         """The A rows producing segment p, as a contiguous (m_seg, K) matrix."""
         rows = self.lay.block_rows(self.a2, p, 0, self.m_seg)
@@ -171,16 +165,16 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
         for src in call.rt.sources:
             call.wait(call.side, src, c, "reduced chunk", phase=1)
             got = call.slot(call.rank, src, region=1)
-            call.rt.copy(call.side, full[src * call.m_seg + lo: src * call.m_seg + hi], call.rows(got, lo, hi))
+            call.rt.copy(call.side, full[src * call.m_seg + lo: src * call.m_seg + hi], piece_rows(got, lo, hi))
     return call.finish(out, bias, reduce_op, "matmul_ar")
 
 
 def _push_reduced(call: _Call, own, c, lo, hi):
     """All-gather phase of matmul_ar: piece c of the reduced own segment to every peer."""
     call.after_caller()
-    piece = call.rows(own, lo, hi)
+    piece = piece_rows(own, lo, hi)
     for p in call.rt.peers:
-        call.rt.copy(call.side, call.rows(call.peer_slot(p, region=1), lo, hi), piece)
+        call.rt.copy(call.side, piece_rows(call.peer_slot(p, region=1), lo, hi), piece)
         call.signal(call.side, p, c, phase=1)
 
 
@@ -195,7 +189,7 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
     if call.sched.name == "ce_pull":
         _pull_reduce(call, weight, own, after_piece)
         return
-    rt, rows = call.rt, call.rows
+    rt = call.rt
     staging = None if call.sched.name == "direct" else torch.empty(
         (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
     for p in rt.peers:
@@ -206,12 +200,12 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
             staged = staging[p]
         for c, (lo, hi) in enumerate(call.pieces):
             if staging is None:
-                torch.mm(rows(a_p, lo, hi), weight, out=rows(slot, lo, hi))
+                torch.mm(piece_rows(a_p, lo, hi), weight, out=piece_rows(slot, lo, hi))
                 call.signal(call.cur, p, c)
             else:
-                piece = rows(staged, lo, hi)
-                torch.mm(rows(a_p, lo, hi), weight, out=piece)
-                _ship(call, piece, rows(slot, lo, hi), p, c)
+                piece = piece_rows(staged, lo, hi)
+                torch.mm(piece_rows(a_p, lo, hi), weight, out=piece)
+                _ship(call, piece, piece_rows(slot, lo, hi), p, c)
     a_r = call.segment_a(call.rank)
     if len(rt.sources) == 1:
         _own_in_place(call, a_r, weight, own, rt.sources[0], after_piece)
@@ -220,10 +214,10 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
     for c, (lo, hi) in enumerate(call.pieces):
         # The own product goes to this rank's own slot (no peer writes it) before the waits,
         # so it runs while the last partials are still landing.
-        torch.mm(rows(a_r, lo, hi), weight, out=rows(mine, lo, hi))
+        torch.mm(piece_rows(a_r, lo, hi), weight, out=piece_rows(mine, lo, hi))
         for src in rt.sources:
             call.wait(call.cur, src, c, "partial")
-        _sum_slots(call, call.recv if call.n_chunks == 1 else call.recv[:, lo:hi], rows(own, lo, hi))
+        _sum_slots(call, call.recv if call.n_chunks == 1 else call.recv[:, lo:hi], piece_rows(own, lo, hi))
         if after_piece is not None:
             after_piece(c, lo, hi)
 
@@ -238,14 +232,14 @@ def _own_in_place(call: _Call, a_r, weight, own, src: int, after_piece):
         return
     rt, local = call.rt, call.rt.local
     rt.after(local, call.cur)  # after `own` was allocated on the caller's stream
-    landed, rows, got = rt.events(call.n_chunks), call.rows, call.slot(call.rank, src)
+    landed, got = rt.events(call.n_chunks), call.slot(call.rank, src)
     for c, (lo, hi) in enumerate(call.pieces):
         call.wait(local, src, c, "partial")
-        rt.copy(local, rows(own, lo, hi), rows(got, lo, hi))
+        rt.copy(local, piece_rows(own, lo, hi), piece_rows(got, lo, hi))
         driver.record(landed[c], local)
     for c, (lo, hi) in enumerate(call.pieces):
         driver.wait_event(call.cur, landed[c])
-        rows(own, lo, hi).addmm_(rows(a_r, lo, hi), weight, beta=call.alpha, alpha=call.alpha)
+        piece_rows(own, lo, hi).addmm_(piece_rows(a_r, lo, hi), weight, beta=call.alpha, alpha=call.alpha)
         if after_piece is not None:
             after_piece(c, lo, hi)
 
