@@ -35,7 +35,6 @@ import torch_commopt  # noqa: E402,F401
 from torch_commopt.launch import run_distributed  # noqa: E402
 
 # "raw": the bare `dist` collective + torch.mm a user would write (the benchmark's baseline)
-# "raw": the bare `dist` collective + torch.mm a user would write (the benchmark's baseline)
 CASES = [("rs", 2048, s) for s in ("raw", "ce_push:1", "direct:1", "ce_push:2")] + [("ag", 2048, s) for s in ("raw", "ce_push:1")]
 K = N = 8192
 
