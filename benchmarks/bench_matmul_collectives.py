@@ -46,7 +46,8 @@ from naming import card_tag  # noqa: E402
 
 import torch_commopt  # noqa: E402,F401
 from torch_commopt.tuner.autotune import capture_agreed  # noqa: E402
-from torch_commopt.kernels.gpu.pick import measure_band, pick  # noqa: E402
+from torch_commopt.kernels.gpu.pick import call_graphs_pay, measure_band, pick  # noqa: E402
+from torch_commopt.schedule import Schedule  # noqa: E402
 from torch_commopt.tuner.autotune import band_request, decided, host_measurement, measurement  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 
@@ -188,10 +189,19 @@ def _variants(shape: Shape, rank: int, world: int, group_name: str):
     return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], None), gemm, comm, seq, op, None
 
 
+def _with_cg(op: str, scheds: list[str]) -> list[str]:
+    """The capturable GPU schedules among `scheds`, with cg=1 (replayed per call)."""
+    kind = KIND[op]
+    return [str(s.with_params(cg=1)) for s in map(Schedule.parse, scheds) if s.is_gpu and s.in_capture(kind) == s]
+
+
 def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats: int, modes: tuple[str, ...],
-                 partial_path: str | None = None):
+                 partial_path: str | None = None, call_graphs: bool = True):
     """Per shape and mode: every variant timed round-robin.  Rank 0 appends each finished
-    record to `partial_path` (JSON lines) so that a run cut short keeps what it measured."""
+    record to `partial_path` (JSON lines) so that a run cut short keeps what it measured.
+    call_graphs (Config.call_graphs, the default): eager shapes whose GEMM is short run the
+    pick with cg=1, as the compile pass emits them, and every capturable GPU schedule is timed
+    with cg=1 too."""
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     group_name = dist.group.WORLD.group_name
@@ -202,11 +212,17 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
         rec = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16"}
         ref = seq()
         scheds = ["sequential"] + SCHEDULES[shape.op]
-        rec["errors_vs_nccl"] = {s: _rel(op(s), ref) for s in scheds}
+        cg_pays = call_graphs and call_graphs_pay(KIND[shape.op], a_shape, w_shapes, world, "bfloat16")
+        cg_scheds = _with_cg(shape.op, SCHEDULES[shape.op]) if cg_pays else []
+        # (each cg schedule called three times: the third call is a captured graph's first replay)
+        rec["errors_vs_nccl"] = {s: _rel(op(s), ref) for s in scheds + cg_scheds + cg_scheds + cg_scheds}
         for mode in modes:
             graphs = mode == "graph"
-            chosen, why = pick(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16", graphs=graphs)
-            band = measure_band(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16", graphs=graphs)
+            cg = cg_pays and not graphs
+            chosen, why = pick(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16", graphs=graphs or cg)
+            band = measure_band(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16", graphs=graphs or cg)
+            if cg and chosen.is_gpu:
+                chosen, why = chosen.with_params(cg=1), why + ": replayed per call (cg=1)"
             if band is not None:  # what the compile pass emits there: timed at the first call
                 chosen = band_request(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16",
                                       torch.cuda.get_device_name(0), group_name, band, str(chosen), None,
@@ -215,7 +231,7 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
             fns = {"gemm": gemm, "comm": comm, "nccl_seq": seq}
             if tp is not None:
                 fns["torch_async_tp"] = tp
-            fns.update({f"sched {s}": (lambda s=s: op(s)) for s in scheds})
+            fns.update({f"sched {s}": (lambda s=s: op(s)) for s in scheds + (cg_scheds if cg else [])})
             kept = chosen.name == "sequential"
             if not kept:
                 fns["pick"] = lambda c=str(chosen): op(c)
@@ -344,7 +360,9 @@ def _report(records: list[dict], meta: dict) -> str:
                   "matmul, i.e. the NCCL sequential program itself, so the pick's time is that baseline's "
                   "(our op's own `sequential` path is listed with the schedules below). Pick `measured: X`: "
                   "the rule's host-bound band (pick.measure_band), timed at the region's first call "
-                  "(tuner.autotune), which chose X; the pick's time includes resolving the placeholder.",
+                  "(tuner.autotune), which chose X; the pick's time includes resolving the placeholder. "
+                  "A schedule with `cg=1` (eager, Config.call_graphs): each call replayed from a CUDA graph "
+                  "captured at the call's second sighting (kernels/gpu/call_graphs.py).",
                   "speedup vs best = best baseline median / pick median; paired = median over rounds of "
                   "(best baseline in that round / pick in that round); paired hidden = median over rounds of "
                   "the hidden fraction of that round's own times.", "",
@@ -379,13 +397,17 @@ def main() -> None:
     parser.add_argument("--commit", default="")
     parser.add_argument("--modes", default="eager,graph", help="timing modes: eager, graph (CUDA-graph replay)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
+    parser.add_argument("--m", default="", help="comma-separated global M values to run (default: every shape)")
+    parser.add_argument("--no-call-graphs", action="store_true",
+                        help="eager picks as with Config.call_graphs=False (no per-call graphs, no cg rows)")
     args = parser.parse_args()
-    shapes = [s for s in shapes_for(args.world) if not args.only or s.op in args.only.split(",")]
+    shapes = [s for s in shapes_for(args.world) if (not args.only or s.op in args.only.split(","))
+              and (not args.m or str(s.M) in args.m.split(","))]
     modes = tuple(m for m in args.modes.split(",") if m)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     per_rank = run_distributed(bench_worker, args.world, shapes, args.iters, args.repeats, modes,
-                               str(out / "partial.jsonl"), backend="nccl", timeout_s=1800)
+                               str(out / "partial.jsonl"), not args.no_call_graphs, backend="nccl", timeout_s=1800)
     records = per_rank[0]
     import triton
 

@@ -97,6 +97,13 @@ class Config:
         pays no per-call host cost, and autotune times replays of captured calls (its
         own cache entries).  GPU schedules run inside a capture either way (their flags
         hold constants); the fused reductions run ce_push there (logged).
+    call_graphs: eager programs (cuda_graphs off): a region whose GEMM is estimated under
+        0.5 ms, where an eager GPU schedule's host cost (0.13-0.7 ms a call) would decide its
+        time, runs its schedule with cg=1 -- each call captured into a CUDA graph the second
+        time the same call (tensor addresses, shapes, buffer half) is seen, and replayed
+        from then on (kernels/gpu/call_graphs.py) -- and the rule and the cost model rank
+        those regions as replayed.  On by default; TORCH_COMMOPT_CALL_GRAPHS=0 turns the
+        replays off in a process (the calls then run eagerly).
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
         naming the op, rank and chunk instead of hanging (also enabled by the
         environment variable TORCH_COMMOPT_DEBUG_WAITS=1); costs a sync per op.
@@ -124,6 +131,7 @@ class Config:
     debug: bool = False
     debug_waits: bool = False
     cuda_graphs: bool = False
+    call_graphs: bool = True
     concat_k: bool = True
     coconet: bool = False
     ar_split: bool | str = False
@@ -168,7 +176,7 @@ class Config:
         unknown = [p for p in self.patterns if p not in PATTERNS]
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
-        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet",
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "call_graphs", "coconet",
                      "concat_k", "regather_for_backward"):
             _check_type(name, getattr(self, name), bool)
         if self.saved_gather_budget_mib is not None:

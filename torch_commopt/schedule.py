@@ -20,6 +20,7 @@ GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
     "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int, "graphs": int,
+    "cg": int,
 }
 
 
@@ -57,6 +58,9 @@ class Schedule:
         runs what the built-in rule picks for its concrete shape (kernels.auto), on CUDA
         by the GPU rule (graphs=1: its CUDA-graph variant), elsewhere chunked(S).
     Any schedule takes dbg=1: bounded spin-waits that raise instead of hanging.
+    GPU schedules (and autotune's placeholder, for its winner) take cg=1: an eager call is captured into a CUDA graph the second
+    time the same call (addresses, shapes, buffer half) is seen and replayed from then on, so
+    a short call stops paying its host cost (kernels/gpu/call_graphs.py, Config.call_graphs).
     """
 
     name: str
@@ -85,6 +89,9 @@ class Schedule:
         graphs = self.param("graphs")
         if graphs is not None and (self.name != "auto" or graphs not in (0, 1)):
             raise ValueError(f"schedule: graphs=0/1 is an auto option; got {self.name} graphs={graphs!r}")
+        cg = self.param("cg")
+        if cg is not None and (cg not in (0, 1) or not (self.name in GPU_NAMES or self.name == "autotune")):
+            raise ValueError(f"schedule: cg=0/1 is an option of the GPU schedules and autotune; got {self.name} cg={cg!r}")
         object.__setattr__(self, "params", tuple(sorted(self.params)))
 
     def __str__(self) -> str:

@@ -439,3 +439,57 @@ def run_compiled_cuda_graphs(rank: int, world: int, calls: int = 5):
         errors.append((f"cudagraph call {i}", _rel(got, want), 2e-2))
     schedules = [r.schedule for g in torch_commopt.explain().graphs for r in g.rewritten]
     return errors, schedules, sum(counters["inductor"].get(k_, 0) for k_ in counters["inductor"] if "cudagraph_skip" in k_)
+
+
+# Eager calls with cg=1 (kernels/gpu/call_graphs.py): fused:2:store=direct is a reduction that
+# cannot be captured (it runs eagerly, logged).
+CALL_GRAPH_CASES = [("ag", "ce_push:1"), ("ag", "ce_push:3"), ("ag", "ce_push:1:par=1"), ("ag", "ce_push:1:gemm=whole"),
+                    ("ag", "fused:2"), ("ag", "fused:1:tma=1"), ("rs", "ce_push:1"), ("rs", "ce_push:3"),
+                    ("rs", "direct:2"), ("rs", "ce_pull:2"), ("ar", "ce_push:2"), ("ar", "ce_pull:2"), ("ar", "direct:1"),
+                    ("rs", "fused:2:store=direct")]
+
+
+def run_call_graphs(rank: int, world: int, calls: int = 8, eager_ranks: tuple[int, ...] = ()):
+    """Each schedule with cg=1 called `calls` times on fresh inputs copied into two alternating
+    input sets (so each set's calls recur at fixed addresses: captured at the second sighting
+    per buffer half, replayed after), each output cloned and freed before the next call (its
+    block comes back), with an eager call of another schedule on other shapes between calls and
+    no synchronization until the end.  Ranks in `eager_ranks` never replay
+    (TORCH_COMMOPT_CALL_GRAPHS=0): replays on one rank must agree with eager calls on another.
+    Returns ([(name, error, reference error)], this rank's call_graphs.stats())."""
+    import os
+
+    from torch_commopt.kernels.gpu import call_graphs
+
+    if rank in eager_ranks:
+        os.environ[call_graphs.ENV] = "0"
+    dtype, m, k, n = torch.bfloat16, 256, 512, 384
+    pending, seed = [], 40000
+    for op, sched in CALL_GRAPH_CASES:
+        cg = str(Schedule.parse(sched).with_params(cg=1))
+        sets = []
+        for _ in range(2):
+            a, w, _ = _graph_inputs(op, seed, rank, world, m, k, n, dtype)
+            sets.append((a.clone(), w.clone()))
+            seed += 3
+        # Drawn first, so that nothing but the calls allocates between them; the eager calls
+        # between take 2048 more rows (blocks from the large pool, not the small one the cg
+        # call's output comes from).
+        fresh = [(_graph_inputs(op, seed + 5 * i, rank, world, m, k, n, dtype),
+                  _graph_inputs(op, seed + 5 * i + 1, rank, world, m + 2048, k, n, dtype)) for i in range(calls)]
+        seed += 5 * calls
+        for i, ((a, w, truth), (a2, w2, truth2)) in enumerate(fresh):
+            static_a, static_w = sets[i % 2]
+            static_a.copy_(a)
+            static_w.copy_(w)
+            out = _graph_call(op, static_a, static_w, cg)
+            got = out.clone()
+            del out
+            other = _graph_call(op, a2, w2, "ce_push:1")
+            pending += [(f"cg {op} {sched} call {i}", got, truth), (f"eager between cg {op} {sched} #{i}", other, truth2)]
+    torch.cuda.synchronize()
+    results = [(name, _rel(x, t), 8e-3) for name, x, t in pending]
+    stats = call_graphs.stats()
+    call_graphs.reset()
+    os.environ.pop(call_graphs.ENV, None)
+    return results, stats

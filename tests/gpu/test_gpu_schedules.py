@@ -169,3 +169,19 @@ def test_compiled_with_cuda_graph_trees(two_ranks):
         assert sum(s.startswith("ce_push") for s in schedules) == 2, schedules
         assert skips == 0, "Inductor skipped CUDA graphs"
         _check(errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager_ranks", [(), (1,)], ids=["every-rank-replays", "rank1-eager"])
+def test_eager_calls_replayed_from_per_call_graphs(two_ranks, eager_ranks):
+    from kernel_cases import CALL_GRAPH_CASES, run_call_graphs
+
+    per_rank = run_distributed(run_call_graphs, two_ranks[0], 8, eager_ranks, backend=two_ranks[1], timeout_s=300)
+    for rank, (results, stats) in enumerate(per_rank):
+        assert len(results) == 16 * len(CALL_GRAPH_CASES)
+        _check(results)
+        replayed = sum(s["replayed"] + s["captured"] for s in stats.values())
+        if rank in eager_ranks:
+            assert replayed == 0, stats
+        else:  # replays depend on the caching allocator handing the output's block back
+            assert replayed >= len(CALL_GRAPH_CASES) - 1, stats

@@ -89,6 +89,8 @@ def resolve(op: str, schedule: str, device: torch.device, why_not, run=None, sha
         from torch_commopt.tuner.autotune import decided, resolve_at_call
 
         picked = resolve_at_call(sched, run, device)
+        if sched.param("cg") and _parse(picked).is_gpu:  # the region replays per-call graphs
+            picked = str(_parse(picked).with_params(cg=1))
         if decided(sched) is not None:
             _DECIDED[schedule] = picked
         sched = _parse(picked)

@@ -238,8 +238,9 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
 
             shape, weights = op_a_shape(region), [list(c.weight.meta["val"].shape) for c in region.consumers]
             dtype = str(a.dtype).removeprefix("torch.")
-            wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=config.cuda_graphs)
-            band = measure_band(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=config.cuda_graphs)
+            replayed = _replayed(region, config)
+            wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
+            band = measure_band(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
             if band is not None:
                 wanted, why = _band(region, shape, weights, dtype, band, wanted, why, config, report)
             report.notes.append(f"{name}: picked {wanted} ({why})")
@@ -269,10 +270,33 @@ def _dynamic_schedule(region: Region, wanted: Schedule | None, config: Config,
     return wanted
 
 
+def _call_graphs(region: Region, config: Config) -> bool:
+    """Whether the region's eager calls replay per-call CUDA graphs (Config.call_graphs)."""
+    if not config.call_graphs or config.cuda_graphs or region.dynamic:
+        return False
+    a = val(region.a)
+    if a.device.type != "cuda":
+        return False
+    from torch_commopt.kernels.gpu.pick import call_graphs_pay
+
+    weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
+    return call_graphs_pay(region.kind, op_a_shape(region), weights, region.group_size,
+                           str(a.dtype).removeprefix("torch."))
+
+
+def _replayed(region: Region, config: Config) -> bool:
+    """Whether the region's calls run replayed from CUDA graphs (the program's, or per call):
+    then the rule and the cost model rank its schedules by GPU time alone."""
+    return config.cuda_graphs or _call_graphs(region, config)
+
+
 def _finish(wanted: Schedule, region: Region, config: Config, report: explain.GraphReport) -> Schedule:
-    """The chosen schedule with the config's debug waits, clamped to the rows available."""
+    """The chosen schedule with the config's debug waits and per-call graphs, clamped to the
+    rows available."""
     if config.debug_waits and wanted.is_gpu:
         wanted = wanted.with_params(dbg=1)
+    if (wanted.is_gpu or wanted.name == "autotune") and _call_graphs(region, config):
+        wanted = wanted.with_params(cg=1)
     rows = _chunk_rows(region, wanted.chunks)
     chosen = wanted.clamp(rows)
     if chosen != wanted:
@@ -429,7 +453,7 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
     sched, preds, top, key, why = plan(
         region.kind, op_a_shape(region), weights, region.dim, [c.bias is not None for c in region.consumers],
         region.reduce_op, region.keep_gathered, region.group_size, str(a.dtype).removeprefix("torch."),
-        device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, config.cuda_graphs,
+        device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, _replayed(region, config),
         sum(copy_bytes(c.node) for c in region.consumers), sum(kept_bytes(c.node) for c in region.consumers))
     name = region.collective.name
     # a GPU works while the host enqueues: the whole-graph plan weighs both
@@ -456,7 +480,7 @@ def _autotune(region: Region, config: Config, model_pick: Schedule, top: list[st
             row["measured_ms"] = cached["measured_ms"].get(row["schedule"])
         return Schedule.parse(cached["schedule"]), "cached measurement"
     request = TuneRequest(key, top, str(model_pick), region.group_name, config.cache_dir, config.debug_waits,
-                          config.cuda_graphs, rows, report.notes, region.collective.name)
+                          _replayed(region, config), rows, report.notes, region.collective.name)
     return register(request), f"{len(top)} candidates timed at the first call; model's pick {model_pick}"
 
 

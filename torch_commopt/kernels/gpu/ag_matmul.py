@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from torch_commopt.kernels.gpu import driver, symm, tma
+from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
 from torch_commopt.schedule import Schedule
@@ -63,9 +63,25 @@ def _plan(shape: tuple, gather_dim: int, world: int, chunks: int) -> tuple:
 
 def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, return_gathered):
     rt = symm.runtime(group_name, a.device)
+    lay, pieces, gshape = _plan(tuple(a.shape), gather_dim, rt.world, sched.chunks)
+    # The outputs are allocated here, outside a per-call graph (the caller owns them), and before
+    # the side stream syncs with the caller's stream: the side stream writes `gathered`, and its
+    # block's previous owner may still have caller-stream work pending (the caching allocator
+    # orders reuse on the allocating stream only).
+    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]]) for w in weights]
+    gathered = a.new_empty(gshape) if return_gathered else None
+
+    def body():
+        _gather_and_multiply(rt, a, weights, biases, sched, lay, pieces, outs, gathered)
+
+    call_graphs.call("ag_matmul", sched, rt, (a, *weights, *biases, *outs, gathered), (gather_dim,), body,
+                     lambda: unsupported_reason(a, weights, gather_dim, sched, group_name, rt.world, True))
+    return outs + ([gathered] if return_gathered else [])
+
+
+def _gather_and_multiply(rt, a, weights, biases, sched: Schedule, lay, pieces, outs, gathered) -> None:
     debug = rt.debug_waits(sched)
     world, rank = rt.world, rt.rank
-    lay, pieces, gshape = _plan(tuple(a.shape), gather_dim, world, sched.chunks)
     m_loc, k = lay.local_rows, a.shape[-1]
     a2 = a.contiguous().view(m_loc, k)
     row_bytes = k * a.element_size()
@@ -74,11 +90,6 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     base = half * (buf.nbytes // 2)  # the same offset for every op: tokens guard halves
     slots = buf.view(rank, base, (world, m_loc, k), a.dtype)
     cur, side = torch.cuda.current_stream(a.device), rt.side
-    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]]) for w in weights]
-    # Allocated before the side stream syncs with the caller's stream: the side stream
-    # writes `gathered`, and its block's previous owner may still have caller-stream work
-    # pending (the caching allocator orders reuse on the allocating stream only).
-    gathered = a.new_empty(gshape) if return_gathered else None
 
     rt.after(side, cur)
     src_ptr = a2.data_ptr()
@@ -97,14 +108,12 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
         slot_of = functools.partial(_source_slot, buf, rank, base, m_loc, k, row_bytes, a.dtype)
         _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, cur, debug,
                         rt.compute2 if sched.param("par") else None)
-    result = outs
-    if return_gathered:
-        result = outs + [_gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug)]
+    if gathered is not None:
+        _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug)
     rt.after(cur, side)
     rt.done_reading(cur, half, len(pieces))
     if debug:
         rt.check_status("ag_matmul")
-    return result
 
 
 def _source_slot(buf, rank: int, base: int, m_loc: int, k: int, row_bytes: int, dtype, src: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from torch_commopt.kernels.gpu import driver, symm, tma
+from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
 from torch_commopt.schedule import Schedule
@@ -147,26 +147,40 @@ class _Call:
 
 
 def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Schedule):
-    call = _Call(a, weight, scatter_dim, group_name, sched, reduce_op, phases=1)
+    rt = symm.runtime(group_name, a.device)
     out_shape = list(a.shape[:-1]) + [weight.shape[-1]]
-    out_shape[scatter_dim] //= call.world
-    out = a.new_empty(out_shape)
-    _reduce_scatter_into(call, weight, out.view(call.m_seg, call.n))
-    return call.finish(out, bias, reduce_op, "matmul_rs")
+    out_shape[scatter_dim] //= rt.world
+    out = a.new_empty(out_shape)  # outside a per-call graph: the caller owns it
+
+    def body():
+        call = _Call(a, weight, scatter_dim, group_name, sched, reduce_op, phases=1)
+        _reduce_scatter_into(call, weight, out.view(call.m_seg, call.n))
+        call.finish(out, bias, reduce_op, "matmul_rs")
+
+    call_graphs.call("matmul_rs", sched, rt, (a, weight, bias, out), (scatter_dim, reduce_op), body,
+                     lambda: unsupported_reason(a, weight, scatter_dim, rt.world, sched, group_name, True))
+    return out
 
 
 def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
-    call = _Call(a, weight, None, group_name, sched, reduce_op, phases=2)
-    out = a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]])
-    full = out.view(-1, call.n)
-    own = full[call.rank * call.m_seg: (call.rank + 1) * call.m_seg]
-    _reduce_scatter_into(call, weight, own, after_piece=lambda c, lo, hi: _push_reduced(call, own, c, lo, hi))
-    for c, (lo, hi) in enumerate(call.pieces):
-        for src in call.rt.sources:
-            call.wait(call.side, src, c, "reduced chunk", phase=1)
-            got = call.slot(call.rank, src, region=1)
-            call.rt.copy(call.side, full[src * call.m_seg + lo: src * call.m_seg + hi], piece_rows(got, lo, hi))
-    return call.finish(out, bias, reduce_op, "matmul_ar")
+    rt = symm.runtime(group_name, a.device)
+    out = a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]])  # outside a per-call graph
+
+    def body():
+        call = _Call(a, weight, None, group_name, sched, reduce_op, phases=2)
+        full = out.view(-1, call.n)
+        own = full[call.rank * call.m_seg: (call.rank + 1) * call.m_seg]
+        _reduce_scatter_into(call, weight, own, after_piece=lambda c, lo, hi: _push_reduced(call, own, c, lo, hi))
+        for c, (lo, hi) in enumerate(call.pieces):
+            for src in call.rt.sources:
+                call.wait(call.side, src, c, "reduced chunk", phase=1)
+                got = call.slot(call.rank, src, region=1)
+                call.rt.copy(call.side, full[src * call.m_seg + lo: src * call.m_seg + hi], piece_rows(got, lo, hi))
+        call.finish(out, bias, reduce_op, "matmul_ar")
+
+    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out), (reduce_op,), body,
+                     lambda: unsupported_reason(a, weight, None, rt.world, sched, group_name, True))
+    return out
 
 
 def _push_reduced(call: _Call, own, c, lo, hi):

@@ -65,6 +65,14 @@ SHORT_GEMM_S = 0.5e-3
 SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
 
 
+def call_graphs_pay(kind: str, a_shape: list[int], weight_shapes: list[list[int]], world: int, dtype: str) -> bool:
+    """Whether an eager region's calls should replay per-call CUDA graphs (Config.call_graphs):
+    its GEMM is estimated under SHORT_GEMM_S, where an eager call's host cost can outlast its
+    GPU time.  Longer regions hide their host cost behind the GEMM, and a graph would only hold
+    memory for their (large) staging tensors."""
+    return estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)[0] < SHORT_GEMM_S
+
+
 def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: str) -> tuple[float, float]:
     """(gemm seconds, transfer seconds) of one rank for a region."""
     rows, k = math.prod(a_shape[:-1]), a_shape[-1]

@@ -242,6 +242,12 @@ class GroupRuntime:
         self.epoch += 1
         return self.epoch
 
+    def rewind(self, epoch: int) -> None:
+        """Back to call number `epoch`, no deferred token take left: a call captured into a CUDA
+        graph that failed (kernels/gpu/call_graphs.py) did not happen."""
+        self._untaken.clear()
+        self.epoch = epoch
+
     def has_buffer(self, nbytes: int) -> bool:
         """Whether a buffer of >= nbytes exists (a graph capture cannot create one)."""
         return any(b.nbytes >= nbytes for b in self.buffers)

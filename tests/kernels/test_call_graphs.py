@@ -1,0 +1,227 @@
+"""Per-call CUDA graphs (kernels/gpu/call_graphs.py): when a call is captured, replayed or run
+eagerly, and what the runtime's call count does meanwhile.  The graphs here are stand-ins (no
+CUDA); tests/gpu/test_gpu_schedules.py replays real ones against the reference."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from torch_commopt.kernels.gpu import call_graphs
+from torch_commopt.kernels.gpu.call_graphs import CallGraphs
+from torch_commopt.schedule import Schedule
+
+
+class FakeRuntime:
+    """The runtime's host state a call touches: its call count and deferred token takes."""
+
+    def __init__(self):
+        self.epoch, self.untaken, self.device = 0, {}, torch.device("cuda", 0)
+
+    def next_epoch(self):
+        self.untaken.clear()
+        self.epoch += 1
+        return self.epoch
+
+    def rewind(self, epoch):
+        self.untaken.clear()
+        self.epoch = epoch
+
+    def debug_waits(self, sched):
+        return bool(sched.param("dbg", 0))
+
+
+class FakeGraph:
+    def __init__(self, half):
+        self.half, self.replays = half, 0
+
+    def replay(self):
+        self.replays += 1
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """A CallGraphs whose captures record the half the captured call took (body run 'dry')."""
+    cg = CallGraphs(torch.device("cuda", 0))
+    captured = []
+
+    def capture(rt, body):
+        halves = []
+        body(halves)
+        captured.append(halves[0])
+        return FakeGraph(halves[0])
+
+    monkeypatch.setattr(cg, "_capture", capture)
+    cg.captured = captured
+    return cg
+
+
+def _body(rt, log):
+    """A call: counts itself (as every schedule does first) and records its buffer half."""
+    def body(into=None):
+        half = rt.next_epoch() % 2
+        (log if into is None else into).append(half)
+    return body
+
+
+def test_second_sighting_captures_and_later_calls_replay_in_their_half(graphs):
+    rt, eager = FakeRuntime(), []
+    for _ in range(8):
+        graphs.run(rt, ("matmul_rs", "ce_push:1"), _body(rt, eager), lambda: None)
+    # halves alternate 1, 0, 1, 0, ...: each half's call is first run eagerly, captured at its
+    # second sighting, then replayed
+    assert eager == [1, 0] and graphs.captured == [1, 0]
+    assert graphs.stats == {"eager": 2, "captured": 2, "replayed": 4, "dropped": 0}
+    assert sorted(g.half for g in graphs.graphs.values()) == [0, 1]
+    assert all(g.replays == 3 for g in graphs.graphs.values())  # the capture's own replay + 2
+    assert rt.epoch == 8  # every call counted once, replayed or not: the ranks agree on the halves
+
+
+def test_a_different_address_or_layout_is_a_different_call(graphs):
+    rt, eager = FakeRuntime(), []
+    a, b = torch.zeros(4, 4), torch.zeros(4, 4)
+    keys = [("x", call_graphs.signature(a)), ("x", call_graphs.signature(b)), ("x", call_graphs.signature(a.t())),
+            ("x", call_graphs.signature(a[:2])), ("x", call_graphs.signature(a.to(torch.float64)))]
+    assert len(set(keys)) == len(keys)
+    for key in keys:  # each seen once (per half): nothing captured
+        graphs.run(rt, key, _body(rt, eager), lambda: None)
+    assert graphs.captured == [] and len(eager) == len(keys)
+    assert call_graphs.signature(None) is None
+
+
+def test_a_refused_capture_runs_eagerly_and_is_tried_again(graphs):
+    rt, eager = FakeRuntime(), []
+    refusals = iter(["no buffer yet", None])
+    for _ in range(7):
+        graphs.run(rt, ("k",), _body(rt, eager), lambda: next(refusals, None))
+    # half 1's second sighting is refused (eager), half 0's captured; half 1 is then seen once
+    # more (eager) and captured at the sighting after
+    assert eager == [1, 0, 1, 1] and graphs.captured == [0, 1]
+    assert graphs.failed is None and rt.epoch == 7
+
+
+def test_the_least_recently_replayed_graph_is_dropped(graphs, monkeypatch):
+    monkeypatch.setattr(call_graphs, "CAPACITY", 2)
+    rt, eager = FakeRuntime(), []
+    for key in ["a", "a", "a", "a", "b", "b", "b", "b"]:  # a: halves 1, 0 captured; then b's two
+        graphs.run(rt, (key,), _body(rt, eager), lambda: None)
+    assert [k[0] for k in graphs.graphs] == ["b", "b"] and graphs.stats["dropped"] == 2
+
+
+class BrokenGraph:
+    """A capture the driver refuses at its end (an operation a capture does not allow)."""
+
+    def capture_begin(self, **kwargs):
+        pass
+
+    def capture_end(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_rewinds_the_call_count_and_stops_capturing(monkeypatch, caplog):
+    cg = CallGraphs(torch.device("cuda", 0))
+    monkeypatch.setattr(cg, "_capture_stream", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", BrokenGraph)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: _NullContext())
+    rt, eager = FakeRuntime(), []
+
+    def body():
+        half = rt.next_epoch() % 2
+        rt.untaken[1] = 512  # a token take the capture deferred to a signal it never reached
+        eager.append(half)
+
+    with caplog.at_level(logging.WARNING, logger="torch_commopt.kernels.gpu.call_graphs"):
+        for _ in range(6):
+            cg.run(rt, ("k",), body, lambda: None)
+    # calls 1, 2 eager (first sightings); call 3's capture (its body's dry run, half 1) fails:
+    # the count is rewound and the call runs eagerly in the same half; the rest run eagerly
+    assert eager == [1, 0, 1, 1, 0, 1, 0] and rt.epoch == 6
+    assert cg.failed and "not permitted" in cg.failed and "run eagerly from now on" in caplog.text
+    assert cg.stats == {"eager": 6, "captured": 0, "replayed": 0, "dropped": 0}
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return False
+
+
+def test_calls_without_cg_or_with_bounded_waits_or_uncapturable_run_eagerly(monkeypatch):
+    ran = []
+    rt = FakeRuntime()
+    monkeypatch.setattr(call_graphs, "for_device", lambda device: pytest.fail("a per-call graph was looked up"))
+    for op, sched in [("matmul_rs", "ce_push:1"), ("matmul_rs", "ce_push:1:cg=1,dbg=1"), ("matmul_rs", "fused:2:cg=1")]:
+        call_graphs.call(op, Schedule.parse(sched), rt, (None,), (), lambda: ran.append(sched), lambda: None)
+    monkeypatch.setenv(call_graphs.ENV, "0")
+    call_graphs.call("matmul_rs", Schedule.parse("ce_push:1:cg=1"), rt, (None,), (), lambda: ran.append("env"),
+                     lambda: None)
+    assert ran == ["ce_push:1", "ce_push:1:cg=1,dbg=1", "fused:2:cg=1", "env"]
+    assert call_graphs.replayable("ag_matmul", Schedule.parse("fused:2:cg=1"), rt) == f"{call_graphs.ENV}=0"
+
+
+def test_cg_calls_are_keyed_by_their_tensors_and_arguments(monkeypatch):
+    seen = []
+    monkeypatch.setattr(call_graphs, "for_device", lambda device: SimpleNamespace(
+        run=lambda rt, key, body, refusal: seen.append(key)))
+    a, w = torch.zeros(8, 4), torch.zeros(4, 4)
+    sched = Schedule.parse("ce_push:1:cg=1")
+    call_graphs.call("matmul_rs", sched, FakeRuntime(), (a, w, None), (0, "sum"), lambda: None, lambda: None)
+    assert seen == [("matmul_rs", "ce_push:1:cg=1", (0, "sum"), call_graphs.signature(a), call_graphs.signature(w),
+                     None)]
+
+
+def test_cg_is_an_option_of_the_gpu_schedules_and_the_autotune_placeholder():
+    assert Schedule.parse("ce_push:1:cg=1").param("cg") == 1
+    assert str(Schedule.parse("fused:2:cg=1,tma=1")) == "fused:2:cg=1,tma=1"
+    assert Schedule.parse("autotune:1:cg=1,id=x").param("cg") == 1
+    for bad in ["sequential:1:cg=1", "chunked:2:cg=1", "ce_push:1:cg=2"]:
+        with pytest.raises(ValueError, match="cg=0/1"):
+            Schedule.parse(bad)
+
+
+def _region(kind, a_shape, w_shape, device="cuda"):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a_val = torch.empty(a_shape, device=device, dtype=torch.bfloat16)
+        w_val = torch.empty(w_shape, device=device, dtype=torch.bfloat16)
+    graph = torch.fx.Graph()
+    a, w = graph.placeholder("a"), graph.placeholder("w")
+    a.meta["val"], w.meta["val"] = a_val, w_val
+    return SimpleNamespace(kind=kind, a=a, t_shape=None, dim=0, group_size=2, dynamic=False,
+                           consumers=[SimpleNamespace(weight=w)])
+
+
+def test_short_eager_regions_replay_per_call_graphs_and_are_ranked_as_replayed():
+    from torch_commopt.config import Config
+    from torch_commopt.passes import pipeline
+
+    short = _region("ag_matmul", [256, 8192], [8192, 4096])  # M_global 512: est. GEMM 0.05 ms
+    long = _region("ag_matmul", [4096, 8192], [8192, 4096])  # est. GEMM 0.8 ms
+    on, off, graphs = Config(), Config(call_graphs=False), Config(cuda_graphs=True)
+    assert pipeline._call_graphs(short, on) and pipeline._replayed(short, on)
+    assert not pipeline._call_graphs(long, on) and not pipeline._replayed(long, on)
+    assert not pipeline._call_graphs(short, off) and not pipeline._replayed(short, off)
+    assert not pipeline._call_graphs(short, graphs) and pipeline._replayed(short, graphs)
+    assert not pipeline._call_graphs(_region("ag_matmul", [256, 8192], [8192, 4096], device="cpu"), on)
+
+
+def test_the_short_eager_region_gets_the_replayed_pick_with_cg():
+    from torch_commopt import report as explain
+    from torch_commopt.config import Config
+    from torch_commopt.passes import pipeline
+
+    region = _region("ag_matmul", [256, 8192], [8192, 4096])
+    region.collective = SimpleNamespace(name="all_gather_0")
+    report = explain.GraphReport(graph_id=0, graph_kind="forward", compile_id=None)
+    # eager without per-call graphs: NCCL + cuBLAS (the GPU schedule's host cost would decide)
+    assert str(pipeline._choose_schedule(region, Config(call_graphs=False), report)) == "sequential"
+    # with them: what a replayed program runs, replayed per call
+    assert str(pipeline._choose_schedule(region, Config(), report)) == "ce_push:1:cg=1,gemm=whole"
+    assert str(pipeline._choose_schedule(region, Config(cuda_graphs=True), report)) == "ce_push:1:gemm=whole"

@@ -1,0 +1,212 @@
+"""Eager calls replayed from per-call CUDA graphs (schedule parameter cg=1).
+
+A short GPU schedule called eagerly is host-bound: its ~10-20 driver calls and cuBLAS launches
+take 0.13-0.23 ms of host a call at two ranks and 0.4-0.7 ms at four, more than its GPU time
+(2x H100, benchmarks/probe_call_graph.py, session 35: RS M_global 512 ce_push:1 0.322 ms a call
+back to back eager, 0.074 replayed from a one-call graph; AG 512 gemm=whole 0.235 / 0.081; AG
+2048 ce_push:1 0.265 / 0.204; the graph's launch 6-20 us of host).
+
+So a call with cg=1 is captured into a CUDA graph the second time the same call is seen, and
+replayed from then on.  "The same call": op, schedule, the buffer half it takes, its scalar
+arguments and every tensor it reads or writes -- address, shape, strides, dtype.  A graph reads
+and writes addresses, so it serves any later call whose tensors sit where its own did, whatever
+they hold (a training loop's caching allocator hands the same addresses step after step).  The
+outputs are allocated by the caller before the call (outside the graph), so a returned tensor
+is never a graph's memory that a later replay overwrites; what the schedule allocates inside
+(staging, a contiguous copy of A) comes from one memory pool shared by this device's graphs,
+whose replays never overlap (each runs on the caller's stream and joins its side streams).
+
+Why replays and eager calls may mix, across ranks too: the protocol is closed (symm's module
+docstring): a captured call does on the GPU what an eager call of the same schedule and buffer
+half does, and every rank takes the same half at the same call (the runtime's epoch counts
+calls alike on every rank, replayed or not).  Whether a rank replays is its own business.
+
+Not replayed: calls inside a capture (the program's own graph), calls with bounded (debug)
+waits (their status check synchronizes), schedules that cannot be captured (the fused
+reductions' barrier counts epochs), and, after a capture failed once, every call of that
+device (logged; the eager call runs instead and nothing else changes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("torch_commopt.kernels.gpu.call_graphs")
+
+ENV = "TORCH_COMMOPT_CALL_GRAPHS"  # "0": never replay (cg=1 calls run eagerly)
+CAPACITY = 64  # graphs kept per device (least recently replayed dropped first)
+SIGHTINGS = 1024  # calls remembered per device while they wait for their second sighting
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV, "1") not in ("0", "false", "False", "off")
+
+
+def signature(t: torch.Tensor | None):
+    """What a graph depends on of one tensor argument: where it is and how it is laid out."""
+    if t is None:
+        return None
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+class CallGraphs:
+    """One device's captured calls, their memory pool and capture stream."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
+        self.seen: OrderedDict[tuple, int] = OrderedDict()
+        self.pool = None
+        self.stream: torch.cuda.Stream | None = None
+        self.failed: str | None = None
+        self.stats = {"eager": 0, "captured": 0, "replayed": 0, "dropped": 0}
+
+    def run(self, rt, key: tuple, body: Callable[[], None], refusal: Callable[[], str | None]) -> None:
+        """body() for this call (it writes the caller's preallocated outputs and starts with the
+        runtime's next_epoch): replayed when `key` (without the half, which is added here) has
+        a graph, captured then replayed on its second sighting unless refusal() names a reason
+        (no symmetric buffer yet: the call runs eagerly and the next sighting tries again),
+        else run eagerly."""
+        key = key + ((rt.epoch + 1) % 2,)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            rt.next_epoch()  # what body() would have counted
+            graph.replay()
+            self.stats["replayed"] += 1
+            return
+        if self.failed is None and self._second_sighting(key) and refusal() is None:
+            graph = self._capture(rt, body)
+            if graph is not None:
+                self._keep(key, graph)
+                graph.replay()
+                self.stats["captured"] += 1
+                return
+        body()
+        self.stats["eager"] += 1
+
+    def _second_sighting(self, key: tuple) -> bool:
+        count = self.seen.pop(key, 0) + 1
+        if count >= 2:
+            return True
+        self.seen[key] = count
+        while len(self.seen) > SIGHTINGS:
+            self.seen.popitem(last=False)
+        return False
+
+    def _keep(self, key: tuple, graph) -> None:
+        self.graphs[key] = graph
+        while len(self.graphs) > CAPACITY:  # the new graph stays: the pool never loses its last user
+            self.graphs.popitem(last=False)
+            self.stats["dropped"] += 1
+
+    def _capture(self, rt, body) -> torch.cuda.CUDAGraph | None:
+        """A graph of body(), or None (and no more captures on this device) if capturing failed;
+        the runtime's host state is as before the attempt either way but for the call's epoch."""
+        epoch = rt.epoch
+        try:
+            stream = self._capture_stream()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    body()
+                finally:
+                    graph.capture_end()
+        except Exception as e:  # noqa: BLE001 - the eager call runs instead, logged
+            rt.rewind(epoch)
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning("commopt: capturing an eager call into a CUDA graph failed (%s); this device's calls "
+                        "run eagerly from now on", self.failed)
+            return None
+        return graph
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The stream captures run on (not the caller's, which may be the legacy default stream,
+        where capturing is not allowed); a replay runs on the caller's."""
+        if self.stream is None:
+            stream = torch.cuda.Stream(device=self.device)
+            # cuBLAS keeps a workspace per stream, allocated at the stream's first GEMM: let that
+            # happen here, outside any capture, not inside the graphs' pool.
+            with torch.cuda.stream(stream):
+                x = torch.ones((8, 8), device=self.device)
+                torch.mm(x, x)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.stream = stream
+        return self.stream
+
+    def clear(self) -> None:
+        """Drop every graph (and the pool with the last of them)."""
+        self.graphs.clear()
+        self.seen.clear()
+        self.pool = None
+
+
+_BY_DEVICE: dict[int, CallGraphs] = {}
+
+
+def for_device(device: torch.device) -> CallGraphs:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cg = _BY_DEVICE.get(index)
+    if cg is None:
+        cg = _BY_DEVICE[index] = CallGraphs(torch.device("cuda", index))
+    return cg
+
+
+def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body: Callable[[], None],
+         refusal: Callable[[], str | None]) -> None:
+    """Run one GPU-schedule call, body(), eagerly or from its graph (see the module docstring).
+    tensors: every tensor the call reads or writes (None for an absent one), the preallocated
+    outputs among them; scalars: its other arguments that body() depends on."""
+    if not sched.param("cg") or _capturing():
+        body()
+        return
+    why = replayable(op, sched, rt)
+    if why is not None:
+        if (op, why) not in _told:
+            _told.add((op, why))
+            log.info("commopt %s: %s runs eagerly, not from a per-call graph (%s)", op, sched, why)
+        body()
+        return
+    key = (op, str(sched), scalars) + tuple(signature(t) for t in tensors)
+    for_device(rt.device).run(rt, key, body, refusal)
+
+
+_told: set[tuple[str, str]] = set()
+
+
+def _capturing() -> bool:
+    """Whether the program itself is capturing a graph now (its capture holds the call)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):  # a CPU-only build
+        return False
+
+
+def replayable(op: str, sched, rt) -> str | None:
+    """Why a cg=1 call of `sched` runs eagerly (None: it may be replayed)."""
+    if not enabled_by_env():
+        return f"{ENV}=0"
+    if sched.in_capture(op) != sched:
+        return f"{sched} cannot be captured"
+    if rt.debug_waits(sched):
+        return "bounded (debug) waits"
+    return None
+
+
+def stats() -> dict[int, dict[str, int]]:
+    """Per device: calls run eagerly, captured, replayed, graphs dropped."""
+    return {index: dict(cg.stats) for index, cg in _BY_DEVICE.items()}
+
+
+def reset() -> None:
+    for cg in _BY_DEVICE.values():
+        cg.clear()
+    _BY_DEVICE.clear()
