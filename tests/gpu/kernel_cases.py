@@ -284,14 +284,15 @@ def run_compiled_models(rank: int, world: int, options: dict, kinds: tuple[str, 
     return out
 
 
-def run_compiled_band(rank: int, world: int, shape: dict):
-    """A TP block whose MLP all-reduce falls in the rule's host-bound band, compiled with the rule: (errors vs float64 next to eager's, the
-    schedules the compile emitted, explain notes)."""
+def run_compiled_band(rank: int, world: int, shape: dict, options: dict | None = None):
+    """A TP block whose MLP all-reduce falls in the rule's host-bound band, compiled with the rule
+    (and `options`): (errors vs float64 next to eager's, the schedules the compile emitted,
+    explain notes)."""
     from torch_commopt.validate import check
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    errors = check("tp_block", {"schedule": "auto"}, shape=shape, dtype=torch.bfloat16)
+    errors = check("tp_block", {"schedule": "auto", **(options or {})}, shape=shape, dtype=torch.bfloat16)
     graphs = torch_commopt.explain().graphs
     return ([(e.name, e.compiled, e.eager) for e in errors], [r.schedule for g in graphs for r in g.regions],
             [n for g in graphs for n in g.notes])
@@ -459,10 +460,11 @@ def run_call_graphs(rank: int, world: int, calls: int = 8, eager_ranks: tuple[in
     Returns ([(name, error, reference error)], this rank's call_graphs.stats())."""
     import os
 
-    from torch_commopt.kernels.gpu import call_graphs
+    from torch_commopt.kernels.gpu import call_graphs, symm
 
     if rank in eager_ranks:
         os.environ[call_graphs.ENV] = "0"
+    debug_env = os.environ.pop(symm.DEBUG_ENV, None)  # bounded waits never replay (device_run.sh sets them)
     dtype, m, k, n = torch.bfloat16, 256, 512, 384
     pending, seed = [], 40000
     for op, sched in CALL_GRAPH_CASES:
@@ -492,4 +494,6 @@ def run_call_graphs(rank: int, world: int, calls: int = 8, eager_ranks: tuple[in
     stats = call_graphs.stats()
     call_graphs.reset()
     os.environ.pop(call_graphs.ENV, None)
+    if debug_env is not None:
+        os.environ[symm.DEBUG_ENV] = debug_env
     return results, stats
