@@ -97,9 +97,9 @@ class Config:
         pays no per-call host cost, and autotune times replays of captured calls (its
         own cache entries).  GPU schedules run inside a capture either way (their flags
         hold constants); the fused reductions run ce_push there (logged).
-    call_graphs: eager programs (cuda_graphs off): a region whose GEMM is estimated under
-        0.5 ms, where an eager GPU schedule's host cost (0.13-0.7 ms a call) would decide its
-        time, runs its schedule with cg=1 -- each call captured into a CUDA graph the second
+    call_graphs: eager programs (cuda_graphs off): a region whose GEMM is estimated between
+        0.1 and 0.5 ms, where an eager GPU schedule's host cost (0.13-0.7 ms a call) would
+        decide its time, runs its schedule with cg=1 -- each call captured into a CUDA graph the second
         time the same call (tensor addresses, shapes, buffer half) is seen, and replayed
         from then on (kernels/gpu/call_graphs.py) -- and the rule and the cost model rank
         those regions as replayed.  On by default; TORCH_COMMOPT_CALL_GRAPHS=0 turns the

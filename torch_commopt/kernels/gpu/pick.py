@@ -67,10 +67,17 @@ SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
 
 def call_graphs_pay(kind: str, a_shape: list[int], weight_shapes: list[list[int]], world: int, dtype: str) -> bool:
     """Whether an eager region's calls should replay per-call CUDA graphs (Config.call_graphs):
-    its GEMM is estimated under SHORT_GEMM_S, where an eager call's host cost can outlast its
-    GPU time.  Longer regions hide their host cost behind the GEMM, and a graph would only hold
-    memory for their (large) staging tensors."""
-    return estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)[0] < SHORT_GEMM_S
+    its GEMM is estimated in [MIN_GEMM_S, SHORT_GEMM_S), the band where an eager call's host
+    cost decides between a GPU schedule and NCCL.  2x H100, K = N = 8192, eager back to back
+    (matmul_collectives_h100x2_2026-11-27_s35_cg, ms): M_global 2048 AG ce_push:1 with cg=1
+    0.199 vs NCCL 0.276, RS 0.207 vs 0.283, AR 0.289 vs 0.327 (without: 0.253, 0.297, 0.351 in
+    s34).  Below MIN_GEMM_S the replayed call still pays ~0.1 ms of host (the op's dispatch,
+    its key, the graph launch) against ~0.08 of GPU: M_global 512 AG gemm=whole with cg=1
+    0.095 vs NCCL 0.092, so NCCL + cuBLAS stay.  Longer regions hide their host cost behind
+    the GEMM, and a graph would only hold memory for their (large) staging tensors (RS 8192^3
+    ce_push:1 replayed 0.891-0.914 ms vs eager 0.885-0.901, probe_call_graph.py)."""
+    gemm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)[0]
+    return MIN_GEMM_S <= gemm_s < SHORT_GEMM_S
 
 
 def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: str) -> tuple[float, float]:
