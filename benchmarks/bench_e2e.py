@@ -224,6 +224,10 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                 prepared[variant]()
             sync()
     check_unchanged(compiled, "bench_e2e")
+    if dev == "cuda":  # per-call graphs over the whole run (every variant): eager, captured, replayed, dropped
+        from torch_commopt.kernels.gpu import call_graphs
+
+        print(f"rank {rank} call_graphs {call_graphs.stats()}", flush=True)
     return out
 
 
