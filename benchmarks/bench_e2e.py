@@ -68,8 +68,8 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    # each region's candidates timed at its first call (one of the loss-curve steps)
                    "commopt autotune": {"mode": "autotune"},
                    "commopt no concat-K": {"concat_k": False},
-                   # eager calls without per-call CUDA graphs (Config.call_graphs=False)
-                   "commopt no call-graphs": {"call_graphs": False},
+                   # short regions' eager calls replayed from per-call CUDA graphs (Config.call_graphs)
+                   "commopt call-graphs": {"call_graphs": True},
                    "commopt model no concat-K": {"mode": "model", "concat_k": False},
                    # replayed from CUDA graphs (Inductor's CUDA-graph trees): no per-call host cost
                    "commopt graphs": {"cuda_graphs": True},

@@ -196,12 +196,12 @@ def _with_cg(op: str, scheds: list[str]) -> list[str]:
 
 
 def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats: int, modes: tuple[str, ...],
-                 partial_path: str | None = None, call_graphs: bool = True):
+                 partial_path: str | None = None, call_graphs: bool = False):
     """Per shape and mode: every variant timed round-robin.  Rank 0 appends each finished
     record to `partial_path` (JSON lines) so that a run cut short keeps what it measured.
-    call_graphs (Config.call_graphs, the default): eager shapes whose GEMM is short run the
-    pick with cg=1, as the compile pass emits them, and every capturable GPU schedule is timed
-    with cg=1 too."""
+    call_graphs (Config.call_graphs=True, --call-graphs): eager shapes whose GEMM is in the band
+    run the pick with cg=1, as the compile pass then emits them, and every capturable GPU
+    schedule is timed with cg=1 too."""
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     group_name = dist.group.WORLD.group_name
@@ -398,8 +398,8 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,graph", help="timing modes: eager, graph (CUDA-graph replay)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--m", default="", help="comma-separated global M values to run (default: every shape)")
-    parser.add_argument("--no-call-graphs", action="store_true",
-                        help="eager picks as with Config.call_graphs=False (no per-call graphs, no cg rows)")
+    parser.add_argument("--call-graphs", action="store_true",
+                        help="eager picks as with Config.call_graphs=True (per-call graphs, cg rows)")
     args = parser.parse_args()
     shapes = [s for s in shapes_for(args.world) if (not args.only or s.op in args.only.split(","))
               and (not args.m or str(s.M) in args.m.split(","))]
@@ -407,7 +407,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     per_rank = run_distributed(bench_worker, args.world, shapes, args.iters, args.repeats, modes,
-                               str(out / "partial.jsonl"), not args.no_call_graphs, backend="nccl", timeout_s=1800)
+                               str(out / "partial.jsonl"), args.call_graphs, backend="nccl", timeout_s=1800)
     records = per_rank[0]
     import triton
 

@@ -130,13 +130,13 @@ def test_compiled_band_regions_measure_at_the_first_call(two_ranks):
 
 @pytest.mark.gpu
 def test_compiled_short_regions_replay_per_call_graphs(two_ranks):
-    # the band's regions with Config.call_graphs (the default): ranked as replayed, run with cg=1
+    # the band's regions with Config.call_graphs: ranked as replayed, run with cg=1
     _funcol_ranks(two_ranks)
     from kernel_cases import run_compiled_band
 
     shape = {"batch": 2, "seq": 2048, "dim": 4096, "hidden": 8192, "heads": 32}
-    for errors, schedules, notes in run_distributed(run_compiled_band, two_ranks[0], shape, backend=two_ranks[1],
-                                                    timeout_s=300):
+    for errors, schedules, notes in run_distributed(run_compiled_band, two_ranks[0], shape, {"call_graphs": True},
+                                                    backend=two_ranks[1], timeout_s=300):
         assert any("cg=1" in s for s in schedules) and not any(s.startswith("autotune") for s in schedules), schedules
         bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
         assert not bad, bad

@@ -205,7 +205,8 @@ def test_short_eager_regions_replay_per_call_graphs_and_are_ranked_as_replayed()
     short = _region("ag_matmul", [1024, 8192], [8192, 4096])  # M_global 2048: est. GEMM 0.2 ms
     long = _region("ag_matmul", [4096, 8192], [8192, 4096])  # est. GEMM 0.8 ms
     tiny = _region("ag_matmul", [256, 8192], [8192, 4096])  # M_global 512: est. GEMM 0.05 ms
-    on, off, graphs = Config(), Config(call_graphs=False), Config(cuda_graphs=True)
+    on, off, graphs = Config(call_graphs=True), Config(), Config(cuda_graphs=True, call_graphs=True)
+    assert not Config().call_graphs  # opt-in (see Config's docstring)
     assert pipeline._call_graphs(short, on) and pipeline._replayed(short, on)
     assert not pipeline._call_graphs(long, on) and not pipeline._replayed(long, on)
     assert not pipeline._call_graphs(tiny, on) and not pipeline._replayed(tiny, on)  # host-bound even replayed
@@ -222,11 +223,11 @@ def test_the_short_eager_region_gets_the_replayed_pick_with_cg():
     report = explain.GraphReport(graph_id=0, graph_kind="forward", compile_id=None)
     region = _region("ag_matmul", [1024, 8192], [8192, 4096])  # in the band: no first-call timing
     region.collective = SimpleNamespace(name="all_gather_0")
-    assert str(pipeline._choose_schedule(region, Config(), report)) == "ce_push:1:cg=1"
-    assert str(pipeline._choose_schedule(region, Config(cuda_graphs=True), report)) == "ce_push:1"
+    assert str(pipeline._choose_schedule(region, Config(call_graphs=True), report)) == "ce_push:1:cg=1"
+    assert str(pipeline._choose_schedule(region, Config(cuda_graphs=True, call_graphs=True), report)) == "ce_push:1"
     assert any("all_gather_0: picked ce_push:1 " in n for n in report.notes)
     # M_global 512: NCCL + cuBLAS eager; a replayed program runs one GEMM after the gather
     tiny = _region("ag_matmul", [256, 8192], [8192, 4096])
     tiny.collective = SimpleNamespace(name="all_gather_1")
-    assert str(pipeline._choose_schedule(tiny, Config(), report)) == "sequential"
+    assert str(pipeline._choose_schedule(tiny, Config(call_graphs=True), report)) == "sequential"
     assert str(pipeline._choose_schedule(tiny, Config(cuda_graphs=True), report)) == "ce_push:1:gemm=whole"
