@@ -19,7 +19,7 @@ class FakeRuntime:
     """The runtime's host state a call touches: its call count and deferred token takes."""
 
     def __init__(self):
-        self.epoch, self.untaken, self.device = 0, {}, torch.device("cuda", 0)
+        self.epoch, self.untaken, self.device, self.group_name = 0, {}, torch.device("cuda", 0), "g"
 
     def next_epoch(self):
         self.untaken.clear()
@@ -75,8 +75,8 @@ def test_second_sighting_captures_and_later_calls_replay_in_their_half(graphs):
     # second sighting, then replayed
     assert eager == [1, 0] and graphs.captured == [1, 0]
     assert graphs.stats == {"eager": 2, "captured": 2, "replayed": 4, "dropped": 0}
-    assert sorted(g.half for g in graphs.graphs.values()) == [0, 1]
-    assert all(g.replays == 3 for g in graphs.graphs.values())  # the capture's own replay + 2
+    assert sorted(e.graph.half for e in graphs.graphs.values()) == [0, 1]
+    assert all(e.graph.replays == 3 and e.replays == 2 for e in graphs.graphs.values())  # + the capture's own
     assert rt.epoch == 8  # every call counted once, replayed or not: the ranks agree on the halves
 
 
@@ -155,7 +155,7 @@ class _NullContext:
 def test_calls_without_cg_or_with_bounded_waits_or_uncapturable_run_eagerly(monkeypatch):
     ran = []
     rt = FakeRuntime()
-    monkeypatch.setattr(call_graphs, "for_device", lambda device: pytest.fail("a per-call graph was looked up"))
+    monkeypatch.setattr(call_graphs, "for_stream", lambda device: pytest.fail("a per-call graph was looked up"))
     for op, sched in [("matmul_rs", "ce_push:1"), ("matmul_rs", "ce_push:1:cg=1,dbg=1"), ("matmul_rs", "fused:2:cg=1")]:
         call_graphs.call(op, Schedule.parse(sched), rt, (None,), (), lambda: ran.append(sched), lambda: None)
     monkeypatch.setenv(call_graphs.ENV, "0")
@@ -167,13 +167,55 @@ def test_calls_without_cg_or_with_bounded_waits_or_uncapturable_run_eagerly(monk
 
 def test_cg_calls_are_keyed_by_their_tensors_and_arguments(monkeypatch):
     seen = []
-    monkeypatch.setattr(call_graphs, "for_device", lambda device: SimpleNamespace(
+    monkeypatch.setattr(call_graphs, "for_stream", lambda device: SimpleNamespace(
         run=lambda rt, key, body, refusal: seen.append(key)))
     a, w = torch.zeros(8, 4), torch.zeros(4, 4)
     sched = Schedule.parse("ce_push:1:cg=1")
     call_graphs.call("matmul_rs", sched, FakeRuntime(), (a, w, None), (0, "sum"), lambda: None, lambda: None)
-    assert seen == [("matmul_rs", "ce_push:1:cg=1", (0, "sum"), call_graphs.signature(a), call_graphs.signature(w),
-                     None)]
+    assert seen == [("matmul_rs", "g", "ce_push:1:cg=1", (0, "sum"), call_graphs.signature(a),
+                     call_graphs.signature(w), None)]  # "g": the process group
+
+
+def _counted_graphs(monkeypatch, window):
+    monkeypatch.setattr(call_graphs, "WINDOW", window)
+    cg = CallGraphs(torch.device("cuda", 0))
+
+    def capture(rt, body):
+        rt.next_epoch()
+        return FakeGraph(rt.epoch % 2)
+
+    monkeypatch.setattr(cg, "_capture", capture)
+    return cg
+
+
+def test_captures_stop_where_the_addresses_do_not_come_back(monkeypatch, caplog):
+    cg = _counted_graphs(monkeypatch, window=40)
+    rt = FakeRuntime()
+    with caplog.at_level(logging.WARNING, logger="torch_commopt.kernels.gpu.call_graphs"):
+        for i in range(80):
+            # a call at fixed addresses (replayed), then one whose tensors move every other
+            # step: seen twice in its half, captured, never replayed
+            cg.run(rt, ("steady",), _body(rt, []), lambda: None)
+            cg.run(rt, ("moving", i // 2), _body(rt, []), lambda: None)
+    assert cg.failed and "never replayed" in cg.failed and "no more are captured" in caplog.text
+    captured = cg.stats["captured"]
+    for _ in range(4):  # each half seen twice: would be captured
+        cg.run(rt, ("moving", "new"), _body(rt, []), lambda: None)
+    assert cg.stats["captured"] == captured  # no more captures; the steady call still replays
+    replayed = cg.stats["replayed"]
+    cg.run(rt, ("steady",), _body(rt, []), lambda: None)
+    assert cg.stats["replayed"] == replayed + 1
+
+
+def test_captures_go_on_in_a_loop_whose_calls_come_back(monkeypatch):
+    cg = _counted_graphs(monkeypatch, window=40)
+    rt = FakeRuntime()
+    for step in range(200):
+        for site in range(6):  # six call sites at fixed addresses; a new one joins late
+            cg.run(rt, ("site", site), _body(rt, []), lambda: None)
+        if step >= 150:
+            cg.run(rt, ("late",), _body(rt, []), lambda: None)
+    assert cg.failed is None and cg.stats["captured"] == 2 * 6 + 2
 
 
 def test_cg_is_an_option_of_the_gpu_schedules_and_the_autotune_placeholder():

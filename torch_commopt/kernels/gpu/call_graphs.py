@@ -13,8 +13,9 @@ and writes addresses, so it serves any later call whose tensors sit where its ow
 they hold (a training loop's caching allocator hands the same addresses step after step).  The
 outputs are allocated by the caller before the call (outside the graph), so a returned tensor
 is never a graph's memory that a later replay overwrites; what the schedule allocates inside
-(staging, a contiguous copy of A) comes from one memory pool shared by this device's graphs,
-whose replays never overlap (each runs on the caller's stream and joins its side streams).
+(staging, a contiguous copy of A) comes from one memory pool shared by the graphs of one device
+and caller stream, whose replays never overlap (each runs on that stream and joins its side
+streams).  Graphs are kept per process group too (the key names it).
 
 Why replays and eager calls may mix, across ranks too: the protocol is closed (symm's module
 docstring): a captured call does on the GPU what an eager call of the same schedule and buffer
@@ -23,15 +24,16 @@ calls alike on every rank, replayed or not).  Whether a rank replays is its own 
 
 Not replayed: calls inside a capture (the program's own graph), calls with bounded (debug)
 waits (their status check synchronizes), schedules that cannot be captured (the fused
-reductions' barrier counts epochs), and, after a capture failed once, every call of that
-device (logged; the eager call runs instead and nothing else changes).
+reductions' barrier counts epochs), and new captures on a device and stream after one failed
+there or once captures stop paying for themselves (WINDOW; logged either way: the eager call
+runs instead, the graphs already made still replay).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable
 
 import torch
@@ -39,8 +41,17 @@ import torch
 log = logging.getLogger("torch_commopt.kernels.gpu.call_graphs")
 
 ENV = "TORCH_COMMOPT_CALL_GRAPHS"  # "0": never replay (cg=1 calls run eagerly)
-CAPACITY = 64  # graphs kept per device (least recently replayed dropped first)
-SIGHTINGS = 1024  # calls remembered per device while they wait for their second sighting
+CAPACITY = 64  # graphs kept per device and stream (least recently replayed dropped first)
+SIGHTINGS = 1024  # calls remembered per device and stream while they wait for their second sighting
+# Whether captures pay is judged on the graphs captured at least WINDOW calls ago (the last
+# HISTORY captures): when more than half of at least MIN_JUDGED of them were never replayed, the
+# program's tensors do not come back to the same addresses and every capture is host time lost
+# (a TP=4 training step, 4x H100, session 35: ~1.7 captures a step at several ms each, 0.80x
+# inductor).  Captures stop there, logged; the graphs already made still replay.  A graph
+# replayed even once in a loop of thousands of steps pays back its capture.
+WINDOW = 256
+HISTORY = 64
+MIN_JUDGED = 8
 
 
 def enabled_by_env() -> bool:
@@ -54,16 +65,30 @@ def signature(t: torch.Tensor | None):
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
+class _Graph:
+    """A captured call: its graph, when it was captured (the CallGraphs' call count) and how
+    often it was replayed since."""
+
+    __slots__ = ("graph", "born", "replays")
+
+    def __init__(self, graph, born: int):
+        self.graph, self.born, self.replays = graph, born, 0
+
+
 class CallGraphs:
-    """One device's captured calls, their memory pool and capture stream."""
+    """The captured calls made on one device from one caller stream (graphs replayed on one
+    stream run one after another, so their temporaries may share one memory pool), that pool,
+    and the stream captures run on."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.seen: OrderedDict[tuple, int] = OrderedDict()
+        self.history: deque[_Graph] = deque(maxlen=HISTORY)  # the last captures, dropped ones too
+        self.calls = 0
         self.pool = None
         self.stream: torch.cuda.Stream | None = None
-        self.failed: str | None = None
+        self.failed: str | None = None  # why captures stopped (a failure, or captures that did not pay)
         self.stats = {"eager": 0, "captured": 0, "replayed": 0, "dropped": 0}
 
     def run(self, rt, key: tuple, body: Callable[[], None], refusal: Callable[[], str | None]) -> None:
@@ -72,23 +97,36 @@ class CallGraphs:
         a graph, captured then replayed on its second sighting unless refusal() names a reason
         (no symmetric buffer yet: the call runs eagerly and the next sighting tries again),
         else run eagerly."""
+        self.calls += 1
         key = key + ((rt.epoch + 1) % 2,)
-        graph = self.graphs.get(key)
-        if graph is not None:
+        entry = self.graphs.get(key)
+        if entry is not None:
             self.graphs.move_to_end(key)
             rt.next_epoch()  # what body() would have counted
-            graph.replay()
+            entry.graph.replay()
+            entry.replays += 1
             self.stats["replayed"] += 1
             return
         if self.failed is None and self._second_sighting(key) and refusal() is None:
             graph = self._capture(rt, body)
             if graph is not None:
-                self._keep(key, graph)
+                self._keep(key, _Graph(graph, self.calls))
                 graph.replay()
                 self.stats["captured"] += 1
+                self._judge()
                 return
         body()
         self.stats["eager"] += 1
+
+    def _judge(self) -> None:
+        """Stop capturing where captures are not replayed (see WINDOW)."""
+        judged = [g for g in self.history if g.born <= self.calls - WINDOW]
+        wasted = sum(1 for g in judged if g.replays == 0)
+        if len(judged) >= MIN_JUDGED and 2 * wasted > len(judged):
+            self.failed = (f"{wasted} of the {len(judged)} calls captured {WINDOW}+ calls ago were never replayed "
+                           "(their tensors do not come back to the same addresses)")
+            log.warning("commopt: per-call graphs: %s; no more are captured on %s (the %d kept still replay)",
+                        self.failed, self.device, len(self.graphs))
 
     def _second_sighting(self, key: tuple) -> bool:
         count = self.seen.pop(key, 0) + 1
@@ -99,8 +137,9 @@ class CallGraphs:
             self.seen.popitem(last=False)
         return False
 
-    def _keep(self, key: tuple, graph) -> None:
-        self.graphs[key] = graph
+    def _keep(self, key: tuple, entry: _Graph) -> None:
+        self.graphs[key] = entry
+        self.history.append(entry)
         while len(self.graphs) > CAPACITY:  # the new graph stays: the pool never loses its last user
             self.graphs.popitem(last=False)
             self.stats["dropped"] += 1
@@ -149,14 +188,16 @@ class CallGraphs:
         self.pool = None
 
 
-_BY_DEVICE: dict[int, CallGraphs] = {}
+_BY_STREAM: dict[tuple[int, int], CallGraphs] = {}
 
 
-def for_device(device: torch.device) -> CallGraphs:
+def for_stream(device: torch.device) -> CallGraphs:
+    """The CallGraphs of `device` and its current stream (the stream the call runs on)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    cg = _BY_DEVICE.get(index)
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    cg = _BY_STREAM.get(key)
     if cg is None:
-        cg = _BY_DEVICE[index] = CallGraphs(torch.device("cuda", index))
+        cg = _BY_STREAM[key] = CallGraphs(torch.device("cuda", index))
     return cg
 
 
@@ -175,8 +216,8 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body: Callable[[], 
             log.info("commopt %s: %s runs eagerly, not from a per-call graph (%s)", op, sched, why)
         body()
         return
-    key = (op, str(sched), scalars) + tuple(signature(t) for t in tensors)
-    for_device(rt.device).run(rt, key, body, refusal)
+    key = (op, rt.group_name, str(sched), scalars) + tuple(signature(t) for t in tensors)
+    for_stream(rt.device).run(rt, key, body, refusal)
 
 
 _told: set[tuple[str, str]] = set()
@@ -201,12 +242,13 @@ def replayable(op: str, sched, rt) -> str | None:
     return None
 
 
-def stats() -> dict[int, dict[str, int]]:
-    """Per device: calls run eagerly, captured, replayed, graphs dropped."""
-    return {index: dict(cg.stats) for index, cg in _BY_DEVICE.items()}
+def stats() -> dict[str, dict[str, int]]:
+    """Per device and caller stream ("device:stream"): calls run eagerly, captured, replayed,
+    graphs dropped."""
+    return {f"{index}:{stream:#x}": dict(cg.stats) for (index, stream), cg in _BY_STREAM.items()}
 
 
 def reset() -> None:
-    for cg in _BY_DEVICE.values():
+    for cg in _BY_STREAM.values():
         cg.clear()
-    _BY_DEVICE.clear()
+    _BY_STREAM.clear()
