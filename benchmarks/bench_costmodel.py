@@ -38,6 +38,7 @@ import torch_commopt  # noqa: E402,F401
 from bench_matmul_collectives import _variants, shapes_for  # noqa: E402
 from costmodel_vs_bench import region_shape  # noqa: E402
 from gpu_clocks import snapshot as gpu_state  # noqa: E402
+from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 from torch_commopt.tuner.autotune import measure_candidates, timed_candidates  # noqa: E402
 from torch_commopt.tuner.model import rank  # noqa: E402
@@ -45,7 +46,18 @@ from torch_commopt.tuner.model import rank  # noqa: E402
 TOP_K = 4  # Config.autotune_top_k's default
 
 
-def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False, gemm_shapes=None):
+def _replayed_per_call(op, kind: str):
+    """op with each capturable GPU schedule run with cg=1 (Config.call_graphs's per-call graphs)."""
+    from torch_commopt.schedule import Schedule
+
+    def run(name: str):
+        sched = Schedule.parse(name)
+        return op(str(sched.with_params(cg=1)) if sched.is_gpu and sched.in_capture(kind) == sched else name)
+    return run
+
+
+def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False, gemm_shapes=None,
+           call_graphs: bool = False):
     from torch_commopt.tuner import calibrate
     from torch_commopt.tuner.calibrate import calibrate_and_store
 
@@ -64,13 +76,18 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
             continue
         region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
                                "dtype": "bfloat16"})
-        preds = rank(region, cal, graphs=graphs)
-        _, _, _, _, op, _ = _variants(shape, rank_, world, group_name)
+        (a_shape, w_shapes, _), _, _, _, op, _ = _variants(shape, rank_, world, group_name)
+        # Config.call_graphs: a band region's eager calls replay per-call graphs, ranked as replayed
+        cg = call_graphs and not graphs and call_graphs_pay(region.kind, a_shape, w_shapes, world, "bfloat16")
+        preds = rank(region, cal, graphs=graphs or cg)
+        if cg:
+            op = _replayed_per_call(op, region.kind)
         names = [str(p.schedule) for p in preds]
         clocks = {"before": gpu_state(rank_)}
         measured = measure_candidates(op, names, group_name, device, graphs=graphs)
         clocks["after_sweep"] = gpu_state(rank_)
-        base = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16"}
+        base = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16",
+                "call_graphs": cg}
         for p in preds:
             s = str(p.schedule)
             records.append(dict(base, candidate=s, predicted_ms=p.seconds * 1e3, measured_ms=measured[s],
@@ -220,6 +237,9 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the program is replayed from CUDA graphs: predictions without host cost, timings of "
                              "graph replays (Config.cuda_graphs)")
+    parser.add_argument("--call-graphs", action="store_true",
+                        help="eager, with Config.call_graphs: the band's regions ranked as replayed and timed with "
+                             "cg=1 (per-call graphs)")
     parser.add_argument("--gemm-shapes", dest="gemm_shapes", default="",
                         type=lambda t: [tuple(int(x) for x in shape.split(",")) for shape in t.split(";") if shape],
                         help="m,n,k;m,n,k...: the calibration's GEMM samples instead of calibrate.GEMM_SHAPES "
@@ -235,7 +255,7 @@ def main() -> None:
         return
     cache_dir = tempfile.mkdtemp(prefix="commopt_tuner_")
     per_rank = run_distributed(worker, args.world, cache_dir, args.only, args.cuda_graphs, args.gemm_shapes or None,
-                               backend="nccl", timeout_s=1200)
+                               args.call_graphs, backend="nccl", timeout_s=1200)
     result = per_rank[0]
     import triton
 
@@ -246,7 +266,8 @@ def main() -> None:
     summary = summarize(result)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"costmodel_{card_tag(meta['device'], args.world)}_{date}{'_graphs' if args.cuda_graphs else ''}"
+    mode = "_graphs" if args.cuda_graphs else "_cg" if args.call_graphs else ""
+    stem = f"costmodel_{card_tag(meta['device'], args.world)}_{date}{mode}"
     (out / f"{stem}.json").write_text(json.dumps([dict(r, **{k: meta[k] for k in ("device", "torch", "date", "commit")})
                                                   for r in result["records"]], indent=1))
     doc = {"meta": meta, "summary": summary, "shapes": result["shapes"], "compile": result["compile"],

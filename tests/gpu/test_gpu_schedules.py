@@ -113,33 +113,33 @@ def test_compiled_tp_sp_blocks_use_gpu_schedules(two_ranks, options, shape):
             assert not bad, (kind, bad)
 
 
-@pytest.mark.gpu
-def test_compiled_band_regions_measure_at_the_first_call(two_ranks):
+def _band_block(two_ranks, options: dict) -> list:
+    """A TP block whose MLP all-reduce (est. GEMM 0.2 ms) is in the rule's host-bound band,
+    compiled with `options`, numerics checked: per rank (schedules, explain notes)."""
     _funcol_ranks(two_ranks)
-    # an all-reduce of est. GEMM 0.2 ms: the rule leaves the choice to a first-call measurement
     from kernel_cases import run_compiled_band
 
     shape = {"batch": 2, "seq": 2048, "dim": 4096, "hidden": 8192, "heads": 32}
-    for errors, schedules, notes in run_distributed(run_compiled_band, two_ranks[0], shape, {"call_graphs": False},
-                                                    backend=two_ranks[1], timeout_s=300):
-        assert any(s.startswith("autotune") for s in schedules), schedules
-        assert any("host-bound band" in n for n in notes) and any("autotune measured" in n for n in notes), notes
+    per_rank = run_distributed(run_compiled_band, two_ranks[0], shape, options, backend=two_ranks[1], timeout_s=300)
+    for errors, _, _ in per_rank:
         bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
         assert not bad, bad
+    return [(schedules, notes) for _, schedules, notes in per_rank]
+
+
+@pytest.mark.gpu
+def test_compiled_band_regions_measure_at_the_first_call(two_ranks):
+    # the rule leaves the choice to a first-call measurement
+    for schedules, notes in _band_block(two_ranks, {"call_graphs": False}):
+        assert any(s.startswith("autotune") for s in schedules), schedules
+        assert any("host-bound band" in n for n in notes) and any("autotune measured" in n for n in notes), notes
 
 
 @pytest.mark.gpu
 def test_compiled_short_regions_replay_per_call_graphs(two_ranks):
-    # the band's regions with Config.call_graphs: ranked as replayed, run with cg=1
-    _funcol_ranks(two_ranks)
-    from kernel_cases import run_compiled_band
-
-    shape = {"batch": 2, "seq": 2048, "dim": 4096, "hidden": 8192, "heads": 32}
-    for errors, schedules, notes in run_distributed(run_compiled_band, two_ranks[0], shape, {"call_graphs": True},
-                                                    backend=two_ranks[1], timeout_s=300):
+    # with Config.call_graphs the band's regions are ranked as replayed and run with cg=1
+    for schedules, _ in _band_block(two_ranks, {"call_graphs": True}):
         assert any("cg=1" in s for s in schedules) and not any(s.startswith("autotune") for s in schedules), schedules
-        bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
-        assert not bad, bad
 
 
 @pytest.mark.gpu
