@@ -227,7 +227,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
     if dev == "cuda":  # per-call graphs over the whole run (every variant): eager, captured, replayed, dropped
         from torch_commopt.kernels.gpu import call_graphs
 
-        print(f"rank {rank} call_graphs {call_graphs.stats()}", flush=True)
+        print(f"rank {rank} call_graphs {call_graphs.stats()} moved {call_graphs.moves()}", flush=True)
     return out
 
 

@@ -90,15 +90,20 @@ class CallGraphs:
         self.stream: torch.cuda.Stream | None = None
         self.failed: str | None = None  # why captures stopped (a failure, or captures that did not pay)
         self.stats = {"eager": 0, "captured": 0, "replayed": 0, "dropped": 0}
+        self.last_ptrs: dict[tuple, tuple] = {}  # site -> its tensors' addresses at its last missed call
+        self.moved: dict[str, int] = {}  # "op arg i" -> misses where argument i had moved
 
-    def run(self, rt, key: tuple, body: Callable[[], None], refusal: Callable[[], str | None]) -> None:
+    def run(self, rt, key: tuple, body: Callable[[], None], refusal: Callable[[], str | None],
+            site: tuple | None = None, ptrs: tuple = ()) -> None:
         """body() for this call (it writes the caller's preallocated outputs and starts with the
         runtime's next_epoch): replayed when `key` (without the half, which is added here) has
         a graph, captured then replayed on its second sighting unless refusal() names a reason
         (no symmetric buffer yet: the call runs eagerly and the next sighting tries again),
-        else run eagerly."""
+        else run eagerly.  site: the key without the tensors' addresses, ptrs: those addresses
+        (a miss counts which of them moved since the site's last call in this half, `moved`)."""
         self.calls += 1
-        key = key + ((rt.epoch + 1) % 2,)
+        half = (rt.epoch + 1) % 2
+        key = key + (half,)
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
@@ -107,6 +112,8 @@ class CallGraphs:
             entry.replays += 1
             self.stats["replayed"] += 1
             return
+        if site is not None:
+            self._note_moves(site + (half,), ptrs)
         if self.failed is None and self._second_sighting(key) and refusal() is None:
             graph = self._capture(rt, body)
             if graph is not None:
@@ -117,6 +124,18 @@ class CallGraphs:
                 return
         body()
         self.stats["eager"] += 1
+
+    def _note_moves(self, site: tuple, ptrs: tuple) -> None:
+        """Which tensor arguments of a missed call sit elsewhere than at the site's last call:
+        the diagnosis of a program whose calls do not come back (inputs, weights or outputs)."""
+        last = self.last_ptrs.pop(site, None)
+        if last is not None:
+            for i, (now, before) in enumerate(zip(ptrs, last)):
+                if now != before:
+                    self.moved[f"{site[0]} arg {i}"] = self.moved.get(f"{site[0]} arg {i}", 0) + 1
+        self.last_ptrs[site] = ptrs
+        while len(self.last_ptrs) > SIGHTINGS:
+            self.last_ptrs.pop(next(iter(self.last_ptrs)))
 
     def _judge(self) -> None:
         """Stop capturing where captures are not replayed (see WINDOW)."""
@@ -185,6 +204,7 @@ class CallGraphs:
         """Drop every graph (and the pool with the last of them)."""
         self.graphs.clear()
         self.seen.clear()
+        self.last_ptrs.clear()
         self.pool = None
 
 
@@ -216,8 +236,10 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body: Callable[[], 
             log.info("commopt %s: %s runs eagerly, not from a per-call graph (%s)", op, sched, why)
         body()
         return
-    key = (op, rt.group_name, str(sched), scalars) + tuple(signature(t) for t in tensors)
-    for_stream(rt.device).run(rt, key, body, refusal)
+    sigs = tuple(signature(t) for t in tensors)
+    head = (op, rt.group_name, str(sched), scalars)
+    for_stream(rt.device).run(rt, head + sigs, body, refusal, head + tuple(s and s[1:] for s in sigs),
+                              tuple(s and s[0] for s in sigs))
 
 
 _told: set[tuple[str, str]] = set()
@@ -246,6 +268,13 @@ def stats() -> dict[str, dict[str, int]]:
     """Per device and caller stream ("device:stream"): calls run eagerly, captured, replayed,
     graphs dropped."""
     return {f"{index}:{stream:#x}": dict(cg.stats) for (index, stream), cg in _BY_STREAM.items()}
+
+
+def moves() -> dict[str, dict[str, int]]:
+    """Per device and caller stream: for each op's tensor argument (by position: ag_matmul a,
+    weights, biases, outputs, gathered; the reductions a, weight, bias, output), how many missed
+    calls found it at another address than the same call site's last one."""
+    return {f"{index}:{stream:#x}": dict(cg.moved) for (index, stream), cg in _BY_STREAM.items()}
 
 
 def reset() -> None:
