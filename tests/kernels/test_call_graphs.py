@@ -140,7 +140,7 @@ def test_a_failed_capture_rewinds_the_call_count_and_stops_capturing(monkeypatch
     # calls 1, 2 eager (first sightings); call 3's capture (its body's dry run, half 1) fails:
     # the count is rewound and the call runs eagerly in the same half; the rest run eagerly
     assert eager == [1, 0, 1, 1, 0, 1, 0] and rt.epoch == 6
-    assert cg.failed and "not permitted" in cg.failed and "run eagerly from now on" in caplog.text
+    assert cg.failed and "not permitted" in cg.failed and "no more calls are captured" in caplog.text
     assert cg.stats == {"eager": 6, "captured": 0, "replayed": 0, "dropped": 0}
 
 

@@ -164,8 +164,8 @@ class CallGraphs:
             self.stats["dropped"] += 1
 
     def _capture(self, rt, body) -> torch.cuda.CUDAGraph | None:
-        """A graph of body(), or None (and no more captures on this device) if capturing failed;
-        the runtime's host state is as before the attempt either way but for the call's epoch."""
+        """A graph of body(), or None (and no more captures on this device and stream) if
+        capturing failed, the runtime's call count rewound (the eager call runs next)."""
         epoch = rt.epoch
         try:
             stream = self._capture_stream()
@@ -181,8 +181,8 @@ class CallGraphs:
         except Exception as e:  # noqa: BLE001 - the eager call runs instead, logged
             rt.rewind(epoch)
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            log.warning("commopt: capturing an eager call into a CUDA graph failed (%s); this device's calls "
-                        "run eagerly from now on", self.failed)
+            log.warning("commopt: capturing an eager call into a CUDA graph failed (%s); no more calls are captured "
+                        "on %s from this stream (the graphs kept still replay)", self.failed, self.device)
             return None
         return graph
 
