@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|callgraphs|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -93,6 +93,16 @@ if [[ $what == probes ]]; then
   # per-shard GEMM split cost (one vs two streams) and the host cost per call (cProfile)
   timeout 150 python3 benchmarks/probe_gemm_split.py "$out" 2>&1 | tee "$out/probe_gemm_split.log"
   timeout 240 python3 benchmarks/profile_host.py "$out/host" 2>&1 | tee "$out/profile_host.log"
+fi
+if [[ $what == callgraphs ]]; then
+  # per-call CUDA graphs (Config.call_graphs): one call's graph against the call eager, the
+  # kernels' eager band with cg=1, and the cost model ranking and timing that band as replayed
+  mkdir -p "$out/cg_bench" "$out/cg_costmodel"
+  timeout 150 python3 benchmarks/probe_call_graph.py "$out/cg_probe" > "$out/cg_probe.log" 2>&1; grep '^{' "$out/cg_probe.log"
+  timeout 240 python3 benchmarks/bench_matmul_collectives.py --out "$out/cg_bench" --modes eager --call-graphs \
+    ${BENCH_ARGS:-} > "$out/cg_bench.log" 2>&1; grep '^\[' "$out/cg_bench.log"
+  timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/cg_costmodel" --call-graphs ${BENCH_ARGS:-} \
+    > "$out/cg_costmodel.log" 2>&1; tail -14 "$out/cg_costmodel.log"
 fi
 if [[ $what == costmodel ]]; then
   # the tuner figures, eager and replayed from CUDA graphs (~1 min each)
