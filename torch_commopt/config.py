@@ -103,7 +103,7 @@ class Config:
         time the same call (tensor addresses, shapes, buffer half) is seen, and replayed
         from then on (kernels/gpu/call_graphs.py) -- and the rule and the cost model rank
         those regions as replayed.  Off by default: in an isolated op loop it pays (2x H100,
-        M_global 2048, K = N = 8192: AG / RS / AR 1.39x / 1.36x / 1.13x NCCL eager), but in a
+        M_global 2048, K = N = 8192: AG / RS / AR 1.40x / 1.38x / 1.14x NCCL eager), but in a
         TP=4 training step (4x H100, bench_e2e, session 35) the calls' tensors' addresses did not
         recur often enough -- ~1.7 captures a step at several ms of host each -- and the step
         ran 0.80-0.87x inductor against 0.84 without.  TORCH_COMMOPT_CALL_GRAPHS=0 turns the
