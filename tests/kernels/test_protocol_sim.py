@@ -300,3 +300,51 @@ def test_a_call_that_does_not_wait_for_the_peers_to_drain_races_on_a_new_layout(
         except Race:
             raced += 1
     assert raced
+
+
+def _protocol(entries) -> list:
+    """What of a call's queued work a CUDA graph of it fixes: each operation's stream and kind,
+    and the flag operations' addresses and values (events by handle, not by record; copies
+    without their addresses, which name per-call tensors here and a graph's own ones on a GPU)."""
+    out = []
+    for _, stream, op in entries:
+        if op[0] in ("wait", "write"):
+            out.append((stream, op[0], op[1], op[2]))
+        elif op[0] in ("record", "wait_event"):
+            out.append((stream, op[0], op[1]))
+        else:
+            out.append((stream, op[0]))
+    return out
+
+
+def _per_call_protocols(name: str, world: int, calls: int = 4) -> list:
+    runtimes, queue, per_call = fake_runtimes(world), [], []
+    with faked_cuda(runtimes, queue) as active:
+        call = _call(name, world)
+        for _ in range(calls):
+            start = len(queue)
+            active(0)
+            call()
+            per_call.append(_protocol(queue[start:]))
+    return per_call
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_call_queues_the_same_protocol_in_its_half_whatever_its_number(world):
+    # Why a per-call graph (kernels/gpu/call_graphs.py) may stand for a later eager call in the
+    # same buffer half, on any rank while the others run eagerly: what the call queues depends
+    # on its half, never on how many calls came before it.
+    for name in sorted({name for sequence in SEQUENCES.values() for name in sequence}):
+        per_call = _per_call_protocols(name, world)
+        assert per_call[0] == per_call[2] and per_call[1] == per_call[3], name
+        assert per_call[0] != per_call[1], name  # the halves' flags differ
+
+
+def test_a_flag_value_that_counts_calls_is_caught(monkeypatch):
+    # planted: data flags raised to the call's number (as the fused reductions' barrier does,
+    # which is why those never replay)
+    signal = symm.GroupRuntime.signal
+    monkeypatch.setattr(symm.GroupRuntime, "signal", lambda self, stream, dst, index, value:
+                        signal(self, stream, dst, index, self.epoch))
+    per_call = _per_call_protocols("rs ce_push:1", 2)
+    assert per_call[0] != per_call[2]
