@@ -47,13 +47,11 @@ TOP_K = 4  # Config.autotune_top_k's default
 
 
 def _replayed_per_call(op, kind: str):
-    """op with each capturable GPU schedule run with cg=1 (Config.call_graphs's per-call graphs)."""
+    """op with each schedule that can run with cg=1 run so (Config.call_graphs's per-call graphs)."""
+    from torch_commopt.kernels.gpu.call_graphs import per_call
     from torch_commopt.schedule import Schedule
 
-    def run(name: str):
-        sched = Schedule.parse(name)
-        return op(str(sched.with_params(cg=1)) if sched.is_gpu and sched.in_capture(kind) == sched else name)
-    return run
+    return lambda name: op(str(per_call(kind, Schedule.parse(name))))
 
 
 def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False, gemm_shapes=None,

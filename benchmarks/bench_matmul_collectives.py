@@ -47,6 +47,7 @@ from naming import card_tag  # noqa: E402
 import torch_commopt  # noqa: E402,F401
 from torch_commopt.tuner.autotune import capture_agreed  # noqa: E402
 from torch_commopt.kernels.gpu.pick import call_graphs_pay, measure_band, pick  # noqa: E402
+from torch_commopt.kernels.gpu.call_graphs import per_call  # noqa: E402
 from torch_commopt.schedule import Schedule  # noqa: E402
 from torch_commopt.tuner.autotune import band_request, decided, host_measurement, measurement  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
@@ -190,9 +191,9 @@ def _variants(shape: Shape, rank: int, world: int, group_name: str):
 
 
 def _with_cg(op: str, scheds: list[str]) -> list[str]:
-    """The capturable GPU schedules among `scheds`, with cg=1 (replayed per call)."""
-    kind = KIND[op]
-    return [str(s.with_params(cg=1)) for s in map(Schedule.parse, scheds) if s.is_gpu and s.in_capture(kind) == s]
+    """The schedules among `scheds` whose calls replay per call, with cg=1."""
+    replayed = (per_call(KIND[op], Schedule.parse(s)) for s in scheds)
+    return [str(s) for s in replayed if s.param("cg")]
 
 
 def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats: int, modes: tuple[str, ...],

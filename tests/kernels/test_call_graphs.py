@@ -168,7 +168,7 @@ def test_calls_without_cg_or_with_bounded_waits_or_uncapturable_run_eagerly(monk
 def test_cg_calls_are_keyed_by_their_tensors_and_arguments(monkeypatch):
     seen = []
     monkeypatch.setattr(call_graphs, "for_stream", lambda device: SimpleNamespace(
-        run=lambda rt, key, body, refusal, site, ptrs: seen.append(key)))
+        run=lambda rt, key, body, refusal, n_head: seen.append(key)))
     a, w = torch.zeros(8, 4), torch.zeros(4, 4)
     sched = Schedule.parse("ce_push:1:cg=1")
     call_graphs.call("matmul_rs", sched, FakeRuntime(), (a, w, None), (0, "sum"), lambda: None, lambda: None)
@@ -179,11 +179,11 @@ def test_cg_calls_are_keyed_by_their_tensors_and_arguments(monkeypatch):
 def test_misses_count_which_argument_moved(graphs):
     rt = FakeRuntime()
     a, w, outs = torch.zeros(4), torch.zeros(4), [torch.zeros(4) for _ in range(4)]
-    site = ("matmul_rs", "g", "ce_push:1:cg=1", ())
+    head = ("matmul_rs", "g", "ce_push:1:cg=1", ())
     for out in outs:  # the output moves every call, the input and weight stay: never captured
         for _ in range(2):  # both halves
-            ptrs = (a.data_ptr(), w.data_ptr(), out.data_ptr())
-            graphs.run(rt, site + ptrs, _body(rt, []), lambda: None, site, ptrs)
+            sigs = tuple(call_graphs.signature(t) for t in (a, w, out))
+            graphs.run(rt, head + sigs, _body(rt, []), lambda: None, len(head))
     assert graphs.captured == [] and graphs.moved == {"matmul_rs arg 2": 6}
 
 

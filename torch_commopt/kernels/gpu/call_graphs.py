@@ -38,6 +38,8 @@ from typing import Callable
 
 import torch
 
+from torch_commopt.kernels.ops import capturing
+
 log = logging.getLogger("torch_commopt.kernels.gpu.call_graphs")
 
 ENV = "TORCH_COMMOPT_CALL_GRAPHS"  # "0": never replay (cg=1 calls run eagerly)
@@ -94,13 +96,13 @@ class CallGraphs:
         self.moved: dict[str, int] = {}  # "op arg i" -> misses where argument i had moved
 
     def run(self, rt, key: tuple, body: Callable[[], None], refusal: Callable[[], str | None],
-            site: tuple | None = None, ptrs: tuple = ()) -> None:
+            n_head: int | None = None) -> None:
         """body() for this call (it writes the caller's preallocated outputs and starts with the
         runtime's next_epoch): replayed when `key` (without the half, which is added here) has
         a graph, captured then replayed on its second sighting unless refusal() names a reason
         (no symmetric buffer yet: the call runs eagerly and the next sighting tries again),
-        else run eagerly.  site: the key without the tensors' addresses, ptrs: those addresses
-        (a miss counts which of them moved since the site's last call in this half, `moved`)."""
+        else run eagerly.  n_head: where the tensors' signatures start in `key` (a miss counts
+        which of them moved since the same call site's last call in this half, `moved`)."""
         self.calls += 1
         half = (rt.epoch + 1) % 2
         key = key + (half,)
@@ -112,8 +114,9 @@ class CallGraphs:
             entry.replays += 1
             self.stats["replayed"] += 1
             return
-        if site is not None:
-            self._note_moves(site + (half,), ptrs)
+        if n_head is not None:
+            sigs = key[n_head:-1]
+            self._note_moves(key[:n_head] + tuple(s and s[1:] for s in sigs) + (half,), tuple(s and s[0] for s in sigs))
         if self.failed is None and self._second_sighting(key) and refusal() is None:
             graph = self._capture(rt, body)
             if graph is not None:
@@ -226,7 +229,7 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body: Callable[[], 
     """Run one GPU-schedule call, body(), eagerly or from its graph (see the module docstring).
     tensors: every tensor the call reads or writes (None for an absent one), the preallocated
     outputs among them; scalars: its other arguments that body() depends on."""
-    if not sched.param("cg") or _capturing():
+    if not sched.param("cg") or capturing():  # inside the program's own capture: part of its graph
         body()
         return
     why = replayable(op, sched, rt)
@@ -236,21 +239,17 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body: Callable[[], 
             log.info("commopt %s: %s runs eagerly, not from a per-call graph (%s)", op, sched, why)
         body()
         return
-    sigs = tuple(signature(t) for t in tensors)
     head = (op, rt.group_name, str(sched), scalars)
-    for_stream(rt.device).run(rt, head + sigs, body, refusal, head + tuple(s and s[1:] for s in sigs),
-                              tuple(s and s[0] for s in sigs))
+    for_stream(rt.device).run(rt, head + tuple(signature(t) for t in tensors), body, refusal, len(head))
 
 
 _told: set[tuple[str, str]] = set()
 
 
-def _capturing() -> bool:
-    """Whether the program itself is capturing a graph now (its capture holds the call)."""
-    try:
-        return torch.cuda.is_current_stream_capturing()
-    except (RuntimeError, AssertionError):  # a CPU-only build
-        return False
+def per_call(op: str, sched):
+    """`sched` with cg=1 where its calls can be replayed per call (a GPU schedule that a capture
+    takes as it is), else `sched` itself."""
+    return sched.with_params(cg=1) if sched.is_gpu and sched.in_capture(op) == sched else sched
 
 
 def replayable(op: str, sched, rt) -> str | None:
