@@ -133,7 +133,7 @@ def test_gathered_tensor_only_used_as_b_operand_is_left_alone(fake_world):
 
     graph = only_graph(fn, x, w)
     assert not graph.rewritten and graph.collectives_after == {"all_gather": 1}
-    assert "no mm/addmm/bmm takes the gathered tensor" in graph.skipped[0].reason
+    assert "no mm/addmm/bmm/_scaled_mm takes the gathered tensor" in graph.skipped[0].reason
 
 
 # --- matmul -> reduce-scatter / all-reduce -----------------------------------------------------

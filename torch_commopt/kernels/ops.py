@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_commopt.kernels import sequential
+from torch_commopt.kernels import scaled, sequential
 from torch_commopt.kernels.reference.collectives import resolve_group
 from torch_commopt.kernels.reference.ag_matmul import ag_matmul_reference
 from torch_commopt.kernels.reference.matmul_reduce import matmul_ar_reference, matmul_rs_reference
@@ -31,11 +31,14 @@ _warned: set[tuple[str, str]] = set()
 _LIB = torch.library.Library("commopt", "DEF")
 _SCHEMAS = {
     "ag_matmul": "ag_matmul(Tensor a, Tensor[] weights, Tensor?[] biases, int gather_dim, int group_size, "
-                 "str group_name, str schedule, bool return_gathered) -> Tensor[]",
+                 "str group_name, str schedule, bool return_gathered, Tensor? a_scale=None, Tensor[]? b_scales=None, "
+                 "ScalarType? out_dtype=None, bool fast_accum=False) -> Tensor[]",
     "matmul_rs": "matmul_rs(Tensor a, Tensor weight, Tensor? bias, int scatter_dim, str reduce_op, int group_size, "
-                 "str group_name, str schedule) -> Tensor",
+                 "str group_name, str schedule, Tensor? a_scale=None, Tensor? b_scale=None, ScalarType? out_dtype=None, "
+                 "bool fast_accum=False) -> Tensor",
     "matmul_ar": "matmul_ar(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int group_size, str group_name, "
-                 "str schedule) -> Tensor",
+                 "str schedule, Tensor? a_scale=None, Tensor? b_scale=None, ScalarType? out_dtype=None, "
+                 "bool fast_accum=False) -> Tensor",
     "shard_rows": "shard_rows(Tensor x, int group_size, str group_name, bool check=False, int dim=0) -> Tensor",
     "replicated": "replicated(Tensor x, int group_size, str group_name) -> Tensor",
 }
@@ -158,6 +161,10 @@ def ag_matmul(
     group_name: str,
     schedule: str,
     return_gathered: bool,
+    a_scale: Optional[Tensor] = None,
+    b_scales: Optional[list[Tensor]] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    fast_accum: bool = False,
 ) -> list[Tensor]:
     """All-gather `a` along `gather_dim`, then multiply by each weight.
 
@@ -166,36 +173,42 @@ def ag_matmul(
     biases[i]: (N_i,) or None.
     Returns [out_0, ..., out_{n-1}] (+ [gathered] when return_gathered), where
     gathered = cat over ranks of a along gather_dim and out_i = gathered @ weights[i] + biases[i].
+    a_scale, b_scales, out_dtype, fast_accum: the products are torch._scaled_mm's (float8
+    a and weights, tensor-wise scales; kernels/scaled.py), in out_dtype.
     """
+    sc = scaled.of(a, a_scale, b_scales, out_dtype, fast_accum, len(weights))
     schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, weights, gather_dim, group_size, cut=False):
-        return sequential.ag_matmul(a, weights, biases, group_name, return_gathered)
+        return sequential.ag_matmul(a, weights, biases, group_name, return_gathered, sc)
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.ag_matmul import unsupported_reason
 
-        return unsupported_reason(a, weights, gather_dim, sched, group_name, group_size, in_capture)
+        return unsupported_reason(a, weights, gather_dim, sched, group_name, group_size, in_capture, sc)
 
     def run(s):
-        return ag_matmul(a, weights, biases, gather_dim, group_size, group_name, s, return_gathered)
+        return ag_matmul(a, weights, biases, gather_dim, group_size, group_name, s, return_gathered,
+                         a_scale, b_scales, out_dtype, fast_accum)
 
     sched = resolve("ag_matmul", schedule, a.device, why_not, run, lambda: _shapes(a, weights, gather_dim, group_size))
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.ag_matmul import ag_matmul_gpu
 
         out = _on_gpu("ag_matmul", sched, lambda: ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched,
-                                                                 return_gathered))
+                                                                 return_gathered, sc))
         if out is not None:
             return out
         sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, weights, gather_dim, group_size, cut=False):
-        return sequential.ag_matmul(a, weights, biases, group_name, return_gathered)  # e.g. autotune's winner
-    return ag_matmul_reference(a, weights, biases, gather_dim, group_name, str(sched), return_gathered)
+        return sequential.ag_matmul(a, weights, biases, group_name, return_gathered, sc)  # e.g. autotune's winner
+    return ag_matmul_reference(a, weights, biases, gather_dim, group_name, str(sched), return_gathered, sc)
 
 
 @torch.library.register_fake("commopt::ag_matmul")
-def _(a, weights, biases, gather_dim, group_size, group_name, schedule, return_gathered):
+def _(a, weights, biases, gather_dim, group_size, group_name, schedule, return_gathered, a_scale=None, b_scales=None,
+      out_dtype=None, fast_accum=False):
     gshape = gathered_shape(a, gather_dim, group_size)
-    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]]) for w in weights]
+    dtype = a.dtype if a_scale is None else out_dtype
+    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]], dtype=dtype) for w in weights]
     return outs + ([a.new_empty(gshape)] if return_gathered else [])
 
 
@@ -209,38 +222,45 @@ def matmul_rs(
     group_size: int,
     group_name: str,
     schedule: str,
+    a_scale: Optional[Tensor] = None,
+    b_scale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    fast_accum: bool = False,
 ) -> Tensor:
     """t = a @ weight (+ bias), then reduce-scatter t along `scatter_dim`.
 
     a: (*, K); weight: (K, N); bias: (N,) or None.
     Returns t's shape with dim `scatter_dim` divided by group_size: block `rank`,
     reduced over ranks with `reduce_op` ("sum" or "avg").
+    a_scale, b_scale, out_dtype, fast_accum: t is torch._scaled_mm's (kernels/scaled.py).
     """
+    sc = scaled.of(a, a_scale, None if b_scale is None else [b_scale], out_dtype, fast_accum, 1)
     schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
-        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name)  # rows split: checked there
+        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc)  # rows split: checked there
     _check_scatter(a, weight, scatter_dim, group_size)
 
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 
-        return unsupported_reason(a, weight, scatter_dim, group_size, sched, group_name, in_capture)
+        return unsupported_reason(a, weight, scatter_dim, group_size, sched, group_name, in_capture, sc)
 
     def run(s):
-        return matmul_rs(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, s)
+        return matmul_rs(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, s,
+                         a_scale, b_scale, out_dtype, fast_accum)
 
     sched = resolve("matmul_rs", schedule, a.device, why_not, run, lambda: _shapes(a, [weight], scatter_dim, group_size))
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_rs_gpu
 
         out = _on_gpu("matmul_rs", sched, lambda: matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name,
-                                                                sched))
+                                                                sched, sc))
         if out is not None:
             return out
         sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
-        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name)  # e.g. autotune's winner
-    return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, str(sched))
+        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc)  # e.g. autotune's winner
+    return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, str(sched), sc)
 
 
 def _check_scatter(a: Tensor, weight: Tensor, scatter_dim: int, group_size: int) -> None:
@@ -254,11 +274,12 @@ def _check_scatter(a: Tensor, weight: Tensor, scatter_dim: int, group_size: int)
 
 
 @torch.library.register_fake("commopt::matmul_rs")
-def _(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, schedule):
+def _(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, schedule, a_scale=None, b_scale=None,
+      out_dtype=None, fast_accum=False):
     _check_scatter(a, weight, scatter_dim, group_size)
     shape = list(a.shape[:-1]) + [weight.shape[-1]]
     shape[scatter_dim] //= group_size
-    return a.new_empty(shape)
+    return a.new_empty(shape, dtype=a.dtype if a_scale is None else out_dtype)
 
 
 @_op("matmul_ar")
@@ -270,35 +291,42 @@ def matmul_ar(
     group_size: int,
     group_name: str,
     schedule: str,
+    a_scale: Optional[Tensor] = None,
+    b_scale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    fast_accum: bool = False,
 ) -> Tensor:
-    """t = a @ weight (+ bias), then all-reduce t.  a: (*, K); weight: (K, N); returns (*, N)."""
+    """t = a @ weight (+ bias), then all-reduce t.  a: (*, K); weight: (K, N); returns (*, N).
+    a_scale, b_scale, out_dtype, fast_accum: t is torch._scaled_mm's (kernels/scaled.py)."""
+    sc = scaled.of(a, a_scale, None if b_scale is None else [b_scale], out_dtype, fast_accum, 1)
     schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, [weight], None, group_size, cut=False):
-        return sequential.matmul_ar(a, weight, bias, reduce_op, group_name)
+        return sequential.matmul_ar(a, weight, bias, reduce_op, group_name, sc)
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 
-        return unsupported_reason(a, weight, None, group_size, sched, group_name, in_capture)
+        return unsupported_reason(a, weight, None, group_size, sched, group_name, in_capture, sc)
 
     def run(s):
-        return matmul_ar(a, weight, bias, reduce_op, group_size, group_name, s)
+        return matmul_ar(a, weight, bias, reduce_op, group_size, group_name, s, a_scale, b_scale, out_dtype, fast_accum)
 
     sched = resolve("matmul_ar", schedule, a.device, why_not, run, lambda: _shapes(a, [weight], None, group_size))
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_ar_gpu
 
-        out = _on_gpu("matmul_ar", sched, lambda: matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched))
+        out = _on_gpu("matmul_ar", sched, lambda: matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched, sc))
         if out is not None:
             return out
         sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, [weight], None, group_size, cut=False):
-        return sequential.matmul_ar(a, weight, bias, reduce_op, group_name)  # e.g. autotune's winner
-    return matmul_ar_reference(a, weight, bias, reduce_op, group_name, str(sched))
+        return sequential.matmul_ar(a, weight, bias, reduce_op, group_name, sc)  # e.g. autotune's winner
+    return matmul_ar_reference(a, weight, bias, reduce_op, group_name, str(sched), sc)
 
 
 @torch.library.register_fake("commopt::matmul_ar")
-def _(a, weight, bias, reduce_op, group_size, group_name, schedule):
-    return a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]])
+def _(a, weight, bias, reduce_op, group_size, group_name, schedule, a_scale=None, b_scale=None, out_dtype=None,
+      fast_accum=False):
+    return a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]], dtype=a.dtype if a_scale is None else out_dtype)
 
 
 @_op("shard_rows")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 
 from torch_commopt.kernels.reference.collectives import resolve_group
+from torch_commopt.kernels.scaled import Scaled, matmul, wire
 
 
 @functools.cache
@@ -45,31 +46,30 @@ def _wait(work) -> None:
         work.wait()
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor, b, sc: Scaled | None = None, i: int = 0) -> torch.Tensor:
     rows = x.view(-1, x.shape[-1])
-    out = torch.mm(rows, w) if b is None else torch.addmm(b, rows, w)
-    return out.view(*x.shape[:-1], w.shape[-1])
+    return matmul(rows, w, b, sc, i).view(*x.shape[:-1], w.shape[-1])
 
 
-def ag_matmul(a, weights, biases, group_name: str, return_gathered: bool) -> list[torch.Tensor]:
+def ag_matmul(a, weights, biases, group_name: str, return_gathered: bool, sc: Scaled | None = None) -> list[torch.Tensor]:
     group, (opts, _, _) = resolve_group(group_name), _options()
     gathered = a.new_empty((group.size() * a.shape[0],) + tuple(a.shape[1:]))
-    _wait(group._allgather_base(gathered, a, opts))
-    outs = [_linear(gathered, w, b) for w, b in zip(weights, biases)]
+    _wait(group._allgather_base(wire(gathered), wire(a), opts))
+    outs = [_linear(gathered, w, b, sc, i) for i, (w, b) in enumerate(zip(weights, biases))]
     return outs + [gathered] if return_gathered else outs
 
 
-def matmul_rs(a, weight, bias, reduce_op: str, group_name: str) -> torch.Tensor:
+def matmul_rs(a, weight, bias, reduce_op: str, group_name: str, sc: Scaled | None = None) -> torch.Tensor:
     group, (_, opts, _) = resolve_group(group_name), _options()
     world = group.size()
-    full = _linear(a, weight, bias)
+    full = _linear(a, weight, bias, sc)
     out = full.new_empty((full.shape[0] // world,) + tuple(full.shape[1:]))
     _wait(group._reduce_scatter_base(out, full, opts))
     return out.div_(world) if reduce_op == "avg" else out
 
 
-def matmul_ar(a, weight, bias, reduce_op: str, group_name: str) -> torch.Tensor:
+def matmul_ar(a, weight, bias, reduce_op: str, group_name: str, sc: Scaled | None = None) -> torch.Tensor:
     group, (_, _, opts) = resolve_group(group_name), _options()
-    out = _linear(a, weight, bias)
+    out = _linear(a, weight, bias, sc)
     _wait(group.allreduce([out], opts))
     return out.div_(group.size()) if reduce_op == "avg" else out

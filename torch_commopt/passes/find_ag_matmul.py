@@ -5,7 +5,8 @@ Forms recognised in post-grad graphs:
   ... -> split(L, dim 0) -> W getitems -> cat(dim g)              (gather dim g > 0, the
                                                                    funcol / DTensor form)
 then, from the gathered tensor, row-preserving chains (view, reshape, permute, ...) into
-the A operand of mm / addmm, or straight into bmm.  Several matmuls of one all-gather
+the A operand of mm / addmm / _scaled_mm (float8, passes/scaled_mm.py; a float8 shard
+gathered as uint8 and viewed back counts), or straight into bmm.  Several matmuls of one all-gather
 (q/k/v, w1/w3) form one region; any other use of the gathered tensor keeps it alive
 (the op then returns it as well).
 """
@@ -20,6 +21,7 @@ from torch_commopt.passes.graph_utils import (
     ALL_GATHER,
     BMM,
     MM,
+    SCALED_MM,
     Unsupported,
     aten,
     cat_dim,
@@ -30,6 +32,7 @@ from torch_commopt.passes.graph_utils import (
     wait_of,
 )
 from torch_commopt.passes.regions import Consumer, Region, Skip
+from torch_commopt.passes.scaled_mm import check_consumers, float8_view, scaled_operands
 from torch_commopt.reshard.layouts import Replicate, Shard
 
 
@@ -50,22 +53,29 @@ def _region_of(ag: Node) -> Region:
     a_shape = row_shape(ag.args[0])
     if len(a_shape) < 2:
         raise Unsupported(f"gathered tensor is {len(a_shape)}-D; a matmul needs rows")
-    root, gather_dim, nodes = wait, 0, [ag, wait]
-    users = list(wait.users)
+    root, gather_dim, nodes, a_view = wait, 0, [ag, wait], None
+    if (view := float8_view(root)) is not None:  # float8 bytes gathered as uint8
+        root, a_view = view
+        nodes.append(root)
+    users = list(root.users)
     if len(users) == 1 and (form := split_cat_dim(users[0], world)) is not None and form[0] == 0:
         root, gather_dim = form[1], cat_dim(form[1])
         nodes += [users[0], *users[0].users, root]
+        if a_view is None and (view := float8_view(root)) is not None:
+            root, a_view = view
+            nodes.append(root)
     descendants = _descendants(ag)
     consumers, other_use = _collect(root, [], descendants)
     if not consumers:
         raise Unsupported(
-            "no mm/addmm/bmm takes the gathered tensor as its A operand "
+            "no mm/addmm/bmm/_scaled_mm takes the gathered tensor as its A operand "
             "(through views/permutes that keep the contracted dim last)"
         )
+    check_consumers(consumers)
     return Region(
         kind="ag_matmul", collective=ag, wait=wait, group_name=group_name, group_size=world,
         dim=gather_dim, a=ag.args[0], consumers=consumers, root=root, keep_gathered=other_use,
-        nodes=nodes, in_layout=Shard(gather_dim), out_layout=Replicate(),
+        nodes=nodes, in_layout=Shard(gather_dim), out_layout=Replicate(), a_view=a_view,
     )
 
 
@@ -89,8 +99,13 @@ def _as_consumer(user: Node, operand: Node, path: list[Node], forbidden: set[Nod
     """`user` as a matmul taking `operand` as A, with a weight/bias independent of the gather."""
     if user.op != "call_function":
         return None
+    scaled = None
     if user.target is MM and user.args[0] is operand and user.args[1] is not operand:
         weight, bias = user.args[1], None
+    elif user.target is SCALED_MM and user.args[0] is operand:
+        _, weight, bias, scaled = scaled_operands(user)
+        if scaled.a_scale in forbidden or scaled.b_scale in forbidden:
+            raise Unsupported(f"_scaled_mm {user.name} has a scale computed from the gathered tensor")
     elif user.target is ADDMM and user.args[1] is operand and not user.kwargs:
         weight, bias = user.args[2], user.args[0]
         n = static_shape(weight)[-1]
@@ -106,7 +121,7 @@ def _as_consumer(user: Node, operand: Node, path: list[Node], forbidden: set[Nod
         return None
     if weight in forbidden or bias in forbidden:
         return None
-    return Consumer(node=user, path=list(path), weight=weight, bias=bias)
+    return Consumer(node=user, path=list(path), weight=weight, bias=bias, scaled=scaled)
 
 
 def _descendants(node: Node) -> set[Node]:

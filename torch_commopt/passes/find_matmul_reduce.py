@@ -1,7 +1,7 @@
 """Find matmul -> reduce-scatter (`matmul_rs`) and matmul -> all-reduce (`matmul_ar`) regions.
 
 Forms recognised in post-grad graphs:
-  mm/addmm -> row-preserving chain -> reduce_scatter_tensor -> wait_tensor  (scatter dim 0)
+  mm/addmm/_scaled_mm -> row-preserving chain -> reduce_scatter_tensor -> wait_tensor  (scatter dim 0)
   mm/addmm -> chain -> split(L, dim d) -> W getitems -> cat(dim 0) -> reduce_scatter_tensor
                                                                            (scatter dim d)
   mm/addmm -> chain -> all_reduce -> wait_tensor
@@ -20,6 +20,7 @@ from torch_commopt.passes.graph_utils import (
     ALL_REDUCE,
     MM,
     REDUCE_SCATTER,
+    SCALED_MM,
     SPLITS,
     Unsupported,
     aten,
@@ -34,6 +35,7 @@ from torch_commopt.passes.graph_utils import (
     wait_of,
 )
 from torch_commopt.passes.regions import Consumer, Region, Skip
+from torch_commopt.passes.scaled_mm import scaled_operands
 from torch_commopt.reshard.layouts import Partial, Replicate, Shard
 
 REDUCE_OPS = ("sum", "avg")
@@ -67,7 +69,7 @@ def _region_of(coll: Node, kind: str) -> Region:
         t, scatter_dim, extra = form
         nodes += extra
     mm, path = _walk_back(t)
-    a, weight, bias = _operands(mm)
+    a, weight, bias, scaled = _operands(mm)
     t_shape = row_shape(t)
     if kind == "matmul_rs" and not divides(t_shape[scatter_dim], world):
         raise Unsupported(f"scatter dim {scatter_dim} of size {t_shape[scatter_dim]} is not divisible by {world}")
@@ -79,7 +81,7 @@ def _region_of(coll: Node, kind: str) -> Region:
     return Region(
         kind=kind, collective=coll, wait=wait, group_name=group_name, group_size=world,
         dim=scatter_dim if kind == "matmul_rs" else None, a=a, reduce_op=reduce_op,
-        consumers=[Consumer(node=mm, path=[], weight=weight, bias=bias)], path=path,
+        consumers=[Consumer(node=mm, path=[], weight=weight, bias=bias, scaled=scaled)], path=path,
         nodes=nodes + path + [mm], in_layout=Partial(reduce_op),
         out_layout=Shard(scatter_dim) if kind == "matmul_rs" else Replicate(),
         t_shape=t_shape,
@@ -107,7 +109,7 @@ def _walk_back(t: Node) -> tuple[Node, list[Node]]:
     if len(t.users) != 1:
         raise Unsupported(f"{t.name} has other users besides the collective")
     path, node = [], t
-    while node.op == "call_function" and node.target not in (MM, ADDMM):
+    while node.op == "call_function" and node.target not in (MM, ADDMM, SCALED_MM):
         if not keeps_last_dim(node):
             raise Unsupported(f"the collective's input comes from {node.target}, not from a matmul through views")
         path.insert(0, node)
@@ -121,12 +123,15 @@ def _walk_back(t: Node) -> tuple[Node, list[Node]]:
     return node, path
 
 
-def _operands(mm: Node) -> tuple[Node, Node, Node | None]:
+def _operands(mm: Node):
+    """(A, weight, bias, float8 arguments or None) of the matmul."""
+    if mm.target is SCALED_MM:
+        return scaled_operands(mm)
     if mm.target is MM:
-        return mm.args[0], mm.args[1], None
+        return mm.args[0], mm.args[1], None, None
     if mm.kwargs:
         raise Unsupported(f"addmm {mm.name} has beta/alpha")
     bias, a, weight = mm.args[0], mm.args[1], mm.args[2]
     if static_shape(bias) != [static_shape(weight)[-1]]:
         raise Unsupported(f"addmm {mm.name} bias is not a vector over the output columns")
-    return a, weight, bias
+    return a, weight, bias, None

@@ -20,6 +20,8 @@ WAIT = c10d.wait_tensor.default
 MM = aten.mm.default
 ADDMM = aten.addmm.default
 BMM = aten.bmm.default
+SCALED_MM = aten._scaled_mm.default
+VIEW_DTYPE = aten.view.dtype
 
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}

@@ -237,7 +237,7 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
             from torch_commopt.kernels.gpu.pick import measure_band, pick
 
             shape, weights = op_a_shape(region), [list(c.weight.meta["val"].shape) for c in region.consumers]
-            dtype = str(a.dtype).removeprefix("torch.")
+            dtype = region_dtype(region)
             replayed = _replayed(region, config)
             wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
             band = measure_band(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
@@ -281,7 +281,7 @@ def _call_graphs(region: Region, config: Config) -> bool:
 
     weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
     return call_graphs_pay(region.kind, op_a_shape(region), weights, region.group_size,
-                           str(a.dtype).removeprefix("torch."))
+                           region_dtype(region))
 
 
 def _replayed(region: Region, config: Config) -> bool:
@@ -441,6 +441,12 @@ def op_a_shape(region: Region) -> list[int]:
     return list(region.t_shape[:-1]) + [a[-1]]
 
 
+def region_dtype(region: Region) -> str:
+    """The dtype name of the region's A operand as its matmuls read it (float8 bytes gathered
+    as uint8: the float8 type)."""
+    return str(region.a_view or val(region.a).dtype).removeprefix("torch.")
+
+
 def _choose_by_model(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
     from torch_commopt.passes.concat_k import copy_bytes, kept_bytes
     from torch_commopt.reshard.plan import candidate_rows
@@ -452,7 +458,7 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
     weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
     sched, preds, top, key, why = plan(
         region.kind, op_a_shape(region), weights, region.dim, [c.bias is not None for c in region.consumers],
-        region.reduce_op, region.keep_gathered, region.group_size, str(a.dtype).removeprefix("torch."),
+        region.reduce_op, region.keep_gathered, region.group_size, region_dtype(region),
         device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, _replayed(region, config),
         sum(copy_bytes(c.node) for c in region.consumers), sum(kept_bytes(c.node) for c in region.consumers))
     name = region.collective.name

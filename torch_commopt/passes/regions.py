@@ -12,15 +12,27 @@ from torch_commopt.passes.graph_utils import is_static
 from torch_commopt.reshard.layouts import Layout
 
 
+@dataclass(frozen=True)
+class ScaledArgs:
+    """What a torch._scaled_mm matmul takes beside A, B and the bias (kernels/scaled.py):
+    tensor-wise scales of A and B, the output dtype, fast accumulation."""
+
+    a_scale: Node
+    b_scale: Node
+    out_dtype: Any
+    fast_accum: bool
+
+
 @dataclass
 class Consumer:
     """A matmul fed by an all-gather: `path` is the row-preserving chain from the gathered
-    tensor to the matmul's A operand."""
+    tensor to the matmul's A operand.  scaled: the matmul is a float8 torch._scaled_mm."""
 
     node: Node
     path: list[Node]
     weight: Node
     bias: Node | None
+    scaled: ScaledArgs | None = None
 
 
 @dataclass
@@ -55,6 +67,12 @@ class Region:
     in_layout: Layout | None = None
     out_layout: Layout | None = None
     t_shape: list[int] | None = None
+    a_view: Any = None  # ag_matmul: the float8 dtype the gathered bytes are viewed as (gathered as uint8)
+
+    @property
+    def scaled(self) -> ScaledArgs | None:
+        """The float8 arguments shared by the region's matmuls (None: plain matmuls)."""
+        return self.consumers[0].scaled if self.consumers else None
 
     @property
     def dynamic(self) -> bool:
@@ -80,7 +98,10 @@ class Region:
             "bias": [c.bias is not None for c in self.consumers],
             "keep_gathered": self.keep_gathered,
             "layouts": f"{self.in_layout} -> {self.out_layout}",
-        }
+        } | ({} if self.scaled is None else {
+            "dtype": str(self.a_view or a.dtype).removeprefix("torch."),
+            "scaled": {"out_dtype": str(self.scaled.out_dtype).removeprefix("torch."),
+                       "fast_accum": self.scaled.fast_accum}})
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ ag_matmul: op(a_shard, weights, biases) returns each matmul's output in the gath
 layout; each consumer's row-preserving chain is replayed on it (last dim K -> N), so the
 replacement has exactly the consumer's shape.  matmul_rs / matmul_ar: the chain from the
 matmul to the collective is replayed on the A operand (N -> K) and the op computes the
-product and the reduction from there.  Region nodes left without users are erased.
+product and the reduction from there.  Float8 matmuls (torch._scaled_mm) pass their scales,
+output dtype and accumulation mode on to the op.  Region nodes left without users are erased.
 """
 
 from __future__ import annotations
@@ -46,17 +47,24 @@ def _call(graph: Graph, target, args) -> Node:
 def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node]) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((c.node for c in region.consumers), key=order.__getitem__)
-    args = (
-        _now(region.a, replaced),
-        [_now(c.weight, replaced) for c in region.consumers],
-        [_now(c.bias, replaced) for c in region.consumers],
-        region.dim,
-        region.group_size,
-        region.group_name,
-        str(schedule),
-        region.keep_gathered,
-    )
     with graph.inserting_before(first):
+        a = _now(region.a, replaced)
+        if region.a_view is not None:  # float8 bytes gathered as uint8: the op takes them as float8
+            a = _call(graph, torch.ops.aten.view.dtype, (a, region.a_view))
+        args = (
+            a,
+            [_now(c.weight, replaced) for c in region.consumers],
+            [_now(c.bias, replaced) for c in region.consumers],
+            region.dim,
+            region.group_size,
+            region.group_name,
+            str(schedule),
+            region.keep_gathered,
+        )
+        if region.scaled is not None:
+            sc = region.scaled
+            args += (_now(sc.a_scale, replaced), [_now(c.scaled.b_scale, replaced) for c in region.consumers],
+                     sc.out_dtype, sc.fast_accum)
         op = _call(graph, torch.ops.commopt.ag_matmul.default, args)
     k = row_shape(region.root)[-1]
     for i, consumer in enumerate(region.consumers):
@@ -85,14 +93,20 @@ def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, rep
         if region.kind == "matmul_rs":
             args = (a, weight, bias, region.dim, region.reduce_op,
                     region.group_size, region.group_name, str(schedule))
-            op = _call(graph, torch.ops.commopt.matmul_rs.default, args)
+            op = _call(graph, torch.ops.commopt.matmul_rs.default, args + _scaled_args(consumer, replaced))
         else:
             args = (a, weight, bias, region.reduce_op,
                     region.group_size, region.group_name, str(schedule))
-            op = _call(graph, torch.ops.commopt.matmul_ar.default, args)
+            op = _call(graph, torch.ops.commopt.matmul_ar.default, args + _scaled_args(consumer, replaced))
     region.wait.replace_all_uses_with(op)
     replaced[region.wait] = op
     _erase_dead(graph, region.nodes)
+
+
+def _scaled_args(consumer, replaced: dict[Node, Node]) -> tuple:
+    """A reduction's float8 arguments (a_scale, b_scale, out_dtype, fast_accum), if any."""
+    sc = consumer.scaled
+    return () if sc is None else (_now(sc.a_scale, replaced), _now(sc.b_scale, replaced), sc.out_dtype, sc.fast_accum)
 
 
 def _erase_dead(graph: Graph, nodes) -> None:

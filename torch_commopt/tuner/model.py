@@ -62,6 +62,16 @@ class RegionShape:
     def elt(self) -> int:
         return getattr(torch, self.dtype).itemsize
 
+    @property
+    def scaled(self) -> bool:
+        """A float8 region: its matmuls are torch._scaled_mm (kernels/scaled.py)."""
+        return self.dtype.startswith("float8")
+
+    @property
+    def out_elt(self) -> int:
+        """Bytes of one element of the product: a float8 product comes out in bf16 / fp16."""
+        return 2 if self.scaled else self.elt
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -148,10 +158,16 @@ def factor_key(kind: str, sched: Schedule) -> str:
     return key
 
 
+# A float8 GEMM without a float8 calibration: the bf16 fit at this rate (Hopper's dense
+# float8 peak is twice its bf16 one; calibration measures bf16 / fp16 / fp32 only).
+FLOAT8_SPEEDUP = 2.0
+
+
 def _gemm(shape: RegionShape, cal: Calibration, rows: float) -> float:
     fit = cal.gemm_fit(shape.dtype)
     rows = max(1, int(rows))
-    return sum(fit.time(rows, n, shape.k) for n in shape.ns)
+    t = sum(fit.time(rows, n, shape.k) for n in shape.ns)
+    return t / FLOAT8_SPEEDUP if shape.scaled and shape.dtype not in cal.gemm else t
 
 
 def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
@@ -197,7 +213,7 @@ def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
 def _reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
     w, n = shape.world, shape.ns[0]
     m_seg = shape.rows / w
-    full_bytes = shape.rows * n * shape.elt
+    full_bytes = shape.rows * n * shape.out_elt
     name = "all_reduce" if shape.kind == "matmul_ar" else "reduce_scatter"
     if sched.name == "sequential":
         return _gemm(shape, cal, shape.rows) + collective_time(cal, name, full_bytes, w)
@@ -220,7 +236,7 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
     after the matching incoming pieces.  Ranks are symmetric, so a piece arrives when this
     rank's own outgoing piece of the same index would."""
     w = shape.world
-    piece_bytes = m_seg / s * shape.ns[0] * shape.elt
+    piece_bytes = m_seg / s * shape.ns[0] * shape.out_elt
     stores = sched.name == "direct" or (sched.name == "fused" and sched.param("store", "direct") == "direct")
     link = (cal.p2p_pull or cal.p2p) if sched.name == "ce_pull" else cal.p2p
     beside = 1.0 + cal.transfer_slowdown  # a partial's transfer runs beside the next GEMM
@@ -297,10 +313,10 @@ def extra_bytes(shape: RegionShape, sched: Schedule) -> int:
     if not sched.is_gpu:
         if shape.kind == "ag_matmul":
             return w * shape.rows * shape.k * shape.elt  # the gathered input
-        return shape.rows * shape.ns[0] * shape.elt  # the unreduced product
+        return shape.rows * shape.ns[0] * shape.out_elt  # the unreduced product
     staging = 0
     if shape.kind != "ag_matmul" and (sched.name == "ce_push" or sched.param("store", "direct") == "ce"):
-        staging = w * math.ceil(shape.rows / w) * shape.ns[0] * shape.elt
+        staging = w * math.ceil(shape.rows / w) * shape.ns[0] * shape.out_elt
     return pool_bytes(shape, sched) + staging
 
 
@@ -314,7 +330,7 @@ def pool_bytes(shape: RegionShape, sched: Schedule) -> int:
     if shape.kind == "ag_matmul":
         return 2 * shape.world * shape.rows * shape.k * shape.elt  # twice the gathered input
     phases = 2 if shape.kind == "matmul_ar" else 1
-    return 2 * phases * shape.world * math.ceil(shape.rows / shape.world) * shape.ns[0] * shape.elt
+    return 2 * phases * shape.world * math.ceil(shape.rows / shape.world) * shape.ns[0] * shape.out_elt
 
 
 def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool = False) -> list[Schedule]:
@@ -329,7 +345,7 @@ def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool = False) ->
     if shape.kind == "ag_matmul":
         gpu.append(Schedule("ce_push", 1, (("gemm", "whole"),)))
     else:
-        gpu += [Schedule("direct", s) for s in (1, 2)] + [Schedule("ce_pull", 2)]
+        gpu += [Schedule("direct", s) for s in (1, 2)] + ([] if shape.scaled else [Schedule("ce_pull", 2)])
     if shape.dtype in ("bfloat16", "float16"):
         gpu += [Schedule("fused", s) for s in (1, 4)]
     # replayed, a schedule that runs as another one inside a capture would only repeat it

@@ -25,13 +25,14 @@ import torch
 from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
+from torch_commopt.kernels.scaled import Scaled, matmul, out_dtype
 from torch_commopt.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3}
 
 
 def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule, group_name: str, world: int,
-                       capturing: bool = False) -> str | None:
+                       capturing: bool = False, sc: Scaled | None = None) -> str | None:
     """Why this call cannot run the GPU schedule (None: it can)."""
     if gather_dim == a.dim() - 1:
         return "gather along the contracted dim"
@@ -39,9 +40,11 @@ def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule, group_na
         return "batched (3-D) weights"
     if a.numel() == 0:
         return "empty input"
+    if sc is not None and schedule.name == "fused":
+        return "fused has no scaled (float8) product; ce_push runs cuBLAS's _scaled_mm per piece"
     if schedule.name == "fused" and a.dtype not in (torch.bfloat16, torch.float16):
         return f"fused needs bf16/fp16, got {a.dtype}"
-    if any(w.dtype != a.dtype for w in weights):
+    if sc is None and any(w.dtype != a.dtype for w in weights):
         return "mixed dtypes"
     if capturing:
         return symm.capture_refusal(group_name, a.device, "ag_matmul", schedule, buffer_bytes(a, world))
@@ -61,25 +64,27 @@ def _plan(shape: tuple, gather_dim: int, world: int, chunks: int) -> tuple:
     return lay, tuple(lay.pieces(min(chunks, MAX_CHUNKS))), gshape
 
 
-def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, return_gathered):
+def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, return_gathered,
+                  sc: Scaled | None = None):
     rt = symm.runtime(group_name, a.device)
     lay, pieces, gshape = _plan(tuple(a.shape), gather_dim, rt.world, sched.chunks)
     # The outputs are allocated here, outside a per-call graph (the caller owns them), and before
     # the side stream syncs with the caller's stream: the side stream writes `gathered`, and its
     # block's previous owner may still have caller-stream work pending (the caching allocator
     # orders reuse on the allocating stream only).
-    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]]) for w in weights]
+    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]], dtype=out_dtype(a, sc)) for w in weights]
     gathered = a.new_empty(gshape) if return_gathered else None
 
     def body():
-        _gather_and_multiply(rt, a, weights, biases, sched, lay, pieces, outs, gathered)
+        _gather_and_multiply(rt, a, weights, biases, sched, lay, pieces, outs, gathered, sc)
 
-    call_graphs.call("ag_matmul", sched, rt, (a, *weights, *biases, *outs, gathered), (gather_dim,), body,
-                     lambda: unsupported_reason(a, weights, gather_dim, sched, group_name, rt.world, True))
+    scales, flags = ((), ()) if sc is None else ((sc.a_scale, *sc.b_scales), (sc.out_dtype, sc.fast_accum))
+    call_graphs.call("ag_matmul", sched, rt, (a, *weights, *biases, *outs, gathered, *scales), (gather_dim, *flags),
+                     body, lambda: unsupported_reason(a, weights, gather_dim, sched, group_name, rt.world, True, sc))
     return outs + ([gathered] if return_gathered else [])
 
 
-def _gather_and_multiply(rt, a, weights, biases, sched: Schedule, lay, pieces, outs, gathered) -> None:
+def _gather_and_multiply(rt, a, weights, biases, sched: Schedule, lay, pieces, outs, gathered, sc=None) -> None:
     debug = rt.debug_waits(sched)
     world, rank = rt.world, rt.rank
     m_loc, k = lay.local_rows, a.shape[-1]
@@ -101,13 +106,13 @@ def _gather_and_multiply(rt, a, weights, biases, sched: Schedule, lay, pieces, o
             rt.signal(side, p, data_index(half, rank, c), 1)
 
     if sched.param("gemm") == "whole":
-        _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug)
+        _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug, sc)
     elif sched.name == "fused":
         _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug)
     else:
         slot_of = functools.partial(_source_slot, buf, rank, base, m_loc, k, row_bytes, a.dtype)
         _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, cur, debug,
-                        rt.compute2 if sched.param("par") else None)
+                        rt.compute2 if sched.param("par") else None, sc)
     if gathered is not None:
         _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug)
     rt.after(cur, side)
@@ -123,28 +128,28 @@ def _source_slot(buf, rank: int, base: int, m_loc: int, k: int, row_bytes: int, 
     return buf.view(rank, base + src * m_loc * row_bytes, (m_loc, k), dtype)
 
 
-def _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, cur, debug, second=None):
+def _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, cur, debug, second=None, sc=None):
     """cuBLAS per piece; slot_of(src): source src's (M_loc, K) slot.  second (par=1): the peers'
     pieces run on that stream, so their GEMMs can share the SMs with the own shard's (the GEMMs
-    write disjoint rows)."""
+    write disjoint rows).  sc: each piece is a scaled (float8) product."""
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in outs]
     peers = cur if second is None else second
     if second is not None:
         rt.after(second, cur)  # the outputs were allocated on the caller's stream
     # Own shard first, as one GEMM: it needs nothing from the peers.
-    _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows)
+    _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows, sc)
     with contextlib.nullcontext() if second is None else torch.cuda.stream(second):
         for src in rt.sources:
             slot = slot_of(src)
             for c, (lo, hi) in enumerate(pieces):
                 rt.wait(peers, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
-                _piece_matmuls(piece_rows(slot, lo, hi), full, weights, biases, lay, src, lo, hi)
+                _piece_matmuls(piece_rows(slot, lo, hi), full, weights, biases, lay, src, lo, hi, sc)
     if second is not None:
         rt.after(cur, second)
 
 
-def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug):
+def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug, sc=None):
     """ce_push:S:gemm=whole: the own shard joins the peers' in the buffer and one GEMM runs
     over all of them once they are there.  At short M a GEMM's time is reading B, so the
     overlapped form (one GEMM per shard) reads B W times; this one reads it once and hides
@@ -154,13 +159,9 @@ def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur,
     for src in rt.sources:  # pieces from one peer land in order: the last flag covers the slot
         rt.wait(cur, data_index(half, src, last), 1, debug=debug, what="chunk", src=src, chunk=last)
     rows = slots.view(-1, a2.shape[-1])
-    for out, w, b in zip(outs, weights, biases):
+    for i, (out, w, b) in enumerate(zip(outs, weights, biases)):
         full = out.view(-1, out.shape[-1])
-        prod = full if lay.outer == 1 else None
-        if b is None:
-            prod = torch.mm(rows, w, out=prod)
-        else:
-            prod = torch.addmm(b, rows, w, out=prod)
+        prod = matmul(rows, w, b, sc, i, out=full if lay.outer == 1 else None)
         if lay.outer != 1:  # slot order is rank-major; the output interleaves outer blocks
             for block in range(rt.world):
                 part = prod[block * lay.local_rows:(block + 1) * lay.local_rows]
@@ -168,17 +169,13 @@ def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur,
                 dst.copy_(part.view(dst.shape))
 
 
-def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi):
-    for out, w, b in zip(full, weights, biases):
+def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi, sc=None):
+    for i, (out, w, b) in enumerate(zip(full, weights, biases)):
         dst = lay.block_rows(out, block, lo, hi)
         if lay.outer == 1:
-            if b is None:
-                torch.mm(rows, w, out=dst)
-            else:
-                torch.addmm(b, rows, w, out=dst)
+            matmul(rows, w, b, sc, i, out=dst)
         else:  # rows of several outer blocks: strided destination
-            prod = torch.mm(rows, w) if b is None else torch.addmm(b, rows, w)
-            dst.copy_(prod.view(dst.shape))
+            dst.copy_(matmul(rows, w, b, sc, i).view(dst.shape))
 
 
 def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug):

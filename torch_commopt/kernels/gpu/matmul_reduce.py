@@ -37,13 +37,14 @@ import torch
 from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
+from torch_commopt.kernels.scaled import Scaled, matmul, out_dtype
 from torch_commopt.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3, "store": "direct"}
 
 
 def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule: Schedule, group_name: str,
-                       capturing: bool = False) -> str | None:
+                       capturing: bool = False, sc: Scaled | None = None) -> str | None:
     rows = a.numel() // max(1, a.shape[-1])
     if weight.dim() != 2:
         return "batched (3-D) weight"
@@ -51,20 +52,23 @@ def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule:
         return "scatter along the output's last dim"
     if rows == 0 or rows % world:
         return f"{rows} rows do not split evenly over {world} ranks"
+    if sc is not None and schedule.name in ("fused", "ce_pull"):
+        return f"{schedule.name} has no scaled (float8) product: cuBLAS's _scaled_mm cannot add into its output"
     if schedule.name == "fused" and a.dtype not in (torch.bfloat16, torch.float16):
         return f"fused needs bf16/fp16, got {a.dtype}"
-    if weight.dtype != a.dtype:
+    if weight.dtype != a.dtype and sc is None:
         return "mixed dtypes"
     if capturing:
         op, phases = ("matmul_ar", 2) if scatter_dim is None else ("matmul_rs", 1)
-        return symm.capture_refusal(group_name, a.device, op, schedule, buffer_bytes(a, weight, world, phases=phases))
+        return symm.capture_refusal(group_name, a.device, op, schedule,
+                                    buffer_bytes(a, weight, world, phases=phases, sc=sc))
     return None
 
 
-def buffer_bytes(a, weight, world: int, *, phases: int) -> int:
-    """Symmetric buffer bytes a call needs (both halves)."""
+def buffer_bytes(a, weight, world: int, *, phases: int, sc: Scaled | None = None) -> int:
+    """Symmetric buffer bytes a call needs (both halves): partials of the product's dtype."""
     rows = a.numel() // max(1, a.shape[-1])
-    return 2 * phases * rows * weight.shape[-1] * a.element_size()
+    return 2 * phases * rows * weight.shape[-1] * out_dtype(a, sc).itemsize
 
 
 @functools.lru_cache(maxsize=512)
@@ -80,7 +84,8 @@ def _plan(shape: tuple, scatter_dim: int | None, world: int, chunks: int) -> tup
 class _Call:
     """State of one reduce call: runtime, layout, buffers, half, streams."""
 
-    def __init__(self, a, weight, scatter_dim, group_name, sched: Schedule, reduce_op, *, phases: int):
+    def __init__(self, a, weight, scatter_dim, group_name, sched: Schedule, reduce_op, *, phases: int,
+                 sc: Scaled | None = None):
         self.rt = rt = symm.runtime(group_name, a.device)
         self.sched, self.world, self.rank = sched, rt.world, rt.rank
         self.debug = rt.debug_waits(sched)
@@ -88,17 +93,17 @@ class _Call:
         self.lay, self.pieces = _plan(tuple(a.shape), scatter_dim, rt.world, sched.chunks)
         self.m_seg = self.lay.local_rows
         self.a2 = a.contiguous().view(-1, self.k)
-        self.seg_bytes = self.m_seg * self.n * a.element_size()
+        self.sc, self.dtype = sc, out_dtype(a, sc)  # the partials' dtype: the product's
+        self.seg_bytes = self.m_seg * self.n * self.dtype.itemsize
         self.phases, self.n_chunks = phases, len(self.pieces)
-        self.buf = rt.buffer(buffer_bytes(a, weight, rt.world, phases=phases))
-        self.dtype = a.dtype
+        self.buf = rt.buffer(buffer_bytes(a, weight, rt.world, phases=phases, sc=sc))
         self.alpha = 1.0 / rt.world if reduce_op == "avg" else 1.0
         self.epoch = rt.next_epoch()  # the fused kernel's barrier counts epochs
         self.half = self.epoch % 2  # calls alternate buffer halves
         # Half h starts at the same offset whatever the op or shape: the FREE tokens guard
         # halves, so two calls' half-0 and half-1 regions must never overlap in one buffer.
         self.base = self.half * (self.buf.nbytes // 2)
-        self.recv = self.buf.view(self.rank, self.base, (rt.world, self.m_seg, self.n), a.dtype)
+        self.recv = self.buf.view(self.rank, self.base, (rt.world, self.m_seg, self.n), self.dtype)
         self.cur, self.side = torch.cuda.current_stream(a.device), rt.side
         self.side_used = False  # join the side stream only if this call forked it (graph capture)
 
@@ -146,28 +151,28 @@ class _Call:
         self.rt.wait(stream, data_index(self.half, src, c, phase), 1, debug=self.debug, what=what, src=src, chunk=c)
 
 
-def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Schedule):
+def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Schedule, sc: Scaled | None = None):
     rt = symm.runtime(group_name, a.device)
     out_shape = list(a.shape[:-1]) + [weight.shape[-1]]
     out_shape[scatter_dim] //= rt.world
-    out = a.new_empty(out_shape)  # outside a per-call graph: the caller owns it
+    out = a.new_empty(out_shape, dtype=out_dtype(a, sc))  # outside a per-call graph: the caller owns it
 
     def body():
-        call = _Call(a, weight, scatter_dim, group_name, sched, reduce_op, phases=1)
+        call = _Call(a, weight, scatter_dim, group_name, sched, reduce_op, phases=1, sc=sc)
         _reduce_scatter_into(call, weight, out.view(call.m_seg, call.n))
         call.finish(out, bias, reduce_op, "matmul_rs")
 
-    call_graphs.call("matmul_rs", sched, rt, (a, weight, bias, out), (scatter_dim, reduce_op), body,
-                     lambda: unsupported_reason(a, weight, scatter_dim, rt.world, sched, group_name, True))
+    call_graphs.call("matmul_rs", sched, rt, (a, weight, bias, out, *_scales(sc)), (scatter_dim, reduce_op, *_flags(sc)),
+                     body, lambda: unsupported_reason(a, weight, scatter_dim, rt.world, sched, group_name, True, sc))
     return out
 
 
-def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
+def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule, sc: Scaled | None = None):
     rt = symm.runtime(group_name, a.device)
-    out = a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]])  # outside a per-call graph
+    out = a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]], dtype=out_dtype(a, sc))  # outside a per-call graph
 
     def body():
-        call = _Call(a, weight, None, group_name, sched, reduce_op, phases=2)
+        call = _Call(a, weight, None, group_name, sched, reduce_op, phases=2, sc=sc)
         full = out.view(-1, call.n)
         own = full[call.rank * call.m_seg: (call.rank + 1) * call.m_seg]
         _reduce_scatter_into(call, weight, own, after_piece=lambda c, lo, hi: _push_reduced(call, own, c, lo, hi))
@@ -178,9 +183,18 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule):
                 call.rt.copy(call.side, full[src * call.m_seg + lo: src * call.m_seg + hi], piece_rows(got, lo, hi))
         call.finish(out, bias, reduce_op, "matmul_ar")
 
-    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out), (reduce_op,), body,
-                     lambda: unsupported_reason(a, weight, None, rt.world, sched, group_name, True))
+    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out, *_scales(sc)), (reduce_op, *_flags(sc)), body,
+                     lambda: unsupported_reason(a, weight, None, rt.world, sched, group_name, True, sc))
     return out
+
+
+def _scales(sc: Scaled | None) -> tuple:
+    """A scaled call's scale tensors (a per-call graph reads them where they are)."""
+    return () if sc is None else (sc.a_scale, *sc.b_scales)
+
+
+def _flags(sc: Scaled | None) -> tuple:
+    return () if sc is None else (sc.out_dtype, sc.fast_accum)
 
 
 def _push_reduced(call: _Call, own, c, lo, hi):
@@ -214,21 +228,21 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
             staged = staging[p]
         for c, (lo, hi) in enumerate(call.pieces):
             if staging is None:
-                torch.mm(piece_rows(a_p, lo, hi), weight, out=piece_rows(slot, lo, hi))
+                matmul(piece_rows(a_p, lo, hi), weight, None, call.sc, out=piece_rows(slot, lo, hi))
                 call.signal(call.cur, p, c)
             else:
                 piece = piece_rows(staged, lo, hi)
-                torch.mm(piece_rows(a_p, lo, hi), weight, out=piece)
+                matmul(piece_rows(a_p, lo, hi), weight, None, call.sc, out=piece)
                 _ship(call, piece, piece_rows(slot, lo, hi), p, c)
     a_r = call.segment_a(call.rank)
-    if len(rt.sources) == 1:
+    if len(rt.sources) == 1 and call.sc is None:  # _scaled_mm cannot add into its output
         _own_in_place(call, a_r, weight, own, rt.sources[0], after_piece)
         return
     mine = call.slot(call.rank, call.rank)  # this rank's own receive slot (a cached view)
     for c, (lo, hi) in enumerate(call.pieces):
         # The own product goes to this rank's own slot (no peer writes it) before the waits,
         # so it runs while the last partials are still landing.
-        torch.mm(piece_rows(a_r, lo, hi), weight, out=piece_rows(mine, lo, hi))
+        matmul(piece_rows(a_r, lo, hi), weight, None, call.sc, out=piece_rows(mine, lo, hi))
         for src in rt.sources:
             call.wait(call.cur, src, c, "partial")
         _sum_slots(call, call.recv if call.n_chunks == 1 else call.recv[:, lo:hi], piece_rows(own, lo, hi))

@@ -20,8 +20,9 @@ import math
 from torch_commopt.schedule import Schedule
 
 LINK_BYTES_PER_S = 300e9
-GEMM_FLOPS_PER_S = {"bfloat16": 700e12, "float16": 700e12, "float32": 50e12}
-ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+GEMM_FLOPS_PER_S = {"bfloat16": 700e12, "float16": 700e12, "float32": 50e12,
+                    "float8_e4m3fn": 1400e12, "float8_e5m2": 1400e12}  # float8: Hopper's 2x peak
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # Below this estimated transfer time the fixed costs of an overlapped schedule win.
 MIN_HIDDEN_COMM_S = 20e-6
 # Under CUDA-graph replay only the GPU-side fixed costs remain (flag round trips, a second
@@ -84,6 +85,8 @@ def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: st
     """(gemm seconds, transfer seconds) of one rank for a region."""
     rows, k = math.prod(a_shape[:-1]), a_shape[-1]
     elt = ELEMENT_BYTES.get(dtype, 4)
+    if kind != "ag_matmul" and dtype.startswith("float8"):
+        elt = 2  # a reduction moves the product: a float8 one comes out in bf16 / fp16
     if kind == "ag_matmul":
         flops = 2 * world * rows * k * sum(ns)
         moved = (world - 1) * rows * k * elt

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from torch_commopt.kernels.scaled import Scaled, matmul, wire
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM}
 # torch 2.13 renamed the tensor forms (the old names warn); 2.11 has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -72,7 +74,7 @@ def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, async_op:
     x = x.contiguous()
     # The flat (W*d0, ...) buffer is what every backend (the fake one too) expects.
     buf = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
-    work = _all_gather_single(buf, x, group=group, async_op=async_op)
+    work = _all_gather_single(wire(buf), wire(x), group=group, async_op=async_op)
     return Pending(work if async_op else None, buf, lambda b: merge_rank_dim(b.view((world,) + tuple(x.shape)), dim))
 
 
@@ -95,11 +97,11 @@ def all_reduce(x: torch.Tensor, op: str, group: dist.ProcessGroup, *, async_op: 
     return Pending(work if async_op else None, buf, finish)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x @ w (+ b) over the last dim of x, computed as one mm/addmm (or bmm for 3-D w)."""
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, sc: Scaled | None = None, i: int = 0) -> torch.Tensor:
+    """x @ w (+ b) over the last dim of x, computed as one mm/addmm (or bmm for 3-D w); sc:
+    the scaled (fp8) product of weight i instead (kernels/scaled.py)."""
     if w.dim() == 3:
         out = torch.bmm(x, w)
         return out if b is None else out + b
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.mm(rows, w) if b is None else torch.addmm(b, rows, w)
-    return out.view(*x.shape[:-1], w.shape[-1])
+    return matmul(rows, w, b, sc, i).view(*x.shape[:-1], w.shape[-1])
