@@ -1,6 +1,6 @@
 """AG+GEMM, GEMM+RS and GEMM+AR on W GPUs: every commopt schedule next to the baselines.
 
-One run times, per shape (global M, K, N; bf16): the GEMM alone, the collective alone (NCCL),
+One run times, per shape (global M, K, N; bf16, or float8 with --dtype): the GEMM alone, the collective alone (NCCL),
 NCCL sequential (`dist` collective + `torch.mm` called directly, as a user would), PyTorch
 async-TP (`torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`,
 symmetric memory enabled for the group), every commopt schedule (`sequential` included: the
@@ -145,8 +145,20 @@ def _rel(x, ref) -> float:
     return ((x - ref).norm() / ref.norm()).item()
 
 
-def _variants(shape: Shape, rank: int, world: int, group_name: str):
+FLOAT8 = "float8_e4m3fn"
+# float8 runs on cuBLAS's _scaled_mm: the Triton fused kernels and ce_pull (whose GEMM adds
+# into its output) refuse it and would only time sequential again
+FLOAT8_SKIPS = ("fused", "ce_pull")
+
+
+def schedules_for(op: str, dtype: str) -> list[str]:
+    return [s for s in SCHEDULES[op] if dtype != FLOAT8 or not s.startswith(FLOAT8_SKIPS)]
+
+
+def _variants(shape: Shape, rank: int, world: int, group_name: str, dtype: str = "bfloat16"):
     """(inputs description for pick, gemm fn, comm fn, {name: op fn}, torch async-TP fn or None)."""
+    if dtype == FLOAT8:
+        return _variants_float8(shape, rank, world, group_name)
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
     rnd = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     w_ = world
@@ -190,6 +202,60 @@ def _variants(shape: Shape, rank: int, world: int, group_name: str):
     return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], None), gemm, comm, seq, op, None
 
 
+def _variants_float8(shape: Shape, rank: int, world: int, group_name: str):
+    """_variants of float8 (e4m3) operands with tensor-wise scales, bf16 products with fast
+    accumulation (torchao's float8 forward).  NCCL moves the float8 bytes as uint8; torch
+    async-TP's float8 ops are fused_all_gather_scaled_matmul / fused_scaled_matmul_reduce_scatter."""
+    f8, bf, u8, w_ = torch.float8_e4m3fn, torch.bfloat16, torch.uint8, world
+    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    q = lambda *s: torch.randn(*s, generator=g, device="cuda").to(f8)  # noqa: E731
+    sa, sb = torch.tensor(0.02, device="cuda"), torch.tensor(0.01, device="cuda")
+    smm = lambda x, w: torch._scaled_mm(x, w, sa, sb, out_dtype=bf, use_fast_accum=True)  # noqa: E731
+    ops = torch.ops.commopt
+    if shape.op == "ag":
+        shard, w = q(shape.M // w_, shape.K), q(shape.N // w_, shape.K).t()  # B column-major
+        full = torch.empty(shape.M, shape.K, device="cuda", dtype=f8)
+        op = lambda s: ops.ag_matmul(shard, [w], [None], 0, w_, group_name, s, False, sa, [sb], bf, True)[0]  # noqa: E731
+        comm = lambda: dist.all_gather_into_tensor(full.view(u8), shard.view(u8))  # noqa: E731
+
+        def seq():
+            gathered = torch.empty(shape.M, shape.K, device="cuda", dtype=f8)
+            dist.all_gather_into_tensor(gathered.view(u8), shard.view(u8))
+            return smm(gathered, w)
+
+        def tp():
+            return torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+                shard, [w], sa, [sb], 0, group_name, [None], [None], [bf], [True])[1][0]
+
+        return ([shape.M // w_, shape.K], [[shape.K, shape.N // w_]], 0), lambda: smm(full, w), comm, seq, op, tp
+    a, w = q(shape.M, shape.K // w_), q(shape.N, shape.K // w_).t()
+    t = smm(a, w)
+    if shape.op == "rs":
+        part = torch.empty(shape.M // w_, shape.N, device="cuda", dtype=bf)
+        op = lambda s: ops.matmul_rs(a, w, None, 0, "sum", w_, group_name, s, sa, sb, bf, True)  # noqa: E731
+        comm = lambda: dist.reduce_scatter_tensor(part, t)  # noqa: E731
+
+        def seq():
+            out = torch.empty(shape.M // w_, shape.N, device="cuda", dtype=bf)
+            dist.reduce_scatter_tensor(out, smm(a, w))
+            return out
+
+        def tp():
+            return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+                a, w, sa, sb, "sum", 0, 0, group_name, [shape.M, shape.N], None, None, bf, True)
+
+        return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], 0), lambda: smm(a, w), comm, seq, op, tp
+    op = lambda s: ops.matmul_ar(a, w, None, "sum", w_, group_name, s, sa, sb, bf, True)  # noqa: E731
+
+    def seq():
+        out = smm(a, w)
+        dist.all_reduce(out)
+        return out
+
+    return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], None), lambda: smm(a, w), lambda: dist.all_reduce(t), \
+        seq, op, None
+
+
 def _with_cg(op: str, scheds: list[str]) -> list[str]:
     """The schedules among `scheds` whose calls replay per call, with cg=1."""
     replayed = (per_call(KIND[op], Schedule.parse(s)) for s in scheds)
@@ -197,7 +263,7 @@ def _with_cg(op: str, scheds: list[str]) -> list[str]:
 
 
 def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats: int, modes: tuple[str, ...],
-                 partial_path: str | None = None, call_graphs: bool = False):
+                 partial_path: str | None = None, call_graphs: bool = False, dtype: str = "bfloat16"):
     """Per shape and mode: every variant timed round-robin.  Rank 0 appends each finished
     record to `partial_path` (JSON lines) so that a run cut short keeps what it measured.
     call_graphs (Config.call_graphs=True, --call-graphs): eager shapes whose GEMM is in the band
@@ -209,12 +275,14 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
     enable_symm_mem_for_group(group_name)
     records = []
     for shape in shapes:
-        (a_shape, w_shapes, dim), gemm, comm, seq, op, tp = _variants(shape, rank, world, group_name)
-        rec = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16"}
+        (a_shape, w_shapes, dim), gemm, comm, seq, op, tp = _variants(shape, rank, world, group_name, dtype)
+        rec = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": dtype}
         ref = seq()
-        scheds = ["sequential"] + SCHEDULES[shape.op]
-        cg_pays = call_graphs and call_graphs_pay(KIND[shape.op], a_shape, w_shapes, world, "bfloat16")
-        cg_scheds = _with_cg(shape.op, SCHEDULES[shape.op]) if cg_pays else []
+        if tp is not None and not _runs(tp):
+            tp = None
+        scheds = ["sequential"] + schedules_for(shape.op, dtype)
+        cg_pays = call_graphs and call_graphs_pay(KIND[shape.op], a_shape, w_shapes, world, dtype)
+        cg_scheds = _with_cg(shape.op, schedules_for(shape.op, dtype)) if cg_pays else []
         rec["errors_vs_nccl"] = {s: _rel(op(s), ref) for s in scheds}
         for s in cg_scheds:  # a call's third sighting is its first replay (the second is the other half's)
             op(s)
@@ -223,12 +291,12 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
         for mode in modes:
             graphs = mode == "graph"
             cg = cg_pays and not graphs
-            chosen, why = pick(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16", graphs=graphs or cg)
-            band = measure_band(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16", graphs=graphs or cg)
+            chosen, why = pick(KIND[shape.op], a_shape, w_shapes, dim, world, dtype, graphs=graphs or cg)
+            band = measure_band(KIND[shape.op], a_shape, w_shapes, dim, world, dtype, graphs=graphs or cg)
             if cg and chosen.is_gpu:
                 chosen, why = chosen.with_params(cg=1), why + ": replayed per call (cg=1)"
             if band is not None:  # what the compile pass emits there: timed at the first call
-                chosen = band_request(KIND[shape.op], a_shape, w_shapes, dim, world, "bfloat16",
+                chosen = band_request(KIND[shape.op], a_shape, w_shapes, dim, world, dtype,
                                       torch.cuda.get_device_name(0), group_name, band, str(chosen), None,
                                       f"{shape.op} {shape.M}x{shape.K}x{shape.N}")
                 why += f": host-bound band, {', '.join(band)} timed at the first call"
@@ -268,6 +336,21 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
             with open(partial_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
     return records
+
+
+def _runs(fn) -> bool:
+    """Whether a baseline runs on this torch (every rank must agree: one that fails on any is
+    left out on all)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        ok = 1
+    except Exception as e:  # noqa: BLE001 - reported, the column stays empty
+        print(f"baseline failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        ok = 0
+    flag = torch.tensor([ok], device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _summarize(rounds: dict, shape: Shape, world: int) -> dict:
@@ -336,7 +419,8 @@ def _row(r: dict, res: dict) -> str:
 
 def _report(records: list[dict], meta: dict) -> str:
     lines = [f"# matmul + collective on {meta['device']} x{meta['world']} ({meta['date']})", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, bf16.", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, "
+             f"{'bf16' if meta.get('dtype', 'bfloat16') == 'bfloat16' else meta['dtype'] + ' (tensor-wise scales, bf16 products)'}.", "",
              f"Command: `{meta['command']}`", ""]
     # (a --modes graph run has no eager figures at the record's top level)
     modes = [("eager", "Eager calls (each call pays its host cost)", lambda r: r if "gemm_ms" in r else None),
@@ -404,6 +488,8 @@ def main() -> None:
     parser.add_argument("--m", default="", help="comma-separated global M values to run (default: every shape)")
     parser.add_argument("--call-graphs", action="store_true",
                         help="eager picks as with Config.call_graphs=True (per-call graphs, cg rows)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", FLOAT8],
+                        help=f"{FLOAT8}: float8 operands with tensor-wise scales, bf16 products (_scaled_mm)")
     args = parser.parse_args()
     shapes = [s for s in shapes_for(args.world) if (not args.only or s.op in args.only.split(","))
               and (not args.m or str(s.M) in args.m.split(","))]
@@ -411,7 +497,8 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     per_rank = run_distributed(bench_worker, args.world, shapes, args.iters, args.repeats, modes,
-                               str(out / "partial.jsonl"), args.call_graphs, backend="nccl", timeout_s=1800)
+                               str(out / "partial.jsonl"), args.call_graphs, args.dtype, backend="nccl",
+                               timeout_s=1800)
     records = per_rank[0]
     import triton
 
@@ -419,8 +506,9 @@ def main() -> None:
     commit = args.commit or _git_commit()
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
             "triton": triton.__version__, "commit": commit, "host": platform.node(),
-            "command": "python3 " + " ".join(sys.argv)}
-    stem = f"matmul_collectives_{card_tag(meta['device'], args.world)}_{date}{'_' + args.tag if args.tag else ''}"
+            "command": "python3 " + " ".join(sys.argv), "dtype": args.dtype}
+    stem = (f"matmul_collectives_{card_tag(meta['device'], args.world)}_{date}"
+            f"{'_float8' if args.dtype == FLOAT8 else ''}{'_' + args.tag if args.tag else ''}")
     tagged = [dict(r, device=meta["device"], torch=meta["torch"], triton=meta["triton"], commit=commit, date=date)
               for r in records]
     (out / f"{stem}.json").write_text(json.dumps(tagged, indent=1))
