@@ -90,6 +90,26 @@ def test_rule_under_cuda_graphs_ignores_host_cost():
     assert str(pick("ag_matmul", [8, 64], [[64, 64]], 0, 2, "bfloat16", graphs=True)[0]) == "sequential"
 
 
+def test_float8_rule_at_two_ranks():
+    f8 = "float8_e4m3fn"
+
+    def at2(kind, a_shape, w_shape, graphs, world=2):
+        dim = None if kind == "matmul_ar" else 0
+        return str(pick(kind, a_shape, [w_shape], dim, world, f8, graphs=graphs)[0])
+
+    # all-gathers: the peer's GEMM on a second stream, eager and replayed
+    assert at2("ag_matmul", [4096, 8192], [8192, 4096], False) == "ce_push:1:par=1"
+    assert at2("ag_matmul", [1024, 8192], [8192, 4096], True) == "ce_push:1:par=1"
+    assert at2("ag_matmul", [1024, 8192], [8192, 4096], False) == "sequential"  # eager, host-bound
+    assert at2("ag_matmul", [4096, 8192], [8192, 4096], False, world=4) == "ce_push:1"  # not measured there
+    # replayed reductions: M_global 2048 (est. float8 GEMM 98 us) ships its bf16 product, 512 stays NCCL
+    assert at2("matmul_rs", [2048, 4096], [4096, 8192], True) == "ce_push:1"
+    assert at2("matmul_ar", [2048, 4096], [4096, 8192], True) == "ce_push:1"
+    assert at2("matmul_rs", [512, 4096], [4096, 8192], True) == "sequential"
+    # bf16 keeps its own rule
+    assert str(pick("ag_matmul", [4096, 8192], [[8192, 4096]], 0, 2, "bfloat16")[0]) == "ce_push:1"
+
+
 def test_replayed_short_all_gathers_over_several_peers_skip_the_whole_gemm():
     # 4 ranks: the whole GEMM waits for the last of three shards (4x H100: it lost to NCCL)
     def at4(rows):

@@ -132,6 +132,10 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         return Schedule("sequential"), refusal + ": NCCL + cuBLAS"
     gemm_s, comm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)
     why = f"est. gemm {gemm_s * 1e6:.0f} us, transfer {comm_s * 1e6:.0f} us"
+    if dtype.startswith("float8") and world <= 2:
+        picked = _float8_pick(kind, gemm_s, comm_s, graphs)
+        if picked is not None:
+            return Schedule.parse(picked[0]), why + ": " + picked[1]
     if comm_s < (MIN_HIDDEN_COMM_S_GRAPHS if graphs else MIN_HIDDEN_COMM_S):
         return Schedule("sequential"), why + ": too little to hide"
     if gemm_s < MIN_GEMM_S and not graphs:
@@ -190,3 +194,27 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     if gemm_s < one_piece:
         return Schedule("ce_push", 1), why + f": GEMM under {one_piece * 1e3:.1f} ms, one piece"
     return Schedule("ce_push", 2), why
+
+
+def _float8_pick(kind: str, gemm_s: float, comm_s: float, graphs: bool) -> tuple[str, str] | None:
+    """Where float8 regions (torch._scaled_mm, kernels/scaled.py) at two ranks part from the
+    bf16 rule, else None.  2x H100, float8 e4m3 operands, bf16 products, K = 8192
+    (matmul_collectives_h100x2_2026-11-27_float8, ms):
+    - all-gathers run the peer's GEMM on a second stream (par=1): a float8 GEMM is half as
+      long, and the peer's shard, landing during the own one, no longer waits for it.
+      Replayed: 8192^3 0.415 vs ce_push:1 0.440 (torch async-TP 0.435), 16384x8192^2 0.823 vs
+      0.867, 4096x8192x28672 0.744 vs 0.765 (async-TP 0.747), 16384x8192x28672 2.957 vs 3.007,
+      M_global 2048 0.117 vs 0.122 (gemm=whole 0.142, async-TP 0.123), 512 0.055 (a tie with
+      gemm=whole); eager 0.819 vs 0.854, 0.738 vs 0.758, and ties at 8192^3 and
+      16384x8192x28672.
+    - replayed reductions whose float8 GEMM is under MIN_GEMM_S_GRAPHS but at least half of it
+      (the bf16 product moves as many bytes as a bf16 region's, whose GEMM would be twice as
+      long and over the threshold): M_global 2048 RS ce_push:1 0.169 vs NCCL 0.216 (async-TP
+      0.169), AR 0.226 vs 0.260; at 512 NCCL wins (RS 0.063 vs 0.082)."""
+    if comm_s < (MIN_HIDDEN_COMM_S_GRAPHS if graphs else MIN_HIDDEN_COMM_S):
+        return None
+    if kind == "ag_matmul" and (graphs or gemm_s >= MIN_GEMM_S):
+        return "ce_push:1:par=1", "float8 all-gather, the peer's GEMM beside the own shard's"
+    if kind != "ag_matmul" and graphs and MIN_GEMM_S_GRAPHS / 2 <= gemm_s < MIN_GEMM_S_GRAPHS:
+        return "ce_push:1", "short float8 reduction, its bf16 product worth hiding"
+    return None
