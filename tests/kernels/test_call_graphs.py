@@ -247,7 +247,7 @@ def _region(kind, a_shape, w_shape, device="cuda"):
     graph = torch.fx.Graph()
     a, w = graph.placeholder("a"), graph.placeholder("w")
     a.meta["val"], w.meta["val"] = a_val, w_val
-    return SimpleNamespace(kind=kind, a=a, t_shape=None, dim=0, group_size=2, dynamic=False,
+    return SimpleNamespace(kind=kind, a=a, t_shape=None, dim=0, group_size=2, dynamic=False, a_view=None,
                            consumers=[SimpleNamespace(weight=w)])
 
 
