@@ -53,8 +53,8 @@ def test_refused_gpu_call_runs_sequential_and_logs(caplog):
 
 
 @pytest.mark.parametrize("kind,a_shape,w_shapes,dim,expected", [
-    ("ag_matmul", [4096, 8192], [[8192, 4096]], 0, "ce_push:1"),
-    ("ag_matmul", [8192, 8192], [[8192, 14336]], 0, "ce_push:1"),
+    ("ag_matmul", [4096, 8192], [[8192, 4096]], 0, "ce_push:1:par=1"),  # est. GEMM 0.79 ms
+    ("ag_matmul", [8192, 8192], [[8192, 14336]], 0, "ce_push:1"),  # 5.5 ms: the GEMMs would only share SMs
     ("ag_matmul", [1024, 8192], [[8192, 4096]], 0, "ce_push:1"),  # M_global 2048: est. GEMM 0.2 ms
     ("ag_matmul", [256, 8192], [[8192, 4096]], 0, "sequential"),  # too short for its host cost
     ("ag_matmul", [4096, 8192], [[4, 8192, 4096]], 0, "sequential"),  # batched weights
@@ -106,8 +106,9 @@ def test_float8_rule_at_two_ranks():
     assert at2("matmul_rs", [2048, 4096], [4096, 8192], True) == "ce_push:1"
     assert at2("matmul_ar", [2048, 4096], [4096, 8192], True) == "ce_push:1"
     assert at2("matmul_rs", [512, 4096], [4096, 8192], True) == "sequential"
-    # bf16 keeps its own rule
-    assert str(pick("ag_matmul", [4096, 8192], [[8192, 4096]], 0, 2, "bfloat16")[0]) == "ce_push:1"
+    # bf16 keeps its own rule (par=1 only for GEMMs of 0.5-3 ms)
+    assert str(pick("ag_matmul", [8192, 8192], [[8192, 14336]], 0, 2, "bfloat16")[0]) == "ce_push:1"
+    assert str(pick("ag_matmul", [8192, 8192], [[8192, 14336]], 0, 2, f8)[0]) == "ce_push:1:par=1"
 
 
 def test_replayed_short_all_gathers_over_several_peers_skip_the_whole_gemm():
@@ -141,10 +142,12 @@ def test_long_all_gathers_over_several_peers_run_the_fused_kernel():
     for graphs in (False, True):
         assert str(pick("ag_matmul", [1024, 8192], [[8192, 7168]], 0, 4, "bfloat16", graphs=graphs)[0]) == \
             "fused:2:tma=1"
-        # shorter (8192^3 at 4 ranks, est. 0.39 ms), fp32 (no fused kernel) or 2 ranks: ce_push:1
+        # shorter (8192^3 at 4 ranks, est. 0.39 ms) or fp32 (no fused kernel): ce_push:1; 2 ranks:
+        # the peer's GEMM beside the own one
         assert str(pick("ag_matmul", [2048, 8192], [[8192, 2048]], 0, 4, "bfloat16", graphs=graphs)[0]) == "ce_push:1"
         assert str(pick("ag_matmul", [1024, 8192], [[8192, 7168]], 0, 4, "float32", graphs=graphs)[0]) == "ce_push:1"
-        assert str(pick("ag_matmul", [2048, 8192], [[8192, 14336]], 0, 2, "bfloat16", graphs=graphs)[0]) == "ce_push:1"
+        assert str(pick("ag_matmul", [2048, 8192], [[8192, 14336]], 0, 2, "bfloat16", graphs=graphs)[0]) == \
+            "ce_push:1:par=1"
 
 
 def test_fused_reduction_inside_a_capture_runs_ce_push(monkeypatch, caplog):

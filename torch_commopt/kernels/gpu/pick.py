@@ -62,6 +62,17 @@ BAND_CANDIDATES = {"ag_matmul": ["sequential", "ce_push:1"], "matmul_rs": ["sequ
 # seen (RS 8192^3, est. 0.79 ms: ce_push:1 1.10x the best baseline eager on s13's slow host,
 # 1.15x on s13b's).
 SHORT_GEMM_S = 0.5e-3
+# All-gathers at two ranks whose GEMM is estimated in [SHORT_GEMM_S, PAR_MAX_GEMM_S) run the
+# peer's GEMM on a second compute stream beside the own shard's (ce_push:1:par=1): it fills
+# the own GEMM's last wave instead of queueing behind it.  Same-run comparisons, ce_push:1 ->
+# par=1 (ms, eager / replayed): 2x H200 s25b 8192^3 0.802 -> 0.779 / 0.808 -> 0.776,
+# 16384x8192^2 1.635 -> 1.565 / 1.626 -> 1.575, 4096x8192x28672 1.419 -> 1.385 / 1.433 ->
+# 1.414; 2x H200 s36 (matmul_collectives_h200x2_2026-11-27_cg) 0.800 -> 0.798 / 0.795 ->
+# 0.790, 1.627 -> 1.586 / 1.616 -> 1.581, 1.458 -> 1.442 / 1.457 -> 1.424; 2x H100 s35 and
+# s36 1-5% the same way.  At 16384x8192x28672 (est. 5.5 ms) it lost 1.0-1.4% on both H200
+# runs (5.718 -> 5.776, 5.766 -> 5.850 eager): above PAR_MAX_GEMM_S the two GEMMs only share
+# the SMs.  (Not re-benchmarked after the rule changed.)
+PAR_MAX_GEMM_S = 3e-3
 # Reductions run ce_push:1 below this estimated GEMM time, ce_push:2 above (see pick()).
 SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
 
@@ -164,6 +175,8 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
             # 2.918 / 2.927 vs 2.897 / 2.968.  Under SHORT_GEMM_S it was mixed (8192^3: 0.468 /
             # 0.428 vs 0.443 / 0.444) and ce_push:1 stays.
             return Schedule.parse("fused:2:tma=1"), why + f": {world - 1} peers, one fused pass over the tiles"
+        if world <= 2 and SHORT_GEMM_S <= gemm_s < PAR_MAX_GEMM_S:
+            return Schedule.parse("ce_push:1:par=1"), why + ": the peer's GEMM beside the own shard's (par=1)"
         # One piece: the peer's shard lands long before the own shard's GEMM ends, and more
         # pieces only add GEMM tails (16384x8192x28672: ce_push:1 5.820 / 5.771 ms vs :4
         # 5.838 / 5.834 in two runs).
