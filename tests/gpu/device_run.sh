@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|callgraphs|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|callgraphs|float8|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -103,6 +103,14 @@ if [[ $what == callgraphs ]]; then
     ${BENCH_ARGS:-} > "$out/cg_bench.log" 2>&1; grep '^\[' "$out/cg_bench.log"
   timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/cg_costmodel" --call-graphs ${BENCH_ARGS:-} \
     > "$out/cg_costmodel.log" 2>&1; tail -14 "$out/cg_costmodel.log"
+fi
+if [[ $what == float8 ]]; then
+  # float8 (_scaled_mm) regions: the GPU tests, then the kernels sweep with float8 operands (~2 min)
+  TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
+    timeout ${TEST_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_float8_gpu.py 2>&1 | tee "$out/gpu_tests_float8.log"
+  mkdir -p "$out/float8"
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_matmul_collectives.py --out "$out/float8" --dtype float8_e4m3fn \
+    ${BENCH_ARGS:-} > "$out/float8.log" 2>&1; grep -oE '\[(eager|graph)\] .*' "$out/float8.log"
 fi
 if [[ $what == costmodel ]]; then
   # the tuner figures, eager and replayed from CUDA graphs (~1 min each)
