@@ -404,3 +404,22 @@ def test_transfers_beside_gemms_take_the_calibrated_slowdown():
     assert ag_time(0.5) - ag_time(0.0) == pytest.approx(0.5 * 2 * slow.time(2048 * 4096 * 2))  # two pushes in series
     assert _transfer_slowdown(1.5e-4, 1e-4) == pytest.approx(0.5)
     assert _transfer_slowdown(0.9e-4, 1e-4) == 0.0 and _transfer_slowdown(1.0, 1e-4) == 2.0  # clamped
+
+
+def test_float8_regions_gemm_at_twice_the_bf16_rate_and_reduce_the_bf16_product():
+    # calibration measures no float8 GEMM: a float8 region's GEMM is the bf16 fit at 2x; an
+    # all-gather moves its 1-byte operand, a reduction its bf16 product (kernels/scaled.py)
+    bf, f8 = "bfloat16", "float8_e4m3fn"
+    rs_bf, rs_f8 = (RegionShape("matmul_rs", 8192, 4096, (8192,), 2, d) for d in (bf, f8))
+    assert rs_f8.scaled and not rs_bf.scaled and rs_f8.out_elt == rs_bf.out_elt == 2 and rs_f8.elt == 1
+    assert extra_bytes(rs_f8, Schedule("ce_push", 2)) == extra_bytes(rs_bf, Schedule("ce_push", 2))
+    seq_bf, seq_f8 = (predict(s, Schedule("sequential"), H200) for s in (rs_bf, rs_f8))
+    gemm_bf = predict(dataclasses.replace(rs_bf, world=1), Schedule("sequential"), H200).gpu_s
+    gemm_f8 = predict(dataclasses.replace(rs_f8, world=1), Schedule("sequential"), H200).gpu_s
+    assert gemm_f8 == pytest.approx(gemm_bf / 2, rel=1e-6)
+    assert seq_bf.gpu_s - gemm_bf == pytest.approx(seq_f8.gpu_s - gemm_f8, rel=1e-6)  # the same reduce-scatter
+    ag_bf, ag_f8 = (RegionShape("ag_matmul", 4096, 8192, (4096,), 2, d) for d in (bf, f8))
+    assert extra_bytes(ag_f8, Schedule("chunked", 2)) * 2 == extra_bytes(ag_bf, Schedule("chunked", 2))
+    # no float8 product in the fused kernels or ce_pull: not ranked
+    names = {s.name for s in candidates(rs_f8, H200)}
+    assert "ce_pull" not in names and "fused" not in names and "ce_pull" in {s.name for s in candidates(rs_bf, H200)}
