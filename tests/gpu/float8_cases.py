@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import torch_commopt  # noqa: F401  (registers the ops)
 from kernel_cases import _compare, _poison, _rel
+from torch_commopt.schedule import Schedule
 
 FP8 = torch.float8_e4m3fn
 AG_SCHEDULES = ["local_first", "ce_push:1", "ce_push:3", "ce_push:1:par=1", "ce_push:2:gemm=whole", "fused:1"]
@@ -111,3 +112,79 @@ def run_float8_cases(rank: int, world: int):
         seed += 17
         results += _reduce_case("ar", a_shape, None, n, out_dtype, "sum", AR_SCHEDULES, seed, rank, world)
     return results
+
+
+REPLAY_CASES = [("ag", "ce_push:1"), ("ag", "ce_push:1:par=1"), ("ag", "ce_push:1:gemm=whole"), ("rs", "ce_push:1"),
+                ("rs", "direct:1"), ("ar", "ce_push:2")]
+
+
+def _replay_inputs(op, seed, rank, world, m=256, k=512, n=384):
+    """(A, its scale, B, its scale, float64 truth) of one call: AG shards one global A (one
+    scale), RS / AR sum every rank's own product."""
+    if op == "ag":
+        full, sa = _draw(seed, (world * m, k))
+        w, sw = _weight(seed + 1, k, n)
+        return full.chunk(world)[rank].contiguous(), sa, w, sw, _dq(full, sa) @ _dq(w, sw)
+    drawn = [_draw(seed + 100 * r, (world * m, k), 1.0 + r) for r in range(world)]
+    wts = [_weight(seed + 100 * r + 1, k, n) for r in range(world)]
+    total = sum(_dq(a, sa) @ _dq(w, sw) for (a, sa), (w, sw) in zip(drawn, wts))
+    (a, sa), (w, sw) = drawn[rank], wts[rank]
+    return a, sa, w, sw, (total.chunk(world)[rank] if op == "rs" else total)
+
+
+def _call(op, a, sa, w, sw, sched):
+    g, world, bf = dist.group.WORLD.group_name, dist.get_world_size(), torch.bfloat16
+    if op == "ag":
+        return torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, g, sched, False, sa, [sw], bf, True)[0]
+    if op == "rs":
+        return torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", world, g, sched, sa, sw, bf, True)
+    return torch.ops.commopt.matmul_ar(a, w, None, "sum", world, g, sched, sa, sw, bf, True)
+
+
+def run_float8_replays(rank: int, world: int, calls: int = 6):
+    """Float8 calls replayed: (1) one call captured in a CUDA graph, replayed on fresh inputs
+    and scales copied into the captured ones; (2) eager calls with cg=1 (per-call graphs,
+    kernels/gpu/call_graphs.py) on two alternating input sets, each output cloned and freed
+    before the next call (its block comes back, so the call recurs at fixed addresses).
+    Returns ([(name, error, reference error)], call_graphs.stats()); the reference is NCCL +
+    _scaled_mm on the same inputs."""
+    import os
+
+    from torch_commopt.kernels.gpu import call_graphs, symm
+
+    debug_env = os.environ.pop(symm.DEBUG_ENV, None)  # bounded waits never replay (device_run.sh sets them)
+    results, pending, seed = [], [], 60000
+    for op, sched in REPLAY_CASES:
+        draws = []  # drawn first: nothing but the calls allocates between them
+        for _ in range(calls):
+            seed += 7
+            *fresh, truth = _replay_inputs(op, seed, rank, world)
+            draws.append((fresh, truth, _rel(_call(op, *fresh, "sequential"), truth)))
+        static = [t.clone() for t in draws[0][0]]
+        _call(op, *static, sched)  # eager first: buffers and kernels exist before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _call(op, *static, sched)
+        for i, (fresh, truth, ref) in enumerate(draws):
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+            graph.replay()
+            results.append((f"float8 graph {op} {sched} replay {i}", _rel(out, truth), ref))
+        cg = str(Schedule.parse(sched).with_params(cg=1))
+        sets = [[t.clone() for t in draws[0][0]] for _ in range(2)]
+        torch.cuda.synchronize()
+        for i, (fresh, truth, ref) in enumerate(draws):
+            for dst, src in zip(sets[i % 2], fresh):
+                dst.copy_(src)
+            out = _call(op, *sets[i % 2], cg)
+            got = out.clone()
+            del out
+            pending.append((f"float8 cg {op} {sched} call {i}", got, truth, ref))
+    torch.cuda.synchronize()
+    results += [(name, _rel(got, truth), ref) for name, got, truth, ref in pending]
+    stats = call_graphs.stats()
+    call_graphs.reset()
+    if debug_env is not None:
+        os.environ[symm.DEBUG_ENV] = debug_env
+    return results, stats

@@ -36,3 +36,18 @@ def test_compiled_float8_programs_run_gpu_schedules(two_ranks):
             assert [r["kind"] for r in regions] == [kinds[name]], f"{name}: {regions}"
             for i, (compiled, eager) in enumerate(errors):
                 assert within_tolerance(compiled, eager), f"{name} output {i}: commopt {compiled:.2e} vs eager {eager:.2e}"
+
+
+@pytest.mark.gpu
+def test_float8_calls_replay_from_cuda_graphs(two_ranks):
+    # a captured float8 call replayed on new inputs and scales, and eager calls with cg=1
+    from float8_cases import run_float8_replays
+
+    if two_ranks[1] != "nccl":
+        pytest.skip("float8 _scaled_mm needs sm89+ on each rank's own GPU (two GPUs)")
+    for results, stats in run_distributed(run_float8_replays, two_ranks[0], backend=two_ranks[1], timeout_s=400):
+        assert len(results) == 2 * 6 * 6
+        assert sum(s["replayed"] for s in stats.values()) > 0, stats  # the cg calls did replay
+        bad = [f"{name}: error {err:.2e} vs reference {ref:.2e}" for name, err, ref in results
+               if not within_tolerance(err, ref)]
+        assert not bad, "\n".join(bad)
