@@ -61,6 +61,12 @@ def wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in FP8 else t
 
 
+def call_key(sc: Scaled | None) -> tuple[tuple, tuple]:
+    """(tensors, scalars) a scaled call adds to its per-call graph's key (kernels/gpu/call_graphs.py):
+    a replay reads the scales where they were at the capture."""
+    return ((), ()) if sc is None else ((sc.a_scale, *sc.b_scales), (sc.out_dtype, sc.fast_accum))
+
+
 def out_dtype(a: torch.Tensor, scaled: Scaled | None) -> torch.dtype:
     return a.dtype if scaled is None else scaled.out_dtype
 

@@ -25,7 +25,7 @@ import torch
 from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
-from torch_commopt.kernels.scaled import Scaled, matmul, out_dtype
+from torch_commopt.kernels.scaled import Scaled, call_key, matmul, out_dtype
 from torch_commopt.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3}
@@ -78,7 +78,7 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     def body():
         _gather_and_multiply(rt, a, weights, biases, sched, lay, pieces, outs, gathered, sc)
 
-    scales, flags = ((), ()) if sc is None else ((sc.a_scale, *sc.b_scales), (sc.out_dtype, sc.fast_accum))
+    scales, flags = call_key(sc)
     call_graphs.call("ag_matmul", sched, rt, (a, *weights, *biases, *outs, gathered, *scales), (gather_dim, *flags),
                      body, lambda: unsupported_reason(a, weights, gather_dim, sched, group_name, rt.world, True, sc))
     return outs + ([gathered] if return_gathered else [])

@@ -19,7 +19,8 @@ matmul_rs (rank r of W; segment p = the rows rank p keeps; buffer half h, altern
   stream moves the received partial into the output as it lands and the GEMM adds in
   place, addmm_, but ce_push:1 runs the own GEMM first and adds the partial after it; at
   W > 2 the own GEMM writes its piece into this rank's own receive slot before the waits,
-  and the W slots are summed in one fp32-accumulating pass).
+  and the W slots are summed in one fp32-accumulating pass; a float8 product (kernels/scaled.py)
+  takes that path at W = 2 too: _scaled_mm cannot add into its output).
 matmul_ar = the same reduce-scatter of row blocks, then the reduced pieces are pushed
 to every peer by the copy engine (flags DATA2) and copied into place there.
 At the end a rank lowers the DATA flags it waited for and gives its sources their tokens
@@ -37,7 +38,7 @@ import torch
 from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
-from torch_commopt.kernels.scaled import Scaled, matmul, out_dtype
+from torch_commopt.kernels.scaled import Scaled, call_key, matmul, out_dtype
 from torch_commopt.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3, "store": "direct"}
@@ -162,7 +163,8 @@ def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Sc
         _reduce_scatter_into(call, weight, out.view(call.m_seg, call.n))
         call.finish(out, bias, reduce_op, "matmul_rs")
 
-    call_graphs.call("matmul_rs", sched, rt, (a, weight, bias, out, *_scales(sc)), (scatter_dim, reduce_op, *_flags(sc)),
+    scales, flags = call_key(sc)
+    call_graphs.call("matmul_rs", sched, rt, (a, weight, bias, out, *scales), (scatter_dim, reduce_op, *flags),
                      body, lambda: unsupported_reason(a, weight, scatter_dim, rt.world, sched, group_name, True, sc))
     return out
 
@@ -183,18 +185,10 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule, sc: S
                 call.rt.copy(call.side, full[src * call.m_seg + lo: src * call.m_seg + hi], piece_rows(got, lo, hi))
         call.finish(out, bias, reduce_op, "matmul_ar")
 
-    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out, *_scales(sc)), (reduce_op, *_flags(sc)), body,
+    scales, flags = call_key(sc)
+    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out, *scales), (reduce_op, *flags), body,
                      lambda: unsupported_reason(a, weight, None, rt.world, sched, group_name, True, sc))
     return out
-
-
-def _scales(sc: Scaled | None) -> tuple:
-    """A scaled call's scale tensors (a per-call graph reads them where they are)."""
-    return () if sc is None else (sc.a_scale, *sc.b_scales)
-
-
-def _flags(sc: Scaled | None) -> tuple:
-    return () if sc is None else (sc.out_dtype, sc.fast_accum)
 
 
 def _push_reduced(call: _Call, own, c, lo, hi):
