@@ -104,7 +104,8 @@ def test_float8_rule_at_two_ranks():
     assert at2("ag_matmul", [4096, 8192], [8192, 4096], False, world=4) == "ce_push:1"  # not measured there
     # replayed reductions: M_global 2048 (est. float8 GEMM 98 us) ships its bf16 product, 512 stays NCCL
     assert at2("matmul_rs", [2048, 4096], [4096, 8192], True) == "ce_push:1"
-    assert at2("matmul_ar", [2048, 4096], [4096, 8192], True) == "ce_push:1"
+    assert at2("matmul_ar", [2048, 4096], [4096, 8192], True) == "ce_push:2"  # replayed all-reduces: two pieces
+    assert at2("matmul_ar", [8192, 4096], [4096, 8192], True) == "ce_push:2"
     assert at2("matmul_rs", [512, 4096], [4096, 8192], True) == "sequential"
     # bf16 keeps its own rule (par=1 only for GEMMs of 0.5-3 ms)
     assert str(pick("ag_matmul", [8192, 8192], [[8192, 14336]], 0, 2, "bfloat16")[0]) == "ce_push:1"

@@ -223,11 +223,19 @@ def _float8_pick(kind: str, gemm_s: float, comm_s: float, graphs: bool) -> tuple
     - replayed reductions whose float8 GEMM is under MIN_GEMM_S_GRAPHS but at least half of it
       (the bf16 product moves as many bytes as a bf16 region's, whose GEMM would be twice as
       long and over the threshold): M_global 2048 RS ce_push:1 0.169 vs NCCL 0.216 (async-TP
-      0.169), AR 0.226 vs 0.260; at 512 NCCL wins (RS 0.063 vs 0.082)."""
+      0.169), AR 0.226 vs 0.260; at 512 NCCL wins (RS 0.063 vs 0.082).
+    - replayed all-reduces from there up run two pieces: the bf16 product's all-gather half is as
+      long as a bf16 region's against half the GEMM, and the second piece hides the first's.
+      M_global 8192 / 2048, ce_push:2 vs :1: 2x H100 0.729 vs 0.786 / 0.215 vs 0.226; 2x H200
+      (matmul_collectives_h200x2_2026-11-27_float8{,_b}) 0.700 vs 0.752, 0.690 vs 0.748 / 0.212
+      vs 0.223, 0.208 vs 0.221.  (Eager 8192^3 is in the band, timed at the first call: there
+      H100 measured :1 ahead, 0.819 vs 0.927, H200 :2, 0.732 vs 0.773.)"""
     if comm_s < (MIN_HIDDEN_COMM_S_GRAPHS if graphs else MIN_HIDDEN_COMM_S):
         return None
     if kind == "ag_matmul" and (graphs or gemm_s >= MIN_GEMM_S):
         return "ce_push:1:par=1", "float8 all-gather, the peer's GEMM beside the own shard's"
+    if kind == "matmul_ar" and graphs and gemm_s >= MIN_GEMM_S_GRAPHS / 2:
+        return "ce_push:2", "replayed float8 all-reduce, two pieces"
     if kind != "ag_matmul" and graphs and MIN_GEMM_S_GRAPHS / 2 <= gemm_s < MIN_GEMM_S_GRAPHS:
         return "ce_push:1", "short float8 reduction, its bf16 product worth hiding"
     return None
