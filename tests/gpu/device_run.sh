@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|callgraphs|float8|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|issues|callgraphs|float8|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -103,6 +103,20 @@ if [[ $what == callgraphs ]]; then
     ${BENCH_ARGS:-} > "$out/cg_bench.log" 2>&1; grep '^\[' "$out/cg_bench.log"
   timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/cg_costmodel" --call-graphs ${BENCH_ARGS:-} \
     > "$out/cg_costmodel.log" 2>&1; tail -14 "$out/cg_costmodel.log"
+fi
+if [[ $what == issues ]]; then
+  # the open issues' figures in one call (~400 s on 2x H200, session 36's timings): the kernels sweep with
+  # per-call graphs on the eager band (issue 3), the tuner eager-with-graphs and replayed (issue 4),
+  # TP=2 training (issue 7); attention (issue 6) needs a call of its own (mode attention)
+  mkdir -p "$out/kernels" "$out/tuner_cg" "$out/tuner_graphs" "$out/e2e"
+  timeout 150 python3 benchmarks/bench_matmul_collectives.py --out "$out/kernels" --call-graphs ${BENCH_ARGS:-} \
+    > "$out/kernels.log" 2>&1; grep -oE '\[(eager|graph)\] .*' "$out/kernels.log" | cut -c1-190
+  timeout 120 python3 benchmarks/bench_costmodel.py --out "$out/tuner_cg" --call-graphs ${BENCH_ARGS:-} > "$out/tuner_cg.log" 2>&1
+  tail -16 "$out/tuner_cg.log"
+  timeout 100 python3 benchmarks/bench_costmodel.py --out "$out/tuner_graphs" --cuda-graphs ${BENCH_ARGS:-} > "$out/tuner_graphs.log" 2>&1
+  tail -16 "$out/tuner_graphs.log"
+  timeout 200 python3 benchmarks/bench_e2e.py --out "$out/e2e" --variants "inductor,inductor+async-TP,commopt,commopt model" \
+    ${BENCH_ARGS:-} > "$out/e2e.log" 2>&1; grep -E "^\| " "$out/e2e.log" | head -8
 fi
 if [[ $what == float8 ]]; then
   # float8 (_scaled_mm) regions: the GPU tests, then the kernels sweep with float8 operands (~2 min)
