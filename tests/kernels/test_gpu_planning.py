@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torch_commopt.kernels.gpu.layout import RowLayout
-from torch_commopt.kernels.gpu.pick import pick
+from torch_commopt.kernels.gpu.pick import measure_band, pick
 from torch_commopt.kernels.ops import resolve
 from torch_commopt.schedule import Schedule
 
@@ -107,6 +107,9 @@ def test_float8_rule_at_two_ranks():
     assert at2("matmul_ar", [2048, 4096], [4096, 8192], True) == "ce_push:2"  # replayed all-reduces: two pieces
     assert at2("matmul_ar", [8192, 4096], [4096, 8192], True) == "ce_push:2"
     assert at2("matmul_rs", [512, 4096], [4096, 8192], True) == "sequential"
+    # eager float8 all-reduces in the host-bound band time two pieces too
+    assert measure_band("matmul_ar", [8192, 4096], [[4096, 8192]], None, 2, f8) == ["sequential", "ce_push:1", "ce_push:2"]
+    assert measure_band("matmul_ar", [2048, 4096], [[4096, 8192]], None, 2, "bfloat16") == ["sequential", "ce_push:1"]
     # bf16 keeps its own rule (par=1 only for GEMMs of 0.5-3 ms)
     assert str(pick("ag_matmul", [8192, 8192], [[8192, 14336]], 0, 2, "bfloat16")[0]) == "ce_push:1"
     assert str(pick("ag_matmul", [8192, 8192], [[8192, 14336]], 0, 2, f8)[0]) == "ce_push:1:par=1"
@@ -165,8 +168,6 @@ def test_fused_reduction_inside_a_capture_runs_ce_push(monkeypatch, caplog):
 
 
 def test_host_bound_band_is_measured_not_guessed():
-    from torch_commopt.kernels.gpu.pick import measure_band
-
     # M_global 2048 / RS 4096x7168: which of NCCL and ce_push:1 wins eager depends on the host
     band = ["sequential", "ce_push:1"]
     assert measure_band("matmul_ar", [2048, 4096], [[4096, 8192]], None, 2, "bfloat16") == band
