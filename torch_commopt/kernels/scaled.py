@@ -1,7 +1,7 @@
 """fp8 products: what `torch._scaled_mm` takes beside A and B, carried through the ops.
 
-A region whose matmuls are `aten._scaled_mm` (torchao's float8 training, hand-written fp8
-TP) runs the same schedules as a bf16 one: every piece of rows is multiplied by
+A region whose matmuls are `aten._scaled_mm` (hand-written float8 TP; the graphs torchao's
+float8 training produces have not been tried) runs the same schedules as a bf16 one: every piece of rows is multiplied by
 `_scaled_mm` instead of `mm`.  That holds for tensor-wise scales (one fp32 number for A and
 one per B): a piece of A rows keeps A's scale, so out = (A_rows @ B) * s_a * s_b (+ bias) is
 the piece's rows of the whole product.  Row-wise scales (one per row of A, one per column

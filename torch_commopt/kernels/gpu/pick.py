@@ -241,6 +241,6 @@ def _float8_pick(kind: str, gemm_s: float, comm_s: float, graphs: bool) -> tuple
         return "ce_push:1:par=1", "float8 all-gather, the peer's GEMM beside the own shard's"
     if kind == "matmul_ar" and graphs and gemm_s >= MIN_GEMM_S_GRAPHS / 2:
         return "ce_push:2", "replayed float8 all-reduce, two pieces"
-    if kind != "ag_matmul" and graphs and MIN_GEMM_S_GRAPHS / 2 <= gemm_s < MIN_GEMM_S_GRAPHS:
+    if kind == "matmul_rs" and graphs and MIN_GEMM_S_GRAPHS / 2 <= gemm_s < MIN_GEMM_S_GRAPHS:
         return "ce_push:1", "short float8 reduction, its bf16 product worth hiding"
     return None
