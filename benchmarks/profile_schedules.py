@@ -2,7 +2,10 @@
 the host time each call takes to enqueue, to see where an overlapped schedule loses time.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-      python3 benchmarks/profile_schedules.py OUTDIR
+      python3 benchmarks/profile_schedules.py OUTDIR [op:M:K:N:schedule ...]
+
+(cases on the command line replace the default ones, e.g. rs:8192:8192:8192:ce_push:2; op mm: the
+reduction's local GEMM alone, mm:8192:8192:8192:-)
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ def _call(op, m, k, n, world, rank, gname):
         return lambda s: torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, gname, s, False)
     a = torch.randn(m, k // world, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(k // world, n, device="cuda", dtype=torch.bfloat16, generator=g) / math.sqrt(k)
+    if op == "mm":  # the reduction's whole local GEMM alone (the schedule field is ignored)
+        return lambda s: torch.mm(a, w)
+    if op == "ar":
+        return lambda s: torch.ops.commopt.matmul_ar(a, w, None, "sum", world, gname, s)
     return lambda s: torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", world, gname, s)
 
 
-def worker(rank, world, out):
+def worker(rank, world, out, cases=CASES):
     gname = dist.group.WORLD.group_name
-    fns = [(c, _call(*c[:4], world, rank, gname)) for c in CASES]
+    fns = [(c, _call(*c[:4], world, rank, gname)) for c in cases]
     host = {}
     for c, fn in fns:
         for _ in range(3):
@@ -63,8 +70,14 @@ def worker(rank, world, out):
     return host
 
 
+def _parse(case: str) -> tuple:
+    op, m, k, n, sched = case.split(":", 4)
+    return op, int(m), int(k), int(n), sched
+
+
 if __name__ == "__main__":
     out = sys.argv[1]
-    for r, host in enumerate(run_distributed(worker, 2, out, backend="nccl", timeout_s=300)):
+    cases = [_parse(c) for c in sys.argv[2:]] or CASES
+    for r, host in enumerate(run_distributed(worker, 2, out, cases, backend="nccl", timeout_s=300)):
         for k, v in host.items():
             print(f"rank {r} host enqueue ms/call {v:.3f} {k}")

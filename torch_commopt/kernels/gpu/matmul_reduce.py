@@ -212,6 +212,13 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
         _pull_reduce(call, weight, own, after_piece)
         return
     rt = call.rt
+    in_place = _adds_in_place(call)
+    if in_place:
+        # The local copy stream writes `own` (allocated on the caller's stream): order it
+        # after the caller's work so far, before the peers' GEMMs are queued, so a partial
+        # that has landed is moved in while those GEMMs still run.  (Ordered after them, the
+        # first own GEMM waited for its copy: ~40 us idle per call, 2x H100 rs 8192^3 ce_push:2.)
+        rt.after(rt.local, call.cur)
     staging = None if call.sched.name == "direct" else torch.empty(
         (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
     for p in rt.peers:
@@ -229,8 +236,11 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
                 matmul(piece_rows(a_p, lo, hi), weight, None, call.sc, out=piece)
                 _ship(call, piece, piece_rows(slot, lo, hi), p, c)
     a_r = call.segment_a(call.rank)
-    if len(rt.sources) == 1 and call.sc is None:  # _scaled_mm cannot add into its output
+    if in_place:
         _own_in_place(call, a_r, weight, own, rt.sources[0], after_piece)
+        return
+    if len(rt.sources) == 1 and call.sc is None:
+        _own_then_add(call, a_r, weight, own, rt.sources[0], after_piece)
         return
     mine = call.slot(call.rank, call.rank)  # this rank's own receive slot (a cached view)
     for c, (lo, hi) in enumerate(call.pieces):
@@ -248,12 +258,10 @@ def _own_in_place(call: _Call, a_r, weight, own, src: int, after_piece):
     """One source (W = 2): the local copy stream moves each received partial into the
     output as soon as it lands (the copy engine, beside the GEMMs still running), and the
     own piece's GEMM adds into it in place (addmm_): the reduction costs the SMs nothing
-    but the epilogue's read of C, where addmm(C, out=D) would first copy C into D on them."""
-    if call.n_chunks == 1 and call.sched.name == "ce_push":
-        _own_then_add(call, a_r, weight, own, src, after_piece)
-        return
+    but the epilogue's read of C, where addmm(C, out=D) would first copy C into D on them.
+    The local stream was ordered after the caller's stream before the peers' GEMMs
+    (_reduce_scatter_into)."""
     rt, local = call.rt, call.rt.local
-    rt.after(local, call.cur)  # after `own` was allocated on the caller's stream
     landed, got = rt.events(call.n_chunks), call.slot(call.rank, src)
     for c, (lo, hi) in enumerate(call.pieces):
         call.wait(local, src, c, "partial")
@@ -264,6 +272,13 @@ def _own_in_place(call: _Call, a_r, weight, own, src: int, after_piece):
         piece_rows(own, lo, hi).addmm_(piece_rows(a_r, lo, hi), weight, beta=call.alpha, alpha=call.alpha)
         if after_piece is not None:
             after_piece(c, lo, hi)
+
+
+def _adds_in_place(call: _Call) -> bool:
+    """W = 2 (one source) cuBLAS reductions add the received partial in place (_own_in_place),
+    but ce_push:1 (_own_then_add) and float8 (_scaled_mm cannot add into its output)."""
+    return (len(call.rt.sources) == 1 and call.sc is None
+            and not (call.n_chunks == 1 and call.sched.name == "ce_push"))
 
 
 def _own_then_add(call: _Call, a_r, weight, own, src: int, after_piece):
@@ -285,7 +300,15 @@ def _pull_reduce(call: _Call, weight, own, after_piece):
     """ce_pull.  A rank's buffer half is rewritten only after every peer has finished the
     call that last pulled from it (the peer's token), which also covers the matmul_ar
     pushes into the peers' buffers that follow."""
-    rt = call.rt
+    rt, sources = call.rt, call.rt.sources
+    # One source (W = 2): pull into the output itself.  More: into a local stack, slot s for
+    # source s and the own product in slot `rank`, summed in one pass (_sum_slots).
+    pulled = None if len(sources) == 1 else torch.empty(
+        (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
+    # The side stream writes `own` / `pulled`, allocated on the caller's stream: ordered
+    # after the caller's work so far, before the peers' GEMMs are queued, so the first
+    # pulls run beside those GEMMs (_reduce_scatter_into does the same for its local copies).
+    call.after_caller()
     for p in rt.peers:
         call.acquire(call.cur, p, defer_take=True)
     for p in rt.peers:
@@ -293,12 +316,7 @@ def _pull_reduce(call: _Call, weight, own, after_piece):
         for c, (lo, hi) in enumerate(call.pieces):
             torch.mm(a_p[lo:hi], weight, out=mine[lo:hi])
             call.signal(call.cur, p, c)
-    a_r, sources = call.segment_a(call.rank), rt.sources
-    # One source (W = 2): pull into the output itself.  More: into a local stack, slot s for
-    # source s and the own product in slot `rank`, summed in one pass (_sum_slots).
-    pulled = None if len(sources) == 1 else torch.empty(
-        (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
-    call.after_caller()  # the side stream writes `own`/`pulled`, allocated on the caller's stream
+    a_r = call.segment_a(call.rank)
     for c, (lo, hi) in enumerate(call.pieces):
         for src in sources:
             call.wait(call.side, src, c, "partial")

@@ -74,7 +74,7 @@ SHORT_GEMM_S = 0.5e-3
 # the SMs.  (Not re-benchmarked after the rule changed.)
 PAR_MAX_GEMM_S = 3e-3
 # Reductions run ce_push:1 below this estimated GEMM time, ce_push:2 above (see pick()).
-SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
+SHORT_REDUCE_S = {"matmul_rs": 0.5e-3, "matmul_ar": 0.5e-3}
 
 
 def call_graphs_pay(kind: str, a_shape: list[int], weight_shapes: list[list[int]], world: int, dtype: str) -> bool:
@@ -204,10 +204,13 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     # One piece while the GEMM is short: the own GEMM runs first and the peer's partial is
     # added after it, and a second piece only adds a GEMM tail (2x H200, s7, replayed / eager:
     # rs 2048 ce_push:1 0.223 vs :2 0.241 ms; rs 4096x8192x7168 0.399 / 0.409 vs 0.421 / 0.462;
-    # rs 8192^3 0.850 / 0.847 vs 0.868 / 0.884; ar 2048 0.280 vs 0.288).  Longer GEMMs hide
-    # the last transfer better in two pieces (rs 16384x8192^2 :2 1.695 / 1.727 vs :1 1.749 /
-    # 1.794; ar 8192^3 0.972 / 1.012 vs 1.015 / 1.036).  ce_pull (no staging, no C copy)
-    # measured slower than ce_push on every long shape: not picked.
+    # ar 2048 0.280 vs 0.288).  Longer GEMMs hide the last transfer better in two pieces (rs
+    # 16384x8192^2 :2 1.695 / 1.727 vs :1 1.749 / 1.794; ar 8192^3 0.972 / 1.012 vs 1.015 /
+    # 1.036).  rs 8192^3 ran :1 until the copy of the first received partial stopped waiting
+    # for this rank's own peer GEMMs (session 37): then 2x H100, eager / replayed, :2 0.855 /
+    # 0.870 ms vs :1 0.885 / 0.884 (before, in the same session: 0.889 / 0.897 vs 0.889 / 0.877).
+    # ce_pull:2 gained most from that fix (rs 8192^3 0.939 -> 0.852 eager) and ran 0.3-2%
+    # ahead of ce_push:2 on the three long shapes there, in one run on one card: not picked yet.
     one_piece = SHORT_REDUCE_S[kind]
     if gemm_s < one_piece:
         return Schedule("ce_push", 1), why + f": GEMM under {one_piece * 1e3:.1f} ms, one piece"
