@@ -15,6 +15,11 @@ hold the model's prediction at the probe and measured / predicted, so the probe'
 is their product) against today's model, as the calibration would have: a change to the
 model's structure is then judged with the factors it would have got, not with factors that
 corrected the old structure.  Keys without a curve (no short probe) keep their stored factor.
+It also re-fits each run's GEMM with today's `calibrate.fit_gemm`, from the samples the run stored
+(`Calibration.gemm_samples`, since session 30); a run that stored none gets them rebuilt: its own
+fit at the calibration shapes times the mean measured / fitted ratio there of the same card's runs
+that did store them (leave-one-out over those runs: the rebuilt roofline is within 1% of the one
+fitted to the real samples; the card, not the run, sets how the old form misses each shape).
 
 Judge a change on runs it was not tuned on: session 23 tried shrinking each piece count's
 own factor toward its family's one-piece factor (geometric mean); it lifted the top-1 count on
@@ -27,7 +32,9 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
+import math
 import pathlib
 import statistics
 import sys
@@ -53,14 +60,51 @@ def _probe_schedule(key: str) -> Schedule:
     return next(Schedule.parse(s) for s in PROBE_SCHEDULES[kind] if Schedule.parse(s).name == sched)
 
 
+@functools.cache
+def _card_gemm_ratios() -> dict[str, dict[tuple, float]]:
+    """{device: {(m, n, k): geometric mean of measured / fitted}} of the bf16 GEMM samples over
+    every stored run that kept its samples (the fit each run used then)."""
+    logs: dict[str, dict[tuple, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for path in sorted((ROOT / "benchmarks" / "results").glob("costmodel_*_summary.json")):
+        cal = Calibration.from_json(json.dumps(json.loads(path.read_text())["calibration"]))
+        for m, n, k, t in cal.gemm_samples.get("bfloat16", ()):
+            logs[cal.device][(m, n, k)].append(math.log(t / cal.gemm["bfloat16"].time(m, n, k)))
+    return {dev: {shape: math.exp(statistics.fmean(v)) for shape, v in per.items()} for dev, per in logs.items()}
+
+
+def refit_gemm(cal: Calibration) -> Calibration:
+    """`cal` with its GEMM fits re-fitted by today's fit_gemm: from its stored samples, else
+    (bf16 only) from samples rebuilt as its own fit times its card's measured / fitted ratios."""
+    from torch_commopt.tuner.calibrate import fit_gemm
+
+    gemm = dict(cal.gemm)
+    for dtype, fit in cal.gemm.items():
+        samples = cal.gemm_samples.get(dtype)
+        ratios = _card_gemm_ratios().get(cal.device, {}) if dtype == "bfloat16" else {}
+        if not samples and len(ratios) >= 3:
+            samples = [(m, n, k, fit.time(m, n, k) * r) for (m, n, k), r in ratios.items()]
+        if samples:
+            gemm[dtype] = fit_gemm([tuple(s) for s in samples])
+    return dataclasses.replace(cal, gemm=gemm)
+
+
 def refit(cal: Calibration) -> Calibration:
-    """`cal` with its schedule factors re-derived against today's model from the probe times
-    its factor curves imply (the short probe: a graph replay; the long one: eager)."""
+    """`cal` with its GEMM re-fitted (refit_gemm) and its schedule factors re-derived against
+    today's model from the probe times its factor curves imply (the short probe: a graph
+    replay; the long one: eager).  A factor without a curve (runs before the two-point factors)
+    keeps the probe time today's model gives with the run's own GEMM fit."""
     from torch_commopt.tuner.calibrate import FACTOR_RANGE, PROBE_SHAPES, SHORT_PROBE_SHAPES
     from torch_commopt.tuner.model import RegionShape
 
+    stored = dataclasses.replace(cal, schedule_factor={}, schedule_factor_curve={})
+    cal = refit_gemm(cal)
     bare = dataclasses.replace(cal, schedule_factor={}, schedule_factor_curve={})
     factors, curves = dict(cal.schedule_factor), {}
+    for key in set(factors) - set(cal.schedule_factor_curve):
+        kind, sched = key.split(" ")[0], _probe_schedule(key)
+        (rows, k), (_, n) = PROBE_SHAPES[kind]
+        shape = RegionShape(kind, rows, k, (n,), cal.world, "bfloat16")
+        factors[key] *= predict(shape, sched, stored).gpu_s / predict(shape, sched, bare).gpu_s
     for key, points in cal.schedule_factor_curve.items():
         kind, sched = key.split(" ")[0], _probe_schedule(key)
         (short_pred, short_f), (long_pred, long_f) = sorted(points)

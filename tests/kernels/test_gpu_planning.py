@@ -59,8 +59,8 @@ def test_refused_gpu_call_runs_sequential_and_logs(caplog):
     ("ag_matmul", [256, 8192], [[8192, 4096]], 0, "sequential"),  # too short for its host cost
     ("ag_matmul", [4096, 8192], [[4, 8192, 4096]], 0, "sequential"),  # batched weights
     ("ag_matmul", [4096, 8192], [[16384, 4096]], 1, "sequential"),  # gather on the contracted dim
-    ("matmul_rs", [8192, 4096], [[4096, 8192]], 0, "ce_push:2"),  # est. GEMM 0.79 ms: two pieces
-    ("matmul_rs", [16384, 4096], [[4096, 8192]], 0, "ce_push:2"),  # 1.6 ms: two
+    ("matmul_rs", [8192, 4096], [[4096, 8192]], 0, "ce_pull:2"),  # est. GEMM 0.79 ms: two pieces, pulled
+    ("matmul_rs", [16384, 4096], [[4096, 8192]], 0, "ce_pull:2"),  # 1.6 ms
     ("matmul_rs", [2048, 4096], [[4096, 8192]], 0, "ce_push:1"),  # short: one piece, as replayed
     ("matmul_rs", [4096, 4096], [[4096, 7168]], 0, "ce_push:1"),
     ("matmul_rs", [512, 4096], [[4096, 8192]], 0, "sequential"),

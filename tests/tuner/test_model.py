@@ -53,6 +53,15 @@ def test_thin_gemms_are_less_efficient():
     assert thin > 4 * square
 
 
+def test_a_compute_bound_gemm_splits_for_free_a_thin_one_does_not():
+    """The roofline: rows split off a big GEMM cost nothing but launches (probe_gemm_split: 0-1%);
+    a thin piece re-reads the whole weight from memory."""
+    fit = GemmFit(peak_flops=8e14, elems_per_s=1.5e12, launch_s=0.0)
+    assert 2 * fit.time(2048, 28672, 8192) == pytest.approx(fit.time(4096, 28672, 8192))
+    assert 2 * fit.time(64, 8192, 8192) > 1.9 * fit.time(128, 8192, 8192)  # each half re-reads the weight
+    assert fit.time(8192, 64, 8192) == pytest.approx((8192 * 8192 + 2 * 8192 * 64) / 1.5e12)
+
+
 @pytest.mark.parametrize("cal,dtype", [(H200, "bfloat16"), (CPU, "float32")])
 @pytest.mark.parametrize("kind,a_shape", [("ag_matmul", (256, 256)), ("matmul_rs", (512, 8))])
 def test_sequential_wins_when_the_matmul_is_tiny(cal, dtype, kind, a_shape):
@@ -140,11 +149,11 @@ def test_calibration_rejects_missing_collectives():
 def test_fits_recover_the_parameters_that_made_the_samples():
     from torch_commopt.tuner.calibrate import fit_gemm, fit_link
 
-    truth = GemmFit(peak_flops=5e14, half_dim=48.0, launch_s=7e-6)
+    truth = GemmFit(peak_flops=8e14, elems_per_s=1.5e12, launch_s=4.5e-6)
     shapes = [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192)]
     fit = fit_gemm([(m, n, k, truth.time(m, n, k)) for m, n, k in shapes])
-    assert fit.peak_flops == pytest.approx(5e14, rel=1e-6) and fit.half_dim == pytest.approx(48.0, rel=1e-6)
-    assert fit.launch_s == pytest.approx(7e-6, rel=1e-4)
+    assert fit.peak_flops == pytest.approx(8e14, rel=1e-6) and fit.elems_per_s == pytest.approx(1.5e12, rel=1e-6)
+    assert fit.launch_s == pytest.approx(4.5e-6, rel=1e-4)
     link = Link(alpha_s=2e-5, bytes_per_s=2e11)
     sizes = (1 << 20, 16 << 20, 64 << 20)
     got = fit_link(4, sizes, tuple(3 * link.time(n / 4) for n in sizes), steps=3)

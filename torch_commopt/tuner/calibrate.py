@@ -42,8 +42,10 @@ log = logging.getLogger("torch_commopt.tuner.calibrate")
 # (m, n, k): square, wide and thin, so the fit sees both efficiency regimes.  A chunked
 # reduction's piece (1024 x 8192 x 4096) as a sixth sample was tried (2x H100, session 30,
 # results/costmodel_h100x2_2026-11-26_s30*): the fit already predicted it within 4% (half_dim 174
-# with it, 169 without) and the eager top-1 stayed 11/14, so it is not taken; the suspicion that
-# the fit over-charges such pieces (the chunked all-reduce at 8192^3 over-predicted) is refuted.
+# with it, 169 without) and the eager top-1 stayed 11/14, so it is not taken.  That fit (the older
+# d / (d + half_dim) form) did over-charge such pieces relative to the whole GEMM: it put
+# 8192 x 4096 x 8192 8% under its sample, so a piece cost ~9% too much of it; fit_gemm's roofline
+# fits all six within 1% (2x H100).
 GEMM_SHAPES = {"cuda": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192)],
                "cpu": [(128, 128, 128), (384, 384, 384), (768, 768, 768), (768, 16, 768), (32, 768, 768)]}
 COLLECTIVE_BYTES = {"cuda": (1 << 20, 16 << 20, 64 << 20), "cpu": (256 << 10, 2 << 20, 8 << 20)}
@@ -167,14 +169,26 @@ def agreed(passes: list[dict[str, float]], another: Callable[[], dict[str, float
 
 
 def fit_gemm(samples: list[tuple[int, int, int, float]]) -> GemmFit:
-    """Least squares (relative error) of t = launch + flops/peak + (flops/d) * half/peak."""
-    rows = [(1.0, 2.0 * m * n * k, 2.0 * m * n * k / min(m, n, k)) for m, n, k, _ in samples]
-    a = np.array(rows) / np.array([[t] for *_, t in samples])
-    coef, *_ = np.linalg.lstsq(a, np.ones(len(samples)), rcond=None)
-    launch, inv_peak, half_over_peak = (float(c) for c in coef)
-    if inv_peak <= 0:  # degenerate samples: fall back to the best observed throughput
-        inv_peak = min(t / (2.0 * m * n * k) for m, n, k, t in samples)
-    return GemmFit(peak_flops=1.0 / inv_peak, half_dim=max(0.0, half_over_peak / inv_peak), launch_s=max(0.0, launch))
+    """The roofline GemmFit of the samples, least squares in relative error.  A sample is
+    memory-bound where its intensity 2mnk / (mk + kn + mn) is below peak / elems_per_s, so the
+    bound split is a threshold in intensity: every threshold is tried (a linear fit of launch,
+    1 / peak and 1 / elems_per_s each) and the one whose roofline fits best is kept.  A side of
+    the split with no sample takes the best rate observed (an upper bound the fit cannot see)."""
+    flops = np.array([2.0 * m * n * k for m, n, k, _ in samples])
+    elems = np.array([float(m * k + k * n + m * n) for m, n, k, _ in samples])
+    t = np.array([s[3] for s in samples])
+    best = None
+    for cut in sorted({0.0, *(flops / elems)}):
+        memory = flops / elems <= cut
+        a = np.stack([np.ones_like(t), np.where(memory, 0.0, flops), np.where(memory, elems, 0.0)], 1) / t[:, None]
+        launch, inv_peak, inv_elems = (float(c) for c in np.linalg.lstsq(a, np.ones_like(t), rcond=None)[0])
+        fit = GemmFit(peak_flops=1.0 / inv_peak if inv_peak > 0 and (~memory).any() else float(max(flops / t)),
+                      elems_per_s=1.0 / inv_elems if inv_elems > 0 and memory.any() else float(max(elems / t)),
+                      launch_s=max(0.0, launch))
+        err = sum((fit.time(m, n, k) / s - 1.0) ** 2 for m, n, k, s in samples)
+        if best is None or err < best[0]:
+            best = (err, fit)
+    return best[1]
 
 
 def fit_link(world: int, sizes: tuple[int, ...], times: tuple[float, ...], steps: float) -> Link:

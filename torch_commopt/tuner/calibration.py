@@ -34,16 +34,28 @@ class Link:
 
 @dataclass(kw_only=True, frozen=True)
 class GemmFit:
-    """t(m, n, k) = launch_s + 2mnk / (peak_flops * eff), eff = d / (d + half_dim) with
-    d = min(m, n, k): thin GEMMs fill the machine badly (tile quantization, low reuse)."""
+    """A roofline: t(m, n, k) = launch_s + max(2mnk / peak_flops, (mk + kn + mn) / elems_per_s).
+    A GEMM is bound either by its tensor cores or by streaming its operands and product through
+    HBM once; whichever takes longer sets its time.  Splitting the rows of a compute-bound GEMM
+    costs only the launches (probe_gemm_split: 4096 rows as two 2048-row GEMMs 0-1% slower),
+    while a thin one (a few hundred rows against an 8k x 8k weight) re-reads the whole weight
+    and is memory-bound.  (2x H100: 810 TFLOP/s and 1.48e12 elements/s, i.e. ~3 TB/s of bf16,
+    fit the five calibration samples within 1%.)
+
+    elems_per_s = 0: the older form (stored calibrations, the priors), eff = d / (d + half_dim) with
+    d = min(m, n, k), t = launch_s + 2mnk / (peak_flops * eff); it charges
+    every split of a big GEMM (d 4096 -> 2048: ~4% at half_dim 170) what only thin ones pay."""
 
     peak_flops: float
-    half_dim: float
+    half_dim: float = 0.0
     launch_s: float
+    elems_per_s: float = 0.0
 
     def time(self, m: int, n: int, k: int) -> float:
         if min(m, n, k) <= 0:
             return 0.0
+        if self.elems_per_s > 0:
+            return self.launch_s + max(2.0 * m * n * k / self.peak_flops, (m * k + k * n + m * n) / self.elems_per_s)
         d = min(m, n, k)
         return self.launch_s + 2.0 * m * n * k / (self.peak_flops * d / (d + self.half_dim))
 

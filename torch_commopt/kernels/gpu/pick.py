@@ -74,7 +74,14 @@ SHORT_GEMM_S = 0.5e-3
 # the SMs.  (Not re-benchmarked after the rule changed.)
 PAR_MAX_GEMM_S = 3e-3
 # Reductions run ce_push:1 below this estimated GEMM time, ce_push:2 above (see pick()).
-SHORT_REDUCE_S = {"matmul_rs": 0.5e-3, "matmul_ar": 0.5e-3}
+SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
+# Two-rank bf16 / fp16 reduce-scatters, whose received partial is added in place, run two pieces
+# from here (ce_pull:2, see pick()).  Float8 ones sum their partials in one pass after the GEMM and
+# wider groups sum W slots (untouched by the copy-ordering fix that moved these): they keep
+# SHORT_REDUCE_S (4x H100 s34, rs 16384x8192x7168 at W = 4, est. 0.69 ms: ce_push:1 0.942 / 0.909
+# ms eager / replayed vs :2 1.009 / 1.004; float8 16384x8192x7168 at W = 2, 2x H200 replayed
+# 0.938 / 0.937 vs 0.969 / 0.967, matmul_collectives_h200x2_2026-11-27_float8{,_b}).
+IN_PLACE_RS_S = 0.5e-3
 
 
 def call_graphs_pay(kind: str, a_shape: list[int], weight_shapes: list[list[int]], world: int, dtype: str) -> bool:
@@ -209,11 +216,21 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     # 1.036).  rs 8192^3 ran :1 until the copy of the first received partial stopped waiting
     # for this rank's own peer GEMMs (session 37): then 2x H100, eager / replayed, :2 0.855 /
     # 0.870 ms vs :1 0.885 / 0.884 (before, in the same session: 0.889 / 0.897 vs 0.889 / 0.877).
-    # ce_pull:2 gained most from that fix (rs 8192^3 0.939 -> 0.852 eager) and ran 0.3-2%
-    # ahead of ce_push:2 on the three long shapes there, in one run on one card: not picked yet.
-    one_piece = SHORT_REDUCE_S[kind]
+    in_place_rs = kind == "matmul_rs" and world == 2 and dtype in ("bfloat16", "float16")
+    one_piece = IN_PLACE_RS_S if in_place_rs else SHORT_REDUCE_S[kind]
     if gemm_s < one_piece:
         return Schedule("ce_push", 1), why + f": GEMM under {one_piece * 1e3:.1f} ms, one piece"
+    if in_place_rs:
+        # Two ranks, long GEMM: the peer pulls each partial with its own copy engine straight
+        # into its output, and its GEMM adds in place (no staging, no local copy).  ce_pull:2
+        # gained most from the copy-ordering fix (rs 8192^3 0.939 -> 0.852 ms eager) and then
+        # led ce_push:2 in 11 of 12 same-run comparisons on 2x H100 (two sweeps, eager and
+        # replayed, rs 8192^3, 16384x8192^2, 16384x8192x7168; session 37): 0.852 / 0.845 vs
+        # 0.855 / 0.842, 1.687 / 1.664 vs 1.707 / 1.737, 1.499 / 1.442 vs 1.515 / 1.537 eager;
+        # 0.853 / 0.865 vs 0.870 / 0.869, 1.676 / 1.677 vs 1.696 / 1.723, 1.480 / 1.468 vs
+        # 1.496 / 1.496 replayed.  (Float8 has no ce_pull; all-reduces pull their second phase
+        # too slowly: ar 8192^3 ce_pull:2 1.216 vs ce_push:2 1.004.)
+        return Schedule("ce_pull", 2), why + ": long GEMM, the peer pulls each partial into its output"
     return Schedule("ce_push", 2), why
 
 
