@@ -109,7 +109,7 @@ if [[ $what == issues ]]; then
   # per-call graphs on the eager band (issue 3), the tuner eager-with-graphs and replayed (issue 4),
   # TP=2 training (issue 7); attention (issue 6) needs a call of its own (mode attention)
   mkdir -p "$out/kernels" "$out/tuner_cg" "$out/tuner_graphs" "$out/e2e"
-  timeout 150 python3 benchmarks/bench_matmul_collectives.py --out "$out/kernels" --call-graphs ${BENCH_ARGS:-} \
+  timeout 210 python3 benchmarks/bench_matmul_collectives.py --out "$out/kernels" --call-graphs ${BENCH_ARGS:-} \
     > "$out/kernels.log" 2>&1; grep -oE '\[(eager|graph)\] .*' "$out/kernels.log" | cut -c1-190
   timeout 120 python3 benchmarks/bench_costmodel.py --out "$out/tuner_cg" --call-graphs ${BENCH_ARGS:-} > "$out/tuner_cg.log" 2>&1
   tail -16 "$out/tuner_cg.log"
