@@ -27,11 +27,12 @@ the same clocks),
 tokens/s (batch x seq per step over the TP group), peak memory (its own), the GPU clocks
 while its steps ran, and a device-time breakdown per step of --profile-steps steps profiled
 back to back on rank 0 (GEMM, attention, NCCL, commopt/Triton kernels, copies to the peer,
-other copies, other).  Writes
+other copies, other), after --profile-lead unprofiled steps queued just before them (0: they
+start from an idle GPU), with the GPU clocks sampled while they ran.  Writes
 e2e_h200x<W>_<date>.json/.md:
 
     python3 benchmarks/bench_e2e.py --out DIR [--commit SHA] [--layers 4] [--seq 8192] [--steps 20]
-                                    [--repeats 20] [--burst 5] [--profile-steps 3]
+                                    [--repeats 20] [--burst 5] [--profile-steps 3] [--profile-lead 5]
                                     [--host-profile 5]  # cProfile of the host's enqueue per variant
     python3 benchmarks/bench_e2e.py --cpu     # gloo smoke run, tiny shapes, no figures
 """
@@ -120,13 +121,14 @@ def _async_tp(on: bool) -> None:
 
 
 def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variants: list[str],
-           host_profile: int = 0, burst: int = 5, profile_steps: int = 3) -> dict:
+           host_profile: int = 0, burst: int = 5, profile_steps: int = 3, profile_lead: int = 0) -> dict:
     """Every variant built, compiled and trained `steps` steps (its loss curve) in turn, all kept;
     then their steps timed in turns, `repeats` rounds with the order rotated each round, so
     every variant sees the same GPU clocks and temperatures (timed one after the other, the
     variant timed first ran ~2% faster on the power-capped GPUs: e2e_h100x2_2026-11-26_s28,
     s28b); each turn one step on its own (synchronized before and after) and then `burst`
-    steps back to back; then `profile_steps` profiled steps back to back each."""
+    steps back to back; then `profile_steps` profiled steps back to back each (after
+    `profile_lead` unprofiled ones, no synchronize between), with the GPU clocks sampled."""
     import torch_commopt
 
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -210,13 +212,21 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                             host_enqueue_ms=statistics.median(enqueue[variant]),
                             burst_enqueue_ms=statistics.median(burst_enqueue[variant]),
                             tokens_per_s=b * s / (t / 1e3), gpu_clocks=per_variant_clocks.get(variant, {}))
+    profile_windows: dict = {v: [] for v in names}
+    with ClockSampler(period_ms=20, enabled=dev == "cuda" and rank == 0) as profile_clocks:
+        for variant in names:
+            dist.barrier()  # the ranks start each profiled step together: the last one's profile
+            sync()          # processing takes each rank its own time (else its NCCL waits are counted)
+            if dev == "cuda":  # every rank runs the profiled step (collectives); rank 0's figures kept
+                got = breakdown(prepared[variant], sync, variant, steps=profile_steps, lead=profile_lead)
+                profile_windows[variant].append(got.pop("window"))
+                if rank == 0:
+                    out[variant]["breakdown_ms"] = got
+    if profile_clocks.enabled:  # the lead steps fall in the window too
+        for variant, c in profile_clocks.summary(profile_windows).items():
+            out[variant]["profile_gpu_clocks"] = c
     for variant in names:
-        dist.barrier()  # the ranks start each profiled step together: the last one's profile
-        sync()          # processing takes each rank its own time (else its NCCL waits are counted)
-        if dev == "cuda":  # every rank runs the profiled step (collectives); rank 0's figures kept
-            got = breakdown(prepared[variant], sync, variant, steps=profile_steps)
-            if rank == 0:
-                out[variant]["breakdown_ms"] = got
+        dist.barrier()
         if host_profile and rank == 0:
             out[variant]["host_profile"] = _host_profile(prepared[variant], sync, host_profile)
         elif host_profile:  # the same steps, unprofiled (collectives)
@@ -278,7 +288,8 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                      "breakdown_ms": r.get("breakdown_ms"), "regions": r.get("regions"),
                      "host_enqueue_ms": r.get("host_enqueue_ms"), "step_ms_all": r.get("step_ms_all"),
                      "step_ms_isolated": r.get("step_ms_isolated"), "burst_enqueue_ms": r.get("burst_enqueue_ms"),
-                     "host_profile": r.get("host_profile"), "gpu_clocks": r.get("gpu_clocks")})
+                     "host_profile": r.get("host_profile"), "gpu_clocks": r.get("gpu_clocks"),
+                     "profile_gpu_clocks": r.get("profile_gpu_clocks")})
     base = {r["backend"]: r for r in rows}
     for r in rows:
         for ref in ("inductor", "inductor+async-TP"):
@@ -312,8 +323,9 @@ def report(rows: list[dict], meta: dict) -> str:
                      f"{r['peak_mem_gib'] if r['peak_mem_gib'] is None else round(r['peak_mem_gib'], 2)} | "
                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
                      f"{r.get('max_loss_rel_diff_vs_inductor', 0):.1e} |")
+    lead = meta.get("profile_lead", 0)
     lines += ["", f"Device time per step by kernel category ({meta.get('profile_steps', 1)} steps profiled back to "
-              "back, per step; rank 0, ms; overlapped kernels both count; gpu_busy: the union of all kernels and "
+              f"back{f' after {lead} unprofiled ones' if lead else ', from an idle GPU'}, per step; rank 0, ms; overlapped kernels both count; gpu_busy: the union of all kernels and "
               "copies over gpu_span, the first to the last; host enqueue: the median time until an isolated "
               "step() returned, before the synchronize):", ""]
     for r in rows:
@@ -325,6 +337,13 @@ def report(rows: list[dict], meta: dict) -> str:
                   "under the software power cap):", ""]
         for r in rows:
             g = r.get("gpu_clocks") or {}
+            lines.append(f"- {r['backend']}: " + "; ".join(
+                f"GPU {i} ({c['samples']}) {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], {c['power_w_mean']:.0f} W, "
+                f"capped {c['power_capped_share']:.0%}" for i, c in g.items()))
+    if any(r.get("profile_gpu_clocks") for r in rows):
+        lines += ["", "GPU clocks while the profiled steps (and their lead) ran (nvidia-smi every 20 ms; as above):", ""]
+        for r in rows:
+            g = r.get("profile_gpu_clocks") or {}
             lines.append(f"- {r['backend']}: " + "; ".join(
                 f"GPU {i} ({c['samples']}) {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], {c['power_w_mean']:.0f} W, "
                 f"capped {c['power_capped_share']:.0%}" for i, c in g.items()))
@@ -357,6 +376,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile-steps", dest="profile_steps", type=int, default=3,
                    help="steps profiled back to back per variant for the breakdown (its figures per step)")
+    p.add_argument("--profile-lead", dest="profile_lead", type=int, default=5,
+                   help="unprofiled steps queued right before the profiled ones (no synchronize between), so "
+                        "these run as inside a training loop, at the GPU's sustained clocks (0: from an idle "
+                        "GPU, as before session 37: 2x H200 s36 profiled commopt at 44.9 ms a step, its timed "
+                        "bursts ran 48.6)")
     p.add_argument("--burst", type=int, default=5,
                    help="steps run back to back per turn (one synchronize at the end): the step time reported")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -386,7 +410,7 @@ def main() -> None:
 
         print(run_calibration(args.world, backend), flush=True)
     res = run_distributed(worker, args.world, shape, args.steps, args.repeats, variants, args.host_profile, args.burst,
-                          args.profile_steps,
+                          args.profile_steps, args.profile_lead,
                           backend=backend,
                           timeout_s=1500)[0]
     rows = records(res, shape, args.world)
@@ -396,7 +420,7 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
             "commit": args.commit, "shape": shape, "steps": args.steps, "repeats": args.repeats, "burst": args.burst,
-            "profile_steps": args.profile_steps,
+            "profile_steps": args.profile_steps, "profile_lead": args.profile_lead,
             "command": "python3 " + " ".join(sys.argv)}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,8 @@ it shows here as idle time before the kernel that reads the data.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
@@ -23,11 +25,14 @@ CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "att
               ("copy to peer", ("memcpy ptop",)), ("copy", ("memcpy", "memset", "copy")))
 
 
-def breakdown(step, sync, label: str = "", steps: int = 1) -> dict[str, float]:
+def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dict[str, float]:
     """Device time of one step by kernel category (ms, summed over kernels; overlapped kernels
     both count, so the sum can exceed the step).  steps > 1: that many steps run back to back
     (one synchronize at the end) and every figure is per step (their sum over `steps`); the
-    idle gaps are the whole run's.  With COMMOPT_TRACE_DIR set, one more step is
+    idle gaps are the whole run's.  lead > 0: that many unprofiled steps are queued right
+    before the profiled ones, with no synchronize between, so these start with the GPU busy
+    and at its sustained clocks, as inside a training loop (else they start from an idle GPU).
+    "window": the (time.time()) start and end of the profiled steps, lead steps included.  With COMMOPT_TRACE_DIR set, one more step is
     profiled with its host ops (input shapes and strides recorded) and its Chrome trace written
     there, one file per rank (<label>_rank<r>.json), for the timelines the categories cannot
     show (which stream waited on what, what the host was doing)."""
@@ -36,10 +41,14 @@ def breakdown(step, sync, label: str = "", steps: int = 1) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     sync()
+    t0 = time.time()
+    for _ in range(lead):
+        step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         sync()
+        window = (t0, time.time())
     trace_dir = os.environ.get("COMMOPT_TRACE_DIR")
     if trace_dir:  # one more step, host ops (with their input shapes and strides) and device, for the trace only
         import re
@@ -75,6 +84,7 @@ def breakdown(step, sync, label: str = "", steps: int = 1) -> dict[str, float]:
         totals[cat] = totals.get(cat, 0.0) + ms
     out = {k: round(v / steps, 3) for k, v in sorted(totals.items())}
     out["idle_gaps"] = idle_gaps(events)
+    out["window"] = window
     return out
 
 
@@ -109,8 +119,10 @@ def idle_gaps(events: list[tuple[str, float, float]], min_us: float = 5.0, top: 
 
 
 def split(breakdown_ms: dict | None) -> tuple[dict, dict | None]:
-    """The category totals and the idle-gap summary of one `breakdown` (either may be absent)."""
+    """The category totals and the idle-gap summary of one `breakdown` (either may be absent;
+    its wall-clock window is left out)."""
     b = dict(breakdown_ms or {})
+    b.pop("window", None)
     return b, b.pop("idle_gaps", None)
 
 

@@ -31,8 +31,15 @@ def test_speedups_come_from_the_burst_and_the_isolated_step_each_against_its_own
             "repeats": 20, "burst": 5, "profile_steps": 3, "command": "python3 x"}
     text = bench_e2e.report(list(rows.values()), meta)
     assert "| commopt | 49.00 | 167184 | 1.051 | 1.051 | 48.50 (1.101) |" in text
-    assert "then 5 steps back to back" in text and "3 steps profiled back to back, per step" in text
+    assert "then 5 steps back to back" in text and "3 steps profiled back to back, from an idle GPU, per step" in text
     assert "host enqueue 20.00 ms (in a burst 18.00 ms per step)" in text
+    clocks = {"0": {"samples": 7, "sm_mhz_mean": 1800.0, "sm_mhz_min": 1700.0, "sm_mhz_max": 1900.0,
+                    "power_w_mean": 650.0, "power_capped_share": 0.5}}
+    res["commopt"]["profile_gpu_clocks"] = clocks
+    rows = bench_e2e.records(res, {"layers": 4, "seq": 8192, "batch": 1}, 2)
+    text = bench_e2e.report(rows, dict(meta, profile_lead=4))
+    assert "3 steps profiled back to back after 4 unprofiled ones, per step" in text
+    assert "while the profiled steps (and their lead) ran" in text and "GPU 0 (7) 1800 MHz [1700..1900], 650 W" in text
 
 
 def test_a_record_without_the_isolated_step_still_reports():
