@@ -19,7 +19,8 @@ It also re-fits each run's GEMM with today's `calibrate.fit_gemm`, from the samp
 (`Calibration.gemm_samples`, since session 30); a run that stored none gets them rebuilt: its own
 fit at the calibration shapes times the mean measured / fitted ratio there of the same card's runs
 that did store them (leave-one-out over those runs: the rebuilt roofline is within 1% of the one
-fitted to the real samples; the card, not the run, sets how the old form misses each shape).
+fitted to the real samples; the card, not the run, sets how the old form misses each shape), and
+the card's SM count (SMS) for the fit's occupancy.
 
 Judge a change on runs it was not tuned on: session 23 tried shrinking each piece count's
 own factor toward its family's one-piece factor (geometric mean); it lifted the top-1 count on
@@ -60,6 +61,10 @@ def _probe_schedule(key: str) -> Schedule:
     return next(Schedule.parse(s) for s in PROBE_SCHEDULES[kind] if Schedule.parse(s).name == sched)
 
 
+# SM counts of the cards the committed runs used (their calibrations predate GemmFit.sms).
+SMS = {"NVIDIA H100 80GB HBM3": 132, "NVIDIA H200": 132}
+
+
 @functools.cache
 def _card_gemm_ratios() -> dict[str, dict[tuple, float]]:
     """{device: {(m, n, k): geometric mean of measured / fitted}} of the bf16 GEMM samples over
@@ -84,7 +89,7 @@ def refit_gemm(cal: Calibration) -> Calibration:
         if not samples and len(ratios) >= 3:
             samples = [(m, n, k, fit.time(m, n, k) * r) for (m, n, k), r in ratios.items()]
         if samples:
-            gemm[dtype] = fit_gemm([tuple(s) for s in samples])
+            gemm[dtype] = fit_gemm([tuple(s) for s in samples], SMS.get(cal.device, 0))
     return dataclasses.replace(cal, gemm=gemm)
 
 

@@ -62,6 +62,18 @@ def test_a_compute_bound_gemm_splits_for_free_a_thin_one_does_not():
     assert fit.time(8192, 64, 8192) == pytest.approx((8192 * 8192 + 2 * 8192 * 64) / 1.5e12)
 
 
+def test_gemms_with_fewer_tiles_than_sms_take_the_whole_machine_time():
+    """Occupancy: under one 128 x 128 tile per SM the tensor cores run at the occupied share, so
+    the halves of a 512-row GEMM (ag_matmul M_global 512, N_local 4096) each take the whole one's
+    time; GEMMs that fill the SMs keep the roofline, and without an SM count nothing changes."""
+    fit = GemmFit(peak_flops=8e14, elems_per_s=1e15, launch_s=0.0, sms=132)
+    assert fit.occupancy(256, 4096) == pytest.approx(64 / 132) and fit.occupancy(4096, 4096) == 1.0
+    assert fit.time(256, 4096, 8192) == pytest.approx(fit.time(512, 4096, 8192))
+    assert fit.time(4096, 8192, 8192) == pytest.approx(2 * 4096 * 8192 * 8192 / 8e14)
+    plain = GemmFit(peak_flops=8e14, elems_per_s=1e15, launch_s=0.0)
+    assert 2 * plain.time(256, 4096, 8192) == pytest.approx(plain.time(512, 4096, 8192))
+
+
 @pytest.mark.parametrize("cal,dtype", [(H200, "bfloat16"), (CPU, "float32")])
 @pytest.mark.parametrize("kind,a_shape", [("ag_matmul", (256, 256)), ("matmul_rs", (512, 8))])
 def test_sequential_wins_when_the_matmul_is_tiny(cal, dtype, kind, a_shape):
@@ -149,11 +161,12 @@ def test_calibration_rejects_missing_collectives():
 def test_fits_recover_the_parameters_that_made_the_samples():
     from torch_commopt.tuner.calibrate import fit_gemm, fit_link
 
-    truth = GemmFit(peak_flops=8e14, elems_per_s=1.5e12, launch_s=4.5e-6)
     shapes = [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192)]
-    fit = fit_gemm([(m, n, k, truth.time(m, n, k)) for m, n, k in shapes])
-    assert fit.peak_flops == pytest.approx(8e14, rel=1e-6) and fit.elems_per_s == pytest.approx(1.5e12, rel=1e-6)
-    assert fit.launch_s == pytest.approx(4.5e-6, rel=1e-4)
+    for sms in (0, 132):  # CPU; a GPU, whose 1024^3 sample has 64 tiles for 132 SMs
+        truth = GemmFit(peak_flops=8e14, elems_per_s=1.5e12, launch_s=4.5e-6, sms=sms)
+        fit = fit_gemm([(m, n, k, truth.time(m, n, k)) for m, n, k in shapes], sms)
+        assert fit.peak_flops == pytest.approx(8e14, rel=1e-6) and fit.elems_per_s == pytest.approx(1.5e12, rel=1e-6)
+        assert fit.launch_s == pytest.approx(4.5e-6, rel=1e-4) and fit.sms == sms
     link = Link(alpha_s=2e-5, bytes_per_s=2e11)
     sizes = (1 << 20, 16 << 20, 64 << 20)
     got = fit_link(4, sizes, tuple(3 * link.time(n / 4) for n in sizes), steps=3)

@@ -168,13 +168,16 @@ def agreed(passes: list[dict[str, float]], another: Callable[[], dict[str, float
     return {k: statistics.median(p[k] for p in passes) for k in passes[0]}, far
 
 
-def fit_gemm(samples: list[tuple[int, int, int, float]]) -> GemmFit:
+def fit_gemm(samples: list[tuple[int, int, int, float]], sms: int = 0) -> GemmFit:
     """The roofline GemmFit of the samples, least squares in relative error.  A sample is
     memory-bound where its intensity 2mnk / (mk + kn + mn) is below peak / elems_per_s, so the
     bound split is a threshold in intensity: every threshold is tried (a linear fit of launch,
     1 / peak and 1 / elems_per_s each) and the one whose roofline fits best is kept.  A side of
-    the split with no sample takes the best rate observed (an upper bound the fit cannot see)."""
-    flops = np.array([2.0 * m * n * k for m, n, k, _ in samples])
+    the split with no sample takes the best rate observed (an upper bound the fit cannot see).
+    sms: the device's SM count (0 on CPUs): a sample's flops count at its occupancy
+    (GemmFit.occupancy)."""
+    shape_only = GemmFit(peak_flops=1.0, launch_s=0.0, elems_per_s=1.0, sms=sms)
+    flops = np.array([2.0 * m * n * k / shape_only.occupancy(m, n) for m, n, k, _ in samples])
     elems = np.array([float(m * k + k * n + m * n) for m, n, k, _ in samples])
     t = np.array([s[3] for s in samples])
     best = None
@@ -184,11 +187,16 @@ def fit_gemm(samples: list[tuple[int, int, int, float]]) -> GemmFit:
         launch, inv_peak, inv_elems = (float(c) for c in np.linalg.lstsq(a, np.ones_like(t), rcond=None)[0])
         fit = GemmFit(peak_flops=1.0 / inv_peak if inv_peak > 0 and (~memory).any() else float(max(flops / t)),
                       elems_per_s=1.0 / inv_elems if inv_elems > 0 and memory.any() else float(max(elems / t)),
-                      launch_s=max(0.0, launch))
+                      launch_s=max(0.0, launch), sms=sms)
         err = sum((fit.time(m, n, k) / s - 1.0) ** 2 for m, n, k, s in samples)
         if best is None or err < best[0]:
             best = (err, fit)
     return best[1]
+
+
+def _sm_count(device: torch.device) -> int:
+    """The SMs GemmFit.occupancy counts against: the device's, 0 on CPUs."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def fit_link(world: int, sizes: tuple[int, ...], times: tuple[float, ...], steps: float) -> Link:
@@ -513,7 +521,7 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         measured += ["p2p", "p2p_pull", "local_copy", "overlap_slowdown", "collective_overlap_slowdown",
                      "remote_store_slowdown", "transfer_slowdown"]
     cal = Calibration(
-        device=name, world=world, collective=links, gemm={d: fit_gemm(gemm[d]) for d in dtype_names},
+        device=name, world=world, collective=links, gemm={d: fit_gemm(gemm[d], _sm_count(device)) for d in dtype_names},
         gemm_samples={d: [list(sample) for sample in gemm[d]] for d in dtype_names},
         host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece,
         fused_efficiency=base.fused_efficiency, attention_flops={d: f / t for d, (f, t, _) in attn.items()},

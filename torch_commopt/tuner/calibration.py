@@ -32,6 +32,10 @@ class Link:
         return self.alpha_s + nbytes / self.bytes_per_s
 
 
+# The output tile GemmFit.occupancy counts (cuBLAS's Hopper kernels tile 128 x 128 to 256 x 128).
+GEMM_TILE = 128
+
+
 @dataclass(kw_only=True, frozen=True)
 class GemmFit:
     """A roofline: t(m, n, k) = launch_s + max(2mnk / peak_flops, (mk + kn + mn) / elems_per_s).
@@ -42,6 +46,16 @@ class GemmFit:
     and is memory-bound.  (2x H100: 810 TFLOP/s and 1.48e12 elements/s, i.e. ~3 TB/s of bf16,
     fit the five calibration samples within 1%.)
 
+    sms > 0 (GPUs): a GEMM with fewer GEMM_TILE x GEMM_TILE output tiles than the device has SMs
+    leaves the others idle, so its tensor-core rate is the occupied share of the peak (occupancy);
+    two such GEMMs over the halves of the rows then take as long as the whole one.  Measured:
+    ag_matmul at M_global 512 (K 8192, N_local 4096) replayed, two 256-row GEMMs (ce_push:1)
+    0.079-0.085 ms against one 512-row GEMM after the gather (gemm=whole) 0.079-0.081 on 2x H200
+    (s12-s36), where the plain roofline priced each half at half the whole.  Offline over the 34
+    committed tuner runs (costmodel_replay.py --refit) it took the model's top-1 within 5% from
+    422 to 430 of 476 (replayed runs 166 -> 174 of 182; ag 512 misses 7 -> 1), tiles of 128-160
+    and a full machine at 0.75-1.0 x the SMs alike; 96 changes nothing, 256 loses.
+
     elems_per_s = 0: the older form (stored calibrations, the priors), eff = d / (d + half_dim) with
     d = min(m, n, k), t = launch_s + 2mnk / (peak_flops * eff); it charges
     every split of a big GEMM (d 4096 -> 2048: ~4% at half_dim 170) what only thin ones pay."""
@@ -50,12 +64,21 @@ class GemmFit:
     half_dim: float = 0.0
     launch_s: float
     elems_per_s: float = 0.0
+    sms: int = 0
+
+    def occupancy(self, m: int, n: int) -> float:
+        """The share of the SMs an m x n product's output tiles can occupy (1 without an SM count)."""
+        if self.sms <= 0:
+            return 1.0
+        tiles = -(-m // GEMM_TILE) * -(-n // GEMM_TILE)
+        return min(1.0, tiles / self.sms)
 
     def time(self, m: int, n: int, k: int) -> float:
         if min(m, n, k) <= 0:
             return 0.0
         if self.elems_per_s > 0:
-            return self.launch_s + max(2.0 * m * n * k / self.peak_flops, (m * k + k * n + m * n) / self.elems_per_s)
+            compute = 2.0 * m * n * k / (self.peak_flops * self.occupancy(m, n))
+            return self.launch_s + max(compute, (m * k + k * n + m * n) / self.elems_per_s)
         d = min(m, n, k)
         return self.launch_s + 2.0 * m * n * k / (self.peak_flops * d / (d + self.half_dim))
 
