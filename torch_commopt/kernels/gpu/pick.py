@@ -228,8 +228,11 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         # replayed, rs 8192^3, 16384x8192^2, 16384x8192x7168; session 37): 0.852 / 0.845 vs
         # 0.855 / 0.842, 1.687 / 1.664 vs 1.707 / 1.737, 1.499 / 1.442 vs 1.515 / 1.537 eager;
         # 0.853 / 0.865 vs 0.870 / 0.869, 1.676 / 1.677 vs 1.696 / 1.723, 1.480 / 1.468 vs
-        # 1.496 / 1.496 replayed.  (Float8 has no ce_pull; all-reduces pull their second phase
-        # too slowly: ar 8192^3 ce_pull:2 1.216 vs ce_push:2 1.004.)
+        # 1.496 / 1.496 replayed.  It also needs no staging tensor (ce_push's is the whole
+        # unreduced product, 256 MiB at rs 16384x8192^2).  On H200 it is not measured since the
+        # fix: before it, ce_pull:2 / ce_push:2 ran 1.03-1.16 there against 1.03-1.12 on H100, so
+        # expect a tie within ~2% there.  (Float8 has no ce_pull; all-reduces pull their second
+        # phase too slowly: ar 8192^3 ce_pull:2 1.216 vs ce_push:2 1.004.)
         return Schedule("ce_pull", 2), why + ": long GEMM, the peer pulls each partial into its output"
     return Schedule("ce_push", 2), why
 
