@@ -87,7 +87,7 @@ def test_auto_picks_by_the_call_shape():
 
     assert cuda("ag_matmul", 8, 8192, 8192) == "sequential"  # decode-sized: NCCL + cuBLAS
     assert cuda("ag_matmul", 4096, 8192, 8192).startswith("ce_push")
-    assert cuda("matmul_rs", 16384, 8192, 8192) == "ce_push:2"
+    assert cuda("matmul_rs", 16384, 8192, 8192) == "ce_pull:2"  # two ranks, bf16, long GEMM
     assert cuda("ag_matmul", 4096, 8192, 8192, "auto:1:dbg=1") == "ce_push:1:dbg=1,par=1"
     # the rule's host-bound band: a static region times its candidates at its first call, auto does not
     assert cuda("matmul_rs", 2048, 8192, 8192) == "sequential"
