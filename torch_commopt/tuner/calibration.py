@@ -54,7 +54,9 @@ class GemmFit:
     (s12-s36), where the plain roofline priced each half at half the whole.  Offline over the 34
     committed tuner runs (costmodel_replay.py --refit) it took the model's top-1 within 5% from
     422 to 430 of 476 (replayed runs 166 -> 174 of 182; ag 512 misses 7 -> 1), tiles of 128-160
-    and a full machine at 0.75-1.0 x the SMs alike; 96 changes nothing, 256 loses.
+    and a full machine at 0.75-1.0 x the SMs alike; 96 changes nothing, 256 loses.  The stored
+    calibration samples fit a little worse with it: within 1.4% on 2x H100 (1.0% without), and
+    256 x 8192 x 8192 7% under its sample on 2x H200 (5% without).
 
     elems_per_s = 0: the older form (stored calibrations, the priors), eff = d / (d + half_dim) with
     d = min(m, n, k), t = launch_s + 2mnk / (peak_flops * eff); it charges
