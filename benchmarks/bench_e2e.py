@@ -303,6 +303,14 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
     return rows
 
 
+def _clock_lines(rows: list[dict], key: str) -> list[str]:
+    """One line per variant of its `key` clock figures (gpu_clocks.ClockSampler.summary, per GPU)."""
+    return [f"- {r['backend']}: " + "; ".join(
+        f"GPU {i} ({c['samples']}) {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], "
+        f"{c['power_w_mean']:.0f} W, capped {c['power_capped_share']:.0%}" for i, c in (r.get(key) or {}).items())
+        for r in rows]
+
+
 def report(rows: list[dict], meta: dict) -> str:
     lines = [f"# End-to-end training, Llama-3-8B-shaped stack, {meta['device']} x{meta['world']} ({meta['date']})", "",
              f"torch {meta['torch']}, commit {meta['commit']}, shape {meta['shape']}, bf16, fused AdamW, "
@@ -324,10 +332,11 @@ def report(rows: list[dict], meta: dict) -> str:
                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
                      f"{r.get('max_loss_rel_diff_vs_inductor', 0):.1e} |")
     lead = meta.get("profile_lead", 0)
+    start = f" after {lead} unprofiled ones" if lead else ", from an idle GPU"
     lines += ["", f"Device time per step by kernel category ({meta.get('profile_steps', 1)} steps profiled back to "
-              f"back{f' after {lead} unprofiled ones' if lead else ', from an idle GPU'}, per step; rank 0, ms; overlapped kernels both count; gpu_busy: the union of all kernels and "
-              "copies over gpu_span, the first to the last; host enqueue: the median time until an isolated "
-              "step() returned, before the synchronize):", ""]
+              f"back{start}, per step; rank 0, ms; overlapped kernels both count; gpu_busy: the union of all "
+              "kernels and copies over gpu_span, the first to the last; host enqueue: the median time until an "
+              "isolated step() returned, before the synchronize):", ""]
     for r in rows:
         lines.append(f"- {r['backend']}: {split(r['breakdown_ms'])[0]}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms "
                      f"(in a burst {r.get('burst_enqueue_ms') or 0:.2f} ms per step)")
@@ -335,18 +344,10 @@ def report(rows: list[dict], meta: dict) -> str:
         lines += ["", "GPU clocks while the variant's own steps ran (nvidia-smi every 50 ms, the samples inside "
                   "its timed steps; per GPU: samples, mean SM MHz [lowest..highest], mean W, share of samples "
                   "under the software power cap):", ""]
-        for r in rows:
-            g = r.get("gpu_clocks") or {}
-            lines.append(f"- {r['backend']}: " + "; ".join(
-                f"GPU {i} ({c['samples']}) {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], {c['power_w_mean']:.0f} W, "
-                f"capped {c['power_capped_share']:.0%}" for i, c in g.items()))
+        lines += _clock_lines(rows, "gpu_clocks")
     if any(r.get("profile_gpu_clocks") for r in rows):
         lines += ["", "GPU clocks while the profiled steps (and their lead) ran (nvidia-smi every 20 ms; as above):", ""]
-        for r in rows:
-            g = r.get("profile_gpu_clocks") or {}
-            lines.append(f"- {r['backend']}: " + "; ".join(
-                f"GPU {i} ({c['samples']}) {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], {c['power_w_mean']:.0f} W, "
-                f"capped {c['power_capped_share']:.0%}" for i, c in g.items()))
+        lines += _clock_lines(rows, "profile_gpu_clocks")
     idle = [x for r in rows for x in format_idle(r["backend"], split(r["breakdown_ms"])[1])]
     if idle:
         lines += ["", "Where the device sat idle in those steps (rank 0, all of them; the kernel before and after each gap; a wait "

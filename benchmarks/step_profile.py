@@ -32,8 +32,8 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
     idle gaps are the whole run's.  lead > 0: that many unprofiled steps are queued right
     before the profiled ones, with no synchronize between, so these start with the GPU busy
     and at its sustained clocks, as inside a training loop (else they start from an idle GPU).
-    "window": the (time.time()) start and end of the profiled steps, lead steps included.  With COMMOPT_TRACE_DIR set, one more step is
-    profiled with its host ops (input shapes and strides recorded) and its Chrome trace written
+    "window": the (time.time()) start and end of the profiled steps, lead steps included.  With
+    COMMOPT_TRACE_DIR set, one more step is profiled with its host ops (input shapes and strides recorded) and its Chrome trace written
     there, one file per rank (<label>_rank<r>.json), for the timelines the categories cannot
     show (which stream waited on what, what the host was doing)."""
     import os

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from torch_commopt.kernels.ops import runner
 from torch_commopt.kernels.reference.collectives import resolve_group
-from torch_commopt.tuner.calibration import COLLECTIVES, Calibration, GemmFit, Link, prior
+from torch_commopt.tuner.calibration import COLLECTIVES, Calibration, GemmFit, Link, gemm_occupancy, prior
 from torch_commopt.tuner.choose import device_name, machine_key
 
 log = logging.getLogger("torch_commopt.tuner.calibrate")
@@ -175,9 +175,8 @@ def fit_gemm(samples: list[tuple[int, int, int, float]], sms: int = 0) -> GemmFi
     1 / peak and 1 / elems_per_s each) and the one whose roofline fits best is kept.  A side of
     the split with no sample takes the best rate observed (an upper bound the fit cannot see).
     sms: the device's SM count (0 on CPUs): a sample's flops count at its occupancy
-    (GemmFit.occupancy)."""
-    shape_only = GemmFit(peak_flops=1.0, launch_s=0.0, elems_per_s=1.0, sms=sms)
-    flops = np.array([2.0 * m * n * k / shape_only.occupancy(m, n) for m, n, k, _ in samples])
+    (gemm_occupancy)."""
+    flops = np.array([2.0 * m * n * k / gemm_occupancy(m, n, sms) for m, n, k, _ in samples])
     elems = np.array([float(m * k + k * n + m * n) for m, n, k, _ in samples])
     t = np.array([s[3] for s in samples])
     best = None
@@ -195,7 +194,7 @@ def fit_gemm(samples: list[tuple[int, int, int, float]], sms: int = 0) -> GemmFi
 
 
 def _sm_count(device: torch.device) -> int:
-    """The SMs GemmFit.occupancy counts against: the device's, 0 on CPUs."""
+    """The SMs gemm_occupancy counts against: the device's, 0 on CPUs."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 

@@ -32,8 +32,16 @@ class Link:
         return self.alpha_s + nbytes / self.bytes_per_s
 
 
-# The output tile GemmFit.occupancy counts (cuBLAS's Hopper kernels tile 128 x 128 to 256 x 128).
+# The output tile gemm_occupancy counts (cuBLAS's Hopper kernels tile 128 x 128 to 256 x 128).
 GEMM_TILE = 128
+
+
+def gemm_occupancy(m: int, n: int, sms: int) -> float:
+    """The share of `sms` SMs an m x n product's GEMM_TILE output tiles can occupy (1 without an
+    SM count)."""
+    if sms <= 0:
+        return 1.0
+    return min(1.0, -(-m // GEMM_TILE) * -(-n // GEMM_TILE) / sms)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -69,11 +77,7 @@ class GemmFit:
     sms: int = 0
 
     def occupancy(self, m: int, n: int) -> float:
-        """The share of the SMs an m x n product's output tiles can occupy (1 without an SM count)."""
-        if self.sms <= 0:
-            return 1.0
-        tiles = -(-m // GEMM_TILE) * -(-n // GEMM_TILE)
-        return min(1.0, tiles / self.sms)
+        return gemm_occupancy(m, n, self.sms)
 
     def time(self, m: int, n: int, k: int) -> float:
         if min(m, n, k) <= 0:
