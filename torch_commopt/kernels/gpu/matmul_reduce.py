@@ -10,8 +10,8 @@ matmul_rs (rank r of W; segment p = the rows rank p keeps; buffer half h, altern
     ce_push: cuBLAS writes into a local staging tensor; the side stream copies each
              piece to p's slot r with the copy engine, then flags it;
     ce_pull: cuBLAS writes into this rank's own buffer, slot p (local stores), then
-             flags p; p's side stream pulls the piece with its copy engine straight into
-             p's output, and p's own GEMM adds into it in place (addmm_: no C copy);
+             flags p; p's local copy stream pulls the piece with its copy engine straight
+             into p's output, and p's own GEMM adds into it in place (addmm_: no C copy);
     fused:   one persistent Triton GEMM does all segments, releasing per-piece tile
              counters (see triton_kernels.rs_gemm_kernel);
   then the own segment, piece by piece after the peers' flags, with the reduction fused
@@ -22,7 +22,8 @@ matmul_rs (rank r of W; segment p = the rows rank p keeps; buffer half h, altern
   and the W slots are summed in one fp32-accumulating pass; a float8 product (kernels/scaled.py)
   takes that path at W = 2 too: _scaled_mm cannot add into its output).
 matmul_ar = the same reduce-scatter of row blocks, then the reduced pieces are pushed
-to every peer by the copy engine (flags DATA2) and copied into place there.
+to every peer by the copy engine (flags DATA2, side stream) and copied into place there
+(local copy stream, but for fused).
 At the end a rank lowers the DATA flags it waited for and gives its sources their tokens
 back.  Every flag value is a constant, so the calls (but `fused`, whose barrier counts
 epochs) can be captured in a CUDA graph and replayed.
@@ -177,12 +178,23 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule, sc: S
         call = _Call(a, weight, None, group_name, sched, reduce_op, phases=2, sc=sc)
         full = out.view(-1, call.n)
         own = full[call.rank * call.m_seg: (call.rank + 1) * call.m_seg]
+        # The peers' reduced pieces are copied into `out` on the local copy stream, ordered
+        # after the caller's work before anything of this call is queued: each copy then
+        # waits only for its piece's flag, not behind this rank's own pushes on the side
+        # stream (there, every copy waited for the last push).  `fused` keeps them on the side
+        # stream: in debug mode each wait is a one-block kernel, and the persistent GEMM's
+        # grid leaves a single SM for them.
+        gather = call.side if call.sched.name == "fused" else call.rt.local
+        if gather is not call.side:
+            call.rt.after(gather, call.cur)
         _reduce_scatter_into(call, weight, own, after_piece=lambda c, lo, hi: _push_reduced(call, own, c, lo, hi))
         for c, (lo, hi) in enumerate(call.pieces):
             for src in call.rt.sources:
-                call.wait(call.side, src, c, "reduced chunk", phase=1)
+                call.wait(gather, src, c, "reduced chunk", phase=1)
                 got = call.slot(call.rank, src, region=1)
-                call.rt.copy(call.side, full[src * call.m_seg + lo: src * call.m_seg + hi], piece_rows(got, lo, hi))
+                call.rt.copy(gather, full[src * call.m_seg + lo: src * call.m_seg + hi], piece_rows(got, lo, hi))
+        if gather is not call.side:
+            call.rt.after(call.cur, gather)
         call.finish(out, bias, reduce_op, "matmul_ar")
 
     scales, flags = call_key(sc)
@@ -305,10 +317,13 @@ def _pull_reduce(call: _Call, weight, own, after_piece):
     # source s and the own product in slot `rank`, summed in one pass (_sum_slots).
     pulled = None if len(sources) == 1 else torch.empty(
         (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
-    # The side stream writes `own` / `pulled`, allocated on the caller's stream: ordered
-    # after the caller's work so far, before the peers' GEMMs are queued, so the first
-    # pulls run beside those GEMMs (_reduce_scatter_into does the same for its local copies).
-    call.after_caller()
+    # The pulls run on the local copy stream, which writes `own` / `pulled` (allocated on the
+    # caller's stream): ordered after the caller's work so far, before the peers' GEMMs are
+    # queued, so the first pulls run beside those GEMMs.  Not on the side stream: there a
+    # matmul_ar's pull of piece c + 1 queued behind its push of reduced piece c, which waits
+    # for piece c's GEMM, so each own GEMM waited for a push and a pull in series.
+    local = rt.local
+    rt.after(local, call.cur)
     for p in rt.peers:
         call.acquire(call.cur, p, defer_take=True)
     for p in rt.peers:
@@ -319,15 +334,15 @@ def _pull_reduce(call: _Call, weight, own, after_piece):
     a_r = call.segment_a(call.rank)
     for c, (lo, hi) in enumerate(call.pieces):
         for src in sources:
-            call.wait(call.side, src, c, "partial")
+            call.wait(local, src, c, "partial")
             dst = own[lo:hi] if pulled is None else pulled[src, lo:hi]
-            rt.copy(call.side, dst, call.slot(src, call.rank)[lo:hi])
+            rt.copy(local, dst, call.slot(src, call.rank)[lo:hi])
         if pulled is None:
-            rt.after(call.cur, call.side)
+            rt.after(call.cur, local)
             own[lo:hi].addmm_(a_r[lo:hi], weight, beta=call.alpha, alpha=call.alpha)
         else:
             torch.mm(a_r[lo:hi], weight, out=pulled[call.rank, lo:hi])  # beside the pulls
-            rt.after(call.cur, call.side)
+            rt.after(call.cur, local)
             _sum_slots(call, pulled[:, lo:hi], own[lo:hi])
         if after_piece is not None:
             after_piece(c, lo, hi)
