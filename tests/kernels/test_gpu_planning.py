@@ -66,12 +66,19 @@ def test_refused_gpu_call_runs_sequential_and_logs(caplog):
     ("matmul_rs", [512, 4096], [[4096, 8192]], 0, "sequential"),
     ("matmul_ar", [2048, 4096], [[4096, 8192]], None, "sequential"),
     ("matmul_rs", [8191, 4096], [[4096, 8192]], 0, "sequential"),  # rows do not split evenly
-    ("matmul_ar", [8192, 4096], [[4096, 8192]], None, "ce_push:2"),
+    ("matmul_ar", [8192, 4096], [[4096, 8192]], None, "ce_pull:2"),  # two ranks: pulled, gathered on the local stream
     ("matmul_ar", [512, 64], [[64, 64]], None, "sequential"),
 ])
 def test_pick_rule(kind, a_shape, w_shapes, dim, expected):
     sched, why = pick(kind, a_shape, w_shapes, dim, 2, "bfloat16")
     assert str(sched) == expected, why
+
+
+def test_wide_and_float8_reductions_keep_pushed_pieces():
+    # the in-place pull is a two-rank bf16 / fp16 path: wider groups sum W slots, float8 has no ce_pull
+    assert str(pick("matmul_ar", [8192, 4096], [[4096, 8192]], None, 4, "bfloat16")[0]) == "ce_push:2"
+    assert str(pick("matmul_rs", [16384, 4096], [[4096, 8192]], 0, 4, "bfloat16")[0]) == "ce_push:2"
+    assert str(pick("matmul_ar", [8192, 4096], [[4096, 8192]], None, 2, "float8_e4m3fn")[0]) != "ce_pull:2"
 
 
 def test_rule_under_cuda_graphs_ignores_host_cost():

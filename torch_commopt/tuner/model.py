@@ -269,7 +269,7 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
             steps.append(_Step("compute", piece))
             steps.append(_Step("compute", total, tuple(arrival[c])))
             pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes, beside if c < s - 1 else 1.0))
-        _gathered_copies(shape, cal, steps, piece_bytes, pushed)
+        _gathered_copies(shape, sched, cal, steps, piece_bytes, pushed)
         return simulate(steps)
     for c in range(s):
         if local_copy:
@@ -277,7 +277,7 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
             arrival[c] = [len(steps) - 1]
         steps.append(_Step("compute", piece, tuple(arrival[c])))
         pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes, beside if c < s - 1 else 1.0))
-    _gathered_copies(shape, cal, steps, piece_bytes, pushed)
+    _gathered_copies(shape, sched, cal, steps, piece_bytes, pushed)
     return simulate(steps)
 
 
@@ -294,16 +294,17 @@ def _push_reduced_step(shape: RegionShape, cal: Calibration, steps: list[_Step],
     return -1
 
 
-def _gathered_copies(shape: RegionShape, cal: Calibration, steps: list[_Step], piece_bytes: float,
-                     pushed: list[int]) -> None:
+def _gathered_copies(shape: RegionShape, sched: Schedule, cal: Calibration, steps: list[_Step],
+                     piece_bytes: float, pushed: list[int]) -> None:
     """matmul_ar: each peer's reduced piece, landed in this rank's slot when its own push of the
-    same piece ends (ranks are symmetric), is copied into the output on the side stream after
-    every push (matmul_reduce.matmul_ar_gpu)."""
+    same piece ends (ranks are symmetric), is copied into the output on the local copy stream
+    (`fused`: the side stream, after every push; matmul_reduce.matmul_ar_gpu)."""
     if shape.kind != "matmul_ar" or cal.local_copy is None:
         return
+    queue = "comm" if sched.name == "fused" else "local"
     for last in pushed:
         for _ in range(shape.world - 1):
-            steps.append(_Step("comm", cal.local_copy.time(piece_bytes), (last,)))
+            steps.append(_Step(queue, cal.local_copy.time(piece_bytes), (last,)))
 
 
 def extra_bytes(shape: RegionShape, sched: Schedule) -> int:

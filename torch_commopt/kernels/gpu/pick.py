@@ -231,8 +231,16 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
         # 1.496 / 1.496 replayed.  It also needs no staging tensor (ce_push's is the whole
         # unreduced product, 256 MiB at rs 16384x8192^2).  On H200 it is not measured since the
         # fix: before it, ce_pull:2 / ce_push:2 ran 1.03-1.16 there against 1.03-1.12 on H100, so
-        # expect a tie within ~2% there.  (Float8 has no ce_pull; all-reduces pull their second
-        # phase too slowly: ar 8192^3 ce_pull:2 1.216 vs ce_push:2 1.004.)
+        # expect a tie within ~2% there.  (Float8 has no ce_pull.)
+        return Schedule("ce_pull", 2), why + ": long GEMM, the peer pulls each partial into its output"
+    if kind == "matmul_ar" and world == 2 and dtype in ("bfloat16", "float16"):
+        # The same reduce-scatter, then the reduced pieces pushed and copied into place on the
+        # local copy stream.  Until session 38 a matmul_ar's pull of piece c + 1 queued behind its
+        # push of reduced piece c on one stream (ar 8192^3 ce_pull:2 1.216 vs ce_push:2 1.004 ms).
+        # With the pulls and the gathered copies on the local copy stream, 2x H100 s38, same-call
+        # A/B, two rounds, eager / replayed (matmul_collectives_h100x2_2026-11-27_s38_ab*):
+        # ce_pull:2 0.960 / 0.930 and 0.961 / 0.930 vs ce_push:2 0.957 / 0.960 and 0.974 / 0.951;
+        # no staging tensor (ce_push's is the unreduced product, 128 MiB at ar 8192^3).
         return Schedule("ce_pull", 2), why + ": long GEMM, the peer pulls each partial into its output"
     return Schedule("ce_push", 2), why
 
