@@ -75,7 +75,7 @@ SCHEDULES = {  # one or two piece counts per mechanism (the rest measured slower
            "fused:1:tma=1", "fused:2:tma=1"],
     "rs": ["chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "ce_pull:2", "direct:1", "direct:2",
            "fused:2:store=direct", "fused:1:store=direct,tma=1", "fused:2:store=direct,tma=1"],
-    "ar": ["chunked:2", "ce_push:1", "ce_push:2", "ce_pull:2", "direct:1", "direct:2"],
+    "ar": ["chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "ce_pull:2", "direct:1", "direct:2"],
 }
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 

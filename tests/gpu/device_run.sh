@@ -14,6 +14,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$out"
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'GPUs')"
+python3 benchmarks/gpu_health.py 2>&1 | tee "$out/health.txt"  # a sick machine makes every timing useless (session 38)
 if [[ $what == tests || $what == all ]]; then
   # Bounded waits during the tests: a protocol bug fails a test instead of hanging the run.
   TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
