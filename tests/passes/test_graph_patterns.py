@@ -282,7 +282,7 @@ def test_a_chosen_sequential_keeps_the_graph_as_compiled(fake_world, monkeypatch
     def fn(a, b):
         return funcol.reduce_scatter_tensor(a @ b, "sum", 0, group())
 
-    monkeypatch.setattr(pipeline, "_choose_schedule", lambda region, config, report: Schedule("sequential"))
+    monkeypatch.setattr(pipeline, "_choose_schedule", lambda region, config, report, *ahead: Schedule("sequential"))
     graph = only_graph(fn, a, b)
     assert not graph.rewritten and not graph.commopt_ops
     assert [r.status for r in graph.regions] == [pipeline.KEPT]

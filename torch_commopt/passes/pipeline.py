@@ -108,7 +108,8 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         regions = _find_regions(graph, config, report)
         edges = _region_edges(regions, config)
         report.edges = [e.describe(regions) for e in edges]
-        schedules = [_choose_schedule(r, config, report) for r in regions]
+        ahead = _host_ahead(graph, regions, config, report)
+        schedules = [_choose_schedule(r, config, report, ahead) for r in regions]
         key = "predicted_ms"
         if regions and (config.mode == "model" or config.memory_budget_mib is not None):
             schedules, key = _fit_graph(regions, schedules, config, report)
@@ -220,8 +221,33 @@ def _find_regions(graph: Graph, config: Config, report: explain.GraphReport) -> 
 _warned = {"dynamic": False}
 
 
-def _choose_schedule(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
-    """The schedule from Config, or the built-in rule ("auto"), clamped to the rows available."""
+def _host_ahead(graph: Graph, regions: list[Region], config: Config, report: explain.GraphReport) -> bool:
+    """Whether the built-in rule may rank this graph's band regions by GPU time
+    (passes/host_ahead.py): only where the rule picks (mode auto, no fixed schedule) on CUDA
+    eager calls, with a static region in the band."""
+    if config.mode != "auto" or config.fixed_schedule is not None or config.cuda_graphs:
+        return False
+    from torch_commopt.kernels.gpu.pick import measure_band
+
+    def in_band(r: Region) -> bool:
+        if r.dynamic or val(r.a).device.type != "cuda" or _call_graphs(r, config):
+            return False
+        weights = [list(c.weight.meta["val"].shape) for c in r.consumers]
+        return measure_band(r.kind, op_a_shape(r), weights, r.dim, r.group_size, region_dtype(r)) is not None
+
+    if not any(in_band(r) for r in regions):
+        return False
+    from torch_commopt.passes.host_ahead import host_runs_ahead
+
+    ahead, note = host_runs_ahead(graph, len(regions))
+    report.notes.append(note)
+    return ahead
+
+
+def _choose_schedule(region: Region, config: Config, report: explain.GraphReport, host_ahead: bool = False) -> Schedule:
+    """The schedule from Config, or the built-in rule ("auto"), clamped to the rows available.
+    host_ahead: the graph's host runs ahead of its GPU (_host_ahead), so a region in the rule's
+    host-bound band takes the rule's GPU-time pick instead of a first-call measurement."""
     name = region.collective.name
     wanted = config.fixed_schedule
     if wanted is not None and not wanted.valid_for(region.kind):
@@ -241,7 +267,10 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
             replayed = _replayed(region, config)
             wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
             band = measure_band(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
-            if band is not None:
+            if band is not None and host_ahead:
+                wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=True)
+                why += ": host-bound band, but the graph's host runs ahead: ranked by GPU time"
+            elif band is not None:
                 wanted, why = _band(region, shape, weights, dtype, band, wanted, why, config, report)
             report.notes.append(f"{name}: picked {wanted} ({why})")
         else:

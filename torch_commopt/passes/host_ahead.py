@@ -1,0 +1,117 @@
+"""Whether a compiled graph's host runs ahead of its GPU (the rule's host-bound band, CUDA).
+
+The built-in rule times a region in the band (0.1-0.5 ms of GEMM, pick.measure_band) at its first
+call, back to back on its own, where a GPU schedule's larger host enqueue (0.2-0.4 ms against
+NCCL's ~0.1) can decide.  Inside a graph whose host enqueues everything well before the GPU gets
+there, that enqueue is hidden and only the GPU time counts, as when replayed from CUDA graphs.
+2x H100, session 38, TP=2 training of four Llama-3-8B layers (e2e_h100x2_2026-11-27_s38_trace):
+the step enqueued in 30 ms against 48 ms of busy GPU, yet the first-call timing kept the
+backward's o_proj all-gather (sequential 0.349 ms, ce_push:1's enqueue 0.205) and q/k/v
+reduce-scatter (0.461 ms; ce_push:1 enqueued 0.379, over the band's 1/1.5 headroom) on NCCL in
+three of four layers: ~1.3 ms of exposed NCCL a step, while replayed the same ce_push:1 ran
+1.21-1.39x NCCL's speed on the band's shapes (M_global 2048 and 4096x8192x7168,
+matmul_collectives_h100x2_2026-11-27_s38).
+
+`estimate` biases both figures against calling the host ahead: the GPU side counts only the
+graph's matmuls and attention at the rule's peak rates (every attention as causal), the host
+side every node that is not a view at LAUNCH_S (measured per node, everything on the host
+counted in) and every region at REGION_HOST_S (above the slowest enqueue a band region measured).
+At that step's shapes a forward graph (43 nodes, 2.9 ms of matmuls and attention at peak) does
+not count as ahead (3.3 ms of host), a backward one (69-83 nodes, 6.1 ms) does (4.4-4.9 ms).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch.fx import Graph, Node
+
+from torch_commopt.kernels.gpu.pick import GEMM_FLOPS_PER_S
+
+# A node's share of the host's enqueue: s38's step enqueued in 30 ms for 8 graphs of 43-83 such
+# nodes (~500) with 32 regions (~0.3 ms each), i.e. ~40 us a node with the optimizer, autograd
+# and guards counted in (Inductor fuses many nodes into one kernel, so a kernel costs more).
+LAUNCH_S = 40e-6
+REGION_HOST_S = 0.4e-3  # a region's GPU-schedule call (s38's backward band: 0.17-0.38 ms a call)
+ATTENTION_BWD = 2.5  # an attention backward's matmul work over its forward's
+_FREE = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze",
+         "slice", "select", "alias", "as_strided", "split", "split_with_sizes", "unbind", "detach",
+         "getitem", "sym_size", "sym_numel", "sym_stride"}
+
+
+def _name(node: Node) -> str:
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    packet = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+    return str(packet).split(".")[0]
+
+
+def _shape(node) -> list[int] | None:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    shape = getattr(val, "shape", None)
+    if shape is None:
+        return None
+    try:
+        return [int(s) for s in shape]
+    except TypeError:  # symbolic sizes
+        return None
+
+
+def _dtype(node: Node) -> str:
+    """The dtype of the node's first tensor input (an op's result may be a tuple)."""
+    for arg in node.args:
+        val = arg.meta.get("val") if isinstance(arg, Node) else None
+        if isinstance(val, torch.Tensor):
+            return str(val.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def _matmul_flops(node: Node) -> float:
+    name, args = _name(node), node.args
+    pairs = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2), "_scaled_mm": (0, 1)}
+    if name not in pairs:
+        return 0.0
+    a, b = (_shape(args[i]) if len(args) > i else None for i in pairs[name])
+    if not a or not b:
+        return 0.0
+    return 2.0 * math.prod(a) * b[-1]
+
+
+def _attention_flops(node: Node) -> float:
+    """An SDPA forward's or backward's matmul flops, as if causal (the smaller figure)."""
+    name = _name(node)
+    if not name.lstrip("_").startswith("scaled_dot_product") or not node.args:
+        return 0.0
+    q = _shape(node.args[1] if "backward" in name and len(node.args) > 1 else node.args[0])
+    k = _shape(node.args[2] if "backward" in name and len(node.args) > 2 else node.args[1])
+    if not q or not k or len(q) != 4 or len(k) != 4:
+        return 0.0
+    fwd = 4.0 * q[0] * q[1] * q[2] * k[2] * q[3] / 2
+    return fwd * (ATTENTION_BWD if "backward" in name else 1.0)
+
+
+def estimate(graph: Graph, regions: int) -> tuple[float, float, int]:
+    """(GPU seconds, host seconds, launches counted) of one call of the graph, as biased above."""
+    gpu, launches = 0.0, 0
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if _name(node) not in _FREE:
+            launches += 1
+        flops = _matmul_flops(node) + _attention_flops(node)
+        if flops:
+            gpu += flops / GEMM_FLOPS_PER_S.get(_dtype(node), 50e12)
+    return gpu, launches * LAUNCH_S + regions * REGION_HOST_S, launches
+
+
+def host_runs_ahead(graph: Graph, regions: int) -> tuple[bool, str]:
+    """(whether the GPU time alone should rank the band's schedules, a note for explain)."""
+    gpu, host, launches = estimate(graph, regions)
+    ahead = regions > 0 and host <= gpu
+    return ahead, (f"graph: est. {gpu * 1e3:.2f} ms of matmuls and attention on the GPU, {host * 1e3:.2f} ms of host "
+                   f"({launches} launches, {regions} regions): "
+                   + ("the host runs ahead, so the band's regions are ranked by GPU time" if ahead else
+                      "the host may not run ahead, so the band's regions are timed at their first call"))
