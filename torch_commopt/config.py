@@ -108,6 +108,12 @@ class Config:
         recur often enough -- ~1.7 captures a step at several ms of host each -- and the step
         ran 0.80-0.87x inductor against 0.84 without.  TORCH_COMMOPT_CALL_GRAPHS=0 turns the
         replays off in a process (the calls then run eagerly).
+    band_in_graph: eager programs, the built-in rule: a region in its host-bound band (0.1-0.5 ms
+        of GEMM, otherwise timed against NCCL at its first call) takes the rule's GPU-time pick
+        when its graph's host runs ahead of the GPU -- estimated from the graph's matmuls and
+        attention against its node count and regions (passes/host_ahead.py; explain notes the
+        figures per graph) -- since the host's enqueue is then hidden.  False: always timed at
+        the first call.
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
         naming the op, rank and chunk instead of hanging (also enabled by the
         environment variable TORCH_COMMOPT_DEBUG_WAITS=1); costs a sync per op.
@@ -136,6 +142,7 @@ class Config:
     debug_waits: bool = False
     cuda_graphs: bool = False
     call_graphs: bool = False
+    band_in_graph: bool = True
     concat_k: bool = True
     coconet: bool = False
     ar_split: bool | str = False
@@ -180,7 +187,7 @@ class Config:
         unknown = [p for p in self.patterns if p not in PATTERNS]
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
-        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "call_graphs", "coconet",
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "call_graphs", "band_in_graph", "coconet",
                      "concat_k", "regather_for_backward"):
             _check_type(name, getattr(self, name), bool)
         if self.saved_gather_budget_mib is not None:

@@ -109,7 +109,8 @@ def test_only_the_rule_on_eager_calls_asks(tmp_path):
     graph = _graph([(8192, 4096, 14336)] * 4, pointwise=10)
     regions = [_region(graph, "ag_matmul", [4096, 4096], [4096, 2048])]
     report = explain.GraphReport(graph_id=0, graph_kind="backward", compile_id=None)
-    for config in (Config(mode="model"), Config(cuda_graphs=True), Config(schedule="ce_push")):
+    for config in (Config(mode="model"), Config(cuda_graphs=True), Config(schedule="ce_push"),
+                   Config(band_in_graph=False)):
         assert not pipeline._host_ahead(graph, regions, config, report)
     long_only = [_region(graph, "matmul_rs", [16384, 4096], [4096, 8192])]
     assert not pipeline._host_ahead(graph, long_only, Config(cache_dir=str(tmp_path)), report)

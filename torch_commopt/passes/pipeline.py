@@ -225,7 +225,7 @@ def _host_ahead(graph: Graph, regions: list[Region], config: Config, report: exp
     """Whether the built-in rule may rank this graph's band regions by GPU time
     (passes/host_ahead.py): only where the rule picks (mode auto, no fixed schedule) on CUDA
     eager calls, with a static region in the band."""
-    if config.mode != "auto" or config.fixed_schedule is not None or config.cuda_graphs:
+    if not config.band_in_graph or config.mode != "auto" or config.fixed_schedule is not None or config.cuda_graphs:
         return False
     from torch_commopt.kernels.gpu.pick import measure_band
 
