@@ -6,7 +6,9 @@ name (the same name in both steps is the same work) the count and device time in
 every kernel the share of its time that ran while a copy (copy engine: to a peer or local) or a
 kernel on another stream was running on the same device.  A kernel that takes longer in one
 step only while copies run beside it is slowed by them (memory traffic, power), not by its own
-shape.
+shape.  With the host ops in the trace (bench_e2e records their input shapes), each GEMM
+kernel is also tied to the aten matmul that launched it, so the GEMMs are listed by shape with
+their achieved TFLOP/s: a schedule's pieces against the whole GEMMs they replace.
 
     python3 benchmarks/trace_compare.py BASE.json OTHER.json [--top 25] [--json OUT.json]
 """
@@ -25,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from step_profile import CATEGORIES  # noqa: E402
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+MATMULS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::addmm_": (1, 2), "aten::_scaled_mm": (0, 1)}
 
 
 def category(name: str) -> str:
@@ -87,6 +90,38 @@ def beside(events: list[dict]) -> list[dict]:
     return out
 
 
+def gemm_shapes(path: str) -> dict[str, dict]:
+    """{"op MxKxN": {n, ms, tflops}}: each GEMM kernel by the aten matmul whose launch it came
+    from (correlation id -> the launching runtime / driver call -> the innermost matmul op
+    around it on that host thread); {} without host ops in the trace."""
+    doc = json.loads(pathlib.Path(path).read_text())
+    events = doc.get("traceEvents", [])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("name") in MATMULS and e.get("dur"):
+            ops[e.get("tid")].append(e)
+    out: dict[str, dict] = {}
+    for k in events:
+        if k.get("cat") != "kernel" or category(k.get("name", "")) != "gemm":
+            continue
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        around = [e for e in ops.get(launch.get("tid"), []) if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]] if launch else []
+        dims = around[-1]["args"].get("Input Dims") if around else None
+        if not dims:
+            continue
+        i, j = MATMULS[around[-1]["name"]]
+        (m, kk), n = dims[i][-2:], dims[j][-1]
+        r = out.setdefault(f"{around[-1]['name'].removeprefix('aten::')} {m}x{kk}x{n}", {"n": 0, "ms": 0.0, "flop": 0.0})
+        r["n"] += 1
+        r["ms"] += float(k["dur"]) / 1e3
+        r["flop"] += 2.0 * m * kk * n
+    for r in out.values():
+        r["tflops"] = r.pop("flop") / (r["ms"] / 1e3) / 1e12 if r["ms"] else 0.0
+    return out
+
+
 def summarize(path: str) -> dict:
     """{"categories": {cat: ms}, "kernels": {name: {n, ms, with_copy_ms, with_kernel_ms}}, "span_ms"}."""
     events = device_events(path)
@@ -104,7 +139,7 @@ def summarize(path: str) -> dict:
         if e["copy"]:
             cats[category(e["name"])] += (e["end"] - e["start"]) / 1e3
     span = (max(e["end"] for e in events) - events[0]["start"]) / 1e3 if events else 0.0
-    return {"categories": dict(cats), "kernels": per_name, "span_ms": span}
+    return {"categories": dict(cats), "kernels": per_name, "span_ms": span, "gemms": gemm_shapes(path)}
 
 
 def compare(base: dict, other: dict, top: int = 25) -> list[str]:
@@ -128,6 +163,13 @@ def compare(base: dict, other: dict, top: int = 25) -> list[str]:
         short = name if len(name) <= 60 else name[:57] + "..."
         lines.append(f"| {short} | {category(name)} | {b['n']}/{o['n']} | {cell(b)} | {cell(o)} | "
                      f"{o['ms'] - b['ms']:+.3f} |")
+    for label, side in (("base", base), ("other", other)):
+        if side.get("gemms"):
+            lines += ["", f"GEMMs by the matmul that launched them ({label}; a kernel beside another counts its whole "
+                      "time, so pieces run concurrently show a lower rate):", "", "| matmul (M x K x N) | n | ms | TFLOP/s |",
+                      "|---|---|---|---|"]
+            lines += [f"| {k} | {r['n']} | {r['ms']:.3f} | {r['tflops']:.0f} |"
+                      for k, r in sorted(side["gemms"].items(), key=lambda kv: -kv[1]["ms"])[:top]]
     only = sorted((n for n in other["kernels"] if n not in base["kernels"]), key=lambda n: -other["kernels"][n]["ms"])
     lines += ["", "Only in the other step (ms):", ""]
     lines += [f"- {n[:80]} ({category(n)}): {other['kernels'][n]['n']} calls, {other['kernels'][n]['ms']:.3f} ms"

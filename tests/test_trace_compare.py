@@ -4,6 +4,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from trace_compare import compare, summarize  # noqa: E402
@@ -36,3 +38,26 @@ def test_time_beside_copies_and_other_streams(tmp_path):
     text = "\n".join(compare(b, o))
     assert "| attention | 0.100 | 0.120 | +0.020 |" in text
     assert "flash_bwd | attention | 1/1 | 100.0 (0%, 0%) | 120.0 (50%, 0%) | +0.020 |" in text
+
+
+def test_gemm_kernels_are_tied_to_the_matmul_that_launched_them(tmp_path):
+    # host thread 5: aten::mm (512 x 256 @ 256 x 128) launches kernel correlation 7 through the
+    # driver; an addmm_ launches correlation 8; a kernel with no host op in the trace is skipped
+    doc = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50, "tid": 5,
+         "args": {"Input Dims": [[512, 256], [256, 128]]}},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 10, "dur": 5, "tid": 5, "args": {"correlation": 7}},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst", "ts": 100, "dur": 2.0, "args": {"correlation": 7, "stream": 7}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm_", "ts": 60, "dur": 50, "tid": 5,
+         "args": {"Input Dims": [[512, 128], [512, 256], [256, 128], [], []]}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 70, "dur": 5, "tid": 5, "args": {"correlation": 8}},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_badd", "ts": 110, "dur": 4.0, "args": {"correlation": 8, "stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "ts": 120, "dur": 1.0, "args": {"correlation": 9, "stream": 7}},
+    ]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    got = summarize(str(path))["gemms"]
+    flop = 2.0 * 512 * 256 * 128
+    assert set(got) == {"mm 512x256x128", "addmm_ 512x256x128"}
+    assert got["mm 512x256x128"]["n"] == 1 and got["mm 512x256x128"]["tflops"] == pytest.approx(flop / 2e-6 / 1e12)
+    assert got["addmm_ 512x256x128"]["tflops"] == pytest.approx(flop / 4e-6 / 1e12)
