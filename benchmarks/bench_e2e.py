@@ -170,6 +170,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             graphs = torch_commopt.explain().graphs
             rec["regions"] = sorted({f"{g.graph_kind} {r.kind}: {r.schedule}" for g in graphs for r in g.regions})
             rec["notes"] = sorted({n for g in graphs for n in g.notes + g.plan})[:40]
+            rec["band_notes"] = band_notes([n for g in graphs for n in g.notes])
         _async_tp(False)
         out[variant], prepared[variant] = rec, step
     compiled = compile_counts()
@@ -278,6 +279,16 @@ def _host_profile(step, sync, steps: int, top: int = 30) -> list[str]:
             f"{pathlib.Path(f).name}:{line}({name})" for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
+BAND_NOTES = ("autotune measured", "graph: est.", "ranked by GPU time")
+
+
+def band_notes(notes: list[str]) -> list[str]:
+    """The explain notes that tell how the host-bound band was decided: each graph's host /
+    GPU estimate (passes/host_ahead.py), the regions ranked by GPU time, and each first-call
+    timing with its host enqueue figures."""
+    return sorted({n for n in notes if any(k in n for k in BAND_NOTES)})
+
+
 def records(res: dict, shape: dict, world: int) -> list[dict]:
     rows = []
     for variant, r in res.items():
@@ -291,7 +302,7 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                      "host_enqueue_ms": r.get("host_enqueue_ms"), "step_ms_all": r.get("step_ms_all"),
                      "step_ms_isolated": r.get("step_ms_isolated"), "burst_enqueue_ms": r.get("burst_enqueue_ms"),
                      "host_profile": r.get("host_profile"), "gpu_clocks": r.get("gpu_clocks"),
-                     "profile_gpu_clocks": r.get("profile_gpu_clocks")})
+                     "profile_gpu_clocks": r.get("profile_gpu_clocks"), "band_notes": r.get("band_notes")})
     base = {r["backend"]: r for r in rows}
     for r in rows:
         for ref in ("inductor", "inductor+async-TP"):
@@ -361,6 +372,9 @@ def report(rows: list[dict], meta: dict) -> str:
     for r in rows:
         if r.get("regions"):
             lines += ["", f"Regions ({r['backend']}):", ""] + [f"- {x}" for x in r["regions"]]
+        if r.get("band_notes"):
+            lines += ["", f"The host-bound band ({r['backend']}: graph estimates, first-call timings):", ""]
+            lines += [f"- {x}" for x in r["band_notes"]]
     return "\n".join(lines) + "\n"
 
 

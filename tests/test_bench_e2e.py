@@ -51,3 +51,18 @@ def test_a_record_without_the_isolated_step_still_reports():
     assert "| inductor | 51.00 |" in bench_e2e.report(rows, {"device": "X", "world": 2, "date": "d", "torch": "t",
                                                            "commit": "c", "shape": {}, "steps": 1,
                                                            "command": "x"})
+
+
+def test_the_band_decisions_are_reported():
+    notes = ["x: picked ce_pull:2 (long GEMM)", "graph: est. 6.10 ms of matmuls and attention on the GPU, 4.40 ms of host",
+             "y: autotune measured 2 candidates at the first call in 0.26 s; runs sequential (0.349 ms)",
+             "z: picked ce_push:1 (est.: host-bound band, but the graph's host runs ahead: ranked by GPU time)",
+             "graph: est. 6.10 ms of matmuls and attention on the GPU, 4.40 ms of host"]  # a second layer's
+    got = bench_e2e.band_notes(notes)
+    assert got == sorted(set(notes[1:]))
+    res = {"commopt": dict(_result(49.0, 48.5, [2.0, 1.0]), band_notes=got)}
+    rows = bench_e2e.records(res, {"layers": 4, "seq": 8192, "batch": 1}, 2)
+    text = bench_e2e.report(rows, {"device": "X", "world": 2, "date": "d", "torch": "t", "commit": "c", "shape": {},
+                                   "steps": 2, "command": "x"})
+    assert "The host-bound band (commopt: graph estimates, first-call timings):" in text
+    assert "- y: autotune measured 2 candidates" in text and "picked ce_pull:2" not in text
