@@ -35,11 +35,16 @@ def category(name: str) -> str:
     return next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def device_events(path: str) -> list[dict]:
-    """The trace's device events: {name, cat, start, end (us), stream, copy}."""
+def trace_events(path: str) -> list[dict]:
+    """Every event of a Chrome trace file (a {"traceEvents": [...]} document or a bare list)."""
     doc = json.loads(pathlib.Path(path).read_text())
+    return doc if isinstance(doc, list) else doc.get("traceEvents", [])
+
+
+def device_events(events: list[dict]) -> list[dict]:
+    """The trace's device events: {name, cat, start, end (us), stream, copy}."""
     out = []
-    for e in doc.get("traceEvents", doc if isinstance(doc, list) else []):
+    for e in events:
         if e.get("ph") != "X" or e.get("cat") not in DEVICE_CATS or not e.get("dur"):
             continue
         args = e.get("args", {})
@@ -90,12 +95,10 @@ def beside(events: list[dict]) -> list[dict]:
     return out
 
 
-def gemm_shapes(path: str) -> dict[str, dict]:
+def gemm_shapes(events: list[dict]) -> dict[str, dict]:
     """{"op MxKxN": {n, ms, tflops}}: each GEMM kernel by the aten matmul whose launch it came
     from (correlation id -> the launching runtime / driver call -> the innermost matmul op
     around it on that host thread); {} without host ops in the trace."""
-    doc = json.loads(pathlib.Path(path).read_text())
-    events = doc.get("traceEvents", [])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = collections.defaultdict(list)
@@ -123,8 +126,10 @@ def gemm_shapes(path: str) -> dict[str, dict]:
 
 
 def summarize(path: str) -> dict:
-    """{"categories": {cat: ms}, "kernels": {name: {n, ms, with_copy_ms, with_kernel_ms}}, "span_ms"}."""
-    events = device_events(path)
+    """{"categories": {cat: ms}, "kernels": {name: {n, ms, with_copy_ms, with_kernel_ms}}, "span_ms",
+    "gemms": gemm_shapes} of one trace file (read once)."""
+    everything = trace_events(path)
+    events = device_events(everything)
     kernels = beside(events)
     per_name: dict[str, dict] = {}
     cats: dict[str, float] = collections.Counter()
@@ -139,7 +144,7 @@ def summarize(path: str) -> dict:
         if e["copy"]:
             cats[category(e["name"])] += (e["end"] - e["start"]) / 1e3
     span = (max(e["end"] for e in events) - events[0]["start"]) / 1e3 if events else 0.0
-    return {"categories": dict(cats), "kernels": per_name, "span_ms": span, "gemms": gemm_shapes(path)}
+    return {"categories": dict(cats), "kernels": per_name, "span_ms": span, "gemms": gemm_shapes(everything)}
 
 
 def compare(base: dict, other: dict, top: int = 25) -> list[str]:

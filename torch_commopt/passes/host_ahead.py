@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 import operator
 
-import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.kernels.gpu.pick import GEMM_FLOPS_PER_S
+from torch_commopt.passes.graph_utils import is_static, val
 
 # A node's share of the host's enqueue: s38's step enqueued in 30 ms for 8 graphs of 43-83 such
 # nodes (~500) with 32 regions (~0.3 ms each), i.e. ~40 us a node with the optimizer, autograd
@@ -50,22 +50,16 @@ def _name(node: Node) -> str:
 
 
 def _shape(node) -> list[int] | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    shape = getattr(val, "shape", None)
-    if shape is None:
-        return None
-    try:
-        return [int(s) for s in shape]
-    except TypeError:  # symbolic sizes
-        return None
+    """A node's static shape, None for anything else (no tensor, symbolic sizes)."""
+    v = val(node)
+    return list(v.shape) if v is not None and is_static(v.shape) else None
 
 
 def _dtype(node: Node) -> str:
     """The dtype of the node's first tensor input (an op's result may be a tuple)."""
     for arg in node.args:
-        val = arg.meta.get("val") if isinstance(arg, Node) else None
-        if isinstance(val, torch.Tensor):
-            return str(val.dtype).removeprefix("torch.")
+        if (v := val(arg)) is not None:
+            return str(v.dtype).removeprefix("torch.")
     return "float32"
 
 

@@ -230,10 +230,10 @@ def _host_ahead(graph: Graph, regions: list[Region], config: Config, report: exp
     from torch_commopt.kernels.gpu.pick import measure_band
 
     def in_band(r: Region) -> bool:
-        if r.dynamic or val(r.a).device.type != "cuda" or _call_graphs(r, config):
+        if r.dynamic or val(r.a).device.type != "cuda":
             return False
-        weights = [list(c.weight.meta["val"].shape) for c in r.consumers]
-        return measure_band(r.kind, op_a_shape(r), weights, r.dim, r.group_size, region_dtype(r)) is not None
+        shape, weights, dtype, replayed = _rule_inputs(r, config)
+        return measure_band(r.kind, shape, weights, r.dim, r.group_size, dtype, graphs=replayed) is not None
 
     if not any(in_band(r) for r in regions):
         return False
@@ -242,6 +242,13 @@ def _host_ahead(graph: Graph, regions: list[Region], config: Config, report: exp
     ahead, note = host_runs_ahead(graph, len(regions))
     report.notes.append(note)
     return ahead
+
+
+def _rule_inputs(region: Region, config: Config) -> tuple[list[int], list[list[int]], str, bool]:
+    """(op A shape, weight shapes, dtype name, replayed) of a static region: what the built-in
+    rule (kernels/gpu/pick.py) and its band take."""
+    weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
+    return op_a_shape(region), weights, region_dtype(region), _replayed(region, config)
 
 
 def _choose_schedule(region: Region, config: Config, report: explain.GraphReport, host_ahead: bool = False) -> Schedule:
@@ -262,9 +269,7 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
         if a.device.type == "cuda":
             from torch_commopt.kernels.gpu.pick import measure_band, pick
 
-            shape, weights = op_a_shape(region), [list(c.weight.meta["val"].shape) for c in region.consumers]
-            dtype = region_dtype(region)
-            replayed = _replayed(region, config)
+            shape, weights, dtype, replayed = _rule_inputs(region, config)
             wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
             band = measure_band(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
             if band is not None and host_ahead:
