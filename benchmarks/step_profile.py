@@ -35,7 +35,8 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
     "window": the (time.time()) start and end of the profiled steps, lead steps included.  With
     COMMOPT_TRACE_DIR set, one more step is profiled with its host ops (input shapes and strides recorded) and its Chrome trace written
     there, one file per rank (<label>_rank<r>.json), for the timelines the categories cannot
-    show (which stream waited on what, what the host was doing)."""
+    show (which stream waited on what, what the host was doing); the profiled steps' own trace
+    goes beside it (<label>_sustained_rank<r>.json)."""
     import os
 
     from torch.profiler import ProfilerActivity, profile
@@ -57,10 +58,14 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         os.makedirs(trace_dir, exist_ok=True)
+        name = re.sub(r"[^A-Za-z0-9]+", "_", label) or "step"
+        # the profiled steps themselves (device and launch calls only): the sustained timeline
+        # whose idle gaps the figures below count, where the traced step below starts from an idle GPU
+        prof.export_chrome_trace(os.path.join(trace_dir, f"{name}_sustained_rank{rank}.json"))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as traced:
             step()
             sync()
-        traced.export_chrome_trace(os.path.join(trace_dir, f"{re.sub(r'[^A-Za-z0-9]+', '_', label) or 'step'}_rank{rank}.json"))
+        traced.export_chrome_trace(os.path.join(trace_dir, f"{name}_rank{rank}.json"))
     totals: dict = {}
     # GPU idle: the union of every kernel / copy interval of the step against its span
     events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
