@@ -92,7 +92,17 @@ def _ag_case(case, dtype, schedules, seed, rank, world):
     return _compare(f"ag {shard_shape} dim{dim} n{ns} {dtype}", lambda s: errors(run(s)), schedules)
 
 
-def _rs_case(case, dtype, schedules, seed, rank, world):
+def _k_parts(a, w, cuts):
+    """(a, w, kwargs) of the op for the product a @ w cut along K at `cuts` (K parts, the
+    first contiguous, the others strided views of a); cuts=None: (a, w, {})."""
+    if not cuts:
+        return a, w, {}
+    bounds = list(zip((0, *cuts), (*cuts, a.shape[-1])))
+    (a0, w0), *more = [(a[..., lo:hi], w[lo:hi]) for lo, hi in bounds]
+    return a0.contiguous(), w0, {"more_a": [x for x, _ in more], "more_w": [y for _, y in more]}
+
+
+def _rs_case(case, dtype, schedules, seed, rank, world, cuts=None):
     a_shape, dim, n, bias, op = case
     k = a_shape[-1]
     a_all = [_global(seed + 100 * r, a_shape, dtype) for r in range(world)]
@@ -105,14 +115,17 @@ def _rs_case(case, dtype, schedules, seed, rank, world):
         total = total / world
     truth = total.chunk(world, dim=dim)[rank]
 
+    a, w, parts = _k_parts(a_all[rank], w_all[rank], cuts)
+
     def run(sched):
         _poison(total.numel() * 2)
-        return torch.ops.commopt.matmul_rs(a_all[rank], w_all[rank], b, dim, op, world, _group_name(), sched)
+        return torch.ops.commopt.matmul_rs(a, w, b, dim, op, world, _group_name(), sched, **parts)
 
-    return _compare(f"rs {a_shape} dim{dim} n{n} {op} {dtype}", lambda s: _rel(run(s), truth), schedules)
+    label = f"rs {a_shape} dim{dim} n{n} {op} {dtype}" + (f" K parts at {cuts}" if cuts else "")
+    return _compare(label, lambda s: _rel(run(s), truth), schedules)
 
 
-def _ar_case(case, dtype, schedules, seed, rank, world):
+def _ar_case(case, dtype, schedules, seed, rank, world, cuts=None):
     a_shape, n, bias = case
     k = a_shape[-1]
     a_all = [_global(seed + 100 * r, a_shape, dtype) for r in range(world)]
@@ -120,11 +133,14 @@ def _ar_case(case, dtype, schedules, seed, rank, world):
     b = _global(seed + 3, (n,), dtype) if bias else None
     truth = sum(a.double() @ w.double() for a, w in zip(a_all, w_all)) + (world * b.double() if bias else 0)
 
+    a, w, parts = _k_parts(a_all[rank], w_all[rank], cuts)
+
     def run(sched):
         _poison(truth.numel() * 2)
-        return torch.ops.commopt.matmul_ar(a_all[rank], w_all[rank], b, "sum", world, _group_name(), sched)
+        return torch.ops.commopt.matmul_ar(a, w, b, "sum", world, _group_name(), sched, **parts)
 
-    return _compare(f"ar {a_shape} n{n} {dtype}", lambda s: _rel(run(s), truth), schedules)
+    label = f"ar {a_shape} n{n} {dtype}" + (f" K parts at {cuts}" if cuts else "")
+    return _compare(label, lambda s: _rel(run(s), truth), schedules)
 
 
 def run_schedule_cases(rank: int, world: int, dtypes: tuple[str, ...] = ("bfloat16", "float16")):
@@ -140,6 +156,11 @@ def run_schedule_cases(rank: int, world: int, dtypes: tuple[str, ...] = ("bfloat
         for case in AR_CASES:
             seed += 17
             results += _ar_case(case, dtype, AR_SCHEDULES, seed, rank, world)
+    # K parts (concat-K's terms multiplied apart; fused concatenates them): 2-D and 3-D scatter dim 1
+    rs_cases = _splitting(RS_CASES, world)
+    for case, cuts in [(rs_cases[1], (384,)), (rs_cases[3], (64, 96))]:
+        results += _rs_case(case, torch.bfloat16, RS_SCHEDULES, 91, rank, world, cuts)
+    results += _ar_case(AR_CASES[1], torch.bfloat16, AR_SCHEDULES, 92, rank, world, (200,))
     # fp32 through the cuBLAS schedules (fused needs bf16/fp16 and refuses -> sequential)
     results += _ag_case(AG_CASES[1], torch.float32, ["ce_push:2", "fused:2"], 77, rank, world)
     results += _rs_case(_splitting(RS_CASES, world)[1], torch.float32, ["direct:2", "ce_push:2", "ce_pull:2"], 78,

@@ -100,4 +100,16 @@ def run_reference_cases(rank: int, world: int, seed: int = 0):
                 _check(f"ar{i} {reduce_op} {sched}", lambda: ar(*ar_args), t_sum(torch.float32), t_sum(torch.float64), results)
                 if _fake_shapes(rs, *rs_args) != [tuple(rs(*rs_args).shape)]:
                     fake_mismatch.append(f"rs{i}")
+                # the same product as K parts (concat-K's terms): K = 6 + 3 + 7, the first part
+                # contiguous, the others strided views of A
+                a32, w32 = a_all[rank].float(), weights[rank].float()
+                cuts = [(0, 6), (6, 9), (9, 16)]
+                first, *more = [(a32[..., lo:hi], w32[lo:hi]) for lo, hi in cuts]
+                parts = {"more_a": [x for x, _ in more], "more_w": [w for _, w in more]}
+                rs_parts = (first[0].contiguous(), first[1], *rs_args[2:])
+                ar_parts = (first[0].contiguous(), first[1], *ar_args[2:])
+                _check(f"rs{i} {reduce_op} {sched} K parts", lambda: rs(*rs_parts, **parts), expected_rs(torch.float32),
+                       expected_rs(torch.float64), results)
+                _check(f"ar{i} {reduce_op} {sched} K parts", lambda: ar(*ar_parts, **parts), t_sum(torch.float32),
+                       t_sum(torch.float64), results)
     return results, fake_mismatch

@@ -214,7 +214,7 @@ def test_band_region_uses_the_cached_measurement_or_a_first_call_placeholder(tmp
 
     a = torch.fx.Graph().placeholder("a")
     a.meta["val"] = torch.empty(0)
-    region = SimpleNamespace(kind="matmul_rs", a=a, dim=0, group_size=2,
+    region = SimpleNamespace(kind="matmul_rs", a=a, dim=0, group_size=2, consumers=[SimpleNamespace(node=a)],
                              group_name="g", collective=SimpleNamespace(name="reduce_scatter_7"))
     shape, weights, band = [2048, 4096], [[4096, 8192]], ["sequential", "direct:1", "ce_push:2"]
     config = Config(cache_dir=str(tmp_path))

@@ -23,7 +23,7 @@ M, K, N = 24, 16, 8  # global rows, contracted dim, output columns (tiny fp32)
 
 
 def _call(name: str, world: int):
-    op, sched = name.split(" ", 1)
+    op, sched, *k_parts = name.split(" ")
     s = Schedule.parse(sched)
     gen = torch.Generator().manual_seed(len(name))
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
@@ -31,15 +31,18 @@ def _call(name: str, world: int):
         a, ws = rnd(M // world * 2, K), [rnd(K, N), rnd(K, N)]
         return lambda: agm.ag_matmul_gpu(a, ws, [None, None], 0, "fake", s, True)
     a, w = rnd(M, K), rnd(K, N)
+    parts = ((rnd(M, 4), rnd(4, N)), (rnd(M, 6), rnd(6, N))) if k_parts else ()  # "... parts": K parts
     if op == "rs":
-        return lambda: mr.matmul_rs_gpu(a, w, None, 0, "sum", "fake", s)
-    return lambda: mr.matmul_ar_gpu(a, w, None, "sum", "fake", s)
+        return lambda: mr.matmul_rs_gpu(a, w, None, 0, "sum", "fake", s, None, parts)
+    return lambda: mr.matmul_ar_gpu(a, w, None, "sum", "fake", s, None, parts)
 
 
 SEQUENCES = {
     "ag": ["ag ce_push:1", "ag ce_push:1", "ag ce_push:2", "ag ce_push:1:par=1", "ag ce_push:1:gemm=whole"],
     "reductions": ["rs ce_push:1", "rs ce_push:2", "ar ce_push:1", "rs direct:1", "rs ce_pull:2", "ar ce_push:2"],
     "mixed": ["ag ce_push:1", "rs ce_push:1", "ag ce_push:2", "ar ce_push:1", "rs direct:2", "ag ce_push:1"],
+    "k parts": ["rs ce_push:1 parts", "rs ce_pull:2 parts", "ar ce_push:2 parts", "rs direct:2 parts",
+                "ar ce_pull:2 parts", "rs ce_push:2 parts"],
 }
 
 

@@ -37,3 +37,32 @@ def _uneven_reduce_scatter(rank: int, world: int) -> str:
 def test_a_scatter_dim_that_does_not_split_is_refused_clearly():
     for message in run_distributed(_uneven_reduce_scatter, 2):
         assert "dim 0 of the product (5, 4) does not split into 2 equal blocks" in message, message
+
+
+def _mismatched_k_parts(rank: int, world: int) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    import torch_commopt  # noqa: F401  (registers the ops)
+
+    a, w, group = torch.randn(2 * world, 8), torch.randn(8, 4), dist.group.WORLD.group_name
+    messages = []
+    for more_a, more_w in [([torch.randn(2 * world, 3)], []),  # unpaired
+                           ([torch.randn(2 * world, 3)], [torch.randn(3, 5)]),  # another N
+                           ([torch.randn(2 * world + 2, 3)], [torch.randn(3, 4)]),  # other rows
+                           ([torch.randn(2 * world, 3, dtype=torch.float64)], [torch.randn(3, 4)])]:  # dtype
+        try:
+            torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", world, group, "chunked:2", more_a=more_a, more_w=more_w)
+        except ValueError as e:
+            messages.append(str(e))
+        else:
+            messages.append("no error")
+    return messages
+
+
+def test_k_parts_that_do_not_fit_are_refused_clearly():
+    for messages in run_distributed(_mismatched_k_parts, 2):
+        assert "1 more_a for 0 more_w" in messages[0], messages
+        for m in messages[1:3]:
+            assert "does not match a (4, 8) @ weight (8, 4) (same rows, same N)" in m, messages
+        assert "dtypes / devices differ" in messages[3], messages

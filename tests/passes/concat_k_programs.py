@@ -141,9 +141,10 @@ def shared_readers(rank: int, world: int):
     err = _run(gm, ins, want)
     mm = next(n for n in gm.graph.nodes if "commopt_concat_k" in n.meta)
     slices = mm.meta[META].slices
-    # expected charge: the 4 weights (w1 twice) and d3 (its reshape keeps it) and a1 (an input)
+    # expected charge: what `fused` copies to multiply the K parts concatenated, the 4 weights
+    # (w1 twice) and the 4 operands
     elt = 8
-    expect = (2 * KS[0] + KS[1] + KS[2]) * N * elt + (KS[2] + KS[0]) * B * S * elt
+    expect = (2 * KS[0] + KS[1] + KS[2]) * N * elt + (2 * KS[0] + KS[1] + KS[2]) * B * S * elt
     readers = sorted(u.target.__name__ for sl in slices for u in sl.users if u is not mm.args[0])
     charged, kept = copy_bytes(mm), kept_bytes(mm)
     undo_unclaimed(gm.graph)

@@ -24,9 +24,12 @@ def test_sums_of_matmuls_before_a_reduction_fold_into_one_exact_matmul():
 def test_tp_sp_block_backward_reductions_become_regions_and_match_eager():
     with_k = run_distributed(block_regions, 2, True, timeout_s=600)
     without = run_distributed(block_regions, 2, False, timeout_s=600)
-    for (bwd, notes, _, errors), (bwd0, notes0, _, _) in zip(with_k, without):
+    for (bwd, notes, cats, errors), (bwd0, notes0, cats0, _) in zip(with_k, without):
         # dX = dq Wq + dk Wk + dv Wv and d1 W1 + d3 W3: two more reduce-scatter regions
         assert bwd.count("matmul_rs") == bwd0.count("matmul_rs") + 2, (bwd, bwd0)
+        # their ops take the terms as K parts: no cat of the operands or of the weights is left
+        # (fewer cats than without: there the sums stay, each with its reduce-scatter's split/cat)
+        assert cats <= cats0, (cats, cats0)
         assert len(notes) == 2 and notes0 == [], (notes, notes0)
         assert any("sum of 3 matmuls" in n for n in notes) and any("sum of 2 matmuls" in n for n in notes), notes
         for name, c, e in errors:

@@ -137,6 +137,25 @@ def test_concat_k_copies_are_charged_to_every_schedule_but_the_kept_one_which_pa
             RegionShape("matmul_rs", 8, 8, (8,), 2, **{field: -1})
 
 
+def test_k_parts_price_one_gemm_per_part_and_charge_the_copies_to_fused_only():
+    plain = RegionShape("matmul_rs", 8192, 14336, (4096,), 2, "bfloat16")
+    copies = (2 * 8192 * 7168 + 14336 * 4096) * 2  # what fused concatenates: both operands and weights
+    parts = dataclasses.replace(plain, copy_bytes=copies, k_parts=(7168, 7168))
+    fit = H200.gemm_fit("bfloat16")
+    for sched in candidates(plain, H200):
+        extra = predict(parts, sched, H200).gpu_s - predict(plain, sched, H200).gpu_s
+        if sched.name == "fused":
+            assert extra > H200.local_copy.time(copies) * 0.999, sched
+        else:  # the parts' GEMMs instead of one over the whole K (a fixed cost more each), no copy
+            assert 0 <= extra < H200.local_copy.time(copies), sched
+    one, two = fit.time(8192, 4096, 14336), 2 * fit.time(8192, 4096, 7168)
+    assert predict(parts, Schedule("sequential"), H200).gpu_s - predict(plain, Schedule("sequential"), H200).gpu_s \
+        == pytest.approx(two - one, abs=1e-9)
+    for bad in [(7168, 7000), (14336, 0)]:
+        with pytest.raises(ValueError, match="k_parts"):
+            dataclasses.replace(plain, k_parts=bad)
+
+
 def test_memory_footprint_of_the_candidates():
     shape = RegionShape("matmul_rs", 1024, 512, (256,), 2, "bfloat16")
     full = 1024 * 256 * 2

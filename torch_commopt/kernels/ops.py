@@ -35,10 +35,10 @@ _SCHEMAS = {
                  "ScalarType? out_dtype=None, bool fast_accum=False) -> Tensor[]",
     "matmul_rs": "matmul_rs(Tensor a, Tensor weight, Tensor? bias, int scatter_dim, str reduce_op, int group_size, "
                  "str group_name, str schedule, Tensor? a_scale=None, Tensor? b_scale=None, ScalarType? out_dtype=None, "
-                 "bool fast_accum=False) -> Tensor",
+                 "bool fast_accum=False, Tensor[]? more_a=None, Tensor[]? more_w=None) -> Tensor",
     "matmul_ar": "matmul_ar(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int group_size, str group_name, "
                  "str schedule, Tensor? a_scale=None, Tensor? b_scale=None, ScalarType? out_dtype=None, "
-                 "bool fast_accum=False) -> Tensor",
+                 "bool fast_accum=False, Tensor[]? more_a=None, Tensor[]? more_w=None) -> Tensor",
     "shard_rows": "shard_rows(Tensor x, int group_size, str group_name, bool check=False, int dim=0) -> Tensor",
     "replicated": "replicated(Tensor x, int group_size, str group_name) -> Tensor",
 }
@@ -226,6 +226,8 @@ def matmul_rs(
     b_scale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     fast_accum: bool = False,
+    more_a: Optional[list[Tensor]] = None,
+    more_w: Optional[list[Tensor]] = None,
 ) -> Tensor:
     """t = a @ weight (+ bias), then reduce-scatter t along `scatter_dim`.
 
@@ -233,34 +235,61 @@ def matmul_rs(
     Returns t's shape with dim `scatter_dim` divided by group_size: block `rank`,
     reduced over ranks with `reduce_op` ("sum" or "avg").
     a_scale, b_scale, out_dtype, fast_accum: t is torch._scaled_mm's (kernels/scaled.py).
+    more_a, more_w: K parts, t = a @ weight + sum_i more_a[i] @ more_w[i] (+ bias), more_a[i]
+    (*, K_i) and more_w[i] (K_i, N): a sum of matmuls reduced as one, without concatenating
+    the operands (passes/concat_k.py); `fused` alone multiplies them concatenated.
     """
     sc = scaled.of(a, a_scale, None if b_scale is None else [b_scale], out_dtype, fast_accum, 1)
+    parts = k_parts(a, weight, more_a, more_w, sc)
     schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
-        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc)  # rows split: checked there
+        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc, parts)  # rows split: checked there
     _check_scatter(a, weight, scatter_dim, group_size)
 
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 
-        return unsupported_reason(a, weight, scatter_dim, group_size, sched, group_name, in_capture, sc)
+        return unsupported_reason(a, weight, scatter_dim, group_size, sched, group_name, in_capture, sc, parts)
 
     def run(s):
         return matmul_rs(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, s,
-                         a_scale, b_scale, out_dtype, fast_accum)
+                         a_scale, b_scale, out_dtype, fast_accum, more_a, more_w)
 
     sched = resolve("matmul_rs", schedule, a.device, why_not, run, lambda: _shapes(a, [weight], scatter_dim, group_size))
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_rs_gpu
 
         out = _on_gpu("matmul_rs", sched, lambda: matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name,
-                                                                sched, sc))
+                                                                sched, sc, parts))
         if out is not None:
             return out
         sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
-        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc)  # e.g. autotune's winner
-    return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, str(sched), sc)
+        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc, parts)  # e.g. autotune's winner
+    return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, str(sched), sc, parts)
+
+
+def k_parts(a: Tensor, weight: Tensor, more_a, more_w, sc) -> tuple[tuple[Tensor, Tensor], ...]:
+    """The K parts beyond (a, weight) as ((a_i, w_i), ...); ValueError naming what does not fit."""
+    more_a, more_w = list(more_a or ()), list(more_w or ())
+    if len(more_a) != len(more_w):
+        raise ValueError(f"commopt: {len(more_a)} more_a for {len(more_w)} more_w (K parts come in pairs)")
+    if more_a and sc is not None:
+        raise ValueError("commopt: K parts (more_a / more_w) with a scaled (float8) product are not supported")
+    for i, (x, w) in enumerate(zip(more_a, more_w)):
+        if tuple(x.shape[:-1]) != tuple(a.shape[:-1]) or w.dim() != 2 or tuple(w.shape) != (x.shape[-1], weight.shape[-1]):
+            raise ValueError(f"commopt: K part {i}: more_a {tuple(x.shape)} @ more_w {tuple(w.shape)} does not match "
+                             f"a {tuple(a.shape)} @ weight {tuple(weight.shape)} (same rows, same N)")
+        if x.dtype != a.dtype or w.dtype != weight.dtype or x.device != a.device or w.device != a.device:
+            raise ValueError(f"commopt: K part {i}: dtypes / devices differ from a's and weight's")
+    return tuple(zip(more_a, more_w))
+
+
+def stacked(a: Tensor, weight: Tensor, parts) -> tuple[Tensor, Tensor]:
+    """(a, weight) with the K parts concatenated along K: one matmul of the same product."""
+    if not parts:
+        return a, weight
+    return torch.cat([a, *(x for x, _ in parts)], dim=-1), torch.cat([weight, *(w for _, w in parts)], dim=0)
 
 
 def _check_scatter(a: Tensor, weight: Tensor, scatter_dim: int, group_size: int) -> None:
@@ -275,7 +304,8 @@ def _check_scatter(a: Tensor, weight: Tensor, scatter_dim: int, group_size: int)
 
 @torch.library.register_fake("commopt::matmul_rs")
 def _(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, schedule, a_scale=None, b_scale=None,
-      out_dtype=None, fast_accum=False):
+      out_dtype=None, fast_accum=False, more_a=None, more_w=None):
+    k_parts(a, weight, more_a, more_w, None if a_scale is None else True)
     _check_scatter(a, weight, scatter_dim, group_size)
     shape = list(a.shape[:-1]) + [weight.shape[-1]]
     shape[scatter_dim] //= group_size
@@ -295,37 +325,44 @@ def matmul_ar(
     b_scale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     fast_accum: bool = False,
+    more_a: Optional[list[Tensor]] = None,
+    more_w: Optional[list[Tensor]] = None,
 ) -> Tensor:
     """t = a @ weight (+ bias), then all-reduce t.  a: (*, K); weight: (K, N); returns (*, N).
-    a_scale, b_scale, out_dtype, fast_accum: t is torch._scaled_mm's (kernels/scaled.py)."""
+    a_scale, b_scale, out_dtype, fast_accum: t is torch._scaled_mm's (kernels/scaled.py).
+    more_a, more_w: K parts, t = a @ weight + sum_i more_a[i] @ more_w[i] (as matmul_rs)."""
     sc = scaled.of(a, a_scale, None if b_scale is None else [b_scale], out_dtype, fast_accum, 1)
+    parts = k_parts(a, weight, more_a, more_w, sc)
     schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, [weight], None, group_size, cut=False):
-        return sequential.matmul_ar(a, weight, bias, reduce_op, group_name, sc)
+        return sequential.matmul_ar(a, weight, bias, reduce_op, group_name, sc, parts)
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 
-        return unsupported_reason(a, weight, None, group_size, sched, group_name, in_capture, sc)
+        return unsupported_reason(a, weight, None, group_size, sched, group_name, in_capture, sc, parts)
 
     def run(s):
-        return matmul_ar(a, weight, bias, reduce_op, group_size, group_name, s, a_scale, b_scale, out_dtype, fast_accum)
+        return matmul_ar(a, weight, bias, reduce_op, group_size, group_name, s, a_scale, b_scale, out_dtype, fast_accum,
+                         more_a, more_w)
 
     sched = resolve("matmul_ar", schedule, a.device, why_not, run, lambda: _shapes(a, [weight], None, group_size))
     if sched.is_gpu:
         from torch_commopt.kernels.gpu.matmul_reduce import matmul_ar_gpu
 
-        out = _on_gpu("matmul_ar", sched, lambda: matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched, sc))
+        out = _on_gpu("matmul_ar", sched, lambda: matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched, sc,
+                                                                parts))
         if out is not None:
             return out
         sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, [weight], None, group_size, cut=False):
-        return sequential.matmul_ar(a, weight, bias, reduce_op, group_name, sc)  # e.g. autotune's winner
-    return matmul_ar_reference(a, weight, bias, reduce_op, group_name, str(sched), sc)
+        return sequential.matmul_ar(a, weight, bias, reduce_op, group_name, sc, parts)  # e.g. autotune's winner
+    return matmul_ar_reference(a, weight, bias, reduce_op, group_name, str(sched), sc, parts)
 
 
 @torch.library.register_fake("commopt::matmul_ar")
 def _(a, weight, bias, reduce_op, group_size, group_name, schedule, a_scale=None, b_scale=None, out_dtype=None,
-      fast_accum=False):
+      fast_accum=False, more_a=None, more_w=None):
+    k_parts(a, weight, more_a, more_w, None if a_scale is None else True)
     return a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]], dtype=a.dtype if a_scale is None else out_dtype)
 
 

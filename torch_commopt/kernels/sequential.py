@@ -59,17 +59,25 @@ def ag_matmul(a, weights, biases, group_name: str, return_gathered: bool, sc: Sc
     return outs + [gathered] if return_gathered else outs
 
 
-def matmul_rs(a, weight, bias, reduce_op: str, group_name: str, sc: Scaled | None = None) -> torch.Tensor:
+def _product(a, weight, bias, sc: Scaled | None, parts) -> torch.Tensor:
+    """a @ weight (+ bias), each K part's product (ops.k_parts) added in place."""
+    full = _linear(a, weight, bias, sc)
+    for x, w in parts:
+        full.view(-1, full.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), w)
+    return full
+
+
+def matmul_rs(a, weight, bias, reduce_op: str, group_name: str, sc: Scaled | None = None, parts=()) -> torch.Tensor:
     group, (_, opts, _) = resolve_group(group_name), _options()
     world = group.size()
-    full = _linear(a, weight, bias, sc)
+    full = _product(a, weight, bias, sc, parts)
     out = full.new_empty((full.shape[0] // world,) + tuple(full.shape[1:]))
     _wait(group._reduce_scatter_base(out, full, opts))
     return out.div_(world) if reduce_op == "avg" else out
 
 
-def matmul_ar(a, weight, bias, reduce_op: str, group_name: str, sc: Scaled | None = None) -> torch.Tensor:
+def matmul_ar(a, weight, bias, reduce_op: str, group_name: str, sc: Scaled | None = None, parts=()) -> torch.Tensor:
     group, (_, _, opts) = resolve_group(group_name), _options()
-    out = _linear(a, weight, bias, sc)
+    out = _product(a, weight, bias, sc, parts)
     _wait(group.allreduce([out], opts))
     return out.div_(group.size()) if reduce_op == "avg" else out

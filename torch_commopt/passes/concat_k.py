@@ -18,6 +18,14 @@ attention's dq/dk/dv) is written straight into its slice by Inductor, no copy; a
 operand is copied (`copy_bytes`).  A reader whose output would change layout on the strided
 slice (other than a transpose feeding matmuls) keeps the operand, which is then copied.
 
+The region rewrite (passes/rewrite.py) then hands the op the terms themselves as K parts
+(kernels/ops.k_parts: each piece's product one GEMM per term, added in place), takes both cats
+out again and gives the operands' other readers their operands back (`operand_parts`,
+`drop_cats`): the cats only serve to find and price the region as one matmul, and the copies
+they would cost (the stacked weights: ~90 us a layer for w1/w3 at TP 2, seq 8192; and
+SwiGLU's backward writing into the strided cat, +30%; 2x H100, session 38) are not paid.
+Only `fused` multiplies the parts concatenated, inside the op.
+
 The rewrite is a bet on the region: it pays only where an op of ours takes the fused matmul.
 Where the region is kept as compiled (its chosen schedule is `sequential`, or it was not
 found or not decided), `undo_unclaimed` restores the original sum of matmuls, so a kept
@@ -254,13 +262,53 @@ class _Undo:
 
 def copy_bytes(mm: Node) -> int:
     """Bytes the concat-K copies of this matmul write per call (0: not a concat-K matmul):
-    the stacked weights, and each A operand Inductor cannot compute in its slice (module
-    docstring).  What the cost model charges an op of ours (tuner.model.RegionShape.copy_bytes)."""
+    what the cost model charges an op of ours (tuner.model.RegionShape.copy_bytes).  As K
+    parts (`operand_parts`): what `fused` copies, every operand and the stacked weights;
+    else (the fused form stays in the graph) the stacked weights and each A operand Inductor
+    cannot compute in its slice (module docstring)."""
     if META not in mm.meta:
         return 0
     cat_a, cat_w = mm.args[:2]
-    copied = [x for x in cat_a.args[0] if not _in_place(x, cat_a)]
+    copied = list(cat_a.args[0]) if operand_parts(mm) else [x for x in cat_a.args[0] if not _in_place(x, cat_a)]
     return sum(size_hint(v.numel()) * v.element_size() for v in map(val, [*copied, cat_w]))
+
+
+def operand_parts(mm: Node) -> list[tuple[Node, Node]] | None:
+    """The (A operand, weight) terms of a concat-K matmul whose cats are still as concat_k
+    made them, i.e. the op can take the terms as K parts (None: not a concat-K matmul, or
+    changed since)."""
+    if META not in mm.meta:
+        return None
+    cat_a, cat_w = mm.args[:2]
+    if any(c.target is not aten.cat.default for c in (cat_a, cat_w)) or set(cat_w.users) != {mm}:
+        return None
+    if set(cat_a.users) != {mm, *mm.meta[META].slices}:
+        return None
+    return list(zip(cat_a.args[0], cat_w.args[0]))
+
+
+def k_parts(mm: Node) -> tuple[int, ...]:
+    """The K of each term where the op takes them as K parts (RegionShape.k_parts; () : not)."""
+    terms = operand_parts(mm)
+    return tuple(size_hint(val(x).shape[-1]) for x, _ in terms) if terms else ()
+
+
+def drop_cats(graph: Graph, cat_a: Node, cat_w: Node, undo: "_Undo") -> None:
+    """After the op took the terms as K parts (and the matmul is gone): the operands' other
+    readers take their operands back, and both cats leave the graph."""
+    _restore_slices(graph, undo.slices)
+    for cat in (cat_w, cat_a):
+        if not cat.users:
+            graph.erase_node(cat)
+
+
+def _restore_slices(graph: Graph, slices: dict[Node, Node]) -> None:
+    """Every reader of a slice of the A cat reads its operand again; the slices are erased."""
+    for sl, x in slices.items():
+        for user in list(sl.users):
+            user.replace_input_with(sl, x)
+            set_fake_val(user)
+        graph.erase_node(sl)
 
 
 def _in_place(x: Node, cat: Node) -> bool:
@@ -303,11 +351,7 @@ def _undo(graph: Graph, mm: Node) -> bool:
     undo, (cat_a, cat_w) = mm.meta[META], mm.args
     if any(sl not in cat_a.users for sl in undo.slices):
         return False
-    for sl, x in undo.slices.items():  # the other readers take their operand back
-        for user in list(sl.users):
-            user.replace_input_with(sl, x)
-            set_fake_val(user)
-        graph.erase_node(sl)
+    _restore_slices(graph, undo.slices)  # the other readers take their operand back
     fused = [cat_a, cat_w]
     if any(c.target is not aten.cat.default or len(c.users) != 1 for c in fused):
         return False

@@ -4,7 +4,8 @@ ag_matmul: op(a_shard, weights, biases) returns each matmul's output in the gath
 layout; each consumer's row-preserving chain is replayed on it (last dim K -> N), so the
 replacement has exactly the consumer's shape.  matmul_rs / matmul_ar: the chain from the
 matmul to the collective is replayed on the A operand (N -> K) and the op computes the
-product and the reduction from there.  Float8 matmuls (torch._scaled_mm) pass their scales,
+product and the reduction from there; a concat-K matmul (passes/concat_k.py) is handed to the
+op as its terms (K parts), its cats taken out again.  Float8 matmuls (torch._scaled_mm) pass their scales,
 output dtype and accumulation mode on to the op.  Region nodes left without users are erased.
 """
 
@@ -16,6 +17,8 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.passes.chains import replay_chain, set_fake_val
+from torch_commopt.passes.concat_k import META as CONCAT_K
+from torch_commopt.passes.concat_k import drop_cats, operand_parts
 from torch_commopt.passes.graph_utils import row_shape
 from torch_commopt.passes.regions import Region
 from torch_commopt.schedule import Schedule
@@ -38,8 +41,8 @@ def _now(node, replaced: dict[Node, Node]):
     return node
 
 
-def _call(graph: Graph, target, args) -> Node:
-    node = graph.call_function(target, tuple(args))
+def _call(graph: Graph, target, args, kwargs: dict | None = None) -> Node:
+    node = graph.call_function(target, tuple(args), kwargs or {})
     set_fake_val(node)
     return node
 
@@ -85,22 +88,31 @@ def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule, replace
 
 def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node]) -> None:
     (consumer,) = region.consumers
-    k = row_shape(region.a)[-1]
     n = row_shape(consumer.node)[-1]
-    weight, bias = _now(consumer.weight, replaced), _now(consumer.bias, replaced)
+    bias = _now(consumer.bias, replaced)
+    terms = operand_parts(consumer.node) if consumer.scaled is None else None
+    if terms is None:  # one matmul: (A, weight)
+        terms = [(region.a, consumer.weight)]
+    else:  # concat-K: its terms, the op's K parts; the cats go once the matmul is gone
+        cats, undo = consumer.node.args[:2], consumer.node.meta[CONCAT_K]
     with graph.inserting_before(region.wait):
-        a = replay_chain(graph, _now(region.a, replaced), region.path, n, k)
+        # the chain from the matmul to the collective, replayed on each A operand (N -> its K)
+        (a, weight), *more = [(replay_chain(graph, _now(x, replaced), region.path, n, row_shape(x)[-1]),
+                               _now(w, replaced)) for x, w in terms]
+        parts = {"more_a": [x for x, _ in more], "more_w": [w for _, w in more]} if more else None
         if region.kind == "matmul_rs":
             args = (a, weight, bias, region.dim, region.reduce_op,
                     region.group_size, region.group_name, str(schedule))
-            op = _call(graph, torch.ops.commopt.matmul_rs.default, args + _scaled_args(consumer, replaced))
+            op = _call(graph, torch.ops.commopt.matmul_rs.default, args + _scaled_args(consumer, replaced), parts)
         else:
             args = (a, weight, bias, region.reduce_op,
                     region.group_size, region.group_name, str(schedule))
-            op = _call(graph, torch.ops.commopt.matmul_ar.default, args + _scaled_args(consumer, replaced))
+            op = _call(graph, torch.ops.commopt.matmul_ar.default, args + _scaled_args(consumer, replaced), parts)
     region.wait.replace_all_uses_with(op)
     replaced[region.wait] = op
     _erase_dead(graph, region.nodes)
+    if more:
+        drop_cats(graph, *cats, undo)
 
 
 def _scaled_args(consumer, replaced: dict[Node, Node]) -> tuple:

@@ -90,22 +90,26 @@ _warned: set[str] = set()
 
 def plan(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, bias: list[bool],
          reduce_op: str | None, keep_gathered: bool, world: int, dtype: str, device_name: str, cal,
-         max_chunks: int, top_k: int, graphs: bool = False, copy_bytes: int = 0, kept_bytes: int = 0):
+         max_chunks: int, top_k: int, graphs: bool = False, copy_bytes: int = 0, kept_bytes: int = 0,
+         k_parts: tuple[int, ...] = ()):
     """(model's pick, ranked predictions, candidates to time, cache key) of a region: the one
     definition the compile pass and `python -m torch_commopt tune` share, so a prefilled
     cache answers the pass.  graphs=True: for a program replayed from CUDA graphs (its own
     ranking, timing and cache entry).  copy_bytes, kept_bytes: RegionShape's (not in the key:
-    the timed calls start from the copied operands, whichever candidate runs)."""
+    the timed calls start from the copied operands, whichever candidate runs); k_parts: the K
+    of each product the op multiplies apart (in the key: the calls differ)."""
     from torch_commopt.tuner.choose import choose_by_model, machine_key
 
     pick, preds, why = choose_by_model(kind, a_shape, weight_shapes, dim, world, dtype, cal, max_chunks, graphs=graphs,
-                                       copy_bytes=copy_bytes, kept_bytes=kept_bytes)
+                                       copy_bytes=copy_bytes, kept_bytes=kept_bytes, k_parts=k_parts)
     top = timed_candidates(preds, top_k)
     key = {"question": "autotune", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
            "weights": [list(w) for w in weight_shapes], "dim": dim, "bias": list(bias), "reduce_op": reduce_op,
            "keep_gathered": keep_gathered, "dtype": dtype, "candidates": top}
     if graphs:
         key["cuda_graphs"] = True
+    if k_parts:
+        key["k_parts"] = list(k_parts)
     return pick, preds, top, key, why
 
 
@@ -128,22 +132,23 @@ def timed_candidates(preds, top_k: int) -> list[str]:
 def band_request(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
                  dtype: str, device_name: str, group_name: str, candidates: list[str], fallback: str,
                  cache_dir: str | None, name: str, debug_waits: bool = False,
-                 notes: list[str] | None = None) -> Schedule:
+                 notes: list[str] | None = None, k_parts: tuple[int, ...] = ()) -> Schedule:
     """The placeholder of a region the built-in rule leaves to measurement (pick.measure_band):
     `candidates` are timed at its first call like Config.mode="autotune" (`fallback` runs
     where nothing can be timed, e.g. under a CUDA-graph capture)."""
-    key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates)
+    key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates, k_parts)
     return register(TuneRequest(key, list(candidates), fallback, group_name, cache_dir, debug_waits=debug_waits,
                                 report_notes=notes if notes is not None else [], name=name, margin=BAND_MARGIN,
                                 headroom=BAND_HOST_HEADROOM, rounds=BAND_ROUNDS))
 
 
 def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
-             dtype: str, device_name: str, candidates: list[str]) -> dict[str, Any]:
-    """The tuner-cache key of a band region's measurement (band_request)."""
+             dtype: str, device_name: str, candidates: list[str], k_parts: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The tuner-cache key of a band region's measurement (band_request; k_parts: as plan's)."""
     from torch_commopt.tuner.choose import machine_key
 
-    return {"question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
+    extra = {"k_parts": list(k_parts)} if k_parts else {}
+    return {**extra, "question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
             "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates),
             "host_headroom": BAND_HOST_HEADROOM,  # decisions made under another check are not reused
             "host_check": "fastest round", "rounds": BAND_ROUNDS}

@@ -89,14 +89,14 @@ def _stored_or_prior(stored, device: str, world: int) -> Calibration:
 def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
                     dtype: str, cal: Calibration, max_chunks: int, *,
                     graphs: bool = False, copy_bytes: int = 0,
-                    kept_bytes: int = 0) -> tuple[Schedule, list[Prediction], str]:
+                    kept_bytes: int = 0, k_parts: tuple[int, ...] = ()) -> tuple[Schedule, list[Prediction], str]:
     """(schedule, ranked predictions, why) for a region; candidates cut more than
     `max_chunks` pieces are left out, GPU ones too where the kernels refuse the shape.
     graphs=True: ranked for CUDA-graph replay (no per-call host cost).  copy_bytes: what the
     graph copies only for an op of ours, kept_bytes: what the region kept as compiled moves
-    beyond one matmul (RegionShape)."""
+    beyond one matmul, k_parts: the K of each product the op multiplies apart (RegionShape)."""
     shape = RegionShape(kind, math.prod(a_shape[:-1]), a_shape[-1], tuple(w[-1] for w in weight_shapes), world, dtype,
-                        copy_bytes, kept_bytes)
+                        copy_bytes, kept_bytes, tuple(k_parts))
     refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
     pool = [s for s in candidates(shape, cal, graphs=graphs)
             if s.chunks <= max(1, max_chunks) and not (s.is_gpu and refusal)]
@@ -107,9 +107,12 @@ def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]
         why += ", replayed from CUDA graphs (no host cost)"
     if refusal and cal.p2p is not None:
         why += f"; GPU schedules left out: {refusal}"
+    if k_parts:
+        why += f"; K parts {'+'.join(map(str, k_parts))} multiplied apart"
     if copy_bytes and cal.local_copy is not None:  # the charge (model._graph_copies) needs that figure
-        why += (f"; every candidate but sequential (kept as compiled) pays concat-K's {copy_bytes / 2**20:.1f} MiB "
-                f"of copies, sequential the sum's {kept_bytes / 2**20:.1f} MiB")
+        payer = "fused (K parts concatenated)" if k_parts else "every candidate but sequential (kept as compiled)"
+        why += (f"; {payer} pays concat-K's {copy_bytes / 2**20:.1f} MiB of copies, sequential the sum's "
+                f"{kept_bytes / 2**20:.1f} MiB")
     return best.schedule, preds, why
 
 

@@ -36,6 +36,11 @@ class RegionShape:
         region as compiled, uncopied.
     kept_bytes: what the region as compiled moves beyond one matmul, as device-copy bytes
         (concat-K: the sum of products it restores): charged to `sequential` only.
+    k_parts: the K of each product where the region's matmul is a sum of products the op
+        multiplies apart (concat-K's K parts, kernels/ops.k_parts; () : one product of K):
+        the GEMM time is the parts' sum, and copy_bytes is then what `fused`, which multiplies
+        them concatenated, copies per call (charged to `fused` only; its GEMM is still priced
+        as the parts', a slight overcharge).
     """
 
     kind: str
@@ -46,12 +51,15 @@ class RegionShape:
     dtype: str = "bfloat16"
     copy_bytes: int = 0
     kept_bytes: int = 0
+    k_parts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in OP_SCHEDULES:
             raise ValueError(f"RegionShape.kind: unknown {self.kind!r}")
         if min(self.rows, self.k, self.world, *self.ns) < 1:
             raise ValueError(f"RegionShape: sizes must be positive, got {self}")
+        if self.k_parts and (sum(self.k_parts) != self.k or min(self.k_parts) < 1):
+            raise ValueError(f"RegionShape.k_parts: {self.k_parts} must be positive and add up to k = {self.k}")
         for name in ("copy_bytes", "kept_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RegionShape.{name}: must be >= 0, got {getattr(self, name)}")
@@ -141,7 +149,10 @@ def _graph_copies(shape: RegionShape, sched: Schedule, cal: Calibration) -> floa
     """The copies the graph makes for this region's op (shape.copy_bytes) or, kept as
     compiled, what the kept form moves beyond one matmul (shape.kept_bytes).  A cat reads
     and writes its bytes as a device-local copy does (no such figure: free)."""
-    moved = shape.kept_bytes if sched.name == "sequential" else shape.copy_bytes
+    if sched.name == "sequential":
+        moved = shape.kept_bytes
+    else:  # K parts: only `fused` concatenates them (shape.k_parts)
+        moved = shape.copy_bytes if not shape.k_parts or sched.name == "fused" else 0
     if not moved or cal.local_copy is None:
         return 0.0
     return cal.local_copy.time(moved)
@@ -166,7 +177,7 @@ FLOAT8_SPEEDUP = 2.0
 def _gemm(shape: RegionShape, cal: Calibration, rows: float) -> float:
     fit = cal.gemm_fit(shape.dtype)
     rows = max(1, int(rows))
-    t = sum(fit.time(rows, n, shape.k) for n in shape.ns)
+    t = sum(fit.time(rows, n, k) for n in shape.ns for k in (shape.k_parts or (shape.k,)))
     return t / FLOAT8_SPEEDUP if shape.scaled and shape.dtype not in cal.gemm else t
 
 

@@ -24,6 +24,9 @@ matmul_rs (rank r of W; segment p = the rows rank p keeps; buffer half h, altern
 matmul_ar = the same reduce-scatter of row blocks, then the reduced pieces are pushed
 to every peer by the copy engine (flags DATA2, side stream) and copied into place there
 (local copy stream, but for fused).
+K parts (ops.k_parts: t = a @ w + sum_i a_i @ w_i, a concat-K sum left unconcatenated): each
+piece's product is one GEMM per part, the later ones adding into the first's output in place
+(addmm_, beta 1); `fused` multiplies them concatenated (one copy of each operand per call).
 At the end a rank lowers the DATA flags it waited for and gives its sources their tokens
 back.  Every flag value is a constant, so the calls (but `fused`, whose barrier counts
 epochs) can be captured in a CUDA graph and replayed.
@@ -46,7 +49,8 @@ FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages":
 
 
 def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule: Schedule, group_name: str,
-                       capturing: bool = False, sc: Scaled | None = None) -> str | None:
+                       capturing: bool = False, sc: Scaled | None = None, parts=()) -> str | None:
+    """Why this call cannot run the GPU schedule (None: it can); parts: K parts (any schedule)."""
     rows = a.numel() // max(1, a.shape[-1])
     if weight.dim() != 2:
         return "batched (3-D) weight"
@@ -87,7 +91,7 @@ class _Call:
     """State of one reduce call: runtime, layout, buffers, half, streams."""
 
     def __init__(self, a, weight, scatter_dim, group_name, sched: Schedule, reduce_op, *, phases: int,
-                 sc: Scaled | None = None):
+                 sc: Scaled | None = None, parts=()):
         self.rt = rt = symm.runtime(group_name, a.device)
         self.sched, self.world, self.rank = sched, rt.world, rt.rank
         self.debug = rt.debug_waits(sched)
@@ -95,6 +99,9 @@ class _Call:
         self.lay, self.pieces = _plan(tuple(a.shape), scatter_dim, rt.world, sched.chunks)
         self.m_seg = self.lay.local_rows
         self.a2 = a.contiguous().view(-1, self.k)
+        # every K part as a (rows, K_i) matrix and its weight; (a2, weight) first
+        self.a2s = [self.a2] + [x.contiguous().view(-1, x.shape[-1]) for x, _ in parts]
+        self.ws = [weight] + [w for _, w in parts]
         self.sc, self.dtype = sc, out_dtype(a, sc)  # the partials' dtype: the product's
         self.seg_bytes = self.m_seg * self.n * self.dtype.itemsize
         self.phases, self.n_chunks = phases, len(self.pieces)
@@ -144,38 +151,71 @@ class _Call:
             self.rt.check_status(op)
         return out
 
-    def segment_a(self, p: int) -> torch.Tensor:
-        """The A rows producing segment p, as a contiguous (m_seg, K) matrix."""
-        rows = self.lay.block_rows(self.a2, p, 0, self.m_seg)
-        return rows if self.lay.outer == 1 else rows.reshape(self.m_seg, self.k)
+    def segment_a(self, p: int) -> list[torch.Tensor]:
+        """The A rows producing segment p, one (m_seg, K_i) matrix per K part (contiguous rows)."""
+        out = []
+        for a2 in self.a2s:
+            rows = self.lay.block_rows(a2, p, 0, self.m_seg)
+            out.append(rows if self.lay.outer == 1 else rows.reshape(self.m_seg, a2.shape[-1]))
+        return out
+
+    def product(self, rows: list[torch.Tensor], out: torch.Tensor) -> None:
+        """out <- the rows' product: rows[0] @ w_0 (scaled: _scaled_mm), then each further K
+        part's product added in place."""
+        matmul(rows[0], self.ws[0], None, self.sc, out=out)
+        for x, w in zip(rows[1:], self.ws[1:]):
+            out.addmm_(x, w)
+
+    def add_product(self, out: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """out <- alpha * (out + the rows' product), in place (addmm_: no copy of C)."""
+        out.addmm_(rows[0], self.ws[0], beta=self.alpha, alpha=self.alpha)
+        for x, w in zip(rows[1:], self.ws[1:]):
+            out.addmm_(x, w, alpha=self.alpha)
 
     def wait(self, stream, src, c, what, phase: int = 0):
         self.rt.wait(stream, data_index(self.half, src, c, phase), 1, debug=self.debug, what=what, src=src, chunk=c)
 
 
-def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Schedule, sc: Scaled | None = None):
+def _for_fused(a, weight, sched: Schedule, parts):
+    """`fused` multiplies one operand pair: the K parts concatenated (a copy each call)."""
+    if not parts or sched.name != "fused":
+        return a, weight, parts
+    from torch_commopt.kernels.ops import stacked
+
+    return *stacked(a, weight, parts), ()
+
+
+def _part_tensors(parts) -> tuple:
+    return tuple(t for pair in parts for t in pair)
+
+
+def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Schedule, sc: Scaled | None = None,
+                  parts=()):
+    a, weight, parts = _for_fused(a, weight, sched, parts)
     rt = symm.runtime(group_name, a.device)
     out_shape = list(a.shape[:-1]) + [weight.shape[-1]]
     out_shape[scatter_dim] //= rt.world
     out = a.new_empty(out_shape, dtype=out_dtype(a, sc))  # outside a per-call graph: the caller owns it
 
     def body():
-        call = _Call(a, weight, scatter_dim, group_name, sched, reduce_op, phases=1, sc=sc)
+        call = _Call(a, weight, scatter_dim, group_name, sched, reduce_op, phases=1, sc=sc, parts=parts)
         _reduce_scatter_into(call, weight, out.view(call.m_seg, call.n))
         call.finish(out, bias, reduce_op, "matmul_rs")
 
     scales, flags = call_key(sc)
-    call_graphs.call("matmul_rs", sched, rt, (a, weight, bias, out, *scales), (scatter_dim, reduce_op, *flags),
+    call_graphs.call("matmul_rs", sched, rt, (a, weight, bias, out, *scales, *_part_tensors(parts)),
+                     (scatter_dim, reduce_op, *flags),
                      body, lambda: unsupported_reason(a, weight, scatter_dim, rt.world, sched, group_name, True, sc))
     return out
 
 
-def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule, sc: Scaled | None = None):
+def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule, sc: Scaled | None = None, parts=()):
+    a, weight, parts = _for_fused(a, weight, sched, parts)
     rt = symm.runtime(group_name, a.device)
     out = a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]], dtype=out_dtype(a, sc))  # outside a per-call graph
 
     def body():
-        call = _Call(a, weight, None, group_name, sched, reduce_op, phases=2, sc=sc)
+        call = _Call(a, weight, None, group_name, sched, reduce_op, phases=2, sc=sc, parts=parts)
         full = out.view(-1, call.n)
         own = full[call.rank * call.m_seg: (call.rank + 1) * call.m_seg]
         # The peers' reduced pieces are copied into `out` on the local copy stream, ordered
@@ -198,7 +238,8 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule, sc: S
         call.finish(out, bias, reduce_op, "matmul_ar")
 
     scales, flags = call_key(sc)
-    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out, *scales), (reduce_op, *flags), body,
+    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out, *scales, *_part_tensors(parts)), (reduce_op, *flags),
+                     body,
                      lambda: unsupported_reason(a, weight, None, rt.world, sched, group_name, True, sc))
     return out
 
@@ -221,7 +262,7 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
                 after_piece(c, lo, hi)
         return
     if call.sched.name == "ce_pull":
-        _pull_reduce(call, weight, own, after_piece)
+        _pull_reduce(call, own, after_piece)
         return
     rt = call.rt
     in_place = _adds_in_place(call)
@@ -240,25 +281,26 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
         else:
             staged = staging[p]
         for c, (lo, hi) in enumerate(call.pieces):
+            rows = [piece_rows(x, lo, hi) for x in a_p]
             if staging is None:
-                matmul(piece_rows(a_p, lo, hi), weight, None, call.sc, out=piece_rows(slot, lo, hi))
+                call.product(rows, piece_rows(slot, lo, hi))
                 call.signal(call.cur, p, c)
             else:
                 piece = piece_rows(staged, lo, hi)
-                matmul(piece_rows(a_p, lo, hi), weight, None, call.sc, out=piece)
+                call.product(rows, piece)
                 _ship(call, piece, piece_rows(slot, lo, hi), p, c)
     a_r = call.segment_a(call.rank)
     if in_place:
-        _own_in_place(call, a_r, weight, own, rt.sources[0], after_piece)
+        _own_in_place(call, a_r, own, rt.sources[0], after_piece)
         return
     if len(rt.sources) == 1 and call.sc is None:
-        _own_then_add(call, a_r, weight, own, rt.sources[0], after_piece)
+        _own_then_add(call, a_r, own, rt.sources[0], after_piece)
         return
     mine = call.slot(call.rank, call.rank)  # this rank's own receive slot (a cached view)
     for c, (lo, hi) in enumerate(call.pieces):
         # The own product goes to this rank's own slot (no peer writes it) before the waits,
         # so it runs while the last partials are still landing.
-        matmul(piece_rows(a_r, lo, hi), weight, None, call.sc, out=piece_rows(mine, lo, hi))
+        call.product([piece_rows(x, lo, hi) for x in a_r], piece_rows(mine, lo, hi))
         for src in rt.sources:
             call.wait(call.cur, src, c, "partial")
         _sum_slots(call, call.recv if call.n_chunks == 1 else call.recv[:, lo:hi], piece_rows(own, lo, hi))
@@ -266,7 +308,7 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
             after_piece(c, lo, hi)
 
 
-def _own_in_place(call: _Call, a_r, weight, own, src: int, after_piece):
+def _own_in_place(call: _Call, a_r, own, src: int, after_piece):
     """One source (W = 2): the local copy stream moves each received partial into the
     output as soon as it lands (the copy engine, beside the GEMMs still running), and the
     own piece's GEMM adds into it in place (addmm_): the reduction costs the SMs nothing
@@ -281,7 +323,7 @@ def _own_in_place(call: _Call, a_r, weight, own, src: int, after_piece):
         driver.record(landed[c], local)
     for c, (lo, hi) in enumerate(call.pieces):
         driver.wait_event(call.cur, landed[c])
-        piece_rows(own, lo, hi).addmm_(piece_rows(a_r, lo, hi), weight, beta=call.alpha, alpha=call.alpha)
+        call.add_product(piece_rows(own, lo, hi), [piece_rows(x, lo, hi) for x in a_r])
         if after_piece is not None:
             after_piece(c, lo, hi)
 
@@ -293,13 +335,13 @@ def _adds_in_place(call: _Call) -> bool:
             and not (call.n_chunks == 1 and call.sched.name == "ce_push"))
 
 
-def _own_then_add(call: _Call, a_r, weight, own, src: int, after_piece):
+def _own_then_add(call: _Call, a_r, own, src: int, after_piece):
     """ce_push:1 at W = 2: the own GEMM starts at once, while the copy engine is still
     moving the peer's partial here, and the partial is added after it (the sum NCCL's
     reduce-scatter makes of two rounded partials).  In place, the own GEMM would wait for
     the whole partial: peer GEMM -> copy -> own GEMM in series (1.02 vs 0.86 ms for
     ce_push:2 at 8192^3)."""
-    torch.mm(a_r, weight, out=own)
+    call.product(a_r, own)
     call.wait(call.cur, src, 0, "partial")
     own.add_(call.slot(call.rank, src))
     if call.alpha != 1.0:
@@ -308,7 +350,7 @@ def _own_then_add(call: _Call, a_r, weight, own, src: int, after_piece):
         after_piece(0, *call.pieces[0])
 
 
-def _pull_reduce(call: _Call, weight, own, after_piece):
+def _pull_reduce(call: _Call, own, after_piece):
     """ce_pull.  A rank's buffer half is rewritten only after every peer has finished the
     call that last pulled from it (the peer's token), which also covers the matmul_ar
     pushes into the peers' buffers that follow."""
@@ -329,7 +371,7 @@ def _pull_reduce(call: _Call, weight, own, after_piece):
     for p in rt.peers:
         a_p, mine = call.segment_a(p), call.slot(call.rank, p)
         for c, (lo, hi) in enumerate(call.pieces):
-            torch.mm(a_p[lo:hi], weight, out=mine[lo:hi])
+            call.product([x[lo:hi] for x in a_p], mine[lo:hi])
             call.signal(call.cur, p, c)
     a_r = call.segment_a(call.rank)
     for c, (lo, hi) in enumerate(call.pieces):
@@ -339,9 +381,9 @@ def _pull_reduce(call: _Call, weight, own, after_piece):
             rt.copy(local, dst, call.slot(src, call.rank)[lo:hi])
         if pulled is None:
             rt.after(call.cur, local)
-            own[lo:hi].addmm_(a_r[lo:hi], weight, beta=call.alpha, alpha=call.alpha)
+            call.add_product(own[lo:hi], [x[lo:hi] for x in a_r])
         else:
-            torch.mm(a_r[lo:hi], weight, out=pulled[call.rank, lo:hi])  # beside the pulls
+            call.product([x[lo:hi] for x in a_r], pulled[call.rank, lo:hi])  # beside the pulls
             rt.after(call.cur, local)
             _sum_slots(call, pulled[:, lo:hi], own[lo:hi])
         if after_piece is not None:
