@@ -16,8 +16,8 @@ default) in bf16 from the same seed:
                         graphs (Inductor's CUDA-graph trees), no per-kernel host cost
     commopt graphs      torch_commopt.optimize(block, cuda_graphs=True): the same for commopt
                         (its schedules' per-call host cost goes too)
-(--variants also takes "commopt no concat-K", "commopt model no concat-K", "commopt band timed" and "commopt model
-graphs"; "_" may stand for a space.)
+(--variants also takes "commopt no concat-K", "commopt model no concat-K", "commopt band timed", "commopt k parts"
+and "commopt model graphs"; "_" may stand for a space.)
 
 Per variant: the loss of every step (the curves must agree within bf16 noise), step time
 (median over rounds, slowest rank, of --burst steps run back to back with one synchronize at
@@ -73,6 +73,8 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt call-graphs": {"call_graphs": True},
                    # the band's regions always timed at their first call (before session 38)
                    "commopt band timed": {"band_in_graph": False},
+                   # concat-K's terms handed to the ops as K parts (Config.k_parts, off by default)
+                   "commopt k parts": {"k_parts": True},
                    "commopt model no concat-K": {"mode": "model", "concat_k": False},
                    # replayed from CUDA graphs (Inductor's CUDA-graph trees): no per-call host cost
                    "commopt graphs": {"cuda_graphs": True},

@@ -61,6 +61,11 @@ class Config:
         concatenated along K, so it forms an overlapped region (passes/concat_k.py; costs a
         copy of the A operands and of the weights per call, so it is undone where the region
         is kept as compiled).  On by default.
+    k_parts: where an op of ours takes a concat-K matmul, hand it the sum's terms as K parts
+        instead (kernels/ops.k_parts: one GEMM per term, added in place; the cats taken out
+        again, so neither the stacked weights nor the A operands side by side are written).
+        Off by default: on 2x H200 (session 39) a TP=2 training step ran the same with it as
+        without (48.54 / 48.61 / 48.60 vs 48.53 / 48.51 / 48.48 ms).
     coconet: apply CoCoNet's all-gather reorder before finding regions: an all-gather whose
         result goes through unary elementwise ops (non-widening casts, activations) is
         moved after them, so they run on the shard and the gather meets its matmul
@@ -144,6 +149,7 @@ class Config:
     call_graphs: bool = False
     band_in_graph: bool = True
     concat_k: bool = True
+    k_parts: bool = False
     coconet: bool = False
     ar_split: bool | str = False
     ar_split_policy: str = "cost"
@@ -188,7 +194,7 @@ class Config:
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
         for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "call_graphs", "band_in_graph", "coconet",
-                     "concat_k", "regather_for_backward"):
+                     "concat_k", "k_parts", "regather_for_backward"):
             _check_type(name, getattr(self, name), bool)
         if self.saved_gather_budget_mib is not None:
             if isinstance(self.saved_gather_budget_mib, bool) or not isinstance(self.saved_gather_budget_mib,

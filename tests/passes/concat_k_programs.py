@@ -141,12 +141,16 @@ def shared_readers(rank: int, world: int):
     err = _run(gm, ins, want)
     mm = next(n for n in gm.graph.nodes if "commopt_concat_k" in n.meta)
     slices = mm.meta[META].slices
-    # expected charge: what `fused` copies to multiply the K parts concatenated, the 4 weights
-    # (w1 twice) and the 4 operands
+    # expected charge: the 4 weights (w1 twice) and d3 (its reshape keeps it) and a1 (an input);
+    # as K parts (Config.k_parts), what `fused` copies to multiply them concatenated: the 4
+    # weights and all 4 operands
     elt = 8
-    expect = (2 * KS[0] + KS[1] + KS[2]) * N * elt + (2 * KS[0] + KS[1] + KS[2]) * B * S * elt
+    weights = (2 * KS[0] + KS[1] + KS[2]) * N * elt
+    expect = weights + (KS[2] + KS[0]) * B * S * elt
+    expect_parts = weights + (2 * KS[0] + KS[1] + KS[2]) * B * S * elt
     readers = sorted(u.target.__name__ for sl in slices for u in sl.users if u is not mm.args[0])
-    charged, kept = copy_bytes(mm), kept_bytes(mm)
+    charged, kept = (copy_bytes(mm), copy_bytes(mm, True)), kept_bytes(mm)
+    expect = (expect, expect_parts)
     undo_unclaimed(gm.graph)
     left = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.slice.Tensor
                and n.args[0].target is torch.ops.aten.cat.default)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from concat_k_programs import KEPT, PROGRAMS, block_regions, graph_cases
+from concat_k_programs import CHUNKED, KEPT, PROGRAMS, block_regions, graph_cases
 from torch_commopt.launch import run_distributed
 from torch_commopt.validate import within_tolerance
 
@@ -24,12 +24,17 @@ def test_sums_of_matmuls_before_a_reduction_fold_into_one_exact_matmul():
 def test_tp_sp_block_backward_reductions_become_regions_and_match_eager():
     with_k = run_distributed(block_regions, 2, True, timeout_s=600)
     without = run_distributed(block_regions, 2, False, timeout_s=600)
-    for (bwd, notes, cats, errors), (bwd0, notes0, cats0, _) in zip(with_k, without):
+    as_parts = run_distributed(block_regions, 2, True, {**CHUNKED, "k_parts": True}, timeout_s=600)
+    for (bwd, notes, cats, errors), (bwd0, notes0, cats0, _), (bwd_p, _, cats_p, errors_p) in zip(
+            with_k, without, as_parts):
         # dX = dq Wq + dk Wk + dv Wv and d1 W1 + d3 W3: two more reduce-scatter regions
-        assert bwd.count("matmul_rs") == bwd0.count("matmul_rs") + 2, (bwd, bwd0)
-        # their ops take the terms as K parts: no cat of the operands or of the weights is left
-        # (fewer cats than without: there the sums stay, each with its reduce-scatter's split/cat)
-        assert cats <= cats0, (cats, cats0)
+        assert bwd.count("matmul_rs") == bwd_p.count("matmul_rs") == bwd0.count("matmul_rs") + 2, (bwd, bwd0)
+        # as K parts (Config.k_parts) the ops take the terms: no cat of the operands or of the
+        # weights is left (fewer cats than without: there the sums stay, each with its
+        # reduce-scatter's split/cat); the concatenated form keeps its cats
+        assert cats_p <= cats0 < cats, (cats_p, cats0, cats)
+        for name, c, e in errors_p:
+            assert within_tolerance(c, e), f"K parts, {name}: commopt error {c:.2e} vs eager {e:.2e}"
         assert len(notes) == 2 and notes0 == [], (notes, notes0)
         assert any("sum of 3 matmuls" in n for n in notes) and any("sum of 2 matmuls" in n for n in notes), notes
         for name, c, e in errors:

@@ -18,13 +18,14 @@ attention's dq/dk/dv) is written straight into its slice by Inductor, no copy; a
 operand is copied (`copy_bytes`).  A reader whose output would change layout on the strided
 slice (other than a transpose feeding matmuls) keeps the operand, which is then copied.
 
-The region rewrite (passes/rewrite.py) then hands the op the terms themselves as K parts
+With Config.k_parts the region rewrite (passes/rewrite.py) hands the op the terms as K parts
 (kernels/ops.k_parts: each piece's product one GEMM per term, added in place), takes both cats
 out again and gives the operands' other readers their operands back (`operand_parts`,
 `drop_cats`): the cats only serve to find and price the region as one matmul, and the copies
 they would cost (the stacked weights: ~90 us a layer for w1/w3 at TP 2, seq 8192; and
 SwiGLU's backward writing into the strided cat, +30%; 2x H100, session 38) are not paid.
-Only `fused` multiplies the parts concatenated, inside the op.
+Only `fused` multiplies the parts concatenated, inside the op.  Off by default: on 2x H200 a
+training step ran the same either way (session 39).
 
 The rewrite is a bet on the region: it pays only where an op of ours takes the fused matmul.
 Where the region is kept as compiled (its chosen schedule is `sequential`, or it was not
@@ -260,16 +261,16 @@ class _Undo:
     slices: dict
 
 
-def copy_bytes(mm: Node) -> int:
+def copy_bytes(mm: Node, as_parts: bool = False) -> int:
     """Bytes the concat-K copies of this matmul write per call (0: not a concat-K matmul):
     what the cost model charges an op of ours (tuner.model.RegionShape.copy_bytes).  As K
-    parts (`operand_parts`): what `fused` copies, every operand and the stacked weights;
+    parts (as_parts and `operand_parts`): what `fused` copies, every operand and the stacked weights;
     else (the fused form stays in the graph) the stacked weights and each A operand Inductor
     cannot compute in its slice (module docstring)."""
     if META not in mm.meta:
         return 0
     cat_a, cat_w = mm.args[:2]
-    copied = list(cat_a.args[0]) if operand_parts(mm) else [x for x in cat_a.args[0] if not _in_place(x, cat_a)]
+    copied = list(cat_a.args[0]) if as_parts and operand_parts(mm) else [x for x in cat_a.args[0] if not _in_place(x, cat_a)]
     return sum(size_hint(v.numel()) * v.element_size() for v in map(val, [*copied, cat_w]))
 
 

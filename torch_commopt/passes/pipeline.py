@@ -127,7 +127,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
             report.regions.append(explain.RegionReport(
                 region.kind, region.collective.name, region.summary(), str(schedule), KEPT))
             continue
-        rewrite_region(graph, region, schedule, replaced)
+        rewrite_region(graph, region, schedule, replaced, k_parts=config.k_parts)
         rewritten += 1
         report.regions.append(explain.RegionReport(
             region.kind, region.collective.name, region.summary(), str(schedule), "rewritten"))
@@ -172,22 +172,24 @@ def _band(region: Region, shape, weights, dtype: str, band: list[str], rule_pick
     from torch_commopt.tuner.decide import decide
 
     dev = device_name(val(region.a).device)
-    key = band_key(region.kind, shape, weights, region.dim, region.group_size, dtype, dev, band, _k_parts(region))
+    key = band_key(region.kind, shape, weights, region.dim, region.group_size, dtype, dev, band,
+                   _k_parts(region, config))
     cache = TunerCache(config.cache_dir)
     cached = decide(region.group_name, key, lambda: cache.get(key), config.consistency_timeout_s)
     if isinstance(cached, dict) and cached.get("schedule") in band:
         return Schedule.parse(cached["schedule"]), why + ": host-bound band, cached measurement"
     sched = band_request(region.kind, shape, weights, region.dim, region.group_size, dtype, dev, region.group_name,
                          band, str(rule_pick), config.cache_dir, region.collective.name, config.debug_waits,
-                         report.notes, _k_parts(region))
+                         report.notes, _k_parts(region, config))
     return sched, why + f": host-bound band, {', '.join(band)} timed at the first call ({rule_pick} under a capture)"
 
 
-def _k_parts(region: Region) -> tuple[int, ...]:
-    """The K of each product a reduction's op multiplies apart (concat-K's terms; () : one)."""
+def _k_parts(region: Region, config: Config) -> tuple[int, ...]:
+    """The K of each product a reduction's op multiplies apart (Config.k_parts: concat-K's
+    terms; () : one)."""
     from torch_commopt.passes.concat_k import k_parts
 
-    return k_parts(region.consumers[0].node) if region.kind != "ag_matmul" else ()
+    return k_parts(region.consumers[0].node) if config.k_parts and region.kind != "ag_matmul" else ()
 
 
 def _keep_as_compiled(region: Region, schedule: Schedule, config: Config) -> bool:
@@ -501,8 +503,8 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
         region.kind, op_a_shape(region), weights, region.dim, [c.bias is not None for c in region.consumers],
         region.reduce_op, region.keep_gathered, region.group_size, region_dtype(region),
         device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, _replayed(region, config),
-        sum(copy_bytes(c.node) for c in region.consumers), sum(kept_bytes(c.node) for c in region.consumers),
-        _k_parts(region))
+        sum(copy_bytes(c.node, config.k_parts) for c in region.consumers),
+        sum(kept_bytes(c.node) for c in region.consumers), _k_parts(region, config))
     name = region.collective.name
     # a GPU works while the host enqueues: the whole-graph plan weighs both
     rows = candidate_rows(preds, device_split=cal.device != "cpu")

@@ -4,8 +4,8 @@ ag_matmul: op(a_shard, weights, biases) returns each matmul's output in the gath
 layout; each consumer's row-preserving chain is replayed on it (last dim K -> N), so the
 replacement has exactly the consumer's shape.  matmul_rs / matmul_ar: the chain from the
 matmul to the collective is replayed on the A operand (N -> K) and the op computes the
-product and the reduction from there; a concat-K matmul (passes/concat_k.py) is handed to the
-op as its terms (K parts), its cats taken out again.  Float8 matmuls (torch._scaled_mm) pass their scales,
+product and the reduction from there; with Config.k_parts a concat-K matmul
+(passes/concat_k.py) is handed to the op as its terms (K parts), its cats taken out again.  Float8 matmuls (torch._scaled_mm) pass their scales,
 output dtype and accumulation mode on to the op.  Region nodes left without users are erased.
 """
 
@@ -24,14 +24,16 @@ from torch_commopt.passes.regions import Region
 from torch_commopt.schedule import Schedule
 
 
-def rewrite_region(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node]) -> None:
+def rewrite_region(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node], *,
+                   k_parts: bool = False) -> None:
     """Rewrite one region.  `replaced` maps the nodes earlier rewrites removed to what took
     their place (one region's output can be the next one's input: AG -> mm -> mm -> RS), and
-    is updated with this region's replacements."""
+    is updated with this region's replacements.  k_parts: a concat-K matmul's op takes its
+    terms (Config.k_parts)."""
     if region.kind == "ag_matmul":
         _rewrite_ag_matmul(graph, region, schedule, replaced)
     else:
-        _rewrite_matmul_reduce(graph, region, schedule, replaced)
+        _rewrite_matmul_reduce(graph, region, schedule, replaced, k_parts)
 
 
 def _now(node, replaced: dict[Node, Node]):
@@ -86,11 +88,12 @@ def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule, replace
     _erase_dead(graph, region.nodes)
 
 
-def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node]) -> None:
+def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node],
+                           k_parts: bool) -> None:
     (consumer,) = region.consumers
     n = row_shape(consumer.node)[-1]
     bias = _now(consumer.bias, replaced)
-    terms = operand_parts(consumer.node) if consumer.scaled is None else None
+    terms = operand_parts(consumer.node) if k_parts and consumer.scaled is None else None
     if terms is None:  # one matmul: (A, weight)
         terms = [(region.a, consumer.weight)]
     else:  # concat-K: its terms, the op's K parts; the cats go once the matmul is gone
