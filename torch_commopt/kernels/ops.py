@@ -240,7 +240,7 @@ def matmul_rs(
     the operands (passes/concat_k.py); `fused` alone multiplies them concatenated.
     """
     sc = scaled.of(a, a_scale, None if b_scale is None else [b_scale], out_dtype, fast_accum, 1)
-    parts = k_parts(a, weight, more_a, more_w, sc)
+    parts = k_parts(a, weight, more_a, more_w, sc is not None)
     schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
         return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc, parts)  # rows split: checked there
@@ -249,7 +249,7 @@ def matmul_rs(
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 
-        return unsupported_reason(a, weight, scatter_dim, group_size, sched, group_name, in_capture, sc, parts)
+        return unsupported_reason(a, weight, scatter_dim, group_size, sched, group_name, in_capture, sc)
 
     def run(s):
         return matmul_rs(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, s,
@@ -269,15 +269,16 @@ def matmul_rs(
     return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, str(sched), sc, parts)
 
 
-def k_parts(a: Tensor, weight: Tensor, more_a, more_w, sc) -> tuple[tuple[Tensor, Tensor], ...]:
+def k_parts(a: Tensor, weight: Tensor, more_a, more_w, scaled_product: bool) -> tuple[tuple[Tensor, Tensor], ...]:
     """The K parts beyond (a, weight) as ((a_i, w_i), ...); ValueError naming what does not fit."""
     more_a, more_w = list(more_a or ()), list(more_w or ())
     if len(more_a) != len(more_w):
         raise ValueError(f"commopt: {len(more_a)} more_a for {len(more_w)} more_w (K parts come in pairs)")
-    if more_a and sc is not None:
+    if more_a and scaled_product:
         raise ValueError("commopt: K parts (more_a / more_w) with a scaled (float8) product are not supported")
     for i, (x, w) in enumerate(zip(more_a, more_w)):
-        if tuple(x.shape[:-1]) != tuple(a.shape[:-1]) or w.dim() != 2 or tuple(w.shape) != (x.shape[-1], weight.shape[-1]):
+        fits = tuple(x.shape[:-1]) == tuple(a.shape[:-1]) and tuple(w.shape) == (x.shape[-1], weight.shape[-1])
+        if not fits:
             raise ValueError(f"commopt: K part {i}: more_a {tuple(x.shape)} @ more_w {tuple(w.shape)} does not match "
                              f"a {tuple(a.shape)} @ weight {tuple(weight.shape)} (same rows, same N)")
         if x.dtype != a.dtype or w.dtype != weight.dtype or x.device != a.device or w.device != a.device:
@@ -305,7 +306,7 @@ def _check_scatter(a: Tensor, weight: Tensor, scatter_dim: int, group_size: int)
 @torch.library.register_fake("commopt::matmul_rs")
 def _(a, weight, bias, scatter_dim, reduce_op, group_size, group_name, schedule, a_scale=None, b_scale=None,
       out_dtype=None, fast_accum=False, more_a=None, more_w=None):
-    k_parts(a, weight, more_a, more_w, None if a_scale is None else True)
+    k_parts(a, weight, more_a, more_w, a_scale is not None)
     _check_scatter(a, weight, scatter_dim, group_size)
     shape = list(a.shape[:-1]) + [weight.shape[-1]]
     shape[scatter_dim] //= group_size
@@ -332,14 +333,14 @@ def matmul_ar(
     a_scale, b_scale, out_dtype, fast_accum: t is torch._scaled_mm's (kernels/scaled.py).
     more_a, more_w: K parts, t = a @ weight + sum_i more_a[i] @ more_w[i] (as matmul_rs)."""
     sc = scaled.of(a, a_scale, None if b_scale is None else [b_scale], out_dtype, fast_accum, 1)
-    parts = k_parts(a, weight, more_a, more_w, sc)
+    parts = k_parts(a, weight, more_a, more_w, sc is not None)
     schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, [weight], None, group_size, cut=False):
         return sequential.matmul_ar(a, weight, bias, reduce_op, group_name, sc, parts)
     def why_not(sched, in_capture):
         from torch_commopt.kernels.gpu.matmul_reduce import unsupported_reason
 
-        return unsupported_reason(a, weight, None, group_size, sched, group_name, in_capture, sc, parts)
+        return unsupported_reason(a, weight, None, group_size, sched, group_name, in_capture, sc)
 
     def run(s):
         return matmul_ar(a, weight, bias, reduce_op, group_size, group_name, s, a_scale, b_scale, out_dtype, fast_accum,
@@ -362,7 +363,7 @@ def matmul_ar(
 @torch.library.register_fake("commopt::matmul_ar")
 def _(a, weight, bias, reduce_op, group_size, group_name, schedule, a_scale=None, b_scale=None, out_dtype=None,
       fast_accum=False, more_a=None, more_w=None):
-    k_parts(a, weight, more_a, more_w, None if a_scale is None else True)
+    k_parts(a, weight, more_a, more_w, a_scale is not None)
     return a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]], dtype=a.dtype if a_scale is None else out_dtype)
 
 

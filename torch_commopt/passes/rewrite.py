@@ -93,11 +93,10 @@ def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, rep
     (consumer,) = region.consumers
     n = row_shape(consumer.node)[-1]
     bias = _now(consumer.bias, replaced)
-    terms = operand_parts(consumer.node) if k_parts and consumer.scaled is None else None
-    if terms is None:  # one matmul: (A, weight)
-        terms = [(region.a, consumer.weight)]
-    else:  # concat-K: its terms, the op's K parts; the cats go once the matmul is gone
-        cats, undo = consumer.node.args[:2], consumer.node.meta[CONCAT_K]
+    # concat-K's terms as the op's K parts (their cats go once the matmul is gone), or (A, weight)
+    split = operand_parts(consumer.node) if k_parts and consumer.scaled is None else None
+    terms = split or [(region.a, consumer.weight)]
+    cats = (*consumer.node.args[:2], consumer.node.meta.get(CONCAT_K))  # read before the matmul is erased
     with graph.inserting_before(region.wait):
         # the chain from the matmul to the collective, replayed on each A operand (N -> its K)
         (a, weight), *more = [(replay_chain(graph, _now(x, replaced), region.path, n, row_shape(x)[-1]),
@@ -114,8 +113,8 @@ def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, rep
     region.wait.replace_all_uses_with(op)
     replaced[region.wait] = op
     _erase_dead(graph, region.nodes)
-    if more:
-        drop_cats(graph, *cats, undo)
+    if split:
+        drop_cats(graph, *cats)
 
 
 def _scaled_args(consumer, replaced: dict[Node, Node]) -> tuple:

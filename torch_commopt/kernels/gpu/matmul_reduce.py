@@ -49,8 +49,9 @@ FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages":
 
 
 def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule: Schedule, group_name: str,
-                       capturing: bool = False, sc: Scaled | None = None, parts=()) -> str | None:
-    """Why this call cannot run the GPU schedule (None: it can); parts: K parts (any schedule)."""
+                       capturing: bool = False, sc: Scaled | None = None) -> str | None:
+    """Why this call cannot run the GPU schedule (None: it can).  K parts (ops.k_parts) run
+    on every schedule: they are no reason."""
     rows = a.numel() // max(1, a.shape[-1])
     if weight.dim() != 2:
         return "batched (3-D) weight"
