@@ -71,7 +71,8 @@ def split_idle(mine: list[dict], peer: list[dict], min_us: float = 5.0, slack_us
             acc[0] += hi - lo
             acc[1] += 1
     result = {k: out[k] for k in ("peer_us", "peer_gaps", "local_us", "local_gaps")}
-    result["idle_us"], result["gaps"] = result["peer_us"] + result["local_us"], result["peer_gaps"] + result["local_gaps"]
+    result["idle_us"] = result["peer_us"] + result["local_us"]
+    result["gaps"] = result["peer_gaps"] + result["local_gaps"]
     result["span_us"] = (max(e["end"] for e in mine) - mine[0]["start"]) if mine else 0.0
     result["by_pair"] = sorted(((b, a, us, n) for (b, a), (us, n) in pairs.items()), key=lambda r: -r[2])
     return result
@@ -87,7 +88,8 @@ def report(path0: str, path1: str, min_us: float, slack_us: float, steps: int, t
     for r, (mine, peer) in enumerate([(ranks[0], ranks[1]), (ranks[1], ranks[0])]):
         s = split_idle(mine, peer, min_us, slack_us)
         splits.append(s)
-        lines.append(f"| {r} | {s['span_us'] / 1e3 / steps:.2f} | {s['idle_us'] / 1e3 / steps:.3f} ({s['gaps'] / steps:.0f} gaps) "
+        lines.append(f"| {r} | {s['span_us'] / 1e3 / steps:.2f} "
+                     f"| {s['idle_us'] / 1e3 / steps:.3f} ({s['gaps'] / steps:.0f} gaps) "
                      f"| {s['peer_us'] / 1e3 / steps:.3f} ({s['peer_gaps'] / steps:.1f}) "
                      f"| {s['local_us'] / 1e3 / steps:.3f} ({s['local_gaps'] / steps:.0f}) |")
     for r, s in enumerate(splits):

@@ -286,13 +286,6 @@ def k_parts(a: Tensor, weight: Tensor, more_a, more_w, scaled_product: bool) -> 
     return tuple(zip(more_a, more_w))
 
 
-def stacked(a: Tensor, weight: Tensor, parts) -> tuple[Tensor, Tensor]:
-    """(a, weight) with the K parts concatenated along K: one matmul of the same product."""
-    if not parts:
-        return a, weight
-    return torch.cat([a, *(x for x, _ in parts)], dim=-1), torch.cat([weight, *(w for _, w in parts)], dim=0)
-
-
 def _check_scatter(a: Tensor, weight: Tensor, scatter_dim: int, group_size: int) -> None:
     """A reduce-scatter gives every rank an equal block of the product: refuse a dim that does not split."""
     shape = list(a.shape[:-1]) + [weight.shape[-1]]

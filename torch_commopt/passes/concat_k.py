@@ -270,7 +270,8 @@ def copy_bytes(mm: Node, as_parts: bool = False) -> int:
     if META not in mm.meta:
         return 0
     cat_a, cat_w = mm.args[:2]
-    copied = list(cat_a.args[0]) if as_parts and operand_parts(mm) else [x for x in cat_a.args[0] if not _in_place(x, cat_a)]
+    every = as_parts and operand_parts(mm) is not None  # fused concatenates them all
+    copied = [x for x in cat_a.args[0] if every or not _in_place(x, cat_a)]
     return sum(size_hint(v.numel()) * v.element_size() for v in map(val, [*copied, cat_w]))
 
 

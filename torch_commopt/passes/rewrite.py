@@ -5,8 +5,9 @@ layout; each consumer's row-preserving chain is replayed on it (last dim K -> N)
 replacement has exactly the consumer's shape.  matmul_rs / matmul_ar: the chain from the
 matmul to the collective is replayed on the A operand (N -> K) and the op computes the
 product and the reduction from there; with Config.k_parts a concat-K matmul
-(passes/concat_k.py) is handed to the op as its terms (K parts), its cats taken out again.  Float8 matmuls (torch._scaled_mm) pass their scales,
-output dtype and accumulation mode on to the op.  Region nodes left without users are erased.
+(passes/concat_k.py) is handed to the op as its terms (K parts), its cats taken out again.
+Float8 matmuls (torch._scaled_mm) pass their scales, output dtype and accumulation mode on to
+the op.  Region nodes left without users are erased.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, rep
     # concat-K's terms as the op's K parts (their cats go once the matmul is gone), or (A, weight)
     split = operand_parts(consumer.node) if k_parts and consumer.scaled is None else None
     terms = split or [(region.a, consumer.weight)]
-    cats = (*consumer.node.args[:2], consumer.node.meta.get(CONCAT_K))  # read before the matmul is erased
+    if split:  # read before the matmul is erased (erase_node clears its args)
+        cats = (*consumer.node.args[:2], consumer.node.meta[CONCAT_K])
     with graph.inserting_before(region.wait):
         # the chain from the matmul to the collective, replayed on each A operand (N -> its K)
         (a, weight), *more = [(replay_chain(graph, _now(x, replaced), region.path, n, row_shape(x)[-1]),

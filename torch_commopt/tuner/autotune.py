@@ -147,11 +147,13 @@ def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim:
     """The tuner-cache key of a band region's measurement (band_request; k_parts: as plan's)."""
     from torch_commopt.tuner.choose import machine_key
 
-    extra = {"k_parts": list(k_parts)} if k_parts else {}
-    return {**extra, "question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
-            "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates),
-            "host_headroom": BAND_HOST_HEADROOM,  # decisions made under another check are not reused
-            "host_check": "fastest round", "rounds": BAND_ROUNDS}
+    key = {"question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
+           "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates),
+           "host_headroom": BAND_HOST_HEADROOM,  # decisions made under another check are not reused
+           "host_check": "fastest round", "rounds": BAND_ROUNDS}
+    if k_parts:
+        key["k_parts"] = list(k_parts)
+    return key
 
 
 def decided(schedule: Schedule) -> str | None:

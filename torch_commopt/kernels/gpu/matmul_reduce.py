@@ -178,12 +178,10 @@ class _Call:
 
 
 def _for_fused(a, weight, sched: Schedule, parts):
-    """`fused` multiplies one operand pair: the K parts concatenated (a copy each call)."""
+    """`fused` multiplies one operand pair: the K parts concatenated along K (a copy each call)."""
     if not parts or sched.name != "fused":
         return a, weight, parts
-    from torch_commopt.kernels.ops import stacked
-
-    return *stacked(a, weight, parts), ()
+    return torch.cat([a, *(x for x, _ in parts)], dim=-1), torch.cat([weight, *(w for _, w in parts)], dim=0), ()
 
 
 def _part_tensors(parts) -> tuple:
@@ -239,8 +237,8 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule, sc: S
         call.finish(out, bias, reduce_op, "matmul_ar")
 
     scales, flags = call_key(sc)
-    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out, *scales, *_part_tensors(parts)), (reduce_op, *flags),
-                     body,
+    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out, *scales, *_part_tensors(parts)),
+                     (reduce_op, *flags), body,
                      lambda: unsupported_reason(a, weight, None, rt.world, sched, group_name, True, sc))
     return out
 
