@@ -96,33 +96,39 @@ def refit_gemm(cal: Calibration) -> Calibration:
 def refit(cal: Calibration) -> Calibration:
     """`cal` with its GEMM re-fitted (refit_gemm) and its schedule factors re-derived against
     today's model from the probe times its factor curves imply (the short probe: a graph
-    replay; the long one: eager).  A factor without a curve (runs before the two-point factors)
+    replay; the long one: eager, and replayed in schedule_factor_curve_graphs).  A factor without a curve (runs before the two-point factors)
     keeps the probe time today's model gives with the run's own GEMM fit."""
     from torch_commopt.tuner.calibrate import FACTOR_RANGE, PROBE_SHAPES, SHORT_PROBE_SHAPES
     from torch_commopt.tuner.model import RegionShape
 
-    stored = dataclasses.replace(cal, schedule_factor={}, schedule_factor_curve={})
+    stored = dataclasses.replace(cal, schedule_factor={}, schedule_factor_curve={}, schedule_factor_curve_graphs={})
     cal = refit_gemm(cal)
-    bare = dataclasses.replace(cal, schedule_factor={}, schedule_factor_curve={})
+    bare = dataclasses.replace(cal, schedule_factor={}, schedule_factor_curve={}, schedule_factor_curve_graphs={})
     factors, curves = dict(cal.schedule_factor), {}
     for key in set(factors) - set(cal.schedule_factor_curve):
         kind, sched = key.split(" ")[0], _probe_schedule(key)
         (rows, k), (_, n) = PROBE_SHAPES[kind]
         shape = RegionShape(kind, rows, k, (n,), cal.world, "bfloat16")
         factors[key] *= predict(shape, sched, stored).gpu_s / predict(shape, sched, bare).gpu_s
-    for key, points in cal.schedule_factor_curve.items():
+    def rederived(key: str, points: list[list[float]], long_replayed: bool) -> list[list[float]]:
         kind, sched = key.split(" ")[0], _probe_schedule(key)
         (short_pred, short_f), (long_pred, long_f) = sorted(points)
         new = []
         for shapes, graphs, measured in ((SHORT_PROBE_SHAPES, True, short_pred * short_f),
-                                         (PROBE_SHAPES, False, long_pred * long_f)):
+                                         (PROBE_SHAPES, long_replayed, long_pred * long_f)):
             (rows, k), (_, n) = shapes[kind]
             pred = predict(RegionShape(kind, rows, k, (n,), cal.world, "bfloat16"), sched, bare, graphs=graphs).gpu_s
             new.append([pred, min(max(measured / pred, FACTOR_RANGE[0]), FACTOR_RANGE[1])])
+        return new
+
+    for key, points in cal.schedule_factor_curve.items():
+        new = rederived(key, points, False)
         curves[key] = sorted(new)
         if key in factors:
             factors[key] = new[1][1]
-    return dataclasses.replace(cal, schedule_factor=factors, schedule_factor_curve=curves)
+    replayed = {key: sorted(rederived(key, points, True)) for key, points in cal.schedule_factor_curve_graphs.items()}
+    return dataclasses.replace(cal, schedule_factor=factors, schedule_factor_curve=curves,
+                               schedule_factor_curve_graphs=replayed)
 
 
 def replay(summary_path: pathlib.Path, refit_factors: bool = False, transfer_slowdown: float | None = None) -> dict:
@@ -136,11 +142,12 @@ def replay(summary_path: pathlib.Path, refit_factors: bool = False, transfer_slo
         cal = dataclasses.replace(cal, transfer_slowdown=transfer_slowdown)
     if refit_factors:
         cal = refit(cal)
-    graphs = summary_path.name.endswith("_graphs_summary.json")
+    replayed = summary_path.name.endswith("_graphs_summary.json")
     by_shape: dict[tuple, dict[str, tuple[float, float]]] = collections.defaultdict(dict)
     errors, recomputed = [], []
     for r in records:
         shape = region_shape(dict(r, dtype=r.get("dtype", "bfloat16")))
+        graphs = replayed or bool(r.get("call_graphs"))  # a _cg run's band: ranked as replayed
         ms = predict(shape, Schedule.parse(r["candidate"]), cal, graphs=graphs).seconds * 1e3
         by_shape[(r["op"], r["M"], r["K"], r["N"])][r["candidate"]] = (ms, r["measured_ms"])
         errors.append(abs(ms - r["measured_ms"]) / r["measured_ms"])

@@ -45,3 +45,30 @@ def test_refit_factors_reproduce_the_probe_times_the_run_measured():
         assert got == __import__("pytest").approx(measured, rel=1e-6), key
         long_factor = new.schedule_factor_curve[key][1][1]  # the long probe's: the key's plain factor
         assert new.schedule_factor.get(key, long_factor) == long_factor
+
+
+def test_a_call_graphs_run_replays_its_band_as_ranked(tmp_path):
+    # bench_costmodel --call-graphs ranks its band's regions as replayed (record call_graphs):
+    # the replay predicts those rows so too, and the others eagerly
+    import json
+
+    from torch_commopt.schedule import Schedule
+    from torch_commopt.tuner.calibration import prior
+    from torch_commopt.tuner.model import predict
+
+    cal = prior("NVIDIA H200", 2)
+    records = []
+    for m, cg in ((512, True), (16384, False)):
+        for cand in ("sequential", "ce_push:1"):
+            r = {"op": "ag", "M": m, "K": 8192, "N": 8192, "world": 2, "dtype": "bfloat16", "candidate": cand,
+                 "call_graphs": cg, "measured_ms": 1.0}
+            shape = costmodel_replay.region_shape(r)
+            r["predicted_ms"] = predict(shape, Schedule.parse(cand), cal, graphs=cg).seconds * 1e3
+            records.append(r)
+    assert records[1]["predicted_ms"] != predict(costmodel_replay.region_shape(records[1]), Schedule("ce_push", 1),
+                                                 cal).seconds * 1e3  # the flag matters here
+    (tmp_path / "costmodel_x_cg.json").write_text(json.dumps(records))
+    summary = tmp_path / "costmodel_x_cg_summary.json"
+    summary.write_text(json.dumps({"calibration": json.loads(cal.to_json())}))
+    got = costmodel_replay.replay(summary)
+    assert got["shapes"] == 2 and got["recomputed_max_diff"] < 1e-9

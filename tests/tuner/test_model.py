@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -464,3 +465,29 @@ def test_float8_regions_gemm_at_twice_the_bf16_rate_and_reduce_the_bf16_product(
     # no float8 product in the fused kernels or ce_pull: not ranked
     names = {s.name for s in candidates(rs_f8, H200)}
     assert "ce_pull" not in names and "fused" not in names and "ce_pull" in {s.name for s in candidates(rs_bf, H200)}
+
+
+def test_replayed_predictions_take_the_replay_timed_curve():
+    # an eager long probe partly host-bound charges host time as device time (s39: matmul_ar
+    # ce_push:4 at 1.70); replayed calls take the curve whose long probe was replayed too
+    eager = [[2e-4, 1.55], [7e-4, 1.70]]
+    replayed = [[2e-4, 1.55], [7e-4, 1.10]]
+    cal = dataclasses.replace(prior("NVIDIA H200", 2), schedule_factor={"matmul_ar ce_push:4": 1.70},
+                              schedule_factor_curve={"matmul_ar ce_push:4": eager},
+                              schedule_factor_curve_graphs={"matmul_ar ce_push:4": replayed,
+                                                            "matmul_ar ce_push": [[2e-4, 1.2], [7e-4, 1.3]]})
+    assert cal.factor("matmul_ar ce_push:4", 1e-3) == pytest.approx(1.70)
+    assert cal.factor("matmul_ar ce_push:4", 1e-3, graphs=True) == pytest.approx(1.10)
+    assert cal.factor("matmul_ar ce_push:2", 1e-3, graphs=True) == pytest.approx(1.3)  # the family's
+    assert cal.factor("matmul_rs ce_push:2", 1e-3, graphs=True) == 1.0  # neither curve knows it
+    assert Calibration.from_json(cal.to_json()) == cal
+    shape = RegionShape("matmul_ar", 8192, 8192, (8192,), 2)
+    bare = dataclasses.replace(cal, schedule_factor={}, schedule_factor_curve={}, schedule_factor_curve_graphs={})
+    raw = predict(shape, Schedule("ce_push", 4), bare, graphs=True).gpu_s
+    assert predict(shape, Schedule("ce_push", 4), cal, graphs=True).gpu_s == pytest.approx(raw * 1.10)
+    raw_eager = predict(shape, Schedule("ce_push", 4), bare).gpu_s
+    assert predict(shape, Schedule("ce_push", 4), cal).gpu_s == pytest.approx(raw_eager * 1.70)
+    # a calibration stored before the replayed curve existed predicts as it did
+    old = json.loads(cal.to_json())
+    del old["schedule_factor_curve_graphs"]
+    assert Calibration.from_json(json.dumps(old)).factor("matmul_ar ce_push:4", 1e-3, graphs=True) == pytest.approx(1.70)

@@ -533,9 +533,13 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         timed = _schedule_probes(group_name, world, device, SHORT_PROBE_SHAPES, graphs=True)
         # the model's own raw prediction: factors are applied to it, not to a corrected one
         short = _schedule_factors(timed, cal, SHORT_PROBE_SHAPES, graphs=True)
+        # the long probes replayed as well: device time alone, for replayed calls
+        long_replayed = _schedule_factors(_schedule_probes(group_name, world, device, graphs=True), cal, graphs=True)
         cal = dataclasses.replace(cal, schedule_factor={k: f for k, (_, f) in long.items()},
                                   schedule_factor_curve=_factor_curves(long, short),
-                                  measured=cal.measured + ("schedule_factor", "schedule_factor_curve"))
+                                  schedule_factor_curve_graphs=_factor_curves(long_replayed, short),
+                                  measured=cal.measured + ("schedule_factor", "schedule_factor_curve",
+                                                           "schedule_factor_curve_graphs"))
     log.info("commopt tuner: calibrated %s x%d in %.1f s", name, world, time.perf_counter() - start)
     return cal
 

@@ -132,6 +132,11 @@ class Calibration:
         family with two points or more takes its factor interpolated in log(predicted
         time), clamped to the end points (`factor`): one factor measured on a long shape
         over-predicted ce_push:2 by 17% at M_global 2048 (2x H200).
+    schedule_factor_curve_graphs: the same with the long probe timed as CUDA-graph replays
+        too, for calls replayed from graphs (`factor(graphs=True)`).  An eager long probe of a
+        many-piece schedule is partly host-bound, and its factor then charges host time as
+        device time: 2x H200 (s39) calibrated matmul_ar ce_push:4 at 1.70 eagerly, and the
+        replayed model put it at 1.37 ms at 8192^3 where it measured 0.885, the best there.
     """
 
     device: str
@@ -151,6 +156,7 @@ class Calibration:
     fused_efficiency: float = 1.0
     schedule_factor: dict[str, float] = field(default_factory=dict)
     schedule_factor_curve: dict[str, list[list[float]]] = field(default_factory=dict)
+    schedule_factor_curve_graphs: dict[str, list[list[float]]] = field(default_factory=dict)
     attention_flops: dict[str, float] = field(default_factory=dict)
     attention_bwd_factor: float = 0.0
     source: str = "prior"  # "prior" or "measured"
@@ -177,23 +183,21 @@ class Calibration:
     def collective_slowdown(self) -> float:
         return self.overlap_slowdown if self.collective_overlap_slowdown is None else self.collective_overlap_slowdown
 
-    def factor(self, key: str, predicted_s: float) -> float:
+    def factor(self, key: str, predicted_s: float, *, graphs: bool = False) -> float:
         """The model correction of `key` ("kind family:S", else "kind family") at a predicted
         device time: a piece count probed on its own has its own factor (splitting a cuBLAS
-        GEMM costs what the GEMM fit does not see), the others take their family's."""
+        GEMM costs what the GEMM fit does not see), the others take their family's.
+        graphs=True (calls replayed from CUDA graphs): the replay-timed curve where there is one."""
+        if graphs:
+            for k in (key, key.split(":")[0]):
+                if len(self.schedule_factor_curve_graphs.get(k, ())) >= 2:
+                    return _interpolate(sorted(self.schedule_factor_curve_graphs[k]), predicted_s)
         if key not in self.schedule_factor and key not in self.schedule_factor_curve:
             key = key.split(":")[0]
         curve = sorted(self.schedule_factor_curve.get(key, ()))
         if len(curve) < 2 or predicted_s <= 0:
             return self.schedule_factor.get(key, 1.0)
-        x = math.log(predicted_s)
-        if x <= math.log(curve[0][0]):
-            return curve[0][1]
-        for (ta, fa), (tb, fb) in zip(curve, curve[1:]):
-            if x <= math.log(tb):
-                w = (x - math.log(ta)) / max(math.log(tb) - math.log(ta), 1e-12)
-                return fa + w * (fb - fa)
-        return curve[-1][1]
+        return _interpolate(curve, predicted_s)
 
     def host(self, family: str, kind: str | None = None) -> float:
         """Host seconds of one call of a `family` schedule: op `kind`'s own figure where it was
@@ -213,6 +217,21 @@ class Calibration:
             raw[name] = Link(**raw[name]) if raw.get(name) else None
         raw["gemm"] = {k: GemmFit(**v) for k, v in raw.get("gemm", {}).items()}
         return cls(**raw)
+
+
+def _interpolate(curve: list[list[float]], predicted_s: float) -> float:
+    """A factor curve's value at a predicted time: linear in log(time) between its points,
+    clamped to its end points (curve sorted by time, two points or more)."""
+    if predicted_s <= 0:
+        return curve[0][1]
+    x = math.log(predicted_s)
+    if x <= math.log(curve[0][0]):
+        return curve[0][1]
+    for (ta, fa), (tb, fb) in zip(curve, curve[1:]):
+        if x <= math.log(tb):
+            w = (x - math.log(ta)) / max(math.log(tb) - math.log(ta), 1e-12)
+            return fa + w * (fb - fa)
+    return curve[-1][1]
 
 
 def prior(device: str, world: int) -> Calibration:

@@ -134,7 +134,7 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
         sched = sched.in_capture(shape.kind)
     fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
     raw = fn(shape, sched, cal)
-    gpu = raw * cal.factor(factor_key(shape.kind, sched), raw) + _graph_copies(shape, sched, cal)
+    gpu = raw * cal.factor(factor_key(shape.kind, sched), raw, graphs=graphs) + _graph_copies(shape, sched, cal)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
     host = cal.host(sched.name, shape.kind) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
     if graphs and cal.device != "cpu":
