@@ -276,9 +276,9 @@ def test_the_short_eager_region_gets_the_replayed_pick_with_cg():
     report = explain.GraphReport(graph_id=0, graph_kind="forward", compile_id=None)
     region = _region("ag_matmul", [1024, 8192], [8192, 4096])  # in the band: no first-call timing
     region.collective = SimpleNamespace(name="all_gather_0")
-    assert str(pipeline._choose_schedule(region, Config(call_graphs=True), report)) == "ce_push:1:cg=1"
-    assert str(pipeline._choose_schedule(region, Config(cuda_graphs=True, call_graphs=True), report)) == "ce_push:1"
-    assert any("all_gather_0: picked ce_push:1 " in n for n in report.notes)
+    assert str(pipeline._choose_schedule(region, Config(call_graphs=True), report)) == "ce_push:1:cg=1,par=1"
+    assert str(pipeline._choose_schedule(region, Config(cuda_graphs=True, call_graphs=True), report)) == "ce_push:1:par=1"
+    assert any("all_gather_0: picked ce_push:1:par=1 " in n for n in report.notes)
     # M_global 512: NCCL + cuBLAS eager; a replayed program runs one GEMM after the gather
     tiny = _region("ag_matmul", [256, 8192], [8192, 4096])
     tiny.collective = SimpleNamespace(name="all_gather_1")

@@ -99,7 +99,7 @@ def test_band_regions_take_the_gpu_time_pick_where_the_host_runs_ahead(tmp_path,
     assert ahead is ahead_graph and report.notes[-1].startswith("graph: est.")
     sched = pipeline._choose_schedule(band_ag, config, report, ahead)
     if ahead_graph:
-        assert str(sched) == "ce_push:1" and "ranked by GPU time" in report.notes[-1]
+        assert str(sched) == "ce_push:1:par=1" and "ranked by GPU time" in report.notes[-1]
     else:
         assert sched.name == "autotune" and "timed at the first call" in report.notes[-1]
     assert str(pipeline._choose_schedule(long_rs, config, report, ahead)) == "ce_pull:2"  # outside the band

@@ -73,6 +73,13 @@ SHORT_GEMM_S = 0.5e-3
 # runs (5.718 -> 5.776, 5.766 -> 5.850 eager): above PAR_MAX_GEMM_S the two GEMMs only share
 # the SMs.  (Not re-benchmarked after the rule changed.)
 PAR_MAX_GEMM_S = 3e-3
+# Replayed, par=1 pays from here (no host cost to stand against the second stream's event):
+# M_global 2048 (K = N = 8192, est. 0.19 ms) ran ce_push:1:par=1 faster than ce_push:1 in all 15
+# sweeps that timed both (10 on 2x H100, s20-s38: 0.2034-0.2100 vs 0.2090-0.2186 ms; 5 on 2x H200,
+# s23-s40: 0.2027-0.2071 vs 0.2076-0.2131).  Below it (M_global 512, est. 49 us) the cards part:
+# H200 par=1 0.075-0.077 vs gemm=whole 0.080-0.081, H100 0.085-0.088 vs 0.081-0.083 (two GEMMs
+# each reading the whole weight beside each other): gemm=whole stays there.
+PAR_MIN_GEMM_S_GRAPHS = 0.1e-3
 # Reductions run ce_push:1 below this estimated GEMM time, ce_push:2 above (see pick()).
 SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
 # Two-rank bf16 / fp16 reduce-scatters, whose received partial is added in place, run two pieces
@@ -187,7 +194,7 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
             # 2.918 / 2.927 vs 2.897 / 2.968.  Under SHORT_GEMM_S it was mixed (8192^3: 0.468 /
             # 0.428 vs 0.443 / 0.444) and ce_push:1 stays.
             return Schedule.parse("fused:2:tma=1"), why + f": {world - 1} peers, one fused pass over the tiles"
-        if world <= 2 and SHORT_GEMM_S <= gemm_s < PAR_MAX_GEMM_S:
+        if world <= 2 and (PAR_MIN_GEMM_S_GRAPHS if graphs else SHORT_GEMM_S) <= gemm_s < PAR_MAX_GEMM_S:
             return Schedule.parse("ce_push:1:par=1"), why + ": the peer's GEMM beside the own shard's (par=1)"
         # One piece: the peer's shard lands long before the own shard's GEMM ends, and more
         # pieces only add GEMM tails (16384x8192x28672: ce_push:1 5.820 / 5.771 ms vs :4
