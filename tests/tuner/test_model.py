@@ -491,3 +491,23 @@ def test_replayed_predictions_take_the_replay_timed_curve():
     old = json.loads(cal.to_json())
     del old["schedule_factor_curve_graphs"]
     assert Calibration.from_json(json.dumps(old)).factor("matmul_ar ce_push:4", 1e-3, graphs=True) == pytest.approx(1.70)
+
+
+def test_the_second_stream_all_gather_is_a_candidate_with_its_own_factor():
+    # ce_push:1:par=1 (the rule's pick for two-rank all-gathers of 0.5-3 ms, replayed from 0.1):
+    # the same device-time pipeline as ce_push:1 (two GEMMs beside each other share the SMs), so
+    # its probed factor alone tells them apart
+    from torch_commopt.tuner.calibrate import PROBE_SCHEDULES
+    from torch_commopt.tuner.model import factor_key
+
+    par = Schedule.parse("ce_push:1:par=1")
+    shape = RegionShape("ag_matmul", 4096, 8192, (4096,), 2, "bfloat16")
+    assert par in candidates(shape, H200) and par in candidates(shape, H200, graphs=True)
+    assert not any(s.param("par") for s in candidates(RegionShape("matmul_rs", 8192, 4096, (8192,), 2), H200))
+    assert not any(s.param("par") for s in candidates(RegionShape("ag_matmul", 4096, 64, (64,), 2), prior("cpu", 2)))
+    assert factor_key("ag_matmul", par) == "ag_matmul ce_push:1:par=1" and "ce_push:1:par=1" in PROBE_SCHEDULES["ag_matmul"]
+    plain = predict(shape, Schedule("ce_push", 1), H200, graphs=True).gpu_s
+    assert predict(shape, par, H200, graphs=True).gpu_s == pytest.approx(plain)  # no factor: the same pipeline
+    cal = dataclasses.replace(H200, schedule_factor={"ag_matmul ce_push": 1.10, "ag_matmul ce_push:1:par=1": 1.05})
+    assert predict(shape, par, cal).gpu_s == pytest.approx(plain * 1.05)
+    assert rank(shape, cal, [Schedule("ce_push", 1), par])[0].schedule == par

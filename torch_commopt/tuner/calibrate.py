@@ -403,7 +403,7 @@ FACTOR_RANGE = (0.5, 3.0)  # measured / predicted outside this is a measurement 
 # (2x H200: rs direct:2 measured 8 % slower than direct:1 where the family factor ranked it
 # first; ce_push:1 reductions add the partial after the own GEMM, a different pipeline).
 PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_push:2", "fused:1", "ce_push:1",
-                                 "ce_push:4", "fused:4", "ce_push:1:gemm=whole", "fused:1:tma=1"),
+                                 "ce_push:4", "fused:4", "ce_push:1:gemm=whole", "fused:1:tma=1", "ce_push:1:par=1"),
                    "matmul_rs": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "fused:2",
                                  "ce_push:1", "ce_push:4", "direct:2", "fused:2:tma=1"),
                    "matmul_ar": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "ce_push:1",
