@@ -511,3 +511,16 @@ def test_the_second_stream_all_gather_is_a_candidate_with_its_own_factor():
     cal = dataclasses.replace(H200, schedule_factor={"ag_matmul ce_push": 1.10, "ag_matmul ce_push:1:par=1": 1.05})
     assert predict(shape, par, cal).gpu_s == pytest.approx(plain * 1.05)
     assert rank(shape, cal, [Schedule("ce_push", 1), par])[0].schedule == par
+    # eager, par=1 pays its own probed host figure (the second stream's fork and join) where
+    # the calibration has one; a calibration without it charges ce_push's
+    from torch_commopt.tuner.calibrate import HOST_PROBES, _host_families
+
+    assert ("ag_matmul", "ce_push:1:par=1") in HOST_PROBES["cuda"]
+    fam, _ = _host_families({"ag_matmul ce_push:1": 150e-6, "ag_matmul ce_push:1:par=1": 210e-6}, 2, 0.0)
+    assert fam["ag_matmul ce_push"] == 150e-6 and fam["ag_matmul ce_push:par=1"] == 210e-6
+    short = RegionShape("ag_matmul", 1024, 8192, (4096,), 2, "bfloat16")  # ~0.2 ms of GEMM: host-bound eagerly
+    with_par = dataclasses.replace(H200, host_s={**H200.host_s, **fam}, host_per_piece_s=0.0)
+    assert predict(short, par, with_par).host_s == pytest.approx(210e-6)
+    assert predict(short, Schedule("ce_push", 1), with_par).host_s == pytest.approx(150e-6)
+    assert predict(short, par, H200).host_s == predict(short, Schedule("ce_push", 1), H200).host_s
+    assert predict(short, par, with_par, graphs=True).host_s == 0.0

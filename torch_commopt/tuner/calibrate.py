@@ -62,7 +62,8 @@ SLEEP_CYCLES_PER_CALL = 100_000  # ~50 us of a ~2 GHz GPU per queued call: more 
 HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2")],
                "cuda": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2"),
                         ("ag_matmul", "ce_push:1"), ("ag_matmul", "ce_push:4"), ("matmul_rs", "ce_pull:2"),
-                        ("matmul_rs", "direct:1"), ("matmul_rs", "ce_push:1"), ("matmul_ar", "ce_push:1")]}
+                        ("matmul_rs", "direct:1"), ("matmul_rs", "ce_push:1"), ("matmul_ar", "ce_push:1"),
+                        ("ag_matmul", "ce_push:1:par=1")]}
 
 
 def _timed(fn, device: torch.device, reps: int, group=None, preroll: bool = False) -> float:
@@ -552,11 +553,14 @@ def _host_families(hosts: dict[str, float], world: int, per_piece: float) -> tup
     peers = max(1, world - 1)
     if "ag_matmul ce_push:1" in hosts and "ag_matmul ce_push:4" in hosts:
         per_piece = max(0.0, (hosts["ag_matmul ce_push:4"] - hosts["ag_matmul ce_push:1"]) / (3 * peers))
+    from torch_commopt.schedule import Schedule
+
     out = {}
     for key, t in hosts.items():
         kind, sched = key.split(" ")
-        name, _, chunks = sched.partition(":")
-        pieces = 1 if name in ("sequential", "local_first") else int(chunks or 1) * peers
+        parsed = Schedule.parse(sched)
+        name = parsed.name + (":par=1" if parsed.param("par") else "")  # a family of its own (model.predict)
+        pieces = 1 if name in ("sequential", "local_first") else parsed.chunks * peers
         own = max(0.0, t - (0 if pieces == 1 else pieces * per_piece))
         out.setdefault(name, own)
         out.setdefault(f"{kind} {name}", own)

@@ -136,7 +136,9 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
     raw = fn(shape, sched, cal)
     gpu = raw * cal.factor(factor_key(shape.kind, sched), raw, graphs=graphs) + _graph_copies(shape, sched, cal)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
-    host = cal.host(sched.name, shape.kind) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
+    # par=1 enqueues a second stream's fork and join too: its own probed figure where measured
+    family = "ce_push:par=1" if sched.param("par") and f"{shape.kind} ce_push:par=1" in cal.host_s else sched.name
+    host = cal.host(family, shape.kind) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
     if graphs and cal.device != "cpu":
         host = 0.0
     # A GPU runs the device work while the host enqueues the next call: back-to-back calls
