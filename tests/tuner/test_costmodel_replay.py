@@ -72,3 +72,33 @@ def test_a_call_graphs_run_replays_its_band_as_ranked(tmp_path):
     summary.write_text(json.dumps({"calibration": json.loads(cal.to_json())}))
     got = costmodel_replay.replay(summary)
     assert got["shapes"] == 2 and got["recomputed_max_diff"] < 1e-9
+
+
+def test_refit_rederives_the_replay_timed_curve_too():
+    # the replay-timed curve (since session 40): both of its points are graph replays, and after
+    # the refit today's replayed prediction times its factor gives the probe times the run measured
+    import json
+
+    import pytest
+
+    from torch_commopt.tuner.calibrate import PROBE_SHAPES, SHORT_PROBE_SHAPES
+    from torch_commopt.tuner.calibration import Calibration
+    from torch_commopt.tuner.model import RegionShape, factor_key, predict
+
+    run = ROOT / "benchmarks" / "results" / "costmodel_h200x2_2026-11-27_s40_graphs_summary.json"
+    cal = Calibration.from_json(json.dumps(json.loads(run.read_text())["calibration"]))
+    assert len(cal.schedule_factor_curve_graphs) > 30
+    new = costmodel_replay.refit(cal)
+    assert set(new.schedule_factor_curve_graphs) == set(cal.schedule_factor_curve_graphs)
+    checked = 0
+    for key, points in cal.schedule_factor_curve_graphs.items():
+        kind, sched = key.split(" ")[0], costmodel_replay._probe_schedule(key)
+        if factor_key(kind, sched) != key:
+            continue  # a family key: the first probe's copy, checked under its own key
+        checked += 1
+        got = []
+        for shapes in (SHORT_PROBE_SHAPES, PROBE_SHAPES):
+            (rows, k), (_, n) = shapes[kind]
+            got.append(predict(RegionShape(kind, rows, k, (n,), cal.world), sched, new, graphs=True).gpu_s)
+        assert sorted(got) == pytest.approx(sorted(p * f for p, f in points), rel=1e-6), key
+    assert checked >= 20
