@@ -96,8 +96,9 @@ def refit_gemm(cal: Calibration) -> Calibration:
 def refit(cal: Calibration) -> Calibration:
     """`cal` with its GEMM re-fitted (refit_gemm) and its schedule factors re-derived against
     today's model from the probe times its factor curves imply (the short probe: a graph
-    replay; the long one: eager, and replayed in schedule_factor_curve_graphs).  A factor without a curve (runs before the two-point factors)
-    keeps the probe time today's model gives with the run's own GEMM fit."""
+    replay; the long one: eager, and replayed in schedule_factor_curve_graphs).  A factor
+    without a curve (runs before the two-point factors) keeps the probe time today's model
+    gives with the run's own GEMM fit."""
     from torch_commopt.tuner.calibrate import FACTOR_RANGE, PROBE_SHAPES, SHORT_PROBE_SHAPES
     from torch_commopt.tuner.model import RegionShape
 
@@ -110,7 +111,10 @@ def refit(cal: Calibration) -> Calibration:
         (rows, k), (_, n) = PROBE_SHAPES[kind]
         shape = RegionShape(kind, rows, k, (n,), cal.world, "bfloat16")
         factors[key] *= predict(shape, sched, stored).gpu_s / predict(shape, sched, bare).gpu_s
+
     def rederived(key: str, points: list[list[float]], long_replayed: bool) -> list[list[float]]:
+        """[short, long] points of one curve against today's model (long_replayed: the long
+        probe was a graph replay too)."""
         kind, sched = key.split(" ")[0], _probe_schedule(key)
         (short_pred, short_f), (long_pred, long_f) = sorted(points)
         new = []
