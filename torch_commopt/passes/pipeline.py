@@ -278,10 +278,11 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
             from torch_commopt.kernels.gpu.pick import measure_band, pick
 
             shape, weights, dtype, replayed = _rule_inputs(region, config)
-            wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
             band = measure_band(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
-            if band is not None and host_ahead:
-                wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=True)
+            by_gpu_time = band is not None and host_ahead
+            wanted, why = pick(region.kind, shape, weights, region.dim, region.group_size, dtype,
+                               graphs=replayed or by_gpu_time)
+            if by_gpu_time:
                 why += ": host-bound band, but the graph's host runs ahead: ranked by GPU time"
             elif band is not None:
                 wanted, why = _band(region, shape, weights, dtype, band, wanted, why, config, report)

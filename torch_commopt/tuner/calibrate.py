@@ -554,12 +554,13 @@ def _host_families(hosts: dict[str, float], world: int, per_piece: float) -> tup
     if "ag_matmul ce_push:1" in hosts and "ag_matmul ce_push:4" in hosts:
         per_piece = max(0.0, (hosts["ag_matmul ce_push:4"] - hosts["ag_matmul ce_push:1"]) / (3 * peers))
     from torch_commopt.schedule import Schedule
+    from torch_commopt.tuner.model import host_family
 
     out = {}
     for key, t in hosts.items():
         kind, sched = key.split(" ")
         parsed = Schedule.parse(sched)
-        name = parsed.name + (":par=1" if parsed.param("par") else "")  # a family of its own (model.predict)
+        name = host_family(parsed)
         pieces = 1 if name in ("sequential", "local_first") else parsed.chunks * peers
         own = max(0.0, t - (0 if pieces == 1 else pieces * per_piece))
         out.setdefault(name, own)

@@ -136,8 +136,9 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
     raw = fn(shape, sched, cal)
     gpu = raw * cal.factor(factor_key(shape.kind, sched), raw, graphs=graphs) + _graph_copies(shape, sched, cal)
     pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
-    # par=1 enqueues a second stream's fork and join too: its own probed figure where measured
-    family = "ce_push:par=1" if sched.param("par") and f"{shape.kind} ce_push:par=1" in cal.host_s else sched.name
+    family = host_family(sched)
+    if family != sched.name and f"{shape.kind} {family}" not in cal.host_s:  # not probed: its name's figure
+        family = sched.name
     host = cal.host(family, shape.kind) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
     if graphs and cal.device != "cpu":
         host = 0.0
@@ -145,6 +146,12 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
     # take the longer of the two.  On a CPU the host *is* the device: they add up.
     seconds = gpu + host if cal.device == "cpu" else max(gpu, host)
     return Prediction(sched, seconds, gpu, host, extra_bytes(shape, sched), pool_bytes(shape, sched))
+
+
+def host_family(sched: Schedule) -> str:
+    """The family a schedule's host cost is probed and looked up under (Calibration.host_s): its
+    name, and "ce_push:par=1" for the variant that also forks and joins a second stream."""
+    return sched.name + (":par=1" if sched.param("par") else "")
 
 
 def _graph_copies(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
