@@ -74,7 +74,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
             continue
         region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
                                "dtype": "bfloat16"})
-        (a_shape, w_shapes, _), _, _, _, op, _ = _variants(shape, rank_, world, group_name)
+        (a_shape, w_shapes, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
         # Config.call_graphs: a band region's eager calls replay per-call graphs, ranked as replayed
         cg = call_graphs and not graphs and call_graphs_pay(region.kind, a_shape, w_shapes, world, "bfloat16")
         preds = rank(region, cal, graphs=graphs or cg)
@@ -123,7 +123,7 @@ def _drift(shape, swept: dict[str, float], best: str, rank_: int, world: int, gr
     {schedule: [ms in the sweep, ms now]}.  How far one schedule moves within a run (clocks,
     heat) is the resolution of every "measured best" above (session 23, 2x H200: the same
     schedule 0.810 ms in the sweep and 0.935 ms in a head-to-head minutes later)."""
-    _, _, _, _, op, _ = _variants(shape, rank_, world, group_name)
+    _, _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
     names = list(dict.fromkeys([best, "sequential"]))
     before = gpu_state(rank_)
     again = measure_candidates(op, names, group_name, device, graphs=graphs)

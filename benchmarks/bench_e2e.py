@@ -17,7 +17,13 @@ default) in bf16 from the same seed:
     commopt graphs      torch_commopt.optimize(block, cuda_graphs=True): the same for commopt
                         (its schedules' per-call host cost goes too)
 (--variants also takes "commopt no concat-K", "commopt model no concat-K", "commopt band timed", "commopt k parts"
-and "commopt model graphs"; "_" may stand for a space.)
+and "commopt model graphs"; "_" may stand for a space.)  And a bound, not a backend:
+
+    inductor comm-free  the inductor variant with every collective taken out of its compiled
+                        graphs (benchmarks/comm_free.py: gathers read a constant of their shape,
+                        reduce-scatters keep their first rows): the step's computation alone,
+                        the best that hiding all of its communication could reach on these GPUs.
+                        Its losses are meaningless and not compared.
 
 Per variant: the loss of every step (the curves must agree within bf16 noise), step time
 (median over rounds, slowest rank, of --burst steps run back to back with one synchronize at
@@ -40,6 +46,7 @@ e2e_h200x<W>_<date>.json/.md:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import pathlib
@@ -61,6 +68,7 @@ from naming import card_tag  # noqa: E402
 from gpu_clocks import ClockSampler  # noqa: E402
 from compiled_variants import allow_entries, check_unchanged, compile_counts  # noqa: E402
 from step_profile import breakdown, format_idle, split  # noqa: E402
+import comm_free  # noqa: E402
 
 VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model", "inductor+cudagraphs", "commopt graphs"]
 # commopt variants' optimize() options; "... no concat-K" (not run by default) isolates what
@@ -79,8 +87,10 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    # replayed from CUDA graphs (Inductor's CUDA-graph trees): no per-call host cost
                    "commopt graphs": {"cuda_graphs": True},
                    "commopt model graphs": {"mode": "model", "cuda_graphs": True}}
-# Inductor's own compile options of the baseline variants
-INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraphs": {"triton.cudagraphs": True}}
+# Inductor's own compile options of the baseline variants (and of the comm-free bound)
+COMM_FREE = "inductor comm-free"
+INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraphs": {"triton.cudagraphs": True},
+                    COMM_FREE: {}}
 class Stack(torch.nn.Module):
     def __init__(self, layers: int, dim: int, heads: int, kv_heads: int, hidden: int) -> None:
         super().__init__()
@@ -162,12 +172,19 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
         model = build(variant, shape, dev)
         step = _train_step(model, x, target, fused=dev == "cuda")
         losses = []
-        for _ in range(steps):  # the loss curve (the first steps also compile and warm up)
-            loss = step()
-            dist.all_reduce(loss)
-            losses.append(loss.item() / world)
+        # the blocks compile at their first call: the bound's pass must be installed then
+        with comm_free.installed() if variant == COMM_FREE else contextlib.nullcontext():
+            for _ in range(steps):  # the loss curve (the first steps also compile and warm up)
+                loss = step()
+                dist.all_reduce(loss)
+                losses.append(loss.item() / world)
         rec = {"losses": losses,  # its own memory: what the variants built before it hold is not counted
                "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else None}
+        if variant == COMM_FREE:
+            rec["bound"], rec["comm_free"] = True, comm_free.stats()
+            left = {k: v for k, v in rec["comm_free"].items() if k.startswith("left")}
+            if left or not rec["comm_free"]:
+                raise RuntimeError(f"bench_e2e {COMM_FREE}: collectives left in its graphs: {rec['comm_free']}")
         if variant.startswith("commopt"):
             graphs = torch_commopt.explain().graphs
             rec["regions"] = sorted({f"{g.graph_kind} {r.kind}: {r.schedule}" for g in graphs for r in g.regions})
@@ -304,7 +321,8 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                      "host_enqueue_ms": r.get("host_enqueue_ms"), "step_ms_all": r.get("step_ms_all"),
                      "step_ms_isolated": r.get("step_ms_isolated"), "burst_enqueue_ms": r.get("burst_enqueue_ms"),
                      "host_profile": r.get("host_profile"), "gpu_clocks": r.get("gpu_clocks"),
-                     "profile_gpu_clocks": r.get("profile_gpu_clocks"), "band_notes": r.get("band_notes")})
+                     "profile_gpu_clocks": r.get("profile_gpu_clocks"), "band_notes": r.get("band_notes"),
+                     "bound": r.get("bound", False), "comm_free": r.get("comm_free")})
     base = {r["backend"]: r for r in rows}
     for r in rows:
         for ref in ("inductor", "inductor+async-TP"):
@@ -312,9 +330,14 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                 r[f"speedup_vs_{ref}"] = base[ref]["step_ms"] / r["step_ms"]
                 if r.get("step_ms_isolated") and base[ref].get("step_ms_isolated"):
                     r[f"isolated_speedup_vs_{ref}"] = base[ref]["step_ms_isolated"] / r["step_ms_isolated"]
-        if "inductor" in base:
+        if "inductor" in base and not r["bound"]:
             ref_l = base["inductor"]["losses"]
             r["max_loss_rel_diff_vs_inductor"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_l))
+    bound = next((r for r in rows if r["bound"]), None)
+    if bound and "inductor" in base:  # how much of what hiding all communication could win each variant won
+        gap = base["inductor"]["step_ms"] - bound["step_ms"]
+        for r in rows:
+            r["share_of_comm_free_gain"] = (base["inductor"]["step_ms"] - r["step_ms"]) / gap if gap > 0 else None
     return rows
 
 
@@ -340,12 +363,22 @@ def report(rows: list[dict], meta: dict) -> str:
     for r in rows:
         iso = (f"{r['step_ms_isolated']:.2f} ({r.get('isolated_speedup_vs_inductor', float('nan')):.3f})"
                if r.get("step_ms_isolated") else "-")
+        losses = ("(bound: no communication, losses meaningless) | -" if r.get("bound") else
+                  f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {r.get('max_loss_rel_diff_vs_inductor', 0):.1e}")
         lines.append(f"| {r['backend']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
                      f"{r.get('speedup_vs_inductor', float('nan')):.3f} | "
                      f"{r.get('speedup_vs_inductor+async-TP', float('nan')):.3f} | {iso} | "
                      f"{r['peak_mem_gib'] if r['peak_mem_gib'] is None else round(r['peak_mem_gib'], 2)} | "
-                     f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
-                     f"{r.get('max_loss_rel_diff_vs_inductor', 0):.1e} |")
+                     f"{losses} |")
+    bound = next((r for r in rows if r.get("bound")), None)
+    if bound:
+        won = ", ".join(f"{r['backend']} {r['share_of_comm_free_gain']:.2f}" for r in rows
+                        if not r.get("bound") and r.get("share_of_comm_free_gain") is not None)
+        lines += ["", f"{bound['backend']} is a bound, not a backend: inductor's program with every collective "
+                  f"taken out of its compiled graphs ({', '.join(f'{k} {v}' for k, v in sorted(bound['comm_free'].items()))} "
+                  "per rank; benchmarks/comm_free.py), i.e. the step's computation alone on these GPUs, what "
+                  f"hiding all of its communication could reach at best: {bound.get('speedup_vs_inductor', float('nan')):.3f}x "
+                  f"inductor. Share of that gain each variant won: {won or '-'}."]
     lead = meta.get("profile_lead", 0)
     start = f" after {lead} unprofiled ones" if lead else ", from an idle GPU"
     lines += ["", f"Device time per step by kernel category ({meta.get('profile_steps', 1)} steps profiled back to "

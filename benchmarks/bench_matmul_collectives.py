@@ -5,7 +5,11 @@ NCCL sequential (`dist` collective + `torch.mm` called directly, as a user would
 async-TP (`torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_scatter`,
 symmetric memory enabled for the group), every commopt schedule (`sequential` included: the
 same NCCL + cuBLAS work through the op), and commopt's pick (the built-in rule's schedule,
-timed on its own).  Times: CUDA events around back-to-back calls (at least `iters`, and at
+timed on its own), and the overlap floor: the same GEMM with the collective's bytes pushed to
+the peers by the copy engine beside it, with no dependency between the two (no overlapped
+schedule that moves those bytes over NVLink while the GEMM runs can do better; on GPUs at
+their power cap the transfer slows the GEMM: `hidden_fraction_ceiling` is the hidden fraction
+that floor itself reaches).  Times: CUDA events around back-to-back calls (at least `iters`, and at
 least 10 ms of them), median of `repeats` rounds (variants round-robin within a round), max
 over ranks; the fastest and slowest rounds are reported as the spread.  Each commopt
 schedule's output is checked against NCCL sequential's before it is timed.
@@ -155,8 +159,38 @@ def schedules_for(op: str, dtype: str) -> list[str]:
     return [s for s in SCHEDULES[op] if dtype != FLOAT8 or not s.startswith(FLOAT8_SKIPS)]
 
 
+def overlap_floor(gemm, payload: torch.Tensor, pushes: int, group_name: str):
+    """The overlap floor of one shape: `gemm` on the caller's stream while the copy engine
+    pushes `payload` (this rank's piece of the collective, its real bytes) `pushes` times to
+    every peer's symmetric buffer on a side stream, the two independent, joined at the end:
+    the least time any schedule that moves these bytes over NVLink during this GEMM can take.
+    Its buffer is its own (runtime.own_buffer, allocated at the first call: collective, and
+    every rank makes that call at the same point), not the size classes the schedules use."""
+    from torch_commopt.kernels.gpu import symm
+
+    payload = payload.contiguous().view(torch.uint8).view(-1)
+    piece = payload.numel()
+    dsts: list[torch.Tensor] = []
+
+    def floor():
+        rt = symm.runtime(group_name, payload.device)
+        if not dsts:
+            buf = rt.own_buffer("bench overlap floor", piece * rt.world)
+            dsts.extend(buf.view(p, rt.rank * piece, (piece,), torch.uint8) for p in rt.peers)
+        cur = torch.cuda.current_stream()
+        rt.side.wait_stream(cur)
+        for _ in range(pushes):
+            for dst in dsts:
+                rt.copy(rt.side, dst, payload)
+        out = gemm()
+        cur.wait_stream(rt.side)
+        return out
+    return floor
+
+
 def _variants(shape: Shape, rank: int, world: int, group_name: str, dtype: str = "bfloat16"):
-    """(inputs description for pick, gemm fn, comm fn, {name: op fn}, torch async-TP fn or None)."""
+    """(inputs description for pick, gemm fn, comm fn, NCCL sequential fn, op fn (by schedule),
+    torch async-TP fn or None, overlap floor fn)."""
     if dtype == FLOAT8:
         return _variants_float8(shape, rank, world, group_name)
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
@@ -175,7 +209,8 @@ def _variants(shape: Shape, rank: int, world: int, group_name: str, dtype: str =
             return torch.mm(gathered, w)
 
         tp = lambda: torch.ops.symm_mem.fused_all_gather_matmul(shard, [w], 0, group_name, return_A=False)[1][0]  # noqa: E731
-        return ([shape.M // w_, shape.K], [[shape.K, shape.N // w_]], 0), gemm, comm, seq, op, tp
+        return ([shape.M // w_, shape.K], [[shape.K, shape.N // w_]], 0), gemm, comm, seq, op, tp, \
+            overlap_floor(gemm, shard, 1, group_name)
     a, w = rnd(shape.M, shape.K // w_), rnd(shape.K // w_, shape.N) / math.sqrt(shape.K)
     t = torch.mm(a, w)
     gemm = lambda: torch.mm(a, w)  # noqa: E731
@@ -190,7 +225,8 @@ def _variants(shape: Shape, rank: int, world: int, group_name: str, dtype: str =
             return out
 
         tp = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", 0, group_name)  # noqa: E731
-        return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], 0), gemm, comm, seq, op, tp
+        return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], 0), gemm, comm, seq, op, tp, \
+            overlap_floor(gemm, t[: shape.M // w_], 1, group_name)
     op = lambda s: torch.ops.commopt.matmul_ar(a, w, None, "sum", w_, group_name, s)  # noqa: E731
     comm = lambda: dist.all_reduce(t)  # noqa: E731
 
@@ -199,7 +235,9 @@ def _variants(shape: Shape, rank: int, world: int, group_name: str, dtype: str =
         dist.all_reduce(out)
         return out
 
-    return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], None), gemm, comm, seq, op, None
+    # an all-reduce moves its piece twice: the reduce-scatter's partials, the gathered sums
+    return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], None), gemm, comm, seq, op, None, \
+        overlap_floor(gemm, t[: shape.M // w_], 2, group_name)
 
 
 def _variants_float8(shape: Shape, rank: int, world: int, group_name: str):
@@ -227,7 +265,9 @@ def _variants_float8(shape: Shape, rank: int, world: int, group_name: str):
             return torch.ops.symm_mem.fused_all_gather_scaled_matmul(
                 shard, [w], sa, [sb], 0, group_name, [None], [None], [bf], [True])[1][0]
 
-        return ([shape.M // w_, shape.K], [[shape.K, shape.N // w_]], 0), lambda: smm(full, w), comm, seq, op, tp
+        gemm = lambda: smm(full, w)  # noqa: E731
+        return ([shape.M // w_, shape.K], [[shape.K, shape.N // w_]], 0), gemm, comm, seq, op, tp, \
+            overlap_floor(gemm, shard, 1, group_name)
     a, w = q(shape.M, shape.K // w_), q(shape.N, shape.K // w_).t()
     t = smm(a, w)
     if shape.op == "rs":
@@ -244,7 +284,9 @@ def _variants_float8(shape: Shape, rank: int, world: int, group_name: str):
             return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
                 a, w, sa, sb, "sum", 0, 0, group_name, [shape.M, shape.N], None, None, bf, True)
 
-        return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], 0), lambda: smm(a, w), comm, seq, op, tp
+        gemm = lambda: smm(a, w)  # noqa: E731
+        return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], 0), gemm, comm, seq, op, tp, \
+            overlap_floor(gemm, t[: shape.M // w_], 1, group_name)
     op = lambda s: ops.matmul_ar(a, w, None, "sum", w_, group_name, s, sa, sb, bf, True)  # noqa: E731
 
     def seq():
@@ -252,8 +294,9 @@ def _variants_float8(shape: Shape, rank: int, world: int, group_name: str):
         dist.all_reduce(out)
         return out
 
-    return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], None), lambda: smm(a, w), lambda: dist.all_reduce(t), \
-        seq, op, None
+    gemm = lambda: smm(a, w)  # noqa: E731
+    return ([shape.M, shape.K // w_], [[shape.K // w_, shape.N]], None), gemm, lambda: dist.all_reduce(t), \
+        seq, op, None, overlap_floor(gemm, t[: shape.M // w_], 2, group_name)
 
 
 def _with_cg(op: str, scheds: list[str]) -> list[str]:
@@ -275,11 +318,13 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
     enable_symm_mem_for_group(group_name)
     records = []
     for shape in shapes:
-        (a_shape, w_shapes, dim), gemm, comm, seq, op, tp = _variants(shape, rank, world, group_name, dtype)
+        (a_shape, w_shapes, dim), gemm, comm, seq, op, tp, floor = _variants(shape, rank, world, group_name, dtype)
         rec = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": dtype}
         ref = seq()
         if tp is not None and not _runs(tp):
             tp = None
+        if not _runs(floor):  # its first call allocates its buffer (collective): here, on every rank at once
+            floor = None
         scheds = ["sequential"] + schedules_for(shape.op, dtype)
         cg_pays = call_graphs and call_graphs_pay(KIND[shape.op], a_shape, w_shapes, world, dtype)
         cg_scheds = _with_cg(shape.op, schedules_for(shape.op, dtype)) if cg_pays else []
@@ -301,6 +346,8 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
                                       f"{shape.op} {shape.M}x{shape.K}x{shape.N}")
                 why += f": host-bound band, {', '.join(band)} timed at the first call"
             fns = {"gemm": gemm, "comm": comm, "nccl_seq": seq}
+            if floor is not None:
+                fns["overlap_floor"] = floor
             if tp is not None:
                 fns["torch_async_tp"] = tp
             fns.update({f"sched {s}": (lambda s=s: op(s)) for s in scheds + (cg_scheds if cg else [])})
@@ -359,7 +406,7 @@ def _summarize(rounds: dict, shape: Shape, world: int) -> dict:
     res = {"gemm_ms": ms["gemm"], "comm_ms": ms["comm"], "nccl_seq_ms": ms.get("nccl_seq"),
            "torch_async_tp_ms": ms.get("torch_async_tp"),
            "schedules": {k.removeprefix("sched "): v for k, v in ms.items() if k.startswith("sched ")},
-           "commopt_ms": ms.get("pick")}
+           "commopt_ms": ms.get("pick"), "overlap_floor_ms": ms.get("overlap_floor")}
     # fastest and slowest round of each timing (max over ranks): the run-to-run spread
     res["round_range_ms"] = {("commopt" if k == "pick" else k): [min(v), max(v)] for k, v in rounds.items()}
     # Paired: the pick against the best baseline *of the same round*, median over rounds
@@ -381,6 +428,13 @@ def _summarize(rounds: dict, shape: Shape, world: int) -> dict:
         res["paired_hidden_fraction"] = statistics.median(per_round) if per_round else None
     else:
         res["paired_hidden_fraction"] = None
+    # The same formula on the overlap floor's own rounds: the most an overlapped schedule could hide
+    if all(k in rounds for k in ("nccl_seq", "overlap_floor", "gemm", "comm")):
+        per_round = [(n - f) / (n - max(g, m)) for n, f, g, m in zip(rounds["nccl_seq"], rounds["overlap_floor"],
+                                                                     rounds["gemm"], rounds["comm"]) if n > max(g, m)]
+        res["paired_hidden_fraction_ceiling"] = statistics.median(per_round) if per_round else None
+    else:
+        res["paired_hidden_fraction_ceiling"] = None
     best = min(res["schedules"], key=res["schedules"].get) if res["schedules"] else None
     res["best_schedule"], res["best_schedule_ms"] = best, res["schedules"].get(best)
     flops = 2 * shape.M * shape.K * shape.N / world
@@ -393,6 +447,8 @@ def _derive(res: dict) -> None:
     floor = max(res["gemm_ms"], res["comm_ms"])
     ok = seq is not None and t is not None
     res["hidden_fraction"] = (seq - t) / (seq - floor) if ok and seq > floor else None
+    over = res.get("overlap_floor_ms")
+    res["hidden_fraction_ceiling"] = (seq - over) / (seq - floor) if over is not None and seq and seq > floor else None
     baselines = [x for x in (seq, res["torch_async_tp_ms"]) if x is not None]
     res["speedup_vs_best_baseline"] = min(baselines) / t if baselines and t else None
     tp = res["torch_async_tp_ms"]
@@ -414,7 +470,8 @@ def _row(r: dict, res: dict) -> str:
             f"| nccl {_f(res['nccl_seq_ms'])} tp {_f(res['torch_async_tp_ms'])} | commopt {_f(res['commopt_ms'])} "
             f"({res['commopt_schedule']}) | hidden {_f(res['hidden_fraction'], 2)} speedup "
             f"{_f(res['speedup_vs_best_baseline'])} (paired {_f(res['paired_speedup_vs_best_baseline'])}) "
-            f"| best {res['best_schedule']} {_f(res['best_schedule_ms'])}")
+            f"| best {res['best_schedule']} {_f(res['best_schedule_ms'])} "
+            f"| floor {_f(res.get('overlap_floor_ms'))} ceiling {_f(res.get('hidden_fraction_ceiling'), 2)}")
 
 
 def _report(records: list[dict], meta: dict) -> str:
@@ -430,8 +487,9 @@ def _report(records: list[dict], meta: dict) -> str:
             continue
         lines += [f"## {title}", "",
                   "| op | M | K | N | GEMM | comm | NCCL seq | torch async-TP | commopt pick | schedule | hidden | "
-                  "paired hidden | async-TP hidden | speedup vs best | paired speedup | best schedule (ms) | balanced |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "paired hidden | async-TP hidden | speedup vs best | paired speedup | best schedule (ms) | balanced | "
+                  "overlap floor | hidden ceiling (paired) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in records:
             x = get(r)
             if not x:
@@ -441,7 +499,9 @@ def _report(records: list[dict], meta: dict) -> str:
                          f"{x['commopt_schedule']} | {_f(x['hidden_fraction'])} | {_f(x.get('paired_hidden_fraction'))} | "
                          f"{_f(x['torch_async_tp_hidden_fraction'])} | "
                          f"{_f(x['speedup_vs_best_baseline'])} | {_f(x['paired_speedup_vs_best_baseline'])} | "
-                         f"{x['best_schedule']} ({_f(x['best_schedule_ms'])}) | {r['balanced']} |")
+                         f"{x['best_schedule']} ({_f(x['best_schedule_ms'])}) | {r['balanced']} | "
+                         f"{_f(x.get('overlap_floor_ms'))} | {_f(x.get('hidden_fraction_ceiling'))} "
+                         f"({_f(x.get('paired_hidden_fraction_ceiling'))}) |")
         lines += ["", "Times in ms (mean of back-to-back calls, median of round-robin rounds, max over ranks); "
                   "'-': not measured (not capturable).",
                   "Pick `sequential`: the compiled path keeps such a region as the graph's own collective + "
@@ -453,7 +513,11 @@ def _report(records: list[dict], meta: dict) -> str:
                   "captured at the call's second sighting (kernels/gpu/call_graphs.py).",
                   "speedup vs best = best baseline median / pick median; paired = median over rounds of "
                   "(best baseline in that round / pick in that round); paired hidden = median over rounds of "
-                  "the hidden fraction of that round's own times.", "",
+                  "the hidden fraction of that round's own times.",
+                  "Overlap floor: the GEMM alone with the collective's bytes pushed to the peers by the copy "
+                  "engine beside it, independent of it (an all-reduce's twice); hidden ceiling: the hidden "
+                  "fraction of that floor, the most an overlapped schedule moving those bytes over NVLink "
+                  "can reach here ('-': not timed, runs before session 41).", "",
                   f"### Spread ({mode}; fastest..slowest round, ms)", ""]
         for r in records:
             x = get(r)

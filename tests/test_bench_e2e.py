@@ -66,3 +66,19 @@ def test_the_band_decisions_are_reported():
                                    "steps": 2, "command": "x"})
     assert "The host-bound band (commopt: graph estimates, first-call timings):" in text
     assert "- y: autotune measured 2 candidates" in text and "picked ce_pull:2" not in text
+
+
+def test_the_comm_free_bound_is_reported_as_a_bound():
+    """The bound's losses are not compared; each variant's share of the gain it allows is."""
+    bound = dict(_result(45.0, 46.0, [2.0, 7.0]), bound=True,
+                 comm_free={"replaced all_gather_into_tensor": 16, "replaced reduce_scatter_tensor": 16})
+    res = {"inductor": _result(50.0, 52.0, [2.0, 1.0]), "commopt": _result(47.0, 48.0, [2.0, 1.0]),
+           bench_e2e.COMM_FREE: bound}
+    rows = {r["backend"]: r for r in bench_e2e.records(res, {"layers": 4, "seq": 8192, "batch": 1}, 2)}
+    assert "max_loss_rel_diff_vs_inductor" not in rows[bench_e2e.COMM_FREE]
+    assert rows["commopt"]["share_of_comm_free_gain"] == pytest.approx(3.0 / 5.0)
+    assert rows[bench_e2e.COMM_FREE]["speedup_vs_inductor"] == pytest.approx(50.0 / 45.0)
+    text = bench_e2e.report(list(rows.values()), {"device": "X", "world": 2, "date": "d", "torch": "t", "commit": "c",
+                                                  "shape": {}, "steps": 2, "command": "x"})
+    assert "| inductor comm-free | 45.00 |" in text and "(bound: no communication, losses meaningless) | - |" in text
+    assert "could reach at best: 1.111x inductor. Share of that gain each variant won: inductor 0.00, commopt 0.60." in text

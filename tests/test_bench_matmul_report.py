@@ -4,6 +4,8 @@ mode's section only (a --modes graph run has no eager figures at the record's to
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_matmul_collectives as bench  # noqa: E402
@@ -40,3 +42,22 @@ def test_both_modes_render_both_sections():
     text = bench._report([_record(eager=_mode(0.25), graph=_mode(0.206))], META)
     assert "Eager calls" in text and "CUDA-graph replay" in text
     assert "0.836" in text  # eager speedup 0.209 / 0.25
+
+
+def test_the_overlap_floor_gives_the_hidden_fraction_ceiling():
+    """hidden ceiling = (NCCL seq - floor) / (NCCL seq - max(GEMM, comm)), per median and per round;
+    a run without the floor (before session 41) renders '-'."""
+    shape = bench.Shape("ag", 16384, 8192, 28672)
+    rounds = {"gemm": [5.6, 5.5], "comm": [0.6, 0.6], "nccl_seq": [6.2, 6.1], "overlap_floor": [5.8, 5.6],
+              "pick": [5.9, 5.7], "sched ce_push:1": [5.9, 5.7]}
+    res = bench._summarize(rounds, shape, 2)
+    res.update(commopt_schedule="ce_push:1")
+    bench._derive(res)
+    assert res["overlap_floor_ms"] == pytest.approx(5.7)
+    assert res["hidden_fraction_ceiling"] == pytest.approx((6.15 - 5.7) / (6.15 - 5.55))
+    assert res["paired_hidden_fraction_ceiling"] == pytest.approx(((6.2 - 5.8) / 0.6 + (6.1 - 5.6) / 0.6) / 2)
+    assert res["hidden_fraction"] < res["hidden_fraction_ceiling"]
+    text = bench._report([_record(eager=res)], META)
+    assert "| 5.700 | 0.750 (0.750) |" in text
+    old = _mode(0.2)
+    assert old["hidden_fraction_ceiling"] is None and "| - | - (-) |" in bench._report([_record(eager=old)], META)

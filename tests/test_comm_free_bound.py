@@ -1,0 +1,80 @@
+"""benchmarks/comm_free.py, bench_e2e's comm-free bound: every functional collective leaves the
+graph (a gather reads a constant of its shape, a reduce-scatter keeps its first rows, an
+all-reduce and a wait pass their input on), and the stripped graph runs with no process group."""
+
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.fx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import comm_free  # noqa: E402
+
+funcol = torch.ops._c10d_functional
+
+
+def _program(x, w):
+    g = funcol.wait_tensor.default(funcol.all_gather_into_tensor.default(x, 2, "tp"))
+    y = torch.ops.aten.mm.default(g, w)
+    r = funcol.wait_tensor.default(funcol.reduce_scatter_tensor.default(y, "sum", 2, "tp"))
+    a = funcol.wait_tensor.default(funcol.all_reduce.default(r, "sum", "tp"))
+    return torch.ops.aten.add.Tensor(a, 1.0)
+
+
+def _traced():
+    gm = torch.fx.symbolic_trace(_program)
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    vals = {"x": x, "w": w}
+    for node in gm.graph.nodes:  # meta["val"] as Inductor's post-grad graphs carry it (real tensors here)
+        if node.op == "placeholder":
+            node.meta["val"] = vals[node.name]
+        elif node.op == "call_function":
+            if node.target is funcol.all_gather_into_tensor.default:
+                node.meta["val"] = torch.empty(8, 3)
+            elif node.target is funcol.reduce_scatter_tensor.default:
+                node.meta["val"] = torch.empty(4, 5)
+            elif node.target is torch.ops.aten.mm.default:
+                node.meta["val"] = torch.empty(8, 5)
+    return gm, x, w
+
+
+def test_every_collective_leaves_and_the_graph_runs_without_a_process_group():
+    gm, x, w = _traced()
+    before = dict(comm_free.stats())
+    comm_free.strip_collectives(gm.graph)
+    gm.recompile()
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert not any("_c10d_functional" in t for t in targets), targets
+    got = {k: v - before.get(k, 0) for k, v in comm_free.stats().items()}
+    assert got == {"replaced all_gather_into_tensor": 1, "replaced reduce_scatter_tensor": 1,
+                   "replaced all_reduce": 1, "replaced wait_tensor": 3}
+    out = gm(x, w)  # no process group exists here: a collective left would fail
+    gathered = next(getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
+    assert gathered.shape == (8, 3) and gathered.std() > 0.5  # random data of the gather's shape, not zeros
+    assert torch.equal(out, (gathered @ w)[:4] + 1.0)
+
+
+def test_an_unknown_collective_is_left_and_counted():
+    def prog(x):
+        return funcol.wait_tensor.default(funcol.all_to_all_single.default(x, [2, 2], [2, 2], "tp"))
+
+    gm = torch.fx.symbolic_trace(prog)
+    comm_free.strip_collectives(gm.graph)
+    assert any("all_to_all_single" in str(n.target) for n in gm.graph.nodes)
+    assert comm_free.stats().get("left _c10d_functional.all_to_all_single.default", 0) >= 1
+
+
+def test_the_pass_is_installed_only_inside_its_context():
+    import torch._inductor.config as cfg
+
+    before = cfg.post_grad_custom_post_pass, cfg.fx_graph_cache
+    with comm_free.installed():
+        assert cfg.post_grad_custom_post_pass is not None and cfg.post_grad_custom_post_pass.uuid()
+        assert cfg.fx_graph_cache is False
+    assert (cfg.post_grad_custom_post_pass, cfg.fx_graph_cache) == before
+    with pytest.raises(KeyError), comm_free.installed():
+        raise KeyError("restored on errors too")
+    assert (cfg.post_grad_custom_post_pass, cfg.fx_graph_cache) == before
