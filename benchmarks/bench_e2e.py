@@ -182,9 +182,8 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else None}
         if variant == COMM_FREE:
             rec["bound"], rec["comm_free"] = True, comm_free.stats()
-            left = {k: v for k, v in rec["comm_free"].items() if k.startswith("left")}
-            if left or not rec["comm_free"]:
-                raise RuntimeError(f"bench_e2e {COMM_FREE}: collectives left in its graphs: {rec['comm_free']}")
+            if any(k.startswith("left") for k in rec["comm_free"]) or not rec["comm_free"]:  # reported, the rest runs
+                print(f"rank {rank} bench_e2e {COMM_FREE}: NOT a bound, collectives left: {rec['comm_free']}", flush=True)
         if variant.startswith("commopt"):
             graphs = torch_commopt.explain().graphs
             rec["regions"] = sorted({f"{g.graph_kind} {r.kind}: {r.schedule}" for g in graphs for r in g.regions})
@@ -374,6 +373,9 @@ def report(rows: list[dict], meta: dict) -> str:
     if bound:
         won = ", ".join(f"{r['backend']} {r['share_of_comm_free_gain']:.2f}" for r in rows
                         if not r.get("bound") and r.get("share_of_comm_free_gain") is not None)
+        if any(k.startswith("left") for k in bound["comm_free"]) or not bound["comm_free"]:
+            lines += ["", f"**{bound['backend']} is not a valid bound in this run: collectives were left in its "
+                      f"graphs ({bound['comm_free']}).**"]
         lines += ["", f"{bound['backend']} is a bound, not a backend: inductor's program with every collective "
                   f"taken out of its compiled graphs ({', '.join(f'{k} {v}' for k, v in sorted(bound['comm_free'].items()))} "
                   "per rank; benchmarks/comm_free.py), i.e. the step's computation alone on these GPUs, what "
