@@ -90,7 +90,7 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
 # Inductor's own compile options of the baseline variants (and of the comm-free bound)
 COMM_FREE = "inductor comm-free"
 INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraphs": {"triton.cudagraphs": True},
-                    COMM_FREE: {}}
+                    COMM_FREE: comm_free.OPTIONS}
 class Stack(torch.nn.Module):
     def __init__(self, layers: int, dim: int, heads: int, kv_heads: int, hidden: int) -> None:
         super().__init__()
@@ -182,7 +182,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
                "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else None}
         if variant == COMM_FREE:
             rec["bound"], rec["comm_free"] = True, comm_free.stats()
-            if any(k.startswith("left") for k in rec["comm_free"]) or not rec["comm_free"]:  # reported, the rest runs
+            if not comm_free.valid(rec["comm_free"]):  # reported, the rest runs
                 print(f"rank {rank} bench_e2e {COMM_FREE}: NOT a bound, collectives left: {rec['comm_free']}", flush=True)
         if variant.startswith("commopt"):
             graphs = torch_commopt.explain().graphs
@@ -373,7 +373,7 @@ def report(rows: list[dict], meta: dict) -> str:
     if bound:
         won = ", ".join(f"{r['backend']} {r['share_of_comm_free_gain']:.2f}" for r in rows
                         if not r.get("bound") and r.get("share_of_comm_free_gain") is not None)
-        if any(k.startswith("left") for k in bound["comm_free"]) or not bound["comm_free"]:
+        if not comm_free.valid(bound["comm_free"] or {}):
             lines += ["", f"**{bound['backend']} is not a valid bound in this run: collectives were left in its "
                       f"graphs ({bound['comm_free']}).**"]
         lines += ["", f"{bound['backend']} is a bound, not a backend: inductor's program with every collective "

@@ -10,9 +10,12 @@ communication could at best reach on these GPUs (at their power cap, the clocks 
 Its numerics are meaningless (its losses are not compared).  A collective the pass does not
 know is left in place and counted (`stats()`), so a bound that still communicates is visible.
 
-Used through `installed()`: a context that sets Inductor's `post_grad_custom_post_pass` (and
-turns its FX graph cache off, so that no cached program of another variant is reused) while
-the variant compiles.
+Used two ways at once (bench_e2e): `OPTIONS`, the variant's own Inductor compile options (so
+that Dynamo does not take the inductor variant's compiled entries for its blocks: on torch 2.11
+two `block.compile()` of equal options share them, and the pass never ran), and `installed()`,
+a context that sets the same options while the variant's steps compile (AOTAutograd compiles
+the backward at its first call), with the FX graph and AOTAutograd caches off, so that no
+cached program of another variant is reused.
 """
 
 from __future__ import annotations
@@ -33,8 +36,14 @@ def _op(name: str):
 
 
 def stats() -> dict[str, int]:
-    """{'replaced <op>': count, 'left <op>': count} over every graph the pass has seen."""
+    """{'replaced <op>': count, 'left <op>': count, 'graphs': graphs the pass was called on}
+    over every graph it has seen."""
     return dict(_STATS)
+
+
+def valid(counts: dict[str, int]) -> bool:
+    """Whether `stats()`-like counts describe a bound: collectives replaced, none left."""
+    return any(k.startswith("replaced") for k in counts) and not any(k.startswith("left") for k in counts)
 
 
 def _constant(val) -> torch.Tensor:
@@ -85,19 +94,26 @@ def strip_collectives(graph: torch.fx.Graph) -> None:
 
 class _Pass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
+        _STATS["graphs"] += 1
         strip_collectives(graph)
 
     def uuid(self) -> str:
         return "torch_commopt benchmarks comm_free v1"
 
 
+PASS = _Pass()
+OPTIONS = {"post_grad_custom_post_pass": PASS, "fx_graph_cache": False}
+
+
 @contextlib.contextmanager
 def installed():
     """Inductor compiles with the collectives stripped inside this context."""
+    import torch._functorch.config as functorch_config
+
     cfg = torch._inductor.config
-    saved = cfg.post_grad_custom_post_pass, cfg.fx_graph_cache
-    cfg.post_grad_custom_post_pass, cfg.fx_graph_cache = _Pass(), False
+    saved = cfg.post_grad_custom_post_pass, cfg.fx_graph_cache, functorch_config.enable_autograd_cache
+    cfg.post_grad_custom_post_pass, cfg.fx_graph_cache, functorch_config.enable_autograd_cache = PASS, False, False
     try:
         yield
     finally:
-        cfg.post_grad_custom_post_pass, cfg.fx_graph_cache = saved
+        cfg.post_grad_custom_post_pass, cfg.fx_graph_cache, functorch_config.enable_autograd_cache = saved

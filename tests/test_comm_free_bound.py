@@ -48,7 +48,7 @@ def test_every_collective_leaves_and_the_graph_runs_without_a_process_group():
     gm.recompile()
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert not any("_c10d_functional" in t for t in targets), targets
-    got = {k: v - before.get(k, 0) for k, v in comm_free.stats().items()}
+    got = {k: v - before.get(k, 0) for k, v in comm_free.stats().items() if k != "graphs"}
     assert got == {"replaced all_gather_into_tensor": 1, "replaced reduce_scatter_tensor": 1,
                    "replaced all_reduce": 1, "replaced wait_tensor": 3}
     out = gm(x, w)  # no process group exists here: a collective left would fail
@@ -65,16 +65,29 @@ def test_an_unknown_collective_is_left_and_counted():
     comm_free.strip_collectives(gm.graph)
     assert any("all_to_all_single" in str(n.target) for n in gm.graph.nodes)
     assert comm_free.stats().get("left _c10d_functional.all_to_all_single.default", 0) >= 1
+    assert not comm_free.valid({"replaced wait_tensor": 1, "left x": 1}) and not comm_free.valid({"graphs": 2})
+    assert comm_free.valid({"graphs": 2, "replaced all_gather_into_tensor": 1})
 
 
 def test_the_pass_is_installed_only_inside_its_context():
+    import torch._functorch.config as fcfg
     import torch._inductor.config as cfg
 
-    before = cfg.post_grad_custom_post_pass, cfg.fx_graph_cache
+    def state():
+        return cfg.post_grad_custom_post_pass, cfg.fx_graph_cache, fcfg.enable_autograd_cache
+
+    before = state()
     with comm_free.installed():
-        assert cfg.post_grad_custom_post_pass is not None and cfg.post_grad_custom_post_pass.uuid()
-        assert cfg.fx_graph_cache is False
-    assert (cfg.post_grad_custom_post_pass, cfg.fx_graph_cache) == before
+        assert state() == (comm_free.PASS, False, False) and comm_free.PASS.uuid()
+    assert state() == before
     with pytest.raises(KeyError), comm_free.installed():
         raise KeyError("restored on errors too")
-    assert (cfg.post_grad_custom_post_pass, cfg.fx_graph_cache) == before
+    assert state() == before
+
+
+def test_its_compile_options_are_accepted_and_differ_from_plain_inductor():
+    """torch.compile takes the options (type-checked there), and the wrapper they make is not
+    equal to plain Inductor's: Dynamo may not hand the bound the inductor variant's entries."""
+    plain = torch._TorchCompileInductorWrapper("default", None, False)
+    bound = torch._TorchCompileInductorWrapper("default", comm_free.OPTIONS, False)
+    assert bound.config["post_grad_custom_post_pass"] is comm_free.PASS and bound != plain
