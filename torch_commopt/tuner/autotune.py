@@ -17,7 +17,6 @@ model's choice runs (logged) and the measurement waits for an uncaptured call.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -221,9 +220,8 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
     start = time.perf_counter()
     host: dict[str, float] = {}
     try:
-        with _own_stream(device):
-            measured = measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs,
-                                          host_floor=host, rounds=req.rounds)
+        measured = measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs,
+                                      host_floor=host, rounds=req.rounds)
     except NothingCaptured:  # e.g. a first call inside another capture's warm-up: every rank is here
         log.warning("commopt autotune: %s: no candidate could be captured for timing; running %s untimed",
                     req.name, req.fallback)
@@ -346,25 +344,6 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     if len(close) > 1:
         medians = timed_rounds(close, EXTRA_ROUNDS, "(near-tie)")
     return dict(zip(candidates, medians))
-
-
-@contextlib.contextmanager
-def _own_stream(device: torch.device):
-    """CUDA: the first-call measurement on a stream of its own, ordered after the caller's and
-    before its next work.  Inductor's CUDA-graph trees run a graph's first calls (warm-up) with
-    the caller's stream allocating from their private pool, and a tensor the measurement leaves
-    alive there (a schedule's first-use workspace) fails their check that every live block is a
-    tracked output (2x H200, session 41: "Detected 1 tensor(s) in the cudagraph pool not tracked
-    as outputs"); another stream's blocks come from the ordinary allocator."""
-    if device.type != "cuda":
-        yield
-        return
-    caller = torch.cuda.current_stream(device)
-    own = torch.cuda.Stream(device=device)
-    own.wait_stream(caller)
-    with torch.cuda.stream(own):
-        yield
-    caller.wait_stream(own)
 
 
 class NothingCaptured(RuntimeError):
