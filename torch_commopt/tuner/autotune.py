@@ -132,21 +132,18 @@ def timed_candidates(preds, top_k: int) -> list[str]:
 def band_request(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
                  dtype: str, device_name: str, group_name: str, candidates: list[str], fallback: str,
                  cache_dir: str | None, name: str, debug_waits: bool = False,
-                 notes: list[str] | None = None, k_parts: tuple[int, ...] = (), graphs: bool = False) -> Schedule:
+                 notes: list[str] | None = None, k_parts: tuple[int, ...] = ()) -> Schedule:
     """The placeholder of a region the built-in rule leaves to measurement (pick.measure_band):
     `candidates` are timed at its first call like Config.mode="autotune" (`fallback` runs
-    where nothing can be timed, e.g. under a CUDA-graph capture).  graphs: the region's calls
-    are replayed from CUDA graphs, and so are the timed ones (by GPU time: no host check)."""
-    key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates, k_parts, graphs)
+    where nothing can be timed, e.g. under a CUDA-graph capture)."""
+    key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates, k_parts)
     return register(TuneRequest(key, list(candidates), fallback, group_name, cache_dir, debug_waits=debug_waits,
-                                graphs=graphs, report_notes=notes if notes is not None else [], name=name,
-                                margin=BAND_MARGIN, headroom=0.0 if graphs else BAND_HOST_HEADROOM,
-                                rounds=BAND_ROUNDS))
+                                report_notes=notes if notes is not None else [], name=name, margin=BAND_MARGIN,
+                                headroom=BAND_HOST_HEADROOM, rounds=BAND_ROUNDS))
 
 
 def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
-             dtype: str, device_name: str, candidates: list[str], k_parts: tuple[int, ...] = (),
-             graphs: bool = False) -> dict[str, Any]:
+             dtype: str, device_name: str, candidates: list[str], k_parts: tuple[int, ...] = ()) -> dict[str, Any]:
     """The tuner-cache key of a band region's measurement (band_request; k_parts: as plan's)."""
     from torch_commopt.tuner.choose import machine_key
 
@@ -156,8 +153,6 @@ def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim:
            "host_check": "fastest round", "rounds": BAND_ROUNDS}
     if k_parts:
         key["k_parts"] = list(k_parts)
-    if graphs:  # timed as replays, no host check
-        key.update(graphs=True, host_headroom=0.0)
     return key
 
 
@@ -219,15 +214,8 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
         return req.fallback
     start = time.perf_counter()
     host: dict[str, float] = {}
-    try:
-        measured = measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs,
-                                      host_floor=host, rounds=req.rounds)
-    except NothingCaptured:  # e.g. a first call inside another capture's warm-up: every rank is here
-        log.warning("commopt autotune: %s: no candidate could be captured for timing; running %s untimed",
-                    req.name, req.fallback)
-        req.decided = req.fallback
-        req.report_notes.append(f"{req.name}: no candidate could be captured for timing; runs {req.fallback} untimed")
-        return req.decided
+    measured = measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs,
+                                  host_floor=host, rounds=req.rounds)
     best = winner(measured, req.margin, host if req.headroom else None, req.headroom)
     sched = Schedule.parse(best)
     if req.debug_waits and sched.is_gpu:
@@ -299,8 +287,8 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     calls = [functools.partial(_repeat, run, s, c) for s, c in zip(candidates, counts)]
     if graphs and device.type == "cuda":
         replays = capture_agreed({s: call for s, call in zip(candidates, calls)}, group)
-        if not replays:  # agreed: every rank raises
-            raise NothingCaptured("commopt autotune: no candidate could be captured in a CUDA graph")
+        if not replays:
+            raise RuntimeError("commopt autotune: no candidate could be captured in a CUDA graph")
         keep = [i for i, s in enumerate(candidates) if s in replays]
         candidates, calls, counts = [candidates[i] for i in keep], list(replays.values()), [counts[i] for i in keep]
     samples: list[list[float]] = [[] for _ in candidates]
@@ -344,10 +332,6 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     if len(close) > 1:
         medians = timed_rounds(close, EXTRA_ROUNDS, "(near-tie)")
     return dict(zip(candidates, medians))
-
-
-class NothingCaptured(RuntimeError):
-    """No candidate of a replayed measurement could be captured, on any rank (capture_agreed)."""
 
 
 def _repeat(run: Callable[[str], Any], schedule: str, count: int) -> None:
