@@ -78,8 +78,10 @@ if [[ $what == torchtitan ]]; then
   # issue 7: torchtitan 0.2.2 trained with commopt and with inductor; its wheels and the missing
   # dependencies are carried in .whl/ (list: torch_commopt/integrations/torchtitan/__init__.py)
   python3 -m pip install -q --no-deps --target /tmp/ttsite .whl/*.whl > "$out/tt_install.log" 2>&1
+  # TT_EXTRA: torchtitan arguments for every job, kept whole (BENCH_ARGS is split on spaces, so
+  # an --extra there holds one argument), e.g. TT_EXTRA="--optimizer.lr=3e-4 --metrics.log_freq=10"
   PYTHONPATH=/tmp/ttsite:$PYTHONPATH timeout ${TT_TIMEOUT:-560} python3 benchmarks/bench_torchtitan.py --out "$out" \
-    ${BENCH_ARGS:-} 2>&1 | tee "$out/torchtitan.log"
+    ${BENCH_ARGS:-} ${TT_EXTRA:+"--extra=$TT_EXTRA"} 2>&1 | tee "$out/torchtitan.log"
 fi
 if [[ $what == cpprofile ]]; then
   # where a cp attention schedule's time goes: kernel tables per variant and rank (2+ GPUs)
