@@ -18,7 +18,8 @@ variant with the inductor job of the same round, then takes the median over roun
         [--seq 2048] [--batch 8] [--rounds 2] [--commit SHA] [--extra=--optimizer.lr=3e-4]
         [--profile-step 10]
 
-(BENCH_ARGS in device_run.sh is split on spaces: give --extra as one token, `--extra=--key=value`.)
+(BENCH_ARGS in device_run.sh is split on spaces: give --extra as one token, `--extra=--key=value`,
+or several arguments in TT_EXTRA, which device_run.sh passes whole.)
 
 torchtitan and its missing dependencies must be importable (device_run.sh's torchtitan mode
 installs the carried wheels into a target directory and puts it on PYTHONPATH).
