@@ -6,10 +6,10 @@ async-TP (`torch.ops.symm_mem.fused_all_gather_matmul` / `fused_matmul_reduce_sc
 symmetric memory enabled for the group), every commopt schedule (`sequential` included: the
 same NCCL + cuBLAS work through the op), and commopt's pick (the built-in rule's schedule,
 timed on its own), and the overlap floor: the same GEMM with the collective's bytes pushed to
-the peers by the copy engine beside it, with no dependency between the two (no overlapped
-schedule that moves those bytes over NVLink while the GEMM runs can do better; on GPUs at
-their power cap the transfer slows the GEMM: `hidden_fraction_ceiling` is the hidden fraction
-that floor itself reaches).  Times: CUDA events around back-to-back calls (at least `iters`, and at
+the peers by the copy engine beside it, with no dependency between the two: what moving those
+bytes over NVLink costs a GEMM running beside them (memory traffic, power), with no protocol
+and no split GEMM; `hidden_fraction_ceiling` is the hidden fraction that floor itself reaches
+(2x H200, session 41: 0.96-1.08 on the balanced shapes).  Times: CUDA events around back-to-back calls (at least `iters`, and at
 least 10 ms of them), median of `repeats` rounds (variants round-robin within a round), max
 over ranks; the fastest and slowest rounds are reported as the spread.  Each commopt
 schedule's output is checked against NCCL sequential's before it is timed.
@@ -163,7 +163,7 @@ def overlap_floor(gemm, payload: torch.Tensor, pushes: int, group_name: str):
     """The overlap floor of one shape: `gemm` on the caller's stream while the copy engine
     pushes `payload` (this rank's piece of the collective, its real bytes) `pushes` times to
     every peer's symmetric buffer on a side stream, the two independent, joined at the end:
-    the least time any schedule that moves these bytes over NVLink during this GEMM can take.
+    an overlapped schedule's time with its protocol, waits and GEMM splits taken away.
     Its buffer is its own (runtime.own_buffer, allocated at the first call: collective, and
     every rank makes that call at the same point), not the size classes the schedules use."""
     from torch_commopt.kernels.gpu import symm

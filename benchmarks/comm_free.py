@@ -9,6 +9,8 @@ left is the step's computation with no communication at all: the time any overla
 communication could at best reach on these GPUs (at their power cap, the clocks included).
 Its numerics are meaningless (its losses are not compared).  A collective the pass does not
 know is left in place and counted (`stats()`), so a bound that still communicates is visible.
+Collectives outside the compiled graphs (DTensor's eager all-reduces of the replicated norm
+weights' gradients) stay, as in every variant.
 
 Used two ways at once (bench_e2e): `OPTIONS`, the variant's own Inductor compile options (so
 that Dynamo does not take the inductor variant's compiled entries for its blocks: on torch 2.11
