@@ -356,3 +356,36 @@ def test_band_measurement_takes_more_rounds_and_the_fastest_host_round(fake_worl
     assert all(floor[s] <= host[s] for s in floor)
     assert floor["sequential"] < 1.0  # ms: the fast rounds, not the burst's 2 ms calls
     assert min(calls.values()) >= autotune.BAND_ROUNDS
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_replayed_first_call_measures_on_a_helper_thread(fake_world, monkeypatch, tmp_path, graphs):
+    """A program replayed from CUDA graphs makes its first call inside Inductor's CUDA-graph-tree
+    warm-up, which routes the calling thread's allocations to the tree's pool: the measurement
+    runs on a helper thread (symm._off_thread) after a device synchronize.  Eager ones stay on
+    the caller's thread.  (CUDA faked: the device type is all this path reads.)"""
+    import threading
+
+    import torch.distributed as dist
+
+    from torch_commopt.kernels.gpu import symm
+    from torch_commopt.tuner import autotune
+
+    group = dist.group.WORLD.group_name
+    req = autotune.TuneRequest({"question": "t", "graphs": graphs, "id": str(tmp_path)}, ["sequential", "ce_push:1"],
+                               "ce_push:1", group, str(tmp_path), graphs=graphs, name="ag_thread")
+    sched = autotune.register(req)
+    seen, synced = {}, []
+
+    def fake_measure(run, candidates, *args, **kwargs):
+        seen["thread"] = threading.current_thread().name
+        return {"sequential": 2.0, "ce_push:1": 1.0}
+    monkeypatch.setattr(autotune, "measure_candidates", fake_measure)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    monkeypatch.setattr(symm.torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    assert autotune.resolve_at_call(sched, lambda s: None, torch.device("cuda", 0)) == "ce_push:1"
+    if graphs:
+        assert seen["thread"] == "commopt-symm-setup" and synced
+    else:
+        assert seen["thread"] == threading.current_thread().name and not synced
