@@ -82,7 +82,7 @@ def strip_collectives(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
             _STATS["replaced reduce_scatter_tensor"] += 1
         elif node.target is gather:
-            name = f"_comm_free_gathered_{len(_STATS)}_{node.name}"
+            name = f"_comm_free_gathered_{node.name}"  # node names are unique in a graph
             gm.register_buffer(name, _constant(node.meta["val"]), persistent=False)
             with graph.inserting_before(node):
                 const = graph.get_attr(name)
@@ -112,10 +112,5 @@ def installed():
     """Inductor compiles with the collectives stripped inside this context."""
     import torch._functorch.config as functorch_config
 
-    cfg = torch._inductor.config
-    saved = cfg.post_grad_custom_post_pass, cfg.fx_graph_cache, functorch_config.enable_autograd_cache
-    cfg.post_grad_custom_post_pass, cfg.fx_graph_cache, functorch_config.enable_autograd_cache = PASS, False, False
-    try:
+    with torch._inductor.config.patch(OPTIONS), functorch_config.patch(enable_autograd_cache=False):
         yield
-    finally:
-        cfg.post_grad_custom_post_pass, cfg.fx_graph_cache, functorch_config.enable_autograd_cache = saved

@@ -363,7 +363,7 @@ def test_band_measurement_takes_more_rounds_and_the_fastest_host_round(fake_worl
 def test_a_replayed_first_call_measures_on_a_helper_thread(fake_world, monkeypatch, tmp_path, graphs):
     """A program replayed from CUDA graphs makes its first call inside Inductor's CUDA-graph-tree
     warm-up, which routes the calling thread's allocations to the tree's pool: the measurement
-    runs on a helper thread (symm._off_thread) after a device synchronize.  Eager ones stay on
+    runs on a helper thread (symm.off_thread) after a device synchronize.  Eager ones stay on
     the caller's thread.  (CUDA faked: the device type is all this path reads.)"""
     import threading
 

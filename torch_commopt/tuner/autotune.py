@@ -219,19 +219,15 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
         return measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs,
                                   host_floor=host, rounds=req.rounds)
     if req.graphs and device.type == "cuda":
-        # A program replayed from CUDA graphs (Config.cuda_graphs) makes its first call inside
-        # Inductor's CUDA-graph-tree warm-up, which routes every allocation of the calling
-        # thread to the tree's private pool and then refuses a pool holding tensors that are not
-        # outputs (what the measurement leaves alive, e.g. ProcessGroupNCCL's kept tensors:
-        # 2x H200, session 41, "Detected 1 tensor(s) in the cudagraph pool not tracked as
-        # outputs").  On a helper thread the measurement allocates from the ordinary pool, as
-        # the symmetric runtime's rendezvous does (symm._off_thread).  Not yet run on a GPU.
-        # (The helper thread runs on its own current stream: the call's inputs, produced on the
-        # caller's stream, must be complete first; the measurement synchronizes after each sample.)
-        from torch_commopt.kernels.gpu.symm import _off_thread
+        # A replayed program's first call runs in Inductor's CUDA-graph-tree warm-up, whose pool
+        # takes the calling thread's allocations and refuses tensors left alive there (2x H200,
+        # session 41: "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"); a
+        # helper thread allocates from the ordinary pool (symm.off_thread, as the rendezvous).
+        # Its stream is not the caller's: the inputs must be complete first.  Not yet run on a GPU.
+        from torch_commopt.kernels.gpu.symm import off_thread
 
         torch.cuda.synchronize(device)
-        measured = _off_thread(measure, device)
+        measured = off_thread(measure, device)
     else:
         measured = measure()
     best = winner(measured, req.margin, host if req.headroom else None, req.headroom)

@@ -200,7 +200,7 @@ class GroupRuntime:
         flags[A2A_FREE: A2A_FREE + 2 * HALVES * MAX_WORLD].fill_(1)
         # A peer may write our flags as soon as rendezvous returns: the zeroing must be done.
         torch.cuda.synchronize(device)
-        self.flags_handle = _off_thread(lambda: self._rendezvous(flags), device)
+        self.flags_handle = off_thread(lambda: self._rendezvous(flags), device)
         self.flags = flags
         self.flag_bases = [int(p) for p in self.flags_handle.buffer_ptrs]
         self.flag_bases_dev = self._int64_table(FLAG_BASES, self.flag_bases)
@@ -295,7 +295,7 @@ class GroupRuntime:
             self.refused = size if self.refused is None else min(self.refused, size)
             raise
         self._settle(local)
-        handle = _off_thread(lambda: self._rendezvous(local), self.device)
+        handle = off_thread(lambda: self._rendezvous(local), self.device)
         log.info("commopt: symmetric %s buffer of %d MiB for group %s", purpose, size >> 20, self.group_name)
         mapped = int(handle.buffer_ptrs[self.rank])
         if mapped != local.data_ptr() and not self.shared_device:  # a diagnostic (session 20's open question)
@@ -326,7 +326,7 @@ class GroupRuntime:
         from torch_commopt.passes import consistency
 
         try:
-            local, mine = _off_thread(allocate, self.device), "ok"
+            local, mine = off_thread(allocate, self.device), "ok"
         except Exception as e:  # out of memory, mostly; any failure must reach the vote
             local, mine = None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
         agreed, detail = consistency.ranks_agree([self.group_name], mine, ALLOC_VOTE_TIMEOUT_S, topic="allocation")
@@ -473,7 +473,7 @@ class GroupRuntime:
                 "a peer stalled, crashed, or runs a different schedule")
 
 
-def _off_thread(fn, device: torch.device | None = None):
+def off_thread(fn, device: torch.device | None = None):
     """fn() on a helper thread with `device` current there (the caller waits).  Symmetric allocations and
     their rendezvous are kept for the process's lifetime, and rendezvous allocates small
     device tables through the caching allocator: Inductor's CUDA-graph trees route every
