@@ -343,8 +343,8 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
             if band is not None:  # what the compile pass emits there: timed at the first call
                 chosen = band_request(KIND[shape.op], a_shape, w_shapes, dim, world, dtype,
                                       torch.cuda.get_device_name(0), group_name, band, str(chosen), None,
-                                      f"{shape.op} {shape.M}x{shape.K}x{shape.N}")
-                why += f": host-bound band, {', '.join(band)} timed at the first call"
+                                      f"{shape.op} {shape.M}x{shape.K}x{shape.N}", graphs=graphs)
+                why += f": {'replayed short all-gather' if graphs else 'host-bound band'}, {', '.join(band)} timed at the first call"
             fns = {"gemm": gemm, "comm": comm, "nccl_seq": seq}
             if floor is not None:
                 fns["overlap_floor"] = floor

@@ -198,6 +198,10 @@ def test_short_all_gather_under_cuda_graph_trees(two_ranks, options):
                                timeout_s=300)
     for errors, schedules, notes, ran in per_rank:
         assert schedules, notes  # the region was rewritten
+        if not options:  # the rule: a replayed short all-gather times its candidates as replays
+            assert any("replayed short all-gather" in n for n in notes), notes
+            assert any("autotune measured 3 candidates" in n for n in notes), notes
+            assert ran and ran[0] in ("sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"), ran
         if options.get("mode") == "autotune":
             assert ran and ran[0] is not None, (schedules, notes)
         _check(errors)

@@ -268,7 +268,7 @@ def test_short_eager_regions_replay_per_call_graphs_and_are_ranked_as_replayed()
     assert not pipeline._call_graphs(_region("ag_matmul", [1024, 8192], [8192, 4096], device="cpu"), on)
 
 
-def test_the_short_eager_region_gets_the_replayed_pick_with_cg():
+def test_the_short_eager_region_gets_the_replayed_pick_with_cg(monkeypatch, tmp_path):
     from torch_commopt import report as explain
     from torch_commopt.config import Config
     from torch_commopt.passes import pipeline
@@ -279,8 +279,17 @@ def test_the_short_eager_region_gets_the_replayed_pick_with_cg():
     assert str(pipeline._choose_schedule(region, Config(call_graphs=True), report)) == "ce_push:1:cg=1,par=1"
     assert str(pipeline._choose_schedule(region, Config(cuda_graphs=True, call_graphs=True), report)) == "ce_push:1:par=1"
     assert any("all_gather_0: picked ce_push:1:par=1 " in n for n in report.notes)
-    # M_global 512: NCCL + cuBLAS eager; a replayed program runs one GEMM after the gather
+    # M_global 512: NCCL + cuBLAS eager; a replayed program times one GEMM after the gather, the
+    # peer's GEMM beside the own shard's and NCCL as replays at its first call (the rule's
+    # gemm=whole where nothing can be timed)
+    import torch_commopt.tuner.choose as choose
+    from torch_commopt.tuner import autotune
+
+    monkeypatch.setattr(choose, "device_name", lambda device: "fake GPU")
     tiny = _region("ag_matmul", [256, 8192], [8192, 4096])
-    tiny.collective = SimpleNamespace(name="all_gather_1")
+    tiny.collective, tiny.group_name = SimpleNamespace(name="all_gather_1"), "g"
     assert str(pipeline._choose_schedule(tiny, Config(call_graphs=True), report)) == "sequential"
-    assert str(pipeline._choose_schedule(tiny, Config(cuda_graphs=True), report)) == "ce_push:1:gemm=whole"
+    placeholder = pipeline._choose_schedule(tiny, Config(cuda_graphs=True, cache_dir=str(tmp_path)), report)
+    req = autotune._REQUESTS[placeholder.param("id")]
+    assert placeholder.name == "autotune" and req.graphs and req.fallback == "ce_push:1:gemm=whole"
+    assert req.candidates == ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]

@@ -189,6 +189,53 @@ def test_host_bound_band_is_measured_not_guessed():
     assert measure_band("matmul_rs", [2047, 4096], [[4096, 8192]], 0, 2, "bfloat16") is None
 
 
+def test_replayed_short_two_rank_all_gathers_are_measured_as_replays():
+    """M_global 512 (est. 49 us of GEMM): 2x H200 runs par=1 fastest there, 2x H100 gemm=whole,
+    so a replayed region times both (and NCCL) at its first call; the rule's gemm=whole is the
+    fallback.  Longer, wider, float8 and reduction regions stay with the rule."""
+    cands = ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]
+    args = ("ag_matmul", [256, 8192], [[8192, 4096]], 0)
+    assert measure_band(*args, 2, "bfloat16", graphs=True) == cands
+    assert measure_band(*args, 2, "float16", graphs=True) == cands
+    assert str(pick(*args, 2, "bfloat16", graphs=True)[0]) == "ce_push:1:gemm=whole"
+    assert measure_band(*args, 2, "bfloat16") is None  # eager: too short for a GPU schedule's host cost
+    assert measure_band(*args, 4, "bfloat16", graphs=True) is None
+    assert measure_band(*args, 2, "float8_e4m3fn", graphs=True) is None
+    assert measure_band("ag_matmul", [1024, 8192], [[8192, 4096]], 0, 2, "bfloat16", graphs=True) is None  # 0.19 ms
+    assert measure_band("ag_matmul", [4, 8192], [[8192, 4096]], 0, 2, "bfloat16", graphs=True) is None  # nothing to hide
+    assert measure_band("matmul_rs", [512, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True) is None
+
+
+def test_a_replayed_band_request_times_replays_without_a_host_check():
+    from torch_commopt.tuner import autotune
+
+    cands = ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]
+    sched = autotune.band_request("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", "cpu", "g",
+                                  cands, "ce_push:1:gemm=whole", None, "ag0", graphs=True)
+    req = autotune._REQUESTS[sched.param("id")]
+    assert req.graphs and req.headroom == 0.0 and req.margin == autotune.BAND_MARGIN
+    assert req.key["graphs"] is True and req.key["host_headroom"] == 0.0
+    eager = autotune.band_request("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", "cpu", "g",
+                                  cands, "ce_push:1:gemm=whole", None, "ag0")
+    assert eager != sched  # measured apart: an eager measurement is not a replayed one
+
+
+def test_a_replayed_measurement_that_captures_nothing_runs_the_fallback(monkeypatch):
+    """capture_agreed found no capturable candidate on any rank (all agree): the first call
+    runs the rule's pick untimed instead of failing the user's step."""
+    from torch_commopt.tuner import autotune
+
+    sched = autotune.band_request("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", "cpu", "g",
+                                  ["sequential", "ce_push:1:par=1"], "ce_push:1:gemm=whole", None, "ag_nocap",
+                                  graphs=True)
+
+    def nothing(*args, **kwargs):
+        raise autotune.NothingCaptured("no candidate could be captured")
+    monkeypatch.setattr(autotune, "measure_candidates", nothing)
+    assert autotune.resolve_at_call(sched, lambda s: None, torch.device("cpu")) == "ce_push:1:gemm=whole"
+    assert autotune.decided(sched) == "ce_push:1:gemm=whole"
+
+
 def test_band_request_is_an_autotune_placeholder_with_the_rule_as_fallback():
     from torch_commopt.tuner import autotune
 
@@ -229,6 +276,13 @@ def test_band_region_uses_the_cached_measurement_or_a_first_call_placeholder(tmp
     TunerCache(str(tmp_path)).put(req.key, {"schedule": "direct:1", "measured_ms": {"direct:1": 0.3}})
     sched, why = pipeline._band(region, shape, weights, "bfloat16", band, Schedule("sequential"), "est.", config, report)
     assert str(sched) == "direct:1" and "cached measurement" in why
+    # a program replayed from CUDA graphs: its band region (a short all-gather) is timed as replays
+    region.kind, cands = "ag_matmul", ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]
+    replayed = Config(cache_dir=str(tmp_path), cuda_graphs=True)
+    sched, why = pipeline._band(region, [256, 8192], [[8192, 4096]], "bfloat16", cands,
+                                Schedule.parse("ce_push:1:gemm=whole"), "est.", replayed, report)
+    req = autotune._REQUESTS[sched.param("id")]
+    assert req.graphs and req.headroom == 0.0 and "replayed short all-gather" in why
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)

@@ -32,10 +32,11 @@ def auto_schedule(kind: str, schedule: str, a_shape: tuple[int, ...], weight_sha
         args = (kind, list(a_shape), [list(w) for w in weight_shapes], dim, world, dtype)
         graphs = bool(sched.param("graphs", 0))
         picked, why = pick(*args, graphs=graphs)
-        if measure_band(*args, graphs=graphs) is not None:
+        if not graphs and measure_band(*args, graphs=graphs) is not None:
             # Where a static region times NCCL against ce_push:1 at its first call (the host's
             # speed decides), a dynamic one would time every new shape: NCCL + cuBLAS, which
-            # the band's GPU schedule beats only on a fast host.
+            # the band's GPU schedule beats only on a fast host.  (A replayed band region's
+            # candidates differ by GPU time alone: a dynamic one runs the rule's pick.)
             picked, why = Schedule("sequential"), why + ": host-bound band, NCCL + cuBLAS untimed"
         if sched.param("dbg") and picked.is_gpu:
             picked = picked.with_params(dbg=1)

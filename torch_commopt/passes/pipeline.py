@@ -171,16 +171,17 @@ def _band(region: Region, shape, weights, dtype: str, band: list[str], rule_pick
     from torch_commopt.tuner.choose import device_name
     from torch_commopt.tuner.decide import decide
 
-    dev, k_parts = device_name(val(region.a).device), _k_parts(region, config)
-    key = band_key(region.kind, shape, weights, region.dim, region.group_size, dtype, dev, band, k_parts)
+    dev, k_parts, replayed = device_name(val(region.a).device), _k_parts(region, config), _replayed(region, config)
+    key = band_key(region.kind, shape, weights, region.dim, region.group_size, dtype, dev, band, k_parts, replayed)
+    what = "replayed short all-gather" if replayed else "host-bound band"
     cache = TunerCache(config.cache_dir)
     cached = decide(region.group_name, key, lambda: cache.get(key), config.consistency_timeout_s)
     if isinstance(cached, dict) and cached.get("schedule") in band:
-        return Schedule.parse(cached["schedule"]), why + ": host-bound band, cached measurement"
+        return Schedule.parse(cached["schedule"]), why + f": {what}, cached measurement"
     sched = band_request(region.kind, shape, weights, region.dim, region.group_size, dtype, dev, region.group_name,
                          band, str(rule_pick), config.cache_dir, region.collective.name, config.debug_waits,
-                         report.notes, k_parts)
-    return sched, why + f": host-bound band, {', '.join(band)} timed at the first call ({rule_pick} under a capture)"
+                         report.notes, k_parts, graphs=replayed)
+    return sched, why + f": {what}, {', '.join(band)} timed at the first call ({rule_pick} under a capture)"
 
 
 def _k_parts(region: Region, config: Config) -> tuple[int, ...]:

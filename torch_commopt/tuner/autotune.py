@@ -132,18 +132,21 @@ def timed_candidates(preds, top_k: int) -> list[str]:
 def band_request(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
                  dtype: str, device_name: str, group_name: str, candidates: list[str], fallback: str,
                  cache_dir: str | None, name: str, debug_waits: bool = False,
-                 notes: list[str] | None = None, k_parts: tuple[int, ...] = ()) -> Schedule:
+                 notes: list[str] | None = None, k_parts: tuple[int, ...] = (), graphs: bool = False) -> Schedule:
     """The placeholder of a region the built-in rule leaves to measurement (pick.measure_band):
     `candidates` are timed at its first call like Config.mode="autotune" (`fallback` runs
-    where nothing can be timed, e.g. under a CUDA-graph capture)."""
-    key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates, k_parts)
+    where nothing can be timed, e.g. under a CUDA-graph capture).  graphs: the region's calls
+    are replayed from CUDA graphs, and so are the timed ones (by GPU time: no host check)."""
+    key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates, k_parts, graphs)
     return register(TuneRequest(key, list(candidates), fallback, group_name, cache_dir, debug_waits=debug_waits,
-                                report_notes=notes if notes is not None else [], name=name, margin=BAND_MARGIN,
-                                headroom=BAND_HOST_HEADROOM, rounds=BAND_ROUNDS))
+                                graphs=graphs, report_notes=notes if notes is not None else [], name=name,
+                                margin=BAND_MARGIN, headroom=0.0 if graphs else BAND_HOST_HEADROOM,
+                                rounds=BAND_ROUNDS))
 
 
 def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
-             dtype: str, device_name: str, candidates: list[str], k_parts: tuple[int, ...] = ()) -> dict[str, Any]:
+             dtype: str, device_name: str, candidates: list[str], k_parts: tuple[int, ...] = (),
+             graphs: bool = False) -> dict[str, Any]:
     """The tuner-cache key of a band region's measurement (band_request; k_parts: as plan's)."""
     from torch_commopt.tuner.choose import machine_key
 
@@ -153,6 +156,8 @@ def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim:
            "host_check": "fastest round", "rounds": BAND_ROUNDS}
     if k_parts:
         key["k_parts"] = list(k_parts)
+    if graphs:  # timed as replays, no host check
+        key.update(graphs=True, host_headroom=0.0)
     return key
 
 
@@ -218,18 +223,25 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
     def measure() -> dict[str, float]:
         return measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs,
                                   host_floor=host, rounds=req.rounds)
-    if req.graphs and device.type == "cuda":
-        # A replayed program's first call runs in Inductor's CUDA-graph-tree warm-up, whose pool
-        # takes the calling thread's allocations and refuses tensors left alive there (2x H200,
-        # session 41: "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"); a
-        # helper thread allocates from the ordinary pool (symm.off_thread, as the rendezvous).
-        # Its stream is not the caller's: the inputs must be complete first.  Not yet run on a GPU.
-        from torch_commopt.kernels.gpu.symm import off_thread
+    try:
+        if req.graphs and device.type == "cuda":
+            # A replayed program's first call runs in Inductor's CUDA-graph-tree warm-up, whose pool
+            # takes the calling thread's allocations and refuses tensors left alive there (2x H200,
+            # session 41: "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"); a
+            # helper thread allocates from the ordinary pool (symm.off_thread, as the rendezvous).
+            # Its stream is not the caller's: the inputs must be complete first.  Not yet run on a GPU.
+            from torch_commopt.kernels.gpu.symm import off_thread
 
-        torch.cuda.synchronize(device)
-        measured = off_thread(measure, device)
-    else:
-        measured = measure()
+            torch.cuda.synchronize(device)
+            measured = off_thread(measure, device)
+        else:
+            measured = measure()
+    except NothingCaptured:  # e.g. a first call inside another capture's warm-up: every rank is here
+        log.warning("commopt autotune: %s: no candidate could be captured for timing; running %s untimed",
+                    req.name, req.fallback)
+        req.decided = req.fallback
+        req.report_notes.append(f"{req.name}: no candidate could be captured for timing; runs {req.fallback} untimed")
+        return req.decided
     best = winner(measured, req.margin, host if req.headroom else None, req.headroom)
     sched = Schedule.parse(best)
     if req.debug_waits and sched.is_gpu:
@@ -301,8 +313,8 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     calls = [functools.partial(_repeat, run, s, c) for s, c in zip(candidates, counts)]
     if graphs and device.type == "cuda":
         replays = capture_agreed({s: call for s, call in zip(candidates, calls)}, group)
-        if not replays:
-            raise RuntimeError("commopt autotune: no candidate could be captured in a CUDA graph")
+        if not replays:  # agreed: every rank raises
+            raise NothingCaptured("commopt autotune: no candidate could be captured in a CUDA graph")
         keep = [i for i, s in enumerate(candidates) if s in replays]
         candidates, calls, counts = [candidates[i] for i in keep], list(replays.values()), [counts[i] for i in keep]
     samples: list[list[float]] = [[] for _ in candidates]
@@ -346,6 +358,10 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     if len(close) > 1:
         medians = timed_rounds(close, EXTRA_ROUNDS, "(near-tie)")
     return dict(zip(candidates, medians))
+
+
+class NothingCaptured(RuntimeError):
+    """No candidate of a replayed measurement could be captured, on any rank (capture_agreed)."""
 
 
 def _repeat(run: Callable[[str], Any], schedule: str, count: int) -> None:

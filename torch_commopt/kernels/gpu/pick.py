@@ -58,6 +58,13 @@ SHORT_GRAPHS_WIDE_S = 0.05e-3
 # 0.264 / 0.280 -- direct:1 ahead of ce_push:1 in 3 of 5 runs.
 BAND_CANDIDATES = {"ag_matmul": ["sequential", "ce_push:1"], "matmul_rs": ["sequential", "ce_push:1", "direct:1"],
                    "matmul_ar": ["sequential", "ce_push:1"]}
+# Replayed two-rank bf16 / fp16 all-gathers under MIN_GEMM_S_GRAPHS: the two kinds of card
+# order the GPU schedules differently, so the first call times them as graph replays.  M_global
+# 512, K = N = 8192 (est. 49 us), ms: 2x H200 ce_push:1:par=1 0.075-0.077 against gemm=whole's
+# 0.080-0.081 in all six sweeps that timed both (s23-s41), 2x H100 0.085-0.088 against
+# 0.081-0.083 in all eight (s20-s38: two GEMMs, each reading the whole 64 MiB weight, side by
+# side); torch async-TP 0.080 on H200, NCCL + cuBLAS 0.086.
+REPLAYED_BAND_CANDIDATES = {"ag_matmul": ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]}
 # The band's upper end: above it a GPU schedule's GEMM outlasts its host cost on every host
 # seen (RS 8192^3, est. 0.79 ms: ce_push:1 1.10x the best baseline eager on s13's slow host,
 # 1.15x on s13b's).
@@ -127,10 +134,16 @@ def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: st
 def measure_band(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
                  dtype: str, *, graphs: bool = False) -> list[str] | None:
     """Candidates to time at the first call when the rule cannot tell from the shape alone
-    (an eager call in the host-bound band, see BAND_CANDIDATES), else None."""
-    if graphs or gpu_refusal(kind, a_shape, weight_shapes, dim, world) is not None:
+    (an eager call in the host-bound band, see BAND_CANDIDATES; a replayed short two-rank
+    all-gather, see REPLAYED_BAND_CANDIDATES: timed as replays, by GPU time), else None."""
+    if gpu_refusal(kind, a_shape, weight_shapes, dim, world) is not None:
         return None
     gemm_s, comm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)
+    if graphs:
+        short = comm_s >= MIN_HIDDEN_COMM_S_GRAPHS and gemm_s < MIN_GEMM_S_GRAPHS
+        if kind in REPLAYED_BAND_CANDIDATES and world <= 2 and short and dtype in ("bfloat16", "float16"):
+            return list(REPLAYED_BAND_CANDIDATES[kind])
+        return None
     if kind not in BAND_CANDIDATES or comm_s < MIN_HIDDEN_COMM_S or not MIN_GEMM_S_GRAPHS <= gemm_s < SHORT_GEMM_S:
         return None
     if kind == "matmul_ar" and dtype.startswith("float8"):
