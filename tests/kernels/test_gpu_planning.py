@@ -213,8 +213,9 @@ def test_a_replayed_band_request_times_replays_without_a_host_check():
     sched = autotune.band_request("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", "cpu", "g",
                                   cands, "ce_push:1:gemm=whole", None, "ag0", graphs=True)
     req = autotune._REQUESTS[sched.param("id")]
-    assert req.graphs and req.headroom == 0.0 and req.margin == autotune.BAND_MARGIN
+    assert req.graphs and req.headroom == 0.0 and req.margin == autotune.REPLAYED_BAND_MARGIN < autotune.BAND_MARGIN
     assert req.key["graphs"] is True and req.key["host_headroom"] == 0.0
+    assert req.key["margin"] == autotune.REPLAYED_BAND_MARGIN  # decided under its own margin
     eager = autotune.band_request("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", "cpu", "g",
                                   cands, "ce_push:1:gemm=whole", None, "ag0")
     assert eager != sched  # measured apart: an eager measurement is not a replayed one
