@@ -189,8 +189,8 @@ def test_compiled_with_cuda_graph_trees(two_ranks):
 @pytest.mark.parametrize("options", [{}, {"schedule": "ce_push:1:gemm=whole"}, {"schedule": "ce_push:1:par=1"},
                                      {"mode": "autotune"}], ids=["rule", "gemm-whole", "par1", "autotune"])
 def test_short_all_gather_under_cuda_graph_trees(two_ranks, options):
-    # not yet run on a GPU (written in session 41, after a first-call measurement of this
-    # region inside the trees' warm-up failed their live-tensor check)
+    # session 41: a first-call measurement of this region inside the trees' warm-up failed their
+    # live-tensor check; session 42 (2x H100): all four pass, timing on the helper thread
     _funcol_ranks(two_ranks)
     from kernel_cases import run_compiled_cuda_graphs_short
 

@@ -235,7 +235,8 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
             # takes the calling thread's allocations and refuses tensors left alive there (2x H200,
             # session 41: "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"); a
             # helper thread allocates from the ordinary pool (symm.off_thread, as the rendezvous).
-            # Its stream is not the caller's: the inputs must be complete first.  Not yet run on a GPU.
+            # Its stream is not the caller's: the inputs must be complete first.  (2x H100, session
+            # 42: test_short_all_gather_under_cuda_graph_trees passes with it.)
             from torch_commopt.kernels.gpu.symm import off_thread
 
             torch.cuda.synchronize(device)

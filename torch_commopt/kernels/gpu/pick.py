@@ -85,7 +85,8 @@ PAR_MAX_GEMM_S = 3e-3
 # sweeps that timed both (10 on 2x H100, s20-s38: 0.2034-0.2100 vs 0.2090-0.2186 ms; 5 on 2x H200,
 # s23-s40: 0.2027-0.2071 vs 0.2076-0.2131).  Below it (M_global 512, est. 49 us) the cards part:
 # H200 par=1 0.075-0.077 vs gemm=whole 0.080-0.081, H100 0.085-0.088 vs 0.081-0.083 (two GEMMs
-# each reading the whole weight beside each other): gemm=whole stays there.
+# each reading the whole weight beside each other): gemm=whole is the rule's pick there, and at
+# two ranks the first call times both (REPLAYED_BAND_CANDIDATES).
 PAR_MIN_GEMM_S_GRAPHS = 0.1e-3
 # Reductions run ce_push:1 below this estimated GEMM time, ce_push:2 above (see pick()).
 SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
