@@ -465,12 +465,13 @@ def run_compiled_cuda_graphs(rank: int, world: int, calls: int = 5):
 
 def run_compiled_cuda_graphs_short(rank: int, world: int, options: dict, calls: int = 5):
     """A short all-gather -> matmul (M_global 512, K 8192, N 4096 per rank: the rule's replayed
-    band, pick.REPLAYED_BAND_CANDIDATES, gemm=whole its fallback) compiled with cuda_graphs=True and `options` (the rule, a fixed schedule,
-    mode autotune), run by Inductor's CUDA-graph trees; every call on fresh inputs checked
-    against float64 beside eager bf16's own error.  Returns (errors, schedules, notes, what an
-    autotune placeholder resolved to).  (Session 41: a first-call measurement of this region's
-    candidates inside the trees' warm-up failed their check "Detected 1 tensor(s) in the
-    cudagraph pool not tracked as outputs"; the measurement now runs on a helper thread.)"""
+    band, pick.REPLAYED_BAND_CANDIDATES, gemm=whole its fallback) compiled with cuda_graphs=True
+    and `options` (the rule, a fixed schedule, mode autotune), run by Inductor's CUDA-graph
+    trees; every call on fresh inputs checked against float64 beside eager bf16's own error.
+    Returns (errors, schedules, notes, what an autotune placeholder resolved to).  (Session 41:
+    a first-call measurement of this region's candidates inside the trees' warm-up failed their
+    check "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"; the measurement
+    now runs on a helper thread.)"""
     import torch.distributed._functional_collectives as funcol
     from torch_commopt.tuner import autotune
 

@@ -44,11 +44,6 @@ TARGET_S = {"cuda": 5e-3, "cpu": 20e-3}  # back-to-back calls per sample last at
 # between rounds (2x H200: ar ce_push:1 at M_global 2048 ran 0.31-0.58 ms, NCCL 0.32-0.33),
 # and a first-call measurement that caught the fast rounds must not make the program lose.
 BAND_MARGIN = 0.05
-# A replayed band region (a short all-gather replayed from CUDA graphs) has no host in its
-# calls: its candidates differ by GPU time alone, and replays time within ~2%.  2x H100, session
-# 42: the first call measured gemm=whole 0.0853 ms against NCCL's 0.0892 (4.4% faster, kept NCCL
-# under BAND_MARGIN), the sweep then 0.083 against 0.089.
-REPLAYED_BAND_MARGIN = 0.02
 # ... and only for a schedule whose host enqueue time, this many times over, still fits in
 # `sequential`'s time: a band call runs at max(GPU, host), the host slows 1.5-9x in bursts
 # (2x H100, profile_host --series, s22: RS M_global 2048 ce_push:1 enqueued 185 us a call
@@ -57,6 +52,11 @@ REPLAYED_BAND_MARGIN = 0.02
 # call's measurement saw the fast host: bench s22 eager RS 2048 chose ce_push:1 at 0.234 vs
 # 0.288 ms, which then ran 0.393 ms a call (0.72x NCCL).  NCCL's own enqueue is 55-75 us.
 BAND_HOST_HEADROOM = 1.5
+# A replayed band region (a short all-gather replayed from CUDA graphs) has no host in its
+# calls: its candidates differ by GPU time alone, and replays time within ~2%.  2x H100, session
+# 42: the first call measured gemm=whole 0.0853 ms against NCCL's 0.0892 (4.4% faster, kept NCCL
+# under BAND_MARGIN), the sweep then 0.083 against 0.089.
+REPLAYED_BAND_MARGIN = 0.02
 # The band's measurement runs more rounds than autotune's, and its host check takes each
 # candidate's fastest round: a host burst at the first call otherwise decides for the whole run
 # (2x H200, session 25: RS M_global 2048's first call saw ce_push:1 enqueue 0.289 ms a call,
