@@ -81,6 +81,8 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt call-graphs": {"call_graphs": True},
                    # the band's regions always timed at their first call (before session 38)
                    "commopt band timed": {"band_in_graph": False},
+                   # a training forward's band ranked with its backward counted (session 42, opt-in)
+                   "commopt band training": {"band_in_graph": "training"},
                    # concat-K's terms handed to the ops as K parts (Config.k_parts, off by default)
                    "commopt k parts": {"k_parts": True},
                    "commopt model no concat-K": {"mode": "model", "concat_k": False},

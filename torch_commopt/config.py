@@ -118,7 +118,9 @@ class Config:
         when its graph's host runs ahead of the GPU -- estimated from the graph's matmuls and
         attention against its node count and regions (passes/host_ahead.py; explain notes the
         figures per graph) -- since the host's enqueue is then hidden.  False: always timed at
-        the first call.
+        the first call.  "training": as True, and a training forward graph is counted together
+        with the backward it implies (estimated from the forward): back to back, the backward's
+        lead hides the next forward's host (opt-in until measured in training).
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
         naming the op, rank and chunk instead of hanging (also enabled by the
         environment variable TORCH_COMMOPT_DEBUG_WAITS=1); costs a sync per op.
@@ -147,7 +149,7 @@ class Config:
     debug_waits: bool = False
     cuda_graphs: bool = False
     call_graphs: bool = False
-    band_in_graph: bool = True
+    band_in_graph: bool | str = True
     concat_k: bool = True
     k_parts: bool = False
     coconet: bool = False
@@ -193,7 +195,7 @@ class Config:
         unknown = [p for p in self.patterns if p not in PATTERNS]
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
-        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "call_graphs", "band_in_graph", "coconet",
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "call_graphs", "coconet",
                      "concat_k", "k_parts", "regather_for_backward"):
             _check_type(name, getattr(self, name), bool)
         if self.saved_gather_budget_mib is not None:
@@ -205,6 +207,8 @@ class Config:
             if self.regather_for_backward:
                 raise ValueError("Config.saved_gather_budget_mib: regather_for_backward=True re-gathers every "
                                  "all-gather already; set one of the two")
+        if not (isinstance(self.band_in_graph, bool) or self.band_in_graph == "training"):
+            raise ValueError(f"Config.band_in_graph: expected False, True or 'training', got {self.band_in_graph!r}")
         if self.ar_split not in (False, True, "checked"):
             raise ValueError(f"Config.ar_split: expected False, True or 'checked', got {self.ar_split!r}")
         if self.attention_schedule != "auto":

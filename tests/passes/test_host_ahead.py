@@ -4,6 +4,7 @@ at its first call.  Fake CUDA tensors: no GPU needed."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -116,3 +117,48 @@ def test_only_the_rule_on_eager_calls_asks(tmp_path):
     assert not pipeline._host_ahead(graph, long_only, Config(cache_dir=str(tmp_path)), report)
     assert report.notes == []  # no band region, nothing to note
     assert pipeline._host_ahead(graph, regions, Config(cache_dir=str(tmp_path)), report)
+
+
+def _forward_of_s42(pointwise: int = 38):
+    """A training forward graph at session 42's shapes (TP 2, 8192 tokens, dim 4096, 16 / 4
+    local heads, hidden 7168 a rank): est. ~2.6 ms of matmuls and attention against 43
+    launches and 4 regions of host -- not ahead alone."""
+    mms = [(8192, 4096, 3072), (8192, 2048, 4096), (8192, 4096, 7168), (8192, 4096, 7168), (8192, 7168, 4096)]
+    return _graph(mms, pointwise=pointwise, attention=(1, 16, 8192, 128))
+
+
+def test_a_training_forward_counted_with_its_backward():
+    from torch_commopt.passes.host_ahead import ATTENTION_BWD, BWD_LAUNCHES, BWD_MATMUL
+
+    graph = _forward_of_s42()
+    gpu, host, launches = estimate(graph, regions=4)
+    assert not host_runs_ahead(graph, regions=4)[0]  # 43 launches + 4 regions of host > the GPU's work
+    gpu2, host2, launches2 = estimate(graph, regions=4, with_backward=True)
+    attn = 4.0 * 16 * 8192 * 8192 * 128 / 2 / GEMM_FLOPS_PER_S["bfloat16"]
+    assert gpu2 == pytest.approx(gpu + BWD_MATMUL * (gpu - attn) + ATTENTION_BWD * attn)
+    assert host2 == pytest.approx(host + BWD_LAUNCHES * launches * LAUNCH_S + 4 * REGION_HOST_S)
+    assert launches2 == launches + math.ceil(BWD_LAUNCHES * launches)
+    ahead, note = host_runs_ahead(graph, regions=4, with_backward=True)
+    assert ahead and note.startswith("graph and the backward it implies") and "4 regions each way" in note
+    # a forward whose own host dwarfs its GPU work stays timed even with its backward counted
+    thin = _graph([(2048, 1024, 1024)] * 10, pointwise=70)
+    assert not host_runs_ahead(thin, regions=4, with_backward=True)[0]
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward", "inference"])
+def test_band_in_graph_training_counts_only_a_training_forward_with_its_backward(kind):
+    graph = _forward_of_s42()
+    # q/k/v's and w1/w3's all-gathers (in the band), o's and w2's reduce-scatters
+    regions = [_region(graph, "ag_matmul", [4096, 4096], [4096, 2048]) for _ in range(2)]
+    regions += [_region(graph, "matmul_rs", [8192, 2048], [2048, 4096]) for _ in range(2)]
+    for setting, expect in ((True, False), ("training", kind == "forward")):
+        report = explain.GraphReport(graph_id=0, graph_kind=kind, compile_id=None)
+        assert pipeline._host_ahead(graph, regions, Config(band_in_graph=setting), report) is expect
+        assert report.notes[-1].startswith("graph and the backward" if expect else "graph: est.")
+
+
+@pytest.mark.parametrize("bad", [1, 0, None, "train", "forward"])
+def test_band_in_graph_takes_a_bool_or_training(bad):
+    with pytest.raises(ValueError, match="band_in_graph"):
+        Config(band_in_graph=bad)
+    assert Config(band_in_graph="training").band_in_graph == "training"

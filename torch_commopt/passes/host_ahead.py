@@ -18,6 +18,16 @@ side every node that is not a view at LAUNCH_S (measured per node, everything on
 counted in) and every region at REGION_HOST_S (above the slowest enqueue a band region measured).
 At that step's shapes a forward graph (43 nodes, 2.9 ms of matmuls and attention at peak) does
 not count as ahead (3.3 ms of host), a backward one (69-83 nodes, 6.1 ms) does (4.4-4.9 ms).
+
+With_backward (Config.band_in_graph="training"): a training forward graph is counted together
+with the backward it implies (estimated from the forward: BWD_MATMUL times its matmuls,
+ATTENTION_BWD times its attention, BWD_LAUNCHES times its launches, as many regions).  Steps run
+back to back, the backward's lead carries into the next forward; with a synchronize every step
+the forward starts on an empty queue.  2x H100, session 42 (e2e_h100x2_2026-11-27_s42): the
+forward alone (2.95 ms GPU, 3.32 ms host) timed its two band regions at the first call and kept
+NCCL (1.7 ms of NCCL a step), the rule ran 1.033x inductor back to back against the model's
+1.046x (GPU schedules everywhere); counted with its backward (est. 9.0 ms GPU, 8.4 ms host) it
+runs ahead.  Opt-in until measured in training.
 """
 
 from __future__ import annotations
@@ -36,6 +46,10 @@ from torch_commopt.passes.graph_utils import is_static, val
 LAUNCH_S = 40e-6
 REGION_HOST_S = 0.4e-3  # a region's GPU-schedule call (s38's backward band: 0.17-0.38 ms a call)
 ATTENTION_BWD = 2.5  # an attention backward's matmul work over its forward's
+BWD_MATMUL = 2.0  # a forward matmul's backward: its input's and its weight's gradients
+# A backward graph's launches over its forward's (s38: 69-83 nodes against 43, at most 1.93;
+# rounded up, as every figure here leans against calling the host ahead)
+BWD_LAUNCHES = 2.0
 _FREE = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze",
          "slice", "select", "alias", "as_strided", "split", "split_with_sizes", "unbind", "detach",
          "getitem", "sym_size", "sym_numel", "sym_stride"}
@@ -87,25 +101,32 @@ def _attention_flops(node: Node) -> float:
     return fwd * (ATTENTION_BWD if "backward" in name else 1.0)
 
 
-def estimate(graph: Graph, regions: int) -> tuple[float, float, int]:
-    """(GPU seconds, host seconds, launches counted) of one call of the graph, as biased above."""
-    gpu, launches = 0.0, 0
+def estimate(graph: Graph, regions: int, with_backward: bool = False) -> tuple[float, float, int]:
+    """(GPU seconds, host seconds, launches counted) of one call of the graph, as biased above;
+    with_backward: a training forward graph's figures with its backward's estimate added."""
+    matmul, attention, launches = 0.0, 0.0, 0
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if _name(node) not in _FREE:
             launches += 1
-        flops = _matmul_flops(node) + _attention_flops(node)
-        if flops:
-            gpu += flops / GEMM_FLOPS_PER_S.get(_dtype(node), 50e12)
-    return gpu, launches * LAUNCH_S + regions * REGION_HOST_S, launches
+        rate = GEMM_FLOPS_PER_S.get(_dtype(node), 50e12)
+        matmul += _matmul_flops(node) / rate
+        attention += _attention_flops(node) / rate
+    gpu, host = matmul + attention, launches * LAUNCH_S + regions * REGION_HOST_S
+    if with_backward:
+        gpu += BWD_MATMUL * matmul + ATTENTION_BWD * attention
+        host += BWD_LAUNCHES * launches * LAUNCH_S + regions * REGION_HOST_S
+        launches += math.ceil(BWD_LAUNCHES * launches)
+    return gpu, host, launches
 
 
-def host_runs_ahead(graph: Graph, regions: int) -> tuple[bool, str]:
+def host_runs_ahead(graph: Graph, regions: int, with_backward: bool = False) -> tuple[bool, str]:
     """(whether the GPU time alone should rank the band's schedules, a note for explain)."""
-    gpu, host, launches = estimate(graph, regions)
+    gpu, host, launches = estimate(graph, regions, with_backward)
     ahead = regions > 0 and host <= gpu
-    return ahead, (f"graph: est. {gpu * 1e3:.2f} ms of matmuls and attention on the GPU, {host * 1e3:.2f} ms of host "
-                   f"({launches} launches, {regions} regions): "
+    what = "graph and the backward it implies" if with_backward else "graph"
+    return ahead, (f"{what}: est. {gpu * 1e3:.2f} ms of matmuls and attention on the GPU, {host * 1e3:.2f} ms of "
+                   f"host ({launches} launches, {regions} regions{' each way' if with_backward else ''}): "
                    + ("the host runs ahead, so the band's regions are ranked by GPU time" if ahead else
                       "the host may not run ahead, so the band's regions are timed at their first call"))

@@ -248,7 +248,8 @@ def _host_ahead(graph: Graph, regions: list[Region], config: Config, report: exp
         return False
     from torch_commopt.passes.host_ahead import host_runs_ahead
 
-    ahead, note = host_runs_ahead(graph, len(regions))
+    with_backward = config.band_in_graph == "training" and report.graph_kind == "forward"
+    ahead, note = host_runs_ahead(graph, len(regions), with_backward)
     report.notes.append(note)
     return ahead
 
