@@ -16,8 +16,8 @@ default) in bf16 from the same seed:
                         graphs (Inductor's CUDA-graph trees), no per-kernel host cost
     commopt graphs      torch_commopt.optimize(block, cuda_graphs=True): the same for commopt
                         (its schedules' per-call host cost goes too)
-(--variants also takes "commopt no concat-K", "commopt model no concat-K", "commopt band timed", "commopt k parts"
-and "commopt model graphs"; "_" may stand for a space.)  And a bound, not a backend:
+(--variants also takes "commopt no concat-K", "commopt model no concat-K", "commopt band timed", "commopt k parts",
+"commopt band training" and "commopt model graphs"; "_" may stand for a space.)  And a bound, not a backend:
 
     inductor comm-free  the inductor variant with every collective taken out of its compiled
                         graphs (benchmarks/comm_free.py: gathers read a constant of their shape,
