@@ -110,14 +110,16 @@ def estimate(graph: Graph, regions: int, with_backward: bool = False) -> tuple[f
             continue
         if _name(node) not in _FREE:
             launches += 1
-        rate = GEMM_FLOPS_PER_S.get(_dtype(node), 50e12)
-        matmul += _matmul_flops(node) / rate
-        attention += _attention_flops(node) / rate
+        mm, attn = _matmul_flops(node), _attention_flops(node)
+        if mm or attn:
+            rate = GEMM_FLOPS_PER_S.get(_dtype(node), 50e12)
+            matmul, attention = matmul + mm / rate, attention + attn / rate
     gpu, host = matmul + attention, launches * LAUNCH_S + regions * REGION_HOST_S
     if with_backward:
+        bwd_launches = math.ceil(BWD_LAUNCHES * launches)
         gpu += BWD_MATMUL * matmul + ATTENTION_BWD * attention
-        host += BWD_LAUNCHES * launches * LAUNCH_S + regions * REGION_HOST_S
-        launches += math.ceil(BWD_LAUNCHES * launches)
+        host += bwd_launches * LAUNCH_S + regions * REGION_HOST_S
+        launches += bwd_launches
     return gpu, host, launches
 
 
