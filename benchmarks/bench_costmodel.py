@@ -40,10 +40,11 @@ from costmodel_vs_bench import region_shape  # noqa: E402
 from gpu_clocks import snapshot as gpu_state  # noqa: E402
 from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.tuner.autotune import measure_candidates, timed_candidates  # noqa: E402
+from torch_commopt.tuner.autotune import PAIRED, measure_candidates, median_ci, paired_ms, timed_candidates  # noqa: E402
 from torch_commopt.tuner.model import rank  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
+DUEL_ROUNDS = 15  # the head-to-head's rounds before its near-tie ones
 
 
 def _replayed_per_call(op, kind: str):
@@ -91,21 +92,31 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
             records.append(dict(base, candidate=s, predicted_ms=p.seconds * 1e3, measured_ms=measured[s],
                                 predicted_gpu_ms=p.gpu_s * 1e3, predicted_host_ms=p.host_s * 1e3))
         top = timed_candidates(preds, TOP_K)  # what Config(mode="autotune") times
-        tuned = measure_candidates(op, top, group_name, device, graphs=graphs)
+        tuned_rows: list = []
+        tuned = measure_candidates(op, top, group_name, device, graphs=graphs, trace=tuned_rows)
         clocks["after_autotune"] = gpu_state(rank_)
-        pick = min(tuned, key=lambda s: (tuned[s], s))
+        # the two ways of reading one autotune measurement: medians, and round-paired ratios
+        by_median = min(tuned, key=lambda s: (tuned[s], s))
+        paired = paired_ms(tuned_rows, by_median)
+        picks = {"median": by_median, "paired": min(paired, key=lambda s: (paired[s], s))}
+        pick = picks["paired" if PAIRED else "median"]  # what the tuner runs
         best = min(measured, key=measured.get)
         first = first or (shape, measured, best)
         # Two measurements of near-ties disagree within their spread: where the sweep's best is
-        # not autotune's pick or the model's top-1, those two or three meet again, alone, for as
-        # many rounds as a near-tie gets (the pick and the top-1 are then judged on that timing).
-        duel = list(dict.fromkeys([pick, best, names[0]]))
-        head = measure_candidates(op, duel, group_name, device, graphs=graphs) if len(duel) > 1 else {}
+        # not autotune's pick or the model's top-1, those meet again, alone, for DUEL_ROUNDS rounds
+        # (and a near-tie's extra ones); a pick is judged on that timing, paired by round.
+        duel = list(dict.fromkeys([pick, *picks.values(), best, names[0]]))
+        duel_rows: list = []
+        head = (measure_candidates(op, duel, group_name, device, graphs=graphs, rounds=DUEL_ROUNDS, trace=duel_rows)
+                if len(duel) > 1 else {})
         clocks["after_head_to_head"] = gpu_state(rank_)
         shapes.append(dict(base, model_top1=names[0], measured_best=best, measured_best_ms=measured[best],
                            model_top1_measured_ms=measured[names[0]], autotune_candidates=top,
                            autotune_pick=pick, autotune_pick_measured_ms=measured[pick], autotune_timing_ms=tuned,
-                           head_to_head_ms=head, gpu_state=clocks))
+                           autotune_paired_ms=paired, autotune_picks=picks, head_to_head_ms=head,
+                           judged={how: judge(duel_rows, p) for how, p in picks.items()},
+                           trace={"autotune": _rounded(tuned_rows), "head_to_head": _rounded(duel_rows)},
+                           gpu_state=clocks))
         if rank_ == 0:
             print(f"{shape.op} {shape.M}x{shape.K}x{shape.N}: model {names[0]} ({measured[names[0]]:.3f}), "
                   f"best {best} ({measured[best]:.3f}), autotune {pick} ({measured[pick]:.3f})", flush=True)
@@ -115,6 +126,29 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
     return {"calibration_s": calibration_s, "calibration": json.loads(cal.to_json()), "records": records,
             "shapes": shapes, "compile": compile_times, "drift": drift,
             "drift_gpu_state": drift_state}
+
+
+def _rounded(rows: list) -> list:
+    return [[r, s, round(ms, 5)] for r, s, ms in rows]
+
+
+def judge(rows: list, pick: str) -> dict:
+    """The pick against every other schedule of a head-to-head: per other schedule, the median
+    and 95% confidence interval (order statistics) of pick / other over the rounds timing both
+    (a round's samples are milliseconds apart, so clocks moving between rounds cancel).  held:
+    no other schedule is faster beyond that interval, i.e. the pick is a measured best, the
+    others' differences from it being below what the measurement resolves."""
+    by_round: dict = {}
+    for r, s, ms in rows:
+        by_round.setdefault(r, {})[s] = ms
+    versus = {}
+    for other in dict.fromkeys(s for _, s, _ in rows):
+        ratios = [row[pick] / row[other] for row in by_round.values() if pick in row and other in row]
+        if other != pick and ratios:
+            lo, hi = median_ci(ratios)
+            versus[other] = {"median": statistics.median(ratios), "lo": lo, "hi": hi, "rounds": len(ratios)}
+    return {"versus": versus, "held": all(v["lo"] <= 1.0 for v in versus.values()),
+            "worst_median": max((v["median"] for v in versus.values()), default=1.0)}
 
 
 def _drift(shape, swept: dict[str, float], best: str, rank_: int, world: int, group_name: str, device,
@@ -174,6 +208,8 @@ def summarize(result: dict) -> dict:
     top1_head = [s["head_to_head_ms"][s["model_top1"]] <= 1.05 * min(s["head_to_head_ms"].values())
                  if s["model_top1"] in s.get("head_to_head_ms", {}) else ok for s, ok in zip(shapes, top1)]
     near = [s["autotune_pick_measured_ms"] <= 1.02 * s["measured_best_ms"] for s in shapes]
+    how = "paired" if PAIRED else "median"
+    judged = {h: [s["judged"][h]["held"] for s in shapes if "judged" in s] for h in ("median", "paired")}
     # The same schedule timed twice (the sweep, then autotune's own pass): how far apart
     # two measurements of one thing land -- the resolution of "the measured best".
     sweep = {(r["op"], r["M"], r["N"], r["candidate"]): r["measured_ms"] for r in recs}
@@ -189,11 +225,32 @@ def summarize(result: dict) -> dict:
             "autotune_best_or_wins_head_to_head": f"{sum(held)}/{len(held)}",
             "top1_within_5pct_head_to_head": f"{sum(top1_head)}/{len(top1_head)}",
             "autotune_pick_max_gap_to_best": max(gaps),
+            # the head-to-head, round-paired: the pick is not slower than any other beyond the 95% CI
+            "autotune_reads": how,
+            "autotune_is_a_measured_best_paired_judge": f"{sum(judged[how])}/{len(judged[how])}",
+            "autotune_median_read_is_a_measured_best": f"{sum(judged['median'])}/{len(judged['median'])}",
+            "autotune_paired_read_is_a_measured_best": f"{sum(judged['paired'])}/{len(judged['paired'])}",
+            "autotune_pick_worst_paired_ratio": max((s["judged"][how]["worst_median"] for s in shapes
+                                                     if "judged" in s), default=None),
             "remeasure_spread_median": statistics.median(remeasure), "remeasure_spread_max": max(remeasure),
             "drift_first_shape_max": max((abs(b / a - 1) for a, b in result.get("drift", {}).values()), default=None),
             "calibration_s": result["calibration_s"],
             "warm_cache_compile_overhead_s_per_region": (comp["autotune_warm"]["seconds"] - base) / regions,
             "cold_autotune_overhead_s_per_region": (comp["autotune_cold"]["seconds"] - base) / regions}
+
+
+def _verdict(shape: dict) -> str:
+    """The paired judge's figures for the pick the tuner runs (and the other read's, if it differs)."""
+    if "judged" not in shape:
+        return "-"
+    parts = []
+    for how, pick in shape["autotune_picks"].items():
+        if how != ("paired" if PAIRED else "median") and pick == shape["autotune_pick"]:
+            continue
+        j = shape["judged"][how]
+        vs = ", ".join(f"{o} {v['median']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]" for o, v in j["versus"].items())
+        parts.append(f"{how} read {pick}: {vs or 'alone'} ({'held' if j['held'] else 'slower'})")
+    return "; ".join(parts)
 
 
 def report(doc: dict, records: list[dict]) -> str:
@@ -205,8 +262,8 @@ def report(doc: dict, records: list[dict]) -> str:
     lines += [f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summ.items()]
     lines += ["", "## Per shape", "",
               "| op | M | K | N | model top-1 (measured ms) | measured best (ms) | autotune pick (ms in sweep) | "
-              "head to head, pick / best [top-1] (ms) | autotune timed |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "head to head, pick / best [top-1] (ms) | paired judge: pick / each other, median [95% CI] | autotune timed |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in doc["shapes"]:
         head = s.get("head_to_head_ms") or {}
         duel = f"{head[s['autotune_pick']]:.3f} / {head[s['measured_best']]:.3f}" if head else "-"
@@ -214,7 +271,8 @@ def report(doc: dict, records: list[dict]) -> str:
             duel += f" (top-1 {head[s['model_top1']]:.3f})"
         lines.append(f"| {s['op']} | {s['M']} | {s['K']} | {s['N']} | {s['model_top1']} ({s['model_top1_measured_ms']:.3f}) | "
                      f"{s['measured_best']} ({s['measured_best_ms']:.3f}) | {s['autotune_pick']} "
-                     f"({s['autotune_pick_measured_ms']:.3f}) | {duel} | {', '.join(s['autotune_candidates'])} |")
+                     f"({s['autotune_pick_measured_ms']:.3f}) | {duel} | {_verdict(s)} | "
+                     f"{', '.join(s['autotune_candidates'])} |")
     lines += ["", "## Every candidate: predicted vs measured (ms)", ""]
     for r in records:
         err = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]

@@ -38,6 +38,9 @@ log = logging.getLogger("torch_commopt.tuner.autotune")
 
 ROUNDS = 5  # timing rounds; every candidate once per round, in an order rotated per round
 CLOSE, EXTRA_ROUNDS = 0.03, 10  # candidates within 3% of the best get 10 more rounds
+# A first call's figures: each candidate's median (False), or the best median's times the median
+# of the candidate's ratio to it over the rounds timing both (True; paired_ms).
+PAIRED = False
 TARGET_S = {"cuda": 5e-3, "cpu": 20e-3}  # back-to-back calls per sample last at least this
 # A band region (host-bound eager calls, pick.measure_band) leaves NCCL + cuBLAS only for a
 # schedule measured this much faster: there the host's speed moves a GPU schedule's time
@@ -228,7 +231,7 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
 
     def measure() -> dict[str, float]:
         return measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs,
-                                  host_floor=host, rounds=req.rounds)
+                                  host_floor=host, rounds=req.rounds, paired=PAIRED)
     try:
         if req.graphs and device.type == "cuda":
             # A replayed program's first call runs in Inductor's CUDA-graph-tree warm-up, whose pool
@@ -295,7 +298,8 @@ def winner(measured: dict[str, float], margin: float = 0.0, host: dict[str, floa
 def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_name: str,
                        device: torch.device, label: str = "", *, graphs: bool = False,
                        host: dict[str, float] | None = None, host_floor: dict[str, float] | None = None,
-                       rounds: int = ROUNDS) -> dict[str, float]:
+                       rounds: int = ROUNDS, trace: list[tuple[int, str, float]] | None = None,
+                       paired: bool = False) -> dict[str, float]:
     """{schedule: ms per call} of back-to-back calls (the host cost included: that is what
     the program will see), median over rounds, slowest rank.  Every rank must call this
     with the same candidates at the same point of its program.  graphs=True (CUDA): each
@@ -303,7 +307,9 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     replayed from graphs sees); a candidate whose capture fails on any rank is left out.
     host: filled with {schedule: ms per call the host spent enqueueing}, measured the same way
     (the device idle at each sample's start), median over rounds, slowest rank; host_floor: the
-    same, fastest round (slowest rank's).  rounds: timing rounds before the near-tie ones."""
+    same, fastest round (slowest rank's).  rounds: timing rounds before the near-tie ones.
+    trace: filled with (round, schedule, ms per call) of every sample, the slowest rank's.
+    paired: each figure is the round-paired estimate of `paired_ms` instead of the median."""
     group = resolve_group(group_name)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # noqa: E731
     counts = []
@@ -326,6 +332,7 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
         candidates, calls, counts = [candidates[i] for i in keep], list(replays.values()), [counts[i] for i in keep]
     samples: list[list[float]] = [[] for _ in candidates]
     enqueued: list[list[float]] = [[] for _ in candidates]
+    taken: list[tuple[int, int]] = []  # (round, candidate index) of every sample, in the order timed
     # The group's first rank reports; a bar only on global rank 0: with several groups tuning
     # at once (each TP group of a DP x TP mesh) their bars would overwrite each other on the
     # launcher's one terminal, so the others log their progress at INFO.
@@ -336,8 +343,10 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
         """Time the candidates `indices` for `count` rounds (order rotated per round); the
         medians of all samples so far, slowest rank's."""
         bar = Progress(count * len(indices), f"commopt autotune {label} {desc}".rstrip(), show, bar_here)
+        first_round = 1 + max((r for r, _ in taken), default=-1)
         for r in range(count):
             for i in [indices[(j + r) % len(indices)] for j in range(len(indices))]:
+                taken.append((first_round + r, i))
                 bar.step(candidates[i])
                 dist.barrier(group=group)
                 sync()
@@ -364,7 +373,53 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     close = [i for i, m in enumerate(medians) if m <= best * (1 + CLOSE)]
     if len(close) > 1:
         medians = timed_rounds(close, EXTRA_ROUNDS, "(near-tie)")
-    return dict(zip(candidates, medians))
+    figures = dict(zip(candidates, medians))
+    if trace is None and not paired:
+        return figures
+    # every sample, the slowest rank's: every rank took the same samples in the same order
+    position = [0] * len(candidates)
+    flat = []
+    for _, i in taken:
+        flat.append(samples[i][position[i]])
+        position[i] += 1
+    t = torch.tensor(flat, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    rows = [(r, candidates[i], ms) for (r, i), ms in zip(taken, t.tolist())]
+    if trace is not None:
+        trace.extend(rows)
+    if paired:
+        figures = paired_ms(rows, min(figures, key=lambda s: (figures[s], s)))
+    return figures
+
+
+def paired_ms(rows: list[tuple[int, str, float]], ref: str) -> dict[str, float]:
+    """{schedule: ms}: `ref`'s median, times the median over rounds of the schedule's sample
+    divided by ref's sample of the same round.  A round's candidates run within milliseconds of
+    each other, so clocks and heat that move between rounds (a few percent within a second on a
+    power-capped card) cancel in the ratio, where two medians taken over those rounds keep them."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r, s, ms in rows:
+        by_round.setdefault(r, {})[s] = ms
+    ref_ms = statistics.median(row[ref] for row in by_round.values() if ref in row)
+    out = {}
+    for s in dict.fromkeys(s for _, s, _ in rows):
+        ratios = [row[s] / row[ref] for row in by_round.values() if s in row and ref in row]
+        out[s] = ref_ms * statistics.median(ratios) if ratios else math.inf
+    return out
+
+
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median (order statistics of the sample,
+    binomial(n, 1/2) coverage); (-inf, inf) where n is too small for the confidence."""
+    xs, n = sorted(values), len(values)
+    tail = (1.0 - confidence) / 2
+    k, mass = 0, 0.0  # the largest k with P(Bin(n, 1/2) < k) <= tail
+    while k < n and mass + math.comb(n, k) / 2**n <= tail:
+        mass += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return -math.inf, math.inf
+    return xs[k - 1], xs[n - k]
 
 
 class NothingCaptured(RuntimeError):

@@ -1,0 +1,72 @@
+"""Reading a first call's timing: round-paired ratios against clocks that move between rounds,
+the median's distribution-free confidence interval, and the per-sample trace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torch_commopt.tuner import autotune
+
+
+def _rows(plan):
+    """[(round, schedule, ms)] from {round: (clock factor, {schedule: true ms})}."""
+    return [(r, s, ms * factor) for r, (factor, times) in plan.items() for s, ms in times.items()]
+
+
+def test_paired_reading_cancels_clocks_that_move_between_rounds():
+    # the near-tie rounds (a and b only) run later, at clocks 30% slower: their medians rise,
+    # c (10% slower than a, not a near-tie) keeps its early samples and looks the fastest
+    plan = {r: (1.0, {"a": 1.00, "b": 1.01, "c": 1.10}) for r in range(5)}
+    plan.update({r: (1.3, {"a": 1.00, "b": 1.01}) for r in range(5, 15)})
+    rows = _rows(plan)
+    medians = {s: sorted(ms for _, t, ms in rows if t == s)[len([1 for _, t, _ in rows if t == s]) // 2]
+               for s in "abc"}
+    assert min(medians, key=medians.get) == "c"  # what medians over unequal rounds conclude
+    paired = autotune.paired_ms(rows, "a")
+    assert min(paired, key=paired.get) == "a"
+    assert paired["c"] / paired["a"] == pytest.approx(1.10)
+    assert paired["b"] / paired["a"] == pytest.approx(1.01)
+
+
+def test_paired_reading_of_a_schedule_never_timed_with_the_reference():
+    rows = [(0, "a", 1.0), (1, "b", 0.5)]
+    assert autotune.paired_ms(rows, "a") == {"a": 1.0, "b": math.inf}
+
+
+@pytest.mark.parametrize("n, ranks", [(25, (8, 18)), (15, (4, 12)), (6, (1, 6))])
+def test_median_confidence_interval_is_the_binomial_order_statistics(n, ranks):
+    values = [float(v) for v in range(1, n + 1)]  # x_(k) == k
+    assert autotune.median_ci(list(reversed(values))) == ranks
+
+
+def test_median_confidence_interval_is_unbounded_below_six_samples():
+    assert autotune.median_ci([1.0, 2.0, 3.0, 4.0, 5.0]) == (-math.inf, math.inf)
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("paired", [False, True])
+def test_measure_candidates_traces_every_sample(fake_world, monkeypatch, paired):
+    import types
+
+    import torch.distributed as dist
+
+    clock = [0.0]  # a fake clock: a call takes exactly its delay, so a and b tie exactly
+    monkeypatch.setattr(autotune, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(autotune, "TARGET_S", {"cpu": 1e-4, "cuda": 1e-4})
+    delay = {"a": 2e-4, "b": 2e-4, "c": 2e-3}  # a and b tie: they get the near-tie rounds
+
+    def run(s):
+        clock[0] += delay[s]
+
+    trace = []
+    got = autotune.measure_candidates(run, ["a", "b", "c"], dist.group.WORLD.group_name, torch.device("cpu"),
+                                      trace=trace, paired=paired)
+    rounds = sorted({r for r, _, _ in trace})
+    assert rounds == list(range(autotune.ROUNDS + autotune.EXTRA_ROUNDS))
+    assert sum(1 for _, s, _ in trace if s == "c") == autotune.ROUNDS
+    assert sum(1 for _, s, _ in trace if s == "a") == autotune.ROUNDS + autotune.EXTRA_ROUNDS
+    assert all(ms > 0 for _, _, ms in trace)
+    assert set(got) == {"a", "b", "c"} and got["c"] > 3 * max(got["a"], got["b"])
