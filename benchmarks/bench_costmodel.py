@@ -4,9 +4,11 @@ and what a warm tuner cache adds to a compile.
 One run:
 1. `calibrate_and_store` on every rank (timed) into a fresh cache directory;
 2. for every shape of bench_matmul_collectives' sweep, every candidate the model ranks is
-   measured (back-to-back calls, median of rounds, slowest rank) next to its prediction;
+   measured (back-to-back calls in rounds, slowest rank, read as the tuner reads a first call:
+   autotune.PAIRED) next to its prediction;
 3. autotune's own path (`tuner.autotune.measure_candidates` over the model's top-k and
-   sequential, timed separately) picks a schedule, compared with the best of step 2;
+   sequential, timed separately) picks a schedule, compared with the best of step 2 and judged
+   in a head-to-head with it (and the model's top-1), round-paired, with a 95% CI (`judge`);
 4. a TP MLP (all-gather -> matmul, matmul -> reduce-scatter) compiled with mode="autotune"
    cold (the first call times), then recompiled with the cache warm, against mode="auto".
 
@@ -93,11 +95,13 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
                                 predicted_gpu_ms=p.gpu_s * 1e3, predicted_host_ms=p.host_s * 1e3))
         top = timed_candidates(preds, TOP_K)  # what Config(mode="autotune") times
         tuned_rows: list = []
-        tuned = measure_candidates(op, top, group_name, device, graphs=graphs, trace=tuned_rows)
+        tuned = measure_candidates(op, top, group_name, device, graphs=graphs, trace=tuned_rows)  # the tuner's read
         clocks["after_autotune"] = gpu_state(rank_)
-        # the two ways of reading one autotune measurement: medians, and round-paired ratios
-        by_median = min(tuned, key=lambda s: (tuned[s], s))
-        paired = paired_ms(tuned_rows, by_median)
+        # the two ways of reading one autotune measurement (its near-ties chosen by the tuner's
+        # read): each candidate's median, and round-paired ratios
+        medians = {c: statistics.median(ms for _, s, ms in tuned_rows if s == c) for c in top}
+        by_median = min(medians, key=lambda s: (medians[s], s))
+        paired = tuned if PAIRED else paired_ms(tuned_rows, by_median)
         picks = {"median": by_median, "paired": min(paired, key=lambda s: (paired[s], s))}
         pick = picks["paired" if PAIRED else "median"]  # what the tuner runs
         best = min(measured, key=measured.get)
@@ -113,7 +117,8 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         shapes.append(dict(base, model_top1=names[0], measured_best=best, measured_best_ms=measured[best],
                            model_top1_measured_ms=measured[names[0]], autotune_candidates=top,
                            autotune_pick=pick, autotune_pick_measured_ms=measured[pick], autotune_timing_ms=tuned,
-                           autotune_paired_ms=paired, autotune_picks=picks, head_to_head_ms=head,
+                           autotune_medians_ms=medians, autotune_paired_ms=paired, autotune_picks=picks,
+                           head_to_head_ms=head,
                            judged={how: judge(duel_rows, p) for how, p in picks.items()},
                            trace={"autotune": _rounded(tuned_rows), "head_to_head": _rounded(duel_rows)},
                            gpu_state=clocks))

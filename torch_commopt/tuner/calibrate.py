@@ -426,7 +426,8 @@ def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=P
         w = torch.randn(w_shape, device=device, dtype=torch.bfloat16) / w_shape[0] ** 0.5
         scheds = [s for s in PROBE_SCHEDULES[kind]
                   if not graphs or (p := Schedule.parse(s)).in_capture(kind) == p]
-        ms = measure_candidates(runner(kind, a, [w], world, group_name), scheds, group_name, device, graphs=graphs)
+        ms = measure_candidates(runner(kind, a, [w], world, group_name), scheds, group_name, device, graphs=graphs,
+                                paired=False)  # every probe's own median: the model's fit
         out.update({f"{kind} {s}": t / 1e3 for s, t in ms.items()})
     return out
 
