@@ -1,0 +1,99 @@
+"""Does what else runs in a timing round change how two schedules compare?  Session 43: in the
+eager-with-per-call-graphs tuner sweep, autotune's rounds (five candidates, NCCL `sequential`
+among them) put AG `ce_push:1` ahead of `ce_push:1:par=1` while a head-to-head of the two put
+`par=1` 2-3% ahead, on two runs.  For each such shape this times the pair in several contexts,
+each read round-paired (`autotune.paired_ms`), and prints par=1 / ce_push:1 with its 95% CI:
+
+  pair          the two alone
+  pair+seq      with NCCL `sequential` in every round
+  autotune      the model's top-k and sequential, as Config(mode="autotune") times them
+  pair again    the two alone once more (the drift between the first and the last)
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+      python3 benchmarks/probe_round_context.py --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_costmodel import TOP_K, _replayed_per_call  # noqa: E402
+from bench_matmul_collectives import Shape, _variants  # noqa: E402
+from costmodel_vs_bench import region_shape  # noqa: E402
+from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
+from torch_commopt.launch import run_distributed  # noqa: E402
+from torch_commopt.tuner.autotune import measure_candidates, median_ci, timed_candidates  # noqa: E402
+from torch_commopt.tuner.calibrate import calibrate_and_store  # noqa: E402
+from torch_commopt.tuner.model import rank  # noqa: E402
+
+SHAPES = [Shape("ag", 2048, 8192, 8192), Shape("ag", 4096, 8192, 28672), Shape("ag", 16384, 8192, 8192)]
+A, B = "ce_push:1", "ce_push:1:par=1"
+
+
+def _ratio(rows: list, num: str, den: str) -> dict:
+    by_round: dict = {}
+    for r, s, ms in rows:
+        by_round.setdefault(r, {})[s] = ms
+    ratios = [row[num] / row[den] for row in by_round.values() if num in row and den in row]
+    lo, hi = median_ci(ratios)
+    return {"median": statistics.median(ratios), "lo": lo, "hi": hi, "rounds": len(ratios)}
+
+
+def worker(rank_: int, world: int, cache_dir: str) -> list[dict]:
+    device = torch.device("cuda", rank_)
+    group_name = dist.group.WORLD.group_name
+    cal = calibrate_and_store(group_name, device, cache_dir)
+    out = []
+    for shape in SHAPES:
+        region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
+                               "dtype": "bfloat16"})
+        (a_shape, w_shapes, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
+        cg = call_graphs_pay(region.kind, a_shape, w_shapes, world, "bfloat16")
+        preds = rank(region, cal, graphs=cg)
+        if cg:
+            op = _replayed_per_call(op, region.kind)
+        top = timed_candidates(preds, TOP_K)
+        contexts = {"pair": [A, B], "pair+seq": [A, B, "sequential"],
+                    "autotune": list(dict.fromkeys(top + [A, B])), "pair again": [A, B]}
+        row = {"shape": [shape.op, shape.M, shape.K, shape.N], "call_graphs": cg, "autotune_set": top}
+        for name, cands in contexts.items():
+            trace: list = []
+            figures = measure_candidates(op, cands, group_name, device, graphs=False, trace=trace, rounds=15)
+            row[name] = dict(_ratio(trace, B, A), figures_ms=figures)
+        out.append(row)
+        if rank_ == 0:
+            print(f"{shape.op} {shape.M}x{shape.K}x{shape.N} cg={int(cg)}: " + "; ".join(
+                f"{n} {row[n]['median']:.3f} [{row[n]['lo']:.3f}, {row[n]['hi']:.3f}]" for n in contexts), flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--world", type=int, default=2)
+    args = parser.parse_args()
+    rows = run_distributed(worker, args.world, tempfile.mkdtemp(prefix="commopt_probe_"), backend="nccl",
+                           timeout_s=600)[0]
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"device": torch.cuda.get_device_name(0), "world": args.world, "torch": torch.__version__,
+           "ratio": f"{B} / {A}, per round, median [95% CI]", "rows": rows}
+    (out / "probe_round_context.json").write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
