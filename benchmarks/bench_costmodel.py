@@ -142,7 +142,9 @@ def judge(rows: list, pick: str) -> dict:
     and 95% confidence interval (order statistics) of pick / other over the rounds timing both
     (a round's samples are milliseconds apart, so clocks moving between rounds cancel).  held:
     no other schedule is faster beyond that interval, i.e. the pick is a measured best, the
-    others' differences from it being below what the measurement resolves."""
+    others' differences from it being below what the measurement resolves.  The interval is of
+    this measurement: consecutive rounds share the card's state, and two measurements seconds
+    apart can differ by ~2% (probe_round_context.py, 2x H100, session 43)."""
     by_round: dict = {}
     for r, s, ms in rows:
         by_round.setdefault(r, {})[s] = ms
