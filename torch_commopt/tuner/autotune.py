@@ -44,10 +44,11 @@ CLOSE, EXTRA_ROUNDS = 0.03, 10  # candidates within 3% of the best get 10 more r
 # measurement, and the near-tie rounds come last, so medians compare the near-ties' slow samples
 # with the others' fast ones: 2x H100, session 43, replayed AG 4096x8192x28672, clocks fell ~9%
 # from the 5th round on; by medians ce_push:4 won (its 4 early samples), which a head-to-head then
-# found 9.3% slower than ce_push:1, the paired read's pick.  Over both tuner sweeps the paired
-# read's picks were a measured best (bench_costmodel's paired judge) on 12+12 of 14 shapes, the
-# medians' on 11+11, and the worst pick 1.1% / 3.1% slower than the head-to-head's best against
-# 10.6% / 3.1%.
+# found 9.3% slower than ce_push:1, the paired read's pick.  Over that run's two tuner sweeps
+# (replayed / eager) the paired read's picks were a measured best (bench_costmodel's paired
+# judge) on 12 + 12 of 14 shapes, the medians' on 11 + 11, the worst pick 1.1% / 3.1% slower
+# than the head-to-head's best against 10.6% / 3.1%; with this read the tuner's own: 14 + 11 of
+# 14, worst 0.0% / 3.4% (the eager misses within the ~2% two measurements of one pair move).
 PAIRED = True
 TARGET_S = {"cuda": 5e-3, "cpu": 20e-3}  # back-to-back calls per sample last at least this
 # A band region (host-bound eager calls, pick.measure_band) leaves NCCL + cuBLAS only for a
@@ -309,7 +310,7 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
                        rounds: int = ROUNDS, trace: list[tuple[int, str, float]] | None = None,
                        paired: bool | None = None) -> dict[str, float]:
     """{schedule: ms per call} of back-to-back calls (the host cost included: that is what
-    the program will see), median over rounds, slowest rank.  Every rank must call this
+    the program will see), over rounds (read as `paired` says), slowest rank.  Every rank must call this
     with the same candidates at the same point of its program.  graphs=True (CUDA): each
     sample is one replay of a CUDA graph holding the back-to-back calls (what a program
     replayed from graphs sees); a candidate whose capture fails on any rank is left out.
