@@ -411,6 +411,15 @@ PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_p
                                  "ce_push:4", "direct:2")}
 
 
+# How the schedule probes are read: each schedule's own median (False), or round-paired
+# (autotune.paired_ms).  A probe times ten or eleven schedules in one measurement, so the drift
+# that made autotune's medians pick a slower schedule (autotune.PAIRED, session 43) reaches the
+# probes' near-ties and, through them, the factors; the paired read is not yet measured against
+# the model's figures (bench_costmodel.py --probes-paired is the A/B).  A calibration is cached:
+# a changed read needs a fresh cache directory.
+PROBES_PAIRED = False
+
+
 def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=PROBE_SHAPES,
                      graphs: bool = False) -> dict[str, float]:
     """{"kind schedule": seconds per call} of one schedule per family on a probe shape:
@@ -427,7 +436,7 @@ def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=P
         scheds = [s for s in PROBE_SCHEDULES[kind]
                   if not graphs or (p := Schedule.parse(s)).in_capture(kind) == p]
         ms = measure_candidates(runner(kind, a, [w], world, group_name), scheds, group_name, device, graphs=graphs,
-                                paired=False)  # every probe's own median: the model's fit
+                                paired=PROBES_PAIRED)
         out.update({f"{kind} {s}": t / 1e3 for s, t in ms.items()})
     return out
 
