@@ -98,3 +98,19 @@ def test_clocks_dropping_during_the_near_tie_rounds(fake_world, monkeypatch, pai
     assert min(got, key=got.get) == want
     if paired:
         assert got["c"] / got["a"] == pytest.approx(1.05)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_decision_read_another_way_is_not_reused(monkeypatch, paired):
+    # the band's, autotune's and the attention tuner's cache keys name the read
+    from torch_commopt.attention.tune import cache_key
+    from torch_commopt.tuner.calibration import prior
+
+    monkeypatch.setattr(autotune, "PAIRED", paired)
+    *_, plan_key, _ = autotune.plan("matmul_rs", [8192, 4096], [[4096, 8192]], 0, [False], "sum", False, 2, "bfloat16",
+                                    "NVIDIA H100 80GB HBM3", prior("NVIDIA H100 80GB HBM3", 2), 8, 4)
+    keys = [autotune.band_key("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32", "cpu", ["sequential", "direct:1"]),
+            cache_key((1, 4, 4, 64, 1024), 2, True, "bfloat16", True, "cpu", ["ulysses", "ring"]), plan_key]
+    assert all(("read" in k) == paired for k in keys)
+    if paired:
+        assert {k["read"] for k in keys} == {"paired"}

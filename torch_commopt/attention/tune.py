@@ -53,10 +53,12 @@ def timed_candidates(ranked: list[tuple[str, float]], shape: AttentionShape, wor
 def cache_key(shape: AttentionShape, world: int, causal: bool, dtype: str, backward: bool, device: str,
               candidates: list[str]) -> dict[str, Any]:
     """The tuner-cache key of one attention measurement (everything that changes the answer)."""
+    from torch_commopt.tuner.autotune import read_key
     from torch_commopt.tuner.choose import machine_key
 
     return {"question": "attention", **machine_key(device, world), "shape": list(AttentionShape(*shape)),
-            "causal": bool(causal), "dtype": dtype, "backward": bool(backward), "candidates": list(candidates)}
+            "causal": bool(causal), "dtype": dtype, "backward": bool(backward), "candidates": list(candidates),
+            **read_key()}
 
 
 def question(shape: AttentionShape, world: int, causal: bool, dtype: str, backward: bool, device: str, machine,

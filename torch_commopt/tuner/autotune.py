@@ -105,6 +105,12 @@ _REQUESTS: dict[str, TuneRequest] = {}
 _warned: set[str] = set()
 
 
+def read_key() -> dict[str, str]:
+    """The part of a measured decision's cache key that names how its timing was read: a
+    decision read another way (medians, before session 43) is measured again, not reused."""
+    return {"read": "paired"} if PAIRED else {}
+
+
 def plan(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, bias: list[bool],
          reduce_op: str | None, keep_gathered: bool, world: int, dtype: str, device_name: str, cal,
          max_chunks: int, top_k: int, graphs: bool = False, copy_bytes: int = 0, kept_bytes: int = 0,
@@ -122,7 +128,7 @@ def plan(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     top = timed_candidates(preds, top_k)
     key = {"question": "autotune", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
            "weights": [list(w) for w in weight_shapes], "dim": dim, "bias": list(bias), "reduce_op": reduce_op,
-           "keep_gathered": keep_gathered, "dtype": dtype, "candidates": top}
+           "keep_gathered": keep_gathered, "dtype": dtype, "candidates": top, **read_key()}
     if graphs:
         key["cuda_graphs"] = True
     if k_parts:
@@ -171,7 +177,7 @@ def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim:
     key = {"question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
            "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates),
            "host_headroom": BAND_HOST_HEADROOM,  # decisions made under another check are not reused
-           "host_check": "fastest round", "rounds": BAND_ROUNDS, "margin": BAND_MARGIN}
+           "host_check": "fastest round", "rounds": BAND_ROUNDS, "margin": BAND_MARGIN, **read_key()}
     if k_parts:
         key["k_parts"] = list(k_parts)
     if graphs:  # timed as replays, no host check
