@@ -42,7 +42,8 @@ from costmodel_vs_bench import region_shape  # noqa: E402
 from gpu_clocks import snapshot as gpu_state  # noqa: E402
 from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.tuner.autotune import PAIRED, measure_candidates, median_ci, paired_ms, timed_candidates  # noqa: E402
+from torch_commopt.tuner.autotune import (PAIRED, measure_candidates, median_ci, paired_ms, round_ratios,  # noqa: E402
+                                         timed_candidates)
 from torch_commopt.tuner.model import rank  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
@@ -104,7 +105,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         by_median = min(medians, key=lambda s: (medians[s], s))
         paired = tuned if PAIRED else paired_ms(tuned_rows, by_median)
         picks = {"median": by_median, "paired": min(paired, key=lambda s: (paired[s], s))}
-        pick = picks["paired" if PAIRED else "median"]  # what the tuner runs
+        pick = picks[_read()]  # what the tuner runs
         best = min(measured, key=measured.get)
         first = first or (shape, measured, best)
         # Two measurements of near-ties disagree within their spread: where the sweep's best is
@@ -134,6 +135,11 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
             "drift_gpu_state": drift_state}
 
 
+def _read() -> str:
+    """The name of the read the tuner runs (autotune.PAIRED, as this module holds it)."""
+    return "paired" if PAIRED else "median"
+
+
 def _rounded(rows: list) -> list:
     return [[r, s, round(ms, 5)] for r, s, ms in rows]
 
@@ -146,12 +152,9 @@ def judge(rows: list, pick: str) -> dict:
     others' differences from it being below what the measurement resolves.  The interval is of
     this measurement: consecutive rounds share the card's state, and two measurements seconds
     apart can differ by ~2% (probe_round_context.py, 2x H100, session 43)."""
-    by_round: dict = {}
-    for r, s, ms in rows:
-        by_round.setdefault(r, {})[s] = ms
     versus = {}
     for other in dict.fromkeys(s for _, s, _ in rows):
-        ratios = [row[pick] / row[other] for row in by_round.values() if pick in row and other in row]
+        ratios = round_ratios(rows, pick, other)
         if other != pick and ratios:
             lo, hi = median_ci(ratios)
             versus[other] = {"median": statistics.median(ratios), "lo": lo, "hi": hi, "rounds": len(ratios)}
@@ -216,7 +219,7 @@ def summarize(result: dict) -> dict:
     top1_head = [s["head_to_head_ms"][s["model_top1"]] <= 1.05 * min(s["head_to_head_ms"].values())
                  if s["model_top1"] in s.get("head_to_head_ms", {}) else ok for s, ok in zip(shapes, top1)]
     near = [s["autotune_pick_measured_ms"] <= 1.02 * s["measured_best_ms"] for s in shapes]
-    how = "paired" if PAIRED else "median"
+    how = _read()
     judged = {h: [s["judged"][h]["held"] for s in shapes if "judged" in s] for h in ("median", "paired")}
     # The same schedule timed twice (the sweep, then autotune's own pass): how far apart
     # two measurements of one thing land -- the resolution of "the measured best".
@@ -253,7 +256,7 @@ def _verdict(shape: dict) -> str:
         return "-"
     parts = []
     for how, pick in shape["autotune_picks"].items():
-        if how != ("paired" if PAIRED else "median") and pick == shape["autotune_pick"]:
+        if how != _read() and pick == shape["autotune_pick"]:
             continue
         j = shape["judged"][how]
         vs = ", ".join(f"{o} {v['median']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]" for o, v in j["versus"].items())

@@ -33,7 +33,7 @@ from bench_matmul_collectives import Shape, _variants  # noqa: E402
 from costmodel_vs_bench import region_shape  # noqa: E402
 from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.tuner.autotune import measure_candidates, median_ci, timed_candidates  # noqa: E402
+from torch_commopt.tuner.autotune import measure_candidates, median_ci, round_ratios, timed_candidates  # noqa: E402
 from torch_commopt.tuner.calibrate import calibrate_and_store  # noqa: E402
 from torch_commopt.tuner.model import rank  # noqa: E402
 
@@ -42,10 +42,7 @@ A, B = "ce_push:1", "ce_push:1:par=1"
 
 
 def _ratio(rows: list, num: str, den: str) -> dict:
-    by_round: dict = {}
-    for r, s, ms in rows:
-        by_round.setdefault(r, {})[s] = ms
-    ratios = [row[num] / row[den] for row in by_round.values() if num in row and den in row]
+    ratios = round_ratios(rows, num, den)
     lo, hi = median_ci(ratios)
     return {"median": statistics.median(ratios), "lo": lo, "hi": hi, "rounds": len(ratios)}
 

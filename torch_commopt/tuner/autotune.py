@@ -382,9 +382,13 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
             host_floor.update((candidates[i], figures[2 * n + i]) for i in indices)
         return figures[:n]
 
+    reduced: list[tuple[int, str, float]] = []  # slowest_rows' last answer
+
     def slowest_rows() -> list[tuple[int, str, float]]:
         """Every sample so far as (round, schedule, ms), the slowest rank's: every rank took the
-        same samples in the same order."""
+        same samples in the same order (reduced again only after new samples)."""
+        if len(reduced) == len(taken):
+            return reduced
         position = [0] * len(candidates)
         flat = []
         for _, i in taken:
@@ -392,7 +396,8 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
             position[i] += 1
         t = torch.tensor(flat, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return [(r, candidates[i], ms) for (r, i), ms in zip(taken, t.tolist())]
+        reduced[:] = [(r, candidates[i], ms) for (r, i), ms in zip(taken, t.tolist())]
+        return reduced
 
     paired = PAIRED if paired is None else paired
     figures = dict(zip(candidates, timed_rounds(list(range(len(candidates))), rounds, "")))
@@ -407,7 +412,7 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
         if paired:  # against the first rounds' best, which ran in every round
             figures = paired_ms(slowest_rows(), ref)
     if trace is not None:
-        trace.extend(slowest_rows())
+        trace.extend(slowest_rows())  # the rows a paired read just reduced, or reduced now
     return figures
 
 
@@ -416,15 +421,20 @@ def paired_ms(rows: list[tuple[int, str, float]], ref: str) -> dict[str, float]:
     divided by ref's sample of the same round.  A round's candidates run within milliseconds of
     each other, so clocks and heat that move between rounds (a few percent within a second on a
     power-capped card) cancel in the ratio, where two medians taken over those rounds keep them."""
+    ref_ms = statistics.median(ms for _, s, ms in rows if s == ref)
+    out = {}
+    for s in dict.fromkeys(s for _, s, _ in rows):
+        ratios = round_ratios(rows, s, ref)
+        out[s] = ref_ms * statistics.median(ratios) if ratios else math.inf
+    return out
+
+
+def round_ratios(rows: list[tuple[int, str, float]], num: str, den: str) -> list[float]:
+    """num's sample over den's, in every round of `rows` (round, schedule, ms) that timed both."""
     by_round: dict[int, dict[str, float]] = {}
     for r, s, ms in rows:
         by_round.setdefault(r, {})[s] = ms
-    ref_ms = statistics.median(row[ref] for row in by_round.values() if ref in row)
-    out = {}
-    for s in dict.fromkeys(s for _, s, _ in rows):
-        ratios = [row[s] / row[ref] for row in by_round.values() if s in row and ref in row]
-        out[s] = ref_ms * statistics.median(ratios) if ratios else math.inf
-    return out
+    return [row[num] / row[den] for row in by_round.values() if num in row and den in row]
 
 
 def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
