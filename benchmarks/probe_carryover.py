@@ -1,0 +1,115 @@
+"""Does a schedule's timing carry what ran before it?  Session 43's eager tuner sweeps put AG
+`ce_push:1:par=1` 3% ahead of `ce_push:1` in every head-to-head of the two (M_global 2048 with
+per-call graphs, on two machines) while autotune's rounds, which time five or six candidates,
+found them level or par=1 behind; probe_round_context.py then saw the pair's ratio move ~2%
+between two measurements of the pair alone.  This tells a context apart from drift: it times
+the pair alone between every other measurement, and in between the pair with one more
+candidate, or autotune's whole set, so a context that changes the ratio shows against the pair
+measurements on both sides of it.
+
+Each measurement is `autotune.measure_candidates` (15 rounds, read round-paired) and keeps its
+samples; per measurement: every ratio of the first candidates (A, B, and C where given) per
+round, median and 95% CI, the host's enqueue ms per call (median over rounds; a call whose
+host time reaches its GPU time is host-bound, and a host slowed by the context would hand the
+win to the schedule with less host work), and the per-call graphs captured / replayed / run
+eagerly meanwhile (a capture inside a timed sample costs it milliseconds).
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+      python3 benchmarks/probe_carryover.py --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_costmodel import _replayed_per_call  # noqa: E402
+from bench_matmul_collectives import Shape, _variants  # noqa: E402
+from torch_commopt.kernels.gpu import call_graphs  # noqa: E402
+from torch_commopt.launch import run_distributed  # noqa: E402
+from torch_commopt.tuner.autotune import measure_candidates, median_ci, round_ratios  # noqa: E402
+
+A, B = "ce_push:1", "ce_push:1:par=1"
+# (shape, per-call graphs, autotune's set as session 43's eager sweeps timed it)
+CASES = [
+    (Shape("ag", 2048, 8192, 8192), True,
+     [B, A, "ce_push:2", "ce_push:1:gemm=whole", "sequential", "ce_push:4"]),
+    (Shape("ag", 4096, 8192, 28672), False, [B, A, "ce_push:4", "ce_push:2", "sequential"]),
+    (Shape("ag", 16384, 8192, 8192), False, [B, A, "ce_push:4", "ce_push:2", "sequential"]),
+]
+ROUNDS = 15
+
+
+def sequence(full: list[str]) -> list[tuple[str, list[str]]]:
+    """The measurements in order: the pair between every other one."""
+    others = [s for s in full if s not in (A, B)]
+    seq: list[tuple[str, list[str]]] = [("pair", [A, B]), ("set", full)]
+    for s in others:
+        seq += [("pair", [A, B]), (f"pair+{s}", [A, B, s])]
+    seq += [("pair", [A, B]), ("set", full), ("pair", [A, B])]
+    return seq
+
+
+def _ratio(rows: list, num: str, den: str) -> dict:
+    ratios = round_ratios(rows, num, den)
+    if not ratios:
+        return {}
+    lo, hi = median_ci(ratios)
+    return {"median": statistics.median(ratios), "lo": lo, "hi": hi, "rounds": len(ratios)}
+
+
+def worker(rank_: int, world: int) -> list[dict]:
+    device = torch.device("cuda", rank_)
+    group_name = dist.group.WORLD.group_name
+    out = []
+    for shape, cg, full in CASES:
+        (_, _, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
+        if cg:
+            op = _replayed_per_call(op, "ag_matmul")
+        stats = call_graphs.for_stream(device).stats
+        rows = []
+        for name, cands in sequence(full):
+            trace: list = []
+            host: dict = {}
+            before = dict(stats)
+            figures = measure_candidates(op, cands, group_name, device, trace=trace, host=host, rounds=ROUNDS)
+            rows.append({"context": name, "candidates": cands, "figures_ms": figures, "host_ms": host,
+                         "cg": {k: stats[k] - before[k] for k in stats},
+                         "par1_over_ce1": _ratio(trace, B, A),
+                         "trace": [[r, s, round(ms, 5)] for r, s, ms in trace]})
+            if rank_ == 0:
+                r = rows[-1]["par1_over_ce1"]
+                print(f"{shape.op} {shape.M}x{shape.K}x{shape.N} cg={int(cg)} {name}: {B}/{A} "
+                      f"{r['median']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}]; host ms {host.get(A, 0):.3f} / "
+                      f"{host.get(B, 0):.3f} vs {figures[A]:.3f} / {figures[B]:.3f}; cg {rows[-1]['cg']}", flush=True)
+        out.append({"shape": [shape.op, shape.M, shape.K, shape.N], "call_graphs": cg, "set": full,
+                    "measurements": rows})
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--world", type=int, default=2)
+    args = parser.parse_args()
+    cases = run_distributed(worker, args.world, backend="nccl", timeout_s=600)[0]
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"device": torch.cuda.get_device_name(0), "world": args.world, "torch": torch.__version__,
+           "ratio": f"{B} / {A}, per round, median [95% CI]", "rounds": ROUNDS, "cases": cases}
+    (out / "probe_carryover.json").write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
