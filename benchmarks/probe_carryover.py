@@ -15,7 +15,13 @@ win to the schedule with less host work), and the per-call graphs captured / rep
 eagerly meanwhile (a capture inside a timed sample costs it milliseconds).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-      python3 benchmarks/probe_carryover.py --out OUT
+      python3 benchmarks/probe_carryover.py --out OUT [--first-capture]
+
+--first-capture: session 44's first run found the first pair measurement at M_global 2048 (per-call
+graphs) 0.87, every later one 0.97-0.99: ce_push:1, whose per-call graphs were the process's first,
+ran ~10% slower in all its rounds.  This mode asks whether the first graphs captured on a stream
+replay slower: fresh processes, each timing the pair a few times, in either order, after another
+schedule's graphs were captured first, and again after the graphs are dropped and captured anew.
 """
 
 from __future__ import annotations
@@ -98,11 +104,59 @@ def worker(rank_: int, world: int) -> list[dict]:
     return out
 
 
+FIRST_CASES = {  # name: (pair order, schedule whose graphs are captured before the pair's, drop graphs midway)
+    "ce1_first": ([A, B], None, True),
+    "par1_first": ([B, A], None, True),
+    "after_ce_push4": ([A, B], "ce_push:4", False),
+}
+
+
+def worker_first(rank_: int, world: int, case: str) -> list[dict]:
+    order, prelude, drop = FIRST_CASES[case]
+    device = torch.device("cuda", rank_)
+    group_name = dist.group.WORLD.group_name
+    shape, _, _ = CASES[0]
+    (_, _, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
+    op = _replayed_per_call(op, "ag_matmul")
+    graphs = call_graphs.for_stream(device)
+    if prelude:
+        for _ in range(6):  # both halves' sightings and captures, then replays
+            op(prelude)
+        torch.cuda.synchronize(device)
+    rows = []
+    for i in range(5):
+        if drop and i == 3:
+            graphs.clear()
+        trace: list = []
+        before = dict(graphs.stats)
+        figures = measure_candidates(op, order, group_name, device, trace=trace, rounds=ROUNDS)
+        medians = {c: statistics.median(ms for r, s, ms in trace if s == c and r > 0) for c in order}
+        rows.append({"measurement": i, "dropped_before": drop and i == 3, "figures_ms": figures,
+                     "medians_ms_after_round0": medians, "cg": {k: graphs.stats[k] - before[k] for k in graphs.stats},
+                     "par1_over_ce1": _ratio(trace, B, A), "trace": [[r, s, round(ms, 5)] for r, s, ms in trace]})
+        if rank_ == 0:
+            r = rows[-1]["par1_over_ce1"]
+            print(f"first-capture {case} #{i}{' (graphs dropped)' if drop and i == 3 else ''}: {B}/{A} "
+                  f"{r['median']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}]; medians {A} {medians[A]:.4f} {B} {medians[B]:.4f}; "
+                  f"cg {rows[-1]['cg']}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--first-capture", action="store_true")
     args = parser.parse_args()
+    if args.first_capture:
+        doc = {"device": torch.cuda.get_device_name(0), "world": args.world, "torch": torch.__version__,
+               "shape": list(CASES[0][0].__dict__.values()), "ratio": f"{B} / {A}", "rounds": ROUNDS,
+               "cases": {case: run_distributed(worker_first, args.world, case, backend="nccl", timeout_s=300)[0]
+                         for case in FIRST_CASES}}
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "probe_carryover_first_capture.json").write_text(json.dumps(doc, indent=1))
+        return
     cases = run_distributed(worker, args.world, backend="nccl", timeout_s=600)[0]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
