@@ -142,12 +142,71 @@ def worker_first(rank_: int, world: int, case: str) -> list[dict]:
     return rows
 
 
+DECAY_CASES = ("pre_ce1", "pre_ce1_sleep", "dummy_graph")
+
+
+def worker_decay(rank_: int, world: int, case: str) -> list[dict]:
+    """How long the first graphs' slowness lasts, and what absorbs it: pre_ce1 captures ce_push:1's
+    graphs first, then times the pair in short measurements; pre_ce1_sleep waits 2 s after those
+    captures; dummy_graph captures and replays an unrelated small graph (torch.cuda.graph) first."""
+    import time
+
+    device = torch.device("cuda", rank_)
+    group_name = dist.group.WORLD.group_name
+    shape, _, _ = CASES[0]
+    (_, _, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
+    op = _replayed_per_call(op, "ag_matmul")
+    graphs = call_graphs.for_stream(device)
+    if case == "dummy_graph":
+        x = torch.randn(256, 256, device=device)
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            torch.mm(x, x)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=side):
+                keep = [torch.mm(x, x)]  # the graph's output, alive while it replays
+        for _ in range(10):
+            g.replay()
+        torch.cuda.synchronize(device)
+        keep.clear()
+    else:
+        for _ in range(6):
+            op(A)
+        torch.cuda.synchronize(device)
+        if case == "pre_ce1_sleep":
+            time.sleep(2.0)
+    t0 = time.perf_counter()
+    rows = []
+    for i in range(8 if case == "pre_ce1" else 3):
+        trace: list = []
+        before = dict(graphs.stats)
+        measure_candidates(op, [A, B], group_name, device, trace=trace, rounds=5 if case == "pre_ce1" else ROUNDS)
+        medians = {c: statistics.median(ms for r, s, ms in trace if s == c) for c in (A, B)}
+        rows.append({"measurement": i, "since_s": time.perf_counter() - t0, "medians_ms": medians,
+                     "cg": {k: graphs.stats[k] - before[k] for k in graphs.stats},
+                     "par1_over_ce1": _ratio(trace, B, A), "trace": [[r, s, round(ms, 5)] for r, s, ms in trace]})
+        if rank_ == 0:
+            r = rows[-1]["par1_over_ce1"]
+            print(f"decay {case} #{i} at {rows[-1]['since_s']:.2f} s: {B}/{A} {r['median']:.3f}; medians {A} "
+                  f"{medians[A]:.4f} {B} {medians[B]:.4f}; cg {rows[-1]['cg']}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--first-capture", action="store_true")
+    parser.add_argument("--decay", action="store_true")
     args = parser.parse_args()
+    if args.decay:
+        doc = {"device": torch.cuda.get_device_name(0), "world": args.world, "torch": torch.__version__,
+               "cases": {case: run_distributed(worker_decay, args.world, case, backend="nccl", timeout_s=300)[0]
+                         for case in DECAY_CASES}}
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "probe_carryover_decay.json").write_text(json.dumps(doc, indent=1))
+        return
     if args.first_capture:
         doc = {"device": torch.cuda.get_device_name(0), "world": args.world, "torch": torch.__version__,
                "shape": list(CASES[0][0].__dict__.values()), "ratio": f"{B} / {A}", "rounds": ROUNDS,
