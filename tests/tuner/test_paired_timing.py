@@ -86,7 +86,8 @@ def test_clocks_dropping_during_the_near_tie_rounds(fake_world, monkeypatch, pai
     monkeypatch.setattr(autotune, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(autotune, "TARGET_S", {"cpu": 1e-4, "cuda": 1e-4})
     delay = {"a": 1.00e-3, "b": 1.01e-3, "c": 1.05e-3}
-    first_rounds = 2 * len(delay) + autotune.ROUNDS * len(delay)  # warm-ups and the first rounds
+    # each call outlasts TARGET_S: two untimed calls (a warm-up, one sizing), then the first rounds
+    first_rounds = 2 * len(delay) + autotune.ROUNDS * len(delay)
 
     def run(s):
         calls[0] += 1
@@ -98,6 +99,43 @@ def test_clocks_dropping_during_the_near_tie_rounds(fake_world, monkeypatch, pai
     assert min(got, key=got.get) == want
     if paired:
         assert got["c"] / got["a"] == pytest.approx(1.05)
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("warmup, sizing, want", [(1, 1, "b"), (autotune.WARMUP_CALLS, autotune.SIZING_CALLS, "a")])
+def test_a_candidate_slow_in_its_first_calls_is_not_measured_slow(fake_world, monkeypatch, warmup, sizing, want):
+    # 2x H100, session 44: the schedule whose per-call graphs a fresh process captured first was
+    # sized from a call that still paid for it, so each of its samples held a call or two and the
+    # fixed start of a sample (the idle device's first launch after the barrier): 15-25% slow for
+    # the whole measurement.  Here a's second and fourth calls take 20 ms (first uses, captures)
+    # and a sample's first call starts 0.3 ms late; one warm-up and one sizing call (the old way)
+    # make b, 2% slower, win
+    import types
+
+    import torch.distributed as dist
+
+    clock, fresh = [0.0], [False]
+    seen = {"a": 0, "b": 0}
+    barrier = dist.barrier
+
+    def barrier_then_idle(*args, **kwargs):
+        fresh[0] = True
+        return barrier(*args, **kwargs)
+
+    monkeypatch.setattr(autotune, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(autotune, "TARGET_S", {"cpu": 5e-3, "cuda": 5e-3})
+    monkeypatch.setattr(autotune, "WARMUP_CALLS", warmup)
+    monkeypatch.setattr(autotune, "SIZING_CALLS", sizing)
+    monkeypatch.setattr(autotune.dist, "barrier", barrier_then_idle)
+    delay = {"a": 1.00e-3, "b": 1.02e-3}
+
+    def run(s):
+        seen[s] += 1
+        clock[0] += (20e-3 if s == "a" and seen[s] in (2, 4) else delay[s]) + (3e-4 if fresh[0] else 0.0)
+        fresh[0] = False
+
+    got = autotune.measure_candidates(run, list(delay), dist.group.WORLD.group_name, torch.device("cpu"))
+    assert min(got, key=got.get) == want
 
 
 @pytest.mark.parametrize("paired", [False, True])

@@ -51,6 +51,19 @@ CLOSE, EXTRA_ROUNDS = 0.03, 10  # candidates within 3% of the best get 10 more r
 # 14, worst 0.0% / 3.4% (the eager misses within the ~2% two measurements of one pair move).
 PAIRED = True
 TARGET_S = {"cuda": 5e-3, "cpu": 20e-3}  # back-to-back calls per sample last at least this
+# Before a candidate's calls per sample are sized, it runs WARMUP_CALLS untimed calls: first-use
+# costs (buffers, streams, kernels) and, for a schedule replayed from per-call graphs (cg=1),
+# both buffer halves' captures (each at its second sighting: calls 3 and 4) stay out of it.  The
+# size comes from the fastest of SIZING_CALLS single calls.  It came from one call after one
+# warm-up until session 44: a call that still paid a first-use cost sized every sample of its
+# candidate at a call or two, so each sample carried the barrier and synchronize around it (tens
+# of us) and the candidate was measured slow for the whole measurement.  2x H100, AG M_global 2048
+# with per-call graphs (benchmarks/probe_carryover.py --first-capture): in a fresh process the
+# schedule timed first ran 0.265 / 0.280 ms a call (ce_push:1 / par=1 first), the same graphs
+# 0.224 / 0.217 in the next measurement -- par=1 / ce_push:1 read 1.256 or 0.850, not ~0.98.
+# A schedule whose first two calls each last a sample's TARGET_S (no per-call graphs there; one
+# call a sample) stops there.
+WARMUP_CALLS, SIZING_CALLS = 4, 3
 # A band region (host-bound eager calls, pick.measure_band) leaves NCCL + cuBLAS only for a
 # schedule measured this much faster: there the host's speed moves a GPU schedule's time
 # between rounds (2x H200: ar ce_push:1 at M_global 2048 ran 0.31-0.58 ms, NCCL 0.32-0.33),
@@ -328,14 +341,19 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     near-ties chosen so too); None: as PAIRED, the tuner's read."""
     group = resolve_group(group_name)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # noqa: E731
-    counts = []
+    counts, target = [], TARGET_S[device.type]
     for s in candidates:
-        run(s)  # warm-up: first-use costs (buffers, kernels) stay out of the timing
-        sync()
-        t0 = time.perf_counter()
-        run(s)
-        sync()
-        counts.append(max(1, min(200, math.ceil(TARGET_S[device.type] / max(time.perf_counter() - t0, 1e-6)))))
+        single = []  # every untimed call's seconds: the warm-ups, then the sizing calls
+        for i in range(WARMUP_CALLS + SIZING_CALLS):
+            sync()
+            t0 = time.perf_counter()
+            run(s)
+            sync()
+            single.append(time.perf_counter() - t0)
+            if i >= 1 and min(single[-2:]) >= target:  # two calls each a sample long: one call a sample
+                break
+        sizing = single[WARMUP_CALLS:] or single[-2:]
+        counts.append(max(1, min(200, math.ceil(target / max(min(sizing), 1e-6)))))
     n = torch.tensor(counts, dtype=torch.float64, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
     counts = [int(c) for c in n.tolist()]
