@@ -152,3 +152,30 @@ def test_a_decision_read_another_way_is_not_reused(monkeypatch, paired):
     assert all(("read" in k) == paired for k in keys)
     if paired:
         assert {k["read"] for k in keys} == {"paired"}
+
+
+def _slow_first_calls_on_rank_1(rank: int, world: int) -> int:
+    import time
+
+    import torch.distributed as dist
+
+    calls = [0]
+
+    def run(_schedule):  # collective, as every schedule is
+        calls[0] += 1
+        dist.all_reduce(torch.ones(1))
+        if rank == 1 and calls[0] <= 2:
+            time.sleep(0.03)  # longer than a CPU sample's TARGET_S, on this rank only
+
+    autotune.measure_candidates(run, ["a"], dist.group.WORLD.group_name, torch.device("cpu"), rounds=1)
+    return calls[0]
+
+
+def test_every_rank_makes_the_same_untimed_calls():
+    # session 44 (2x H100): a first form of the warm-up stopped early where a rank's own calls
+    # were long; a rank whose calls waited on a peer's first use stopped, its peer went on, and the
+    # next collective hung.  Here rank 1's first two calls are long and rank 0's first is not
+    from torch_commopt.launch import run_distributed
+
+    calls = run_distributed(_slow_first_calls_on_rank_1, 2, timeout_s=120)
+    assert calls[0] == calls[1]

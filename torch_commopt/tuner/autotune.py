@@ -61,8 +61,10 @@ TARGET_S = {"cuda": 5e-3, "cpu": 20e-3}  # back-to-back calls per sample last at
 # with per-call graphs (benchmarks/probe_carryover.py --first-capture): in a fresh process the
 # schedule timed first ran 0.265 / 0.280 ms a call (ce_push:1 / par=1 first), the same graphs
 # 0.224 / 0.217 in the next measurement -- par=1 / ce_push:1 read 1.256 or 0.850, not ~0.98.
-# A schedule whose first two calls each last a sample's TARGET_S (no per-call graphs there; one
-# call a sample) stops there.
+# A schedule whose first two calls each last a sample's TARGET_S on every rank (no per-call graphs
+# there; one call a sample) stops there.  (Session 44's first form of this decided per rank: a
+# rank whose second call paid a first use stopped while its peer went on, and the collective
+# calls hung -- on 2x H100, in the first measurement; every rank must make the same calls.)
 WARMUP_CALLS, SIZING_CALLS = 4, 3
 # A band region (host-bound eager calls, pick.measure_band) leaves NCCL + cuBLAS only for a
 # schedule measured this much faster: there the host's speed moves a GPU schedule's time
@@ -350,8 +352,8 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
             run(s)
             sync()
             single.append(time.perf_counter() - t0)
-            if i >= 1 and min(single[-2:]) >= target:  # two calls each a sample long: one call a sample
-                break
+            if i == 1 and _all_ranks(min(single) >= target, group, device):  # one call a sample, agreed:
+                break  # every call is collective, so every rank must make the same number
         sizing = single[WARMUP_CALLS:] or single[-2:]
         counts.append(max(1, min(200, math.ceil(target / max(min(sizing), 1e-6)))))
     n = torch.tensor(counts, dtype=torch.float64, device=device)
@@ -432,6 +434,13 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     if trace is not None:
         trace.extend(slowest_rows())  # the rows a paired read just reduced, or reduced now
     return figures
+
+
+def _all_ranks(flag: bool, group, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank of the group (a collective)."""
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
 
 
 def paired_ms(rows: list[tuple[int, str, float]], ref: str) -> dict[str, float]:
