@@ -62,9 +62,10 @@ TARGET_S = {"cuda": 5e-3, "cpu": 20e-3}  # back-to-back calls per sample last at
 # schedule timed first ran 0.265 / 0.280 ms a call (ce_push:1 / par=1 first), the same graphs
 # 0.224 / 0.217 in the next measurement -- par=1 / ce_push:1 read 1.256 or 0.850, not ~0.98.
 # A schedule whose first two calls each last a sample's TARGET_S on every rank (no per-call graphs
-# there; one call a sample) stops there.  (Session 44's first form of this decided per rank: a
-# rank whose second call paid a first use stopped while its peer went on, and the collective
-# calls hung -- on 2x H100, in the first measurement; every rank must make the same calls.)
+# there; one call a sample) stops there, agreed: every call is collective.  (Session 44's first
+# form decided per rank, and on 2x H100 a measurement never finished: a rank whose second call
+# waits on its peer's first use is long where the peer's is not, so one rank stops, the other
+# makes another collective call, and they never match again.)
 WARMUP_CALLS, SIZING_CALLS = 4, 3
 # A band region (host-bound eager calls, pick.measure_band) leaves NCCL + cuBLAS only for a
 # schedule measured this much faster: there the host's speed moves a GPU schedule's time
