@@ -111,14 +111,18 @@ FIRST_CASES = {  # name: (pair order, schedule whose graphs are captured before 
 }
 
 
-def worker_first(rank_: int, world: int, case: str) -> list[dict]:
-    order, prelude, drop = FIRST_CASES[case]
+def _first_shape(rank_: int, world: int):
+    """(device, group name, op by schedule with per-call graphs, this stream's CallGraphs) of
+    CASES[0], AG M_global 2048."""
     device = torch.device("cuda", rank_)
     group_name = dist.group.WORLD.group_name
-    shape, _, _ = CASES[0]
-    (_, _, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
-    op = _replayed_per_call(op, "ag_matmul")
-    graphs = call_graphs.for_stream(device)
+    (_, _, _), _, _, _, op, _, _ = _variants(CASES[0][0], rank_, world, group_name)
+    return device, group_name, _replayed_per_call(op, "ag_matmul"), call_graphs.for_stream(device)
+
+
+def worker_first(rank_: int, world: int, case: str) -> list[dict]:
+    order, prelude, drop = FIRST_CASES[case]
+    device, group_name, op, graphs = _first_shape(rank_, world)
     if prelude:
         for _ in range(6):  # both halves' sightings and captures, then replays
             op(prelude)
@@ -151,12 +155,7 @@ def worker_decay(rank_: int, world: int, case: str) -> list[dict]:
     captures; dummy_graph captures and replays an unrelated small graph (torch.cuda.graph) first."""
     import time
 
-    device = torch.device("cuda", rank_)
-    group_name = dist.group.WORLD.group_name
-    shape, _, _ = CASES[0]
-    (_, _, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
-    op = _replayed_per_call(op, "ag_matmul")
-    graphs = call_graphs.for_stream(device)
+    device, group_name, op, graphs = _first_shape(rank_, world)
     if case == "dummy_graph":
         x = torch.randn(256, 256, device=device)
         side = torch.cuda.Stream(device)
@@ -199,29 +198,23 @@ def main() -> None:
     parser.add_argument("--first-capture", action="store_true")
     parser.add_argument("--decay", action="store_true")
     args = parser.parse_args()
+    doc = {"device": torch.cuda.get_device_name(0), "world": args.world, "torch": torch.__version__}
     if args.decay:
-        doc = {"device": torch.cuda.get_device_name(0), "world": args.world, "torch": torch.__version__,
-               "cases": {case: run_distributed(worker_decay, args.world, case, backend="nccl", timeout_s=300)[0]
-                         for case in DECAY_CASES}}
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "probe_carryover_decay.json").write_text(json.dumps(doc, indent=1))
-        return
-    if args.first_capture:
-        doc = {"device": torch.cuda.get_device_name(0), "world": args.world, "torch": torch.__version__,
-               "shape": list(CASES[0][0].__dict__.values()), "ratio": f"{B} / {A}", "rounds": ROUNDS,
-               "cases": {case: run_distributed(worker_first, args.world, case, backend="nccl", timeout_s=300)[0]
-                         for case in FIRST_CASES}}
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "probe_carryover_first_capture.json").write_text(json.dumps(doc, indent=1))
-        return
-    cases = run_distributed(worker, args.world, backend="nccl", timeout_s=600)[0]
+        name = "probe_carryover_decay.json"
+        doc["cases"] = {case: run_distributed(worker_decay, args.world, case, backend="nccl", timeout_s=300)[0]
+                        for case in DECAY_CASES}
+    elif args.first_capture:
+        name = "probe_carryover_first_capture.json"
+        doc.update(shape=list(CASES[0][0].__dict__.values()), ratio=f"{B} / {A}", rounds=ROUNDS,
+                   cases={case: run_distributed(worker_first, args.world, case, backend="nccl", timeout_s=300)[0]
+                          for case in FIRST_CASES})
+    else:
+        name = "probe_carryover.json"
+        doc.update(ratio=f"{B} / {A}, per round, median [95% CI]", rounds=ROUNDS,
+                   cases=run_distributed(worker, args.world, backend="nccl", timeout_s=600)[0])
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"device": torch.cuda.get_device_name(0), "world": args.world, "torch": torch.__version__,
-           "ratio": f"{B} / {A}, per round, median [95% CI]", "rounds": ROUNDS, "cases": cases}
-    (out / "probe_carryover.json").write_text(json.dumps(doc, indent=1))
+    (out / name).write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":
