@@ -42,7 +42,7 @@ from costmodel_vs_bench import region_shape  # noqa: E402
 from gpu_clocks import snapshot as gpu_state  # noqa: E402
 from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.tuner.autotune import (PAIRED, measure_candidates, median_ci, paired_ms, round_ratios,  # noqa: E402
+from torch_commopt.tuner.autotune import (PAIRED, measure_candidates, paired_ms, ratio_summary,  # noqa: E402
                                          timed_candidates)
 from torch_commopt.tuner.model import rank  # noqa: E402
 
@@ -154,10 +154,8 @@ def judge(rows: list, pick: str) -> dict:
     apart can differ by ~2% (probe_round_context.py, 2x H100, session 43)."""
     versus = {}
     for other in dict.fromkeys(s for _, s, _ in rows):
-        ratios = round_ratios(rows, pick, other)
-        if other != pick and ratios:
-            lo, hi = median_ci(ratios)
-            versus[other] = {"median": statistics.median(ratios), "lo": lo, "hi": hi, "rounds": len(ratios)}
+        if other != pick and (summary := ratio_summary(rows, pick, other)):
+            versus[other] = summary
     return {"versus": versus, "held": all(v["lo"] <= 1.0 for v in versus.values()),
             "worst_median": max((v["median"] for v in versus.values()), default=1.0)}
 

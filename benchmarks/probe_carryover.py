@@ -43,7 +43,7 @@ from bench_costmodel import _replayed_per_call  # noqa: E402
 from bench_matmul_collectives import Shape, _variants  # noqa: E402
 from torch_commopt.kernels.gpu import call_graphs  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.tuner.autotune import measure_candidates, median_ci, round_ratios  # noqa: E402
+from torch_commopt.tuner.autotune import measure_candidates, ratio_summary  # noqa: E402
 
 A, B = "ce_push:1", "ce_push:1:par=1"
 # (shape, per-call graphs, autotune's set as session 43's eager sweeps timed it)
@@ -66,14 +66,6 @@ def sequence(full: list[str]) -> list[tuple[str, list[str]]]:
     return seq
 
 
-def _ratio(rows: list, num: str, den: str) -> dict:
-    ratios = round_ratios(rows, num, den)
-    if not ratios:
-        return {}
-    lo, hi = median_ci(ratios)
-    return {"median": statistics.median(ratios), "lo": lo, "hi": hi, "rounds": len(ratios)}
-
-
 def worker(rank_: int, world: int) -> list[dict]:
     device = torch.device("cuda", rank_)
     group_name = dist.group.WORLD.group_name
@@ -91,7 +83,7 @@ def worker(rank_: int, world: int) -> list[dict]:
             figures = measure_candidates(op, cands, group_name, device, trace=trace, host=host, rounds=ROUNDS)
             rows.append({"context": name, "candidates": cands, "figures_ms": figures, "host_ms": host,
                          "cg": {k: stats[k] - before[k] for k in stats},
-                         "par1_over_ce1": _ratio(trace, B, A),
+                         "par1_over_ce1": ratio_summary(trace, B, A),
                          "trace": [[r, s, round(ms, 5)] for r, s, ms in trace]})
             if rank_ == 0:
                 r = rows[-1]["par1_over_ce1"]
@@ -137,7 +129,7 @@ def worker_first(rank_: int, world: int, case: str) -> list[dict]:
         medians = {c: statistics.median(ms for r, s, ms in trace if s == c and r > 0) for c in order}
         rows.append({"measurement": i, "dropped_before": drop and i == 3, "figures_ms": figures,
                      "medians_ms_after_round0": medians, "cg": {k: graphs.stats[k] - before[k] for k in graphs.stats},
-                     "par1_over_ce1": _ratio(trace, B, A), "trace": [[r, s, round(ms, 5)] for r, s, ms in trace]})
+                     "par1_over_ce1": ratio_summary(trace, B, A), "trace": [[r, s, round(ms, 5)] for r, s, ms in trace]})
         if rank_ == 0:
             r = rows[-1]["par1_over_ce1"]
             print(f"first-capture {case} #{i}{' (graphs dropped)' if drop and i == 3 else ''}: {B}/{A} "
@@ -183,7 +175,7 @@ def worker_decay(rank_: int, world: int, case: str) -> list[dict]:
         medians = {c: statistics.median(ms for r, s, ms in trace if s == c) for c in (A, B)}
         rows.append({"measurement": i, "since_s": time.perf_counter() - t0, "medians_ms": medians,
                      "cg": {k: graphs.stats[k] - before[k] for k in graphs.stats},
-                     "par1_over_ce1": _ratio(trace, B, A), "trace": [[r, s, round(ms, 5)] for r, s, ms in trace]})
+                     "par1_over_ce1": ratio_summary(trace, B, A), "trace": [[r, s, round(ms, 5)] for r, s, ms in trace]})
         if rank_ == 0:
             r = rows[-1]["par1_over_ce1"]
             print(f"decay {case} #{i} at {rows[-1]['since_s']:.2f} s: {B}/{A} {r['median']:.3f}; medians {A} "

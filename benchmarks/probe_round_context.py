@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 
 import torch
@@ -33,18 +32,12 @@ from bench_matmul_collectives import Shape, _variants  # noqa: E402
 from costmodel_vs_bench import region_shape  # noqa: E402
 from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.tuner.autotune import measure_candidates, median_ci, round_ratios, timed_candidates  # noqa: E402
+from torch_commopt.tuner.autotune import measure_candidates, ratio_summary, timed_candidates  # noqa: E402
 from torch_commopt.tuner.calibrate import calibrate_and_store  # noqa: E402
 from torch_commopt.tuner.model import rank  # noqa: E402
 
 SHAPES = [Shape("ag", 2048, 8192, 8192), Shape("ag", 4096, 8192, 28672), Shape("ag", 16384, 8192, 8192)]
 A, B = "ce_push:1", "ce_push:1:par=1"
-
-
-def _ratio(rows: list, num: str, den: str) -> dict:
-    ratios = round_ratios(rows, num, den)
-    lo, hi = median_ci(ratios)
-    return {"median": statistics.median(ratios), "lo": lo, "hi": hi, "rounds": len(ratios)}
 
 
 def worker(rank_: int, world: int, cache_dir: str) -> list[dict]:
@@ -67,7 +60,7 @@ def worker(rank_: int, world: int, cache_dir: str) -> list[dict]:
         for name, cands in contexts.items():
             trace: list = []
             figures = measure_candidates(op, cands, group_name, device, graphs=False, trace=trace, rounds=15)
-            row[name] = dict(_ratio(trace, B, A), figures_ms=figures)
+            row[name] = dict(ratio_summary(trace, B, A), figures_ms=figures)
         out.append(row)
         if rank_ == 0:
             print(f"{shape.op} {shape.M}x{shape.K}x{shape.N} cg={int(cg)}: " + "; ".join(

@@ -344,19 +344,7 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     near-ties chosen so too); None: as PAIRED, the tuner's read."""
     group = resolve_group(group_name)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # noqa: E731
-    counts, target = [], TARGET_S[device.type]
-    for s in candidates:
-        single = []  # every untimed call's seconds: the warm-ups, then the sizing calls
-        for i in range(WARMUP_CALLS + SIZING_CALLS):
-            sync()
-            t0 = time.perf_counter()
-            run(s)
-            sync()
-            single.append(time.perf_counter() - t0)
-            if i == 1 and _all_ranks(min(single) >= target, group, device):  # one call a sample, agreed:
-                break  # every call is collective, so every rank must make the same number
-        sizing = single[WARMUP_CALLS:] or single[-2:]
-        counts.append(max(1, min(200, math.ceil(target / max(min(sizing), 1e-6)))))
+    counts = [_calls_per_sample(run, s, sync, group, device) for s in candidates]
     n = torch.tensor(counts, dtype=torch.float64, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
     counts = [int(c) for c in n.tolist()]
@@ -437,6 +425,24 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     return figures
 
 
+def _calls_per_sample(run: Callable[[str], Any], schedule: str, sync: Callable[[], None], group,
+                      device: torch.device) -> int:
+    """Back-to-back calls of `schedule` that last TARGET_S, this rank's figure: WARMUP_CALLS
+    untimed calls, then the fastest of SIZING_CALLS single calls (two calls in all where both
+    last TARGET_S on every rank: every call is collective, so every rank makes as many)."""
+    target, single = TARGET_S[device.type], []  # every call's seconds: the warm-ups, then the sizing calls
+    for i in range(WARMUP_CALLS + SIZING_CALLS):
+        sync()
+        t0 = time.perf_counter()
+        run(schedule)
+        sync()
+        single.append(time.perf_counter() - t0)
+        if i == 1 and _all_ranks(min(single) >= target, group, device):
+            break
+    sizing = single[WARMUP_CALLS:] or single[-2:]
+    return max(1, min(200, math.ceil(target / max(min(sizing), 1e-6))))
+
+
 def _all_ranks(flag: bool, group, device: torch.device) -> bool:
     """Whether `flag` holds on every rank of the group (a collective)."""
     t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=device)
@@ -463,6 +469,16 @@ def round_ratios(rows: list[tuple[int, str, float]], num: str, den: str) -> list
     for r, s, ms in rows:
         by_round.setdefault(r, {})[s] = ms
     return [row[num] / row[den] for row in by_round.values() if num in row and den in row]
+
+
+def ratio_summary(rows: list[tuple[int, str, float]], num: str, den: str) -> dict[str, float] | None:
+    """num / den per round (round_ratios): {"median", "lo", "hi" (its 95% CI, median_ci), "rounds"};
+    None where no round timed both."""
+    ratios = round_ratios(rows, num, den)
+    if not ratios:
+        return None
+    lo, hi = median_ci(ratios)
+    return {"median": statistics.median(ratios), "lo": lo, "hi": hi, "rounds": len(ratios)}
 
 
 def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
