@@ -209,8 +209,12 @@ def _timed(step, sync, dev: str, calls: int = 10, rounds: int = 3) -> float:
     return ms.item()
 
 
-def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool, host_ops_too: bool = False) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool, host_ops_too: bool = False,
+             steady: bool = False) -> dict:
+    """steady: the profiled calls follow WARM back-to-back calls under the running profiler
+    (recorded from the first profiled call on, no synchronize between), so the device is in
+    its back-to-back state rather than starting each profiled span idle."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     sync()
     dist.barrier()
@@ -221,9 +225,12 @@ def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool, h
     on_cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] if host_ops_too or not on_cuda else []
     activities += [ProfilerActivity.CUDA] if on_cuda else []
-    with profile(activities=activities, record_shapes=host_ops_too, with_stack=host_ops_too) as prof:
-        for _ in range(STEPS):
+    plan = schedule(wait=0, warmup=WARM, active=STEPS, repeat=1) if steady else None
+    with profile(activities=activities, record_shapes=host_ops_too, with_stack=host_ops_too, schedule=plan) as prof:
+        for _ in range(STEPS + (WARM if steady else 0)):
             step()
+            if steady:
+                prof.step()
         sync()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
     (out / f"cp_profile_{name}_rank{rank}.txt").write_text(table + "\n")
@@ -252,6 +259,7 @@ def _profile(step, sync, out: pathlib.Path, name: str, rank: int, trace: bool, h
 
 
 STEPS = 3  # profiled calls per variant
+WARM = 4  # --steady: back-to-back calls before the profiled ones
 ATTENTION_KEYS = ("cudnn", "flash", "fmha", "sdpa")
 HOST_OPS = ("aten::cat", "aten::copy_", "aten::add_", "aten::zeros", "aten::to")  # whose callers host_ops names
 
@@ -340,7 +348,8 @@ def worker(rank: int, world: int, args) -> dict:
         if args.graphs and dev == "cuda":
             step = _graphed(step)
         res[name] = {"ms": _timed(step, sync, dev), "host": _host(step, sync, dev),
-                     "device_ms_by_kind": _profile(step, sync, out, name, rank, args.trace, args.host_ops)}
+                     "device_ms_by_kind": _profile(step, sync, out, name, rank, args.trace, args.host_ops,
+                                                        args.steady)}
         if args.cprofile:
             _cprofiled(step, sync, out, name, rank)
         if args.host_timing:
@@ -368,6 +377,8 @@ def main() -> None:
     ap.add_argument("--host-timing", dest="host_timing", action="store_true",
                     help="host time of each driver-level operation of a call (wrapped)")
     ap.add_argument("--graphs", action="store_true", help="time and profile CUDA-graph replays (no host cost)")
+    ap.add_argument("--steady", action="store_true",
+                    help="profile calls that follow back-to-back calls (the device's steady state), not an idle start")
     ap.add_argument("--commit", default="")
     ap.add_argument("--cpu", action="store_true", help="gloo smoke run (use tiny --seq/--heads): the script's logic only")
     args = ap.parse_args()

@@ -135,18 +135,26 @@ def test_concurrent_head_groups_launch_once_and_turn_the_pick_to_two_groups(monk
     for name in (ce_a2a.ENV, ce_a2a.GROUP_STREAMS_ENV):
         monkeypatch.delenv(name, raising=False)
     on = machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16")
-    assert on.concurrent_groups and not machine_from_calibration(prior("cpu", 2), "float32").concurrent_groups
+    # the forward's groups by default, not the backward's (ce_a2a.GROUP_STREAMS_ENV)
+    assert on.concurrent_groups and not on.concurrent_backward
+    assert not machine_from_calibration(prior("cpu", 2), "float32").concurrent_groups
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1")
+    both = machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16")
+    assert both.concurrent_groups and both.concurrent_backward
     for env, value in ((ce_a2a.GROUP_STREAMS_ENV, "0"), (ce_a2a.ENV, "nccl")):  # either switch turns it off
         monkeypatch.setenv(env, value)
-        assert not machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16").concurrent_groups
+        m = machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16")
+        assert not (m.concurrent_groups or m.concurrent_backward)
         monkeypatch.delenv(env)
     off = dataclasses.replace(on, concurrent_groups=False)
     kw = dict(world=2, causal=True, dtype="bfloat16", backward=True)
     for heads in ((32, 32), (32, 8)):
         shape = (1, *heads, 16384, 128)
         g1, g2 = (estimate_ms(s, shape, machine=on, **kw) for s in ("ulysses:g=1", "ulysses:g=2"))
-        # fwd and bwd: the second group's two launches (block, merge) each, no longer charged
-        assert estimate_ms("ulysses:g=2", shape, machine=off, **kw) - g2 == pytest.approx(4 * on.launch_s * 1e3)
+        # the second group's two launches (block, merge) per concurrent pass, no longer charged
+        assert estimate_ms("ulysses:g=2", shape, machine=off, **kw) - g2 == pytest.approx(2 * on.launch_s * 1e3)
+        assert estimate_ms("ulysses:g=2", shape, machine=off, **kw) - \
+            estimate_ms("ulysses:g=2", shape, machine=both, **kw) == pytest.approx(4 * on.launch_s * 1e3)
         assert estimate_ms("ulysses:g=1", shape, machine=off, **kw) == pytest.approx(g1)  # one group: unchanged
         assert rank_schedules(shape, machine=on, depths=True, **kw)[0][0] == "ulysses"  # the rule's two groups
         assert rank_schedules(shape, machine=off, depths=True, **kw)[0][0] == "ulysses:g=1"
@@ -175,11 +183,18 @@ def test_short_ulysses_calls_are_host_bound_and_one_head_group_ranks_first(monke
     device_only = dataclasses.replace(gpu, host_call_s=0.0, host_pass_s=0.0, host_pass_concurrent_s=0.0)
     kw = dict(world=2, causal=True, dtype="bfloat16", backward=True, depths=True)
     short = (1, 32, 32, 8192, 128)
-    assert rank_schedules(short, machine=device_only, **kw)[0][0] == "ulysses:g=2"
-    assert rank_schedules(short, machine=gpu, **kw)[0][0] == "ulysses"  # the rule's one group at 8K
-    host_g2 = 1e3 * (gpu.host_call_s + 4 * gpu.host_pass_concurrent_s)  # fwd + bwd of two groups, two streams
+    # with both passes' groups on two streams (as in session 30) the device alone puts two groups first
+    both_device = dataclasses.replace(device_only, concurrent_backward=True)
+    assert rank_schedules(short, machine=both_device, **kw)[0][0] == "ulysses:g=2"
+    for m in (gpu, dataclasses.replace(gpu, concurrent_backward=True)):
+        assert rank_schedules(short, machine=m, **kw)[0][0] == "ulysses"  # the rule's one group at 8K
+    # fwd + bwd of two groups: the forward's on two streams, the backward's on one (the default)
+    host_g2 = 1e3 * (gpu.host_call_s + 2 * gpu.host_pass_concurrent_s + 2 * gpu.host_pass_s)
     assert estimate_ms("ulysses:g=2", short, world=2, causal=True, dtype="bfloat16", machine=gpu,
                        backward=True) == pytest.approx(host_g2)
+    both = dataclasses.replace(gpu, concurrent_backward=True)
+    assert estimate_ms("ulysses:g=2", short, world=2, causal=True, dtype="bfloat16", machine=both,
+                       backward=True) == pytest.approx(1e3 * (gpu.host_call_s + 4 * gpu.host_pass_concurrent_s))
     inference = estimate_ms("ulysses:g=2", short, world=2, causal=True, dtype="bfloat16", machine=gpu)
     assert inference >= 1e3 * (gpu.host_call_s + 2 * gpu.host_pass_concurrent_s)
     # one group has no second stream: its pass costs the one-stream figure (session 33: the 8K

@@ -29,13 +29,20 @@ def test_an_unknown_transport_is_logged_and_read_as_nccl(monkeypatch, caplog, mo
     assert any("nvshmem" in r.getMessage() and module.ENV in r.getMessage() for r in caplog.records)
 
 
-def test_concurrent_head_groups_are_on_unless_turned_off(monkeypatch):
+def test_concurrent_head_groups_are_the_forwards_unless_asked_otherwise(monkeypatch, caplog):
+    """(forward, backward) per value: the forward's by default, both with "1", neither with "0";
+    a typo is logged and read as the default."""
+    def asked():
+        return ce_a2a.group_streams_asked(False), ce_a2a.group_streams_asked(True)
     monkeypatch.delenv(ce_a2a.GROUP_STREAMS_ENV, raising=False)
-    assert ce_a2a.group_streams_asked()
-    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, " 0 ")
-    assert not ce_a2a.group_streams_asked()
-    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1")
-    assert ce_a2a.group_streams_asked()
+    assert asked() == (True, False)
+    for value, want in ((" 0 ", (False, False)), ("1", (True, True)), ("FWD", (True, False)), ("", (True, False))):
+        monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, value)
+        assert asked() == want, value
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "bwd-only")
+    with caplog.at_level(logging.WARNING, logger=ce_a2a.log.name):
+        assert asked() == (True, False)
+    assert any("bwd-only" in r.getMessage() for r in caplog.records)
 
 
 def test_only_a_ring_of_one_runs_its_head_groups_concurrently(monkeypatch):
@@ -51,6 +58,11 @@ def test_only_a_ring_of_one_runs_its_head_groups_concurrently(monkeypatch):
     class Ring:
         def size(self):
             return 2
+    monkeypatch.delenv(ce_a2a.GROUP_STREAMS_ENV, raising=False)
     for ring_group in (None, Ring()):
         schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [], ring_group=ring_group)
-    assert seen == [True, False]
+    # the backward's groups: one stream by default, two where both passes' are asked for
+    schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [], backward=True)
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1")
+    schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [], backward=True)
+    assert seen == [True, False, False, True]

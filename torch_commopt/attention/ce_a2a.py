@@ -29,9 +29,9 @@ back at rest after a call, so a CUDA graph may replay it once the buffer exists.
 Transfers run on the group runtime's side stream, the own pieces' local copies beside them on
 its local stream; the compute stream waits on flags and events only.
 
-Concurrent groups (pure Ulysses only: its attention moves nothing itself; on by default,
-TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=0 turns it off): the odd head groups' attention runs on a
-second compute stream, so a group's kernel starts on the SMs the previous group's last wave
+Concurrent groups (pure Ulysses only: its attention moves nothing itself; the forward's by
+default -- TORCH_COMMOPT_ATTENTION_GROUP_STREAMS: "fwd" (default), "1" both passes, "0" neither):
+the odd head groups' attention runs on a second compute stream, so a group's kernel starts on the SMs the previous group's last wave
 leaves idle instead of after it (2x H200, 16K tokens, H 32: the attention alone took 6.53 ms in
 one call and 6.95 in two head groups, results/cp_profile_h200x2_2026-11-23_s11.md).  Each
 group's waits, release and results stay on its own stream; the outputs are completed on the
@@ -39,7 +39,14 @@ caller's stream, which joins the second one through the last group's events.  2x
 tokens, B1 H32 D128 causal fwd+bwd, three runs each way (results/attention_h100x2_2026-11-26_
 s29_groups.md): two head groups took 7.82 / 7.91 ms (MHA / GQA 32/8) on two streams against
 7.95 / 8.03 on one, and went from 0.97-0.99x / 1.01-1.02x one head group's time to
-0.95-0.98x / 0.99x.  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
+0.95-0.98x / 0.99x.  Not the backward's by default: cuDNN's backward kernel fills the GPU, so
+the second group's starts as the first's ends either way, and then takes the SMs from the
+first group's small dq conversion queued behind it, whose dq -- and with it the first group's
+results -- waited for the whole second backward and went out after it, in the exposed gap before
+the next call (2x H100, 16K MHA, back-to-back profile: 9 pushes in a 0.42-0.56 ms gap;
+results/cp_streams_h100x2_2026-11-27_s45.md); one GPU, the two groups' backward ran 5.15 ms in
+sequence against 5.34 on two streams (MHA; GQA 5.29 / 5.25), the forward 1.88 / 1.88 (GQA 1.88 /
+1.79).  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
 logged once); inside a CUDA-graph capture before the buffer exists, NCCL runs (logged once).
 """
 
@@ -201,16 +208,27 @@ def pipelined(xs: list[Tensor], compute: Callable, group, groups: int, outs: Seq
 
 
 def group_streams() -> bool:
-    """Whether head groups run concurrently here: asked for (group_streams_asked) and not
-    inside a CUDA-graph capture, where a second stream needs its own fork and join per capture."""
-    return group_streams_asked() and not torch.cuda.is_current_stream_capturing()
+    """Whether head groups may run concurrently here: asked for in either pass
+    (group_streams_asked; the caller asks for its own pass) and not inside a CUDA-graph capture,
+    where a second stream needs its own fork and join per capture."""
+    return (group_streams_asked(False) or group_streams_asked(True)) and not torch.cuda.is_current_stream_capturing()
 
 
-def group_streams_asked() -> bool:
-    """GROUP_STREAMS_ENV, read per call: on unless "0" (the cost model reads it too)."""
+GROUP_STREAM_PASSES = {"0": (), "fwd": ("fwd",), "1": ("fwd", "bwd")}  # GROUP_STREAMS_ENV's values
+
+
+def group_streams_asked(backward: bool = False) -> bool:
+    """Whether GROUP_STREAMS_ENV, read per call, asks for concurrent head groups in the forward
+    (backward=False) or the backward: "fwd" (default) the forward only, "1" both, "0" neither; an
+    unknown value is logged and read as the default (the cost model reads this too)."""
     import os
 
-    return os.environ.get(GROUP_STREAMS_ENV, "1").strip() != "0"
+    want = os.environ.get(GROUP_STREAMS_ENV, "fwd").strip().lower() or "fwd"
+    if want not in GROUP_STREAM_PASSES:
+        _once(f"bad {GROUP_STREAMS_ENV}={want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; "
+              "using fwd", GROUP_STREAMS_ENV, want, tuple(GROUP_STREAM_PASSES))
+        want = "fwd"
+    return ("bwd" if backward else "fwd") in GROUP_STREAM_PASSES[want]
 
 
 def _sm_copy(stream, dst: Tensor, src: Tensor) -> None:

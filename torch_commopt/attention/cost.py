@@ -46,7 +46,8 @@ class CPMachine:
     launch_s: the cost of issuing one kernel or one communication call (host + launch);
     bwd_factor: the backward's time over the forward's for the same block;
     concurrent_groups: Ulysses's later head groups start while the previous group's attention
-        finishes (ce_a2a's group streams, GPUs), so their launches cost nothing;
+        finishes (ce_a2a's group streams, GPUs), so their launches cost nothing -- in the
+        forward; concurrent_backward: in the backward too (ce_a2a.GROUP_STREAMS_ENV "1");
     ce_all_to_all: Ulysses's all-to-alls run by the copy engine (ce_a2a): they launch no
         collective (their host time is host_call_s / host_pass_s), so an exchange costs the link;
     host_call_s, host_pass_s: the host time of one call of a schedule whose all-to-alls run by
@@ -55,8 +56,8 @@ class CPMachine:
         call makes 2G passes, an inference call G): back-to-back calls take max(device, host)
         (0: not charged, the NCCL path and CPUs);
     host_pass_concurrent_s: a pass's host time where the head groups run on two compute streams
-        (concurrent_groups, pure Ulysses, G > 1; 0: host_pass_s).  One group has no second
-        stream, so it pays host_pass_s.
+        (concurrent_groups / concurrent_backward for its pass, pure Ulysses, G > 1; 0:
+        host_pass_s).  One group has no second stream, so it pays host_pass_s.
     """
 
     link_bytes_per_s: float
@@ -65,6 +66,7 @@ class CPMachine:
     launch_s: float = 0.0
     bwd_factor: float = BWD_FLOP_FACTOR
     concurrent_groups: bool = False
+    concurrent_backward: bool = False
     ce_all_to_all: bool = False
     host_call_s: float = 0.0
     host_pass_s: float = 0.0
@@ -114,7 +116,7 @@ def machine_from_calibration(cal, dtype: str) -> CPMachine:
     the local attention kernel's measured throughput and backward factor (else the GEMM fit's
     peak scaled to attention, and BWD_FLOP_FACTOR); the NCCL path's host cost per call;
     concurrent head groups where the all-to-alls run by the copy engine (a machine with p2p,
-    ce_a2a.ENV not nccl) and ce_a2a.GROUP_STREAMS_ENV leaves them on; the copy-engine
+    ce_a2a.ENV not nccl), in the passes ce_a2a.GROUP_STREAMS_ENV asks for; the copy-engine
     pipeline's host time at this machine's host speed against the prior's."""
     from torch_commopt.attention import ce_a2a
     from torch_commopt.tuner.calibration import prior
@@ -123,12 +125,13 @@ def machine_from_calibration(cal, dtype: str) -> CPMachine:
     flops = cal.attention_flops.get(dtype) or cal.gemm_fit(dtype).peak_flops * ATTENTION_OF_GEMM_PEAK
     bwd = cal.attention_bwd_factor or BWD_FLOP_FACTOR
     ce = cal.p2p is not None and ce_a2a.transport() == "ce"
-    concurrent = ce and ce_a2a.group_streams_asked()
+    concurrent, concurrent_bwd = (ce and ce_a2a.group_streams_asked(backward) for backward in (False, True))
     speed = min(3.0, max(0.5, cal.host("ce_push") / prior(cal.device, cal.world).host("ce_push"))) if ce else 0.0
     return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s, flops_per_s=flops,
-                     launch_s=cal.host("sequential"), bwd_factor=bwd, concurrent_groups=concurrent, ce_all_to_all=ce,
-                     host_call_s=speed * HOST_CALL_S, host_pass_s=speed * HOST_PASS_S,
-                     host_pass_concurrent_s=speed * HOST_PASS_CONCURRENT_S if concurrent else 0.0)
+                     launch_s=cal.host("sequential"), bwd_factor=bwd, concurrent_groups=concurrent,
+                     concurrent_backward=concurrent_bwd, ce_all_to_all=ce, host_call_s=speed * HOST_CALL_S,
+                     host_pass_s=speed * HOST_PASS_S,
+                     host_pass_concurrent_s=speed * HOST_PASS_CONCURRENT_S if concurrent or concurrent_bwd else 0.0)
 
 
 @dataclass(frozen=True)
@@ -210,9 +213,9 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
         t = m.all_to_all(nbytes / groups, group)
         return t - m.launch_s if ce and group > 1 else t
 
-    def rings(block: float, transfer: float, tail: float) -> float:
+    def rings(block: float, transfer: float, tail: float, concurrent: bool) -> float:
         one = _ring_time(fractions, block / groups, m.launch_s, transfer, tail)
-        if r == 1 and m.concurrent_groups:  # the later groups queue behind the first: no launches of their own
+        if r == 1 and concurrent:  # the later groups queue behind the first: no launches of their own
             return one + (groups - 1) * _ring_time(fractions, block / groups, 0.0, transfer, tail)
         return groups * one
 
@@ -221,19 +224,22 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
     # the copy-engine pipeline's host time (Ulysses and hybrid; zigzag's relayouts are NCCL's)
     # (on two compute streams only with two or more groups of pure Ulysses: session 33's 8K
     # sweep, one group's forward measured 0.75 ms where two streams' figure had charged 1.1)
-    two_streams = r == 1 and groups > 1 and m.concurrent_groups
-    per_pass = (m.host_pass_concurrent_s or m.host_pass_s) if two_streams else m.host_pass_s
-    host = 0.0 if zigzag or u <= 1 else m.host_call_s + groups * (2 if backward else 1) * per_pass
+    def per_pass(concurrent: bool) -> float:
+        two_streams = r == 1 and groups > 1 and concurrent
+        return (m.host_pass_concurrent_s or m.host_pass_s) if two_streams else m.host_pass_s
+    passes = per_pass(m.concurrent_groups) + (per_pass(m.concurrent_backward) if backward else 0.0)
+    host = 0.0 if zigzag or u <= 1 else m.host_call_s + groups * passes
     if not backward:  # inference: out and the lse come back
-        return max(host, exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q + sz.lse))
+        return max(host, exchange(sz.q + kv) + rings(block_s, hop, 0.0, m.concurrent_groups) + exchange(sz.q + sz.lse))
     # training (the kept pair, schedules.cp_attention_fwd_keep): the forward moves out alone
     # back and keeps q, k, v, out, lse where its attention ran; the backward moves dout there.
-    fwd = exchange(sz.q + kv) + rings(block_s, hop, 0.0) + exchange(sz.q)
+    fwd = exchange(sz.q + kv) + rings(block_s, hop, 0.0, m.concurrent_groups) + exchange(sz.q)
     # dK/dV sums (ring.GradRing): the last hop in the input dtype, the others in fp32 except
     # while a block's sums hold one kernel term (at world 2: every hop in the input dtype)
     dkv_hop = m.launch_s + m.link((kv if r == 2 else sz.dkv) / groups) if r > 1 else 0.0
     dkv_last = m.launch_s + m.link(kv / groups) if r > 1 else 0.0
-    bwd = exchange(sz.q) + rings(m.bwd_factor * block_s, hop + dkv_hop, dkv_last) + exchange(sz.q + kv)
+    bwd = exchange(sz.q) + rings(m.bwd_factor * block_s, hop + dkv_hop, dkv_last, m.concurrent_backward) + \
+        exchange(sz.q + kv)
     return max(host, fwd + bwd)
 
 

@@ -136,7 +136,7 @@ def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         return ring_bwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
     outs = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
     return _moved(sched, causal, [dout, q, k, v, out, lse], attend, pg, ugroup,
-                  _groups(sched, q, k, pg.size(), head_groups), outs, ring_group=ring_group)
+                  _groups(sched, q, k, pg.size(), head_groups), outs, ring_group=ring_group, backward=True)
 
 
 # ---- the training forms of the schedules that move their inputs ------------------------------
@@ -230,7 +230,7 @@ def cp_attention_bwd_kept(dout: Tensor, kept: tuple[Tensor, ...], *, schedule: U
         return ring_bwd(dout_h, q_m[g], k_m[g], v_m[g], out_m[g], lse_m[g], scale=scale, plan=plan, group=ring_group,
                         backend=backend)
     outs = [(shape, t.dtype) for shape, t in zip(shapes, (q_m, k_m, v_m))]
-    return _moved(sched, causal, [dout], attend, pg, ugroup, groups, outs, ring_group=ring_group)
+    return _moved(sched, causal, [dout], attend, pg, ugroup, groups, outs, ring_group=ring_group, backward=True)
 
 
 def check_kept(sched: CPSchedule, dout, kept, world: int, causal: bool) -> list[tuple]:
@@ -282,15 +282,16 @@ def _ring_of(sched: CPSchedule, pg: dist.ProcessGroup, causal: bool):
 
 
 def _moved(sched: CPSchedule, causal: bool, xs, attend, pg, ugroup, groups: int, outs, keep_in=None, keep_out=None,
-           ring_group=None):
+           ring_group=None, backward: bool = False):
     """attend per head group, its inputs moved there and its results back: causal ring_zigzag's
     relayouts, else Ulysses's all-to-alls (none for a Ulysses group of one; outs: the results'
     sequence-layout specs).  ring_group: attend's own ring (None: a ring of one, which moves
-    nothing, so its head groups may run concurrently: ce_a2a's group streams)."""
+    nothing, so its head groups may run concurrently where ce_a2a's group streams are asked for
+    this pass -- the forward's by default, `backward` says which pass this is)."""
     if sched.name == "ring_zigzag" and causal:
         return _zigzag_pipelined(xs, attend, pg, groups, keep_in, keep_out)
     return _ulysses_pipelined(xs, attend, ugroup, groups, outs, keep_in, keep_out,
-                              concurrent=comm.size(ring_group) == 1)
+                              concurrent=comm.size(ring_group) == 1 and ce_a2a.group_streams_asked(backward))
 
 
 def _groups(sched: CPSchedule, q, k, world: int, head_groups: Optional[int]) -> int:
