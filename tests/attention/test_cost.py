@@ -134,13 +134,14 @@ def test_concurrent_head_groups_launch_once_and_turn_the_pick_to_two_groups(monk
 
     for name in (ce_a2a.ENV, ce_a2a.GROUP_STREAMS_ENV):
         monkeypatch.delenv(name, raising=False)
-    on = machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16")
-    # the forward's groups by default, not the backward's (ce_a2a.GROUP_STREAMS_ENV)
-    assert on.concurrent_groups and not on.concurrent_backward
-    assert not machine_from_calibration(prior("cpu", 2), "float32").concurrent_groups
-    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1")
     both = machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16")
+    # both passes' groups by default; the forward's only where asked (ce_a2a.GROUP_STREAMS_ENV)
     assert both.concurrent_groups and both.concurrent_backward
+    assert not machine_from_calibration(prior("cpu", 2), "float32").concurrent_groups
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "fwd")
+    on = machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16")
+    assert on.concurrent_groups and not on.concurrent_backward
+    monkeypatch.delenv(ce_a2a.GROUP_STREAMS_ENV)
     for env, value in ((ce_a2a.GROUP_STREAMS_ENV, "0"), (ce_a2a.ENV, "nccl")):  # either switch turns it off
         monkeypatch.setenv(env, value)
         m = machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16")
@@ -151,12 +152,14 @@ def test_concurrent_head_groups_launch_once_and_turn_the_pick_to_two_groups(monk
     for heads in ((32, 32), (32, 8)):
         shape = (1, *heads, 16384, 128)
         g1, g2 = (estimate_ms(s, shape, machine=on, **kw) for s in ("ulysses:g=1", "ulysses:g=2"))
+        assert estimate_ms("ulysses:g=1", shape, machine=both, **kw) == pytest.approx(g1)
         # the second group's two launches (block, merge) per concurrent pass, no longer charged
         assert estimate_ms("ulysses:g=2", shape, machine=off, **kw) - g2 == pytest.approx(2 * on.launch_s * 1e3)
         assert estimate_ms("ulysses:g=2", shape, machine=off, **kw) - \
             estimate_ms("ulysses:g=2", shape, machine=both, **kw) == pytest.approx(4 * on.launch_s * 1e3)
         assert estimate_ms("ulysses:g=1", shape, machine=off, **kw) == pytest.approx(g1)  # one group: unchanged
-        assert rank_schedules(shape, machine=on, depths=True, **kw)[0][0] == "ulysses"  # the rule's two groups
+        for m in (on, both):
+            assert rank_schedules(shape, machine=m, depths=True, **kw)[0][0] == "ulysses"  # the rule's two groups
         assert rank_schedules(shape, machine=off, depths=True, **kw)[0][0] == "ulysses:g=1"
     # a ring of more than one rank runs its own transfers in each group: charged per group as before
     shape4 = (1, 32, 8, 32768, 128)
@@ -183,18 +186,16 @@ def test_short_ulysses_calls_are_host_bound_and_one_head_group_ranks_first(monke
     device_only = dataclasses.replace(gpu, host_call_s=0.0, host_pass_s=0.0, host_pass_concurrent_s=0.0)
     kw = dict(world=2, causal=True, dtype="bfloat16", backward=True, depths=True)
     short = (1, 32, 32, 8192, 128)
-    # with both passes' groups on two streams (as in session 30) the device alone puts two groups first
-    both_device = dataclasses.replace(device_only, concurrent_backward=True)
-    assert rank_schedules(short, machine=both_device, **kw)[0][0] == "ulysses:g=2"
-    for m in (gpu, dataclasses.replace(gpu, concurrent_backward=True)):
+    assert rank_schedules(short, machine=device_only, **kw)[0][0] == "ulysses:g=2"
+    for m in (gpu, dataclasses.replace(gpu, concurrent_backward=False)):
         assert rank_schedules(short, machine=m, **kw)[0][0] == "ulysses"  # the rule's one group at 8K
-    # fwd + bwd of two groups: the forward's on two streams, the backward's on one (the default)
-    host_g2 = 1e3 * (gpu.host_call_s + 2 * gpu.host_pass_concurrent_s + 2 * gpu.host_pass_s)
+    host_g2 = 1e3 * (gpu.host_call_s + 4 * gpu.host_pass_concurrent_s)  # fwd + bwd of two groups, two streams
     assert estimate_ms("ulysses:g=2", short, world=2, causal=True, dtype="bfloat16", machine=gpu,
                        backward=True) == pytest.approx(host_g2)
-    both = dataclasses.replace(gpu, concurrent_backward=True)
-    assert estimate_ms("ulysses:g=2", short, world=2, causal=True, dtype="bfloat16", machine=both,
-                       backward=True) == pytest.approx(1e3 * (gpu.host_call_s + 4 * gpu.host_pass_concurrent_s))
+    fwd_only = dataclasses.replace(gpu, concurrent_backward=False)  # the backward's passes on one stream
+    assert estimate_ms("ulysses:g=2", short, world=2, causal=True, dtype="bfloat16", machine=fwd_only,
+                       backward=True) == pytest.approx(1e3 * (gpu.host_call_s + 2 * gpu.host_pass_concurrent_s
+                                                              + 2 * gpu.host_pass_s))
     inference = estimate_ms("ulysses:g=2", short, world=2, causal=True, dtype="bfloat16", machine=gpu)
     assert inference >= 1e3 * (gpu.host_call_s + 2 * gpu.host_pass_concurrent_s)
     # one group has no second stream: its pass costs the one-stream figure (session 33: the 8K

@@ -29,19 +29,19 @@ def test_an_unknown_transport_is_logged_and_read_as_nccl(monkeypatch, caplog, mo
     assert any("nvshmem" in r.getMessage() and module.ENV in r.getMessage() for r in caplog.records)
 
 
-def test_concurrent_head_groups_are_the_forwards_unless_asked_otherwise(monkeypatch, caplog):
-    """(forward, backward) per value: the forward's by default, both with "1", neither with "0";
-    a typo is logged and read as the default."""
+def test_concurrent_head_groups_are_both_passes_unless_asked_otherwise(monkeypatch, caplog):
+    """(forward, backward) per value: both by default and with "1", the forward's with "fwd",
+    neither with "0"; a typo is logged and read as the default."""
     def asked():
         return ce_a2a.group_streams_asked(False), ce_a2a.group_streams_asked(True)
     monkeypatch.delenv(ce_a2a.GROUP_STREAMS_ENV, raising=False)
-    assert asked() == (True, False)
-    for value, want in ((" 0 ", (False, False)), ("1", (True, True)), ("FWD", (True, False)), ("", (True, False))):
+    assert asked() == (True, True)
+    for value, want in ((" 0 ", (False, False)), ("1", (True, True)), ("FWD", (True, False)), ("", (True, True))):
         monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, value)
         assert asked() == want, value
     monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "bwd-only")
     with caplog.at_level(logging.WARNING, logger=ce_a2a.log.name):
-        assert asked() == (True, False)
+        assert asked() == (True, True)
     assert any("bwd-only" in r.getMessage() for r in caplog.records)
 
 
@@ -61,8 +61,9 @@ def test_only_a_ring_of_one_runs_its_head_groups_concurrently(monkeypatch):
     monkeypatch.delenv(ce_a2a.GROUP_STREAMS_ENV, raising=False)
     for ring_group in (None, Ring()):
         schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [], ring_group=ring_group)
-    # the backward's groups: one stream by default, two where both passes' are asked for
+    # the backward's groups: two streams by default, one where only the forward's are asked for
     schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [], backward=True)
-    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1")
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "fwd")
     schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [], backward=True)
-    assert seen == [True, False, False, True]
+    schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [])
+    assert seen == [True, False, True, False, True]

@@ -4,7 +4,7 @@ attention_cases), Ulysses's all-to-alls by the copy engine (attention/ce_a2a.py,
 default); again with the ring's K/V pushed by the copy engine too (attention/ce_ring.py,
 TORCH_COMMOPT_ATTENTION_TRANSPORT=ce) and bounded waits, so a protocol error raises; with
 Ulysses's head groups on one compute stream (TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=0; by default
-the forward's odd ones run on a second) and with both passes' on two ("1"); and with NCCL's all-to-alls (TORCH_COMMOPT_ATTENTION_A2A=nccl)."""
+the odd ones run on a second) and with the forward's only on two ("fwd"); and with NCCL's all-to-alls (TORCH_COMMOPT_ATTENTION_A2A=nccl)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ def test_every_cp_schedule_matches_full_attention_at_worlds_3_and_4(more_ranks, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", [{"TORCH_COMMOPT_ATTENTION_TRANSPORT": "ce"},
                                  # Ulysses's head groups one after the other on one compute stream
-                                 # (the default runs the forward's odd ones on a second:
-                                 # ce_a2a.GROUP_STREAMS_ENV), and the backward's on two as well
+                                 # (the default runs both passes' odd ones on a second:
+                                 # ce_a2a.GROUP_STREAMS_ENV), and the forward's only on two
                                  {"TORCH_COMMOPT_ATTENTION_GROUP_STREAMS": "0"},
-                                 {"TORCH_COMMOPT_ATTENTION_GROUP_STREAMS": "1"}],
-                         ids=["copy_engine_ring", "one_compute_stream", "two_streams_both_passes"])
+                                 {"TORCH_COMMOPT_ATTENTION_GROUP_STREAMS": "fwd"}],
+                         ids=["copy_engine_ring", "one_compute_stream", "two_streams_forward_only"])
 def test_every_cp_schedule_matches_full_attention_with_bounded_waits(two_ranks, monkeypatch, env):
     for name, value in {**env, "TORCH_COMMOPT_DEBUG_WAITS": "1", "TORCH_COMMOPT_WAIT_TIMEOUT_S": "60"}.items():
         monkeypatch.setenv(name, value)

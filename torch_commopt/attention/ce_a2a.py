@@ -29,8 +29,9 @@ back at rest after a call, so a CUDA graph may replay it once the buffer exists.
 Transfers run on the group runtime's side stream, the own pieces' local copies beside them on
 its local stream; the compute stream waits on flags and events only.
 
-Concurrent groups (pure Ulysses only: its attention moves nothing itself; the forward's by
-default -- TORCH_COMMOPT_ATTENTION_GROUP_STREAMS: "fwd" (default), "1" both passes, "0" neither):
+Concurrent groups (pure Ulysses only: its attention moves nothing itself; both passes' by
+default -- TORCH_COMMOPT_ATTENTION_GROUP_STREAMS: "1" (default) both passes, "fwd" the forward's
+only, "0" neither):
 the odd head groups' attention runs on a second compute stream, so a group's kernel starts on the SMs the previous group's last wave
 leaves idle instead of after it (2x H200, 16K tokens, H 32: the attention alone took 6.53 ms in
 one call and 6.95 in two head groups, results/cp_profile_h200x2_2026-11-23_s11.md).  Each
@@ -39,14 +40,13 @@ caller's stream, which joins the second one through the last group's events.  2x
 tokens, B1 H32 D128 causal fwd+bwd, three runs each way (results/attention_h100x2_2026-11-26_
 s29_groups.md): two head groups took 7.82 / 7.91 ms (MHA / GQA 32/8) on two streams against
 7.95 / 8.03 on one, and went from 0.97-0.99x / 1.01-1.02x one head group's time to
-0.95-0.98x / 0.99x.  Not the backward's by default: cuDNN's backward kernel fills the GPU, so
-the second group's starts as the first's ends either way, and then takes the SMs from the
-first group's small dq conversion queued behind it, whose dq -- and with it the first group's
-results -- waited for the whole second backward and went out after it, in the exposed gap before
-the next call (2x H100, 16K MHA, back-to-back profile: 9 pushes in a 0.42-0.56 ms gap;
-results/cp_streams_h100x2_2026-11-27_s45.md); one GPU, the two groups' backward ran 5.15 ms in
-sequence against 5.34 on two streams (MHA; GQA 5.29 / 5.25), the forward 1.88 / 1.88 (GQA 1.88 /
-1.79).  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
+0.95-0.98x / 0.99x.  The backward's too, though cuDNN's backward kernel fills the GPU (the
+second group's starts as the first's ends either way) and then takes the SMs from the first
+group's small dq conversion queued behind it, so the first group's results go out only after the
+whole second backward, in the exposed gap before the next call (2x H100, 16K MHA, back-to-back
+profile: 9 pushes in a 0.42-0.56 ms gap): the backward on one stream ("fwd") measured slower
+anyway, per round against both passes' on two: 16K 1.012 / 1.014 (MHA / GQA), 32K 1.007 / 1.000
+(2x H100, probe_group_streams.py, results/cp_streams_h100x2_2026-11-27_s45.md).  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
 logged once); inside a CUDA-graph capture before the buffer exists, NCCL runs (logged once).
 """
 
@@ -215,19 +215,20 @@ def group_streams() -> bool:
 
 
 GROUP_STREAM_PASSES = {"0": (), "fwd": ("fwd",), "1": ("fwd", "bwd")}  # GROUP_STREAMS_ENV's values
+GROUP_STREAMS_DEFAULT = "1"
 
 
 def group_streams_asked(backward: bool = False) -> bool:
     """Whether GROUP_STREAMS_ENV, read per call, asks for concurrent head groups in the forward
-    (backward=False) or the backward: "fwd" (default) the forward only, "1" both, "0" neither; an
+    (backward=False) or the backward: "1" (default) both, "fwd" the forward only, "0" neither; an
     unknown value is logged and read as the default (the cost model reads this too)."""
     import os
 
-    want = os.environ.get(GROUP_STREAMS_ENV, "fwd").strip().lower() or "fwd"
+    want = os.environ.get(GROUP_STREAMS_ENV, GROUP_STREAMS_DEFAULT).strip().lower() or GROUP_STREAMS_DEFAULT
     if want not in GROUP_STREAM_PASSES:
         _once(f"bad {GROUP_STREAMS_ENV}={want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; "
-              "using fwd", GROUP_STREAMS_ENV, want, tuple(GROUP_STREAM_PASSES))
-        want = "fwd"
+              "using %s", GROUP_STREAMS_ENV, want, tuple(GROUP_STREAM_PASSES), GROUP_STREAMS_DEFAULT)
+        want = GROUP_STREAMS_DEFAULT
     return ("bwd" if backward else "fwd") in GROUP_STREAM_PASSES[want]
 
 

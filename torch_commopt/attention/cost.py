@@ -47,7 +47,7 @@ class CPMachine:
     bwd_factor: the backward's time over the forward's for the same block;
     concurrent_groups: Ulysses's later head groups start while the previous group's attention
         finishes (ce_a2a's group streams, GPUs), so their launches cost nothing -- in the
-        forward; concurrent_backward: in the backward too (ce_a2a.GROUP_STREAMS_ENV "1");
+        forward; concurrent_backward: in the backward (both by default; ce_a2a.GROUP_STREAMS_ENV);
     ce_all_to_all: Ulysses's all-to-alls run by the copy engine (ce_a2a): they launch no
         collective (their host time is host_call_s / host_pass_s), so an exchange costs the link;
     host_call_s, host_pass_s: the host time of one call of a schedule whose all-to-alls run by

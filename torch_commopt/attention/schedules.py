@@ -287,7 +287,7 @@ def _moved(sched: CPSchedule, causal: bool, xs, attend, pg, ugroup, groups: int,
     relayouts, else Ulysses's all-to-alls (none for a Ulysses group of one; outs: the results'
     sequence-layout specs).  ring_group: attend's own ring (None: a ring of one, which moves
     nothing, so its head groups may run concurrently where ce_a2a's group streams are asked for
-    this pass -- the forward's by default, `backward` says which pass this is)."""
+    this pass -- both passes' by default; `backward` says which pass this is)."""
     if sched.name == "ring_zigzag" and causal:
         return _zigzag_pipelined(xs, attend, pg, groups, keep_in, keep_out)
     return _ulysses_pipelined(xs, attend, ugroup, groups, outs, keep_in, keep_out,
