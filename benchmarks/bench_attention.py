@@ -408,10 +408,31 @@ class Clock:
         return (time.perf_counter() - t0) * 1e3 / count
 
 
+# A sample's calls run back to back, but its first starts on an idle device (barrier, then
+# synchronize): the device then waits while the host enqueues that call's first work, which
+# for commopt's copy-engine pipeline is ~1 ms of copies, flags and launches before its first
+# kernel, against ~20 us for one attention kernel.  A sample of three calls put ~0.3 ms of that
+# on each: at 16K tokens on 2x H100 (session 45) bench_attention timed `ulysses` 7.94 / 8.21 ms
+# (MHA / GQA) with 20 ms samples, where probe_group_streams' 10-call samples read 8.14 / 7.93 in
+# the same call.  So samples last >= TARGET_MS (default 100 ms: the start is <= ~1% of one),
+# sized from the fastest of SIZING_CALLS single calls after WARMUP_CALLS (one slow first-use
+# call must not shrink them: autotune's session-44 bias).
+TARGET_MS, WARMUP_CALLS, SIZING_CALLS = 100.0, 2, 3
+
+
 def _agreed_count(ms: float, target_ms: float, dev: str) -> int:
     n = torch.tensor([max(1, min(200, int(target_ms / max(ms, 1e-3)) + 1))], device=dev, dtype=torch.float64)
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     return int(n.item())
+
+
+def _calls_per_sample(step, clock: "Clock", target_ms: float, dev: str) -> int:
+    """Calls per timed sample (every rank the same): after WARMUP_CALLS untimed calls (kernel
+    selection, allocator, buffers), enough to last target_ms at the fastest of SIZING_CALLS
+    single calls."""
+    for _ in range(WARMUP_CALLS):
+        step()
+    return _agreed_count(min(clock.time_ms(step, 1) for _ in range(SIZING_CALLS)), target_ms, dev)
 
 
 def time_variants(variants: dict, clock: Clock, dev: str, repeats: int, target_ms: float) -> dict[str, list[float]]:
@@ -422,8 +443,7 @@ def time_variants(variants: dict, clock: Clock, dev: str, repeats: int, target_m
     counts = {}
     for name in names:
         with variants[name]() as (step, _):
-            step()  # warm-up (kernel selection, allocator)
-            counts[name] = _agreed_count(clock.time_ms(step, 1), target_ms, dev)
+            counts[name] = _calls_per_sample(step, clock, target_ms, dev)
     samples = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -742,8 +762,8 @@ def _meta(args: argparse.Namespace) -> dict:
             "torch": torch.__version__, "triton": triton_version, "commit": args.commit or _git_commit(),
             "host": platform.node(), "dtype": "float32" if args.cpu else args.dtype,
             "ring_transport": "gloo" if args.cpu else _transport(),
-            "a2a_transport": "gloo" if args.cpu else _a2a_transport(),
-            "command": "python3 " + " ".join(sys.argv)}
+            "a2a_transport": "gloo" if args.cpu else _a2a_transport(), "target_ms": args.target_ms,
+            "repeats": args.repeats, "command": "python3 " + " ".join(sys.argv)}
 
 
 def _git_commit() -> str:
@@ -771,12 +791,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--repeats", type=int, default=None, help="timing rounds (default 5; --cpu 2)")
     parser.add_argument("--target-ms", dest="target_ms", type=float, default=None,
-                        help="each sample's back-to-back calls last at least this long (default 20; --cpu 1)")
+                        help=f"each sample's back-to-back calls last at least this long (default {TARGET_MS:g}; "
+                             "--cpu 1)")
     parser.add_argument("--commit", default="")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (2 if args.cpu else 5)
-    args.target_ms = args.target_ms or (1.0 if args.cpu else 20.0)
+    args.target_ms = args.target_ms or (1.0 if args.cpu else TARGET_MS)
     if args.world < 2:
         raise ValueError(f"--world must be >= 2, got {args.world}")
     if args.repeats < 1:
