@@ -408,16 +408,16 @@ class Clock:
         return (time.perf_counter() - t0) * 1e3 / count
 
 
-# A sample's calls run back to back, but its first starts on an idle device (barrier, then
-# synchronize): the device then waits while the host enqueues that call's first work, which
-# for commopt's copy-engine pipeline is ~1 ms of copies, flags and launches before its first
-# kernel, against ~20 us for one attention kernel.  A sample of three calls put ~0.3 ms of that
-# on each: at 16K tokens on 2x H100 (session 45) bench_attention timed `ulysses` 7.94 / 8.21 ms
-# (MHA / GQA) with 20 ms samples, where probe_group_streams' 10-call samples read 8.14 / 7.93 in
-# the same call.  So samples last >= TARGET_MS (default 100 ms: the start is <= ~1% of one),
-# sized from the fastest of SIZING_CALLS single calls after WARMUP_CALLS (one slow first-use
-# call must not shrink them: autotune's session-44 bias).
-TARGET_MS, WARMUP_CALLS, SIZING_CALLS = 100.0, 2, 3
+# A sample's calls run back to back after a barrier and a synchronize, sized from the fastest of
+# SIZING_CALLS single calls after WARMUP_CALLS untimed ones, so that one slow first-use call
+# cannot shrink them (autotune's session-44 bias; sized from one call after one before session
+# 45).  Longer samples were tried: the first call of a sample starts on an idle device, where
+# the copy-engine pipeline's ~1 ms of host enqueue before its first kernel shows, but on one 2x
+# H100 machine 100 ms samples read ulysses at 16K 8.27 / 8.05 ms (MHA / GQA) and 20 ms samples
+# right after 7.97 / 7.93, with the single-GPU baseline 2% slower in the first run too
+# (results/attention_h100x2_2026-11-27_s45c{,_t20}.md): no effect beyond the run-to-run spread,
+# so the default stays 20 ms, comparable with the earlier runs.
+TARGET_MS, WARMUP_CALLS, SIZING_CALLS = 20.0, 2, 3
 
 
 def _agreed_count(ms: float, target_ms: float, dev: str) -> int:
