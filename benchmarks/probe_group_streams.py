@@ -31,13 +31,15 @@ import torch.distributed as dist  # noqa: E402
 
 from torch_commopt.launch import run_distributed  # noqa: E402
 
-# name -> (head groups, GROUP_STREAMS_ENV value)
+# name -> (head groups, GROUP_STREAMS_ENV value); --variants picks a subset (the reference always runs)
 VARIANTS = {"g2 fwd": (2, "fwd"), "g2 both": (2, "1"), "g2 none": (2, "0"), "g1": (1, "1")}
 REFERENCE = "g2 both"  # the default (session 45's run read its ratios to "g2 fwd", then the candidate default)
 
 
-def _timed_rounds(steps: dict, rounds: int, calls: int) -> list[tuple[int, str, float]]:
-    """(round, variant, ms a call on this rank): every variant once a round, rotated, after a barrier."""
+def _timed_rounds(steps: dict, rounds: int, calls: int, enqueued: dict | None = None) -> list[tuple[int, str, float]]:
+    """(round, variant, ms a call on this rank): every variant once a round, rotated, after a
+    barrier.  enqueued: gets, per variant, the host's ms a call until the sample's last call was
+    queued (before its synchronize): near the sample's time, the loop is host-bound."""
     from torch_commopt.attention import ce_a2a
 
     rows = []
@@ -51,8 +53,11 @@ def _timed_rounds(steps: dict, rounds: int, calls: int) -> list[tuple[int, str, 
             t0 = time.perf_counter()
             for _ in range(calls):
                 steps[name]()
+            t_host = time.perf_counter()
             torch.cuda.synchronize()
             rows.append((r, name, (time.perf_counter() - t0) / calls * 1e3))
+            if enqueued is not None:
+                enqueued.setdefault(name, []).append((t_host - t0) / calls * 1e3)
     return rows
 
 
@@ -79,18 +84,21 @@ def worker(rank: int, world: int, args) -> dict:
                     _, kept = schedules.cp_attention_fwd_keep(q, k, v, head_groups=groups, **kw)
                     return schedules.cp_attention_bwd_kept(dout, kept, **kw)
                 return step
-            steps = {name: step_of(g) for name, (g, _) in VARIANTS.items()}
+            steps = {name: step_of(g) for name, (g, _) in VARIANTS.items()
+                     if name == REFERENCE or not args.variants or name in args.variants}
             for name, step in steps.items():  # warm-up: every variant's buffers, plans and streams
                 os.environ[ce_a2a.GROUP_STREAMS_ENV] = VARIANTS[name][1]
                 for _ in range(3):
                     step()
             torch.cuda.synchronize()
-            rows = _timed_rounds(steps, args.rounds, args.calls)
+            host: dict[str, list[float]] = {}
+            rows = _timed_rounds(steps, args.rounds, args.calls, host)
             os.environ.pop(ce_a2a.GROUP_STREAMS_ENV, None)
             # the slowest rank's figures: medians per variant and per-round ratios to the reference
             mine = {name: statistics.median(ms for _, n, ms in rows if n == name) for name in steps}
             ratios = {name: ratio_summary(rows, name, REFERENCE) for name in steps if name != REFERENCE}
             flat = [mine[n] for n in steps] + [ratios[n][key] for n in ratios for key in ("median", "lo", "hi")]
+            flat += [statistics.median(host[n]) for n in steps]
             t = torch.tensor(flat, dtype=torch.float64, device="cuda")
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             vals = t.tolist()
@@ -100,6 +108,7 @@ def worker(rank: int, world: int, args) -> dict:
                 "ratio_to_" + REFERENCE.replace(" ", "_"): {n: {key: round(vals[len(names) + 3 * j + i], 4)
                                                               for i, key in enumerate(("median", "lo", "hi"))}
                                                           for j, n in enumerate(ratios)},
+                "host_enqueue_ms": {n: round(vals[len(names) + 3 * len(ratios) + i], 4) for i, n in enumerate(names)},
                 "rounds_rank0": [(r, n, round(ms, 4)) for r, n, ms in rows] if rank == 0 else None}
             steps.clear()
             torch.cuda.empty_cache()
@@ -113,6 +122,9 @@ def main() -> None:
     ap.add_argument("--heads", default="32/32,32/8")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--variants", type=lambda t: [v for v in t.split(",") if v], default=None,
+                    help=f"a subset of {list(VARIANTS)} (default all)")
+    ap.add_argument("--tag", default="", help="suffix of the result file's name")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
@@ -121,12 +133,13 @@ def main() -> None:
     for case, r in res.items():
         ratio = r["ratio_to_" + REFERENCE.replace(" ", "_")]
         print(case, " ".join(f"{n} {ms:.3f}" for n, ms in r["ms"].items()), "| vs", REFERENCE,
-              " ".join(f"{n} {x['median']:.4f} [{x['lo']:.4f}, {x['hi']:.4f}]" for n, x in ratio.items()))
+              " ".join(f"{n} {x['median']:.4f} [{x['lo']:.4f}, {x['hi']:.4f}]" for n, x in ratio.items()),
+              "| host enqueue", " ".join(f"{n} {ms:.3f}" for n, ms in r["host_enqueue_ms"].items()))
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": args.commit,
               "command": " ".join(["python3", *sys.argv]), "rounds": args.rounds, "calls": args.calls,
-              "note": "slowest rank's medians (ms a fwd+bwd call) and per-round ratios to the reference "
-                      "(max over ranks of each figure)", "records": res}
-    (out / "probe_group_streams.json").write_text(json.dumps(result, indent=1))
+              "note": "slowest rank's medians (ms a fwd+bwd call), per-round ratios to the reference and the "
+                      "host's enqueue ms a call (max over ranks of each figure)", "records": res}
+    (out / f"probe_group_streams{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
