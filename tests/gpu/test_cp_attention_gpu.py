@@ -4,7 +4,8 @@ attention_cases), Ulysses's all-to-alls by the copy engine (attention/ce_a2a.py,
 default); again with the ring's K/V pushed by the copy engine too (attention/ce_ring.py,
 TORCH_COMMOPT_ATTENTION_TRANSPORT=ce) and bounded waits, so a protocol error raises; with
 Ulysses's head groups on one compute stream (TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=0; by default
-the odd ones run on a second) and with the forward's only on two ("fwd"); and with NCCL's all-to-alls (TORCH_COMMOPT_ATTENTION_A2A=nccl)."""
+the odd ones run on a second) and with the forward's only on two ("fwd"); and with NCCL's
+all-to-alls (TORCH_COMMOPT_ATTENTION_A2A=nccl)."""
 
 from __future__ import annotations
 

@@ -29,25 +29,26 @@ back at rest after a call, so a CUDA graph may replay it once the buffer exists.
 Transfers run on the group runtime's side stream, the own pieces' local copies beside them on
 its local stream; the compute stream waits on flags and events only.
 
-Concurrent groups (pure Ulysses only: its attention moves nothing itself; both passes' by
-default -- TORCH_COMMOPT_ATTENTION_GROUP_STREAMS: "1" (default) both passes, "fwd" the forward's
-only, "0" neither):
-the odd head groups' attention runs on a second compute stream, so a group's kernel starts on the SMs the previous group's last wave
-leaves idle instead of after it (2x H200, 16K tokens, H 32: the attention alone took 6.53 ms in
-one call and 6.95 in two head groups, results/cp_profile_h200x2_2026-11-23_s11.md).  Each
-group's waits, release and results stay on its own stream; the outputs are completed on the
-caller's stream, which joins the second one through the last group's events.  2x H100, 16K
-tokens, B1 H32 D128 causal fwd+bwd, three runs each way (results/attention_h100x2_2026-11-26_
-s29_groups.md): two head groups took 7.82 / 7.91 ms (MHA / GQA 32/8) on two streams against
-7.95 / 8.03 on one, and went from 0.97-0.99x / 1.01-1.02x one head group's time to
-0.95-0.98x / 0.99x.  The backward's too, though cuDNN's backward kernel fills the GPU (the
-second group's starts as the first's ends either way) and then takes the SMs from the first
-group's small dq conversion queued behind it, so the first group's results go out only after the
-whole second backward, in the exposed gap before the next call (2x H100, 16K MHA, back-to-back
-profile: 9 pushes in a 0.42-0.56 ms gap): the backward on one stream ("fwd") measured slower
-anyway, per round against both passes' on two: 16K 1.012 / 1.014 (MHA / GQA), 32K 1.007 / 1.000
-(2x H100, probe_group_streams.py, results/cp_streams_h100x2_2026-11-27_s45.md).  Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off;
-logged once); inside a CUDA-graph capture before the buffer exists, NCCL runs (logged once).
+Concurrent groups (pure Ulysses only: its attention moves nothing itself;
+TORCH_COMMOPT_ATTENTION_GROUP_STREAMS: "1" both passes (default), "fwd" the forward's only, "0"
+neither): the odd head groups' attention runs on a second compute stream, so a group's kernel
+starts on the SMs the previous group's last wave leaves idle instead of after it (2x H200, 16K
+tokens, H 32: the attention alone took 6.53 ms in one call and 6.95 in two head groups,
+results/cp_profile_h200x2_2026-11-23_s11.md).  Each group's waits, release and results stay on its
+own stream; the outputs are completed on the caller's stream, which joins the second one through
+the last group's events.  2x H100, 16K tokens, B1 H32 D128 causal fwd+bwd, three runs each way
+(results/attention_h100x2_2026-11-26_s29_groups.md): two head groups took 7.82 / 7.91 ms (MHA /
+GQA 32/8) on two streams against 7.95 / 8.03 on one, and went from 0.97-0.99x / 1.01-1.02x one
+head group's time to 0.95-0.98x / 0.99x.  The backward's too, though cuDNN's backward kernel
+fills the GPU (the second group's starts as the first's ends either way) and then takes the SMs
+from the first group's small dq conversion queued behind it, so the first group's results go out
+only after the whole second backward, in the exposed gap before the next call (2x H100, 16K MHA,
+back-to-back profile: 9 pushes in a 0.42-0.56 ms gap): the backward on one stream ("fwd")
+measured slower anyway, per round against both passes' on two: 16K 1.012 / 1.014 (MHA / GQA),
+32K 1.007 / 1.000 (2x H100, probe_group_streams.py, results/cp_streams_h100x2_2026-11-27_s45.md).
+
+Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off; logged
+once); inside a CUDA-graph capture before the buffer exists, NCCL runs (logged once).
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ def group_streams() -> bool:
     """Whether head groups may run concurrently here: asked for in either pass
     (group_streams_asked; the caller asks for its own pass) and not inside a CUDA-graph capture,
     where a second stream needs its own fork and join per capture."""
-    return (group_streams_asked(False) or group_streams_asked(True)) and not torch.cuda.is_current_stream_capturing()
+    asked = group_streams_asked(False) or group_streams_asked(True)
+    return asked and not torch.cuda.is_current_stream_capturing()
 
 
 GROUP_STREAM_PASSES = {"0": (), "fwd": ("fwd",), "1": ("fwd", "bwd")}  # GROUP_STREAMS_ENV's values
