@@ -46,16 +46,17 @@ def decide_rounds(rank: int, world: int, mismatch_at: int | None):
 
 
 def calibrate_program(rank: int, world: int, cache_dir: str):
-    """Calibrate on gloo and store (outside any compile); (calibration JSON, seconds)."""
+    """Calibrate on gloo and store (outside any compile); (calibration JSON, seconds, seconds per
+    phase as measure() logged them)."""
     import time
 
     import torch
 
-    from torch_commopt.tuner.calibrate import calibrate_and_store
+    from torch_commopt.tuner import calibrate
 
     t0 = time.perf_counter()
-    cal = calibrate_and_store(dist.group.WORLD.group_name, torch.device("cpu"), cache_dir)
-    return cal.to_json(), time.perf_counter() - t0
+    cal = calibrate.calibrate_and_store(dist.group.WORLD.group_name, torch.device("cpu"), cache_dir)
+    return cal.to_json(), time.perf_counter() - t0, dict(calibrate.LAST_PHASES)
 
 
 def compile_with_model(rank: int, world: int, cache_dir: str):

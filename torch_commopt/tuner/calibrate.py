@@ -418,6 +418,7 @@ PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_p
 # the model's figures (bench_costmodel.py --probes-paired is the A/B).  A calibration is cached:
 # a changed read needs a fresh cache directory.
 PROBES_PAIRED = False
+LAST_PHASES: dict[str, float] = {}  # this process's last measure(): seconds per phase (bench_costmodel records them)
 
 
 def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=PROBE_SHAPES,
@@ -491,18 +492,33 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     group = resolve_group(group_name)
     world = dist.get_world_size(group)
     start = time.perf_counter()
+    phases = LAST_PHASES  # seconds per phase, logged with the total (the < 30 s budget's breakdown)
+    phases.clear()
+    mark = [start]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - mark[0]
+        mark[0] = now
     host_pass = lambda: _slowest_figures(_host_costs(group_name, world, device, getattr(torch, dtype_names[0])),  # noqa: E731
                                          group, device)
     hosts = [host_pass()]  # passes apart in time: a host burst rarely spans them
+    lap("host")
     gemm = {d: _gemm_samples(device, getattr(torch, d), reps) for d in dtype_names}
+    lap("gemm")
     coll = _collective_times_checked(group, world, device, reps)  # already the slowest rank's
+    lap("collectives")
     hosts.append(host_pass())
+    lap("host")
     probes, far_probes = {}, []
     if device.type == "cuda" and world > 1:
         probe_pass = lambda: _slowest_figures(_gpu_probes(group_name, world, device, reps), group, device)  # noqa: E731
         probes, far_probes = agreed([probe_pass(), probe_pass()], probe_pass, "copy-engine and overlap")
+        lap("copy-engine probes")
     attn = {d: _attention_times(device, getattr(torch, d), reps) for d in dtype_names}
+    lap("attention")
     hosts, far_hosts = agreed(hosts, host_pass, "host")
+    lap("host")
     flat = [t for d in dtype_names for *_, t in gemm[d]]
     flat += [t for d in dtype_names for t in attn[d][1:]]
     flat = iter(_slowest(flat, group, device))
@@ -538,20 +554,25 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         attention_bwd_factor=statistics.median(b / t for _, t, b in attn.values()),
         source="measured", measured=tuple(measured) + ("attention_flops", "attention_bwd_factor"),
         remeasured=tuple(f"host {k}" for k in far_hosts) + tuple(f"probe {k}" for k in far_probes), **fields)
+    lap("fits")
     if probes:  # the families on probe shapes, against the model with everything above
         timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
         long = _schedule_factors(timed, cal)
+        lap("schedule probes")
         timed = _schedule_probes(group_name, world, device, SHORT_PROBE_SHAPES, graphs=True)
         # the model's own raw prediction: factors are applied to it, not to a corrected one
         short = _schedule_factors(timed, cal, SHORT_PROBE_SHAPES, graphs=True)
+        lap("short probes, replayed")
         # the long probes replayed as well: device time alone, for replayed calls
         long_replayed = _schedule_factors(_schedule_probes(group_name, world, device, graphs=True), cal, graphs=True)
+        lap("schedule probes, replayed")
         cal = dataclasses.replace(cal, schedule_factor={k: f for k, (_, f) in long.items()},
                                   schedule_factor_curve=_factor_curves(long, short),
                                   schedule_factor_curve_graphs=_factor_curves(long_replayed, short),
                                   measured=cal.measured + ("schedule_factor", "schedule_factor_curve",
                                                            "schedule_factor_curve_graphs"))
-    log.info("commopt tuner: calibrated %s x%d in %.1f s", name, world, time.perf_counter() - start)
+    log.info("commopt tuner: calibrated %s x%d in %.1f s (%s)", name, world, time.perf_counter() - start,
+             ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     return cal
 
 
