@@ -210,20 +210,19 @@ def pipelined(xs: list[Tensor], compute: Callable, group, groups: int, outs: Seq
 
 def group_streams() -> bool:
     """Whether head groups may run concurrently here: asked for in either pass
-    (group_streams_asked; the caller asks for its own pass) and not inside a CUDA-graph capture,
+    (group_stream_passes; the caller asks for its own pass) and not inside a CUDA-graph capture,
     where a second stream needs its own fork and join per capture."""
-    asked = group_streams_asked(False) or group_streams_asked(True)
-    return asked and not torch.cuda.is_current_stream_capturing()
+    return bool(group_stream_passes()) and not torch.cuda.is_current_stream_capturing()
 
 
 GROUP_STREAM_PASSES = {"0": (), "fwd": ("fwd",), "1": ("fwd", "bwd")}  # GROUP_STREAMS_ENV's values
 GROUP_STREAMS_DEFAULT = "1"
 
 
-def group_streams_asked(backward: bool = False) -> bool:
-    """Whether GROUP_STREAMS_ENV, read per call, asks for concurrent head groups in the forward
-    (backward=False) or the backward: "1" (default) both, "fwd" the forward only, "0" neither; an
-    unknown value is logged and read as the default (the cost model reads this too)."""
+def group_stream_passes() -> tuple[str, ...]:
+    """The passes ("fwd", "bwd") whose head groups GROUP_STREAMS_ENV, read per call, asks to run
+    concurrently: "1" (default) both, "fwd" the forward's only, "0" neither; an unknown value is
+    logged and read as the default."""
     import os
 
     want = os.environ.get(GROUP_STREAMS_ENV, GROUP_STREAMS_DEFAULT).strip().lower() or GROUP_STREAMS_DEFAULT
@@ -231,7 +230,13 @@ def group_streams_asked(backward: bool = False) -> bool:
         _once(f"bad {GROUP_STREAMS_ENV}={want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; "
               "using %s", GROUP_STREAMS_ENV, want, tuple(GROUP_STREAM_PASSES), GROUP_STREAMS_DEFAULT)
         want = GROUP_STREAMS_DEFAULT
-    return ("bwd" if backward else "fwd") in GROUP_STREAM_PASSES[want]
+    return GROUP_STREAM_PASSES[want]
+
+
+def group_streams_asked(backward: bool = False) -> bool:
+    """Whether the forward's (backward=False) or the backward's head groups are asked to run
+    concurrently (group_stream_passes; the cost model reads this too)."""
+    return ("bwd" if backward else "fwd") in group_stream_passes()
 
 
 def _sm_copy(stream, dst: Tensor, src: Tensor) -> None:

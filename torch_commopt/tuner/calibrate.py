@@ -494,12 +494,13 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     start = time.perf_counter()
     phases = LAST_PHASES  # seconds per phase, logged with the total (the < 30 s budget's breakdown)
     phases.clear()
-    mark = [start]
+    mark = start
 
-    def lap(name: str) -> None:
+    def lap(name: str) -> None:  # the time since the last lap goes to `name`
+        nonlocal mark
         now = time.perf_counter()
-        phases[name] = phases.get(name, 0.0) + now - mark[0]
-        mark[0] = now
+        phases[name] = phases.get(name, 0.0) + now - mark
+        mark = now
     host_pass = lambda: _slowest_figures(_host_costs(group_name, world, device, getattr(torch, dtype_names[0])),  # noqa: E731
                                          group, device)
     hosts = [host_pass()]  # passes apart in time: a host burst rarely spans them
