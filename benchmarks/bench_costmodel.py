@@ -59,13 +59,15 @@ def _replayed_per_call(op, kind: str):
 
 
 def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False, gemm_shapes=None,
-           call_graphs: bool = False, probes_paired: bool = False):
+           call_graphs: bool = False, probes_paired: bool = False, probe_settle: float | None = None):
     from torch_commopt.tuner import calibrate
     from torch_commopt.tuner.calibrate import calibrate_and_store
 
     if gemm_shapes:  # an A/B of the GEMM fit's samples (--gemm-shapes)
         calibrate.GEMM_SHAPES["cuda"] = gemm_shapes
     calibrate.PROBES_PAIRED = probes_paired  # (--probes-paired) in every rank's process
+    if probe_settle is not None:  # (--probe-settle)
+        calibrate.PROBE_SETTLE_S = probe_settle
 
     device = torch.device("cuda", rank_)
     group_name = dist.group.WORLD.group_name
@@ -314,6 +316,9 @@ def main() -> None:
     parser.add_argument("--probes-paired", action="store_true",
                         help="the calibration's schedule probes read round-paired (calibrate.PROBES_PAIRED), "
                              "an A/B against their medians")
+    parser.add_argument("--probe-settle", type=float, default=None, metavar="S",
+                        help="seconds of GEMMs before each set of the calibration's schedule probes "
+                             "(calibrate.PROBE_SETTLE_S), an A/B")
     parser.add_argument("--report-only", metavar="SUMMARY_JSON",
                         help="rewrite the Markdown report of a finished run from its JSON files")
     args = parser.parse_args()
@@ -325,7 +330,7 @@ def main() -> None:
         return
     cache_dir = tempfile.mkdtemp(prefix="commopt_tuner_")
     per_rank = run_distributed(worker, args.world, cache_dir, args.only, args.cuda_graphs, args.gemm_shapes or None,
-                               args.call_graphs, args.probes_paired, backend="nccl", timeout_s=1200)
+                               args.call_graphs, args.probes_paired, args.probe_settle, backend="nccl", timeout_s=1200)
     result = per_rank[0]
     import triton
 

@@ -9,11 +9,13 @@ one pass's factors carry noise the sweep does not share.  Whether more passes on
 remove it (in-machine noise) or not (a machine's own offsets that do not carry across shapes)
 is what this measures: one calibration, then PASSES more passes of the three probe sets the
 factors come from (eager long probes, replayed long probes, replayed short probes), read by
-median (as calibrate) and round-paired in alternation.  Every pass's raw seconds are stored,
-so the factors can be re-derived offline against any calibration (costmodel_replay).
+median (as calibrate) and round-paired in alternation; with --settle S, each pass starts
+after S seconds of GEMMs (calibrate._settle) or S seconds idle, in alternation too.  Every
+pass's raw seconds are stored, so the factors can be re-derived offline against any
+calibration (costmodel_replay).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-      python3 benchmarks/probe_factor_spread.py OUTDIR [--passes 6]
+      python3 benchmarks/probe_factor_spread.py OUTDIR [--passes 6] [--settle S]
 """
 
 from __future__ import annotations
@@ -45,14 +47,22 @@ def worker(rank: int, world: int, args) -> dict:
     out = {"calibration": json.loads(cal.to_json()), "calibration_s": time.perf_counter() - t0,
            "calibration_phases_s": dict(calibrate.LAST_PHASES), "passes": []}
     for i in range(args.passes):
-        paired = i % 2 == 1
+        paired = i % 2 == 1 if not args.settle else i % 4 >= 2
+        settled = bool(args.settle) and i % 2 == 1
         calibrate.PROBES_PAIRED = paired
+        if settled:
+            calibrate._settle(device, args.settle)
+        else:
+            torch.cuda.synchronize(device)
+            time.sleep(args.settle)
+        before = gpu_state(rank)
         start = time.perf_counter()
         eager = calibrate._schedule_probes(name, world, device)
         replayed = calibrate._schedule_probes(name, world, device, graphs=True)
         short = calibrate._schedule_probes(name, world, device, calibrate.SHORT_PROBE_SHAPES, graphs=True)
-        out["passes"].append({"paired": paired, "seconds": time.perf_counter() - start, "eager": eager,
-                              "replayed": replayed, "short": short, "gpu_state": gpu_state(rank)})
+        out["passes"].append({"paired": paired, "settled": settled, "gpu_state_before": before,
+                              "seconds": time.perf_counter() - start, "eager": eager, "replayed": replayed,
+                              "short": short, "gpu_state": gpu_state(rank)})
     calibrate.PROBES_PAIRED = False
     return out
 
@@ -61,6 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--passes", type=int, default=6)
+    ap.add_argument("--settle", type=float, default=0.0)
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
@@ -69,7 +80,7 @@ def main() -> None:
     keys = ("ag_matmul ce_push:1", "ag_matmul ce_push:1:par=1", "ag_matmul ce_push:4", "matmul_rs ce_push:1",
             "matmul_rs ce_push:2", "matmul_rs ce_pull:2")
     for p in res["passes"]:
-        print(f"paired={int(p['paired'])} {p['seconds']:5.1f} s  "
+        print(f"paired={int(p['paired'])} settled={int(p['settled'])} {p['seconds']:5.1f} s  "
               + "  ".join(f"{k.split()[1]} {p['eager'][k] * 1e3:.3f}" for k in keys if k in p["eager"]))
     res.update(device=torch.cuda.get_device_name(0), torch=torch.__version__, commit=args.commit,
                command=" ".join(["python3", *sys.argv]))

@@ -211,15 +211,22 @@ def fit_link(world: int, sizes: tuple[int, ...], times: tuple[float, ...], steps
     return Link(alpha_s=max(0.0, float(intercept)), bytes_per_s=float(1.0 / slope))
 
 
+def _settle(device: torch.device, seconds: float, dtype: torch.dtype = torch.bfloat16) -> None:
+    """`seconds` of back-to-back 8192^3 GEMMs (CUDA): GEMMs at full power lower the clocks, and
+    what follows is measured at the clocks a busy program runs at."""
+    if device.type != "cuda" or seconds <= 0:
+        return
+    a = torch.randn(8192, 8192, device=device, dtype=dtype)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(20):
+            torch.mm(a, a)
+        torch.cuda.synchronize(device)
+
+
 def _gemm_samples(device: torch.device, dtype: torch.dtype, reps: int) -> list[tuple[int, int, int, float]]:
     out = []
-    if device.type == "cuda":  # GEMMs at full power lower the clocks: measure them settled
-        a = torch.randn(8192, 8192, device=device, dtype=dtype)
-        deadline = time.perf_counter() + WARM_S
-        while time.perf_counter() < deadline:
-            for _ in range(20):
-                torch.mm(a, a)
-            torch.cuda.synchronize(device)
+    _settle(device, WARM_S, dtype)  # the samples at settled clocks
     for m, n, k in GEMM_SHAPES[device.type]:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
@@ -418,6 +425,10 @@ PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_p
 # the model's figures (bench_costmodel.py --probes-paired is the A/B).  A calibration is cached:
 # a changed read needs a fresh cache directory.
 PROBES_PAIRED = False
+# Seconds of GEMMs before each set of schedule probes (_settle), so that every machine's probes
+# start from settled clocks rather than from whatever the phase before left (an A/B:
+# bench_costmodel.py --probe-settle, probe_factor_spread.py --settle).
+PROBE_SETTLE_S = 0.0
 LAST_PHASES: dict[str, float] = {}  # this process's last measure(): seconds per phase (bench_costmodel records them)
 
 
@@ -557,14 +568,17 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         remeasured=tuple(f"host {k}" for k in far_hosts) + tuple(f"probe {k}" for k in far_probes), **fields)
     lap("fits")
     if probes:  # the families on probe shapes, against the model with everything above
+        _settle(device, PROBE_SETTLE_S)
         timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
         long = _schedule_factors(timed, cal)
         lap("schedule probes")
+        _settle(device, PROBE_SETTLE_S)
         timed = _schedule_probes(group_name, world, device, SHORT_PROBE_SHAPES, graphs=True)
         # the model's own raw prediction: factors are applied to it, not to a corrected one
         short = _schedule_factors(timed, cal, SHORT_PROBE_SHAPES, graphs=True)
         lap("short probes, replayed")
         # the long probes replayed as well: device time alone, for replayed calls
+        _settle(device, PROBE_SETTLE_S)
         long_replayed = _schedule_factors(_schedule_probes(group_name, world, device, graphs=True), cal, graphs=True)
         lap("schedule probes, replayed")
         cal = dataclasses.replace(cal, schedule_factor={k: f for k, (_, f) in long.items()},
