@@ -15,7 +15,7 @@ pass's raw seconds are stored, so the factors can be re-derived offline against 
 calibration (costmodel_replay).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-      python3 benchmarks/probe_factor_spread.py OUTDIR [--passes 6] [--settle S]
+      python3 benchmarks/probe_factor_spread.py OUTDIR [--passes 6] [--settle S] [--cold]
 """
 
 from __future__ import annotations
@@ -42,13 +42,8 @@ def worker(rank: int, world: int, args) -> dict:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     name = dist.group.WORLD.group_name
-    t0 = time.perf_counter()
-    cal = calibrate.measure(name, device, ("bfloat16",))
-    out = {"calibration": json.loads(cal.to_json()), "calibration_s": time.perf_counter() - t0,
-           "calibration_phases_s": dict(calibrate.LAST_PHASES), "passes": []}
-    for i in range(args.passes):
-        paired = i % 2 == 1 if not args.settle else i % 4 >= 2
-        settled = bool(args.settle) and i % 2 == 1
+
+    def one_pass(settled: bool, paired: bool, when: str) -> dict:
         calibrate.PROBES_PAIRED = paired
         if settled:
             calibrate._settle(device, args.settle)
@@ -60,9 +55,20 @@ def worker(rank: int, world: int, args) -> dict:
         eager = calibrate._schedule_probes(name, world, device)
         replayed = calibrate._schedule_probes(name, world, device, graphs=True)
         short = calibrate._schedule_probes(name, world, device, calibrate.SHORT_PROBE_SHAPES, graphs=True)
-        out["passes"].append({"paired": paired, "settled": settled, "gpu_state_before": before,
-                              "seconds": time.perf_counter() - start, "eager": eager, "replayed": replayed,
-                              "short": short, "gpu_state": gpu_state(rank)})
+        return {"when": when, "paired": paired, "settled": settled, "gpu_state_before": before,
+                "seconds": time.perf_counter() - start, "eager": eager, "replayed": replayed, "short": short,
+                "gpu_state": gpu_state(rank)}
+
+    # --cold: two passes before the calibration (the first is the process's first use of every
+    # schedule), so the calibration's own probes are not the first
+    early = [one_pass(False, False, f"before calibration {i}") for i in range(2 if args.cold else 0)]
+    t0 = time.perf_counter()
+    cal = calibrate.measure(name, device, ("bfloat16",))
+    out = {"calibration": json.loads(cal.to_json()), "calibration_s": time.perf_counter() - t0,
+           "calibration_phases_s": dict(calibrate.LAST_PHASES), "passes": early}
+    for i in range(args.passes):
+        paired = i % 2 == 1 if not args.settle else i % 4 >= 2
+        out["passes"].append(one_pass(bool(args.settle) and i % 2 == 1, paired, "after calibration"))
     calibrate.PROBES_PAIRED = False
     return out
 
@@ -72,6 +78,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--passes", type=int, default=6)
     ap.add_argument("--settle", type=float, default=0.0)
+    ap.add_argument("--cold", action="store_true", help="two passes before the calibration")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
@@ -80,7 +87,7 @@ def main() -> None:
     keys = ("ag_matmul ce_push:1", "ag_matmul ce_push:1:par=1", "ag_matmul ce_push:4", "matmul_rs ce_push:1",
             "matmul_rs ce_push:2", "matmul_rs ce_pull:2")
     for p in res["passes"]:
-        print(f"paired={int(p['paired'])} settled={int(p['settled'])} {p['seconds']:5.1f} s  "
+        print(f"{p['when']:20s} paired={int(p['paired'])} settled={int(p['settled'])} {p['seconds']:5.1f} s  "
               + "  ".join(f"{k.split()[1]} {p['eager'][k] * 1e3:.3f}" for k in keys if k in p["eager"]))
     res.update(device=torch.cuda.get_device_name(0), torch=torch.__version__, commit=args.commit,
                command=" ".join(["python3", *sys.argv]))
