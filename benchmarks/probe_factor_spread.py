@@ -59,6 +59,18 @@ def worker(rank: int, world: int, args) -> dict:
                 "seconds": time.perf_counter() - start, "eager": eager, "replayed": replayed, "short": short,
                 "gpu_state": gpu_state(rank)}
 
+    if args.after_phases:  # a pass after each of the calibration's phases, one at a time
+        group, dt, out = dist.group.WORLD, torch.bfloat16, {"passes": [one_pass(False, False, "first")]}
+        phases = {"gemm": lambda: calibrate._gemm_samples(device, dt, 5),
+                  "collectives": lambda: calibrate._collective_times_checked(group, world, device, 5),
+                  "host": lambda: calibrate._host_costs(name, world, device, dt),
+                  "copy-engine probes": lambda: calibrate._gpu_probes(name, world, device, 5),
+                  "attention": lambda: calibrate._attention_times(device, dt, 5)}
+        for phase, fn in phases.items():
+            fn()
+            out["passes"].append(one_pass(False, False, f"after {phase}"))
+        out["passes"].append(one_pass(False, False, "again"))
+        return out
     # --cold: two passes before the calibration (the first is the process's first use of every
     # schedule), so the calibration's own probes are not the first
     early = [one_pass(False, False, f"before calibration {i}") for i in range(2 if args.cold else 0)]
@@ -79,6 +91,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=6)
     ap.add_argument("--settle", type=float, default=0.0)
     ap.add_argument("--cold", action="store_true", help="two passes before the calibration")
+    ap.add_argument("--after-phases", action="store_true",
+                    help="no calibration: a pass after each of its phases (run alone), to find one that slows the next")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
