@@ -44,6 +44,7 @@ from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 from torch_commopt.tuner.autotune import (PAIRED, measure_candidates, paired_ms, ratio_summary,  # noqa: E402
                                          timed_candidates)
+from torch_commopt.tuner.calibration import PER_CALL  # noqa: E402
 from torch_commopt.tuner.model import rank  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
@@ -59,15 +60,13 @@ def _replayed_per_call(op, kind: str):
 
 
 def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False, gemm_shapes=None,
-           call_graphs: bool = False, probes_paired: bool = False, probe_settle: float | None = None):
+           call_graphs: bool = False, probes_paired: bool = False):
     from torch_commopt.tuner import calibrate
     from torch_commopt.tuner.calibrate import calibrate_and_store
 
     if gemm_shapes:  # an A/B of the GEMM fit's samples (--gemm-shapes)
         calibrate.GEMM_SHAPES["cuda"] = gemm_shapes
     calibrate.PROBES_PAIRED = probes_paired  # (--probes-paired) in every rank's process
-    if probe_settle is not None:  # (--probe-settle)
-        calibrate.PROBE_SETTLE_S = probe_settle
 
     device = torch.device("cuda", rank_)
     group_name = dist.group.WORLD.group_name
@@ -84,8 +83,9 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
                                "dtype": "bfloat16"})
         (a_shape, w_shapes, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
         # Config.call_graphs: a band region's eager calls replay per-call graphs, ranked as replayed
+        # with the calibration's per-call slowdown (PER_CALL)
         cg = call_graphs and not graphs and call_graphs_pay(region.kind, a_shape, w_shapes, world, "bfloat16")
-        preds = rank(region, cal, graphs=graphs or cg)
+        preds = rank(region, cal, graphs=True if graphs else PER_CALL if cg else False)
         if cg:
             op = _replayed_per_call(op, region.kind)
         names = [str(p.schedule) for p in preds]
@@ -316,9 +316,6 @@ def main() -> None:
     parser.add_argument("--probes-paired", action="store_true",
                         help="the calibration's schedule probes read round-paired (calibrate.PROBES_PAIRED), "
                              "an A/B against their medians")
-    parser.add_argument("--probe-settle", type=float, default=None, metavar="S",
-                        help="seconds of GEMMs before each set of the calibration's schedule probes "
-                             "(calibrate.PROBE_SETTLE_S), an A/B")
     parser.add_argument("--report-only", metavar="SUMMARY_JSON",
                         help="rewrite the Markdown report of a finished run from its JSON files")
     args = parser.parse_args()
@@ -330,7 +327,7 @@ def main() -> None:
         return
     cache_dir = tempfile.mkdtemp(prefix="commopt_tuner_")
     per_rank = run_distributed(worker, args.world, cache_dir, args.only, args.cuda_graphs, args.gemm_shapes or None,
-                               args.call_graphs, args.probes_paired, args.probe_settle, backend="nccl", timeout_s=1200)
+                               args.call_graphs, args.probes_paired, backend="nccl", timeout_s=1200)
     result = per_rank[0]
     import triton
 

@@ -493,6 +493,52 @@ def test_replayed_predictions_take_the_replay_timed_curve():
     assert Calibration.from_json(json.dumps(old)).factor("matmul_ar ce_push:4", 1e-3, graphs=True) == pytest.approx(1.70)
 
 
+def test_per_call_graphs_take_the_replayed_factor_times_their_measured_slowdown():
+    # ten sessions of sweeps (s46): at AR M_global 2048 per-call graphs ran ce_pull:2 15% slower
+    # than whole-graph replays and ce_push:2 7%, so the replayed ranking put ce_pull:2 first
+    # where ce_push:2 was the best; the calibration now measures that slowdown per schedule
+    from torch_commopt.tuner.calibration import PER_CALL
+
+    cal = dataclasses.replace(prior("NVIDIA H200", 2),
+                              schedule_factor_curve_graphs={"matmul_ar ce_pull": [[2e-4, 1.1], [7e-4, 1.2]]},
+                              call_graph_slowdown={"matmul_ar ce_pull:2": 1.15, "matmul_ar ce_push": 1.07})
+    assert cal.factor("matmul_ar ce_pull:2", 2e-4, graphs=PER_CALL) == pytest.approx(1.1 * 1.15)
+    assert cal.factor("matmul_ar ce_push:4", 2e-4, graphs=PER_CALL) == pytest.approx(1.07)  # the family's
+    assert cal.factor("matmul_rs ce_push:2", 2e-4, graphs=PER_CALL) == 1.0  # not measured: as replayed
+    assert cal.factor("matmul_ar ce_pull:2", 2e-4, graphs=True) == pytest.approx(1.1)  # replayed: no slowdown
+    assert Calibration.from_json(cal.to_json()) == cal
+    shape = RegionShape("matmul_ar", 2048, 8192, (8192,), 2)
+    for s in (Schedule("ce_pull", 2), Schedule("ce_push", 2)):
+        replayed, per_call = predict(shape, s, cal, graphs=True), predict(shape, s, cal, graphs=PER_CALL)
+        assert per_call.host_s == 0 and per_call.gpu_s > replayed.gpu_s
+    # replayed, the prior ranks ce_push:2 2% ahead; a 10% per-call slowdown of it alone flips that
+    even = dataclasses.replace(prior("NVIDIA H200", 2), call_graph_slowdown={"matmul_ar ce_push:2": 1.1})
+    pull, push = Schedule("ce_pull", 2), Schedule("ce_push", 2)
+    assert [p.schedule for p in rank(shape, even, [pull, push], graphs=True)] == [push, pull]
+    assert [p.schedule for p in rank(shape, even, [pull, push], graphs=PER_CALL)] == [pull, push]
+    # a calibration stored before the slowdown was measured ranks per-call regions as replayed
+    old = json.loads(even.to_json())
+    del old["call_graph_slowdown"]
+    past = Calibration.from_json(json.dumps(old))
+    assert ([p.seconds for p in rank(shape, past, [pull, push], graphs=PER_CALL)]
+            == [p.seconds for p in rank(shape, past, [pull, push], graphs=True)])
+
+
+def test_call_graph_slowdown_is_per_call_over_replayed_on_the_same_probe():
+    from torch_commopt.tuner.calibrate import _call_graph_slowdown
+
+    replayed = {"matmul_ar ce_push:2": 2e-4, "matmul_ar ce_pull:2": 2e-4, "matmul_ar ce_push:4": 3e-4,
+                "matmul_ar direct:1": 2e-4}
+    per_call = {"matmul_ar ce_push:2": 2.14e-4, "matmul_ar ce_pull:2": 2.3e-4, "matmul_ar ce_push:4": 3.3e-4,
+                "matmul_ar direct:1": 9e-4}  # 4.5x: a broken probe, left out
+    out = _call_graph_slowdown(per_call, replayed)
+    assert out["matmul_ar ce_push:2"] == pytest.approx(1.07) and out["matmul_ar ce_pull:2"] == pytest.approx(1.15)
+    assert out["matmul_ar ce_push"] == pytest.approx(1.07)  # the family's first probe stands for it
+    assert out["matmul_ar ce_push:4"] == pytest.approx(1.1)
+    assert not any(k.startswith("matmul_ar direct") for k in out)
+    assert _call_graph_slowdown({"matmul_rs ce_push:1": 1e-4}, {}) == {}  # nothing replayed to compare with
+
+
 def test_the_second_stream_all_gather_is_a_candidate_with_its_own_factor():
     # ce_push:1:par=1 (the rule's pick for two-rank all-gathers of 0.5-3 ms, replayed from 0.1):
     # the same device-time pipeline as ce_push:1 (two GEMMs beside each other share the SMs), so

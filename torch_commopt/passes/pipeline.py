@@ -254,7 +254,7 @@ def _host_ahead(graph: Graph, regions: list[Region], config: Config, report: exp
     return ahead
 
 
-def _rule_inputs(region: Region, config: Config) -> tuple[list[int], list[list[int]], str, bool]:
+def _rule_inputs(region: Region, config: Config) -> tuple[list[int], list[list[int]], str, bool | str]:
     """(op A shape, weight shapes, dtype name, replayed) of a static region: what the built-in
     rule (kernels/gpu/pick.py) and its band take."""
     weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
@@ -329,10 +329,16 @@ def _call_graphs(region: Region, config: Config) -> bool:
                            region_dtype(region))
 
 
-def _replayed(region: Region, config: Config) -> bool:
-    """Whether the region's calls run replayed from CUDA graphs (the program's, or per call):
-    then the rule and the cost model rank its schedules by GPU time alone."""
-    return config.cuda_graphs or _call_graphs(region, config)
+def _replayed(region: Region, config: Config) -> bool | str:
+    """Whether the region's calls run replayed from CUDA graphs: True (the program's own) or
+    PER_CALL (each eager call its own graph, truthy), else False.  Replayed, the rule and the
+    cost model rank its schedules by GPU time alone; per call, the model adds the per-call
+    replays' measured slowdown (Calibration.call_graph_slowdown)."""
+    if config.cuda_graphs:
+        return True
+    from torch_commopt.tuner.calibration import PER_CALL
+
+    return PER_CALL if _call_graphs(region, config) else False
 
 
 def _finish(wanted: Schedule, region: Region, config: Config, report: explain.GraphReport) -> Schedule:

@@ -425,19 +425,17 @@ PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_p
 # the model's figures (bench_costmodel.py --probes-paired is the A/B).  A calibration is cached:
 # a changed read needs a fresh cache directory.
 PROBES_PAIRED = False
-# Seconds of GEMMs before each set of schedule probes (_settle), so that every machine's probes
-# start from settled clocks rather than from whatever the phase before left (an A/B:
-# bench_costmodel.py --probe-settle, probe_factor_spread.py --settle).
-PROBE_SETTLE_S = 0.0
 LAST_PHASES: dict[str, float] = {}  # this process's last measure(): seconds per phase (bench_costmodel records them)
 
 
 def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=PROBE_SHAPES,
-                     graphs: bool = False) -> dict[str, float]:
+                     graphs: bool = False, call_graphs: bool = False) -> dict[str, float]:
     """{"kind schedule": seconds per call} of one schedule per family on a probe shape:
     back-to-back calls as a program makes them (tuner.autotune's timing, slowest rank);
     graphs=True: replays of CUDA graphs (device time), without the schedules that run as
-    another one inside a capture."""
+    another one inside a capture; call_graphs=True: back-to-back eager calls that each replay
+    their own graph (cg=1, Config.call_graphs), GPU schedules that a capture takes only."""
+    from torch_commopt.kernels.gpu.call_graphs import per_call
     from torch_commopt.schedule import Schedule
     from torch_commopt.tuner.autotune import measure_candidates
 
@@ -446,10 +444,58 @@ def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=P
         a = torch.randn(a_shape, device=device, dtype=torch.bfloat16)
         w = torch.randn(w_shape, device=device, dtype=torch.bfloat16) / w_shape[0] ** 0.5
         scheds = [s for s in PROBE_SCHEDULES[kind]
-                  if not graphs or (p := Schedule.parse(s)).in_capture(kind) == p]
-        ms = measure_candidates(runner(kind, a, [w], world, group_name), scheds, group_name, device, graphs=graphs,
-                                paired=PROBES_PAIRED)
+                  if not (graphs or call_graphs) or (p := Schedule.parse(s)).in_capture(kind) == p
+                  and (p.is_gpu or not call_graphs)]
+        run = runner(kind, a, [w], world, group_name)
+        if call_graphs:
+            run = (lambda inner, op: lambda s: inner(str(per_call(op, Schedule.parse(s)))))(run, kind)
+        ms = measure_candidates(run, scheds, group_name, device, graphs=graphs, paired=PROBES_PAIRED)
         out.update({f"{kind} {s}": t / 1e3 for s, t in ms.items()})
+    return out
+
+
+CALL_GRAPH_SLOWDOWN_RANGE = (0.8, 2.0)  # per-call over whole-graph replays outside this: a broken probe
+
+
+def _per_call_probes(group_name: str, world: int, device: torch.device) -> dict[str, float]:
+    """The short probes with per-call graphs (_schedule_probes(call_graphs=True)), {} where
+    they are switched off (kernels.gpu.call_graphs.ENV).  The graphs they capture are dropped
+    after, unless the process had some of its own before."""
+    from torch_commopt.kernels.gpu import call_graphs
+
+    if not call_graphs.enabled_by_env():
+        return {}
+    fresh = not call_graphs.stats()
+    try:
+        return _schedule_probes(group_name, world, device, SHORT_PROBE_SHAPES, call_graphs=True)
+    except Exception as e:  # noqa: BLE001 - the same code fails alike on every rank: calibrate without them
+        log.warning("commopt calibrate: per-call graph probes failed (%s: %s); per-call regions are ranked "
+                    "as replayed", type(e).__name__, e)
+        return {}
+    finally:
+        if fresh:
+            call_graphs.reset()
+
+
+def _call_graph_slowdown(per_call: dict[str, float], replayed: dict[str, float]) -> dict[str, float]:
+    """{"kind family:S", and "kind family" (its first probe)}: each probe's time with per-call
+    graphs over its time replayed from one graph, both on SHORT_PROBE_SHAPES."""
+    from torch_commopt.schedule import Schedule
+    from torch_commopt.tuner.model import factor_key
+
+    out: dict[str, float] = {}
+    for key, seconds in per_call.items():
+        if replayed.get(key, 0) <= 0:
+            continue
+        ratio = seconds / replayed[key]
+        if not CALL_GRAPH_SLOWDOWN_RANGE[0] <= ratio <= CALL_GRAPH_SLOWDOWN_RANGE[1]:
+            log.warning("commopt calibrate: %s per-call graphs %.3f ms vs %.3f ms replayed; left out",
+                        key, seconds * 1e3, replayed[key] * 1e3)
+            continue
+        kind, sched = key.split(" ")
+        parsed = Schedule.parse(sched)
+        out.setdefault(f"{kind} {parsed.name}", ratio)
+        out[factor_key(kind, parsed)] = ratio
     return out
 
 
@@ -568,24 +614,25 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         remeasured=tuple(f"host {k}" for k in far_hosts) + tuple(f"probe {k}" for k in far_probes), **fields)
     lap("fits")
     if probes:  # the families on probe shapes, against the model with everything above
-        _settle(device, PROBE_SETTLE_S)
         timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
         long = _schedule_factors(timed, cal)
         lap("schedule probes")
-        _settle(device, PROBE_SETTLE_S)
         timed = _schedule_probes(group_name, world, device, SHORT_PROBE_SHAPES, graphs=True)
         # the model's own raw prediction: factors are applied to it, not to a corrected one
         short = _schedule_factors(timed, cal, SHORT_PROBE_SHAPES, graphs=True)
         lap("short probes, replayed")
+        per_call = _call_graph_slowdown(_per_call_probes(group_name, world, device), timed)
+        lap("short probes, per-call graphs")
         # the long probes replayed as well: device time alone, for replayed calls
-        _settle(device, PROBE_SETTLE_S)
         long_replayed = _schedule_factors(_schedule_probes(group_name, world, device, graphs=True), cal, graphs=True)
         lap("schedule probes, replayed")
         cal = dataclasses.replace(cal, schedule_factor={k: f for k, (_, f) in long.items()},
                                   schedule_factor_curve=_factor_curves(long, short),
                                   schedule_factor_curve_graphs=_factor_curves(long_replayed, short),
+                                  call_graph_slowdown=per_call,
                                   measured=cal.measured + ("schedule_factor", "schedule_factor_curve",
-                                                           "schedule_factor_curve_graphs"))
+                                                           "schedule_factor_curve_graphs")
+                                  + (("call_graph_slowdown",) if per_call else ()))
     log.info("commopt tuner: calibrated %s x%d in %.1f s (%s)", name, world, time.perf_counter() - start,
              ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     return cal

@@ -15,6 +15,9 @@ import math
 from dataclasses import dataclass, field
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+# `graphs` of a region whose eager calls each replay their own CUDA graph (Config.call_graphs):
+# truthy, so it is ranked as replayed (no per-call host cost), plus call_graph_slowdown.
+PER_CALL = "call"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -137,6 +140,14 @@ class Calibration:
         many-piece schedule is partly host-bound, and its factor then charges host time as
         device time: 2x H200 (s39) calibrated matmul_ar ce_push:4 at 1.70 eagerly, and the
         replayed model put it at 1.37 ms at 8192^3 where it measured 0.885, the best there.
+    call_graph_slowdown: {"kind family:S" or "kind family": time of back-to-back calls each
+        replayed from its own CUDA graph (Config.call_graphs, cg=1) over the same calls
+        replayed from one graph}, from the short probes timed both ways: applied on top of the
+        replayed factor where a region runs per-call graphs (`factor(graphs=PER_CALL)`).  The
+        per-call replays cost each schedule differently: over ten sessions of sweeps (2x H100
+        and 2x H200) the all-reduce at M_global 2048 ran ce_pull:2 15% slower per call than
+        replayed, ce_push:2 7%, so the replayed ranking picked ce_pull:2 where ce_push:2 was
+        the best (benchmarks/NOTES.md, session 46).
     """
 
     device: str
@@ -157,6 +168,7 @@ class Calibration:
     schedule_factor: dict[str, float] = field(default_factory=dict)
     schedule_factor_curve: dict[str, list[list[float]]] = field(default_factory=dict)
     schedule_factor_curve_graphs: dict[str, list[list[float]]] = field(default_factory=dict)
+    call_graph_slowdown: dict[str, float] = field(default_factory=dict)
     attention_flops: dict[str, float] = field(default_factory=dict)
     attention_bwd_factor: float = 0.0
     source: str = "prior"  # "prior" or "measured"
@@ -183,11 +195,16 @@ class Calibration:
     def collective_slowdown(self) -> float:
         return self.overlap_slowdown if self.collective_overlap_slowdown is None else self.collective_overlap_slowdown
 
-    def factor(self, key: str, predicted_s: float, *, graphs: bool = False) -> float:
+    def factor(self, key: str, predicted_s: float, *, graphs: bool | str = False) -> float:
         """The model correction of `key` ("kind family:S", else "kind family") at a predicted
         device time: a piece count probed on its own has its own factor (splitting a cuBLAS
         GEMM costs what the GEMM fit does not see), the others take their family's.
-        graphs=True (calls replayed from CUDA graphs): the replay-timed curve where there is one."""
+        graphs=True (calls replayed from CUDA graphs): the replay-timed curve where there is one;
+        graphs=PER_CALL (each call replayed from its own graph): that, times the key's (else its
+        family's) call_graph_slowdown."""
+        if graphs == PER_CALL:
+            slowdown = self.call_graph_slowdown.get(key, self.call_graph_slowdown.get(key.split(":")[0], 1.0))
+            return self.factor(key, predicted_s, graphs=True) * slowdown
         if graphs:
             for k in (key, key.split(":")[0]):
                 if len(self.schedule_factor_curve_graphs.get(k, ())) >= 2:

@@ -23,7 +23,7 @@ from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
 
 log = logging.getLogger("torch_commopt.tuner.choose")
 
-# 11: ag ce_push:1:par=1 probed (a tuner candidate, its own host figure); 10: the long probes
+# 12: call_graph_slowdown (the short probes timed with per-call graphs too); 11: ag ce_push:1:par=1 probed (a tuner candidate, its own host figure); 10: the long probes
 # timed as graph replays too (schedule_factor_curve_graphs, for replayed calls);
 # 9: matmul_ar copies the gathered pieces on the local copy stream and ce_pull pulls there (the
 # all-reduce probes and their factors taken anew); 8: the GEMM fit is a roofline (GemmFit.elems_per_s) with the SMs' occupancy, and the W = 2
@@ -31,7 +31,7 @@ log = logging.getLogger("torch_commopt.tuner.choose")
 # taken anew); 7: transfer_slowdown measured (a push beside GEMMs); 6: the all-reduce model copies the
 # gathered pieces out of its slots (factors derived anew); 5: ag ce_push:1:gemm=whole probed; 4: per
 # piece count; 3: schedule_factor_curve, GEMM samples at busy clocks
-CALIBRATION_FORMAT = 11
+CALIBRATION_FORMAT = 12
 _CALIBRATIONS: dict[str, Calibration] = {}
 
 
@@ -90,11 +90,12 @@ def _stored_or_prior(stored, device: str, world: int) -> Calibration:
 
 def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
                     dtype: str, cal: Calibration, max_chunks: int, *,
-                    graphs: bool = False, copy_bytes: int = 0,
+                    graphs: bool | str = False, copy_bytes: int = 0,
                     kept_bytes: int = 0, k_parts: tuple[int, ...] = ()) -> tuple[Schedule, list[Prediction], str]:
     """(schedule, ranked predictions, why) for a region; candidates cut more than
     `max_chunks` pieces are left out, GPU ones too where the kernels refuse the shape.
-    graphs=True: ranked for CUDA-graph replay (no per-call host cost).  copy_bytes: what the
+    graphs=True: ranked for CUDA-graph replay (no per-call host cost); PER_CALL: for per-call
+    graphs (the same, with their measured slowdown).  copy_bytes: what the
     graph copies only for an op of ours, kept_bytes: what the region kept as compiled moves
     beyond one matmul, k_parts: the K of each product the op multiplies apart (RegionShape)."""
     shape = RegionShape(kind, math.prod(a_shape[:-1]), a_shape[-1], tuple(w[-1] for w in weight_shapes), world, dtype,
@@ -106,7 +107,7 @@ def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]
     best = preds[0]
     why = f"predicted {best.seconds * 1e3:.3f} ms with the {cal.source} calibration of {cal.device}"
     if graphs and cal.device != "cpu":
-        why += ", replayed from CUDA graphs (no host cost)"
+        why += ", replayed from CUDA graphs (no host cost)" if graphs is True else ", replayed from per-call CUDA graphs"
     if refusal and cal.p2p is not None:
         why += f"; GPU schedules left out: {refusal}"
     if k_parts:

@@ -123,9 +123,11 @@ def collective_time(cal: Calibration, name: str, full_bytes: float, world: int) 
     return (world - 1) * step * (2 if name == "all_reduce" else 1)
 
 
-def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bool = False) -> Prediction:
+def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bool | str = False) -> Prediction:
     """Predicted cost of running `shape` with `sched` on the calibrated machine.  graphs=True
-    (GPUs): the calls are replayed from a CUDA graph, which pays no per-call host cost."""
+    (GPUs): the calls are replayed from a CUDA graph, which pays no per-call host cost;
+    graphs=PER_CALL (calibration.PER_CALL): each eager call replays its own graph, ranked as
+    replayed with the per-call replays' measured slowdown (Calibration.call_graph_slowdown)."""
     if not sched.valid_for(shape.kind):
         raise ValueError(f"cost model: {shape.kind} has no schedule {sched.name!r}")
     if sched.is_gpu and cal.p2p is None:
@@ -359,7 +361,7 @@ def pool_bytes(shape: RegionShape, sched: Schedule) -> int:
     return 2 * phases * shape.world * math.ceil(shape.rows / shape.world) * shape.ns[0] * shape.out_elt
 
 
-def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool = False) -> list[Schedule]:
+def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool | str = False) -> list[Schedule]:
     """The schedules worth ranking for this region on this machine (graphs=True: for CUDA-graph
     replay, where a fused reduction would run as ce_push and is left out)."""
     out = [Schedule("sequential")] + [Schedule("chunked", s) for s in (2, 4, 8)]
@@ -379,7 +381,7 @@ def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool = False) ->
 
 
 def rank(shape: RegionShape, cal: Calibration, schedules: list[Schedule] | None = None, *,
-         graphs: bool = False) -> list[Prediction]:
+         graphs: bool | str = False) -> list[Prediction]:
     """Predictions for the candidates, fastest first (ties: fewer bytes, then the name)."""
     preds = [predict(shape, s, cal, graphs=graphs) for s in (schedules or candidates(shape, cal, graphs=graphs))]
     return sorted(preds, key=lambda p: (p.seconds, p.extra_bytes, str(p.schedule)))
