@@ -14,6 +14,11 @@ after S seconds of GEMMs (calibrate._settle) or S seconds idle, in alternation t
 pass's raw seconds are stored, so the factors can be re-derived offline against any
 calibration (costmodel_replay).
 
+Measured (session 46, benchmarks/NOTES.md): the eager long probes move as much pass to pass on
+one machine as between machines (RS ce_push:1 +-4%), and sweeps replayed with factors from one
+pass or from medians of 2-6 passes hit the same top-1 counts: more passes would not help.
+--cold and --after-phases found no calibration phase that slows the probes after it.
+
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
       python3 benchmarks/probe_factor_spread.py OUTDIR [--passes 6] [--settle S] [--cold]
 """

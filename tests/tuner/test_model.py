@@ -539,6 +539,18 @@ def test_call_graph_slowdown_is_per_call_over_replayed_on_the_same_probe():
     assert _call_graph_slowdown({"matmul_rs ce_push:1": 1e-4}, {}) == {}  # nothing replayed to compare with
 
 
+def test_per_call_probes_time_the_capturable_gpu_schedules_with_cg():
+    from torch_commopt.tuner.calibrate import PROBE_SCHEDULES, _probed, _with_per_call_graph
+
+    rs = [s for s in PROBE_SCHEDULES["matmul_rs"] if _probed("matmul_rs", Schedule.parse(s), False, True)]
+    assert "ce_pull:2" in rs and "ce_push:1" in rs
+    assert not {"sequential", "chunked:2", "fused:2"} & set(rs)  # not GPU, or another schedule once captured
+    assert "sequential" in [s for s in PROBE_SCHEDULES["matmul_rs"] if _probed("matmul_rs", Schedule.parse(s), True, False)]
+    seen = []
+    _with_per_call_graph(seen.append, "matmul_ar", "ce_pull:2")
+    assert [Schedule.parse(s) for s in seen] == [Schedule.parse("ce_pull:2").with_params(cg=1)]
+
+
 def test_the_second_stream_all_gather_is_a_candidate_with_its_own_factor():
     # ce_push:1:par=1 (the rule's pick for two-rank all-gathers of 0.5-3 ms, replayed from 0.1):
     # the same device-time pipeline as ce_push:1 (two GEMMs beside each other share the SMs), so

@@ -21,6 +21,7 @@ intermittently under pytest (not yet explained), so the pass only reads the cach
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -435,7 +436,6 @@ def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=P
     graphs=True: replays of CUDA graphs (device time), without the schedules that run as
     another one inside a capture; call_graphs=True: back-to-back eager calls that each replay
     their own graph (cg=1, Config.call_graphs), GPU schedules that a capture takes only."""
-    from torch_commopt.kernels.gpu.call_graphs import per_call
     from torch_commopt.schedule import Schedule
     from torch_commopt.tuner.autotune import measure_candidates
 
@@ -443,15 +443,29 @@ def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=P
     for kind, (a_shape, w_shape) in shapes.items():
         a = torch.randn(a_shape, device=device, dtype=torch.bfloat16)
         w = torch.randn(w_shape, device=device, dtype=torch.bfloat16) / w_shape[0] ** 0.5
-        scheds = [s for s in PROBE_SCHEDULES[kind]
-                  if not (graphs or call_graphs) or (p := Schedule.parse(s)).in_capture(kind) == p
-                  and (p.is_gpu or not call_graphs)]
+        scheds = [s for s in PROBE_SCHEDULES[kind] if _probed(kind, Schedule.parse(s), graphs, call_graphs)]
         run = runner(kind, a, [w], world, group_name)
-        if call_graphs:
-            run = (lambda inner, op: lambda s: inner(str(per_call(op, Schedule.parse(s)))))(run, kind)
+        if call_graphs:  # the same calls, each with cg=1
+            run = functools.partial(_with_per_call_graph, run, kind)
         ms = measure_candidates(run, scheds, group_name, device, graphs=graphs, paired=PROBES_PAIRED)
         out.update({f"{kind} {s}": t / 1e3 for s, t in ms.items()})
     return out
+
+
+def _probed(kind: str, sched, graphs: bool, call_graphs: bool) -> bool:
+    """Whether a probe set times `sched`: replayed, only what a capture takes as it is; with
+    per-call graphs, only such GPU schedules."""
+    if not (graphs or call_graphs):
+        return True
+    return sched.in_capture(kind) == sched and (sched.is_gpu or not call_graphs)
+
+
+def _with_per_call_graph(run, kind: str, sched: str):
+    """run(sched) with cg=1: the call replays its own CUDA graph (captured at its second sighting)."""
+    from torch_commopt.kernels.gpu.call_graphs import per_call
+    from torch_commopt.schedule import Schedule
+
+    return run(str(per_call(kind, Schedule.parse(sched))))
 
 
 CALL_GRAPH_SLOWDOWN_RANGE = (0.8, 2.0)  # per-call over whole-graph replays outside this: a broken probe

@@ -23,7 +23,8 @@ from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
 
 log = logging.getLogger("torch_commopt.tuner.choose")
 
-# 12: call_graph_slowdown (the short probes timed with per-call graphs too); 11: ag ce_push:1:par=1 probed (a tuner candidate, its own host figure); 10: the long probes
+# 12: call_graph_slowdown (the short probes timed with per-call graphs too); 11: ag
+# ce_push:1:par=1 probed (a tuner candidate, its own host figure); 10: the long probes
 # timed as graph replays too (schedule_factor_curve_graphs, for replayed calls);
 # 9: matmul_ar copies the gathered pieces on the local copy stream and ce_pull pulls there (the
 # all-reduce probes and their factors taken anew); 8: the GEMM fit is a roofline (GemmFit.elems_per_s) with the SMs' occupancy, and the W = 2
