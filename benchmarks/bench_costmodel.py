@@ -44,7 +44,7 @@ from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 from torch_commopt.tuner.autotune import (PAIRED, measure_candidates, paired_ms, ratio_summary,  # noqa: E402
                                          timed_candidates)
-from torch_commopt.tuner.calibration import PER_CALL  # noqa: E402
+from torch_commopt.tuner.calibration import replayed_as  # noqa: E402
 from torch_commopt.tuner.model import rank  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
@@ -83,9 +83,9 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
                                "dtype": "bfloat16"})
         (a_shape, w_shapes, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
         # Config.call_graphs: a band region's eager calls replay per-call graphs, ranked as replayed
-        # with the calibration's per-call slowdown (PER_CALL)
+        # with the calibration's per-call slowdown (calibration.PER_CALL)
         cg = call_graphs and not graphs and call_graphs_pay(region.kind, a_shape, w_shapes, world, "bfloat16")
-        preds = rank(region, cal, graphs=True if graphs else PER_CALL if cg else False)
+        preds = rank(region, cal, graphs=replayed_as(graphs, cg))
         if cg:
             op = _replayed_per_call(op, region.kind)
         names = [str(p.schedule) for p in preds]

@@ -46,7 +46,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from costmodel_vs_bench import region_shape  # noqa: E402
 
 from torch_commopt.schedule import Schedule  # noqa: E402
-from torch_commopt.tuner.calibration import PER_CALL, Calibration  # noqa: E402
+from torch_commopt.tuner.calibration import Calibration, replayed_as  # noqa: E402
 from torch_commopt.tuner.model import predict  # noqa: E402
 
 
@@ -152,7 +152,7 @@ def replay(summary_path: pathlib.Path, refit_factors: bool = False, transfer_slo
     for r in records:
         shape = region_shape(dict(r, dtype=r.get("dtype", "bfloat16")))
         # a _cg run's band: ranked as replayed, with the per-call slowdown where the run measured it
-        graphs = True if replayed else PER_CALL if r.get("call_graphs") else False
+        graphs = replayed_as(replayed, bool(r.get("call_graphs")))
         ms = predict(shape, Schedule.parse(r["candidate"]), cal, graphs=graphs).seconds * 1e3
         by_shape[(r["op"], r["M"], r["K"], r["N"])][r["candidate"]] = (ms, r["measured_ms"])
         errors.append(abs(ms - r["measured_ms"]) / r["measured_ms"])

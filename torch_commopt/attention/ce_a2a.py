@@ -202,17 +202,17 @@ def pipelined(xs: list[Tensor], compute: Callable, group, groups: int, outs: Seq
     ranks), once per group in order, its results moved back into outputs shaped and typed as
     `outs` (sequence layout); keep_in / keep_out: (G, ...) tensors that receive group g's moved
     inputs / results at [g], copied by the local copy stream beside the compute.  concurrent:
-    compute makes no collective calls, so the odd groups may run on a second stream (where
-    GROUP_STREAMS_ENV asks for it; module docstring)."""
+    compute makes no collective calls, so the odd groups may run on a second stream (the caller
+    has read GROUP_STREAMS_ENV for its pass: schedules._moved; module docstring)."""
     return _Pipeline(xs, group, groups, outs).run(compute, keep_in or (), keep_out or (),
                                                   second=concurrent and groups > 1 and group_streams())
 
 
 def group_streams() -> bool:
-    """Whether head groups may run concurrently here: asked for in either pass
-    (group_stream_passes; the caller asks for its own pass) and not inside a CUDA-graph capture,
-    where a second stream needs its own fork and join per capture."""
-    return bool(group_stream_passes()) and not torch.cuda.is_current_stream_capturing()
+    """Whether head groups the caller asked to run concurrently (group_streams_asked, for its
+    pass) may do so here: not inside a CUDA-graph capture, where a second stream needs its own
+    fork and join per capture."""
+    return not torch.cuda.is_current_stream_capturing()
 
 
 GROUP_STREAM_PASSES = {"0": (), "fwd": ("fwd",), "1": ("fwd", "bwd")}  # GROUP_STREAMS_ENV's values

@@ -125,7 +125,8 @@ def machine_from_calibration(cal, dtype: str) -> CPMachine:
     flops = cal.attention_flops.get(dtype) or cal.gemm_fit(dtype).peak_flops * ATTENTION_OF_GEMM_PEAK
     bwd = cal.attention_bwd_factor or BWD_FLOP_FACTOR
     ce = cal.p2p is not None and ce_a2a.transport() == "ce"
-    concurrent, concurrent_bwd = (ce and ce_a2a.group_streams_asked(backward) for backward in (False, True))
+    passes = ce_a2a.group_stream_passes() if ce else ()
+    concurrent, concurrent_bwd = "fwd" in passes, "bwd" in passes
     speed = min(3.0, max(0.5, cal.host("ce_push") / prior(cal.device, cal.world).host("ce_push"))) if ce else 0.0
     return CPMachine(link_bytes_per_s=link.bytes_per_s, alpha_s=link.alpha_s, flops_per_s=flops,
                      launch_s=cal.host("sequential"), bwd_factor=bwd, concurrent_groups=concurrent,

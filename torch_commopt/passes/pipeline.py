@@ -334,11 +334,9 @@ def _replayed(region: Region, config: Config) -> bool | str:
     PER_CALL (each eager call its own graph, truthy), else False.  Replayed, the rule and the
     cost model rank its schedules by GPU time alone; per call, the model adds the per-call
     replays' measured slowdown (Calibration.call_graph_slowdown)."""
-    if config.cuda_graphs:
-        return True
-    from torch_commopt.tuner.calibration import PER_CALL
+    from torch_commopt.tuner.calibration import replayed_as
 
-    return PER_CALL if _call_graphs(region, config) else False
+    return replayed_as(config.cuda_graphs, _call_graphs(region, config))
 
 
 def _finish(wanted: Schedule, region: Region, config: Config, report: explain.GraphReport) -> Schedule:

@@ -20,6 +20,12 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 PER_CALL = "call"
 
 
+def replayed_as(cuda_graphs: bool, call_graphs: bool) -> bool | str:
+    """A region's `graphs` for the model: True (the program replays its own CUDA graphs),
+    PER_CALL (each eager call replays its own), else False."""
+    return True if cuda_graphs else PER_CALL if call_graphs else False
+
+
 @dataclass(kw_only=True, frozen=True)
 class Link:
     """t(bytes) = alpha_s + bytes / bytes_per_s (one transfer or one collective step)."""
