@@ -75,6 +75,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
     cal = calibrate_and_store(group_name, device, cache_dir)
     calibration_s = time.perf_counter() - t0
     phases = {k: round(v, 2) for k, v in calibrate.LAST_PHASES.items()}
+    per_call_stats = dict(calibrate.LAST_PER_CALL_STATS)  # did the per-call probes replay?
     records, shapes, first = [], [], None
     for shape in shapes_for(world):
         if only and shape.op not in only.split(","):
@@ -133,7 +134,8 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         torch.cuda.empty_cache()
     drift, drift_state = _drift(*first, rank_, world, group_name, device, graphs) if first else ({}, None)
     compile_times = _compile_overhead(rank_, world, group_name, cache_dir)
-    return {"calibration_s": calibration_s, "calibration_phases_s": phases, "calibration": json.loads(cal.to_json()),
+    return {"calibration_s": calibration_s, "calibration_phases_s": phases,
+            "calibration_per_call_probe_calls": per_call_stats, "calibration": json.loads(cal.to_json()),
             "records": records,
             "shapes": shapes, "compile": compile_times, "drift": drift,
             "drift_gpu_state": drift_state}
@@ -248,6 +250,7 @@ def summarize(result: dict) -> dict:
             "remeasure_spread_median": statistics.median(remeasure), "remeasure_spread_max": max(remeasure),
             "drift_first_shape_max": max((abs(b / a - 1) for a, b in result.get("drift", {}).values()), default=None),
             "calibration_s": result["calibration_s"], "calibration_phases_s": result.get("calibration_phases_s"),
+            "calibration_per_call_probe_calls": result.get("calibration_per_call_probe_calls"),
             "warm_cache_compile_overhead_s_per_region": (comp["autotune_warm"]["seconds"] - base) / regions,
             "cold_autotune_overhead_s_per_region": (comp["autotune_cold"]["seconds"] - base) / regions}
 

@@ -146,7 +146,7 @@ class Calibration:
         many-piece schedule is partly host-bound, and its factor then charges host time as
         device time: 2x H200 (s39) calibrated matmul_ar ce_push:4 at 1.70 eagerly, and the
         replayed model put it at 1.37 ms at 8192^3 where it measured 0.885, the best there.
-    call_graph_slowdown: {"kind family:S" or "kind family": time of back-to-back calls each
+    call_graph_slowdown: {"kind family:S", "kind family" or "kind": time of back-to-back calls each
         replayed from its own CUDA graph (Config.call_graphs, cg=1) over the same calls
         replayed from one graph}, from the short probes timed both ways: applied on top of the
         replayed factor where a region runs per-call graphs (`factor(graphs=PER_CALL)`).  The
@@ -207,9 +207,10 @@ class Calibration:
         GEMM costs what the GEMM fit does not see), the others take their family's.
         graphs=True (calls replayed from CUDA graphs): the replay-timed curve where there is one;
         graphs=PER_CALL (each call replayed from its own graph): that, times the key's (else its
-        family's) call_graph_slowdown."""
+        family's, else its op's) call_graph_slowdown."""
         if graphs == PER_CALL:
-            slowdown = self.call_graph_slowdown.get(key, self.call_graph_slowdown.get(key.split(":")[0], 1.0))
+            slowdown = next((self.call_graph_slowdown[k] for k in (key, key.split(":")[0], key.split(" ")[0])
+                             if k in self.call_graph_slowdown), 1.0)
             return self.factor(key, predicted_s, graphs=True) * slowdown
         if graphs:
             for k in (key, key.split(":")[0]):
