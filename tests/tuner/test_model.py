@@ -221,6 +221,32 @@ def test_explain_command_prints_the_ranking(capsys, tmp_path):
         main(["explain", "--shape", "matmul_rs:8192x4096"])
 
 
+def test_a_reduction_takes_its_own_host_cost_per_piece_where_probed():
+    # 2x H100 (s47): RS M_global 512 ce_push:4 ran 0.13-0.17 ms a piece of host beyond ce_push:1,
+    # the all-gather's figure 0.067; AR 8192^3 ce_push:4 measured 1.23-1.28 ms eagerly against
+    # 1.01-1.03 predicted with the all-gather's figure
+    from torch_commopt.tuner.calibrate import HOST_PROBES, _host_families, _per_piece_by_kind
+
+    assert {("matmul_rs", "ce_push:4"), ("matmul_ar", "ce_push:4")} <= set(HOST_PROBES["cuda"])
+    hosts = {"ag_matmul ce_push:1": 150e-6, "ag_matmul ce_push:4": 270e-6, "matmul_rs ce_push:1": 300e-6,
+             "matmul_rs ce_push:4": 750e-6, "matmul_ar ce_push:1": 400e-6}
+    by_kind = _per_piece_by_kind(hosts, 2)
+    assert by_kind == {"matmul_rs": pytest.approx(150e-6)}  # AR: one piece count only
+    fam, shared = _host_families(hosts, 2, 0.0, by_kind)
+    assert shared == pytest.approx(40e-6) and fam["matmul_rs ce_push"] == 300e-6
+    cal = dataclasses.replace(H200, host_s={**H200.host_s, **fam}, host_per_piece_s=shared,
+                              host_per_piece_by_kind=by_kind)
+    assert cal.per_piece("matmul_rs") == pytest.approx(150e-6) and cal.per_piece("matmul_ar") == pytest.approx(40e-6)
+    four = Schedule("ce_push", 4)
+    rs = predict(RegionShape("matmul_rs", 64, 64, (64,), 2), four, cal)
+    ar = predict(RegionShape("matmul_ar", 64, 64, (64,), 2), four, cal)
+    assert rs.host_s == pytest.approx(300e-6 + 4 * 150e-6) and ar.host_s == pytest.approx(400e-6 + 4 * 40e-6)
+    assert Calibration.from_json(cal.to_json()) == cal
+    old = json.loads(cal.to_json())
+    del old["host_per_piece_by_kind"]  # a calibration stored before: the shared figure for every op
+    assert Calibration.from_json(json.dumps(old)).per_piece("matmul_rs") == pytest.approx(40e-6)
+
+
 def test_an_ops_own_host_figure_is_used_where_it_was_measured():
     from torch_commopt.tuner.calibrate import _host_families
 

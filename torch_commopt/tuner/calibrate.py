@@ -64,7 +64,7 @@ HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first")
                "cuda": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2"),
                         ("ag_matmul", "ce_push:1"), ("ag_matmul", "ce_push:4"), ("matmul_rs", "ce_pull:2"),
                         ("matmul_rs", "direct:1"), ("matmul_rs", "ce_push:1"), ("matmul_ar", "ce_push:1"),
-                        ("ag_matmul", "ce_push:1:par=1")]}
+                        ("ag_matmul", "ce_push:1:par=1"), ("matmul_rs", "ce_push:4"), ("matmul_ar", "ce_push:4")]}
 
 
 def _timed(fn, device: torch.device, reps: int, group=None, preroll: bool = False) -> float:
@@ -624,11 +624,13 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
                          (world - 1) * (2 if c == "all_reduce" else 1)) for c in COLLECTIVES}
     name = device_name(device)
     base = prior(name, world)
-    host_s, per_piece = _host_families(hosts, world, base.host_per_piece_s)
+    by_kind = _per_piece_by_kind(hosts, world)
+    host_s, per_piece = _host_families(hosts, world, base.host_per_piece_s, by_kind)
     fields = dict(p2p=base.p2p, p2p_pull=base.p2p_pull, local_copy=base.local_copy,
                   overlap_slowdown=base.overlap_slowdown, collective_overlap_slowdown=base.collective_overlap_slowdown,
                   remote_store_slowdown=base.remote_store_slowdown)
-    measured = ["collective", "gemm", "host_s"] + (["host_per_piece_s"] if "ag_matmul ce_push:4" in hosts else [])
+    measured = (["collective", "gemm", "host_s"] + (["host_per_piece_s"] if "ag_matmul ce_push:4" in hosts else [])
+                + (["host_per_piece_by_kind"] if by_kind else []))
     if probes:
         one = lambda kind: fit_link(1, P2P_BYTES, tuple(probes[f"{kind} {n}"] for n in P2P_BYTES), 1.0)  # noqa: E731
         g = probes["gemm"]
@@ -645,7 +647,7 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     cal = Calibration(
         device=name, world=world, collective=links, gemm={d: fit_gemm(gemm[d], _sm_count(device)) for d in dtype_names},
         gemm_samples={d: [list(sample) for sample in gemm[d]] for d in dtype_names},
-        host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece,
+        host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece, host_per_piece_by_kind=by_kind,
         fused_efficiency=base.fused_efficiency, attention_flops={d: f / t for d, (f, t, _) in attn.items()},
         attention_bwd_factor=statistics.median(b / t for _, t, b in attn.values()),
         source="measured", measured=tuple(measured) + ("attention_flops", "attention_bwd_factor"),
@@ -676,14 +678,35 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     return cal
 
 
-def _host_families(hosts: dict[str, float], world: int, per_piece: float) -> tuple[dict[str, float], float]:
+def _per_piece(hosts: dict[str, float], kind: str, world: int) -> float | None:
+    """Host seconds per piece of `kind`'s GPU schedules: ce_push:4 against ce_push:1 where both
+    were probed, else None."""
+    if f"{kind} ce_push:1" not in hosts or f"{kind} ce_push:4" not in hosts:
+        return None
+    return max(0.0, (hosts[f"{kind} ce_push:4"] - hosts[f"{kind} ce_push:1"]) / (3 * max(1, world - 1)))
+
+
+def _per_piece_by_kind(hosts: dict[str, float], world: int) -> dict[str, float]:
+    """{kind: host seconds per piece} of the reductions probed at two piece counts.  A reduction's
+    piece enqueues more than an all-gather's (its partial's push and flag, the received partial's
+    copy, and for matmul_ar the reduced piece's pushes and copies): 2x H100 (s47) ran RS M_global
+    512 ce_push:4 0.40-0.52 ms a call slower than ce_push:1 eagerly (host-bound, 0.13-0.17 ms a
+    piece) where the all-gather's figure charged 0.067, and AR 8192^3 ce_push:4 measured 1.23-1.28
+    ms eagerly (0.91 replayed) where max(device, host) with that figure predicted 1.01-1.03."""
+    return {kind: pp for kind in ("matmul_rs", "matmul_ar") if (pp := _per_piece(hosts, kind, world)) is not None}
+
+
+def _host_families(hosts: dict[str, float], world: int, per_piece: float,
+                   by_kind: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
     """Host cost per schedule family ("ce_push") and per op and family ("matmul_rs ce_push"),
     and per piece, from the probes: a figure is its call's cost less the per-piece cost of its
-    pieces (as the model adds them back); a family's is its first probe's.  The per-piece cost
-    comes from ce_push:4 vs ce_push:1 where both were probed, else `per_piece`."""
+    pieces (as the model adds them back: an op's own per-piece cost in `by_kind`, else the
+    shared one); a family's is its first probe's.  The shared per-piece cost comes from the
+    all-gather's ce_push:4 vs ce_push:1 where both were probed, else `per_piece`."""
     peers = max(1, world - 1)
-    if "ag_matmul ce_push:1" in hosts and "ag_matmul ce_push:4" in hosts:
-        per_piece = max(0.0, (hosts["ag_matmul ce_push:4"] - hosts["ag_matmul ce_push:1"]) / (3 * peers))
+    shared = _per_piece(hosts, "ag_matmul", world)
+    per_piece = per_piece if shared is None else shared
+    by_kind = by_kind or {}
     from torch_commopt.schedule import Schedule
     from torch_commopt.tuner.model import host_family
 
@@ -693,7 +716,7 @@ def _host_families(hosts: dict[str, float], world: int, per_piece: float) -> tup
         parsed = Schedule.parse(sched)
         name = host_family(parsed)
         pieces = 1 if name in ("sequential", "local_first") else parsed.chunks * peers
-        own = max(0.0, t - (0 if pieces == 1 else pieces * per_piece))
+        own = max(0.0, t - (0 if pieces == 1 else pieces * by_kind.get(kind, per_piece)))
         out.setdefault(name, own)
         out.setdefault(f"{kind} {name}", own)
     return out, per_piece

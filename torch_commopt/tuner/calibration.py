@@ -117,6 +117,9 @@ class Calibration:
         per op and family where measured ("matmul_rs ce_push"); back-to-back calls take
         max(GPU time, host time).
     host_per_piece_s: extra host time per piece of a chunked / GPU schedule.
+    host_per_piece_by_kind: {kind: the same} for the ops whose GPU schedules were probed at two
+        piece counts (the reductions: calibrate._per_piece_by_kind); the others take
+        host_per_piece_s (`per_piece`).
     overlap_slowdown: GEMM slowdown while a copy-engine transfer runs beside it, as a
         fraction of the transfer's time (t = gemm + slowdown * min(gemm, transfer)).
     collective_overlap_slowdown: the same for a collective of the process group (NCCL
@@ -166,6 +169,7 @@ class Calibration:
     gemm_samples: dict[str, list[list[float]]] = field(default_factory=dict)
     host_s: dict[str, float] = field(default_factory=dict)
     host_per_piece_s: float = 0.0
+    host_per_piece_by_kind: dict[str, float] = field(default_factory=dict)
     overlap_slowdown: float = 0.0
     collective_overlap_slowdown: float | None = None
     remote_store_slowdown: float = 0.0
@@ -222,6 +226,10 @@ class Calibration:
         if len(curve) < 2 or predicted_s <= 0:
             return self.schedule_factor.get(key, 1.0)
         return _interpolate(curve, predicted_s)
+
+    def per_piece(self, kind: str) -> float:
+        """Host seconds per piece of a `kind` call: its own figure where measured, else the shared one."""
+        return self.host_per_piece_by_kind.get(kind, self.host_per_piece_s)
 
     def host(self, family: str, kind: str | None = None) -> float:
         """Host seconds of one call of a `family` schedule: op `kind`'s own figure where it was

@@ -141,7 +141,7 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
     family = host_family(sched)
     if family != sched.name and f"{shape.kind} {family}" not in cal.host_s:  # not probed: its name's figure
         family = sched.name
-    host = cal.host(family, shape.kind) + (0 if pieces == 1 else pieces * cal.host_per_piece_s)
+    host = cal.host(family, shape.kind) + (0 if pieces == 1 else pieces * cal.per_piece(shape.kind))
     if graphs and cal.device != "cpu":
         host = 0.0
     # A GPU runs the device work while the host enqueues the next call: back-to-back calls
