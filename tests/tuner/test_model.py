@@ -570,6 +570,14 @@ def test_call_graph_slowdown_is_per_call_over_replayed_on_the_same_probe():
     assert _call_graph_slowdown({"matmul_rs ce_push:1": 1e-4}, {}) == {}  # nothing replayed to compare with
 
 
+def test_the_per_call_probes_counters_are_summed_over_streams():
+    from torch_commopt.tuner.calibrate import _call_graph_counts
+
+    stats = {"0:0x1": {"eager": 2, "captured": 2, "replayed": 50}, "1:0x2": {"eager": 1, "replayed": 7}}
+    assert _call_graph_counts(stats) == {"eager": 3, "captured": 2, "replayed": 57}
+    assert _call_graph_counts({}) == {}
+
+
 def test_per_call_probes_time_the_capturable_gpu_schedules_with_cg():
     from torch_commopt.tuner.calibrate import PROBE_SCHEDULES, _probed, _with_per_call_graph
 

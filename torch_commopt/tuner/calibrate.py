@@ -482,6 +482,7 @@ def _per_call_probes(group_name: str, world: int, device: torch.device) -> dict[
     after, unless the process had some of its own before."""
     from torch_commopt.kernels.gpu import call_graphs
 
+    LAST_PER_CALL_STATS.clear()
     if not call_graphs.enabled_by_env():
         return {}
     fresh = not call_graphs.stats()
@@ -494,7 +495,6 @@ def _per_call_probes(group_name: str, world: int, device: torch.device) -> dict[
         return {}
     finally:
         after = _call_graph_counts(call_graphs.stats())
-        LAST_PER_CALL_STATS.clear()
         LAST_PER_CALL_STATS.update({k: after.get(k, 0) - before.get(k, 0) for k in after})
         log.info("commopt calibrate: per-call graph probes: %s", LAST_PER_CALL_STATS)
         if fresh:

@@ -23,9 +23,10 @@ from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
 
 log = logging.getLogger("torch_commopt.tuner.choose")
 
-# 14: the reductions' own host cost per piece (host_per_piece_by_kind); 13: call_graph_slowdown kept within 0.9-1.4 (a probe outside it is host-bound, not a slowdown)
-# and an op-level median for the schedules left out; 12: call_graph_slowdown (the short probes
-# timed with per-call graphs too); 11: ag
+# 14: the reductions' own host cost per piece (host_per_piece_by_kind); 13: call_graph_slowdown
+# kept within 0.9-1.4 (a probe outside it is host-bound, not a slowdown) and an op-level median
+# for the schedules left out; 12: call_graph_slowdown (the short probes timed with per-call
+# graphs too); 11: ag
 # ce_push:1:par=1 probed (a tuner candidate, its own host figure); 10: the long probes
 # timed as graph replays too (schedule_factor_curve_graphs, for replayed calls);
 # 9: matmul_ar copies the gathered pieces on the local copy stream and ce_pull pulls there (the
