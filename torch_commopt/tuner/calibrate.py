@@ -485,8 +485,8 @@ def _per_call_probes(group_name: str, world: int, device: torch.device) -> dict[
     LAST_PER_CALL_STATS.clear()
     if not call_graphs.enabled_by_env():
         return {}
-    fresh = not call_graphs.stats()
-    before = _call_graph_counts(call_graphs.stats())
+    stats = call_graphs.stats()
+    fresh, before = not stats, _call_graph_counts(stats)
     try:
         return _schedule_probes(group_name, world, device, SHORT_PROBE_SHAPES, call_graphs=True)
     except Exception as e:  # noqa: BLE001 - the same code fails alike on every rank: calibrate without them
