@@ -501,6 +501,7 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
     from torch_commopt.reshard.plan import candidate_rows
     from torch_commopt.tuner.autotune import plan
     from torch_commopt.tuner.choose import calibration_for, device_name
+    from torch_commopt.tuner.gemm_table import with_gemms
 
     a = val(region.a)
     cal = calibration_for(a.device, region.group_size, region.group_name, config.cache_dir, config.consistency_timeout_s)
@@ -510,7 +511,8 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
         region.reduce_op, region.keep_gathered, region.group_size, region_dtype(region),
         device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, _replayed(region, config),
         sum(copy_bytes(c.node, config.k_parts) for c in region.consumers),
-        sum(kept_bytes(c.node) for c in region.consumers), _k_parts(region, config))
+        sum(kept_bytes(c.node) for c in region.consumers), _k_parts(region, config),
+        lambda keys: with_gemms(cal, keys, a.device, region.group_name, config.cache_dir, config.consistency_timeout_s))
     name = region.collective.name
     # a GPU works while the host enqueues: the whole-graph plan weighs both
     rows = candidate_rows(preds, device_split=cal.device != "cpu")

@@ -130,17 +130,17 @@ def read_key() -> dict[str, str]:
 def plan(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, bias: list[bool],
          reduce_op: str | None, keep_gathered: bool, world: int, dtype: str, device_name: str, cal,
          max_chunks: int, top_k: int, graphs: bool = False, copy_bytes: int = 0, kept_bytes: int = 0,
-         k_parts: tuple[int, ...] = ()):
+         k_parts: tuple[int, ...] = (), gemms=None):
     """(model's pick, ranked predictions, candidates to time, cache key) of a region: the one
     definition the compile pass and `python -m torch_commopt tune` share, so a prefilled
     cache answers the pass.  graphs=True: for a program replayed from CUDA graphs (its own
     ranking, timing and cache entry).  copy_bytes, kept_bytes: RegionShape's (not in the key:
     the timed calls start from the copied operands, whichever candidate runs); k_parts: the K
-    of each product the op multiplies apart (in the key: the calls differ)."""
+    of each product the op multiplies apart (in the key: the calls differ); gemms: choose_by_model's."""
     from torch_commopt.tuner.choose import choose_by_model, machine_key
 
     pick, preds, why = choose_by_model(kind, a_shape, weight_shapes, dim, world, dtype, cal, max_chunks, graphs=graphs,
-                                       copy_bytes=copy_bytes, kept_bytes=kept_bytes, k_parts=k_parts)
+                                       copy_bytes=copy_bytes, kept_bytes=kept_bytes, k_parts=k_parts, gemms=gemms)
     top = timed_candidates(preds, top_k)
     key = {"question": "autotune", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
            "weights": [list(w) for w in weight_shapes], "dim": dim, "bias": list(bias), "reduce_op": reduce_op,

@@ -37,6 +37,7 @@ from torch_commopt.kernels.ops import runner
 from torch_commopt.kernels.reference.collectives import resolve_group
 from torch_commopt.tuner.calibration import COLLECTIVES, Calibration, GemmFit, Link, gemm_occupancy, prior
 from torch_commopt.tuner.choose import device_name, machine_key
+from torch_commopt.tuner.gemm_table import time_gemms
 
 log = logging.getLogger("torch_commopt.tuner.calibrate")
 
@@ -563,6 +564,21 @@ def _schedule_factors(probes: dict[str, float], cal: Calibration, shapes=PROBE_S
     return out
 
 
+def _probe_gemm_keys(cal: Calibration) -> list[str]:
+    """The GEMMs (Calibration.gemm_table keys) the model prices for the schedule probes, long
+    and short, eager and replayed: the same list on every rank."""
+    from torch_commopt.schedule import Schedule
+    from torch_commopt.tuner.model import RegionShape, gemm_keys
+
+    keys: set[str] = set()
+    for shapes in (PROBE_SHAPES, SHORT_PROBE_SHAPES):
+        for kind, ((rows, k), (_, n)) in shapes.items():
+            shape = RegionShape(kind, rows, k, (n,), cal.world, "bfloat16")
+            for graphs in (False, True):
+                keys.update(gemm_keys(shape, cal, [Schedule.parse(s) for s in PROBE_SCHEDULES[kind]], graphs=graphs))
+    return sorted(keys)
+
+
 def _factor_curves(long: dict[str, tuple[float, float]], short: dict[str, tuple[float, float]]) -> dict:
     """The families with both points, as Calibration.schedule_factor_curve."""
     return {key: sorted([list(long[key]), list(short[key])]) for key in long if key in short}
@@ -653,6 +669,11 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         source="measured", measured=tuple(measured) + ("attention_flops", "attention_bwd_factor"),
         remeasured=tuple(f"host {k}" for k in far_hosts) + tuple(f"probe {k}" for k in far_probes), **fields)
     lap("fits")
+    if probes:  # the probes' own GEMMs timed at their shapes, so their factors hold no GEMM-fit error
+        keys = _probe_gemm_keys(cal)
+        table = dict(zip(keys, _slowest(list(time_gemms(keys, device).values()), group, device)))
+        cal = dataclasses.replace(cal, gemm_table=table, measured=cal.measured + ("gemm_table",))
+        lap("probe GEMMs")
     if probes:  # the families on probe shapes, against the model with everything above
         timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
         long = _schedule_factors(timed, cal)

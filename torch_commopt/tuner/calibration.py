@@ -157,6 +157,13 @@ class Calibration:
         and 2x H200) the all-reduce at M_global 2048 ran ce_pull:2 15% slower per call than
         replayed, ce_push:2 7%, so the replayed ranking picked ce_pull:2 where ce_push:2 was
         the best (benchmarks/NOTES.md, session 46).
+    gemm_table: {"dtype m n k": seconds} of GEMMs timed at their own shapes (tuner.gemm_table):
+        the model prices a GEMM it holds at that figure and the others with the fit
+        (`gemm_time`).  cuBLAS's efficiency moves with a shape's tiling in ways a roofline
+        cannot follow: 2x H100 (s48) ran the probe shape's 3072-row quarters (K 3072, N 6144)
+        5-8% slower than a quarter of the whole GEMM, but the sweep's 2048- and 4096-row
+        quarters (K 4096, N 8192) 1-2% faster, so the probe factors of the four-piece
+        schedules carried a penalty to shapes that do not pay it.
     """
 
     device: str
@@ -179,6 +186,7 @@ class Calibration:
     schedule_factor_curve: dict[str, list[list[float]]] = field(default_factory=dict)
     schedule_factor_curve_graphs: dict[str, list[list[float]]] = field(default_factory=dict)
     call_graph_slowdown: dict[str, float] = field(default_factory=dict)
+    gemm_table: dict[str, float] = field(default_factory=dict)
     attention_flops: dict[str, float] = field(default_factory=dict)
     attention_bwd_factor: float = 0.0
     source: str = "prior"  # "prior" or "measured"
@@ -200,6 +208,11 @@ class Calibration:
         if not self.gemm:
             raise ValueError(f"Calibration for {self.device}: no GEMM fit at all")
         return next(iter(self.gemm.values()))
+
+    def gemm_time(self, dtype: str, m: int, n: int, k: int) -> float:
+        """Seconds of one m x n x k GEMM: its timed figure where the table holds one, else the fit."""
+        timed = self.gemm_table.get(gemm_key(dtype, m, n, k))
+        return timed if timed is not None else self.gemm_fit(dtype).time(m, n, k)
 
     @property
     def collective_slowdown(self) -> float:
@@ -249,6 +262,11 @@ class Calibration:
             raw[name] = Link(**raw[name]) if raw.get(name) else None
         raw["gemm"] = {k: GemmFit(**v) for k, v in raw.get("gemm", {}).items()}
         return cls(**raw)
+
+
+def gemm_key(dtype: str, m: int, n: int, k: int) -> str:
+    """Calibration.gemm_table's key of a GEMM."""
+    return f"{dtype} {m} {n} {k}"
 
 
 def _interpolate(curve: list[list[float]], predicted_s: float) -> float:

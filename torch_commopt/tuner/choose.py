@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from typing import Callable
 
 import torch
 
@@ -19,10 +20,11 @@ from torch_commopt.schedule import Schedule
 from torch_commopt.tuner.cache import TunerCache
 from torch_commopt.tuner.calibration import Calibration, prior
 from torch_commopt.tuner.decide import decide
-from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
+from torch_commopt.tuner.model import Prediction, RegionShape, candidates, gemm_keys, rank
 
 log = logging.getLogger("torch_commopt.tuner.choose")
 
+# 15: the probes' GEMMs timed at their shapes (gemm_table; the factors hold no GEMM-fit error);
 # 14: the reductions' own host cost per piece (host_per_piece_by_kind); 13: call_graph_slowdown
 # kept within 0.9-1.4 (a probe outside it is host-bound, not a slowdown) and an op-level median
 # for the schedules left out; 12: call_graph_slowdown (the short probes timed with per-call
@@ -35,7 +37,7 @@ log = logging.getLogger("torch_commopt.tuner.choose")
 # taken anew); 7: transfer_slowdown measured (a push beside GEMMs); 6: the all-reduce model copies the
 # gathered pieces out of its slots (factors derived anew); 5: ag ce_push:1:gemm=whole probed; 4: per
 # piece count; 3: schedule_factor_curve, GEMM samples at busy clocks
-CALIBRATION_FORMAT = 14
+CALIBRATION_FORMAT = 15
 _CALIBRATIONS: dict[str, Calibration] = {}
 
 
@@ -95,18 +97,23 @@ def _stored_or_prior(stored, device: str, world: int) -> Calibration:
 def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
                     dtype: str, cal: Calibration, max_chunks: int, *,
                     graphs: bool | str = False, copy_bytes: int = 0,
-                    kept_bytes: int = 0, k_parts: tuple[int, ...] = ()) -> tuple[Schedule, list[Prediction], str]:
+                    kept_bytes: int = 0, k_parts: tuple[int, ...] = (),
+                    gemms: Callable[[list[str]], Calibration] | None = None) -> tuple[Schedule, list[Prediction], str]:
     """(schedule, ranked predictions, why) for a region; candidates cut more than
     `max_chunks` pieces are left out, GPU ones too where the kernels refuse the shape.
     graphs=True: ranked for CUDA-graph replay (no per-call host cost); PER_CALL: for per-call
     graphs (the same, with their measured slowdown).  copy_bytes: what the
     graph copies only for an op of ours, kept_bytes: what the region kept as compiled moves
-    beyond one matmul, k_parts: the K of each product the op multiplies apart (RegionShape)."""
+    beyond one matmul, k_parts: the K of each product the op multiplies apart (RegionShape).
+    gemms: given the GEMMs the ranking prices (model.gemm_keys), `cal` with them timed
+    (tuner.gemm_table.with_gemms); None: the fit prices them."""
     shape = RegionShape(kind, math.prod(a_shape[:-1]), a_shape[-1], tuple(w[-1] for w in weight_shapes), world, dtype,
                         copy_bytes, kept_bytes, tuple(k_parts))
     refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
     pool = [s for s in candidates(shape, cal, graphs=graphs)
             if s.chunks <= max(1, max_chunks) and not (s.is_gpu and refusal)]
+    if gemms is not None:
+        cal = gemms(gemm_keys(shape, cal, pool, graphs=graphs))
     preds = rank(shape, cal, pool, graphs=graphs)
     best = preds[0]
     why = f"predicted {best.seconds * 1e3:.3f} ms with the {cal.source} calibration of {cal.device}"

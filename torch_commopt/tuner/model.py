@@ -14,6 +14,7 @@ one alpha-beta link per piece; GEMMs the shape-dependent fit of the calibration.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -188,10 +189,33 @@ FLOAT8_SPEEDUP = 2.0
 
 
 def _gemm(shape: RegionShape, cal: Calibration, rows: float) -> float:
-    fit = cal.gemm_fit(shape.dtype)
+    """The region's GEMMs over `rows` rows: timed figures where the calibration's table holds
+    them (Calibration.gemm_time), else the fit."""
     rows = max(1, int(rows))
-    t = sum(fit.time(rows, n, k) for n in shape.ns for k in (shape.k_parts or (shape.k,)))
+    t = sum(cal.gemm_time(shape.dtype, rows, n, k) for n in shape.ns for k in (shape.k_parts or (shape.k,)))
     return t / FLOAT8_SPEEDUP if shape.scaled and shape.dtype not in cal.gemm else t
+
+
+class _Asked(dict):
+    """An empty GEMM table that notes every key the model looks up in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: set[str] = set()
+
+    def get(self, key, default=None):
+        self.asked.add(key)
+        return default
+
+
+def gemm_keys(shape: RegionShape, cal: Calibration, schedules: list[Schedule], *, graphs: bool | str = False) -> list[str]:
+    """The GEMMs (Calibration.gemm_table keys) the model prices to rank `schedules` for `shape`:
+    what tuner.gemm_table times before the ranking."""
+    asked = _Asked()
+    probe = dataclasses.replace(cal, gemm_table=asked)
+    for sched in schedules:
+        predict(shape, sched, probe, graphs=graphs)
+    return sorted(asked.asked)
 
 
 def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:

@@ -44,6 +44,7 @@ def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache
     from torch_commopt.tuner.autotune import measure_candidates, plan
     from torch_commopt.tuner.cache import TunerCache
     from torch_commopt.tuner.choose import calibration_for, device_name
+    from torch_commopt.tuner.gemm_table import with_gemms
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     group_name = dist.group.WORLD.group_name
@@ -55,7 +56,8 @@ def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache
         dim, reduce_op = (0, None) if kind == "ag_matmul" else (None if kind == "matmul_ar" else 0, "sum")
         _, _, top, key, _ = plan(kind, a_shape, w_shapes, dim, [False] * len(w_shapes), reduce_op, False, world,
                                  dtype_name, device_name(device), cal,
-                                 chunk_rows(kind, a_shape, [a_shape[0], w_shapes[0][1]], dim, world, 8), top_k, graphs)
+                                 chunk_rows(kind, a_shape, [a_shape[0], w_shapes[0][1]], dim, world, 8), top_k, graphs,
+                                 gemms=lambda keys: with_gemms(cal, keys, device, group_name, cache_dir, 300.0))
         a = torch.randn(a_shape, device=device, dtype=dtype)
         ws = [torch.randn(s, device=device, dtype=dtype) / s[0] ** 0.5 for s in w_shapes]
         measured = measure_candidates(runner(kind, a, ws, world, group_name), top, group_name, device, spec,

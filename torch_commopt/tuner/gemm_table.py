@@ -1,0 +1,83 @@
+"""The GEMMs a region's candidates run, timed at their own shapes before the model ranks them.
+
+The GEMM fit (calibrate.fit_gemm) is a roofline over five samples; cuBLAS's speed moves
+with each shape's tiling in ways it cannot follow, and a piece of a split GEMM is where
+that shows: 2x H100 (s48) ran the probe shape's 3072-row quarters (K 3072, N 6144) 5-8%
+slower than a quarter of the whole GEMM, but 2048- and 4096-row quarters (K 4096, N 8192)
+1-2% faster.  The schedule factors (measured / predicted on probe shapes) absorbed the
+probe's penalty and charged it to every four-piece schedule, so the model ranked the
+reduce-scatter's one-piece ce_push:1 first at M 16384 where ce_pull:2 measured 5-8% faster
+in every sweep.  So the calibration times the probes' own GEMMs (calibrate.measure), and
+a region's ranking times its candidates' GEMMs (a few ms each, once per shape: cached),
+and the model prices those at what they measured (Calibration.gemm_table).
+
+Rank 0 of the group times and publishes (tuner.decide): every rank ranks with the same
+figures.  On a CPU, or where timing fails, the fit stays (logged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from torch_commopt.tuner.cache import TunerCache
+from torch_commopt.tuner.calibration import Calibration
+from torch_commopt.tuner.decide import decide
+
+log = logging.getLogger("torch_commopt.tuner.gemm_table")
+
+TIMED_DTYPES = ("bfloat16", "float16", "float32")  # what torch.mm multiplies (float8: the fit's rate)
+REPS = 3
+
+
+def timeable(keys: list[str], cal: Calibration) -> list[str]:
+    """The keys worth timing: not in the table yet, of a dtype torch.mm multiplies."""
+    return [k for k in keys if k not in cal.gemm_table and k.split(" ")[0] in TIMED_DTYPES]
+
+
+def time_gemms(keys: list[str], device: torch.device, reps: int = REPS) -> dict[str, float]:
+    """{key: seconds} of each GEMM alone (calibrate._timed: back-to-back device time at the
+    clocks of a busy GPU), outside any fake-tensor mode the compiler may be tracing in."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from torch_commopt.tuner.calibrate import _timed
+
+    out = {}
+    with unset_fake_temporarily(), torch.no_grad():
+        for key in keys:
+            dtype, m, n, k = key.split(" ")
+            a = torch.randn(int(m), int(k), device=device, dtype=getattr(torch, dtype))
+            b = torch.randn(int(k), int(n), device=device, dtype=getattr(torch, dtype))
+            out[key] = _timed(lambda a=a, b=b: torch.mm(a, b), device, reps, preroll=True)
+    return out
+
+
+def with_gemms(cal: Calibration, keys: list[str], device: torch.device, group_name: str | None,
+               cache_dir: str | None, timeout_s: float) -> Calibration:
+    """`cal` with the GEMMs `keys` (model.gemm_keys) in its table: rank 0's timing, from the
+    tuner cache where it holds them.  Unchanged on a CPU or where nothing is left to time."""
+    from torch_commopt.tuner.choose import machine_key
+
+    keys = timeable(keys, cal)
+    if device.type != "cuda" or not keys:
+        return cal
+    question = {"question": "gemm_table", **machine_key(cal.device, cal.world), "gemms": keys}
+
+    def answer() -> dict[str, float]:
+        cache = TunerCache(cache_dir)
+        stored = cache.get(question)
+        if isinstance(stored, dict) and set(stored) == set(keys):
+            return stored
+        try:
+            timed = time_gemms(keys, device)
+        except Exception as e:  # noqa: BLE001 - a failed timing (memory, a capture) leaves the fit
+            log.warning("commopt tuner: timing %d GEMMs failed (%s: %s); the fit prices them", len(keys),
+                        type(e).__name__, e)
+            return {}
+        cache.put(question, timed)
+        return timed
+
+    table = decide(group_name, question, answer, timeout_s)
+    return dataclasses.replace(cal, gemm_table={**cal.gemm_table, **{k: float(v) for k, v in table.items()}})
