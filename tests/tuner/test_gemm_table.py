@@ -73,7 +73,7 @@ def test_timed_once_then_read_from_the_cache(monkeypatch, tmp_path):
 
 def test_a_failed_timing_keeps_the_fit_and_says_so(monkeypatch, tmp_path, caplog):
     def broken(keys, device, reps=3):
-        raise torch.cuda.OutOfMemoryError("no room")
+        raise RuntimeError("CUDA out of memory")
 
     monkeypatch.setattr(gemm_table, "time_gemms", broken)
     keys = [gemm_key("bfloat16", 2048, 8192, 4096)]
@@ -85,3 +85,11 @@ def test_a_failed_timing_keeps_the_fit_and_says_so(monkeypatch, tmp_path, caplog
 def test_float8_gemms_are_left_to_the_fit():
     assert gemm_table.timeable([gemm_key("float8_e4m3fn", 64, 64, 64), gemm_key("bfloat16", 64, 64, 64)], H100) == \
         [gemm_key("bfloat16", 64, 64, 64)]
+
+
+def test_nothing_is_timed_inside_a_capture(monkeypatch, tmp_path):
+    monkeypatch.setattr(gemm_table, "time_gemms", lambda *a, **k: pytest.fail("timed inside a capture"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    keys = [gemm_key("bfloat16", 2048, 8192, 4096)]
+    assert gemm_table.with_gemms(H100, keys, torch.device("cuda", 0), None, str(tmp_path), 1.0) is H100

@@ -12,7 +12,7 @@ a region's ranking times its candidates' GEMMs (a few ms each, once per shape: c
 and the model prices those at what they measured (Calibration.gemm_table).
 
 Rank 0 of the group times and publishes (tuner.decide): every rank ranks with the same
-figures.  On a CPU, or where timing fails, the fit stays (logged).
+figures.  On a CPU, inside a CUDA-graph capture, or where timing fails, the fit stays (logged).
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ def with_gemms(cal: Calibration, keys: list[str], device: torch.device, group_na
 
     keys = timeable(keys, cal)
     if device.type != "cuda" or not keys:
+        return cal
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # timing would break the caller's capture: the fit
+        log.info("commopt tuner: compiled inside a CUDA-graph capture; %d GEMMs priced by the fit", len(keys))
         return cal
     question = {"question": "gemm_table", **machine_key(cal.device, cal.world), "gemms": keys}
 
