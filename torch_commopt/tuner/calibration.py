@@ -160,9 +160,9 @@ class Calibration:
     gemm_table: {"dtype m n k": seconds} of GEMMs timed at their own shapes (tuner.gemm_table):
         the model prices a GEMM it holds at that figure and the others with the fit
         (`gemm_time`).  cuBLAS's efficiency moves with a shape's tiling in ways a roofline
-        cannot follow: 2x H100 (s48) ran the probe shape's 3072-row quarters (K 3072, N 6144)
-        5-8% slower than a quarter of the whole GEMM, but the sweep's 2048- and 4096-row
-        quarters (K 4096, N 8192) 1-2% faster, so the probe factors of the four-piece
+        cannot follow: timed alone on 2x H100 (s48), the reduce-scatter probe's 3072-row
+        quarters (K 3072, N 6144) took 3.9% longer than its halves, the sweep's 4096-row
+        quarters (K 4096, N 8192) 1.6% less, so the probe factors of the four-piece
         schedules carried a penalty to shapes that do not pay it.
     """
 

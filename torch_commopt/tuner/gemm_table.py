@@ -2,14 +2,14 @@
 
 The GEMM fit (calibrate.fit_gemm) is a roofline over five samples; cuBLAS's speed moves
 with each shape's tiling in ways it cannot follow, and a piece of a split GEMM is where
-that shows: 2x H100 (s48) ran the probe shape's 3072-row quarters (K 3072, N 6144) 5-8%
-slower than a quarter of the whole GEMM, but 2048- and 4096-row quarters (K 4096, N 8192)
-1-2% faster.  The schedule factors (measured / predicted on probe shapes) absorbed the
-probe's penalty and charged it to every four-piece schedule, so the model ranked the
-reduce-scatter's one-piece ce_push:1 first at M 16384 where ce_pull:2 measured 5-8% faster
-in every sweep.  So the calibration times the probes' own GEMMs (calibrate.measure), and
-a region's ranking times its candidates' GEMMs (a few ms each, once per shape: cached),
-and the model prices those at what they measured (Calibration.gemm_table).
+that shows.  In a profile on 2x H100 (s48) the reduce-scatter probe shape's four quarter
+GEMMs (K 3072, N 6144) took 645 us against 621 for its two halves and 608 for the whole
+GEMM, while at 16384 x 8192 x 8192 they took 1428 against 1453 and 1457.  The schedule
+factors (measured / predicted on the probe shapes) absorbed the probe's penalty and charged
+it to every four-piece schedule.  So the calibration times the probes' own GEMMs
+(calibrate.measure), a region's ranking times its candidates' GEMMs (a few ms each, once
+per shape: cached), and the model prices those at what they measured
+(Calibration.gemm_table).  What it did to the tuner sweeps: benchmarks/NOTES.md, session 48.
 
 Rank 0 of the group times and publishes (tuner.decide): every rank ranks with the same
 figures.  On a CPU, inside a CUDA-graph capture, or where timing fails, the fit stays (logged).
