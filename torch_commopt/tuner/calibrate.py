@@ -579,6 +579,14 @@ def _probe_gemm_keys(cal: Calibration) -> list[str]:
     return sorted(keys)
 
 
+def _eager_over_replayed(long: dict[str, tuple[float, float]], replayed: dict[str, tuple[float, float]]) -> float:
+    """The median over the schedules timed both ways on the long probe shape of their eager time
+    over their replayed time (Calibration.eager_over_replayed); 0 where none was."""
+    ratios = [long[k][0] * long[k][1] / (replayed[k][0] * replayed[k][1])
+              for k in long if ":" in k.split(" ")[1] and k in replayed and replayed[k][0] * replayed[k][1] > 0]
+    return statistics.median(ratios) if ratios else 0.0
+
+
 def _factor_curves(long: dict[str, tuple[float, float]], short: dict[str, tuple[float, float]]) -> dict:
     """The families with both points, as Calibration.schedule_factor_curve."""
     return {key: sorted([list(long[key]), list(short[key])]) for key in long if key in short}
@@ -688,6 +696,7 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         long_replayed = _schedule_factors(_schedule_probes(group_name, world, device, graphs=True), cal, graphs=True)
         lap("schedule probes, replayed")
         cal = dataclasses.replace(cal, schedule_factor={k: f for k, (_, f) in long.items()},
+                                  eager_over_replayed=_eager_over_replayed(long, long_replayed),
                                   schedule_factor_curve=_factor_curves(long, short),
                                   schedule_factor_curve_graphs=_factor_curves(long_replayed, short),
                                   call_graph_slowdown=per_call,

@@ -157,6 +157,14 @@ class Calibration:
         and 2x H200) the all-reduce at M_global 2048 ran ce_pull:2 15% slower per call than
         replayed, ce_push:2 7%, so the replayed ranking picked ce_pull:2 where ce_push:2 was
         the best (benchmarks/NOTES.md, session 46).
+    eager_over_replayed: the long probes' eager time over their replayed time, the median over
+        the schedules probed both ways (0: not measured).  Where it is known, an eager call's
+        device factor is the replayed curve times it (`factor`): a probe that runs near its
+        host cost reads eagerly what the host adds, which the model charges apart (max(GPU,
+        host)); taken into the device factor, it went on to shapes whose host hides behind the
+        GPU.  2x H100 (s48): RS ce_pull:2's eager long probe read 0.832 ms in one calibration
+        against 0.756-0.778 in two others (replayed 0.720-0.736 in all three), and the model
+        then ranked ce_push:1 first at RS 16384 x 8192 x {8192, 7168}, 8-10% behind.
     gemm_table: {"dtype m n k": seconds} of GEMMs timed at their own shapes (tuner.gemm_table):
         the model prices a GEMM it holds at that figure and the others with the fit
         (`gemm_time`).  cuBLAS's efficiency moves with a shape's tiling in ways a roofline
@@ -187,6 +195,7 @@ class Calibration:
     schedule_factor_curve_graphs: dict[str, list[list[float]]] = field(default_factory=dict)
     call_graph_slowdown: dict[str, float] = field(default_factory=dict)
     gemm_table: dict[str, float] = field(default_factory=dict)
+    eager_over_replayed: float = 0.0
     attention_flops: dict[str, float] = field(default_factory=dict)
     attention_bwd_factor: float = 0.0
     source: str = "prior"  # "prior" or "measured"
@@ -223,16 +232,18 @@ class Calibration:
         device time: a piece count probed on its own has its own factor (splitting a cuBLAS
         GEMM costs what the GEMM fit does not see), the others take their family's.
         graphs=True (calls replayed from CUDA graphs): the replay-timed curve where there is one;
+        eager calls: that curve times eager_over_replayed where both are known, else the eager one;
         graphs=PER_CALL (each call replayed from its own graph): that, times the key's (else its
         family's, else its op's) call_graph_slowdown."""
         if graphs == PER_CALL:
             slowdown = next((self.call_graph_slowdown[k] for k in (key, key.split(":")[0], key.split(" ")[0])
                              if k in self.call_graph_slowdown), 1.0)
             return self.factor(key, predicted_s, graphs=True) * slowdown
-        if graphs:
+        if graphs or self.eager_over_replayed > 0:  # eagerly: the replayed curve times the eager overhead
+            scale = 1.0 if graphs else self.eager_over_replayed
             for k in (key, key.split(":")[0]):
                 if len(self.schedule_factor_curve_graphs.get(k, ())) >= 2:
-                    return _interpolate(sorted(self.schedule_factor_curve_graphs[k]), predicted_s)
+                    return _interpolate(sorted(self.schedule_factor_curve_graphs[k]), predicted_s) * scale
         if key not in self.schedule_factor and key not in self.schedule_factor_curve:
             key = key.split(":")[0]
         curve = sorted(self.schedule_factor_curve.get(key, ()))
