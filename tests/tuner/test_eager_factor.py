@@ -41,13 +41,3 @@ def test_the_ratio_is_the_median_over_schedules_probed_both_ways():
                 "matmul_rs ce_push:1": (1e-3, 1.0), "matmul_rs direct:1": (1e-3, 1.0)}
     assert _eager_over_replayed(long, replayed) == pytest.approx(1.04)  # of 1.2, 1.0, 1.04
     assert _eager_over_replayed(long, {}) == 0.0
-
-
-def test_the_second_probe_is_averaged_into_the_long_factor():
-    from torch_commopt.tuner.calibrate import _averaged
-
-    first = {"matmul_rs ce_pull:2": (6e-4, 1.21), "matmul_rs direct:1": (7e-4, 1.3)}
-    second = {"matmul_rs ce_pull:2": (1e-3, 1.0)}  # its own predicted time is not kept: the first's is
-    out = _averaged(first, second)
-    assert out["matmul_rs ce_pull:2"] == pytest.approx((6e-4, 1.1))
-    assert out["matmul_rs direct:1"] == (7e-4, 1.3)  # probed once: as it was

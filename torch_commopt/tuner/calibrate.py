@@ -408,14 +408,6 @@ PROBE_SHAPES = {"ag_matmul": ((6144, 6144), (6144, 3072)), "matmul_rs": ((12288,
 # time: an eager call this short is host-bound): the second point of each family's factor.
 SHORT_PROBE_SHAPES = {"ag_matmul": ((1536, 6144), (6144, 3072)), "matmul_rs": ((3072, 3072), (3072, 6144)),
                       "matmul_ar": ((3072, 3072), (3072, 6144))}
-# A second long probe of LLM proportions (M_global 12288, K = N = 8192 at two ranks; not a sweep
-# shape), timed as replays: each family's replayed long factor is the geometric mean of the two
-# (_averaged).  The first probe's K_local 3072 / N 6144 splits into pieces cuBLAS runs unlike the
-# K 8192 shapes' (s48), and one probe's noise (+-2-3%) turned picks whose candidates sat 5-10%
-# apart: with the sweep's 8192^3 measurements standing in for this probe, the replayed top-1 over
-# the other shapes of 42 committed runs went 385 -> 409 of 463 (benchmarks/NOTES.md, session 48).
-SECOND_PROBE_SHAPES = {"ag_matmul": ((6144, 8192), (8192, 4096)), "matmul_rs": ((12288, 4096), (4096, 8192)),
-                       "matmul_ar": ((12288, 4096), (4096, 8192))}
 FACTOR_RANGE = (0.5, 3.0)  # measured / predicted outside this is a measurement problem
 # The first of a family stands for it; the piece counts after it get factors of their own
 # (2x H200: rs direct:2 measured 8 % slower than direct:1 where the family factor ranked it
@@ -579,7 +571,7 @@ def _probe_gemm_keys(cal: Calibration) -> list[str]:
     from torch_commopt.tuner.model import RegionShape, gemm_keys
 
     keys: set[str] = set()
-    for shapes in (PROBE_SHAPES, SHORT_PROBE_SHAPES, SECOND_PROBE_SHAPES):
+    for shapes in (PROBE_SHAPES, SHORT_PROBE_SHAPES):
         for kind, ((rows, k), (_, n)) in shapes.items():
             shape = RegionShape(kind, rows, k, (n,), cal.world, "bfloat16")
             for graphs in (False, True):
@@ -593,12 +585,6 @@ def _eager_over_replayed(long: dict[str, tuple[float, float]], replayed: dict[st
     ratios = [long[k][0] * long[k][1] / (replayed[k][0] * replayed[k][1])
               for k in long if ":" in k.split(" ")[1] and k in replayed and replayed[k][0] * replayed[k][1] > 0]
     return statistics.median(ratios) if ratios else 0.0
-
-
-def _averaged(first: dict[str, tuple[float, float]], second: dict[str, tuple[float, float]]) -> dict:
-    """`first`'s (predicted s, factor) with each factor the geometric mean of its own and
-    `second`'s where both probed the key."""
-    return {k: (t, math.sqrt(f * second[k][1]) if k in second else f) for k, (t, f) in first.items()}
 
 
 def _factor_curves(long: dict[str, tuple[float, float]], short: dict[str, tuple[float, float]]) -> dict:
@@ -709,13 +695,10 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         # the long probes replayed as well: device time alone, for replayed calls
         long_replayed = _schedule_factors(_schedule_probes(group_name, world, device, graphs=True), cal, graphs=True)
         lap("schedule probes, replayed")
-        second = _schedule_factors(_schedule_probes(group_name, world, device, SECOND_PROBE_SHAPES, graphs=True), cal,
-                                   SECOND_PROBE_SHAPES, graphs=True)
-        lap("second probes, replayed")
         cal = dataclasses.replace(cal, schedule_factor={k: f for k, (_, f) in long.items()},
                                   eager_over_replayed=_eager_over_replayed(long, long_replayed),
                                   schedule_factor_curve=_factor_curves(long, short),
-                                  schedule_factor_curve_graphs=_factor_curves(_averaged(long_replayed, second), short),
+                                  schedule_factor_curve_graphs=_factor_curves(long_replayed, short),
                                   call_graph_slowdown=per_call,
                                   measured=cal.measured + ("schedule_factor", "schedule_factor_curve",
                                                            "schedule_factor_curve_graphs")
