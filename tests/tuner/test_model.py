@@ -621,3 +621,18 @@ def test_the_second_stream_all_gather_is_a_candidate_with_its_own_factor():
     assert predict(short, Schedule("ce_push", 1), with_par).host_s == pytest.approx(150e-6)
     assert predict(short, par, H200).host_s == predict(short, Schedule("ce_push", 1), H200).host_s
     assert predict(short, par, with_par, graphs=True).host_s == 0.0
+
+
+def test_fused_host_cost_is_probed_and_keeps_fused_off_host_bound_shapes():
+    # 2x H100 (s48): AG / RS M_global 512 fused:1 ran 0.35-0.42 ms a call eagerly (~0.1 ms of GPU);
+    # unprobed, fused took the prior's 160 us and ranked first where sequential's host read 175 us
+    from torch_commopt.tuner.calibrate import HOST_PROBES, _host_families
+
+    assert {("ag_matmul", "fused:1"), ("matmul_rs", "fused:1")} <= set(HOST_PROBES["cuda"])
+    hosts = {"ag_matmul sequential": 175e-6, "ag_matmul fused:1": 380e-6, "matmul_rs fused:1": 400e-6}
+    fam, _ = _host_families(hosts, 2, 25e-6)
+    cal = dataclasses.replace(H200, host_s={**H200.host_s, **fam})
+    shape = RegionShape("ag_matmul", 256, 8192, (4096,), 2)
+    fused, seq = (predict(shape, Schedule.parse(s), cal) for s in ("fused:1", "sequential"))
+    assert fused.host_s == pytest.approx(380e-6) and fused.seconds > seq.seconds
+    assert cal.host("fused", "matmul_rs") == pytest.approx(400e-6)
