@@ -62,7 +62,7 @@ SLEEP_CYCLES_PER_CALL = 100_000  # ~50 us of a ~2 GHz GPU per queued call: more 
 # RS ~168 us, AR ~208 us a call; session 28's cost-model run measured RS 2048 ce_push:1 at 0.358
 # ms eager, 0.216 replayed, against 0.230 predicted from the all-gather's 144 us).  `fused` (a
 # Triton launch) had no probe and took the prior's 160 us: 2x H100 (s48) ran AG / RS M_global 512
-# fused:1 eagerly at 0.35-0.42 ms a call (~0.1 of GPU), and where the sequential probe read over
+# fused:1 eagerly at 0.35-0.46 ms a call (~0.1 of GPU), and where the sequential probe read over
 # 160 us the model ranked it first, 2.2-2.7x the best.
 HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2")],
                "cuda": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2"),
