@@ -46,7 +46,7 @@ from torch_commopt.tuner.autotune import (PAIRED, measure_candidates, paired_ms,
                                          timed_candidates)
 from torch_commopt.tuner.calibration import replayed_as  # noqa: E402
 from torch_commopt.tuner.gemm_table import with_gemms  # noqa: E402
-from torch_commopt.tuner.model import candidates, gemm_keys, rank  # noqa: E402
+from torch_commopt.tuner.model import candidates, rank  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
 DUEL_ROUNDS = 15  # the head-to-head's rounds before its near-tie ones
@@ -89,8 +89,8 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         cg = call_graphs and not graphs and call_graphs_pay(region.kind, a_shape, w_shapes, world, "bfloat16")
         # the candidates' GEMMs timed at their shapes, as the compile pass does (tuner.gemm_table)
         how = replayed_as(graphs, cg)
-        cal = with_gemms(cal, gemm_keys(region, cal, candidates(region, cal, graphs=how), graphs=how), device,
-                         group_name, cache_dir, 300.0)
+        cal = with_gemms(cal, region, candidates(region, cal, graphs=how), device, group_name, cache_dir, 300.0,
+                         graphs=how)
         preds = rank(region, cal, graphs=how)
         if cg:
             op = _replayed_per_call(op, region.kind)

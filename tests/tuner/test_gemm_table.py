@@ -52,7 +52,8 @@ def test_the_probes_gemms_cover_their_pieces():
 def test_nothing_is_timed_on_a_cpu(monkeypatch):
     monkeypatch.setattr(gemm_table, "time_gemms", lambda *a, **k: pytest.fail("timed on a CPU"))
     cal = prior("cpu", 2)
-    assert gemm_table.with_gemms(cal, [gemm_key("float32", 64, 64, 64)], torch.device("cpu"), None, None, 1.0) is cal
+    shape = RegionShape("matmul_rs", 64, 64, (64,), 2, "float32")
+    assert gemm_table.with_gemms(cal, shape, [Schedule.parse("sequential")], torch.device("cpu"), None, None, 1.0) is cal
 
 
 def test_timed_once_then_read_from_the_cache(monkeypatch, tmp_path):
@@ -63,12 +64,13 @@ def test_timed_once_then_read_from_the_cache(monkeypatch, tmp_path):
         return {k: 1e-3 * (i + 1) for i, k in enumerate(keys)}
 
     monkeypatch.setattr(gemm_table, "time_gemms", fake)
-    keys = gemm_keys(RS, H100, [Schedule.parse("ce_pull:2"), Schedule.parse("sequential")])
-    first = gemm_table.with_gemms(H100, keys, torch.device("cuda", 0), None, str(tmp_path), 1.0)
+    scheds = [Schedule.parse("ce_pull:2"), Schedule.parse("sequential")]
+    keys = gemm_keys(RS, H100, scheds)
+    first = gemm_table.with_gemms(H100, RS, scheds, torch.device("cuda", 0), None, str(tmp_path), 1.0)
     assert calls == [keys] and set(first.gemm_table) == set(keys)
-    again = gemm_table.with_gemms(H100, keys, torch.device("cuda", 0), None, str(tmp_path), 1.0)
+    again = gemm_table.with_gemms(H100, RS, scheds, torch.device("cuda", 0), None, str(tmp_path), 1.0)
     assert calls == [keys] and again.gemm_table == first.gemm_table  # the cache answered
-    assert gemm_table.with_gemms(first, keys, torch.device("cuda", 0), None, str(tmp_path), 1.0) is first  # held
+    assert gemm_table.with_gemms(first, RS, scheds, torch.device("cuda", 0), None, str(tmp_path), 1.0) is first  # held
 
 
 def test_a_failed_timing_keeps_the_fit_and_says_so(monkeypatch, tmp_path, caplog):
@@ -76,9 +78,10 @@ def test_a_failed_timing_keeps_the_fit_and_says_so(monkeypatch, tmp_path, caplog
         raise RuntimeError("CUDA out of memory")
 
     monkeypatch.setattr(gemm_table, "time_gemms", broken)
-    keys = [gemm_key("bfloat16", 2048, 8192, 4096)]
+    halves = [Schedule.parse("ce_pull:2")]  # prices one GEMM: the 2048-row pieces
+    assert gemm_keys(RS, H100, halves) == [gemm_key("bfloat16", 2048, 8192, 4096)]
     with caplog.at_level(logging.WARNING, logger="torch_commopt.tuner.gemm_table"):
-        cal = gemm_table.with_gemms(H100, keys, torch.device("cuda", 0), None, str(tmp_path), 1.0)
+        cal = gemm_table.with_gemms(H100, RS, halves, torch.device("cuda", 0), None, str(tmp_path), 1.0)
     assert cal.gemm_table == {} and "the fit prices them" in caplog.text
 
 
@@ -91,5 +94,5 @@ def test_nothing_is_timed_inside_a_capture(monkeypatch, tmp_path):
     monkeypatch.setattr(gemm_table, "time_gemms", lambda *a, **k: pytest.fail("timed inside a capture"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    keys = [gemm_key("bfloat16", 2048, 8192, 4096)]
-    assert gemm_table.with_gemms(H100, keys, torch.device("cuda", 0), None, str(tmp_path), 1.0) is H100
+    halves = [Schedule.parse("ce_pull:2")]
+    assert gemm_table.with_gemms(H100, RS, halves, torch.device("cuda", 0), None, str(tmp_path), 1.0) is H100

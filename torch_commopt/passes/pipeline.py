@@ -512,7 +512,8 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
         device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, _replayed(region, config),
         sum(copy_bytes(c.node, config.k_parts) for c in region.consumers),
         sum(kept_bytes(c.node) for c in region.consumers), _k_parts(region, config),
-        lambda keys: with_gemms(cal, keys, a.device, region.group_name, config.cache_dir, config.consistency_timeout_s))
+        lambda shape, pool, graphs: with_gemms(cal, shape, pool, a.device, region.group_name, config.cache_dir,
+                                               config.consistency_timeout_s, graphs=graphs))
     name = region.collective.name
     # a GPU works while the host enqueues: the whole-graph plan weighs both
     rows = candidate_rows(preds, device_split=cal.device != "cpu")

@@ -20,7 +20,7 @@ from torch_commopt.schedule import Schedule
 from torch_commopt.tuner.cache import TunerCache
 from torch_commopt.tuner.calibration import Calibration, prior
 from torch_commopt.tuner.decide import decide
-from torch_commopt.tuner.model import Prediction, RegionShape, candidates, gemm_keys, rank
+from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
 
 log = logging.getLogger("torch_commopt.tuner.choose")
 
@@ -98,22 +98,22 @@ def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]
                     dtype: str, cal: Calibration, max_chunks: int, *,
                     graphs: bool | str = False, copy_bytes: int = 0,
                     kept_bytes: int = 0, k_parts: tuple[int, ...] = (),
-                    gemms: Callable[[list[str]], Calibration] | None = None) -> tuple[Schedule, list[Prediction], str]:
+                    gemms: Callable[[RegionShape, list[Schedule], bool | str], Calibration] | None = None) -> tuple[Schedule, list[Prediction], str]:
     """(schedule, ranked predictions, why) for a region; candidates cut more than
     `max_chunks` pieces are left out, GPU ones too where the kernels refuse the shape.
     graphs=True: ranked for CUDA-graph replay (no per-call host cost); PER_CALL: for per-call
     graphs (the same, with their measured slowdown).  copy_bytes: what the
     graph copies only for an op of ours, kept_bytes: what the region kept as compiled moves
     beyond one matmul, k_parts: the K of each product the op multiplies apart (RegionShape).
-    gemms: given the GEMMs the ranking prices (model.gemm_keys), `cal` with them timed
-    (tuner.gemm_table.with_gemms); None: the fit prices them."""
+    gemms: given the shape, the candidates and `graphs`, `cal` with the GEMMs their ranking prices
+    timed (tuner.gemm_table.with_gemms); None: the fit prices them."""
     shape = RegionShape(kind, math.prod(a_shape[:-1]), a_shape[-1], tuple(w[-1] for w in weight_shapes), world, dtype,
                         copy_bytes, kept_bytes, tuple(k_parts))
     refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
     pool = [s for s in candidates(shape, cal, graphs=graphs)
             if s.chunks <= max(1, max_chunks) and not (s.is_gpu and refusal)]
     if gemms is not None:
-        cal = gemms(gemm_keys(shape, cal, pool, graphs=graphs))
+        cal = gemms(shape, pool, graphs)
     preds = rank(shape, cal, pool, graphs=graphs)
     best = preds[0]
     why = f"predicted {best.seconds * 1e3:.3f} ms with the {cal.source} calibration of {cal.device}"

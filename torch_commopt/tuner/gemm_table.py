@@ -22,9 +22,11 @@ import logging
 
 import torch
 
+from torch_commopt.schedule import Schedule
 from torch_commopt.tuner.cache import TunerCache
 from torch_commopt.tuner.calibration import Calibration
 from torch_commopt.tuner.decide import decide
+from torch_commopt.tuner.model import RegionShape, gemm_keys
 
 log = logging.getLogger("torch_commopt.tuner.gemm_table")
 
@@ -54,14 +56,18 @@ def time_gemms(keys: list[str], device: torch.device, reps: int = REPS) -> dict[
     return out
 
 
-def with_gemms(cal: Calibration, keys: list[str], device: torch.device, group_name: str | None,
-               cache_dir: str | None, timeout_s: float) -> Calibration:
-    """`cal` with the GEMMs `keys` (model.gemm_keys) in its table: rank 0's timing, from the
-    tuner cache where it holds them.  Unchanged on a CPU or where nothing is left to time."""
+def with_gemms(cal: Calibration, shape: RegionShape, schedules: list[Schedule], device: torch.device,
+               group_name: str | None, cache_dir: str | None, timeout_s: float, *,
+               graphs: bool | str = False) -> Calibration:
+    """`cal` with the GEMMs the model prices to rank `schedules` for `shape` (model.gemm_keys) in
+    its table: rank 0's timing, from the tuner cache where it holds them.  Unchanged on a CPU or
+    where nothing is left to time."""
     from torch_commopt.tuner.choose import machine_key
 
-    keys = timeable(keys, cal)
-    if device.type != "cuda" or not keys:
+    if device.type != "cuda":
+        return cal
+    keys = timeable(gemm_keys(shape, cal, schedules, graphs=graphs), cal)
+    if not keys:
         return cal
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # timing would break the caller's capture: the fit
         log.info("commopt tuner: compiled inside a CUDA-graph capture; %d GEMMs priced by the fit", len(keys))
