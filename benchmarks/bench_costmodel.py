@@ -61,13 +61,14 @@ def _replayed_per_call(op, kind: str):
 
 
 def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False, gemm_shapes=None,
-           call_graphs: bool = False, probes_paired: bool = False):
-    from torch_commopt.tuner import calibrate
+           call_graphs: bool = False, probes_paired: bool = False, order: str = ""):
+    from torch_commopt.tuner import autotune, calibrate
     from torch_commopt.tuner.calibrate import calibrate_and_store
 
     if gemm_shapes:  # an A/B of the GEMM fit's samples (--gemm-shapes)
         calibrate.GEMM_SHAPES["cuda"] = gemm_shapes
     calibrate.PROBES_PAIRED = probes_paired  # (--probes-paired) in every rank's process
+    autotune.ORDER = order or autotune.ORDER  # (--order) every measurement's round order
 
     device = torch.device("cuda", rank_)
     group_name = dist.group.WORLD.group_name
@@ -324,6 +325,8 @@ def main() -> None:
     parser.add_argument("--probes-paired", action="store_true",
                         help="the calibration's schedule probes read round-paired (calibrate.PROBES_PAIRED), "
                              "an A/B against their medians")
+    parser.add_argument("--order", choices=("rotate", "shuffle"), default="",
+                        help="every measurement's round order (autotune.ORDER; default: its value)")
     parser.add_argument("--report-only", metavar="SUMMARY_JSON",
                         help="rewrite the Markdown report of a finished run from its JSON files")
     args = parser.parse_args()
@@ -335,18 +338,21 @@ def main() -> None:
         return
     cache_dir = tempfile.mkdtemp(prefix="commopt_tuner_")
     per_rank = run_distributed(worker, args.world, cache_dir, args.only, args.cuda_graphs, args.gemm_shapes or None,
-                               args.call_graphs, args.probes_paired, backend="nccl", timeout_s=1200)
+                               args.call_graphs, args.probes_paired, args.order, backend="nccl", timeout_s=1200)
     result = per_rank[0]
     import triton
+
+    from torch_commopt.tuner import autotune
 
     date = datetime.date.today().isoformat()
     meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
             "triton": triton.__version__, "commit": args.commit, "host": platform.node(),
-            "command": "python3 " + " ".join(sys.argv)}
+            "command": "python3 " + " ".join(sys.argv), "order": args.order or autotune.ORDER}
     summary = summarize(result)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    mode = ("_graphs" if args.cuda_graphs else "_cg" if args.call_graphs else "") + ("_pp" if args.probes_paired else "")
+    mode = (("_graphs" if args.cuda_graphs else "_cg" if args.call_graphs else "") + ("_pp" if args.probes_paired else "")
+            + (f"_{args.order}" if args.order else ""))
     stem = f"costmodel_{card_tag(meta['device'], args.world)}_{date}{mode}"
     (out / f"{stem}.json").write_text(json.dumps([dict(r, **{k: meta[k] for k in ("device", "torch", "date", "commit")})
                                                   for r in result["records"]], indent=1))

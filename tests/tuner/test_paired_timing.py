@@ -72,6 +72,41 @@ def test_measure_candidates_traces_every_sample(fake_world, monkeypatch, paired)
     assert set(got) == {"a", "b", "c"} and got["c"] > 3 * max(got["a"], got["b"])
 
 
+def test_rotated_rounds_keep_each_candidates_predecessor_shuffled_ones_vary_it():
+    rotated = [autotune.round_order([0, 1, 2, 3], r, "rotate") for r in range(4)]
+    assert rotated == [[0, 1, 2, 3], [1, 2, 3, 0], [2, 3, 0, 1], [3, 0, 1, 2]]
+    shuffled = [autotune.round_order([0, 1, 2, 3], r, "shuffle", 5) for r in range(12)]
+    assert all(sorted(order) == [0, 1, 2, 3] for order in shuffled)
+    assert shuffled == [autotune.round_order([0, 1, 2, 3], r, "shuffle", 5) for r in range(12)]  # every rank alike
+    before_2 = {order[order.index(2) - 1] for order in shuffled if order.index(2) > 0}
+    assert len(before_2) > 1  # rotated, 1 always runs right before 2
+    with pytest.raises(ValueError, match="round order"):
+        autotune.round_order([0, 1], 0, "sorted")
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_measure_candidates_in_shuffled_rounds_times_each_candidate_once_a_round(fake_world, monkeypatch):
+    import types
+
+    import torch.distributed as dist
+
+    clock = [0.0]
+    monkeypatch.setattr(autotune, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(autotune, "TARGET_S", {"cpu": 1e-4, "cuda": 1e-4})
+    delay = {"a": 2e-4, "b": 3e-4, "c": 2e-3, "d": 1e-3}
+
+    def run(s):
+        clock[0] += delay[s]
+
+    trace = []
+    got = autotune.measure_candidates(run, list(delay), dist.group.WORLD.group_name, torch.device("cpu"),
+                                      trace=trace, order="shuffle")
+    for r in range(autotune.ROUNDS):
+        assert sorted(s for t, s, _ in trace if t == r) == ["a", "b", "c", "d"]
+    assert [s for t, s, _ in trace if t < 2] != ["a", "b", "c", "d", "b", "c", "d", "a"]  # not rotated
+    assert got["a"] < got["b"] < got["d"] < got["c"]
+
+
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 @pytest.mark.parametrize("paired, want", [(False, "c"), (True, "a")])
 def test_clocks_dropping_during_the_near_tie_rounds(fake_world, monkeypatch, paired, want):

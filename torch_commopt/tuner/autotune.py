@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import math
+import random
 import statistics
 import sys
 import time
@@ -36,7 +37,11 @@ from torch_commopt.schedule import Schedule
 
 log = logging.getLogger("torch_commopt.tuner.autotune")
 
-ROUNDS = 5  # timing rounds; every candidate once per round, in an order rotated per round
+ROUNDS = 5  # timing rounds; every candidate once per round, in an order ORDER sets
+# The order of a round's candidates: "rotate" (the list rotated by the round's index: every
+# candidate always follows the same one but at the wrap) or "shuffle" (a permutation drawn from
+# the round's index, the same on every rank: each candidate follows each other one about as often).
+ORDER = "rotate"
 CLOSE, EXTRA_ROUNDS = 0.03, 10  # candidates within 3% of the best get 10 more rounds
 # How a first call's timing is read (autotune, the band, the tune CLI): each candidate's median
 # over its rounds (False), or the reference's median times the median of the candidate's ratio
@@ -330,7 +335,7 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
                        device: torch.device, label: str = "", *, graphs: bool = False,
                        host: dict[str, float] | None = None, host_floor: dict[str, float] | None = None,
                        rounds: int = ROUNDS, trace: list[tuple[int, str, float]] | None = None,
-                       paired: bool | None = None) -> dict[str, float]:
+                       paired: bool | None = None, order: str | None = None) -> dict[str, float]:
     """{schedule: ms per call} of back-to-back calls (the host cost included: that is what
     the program will see), over rounds (read as `paired` says), slowest rank.  Every rank must call this
     with the same candidates at the same point of its program.  graphs=True (CUDA): each
@@ -341,7 +346,8 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     same, fastest round (slowest rank's).  rounds: timing rounds before the near-tie ones.
     trace: filled with (round, schedule, ms per call) of every sample, the slowest rank's.
     paired: each figure is the round-paired estimate of `paired_ms` instead of the median (the
-    near-ties chosen so too); None: as PAIRED, the tuner's read."""
+    near-ties chosen so too); None: as PAIRED, the tuner's read.  order: each round's order,
+    "rotate" or "shuffle" (round_order); None: as ORDER."""
     group = resolve_group(group_name)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # noqa: E731
     counts = [_calls_per_sample(run, s, sync, group, device) for s in candidates]
@@ -370,7 +376,7 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
         bar = Progress(count * len(indices), f"commopt autotune {label} {desc}".rstrip(), show, bar_here)
         first_round = 1 + max((r for r, _ in taken), default=-1)
         for r in range(count):
-            for i in [indices[(j + r) % len(indices)] for j in range(len(indices))]:
+            for i in round_order(indices, r, order or ORDER, first_round):
                 taken.append((first_round + r, i))
                 bar.step(candidates[i])
                 dist.barrier(group=group)
@@ -423,6 +429,18 @@ def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_n
     if trace is not None:
         trace.extend(slowest_rows())  # the rows a paired read just reduced, or reduced now
     return figures
+
+
+def round_order(indices: list[int], round_: int, order: str, first_round: int = 0) -> list[int]:
+    """The candidates `indices` in the order the `round_`-th of a run of rounds starting at
+    measurement round `first_round` times them: rotated by `round_`, or ("shuffle") permuted by a
+    generator seeded with the measurement round (every rank the same order: each sample is a
+    collective call)."""
+    if order == "shuffle":
+        return random.Random(first_round + round_).sample(indices, len(indices))
+    if order != "rotate":
+        raise ValueError(f"commopt autotune: unknown round order {order!r} (rotate, shuffle)")
+    return [indices[(j + round_) % len(indices)] for j in range(len(indices))]
 
 
 def _calls_per_sample(run: Callable[[str], Any], schedule: str, sync: Callable[[], None], group,
