@@ -357,6 +357,23 @@ def test_factors_are_keyed_by_family_and_by_piece_count():
     assert out["matmul_rs direct:2"][1] == pytest.approx(1.4)
 
 
+def test_an_eager_probe_is_host_bound_by_its_measured_time_not_by_the_uncorrected_model():
+    from torch_commopt.tuner.calibrate import HOST_BOUND, PROBE_SHAPES, _schedule_factors
+
+    (rows, k), (_, n) = PROBE_SHAPES["matmul_rs"]
+    shape = RegionShape("matmul_rs", rows, k, (n,), 2, "bfloat16")
+    # the host figure above the model's raw device time, which runs 40% slower than it says
+    raw = predict(shape, Schedule.parse("fused:2"), H200).gpu_s
+    cal = dataclasses.replace(H200, host_s=dict(H200.host_s, fused=raw * 1.1 - 2 * H200.host_per_piece_s))
+    host = predict(shape, Schedule.parse("fused:2"), cal).host_s
+    assert host == pytest.approx(raw * 1.1)
+    out = _schedule_factors({"matmul_rs fused:2": raw * 1.4}, cal)  # device-bound: measured well above the host
+    assert out["matmul_rs fused:2"][1] == pytest.approx(1.4)
+    assert out["matmul_rs fused"][1] == pytest.approx(1.4)
+    hidden = host * HOST_BOUND * 0.99  # within the host's figure: no device time to read
+    assert _schedule_factors({"matmul_rs fused:2": hidden}, cal) == {}
+
+
 def test_one_piece_reduction_at_two_ranks_does_not_wait_for_the_partial_before_its_gemm():
     shape = RegionShape("matmul_rs", 8192, 8192, (8192,), 2, "bfloat16")
     one = predict(shape, Schedule("ce_push", 1), H200, graphs=True).gpu_s

@@ -24,7 +24,7 @@ from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
 
 log = logging.getLogger("torch_commopt.tuner.choose")
 
-# 17: fused's host cost probed (AG, RS fused:1); 16: eager device factors from the replayed curve times eager_over_replayed; 15: the probes' GEMMs timed at their shapes (gemm_table; the factors hold no GEMM-fit error);
+# 18: an eager probe is host-bound by its measured time (calibrate.HOST_BOUND); 17: fused's host cost probed (AG, RS fused:1); 16: eager device factors from the replayed curve times eager_over_replayed; 15: the probes' GEMMs timed at their shapes (gemm_table; the factors hold no GEMM-fit error);
 # 14: the reductions' own host cost per piece (host_per_piece_by_kind); 13: call_graph_slowdown
 # kept within 0.9-1.4 (a probe outside it is host-bound, not a slowdown) and an op-level median
 # for the schedules left out; 12: call_graph_slowdown (the short probes timed with per-call
@@ -37,7 +37,7 @@ log = logging.getLogger("torch_commopt.tuner.choose")
 # taken anew); 7: transfer_slowdown measured (a push beside GEMMs); 6: the all-reduce model copies the
 # gathered pieces out of its slots (factors derived anew); 5: ag ce_push:1:gemm=whole probed; 4: per
 # piece count; 3: schedule_factor_curve, GEMM samples at busy clocks
-CALIBRATION_FORMAT = 17
+CALIBRATION_FORMAT = 18
 _CALIBRATIONS: dict[str, Calibration] = {}
 
 
