@@ -374,6 +374,22 @@ def test_an_eager_probe_is_host_bound_by_its_measured_time_not_by_the_uncorrecte
     assert _schedule_factors({"matmul_rs fused:2": hidden}, cal) == {}
 
 
+def test_a_family_its_probes_gave_no_factor_takes_its_ops_median_not_one(caplog):
+    from torch_commopt.tuner.calibrate import _unmeasured_families
+
+    probed = ["matmul_rs sequential", "matmul_rs ce_push:2", "matmul_rs ce_pull:2", "matmul_rs fused:2",
+              "matmul_rs fused:2:tma=1", "matmul_ar ce_push:2"]
+    eager = {"matmul_rs sequential": 1.1, "matmul_rs sequential:1": 1.1, "matmul_rs ce_pull": 1.2,
+             "matmul_rs ce_pull:2": 1.2, "matmul_rs direct": 1.3, "matmul_rs direct:2": 1.9}
+    replayed = {"matmul_rs ce_push": (1e-3, 1.25), "matmul_ar ce_push": (1e-3, 1.2)}
+    with caplog.at_level("WARNING", logger="torch_commopt.tuner.calibrate"):
+        out = _unmeasured_families(probed, eager, replayed)
+    assert out == {"matmul_rs fused": pytest.approx(1.2)}  # median of 1.1, 1.2, 1.3; ce_push has its replayed curve
+    assert "matmul_rs fused got no factor" in caplog.text
+    cal = dataclasses.replace(H200, schedule_factor={**eager, **out})
+    assert cal.factor("matmul_rs fused:2", 1e-3) == pytest.approx(1.2)
+
+
 def test_one_piece_reduction_at_two_ranks_does_not_wait_for_the_partial_before_its_gemm():
     shape = RegionShape("matmul_rs", 8192, 8192, (8192,), 2, "bfloat16")
     one = predict(shape, Schedule("ce_push", 1), H200, graphs=True).gpu_s

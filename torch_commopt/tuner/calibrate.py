@@ -579,6 +579,29 @@ def _schedule_factors(probes: dict[str, float], cal: Calibration, shapes=PROBE_S
     return out
 
 
+def _unmeasured_families(probed: list[str], eager: dict[str, float], replayed: dict[str, tuple[float, float]]
+                         ) -> dict[str, float]:
+    """{"kind family": factor} for each family probed (`probed`: "kind schedule" keys) that got no
+    factor either way -- its eager probe host-bound or out of range, and no replayed probe (a
+    fused reduction: a capture runs it as ce_push): its op's median factor, logged.  Left at 1,
+    such a family is priced at the raw model, which every GPU family beats by 5-45% on the probes
+    (2x H100, s49: RS fused predicted 30% fast and picked, 30-38% slower than the best)."""
+    from torch_commopt.schedule import Schedule
+
+    out = {}
+    for key in probed:
+        kind, sched = key.split(" ")
+        family = f"{kind} {Schedule.parse(sched).name}"
+        if family in eager or family in replayed or family in out:
+            continue
+        own = [f for k, f in eager.items() if k.startswith(kind + " ") and ":" not in k.split(" ")[1]]
+        if own:
+            out[family] = statistics.median(own)
+            log.warning("commopt calibrate: %s got no factor from its probes; it takes its op's median, %.3f",
+                        family, out[family])
+    return out
+
+
 def _probe_gemm_keys(cal: Calibration) -> list[str]:
     """The GEMMs (Calibration.gemm_table keys) the model prices for the schedule probes, long
     and short, eager and replayed: the same list on every rank."""
@@ -699,6 +722,7 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         lap("probe GEMMs")
     if probes:  # the families on probe shapes, against the model with everything above
         timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
+        timed_keys = list(timed)
         long = _schedule_factors(timed, cal)
         lap("schedule probes")
         timed = _schedule_probes(group_name, world, device, SHORT_PROBE_SHAPES, graphs=True)
@@ -710,7 +734,9 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         # the long probes replayed as well: device time alone, for replayed calls
         long_replayed = _schedule_factors(_schedule_probes(group_name, world, device, graphs=True), cal, graphs=True)
         lap("schedule probes, replayed")
-        cal = dataclasses.replace(cal, schedule_factor={k: f for k, (_, f) in long.items()},
+        factors = {k: f for k, (_, f) in long.items()}
+        factors.update(_unmeasured_families(timed_keys, factors, long_replayed))
+        cal = dataclasses.replace(cal, schedule_factor=factors,
                                   eager_over_replayed=_eager_over_replayed(long, long_replayed),
                                   schedule_factor_curve=_factor_curves(long, short),
                                   schedule_factor_curve_graphs=_factor_curves(long_replayed, short),
