@@ -416,8 +416,8 @@ FACTOR_RANGE = (0.5, 3.0)  # measured / predicted outside this is a measurement 
 # An eager probe within this of its calls' host figure is host-bound: its device time is hidden
 # under the host's, so it gives no factor.  Judged by the measured time: until session 49 by the
 # model's uncorrected device time, which the factor exists to correct -- 2x H100, two runs whose
-# host probes read RS `fused` at 412 / 493 us a call (254-395 in five others) dropped the RS
-# `fused:2` probe (0.85-0.9 ms, device-bound) as host-bound, so `fused` (no replayed probe: a
+# host probes read RS `fused` at 412 / 493 us a call (302-395 in five others) dropped the RS
+# `fused:2` probe (~1.05 ms, device-bound) as host-bound, so `fused` (no replayed probe: a
 # capture runs it as ce_push) kept factor 1, was predicted 30% fast and picked at RS 8192^3 and
 # 16384 x 8192 x 7168, 30-38% slower than the best.  The margin covers the host figure's
 # run-to-run spread.
@@ -584,8 +584,8 @@ def _unmeasured_families(probed: list[str], eager: dict[str, float], replayed: d
     """{"kind family": factor} for each family probed (`probed`: "kind schedule" keys) that got no
     factor either way -- its eager probe host-bound or out of range, and no replayed probe (a
     fused reduction: a capture runs it as ce_push): its op's median factor, logged.  Left at 1,
-    such a family is priced at the raw model, which every GPU family beats by 5-45% on the probes
-    (2x H100, s49: RS fused predicted 30% fast and picked, 30-38% slower than the best)."""
+    such a family is priced at the raw model, which under-predicts every GPU family by 5-45% on
+    the probes (2x H100, s49: RS fused predicted 30% fast and picked, 30-38% slower than the best)."""
     from torch_commopt.schedule import Schedule
 
     out = {}
