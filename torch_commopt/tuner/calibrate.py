@@ -721,9 +721,8 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         cal = dataclasses.replace(cal, gemm_table=table, measured=cal.measured + ("gemm_table",))
         lap("probe GEMMs")
     if probes:  # the families on probe shapes, against the model with everything above
-        timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
-        timed_keys = list(timed)
-        long = _schedule_factors(timed, cal)
+        long_timed = _schedule_probes(group_name, world, device)  # already the slowest rank's
+        long = _schedule_factors(long_timed, cal)
         lap("schedule probes")
         timed = _schedule_probes(group_name, world, device, SHORT_PROBE_SHAPES, graphs=True)
         # the model's own raw prediction: factors are applied to it, not to a corrected one
@@ -735,7 +734,7 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         long_replayed = _schedule_factors(_schedule_probes(group_name, world, device, graphs=True), cal, graphs=True)
         lap("schedule probes, replayed")
         factors = {k: f for k, (_, f) in long.items()}
-        factors.update(_unmeasured_families(timed_keys, factors, long_replayed))
+        factors.update(_unmeasured_families(list(long_timed), factors, long_replayed))
         cal = dataclasses.replace(cal, schedule_factor=factors,
                                   eager_over_replayed=_eager_over_replayed(long, long_replayed),
                                   schedule_factor_curve=_factor_curves(long, short),

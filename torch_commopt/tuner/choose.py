@@ -24,7 +24,10 @@ from torch_commopt.tuner.model import Prediction, RegionShape, candidates, rank
 
 log = logging.getLogger("torch_commopt.tuner.choose")
 
-# 18: an eager probe is host-bound by its measured time (calibrate.HOST_BOUND), a family left with no factor takes its op's median; 17: fused's host cost probed (AG, RS fused:1); 16: eager device factors from the replayed curve times eager_over_replayed; 15: the probes' GEMMs timed at their shapes (gemm_table; the factors hold no GEMM-fit error);
+# 18: an eager probe is host-bound by its measured time (calibrate.HOST_BOUND), a family left
+# with no factor takes its op's median; 17: fused's host cost probed (AG, RS fused:1); 16: eager
+# device factors from the replayed curve times eager_over_replayed; 15: the probes' GEMMs timed at
+# their shapes (gemm_table; the factors hold no GEMM-fit error);
 # 14: the reductions' own host cost per piece (host_per_piece_by_kind); 13: call_graph_slowdown
 # kept within 0.9-1.4 (a probe outside it is host-bound, not a slowdown) and an op-level median
 # for the schedules left out; 12: call_graph_slowdown (the short probes timed with per-call
