@@ -53,3 +53,19 @@ def test_summary_counts_both_reads_and_the_one_the_tuner_runs(monkeypatch):
         assert got["autotune_median_read_is_a_measured_best"] == "1/2"
         assert got["autotune_paired_read_is_a_measured_best"] == "2/2"
         assert got["autotune_pick_worst_paired_ratio"] == (1.0 if paired else 1.04)
+
+
+def test_summary_counts_the_misses_a_second_head_to_head_found_again():
+    def shape(held, again):
+        return dict(op="ag", M=512, N=8192, model_top1="a", measured_best="b", measured_best_ms=1.0,
+                    model_top1_measured_ms=1.0, autotune_pick="a", autotune_pick_measured_ms=1.01,
+                    autotune_timing_ms={"a": 1.0}, head_to_head_ms={},
+                    judged={h: {"held": held, "versus": {}, "worst_median": 1.0} for h in ("median", "paired")},
+                    judged_again=None if again is None else {"held": again, "versus": {}, "worst_median": 1.0})
+
+    shapes = [shape(True, None), shape(False, False), shape(False, True), shape(False, True)]
+    records = [{"op": "ag", "M": 512, "N": 8192, "candidate": "a", "predicted_ms": 1.0, "measured_ms": 1.0}]
+    compile_ = {k: {"seconds": 1.0, "regions": 2} for k in ("auto", "autotune_cold", "autotune_warm", "auto_again")}
+    got = bench_costmodel.summarize({"records": records, "shapes": shapes, "compile": compile_, "calibration_s": 1.0})
+    assert got["autotune_judge_misses_reproduced"] == "1/3"
+    assert "again: " in bench_costmodel._verdict(dict(shapes[1], autotune_picks={"median": "a", "paired": "a"}))
