@@ -42,8 +42,8 @@ from costmodel_vs_bench import region_shape  # noqa: E402
 from gpu_clocks import snapshot as gpu_state  # noqa: E402
 from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.tuner.autotune import (PAIRED, measure_candidates, paired_ms, ratio_summary,  # noqa: E402
-                                         timed_candidates)
+from torch_commopt.tuner.autotune import (MODEL_TIE, PAIRED, measure_candidates, paired_ms,  # noqa: E402
+                                         ratio_summary, timed_candidates, winner)
 from torch_commopt.tuner.calibration import replayed_as  # noqa: E402
 from torch_commopt.tuner.gemm_table import with_gemms  # noqa: E402
 from torch_commopt.tuner.model import candidates, rank  # noqa: E402
@@ -114,7 +114,9 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         medians = {c: statistics.median(ms for _, s, ms in tuned_rows if s == c) for c in top}
         by_median = min(medians, key=lambda s: (medians[s], s))
         paired = tuned if PAIRED else paired_ms(tuned_rows, by_median)
-        picks = {"median": by_median, "paired": min(paired, key=lambda s: (paired[s], s))}
+        # each read decided as the tuner decides (autotune.winner: the model's top-1 within MODEL_TIE stays)
+        picks = {"median": winner(medians, prior=names[0], tie=MODEL_TIE),
+                 "paired": winner(paired, prior=names[0], tie=MODEL_TIE)}
         pick = picks[_read()]  # what the tuner runs
         best = min(measured, key=measured.get)
         first = first or (shape, measured, best)

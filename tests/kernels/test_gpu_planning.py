@@ -444,3 +444,18 @@ def test_a_replayed_first_call_measures_on_a_helper_thread(fake_world, monkeypat
         assert seen["thread"] == "commopt-symm-setup" and synced
     else:
         assert seen["thread"] == threading.current_thread().name and not synced
+
+
+def test_autotune_keeps_the_models_pick_unless_another_is_measured_faster_beyond_the_tie():
+    from torch_commopt.tuner.autotune import MODEL_TIE, winner
+
+    measured = {"sequential": 1.30, "ce_push:1": 1.000, "ce_push:1:par=1": 1.000 * (1 + MODEL_TIE / 2)}
+    assert winner(measured) == "ce_push:1"  # no prior: the fastest
+    assert winner(measured, prior="ce_push:1:par=1", tie=MODEL_TIE) == "ce_push:1:par=1"  # a tie: the model's
+    measured["ce_push:1:par=1"] = 1.000 * (1 + 2 * MODEL_TIE)
+    assert winner(measured, prior="ce_push:1:par=1", tie=MODEL_TIE) == "ce_push:1"  # measured faster beyond it
+    assert winner(measured, prior="fused:1", tie=MODEL_TIE) == "ce_push:1"  # a prior not timed: no say
+    # the margin over sequential still applies to the model's pick
+    near_nccl = {"sequential": 0.300, "ce_push:1": 0.290, "direct:1": 0.292}
+    assert winner(near_nccl, 0.05, prior="direct:1", tie=MODEL_TIE) == "sequential"
+

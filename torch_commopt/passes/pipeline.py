@@ -528,7 +528,7 @@ def _autotune(region: Region, config: Config, model_pick: Schedule, top: list[st
     """(schedule, why): rank 0's cached measurement of this region's candidates (from an
     earlier run or `python -m torch_commopt tune`), or an `autotune` placeholder that times
     them at the first call (tuner.autotune)."""
-    from torch_commopt.tuner.autotune import TuneRequest, register
+    from torch_commopt.tuner.autotune import MODEL_TIE, TuneRequest, register
     from torch_commopt.tuner.cache import TunerCache
     from torch_commopt.tuner.decide import decide
 
@@ -539,7 +539,7 @@ def _autotune(region: Region, config: Config, model_pick: Schedule, top: list[st
             row["measured_ms"] = cached["measured_ms"].get(row["schedule"])
         return Schedule.parse(cached["schedule"]), "cached measurement"
     request = TuneRequest(key, top, str(model_pick), region.group_name, config.cache_dir, config.debug_waits,
-                          _replayed(region, config), rows, report.notes, region.collective.name)
+                          _replayed(region, config), rows, report.notes, region.collective.name, tie=MODEL_TIE)
     return register(request), f"{len(top)} candidates timed at the first call; model's pick {model_pick}"
 
 

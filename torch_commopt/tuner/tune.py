@@ -41,7 +41,7 @@ def parse_shape(spec: str) -> tuple[str, list[int], list[list[int]]]:
 
 def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache_dir: str | None, top_k: int,
                  graphs: bool = False, attention: tuple[str, ...] = ()):
-    from torch_commopt.tuner.autotune import measure_candidates, plan
+    from torch_commopt.tuner.autotune import MODEL_TIE, measure_candidates, plan, winner
     from torch_commopt.tuner.cache import TunerCache
     from torch_commopt.tuner.choose import calibration_for, device_name
     from torch_commopt.tuner.gemm_table import with_gemms
@@ -54,7 +54,7 @@ def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache
     for spec in specs:
         kind, a_shape, w_shapes = parse_shape(spec)
         dim, reduce_op = (0, None) if kind == "ag_matmul" else (None if kind == "matmul_ar" else 0, "sum")
-        _, _, top, key, _ = plan(kind, a_shape, w_shapes, dim, [False] * len(w_shapes), reduce_op, False, world,
+        pick, _, top, key, _ = plan(kind, a_shape, w_shapes, dim, [False] * len(w_shapes), reduce_op, False, world,
                                  dtype_name, device_name(device), cal,
                                  chunk_rows(kind, a_shape, [a_shape[0], w_shapes[0][1]], dim, world, 8), top_k, graphs,
                                  gemms=lambda shape, pool, g: with_gemms(cal, shape, pool, device, group_name, cache_dir,
@@ -63,7 +63,7 @@ def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache
         ws = [torch.randn(s, device=device, dtype=dtype) / s[0] ** 0.5 for s in w_shapes]
         measured = measure_candidates(runner(kind, a, ws, world, group_name), top, group_name, device, spec,
                                       graphs=graphs)
-        best = min(measured, key=lambda s: (measured[s], s))
+        best = winner(measured, prior=str(pick), tie=MODEL_TIE)  # as the compile pass's autotune decides
         if rank == 0:
             TunerCache(cache_dir).put(key, {"schedule": best, "measured_ms": measured})
         out.append((spec, best, measured))
