@@ -101,10 +101,10 @@ BAND_ROUNDS = 15
 # The model ranks, measurement confirms: autotune runs the model's pick unless another candidate
 # is measured faster by more than MODEL_TIE (a fraction).  Two measurements of one pair seconds
 # apart differ by ~1-2% (probe_round_context.py), so below that a measured order is the
-# measurement's, and the model's order is the better guess.  2x H200, session 50: every one of
-# the five eager sweeps' autotune misses (a pick the paired head-to-head found 0.5-3.0% slower)
-# was a candidate measured ahead of the model's pick by under 3%, and in all five the model's
-# pick was the head-to-head's best.  Scored offline on the 43 tuner sweeps of sessions 47-50
+# measurement's, and the model's order is the better guess.  2x H200, session 50: in all five
+# autotune misses of five eager sweeps (a pick the paired head-to-head found 0.5-3.0% slower)
+# autotune had read a candidate ahead of the model's pick (by 0.1, 0.1, 0.8, 3.0 and 3.7%) where
+# the head-to-head found the model's pick best.  Scored offline on the 43 tuner sweeps of sessions 47-50
 # (602 shapes, both cards; the pick judged on each sweep's head-to-head): 574 a measured best
 # with no tie, 578 with 0.5%, 581 with 1%, 574 with 1.5%, 565 with 2%.
 MODEL_TIE = 0.01

@@ -54,11 +54,13 @@ def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache
     for spec in specs:
         kind, a_shape, w_shapes = parse_shape(spec)
         dim, reduce_op = (0, None) if kind == "ag_matmul" else (None if kind == "matmul_ar" else 0, "sum")
-        pick, _, top, key, _ = plan(kind, a_shape, w_shapes, dim, [False] * len(w_shapes), reduce_op, False, world,
-                                 dtype_name, device_name(device), cal,
-                                 chunk_rows(kind, a_shape, [a_shape[0], w_shapes[0][1]], dim, world, 8), top_k, graphs,
-                                 gemms=lambda shape, pool, g: with_gemms(cal, shape, pool, device, group_name, cache_dir,
-                                                                         300.0, graphs=g))
+        def gemms(shape, pool, g):
+            return with_gemms(cal, shape, pool, device, group_name, cache_dir, 300.0, graphs=g)
+
+        pick, _, top, key, _ = plan(kind, a_shape, w_shapes, dim, [False] * len(w_shapes), reduce_op, False,
+                                    world, dtype_name, device_name(device), cal,
+                                    chunk_rows(kind, a_shape, [a_shape[0], w_shapes[0][1]], dim, world, 8), top_k,
+                                    graphs, gemms=gemms)
         a = torch.randn(a_shape, device=device, dtype=dtype)
         ws = [torch.randn(s, device=device, dtype=dtype) / s[0] ** 0.5 for s in w_shapes]
         measured = measure_candidates(runner(kind, a, ws, world, group_name), top, group_name, device, spec,
