@@ -282,13 +282,16 @@ def _verdict(shape: dict) -> str:
     for how, pick in shape["autotune_picks"].items():
         if how != _read() and pick == shape["autotune_pick"]:
             continue
-        j = shape["judged"][how]
-        vs = ", ".join(f"{o} {v['median']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]" for o, v in j["versus"].items())
-        parts.append(f"{how} read {pick}: {vs or 'alone'} ({'held' if j['held'] else 'slower'})")
+        parts.append(f"{how} read {pick}: {_versus(shape['judged'][how])}")
     if again := shape.get("judged_again"):
-        vs = ", ".join(f"{o} {v['median']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]" for o, v in again["versus"].items())
-        parts.append(f"again: {vs} ({'held' if again['held'] else 'slower'})")
+        parts.append(f"again: {_versus(again)}")
     return "; ".join(parts)
+
+
+def _versus(judged: dict) -> str:
+    """A judge's verdict as text: pick / each other, median [95% CI], and whether it held."""
+    vs = ", ".join(f"{o} {v['median']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]" for o, v in judged["versus"].items())
+    return f"{vs or 'alone'} ({'held' if judged['held'] else 'slower'})"
 
 
 def report(doc: dict, records: list[dict]) -> str:
