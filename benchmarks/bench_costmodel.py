@@ -60,6 +60,24 @@ def _replayed_per_call(op, kind: str):
     return lambda name: op(str(per_call(kind, Schedule.parse(name))))
 
 
+def ranked_shape(shape, rank_: int, world: int, group_name: str, cal, device, cache_dir: str, graphs: bool,
+                 call_graphs: bool):
+    """(cal with the shape's GEMMs timed, the model's ranked predictions, the op each candidate
+    name runs, whether it runs per-call graphs) of one sweep shape, as the compile pass ranks it."""
+    region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
+                           "dtype": "bfloat16"})
+    (a_shape, w_shapes, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
+    # Config.call_graphs: a band region's eager calls replay per-call graphs, ranked as replayed
+    # with the calibration's per-call slowdown (calibration.PER_CALL)
+    cg = call_graphs and not graphs and call_graphs_pay(region.kind, a_shape, w_shapes, world, "bfloat16")
+    # the candidates' GEMMs timed at their shapes, as the compile pass does (tuner.gemm_table)
+    how = replayed_as(graphs, cg)
+    cal = with_gemms(cal, region, candidates(region, cal, graphs=how), device, group_name, cache_dir, 300.0,
+                     graphs=how)
+    preds = rank(region, cal, graphs=how)
+    return cal, preds, _replayed_per_call(op, region.kind) if cg else op, cg
+
+
 def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False, gemm_shapes=None,
            call_graphs: bool = False, probes_paired: bool = False, order: str = ""):
     from torch_commopt.tuner import autotune, calibrate
@@ -82,19 +100,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
     for shape in shapes_for(world):
         if only and shape.op not in only.split(","):
             continue
-        region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
-                               "dtype": "bfloat16"})
-        (a_shape, w_shapes, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
-        # Config.call_graphs: a band region's eager calls replay per-call graphs, ranked as replayed
-        # with the calibration's per-call slowdown (calibration.PER_CALL)
-        cg = call_graphs and not graphs and call_graphs_pay(region.kind, a_shape, w_shapes, world, "bfloat16")
-        # the candidates' GEMMs timed at their shapes, as the compile pass does (tuner.gemm_table)
-        how = replayed_as(graphs, cg)
-        cal = with_gemms(cal, region, candidates(region, cal, graphs=how), device, group_name, cache_dir, 300.0,
-                         graphs=how)
-        preds = rank(region, cal, graphs=how)
-        if cg:
-            op = _replayed_per_call(op, region.kind)
+        cal, preds, op, cg = ranked_shape(shape, rank_, world, group_name, cal, device, cache_dir, graphs, call_graphs)
         names = [str(p.schedule) for p in preds]
         clocks = {"before": gpu_state(rank_)}
         measured = measure_candidates(op, names, group_name, device, graphs=graphs)

@@ -35,16 +35,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_costmodel import TOP_K, _replayed_per_call  # noqa: E402
+from bench_costmodel import TOP_K, _replayed_per_call, ranked_shape  # noqa: E402
 from bench_matmul_collectives import Shape, _variants  # noqa: E402
 from costmodel_vs_bench import region_shape  # noqa: E402
 from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
 from torch_commopt.launch import run_distributed  # noqa: E402
 from torch_commopt.tuner.autotune import measure_candidates, ratio_summary, timed_candidates  # noqa: E402
 from torch_commopt.tuner.calibrate import calibrate_and_store  # noqa: E402
-from torch_commopt.tuner.calibration import replayed_as  # noqa: E402
-from torch_commopt.tuner.gemm_table import with_gemms  # noqa: E402
-from torch_commopt.tuner.model import candidates, rank  # noqa: E402
+from torch_commopt.tuner.model import rank  # noqa: E402
 
 SHAPES = [Shape("ag", 2048, 8192, 8192), Shape("ag", 4096, 8192, 28672), Shape("ag", 16384, 8192, 8192)]
 A, B = "ce_push:1", "ce_push:1:par=1"
@@ -93,16 +91,8 @@ def order_worker(rank_: int, world: int, cache_dir: str) -> list[dict]:
     cal = calibrate_and_store(group_name, device, cache_dir)
     out = []
     for shape, a, b in ORDER_SHAPES:
-        region = region_shape({"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world,
-                               "dtype": "bfloat16"})
-        (a_shape, w_shapes, _), _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
-        cg = call_graphs_pay(region.kind, a_shape, w_shapes, world, "bfloat16")
-        how = replayed_as(False, cg)
-        shape_cal = with_gemms(cal, region, candidates(region, cal, graphs=how), device, group_name, cache_dir,
-                               300.0, graphs=how)
-        names = [str(p.schedule) for p in rank(region, shape_cal, graphs=how)]  # the sweep's order
-        if cg:
-            op = _replayed_per_call(op, region.kind)
+        _, preds, op, cg = ranked_shape(shape, rank_, world, group_name, cal, device, cache_dir, False, True)
+        names = [str(p.schedule) for p in preds]  # the sweep's order
         contexts = {"sweep rotate": (names, "rotate"), "sweep reversed": (names[::-1], "rotate"),
                     "sweep shuffle": (names, "shuffle"), "pair": ([a, b], "rotate"),
                     "sweep rotate again": (names, "rotate")}

@@ -299,8 +299,7 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
         req.decided = req.fallback
         req.report_notes.append(f"{req.name}: no candidate could be captured for timing; runs {req.fallback} untimed")
         return req.decided
-    best = winner(measured, req.margin, host if req.headroom else None, req.headroom,
-                  prior=req.fallback if req.tie > 0 else None, tie=req.tie)
+    best = winner(measured, req.margin, host if req.headroom else None, req.headroom, prior=req.fallback, tie=req.tie)
     sched = Schedule.parse(best)
     if req.debug_waits and sched.is_gpu:
         sched = sched.with_params(dbg=1)
@@ -328,7 +327,7 @@ def winner(measured: dict[str, float], margin: float = 0.0, host: dict[str, floa
     """The fastest candidate; `sequential` unless another is faster by `margin` (a fraction)
     and, given `host` (enqueue ms per call), enqueues within 1/headroom of sequential's time
     (a slower host would otherwise make it lose); the fastest such candidate else.  prior (the
-    model's pick) stands for the fastest where it is measured within `tie` (a fraction) of it."""
+    model's pick) stands for the fastest where it is measured within `tie` (a fraction, > 0) of it."""
     seq = measured.get("sequential")
     eligible = dict(measured)
     if seq is not None and host is not None and headroom > 0:
@@ -337,7 +336,7 @@ def winner(measured: dict[str, float], margin: float = 0.0, host: dict[str, floa
                      s, host.get(s, math.inf), headroom, seq)
             del eligible[s]
     best = min(eligible, key=lambda s: (eligible[s], s))
-    if prior in eligible and prior != best and eligible[prior] <= eligible[best] * (1.0 + tie):
+    if tie > 0 and prior in eligible and prior != best and eligible[prior] <= eligible[best] * (1.0 + tie):
         log.info("commopt autotune: the model's %s (%.4f ms) is within %.1f%% of %s (%.4f ms): %s runs",
                  prior, eligible[prior], tie * 100, best, eligible[best], prior)
         best = prior
