@@ -1,0 +1,135 @@
+"""One GPU: what Ulysses's head groups cost the local attention kernels, MHA against GQA.
+
+bench_attention (2x H200, session 46) measured `ulysses` at 16K tokens, causal fwd+bwd, 0.49 ms
+over half the single-GPU time with MHA (32/32) and 0.74 ms with GQA (32/8), though GQA moves
+less data and its whole-sequence kernel is ~2% faster than MHA's.  After the all-to-all a rank
+of W runs H/W query heads (H_kv/W key heads) over the whole sequence, in G head groups of
+H/(W G) and H_kv/(W G) heads.  This times, on one GPU with no link, one rank's kernels exactly
+as the schedule calls them (local.attend_fwd / attend_bwd, the `auto` backend), per G, against
+the whole-sequence kernels over W: where the group form is slower than 1/W of the whole, the
+difference is a kernel cost no transfer schedule can hide.
+
+    python benchmarks/probe_head_groups.py OUTDIR [--seq 16384,32768] [--heads 32/32,32/8]
+        [--world 2] [--groups 1,2,4]
+
+Variants per (heads, seq): "whole" (B, H, S) once, divided by W; "g<G>" the rank's G groups in
+turn on one stream; "g<G>x" the same with K/V expanded to the query heads inside the rank (the
+link still carries H_kv heads; the expanded dK/dV summed back per key head) -- GQA only.
+Writes OUTDIR/head_groups.json and prints one line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from torch_commopt.attention.local import attend_bwd, attend_fwd, default_scale, pick  # noqa: E402
+
+
+def timed(fn, repeats: int = 7, target_ms: float = 60.0) -> float:
+    """Median ms per call of `fn` over `repeats` rounds of back-to-back calls filling ~target_ms."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    calls = max(1, min(50, int(target_ms / max((time.perf_counter() - t0) * 1e3, 1e-3))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rounds = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        rounds.append(start.elapsed_time(end) / calls)
+    return statistics.median(rounds)
+
+
+def tensors(h: int, h_kv: int, s: int, d: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, dout = (torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, h_kv, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    return q, k, v, dout
+
+
+def passes(groups: list[tuple], scale: float, expand: bool):
+    """(fwd, bwd) closures over the groups' tensors, one stream, in turn; the backward takes the
+    forward's out and lse, as the kept training form does."""
+    kept = []
+    for q, k, v, dout in groups:
+        rep = q.shape[1] // k.shape[1]
+        kx, vx = (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)) if expand else (k, v)
+        out, lse = attend_fwd(q, kx, vx, scale=scale, mask="causal")
+        kept.append((q, k, v, kx, vx, dout, out, lse, rep))
+
+    def fwd():
+        for q, k, v, kx, vx, _, _, _, rep in kept:
+            if expand:  # the expansion is part of the group's work
+                kx, vx = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            attend_fwd(q, kx, vx, scale=scale, mask="causal")
+
+    def bwd():
+        for q, k, v, kx, vx, dout, out, lse, rep in kept:
+            dq, dk, dv = attend_bwd(dout, q, kx, vx, out, lse, scale=scale, mask="causal")
+            if expand and rep > 1:
+                dk = dk.unflatten(1, (k.shape[1], rep)).sum(2)
+                dv = dv.unflatten(1, (v.shape[1], rep)).sum(2)
+    return fwd, bwd
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--seq", default="16384,32768")
+    ap.add_argument("--heads", default="32/32,32/8")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--groups", default="1,2,4")
+    ap.add_argument("--head-dim", dest="head_dim", type=int, default=128)
+    ap.add_argument("--commit", default="?")
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    w, d = args.world, args.head_dim
+    records = []
+    for s in (int(x) for x in args.seq.split(",")):
+        for pair in args.heads.split(","):
+            h, h_kv = (int(x) for x in pair.split("/"))
+            scale = default_scale(d, None)
+            whole = tensors(h, h_kv, s, d, seed=1)
+            f, b = passes([whole], scale, expand=False)
+            base = {"fwd": timed(f) / w, "bwd": timed(b) / w}
+            rec = {"H": h, "H_kv": h_kv, "S": s, "D": d, "world": w,
+                   "backend": pick(whole[0], whole[1]).name, "whole_over_w_ms": base}
+            del whole, f, b
+            for g in (int(x) for x in args.groups.split(",")):
+                if h % (w * g) or h_kv % (w * g):
+                    continue
+                for expand in ((False, True) if h_kv < h else (False,)):
+                    groups = [tensors(h // (w * g), h_kv // (w * g), s, d, seed=10 + i) for i in range(g)]
+                    f, b = passes(groups, scale, expand)
+                    name = f"g{g}{'x' if expand else ''}"
+                    ms = {"fwd": timed(f), "bwd": timed(b)}
+                    rec[name] = ms
+                    print(f"S {s} H {h}/{h_kv} {name}: fwd {ms['fwd']:.3f} ({ms['fwd'] / base['fwd']:.3f}x whole/W) "
+                          f"bwd {ms['bwd']:.3f} ({ms['bwd'] / base['bwd']:.3f}x); whole/W fwd {base['fwd']:.3f} "
+                          f"bwd {base['bwd']:.3f}", flush=True)
+                    del groups, f, b
+            records.append(rec)
+            torch.cuda.empty_cache()
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
+            "cudnn": torch.backends.cudnn.version()}
+    (out / "head_groups.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
