@@ -2,8 +2,7 @@
 
 ce_a2a runs the odd head groups' attention on a second compute stream in the passes
 TORCH_COMMOPT_ATTENTION_GROUP_STREAMS asks for ("1": both passes', the default; "fwd": the
-forward's only; "0": neither), the even ones on a high-priority stream unless
-TORCH_COMMOPT_ATTENTION_FIRST_PRIORITY is "0" (session 51).  This times the training pair
+forward's only; "0": neither).  This times the training pair
 (cp_attention_fwd_keep / cp_attention_bwd_kept, eager, back to back, the compiled path's form)
 at two head groups under each value, and at one head group for reference, in one process:
 the switch is read per call, so every round visits every variant (in an order rotated per
@@ -32,33 +31,23 @@ import torch.distributed as dist  # noqa: E402
 
 from torch_commopt.launch import run_distributed  # noqa: E402
 
-# name -> (head groups, GROUP_STREAMS_ENV value, FIRST_PRIORITY_ENV value); --variants picks a subset
-# (the reference always runs).  "caller first": the even groups on the caller's stream, the odd ones on a
-# plain second stream (the layout before session 51); else the even ones on a high-priority stream.
-VARIANTS = {"g2 fwd": (2, "fwd", "1"), "g2 both": (2, "1", "1"), "g2 none": (2, "0", "1"), "g1": (1, "1", "1"),
-            "g2 both caller first": (2, "1", "0"), "g2 fwd caller first": (2, "fwd", "0")}
+# name -> (head groups, GROUP_STREAMS_ENV value); --variants picks a subset (the reference always runs)
+VARIANTS = {"g2 fwd": (2, "fwd"), "g2 both": (2, "1"), "g2 none": (2, "0"), "g1": (1, "1")}
 REFERENCE = "g2 both"  # the default (session 45's run read its ratios to "g2 fwd", then the candidate default)
-
-
-def _switch(name: str) -> None:
-    """The variant's switches, which ce_a2a reads per call."""
-    from torch_commopt.attention import ce_a2a
-
-    _, streams, first = VARIANTS[name]
-    os.environ[ce_a2a.GROUP_STREAMS_ENV], os.environ[ce_a2a.FIRST_PRIORITY_ENV] = streams, first
 
 
 def _timed_rounds(steps: dict, rounds: int, calls: int, enqueued: dict | None = None) -> list[tuple[int, str, float]]:
     """(round, variant, ms a call on this rank): every variant once a round, rotated, after a
     barrier.  enqueued: gets, per variant, the host's ms a call until the sample's last call was
     queued (before its synchronize): near the sample's time, the loop is host-bound."""
+    from torch_commopt.attention import ce_a2a
 
     rows = []
     for r in range(rounds):
         names = list(steps)
         names = names[r % len(names):] + names[:r % len(names)]
         for name in names:
-            _switch(name)
+            os.environ[ce_a2a.GROUP_STREAMS_ENV] = VARIANTS[name][1]
             dist.barrier()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -95,17 +84,16 @@ def worker(rank: int, world: int, args) -> dict:
                     _, kept = schedules.cp_attention_fwd_keep(q, k, v, head_groups=groups, **kw)
                     return schedules.cp_attention_bwd_kept(dout, kept, **kw)
                 return step
-            steps = {name: step_of(g) for name, (g, *_) in VARIANTS.items()
+            steps = {name: step_of(g) for name, (g, _) in VARIANTS.items()
                      if name == REFERENCE or not args.variants or name in args.variants}
             for name, step in steps.items():  # warm-up: every variant's buffers, plans and streams
-                _switch(name)
+                os.environ[ce_a2a.GROUP_STREAMS_ENV] = VARIANTS[name][1]
                 for _ in range(3):
                     step()
             torch.cuda.synchronize()
             host: dict[str, list[float]] = {}
             rows = _timed_rounds(steps, args.rounds, args.calls, host)
             os.environ.pop(ce_a2a.GROUP_STREAMS_ENV, None)
-            os.environ.pop(ce_a2a.FIRST_PRIORITY_ENV, None)
             # the slowest rank's figures: medians per variant and per-round ratios to the reference
             mine = {name: statistics.median(ms for _, n, ms in rows if n == name) for name in steps}
             ratios = {name: ratio_summary(rows, name, REFERENCE) for name in steps if name != REFERENCE}

@@ -164,18 +164,15 @@ def _a2a_calls(world: int, concurrent: bool = False, rank: int = 0):
             forward(2, True), backward(2), early(2)]
 
 
-def _fake_group_streams(monkeypatch, concurrent: bool = False, first_priority: bool = True) -> None:
-    """ce_a2a's head groups on one compute stream or two (the even ones on a high-priority stream
-    and the odd ones on the caller's, or the even ones on the caller's and the odd ones on a
-    plain second stream), the other stream faked per test (the CPU tensors name no device index)."""
+def _fake_group_streams(monkeypatch, concurrent: bool = False) -> None:
+    """ce_a2a's head groups on one compute stream or two, the second stream faked per test (the
+    CPU tensors name no device index)."""
     from fake_cuda import FakeStream
 
     from torch_commopt.attention import ce_a2a
 
     monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1" if concurrent else "0")
-    monkeypatch.setenv(ce_a2a.FIRST_PRIORITY_ENV, "1" if first_priority else "0")
     monkeypatch.setattr(ce_a2a, "_SECOND", {})
-    monkeypatch.setattr(ce_a2a, "_FIRST", {})
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
@@ -194,11 +191,9 @@ def _a2a_queue(world: int, concurrent: bool = False):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("concurrent,first_priority", [(False, True), (True, True), (True, False)],
-                         ids=["one_stream", "two_streams", "two_streams_caller_first"])
-def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(world, concurrent, first_priority,
-                                                                               monkeypatch):
-    _fake_group_streams(monkeypatch, concurrent, first_priority)
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one_stream", "two_streams"])
+def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(world, concurrent, monkeypatch):
+    _fake_group_streams(monkeypatch, concurrent)
     queue, runtimes = _a2a_queue(world, concurrent)
     assert sum(op[0] == "copy" for _, _, op in queue) > 50
     # two streams: the odd groups wait for their pieces on a stream that is none of the runtimes'
@@ -206,24 +201,6 @@ def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(w
     assert bool({stream for _, stream, op in queue if op[0] == "wait"} - known) == concurrent
     for seed in range(32):
         simulate(queue, runtimes, seed)
-
-
-@pytest.mark.parametrize("first_priority", [True, False], ids=["priority_first", "caller_first"])
-def test_the_callers_stream_joins_the_other_group_stream_after_its_last_operation(first_priority, monkeypatch):
-    """Each head group finishes its results on its own stream (ce_a2a._Back.close), so the
-    caller's stream, which the outputs and kept tensors are handed back on, must wait for the
-    other stream's last operation -- the flag protocol alone does not show a missing join."""
-    _fake_group_streams(monkeypatch, True, first_priority)
-    queue, runtimes = _a2a_queue(2, True)
-    for rank, rt in enumerate(runtimes):
-        ops = [(i, stream, op) for i, (r, stream, op) in enumerate(queue) if r == rank]
-        known = {rt.side.cuda_stream, rt.local.cuda_stream, rt.compute.cuda_stream}
-        others = {stream for _, stream, _ in ops} - known
-        assert len(others) == 1
-        last_i, _, last = [e for e in ops if e[1] in others][-1]
-        assert last[0] == "record"
-        assert any(i > last_i and stream == rt.compute.cuda_stream and op == ("wait_event", last[1], last[2])
-                   for i, stream, op in ops)
 
 
 def test_an_all_to_all_slot_never_released_deadlocks(monkeypatch):

@@ -68,9 +68,6 @@ log = logging.getLogger(__name__)
 ENV = "TORCH_COMMOPT_ATTENTION_A2A"
 GROUP_STREAMS_ENV = "TORCH_COMMOPT_ATTENTION_GROUP_STREAMS"
 _SECOND: dict[int, "torch.cuda.Stream"] = {}  # device index -> the second compute stream
-FIRST_PRIORITY_ENV = "TORCH_COMMOPT_ATTENTION_FIRST_PRIORITY"
-_FIRST: dict[int, "torch.cuda.Stream"] = {}  # device index -> the even groups' high-priority stream
-FIRST_PRIORITY = -1  # torch / CUDA stream priority: lower is higher; the caller's stream has 0
 PURPOSE = "attention all-to-all"  # the runtime's own_buffer key
 IN, OUT = 0, 1  # flag regions
 _ALIGN = 256  # bytes: every tensor's place in a slot starts aligned
@@ -236,20 +233,6 @@ def group_stream_passes() -> tuple[str, ...]:
     return GROUP_STREAM_PASSES[want]
 
 
-def first_group_priority() -> bool:
-    """Whether concurrent head groups run the even ones (the first among them) on a
-    high-priority stream and the odd ones on the caller's (FIRST_PRIORITY_ENV, read per call:
-    "1" default, "0" the caller's stream for the even ones and a plain second stream for the
-    odd ones; module docstring)."""
-    import os
-
-    want = os.environ.get(FIRST_PRIORITY_ENV, "1").strip()
-    if want not in ("0", "1"):
-        _once(f"bad {FIRST_PRIORITY_ENV}={want}", logging.WARNING, "commopt attention: %s=%r is not 0 or 1; using 1",
-              FIRST_PRIORITY_ENV, want)
-    return want != "0"
-
-
 def group_streams_asked(backward: bool = False) -> bool:
     """Whether the forward's (backward=False) or the backward's head groups are asked to run
     concurrently (group_stream_passes; the cost model reads this too)."""
@@ -320,10 +303,10 @@ class _Back:
             raise RuntimeError(f"commopt attention all-to-all: group {self.g}'s compute left result pieces unsent "
                                f"(rank: result indices) {missing}")
         done = [p._record(p.side), p._record(p.local)]
-        half, g, stream = self.half, self.g, self.stream
+        half, g = self.half, self.g
         on_sms = g == p.groups - 1  # the call's attention is done: nothing else wants the SMs
 
-        def finish() -> None:  # on the group's stream (run joins it to the caller's at the end)
+        def finish() -> None:
             # result i's staged blocks are copied in once every source has sent results 0..i, so
             # the copies of the first results run beside the pushes of the later ones; this
             # rank's own movers are joined after them (the copies do not read what they wrote).
@@ -331,7 +314,7 @@ class _Back:
             # H100: 1.41 vs 0.77 TB/s, probe_push_paths.py), the earlier ones' by the copy
             # engine beside the next group's attention
             for i, (o, off) in enumerate(zip(p.out_geo, lay.outs)):
-                p._arrived(OUT, half, g, stream, i + 1)
+                p._arrived(OUT, half, g, p.compute, i + 1)
                 hr = o.h // (p.groups * p.n)
                 row = s_loc * o.t * o.elt
                 block = (o.b, hr, s_loc) + tuple(p.specs[i][0][3:])  # a source's staged block
@@ -339,15 +322,15 @@ class _Back:
                     staged = self.base + src * lay.out_bytes + off
                     first = g * (o.h // p.groups) + src * hr
                     if on_sms:
-                        _sm_copy(stream, p.outs[i][:, first:first + hr],
+                        _sm_copy(p.compute, p.outs[i][:, first:first + hr],
                                  p.buf.view(p.me, staged, block, p.specs[i][1]))
                         continue
                     for bi in range(o.b):
-                        p.driver.memcpy2d_async(stream, o.ptr + first * o.head + bi * o.batch, o.head,
+                        p.driver.memcpy2d_async(p.compute, o.ptr + first * o.head + bi * o.batch, o.head,
                                                 p.bases[p.me] + staged + bi * hr * row, row, row, hr)
             for event in done:
-                p._wait(stream, event)
-            p._release(OUT, half, stream)
+                p._wait(p.compute, event)
+            p._release(OUT, half, p.compute)
         return finish
 
 
@@ -525,14 +508,8 @@ class _Pipeline:
         start = self._record(self.compute)
         streams = [self.compute]
         if second:  # it starts where the caller's stream is: what compute reads besides the moved inputs
-            device = self.xs[0].device
-            if first_group_priority():
-                streams.insert(0, lane.device_stream(_FIRST, device, priority=FIRST_PRIORITY))
-            else:
-                streams.append(lane.device_stream(_SECOND, device))
-        for other in streams:
-            if other is not self.compute:
-                self._wait(other, start)
+            streams.append(lane.device_stream(_SECOND, self.xs[0].device))
+            self._wait(streams[1], start)
         self._drained()
         pending, backs = self._inbound(0, start), []
         for g in range(self.groups):
@@ -556,13 +533,11 @@ class _Pipeline:
             self._release(IN, g % 2, stream)  # stream-ordered after the compute's reads of the slot
             self.in_read[g % 2] = self._record(stream)
             del moved
-            backs.append(back.close())  # its finish, on the group's stream
+            # the caller's stream joins the second through each group's outbound events (finish)
+            backs.append(back.close())
             if g >= 1:
                 backs[g - 1]()
         backs[-1]()
-        for other in streams:  # the caller's stream joins the other one after its last finish
-            if other is not self.compute:
-                self._wait(self.compute, self._record(other))
         if self.debug:
             self.rt.check_status("cp attention all-to-all")
         return tuple(self.outs)
