@@ -2,7 +2,8 @@
 
 ce_a2a runs the odd head groups' attention on a second compute stream in the passes
 TORCH_COMMOPT_ATTENTION_GROUP_STREAMS asks for ("1": both passes', the default; "fwd": the
-forward's only; "0": neither).  This times the training pair
+forward's only; "0": neither); TORCH_COMMOPT_ATTENTION_DRAIN says what a call waits for before
+its pushes ("overlap", the default since session 51, or "all").  This times the training pair
 (cp_attention_fwd_keep / cp_attention_bwd_kept, eager, back to back, the compiled path's form)
 at two head groups under each value, and at one head group for reference, in one process:
 the switch is read per call, so every round visits every variant (in an order rotated per
@@ -31,23 +32,32 @@ import torch.distributed as dist  # noqa: E402
 
 from torch_commopt.launch import run_distributed  # noqa: E402
 
-# name -> (head groups, GROUP_STREAMS_ENV value); --variants picks a subset (the reference always runs)
-VARIANTS = {"g2 fwd": (2, "fwd"), "g2 both": (2, "1"), "g2 none": (2, "0"), "g1": (1, "1")}
+# name -> (head groups, GROUP_STREAMS_ENV value, DRAIN_ENV value); --variants picks a subset (the
+# reference always runs)
+VARIANTS = {"g2 fwd": (2, "fwd", "overlap"), "g2 both": (2, "1", "overlap"), "g2 none": (2, "0", "overlap"),
+            "g1": (1, "1", "overlap"), "g2 both drain all": (2, "1", "all"), "g1 drain all": (1, "1", "all")}
 REFERENCE = "g2 both"  # the default (session 45's run read its ratios to "g2 fwd", then the candidate default)
+
+
+def _switch(name: str) -> None:
+    """The variant's switches, which ce_a2a reads per call."""
+    from torch_commopt.attention import ce_a2a
+
+    _, streams, drain = VARIANTS[name]
+    os.environ[ce_a2a.GROUP_STREAMS_ENV], os.environ[ce_a2a.DRAIN_ENV] = streams, drain
 
 
 def _timed_rounds(steps: dict, rounds: int, calls: int, enqueued: dict | None = None) -> list[tuple[int, str, float]]:
     """(round, variant, ms a call on this rank): every variant once a round, rotated, after a
     barrier.  enqueued: gets, per variant, the host's ms a call until the sample's last call was
     queued (before its synchronize): near the sample's time, the loop is host-bound."""
-    from torch_commopt.attention import ce_a2a
 
     rows = []
     for r in range(rounds):
         names = list(steps)
         names = names[r % len(names):] + names[:r % len(names)]
         for name in names:
-            os.environ[ce_a2a.GROUP_STREAMS_ENV] = VARIANTS[name][1]
+            _switch(name)
             dist.barrier()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -84,16 +94,17 @@ def worker(rank: int, world: int, args) -> dict:
                     _, kept = schedules.cp_attention_fwd_keep(q, k, v, head_groups=groups, **kw)
                     return schedules.cp_attention_bwd_kept(dout, kept, **kw)
                 return step
-            steps = {name: step_of(g) for name, (g, _) in VARIANTS.items()
+            steps = {name: step_of(g) for name, (g, *_) in VARIANTS.items()
                      if name == REFERENCE or not args.variants or name in args.variants}
             for name, step in steps.items():  # warm-up: every variant's buffers, plans and streams
-                os.environ[ce_a2a.GROUP_STREAMS_ENV] = VARIANTS[name][1]
+                _switch(name)
                 for _ in range(3):
                     step()
             torch.cuda.synchronize()
             host: dict[str, list[float]] = {}
             rows = _timed_rounds(steps, args.rounds, args.calls, host)
             os.environ.pop(ce_a2a.GROUP_STREAMS_ENV, None)
+            os.environ.pop(ce_a2a.DRAIN_ENV, None)
             # the slowest rank's figures: medians per variant and per-round ratios to the reference
             mine = {name: statistics.median(ms for _, n, ms in rows if n == name) for name in steps}
             ratios = {name: ratio_summary(rows, name, REFERENCE) for name in steps if name != REFERENCE}
