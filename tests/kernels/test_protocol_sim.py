@@ -9,13 +9,11 @@ copy-engine ring runs rings on both channels.  Planted protocol bugs are caught.
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 
 from fake_cuda import fake_runtimes, faked_cuda
-from protocol_sim import Deadlock, NotAtRest, Race, _flag, _token, simulate
+from protocol_sim import Deadlock, NotAtRest, Race, simulate
 from torch_commopt.kernels.gpu import ag_matmul as agm
 from torch_commopt.kernels.gpu import matmul_reduce as mr
 from torch_commopt.kernels.gpu import symm
@@ -194,11 +192,7 @@ def _a2a_queue(world: int, concurrent: bool = False):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("concurrent", [False, True], ids=["one_stream", "two_streams"])
-@pytest.mark.parametrize("drain", ["overlap", "all"])
-def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(world, concurrent, drain, monkeypatch):
-    from torch_commopt.attention import ce_a2a
-
-    monkeypatch.setenv(ce_a2a.DRAIN_ENV, drain)
+def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(world, concurrent, monkeypatch):
     _fake_group_streams(monkeypatch, concurrent)
     queue, runtimes = _a2a_queue(world, concurrent)
     assert sum(op[0] == "copy" for _, _, op in queue) > 50
@@ -207,40 +201,6 @@ def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(w
     assert bool({stream for _, stream, op in queue if op[0] == "wait"} - known) == concurrent
     for seed in range(32):
         simulate(queue, runtimes, seed)
-
-
-def _leading_token_waits(captured_first: bool) -> int:
-    """Rank 0's token waits on its side stream before the first copy of the second call (a
-    two-group backward after a two-group forward), the first call captured or not."""
-    from torch_commopt.attention import ce_a2a
-
-    runtimes, queue = fake_runtimes(2, owned=(ce_a2a.PURPOSE,)), []
-    calls = [_a2a_calls(2, False, rank) for rank in range(2)]  # [0] forward(2, True), [1] backward(2)
-    with faked_cuda(runtimes, queue) as active:
-        for i in range(2):
-            for rank in range(2):
-                active(rank)
-                with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: captured_first and i == 0):
-                    if rank == 0 and i == 1:
-                        start = len(queue)
-                    calls[rank][i]()
-    side, count = runtimes[0].side.cuda_stream, 0
-    for rank, stream, op in queue[start:]:
-        if rank == 0 and stream == side:
-            if op[0] == "copy":
-                return count
-            count += op[0] == "wait" and _token(_flag(op[1])[1])
-    return count
-
-
-def test_once_a_capture_used_the_buffer_every_later_call_waits_for_every_token_first(monkeypatch):
-    """A captured call may replay after any call, and what a replay wrote has no host record,
-    so after a capture each call drains every slot before its first push; before one, a call
-    waits for the earlier slots its first slot overlaps only."""
-    _fake_group_streams(monkeypatch)
-    drained = 2 * 2  # (IN, OUT) x two halves, one peer
-    assert _leading_token_waits(captured_first=True) >= drained
-    assert _leading_token_waits(captured_first=False) < drained
 
 
 def test_an_all_to_all_slot_never_released_deadlocks(monkeypatch):
@@ -325,22 +285,16 @@ def test_a_ring_slot_never_given_back_deadlocks_the_next_ring(monkeypatch):
         simulate(queue, runtimes, 0)
 
 
-@pytest.mark.parametrize("plant", ["no_drain", "no_overlap_waits"])
-def test_a_call_that_does_not_wait_for_the_peers_to_drain_races_on_a_new_layout(plant, monkeypatch):
+def test_a_call_that_does_not_wait_for_the_peers_to_drain_races_on_a_new_layout(monkeypatch):
     """Session 30: a forward (q, k, v in, out back) and its backward (dout in, dq, dk, dv back)
     lay the all-to-all buffer out differently, so one slot's token does not guard the bytes a
     peer still reads as another slot of the call before; without the drain at a call's first
-    push (ce_a2a._Pipeline._drained, drain "all") or the waits for the earlier calls' overlapping
-    slots before a slot's first write (_clear, drain "overlap", the default) a push lands on them
-    (the GPU test's plain backward over two head groups came out wrong)."""
+    push (ce_a2a._Pipeline._drained) a push lands on them (the GPU test's plain backward over
+    two head groups came out wrong)."""
     from torch_commopt.attention import ce_a2a
 
     _fake_group_streams(monkeypatch)
-    if plant == "no_drain":
-        monkeypatch.setenv(ce_a2a.DRAIN_ENV, "all")
-        monkeypatch.setattr(ce_a2a._Pipeline, "_drained", lambda self: None)
-    else:
-        monkeypatch.setattr(ce_a2a._Pipeline, "_clear", lambda self, region, half, g: None)
+    monkeypatch.setattr(ce_a2a._Pipeline, "_drained", lambda self: None)
     queue, runtimes = _a2a_queue(2)
     raced = 0
     for seed in range(64):  # results copied out one by one as they arrive narrow the window: 26 of 300 seeds race

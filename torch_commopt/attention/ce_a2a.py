@@ -26,17 +26,6 @@ behind all three pushes).  Stream memory
 operations throughout (no spinning kernel, except debug mode's bounded waits); every flag is
 back at rest after a call, so a CUDA graph may replay it once the buffer exists.
 
-A slot's token guards its bytes under one call's layout, but the layout follows the call's
-tensors (a forward's IN holds q, k, v and its OUT out; its backward's IN dout and OUT dq, dk,
-dv), so a push can land on bytes a peer still reads as another slot of an earlier call.
-Before its first write into a slot a call therefore waits (without taking) for the tokens of
-the earlier calls' slots that overlap it (TORCH_COMMOPT_ATTENTION_DRAIN "overlap", default;
-_clear).  Until session 51 every call waited for all four slots' tokens before its first push
-("all"; _drained; still so once a CUDA graph captured a call on the buffer): the first push
-of a backward then waited for the peer to copy the forward's last results out of its OUT
-slot, which no byte of the backward's first slot overlaps -- a copy and a flag round trip in
-the exposed gap between the passes, and again between a backward and the next forward.
-
 Transfers run on the group runtime's side stream, the own pieces' local copies beside them on
 its local stream; the compute stream waits on flags and events only.
 
@@ -78,7 +67,6 @@ from torch_commopt.attention import lane, switches
 log = logging.getLogger(__name__)
 ENV = "TORCH_COMMOPT_ATTENTION_A2A"
 GROUP_STREAMS_ENV = "TORCH_COMMOPT_ATTENTION_GROUP_STREAMS"
-DRAIN_ENV = "TORCH_COMMOPT_ATTENTION_DRAIN"
 _SECOND: dict[int, "torch.cuda.Stream"] = {}  # device index -> the second compute stream
 PURPOSE = "attention all-to-all"  # the runtime's own_buffer key
 IN, OUT = 0, 1  # flag regions
@@ -245,25 +233,6 @@ def group_stream_passes() -> tuple[str, ...]:
     return GROUP_STREAM_PASSES[want]
 
 
-DRAINS = ("overlap", "all")  # DRAIN_ENV's values, the default first
-
-
-def drain() -> str:
-    """How a call makes sure its pushes land on no bytes a peer still reads for an earlier call
-    (DRAIN_ENV, read per call; module docstring): "overlap" (default) waits, before its first
-    write into each slot, for the earlier calls' overlapping slots only; "all" waits for every
-    slot's token before its first push (the protocol before session 51).  An unknown value is
-    logged and read as the default."""
-    import os
-
-    want = os.environ.get(DRAIN_ENV, DRAINS[0]).strip().lower() or DRAINS[0]
-    if want not in DRAINS:
-        _once(f"bad {DRAIN_ENV}={want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; using %s",
-              DRAIN_ENV, want, DRAINS, DRAINS[0])
-        want = DRAINS[0]
-    return want
-
-
 def group_streams_asked(backward: bool = False) -> bool:
     """Whether the forward's (backward=False) or the backward's head groups are asked to run
     concurrently (group_stream_passes; the cost model reads this too)."""
@@ -382,11 +351,6 @@ class _Pipeline:
         self.outs = [torch.empty(shape, dtype=dtype, device=xs[0].device) for shape, dtype in self.specs]
         self.seq_local = s_loc = self.xs[0].shape[2]
         self.in_read = [None, None]  # per half: compute-stream event after the last read of the IN slot
-        self.touched: set[tuple[int, int]] = set()  # the slots this call has written into its peers' buffers
-        # a captured call may replay after any call, and a call after a replay cannot know what
-        # the replay wrote: once a capture used the buffer, every call drains everything
-        self.buf.captured |= torch.cuda.is_current_stream_capturing()
-        self.drain_all = drain() == "all" or self.buf.captured
         self._next_event = 0  # this call's next event of the runtime's pool (_record)
         # what every group-pass reads again: the inputs' and outputs' geometry, the moved views'
         # shapes, each result's expected shape (per tensor, heads per rank and group: x.h // (G n))
@@ -420,47 +384,20 @@ class _Pipeline:
         return self.symm.A2A_DATA + (region * self.symm.HALVES + half) * self.symm.MAX_WORLD + src
 
     def _take(self, region: int, half: int, peer: int, g: int) -> None:
-        """Side stream: hold until peer's slot (region, half) is free, and take its token (the
-        call's first write into the slot clears the earlier calls' overlapping slots first)."""
-        self._clear(region, half, g)
+        """Side stream: hold until peer's slot (region, half) is free, and take its token."""
         index = self._free(region, half, peer)
         self.rt.wait(self.side, index, 1, debug=self.debug, what="free all-to-all slot", src=peer, chunk=g)
         self.driver.write_value32(self.side, self.rt.flag_address(self.me, index), 0)
 
-    def _span(self, region: int, half: int) -> tuple[int, int]:
-        """The bytes [start, end) of slot (region, half) in this call's layout."""
-        lay = self.layout
-        start = half * lay.half + (0 if region == IN else lay.in_bytes)
-        return start, start + (lay.in_bytes if region == IN else self.n * lay.out_bytes)
-
-    def _clear(self, region: int, half: int, g: int) -> None:
-        """Side stream, before this call's first write into slot (region, half) of its peers
-        (drain "overlap"): hold until every peer has read what an earlier call sent into any
-        other slot whose bytes overlap this one's (buffer.slots: each slot's bytes at its last
-        use that no later wait or take has covered yet), without taking those tokens.  The slot's
-        own earlier use is covered by the token its take waits for."""
-        slot = (region, half)
-        if slot in self.touched:
-            return
-        self.touched.add(slot)
-        pending = self.buf.slots
-        pending.pop(slot, None)
-        if self.drain_all:
-            return
-        lo, hi = self._span(region, half)
-        for other, (a, b) in list(pending.items()):
-            if a < hi and lo < b:
-                for peer in self.rt.peers:
-                    self.rt.wait(self.side, self._free(*other, peer), 1, debug=self.debug,
-                                 what="free all-to-all slot", src=peer, chunk=g)
-                del pending[other]
-
     def _drained(self) -> None:
-        """Side stream, before a call's first push (drain "all"): hold until every peer has read
-        all it was sent before (each of its four slots' tokens back), without taking them.
-        Without it or _clear the protocol simulator showed a push into IN half 1 landing on the
-        OUT half 0 a peer had not yet copied out (session 30; and the GPU test's plain backward
-        over two head groups came out wrong, dq relative error 2.3)."""
+        """Side stream, before a call's first push: hold until every peer has read all it was
+        sent before (each of its four slots' tokens back), without taking them.  A slot's
+        token guards its bytes under one call's layout, but the layout follows the call's
+        tensors (a forward sends q, k, v and gets out back, its backward sends dout and gets
+        dq, dk, dv), so a push of this call into one slot can land on bytes a peer still reads
+        as another slot of the call before -- the protocol simulator showed a push into IN
+        half 1 landing on the OUT half 0 a peer had not yet copied out (session 30; and the GPU
+        test's plain backward over two head groups came out wrong, dq relative error 2.3)."""
         for peer in self.rt.peers:
             for region in (IN, OUT):
                 for half in range(self.symm.HALVES):
@@ -573,8 +510,7 @@ class _Pipeline:
         if second:  # it starts where the caller's stream is: what compute reads besides the moved inputs
             streams.append(lane.device_stream(_SECOND, self.xs[0].device))
             self._wait(streams[1], start)
-        if self.drain_all:
-            self._drained()
+        self._drained()
         pending, backs = self._inbound(0, start), []
         for g in range(self.groups):
             stream = streams[g % len(streams)]
@@ -602,8 +538,6 @@ class _Pipeline:
             if g >= 1:
                 backs[g - 1]()
         backs[-1]()
-        for slot in self.touched:  # their readers are due to later calls' takes and clears
-            self.buf.slots[slot] = self._span(*slot)
         if self.debug:
             self.rt.check_status("cp attention all-to-all")
         return tuple(self.outs)

@@ -127,10 +127,6 @@ class SymmBuffer:
     ptrs_dev: torch.Tensor | None  # int64 base addresses of every rank's copy (for Triton; None: not needed)
     views: dict = field(default_factory=dict)
     bases: list[int] | None = None  # every rank's copy's address here (address(), filled at first use)
-    # an owner's slot id -> its bytes [start, end) at its last use that no later call has waited
-    # for the readers of yet (attention/ce_a2a.py's drain "overlap")
-    slots: dict = field(default_factory=dict)
-    captured: bool = False  # a CUDA graph captured a use: replays follow no host record (drain everything)
 
     @property
     def nbytes(self) -> int:
