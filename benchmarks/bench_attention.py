@@ -392,8 +392,12 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def time_ms(self, step, count: int) -> float:
+    def time_ms(self, step, count: int, lead: int = 0) -> float:
+        """ms per call of `count` back-to-back calls, after `lead` untimed calls queued just
+        before them (no synchronize between: the timed window opens on a busy device)."""
         self.sync()
+        for _ in range(lead):
+            step()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -416,7 +420,11 @@ class Clock:
 # H100 machine 100 ms samples read ulysses at 16K 8.27 / 8.05 ms (MHA / GQA) and 20 ms samples
 # right after 7.97 / 7.93, with the single-GPU baseline 2% slower in the first run too
 # (results/attention_h100x2_2026-11-27_s45c{,_t20}.md): no effect beyond the run-to-run spread,
-# so the default stays 20 ms, comparable with the earlier runs.
+# so the default stays 20 ms, comparable with the earlier runs.  --lead N (session 51) queues N
+# untimed calls right before a sample's timed ones, so its window opens on a busy device for
+# every variant alike: per-call device cycles (probe_group_streams, 2x H200, ulysses at 16K, ten
+# calls a sample) read the first call of a sample 0.9-1.0 ms slower than the ones after it
+# (8.6-8.9 against 7.1-7.9 ms), about a third of a ms a call in a 20 ms sample.
 TARGET_MS, WARMUP_CALLS, SIZING_CALLS = 20.0, 2, 3
 
 
@@ -435,10 +443,12 @@ def _calls_per_sample(step, clock: "Clock", target_ms: float, dev: str) -> int:
     return _agreed_count(min(clock.time_ms(step, 1) for _ in range(SIZING_CALLS)), target_ms, dev)
 
 
-def time_variants(variants: dict, clock: Clock, dev: str, repeats: int, target_ms: float) -> dict[str, list[float]]:
+def time_variants(variants: dict, clock: Clock, dev: str, repeats: int, target_ms: float,
+                  lead: int = 0) -> dict[str, list[float]]:
     """{name: [ms per call in each round, slowest rank]}.  A variant is a zero-argument
     callable returning a fresh context manager that yields (step, outputs); torch CP's
-    contexts are entered once per sample, outside the timed window."""
+    contexts are entered once per sample, outside the timed window; lead: untimed calls queued
+    before each sample's timed ones (Clock.time_ms)."""
     names = list(variants)
     counts = {}
     for name in names:
@@ -449,7 +459,7 @@ def time_variants(variants: dict, clock: Clock, dev: str, repeats: int, target_m
         for name in names[r % len(names):] + names[:r % len(names)]:
             with variants[name]() as (step, _):
                 dist.barrier()
-                samples[name].append(clock.time_ms(step, counts[name]))
+                samples[name].append(clock.time_ms(step, counts[name], lead))
     t = torch.tensor([samples[n] for n in names], device=dev, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(names, t.tolist()))
@@ -583,7 +593,7 @@ def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, me
     variants.update({f"torch_cp_{m}": (lambda h=p["how"]: torch_cp(case, full, h, mesh, warm=True))
                      for m, p in cp.items() if p["how"] is not None})
     variants.update({f"commopt {s}": (lambda s=s: commopt_schedule(case, local, s, group)) for s in scheds})
-    rounds = time_variants(variants, clock, dev, args.repeats, args.target_ms)
+    rounds = time_variants(variants, clock, dev, args.repeats, args.target_ms, args.lead)
     rec = _record(case, world, dtype, rounds, errors, tol, pick, ranked, cp, machine[1])
     rec["commopt_local_backend"] = local_pick(local["q"], local["k"]).name
     return rec
@@ -701,7 +711,10 @@ def report(records: list[dict], meta: dict) -> str:
                      f"{_f(r['torch_cp_alltoall_ms'])} | {_f(r['commopt_ms'])} | {r['commopt_schedule']}{flag} | "
                      f"{_f(r['efficiency'], 2)} | {_f(r['speedup_vs_torch_cp'])} | "
                      f"{r['best_schedule']} ({_f(r['best_schedule_ms'])}) |")
-    lines += ["", "Times in ms per call (back-to-back calls, median of rounds in rotated order, slowest rank). "
+    lead = meta.get("lead_calls", 0)
+    after = (f"; each sample's timed calls follow {lead} untimed one{'s' if lead > 1 else ''} queued right before "
+             "them, so its window opens on a busy device" if lead else "")
+    lines += ["", f"Times in ms per call (back-to-back calls{after}, median of rounds in rotated order, slowest rank). "
               "Single GPU full: every rank computes the whole-sequence attention on its own device at the same "
               "time. efficiency = single / (W x commopt); speedup = faster torch CP / commopt. commopt's pick "
               "is attention.cost.rank_schedules' first with the figures the compiled path uses "
@@ -763,7 +776,7 @@ def _meta(args: argparse.Namespace) -> dict:
             "host": platform.node(), "dtype": "float32" if args.cpu else args.dtype,
             "ring_transport": "gloo" if args.cpu else _transport(),
             "a2a_transport": "gloo" if args.cpu else _a2a_transport(), "target_ms": args.target_ms,
-            "repeats": args.repeats, "command": "python3 " + " ".join(sys.argv)}
+            "lead_calls": args.lead, "repeats": args.repeats, "command": "python3 " + " ".join(sys.argv)}
 
 
 def _git_commit() -> str:
@@ -793,6 +806,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target-ms", dest="target_ms", type=float, default=None,
                         help=f"each sample's back-to-back calls last at least this long (default {TARGET_MS:g}; "
                              "--cpu 1)")
+    parser.add_argument("--lead", type=int, default=0,
+                        help="untimed calls queued right before each sample's timed ones (default 0: the "
+                             "timed window opens on an idle device)")
     parser.add_argument("--commit", default="")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args(argv)
