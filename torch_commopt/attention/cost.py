@@ -311,8 +311,8 @@ def depth_variants(sched: Union[str, CPSchedule], shape: ShapeLike, *, world: in
 # time it adds, both coarse where they are close; every time a measurement timed the depth the
 # model put first (ulysses:g=2, 4K tokens a GPU, non-causal fwd+bwd: 2x H100 session 33, 2x H200
 # session 51 MHA and GQA) it ran 12-29% slower than the rule's one group, where the model had it
-# 3-4% faster.  Replayed over the 18 stored runs' 229 cases (attention_picks.py, the priors):
-# 218 picks within 5% of the best against 215, none lost.
+# 3-4% faster.  Replayed over the 50 stored 2-GPU runs (attention_picks.py, the priors; 241 cases
+# with a timed pick): 230 picks within 5% of the best against 227, none lost.
 DEPTH_MARGIN = 0.05
 
 
