@@ -23,36 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from probe_attention_blocks import timed  # noqa: E402
 
 from torch_commopt.attention.local import attend_bwd, attend_fwd, default_scale, pick  # noqa: E402
 
 
-def timed(fn, repeats: int = 7, target_ms: float = 60.0) -> float:
-    """Median ms per call of `fn` over `repeats` rounds of back-to-back calls filling ~target_ms."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    calls = max(1, min(50, int(target_ms / max((time.perf_counter() - t0) * 1e3, 1e-3))))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    rounds = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        rounds.append(start.elapsed_time(end) / calls)
-    return statistics.median(rounds)
+def _ms(fn) -> float:
+    """Median ms per call of fn (probe_attention_blocks.timed: rounds of back-to-back calls)."""
+    return timed(fn, repeats=7, target_ms=60.0)
 
 
 def tensors(h: int, h_kv: int, s: int, d: int, seed: int):
@@ -107,7 +91,7 @@ def main() -> None:
             scale = default_scale(d, None)
             whole = tensors(h, h_kv, s, d, seed=1)
             f, b = passes([whole], scale, expand=False)
-            base = {"fwd": timed(f) / w, "bwd": timed(b) / w}
+            base = {"fwd": _ms(f) / w, "bwd": _ms(b) / w}
             rec = {"H": h, "H_kv": h_kv, "S": s, "D": d, "world": w,
                    "backend": pick(whole[0], whole[1]).name, "whole_over_w_ms": base}
             del whole, f, b
@@ -118,7 +102,7 @@ def main() -> None:
                     groups = [tensors(h // (w * g), h_kv // (w * g), s, d, seed=10 + i) for i in range(g)]
                     f, b = passes(groups, scale, expand)
                     name = f"g{g}{'x' if expand else ''}"
-                    ms = {"fwd": timed(f), "bwd": timed(b)}
+                    ms = {"fwd": _ms(f), "bwd": _ms(b)}
                     rec[name] = ms
                     print(f"S {s} H {h}/{h_kv} {name}: fwd {ms['fwd']:.3f} ({ms['fwd'] / base['fwd']:.3f}x whole/W) "
                           f"bwd {ms['bwd']:.3f} ({ms['bwd'] / base['bwd']:.3f}x); whole/W fwd {base['fwd']:.3f} "
