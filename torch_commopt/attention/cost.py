@@ -322,7 +322,8 @@ def rank_schedules(shape: ShapeLike, *, world: int, causal: bool, dtype: Union[t
     variant by its prediction times 1 + DEPTH_MARGIN); depths: with the other head-group depths
     of the schedules that move their inputs."""
     scheds = candidates(shape, world=world, causal=causal, dtype=dtype if depths else None)
-    variants = {str(v) for s in scheds for v in depth_variants(s, shape, world=world, causal=causal, dtype=dtype)}
-    est = [(str(s), estimate_ms(s, shape, world=world, causal=causal, dtype=dtype, machine=machine,
-                                backward=backward)) for s in scheds]
-    return sorted(est, key=lambda e: (e[1] * (1 + DEPTH_MARGIN if e[0] in variants else 1), e[0]))
+    est = [(s, estimate_ms(s, shape, world=world, causal=causal, dtype=dtype, machine=machine, backward=backward))
+           for s in scheds]
+    # the candidates name no depth but the depth variants (candidates: plain names, then depth_variants)
+    est.sort(key=lambda e: (e[1] * (1 + DEPTH_MARGIN if e[0].groups else 1), str(e[0])))
+    return [(str(s), ms) for s, ms in est]
