@@ -30,8 +30,9 @@ Per case (B, H, H_kv, D, S_total, causal, pass "fwd" or "fwd+bwd"; bf16) one run
 
 Before timing, every commopt schedule's out shard (and for fwd+bwd dq/dk/dv shards) is compared
 with the single-device full attention (relative error; torch CP's too, in its own layout).
-Times: back-to-back calls (each sample >= --target-ms), median over --repeats rounds that visit
-the variants in a rotated order, each round's slowest rank (all_reduce MAX).
+Times: back-to-back calls (each sample >= --target-ms, after --lead untimed calls queued right
+before it so that the window opens on a busy device; LEAD_CALLS says why), median over --repeats
+rounds that visit the variants in a rotated order, each round's slowest rank (all_reduce MAX).
 efficiency = single_gpu_full_ms / (W * commopt_ms); speedup_vs_torch_cp = the faster of the
 two torch CP times / commopt_ms.  Writes attention_h200x<W>_<date>.json/.md (records also
 appended to partial.jsonl as they finish, so a run cut short keeps them).
@@ -415,17 +416,23 @@ class Clock:
 # A sample's calls run back to back after a barrier and a synchronize, sized from the fastest of
 # SIZING_CALLS single calls after WARMUP_CALLS untimed ones, so that one slow first-use call
 # cannot shrink them (autotune's session-44 bias; sized from one call after one before session
-# 45).  Longer samples were tried: the first call of a sample starts on an idle device, where
-# the copy-engine pipeline's ~1 ms of host enqueue before its first kernel shows, but on one 2x
-# H100 machine 100 ms samples read ulysses at 16K 8.27 / 8.05 ms (MHA / GQA) and 20 ms samples
-# right after 7.97 / 7.93, with the single-GPU baseline 2% slower in the first run too
-# (results/attention_h100x2_2026-11-27_s45c{,_t20}.md): no effect beyond the run-to-run spread,
-# so the default stays 20 ms, comparable with the earlier runs.  --lead N (session 51) queues N
-# untimed calls right before a sample's timed ones, so its window opens on a busy device for
-# every variant alike: per-call device cycles (probe_group_streams, 2x H200, ulysses at 16K, ten
-# calls a sample) read the first call of a sample 0.9-1.0 ms slower than the ones after it
-# (8.6-8.9 against 7.1-7.9 ms), about a third of a ms a call in a 20 ms sample.
-TARGET_MS, WARMUP_CALLS, SIZING_CALLS = 20.0, 2, 3
+# 45).  LEAD_CALLS untimed calls are queued right before a sample's timed ones (no synchronize
+# between), for every variant alike, so the timed window opens on a busy device with the host
+# ahead of it and the ranks already coupled by the lead's own transfers -- as an attention call
+# finds them inside a training step, where the layer's projections are still running when the
+# host queues it.  Without a lead (default 0 until session 52) the window opens on an idle
+# device right after a barrier: the first call then carries the ranks' exit skew and its
+# host's enqueue ahead of its first kernel, which no training step pays.  Per-call device
+# cycles (probe_group_streams, 2x H200, ulysses at 16K, ten calls a sample) read the first call
+# of a sample 0.9-1.0 ms slower than the ones after it (8.6-8.9 against 7.1-7.9 ms), about a
+# third of a ms a call in a 20 ms sample (2-3 calls at 16K); on one machine and call
+# (results/attention_h200x2_2026-11-28_s51L{0,1}.md) lead 1 against 0 read ulysses at 16K 7.553
+# / 7.724 ms (MHA) and 7.496 / 7.675 (GQA), and torch CP gained about as much (its host work per
+# call is large too: speedups 1.427 / 1.418 and 1.150 / 1.148).  --lead 0 gives the idle-start
+# figures of the runs before session 52.  Longer samples were tried instead (2x H100, session
+# 45): 100 ms samples read ulysses at 16K 8.27 / 8.05 ms (MHA / GQA) and 20 ms samples right
+# after 7.97 / 7.93, within the run-to-run spread, so the samples stay 20 ms.
+TARGET_MS, WARMUP_CALLS, SIZING_CALLS, LEAD_CALLS = 20.0, 2, 3, 1
 
 
 def _agreed_count(ms: float, target_ms: float, dev: str) -> int:
@@ -713,7 +720,9 @@ def report(records: list[dict], meta: dict) -> str:
                      f"{r['best_schedule']} ({_f(r['best_schedule_ms'])}) |")
     lead = meta.get("lead_calls", 0)
     after = (f"; each sample's timed calls follow {lead} untimed one{'s' if lead > 1 else ''} queued right before "
-             "them, so its window opens on a busy device" if lead else "")
+             "them, so its window opens on a busy device" if lead else
+             "; no lead: each sample's window opens on an idle device, its first call carrying the ranks' exit "
+             "skew and its host's enqueue")
     lines += ["", f"Times in ms per call (back-to-back calls{after}, median of rounds in rotated order, slowest rank). "
               "Single GPU full: every rank computes the whole-sequence attention on its own device at the same "
               "time. efficiency = single / (W x commopt); speedup = faster torch CP / commopt. commopt's pick "
@@ -806,9 +815,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target-ms", dest="target_ms", type=float, default=None,
                         help=f"each sample's back-to-back calls last at least this long (default {TARGET_MS:g}; "
                              "--cpu 1)")
-    parser.add_argument("--lead", type=int, default=0,
-                        help="untimed calls queued right before each sample's timed ones (default 0: the "
-                             "timed window opens on an idle device)")
+    parser.add_argument("--lead", type=int, default=LEAD_CALLS,
+                        help=f"untimed calls queued right before each sample's timed ones (default {LEAD_CALLS}; "
+                             "0: the timed window opens on an idle device, as before session 52)")
     parser.add_argument("--commit", default="")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args(argv)

@@ -10,11 +10,14 @@ the whole-sequence kernels over W: where the group form is slower than 1/W of th
 difference is a kernel cost no transfer schedule can hide.
 
     python benchmarks/probe_head_groups.py OUTDIR [--seq 16384,32768] [--heads 32/32,32/8]
-        [--world 2] [--groups 1,2,4]
+        [--world 2] [--groups 1,2,4] [--splits 1:3,1:2:1]
 
 Variants per (heads, seq): "whole" (B, H, S) once, divided by W; "g<G>" the rank's G groups in
 turn on one stream; "g<G>x" the same with K/V expanded to the query heads inside the rank (the
-link still carries H_kv heads; the expanded dK/dV summed back per key head) -- GQA only.
+link still carries H_kv heads; the expanded dK/dV summed back per key head) -- GQA only;
+"s<a>-<b>..." uneven groups, the rank's heads split in the ratio a:b:... (session 52: what a
+small first / last group, which would halve the exposed first and last transfers, costs the
+kernels; a split whose query or key heads do not divide is skipped).
 Writes OUTDIR/head_groups.json and prints one line per measurement.
 """
 
@@ -71,6 +74,15 @@ def passes(groups: list[tuple], scale: float, expand: bool):
     return fwd, bwd
 
 
+def uneven(hq: int, hk: int, weights: list[int]) -> list[tuple[int, int]] | None:
+    """(query heads, key heads) per group: a rank's hq / hk heads in the ratio `weights`, or
+    None where either count does not divide."""
+    total = sum(weights)
+    if total <= 0 or hq % total or hk % total:
+        return None
+    return [(hq * w // total, hk * w // total) for w in weights]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -78,6 +90,7 @@ def main() -> None:
     ap.add_argument("--heads", default="32/32,32/8")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--groups", default="1,2,4")
+    ap.add_argument("--splits", default="", help="uneven head groups, e.g. 1:3,1:2:1 (ratios of the rank's heads)")
     ap.add_argument("--head-dim", dest="head_dim", type=int, default=128)
     ap.add_argument("--commit", default="?")
     args = ap.parse_args()
@@ -108,6 +121,17 @@ def main() -> None:
                           f"bwd {ms['bwd']:.3f} ({ms['bwd'] / base['bwd']:.3f}x); whole/W fwd {base['fwd']:.3f} "
                           f"bwd {base['bwd']:.3f}", flush=True)
                     del groups, f, b
+            for split in (x for x in args.splits.split(",") if x):
+                sizes = uneven(h // w, h_kv // w, [int(x) for x in split.split(":")])
+                if sizes is None:
+                    continue
+                groups = [tensors(hq, hk, s, d, seed=30 + i) for i, (hq, hk) in enumerate(sizes)]
+                f, b = passes(groups, scale, expand=False)
+                name = "s" + split.replace(":", "-")
+                ms = rec[name] = {"fwd": _ms(f), "bwd": _ms(b), "heads": sizes}
+                print(f"S {s} H {h}/{h_kv} {name} {sizes}: fwd {ms['fwd']:.3f} ({ms['fwd'] / base['fwd']:.3f}x "
+                      f"whole/W) bwd {ms['bwd']:.3f} ({ms['bwd'] / base['bwd']:.3f}x)", flush=True)
+                del groups, f, b
             records.append(rec)
             torch.cuda.empty_cache()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
