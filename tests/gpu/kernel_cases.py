@@ -156,9 +156,17 @@ def run_schedule_cases(rank: int, world: int, dtypes: tuple[str, ...] = ("bfloat
         for case in AR_CASES:
             seed += 17
             results += _ar_case(case, dtype, AR_SCHEDULES, seed, rank, world)
-    # K parts (concat-K's terms multiplied apart; fused concatenates them): 2-D and 3-D scatter dim 1
+    # K parts (concat-K's terms multiplied apart; fused concatenates them): the 2-D case of the
+    # largest K and the 3-D case of scatter dim 1 among those that split `world` ways (picked by
+    # shape, not position: the list's length follows the world -- at world 3 a fixed index
+    # ran past its end, session 52)
     rs_cases = _splitting(RS_CASES, world)
-    for case, cuts in [(rs_cases[1], (384,)), (rs_cases[3], (64, 96))]:
+    two_d = [c for c in rs_cases if len(c[0]) == 2]
+    three_d = [c for c in rs_cases if len(c[0]) == 3 and c[1] == 1]
+    k_parts = ([(max(two_d, key=lambda c: c[0][-1]), (384,))] if two_d else []) + \
+        ([(three_d[0], (64, 96))] if three_d else [])
+    assert k_parts, f"no reduce-scatter case splits {world} ways for the K-parts cases"
+    for case, cuts in k_parts:
         results += _rs_case(case, torch.bfloat16, RS_SCHEDULES, 91, rank, world, cuts)
     results += _ar_case(AR_CASES[1], torch.bfloat16, AR_SCHEDULES, 92, rank, world, (200,))
     # fp32 through the cuBLAS schedules (fused needs bf16/fp16 and refuses -> sequential)
