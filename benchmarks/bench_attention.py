@@ -435,19 +435,20 @@ class Clock:
 TARGET_MS, WARMUP_CALLS, SIZING_CALLS, LEAD_CALLS = 20.0, 2, 3, 1
 
 
-def _agreed_count(ms: float, target_ms: float, dev: str) -> int:
-    n = torch.tensor([max(1, min(200, int(target_ms / max(ms, 1e-3)) + 1))], device=dev, dtype=torch.float64)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return int(n.item())
+def sample_calls(step, clock: "Clock", target_ms: float) -> int:
+    """Calls per timed sample on this rank: after WARMUP_CALLS untimed calls (kernel selection,
+    allocator, buffers), enough to last target_ms at the fastest of SIZING_CALLS single calls."""
+    for _ in range(WARMUP_CALLS):
+        step()
+    ms = min(clock.time_ms(step, 1) for _ in range(SIZING_CALLS))
+    return max(1, min(200, int(target_ms / max(ms, 1e-3)) + 1))
 
 
 def _calls_per_sample(step, clock: "Clock", target_ms: float, dev: str) -> int:
-    """Calls per timed sample (every rank the same): after WARMUP_CALLS untimed calls (kernel
-    selection, allocator, buffers), enough to last target_ms at the fastest of SIZING_CALLS
-    single calls."""
-    for _ in range(WARMUP_CALLS):
-        step()
-    return _agreed_count(min(clock.time_ms(step, 1) for _ in range(SIZING_CALLS)), target_ms, dev)
+    """sample_calls, every rank the same (the largest)."""
+    n = torch.tensor([sample_calls(step, clock, target_ms)], device=dev, dtype=torch.float64)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n.item())
 
 
 def time_variants(variants: dict, clock: Clock, dev: str, repeats: int, target_ms: float,

@@ -24,14 +24,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_attention import TARGET_MS, WARMUP_CALLS, Case, Clock, _full_inputs, single_gpu  # noqa: E402
+from bench_attention import TARGET_MS, Case, Clock, _full_inputs, sample_calls, single_gpu  # noqa: E402
 
 
 def rounds_ms(step, clock: Clock, leads: list[int], rounds: int, target_ms: float) -> dict[int, list[float]]:
     """{lead: [ms per call in each round]}, the leads visited in a rotated order per round."""
-    for _ in range(WARMUP_CALLS):
-        step()
-    count = max(1, int(target_ms / min(clock.time_ms(step, 1) for _ in range(3))) + 1)
+    count = sample_calls(step, clock, target_ms)
     got = {lead: [] for lead in leads}
     for r in range(rounds):
         for lead in leads[r % len(leads):] + leads[:r % len(leads)]:
