@@ -29,6 +29,7 @@ AG_CASES = [
     ((500, 520), 0, [300], False, True),        # nothing a tile multiple
     ((2, 96, 256), 1, [320, 64, 64], True, False),  # 3-D, gather dim 1, q/k/v-like
     ((64, 3, 256), 0, [200, 200], False, True),  # 3-D, gather dim 0, w1/w3-like
+    ((4, 48, 256), 1, [192, 128], False, True),  # batch 4, gather dim 1 (SP): strided row blocks, gathered kept
 ]
 # (full A shape, scatter dim, N, bias, reduce op)
 RS_CASES = [
@@ -38,6 +39,7 @@ RS_CASES = [
     ((2, 192, 256), 1, 320, False, "sum"),
     ((4, 50, 136), 0, 72, True, "avg"),
     ((1200, 520), 0, 300, True, "sum"),         # rows that split 2, 3 and 4 ways, no tile multiple
+    ((4, 96, 256), 1, 192, True, "avg"),        # batch 4, scatter dim 1 (SP): strided row blocks of A
 ]
 AR_CASES = [((256, 512), 384, False), ((1002, 520), 300, True), ((2, 96, 256), 200, False)]
 

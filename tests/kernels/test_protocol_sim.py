@@ -27,11 +27,19 @@ def _call(name: str, world: int):
     s = Schedule.parse(sched)
     gen = torch.Generator().manual_seed(len(name))
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    # "ag3" / "rs3": a (2, rows, K) activation gathered / scattered along dim 1 (outer blocks:
+    # strided row blocks multiplied by batched GEMMs, the gathered copy a 2-D one)
+    blocked = op.endswith("3")
+    op = op.rstrip("3")
     if op == "ag":
         a, ws = rnd(M // world * 2, K), [rnd(K, N), rnd(K, N)]
-        return lambda: agm.ag_matmul_gpu(a, ws, [None, None], 0, "fake", s, True)
+        a = a.view(2, M // world, K) if blocked else a
+        return lambda: agm.ag_matmul_gpu(a, ws, [None, None], int(blocked), "fake", s, True)
     a, w = rnd(M, K), rnd(K, N)
     parts = ((rnd(M, 4), rnd(4, N)), (rnd(M, 6), rnd(6, N))) if k_parts else ()  # "... parts": K parts
+    if op == "rs" and blocked:
+        a, parts = a.view(2, M // 2, K), tuple((x.view(2, M // 2, -1), y) for x, y in parts)
+        return lambda: mr.matmul_rs_gpu(a, w, None, 1, "sum", "fake", s, None, parts)
     if op == "rs":
         return lambda: mr.matmul_rs_gpu(a, w, None, 0, "sum", "fake", s, None, parts)
     return lambda: mr.matmul_ar_gpu(a, w, None, "sum", "fake", s, None, parts)
@@ -40,6 +48,8 @@ def _call(name: str, world: int):
 SEQUENCES = {
     "ag": ["ag ce_push:1", "ag ce_push:1", "ag ce_push:2", "ag ce_push:1:par=1", "ag ce_push:1:gemm=whole"],
     "reductions": ["rs ce_push:1", "rs ce_push:2", "ar ce_push:1", "rs direct:1", "rs ce_pull:2", "ar ce_push:2"],
+    "outer blocks": ["ag3 ce_push:1", "rs3 ce_push:1", "ag3 ce_push:2", "rs3 ce_pull:2 parts", "ag3 ce_push:1:par=1",
+                     "rs3 direct:2", "rs3 ce_push:2 parts", "ag ce_push:1"],
     "mixed": ["ag ce_push:1", "rs ce_push:1", "ag ce_push:2", "ar ce_push:1", "rs direct:2", "ag ce_push:1"],
     "k parts": ["rs ce_push:1 parts", "rs ce_pull:2 parts", "ar ce_push:2 parts", "rs direct:2 parts",
                 "ar ce_pull:2 parts", "rs ce_push:2 parts"],

@@ -23,7 +23,7 @@ import functools
 import torch
 
 from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
-from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
+from torch_commopt.kernels.gpu.layout import RowLayout, as_blocks, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
 from torch_commopt.kernels.scaled import Scaled, call_key, matmul, out_dtype
 from torch_commopt.schedule import Schedule
@@ -174,7 +174,9 @@ def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi, s
         dst = lay.block_rows(out, block, lo, hi)
         if lay.outer == 1:
             matmul(rows, w, b, sc, i, out=dst)
-        else:  # rows of several outer blocks: strided destination
+        elif sc is None:  # rows of several outer blocks: one batched GEMM writes the strided destination
+            matmul(as_blocks(rows, dst), w, b, out=dst)
+        else:  # _scaled_mm is 2-D only: its product, then a copy into the strided destination
             dst.copy_(matmul(rows, w, b, sc, i).view(dst.shape))
 
 

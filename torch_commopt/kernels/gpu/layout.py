@@ -64,5 +64,19 @@ def piece_rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return t if lo == 0 and hi == t.shape[0] else t[lo:hi]
 
 
+def blocks_of(x: torch.Tensor, lo: int, hi: int, lin: int) -> torch.Tensor:
+    """Rows [lo, hi) of an (n_outer, lin, X) view of whole outer blocks (lo and hi are multiples
+    of lin, as every piece of an outer > 1 layout): its blocks lo // lin to hi // lin."""
+    return x if lo == 0 and hi == x.shape[0] * lin else x[lo // lin: hi // lin]
+
+
+def as_blocks(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`out`, a (rows, N) matrix, as the (n_outer, lin, N) blocks of 3-D `rows` (a view; a 2-D
+    `rows` leaves it as it is)."""
+    if rows.dim() == 3 and out.dim() == 2:
+        return out.view(rows.shape[0], rows.shape[1], out.shape[-1])
+    return out
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

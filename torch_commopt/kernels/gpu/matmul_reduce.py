@@ -40,9 +40,9 @@ import math
 import torch
 
 from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
-from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
+from torch_commopt.kernels.gpu.layout import RowLayout, as_blocks, blocks_of, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
-from torch_commopt.kernels.scaled import Scaled, call_key, matmul, out_dtype
+from torch_commopt.kernels.scaled import Scaled, add_matmul_, call_key, matmul, out_dtype
 from torch_commopt.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3, "store": "direct"}
@@ -153,25 +153,34 @@ class _Call:
         return out
 
     def segment_a(self, p: int) -> list[torch.Tensor]:
-        """The A rows producing segment p, one (m_seg, K_i) matrix per K part (contiguous rows)."""
+        """The A rows producing segment p, one per K part: an (m_seg, K_i) matrix (outer == 1:
+        contiguous rows), else the strided (outer, lin, K_i) view of its rows in every outer
+        block, which the products take as one batched GEMM without a copy (a (B, S, K) input
+        scattered along S; float8 alone copies them into a matrix: _scaled_mm is 2-D only)."""
         out = []
         for a2 in self.a2s:
             rows = self.lay.block_rows(a2, p, 0, self.m_seg)
-            out.append(rows if self.lay.outer == 1 else rows.reshape(self.m_seg, a2.shape[-1]))
+            out.append(rows if self.lay.outer == 1 or self.sc is None else rows.reshape(self.m_seg, a2.shape[-1]))
         return out
+
+    def piece(self, seg: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+        """Rows [lo, hi) of a segment's A rows (segment_a): whole outer blocks of a strided view."""
+        return [blocks_of(x, lo, hi, self.lay.lin) if x.dim() == 3 else piece_rows(x, lo, hi) for x in seg]
 
     def product(self, rows: list[torch.Tensor], out: torch.Tensor) -> None:
         """out <- the rows' product: rows[0] @ w_0 (scaled: _scaled_mm), then each further K
         part's product added in place."""
+        out = as_blocks(out, rows[0])
         matmul(rows[0], self.ws[0], None, self.sc, out=out)
         for x, w in zip(rows[1:], self.ws[1:]):
-            out.addmm_(x, w)
+            add_matmul_(out, x, w)
 
     def add_product(self, out: torch.Tensor, rows: list[torch.Tensor]) -> None:
         """out <- alpha * (out + the rows' product), in place (addmm_: no copy of C)."""
-        out.addmm_(rows[0], self.ws[0], beta=self.alpha, alpha=self.alpha)
+        out = as_blocks(out, rows[0])
+        add_matmul_(out, rows[0], self.ws[0], beta=self.alpha, alpha=self.alpha)
         for x, w in zip(rows[1:], self.ws[1:]):
-            out.addmm_(x, w, alpha=self.alpha)
+            add_matmul_(out, x, w, alpha=self.alpha)
 
     def wait(self, stream, src, c, what, phase: int = 0):
         self.rt.wait(stream, data_index(self.half, src, c, phase), 1, debug=self.debug, what=what, src=src, chunk=c)
@@ -280,7 +289,7 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
         else:
             staged = staging[p]
         for c, (lo, hi) in enumerate(call.pieces):
-            rows = [piece_rows(x, lo, hi) for x in a_p]
+            rows = call.piece(a_p, lo, hi)
             if staging is None:
                 call.product(rows, piece_rows(slot, lo, hi))
                 call.signal(call.cur, p, c)
@@ -299,7 +308,7 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
     for c, (lo, hi) in enumerate(call.pieces):
         # The own product goes to this rank's own slot (no peer writes it) before the waits,
         # so it runs while the last partials are still landing.
-        call.product([piece_rows(x, lo, hi) for x in a_r], piece_rows(mine, lo, hi))
+        call.product(call.piece(a_r, lo, hi), piece_rows(mine, lo, hi))
         for src in rt.sources:
             call.wait(call.cur, src, c, "partial")
         _sum_slots(call, call.recv if call.n_chunks == 1 else call.recv[:, lo:hi], piece_rows(own, lo, hi))
@@ -322,7 +331,7 @@ def _own_in_place(call: _Call, a_r, own, src: int, after_piece):
         driver.record(landed[c], local)
     for c, (lo, hi) in enumerate(call.pieces):
         driver.wait_event(call.cur, landed[c])
-        call.add_product(piece_rows(own, lo, hi), [piece_rows(x, lo, hi) for x in a_r])
+        call.add_product(piece_rows(own, lo, hi), call.piece(a_r, lo, hi))
         if after_piece is not None:
             after_piece(c, lo, hi)
 
@@ -370,7 +379,7 @@ def _pull_reduce(call: _Call, own, after_piece):
     for p in rt.peers:
         a_p, mine = call.segment_a(p), call.slot(call.rank, p)
         for c, (lo, hi) in enumerate(call.pieces):
-            call.product([x[lo:hi] for x in a_p], mine[lo:hi])
+            call.product(call.piece(a_p, lo, hi), mine[lo:hi])
             call.signal(call.cur, p, c)
     a_r = call.segment_a(call.rank)
     for c, (lo, hi) in enumerate(call.pieces):
@@ -380,9 +389,9 @@ def _pull_reduce(call: _Call, own, after_piece):
             rt.copy(local, dst, call.slot(src, call.rank)[lo:hi])
         if pulled is None:
             rt.after(call.cur, local)
-            call.add_product(own[lo:hi], [x[lo:hi] for x in a_r])
+            call.add_product(own[lo:hi], call.piece(a_r, lo, hi))
         else:
-            call.product([x[lo:hi] for x in a_r], pulled[call.rank, lo:hi])  # beside the pulls
+            call.product(call.piece(a_r, lo, hi), pulled[call.rank, lo:hi])  # beside the pulls
             rt.after(call.cur, local)
             _sum_slots(call, pulled[:, lo:hi], own[lo:hi])
         if after_piece is not None:

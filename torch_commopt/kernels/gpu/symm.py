@@ -383,9 +383,17 @@ class GroupRuntime:
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst <- src queued on `stream` (the copy engine): one driver copy when both are
         contiguous, else Tensor.copy_ under the stream."""
-        if dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.numel() == src.numel():
+        same = dst.dtype == src.dtype and dst.numel() == src.numel()
+        if same and dst.is_contiguous() and src.is_contiguous():
             driver.memcpy_async(stream, dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
             return
+        if same and src.shape != dst.shape and src.is_contiguous():
+            src = src.view(dst.shape)
+        if same and src.shape == dst.shape:
+            d, s = pitched(dst), pitched(src)
+            if d is not None and s is not None:  # equal runs at a pitch each: one 2-D copy, no SM
+                driver.memcpy2d_async(stream, d[0], d[1], s[0], s[1], d[2], dst.shape[0])
+                return
         with torch.cuda.stream(stream):
             dst.copy_(src if src.shape == dst.shape else src.reshape(dst.shape))
 
@@ -494,6 +502,25 @@ def off_thread(fn, device: torch.device | None = None):
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+def pitched(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(address, pitch, width) in bytes when `t` is t.shape[0] equal contiguous runs at a
+    uniform pitch -- e.g. one rank's rows of every outer block of a (B, S, K) activation
+    gathered along S -- so the copy engine moves it as one 2-D copy; None otherwise."""
+    if t.dim() < 2 or t.shape[0] == 0:
+        return None
+    inner, expected = t.stride()[1:], []
+    run = 1
+    for size in reversed(t.shape[1:]):
+        expected.append(run)
+        run *= size
+    if any(size != 1 and stride != want for size, stride, want in zip(t.shape[1:], inner, reversed(expected))):
+        return None
+    elt = t.element_size()
+    if t.shape[0] > 1 and t.stride(0) < run:
+        return None
+    return t.data_ptr(), max(t.stride(0), run) * elt, run * elt
 
 
 def data_index(half: int, src: int, chunk: int, phase: int = 0) -> int:
