@@ -132,3 +132,16 @@ def test_the_gathered_input_is_assembled_by_2d_copies(world):
     # the own shard's product landed in the strided output rows (the peers' products read their
     # slots, whose copies the fake does not perform)
     torch.testing.assert_close(outs[0].view(B, world, LIN, N)[:, 0], a @ ws[0])
+
+
+def test_a_pitch_beyond_the_copy_engines_limit_falls_back_to_a_tensor_copy(monkeypatch):
+    from torch_commopt.kernels.gpu import symm
+
+    monkeypatch.setattr(symm, "MAX_PITCH", 8)  # below this test's pitch: as a pitch over 2 GiB would be
+    a = torch.randn(B, LIN, K)
+    runtimes, queue = fake_runtimes(2), []
+    with faked_cuda(runtimes, queue) as active:
+        active(0)
+        outs = agm.ag_matmul_gpu(a, [torch.randn(K, N)], [None], 1, "fake", Schedule("ce_push", 1), True)
+    assert not [op for _, _, op in queue if op[0] == "copy" and len(op[3]) == B]  # no 2-D copy queued
+    torch.testing.assert_close(outs[-1][:, :LIN], a)  # the own block, copied by Tensor.copy_ (done at once here)

@@ -391,7 +391,7 @@ class GroupRuntime:
             src = src.view(dst.shape)
         if same and src.shape == dst.shape:
             d, s = pitched(dst), pitched(src)
-            if d is not None and s is not None:  # equal runs at a pitch each: one 2-D copy, no SM
+            if d is not None and s is not None and max(d[1], s[1]) <= MAX_PITCH:  # equal runs at a pitch: one 2-D copy
                 driver.memcpy2d_async(stream, d[0], d[1], s[0], s[1], d[2], dst.shape[0])
                 return
         with torch.cuda.stream(stream):
@@ -502,6 +502,9 @@ def off_thread(fn, device: torch.device | None = None):
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+MAX_PITCH = 2**31 - 1  # cuMemcpy2DAsync's pitch limit (CU_DEVICE_ATTRIBUTE_MAX_PITCH on sm80/sm90)
 
 
 def pitched(t: torch.Tensor) -> tuple[int, int, int] | None:
