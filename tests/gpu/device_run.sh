@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|issues|callgraphs|float8|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|torchtitan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|issues|callgraphs|float8|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|e2e_shapes|torchtitan|probes|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -76,6 +76,17 @@ fi
 if [[ $what == e2e ]]; then
   # issue 7: a few Llama-3-8B layers trained with inductor, inductor + async-TP and commopt
   timeout ${E2E_TIMEOUT:-560} python3 benchmarks/bench_e2e.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log"
+fi
+if [[ $what == e2e_shapes ]]; then
+  # issue 7 at three shapes of 8192 tokens a step (batch x seq: 1 x 8192, 2 x 4096, 4 x 2048), each
+  # with the comm-free bound; batch > 1 gathers and scatters strided row blocks (session 53); ~100 s each
+  for shp in "1 8192" "2 4096" "4 2048"; do
+    set -- $shp
+    mkdir -p "$out/e2e_b$1"
+    timeout ${E2E_TIMEOUT:-160} python3 benchmarks/bench_e2e.py --out "$out/e2e_b$1" --batch $1 --seq $2 --repeats 10 \
+      --variants "inductor,inductor+async-TP,commopt,inductor comm-free" ${BENCH_ARGS:-} > "$out/e2e_b$1.log" 2>&1
+    echo "== batch $1 seq $2"; grep -E "^\| (ind|com)" "$out/e2e_b$1.log"
+  done
 fi
 if [[ $what == torchtitan ]]; then
   # issue 7: torchtitan 0.2.2 trained with commopt and with inductor; its wheels and the missing
