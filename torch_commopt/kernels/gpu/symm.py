@@ -381,8 +381,9 @@ class GroupRuntime:
             return driver.event_create()
 
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst <- src queued on `stream` (the copy engine): one driver copy when both are
-        contiguous, else Tensor.copy_ under the stream."""
+        """dst <- src queued on `stream`: one copy-engine copy when both are contiguous, one
+        2-D copy-engine copy when both are equal contiguous runs at a pitch each (`pitched`:
+        a rank's row blocks of a (B, S, K) activation), else Tensor.copy_ under the stream."""
         same = dst.dtype == src.dtype and dst.numel() == src.numel()
         if same and dst.is_contiguous() and src.is_contiguous():
             driver.memcpy_async(stream, dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
