@@ -512,19 +512,18 @@ def pitched(t: torch.Tensor) -> tuple[int, int, int] | None:
     """(address, pitch, width) in bytes when `t` is t.shape[0] equal contiguous runs at a
     uniform pitch -- e.g. one rank's rows of every outer block of a (B, S, K) activation
     gathered along S -- so the copy engine moves it as one 2-D copy; None otherwise."""
-    if t.dim() < 2 or t.shape[0] == 0:
+    shape, stride = t.shape, t.stride()
+    if len(shape) < 2 or shape[0] == 0:
         return None
-    inner, expected = t.stride()[1:], []
-    run = 1
-    for size in reversed(t.shape[1:]):
-        expected.append(run)
+    run = 1  # elements in one run: dims 1.. must be contiguous (a size-1 dim's stride is free)
+    for size, st in zip(reversed(shape[1:]), reversed(stride[1:])):
+        if size != 1 and st != run:
+            return None
         run *= size
-    if any(size != 1 and stride != want for size, stride, want in zip(t.shape[1:], inner, reversed(expected))):
+    if shape[0] > 1 and stride[0] < run:
         return None
     elt = t.element_size()
-    if t.shape[0] > 1 and t.stride(0) < run:
-        return None
-    return t.data_ptr(), max(t.stride(0), run) * elt, run * elt
+    return t.data_ptr(), max(stride[0], run) * elt, run * elt
 
 
 def data_index(half: int, src: int, chunk: int, phase: int = 0) -> int:
