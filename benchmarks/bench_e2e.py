@@ -79,6 +79,8 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt no concat-K": {"concat_k": False},
                    # short regions' eager calls replayed from per-call CUDA graphs (Config.call_graphs)
                    "commopt call-graphs": {"call_graphs": True},
+                   # every region's eager calls replayed from per-call CUDA graphs (session 53, opt-in)
+                   "commopt call-graphs all": {"call_graphs": "all"},
                    # the band's regions always timed at their first call (before session 38)
                    "commopt band timed": {"band_in_graph": False},
                    # a training forward's band ranked with its backward counted (session 42, opt-in)

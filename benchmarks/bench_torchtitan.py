@@ -49,6 +49,10 @@ VARIANTS = {
     # the cost model and the whole-graph plan per block (the [commopt] section's mode; the
     # machine's calibration if `python -m torch_commopt calibrate` ran there, else the priors)
     "commopt-model": ["--commopt.enable", "--commopt.mode", "model", "--compile.enable", "--compile.components", "loss"],
+    # every region's eager calls replayed from per-call CUDA graphs (Config.call_graphs="all",
+    # opt-in since session 53: torchtitan's trainer is host-bound)
+    "commopt-call-graphs-all": ["--commopt.enable", "--commopt.options", '{"call_graphs": "all"}', "--compile.enable",
+                                "--compile.components", "loss"],
     "inductor": ["--commopt.no-enable", "--compile.enable"],
     # torchtitan's async TP: Inductor's micro-pipeline pass (needs its model compile)
     "inductor+async-TP": ["--commopt.no-enable", "--compile.enable", "--parallelism.enable_async_tensor_parallel"],

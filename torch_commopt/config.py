@@ -112,7 +112,11 @@ class Config:
         TP=4 training step (4x H100, bench_e2e, session 35) the calls' tensors' addresses did not
         recur often enough -- ~1.7 captures a step at several ms of host each -- and the step
         ran 0.80-0.87x inductor against 0.84 without.  TORCH_COMMOPT_CALL_GRAPHS=0 turns the
-        replays off in a process (the calls then run eagerly).
+        replays off in a process (the calls then run eagerly).  "all" (opt-in, not yet measured
+        on a GPU): every eager GPU region from 0.1 ms of GEMM up, long ones too -- for
+        host-bound training steps, where the regions' eager host cost decides the step (2x
+        H200, session 53, TP=2 at batch 4 x 2048: the step enqueued in 38.9 ms against
+        inductor's 23.6 while its GPU work sat at the comm-free bound's).
     band_in_graph: eager programs, the built-in rule: a region in its host-bound band (0.1-0.5 ms
         of GEMM, otherwise timed against NCCL at its first call) takes the rule's GPU-time pick
         when its graph's host runs ahead of the GPU -- estimated from the graph's matmuls and
@@ -148,7 +152,7 @@ class Config:
     debug: bool = False
     debug_waits: bool = False
     cuda_graphs: bool = False
-    call_graphs: bool = False
+    call_graphs: bool | str = False
     band_in_graph: bool | str = True
     concat_k: bool = True
     k_parts: bool = False
@@ -195,9 +199,11 @@ class Config:
         unknown = [p for p in self.patterns if p not in PATTERNS]
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
-        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "call_graphs", "coconet",
+        for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet",
                      "concat_k", "k_parts", "regather_for_backward"):
             _check_type(name, getattr(self, name), bool)
+        if not (isinstance(self.call_graphs, bool) or self.call_graphs == "all"):
+            raise ValueError(f"Config.call_graphs: expected False, True or 'all', got {self.call_graphs!r}")
         if self.saved_gather_budget_mib is not None:
             if isinstance(self.saved_gather_budget_mib, bool) or not isinstance(self.saved_gather_budget_mib,
                                                                                   (int, float)) \

@@ -41,6 +41,8 @@ def test_flat_fields_and_json_options_merge():
                                      "patterns": ["ag_matmul", "matmul_rs"]}
     # a toml inline table arrives as a dict
     assert Commopt(options={"mode": "model", "memory_budget_mib": 256}).to_config().memory_budget_mib == 256
+    # every region's calls from per-call graphs (bench_torchtitan's commopt-call-graphs-all)
+    assert Commopt(options='{"call_graphs": "all"}').to_config().call_graphs == "all"
 
 
 @pytest.mark.parametrize("kwargs, names", [
@@ -50,6 +52,7 @@ def test_flat_fields_and_json_options_merge():
     ({"schedule": "warp"}, ["Config.schedule", "warp"]),
     ({"mode": "model", "schedule": "chunked"}, ["Config.mode", "chunked"]),
     ({"options": '{"ar_split": "sometimes"}'}, ["Config.ar_split", "sometimes"]),
+    ({"options": '{"call_graphs": "most"}'}, ["Config.call_graphs", "most"]),
     ({"chunks": 2, "options": '{"chunks": 3}'}, ["'chunks'", "commopt.chunks", "commopt.options"]),
     ({"options": '{"chunks": 2'}, ["commopt.options", "not valid JSON"]),
     ({"options": "[1, 2]"}, ["commopt.options", "JSON object"]),

@@ -293,3 +293,25 @@ def test_the_short_eager_region_gets_the_replayed_pick_with_cg(monkeypatch, tmp_
     req = autotune._REQUESTS[placeholder.param("id")]
     assert placeholder.name == "autotune" and req.graphs and req.fallback == "ce_push:1:gemm=whole"
     assert req.candidates == ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]
+
+
+def test_all_regions_replay_per_call_graphs_when_asked():
+    """Config.call_graphs="all": the long eager regions too (a host-bound step), never the
+    regions under the band's lower end (host-bound even replayed), nor without CUDA."""
+    import pytest
+
+    from torch_commopt.config import Config
+    from torch_commopt.passes import pipeline
+
+    every = Config(call_graphs="all")
+    short = _region("ag_matmul", [1024, 8192], [8192, 4096])
+    long = _region("ag_matmul", [4096, 8192], [8192, 4096])
+    tiny = _region("ag_matmul", [256, 8192], [8192, 4096])
+    assert pipeline._call_graphs(short, every) and pipeline._call_graphs(long, every)
+    assert pipeline._replayed(long, every)
+    assert not pipeline._call_graphs(long, Config(call_graphs=True))  # the band alone
+    assert not pipeline._call_graphs(tiny, every)
+    assert not pipeline._call_graphs(long, Config(call_graphs="all", cuda_graphs=True))  # the program's own graphs
+    assert not pipeline._call_graphs(_region("ag_matmul", [4096, 8192], [8192, 4096], device="cpu"), every)
+    with pytest.raises(ValueError, match="Config.call_graphs: expected False, True or 'all'"):
+        Config(call_graphs="some")

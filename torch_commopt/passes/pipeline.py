@@ -316,7 +316,8 @@ def _dynamic_schedule(region: Region, wanted: Schedule | None, config: Config,
 
 
 def _call_graphs(region: Region, config: Config) -> bool:
-    """Whether the region's eager calls replay per-call CUDA graphs (Config.call_graphs)."""
+    """Whether the region's eager calls replay per-call CUDA graphs (Config.call_graphs: True,
+    the host-bound band; "all", every region from the band's lower end up)."""
     if not config.call_graphs or config.cuda_graphs or region.dynamic:
         return False
     a = val(region.a)
@@ -326,7 +327,7 @@ def _call_graphs(region: Region, config: Config) -> bool:
 
     weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
     return call_graphs_pay(region.kind, op_a_shape(region), weights, region.group_size,
-                           region_dtype(region))
+                           region_dtype(region), longer=config.call_graphs == "all")
 
 
 def _replayed(region: Region, config: Config) -> bool | str:

@@ -43,7 +43,9 @@ from torch_commopt.kernels.ops import capturing
 log = logging.getLogger("torch_commopt.kernels.gpu.call_graphs")
 
 ENV = "TORCH_COMMOPT_CALL_GRAPHS"  # "0": never replay (cg=1 calls run eagerly)
-CAPACITY = 64  # graphs kept per device and stream (least recently replayed dropped first)
+# Graphs kept per device and stream (least recently replayed dropped first): a training step's
+# region calls, each in its buffer half (Config.call_graphs="all": ~8 a layer with its backward)
+CAPACITY = 256
 SIGHTINGS = 1024  # calls remembered per device and stream while they wait for their second sighting
 # Whether captures pay is judged on the graphs captured at least WINDOW calls ago (the last
 # HISTORY captures): when more than half of at least MIN_JUDGED of them were never replayed, the

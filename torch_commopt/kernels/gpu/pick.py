@@ -99,7 +99,8 @@ SHORT_REDUCE_S = {"matmul_rs": 1.0e-3, "matmul_ar": 0.5e-3}
 IN_PLACE_RS_S = 0.5e-3
 
 
-def call_graphs_pay(kind: str, a_shape: list[int], weight_shapes: list[list[int]], world: int, dtype: str) -> bool:
+def call_graphs_pay(kind: str, a_shape: list[int], weight_shapes: list[list[int]], world: int, dtype: str,
+                    longer: bool = False) -> bool:
     """Whether an eager region's calls should replay per-call CUDA graphs (Config.call_graphs):
     its GEMM is estimated in [MIN_GEMM_S, SHORT_GEMM_S), the band where an eager call's host
     cost decides between a GPU schedule and NCCL.  2x H100, K = N = 8192, eager back to back
@@ -109,9 +110,11 @@ def call_graphs_pay(kind: str, a_shape: list[int], weight_shapes: list[list[int]
     its key, the graph launch) against ~0.08 of GPU: M_global 512 AG gemm=whole with cg=1
     0.095 vs NCCL 0.092, so NCCL + cuBLAS stay.  Longer regions hide their host cost behind
     the GEMM, and a graph would only hold memory for their (large) staging tensors (RS 8192^3
-    ce_push:1 replayed 0.891-0.914 ms vs eager 0.885-0.901, probe_call_graph.py)."""
+    ce_push:1 replayed 0.891-0.914 ms vs eager 0.885-0.901, probe_call_graph.py).
+    longer (Config.call_graphs="all"): the longer regions too, for a step whose host, not its
+    GPU, decides (their host cost is hidden behind the GEMM only while the host runs ahead)."""
     gemm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)[0]
-    return MIN_GEMM_S <= gemm_s < SHORT_GEMM_S
+    return MIN_GEMM_S <= gemm_s and (longer or gemm_s < SHORT_GEMM_S)
 
 
 def estimate(kind: str, a_shape: list[int], ns: list[int], world: int, dtype: str) -> tuple[float, float]:
