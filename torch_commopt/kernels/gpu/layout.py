@@ -70,12 +70,13 @@ def blocks_of(x: torch.Tensor, lo: int, hi: int, lin: int) -> torch.Tensor:
     return x if lo == 0 and hi == x.shape[0] * lin else x[lo // lin: hi // lin]
 
 
-def as_blocks(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`out`, a (rows, N) matrix, as the (n_outer, lin, N) blocks of 3-D `rows` (a view; a 2-D
-    `rows` leaves it as it is)."""
-    if rows.dim() == 3 and out.dim() == 2:
-        return out.view(rows.shape[0], rows.shape[1], out.shape[-1])
-    return out
+def as_blocks(matrix: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A (rows, X) `matrix` viewed as (n_outer, lin, X) blocks shaped as 3-D `like`'s first two
+    dims (the product's output beside its row blocks, or a piece of rows beside its strided
+    destination); `matrix` itself when `like` is 2-D."""
+    if like.dim() == 3 and matrix.dim() == 2:
+        return matrix.view(like.shape[0], like.shape[1], matrix.shape[-1])
+    return matrix
 
 
 def cdiv(a: int, b: int) -> int:
