@@ -81,6 +81,8 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt call-graphs": {"call_graphs": True},
                    # every region's eager calls replayed from per-call CUDA graphs (session 53, opt-in)
                    "commopt call-graphs all": {"call_graphs": "all"},
+                   # graphs estimated host-bound (the forward's) left to Inductor (session 54, opt-in)
+                   "commopt host-bound inductor": {"host_bound_graphs": "inductor"},
                    # the band's regions always timed at their first call (before session 38)
                    "commopt band timed": {"band_in_graph": False},
                    # a training forward's band ranked with its backward counted (session 42, opt-in)

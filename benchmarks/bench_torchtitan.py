@@ -53,6 +53,11 @@ VARIANTS = {
     # opt-in since session 53: torchtitan's trainer is host-bound)
     "commopt-call-graphs-all": ["--commopt.enable", "--commopt.options", '{"call_graphs": "all"}', "--compile.enable",
                                 "--compile.components", "loss"],
+    # graphs whose host is estimated not to run ahead of their GPU (the forward's) left to
+    # Inductor (Config.host_bound_graphs="inductor", opt-in since session 54): torchtitan's
+    # forward starts on an empty queue every step (the batch's copy synchronizes)
+    "commopt-host-bound-inductor": ["--commopt.enable", "--commopt.options", '{"host_bound_graphs": "inductor"}',
+                                    "--compile.enable", "--compile.components", "loss"],
     "inductor": ["--commopt.no-enable", "--compile.enable"],
     # torchtitan's async TP: Inductor's micro-pipeline pass (needs its model compile)
     "inductor+async-TP": ["--commopt.no-enable", "--compile.enable", "--parallelism.enable_async_tensor_parallel"],

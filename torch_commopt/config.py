@@ -125,6 +125,14 @@ class Config:
         the first call.  "training": as True, and a training forward graph is counted together
         with the backward it implies (estimated from the forward): back to back, the backward's
         lead hides the next forward's host (opt-in until measured in training).
+    host_bound_graphs: eager programs, the built-in rule: what a graph whose host is estimated
+        not to run ahead of its GPU (passes/host_ahead.py, the same figures band_in_graph uses)
+        gets.  "overlap" (default): its regions run GPU schedules like any other graph's.
+        "inductor": the graph is left to Inductor, collectives and all (explain notes why): an
+        eager GPU schedule's call costs 0.3-0.5 ms of host against ~0.17 ms for Inductor's
+        collective (2x H200, session 54, TP=2 training at 8192 tokens), and a graph whose GPU
+        waits for its host is slowed by that.  For trainers that synchronize every step
+        (torchtitan: the batch's host-to-device copy), whose forward starts on an empty queue.
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
         naming the op, rank and chunk instead of hanging (also enabled by the
         environment variable TORCH_COMMOPT_DEBUG_WAITS=1); costs a sync per op.
@@ -154,6 +162,7 @@ class Config:
     cuda_graphs: bool = False
     call_graphs: bool | str = False
     band_in_graph: bool | str = True
+    host_bound_graphs: str = "overlap"
     concat_k: bool = True
     k_parts: bool = False
     coconet: bool = False
@@ -215,6 +224,8 @@ class Config:
                                  "all-gather already; set one of the two")
         if not (isinstance(self.band_in_graph, bool) or self.band_in_graph == "training"):
             raise ValueError(f"Config.band_in_graph: expected False, True or 'training', got {self.band_in_graph!r}")
+        if self.host_bound_graphs not in ("overlap", "inductor"):
+            raise ValueError(f"Config.host_bound_graphs: expected 'overlap' or 'inductor', got {self.host_bound_graphs!r}")
         if self.ar_split not in (False, True, "checked"):
             raise ValueError(f"Config.ar_split: expected False, True or 'checked', got {self.ar_split!r}")
         if self.attention_schedule != "auto":

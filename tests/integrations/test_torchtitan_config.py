@@ -43,6 +43,8 @@ def test_flat_fields_and_json_options_merge():
     assert Commopt(options={"mode": "model", "memory_budget_mib": 256}).to_config().memory_budget_mib == 256
     # every region's calls from per-call graphs (bench_torchtitan's commopt-call-graphs-all)
     assert Commopt(options='{"call_graphs": "all"}').to_config().call_graphs == "all"
+    # host-bound graphs left to Inductor (bench_torchtitan's commopt-host-bound-inductor)
+    assert Commopt(options='{"host_bound_graphs": "inductor"}').to_config().host_bound_graphs == "inductor"
 
 
 @pytest.mark.parametrize("kwargs, names", [
@@ -53,6 +55,7 @@ def test_flat_fields_and_json_options_merge():
     ({"mode": "model", "schedule": "chunked"}, ["Config.mode", "chunked"]),
     ({"options": '{"ar_split": "sometimes"}'}, ["Config.ar_split", "sometimes"]),
     ({"options": '{"call_graphs": "most"}'}, ["Config.call_graphs", "most"]),
+    ({"options": '{"host_bound_graphs": "nccl"}'}, ["Config.host_bound_graphs", "nccl"]),
     ({"chunks": 2, "options": '{"chunks": 3}'}, ["'chunks'", "commopt.chunks", "commopt.options"]),
     ({"options": '{"chunks": 2'}, ["commopt.options", "not valid JSON"]),
     ({"options": "[1, 2]"}, ["commopt.options", "JSON object"]),

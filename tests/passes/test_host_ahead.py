@@ -162,3 +162,31 @@ def test_band_in_graph_takes_a_bool_or_training(bad):
     with pytest.raises(ValueError, match="band_in_graph"):
         Config(band_in_graph=bad)
     assert Config(band_in_graph="training").band_in_graph == "training"
+
+
+def test_host_bound_graphs_inductor_leaves_only_a_host_bound_graph_to_inductor():
+    # s42's forward (host est. above its GPU work) and a backward-sized graph (the GPU's ahead)
+    forward = _forward_of_s42()
+    regions = [_region(forward, "ag_matmul", [4096, 4096], [4096, 2048]) for _ in range(2)]
+    regions += [_region(forward, "matmul_rs", [8192, 2048], [2048, 4096]) for _ in range(2)]
+    report = explain.GraphReport(graph_id=0, graph_kind="forward", compile_id=None)
+    assert not pipeline._left_host_bound(forward, regions, Config(), report)  # default "overlap"
+    assert report.notes == []
+    assert pipeline._left_host_bound(forward, regions, Config(host_bound_graphs="inductor"), report)
+    assert "host-bound, left to Inductor" in report.notes[-1] and "4 regions" in report.notes[-1]
+    big = _graph([(8192, 4096, 14336)] * 4 + [(8192, 4096, 4096)] * 6, pointwise=70)
+    big_regions = [_region(big, "matmul_rs", [16384, 4096], [4096, 8192])]
+    assert not pipeline._left_host_bound(big, big_regions, Config(host_bound_graphs="inductor"), report)
+    # only the rule's eager CUDA programs: a fixed schedule, a mode, CUDA graphs or a dynamic region keep theirs
+    for config in (Config(host_bound_graphs="inductor", schedule="ce_push"),
+                   Config(host_bound_graphs="inductor", mode="model"),
+                   Config(host_bound_graphs="inductor", cuda_graphs=True)):
+        assert not pipeline._left_host_bound(forward, regions, config, report)
+    dynamic = [SimpleNamespace(**{**vars(regions[0]), "dynamic": True})]
+    assert not pipeline._left_host_bound(forward, dynamic, Config(host_bound_graphs="inductor"), report)
+
+
+@pytest.mark.parametrize("bad", [True, "nccl", None, "Inductor"])
+def test_host_bound_graphs_takes_overlap_or_inductor(bad):
+    with pytest.raises(ValueError, match="host_bound_graphs"):
+        Config(host_bound_graphs=bad)

@@ -8,8 +8,12 @@ run on any backend (gloo, NCCL, fake) and are the GPU schedules' twins elsewhere
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import os
+import threading
+import time
 from typing import Optional
 
 import torch
@@ -44,11 +48,33 @@ _SCHEMAS = {
 }
 
 
+# TORCH_COMMOPT_HOST_TIMING=1 (read at import; benchmarks/probe_host_step.py): every op call's
+# host time is added up per (op, thread name): [calls, wall seconds, the thread's CPU seconds].
+# A CPU time below the wall time is time the thread was not running (descheduled, or blocked).
+HOST_TIMING_ENV = "TORCH_COMMOPT_HOST_TIMING"
+HOST_TIMES: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+
+
+def _timed(name: str, fn):
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec = HOST_TIMES[name, threading.current_thread().name]
+            rec[0] += 1
+            rec[1] += time.perf_counter() - t0
+            rec[2] += time.thread_time() - c0
+    return timed
+
+
 def _op(name: str):
     """Define commopt::<name> with the decorated function as its kernel on every device."""
     def register(fn):
         _LIB.define(_SCHEMAS[name])
-        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        _LIB.impl(name, _timed(name, fn) if os.environ.get(HOST_TIMING_ENV) == "1" else fn,
+                  "CompositeExplicitAutograd")
         return fn
 
     return register

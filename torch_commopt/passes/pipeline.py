@@ -106,6 +106,8 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         log.debug("commopt: all-reduce split analysis failed: %s", e)
     try:
         regions = _find_regions(graph, config, report)
+        if regions and _left_host_bound(graph, regions, config, report):
+            regions = []
         edges = _region_edges(regions, config)
         report.edges = [e.describe(regions) for e in edges]
         ahead = _host_ahead(graph, regions, config, report)
@@ -252,6 +254,23 @@ def _host_ahead(graph: Graph, regions: list[Region], config: Config, report: exp
     ahead, note = host_runs_ahead(graph, len(regions), with_backward)
     report.notes.append(note)
     return ahead
+
+
+def _left_host_bound(graph: Graph, regions: list[Region], config: Config, report: explain.GraphReport) -> bool:
+    """Config.host_bound_graphs="inductor": whether this graph is left to Inductor because its
+    host is estimated not to run ahead of its GPU (the rule's eager CUDA programs only)."""
+    if config.host_bound_graphs != "inductor" or config.mode != "auto" or config.fixed_schedule is not None \
+            or config.cuda_graphs or any(r.dynamic or val(r.a).device.type != "cuda" for r in regions):
+        return False
+    from torch_commopt.passes.host_ahead import estimate
+
+    gpu, host, launches = estimate(graph, len(regions))
+    if host <= gpu:
+        return False
+    report.notes.append(f"graph: est. {gpu * 1e3:.2f} ms of matmuls and attention on the GPU, {host * 1e3:.2f} ms "
+                        f"of host ({launches} launches, {len(regions)} regions): host-bound, left to Inductor "
+                        "(Config.host_bound_graphs='inductor')")
+    return True
 
 
 def _rule_inputs(region: Region, config: Config) -> tuple[list[int], list[list[int]], str, bool | str]:
