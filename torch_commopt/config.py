@@ -112,11 +112,12 @@ class Config:
         TP=4 training step (4x H100, bench_e2e, session 35) the calls' tensors' addresses did not
         recur often enough -- ~1.7 captures a step at several ms of host each -- and the step
         ran 0.80-0.87x inductor against 0.84 without.  TORCH_COMMOPT_CALL_GRAPHS=0 turns the
-        replays off in a process (the calls then run eagerly).  "all" (opt-in, not yet measured
-        on a GPU): every eager GPU region from 0.1 ms of GEMM up, long ones too -- for
-        host-bound training steps, where the regions' eager host cost decides the step (2x
-        H200, session 53, TP=2 at batch 4 x 2048: the step enqueued in 38.9 ms against
-        inductor's 23.6 while its GPU work sat at the comm-free bound's).
+        replays off in a process (the calls then run eagerly).  "all" (opt-in): every eager
+        GPU region from 0.1 ms of GEMM up, long ones too, for host-bound training steps.
+        Measured at TP=2 (2x H200, session 54, 4 Llama-3-8B layers, 8192 tokens a step): it
+        does not pay -- 1.052x / 1.047x / 1.019x inductor at batch 1 / 2 / 4 against 1.067x /
+        1.052x / 1.050x without -- the calls' arguments moved between steps often enough
+        (~330 captures and ~2000 replays a rank over the run, each moved argument a copy).
     band_in_graph: eager programs, the built-in rule: a region in its host-bound band (0.1-0.5 ms
         of GEMM, otherwise timed against NCCL at its first call) takes the rule's GPU-time pick
         when its graph's host runs ahead of the GPU -- estimated from the graph's matmuls and
@@ -129,9 +130,11 @@ class Config:
         not to run ahead of its GPU (passes/host_ahead.py, the same figures band_in_graph uses)
         gets.  "overlap" (default): its regions run GPU schedules like any other graph's.
         "inductor": the graph is left to Inductor, collectives and all (explain notes why): an
-        eager GPU schedule's call costs 0.3-0.5 ms of host against ~0.17 ms for Inductor's
-        collective (2x H200, session 54, TP=2 training at 8192 tokens), and a graph whose GPU
-        waits for its host is slowed by that.  For trainers that synchronize every step
+        eager GPU schedule's call costs 0.3-0.5 ms of host against 0.14-0.17 ms for NCCL +
+        cuBLAS (2x H200, session 54, TP=2 training at 8192 tokens), and a graph whose GPU
+        waits for its host is slowed by that.  Measured in session 54, it does not pay there
+        (bench_e2e batch 4 x 2048 1.026x inductor against 1.039x; torchtitan 1.012x against
+        1.025x): kept for slower hosts.  For trainers that synchronize every step
         (torchtitan: the batch's host-to-device copy), whose forward starts on an empty queue.
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
         naming the op, rank and chunk instead of hanging (also enabled by the
