@@ -132,10 +132,11 @@ class Config:
         "inductor": the graph is left to Inductor, collectives and all (explain notes why): an
         eager GPU schedule's call costs 0.3-0.5 ms of host against 0.14-0.17 ms for NCCL +
         cuBLAS (2x H200, session 54, TP=2 training at 8192 tokens), and a graph whose GPU
-        waits for its host is slowed by that.  Measured in session 54, it does not pay there
-        (bench_e2e batch 4 x 2048 1.026x inductor against 1.039x; torchtitan 1.012x against
-        1.025x): kept for slower hosts.  For trainers that synchronize every step
+        waits for its host is slowed by that -- meant for trainers that synchronize every step
         (torchtitan: the batch's host-to-device copy), whose forward starts on an empty queue.
+        Measured in session 54, it does not pay there (bench_e2e batch 4 x 2048 1.026x
+        inductor against 1.039x; torchtitan 2 x 4096 1.012x against 1.025x): opt-in, for
+        slower hosts.
     debug_waits: GPU schedules bound every spin-wait and raise a clear error
         naming the op, rank and chunk instead of hanging (also enabled by the
         environment variable TORCH_COMMOPT_DEBUG_WAITS=1); costs a sync per op.
