@@ -13,6 +13,11 @@ NCCL collectives, the rest) and the frames with the most samples.
     python3 benchmarks/probe_host_step.py OUT --batch 4 --seq 2048 --variants inductor,commopt \\
         --py-spy /tmp/spy/bin/py-spy [--steps 60] [--rate 1000]
     python3 benchmarks/probe_host_step.py OUT --analyze   # the summary again from OUT's raw files
+    python3 benchmarks/probe_host_step.py OUT --timing --isolated --steps 20   # no py-spy: each op
+        # call's wall and CPU time per thread (TORCH_COMMOPT_HOST_TIMING=1), steps on an empty queue
+
+Read the py-spy figures as shares: with --native each sample stops the process for ~8 ms (2x
+H200, session 54), so the samples spread over the process's own running time, not wall time.
 
 py-spy is not a dependency: carry its wheel (`pip download py-spy`) and install it with
 `pip install --target`.  Attaching needs ptrace on the own process (root, or ptrace_scope 0).
