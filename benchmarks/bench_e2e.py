@@ -132,6 +132,15 @@ def build(variant: str, shape: dict, dev: str) -> Stack:
     return model
 
 
+def inputs(shape: dict, world: int, rank: int, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (input, target) sequence shards, bf16, the same on every run."""
+    b, s, d = shape["batch"], shape["seq"], shape["dim"]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(b, s, d, generator=gen).chunk(world, dim=1)[rank].to(dev, torch.bfloat16)
+    target = torch.randn(b, s, d, generator=gen).chunk(world, dim=1)[rank].to(dev, torch.bfloat16)
+    return x, target
+
+
 def _async_tp(on: bool) -> None:
     torch._inductor.config._micro_pipeline_tp = on
     if on:
@@ -154,10 +163,8 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if dev == "cuda":
         torch.cuda.set_device(rank)
-    b, s, d = shape["batch"], shape["seq"], shape["dim"]
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(b, s, d, generator=gen).chunk(world, dim=1)[rank].to(dev, torch.bfloat16)
-    target = torch.randn(b, s, d, generator=gen).chunk(world, dim=1)[rank].to(dev, torch.bfloat16)
+    b, s = shape["batch"], shape["seq"]
+    x, target = inputs(shape, world, rank, dev)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     out: dict = {}
     prepared: dict = {}

@@ -109,10 +109,7 @@ def worker(rank: int, world: int, shape: dict, variants: list[str], warm: int, s
     from torch_commopt.kernels import ops
 
     torch.cuda.set_device(rank)
-    b, s, d = shape["batch"], shape["seq"], shape["dim"]
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(b, s, d, generator=gen).chunk(world, dim=1)[rank].to("cuda", torch.bfloat16)
-    target = torch.randn(b, s, d, generator=gen).chunk(world, dim=1)[rank].to("cuda", torch.bfloat16)
+    x, target = bench_e2e.inputs(shape, world, rank, "cuda")
     torch._dynamo.reset()
     bench_e2e.allow_entries(len(variants) * shape["layers"])
     result = {}
@@ -122,7 +119,7 @@ def worker(rank: int, world: int, shape: dict, variants: list[str], warm: int, s
         for _ in range(warm):
             step()
         torch.cuda.synchronize()
-        raw = pathlib.Path(out) / f"spy_{variant.replace(' ', '_').replace('+', '_')}_rank{rank}.txt"
+        raw = _raw_path(pathlib.Path(out), variant, rank)
         proc = None
         ops.HOST_TIMES.clear()
         if rank == 0 and spy:  # py-spy on this process, every thread; stopped by SIGINT after the steps
@@ -159,6 +156,11 @@ def worker(rank: int, world: int, shape: dict, variants: list[str], warm: int, s
     return result
 
 
+def _raw_path(out: pathlib.Path, variant: str, rank: int) -> pathlib.Path:
+    """Where py-spy writes a variant's raw samples."""
+    return out / f"spy_{variant.replace(' ', '_').replace('+', '_')}_rank{rank}.txt"
+
+
 def _window(step, steps: int) -> float:
     """`steps` training steps back to back: the sampled window (ms until the last returned)."""
     t0 = time.perf_counter()
@@ -170,7 +172,7 @@ def _window(step, steps: int) -> float:
 def report(out: pathlib.Path, meta: dict, timings: dict, rate: int, steps: int) -> None:
     summary = {}
     for variant in meta["variants"]:
-        raw = out / f"spy_{variant.replace(' ', '_').replace('+', '_')}_rank0.txt"
+        raw = _raw_path(out, variant, 0)
         if raw.exists():
             summary[variant] = summarize(raw, rate, steps)
     (out / "host_step.json").write_text(json.dumps({"meta": meta, "timings": timings, "summary": summary}, indent=1))

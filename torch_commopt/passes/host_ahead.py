@@ -123,12 +123,17 @@ def estimate(graph: Graph, regions: int, with_backward: bool = False) -> tuple[f
     return gpu, host, launches
 
 
+def figures(gpu: float, host: float, launches: int, regions: int, with_backward: bool = False) -> str:
+    """An estimate's figures as explain notes them (the start of a graph's note)."""
+    what = "graph and the backward it implies" if with_backward else "graph"
+    return (f"{what}: est. {gpu * 1e3:.2f} ms of matmuls and attention on the GPU, {host * 1e3:.2f} ms of "
+            f"host ({launches} launches, {regions} regions{' each way' if with_backward else ''})")
+
+
 def host_runs_ahead(graph: Graph, regions: int, with_backward: bool = False) -> tuple[bool, str]:
     """(whether the GPU time alone should rank the band's schedules, a note for explain)."""
     gpu, host, launches = estimate(graph, regions, with_backward)
     ahead = regions > 0 and host <= gpu
-    what = "graph and the backward it implies" if with_backward else "graph"
-    return ahead, (f"{what}: est. {gpu * 1e3:.2f} ms of matmuls and attention on the GPU, {host * 1e3:.2f} ms of "
-                   f"host ({launches} launches, {regions} regions{' each way' if with_backward else ''}): "
+    return ahead, (figures(gpu, host, launches, regions, with_backward) + ": "
                    + ("the host runs ahead, so the band's regions are ranked by GPU time" if ahead else
                       "the host may not run ahead, so the band's regions are timed at their first call"))

@@ -236,7 +236,7 @@ def _host_ahead(graph: Graph, regions: list[Region], config: Config, report: exp
     """Whether the built-in rule may rank this graph's band regions by GPU time
     (passes/host_ahead.py): only where the rule picks (mode auto, no fixed schedule) on CUDA
     eager calls, with a static region in the band."""
-    if not config.band_in_graph or config.mode != "auto" or config.fixed_schedule is not None or config.cuda_graphs:
+    if not config.band_in_graph or not _rule_picks_eager(config):
         return False
     from torch_commopt.kernels.gpu.pick import measure_band
 
@@ -259,18 +259,23 @@ def _host_ahead(graph: Graph, regions: list[Region], config: Config, report: exp
 def _left_host_bound(graph: Graph, regions: list[Region], config: Config, report: explain.GraphReport) -> bool:
     """Config.host_bound_graphs="inductor": whether this graph is left to Inductor because its
     host is estimated not to run ahead of its GPU (the rule's eager CUDA programs only)."""
-    if config.host_bound_graphs != "inductor" or config.mode != "auto" or config.fixed_schedule is not None \
-            or config.cuda_graphs or any(r.dynamic or val(r.a).device.type != "cuda" for r in regions):
+    if config.host_bound_graphs != "inductor" or not _rule_picks_eager(config) \
+            or any(r.dynamic or val(r.a).device.type != "cuda" for r in regions):
         return False
-    from torch_commopt.passes.host_ahead import estimate
+    from torch_commopt.passes.host_ahead import estimate, figures
 
     gpu, host, launches = estimate(graph, len(regions))
     if host <= gpu:
         return False
-    report.notes.append(f"graph: est. {gpu * 1e3:.2f} ms of matmuls and attention on the GPU, {host * 1e3:.2f} ms "
-                        f"of host ({launches} launches, {len(regions)} regions): host-bound, left to Inductor "
-                        "(Config.host_bound_graphs='inductor')")
+    report.notes.append(figures(gpu, host, launches, len(regions))
+                        + ": host-bound, left to Inductor (Config.host_bound_graphs='inductor')")
     return True
+
+
+def _rule_picks_eager(config: Config) -> bool:
+    """Whether the built-in rule picks the schedules (mode auto, no fixed schedule) of an
+    eager program (no CUDA-graph trees): what the host-time estimates may decide."""
+    return config.mode == "auto" and config.fixed_schedule is None and not config.cuda_graphs
 
 
 def _rule_inputs(region: Region, config: Config) -> tuple[list[int], list[list[int]], str, bool | str]:
