@@ -55,6 +55,26 @@ def cases(world: int):
         "rs ce_push:1": lambda: mr.matmul_rs_gpu(a_rs, w_rs, None, 1, "sum", "fake", s1),
         "rs ce_push:2": lambda: mr.matmul_rs_gpu(a_rs, w_rs, None, 1, "sum", "fake", s2),
         "ar ce_push:1": lambda: mr.matmul_ar_gpu(a_rs, w_rs, None, "sum", "fake", s1),
+        **batched_cases(world, rnd),
+    }
+
+
+def batched_cases(world: int, rnd):
+    """A training step's picks at batch 4 (bench_e2e 4 x 2048 on 2x H200, session 54): a (B, S, K)
+    activation sharded along S, so a rank's rows are a block in every batch element (row blocks
+    by batched GEMMs); the forward's q/k/v all-gather keeps the gathered input for the backward."""
+    b = 4
+    a_ag = rnd(b, M // world, K)
+    qkv = [rnd(K, N // world) for _ in range(3)]
+    w13 = [rnd(K, N) for _ in range(2)]
+    a_rs, w_rs = rnd(b, M, K // world), rnd(K // world, N)
+    par, s1, pull2 = Schedule.parse("ce_push:1:par=1"), Schedule.parse("ce_push:1"), Schedule.parse("ce_pull:2")
+    return {
+        "B4 ag ce_push:1:par=1 3 weights +gathered": lambda: agm.ag_matmul_gpu(a_ag, qkv, [None] * 3, 1, "fake", par,
+                                                                               True),
+        "B4 ag ce_push:1 2 weights": lambda: agm.ag_matmul_gpu(a_ag, w13, [None] * 2, 1, "fake", s1, False),
+        "B4 rs ce_pull:2": lambda: mr.matmul_rs_gpu(a_rs, w_rs, None, 1, "sum", "fake", pull2),
+        "B4 rs ce_push:1": lambda: mr.matmul_rs_gpu(a_rs, w_rs, None, 1, "sum", "fake", s1),
     }
 
 

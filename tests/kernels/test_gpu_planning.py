@@ -25,6 +25,21 @@ def test_block_rows_are_the_rank_blocks_of_a_gathered_tensor(shape, dim, world):
             assert torch.equal(got.reshape(-1, shape[-1]), shard.reshape(-1, shape[-1])[lo:hi])
 
 
+@pytest.mark.parametrize("outer,lin,world", [(4, 3, 2), (2, 5, 4), (3, 2, 3)])
+def test_block_rows_of_outer_blocks_are_the_blocked_view(outer, lin, world):
+    """block_rows (one as_strided) is full.view(outer, world, lin, X)[blocks, block], the same
+    elements and strides, on a matrix whose rows are padded too (a column slice of a wider one)."""
+    wide = torch.randn(outer * world * lin, 7)
+    lay = RowLayout(outer, lin, world)
+    for full in (wide, wide[:, :5]):
+        for block in range(world):
+            for lo, hi in lay.pieces(2) + [(0, lay.local_rows)]:
+                got = lay.block_rows(full, block, lo, hi)
+                want = full.view(outer, world, lin, full.shape[-1])[lo // lin: hi // lin, block]
+                assert got.shape == want.shape and got.stride() == want.stride()
+                assert got.data_ptr() == want.data_ptr() and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("rows,outer,chunks", [(10, 1, 3), (10, 1, 20), (12, 3, 2), (12, 4, 5)])
 def test_pieces_cover_the_rows_in_whole_units(rows, outer, chunks):
     lay = RowLayout(outer, rows // outer, 2)

@@ -145,3 +145,57 @@ def test_a_pitch_beyond_the_copy_engines_limit_falls_back_to_a_tensor_copy(monke
         outs = agm.ag_matmul_gpu(a, [torch.randn(K, N)], [None], 1, "fake", Schedule("ce_push", 1), True)
     assert not [op for _, _, op in queue if op[0] == "copy" and len(op[3]) == B]  # no 2-D copy queued
     torch.testing.assert_close(outs[-1][:, :LIN], a)  # the own block, copied by Tensor.copy_ (done at once here)
+
+
+class _Dispatches(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ATen operations a call dispatches, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sched", ["ce_push:1:par=1", "ce_push:2"])
+def test_an_all_gather_of_row_blocks_dispatches_one_view_per_product(sched):
+    """Host cost (each dispatch is ~1-2 us of a region call's host time on the GPU machine):
+    each weight is expanded to the row blocks' batch once a call, each product's strided
+    destination is one view (no view + slice + select), and the gathered input is copied by
+    address (no view of it) -- while every product still lands where it belongs."""
+    world, ws = 2, [torch.randn(K, N) for _ in range(3)]
+    a = torch.randn(B, LIN, K)
+    runtimes = fake_runtimes(world)
+    call = lambda: agm.ag_matmul_gpu(a, ws, [None] * 3, 1, "fake", Schedule.parse(sched), True)  # noqa: E731
+    with faked_cuda(runtimes, None) as active:
+        active(0)
+        call(), call()  # the buffer's views of both halves are made once, at their first use
+        with _Dispatches() as seen:
+            outs = call()
+    pieces = int(sched.split(":")[1])
+    assert seen.ops.get("expand") == len(ws) * (1 if pieces == 1 else 2)  # per call, or per piece size
+    assert "select" not in seen.ops and seen.ops.get("slice", 0) == (0 if pieces == 1 else pieces)  # the slot's pieces
+    products = len(ws) * (1 + (world - 1) * pieces)  # the own shard whole, the peer's by pieces
+    assert seen.ops["bmm"] == products and seen.ops["as_strided"] == products  # one destination view each
+    for out, w in zip(outs, ws):
+        torch.testing.assert_close(out.view(B, world, LIN, N)[:, 0], a @ w)
+
+
+def test_a_pulled_reduce_scatter_of_row_blocks_expands_its_weight_once_per_piece_size():
+    """ce_pull:2 at batch 4: the weight is expanded once for both pieces and both segments, and the
+    slots' pieces are the buffer's cached views (no slice of a slot a call)."""
+    a, w = torch.randn(B, 2 * LIN, K), torch.randn(K, N)
+    runtimes = fake_runtimes(2)
+    call = lambda: mr.matmul_rs_gpu(a, w, None, 1, "sum", "fake", Schedule.parse("ce_pull:2"))  # noqa: E731
+    with faked_cuda(runtimes, None) as active:
+        active(0)
+        call(), call()  # the buffer's views of both halves are made once, at their first use
+        with _Dispatches() as seen:
+            call()
+    assert seen.ops.get("expand") == 1
+    assert seen.ops["bmm"] + seen.ops["baddbmm_"] == 4  # two segments x two pieces
+    # per piece: the peer's and the own segment's A blocks, and the output's rows; no slot slices
+    assert seen.ops.get("slice", 0) == 6 and "select" not in seen.ops

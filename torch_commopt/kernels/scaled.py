@@ -76,11 +76,13 @@ def matmul(rows: torch.Tensor, w: torch.Tensor, bias, scaled: Scaled | None = No
     """rows (M, K) @ w (K, N) (+ bias): mm / addmm, or the scaled product of weight i.
     rows may also be (B, M, K) blocks of rows, strided between blocks (whole outer blocks of a
     3-D activation), with out (B, M, N) as strided: one batched GEMM reads and writes them in
-    place, where a matrix of them would cost a copy (not for scaled products: 2-D only)."""
+    place, where a matrix of them would cost a copy (not for scaled products: 2-D only); w
+    may then come expanded to the batch already (a caller's, shared by its pieces)."""
     if rows.dim() == 3:
         if scaled is not None:
             raise ValueError("commopt: a scaled (float8) product of row blocks (torch._scaled_mm is 2-D only)")
-        wb = w.expand(rows.shape[0], *w.shape)  # batch stride 0: cuBLAS reads the one weight
+        # batch stride 0: cuBLAS reads the one weight (w may come expanded already)
+        wb = w if w.dim() == 3 else w.expand(rows.shape[0], *w.shape)
         kwargs = {} if out is None else {"out": out}
         return torch.bmm(rows, wb, **kwargs) if bias is None else torch.baddbmm(bias, rows, wb, **kwargs)
     if scaled is not None:
@@ -93,7 +95,7 @@ def matmul(rows: torch.Tensor, w: torch.Tensor, bias, scaled: Scaled | None = No
 def add_matmul_(out: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, *, beta: float = 1.0,
                 alpha: float = 1.0) -> torch.Tensor:
     """out <- beta * out + alpha * rows @ w in place (addmm_; baddbmm_ for (B, M, K) row
-    blocks into (B, M, N), as `matmul`)."""
+    blocks into (B, M, N), as `matmul`, w expanded to the batch or not)."""
     if rows.dim() == 3:
-        return out.baddbmm_(rows, w.expand(rows.shape[0], *w.shape), beta=beta, alpha=alpha)
+        return out.baddbmm_(rows, w if w.dim() == 3 else w.expand(rows.shape[0], *w.shape), beta=beta, alpha=alpha)
     return out.addmm_(rows, w, beta=beta, alpha=alpha)

@@ -23,7 +23,7 @@ import functools
 import torch
 
 from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
-from torch_commopt.kernels.gpu.layout import RowLayout, as_blocks, cdiv, piece_rows
+from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
 from torch_commopt.kernels.scaled import Scaled, call_key, matmul, out_dtype
 from torch_commopt.schedule import Schedule
@@ -134,17 +134,18 @@ def _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, c
     write disjoint rows).  sc: each piece is a scaled (float8) product."""
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in outs]
+    wide = _Expanded(weights)
     peers = cur if second is None else second
     if second is not None:
         rt.after(second, cur)  # the outputs were allocated on the caller's stream
     # Own shard first, as one GEMM: it needs nothing from the peers.
-    _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows, sc)
+    _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows, sc, wide)
     with contextlib.nullcontext() if second is None else torch.cuda.stream(second):
         for src in rt.sources:
             slot = slot_of(src)
             for c, (lo, hi) in enumerate(pieces):
                 rt.wait(peers, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
-                _piece_matmuls(piece_rows(slot, lo, hi), full, weights, biases, lay, src, lo, hi, sc)
+                _piece_matmuls(piece_rows(slot, lo, hi), full, weights, biases, lay, src, lo, hi, sc, wide)
     if second is not None:
         rt.after(cur, second)
 
@@ -169,13 +170,33 @@ def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur,
                 dst.copy_(part.view(dst.shape))
 
 
-def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi, sc=None):
+class _Expanded:
+    """The weights expanded to a batch of n row blocks (batch stride 0), made once per n in a
+    call rather than once per piece and weight."""
+
+    def __init__(self, weights):
+        self.weights, self.by_blocks = weights, {}
+
+    def __call__(self, blocks: int) -> list:
+        got = self.by_blocks.get(blocks)
+        if got is None:
+            got = self.by_blocks[blocks] = [w.expand(blocks, *w.shape) for w in self.weights]
+        return got
+
+
+def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi, sc=None, wide=None):
+    """Rows [lo, hi) of rank-block `block` of each output <- `rows` @ weights[i] (+ biases[i]).
+    wide: an _Expanded of the weights (outer > 1; the call's own, shared by its pieces)."""
+    if lay.outer != 1 and sc is None:  # rows of several outer blocks: one batched GEMM writes the strided destination
+        blocks = (hi - lo) // lay.lin
+        rows3 = rows.view(blocks, lay.lin, rows.shape[-1])
+        for out, wb, b in zip(full, (wide or _Expanded(weights))(blocks), biases):
+            matmul(rows3, wb, b, out=lay.block_rows(out, block, lo, hi))
+        return
     for i, (out, w, b) in enumerate(zip(full, weights, biases)):
         dst = lay.block_rows(out, block, lo, hi)
         if lay.outer == 1:
             matmul(rows, w, b, sc, i, out=dst)
-        elif sc is None:  # rows of several outer blocks: one batched GEMM writes the strided destination
-            matmul(as_blocks(rows, dst), w, b, out=dst)
         else:  # _scaled_mm is 2-D only: its product, then a copy into the strided destination
             dst.copy_(matmul(rows, w, b, sc, i).view(dst.shape))
 
@@ -229,14 +250,24 @@ def launch_fused(a2, slots2, flags, status, weights, biases, outs2, *, lin, rank
 
 
 def _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug):
-    """The all-gathered input, assembled by the copy engine off the critical path."""
-    full = gathered.view(-1, a2.shape[-1])
+    """The all-gathered input, assembled by the copy engine off the critical path: rank s's
+    rows are one run of lin rows in every outer block of `gathered`, one 2-D copy (a
+    contiguous one at outer == 1) from its shard, addressed without a view of either."""
     last = len(pieces) - 1
+    run = lay.lin * a2.shape[-1] * a2.element_size()  # bytes of one rank's rows in one outer block
+    pitch = lay.world * run
     for src in [rt.rank] + rt.sources:
         if src != rt.rank:
             # Pieces from one peer land in order, so the last flag covers the whole slot.
             rt.wait(side, data_index(half, src, last), 1, debug=debug, what="chunk", src=src, chunk=last)
-        rt.copy(side, lay.block_rows(full, src, 0, lay.local_rows), a2 if src == rt.rank else slots[src])
+        shard = a2.data_ptr() if src == rt.rank else slots.data_ptr() + src * lay.outer * run  # (M_loc, K) each
+        if lay.outer == 1:
+            driver.memcpy_async(side, gathered.data_ptr() + src * run, shard, run)
+        elif pitch <= symm.MAX_PITCH:
+            driver.memcpy2d_async(side, gathered.data_ptr() + src * run, pitch, shard, run, run, lay.outer)
+        else:
+            rt.copy(side, lay.block_rows(gathered.view(-1, a2.shape[-1]), src, 0, lay.local_rows),
+                    a2 if src == rt.rank else slots[src])
     return gathered
 
 

@@ -50,11 +50,14 @@ class RowLayout:
     def block_rows(self, full: torch.Tensor, block: int, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of rank-block `block` of a full (outer*W*lin, X) matrix, as a view
         (outer == 1) or a strided (n_outer, lin, X) view (outer > 1)."""
-        x = full.shape[-1]
         if self.outer == 1:
             return full[block * self.lin + lo: block * self.lin + hi]
-        blocked = full.view(self.outer, self.world, self.lin, x)
-        return blocked[lo // self.lin: hi // self.lin, block]
+        # full.view(outer, world, lin, X)[lo // lin: hi // lin, block] as ONE view: a call
+        # takes ~10 of these, and view + slice + select cost three dispatches each
+        # (benchmarks/probe_host_cpu.py, the B4 cases).
+        row, col = full.stride()
+        return full.as_strided(((hi - lo) // self.lin, self.lin, full.shape[-1]), (self.world * self.lin * row, row, col),
+                               full.storage_offset() + ((lo // self.lin) * self.world + block) * self.lin * row)
 
 
 def piece_rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

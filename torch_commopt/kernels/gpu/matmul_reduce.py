@@ -116,11 +116,14 @@ class _Call:
         self.recv = self.buf.view(self.rank, self.base, (rt.world, self.m_seg, self.n), self.dtype)
         self.cur, self.side = torch.cuda.current_stream(a.device), rt.side
         self.side_used = False  # join the side stream only if this call forked it (graph capture)
+        self._wide: dict[tuple[int, int], torch.Tensor] = {}  # (K part, row blocks) -> its weight expanded
 
-    def slot(self, owner: int, sender: int, region: int = 0) -> torch.Tensor:
-        """Slot `sender` of rank `owner`'s buffer (region 0: partials, 1: all-gather)."""
-        offset = self.base + (region * self.world + sender) * self.seg_bytes
-        return self.buf.view(owner, offset, (self.m_seg, self.n), self.dtype)
+    def slot(self, owner: int, sender: int, region: int = 0, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Slot `sender` of rank `owner`'s buffer (region 0: partials, 1: all-gather), or its
+        rows [lo, hi): the buffer's cached views, where slicing the slot costs a view a call."""
+        hi = self.m_seg if hi is None else hi
+        offset = self.base + (region * self.world + sender) * self.seg_bytes + lo * self.n * self.dtype.itemsize
+        return self.buf.view(owner, offset, (hi - lo, self.n), self.dtype)
 
     def peer_slot(self, p: int, region: int = 0) -> torch.Tensor:
         """This rank's receive slot in rank p's buffer."""
@@ -167,19 +170,33 @@ class _Call:
         """Rows [lo, hi) of a segment's A rows (segment_a): whole outer blocks of a strided view."""
         return [blocks_of(x, lo, hi, self.lay.lin) if x.dim() == 3 else piece_rows(x, lo, hi) for x in seg]
 
+    def weights_for(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The K parts' weights for these rows: as they are for matrices, expanded to the row
+        blocks' batch (stride 0) for (blocks, lin, K) views -- once per call and batch size."""
+        if rows[0].dim() == 2:
+            return self.ws
+        blocks = rows[0].shape[0]
+        out = []
+        for i, w in enumerate(self.ws):
+            wide = self._wide.get((i, blocks))
+            if wide is None:
+                wide = self._wide[i, blocks] = w.expand(blocks, *w.shape)
+            out.append(wide)
+        return out
+
     def product(self, rows: list[torch.Tensor], out: torch.Tensor) -> None:
         """out <- the rows' product: rows[0] @ w_0 (scaled: _scaled_mm), then each further K
         part's product added in place."""
-        out = as_blocks(out, rows[0])
-        matmul(rows[0], self.ws[0], None, self.sc, out=out)
-        for x, w in zip(rows[1:], self.ws[1:]):
+        out, ws = as_blocks(out, rows[0]), self.weights_for(rows)
+        matmul(rows[0], ws[0], None, self.sc, out=out)
+        for x, w in zip(rows[1:], ws[1:]):
             add_matmul_(out, x, w)
 
     def add_product(self, out: torch.Tensor, rows: list[torch.Tensor]) -> None:
         """out <- alpha * (out + the rows' product), in place (addmm_: no copy of C)."""
-        out = as_blocks(out, rows[0])
-        add_matmul_(out, rows[0], self.ws[0], beta=self.alpha, alpha=self.alpha)
-        for x, w in zip(rows[1:], self.ws[1:]):
+        out, ws = as_blocks(out, rows[0]), self.weights_for(rows)
+        add_matmul_(out, rows[0], ws[0], beta=self.alpha, alpha=self.alpha)
+        for x, w in zip(rows[1:], ws[1:]):
             add_matmul_(out, x, w, alpha=self.alpha)
 
     def wait(self, stream, src, c, what, phase: int = 0):
@@ -377,23 +394,24 @@ def _pull_reduce(call: _Call, own, after_piece):
     for p in rt.peers:
         call.acquire(call.cur, p, defer_take=True)
     for p in rt.peers:
-        a_p, mine = call.segment_a(p), call.slot(call.rank, p)
+        a_p = call.segment_a(p)
         for c, (lo, hi) in enumerate(call.pieces):
-            call.product(call.piece(a_p, lo, hi), mine[lo:hi])
+            call.product(call.piece(a_p, lo, hi), call.slot(call.rank, p, 0, lo, hi))
             call.signal(call.cur, p, c)
     a_r = call.segment_a(call.rank)
     for c, (lo, hi) in enumerate(call.pieces):
+        own_piece = piece_rows(own, lo, hi)
         for src in sources:
             call.wait(local, src, c, "partial")
-            dst = own[lo:hi] if pulled is None else pulled[src, lo:hi]
-            rt.copy(local, dst, call.slot(src, call.rank)[lo:hi])
+            dst = own_piece if pulled is None else pulled[src, lo:hi]
+            rt.copy(local, dst, call.slot(src, call.rank, 0, lo, hi))
         if pulled is None:
             rt.after(call.cur, local)
-            call.add_product(own[lo:hi], call.piece(a_r, lo, hi))
+            call.add_product(own_piece, call.piece(a_r, lo, hi))
         else:
             call.product(call.piece(a_r, lo, hi), pulled[call.rank, lo:hi])  # beside the pulls
             rt.after(call.cur, local)
-            _sum_slots(call, pulled[:, lo:hi], own[lo:hi])
+            _sum_slots(call, pulled[:, lo:hi], own_piece)
         if after_piece is not None:
             after_piece(c, lo, hi)
 
