@@ -92,6 +92,21 @@ def matmul(rows: torch.Tensor, w: torch.Tensor, bias, scaled: Scaled | None = No
     return torch.mm(rows, w, out=out) if bias is None else torch.addmm(bias, rows, w, out=out)
 
 
+class Expanded:
+    """Weights expanded to a batch of n row blocks (batch stride 0, what `matmul` and
+    `add_matmul_` take for (n, M, K) rows), made once per n in a call rather than once per
+    piece and weight: each expand is a dispatch of a region call's host time."""
+
+    def __init__(self, weights):
+        self.weights, self.by_blocks = list(weights), {}
+
+    def __call__(self, blocks: int) -> list[torch.Tensor]:
+        got = self.by_blocks.get(blocks)
+        if got is None:
+            got = self.by_blocks[blocks] = [w.expand(blocks, *w.shape) for w in self.weights]
+        return got
+
+
 def add_matmul_(out: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, *, beta: float = 1.0,
                 alpha: float = 1.0) -> torch.Tensor:
     """out <- beta * out + alpha * rows @ w in place (addmm_; baddbmm_ for (B, M, K) row

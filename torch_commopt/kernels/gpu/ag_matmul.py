@@ -25,7 +25,7 @@ import torch
 from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
-from torch_commopt.kernels.scaled import Scaled, call_key, matmul, out_dtype
+from torch_commopt.kernels.scaled import Expanded, Scaled, call_key, matmul, out_dtype
 from torch_commopt.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3}
@@ -134,7 +134,7 @@ def _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, c
     write disjoint rows).  sc: each piece is a scaled (float8) product."""
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in outs]
-    wide = _Expanded(weights)
+    wide = Expanded(weights)
     peers = cur if second is None else second
     if second is not None:
         rt.after(second, cur)  # the outputs were allocated on the caller's stream
@@ -170,27 +170,13 @@ def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur,
                 dst.copy_(part.view(dst.shape))
 
 
-class _Expanded:
-    """The weights expanded to a batch of n row blocks (batch stride 0), made once per n in a
-    call rather than once per piece and weight."""
-
-    def __init__(self, weights):
-        self.weights, self.by_blocks = weights, {}
-
-    def __call__(self, blocks: int) -> list:
-        got = self.by_blocks.get(blocks)
-        if got is None:
-            got = self.by_blocks[blocks] = [w.expand(blocks, *w.shape) for w in self.weights]
-        return got
-
-
 def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi, sc=None, wide=None):
     """Rows [lo, hi) of rank-block `block` of each output <- `rows` @ weights[i] (+ biases[i]).
-    wide: an _Expanded of the weights (outer > 1; the call's own, shared by its pieces)."""
+    wide: the call's Expanded of the weights (outer > 1; shared by its pieces)."""
     if lay.outer != 1 and sc is None:  # rows of several outer blocks: one batched GEMM writes the strided destination
         blocks = (hi - lo) // lay.lin
         rows3 = rows.view(blocks, lay.lin, rows.shape[-1])
-        for out, wb, b in zip(full, (wide or _Expanded(weights))(blocks), biases):
+        for out, wb, b in zip(full, (wide or Expanded(weights))(blocks), biases):
             matmul(rows3, wb, b, out=lay.block_rows(out, block, lo, hi))
         return
     for i, (out, w, b) in enumerate(zip(full, weights, biases)):

@@ -42,7 +42,7 @@ import torch
 from torch_commopt.kernels.gpu import call_graphs, driver, symm, tma
 from torch_commopt.kernels.gpu.layout import RowLayout, as_blocks, blocks_of, cdiv, piece_rows
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
-from torch_commopt.kernels.scaled import Scaled, add_matmul_, call_key, matmul, out_dtype
+from torch_commopt.kernels.scaled import Expanded, Scaled, add_matmul_, call_key, matmul, out_dtype
 from torch_commopt.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3, "store": "direct"}
@@ -116,7 +116,7 @@ class _Call:
         self.recv = self.buf.view(self.rank, self.base, (rt.world, self.m_seg, self.n), self.dtype)
         self.cur, self.side = torch.cuda.current_stream(a.device), rt.side
         self.side_used = False  # join the side stream only if this call forked it (graph capture)
-        self._wide: dict[tuple[int, int], torch.Tensor] = {}  # (K part, row blocks) -> its weight expanded
+        self.wide = Expanded(self.ws)  # the K parts' weights for row blocks (weights_for)
 
     def slot(self, owner: int, sender: int, region: int = 0, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Slot `sender` of rank `owner`'s buffer (region 0: partials, 1: all-gather), or its
@@ -173,16 +173,7 @@ class _Call:
     def weights_for(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """The K parts' weights for these rows: as they are for matrices, expanded to the row
         blocks' batch (stride 0) for (blocks, lin, K) views -- once per call and batch size."""
-        if rows[0].dim() == 2:
-            return self.ws
-        blocks = rows[0].shape[0]
-        out = []
-        for i, w in enumerate(self.ws):
-            wide = self._wide.get((i, blocks))
-            if wide is None:
-                wide = self._wide[i, blocks] = w.expand(blocks, *w.shape)
-            out.append(wide)
-        return out
+        return self.ws if rows[0].dim() == 2 else self.wide(rows[0].shape[0])
 
     def product(self, rows: list[torch.Tensor], out: torch.Tensor) -> None:
         """out <- the rows' product: rows[0] @ w_0 (scaled: _scaled_mm), then each further K
