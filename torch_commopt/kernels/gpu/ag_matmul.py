@@ -170,13 +170,13 @@ def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur,
                 dst.copy_(part.view(dst.shape))
 
 
-def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi, sc=None, wide=None):
+def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi, sc, wide: Expanded):
     """Rows [lo, hi) of rank-block `block` of each output <- `rows` @ weights[i] (+ biases[i]).
-    wide: the call's Expanded of the weights (outer > 1; shared by its pieces)."""
+    wide: the call's Expanded of the weights (used at outer > 1; shared by its pieces)."""
     if lay.outer != 1 and sc is None:  # rows of several outer blocks: one batched GEMM writes the strided destination
         blocks = (hi - lo) // lay.lin
         rows3 = rows.view(blocks, lay.lin, rows.shape[-1])
-        for out, wb, b in zip(full, (wide or Expanded(weights))(blocks), biases):
+        for out, wb, b in zip(full, wide(blocks), biases):
             matmul(rows3, wb, b, out=lay.block_rows(out, block, lo, hi))
         return
     for i, (out, w, b) in enumerate(zip(full, weights, biases)):
