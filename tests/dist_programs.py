@@ -8,7 +8,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import torch_commopt
-from torch_commopt.validate import rel_err
+from torch_commopt.testing.validate import rel_err
 
 
 def _g():
@@ -111,7 +111,7 @@ def model_shape(world: int) -> dict:
 
 
 def run_models(rank: int, world: int, options: dict, kinds: tuple[str, ...], shape: dict | None = None):
-    from torch_commopt.validate import check
+    from torch_commopt.testing.validate import check
 
     out = {}
     for kind in kinds:
@@ -127,7 +127,7 @@ def _block_runs(build_fn, labels: dict, x_global: torch.Tensor, shard) -> dict:
     """{label: validate.run_once's results} of a freshly built TP+SP block per label, fed
     shard(x_global) in that label's dtype with one float64 probe.  labels: {label: (dtype,
     wrap)}, wrap(block) -> what runs (the block itself, a compiled or checkpointed form)."""
-    from torch_commopt.validate import run_once
+    from torch_commopt.testing.validate import run_once
 
     probe = torch.randn(shard(x_global).shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     runs = {}
@@ -148,7 +148,7 @@ def _errors(runs: dict, test: str) -> list[tuple[float, float]]:
 def _tp_sp_block(mesh):
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from torch_commopt.models import LlamaBlock, tp_sp_plan
+    from torch_commopt.testing.models import LlamaBlock, tp_sp_plan
 
     block = LlamaBlock(32, 4, 64)
     parallelize_module(block, mesh, tp_sp_plan(block))

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import torch_commopt
-from torch_commopt.validate import rel_err
+from torch_commopt.testing.validate import rel_err
 
 FP8 = torch.float8_e4m3fn
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dist_programs import run_checkpointed_block
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 
 @pytest.mark.parametrize("how", ["full", "selective"])

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from torch_commopt.launch import run_distributed
+from torch_commopt.testing.launch import run_distributed
 
 
 def _rank_squared(rank: int, world: int, offset: int) -> int:
@@ -84,7 +84,7 @@ def test_ranks_see_the_callers_environment_at_the_call(monkeypatch):
 def test_ranks_start_from_a_server_that_imported_the_package():
     import multiprocessing
 
-    from torch_commopt import launch
+    from torch_commopt.testing import launch
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         pytest.skip("no fork server on this platform: the ranks are spawned")
@@ -97,7 +97,7 @@ def test_ranks_that_may_use_cuda_are_spawned(monkeypatch):
     # a fork server's preload initializes CUDA, and torch refuses CUDA in a process forked after
     import torch
 
-    from torch_commopt import launch
+    from torch_commopt.testing import launch
 
     assert launch._context("nccl").get_start_method() == "spawn"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # e.g. gloo ranks sharing a GPU

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 
 from dist_programs import run_dp_tp_block
-from torch_commopt.launch import run_distributed
-from torch_commopt.tuner.autotune import Progress
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.tuner.matmul.autotune import Progress
+from torch_commopt.testing.validate import within_tolerance
 
 OPTIONS = [{}, {"schedule": "chunked", "chunks": 2}, {"mode": "autotune"}]
 
@@ -24,7 +24,7 @@ def test_tp_subgroups_of_a_dp_tp_mesh_match_eager():
 
 
 def test_progress_without_a_bar_logs_and_a_hidden_one_is_silent(caplog, capsys):
-    with caplog.at_level(logging.INFO, logger="torch_commopt.tuner.autotune"):
+    with caplog.at_level(logging.INFO, logger="torch_commopt.tuner.matmul.autotune"):
         shown = Progress(2, "commopt autotune x", show=True, bar=False)
         shown.step("ce_push:1")
         shown.step("sequential")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from dist_programs import run_funcol_programs, run_models
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 SCHEDULES = [{"schedule": "sequential"}, {"schedule": "chunked", "chunks": 3}]
 # sequential runs the program's own collective + matmul whatever the world: world 2 covers it,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torch_commopt.validate import check_shape
+from torch_commopt.testing.validate import check_shape
 
 BLOCK = {"batch": 2, "seq": 24, "dim": 36, "hidden": 72, "heads": 6}
 
@@ -33,7 +33,7 @@ def test_tp_block_does_not_shard_the_sequence():
 
 
 def test_tolerance_refuses_a_reference_that_is_not_the_same_computation():
-    from torch_commopt.validate import within_tolerance
+    from torch_commopt.testing.validate import within_tolerance
 
     assert within_tolerance(3e-3, 1e-3) and not within_tolerance(5e-3, 1e-3)
     assert within_tolerance(1e-9, 0.0)  # rounding noise

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_commopt.schedule import Schedule
+from torch_commopt.core.schedule import Schedule
 
 PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar", "attention")
 MODES = ("auto", "model", "autotune", "fixed")
@@ -23,14 +23,14 @@ class Config:
     """Options of the commopt backend.
 
     schedule: "auto" (default): on CUDA tensors the built-in rule
-        (`torch_commopt.kernels.gpu.pick`) chooses per region among NCCL
+        (`torch_commopt.kernels.matmul.gpu.pick`) chooses per region among NCCL
         `sequential` and the GPU schedules; elsewhere `chunked` with `chunks`
         pieces.  Or one schedule for every region: a name ("sequential",
         "chunked", "ce_push", "ce_pull", "direct", "fused"; pieces from `chunks`) or a full
         schedule string ("fused:4:bm=128,bn=128").  A schedule an op does not
         have falls back to "auto" for that region (noted in explain).  A region whose rows
         are symbolic (dynamic shapes) runs schedule `auto` unless one is named here: the rule
-        per call shape (`torch_commopt.kernels.auto`), whatever the mode.
+        per call shape (`torch_commopt.kernels.matmul.auto`), whatever the mode.
     chunks: piece count S of the chunked schedules (clamped to the size of the
         dimension being cut, and noted when clamped).
     mode: how a schedule is chosen per region.  "auto" (default): `schedule` if it
@@ -44,7 +44,7 @@ class Config:
         then on and is cached, so later compiles emit it directly.  explain adds the
         measured times.  Context-parallel attention regions run the schedule the tuner
         cache holds for their shape (measured by `python -m torch_commopt tune --attention
-        ...` or `torch_commopt.attention.tune.measure_and_store`; a training graph's kept
+        ...` or `torch_commopt.tuner.attention.tune.measure_and_store`; a training graph's kept
         tensors take the schedule's shapes when it is traced, so it cannot be timed at the
         first call), else the attention model's pick, noted in explain.
         "fixed": `schedule` must name the schedule (and its parameters).
@@ -58,7 +58,7 @@ class Config:
         user's cache directory).
     concat_k: a sum of matmuls that feeds a reduce-scatter or all-reduce (the backward of
         q/k/v or w1/w3: dX = dq Wq + dk Wk + dv Wv) becomes one matmul over its operands
-        concatenated along K, so it forms an overlapped region (passes/concat_k.py; costs a
+        concatenated along K, so it forms an overlapped region (passes/matmul/concat_k.py; costs a
         copy of the A operands and of the weights per call, so it is undone where the region
         is kept as compiled).  On by default.
     k_parts: where an op of ours takes a concat-K matmul, hand it the sum's terms as K parts
@@ -69,22 +69,22 @@ class Config:
     coconet: apply CoCoNet's all-gather reorder before finding regions: an all-gather whose
         result goes through unary elementwise ops (non-widening casts, activations) is
         moved after them, so they run on the shard and the gather meets its matmul
-        (passes/coconet.py).  Off by default until measured on GPUs.
+        (passes/matmul/coconet.py).  Off by default until measured on GPUs.
     ar_split: apply CoCoNet's all-reduce split where a GEMM sits on both sides: all_reduce ->
         row-local ops (residual add, norm) becomes reduce_scatter -> the ops on 1/W of the
         rows -> all_gather, which the region finders then overlap with both GEMMs
-        (passes/ar_split.py).  ASSUMES the other operands of those ops (the residual stream,
+        (passes/matmul/ar_split.py).  ASSUMES the other operands of those ops (the residual stream,
         norm weights) hold the same values on every rank of the group, as in tensor
         parallelism without sequence parallelism; explain lists them.  Off by default.
         "checked": the same, and every call compares those operands across the ranks (a
         checksum all-gather each) and raises a clear error where they differ.
     attention_schedule: the context-parallel attention schedule of the regions the "attention"
-        pattern rewrites (attention/rewrite.py: inference graphs): "auto" (the attention cost
+        pattern rewrites (passes/attention/rewrite.py: inference graphs): "auto" (the attention cost
         model's first, or with mode="autotune" the measured winner where the tuner cache has
         one) or a name: allgather, ring, ring_zigzag, ulysses, hybrid:U:R, with `:g=G` for the
         head-group depth of ring_zigzag, ulysses and hybrid.
     regather_for_backward: save each forward all-gather's shard instead of its gathered
-        result for backward; the backward gathers again (passes/regather.py): (W-1)/W of each
+        result for backward; the backward gathers again (passes/matmul/regather.py): (W-1)/W of each
         gathered activation's memory for one more all-gather per region in backward.
     saved_gather_budget_mib: the most MiB per GPU that one graph's gathered activations kept
         for backward may hold beyond their shards; the forward all-gathers whose results do
@@ -233,7 +233,7 @@ class Config:
         if self.ar_split not in (False, True, "checked"):
             raise ValueError(f"Config.ar_split: expected False, True or 'checked', got {self.ar_split!r}")
         if self.attention_schedule != "auto":
-            from torch_commopt.attention.spec import CPSchedule
+            from torch_commopt.core.attention_spec import CPSchedule
 
             try:
                 CPSchedule.parse(self.attention_schedule)

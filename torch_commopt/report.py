@@ -18,8 +18,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_commopt.passes.regions import Skip
-from torch_commopt.schedule import Schedule
+from torch_commopt.core.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A candidate left untouched: the pattern it looked like, the node, and why."""
+
+    kind: str
+    node: str
+    reason: str
 
 
 @dataclass

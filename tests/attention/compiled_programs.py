@@ -8,7 +8,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import torch_commopt
-from torch_commopt.validate import TOLERANCE_FACTOR, rel_err, within_tolerance
+from torch_commopt.testing.validate import TOLERANCE_FACTOR, rel_err, within_tolerance
 
 
 def close(errs, factor: float = TOLERANCE_FACTOR) -> bool:
@@ -87,7 +87,7 @@ def compiled_cp(rank: int, world: int, layout: str, heads: tuple[int, int], grad
 
 def head_parallel_notes(rank: int, world: int):
     """Explain's attention notes for a TP block (heads sharded, no sequence sharding)."""
-    from torch_commopt.validate import check
+    from torch_commopt.testing.validate import check
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()

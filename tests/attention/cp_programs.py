@@ -6,7 +6,7 @@ whole sequence in float64 (autograd for the gradients).  A schedule's error is c
 eager's own error in the case's dtype against that truth (validate.within_tolerance).
 
 Besides the numbers, each case records what this rank sent (`Traffic`, at the boundary of
-attention/comm.py and the collectives) and compares it with what the schedule should send:
+kernels/attention/comm.py and the collectives) and compares it with what the schedule should send:
 K/V with their H_kv heads only (never expanded for GQA), dK/dV sums in the accumulation
 dtype except where a half-precision hop is lossless (ring.GradRing), the number of ring steps
 of the schedule's ring degree.
@@ -23,11 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torch_commopt.attention import comm, cp_attention, cp_attention_bwd, cp_attention_fwd, local, refusal, schedules
-from torch_commopt.attention.local import acc_dtype
-from torch_commopt.attention.ring import GradRing, contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
-from torch_commopt.attention.spec import CPSchedule
-from torch_commopt.validate import rel_err
+from torch_commopt.kernels.attention import comm, local, schedules
+from torch_commopt.core.attention_spec import refusal
+from torch_commopt.kernels.attention.ops import cp_attention
+from torch_commopt.kernels.attention.schedules import cp_attention_bwd, cp_attention_fwd
+from torch_commopt.kernels.attention.local import acc_dtype
+from torch_commopt.kernels.attention.ring import GradRing, contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
+from torch_commopt.core.attention_spec import CPSchedule
+from torch_commopt.testing.validate import rel_err
 
 def hybrids(world: int) -> list[str]:
     """Every Ulysses x ring factorization of the world (hybrid:1:W ... hybrid:W:1)."""
@@ -558,7 +561,7 @@ def run_compiled_wrapper(rank: int, world: int, seed: int = 0) -> list[tuple[str
 def run_a2a_votes(rank: int, world: int) -> list[tuple[bool, str]]:
     """ce_a2a.vote on the default group: one host with peer access everywhere; rank 1 on
     another host; one rank without peer access (every rank must get the same answer)."""
-    from torch_commopt.attention import ce_a2a
+    from torch_commopt.kernels.attention import ce_a2a
 
     group, cpu = dist.group.WORLD, torch.device("cpu")
     return [ce_a2a.vote(group, cpu, "node-a", True),

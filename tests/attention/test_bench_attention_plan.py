@@ -11,7 +11,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks
 
 from bench_attention import Case, _commopt_plan  # noqa: E402
 
-from torch_commopt.attention.cost import machine_from_calibration  # noqa: E402
+from torch_commopt.tuner.attention.cost import machine_from_calibration  # noqa: E402
 from torch_commopt.tuner.calibration import prior  # noqa: E402
 
 
@@ -19,7 +19,8 @@ def test_the_pick_runs_even_when_it_is_a_head_group_depth(monkeypatch):
     """2x H200, session 23: without --schedules the pick `ulysses:g=1` was not among the
     accepted names (which say `ulysses`), and the record's lookup of its time failed.  (With
     the head groups on one stream the model picks `ulysses:g=1` at 16K.)"""
-    from torch_commopt.attention import ce_a2a, cost
+    from torch_commopt.kernels.attention import ce_a2a
+    from torch_commopt.tuner.attention import cost
 
     monkeypatch.delenv(ce_a2a.ENV, raising=False)
     monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "0")

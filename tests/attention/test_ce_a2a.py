@@ -1,4 +1,4 @@
-"""The copy-engine all-to-alls (attention/ce_a2a.py): never on CPU tensors or a rank alone, the
+"""The copy-engine all-to-alls (kernels/attention/ce_a2a.py): never on CPU tensors or a rank alone, the
 ranks' vote on taking part, and the byte layout of a slot (its environment switch:
 test_switches.py; the GPU protocol itself is tested in tests/gpu/test_cp_attention_gpu.py)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 import cp_programs
-from torch_commopt.attention import ce_a2a
-from torch_commopt.launch import run_distributed
+from torch_commopt.kernels.attention import ce_a2a
+from torch_commopt.testing.launch import run_distributed
 
 
 def test_cpu_tensors_and_lone_ranks_keep_nccl(monkeypatch):

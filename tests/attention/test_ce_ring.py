@@ -1,4 +1,4 @@
-"""The copy-engine ring's switch (attention/ce_ring.py): never on CPU tensors or a rank alone
+"""The copy-engine ring's switch (kernels/attention/ce_ring.py): never on CPU tensors or a rank alone
 (its environment switch: test_switches.py; the GPU protocol itself is tested in
 tests/gpu/test_cp_attention_gpu.py)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_commopt.attention import ce_ring, comm
+from torch_commopt.kernels.attention import ce_ring, comm
 
 
 class _Group:

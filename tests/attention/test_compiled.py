@@ -1,12 +1,12 @@
-"""backend="commopt" on all-gather context parallelism (attention/rewrite.py), gloo."""
+"""backend="commopt" on all-gather context parallelism (passes/attention/rewrite.py), gloo."""
 
 from __future__ import annotations
 
 import pytest
 
-from torch_commopt.launch import run_distributed
+from torch_commopt.testing.launch import run_distributed
 from compiled_programs import close
-from torch_commopt.validate import TOLERANCE_FACTOR
+from torch_commopt.testing.validate import TOLERANCE_FACTOR
 
 # Four ranks on the CI's two cores: the world-4 Ulysses programs are held to 100x eager
 # float32's error, the rest to the usual 4x.  With two intra-op threads per rank, about one run

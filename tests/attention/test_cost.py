@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from torch_commopt.attention import CPMachine, candidates, estimate_ms, rank_schedules
-from torch_commopt.attention.cost import DEPTH_MARGIN
+from torch_commopt.tuner.attention.cost import CPMachine, candidates, estimate_ms, rank_schedules
+from torch_commopt.tuner.attention.cost import DEPTH_MARGIN
 
 MACHINE = CPMachine(link_bytes_per_s=100e9, alpha_s=10e-6, flops_per_s=400e12, launch_s=5e-6)
 GQA = (1, 32, 8)  # batch, heads, kv heads
@@ -108,7 +108,7 @@ def test_bad_dtype_and_schedule_raise_value_error():
 
 
 def test_machine_figures_come_from_the_tuner_calibration():
-    from torch_commopt.attention.cost import ATTENTION_OF_GEMM_PEAK, machine_from_calibration
+    from torch_commopt.tuner.attention.cost import ATTENTION_OF_GEMM_PEAK, machine_from_calibration
     from torch_commopt.tuner.calibration import prior
 
     gpu, cpu = prior("NVIDIA H200", 2), prior("cpu", 2)
@@ -129,8 +129,8 @@ def test_concurrent_head_groups_launch_once_and_turn_the_pick_to_two_groups(monk
     group does."""
     import dataclasses
 
-    from torch_commopt.attention import ce_a2a
-    from torch_commopt.attention.cost import machine_from_calibration
+    from torch_commopt.kernels.attention import ce_a2a
+    from torch_commopt.tuner.attention.cost import machine_from_calibration
     from torch_commopt.tuner.calibration import prior
 
     for name in (ce_a2a.ENV, ce_a2a.GROUP_STREAMS_ENV):
@@ -177,7 +177,7 @@ def test_a_head_group_depth_goes_ahead_of_the_rules_only_beyond_the_depth_margin
     """DEPTH_MARGIN: ulysses:g=2 where the rule gives one group (16 MiB of q) ranks first only if
     predicted faster than the rule's ulysses by more than the margin; the predictions come back
     as predicted, and schedules that are not depths rank by their predictions alone."""
-    from torch_commopt.attention import cost
+    from torch_commopt.tuner.attention import cost
 
     shape = (1, 32, 32, 4096, 128)  # one group by the rule: ulysses:g=2 is a depth variant
     kw = dict(world=2, causal=False, dtype="bfloat16", machine=MACHINE, backward=True, depths=True)
@@ -199,8 +199,8 @@ def test_short_ulysses_calls_are_host_bound_and_one_head_group_ranks_first(monke
     max(device, host), so one group ranks first there, and at 16K (device-bound) nothing moves."""
     import dataclasses
 
-    from torch_commopt.attention import ce_a2a
-    from torch_commopt.attention.cost import HOST_CALL_S, HOST_PASS_CONCURRENT_S, HOST_PASS_S, machine_from_calibration
+    from torch_commopt.kernels.attention import ce_a2a
+    from torch_commopt.tuner.attention.cost import HOST_CALL_S, HOST_PASS_CONCURRENT_S, HOST_PASS_S, machine_from_calibration
     from torch_commopt.tuner.calibration import prior
 
     for name in (ce_a2a.ENV, ce_a2a.GROUP_STREAMS_ENV):
@@ -274,7 +274,7 @@ def test_a_training_graph_ranks_schedules_by_forward_and_backward(monkeypatch):
     import torch
     from torch.fx import Graph
 
-    from torch_commopt.attention import rewrite
+    from torch_commopt.passes.attention import rewrite
 
     shape = (1, 32, 32, 8192, 128)
     q = Graph().placeholder("q")
@@ -293,7 +293,7 @@ def test_a_training_graph_ranks_schedules_by_forward_and_backward(monkeypatch):
 
 
 def test_head_group_depths_are_candidates_where_they_differ_from_the_rule():
-    from torch_commopt.attention.cost import depth_variants
+    from torch_commopt.tuner.attention.cost import depth_variants
 
     big = (1, 32, 32, 16384, 128)  # 64 MiB of bf16 q per rank at W=2: the rule gives Ulysses 2 groups
     assert [str(s) for s in candidates(big, world=2, causal=True, dtype="bfloat16")] == [
@@ -318,7 +318,7 @@ def test_copy_engine_all_to_alls_are_charged_the_link_without_a_collective_launc
     ~0.4 ms on 2x H100)."""
     import dataclasses
 
-    from torch_commopt.attention.cost import machine_from_calibration
+    from torch_commopt.tuner.attention.cost import machine_from_calibration
     from torch_commopt.tuner.calibration import prior
 
     ce = dataclasses.replace(machine_from_calibration(prior("NVIDIA H100 80GB HBM3", 2), "bfloat16"),

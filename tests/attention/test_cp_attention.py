@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 import cp_programs
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 WORLDS = [2, 3, 4]
 
@@ -140,7 +140,7 @@ def test_dkv_hop_dtypes_by_plan():
     """Which hops are bf16 (half terms): world 2 all; world 4 contiguous causal: a block's sums
     hold one term until a later rank sees it in full (rank 0's step 1 holds block 3: skipped
     under causal); the last hop always."""
-    from torch_commopt.attention.ring import contiguous_plan, zigzag_plan
+    from torch_commopt.kernels.attention.ring import contiguous_plan, zigzag_plan
 
     for plan in (contiguous_plan(True), contiguous_plan(False), zigzag_plan(True)):
         assert cp_programs.dkv_hop_dtypes(plan, 2, 0, True) == [True, True]

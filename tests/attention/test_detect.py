@@ -19,7 +19,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
 
 from dist_programs import all_gather_on, funcol_gather
-from torch_commopt.attention.detect import find_attention
+from torch_commopt.passes.attention.detect import find_attention
 
 worlds = pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
 
@@ -179,7 +179,7 @@ def test_head_parallel_attention_yields_nothing(fake_world, plan):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from torch_commopt.models import LlamaBlock, tp_plan, tp_sp_plan
+    from torch_commopt.testing.models import LlamaBlock, tp_plan, tp_sp_plan
 
     model = LlamaBlock(32, 4, 64)
     parallelize_module(model, init_device_mesh("cpu", (fake_world,)), (tp_plan if plan == "tp" else tp_sp_plan)(model))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_commopt.attention.layout import Atoms, Layout, relayout
+from torch_commopt.passes.attention.layout import Atoms, Layout, relayout
 from torch_commopt.passes.graph_utils import Unsupported
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_commopt.attention import local
-from torch_commopt.attention.local import attend_bwd, attend_fwd, backends, pick
-from torch_commopt.validate import rel_err, within_tolerance
+from torch_commopt.kernels.attention import local
+from torch_commopt.kernels.attention.local import attend_bwd, attend_fwd, backends, pick
+from torch_commopt.testing.validate import rel_err, within_tolerance
 
 
 def _inputs(seed, h=4, h_kv=2, s_q=8, s_k=8, d=64, dv=None, dtype=torch.float64):
@@ -111,7 +111,7 @@ def test_cuda_adapters_plumbing_on_meta(name):
     """The aten SDPA adapters turn their kernel's conventions into the registry's (lse (B, H, S)
     fp32, K/V gradients with H_kv heads: cuDNN's own GQA sums in bf16, the others' expanded
     heads folded in fp32), for an S not a multiple of 32."""
-    from torch_commopt.attention import fused  # noqa: F401  (registers the CUDA adapters)
+    from torch_commopt.kernels.attention import fused  # noqa: F401  (registers the CUDA adapters)
 
     b, h, h_kv, s, d = 2, 4, 2, 40, 64
     q, dout = (torch.empty(b, h, s, d, device="meta", dtype=torch.bfloat16) for _ in range(2))

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from torch_commopt.attention.local import attend_fwd
-from torch_commopt.attention.merge import Accumulator, empty_accumulator, merge, merge_
-from torch_commopt.validate import rel_err, within_tolerance
+from torch_commopt.kernels.attention.local import attend_fwd
+from torch_commopt.kernels.attention.merge import Accumulator, empty_accumulator, merge, merge_
+from torch_commopt.testing.validate import rel_err, within_tolerance
 
 
 def _qkv(seed, s_q=6, s_k=10, h=4, h_kv=2, d=16, dtype=torch.float64):
@@ -145,8 +145,8 @@ def test_a_half_first_partial_is_merged_in_place_once_and_converted_before_more_
 
 TRITON_CHECK = """
 import torch
-from torch_commopt.attention import merge_triton
-from torch_commopt.attention.merge import _merge_torch
+from torch_commopt.kernels.attention import merge_triton
+from torch_commopt.kernels.attention.merge import _merge_torch
 g = torch.Generator().manual_seed(5)
 worst = 0.0
 for d in (64, 96, 128):
@@ -190,7 +190,7 @@ def test_local_gradient_sum_keeps_a_half_term_and_rounds_once():
     """ring_bwd's dq sum: the first whole bf16 term is handed over; a last term is added in
     place in bf16 (fp32 math, one rounding: equal to summing in fp32 and rounding at the end);
     a term with more to come converts the sum to fp32 first."""
-    from torch_commopt.attention.ring import LocalSum
+    from torch_commopt.kernels.attention.ring import LocalSum
 
     gen = torch.Generator().manual_seed(21)
     like = torch.empty(2, 3, 8, 16, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""ulysses:early's block plan (attention/own_first.py): the early block and the rest cover
+"""ulysses:early's block plan (kernels/attention/own_first.py): the early block and the rest cover
 exactly the attention the mask keeps, every query block completes once, and the peers' rows
 complete before the rank's own wherever the plan can order them so (numerics against full
 attention: cp_programs' every-schedule cases; the all-to-all protocol: test_protocol_sim)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from torch_commopt.attention import own_first
+from torch_commopt.kernels.attention import own_first
 
 
 def _cells(blocks, n: int) -> list[tuple[int, int, str]]:

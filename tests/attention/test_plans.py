@@ -1,12 +1,12 @@
-"""The ring plans (attention/ring.py) as pure functions: every causal (query, key) pair of the
+"""The ring plans (kernels/attention/ring.py) as pure functions: every causal (query, key) pair of the
 global sequence is computed exactly once over all ranks and steps, and never a future one."""
 
 from __future__ import annotations
 
 import pytest
 
-from torch_commopt.attention import comm
-from torch_commopt.attention.ring import block_fractions, contiguous_plan, zigzag_plan, zigzag_q_plan
+from torch_commopt.kernels.attention import comm
+from torch_commopt.kernels.attention.ring import block_fractions, contiguous_plan, zigzag_plan, zigzag_q_plan
 
 
 def _pairs(plan, n: int, length: int, q_chunks, k_chunks) -> list[tuple[int, int]]:

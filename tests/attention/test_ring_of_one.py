@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_commopt.attention import comm
-from torch_commopt.attention.ring import contiguous_plan, ring_bwd, ring_fwd
+from torch_commopt.kernels.attention import comm
+from torch_commopt.kernels.attention.ring import contiguous_plan, ring_bwd, ring_fwd
 
 
 def test_a_ring_of_one_rank_hands_back_its_tensors_uncopied():

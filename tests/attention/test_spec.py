@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from torch_commopt.attention import CPSchedule, refusal
+from torch_commopt.core.attention_spec import CPSchedule, refusal
 
 
 @pytest.mark.parametrize("text", ["allgather", "ring", "ring_zigzag", "ulysses", "hybrid:2:4", "hybrid:1:8",
@@ -61,7 +61,7 @@ def test_shapes_taken(sched, shape, world, causal):
 
 
 def test_pipeline_groups_are_the_schedules_or_the_rules():
-    from torch_commopt.attention.spec import pipeline_groups
+    from torch_commopt.core.attention_spec import pipeline_groups
 
     big, small = 128 << 20, 1 << 20  # one rank's q bytes: two groups of >= 32 MiB, or not
     assert pipeline_groups("ulysses", big, 32, 8, 2) == 2 and pipeline_groups("ulysses", small, 32, 8, 2) == 1
@@ -72,7 +72,7 @@ def test_pipeline_groups_are_the_schedules_or_the_rules():
 
 def test_fake_impls_give_shapes_and_refuse_at_trace_time():
     """The ops' fake impls (what a graph pass traces with) need no process group."""
-    import torch_commopt.attention  # noqa: F401  (registers the ops)
+    import torch_commopt.kernels.attention.ops  # noqa: F401  (registers the ops)
 
     with FakeTensorMode():
         q, dout = torch.empty(2, 8, 6, 64), torch.empty(2, 8, 6, 32)
@@ -89,7 +89,7 @@ def test_fake_impls_give_shapes_and_refuse_at_trace_time():
 
 
 def test_kept_pair_fakes_give_shapes_and_refuse_kept_tensors_that_do_not_fit():
-    import torch_commopt.attention  # noqa: F401  (registers the ops)
+    import torch_commopt.kernels.attention.ops  # noqa: F401  (registers the ops)
 
     with FakeTensorMode():
         q, k, v = torch.empty(2, 8, 6, 64), torch.empty(2, 4, 6, 64), torch.empty(2, 4, 6, 32)
@@ -114,16 +114,16 @@ def test_kept_pair_fakes_give_shapes_and_refuse_kept_tensors_that_do_not_fit():
 
 
 def test_import_touches_neither_cuda_nor_a_process_group():
-    code = ("import torch, torch.distributed as dist, torch_commopt.attention\n"
+    code = ("import torch, torch.distributed as dist, torch_commopt.kernels.attention.ops\n"
             "assert not torch.cuda.is_initialized() and not dist.is_initialized()\n"
             "assert hasattr(torch.ops.commopt, 'cp_attention_fwd')\n"
-            "import sys; assert 'torch_commopt.attention.fused' not in sys.modules\n")
+            "import sys; assert 'torch_commopt.kernels.attention.fused' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_zigzag_pipelines_its_relayouts_over_two_head_groups_for_large_shards_only():
-    from torch_commopt.attention.spec import ZIGZAG_PIPELINE_MIN_BYTES, zigzag_head_groups
+    from torch_commopt.core.attention_spec import ZIGZAG_PIPELINE_MIN_BYTES, zigzag_head_groups
 
     big = 2 * ZIGZAG_PIPELINE_MIN_BYTES
     assert zigzag_head_groups(big, 8) == 2  # e.g. 8K tokens/GPU, H 32, D 128, bf16: 64 MiB of q
@@ -132,7 +132,7 @@ def test_zigzag_pipelines_its_relayouts_over_two_head_groups_for_large_shards_on
 
 
 def test_ulysses_pipelines_its_all_to_alls_over_two_head_groups_for_large_shards_only():
-    from torch_commopt.attention.spec import ULYSSES_PIPELINE_MIN_BYTES, ulysses_head_groups
+    from torch_commopt.core.attention_spec import ULYSSES_PIPELINE_MIN_BYTES, ulysses_head_groups
 
     least = ULYSSES_PIPELINE_MIN_BYTES
     assert ulysses_head_groups(2 * least, 32, 8, 2) == 2  # e.g. 16K tokens, H 32, bf16: 64 MiB of q

@@ -1,4 +1,4 @@
-"""The attention transports' environment switches (attention/switches.py): the ring's K/V on
+"""The attention transports' environment switches (kernels/attention/switches.py): the ring's K/V on
 NCCL unless asked for the copy engine, Ulysses's all-to-alls on the copy engine unless asked for
 NCCL, and an unknown value logged and read as nccl."""
 
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from torch_commopt.attention import ce_a2a, ce_ring
+from torch_commopt.kernels.attention import ce_a2a, ce_ring
 
 
 @pytest.mark.parametrize("module,default,other", [(ce_ring, "nccl", "ce"), (ce_a2a, "ce", "nccl")])
@@ -49,8 +49,8 @@ def test_only_a_ring_of_one_runs_its_head_groups_concurrently(monkeypatch):
     """schedules._moved tells the all-to-all pipeline whether the attention it runs per group
     makes collective calls of its own (a ring over more than one rank): only pure Ulysses's
     groups may run on two streams."""
-    from torch_commopt.attention import schedules
-    from torch_commopt.attention.spec import CPSchedule
+    from torch_commopt.kernels.attention import schedules
+    from torch_commopt.core.attention_spec import CPSchedule
 
     seen = []
     monkeypatch.setattr(schedules, "_ulysses_pipelined", lambda *a, concurrent=False, **k: seen.append(concurrent))

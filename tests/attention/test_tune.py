@@ -1,5 +1,5 @@
 """Config.mode="autotune" for context-parallel attention: measured by `tune --attention`, taken
-from the tuner cache by the rewrite (attention/tune.py), gloo."""
+from the tuner cache by the rewrite (tuner/attention/tune.py), gloo."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import pytest
 from compiled_programs import close
 
-from torch_commopt.attention import tune
-from torch_commopt.attention.spec import AttentionShape
-from torch_commopt.launch import run_distributed
+from torch_commopt.tuner.attention import tune
+from torch_commopt.core.attention_spec import AttentionShape
+from torch_commopt.testing.launch import run_distributed
 
 # compiled_programs.compiled_cp's program: global q (2, 4, 16, 16), k/v with 2 heads (GQA)
 SHAPE = "2,4,2,16,16"
@@ -74,7 +74,7 @@ def test_autotune_runs_the_measured_schedule_from_the_cache(tmp_path, capsys, tr
 
 
 def test_tune_refuses_a_sequence_the_world_does_not_split():
-    from torch_commopt.tuner.tune import run_tune
+    from torch_commopt.cli import run_tune
 
     with pytest.raises(ValueError, match="not a multiple of --world 2"):
         run_tune([], 2, "gloo", attention=["1,4,4,15,8"])
@@ -93,8 +93,8 @@ def test_explain_attention_prints_the_ranking_with_the_cached_measurement(capsys
     times = [float(line.split()[1]) for line in rows]
     assert times == sorted(times) and {"ulysses", "ulysses:g=1", "allgather"} <= {r.split()[0] for r in rows}
     # a measurement in the cache (what `tune --attention` stores) is shown and named as autotune's choice
-    from torch_commopt.attention.cost import machine_from_calibration
-    from torch_commopt.tuner.choose import prior
+    from torch_commopt.tuner.attention.cost import machine_from_calibration
+    from torch_commopt.tuner.calibration import prior
 
     shape, causal, backward = tune.parse_spec(spec)
     machine = machine_from_calibration(prior("NVIDIA H200", 2), "bfloat16")

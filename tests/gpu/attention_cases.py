@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torch_commopt  # noqa: F401  (registers the ops)
-from torch_commopt.attention import cp_attention
-from torch_commopt.attention.spec import refusal
-from torch_commopt.validate import rel_err
+from torch_commopt.kernels.attention.ops import cp_attention
+from torch_commopt.core.attention_spec import refusal
+from torch_commopt.testing.validate import rel_err
 
 # (B, H, H_kv, S_loc, D, causal)
 SHAPES = [(2, 8, 8, 512, 128, True), (1, 8, 2, 1000, 64, True), (1, 8, 2, 768, 128, False), (2, 4, 1, 256, 128, True)]
@@ -78,7 +78,7 @@ def _case(rank, world, shape, schedule, layout, seed, head_groups=None, device="
     if head_groups is None:
         out = cp_attention(*leaves, schedule=schedule, causal=causal, layout=layout)
     else:  # the schedules' own entry: the pipeline depth forced
-        from torch_commopt.attention import schedules
+        from torch_commopt.kernels.attention import schedules
 
         kw = dict(schedule=schedule, causal=causal)
         shards = [t.detach() for t in leaves]
@@ -136,8 +136,8 @@ def run_cp_attention_cases(rank: int, world: int, device: str = "cuda") -> list[
 def tune_attention(rank: int, world: int, cache_dir: str):
     """attention.tune.measure_and_store on the GPUs (forward + backward, causal GQA, bf16):
     (winner, {schedule: ms}) of this rank."""
-    from torch_commopt.attention.spec import AttentionShape
-    from torch_commopt.attention.tune import measure_and_store
+    from torch_commopt.core.attention_spec import AttentionShape
+    from torch_commopt.tuner.attention.tune import measure_and_store
 
     return measure_and_store(AttentionShape(1, 8, 4, 4096, 64), True, torch.bfloat16, True, cache_dir=cache_dir,
                              top_k=2)
@@ -156,8 +156,8 @@ def run_a2a_buffer_growth(rank: int, world: int, busy_ms: float = 0.0) -> list[t
     MiB)] per call."""
     import os
 
-    from torch_commopt.attention import ce_a2a
-    from torch_commopt.attention.schedules import cp_attention_fwd_keep
+    from torch_commopt.kernels.attention import ce_a2a
+    from torch_commopt.kernels.attention.schedules import cp_attention_fwd_keep
     from torch_commopt.kernels.gpu import symm
 
     group = dist.new_group(list(range(world)))

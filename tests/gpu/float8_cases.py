@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import torch_commopt  # noqa: F401  (registers the ops)
 from kernel_cases import _compare, _poison, _rel
-from torch_commopt.schedule import Schedule
+from torch_commopt.core.schedule import Schedule
 
 FP8 = torch.float8_e4m3fn
 AG_SCHEDULES = ["local_first", "ce_push:1", "ce_push:3", "ce_push:1:par=1", "ce_push:2:gemm=whole", "fused:1"]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import torch_commopt  # noqa: F401  (registers the ops)
-from torch_commopt.schedule import Schedule
+from torch_commopt.core.schedule import Schedule
 
 AG_SCHEDULES = ["local_first", "ce_push:1", "ce_push:3", "ce_push:1:par=1", "ce_push:3:par=1", "ce_push:1:gemm=whole", "ce_push:2:gemm=whole", "fused:1", "fused:4", "fused:2:bk=64,bm=64,bn=128,stages=3,warps=4", "fused:1:tma=1", "fused:3:tma=1"]
 RS_SCHEDULES = ["ce_push:1", "ce_push:3", "ce_pull:1", "ce_pull:3", "direct:1", "direct:2", "fused:2:store=direct", "fused:3:store=ce",
@@ -188,7 +188,7 @@ def run_auto_cases(rank: int, world: int):
     """Schedule `auto` (a region with dynamic rows) called with row counts on both sides of the
     rule's thresholds in one process: [(name, error, reference error)] and the schedules the
     calls resolved to (kernels.auto)."""
-    from torch_commopt.kernels.auto import auto_schedule
+    from torch_commopt.kernels.matmul.auto import auto_schedule
 
     k = n = 4096
     results, picked, seed = [], set(), 4000
@@ -223,7 +223,7 @@ def run_alloc_failure(rank: int, world: int):
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
-    ops_log = logging.getLogger("torch_commopt.kernels.ops")
+    ops_log = logging.getLogger("torch_commopt.kernels.matmul.ops")
     symm.GroupRuntime._empty = failing
     ops_log.addHandler(handler)
     try:
@@ -303,7 +303,7 @@ def run_debug_timeout(rank: int, world: int):
 def run_compiled_models(rank: int, world: int, options: dict, kinds: tuple[str, ...], shape: dict, dtype: str):
     """Compile TP+SP models with commopt on the GPUs: per kind, the errors of every output
     and gradient vs float64 (next to eager's own) and the schedules explain reports."""
-    from torch_commopt.validate import check
+    from torch_commopt.testing.validate import check
 
     out = {}
     for kind in kinds:
@@ -319,7 +319,7 @@ def run_compiled_band(rank: int, world: int, shape: dict, options: dict | None =
     """A TP block whose MLP all-reduce falls in the rule's host-bound band, compiled with the rule
     (and `options`): (errors vs float64 next to eager's, the schedules the compile emitted,
     explain notes)."""
-    from torch_commopt.validate import check
+    from torch_commopt.testing.validate import check
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()
@@ -336,8 +336,8 @@ def run_compiled_dynamic(rank: int, world: int, seqs: tuple[int, ...], shape: di
     own inductor cannot compile the DTensor model with symbolic sizes (torch 2.11 on 2x H100,
     session 20: "unhashable type: non-nested SymInt" hashing a DTensorSpec in AOTAutograd),
     the same MLP written with funcol collectives (the form DTensor lowers to) runs instead."""
-    from torch_commopt.kernels import auto
-    from torch_commopt.validate import build, check_sizes
+    from torch_commopt.kernels.matmul import auto
+    from torch_commopt.testing.validate import build, check_sizes
 
     skipped = None
     kind = "tp_sp_mlp"
@@ -483,7 +483,7 @@ def run_compiled_cuda_graphs_short(rank: int, world: int, options: dict, calls: 
     check "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"; the measurement
     now runs on a helper thread.)"""
     import torch.distributed._functional_collectives as funcol
-    from torch_commopt.tuner import autotune
+    from torch_commopt.tuner.matmul import autotune
 
     torch.manual_seed(rank)
     dtype, m, k, n = torch.bfloat16, 512 // world, 8192, 4096

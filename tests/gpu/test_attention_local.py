@@ -1,4 +1,4 @@
-"""The CUDA local-attention backends (attention/fused.py) against the math reference, on one GPU.
+"""The CUDA local-attention backends (kernels/attention/fused.py) against the math reference, on one GPU.
 
 Every schedule calls these block kernels, so each is checked for what the schedules rely on:
 forward out and lse, backward given an lse (the merged, global one), GQA (K/V unexpanded,
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_commopt.attention.local import attend_bwd, attend_fwd, backends, pick
-from torch_commopt.attention.merge import empty_accumulator, merge_
-from torch_commopt.validate import rel_err, within_tolerance
+from torch_commopt.kernels.attention.local import attend_bwd, attend_fwd, backends, pick
+from torch_commopt.kernels.attention.merge import empty_accumulator, merge_
+from torch_commopt.testing.validate import rel_err, within_tolerance
 
 CUDA_BACKENDS = ("flash", "cudnn", "efficient", "flash_attn")
 
@@ -98,7 +98,7 @@ def test_a_half_first_partial_takes_its_last_merge_in_place(one_gpu):
     chunk (a strided slice, passed to cuDNN uncopied) against another rank's keys: the bf16
     first partial merged in place by the Triton kernel equals the fp32-accumulated result to
     within bf16 rounding, and stays bf16."""
-    from torch_commopt.attention.merge import Accumulator
+    from torch_commopt.kernels.attention.merge import Accumulator
 
     q, k, v, _ = _inputs(9, torch.bfloat16, h=8, h_kv=2, s=512)
     _, k2, v2, _ = _inputs(10, torch.bfloat16, h=8, h_kv=2, s=512)
@@ -128,8 +128,8 @@ def test_triton_merge_matches_the_torch_merge(one_gpu):
     """merge_triton (what merge_ runs on CUDA) against the torch formula in fp64: a bf16 partial
     into an fp32 accumulator viewed as a slice of the sequence dim, rows empty on either or both
     sides, 200 back-to-back calls."""
-    from torch_commopt.attention import merge_triton
-    from torch_commopt.attention.merge import merge_
+    from torch_commopt.kernels.attention import merge_triton
+    from torch_commopt.kernels.attention.merge import merge_
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     for d in (64, 128, 96):

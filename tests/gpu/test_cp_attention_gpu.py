@@ -1,7 +1,7 @@
 """Context-parallel attention on 2 GPUs (NCCL, cuDNN local kernels, the Triton merge): every
 schedule, both sequence layouts and the head-group pipelines against full attention (see
-attention_cases), Ulysses's all-to-alls by the copy engine (attention/ce_a2a.py, the CUDA
-default); again with the ring's K/V pushed by the copy engine too (attention/ce_ring.py,
+attention_cases), Ulysses's all-to-alls by the copy engine (kernels/attention/ce_a2a.py, the CUDA
+default); again with the ring's K/V pushed by the copy engine too (kernels/attention/ce_ring.py,
 TORCH_COMMOPT_ATTENTION_TRANSPORT=ce) and bounded waits, so a protocol error raises; with
 Ulysses's head groups on one compute stream (TORCH_COMMOPT_ATTENTION_GROUP_STREAMS=0; by default
 the odd ones run on a second) and with the forward's only on two ("fwd"); and with NCCL's
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from attention_cases import run_cp_attention_cases
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 
 def _check_all(ranks: tuple[int, str]) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from float8_cases import run_float8_cases
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 
 @pytest.mark.gpu

@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_commopt.validate import rel_err, within_tolerance
+from torch_commopt.testing.validate import rel_err, within_tolerance
 
 FLAG_BASE = 1024
 
 
 def _run(one_gpu, *, world, m_loc, k, ns, lin=None, bias=False, kmajor=True, dtype=torch.bfloat16, tma=1, seed=0):
-    from torch_commopt.kernels.gpu.ag_matmul import launch_fused
+    from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(dtype)  # noqa: E731
@@ -65,9 +65,9 @@ def test_fused_tma_small_shard(one_gpu):
 
 def _run_rs(one_gpu, monkeypatch, *, world, m_seg, k, n, lin=None, kmajor=True, direct=True, tma=1, alpha=1.0,
             dtype=torch.bfloat16, seed=0, want_tma=None, bases_aligned=True):
-    from torch_commopt.kernels.gpu import tma as tma_mod
-    from torch_commopt.kernels.gpu.layout import cdiv
-    from torch_commopt.kernels.gpu.matmul_reduce import launch_rs_fused
+    from torch_commopt.kernels.matmul.gpu import tma as tma_mod
+    from torch_commopt.kernels.matmul.gpu.layout import cdiv
+    from torch_commopt.kernels.matmul.gpu.matmul_reduce import launch_rs_fused
     from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS
 
     took = []

@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 from kernel_cases import run_alloc_failure, run_auto_cases, run_back_to_back, run_debug_timeout, run_schedule_cases
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 
 def _funcol_ranks(ranks: tuple[int, str]) -> tuple[int, str]:

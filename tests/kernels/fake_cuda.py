@@ -24,7 +24,7 @@ from unittest import mock
 
 import torch
 
-from torch_commopt.attention import ce_a2a
+from torch_commopt.kernels.attention import ce_a2a
 from torch_commopt.kernels.gpu import driver, symm
 
 FLAG_BASE = 1 << 40  # rank r's flags live at FLAG_BASE * (r + 1) in the fake address space

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_commopt  # noqa: F401  (registers the ops)
-from torch_commopt.validate import rel_err
+from torch_commopt.testing.validate import rel_err
 
 SCHEDULES = ("sequential", "chunked:2", "chunked:3", "chunked:64")
 AG_ONLY = ("local_first",)

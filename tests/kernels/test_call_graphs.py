@@ -12,7 +12,7 @@ import torch
 
 from torch_commopt.kernels.gpu import call_graphs
 from torch_commopt.kernels.gpu.call_graphs import CallGraphs
-from torch_commopt.schedule import Schedule
+from torch_commopt.core.schedule import Schedule
 
 
 class FakeRuntime:
@@ -282,10 +282,10 @@ def test_the_short_eager_region_gets_the_replayed_pick_with_cg(monkeypatch, tmp_
     # M_global 512: NCCL + cuBLAS eager; a replayed program times one GEMM after the gather, the
     # peer's GEMM beside the own shard's and NCCL as replays at its first call (the rule's
     # gemm=whole where nothing can be timed)
-    import torch_commopt.tuner.choose as choose
-    from torch_commopt.tuner import autotune
+    import torch_commopt.tuner.machine as machine
+    from torch_commopt.tuner.matmul import autotune
 
-    monkeypatch.setattr(choose, "device_name", lambda device: "fake GPU")
+    monkeypatch.setattr(machine, "device_name", lambda device: "fake GPU")
     tiny = _region("ag_matmul", [256, 8192], [8192, 4096])
     tiny.collective, tiny.group_name = SimpleNamespace(name="all_gather_1"), "g"
     assert str(pipeline._choose_schedule(tiny, Config(call_graphs=True), report)) == "sequential"

@@ -7,10 +7,10 @@ import logging
 import pytest
 import torch
 
-from torch_commopt.kernels.gpu.layout import RowLayout
-from torch_commopt.kernels.gpu.pick import measure_band, pick
-from torch_commopt.kernels.ops import resolve
-from torch_commopt.schedule import Schedule
+from torch_commopt.kernels.matmul.gpu.layout import RowLayout
+from torch_commopt.kernels.matmul.gpu.pick import measure_band, pick
+from torch_commopt.kernels.matmul.ops import resolve
+from torch_commopt.core.schedule import Schedule
 
 
 @pytest.mark.parametrize("shape,dim,world", [((8, 6), 0, 2), ((2, 3, 5, 4), 1, 4), ((3, 7, 4), 0, 2), ((2, 5, 4), 1, 2)])
@@ -61,7 +61,7 @@ def test_schedule_of_another_op_is_an_error():
 
 
 def test_refused_gpu_call_runs_sequential_and_logs(caplog):
-    with caplog.at_level(logging.WARNING, logger="torch_commopt.kernels.ops"):
+    with caplog.at_level(logging.WARNING, logger="torch_commopt.kernels.matmul.ops"):
         got = resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s, capturing: "planted refusal")
     assert str(got) == "sequential" and "planted refusal" in caplog.text
     assert str(resolve("matmul_rs", "fused:2", torch.device("cuda", 0), lambda s, capturing: None)) == "fused:2"
@@ -179,11 +179,11 @@ def test_long_all_gathers_over_several_peers_run_the_fused_kernel():
 
 
 def test_fused_reduction_inside_a_capture_runs_ce_push(monkeypatch, caplog):
-    import torch_commopt.kernels.ops as ops
+    import torch_commopt.kernels.matmul.ops as ops
 
     monkeypatch.setattr(ops, "capturing", lambda: True)
     refuse_fused = lambda s, capturing: "epoch barrier" if s.name == "fused" and capturing else None  # noqa: E731
-    with caplog.at_level(logging.WARNING, logger="torch_commopt.kernels.ops"):
+    with caplog.at_level(logging.WARNING, logger="torch_commopt.kernels.matmul.ops"):
         got = resolve("matmul_rs", "fused:3:store=ce", torch.device("cuda", 0), refuse_fused)
     assert str(got) == "ce_push:3" and "capturable" in caplog.text
     # no capturable alternative: sequential, logged
@@ -222,7 +222,7 @@ def test_replayed_short_two_rank_all_gathers_are_measured_as_replays():
 
 
 def test_a_replayed_band_request_times_replays_without_a_host_check():
-    from torch_commopt.tuner import autotune
+    from torch_commopt.tuner.matmul import autotune
 
     cands = ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]
     sched = autotune.band_request("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", "cpu", "g",
@@ -239,7 +239,7 @@ def test_a_replayed_band_request_times_replays_without_a_host_check():
 def test_a_replayed_measurement_that_captures_nothing_runs_the_fallback(monkeypatch):
     """capture_agreed found no capturable candidate on any rank (all agree): the first call
     runs the rule's pick untimed instead of failing the user's step."""
-    from torch_commopt.tuner import autotune
+    from torch_commopt.tuner.matmul import autotune
 
     sched = autotune.band_request("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", "cpu", "g",
                                   ["sequential", "ce_push:1:par=1"], "ce_push:1:gemm=whole", None, "ag_nocap",
@@ -253,7 +253,7 @@ def test_a_replayed_measurement_that_captures_nothing_runs_the_fallback(monkeypa
 
 
 def test_band_request_is_an_autotune_placeholder_with_the_rule_as_fallback():
-    from torch_commopt.tuner import autotune
+    from torch_commopt.tuner.matmul import autotune
 
     sched = autotune.band_request("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16", "cpu", "g",
                                   ["sequential", "direct:1"], "direct:1", None, "rs0")
@@ -274,7 +274,7 @@ def test_band_region_uses_the_cached_measurement_or_a_first_call_placeholder(tmp
     import torch_commopt.passes.pipeline as pipeline
     from torch_commopt import report as explain
     from torch_commopt.config import Config
-    from torch_commopt.tuner import autotune
+    from torch_commopt.tuner.matmul import autotune
     from torch_commopt.tuner.cache import TunerCache
 
     a = torch.fx.Graph().placeholder("a")
@@ -307,8 +307,8 @@ def test_a_decided_placeholder_runs_its_schedule_without_resolving_again(fake_wo
     # `sequential`: the graph's NCCL + matmul, with nothing of the placeholder's resolution left)
     import torch.distributed as dist
 
-    from torch_commopt.kernels import ops, sequential
-    from torch_commopt.tuner import autotune
+    from torch_commopt.kernels.matmul import ops, sequential
+    from torch_commopt.tuner.matmul import autotune
 
     group = dist.group.WORLD.group_name
     sched = autotune.band_request("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32", "cpu", group,
@@ -328,7 +328,7 @@ def test_a_decided_placeholder_runs_its_schedule_without_resolving_again(fake_wo
 
 
 def test_band_winner_leaves_sequential_only_by_a_margin():
-    from torch_commopt.tuner.autotune import BAND_MARGIN, winner
+    from torch_commopt.tuner.matmul.autotune import BAND_MARGIN, winner
 
     measured = {"sequential": 0.300, "ce_push:1": 0.300 * (1 - BAND_MARGIN / 2), "direct:1": 0.31}
     assert winner(measured) == "ce_push:1"  # autotune proper: the fastest
@@ -341,7 +341,7 @@ def test_band_winner_leaves_sequential_only_by_a_margin():
 def test_band_winner_needs_host_headroom():
     # a band call runs at max(GPU, host): a schedule whose enqueue time leaves no headroom under
     # sequential's time loses as soon as the host slows, however fast its first call measured
-    from torch_commopt.tuner.autotune import BAND_HOST_HEADROOM as H, BAND_MARGIN, winner
+    from torch_commopt.tuner.matmul.autotune import BAND_HOST_HEADROOM as H, BAND_MARGIN, winner
 
     measured = {"sequential": 0.288, "ce_push:1": 0.234, "direct:1": 0.256}
     roomy = {"sequential": 0.07, "ce_push:1": 0.288 / H * 0.9, "direct:1": 0.288 / H * 0.9}
@@ -354,7 +354,7 @@ def test_band_winner_needs_host_headroom():
 
 
 def test_whole_gemm_is_an_all_gather_ce_push_option():
-    from torch_commopt.schedule import Schedule
+    from torch_commopt.core.schedule import Schedule
 
     whole = Schedule.parse("ce_push:1:gemm=whole")
     assert whole.valid_for("ag_matmul") and not whole.valid_for("matmul_rs")
@@ -402,7 +402,7 @@ def test_band_measurement_takes_more_rounds_and_the_fastest_host_round(fake_worl
 
     import torch.distributed as dist
 
-    from torch_commopt.tuner import autotune
+    from torch_commopt.tuner.matmul import autotune
 
     group = dist.group.WORLD.group_name
     sched = autotune.band_request("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32", "cpu", group,
@@ -440,7 +440,7 @@ def test_a_replayed_first_call_measures_on_a_helper_thread(fake_world, monkeypat
     import torch.distributed as dist
 
     from torch_commopt.kernels.gpu import symm
-    from torch_commopt.tuner import autotune
+    from torch_commopt.tuner.matmul import autotune
 
     group = dist.group.WORLD.group_name
     req = autotune.TuneRequest({"question": "t", "graphs": graphs, "id": str(tmp_path)}, ["sequential", "ce_push:1"],
@@ -462,7 +462,7 @@ def test_a_replayed_first_call_measures_on_a_helper_thread(fake_world, monkeypat
 
 
 def test_autotune_keeps_the_models_pick_unless_another_is_measured_faster_beyond_the_tie():
-    from torch_commopt.tuner.autotune import MODEL_TIE, winner
+    from torch_commopt.tuner.matmul.autotune import MODEL_TIE, winner
 
     measured = {"sequential": 1.30, "ce_push:1": 1.000, "ce_push:1:par=1": 1.000 * (1 + MODEL_TIE / 2)}
     assert winner(measured) == "ce_push:1"  # no prior: the fastest

@@ -14,10 +14,10 @@ import torch
 
 from fake_cuda import fake_runtimes, faked_cuda
 from protocol_sim import Deadlock, NotAtRest, Race, simulate
-from torch_commopt.kernels.gpu import ag_matmul as agm
-from torch_commopt.kernels.gpu import matmul_reduce as mr
+from torch_commopt.kernels.matmul.gpu import ag_matmul as agm
+from torch_commopt.kernels.matmul.gpu import matmul_reduce as mr
 from torch_commopt.kernels.gpu import symm
-from torch_commopt.schedule import Schedule
+from torch_commopt.core.schedule import Schedule
 
 M, K, N = 24, 16, 8  # global rows, contracted dim, output columns (tiny fp32)
 
@@ -134,7 +134,7 @@ def _a2a_calls(world: int, concurrent: bool = False, rank: int = 0):
     then ulysses:early's staged computes (rank: whose calls these are)."""
     from types import SimpleNamespace
 
-    from torch_commopt.attention import ce_a2a
+    from torch_commopt.kernels.attention import ce_a2a
 
     group = SimpleNamespace(group_name="fake")
     b, s_loc, d = 2, 4, 8
@@ -158,7 +158,7 @@ def _a2a_calls(world: int, concurrent: bool = False, rank: int = 0):
         """ulysses:early's staged forward (own_first: the own block before the wait, each
         piece pushed back once final, so a peer's piece leaves before the own rows are done)
         keeping its tensors, then a backward."""
-        from torch_commopt.attention import own_first
+        from torch_commopt.kernels.attention import own_first
 
         q, k, v = torch.randn(b, h, s_loc, d), torch.randn(b, h_kv, s_loc, d), torch.randn(b, h_kv, s_loc, d)
         hq, hk, sm = h // (groups * world), h_kv // (groups * world), s_loc * world
@@ -179,7 +179,7 @@ def _fake_group_streams(monkeypatch, concurrent: bool = False) -> None:
     CPU tensors name no device index)."""
     from fake_cuda import FakeStream
 
-    from torch_commopt.attention import ce_a2a
+    from torch_commopt.kernels.attention import ce_a2a
 
     monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "1" if concurrent else "0")
     monkeypatch.setattr(ce_a2a, "_SECOND", {})
@@ -188,7 +188,7 @@ def _fake_group_streams(monkeypatch, concurrent: bool = False) -> None:
 
 
 def _a2a_queue(world: int, concurrent: bool = False):
-    from torch_commopt.attention import ce_a2a
+    from torch_commopt.kernels.attention import ce_a2a
 
     runtimes, queue = fake_runtimes(world, owned=(ce_a2a.PURPOSE,)), []
     calls = [_a2a_calls(world, concurrent, rank) for rank in range(world)]  # every rank's own tensors
@@ -214,7 +214,7 @@ def test_the_attention_all_to_alls_with_kept_tensors_neither_deadlock_nor_race(w
 
 
 def test_an_all_to_all_slot_never_released_deadlocks(monkeypatch):
-    from torch_commopt.attention import ce_a2a
+    from torch_commopt.kernels.attention import ce_a2a
 
     def keeps_the_tokens(self, region, half, stream):  # lowers its flags, gives no token back
         for src in self.rt.sources:
@@ -229,7 +229,7 @@ def test_a_reader_that_copies_every_result_out_after_the_first_arrived_reads_too
     """The results' data flag counts the results a source sent (ce_a2a._Back): a reader that
     waits for the first alone and copies them all out reads the later ones before they land
     in some interleavings (the simulator's early-read check)."""
-    from torch_commopt.attention import ce_a2a
+    from torch_commopt.kernels.attention import ce_a2a
 
     _fake_group_streams(monkeypatch)
     arrived = ce_a2a._Pipeline._arrived
@@ -251,7 +251,7 @@ def _ring_queue(world: int):
     each of world - 1 steps, as a ring attention call runs them."""
     from types import SimpleNamespace
 
-    from torch_commopt.attention import ce_ring
+    from torch_commopt.kernels.attention import ce_ring
 
     group = SimpleNamespace(group_name="fake")
     runtimes, queue = fake_runtimes(world, owned=(ce_ring.PURPOSE,)), []
@@ -283,7 +283,7 @@ def test_the_copy_engine_ring_neither_deadlocks_and_comes_to_rest(world):
 
 
 def test_a_ring_slot_never_given_back_deadlocks_the_next_ring(monkeypatch):
-    from torch_commopt.attention import ce_ring
+    from torch_commopt.kernels.attention import ce_ring
 
     def keeps_the_token(self):  # lowers its data flag only
         if self.held is not None:
@@ -301,7 +301,7 @@ def test_a_call_that_does_not_wait_for_the_peers_to_drain_races_on_a_new_layout(
     peer still reads as another slot of the call before; without the drain at a call's first
     push (ce_a2a._Pipeline._drained) a push lands on them (the GPU test's plain backward over
     two head groups came out wrong)."""
-    from torch_commopt.attention import ce_a2a
+    from torch_commopt.kernels.attention import ce_a2a
 
     _fake_group_streams(monkeypatch)
     monkeypatch.setattr(ce_a2a._Pipeline, "_drained", lambda self: None)

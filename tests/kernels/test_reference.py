@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from reference_programs import run_reference_cases
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

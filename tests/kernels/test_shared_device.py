@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torch_commopt.kernels.gpu import shared_device
-from torch_commopt.launch import run_distributed
+from torch_commopt.testing.launch import run_distributed
 
 
 def test_views_address_each_ranks_copy_by_element_offset():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from symm_vote_programs import vote_sequence
-from torch_commopt.launch import run_distributed
+from torch_commopt.testing.launch import run_distributed
 
 
 @pytest.mark.parametrize("world", [2, 3])

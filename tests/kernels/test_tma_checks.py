@@ -1,5 +1,5 @@
 """The host-side checks that decide whether the fused kernels take their operands by TMA
-(kernels/gpu/tma.py): what they refuse, and that a refusal is logged once per op and reason
+(kernels/matmul/gpu/tma.py): what they refuse, and that a refusal is logged once per op and reason
 (the pointer-load kernel then runs).  CPU tensors: the checks read shapes, strides and
 addresses only."""
 
@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from torch_commopt.kernels.gpu import tma
+from torch_commopt.kernels.matmul.gpu import tma
 
 
 def _operands(m=256, k=128, n=256):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import torch_commopt
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 
 @pytest.mark.parametrize("how", ["instance", "function"])

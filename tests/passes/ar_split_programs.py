@@ -29,7 +29,7 @@ def split_forward(rank: int, world: int, rows: int = 16, mode=True, replicated_x
     with ar_split=mode; x and g are the same on every rank (the split's assumption) unless
     replicated_x=False, the matmul operands differ per rank.  A raised NotReplicated comes
     back as its message."""
-    from torch_commopt.kernels.ops import NotReplicated
+    from torch_commopt.kernels.matmul.ops import NotReplicated
 
     shared = torch.Generator().manual_seed(7)
     x, g = torch.randn(rows, 32, generator=shared), torch.randn(32, generator=shared)
@@ -55,7 +55,7 @@ def split_forward(rank: int, world: int, rows: int = 16, mode=True, replicated_x
 def split_tp_block(rank: int, world: int, batch: int = 2):
     """A Llama block with tensor parallelism and no sequence parallelism (DTensor), compiled
     with ar_split=True: (errors vs float64 next to eager's, notes, region kinds)."""
-    from torch_commopt.validate import check
+    from torch_commopt.testing.validate import check
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()
@@ -70,7 +70,7 @@ def joint_split_decisions(rank: int, world: int, keep_ms: float, split_ms: float
     """The split decisions of split_forward's two-layer program with split_cost and the residual
     gather's price fixed (every candidate: keep_ms kept, split_ms split alone, of which
     gather_ms is the residual's gather): (notes, relative errors vs eager)."""
-    import torch_commopt.reshard.split_plan as split_plan
+    import torch_commopt.passes.matmul.split_plan as split_plan
     from torch_commopt.reshard.ar_cost import SplitCost
 
     split_plan.split_cost = lambda shapes, cal: SplitCost(keep_ms, split_ms)

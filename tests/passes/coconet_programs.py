@@ -42,7 +42,7 @@ def reorder_fwd_bwd(rank: int, world: int):
 def tp_sp_block_with_coconet(rank: int, world: int, dtype_name: str):
     """A TP+SP Llama block compiled with coconet=True (and concat-K) vs eager: (moved
     all-gather notes, rewritten region kinds, [(name, compiled error, eager error)])."""
-    from torch_commopt.validate import check
+    from torch_commopt.testing.validate import check
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()

@@ -67,7 +67,7 @@ def _ops(gm, target) -> int:
 def graph_cases(rank: int, world: int):
     """Per program: (terms folded per note, matmuls left, max abs error vs eager, and after
     undo_unclaimed: notes, (matmuls, cats) beyond the traced program's, max abs error vs eager)."""
-    from torch_commopt.passes.concat_k import concat_k, undo_unclaimed
+    from torch_commopt.passes.matmul.concat_k import concat_k, undo_unclaimed
 
     torch.manual_seed(1 + rank)
     ins = []
@@ -96,7 +96,7 @@ def block_regions(rank: int, world: int, concat_k: bool, options: dict = CHUNKED
     """A TP+SP Llama block (GQA) compiled with commopt: backward regions, concat-K notes, the
     backward graphs' aten.cat count, and each output's and gradient's error vs eager
     (validate.check)."""
-    from torch_commopt.validate import check
+    from torch_commopt.testing.validate import check
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()
@@ -128,7 +128,7 @@ def shared_readers(rank: int, world: int):
     """(max abs error vs eager after the rewrite, slices made, charged bytes and what the
     weights + copied operands weigh, readers of the slices, error and slices left after
     undo_unclaimed, the sum's kept bytes)."""
-    from torch_commopt.passes.concat_k import META, concat_k, copy_bytes, kept_bytes, undo_unclaimed
+    from torch_commopt.passes.matmul.concat_k import META, concat_k, copy_bytes, kept_bytes, undo_unclaimed
 
     torch.manual_seed(3 + rank)
     ins = []

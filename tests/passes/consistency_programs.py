@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import torch_commopt
-from torch_commopt.passes import consistency
+from torch_commopt.core import consistency
 
 
 def _program(a, b):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import torch_commopt
-from torch_commopt.validate import rel_err
+from torch_commopt.testing.validate import rel_err
 
 import dist_programs
 
@@ -57,7 +57,7 @@ def run_funcol(rank: int, world: int, options: dict, seed: int = 0) -> list:
 def run_block(rank: int, world: int, options: dict, kind: str, seqs: tuple[int, ...], dynamic: bool | None) -> tuple:
     """validate.check_sizes of `kind` (small float32 sizes): (graphs compiled, schedules,
     [(seq, [(name, compiled err, eager err)])], explain's notes)."""
-    from torch_commopt.validate import check_sizes
+    from torch_commopt.testing.validate import check_sizes
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()

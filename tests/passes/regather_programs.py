@@ -18,7 +18,7 @@ def saved_and_gathers(rank: int, world: int, kind: str, regather: bool, budget_m
     """(bytes saved for backward, all-gathers in the backward graph, errors vs float64 next to
     eager's, the joint-graph notes) of `kind` compiled with regather_for_backward=regather
     (or saved_gather_budget_mib=budget_mib)."""
-    from torch_commopt.validate import build, check
+    from torch_commopt.testing.validate import build, check
 
     options = {"schedule": "sequential", "regather_for_backward": regather, "saved_gather_budget_mib": budget_mib}
     torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""The all-reduce split analysis (passes/ar_split.py) on graphs of a fake process group:
+"""The all-reduce split analysis (passes/matmul/ar_split.py) on graphs of a fake process group:
 which ops count as row-local, which operands must be sliced or used as they are."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_rows_that_do_not_split_are_not_a_candidate(fake_world):
 
 def test_split_matches_eager_and_forms_overlapped_regions():
     from ar_split_programs import split_forward
-    from torch_commopt.launch import run_distributed
+    from torch_commopt.testing.launch import run_distributed
 
     for notes, kinds, errors in run_distributed(split_forward, 2):
         splits = [n for n in notes if "split into reduce-scatter" in n]
@@ -99,8 +99,8 @@ def test_split_on_a_dtensor_tp_block_matches_eager_forward_and_backward():
     # tensor parallelism without sequence parallelism: the residual stream and the norm
     # weights are replicated, which is the split's assumption
     from ar_split_programs import split_tp_block
-    from torch_commopt.launch import run_distributed
-    from torch_commopt.validate import within_tolerance
+    from torch_commopt.testing.launch import run_distributed
+    from torch_commopt.testing.validate import within_tolerance
 
     for errors, notes, kinds in run_distributed(split_tp_block, 2):
         assert any("split into reduce-scatter" in n for n in notes), notes
@@ -114,8 +114,8 @@ def test_split_of_a_batch_one_block_cuts_the_sequence_dim():
     # (1, S, D) activations: dim 0 cannot be cut, the split goes along the sequence (dim 1)
     # through the funcol split/cat forms, which the finders then overlap like DTensor's own
     from ar_split_programs import split_tp_block
-    from torch_commopt.launch import run_distributed
-    from torch_commopt.validate import within_tolerance
+    from torch_commopt.testing.launch import run_distributed
+    from torch_commopt.testing.validate import within_tolerance
 
     for errors, notes, kinds in run_distributed(split_tp_block, 2, 1):
         splits = [n for n in notes if "split into reduce-scatter" in n]
@@ -127,7 +127,7 @@ def test_split_of_a_batch_one_block_cuts_the_sequence_dim():
 
 def test_checked_split_verifies_the_replication_it_assumes():
     from ar_split_programs import split_forward
-    from torch_commopt.launch import run_distributed
+    from torch_commopt.testing.launch import run_distributed
 
     for notes, kinds, errors in run_distributed(split_forward, 2, 16, "checked"):
         assert max(errors) < 1e-5 and kinds.count("matmul_rs") == 2
@@ -168,7 +168,7 @@ def test_cost_policy_splits_where_the_model_predicts_it_faster():
 
 def test_cost_policy_decides_each_candidate_and_matches_eager_either_way():
     from ar_split_programs import split_forward
-    from torch_commopt.launch import run_distributed
+    from torch_commopt.testing.launch import run_distributed
 
     for notes, kinds, errors in run_distributed(split_forward, 2, 16, True, True, "cost"):
         decided = [n for n in notes if "as an all-reduce" in n]
@@ -190,7 +190,7 @@ def test_cost_policy_decides_the_splits_together(keep_ms, split_ms, gather_ms, w
     """Deciding each all-reduce alone charges every split for a residual gather a split
     neighbour makes unnecessary; the joint plan (reshard.split_plan) sees it on the edge."""
     from ar_split_programs import joint_split_decisions
-    from torch_commopt.launch import run_distributed
+    from torch_commopt.testing.launch import run_distributed
 
     for notes, errors in run_distributed(joint_split_decisions, 2, keep_ms, split_ms, gather_ms):
         decided = [n for n in notes if "joint plan" in n]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from concat_k_programs import CHUNKED, KEPT, PROGRAMS, block_regions, graph_cases
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 
 def test_sums_of_matmuls_before_a_reduction_fold_into_one_exact_matmul():

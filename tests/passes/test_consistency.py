@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from consistency_programs import forced_mismatch, one_rank_missing, store_unreachable, values_differ
-from torch_commopt.launch import run_distributed
+from torch_commopt.testing.launch import run_distributed
 
 
 def test_forced_plan_mismatch_leaves_every_rank_untouched():

@@ -12,8 +12,8 @@ import torch.distributed._functional_collectives as funcol
 
 import torch_commopt
 from float8_programs import FP8, gather_fp8, run_float8_programs
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 mm = torch._scaled_mm
 

@@ -275,7 +275,7 @@ def test_a_chosen_sequential_keeps_the_graph_as_compiled(fake_world, monkeypatch
     # The rule or the model choosing `sequential` leaves the region's own collective + matmul
     # (no op of ours in between); a user who fixes schedule="sequential" gets the op.
     import torch_commopt.passes.pipeline as pipeline
-    from torch_commopt.schedule import Schedule
+    from torch_commopt.core.schedule import Schedule
 
     a, b = torch.randn(64, 32), torch.randn(32, 16 * fake_world)
 
@@ -316,7 +316,7 @@ def test_an_edge_through_a_collective_outside_the_regions_is_priced(fake_world):
 
 
 def test_plan_view_adds_the_edges_reshards_to_the_graph_total():
-    from torch_commopt.reshard.dag import Edge
+    from torch_commopt.passes.dag import Edge
     from torch_commopt.reshard.plan import describe_edges
 
     cands = {"a": [{"schedule": "ce_push:1", "predicted_ms": 1.0}, {"schedule": "sequential", "predicted_ms": 2.0}],

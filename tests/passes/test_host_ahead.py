@@ -15,7 +15,7 @@ import torch_commopt.passes.pipeline as pipeline
 from torch_commopt import report as explain
 from torch_commopt.config import Config
 from torch_commopt.passes.host_ahead import LAUNCH_S, REGION_HOST_S, estimate, host_runs_ahead
-from torch_commopt.kernels.gpu.pick import GEMM_FLOPS_PER_S
+from torch_commopt.kernels.matmul.gpu.pick import GEMM_FLOPS_PER_S
 
 aten = torch.ops.aten
 
@@ -86,9 +86,9 @@ def _region(graph: torch.fx.Graph, kind: str, a_shape, w_shape, dim=0):
 
 @pytest.mark.parametrize("ahead_graph", [True, False])
 def test_band_regions_take_the_gpu_time_pick_where_the_host_runs_ahead(tmp_path, monkeypatch, ahead_graph):
-    import torch_commopt.tuner.choose as choose
+    import torch_commopt.tuner.machine as machine
 
-    monkeypatch.setattr(choose, "device_name", lambda device: "NVIDIA H100 80GB HBM3")  # no GPU here
+    monkeypatch.setattr(machine, "device_name", lambda device: "NVIDIA H100 80GB HBM3")  # no GPU here
     mms = [(8192, 4096, 14336)] * 4 + [(8192, 4096, 4096)] * 6 if ahead_graph else [(2048, 1024, 1024)] * 10
     graph = _graph(mms, pointwise=70)
     # the backward's o_proj all-gather (est. 0.2 ms of GEMM: in the band) and a long reduce-scatter

@@ -1,12 +1,12 @@
-"""Config.regather_for_backward (passes/regather.py) on gloo: the shard is saved, the
+"""Config.regather_for_backward (passes/matmul/regather.py) on gloo: the shard is saved, the
 backward gathers again, and forward and backward still match eager."""
 
 from __future__ import annotations
 
 import pytest
 
-from torch_commopt.launch import run_distributed
-from torch_commopt.validate import within_tolerance
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 
 @pytest.mark.parametrize("kind", ["tp_sp_mlp", "tp_sp_block"])
@@ -27,7 +27,7 @@ def test_only_forward_gathers_are_marked():
     from torch.fx import Graph
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from torch_commopt.passes.regather import mark_regather
+    from torch_commopt.passes.matmul.regather import mark_regather
 
     ag = torch.ops._c10d_functional.all_gather_into_tensor.default
     wait = torch.ops._c10d_functional.wait_tensor.default

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from torch_commopt import Config
-from torch_commopt.launch import run_distributed
+from torch_commopt.testing.launch import run_distributed
 from torch_commopt.reshard.plan import choose_within_budget, footprint, least_memory_plan
 from torch_commopt.tuner.calibration import prior
-from torch_commopt.tuner.model import RegionShape, rank
+from torch_commopt.tuner.matmul.model import RegionShape, rank
 
 
 def _rows(shape):

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from torch_commopt.reshard.search import InfeasibleBudget, Problem, brute_force, least_memory, runner_up, solve
+from torch_commopt.reshard.problem import InfeasibleBudget, Problem
+from torch_commopt.reshard.search import brute_force, least_memory, runner_up, solve
 
 
 def random_dag(rng: random.Random, nodes: int, max_options: int, max_combos: int = 60_000) -> Problem:

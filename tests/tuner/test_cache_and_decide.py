@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from torch_commopt.launch import run_distributed
-from torch_commopt.schedule import Schedule
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.tuner.calibrate import HOST_PROBES
 from torch_commopt.tuner.cache import CACHE_ENV, TunerCache, default_dir
 from tuner_programs import decide_rounds, hammer_cache
@@ -134,7 +134,7 @@ def test_autotune_times_at_the_first_call_caches_and_every_rank_agrees(tmp_path)
             assert "sequential" in timed and set(timed) == siblings | {"sequential"}, timed
         assert sum("autotune measured" in n for n in notes) == 2
     assert cold0[0] == cold1[0]  # the same measurements (slowest rank's) on both ranks
-    from torch_commopt.tuner.autotune import MODEL_TIE, winner
+    from torch_commopt.tuner.matmul.autotune import MODEL_TIE, winner
 
     winners = {}
     for rows in cold0[0].values():  # the fastest, or the model's pick (rows[0]) within MODEL_TIE of it

@@ -28,7 +28,7 @@ def test_refit_factors_reproduce_the_probe_times_the_run_measured():
 
     from torch_commopt.tuner.calibrate import PROBE_SHAPES, SHORT_PROBE_SHAPES
     from torch_commopt.tuner.calibration import Calibration
-    from torch_commopt.tuner.model import RegionShape, predict
+    from torch_commopt.tuner.matmul.model import RegionShape, predict
 
     cal = Calibration.from_json(json.dumps(json.loads(RUN.read_text())["calibration"]))
     new = costmodel_replay.refit(cal)
@@ -52,9 +52,9 @@ def test_a_call_graphs_run_replays_its_band_as_ranked(tmp_path):
     # the replay predicts those rows so too, and the others eagerly
     import json
 
-    from torch_commopt.schedule import Schedule
+    from torch_commopt.core.schedule import Schedule
     from torch_commopt.tuner.calibration import prior
-    from torch_commopt.tuner.model import predict
+    from torch_commopt.tuner.matmul.model import predict
 
     cal = prior("NVIDIA H200", 2)
     records = []
@@ -83,7 +83,7 @@ def test_refit_rederives_the_replay_timed_curve_too():
 
     from torch_commopt.tuner.calibrate import PROBE_SHAPES, SHORT_PROBE_SHAPES
     from torch_commopt.tuner.calibration import Calibration
-    from torch_commopt.tuner.model import RegionShape, factor_key, predict
+    from torch_commopt.tuner.matmul.model import RegionShape, factor_key, predict
 
     run = ROOT / "benchmarks" / "results" / "costmodel_h200x2_2026-11-27_s40_graphs_summary.json"
     cal = Calibration.from_json(json.dumps(json.loads(run.read_text())["calibration"]))

@@ -7,12 +7,9 @@ import json
 
 import pytest
 
-from torch_commopt.schedule import Schedule
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.tuner.calibration import Calibration, GemmFit, Link, prior
-from torch_commopt.tuner.model import (
-    candidates,
-    RegionShape, _Step, collective_time, extra_bytes, pipeline_time, predict, rank, simulate,
-)
+from torch_commopt.tuner.matmul.model import candidates, RegionShape, _Step, collective_time, extra_bytes, pipeline_time, predict, rank, simulate
 
 H200 = prior("NVIDIA H200", 2)
 CPU = prior("cpu", 2)
@@ -290,7 +287,7 @@ def test_cuda_graph_replay_drops_the_host_cost():
 
 
 def test_autotune_keys_tell_graph_replay_apart():
-    from torch_commopt.tuner.autotune import plan
+    from torch_commopt.tuner.matmul.autotune import plan
 
     args = ("ag_matmul", [256, 8192], [[8192, 4096]], 0, [False], None, False, 2, "bfloat16", "NVIDIA H200",
             prior("NVIDIA H200", 2), 8, 4)
@@ -402,7 +399,7 @@ def test_one_piece_reduction_at_two_ranks_does_not_wait_for_the_partial_before_i
 def test_reductions_over_several_peers_run_the_own_gemm_before_the_last_partial_lands():
     # 4 ranks, a slow link (a push takes two GEMM pieces): the pushes end at q + 3P, the own
     # GEMM (the fourth piece) ends at 4q beside them, then one pass sums the four slots
-    from torch_commopt.tuner.model import _gemm
+    from torch_commopt.tuner.matmul.model import _gemm
 
     shape = RegionShape("matmul_rs", 8192, 2048, (8192,), 4, "bfloat16")
     base = prior("NVIDIA H200", 4)
@@ -422,7 +419,7 @@ def test_reductions_over_several_peers_run_the_own_gemm_before_the_last_partial_
 
 def test_whole_gemm_all_gather_pays_the_push_then_one_gemm_and_keys_its_own_factor():
     from torch_commopt.tuner.calibrate import _schedule_factors
-    from torch_commopt.tuner.model import _gemm, factor_key
+    from torch_commopt.tuner.matmul.model import _gemm, factor_key
 
     whole = Schedule.parse("ce_push:1:gemm=whole")
     shape = RegionShape("ag_matmul", 256, 8192, (4096,), 2, "bfloat16")
@@ -446,7 +443,7 @@ def test_whole_gemm_all_gather_pays_the_push_then_one_gemm_and_keys_its_own_fact
 
 
 def test_autotune_times_every_piece_count_of_each_family_it_times():
-    from torch_commopt.tuner.autotune import timed_candidates
+    from torch_commopt.tuner.matmul.autotune import timed_candidates
 
     for shape in (RegionShape("matmul_ar", 8192, 4096, (8192,), 2, "bfloat16"),
                   RegionShape("matmul_rs", 16384, 4096, (7168,), 2, "bfloat16"),
@@ -467,7 +464,7 @@ def test_autotune_times_every_piece_count_of_each_family_it_times():
 
 
 def test_the_tma_fused_variant_is_its_own_candidate():
-    from torch_commopt.tuner.model import factor_key
+    from torch_commopt.tuner.matmul.model import factor_key
 
     tma = Schedule.parse("fused:1:tma=1")
     assert str(tma) == "fused:1:tma=1" and tma.param("tma") == 1
@@ -482,7 +479,7 @@ def test_transfers_beside_gemms_take_the_calibrated_slowdown():
     # 2 ranks, ce_push:2 reduce-scatter and all-gather on a link as fast as a GEMM piece: a
     # transfer slowed by half beside the GEMMs shows in the pipeline, `sequential` (NCCL) does not move
     from torch_commopt.tuner.calibrate import _transfer_slowdown
-    from torch_commopt.tuner.model import _gemm
+    from torch_commopt.tuner.matmul.model import _gemm
 
     shape = RegionShape("matmul_rs", 8192, 4096, (8192,), 2, "bfloat16")
     base = dataclasses.replace(prior("NVIDIA H200", 2), overlap_slowdown=0.0)
@@ -628,7 +625,7 @@ def test_the_second_stream_all_gather_is_a_candidate_with_its_own_factor():
     # the same device-time pipeline as ce_push:1 (two GEMMs beside each other share the SMs), so
     # its probed factor alone tells them apart
     from torch_commopt.tuner.calibrate import PROBE_SCHEDULES
-    from torch_commopt.tuner.model import factor_key
+    from torch_commopt.tuner.matmul.model import factor_key
 
     par = Schedule.parse("ce_push:1:par=1")
     shape = RegionShape("ag_matmul", 4096, 8192, (4096,), 2, "bfloat16")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from torch_commopt.tuner import autotune
+from torch_commopt.tuner.matmul import autotune
 
 
 def _rows(plan):
@@ -176,7 +176,7 @@ def test_a_candidate_slow_in_its_first_calls_is_not_measured_slow(fake_world, mo
 @pytest.mark.parametrize("paired", [False, True])
 def test_a_decision_read_another_way_is_not_reused(monkeypatch, paired):
     # the band's, autotune's and the attention tuner's cache keys name the read
-    from torch_commopt.attention.tune import cache_key
+    from torch_commopt.tuner.attention.tune import cache_key
     from torch_commopt.tuner.calibration import prior
 
     monkeypatch.setattr(autotune, "PAIRED", paired)
@@ -210,7 +210,7 @@ def test_every_rank_makes_the_same_untimed_calls():
     # session 44 (2x H100): a first form of the warm-up stopped early where a rank's own calls
     # were long; a rank whose calls waited on a peer's first use stopped, its peer went on, and the
     # next collective hung.  Here rank 1's first two calls are long and rank 0's first is not
-    from torch_commopt.launch import run_distributed
+    from torch_commopt.testing.launch import run_distributed
 
     calls = run_distributed(_slow_first_calls_on_rank_1, 2, timeout_s=120)
     assert calls[0] == calls[1]

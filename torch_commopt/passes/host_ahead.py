@@ -37,7 +37,7 @@ import operator
 
 from torch.fx import Graph, Node
 
-from torch_commopt.kernels.gpu.pick import GEMM_FLOPS_PER_S
+from torch_commopt.kernels.matmul.gpu.pick import GEMM_FLOPS_PER_S
 from torch_commopt.passes.graph_utils import is_static, val
 
 # A node's share of the host's enqueue: s38's step enqueued in 30 ms for 8 graphs of 43-83 such

@@ -1,9 +1,9 @@
 """Inductor's joint-graph pass (joint_custom_post_pass) for commopt: the rewrites that need
 the forward and the backward in one graph.
 
-  1. context-parallel attention in training (attention/joint.py, pattern "attention");
+  1. context-parallel attention in training (passes/attention/joint.py, pattern "attention");
   2. which forward all-gathers are gathered again in backward instead of saved
-     (passes/regather.py: Config.regather_for_backward, or a choice under
+     (passes/matmul/regather.py: Config.regather_for_backward, or a choice under
      Config.saved_gather_budget_mib).
 
 Its notes go to the log and to the report of the next graph the post-grad pass sees.
@@ -16,7 +16,7 @@ import logging
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
-from torch_commopt.passes.regather import choose_regather, mark_regather
+from torch_commopt.passes.matmul.regather import choose_regather, mark_regather
 
 log = logging.getLogger("torch_commopt.passes.joint")
 
@@ -30,7 +30,7 @@ class JointPass(CustomGraphPass):
     def __call__(self, graph: Graph) -> None:
         notes = []
         if "attention" in self.config.patterns:
-            from torch_commopt.attention.joint import rewrite_joint_attention
+            from torch_commopt.passes.attention.joint import rewrite_joint_attention
 
             try:
                 timeout = self.config.consistency_timeout_s if self.config.check_rank_consistency else None

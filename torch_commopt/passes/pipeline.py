@@ -17,16 +17,17 @@ from torch.fx import Graph
 
 from torch_commopt import report as explain
 from torch_commopt.config import Config
-from torch_commopt.passes import consistency
-from torch_commopt.passes.find_ag_matmul import find_ag_matmul
-from torch_commopt.passes.find_matmul_reduce import find_matmul_reduce
-from torch_commopt.kernels.reference.chunking import chunk_rows
-from torch_commopt.kernels.reference.collectives import resolve_group
+from torch_commopt.core import consistency
+from torch_commopt.passes.matmul.find_ag_matmul import find_ag_matmul
+from torch_commopt.passes.matmul.find_matmul_reduce import find_matmul_reduce
+from torch_commopt.kernels.matmul.reference.chunking import chunk_rows
+from torch_commopt.core.groups import resolve_group
 from torch_commopt.passes.graph_utils import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, DYNAMIC_SHAPE, REDUCE_SCATTER,
                                                Unsupported, group_name_of, static_shape, val)
-from torch_commopt.passes.regions import Region, Skip
-from torch_commopt.passes.rewrite import rewrite_region
-from torch_commopt.schedule import Schedule
+from torch_commopt.passes.regions import Region
+from torch_commopt.report import Skip
+from torch_commopt.passes.matmul.rewrite import rewrite_region
+from torch_commopt.core.schedule import Schedule
 
 try:  # torch >= 2.10 tells inference-aware passes which graph they see
     from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _PassBase
@@ -76,21 +77,21 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     report.notes += PENDING_NOTES  # the joint-graph pass of this compile (training graphs)
     PENDING_NOTES.clear()
     if config.concat_k and ("matmul_rs" in config.patterns or "matmul_ar" in config.patterns):
-        from torch_commopt.passes.concat_k import concat_k
+        from torch_commopt.passes.matmul.concat_k import concat_k
 
         _graph_rewrite("concat-K", lambda: concat_k(graph), report)
     if config.coconet:
-        from torch_commopt.passes.coconet import reorder_all_gathers
+        from torch_commopt.passes.matmul.coconet import reorder_all_gathers
 
         _graph_rewrite("CoCoNet reorder", lambda: reorder_all_gathers(graph), report)
     if config.ar_split:
-        from torch_commopt.passes.ar_split import split_all_reduces
+        from torch_commopt.passes.matmul.ar_split import split_all_reduces
 
         decide = None if config.ar_split_policy == "always" else _split_decider(graph, config, report)
         _graph_rewrite("all-reduce split", lambda: split_all_reduces(graph, check=config.ar_split == "checked",
                                                                      decide=decide), report)
     if "attention" in config.patterns:
-        from torch_commopt.attention.rewrite import rewrite_attention
+        from torch_commopt.passes.attention.rewrite import rewrite_attention
 
         timeout = config.consistency_timeout_s if config.check_rank_consistency else None
         _graph_rewrite("attention rewrite", lambda: rewrite_attention(
@@ -98,7 +99,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
             consistency_timeout_s=timeout, cache_dir=config.cache_dir, mode=config.mode, top_k=config.autotune_top_k,
             tune_timeout_s=config.consistency_timeout_s), report)
     try:
-        from torch_commopt.passes.ar_split import find_ar_splits
+        from torch_commopt.passes.matmul.ar_split import find_ar_splits
 
         # analysis only (reshard issue): where CoCoNet's all-reduce split could apply
         report.notes += [f"split candidate: {c.describe()}" for c in find_ar_splits(graph)]
@@ -134,7 +135,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         report.regions.append(explain.RegionReport(
             region.kind, region.collective.name, region.summary(), str(schedule), "rewritten"))
     if config.concat_k:
-        from torch_commopt.passes.concat_k import undo_unclaimed
+        from torch_commopt.passes.matmul.concat_k import undo_unclaimed
 
         _graph_rewrite("concat-K undo", lambda: undo_unclaimed(graph), report)
     if rewritten:
@@ -168,9 +169,9 @@ def _band(region: Region, shape, weights, dtype: str, band: list[str], rule_pick
           config: Config, report: explain.GraphReport) -> tuple[Schedule, str]:
     """A region in the rule's host-bound band: rank 0's cached measurement, or a placeholder
     that times `band` at the first call (the rule's pick runs under a CUDA-graph capture)."""
-    from torch_commopt.tuner.autotune import band_key, band_request
+    from torch_commopt.tuner.matmul.autotune import band_key, band_request
     from torch_commopt.tuner.cache import TunerCache
-    from torch_commopt.tuner.choose import device_name
+    from torch_commopt.tuner.machine import device_name
     from torch_commopt.tuner.decide import decide
 
     dev, k_parts, replayed = device_name(val(region.a).device), _k_parts(region, config), _replayed(region, config)
@@ -189,7 +190,7 @@ def _band(region: Region, shape, weights, dtype: str, band: list[str], rule_pick
 def _k_parts(region: Region, config: Config) -> tuple[int, ...]:
     """The K of each product a reduction's op multiplies apart (Config.k_parts: concat-K's
     terms; () : one)."""
-    from torch_commopt.passes.concat_k import k_parts
+    from torch_commopt.passes.matmul.concat_k import k_parts
 
     return k_parts(region.consumers[0].node) if config.k_parts and region.kind != "ag_matmul" else ()
 
@@ -238,7 +239,7 @@ def _host_ahead(graph: Graph, regions: list[Region], config: Config, report: exp
     eager calls, with a static region in the band."""
     if not config.band_in_graph or not _rule_picks_eager(config):
         return False
-    from torch_commopt.kernels.gpu.pick import measure_band
+    from torch_commopt.kernels.matmul.gpu.pick import measure_band
 
     def in_band(r: Region) -> bool:
         if r.dynamic or val(r.a).device.type != "cuda":
@@ -280,7 +281,7 @@ def _rule_picks_eager(config: Config) -> bool:
 
 def _rule_inputs(region: Region, config: Config) -> tuple[list[int], list[list[int]], str, bool | str]:
     """(op A shape, weight shapes, dtype name, replayed) of a static region: what the built-in
-    rule (kernels/gpu/pick.py) and its band take."""
+    rule (kernels/matmul/gpu/pick.py) and its band take."""
     weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
     return op_a_shape(region), weights, region_dtype(region), _replayed(region, config)
 
@@ -301,7 +302,7 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
     if wanted is None:
         a = val(region.a)
         if a.device.type == "cuda":
-            from torch_commopt.kernels.gpu.pick import measure_band, pick
+            from torch_commopt.kernels.matmul.gpu.pick import measure_band, pick
 
             shape, weights, dtype, replayed = _rule_inputs(region, config)
             band = measure_band(region.kind, shape, weights, region.dim, region.group_size, dtype, graphs=replayed)
@@ -347,7 +348,7 @@ def _call_graphs(region: Region, config: Config) -> bool:
     a = val(region.a)
     if a.device.type != "cuda":
         return False
-    from torch_commopt.kernels.gpu.pick import call_graphs_pay
+    from torch_commopt.kernels.matmul.gpu.pick import call_graphs_pay
 
     weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
     return call_graphs_pay(region.kind, op_a_shape(region), weights, region.group_size,
@@ -382,8 +383,8 @@ def _finish(wanted: Schedule, region: Region, config: Config, report: explain.Gr
 def _region_edges(regions: list[Region], config: Config) -> list:
     """The region DAG, its reshards priced with this machine's calibration in modes that use
     one (else the priors).  Analysis only: a failure here costs the view, nothing else."""
-    from torch_commopt.reshard.dag import region_edges
-    from torch_commopt.tuner.choose import calibration_for
+    from torch_commopt.passes.dag import region_edges
+    from torch_commopt.tuner.machine import calibration_for
 
     if not regions:
         return []
@@ -458,8 +459,8 @@ def _split_decider(graph: Graph, config: Config, report: explain.GraphReport):
     exact, with the residual gathers a split neighbour removes on the edges between them); a
     candidate the joint plan does not cover (one the splits before it created) or a plan that
     cannot be made falls back to deciding that candidate alone (_split_pays)."""
-    from torch_commopt.passes.ar_split import find_ar_splits
-    from torch_commopt.reshard.split_plan import plan_splits
+    from torch_commopt.passes.matmul.ar_split import find_ar_splits
+    from torch_commopt.passes.matmul.split_plan import plan_splits
 
     alone = functools.partial(_split_pays, config)
     try:
@@ -482,7 +483,7 @@ def _split_decider(graph: Graph, config: Config, report: explain.GraphReport):
 def _split_machine(cand, config: Config):
     """(group size, calibration) of a split candidate's all-reduce group (rank 0's calibration,
     so every rank decides alike)."""
-    from torch_commopt.tuner.choose import calibration_for
+    from torch_commopt.tuner.machine import calibration_for
 
     group_name = group_name_of(cand.all_reduce.args[2])
     world = resolve_group(group_name).size()
@@ -494,7 +495,7 @@ def _split_pays(config: Config, cand) -> tuple[bool, str]:
     """Config.ar_split_policy="cost": whether the cost model predicts the split faster (the
     same answer on every rank: identical shapes, rank 0's calibration).  A candidate that
     cannot be costed is kept as it is."""
-    from torch_commopt.passes.ar_split import split_shapes
+    from torch_commopt.passes.matmul.ar_split import split_shapes
     from torch_commopt.reshard.ar_cost import split_cost
 
     try:
@@ -522,10 +523,10 @@ def region_dtype(region: Region) -> str:
 
 
 def _choose_by_model(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
-    from torch_commopt.passes.concat_k import copy_bytes, kept_bytes
+    from torch_commopt.passes.matmul.concat_k import copy_bytes, kept_bytes
     from torch_commopt.reshard.plan import candidate_rows
-    from torch_commopt.tuner.autotune import plan
-    from torch_commopt.tuner.choose import calibration_for, device_name
+    from torch_commopt.tuner.matmul.autotune import plan
+    from torch_commopt.tuner.machine import calibration_for, device_name
     from torch_commopt.tuner.gemm_table import with_gemms
 
     a = val(region.a)
@@ -553,7 +554,7 @@ def _autotune(region: Region, config: Config, model_pick: Schedule, top: list[st
     """(schedule, why): rank 0's cached measurement of this region's candidates (from an
     earlier run or `python -m torch_commopt tune`), or an `autotune` placeholder that times
     them at the first call (tuner.autotune)."""
-    from torch_commopt.tuner.autotune import MODEL_TIE, TuneRequest, register
+    from torch_commopt.tuner.matmul.autotune import MODEL_TIE, TuneRequest, register
     from torch_commopt.tuner.cache import TunerCache
     from torch_commopt.tuner.decide import decide
 

@@ -102,12 +102,3 @@ class Region:
             "dtype": str(self.a_view or a.dtype).removeprefix("torch."),
             "scaled": {"out_dtype": str(self.scaled.out_dtype).removeprefix("torch."),
                        "fast_accum": self.scaled.fast_accum}})
-
-
-@dataclass(frozen=True)
-class Skip:
-    """A candidate left untouched: the pattern it looked like, the node, and why."""
-
-    kind: str
-    node: str
-    reason: str

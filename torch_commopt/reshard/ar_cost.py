@@ -1,6 +1,6 @@
 """Whether CoCoNet's all-reduce split pays, by the cost model (Config.ar_split=True).
 
-The two layouts of one split candidate (passes/ar_split.py), per rank:
+The two layouts of one split candidate (passes/matmul/ar_split.py), per rank:
 
     keep   matmul -> all_reduce (Partial -> Replicate): a `matmul_ar` region, the row-local
            ops on all rows, the consuming GEMMs on the replicated rows (no collective);
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_commopt.tuner.calibration import Calibration
-from torch_commopt.tuner.model import RegionShape, collective_time, rank
+from torch_commopt.tuner.matmul.model import RegionShape, collective_time, rank
 
 HBM_BYTES_PER_S = {"cpu": 20e9}  # row-local ops stream their operands once; default below
 DEFAULT_HBM_BYTES_PER_S = 3.0e12  # H100/H200-class HBM, achieved

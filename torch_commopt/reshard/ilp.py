@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from torch_commopt.reshard.search import InfeasibleBudget, Plan, Problem
+from torch_commopt.reshard.problem import InfeasibleBudget, Plan, Problem
 
 
 def solve_ilp(problem: Problem, budget: float = math.inf, *, time_limit_s: float = 60.0) -> Plan:

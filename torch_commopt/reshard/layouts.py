@@ -78,7 +78,7 @@ def reshard(src: Layout, dst: Layout, full_bytes: float, world: int, cal=None) -
     kind = reshard_kind(src, dst)
     if kind in ("none", "slice") or world == 1:
         return Reshard(kind, src, dst)
-    from torch_commopt.tuner.model import collective_time
+    from torch_commopt.tuner.matmul.model import collective_time
 
     if cal is None:
         from torch_commopt.tuner.calibration import prior

@@ -33,11 +33,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torch_commopt.kernels.ops import runner
-from torch_commopt.kernels.reference.collectives import resolve_group
+from torch_commopt.kernels.matmul.ops import runner
+from torch_commopt.core.groups import resolve_group
 from torch_commopt.tuner.calibration import COLLECTIVES, Calibration, GemmFit, Link, gemm_occupancy, prior
-from torch_commopt.tuner.choose import device_name, machine_key
+from torch_commopt.tuner.machine import device_name, machine_key
 from torch_commopt.tuner.gemm_table import time_gemms
+from torch_commopt.tuner.timing import SLEEP_CYCLES_PER_CALL, device_time
 
 log = logging.getLogger("torch_commopt.tuner.calibrate")
 
@@ -52,10 +53,7 @@ GEMM_SHAPES = {"cuda": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 819
                "cpu": [(128, 128, 128), (384, 384, 384), (768, 768, 768), (768, 16, 768), (32, 768, 768)]}
 COLLECTIVE_BYTES = {"cuda": (1 << 20, 16 << 20, 64 << 20), "cpu": (256 << 10, 2 << 20, 8 << 20)}
 P2P_BYTES = (4 << 20, 64 << 20)
-BATCH_S = 5e-3  # device time per timing sample
 WARM_S = 1.0  # seconds of GEMMs before the GEMM samples
-SLEEP_CYCLES_PER_S = 3e9  # more than a GPU's clock: a sleep of t * this outlasts t seconds
-SLEEP_CYCLES_PER_CALL = 100_000  # ~50 us of a ~2 GHz GPU per queued call: more than enqueueing one costs
 # The representative call of each schedule family whose host cost is measured (tiny shapes);
 # the first probe of a family gives its figure, and each probe also its op's own ("matmul_rs
 # ce_push"): the reductions' ce_push enqueues more than the all-gather's (2x H100, session 23:
@@ -70,53 +68,6 @@ HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first")
                         ("matmul_rs", "direct:1"), ("matmul_rs", "ce_push:1"), ("matmul_ar", "ce_push:1"),
                         ("ag_matmul", "ce_push:1:par=1"), ("matmul_rs", "ce_push:4"), ("matmul_ar", "ce_push:4"),
                         ("ag_matmul", "fused:1"), ("matmul_rs", "fused:1")]}
-
-
-def _timed(fn, device: torch.device, reps: int, group=None, preroll: bool = False) -> float:
-    """Median seconds per call of `fn`, device time.  On a GPU each sample is a batch of
-    back-to-back calls (>= BATCH_S of them) enqueued behind a sleep kernel, so the host's
-    launch cost is not in the figure (the model adds host time separately); on a CPU, wall
-    time of single calls.  `fn` issuing a collective of `group`: the batch size is agreed
-    over the group (every rank must issue the same number of collectives).  preroll=True:
-    another batch of `fn` runs untimed between the sleep and the timed batch, so the timed
-    one runs at the clocks of a GPU kept busy (a program's back-to-back GEMMs) rather than
-    those of one that just idled in the sleep (the fit from samples timed right after the
-    sleep predicted long TP GEMMs 15-20% faster than the benchmark measured them back to
-    back on 2x H200; the preroll is the suspected fix, not yet measured)."""
-    for _ in range(2):
-        fn()
-    if device.type != "cuda":
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize(device)
-    single = time.perf_counter() - t0  # host + device of one call: the sleep must outlast n enqueues
-    n = int(min(200, max(1, BATCH_S // max(single, 1e-6))))
-    if group is not None:
-        agreed = torch.tensor([n], device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        n = int(agreed.item())
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        calls = 2 * n if preroll else n
-        # keeps the GPU busy while the batch is enqueued
-        torch.cuda._sleep(int(calls * max(SLEEP_CYCLES_PER_CALL, single * SLEEP_CYCLES_PER_S)))
-        for _ in range(calls - n):
-            fn()
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / n)
-    return statistics.median(samples)
 
 
 def _host_time(fn, device: torch.device, calls: int = 30) -> float:
@@ -236,7 +187,7 @@ def _gemm_samples(device: torch.device, dtype: torch.dtype, reps: int) -> list[t
     for m, n, k in GEMM_SHAPES[device.type]:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        out.append((m, n, k, _timed(lambda: torch.mm(a, b), device, reps, preroll=device.type == "cuda")))
+        out.append((m, n, k, device_time(lambda: torch.mm(a, b), device, reps, preroll=device.type == "cuda")))
     return out
 
 
@@ -252,7 +203,7 @@ def _collective_times(group, world: int, device: torch.device, reps: int) -> dic
                   "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=group),
                   "all_reduce": lambda: dist.all_reduce(full, group=group)}[name]
             dist.barrier(group=group)
-            times.append(_timed(fn, device, reps, group))
+            times.append(device_time(fn, device, reps, group))
         out[name] = tuple(times)
     return out
 
@@ -288,15 +239,15 @@ ATTENTION_PROBE = {"cuda": (1, 32, 4096, 128), "cpu": (1, 4, 256, 64)}
 
 def _attention_times(device: torch.device, dtype: torch.dtype, reps: int) -> tuple[float, float, float]:
     """(flops, forward s, backward s) of one full (non-causal) block of local attention, the
-    backend attention/local.py picks for this device and dtype."""
-    from torch_commopt.attention.local import attend_bwd, attend_fwd
+    backend kernels/attention/local.py picks for this device and dtype."""
+    from torch_commopt.kernels.attention.local import attend_bwd, attend_fwd
 
     b, h, s, d = ATTENTION_PROBE[device.type]
     q, k, v, dout = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(4))
     scale = d ** -0.5
     out, lse = attend_fwd(q, k, v, scale=scale)
-    fwd = _timed(lambda: attend_fwd(q, k, v, scale=scale), device, reps)
-    bwd = _timed(lambda: attend_bwd(dout, q, k, v, out.to(dtype), lse, scale=scale), device, reps)
+    fwd = device_time(lambda: attend_fwd(q, k, v, scale=scale), device, reps)
+    bwd = device_time(lambda: attend_bwd(dout, q, k, v, out.to(dtype), lse, scale=scale), device, reps)
     return 4.0 * b * h * s * s * d, fwd, bwd
 
 
@@ -328,18 +279,18 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
         remote = buf.view(peer, 0, (nbytes,), torch.uint8)
         local = buf.view(rt.rank, nbytes if 2 * nbytes <= buf.nbytes else 0, (nbytes,), torch.uint8)
         dist.barrier(group=group)
-        out[f"push {nbytes}"] = _timed(lambda: remote.copy_(src), device, reps)
+        out[f"push {nbytes}"] = device_time(lambda: remote.copy_(src), device, reps)
         dist.barrier(group=group)
-        out[f"pull {nbytes}"] = _timed(lambda: src.copy_(remote), device, reps)
-        out[f"local {nbytes}"] = _timed(lambda: local.copy_(src), device, reps)
+        out[f"pull {nbytes}"] = device_time(lambda: src.copy_(remote), device, reps)
+        out[f"local {nbytes}"] = device_time(lambda: local.copy_(src), device, reps)
     dist.barrier(group=group)
     a = torch.randn(8192, 4096, device=device, dtype=torch.bfloat16)
     b = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     c = torch.empty(8192, 4096, device=device, dtype=torch.bfloat16)
-    out["gemm"] = _timed(lambda: torch.mm(a, b, out=c), device, reps)
+    out["gemm"] = device_time(lambda: torch.mm(a, b, out=c), device, reps)
     src = torch.empty(P2P_BYTES[-1] // 2, dtype=torch.uint8, device=device)
     remote = buf.view(peer, 0, (src.numel(),), torch.uint8)
-    out["push half"] = _timed(lambda: remote.copy_(src), device, reps)
+    out["push half"] = device_time(lambda: remote.copy_(src), device, reps)
 
     def gemm_beside_push():
         rt.side.wait_stream(torch.cuda.current_stream(device))
@@ -349,14 +300,14 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
         torch.cuda.current_stream(device).wait_stream(rt.side)
 
     dist.barrier(group=group)
-    out["gemm beside push"] = _timed(gemm_beside_push, device, reps)
+    out["gemm beside push"] = device_time(gemm_beside_push, device, reps)
     dist.barrier(group=group)
     out["push alone"], out["push beside gemms"] = _push_timings(
         rt.side, remote, src, lambda: torch.mm(a, b, out=c), out["gemm"], out["push half"], device, reps)
     full = torch.empty(world * (P2P_BYTES[-1] // 4), device=device, dtype=torch.bfloat16)
     part = full[: full.numel() // world]
     dist.barrier(group=group)
-    out["gather"] = _timed(lambda: dist.all_gather_into_tensor(full, part, group=group), device, reps, group)
+    out["gather"] = device_time(lambda: dist.all_gather_into_tensor(full, part, group=group), device, reps, group)
 
     def gemm_beside_gather():
         work = dist.all_gather_into_tensor(full, part, group=group, async_op=True)
@@ -364,10 +315,10 @@ def _gpu_probes(group_name: str, world: int, device: torch.device, reps: int) ->
         work.wait()
 
     dist.barrier(group=group)
-    out["gemm beside gather"] = _timed(gemm_beside_gather, device, reps, group)
+    out["gemm beside gather"] = device_time(gemm_beside_gather, device, reps, group)
     remote_c = buf.view(peer, 0, (8192, 4096), torch.bfloat16)
     dist.barrier(group=group)
-    out["gemm into peer"] = _timed(lambda: torch.mm(a, b, out=remote_c), device, reps)
+    out["gemm into peer"] = device_time(lambda: torch.mm(a, b, out=remote_c), device, reps)
     dist.barrier(group=group)
     return out
 
@@ -450,8 +401,8 @@ def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=P
     graphs=True: replays of CUDA graphs (device time), without the schedules that run as
     another one inside a capture; call_graphs=True: back-to-back eager calls that each replay
     their own graph (cg=1, Config.call_graphs), GPU schedules that a capture takes only."""
-    from torch_commopt.schedule import Schedule
-    from torch_commopt.tuner.autotune import measure_candidates
+    from torch_commopt.core.schedule import Schedule
+    from torch_commopt.tuner.matmul.autotune import measure_candidates
 
     out = {}
     for kind, (a_shape, w_shape) in shapes.items():
@@ -477,7 +428,7 @@ def _probed(kind: str, sched, graphs: bool, call_graphs: bool) -> bool:
 def _with_per_call_graph(run, kind: str, sched: str):
     """run(sched) with cg=1: the call replays its own CUDA graph (captured at its second sighting)."""
     from torch_commopt.kernels.gpu.call_graphs import per_call
-    from torch_commopt.schedule import Schedule
+    from torch_commopt.core.schedule import Schedule
 
     return run(str(per_call(kind, Schedule.parse(sched))))
 
@@ -529,8 +480,8 @@ def _call_graph_slowdown(per_call: dict[str, float], replayed: dict[str, float])
     each probe's time with per-call graphs over its time replayed from one graph, both on
     SHORT_PROBE_SHAPES; a probe outside CALL_GRAPH_SLOWDOWN_RANGE is left out (logged), and its
     schedule then takes its family's or its op's figure (Calibration.factor), not none at all."""
-    from torch_commopt.schedule import Schedule
-    from torch_commopt.tuner.model import factor_key
+    from torch_commopt.core.schedule import Schedule
+    from torch_commopt.tuner.matmul.model import factor_key
 
     out: dict[str, float] = {}
     by_kind: dict[str, list[float]] = {}
@@ -556,8 +507,8 @@ def _schedule_factors(probes: dict[str, float], cal: Calibration, shapes=PROBE_S
     """{"kind family": (predicted device s, measured / predicted)} of each probed family (the
     rest of `cal` measured); a family whose eager probe measured host-bound (HOST_BOUND), or whose
     ratio is outside FACTOR_RANGE (a broken probe, not a model correction), is left out."""
-    from torch_commopt.schedule import Schedule
-    from torch_commopt.tuner.model import RegionShape, factor_key, predict
+    from torch_commopt.core.schedule import Schedule
+    from torch_commopt.tuner.matmul.model import RegionShape, factor_key, predict
 
     out = {}
     for key, seconds in probes.items():
@@ -586,7 +537,7 @@ def _unmeasured_families(probed: list[str], eager: dict[str, float], replayed: d
     fused reduction: a capture runs it as ce_push): its op's median factor, logged.  Left at 1,
     such a family is priced at the raw model, which under-predicts every GPU family by 5-45% on
     the probes (2x H100, s49: RS fused predicted 30% fast and picked, 30-38% slower than the best)."""
-    from torch_commopt.schedule import Schedule
+    from torch_commopt.core.schedule import Schedule
 
     out = {}
     for key in probed:
@@ -605,8 +556,8 @@ def _unmeasured_families(probed: list[str], eager: dict[str, float], replayed: d
 def _probe_gemm_keys(cal: Calibration) -> list[str]:
     """The GEMMs (Calibration.gemm_table keys) the model prices for the schedule probes, long
     and short, eager and replayed: the same list on every rank."""
-    from torch_commopt.schedule import Schedule
-    from torch_commopt.tuner.model import RegionShape, gemm_keys
+    from torch_commopt.core.schedule import Schedule
+    from torch_commopt.tuner.matmul.model import RegionShape, gemm_keys
 
     keys: set[str] = set()
     for shapes in (PROBE_SHAPES, SHORT_PROBE_SHAPES):
@@ -777,8 +728,8 @@ def _host_families(hosts: dict[str, float], world: int, per_piece: float,
     shared = _per_piece(hosts, "ag_matmul", world)
     per_piece = per_piece if shared is None else shared
     by_kind = by_kind or {}
-    from torch_commopt.schedule import Schedule
-    from torch_commopt.tuner.model import host_family
+    from torch_commopt.core.schedule import Schedule
+    from torch_commopt.tuner.matmul.model import host_family
 
     out = {}
     for key, t in hosts.items():
@@ -802,32 +753,3 @@ def calibrate_and_store(group_name: str, device: torch.device, cache_dir: str | 
     if dist.get_rank() == dist.get_process_group_ranks(resolve_group(group_name))[0]:
         TunerCache(cache_dir).put(machine_key(device_name(device), cal.world), json.loads(cal.to_json()))
     return cal
-
-
-def _calibrate_worker(rank: int, world: int, cache_dir: str | None) -> str:
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    return calibrate_and_store(dist.group.WORLD.group_name, device, cache_dir).to_json()
-
-
-def run_calibration(world: int, backend: str = "auto", cache_dir: str | None = None, *,
-                    values: dict | None = None) -> str:
-    """Launch `world` local processes, calibrate, store; a summary of what was measured
-    (`values`, if given, receives every calibrated figure: the stored JSON as a dict)."""
-    from torch_commopt.launch import run_distributed
-
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    start = time.perf_counter()
-    text = run_distributed(_calibrate_worker, world, cache_dir, backend=backend, timeout_s=600)[0]
-    cal = Calibration.from_json(text)
-    if values is not None:
-        values.update(json.loads(text))
-    gemm = ", ".join(f"{d} {f.peak_flops / 1e12:.1f} TFLOP/s" for d, f in cal.gemm.items())
-    links = ", ".join(f"{c} {link.bytes_per_s / 1e9:.1f} GB/s + {link.alpha_s * 1e6:.0f} us"
-                      for c, link in cal.collective.items())
-    return (f"commopt calibrate: {cal.device} x{cal.world} ({backend}) in {time.perf_counter() - start:.1f} s: "
-            f"gemm {gemm}; {links}; host {cal.host('sequential') * 1e6:.0f} us per sequential call; "
-            + (f"copy-engine push {cal.p2p.bytes_per_s / 1e9:.0f} GB/s, GEMM slowdown beside it "
-               f"{cal.overlap_slowdown:.2f}, beside NCCL {cal.collective_slowdown:.2f}; " if cal.p2p else "") +
-            (f"a third pass for {', '.join(cal.remeasured)} (two disagreed by > {AGREE:.0%}); " if cal.remeasured else "")
-            + f"stored in {cache_dir or 'the default tuner cache'}")

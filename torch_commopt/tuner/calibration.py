@@ -135,7 +135,7 @@ class Calibration:
         family on a probe shape (calibrate._schedule_probes): what the pipeline model
         leaves out (flag round trips, the order the streams really run in, a family's
         own inefficiencies), applied to that family's predicted device time.
-    attention_flops: {dtype name: flop/s} of the local attention kernel (attention/local.py's
+    attention_flops: {dtype name: flop/s} of the local attention kernel (kernels/attention/local.py's
         `auto` pick) on a block of the calibration shape, forward; attention_bwd_factor: its
         backward's time over the forward's (0: not known; the attention model then uses its
         defaults).

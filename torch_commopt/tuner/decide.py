@@ -6,7 +6,7 @@ computes the answer (from the cache, the model, or timings) and publishes it in 
 default c10d store; the other ranks wait for it (bounded) instead of computing their own.
 Each answer carries the digest of its question: a rank asking something else (another
 graph, shapes, options) gets a `DecisionMismatch` rather than a wrong answer.  Like the
-plan check (passes/consistency.py) the store is used, not a collective, so a rank that
+plan check (core/consistency.py) the store is used, not a collective, so a rank that
 never comes ends in a timeout, not a hang.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from torch_commopt.kernels.reference.collectives import resolve_group
+from torch_commopt.core.groups import resolve_group
 from torch_commopt.tuner.cache import key_digest
 
 log = logging.getLogger("torch_commopt.tuner.decide")

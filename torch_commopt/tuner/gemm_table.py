@@ -22,11 +22,11 @@ import logging
 
 import torch
 
-from torch_commopt.schedule import Schedule
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.tuner.cache import TunerCache
 from torch_commopt.tuner.calibration import Calibration
 from torch_commopt.tuner.decide import decide
-from torch_commopt.tuner.model import RegionShape, gemm_keys
+from torch_commopt.tuner.matmul.model import RegionShape, gemm_keys
 
 log = logging.getLogger("torch_commopt.tuner.gemm_table")
 
@@ -40,11 +40,11 @@ def timeable(keys: list[str], cal: Calibration) -> list[str]:
 
 
 def time_gemms(keys: list[str], device: torch.device, reps: int = REPS) -> dict[str, float]:
-    """{key: seconds} of each GEMM alone (calibrate._timed: back-to-back device time at the
+    """{key: seconds} of each GEMM alone (timing.device_time: back-to-back device time at the
     clocks of a busy GPU), outside any fake-tensor mode the compiler may be tracing in."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from torch_commopt.tuner.calibrate import _timed
+    from torch_commopt.tuner.timing import device_time
 
     out = {}
     with unset_fake_temporarily(), torch.no_grad():
@@ -52,7 +52,7 @@ def time_gemms(keys: list[str], device: torch.device, reps: int = REPS) -> dict[
             dtype, m, n, k = key.split(" ")
             a = torch.randn(int(m), int(k), device=device, dtype=getattr(torch, dtype))
             b = torch.randn(int(k), int(n), device=device, dtype=getattr(torch, dtype))
-            out[key] = _timed(lambda a=a, b=b: torch.mm(a, b), device, reps, preroll=True)
+            out[key] = device_time(lambda a=a, b=b: torch.mm(a, b), device, reps, preroll=True)
     return out
 
 
@@ -62,7 +62,7 @@ def with_gemms(cal: Calibration, shape: RegionShape, schedules: list[Schedule], 
     """`cal` with the GEMMs the model prices to rank `schedules` for `shape` (model.gemm_keys) in
     its table: rank 0's timing, from the tuner cache where it holds them.  Unchanged on a CPU or
     where nothing is left to time."""
-    from torch_commopt.tuner.choose import machine_key
+    from torch_commopt.tuner.machine import machine_key
 
     if device.type != "cuda":
         return cal

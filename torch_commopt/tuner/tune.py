@@ -5,7 +5,7 @@ dim 0, no bias, sum) every rank times the same candidates the compile pass would
 top-k and sequential, tuner.autotune.plan) and rank 0 stores the winner under the key the
 pass asks for, so `Config.mode="autotune"` then compiles with no timing at all.  For
 context-parallel attention shapes (`B,H,HKV,S,D[:causal][:train]`, the global q/k/v, forward
-or forward + backward) the same is done by attention/tune.py, whose answer the attention
+or forward + backward) the same is done by tuner/attention/tune.py, whose answer the attention
 rewrite takes.  `--model demo` instead runs the demo's TP+SP block with mode="autotune" once
 (its first call times and caches every region).
 """
@@ -17,8 +17,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from torch_commopt.kernels.ops import runner
-from torch_commopt.kernels.reference.chunking import chunk_rows
+from torch_commopt.kernels.matmul.ops import runner
+from torch_commopt.kernels.matmul.reference.chunking import chunk_rows
 
 log = logging.getLogger("torch_commopt.tuner.tune")
 KINDS = ("ag_matmul", "matmul_rs", "matmul_ar")
@@ -39,11 +39,11 @@ def parse_shape(spec: str) -> tuple[str, list[int], list[list[int]]]:
     return kind, a_shape, [[a_shape[1], n] for n in widths]
 
 
-def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache_dir: str | None, top_k: int,
+def tune_this_rank(rank: int, world: int, specs: list[str], dtype_name: str, cache_dir: str | None, top_k: int,
                  graphs: bool = False, attention: tuple[str, ...] = ()):
-    from torch_commopt.tuner.autotune import MODEL_TIE, measure_candidates, plan, winner
+    from torch_commopt.tuner.matmul.autotune import MODEL_TIE, measure_candidates, plan, winner
     from torch_commopt.tuner.cache import TunerCache
-    from torch_commopt.tuner.choose import calibration_for, device_name
+    from torch_commopt.tuner.machine import calibration_for, device_name
     from torch_commopt.tuner.gemm_table import with_gemms
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -70,7 +70,7 @@ def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache
             TunerCache(cache_dir).put(key, {"schedule": best, "measured_ms": measured})
         out.append((spec, best, measured))
     if attention:
-        from torch_commopt.attention.tune import measure_and_store, parse_spec
+        from torch_commopt.tuner.attention.tune import measure_and_store, parse_spec
 
         for spec in attention:
             shape, causal, backward = parse_spec(spec)
@@ -78,33 +78,3 @@ def _tune_worker(rank: int, world: int, specs: list[str], dtype_name: str, cache
                                                top_k=top_k)
             out.append((f"attention {spec}", best, measured))
     return out
-
-
-def run_tune(specs: list[str], world: int, backend: str = "auto", dtype: str | None = None,
-             cache_dir: str | None = None, top_k: int = 4, cuda_graphs: bool = False,
-             attention: list[str] | None = None) -> str:
-    """Time and cache the candidates of each shape on `world` local processes; a summary.
-    cuda_graphs: for programs replayed from CUDA graphs (Config.cuda_graphs; matmul shapes
-    only); attention: context-parallel attention shapes "B,H,HKV,S,D[:causal][:train]"."""
-    from torch_commopt.attention.tune import parse_spec
-    from torch_commopt.launch import run_distributed
-
-    attention = list(attention or [])
-    for spec in specs:
-        parse_shape(spec)  # bad input fails here, before anything is spawned
-    for spec in attention:
-        shape, _, _ = parse_spec(spec)
-        if shape.seq % world:
-            raise ValueError(f"commopt tune: --attention {spec!r}: sequence {shape.seq} is not a multiple of "
-                             f"--world {world}")
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    dtype = dtype or ("bfloat16" if backend == "nccl" else "float32")
-    results = run_distributed(_tune_worker, world, specs, dtype, cache_dir, top_k, cuda_graphs, tuple(attention),
-                              backend=backend, timeout_s=1800)[0]
-    lines = [f"commopt tune: {len(specs) + len(attention)} shape(s), {world} ranks ({backend}), {dtype}; "
-             f"stored in {cache_dir or 'the default tuner cache'}"]
-    for spec, best, measured in results:
-        lines.append(f"{spec}: {best}  (" + ", ".join(f"{s} {t:.3f} ms" for s, t in sorted(measured.items(), key=lambda x: x[1]))
-                     + ")")
-    return "\n".join(lines)

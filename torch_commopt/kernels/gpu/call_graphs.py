@@ -38,7 +38,6 @@ from typing import Callable
 
 import torch
 
-from torch_commopt.kernels.ops import capturing
 
 log = logging.getLogger("torch_commopt.kernels.gpu.call_graphs")
 
@@ -56,6 +55,14 @@ SIGHTINGS = 1024  # calls remembered per device and stream while they wait for t
 WINDOW = 256
 HISTORY = 64
 MIN_JUDGED = 8
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):  # a CPU-only build
+        return False
 
 
 def enabled_by_env() -> bool:

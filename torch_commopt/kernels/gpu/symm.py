@@ -25,7 +25,7 @@ Every symmetric allocation is voted on before its rendezvous (through the c10d s
 collective): a rank whose allocation fails (out of memory) would otherwise leave its peers
 blocked in the rendezvous until the process group times out.  When any rank fails, every rank
 raises SymmAllocError at that call, before the call has moved anything, and the op runs NCCL
-instead (kernels/ops.py, attention/comm.py, attention/schedules.py); a size class that failed
+instead (kernels/matmul/ops.py, kernels/attention/comm.py, kernels/attention/schedules.py); a size class that failed
 is refused at once afterwards, on every rank alike.
 
 No NVLink multicast is used anywhere: only unicast P2P loads/stores and copies.
@@ -44,7 +44,7 @@ import torch
 import torch.distributed._symmetric_memory as symm_mem
 
 from torch_commopt.kernels.gpu import driver, shared_device
-from torch_commopt.kernels.reference.collectives import resolve_group
+from torch_commopt.core.groups import resolve_group
 
 log = logging.getLogger("torch_commopt.kernels.gpu.symm")
 
@@ -55,7 +55,7 @@ FLAG_SLOTS = 1 << 17
 # Flag regions (int32 indices into each rank's flag array).
 BARRIER = 0  # [p]: epoch of rank p's latest barrier arrival (fused reductions, eager only)
 FREE = 512  # [h * MAX_WORLD + p]: token, 1 while peer p has no unfinished reads of half h
-# The attention ring's copy-engine transfers (attention/ce_ring.py), channel c (0: K/V, 1:
+# The attention ring's copy-engine transfers (kernels/attention/ce_ring.py), channel c (0: K/V, 1:
 # spare) and half h: RING_FREE [c * HALVES + h]: token, 1 while the next rank has no unfinished
 # reads of slot (c, h) this rank wrote into its ring buffer; RING_DATA [c * HALVES + h]: 1 once
 # the previous rank has written this rank's slot (c, h).
@@ -73,7 +73,7 @@ STATUS = COUNTERS + MAX_WORLD * MAX_CHUNKS  # [8]: debug-wait timeout record
 FLAG_BASES = STATUS + 8  # int64 [MAX_WORLD]: every rank's flag array address (for Triton)
 BUFFER_PTRS = FLAG_BASES + 2 * MAX_WORLD  # int64 [MAX_BUFFERS][MAX_WORLD]: data buffer addresses
 MAX_BUFFERS = 32
-# The attention all-to-alls' copy-engine transfers (attention/ce_a2a.py), region r (0: inputs
+# The attention all-to-alls' copy-engine transfers (kernels/attention/ce_a2a.py), region r (0: inputs
 # sequence -> heads, 1: results heads -> sequence) and half h: A2A_FREE [(r * HALVES + h) *
 # MAX_WORLD + p]: token, 1 while peer p has no unfinished reads of what this rank wrote into
 # its slot (r, h); A2A_DATA [same index with p the source]: 1 once source p has written
@@ -229,7 +229,7 @@ class GroupRuntime:
                             "check synchronizes the device")
             return False
         if not self._debug_kernel_loaded:
-            from torch_commopt.kernels.gpu.triton_kernels import bounded_wait
+            from torch_commopt.kernels.gpu.waits import bounded_wait
 
             bounded_wait(self.flags, BARRIER, 0, self.status, code=0, src=0, chunk=0, bound=wait_bound())
             torch.cuda.synchronize(self.device)
@@ -323,7 +323,7 @@ class GroupRuntime:
     def _voted(self, allocate, what: str) -> torch.Tensor:
         """allocate() (off-thread), then a vote of the group's ranks: the tensor if every rank
         allocated, else SymmAllocError on every rank (the local tensor, if any, is dropped)."""
-        from torch_commopt.passes import consistency
+        from torch_commopt.core import consistency
 
         try:
             local, mine = off_thread(allocate, self.device), "ok"
@@ -418,7 +418,7 @@ class GroupRuntime:
         if not debug:
             driver.wait_value32(stream, self.flag_address(self.rank, index), value)
             return
-        from torch_commopt.kernels.gpu.triton_kernels import bounded_wait
+        from torch_commopt.kernels.gpu.waits import bounded_wait
 
         with torch.cuda.stream(stream):
             bounded_wait(self.flags, index, value, self.status, code=WAIT_CODES[what], src=src, chunk=chunk,

@@ -1,0 +1,173 @@
+"""`torch.ops.commopt.cp_attention_fwd` / `cp_attention_bwd`, their training forms
+`cp_attention_fwd_keep` / `cp_attention_bwd_kept` (schedules that move their inputs: the
+forward keeps them moved, the backward moves dout alone), and `cp_attention` for eager use.
+
+The ops name their group by string and carry its size (as the other commopt ops do), so the
+fake impls can give exact shapes and refuse a schedule at trace time.  A graph pass inserts
+the forward op into the forward graph and the backward op into the backward graph; eager code
+and tests use `cp_attention`, an autograd.Function over the two.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torch_commopt.kernels.attention import schedules
+from torch_commopt.kernels.attention.local import acc_dtype
+from torch_commopt.core.attention_spec import CPSchedule
+from torch_commopt.core.groups import resolve_group
+
+# A fragment of the commopt namespace (kernels/matmul/ops.py holds its DEF library).  Plain
+# torch.library.Library, as there: the ops need no autograd formula (cp_attention is the
+# autograd wrapper) and custom_op's per-call wrappers would cost host time.
+_LIB = torch.library.Library("commopt", "FRAGMENT")
+_LIB.define("cp_attention_fwd(Tensor q, Tensor k, Tensor v, str schedule, bool causal, float? scale, "
+            "int group_size, str group_name, str backend='auto', str layout='contiguous') -> (Tensor, Tensor)")
+_LIB.define("cp_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, str schedule, "
+            "bool causal, float? scale, int group_size, str group_name, str backend='auto', "
+            "str layout='contiguous') -> (Tensor, Tensor, Tensor)")
+# The training forms of the schedules that move their inputs (schedules.moves_inputs): the
+# forward keeps q, k, v, out, lse in its attention's layout and the backward takes them.
+_LIB.define("cp_attention_fwd_keep(Tensor q, Tensor k, Tensor v, str schedule, bool causal, float? scale, "
+            "int group_size, str group_name, str backend='auto') -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("cp_attention_bwd_kept(Tensor dout, Tensor q_kept, Tensor k_kept, Tensor v_kept, Tensor out_kept, "
+            "Tensor lse_kept, str schedule, bool causal, float? scale, int group_size, str group_name, "
+            "str backend='auto') -> (Tensor, Tensor, Tensor)")
+
+
+def _group(group_size: int, group_name: str):
+    group = resolve_group(group_name)
+    if group.size() != group_size:
+        raise ValueError(f"commopt cp_attention: group {group_name} has {group.size()} ranks, the op says {group_size}")
+    return group
+
+
+def cp_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, schedule: str, causal: bool, scale: Optional[float],
+                        group_size: int, group_name: str, backend: str = "auto",
+                        layout: str = "contiguous") -> tuple[Tensor, Tensor]:
+    """Context-parallel attention forward on this rank's shards of the sequence (`layout`:
+    "contiguous", or "zigzag" -- schedules.SEQUENCE_LAYOUTS).
+
+    q: (B, H, S_loc, D); k: (B, H_kv, S_loc, D); v: (B, H_kv, S_loc, Dv).
+    Returns out (B, H, S_loc, Dv) in q's dtype, lse (B, H, S_loc) float32 (float64 for float64 q).
+    """
+    out, lse = schedules.cp_attention_fwd(q, k, v, schedule=schedule, causal=causal, scale=scale,
+                                          group=_group(group_size, group_name), backend=backend, layout=layout)
+    return out.contiguous(), lse.contiguous()  # what the fake impl promises
+
+
+def cp_attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, schedule: str,
+                        causal: bool, scale: Optional[float], group_size: int, group_name: str,
+                        backend: str = "auto", layout: str = "contiguous") -> tuple[Tensor, Tensor, Tensor]:
+    """Context-parallel attention backward: dout, out (B, H, S_loc, Dv), lse (B, H, S_loc) of the
+    forward; q, k, v as there.  Returns dq, dk, dv shaped and typed as q, k, v."""
+    grads = schedules.cp_attention_bwd(dout, q, k, v, out, lse, schedule=schedule, causal=causal, scale=scale,
+                                       group=_group(group_size, group_name), backend=backend, layout=layout)
+    return tuple(g.contiguous() for g in grads)  # what the fake impl promises
+
+
+def cp_attention_fwd_keep_op(q: Tensor, k: Tensor, v: Tensor, schedule: str, causal: bool, scale: Optional[float],
+                             group_size: int, group_name: str, backend: str = "auto") -> tuple[Tensor, ...]:
+    """The training forward of a schedule that moves its inputs (schedules.moves_inputs):
+    out (B, H, S_loc, Dv) as cp_attention_fwd's, then q, k, v, out, lse as its attention saw
+    them, each (G, B, h, S_m, ...) with head group g's at [g] (schedules.kept_shapes)."""
+    out, kept = schedules.cp_attention_fwd_keep(q, k, v, schedule=schedule, causal=causal, scale=scale,
+                                                group=_group(group_size, group_name), backend=backend)
+    return (out.contiguous(), *kept)
+
+
+def cp_attention_bwd_kept_op(dout: Tensor, q_kept: Tensor, k_kept: Tensor, v_kept: Tensor, out_kept: Tensor,
+                             lse_kept: Tensor, schedule: str, causal: bool, scale: Optional[float], group_size: int,
+                             group_name: str, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of cp_attention_fwd_keep: dout (B, H, S_loc, Dv) and the kept tensors;
+    returns dq, dk, dv in the sequence layout (B, H(_kv), S_loc, D)."""
+    grads = schedules.cp_attention_bwd_kept(dout, (q_kept, k_kept, v_kept, out_kept, lse_kept), schedule=schedule,
+                                            causal=causal, scale=scale, group=_group(group_size, group_name),
+                                            backend=backend)
+    return tuple(g.contiguous() for g in grads)
+
+
+_LIB.impl("cp_attention_fwd", cp_attention_fwd_op, "CompositeExplicitAutograd")
+_LIB.impl("cp_attention_bwd", cp_attention_bwd_op, "CompositeExplicitAutograd")
+_LIB.impl("cp_attention_fwd_keep", cp_attention_fwd_keep_op, "CompositeExplicitAutograd")
+_LIB.impl("cp_attention_bwd_kept", cp_attention_bwd_kept_op, "CompositeExplicitAutograd")
+
+
+def _refuse_at_trace(schedule, q, k, v, group_size, causal, layout) -> None:
+    schedules.check(CPSchedule.parse(schedule), q, k, v, group_size, causal, layout)
+
+
+@torch.library.register_fake("commopt::cp_attention_fwd")
+def _(q, k, v, schedule, causal, scale, group_size, group_name, backend="auto", layout="contiguous"):
+    _refuse_at_trace(schedule, q, k, v, group_size, causal, layout)
+    b, h, s, _ = q.shape
+    return q.new_empty(b, h, s, v.shape[-1]), q.new_empty(b, h, s, dtype=acc_dtype(q.dtype))
+
+
+@torch.library.register_fake("commopt::cp_attention_bwd")
+def _(dout, q, k, v, out, lse, schedule, causal, scale, group_size, group_name, backend="auto", layout="contiguous"):
+    _refuse_at_trace(schedule, q, k, v, group_size, causal, layout)
+    # contiguous, whatever the inputs' strides (the impl returns contiguous tensors)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("commopt::cp_attention_fwd_keep")
+def _(q, k, v, schedule, causal, scale, group_size, group_name, backend="auto"):
+    _refuse_at_trace(schedule, q, k, v, group_size, causal, "contiguous")
+    if not schedules.moves_inputs(schedule, group_size, causal):
+        raise ValueError(f"cp_attention_fwd_keep: {schedule} moves no inputs (causal={causal})")
+    b, h, s, _ = q.shape
+    kept = [q.new_empty(shape, dtype=dtype) for shape, dtype in schedules.kept_shapes(schedule, q, k, v, group_size)]
+    return (q.new_empty(b, h, s, v.shape[-1]), *kept)
+
+
+@torch.library.register_fake("commopt::cp_attention_bwd_kept")
+def _(dout, q_kept, k_kept, v_kept, out_kept, lse_kept, schedule, causal, scale, group_size, group_name, backend="auto"):
+    shapes = schedules.check_kept(CPSchedule.parse(schedule), dout, (q_kept, k_kept, v_kept, out_kept, lse_kept),
+                                  group_size, causal)
+    return tuple(x.new_empty(shape) for x, shape in zip((q_kept, k_kept, v_kept), shapes))
+
+
+class CPAttention(torch.autograd.Function):
+    """out = attention(q, k, v) over the group, differentiable: the two ops in eager autograd."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, schedule, causal, scale, group_size, group_name, backend, layout):
+        # a schedule that moves its inputs keeps them moved for the backward (when there is one)
+        ctx.kept = any(ctx.needs_input_grad[:3]) and schedules.moves_inputs(schedule, group_size, causal, layout)
+        ctx.args = (schedule, causal, scale, group_size, group_name, backend)
+        if ctx.kept:
+            out, *kept = torch.ops.commopt.cp_attention_fwd_keep(q, k, v, *ctx.args)
+            ctx.save_for_backward(*kept)
+            return out
+        out, lse = torch.ops.commopt.cp_attention_fwd(q, k, v, *ctx.args, layout)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout = layout
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if ctx.kept:
+            dq, dk, dv = torch.ops.commopt.cp_attention_bwd_kept(dout.contiguous(), *ctx.saved_tensors, *ctx.args)
+        else:
+            dq, dk, dv = torch.ops.commopt.cp_attention_bwd(dout.contiguous(), *ctx.saved_tensors, *ctx.args,
+                                                            ctx.layout)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def cp_attention(q: Tensor, k: Tensor, v: Tensor, *, schedule: str = "ring", causal: bool = False,
+                 scale: Optional[float] = None, group=None, backend: str = "auto", layout: str = "contiguous") -> Tensor:
+    """Differentiable context-parallel attention of this rank's shards (shapes as
+    cp_attention_fwd_op); group: a ProcessGroup, its name, or None for the default group;
+    layout: how the program shards the sequence -- "contiguous", or "zigzag" (rank r holds
+    chunks r and 2W-1-r of 2W: torch's context_parallel load balancing, head-tail), which
+    ring_zigzag takes without relaying anything.  Under torch.compile pass a ProcessGroup or
+    None: a name is resolved through c10d, which dynamo cannot trace (a graph break, an error
+    with fullgraph=True)."""
+    pg = schedules.as_group(group)
+    return CPAttention.apply(q, k, v, str(CPSchedule.parse(schedule)), causal, scale, pg.size(), pg.group_name,
+                             backend, layout)
+

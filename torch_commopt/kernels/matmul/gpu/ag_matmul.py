@@ -1,0 +1,262 @@
+"""GPU schedules of all-gather + matmul (`ce_push`, `fused`).
+
+Protocol (one call in buffer half h, rank r of W; calls alternate the halves; see symm):
+  side stream:  wait for the caller's stream -> for each peer p (r+1, r+2, ...): take the
+                (h, p) token (p has finished reading what r sent it in half h before),
+                then copy-engine copy of piece c of the shard into p's slot r, then set
+                p.DATA[h, r, c] = 1.
+  caller stream: multiply the local shard straight from the input (no wait, no staging
+                copy), then the peers' slots in arrival order (r-1, r-2, ...), each piece
+                after its flag: cuBLAS per piece (ce_push) or one persistent Triton GEMM
+                spinning on the flags (fused).
+The caller's stream joins the side stream at the end, so the input (read by the copy
+engine) and the outputs stay valid for the caching allocator, then lowers its DATA flags
+and gives every source its token back.  Every value is a constant: the call can be
+captured in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from torch_commopt.kernels.gpu import call_graphs, driver, symm
+from torch_commopt.kernels.matmul.gpu import tma
+from torch_commopt.kernels.matmul.gpu.layout import RowLayout, cdiv, piece_rows
+from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
+from torch_commopt.kernels.scaled import Expanded, Scaled, call_key, matmul, out_dtype
+from torch_commopt.core.schedule import Schedule
+
+FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3}
+
+
+def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule, group_name: str, world: int,
+                       capturing: bool = False, sc: Scaled | None = None) -> str | None:
+    """Why this call cannot run the GPU schedule (None: it can)."""
+    if gather_dim == a.dim() - 1:
+        return "gather along the contracted dim"
+    if any(w.dim() != 2 for w in weights):
+        return "batched (3-D) weights"
+    if a.numel() == 0:
+        return "empty input"
+    if sc is not None and schedule.name == "fused":
+        return "fused has no scaled (float8) product; ce_push runs cuBLAS's _scaled_mm per piece"
+    if schedule.name == "fused" and a.dtype not in (torch.bfloat16, torch.float16):
+        return f"fused needs bf16/fp16, got {a.dtype}"
+    if sc is None and any(w.dtype != a.dtype for w in weights):
+        return "mixed dtypes"
+    if capturing:
+        return symm.capture_refusal(group_name, a.device, "ag_matmul", schedule, buffer_bytes(a, world))
+    return None
+
+
+def buffer_bytes(a, world: int) -> int:
+    """Symmetric buffer bytes a call needs (both halves)."""
+    return 2 * world * a.numel() * a.element_size()
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(shape: tuple, gather_dim: int, world: int, chunks: int) -> tuple:
+    """What a call's shape decides, computed once per shape: (layout, pieces, gathered shape)."""
+    lay = RowLayout.of(list(shape), gather_dim, world, gathered=True)
+    gshape = list(shape[:gather_dim]) + [world * shape[gather_dim]] + list(shape[gather_dim + 1:])
+    return lay, tuple(lay.pieces(min(chunks, MAX_CHUNKS))), gshape
+
+
+def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, return_gathered,
+                  sc: Scaled | None = None):
+    rt = symm.runtime(group_name, a.device)
+    lay, pieces, gshape = _plan(tuple(a.shape), gather_dim, rt.world, sched.chunks)
+    # The outputs are allocated here, outside a per-call graph (the caller owns them), and before
+    # the side stream syncs with the caller's stream: the side stream writes `gathered`, and its
+    # block's previous owner may still have caller-stream work pending (the caching allocator
+    # orders reuse on the allocating stream only).
+    outs = [a.new_empty(gshape[:-1] + [w.shape[-1]], dtype=out_dtype(a, sc)) for w in weights]
+    gathered = a.new_empty(gshape) if return_gathered else None
+
+    def body():
+        _gather_and_multiply(rt, a, weights, biases, sched, lay, pieces, outs, gathered, sc)
+
+    scales, flags = call_key(sc)
+    call_graphs.call("ag_matmul", sched, rt, (a, *weights, *biases, *outs, gathered, *scales), (gather_dim, *flags),
+                     body, lambda: unsupported_reason(a, weights, gather_dim, sched, group_name, rt.world, True, sc))
+    return outs + ([gathered] if return_gathered else [])
+
+
+def _gather_and_multiply(rt, a, weights, biases, sched: Schedule, lay, pieces, outs, gathered, sc=None) -> None:
+    debug = rt.debug_waits(sched)
+    world, rank = rt.world, rt.rank
+    m_loc, k = lay.local_rows, a.shape[-1]
+    a2 = a.contiguous().view(m_loc, k)
+    row_bytes = k * a.element_size()
+    buf = rt.buffer(buffer_bytes(a, world))
+    half = rt.next_epoch() % 2  # calls alternate buffer halves
+    base = half * (buf.nbytes // 2)  # the same offset for every op: tokens guard halves
+    slots = buf.view(rank, base, (world, m_loc, k), a.dtype)
+    cur, side = torch.cuda.current_stream(a.device), rt.side
+
+    rt.after(side, cur)
+    src_ptr = a2.data_ptr()
+    for p in rt.peers:  # driver calls on the side stream: no stream context, no tensor views
+        rt.acquire(side, p, half, debug=debug, defer_take=True)  # taken with the first piece's signal
+        dst_ptr = buf.address(p, base + rank * m_loc * row_bytes)
+        for c, (lo, hi) in enumerate(pieces):
+            driver.memcpy_async(side, dst_ptr + lo * row_bytes, src_ptr + lo * row_bytes, (hi - lo) * row_bytes)
+            rt.signal(side, p, data_index(half, rank, c), 1)
+
+    if sched.param("gemm") == "whole":
+        _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug, sc)
+    elif sched.name == "fused":
+        _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug)
+    else:
+        slot_of = functools.partial(_source_slot, buf, rank, base, m_loc, k, row_bytes, a.dtype)
+        _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, cur, debug,
+                        rt.compute2 if sched.param("par") else None, sc)
+    if gathered is not None:
+        _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug)
+    rt.after(cur, side)
+    rt.done_reading(cur, half, len(pieces))
+    if debug:
+        rt.check_status("ag_matmul")
+
+
+def _source_slot(buf, rank: int, base: int, m_loc: int, k: int, row_bytes: int, dtype, src: int) -> torch.Tensor:
+    """Source src's (M_loc, K) slot of this rank's buffer half at `base` (rows of row_bytes):
+    slots[src] of ag_matmul_gpu's (W, M_loc, K) view, as the buffer's cached view (indexing
+    `slots` costs a new view every call)."""
+    return buf.view(rank, base + src * m_loc * row_bytes, (m_loc, k), dtype)
+
+
+def _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, cur, debug, second=None, sc=None):
+    """cuBLAS per piece; slot_of(src): source src's (M_loc, K) slot.  second (par=1): the peers'
+    pieces run on that stream, so their GEMMs can share the SMs with the own shard's (the GEMMs
+    write disjoint rows).  sc: each piece is a scaled (float8) product."""
+    rank = rt.rank
+    full = [o.view(-1, o.shape[-1]) for o in outs]
+    wide = Expanded(weights)
+    peers = cur if second is None else second
+    if second is not None:
+        rt.after(second, cur)  # the outputs were allocated on the caller's stream
+    # Own shard first, as one GEMM: it needs nothing from the peers.
+    _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows, sc, wide)
+    with contextlib.nullcontext() if second is None else torch.cuda.stream(second):
+        for src in rt.sources:
+            slot = slot_of(src)
+            for c, (lo, hi) in enumerate(pieces):
+                rt.wait(peers, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
+                _piece_matmuls(piece_rows(slot, lo, hi), full, weights, biases, lay, src, lo, hi, sc, wide)
+    if second is not None:
+        rt.after(cur, second)
+
+
+def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug, sc=None):
+    """ce_push:S:gemm=whole: the own shard joins the peers' in the buffer and one GEMM runs
+    over all of them once they are there.  At short M a GEMM's time is reading B, so the
+    overlapped form (one GEMM per shard) reads B W times; this one reads it once and hides
+    nothing (AG 512x8192x8192, 2x H200 replayed: GEMM alone 0.047 ms, ce_push:1 0.082)."""
+    slots[rt.rank].copy_(a2)
+    last = len(pieces) - 1
+    for src in rt.sources:  # pieces from one peer land in order: the last flag covers the slot
+        rt.wait(cur, data_index(half, src, last), 1, debug=debug, what="chunk", src=src, chunk=last)
+    rows = slots.view(-1, a2.shape[-1])
+    for i, (out, w, b) in enumerate(zip(outs, weights, biases)):
+        full = out.view(-1, out.shape[-1])
+        prod = matmul(rows, w, b, sc, i, out=full if lay.outer == 1 else None)
+        if lay.outer != 1:  # slot order is rank-major; the output interleaves outer blocks
+            for block in range(rt.world):
+                part = prod[block * lay.local_rows:(block + 1) * lay.local_rows]
+                dst = lay.block_rows(full, block, 0, lay.local_rows)
+                dst.copy_(part.view(dst.shape))
+
+
+def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi, sc, wide: Expanded):
+    """Rows [lo, hi) of rank-block `block` of each output <- `rows` @ weights[i] (+ biases[i]).
+    wide: the call's Expanded of the weights (used at outer > 1; shared by its pieces)."""
+    if lay.outer != 1 and sc is None:  # rows of several outer blocks: one batched GEMM writes the strided destination
+        blocks = (hi - lo) // lay.lin
+        rows3 = rows.view(blocks, lay.lin, rows.shape[-1])
+        for out, wb, b in zip(full, wide(blocks), biases):
+            matmul(rows3, wb, b, out=lay.block_rows(out, block, lo, hi))
+        return
+    for i, (out, w, b) in enumerate(zip(full, weights, biases)):
+        dst = lay.block_rows(out, block, lo, hi)
+        if lay.outer == 1:
+            matmul(rows, w, b, sc, i, out=dst)
+        else:  # _scaled_mm is 2-D only: its product, then a copy into the strided destination
+            dst.copy_(matmul(rows, w, b, sc, i).view(dst.shape))
+
+
+def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug):
+    launch_fused(a2, slots.view(-1, a2.shape[-1]), rt.flags, rt.status, weights, biases,
+                 [o.view(-1, o.shape[-1]) for o in outs], lin=lay.lin, rank=rt.rank, world=rt.world,
+                 chunk_rows=pieces[0][1] - pieces[0][0], flag_base=data_index(half, 0, 0),
+                 params=dict(sched.params), debug=debug)
+
+
+def launch_fused(a2, slots2, flags, status, weights, biases, outs2, *, lin, rank, world, chunk_rows, flag_base,
+                 params, debug=False, epoch=1):
+    """The fused consumer: one persistent Triton GEMM over this rank's shard a2 (M_loc, K) and
+    the peers' slots2 (world * M_loc, K) (slot s: rank s's shard, ready once
+    flags[flag_base + s * 256 + chunk] >= epoch), writing outs2[i] (full rows, N_i) = gathered
+    A @ weights[i] (+ biases[i]).  params: the schedule's (bm, bn, bk, gm, warps, stages, sms,
+    tma).  tma=1 moves the tiles with the TMA unit (ag_gemm_tma_kernel) where the operands
+    allow it (16-byte aligned rows and bases), else the pointer-load kernel runs.  Callable on
+    one GPU with flags set beforehand (benchmarks/probe_fused_gemm.py, tests/gpu)."""
+    from torch_commopt.kernels.matmul.gpu.triton_kernels import ag_gemm_kernel, ag_gemm_tma_kernel, num_sms
+
+    p = {**FUSED_DEFAULTS, **params}
+    m_loc, k = a2.shape
+    sms = p.get("sms") or num_sms(a2.device)
+    for first in range(0, len(weights), 3):  # one pass over A serves up to three B's
+        ws, bs = weights[first:first + 3], biases[first:first + 3]
+        cs = outs2[first:first + 3]
+        has_bias = any(b is not None for b in bs)
+        bs = [b if b is not None else a2.new_zeros(w.shape[-1]) for w, b in zip(ws, bs)] if has_bias else [a2] * len(ws)
+        n_b = len(ws)
+        ws3, cs3, bs3 = _pad3(ws), _pad3(cs), _pad3(bs)
+        ns = [w.shape[-1] for w in ws] + [0] * (3 - n_b)
+        tiles = world * cdiv(m_loc, p["bm"]) * sum(cdiv(n, p["bn"]) for n in ns)
+        # Debug waits (the side stream's buffer-free wait) are one-block kernels: leave them an SM.
+        grid = max(1, min(sms - (1 if debug else 0), tiles))
+        common = dict(WORLD=world, NUM_B=n_b, HAS_BIAS=has_bias, BM=p["bm"], BN=p["bn"], BK=p["bk"],
+                      GROUP_M=p["gm"], DEBUG=debug, num_warps=p["warps"], num_stages=p["stages"])
+        descs = tma.descriptors("ag_matmul", [a2, slots2], ws3, p["bm"], p["bn"], p["bk"]) if p.get("tma") else None
+        if descs is not None:
+            (a_d, s_d), b_ds, kmajor = descs
+            ag_gemm_tma_kernel[(grid,)](
+                a_d, s_d, flags, status, epoch, symm.wait_bound(), *b_ds, *cs3, *bs3, *ns,
+                m_loc, k, lin, rank, chunk_rows, flag_base, grid, B_KMAJOR=kmajor, **common)
+            continue
+        ag_gemm_kernel[(grid,)](
+            a2, slots2, flags, status, epoch, symm.wait_bound(),
+            *ws3, *cs3, *bs3,
+            ws3[0].stride(0), ws3[0].stride(1), ws3[1].stride(0), ws3[1].stride(1), ws3[2].stride(0), ws3[2].stride(1),
+            *ns, m_loc, k, lin, rank, chunk_rows, flag_base, grid, EVEN_K=k % p["bk"] == 0, **common)
+
+
+def _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug):
+    """The all-gathered input, assembled by the copy engine off the critical path: rank s's
+    rows are one run of lin rows in every outer block of `gathered`, one 2-D copy (a
+    contiguous one at outer == 1) from its shard, addressed without a view of either."""
+    last = len(pieces) - 1
+    run = lay.lin * a2.shape[-1] * a2.element_size()  # bytes of one rank's rows in one outer block
+    pitch = lay.world * run
+    for src in [rt.rank] + rt.sources:
+        if src != rt.rank:
+            # Pieces from one peer land in order, so the last flag covers the whole slot.
+            rt.wait(side, data_index(half, src, last), 1, debug=debug, what="chunk", src=src, chunk=last)
+        shard = a2.data_ptr() if src == rt.rank else slots.data_ptr() + src * lay.outer * run  # (M_loc, K) each
+        if lay.outer == 1:
+            driver.memcpy_async(side, gathered.data_ptr() + src * run, shard, run)
+        elif pitch <= symm.MAX_PITCH:
+            driver.memcpy2d_async(side, gathered.data_ptr() + src * run, pitch, shard, run, run, lay.outer)
+        else:
+            rt.copy(side, lay.block_rows(gathered.view(-1, a2.shape[-1]), src, 0, lay.local_rows),
+                    a2 if src == rt.rank else slots[src])
+    return gathered
+
+
+def _pad3(xs):
+    return list(xs) + [xs[0]] * (3 - len(xs))

@@ -1,0 +1,71 @@
+"""Reference schedules of matmul + reduce-scatter and matmul + all-reduce.
+
+Semantics: t = a @ weight (+ bias) over the last dim of `a` (plus each K part's product,
+a_i @ w_i); then
+matmul_rs: reduce-scatter t along `scatter_dim` (rank r keeps block r);
+matmul_ar: all-reduce t.
+"""
+
+from __future__ import annotations
+
+from torch_commopt.core.groups import resolve_group
+
+from torch_commopt.kernels.collectives import all_reduce, chunk_bounds, linear, reduce_scatter
+from torch_commopt.kernels.matmul.reference.chunking import ar_chunk_dim, rs_chunk_dim
+from torch_commopt.kernels.scaled import out_dtype
+from torch_commopt.core.schedule import Schedule
+
+
+def _product(a, weight, bias, sc, parts, piece=lambda x: x):
+    """piece(a) @ weight (+ bias), plus piece(a_i) @ w_i for each K part (ops.k_parts)."""
+    t = linear(piece(a), weight, bias, sc)
+    for x, w in parts:
+        t = t + linear(piece(x), w, None, None)
+    return t
+
+
+def matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, schedule, sc=None, parts=()):
+    """sc: the product is scaled (fp8, kernels/scaled.py); parts: K parts (ops.k_parts)."""
+    group = resolve_group(group_name)
+    sched = Schedule.parse(schedule)
+    if sched.name == "sequential" or sched.chunks == 1:
+        t = _product(a, weight, bias, sc, parts)
+        return reduce_scatter(t, scatter_dim, reduce_op, group, async_op=False).wait()
+    world, d = group.size(), scatter_dim
+    shape = list(a.shape)
+    c, _ = rs_chunk_dim(shape[:-1] + [weight.shape[-1]], d, world, sched.chunks)
+    out_shape = shape[:-1] + [weight.shape[-1]]
+    out_shape[d] //= world
+    out = a.new_empty(out_shape, dtype=out_dtype(a, sc))
+    if c == d:
+        bounds = chunk_bounds(shape[d] // world, sched.chunks)
+
+        def piece_of(s, n):
+            return lambda x: x.reshape(shape[:d] + [world, shape[d] // world] + list(x.shape[d + 1:])).narrow(
+                d + 1, s, n).flatten(d, d + 1)
+    else:
+        bounds = chunk_bounds(shape[c], sched.chunks)
+
+        def piece_of(s, n):
+            return lambda x: x.narrow(c, s, n)
+    # Compute piece j, then let its reduction travel while piece j+1 is computed.
+    pending = [reduce_scatter(_product(a, weight, bias, sc, parts, piece_of(s, n)), d, reduce_op, group, async_op=True)
+               for s, n in bounds]
+    for (s, n), p in zip(bounds, pending):
+        out.narrow(c, s, n).copy_(p.wait())
+    return out
+
+
+def matmul_ar_reference(a, weight, bias, reduce_op, group_name, schedule, sc=None, parts=()):
+    group = resolve_group(group_name)
+    sched = Schedule.parse(schedule)
+    if sched.name == "sequential" or sched.chunks == 1:
+        return all_reduce(_product(a, weight, bias, sc, parts), reduce_op, group, async_op=False).wait()
+    out = a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]], dtype=out_dtype(a, sc))
+    c, rows = ar_chunk_dim(list(out.shape), sched.chunks)
+    bounds = chunk_bounds(rows, sched.chunks)
+    pending = [all_reduce(_product(a, weight, bias, sc, parts, lambda x, s=s, n=n: x.narrow(c, s, n)), reduce_op, group,
+                          async_op=True) for s, n in bounds]
+    for (s, n), p in zip(bounds, pending):
+        out.narrow(c, s, n).copy_(p.wait())
+    return out
