@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first, pinned: pip then takes the CPU wheel on disk instead of a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test test-gpu clean
+.PHONY: demo test lint test-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests --ignore=tests/gpu
+
+# The layer contract (.importlinter: imports run one way, no cycles) and the linter; .ci/run runs both.
+lint: $(VENV)/.installed
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
 
 # On a machine with >= 2 GPUs (the device machine); uses the python3 that has CUDA torch.
 test-gpu:
