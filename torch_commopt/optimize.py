@@ -11,8 +11,9 @@
 
 Everything not named runs as before (eager, or however the caller compiles it).  A module is
 compiled with `nn.Module.compile` (its forward traced on the first call, so parallelize it
-with DTensor before or after: the trace sees what it is called with).  The options are checked
-when `optimize` is called: a bad one raises there, not inside a training step.
+with DTensor before or after: the trace sees what it is called with).  The options are
+`torch_commopt.Config`'s fields (docs/configuration.md), checked when `optimize` is called: a bad
+one raises there, not inside a training step.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def resolve_config(config: Optional[Union[Config, dict]], options: dict[str, Any
 
 def optimize(target: Any = None, *, config: Optional[Union[Config, dict]] = None, dynamic: Optional[bool] = False,
              fullgraph: bool = False, **options: Any) -> Any:
-    """Compile `target` with backend="commopt" and Config(config, **options).
+    """Compile `target` with backend="commopt" and Config(config, **options) (the fields:
+    docs/configuration.md).
 
     target: an nn.Module instance (compiled in place and returned), an nn.Module subclass
     (returned with each new instance compiling itself), a function (its compiled version is

@@ -15,7 +15,7 @@ The schedules that move their inputs (ulysses, hybrid, ring_zigzag) pipeline the
 head groups; `:g=G` names the depth (e.g. ulysses:g=1, hybrid:2:2:g=2), else the rule below
 (ulysses_head_groups, zigzag_head_groups) picks it.  G splits the attention into G calls
 (on one H200 at 16K tokens, MHA, two calls cost 0.2 ms more forward and 0.3 ms backward than
-one: benchmarks/results/probe_attention_streams_h200_2026-11-25) against the moves it hides.
+one: docs/context-parallel-attention.md) against the moves it hides.
 
 Every schedule takes the program's contiguous layout: rank r holds tokens [r*S_loc, (r+1)*S_loc).
 """
@@ -118,13 +118,12 @@ def zigzag_head_groups(q_bytes: int, kv_heads: int) -> int:
 # Ulysses (and hybrid) move every input and result through all-to-alls.  Split over head
 # groups, group g+1's inputs travel while group g's attention runs and group g's results travel
 # back meanwhile (schedules._pipelined, ce_a2a.pipelined): only the first group's inputs and the
-# last group's results are exposed.  Measured on 2x H200, H 32, fwd+bwd (results/
-# cp_profile_h200x2_2026-11-23_s11.md): with NCCL, 16K tokens, 1/2/4 groups 9.30/9.10/12.2 ms
-# eager and 9.27/9.14/9.34 replayed from a CUDA graph (every group adds ~16 c10d calls' host
-# time; NCCL's kernels share the SMs with cuDNN's); by the copy engine (ce_a2a: no SM, little
-# host time) 8.68/8.48/8.80 at 16K and -/29.98/30.44 at 32K -- each group's attention loses to
-# the tail of its last wave as its heads shrink (attention alone 6.53/6.95/7.22 at 16K).  So
-# two groups, each keeping >= 32 MiB of q, for either transport.
+# last group's results are exposed.  Two groups run fastest and four lose, with NCCL (every
+# group adds ~16 c10d calls' host time; NCCL's kernels share the SMs with cuDNN's) and by the
+# copy engine (ce_a2a: no SM, little host time) alike: each group's attention loses to the tail
+# of its last wave as its heads shrink (H 32, fwd+bwd, 16K tokens on an H200 pair: attention
+# alone 6.53 / 6.95 / 7.22 ms in 1 / 2 / 4 groups; docs/context-parallel-attention.md, "Measurements
+# behind the constants").  So two groups, each keeping >= 32 MiB of q, for either transport.
 ULYSSES_MAX_HEAD_GROUPS = 2
 ULYSSES_PIPELINE_MIN_BYTES = 32 << 20  # q bytes of one rank per head group
 

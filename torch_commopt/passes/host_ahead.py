@@ -4,18 +4,16 @@ The built-in rule times a region in the band (0.1-0.5 ms of GEMM, pick.measure_b
 call, back to back on its own, where a GPU schedule's larger host enqueue (0.2-0.4 ms against
 NCCL's ~0.1) can decide.  Inside a graph whose host enqueues everything well before the GPU gets
 there, that enqueue is hidden and only the GPU time counts, as when replayed from CUDA graphs.
-2x H100, session 38, TP=2 training of four Llama-3-8B layers (e2e_h100x2_2026-11-27_s38_trace):
-the step enqueued in 30 ms against 48 ms of busy GPU, yet the first-call timing kept the
-backward's o_proj all-gather (sequential 0.349 ms, ce_push:1's enqueue 0.205) and q/k/v
-reduce-scatter (0.461 ms; ce_push:1 enqueued 0.379, over the band's 1/1.5 headroom) on NCCL in
-three of four layers: ~1.3 ms of exposed NCCL a step, while replayed the same ce_push:1 ran
-1.21-1.39x NCCL's speed on the band's shapes (M_global 2048 and 4096x8192x7168,
-matmul_collectives_h100x2_2026-11-27_s38).
+In TP=2 training of four Llama-3-8B layers the step enqueues in 30 ms against 48 ms of busy
+GPU, yet first-call timing keeps the backward's o_proj all-gather and q/k/v reduce-scatter
+(ce_push:1's enqueue over the band's 1/1.5 headroom) on NCCL: ~1.3 ms of exposed NCCL a step,
+where the same ce_push:1, with its host hidden, runs 1.21-1.39x NCCL's speed on the band's
+shapes (docs/gpu-schedules.md, "The built-in rule").
 
 `estimate` biases both figures against calling the host ahead: the GPU side counts only the
 graph's matmuls and attention at the rule's peak rates (every attention as causal), the host
 side every node that is not a view at LAUNCH_S (measured per node, everything on the host
-counted in) and every region at REGION_HOST_S (above the slowest enqueue a band region measured).
+counted in) and every region at REGION_HOST_S (above the slowest enqueue of a band region).
 At that step's shapes a forward graph (43 nodes, 2.9 ms of matmuls and attention at peak) does
 not count as ahead (3.3 ms of host), a backward one (69-83 nodes, 6.1 ms) does (4.4-4.9 ms).
 
@@ -23,11 +21,11 @@ With_backward (Config.band_in_graph="training"): a training forward graph is cou
 with the backward it implies (estimated from the forward: BWD_MATMUL times its matmuls,
 ATTENTION_BWD times its attention, BWD_LAUNCHES times its launches, as many regions).  Steps run
 back to back, the backward's lead carries into the next forward; with a synchronize every step
-the forward starts on an empty queue.  2x H100, session 42 (e2e_h100x2_2026-11-27_s42): the
-forward alone (2.95 ms GPU, 3.32 ms host) timed its two band regions at the first call and kept
-NCCL (1.7 ms of NCCL a step), the rule ran 1.033x inductor back to back against the model's
-1.046x (GPU schedules everywhere); counted with its backward (est. 9.0 ms GPU, 8.4 ms host) it
-runs ahead.  Opt-in until measured in training.
+the forward starts on an empty queue.  Counted alone, that step's forward (2.95 ms GPU, 3.32 ms
+host) times its two band regions at the first call and keeps NCCL (1.7 ms of NCCL a step; the
+rule runs 1.033x inductor against 1.046x with GPU schedules everywhere); counted with its
+backward (est. 9.0 ms GPU, 8.4 ms host) it runs ahead.  Opt-in: not yet measured across
+training runs.
 """
 
 from __future__ import annotations
@@ -40,14 +38,14 @@ from torch.fx import Graph, Node
 from torch_commopt.kernels.matmul.gpu.pick import GEMM_FLOPS_PER_S
 from torch_commopt.passes.graph_utils import is_static, val
 
-# A node's share of the host's enqueue: s38's step enqueued in 30 ms for 8 graphs of 43-83 such
+# A node's share of the host's enqueue: the step above enqueues in 30 ms for 8 graphs of 43-83 such
 # nodes (~500) with 32 regions (~0.3 ms each), i.e. ~40 us a node with the optimizer, autograd
 # and guards counted in (Inductor fuses many nodes into one kernel, so a kernel costs more).
 LAUNCH_S = 40e-6
-REGION_HOST_S = 0.4e-3  # a region's GPU-schedule call (s38's backward band: 0.17-0.38 ms a call)
+REGION_HOST_S = 0.4e-3  # a region's GPU-schedule call (that step's backward band: 0.17-0.38 ms a call)
 ATTENTION_BWD = 2.5  # an attention backward's matmul work over its forward's
 BWD_MATMUL = 2.0  # a forward matmul's backward: its input's and its weight's gradients
-# A backward graph's launches over its forward's (s38: 69-83 nodes against 43, at most 1.93;
+# A backward graph's launches over its forward's (that step: 69-83 nodes against 43, at most 1.93;
 # rounded up, as every figure here leans against calling the host ahead)
 BWD_LAUNCHES = 2.0
 _FREE = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze",

@@ -28,6 +28,7 @@ from torch_commopt.passes.regions import Region
 from torch_commopt.report import Skip
 from torch_commopt.passes.matmul.rewrite import rewrite_region
 from torch_commopt.core.schedule import Schedule
+from torch_commopt.tuner.matmul.model import RegionFacts
 
 try:  # torch >= 2.10 tells inference-aware passes which graph they see
     from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _PassBase
@@ -165,25 +166,25 @@ def _graph_rewrite(what: str, apply, report: explain.GraphReport) -> None:
         report.notes.append(f"{what} stopped ({type(e).__name__}: {e})")
 
 
-def _band(region: Region, shape, weights, dtype: str, band: list[str], rule_pick: Schedule, why: str,
-          config: Config, report: explain.GraphReport) -> tuple[Schedule, str]:
-    """A region in the rule's host-bound band: rank 0's cached measurement, or a placeholder
-    that times `band` at the first call (the rule's pick runs under a CUDA-graph capture)."""
-    from torch_commopt.tuner.matmul.autotune import band_key, band_request
+def _band(region: Region, facts: RegionFacts, band: list[str], rule_pick: Schedule, why: str, config: Config,
+          report: explain.GraphReport) -> tuple[Schedule, str]:
+    """A region in the rule's host-bound band (facts: the rule's inputs, _rule_facts): rank 0's
+    cached measurement, or a placeholder that times `band` at the first call (the rule's pick
+    runs under a CUDA-graph capture)."""
+    from torch_commopt.tuner.matmul.autotune import TuneSite, band_key, band_request
     from torch_commopt.tuner.cache import TunerCache
     from torch_commopt.tuner.machine import device_name
     from torch_commopt.tuner.decide import decide
 
-    dev, k_parts, replayed = device_name(val(region.a).device), _k_parts(region, config), _replayed(region, config)
-    key = band_key(region.kind, shape, weights, region.dim, region.group_size, dtype, dev, band, k_parts, replayed)
+    dev, replayed = device_name(val(region.a).device), _replayed(region, config)
+    key = band_key(facts, dev, band, replayed)
     what = "replayed short all-gather" if replayed else "host-bound band"
     cache = TunerCache(config.cache_dir)
     cached = decide(region.group_name, key, lambda: cache.get(key), config.consistency_timeout_s)
     if isinstance(cached, dict) and cached.get("schedule") in band:
         return Schedule.parse(cached["schedule"]), why + f": {what}, cached measurement"
-    sched = band_request(region.kind, shape, weights, region.dim, region.group_size, dtype, dev, region.group_name,
-                         band, str(rule_pick), config.cache_dir, region.collective.name, config.debug_waits,
-                         report.notes, k_parts, graphs=replayed)
+    site = TuneSite(region.group_name, config.cache_dir, region.collective.name, config.debug_waits, report.notes)
+    sched = band_request(facts, dev, band, str(rule_pick), site, graphs=replayed)
     return sched, why + f": {what}, {', '.join(band)} timed at the first call ({rule_pick} under a capture)"
 
 
@@ -312,7 +313,9 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
             if by_gpu_time:
                 why += ": host-bound band, but the graph's host runs ahead: ranked by GPU time"
             elif band is not None:
-                wanted, why = _band(region, shape, weights, dtype, band, wanted, why, config, report)
+                facts = RegionFacts(region.kind, shape, weights, region.dim, region.group_size, dtype,
+                                    k_parts=_k_parts(region, config))
+                wanted, why = _band(region, facts, band, wanted, why, config, report)
             report.notes.append(f"{name}: picked {wanted} ({why})")
         else:
             wanted = Schedule("chunked", config.chunks)
@@ -532,12 +535,13 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
     a = val(region.a)
     cal = calibration_for(a.device, region.group_size, region.group_name, config.cache_dir, config.consistency_timeout_s)
     weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
+    facts = RegionFacts(region.kind, op_a_shape(region), weights, region.dim, region.group_size, region_dtype(region),
+                        bias=[c.bias is not None for c in region.consumers], reduce_op=region.reduce_op,
+                        keep_gathered=region.keep_gathered,
+                        copy_bytes=sum(copy_bytes(c.node, config.k_parts) for c in region.consumers),
+                        kept_bytes=sum(kept_bytes(c.node) for c in region.consumers), k_parts=_k_parts(region, config))
     sched, preds, top, key, why = plan(
-        region.kind, op_a_shape(region), weights, region.dim, [c.bias is not None for c in region.consumers],
-        region.reduce_op, region.keep_gathered, region.group_size, region_dtype(region),
-        device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, _replayed(region, config),
-        sum(copy_bytes(c.node, config.k_parts) for c in region.consumers),
-        sum(kept_bytes(c.node) for c in region.consumers), _k_parts(region, config),
+        facts, device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, _replayed(region, config),
         lambda shape, pool, graphs: with_gemms(cal, shape, pool, a.device, region.group_name, config.cache_dir,
                                                config.consistency_timeout_s, graphs=graphs))
     name = region.collective.name

@@ -10,17 +10,17 @@ there (kernels/gpu/symm.py), so they count once per distinct class ("pool_mib" r
 request), not once per region; everything else a schedule needs (staging, the unreduced
 product, the gathered input of `sequential`) lives for one call and is freed before the next
 region runs, so the largest of those counts.  Counting each class the plan's requests fall in
-never counts less than the runtime allocates.  Summing every region's buffer instead had a
-TP+SP block at 640 MiB per graph where it holds one 128 MiB class, and a 400 MiB budget then
-kept two regions on NCCL beside the copy-engine ones (2x H200, s24: 0.79-0.97x the all-NCCL
-plan).  The search under a budget is exact for this count: one pass per set of allowed size
+never counts less than the runtime allocates.  Summing every region's buffer instead would put
+a TP+SP block at 640 MiB per graph where it holds one 128 MiB class, and a 400 MiB budget would
+then keep regions on NCCL that fit (a plan slower than the all-NCCL one; docs/plan-search.md).
+The search under a budget is exact for this count: one pass per set of allowed size
 classes, each region taking its fastest candidate that the set and the room left allow.
 
 What "fastest" means for a graph: a region's predicted time for back-to-back calls of it alone
 is max(device time, host time) -- a short GPU schedule is host-bound there.  Inside a compiled
 graph the host enqueues the whole graph while the GPU works, so the graph takes the longer of
 the summed device times and the summed host times, not the sum of the per-region maxima
-(2x H200, a TP+SP block fwd+bwd: ranking regions alone chose `chunked:2` for its short
+(a TP+SP block fwd+bwd: ranking regions alone chooses `chunked:2` for its short
 reduce-scatters, 12.70 ms a step, against 11.94 ms with `ce_push:1` everywhere).
 `choose_for_graph` therefore minimizes the summed device time and keeps that plan while its
 summed host time stays under it; otherwise the graph is host-bound and the per-region times

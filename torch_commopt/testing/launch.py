@@ -5,11 +5,11 @@ is killed and reported, never waited on forever.
 
 On a machine without a visible CUDA device the ranks are forked from a fork server that
 imported torch and torch_commopt once (where the platform has one): a spawned rank spends ~3 s
-of CPU importing them, which on the 2-core CI machine was half of the test suite's time.  A
+of CPU importing them, which on the 2-core CI machine would be half of the test suite's time.  A
 rank takes the caller's environment as it is at the call (the fork server's is the one it
 started with), and nothing in torch_commopt reads its switches at import.  With CUDA devices
 the ranks are spawned: the preload initializes CUDA in the server, and torch refuses CUDA in a
-process forked after that (2x H100: "Cannot re-initialize CUDA in forked subprocess").
+process forked after that ("Cannot re-initialize CUDA in forked subprocess").
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
         elif "OMP_NUM_THREADS" not in os.environ:
             # torchrun's default for several processes: W ranks each with torch's default thread
             # count oversubscribe the cores (and on the 2-core CI machine, ranks with two threads
-            # showed a rare precision-level deviation in plain torch ops: benchmarks/NOTES.md,
-            # session 26)
+            # can show a rare precision-level deviation in plain torch ops)
             torch.set_num_threads(1)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
         result = fn(rank, world, *args)

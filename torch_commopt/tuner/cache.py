@@ -22,18 +22,18 @@ import pathlib
 import tempfile
 from typing import Any
 
+from torch_commopt.core import env
+
 log = logging.getLogger("torch_commopt.tuner.cache")
 
-CACHE_ENV = "TORCH_COMMOPT_CACHE_DIR"
+CACHE_ENV = env.CACHE_DIR
 FORMAT_VERSION = 1
 
 
 def default_dir() -> pathlib.Path:
-    """$TORCH_COMMOPT_CACHE_DIR, else $XDG_CACHE_HOME/torch_commopt, else ~/.cache/torch_commopt."""
-    if os.environ.get(CACHE_ENV):
-        return pathlib.Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "torch_commopt"
+    """$TORCH_COMMOPT_CACHE_DIR, else $XDG_CACHE_HOME/torch_commopt, else ~/.cache/torch_commopt
+    (core/env.py)."""
+    return env.cache_dir()
 
 
 def key_digest(key: dict[str, Any]) -> str:

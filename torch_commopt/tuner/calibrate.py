@@ -42,13 +42,10 @@ from torch_commopt.tuner.timing import SLEEP_CYCLES_PER_CALL, device_time
 
 log = logging.getLogger("torch_commopt.tuner.calibrate")
 
-# (m, n, k): square, wide and thin, so the fit sees both efficiency regimes.  A chunked
-# reduction's piece (1024 x 8192 x 4096) as a sixth sample was tried (2x H100, session 30,
-# results/costmodel_h100x2_2026-11-26_s30*): the fit already predicted it within 4% (half_dim 174
-# with it, 169 without) and the eager top-1 stayed 11/14, so it is not taken.  That fit (the older
-# d / (d + half_dim) form) did over-charge such pieces relative to the whole GEMM: it put
-# 8192 x 4096 x 8192 8% under its sample, so a piece cost ~9% too much of it; fit_gemm's roofline
-# fits the five samples, and that sixth one, within 1% (2x H100, session 37, offline).
+# (m, n, k): square, wide and thin, so the fit sees both efficiency regimes.  No sample of a
+# chunked reduction's piece (1024 x 8192 x 4096) is needed: fit_gemm's roofline, fitted to these
+# five, predicts it within 1%, and adding it as a sixth sample leaves the picks unchanged
+# (docs/tuner.md, "Calibration").
 GEMM_SHAPES = {"cuda": [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 4096, 8192), (8192, 64, 8192), (256, 8192, 8192)],
                "cpu": [(128, 128, 128), (384, 384, 384), (768, 768, 768), (768, 16, 768), (32, 768, 768)]}
 COLLECTIVE_BYTES = {"cuda": (1 << 20, 16 << 20, 64 << 20), "cpu": (256 << 10, 2 << 20, 8 << 20)}
@@ -56,12 +53,11 @@ P2P_BYTES = (4 << 20, 64 << 20)
 WARM_S = 1.0  # seconds of GEMMs before the GEMM samples
 # The representative call of each schedule family whose host cost is measured (tiny shapes);
 # the first probe of a family gives its figure, and each probe also its op's own ("matmul_rs
-# ce_push"): the reductions' ce_push enqueues more than the all-gather's (2x H100, session 23:
-# RS ~168 us, AR ~208 us a call; session 28's cost-model run measured RS 2048 ce_push:1 at 0.358
-# ms eager, 0.216 replayed, against 0.230 predicted from the all-gather's 144 us).  `fused` (a
-# Triton launch) had no probe and took the prior's 160 us: 2x H100 (s48) ran AG / RS M_global 512
-# fused:1 eagerly at 0.35-0.46 ms a call (~0.1 of GPU), and where the sequential probe read over
-# 160 us the model ranked it first, 2.2-2.7x the best.
+# ce_push"): the reductions' ce_push enqueues more than the all-gather's (RS ~170 us, AR ~210
+# us a call against the all-gather's ~145 us), so the all-gather's figure under-prices an eager
+# reduction.  `fused` (a Triton launch) needs a probe of its own: its eager call costs 0.35-0.46
+# ms of host at M_global 512 (~0.1 of GPU), and the prior's 160 us would rank it first where
+# it runs 2.2-2.7x the best (docs/tuner.md, "Calibration").
 HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2")],
                "cuda": [("ag_matmul", "sequential"), ("ag_matmul", "local_first"), ("matmul_rs", "chunked:2"),
                         ("ag_matmul", "ce_push:1"), ("ag_matmul", "ce_push:4"), ("matmul_rs", "ce_pull:2"),
@@ -100,9 +96,9 @@ def _slowest_figures(figures: dict[str, float], group, device: torch.device) -> 
 
 # Two passes of a set of figures further apart than this (relative) get a third pass and the
 # per-figure median: one pass measured in a host burst or beside a stray transfer bends what is
-# derived from it (2x H100, session 20: a calibration with "host 134 us per sequential call"
-# and "GEMM slowdown beside NCCL 1.00" against 69-111 us and 0.83-0.85 in others on the same
-# machine ranked ce_pull:2 first for a region where it ran slower, and the plan lost 2.6%).
+# derived from it (a pass reading the sequential call's host at 134 us against 69-111 us, and
+# no GEMM slowdown beside NCCL against 0.83-0.85, ranks a slower schedule first and costs the
+# plan a few percent).
 AGREE = 0.10
 
 
@@ -218,7 +214,7 @@ def _consistent(sizes: tuple[int, ...], times: tuple[float, ...]) -> bool:
 
 def _collective_times_checked(group, world: int, device: torch.device, reps: int) -> dict[str, tuple[float, ...]]:
     """_collective_times, slowest rank's, measured a second time when a line does not fit
-    them (an outlier -- one 64 MiB all-reduce at 1/40 of its bandwidth was seen on 2x H200 --
+    them (an outlier -- one 64 MiB all-reduce at 1/40 of its bandwidth happens now and then --
     bends the alpha-beta fit); each sample is then the faster of its two measurements.
     Every rank sees the same figures, so all ranks re-measure alike."""
     def slowest(times: dict[str, tuple[float, ...]]) -> dict[str, tuple[float, ...]]:
@@ -365,17 +361,16 @@ SHORT_PROBE_SHAPES = {"ag_matmul": ((1536, 6144), (6144, 3072)), "matmul_rs": ((
                       "matmul_ar": ((3072, 3072), (3072, 6144))}
 FACTOR_RANGE = (0.5, 3.0)  # measured / predicted outside this is a measurement problem
 # An eager probe within this of its calls' host figure is host-bound: its device time is hidden
-# under the host's, so it gives no factor.  Judged by the measured time: until session 49 by the
-# model's uncorrected device time, which the factor exists to correct -- 2x H100, two runs whose
-# host probes read RS `fused` at 412 / 493 us a call (302-395 in five others) dropped the RS
-# `fused:2` probe (~1.05 ms, device-bound) as host-bound, so `fused` (no replayed probe: a
-# capture runs it as ce_push) kept factor 1, was predicted 30% fast and picked at RS 8192^3 and
-# 16384 x 8192 x 7168, 30-38% slower than the best.  The margin covers the host figure's
-# run-to-run spread.
+# under the host's, so it gives no factor.  Judged by the measured time, not by the model's
+# uncorrected device time, which the factor exists to correct: judged by the model, a host
+# figure read high (RS `fused` at 412-493 us a call against 302-395 usually) drops the
+# device-bound RS `fused:2` probe (~1.05 ms) as host-bound, and `fused` (no replayed probe: a
+# capture runs it as ce_push) keeps factor 1, is predicted 30% fast and is picked where it runs
+# 30-38% slower than the best.  The margin covers the host figure's run-to-run spread.
 HOST_BOUND = 1.2
 # The first of a family stands for it; the piece counts after it get factors of their own
-# (2x H200: rs direct:2 measured 8 % slower than direct:1 where the family factor ranked it
-# first; ce_push:1 reductions add the partial after the own GEMM, a different pipeline).
+# (a family factor can rank rs direct:2 first where it runs ~8% slower than direct:1;
+# ce_push:1 reductions add the partial after the own GEMM, a different pipeline).
 PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_push:2", "fused:1", "ce_push:1",
                                  "ce_push:4", "fused:4", "ce_push:1:gemm=whole", "fused:1:tma=1", "ce_push:1:par=1"),
                    "matmul_rs": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "fused:2",
@@ -386,7 +381,7 @@ PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_p
 
 # How the schedule probes are read: each schedule's own median (False), or round-paired
 # (autotune.paired_ms).  A probe times ten or eleven schedules in one measurement, so the drift
-# that made autotune's medians pick a slower schedule (autotune.PAIRED, session 43) reaches the
+# that can make medians pick a slower schedule (see autotune.PAIRED) reaches the
 # probes' near-ties and, through them, the factors; the paired read is not yet measured against
 # the model's figures (bench_costmodel.py --probes-paired is the A/B).  A calibration is cached:
 # a changed read needs a fresh cache directory.
@@ -402,7 +397,7 @@ def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=P
     another one inside a capture; call_graphs=True: back-to-back eager calls that each replay
     their own graph (cg=1, Config.call_graphs), GPU schedules that a capture takes only."""
     from torch_commopt.core.schedule import Schedule
-    from torch_commopt.tuner.matmul.autotune import measure_candidates
+    from torch_commopt.tuner.matmul.autotune import Timing, measure_candidates
 
     out = {}
     for kind, (a_shape, w_shape) in shapes.items():
@@ -412,7 +407,7 @@ def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=P
         run = runner(kind, a, [w], world, group_name)
         if call_graphs:  # the same calls, each with cg=1
             run = functools.partial(_with_per_call_graph, run, kind)
-        ms = measure_candidates(run, scheds, group_name, device, graphs=graphs, paired=PROBES_PAIRED)
+        ms = measure_candidates(run, scheds, group_name, device, timing=Timing(graphs=graphs, paired=PROBES_PAIRED))
         out.update({f"{kind} {s}": t / 1e3 for s, t in ms.items()})
     return out
 
@@ -433,10 +428,10 @@ def _with_per_call_graph(run, kind: str, sched: str):
     return run(str(per_call(kind, Schedule.parse(sched))))
 
 
-# Per-call over whole-graph replays outside this is a broken probe, not a slowdown: the sweeps'
-# band shapes (12 runs with both, 2x H100 and 2x H200, s36-s47) ran every GPU schedule per call
-# at 0.94-1.28x its replayed time, where 2x H100 (s47) probed three all-reduce schedules at
-# 1.9-2.2x (a host-bound eager call's figure) and ranked the one left out ahead.
+# Per-call over whole-graph replays outside this is a broken probe, not a slowdown: on the
+# sweeps' band shapes every GPU schedule runs per call at 0.94-1.28x its replayed time, while a
+# probe that reads 1.9-2.2x (a host-bound eager call's figure) would rank the schedules it
+# leaves out ahead of the ones it measured.
 CALL_GRAPH_SLOWDOWN_RANGE = (0.9, 1.4)
 LAST_PER_CALL_STATS: dict[str, int] = {}  # the last per-call probes' calls: eager, captured, replayed, dropped
 
@@ -536,7 +531,7 @@ def _unmeasured_families(probed: list[str], eager: dict[str, float], replayed: d
     factor either way -- its eager probe host-bound or out of range, and no replayed probe (a
     fused reduction: a capture runs it as ce_push): its op's median factor, logged.  Left at 1,
     such a family is priced at the raw model, which under-predicts every GPU family by 5-45% on
-    the probes (2x H100, s49: RS fused predicted 30% fast and picked, 30-38% slower than the best)."""
+    the probes (an RS `fused` left at 1 is predicted 30% fast and picked, 30-38% slower than the best)."""
     from torch_commopt.core.schedule import Schedule
 
     out = {}
@@ -710,10 +705,10 @@ def _per_piece(hosts: dict[str, float], kind: str, world: int) -> float | None:
 def _per_piece_by_kind(hosts: dict[str, float], world: int) -> dict[str, float]:
     """{kind: host seconds per piece} of the reductions probed at two piece counts.  A reduction's
     piece enqueues more than an all-gather's (its partial's push and flag, the received partial's
-    copy, and for matmul_ar the reduced piece's pushes and copies): 2x H100 (s47) ran RS M_global
-    512 ce_push:4 0.40-0.52 ms a call slower than ce_push:1 eagerly (host-bound, 0.13-0.17 ms a
-    piece) where the all-gather's figure charged 0.067, and AR 8192^3 ce_push:4 measured 1.23-1.28
-    ms eagerly (0.91 replayed) where max(device, host) with that figure predicted 1.01-1.03."""
+    copy, and for matmul_ar the reduced piece's pushes and copies): eager RS M_global 512
+    ce_push:4 runs 0.40-0.52 ms a call slower than ce_push:1 (host-bound, 0.13-0.17 ms a piece)
+    where the all-gather's figure charges 0.067, and AR 8192^3 ce_push:4 runs 1.23-1.28 ms eagerly
+    (0.91 replayed) where max(device, host) with that figure predicts 1.01-1.03."""
     return {kind: pp for kind in ("matmul_rs", "matmul_ar") if (pp := _per_piece(hosts, kind, world)) is not None}
 
 

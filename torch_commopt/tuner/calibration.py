@@ -3,7 +3,7 @@
 A `Calibration` is what the model needs to know about one machine (device, world size,
 topology, software versions).  It is measured by microbenchmarks on first use and kept
 in the tuner cache; until a machine has been measured, `prior()` gives the figures
-measured on the project's reference machines (benchmarks/NOTES.md), so the model can
+measured on the project's reference machines (docs/tuner.md), so the model can
 rank candidates anywhere.  Every field round-trips through JSON.
 """
 
@@ -58,22 +58,21 @@ class GemmFit:
     """A roofline: t(m, n, k) = launch_s + max(2mnk / peak_flops, (mk + kn + mn) / elems_per_s).
     A GEMM is bound either by its tensor cores or by streaming its operands and product through
     HBM once; whichever takes longer sets its time.  Splitting the rows of a compute-bound GEMM
-    costs only the launches (probe_gemm_split: 4096 rows as two 2048-row GEMMs 0-1% slower),
-    while a thin one (a few hundred rows against an 8k x 8k weight) re-reads the whole weight
-    and is memory-bound.  (2x H100: 810 TFLOP/s and 1.48e12 elements/s, i.e. ~3 TB/s of bf16,
-    fit the five calibration samples within 1%.)
+    costs only the launches (4096 rows as two 2048-row GEMMs run 0-1% slower), while a thin
+    one (a few hundred rows against an 8k x 8k weight) re-reads the whole weight and is
+    memory-bound.  (On an H100, 810 TFLOP/s and 1.48e12 elements/s, i.e. ~3 TB/s of bf16, fit
+    the five calibration samples within 1%.)
 
     sms > 0 (GPUs): a GEMM with fewer GEMM_TILE x GEMM_TILE output tiles than the device has SMs
     leaves the others idle, so its tensor-core rate is the occupied share of the peak (occupancy);
-    two such GEMMs over the halves of the rows then take as long as the whole one.  Measured:
-    ag_matmul at M_global 512 (K 8192, N_local 4096) replayed, two 256-row GEMMs (ce_push:1)
-    0.079-0.085 ms against one 512-row GEMM after the gather (gemm=whole) 0.079-0.081 on 2x H200
-    (s12-s36), where the plain roofline priced each half at half the whole.  Offline over the 34
-    committed tuner runs (costmodel_replay.py --refit) it took the model's top-1 within 5% from
-    422 to 430 of 476 (replayed runs 166 -> 174 of 182; ag 512 misses 7 -> 1), tiles of 128-160
-    and a full machine at 0.75-1.0 x the SMs alike; 96 changes nothing, 256 loses.  The stored
-    calibration samples fit a little worse with it: within 1.4% on 2x H100 (1.0% without), and
-    256 x 8192 x 8192 7% under its sample on 2x H200 (5% without).
+    two such GEMMs over the halves of the rows then take as long as the whole one (ag_matmul at
+    M_global 512, K 8192, N_local 4096, replayed: two 256-row GEMMs (ce_push:1) take as long as
+    one 512-row GEMM after the gather (gemm=whole), where the plain roofline prices each half at
+    half the whole).  Replayed offline over the stored tuner runs (costmodel_replay.py --refit),
+    it raises the model's top-1-within-5% count (430 against 422 of 476 picks), tiles of 128-160
+    and a full machine at 0.75-1.0 x the SMs alike; 96 changes nothing, 256 loses.  The
+    calibration samples fit a little worse with it (within 1.4% rather than 1.0%; docs/tuner.md,
+    "Measurements behind the constants").
 
     elems_per_s = 0: the older form (stored calibrations, the priors), eff = d / (d + half_dim) with
     d = min(m, n, k), t = launch_s + 2mnk / (peak_flops * eff); it charges
@@ -112,7 +111,7 @@ class Calibration:
     local_copy: a device-local copy (the C operand `addmm` copies into its output first).
     gemm: per dtype name ("bfloat16", "float16", "float32").
     gemm_samples: per dtype name, the [m, n, k, seconds] samples its fit came from (measured
-        calibrations since session 30; kept so a change of the fit can be judged offline).
+        calibrations only; kept so a change of the fit can be judged offline).
     host_s: host time of one op call per schedule family (Python, dispatch, launches), and
         per op and family where measured ("matmul_rs ce_push"); back-to-back calls take
         max(GPU time, host time).
@@ -143,35 +142,34 @@ class Calibration:
         different lengths (a short one timed as CUDA-graph replays, the long one above); a
         family with two points or more takes its factor interpolated in log(predicted
         time), clamped to the end points (`factor`): one factor measured on a long shape
-        over-predicted ce_push:2 by 17% at M_global 2048 (2x H200).
+        over-predicts ce_push:2 by ~17% at M_global 2048.
     schedule_factor_curve_graphs: the same with the long probe timed as CUDA-graph replays
         too, for calls replayed from graphs (`factor(graphs=True)`).  An eager long probe of a
         many-piece schedule is partly host-bound, and its factor then charges host time as
-        device time: 2x H200 (s39) calibrated matmul_ar ce_push:4 at 1.70 eagerly, and the
-        replayed model put it at 1.37 ms at 8192^3 where it measured 0.885, the best there.
+        device time (matmul_ar ce_push:4 calibrated at 1.70 eagerly would put it replayed at
+        1.37 ms at 8192^3, where it runs 0.885, the best there).
     call_graph_slowdown: {"kind family:S", "kind family" or "kind": time of back-to-back calls each
         replayed from its own CUDA graph (Config.call_graphs, cg=1) over the same calls
         replayed from one graph}, from the short probes timed both ways: applied on top of the
         replayed factor where a region runs per-call graphs (`factor(graphs=PER_CALL)`).  The
-        per-call replays cost each schedule differently: over ten sessions of sweeps (2x H100
-        and 2x H200) the all-reduce at M_global 2048 ran ce_pull:2 15% slower per call than
-        replayed, ce_push:2 7%, so the replayed ranking picked ce_pull:2 where ce_push:2 was
-        the best (benchmarks/NOTES.md, session 46).
+        per-call replays cost each schedule differently: the all-reduce at M_global 2048 runs
+        ce_pull:2 ~15% slower per call than replayed, ce_push:2 ~7%, so the replayed ranking
+        alone picks ce_pull:2 where ce_push:2 is the best (docs/tuner.md).
     eager_over_replayed: the long probes' eager time over their replayed time, the median over
         the schedules probed both ways (0: not measured).  Where it is known, an eager call's
         device factor is the replayed curve times it (`factor`): a probe that runs near its
         host cost reads eagerly what the host adds, which the model charges apart (max(GPU,
-        host)); taken into the device factor, it went on to shapes whose host hides behind the
-        GPU.  2x H100 (s48): RS ce_pull:2's eager long probe read 0.832 ms in one calibration
-        against 0.756-0.778 in two others (replayed 0.720-0.736 in all three), and the model
-        then ranked ce_push:1 first at RS 16384 x 8192 x {8192, 7168}, 8-10% behind.
+        host)); taken into the device factor, it goes on to shapes whose host hides behind the
+        GPU.  The eager long probe spreads more between calibrations than the replayed one (RS
+        ce_pull:2: 0.756-0.832 ms against 0.720-0.736), and a high read ranks a schedule 8-10%
+        behind first at RS 16384 x 8192 x {8192, 7168}.
     gemm_table: {"dtype m n k": seconds} of GEMMs timed at their own shapes (tuner.gemm_table):
         the model prices a GEMM it holds at that figure and the others with the fit
         (`gemm_time`).  cuBLAS's efficiency moves with a shape's tiling in ways a roofline
-        cannot follow: timed alone on 2x H100 (s48), the reduce-scatter probe's 3072-row
-        quarters (K 3072, N 6144) took 3.9% longer than its halves, the sweep's 4096-row
-        quarters (K 4096, N 8192) 1.6% less, so the probe factors of the four-piece
-        schedules carried a penalty to shapes that do not pay it.
+        cannot follow: timed alone on an H100, the reduce-scatter probe's 3072-row quarters
+        (K 3072, N 6144) take 3.9% longer than its halves, the sweep's 4096-row quarters
+        (K 4096, N 8192) 1.6% less, so without the table the probe factors of the four-piece
+        schedules carry a penalty to shapes that do not pay it.
     """
 
     device: str
@@ -297,7 +295,7 @@ def _interpolate(curve: list[list[float]], predicted_s: float) -> float:
 
 def prior(device: str, world: int) -> Calibration:
     """Figures measured on the reference machines, for a machine not yet calibrated.
-    Any CUDA device gets the H200 figures (2x H200 NV18, torch 2.11, benchmarks/NOTES.md):
+    Any CUDA device gets the H200 figures (2x H200 NV18, torch 2.11, docs/tuner.md):
     NCCL all-gather of 128 MiB per rank ~0.6 ms, copy-engine push ~390 GB/s (pull ~367),
     a 64 MiB device-local copy ~30 us, bf16 GEMM
     ~750 TFLOP/s on 8k shapes, host ~100 us (NCCL path) to ~150-300 us (GPU schedules)."""
@@ -319,7 +317,7 @@ def prior(device: str, world: int) -> Calibration:
         # an NCCL collective beside cuBLAS barely overlaps (calibrated 0.71-0.87 on 2x H200)
         collective_overlap_slowdown=0.8,
         fused_efficiency=0.87,
-        # cuDNN attention on one H200, B1 H32 D128 bf16, 16K-64K (attention_blocks_h200_2026-11-23)
+        # cuDNN attention on one H200, B1 H32 D128 bf16, 16K-64K (docs/context-parallel-attention.md)
         attention_flops={"bfloat16": 600e12, "float16": 600e12}, attention_bwd_factor=2.75,
     )
 

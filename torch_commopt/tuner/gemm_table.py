@@ -2,14 +2,14 @@
 
 The GEMM fit (calibrate.fit_gemm) is a roofline over five samples; cuBLAS's speed moves
 with each shape's tiling in ways it cannot follow, and a piece of a split GEMM is where
-that shows.  In a profile on 2x H100 (s48) the reduce-scatter probe shape's four quarter
-GEMMs (K 3072, N 6144) took 645 us against 621 for its two halves and 608 for the whole
-GEMM, while at 16384 x 8192 x 8192 they took 1428 against 1453 and 1457.  The schedule
-factors (measured / predicted on the probe shapes) absorbed the probe's penalty and charged
-it to every four-piece schedule.  So the calibration times the probes' own GEMMs
+that shows.  On an H100 the reduce-scatter probe shape's four quarter GEMMs (K 3072,
+N 6144) take 645 us against 621 for its two halves and 608 for the whole GEMM, while at
+16384 x 8192 x 8192 they take 1428 against 1453 and 1457.  Priced by the fit alone, the
+schedule factors (measured / predicted on the probe shapes) absorb the probe's penalty and
+charge it to every four-piece schedule.  So the calibration times the probes' own GEMMs
 (calibrate.measure), a region's ranking times its candidates' GEMMs (a few ms each, once
 per shape: cached), and the model prices those at what they measured
-(Calibration.gemm_table).  What it did to the tuner sweeps: benchmarks/NOTES.md, session 48.
+(Calibration.gemm_table; docs/tuner.md).
 
 Rank 0 of the group times and publishes (tuner.decide): every rank ranks with the same
 figures.  On a CPU, inside a CUDA-graph capture, or where timing fails, the fit stays (logged).

@@ -14,22 +14,8 @@ from torch_commopt.tuner.decide import decide
 
 log = logging.getLogger("torch_commopt.tuner.machine")
 
-# 18: an eager probe is host-bound by its measured time (calibrate.HOST_BOUND), a family left
-# with no factor takes its op's median; 17: fused's host cost probed (AG, RS fused:1); 16: eager
-# device factors from the replayed curve times eager_over_replayed; 15: the probes' GEMMs timed at
-# their shapes (gemm_table; the factors hold no GEMM-fit error);
-# 14: the reductions' own host cost per piece (host_per_piece_by_kind); 13: call_graph_slowdown
-# kept within 0.9-1.4 (a probe outside it is host-bound, not a slowdown) and an op-level median
-# for the schedules left out; 12: call_graph_slowdown (the short probes timed with per-call
-# graphs too); 11: ag
-# ce_push:1:par=1 probed (a tuner candidate, its own host figure); 10: the long probes
-# timed as graph replays too (schedule_factor_curve_graphs, for replayed calls);
-# 9: matmul_ar copies the gathered pieces on the local copy stream and ce_pull pulls there (the
-# all-reduce probes and their factors taken anew); 8: the GEMM fit is a roofline (GemmFit.elems_per_s) with the SMs' occupancy, and the W = 2
-# reductions' first local copy no longer waits for the peers' GEMMs (probe factors and measured picks
-# taken anew); 7: transfer_slowdown measured (a push beside GEMMs); 6: the all-reduce model copies the
-# gathered pieces out of its slots (factors derived anew); 5: ag ce_push:1:gemm=whole probed; 4: per
-# piece count; 3: schedule_factor_curve, GEMM samples at busy clocks
+# Bump when what a calibration measures or how its figures are derived changes: cached
+# calibrations of another format are measured anew.
 CALIBRATION_FORMAT = 18
 _CALIBRATIONS: dict[str, Calibration] = {}
 

@@ -21,9 +21,9 @@ def device_time(fn, device: torch.device, reps: int, group=None, preroll: bool =
     over the group (every rank must issue the same number of collectives).  preroll=True:
     another batch of `fn` runs untimed between the sleep and the timed batch, so the timed
     one runs at the clocks of a GPU kept busy (a program's back-to-back GEMMs) rather than
-    those of one that just idled in the sleep (the fit from samples timed right after the
-    sleep predicted long TP GEMMs 15-20% faster than the benchmark measured them back to
-    back on 2x H200; the preroll is the suspected fix, not yet measured)."""
+    those of one that just idled in the sleep (a fit from samples timed right after the
+    sleep predicts long TP GEMMs 15-20% faster than they run back to back; the preroll is
+    meant to close that gap, not yet measured)."""
     for _ in range(2):
         fn()
     if device.type != "cuda":

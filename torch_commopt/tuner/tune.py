@@ -41,7 +41,8 @@ def parse_shape(spec: str) -> tuple[str, list[int], list[list[int]]]:
 
 def tune_this_rank(rank: int, world: int, specs: list[str], dtype_name: str, cache_dir: str | None, top_k: int,
                  graphs: bool = False, attention: tuple[str, ...] = ()):
-    from torch_commopt.tuner.matmul.autotune import MODEL_TIE, measure_candidates, plan, winner
+    from torch_commopt.tuner.matmul.autotune import MODEL_TIE, Timing, measure_candidates, plan, winner
+    from torch_commopt.tuner.matmul.model import RegionFacts
     from torch_commopt.tuner.cache import TunerCache
     from torch_commopt.tuner.machine import calibration_for, device_name
     from torch_commopt.tuner.gemm_table import with_gemms
@@ -57,14 +58,14 @@ def tune_this_rank(rank: int, world: int, specs: list[str], dtype_name: str, cac
         def gemms(shape, pool, g):
             return with_gemms(cal, shape, pool, device, group_name, cache_dir, 300.0, graphs=g)
 
-        pick, _, top, key, _ = plan(kind, a_shape, w_shapes, dim, [False] * len(w_shapes), reduce_op, False,
-                                    world, dtype_name, device_name(device), cal,
+        facts = RegionFacts(kind, a_shape, w_shapes, dim, world, dtype_name, reduce_op=reduce_op)
+        pick, _, top, key, _ = plan(facts, device_name(device), cal,
                                     chunk_rows(kind, a_shape, [a_shape[0], w_shapes[0][1]], dim, world, 8), top_k,
                                     graphs, gemms=gemms)
         a = torch.randn(a_shape, device=device, dtype=dtype)
         ws = [torch.randn(s, device=device, dtype=dtype) / s[0] ** 0.5 for s in w_shapes]
         measured = measure_candidates(runner(kind, a, ws, world, group_name), top, group_name, device, spec,
-                                      graphs=graphs)
+                                      timing=Timing(graphs=graphs))
         best = winner(measured, prior=str(pick), tie=MODEL_TIE)  # as the compile pass's autotune decides
         if rank == 0:
             TunerCache(cache_dir).put(key, {"schedule": best, "measured_ms": measured})

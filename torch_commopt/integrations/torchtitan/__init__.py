@@ -2,7 +2,7 @@
 
 Pinned version: torchtitan 0.2.2 (git tag v0.2.2, 2026-02-20), the release whose torch pin
 matches torch 2.11.  torchtitan 0.3.0 needs torch >= 2.14 and has another config system
-(benchmarks/NOTES.md, "torchtitan (issue 7)"); this recipe checks for 0.2.2's hooks and raises
+(docs/torchtitan.md); this recipe checks for 0.2.2's hooks and raises
 if they are missing.
 
 What it adds (torchtitan itself is unchanged and imported, never copied):
@@ -63,7 +63,7 @@ registration, parallelize_llama_commopt on one process (with and without activat
 checkpointing), and torchtitan's own trainer (shimmed for CPU, tests/integrations/
 titan_cpu_train.py) for 5 steps with TP=2 + SP and with FSDP=2: losses equal to the same job
 without commopt.  On the GPU machine (torch 2.11, one H200; benchmarks/bench_torchtitan.py,
-wheels from benchmarks/torchtitan_wheels.sh): installed from the carried wheels and trained 20
+wheels from benchmarks/torchtitan_wheels.sh): installs from the carried wheels and trains 20
 steps with TP=1, losses equal to the inductor job's at every step.  Not tested: TP on GPUs,
 speed, activation checkpointing
 with TP under compile (fails on torch 2.13 CPU with backend="aot_eager" too), FlexAttention

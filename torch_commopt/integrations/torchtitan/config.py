@@ -16,7 +16,8 @@ naming this module adds the section to the toml file and the CLI:
 
 The section is checked when it is built (torchtitan builds it from the toml file, then again
 from the CLI, both before any process group or model exists): an unknown key or a bad value
-raises ValueError naming it.  This module needs neither torchtitan nor tyro.
+raises ValueError naming it.  The keys are torch_commopt.Config's fields: docs/configuration.md.
+This module needs neither torchtitan nor tyro.
 """
 
 import json
@@ -40,17 +41,16 @@ class Commopt:
     "llama3_commopt"; torchtitan's own compile of the model is then not used)."""
 
     schedule: Optional[str] = None
-    """torch_commopt.Config.schedule: "auto", "sequential", "chunked", "ce_push", ...
-    Unset: Config's default."""
+    """torch_commopt.Config.schedule (docs/configuration.md). Unset: Config's default."""
 
     mode: Optional[str] = None
-    """torch_commopt.Config.mode: "auto", "model", "autotune" or "fixed". Unset: Config's default."""
+    """torch_commopt.Config.mode (docs/configuration.md). Unset: Config's default."""
 
     chunks: Optional[int] = None
-    """torch_commopt.Config.chunks: pieces of the chunked schedules. Unset: Config's default."""
+    """torch_commopt.Config.chunks (docs/configuration.md). Unset: Config's default."""
 
     options: str = ""
-    """Further torch_commopt.Config fields as a JSON object, e.g. '{"ar_split": true}'.
+    """Further torch_commopt.Config fields (docs/configuration.md) as a JSON object, e.g. '{"ar_split": true}'.
     A key may not also be set by its flat field above."""
 
     def __post_init__(self) -> None:

@@ -54,7 +54,7 @@ def fp32_tp_warning(parallel_dims: Any, job_config: Any) -> str | None:
     `training.mixed_precision_param` through fully_shard (FSDP or CP on) or torch.autocast
     (DDP or one device) but not to tensor or pipeline parallelism without FSDP
     (distributed/utils.py maybe_enable_amp; pytorch/torchtitan#630): such a job runs its
-    matmuls and attention in float32 unless `training.dtype` is bfloat16.  On 2x H200 that made
+    matmuls and attention in float32 unless `training.dtype` is bfloat16.  On an H200 pair that makes
     the 8B_4layers TP=2 step ~870 ms against 159 ms at TP=1 (bf16 by autocast) and its peak
     memory higher (fp32 attention takes the math path)."""
     if parallel_dims.fsdp_enabled or not (parallel_dims.tp_enabled or parallel_dims.pp_enabled):

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 # Extra flavors: Llama-3-8B's layer shapes (dim 4096, 32 / 8 heads, SwiGLU hidden 14336) with
-# fewer layers, for speed runs on 2 GPUs (issue 7's end-to-end figure) that compile fast.
+# fewer layers, for speed runs on 2 GPUs (docs/torchtitan.md's end-to-end figure) that compile fast.
 EXTRA_FLAVORS = {"8B_4layers": ("8B", 4), "8B_8layers": ("8B", 8)}
 
 

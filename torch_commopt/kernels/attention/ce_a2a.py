@@ -1,10 +1,10 @@
 """Ulysses's all-to-alls by the copy engine over symmetric memory, pipelined over head groups.
 
 NCCL's all-to-alls do not overlap the attention on an H200: their kernels share the SMs with
-cuDNN's, and their packing/unpacking copies queue on the compute stream (2x H200, 16K tokens,
-H 32, fwd+bwd, CUDA-graph replays: 1, 2, 4 head groups 9.27, 9.14, 9.34 ms for 6.5 ms of
-attention; results/cp_profile_h200x2_2026-11-23_s11.md; by the copy engine 8.68, 8.48, 8.80).  Here every piece is one strided DMA
-(cuMemcpy2DAsync) written straight into its final place in the peer's symmetric buffer:
+cuDNN's, and their packing/unpacking copies queue on the compute stream
+(docs/context-parallel-attention.md#ulysses-all-to-alls-by-the-copy-engine).  Here every piece
+is one strided DMA (cuMemcpy2DAsync) written straight into its final place in the peer's
+symmetric buffer:
 
   inputs, sequence -> heads (region IN): rank p's rows (b, head) of its S_loc tokens land at
       sequence offset p*S_loc of the destination's [B, h, S, D] tensors, which the attention
@@ -20,11 +20,10 @@ slot (r, h) a rank takes its token for that slot (the peer gave it back once it 
 was there), after writing it sets the peer's data flag; the reader waits for every source's
 flag, reads, lowers its flags and gives every source its token back.  In OUT the flag counts the
 results written so far (a peer's go in result order), so the reader copies result i out of its
-slot as soon as every source has sent results 0..i, beside the pushes of the later ones (2x
-H100, 16K tokens, one head group: the backward's three staged copies of 41 us each had queued
-behind all three pushes).  Stream memory
-operations throughout (no spinning kernel, except debug mode's bounded waits); every flag is
-back at rest after a call, so a CUDA graph may replay it once the buffer exists.
+slot as soon as every source has sent results 0..i, beside the pushes of the later ones (a
+reader that waited for them all queued the backward's staged copies behind every push).  Stream
+memory operations throughout (no spinning kernel, except debug mode's bounded waits); every flag
+is back at rest after a call, so a CUDA graph may replay it once the buffer exists.
 
 Transfers run on the group runtime's side stream, the own pieces' local copies beside them on
 its local stream; the compute stream waits on flags and events only.
@@ -32,23 +31,18 @@ its local stream; the compute stream waits on flags and events only.
 Concurrent groups (pure Ulysses only: its attention moves nothing itself;
 TORCH_COMMOPT_ATTENTION_GROUP_STREAMS: "1" both passes (default), "fwd" the forward's only, "0"
 neither): the odd head groups' attention runs on a second compute stream, so a group's kernel
-starts on the SMs the previous group's last wave leaves idle instead of after it (2x H200, 16K
-tokens, H 32: the attention alone took 6.53 ms in one call and 6.95 in two head groups,
-results/cp_profile_h200x2_2026-11-23_s11.md).  Each group's waits, release and results stay on its
-own stream; the outputs are completed on the caller's stream, which joins the second one through
-the last group's events.  2x H100, 16K tokens, B1 H32 D128 causal fwd+bwd, three runs each way
-(results/attention_h100x2_2026-11-26_s29_groups.md): two head groups took 7.82 / 7.91 ms (MHA /
-GQA 32/8) on two streams against 7.95 / 8.03 on one, and went from 0.97-0.99x / 1.01-1.02x one
-head group's time to 0.95-0.98x / 0.99x.  The backward's too, though cuDNN's backward kernel
-fills the GPU (the second group's starts as the first's ends either way) and then takes the SMs
-from the first group's small dq conversion queued behind it, so the first group's results go out
-only after the whole second backward, in the exposed gap before the next call (2x H100, 16K MHA,
-back-to-back profile: 9 pushes in a 0.42-0.56 ms gap): the backward on one stream ("fwd")
-measured slower anyway, per round against both passes' on two: 16K 1.012 / 1.014 (MHA / GQA),
-32K 1.007 / 1.000 (2x H100, probe_group_streams.py, results/cp_streams_h100x2_2026-11-27_s45.md).
+starts on the SMs the previous group's last wave leaves idle instead of after it (split into
+head groups on one stream, the attention alone takes longer than in one call).  Each group's
+waits, release and results stay on its own stream; the outputs are completed on the caller's
+stream, which joins the second one through the last group's events.  The backward's too, though
+cuDNN's backward kernel fills the GPU (the second group's starts as the first's ends either way)
+and then takes the SMs from the first group's small dq conversion queued behind it, so the first
+group's results go out only after the whole second backward, in the exposed gap before the next
+call: the backward on one stream ("fwd") measured slower anyway
+(docs/context-parallel-attention.md#ulysses-all-to-alls-by-the-copy-engine).
 
-Selected by TORCH_COMMOPT_ATTENTION_A2A (ce on CUDA by default, nccl to turn it off; logged
-once); inside a CUDA-graph capture before the buffer exists, NCCL runs (logged once).
+Selected by TORCH_COMMOPT_ATTENTION_A2A (core/env.py; ce on CUDA by default, nccl to turn it
+off; logged once); inside a CUDA-graph capture before the buffer exists, NCCL runs (logged once).
 """
 
 from __future__ import annotations
@@ -62,11 +56,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torch_commopt.core import env
 from torch_commopt.kernels.attention import lane, switches
 
 log = logging.getLogger(__name__)
-ENV = "TORCH_COMMOPT_ATTENTION_A2A"
-GROUP_STREAMS_ENV = "TORCH_COMMOPT_ATTENTION_GROUP_STREAMS"
+ENV = env.ATTENTION_A2A
+GROUP_STREAMS_ENV = env.ATTENTION_GROUP_STREAMS
 _SECOND: dict[int, "torch.cuda.Stream"] = {}  # device index -> the second compute stream
 PURPOSE = "attention all-to-all"  # the runtime's own_buffer key
 IN, OUT = 0, 1  # flag regions
@@ -82,7 +77,7 @@ def _once(key: str, level: int, msg: str, *args) -> None:
 def transport() -> str:
     """The all-to-all transport the environment asks for (default ce; an unknown value is
     logged and read as nccl)."""
-    return switches.transport(log, ENV, "ce")
+    return switches.transport(log, ENV, env.attention_a2a())
 
 
 def _rows(shape: Sequence[int]) -> tuple[int, int, int, int]:
@@ -216,16 +211,14 @@ def group_streams() -> bool:
 
 
 GROUP_STREAM_PASSES = {"0": (), "fwd": ("fwd",), "1": ("fwd", "bwd")}  # GROUP_STREAMS_ENV's values
-GROUP_STREAMS_DEFAULT = "1"
+GROUP_STREAMS_DEFAULT = env.ATTENTION_GROUP_STREAMS_DEFAULT
 
 
 def group_stream_passes() -> tuple[str, ...]:
     """The passes ("fwd", "bwd") whose head groups GROUP_STREAMS_ENV, read per call, asks to run
     concurrently: "1" (default) both, "fwd" the forward's only, "0" neither; an unknown value is
     logged and read as the default."""
-    import os
-
-    want = os.environ.get(GROUP_STREAMS_ENV, GROUP_STREAMS_DEFAULT).strip().lower() or GROUP_STREAMS_DEFAULT
+    want = env.attention_group_streams()
     if want not in GROUP_STREAM_PASSES:
         _once(f"bad {GROUP_STREAMS_ENV}={want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; "
               "using %s", GROUP_STREAMS_ENV, want, tuple(GROUP_STREAM_PASSES), GROUP_STREAMS_DEFAULT)
@@ -310,9 +303,9 @@ class _Back:
             # result i's staged blocks are copied in once every source has sent results 0..i, so
             # the copies of the first results run beside the pushes of the later ones; this
             # rank's own movers are joined after them (the copies do not read what they wrote).
-            # The last group's by an SM kernel, twice the copy engine's speed within a GPU (2x
-            # H100: 1.41 vs 0.77 TB/s, probe_push_paths.py), the earlier ones' by the copy
-            # engine beside the next group's attention
+            # The last group's by an SM kernel, twice the copy engine's speed within a GPU
+            # (docs/context-parallel-attention.md#ulysses-all-to-alls-by-the-copy-engine), the
+            # earlier ones' by the copy engine beside the next group's attention
             for i, (o, off) in enumerate(zip(p.out_geo, lay.outs)):
                 p._arrived(OUT, half, g, p.compute, i + 1)
                 hr = o.h // (p.groups * p.n)
@@ -396,8 +389,8 @@ class _Pipeline:
         tensors (a forward sends q, k, v and gets out back, its backward sends dout and gets
         dq, dk, dv), so a push of this call into one slot can land on bytes a peer still reads
         as another slot of the call before -- the protocol simulator showed a push into IN
-        half 1 landing on the OUT half 0 a peer had not yet copied out (session 30; and the GPU
-        test's plain backward over two head groups came out wrong, dq relative error 2.3)."""
+        half 1 landing on the OUT half 0 a peer had not yet copied out (and the GPU test's plain
+        backward over two head groups came out wrong)."""
         for peer in self.rt.peers:
             for region in (IN, OUT):
                 for half in range(self.symm.HALVES):

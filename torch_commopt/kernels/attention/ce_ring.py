@@ -1,12 +1,12 @@
 """Copy-engine ring shifts for the ring schedules on CUDA: K/V pushed by the copy engine.
 
-NCCL's send/recv run as kernels that take SMs from the attention kernels beside them (2x H200,
-2026-11-23: ring_zigzag on zigzag shards 8.75 ms vs 7.56 ms of per-rank compute alone, 16K
-tokens, fwd+bwd).  Here a ring step is a cudaMemcpyAsync from this rank's current block
-into the next rank's symmetric ring buffer on the runtime's side stream (the copy engine,
-no SM), flagged by a stream memory write; the compute stream waits on its own flag with a
-stream memory wait.  Same interface as comm.RingShift (current / start / wait, and finish
-after the last step), selected by comm.ring_shift.
+NCCL's send/recv run as kernels that take SMs from the attention kernels beside them
+(docs/context-parallel-attention.md#the-ring-by-copy-engine).  Here a ring step is a
+cudaMemcpyAsync from this rank's current block into the next rank's symmetric ring buffer on
+the runtime's side stream (the copy engine, no SM), flagged by a stream memory write; the
+compute stream waits on its own flag with a stream memory wait.  Same interface as
+comm.RingShift (current / start / wait, and finish after the last step), selected by
+comm.ring_shift.
 
 Protocol (rank p of n, channel c, steps i = 0, 1, ...; kernels/gpu/symm.py's RING_ flags):
   start (step i, half h = i % 2), side stream: wait for the compute stream (the current
@@ -21,9 +21,8 @@ Protocol (rank p of n, channel c, steps i = 0, 1, ...; kernels/gpu/symm.py's RIN
 Every value is a constant and every flag is back at rest after finish, as in symm.py.
 Channel 1 is spare (a second concurrent ring, e.g. the backward's dK/dV sums).
 
-Off by default until measured on two GPUs: TORCH_COMMOPT_ATTENTION_TRANSPORT=ce turns it
-on (logged once); inside a CUDA-graph capture before the ring buffer exists, NCCL runs
-(logged once).
+Off by default: TORCH_COMMOPT_ATTENTION_TRANSPORT=ce (core/env.py) turns it on (logged once);
+inside a CUDA-graph capture before the ring buffer exists, NCCL runs (logged once).
 """
 
 from __future__ import annotations
@@ -34,10 +33,11 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from torch_commopt.core import env
 from torch_commopt.kernels.attention import switches
 
 log = logging.getLogger(__name__)
-ENV = "TORCH_COMMOPT_ATTENTION_TRANSPORT"
+ENV = env.ATTENTION_TRANSPORT
 PURPOSE = "attention ring"  # the runtime's own_buffer key
 _ALIGN = 256  # bytes: every tensor of a message starts aligned in its slot
 
@@ -49,7 +49,7 @@ def _once(key: str, level: int, msg: str, *args) -> None:
 def transport() -> str:
     """The transport the environment asks for (default nccl; an unknown value is logged and
     read as nccl: a typo must not stop a training step)."""
-    return switches.transport(log, ENV, "nccl")
+    return switches.transport(log, ENV, env.attention_transport())
 
 
 def _layout(tensors: Sequence[Tensor]) -> tuple[list[int], int]:

@@ -84,7 +84,7 @@ class RingShift:
 class Unmoved:
     """A ring of one rank (Ulysses' attention, a hybrid's ring degree 1): the tensors stay
     where they are.  RingShift's interface without its packing copy, which here would be pure
-    cost (2x H200, Ulysses 16K tokens H 32: two 64 MiB cats a call, 0.2 of 8.1 ms)."""
+    cost (Ulysses, 16K tokens, H 32: two 64 MiB cats a call, ~0.2 of 8.1 ms on an H200 pair)."""
 
     def __init__(self, tensors: Sequence[Tensor]) -> None:
         self.tensors = [t.contiguous() for t in tensors]  # as RingShift's views are

@@ -106,8 +106,8 @@ def _flash_why_not(q: Tensor, k: Tensor) -> Optional[str]:
 
 # aten's cuDNN ops take K/V with H_kv < H heads directly (GQA: H200, torch 2.11, cuDNN 9.19,
 # H 32 / H_kv 8, S 8K causal: out identical, dK/dV the kernel's bf16 group sums, fwd+bwd
-# 3.92 vs 4.18 ms with expanded K/V before the fp32 fold; probe_attention_blocks.py).  Where an
-# older build refuses, the adapter expands from then on (logged once).
+# 3.92 vs 4.18 ms with expanded K/V before the fp32 fold; docs/context-parallel-attention.md).
+# Where a build refuses, the adapter expands from then on (logged once).
 _CUDNN_GQA = True
 
 

@@ -8,24 +8,26 @@ compute stream's work so far), records an event, and returns a waiter that makes
 stream wait for that event -- the CPU never blocks.  The caching allocator is told about the
 cross-stream uses (record_stream): what the side stream reads, and what it hands back.
 
-Off by default (TORCH_COMMOPT_ATTENTION_LANE=1 turns it on): on 2x H200 (16K tokens, H 32,
-fwd+bwd) it moved ulysses by under 1 % and made ring_zigzag's pipelined relayouts 11 % slower
-(13.09 vs 11.78 ms: the side stream's all-to-alls sit between the ring's NCCL transfers;
-results/attention_h200x2_2026-11-23_s11.md).  Without it a move runs as `fn(True)`: packing
-on the compute stream, the collective in flight on its own.  Never inside a CUDA-graph
-capture (a side stream there needs its own fork/join per capture) nor on a CPU device.
+Off by default (TORCH_COMMOPT_ATTENTION_LANE=1, core/env.py, turns it on): it barely moved
+ulysses and made ring_zigzag's pipelined relayouts slower, since the side stream's all-to-alls
+sit between the ring's NCCL transfers
+(docs/context-parallel-attention.md#what-was-tried-and-not-kept).  Without it a move runs as
+`fn(True)`: packing on the compute stream, the collective in flight on its own.  Never inside a
+CUDA-graph capture (a side stream there needs its own fork/join per capture) nor on a CPU
+device.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from torch_commopt.core import env
+
 Move = Callable[[bool], object]
-ENV = "TORCH_COMMOPT_ATTENTION_LANE"
+ENV = env.ATTENTION_LANE
 _SIDE: dict[int, "torch.cuda.Stream"] = {}
 
 
@@ -42,7 +44,7 @@ class Lane:
 
     def __init__(self, device: torch.device) -> None:
         self.side = None
-        if device.type == "cuda" and os.environ.get(ENV, "0") == "1" \
+        if device.type == "cuda" and env.attention_lane() \
                 and not torch.cuda.is_current_stream_capturing():
             self.compute = torch.cuda.current_stream(device)
             self.side = device_stream(_SIDE, device, priority=-1)

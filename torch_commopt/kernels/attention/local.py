@@ -36,7 +36,7 @@ MASKS = ("full", "causal", "skip")
 # backend="auto" on CUDA: the first that takes the call.  On Hopper (sm90+) cuDNN's kernels are
 # ~1.7x faster than aten's flash (FlashAttention-2) in both passes: H200, torch 2.11, cuDNN 9.19,
 # B1 H32 D128 bf16 S 16K-128K, fwd+bwd 14.4 vs 24.2 ms (16K causal), 432 vs 748 ms (64K full);
-# benchmarks/results/attention_blocks_h200_2026-11-23.md.  Before sm90 flash comes first.
+# docs/context-parallel-attention.md, "Local attention kernels".  Before sm90 flash comes first.
 CUDA_ORDER = ("flash_attn", "flash", "cudnn", "efficient", "math")
 CUDA_ORDER_SM90 = ("cudnn", "flash_attn", "flash", "efficient", "math")
 

@@ -2,7 +2,7 @@
 
 The torch version makes ~8 passes over the (B, H, S, D) fp32 accumulator.  This kernel reads
 out, out_b, lse, lse_b once and writes out and lse once: at B1 H32 S8K D128 with a bf16
-partial, 0.137 vs 0.352 ms on an H200 (benchmarks/probe_attention_blocks.py, merge_cost).
+partial, 0.137 vs 0.352 ms on an H200 (docs/context-parallel-attention.md).
 A half-precision out (a last merge, merge.Accumulator) is computed in fp32 and rounded once.  Same semantics: a row
 whose lse is -inf on one side takes the other side as is; two -inf sides stay (0, -inf).
 

@@ -3,8 +3,8 @@
 After Ulysses's all-to-all a rank holds h = H/n heads over the whole sequence, n blocks of
 L = S_loc tokens in rank order; block `me` is its own and needs no transfer.  Plain Ulysses
 waits for every block, runs one attention over n*L tokens and sends every result back after
-it, so each pass exposes its inputs' and its results' transfers (2x H100, 16K tokens, MHA:
-~1 ms of an 8 ms training call, benchmarks/NOTES.md session 30).  Here the forward attention
+it, so each pass exposes its inputs' and its results' transfers (16K tokens, MHA: ~1 ms of
+an 8 ms training call; docs/context-parallel-attention.md).  Here the forward attention
 is cut into blocks (query block i, a range of key blocks, a mask):
 
     early   (me, me): the own queries against the own keys (causal diagonal or full), queued
@@ -23,16 +23,14 @@ then (0,0) -- rows 0 go back at once -- and (1,[0]).  Partials merge by the LSE
 ring attention's do: the numerics are the ring's.
 
 The backward stays plain Ulysses's single call.  Split the same way (dq per query block, dk /
-dv per key block, summed in the acc dtype, each piece sent once final) it was correct but lost
-on 2x H100 (B1 H32 D128, 16K tokens, causal fwd+bwd: 9.59 ms against ulysses' 8.06): cuDNN's
-backward over the three blocks took 5.03 ms a call against 4.59 in one, its per-call
-dO.O and dq passes 0.1 ms more, the sums 0.1 ms -- more than the ~0.4 ms of transfers it hid.
-The forward's split costs 1.84 vs 1.75 ms of kernels and ~0.05 ms of merges.  With the
-backward plain, two runs on the same shape: ulysses:early 8.33 / 8.50 ms (MHA) and 8.15 / 8.32
-(GQA 32/8) against ulysses:g=1's 8.25 / 8.30 and 8.07 / 8.01 -- what the own block hides, its
-split gives back -- and the two-group ulysses stays faster (7.88 / 8.09, 7.91 / 8.07).  So the
-schedule runs where named (a machine whose link is slow against its attention may gain) and is
-not among the cost model's candidates (cost.candidates).
+dv per key block, summed in the acc dtype, each piece sent once final) it costs more than the
+~0.4 ms of transfers it would hide (B1 H32 D128, 16K tokens, causal: cuDNN's backward over the
+three blocks takes ~0.45 ms a call more than in one, its per-call dO.O and dq passes 0.1 ms
+more, the sums 0.1 ms).  The forward's split costs ~0.1 ms of kernels and ~0.05 ms of merges,
+about what the own block hides: ulysses:early runs 1-4% behind ulysses:g=1, and the
+two-group ulysses ahead of both (docs/context-parallel-attention.md).  So the schedule runs
+where named (a machine whose link is slow against its attention may gain) and is not among the
+cost model's candidates (cost.candidates).
 """
 
 from __future__ import annotations

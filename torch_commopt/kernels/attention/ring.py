@@ -17,10 +17,10 @@ the transfer hides behind the compute.  Which part of the block a rank computes 
         only the query side would be relaid (K/V go round the ring anyway): half the bytes.
         Per (query chunk a, key chunk b): full if b < a, the causal diagonal if b == a,
         nothing if b > a.  Totals balanced, single steps not (world 2: 0.625 / 0.375 and
-        0.125 / 0.875 of an S_loc^2 block).  Measured on an H200 at 8K tokens/GPU, world 2:
-        its four smaller blocks per rank cost 12% more compute than zigzag's two (causal
-        fwd+bwd 8.94 vs 7.95 ms, MHA), more than the relayout bytes it saves, so ring_zigzag
-        relays q, k, v (benchmarks/NOTES.md, session 9).
+        0.125 / 0.875 of an S_loc^2 block).  On an H200 at 8K tokens/GPU, world 2, its four
+        smaller blocks per rank cost 12% more compute than zigzag's two (causal fwd+bwd, MHA),
+        more than the relayout bytes it saves, so ring_zigzag relays q, k, v
+        (docs/context-parallel-attention.md, "Measurements behind the constants").
 
 Backward (given the global out and lse): K/V travel as in the forward, and their gradient
 sums travel one step behind them; after n sends each is back at its owner.  The sums are

@@ -25,7 +25,7 @@ backward graphs.  Schedules (spec.py):
                  zigzag_head_groups, or the schedule's g=G; _pipelined): group 2's inputs travel while group 1's ring
                  computes, group 1's results while group 2's does.
                  Relaying the query side only (ring.zigzag_q_plan: K/V stay contiguous, half
-                 the bytes) was measured and not taken: its smaller blocks cost 12% more
+                 the bytes) is not taken: its smaller blocks cost 12% more
                  compute at 8K tokens/GPU on an H200, more than the bytes it saves.
                  Without causal there is nothing to balance: it runs ring, no exchange.
                  A program already in zigzag layout can call ring.ring_fwd with zigzag_plan.
@@ -37,7 +37,7 @@ backward graphs.  Schedules (spec.py):
     ulysses:early  ulysses whose forward attention starts on the rank's own sequence block
                  while the peers' blocks arrive, runs the rest block by block and sends each
                  result piece back as soon as it is final (own_first.py); its backward is
-                 ulysses's (one attention call: split, cuDNN's backward lost more than it hid).
+                 ulysses's (one attention call: split, cuDNN's backward costs more than it hides).
     hybrid:U:R   Ulysses over U consecutive ranks, then a contiguous ring over R of them.
 """
 

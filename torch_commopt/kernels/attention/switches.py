@@ -1,14 +1,13 @@
-"""The attention transports' environment switches, read per call, and their logs, once each.
+"""The attention transports' environment switches, checked per call, and their logs, once each.
 
 TORCH_COMMOPT_ATTENTION_TRANSPORT (ce_ring.py: the ring's K/V) and TORCH_COMMOPT_ATTENTION_A2A
-(ce_a2a.py: Ulysses's all-to-alls) each name "nccl" or "ce"; an unknown value is logged and
-read as nccl (a typo must not stop a training step).
+(ce_a2a.py: Ulysses's all-to-alls), read by core/env.py, each name "nccl" or "ce"; an unknown
+value is logged and read as nccl (a typo must not stop a training step).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 TRANSPORTS = ("nccl", "ce")
 _logged: set[tuple[str, str]] = set()
@@ -21,11 +20,11 @@ def once(log: logging.Logger, key: str, level: int, msg: str, *args) -> None:
         log.log(level, msg, *args)
 
 
-def transport(log: logging.Logger, env: str, default: str) -> str:
-    """The transport `env` asks for (`default` when unset or empty)."""
-    want = os.environ.get(env, default).strip().lower() or default
+def transport(log: logging.Logger, name: str, want: str) -> str:
+    """`want`, the transport environment variable `name` asks for (core/env.py, normalized), or
+    nccl where it names none."""
     if want not in TRANSPORTS:
-        once(log, f"bad {env}={want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; using nccl", env,
+        once(log, f"bad {name}={want}", logging.WARNING, "commopt attention: %s=%r is not one of %s; using nccl", name,
              want, TRANSPORTS)
         return "nccl"
     return want

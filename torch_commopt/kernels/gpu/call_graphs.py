@@ -1,10 +1,8 @@
 """Eager calls replayed from per-call CUDA graphs (schedule parameter cg=1).
 
 A short GPU schedule called eagerly is host-bound: its ~10-20 driver calls and cuBLAS launches
-take 0.13-0.23 ms of host a call at two ranks and 0.4-0.7 ms at four, more than its GPU time
-(2x H100, benchmarks/probe_call_graph.py, session 35: RS M_global 512 ce_push:1 0.322 ms a call
-back to back eager, 0.074 replayed from a one-call graph; AG 512 gemm=whole 0.235 / 0.081; AG
-2048 ce_push:1 0.265 / 0.204; the graph's launch 6-20 us of host).
+take 0.13-0.23 ms of host a call at two ranks and 0.4-0.7 ms at four, more than its GPU time,
+while a one-call graph's launch takes 6-20 us of host (docs/gpu-schedules.md#per-call-cuda-graphs).
 
 So a call with cg=1 is captured into a CUDA graph the second time the same call is seen, and
 replayed from then on.  "The same call": op, schedule, the buffer half it takes, its scalar
@@ -32,16 +30,16 @@ runs instead, the graphs already made still replay).
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict, deque
 from typing import Callable
 
 import torch
 
+from torch_commopt.core import env
 
 log = logging.getLogger("torch_commopt.kernels.gpu.call_graphs")
 
-ENV = "TORCH_COMMOPT_CALL_GRAPHS"  # "0": never replay (cg=1 calls run eagerly)
+ENV = env.CALL_GRAPHS  # "0": never replay (cg=1 calls run eagerly)
 # Graphs kept per device and stream (least recently replayed dropped first): a training step's
 # region calls, each in its buffer half (Config.call_graphs="all": ~8 a layer with its backward)
 CAPACITY = 256
@@ -49,9 +47,10 @@ SIGHTINGS = 1024  # calls remembered per device and stream while they wait for t
 # Whether captures pay is judged on the graphs captured at least WINDOW calls ago (the last
 # HISTORY captures): when more than half of at least MIN_JUDGED of them were never replayed, the
 # program's tensors do not come back to the same addresses and every capture is host time lost
-# (a TP=4 training step, 4x H100, session 35: ~1.7 captures a step at several ms each, 0.80x
-# inductor).  Captures stop there, logged; the graphs already made still replay.  A graph
-# replayed even once in a loop of thousands of steps pays back its capture.
+# (a training step whose tensors moved ran slower than without graphs:
+# docs/gpu-schedules.md#per-call-cuda-graphs).  Captures stop there, logged; the graphs already
+# made still replay.  A graph replayed even once in a loop of thousands of steps pays back its
+# capture.
 WINDOW = 256
 HISTORY = 64
 MIN_JUDGED = 8
@@ -66,7 +65,8 @@ def capturing() -> bool:
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV, "1") not in ("0", "false", "False", "off")
+    """TORCH_COMMOPT_CALL_GRAPHS, read now (core/env.py)."""
+    return env.call_graphs()
 
 
 def signature(t: torch.Tensor | None):

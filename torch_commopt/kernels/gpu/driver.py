@@ -134,7 +134,7 @@ def batch(stream, ops) -> None:
     """Queue `ops` -- ("wait", address, value) (>=, as wait_value32) or ("write", address, value)
     (fenced, as write_value32) -- as ONE stream memory operation, executed in order.  Replayed
     from a CUDA graph it is one node where separate calls are one each, and every node on a
-    stream's path costs the GPU's front end a few microseconds (benchmarks/probe_protocol_cost.py)."""
+    stream's path costs the GPU's front end a few microseconds (docs/gpu-schedules.md)."""
     ops = tuple(ops)
     if not ops:
         return
@@ -146,7 +146,7 @@ def batch(stream, ops) -> None:
 def _batch_params(ops: tuple) -> ctypes.Array:
     """The parameter array of a batch, built once per distinct batch: a schedule's calls repeat
     the same few (flag addresses and values are constants), and filling the ctypes structures
-    was most of `batch`'s host time.  The driver reads the array during the call, so one array
+    would be most of `batch`'s host time.  The driver reads the array during the call, so one array
     serves every call (it is never written after it is built)."""
     if len(ops) > MAX_BATCH:
         raise ValueError(f"commopt: {len(ops)} memory operations in one batch, at most {MAX_BATCH}")

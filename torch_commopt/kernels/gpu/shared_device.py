@@ -14,16 +14,18 @@ production: `enabled()` is read once per runtime, which logs a warning when it i
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
-ENV = "TORCH_COMMOPT_SHARED_DEVICE"
+from torch_commopt.core import env
+
+ENV = env.SHARED_DEVICE
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "0") not in ("", "0")
+    """TORCH_COMMOPT_SHARED_DEVICE, read now (core/env.py)."""
+    return env.shared_device()
 
 
 def on_cuda(backend: str) -> bool:

@@ -36,15 +36,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed._symmetric_memory as symm_mem
 
-from torch_commopt.kernels.gpu import driver, shared_device
+from torch_commopt.core import env
 from torch_commopt.core.groups import resolve_group
+from torch_commopt.kernels.gpu import driver, shared_device
 
 log = logging.getLogger("torch_commopt.kernels.gpu.symm")
 
@@ -94,16 +94,15 @@ def size_class(nbytes: int) -> int:
     return max(MIN_BUFFER_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
 
 
-DEBUG_ENV = "TORCH_COMMOPT_DEBUG_WAITS"
-TIMEOUT_ENV = "TORCH_COMMOPT_WAIT_TIMEOUT_S"
-DEFAULT_WAIT_TIMEOUT_S = 120.0  # wall time a debug-mode wait spins before it gives up
+DEBUG_ENV = env.DEBUG_WAITS  # bounded waits in every call of the process (core/env.py)
+TIMEOUT_ENV = env.WAIT_TIMEOUT_S  # their wall-time bound
 # How long an allocation vote waits for the group's other ranks to reach the same allocation
 # (they reach it at the same call of the same program, give or take a compile).
 ALLOC_VOTE_TIMEOUT_S = 600.0
 
 
 def debug_waits_from_env() -> bool:
-    return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
+    return env.debug_waits()
 
 
 def debug_waits(schedule=None) -> bool:
@@ -114,7 +113,7 @@ def debug_waits(schedule=None) -> bool:
 
 def wait_bound() -> int:
     """Debug-mode spin bound in nanoseconds (TORCH_COMMOPT_WAIT_TIMEOUT_S, default 120 s)."""
-    return int(float(os.environ.get(TIMEOUT_ENV, DEFAULT_WAIT_TIMEOUT_S)) * 1e9)
+    return int(env.wait_timeout_s() * 1e9)
 
 
 @dataclass
@@ -298,7 +297,7 @@ class GroupRuntime:
         handle = off_thread(lambda: self._rendezvous(local), self.device)
         log.info("commopt: symmetric %s buffer of %d MiB for group %s", purpose, size >> 20, self.group_name)
         mapped = int(handle.buffer_ptrs[self.rank])
-        if mapped != local.data_ptr() and not self.shared_device:  # a diagnostic (session 20's open question)
+        if mapped != local.data_ptr() and not self.shared_device:  # a diagnostic: can they differ? (open)
             log.info("commopt: the %s buffer's own address in the rendezvous handle (%#x) is not its tensor's "
                      "(%#x): offset %d (the schedules address their own slots through the tensor)", what, mapped,
                      local.data_ptr(), mapped - local.data_ptr())
@@ -307,12 +306,10 @@ class GroupRuntime:
     def _settle(self, local: torch.Tensor) -> None:
         """A new allocation written once by this rank (zeros, on its current stream) and the device
         synchronized, before the rendezvous lets a peer write it -- the flag array's rule too.
-        Session 21 (2x H100): the first call on a Ulysses all-to-all buffer grown while the GPU was
-        busy (a 57 ms attention queued) was wrong (relative error 0.6-0.71, as if half the output
-        were missing; results/a2a_growth_h100x2_2026-11-25_s21.md), the same growth on an idle
-        GPU never was, nor the first buffer (allocated after the runtime's synchronize).
-        Session 22 (2x H100, results/a2a_growth_h100x2_2026-11-25_s22.md): without this step the
-        same worker was wrong in 2 of 3 runs (s21's exact errors), with it exact in 8 of 8.
+        Without it, the first call on a Ulysses all-to-all buffer grown while the GPU was busy read
+        wrong results (as if half the output were missing), while the same growth on an idle GPU
+        never did, nor the first buffer (allocated after the runtime's synchronize); with it the
+        same worker was exact every time (docs/gpu-schedules.md#the-symmetric-memory-runtime).
         Suspected, not shown: the driver's own first initialization of the new pages, ordered
         before this device's later work but not before a peer's writes over NVLink.  Once per
         buffer: ~0.4 ms for 1 GiB."""
@@ -440,7 +437,7 @@ class GroupRuntime:
         wait for the token of (half, peer) and take it (set 0).  defer_take: the caller's
         next `signal` to `peer` takes it, in the same stream memory operation as the signal
         -- one operation fewer a peer and call, and each costs the GPU's front end
-        microseconds in a replayed graph (benchmarks/probe_protocol_cost.py).  Only for
+        microseconds in a replayed graph (docs/gpu-schedules.md#the-symmetric-memory-runtime).  Only for
         callers whose data signals go through `signal` (a kernel's own flag stores do not):
         a token must be taken before the signal that lets `peer` read, since `peer` gives it
         back after that read; taking it after the copies is safe for the same reason."""

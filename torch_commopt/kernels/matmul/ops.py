@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import threading
 import time
 from typing import Callable, Optional
@@ -20,13 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_commopt.kernels import scaled
-from torch_commopt.kernels.matmul import sequential
+from torch_commopt.core import env
 from torch_commopt.core.groups import resolve_group
+from torch_commopt.core.schedule import Schedule
+from torch_commopt.kernels import scaled
+from torch_commopt.kernels.gpu.call_graphs import capturing
+from torch_commopt.kernels.matmul import sequential
 from torch_commopt.kernels.matmul.reference.ag_matmul import ag_matmul_reference
 from torch_commopt.kernels.matmul.reference.matmul_reduce import matmul_ar_reference, matmul_rs_reference
-from torch_commopt.core.schedule import Schedule
-from torch_commopt.kernels.gpu.call_graphs import capturing
 
 log = logging.getLogger("torch_commopt.kernels.matmul.ops")
 _warned: set[tuple[str, str]] = set()
@@ -50,10 +50,10 @@ _SCHEMAS = {
 }
 
 
-# TORCH_COMMOPT_HOST_TIMING=1 (read at import; benchmarks/probe_host_step.py): every op call's
-# host time is added up per (op, thread name): [calls, wall seconds, the thread's CPU seconds].
-# A CPU time below the wall time is time the thread was not running (descheduled, or blocked).
-HOST_TIMING_ENV = "TORCH_COMMOPT_HOST_TIMING"
+# TORCH_COMMOPT_HOST_TIMING=1 (core/env.py; read when the ops are registered, at import): every
+# op call's host time is added up per (op, thread name): [calls, wall seconds, the thread's CPU
+# seconds].  A CPU time below the wall time is time the thread was not running (descheduled, or
+# blocked).
 HOST_TIMES: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0, 0.0])
 
 
@@ -75,7 +75,7 @@ def _op(name: str):
     """Define commopt::<name> with the decorated function as its kernel on every device."""
     def register(fn):
         _LIB.define(_SCHEMAS[name])
-        _LIB.impl(name, _timed(name, fn) if os.environ.get(HOST_TIMING_ENV) == "1" else fn,
+        _LIB.impl(name, _timed(name, fn) if env.host_timing() else fn,
                   "CompositeExplicitAutograd")
         return fn
 
@@ -89,9 +89,8 @@ def _parse(schedule: str) -> Schedule:
 
 # `autotune` placeholders whose first call decided -> the schedule they run from then on (a
 # decision never changes within a process): each op looks its schedule up here first, so a
-# band region that measured `sequential` takes the same path as `sequential` itself (2x H100,
-# session 20: the placeholder's resolution cost RS / AR 2048 0.6-2% against NCCL, and ~10 us a
-# call of host time on a slow CPU).
+# band region that measured `sequential` takes the same path as `sequential` itself (resolving the
+# placeholder on every call costs host time: docs/gpu-schedules.md#host-cost).
 _DECIDED: dict[str, str] = {}
 
 

@@ -23,9 +23,9 @@ With Config.k_parts the region rewrite (passes/matmul/rewrite.py) hands the op t
 out again and gives the operands' other readers their operands back (`operand_parts`,
 `drop_cats`): the cats only serve to find and price the region as one matmul, and the copies
 they would cost (the stacked weights: ~90 us a layer for w1/w3 at TP 2, seq 8192; and
-SwiGLU's backward writing into the strided cat, +30%; 2x H100, session 38) are not paid.
-Only `fused` multiplies the parts concatenated, inside the op.  Off by default: on 2x H200 a
-training step ran the same either way (session 39).
+SwiGLU's backward writing into the strided cat, +30%) are not paid.
+Only `fused` multiplies the parts concatenated, inside the op.  Off by default: a TP=2
+training step runs the same either way (docs/architecture.md, "Measurements behind the constants").
 
 The rewrite is a bet on the region: it pays only where an op of ours takes the fused matmul.
 Where the region is kept as compiled (its chosen schedule is `sequential`, or it was not

@@ -35,7 +35,7 @@ from torch_commopt.core.attention_spec import ULYSSES_MAX_HEAD_GROUPS, Attention
 log = logging.getLogger("torch_commopt.tuner.attention.cost")
 
 # the backward's time over the forward's: cuDNN on an H200, B1 H32 D128 bf16, 16K-64K: 2.72
-# (causal) - 2.81 (full) (benchmarks/results/attention_blocks_h200_2026-11-23.md)
+# (causal) - 2.81 (full) (docs/context-parallel-attention.md, "Measurements behind the constants")
 BWD_FLOP_FACTOR = 2.75
 ShapeLike = Union[AttentionShape, tuple]
 
@@ -94,20 +94,19 @@ class CPMachine:
 
 
 # attention kernels reach about this fraction of the GEMM fit's peak: cuDNN's forward (the
-# local backend on sm90) ran at 576-615 TFLOP/s on an H200 (B1 H32 D128 bf16, S 16K-64K,
-# causal and full), against the GEMM fit's ~880 TFLOP/s peak there: 0.65-0.70
-# (benchmarks/results/attention_blocks_h200_2026-11-23.md; aten flash reached 0.40).  Not
-# calibrated per machine yet.
+# local backend on sm90) runs at 576-615 TFLOP/s on an H200 (B1 H32 D128 bf16, S 16K-64K,
+# causal and full), against the GEMM fit's ~880 TFLOP/s peak there: 0.65-0.70 (aten flash
+# reaches 0.40; docs/context-parallel-attention.md).  Not calibrated per machine.
 ATTENTION_OF_GEMM_PEAK = 0.67
 
 
-# Host time of the copy-engine Ulysses pipeline (ce_a2a), 2x H100, session 30
-# (results/cp_host_h100x2_2026-11-26_s30.md; profile_cp_attention's enqueue time, B1 H32 D128
-# causal fwd+bwd, 1/2/4 head groups, on two machines): 0.5-0.75 ms a group-pass with one compute
+# Host time of the copy-engine Ulysses pipeline (ce_a2a), from its enqueue time on an H100 pair
+# (B1 H32 D128 causal fwd+bwd, 1/2/4 head groups): 0.5-0.75 ms a group-pass with one compute
 # stream, 0.8-1.4 ms with the groups on two, the rest of a call ~0.2 ms.  At 8K tokens a call is
-# host-bound: two groups on two streams measured 4.5-5.5 ms against one group's 2.6-3.5 while
-# the device model, which sees no host, ranked them 2.71 vs 2.89 ms.  Scaled by the machine's
-# measured host speed (its ce_push host figure against the prior's).
+# host-bound: two groups on two streams run 4.5-5.5 ms against one group's 2.6-3.5, where a
+# device-only model ranks them 2.71 vs 2.89 ms (docs/context-parallel-attention.md, "Cost model
+# and tuning").  Scaled by the machine's measured host speed (its ce_push host figure against
+# the prior's).
 HOST_CALL_S = 0.2e-3
 HOST_PASS_S = 0.6e-3
 HOST_PASS_CONCURRENT_S = 0.9e-3
@@ -209,8 +208,8 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
     groups = pipeline_groups(sched, int(sz.q), h, shape.kv_heads, world) if zigzag or u > 1 else 1
 
     # the copy-engine pipeline launches no collective: its host time is `host` below, so an
-    # exchange costs the link alone (session 33's default sweep: 23 of 24 picks within 5% of the
-    # measured best with this, 22 without, benchmarks/attention_picks.py)
+    # exchange costs the link alone (on the default sweep 23 of 24 picks land within 5% of the
+    # measured best with this, 22 without; benchmarks/attention_picks.py)
     ce = not zigzag and u > 1 and m.ce_all_to_all
 
     def exchange(nbytes: float) -> float:
@@ -226,8 +225,8 @@ def _ring_seconds(sched: CPSchedule, shape: AttentionShape, causal: bool, world:
     kv = sz.kv  # the zigzag relayout and Ulysses's all-to-alls move K/V too
     hop = m.launch_s + m.link(kv / groups) if r > 1 else 0.0
     # the copy-engine pipeline's host time (Ulysses and hybrid; zigzag's relayouts are NCCL's)
-    # (on two compute streams only with two or more groups of pure Ulysses: session 33's 8K
-    # sweep, one group's forward measured 0.75 ms where two streams' figure had charged 1.1)
+    # (on two compute streams only with two or more groups of pure Ulysses: at 8K tokens one
+    # group's forward enqueues in ~0.75 ms, where two streams' figure would charge 1.1)
     def per_pass(concurrent: bool) -> float:
         two_streams = r == 1 and groups > 1 and concurrent
         return (m.host_pass_concurrent_s or m.host_pass_s) if two_streams else m.host_pass_s
@@ -278,8 +277,8 @@ def candidates(shape: ShapeLike, *, world: int, causal: bool,
     """Every schedule that takes `shape` over `world` ranks: allgather, ring, ring_zigzag
     (causal only: without a mask it is ring), ulysses and the proper hybrids hybrid:U:R
     (1 < U < W); the refused ones (spec.refusal) are left out.  Not ulysses:early: run only
-    where named (its block split measured 1-4% slower than ulysses:g=1 on 2x H100, 16K tokens,
-    session 32; estimate_ms charges it as ulysses with its depth, without the split's cost).  With `dtype`, also the other
+    where named (its block split runs 1-4% slower than ulysses:g=1 at 16K tokens; estimate_ms
+    charges it as ulysses with its depth, without the split's cost).  With `dtype`, also the other
     head-group depths of the schedules that move their inputs (depth_variants)."""
     names = ["allgather", "ring"] + (["ring_zigzag"] if causal else []) + ["ulysses"]
     names += [f"hybrid:{u}:{world // u}" for u in range(2, world) if world % u == 0]
@@ -311,11 +310,11 @@ def depth_variants(sched: Union[str, CPSchedule], shape: ShapeLike, *, world: in
 # A head-group depth other than the rule's (depth_variants) ranks as if predicted DEPTH_MARGIN
 # slower than it is: it goes ahead of the rule's depth only where the model predicts it faster by
 # more than that.  The model's gain for a depth is the exposed moves it hides against the host
-# time it adds, both coarse where they are close; every time a measurement timed the depth the
-# model put first (ulysses:g=2, 4K tokens a GPU, non-causal fwd+bwd: 2x H100 session 33, 2x H200
-# session 51 MHA and GQA) it ran 12-29% slower than the rule's one group, where the model had it
-# 3-4% faster.  Replayed over the 50 stored 2-GPU runs (attention_picks.py, the priors; 241 cases
-# with a timed pick): 230 picks within 5% of the best against 227, none lost.
+# time it adds, both coarse where they are close: where the model puts another depth first by a
+# few percent (ulysses:g=2, 4K tokens a GPU, non-causal fwd+bwd, MHA and GQA, 3-4% predicted
+# faster) it runs 12-29% slower than the rule's one group.  Replayed over the stored 2-GPU runs
+# (attention_picks.py, the priors; 241 cases with a timed pick): 230 picks within 5% of the best
+# against 227 without the margin, none lost (docs/context-parallel-attention.md).
 DEPTH_MARGIN = 0.05
 
 

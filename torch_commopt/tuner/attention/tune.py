@@ -14,7 +14,7 @@ traced, so the schedule cannot change after the compile.
 What is timed: the model's top-k (head-group depths included, cost.depth_variants), the other
 depths of the pipelined schedules among them (`ulysses:g=1` against two groups: the model weighs
 the moves a group hides against its launches, not the split's cost to the attention kernel,
-0.16-0.53 ms at 16K on one H200 -- benchmarks/results/probe_attention_streams_h200_2026-11-25)
+0.16-0.53 ms at 16K on one H200 -- docs/context-parallel-attention.md)
 and the all-gather reference; forward alone for an inference graph, forward + backward (the
 autograd pair the training rewrite emits) for a training graph.
 """

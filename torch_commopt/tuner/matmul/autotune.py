@@ -36,6 +36,7 @@ from torch_commopt.core.groups import resolve_group
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu.call_graphs import capturing
 from torch_commopt.kernels.matmul import ops
+from torch_commopt.tuner.matmul.model import RegionFacts
 
 log = logging.getLogger("torch_commopt.tuner.matmul.autotune")
 
@@ -49,66 +50,53 @@ CLOSE, EXTRA_ROUNDS = 0.03, 10  # candidates within 3% of the best get 10 more r
 # over its rounds (False), or the reference's median times the median of the candidate's ratio
 # to it over the rounds timing both (True; paired_ms).  A power-capped card's clocks drop within a
 # measurement, and the near-tie rounds come last, so medians compare the near-ties' slow samples
-# with the others' fast ones: 2x H100, session 43, replayed AG 4096x8192x28672, clocks fell ~9%
-# from the 5th round on; by medians ce_push:4 won (its 4 early samples), which a head-to-head then
-# found 9.3% slower than ce_push:1, the paired read's pick.  Over that run's two tuner sweeps
-# (replayed / eager) the paired read's picks were a measured best (bench_costmodel's paired
-# judge) on 12 + 12 of 14 shapes, the medians' on 11 + 11, the worst pick 1.1% / 3.1% slower
-# than the head-to-head's best against 10.6% / 3.1%; with this read the tuner's own: 14 + 11 of
-# 14, worst 0.0% / 3.4% (the eager misses within the ~2% two measurements of one pair move).
+# with the others' fast ones (clocks falling ~9% from the 5th round on let a schedule win by its
+# early samples that runs 9.3% slower head to head).  The paired read's picks are a measured
+# best on more shapes and its worst pick is closer to the best (docs/tuner.md, "Autotune:
+# measurement at the first call").
 PAIRED = True
 TARGET_S = {"cuda": 5e-3, "cpu": 20e-3}  # back-to-back calls per sample last at least this
 # Before a candidate's calls per sample are sized, it runs WARMUP_CALLS untimed calls: first-use
 # costs (buffers, streams, kernels) and, for a schedule replayed from per-call graphs (cg=1),
 # both buffer halves' captures (each at its second sighting: calls 3 and 4) stay out of it.  The
-# size comes from the fastest of SIZING_CALLS single calls.  It came from one call after one
-# warm-up until session 44: a call that still paid a first-use cost sized every sample of its
-# candidate at a call or two, so each sample carried the barrier and synchronize around it (tens
-# of us) and the candidate was measured slow for the whole measurement.  2x H100, AG M_global 2048
-# with per-call graphs (benchmarks/probe_carryover.py --first-capture): in a fresh process the
-# schedule timed first ran 0.265 / 0.280 ms a call (ce_push:1 / par=1 first), the same graphs
-# 0.224 / 0.217 in the next measurement -- par=1 / ce_push:1 read 1.256 or 0.850, not ~0.98.
+# size comes from the fastest of SIZING_CALLS single calls: sized from a call that still pays a
+# first-use cost, every sample of a candidate holds a call or two, so each carries the barrier
+# and synchronize around it (tens of us) and the candidate is measured slow throughout (with
+# per-call graphs, AG M_global 2048: the schedule timed first reads ~20% slow, so par=1 /
+# ce_push:1 reads 1.26 or 0.85 instead of ~0.98).
 # A schedule whose first two calls each last a sample's TARGET_S on every rank (no per-call graphs
-# there; one call a sample) stops there, agreed: every call is collective.  (Session 44's first
-# form decided per rank, and on 2x H100 a measurement never finished: a rank whose second call
-# waits on its peer's first use is long where the peer's is not, so one rank stops, the other
-# makes another collective call, and they never match again.)
+# there; one call a sample) stops there, agreed: every call is collective.  Decided per rank, a
+# measurement can hang: a rank whose second call waits on its peer's first use is long where the
+# peer's is not, so one rank stops, the other makes another collective call, and they never
+# match again.
 WARMUP_CALLS, SIZING_CALLS = 4, 3
 # A band region (host-bound eager calls, pick.measure_band) leaves NCCL + cuBLAS only for a
 # schedule measured this much faster: there the host's speed moves a GPU schedule's time
-# between rounds (2x H200: ar ce_push:1 at M_global 2048 ran 0.31-0.58 ms, NCCL 0.32-0.33),
+# between rounds (ar ce_push:1 at M_global 2048 runs 0.31-0.58 ms, NCCL 0.32-0.33),
 # and a first-call measurement that caught the fast rounds must not make the program lose.
 BAND_MARGIN = 0.05
 # ... and only for a schedule whose host enqueue time, this many times over, still fits in
-# `sequential`'s time: a band call runs at max(GPU, host), the host slows 1.5-9x in bursts
-# (2x H100, profile_host --series, s22: RS M_global 2048 ce_push:1 enqueued 185 us a call
-# against NCCL's 287 us GPU time; over 60 rounds its median was 1.27x NCCL's but its mean
-# 1.03x, and AR ce_push:1 (230 us enqueue) lost on the mean, 350 vs 334 us), and one first
-# call's measurement saw the fast host: bench s22 eager RS 2048 chose ce_push:1 at 0.234 vs
-# 0.288 ms, which then ran 0.393 ms a call (0.72x NCCL).  NCCL's own enqueue is 55-75 us.
+# `sequential`'s time: a band call runs at max(GPU, host), and the host slows 1.5-9x in bursts
+# (RS M_global 2048 ce_push:1 enqueues ~185 us a call against NCCL's ~287 us of GPU time: ahead
+# on the median round, level on the mean), so a first call's measurement that saw the fast host
+# can pick a schedule that then runs 0.72x NCCL.  NCCL's own enqueue is 55-75 us.
 BAND_HOST_HEADROOM = 1.5
 # A replayed band region (a short all-gather replayed from CUDA graphs) has no host in its
-# calls: its candidates differ by GPU time alone, and replays time within ~2%.  2x H100, session
-# 42: the first call measured gemm=whole 0.0853 ms against NCCL's 0.0892 (4.4% faster, kept NCCL
-# under BAND_MARGIN), the sweep then 0.083 against 0.089.
+# calls: its candidates differ by GPU time alone, and replays time within ~2% (under BAND_MARGIN
+# a short all-gather's gemm=whole, ~4-7% faster than NCCL, would stay on NCCL).
 REPLAYED_BAND_MARGIN = 0.02
 # The band's measurement runs more rounds than autotune's, and its host check takes each
 # candidate's fastest round: a host burst at the first call otherwise decides for the whole run
-# (2x H200, session 25: RS M_global 2048's first call saw ce_push:1 enqueue 0.289 ms a call,
-# median of 5 rounds, and AR's 0.219, so both kept NCCL, while ce_push:1 then ran 0.213 / 0.285
-# ms back to back against NCCL's 0.286 / 0.324 and torch async-TP's 0.249 for RS: 0.86x the best
-# baseline; matmul_collectives_h200x2_2026-11-26_s25b).  The headroom factor stays for the
-# slower hosts of later calls; more rounds spread the timed calls over ~0.2 s instead of ~0.07.
+# (a burst that doubles ce_push:1's enqueue at RS M_global 2048 keeps NCCL, where ce_push:1
+# runs at 0.86x the best baseline's time).  The headroom factor stays for the slower hosts of
+# later calls; more rounds spread the timed calls over ~0.2 s instead of ~0.07.
 BAND_ROUNDS = 15
 # The model ranks, measurement confirms: autotune runs the model's pick unless another candidate
 # is measured faster by more than MODEL_TIE (a fraction).  Two measurements of one pair seconds
-# apart differ by ~1-2% (probe_round_context.py), so below that a measured order is the
-# measurement's, and the model's order is the better guess.  2x H200, session 50: in all five
-# autotune misses of five eager sweeps (a pick the paired head-to-head found 0.5-3.0% slower)
-# autotune had read a candidate ahead of the model's pick (by 0.1, 0.1, 0.8, 3.0 and 3.7%) where
-# the head-to-head found the model's pick best.  Scored offline on the 43 tuner sweeps of sessions 47-50
-# (602 shapes, both cards; the pick judged on each sweep's head-to-head): 574 a measured best
-# with no tie, 578 with 0.5%, 581 with 1%, 574 with 1.5%, 565 with 2%.
+# apart differ by ~1-2%, so below that a measured order is the measurement's, and the model's
+# order is the better guess.  Scored offline on 602 tuner-sweep shapes (both cards, each pick
+# judged on its sweep's head-to-head): a measured best 574 times with no tie, 578 with 0.5%,
+# 581 with 1%, 574 with 1.5%, 565 with 2% (docs/tuner.md, "Measurements behind the constants").
 MODEL_TIE = 0.01
 
 
@@ -141,43 +129,39 @@ _warned: set[str] = set()
 
 def read_key() -> dict[str, str]:
     """The part of a measured decision's cache key that names how its timing was read: a
-    decision read another way (medians, before session 43) is measured again, not reused."""
+    decision read another way (medians: PAIRED off) is measured again, not reused."""
     return {"read": "paired"} if PAIRED else {}
 
 
-def plan(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, bias: list[bool],
-         reduce_op: str | None, keep_gathered: bool, world: int, dtype: str, device_name: str, cal,
-         max_chunks: int, top_k: int, graphs: bool = False, copy_bytes: int = 0, kept_bytes: int = 0,
-         k_parts: tuple[int, ...] = (), gemms=None):
+def plan(facts: RegionFacts, device_name: str, cal, max_chunks: int, top_k: int, graphs: bool = False, gemms=None):
     """(model's pick, ranked predictions, candidates to time, cache key) of a region: the one
     definition the compile pass and `python -m torch_commopt tune` share, so a prefilled
     cache answers the pass.  graphs=True: for a program replayed from CUDA graphs (its own
-    ranking, timing and cache entry).  copy_bytes, kept_bytes: RegionShape's (not in the key:
-    the timed calls start from the copied operands, whichever candidate runs); k_parts: the K
-    of each product the op multiplies apart (in the key: the calls differ); gemms: choose_by_model's."""
+    ranking, timing and cache entry).  facts.copy_bytes, kept_bytes: not in the key (the timed
+    calls start from the copied operands, whichever candidate runs); facts.k_parts: the K of
+    each product the op multiplies apart (in the key: the calls differ); gemms: choose_by_model's."""
     from torch_commopt.tuner.matmul.choose import choose_by_model
     from torch_commopt.tuner.machine import machine_key
 
-    pick, preds, why = choose_by_model(kind, a_shape, weight_shapes, dim, world, dtype, cal, max_chunks, graphs=graphs,
-                                       copy_bytes=copy_bytes, kept_bytes=kept_bytes, k_parts=k_parts, gemms=gemms)
+    pick, preds, why = choose_by_model(facts, cal, max_chunks, graphs=graphs, gemms=gemms)
     top = timed_candidates(preds, top_k)
-    key = {"question": "autotune", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
-           "weights": [list(w) for w in weight_shapes], "dim": dim, "bias": list(bias), "reduce_op": reduce_op,
-           "keep_gathered": keep_gathered, "dtype": dtype, "candidates": top, **read_key(), "model_tie": MODEL_TIE}
+    key = {"question": "autotune", **machine_key(device_name, facts.world), "kind": facts.kind,
+           "a_shape": list(facts.a_shape), "weights": [list(w) for w in facts.weight_shapes], "dim": facts.dim,
+           "bias": list(facts.bias), "reduce_op": facts.reduce_op, "keep_gathered": facts.keep_gathered,
+           "dtype": facts.dtype, "candidates": top, **read_key(), "model_tie": MODEL_TIE}
     if graphs:
         key["cuda_graphs"] = True
-    if k_parts:
-        key["k_parts"] = list(k_parts)
+    if facts.k_parts:
+        key["k_parts"] = list(facts.k_parts)
     return pick, preds, top, key, why
 
 
 def timed_candidates(preds, top_k: int) -> list[str]:
     """What autotune times for ranked predictions: the top_k, every other piece count of each
     schedule family among them, and `sequential`.  Piece counts of one mechanism are
-    near-ties the model cannot order reliably (2x H200, session 7: AR 8192^3 measured best
-    with ce_push:4 and RS 16384x8192x8192 with ce_push:2 while the model ranked ce_push:1
-    first and neither sibling among its top 4; 2x H100, session 23: RS 16384x8192x7168
-    measured best with direct:2, a sibling of the model's fourth, direct:1)."""
+    near-ties the model cannot order reliably (AR 8192^3 runs best with ce_push:4 and RS
+    16384x8192x8192 with ce_push:2 where the model ranks ce_push:1 first and neither sibling
+    among its top 4; RS 16384x8192x7168 runs best with direct:2, a sibling of its fourth)."""
     top = [str(p.schedule) for p in preds[:top_k]]
     families = {(p.schedule.name, p.schedule.params) for p in preds[:top_k]}
     for p in preds:
@@ -187,34 +171,46 @@ def timed_candidates(preds, top_k: int) -> list[str]:
     return top
 
 
-def band_request(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
-                 dtype: str, device_name: str, group_name: str, candidates: list[str], fallback: str,
-                 cache_dir: str | None, name: str, debug_waits: bool = False,
-                 notes: list[str] | None = None, k_parts: tuple[int, ...] = (), graphs: bool = False) -> Schedule:
+@dataclass(frozen=True)
+class TuneSite:
+    """Where a region's first-call measurement runs and reports: its group (by name), the
+    tuner cache rank 0 stores the winner in, the region's name in logs, whether the winner runs
+    with debug waits, and explain's notes (a list the request appends to; None: its own)."""
+
+    group_name: str
+    cache_dir: str | None
+    name: str = ""
+    debug_waits: bool = False
+    notes: list[str] | None = None
+
+
+def band_request(facts: RegionFacts, device_name: str, candidates: list[str], fallback: str, site: TuneSite, *,
+                 graphs: bool = False) -> Schedule:
     """The placeholder of a region the built-in rule leaves to measurement (pick.measure_band):
     `candidates` are timed at its first call like Config.mode="autotune" (`fallback` runs
     where nothing can be timed, e.g. under a CUDA-graph capture).  graphs: the region's calls
     are replayed from CUDA graphs, and so are the timed ones (by GPU time: no host check)."""
-    key = band_key(kind, a_shape, weight_shapes, dim, world, dtype, device_name, candidates, k_parts, graphs)
-    return register(TuneRequest(key, list(candidates), fallback, group_name, cache_dir, debug_waits=debug_waits,
-                                graphs=graphs, report_notes=notes if notes is not None else [], name=name,
+    key = band_key(facts, device_name, candidates, graphs)
+    return register(TuneRequest(key, list(candidates), fallback, site.group_name, site.cache_dir,
+                                debug_waits=site.debug_waits, graphs=graphs,
+                                report_notes=site.notes if site.notes is not None else [], name=site.name,
                                 margin=REPLAYED_BAND_MARGIN if graphs else BAND_MARGIN,
                                 headroom=0.0 if graphs else BAND_HOST_HEADROOM,
                                 rounds=BAND_ROUNDS))
 
 
-def band_key(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
-             dtype: str, device_name: str, candidates: list[str], k_parts: tuple[int, ...] = (),
-             graphs: bool = False) -> dict[str, Any]:
-    """The tuner-cache key of a band region's measurement (band_request; k_parts: as plan's)."""
+def band_key(facts: RegionFacts, device_name: str, candidates: list[str], graphs: bool = False) -> dict[str, Any]:
+    """The tuner-cache key of a band region's measurement (band_request; facts.k_parts: as plan's;
+    bias, reduce_op and the copies are not in it)."""
     from torch_commopt.tuner.machine import machine_key
 
-    key = {"question": "rule band", **machine_key(device_name, world), "kind": kind, "a_shape": list(a_shape),
-           "weights": [list(w) for w in weight_shapes], "dim": dim, "dtype": dtype, "candidates": list(candidates),
+    key = {"question": "rule band", **machine_key(device_name, facts.world), "kind": facts.kind,
+           "a_shape": list(facts.a_shape), "weights": [list(w) for w in facts.weight_shapes], "dim": facts.dim,
+           "dtype": facts.dtype, "candidates": list(candidates),
            "host_headroom": BAND_HOST_HEADROOM,  # decisions made under another check are not reused
            "host_check": "fastest round", "rounds": BAND_ROUNDS, "margin": BAND_MARGIN, **read_key()}
-    if k_parts:
-        key["k_parts"] = list(k_parts)
+    if facts.k_parts:
+        key["k_parts"] = list(facts.k_parts)
     if graphs:  # timed as replays, no host check
         key.update(graphs=True, host_headroom=0.0, margin=REPLAYED_BAND_MARGIN)
     return key
@@ -278,16 +274,17 @@ def resolve_at_call(schedule: Schedule, run: Callable[[str], Any], device: torch
     host: dict[str, float] = {}
 
     def measure() -> dict[str, float]:
-        return measure_candidates(run, req.candidates, req.group_name, device, req.name, graphs=req.graphs,
-                                  host_floor=host, rounds=req.rounds)
+        timing = Timing(graphs=req.graphs, rounds=req.rounds)
+        return measure_candidates(run, req.candidates, req.group_name, device, req.name, timing=timing,
+                                  readings=Readings(host_floor=host))
     try:
         if req.graphs and device.type == "cuda":
             # A replayed program's first call runs in Inductor's CUDA-graph-tree warm-up, whose pool
-            # takes the calling thread's allocations and refuses tensors left alive there (2x H200,
-            # session 41: "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"); a
-            # helper thread allocates from the ordinary pool (symm.off_thread, as the rendezvous).
-            # Its stream is not the caller's: the inputs must be complete first.  (2x H100, session
-            # 42: test_short_all_gather_under_cuda_graph_trees passes with it.)
+            # takes the calling thread's allocations and refuses tensors left alive there
+            # ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"); a helper
+            # thread allocates from the ordinary pool (symm.off_thread, as the rendezvous).
+            # Its stream is not the caller's: the inputs must be complete first.
+            # (tests/gpu: test_short_all_gather_under_cuda_graph_trees.)
             from torch_commopt.kernels.gpu.symm import off_thread
 
             torch.cuda.synchronize(device)
@@ -348,23 +345,50 @@ def winner(measured: dict[str, float], margin: float = 0.0, host: dict[str, floa
     return best
 
 
-def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_name: str,
-                       device: torch.device, label: str = "", *, graphs: bool = False,
-                       host: dict[str, float] | None = None, host_floor: dict[str, float] | None = None,
-                       rounds: int = ROUNDS, trace: list[tuple[int, str, float]] | None = None,
-                       paired: bool | None = None, order: str | None = None) -> dict[str, float]:
-    """{schedule: ms per call} of back-to-back calls (the host cost included: that is what
-    the program will see), over rounds (read as `paired` says), slowest rank.  Every rank must call this
-    with the same candidates at the same point of its program.  graphs=True (CUDA): each
-    sample is one replay of a CUDA graph holding the back-to-back calls (what a program
-    replayed from graphs sees); a candidate whose capture fails on any rank is left out.
-    host: filled with {schedule: ms per call the host spent enqueueing}, measured the same way
-    (the device idle at each sample's start), median over rounds, slowest rank; host_floor: the
-    same, fastest round (slowest rank's).  rounds: timing rounds before the near-tie ones.
-    trace: filled with (round, schedule, ms per call) of every sample, the slowest rank's.
+@dataclass(frozen=True)
+class Timing:
+    """How measure_candidates times its candidates.
+
+    graphs: (CUDA) each sample is one replay of a CUDA graph holding the back-to-back calls
+        (what a program replayed from graphs sees); a candidate whose capture fails on any
+        rank is left out.
+    rounds: timing rounds before the near-tie ones.
     paired: each figure is the round-paired estimate of `paired_ms` instead of the median (the
-    near-ties chosen so too); None: as PAIRED, the tuner's read.  order: each round's order,
-    "rotate" or "shuffle" (round_order); None: as ORDER."""
+        near-ties chosen so too); None: as PAIRED, the tuner's read.
+    order: each round's order, "rotate" or "shuffle" (round_order); None: as ORDER.
+    """
+
+    graphs: bool = False
+    rounds: int = ROUNDS
+    paired: bool | None = None
+    order: str | None = None
+
+
+@dataclass(frozen=True)
+class Readings:
+    """What measure_candidates reports beside its figures, each into the container given
+    (None: not kept).
+
+    host: {schedule: ms per call the host spent enqueueing}, measured as the figures are (the
+        device idle at each sample's start), median over rounds, slowest rank.
+    host_floor: the same, fastest round (slowest rank's).
+    trace: (round, schedule, ms per call) of every sample, the slowest rank's.
+    """
+
+    host: dict[str, float] | None = None
+    host_floor: dict[str, float] | None = None
+    trace: list[tuple[int, str, float]] | None = None
+
+
+def measure_candidates(run: Callable[[str], Any], candidates: list[str], group_name: str,
+                       device: torch.device, label: str = "", *, timing: Timing = Timing(),
+                       readings: Readings = Readings()) -> dict[str, float]:
+    """{schedule: ms per call} of back-to-back calls (the host cost included: that is what
+    the program will see), over rounds (read as timing.paired says), slowest rank.  Every rank
+    must call this with the same candidates at the same point of its program.  timing: how
+    (Timing); readings: what else to report, and where (Readings)."""
+    graphs, rounds, paired, order = timing.graphs, timing.rounds, timing.paired, timing.order
+    host, host_floor, trace = readings.host, readings.host_floor, readings.trace
     group = resolve_group(group_name)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # noqa: E731
     counts = [_calls_per_sample(run, s, sync, group, device) for s in candidates]

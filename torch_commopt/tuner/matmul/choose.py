@@ -9,7 +9,6 @@ schedule), or, where this machine has not been measured, from the reference prio
 from __future__ import annotations
 
 import logging
-import math
 from typing import Callable
 
 
@@ -17,26 +16,25 @@ from torch_commopt.kernels.matmul.gpu.pick import gpu_refusal
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.tuner.calibration import Calibration
 from torch_commopt.tuner.machine import stored_calibration
-from torch_commopt.tuner.matmul.model import Prediction, RegionShape, candidates, rank
+from torch_commopt.tuner.matmul.model import Prediction, RegionFacts, RegionShape, candidates, rank
 
 log = logging.getLogger("torch_commopt.tuner.matmul.choose")
 
-def choose_by_model(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
-                    dtype: str, cal: Calibration, max_chunks: int, *,
-                    graphs: bool | str = False, copy_bytes: int = 0,
-                    kept_bytes: int = 0, k_parts: tuple[int, ...] = (),
-                    gemms: Callable[[RegionShape, list[Schedule], bool | str], Calibration] | None = None) -> tuple[Schedule, list[Prediction], str]:
+def choose_by_model(facts: RegionFacts, cal: Calibration, max_chunks: int, *,
+                    graphs: bool | str = False,
+                    gemms: Callable[[RegionShape, list[Schedule], bool | str], Calibration] | None = None,
+                    ) -> tuple[Schedule, list[Prediction], str]:
     """(schedule, ranked predictions, why) for a region; candidates cut more than
     `max_chunks` pieces are left out, GPU ones too where the kernels refuse the shape.
     graphs=True: ranked for CUDA-graph replay (no per-call host cost); PER_CALL: for per-call
-    graphs (the same, with their measured slowdown).  copy_bytes: what the
+    graphs (the same, with their measured slowdown).  facts.copy_bytes: what the
     graph copies only for an op of ours, kept_bytes: what the region kept as compiled moves
     beyond one matmul, k_parts: the K of each product the op multiplies apart (RegionShape).
     gemms: given the shape, the candidates and `graphs`, `cal` with the GEMMs their ranking prices
     timed (tuner.gemm_table.with_gemms); None: the fit prices them."""
-    shape = RegionShape(kind, math.prod(a_shape[:-1]), a_shape[-1], tuple(w[-1] for w in weight_shapes), world, dtype,
-                        copy_bytes, kept_bytes, tuple(k_parts))
-    refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
+    shape, kind, k_parts = facts.shape, facts.kind, facts.k_parts
+    copy_bytes, kept_bytes = facts.copy_bytes, facts.kept_bytes
+    refusal = gpu_refusal(kind, list(facts.a_shape), [list(w) for w in facts.weight_shapes], facts.dim, facts.world)
     pool = [s for s in candidates(shape, cal, graphs=graphs)
             if s.chunks <= max(1, max_chunks) and not (s.is_gpu and refusal)]
     if gemms is not None:

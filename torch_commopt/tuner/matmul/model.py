@@ -83,6 +83,49 @@ class RegionShape:
 
 
 @dataclass(frozen=True)
+class RegionFacts:
+    """A matmul-collective region's static facts as its op receives them (per rank): what the
+    model's choice (`shape`), the GPU kernels' refusal and the tuner cache's keys are made of,
+    passed whole from the compile pass, the tune CLI and the benchmarks.
+
+    a_shape: the op's A operand (ag_matmul: the local shard); weight_shapes: each weight's
+        (K, N); dim: the gather / scatter dim (None for matmul_ar); world: the group's size.
+    bias: whether each matmul adds a bias (() : none does); reduce_op, keep_gathered: the op's.
+    copy_bytes, kept_bytes, k_parts: as RegionShape's.
+    Shapes are kept as tuples (the value is hashable); the keys built from it hold lists.
+    """
+
+    kind: str
+    a_shape: tuple[int, ...]
+    weight_shapes: tuple[tuple[int, ...], ...]
+    dim: int | None
+    world: int
+    dtype: str
+    bias: tuple[bool, ...] = ()
+    reduce_op: str | None = None
+    keep_gathered: bool = False
+    copy_bytes: int = 0
+    kept_bytes: int = 0
+    k_parts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # callers hand lists (graph metadata, parsed specs): stored as tuples
+        object.__setattr__(self, "a_shape", tuple(self.a_shape))
+        object.__setattr__(self, "weight_shapes", tuple(tuple(w) for w in self.weight_shapes))
+        object.__setattr__(self, "bias", tuple(self.bias) or (False,) * len(self.weight_shapes))
+        object.__setattr__(self, "k_parts", tuple(self.k_parts))
+        if len(self.bias) != len(self.weight_shapes):
+            raise ValueError(f"RegionFacts.bias: {len(self.bias)} flags for {len(self.weight_shapes)} weights")
+
+    @property
+    def shape(self) -> RegionShape:
+        """The model's view of the region (rows of A as a matrix, the weights' widths)."""
+        return RegionShape(self.kind, math.prod(self.a_shape[:-1]), self.a_shape[-1],
+                           tuple(w[-1] for w in self.weight_shapes), self.world, self.dtype, self.copy_bytes,
+                           self.kept_bytes, self.k_parts)
+
+
+@dataclass(frozen=True)
 class Prediction:
     schedule: Schedule
     seconds: float  # what a back-to-back call costs: max(gpu_s, host_s)

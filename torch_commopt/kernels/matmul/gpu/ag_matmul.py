@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,6 +31,47 @@ from torch_commopt.kernels.scaled import Expanded, Scaled, call_key, matmul, out
 from torch_commopt.core.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3}
+
+
+# The values below are built on every call: NamedTuples, which cost a fraction of a frozen
+# dataclass's construction on the host path.
+class Products(NamedTuple):
+    """What an all-gather + matmul call multiplies and where it writes: outs[i] = gathered A @
+    weights[i] (+ biases[i]); sc: the products are scaled (float8, kernels/scaled.py; None: plain)."""
+
+    weights: list
+    biases: list
+    outs: list
+    sc: Scaled | None = None
+
+
+class Arrivals(NamedTuple):
+    """Where and when a fused consumer finds the gathered rows: this rank is `rank` of `world`,
+    each rank's rows come in runs of `lin` (RowLayout.lin) and in pieces of `chunk_rows` rows;
+    piece c of slot s has landed once flags[flag_base + s * 256 + c] >= epoch; status: where a
+    debug wait reports."""
+
+    flags: torch.Tensor
+    status: torch.Tensor
+    flag_base: int
+    rank: int
+    world: int
+    lin: int
+    chunk_rows: int
+    epoch: int = 1
+
+
+class _Gather(NamedTuple):
+    """One call as its consumers read it: the group's runtime, the local shard as an (M_loc, K)
+    matrix, the products, the layout and pieces, the buffer half, whether waits are debug waits."""
+
+    rt: Any
+    a2: torch.Tensor
+    mm: Products
+    lay: RowLayout
+    pieces: tuple
+    half: int
+    debug: bool
 
 
 def unsupported_reason(a, weights, gather_dim: int, schedule: Schedule, group_name: str, world: int,
@@ -75,9 +117,10 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     # orders reuse on the allocating stream only).
     outs = [a.new_empty(gshape[:-1] + [w.shape[-1]], dtype=out_dtype(a, sc)) for w in weights]
     gathered = a.new_empty(gshape) if return_gathered else None
+    mm = Products(weights, biases, outs, sc)
 
     def body():
-        _gather_and_multiply(rt, a, weights, biases, sched, lay, pieces, outs, gathered, sc)
+        _gather_and_multiply(rt, a, sched, mm, lay, pieces, gathered)
 
     scales, flags = call_key(sc)
     call_graphs.call("ag_matmul", sched, rt, (a, *weights, *biases, *outs, gathered, *scales), (gather_dim, *flags),
@@ -85,7 +128,7 @@ def ag_matmul_gpu(a, weights, biases, gather_dim, group_name, sched: Schedule, r
     return outs + ([gathered] if return_gathered else [])
 
 
-def _gather_and_multiply(rt, a, weights, biases, sched: Schedule, lay, pieces, outs, gathered, sc=None) -> None:
+def _gather_and_multiply(rt, a, sched: Schedule, mm: Products, lay, pieces, gathered) -> None:
     debug = rt.debug_waits(sched)
     world, rank = rt.world, rt.rank
     m_loc, k = lay.local_rows, a.shape[-1]
@@ -96,6 +139,7 @@ def _gather_and_multiply(rt, a, weights, biases, sched: Schedule, lay, pieces, o
     base = half * (buf.nbytes // 2)  # the same offset for every op: tokens guard halves
     slots = buf.view(rank, base, (world, m_loc, k), a.dtype)
     cur, side = torch.cuda.current_stream(a.device), rt.side
+    call = _Gather(rt, a2, mm, lay, pieces, half, debug)
 
     rt.after(side, cur)
     src_ptr = a2.data_ptr()
@@ -107,15 +151,14 @@ def _gather_and_multiply(rt, a, weights, biases, sched: Schedule, lay, pieces, o
             rt.signal(side, p, data_index(half, rank, c), 1)
 
     if sched.param("gemm") == "whole":
-        _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug, sc)
+        _consume_whole(call, slots, cur)
     elif sched.name == "fused":
-        _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug)
+        _consume_fused(call, slots, sched)
     else:
         slot_of = functools.partial(_source_slot, buf, rank, base, m_loc, k, row_bytes, a.dtype)
-        _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, cur, debug,
-                        rt.compute2 if sched.param("par") else None, sc)
+        _consume_cublas(call, slot_of, cur, rt.compute2 if sched.param("par") else None)
     if gathered is not None:
-        _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug)
+        _gathered(call, slots, gathered, side)
     rt.after(cur, side)
     rt.done_reading(cur, half, len(pieces))
     if debug:
@@ -129,41 +172,43 @@ def _source_slot(buf, rank: int, base: int, m_loc: int, k: int, row_bytes: int, 
     return buf.view(rank, base + src * m_loc * row_bytes, (m_loc, k), dtype)
 
 
-def _consume_cublas(rt, a2, slot_of, weights, biases, outs, lay, pieces, half, cur, debug, second=None, sc=None):
+def _consume_cublas(call: _Gather, slot_of, cur, second=None):
     """cuBLAS per piece; slot_of(src): source src's (M_loc, K) slot.  second (par=1): the peers'
     pieces run on that stream, so their GEMMs can share the SMs with the own shard's (the GEMMs
-    write disjoint rows).  sc: each piece is a scaled (float8) product."""
+    write disjoint rows).  call.mm.sc: each piece is a scaled (float8) product."""
+    rt, mm, lay = call.rt, call.mm, call.lay
     rank = rt.rank
-    full = [o.view(-1, o.shape[-1]) for o in outs]
-    wide = Expanded(weights)
+    full = [o.view(-1, o.shape[-1]) for o in mm.outs]
+    wide = Expanded(mm.weights)
     peers = cur if second is None else second
     if second is not None:
         rt.after(second, cur)  # the outputs were allocated on the caller's stream
     # Own shard first, as one GEMM: it needs nothing from the peers.
-    _piece_matmuls(a2, full, weights, biases, lay, rank, 0, lay.local_rows, sc, wide)
+    _piece_matmuls(call.a2, full, wide, mm, lay, rank, 0, lay.local_rows)
     with contextlib.nullcontext() if second is None else torch.cuda.stream(second):
         for src in rt.sources:
             slot = slot_of(src)
-            for c, (lo, hi) in enumerate(pieces):
-                rt.wait(peers, data_index(half, src, c), 1, debug=debug, what="chunk", src=src, chunk=c)
-                _piece_matmuls(piece_rows(slot, lo, hi), full, weights, biases, lay, src, lo, hi, sc, wide)
+            for c, (lo, hi) in enumerate(call.pieces):
+                rt.wait(peers, data_index(call.half, src, c), 1, debug=call.debug, what="chunk", src=src, chunk=c)
+                _piece_matmuls(piece_rows(slot, lo, hi), full, wide, mm, lay, src, lo, hi)
     if second is not None:
         rt.after(cur, second)
 
 
-def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur, debug, sc=None):
+def _consume_whole(call: _Gather, slots, cur):
     """ce_push:S:gemm=whole: the own shard joins the peers' in the buffer and one GEMM runs
     over all of them once they are there.  At short M a GEMM's time is reading B, so the
     overlapped form (one GEMM per shard) reads B W times; this one reads it once and hides
-    nothing (AG 512x8192x8192, 2x H200 replayed: GEMM alone 0.047 ms, ce_push:1 0.082)."""
+    nothing (AG 512x8192x8192 replayed: GEMM alone 0.047 ms, ce_push:1 0.082)."""
+    rt, a2, mm, lay = call.rt, call.a2, call.mm, call.lay
     slots[rt.rank].copy_(a2)
-    last = len(pieces) - 1
+    last = len(call.pieces) - 1
     for src in rt.sources:  # pieces from one peer land in order: the last flag covers the slot
-        rt.wait(cur, data_index(half, src, last), 1, debug=debug, what="chunk", src=src, chunk=last)
+        rt.wait(cur, data_index(call.half, src, last), 1, debug=call.debug, what="chunk", src=src, chunk=last)
     rows = slots.view(-1, a2.shape[-1])
-    for i, (out, w, b) in enumerate(zip(outs, weights, biases)):
+    for i, (out, w, b) in enumerate(zip(mm.outs, mm.weights, mm.biases)):
         full = out.view(-1, out.shape[-1])
-        prod = matmul(rows, w, b, sc, i, out=full if lay.outer == 1 else None)
+        prod = matmul(rows, w, b, mm.sc, i, out=full if lay.outer == 1 else None)
         if lay.outer != 1:  # slot order is rank-major; the output interleaves outer blocks
             for block in range(rt.world):
                 part = prod[block * lay.local_rows:(block + 1) * lay.local_rows]
@@ -171,9 +216,11 @@ def _consume_whole(rt, a2, slots, weights, biases, outs, lay, pieces, half, cur,
                 dst.copy_(part.view(dst.shape))
 
 
-def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi, sc, wide: Expanded):
-    """Rows [lo, hi) of rank-block `block` of each output <- `rows` @ weights[i] (+ biases[i]).
-    wide: the call's Expanded of the weights (used at outer > 1; shared by its pieces)."""
+def _piece_matmuls(rows, full, wide: Expanded, mm: Products, lay: RowLayout, block, lo, hi):
+    """Rows [lo, hi) of rank-block `block` of each output (full: mm.outs as matrices) <- `rows`
+    @ weights[i] (+ biases[i]).  wide: the call's Expanded of the weights (used at outer > 1;
+    shared by its pieces)."""
+    weights, biases, sc = mm.weights, mm.biases, mm.sc
     if lay.outer != 1 and sc is None:  # rows of several outer blocks: one batched GEMM writes the strided destination
         blocks = (hi - lo) // lay.lin
         rows3 = rows.view(blocks, lay.lin, rows.shape[-1])
@@ -188,30 +235,32 @@ def _piece_matmuls(rows, full, weights, biases, lay: RowLayout, block, lo, hi, s
             dst.copy_(matmul(rows, w, b, sc, i).view(dst.shape))
 
 
-def _consume_fused(rt, a2, slots, weights, biases, outs, lay, pieces, half, sched, debug):
-    launch_fused(a2, slots.view(-1, a2.shape[-1]), rt.flags, rt.status, weights, biases,
-                 [o.view(-1, o.shape[-1]) for o in outs], lin=lay.lin, rank=rt.rank, world=rt.world,
-                 chunk_rows=pieces[0][1] - pieces[0][0], flag_base=data_index(half, 0, 0),
-                 params=dict(sched.params), debug=debug)
+def _consume_fused(call: _Gather, slots, sched):
+    rt, a2, mm, pieces = call.rt, call.a2, call.mm, call.pieces
+    mm2 = Products(mm.weights, mm.biases, [o.view(-1, o.shape[-1]) for o in mm.outs])  # plain: fused takes no float8
+    at = Arrivals(rt.flags, rt.status, data_index(call.half, 0, 0), rt.rank, rt.world, call.lay.lin,
+                  pieces[0][1] - pieces[0][0])
+    launch_fused(a2, slots.view(-1, a2.shape[-1]), mm2, at, dict(sched.params), debug=call.debug)
 
 
-def launch_fused(a2, slots2, flags, status, weights, biases, outs2, *, lin, rank, world, chunk_rows, flag_base,
-                 params, debug=False, epoch=1):
+def launch_fused(a2, slots2, mm: Products, at: Arrivals, params, debug=False):
     """The fused consumer: one persistent Triton GEMM over this rank's shard a2 (M_loc, K) and
-    the peers' slots2 (world * M_loc, K) (slot s: rank s's shard, ready once
-    flags[flag_base + s * 256 + chunk] >= epoch), writing outs2[i] (full rows, N_i) = gathered
-    A @ weights[i] (+ biases[i]).  params: the schedule's (bm, bn, bk, gm, warps, stages, sms,
+    the peers' slots2 (world * M_loc, K) (slot s: rank s's shard, its pieces ready as `at`
+    says), writing mm.outs[i] (full rows, N_i) = gathered A @ mm.weights[i] (+ mm.biases[i];
+    plain products only).  params: the schedule's (bm, bn, bk, gm, warps, stages, sms,
     tma).  tma=1 moves the tiles with the TMA unit (ag_gemm_tma_kernel) where the operands
     allow it (16-byte aligned rows and bases), else the pointer-load kernel runs.  Callable on
-    one GPU with flags set beforehand (benchmarks/probe_fused_gemm.py, tests/gpu)."""
+    one GPU with flags set beforehand (tests/gpu/test_fused_gemm_one_gpu.py)."""
     from torch_commopt.kernels.matmul.gpu.triton_kernels import ag_gemm_kernel, ag_gemm_tma_kernel, num_sms
 
     p = {**FUSED_DEFAULTS, **params}
     m_loc, k = a2.shape
+    world, flags, status, epoch = at.world, at.flags, at.status, at.epoch
+    lin, rank, chunk_rows, flag_base = at.lin, at.rank, at.chunk_rows, at.flag_base
     sms = p.get("sms") or num_sms(a2.device)
-    for first in range(0, len(weights), 3):  # one pass over A serves up to three B's
-        ws, bs = weights[first:first + 3], biases[first:first + 3]
-        cs = outs2[first:first + 3]
+    for first in range(0, len(mm.weights), 3):  # one pass over A serves up to three B's
+        ws, bs = mm.weights[first:first + 3], mm.biases[first:first + 3]
+        cs = mm.outs[first:first + 3]
         has_bias = any(b is not None for b in bs)
         bs = [b if b is not None else a2.new_zeros(w.shape[-1]) for w, b in zip(ws, bs)] if has_bias else [a2] * len(ws)
         n_b = len(ws)
@@ -236,11 +285,12 @@ def launch_fused(a2, slots2, flags, status, weights, biases, outs2, *, lin, rank
             *ns, m_loc, k, lin, rank, chunk_rows, flag_base, grid, EVEN_K=k % p["bk"] == 0, **common)
 
 
-def _gathered(rt, a2, slots, gathered, lay, pieces, half, side, debug):
+def _gathered(call: _Gather, slots, gathered, side):
     """The all-gathered input, assembled by the copy engine off the critical path: rank s's
     rows are one run of lin rows in every outer block of `gathered`, one 2-D copy (a
     contiguous one at outer == 1) from its shard, addressed without a view of either."""
-    last = len(pieces) - 1
+    rt, a2, lay, half, debug = call.rt, call.a2, call.lay, call.half, call.debug
+    last = len(call.pieces) - 1
     run = lay.lin * a2.shape[-1] * a2.element_size()  # bytes of one rank's rows in one outer block
     pitch = lay.world * run
     for src in [rt.rank] + rt.sources:

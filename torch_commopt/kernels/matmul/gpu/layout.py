@@ -53,8 +53,7 @@ class RowLayout:
         if self.outer == 1:
             return full[block * self.lin + lo: block * self.lin + hi]
         # full.view(outer, world, lin, X)[lo // lin: hi // lin, block] as ONE view: a call
-        # takes ~10 of these, and view + slice + select cost three dispatches each
-        # (benchmarks/probe_host_cpu.py, the B4 cases).
+        # takes ~10 of these, and view + slice + select cost three dispatches each.
         row, col = full.stride()
         return full.as_strided(((hi - lo) // self.lin, self.lin, full.shape[-1]), (self.world * self.lin * row, row, col),
                                full.storage_offset() + ((lo // self.lin) * self.world + block) * self.lin * row)
@@ -62,8 +61,8 @@ class RowLayout:
 
 def piece_rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows [lo, hi) of t: t itself when they are all of it (one piece), saving the view a
-    slice costs on every use -- at W = 4 a reduce-scatter call indexed ~16 of them, a tenth of
-    its host time (benchmarks/probe_host_cpu.py)."""
+    slice costs on every use -- at W = 4 a reduce-scatter call indexes ~16 of them, a tenth of
+    its host time."""
     return t if lo == 0 and hi == t.shape[0] else t[lo:hi]
 
 

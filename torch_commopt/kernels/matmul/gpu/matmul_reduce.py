@@ -36,17 +36,64 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
 from torch_commopt.kernels.gpu import call_graphs, driver, symm
 from torch_commopt.kernels.matmul.gpu import tma
 from torch_commopt.kernels.matmul.gpu.layout import RowLayout, as_blocks, blocks_of, cdiv, piece_rows
+from torch_commopt.kernels.matmul.product import Product
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
 from torch_commopt.kernels.scaled import Expanded, Scaled, add_matmul_, call_key, matmul, out_dtype
 from torch_commopt.core.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3, "store": "direct"}
+
+
+# What launch_rs_fused takes beside A and B, in three values (NamedTuples: built on every call,
+# at a fraction of a frozen dataclass's host cost).
+class RsTargets(NamedTuple):
+    """Where the fused reduce-scatter GEMM writes and reads: out (m_seg, N) this rank's reduced
+    segment; the peers' segments go to recv_bases[p] + recv_off (elements; direct=True: stores
+    into the peer's receive slot) or to send[p] (direct=False: a local staging tensor (world,
+    m_seg, N) the copy engine ships); recv (world, m_seg, N): this rank's receive slots, where
+    the partials land; recv_bases: (world,) int64 device addresses of every rank's buffer;
+    bases_aligned: every recv_bases entry is 16-byte aligned (the direct stores are then
+    vectorized when the slot offsets are too)."""
+
+    out: torch.Tensor
+    send: torch.Tensor
+    recv: torch.Tensor
+    recv_bases: torch.Tensor
+    recv_off: int
+    direct: bool
+    bases_aligned: bool
+
+
+class RsSignals(NamedTuple):
+    """The flags the fused reduce-scatter GEMM counts its tiles into and waits on: flags (this
+    rank's), flag_bases ((world,) int64 device addresses of every rank's flags), status (where a
+    debug wait reports), data_base (the index of this call's half's DATA flags, symm.data_index)
+    and epoch (the value a landed piece's DATA flag holds)."""
+
+    flags: torch.Tensor
+    flag_bases: torch.Tensor
+    status: torch.Tensor
+    data_base: int
+    epoch: int = 1
+
+
+class RsSegments(NamedTuple):
+    """How the fused reduce-scatter GEMM's rows split: this rank is `rank` of `world`; A's
+    world * m_seg rows come in runs of `lin` per segment (RowLayout.lin); a segment's pieces are
+    chunk_mt M tiles each."""
+
+    rank: int
+    world: int
+    lin: int
+    m_seg: int
+    chunk_mt: int
 
 
 def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule: Schedule, group_name: str,
@@ -92,8 +139,8 @@ def _plan(shape: tuple, scatter_dim: int | None, world: int, chunks: int) -> tup
 class _Call:
     """State of one reduce call: runtime, layout, buffers, half, streams."""
 
-    def __init__(self, a, weight, scatter_dim, group_name, sched: Schedule, reduce_op, *, phases: int,
-                 sc: Scaled | None = None, parts=()):
+    def __init__(self, prod: Product, scatter_dim, group_name, sched: Schedule, reduce_op, *, phases: int):
+        a, weight, sc, parts = prod.a, prod.weight, prod.sc, prod.parts
         self.rt = rt = symm.runtime(group_name, a.device)
         self.sched, self.world, self.rank = sched, rt.world, rt.rank
         self.debug = rt.debug_waits(sched)
@@ -195,44 +242,43 @@ class _Call:
         self.rt.wait(stream, data_index(self.half, src, c, phase), 1, debug=self.debug, what=what, src=src, chunk=c)
 
 
-def _for_fused(a, weight, sched: Schedule, parts):
+def _for_fused(prod: Product, sched: Schedule) -> Product:
     """`fused` multiplies one operand pair: the K parts concatenated along K (a copy each call)."""
-    if not parts or sched.name != "fused":
-        return a, weight, parts
-    return torch.cat([a, *(x for x, _ in parts)], dim=-1), torch.cat([weight, *(w for _, w in parts)], dim=0), ()
+    if not prod.parts or sched.name != "fused":
+        return prod
+    parts = prod.parts
+    return prod._replace(a=torch.cat([prod.a, *(x for x, _ in parts)], dim=-1),
+                         weight=torch.cat([prod.weight, *(w for _, w in parts)], dim=0), parts=())
 
 
-def _part_tensors(parts) -> tuple:
-    return tuple(t for pair in parts for t in pair)
-
-
-def matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name, sched: Schedule, sc: Scaled | None = None,
-                  parts=()):
-    a, weight, parts = _for_fused(a, weight, sched, parts)
+def matmul_rs_gpu(prod: Product, scatter_dim, reduce_op, group_name, sched: Schedule):
+    prod = _for_fused(prod, sched)
+    a, weight, bias, sc = prod.a, prod.weight, prod.bias, prod.sc
     rt = symm.runtime(group_name, a.device)
     out_shape = list(a.shape[:-1]) + [weight.shape[-1]]
     out_shape[scatter_dim] //= rt.world
     out = a.new_empty(out_shape, dtype=out_dtype(a, sc))  # outside a per-call graph: the caller owns it
 
     def body():
-        call = _Call(a, weight, scatter_dim, group_name, sched, reduce_op, phases=1, sc=sc, parts=parts)
+        call = _Call(prod, scatter_dim, group_name, sched, reduce_op, phases=1)
         _reduce_scatter_into(call, weight, out.view(call.m_seg, call.n))
         call.finish(out, bias, reduce_op, "matmul_rs")
 
     scales, flags = call_key(sc)
-    call_graphs.call("matmul_rs", sched, rt, (a, weight, bias, out, *scales, *_part_tensors(parts)),
+    call_graphs.call("matmul_rs", sched, rt, (a, weight, bias, out, *scales, *prod.part_tensors()),
                      (scatter_dim, reduce_op, *flags),
                      body, lambda: unsupported_reason(a, weight, scatter_dim, rt.world, sched, group_name, True, sc))
     return out
 
 
-def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule, sc: Scaled | None = None, parts=()):
-    a, weight, parts = _for_fused(a, weight, sched, parts)
+def matmul_ar_gpu(prod: Product, reduce_op, group_name, sched: Schedule):
+    prod = _for_fused(prod, sched)
+    a, weight, bias, sc = prod.a, prod.weight, prod.bias, prod.sc
     rt = symm.runtime(group_name, a.device)
     out = a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]], dtype=out_dtype(a, sc))  # outside a per-call graph
 
     def body():
-        call = _Call(a, weight, None, group_name, sched, reduce_op, phases=2, sc=sc, parts=parts)
+        call = _Call(prod, None, group_name, sched, reduce_op, phases=2)
         full = out.view(-1, call.n)
         own = full[call.rank * call.m_seg: (call.rank + 1) * call.m_seg]
         # The peers' reduced pieces are copied into `out` on the local copy stream, ordered
@@ -255,7 +301,7 @@ def matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched: Schedule, sc: S
         call.finish(out, bias, reduce_op, "matmul_ar")
 
     scales, flags = call_key(sc)
-    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out, *scales, *_part_tensors(parts)),
+    call_graphs.call("matmul_ar", sched, rt, (a, weight, bias, out, *scales, *prod.part_tensors()),
                      (reduce_op, *flags), body,
                      lambda: unsupported_reason(a, weight, None, rt.world, sched, group_name, True, sc))
     return out
@@ -287,7 +333,7 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
         # The local copy stream writes `own` (allocated on the caller's stream): order it
         # after the caller's work so far, before the peers' GEMMs are queued, so a partial
         # that has landed is moved in while those GEMMs still run.  (Ordered after them, the
-        # first own GEMM waited for its copy: ~40 us idle per call, 2x H100 rs 8192^3 ce_push:2.)
+        # first own GEMM waits for its copy: ~40 us idle per call at rs 8192^3 ce_push:2.)
         rt.after(rt.local, call.cur)
     staging = None if call.sched.name == "direct" else torch.empty(
         (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
@@ -420,10 +466,9 @@ def _ship(call: _Call, src_piece, dst_piece, p, c):
 def _sum_slots(call: _Call, stack, dst):
     """dst = alpha * stack.sum(0) for stack (W, rows, N), the W rounded partials of one piece
     (the own product among them): one pass over them, accumulated in fp32 (sum: alpha = 1;
-    avg: alpha = 1/W, the mean).  It replaced an fp32 copy of the own product plus one
-    read-modify-write per source (about 5x the bytes: 4x H100, session 27, rs 8192^3 ce_push:1
-    0.92 ms against NCCL's 0.74, with the own GEMM also held back until every partial had
-    landed)."""
+    avg: alpha = 1/W, the mean).  Not an fp32 copy of the own product plus one
+    read-modify-write per source: that moves about 5x the bytes, and at 4 ranks puts rs 8192^3
+    ce_push:1 ~25% behind NCCL."""
     (torch.sum if call.alpha == 1.0 else torch.mean)(stack, dim=0, out=dst)
 
 
@@ -445,11 +490,11 @@ def _fused(call: _Call, weight, own):
     send = own if direct else torch.empty((call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
     if not direct:
         call.after_caller()  # the side stream's copies below follow the barrier, not the kernel
-    launch_rs_fused(call.a2, weight, own, send, call.recv, call.buf.ptrs_dev, rt.flags, rt.flag_bases_dev, rt.status,
-                    recv_off=call.base // call.recv.element_size(), data_base=data_index(call.half, 0, 0),
-                    lin=call.lay.lin, rank=rt.rank, world=rt.world, m_seg=call.m_seg, chunk_mt=chunk_mt,
-                    alpha=call.alpha, params=p, direct=direct, debug=call.debug,
-                    bases_aligned=all(int(ptr) % 16 == 0 for ptr in call.buf.handle.buffer_ptrs))
+    targets = RsTargets(own, send, call.recv, call.buf.ptrs_dev, call.base // call.recv.element_size(), direct,
+                        all(int(ptr) % 16 == 0 for ptr in call.buf.handle.buffer_ptrs))
+    signals = RsSignals(rt.flags, rt.flag_bases_dev, rt.status, data_index(call.half, 0, 0))
+    segments = RsSegments(rt.rank, rt.world, call.lay.lin, call.m_seg, chunk_mt)
+    launch_rs_fused(call.a2, weight, targets, signals, segments, call.alpha, p, debug=call.debug)
     if not direct:
         # The copy engine ships each piece as soon as its tiles are counted.  Enqueued after
         # the kernel's launch (the first launch JIT-compiles for seconds, which a bounded
@@ -463,22 +508,23 @@ def _fused(call: _Call, weight, own):
                 call.signal(call.side, q, c)
 
 
-def launch_rs_fused(a2, weight, out, send, recv, recv_bases, flags, flag_bases, status, *, recv_off, data_base, lin,
-                    rank, world, m_seg, chunk_mt, alpha, params, direct, bases_aligned, debug=False, epoch=1):
+def launch_rs_fused(a2, weight, targets: RsTargets, signals: RsSignals, segments: RsSegments, alpha, params,
+                    debug=False):
     """The fused reduce-scatter GEMM (rs_gemm_kernel): a2 (world * m_seg, K) rows in the
-    layout's order, out (m_seg, N) this rank's reduced segment; the peers' segments go to
-    recv_bases[p] + recv_off (direct) or to send[p] (ce); partials arrive in recv (world,
-    m_seg, N); bases_aligned: every recv_bases entry is 16-byte aligned (the direct stores
-    are then vectorized when the slot offsets are too).  params: the schedule's (bm, bn, bk,
-    gm, warps, stages, sms, tma).  tma=1 moves the tiles with the TMA unit (the kernel's
-    TMA=True) where the operands allow it (aligned, every tile one run of rows: one outer
+    layout's order (segments); targets.out <- alpha * this rank's reduced segment; where the
+    peers' segments go and the partials come from: targets; the flags: signals.  params: the
+    schedule's (bm, bn, bk, gm, warps, stages, sms, tma).  tma=1 moves the tiles with the TMA
+    unit (the kernel's TMA=True) where the operands allow it (aligned, every tile one run of rows: one outer
     block or lin a multiple of bm), else pointer loads.  Callable on one GPU with local
     stand-ins for the peers' buffers and flags set beforehand
-    (tests/gpu/test_fused_gemm_one_gpu.py, benchmarks/probe_fused_gemm.py)."""
+    (tests/gpu/test_fused_gemm_one_gpu.py)."""
     from torch_commopt.kernels.matmul.gpu.triton_kernels import num_sms, rs_gemm_kernel
 
     p = {**FUSED_DEFAULTS, **params}
     k, n = a2.shape[-1], weight.shape[-1]
+    out, send, recv, recv_bases, recv_off, direct, bases_aligned = targets
+    flags, flag_bases, status, data_base, epoch = signals
+    rank, world, lin, m_seg, chunk_mt = segments
     # Debug waits are one-block kernels on the side stream: leave them an SM, or a grid
     # spinning on every SM would starve the very wait its data depends on.
     sms = (p.get("sms") or num_sms(out.device)) - (1 if debug else 0)

@@ -11,25 +11,27 @@ from __future__ import annotations
 from torch_commopt.core.groups import resolve_group
 
 from torch_commopt.kernels.collectives import all_reduce, chunk_bounds, linear, reduce_scatter
+from torch_commopt.kernels.matmul.product import Product
 from torch_commopt.kernels.matmul.reference.chunking import ar_chunk_dim, rs_chunk_dim
 from torch_commopt.kernels.scaled import out_dtype
 from torch_commopt.core.schedule import Schedule
 
 
-def _product(a, weight, bias, sc, parts, piece=lambda x: x):
+def _product(prod: Product, piece=lambda x: x):
     """piece(a) @ weight (+ bias), plus piece(a_i) @ w_i for each K part (ops.k_parts)."""
-    t = linear(piece(a), weight, bias, sc)
-    for x, w in parts:
+    t = linear(piece(prod.a), prod.weight, prod.bias, prod.sc)
+    for x, w in prod.parts:
         t = t + linear(piece(x), w, None, None)
     return t
 
 
-def matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, schedule, sc=None, parts=()):
-    """sc: the product is scaled (fp8, kernels/scaled.py); parts: K parts (ops.k_parts)."""
+def matmul_rs_reference(prod: Product, scatter_dim, reduce_op, group_name, schedule):
+    """The product (scaled or with K parts as `prod` says) reduce-scattered along scatter_dim."""
+    a, weight, sc = prod.a, prod.weight, prod.sc
     group = resolve_group(group_name)
     sched = Schedule.parse(schedule)
     if sched.name == "sequential" or sched.chunks == 1:
-        t = _product(a, weight, bias, sc, parts)
+        t = _product(prod)
         return reduce_scatter(t, scatter_dim, reduce_op, group, async_op=False).wait()
     world, d = group.size(), scatter_dim
     shape = list(a.shape)
@@ -49,23 +51,25 @@ def matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, sch
         def piece_of(s, n):
             return lambda x: x.narrow(c, s, n)
     # Compute piece j, then let its reduction travel while piece j+1 is computed.
-    pending = [reduce_scatter(_product(a, weight, bias, sc, parts, piece_of(s, n)), d, reduce_op, group, async_op=True)
+    pending = [reduce_scatter(_product(prod, piece_of(s, n)), d, reduce_op, group, async_op=True)
                for s, n in bounds]
     for (s, n), p in zip(bounds, pending):
         out.narrow(c, s, n).copy_(p.wait())
     return out
 
 
-def matmul_ar_reference(a, weight, bias, reduce_op, group_name, schedule, sc=None, parts=()):
+def matmul_ar_reference(prod: Product, reduce_op, group_name, schedule):
+    """The product (as `prod` says) all-reduced."""
     group = resolve_group(group_name)
     sched = Schedule.parse(schedule)
     if sched.name == "sequential" or sched.chunks == 1:
-        return all_reduce(_product(a, weight, bias, sc, parts), reduce_op, group, async_op=False).wait()
-    out = a.new_empty(list(a.shape[:-1]) + [weight.shape[-1]], dtype=out_dtype(a, sc))
+        return all_reduce(_product(prod), reduce_op, group, async_op=False).wait()
+    a = prod.a
+    out = a.new_empty(list(a.shape[:-1]) + [prod.weight.shape[-1]], dtype=out_dtype(a, prod.sc))
     c, rows = ar_chunk_dim(list(out.shape), sched.chunks)
     bounds = chunk_bounds(rows, sched.chunks)
-    pending = [all_reduce(_product(a, weight, bias, sc, parts, lambda x, s=s, n=n: x.narrow(c, s, n)), reduce_op, group,
-                          async_op=True) for s, n in bounds]
+    pending = [all_reduce(_product(prod, lambda x, s=s, n=n: x.narrow(c, s, n)), reduce_op, group, async_op=True)
+               for s, n in bounds]
     for (s, n), p in zip(bounds, pending):
         out.narrow(c, s, n).copy_(p.wait())
     return out

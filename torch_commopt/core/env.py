@@ -1,0 +1,117 @@
+"""Every environment variable torch_commopt reads, in one place (docs/configuration.md lists them).
+
+One accessor per variable, read when it is called (so a test's `monkeypatch.setenv`, or a
+launcher that sets the variable before a rank starts, takes effect); the caller decides when
+that is.  The parsing of each value is part of its contract: an unset variable reads as its
+default, and the few values that mean "off" are spelled out per variable.  Validation that
+needs a logger (an unknown transport name is logged and read as a fallback) stays with the
+caller, which gets the normalized string.
+
+A leaf module: imports nothing from torch_commopt.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+CACHE_DIR = "TORCH_COMMOPT_CACHE_DIR"
+DEBUG_WAITS = "TORCH_COMMOPT_DEBUG_WAITS"
+WAIT_TIMEOUT_S = "TORCH_COMMOPT_WAIT_TIMEOUT_S"
+SHARED_DEVICE = "TORCH_COMMOPT_SHARED_DEVICE"
+CALL_GRAPHS = "TORCH_COMMOPT_CALL_GRAPHS"
+HOST_TIMING = "TORCH_COMMOPT_HOST_TIMING"
+ATTENTION_TRANSPORT = "TORCH_COMMOPT_ATTENTION_TRANSPORT"
+ATTENTION_A2A = "TORCH_COMMOPT_ATTENTION_A2A"
+ATTENTION_GROUP_STREAMS = "TORCH_COMMOPT_ATTENTION_GROUP_STREAMS"
+ATTENTION_LANE = "TORCH_COMMOPT_ATTENTION_LANE"
+
+# Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
+NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
+         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE)
+
+DEFAULT_WAIT_TIMEOUT_S = 120.0
+ATTENTION_GROUP_STREAMS_DEFAULT = "1"
+
+
+def cache_dir() -> pathlib.Path:
+    """The tuner cache directory: TORCH_COMMOPT_CACHE_DIR when set and non-empty, else
+    $XDG_CACHE_HOME/torch_commopt, else ~/.cache/torch_commopt.  `Config.cache_dir` overrides
+    it for one compile."""
+    if os.environ.get(CACHE_DIR):
+        return pathlib.Path(os.environ[CACHE_DIR])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "torch_commopt"
+
+
+def debug_waits() -> bool:
+    """TORCH_COMMOPT_DEBUG_WAITS (default off): bound every spin-wait of the GPU schedules and
+    the attention transports in wall time and raise an error naming the op, rank and piece
+    instead of hanging, as `Config.debug_waits` does for one compile.  Off when unset or
+    "", "0", "false", "False"; on for any other value."""
+    return os.environ.get(DEBUG_WAITS, "0") not in ("", "0", "false", "False")
+
+
+def wait_timeout_s() -> float:
+    """TORCH_COMMOPT_WAIT_TIMEOUT_S (default 120): the wall-clock seconds a bounded (debug-mode)
+    wait spins before it raises.  Wall time rather than an iteration count, because a peer that
+    is JIT-compiling a Triton specialization is seconds behind, not stuck.  Parsed with float();
+    a value that does not parse raises ValueError."""
+    return float(os.environ.get(WAIT_TIMEOUT_S, DEFAULT_WAIT_TIMEOUT_S))
+
+
+def shared_device() -> bool:
+    """TORCH_COMMOPT_SHARED_DEVICE (default off): several ranks on one GPU, for correctness runs
+    only -- the symmetric buffers are mapped between the ranks' processes by CUDA IPC over a gloo
+    group (kernels/gpu/shared_device.py).  Off when unset, "" or "0"; on for any other value."""
+    return os.environ.get(SHARED_DEVICE, "0") not in ("", "0")
+
+
+def call_graphs() -> bool:
+    """TORCH_COMMOPT_CALL_GRAPHS (default on): whether schedules with cg=1 (`Config.call_graphs`)
+    may capture and replay per-call CUDA graphs in this process.  "0", "false", "False" or "off"
+    turn the replays off (those calls then run eagerly); any other value, "" included, leaves
+    them on."""
+    return os.environ.get(CALL_GRAPHS, "1") not in ("0", "false", "False", "off")
+
+
+def host_timing() -> bool:
+    """TORCH_COMMOPT_HOST_TIMING (default off): "1" wraps every commopt op so that its host time
+    is added up per (op, thread) in `kernels.matmul.ops.HOST_TIMES`.  The ops read it once, when
+    they are registered (import of kernels.matmul.ops): set it before importing torch_commopt."""
+    return os.environ.get(HOST_TIMING) == "1"
+
+
+def _choice(name: str, default: str) -> str:
+    """The variable's value stripped and lower-cased; `default` when unset or empty."""
+    return os.environ.get(name, default).strip().lower() or default
+
+
+def attention_transport() -> str:
+    """TORCH_COMMOPT_ATTENTION_TRANSPORT (default "nccl"): how the ring attention schedules move
+    K/V -- "nccl" send/recv, or "ce": the copy engine over symmetric memory
+    (kernels/attention/ce_ring.py).  Case and surrounding spaces ignored; the caller logs an
+    unknown value and reads it as "nccl"."""
+    return _choice(ATTENTION_TRANSPORT, "nccl")
+
+
+def attention_a2a() -> str:
+    """TORCH_COMMOPT_ATTENTION_A2A (default "ce"): how Ulysses's all-to-alls run on CUDA -- "ce",
+    the copy engine over symmetric memory (kernels/attention/ce_a2a.py), or "nccl".  Case and
+    surrounding spaces ignored; the caller logs an unknown value and reads it as "nccl"."""
+    return _choice(ATTENTION_A2A, "ce")
+
+
+def attention_group_streams() -> str:
+    """TORCH_COMMOPT_ATTENTION_GROUP_STREAMS (default "1"): which passes of pure Ulysses run their
+    odd head groups on a second compute stream -- "1" forward and backward, "fwd" the forward
+    only, "0" neither.  Case and surrounding spaces ignored; the caller logs an unknown value and
+    reads it as the default."""
+    return _choice(ATTENTION_GROUP_STREAMS, ATTENTION_GROUP_STREAMS_DEFAULT)
+
+
+def attention_lane() -> bool:
+    """TORCH_COMMOPT_ATTENTION_LANE (default off): "1" runs the attention schedules' NCCL
+    all-to-alls, with their packing and unpacking, on a side stream (kernels/attention/lane.py).
+    Only the exact value "1" turns it on."""
+    return os.environ.get(ATTENTION_LANE, "0") == "1"
