@@ -4,7 +4,7 @@ its depths, the device's calibration prior, the copy-engine all-to-alls with con
 groups as on CUDA), its measured time and the measured best, and how many picks land within 5%
 of the best.  A replay, not a measurement: the times are the run's.
 
-    python3 benchmarks/attention_picks.py benchmarks/results/attention_h100x2_2026-11-26_s33_sweep.json
+    python3 -m benchmarks.attention_picks benchmarks/results/attention_h200x2_2026-11-28.json
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from torch_commopt.attention import ce_a2a  # noqa: E402
-from torch_commopt.attention.cost import machine_from_calibration, rank_schedules  # noqa: E402
+from torch_commopt.kernels.attention import ce_a2a  # noqa: E402
+from torch_commopt.tuner.attention.cost import machine_from_calibration, rank_schedules  # noqa: E402
 from torch_commopt.tuner.calibration import prior  # noqa: E402
 
 

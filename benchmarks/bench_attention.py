@@ -24,7 +24,7 @@ Per case (B, H, H_kv, D, S_total, causal, pass "fwd" or "fwd+bwd"; bf16) one run
                         fwd+bwd through the autograd wrapper cp_attention), on contiguous shards;
                         commopt's pick = cost.rank_schedules' first (head-group depths included,
                         as the rewrite ranks them) with the machine figures the
-                        compiled path uses (rewrite.machine_for: this machine's stored tuner
+                        compiled path uses (cost.machine_for: this machine's stored tuner
                         calibration, else the priors; `commopt_pick_by` says which): its time
                         is that schedule's time in the same rounds.
 
@@ -53,27 +53,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import logging
 import pathlib
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from naming import card_tag  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torch_commopt.launch import run_distributed  # noqa: E402
+from benchmarks.common import fmt as _f  # noqa: E402
+from benchmarks.common import machine_meta, max_over_ranks, result_stem, write_report  # noqa: E402
+from torch_commopt.testing.launch import run_distributed  # noqa: E402
 
 log = logging.getLogger("torch_commopt.bench_attention")
 
@@ -185,7 +181,7 @@ def shard(t: torch.Tensor, rank: int, world: int, layout: str) -> torch.Tensor:
 
 
 def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    from torch_commopt.validate import rel_err
+    from torch_commopt.testing.validate import rel_err
 
     return rel_err(x, ref)
 
@@ -255,7 +251,7 @@ def single_gpu(case: Case, full: dict):
 
 @contextlib.contextmanager
 def commopt_schedule(case: Case, local: dict, schedule: str, group: dist.ProcessGroup, layout: str = "contiguous"):
-    from torch_commopt.attention import cp_attention
+    from torch_commopt.kernels.attention.ops import CPOptions, cp_attention
 
     last = {}
     world, name = group.size(), group.group_name
@@ -269,7 +265,8 @@ def commopt_schedule(case: Case, local: dict, schedule: str, group: dist.Process
 
     def step():
         _reset(leaves)
-        last["out"] = cp_attention(*leaves, schedule=schedule, causal=case.causal, group=group, layout=layout)
+        last["out"] = cp_attention(*leaves, schedule=schedule, causal=case.causal, group=group,
+                                   options=CPOptions(layout=layout))
         last["out"].backward(local["dout"])
     yield step, lambda: {"out": last["out"].detach(), **_grads(leaves)}
 
@@ -415,23 +412,15 @@ class Clock:
 
 # A sample's calls run back to back after a barrier and a synchronize, sized from the fastest of
 # SIZING_CALLS single calls after WARMUP_CALLS untimed ones, so that one slow first-use call
-# cannot shrink them (autotune's session-44 bias; sized from one call after one before session
-# 45).  LEAD_CALLS untimed calls are queued right before a sample's timed ones (no synchronize
-# between), for every variant alike, so the timed window opens on a busy device with the host
-# ahead of it and the ranks already coupled by the lead's own transfers -- as an attention call
-# finds them inside a training step, where the layer's projections are still running when the
-# host queues it.  Without a lead (default 0 until session 52) the window opens on an idle
-# device right after a barrier: the first call then carries the ranks' exit skew and its
-# host's enqueue ahead of its first kernel, which no training step pays.  Per-call device
-# cycles (probe_group_streams, 2x H200, ulysses at 16K, ten calls a sample) read the first call
-# of a sample 0.9-1.0 ms slower than the ones after it (8.6-8.9 against 7.1-7.9 ms), about a
-# third of a ms a call in a 20 ms sample (2-3 calls at 16K); on one machine and call
-# (results/attention_h200x2_2026-11-28_s51L{0,1}.md) lead 1 against 0 read ulysses at 16K 7.553
-# / 7.724 ms (MHA) and 7.496 / 7.675 (GQA), and torch CP gained about as much (its host work per
-# call is large too: speedups 1.427 / 1.418 and 1.150 / 1.148).  --lead 0 gives the idle-start
-# figures of the runs before session 52.  Longer samples were tried instead (2x H100, session
-# 45): 100 ms samples read ulysses at 16K 8.27 / 8.05 ms (MHA / GQA) and 20 ms samples right
-# after 7.97 / 7.93, within the run-to-run spread, so the samples stay 20 ms.
+# cannot shrink them.  LEAD_CALLS untimed calls are queued right before a sample's timed ones (no
+# synchronize between), for every variant alike, so the timed window opens on a busy device with
+# the host ahead of it and the ranks already coupled by the lead's own transfers -- as an
+# attention call finds them inside a training step, where the layer's projections are still
+# running when the host queues it.  Without a lead (--lead 0) the window opens on an idle device
+# right after a barrier: the first call then carries the ranks' exit skew and its host's enqueue
+# ahead of its first kernel, which no training step pays (on 2x H200 at 16K the first call of a
+# sample read 0.9-1.0 ms slower than the ones after it; torch CP gains about as much from the
+# lead as commopt does).  20 ms samples read within the run-to-run spread of 100 ms ones.
 TARGET_MS, WARMUP_CALLS, SIZING_CALLS, LEAD_CALLS = 20.0, 2, 3, 1
 
 
@@ -477,43 +466,38 @@ def time_variants(variants: dict, clock: Clock, dev: str, repeats: int, target_m
 # one case
 
 
-def _agree_max(values: list[float], dev: str) -> list[float]:
-    t = torch.tensor(values, device=dev, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def _global_errors(errors: dict[str, float], dev: str) -> dict[str, float]:
     """Each error's maximum over ranks (every rank checks its own shard)."""
-    return dict(zip(errors, _agree_max(list(errors.values()), dev))) if errors else {}
+    return dict(zip(errors, max_over_ranks(list(errors.values()), dev))) if errors else {}
 
 
 def _transport() -> str:
-    """How the ring schedules move K/V on CUDA (attention/ce_ring.py's switch)."""
-    from torch_commopt.attention.ce_ring import ENV, transport
+    """How the ring schedules move K/V on CUDA (kernels/attention/ce_ring.py's switch)."""
+    from torch_commopt.kernels.attention.ce_ring import ENV, transport
 
     return f"{transport()} ({ENV})"
 
 
 def _a2a_transport() -> str:
-    """How Ulysses's all-to-alls move on CUDA (attention/ce_a2a.py's switch)."""
-    from torch_commopt.attention.ce_a2a import ENV, transport
+    """How Ulysses's all-to-alls move on CUDA (kernels/attention/ce_a2a.py's switch)."""
+    from torch_commopt.kernels.attention.ce_a2a import ENV, transport
 
     return f"{transport()} ({ENV})"
 
 
 def pick_machine(dev: str, world: int, dtype: torch.dtype):
-    """(CPMachine, how it was obtained): what the compiled path ranks with (rewrite.machine_for)."""
-    from torch_commopt.attention.rewrite import machine_and_source
+    """(CPMachine, how it was obtained): what the compiled path ranks with (cost.machine_for)."""
+    from torch_commopt.tuner.attention.cost import machine_and_source
 
     device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
-    return machine_and_source(device, world, dist.group.WORLD.group_name, str(dtype).removeprefix("torch."), None, 300.0)
+    return machine_and_source(device, world, dist.group.WORLD.group_name, str(dtype).removeprefix("torch."), None,
+                              300.0)
 
 
 def _commopt_plan(case: Case, world: int, dtype: torch.dtype, machine, only: list[str] | None):
     """(schedules to run, pick, the cost model's ranking).  The pick is always run."""
-    from torch_commopt.attention.cost import candidates, rank_schedules
-    from torch_commopt.attention.spec import refusal
+    from torch_commopt.core.attention_spec import refusal
+    from torch_commopt.tuner.attention.cost import candidates, rank_schedules
 
     accepted = [str(s) for s in candidates(case.shape, world=world, causal=case.causal)]
     # the compiled path's ranking (rewrite._choose): head-group depths included, so the pick may be
@@ -569,7 +553,7 @@ def _torch_cp_plans(case, full, ref, mesh, rank, world, dev) -> dict[str, dict]:
 
 def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, mesh, args, machine) -> dict:
     """Check numerics of every variant, then time them all in the same rounds."""
-    from torch_commopt.attention.local import pick as local_pick
+    from torch_commopt.kernels.attention.local import pick as local_pick
 
     group = dist.group.WORLD
     clock = Clock(dev)
@@ -616,7 +600,7 @@ def _pred(rec: dict, sched: str) -> str:
 
 def _record(case: Case, world: int, dtype: torch.dtype, rounds: dict, errors: dict, tol: float, pick: str,
             ranked: list, cp: dict, pick_by: str) -> dict:
-    from torch_commopt.attention.spec import zigzag_head_groups
+    from torch_commopt.core.attention_spec import zigzag_head_groups
 
     ms = {name: statistics.median(v) for name, v in rounds.items()}
     sched_ms = {k.removeprefix("commopt "): v for k, v in ms.items() if k.startswith("commopt ")}
@@ -684,10 +668,6 @@ def worker(rank: int, world: int, cases: list[Case], args: argparse.Namespace, p
 
 # ---------------------------------------------------------------------------------------------
 # report
-
-
-def _f(x, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def _case_cell(r: dict) -> str:
@@ -774,27 +754,11 @@ def _row_key(r: dict) -> str:
 
 
 def _meta(args: argparse.Namespace) -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     device = "CPU (gloo)" if args.cpu else torch.cuda.get_device_name(0)
-    return {"device": device, "world": args.world, "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__, "triton": triton_version, "commit": args.commit or _git_commit(),
-            "host": platform.node(), "dtype": "float32" if args.cpu else args.dtype,
-            "ring_transport": "gloo" if args.cpu else _transport(),
-            "a2a_transport": "gloo" if args.cpu else _a2a_transport(), "target_ms": args.target_ms,
-            "lead_calls": args.lead, "repeats": args.repeats, "command": "python3 " + " ".join(sys.argv)}
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+    return machine_meta(device, args.world, args.commit, dtype="float32" if args.cpu else args.dtype,
+                        ring_transport="gloo" if args.cpu else _transport(),
+                        a2a_transport="gloo" if args.cpu else _a2a_transport(), target_ms=args.target_ms,
+                        lead_calls=args.lead, repeats=args.repeats)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -818,9 +782,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "--cpu 1)")
     parser.add_argument("--lead", type=int, default=LEAD_CALLS,
                         help=f"untimed calls queued right before each sample's timed ones (default {LEAD_CALLS}; "
-                             "0: the timed window opens on an idle device, as before session 52)")
+                             "0: the timed window opens on an idle device)")
     parser.add_argument("--commit", default="")
-    parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (2 if args.cpu else 5)
     args.target_ms = args.target_ms or (1.0 if args.cpu else TARGET_MS)
@@ -845,9 +808,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = _meta(args)
     text = report(records, meta)
     if out:
-        stem = f"attention_{card_tag(meta['device'], args.world)}_{meta['date']}{'_' + args.tag if args.tag else ''}"
-        (out / f"{stem}.json").write_text(json.dumps({**meta, "records": records}, indent=1))
-        (out / f"{stem}.md").write_text(text)
+        stem = result_stem("attention", meta["device"], args.world, meta["date"])
+        write_report(out, stem, {**meta, "records": records}, text)
     print(text)
 
 

@@ -19,10 +19,8 @@ One run:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,20 +31,28 @@ import torch.distributed as dist
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from naming import card_tag  # noqa: E402
 
 import torch_commopt  # noqa: E402,F401
-from bench_matmul_collectives import _variants, shapes_for  # noqa: E402
-from costmodel_vs_bench import region_shape  # noqa: E402
-from gpu_clocks import snapshot as gpu_state  # noqa: E402
-from torch_commopt.kernels.gpu.pick import call_graphs_pay  # noqa: E402
-from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.tuner.autotune import (MODEL_TIE, PAIRED, measure_candidates, paired_ms,  # noqa: E402
-                                         ratio_summary, timed_candidates, winner)
+from benchmarks.bench_matmul_collectives import _variants, shapes_for  # noqa: E402
+from benchmarks.common import machine_meta, result_stem, write_report  # noqa: E402
+from benchmarks.costmodel_vs_bench import region_shape  # noqa: E402
+from benchmarks.gpu_clocks import snapshot as gpu_state  # noqa: E402
+from torch_commopt.kernels.matmul.gpu.pick import call_graphs_pay  # noqa: E402
+from torch_commopt.testing.launch import run_distributed  # noqa: E402
 from torch_commopt.tuner.calibration import replayed_as  # noqa: E402
 from torch_commopt.tuner.gemm_table import with_gemms  # noqa: E402
-from torch_commopt.tuner.model import candidates, rank  # noqa: E402
+from torch_commopt.tuner.matmul.autotune import (  # noqa: E402
+    MODEL_TIE,
+    PAIRED,
+    Readings,
+    Timing,
+    measure_candidates,
+    paired_ms,
+    ratio_summary,
+    timed_candidates,
+    winner,
+)
+from torch_commopt.tuner.matmul.model import candidates, rank  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
 DUEL_ROUNDS = 15  # the head-to-head's rounds before its near-tie ones
@@ -54,8 +60,8 @@ DUEL_ROUNDS = 15  # the head-to-head's rounds before its near-tie ones
 
 def _replayed_per_call(op, kind: str):
     """op with each schedule that can run with cg=1 run so (Config.call_graphs's per-call graphs)."""
+    from torch_commopt.core.schedule import Schedule
     from torch_commopt.kernels.gpu.call_graphs import per_call
-    from torch_commopt.schedule import Schedule
 
     return lambda name: op(str(per_call(kind, Schedule.parse(name))))
 
@@ -80,8 +86,9 @@ def ranked_shape(shape, rank_: int, world: int, group_name: str, cal, device, ca
 
 def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False, gemm_shapes=None,
            call_graphs: bool = False, probes_paired: bool = False, order: str = ""):
-    from torch_commopt.tuner import autotune, calibrate
+    from torch_commopt.tuner import calibrate
     from torch_commopt.tuner.calibrate import calibrate_and_store
+    from torch_commopt.tuner.matmul import autotune
 
     if gemm_shapes:  # an A/B of the GEMM fit's samples (--gemm-shapes)
         calibrate.GEMM_SHAPES["cuda"] = gemm_shapes
@@ -103,7 +110,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         cal, preds, op, cg = ranked_shape(shape, rank_, world, group_name, cal, device, cache_dir, graphs, call_graphs)
         names = [str(p.schedule) for p in preds]
         clocks = {"before": gpu_state(rank_)}
-        measured = measure_candidates(op, names, group_name, device, graphs=graphs)
+        measured = measure_candidates(op, names, group_name, device, timing=Timing(graphs=graphs))
         clocks["after_sweep"] = gpu_state(rank_)
         base = {"op": shape.op, "M": shape.M, "K": shape.K, "N": shape.N, "world": world, "dtype": "bfloat16",
                 "call_graphs": cg}
@@ -113,7 +120,8 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
                                 predicted_gpu_ms=p.gpu_s * 1e3, predicted_host_ms=p.host_s * 1e3))
         top = timed_candidates(preds, TOP_K)  # what Config(mode="autotune") times
         tuned_rows: list = []
-        tuned = measure_candidates(op, top, group_name, device, graphs=graphs, trace=tuned_rows)  # the tuner's read
+        tuned = measure_candidates(op, top, group_name, device, timing=Timing(graphs=graphs),
+                                   readings=Readings(trace=tuned_rows))  # the tuner's read
         clocks["after_autotune"] = gpu_state(rank_)
         # the two ways of reading one autotune measurement (its near-ties chosen by the tuner's
         # read): each candidate's median, and round-paired ratios
@@ -131,7 +139,8 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         # (and a near-tie's extra ones); a pick is judged on that timing, paired by round.
         duel = list(dict.fromkeys([pick, *picks.values(), best, names[0]]))
         duel_rows: list = []
-        head = (measure_candidates(op, duel, group_name, device, graphs=graphs, rounds=DUEL_ROUNDS, trace=duel_rows)
+        duel_timing = Timing(graphs=graphs, rounds=DUEL_ROUNDS)
+        head = (measure_candidates(op, duel, group_name, device, timing=duel_timing, readings=Readings(trace=duel_rows))
                 if len(duel) > 1 else {})
         clocks["after_head_to_head"] = gpu_state(rank_)
         judged = {how: judge(duel_rows, p) for how, p in picks.items()}
@@ -140,7 +149,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
         # goes.  Reported beside the judge, never in place of it.
         again_rows: list = []
         if not judged[_read()]["held"]:
-            measure_candidates(op, duel, group_name, device, graphs=graphs, rounds=DUEL_ROUNDS, trace=again_rows)
+            measure_candidates(op, duel, group_name, device, timing=duel_timing, readings=Readings(trace=again_rows))
         shapes.append(dict(base, model_top1=names[0], measured_best=best, measured_best_ms=measured[best],
                            model_top1_measured_ms=measured[names[0]], autotune_candidates=top,
                            autotune_pick=pick, autotune_pick_measured_ms=measured[pick], autotune_timing_ms=tuned,
@@ -179,7 +188,7 @@ def judge(rows: list, pick: str) -> dict:
     no other schedule is faster beyond that interval, i.e. the pick is a measured best, the
     others' differences from it being below what the measurement resolves.  The interval is of
     this measurement: consecutive rounds share the card's state, and two measurements seconds
-    apart can differ by ~2% (probe_round_context.py, 2x H100, session 43)."""
+    apart can differ by ~2% (2x H100)."""
     versus = {}
     for other in dict.fromkeys(s for _, s, _ in rows):
         if other != pick and (summary := ratio_summary(rows, pick, other)):
@@ -192,12 +201,12 @@ def _drift(shape, swept: dict[str, float], best: str, rank_: int, world: int, gr
            graphs: bool) -> tuple[dict, list]:
     """The first shape's sweep best and `sequential` timed again after the whole sweep:
     {schedule: [ms in the sweep, ms now]}.  How far one schedule moves within a run (clocks,
-    heat) is the resolution of every "measured best" above (session 23, 2x H200: the same
+    heat) is the resolution of every "measured best" above (2x H200: the same
     schedule 0.810 ms in the sweep and 0.935 ms in a head-to-head minutes later)."""
     _, _, _, _, op, _, _ = _variants(shape, rank_, world, group_name)
     names = list(dict.fromkeys([best, "sequential"]))
     before = gpu_state(rank_)
-    again = measure_candidates(op, names, group_name, device, graphs=graphs)
+    again = measure_candidates(op, names, group_name, device, timing=Timing(graphs=graphs))
     return {s: [swept[s], again[s]] for s in names if s in again and s in swept}, [before, gpu_state(rank_)]
 
 
@@ -309,14 +318,16 @@ def report(doc: dict, records: list[dict]) -> str:
     lines += [f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summ.items()]
     lines += ["", "## Per shape", "",
               "| op | M | K | N | model top-1 (measured ms) | measured best (ms) | autotune pick (ms in sweep) | "
-              "head to head, pick / best [top-1] (ms) | paired judge: pick / each other, median [95% CI] | autotune timed |",
+              "head to head, pick / best [top-1] (ms) | paired judge: pick / each other, median [95% CI] | "
+              "autotune timed |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for s in doc["shapes"]:
         head = s.get("head_to_head_ms") or {}
         duel = f"{head[s['autotune_pick']]:.3f} / {head[s['measured_best']]:.3f}" if head else "-"
         if s["model_top1"] in head and s["model_top1"] not in (s["autotune_pick"], s["measured_best"]):
             duel += f" (top-1 {head[s['model_top1']]:.3f})"
-        lines.append(f"| {s['op']} | {s['M']} | {s['K']} | {s['N']} | {s['model_top1']} ({s['model_top1_measured_ms']:.3f}) | "
+        lines.append(f"| {s['op']} | {s['M']} | {s['K']} | {s['N']} | "
+                     f"{s['model_top1']} ({s['model_top1_measured_ms']:.3f}) | "
                      f"{s['measured_best']} ({s['measured_best_ms']:.3f}) | {s['autotune_pick']} "
                      f"({s['autotune_pick_measured_ms']:.3f}) | {duel} | {_verdict(s)} | "
                      f"{', '.join(s['autotune_candidates'])} |")
@@ -327,7 +338,8 @@ def report(doc: dict, records: list[dict]) -> str:
                      f"measured {r['measured_ms']:.3f} ({err:+.1%})")
     comp = doc["compile"]
     lines += ["", "## Compile + first call of a TP MLP (2 regions), seconds", ""]
-    lines += [f"- {k}: {v['seconds']:.3f} s, schedules {v['schedules']}, rel. error {v['rel_err']:.1e}" for k, v in comp.items()]
+    lines += [f"- {k}: {v['seconds']:.3f} s, schedules {v['schedules']}, rel. error {v['rel_err']:.1e}"
+              for k, v in comp.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -352,40 +364,33 @@ def main() -> None:
                              "an A/B against their medians")
     parser.add_argument("--order", choices=("rotate", "shuffle"), default="",
                         help="every measurement's round order (autotune.ORDER; default: its value)")
-    parser.add_argument("--report-only", metavar="SUMMARY_JSON",
-                        help="rewrite the Markdown report of a finished run from its JSON files")
+    parser.add_argument("--report-only", metavar="RUN_JSON",
+                        help="rewrite the Markdown report of a finished run from its JSON file")
     args = parser.parse_args()
     if args.report_only:
-        summary_path = pathlib.Path(args.report_only)
-        doc = json.loads(summary_path.read_text())
-        records = json.loads(pathlib.Path(str(summary_path).replace("_summary.json", ".json")).read_text())
-        summary_path.with_name(summary_path.name.replace("_summary.json", ".md")).write_text(report(doc, records))
+        run_path = pathlib.Path(args.report_only)
+        doc = json.loads(run_path.read_text())
+        run_path.with_suffix(".md").write_text(report(doc, doc["records"]))
         return
     cache_dir = tempfile.mkdtemp(prefix="commopt_tuner_")
     per_rank = run_distributed(worker, args.world, cache_dir, args.only, args.cuda_graphs, args.gemm_shapes or None,
                                args.call_graphs, args.probes_paired, args.order, backend="nccl", timeout_s=1200)
     result = per_rank[0]
-    import triton
+    from torch_commopt.tuner.matmul import autotune
 
-    from torch_commopt.tuner import autotune
-
-    date = datetime.date.today().isoformat()
-    meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
-            "triton": triton.__version__, "commit": args.commit, "host": platform.node(),
-            "command": "python3 " + " ".join(sys.argv), "order": args.order or autotune.ORDER}
+    meta = machine_meta(torch.cuda.get_device_name(0), args.world, args.commit, order=args.order or autotune.ORDER)
     summary = summarize(result)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    mode = (("_graphs" if args.cuda_graphs else "_cg" if args.call_graphs else "") + ("_pp" if args.probes_paired else "")
-            + (f"_{args.order}" if args.order else ""))
-    stem = f"costmodel_{card_tag(meta['device'], args.world)}_{date}{mode}"
-    (out / f"{stem}.json").write_text(json.dumps([dict(r, **{k: meta[k] for k in ("device", "torch", "date", "commit")})
-                                                  for r in result["records"]], indent=1))
+    # the timing mode, and an A/B option's name, tell apart reports of different things
+    variant = "_".join(v for v in ("graphs" if args.cuda_graphs else "cg" if args.call_graphs else "",
+                                     "pp" if args.probes_paired else "", args.order) if v)
+    stem = result_stem("costmodel", meta["device"], args.world, meta["date"], variant)
+    records = [dict(r, **{k: meta[k] for k in ("device", "torch", "date", "commit")}) for r in result["records"]]
+    # one JSON: the summary, the calibration the run measured (costmodel_replay.py re-predicts
+    # the records with it) and every record
     doc = {"meta": meta, "summary": summary, "shapes": result["shapes"], "compile": result["compile"],
            "calibration": result["calibration"], "drift": result.get("drift", {}),
-           "drift_gpu_state": result.get("drift_gpu_state")}
-    (out / f"{stem}_summary.json").write_text(json.dumps(doc, indent=1))
-    (out / f"{stem}.md").write_text(report(doc, result["records"]))
+           "drift_gpu_state": result.get("drift_gpu_state"), "records": records}
+    write_report(args.out, stem, doc, report(doc, result["records"]))
     print(json.dumps(summary, indent=1))
 
 

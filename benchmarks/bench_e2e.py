@@ -60,15 +60,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from torch_commopt.launch import run_distributed  # noqa: E402
-from torch_commopt.validate import check_shape  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from naming import card_tag  # noqa: E402
-from gpu_clocks import ClockSampler  # noqa: E402
-from compiled_variants import allow_entries, check_unchanged, compile_counts  # noqa: E402
-from step_profile import breakdown, format_idle, split  # noqa: E402
-import comm_free  # noqa: E402
+from benchmarks import comm_free  # noqa: E402
+from benchmarks.common import result_stem, write_report  # noqa: E402
+from benchmarks.compiled_variants import allow_entries, check_unchanged, compile_counts  # noqa: E402
+from benchmarks.gpu_clocks import ClockSampler  # noqa: E402
+from benchmarks.step_profile import breakdown, format_idle, split  # noqa: E402
+from torch_commopt.testing.launch import run_distributed  # noqa: E402
+from torch_commopt.testing.validate import check_shape  # noqa: E402
 
 VARIANTS = ["inductor", "inductor+async-TP", "commopt", "commopt model", "inductor+cudagraphs", "commopt graphs"]
 # commopt variants' optimize() options; "... no concat-K" (not run by default) isolates what
@@ -79,13 +77,13 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt no concat-K": {"concat_k": False},
                    # short regions' eager calls replayed from per-call CUDA graphs (Config.call_graphs)
                    "commopt call-graphs": {"call_graphs": True},
-                   # every region's eager calls replayed from per-call CUDA graphs (session 53, opt-in)
+                   # every region's eager calls replayed from per-call CUDA graphs (opt-in)
                    "commopt call-graphs all": {"call_graphs": "all"},
-                   # graphs estimated host-bound (the forward's) left to Inductor (session 54, opt-in)
+                   # graphs estimated host-bound (the forward's) left to Inductor (opt-in)
                    "commopt host-bound inductor": {"host_bound_graphs": "inductor"},
-                   # the band's regions always timed at their first call (before session 38)
+                   # the band's regions always timed at their first call
                    "commopt band timed": {"band_in_graph": False},
-                   # a training forward's band ranked with its backward counted (session 42, opt-in)
+                   # a training forward's band ranked with its backward counted (opt-in)
                    "commopt band training": {"band_in_graph": "training"},
                    # concat-K's terms handed to the ops as K parts (Config.k_parts, off by default)
                    "commopt k parts": {"k_parts": True},
@@ -100,7 +98,7 @@ INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraph
 class Stack(torch.nn.Module):
     def __init__(self, layers: int, dim: int, heads: int, kv_heads: int, hidden: int) -> None:
         super().__init__()
-        from torch_commopt.models import LlamaBlock
+        from torch_commopt.testing.models import LlamaBlock
 
         self.layers = torch.nn.ModuleList(LlamaBlock(dim, heads, hidden, kv_heads) for _ in range(layers))
 
@@ -111,11 +109,11 @@ class Stack(torch.nn.Module):
 
 
 def build(variant: str, shape: dict, dev: str) -> Stack:
-    import torch_commopt
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from torch_commopt.models import tp_sp_plan
+    import torch_commopt
+    from torch_commopt.testing.models import tp_sp_plan
 
     torch.manual_seed(0)
     model = Stack(shape["layers"], shape["dim"], shape["heads"], shape["kv_heads"], shape["hidden"])
@@ -154,10 +152,10 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
     """Every variant built, compiled and trained `steps` steps (its loss curve) in turn, all kept;
     then their steps timed in turns, `repeats` rounds with the order rotated each round, so
     every variant sees the same GPU clocks and temperatures (timed one after the other, the
-    variant timed first ran ~2% faster on the power-capped GPUs: e2e_h100x2_2026-11-26_s28,
-    s28b); each turn one step on its own (synchronized before and after) and then `burst`
-    steps back to back; then `profile_steps` profiled steps back to back each (after
-    `profile_lead` unprofiled ones, no synchronize between), with the GPU clocks sampled."""
+    variant timed first ran ~2% faster on the power-capped GPUs); each turn one step on its own
+    (synchronized before and after) and then `burst` steps back to back; then `profile_steps`
+    profiled steps back to back each (after `profile_lead` unprofiled ones, no synchronize
+    between), with the GPU clocks sampled."""
     import torch_commopt
 
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -196,7 +194,8 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
         if variant == COMM_FREE:
             rec["bound"], rec["comm_free"] = True, comm_free.stats()
             if not comm_free.valid(rec["comm_free"]):  # reported, the rest runs
-                print(f"rank {rank} bench_e2e {COMM_FREE}: NOT a bound, collectives left: {rec['comm_free']}", flush=True)
+                print(f"rank {rank} bench_e2e {COMM_FREE}: NOT a bound, collectives left: {rec['comm_free']}",
+                      flush=True)
         if variant.startswith("commopt"):
             graphs = torch_commopt.explain().graphs
             rec["regions"] = sorted({f"{g.graph_kind} {r.kind}: {r.schedule}" for g in graphs for r in g.regions})
@@ -389,10 +388,12 @@ def report(rows: list[dict], meta: dict) -> str:
         if not comm_free.valid(bound["comm_free"] or {}):
             lines += ["", f"**{bound['backend']} is not a valid bound in this run: collectives were left in its "
                       f"graphs ({bound['comm_free']}).**"]
+        taken = ", ".join(f"{k} {v}" for k, v in sorted(bound["comm_free"].items()))
+        at_best = bound.get("speedup_vs_inductor", float("nan"))
         lines += ["", f"{bound['backend']} is a bound, not a backend: inductor's program with every collective "
-                  f"taken out of its compiled graphs ({', '.join(f'{k} {v}' for k, v in sorted(bound['comm_free'].items()))} "
+                  f"taken out of its compiled graphs ({taken} "
                   "per rank; benchmarks/comm_free.py), i.e. the step's computation alone on these GPUs, what "
-                  f"hiding all of its communication could reach at best: {bound.get('speedup_vs_inductor', float('nan')):.3f}x "
+                  f"hiding all of its communication could reach at best: {at_best:.3f}x "
                   f"inductor. Share of that gain each variant won: {won or '-'}."]
     lead = meta.get("profile_lead", 0)
     start = f" after {lead} unprofiled ones" if lead else ", from an idle GPU"
@@ -401,7 +402,8 @@ def report(rows: list[dict], meta: dict) -> str:
               "kernels and copies over gpu_span, the first to the last; host enqueue: the median time until an "
               "isolated step() returned, before the synchronize):", ""]
     for r in rows:
-        lines.append(f"- {r['backend']}: {split(r['breakdown_ms'])[0]}; host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms "
+        lines.append(f"- {r['backend']}: {split(r['breakdown_ms'])[0]}; "
+                     f"host enqueue {r.get('host_enqueue_ms') or 0:.2f} ms "
                      f"(in a burst {r.get('burst_enqueue_ms') or 0:.2f} ms per step)")
     if any(r.get("gpu_clocks") for r in rows):
         lines += ["", "GPU clocks while the variant's own steps ran (nvidia-smi every 50 ms, the samples inside "
@@ -409,12 +411,14 @@ def report(rows: list[dict], meta: dict) -> str:
                   "under the software power cap):", ""]
         lines += _clock_lines(rows, "gpu_clocks")
     if any(r.get("profile_gpu_clocks") for r in rows):
-        lines += ["", "GPU clocks while the profiled steps (and their lead) ran (nvidia-smi every 20 ms; as above):", ""]
+        lines += ["", "GPU clocks while the profiled steps (and their lead) ran (nvidia-smi every 20 ms; as "
+                  "above):", ""]
         lines += _clock_lines(rows, "profile_gpu_clocks")
     idle = [x for r in rows for x in format_idle(r["backend"], split(r["breakdown_ms"])[1])]
     if idle:
-        lines += ["", "Where the device sat idle in those steps (rank 0, all of them; the kernel before and after each gap; a wait "
-                  "for a peer's copy-engine push shows as a gap before the kernel that reads it):", "", *idle]
+        lines += ["", "Where the device sat idle in those steps (rank 0, all of them; the kernel before and after "
+                  "each gap; a wait for a peer's copy-engine push shows as a gap before the kernel that reads "
+                  "it):", "", *idle]
     for r in rows:
         if r.get("host_profile"):
             lines += ["", f"Host profile ({r['backend']}, rank 0; own ms/step | cumulative ms/step | calls/step | "
@@ -446,8 +450,8 @@ def main() -> None:
     p.add_argument("--profile-lead", dest="profile_lead", type=int, default=5,
                    help="unprofiled steps queued right before the profiled ones (no synchronize between), so "
                         "these run as inside a training loop, at the GPU's sustained clocks (0: from an idle "
-                        "GPU, as before session 37: 2x H200 s36 profiled commopt at 44.9 ms a step, its timed "
-                        "bursts ran 48.6)")
+                        "GPU: on 2x H200 that profiled commopt at 44.9 ms a step where its timed bursts ran "
+                        "48.6)")
     p.add_argument("--burst", type=int, default=5,
                    help="steps run back to back per turn (one synchronize at the end): the step time reported")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -473,7 +477,7 @@ def main() -> None:
         p.error(f"--variants: unknown {unknown}; known: {sorted(set(INDUCTOR_OPTIONS) | set(COMMOPT_OPTIONS))}")
     backend = "gloo" if args.cpu else "nccl"
     if any(COMMOPT_OPTIONS.get(v, {}).get("mode") == "model" for v in variants):
-        from torch_commopt.tuner.calibrate import run_calibration
+        from torch_commopt.cli import run_calibration
 
         print(run_calibration(args.world, backend), flush=True)
     res = run_distributed(worker, args.world, shape, args.steps, args.repeats, variants, args.host_profile, args.burst,
@@ -489,11 +493,8 @@ def main() -> None:
             "commit": args.commit, "shape": shape, "steps": args.steps, "repeats": args.repeats, "burst": args.burst,
             "profile_steps": args.profile_steps, "profile_lead": args.profile_lead,
             "command": "python3 " + " ".join(sys.argv)}
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"e2e_{card_tag(meta['device'], args.world)}_{date}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "records": rows, "raw": res}, indent=1))
-    (out / f"{stem}.md").write_text(report(rows, meta))
+    stem = result_stem("e2e", meta["device"], args.world, date, variant=f"b{args.batch}s{args.seq}")
+    write_report(args.out, stem, {"meta": meta, "records": rows, "raw": res}, report(rows, meta))
     print(report(rows, meta))
 
 

@@ -9,7 +9,7 @@ timed on its own), and the overlap floor: the same GEMM with the collective's by
 the peers by the copy engine beside it, with no dependency between the two: what moving those
 bytes over NVLink costs a GEMM running beside them (memory traffic, power), with no protocol
 and no split GEMM; `hidden_fraction_ceiling` is the hidden fraction that floor itself reaches
-(2x H200, session 41: 0.96-1.08 on the balanced shapes).  Times: CUDA events around back-to-back calls (at least `iters`, and at
+(2x H200: 0.96-1.08 on the balanced shapes).  Times: CUDA events around back-to-back calls (at least `iters`, and at
 least 10 ms of them), median of `repeats` rounds (variants round-robin within a round), max
 over ranks; the fastest and slowest rounds are reported as the spread.  Each commopt
 schedule's output is checked against NCCL sequential's before it is timed.
@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import datetime
 import json
 import math
 import pathlib
-import platform
 import random
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -44,17 +41,23 @@ import torch.distributed as dist
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_clocks import ClockSampler  # noqa: E402
-from naming import card_tag  # noqa: E402
-
 import torch_commopt  # noqa: E402,F401
-from torch_commopt.tuner.autotune import capture_agreed  # noqa: E402
-from torch_commopt.kernels.gpu.pick import call_graphs_pay, measure_band, pick  # noqa: E402
+from benchmarks.common import fmt as _f  # noqa: E402
+from benchmarks.common import git_commit, machine_meta, result_stem, write_report  # noqa: E402
+from benchmarks.gpu_clocks import ClockSampler  # noqa: E402
+from torch_commopt.core.schedule import Schedule  # noqa: E402
 from torch_commopt.kernels.gpu.call_graphs import per_call  # noqa: E402
-from torch_commopt.schedule import Schedule  # noqa: E402
-from torch_commopt.tuner.autotune import band_request, decided, host_measurement, measurement  # noqa: E402
-from torch_commopt.launch import run_distributed  # noqa: E402
+from torch_commopt.kernels.matmul.gpu.pick import call_graphs_pay, measure_band, pick  # noqa: E402
+from torch_commopt.testing.launch import run_distributed  # noqa: E402
+from torch_commopt.tuner.matmul.autotune import (  # noqa: E402
+    TuneSite,
+    band_request,
+    capture_agreed,  # noqa: E402
+    decided,
+    host_measurement,
+    measurement,
+)
+from torch_commopt.tuner.matmul.model import RegionFacts  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,8 @@ SHAPES = [
     Shape("ar", 8192, 8192, 8192), Shape("ar", 2048, 8192, 8192),
 ]
 SCHEDULES = {  # one or two piece counts per mechanism (the rest measured slower in earlier runs)
-    "ag": ["local_first", "chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "ce_push:1:par=1", "ce_push:2:par=1", "fused:1", "fused:4", "ce_push:1:gemm=whole",
-           "fused:1:tma=1", "fused:2:tma=1"],
+    "ag": ["local_first", "chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "ce_push:1:par=1", "ce_push:2:par=1",
+           "fused:1", "fused:4", "ce_push:1:gemm=whole", "fused:1:tma=1", "fused:2:tma=1"],
     "rs": ["chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "ce_pull:2", "direct:1", "direct:2",
            "fused:2:store=direct", "fused:1:store=direct,tma=1", "fused:2:store=direct,tma=1"],
     "ar": ["chunked:2", "ce_push:1", "ce_push:2", "ce_push:4", "ce_pull:2", "direct:1", "direct:2"],
@@ -96,12 +99,12 @@ def _repeat(fn, count: int) -> None:
 
 
 def _timed_all(fns: dict, iters: int, repeats: int, target_ms: float = 10.0, graphs: bool = False) -> dict:
-    """{name: [ms per call in each round]}: mean of back-to-back calls, max over ranks.  A variant runs max(iters, target_ms / its time)
-    calls per round (short calls are otherwise timed over a fraction of a millisecond), the
-    same count on every rank.  Each round times every variant once, in an order shuffled per
-    round (the same on every rank), so clock or thermal drift and the previous variant's
-    leftovers spread evenly instead of favouring a fixed position.  graphs=True: the calls
-    of a round are one replay of a CUDA graph holding them (variants that cannot be
+    """{name: [ms per call in each round]}: mean of back-to-back calls, max over ranks.  A variant
+    runs max(iters, target_ms / its time) calls per round (short calls are otherwise timed over a
+    fraction of a millisecond), the same count on every rank.  Each round times every variant once,
+    in an order shuffled per round (the same on every rank), so clock or thermal drift and the
+    previous variant's leftovers spread evenly instead of favouring a fixed position.  graphs=True:
+    the calls of a round are one replay of a CUDA graph holding them (variants that cannot be
     captured are missing from the result)."""
     counts = []
     for fn in fns.values():
@@ -341,10 +344,11 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
             if cg and chosen.is_gpu:
                 chosen, why = chosen.with_params(cg=1), why + ": replayed per call (cg=1)"
             if band is not None:  # what the compile pass emits there: timed at the first call
-                chosen = band_request(KIND[shape.op], a_shape, w_shapes, dim, world, dtype,
-                                      torch.cuda.get_device_name(0), group_name, band, str(chosen), None,
-                                      f"{shape.op} {shape.M}x{shape.K}x{shape.N}", graphs=graphs)
-                why += f": {'replayed short all-gather' if graphs else 'host-bound band'}, {', '.join(band)} timed at the first call"
+                facts = RegionFacts(KIND[shape.op], a_shape, w_shapes, dim, world, dtype)
+                site = TuneSite(group_name, None, f"{shape.op} {shape.M}x{shape.K}x{shape.N}")
+                chosen = band_request(facts, torch.cuda.get_device_name(0), band, str(chosen), site, graphs=graphs)
+                where = "replayed short all-gather" if graphs else "host-bound band"
+                why += f": {where}, {', '.join(band)} timed at the first call"
             fns = {"gemm": gemm, "comm": comm, "nccl_seq": seq}
             if floor is not None:
                 fns["overlap_floor"] = floor
@@ -368,7 +372,8 @@ def bench_worker(rank: int, world: int, shapes: list[Shape], iters: int, repeats
                 res["commopt_schedule"] = f"measured: {decided(chosen)}"
                 res["band_first_call_ms"] = measurement(chosen)  # what the first call saw
                 res["band_first_call_host_ms"] = host_measurement(chosen)  # its enqueue times
-            res["pick_runs"] = "the NCCL sequential baseline (region kept as compiled)" if kept else f"commopt op, {chosen}"
+            res["pick_runs"] = ("the NCCL sequential baseline (region kept as compiled)" if kept
+                                else f"commopt op, {chosen}")
             _derive(res)
             if graphs:
                 rec["graph"] = res
@@ -452,17 +457,14 @@ def _derive(res: dict) -> None:
     baselines = [x for x in (seq, res["torch_async_tp_ms"]) if x is not None]
     res["speedup_vs_best_baseline"] = min(baselines) / t if baselines and t else None
     tp = res["torch_async_tp_ms"]
-    res["torch_async_tp_hidden_fraction"] = (seq - tp) / (seq - floor) if tp is not None and seq and seq > floor else None
+    res["torch_async_tp_hidden_fraction"] = ((seq - tp) / (seq - floor) if tp is not None and seq and seq > floor
+                                             else None)
 
 
 def _balanced(rec: dict, world: int) -> None:
     n_local = rec["N"] // world if rec["op"] == "ag" else rec["N"]
     k_local = rec["K"] if rec["op"] == "ag" else rec["K"] // world
     rec["balanced"] = rec["M"] >= 8192 and (n_local >= 4096 if rec["op"] == "ag" else k_local >= 4096)
-
-
-def _f(x, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def _row(r: dict, res: dict) -> str:
@@ -474,10 +476,13 @@ def _row(r: dict, res: dict) -> str:
             f"| floor {_f(res.get('overlap_floor_ms'))} ceiling {_f(res.get('hidden_fraction_ceiling'), 2)}")
 
 
+FLOAT8_NOTE = " (tensor-wise scales, bf16 products)"
+
+
 def _report(records: list[dict], meta: dict) -> str:
     lines = [f"# matmul + collective on {meta['device']} x{meta['world']} ({meta['date']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, "
-             f"{'bf16' if meta.get('dtype', 'bfloat16') == 'bfloat16' else meta['dtype'] + ' (tensor-wise scales, bf16 products)'}.", "",
+             f"{'bf16' if meta.get('dtype', 'bfloat16') == 'bfloat16' else meta['dtype'] + FLOAT8_NOTE}.", "",
              f"Command: `{meta['command']}`", ""]
     # (a --modes graph run has no eager figures at the record's top level)
     modes = [("eager", "Eager calls (each call pays its host cost)", lambda r: r if "gemm_ms" in r else None),
@@ -487,8 +492,8 @@ def _report(records: list[dict], meta: dict) -> str:
             continue
         lines += [f"## {title}", "",
                   "| op | M | K | N | GEMM | comm | NCCL seq | torch async-TP | commopt pick | schedule | hidden | "
-                  "paired hidden | async-TP hidden | speedup vs best | paired speedup | best schedule (ms) | balanced | "
-                  "overlap floor | hidden ceiling (paired) |",
+                  "paired hidden | async-TP hidden | speedup vs best | paired speedup | best schedule (ms) | "
+                  "balanced | overlap floor | hidden ceiling (paired) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in records:
             x = get(r)
@@ -496,7 +501,8 @@ def _report(records: list[dict], meta: dict) -> str:
                 continue
             lines.append(f"| {r['op']} | {r['M']} | {r['K']} | {r['N']} | {_f(x['gemm_ms'])} | {_f(x['comm_ms'])} | "
                          f"{_f(x['nccl_seq_ms'])} | {_f(x['torch_async_tp_ms'])} | {_f(x['commopt_ms'])} | "
-                         f"{x['commopt_schedule']} | {_f(x['hidden_fraction'])} | {_f(x.get('paired_hidden_fraction'))} | "
+                         f"{x['commopt_schedule']} | {_f(x['hidden_fraction'])} | "
+                         f"{_f(x.get('paired_hidden_fraction'))} | "
                          f"{_f(x['torch_async_tp_hidden_fraction'])} | "
                          f"{_f(x['speedup_vs_best_baseline'])} | {_f(x['paired_speedup_vs_best_baseline'])} | "
                          f"{x['best_schedule']} ({_f(x['best_schedule_ms'])}) | {r['balanced']} | "
@@ -517,17 +523,20 @@ def _report(records: list[dict], meta: dict) -> str:
                   "Overlap floor: the GEMM alone with the collective's bytes pushed to the peers by the copy "
                   "engine beside it, independent of it (an all-reduce's twice); hidden ceiling: the hidden "
                   "fraction of that floor, the most an overlapped schedule moving those bytes over NVLink "
-                  "can reach here ('-': not timed, runs before session 41).", "",
+                  "can reach here ('-': not timed).", "",
                   f"### Spread ({mode}; fastest..slowest round, ms)", ""]
         for r in records:
             x = get(r)
             if not x:
                 continue
             rr = x["round_range_ms"]
-            cells = ", ".join(f"{k} {rr[k][0]:.3f}..{rr[k][1]:.3f}" for k in ("nccl_seq", "torch_async_tp", "commopt") if k in rr)
+            cells = ", ".join(f"{k} {rr[k][0]:.3f}..{rr[k][1]:.3f}" for k in ("nccl_seq", "torch_async_tp", "commopt")
+                              if k in rr)
             clocks = "; ".join(f"GPU {i} {c['sm_mhz_mean']:.0f} MHz [{c['sm_mhz_min']:.0f}..{c['sm_mhz_max']:.0f}], "
-                               f"power-capped {c['power_capped_share']:.0%}" for i, c in (x.get("gpu_clocks") or {}).items())
-            lines.append(f"- {r['op']} {r['M']}x{r['K']}x{r['N']}: {cells}" + (f" (clocks while timed: {clocks})" if clocks else ""))
+                               f"power-capped {c['power_capped_share']:.0%}"
+                               for i, c in (x.get("gpu_clocks") or {}).items())
+            lines.append(f"- {r['op']} {r['M']}x{r['K']}x{r['N']}: {cells}"
+                         + (f" (clocks while timed: {clocks})" if clocks else ""))
         lines += ["", f"### Every commopt schedule ({mode}; ms, relative error vs NCCL sequential)", ""]
         for r in records:
             x = get(r)
@@ -548,7 +557,6 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated ops (ag,rs,ar) to run")
     parser.add_argument("--commit", default="")
     parser.add_argument("--modes", default="eager,graph", help="timing modes: eager, graph (CUDA-graph replay)")
-    parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--m", default="", help="comma-separated global M values to run (default: every shape)")
     parser.add_argument("--call-graphs", action="store_true",
                         help="eager picks as with Config.call_graphs=True (per-call graphs, cg rows)")
@@ -564,27 +572,13 @@ def main() -> None:
                                str(out / "partial.jsonl"), args.call_graphs, args.dtype, backend="nccl",
                                timeout_s=1800)
     records = per_rank[0]
-    import triton
-
-    date = datetime.date.today().isoformat()
-    commit = args.commit or _git_commit()
-    meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
-            "triton": triton.__version__, "commit": commit, "host": platform.node(),
-            "command": "python3 " + " ".join(sys.argv), "dtype": args.dtype}
-    stem = (f"matmul_collectives_{card_tag(meta['device'], args.world)}_{date}"
-            f"{'_float8' if args.dtype == FLOAT8 else ''}{'_' + args.tag if args.tag else ''}")
-    tagged = [dict(r, device=meta["device"], torch=meta["torch"], triton=meta["triton"], commit=commit, date=date)
-              for r in records]
-    (out / f"{stem}.json").write_text(json.dumps(tagged, indent=1))
-    (out / f"{stem}.md").write_text(_report(records, meta))
+    meta = machine_meta(torch.cuda.get_device_name(0), args.world, args.commit or git_commit(), dtype=args.dtype)
+    stem = result_stem("matmul_collectives", meta["device"], args.world, meta["date"],
+                       variant="float8" if args.dtype == FLOAT8 else "")
+    tagged = [dict(r, device=meta["device"], torch=meta["torch"], triton=meta["triton"], commit=meta["commit"],
+                   date=meta["date"]) for r in records]
+    write_report(out, stem, tagged, _report(records, meta))
     print(_report(records, meta))
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

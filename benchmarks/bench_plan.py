@@ -18,20 +18,19 @@ compiled once per variant and trained forward + backward:
     control: X, no concat-K   (--concat-k-controls) fixed ce_push:1 and searched with
                         Config.concat_k=False: the summed matmuls stay as compiled, so each pair
                         differs only in the concat-K regions (ce_push:1 with the concat copies
-                        vs NCCL), the choice the searched plan made differently from fixed
-                        ce_push:1 on 2x H200 in session 23; not counted as fixed plans
+                        vs NCCL), where a searched plan can differ from fixed ce_push:1; not
+                        counted as fixed plans
 
 Steps are timed back to back (each sample >= 20 ms of steps, median over rounds that visit
 the variants in a rotated order, slowest rank); outputs and input gradients are compared with
-inductor's (bf16 noise).  Writes plan_h200x2_<date>.json/.md:
+inductor's (bf16 noise).  Writes plan_<card>x<n>_<date>.json/.md:
 
-    python3 benchmarks/bench_plan.py --out DIR [--commit SHA] [--seq 8192] [--budget-mib 300,600]
+    python3 -m benchmarks.bench_plan --out DIR [--commit SHA] [--seq 8192] [--budget-mib 300,600]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import statistics
@@ -44,18 +43,17 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from torch_commopt.launch import run_distributed  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from naming import card_tag  # noqa: E402
-from compiled_variants import allow_entries, check_unchanged, compile_counts  # noqa: E402
-from step_profile import breakdown, format_idle, split  # noqa: E402
+from benchmarks.common import machine_meta, result_stem, write_report  # noqa: E402
+from benchmarks.compiled_variants import allow_entries, check_unchanged, compile_counts  # noqa: E402
+from benchmarks.step_profile import breakdown, format_idle, split  # noqa: E402
+from torch_commopt.testing.launch import run_distributed  # noqa: E402
 
 FIXED = ["sequential", "ce_push:1", "ce_push:2", "direct:1"]
-TARGET_S = 0.2  # per sample: ~16 steps of the default block (2 steps a sample spread 11.6-14 ms in s24)
+TARGET_S = 0.2  # per sample: ~16 steps of the default block (2 steps a sample spread 11.6-14 ms on 2x H200)
 
 
-def variants(model: str, budgets: tuple[float, ...] = (), concat_k_controls: bool = False) -> dict[str, tuple[str, dict]]:
+def variants(model: str, budgets: tuple[float, ...] = (),
+             concat_k_controls: bool = False) -> dict[str, tuple[str, dict]]:
     out = {"inductor": ("inductor", {})}
     for s in FIXED:
         name, _, chunks = s.partition(":")
@@ -66,7 +64,8 @@ def variants(model: str, budgets: tuple[float, ...] = (), concat_k_controls: boo
         out[f"searched within {b:g} MiB"] = ("commopt", {"mode": "model", "memory_budget_mib": b})
     if model == "tp_block":  # TP without SP: the all-reduce split's layouts (reshard/ar_cost.py)
         out["searched + ar_split by cost"] = ("commopt", {"mode": "model", "ar_split": True})
-        out["searched + ar_split always"] = ("commopt", {"mode": "model", "ar_split": True, "ar_split_policy": "always"})
+        out["searched + ar_split always"] = ("commopt", {"mode": "model", "ar_split": True,
+                                                         "ar_split_policy": "always"})
     if concat_k_controls:
         out["control: ce_push:1, no concat-K"] = ("commopt", {"schedule": "ce_push", "chunks": 1, "concat_k": False})
         out["control: searched, no concat-K"] = ("commopt", {"mode": "model", "concat_k": False})
@@ -79,7 +78,7 @@ def variants(model: str, budgets: tuple[float, ...] = (), concat_k_controls: boo
 def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "tp_sp_block",
            budgets: tuple[float, ...] = (), concat_k_controls: bool = False) -> dict:
     import torch_commopt
-    from torch_commopt.validate import build, rel_err
+    from torch_commopt.testing.validate import build, rel_err
 
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if dev == "cuda":
@@ -89,8 +88,8 @@ def worker(rank: int, world: int, shape: dict, repeats: int, model_kind: str = "
     # Every variant compiles the same forward code object and keeps its compiled entry: no
     # torch._dynamo.reset() between them (it dropped the earlier variants' entries, so the
     # timing loop recompiled them, and past Dynamo's recompile limit of 8 the later variants
-    # ran uncompiled, eagerly: session 24's "within 400 MiB" and no-concat-K controls, found in
-    # session 25), and a limit above the variant count that fails loudly if it is still hit.
+    # ran uncompiled, eagerly), and a limit above the variant count that fails loudly if it is
+    # still hit.
     torch._dynamo.reset()
     allow_entries(len(todo))
     for label, (backend, options) in todo.items():
@@ -224,7 +223,8 @@ def report(res: dict, meta: dict) -> str:
         lines.append(f"(The searched plan is {res['plans_equal']}'s: same schedule in every region.)")
     again = res["step_ms"].get("searched, compiled again")
     if again:
-        lines.append(f"The searched plan compiled a second time: {again:.3f} ms ({abs(again - searched) / min(again, searched):.1%} "
+        apart = abs(again - searched) / min(again, searched)
+        lines.append(f"The searched plan compiled a second time: {again:.3f} ms ({apart:.1%} "
                      "from the first compile: how far identical plans measure apart in this run).")
     for with_k, without in (("fixed ce_push:1", "control: ce_push:1, no concat-K"),
                             ("searched", "control: searched, no concat-K")):
@@ -233,17 +233,19 @@ def report(res: dict, meta: dict) -> str:
                          f"{res['step_ms'][without]:.3f} ms without (their sums kept as compiled): "
                          f"{res['step_ms'][without] / res['step_ms'][with_k]:.3f}x.")
     for label, b in res.get("budgets", {}).items():
-        lines.append(f"Within {b['budget_mib']:g} MiB: searched {res['step_ms'][label]:.3f} ms ({b['searched_mib']:.0f} MiB "
-                     f"predicted); fixed plans that fit: {b['fitting'] or 'none'}"
-                     + (f"; the best, {b['best_fitting']}, {res['step_ms'][b['best_fitting']]:.3f} ms: "
-                        f"{res['step_ms'][b['best_fitting']] / res['step_ms'][label]:.3f}x" if b["best_fitting"] else ""))
+        best = b["best_fitting"]
+        lines.append(f"Within {b['budget_mib']:g} MiB: searched {res['step_ms'][label]:.3f} ms "
+                     f"({b['searched_mib']:.0f} MiB predicted); fixed plans that fit: {b['fitting'] or 'none'}"
+                     + (f"; the best, {best}, {res['step_ms'][best]:.3f} ms: "
+                        f"{res['step_ms'][best] / res['step_ms'][label]:.3f}x" if best else ""))
     if res.get("breakdown_ms"):
-        lines += ["", "Device time of one step by kernel category (rank 0, ms; overlapped kernels both count; gpu_busy: "
-                  "the union of all kernels and copies over gpu_span):", ""]
+        lines += ["", "Device time of one step by kernel category (rank 0, ms; overlapped kernels both count; "
+                  "gpu_busy: the union of all kernels and copies over gpu_span):", ""]
         lines += [f"- {k}: {split(v)[0]}" for k, v in res["breakdown_ms"].items()]
         idle = [x for k, v in res["breakdown_ms"].items() for x in format_idle(k, split(v)[1])]
         if idle:
-            lines += ["", "Where the device sat idle in that step (rank 0; the kernel before and after each gap):", "", *idle]
+            lines += ["", "Where the device sat idle in that step (rank 0; the kernel before and after each gap):",
+                      "", *idle]
         for r, other in enumerate(res.get("breakdown_ms_other_ranks") or [], start=1):
             idle = [x for k, v in other.items() for x in format_idle(k, split(v)[1])]
             if idle:
@@ -287,13 +289,13 @@ def main() -> None:
         args.dim, args.hidden, args.repeats = 16 * args.heads, 32 * args.heads, min(args.repeats, 2)
     shape = {"batch": args.batch, "seq": args.seq, "dim": args.dim, "hidden": args.hidden, "heads": args.heads}
     backend = "gloo" if args.cpu else "nccl"
-    from torch_commopt.tuner.calibrate import run_calibration
+    from torch_commopt.cli import run_calibration
 
     figures: dict = {}
     calibration = run_calibration(args.world, backend, values=figures)
     print(calibration, flush=True)
-    per_rank = run_distributed(worker, args.world, shape, args.repeats, args.model, args.budgets, args.concat_k_controls,
-                               backend=backend, timeout_s=900)
+    per_rank = run_distributed(worker, args.world, shape, args.repeats, args.model, args.budgets,
+                               args.concat_k_controls, backend=backend, timeout_s=900)
     res = per_rank[0]
     # the other ranks' profiled step: a wait for a peer shows on the rank that waits
     res["breakdown_ms_other_ranks"] = [r["breakdown_ms"] for r in per_rank[1:]]
@@ -304,19 +306,13 @@ def main() -> None:
     if args.cpu:
         print(json.dumps(res, indent=1))
         return
-    import triton
-
-    date = datetime.date.today().isoformat()
-    meta = {"device": torch.cuda.get_device_name(0), "world": args.world, "date": date, "torch": torch.__version__,
-            "triton": triton.__version__, "commit": args.commit, "shape": shape, "model": args.model, "command": "python3 " + " ".join(sys.argv)}
+    meta = machine_meta(torch.cuda.get_device_name(0), args.world, args.commit, shape=shape, model=args.model)
     fixed = {k: v for k, v in res["step_ms"].items() if k.startswith("fixed ")}
     res["best_fixed"] = min(fixed, key=fixed.get)
     res["searched_vs_best_fixed"] = fixed[res["best_fixed"]] / res["step_ms"]["searched"]
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"plan_{card_tag(meta['device'], args.world)}_{date}" + ("" if args.model == "tp_sp_block" else f"_{args.model}")
-    (out / f"{stem}.json").write_text(json.dumps({**meta, **res}, indent=1))
-    (out / f"{stem}.md").write_text(report(res, meta))
+    stem = result_stem("plan", meta["device"], args.world, meta["date"],
+                       variant="" if args.model == "tp_sp_block" else args.model)
+    write_report(args.out, stem, {**meta, **res}, report(res, meta))
     print(report(res, meta))
 
 

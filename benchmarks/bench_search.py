@@ -11,28 +11,34 @@ edges, seconds to solve without and with a memory budget.
 
 It also times what a compile runs on such a stack's graphs (reshard.plan.choose_for_graph, the
 planner of Config(mode="model")): every forward and backward region of the stack with the
-candidate rows the pass builds (tuner.choose.choose_by_model's predictions, 2x H200 priors;
+candidate rows the pass builds (tuner.matmul.choose.choose_by_model's predictions, 2x H200 priors;
 no concat-K copy charges),
 planned without a budget and within one between the least-memory and the unconstrained plan.
 
-    python3 benchmarks/bench_search.py [--layers 32]
+    taskset -c 0,1 python3 -m benchmarks.bench_search [--layers 32] [--out benchmarks/results]
+
+With --out it also writes search_cpux<cores>_<date>.json (the cores it may run on).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import platform
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import git_commit, result_stem, today  # noqa: E402
+from torch_commopt.core.schedule import Schedule  # noqa: E402
 from torch_commopt.reshard.layouts import Replicate, Shard, reshard  # noqa: E402
-from torch_commopt.reshard.search import Problem, least_memory, solve  # noqa: E402
-from torch_commopt.schedule import Schedule  # noqa: E402
+from torch_commopt.reshard.problem import Problem  # noqa: E402
+from torch_commopt.reshard.search import least_memory, solve  # noqa: E402
 from torch_commopt.tuner.calibration import prior  # noqa: E402
-from torch_commopt.tuner.model import RegionShape, predict  # noqa: E402
+from torch_commopt.tuner.matmul.model import RegionShape, predict  # noqa: E402
 
 HBM_BYTES_PER_S = 4.0e12
 
@@ -110,7 +116,8 @@ def compile_path_rows(layers: int, world: int = 2, tokens: int = 8192, dim: int 
     """{region: candidate rows} as the compile pass builds them (passes.pipeline) for every
     forward and backward matmul-collective region of the TP+SP stack (bf16, GPU rows)."""
     from torch_commopt.reshard.plan import candidate_rows
-    from torch_commopt.tuner.choose import choose_by_model
+    from torch_commopt.tuner.matmul.choose import choose_by_model
+    from torch_commopt.tuner.matmul.model import RegionFacts
 
     cal, loc = prior("NVIDIA H200", world), tokens // world
     regions = {  # per layer: (kind, A shape, weight shapes); backward regions gather dY / reduce dX
@@ -125,7 +132,7 @@ def compile_path_rows(layers: int, world: int = 2, tokens: int = 8192, dim: int 
     }
     rows = {}
     for name, (kind, a, ws) in regions.items():
-        _, preds, _ = choose_by_model(kind, a, ws, 0, world, "bfloat16", cal, 8)
+        _, preds, _ = choose_by_model(RegionFacts(kind, a, ws, 0, world, "bfloat16"), cal, 8)
         proto = candidate_rows(preds, device_split=True)
         for i in range(layers):
             rows[f"{name}{i}"] = [dict(r) for r in proto]
@@ -152,6 +159,8 @@ def time_compile_planner(layers: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--out", default=None, help="also write the result JSON into this folder")
+    parser.add_argument("--commit", default="")
     args = parser.parse_args()
     t0 = time.perf_counter()
     problem, regions = llama_problem(args.layers)
@@ -164,12 +173,20 @@ def main() -> None:
     t0 = time.perf_counter()
     bounded = solve(problem, budget)
     with_budget = time.perf_counter() - t0
-    print(json.dumps({"layers": args.layers, "regions": regions, "nodes": len(problem.options),
-                      "edges": len(problem.edges), "build_s": built, "solve_s": unbounded,
-                      "solve_with_budget_s": with_budget, "plan_ms": free.time * 1e3,
-                      "plan_mib": free.memory / 2**20, "budget_mib": budget / 2**20,
-                      "budget_plan_ms": bounded.time * 1e3, "budget_plan_mib": bounded.memory / 2**20,
-                      "method": free.method, **time_compile_planner(args.layers)}))
+    result = {"layers": args.layers, "regions": regions, "nodes": len(problem.options),
+              "edges": len(problem.edges), "build_s": built, "solve_s": unbounded,
+              "solve_with_budget_s": with_budget, "plan_ms": free.time * 1e3,
+              "plan_mib": free.memory / 2**20, "budget_mib": budget / 2**20,
+              "budget_plan_ms": bounded.time * 1e3, "budget_plan_mib": bounded.memory / 2**20,
+              "method": free.method, **time_compile_planner(args.layers)}
+    print(json.dumps(result))
+    if args.out:
+        cores = len(os.sched_getaffinity(0))
+        doc = {"command": "python3 " + " ".join(sys.argv), "machine": f"{platform.machine()}, {cores} cores",
+               "date": today(), "commit": args.commit or git_commit(), "runs": [result]}
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{result_stem('search', 'cpu', cores)}.json").write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ seed and data: blocks compiled by commopt (the recipe's train spec), and the sto
 parallelize with `[compile] enable` (inductor).  TP = the number of GPUs (with SP; 1 on one
 GPU, where there is nothing to overlap and the run only checks the plumbing on the device's
 torch).  Parses torchtitan's per-step log lines (loss, memory, tps) and writes
-torchtitan_<device>_<date>.json/.md with issue 7's record fields.
+torchtitan_<card>x<n>_<date>_b<batch>s<seq>.json/.md.
 
-Each job is its own process and its steps drift as the GPUs heat (2x H100, session 28: up to 8%
+Each job is its own process and its steps drift as the GPUs heat (2x H100: up to 8%
 within a job; commopt measured 1.083x inductor in one sequence of jobs and 0.976x in the next),
 so the jobs run in `--rounds` rounds, the variant order reversed every other round (A B C, C B
 A, ...: a drift that is linear in time cancels over two rounds), and the report compares each
@@ -39,8 +39,9 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from naming import card_tag  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import result_stem, write_report  # noqa: E402
+
 TOML = ROOT / "torch_commopt/integrations/torchtitan/llama3_debug_tp2_commopt.toml"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.naNinf]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
@@ -48,13 +49,14 @@ VARIANTS = {
     "commopt": ["--commopt.enable", "--compile.enable", "--compile.components", "loss"],  # loss by inductor, as below
     # the cost model and the whole-graph plan per block (the [commopt] section's mode; the
     # machine's calibration if `python -m torch_commopt calibrate` ran there, else the priors)
-    "commopt-model": ["--commopt.enable", "--commopt.mode", "model", "--compile.enable", "--compile.components", "loss"],
+    "commopt-model": ["--commopt.enable", "--commopt.mode", "model", "--compile.enable", "--compile.components",
+                      "loss"],
     # every region's eager calls replayed from per-call CUDA graphs (Config.call_graphs="all",
-    # opt-in since session 53: torchtitan's trainer is host-bound)
+    # opt-in: torchtitan's trainer is host-bound)
     "commopt-call-graphs-all": ["--commopt.enable", "--commopt.options", '{"call_graphs": "all"}', "--compile.enable",
                                 "--compile.components", "loss"],
     # graphs whose host is estimated not to run ahead of their GPU (the forward's) left to
-    # Inductor (Config.host_bound_graphs="inductor", opt-in since session 54): torchtitan's
+    # Inductor (Config.host_bound_graphs="inductor", opt-in): torchtitan's
     # forward starts on an empty queue every step (the batch's copy synchronizes)
     "commopt-host-bound-inductor": ["--commopt.enable", "--commopt.options", '{"host_bound_graphs": "inductor"}',
                                     "--compile.enable", "--compile.components", "loss"],
@@ -145,7 +147,8 @@ def report(meta: dict, records: list[dict]) -> str:
                      f"{r.get('dtype', '?')} | "
                      f"{r['returncode']} | "
                      f"{r['steps_logged']} | {fmt(r['step_ms'], '.1f')} | {fmt(r['tokens_per_s'], ',.0f')} | "
-                     f"{fmt(r['peak_mem_gib'], '.2f')} | {fmt(r['loss_first'], '.4f')} | {fmt(r['loss_last'], '.4f')} |")
+                     f"{fmt(r['peak_mem_gib'], '.2f')} | {fmt(r['loss_first'], '.4f')} | "
+                     f"{fmt(r['loss_last'], '.4f')} |")
     ref = next((r for r in records if r["backend"] == "inductor" and r["losses"]), None)
     others = [r for r in records if r is not ref and r["losses"]]
     if ref is not None and others:
@@ -185,8 +188,8 @@ def main() -> None:
                     help="run every variant this many times, the order reversed every other round")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="training.dtype of every variant: torchtitan 0.2.2 gives TP without FSDP no mixed "
-                         "precision, so float32 trains in full fp32 (the runs before 2026-11-25 did: ~870 ms a "
-                         "step at 8B_4layers TP=2)")
+                         "precision, so float32 trains in full fp32 (~870 ms a step at 8B_4layers "
+                         "TP=2)")
     ap.add_argument("--extra", default="", help="more torchtitan CLI arguments for every variant")
     ap.add_argument("--commit", default="?")
     ap.add_argument("--profile-step", dest="profile_step", type=int, default=0,
@@ -209,10 +212,8 @@ def main() -> None:
         for name in names:
             records.append(run_variant(name, args, out, ngpu, rnd))
             print(json.dumps({k: v for k, v in records[-1].items() if k != "losses"}), flush=True)
-    tag = f"torchtitan_{card_tag(device, ngpu)}_{meta['date']}"
-    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "records": records, "paired": paired(records)},
-                                                indent=1))
-    (out / f"{tag}.md").write_text(report(meta, records))
+    stem = result_stem("torchtitan", device, ngpu, meta["date"], variant=f"b{args.batch}s{args.seq}")
+    write_report(out, stem, {"meta": meta, "records": records, "paired": paired(records)}, report(meta, records))
     print(report(meta, records))
 
 

@@ -33,7 +33,7 @@ _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
 def _op(name: str):
-    ns = getattr(torch.ops, "_c10d_functional")
+    ns = torch.ops._c10d_functional
     return getattr(getattr(ns, name, None), "default", None)
 
 

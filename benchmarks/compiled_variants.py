@@ -3,7 +3,7 @@
 Their modules share forward code objects, so every variant is a cache entry of the same code:
 one `torch._dynamo.reset()` before they are built (a reset between them dropped the earlier
 variants' entries, the timing loop recompiled them, and past Dynamo's recompile limit of 8
-the later variants ran uncompiled, eagerly: session 24's budget rows, found in session 25),
+the later variants ran uncompiled, eagerly),
 `allow_entries` raises the per-code-object limit above what they need and makes hitting it an
 error, and `compile_counts` before and after the timing shows nothing compiled meanwhile.
 """

@@ -1,14 +1,15 @@
 """Replay stored cost-model runs through the current model code (CPU only, no GPU).
 
-Each committed `costmodel_<card>_<date>[_tag][_graphs]_summary.json` holds the calibration its
-run measured, and the matching `.json` every candidate's measured time.  This re-predicts
-every record with today's `tuner.model` and that calibration, and prints per run the median
-|predicted - measured| / measured and how often the model's top-1 is within 5% of the
-sweep's best -- so a model change can be judged on every GPU run made so far before the next
-GPU session.  A run whose stored predictions the current code no longer reproduces is
-flagged (`recomputed` differs from what the run recorded).
+Each committed `costmodel_<card>x<n>_<date>_<mode>.json` holds the calibration its run measured
+and every candidate's measured time (an older run's `_summary.json` holds the calibration and
+the `.json` beside it the records; both forms are read, so a run taken from git history can be
+passed by path).  This re-predicts every record with today's `tuner.model` and that
+calibration, and prints per run the median |predicted - measured| / measured and how often the
+model's top-1 is within 5% of the sweep's best -- so a model change can be judged on measured
+runs before the next GPU run.  A run whose stored predictions the current code no longer
+reproduces is flagged (`recomputed` differs from what the run recorded).
 
-    python3 benchmarks/costmodel_replay.py [--misses] [--refit] [--transfer-slowdown X] [costmodel_*_summary.json ...]
+    python3 -m benchmarks.costmodel_replay [--misses] [--refit] [--transfer-slowdown X] [costmodel_*.json ...]
 
 --refit also re-derives each run's schedule factors from its probes (a factor curve's points
 hold the model's prediction at the probe and measured / predicted, so the probe's measured time
@@ -16,16 +17,14 @@ is their product) against today's model, as the calibration would have: a change
 model's structure is then judged with the factors it would have got, not with factors that
 corrected the old structure.  Keys without a curve (no short probe) keep their stored factor.
 It also re-fits each run's GEMM with today's `calibrate.fit_gemm`, from the samples the run stored
-(`Calibration.gemm_samples`, since session 30); a run that stored none gets them rebuilt: its own
-fit at the calibration shapes times the mean measured / fitted ratio there of the same card's runs
-that did store them (leave-one-out over those runs: the rebuilt roofline is within 1% of the one
-fitted to the real samples; the card, not the run, sets how the old form misses each shape), and
-the card's SM count (SMS) for the fit's occupancy.
+(`Calibration.gemm_samples`); a run that stored none gets them rebuilt: its own fit at the
+calibration shapes times the mean measured / fitted ratio there of the same card's runs that did
+store them (leave-one-out over those runs: the rebuilt roofline is within 1% of the one fitted to
+the real samples; the card, not the run, sets how the old form misses each shape), and the card's
+SM count (SMS) for the fit's occupancy.
 
-Judge a change on runs it was not tuned on: session 23 tried shrinking each piece count's
-own factor toward its family's one-piece factor (geometric mean); it lifted the top-1 count on
-the 2026-11-23/25 runs (137 -> 145 of 154) but not on the 2026-11-22 ones (77 -> 76 of 98), so
-it was not kept.
+Judge a change on runs it was not tuned on: a change fitted to one set of runs can lift their
+top-1 count and leave another set's unchanged or lower.
 """
 
 from __future__ import annotations
@@ -41,13 +40,13 @@ import statistics
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path.insert(0, str(ROOT))
 
-from costmodel_vs_bench import region_shape  # noqa: E402
-
-from torch_commopt.schedule import Schedule  # noqa: E402
+from benchmarks.common import RESULTS  # noqa: E402
+from benchmarks.costmodel_vs_bench import region_shape  # noqa: E402
+from torch_commopt.core.schedule import Schedule  # noqa: E402
 from torch_commopt.tuner.calibration import Calibration, replayed_as  # noqa: E402
-from torch_commopt.tuner.model import predict  # noqa: E402
+from torch_commopt.tuner.matmul.model import predict  # noqa: E402
 
 
 def _probe_schedule(key: str) -> Schedule:
@@ -70,7 +69,7 @@ def _card_gemm_ratios() -> dict[str, dict[tuple, float]]:
     """{device: {(m, n, k): geometric mean of measured / fitted}} of the bf16 GEMM samples over
     every stored run that kept its samples (the fit each run used then)."""
     logs: dict[str, dict[tuple, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    for path in sorted((ROOT / "benchmarks" / "results").glob("costmodel_*_summary.json")):
+    for path in stored_runs():
         cal = Calibration.from_json(json.dumps(json.loads(path.read_text())["calibration"]))
         for m, n, k, t in cal.gemm_samples.get("bfloat16", ()):
             logs[cal.device][(m, n, k)].append(math.log(t / cal.gemm["bfloat16"].time(m, n, k)))
@@ -100,7 +99,7 @@ def refit(cal: Calibration) -> Calibration:
     without a curve (runs before the two-point factors) keeps the probe time today's model
     gives with the run's own GEMM fit."""
     from torch_commopt.tuner.calibrate import FACTOR_RANGE, PROBE_SHAPES, SHORT_PROBE_SHAPES
-    from torch_commopt.tuner.model import RegionShape
+    from torch_commopt.tuner.matmul.model import RegionShape
 
     stored = dataclasses.replace(cal, schedule_factor={}, schedule_factor_curve={}, schedule_factor_curve_graphs={})
     cal = refit_gemm(cal)
@@ -135,18 +134,36 @@ def refit(cal: Calibration) -> Calibration:
                                schedule_factor_curve_graphs=replayed)
 
 
-def replay(summary_path: pathlib.Path, refit_factors: bool = False, transfer_slowdown: float | None = None) -> dict:
+def stored_runs(folder: pathlib.Path = RESULTS) -> list[pathlib.Path]:
+    """The bench_costmodel runs stored in `folder`: each run's JSON (or an older run's summary)."""
+    paths = sorted(folder.glob("costmodel_*.json"))
+    older = {p.with_name(p.name.replace("_summary.json", ".json")) for p in paths if p.name.endswith("_summary.json")}
+    return [p for p in paths if p not in older]
+
+
+def run_name(path: pathlib.Path) -> str:
+    return path.name.removeprefix("costmodel_").removesuffix(".json").removesuffix("_summary")
+
+
+def load_run(path: pathlib.Path) -> tuple[dict, list[dict]]:
+    """(the run's document with its calibration, its records) of a stored run."""
+    doc = json.loads(path.read_text())
+    if "records" in doc:
+        return doc, doc["records"]
+    return doc, json.loads(path.with_name(path.name.replace("_summary.json", ".json")).read_text())
+
+
+def replay(run_path: pathlib.Path, refit_factors: bool = False, transfer_slowdown: float | None = None) -> dict:
     """{run, median_rel_error, top1_within_5pct, shapes, recomputed_max_diff} of one stored run
     (refit_factors: with its factors re-derived against today's model, `refit`;
     transfer_slowdown: the figure assumed where the run's calibration did not measure it)."""
-    doc = json.loads(summary_path.read_text())
-    records = json.loads(pathlib.Path(str(summary_path).replace("_summary.json", ".json")).read_text())
+    doc, records = load_run(run_path)
     cal = Calibration.from_json(json.dumps(doc["calibration"]))
     if transfer_slowdown is not None and "transfer_slowdown" not in doc["calibration"]:
         cal = dataclasses.replace(cal, transfer_slowdown=transfer_slowdown)
     if refit_factors:
         cal = refit(cal)
-    replayed = summary_path.name.endswith("_graphs_summary.json")
+    replayed = "graphs" in run_name(run_path).split("_")[2:]  # a --cuda-graphs run: card, date, then its mode
     by_shape: dict[tuple, dict[str, tuple[float, float]]] = collections.defaultdict(dict)
     errors, recomputed = [], []
     for r in records:
@@ -165,15 +182,15 @@ def replay(summary_path: pathlib.Path, refit_factors: bool = False, transfer_slo
             hits += 1
         else:  # (op, M, K, N), then (name, predicted ms, measured ms) of the model's top-1 and the measured best
             misses.append((key, (top, *cands[top]), (best, *cands[best])))
-    return {"run": summary_path.name.removeprefix("costmodel_").removesuffix("_summary.json"),
+    return {"run": run_name(run_path),
             "median_rel_error": statistics.median(errors), "top1_within_5pct": hits, "shapes": len(by_shape),
             "recomputed_max_diff": max(recomputed), "misses": misses}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("summaries", nargs="*", type=pathlib.Path,
-                        help="summary files (default: every costmodel_*_summary.json under benchmarks/results)")
+    parser.add_argument("runs", nargs="*", type=pathlib.Path,
+                        help="run files (default: every costmodel_*.json under benchmarks/results)")
     parser.add_argument("--misses", action="store_true",
                         help="also list every shape whose top-1 is not within 5%% of the best, and count them by shape")
     parser.add_argument("--refit", action="store_true",
@@ -182,10 +199,11 @@ def main() -> None:
                         help="assume this Calibration.transfer_slowdown for runs whose calibration did not measure "
                              "it (a hypothesis to judge with --refit, not a measurement)")
     args = parser.parse_args()
-    paths = args.summaries or sorted((ROOT / "benchmarks" / "results").glob("costmodel_*_summary.json"))
+    paths = args.runs or stored_runs()
     rows = [replay(p, args.refit, args.transfer_slowdown) for p in paths]
     for r in rows:
-        flag = "" if r["recomputed_max_diff"] < 1e-6 else f"  (recomputed: up to {r['recomputed_max_diff']:.1%} off the run's own)"
+        flag = ("" if r["recomputed_max_diff"] < 1e-6
+                else f"  (recomputed: up to {r['recomputed_max_diff']:.1%} off the run's own)")
         print(f"{r['run']:34s} median error {r['median_rel_error']:.3f}  top-1 within 5% "
               f"{r['top1_within_5pct']}/{r['shapes']}{flag}")
         for (op, m, k, n), top, best in r["misses"] if args.misses else ():

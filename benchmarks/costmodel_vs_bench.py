@@ -2,7 +2,7 @@
 and measured times, the median relative error, and whether the model's top-1 candidate
 is within 5% of the measured best (CPU only: it reads the JSON).
 
-    python3 benchmarks/costmodel_vs_bench.py benchmarks/results/matmul_collectives_h200x2_2026-11-22.json
+    python3 -m benchmarks.costmodel_vs_bench benchmarks/results/matmul_collectives_h200x2_2026-11-27.json
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from torch_commopt.schedule import Schedule  # noqa: E402
+from torch_commopt.core.schedule import Schedule  # noqa: E402
 from torch_commopt.tuner.calibration import Calibration, prior  # noqa: E402
-from torch_commopt.tuner.model import RegionShape, predict, rank  # noqa: E402
+from torch_commopt.tuner.matmul.model import RegionShape, predict, rank  # noqa: E402
 
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 

@@ -4,7 +4,7 @@
 summarizes each GPU's samples: mean / lowest / highest SM clock, mean power, and the share of
 samples with the software power cap active (throttle reason 0x4).  On 2x H200 the SM clock
 fell from ~1.9 GHz to 1.44-1.56 GHz under sustained load with that reason set (bench_costmodel's
-snapshots, session 25), which slows every kernel of a denser program: the figure that tells
+snapshots), which slows every kernel of a denser program: the figure that tells
 "the overlap made the step denser, the clocks dropped" from "a kernel got slower".
 
     with ClockSampler(enabled=rank == 0) as clocks:
@@ -49,9 +49,9 @@ class ClockSampler:
         if not self.enabled:
             return self
         try:
-            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
-                                          f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                         text=True)
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(FIELDS)}",
+                                          "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:  # no nvidia-smi: no figures
             self.proc = None
         return self
@@ -72,7 +72,8 @@ class ClockSampler:
         for line in self.out.splitlines():
             try:
                 stamp, idx, sm, power, reasons = [x.strip() for x in line.split(",")]
-                when = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time, as time.time()
+                # local time, as time.time()
+                when = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
                 out.append((when, int(idx), float(sm), float(power), int(reasons, 16)))
             except ValueError:  # a header, a cut line, "[N/A]"
                 continue

@@ -1,8 +1,8 @@
 """A 10-second check of the GPUs before timing anything: each GPU's bf16 GEMM rate and clocks.
 
-Session 38's first 2x H100 ran every GEMM 1.3-4x slower than the next machine of the same kind
-(rs 8192^3's GEMM 1.045 ms eager, 2.2 ms replayed, against 0.78 on the next one), which made that
-call's timings useless.  This prints one line per GPU and a warning below MIN_TFLOPS, so a run
+A sick machine can run every GEMM 1.3-4x slower than the next machine of the same kind (an
+8192^3 GEMM at 1.045 ms eager, 2.2 ms replayed, against 0.78 on the next 2x H100), which makes
+every timing on it useless.  This prints one line per GPU and a warning below MIN_TFLOPS, so a run
 script can tell a sick machine from a slow schedule.
 
     python3 benchmarks/gpu_health.py [--min-tflops 600]
@@ -37,7 +37,8 @@ def main() -> None:
     args = p.parse_args()
     for d in range(torch.cuda.device_count()):
         rate = gemm_tflops(d)
-        flag = "" if rate >= args.min_tflops else f"  WARNING: under {args.min_tflops:.0f}: timings on this machine are suspect"
+        flag = ("" if rate >= args.min_tflops
+                else f"  WARNING: under {args.min_tflops:.0f}: timings on this machine are suspect")
         print(f"health cuda:{d} {torch.cuda.get_device_name(d)}: 8192^3 bf16 GEMM {rate:.0f} TFLOP/s{flag}")
 
 

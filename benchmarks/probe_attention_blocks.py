@@ -14,7 +14,8 @@ numerics against an fp32 math reference on a small shape.
 
     python benchmarks/probe_attention_blocks.py OUTDIR [--seq 16384,32768,65536,131072] [--world 2,4]
 
-Writes OUTDIR/attention_blocks.json and prints one line per measurement.
+Writes OUTDIR/attention_blocks_<card>x1_<date>.json/.md after every measurement (a run cut short
+keeps what it measured) and prints one line per measurement.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from torch_commopt.attention import local  # noqa: E402
-from torch_commopt.attention.local import attend_bwd, attend_fwd, default_scale  # noqa: E402
-from torch_commopt.attention.merge import Accumulator  # noqa: E402
-from torch_commopt.attention.ring import GradRing, LocalSum, contiguous_plan, zigzag_plan  # noqa: E402
-from torch_commopt.attention.schedules import _gathered_blocks  # noqa: E402
+from benchmarks.common import result_stem, write_report  # noqa: E402
+from torch_commopt.kernels.attention import local  # noqa: E402
+from torch_commopt.kernels.attention.local import attend_bwd, attend_fwd, default_scale  # noqa: E402
+from torch_commopt.kernels.attention.merge import Accumulator  # noqa: E402
+from torch_commopt.kernels.attention.ring import GradRing, LocalSum, contiguous_plan, zigzag_plan  # noqa: E402
+from torch_commopt.kernels.attention.schedules import _gathered_blocks  # noqa: E402
 
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -116,8 +118,8 @@ def rank_compute(q, k, v, dout, steps, scale, bwd: bool, backend: str = "auto", 
         for i, step in enumerate(steps):
             terms = []
             for qs, ks, mask in step:
-                g = attend_bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
-                               lse[:, :, qs].contiguous(), scale=scale, mask=mask, backend=backend)
+                g = attend_bwd(dout[:, :, qs], (q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
+                                                lse[:, :, qs].contiguous()), scale=scale, mask=mask, backend=backend)
                 dq.add(qs, g[0], last=j == len(blocks) - 1)
                 terms.append((ks, g[1:]))
                 j += 1
@@ -138,11 +140,12 @@ def numerics(record) -> None:
     q, k, v, dout = inputs(1, 4, 2, 1000, 128, seed=3)
     for mask in ("full", "causal"):
         truth = attend_fwd(q.float(), k.float(), v.float(), scale=0.09, mask=mask, backend="math")
-        tg = attend_bwd(dout.float(), q.float(), k.float(), v.float(), *truth, scale=0.09, mask=mask, backend="math")
+        tg = attend_bwd(dout.float(), (q.float(), k.float(), v.float(), *truth), scale=0.09, mask=mask,
+                        backend="math")
         for name in ("flash", "cudnn", "efficient", "flash_attn"):
             try:
                 out, lse = attend_fwd(q, k, v, scale=0.09, mask=mask, backend=name)
-                g = attend_bwd(dout, q, k, v, out, lse, scale=0.09, mask=mask, backend=name)
+                g = attend_bwd(dout, (q, k, v, out, lse), scale=0.09, mask=mask, backend=name)
             except Exception as e:  # noqa: BLE001  (a refusal or a kernel error is the finding)
                 record({"kind": "numerics", "backend": name, "mask": mask, "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
@@ -162,7 +165,8 @@ def report(data: dict) -> str:
              "| backend | mask | out | lse | dq | dk | dv |", "|---|---|---|---|---|---|---|"]
     for r in data["records"]:
         if r["kind"] == "numerics":
-            cells = [r.get("error", "")[:60]] if "error" in r else [f"{r[k]:.1e}" for k in ("out", "lse", "dq", "dk", "dv")]
+            cells = ([r.get("error", "")[:60]] if "error" in r
+                     else [f"{r[k]:.1e}" for k in ("out", "lse", "dq", "dk", "dv")])
             lines.append(f"| {r['backend']} | {r['mask']} | " + " | ".join(cells) + " |")
     lines += ["", "Whole sequence on one GPU (ms) and each schedule's slowest rank computing alone "
               "(efficiency bound = full / (world x slowest)):", "",
@@ -188,8 +192,8 @@ def merge_cost(record) -> None:
     kernel against the torch formula it replaced."""
     import importlib
 
-    merge_mod = importlib.import_module("torch_commopt.attention.merge")  # the package exports a merge function
-    from torch_commopt.attention import merge_triton
+    merge_mod = importlib.import_module("torch_commopt.kernels.attention.merge")  # the package exports a merge function
+    from torch_commopt.kernels.attention import merge_triton
 
     out = torch.randn(1, 32, 8192, 128, device="cuda")
     lse = torch.randn(1, 32, 8192, device="cuda")
@@ -297,8 +301,7 @@ def main() -> None:
         records.append(r)
         print(json.dumps(r), flush=True)
         data = {"meta": meta, "records": records}
-        (out / "attention_blocks.json").write_text(json.dumps(data, indent=1))
-        (out / "attention_blocks.md").write_text(report(data))
+        write_report(out, result_stem("attention_blocks", meta["device"], 1, meta["date"]), data, report(data))
 
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(), "commit": args.commit,
@@ -337,7 +340,8 @@ def main() -> None:
                                 steps, s_k, plan = rank_blocks(sched, p, world, s_loc, causal)
                                 shard = [t[:, :, :n].contiguous() for t, n in ((q, s_loc), (k, s_k), (v, s_k),
                                                                               (dout, s_loc))]
-                                per_rank.append(timed(rank_compute(*shard, steps, scale, bwd, plan=plan, rank=p), repeats=3))
+                                per_rank.append(timed(rank_compute(*shard, steps, scale, bwd, plan=plan, rank=p),
+                                                      repeats=3))
                                 if not causal:
                                     per_rank *= world  # every rank does the same work
                                     break

@@ -1,7 +1,7 @@
 """Render one bench_attention report from several runs' records: a run cut short (its
 partial.jsonl) next to the run that finished its cases, on the same machine.
 
-    python3 benchmarks/render_attention.py --meta-from RUN.json --stem attention_h100x4_DATE \
+    python3 -m benchmarks.render_attention --meta-from RUN.json --stem attention_h200x2_DATE \
         --command "CMD1" --command "CMD2" --note "why two runs" RUN1/partial.jsonl RUN2.json
 
 The machine fields (device, versions, transports) come from --meta-from, a finished run's
@@ -17,7 +17,7 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
 CASE_KEYS = ("B", "H", "H_kv", "D", "S_total", "causal", "pass", "dtype", "world")
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stem", required=True, help="result file name without extension")
     args = parser.parse_args(argv)
 
-    from bench_attention import report
+    from benchmarks.bench_attention import report
 
     meta = {k: v for k, v in json.loads(pathlib.Path(args.meta_from).read_text()).items() if k != "records"}
     records = merge([load_records(pathlib.Path(s)) for s in args.sources])

@@ -33,10 +33,10 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
     before the profiled ones, with no synchronize between, so these start with the GPU busy
     and at its sustained clocks, as inside a training loop (else they start from an idle GPU).
     "window": the (time.time()) start and end of the profiled steps, lead steps included.  With
-    COMMOPT_TRACE_DIR set, one more step is profiled with its host ops (input shapes and strides recorded) and its Chrome trace written
-    there, one file per rank (<label>_rank<r>.json), for the timelines the categories cannot
-    show (which stream waited on what, what the host was doing); the profiled steps' own trace
-    goes beside it (<label>_sustained_rank<r>.json)."""
+    COMMOPT_TRACE_DIR set, one more step is profiled with its host ops (input shapes and strides
+    recorded) and its Chrome trace written there, one file per rank (<label>_rank<r>.json), for the
+    timelines the categories cannot show (which stream waited on what, what the host was doing); the
+    profiled steps' own trace goes beside it (<label>_sustained_rank<r>.json)."""
     import os
 
     from torch.profiler import ProfilerActivity, profile
@@ -111,7 +111,7 @@ def idle_gaps(events: list[tuple[str, float, float]], min_us: float = 5.0, top: 
             last_end, last_name = hi, name
     t0 = events[0][1] if events else 0.0
     pairs: dict[tuple[str, str], list[float]] = {}
-    for length, at, before, after in gaps:
+    for length, _at, before, after in gaps:
         acc = pairs.setdefault((_short(before), _short(after)), [0.0, 0])
         acc[0] += length
         acc[1] += 1

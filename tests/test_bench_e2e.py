@@ -1,14 +1,9 @@
 """bench_e2e's records and report on synthetic results: the headline step time is the burst's
 (steps back to back), the isolated step's figures sit beside it, and the breakdown is per step."""
 
-import pathlib
-import sys
-
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_e2e  # noqa: E402
+from benchmarks import bench_e2e
 
 
 def _result(burst_ms: float, isolated_ms: float, losses: list[float]) -> dict:
@@ -54,7 +49,8 @@ def test_a_record_without_the_isolated_step_still_reports():
 
 
 def test_the_band_decisions_are_reported():
-    notes = ["x: picked ce_pull:2 (long GEMM)", "graph: est. 6.10 ms of matmuls and attention on the GPU, 4.40 ms of host",
+    notes = ["x: picked ce_pull:2 (long GEMM)",
+             "graph: est. 6.10 ms of matmuls and attention on the GPU, 4.40 ms of host",
              "y: autotune measured 2 candidates at the first call in 0.26 s; runs sequential (0.349 ms)",
              "z: picked ce_push:1 (est.: host-bound band, but the graph's host runs ahead: ranked by GPU time)",
              "graph: est. 6.10 ms of matmuls and attention on the GPU, 4.40 ms of host"]  # a second layer's
@@ -81,4 +77,5 @@ def test_the_comm_free_bound_is_reported_as_a_bound():
     text = bench_e2e.report(list(rows.values()), {"device": "X", "world": 2, "date": "d", "torch": "t", "commit": "c",
                                                   "shape": {}, "steps": 2, "command": "x"})
     assert "| inductor comm-free | 45.00 |" in text and "(bound: no communication, losses meaningless) | - |" in text
-    assert "could reach at best: 1.111x inductor. Share of that gain each variant won: inductor 0.00, commopt 0.60." in text
+    assert ("could reach at best: 1.111x inductor. Share of that gain each variant won: inductor 0.00, commopt 0.60."
+            in text)

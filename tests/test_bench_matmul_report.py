@@ -1,14 +1,9 @@
 """bench_matmul_collectives' report on synthetic records: a run of one timing mode renders that
 mode's section only (a --modes graph run has no eager figures at the record's top level)."""
 
-import pathlib
-import sys
-
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_matmul_collectives as bench  # noqa: E402
+from benchmarks import bench_matmul_collectives as bench
 
 META = {"device": "X", "world": 4, "date": "d", "torch": "t", "triton": "tr", "commit": "c", "command": "cmd"}
 

@@ -1,14 +1,9 @@
 """bench_torchtitan's rounds (the job order reversed every other round) and its pairing of each
 variant with the inductor job of the same round, on synthetic records."""
 
-import pathlib
-import sys
-
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_torchtitan  # noqa: E402
+from benchmarks import bench_torchtitan
 
 
 def test_every_other_round_runs_the_variants_in_reverse():

@@ -2,16 +2,11 @@
 graph (a gather reads a constant of its shape, a reduce-scatter keeps its first rows, an
 all-reduce and a wait pass their input on), and the stripped graph runs with no process group."""
 
-import pathlib
-import sys
-
 import pytest
 import torch
 import torch.fx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import comm_free  # noqa: E402
+from benchmarks import comm_free
 
 funcol = torch.ops._c10d_functional
 

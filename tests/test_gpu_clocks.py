@@ -2,12 +2,8 @@
 each variant timed in turns gets the samples inside its own steps."""
 
 import datetime
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import gpu_clocks  # noqa: E402
+from benchmarks import gpu_clocks
 
 
 def _line(t: float, gpu: int, mhz: int, watts: float, reasons: int) -> str:

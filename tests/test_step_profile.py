@@ -1,11 +1,6 @@
 """The step profiler's idle-gap attribution (benchmarks/step_profile.py), on synthetic timelines."""
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from step_profile import format_idle, idle_gaps, split  # noqa: E402
+from benchmarks.step_profile import format_idle, idle_gaps, split
 
 
 def test_gaps_are_named_by_the_last_to_end_and_the_next_to_start():

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch_commopt.kernels.attention import comm, local, schedules
 from torch_commopt.core.attention_spec import refusal
 from torch_commopt.kernels.attention.ops import cp_attention
-from torch_commopt.kernels.attention.schedules import cp_attention_bwd, cp_attention_fwd
+from torch_commopt.kernels.attention.schedules import CPOptions, cp_attention_bwd, cp_attention_fwd
 from torch_commopt.kernels.attention.local import acc_dtype
 from torch_commopt.kernels.attention.ring import GradRing, contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
 from torch_commopt.core.attention_spec import CPSchedule
@@ -327,11 +327,11 @@ def run_grad_ring(rank: int, world: int, seed: int = 0) -> list[str]:
             out, lse = ring_fwd(q, k, v, **kw)
             traffic = Traffic()
             with traffic.record():
-                got = ring_bwd(dout, q, k, v, out, lse, **kw)
+                got = ring_bwd(dout, (q, k, v, out, lse), **kw)
             original = GradRing.dtype
             GradRing.dtype = lambda self, s, i: self.acc
             try:
-                fp32_ring = ring_bwd(dout, q, k, v, out, lse, **kw)
+                fp32_ring = ring_bwd(dout, (q, k, v, out, lse), **kw)
             finally:
                 GradRing.dtype = original
             label = f"{name} heads {h}/{h_kv}"
@@ -371,14 +371,14 @@ def run_head_groups(rank: int, world: int, seed: int = 0) -> dict:
         kw = dict(schedule=schedule, causal=True, group=group)
         one, two = Traffic(), Traffic()
         with one.record():
-            schedules.cp_attention_fwd(ql, kl, vl, head_groups=1, **kw)
+            schedules.cp_attention_fwd(ql, kl, vl, options=CPOptions(head_groups=1), **kw)
         with two.record():
-            out, lse = schedules.cp_attention_fwd(ql, kl, vl, head_groups=2, **kw)
+            out, lse = schedules.cp_attention_fwd(ql, kl, vl, options=CPOptions(head_groups=2), **kw)
         halves = Counter({("a2a", size // 2): 2 * n for (kind, size), n in one.sent.items() if kind == "a2a"})
         got_a2a = Counter({key: n for key, n in two.sent.items() if key[0] == "a2a"})
         if got_a2a != halves or not halves:
             problems.append(f"{schedule} {heads}: forward all-to-alls {dict(got_a2a)}, expected {dict(halves)}")
-        dq, dk, dv = schedules.cp_attention_bwd(dl, ql, kl, vl, out, lse, head_groups=2, **kw)
+        dq, dk, dv = schedules.cp_attention_bwd(dl, (ql, kl, vl, out, lse), options=CPOptions(head_groups=2), **kw)
         got = [_unshard(t, group) for t in (out, lse, dq, dk, dv)]
         errors += [(f"{schedule} head groups {heads} {n}", rel_err(x, t), rel_err(e, t))
                    for n, x, t, e in zip(("out", "lse", "dq", "dk", "dv"), got, truth, eager)]
@@ -386,7 +386,7 @@ def run_head_groups(rank: int, world: int, seed: int = 0) -> dict:
     for schedule, heads in (("ring_zigzag", 3), ("ulysses", 3 * world)):
         try:
             schedules.cp_attention_fwd(*(torch.randn(1, heads, 4, 8) for _ in range(3)), schedule=schedule,
-                                       causal=True, group=group, head_groups=2)
+                                       causal=True, group=group, options=CPOptions(head_groups=2))
             refused.append("")
         except ValueError as e:
             refused.append(str(e))
@@ -410,13 +410,13 @@ def run_kept(rank: int, world: int, seed: int = 0) -> list[str]:
             continue  # ring_zigzag without a mask is the ring
         case = Case(schedule, causal, heads, seq_local=4, head_dim=16)
         q, k, v, dout = (t[:, :, rank * 4:(rank + 1) * 4].float() for t in _global_inputs(case, world, seed + 500 + i))
-        kw = dict(schedule=schedule, causal=causal, group=group, head_groups=groups)
-        out, lse = schedules.cp_attention_fwd(q, k, v, **kw)
-        plain = schedules.cp_attention_bwd(dout, q, k, v, out, lse, **kw)
-        out_k, kept = schedules.cp_attention_fwd_keep(q, k, v, **kw)
+        kw, grouped = dict(schedule=schedule, causal=causal, group=group), CPOptions(head_groups=groups)
+        out, lse = schedules.cp_attention_fwd(q, k, v, options=grouped, **kw)
+        plain = schedules.cp_attention_bwd(dout, (q, k, v, out, lse), options=grouped, **kw)
+        out_k, kept = schedules.cp_attention_fwd_keep(q, k, v, options=grouped, **kw)
         traffic = Traffic()
         with traffic.record():
-            grads = schedules.cp_attention_bwd_kept(dout, kept, **{key: kw[key] for key in kw if key != "head_groups"})
+            grads = schedules.cp_attention_bwd_kept(dout, kept, **kw)
         label = f"{schedule} causal={causal} heads={heads} groups={groups}"
         want = [(shape, dt) for shape, dt in schedules.kept_shapes(schedule, q, k, v, world, groups)]
         if [(tuple(t.shape), t.dtype) for t in kept] != want:
@@ -424,8 +424,7 @@ def run_kept(rank: int, world: int, seed: int = 0) -> list[str]:
         if not all(torch.equal(a, b) for a, b in zip((out_k, *grads), (out, *plain))):
             problems.append(f"{label}: the kept form differs from the plain one")
         if groups > 1:  # the same depth named in the schedule: the same call
-            named = schedules.cp_attention_fwd_keep(q, k, v, **{**kw, "schedule": f"{schedule}:g={groups}",
-                                                               "head_groups": None})
+            named = schedules.cp_attention_fwd_keep(q, k, v, **{**kw, "schedule": f"{schedule}:g={groups}"})
             if not all(torch.equal(a, b) for a, b in zip((named[0], *named[1]), (out_k, *kept))):
                 problems.append(f"{label}: {schedule}:g={groups} differs from head_groups={groups}")
         a2a = Counter({key: n for key, n in traffic.sent.items() if key[0] == "a2a"})
@@ -459,7 +458,8 @@ def run_zigzag_layout(rank: int, world: int, seed: int = 0) -> dict:
             return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=2)
 
         ql, kl, vl = (shard(t).to(case.dtype).requires_grad_(True) for t in (q, k, v))
-        kw = dict(schedule=case.schedule, causal=case.causal, scale=case.scale, group=group, layout="zigzag")
+        kw = dict(schedule=case.schedule, causal=case.causal, scale=case.scale, group=group,
+                  options=CPOptions(layout="zigzag"))
         traffic = Traffic()
         with traffic.record():
             y = cp_attention(ql, kl, vl, **kw)
@@ -472,7 +472,7 @@ def run_zigzag_layout(rank: int, world: int, seed: int = 0) -> dict:
                    for n, x, t, e in zip(("out", "lse", "dq", "dk", "dv"), got, truth, eager)]
     try:
         cp_attention_fwd(*(torch.randn(1, 2, 4, 8) for _ in range(3)), schedule="ring", causal=True, group=group,
-                         layout="zigzag")
+                         options=CPOptions(layout="zigzag"))
         refused = ""
     except ValueError as e:
         refused = str(e)
@@ -510,7 +510,7 @@ def run_refusals(rank: int, world: int) -> list[tuple[str, str, Optional[str], i
     results = []
     for sched, q, k in refused_calls(world):
         calls = {"fwd": lambda: cp_attention_fwd(q, k, k, schedule=sched, causal=True, group=group),
-                 "bwd": lambda: cp_attention_bwd(q, q, k, k, q, q[..., 0], schedule=sched, causal=True, group=group),
+                 "bwd": lambda: cp_attention_bwd(q, (q, k, k, q, q[..., 0]), schedule=sched, causal=True, group=group),
                  "wrapper": lambda: cp_attention(q, k, k, schedule=sched, causal=True, group=group)}
         for entry, fn in calls.items():
             traffic, message = Traffic(), None

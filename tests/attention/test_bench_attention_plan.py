@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from bench_attention import Case, _commopt_plan  # noqa: E402
-
-from torch_commopt.tuner.attention.cost import machine_from_calibration  # noqa: E402
-from torch_commopt.tuner.calibration import prior  # noqa: E402
+from benchmarks.bench_attention import Case, _commopt_plan
+from torch_commopt.tuner.attention.cost import machine_from_calibration
+from torch_commopt.tuner.calibration import prior
 
 
 def test_the_pick_runs_even_when_it_is_a_head_group_depth(monkeypatch):

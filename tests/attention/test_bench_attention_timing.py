@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import bench_attention  # noqa: E402
+from benchmarks import bench_attention
 
 
 def test_each_sample_follows_the_lead_calls_untimed():

@@ -37,7 +37,7 @@ def test_math_matches_eager_sdpa(causal, heads, d, dv, s_k):
     mask = "causal" if causal else "full"
     qf, kf, vf, df = (t.float() for t in (q, k, v, dout))
     out, lse = attend_fwd(qf, kf, vf, scale=0.1, mask=mask, backend="math")
-    grads = attend_bwd(df, qf, kf, vf, out, lse, scale=0.1, mask=mask, backend="math")
+    grads = attend_bwd(df, (qf, kf, vf, out, lse), scale=0.1, mask=mask, backend="math")
     assert out.shape == truth[0].shape and lse.shape == out.shape[:3] and lse.dtype == torch.float32
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]  # dK/dV keep H_kv heads
     for name, got, want, ref in zip(("out", "dq", "dk", "dv"), (out,) + grads, truth, eager):
@@ -48,13 +48,13 @@ def test_block_gradients_given_the_global_out_and_lse_sum_to_the_full_gradients(
     """What the ring relies on: per K/V block backward with the merged out/lse is exact."""
     q, k, v, dout = _inputs(1, s_q=8, s_k=8)
     out, lse = attend_fwd(q, k, v, scale=0.125, mask="causal", backend="math")
-    full = attend_bwd(dout, q, k, v, out, lse, scale=0.125, mask="causal", backend="math")
+    full = attend_bwd(dout, (q, k, v, out, lse), scale=0.125, mask="causal", backend="math")
     # keys 0..3 against queries 4..7 are all in the past ("full"), keys 4..7 the diagonal
-    lo = attend_bwd(dout[:, :, 4:], q[:, :, 4:], k[:, :, :4], v[:, :, :4], out[:, :, 4:], lse[:, :, 4:],
+    lo = attend_bwd(dout[:, :, 4:], (q[:, :, 4:], k[:, :, :4], v[:, :, :4], out[:, :, 4:], lse[:, :, 4:]),
                     scale=0.125, mask="full", backend="math")
-    diag = attend_bwd(dout[:, :, 4:], q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], out[:, :, 4:], lse[:, :, 4:],
+    diag = attend_bwd(dout[:, :, 4:], (q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], out[:, :, 4:], lse[:, :, 4:]),
                       scale=0.125, mask="causal", backend="math")
-    top = attend_bwd(dout[:, :, :4], q[:, :, :4], k[:, :, :4], v[:, :, :4], out[:, :, :4], lse[:, :, :4],
+    top = attend_bwd(dout[:, :, :4], (q[:, :, :4], k[:, :, :4], v[:, :, :4], out[:, :, :4], lse[:, :, :4]),
                      scale=0.125, mask="causal", backend="math")
     assert rel_err(torch.cat([top[0], lo[0] + diag[0]], 2), full[0]) < 1e-13
     for i in (1, 2):
@@ -65,7 +65,7 @@ def test_skip_block_sees_no_key():
     q, k, v, dout = _inputs(2)
     out, lse = attend_fwd(q, k, v, scale=0.1, mask="skip")
     assert (out == 0).all() and torch.isneginf(lse).all()
-    assert all((g == 0).all() for g in attend_bwd(dout, q, k, v, out, lse, scale=0.1, mask="skip"))
+    assert all((g == 0).all() for g in attend_bwd(dout, (q, k, v, out, lse), scale=0.1, mask="skip"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -73,11 +73,11 @@ def test_skip_block_sees_no_key():
 def test_cpu_flash_matches_math(dtype, mask):
     q, k, v, dout = _inputs(3)
     truth = attend_fwd(q, k, v, scale=0.1, mask=mask, backend="math")
-    truth_g = attend_bwd(dout, q, k, v, *truth, scale=0.1, mask=mask, backend="math")
+    truth_g = attend_bwd(dout, (q, k, v, *truth), scale=0.1, mask=mask, backend="math")
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     ref_out = attend_fwd(q, k, v, scale=0.1, mask=mask, backend="math")[0].to(dtype)  # eager-like rounding
     out, lse = attend_fwd(q, k, v, scale=0.1, mask=mask, backend="cpu_flash")
-    grads = attend_bwd(dout, q, k, v, out, lse, scale=0.1, mask=mask, backend="cpu_flash")
+    grads = attend_bwd(dout, (q, k, v, out, lse), scale=0.1, mask=mask, backend="cpu_flash")
     assert lse.dtype == torch.float32 and grads[1].shape == k.shape and grads[1].dtype == torch.float32
     assert within_tolerance(rel_err(out, truth[0]), rel_err(ref_out, truth[0]))
     assert rel_err(lse, truth[1]) < 10 * torch.finfo(dtype).eps

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from render_attention import load_records, merge  # noqa: E402
+from benchmarks.render_attention import load_records, merge
 
 
 def _rec(s_total: int, h_kv: int = 8) -> dict:

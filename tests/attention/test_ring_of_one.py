@@ -34,7 +34,7 @@ def test_a_ring_of_one_rank_is_full_attention_forward_and_backward(causal):
     plan = contiguous_plan(causal)
     with torch.no_grad():
         out, lse = ring_fwd(q, k, v, scale=scale, plan=plan, group=None, backend="math")
-        grads = ring_bwd(dout, q, k, v, out, lse, scale=scale, plan=plan, group=None, backend="math")
+        grads = ring_bwd(dout, (q, k, v, out, lse), scale=scale, plan=plan, group=None, backend="math")
     assert torch.allclose(out, want, atol=1e-10)
     for got, ref in zip(grads, (q.grad, k.grad, v.grad)):
         assert torch.allclose(got, ref, atol=1e-10)

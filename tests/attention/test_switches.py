@@ -59,11 +59,13 @@ def test_only_a_ring_of_one_runs_its_head_groups_concurrently(monkeypatch):
         def size(self):
             return 2
     monkeypatch.delenv(ce_a2a.GROUP_STREAMS_ENV, raising=False)
+    def route(ring_group=None):
+        return schedules._Route(CPSchedule.parse("ulysses"), True, None, None, ring_group, None)
     for ring_group in (None, Ring()):
-        schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [], ring_group=ring_group)
+        schedules._moved(route(ring_group), [], None, 2, [])
     # the backward's groups: two streams by default, one where only the forward's are asked for
-    schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [], backward=True)
+    schedules._moved(route(), [], None, 2, [], backward=True)
     monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "fwd")
-    schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [], backward=True)
-    schedules._moved(CPSchedule.parse("ulysses"), True, [], None, None, None, 2, [])
+    schedules._moved(route(), [], None, 2, [], backward=True)
+    schedules._moved(route(), [], None, 2, [])
     assert seen == [True, False, True, False, True]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torch_commopt  # noqa: F401  (registers the ops)
-from torch_commopt.kernels.attention.ops import cp_attention
+from torch_commopt.kernels.attention.ops import CPOptions, cp_attention
 from torch_commopt.core.attention_spec import refusal
 from torch_commopt.testing.validate import rel_err
 
@@ -76,17 +76,18 @@ def _case(rank, world, shape, schedule, layout, seed, head_groups=None, device="
     truth, eager = _truth(q, k, v, dout, causal), _eager(q, k, v, dout, causal)
     leaves = [_shard(t, rank, world, layout).requires_grad_(True) for t in (q, k, v)]
     if head_groups is None:
-        out = cp_attention(*leaves, schedule=schedule, causal=causal, layout=layout)
+        out = cp_attention(*leaves, schedule=schedule, causal=causal, options=CPOptions(layout=layout))
     else:  # the schedules' own entry: the pipeline depth forced
         from torch_commopt.kernels.attention import schedules
 
         kw = dict(schedule=schedule, causal=causal)
         shards = [t.detach() for t in leaves]
         dout_l = _shard(dout, rank, world, layout)
-        out_, lse = schedules.cp_attention_fwd(*shards, head_groups=head_groups, **kw)
-        runs = [("plain", out_, schedules.cp_attention_bwd(dout_l, *shards, out_, lse, head_groups=head_groups, **kw))]
+        grouped = CPOptions(head_groups=head_groups)
+        out_, lse = schedules.cp_attention_fwd(*shards, options=grouped, **kw)
+        runs = [("plain", out_, schedules.cp_attention_bwd(dout_l, (*shards, out_, lse), options=grouped, **kw))]
         # the training form: q, k, v, out, lse kept where the attention ran, dout alone moved
-        out_k, kept = schedules.cp_attention_fwd_keep(*shards, head_groups=head_groups, **kw)
+        out_k, kept = schedules.cp_attention_fwd_keep(*shards, options=grouped, **kw)
         runs.append(("kept", out_k, schedules.cp_attention_bwd_kept(dout_l, kept, **kw)))
         results = []
         for form, o, grads in runs:
@@ -172,7 +173,8 @@ def run_a2a_buffer_growth(rank: int, world: int, busy_ms: float = 0.0) -> list[t
             os.environ[ce_a2a.ENV] = transport
             if busy_ms and transport == "ce":
                 torch.cuda._sleep(int(busy_ms * 1.5e6))  # ~1.5 GHz: cycles per ms, roughly
-            out, kept = cp_attention_fwd_keep(q, k, v, schedule="ulysses:g=1", causal=True, group=group, head_groups=1)
+            out, kept = cp_attention_fwd_keep(q, k, v, schedule="ulysses:g=1", causal=True, group=group,
+                                              options=CPOptions(head_groups=1))
             torch.cuda.synchronize()
             runs[transport] = [out.clone()] + [t.clone() for t in kept]
         os.environ.pop(ce_a2a.ENV)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|issues|callgraphs|float8|costmodel|plan|attention|attention1|stress|growth|cpprofile|e2e|e2e_shapes|torchtitan|probes|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -14,7 +14,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$out"
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'GPUs')"
-python3 benchmarks/gpu_health.py 2>&1 | tee "$out/health.txt"  # a sick machine makes every timing useless (session 38)
+python3 -m benchmarks.gpu_health 2>&1 | tee "$out/health.txt"  # a sick machine makes every timing useless
 if [[ $what == tests || $what == all ]]; then
   # Bounded waits during the tests: a protocol bug fails a test instead of hanging the run.
   TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
@@ -23,68 +23,39 @@ fi
 if [[ $what == shared ]]; then
   # One GPU, two ranks sharing it over gloo (torch_commopt/kernels/gpu/shared_device.py): every
   # two-rank GPU test's numerics and flag protocol on a one-GPU machine; no timing, no NCCL.
-  # The whole suite needs ~9 min this way (one H200, session 52: 96 of 100 tests in the 520 s
-  # limit), more than one call leaves after start-up: split it, e.g. `... shared "not
+  # The whole suite needs ~9 min this way (one H200: 96 of 100 tests in the 520 s limit), more
+  # than one call leaves after start-up: split it, e.g. `... shared "not
   # worlds_3_and_4 and not per_call_graphs"` then `... shared "worlds_3_and_4 or per_call_graphs"`.
   TORCH_COMMOPT_SHARED_DEVICE=1 TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
     timeout ${TEST_TIMEOUT:-540} python3 -m pytest -v -p no:cacheprovider tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests_shared.log"
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_matmul_collectives.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+  timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_matmul_collectives --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
 fi
 if [[ $what == plan ]]; then
   # the whole-graph plan figure: a compiled TP+SP block, searched plan vs fixed per-region plans
-  timeout ${PLAN_TIMEOUT:-420} python3 benchmarks/bench_plan.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/plan.log"
+  timeout ${PLAN_TIMEOUT:-420} python3 -m benchmarks.bench_plan --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/plan.log"
 fi
 if [[ $what == attention ]]; then
   # context-parallel attention (issue 6): commopt schedules vs one GPU and torch CP; ~8 min default
   # sweep (BENCH_ARGS may add --full, --seq ..., --passes ...; partial.jsonl keeps a cut-short run;
-  # benchmarks/render_attention.py joins runs).  S_total 256K on 80 GB cards: torch CP's backward
-  # ring needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (4x H100, session 27)
+  # python3 -m benchmarks.render_attention joins runs).  S_total 256K on 80 GB cards: torch CP's
+  # backward ring needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   mkdir -p "$out/attention"
-  timeout ${ATTN_TIMEOUT:-560} python3 benchmarks/bench_attention.py --out "$out/attention" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention.log"
-fi
-if [[ $what == stress ]]; then
-  # every cp attention call checked against full attention, flags checked at rest between calls
-  # (the session-20 ulysses:g=1 deviation); BENCH_ARGS: --rounds, --calls, --seq, --heads, --schedules
-  timeout ${STRESS_TIMEOUT:-400} torchrun --nproc-per-node ${NGPU:-2} benchmarks/stress_cp_attention.py "$out/stress" \
-    ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$out/stress.log" | grep "^{" | tail -20
-fi
-if [[ $what == growth ]]; then
-  # the all-to-all's first call on a grown buffer (session 21's reproduced wrong result): what the
-  # first uses read (zeros now and 50 ms later) without the library's settling of new buffers (as
-  # the failing runs), with it, with it and every peer page written first, and with it beside
-  # ring_zigzag too; then unhooked, off / library twice each; ~40 s each (GROWTH_ARGS: bench_attention arguments)
-  args=${GROWTH_ARGS:---seq 16384,32768 --heads 32/32 --batch 1 --passes fwd+bwd --causal 1}
-  for v in "off ulysses:g=1,ulysses:g=2" "library ulysses:g=1,ulysses:g=2" "warm ulysses:g=1,ulysses:g=2" \
-           "library ulysses:g=1,ulysses:g=2,ring_zigzag"; do
-    set -- $v
-    tag=$1_$(echo $2 | tr -d ':=' | tr ',' '+')
-    timeout ${GROWTH_TIMEOUT:-120} python3 benchmarks/probe_a2a_growth.py "$out/growth/$tag" --prepare $1 --later-ms 50 \
-      -- $args --schedules $2 > "$out/growth_$tag.log" 2>&1
-    echo "== $tag"; grep '^{' "$out/growth_$tag.log" | cut -c1-400 | head -24
-  done
-  # the A/B without the hook (its host synchronize hides the race): off should fail, library pass
-  n=0
-  for v in off library off library; do
-    tag=unhooked_${v}_$((++n))
-    timeout ${GROWTH_TIMEOUT:-120} python3 benchmarks/probe_a2a_growth.py "$out/growth/$tag" --prepare $v --uses 0 \
-      --later-ms 0 -- $args --schedules ulysses:g=1,ulysses:g=2 > "$out/growth_$tag.log" 2>&1
-    echo "== $tag"; grep '"case"' "$out/growth_$tag.log" | cut -c1-400
-  done
+  timeout ${ATTN_TIMEOUT:-560} python3 -m benchmarks.bench_attention --out "$out/attention" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention.log"
 fi
 if [[ $what == e2e ]]; then
   # issue 7: a few Llama-3-8B layers trained with inductor, inductor + async-TP and commopt
-  timeout ${E2E_TIMEOUT:-560} python3 benchmarks/bench_e2e.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log"
+  timeout ${E2E_TIMEOUT:-560} python3 -m benchmarks.bench_e2e --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log"
 fi
 if [[ $what == e2e_shapes ]]; then
   # issue 7 at three shapes of 8192 tokens a step (batch x seq: 1 x 8192, 2 x 4096, 4 x 2048), each
-  # with the comm-free bound; batch > 1 gathers and scatters strided row blocks (session 53); ~100 s each
+  # with the comm-free bound; batch > 1 gathers and scatters strided row blocks; ~100 s each
   # (E2E_VARIANTS replaces the variant list, e.g. "inductor,commopt,commopt call-graphs all,inductor comm-free")
   for shp in "1 8192" "2 4096" "4 2048"; do
     set -- $shp
     mkdir -p "$out/e2e_b$1"
-    timeout ${E2E_TIMEOUT:-160} python3 benchmarks/bench_e2e.py --out "$out/e2e_b$1" --batch $1 --seq $2 --repeats 10 \
+    timeout ${E2E_TIMEOUT:-160} python3 -m benchmarks.bench_e2e --out "$out/e2e_b$1" --batch $1 --seq $2 --repeats 10 \
       --variants "${E2E_VARIANTS:-inductor,inductor+async-TP,commopt,inductor comm-free}" ${BENCH_ARGS:-} > "$out/e2e_b$1.log" 2>&1
     echo "== batch $1 seq $2"; grep -E "^\| (ind|com)" "$out/e2e_b$1.log"
   done
@@ -95,46 +66,27 @@ if [[ $what == torchtitan ]]; then
   python3 -m pip install -q --no-deps --target /tmp/ttsite .whl/*.whl > "$out/tt_install.log" 2>&1
   # TT_EXTRA: torchtitan arguments for every job, kept whole (BENCH_ARGS is split on spaces, so
   # an --extra there holds one argument), e.g. TT_EXTRA="--optimizer.lr=3e-4 --metrics.log_freq=10"
-  PYTHONPATH=/tmp/ttsite:$PYTHONPATH timeout ${TT_TIMEOUT:-560} python3 benchmarks/bench_torchtitan.py --out "$out" \
+  PYTHONPATH=/tmp/ttsite:$PYTHONPATH timeout ${TT_TIMEOUT:-560} python3 -m benchmarks.bench_torchtitan --out "$out" \
     ${BENCH_ARGS:-} ${TT_EXTRA:+"--extra=$TT_EXTRA"} 2>&1 | tee "$out/torchtitan.log"
-fi
-if [[ $what == cpprofile ]]; then
-  # where a cp attention schedule's time goes: kernel tables per variant and rank (2+ GPUs)
-  timeout ${PROFILE_TIMEOUT:-400} python3 benchmarks/profile_cp_attention.py "$out/cpprofile" ${BENCH_ARGS:-} 2>&1 | tee "$out/cpprofile.log"
 fi
 if [[ $what == attention1 ]]; then
   # one GPU: the CUDA local-attention backends vs math, and each schedule's compute alone per rank
   timeout 200 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_attention_local.py 2>&1 | tee "$out/gpu_attention_local.log"
-  timeout ${PROBE_TIMEOUT:-380} python3 benchmarks/probe_attention_blocks.py "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention_blocks.log"
-fi
-if [[ $what == probes ]]; then
-  # per-shard GEMM split cost (one vs two streams) and the host cost per call (cProfile)
-  timeout 150 python3 benchmarks/probe_gemm_split.py "$out" 2>&1 | tee "$out/probe_gemm_split.log"
-  timeout 240 python3 benchmarks/profile_host.py "$out/host" 2>&1 | tee "$out/profile_host.log"
-fi
-if [[ $what == callgraphs ]]; then
-  # per-call CUDA graphs (Config.call_graphs): one call's graph against the call eager, the
-  # kernels' eager band with cg=1, and the cost model ranking and timing that band as replayed
-  mkdir -p "$out/cg_bench" "$out/cg_costmodel"
-  timeout 150 python3 benchmarks/probe_call_graph.py "$out/cg_probe" > "$out/cg_probe.log" 2>&1; grep '^{' "$out/cg_probe.log"
-  timeout 240 python3 benchmarks/bench_matmul_collectives.py --out "$out/cg_bench" --modes eager --call-graphs \
-    ${BENCH_ARGS:-} > "$out/cg_bench.log" 2>&1; grep '^\[' "$out/cg_bench.log"
-  timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/cg_costmodel" --call-graphs ${BENCH_ARGS:-} \
-    > "$out/cg_costmodel.log" 2>&1; tail -14 "$out/cg_costmodel.log"
+  timeout ${PROBE_TIMEOUT:-380} python3 -m benchmarks.probe_attention_blocks "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention_blocks.log"
 fi
 if [[ $what == issues ]]; then
-  # the open issues' figures in one call (~450 s on 2x H200, session 41's estimate): the kernels sweep with
+  # the open issues' figures in one call (~450 s on 2x H200): the kernels sweep with
   # per-call graphs on the eager band (issue 3), the tuner eager-with-graphs and replayed (issue 4),
   # TP=2 training (issue 7); attention (issue 6) needs a call of its own (mode attention)
   mkdir -p "$out/kernels" "$out/tuner_cg" "$out/tuner_graphs" "$out/e2e"
-  timeout 230 python3 benchmarks/bench_matmul_collectives.py --out "$out/kernels" --call-graphs ${BENCH_ARGS:-} \
+  timeout 230 python3 -m benchmarks.bench_matmul_collectives --out "$out/kernels" --call-graphs ${BENCH_ARGS:-} \
     > "$out/kernels.log" 2>&1; grep -oE '\[(eager|graph)\] .*' "$out/kernels.log" | cut -c1-190
-  timeout 120 python3 benchmarks/bench_costmodel.py --out "$out/tuner_cg" --call-graphs ${BENCH_ARGS:-} > "$out/tuner_cg.log" 2>&1
+  timeout 120 python3 -m benchmarks.bench_costmodel --out "$out/tuner_cg" --call-graphs ${BENCH_ARGS:-} > "$out/tuner_cg.log" 2>&1
   tail -16 "$out/tuner_cg.log"
-  timeout 100 python3 benchmarks/bench_costmodel.py --out "$out/tuner_graphs" --cuda-graphs ${BENCH_ARGS:-} > "$out/tuner_graphs.log" 2>&1
+  timeout 100 python3 -m benchmarks.bench_costmodel --out "$out/tuner_graphs" --cuda-graphs ${BENCH_ARGS:-} > "$out/tuner_graphs.log" 2>&1
   tail -16 "$out/tuner_graphs.log"
   # (with the comm-free bound: the step's computation alone, what hiding all communication could reach)
-  timeout 260 python3 benchmarks/bench_e2e.py --out "$out/e2e" \
+  timeout 260 python3 -m benchmarks.bench_e2e --out "$out/e2e" \
     --variants "inductor,inductor+async-TP,commopt,commopt model,inductor comm-free" \
     ${BENCH_ARGS:-} > "$out/e2e.log" 2>&1; grep -E "^\| |is a bound" "$out/e2e.log" | head -9
 fi
@@ -143,14 +95,14 @@ if [[ $what == float8 ]]; then
   TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
     timeout ${TEST_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_float8_gpu.py 2>&1 | tee "$out/gpu_tests_float8.log"
   mkdir -p "$out/float8"
-  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_matmul_collectives.py --out "$out/float8" --dtype float8_e4m3fn \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks.bench_matmul_collectives --out "$out/float8" --dtype float8_e4m3fn \
     ${BENCH_ARGS:-} > "$out/float8.log" 2>&1; grep -oE '\[(eager|graph)\] .*' "$out/float8.log"
 fi
 if [[ $what == costmodel ]]; then
   # the tuner figures, eager and replayed from CUDA graphs (~1 min each)
   mkdir -p "$out/eager" "$out/graphs"
-  timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/eager" ${BENCH_ARGS:-} > "$out/costmodel_eager.log" 2>&1
-  timeout 240 python3 benchmarks/bench_costmodel.py --out "$out/graphs" --cuda-graphs ${BENCH_ARGS:-} > "$out/costmodel_graphs.log" 2>&1
+  timeout 240 python3 -m benchmarks.bench_costmodel --out "$out/eager" ${BENCH_ARGS:-} > "$out/costmodel_eager.log" 2>&1
+  timeout 240 python3 -m benchmarks.bench_costmodel --out "$out/graphs" --cuda-graphs ${BENCH_ARGS:-} > "$out/costmodel_graphs.log" 2>&1
   tail -14 "$out/costmodel_eager.log"; tail -14 "$out/costmodel_graphs.log"
 fi
 if [[ $what == cpu ]]; then

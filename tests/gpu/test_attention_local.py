@@ -53,10 +53,10 @@ def test_backend_matches_math(one_gpu, name, dtype, causal, heads, d, s):
     scale, mask = d ** -0.5, "causal" if causal else "full"
     f32 = [t.float() for t in (q, k, v, dout)]
     truth = attend_fwd(*f32[:3], scale=scale, mask=mask, backend="math")
-    truth_g = attend_bwd(f32[3], *f32[:3], *truth, scale=scale, mask=mask, backend="math")
+    truth_g = attend_bwd(f32[3], (*f32[:3], *truth), scale=scale, mask=mask, backend="math")
     ref = _eager(q, k, v, dout, causal, scale)  # eager SDPA in the same dtype: the error allowed
     out, lse = attend_fwd(q, k, v, scale=scale, mask=mask, backend=name)
-    grads = attend_bwd(dout, q, k, v, out, lse, scale=scale, mask=mask, backend=name)
+    grads = attend_bwd(dout, (q, k, v, out, lse), scale=scale, mask=mask, backend=name)
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     assert {g.dtype for g in grads} <= {torch.float32, dtype}  # the kernel's, or folded GQA heads in fp32
@@ -73,7 +73,7 @@ def test_blocks_merged_by_lse_equal_the_whole(one_gpu, name):
     _usable(name, q, k)
     scale, c = 128 ** -0.5, 256
     whole = attend_fwd(q, k, v, scale=scale, mask="causal", backend=name)
-    whole_g = attend_bwd(dout, q, k, v, *whole, scale=scale, mask="causal", backend=name)
+    whole_g = attend_bwd(dout, (q, k, v, *whole), scale=scale, mask="causal", backend=name)
     out, lse = empty_accumulator(q, 128, torch.float32)
     blocks = [(i, j, "causal" if i == j else "full") for i in range(3) for j in range(i + 1)]
     chunk = lambda t, i: t[:, :, i * c:(i + 1) * c]  # noqa: E731
@@ -82,8 +82,8 @@ def test_blocks_merged_by_lse_equal_the_whole(one_gpu, name):
                                                           mask=mask, backend=name))
     dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
     for i, j, mask in blocks:
-        g = attend_bwd(chunk(dout, i), chunk(q, i), chunk(k, j), chunk(v, j), chunk(out, i), chunk(lse, i).contiguous(),
-                       scale=scale, mask=mask, backend=name)
+        saved = (chunk(q, i), chunk(k, j), chunk(v, j), chunk(out, i), chunk(lse, i).contiguous())
+        g = attend_bwd(chunk(dout, i), saved, scale=scale, mask=mask, backend=name)
         chunk(dq, i).add_(g[0])
         chunk(dk, j).add_(g[1])
         chunk(dv, j).add_(g[2])

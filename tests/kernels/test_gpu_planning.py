@@ -11,6 +11,7 @@ from torch_commopt.kernels.matmul.gpu.layout import RowLayout
 from torch_commopt.kernels.matmul.gpu.pick import measure_band, pick
 from torch_commopt.kernels.matmul.ops import resolve
 from torch_commopt.core.schedule import Schedule
+from torch_commopt.tuner.matmul.model import RegionFacts
 
 
 @pytest.mark.parametrize("shape,dim,world", [((8, 6), 0, 2), ((2, 3, 5, 4), 1, 4), ((3, 7, 4), 0, 2), ((2, 5, 4), 1, 2)])
@@ -225,14 +226,14 @@ def test_a_replayed_band_request_times_replays_without_a_host_check():
     from torch_commopt.tuner.matmul import autotune
 
     cands = ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]
-    sched = autotune.band_request("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", "cpu", "g",
-                                  cands, "ce_push:1:gemm=whole", None, "ag0", graphs=True)
+    sched = autotune.band_request(RegionFacts("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16"), "cpu",
+                                  cands, "ce_push:1:gemm=whole", autotune.TuneSite("g", None, "ag0"), graphs=True)
     req = autotune._REQUESTS[sched.param("id")]
     assert req.graphs and req.headroom == 0.0 and req.margin == autotune.REPLAYED_BAND_MARGIN < autotune.BAND_MARGIN
     assert req.key["graphs"] is True and req.key["host_headroom"] == 0.0
     assert req.key["margin"] == autotune.REPLAYED_BAND_MARGIN  # decided under its own margin
-    eager = autotune.band_request("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", "cpu", "g",
-                                  cands, "ce_push:1:gemm=whole", None, "ag0")
+    eager = autotune.band_request(RegionFacts("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16"), "cpu",
+                                  cands, "ce_push:1:gemm=whole", autotune.TuneSite("g", None, "ag0"))
     assert eager != sched  # measured apart: an eager measurement is not a replayed one
 
 
@@ -241,9 +242,9 @@ def test_a_replayed_measurement_that_captures_nothing_runs_the_fallback(monkeypa
     runs the rule's pick untimed instead of failing the user's step."""
     from torch_commopt.tuner.matmul import autotune
 
-    sched = autotune.band_request("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", "cpu", "g",
-                                  ["sequential", "ce_push:1:par=1"], "ce_push:1:gemm=whole", None, "ag_nocap",
-                                  graphs=True)
+    sched = autotune.band_request(RegionFacts("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16"), "cpu",
+                                  ["sequential", "ce_push:1:par=1"], "ce_push:1:gemm=whole",
+                                  autotune.TuneSite("g", None, "ag_nocap"), graphs=True)
 
     def nothing(*args, **kwargs):
         raise autotune.NothingCaptured("no candidate could be captured")
@@ -255,14 +256,14 @@ def test_a_replayed_measurement_that_captures_nothing_runs_the_fallback(monkeypa
 def test_band_request_is_an_autotune_placeholder_with_the_rule_as_fallback():
     from torch_commopt.tuner.matmul import autotune
 
-    sched = autotune.band_request("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16", "cpu", "g",
-                                  ["sequential", "direct:1"], "direct:1", None, "rs0")
+    sched = autotune.band_request(RegionFacts("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16"), "cpu",
+                                  ["sequential", "direct:1"], "direct:1", autotune.TuneSite("g", None, "rs0"))
     assert sched.name == "autotune"
     req = autotune._REQUESTS[sched.param("id")]
     assert req.candidates == ["sequential", "direct:1"] and req.fallback == "direct:1"
     assert autotune.decided(sched) is None
-    again = autotune.band_request("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16", "cpu", "g",
-                                  ["sequential", "direct:1"], "direct:1", None, "rs1")
+    again = autotune.band_request(RegionFacts("matmul_rs", [4096, 4096], [[4096, 7168]], 0, 2, "bfloat16"), "cpu",
+                                  ["sequential", "direct:1"], "direct:1", autotune.TuneSite("g", None, "rs1"))
     assert again == sched  # identical layers share one measurement
 
 
@@ -284,19 +285,20 @@ def test_band_region_uses_the_cached_measurement_or_a_first_call_placeholder(tmp
     shape, weights, band = [2048, 4096], [[4096, 8192]], ["sequential", "direct:1", "ce_push:2"]
     config = Config(cache_dir=str(tmp_path))
     report = explain.GraphReport(graph_id=0, graph_kind="forward", compile_id=None)
-    sched, why = pipeline._band(region, shape, weights, "bfloat16", band, Schedule("sequential"), "est.", config, report)
+    facts = RegionFacts("matmul_rs", shape, weights, 0, 2, "bfloat16")
+    sched, why = pipeline._band(region, facts, band, Schedule("sequential"), "est.", config, report)
     assert sched.name == "autotune" and "timed at the first call" in why
     req = autotune._REQUESTS[sched.param("id")]
     assert req.candidates == band and req.fallback == "sequential" and req.cache_dir == str(tmp_path)
     # what the first call stores (rank 0) is what the next compile emits, without a placeholder
     TunerCache(str(tmp_path)).put(req.key, {"schedule": "direct:1", "measured_ms": {"direct:1": 0.3}})
-    sched, why = pipeline._band(region, shape, weights, "bfloat16", band, Schedule("sequential"), "est.", config, report)
+    sched, why = pipeline._band(region, facts, band, Schedule("sequential"), "est.", config, report)
     assert str(sched) == "direct:1" and "cached measurement" in why
     # a program replayed from CUDA graphs: its band region (a short all-gather) is timed as replays
     region.kind, cands = "ag_matmul", ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]
     replayed = Config(cache_dir=str(tmp_path), cuda_graphs=True)
-    sched, why = pipeline._band(region, [256, 8192], [[8192, 4096]], "bfloat16", cands,
-                                Schedule.parse("ce_push:1:gemm=whole"), "est.", replayed, report)
+    facts = RegionFacts("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16")
+    sched, why = pipeline._band(region, facts, cands, Schedule.parse("ce_push:1:gemm=whole"), "est.", replayed, report)
     req = autotune._REQUESTS[sched.param("id")]
     assert req.graphs and req.headroom == 0.0 and "replayed short all-gather" in why
 
@@ -311,8 +313,9 @@ def test_a_decided_placeholder_runs_its_schedule_without_resolving_again(fake_wo
     from torch_commopt.tuner.matmul import autotune
 
     group = dist.group.WORLD.group_name
-    sched = autotune.band_request("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32", "cpu", group,
-                                  ["sequential", "direct:1"], "direct:1", None, "rs_decided")
+    sched = autotune.band_request(RegionFacts("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32"), "cpu",
+                                  ["sequential", "direct:1"], "direct:1",
+                                  autotune.TuneSite(group, None, "rs_decided"))
     autotune._REQUESTS[sched.param("id")].decided = "sequential"  # as its first call's measurement
     ran = []
     monkeypatch.setattr(sequential, "matmul_rs", lambda *args: ran.append(args) or torch.zeros(4, 4))
@@ -405,11 +408,12 @@ def test_band_measurement_takes_more_rounds_and_the_fastest_host_round(fake_worl
     from torch_commopt.tuner.matmul import autotune
 
     group = dist.group.WORLD.group_name
-    sched = autotune.band_request("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32", "cpu", group,
-                                  ["sequential", "direct:1"], "direct:1", None, "rs_rounds")
+    sched = autotune.band_request(RegionFacts("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32"), "cpu",
+                                  ["sequential", "direct:1"], "direct:1",
+                                  autotune.TuneSite(group, None, "rs_rounds"))
     req = autotune._REQUESTS[sched.param("id")]
     assert req.rounds == autotune.BAND_ROUNDS > autotune.ROUNDS
-    assert autotune.band_key("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32", "cpu",
+    assert autotune.band_key(RegionFacts("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32"), "cpu",
                              ["sequential", "direct:1"])["host_check"] == "fastest round"
     monkeypatch.setattr(autotune, "TARGET_S", {"cpu": 1e-4, "cuda": 1e-4})
     burst = itertools.chain([2e-3] * 40, itertools.repeat(0.0))  # the first calls are slow
@@ -421,7 +425,8 @@ def test_band_measurement_takes_more_rounds_and_the_fastest_host_round(fake_worl
 
     host, floor = {}, {}
     measured = autotune.measure_candidates(run, ["sequential", "direct:1"], group, torch.device("cpu"),
-                                           host=host, host_floor=floor, rounds=autotune.BAND_ROUNDS)
+                                           timing=autotune.Timing(rounds=autotune.BAND_ROUNDS),
+                                           readings=autotune.Readings(host=host, host_floor=floor))
     assert set(measured) == set(host) == set(floor) == {"sequential", "direct:1"}
     assert all(floor[s] <= host[s] for s in floor)
     assert floor["sequential"] < 1.0  # ms: the fast rounds, not the burst's 2 ms calls

@@ -127,8 +127,7 @@ def test_bad_problems_are_rejected():
 def test_llama_stack_search_is_exact_and_fast():
     """The benchmark's TP+SP layer stack (residual connections, several consumers): exact on
     one layer against brute force; 32 layers (128 regions) planned within the budget."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-    from bench_search import llama_problem
+    from benchmarks.bench_search import llama_problem
 
     one, regions = llama_problem(1)
     assert regions == 4
@@ -137,7 +136,8 @@ def test_llama_stack_search_is_exact_and_fast():
     low = least_memory(one).memory
     budget = (low + best.memory) / 2
     assert solve(one, budget).time == pytest.approx(brute_force(one, budget).time, rel=1e-12)
-    out = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_search.py")],
-                         capture_output=True, text=True, timeout=120, check=True)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_search"], cwd=root, capture_output=True, text=True,
+                         timeout=120, check=True)
     result = json.loads(out.stdout)
     assert result["regions"] >= 128 and result["budget_plan_mib"] <= result["budget_mib"] + 1e-6

@@ -1,12 +1,6 @@
 """bench_costmodel's paired judge of autotune's pick and the summary lines it feeds."""
 
-import pathlib
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_costmodel  # noqa: E402
+from benchmarks import bench_costmodel
 
 
 def _duel(factors, times):

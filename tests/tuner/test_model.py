@@ -9,7 +9,7 @@ import pytest
 
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.tuner.calibration import Calibration, GemmFit, Link, prior
-from torch_commopt.tuner.matmul.model import candidates, RegionShape, _Step, collective_time, extra_bytes, pipeline_time, predict, rank, simulate
+from torch_commopt.tuner.matmul.model import candidates, RegionFacts, RegionShape, _Step, collective_time, extra_bytes, pipeline_time, predict, rank, simulate
 
 H200 = prior("NVIDIA H200", 2)
 CPU = prior("cpu", 2)
@@ -52,7 +52,7 @@ def test_thin_gemms_are_less_efficient():
 
 
 def test_a_compute_bound_gemm_splits_for_free_a_thin_one_does_not():
-    """The roofline: rows split off a big GEMM cost nothing but launches (probe_gemm_split: 0-1%);
+    """The roofline: rows split off a big GEMM cost nothing but launches (measured: 0-1%);
     a thin piece re-reads the whole weight from memory."""
     fit = GemmFit(peak_flops=8e14, elems_per_s=1.5e12, launch_s=0.0)
     assert 2 * fit.time(2048, 28672, 8192) == pytest.approx(fit.time(4096, 28672, 8192))
@@ -289,7 +289,7 @@ def test_cuda_graph_replay_drops_the_host_cost():
 def test_autotune_keys_tell_graph_replay_apart():
     from torch_commopt.tuner.matmul.autotune import plan
 
-    args = ("ag_matmul", [256, 8192], [[8192, 4096]], 0, [False], None, False, 2, "bfloat16", "NVIDIA H200",
+    args = (RegionFacts("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16", bias=[False]), "NVIDIA H200",
             prior("NVIDIA H200", 2), 8, 4)
     eager, replayed = plan(*args), plan(*args, True)
     assert "cuda_graphs" not in eager[3] and replayed[3]["cuda_graphs"] is True

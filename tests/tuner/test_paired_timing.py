@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from torch_commopt.tuner.matmul import autotune
+from torch_commopt.tuner.matmul.model import RegionFacts
 
 
 def _rows(plan):
@@ -63,7 +64,7 @@ def test_measure_candidates_traces_every_sample(fake_world, monkeypatch, paired)
 
     trace = []
     got = autotune.measure_candidates(run, ["a", "b", "c"], dist.group.WORLD.group_name, torch.device("cpu"),
-                                      trace=trace, paired=paired)
+                                      timing=autotune.Timing(paired=paired), readings=autotune.Readings(trace=trace))
     rounds = sorted({r for r, _, _ in trace})
     assert rounds == list(range(autotune.ROUNDS + autotune.EXTRA_ROUNDS))
     assert sum(1 for _, s, _ in trace if s == "c") == autotune.ROUNDS
@@ -100,7 +101,7 @@ def test_measure_candidates_in_shuffled_rounds_times_each_candidate_once_a_round
 
     trace = []
     got = autotune.measure_candidates(run, list(delay), dist.group.WORLD.group_name, torch.device("cpu"),
-                                      trace=trace, order="shuffle")
+                                      timing=autotune.Timing(order="shuffle"), readings=autotune.Readings(trace=trace))
     for r in range(autotune.ROUNDS):
         assert sorted(s for t, s, _ in trace if t == r) == ["a", "b", "c", "d"]
     assert [s for t, s, _ in trace if t < 2] != ["a", "b", "c", "d", "b", "c", "d", "a"]  # not rotated
@@ -129,7 +130,7 @@ def test_clocks_dropping_during_the_near_tie_rounds(fake_world, monkeypatch, pai
         clock[0] += delay[s] * (1.3 if calls[0] > first_rounds else 1.0)
 
     got = autotune.measure_candidates(run, list(delay), dist.group.WORLD.group_name, torch.device("cpu"),
-                                      paired=paired)
+                                      timing=autotune.Timing(paired=paired))
     assert calls[0] == first_rounds + 2 * autotune.EXTRA_ROUNDS  # a and b were the near-ties
     assert min(got, key=got.get) == want
     if paired:
@@ -180,9 +181,10 @@ def test_a_decision_read_another_way_is_not_reused(monkeypatch, paired):
     from torch_commopt.tuner.calibration import prior
 
     monkeypatch.setattr(autotune, "PAIRED", paired)
-    *_, plan_key, _ = autotune.plan("matmul_rs", [8192, 4096], [[4096, 8192]], 0, [False], "sum", False, 2, "bfloat16",
-                                    "NVIDIA H100 80GB HBM3", prior("NVIDIA H100 80GB HBM3", 2), 8, 4)
-    keys = [autotune.band_key("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32", "cpu", ["sequential", "direct:1"]),
+    facts = RegionFacts("matmul_rs", [8192, 4096], [[4096, 8192]], 0, 2, "bfloat16", reduce_op="sum")
+    *_, plan_key, _ = autotune.plan(facts, "NVIDIA H100 80GB HBM3", prior("NVIDIA H100 80GB HBM3", 2), 8, 4)
+    band = RegionFacts("matmul_rs", [8, 4], [[4, 4]], 0, 2, "float32")
+    keys = [autotune.band_key(band, "cpu", ["sequential", "direct:1"]),
             cache_key((1, 4, 4, 64, 1024), 2, True, "bfloat16", True, "cpu", ["ulysses", "ring"]), plan_key]
     assert all(("read" in k) == paired for k in keys)
     if paired:
@@ -202,7 +204,8 @@ def _slow_first_calls_on_rank_1(rank: int, world: int) -> int:
         if rank == 1 and calls[0] <= 2:
             time.sleep(0.03)  # longer than a CPU sample's TARGET_S, on this rank only
 
-    autotune.measure_candidates(run, ["a"], dist.group.WORLD.group_name, torch.device("cpu"), rounds=1)
+    autotune.measure_candidates(run, ["a"], dist.group.WORLD.group_name, torch.device("cpu"),
+                                timing=autotune.Timing(rounds=1))
     return calls[0]
 
 
