@@ -19,7 +19,7 @@ FLAG_BASE = 1024
 
 
 def _run(one_gpu, *, world, m_loc, k, ns, lin=None, bias=False, kmajor=True, dtype=torch.bfloat16, tma=1, seed=0):
-    from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
+    from torch_commopt.kernels.matmul.gpu.ag_matmul import Arrivals, Products, launch_fused
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(dtype)  # noqa: E731
@@ -32,8 +32,9 @@ def _run(one_gpu, *, world, m_loc, k, ns, lin=None, bias=False, kmajor=True, dty
     status = torch.zeros(8, dtype=torch.int32, device="cuda")
     outer = m_loc // lin
     outs = [torch.empty(world * m_loc, n, device="cuda", dtype=dtype) for n in ns]
-    launch_fused(a2, slots2, flags, status, ws, bs, outs, lin=lin, rank=rank, world=world, chunk_rows=max(1, m_loc // 3),
-                 flag_base=FLAG_BASE, params={"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3})
+    arrivals = Arrivals(flags, status, FLAG_BASE, rank, world, lin, max(1, m_loc // 3))
+    launch_fused(a2, slots2, Products(ws, bs, outs), arrivals,
+                 {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3})
     shards = [a2 if s == rank else slots2[s * m_loc:(s + 1) * m_loc] for s in range(world)]
     # gathered rows (outer, world, lin): block s of outer block o is rank s's rows o*lin..o*lin+lin
     gathered = torch.stack([sh.view(outer, lin, k) for sh in shards], dim=1).reshape(-1, k)
@@ -67,7 +68,7 @@ def _run_rs(one_gpu, monkeypatch, *, world, m_seg, k, n, lin=None, kmajor=True, 
             dtype=torch.bfloat16, seed=0, want_tma=None, bases_aligned=True):
     from torch_commopt.kernels.matmul.gpu import tma as tma_mod
     from torch_commopt.kernels.matmul.gpu.layout import cdiv
-    from torch_commopt.kernels.matmul.gpu.matmul_reduce import launch_rs_fused
+    from torch_commopt.kernels.matmul.gpu.matmul_reduce import RsSegments, RsSignals, RsTargets, launch_rs_fused
     from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS
 
     took = []
@@ -99,9 +100,9 @@ def _run_rs(one_gpu, monkeypatch, *, world, m_seg, k, n, lin=None, kmajor=True, 
     flag_bases = torch.tensor([(flags if s == rank else peer_flags[s]).data_ptr() for s in range(world)],
                               dtype=torch.int64, device="cuda")
     status = torch.zeros(8, dtype=torch.int32, device="cuda")
-    launch_rs_fused(a2, w, out, send, recv, recv_bases, flags, flag_bases, status, recv_off=0, data_base=0, lin=lin,
-                    rank=rank, world=world, m_seg=m_seg, chunk_mt=chunk_mt, alpha=alpha, params=params, direct=direct,
-                    bases_aligned=bases_aligned)
+    targets = RsTargets(out, send, recv, recv_bases, 0, direct, bases_aligned)
+    signals = RsSignals(flags, flag_bases, status, 0)
+    launch_rs_fused(a2, w, targets, signals, RsSegments(rank, world, lin, m_seg, chunk_mt), alpha, params)
     torch.cuda.synchronize()
     assert int(status[0]) == 0
     if want_tma is not None:

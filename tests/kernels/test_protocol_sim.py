@@ -16,6 +16,7 @@ from fake_cuda import fake_runtimes, faked_cuda
 from protocol_sim import Deadlock, NotAtRest, Race, simulate
 from torch_commopt.kernels.matmul.gpu import ag_matmul as agm
 from torch_commopt.kernels.matmul.gpu import matmul_reduce as mr
+from torch_commopt.kernels.matmul.product import Product
 from torch_commopt.kernels.gpu import symm
 from torch_commopt.core.schedule import Schedule
 
@@ -39,10 +40,10 @@ def _call(name: str, world: int):
     parts = ((rnd(M, 4), rnd(4, N)), (rnd(M, 6), rnd(6, N))) if k_parts else ()  # "... parts": K parts
     if op == "rs" and blocked:
         a, parts = a.view(2, M // 2, K), tuple((x.view(2, M // 2, -1), y) for x, y in parts)
-        return lambda: mr.matmul_rs_gpu(a, w, None, 1, "sum", "fake", s, None, parts)
+        return lambda: mr.matmul_rs_gpu(Product(a, w, parts=parts), 1, "sum", "fake", s)
     if op == "rs":
-        return lambda: mr.matmul_rs_gpu(a, w, None, 0, "sum", "fake", s, None, parts)
-    return lambda: mr.matmul_ar_gpu(a, w, None, "sum", "fake", s, None, parts)
+        return lambda: mr.matmul_rs_gpu(Product(a, w, parts=parts), 0, "sum", "fake", s)
+    return lambda: mr.matmul_ar_gpu(Product(a, w, parts=parts), "sum", "fake", s)
 
 
 SEQUENCES = {

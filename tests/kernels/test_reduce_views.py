@@ -12,6 +12,7 @@ from fake_cuda import fake_runtimes, faked_cuda
 from torch_commopt.kernels.matmul.gpu import ag_matmul as agm
 from torch_commopt.kernels.matmul.gpu import matmul_reduce as mr
 from torch_commopt.kernels.matmul.gpu.layout import piece_rows
+from torch_commopt.kernels.matmul.product import Product
 from torch_commopt.core.schedule import Schedule
 
 
@@ -27,7 +28,7 @@ def test_receive_slots_and_whole_pieces_are_the_views_they_replace(world, chunks
     with faked_cuda(runtimes, None) as active:
         active(world - 1)
         for _ in range(2):  # consecutive calls take the two buffer halves
-            call = mr._Call(a, w, 0, "fake", Schedule("ce_push", chunks), "sum", phases=1)
+            call = mr._Call(Product(a, w), 0, "fake", Schedule("ce_push", chunks), "sum", phases=1)
             for src in range(world):
                 assert _same(call.slot(call.rank, src), call.recv[src])
             if chunks == 1:  # the whole segment: _sum_slots then reads recv itself

@@ -15,6 +15,7 @@ from fake_cuda import fake_runtimes, faked_cuda
 from torch_commopt.kernels.matmul.gpu import ag_matmul as agm
 from torch_commopt.kernels.matmul.gpu import matmul_reduce as mr
 from torch_commopt.kernels.matmul.gpu.layout import RowLayout, as_blocks
+from torch_commopt.kernels.matmul.product import Product
 from torch_commopt.kernels.gpu.symm import pitched
 from torch_commopt.kernels.scaled import add_matmul_, matmul
 from torch_commopt.core.schedule import Schedule
@@ -71,7 +72,7 @@ def test_reduce_scatter_segments_are_views_of_a_and_their_pieces_multiply_right(
     more = (torch.randn(B, world * LIN, 4, generator=g), torch.randn(4, N, generator=g))
     with faked_cuda(fake_runtimes(world), None) as active:
         active(world - 1)
-        call = mr._Call(a, w, 1, "fake", Schedule("ce_push", chunks), "sum", phases=1, parts=(more,))
+        call = mr._Call(Product(a, w, parts=(more,)), 1, "fake", Schedule("ce_push", chunks), "sum", phases=1)
         assert call.lay.outer == B and len(call.pieces) == min(chunks, B)
         for p in range(world):
             seg = call.segment_a(p)
@@ -94,7 +95,7 @@ def test_float8_segments_stay_matrices():
     sc = Scaled(torch.ones(()), (torch.ones(()),), torch.bfloat16, False)
     with faked_cuda(fake_runtimes(2), None) as active:
         active(0)
-        call = mr._Call(a, w, 1, "fake", Schedule("ce_push", 1), "sum", phases=1, sc=sc)
+        call = mr._Call(Product(a, w, sc=sc), 1, "fake", Schedule("ce_push", 1), "sum", phases=1)
         assert call.segment_a(1)[0].shape == (B * LIN, K)
 
 
@@ -189,7 +190,7 @@ def test_a_pulled_reduce_scatter_of_row_blocks_expands_its_weight_once_per_piece
     slots' pieces are the buffer's cached views (no slice of a slot a call)."""
     a, w = torch.randn(B, 2 * LIN, K), torch.randn(K, N)
     runtimes = fake_runtimes(2)
-    call = lambda: mr.matmul_rs_gpu(a, w, None, 1, "sum", "fake", Schedule.parse("ce_pull:2"))  # noqa: E731
+    call = lambda: mr.matmul_rs_gpu(Product(a, w), 1, "sum", "fake", Schedule.parse("ce_pull:2"))  # noqa: E731
     with faked_cuda(runtimes, None) as active:
         active(0)
         call(), call()  # the buffer's views of both halves are made once, at their first use

@@ -243,7 +243,7 @@ def _attention_times(device: torch.device, dtype: torch.dtype, reps: int) -> tup
     scale = d ** -0.5
     out, lse = attend_fwd(q, k, v, scale=scale)
     fwd = device_time(lambda: attend_fwd(q, k, v, scale=scale), device, reps)
-    bwd = device_time(lambda: attend_bwd(dout, q, k, v, out.to(dtype), lse, scale=scale), device, reps)
+    bwd = device_time(lambda: attend_bwd(dout, (q, k, v, out.to(dtype), lse), scale=scale), device, reps)
     return 4.0 * b * h * s * s * d, fwd, bwd
 
 

@@ -275,16 +275,17 @@ class _Back:
             geo = _Geo(piece)
             if d == p.me:  # the own block: straight into the output, beside the pushes
                 dst = o.ptr + (self.g * (o.h // p.groups) + p.me * hr) * o.head
-                p._copy_rows(p.local, dst, o.head, o.batch, geo, 0, hr, 0, s_loc)
+                p._copy_rows(p.local, dst, o.head, o.batch, geo, range(hr), range(s_loc))
             else:
                 if len(self.left[d]) == len(p.specs):
                     p._take(OUT, self.half, d, self.g)
                 row = s_loc * o.t * geo.elt
                 address = p.bases[d] + self.base + p.me * lay.out_bytes + lay.outs[i]
-                p._copy_rows(p.side, address, row, hr * row, geo, 0, hr, 0, s_loc)
+                p._copy_rows(p.side, address, row, hr * row, geo, range(hr), range(s_loc))
             if i < len(self.kept_geo):  # a kept result's block: into its (G, B, h, S, tail) tensor
                 k = self.kept_geo[i]
-                p._copy_rows(p.local, k.ptr + d * s_loc * k.t * k.elt, k.head, k.batch, geo, 0, hr, 0, s_loc)
+                p._copy_rows(p.local, k.ptr + d * s_loc * k.t * k.elt, k.head, k.batch, geo, range(hr),
+                             range(s_loc))
             self.left[d].discard(i)
             if d != p.me:  # results 0..i are in the peer's slot: it may copy them out
                 p.rt.signal(p.side, d, p._data(OUT, self.half, p.me), i + 1)
@@ -413,17 +414,18 @@ class _Pipeline:
             self.rt.signal(stream, src, self._free(region, half, self.me), 1)
 
     # ---- copies -----------------------------------------------------------------------------
-    def _copy_rows(self, stream, dst: int, dst_row: int, dst_batch: int, src: _Geo, head0: int, heads: int,
-                   tok0: int, tokens: int) -> None:
-        """Rows (b, head0 + j), tokens [tok0, tok0 + tokens) of src -> dst + b*dst_batch +
-        j*dst_row (bytes), j < heads, one DMA per batch."""
-        width = tokens * src.t * src.elt
+    def _copy_rows(self, stream, dst: int, dst_row: int, dst_batch: int, src: _Geo, heads: range,
+                   tokens: range) -> None:
+        """Rows (b, heads[j]), tokens `tokens` of src -> dst + b*dst_batch + j*dst_row (bytes),
+        one DMA per batch (heads and tokens: ranges of step 1)."""
+        width = len(tokens) * src.t * src.elt
         # one row: its pitch is never used, but the driver wants pitch >= width (a size-1 dim's
         # stride can be anything)
-        src_row, dst_row = (src.head, dst_row) if heads > 1 else (width, width)
-        at = src.ptr + head0 * src.head + tok0 * src.t * src.elt
+        src_row, dst_row = (src.head, dst_row) if len(heads) > 1 else (width, width)
+        at = src.ptr + heads.start * src.head + tokens.start * src.t * src.elt
         for b in range(src.b):
-            self.driver.memcpy2d_async(stream, dst + b * dst_batch, dst_row, at + b * src.batch, src_row, width, heads)
+            self.driver.memcpy2d_async(stream, dst + b * dst_batch, dst_row, at + b * src.batch, src_row, width,
+                                       len(heads))
 
     def _inbound(self, g: int, start) -> Callable[[], list[Tensor]]:
         """Push group g's inputs to every rank (own piece included); returns the compute-side
@@ -441,8 +443,9 @@ class _Pipeline:
             for x, off in zip(self.x_geo, lay.ins):
                 hd = x.h // (self.groups * n)
                 block = s_loc * x.t * x.elt  # one source's tokens of a row
+                first = g * (x.h // self.groups) + d * hd
                 self._copy_rows(stream, self.bases[d] + base + off + self.me * block, n * block, hd * n * block, x,
-                                g * (x.h // self.groups) + d * hd, hd, 0, s_loc)
+                                range(first, first + hd), range(s_loc))
             if d != self.me:
                 self.rt.signal(self.side, d, self._data(IN, half, self.me), 1)
         done = [self._record(self.side), self._record(self.local)]

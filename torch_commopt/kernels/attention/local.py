@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -50,6 +50,18 @@ def cuda_order(device: torch.device) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=None)
 def _cuda_order(index: int) -> tuple[str, ...]:  # once per device: pick() runs per block
     return CUDA_ORDER_SM90 if torch.cuda.get_device_capability(index) >= (9, 0) else CUDA_ORDER
+
+
+class Saved(NamedTuple):
+    """What an attention backward takes of its forward: q, k, v and the forward's out and lse
+    (for a block's gradients: the GLOBAL out and lse of q's rows).  Any 5-sequence in this order
+    does; the backward entries unpack it."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -111,9 +123,10 @@ def attend_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, mask: str = "fu
     return out, lse.to(acc)
 
 
-def attend_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float,
-               mask: str = "full", backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block, given the GLOBAL out and lse of q's rows (all blocks merged).
+def attend_bwd(dout: Tensor, saved: Saved, *, scale: float, mask: str = "full",
+               backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block, given saved = (q, k, v, out, lse) with the GLOBAL out and lse of
+    q's rows (all blocks merged).
 
     dout, out: (B, H, S_q, Dv); q: (B, H, S_q, D); k: (B, H_kv, S_k, D); v: (B, H_kv, S_k, Dv);
     lse: (B, H, S_q).  Returns dq (B, H, S_q, D), dk, dv (B, H_kv, S_k, *) as the kernel gives
@@ -122,6 +135,7 @@ def attend_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     query blocks that saw this K/V (dk, dv): callers add them into acc-dtype buffers, which
     converts on the fly instead of in a separate pass.
     """
+    q, k, v, out, lse = saved
     _check(q, k, v, mask)
     acc = acc_dtype(q.dtype)
     if mask == "skip":

@@ -8,6 +8,11 @@ the forward op into the forward graph and the backward op into the backward grap
 and tests use `cp_attention`, an autograd.Function over the two.
 """
 
+# Custom-op signatures are their schema; everything below them takes value types.  The ops'
+# implementations and fake impls keep every argument the compiled graphs pass (exempt from the
+# eight-parameter rule: tests/test_house_rules.py, CUSTOM_OPS); the schedules they call take
+# Saved and CPOptions (kernels/attention/local.py, schedules.py).
+
 from __future__ import annotations
 
 from typing import Optional
@@ -16,7 +21,8 @@ import torch
 from torch import Tensor
 
 from torch_commopt.kernels.attention import schedules
-from torch_commopt.kernels.attention.local import acc_dtype
+from torch_commopt.kernels.attention.local import Saved, acc_dtype
+from torch_commopt.kernels.attention.schedules import CPOptions
 from torch_commopt.core.attention_spec import CPSchedule
 from torch_commopt.core.groups import resolve_group
 
@@ -55,7 +61,8 @@ def cp_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, schedule: str, causal: 
     Returns out (B, H, S_loc, Dv) in q's dtype, lse (B, H, S_loc) float32 (float64 for float64 q).
     """
     out, lse = schedules.cp_attention_fwd(q, k, v, schedule=schedule, causal=causal, scale=scale,
-                                          group=_group(group_size, group_name), backend=backend, layout=layout)
+                                          group=_group(group_size, group_name),
+                                          options=CPOptions(backend=backend, layout=layout))
     return out.contiguous(), lse.contiguous()  # what the fake impl promises
 
 
@@ -64,8 +71,9 @@ def cp_attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                         backend: str = "auto", layout: str = "contiguous") -> tuple[Tensor, Tensor, Tensor]:
     """Context-parallel attention backward: dout, out (B, H, S_loc, Dv), lse (B, H, S_loc) of the
     forward; q, k, v as there.  Returns dq, dk, dv shaped and typed as q, k, v."""
-    grads = schedules.cp_attention_bwd(dout, q, k, v, out, lse, schedule=schedule, causal=causal, scale=scale,
-                                       group=_group(group_size, group_name), backend=backend, layout=layout)
+    grads = schedules.cp_attention_bwd(dout, Saved(q, k, v, out, lse), schedule=schedule, causal=causal, scale=scale,
+                                       group=_group(group_size, group_name),
+                                       options=CPOptions(backend=backend, layout=layout))
     return tuple(g.contiguous() for g in grads)  # what the fake impl promises
 
 
@@ -75,7 +83,8 @@ def cp_attention_fwd_keep_op(q: Tensor, k: Tensor, v: Tensor, schedule: str, cau
     out (B, H, S_loc, Dv) as cp_attention_fwd's, then q, k, v, out, lse as its attention saw
     them, each (G, B, h, S_m, ...) with head group g's at [g] (schedules.kept_shapes)."""
     out, kept = schedules.cp_attention_fwd_keep(q, k, v, schedule=schedule, causal=causal, scale=scale,
-                                                group=_group(group_size, group_name), backend=backend)
+                                                group=_group(group_size, group_name),
+                                                options=CPOptions(backend=backend))
     return (out.contiguous(), *kept)
 
 
@@ -86,7 +95,7 @@ def cp_attention_bwd_kept_op(dout: Tensor, q_kept: Tensor, k_kept: Tensor, v_kep
     returns dq, dk, dv in the sequence layout (B, H(_kv), S_loc, D)."""
     grads = schedules.cp_attention_bwd_kept(dout, (q_kept, k_kept, v_kept, out_kept, lse_kept), schedule=schedule,
                                             causal=causal, scale=scale, group=_group(group_size, group_name),
-                                            backend=backend)
+                                            options=CPOptions(backend=backend))
     return tuple(g.contiguous() for g in grads)
 
 
@@ -131,14 +140,20 @@ def _(dout, q_kept, k_kept, v_kept, out_kept, lse_kept, schedule, causal, scale,
     return tuple(x.new_empty(shape) for x, shape in zip((q_kept, k_kept, v_kept), shapes))
 
 
+_DEFAULT_OPTIONS = CPOptions()
+
+
 class CPAttention(torch.autograd.Function):
     """out = attention(q, k, v) over the group, differentiable: the two ops in eager autograd."""
 
     @staticmethod
-    def forward(ctx, q, k, v, schedule, causal, scale, group_size, group_name, backend, layout):
+    def forward(ctx, q, k, v, op_args: tuple, layout):
+        """op_args: the ops' arguments after the tensors, in their schemas' order (schedule,
+        causal, scale, group_size, group_name, backend); layout: the sequence layout."""
+        schedule, causal, _, group_size, _, _ = op_args
         # a schedule that moves its inputs keeps them moved for the backward (when there is one)
         ctx.kept = any(ctx.needs_input_grad[:3]) and schedules.moves_inputs(schedule, group_size, causal, layout)
-        ctx.args = (schedule, causal, scale, group_size, group_name, backend)
+        ctx.args = op_args
         if ctx.kept:
             out, *kept = torch.ops.commopt.cp_attention_fwd_keep(q, k, v, *ctx.args)
             ctx.save_for_backward(*kept)
@@ -155,19 +170,23 @@ class CPAttention(torch.autograd.Function):
         else:
             dq, dk, dv = torch.ops.commopt.cp_attention_bwd(dout.contiguous(), *ctx.saved_tensors, *ctx.args,
                                                             ctx.layout)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None
 
 
 def cp_attention(q: Tensor, k: Tensor, v: Tensor, *, schedule: str = "ring", causal: bool = False,
-                 scale: Optional[float] = None, group=None, backend: str = "auto", layout: str = "contiguous") -> Tensor:
+                 scale: Optional[float] = None, group=None, options: CPOptions = _DEFAULT_OPTIONS) -> Tensor:
     """Differentiable context-parallel attention of this rank's shards (shapes as
     cp_attention_fwd_op); group: a ProcessGroup, its name, or None for the default group;
-    layout: how the program shards the sequence -- "contiguous", or "zigzag" (rank r holds
-    chunks r and 2W-1-r of 2W: torch's context_parallel load balancing, head-tail), which
-    ring_zigzag takes without relaying anything.  Under torch.compile pass a ProcessGroup or
-    None: a name is resolved through c10d, which dynamo cannot trace (a graph break, an error
-    with fullgraph=True)."""
+    options (CPOptions): the local kernel (backend) and how the program shards the sequence
+    (layout) -- "contiguous", or "zigzag" (rank r holds chunks r and 2W-1-r of 2W: torch's
+    context_parallel load balancing, head-tail), which ring_zigzag takes without relaying
+    anything; the head groups are the schedule's (g=G), not options.head_groups.  Under
+    torch.compile pass a ProcessGroup or None: a name is resolved through c10d, which dynamo
+    cannot trace (a graph break, an error with fullgraph=True)."""
+    if options.head_groups is not None:
+        raise ValueError("cp_attention: CPOptions.head_groups is for the schedules' entries; name the head groups "
+                         "in the schedule (e.g. 'ulysses:g=2')")
     pg = schedules.as_group(group)
-    return CPAttention.apply(q, k, v, str(CPSchedule.parse(schedule)), causal, scale, pg.size(), pg.group_name,
-                             backend, layout)
+    op_args = (str(CPSchedule.parse(schedule)), causal, scale, pg.size(), pg.group_name, options.backend)
+    return CPAttention.apply(q, k, v, op_args, options.layout)
 

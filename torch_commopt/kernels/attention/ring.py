@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from torch_commopt.kernels.attention import comm
-from torch_commopt.kernels.attention.local import acc_dtype, attend_bwd, attend_fwd
+from torch_commopt.kernels.attention.local import Saved, acc_dtype, attend_bwd, attend_fwd
 from torch_commopt.kernels.attention.merge import Accumulator
 
 Block = tuple[slice, slice, str]  # (query slice, key slice, mask) along the sequence dim
@@ -238,15 +238,18 @@ def ring_fwd(q: Tensor, k: Tensor, v: Tensor, *, scale: float, plan: Plan, group
     return out.to(q.dtype), lse
 
 
-def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float, plan: Plan,
-             group: comm.Group, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ring_fwd given its (global) out and lse; shapes as ring_fwd's inputs.
-    Returns (dq, dk, dv) in the inputs' dtypes, accumulated in the acc dtype."""
+def ring_bwd(dout: Tensor, saved: Saved, *, scale: float, plan: Plan, group: comm.Group,
+             backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ring_fwd given saved = (q, k, v, out, lse), its inputs and (global) out and
+    lse; shapes as ring_fwd's.  Returns (dq, dk, dv) in the inputs' dtypes, accumulated in the
+    acc dtype."""
+    q, k, v, out, lse = saved
     n, p = comm.size(group), comm.rank(group)
     dout, q, out = dout.contiguous(), q.contiguous(), out.to(q.dtype).contiguous()  # once, not per block
     mask = _single_block(plan, n, q.shape[2])
     if mask is not None:  # a ring of one (Ulysses): one block's gradients, as LocalSum and GradRing hand them over
-        dq_b, dk_b, dv_b = attend_bwd(dout, q, k, v, out, lse.contiguous(), scale=scale, mask=mask, backend=backend)
+        dq_b, dk_b, dv_b = attend_bwd(dout, Saved(q, k, v, out, lse.contiguous()), scale=scale, mask=mask,
+                                      backend=backend)
         dq_b = dq_b if dq_b.is_contiguous() else torch.zeros_like(q, dtype=acc_dtype(q.dtype)).add_(dq_b)
         return _unaliased(dq_b.to(q.dtype), dk_b.to(k.dtype).contiguous(), dv_b.to(v.dtype).contiguous())
     dq = LocalSum(q, acc_dtype(q.dtype))
@@ -258,8 +261,9 @@ def ring_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         k_i, v_i = kv.current()
         if i + 1 < n:
             kv.start()
-        parts = [(qs, ks, attend_bwd(_seq(dout, qs), _seq(q, qs), _seq(k_i, ks), _seq(v_i, ks), _seq(out, qs),
-                                     _seq(lse, qs).contiguous(), scale=scale, mask=mask, backend=backend))
+        parts = [(qs, ks, attend_bwd(_seq(dout, qs), Saved(_seq(q, qs), _seq(k_i, ks), _seq(v_i, ks), _seq(out, qs),
+                                                           _seq(lse, qs).contiguous()),
+                                     scale=scale, mask=mask, backend=backend))
                  for qs, ks, mask in steps[i]]
         if i > 0:
             incoming = dkv.receive()  # the sums of the block held now, from the previous rank

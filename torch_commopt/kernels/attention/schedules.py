@@ -43,7 +43,9 @@ backward graphs.  Schedules (spec.py):
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -51,7 +53,7 @@ from torch import Tensor
 
 from torch_commopt.kernels.attention import ce_a2a, comm, own_first
 from torch_commopt.kernels.attention.lane import Lane
-from torch_commopt.kernels.attention.local import acc_dtype, attend_bwd, attend_fwd, default_scale
+from torch_commopt.kernels.attention.local import Saved, acc_dtype, attend_bwd, attend_fwd, default_scale
 from torch_commopt.kernels.attention.merge import Accumulator
 from torch_commopt.kernels.attention.ring import contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
 from torch_commopt.core.attention_spec import AttentionShape, CPSchedule, pipeline_groups, refusal
@@ -71,6 +73,41 @@ def as_group(group: GroupLike) -> dist.ProcessGroup:
 # How the program shards the sequence: rank r holds chunk r of W ("contiguous"), or chunks r and
 # 2W-1-r of 2W ("zigzag": torch context_parallel's head-tail load balancing).
 SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CPOptions:
+    """The knobs of a context-parallel attention call beside its schedule, mask, scale and group,
+    rarely changed.
+
+    backend: the local attention kernel (local.py: "auto", "math", ...).
+    layout: how the program shards the sequence (SEQUENCE_LAYOUTS): "contiguous", or "zigzag"
+        (rank r holds chunks r and 2W-1-r of 2W: torch's context_parallel load balancing); the
+        training forms (cp_attention_fwd_keep / cp_attention_bwd_kept) take "contiguous" only.
+    head_groups: the relayout pipeline's depth (None: the schedule's g=G, else the rule's,
+        spec.pipeline_groups); the schedules' entries here only: the ops and cp_attention take
+        the schedule's g=G.
+    """
+
+    backend: str = "auto"
+    layout: str = "contiguous"
+    head_groups: Optional[int] = None
+
+
+_DEFAULT_OPTIONS = CPOptions()
+
+
+class _Route(NamedTuple):
+    """How a ring-based call's tensors travel (_route): its schedule, mask and group; the ring's
+    plan and group, and the Ulysses group its heads are moved over (None where nothing moves
+    heads)."""
+
+    sched: CPSchedule
+    causal: bool
+    pg: dist.ProcessGroup
+    plan: object
+    ring: object
+    ulysses: object
 
 
 def check(sched: CPSchedule, q: Tensor, k: Tensor, v: Tensor, world: int, causal: bool,
@@ -95,12 +132,10 @@ def check(sched: CPSchedule, q: Tensor, k: Tensor, v: Tensor, world: int, causal
 
 def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CPSchedule], causal: bool,
                      scale: Optional[float] = None, group: GroupLike = None,
-                     backend: str = "auto", layout: str = "contiguous",
-                     head_groups: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """Context-parallel attention forward.  Shapes in the module docstring; `backend` picks
-    the local attention kernel (local.py: "auto", "math", ...); `layout`: how the sequence is
-    sharded (SEQUENCE_LAYOUTS); head_groups: ring_zigzag's relayout pipeline depth (None:
-    spec.zigzag_head_groups).  Returns (out, lse)."""
+                     options: CPOptions = _DEFAULT_OPTIONS) -> tuple[Tensor, Tensor]:
+    """Context-parallel attention forward.  Shapes in the module docstring; options: the local
+    kernel, the sequence layout and the relayout pipeline's depth (CPOptions).  Returns (out, lse)."""
+    backend, layout = options.backend, options.layout
     pg, sched = as_group(group), CPSchedule.parse(schedule)
     check(sched, q, k, v, pg.size(), causal, layout)
     scale = default_scale(q.shape[-1], scale)
@@ -108,36 +143,37 @@ def cp_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CP
         return ring_fwd(q, k, v, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
     if sched.name == "allgather":
         return _allgather_fwd(q, k, v, causal, scale, pg, backend)
-    plan, ring_group, ugroup = _ring_of(sched, pg, causal)
+    route = _route(sched, pg, causal)
 
     def attend(*moved):
-        return ring_fwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
+        return ring_fwd(*moved, scale=scale, plan=route.plan, group=route.ring, backend=backend)
     outs = [(q.shape[:3] + v.shape[3:], q.dtype), (q.shape[:3], acc_dtype(q.dtype))]
-    compute = _early(sched, ugroup, causal, scale, backend) or attend
-    return _moved(sched, causal, [q, k, v], compute, pg, ugroup, _groups(sched, q, k, pg.size(), head_groups), outs,
-                  ring_group=ring_group)
+    compute = _early(sched, route.ulysses, causal, scale, backend) or attend
+    return _moved(route, [q, k, v], compute, _groups(sched, q, k, pg.size(), options.head_groups), outs)
 
 
-def cp_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-                     schedule: Union[str, CPSchedule], causal: bool, scale: Optional[float] = None,
-                     group: GroupLike = None, backend: str = "auto",
-                     layout: str = "contiguous", head_groups: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Context-parallel attention backward, given the forward's (out, lse) (global: merged over
-    all K/V).  dout, out: (B, H, S_loc, Dv); lse: (B, H, S_loc).  Returns (dq, dk, dv)."""
+def cp_attention_bwd(dout: Tensor, saved: Saved, *, schedule: Union[str, CPSchedule], causal: bool,
+                     scale: Optional[float] = None, group: GroupLike = None,
+                     options: CPOptions = _DEFAULT_OPTIONS) -> tuple[Tensor, Tensor, Tensor]:
+    """Context-parallel attention backward, given saved = (q, k, v, out, lse) of the forward
+    (out, lse global: merged over all K/V).  dout, out: (B, H, S_loc, Dv); lse: (B, H, S_loc).
+    Returns (dq, dk, dv)."""
+    q, k, v, out, lse = saved
+    backend, layout = options.backend, options.layout
     pg, sched = as_group(group), CPSchedule.parse(schedule)
     check(sched, q, k, v, pg.size(), causal, layout)
     scale = default_scale(q.shape[-1], scale)
     if layout == "zigzag" and causal:
-        return ring_bwd(dout, q, k, v, out, lse, scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
+        return ring_bwd(dout, Saved(q, k, v, out, lse), scale=scale, plan=zigzag_plan(True), group=pg, backend=backend)
     if sched.name == "allgather":
-        return _allgather_bwd(dout, q, k, v, out, lse, causal, scale, pg, backend)
-    plan, ring_group, ugroup = _ring_of(sched, pg, causal)
+        return _allgather_bwd(dout, Saved(q, k, v, out, lse), causal, scale, pg, backend)
+    route = _route(sched, pg, causal)
 
-    def attend(*moved):
-        return ring_bwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
+    def attend(dout_m, *saved_m):
+        return ring_bwd(dout_m, Saved(*saved_m), scale=scale, plan=route.plan, group=route.ring, backend=backend)
     outs = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
-    return _moved(sched, causal, [dout, q, k, v, out, lse], attend, pg, ugroup,
-                  _groups(sched, q, k, pg.size(), head_groups), outs, ring_group=ring_group, backward=True)
+    return _moved(route, [dout, q, k, v, out, lse], attend, _groups(sched, q, k, pg.size(), options.head_groups),
+                  outs, backward=True)
 
 
 # ---- the training forms of the schedules that move their inputs ------------------------------
@@ -188,11 +224,13 @@ def unkept_shapes(schedule: Union[str, CPSchedule], q_m, k_m, v_m, world: int) -
 
 
 def cp_attention_fwd_keep(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[str, CPSchedule], causal: bool,
-                          scale: Optional[float] = None, group: GroupLike = None, backend: str = "auto",
-                          head_groups: Optional[int] = None) -> tuple[Tensor, tuple[Tensor, ...]]:
+                          scale: Optional[float] = None, group: GroupLike = None,
+                          options: CPOptions = _DEFAULT_OPTIONS) -> tuple[Tensor, tuple[Tensor, ...]]:
     """The training forward of a schedule that moves its inputs (moves_inputs; contiguous
     program layout): out (B, H, S_loc, Dv) as cp_attention_fwd's, and the kept q, k, v, out,
     lse (kept_shapes) for cp_attention_bwd_kept.  The lse is not moved back."""
+    backend, head_groups = options.backend, options.head_groups
+    _contiguous_only(options)
     pg, sched = as_group(group), CPSchedule.parse(schedule)
     check(sched, q, k, v, pg.size(), causal)
     if not moves_inputs(sched, pg.size(), causal):
@@ -201,37 +239,46 @@ def cp_attention_fwd_keep(q: Tensor, k: Tensor, v: Tensor, *, schedule: Union[st
     kept = [torch.empty(shape, dtype=dt, device=q.device) for shape, dt in
             kept_shapes(sched, q, k, v, pg.size(), head_groups)]
     groups, step = kept[0].shape[0], iter(range(kept[0].shape[0]))
-    plan, ring_group, ugroup = _ring_of(sched, pg, causal)
+    route = _route(sched, pg, causal)
 
     def attend(*moved):
-        out_h, lse_h = ring_fwd(*moved, scale=scale, plan=plan, group=ring_group, backend=backend)
+        out_h, lse_h = ring_fwd(*moved, scale=scale, plan=route.plan, group=route.ring, backend=backend)
         kept[4][next(step)].copy_(lse_h)
         return (out_h,)
-    compute = _early(sched, ugroup, causal, scale, backend, kept[4]) or attend
-    (out,) = _moved(sched, causal, [q, k, v], compute, pg, ugroup, groups, [(q.shape[:3] + v.shape[3:], q.dtype)],
-                    kept[:3], kept[3:4], ring_group=ring_group)
+    compute = _early(sched, route.ulysses, causal, scale, backend, kept[4]) or attend
+    (out,) = _moved(route, [q, k, v], compute, groups, [(q.shape[:3] + v.shape[3:], q.dtype)], kept[:3], kept[3:4])
     return out, tuple(kept)
 
 
 def cp_attention_bwd_kept(dout: Tensor, kept: tuple[Tensor, ...], *, schedule: Union[str, CPSchedule], causal: bool,
                           scale: Optional[float] = None, group: GroupLike = None,
-                          backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+                          options: CPOptions = _DEFAULT_OPTIONS) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of cp_attention_fwd_keep: dout (B, H, S_loc, Dv) and its kept tensors.
     Only dout moves to the attention's layout (head group by head group, as the forward's
-    groups); returns dq, dk, dv in the sequence layout, typed as q, k, v."""
+    groups); returns dq, dk, dv in the sequence layout, typed as q, k, v.  options: its
+    backend (the head groups are the kept tensors')."""
+    backend = options.backend
+    _contiguous_only(options)
     pg, sched = as_group(group), CPSchedule.parse(schedule)
     shapes = check_kept(sched, dout, kept, pg.size(), causal)
     q_m, k_m, v_m, out_m, lse_m = kept
     scale = default_scale(q_m.shape[-1], scale)
     groups, step = q_m.shape[0], iter(range(q_m.shape[0]))
-    plan, ring_group, ugroup = _ring_of(sched, pg, causal)
+    route = _route(sched, pg, causal)
 
     def attend(dout_h):
         g = next(step)
-        return ring_bwd(dout_h, q_m[g], k_m[g], v_m[g], out_m[g], lse_m[g], scale=scale, plan=plan, group=ring_group,
-                        backend=backend)
+        return ring_bwd(dout_h, Saved(q_m[g], k_m[g], v_m[g], out_m[g], lse_m[g]), scale=scale, plan=route.plan,
+                        group=route.ring, backend=backend)
     outs = [(shape, t.dtype) for shape, t in zip(shapes, (q_m, k_m, v_m))]
-    return _moved(sched, causal, [dout], attend, pg, ugroup, groups, outs, ring_group=ring_group, backward=True)
+    return _moved(route, [dout], attend, groups, outs, backward=True)
+
+
+def _contiguous_only(options: CPOptions) -> None:
+    """The training forms run on a contiguous program layout (a zigzag one moves nothing)."""
+    if options.layout != "contiguous":
+        raise ValueError(f"cp attention: the training forms take the contiguous layout, got CPOptions.layout="
+                         f"{options.layout!r} (use cp_attention_fwd / cp_attention_bwd)")
 
 
 def check_kept(sched: CPSchedule, dout, kept, world: int, causal: bool) -> list[tuple]:
@@ -271,28 +318,28 @@ def _spread(sched: CPSchedule, world: int) -> int:
     return 1 if sched.name == "ring_zigzag" else sched.degrees(world)[0]
 
 
-def _ring_of(sched: CPSchedule, pg: dist.ProcessGroup, causal: bool):
-    """(ring plan, ring group, Ulysses group) of a ring-based schedule on a contiguous program:
-    causal ring_zigzag's ring over the whole group on the zigzag chunks, else the hybrid's two
-    sub-groups (ring: a Ulysses group of one; ulysses: a ring of one; ring_zigzag without a
-    mask: ring)."""
+def _route(sched: CPSchedule, pg: dist.ProcessGroup, causal: bool) -> _Route:
+    """The ring plan, ring group and Ulysses group of a ring-based schedule on a contiguous
+    program: causal ring_zigzag's ring over the whole group on the zigzag chunks, else the
+    hybrid's two sub-groups (ring: a Ulysses group of one; ulysses: a ring of one; ring_zigzag
+    without a mask: ring)."""
     if sched.name == "ring_zigzag" and causal:
-        return zigzag_plan(True), pg, None
+        return _Route(sched, causal, pg, zigzag_plan(True), pg, None)
     ugroup, rgroup = comm.hybrid_groups(pg, *sched.degrees(pg.size()))
-    return contiguous_plan(causal), rgroup, ugroup
+    return _Route(sched, causal, pg, contiguous_plan(causal), rgroup, ugroup)
 
 
-def _moved(sched: CPSchedule, causal: bool, xs, attend, pg, ugroup, groups: int, outs, keep_in=None, keep_out=None,
-           ring_group=None, backward: bool = False):
+def _moved(route: _Route, xs, attend, groups: int, outs, keep_in=None, keep_out=None, backward: bool = False):
     """attend per head group, its inputs moved there and its results back: causal ring_zigzag's
-    relayouts, else Ulysses's all-to-alls (none for a Ulysses group of one; outs: the results'
-    sequence-layout specs).  ring_group: attend's own ring (None: a ring of one, which moves
-    nothing, so its head groups may run concurrently where ce_a2a's group streams are asked for
-    this pass -- both passes' by default; `backward` says which pass this is)."""
-    if sched.name == "ring_zigzag" and causal:
-        return _zigzag_pipelined(xs, attend, pg, groups, keep_in, keep_out)
-    return _ulysses_pipelined(xs, attend, ugroup, groups, outs, keep_in, keep_out,
-                              concurrent=comm.size(ring_group) == 1 and ce_a2a.group_streams_asked(backward))
+    relayouts, else Ulysses's all-to-alls over route.ulysses (none for a Ulysses group of one;
+    outs: the results' sequence-layout specs).  route.ring: attend's own ring (None: a ring of
+    one, which moves nothing, so its head groups may run concurrently where ce_a2a's group
+    streams are asked for this pass -- both passes' by default; `backward` says which pass
+    this is)."""
+    if route.sched.name == "ring_zigzag" and route.causal:
+        return _zigzag_pipelined(xs, attend, route.pg, groups, keep_in, keep_out)
+    return _ulysses_pipelined(xs, attend, route.ulysses, groups, outs, keep_in, keep_out,
+                              concurrent=comm.size(route.ring) == 1 and ce_a2a.group_streams_asked(backward))
 
 
 def _groups(sched: CPSchedule, q, k, world: int, head_groups: Optional[int]) -> int:
@@ -309,7 +356,7 @@ def _zigzag_pipelined(xs: list[Tensor], ring, group: dist.ProcessGroup, groups: 
 
     def back(results, async_op, out):
         return comm.relayout(results, group, comm.zigzag_chunks, comm.contiguous_chunks, async_op=async_op, out=out)
-    return _pipelined("ring_zigzag", xs, there, ring, back, lambda shape: shape, groups, keep_in, keep_out)
+    return _pipelined("ring_zigzag", xs, ring, _Moves(there, back, lambda shape: shape), groups, keep_in, keep_out)
 
 
 def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int, outs, keep_in=None, keep_out=None,
@@ -344,11 +391,23 @@ def _ulysses_pipelined(xs: list[Tensor], ring, ugroup, groups: int, outs, keep_i
 
     def shape(s):
         return (s[0], n * s[1], s[2] // n) + tuple(s[3:])
-    return _pipelined("ulysses", xs, there, ring, back, shape, groups, keep_in, keep_out, comm.rank(ugroup), n)
+    return _pipelined("ulysses", xs, ring, _Moves(there, back, shape, comm.rank(ugroup), n), groups, keep_in, keep_out)
 
 
-def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, groups: int, keep_in=None, keep_out=None,
-               me: int = 0, n: int = 1):
+class _Moves(NamedTuple):
+    """How _pipelined moves a head group: there(parts, async_op) its inputs to the attention's
+    layout, back(results, async_op, out) its results back into `out`; back_shape: a result's
+    shape after the move back; me, n: this rank's place among the n ranks a head group's heads
+    are split over (the own pieces a staged compute starts on)."""
+
+    there: Callable
+    back: Callable
+    back_shape: Callable
+    me: int = 0
+    n: int = 1
+
+
+def _pipelined(name: str, xs: list[Tensor], compute, moves: _Moves, groups: int, keep_in=None, keep_out=None):
     """compute(*moved xs) per head group, pipelined: group g+1's inputs are moved (there) while
     group g computes, and group g's results move back while group g+1 computes, so only the
     first group's inputs and the last group's results are exposed.  The moves run on a side
@@ -357,12 +416,12 @@ def _pipelined(name: str, xs: list[Tensor], there, compute, back, back_shape, gr
     K/V), so every query head keeps its K/V head (GQA: head i reads kv head i // (H/H_kv));
     each group's results are written into their head slice of the outputs (no concatenation).
     compute is called once per group, in group order.
-    there(parts, async_op) / back(results, async_op, out): comm moves; back_shape: a result's
-    shape after the move back.  keep_in / keep_out (cp_attention_fwd_keep): tensors
+    moves: how a group's tensors move there and back (_Moves).  keep_in / keep_out (cp_attention_fwd_keep): tensors
     (G, ...) that receive group g's moved inputs / its results at [g] (None: not kept).
     compute may be staged (own_first.Forward; Ulysses only): early(g, own) on this
     rank's own pieces (rank `me` of the n it splits heads over) before the moved inputs are
     waited for, then rest(g, moved), whose pieces are put together into whole results here."""
+    there, back, back_shape, me, n = moves
     if groups < 1 or any(x.shape[1] % groups for x in xs):
         raise ValueError(f"cp attention {name}: {groups} head groups do not divide the heads {[x.shape[1] for x in xs]}")
     lane = Lane(xs[0].device)
@@ -453,14 +512,15 @@ def _allgather_fwd(q, k, v, causal, scale, group, backend):
     return out.to(q.dtype), lse
 
 
-def _allgather_bwd(dout, q, k, v, out, lse, causal, scale, group, backend):
+def _allgather_bwd(dout, saved: Saved, causal, scale, group, backend):
+    q, k, v, out, lse = saved
     keys, values = _gather_kv(k, v, group)
     acc = acc_dtype(q.dtype)
     dq = torch.zeros_like(q, dtype=acc)
     dkv = torch.zeros(keys.shape[:3] + (k.shape[-1] + v.shape[-1],), dtype=acc, device=q.device)
     for ks, mask in _gathered_blocks(group.rank(), q.shape[2], causal):
-        dq_b, dk_b, dv_b = attend_bwd(dout, q, keys[:, :, ks], values[:, :, ks], out, lse, scale=scale, mask=mask,
-                                      backend=backend)
+        dq_b, dk_b, dv_b = attend_bwd(dout, Saved(q, keys[:, :, ks], values[:, :, ks], out, lse), scale=scale,
+                                      mask=mask, backend=backend)
         dq.add_(dq_b)
         dkv[:, :, ks].add_(torch.cat([dk_b, dv_b], dim=-1))
     dkv = reduce_scatter(dkv, 2, "sum", group, async_op=False).wait()  # dK/dV travel in fp32

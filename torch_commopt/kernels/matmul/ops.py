@@ -6,6 +6,11 @@ imported on first use) run on CUDA tensors; the reference schedules in plain tor
 run on any backend (gloo, NCCL, fake) and are the GPU schedules' twins elsewhere.
 """
 
+# Custom-op signatures are their schema; everything below them takes value types.  The ops'
+# definitions and fake impls keep every argument the compiled graphs pass (exempt from the
+# eight-parameter rule: tests/test_house_rules.py, CUSTOM_OPS); the schedules they call take
+# a Product (kernels/matmul/product.py) and the like.
+
 from __future__ import annotations
 
 import collections
@@ -25,6 +30,7 @@ from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels import scaled
 from torch_commopt.kernels.gpu.call_graphs import capturing
 from torch_commopt.kernels.matmul import sequential
+from torch_commopt.kernels.matmul.product import Product
 from torch_commopt.kernels.matmul.reference.ag_matmul import ag_matmul_reference
 from torch_commopt.kernels.matmul.reference.matmul_reduce import matmul_ar_reference, matmul_rs_reference
 
@@ -295,14 +301,14 @@ def matmul_rs(
     if sched.is_gpu:
         from torch_commopt.kernels.matmul.gpu.matmul_reduce import matmul_rs_gpu
 
-        out = _on_gpu("matmul_rs", sched, lambda: matmul_rs_gpu(a, weight, bias, scatter_dim, reduce_op, group_name,
-                                                                sched, sc, parts))
+        out = _on_gpu("matmul_rs", sched, lambda: matmul_rs_gpu(Product(a, weight, bias, sc, parts), scatter_dim,
+                                                                reduce_op, group_name, sched))
         if out is not None:
             return out
         sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
         return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc, parts)  # e.g. autotune's winner
-    return matmul_rs_reference(a, weight, bias, scatter_dim, reduce_op, group_name, str(sched), sc, parts)
+    return matmul_rs_reference(Product(a, weight, bias, sc, parts), scatter_dim, reduce_op, group_name, str(sched))
 
 
 def k_parts(a: Tensor, weight: Tensor, more_a, more_w, scaled_product: bool) -> tuple[tuple[Tensor, Tensor], ...]:
@@ -379,14 +385,14 @@ def matmul_ar(
     if sched.is_gpu:
         from torch_commopt.kernels.matmul.gpu.matmul_reduce import matmul_ar_gpu
 
-        out = _on_gpu("matmul_ar", sched, lambda: matmul_ar_gpu(a, weight, bias, reduce_op, group_name, sched, sc,
-                                                                parts))
+        out = _on_gpu("matmul_ar", sched, lambda: matmul_ar_gpu(Product(a, weight, bias, sc, parts), reduce_op,
+                                                                group_name, sched))
         if out is not None:
             return out
         sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, [weight], None, group_size, cut=False):
         return sequential.matmul_ar(a, weight, bias, reduce_op, group_name, sc, parts)  # e.g. autotune's winner
-    return matmul_ar_reference(a, weight, bias, reduce_op, group_name, str(sched), sc, parts)
+    return matmul_ar_reference(Product(a, weight, bias, sc, parts), reduce_op, group_name, str(sched))
 
 
 @torch.library.register_fake("commopt::matmul_ar")

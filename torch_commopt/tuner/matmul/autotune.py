@@ -345,7 +345,7 @@ def winner(measured: dict[str, float], margin: float = 0.0, host: dict[str, floa
     return best
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Timing:
     """How measure_candidates times its candidates.
 
@@ -364,7 +364,7 @@ class Timing:
     order: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Readings:
     """What measure_candidates reports beside its figures, each into the container given
     (None: not kept).

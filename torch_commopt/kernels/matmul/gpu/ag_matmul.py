@@ -217,9 +217,9 @@ def _consume_whole(call: _Gather, slots, cur):
 
 
 def _piece_matmuls(rows, full, wide: Expanded, mm: Products, lay: RowLayout, block, lo, hi):
-    """Rows [lo, hi) of rank-block `block` of each output (full: mm.outs as matrices) <- `rows`
-    @ weights[i] (+ biases[i]).  wide: the call's Expanded of the weights (used at outer > 1;
-    shared by its pieces)."""
+    """Rows [lo, hi) of rank-block `block` of each output (full: mm.outs as matrices) <-
+    `rows` @ weights[i] (+ biases[i]).  wide: the call's Expanded of the weights (used at
+    outer > 1; shared by its pieces)."""
     weights, biases, sc = mm.weights, mm.biases, mm.sc
     if lay.outer != 1 and sc is None:  # rows of several outer blocks: one batched GEMM writes the strided destination
         blocks = (hi - lo) // lay.lin
