@@ -88,8 +88,8 @@ def programs():
         return [total.chunk(world)[dist.get_rank()] if scatter else total]
 
     return {
-        "ag_qk": (ag_qk, lambda r, w, l, s: ag_inputs(r, w, l, s, 2), ag_ref),
-        "ag_bias": (ag_bias, lambda r, w, l, s: ag_inputs(r, w, l, s, 1, bias=True), ag_ref),
+        "ag_qk": (ag_qk, lambda r, w, rows, s: ag_inputs(r, w, rows, s, 2), ag_ref),
+        "ag_bias": (ag_bias, lambda r, w, rows, s: ag_inputs(r, w, rows, s, 1, bias=True), ag_ref),
         "rs": (rs, red_inputs, lambda inp, w: red_ref(inp, w, True)),
         "ar": (ar, red_inputs, lambda inp, w: red_ref(inp, w, False)),
     }

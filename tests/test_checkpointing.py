@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_programs import run_checkpointed_block
+
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 
 from dist_programs import run_dp_tp_block
+
 from torch_commopt.testing.launch import run_distributed
-from torch_commopt.tuner.matmul.autotune import Progress
 from torch_commopt.testing.validate import within_tolerance
+from torch_commopt.tuner.matmul.autotune import Progress
 
 OPTIONS = [{}, {"schedule": "chunked", "chunks": 2}, {"mode": "autotune"}]
 

@@ -5,8 +5,8 @@ a float64 run of the same program."""
 from __future__ import annotations
 
 import pytest
-
 from dist_programs import run_funcol_programs, run_models
+
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 

@@ -8,13 +8,14 @@ Importing registers the custom ops (`torch.ops.commopt.*`) and the backend; it t
 neither CUDA nor any process group.
 """
 
+from torch_commopt.backend import commopt_backend
+from torch_commopt.backend import register as _register
 from torch_commopt.config import Config
-from torch_commopt.report import ExplainReport, explain, reset_explain
-from torch_commopt.kernels.matmul import ops as _ops  # noqa: F401  (registers torch.ops.commopt.*)
-from torch_commopt.kernels.attention import ops as _attention_ops  # noqa: F401  (and commopt.cp_attention_*)
-from torch_commopt.backend import commopt_backend, register as _register
 from torch_commopt.core.schedule import Schedule
+from torch_commopt.kernels.attention import ops as _attention_ops  # noqa: F401  (and commopt.cp_attention_*)
+from torch_commopt.kernels.matmul import ops as _ops  # noqa: F401  (registers torch.ops.commopt.*)
 from torch_commopt.optimize import optimize
+from torch_commopt.report import ExplainReport, explain, reset_explain
 
 _register()
 

@@ -1,4 +1,5 @@
-"""The command line (`python -m torch_commopt`, `torch-commopt`): `python -m torch_commopt demo [--world N] [--schedule S] [--chunks C]` and
+"""The command line (`python -m torch_commopt`, `torch-commopt`):
+`python -m torch_commopt demo [--world N] [--schedule S] [--chunks C]` and
 `python -m torch_commopt calibrate [--world N] [--backend B] [--cache-dir D]` and
 `python -m torch_commopt explain (--shape KIND:ROWSxKxN | --attention B,H,HKV,S,D[:causal][:train]) ...
 [--world N] [--device NAME]` and
@@ -23,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="TP+SP Llama block compiled with commopt, with a numerics check")
     demo.add_argument("--world", type=int, default=2)
-    demo.add_argument("--schedule", default="auto", help="auto, sequential, chunked, ce_push, ce_pull, direct, fused or a full schedule string")
+    demo.add_argument("--schedule", default="auto",
+                      help="auto, sequential, chunked, ce_push, ce_pull, direct, fused or a full schedule string")
     demo.add_argument("--chunks", type=int, default=4)
     demo.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     demo.add_argument("-v", "--verbose", action="store_true", help="log commopt's decisions")

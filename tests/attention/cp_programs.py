@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torch_commopt.core.attention_spec import CPSchedule, refusal
 from torch_commopt.kernels.attention import comm, local, schedules
-from torch_commopt.core.attention_spec import refusal
-from torch_commopt.kernels.attention.ops import cp_attention
-from torch_commopt.kernels.attention.schedules import CPOptions, cp_attention_bwd, cp_attention_fwd
 from torch_commopt.kernels.attention.local import acc_dtype
+from torch_commopt.kernels.attention.ops import cp_attention
 from torch_commopt.kernels.attention.ring import GradRing, contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
-from torch_commopt.core.attention_spec import CPSchedule
+from torch_commopt.kernels.attention.schedules import CPOptions, cp_attention_bwd, cp_attention_fwd
 from torch_commopt.testing.validate import rel_err
+
 
 def hybrids(world: int) -> list[str]:
     """Every Ulysses x ring factorization of the world (hybrid:1:W ... hybrid:W:1)."""
@@ -541,7 +541,7 @@ def run_compiled_wrapper(rank: int, world: int, seed: int = 0) -> list[tuple[str
         return torch.tanh(cp_attention(q * 1.5, k, v, schedule=case.schedule, causal=True))
 
     results = []
-    for label, f in (("eager", fn), ("compiled", torch.compile(fn, backend="aot_eager", fullgraph=True))):
+    for _label, f in (("eager", fn), ("compiled", torch.compile(fn, backend="aot_eager", fullgraph=True))):
         args = [t.clone().requires_grad_(True) for t in (q, k, v)]
         out = f(*args)
         out.backward(dout)

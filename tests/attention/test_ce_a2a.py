@@ -4,9 +4,9 @@ test_switches.py; the GPU protocol itself is tested in tests/gpu/test_cp_attenti
 
 from __future__ import annotations
 
+import cp_programs
 import torch
 
-import cp_programs
 from torch_commopt.kernels.attention import ce_a2a
 from torch_commopt.testing.launch import run_distributed
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from compiled_programs import close
 
 from torch_commopt.testing.launch import run_distributed
-from compiled_programs import close
 from torch_commopt.testing.validate import TOLERANCE_FACTOR
 
 # Four ranks on the CI's two cores: the world-4 Ulysses programs are held to 100x eager

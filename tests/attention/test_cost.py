@@ -7,8 +7,7 @@ import math
 
 import pytest
 
-from torch_commopt.tuner.attention.cost import CPMachine, candidates, estimate_ms, rank_schedules
-from torch_commopt.tuner.attention.cost import DEPTH_MARGIN
+from torch_commopt.tuner.attention.cost import DEPTH_MARGIN, CPMachine, candidates, estimate_ms, rank_schedules
 
 MACHINE = CPMachine(link_bytes_per_s=100e9, alpha_s=10e-6, flops_per_s=400e12, launch_s=5e-6)
 GQA = (1, 32, 8)  # batch, heads, kv heads
@@ -200,7 +199,12 @@ def test_short_ulysses_calls_are_host_bound_and_one_head_group_ranks_first(monke
     import dataclasses
 
     from torch_commopt.kernels.attention import ce_a2a
-    from torch_commopt.tuner.attention.cost import HOST_CALL_S, HOST_PASS_CONCURRENT_S, HOST_PASS_S, machine_from_calibration
+    from torch_commopt.tuner.attention.cost import (
+        HOST_CALL_S,
+        HOST_PASS_CONCURRENT_S,
+        HOST_PASS_S,
+        machine_from_calibration,
+    )
     from torch_commopt.tuner.calibration import prior
 
     for name in (ce_a2a.ENV, ce_a2a.GROUP_STREAMS_ENV):

@@ -8,9 +8,9 @@ rank sent; the refusals; the wrapper under torch.compile and opcheck of the two 
 
 from __future__ import annotations
 
+import cp_programs
 import pytest
 
-import cp_programs
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 

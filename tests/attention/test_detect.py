@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from dist_programs import all_gather_on, funcol_gather
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
 
-from dist_programs import all_gather_on, funcol_gather
 from torch_commopt.passes.attention.detect import find_attention
 
 worlds = pytest.mark.parametrize("fake_world", [2, 4], indirect=True)

@@ -58,13 +58,13 @@ def test_bf16_partial_merges_into_an_fp32_accumulator():
 
 def test_an_empty_side_gives_the_other_side_and_two_empty_sides_no_nan():
     q, k, v = _qkv(1)
-    o, l = attend_fwd(q, k, v, scale=0.25, backend="math")
+    o, lse = attend_fwd(q, k, v, scale=0.25, backend="math")
     acc_o, acc_l = empty_accumulator(q, v.shape[-1], torch.float64)
-    merge_(acc_o, acc_l, o, l)
-    assert torch.equal(acc_o, o) and torch.equal(acc_l, l)
+    merge_(acc_o, acc_l, o, lse)
+    assert torch.equal(acc_o, o) and torch.equal(acc_l, lse)
     skip_o, skip_l = attend_fwd(q, k, v, scale=0.25, mask="skip")
     merge_(acc_o, acc_l, skip_o, skip_l)
-    assert torch.equal(acc_o, o) and torch.equal(acc_l, l)
+    assert torch.equal(acc_o, o) and torch.equal(acc_l, lse)
     e_o, e_l = empty_accumulator(q, v.shape[-1], torch.float64)
     merge_(e_o, e_l, skip_o, skip_l)
     assert not e_o.isnan().any() and (e_o == 0).all() and torch.isneginf(e_l).all()

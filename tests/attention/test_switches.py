@@ -49,8 +49,8 @@ def test_only_a_ring_of_one_runs_its_head_groups_concurrently(monkeypatch):
     """schedules._moved tells the all-to-all pipeline whether the attention it runs per group
     makes collective calls of its own (a ring over more than one rank): only pure Ulysses's
     groups may run on two streams."""
-    from torch_commopt.kernels.attention import schedules
     from torch_commopt.core.attention_spec import CPSchedule
+    from torch_commopt.kernels.attention import schedules
 
     seen = []
     monkeypatch.setattr(schedules, "_ulysses_pipelined", lambda *a, concurrent=False, **k: seen.append(concurrent))

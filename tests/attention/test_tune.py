@@ -8,9 +8,9 @@ import json
 import pytest
 from compiled_programs import close
 
-from torch_commopt.tuner.attention import tune
 from torch_commopt.core.attention_spec import AttentionShape
 from torch_commopt.testing.launch import run_distributed
+from torch_commopt.tuner.attention import tune
 
 # compiled_programs.compiled_cp's program: global q (2, 4, 16, 16), k/v with 2 heads (GQA)
 SHAPE = "2,4,2,16,16"

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torch_commopt  # noqa: F401  (registers the ops)
-from torch_commopt.kernels.attention.ops import CPOptions, cp_attention
 from torch_commopt.core.attention_spec import refusal
+from torch_commopt.kernels.attention.ops import CPOptions, cp_attention
 from torch_commopt.testing.validate import rel_err
 
 # (B, H, H_kv, S_loc, D, causal)

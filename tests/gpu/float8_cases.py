@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from kernel_cases import _compare, _poison, _rel
 
 import torch_commopt  # noqa: F401  (registers the ops)
-from kernel_cases import _compare, _poison, _rel
 from torch_commopt.core.schedule import Schedule
 
 FP8 = torch.float8_e4m3fn

@@ -17,8 +17,11 @@ import torch.distributed as dist
 import torch_commopt  # noqa: F401  (registers the ops)
 from torch_commopt.core.schedule import Schedule
 
-AG_SCHEDULES = ["local_first", "ce_push:1", "ce_push:3", "ce_push:1:par=1", "ce_push:3:par=1", "ce_push:1:gemm=whole", "ce_push:2:gemm=whole", "fused:1", "fused:4", "fused:2:bk=64,bm=64,bn=128,stages=3,warps=4", "fused:1:tma=1", "fused:3:tma=1"]
-RS_SCHEDULES = ["ce_push:1", "ce_push:3", "ce_pull:1", "ce_pull:3", "direct:1", "direct:2", "fused:2:store=direct", "fused:3:store=ce",
+AG_SCHEDULES = ["local_first", "ce_push:1", "ce_push:3", "ce_push:1:par=1", "ce_push:3:par=1", "ce_push:1:gemm=whole",
+                "ce_push:2:gemm=whole", "fused:1", "fused:4", "fused:2:bk=64,bm=64,bn=128,stages=3,warps=4", "fused:1:tma=1",
+                "fused:3:tma=1"]
+RS_SCHEDULES = ["ce_push:1", "ce_push:3", "ce_pull:1", "ce_pull:3", "direct:1", "direct:2", "fused:2:store=direct",
+                "fused:3:store=ce",
                 "fused:1:bm=64,bn=128,store=ce,warps=4", "fused:2:store=direct,tma=1", "fused:1:store=ce,tma=1"]
 AR_SCHEDULES = ["ce_push:2", "ce_pull:2", "direct:1", "direct:3"]
 
@@ -363,7 +366,8 @@ def run_compiled_dynamic(rank: int, world: int, seqs: tuple[int, ...], shape: di
     return [(q, [(e.name, e.compiled, e.eager) for e in errs]) for q, errs in per_seq], schedules, ran, skipped
 
 
-GRAPH_CASES = [("ag", "ce_push:2"), ("ag", "ce_push:1:par=1"), ("ag", "ce_push:1:gemm=whole"), ("ag", "fused:2"), ("ag", "fused:2:tma=1"), ("rs", "ce_push:2"), ("rs", "direct:1"), ("rs", "ce_pull:2"),
+GRAPH_CASES = [("ag", "ce_push:2"), ("ag", "ce_push:1:par=1"), ("ag", "ce_push:1:gemm=whole"), ("ag", "fused:2"),
+               ("ag", "fused:2:tma=1"), ("rs", "ce_push:2"), ("rs", "direct:1"), ("rs", "ce_pull:2"),
                ("ar", "direct:2"), ("ar", "ce_push:1"), ("ar", "ce_pull:1"),
                ("rs", "fused:2:store=direct")]  # inside a capture it runs ce_push:2 (its barrier counts epochs)
 
@@ -415,7 +419,8 @@ def run_graph_replay(rank: int, world: int, replays: int = 4):
             graph.replay()
             got = out.clone()
             eager = _graph_call(op, a2, w2, "ce_push:1")
-            pending += [(f"graph {op} {sched} replay {rep}", got, truth), (f"eager after graph {op} {sched} #{rep}", eager, truth2)]
+            pending += [(f"graph {op} {sched} replay {rep}", got, truth),
+                        (f"eager after graph {op} {sched} #{rep}", eager, truth2)]
         torch.cuda.synchronize()
         results += [(name, _rel(x, t), 8e-3) for name, x, t in pending]
         seed += 50
@@ -483,6 +488,7 @@ def run_compiled_cuda_graphs_short(rank: int, world: int, options: dict, calls: 
     check "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"; the measurement
     now runs on a helper thread.)"""
     import torch.distributed._functional_collectives as funcol
+
     from torch_commopt.tuner.matmul import autotune
 
     torch.manual_seed(rank)

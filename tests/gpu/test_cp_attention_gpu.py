@@ -10,8 +10,8 @@ all-to-alls (TORCH_COMMOPT_ATTENTION_A2A=nccl)."""
 from __future__ import annotations
 
 import pytest
-
 from attention_cases import run_cp_attention_cases
+
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 

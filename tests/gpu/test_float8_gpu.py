@@ -4,8 +4,8 @@ twins and NCCL + _scaled_mm (see float8_cases)."""
 from __future__ import annotations
 
 import pytest
-
 from float8_cases import run_float8_cases
+
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 

@@ -66,10 +66,10 @@ def test_fused_tma_small_shard(one_gpu):
 
 def _run_rs(one_gpu, monkeypatch, *, world, m_seg, k, n, lin=None, kmajor=True, direct=True, tma=1, alpha=1.0,
             dtype=torch.bfloat16, seed=0, want_tma=None, bases_aligned=True):
+    from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS
     from torch_commopt.kernels.matmul.gpu import tma as tma_mod
     from torch_commopt.kernels.matmul.gpu.layout import cdiv
     from torch_commopt.kernels.matmul.gpu.matmul_reduce import RsSegments, RsSignals, RsTargets, launch_rs_fused
-    from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS
 
     took = []
     descriptors = tma_mod.descriptors

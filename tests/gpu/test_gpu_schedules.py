@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
-
 from kernel_cases import run_alloc_failure, run_auto_cases, run_back_to_back, run_debug_timeout, run_schedule_cases
+
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 
@@ -152,7 +152,7 @@ def test_compiled_dynamic_shapes_pick_per_call(two_ranks):
     for per_seq, schedules, ran, skipped in run_distributed(run_compiled_dynamic, two_ranks[0], (8192, 256, 8192),
                                                             shape, backend=two_ranks[1], timeout_s=300):
         if skipped:  # the funcol form of the same MLP ran instead (see run_compiled_dynamic)
-            warnings.warn(skipped)
+            warnings.warn(skipped, stacklevel=2)
             # dynamo compiles the funcol MLP static at its first size (the rule's fixed pick there)
             # and with symbolic rows at the second: auto must pick NCCL + cuBLAS for the short one
             assert any(s.startswith("auto") for s in schedules), schedules

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
 from dist_programs import run_funcol_programs, run_models
 from reference_programs import run_reference_cases
+
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
+
 SCHEDULES = [{"schedule": "sequential"}, {"schedule": "chunked", "chunks": 3}]
 
 

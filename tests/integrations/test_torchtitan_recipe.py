@@ -25,11 +25,12 @@ if getattr(torchtitan, "__version__", None) != "0.2.2":
     pytest.skip(f"the recipe targets torchtitan 0.2.2, found {getattr(torchtitan, '__version__', '?')}",
                 allow_module_level=True)
 
+from torchtitan.config import ConfigManager  # noqa: E402
+
 import torch_commopt  # noqa: E402
 from torch_commopt.integrations.torchtitan.config import Commopt  # noqa: E402
 from torch_commopt.integrations.torchtitan.parallelize import parallelize_llama_commopt  # noqa: E402
 from torch_commopt.integrations.torchtitan.spec import TRAIN_SPEC_NAME, register  # noqa: E402
-from torchtitan.config import ConfigManager  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -68,8 +69,9 @@ def test_a_bad_cli_option_stops_the_parse_naming_it(capsys):
 
 
 def test_the_train_spec_is_llama3_with_our_parallelize_fn():
-    import torch_commopt.integrations.torchtitan.register  # noqa: F401  (registers)
     from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+
+    import torch_commopt.integrations.torchtitan.register  # noqa: F401  (registers)
 
     ours, stock = get_train_spec(TRAIN_SPEC_NAME), get_train_spec("llama3")
     assert ours.parallelize_fn is parallelize_llama_commopt

@@ -4,7 +4,8 @@
 tensors (a peer's buffer is that rank's own tensor, so views and addresses of every rank are
 distinct); `faked_cuda(runtimes, queue)` patches symm.runtime, the driver's entry points and
 torch.cuda's streams so that `ag_matmul_gpu`, `matmul_rs_gpu`, `matmul_ar_gpu` and the
-attention's copy-engine all-to-alls (ce_a2a.pipelined) run their real host code: the GEMMs run at once on the CPU and everything the schedules queue through the
+attention's copy-engine all-to-alls (ce_a2a.pipelined) run their real host code: the GEMMs run at
+once on the CPU and everything the schedules queue through the
 driver or torch's stream events -- flag waits and writes (batched or not), copies (ce_a2a's SM
 copies too), event
 records and waits -- is appended to `queue` as (rank, stream handle, op), or dropped when `queue` is None (the host

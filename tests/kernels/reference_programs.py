@@ -96,7 +96,8 @@ def run_reference_cases(rank: int, world: int, seed: int = 0):
                 rs_args = (a_all[rank].float(), weights[rank].float(), b, d, reduce_op, world, group, sched)
                 ar_args = (a_all[rank].float(), weights[rank].float(), b, reduce_op, world, group, sched)
                 rs, ar = torch.ops.commopt.matmul_rs.default, torch.ops.commopt.matmul_ar.default
-                _check(f"rs{i} {reduce_op} {sched}", lambda: rs(*rs_args), expected_rs(torch.float32), expected_rs(torch.float64), results)
+                _check(f"rs{i} {reduce_op} {sched}", lambda: rs(*rs_args), expected_rs(torch.float32),
+                       expected_rs(torch.float64), results)
                 _check(f"ar{i} {reduce_op} {sched}", lambda: ar(*ar_args), t_sum(torch.float32), t_sum(torch.float64), results)
                 if _fake_shapes(rs, *rs_args) != [tuple(rs(*rs_args).shape)]:
                     fake_mismatch.append(f"rs{i}")

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu import call_graphs
 from torch_commopt.kernels.gpu.call_graphs import CallGraphs
-from torch_commopt.core.schedule import Schedule
 
 
 class FakeRuntime:

@@ -7,10 +7,10 @@ import logging
 import pytest
 import torch
 
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.matmul.gpu.layout import RowLayout
 from torch_commopt.kernels.matmul.gpu.pick import measure_band, pick
 from torch_commopt.kernels.matmul.ops import resolve
-from torch_commopt.core.schedule import Schedule
 from torch_commopt.tuner.matmul.model import RegionFacts
 
 
@@ -275,8 +275,8 @@ def test_band_region_uses_the_cached_measurement_or_a_first_call_placeholder(tmp
     import torch_commopt.passes.pipeline as pipeline
     from torch_commopt import report as explain
     from torch_commopt.config import Config
-    from torch_commopt.tuner.matmul import autotune
     from torch_commopt.tuner.cache import TunerCache
+    from torch_commopt.tuner.matmul import autotune
 
     a = torch.fx.Graph().placeholder("a")
     a.meta["val"] = torch.empty(0)
@@ -344,7 +344,8 @@ def test_band_winner_leaves_sequential_only_by_a_margin():
 def test_band_winner_needs_host_headroom():
     # a band call runs at max(GPU, host): a schedule whose enqueue time leaves no headroom under
     # sequential's time loses as soon as the host slows, however fast its first call measured
-    from torch_commopt.tuner.matmul.autotune import BAND_HOST_HEADROOM as H, BAND_MARGIN, winner
+    from torch_commopt.tuner.matmul.autotune import BAND_HOST_HEADROOM as H
+    from torch_commopt.tuner.matmul.autotune import BAND_MARGIN, winner
 
     measured = {"sequential": 0.288, "ce_push:1": 0.234, "direct:1": 0.256}
     roomy = {"sequential": 0.07, "ce_push:1": 0.288 / H * 0.9, "direct:1": 0.288 / H * 0.9}

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fake_cuda import fake_runtimes, faked_cuda
 from protocol_sim import Deadlock, NotAtRest, Race, simulate
+
+from torch_commopt.core.schedule import Schedule
+from torch_commopt.kernels.gpu import symm
 from torch_commopt.kernels.matmul.gpu import ag_matmul as agm
 from torch_commopt.kernels.matmul.gpu import matmul_reduce as mr
 from torch_commopt.kernels.matmul.product import Product
-from torch_commopt.kernels.gpu import symm
-from torch_commopt.core.schedule import Schedule
 
 M, K, N = 24, 16, 8  # global rows, contracted dim, output columns (tiny fp32)
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fake_cuda import fake_runtimes, faked_cuda
+
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.matmul.gpu import ag_matmul as agm
 from torch_commopt.kernels.matmul.gpu import matmul_reduce as mr
 from torch_commopt.kernels.matmul.gpu.layout import piece_rows
 from torch_commopt.kernels.matmul.product import Product
-from torch_commopt.core.schedule import Schedule
 
 
 def _same(x: torch.Tensor, y: torch.Tensor) -> bool:

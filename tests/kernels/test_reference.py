@@ -5,8 +5,8 @@ that do not divide the rows or exceed them; and the fake impls give the real sha
 from __future__ import annotations
 
 import pytest
-
 from reference_programs import run_reference_cases
+
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 

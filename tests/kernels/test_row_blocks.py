@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fake_cuda import fake_runtimes, faked_cuda
+
+from torch_commopt.core.schedule import Schedule
+from torch_commopt.kernels.gpu.symm import pitched
 from torch_commopt.kernels.matmul.gpu import ag_matmul as agm
 from torch_commopt.kernels.matmul.gpu import matmul_reduce as mr
 from torch_commopt.kernels.matmul.gpu.layout import RowLayout, as_blocks
 from torch_commopt.kernels.matmul.product import Product
-from torch_commopt.kernels.gpu.symm import pitched
 from torch_commopt.kernels.scaled import add_matmul_, matmul
-from torch_commopt.core.schedule import Schedule
 
 B, LIN, K, N = 4, 3, 16, 8
 

@@ -4,8 +4,8 @@ in the collective rendezvous), and the size class is refused afterwards without 
 from __future__ import annotations
 
 import pytest
-
 from symm_vote_programs import vote_sequence
+
 from torch_commopt.testing.launch import run_distributed
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import torch_commopt
-from torch_commopt.testing.validate import build, check
+from torch_commopt.testing.validate import check
 
 SHAPE = {"batch": 2, "seq": 16, "dim": 64, "hidden": 128, "heads": 4}
 

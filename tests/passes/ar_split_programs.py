@@ -40,8 +40,8 @@ def split_forward(rank: int, world: int, rows: int = 16, mode=True, replicated_x
     want = _tp_layer(x, a, wo, g, w1)
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    compiled = torch.compile(_tp_layer, backend="commopt", options={"ar_split": mode, "ar_split_policy": policy, "schedule": "chunked",
-                                                                   "chunks": 2})
+    options = {"ar_split": mode, "ar_split_policy": policy, "schedule": "chunked", "chunks": 2}
+    compiled = torch.compile(_tp_layer, backend="commopt", options=options)
     try:
         got = compiled(x, a, wo, g, w1)
     except NotReplicated as e:

@@ -3,12 +3,11 @@ workers): one compiled graph serves every size, each size compared with eager an
 
 from __future__ import annotations
 
+import dist_programs
 import torch
 
 import torch_commopt
 from torch_commopt.testing.validate import rel_err
-
-import dist_programs
 
 
 def _graphs_and_schedules() -> tuple[int, list[str]]:

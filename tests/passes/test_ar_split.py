@@ -82,6 +82,7 @@ def test_rows_that_do_not_split_are_not_a_candidate(fake_world):
 
 def test_split_matches_eager_and_forms_overlapped_regions():
     from ar_split_programs import split_forward
+
     from torch_commopt.testing.launch import run_distributed
 
     for notes, kinds, errors in run_distributed(split_forward, 2):
@@ -99,6 +100,7 @@ def test_split_on_a_dtensor_tp_block_matches_eager_forward_and_backward():
     # tensor parallelism without sequence parallelism: the residual stream and the norm
     # weights are replicated, which is the split's assumption
     from ar_split_programs import split_tp_block
+
     from torch_commopt.testing.launch import run_distributed
     from torch_commopt.testing.validate import within_tolerance
 
@@ -114,6 +116,7 @@ def test_split_of_a_batch_one_block_cuts_the_sequence_dim():
     # (1, S, D) activations: dim 0 cannot be cut, the split goes along the sequence (dim 1)
     # through the funcol split/cat forms, which the finders then overlap like DTensor's own
     from ar_split_programs import split_tp_block
+
     from torch_commopt.testing.launch import run_distributed
     from torch_commopt.testing.validate import within_tolerance
 
@@ -127,9 +130,10 @@ def test_split_of_a_batch_one_block_cuts_the_sequence_dim():
 
 def test_checked_split_verifies_the_replication_it_assumes():
     from ar_split_programs import split_forward
+
     from torch_commopt.testing.launch import run_distributed
 
-    for notes, kinds, errors in run_distributed(split_forward, 2, 16, "checked"):
+    for _notes, kinds, errors in run_distributed(split_forward, 2, 16, "checked"):
         assert max(errors) < 1e-5 and kinds.count("matmul_rs") == 2
     # a residual that differs per rank: a clear error, not a silently different result
     for message in run_distributed(split_forward, 2, 16, "checked", False):
@@ -168,9 +172,10 @@ def test_cost_policy_splits_where_the_model_predicts_it_faster():
 
 def test_cost_policy_decides_each_candidate_and_matches_eager_either_way():
     from ar_split_programs import split_forward
+
     from torch_commopt.testing.launch import run_distributed
 
-    for notes, kinds, errors in run_distributed(split_forward, 2, 16, True, True, "cost"):
+    for notes, _kinds, errors in run_distributed(split_forward, 2, 16, True, True, "cost"):
         decided = [n for n in notes if "as an all-reduce" in n]
         assert len(decided) == 2, notes  # both candidates costed, split or kept
         assert all("predicted" in n and "joint plan of 2 candidate(s)" in n for n in decided), decided
@@ -190,6 +195,7 @@ def test_cost_policy_decides_the_splits_together(keep_ms, split_ms, gather_ms, w
     """Deciding each all-reduce alone charges every split for a residual gather a split
     neighbour makes unnecessary; the joint plan (reshard.split_plan) sees it on the edge."""
     from ar_split_programs import joint_split_decisions
+
     from torch_commopt.testing.launch import run_distributed
 
     for notes, errors in run_distributed(joint_split_decisions, 2, keep_ms, split_ms, gather_ms):

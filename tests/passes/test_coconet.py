@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from coconet_programs import reorder_fwd_bwd
+
 from torch_commopt.testing.launch import run_distributed
 
 
@@ -19,6 +20,7 @@ def test_a_tp_sp_block_with_coconet_on_matches_eager_and_has_nothing_to_reorder(
     gather, on the shard): the reorder finds nothing to move; all eight regions (four per
     pass, the backward's two through concat-K) are rewritten and the block matches eager."""
     from coconet_programs import tp_sp_block_with_coconet
+
     from torch_commopt.testing.validate import within_tolerance
 
     for moved, kinds, errors in run_distributed(tp_sp_block_with_coconet, 2, "float32", timeout_s=600):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concat_k_programs import CHUNKED, KEPT, PROGRAMS, block_regions, graph_cases
+
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 

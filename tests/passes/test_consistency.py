@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from consistency_programs import forced_mismatch, one_rank_missing, store_unreachable, values_differ
+
 from torch_commopt.testing.launch import run_distributed
 
 

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import torch_commopt
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.matmul.auto import auto_schedule
 from torch_commopt.testing.launch import run_distributed
-from torch_commopt.core.schedule import Schedule
 from torch_commopt.testing.validate import within_tolerance
 
 

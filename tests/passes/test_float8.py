@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from float8_programs import FP8, gather_fp8, run_float8_programs
 
 import torch_commopt
-from float8_programs import FP8, gather_fp8, run_float8_programs
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 

@@ -3,15 +3,14 @@ rewritten graph holds.  Includes the patterns of PyTorch's async-TP tests, writt
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from dist_programs import FUNCOL_GATHER_DIM_TRACES, all_gather_on
 
 import torch_commopt
-from dist_programs import FUNCOL_GATHER_DIM_TRACES, all_gather_on
 
 WORLDS = [2, 4, 8]
 world_param = pytest.mark.parametrize("fake_world", WORLDS, indirect=True)

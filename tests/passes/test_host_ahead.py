@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import torch_commopt.passes.pipeline as pipeline
 from torch_commopt import report as explain
 from torch_commopt.config import Config
-from torch_commopt.passes.host_ahead import LAUNCH_S, REGION_HOST_S, estimate, host_runs_ahead
 from torch_commopt.kernels.matmul.gpu.pick import GEMM_FLOPS_PER_S
+from torch_commopt.passes.host_ahead import LAUNCH_S, REGION_HOST_S, estimate, host_runs_ahead
 
 aten = torch.ops.aten
 

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from torch_commopt import Config
-from torch_commopt.testing.launch import run_distributed
 from torch_commopt.reshard.plan import choose_within_budget, footprint, least_memory_plan
+from torch_commopt.testing.launch import run_distributed
 from torch_commopt.tuner.calibration import prior
 from torch_commopt.tuner.matmul.model import RegionShape, rank
 
@@ -50,7 +50,7 @@ def _brute(cands, key, budget):
     plans = [dict(zip(names, c)) for c in itertools.product(*(range(len(cands[n])) for n in names))]
     fits = [p for p in plans if footprint(cands, p) <= budget]
     rank = lambda p: (sum(cands[n][i][key] for n, i in p.items()), footprint(cands, p))  # noqa: E731
-    return min(map(rank, fits)) if fits else None, min((footprint(cands, p) for p in plans))
+    return min(map(rank, fits)) if fits else None, min(footprint(cands, p) for p in plans)
 
 
 def test_the_budgeted_plan_is_the_brute_force_optimum_of_the_shared_buffer_count():

@@ -7,12 +7,12 @@ import multiprocessing as mp
 import os
 
 import pytest
-
-from torch_commopt.testing.launch import run_distributed
-from torch_commopt.core.schedule import Schedule
-from torch_commopt.tuner.calibrate import HOST_PROBES
-from torch_commopt.tuner.cache import CACHE_ENV, TunerCache, default_dir
 from tuner_programs import decide_rounds, hammer_cache
+
+from torch_commopt.core.schedule import Schedule
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.tuner.cache import CACHE_ENV, TunerCache, default_dir
+from torch_commopt.tuner.calibrate import HOST_PROBES
 
 KEY = {"device": "NVIDIA H200", "world": 2, "torch": "2.11.0", "op": "matmul_rs", "shape": [8192, 4096, 8192]}
 
@@ -91,8 +91,9 @@ def test_without_a_process_group_the_answer_is_local():
 
 
 def test_calibration_is_measured_once_and_the_model_mode_reads_it(tmp_path):
-    from torch_commopt.tuner.calibration import Calibration
     from tuner_programs import calibrate_program, compile_with_model
+
+    from torch_commopt.tuner.calibration import Calibration
 
     before = run_distributed(compile_with_model, 2, str(tmp_path), timeout_s=300)
     for cands, chosen, note, err in before:
@@ -140,7 +141,7 @@ def test_autotune_times_at_the_first_call_caches_and_every_rank_agrees(tmp_path)
     for rows in cold0[0].values():  # the fastest, or the model's pick (rows[0]) within MODEL_TIE of it
         timed = {r["schedule"]: r["measured_ms"] for r in rows if r["measured_ms"] is not None}
         winners[winner(timed, prior=rows[0]["schedule"], tie=MODEL_TIE)] = True
-    for cands, scheds, notes, err, first, _ in (warm0, warm1):
+    for _cands, scheds, notes, err, _first, _ in (warm0, warm1):
         assert err < 1e-5 and not any(s.startswith("autotune") for s in scheds)
         assert set(scheds) <= set(winners), (scheds, winners)
         assert sum("cached measurement" in n for n in notes) == 2
@@ -150,8 +151,9 @@ def test_autotune_times_at_the_first_call_caches_and_every_rank_agrees(tmp_path)
 def test_tune_cli_prefills_what_the_pass_asks_for(tmp_path):
     """`python -m torch_commopt tune --shape ...` times the same candidates under the same
     keys as the pass: a later autotune compile times nothing."""
-    from torch_commopt.__main__ import main
     from tuner_programs import compile_after_tune
+
+    from torch_commopt.__main__ import main
 
     # the local A of each region: the AG shard (256, 64) @ (64, 96); the RS input (512, 96) @ (96, 32)
     assert main(["tune", "--shape", "ag_matmul:256x64x96", "--shape", "matmul_rs:512x96x32", "--world", "2",

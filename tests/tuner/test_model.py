@@ -9,7 +9,18 @@ import pytest
 
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.tuner.calibration import Calibration, GemmFit, Link, prior
-from torch_commopt.tuner.matmul.model import candidates, RegionFacts, RegionShape, _Step, collective_time, extra_bytes, pipeline_time, predict, rank, simulate
+from torch_commopt.tuner.matmul.model import (
+    RegionFacts,
+    RegionShape,
+    _Step,
+    candidates,
+    collective_time,
+    extra_bytes,
+    pipeline_time,
+    predict,
+    rank,
+    simulate,
+)
 
 H200 = prior("NVIDIA H200", 2)
 CPU = prior("cpu", 2)
@@ -299,7 +310,8 @@ def test_autotune_keys_tell_graph_replay_apart():
 def test_replayed_fused_reductions_are_ranked_as_what_runs():
     # inside a capture a fused reduction runs ce_push with its pieces
     shape = RegionShape("matmul_rs", 8192, 4096, (8192,), 2, "bfloat16")
-    fused, push = predict(shape, Schedule("fused", 4), H200, graphs=True), predict(shape, Schedule("ce_push", 4), H200, graphs=True)
+    fused = predict(shape, Schedule("fused", 4), H200, graphs=True)
+    push = predict(shape, Schedule("ce_push", 4), H200, graphs=True)
     assert fused.seconds == push.seconds
     assert not [c for c in candidates(shape, H200, graphs=True) if c.name == "fused"]
     assert [c for c in candidates(shape, H200) if c.name == "fused"]

@@ -8,9 +8,9 @@ regions reach through the reshapes DTensor and `nn.Linear` put around `mm`.
 
 from __future__ import annotations
 
-from torch.fx import Graph, Node
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Graph, Node
 
 from torch_commopt.passes.graph_utils import RESHAPES, Unsupported, aten, norm_dim, row_shape, same_shape, val
 

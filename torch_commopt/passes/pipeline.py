@@ -18,16 +18,25 @@ from torch.fx import Graph
 from torch_commopt import report as explain
 from torch_commopt.config import Config
 from torch_commopt.core import consistency
+from torch_commopt.core.groups import resolve_group
+from torch_commopt.core.schedule import Schedule
+from torch_commopt.kernels.matmul.reference.chunking import chunk_rows
+from torch_commopt.passes.graph_utils import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    DYNAMIC_SHAPE,
+    REDUCE_SCATTER,
+    Unsupported,
+    group_name_of,
+    static_shape,
+    val,
+)
 from torch_commopt.passes.matmul.find_ag_matmul import find_ag_matmul
 from torch_commopt.passes.matmul.find_matmul_reduce import find_matmul_reduce
-from torch_commopt.kernels.matmul.reference.chunking import chunk_rows
-from torch_commopt.core.groups import resolve_group
-from torch_commopt.passes.graph_utils import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, DYNAMIC_SHAPE, REDUCE_SCATTER,
-                                               Unsupported, group_name_of, static_shape, val)
+from torch_commopt.passes.matmul.rewrite import rewrite_region
 from torch_commopt.passes.regions import Region
 from torch_commopt.report import Skip
-from torch_commopt.passes.matmul.rewrite import rewrite_region
-from torch_commopt.core.schedule import Schedule
 from torch_commopt.tuner.matmul.model import RegionFacts
 
 try:  # torch >= 2.10 tells inference-aware passes which graph they see
@@ -171,10 +180,10 @@ def _band(region: Region, facts: RegionFacts, band: list[str], rule_pick: Schedu
     """A region in the rule's host-bound band (facts: the rule's inputs, _rule_facts): rank 0's
     cached measurement, or a placeholder that times `band` at the first call (the rule's pick
     runs under a CUDA-graph capture)."""
-    from torch_commopt.tuner.matmul.autotune import TuneSite, band_key, band_request
     from torch_commopt.tuner.cache import TunerCache
-    from torch_commopt.tuner.machine import device_name
     from torch_commopt.tuner.decide import decide
+    from torch_commopt.tuner.machine import device_name
+    from torch_commopt.tuner.matmul.autotune import TuneSite, band_key, band_request
 
     dev, replayed = device_name(val(region.a).device), _replayed(region, config)
     key = band_key(facts, dev, band, replayed)
@@ -528,9 +537,9 @@ def region_dtype(region: Region) -> str:
 def _choose_by_model(region: Region, config: Config, report: explain.GraphReport) -> Schedule:
     from torch_commopt.passes.matmul.concat_k import copy_bytes, kept_bytes
     from torch_commopt.reshard.plan import candidate_rows
-    from torch_commopt.tuner.matmul.autotune import plan
-    from torch_commopt.tuner.machine import calibration_for, device_name
     from torch_commopt.tuner.gemm_table import with_gemms
+    from torch_commopt.tuner.machine import calibration_for, device_name
+    from torch_commopt.tuner.matmul.autotune import plan
 
     a = val(region.a)
     cal = calibration_for(a.device, region.group_size, region.group_name, config.cache_dir, config.consistency_timeout_s)
@@ -558,9 +567,9 @@ def _autotune(region: Region, config: Config, model_pick: Schedule, top: list[st
     """(schedule, why): rank 0's cached measurement of this region's candidates (from an
     earlier run or `python -m torch_commopt tune`), or an `autotune` placeholder that times
     them at the first call (tuner.autotune)."""
-    from torch_commopt.tuner.matmul.autotune import MODEL_TIE, TuneRequest, register
     from torch_commopt.tuner.cache import TunerCache
     from torch_commopt.tuner.decide import decide
+    from torch_commopt.tuner.matmul.autotune import MODEL_TIE, TuneRequest, register
 
     cache = TunerCache(config.cache_dir)
     cached = decide(region.group_name, key, lambda: cache.get(key), config.consistency_timeout_s)

@@ -9,7 +9,8 @@ activations and buffers of the chosen options live together).
 Method: variable elimination on the interaction graph (min-degree order, exact for any
 graph; its cost grows with the graph's width, which is small for layer stacks with residual
 connections; a graph whose elimination would build tables larger than `max_table` entries
-goes to the integer program in `reshard.ilp` instead, also exact), where every table entry is a Pareto front of (time, memory) pairs instead of a
+goes to the integer program in `reshard.ilp` instead, also exact), where every table entry is a
+Pareto front of (time, memory) pairs instead of a
 single number: pairs over the budget are dropped as soon as they appear (memory is never
 negative), dominated pairs as soon as they are found.  Without a budget every front has one
 pair and this is ordinary min-sum elimination.  Each pair keeps the choices that made it, so
@@ -23,7 +24,6 @@ import math
 from dataclasses import dataclass
 
 from torch_commopt.reshard.problem import InfeasibleBudget, Plan, Problem
-
 
 # A front: Pareto pairs (time, memory, choices), memory ascending, time strictly descending.
 # `choices` is a nested tuple of (node, option) pairs, flattened only for the answer.

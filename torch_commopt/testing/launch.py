@@ -19,11 +19,11 @@ import queue as queue_module
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
-
 
 FAILED_PEER_GRACE_S = 20.0
 POLL_S = 2.0

@@ -9,9 +9,9 @@ reduce-scatter).  `FuncolMLP`: the same MLP written with functional collectives.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed._functional_collectives as funcol
 
 
 class Attention(nn.Module):

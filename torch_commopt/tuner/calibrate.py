@@ -27,17 +27,17 @@ import logging
 import math
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from torch_commopt.kernels.matmul.ops import runner
 from torch_commopt.core.groups import resolve_group
+from torch_commopt.kernels.matmul.ops import runner
 from torch_commopt.tuner.calibration import COLLECTIVES, Calibration, GemmFit, Link, gemm_occupancy, prior
-from torch_commopt.tuner.machine import device_name, machine_key
 from torch_commopt.tuner.gemm_table import time_gemms
+from torch_commopt.tuner.machine import device_name, machine_key
 from torch_commopt.tuner.timing import SLEEP_CYCLES_PER_CALL, device_time
 
 log = logging.getLogger("torch_commopt.tuner.calibrate")
@@ -422,8 +422,8 @@ def _probed(kind: str, sched, graphs: bool, call_graphs: bool) -> bool:
 
 def _with_per_call_graph(run, kind: str, sched: str):
     """run(sched) with cg=1: the call replays its own CUDA graph (captured at its second sighting)."""
-    from torch_commopt.kernels.gpu.call_graphs import per_call
     from torch_commopt.core.schedule import Schedule
+    from torch_commopt.kernels.gpu.call_graphs import per_call
 
     return run(str(per_call(kind, Schedule.parse(sched))))
 

@@ -41,11 +41,11 @@ def parse_shape(spec: str) -> tuple[str, list[int], list[list[int]]]:
 
 def tune_this_rank(rank: int, world: int, specs: list[str], dtype_name: str, cache_dir: str | None, top_k: int,
                  graphs: bool = False, attention: tuple[str, ...] = ()):
+    from torch_commopt.tuner.cache import TunerCache
+    from torch_commopt.tuner.gemm_table import with_gemms
+    from torch_commopt.tuner.machine import calibration_for, device_name
     from torch_commopt.tuner.matmul.autotune import MODEL_TIE, Timing, measure_candidates, plan, winner
     from torch_commopt.tuner.matmul.model import RegionFacts
-    from torch_commopt.tuner.cache import TunerCache
-    from torch_commopt.tuner.machine import calibration_for, device_name
-    from torch_commopt.tuner.gemm_table import with_gemms
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     group_name = dist.group.WORLD.group_name

@@ -3,8 +3,9 @@ adds the CUDA kernels when it is imported)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 from torch import Tensor
 

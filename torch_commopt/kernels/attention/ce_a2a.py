@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import socket
 import zlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist

@@ -28,7 +28,7 @@ inside a CUDA-graph capture before the ring buffer exists, NCCL runs (logged onc
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

@@ -8,7 +8,8 @@ degree-1 part of a hybrid): every piece then runs without communicating.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist

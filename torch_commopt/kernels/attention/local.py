@@ -47,7 +47,7 @@ def cuda_order(device: torch.device) -> tuple[str, ...]:
                        else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_order(index: int) -> tuple[str, ...]:  # once per device: pick() runs per block
     return CUDA_ORDER_SM90 if torch.cuda.get_device_capability(index) >= (9, 0) else CUDA_ORDER
 

@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torch_commopt.core.attention_spec import CPSchedule
+from torch_commopt.core.groups import resolve_group
 from torch_commopt.kernels.attention import schedules
 from torch_commopt.kernels.attention.local import Saved, acc_dtype
 from torch_commopt.kernels.attention.schedules import CPOptions
-from torch_commopt.core.attention_spec import CPSchedule
-from torch_commopt.core.groups import resolve_group
 
 # A fragment of the commopt namespace (kernels/matmul/ops.py holds its DEF library).  Plain
 # torch.library.Library, as there: the ops need no autograd formula (cp_attention is the

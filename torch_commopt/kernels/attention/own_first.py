@@ -35,8 +35,9 @@ cost model's candidates (cost.candidates).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor

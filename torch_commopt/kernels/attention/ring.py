@@ -32,7 +32,8 @@ hop: half the bytes, no fp32 conversions, and the same bits as an fp32 ring.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -51,13 +51,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torch_commopt.core.attention_spec import AttentionShape, CPSchedule, pipeline_groups, refusal
+from torch_commopt.core.groups import resolve_group
 from torch_commopt.kernels.attention import ce_a2a, comm, own_first
 from torch_commopt.kernels.attention.lane import Lane
 from torch_commopt.kernels.attention.local import Saved, acc_dtype, attend_bwd, attend_fwd, default_scale
 from torch_commopt.kernels.attention.merge import Accumulator
 from torch_commopt.kernels.attention.ring import contiguous_plan, ring_bwd, ring_fwd, zigzag_plan
-from torch_commopt.core.attention_spec import AttentionShape, CPSchedule, pipeline_groups, refusal
-from torch_commopt.core.groups import resolve_group
 from torch_commopt.kernels.collectives import all_gather, reduce_scatter
 
 GroupLike = Union[dist.ProcessGroup, str, None]

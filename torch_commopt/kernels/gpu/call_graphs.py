@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

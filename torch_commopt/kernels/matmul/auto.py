@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 import logging
 
-from torch_commopt.kernels.matmul.reference.chunking import chunk_rows
 from torch_commopt.core.schedule import Schedule
+from torch_commopt.kernels.matmul.reference.chunking import chunk_rows
 
 log = logging.getLogger("torch_commopt.kernels.matmul.auto")
 _RESOLVED: dict[tuple, str] = {}  # (kind, schedule, A shape, ...) -> what those calls run

@@ -30,11 +30,18 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from torch_commopt.passes.attention.detect import ATTENTION_BACKWARD, AttentionRegion, _reshaped_dim, find_attention
-from torch_commopt.passes.attention.rewrite import _choose, _local, describe, insert_training_backward, insert_training_forward, ranks_disagree
-from torch_commopt.passes.chains import add_node
 from torch_commopt.kernels.attention import schedules
 from torch_commopt.passes.attention import ulysses_joint
+from torch_commopt.passes.attention.detect import ATTENTION_BACKWARD, AttentionRegion, _reshaped_dim, find_attention
+from torch_commopt.passes.attention.rewrite import (
+    _choose,
+    _local,
+    describe,
+    insert_training_backward,
+    insert_training_forward,
+    ranks_disagree,
+)
+from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import REDUCE_SCATTER, WAIT, Unsupported, aten, group_name_of, static_shape
 
 # ops between dK and its reduce-scatter: the relayout of the gather, run backwards

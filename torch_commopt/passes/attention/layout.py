@@ -21,8 +21,8 @@ whole at one end and cut at the other resolves to the same leaves.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from torch.fx import Node
 

@@ -27,13 +27,13 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
+from torch_commopt.core.attention_spec import refusal
 from torch_commopt.kernels.attention import schedules
 from torch_commopt.passes.attention import ulysses
-from torch_commopt.tuner.attention.cost import machine_for, rank_schedules
 from torch_commopt.passes.attention.detect import AttentionRegion, _map_dim, find_attention
-from torch_commopt.core.attention_spec import refusal
 from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import Unsupported, aten, static_shape, val
+from torch_commopt.tuner.attention.cost import machine_for, rank_schedules
 
 log = logging.getLogger("torch_commopt.passes.attention.rewrite")
 

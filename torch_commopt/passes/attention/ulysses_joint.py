@@ -29,10 +29,16 @@ from dataclasses import dataclass
 
 from torch.fx import Graph, Node
 
-from torch_commopt.passes.attention.detect import ALL_TO_ALL, ATTENTION_BACKWARD, LAYOUT_OPS, AttentionRegion, trace_back
+from torch_commopt.passes.attention.detect import (
+    ALL_TO_ALL,
+    ATTENTION_BACKWARD,
+    LAYOUT_OPS,
+    AttentionRegion,
+    trace_back,
+)
 from torch_commopt.passes.attention.layout import Relayout
-from torch_commopt.passes.attention.ulysses import Algebra, emit
 from torch_commopt.passes.attention.rewrite import erase_unused, insert_training_backward, insert_training_forward
+from torch_commopt.passes.attention.ulysses import Algebra, emit
 from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import WAIT, Unsupported, only_user, static_shape
 

@@ -22,19 +22,30 @@ it; those would be all-gathered.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.core.groups import resolve_group
 from torch_commopt.passes.chains import set_fake_val
-from torch_commopt.passes.matmul.coconet import UNARY
 from torch_commopt.passes.graph_utils import (
-    ADDMM, ALL_GATHER, ALL_REDUCE, BMM, MM, REDUCE_SCATTER, RESHAPES, WAIT, aten, group_name_of, is_getitem,
-    only_user, val,
+    ADDMM,
+    ALL_GATHER,
+    ALL_REDUCE,
+    BMM,
+    MM,
+    REDUCE_SCATTER,
+    RESHAPES,
+    WAIT,
+    aten,
+    group_name_of,
+    is_getitem,
+    only_user,
+    val,
 )
+from torch_commopt.passes.matmul.coconet import UNARY
 
 ELEMENTWISE = UNARY | {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,

@@ -42,9 +42,19 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.passes.chains import keeps_last_dim, set_fake_val
+from torch_commopt.passes.graph_utils import (
+    ALL_REDUCE,
+    MM,
+    REDUCE_SCATTER,
+    RESHAPES,
+    aten,
+    row_shape,
+    same_shape,
+    same_size,
+    size_hint,
+    val,
+)
 from torch_commopt.passes.matmul.find_matmul_reduce import scatter_form
-from torch_commopt.passes.graph_utils import (ALL_REDUCE, MM, REDUCE_SCATTER, RESHAPES, aten, row_shape, same_shape,
-                                               same_size, size_hint, val)
 
 ADD = aten.add.Tensor
 SLICE = aten.slice.Tensor

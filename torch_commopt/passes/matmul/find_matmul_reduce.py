@@ -34,9 +34,9 @@ from torch_commopt.passes.graph_utils import (
     static_shape,
     wait_of,
 )
+from torch_commopt.passes.matmul.scaled_mm import scaled_operands
 from torch_commopt.passes.regions import Consumer, Region
 from torch_commopt.report import Skip
-from torch_commopt.passes.matmul.scaled_mm import scaled_operands
 from torch_commopt.reshard.layouts import Partial, Replicate, Shard
 
 REDUCE_OPS = ("sum", "avg")

@@ -17,12 +17,12 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.passes.chains import replay_chain, set_fake_val
+from torch_commopt.passes.graph_utils import row_shape
 from torch_commopt.passes.matmul.concat_k import META as CONCAT_K
 from torch_commopt.passes.matmul.concat_k import drop_cats, operand_parts
-from torch_commopt.passes.graph_utils import row_shape
 from torch_commopt.passes.regions import Region
-from torch_commopt.core.schedule import Schedule
 
 
 def rewrite_region(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node], *,

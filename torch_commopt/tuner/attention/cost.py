@@ -30,7 +30,13 @@ from typing import Union
 
 import torch
 
-from torch_commopt.core.attention_spec import ULYSSES_MAX_HEAD_GROUPS, AttentionShape, CPSchedule, pipeline_groups, refusal
+from torch_commopt.core.attention_spec import (
+    ULYSSES_MAX_HEAD_GROUPS,
+    AttentionShape,
+    CPSchedule,
+    pipeline_groups,
+    refusal,
+)
 
 log = logging.getLogger("torch_commopt.tuner.attention.cost")
 

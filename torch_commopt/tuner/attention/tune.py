@@ -27,8 +27,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from torch_commopt.tuner.attention.cost import depth_variants, rank_schedules
 from torch_commopt.core.attention_spec import AttentionShape, CPSchedule, refusal
+from torch_commopt.tuner.attention.cost import depth_variants, rank_schedules
 
 log = logging.getLogger("torch_commopt.tuner.attention.tune")
 
@@ -53,8 +53,8 @@ def timed_candidates(ranked: list[tuple[str, float]], shape: AttentionShape, wor
 def cache_key(shape: AttentionShape, world: int, causal: bool, dtype: str, backward: bool, device: str,
               candidates: list[str]) -> dict[str, Any]:
     """The tuner-cache key of one attention measurement (everything that changes the answer)."""
-    from torch_commopt.tuner.matmul.autotune import read_key
     from torch_commopt.tuner.machine import machine_key
+    from torch_commopt.tuner.matmul.autotune import read_key
 
     return {"question": "attention", **machine_key(device, world), "shape": list(AttentionShape(*shape)),
             "causal": bool(causal), "dtype": dtype, "backward": bool(backward), "candidates": list(candidates),
@@ -89,8 +89,8 @@ def runner(shape: AttentionShape, causal: bool, dtype: torch.dtype, backward: bo
            device: torch.device, seed: int = 0):
     """run(schedule): one call of the schedule on fresh random shards of this rank (the
     program's contiguous layout), forward or forward + backward."""
-    from torch_commopt.kernels.attention.ops import cp_attention
     from torch_commopt.core.groups import resolve_group
+    from torch_commopt.kernels.attention.ops import cp_attention
 
     b, h, h_kv, seq, d = AttentionShape(*shape)
     group = resolve_group(group_name)
@@ -127,12 +127,12 @@ def measure_and_store(shape: AttentionShape, causal: bool, dtype: torch.dtype, b
     for the default group; every rank calls it, at the same point) and store the winner where
     the rewrite looks: (winner, {schedule: ms}).
     shape: the global (batch, heads, kv_heads, seq, head_dim) of q/k/v."""
-    from torch_commopt.tuner.attention.cost import machine_for
     from torch_commopt.kernels.attention.schedules import as_group
     from torch_commopt.kernels.gpu import shared_device
-    from torch_commopt.tuner.matmul.autotune import measure_candidates
+    from torch_commopt.tuner.attention.cost import machine_for
     from torch_commopt.tuner.cache import TunerCache
     from torch_commopt.tuner.machine import device_name
+    from torch_commopt.tuner.matmul.autotune import measure_candidates
 
     group = as_group(group)
     group_name, world = group.group_name, group.size()

@@ -26,8 +26,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -140,8 +141,8 @@ def plan(facts: RegionFacts, device_name: str, cal, max_chunks: int, top_k: int,
     ranking, timing and cache entry).  facts.copy_bytes, kept_bytes: not in the key (the timed
     calls start from the copied operands, whichever candidate runs); facts.k_parts: the K of
     each product the op multiplies apart (in the key: the calls differ); gemms: choose_by_model's."""
-    from torch_commopt.tuner.matmul.choose import choose_by_model
     from torch_commopt.tuner.machine import machine_key
+    from torch_commopt.tuner.matmul.choose import choose_by_model
 
     pick, preds, why = choose_by_model(facts, cal, max_chunks, graphs=graphs, gemms=gemms)
     top = timed_candidates(preds, top_k)

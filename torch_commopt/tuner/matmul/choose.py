@@ -9,11 +9,10 @@ schedule), or, where this machine has not been measured, from the reference prio
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
-
-from torch_commopt.kernels.matmul.gpu.pick import gpu_refusal
 from torch_commopt.core.schedule import Schedule
+from torch_commopt.kernels.matmul.gpu.pick import gpu_refusal
 from torch_commopt.tuner.calibration import Calibration
 from torch_commopt.tuner.machine import stored_calibration
 from torch_commopt.tuner.matmul.model import Prediction, RegionFacts, RegionShape, candidates, rank

@@ -23,6 +23,7 @@ import torch
 from torch_commopt.core.schedule import OP_SCHEDULES, Schedule
 from torch_commopt.tuner.calibration import Calibration
 
+
 @dataclass(frozen=True)
 class RegionShape:
     """What the model needs of a region (per rank).

@@ -23,12 +23,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu import call_graphs, driver, symm
+from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
 from torch_commopt.kernels.matmul.gpu import tma
 from torch_commopt.kernels.matmul.gpu.layout import RowLayout, cdiv, piece_rows
-from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
 from torch_commopt.kernels.scaled import Expanded, Scaled, call_key, matmul, out_dtype
-from torch_commopt.core.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3}
 

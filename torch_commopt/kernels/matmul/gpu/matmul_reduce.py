@@ -40,13 +40,13 @@ from typing import NamedTuple
 
 import torch
 
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu import call_graphs, driver, symm
+from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
 from torch_commopt.kernels.matmul.gpu import tma
 from torch_commopt.kernels.matmul.gpu.layout import RowLayout, as_blocks, blocks_of, cdiv, piece_rows
 from torch_commopt.kernels.matmul.product import Product
-from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
 from torch_commopt.kernels.scaled import Expanded, Scaled, add_matmul_, call_key, matmul, out_dtype
-from torch_commopt.core.schedule import Schedule
 
 FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3, "store": "direct"}
 

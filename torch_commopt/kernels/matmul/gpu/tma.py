@@ -5,7 +5,8 @@ rs_gemm_kernel with TMA=True): where the TMA unit cannot take an operand, pointe
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import torch
 
 from torch_commopt.core.groups import resolve_group
-
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.collectives import all_gather, chunk_bounds, linear, merge_rank_dim
 from torch_commopt.kernels.matmul.reference.chunking import ag_chunk_dim
 from torch_commopt.kernels.scaled import matmul, out_dtype
-from torch_commopt.core.schedule import Schedule
 
 
 def ag_matmul_sequential(a, weights, biases, gather_dim, group, return_gathered, sc=None):

@@ -9,12 +9,11 @@ matmul_ar: all-reduce t.
 from __future__ import annotations
 
 from torch_commopt.core.groups import resolve_group
-
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.collectives import all_reduce, chunk_bounds, linear, reduce_scatter
 from torch_commopt.kernels.matmul.product import Product
 from torch_commopt.kernels.matmul.reference.chunking import ar_chunk_dim, rs_chunk_dim
 from torch_commopt.kernels.scaled import out_dtype
-from torch_commopt.core.schedule import Schedule
 
 
 def _product(prod: Product, piece=lambda x: x):
