@@ -44,11 +44,48 @@ def inductor_patches(config: Config, mode: str | None = None) -> dict[str, Any]:
     return patches
 
 
-def commopt_backend(gm: torch.fx.GraphModule, example_inputs, *, options: Any = None, mode: str | None = None, **kwargs):
-    """torch.compile backend: `options` is a dict of Config fields or a Config."""
+def check_arguments(options: Any, mode: str | None, kwargs: dict[str, Any]) -> Config:
+    """The backend's arguments as a checked Config; ValueError naming the bad one."""
     if kwargs:
         raise ValueError(f"commopt backend: unexpected argument(s) {sorted(kwargs)}")
-    config = options if isinstance(options, Config) else Config.from_options(options)
+    if mode is not None:
+        modes = tuple(torch._inductor.list_mode_options())
+        if mode not in modes:
+            raise ValueError(f"commopt backend: torch.compile mode={mode!r} is not one of Inductor's modes {modes}")
+    return options if isinstance(options, Config) else Config.from_options(options)
+
+
+class RefusedOptions:
+    """What the backend returns in place of a compiled graph when its arguments are bad: every
+    call raises ValueError naming the bad option.
+
+    torch.compile hands `options` to the backend only when dynamo compiles the first graph, and
+    dynamo wraps whatever the backend raises in BackendCompilerFailed; with
+    torch._dynamo.config.suppress_errors on, it logs that as a warning and runs the frame
+    eagerly (torch/_dynamo/convert_frame.py, ConvertFrame.__call__), so a bad option raised at
+    compile would silently run the program without commopt.  Raised when the graph runs, the
+    error reaches the caller whatever dynamo's settings, as a plain ValueError.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(self.message)
+
+    def __repr__(self) -> str:
+        return f"RefusedOptions({self.message!r})"
+
+
+def commopt_backend(gm: torch.fx.GraphModule, example_inputs, *, options: Any = None, mode: str | None = None, **kwargs):
+    """torch.compile backend: `options` is a dict of Config fields or a Config.  Bad arguments
+    are checked first and give a compiled graph that raises ValueError naming them at every call
+    (RefusedOptions: never hidden by dynamo's suppress_errors)."""
+    try:
+        config = check_arguments(options, mode, kwargs)
+    except ValueError as e:
+        log.error("commopt backend: %s; every call of this graph raises it", e)
+        return RefusedOptions(str(e))
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +36,7 @@ class Config:
     cache_dir: str | None = None  # the tuner cache directory (None: $TORCH_COMMOPT_CACHE_DIR, else the user cache)
     patterns: tuple[str, ...] = PATTERNS  # the region finders that run, any subset of PATTERNS
     check_rank_consistency: bool = True  # compare the rewrite decisions across ranks once per graph
-    consistency_timeout_s: float = 300.0  # how long a rank waits for the others' plan hashes
+    consistency_timeout_s: float = 30.0  # how long a rank waits for the others in a cross-rank decision
     fx_graph_cache: bool = False  # Inductor's FX cache; a hit skips the pass on that rank only
     debug: bool = False  # record the rewritten graph's code in the explain report
     debug_waits: bool = False  # bound every GPU spin-wait and raise instead of hanging (a sync per op)
@@ -59,21 +61,23 @@ class Config:
             raise ValueError(f"Config.schedule: expected a string, got {self.schedule!r}")
         if self.schedule != "auto":
             try:
-                Schedule.parse(self.schedule)
+                named = Schedule.parse(self.schedule)
             except ValueError as e:
-                raise ValueError(f"Config.schedule: {self.schedule!r} is not 'auto' or a schedule ({e})") from e
-        if self.mode not in MODES:
+                raise ValueError(f"Config.schedule: {str(e).removeprefix('schedule: ')}; expected 'auto' or a schedule "
+                                 "string (docs/configuration.md)") from e
+            if named.name == "autotune":  # its id names a request that only a compile registers
+                raise ValueError(f"Config.schedule: {self.schedule!r} is the placeholder mode='autotune' writes; "
+                                 "set mode='autotune' instead")
+        if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"Config.mode: unknown {self.mode!r}; known: {MODES}")
         if self.mode == "fixed" and self.schedule == "auto":
             raise ValueError("Config.mode: 'fixed' needs Config.schedule to name a schedule")
         if self.mode in ("model", "autotune") and self.schedule != "auto":
             raise ValueError(f"Config.mode: {self.mode!r} chooses the schedule itself; drop schedule={self.schedule!r} "
                              "or use mode='fixed'")
+        _check_number("memory_budget_mib", self.memory_budget_mib, what="a non-negative number of MiB or None",
+                      optional=True)
         if self.memory_budget_mib is not None:
-            if isinstance(self.memory_budget_mib, bool) or not isinstance(self.memory_budget_mib, (int, float)) \
-                    or self.memory_budget_mib < 0:
-                raise ValueError(f"Config.memory_budget_mib: a non-negative number of MiB or None, "
-                                 f"got {self.memory_budget_mib!r}")
             if self.mode != "model":
                 raise ValueError("Config.memory_budget_mib: only mode='model' plans under a budget so far")
         _check_type("autotune_top_k", self.autotune_top_k, int)
@@ -94,12 +98,9 @@ class Config:
             _check_type(name, getattr(self, name), bool)
         if not (isinstance(self.call_graphs, bool) or self.call_graphs == "all"):
             raise ValueError(f"Config.call_graphs: expected False, True or 'all', got {self.call_graphs!r}")
+        _check_number("saved_gather_budget_mib", self.saved_gather_budget_mib,
+                      what="a non-negative number of MiB or None", optional=True)
         if self.saved_gather_budget_mib is not None:
-            if isinstance(self.saved_gather_budget_mib, bool) or not isinstance(self.saved_gather_budget_mib,
-                                                                                  (int, float)) \
-                    or self.saved_gather_budget_mib < 0:
-                raise ValueError(f"Config.saved_gather_budget_mib: a non-negative number of MiB or None, "
-                                 f"got {self.saved_gather_budget_mib!r}")
             if self.regather_for_backward:
                 raise ValueError("Config.saved_gather_budget_mib: regather_for_backward=True re-gathers every "
                                  "all-gather already; set one of the two")
@@ -107,8 +108,10 @@ class Config:
             raise ValueError(f"Config.band_in_graph: expected False, True or 'training', got {self.band_in_graph!r}")
         if self.host_bound_graphs not in ("overlap", "inductor"):
             raise ValueError(f"Config.host_bound_graphs: expected 'overlap' or 'inductor', got {self.host_bound_graphs!r}")
-        if self.ar_split not in (False, True, "checked"):
+        if not (isinstance(self.ar_split, bool) or self.ar_split == "checked"):
             raise ValueError(f"Config.ar_split: expected False, True or 'checked', got {self.ar_split!r}")
+        if not isinstance(self.attention_schedule, str):
+            raise ValueError(f"Config.attention_schedule: expected a string, got {self.attention_schedule!r}")
         if self.attention_schedule != "auto":
             from torch_commopt.core.attention_spec import CPSchedule
 
@@ -118,9 +121,11 @@ class Config:
                 raise ValueError(f"Config.attention_schedule: {e}") from e
         if self.ar_split_policy not in ("cost", "always"):
             raise ValueError(f"Config.ar_split_policy: expected 'cost' or 'always', got {self.ar_split_policy!r}")
-        if not isinstance(self.consistency_timeout_s, (int, float)) or self.consistency_timeout_s <= 0:
-            raise ValueError(f"Config.consistency_timeout_s: must be a positive number, got {self.consistency_timeout_s!r}")
+        _check_number("consistency_timeout_s", self.consistency_timeout_s, what="a positive number of seconds",
+                      positive=True)
         _check_type("extra_inductor_options", self.extra_inductor_options, dict)
+        if self.extra_inductor_options:
+            _check_inductor_keys(self.extra_inductor_options)
 
     @property
     def fixed_schedule(self) -> Schedule | None:
@@ -135,9 +140,14 @@ class Config:
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> "Config":
         """Build a Config from a torch.compile options dict; unknown keys raise."""
-        options = dict(options or {})
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ValueError(f"commopt options: expected a dict of Config fields (or a Config), "
+                             f"got {type(options).__name__}")
+        options = dict(options)
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
+        unknown = sorted(map(str, set(options) - names))
         if unknown:
             raise ValueError(f"commopt options: unknown key(s) {unknown}; known: {sorted(names)}")
         return cls(**options)
@@ -154,3 +164,30 @@ def _check_type(name: str, value: Any, typ: type) -> None:
     # bool is a subclass of int: reject it where an int is meant.
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ValueError(f"Config.{name}: expected {typ.__name__}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, *, what: str, positive: bool = False, optional: bool = False) -> None:
+    # nan compares false with everything, so "value < 0" alone lets it through (a nan timeout
+    # makes every wait end at once); inf would make a wait unbounded.
+    if value is None and optional:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        try:
+            ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+        except OverflowError:  # an int too large for a float
+            ok = False
+    if not ok:
+        raise ValueError(f"Config.{name}: {what} (finite), got {value!r}")
+
+
+def _check_inductor_keys(options: dict[str, Any]) -> None:
+    # Inductor refuses an unknown key only when the compile applies the patches, inside dynamo,
+    # where torch._dynamo.config.suppress_errors would turn the error into an eager run.
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = sorted(str(k) for k in options if not isinstance(k, str) or k not in known)
+    if unknown:
+        raise ValueError(f"Config.extra_inductor_options: unknown Inductor option(s) {unknown} "
+                         "(torch._inductor.config)")

@@ -60,6 +60,14 @@ def test_flat_fields_and_json_options_merge():
     ({"options": '{"chunks": 2'}, ["commopt.options", "not valid JSON"]),
     ({"options": "[1, 2]"}, ["commopt.options", "JSON object"]),
     ({"enable": "yes"}, ["commopt.enable"]),
+    ({"chunks": 0}, ["Config.chunks", "(commopt.chunks)"]),
+    ({"schedule": "sequential:3"}, ["Config.schedule", "sequential:3", "no piece count", "(commopt.schedule)"]),
+    ({"schedule": "fused:2:bm=64,bm=128"}, ["Config.schedule", "twice"]),
+    ({"options": '{"consistency_timeout_s": NaN}'}, ["Config.consistency_timeout_s", "nan", "(in commopt.options)"]),
+    ({"options": '{"consistency_timeout_s": Infinity}'}, ["Config.consistency_timeout_s", "inf"]),
+    ({"options": {"saved_gather_budget_mib": float("nan")}}, ["Config.saved_gather_budget_mib", "nan"]),
+    ({"mode": "model", "options": {"memory_budget_mib": float("inf")}}, ["Config.memory_budget_mib", "inf"]),
+    ({"options": '{"attention_schedule": "ulysses:g=2:early"}'}, ["Config.attention_schedule", "ulysses:g=2:early"]),
 ])
 def test_bad_options_raise_naming_them_when_the_section_is_built(kwargs, names):
     with pytest.raises(ValueError) as err:
@@ -68,6 +76,16 @@ def test_bad_options_raise_naming_them_when_the_section_is_built(kwargs, names):
     assert msg.startswith("[commopt]"), msg
     for name in names:
         assert name in msg, (name, msg)
+
+
+def test_a_toml_section_with_non_finite_numbers_is_refused_when_loaded():
+    """toml writes nan and inf bare: the section built from the parsed file refuses them, as
+    torchtitan builds it from the file before training starts."""
+    job = tomllib.loads('[commopt]\nenable = true\noptions = { consistency_timeout_s = nan }\n')
+    with pytest.raises(ValueError, match="Config.consistency_timeout_s"):
+        Commopt(**job["commopt"])
+    job = tomllib.loads('[commopt]\nenable = true\noptions = { consistency_timeout_s = 10.0 }\n')
+    assert Commopt(**job["commopt"]).to_config().consistency_timeout_s == 10.0
 
 
 def test_a_job_config_without_the_section_says_how_to_add_it():

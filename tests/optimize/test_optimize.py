@@ -44,6 +44,32 @@ def test_bad_options_raise_when_optimize_is_called():
         torch_commopt.optimize(fn, config="model")
 
 
+@pytest.mark.parametrize("options,name", [
+    ({"consistency_timeout_s": float("nan")}, "Config.consistency_timeout_s"),
+    ({"consistency_timeout_s": float("inf")}, "Config.consistency_timeout_s"),
+    ({"saved_gather_budget_mib": float("nan")}, "Config.saved_gather_budget_mib"),
+    ({"mode": "model", "memory_budget_mib": float("inf")}, "Config.memory_budget_mib"),
+    ({"schedule": "sequential:3"}, "Config.schedule"),
+    ({"schedule": "chunked:4:"}, "Config.schedule"),
+    ({"attention_schedule": "hybrid:2"}, "Config.attention_schedule"),
+    ({"extra_inductor_options": {"no_such_option": 1}}, "Config.extra_inductor_options"),
+])
+def test_non_finite_numbers_and_malformed_strings_raise_at_the_call(options, name, monkeypatch):
+    """Checked by optimize itself, before torch.compile is reached (for a module, a function and
+    the decorator form alike)."""
+    def no_compile(*args, **kwargs):
+        raise AssertionError("torch.compile reached despite a bad option")
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    monkeypatch.setattr(torch.nn.Module, "compile", no_compile)
+    for call in (lambda: torch_commopt.optimize(lambda x: x, **options),
+                 lambda: torch_commopt.optimize(torch.nn.Linear(2, 2), **options),
+                 lambda: torch_commopt.optimize(**options),
+                 lambda: torch_commopt.optimize(lambda x: x, config=options)):
+        with pytest.raises(ValueError, match=name):
+            call()
+
+
 def test_config_and_options_combine():
     from torch_commopt.optimize import resolve_config
 

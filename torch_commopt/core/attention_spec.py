@@ -22,8 +22,11 @@ Every schedule takes the program's contiguous layout: rank r holds tokens [r*S_l
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Union
+
+_DIGITS = re.compile(r"[0-9]+")
 
 
 class AttentionShape(NamedTuple):
@@ -65,26 +68,37 @@ class CPSchedule:
 
     @classmethod
     def parse(cls, text: Union[str, "CPSchedule"]) -> "CPSchedule":
+        """The schedule a string names (the module docstring's forms, in the order `__str__`
+        writes them: name[:U:R][:early][:g=G]); ValueError for anything else: an unknown name,
+        degrees or g that are not decimal digits, a part given twice, an empty or extra part,
+        surrounding space."""
         if isinstance(text, CPSchedule):
             return text
-        name, *rest = text.strip().split(":")
+        if not isinstance(text, str):
+            raise ValueError(f"cp schedule: expected a string, got {text!r}")
+        name, *rest = text.split(":")
+        if name not in cls.NAMES:
+            raise ValueError(f"cp schedule: unknown name {name!r} in {text!r}; known: {cls.NAMES} "
+                             "(hybrid as hybrid:U:R)")
         groups = 0
         if rest and rest[-1].startswith("g="):
-            if not rest[-1][2:].isdigit():
+            depth = rest.pop()[2:]
+            if not _DIGITS.fullmatch(depth):
                 raise ValueError(f"cp schedule: head groups are written g=G (e.g. ulysses:g=2), got {text!r}")
-            groups = int(rest.pop()[2:])
+            groups = int(depth)
             if groups < 1:
                 raise ValueError(f"cp schedule: head groups must be >= 1, got {text!r}")
-        early = "early" in rest
+        early = rest == ["early"]
         if early:
-            rest.remove("early")
+            rest = []
         if name != "hybrid":
             if rest:
-                raise ValueError(f"cp schedule: {name} takes no parameters but early and g=G, got {text!r}")
+                raise ValueError(f"cp schedule: {name} takes no parameters but early and g=G, in that order, "
+                                 f"got {text!r}")
             return cls(name, groups=groups, early=early)
         if early:
             raise ValueError(f"cp schedule: early is a ulysses option, got {text!r}")
-        if len(rest) != 2 or not all(r.isdigit() for r in rest):
+        if len(rest) != 2 or not all(_DIGITS.fullmatch(r) for r in rest):
             raise ValueError(f"cp schedule: hybrid is written hybrid:U:R (e.g. hybrid:2:4), got {text!r}")
         return cls("hybrid", int(rest[0]), int(rest[1]), groups)
 

@@ -1,11 +1,15 @@
 """Schedules of a distributed operator, and their string form carried by the custom ops.
 
 String form: `name[:chunks[:key=value,key=value...]]`, e.g. `sequential`, `chunked:4`,
-`ce_push:2`, `fused:4:bm=128,bn=256,bk=64,warps=8,stages=3,store=direct`.
+`ce_push:2`, `fused:4:bm=128,bn=256,bk=64,warps=8,stages=3,store=direct`.  Parsing is strict
+(`Schedule.parse`): chunks are decimal digits, each key is known and given once, integer values
+are decimal digits, text values are tokens of letters, digits and `_.-`; `sequential` has no
+piece count but 1 (its string with parameters is `sequential:1:dbg=1`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,6 +26,9 @@ PARAM_KEYS = {
     "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int, "graphs": int,
     "cg": int,
 }
+STORES = ("ce", "direct")  # fused's store=
+_DIGITS = re.compile(r"[0-9]+")
+_TOKEN = re.compile(r"[A-Za-z0-9_.-]+")  # a text parameter's value (store, gemm, an autotune id)
 
 
 @dataclass(frozen=True)
@@ -73,11 +80,26 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
             raise ValueError(f"schedule: unknown name {self.name!r}; known: {self.NAMES}")
-        if self.chunks < 1:
-            raise ValueError(f"schedule: chunks must be >= 1, got {self.chunks}")
+        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
+            raise ValueError(f"schedule: chunks must be an integer >= 1, got {self.chunks!r}")
+        if self.name == "sequential" and self.chunks != 1:
+            raise ValueError(f"schedule: sequential takes no piece count, got {self.chunks}")
+        keys = [kv[0] for kv in self.params]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"schedule: a parameter is given twice in {keys}")
         for key, value in self.params:
-            if key not in PARAM_KEYS or not isinstance(value, PARAM_KEYS[key]):
-                raise ValueError(f"schedule: bad parameter {key}={value!r}; known: {sorted(PARAM_KEYS)}")
+            typ = PARAM_KEYS.get(key)
+            if typ is None:
+                raise ValueError(f"schedule: unknown parameter {key!r}; known: {sorted(PARAM_KEYS)}")
+            if typ is int:
+                good = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            else:  # written between ':' ',' '=' in the string form: a token only, so it round-trips
+                good = isinstance(value, str) and _TOKEN.fullmatch(value) is not None
+            if not good:
+                raise ValueError(f"schedule: bad parameter {key}={value!r} (expected "
+                                 f"{'an integer >= 0' if typ is int else 'a token of letters, digits, _.-'})")
+        if dict(self.params).get("store", STORES[0]) not in STORES:
+            raise ValueError(f"schedule: store is one of {STORES}, got {dict(self.params)['store']!r}")
         if dict(self.params).get("gemm", "whole") != "whole" or (dict(self.params).get("gemm") and self.name != "ce_push"):
             raise ValueError(f"schedule: gemm=whole is a ce_push option (the only value); got {self.name} "
                              f"gemm={dict(self.params)['gemm']!r}")
@@ -104,16 +126,41 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str) -> "Schedule":
-        name, _, rest = text.partition(":")
-        chunks, _, params = rest.partition(":")
-        if name not in cls.NAMES:
-            raise ValueError(f"schedule: cannot parse {text!r}")
+        """The schedule a string names (the module docstring's form); ValueError for anything
+        else: an unknown name or key, a piece count that is not digits, a key given twice, an
+        empty or extra part."""
+        if not isinstance(text, str):
+            raise ValueError(f"schedule: expected a string, got {text!r}")
         try:
-            pairs = [p.split("=", 1) for p in params.split(",")] if params else []
-            parsed = tuple((k, PARAM_KEYS[k](v)) for k, v in pairs)
-            return cls(name, int(chunks) if chunks else 1, parsed)
-        except (KeyError, ValueError, TypeError) as e:
-            raise ValueError(f"schedule: cannot parse {text!r} ({e})") from e
+            return cls._parse(text)
+        except ValueError as e:
+            raise ValueError(f"schedule: cannot parse {text!r} ({str(e).removeprefix('schedule: ')})") from e
+
+    @classmethod
+    def _parse(cls, text: str) -> "Schedule":
+        parts = text.split(":")
+        if len(parts) > 3:
+            raise ValueError("more than name:chunks:params")
+        name = parts[0]
+        if name not in cls.NAMES:
+            raise ValueError(f"unknown name {name!r}; known: {cls.NAMES}")
+        if len(parts) == 1:
+            return cls(name)
+        if not _DIGITS.fullmatch(parts[1]):
+            raise ValueError(f"the piece count must be digits, got {parts[1]!r}")
+        params = []
+        if len(parts) == 3:
+            for item in parts[2].split(","):
+                key, eq, value = item.partition("=")
+                if not eq or key not in PARAM_KEYS:
+                    raise ValueError(f"expected key=value with a key of {sorted(PARAM_KEYS)}, got {item!r}")
+                if PARAM_KEYS[key] is int:
+                    if not _DIGITS.fullmatch(value):
+                        raise ValueError(f"{key} takes an integer, got {value!r}")
+                    params.append((key, int(value)))
+                else:
+                    params.append((key, value))
+        return cls(name, int(parts[1]), tuple(params))
 
     @property
     def is_gpu(self) -> bool:

@@ -21,6 +21,7 @@ This module needs neither torchtitan nor tyro.
 """
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -78,7 +79,16 @@ class Commopt:
         except (TypeError, ValueError) as e:
             if str(e).startswith("[commopt]"):
                 raise
-            raise ValueError(f"[commopt]: {e}") from e
+            raise ValueError(f"[commopt]: {e}{self._where(str(e))}") from e
+
+    def _where(self, message: str) -> str:
+        """Which key of the section set the field a Config error names ("" if none)."""
+        named = re.match(r"Config\.(\w+):", message)
+        if named is None:
+            return ""
+        name = named.group(1)
+        return f" (commopt.{name})" if name in FLAT_FIELDS and getattr(self, name) is not None else \
+            " (in commopt.options)"
 
 
 def parse_options(text: Any) -> dict[str, Any]:
