@@ -114,7 +114,8 @@ def disagreeing_ranks(rank: int, world: int):
     want = _rank_dependent_mask(q, k, v, False)
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    got = torch.compile(_rank_dependent_mask, backend="commopt")(*(t.requires_grad_(True) for t in (q, k, v)), False)
+    compiled = torch.compile(_rank_dependent_mask, backend="commopt", options={"consistency_timeout_s": 3.0})
+    got = compiled(*(t.requires_grad_(True) for t in (q, k, v)), False)
     notes = [n for g in torch_commopt.explain().graphs for n in g.notes if "attention" in n]
     return float((got.detach() - want).norm() / want.norm()), notes
 

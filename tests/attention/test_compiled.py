@@ -86,7 +86,8 @@ def test_ranks_that_decide_differently_leave_the_attention_alone():
     from compiled_programs import disagreeing_ranks
 
     for err, notes in run_distributed(disagreeing_ranks, 2):
-        assert any("decisions differ" in n for n in notes), notes
+        # the decisions are the agreement's identity: each rank waited for votes on its own
+        assert any("NOT rewritten on any rank" in n and "did not vote" in n for n in notes), notes
         assert not any("cp_attention_fwd" in n for n in notes), notes
         assert err < 1e-5, (err, notes)
 

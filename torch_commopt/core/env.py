@@ -25,10 +25,11 @@ ATTENTION_TRANSPORT = "TORCH_COMMOPT_ATTENTION_TRANSPORT"
 ATTENTION_A2A = "TORCH_COMMOPT_ATTENTION_A2A"
 ATTENTION_GROUP_STREAMS = "TORCH_COMMOPT_ATTENTION_GROUP_STREAMS"
 ATTENTION_LANE = "TORCH_COMMOPT_ATTENTION_LANE"
+SYMM_CAP_MIB = "TORCH_COMMOPT_SYMM_CAP_MIB"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
-         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE)
+         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB)
 
 DEFAULT_WAIT_TIMEOUT_S = 120.0
 ATTENTION_GROUP_STREAMS_DEFAULT = "1"
@@ -115,3 +116,22 @@ def attention_lane() -> bool:
     all-to-alls, with their packing and unpacking, on a side stream (kernels/attention/lane.py).
     Only the exact value "1" turns it on."""
     return os.environ.get(ATTENTION_LANE, "0") == "1"
+
+
+def symm_cap_mib() -> float | None:
+    """TORCH_COMMOPT_SYMM_CAP_MIB (default: None, which the runtime reads as 1/8 of the device's
+    memory, kernels/gpu/symm_cap.py): the most MiB of symmetric memory (buffers, flag arrays and
+    their signal pads) this process may hold on one device, over all process groups.  Unset or
+    empty: None.  Parsed with float(): "inf" means no cap, "0" no symmetric memory at all (every
+    GPU schedule and copy-engine transport runs NCCL).  A value that does not parse, a negative
+    one or nan raises ValueError naming the variable."""
+    text = os.environ.get(SYMM_CAP_MIB, "").strip()
+    if not text:
+        return None
+    try:
+        mib = float(text)
+    except ValueError:
+        raise ValueError(f"{SYMM_CAP_MIB}={text!r}: expected a number of MiB (or inf)") from None
+    if not mib >= 0:  # negative, or nan
+        raise ValueError(f"{SYMM_CAP_MIB}={text!r}: expected a number of MiB >= 0 (or inf)")
+    return mib

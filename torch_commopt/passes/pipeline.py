@@ -595,15 +595,19 @@ def _ranks_agree(graph: Graph, regions: list[Region], report: explain.GraphRepor
     if reason is not None:
         report.notes.append(f"rank consistency check skipped: {reason}")
         return True
-    signature = consistency.digest(_collective_signature(graph))
-    agreed, detail = consistency.ranks_agree(
-        [r.group_name for r in regions], f"{signature}:{report.plan_hash}", config.consistency_timeout_s)
-    if not agreed:
-        log.error("commopt: rewrite decisions differ across ranks, graph %d left untouched: %s",
-                  report.graph_id, detail)
-        report.notes.append(f"NOT rewritten: {detail}")
-        report.skipped += [Skip(r.kind, r.collective.name, "rank consistency check failed") for r in regions]
-    return agreed
+    # The identity is the original graph's collectives with the plan: a rank compiling the same
+    # graph again on its own (a guard that failed on it alone) finds the outcome and follows it.
+    value = f"{consistency.digest(_collective_signature(graph))}:{report.plan_hash}"
+    what = f"plan of graph {report.graph_id} ({report.graph_kind})"
+    for name in sorted({r.group_name for r in regions}):
+        decision = consistency.Decision("plan", name, consistency.digest([value]), what)
+        outcome = consistency.agree(decision, value, config.consistency_timeout_s)
+        if not outcome.agreed:
+            log.error("commopt: graph %d left untouched on every rank: %s", report.graph_id, outcome.detail)
+            report.notes.append(f"NOT rewritten: {outcome.detail}")
+            report.skipped += [Skip(r.kind, r.collective.name, "rank consistency check failed") for r in regions]
+            return False
+    return True
 
 
 def _decision(region: Region, schedule: Schedule) -> dict:

@@ -28,6 +28,12 @@ raises SymmAllocError at that call, before the call has moved anything, and the 
 instead (kernels/matmul/ops.py, kernels/attention/comm.py, kernels/attention/schedules.py); a size class that failed
 is refused at once afterwards, on every rank alike.
 
+Memory is bounded per device (kernels/gpu/symm_cap.py): past a byte cap (TORCH_COMMOPT_SYMM_CAP_MIB,
+default 1/8 of the device) a rank refuses the allocation inside that vote, so the whole group
+runs NCCL for the call.  A purpose's own buffer that a larger one replaces is let go at once, on
+every rank at the same call (`own_buffer`); the shared size classes stay, since the requests that
+fit them keep using them.  Each buffer's cache of views is a bounded LRU, dropped with it.
+
 No NVLink multicast is used anywhere: only unicast P2P loads/stores and copies.
 """
 
@@ -37,6 +43,7 @@ import contextlib
 import logging
 import math
 import threading
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +51,7 @@ import torch.distributed._symmetric_memory as symm_mem
 
 from torch_commopt.core import env
 from torch_commopt.core.groups import resolve_group
-from torch_commopt.kernels.gpu import driver, shared_device
+from torch_commopt.kernels.gpu import driver, shared_device, symm_cap
 
 log = logging.getLogger("torch_commopt.kernels.gpu.symm")
 
@@ -84,6 +91,10 @@ assert A2A_DATA + 2 * HALVES * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0
 assert RING_DATA + 2 * HALVES <= DATA
 
 MIN_BUFFER_BYTES = 1 << 24
+# Views cached per buffer (least recently used dropped first): a steady loop's calls take a few
+# hundred per shape and buffer half (W slots, their pieces, both phases), so a program's
+# working set stays cached, while new shapes (dynamic rows) no longer grow the cache forever.
+MAX_VIEWS = 4096
 
 
 def size_class(nbytes: int) -> int:
@@ -97,8 +108,10 @@ def size_class(nbytes: int) -> int:
 DEBUG_ENV = env.DEBUG_WAITS  # bounded waits in every call of the process (core/env.py)
 TIMEOUT_ENV = env.WAIT_TIMEOUT_S  # their wall-time bound
 # How long an allocation vote waits for the group's other ranks to reach the same allocation
-# (they reach it at the same call of the same program, give or take a compile).
-ALLOC_VOTE_TIMEOUT_S = 600.0
+# (they reach it at the same call of the same program, give or take a compile).  Past it every
+# rank runs NCCL for that call: a dead or stuck peer is reported, and a slow one costs only speed.
+ALLOC_VOTE_TIMEOUT_S = 30.0
+_ALLOCATIONS: Counter[tuple[str, str]] = Counter()  # (group, purpose) -> allocations voted on so far
 
 
 def debug_waits_from_env() -> bool:
@@ -124,8 +137,10 @@ class SymmBuffer:
     handle: object
     rank: int
     ptrs_dev: torch.Tensor | None  # int64 base addresses of every rank's copy (for Triton; None: not needed)
-    views: dict = field(default_factory=dict)
+    views: OrderedDict = field(default_factory=OrderedDict)  # LRU, at most MAX_VIEWS
     bases: list[int] | None = None  # every rank's copy's address here (address(), filled at first use)
+    held: int = 0  # the footprint symm_cap counts for it (0: not counted, or released)
+    pinned: bool = False  # used inside a CUDA-graph capture: kept for the process's lifetime
 
     @property
     def nbytes(self) -> int:
@@ -140,11 +155,17 @@ class SymmBuffer:
 
     def view(self, rank: int, offset_bytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor on this device aliasing rank `rank`'s buffer (peer memory through P2P).
-        Views are cached: building a peer tensor costs host time on every call."""
+        Views are cached (building a peer tensor costs host time on every call), the least
+        recently used dropped past MAX_VIEWS."""
         key = (rank, offset_bytes, tuple(shape), dtype)
-        cached = self.views.get(key)
+        views = self.views
+        cached = views.get(key)
         if cached is None:
-            cached = self.views[key] = self._make_view(rank, offset_bytes, tuple(shape), dtype)
+            cached = views[key] = self._make_view(rank, offset_bytes, key[2], dtype)
+            if len(views) > MAX_VIEWS:
+                views.popitem(last=False)
+        else:
+            views.move_to_end(key)
         return cached
 
     def _make_view(self, rank: int, offset_bytes: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -192,7 +213,7 @@ class GroupRuntime:
             log.warning("commopt: %s=1: symmetric buffers by CUDA IPC, ranks may share a GPU (for correctness runs only)",
                         shared_device.ENV)
         self.refused: int | None = None  # the smallest size class whose allocation failed somewhere
-        flags = self._voted(lambda: self._empty(FLAG_SLOTS, torch.int32), "flag array")
+        flags = self._voted(lambda: self._capped(FLAG_SLOTS, torch.int32, "flag array"), "flag array")
         flags.zero_()
         flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
         flags[RING_FREE: RING_FREE + 2 * HALVES].fill_(1)
@@ -201,6 +222,7 @@ class GroupRuntime:
         torch.cuda.synchronize(device)
         self.flags_handle = off_thread(lambda: self._rendezvous(flags), device)
         self.flags = flags
+        self.flags_held = self._hold(flags)
         self.flag_bases = [int(p) for p in self.flags_handle.buffer_ptrs]
         self.flag_bases_dev = self._int64_table(FLAG_BASES, self.flag_bases)
         self.status = flags[STATUS: STATUS + 8]  # zeroed above
@@ -262,7 +284,7 @@ class GroupRuntime:
             raise RuntimeError(f"commopt: more than {MAX_BUFFERS} symmetric buffer size classes for group {self.group_name}")
         local, handle = self._rendezvoused(nbytes, "shared")
         ptrs = self._int64_table(BUFFER_PTRS + len(self.buffers) * 2 * MAX_WORLD, [int(p) for p in handle.buffer_ptrs])
-        buf = SymmBuffer(local, handle, self.rank, ptrs)
+        buf = SymmBuffer(local, handle, self.rank, ptrs, held=self._hold(local))
         self.buffers.append(buf)
         return buf
 
@@ -271,14 +293,62 @@ class GroupRuntime:
 
     def own_buffer(self, purpose: str, nbytes: int) -> SymmBuffer:
         """A symmetric buffer of >= nbytes that only `purpose` uses (not one of `buffer`'s
-        shared size classes: its slots are guarded by tokens of its own).  A larger request
-        allocates a new one (collective, like `buffer`); the old ones stay allocated, since
-        peers may still hold mappings of them."""
+        shared size classes: its slots are guarded by tokens of its own), the last one made.
+        A larger request allocates a new one (collective, like `buffer`) and lets the old one
+        go (`_supersede`).  One used inside a CUDA-graph capture is kept instead (pinned):
+        the graph replays its addresses."""
         kept = self.owned.setdefault(purpose, [])
         if kept and kept[-1].nbytes >= nbytes:
+            if not kept[-1].pinned and _capturing():
+                kept[-1].pinned = True
             return kept[-1]
-        kept.append(SymmBuffer(*self._rendezvoused(nbytes, purpose), self.rank, None))
-        return kept[-1]
+        local, handle = self._rendezvoused(nbytes, purpose)
+        new = SymmBuffer(local, handle, self.rank, None, held=self._hold(local))
+        self._supersede(purpose, kept, new)
+        return new
+
+    def _supersede(self, purpose: str, kept: list[SymmBuffer], new: SymmBuffer) -> None:
+        """`new` becomes the purpose's buffer; the ones before it that no capture pinned are let
+        go: dropped from the runtime (views and all) and from the cap's count.  Safe here, on
+        every rank at the same call: each rank asks for the same sizes in the same order, so
+        every rank supersedes the same buffer at this call and none picks it again; and new's
+        rendezvous returned only once every rank had settled it (`_settle`: its device
+        synchronized), so no work queued before this call touches the old buffer any more.
+        Work after it touches it only through an object of a call under way that still holds it
+        (a ring shift of channel 0 when channel 1 grew the buffer), on every rank alike, and that
+        reference keeps its memory.  The memory goes with its last reference -- freeing is local
+        to each process with torch's CUDA symmetric memory (cuMemUnmap, cuMemRelease), not a
+        collective, and a peer's mapping keeps the pages until that peer lets go too."""
+        gone = [old for old in kept if not old.pinned]
+        kept[:] = [old for old in kept if old.pinned] + [new]
+        if gone:
+            self._release(purpose, gone)
+            # the last references go on the helper thread, as the allocation came: torch's release
+            # synchronizes the device and frees the rendezvous's small tables, which must not be
+            # the calling thread's (a CUDA-graph tree's warm-up routes it to a private pool)
+            off_thread(gone.clear, self.device)
+
+    def _release(self, purpose: str, gone: list[SymmBuffer]) -> None:
+        """Drop the views of buffers let go and stop counting them against the cap (logged)."""
+        for buf in gone:
+            buf.views.clear()
+            symm_cap.release(self.device, buf.held)
+            buf.held = 0
+            log.info("commopt: released the symmetric %s buffer of %d MiB of group %s (%d MiB held on %s now)",
+                     purpose, buf.nbytes >> 20, self.group_name, symm_cap.held(self.device) >> 20, self.device)
+
+    def _capped(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """_empty(numel, dtype) unless it would take this device past the cap (symm_cap): then
+        SymmCapExceeded, which the allocation vote turns into SymmAllocError on every rank."""
+        asked = symm_cap.footprint(numel * dtype.itemsize, shared_device=self.shared_device)
+        symm_cap.check(self.device, asked, what, f"rank {self.rank} of group {self.group_name}")
+        return self._empty(numel, dtype)
+
+    def _hold(self, local: torch.Tensor) -> int:
+        """Count an agreed allocation against the cap; its footprint."""
+        held = symm_cap.footprint(local.numel() * local.element_size(), shared_device=self.shared_device)
+        symm_cap.hold(self.device, held)
+        return held
 
     def _rendezvoused(self, nbytes: int, purpose: str):
         """(local uint8 tensor, handle) of a new symmetric allocation of nbytes' size class;
@@ -289,7 +359,7 @@ class GroupRuntime:
             raise SymmAllocError(f"commopt: no symmetric {what} for group {self.group_name}: one of "
                                  f"{self.refused >> 20} MiB already failed")
         try:
-            local = self._voted(lambda: self._empty(size, torch.uint8), what)
+            local = self._voted(lambda: self._capped(size, torch.uint8, what), what)
         except SymmAllocError:
             self.refused = size if self.refused is None else min(self.refused, size)
             raise
@@ -326,12 +396,18 @@ class GroupRuntime:
             local, mine = off_thread(allocate, self.device), "ok"
         except Exception as e:  # out of memory, mostly; any failure must reach the vote
             local, mine = None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-        agreed, detail = consistency.ranks_agree([self.group_name], mine, ALLOC_VOTE_TIMEOUT_S, topic="allocation")
-        if agreed and local is not None:
+        # Allocations run in the same order on every rank; the identity is the buffer's purpose and
+        # its ordinal in this process, so a rank that votes late reads the outcome the others took.
+        _ALLOCATIONS[self.group_name, what] += 1
+        ordinal = _ALLOCATIONS[self.group_name, what]
+        decision = consistency.Decision("allocation", self.group_name, consistency.digest([what, ordinal]),
+                                        f"symmetric {what} #{ordinal}")
+        outcome = consistency.agree(decision, mine, ALLOC_VOTE_TIMEOUT_S)
+        if outcome.agreed and outcome.value == "ok" and local is not None:
             return local
         del local
         raise SymmAllocError(f"commopt: the symmetric {what} for group {self.group_name} was not allocated on "
-                             f"every rank ({mine if agreed else detail})")
+                             f"every rank ({mine if outcome.agreed else outcome.detail})")
 
     def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.shared_device:  # a plain allocation, mapped by CUDA IPC at rendezvous
@@ -479,10 +555,18 @@ class GroupRuntime:
                 "a peer stalled, crashed, or runs a different schedule")
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):  # a CPU-only build
+        return False
+
+
 def off_thread(fn, device: torch.device | None = None):
     """fn() on a helper thread with `device` current there (the caller waits).  Symmetric allocations and
-    their rendezvous are kept for the process's lifetime, and rendezvous allocates small
-    device tables through the caching allocator: Inductor's CUDA-graph trees route every
+    their rendezvous outlive the call that makes them (most, the process), and rendezvous allocates
+    small device tables through the caching allocator: Inductor's CUDA-graph trees route every
     allocation of the *calling thread* to the graph's private pool during their warm-up
     run, and then refuse a pool holding tensors that are not outputs."""
     result: dict = {}
@@ -534,6 +618,9 @@ WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk
               "all-to-all piece": 9, "free all-to-all slot": 10}
 
 _RUNTIMES: dict[tuple[str, int], GroupRuntime] = {}
+# Runtimes whose flag array the group's ranks did not all allocate (e.g. past the cap), and why:
+# refused at once afterwards, on every rank alike, as a failed size class is (no vote a call).
+_REFUSED: dict[tuple[str, int], str] = {}
 
 
 def capture_refusal(group_name: str, device: torch.device, op: str, schedule, nbytes: int) -> str | None:
@@ -560,8 +647,16 @@ def existing(group_name: str, device: torch.device) -> GroupRuntime | None:
 
 
 def runtime(group_name: str, device: torch.device) -> GroupRuntime:
+    """The group's runtime on `device`, created at the first call (collective: SymmAllocError on
+    every rank of the group when its flag array was not allocated on every rank)."""
     key = _key(group_name, device)
     rt = _RUNTIMES.get(key)
     if rt is None:
-        rt = _RUNTIMES[key] = GroupRuntime(group_name, torch.device("cuda", key[1]))
+        if key in _REFUSED:
+            raise SymmAllocError(_REFUSED[key])
+        try:
+            rt = _RUNTIMES[key] = GroupRuntime(group_name, torch.device("cuda", key[1]))
+        except SymmAllocError as e:
+            _REFUSED[key] = f"{e} (refused since)"
+            raise
     return rt

@@ -111,8 +111,10 @@ def ranks_disagree(regions: list[AttentionRegion], skips: list, choices: dict, t
         (r.form, tuple(r.shape), r.causal, r.world, choices[id(r)][0] if id(r) in choices else "kept")
         for r in regions]
     world = dist.distributed_c10d._get_default_group().group_name
-    agreed, detail = consistency.ranks_agree([world], consistency.digest(sorted(map(str, decisions))), timeout_s)
-    return None if agreed else f"attention NOT rewritten: the ranks' decisions differ ({detail})"
+    value = consistency.digest(sorted(map(str, decisions)))
+    decision = consistency.Decision("attention", world, consistency.digest([value]), "attention rewrite")
+    outcome = consistency.agree(decision, value, timeout_s)
+    return None if outcome.agreed else f"attention NOT rewritten on any rank: {outcome.detail}"
 
 
 def _unsupported(region: AttentionRegion) -> str | None:
