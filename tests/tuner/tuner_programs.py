@@ -141,3 +141,19 @@ def compile_after_tune(rank: int, world: int, cache_dir: str):
     want = fn(a, b, c)
     (graph,) = torch_commopt.explain().graphs
     return [r.schedule for r in graph.rewritten], list(graph.notes), float((got - want).norm() / want.norm())
+
+
+def compile_with_cache_fault(rank: int, world: int, base: str, fault: str):
+    """compile_with_autotune with this rank's own cache directory under `base`: 'corrupt'
+    (rank 0's entries overwritten with garbage: rank 0 answers for the group) or 'unwritable'
+    (rank 0's directory cannot be created: a file stands where it would be)."""
+    import pathlib
+
+    mine = pathlib.Path(base) / f"rank{rank}"
+    if rank == 0 and fault == "corrupt":
+        for entry in mine.glob("*.json"):
+            entry.write_text('{"version": 1, "key": {"truncated')
+    if rank == 0 and fault == "unwritable":
+        (pathlib.Path(base) / "blocker").write_text("a file where the cache directory would be")
+        mine = pathlib.Path(base) / "blocker" / "cache"
+    return compile_with_autotune(rank, world, str(mine))

@@ -12,6 +12,7 @@ A leaf module: imports nothing from torch_commopt.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 
@@ -26,12 +27,14 @@ ATTENTION_A2A = "TORCH_COMMOPT_ATTENTION_A2A"
 ATTENTION_GROUP_STREAMS = "TORCH_COMMOPT_ATTENTION_GROUP_STREAMS"
 ATTENTION_LANE = "TORCH_COMMOPT_ATTENTION_LANE"
 SYMM_CAP_MIB = "TORCH_COMMOPT_SYMM_CAP_MIB"
+AGREE_TIMEOUT_S = "TORCH_COMMOPT_AGREE_TIMEOUT_S"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
-         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB)
+         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S)
 
 DEFAULT_WAIT_TIMEOUT_S = 120.0
+DEFAULT_AGREE_TIMEOUT_S = 30.0
 ATTENTION_GROUP_STREAMS_DEFAULT = "1"
 
 
@@ -135,3 +138,15 @@ def symm_cap_mib() -> float | None:
     if not mib >= 0:  # negative, or nan
         raise ValueError(f"{SYMM_CAP_MIB}={text!r}: expected a number of MiB >= 0 (or inf)")
     return mib
+
+
+def agree_timeout_s() -> float:
+    """TORCH_COMMOPT_AGREE_TIMEOUT_S (default 30): how long a run-time agreement -- the vote on
+    a symmetric allocation at a region's first call -- waits for the group's other ranks before
+    every rank runs NCCL for that call and the missing ranks are named.  (Compile-time
+    agreements take Config.consistency_timeout_s.)  Parsed with float(); it must be finite and
+    positive, else ValueError naming the variable."""
+    value = float(os.environ.get(AGREE_TIMEOUT_S, DEFAULT_AGREE_TIMEOUT_S))
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{AGREE_TIMEOUT_S}: must be a finite number of seconds > 0, got {value!r}")
+    return value

@@ -107,10 +107,6 @@ def size_class(nbytes: int) -> int:
 
 DEBUG_ENV = env.DEBUG_WAITS  # bounded waits in every call of the process (core/env.py)
 TIMEOUT_ENV = env.WAIT_TIMEOUT_S  # their wall-time bound
-# How long an allocation vote waits for the group's other ranks to reach the same allocation
-# (they reach it at the same call of the same program, give or take a compile).  Past it every
-# rank runs NCCL for that call: a dead or stuck peer is reported, and a slow one costs only speed.
-ALLOC_VOTE_TIMEOUT_S = 30.0
 _ALLOCATIONS: Counter[tuple[str, str]] = Counter()  # (group, purpose) -> allocations voted on so far
 
 
@@ -402,7 +398,9 @@ class GroupRuntime:
         ordinal = _ALLOCATIONS[self.group_name, what]
         decision = consistency.Decision("allocation", self.group_name, consistency.digest([what, ordinal]),
                                         f"symmetric {what} #{ordinal}")
-        outcome = consistency.agree(decision, mine, ALLOC_VOTE_TIMEOUT_S)
+        # The others reach the same allocation at the same call, give or take a compile; past the
+        # bound every rank runs NCCL for that call: a dead peer is named, a slow one costs speed.
+        outcome = consistency.agree(decision, mine, env.agree_timeout_s())
         if outcome.agreed and outcome.value == "ok" and local is not None:
             return local
         del local
