@@ -96,11 +96,11 @@ def supersede(rank: int, world: int, pin: bool):
     gc.collect()
     first_freed = freed() is None
     if pin:
-        capturing, symm._capturing = symm._capturing, lambda: True
+        capturing, symm.capturing = symm.capturing, lambda: True
         try:
             rt.own_buffer("ring", 20 * MIB)
         finally:
-            symm._capturing = capturing
+            symm.capturing = capturing
     rt.own_buffer("ring", 40 * MIB)
     after_growth.append([b.nbytes >> 20 for b in rt.owned["ring"]])
     held = symm_cap.held(None) // MIB

@@ -52,6 +52,7 @@ import torch.distributed._symmetric_memory as symm_mem
 from torch_commopt.core import env
 from torch_commopt.core.groups import resolve_group
 from torch_commopt.kernels.gpu import driver, shared_device, symm_cap
+from torch_commopt.kernels.gpu.call_graphs import capturing
 
 log = logging.getLogger("torch_commopt.kernels.gpu.symm")
 
@@ -295,7 +296,7 @@ class GroupRuntime:
         the graph replays its addresses."""
         kept = self.owned.setdefault(purpose, [])
         if kept and kept[-1].nbytes >= nbytes:
-            if not kept[-1].pinned and _capturing():
+            if not kept[-1].pinned and capturing():
                 kept[-1].pinned = True
             return kept[-1]
         local, handle = self._rendezvoused(nbytes, purpose)
@@ -551,14 +552,6 @@ class GroupRuntime:
                 f"commopt {op}: rank {self.rank} gave up waiting for {what} from rank {src}, chunk {chunk} "
                 f"(flag {seen}, expected >= {expected}, epoch {self.epoch}) in group {self.group_name}: "
                 "a peer stalled, crashed, or runs a different schedule")
-
-
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    try:
-        return torch.cuda.is_current_stream_capturing()
-    except (RuntimeError, AssertionError):  # a CPU-only build
-        return False
 
 
 def off_thread(fn, device: torch.device | None = None):
