@@ -37,6 +37,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -79,7 +80,8 @@ def run_variant(name: str, args, out: pathlib.Path, ngpu: int, rnd: int = 0) -> 
            "--training.seq_len", str(args.seq), "--training.local_batch_size", str(args.batch),
            "--model.flavor", args.flavor, "--debug.seed", "0",
            "--model.hf_assets_path", f"{args.assets}/tokenizer", "--training.dataset_path", f"{args.assets}/c4_test",
-           "--job.dump_folder", f"/tmp/tt_outputs/{name}_r{rnd}", "--training.dtype", args.dtype, *VARIANTS[name],
+           "--job.dump_folder", str(pathlib.Path(args.dump) / f"{name}_r{rnd}"), "--training.dtype", args.dtype,
+           *VARIANTS[name],
            *shlex.split(args.extra)]
     env = dict(os.environ)
     if args.profile_step:  # benchmarks/tt_profile.py: one step under torch.profiler, tables in the log
@@ -181,7 +183,7 @@ def main() -> None:
     ap.add_argument("--flavor", default="debugmodel")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--assets", default="/tmp/tt_assets")
+    ap.add_argument("--assets", default=None, help="the tokenizer and data set's directory (default: a new temporary one)")
     ap.add_argument("--variants", default="commopt,inductor,inductor+async-TP", help=f"of {sorted(VARIANTS)}")
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--rounds", type=int, default=2,
@@ -197,6 +199,9 @@ def main() -> None:
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="bench_torchtitan_")  # no fixed shared path: the assets and torchtitan's outputs
+    args.assets = args.assets or os.path.join(work, "tt_assets")
+    args.dump = os.path.join(work, "outputs")
     subprocess.run([sys.executable, "-m", "torch_commopt.integrations.torchtitan.assets", args.assets], check=True,
                    cwd=ROOT)
     import torch

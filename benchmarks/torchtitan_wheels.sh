@@ -4,9 +4,9 @@
 # Usage (repository root): bash benchmarks/torchtitan_wheels.sh TORCHTITAN_V0_2_2_SOURCE_DIR
 #   the source: e.g. `fetch github:pytorch/torchtitan`, then (the mirror lacks some large test
 #   assets, so archive only what the wheel needs; assets/version.txt gives its version)
-#   git --git-dir=/work/.mirror/pytorch+torchtitan/repo archive -o /tmp/tt_src.tar v0.2.2 \
-#     pyproject.toml torchtitan README.md LICENSE assets/version.txt
-#   mkdir -p /tmp/tt_src && tar -xf /tmp/tt_src.tar -C /tmp/tt_src
+#   src=$(mktemp -d)
+#   git --git-dir=/work/.mirror/pytorch+torchtitan/repo archive v0.2.2 \
+#     pyproject.toml torchtitan README.md LICENSE assets/version.txt | tar -x -C "$src"
 # What the GPU machine (torch 2.11, Python 3.12) had on 2026-11-23 and lacked: torchdata, tyro,
 # docstring_parser, typeguard, datasets, tzdata, dill, multiprocess (pyarrow, pandas,
 # tokenizers, tensorboard, huggingface_hub, ... are there).  ~1.9 MB in all.

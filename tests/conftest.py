@@ -1,10 +1,13 @@
-"""Shared fixtures: a single-process fake process group of any world size.  The suite's tuner
-cache is a fresh directory (pytest_configure), never the user's: a calibration or measurement
-stored there by a benchmark would change what the model and autotune tests decide."""
+"""Shared fixtures: a single-process fake process group of any world size; the environment
+of a process running Triton kernels in Triton's CPU interpreter.  The suite's tuner cache is a
+fresh directory (pytest_configure), never the user's: a calibration or measurement stored
+there by a benchmark would change what the model and autotune tests decide."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import tempfile
 
 import pytest
@@ -14,9 +17,15 @@ import torch.distributed as dist
 import torch_commopt
 from torch_commopt.tuner.cache import CACHE_ENV
 
+# The suite's cache directory is made fresh for each session.  COMMOPT_TEST_CACHE_DIR names
+# one to use instead, warm or not (to check that the suite passes with what an earlier run
+# left there: `COMMOPT_TEST_CACHE_DIR=$(mktemp -d)`, then pytest twice); never the user's.
+TEST_CACHE_ENV = "COMMOPT_TEST_CACHE_DIR"
+
 
 def pytest_configure(config):
-    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="commopt_test_cache_")  # before any test spawns ranks (they inherit it)
+    # before any test spawns ranks (they inherit it)
+    os.environ[CACHE_ENV] = os.environ.get(TEST_CACHE_ENV) or tempfile.mkdtemp(prefix="commopt_test_cache_")
 
 
 @pytest.fixture
@@ -33,3 +42,16 @@ def fake_world(request):
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+@pytest.fixture
+def triton_interpreter():
+    """The environment for a subprocess that runs Triton kernels in Triton's CPU interpreter
+    (TRITON_INTERPRET=1, this process's sys.path).  Triton is in the test extras: where it is
+    missing the test is skipped, except under CI (CI=true), where that is a failure: a missing
+    install must not pass for a run."""
+    if importlib.util.find_spec("triton") is None:
+        if os.environ.get("CI"):
+            pytest.fail("triton is not installed: `pip install -e .[test]` installs it for the interpreter tests")
+        pytest.skip("triton is not installed (pip install -e .[test])")
+    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))

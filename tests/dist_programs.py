@@ -178,16 +178,14 @@ def run_dp_tp_block(rank: int, world: int, options_list: list[dict]) -> list[tup
     return results
 
 
-def run_checkpointed_block(rank: int, world: int, how: str, options: dict) -> dict:
-    """A TP+SP block under activation checkpointing ("full": each sub-block wrapped, as
-    torchtitan's full AC; "selective": matmuls saved, the rest recomputed), compiled with plain
-    inductor and with commopt, against float64 eager.  The backward graph recomputes the
-    forward's all-gathers.  {"inductor_error": why torch's own compile failed (or None),
-    "rewritten": regions per graph, "errors": [(commopt error, eager error)]}."""
+def _checkpointing(how: str):
+    """wrap(block) -> the block under activation checkpointing: "full" wraps each sub-block
+    (block.attention, block.feed_forward) in checkpoint_wrapper, as torchtitan's full AC;
+    "selective" checkpoints the whole block, matmuls saved and the rest recomputed (an
+    op-level selective policy)."""
     import functools
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     def save_matmuls(ctx, op, *args, **kwargs):
@@ -201,20 +199,123 @@ def run_checkpointed_block(rank: int, world: int, how: str, options: dict) -> di
         context = functools.partial(create_selective_checkpoint_contexts, save_matmuls)
         return functools.partial(checkpoint, block, use_reentrant=False, context_fn=context)
 
+    return checkpointed
+
+
+def _failure(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def run_checkpointed_block(rank: int, world: int, how: str, options: dict) -> dict:
+    """A DTensor TP+SP block under activation checkpointing (_checkpointing(how)), compiled
+    with plain inductor and with commopt, against float64 eager.  The backward graph
+    recomputes the forward's all-gathers.  {"inductor_error": why torch's own compile failed
+    (or None), "commopt_error": why commopt's did (tried only where torch's own failed too;
+    None if it ran), "rewritten": regions per graph, "errors": [(commopt error, eager error)]}."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    checkpointed = _checkpointing(how)
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     shard = lambda t: t.chunk(world, dim=1)[rank]  # noqa: E731
-    result = {"inductor_error": None, "rewritten": [], "errors": []}
-    try:  # torch's own compile first: where it fails, there is nothing of ours to check
+    result = {"inductor_error": None, "commopt_error": None, "rewritten": [], "errors": []}
+    try:  # torch's own compile first: where it fails, commopt can only fail the same way
         _block_runs(lambda: _tp_sp_block(mesh), {"inductor": (torch.float32, lambda b: torch.compile(checkpointed(b)))},
                     x, shard)
     except Exception as e:  # noqa: BLE001 - torch's own failure is reported, not ours
-        result["inductor_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        return result
+        result["inductor_error"] = _failure(e)
     labels = {"ref": (torch.float64, checkpointed), "eager": (torch.float32, checkpointed),
               "commopt": (torch.float32, lambda b: torch.compile(checkpointed(b), backend="commopt", options=options))}
-    runs = _block_runs(lambda: _tp_sp_block(mesh), labels, x, shard)
+    try:
+        runs = _block_runs(lambda: _tp_sp_block(mesh), labels, x, shard)
+    except Exception as e:  # noqa: BLE001 - where torch's own compile failed, the test compares the two
+        if result["inductor_error"] is None:
+            raise
+        result["commopt_error"] = _failure(e)
+        return result
     result["rewritten"] = [len(g.rewritten) for g in torch_commopt.explain().graphs]
     result["errors"] = _errors(runs, "commopt")
     return result
+
+
+class _FuncolAttention(torch.nn.Module):
+    """Attention's TP+SP form in functional collectives: all-gather the sequence shards
+    (dim 0: sequence first), column-parallel q/k/v (this rank's heads), row-parallel o into a
+    reduce-scatter (dim 0).  The weights: shards of a full Attention's."""
+
+    def __init__(self, full, rank: int, world: int):
+        super().__init__()
+        cols = lambda lin: torch.nn.Parameter(lin.weight.detach().chunk(world, 0)[rank].clone())  # noqa: E731
+        self.wq, self.wk, self.wv = cols(full.wq), cols(full.wk), cols(full.wv)
+        self.wo = torch.nn.Parameter(full.wo.weight.detach().chunk(world, 1)[rank].clone())
+        self.head_dim = full.head_dim
+
+    def forward(self, x):
+        full = funcol.all_gather_tensor_autograd(x, gather_dim=0, group=_g())  # (seq, batch, dim)
+        s, b, _ = full.shape
+        q, k, v = (F.linear(full, w).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
+                   for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, -1)
+        return funcol.reduce_scatter_tensor_autograd(F.linear(out, self.wo), "sum", scatter_dim=0, group=_g())
+
+
+class _FuncolSwiGLU(torch.nn.Module):
+    """SwiGLU's TP+SP form in functional collectives: all-gather (dim 0), w1/w3 column shards,
+    the w2 row shard into a reduce-scatter (dim 0)."""
+
+    def __init__(self, full, rank: int, world: int):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(full.w1.weight.detach().chunk(world, 0)[rank].clone())
+        self.w3 = torch.nn.Parameter(full.w3.weight.detach().chunk(world, 0)[rank].clone())
+        self.w2 = torch.nn.Parameter(full.w2.weight.detach().chunk(world, 1)[rank].clone())
+
+    def forward(self, x):
+        full = funcol.all_gather_tensor_autograd(x, gather_dim=0, group=_g())
+        partial = F.linear(F.silu(F.linear(full, self.w1)) * F.linear(full, self.w3), self.w2)
+        return funcol.reduce_scatter_tensor_autograd(partial, "sum", scatter_dim=0, group=_g())
+
+
+class _FuncolTpSpBlock(torch.nn.Module):
+    """LlamaBlock in the form tp_sp_plan gives it, written with functional collectives
+    instead of DTensor: the residual stream (seq / W, batch, dim) sequence-sharded, the norms
+    on the shard, an all-gather before attention and before the MLP, a reduce-scatter after
+    each.  _tp_sp_block's math, sequence first (the collectives on dim 0)."""
+
+    def __init__(self, rank: int, world: int):
+        from torch_commopt.testing.models import LlamaBlock
+
+        super().__init__()
+        full = LlamaBlock(32, 4, 64)
+        self.attention_norm, self.ffn_norm = full.attention_norm, full.ffn_norm
+        self.attention = _FuncolAttention(full.attention, rank, world)
+        self.feed_forward = _FuncolSwiGLU(full.feed_forward, rank, world)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def run_checkpointed_funcol_block(rank: int, world: int, how: str, options: dict) -> dict:
+    """run_checkpointed_block's program with the block written in functional collectives
+    (_FuncolTpSpBlock) instead of DTensor: the nearest program to it that torch 2.13's
+    AOTAutograd compiles under activation checkpointing (with DTensor the checkpointed
+    region's forward saves a DeviceMesh among the tensors for the backward, which 2.13's
+    runtime wrapper refuses).  Plain inductor and commopt each against eager, all against
+    float64 eager.  Per graph of commopt's ("kinds": forward, backward): the kinds of the
+    regions rewritten, the collectives found, the regions skipped and why; "errors":
+    [(commopt error, eager error)], "inductor_errors": [(inductor error, eager error)]."""
+    checkpointed = _checkpointing(how)
+    torch.set_num_threads(1)
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)  # (seq, batch, dim)
+    shard = lambda t: t.chunk(world, dim=0)[rank]  # noqa: E731
+    build = lambda: _FuncolTpSpBlock(rank, world)  # noqa: E731
+    labels = {"ref": (torch.float64, checkpointed), "eager": (torch.float32, checkpointed),
+              "inductor": (torch.float32, lambda b: torch.compile(checkpointed(b))),
+              "commopt": (torch.float32, lambda b: torch.compile(checkpointed(b), backend="commopt", options=options))}
+    runs = _block_runs(build, labels, x, shard)  # commopt last: explain() below is its report
+    graphs = torch_commopt.explain().graphs
+    return {"kinds": [g.graph_kind for g in graphs], "rewritten": [sorted(r.kind for r in g.rewritten) for g in graphs],
+            "collectives": [dict(g.collectives_before) for g in graphs],
+            "skipped": [[f"{k.kind}: {k.reason}" for k in g.skipped] for g in graphs],
+            "errors": _errors(runs, "commopt"), "inductor_errors": _errors(runs, "inductor")}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -177,12 +176,11 @@ print("ok", worst)
 """
 
 
-def test_triton_merge_kernel_in_the_interpreter_matches_the_torch_merge():
-    """The CUDA merge kernel (merge_triton.py) run by Triton's CPU interpreter; skipped where
-    Triton is not installed (the CPU CI); tests/gpu runs it on the GPU."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    res = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+def test_triton_merge_kernel_in_the_interpreter_matches_the_torch_merge(triton_interpreter):
+    """The CUDA merge kernel (merge_triton.py) run by Triton's CPU interpreter (Triton is in
+    the test extras; tests/gpu runs the kernel on the GPU)."""
+    res = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=triton_interpreter, capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-2000:]
 
 

@@ -63,10 +63,11 @@ fi
 if [[ $what == torchtitan ]]; then
   # issue 7: torchtitan 0.2.2 trained with commopt and with inductor; its wheels and the missing
   # dependencies are carried in .whl/ (list: torch_commopt/integrations/torchtitan/__init__.py)
-  python3 -m pip install -q --no-deps --target /tmp/ttsite .whl/*.whl > "$out/tt_install.log" 2>&1
+  ttsite=$(mktemp -d)  # a fresh directory, not a fixed shared path
+  python3 -m pip install -q --no-deps --target "$ttsite" .whl/*.whl > "$out/tt_install.log" 2>&1
   # TT_EXTRA: torchtitan arguments for every job, kept whole (BENCH_ARGS is split on spaces, so
   # an --extra there holds one argument), e.g. TT_EXTRA="--optimizer.lr=3e-4 --metrics.log_freq=10"
-  PYTHONPATH=/tmp/ttsite:$PYTHONPATH timeout ${TT_TIMEOUT:-560} python3 -m benchmarks.bench_torchtitan --out "$out" \
+  PYTHONPATH=$ttsite:$PYTHONPATH timeout ${TT_TIMEOUT:-560} python3 -m benchmarks.bench_torchtitan --out "$out" \
     ${BENCH_ARGS:-} ${TT_EXTRA:+"--extra=$TT_EXTRA"} 2>&1 | tee "$out/torchtitan.log"
 fi
 if [[ $what == attention1 ]]; then

@@ -113,6 +113,15 @@ def test_the_example_job_switches_commopt_on_for_the_registered_spec():
     assert TORCHTITAN_VERSION == "0.2.2"
 
 
+def test_the_example_job_reads_and_writes_beside_where_it_starts():
+    """The job's paths are relative (to the directory torchrun starts in): no fixed shared
+    path such as one under /tmp, which another user's files could stand in for."""
+    with open(EXAMPLE_TOML, "rb") as f:
+        job = tomllib.load(f)
+    paths = [job["job"]["dump_folder"], job["model"]["hf_assets_path"], job["training"]["dataset_path"]]
+    assert not any(os.path.isabs(p) for p in paths), paths
+
+
 class _Block(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()

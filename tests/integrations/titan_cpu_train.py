@@ -23,6 +23,14 @@ Then it runs `torchtitan.train.main` with a Trainer that, when $TT_RESULT is set
 rank to $TT_RESULT.<rank>.json: the logged losses, the class names of model.layers' children,
 whether torch_commopt.optimize compiled them, and torch_commopt.explain()'s graphs (kinds,
 rewritten regions, commopt ops emitted).
+
+With $TT_JOBS (a JSON list of [port, [arguments]]) it runs those jobs one after another in
+this process instead, each with the command line's arguments followed by its own, each writing
+to $TT_RESULT.<job>.<rank>.json: the test's jobs pay for one start of torchrun and of the
+imports (torch, torchtitan, datasets: ~10 s of the 2-core CI machine's time each) instead of
+one per job.  Each job's process group has a store of its own on its port (rank 0 serves it):
+a default group made again on the store of torchrun's agent hangs in gloo's rendezvous, whose
+keys the first group left there.
 """
 
 import json
@@ -72,6 +80,7 @@ def _disable_division_gloo(model):
 
 
 _llama3_parallelize.disable_fsdp_gradient_division = _disable_division_gloo
+from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.train import Trainer, main  # noqa: E402
 
 
@@ -105,5 +114,29 @@ class RecordingTrainer(Trainer):
             json.dump(result, f)
 
 
+def run_jobs(jobs, base_args, result):
+    """torchtitan.train.main's steps (parse, train, close, destroy the group) for each job."""
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    for i, (port, args) in enumerate(jobs):
+        os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False", TT_RESULT=f"{result}.{i}")
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        # not main(): ConfigManager.parse_args's default is sys.argv[1:] as it was at import
+        trainer = RecordingTrainer(ConfigManager().parse_args([*base_args, *args]))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(RecordingTrainer)
+    import sys
+
+    if os.environ.get("TT_JOBS"):
+        run_jobs(json.loads(os.environ["TT_JOBS"]), sys.argv[1:], os.environ["TT_RESULT"])
+    else:
+        main(RecordingTrainer)

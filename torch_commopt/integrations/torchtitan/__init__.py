@@ -45,11 +45,12 @@ benchmarks/torchtitan_wheels.sh builds exactly the set that machine lacks into .
 
 Launch (2 GPUs, from this repository's root):
 
-    python -m torch_commopt.integrations.torchtitan.assets /tmp/tt_assets
+    python -m torch_commopt.integrations.torchtitan.assets tt_assets
     torchrun --standalone --nproc_per_node 2 -m torchtitan.train \\
         --job.config_file torch_commopt/integrations/torchtitan/llama3_debug_tp2_commopt.toml
 
-    # the toml reads the tokenizer and data from /tmp/tt_assets (written by the first line);
+    # the toml reads the tokenizer and data from tt_assets/ in the directory torchrun starts in
+    # (written by the first line) and writes its outputs to outputs/ there;
     # elsewhere: --model.hf_assets_path DIR/tokenizer --training.dataset_path DIR/c4_test
 
     # options from the CLI, e.g.:  --commopt.mode model  --commopt.options '{"debug_waits": true}'
