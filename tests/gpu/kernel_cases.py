@@ -230,12 +230,8 @@ def run_alloc_failure(rank: int, world: int):
     symm.GroupRuntime._empty = failing
     ops_log.addHandler(handler)
     try:
-        bf16, results = torch.bfloat16, []
-        results += _ag_case(((256, 1024), 0, [512], False, False), bf16, ["ce_push:1"], 7100, rank, world)
         # a 64 MiB (world 2) buffer: the vote fails; then a 128 MiB one: refused at once
-        results += _rs_case(((world * 4096, 4096), 0, 2048, False, "sum"), bf16, ["ce_push:2"], 7300, rank, world)
-        results += _ag_case(((4096, 4096), 0, [1024], False, False), bf16, ["ce_push:1"], 7200, rank, world)
-        results += _rs_case(((world * 128, 1024), 0, 512, False, "sum"), bf16, ["ce_push:1"], 7400, rank, world)
+        results = refusal_sequence(rank, world)
     finally:
         symm.GroupRuntime._empty = allocate
         ops_log.removeHandler(handler)
@@ -567,3 +563,15 @@ def run_call_graphs(rank: int, world: int, calls: int = 8, eager_ranks: tuple[in
     if debug_env is not None:
         os.environ[symm.DEBUG_ENV] = debug_env
     return results, stats
+
+
+def refusal_sequence(rank: int, world: int) -> list:
+    """A small all-gather (the 16 MiB class), a reduce-scatter needing a 64 MiB buffer at world 2,
+    an all-gather needing 128 MiB, a small reduce-scatter (the 16 MiB class again): the calls the
+    allocation-refusal tests run, each checked against its reference."""
+    bf16, results = torch.bfloat16, []
+    results += _ag_case(((256, 1024), 0, [512], False, False), bf16, ["ce_push:1"], 7100, rank, world)
+    results += _rs_case(((world * 4096, 4096), 0, 2048, False, "sum"), bf16, ["ce_push:2"], 7300, rank, world)
+    results += _ag_case(((4096, 4096), 0, [1024], False, False), bf16, ["ce_push:1"], 7200, rank, world)
+    results += _rs_case(((world * 128, 1024), 0, 512, False, "sum"), bf16, ["ce_push:1"], 7400, rank, world)
+    return results

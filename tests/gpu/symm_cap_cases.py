@@ -10,7 +10,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from kernel_cases import _ag_case, _group_name, _rs_case
+from kernel_cases import _group_name, refusal_sequence
 
 from torch_commopt.core import env
 from torch_commopt.kernels.gpu import symm, symm_cap
@@ -43,11 +43,7 @@ def run_cap_fallback(rank: int, world: int):
     os.environ[env.SYMM_CAP_MIB] = "40" if rank == world - 1 else "inf"
     ops_log, cap_log = _Lines("torch_commopt.kernels.matmul.ops"), _Lines("torch_commopt.kernels.gpu.symm_cap")
     try:
-        bf16, results = torch.bfloat16, []
-        results += _ag_case(((256, 1024), 0, [512], False, False), bf16, ["ce_push:1"], 7100, rank, world)
-        results += _rs_case(((world * 4096, 4096), 0, 2048, False, "sum"), bf16, ["ce_push:2"], 7300, rank, world)
-        results += _ag_case(((4096, 4096), 0, [1024], False, False), bf16, ["ce_push:1"], 7200, rank, world)
-        results += _rs_case(((world * 128, 1024), 0, 512, False, "sum"), bf16, ["ce_push:1"], 7400, rank, world)
+        results = refusal_sequence(rank, world)
     finally:
         ops_log.close()
         cap_log.close()
