@@ -94,7 +94,8 @@ def test_every_config_field_is_in_the_configuration_reference():
     (env.attention_transport, env.ATTENTION_TRANSPORT, {None: "nccl", "": "nccl", " CE ": "ce", "x": "x"}),
     (env.attention_a2a, env.ATTENTION_A2A, {None: "ce", "": "ce", "NCCL": "nccl"}),
     (env.attention_group_streams, env.ATTENTION_GROUP_STREAMS, {None: "1", " ": "1", "Fwd": "fwd", "0": "0"}),
-    (env.wait_timeout_s, env.WAIT_TIMEOUT_S, {None: 120.0, "5": 5.0, "0.5": 0.5}),
+    (env.wait_timeout_s, env.WAIT_TIMEOUT_S, {None: 60.0, "": 60.0, "5": 5.0, " 0.5 ": 0.5}),
+    (env.watchdog, env.WATCHDOG, {None: True, "": True, "1": True, "0": False, "off": False, "False": False}),
 ])
 def test_each_variable_is_read_at_call_time(monkeypatch, accessor, name, cases):
     for value, want in cases.items():
@@ -103,6 +104,13 @@ def test_each_variable_is_read_at_call_time(monkeypatch, accessor, name, cases):
         else:
             monkeypatch.setenv(name, value)
         assert accessor() == want, (name, value)
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "nan", "inf", "soon"])
+def test_a_wait_timeout_that_is_not_a_positive_finite_number_is_refused(monkeypatch, text):
+    monkeypatch.setenv(env.WAIT_TIMEOUT_S, text)
+    with pytest.raises(ValueError, match=env.WAIT_TIMEOUT_S):
+        env.wait_timeout_s()
 
 
 def test_cache_dir_falls_back_to_the_user_cache(monkeypatch, tmp_path):

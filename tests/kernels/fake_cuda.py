@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from unittest import mock
 
 import torch
 
+from torch_commopt.core import env
 from torch_commopt.kernels.attention import ce_a2a
 from torch_commopt.kernels.gpu import driver, symm
 
@@ -179,6 +181,8 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
 
     entry_points = _entry_points(queue, state)
     with contextlib.ExitStack() as stack:
+        # no watchdog marks (host-mapped memory) in the recorded protocol: test_watchdog.py has them
+        stack.enter_context(mock.patch.dict(os.environ, {env.WATCHDOG: "0"}))
         stack.enter_context(mock.patch.object(FakeStream, "driver_calls", entry_points))
         stack.enter_context(mock.patch.object(ce_a2a, "_sm_copy", _sm_copy_recorder(queue, state)))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None))

@@ -33,6 +33,21 @@ class FakeRuntime:
     def debug_waits(self, sched):
         return bool(sched.param("dbg", 0))
 
+    # the watchdog's brackets (symm.GroupRuntime.begin_call / end_call): counted, nothing queued
+    watch, closed = None, None
+
+    def check_open(self):
+        if self.closed is not None:
+            raise RuntimeError(self.closed)
+
+    def begin_call(self, op, sched):
+        self.check_open()
+        self.begun = getattr(self, "begun", 0) + 1
+        return ("watched", self.begun)
+
+    def end_call(self, watched):
+        self.ended = getattr(self, "ended", 0) + 1
+
 
 class FakeGraph:
     def __init__(self, half):

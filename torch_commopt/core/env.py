@@ -28,12 +28,13 @@ ATTENTION_GROUP_STREAMS = "TORCH_COMMOPT_ATTENTION_GROUP_STREAMS"
 ATTENTION_LANE = "TORCH_COMMOPT_ATTENTION_LANE"
 SYMM_CAP_MIB = "TORCH_COMMOPT_SYMM_CAP_MIB"
 AGREE_TIMEOUT_S = "TORCH_COMMOPT_AGREE_TIMEOUT_S"
+WATCHDOG = "TORCH_COMMOPT_WATCHDOG"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
-         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S)
+         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG)
 
-DEFAULT_WAIT_TIMEOUT_S = 120.0
+DEFAULT_WAIT_TIMEOUT_S = 60.0
 DEFAULT_AGREE_TIMEOUT_S = 30.0
 ATTENTION_GROUP_STREAMS_DEFAULT = "1"
 
@@ -57,11 +58,31 @@ def debug_waits() -> bool:
 
 
 def wait_timeout_s() -> float:
-    """TORCH_COMMOPT_WAIT_TIMEOUT_S (default 120): the wall-clock seconds a bounded (debug-mode)
-    wait spins before it raises.  Wall time rather than an iteration count, because a peer that
-    is JIT-compiling a Triton specialization is seconds behind, not stuck.  Parsed with float();
-    a value that does not parse raises ValueError."""
-    return float(os.environ.get(WAIT_TIMEOUT_S, DEFAULT_WAIT_TIMEOUT_S))
+    """TORCH_COMMOPT_WAIT_TIMEOUT_S (default 60): the wall-clock seconds a GPU wait of a commopt call
+    may last before it becomes an error -- the watchdog's bound in production
+    (kernels/gpu/watchdog.py) and a debug-mode wait's bound.  Wall time rather than an iteration
+    count, because a peer that is JIT-compiling a Triton specialization is seconds behind, not
+    stuck.  Parsed with float(); a value that does not parse, or is not a positive finite number,
+    raises ValueError naming the variable."""
+    text = os.environ.get(WAIT_TIMEOUT_S, "").strip()
+    if not text:
+        return DEFAULT_WAIT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{WAIT_TIMEOUT_S}={text!r}: expected a number of seconds") from None
+    if not (0 < seconds < math.inf):
+        raise ValueError(f"{WAIT_TIMEOUT_S}={text!r}: expected a positive finite number of seconds")
+    return seconds
+
+
+def watchdog() -> bool:
+    """TORCH_COMMOPT_WATCHDOG (default on): whether the GPU schedules' calls are watched
+    (kernels/gpu/watchdog.py), so that a wait stuck past TORCH_COMMOPT_WAIT_TIMEOUT_S becomes a
+    WaitTimeout naming the op, schedule and peer.  "0", "false", "False" or "off" turn it off
+    (a stuck peer then hangs the program, as NCCL without its watchdog would); anything else,
+    "" included, leaves it on."""
+    return os.environ.get(WATCHDOG, "1") not in ("0", "false", "False", "off")
 
 
 def shared_device() -> bool:

@@ -341,6 +341,7 @@ class _Pipeline:
         self.buf = rt.own_buffer(PURPOSE, 2 * self.layout.half)
         self.bases = [self.buf.address(r, 0) for r in range(self.n)]  # this rank's own: its tensor's address
         self.debug = rt.debug_waits()
+        self.watched = None  # run()'s call under the watchdog
         self.compute, self.side, self.local = torch.cuda.current_stream(xs[0].device), rt.side, rt.local
         self.outs = [torch.empty(shape, dtype=dtype, device=xs[0].device) for shape, dtype in self.specs]
         self.seq_local = s_loc = self.xs[0].shape[2]
@@ -380,7 +381,7 @@ class _Pipeline:
     def _take(self, region: int, half: int, peer: int, g: int) -> None:
         """Side stream: hold until peer's slot (region, half) is free, and take its token."""
         index = self._free(region, half, peer)
-        self.rt.wait(self.side, index, 1, debug=self.debug, what="free all-to-all slot", src=peer, chunk=g)
+        self.rt.wait(self.side, index, 1, debug=self.debug, watched=self.watched, what="free all-to-all slot", src=peer, chunk=g)
         self.driver.write_value32(self.side, self.rt.flag_address(self.me, index), 0)
 
     def _drained(self) -> None:
@@ -395,15 +396,15 @@ class _Pipeline:
         for peer in self.rt.peers:
             for region in (IN, OUT):
                 for half in range(self.symm.HALVES):
-                    self.rt.wait(self.side, self._free(region, half, peer), 1, debug=self.debug,
+                    self.rt.wait(self.side, self._free(region, half, peer), 1, debug=self.debug, watched=self.watched,
                                  what="free all-to-all slot", src=peer, chunk=-1)
 
     def _arrived(self, region: int, half: int, g: int, stream, count: int = 1) -> None:
         """`stream` (a compute stream): hold until every source has written this rank's slot
         (region, half) -- for OUT, its first `count` results (the data flag counts them)."""
         for src in self.rt.sources:
-            self.rt.wait(stream, self._data(region, half, src), count, debug=self.debug, what="all-to-all piece",
-                         src=src, chunk=g)
+            self.rt.wait(stream, self._data(region, half, src), count, debug=self.debug, watched=self.watched,
+                         what="all-to-all piece", src=src, chunk=g)
 
     def _release(self, region: int, half: int, stream) -> None:
         """`stream` (a compute stream), after the last read of slot (region, half): flags down,
@@ -497,6 +498,14 @@ class _Pipeline:
             second: bool = False) -> tuple[Tensor, ...]:
         """second: the odd groups' compute on the second compute stream (module docstring).
         compute: a callable on the moved inputs, or a staged compute (pipelined)."""
+        self.watched = self.rt.begin_call("cp attention all-to-all", label=f"copy-engine all-to-all, {self.groups} groups")
+        try:
+            return self._run(compute, keep_in, keep_out, second)
+        finally:
+            self.rt.end_call(self.watched)
+            self.watched = None
+
+    def _run(self, compute, keep_in, keep_out, second) -> tuple[Tensor, ...]:
         staged = hasattr(compute, "rest")
         for x in self.xs:
             x.record_stream(self.side)

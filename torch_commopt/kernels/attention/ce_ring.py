@@ -103,6 +103,8 @@ class CEShift:
         # bounded waits (TORCH_COMMOPT_DEBUG_WAITS): the runtime loads the wait kernel first
         self.debug = rt.debug_waits()
         self.compute = torch.cuda.current_stream(tensors[0].device)
+        # watched from here to finish(), on the compute stream; each channel in a lane of its own
+        self.watched = rt.begin_call("cp attention ring", lane=f"ring{channel}", label=f"copy-engine ring, channel {channel}")
 
     def _base(self, half: int) -> int:
         return (self.channel * 2 + half) * self.slot
@@ -118,7 +120,8 @@ class CEShift:
         side.wait_stream(self.compute)
         with torch.cuda.stream(side):
             free = self._index(self.symm.RING_FREE, half)
-            rt.wait(side, free, 1, debug=self.debug, what="free ring slot", src=self.next, chunk=self.step)
+            rt.wait(side, free, 1, debug=self.debug, what="free ring slot", src=self.next, chunk=self.step,
+                    watched=self.watched)
             self.symm.driver.write_value32(side, rt.flag_address(rt.rank, free), 0)
             for t, off in zip(self.views, self.offsets):
                 self.buf.view(self.next, self._base(half) + off, t.shape, t.dtype).copy_(t, non_blocking=True)
@@ -129,7 +132,7 @@ class CEShift:
     def wait(self) -> None:
         rt, half = self.rt, self.step % 2
         rt.wait(self.compute, self._index(self.symm.RING_DATA, half), 1, debug=self.debug, what="ring block",
-                src=self.prev, chunk=self.step)
+                src=self.prev, chunk=self.step, watched=self.watched)
         self.compute.wait_stream(rt.side)  # the push of this step has read the old block
         self._release()
         self.held, self.step = half, self.step + 1
@@ -140,6 +143,8 @@ class CEShift:
         """After the last use of the current block: its slot back to the previous rank."""
         self._release()
         self.held = None
+        self.rt.end_call(self.watched)
+        self.watched = None
         if self.debug:
             self.rt.check_status("cp attention ring")
 

@@ -29,6 +29,7 @@ runs instead, the graphs already made still replay).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -237,7 +238,11 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body: Callable[[], 
          refusal: Callable[[], str | None]) -> None:
     """Run one GPU-schedule call, body(), eagerly or from its graph (see the module docstring).
     tensors: every tensor the call reads or writes (None for an absent one), the preallocated
-    outputs among them; scalars: its other arguments that body() depends on."""
+    outputs among them; scalars: its other arguments that body() depends on.  Every run of body()
+    is watched (the runtime's begin_call / end_call, kernels/gpu/watchdog.py): a capture takes the
+    watchdog's marks with it, so replays are watched too."""
+    rt.check_open()
+    body = functools.partial(_watched, op, sched, rt, body)
     if not sched.param("cg") or capturing():  # inside the program's own capture: part of its graph
         body()
         return
@@ -253,6 +258,17 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body: Callable[[], 
 
 
 _told: set[tuple[str, str]] = set()
+
+
+def _watched(op: str, sched, rt, body: Callable[[], None]) -> None:
+    """body() between the runtime's begin_call and end_call, its waits recorded for the watchdog."""
+    watched = rt.begin_call(op, sched)
+    rt.watch = watched
+    try:
+        body()
+    finally:
+        rt.watch = None
+        rt.end_call(watched)
 
 
 def per_call(op: str, sched):

@@ -42,6 +42,12 @@ def _lib():
         "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
         "cuStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
         "cuStreamBatchMemOp": [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint],
+        "cuMemHostAlloc": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint],
+        "cuMemHostGetDevicePointer": [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint],
+        "cuMemcpyDtoHAsync": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
+        "cuStreamQuery": [ctypes.c_void_p],
+        "cuCtxGetCurrent": [ctypes.POINTER(ctypes.c_void_p)],
+        "cuCtxSetCurrent": [ctypes.c_void_p],
     }
     fns = {}
     for name, argtypes in signatures.items():  # the versioned entry point where there is one
@@ -158,6 +164,63 @@ def _batch_params(ops: tuple) -> ctypes.Array:
         slot.address, slot.value = address, value & 0xFFFFFFFF
         slot.flags = WAIT_GEQ if kind == "wait" else WRITE_FENCED
     return params
+
+
+def batch_array(stream, params: ctypes.Array) -> None:
+    """Queue a batch built by `batch_params` (or mutated since: the driver reads the array during
+    the call only) as one stream memory operation."""
+    _check(_lib()["cuStreamBatchMemOp"](_handle(stream), len(params), params, 0), "cuStreamBatchMemOp")
+
+
+def batch_params(ops) -> ctypes.Array:
+    """A batch's parameter array of its own (not the shared cache of `batch`), for a caller that
+    rewrites a value before each call (`params[i].value = ...`)."""
+    return _batch_params.__wrapped__(tuple(ops))
+
+
+_HOST_PORTABLE, _HOST_DEVICEMAP = 0x1, 0x2  # CU_MEMHOSTALLOC_*
+
+
+def host_mapped(nbytes: int) -> tuple[int, int]:
+    """(host address, device address) of nbytes of pinned host memory, zeroed, mapped into every
+    context (portable) so that the GPU's stream memory operations write it and the host reads it
+    without a CUDA call.  Kept for the process's lifetime."""
+    host = ctypes.c_void_p()
+    _check(_lib()["cuMemHostAlloc"](ctypes.byref(host), nbytes, _HOST_PORTABLE | _HOST_DEVICEMAP), "cuMemHostAlloc")
+    ctypes.memset(host.value, 0, nbytes)
+    dev = ctypes.c_uint64()
+    _check(_lib()["cuMemHostGetDevicePointer"](ctypes.byref(dev), host.value, 0), "cuMemHostGetDevicePointer")
+    return host.value, dev.value
+
+
+def memcpy_dtoh_async(stream, host: int, src: int, nbytes: int) -> None:
+    """Queue on `stream` a copy of nbytes from device address src into pinned host memory at `host`."""
+    _check(_lib()["cuMemcpyDtoHAsync"](host, src, nbytes, _handle(stream)), "cuMemcpyDtoHAsync")
+
+
+def current_context() -> int:
+    """The calling thread's current CUDA context (a handle; 0: none)."""
+    ctx = ctypes.c_void_p()
+    _check(_lib()["cuCtxGetCurrent"](ctypes.byref(ctx)), "cuCtxGetCurrent")
+    return ctx.value or 0
+
+
+def use_context(ctx: int) -> None:
+    """Make `ctx` the calling thread's current context: a thread of our own (the watchdog's) has
+    none, and torch's device guard does not make one current when the device index already matches."""
+    _check(_lib()["cuCtxSetCurrent"](ctx), "cuCtxSetCurrent")
+
+
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+
+
+def stream_done(stream) -> bool:
+    """cuStreamQuery: whether every operation queued on `stream` has completed (no waiting)."""
+    rc = _lib()["cuStreamQuery"](_handle(stream))
+    if rc == _NOT_READY:
+        return False
+    _check(rc, "cuStreamQuery")
+    return True
 
 
 def _check(rc: int, what: str) -> None:

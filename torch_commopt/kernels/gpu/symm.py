@@ -40,9 +40,11 @@ No NVLink multicast is used anywhere: only unicast P2P loads/stores and copies.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import math
 import threading
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -51,8 +53,9 @@ import torch.distributed._symmetric_memory as symm_mem
 
 from torch_commopt.core import env
 from torch_commopt.core.groups import resolve_group
-from torch_commopt.kernels.gpu import driver, shared_device, symm_cap
+from torch_commopt.kernels.gpu import driver, shared_device, symm_cap, watchdog
 from torch_commopt.kernels.gpu.call_graphs import capturing
+from torch_commopt.kernels.gpu.watchdog import WaitTimeout
 
 log = logging.getLogger("torch_commopt.kernels.gpu.symm")
 
@@ -122,7 +125,7 @@ def debug_waits(schedule=None) -> bool:
 
 
 def wait_bound() -> int:
-    """Debug-mode spin bound in nanoseconds (TORCH_COMMOPT_WAIT_TIMEOUT_S, default 120 s)."""
+    """Debug-mode spin bound in nanoseconds (TORCH_COMMOPT_WAIT_TIMEOUT_S, default 60 s)."""
     return int(env.wait_timeout_s() * 1e9)
 
 
@@ -175,8 +178,14 @@ class SymmBuffer:
         return self.handle.get_buffer(rank, shape, dtype, offset_bytes // elt)
 
 
-class WaitTimeout(RuntimeError):
-    """A debug-mode wait exceeded its iteration bound (a peer stalled or ranks disagree)."""
+@dataclass(slots=True)
+class Watched:
+    """A call under the watchdog (GroupRuntime.begin_call): its record, slot and stream."""
+
+    call: watchdog.Call
+    slot: int
+    stream: object  # the torch stream its marks are queued on
+    dog: watchdog.Watchdog
 
 
 class SymmAllocError(RuntimeError):
@@ -187,6 +196,9 @@ class SymmAllocError(RuntimeError):
 
 class GroupRuntime:
     """Everything the GPU schedules of one process group need, allocated once."""
+
+    closed: str | None = None  # why the watchdog closed the runtime (kernels/gpu/watchdog.py)
+    watch: Watched | None = None  # the call whose waits are being recorded for the watchdog
 
     def __init__(self, group_name: str, device: torch.device):
         group = resolve_group(group_name)
@@ -230,6 +242,13 @@ class GroupRuntime:
         self._order_event: int | None = None  # after()'s event (driver handle)
         self._event_pools: dict[str, list[int]] = {}  # pooled_event's pools, per purpose (events(n): "")
         self._untaken: dict[int, int] = {}  # peer -> token index acquired in this call, not yet taken
+        # The watchdog's view (kernels/gpu/watchdog.py): why the runtime was closed, the call whose
+        # waits are being recorded, each slot's start batch, and what the watchdog thread reads the
+        # flags with -- made here, not when a wait is stuck, when allocating could block.
+        self._begin_batches: dict[int, object] = {}
+        self._peek_stream = torch.cuda.Stream(device=device, priority=-1)
+        self._peek_host = driver.host_mapped(FLAG_SLOTS * 4)[0]
+        self._context = driver.current_context()  # made current on the watchdog's thread
         log.info("commopt: symmetric runtime for group %s (rank %d of %d) on %s", group_name, self.rank, self.world, device)
 
     def debug_waits(self, schedule=None) -> bool:
@@ -484,9 +503,12 @@ class GroupRuntime:
         driver.batch(stream, [("write", self.flag_address(self.rank, token), 0),
                               ("write", self.flag_address(dst, index), value)])
 
-    def wait(self, stream, index: int, value: int, *, debug: bool, what: str, src: int, chunk: int) -> None:
+    def wait(self, stream, index: int, value: int, *, debug: bool, what: str, src: int, chunk: int,
+             watched: Watched | None = None) -> None:
         """Hold `stream` until this rank's flag `index` >= value.  Debug mode spins in a
-        one-block kernel with an iteration bound and records a timeout instead of hanging."""
+        one-block kernel with an iteration bound and records a timeout instead of hanging.
+        watched: the call the wait belongs to (default: the runtime's current one, `watch`)."""
+        self.expect(index, value, src=src, what=what, chunk=chunk, watched=watched)
         if not debug:
             driver.wait_value32(stream, self.flag_address(self.rank, index), value)
             return
@@ -495,6 +517,77 @@ class GroupRuntime:
         with torch.cuda.stream(stream):
             bounded_wait(self.flags, index, value, self.status, code=WAIT_CODES[what], src=src, chunk=chunk,
                          bound=wait_bound())
+
+    def expect(self, index: int, value: int, *, src: int, what: str, chunk: int = -1,
+               watched: Watched | None = None) -> None:
+        """Tell the watchdog that the call waits for this rank's flag `index` >= value (a stream wait
+        does it itself; a kernel's spins are told by its launcher)."""
+        w = watched or self.watch
+        if w is not None:
+            w.call.waits.append(watchdog.Wait(index, value, src, what, chunk, what in TOKEN_WAITS))
+
+    # ---- the watchdog ------------------------------------------------------------------------
+    def begin_call(self, op: str, schedule=None, lane: str = "", label: str | None = None) -> Watched | None:
+        """Start watching a call on the caller's current stream (None: not watched -- the watchdog
+        is off, the call bounds its waits itself in debug mode, or no slot is left).  Raises
+        WaitTimeout when a stuck call closed this runtime.  Every watched call ends with `end_call`
+        on the same stream."""
+        self.check_open()
+        if not env.watchdog() or debug_waits(schedule):
+            return None
+        dog = watchdog.get(env.wait_timeout_s())
+        stream = torch.cuda.current_stream(self.device)
+        slot = None if dog is None else dog.slot_for(self, stream.cuda_stream, lane)
+        if slot is None:
+            return None
+        call = watchdog.Call(op, label or str(schedule), self.group_name, self.rank, self.epoch + 1, threading.get_ident(),
+                             self, stream.cuda_stream, captured=capturing())
+        batch = self._begin_batches.get(slot)
+        if batch is None:
+            marks = dog.slots
+            batch = self._begin_batches[slot] = driver.batch_params(
+                [("write", marks.address(slot, watchdog.TICKET), 0), ("write", marks.address(slot, watchdog.SEEN), 0),
+                 ("write", marks.address(slot, watchdog.BUSY), 1)])
+        batch[0].value = dog.ticket(call)  # the driver reads the batch during the call only
+        driver.batch_array(stream, batch)
+        return Watched(call, slot, stream, dog)
+
+    def end_call(self, watched: Watched | None) -> None:
+        """The call's work is all queued (on its stream, or joined into it): lower its busy mark."""
+        if watched is not None:
+            driver.write_value32(watched.stream, watched.dog.slots.address(watched.slot, watchdog.BUSY), 0)
+
+    def check_open(self) -> None:
+        """WaitTimeout when the watchdog closed this runtime (a call of the group got stuck)."""
+        if self.closed is not None:
+            raise WaitTimeout(self.closed)
+
+    def close(self, message: str) -> None:
+        """The watchdog found a call stuck: every later call of this runtime raises WaitTimeout."""
+        self.closed = message
+
+    def stream_idle(self, handle: int) -> bool:
+        """Whether a stream has nothing left to run (the watchdog thread asks)."""
+        driver.use_context(self._context)
+        return driver.stream_done(handle)
+
+    def read_flags(self, bound_s: float = 5.0):
+        """This rank's flag array as the host sees it now (a copy-engine copy on a stream of the
+        watchdog's, not behind the stuck ones), or None when the copy did not end within bound_s."""
+        nbytes = FLAG_SLOTS * 4
+        driver.use_context(self._context)
+        driver.memcpy_dtoh_async(self._peek_stream, self._peek_host, self.flags.data_ptr(), nbytes)
+        deadline = time.monotonic() + bound_s
+        while not driver.stream_done(self._peek_stream):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.001)
+        return list((ctypes.c_int32 * FLAG_SLOTS).from_address(self._peek_host))
+
+    def release(self, index: int, value: int) -> None:
+        """Write `value` into this rank's flag `index` (the watchdog releasing a stuck wait)."""
+        driver.use_context(self._context)
+        driver.write_value32(self._peek_stream, self.flag_address(self.rank, index), value)
 
     def reset_counters(self, stream) -> None:
         with torch.cuda.stream(stream):
@@ -607,6 +700,7 @@ def data_index(half: int, src: int, chunk: int, phase: int = 0) -> int:
 WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk": 5, "free buffer": 6,
               "ring block": 7, "free ring slot": 8,
               "all-to-all piece": 9, "free all-to-all slot": 10}
+TOKEN_WAITS = frozenset({"free buffer", "free ring slot", "free all-to-all slot"})  # taken (set 0) once passed
 
 _RUNTIMES: dict[tuple[str, int], GroupRuntime] = {}
 # Runtimes whose flag array the group's ranks did not all allocate (e.g. past the cap), and why:

@@ -240,6 +240,9 @@ def _consume_fused(call: _Gather, slots, sched):
     mm2 = Products(mm.weights, mm.biases, [o.view(-1, o.shape[-1]) for o in mm.outs])  # plain: fused takes no float8
     at = Arrivals(rt.flags, rt.status, data_index(call.half, 0, 0), rt.rank, rt.world, call.lay.lin,
                   pieces[0][1] - pieces[0][0])
+    for src in rt.sources:  # the kernel's spins, for the watchdog
+        for c in range(len(pieces)):
+            rt.expect(data_index(call.half, src, c), 1, src=src, what="chunk", chunk=c)
     launch_fused(a2, slots.view(-1, a2.shape[-1]), mm2, at, dict(sched.params), debug=call.debug)
 
 

@@ -494,6 +494,13 @@ def _fused(call: _Call, weight, own):
                         all(int(ptr) % 16 == 0 for ptr in call.buf.handle.buffer_ptrs))
     signals = RsSignals(rt.flags, rt.flag_bases_dev, rt.status, data_index(call.half, 0, 0))
     segments = RsSegments(rt.rank, rt.world, call.lay.lin, call.m_seg, chunk_mt)
+    for src in rt.sources:  # the kernel's spins, for the watchdog
+        for c in range(n_chunks):
+            if direct:
+                tiles = min(chunk_mt, tiles_m - c * chunk_mt) * tiles_n
+                rt.expect(COUNTERS + src * MAX_CHUNKS + c, tiles, src=src, what="tiles", chunk=c)
+            else:
+                rt.expect(data_index(call.half, src, c), 1, src=src, what="partial", chunk=c)
     launch_rs_fused(call.a2, weight, targets, signals, segments, call.alpha, p, debug=call.debug)
     if not direct:
         # The copy engine ships each piece as soon as its tiles are counted.  Enqueued after

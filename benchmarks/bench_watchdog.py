@@ -1,0 +1,135 @@
+"""What the GPU-wait watchdog costs (kernels/gpu/watchdog.py): GPU schedules' calls timed with the
+watchdog on and off (TORCH_COMMOPT_WATCHDOG), in alternating turns within one run, eager and
+replayed from per-call graphs, from a host-bound small shape to a GPU-bound one.
+
+Per case and mode: the GPU time per call (CUDA events around `--calls` back-to-back calls, the
+median over `--rounds`, the slowest rank) and the host time per call (the enqueue loop).  On one
+GPU the ranks share it (TORCH_COMMOPT_SHARED_DEVICE=1, gloo): the times are of the shared device,
+each mode seeing the same contention; on W GPUs, NCCL.
+
+    python3 -m benchmarks.bench_watchdog --out OUT [--world 2] [--rounds 9] [--calls 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+
+from benchmarks.common import fmt, machine_meta, result_stem, write_report
+
+# (label, op, schedule, rows per rank, K, N)
+CASES = [
+    ("ag small eager", "ag", "ce_push:1", 256, 4096, 4096),
+    ("ag small replayed", "ag", "ce_push:1:cg=1", 256, 4096, 4096),
+    ("ag ce_push", "ag", "ce_push:2", 4096, 4096, 4096),
+    ("ag fused", "ag", "fused:2", 4096, 4096, 4096),
+    ("rs ce_push", "rs", "ce_push:2", 4096, 4096, 4096),
+    ("rs fused", "rs", "fused:2:store=direct", 4096, 4096, 4096),
+    ("rs replayed", "rs", "ce_push:2:cg=1", 4096, 4096, 4096),
+]
+MODES = ("on", "off")
+
+
+def _call(op: str, a, w, sched: str, group_name: str, world: int):
+    import torch
+
+    if op == "ag":
+        return torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, group_name, sched, False)[0]
+    return torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", world, group_name, sched)
+
+
+def _rank(rank: int, world: int, rounds: int, calls: int):
+    import torch
+    import torch.distributed as dist
+
+    import torch_commopt  # noqa: F401
+    from torch_commopt.core import env
+
+    os.environ.pop(env.DEBUG_WAITS, None)
+    gn, dev = dist.group.WORLD.group_name, torch.device("cuda", torch.cuda.current_device())
+    out = []
+    for label, op, sched, m, k, n in CASES:
+        g = torch.Generator(device=dev).manual_seed(100 + rank)
+        rows = m * world if op == "rs" else m
+        a = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g)
+        w = torch.randn(k, n, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(k)
+        for mode in MODES:  # warm-up in both modes (captures, compiles)
+            os.environ[env.WATCHDOG] = "1" if mode == "on" else "0"
+            for _ in range(6):
+                _call(op, a, w, sched, gn, world)
+        torch.cuda.synchronize()
+        times = {mode: {"gpu_ms": [], "host_us": []} for mode in MODES}
+        for r in range(rounds):
+            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                os.environ[env.WATCHDOG] = "1" if mode == "on" else "0"
+                dist.barrier()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    _call(op, a, w, sched, gn, world)
+                host = time.perf_counter() - t0
+                end.record()
+                end.synchronize()
+                times[mode]["gpu_ms"].append(start.elapsed_time(end) / calls)
+                times[mode]["host_us"].append(host / calls * 1e6)
+        medians = [statistics.median(times[mode][key]) for mode in MODES for key in ("gpu_ms", "host_us")]
+        t = torch.tensor(medians, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank (a CPU tensor: gloo or NCCL alike)
+        out.append({"label": label, "op": op, "schedule": sched, "rows_per_rank": m, "k": k, "n": n,
+                    "raw": times, "slowest": dict(zip(["on_gpu_ms", "on_host_us", "off_gpu_ms", "off_host_us"],
+                                                      t.tolist()))})
+    os.environ.pop(env.WATCHDOG, None)
+    return out, torch.cuda.get_device_name(dev)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--commit", default="")
+    args = parser.parse_args()
+
+    import torch
+
+    from torch_commopt.kernels.gpu import shared_device
+    from torch_commopt.testing.launch import run_distributed
+
+    shared = shared_device.enabled()
+    if not shared and torch.cuda.device_count() < args.world:
+        raise SystemExit(f"needs {args.world} GPUs, or one with {shared_device.ENV}=1")
+    per_rank = run_distributed(_rank, args.world, args.rounds, args.calls, backend="gloo" if shared else "nccl",
+                               timeout_s=560)
+    cases, device = per_rank[0]
+    variant = "shared1gpu" if shared else ""
+    meta = machine_meta(device, args.world, args.commit, shared_device=shared, rounds=args.rounds, calls=args.calls)
+    lines = [f"# GPU-wait watchdog: cost per call, on vs off ({device}, {args.world} ranks"
+             f"{' sharing one GPU' if shared else ''})", "",
+             f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; "
+             f"median of {args.rounds} rounds of {args.calls} back-to-back calls, the slowest rank; modes in "
+             "alternating order each round.", "",
+             "| case | schedule | shape (rows/rank x K x N) | GPU ms on | GPU ms off | GPU cost | host us on | host us off |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        s = c["slowest"]
+        cost = (s["on_gpu_ms"] / s["off_gpu_ms"] - 1) * 100
+        c["gpu_cost_pct"] = cost
+        lines.append(f"| {c['label']} | `{c['schedule']}` | {c['rows_per_rank']}x{c['k']}x{c['n']} | "
+                     f"{fmt(s['on_gpu_ms'], 4)} | {fmt(s['off_gpu_ms'], 4)} | {cost:+.2f}% | "
+                     f"{fmt(s['on_host_us'], 1)} | {fmt(s['off_host_us'], 1)} |")
+    worst = max(c["gpu_cost_pct"] for c in cases)
+    lines += ["", f"Largest GPU-time cost: {worst:+.2f}% (negative: within the noise of the alternating turns).",
+              "Host time is the enqueue loop's wall time per call (the GPU runs behind it).", ""]
+    stem = result_stem("watchdog_overhead", device, args.world, variant=variant)
+    paths = write_report(args.out, stem, {"meta": meta, "cases": cases}, "\n".join(lines))
+    print("\n".join(lines))
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()

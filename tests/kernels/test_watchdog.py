@@ -1,0 +1,198 @@
+"""The GPU-wait watchdog's decisions (kernels/gpu/watchdog.py) with hand-written slots: the GPU's
+marks are written here as its stream memory operations would write them, the clock is the test's.
+The GPU side (marks written by a stream, a stuck wait released, the exception in the caller) is
+tests/gpu/test_watchdog_gpu.py."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+
+from torch_commopt.kernels.gpu import watchdog
+from torch_commopt.kernels.gpu.watchdog import BUSY, SEEN, TICKET, Call, Slots, Wait, WaitTimeout, Watchdog
+
+
+class FakeRuntime:
+    """What the watchdog asks of a GroupRuntime."""
+
+    def __init__(self, flags: list[int] | None, idle: bool = False):
+        self.flags, self.idle = flags, idle
+        self.closed: str | None = None
+        self.released: list[tuple[int, int]] = []
+        self.group_name = "g0"
+
+    def read_flags(self):
+        return None if self.flags is None else list(self.flags)
+
+    def release(self, index: int, value: int) -> None:
+        self.released.append((index, value))
+        self.flags[index] = value
+
+    def close(self, message: str) -> None:
+        self.closed = message
+
+    def stream_idle(self, handle: int) -> bool:
+        return self.idle
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def dog():
+    words = (ctypes.c_int32 * (watchdog.MAX_SLOTS * watchdog.WORDS))()
+    clock = Clock()
+    d = Watchdog(Slots(ctypes.addressof(words), 0), timeout_s=10.0, poll_s=0.1, clock=clock)
+    d.words_keepalive, d.test_clock = words, clock
+    return d
+
+
+def _begin(d: Watchdog, rt, call: Call, lane: str = "") -> int:
+    """What GroupRuntime.begin_call queues, done by 'the GPU' at once: ticket, seen = 0, busy = 1."""
+    slot = d.slot_for(rt, 0x1234, lane)
+    d.slots.put(slot, TICKET, d.ticket(call))
+    d.slots.put(slot, SEEN, 0)
+    d.slots.put(slot, BUSY, 1)
+    return slot
+
+
+class Caller:
+    """A thread running Python until a WaitTimeout reaches it (the program that issued the call)."""
+
+    def __init__(self):
+        self.caught: list[BaseException] = []
+        ready = threading.Event()
+
+        def run():
+            ready.set()
+            try:
+                while True:
+                    time.sleep(0.001)
+            except WaitTimeout as e:
+                self.caught.append(e)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        ready.wait()
+
+    def result(self) -> list[BaseException]:
+        self.thread.join(5)
+        return self.caught
+
+
+def _call(rt, thread: int = 0, waits=None, captured: bool = False) -> Call:
+    return Call("matmul_rs", "fused:2:store=direct", "g0", 0, 7, thread, rt, 0x1234,
+                waits=list(waits or []), captured=captured)
+
+
+def test_a_call_stuck_past_the_timeout_is_named_closed_and_released(dog):
+    flags = [0] * 64
+    flags[10] = 1  # the first wait is satisfied, the second (from rank 1, chunk 3) is not
+    rt = FakeRuntime(flags)
+    call = _call(rt, waits=[Wait(10, 1, 1, "partial", 0), Wait(11, 1, 1, "partial", 3), Wait(12, 5, 1, "tiles", 3)])
+    slot = _begin(dog, rt, call)
+    dog.poll_once()  # first sight: noted, not judged
+    assert dog.slots.get(slot, SEEN) == 1
+    dog.test_clock.now += 9.5
+    assert dog.poll_once() == [] and rt.closed is None  # under the bound: a slow peer, not a stuck one
+    dog.test_clock.now += 1.0
+    caller = Caller()
+    call.thread = caller.thread.ident
+    messages = dog.poll_once()
+    caught = caller.result()
+    assert len(caught) == 1 and str(caught[0]) == rt.closed  # the message, in the issuing thread
+    assert rt.closed is not None
+    message = rt.closed
+    for part in ("matmul_rs", "fused:2:store=direct", "group g0", "rank 0", "10 s", "partial from rank 1",
+                 "chunk 3", "flag 0, awaited >= 1", "1 more waits", "later call raises"):
+        assert part in message, (part, message)
+    assert rt.released == [(11, 1), (12, 5)]  # only the pending waits, with the values awaited
+    assert len(messages) == 1
+
+
+def test_a_data_wait_is_named_before_a_token_taken_after_it_passed(dog):
+    """A token reads 0 once the call passed its wait and took it: the pending data wait is the stall."""
+    rt = FakeRuntime([0] * 16)
+    caller = Caller()
+    _begin(dog, rt, _call(rt, thread=caller.thread.ident,
+                          waits=[Wait(2, 1, 1, "free buffer", -1, token=True), Wait(5, 1, 1, "partial", 0)]))
+    dog.poll_once()
+    dog.test_clock.now += 11
+    dog.poll_once()
+    assert len(caller.result()) == 1
+    assert "for partial from rank 1, chunk 0" in rt.closed and "1 more waits" in rt.closed, rt.closed
+
+
+def test_calls_that_keep_turning_over_are_never_stuck(dog):
+    """busy stays raised across polls, but each new call clears seen: the clock restarts."""
+    rt = FakeRuntime([0] * 16)
+    for _ in range(50):
+        slot = _begin(dog, rt, _call(rt, waits=[Wait(3, 1, 1, "chunk", 0)]))
+        dog.poll_once()
+        dog.test_clock.now += 5.0  # 250 s in all, each call 5 s
+    assert rt.closed is None and rt.released == []
+    assert dog.slots.get(slot, SEEN) == 1
+
+
+def test_a_call_whose_end_was_never_queued_is_not_a_stuck_wait(dog):
+    rt = FakeRuntime([0] * 16, idle=True)  # its stream has nothing left to run
+    _begin(dog, rt, _call(rt, waits=[Wait(3, 1, 1, "chunk", 0)]))
+    dog.poll_once()
+    dog.test_clock.now += 30
+    assert dog.poll_once() == [] and rt.closed is None and rt.released == []
+
+
+def test_a_closed_runtime_releases_later_calls_at_once_and_raises_once(dog):
+    rt = FakeRuntime([0] * 16)
+    caller = Caller()
+    first = _call(rt, thread=caller.thread.ident, waits=[Wait(3, 1, 1, "chunk", 0)])
+    _begin(dog, rt, first)
+    dog.poll_once()
+    dog.test_clock.now += 11
+    dog.poll_once()
+    caught = caller.result()
+    assert len(caught) == 1 and "chunk from rank 1" in str(caught[0])
+    # a call queued before the close: released at its second sight, no new message, no second raise
+    later = _call(rt, thread=threading.get_ident(), waits=[Wait(4, 1, 1, "chunk", 1)], captured=True)
+    _begin(dog, rt, later, lane="x")
+    dog.poll_once()
+    dog.test_clock.now += 0.1
+    assert dog.poll_once() == []
+    assert (4, 1) in rt.released
+
+
+def test_unreadable_flags_still_close_and_release_every_wait(dog):
+    rt = FakeRuntime(None)
+    rt.release = lambda index, value: rt.released.append((index, value))
+    caller = Caller()
+    _begin(dog, rt, _call(rt, thread=caller.thread.ident, waits=[Wait(3, 1, 1, "chunk", 0), Wait(4, 1, 1, "chunk", 1)]))
+    dog.poll_once()
+    dog.test_clock.now += 11
+    dog.poll_once()
+    assert len(caller.result()) == 1
+    assert "could not be read" in rt.closed
+    assert rt.released == [(3, 1), (4, 1)]
+
+
+def test_wrap_around_compare_matches_the_gpu():
+    assert watchdog._after(5, 5) and watchdog._after(6, 5) and not watchdog._after(4, 5)
+    assert watchdog._after(-2**31, 2**31 - 1)  # one past the largest int32 is after it
+    assert not watchdog._after(2**31 - 1, -2**31)
+
+
+def test_eager_tickets_cycle_and_captured_ones_are_kept(dog):
+    rt = FakeRuntime([0])
+    eager = [dog.ticket(_call(rt)) for _ in range(3)]
+    kept = dog.ticket(_call(rt, captured=True))
+    assert eager == [1, 2, 3] and kept == watchdog.CAPTURED
+    for _ in range(watchdog.EAGER_KEPT):
+        dog.ticket(_call(rt))
+    assert kept in dog.calls and len([t for t in dog.calls if t < watchdog.CAPTURED]) == watchdog.EAGER_KEPT

@@ -1,0 +1,285 @@
+"""Bounded GPU waits in production: a watchdog over the symmetric runtime's calls.
+
+A GPU schedule's call waits for its peers on the GPU (cuStreamWaitValue32 on the copy-engine
+paths, spins inside the fused Triton kernels).  Without a bound, a peer that died or runs
+something else stalls the program forever.  NCCL's answer is a watchdog thread that turns a
+collective stuck past a timeout into an error; this is ours, at a cost that does not touch the
+kernels:
+
+- Every watched call brackets its work on the caller's stream with two stream memory operations
+  into host-mapped pinned memory (one *slot* per runtime and stream): at its start, one batch
+  writes the call's ticket, clears `seen` and raises `busy`; at its end, one write lowers `busy`.
+  The GPU's front end runs them, in stream order, without an SM.  A call captured in a CUDA graph
+  (ours per call, or Inductor's) captures both with its ticket, so every replay is watched too.
+- One thread per process reads the slots from host memory, no CUDA call, every `poll` seconds.
+  A slot busy with `seen` clear is a call it has not seen yet: it sets `seen` and notes the time.
+  A new call clears `seen` again (its start batch), so `seen` still set while `busy` is raised
+  means the same call has been running since the note: past the timeout it is stuck.  (A host
+  write racing a call's end and the next call's start marks the *next* call, from about its own
+  start: never an old call's time.)
+- A stuck call (`expire`): the thread reads this rank's flags (a device-to-host copy on a stream
+  of its own: the copy engine, not the stuck stream), names the first wait of the call that is
+  not satisfied -- what, from which peer, the flag's value and the value awaited --, closes the
+  runtime with that message (every later call of the group raises `WaitTimeout` at once), raises
+  `WaitTimeout` asynchronously in the thread that issued the call, and then writes the awaited
+  values into this rank's flags so that the stuck stream and kernels run to their end (the
+  call's results are garbage; the exception says so) and the GPU is usable again.  While the
+  runtime is closed, calls queued before the close are released the same way without waiting.
+
+The asynchronous exception (`PyThreadState_SetAsyncExc`) fires when that thread next runs Python
+bytecode: at once if it runs, or when a blocking CUDA call it is in returns once the waits are
+released.  The runtime's later calls raise on their own (`GroupRuntime.begin_call`).
+
+Cost per call: two stream memory operations (host ~5-8 us each through ctypes; on the GPU's front
+end a few microseconds, a node each in a replayed graph), measured in
+benchmarks/results/watchdog_overhead-*.md.  TORCH_COMMOPT_WATCHDOG=0 turns it off,
+TORCH_COMMOPT_WAIT_TIMEOUT_S sets the bound (default 60 s).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch_commopt.core import env
+
+log = logging.getLogger("torch_commopt.kernels.gpu.watchdog")
+
+WORDS = 4  # int32 words per slot
+TICKET, SEEN, BUSY = 0, 1, 2
+MAX_SLOTS = 256
+EAGER_KEPT = 1 << 16  # records of eager calls kept (a ring): far more than a host runs ahead of its GPU
+CAPTURED = 1 << 30  # tickets of captured calls start here and are kept while the process lives
+MAX_CAPTURED = 1 << 16
+
+
+class WaitTimeout(RuntimeError):
+    """A GPU wait of a commopt call did not end within its bound: a peer stalled, crashed, or runs
+    a different schedule.  The group's runtime is closed afterwards: every later call raises."""
+
+
+@dataclass(slots=True)
+class Wait:
+    index: int  # this rank's flag (int32 index into its flag array)
+    value: int  # awaited: flag >= value (wrap-around compare)
+    src: int  # the rank that should raise it (-1: none in particular)
+    what: str
+    chunk: int = -1
+    token: bool = False  # a token wait: the call takes the flag back to 0 once it has passed
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """What the watchdog knows of one call: enough to name it and to release its waits."""
+
+    op: str
+    schedule: str
+    group: str
+    rank: int
+    epoch: int
+    thread: int  # threading.get_ident() of the issuing thread
+    runtime: object  # the GroupRuntime: read_flags(), release(index, value), close(message), closed
+    stream: int = 0  # the caller's stream (raw handle) the call's marks are queued on
+    waits: list[Wait] = field(default_factory=list)
+    captured: bool = False
+
+    def describe(self) -> str:
+        kind = "a captured call" if self.captured else f"call #{self.epoch}"
+        return f"commopt {self.op} ({self.schedule}), {kind} of group {self.group} on rank {self.rank}"
+
+
+def _after(value: int, expected: int) -> bool:
+    """value >= expected, int32 wrap-around (as the GPU compares)."""
+    return ((value - expected) & 0xFFFFFFFF) < 0x80000000
+
+
+def stuck_message(call: Call, flags, elapsed: float, timeout: float) -> str:
+    """The error of a call stuck for `elapsed` seconds: its first unsatisfied wait (by flags, this
+    rank's flag values, or None when they could not be read) named."""
+    head = f"{call.describe()} waited {elapsed:.0f} s ({env.WAIT_TIMEOUT_S}={timeout:g})"
+    if flags is None:
+        return f"{head}; its flags could not be read. A peer stalled, crashed, or runs a different schedule."
+    pending = [w for w in call.waits if not _after(flags[w.index], w.value)]
+    # A token reads 0 once passed and taken, so a data wait (its flag lowered only after the call's
+    # last read) names the stall better; a token is named when no data wait is pending.
+    pending.sort(key=lambda w: w.token)
+    if not pending:
+        return (f"{head}, though every flag it waits for is set (the stall is elsewhere on its streams)."
+                " A peer stalled, crashed, or runs a different schedule.")
+    w = pending[0]
+    where = f" from rank {w.src}" if w.src >= 0 else ""
+    chunk = f", chunk {w.chunk}" if w.chunk >= 0 else ""
+    more = f" ({len(pending) - 1} more waits of the call pending)" if len(pending) > 1 else ""
+    return (f"{head} for {w.what}{where}{chunk} (flag {flags[w.index]}, awaited >= {w.value}){more}: "
+            f"rank {w.src if w.src >= 0 else '?'} stalled, crashed, or runs a different schedule. The call's "
+            "results are garbage and the group's GPU schedules are closed in this process: every later "
+            "call raises this error.")
+
+
+def raise_in(thread: int, message: str) -> bool:
+    """Raise WaitTimeout(message) asynchronously in thread `thread` (when it next runs bytecode)."""
+    exc = type("WaitTimeout", (WaitTimeout,), {"__init__": lambda self, *_: WaitTimeout.__init__(self, message)})
+    setter = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    setter.argtypes = [ctypes.c_ulong, ctypes.py_object]
+    return setter(thread, exc) == 1
+
+
+class Slots:
+    """Host-mapped int32 words the GPU writes and the host reads: WORDS per slot."""
+
+    def __init__(self, host: int, device: int, n: int = MAX_SLOTS):
+        self.words = (ctypes.c_int32 * (n * WORDS)).from_address(host)
+        self.device, self.n = device, n
+
+    def get(self, slot: int, word: int) -> int:
+        return self.words[slot * WORDS + word]
+
+    def put(self, slot: int, word: int, value: int) -> None:
+        self.words[slot * WORDS + word] = value
+
+    def address(self, slot: int, word: int) -> int:
+        """The word's device address (what the GPU's stream memory operations write)."""
+        return self.device + 4 * (slot * WORDS + word)
+
+
+class Watchdog:
+    """The per-process watchdog (module docstring).  `poll_once` is the whole decision, callable
+    with a clock of the caller's (the CPU tests drive it with hand-written slots)."""
+
+    def __init__(self, slots: Slots, timeout_s: float, poll_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.slots, self.timeout, self.clock = slots, timeout_s, clock
+        self.poll = poll_s if poll_s is not None else min(1.0, max(0.02, timeout_s / 20))
+        self.keys: dict[tuple, int] = {}  # (runtime id, stream handle) -> slot
+        self.owner: dict[int, object] = {}  # slot -> its runtime
+        self.calls: dict[int, Call] = {}
+        self.next_eager, self.next_captured = 0, CAPTURED
+        self.since: dict[int, float] = {}  # slot -> when its current call was first seen running
+        self.told: set[int] = set()  # runtimes (id) whose failure was raised in a thread already
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    # ---- the calling side ---------------------------------------------------------------------
+    def slot_for(self, runtime, stream_handle: int, lane: str = "") -> int | None:
+        """The slot of (runtime, stream, lane): calls that may be under way at once on one stream
+        (an attention ring's two channels) take lanes of their own."""
+        key = (id(runtime), stream_handle, lane)
+        slot = self.keys.get(key)
+        if slot is None:
+            with self.lock:
+                if len(self.keys) >= self.slots.n:
+                    return None
+                slot = self.keys[key] = len(self.keys)
+                self.owner[slot] = runtime
+        return slot
+
+    def ticket(self, call: Call) -> int:
+        """A ticket for `call`, remembered (eager: in a ring of EAGER_KEPT; captured: for good)."""
+        with self.lock:
+            if call.captured:
+                ticket = self.next_captured
+                self.next_captured += 1
+                if ticket - CAPTURED >= MAX_CAPTURED:  # bounded: the oldest captured record goes
+                    self.calls.pop(ticket - MAX_CAPTURED, None)
+            else:
+                ticket = self.next_eager % EAGER_KEPT + 1  # never 0: a slot's value before any call
+                self.next_eager += 1
+            self.calls[ticket] = call
+        return ticket
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="commopt-watchdog", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.poll)
+            try:
+                self.poll_once()
+            except Exception:  # noqa: BLE001 - the watchdog must outlive any one failure
+                log.exception("commopt: the GPU-wait watchdog failed once; it keeps watching")
+
+    # ---- the watching side --------------------------------------------------------------------
+    def poll_once(self) -> list[str]:
+        """One look at every slot; the messages of the calls it found stuck (new ones only)."""
+        now, found = self.clock(), []
+        for slot in range(len(self.keys)):
+            s = self.slots
+            if s.get(slot, BUSY) != 1:
+                self.since.pop(slot, None)
+                continue
+            if s.get(slot, SEEN) == 0:
+                s.put(slot, SEEN, 1)
+                self.since[slot] = now
+                continue
+            start = self.since.setdefault(slot, now)
+            runtime = self.owner[slot]
+            if getattr(runtime, "closed", None) is not None or now - start > self.timeout:
+                message = self.expire(slot, now - start)
+                if message is not None:
+                    found.append(message)
+        return found
+
+    def expire(self, slot: int, elapsed: float) -> str | None:
+        """Slot `slot`'s call is stuck (or its runtime closed): name it, close the runtime, raise in
+        the issuing thread (once per runtime), release its waits.  The message when new."""
+        call = self.calls.get(self.slots.get(slot, TICKET))
+        runtime = self.owner[slot]
+        if call is None:  # a record the ring let go: nothing to name or release
+            if getattr(runtime, "closed", None) is None:
+                runtime.close(f"commopt: a call of group {getattr(runtime, 'group_name', '?')} waited "
+                              f"{elapsed:.0f} s on the GPU and its record is gone; the group's GPU schedules are closed")
+            return None
+        if not call.captured and runtime.closed is None and runtime.stream_idle(call.stream):
+            # Nothing left to run on the call's stream: its end mark was never queued (the call raised
+            # between its start and its end), not a stuck wait.  Watched again after a timeout.
+            log.info("%s: its stream is idle but the call never marked its end; not a stuck wait", call.describe())
+            self.since[slot] = self.clock()
+            return None
+        flags = runtime.read_flags()
+        new = runtime.closed is None
+        message = None
+        if new:
+            message = stuck_message(call, flags, elapsed, self.timeout)
+            runtime.close(message)
+            log.error("%s", message)
+        if id(runtime) not in self.told:
+            self.told.add(id(runtime))
+            raise_in(call.thread, runtime.closed)
+        for w in call.waits:
+            if flags is None or not _after(flags[w.index], w.value):
+                runtime.release(w.index, w.value)
+        self.since[slot] = self.clock()  # released: look again after a poll, not at once
+        return message
+
+
+_WATCHDOG: Watchdog | None = None
+_UNAVAILABLE: list[str] = []  # why the process has no watchdog (tried once)
+_LOCK = threading.Lock()
+
+
+def get(timeout_s: float) -> Watchdog | None:
+    """The process's watchdog (created and started at the first watched call), or None when the
+    host memory for it could not be had (logged once; calls then run unwatched)."""
+    global _WATCHDOG
+    if _WATCHDOG is not None or _UNAVAILABLE:
+        return _WATCHDOG
+    with _LOCK:
+        if _WATCHDOG is None and not _UNAVAILABLE:
+            from torch_commopt.kernels.gpu import driver
+
+            try:
+                host, device = driver.host_mapped(MAX_SLOTS * WORDS * 4)
+            except RuntimeError as e:
+                _UNAVAILABLE.append(str(e))
+                log.warning("commopt: no host-mapped memory for the GPU-wait watchdog (%s); GPU waits are "
+                            "unbounded in this process", e)
+                return None
+            _WATCHDOG = Watchdog(Slots(host, device), timeout_s)
+            _WATCHDOG.start()
+    return _WATCHDOG
