@@ -100,7 +100,7 @@ def fake_runtimes(world: int = 2, owned: tuple[str, ...] = ()) -> list[symm.Grou
         rt.owned = {purpose: [symm.SymmBuffer(bufs[rank], _Handle(bufs), rank, None)] for purpose, bufs in own.items()}
         rt._debug_kernel_loaded = False
         rt._warned_capture_debug = False
-        rt._order_event, rt._event_pools, rt._untaken = None, {}, {}
+        rt._order_event, rt._event_pools, rt._untaken, rt._begin_batches = None, {}, {}, {}
         rt._new_event = lambda events=events: next(events)
         runtimes.append(rt)
     return runtimes

@@ -183,9 +183,9 @@ class Watched:
     """A call under the watchdog (GroupRuntime.begin_call): its record, slot and stream."""
 
     call: watchdog.Call
-    slot: int
     stream: object  # the torch stream its marks are queued on
-    dog: watchdog.Watchdog
+    end: int  # the device address its end mark writes 0 into (the slot's busy word)
+    ended: bool = False  # the end mark rode on the call's last batch (done_reading)
 
 
 class SymmAllocError(RuntimeError):
@@ -540,7 +540,7 @@ class GroupRuntime:
         slot = None if dog is None else dog.slot_for(self, stream.cuda_stream, lane)
         if slot is None:
             return None
-        call = watchdog.Call(op, label or str(schedule), self.group_name, self.rank, self.epoch + 1, threading.get_ident(),
+        call = watchdog.Call(op, label or schedule, self.group_name, self.rank, self.epoch + 1, threading.get_ident(),
                              self, stream.cuda_stream, captured=capturing())
         batch = self._begin_batches.get(slot)
         if batch is None:
@@ -550,12 +550,13 @@ class GroupRuntime:
                  ("write", marks.address(slot, watchdog.BUSY), 1)])
         batch[0].value = dog.ticket(call)  # the driver reads the batch during the call only
         driver.batch_array(stream, batch)
-        return Watched(call, slot, stream, dog)
+        return Watched(call, stream, dog.slots.address(slot, watchdog.BUSY))
 
     def end_call(self, watched: Watched | None) -> None:
-        """The call's work is all queued (on its stream, or joined into it): lower its busy mark."""
-        if watched is not None:
-            driver.write_value32(watched.stream, watched.dog.slots.address(watched.slot, watchdog.BUSY), 0)
+        """The call's work is all queued (on its stream, or joined into it): lower its busy mark,
+        unless its last batch of flag writes took it along (done_reading)."""
+        if watched is not None and not watched.ended:
+            driver.write_value32(watched.stream, watched.end, 0)
 
     def check_open(self) -> None:
         """WaitTimeout when the watchdog closed this runtime (a call of the group got stuck)."""
@@ -631,6 +632,11 @@ class GroupRuntime:
                 first = data_index(half, src, 0, phase)
                 ops += [("write", self.flag_address(self.rank, first + c), 0) for c in range(chunks)]
         ops += [("write", self.flag_address(src, FREE + half * MAX_WORLD + self.rank), 1) for src in self.sources]
+        w = self.watch
+        if w is not None and not w.ended and w.stream.cuda_stream == driver._handle(stream):
+            # the call's last operation on its stream: its end mark rides along (one driver call less)
+            ops.append(("write", w.end, 0))
+            w.ended = True
         for start in range(0, len(ops), driver.MAX_BATCH):
             driver.batch(stream, ops[start: start + driver.MAX_BATCH])
 

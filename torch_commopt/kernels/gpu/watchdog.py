@@ -77,7 +77,7 @@ class Call:
     """What the watchdog knows of one call: enough to name it and to release its waits."""
 
     op: str
-    schedule: str
+    schedule: object  # the Schedule (or a label): str() only when the call is named
     group: str
     rank: int
     epoch: int
