@@ -96,6 +96,7 @@ def _marks_cost(rounds: int, calls: int) -> list[dict]:
     from torch_commopt.kernels.gpu import driver
 
     dev = torch.device("cuda", 0)
+    torch.zeros(1, device=dev)  # the context current here before the driver's host allocation
     _, marks = driver.host_mapped(64)
     begin = driver.batch_params([("write", marks, 7), ("write", marks + 4, 0), ("write", marks + 8, 1)])
     out = []
