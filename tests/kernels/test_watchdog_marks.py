@@ -24,7 +24,7 @@ def dog(monkeypatch):
     words = (ctypes.c_int32 * (watchdog.MAX_SLOTS * watchdog.WORDS))()
     d = watchdog.Watchdog(watchdog.Slots(ctypes.addressof(words), MARKS), timeout_s=60.0)
     d.keep = words
-    monkeypatch.setattr(watchdog, "get", lambda timeout_s: d)
+    monkeypatch.setattr(watchdog, "get", lambda: d)
     return d
 
 

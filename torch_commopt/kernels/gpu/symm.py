@@ -535,7 +535,7 @@ class GroupRuntime:
         self.check_open()
         if not env.watchdog() or debug_waits(schedule):
             return None
-        dog = watchdog.get(env.wait_timeout_s())
+        dog = watchdog.get()
         stream = torch.cuda.current_stream(self.device)
         slot = None if dog is None else dog.slot_for(self, stream.cuda_stream, lane)
         if slot is None:

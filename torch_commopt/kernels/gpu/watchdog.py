@@ -263,9 +263,10 @@ _UNAVAILABLE: list[str] = []  # why the process has no watchdog (tried once)
 _LOCK = threading.Lock()
 
 
-def get(timeout_s: float) -> Watchdog | None:
-    """The process's watchdog (created and started at the first watched call), or None when the
-    host memory for it could not be had (logged once; calls then run unwatched)."""
+def get() -> Watchdog | None:
+    """The process's watchdog (created and started at the first watched call, with the bound
+    TORCH_COMMOPT_WAIT_TIMEOUT_S has then), or None when the host memory for it could not be had
+    (logged once; calls then run unwatched)."""
     global _WATCHDOG
     if _WATCHDOG is not None or _UNAVAILABLE:
         return _WATCHDOG
@@ -280,6 +281,6 @@ def get(timeout_s: float) -> Watchdog | None:
                 log.warning("commopt: no host-mapped memory for the GPU-wait watchdog (%s); GPU waits are "
                             "unbounded in this process", e)
                 return None
-            _WATCHDOG = Watchdog(Slots(host, device), timeout_s)
+            _WATCHDOG = Watchdog(Slots(host, device), env.wait_timeout_s())
             _WATCHDOG.start()
     return _WATCHDOG
