@@ -64,16 +64,8 @@ def wait_timeout_s() -> float:
     count, because a peer that is JIT-compiling a Triton specialization is seconds behind, not
     stuck.  Parsed with float(); a value that does not parse, or is not a positive finite number,
     raises ValueError naming the variable."""
-    text = os.environ.get(WAIT_TIMEOUT_S, "").strip()
-    if not text:
-        return DEFAULT_WAIT_TIMEOUT_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise ValueError(f"{WAIT_TIMEOUT_S}={text!r}: expected a number of seconds") from None
-    if not (0 < seconds < math.inf):
-        raise ValueError(f"{WAIT_TIMEOUT_S}={text!r}: expected a positive finite number of seconds")
-    return seconds
+    return _number(WAIT_TIMEOUT_S, DEFAULT_WAIT_TIMEOUT_S, "a positive finite number of seconds",
+                   lambda x: 0 < x < math.inf)
 
 
 def watchdog() -> bool:
@@ -149,16 +141,7 @@ def symm_cap_mib() -> float | None:
     empty: None.  Parsed with float(): "inf" means no cap, "0" no symmetric memory at all (every
     GPU schedule and copy-engine transport runs NCCL).  A value that does not parse, a negative
     one or nan raises ValueError naming the variable."""
-    text = os.environ.get(SYMM_CAP_MIB, "").strip()
-    if not text:
-        return None
-    try:
-        mib = float(text)
-    except ValueError:
-        raise ValueError(f"{SYMM_CAP_MIB}={text!r}: expected a number of MiB (or inf)") from None
-    if not mib >= 0:  # negative, or nan
-        raise ValueError(f"{SYMM_CAP_MIB}={text!r}: expected a number of MiB >= 0 (or inf)")
-    return mib
+    return _number(SYMM_CAP_MIB, None, "a number of MiB >= 0 (or inf)", lambda x: x >= 0)
 
 
 def agree_timeout_s() -> float:
@@ -167,7 +150,21 @@ def agree_timeout_s() -> float:
     every rank runs NCCL for that call and the missing ranks are named.  (Compile-time
     agreements take Config.consistency_timeout_s.)  Parsed with float(); it must be finite and
     positive, else ValueError naming the variable."""
-    value = float(os.environ.get(AGREE_TIMEOUT_S, DEFAULT_AGREE_TIMEOUT_S))
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{AGREE_TIMEOUT_S}: must be a finite number of seconds > 0, got {value!r}")
+    return _number(AGREE_TIMEOUT_S, DEFAULT_AGREE_TIMEOUT_S, "a positive finite number of seconds",
+                   lambda x: 0 < x < math.inf)
+
+
+def _number(name: str, default, expected: str, ok) -> float:
+    """The variable parsed with float() (surrounding spaces ignored); `default` when unset or
+    empty; ValueError naming the variable when it does not parse or ok(value) is false (nan never
+    passes a comparison)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected {expected}") from None
+    if not ok(value):
+        raise ValueError(f"{name}={text!r}: expected {expected}")
     return value
