@@ -1,0 +1,100 @@
+"""Per-rank programs for the expert-parallel schedules (kernels/moe): every rank builds every rank's
+tokens and routing from seeds, runs its own through `expert_parallel`, and compares its outputs and
+gradients with a single-process computation of all experts over all ranks' tokens (float64)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torch_commopt.kernels.moe.schedules import SCHEDULES, expert_parallel
+
+D, H, NL = 12, 20, 2  # model dim, expert hidden dim, local experts per rank
+
+
+def _tokens(p: int, world: int, routing: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank p's routed tokens (sorted by expert) and per-expert counts.
+    balanced: uniform experts; skewed: most tokens to expert 0, none to expert 1, none to the last
+    rank's experts, and rank 0 routes no tokens at all."""
+    g = torch.Generator().manual_seed(seed + 101 * p)
+    experts = NL * world
+    n = 30 + 7 * p
+    if routing == "balanced":
+        ids = torch.randint(0, experts, (n,), generator=g)
+    elif routing == "skewed":
+        if p == 0:
+            n = 0
+        allowed = torch.tensor([e for e in range(experts) if e != 1 and e < NL * (world - 1)])
+        ids = torch.where(torch.rand(n, generator=g) < 0.8, torch.zeros(n, dtype=torch.int64),
+                          allowed[torch.randint(0, allowed.numel(), (n,), generator=g)])
+    else:
+        raise ValueError(routing)
+    ids = ids.sort().values
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    return x, ids
+
+
+def _weights(world: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    e = NL * world
+    return [torch.randn(e, H, D, generator=g, dtype=torch.float64) / D ** 0.5,
+            torch.randn(e, D, H, generator=g, dtype=torch.float64) / H ** 0.5,
+            torch.randn(e, H, D, generator=g, dtype=torch.float64) / D ** 0.5]
+
+
+def _swiglu(rows: torch.Tensor, w1, w2, w3) -> torch.Tensor:
+    return (F.silu(rows @ w1.T) * (rows @ w3.T)) @ w2.T
+
+
+def _local_experts(w1, w2, w3):
+    """A GroupedExperts-like callable over these (nl, ...) weights: per expert, its rows."""
+    def run(rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        pieces = torch.split(rows, per_expert.tolist())
+        outs = [_swiglu(piece, w1[e], w2[e], w3[e]) for e, piece in enumerate(pieces)]
+        return torch.cat(outs) if outs else rows.new_zeros((0, D))
+    return run
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return (a - b).abs().max().item() / max(scale, 1e-30) if a.numel() else 0.0
+
+
+def run_schedules(rank: int, world: int, routings=("balanced", "skewed")) -> list[tuple[str, float]]:
+    """[(case, largest relative error over output, x's gradient and the local experts' weight
+    gradients)] for every schedule and routing."""
+    group = dist.group.WORLD
+    results = []
+    for routing in routings:
+        seed = 7 if routing == "balanced" else 11
+        full = _weights(world, seed)
+        data = [_tokens(p, world, routing, seed) for p in range(world)]
+        grads_out = [torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + p), dtype=torch.float64)
+                     for p, (x, _) in enumerate(data)]
+        # the reference: every expert over every rank's tokens, one process
+        ws_ref = [w.clone().requires_grad_() for w in full]
+        xs_ref = [x.clone().requires_grad_() for x, _ in data]
+        loss = 0
+        outs_ref = []
+        for (_, ids), xr, go in zip(data, xs_ref, grads_out):
+            out = torch.zeros_like(xr)
+            for e in range(NL * world):
+                rows = (ids == e).nonzero().flatten()
+                if rows.numel():
+                    out = out.index_add(0, rows, _swiglu(xr[rows], ws_ref[0][e], ws_ref[1][e], ws_ref[2][e]))
+            outs_ref.append(out)
+            loss = loss + (out * go).sum()
+        loss.backward()
+        x, ids = data[rank]
+        counts = torch.bincount(ids, minlength=NL * world)
+        for schedule in SCHEDULES:
+            local = [w[rank * NL:(rank + 1) * NL].clone().requires_grad_() for w in full]
+            xr = x.clone().requires_grad_()
+            out = expert_parallel(xr, counts, _local_experts(*local), group, schedule)
+            (out * grads_out[rank]).sum().backward()
+            ref_grad = xs_ref[rank].grad if xs_ref[rank].grad is not None else torch.zeros_like(xr)  # no tokens
+            errors = [_rel(out.detach(), outs_ref[rank].detach()), _rel(xr.grad, ref_grad)]
+            errors += [_rel(w.grad, wr.grad[rank * NL:(rank + 1) * NL]) for w, wr in zip(local, ws_ref)]
+            results.append((f"{schedule} {routing} world {world} rank {rank}", max(errors)))
+    return results

@@ -1,0 +1,1 @@
+"""Mixture-of-experts with expert parallelism: the token exchange and its schedules."""

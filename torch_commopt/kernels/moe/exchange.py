@@ -1,0 +1,121 @@
+"""Expert parallelism's token exchange: the routing counts, and the differentiable transfers the
+reference schedules are built from (any backend: gloo on CPU, NCCL on GPUs).
+
+The layout is torchtitan's (docs/moe.md).  A rank's routed tokens are x (T, D), sorted by expert
+over all E experts, with counts (E,) the tokens per expert.  Rank q of the EP group owns experts
+[q * nl, (q + 1) * nl), nl = E / W, so the rows a rank sends to q are one contiguous run of x,
+expert-major.  What rank r receives from source p is p's run for r, expert-major too: `recv[p][e]`
+rows for r's local expert e.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Who sends how many tokens to whom, for one call on one rank of an EP group.
+
+    send[q][e]: rows this rank sends to rank q for q's local expert e;
+    recv[p][e]: rows this rank receives from rank p for its own local expert e."""
+
+    rank: int
+    world: int
+    send: tuple[tuple[int, ...], ...]
+    recv: tuple[tuple[int, ...], ...]
+
+    @property
+    def local_experts(self) -> int:
+        return len(self.send[0])
+
+    def send_rows(self, q: int) -> int:
+        return sum(self.send[q])
+
+    def recv_rows(self, p: int) -> int:
+        return sum(self.recv[p])
+
+    def send_offset(self, q: int) -> int:
+        """Where rank q's run starts in this rank's sorted tokens."""
+        return sum(self.send_rows(i) for i in range(q))
+
+    def per_expert(self) -> tuple[int, ...]:
+        """Rows of each local expert over every source (what the experts see, expert-major)."""
+        return tuple(sum(self.recv[p][e] for p in range(self.world)) for e in range(self.local_experts))
+
+
+def exchange_counts(counts: Tensor, group: dist.ProcessGroup) -> Routing:
+    """The Routing of a call whose sorted tokens have `counts` (E,) per expert: one all-to-all of
+    the counts, then one host read of them (the split sizes of a host-driven exchange)."""
+    world, rank = group.size(), group.rank()
+    experts = counts.numel()
+    if experts % world:
+        raise ValueError(f"commopt moe: {experts} experts do not divide over an expert-parallel group of {world}")
+    mine = counts.detach().reshape(-1).to(torch.int64)
+    theirs = torch.empty_like(mine)
+    dist.all_to_all_single(theirs, mine, group=group)
+    send, recv = mine.view(world, -1).tolist(), theirs.view(world, -1).tolist()
+    return Routing(rank, world, tuple(map(tuple, send)), tuple(map(tuple, recv)))
+
+
+def _global(group: dist.ProcessGroup, rank: int) -> int:
+    return dist.get_global_rank(group, rank)
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with split sizes; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def swap_start(x: Tensor, dst: int, src: int, rows: int, group) -> tuple[Tensor, list]:
+    """Send x to group rank dst and receive `rows` rows (x's row shape and dtype) from group rank
+    src, both started: (the receive buffer, the requests to wait on).  A side with nothing to
+    move posts nothing (both ends know the sizes from the Routing)."""
+    buf = x.new_empty((rows,) + tuple(x.shape[1:]))
+    ops = []
+    if x.shape[0]:
+        ops.append(dist.P2POp(dist.isend, x.contiguous(), _global(group, dst), group))
+    if rows:
+        ops.append(dist.P2POp(dist.irecv, buf, _global(group, src), group))
+    return buf, (dist.batch_isend_irecv(ops) if ops else [])
+
+
+def wait_all(requests) -> None:
+    for req in requests:
+        req.wait()
+
+
+class Swap(torch.autograd.Function):
+    """x to dst, `rows` rows from src (swap_start, waited); backward: the gradient of what came
+    from src goes back to src, and x's gradient comes from dst."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dst: int, src: int, rows: int, group) -> Tensor:
+        ctx.route, ctx.rows_x = (dst, src, group), x.shape[0]
+        buf, reqs = swap_start(x, dst, src, rows, group)
+        wait_all(reqs)
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        dst, src, group = ctx.route
+        back, reqs = swap_start(grad, src, dst, ctx.rows_x, group)
+        wait_all(reqs)
+        return back, None, None, None, None

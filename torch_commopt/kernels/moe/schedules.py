@@ -1,0 +1,97 @@
+"""Expert-parallel schedules: a rank's routed tokens through the experts of every rank and back.
+
+`expert_parallel(x, counts, experts, group, schedule)` takes a rank's routed tokens x (T, D) sorted by
+expert over all E experts, `counts` (E,) the tokens per expert, and `experts(rows, per_expert)` the
+rank's local experts applied to expert-major rows with `per_expert` (nl,) rows each (a
+GroupedExperts-like callable).  It returns the experts' outputs (T, D) in x's row order, and is
+differentiable in x and in whatever `experts` uses (its weights).
+
+Schedules (reference implementations, any backend; exchange.py has the transfers):
+- `a2a`: torchtitan's expert parallelism.  All tokens to their experts' ranks in one all-to-all,
+  reordered from source-major to expert-major, the experts over all of them in one call,
+  reordered back, all outputs home in a second all-to-all.  Nothing overlaps the exchanges.
+- `by_peer`: one peer at a time around the ring.  Step s sends this rank's run for rank r+s and
+  receives rank r-s's run for this rank; the experts run on that source's rows alone; the outputs
+  go back to r-s while r+s's come home.  Step 0 is this rank's own tokens, which need no transfer.
+  Here each transfer is waited for before the experts that need it run: this is the reference the
+  overlapped forms are checked against, whose transfers move while the previous step's experts
+  compute.  Its backward is autograd's reverse of the same steps.
+
+Every rank must call with the same schedule and group; the Routing's counts tell every rank how
+many rows each transfer moves, so empty runs (an expert or a rank receiving nothing) move nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_commopt.kernels.moe.exchange import AllToAll, Routing, Swap, exchange_counts
+
+SCHEDULES = ("a2a", "by_peer")
+Experts = Callable[[Tensor, Tensor], Tensor]
+
+
+def expert_parallel(x: Tensor, counts: Tensor, experts: Experts, group: dist.ProcessGroup,
+                    schedule: str = "a2a", routing: Routing | None = None) -> Tensor:
+    """The experts' outputs for x's rows (module docstring).  routing: the call's Routing when the
+    caller has it (exchange_counts otherwise: one all-to-all of the counts and a host read)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"commopt moe: unknown expert-parallel schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
+    if x.dim() != 2:
+        raise ValueError(f"commopt moe: routed tokens must be (T, D), got shape {tuple(x.shape)}")
+    routing = routing or exchange_counts(counts, group)
+    if sum(routing.send_rows(q) for q in range(routing.world)) != x.shape[0]:
+        raise ValueError(f"commopt moe: counts sum to {sum(map(sum, routing.send))} tokens, x has {x.shape[0]} rows")
+    if routing.world == 1:
+        return experts(x, _counts(routing.recv[0], x.device))
+    return (_a2a if schedule == "a2a" else _by_peer)(x, routing, experts, group)
+
+
+def _counts(values, device) -> Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def expert_major(routing: Routing) -> list[int]:
+    """For the rows received in source-major order (source p's run, expert-major within it), the
+    source-major row of each expert-major row."""
+    starts, at = [], 0
+    for p in range(routing.world):
+        row = []
+        for e in range(routing.local_experts):
+            row.append(at)
+            at += routing.recv[p][e]
+        starts.append(row)
+    order = []
+    for e in range(routing.local_experts):
+        for p in range(routing.world):
+            order.extend(range(starts[p][e], starts[p][e] + routing.recv[p][e]))
+    return order
+
+
+def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
+    world = routing.world
+    sends = [routing.send_rows(q) for q in range(world)]
+    recvs = [routing.recv_rows(p) for p in range(world)]
+    got = AllToAll.apply(x, recvs, sends, group)
+    order = torch.tensor(expert_major(routing), dtype=torch.int64, device=x.device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=x.device)
+    out = experts(got.index_select(0, order), _counts(routing.per_expert(), x.device))
+    return AllToAll.apply(out.index_select(0, inverse), sends, recvs, group)
+
+
+def _by_peer(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
+    rank, world = routing.rank, routing.world
+    outs: list[Tensor | None] = [None] * world
+    for step in range(world):
+        dst, src = (rank + step) % world, (rank - step) % world
+        lo = routing.send_offset(dst)
+        mine = x[lo: lo + routing.send_rows(dst)]
+        rows = mine if step == 0 else Swap.apply(mine, dst, src, routing.recv_rows(src), group)
+        y = experts(rows, _counts(routing.recv[src], x.device))
+        outs[dst] = y if step == 0 else Swap.apply(y, src, dst, routing.send_rows(dst), group)
+    return torch.cat(outs)
