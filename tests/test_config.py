@@ -42,6 +42,8 @@ def test_config_round_trips_through_json():
     ({"attention_schedule": 3}, "Config.attention_schedule"),
     ({"attention_schedule": " ring"}, "Config.attention_schedule"),
     ({"attention_schedule": "ulysses:g=2:early"}, "Config.attention_schedule"),
+    ({"moe_schedule": "ring"}, "Config.moe_schedule"),
+    ({"moe_schedule": None}, "Config.moe_schedule"),
     ({"ar_split": 0}, "Config.ar_split"),
     ({"extra_inductor_options": {"no_such_inductor_option": 1}}, "Config.extra_inductor_options"),
     ({"fx_graph_cache": "yes"}, "Config.fx_graph_cache"),

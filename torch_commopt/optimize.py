@@ -9,7 +9,9 @@
     @torch_commopt.optimize                                    # a Module subclass: every
     class Block(nn.Module): ...                                # instance compiles itself
 
-Everything not named runs as before (eager, or however the caller compiles it).  A module is
+Everything not named runs as before (eager, or however the caller compiles it).  In a module,
+the experts that torchtitan's ExpertParallel parallelized exchange their tokens with
+`Config.moe_schedule` (kernels/moe, docs/moe.md).  A module is
 compiled with `nn.Module.compile` (its forward traced on the first call, so parallelize it
 with DTensor before or after: the trace sees what it is called with).  The options are
 `torch_commopt.Config`'s fields (docs/configuration.md), checked when `optimize` is called: a bad
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from torch_commopt.config import Config
+from torch_commopt.kernels.moe.module import swap_expert_parallel
 
 T = TypeVar("T")
 
@@ -65,6 +68,9 @@ def optimize(target: Any = None, *, config: Optional[Union[Config, dict]] = None
 def _apply(target: T, *, cfg: Config, dynamic: Optional[bool], fullgraph: bool) -> T:
     kwargs = {"backend": "commopt", "options": cfg, "dynamic": dynamic, "fullgraph": fullgraph}
     if isinstance(target, nn.Module):
+        # expert parallelism is a module's, not a graph's: its exchange is swapped before compiling
+        # (its sizes are data; the swapped forward is left uncompiled, as torchtitan leaves its own)
+        swap_expert_parallel(target, cfg.moe_schedule)
         target.compile(**kwargs)
         target._commopt_config = cfg  # noqa: SLF001  (what optimized it, for inspection)
         return target

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torch_commopt.core.moe_spec import MOE_SCHEDULES as SCHEDULES
 from torch_commopt.kernels.moe.exchange import AllToAll, Routing, Swap, exchange_counts
 
-SCHEDULES = ("a2a", "by_peer")
 Experts = Callable[[Tensor, Tensor], Tensor]
 
 

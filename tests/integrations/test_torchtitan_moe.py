@@ -1,0 +1,35 @@
+"""torchtitan 0.2.2's MoE layer with expert parallelism on gloo (2 and 4 ranks): commopt's schedules
+swapped in for torchtitan's token dispatch and combine give the unsharded layer's output and every
+parameter's gradient (moe_cases.py), also when the layer is given to torch_commopt.optimize."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+try:
+    import torchtitan
+    _missing = None if torchtitan.__version__ == "0.2.2" else f"the recipe targets 0.2.2, found {torchtitan.__version__}"
+except ImportError as e:
+    _missing = f"torchtitan is not importable ({e}); `pip install -e .[test]` installs 0.2.2"
+if _missing and os.environ.get("CI"):
+    pytest.fail(_missing, pytrace=False)
+if _missing:
+    pytest.skip(_missing, allow_module_level=True)
+
+from moe_cases import run_moe_layer  # noqa: E402
+
+from torch_commopt.testing.launch import run_distributed  # noqa: E402
+
+
+@pytest.mark.parametrize("world,grouped,extra", [(2, False, ("optimize by_peer",)), (4, False, ()), (2, True, ())],
+                         ids=["w2 loop", "w4 loop", "w2 grouped"])
+def test_swapped_schedules_match_the_unsharded_layer(world, grouped, extra):
+    schedules = ("a2a", "by_peer") + extra
+    for results in run_distributed(run_moe_layer, world, schedules, grouped, backend="gloo", timeout_s=300):
+        assert [case.split(" world")[0] for case, _ in results] == ["torchtitan", *schedules]
+        # fp32; the grouped path computes the experts in bf16 (torchtitan's _run_experts_grouped_mm)
+        tol = 2e-2 if grouped else 1e-5
+        bad = [(case, err) for case, err in results if not err <= tol]
+        assert not bad, bad

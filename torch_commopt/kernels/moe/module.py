@@ -1,0 +1,163 @@
+"""Expert parallelism on modules: a GroupedExperts-like module whose tokens go through
+`expert_parallel` with a chosen schedule.
+
+A *GroupedExperts-like* module has 3-D weights w1 (E, H, D), w2 (E, D, H), w3 (E, H, D) (a SwiGLU
+per expert, stored out x in as nn.Linear stores them) and forward(routed_input (T, D),
+num_tokens_per_expert (E,)) over tokens sorted by expert: torchtitan's GroupedExperts.  Under
+expert parallelism its weights are DTensors sharded on dim 0 over the EP mesh, and torchtitan's
+ExpertParallel moves the tokens in a forward pre-hook (dispatch) and a forward hook (combine)
+registered by torch's distribute_module.
+
+`install` replaces such a module's forward: the tokens go through `expert_parallel` and the local
+experts run in between (`run_local(rows, per_expert)`: by default the SwiGLU per expert; for a
+torchtitan module its own forward, which runs its grouped GEMM or its per-expert loop over the local
+weights, its groups padded on a GPU as the grouped GEMM needs).  `swap_expert_parallel` finds the modules torchtitan's
+ExpertParallel hooked, removes its two hooks and installs ours on the same EP group.  The new
+forward is not compiled (torch.compiler.disable): the exchange's sizes are data, as torchtitan
+leaves its own dispatch uncompiled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torch_commopt.kernels.moe.schedules import SCHEDULES, expert_parallel
+
+log = logging.getLogger("torch_commopt.kernels.moe.module")
+
+Local = Callable[[Tensor, Tensor], Tensor]  # (expert-major rows, rows per local expert) -> outputs
+ALIGN = 8  # rows per group the CUDA grouped GEMM takes (bf16; torchtitan's TOKEN_GROUP_ALIGN_SIZE_M)
+
+
+def swiglu_per_expert(w1: Tensor, w2: Tensor, w3: Tensor, rows: Tensor, per_expert: Tensor) -> Tensor:
+    """Each local expert's SwiGLU over its run of rows (expert-major), in the rows' dtype."""
+    pieces = torch.split(rows, per_expert.tolist())
+    outs = [(F.silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T for e, x in enumerate(pieces)]
+    return torch.cat(outs) if outs else rows.new_zeros((0, w2.shape[1]))
+
+
+def _local(w: Tensor) -> Tensor:
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def is_grouped_experts(module: nn.Module) -> bool:
+    """Whether `module` has the GroupedExperts weights (3-D w1, w2, w3 with matching E, H, D)."""
+    ws = [getattr(module, name, None) for name in ("w1", "w2", "w3")]
+    if not all(isinstance(w, Tensor) and w.dim() == 3 for w in ws):
+        return False
+    (e1, h1, d1), (e2, d2, h2), (e3, h3, d3) = (tuple(w.shape) for w in ws)
+    return e1 == e2 == e3 and h1 == h2 == h3 and d1 == d2 == d3
+
+
+def padded(run: Local, align: int = ALIGN) -> Local:
+    """`run` over groups padded with zero rows to a multiple of `align` rows, at least `align` (the
+    CUDA grouped GEMM takes no empty group), the padding's outputs dropped."""
+    def call(rows: Tensor, per_expert: Tensor) -> Tensor:
+        counts = per_expert.tolist()
+        sizes = [max(align, -(-c // align) * align) for c in counts]
+        index, keep, at, out_at = [], [], 0, 0
+        for c, size in zip(counts, sizes):
+            index += list(range(at, at + c)) + [-1] * (size - c)  # -1: the zero row appended below
+            keep += range(out_at, out_at + c)
+            at, out_at = at + c, out_at + size
+        src = torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
+        idx = torch.tensor(index, dtype=torch.int64, device=rows.device)
+        out = run(src.index_select(0, idx), torch.tensor(sizes, dtype=per_expert.dtype, device=per_expert.device))
+        return out.index_select(0, torch.tensor(keep, dtype=torch.int64, device=rows.device))
+    return call
+
+
+class ExpertParallelForward:
+    """The forward `install` puts on a module: its tokens through `expert_parallel`."""
+
+    def __init__(self, group, schedule: str, run_local: Local):
+        self.group, self.schedule, self.run_local = group, schedule, run_local
+
+    @torch.compiler.disable
+    def __call__(self, routed_input: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
+        return expert_parallel(routed_input, num_tokens_per_expert, self.run_local, self.group, self.schedule)
+
+
+def install(module: nn.Module, group, schedule: str, run_local: Local | None = None) -> None:
+    """Make `module` (GroupedExperts-like, its weights this rank's experts or DTensors sharded on
+    dim 0 over `group`) exchange its tokens over `group` with `schedule`."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"commopt moe: unknown expert-parallel schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
+    if not is_grouped_experts(module):
+        raise TypeError(f"commopt moe: {type(module).__name__} has no GroupedExperts weights (3-D w1, w2, w3)")
+    if run_local is None:
+        def run_local(rows: Tensor, per_expert: Tensor) -> Tensor:
+            return swiglu_per_expert(_local(module.w1), _local(module.w2), _local(module.w3), rows, per_expert)
+    module.forward = ExpertParallelForward(group, schedule, run_local)
+    module._commopt_moe_schedule = schedule  # noqa: SLF001  (for inspection)
+
+
+def _closure(fn) -> list:
+    return [cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ())]
+
+
+def _hooked_by(fn, name: str):
+    """(the style object, the mesh) when hook `fn` is distribute_module's wrapper of a bound
+    method called `name` (torchtitan's ExpertParallel._token_dispatch / _token_combine)."""
+    cells = _closure(fn)
+    methods = [c for c in cells if getattr(c, "__name__", None) == name and hasattr(c, "__self__")]
+    meshes = [c for c in cells if hasattr(c, "get_group") and hasattr(c, "mesh")]
+    return (methods[0].__self__, meshes[0]) if methods and meshes else None
+
+
+def torchtitan_ep_hooks(module: nn.Module):
+    """(pre-hook id, hook id, mesh) of torchtitan's ExpertParallel on `module`, or None."""
+    pre = [(i, _hooked_by(h, "_token_dispatch")) for i, h in module._forward_pre_hooks.items()]  # noqa: SLF001
+    post = [(i, _hooked_by(h, "_token_combine")) for i, h in module._forward_hooks.items()]  # noqa: SLF001
+    pre, post = [p for p in pre if p[1]], [p for p in post if p[1]]
+    if len(pre) != 1 or len(post) != 1 or pre[0][1][0] is not post[0][1][0]:
+        return None
+    return pre[0][0], post[0][0], pre[0][1][1]
+
+
+def swap_expert_parallel(root: nn.Module, schedule: str) -> list[str]:
+    """In `root`, every GroupedExperts-like module that torchtitan's ExpertParallel parallelized
+    exchanges its tokens with `schedule` instead: its two hooks removed, `install` on the same EP
+    group (torchtitan's grouped GEMM kept as the local experts when the module uses it).  The
+    names of the modules swapped."""
+    swapped = []
+    for name, module in root.named_modules():
+        found = torchtitan_ep_hooks(module)
+        if found is None or not is_grouped_experts(module):
+            continue
+        pre, post, mesh = found
+        if mesh.ndim != 1:
+            log.warning("commopt moe: %s's expert parallelism runs over a %d-D mesh; left to torchtitan", name, mesh.ndim)
+            continue
+        del module._forward_pre_hooks[pre]  # noqa: SLF001
+        del module._forward_hooks[post]  # noqa: SLF001
+        install(module, mesh.get_group(), schedule, _torchtitan_local(module))
+        swapped.append(name)
+    if swapped:
+        log.info("commopt moe: expert parallelism of %s runs schedule %s", ", ".join(swapped), schedule)
+    return swapped
+
+
+def _torchtitan_local(module: nn.Module) -> Local:
+    """The module's own forward over the local experts' rows (its class's, not the hooked call):
+    its grouped GEMM or its per-expert loop, on the local shards of its weights.  On a GPU its
+    grouped GEMM gets groups padded to ALIGN rows: under an "ep" mesh torchtitan expects its
+    dispatch to have padded them."""
+    forward = type(module).forward
+
+    def local(rows: Tensor, per_expert: Tensor) -> Tensor:
+        return forward(module, rows, per_expert)
+
+    if getattr(module, "use_grouped_mm", False):
+        aligned = padded(local)
+
+        def local_or_padded(rows: Tensor, per_expert: Tensor) -> Tensor:  # torch's CPU kernel takes any groups
+            return local(rows, per_expert) if rows.device.type == "cpu" else aligned(rows, per_expert)
+
+        return local_or_padded
+    return local
