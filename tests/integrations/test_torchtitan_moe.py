@@ -1,6 +1,6 @@
 """torchtitan 0.2.2's MoE layer with expert parallelism on gloo (2 and 4 ranks): commopt's schedules
 swapped in for torchtitan's token dispatch and combine give the unsharded layer's output and every
-parameter's gradient (moe_cases.py), also when the layer is given to torch_commopt.optimize."""
+parameter's gradient (titan_moe_cases.py), also when the layer is given to torch_commopt.optimize."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ if _missing and os.environ.get("CI"):
 if _missing:
     pytest.skip(_missing, allow_module_level=True)
 
-from moe_cases import run_moe_layer  # noqa: E402
+from titan_moe_cases import run_moe_layer  # noqa: E402
 
 from torch_commopt.testing.launch import run_distributed  # noqa: E402
 

@@ -102,20 +102,57 @@ def wait_all(requests) -> None:
         req.wait()
 
 
-class Swap(torch.autograd.Function):
-    """x to dst, `rows` rows from src (swap_start, waited); backward: the gradient of what came
-    from src goes back to src, and x's gradient comes from dst."""
+class Pending:
+    """A swap posted by `post_swap` and not yet waited for (its requests, and its route for the
+    backward)."""
+
+    __slots__ = ("requests", "route", "rows_x")
+
+    def __init__(self, route: tuple, rows_x: int):
+        self.requests, self.route, self.rows_x = [], route, rows_x
+
+
+class _Posted(torch.autograd.Function):
+    """Forward: the swap posted, its receive buffer returned before it is filled (`_Waited` waits).
+    Backward: the gradient of what came from src goes back to src and x's gradient comes from dst,
+    posted and waited for at once."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, dst: int, src: int, rows: int, group) -> Tensor:
-        ctx.route, ctx.rows_x = (dst, src, group), x.shape[0]
-        buf, reqs = swap_start(x, dst, src, rows, group)
-        wait_all(reqs)
+    def forward(ctx, x: Tensor, dst: int, src: int, rows: int, group, pending: Pending) -> Tensor:
+        ctx.pending = pending
+        buf, pending.requests = swap_start(x, dst, src, rows, group)
         return buf
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        dst, src, group = ctx.route
-        back, reqs = swap_start(grad, src, dst, ctx.rows_x, group)
+        dst, src, group = ctx.pending.route
+        back, reqs = swap_start(grad, src, dst, ctx.pending.rows_x, group)
         wait_all(reqs)
-        return back, None, None, None, None
+        return back, None, None, None, None, None
+
+
+class _Waited(torch.autograd.Function):
+    """Forward: wait for a posted swap; its buffer, now filled.  Backward: the gradient as it is."""
+
+    @staticmethod
+    def forward(ctx, buf: Tensor, pending: Pending) -> Tensor:
+        wait_all(pending.requests)
+        pending.requests = []
+        return buf.view_as(buf)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def post_swap(x: Tensor, dst: int, src: int, rows: int, group) -> tuple[Tensor, Pending]:
+    """x to group rank dst and `rows` rows from group rank src, posted and not waited for: (the
+    receive buffer, not to be read before `finish_swap`, and the pending transfer).
+    Differentiable through finish_swap (_Posted's backward swaps the gradient back)."""
+    pending = Pending((dst, src, group), x.shape[0])
+    return _Posted.apply(x, dst, src, rows, group, pending), pending
+
+
+def finish_swap(buf: Tensor, pending: Pending) -> Tensor:
+    """Wait for a posted swap: its received rows."""
+    return _Waited.apply(buf, pending)

@@ -13,9 +13,11 @@ Schedules (reference implementations, any backend; exchange.py has the transfers
 - `by_peer`: one peer at a time around the ring.  Step s sends this rank's run for rank r+s and
   receives rank r-s's run for this rank; the experts run on that source's rows alone; the outputs
   go back to r-s while r+s's come home.  Step 0 is this rank's own tokens, which need no transfer.
-  Here each transfer is waited for before the experts that need it run: this is the reference the
-  overlapped forms are checked against, whose transfers move while the previous step's experts
-  compute.  Its backward is autograd's reverse of the same steps.
+  The forward posts each step's tokens before the previous step's experts run and waits for the
+  outputs' trips home only at the end, so on a backend whose transfers progress on their own
+  (NCCL's stream on a GPU, gloo's threads on CPU) they move under the experts' compute.  Its
+  backward swaps each gradient back with one posted-and-waited transfer per step, in autograd's
+  order, which is the same on every rank.
 
 Every rank must call with the same schedule and group; the Routing's counts tell every rank how
 many rows each transfer moves, so empty runs (an expert or a rank receiving nothing) move nothing.
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_commopt.core.moe_spec import MOE_SCHEDULES as SCHEDULES
-from torch_commopt.kernels.moe.exchange import AllToAll, Routing, Swap, exchange_counts
+from torch_commopt.kernels.moe.exchange import AllToAll, Routing, exchange_counts, finish_swap, post_swap
 
 Experts = Callable[[Tensor, Tensor], Tensor]
 
@@ -86,12 +88,26 @@ def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
 
 def _by_peer(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
     rank, world = routing.rank, routing.world
-    outs: list[Tensor | None] = [None] * world
-    for step in range(world):
-        dst, src = (rank + step) % world, (rank - step) % world
+
+    def run_for(dst: int) -> Tensor:  # this rank's run of rows for rank dst
         lo = routing.send_offset(dst)
-        mine = x[lo: lo + routing.send_rows(dst)]
-        rows = mine if step == 0 else Swap.apply(mine, dst, src, routing.recv_rows(src), group)
+        return x[lo: lo + routing.send_rows(dst)]
+
+    def dispatch(step: int):  # step's tokens posted: this rank's run for r+s, r-s's run for this rank
+        dst, src = (rank + step) % world, (rank - step) % world
+        return post_swap(run_for(dst), dst, src, routing.recv_rows(src), group)
+
+    outs: list[Tensor | None] = [None] * world
+    coming = dispatch(1)  # in flight while this rank's own rows go through the experts
+    outs[rank] = experts(run_for(rank), _counts(routing.recv[rank], x.device))
+    homes = []
+    for step in range(1, world):
+        dst, src = (rank + step) % world, (rank - step) % world
+        rows = finish_swap(*coming)
+        if step + 1 < world:
+            coming = dispatch(step + 1)  # the next source's tokens move while this one's compute
         y = experts(rows, _counts(routing.recv[src], x.device))
-        outs[dst] = y if step == 0 else Swap.apply(y, src, dst, routing.send_rows(dst), group)
+        homes.append((dst, post_swap(y, src, dst, routing.send_rows(dst), group)))  # outputs home, posted
+    for dst, (buf, pending) in homes:
+        outs[dst] = finish_swap(buf, pending)
     return torch.cat(outs)
