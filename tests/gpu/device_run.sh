@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -75,6 +75,18 @@ if [[ $what == torchtitan ]]; then
   # an --extra there holds one argument), e.g. TT_EXTRA="--optimizer.lr=3e-4 --metrics.log_freq=10"
   PYTHONPATH=$ttsite:$PYTHONPATH timeout ${TT_TIMEOUT:-560} python3 -m benchmarks.bench_torchtitan --out "$out" \
     ${BENCH_ARGS:-} ${TT_EXTRA:+"--extra=$TT_EXTRA"} 2>&1 | tee "$out/torchtitan.log"
+fi
+if [[ $what == moe_pieces ]]; then
+  # issue 68, one GPU: the experts' grouped GEMMs whole vs in pieces by source (what by_peer costs the compute)
+  timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_moe --pieces --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/moe_pieces.log"
+fi
+if [[ $what == moe ]]; then
+  # issue 68, W GPUs: one MoE layer, torchtitan's EP vs commopt's schedules vs the comm-free bound;
+  # torchtitan 0.2.2 carried in .whl/ as for the torchtitan mode
+  ttsite=$(mktemp -d)
+  python3 -m pip install -q --no-deps --target "$ttsite" .whl/*.whl > "$out/tt_install.log" 2>&1
+  PYTHONPATH=$ttsite:$PYTHONPATH timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_moe --out "$out" \
+    ${BENCH_ARGS:-} 2>&1 | tee "$out/moe.log"
 fi
 if [[ $what == attention1 ]]; then
   # one GPU: the CUDA local-attention backends vs math, and each schedule's compute alone per rank

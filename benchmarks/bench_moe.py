@@ -1,0 +1,311 @@
+"""MoE layers with expert parallelism: torchtitan's EP against commopt's exchange schedules.
+
+One MoE layer of torchtitan 0.2.2 (router, top-k, grouped experts, shared experts as the model
+has them) trained fwd+bwd in bf16 at the shapes of DeepSeek-V2-Lite, Qwen3-30B-A3B and
+Mixtral-8x7B (hidden size, expert FFN size, experts, top-k), T tokens a rank, balanced or skewed
+routing.  The variants, in alternating order each round, all with the layer's children other than
+the experts compiled by Inductor as torchtitan compiles them:
+- `torchtitan EP`: torchtitan's ExpertParallel (all-to-alls, host read of the splits);
+- `commopt a2a`, `commopt by_peer`: commopt's schedules swapped in (kernels/moe/module.py);
+- `comm-free`: the same layer with the exchange removed.  Each rank runs its local experts over
+  its own tokens, with the per-expert rows an exchange would bring it on balanced routing.  This is
+  the bound that hiding the exchange can reach.
+
+Per case: each variant's ms (median over rounds of the mean of back-to-back steps, slowest rank),
+speedup over torchtitan's EP, the share of the exposed exchange hidden ((t_tt - t) / (t_tt - t_free)),
+and the largest relative error of the output against torchtitan's EP.
+
+`--pieces` (one GPU, one process): what pipelining by source costs the experts' compute, i.e. the
+SwiGLU grouped GEMMs fwd+bwd over a rank's received rows whole against in W pieces.
+
+    python3 -m benchmarks.bench_moe --out OUT [--world 2] [--tokens 8192 ...]   # W GPUs (NCCL)
+    python3 -m benchmarks.bench_moe --out OUT --pieces                         # one GPU
+    python3 -m benchmarks.bench_moe --cpu                                      # gloo smoke, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+from benchmarks.common import fmt, machine_meta, result_stem, write_report
+
+# name -> (dim, expert FFN size, experts, top-k, shared experts)
+MODELS = {
+    "dsv2-lite": (2048, 1408, 64, 6, 2),
+    "qwen3-30b-a3b": (2048, 768, 128, 8, 0),
+    "mixtral-8x7b": (4096, 14336, 8, 2, 0),
+}
+CPU_MODELS = {"tiny": (64, 48, 8, 2, 1)}
+VARIANTS = ("torchtitan EP", "commopt a2a", "commopt by_peer", "comm-free")
+
+
+def _histc_cpu(input, bins=100, min=0, max=0, *, out=None, _orig=None):  # noqa: A002 - torch's names
+    import torch
+
+    if not input.is_floating_point() and input.device.type == "cpu":  # torch.histc takes no integers on CPU
+        return torch.bincount(input.reshape(-1), minlength=bins).to(input.dtype)
+    return _orig(input, bins=bins, min=min, max=max, out=out)
+
+
+def _cpu_shims() -> None:
+    """What torchtitan's MoE needs on CPU (as tests/integrations/titan_moe_cases.py): integer
+    histc through bincount, its EP permutation's CPU fallback."""
+    import torch
+    from torchtitan.models.moe import kernels, utils
+
+    if getattr(torch.histc, "__name__", "") != "_histc_cpu":
+        torch.histc = functools.partial(_histc_cpu, _orig=torch.histc)
+        torch.histc.__name__ = "_histc_cpu"
+    utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
+
+
+def _layer(model: tuple, device, dtype, seed: int, compile_children: bool):
+    import torch
+    from torchtitan.models.moe import MoE, MoEArgs
+
+    dim, hidden, experts, top_k, shared = model
+    args = MoEArgs(num_experts=experts, num_shared_experts=shared, top_k=top_k, score_func="softmax",
+                   score_before_experts=False, use_grouped_mm=True)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        layer = MoE(args, dim=dim, hidden_dim=hidden)
+    with torch.no_grad():
+        layer.init_weights(0.02, device)
+    layer = layer.to(dtype)
+    if compile_children:  # as torchtitan's apply_compile: every child but the experts
+        for name, child in layer.named_children():
+            if name != "experts":
+                setattr(layer, name, torch.compile(child, fullgraph=True))
+    return layer
+
+
+def _free_forward(layer, world: int):
+    """The comm-free bound's experts forward: the local experts over this rank's own rows, with the
+    rows per local expert an exchange would bring on balanced routing (all ranks' tokens for an
+    expert, as many as this rank's tokens for all of its experts' share)."""
+    import torch
+
+    from torch_commopt.kernels.moe.module import _torchtitan_local
+
+    run = _torchtitan_local(layer.experts)
+    experts = layer.experts
+
+    def forward(routed_input, num_tokens_per_expert):
+        nl = experts.w1.to_local().shape[0] if hasattr(experts.w1, "to_local") else experts.w1.shape[0]
+        total = routed_input.shape[0]
+        per = torch.full((nl,), total // nl, dtype=num_tokens_per_expert.dtype, device=routed_input.device)
+        per[: total % nl] += 1
+        return run(routed_input, per)
+
+    return torch.compiler.disable(forward)
+
+
+def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list, rounds: int, steps: int,
+          compile_children: bool):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    from torch_commopt.kernels.moe.module import swap_expert_parallel
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not cuda:
+        _cpu_shims()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    out = []
+    for name, model in models.items():
+        for tokens in tokens_list:
+            for routing in routings:
+                layers = {}
+                for variant in VARIANTS:
+                    layer = _layer(model, device, dtype, 11, compile_children)
+                    parallelize_module(layer.experts, mesh, ExpertParallel())
+                    if variant.startswith("commopt"):
+                        swap_expert_parallel(layer, variant.split()[1])
+                    elif variant == "comm-free":
+                        swap_expert_parallel(layer, "a2a")  # the hooks gone; then the exchange removed
+                        layer.experts.forward = _free_forward(layer, world)
+                    if routing == "skewed":  # the router's bias favours the first experts
+                        with torch.no_grad():
+                            layer.expert_bias.copy_(torch.linspace(2.0, -2.0, layer.expert_bias.numel()))
+                    layers[variant] = layer
+                g = torch.Generator(device=device).manual_seed(100 + rank)
+                x = torch.randn(1, tokens, model[0], device=device, dtype=dtype, generator=g)
+                ref = None
+                times = {v: [] for v in VARIANTS}
+                errors = {}
+                for variant, layer in layers.items():  # warm-up (compiles), and the outputs compared
+                    y = layer(x)
+                    y.float().sum().backward()
+                    if variant == "torchtitan EP":
+                        ref = y.detach().float()
+                    elif variant != "comm-free":
+                        errors[variant] = ((y.detach().float() - ref).abs().max() / ref.abs().max()).item()
+                for r in range(rounds):
+                    order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+                    for variant in order:
+                        layer = layers[variant]
+                        dist.barrier()
+                        if cuda:
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        for _ in range(steps):
+                            layer(x).float().sum().backward()
+                        if cuda:
+                            torch.cuda.synchronize()
+                        times[variant].append((time.perf_counter() - t0) / steps * 1e3)
+                med = torch.tensor([statistics.median(times[v]) for v in VARIANTS], dtype=torch.float64)
+                dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank (a CPU tensor: gloo or NCCL)
+                err = torch.tensor([errors.get(v, 0.0) for v in VARIANTS], dtype=torch.float64)
+                dist.all_reduce(err, op=dist.ReduceOp.MAX)
+                out.append({"model": name, "shape": dict(zip(("dim", "expert_ffn", "experts", "top_k", "shared"), model)),
+                            "tokens_per_rank": tokens, "routing": routing, "raw_ms": times,
+                            "ms": dict(zip(VARIANTS, med.tolist())), "max_rel_error": dict(zip(VARIANTS, err.tolist()))})
+    return out, (torch.cuda.get_device_name(device) if cuda else "cpu (gloo)")
+
+
+def records(cases: list) -> list:
+    """Each case with its derived figures: speedup over torchtitan's EP and the exposed exchange hidden."""
+    for c in cases:
+        ms = c["ms"]
+        tt, free = ms["torchtitan EP"], ms["comm-free"]
+        c["speedup_vs_torchtitan"] = {v: tt / ms[v] for v in VARIANTS}
+        c["hidden_share"] = {v: ((tt - ms[v]) / (tt - free) if tt > free else None) for v in VARIANTS}
+    return cases
+
+
+def report(cases: list, meta: dict) -> str:
+    lines = [f"# MoE layer with expert parallelism ({meta['device']}, {meta['world']} ranks)", "",
+             f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; fwd+bwd of one layer, median of "
+             f"{meta['rounds']} rounds of {meta['steps']} steps, the slowest rank; variants in alternating order.", "",
+             "| model | tokens/rank | routing | " + " | ".join(f"{v} ms" for v in VARIANTS)
+             + " | a2a × | by_peer × | by_peer hidden | max rel. error |",
+             "|---|---|---|" + "---|" * (len(VARIANTS) + 4)]
+    for c in cases:
+        ms, sp, hid = c["ms"], c["speedup_vs_torchtitan"], c["hidden_share"]["commopt by_peer"]
+        err = max(c["max_rel_error"].values())
+        lines.append(f"| {c['model']} | {c['tokens_per_rank']} | {c['routing']} | "
+                     + " | ".join(fmt(ms[v], 2) for v in VARIANTS)
+                     + f" | {fmt(sp['commopt a2a'])} | {fmt(sp['commopt by_peer'])} | {fmt(hid, 2)} | {err:.1e} |")
+    lines += ["", "×: speedup over torchtitan's EP. Hidden: the share of the exposed exchange "
+              "(torchtitan EP − comm-free) that the variant removes.", ""]
+    return "\n".join(lines)
+
+
+def pieces(models: dict, tokens_list: list, worlds: list, rounds: int) -> list:
+    """One GPU: the SwiGLU grouped GEMMs fwd+bwd over a rank's received rows whole and in W pieces
+    (by source, as by_peer runs them); ms each and the ratio."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda", 0)
+    out = []
+    for name, (dim, hidden, experts, top_k, _) in models.items():
+        for world in worlds:
+            nl = experts // world
+            w1 = torch.randn(nl, hidden, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            w3 = torch.randn(nl, hidden, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            w2 = torch.randn(nl, dim, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+            def swiglu(x, per):
+                offs = torch.cumsum(per, 0, dtype=torch.int32)
+                h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+                h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+                return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+            for tokens in tokens_list:
+                rows = tokens * top_k  # what a rank receives on balanced routing
+                per_piece = -(-rows // (world * nl) // 8) * 8  # rows per (source, expert), 8-aligned
+                x = torch.randn(per_piece * world * nl, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                whole = torch.full((nl,), per_piece * world, device=dev, dtype=torch.int64)
+                piece = torch.full((nl,), per_piece, device=dev, dtype=torch.int64)
+                chunks = x.split(per_piece * nl)
+
+                def run_whole():
+                    swiglu(x, whole).sum().backward()
+
+                def run_pieces():
+                    torch.cat([swiglu(c, piece) for c in chunks]).sum().backward()
+
+                times = {"whole": [], "pieces": []}
+                for fn in (run_whole, run_pieces):
+                    fn()
+                for r in range(rounds):
+                    for label, fn in ((("whole", run_whole), ("pieces", run_pieces)) if r % 2 == 0
+                                      else (("pieces", run_pieces), ("whole", run_whole))):
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        for _ in range(5):
+                            fn()
+                        end.record()
+                        end.synchronize()
+                        times[label].append(start.elapsed_time(end) / 5)
+                w, p = statistics.median(times["whole"]), statistics.median(times["pieces"])
+                out.append({"model": name, "world": world, "tokens_per_rank": tokens, "rows_received": rows,
+                            "whole_ms": w, "pieces_ms": p, "ratio": p / w, "raw_ms": times})
+    return out
+
+
+def pieces_report(rows: list, meta: dict) -> str:
+    lines = [f"# MoE: the experts' grouped GEMMs whole vs in pieces by source ({meta['device']}, one GPU)", "",
+             f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; SwiGLU grouped GEMMs fwd+bwd in bf16, "
+             f"median of {meta['rounds']} rounds of 5 runs; pieces: W grouped GEMMs of one source's rows each.", "",
+             "| model | W | tokens/rank | rows received | whole ms | pieces ms | pieces / whole |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['world']} | {r['tokens_per_rank']} | {r['rows_received']} | "
+                     f"{fmt(r['whole_ms'])} | {fmt(r['pieces_ms'])} | {fmt(r['ratio'])} |")
+    return "\n".join(lines + [""])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="directory for the report (required except with --cpu)")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--models", nargs="+", default=list(MODELS))
+    p.add_argument("--routings", nargs="+", default=["balanced", "skewed"])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--pieces", action="store_true", help="one GPU: the grouped GEMMs whole vs in pieces")
+    p.add_argument("--cpu", action="store_true", help="gloo smoke run with a tiny layer; prints, writes nothing")
+    p.add_argument("--commit", default="")
+    args = p.parse_args()
+
+    from torch_commopt.testing.launch import run_distributed
+
+    if args.pieces:
+        import torch
+
+        models = {m: MODELS[m] for m in args.models}
+        rows = pieces(models, args.tokens, [2, 4, 8], args.rounds)
+        meta = machine_meta(torch.cuda.get_device_name(0), 1, args.commit, rounds=args.rounds)
+        text = pieces_report(rows, meta)
+        print(text)
+        if args.out:
+            write_report(args.out, result_stem("moe_pieces", meta["device"], 1), {"meta": meta, "rows": rows}, text)
+        return
+    if args.cpu:
+        models, tokens, rounds, steps, backend, compile_children = CPU_MODELS, [32], 2, 1, "gloo", False
+    else:
+        models, tokens, rounds, steps, backend, compile_children = (
+            {m: MODELS[m] for m in args.models}, args.tokens, args.rounds, args.steps, "nccl", True)
+    per_rank = run_distributed(_rank, args.world, models, tokens, args.routings, rounds, steps, compile_children,
+                               backend=backend, timeout_s=560)
+    cases, device = per_rank[0]
+    meta = machine_meta(device, args.world, args.commit, rounds=rounds, steps=steps)
+    text = report(records(cases), meta)
+    print(text)
+    if args.out and not args.cpu:
+        write_report(args.out, result_stem("moe", device, args.world), {"meta": meta, "cases": cases}, text)
+
+
+if __name__ == "__main__":
+    main()
