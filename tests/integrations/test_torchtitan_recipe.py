@@ -168,10 +168,15 @@ FP32 = ("--training.dtype", "float32")  # the toml's bf16 is for GPUs; fp32 keep
 BF16 = ("--training.dtype", "bfloat16")
 FSDP2 = ("--parallelism.tensor_parallel_degree", "1", "--training.mixed_precision_param", "float32", *FP32)
 # name -> the job's arguments after the example toml's: each smoke test compares a pair of them
+# deepseek_v3's debug flavor (1 dense + 5 MoE layers, 8 experts, top-3) with EP=2 over FSDP=2
+MOE_EP2 = ("--model.name", "deepseek_v3_commopt", "--model.flavor", "debugmodel", "--parallelism.tensor_parallel_degree",
+           "1", "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
+           "--training.mixed_precision_param", "float32", *FP32)
 JOBS = {
     "tp2 eager": ("--commopt.no-enable", *FP32), "tp2": FP32,
     "tp2 bf16 eager": ("--commopt.no-enable", *BF16), "tp2 bf16": BF16,
     "fsdp2 eager": ("--commopt.no-enable", *FSDP2), "fsdp2": FSDP2,
+    "moe ep2 eager": ("--commopt.no-enable", *MOE_EP2), "moe ep2": ("--commopt.options", '{"moe_schedule": "by_peer"}', *MOE_EP2),
 }
 
 
@@ -248,3 +253,17 @@ def test_smoke_fsdp2_compiles_the_sharded_blocks(trained):
     assert all(b.startswith("FSDP") for b in ours[0]["blocks"])
     print("FSDP=2 losses (commopt):", losses, "eager:", trained["fsdp2 eager"][0]["losses"])
 
+
+
+def test_smoke_moe_ep2_exchanges_through_commopt_and_trains_like_torchtitan(trained):
+    """deepseek_v3 debugmodel with EP=2 over FSDP=2 (2 gloo ranks, fp32): the train spec
+    "deepseek_v3_commopt" swaps each MoE layer's token exchange for commopt's by_peer after
+    torchtitan's own parallelize, and the losses of every step equal torchtitan's own EP job's."""
+    ours, theirs = trained["moe ep2"], trained["moe ep2 eager"]
+    for r in ours:
+        assert r["moe_schedules"] == ["by_peer"] * 5, r["moe_schedules"]
+    assert theirs[0]["moe_schedules"] == [None] * 5
+    losses = ours[0]["losses"]
+    assert len(losses) == STEPS and all(r["losses"] == losses for r in ours)
+    torch.testing.assert_close(losses, theirs[0]["losses"], rtol=1e-5, atol=0)
+    print("MoE EP=2 losses (commopt by_peer):", losses, "torchtitan:", theirs[0]["losses"])

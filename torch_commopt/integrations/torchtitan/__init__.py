@@ -11,9 +11,11 @@ What it adds (torchtitan itself is unchanged and imported, never copied):
                   `schedule`, `mode`, `chunks`; any other field in `options`, a JSON object),
                   validated when torchtitan builds the config (ValueError naming the key).
                   Named by `job.custom_config_module`.
-  register.py     importing it registers the train spec "llama3_commopt" (spec.py): llama3's
-                  own spec with parallelize_fn = parallelize_llama_commopt.  Named by
-                  `experimental.custom_import`.
+  register.py     importing it registers the train specs (spec.py): "llama3_commopt", llama3's
+                  own spec with parallelize_fn = parallelize_llama_commopt, and the MoE
+                  flavors' "deepseek_v3_commopt" and "qwen3_commopt" (moe.py: torchtitan's
+                  parallelize, then commopt's token exchange in every expert-parallel MoE
+                  layer).  Named by `experimental.custom_import`.
   parallelize.py  parallelize_llama_commopt: torchtitan's parallelize_llama (TP/SP, CP, AC,
                   FSDP/HSDP/DDP unchanged) with its model compile off, then each
                   TransformerBlock compiled in place by torch_commopt.optimize(block,

@@ -1,4 +1,5 @@
-"""Importing this module registers the torchtitan train spec "llama3_commopt".
+"""Importing this module registers the torchtitan train specs "llama3_commopt", "deepseek_v3_commopt"
+and "qwen3_commopt".
 
 Name it in the job config so that every rank imports it before the trainer looks the spec up:
 

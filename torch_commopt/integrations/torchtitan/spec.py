@@ -1,4 +1,5 @@
-"""The torchtitan train spec "llama3_commopt": llama3's, with parallelize_llama_commopt.
+"""The torchtitan train specs: "llama3_commopt", llama3's with parallelize_llama_commopt, and the
+MoE flavors' (moe.py: "deepseek_v3_commopt", "qwen3_commopt").
 
 Everything else (model class and flavors, pipelining, optimizers, LR schedulers, data
 loader, tokenizer, loss, validator, state-dict adapter) is llama3's own spec object's.
@@ -34,8 +35,9 @@ def llama3_commopt_train_spec() -> Any:
 
 
 def register(name: str = TRAIN_SPEC_NAME) -> None:
-    """Register the spec under `name` (model.name in the job config); a second call is a
-    no-op, a different spec already under that name is a ValueError."""
+    """Register the llama3 spec under `name` (model.name in the job config) and the MoE specs
+    (moe.MOE_SPECS); a second call is a no-op, a different spec already under one of the names
+    is a ValueError."""
     import torchtitan
     from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
@@ -44,12 +46,20 @@ def register(name: str = TRAIN_SPEC_NAME) -> None:
     if getattr(torchtitan, "__version__", None) != TORCHTITAN_VERSION:
         log.warning("torch_commopt's torchtitan recipe is written for torchtitan %s, found %s",
                     TORCHTITAN_VERSION, getattr(torchtitan, "__version__", "unknown"))
-    try:
-        existing = get_train_spec(name)
-    except ValueError:  # "TrainSpec ... is not registered."
-        existing = None
-    if existing is not None:
-        if existing.parallelize_fn is parallelize_llama_commopt:
-            return
-        raise ValueError(f"torchtitan already has a train spec named {name!r}; register commopt's under another name")
-    register_train_spec(name, llama3_commopt_train_spec())
+    from torch_commopt.integrations.torchtitan.moe import MOE_SPECS, moe_train_spec
+
+    def ours(spec) -> bool:
+        fn = spec.parallelize_fn
+        return fn is parallelize_llama_commopt or hasattr(fn, "commopt_base")
+
+    for spec_name, build in [(name, llama3_commopt_train_spec)] + [(n, lambda n=n: moe_train_spec(n)) for n in MOE_SPECS]:
+        try:
+            existing = get_train_spec(spec_name)
+        except ValueError:  # "TrainSpec ... is not registered."
+            existing = None
+        if existing is not None:
+            if ours(existing):
+                continue
+            raise ValueError(f"torchtitan already has a train spec named {spec_name!r}; register commopt's under "
+                             "another name")
+        register_train_spec(spec_name, build())
