@@ -61,9 +61,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / max(scale, 1e-30) if a.numel() else 0.0
 
 
-def run_schedules(rank: int, world: int, routings=("balanced", "skewed")) -> list[tuple[str, float]]:
+def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device: str = "cpu") -> list[tuple[str, float]]:
     """[(case, largest relative error over output, x's gradient and the local experts' weight
-    gradients)] for every schedule and routing."""
+    gradients)] for every schedule and routing; the schedules run on `device` ("cuda": this rank's
+    GPU), the reference on the CPU."""
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
     group = dist.group.WORLD
     results = []
     for routing in routings:
@@ -87,14 +90,14 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed")) -> lis
             loss = loss + (out * go).sum()
         loss.backward()
         x, ids = data[rank]
-        counts = torch.bincount(ids, minlength=NL * world)
+        counts = torch.bincount(ids, minlength=NL * world).to(device)
         for schedule in SCHEDULES:
-            local = [w[rank * NL:(rank + 1) * NL].clone().requires_grad_() for w in full]
-            xr = x.clone().requires_grad_()
+            local = [w[rank * NL:(rank + 1) * NL].to(device).requires_grad_() for w in full]
+            xr = x.to(device).requires_grad_()
             out = expert_parallel(xr, counts, _local_experts(*local), group, schedule)
-            (out * grads_out[rank]).sum().backward()
-            ref_grad = xs_ref[rank].grad if xs_ref[rank].grad is not None else torch.zeros_like(xr)  # no tokens
-            errors = [_rel(out.detach(), outs_ref[rank].detach()), _rel(xr.grad, ref_grad)]
-            errors += [_rel(w.grad, wr.grad[rank * NL:(rank + 1) * NL]) for w, wr in zip(local, ws_ref)]
+            (out * grads_out[rank].to(device)).sum().backward()
+            ref_grad = xs_ref[rank].grad if xs_ref[rank].grad is not None else torch.zeros_like(x)  # no tokens
+            errors = [_rel(out.detach().cpu(), outs_ref[rank].detach()), _rel(xr.grad.cpu(), ref_grad)]
+            errors += [_rel(w.grad.cpu(), wr.grad[rank * NL:(rank + 1) * NL]) for w, wr in zip(local, ws_ref)]
             results.append((f"{schedule} {routing} world {world} rank {rank}", max(errors)))
     return results
