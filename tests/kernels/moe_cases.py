@@ -92,8 +92,8 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device
         x, ids = data[rank]
         counts = torch.bincount(ids, minlength=NL * world).to(device)
         for schedule in SCHEDULES:
-            local = [w[rank * NL:(rank + 1) * NL].to(device).requires_grad_() for w in full]
-            xr = x.to(device).requires_grad_()
+            local = [w[rank * NL:(rank + 1) * NL].to(device, copy=True).requires_grad_() for w in full]
+            xr = x.to(device, copy=True).requires_grad_()
             out = expert_parallel(xr, counts, _local_experts(*local), group, schedule)
             (out * grads_out[rank].to(device)).sum().backward()
             ref_grad = xs_ref[rank].grad if xs_ref[rank].grad is not None else torch.zeros_like(x)  # no tokens
