@@ -64,7 +64,7 @@ Tested on CPU/gloo with torch 2.13 only (tests/integrations): the section's pars
 validation, the CLI and toml plumbing through torchtitan's ConfigManager, the train spec
 registration, parallelize_llama_commopt on one process (with and without activation
 checkpointing), and torchtitan's own trainer (shimmed for CPU, tests/integrations/
-titan_cpu_train.py) for 5 steps with TP=2 + SP and with FSDP=2: losses equal to the same job
+titan_cpu_train.py) for 3 steps with TP=2 + SP, with FSDP=2 and (deepseek_v3) with EP=2: losses equal to the same job
 without commopt.  On the GPU machine (torch 2.11, one H200; benchmarks/bench_torchtitan.py,
 wheels from benchmarks/torchtitan_wheels.sh): installs from the carried wheels and trains 20
 steps with TP=1, losses equal to the inductor job's at every step.  Not tested: TP on GPUs,
