@@ -330,3 +330,28 @@ def test_all_regions_replay_per_call_graphs_when_asked():
     assert not pipeline._call_graphs(_region("ag_matmul", [4096, 8192], [8192, 4096], device="cpu"), every)
     with pytest.raises(ValueError, match="Config.call_graphs: expected False, True or 'all'"):
         Config(call_graphs="some")
+
+
+def test_every_run_of_a_call_is_watched_and_a_closed_runtime_refuses_before_anything_runs(monkeypatch):
+    """call() brackets body() with the runtime's begin_call / end_call (the watchdog's marks; a
+    capture takes them along, so replays are watched too), the call's waits recorded meanwhile
+    (rt.watch set); once the watchdog closed the runtime, a call raises before it runs or replays."""
+    rt, seen = FakeRuntime(), []
+    monkeypatch.setattr(call_graphs, "for_stream", lambda device: SimpleNamespace(
+        run=lambda rt_, key, body, refusal, n_head: body()))
+
+    def body():
+        seen.append(rt.watch)
+
+    for sched in ("ce_push:1", "ce_push:1:cg=1"):
+        call_graphs.call("matmul_rs", Schedule.parse(sched), rt, (None,), (), body, lambda: None)
+    assert seen == [("watched", 1), ("watched", 2)] and rt.ended == 2 and rt.watch is None
+    with pytest.raises(RuntimeError, match="boom"):  # the end is queued even when the body raises
+        call_graphs.call("matmul_rs", Schedule.parse("ce_push:1"), rt, (None,), (),
+                         lambda: (_ for _ in ()).throw(RuntimeError("boom")), lambda: None)
+    assert rt.ended == 3 and rt.watch is None
+    rt.closed = "stuck"
+    monkeypatch.setattr(call_graphs, "for_stream", lambda device: pytest.fail("a closed runtime replayed"))
+    with pytest.raises(RuntimeError, match="stuck"):
+        call_graphs.call("matmul_rs", Schedule.parse("ce_push:1:cg=1"), rt, (None,), (), body, lambda: None)
+    assert len(seen) == 2
