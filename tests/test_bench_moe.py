@@ -1,19 +1,11 @@
 """bench_moe on CPU/gloo (2 ranks, a tiny layer): every variant runs fwd+bwd, commopt's schedules
 give torchtitan's EP output, and the report derives its figures from the raw times."""
 
-import os
-
 import pytest
 
-try:
-    import torchtitan
-    _missing = None if torchtitan.__version__ == "0.2.2" else f"needs torchtitan 0.2.2, found {torchtitan.__version__}"
-except ImportError as e:
-    _missing = f"torchtitan is not importable ({e})"
-if _missing and os.environ.get("CI"):
-    pytest.fail(_missing, pytrace=False)
-if _missing:
-    pytest.skip(_missing, allow_module_level=True)
+from torch_commopt.testing.optional import torchtitan_or_skip
+
+torchtitan_or_skip()
 
 from benchmarks import bench_moe  # noqa: E402
 from torch_commopt.testing.launch import run_distributed  # noqa: E402

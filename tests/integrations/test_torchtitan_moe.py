@@ -4,19 +4,11 @@ parameter's gradient (titan_moe_cases.py), also when the layer is given to torch
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-try:
-    import torchtitan
-    _missing = None if torchtitan.__version__ == "0.2.2" else f"the recipe targets 0.2.2, found {torchtitan.__version__}"
-except ImportError as e:
-    _missing = f"torchtitan is not importable ({e}); `pip install -e .[test]` installs 0.2.2"
-if _missing and os.environ.get("CI"):
-    pytest.fail(_missing, pytrace=False)
-if _missing:
-    pytest.skip(_missing, allow_module_level=True)
+from torch_commopt.testing.optional import torchtitan_or_skip
+
+torchtitan_or_skip()
 
 from titan_moe_cases import run_moe_layer  # noqa: E402
 

@@ -22,15 +22,9 @@ import sys
 import pytest
 import torch
 
-try:
-    import torchtitan
-    _missing = None if torchtitan.__version__ == "0.2.2" else f"the recipe targets 0.2.2, found {torchtitan.__version__}"
-except ImportError as e:
-    _missing = f"torchtitan is not importable ({e}); `pip install -e .[test]` installs 0.2.2"
-if _missing and os.environ.get("CI"):  # the test extras install it: under CI a skip would hide a broken install
-    pytest.fail(_missing, pytrace=False)
-if _missing:
-    pytest.skip(_missing, allow_module_level=True)
+from torch_commopt.testing.optional import torchtitan_or_skip
+
+torchtitan_or_skip()
 
 from torchtitan.config import ConfigManager  # noqa: E402
 

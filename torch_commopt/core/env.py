@@ -77,6 +77,12 @@ def watchdog() -> bool:
     return os.environ.get(WATCHDOG, "1") not in ("0", "false", "False", "off")
 
 
+def under_ci() -> bool:
+    """$CI (set by CI runners; not one of ours): whether the test harness runs under CI, where an
+    optional package the test extras install must be there (testing/optional.py)."""
+    return bool(os.environ.get("CI"))
+
+
 def shared_device() -> bool:
     """TORCH_COMMOPT_SHARED_DEVICE (default off): several ranks on one GPU, for correctness runs
     only -- the symmetric buffers are mapped between the ranks' processes by CUDA IPC over a gloo
