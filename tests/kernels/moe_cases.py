@@ -101,3 +101,31 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device
             errors += [_rel(w.grad.cpu(), wr.grad[rank * NL:(rank + 1) * NL]) for w, wr in zip(local, ws_ref)]
             results.append((f"{schedule} {routing} world {world} rank {rank}", max(errors)))
     return results
+
+
+def run_install(rank: int, world: int) -> float:
+    """A plain GroupedExperts-like module holding this rank's experts, made expert-parallel by
+    `install` (by_peer): its forward against expert_parallel with the same experts (checked above
+    against one process); the largest difference over output and weight gradients."""
+    from torch import nn
+
+    from torch_commopt.kernels.moe.module import install
+
+    full = _weights(world, 3)
+    x, ids = _tokens(rank, world, "skewed", 3)
+    counts = torch.bincount(ids, minlength=NL * world)
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2, self.w3 = (nn.Parameter(w[rank * NL:(rank + 1) * NL].clone()) for w in full)
+
+    module = Experts()
+    install(module, dist.group.WORLD, "by_peer")
+    out = module(x, counts)
+    out.sum().backward()
+    local = [w[rank * NL:(rank + 1) * NL].clone().requires_grad_() for w in full]
+    want = expert_parallel(x, counts, _local_experts(*local), dist.group.WORLD, "by_peer")
+    want.sum().backward()
+    pairs = [(out, want)] + [(p.grad, w.grad) for p, w in zip((module.w1, module.w2, module.w3), local)]
+    return max((a - b).abs().max().item() if a.numel() else 0.0 for a, b in pairs)  # rank 0 routes no tokens

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_cases import run_schedules
+from moe_cases import run_install, run_schedules
 
 from torch_commopt.kernels.moe.exchange import Routing
+from torch_commopt.kernels.moe.module import install
 from torch_commopt.kernels.moe.schedules import expert_major, expert_parallel
 from torch_commopt.testing.launch import run_distributed
 
@@ -40,3 +41,16 @@ def test_bad_calls_are_refused_with_the_reason():
     routing = Routing(0, 1, send=((2,),), recv=((2,),))
     with pytest.raises(ValueError, match="sum to 2 tokens, x has 3 rows"):
         expert_parallel(x, torch.tensor([2]), lambda r, c: r, None, "a2a", routing=routing)
+
+
+def test_install_makes_a_plain_grouped_experts_module_expert_parallel():
+    assert run_distributed(run_install, 2, backend="gloo", timeout_s=300) == [0.0, 0.0]
+
+
+def test_install_refuses_what_it_cannot_run():
+    with pytest.raises(TypeError, match="no GroupedExperts weights"):
+        install(torch.nn.Linear(2, 2), None, "a2a")
+    experts = torch.nn.Module()
+    experts.w1, experts.w2, experts.w3 = (torch.nn.Parameter(torch.zeros(s)) for s in ((2, 3, 4), (2, 4, 3), (2, 3, 4)))
+    with pytest.raises(ValueError, match="unknown expert-parallel schedule 'ring'"):
+        install(experts, None, "ring")
