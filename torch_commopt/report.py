@@ -1,4 +1,5 @@
-"""What commopt did to each compiled graph, as data and as a printed table.
+"""What commopt did to each compiled graph (and to each module it rewrote: an MoE layer's token
+exchange), as data and as a printed table.
 
     import torch_commopt
     torch_commopt.reset_explain()
@@ -66,14 +67,28 @@ class GraphReport:
 
 
 @dataclass
+class ModuleReport:
+    """A rewrite of a module rather than of a graph (an MoE layer's token exchange, kernels/moe)."""
+
+    module: str  # its name in the module given to optimize (or the recipe's model)
+    kind: str  # "moe"
+    detail: str  # what it runs now
+
+
+@dataclass
 class ExplainReport:
     graphs: list[GraphReport]
+    modules: list[ModuleReport] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"graphs": [dataclasses.asdict(g) for g in self.graphs]}
+        return {"graphs": [dataclasses.asdict(g) for g in self.graphs],
+                "modules": [dataclasses.asdict(m) for m in self.modules]}
 
     def table(self) -> str:
-        return "\n".join(_graph_table(g) for g in self.graphs) or "commopt: no graph compiled yet"
+        parts = [_graph_table(g) for g in self.graphs]
+        if self.modules:
+            parts.append("commopt modules:\n" + "\n".join(f"  {m.module} ({m.kind}): {m.detail}" for m in self.modules))
+        return "\n".join(parts) or "commopt: no graph compiled yet"
 
     def __str__(self) -> str:
         return self.table()
@@ -83,9 +98,17 @@ _LOCK = threading.Lock()
 _REPORTS: list[GraphReport] = []
 
 
+_MODULES: list[ModuleReport] = []
+
+
 def record(report: GraphReport) -> None:
     with _LOCK:
         _REPORTS.append(report)
+
+
+def record_module(report: ModuleReport) -> None:
+    with _LOCK:
+        _MODULES.append(report)
 
 
 def next_graph_id() -> int:
@@ -94,14 +117,16 @@ def next_graph_id() -> int:
 
 
 def explain() -> ExplainReport:
-    """The reports of every graph the commopt pass has seen in this process since the last reset."""
+    """The reports of every graph the commopt pass has seen, and of every module rewritten, in this
+    process since the last reset."""
     with _LOCK:
-        return ExplainReport(list(_REPORTS))
+        return ExplainReport(list(_REPORTS), list(_MODULES))
 
 
 def reset_explain() -> None:
     with _LOCK:
         _REPORTS.clear()
+        _MODULES.clear()
 
 
 _COLUMNS = ("region", "collective", "world", "dim", "A (local)", "weights", "dtype", "keep A", "layouts", "schedule", "status")

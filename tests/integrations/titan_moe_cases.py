@@ -50,6 +50,7 @@ def run_moe_layer(rank: int, world: int, schedules=("a2a", "by_peer"), grouped: 
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
+    import torch_commopt
     from torch_commopt.kernels.moe.module import swap_expert_parallel
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
@@ -70,12 +71,13 @@ def run_moe_layer(rank: int, world: int, schedules=("a2a", "by_peer"), grouped: 
         layer = _layer(5, grouped)
         parallelize_module(layer.experts, mesh, ExpertParallel())
         if schedule.startswith("optimize "):  # the user's way: the whole layer compiled by commopt
-            import torch_commopt
-
             torch_commopt.optimize(layer, moe_schedule=schedule.split()[1])
             assert layer.experts._commopt_moe_schedule == schedule.split()[1]
         elif schedule != "torchtitan":
+            torch_commopt.reset_explain()
             assert swap_expert_parallel(layer, schedule) == ["experts"], schedule
+            (seen,) = torch_commopt.explain().modules  # explain() names the swap
+            assert (seen.module, seen.kind) == ("experts", "moe") and schedule in seen.detail, seen
         xe = x.clone().requires_grad_()
         out = layer(xe)
         (out * go).sum().backward()

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from torch_commopt import report
 from torch_commopt.kernels.moe.schedules import SCHEDULES, expert_parallel
 
 log = logging.getLogger("torch_commopt.kernels.moe.module")
@@ -138,6 +139,8 @@ def swap_expert_parallel(root: nn.Module, schedule: str) -> list[str]:
         del module._forward_hooks[post]  # noqa: SLF001
         install(module, mesh.get_group(), schedule, _torchtitan_local(module))
         swapped.append(name)
+        report.record_module(report.ModuleReport(name, "moe", f"token exchange {schedule} over {mesh.size()} ranks "
+                                                               f"(was torchtitan's ExpertParallel)"))
     if swapped:
         log.info("commopt moe: expert parallelism of %s runs schedule %s", ", ".join(swapped), schedule)
     return swapped
