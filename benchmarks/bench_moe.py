@@ -26,7 +26,6 @@ SwiGLU grouped GEMMs fwd+bwd over a rank's received rows whole against in W piec
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 
@@ -40,26 +39,6 @@ MODELS = {
 }
 CPU_MODELS = {"tiny": (64, 48, 8, 2, 1)}
 VARIANTS = ("torchtitan EP", "commopt a2a", "commopt by_peer", "comm-free")
-
-
-def _histc_cpu(input, bins=100, min=0, max=0, *, out=None, _orig=None):  # noqa: A002 - torch's names
-    import torch
-
-    if not input.is_floating_point() and input.device.type == "cpu":  # torch.histc takes no integers on CPU
-        return torch.bincount(input.reshape(-1), minlength=bins).to(input.dtype)
-    return _orig(input, bins=bins, min=min, max=max, out=out)
-
-
-def _cpu_shims() -> None:
-    """What torchtitan's MoE needs on CPU (as tests/integrations/titan_moe_cases.py): integer
-    histc through bincount, its EP permutation's CPU fallback."""
-    import torch
-    from torchtitan.models.moe import kernels, utils
-
-    if getattr(torch.histc, "__name__", "") != "_histc_cpu":
-        torch.histc = functools.partial(_histc_cpu, _orig=torch.histc)
-        torch.histc.__name__ = "_histc_cpu"
-    utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
 
 
 def _layer(model: tuple, device, dtype, seed: int, compile_children: bool):
@@ -88,9 +67,9 @@ def _free_forward(layer, world: int):
     expert, as many as this rank's tokens for all of its experts' share)."""
     import torch
 
-    from torch_commopt.kernels.moe.module import _torchtitan_local
+    from torch_commopt.kernels.moe.module import torchtitan_local
 
-    run = _torchtitan_local(layer.experts)
+    run = torchtitan_local(layer.experts)
     experts = layer.experts
 
     def forward(routed_input, num_tokens_per_expert):
@@ -112,12 +91,13 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
     from torch_commopt.kernels.moe.module import swap_expert_parallel
+    from torch_commopt.testing.optional import torchtitan_moe_cpu_shims
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     if not cuda:
-        _cpu_shims()
+        torchtitan_moe_cpu_shims()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
     out = []
     for name, model in models.items():

@@ -85,25 +85,9 @@ import torchtitan.models.llama4.infra.parallelize as _llama4_parallelize  # noqa
 
 _llama4_parallelize.disable_fsdp_gradient_division = _disable_division_gloo
 
-# MoE models: torch.histc takes no integer input on CPU (the router's counts: bincount gives the
-# same), and torchtitan's EP dispatch builds its permutation with a Triton kernel (its own CPU
-# fallback instead)
-_histc = torch.histc
+from torch_commopt.testing.optional import torchtitan_moe_cpu_shims  # noqa: E402
 
-
-def _histc_cpu(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 - torch's names
-    if not input.is_floating_point() and input.device.type == "cpu":
-        return torch.bincount(input.reshape(-1), minlength=bins).to(input.dtype)
-    return _histc(input, bins=bins, min=min, max=max, out=out)
-
-
-torch.histc = _histc_cpu
-import functools  # noqa: E402
-
-import torchtitan.models.moe.kernels as _moe_kernels  # noqa: E402
-import torchtitan.models.moe.utils as _moe_utils  # noqa: E402
-
-_moe_utils.generate_permute_indices = functools.partial(_moe_kernels.generate_permute_indices, use_cpu=True)
+torchtitan_moe_cpu_shims()  # the MoE models (deepseek_v3's debug flavor)
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.train import Trainer, main  # noqa: E402
 

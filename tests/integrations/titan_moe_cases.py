@@ -2,33 +2,22 @@
 2 shared experts) with expert parallelism over every rank, its token exchange swapped for commopt's
 schedules (kernels/moe/module.swap_expert_parallel), against the same layer unsharded.
 
-On CPU torchtitan needs two shims: torch.histc takes no integer input there, so its router's integer
-counts go through bincount (the same counts); its own EP dispatch (the harness's check) builds its
-permutation with a Triton kernel, so it takes its own CPU fallback (use_cpu=True)."""
+On CPU torchtitan needs the shims of testing/optional.torchtitan_moe_cpu_shims (integer histc, its
+EP dispatch's permutation by its own CPU fallback)."""
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
 
-_histc = torch.histc
-
-
-@functools.wraps(_histc)
-def _histc_cpu(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 - torch's names
-    if not input.is_floating_point() and input.device.type == "cpu":
-        return torch.bincount(input.reshape(-1), minlength=bins).to(input.dtype)
-    return _histc(input, bins=bins, min=min, max=max, out=out)
-
 
 def _layer(seed: int, grouped: bool):
     from torchtitan.models.deepseek_v3 import deepseekv3_args
-    from torchtitan.models.moe import MoE, kernels, utils
+    from torchtitan.models.moe import MoE
 
-    torch.histc = _histc_cpu
-    utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
+    from torch_commopt.testing.optional import torchtitan_moe_cpu_shims
+
+    torchtitan_moe_cpu_shims()
     args = deepseekv3_args["debugmodel"].moe_args
     args.use_grouped_mm = grouped
     torch.manual_seed(seed)

@@ -4,10 +4,13 @@ gradients with a single-process computation of all experts over all ranks' token
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torch_commopt.kernels.moe.module import swiglu_per_expert
 from torch_commopt.kernels.moe.schedules import SCHEDULES, expert_parallel
 
 D, H, NL = 12, 20, 2  # model dim, expert hidden dim, local experts per rank
@@ -48,12 +51,8 @@ def _swiglu(rows: torch.Tensor, w1, w2, w3) -> torch.Tensor:
 
 
 def _local_experts(w1, w2, w3):
-    """A GroupedExperts-like callable over these (nl, ...) weights: per expert, its rows."""
-    def run(rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
-        pieces = torch.split(rows, per_expert.tolist())
-        outs = [_swiglu(piece, w1[e], w2[e], w3[e]) for e, piece in enumerate(pieces)]
-        return torch.cat(outs) if outs else rows.new_zeros((0, D))
-    return run
+    """A GroupedExperts-like callable over these (nl, ...) weights: the package's SwiGLU per expert."""
+    return functools.partial(swiglu_per_expert, w1, w2, w3)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -180,7 +180,7 @@ class SymmBuffer:
 
 @dataclass(slots=True)
 class Watched:
-    """A call under the watchdog (GroupRuntime.begin_call): its record, slot and stream."""
+    """A call under the watchdog (GroupRuntime.begin_call): its record, its stream and its end mark."""
 
     call: watchdog.Call
     stream: object  # the torch stream its marks are queued on

@@ -8,7 +8,8 @@ kernels:
 
 - Every watched call brackets its work on the caller's stream with two stream memory operations
   into host-mapped pinned memory (one *slot* per runtime and stream): at its start, one batch
-  writes the call's ticket, clears `seen` and raises `busy`; at its end, one write lowers `busy`.
+  writes the call's ticket, clears `seen` and raises `busy`; at its end, one write lowers `busy`
+  (riding on the call's last batch of flag writes where it has one, GroupRuntime.done_reading).
   The GPU's front end runs them, in stream order, without an SM.  A call captured in a CUDA graph
   (ours per call, or Inductor's) captures both with its ticket, so every replay is watched too.
 - One thread per process reads the slots from host memory, no CUDA call, every `poll` seconds.
@@ -30,9 +31,9 @@ The asynchronous exception (`PyThreadState_SetAsyncExc`) fires when that thread 
 bytecode: at once if it runs, or when a blocking CUDA call it is in returns once the waits are
 released.  The runtime's later calls raise on their own (`GroupRuntime.begin_call`).
 
-Cost per call: two stream memory operations (host ~5-8 us each through ctypes; on the GPU's front
-end a few microseconds, a node each in a replayed graph), measured in
-benchmarks/results/watchdog_overhead-*.md.  TORCH_COMMOPT_WATCHDOG=0 turns it off,
+Cost per call: one stream memory operation, the start batch (on the GPU's front end ~3.5 us, a
+node in a replayed graph; on the host a driver call and the bookkeeping), measured in
+benchmarks/results/watchdog_overhead_*.md.  TORCH_COMMOPT_WATCHDOG=0 turns it off,
 TORCH_COMMOPT_WAIT_TIMEOUT_S sets the bound (default 60 s).
 """
 

@@ -137,7 +137,7 @@ def swap_expert_parallel(root: nn.Module, schedule: str) -> list[str]:
             continue
         del module._forward_pre_hooks[pre]  # noqa: SLF001
         del module._forward_hooks[post]  # noqa: SLF001
-        install(module, mesh.get_group(), schedule, _torchtitan_local(module))
+        install(module, mesh.get_group(), schedule, torchtitan_local(module))
         swapped.append(name)
         report.record_module(report.ModuleReport(name, "moe", f"token exchange {schedule} over {mesh.size()} ranks "
                                                                f"(was torchtitan's ExpertParallel)"))
@@ -146,7 +146,7 @@ def swap_expert_parallel(root: nn.Module, schedule: str) -> list[str]:
     return swapped
 
 
-def _torchtitan_local(module: nn.Module) -> Local:
+def torchtitan_local(module: nn.Module) -> Local:
     """The module's own forward over the local experts' rows (its class's, not the hooked call):
     its grouped GEMM or its per-expert loop, on the local shards of its weights.  On a GPU its
     grouped GEMM gets groups padded to ALIGN rows: under an "ep" mesh torchtitan expects its
