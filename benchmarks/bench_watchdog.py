@@ -87,10 +87,13 @@ def _rank(rank: int, world: int, rounds: int, calls: int):
 
 
 def _marks_cost(rounds: int, calls: int) -> list[dict]:
-    """One GPU, one process (no other rank time-slicing the device): a GEMM per call with and
-    without a call's two marks around it (the start batch of three writes, the end write, into
-    host-mapped memory, as GroupRuntime.begin_call / end_call queue them), eager and replayed from
-    a CUDA graph: what the marks add per call on the GPU, and on the host (eager)."""
+    """One GPU, one process (no other rank time-slicing the device): a call modelled as a GEMM and
+    the flag-write batch a schedule's call ends with (done_reading), with and without the
+    watchdog's marks as GroupRuntime.begin_call / end_call queue them -- the start batch of three
+    writes into host-mapped memory before the GEMM, the end write riding on the last batch --
+    eager, and replayed from a CUDA graph with the start mark on the call's stream ("serial") or
+    forked onto a stream of its own and joined before the end mark ("forked", what a capture
+    does): what the marks add per call on the GPU, and on the host (eager)."""
     import torch
 
     from torch_commopt.kernels.gpu import driver
@@ -98,51 +101,62 @@ def _marks_cost(rounds: int, calls: int) -> list[dict]:
     dev = torch.device("cuda", 0)
     torch.zeros(1, device=dev)  # the context current here before the driver's host allocation
     _, marks = driver.host_mapped(64)
+    flags = torch.zeros(64, dtype=torch.int32, device=dev)
     begin = driver.batch_params([("write", marks, 7), ("write", marks + 4, 0), ("write", marks + 8, 1)])
+    fork, join = driver.event_create(), driver.event_create()
     out = []
     for m in (256, 4096):
         a = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
         w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
-        stream = torch.cuda.Stream(device=dev)
+        stream, side = torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev)
 
-        def steps(on: bool) -> None:
+        def steps(mode: str) -> None:
             for _ in range(calls):
-                if on:
+                if mode == "forked":
+                    driver.record(fork, stream)
+                    driver.wait_event(side, fork)
+                    driver.batch_array(side, begin)
+                    driver.record(join, side)
+                elif mode == "on":
                     driver.batch_array(stream, begin)
                 torch.mm(a, w)
-                if on:
-                    driver.write_value32(stream, marks + 8, 0)
+                tail = [("write", flags.data_ptr(), 0), ("write", flags.data_ptr() + 4, 1)]
+                if mode == "forked":
+                    driver.wait_event(stream, join)
+                if mode != "off":
+                    tail.append(("write", marks + 8, 0))
+                driver.batch(stream, tail)
 
         graphs = {}
         with torch.cuda.stream(stream):
-            steps(True)
-            steps(False)
-            for on in (True, False):
+            for mode in ("on", "off"):
+                steps(mode)
+            for mode in ("on", "forked", "off"):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, stream=stream):
-                    steps(on)
-                graphs[on] = g
+                    steps(mode)
+                graphs[mode] = g
         torch.cuda.synchronize()
-        times = {f"{how} {mode}": [] for how in ("eager", "replayed") for mode in MODES}
+        runs = [("eager", "on"), ("eager", "off"), ("replayed", "on"), ("replayed", "forked"), ("replayed", "off")]
+        times = {f"{how} {mode}": [] for how, mode in runs}
         host = {mode: [] for mode in MODES}
         for r in range(rounds):
-            for on in ((True, False) if r % 2 == 0 else (False, True)):
-                mode = "on" if on else "off"
-                for how in ("eager", "replayed"):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    with torch.cuda.stream(stream):
-                        start.record()
-                        t0 = time.perf_counter()
-                        steps(on) if how == "eager" else graphs[on].replay()
-                        if how == "eager":
-                            host[mode].append((time.perf_counter() - t0) / calls * 1e6)
-                        end.record()
-                    end.synchronize()
-                    times[f"{how} {mode}"].append(start.elapsed_time(end) / calls * 1e3)  # us per call
+            for how, mode in (runs if r % 2 == 0 else runs[::-1]):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    start.record()
+                    t0 = time.perf_counter()
+                    steps(mode) if how == "eager" else graphs[mode].replay()
+                    if how == "eager":
+                        host[mode].append((time.perf_counter() - t0) / calls * 1e6)
+                    end.record()
+                end.synchronize()
+                times[f"{how} {mode}"].append(start.elapsed_time(end) / calls * 1e3)  # us per call
         med = {k: statistics.median(v) for k, v in times.items()}
         out.append({"gemm": f"{m}x4096x4096 bf16", "raw_us": times, "host_raw_us": host,
                     "eager_on_us": med["eager on"], "eager_off_us": med["eager off"],
-                    "replayed_on_us": med["replayed on"], "replayed_off_us": med["replayed off"],
+                    "replayed_on_us": med["replayed on"], "replayed_forked_us": med["replayed forked"],
+                    "replayed_off_us": med["replayed off"],
                     "host_on_us": statistics.median(host["on"]), "host_off_us": statistics.median(host["off"])})
     return out
 
@@ -191,14 +205,19 @@ def main() -> None:
         lines += ["Ranks sharing one GPU are time-sliced by the device, which sets a floor of about 2 ms per "
                   "call whatever the shape: the GPU columns bound the watchdog's cost, the marks below measure it."]
     lines += ["", "## The marks alone, one process on one GPU", "",
-              "A GEMM per call with and without a call's marks around it (a batch of three writes before, one "
-              "write after, into host-mapped memory), 200 calls back to back; us per call, median of "
-              f"{args.rounds} rounds.", "",
-              "| GEMM | eager on | eager off | replayed on | replayed off | host us on | host us off |",
-              "|---|---|---|---|---|---|---|"]
+              "A call modelled as a GEMM and the flag-write batch it ends with, with and without the marks (a "
+              "batch of three writes into host-mapped memory before the GEMM, the end write riding on the "
+              "last batch), 200 calls back to back; us per call, median of "
+              f"{args.rounds} rounds. Replayed: the start mark on the call's stream (serial) or forked onto "
+              "a stream of its own and joined before the end mark (forked: what a capture does).", "",
+              "| GEMM | eager on | eager off | replayed serial | replayed forked | replayed off | forked cost "
+              "| host us on | host us off |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in marks:
+        r["forked_cost_pct"] = (r["replayed_forked_us"] / r["replayed_off_us"] - 1) * 100
         lines.append(f"| {r['gemm']} | {fmt(r['eager_on_us'], 2)} | {fmt(r['eager_off_us'], 2)} | "
-                     f"{fmt(r['replayed_on_us'], 2)} | {fmt(r['replayed_off_us'], 2)} | {fmt(r['host_on_us'], 1)} | "
+                     f"{fmt(r['replayed_on_us'], 2)} | {fmt(r['replayed_forked_us'], 2)} | "
+                     f"{fmt(r['replayed_off_us'], 2)} | {r['forked_cost_pct']:+.2f}% | {fmt(r['host_on_us'], 1)} | "
                      f"{fmt(r['host_off_us'], 1)} |")
     lines.append("")
     stem = result_stem("watchdog_overhead", device, args.world, variant=variant)
