@@ -118,12 +118,13 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
                     layers[variant] = layer
                 g = torch.Generator(device=device).manual_seed(100 + rank)
                 x = torch.randn(1, tokens, model[0], device=device, dtype=dtype, generator=g)
+                dy = torch.randn(x.shape, device=device, dtype=dtype, generator=g)  # dense, as a loss's
                 ref = None
                 times = {v: [] for v in VARIANTS}
                 errors = {}
                 for variant, layer in layers.items():  # warm-up (compiles), and the outputs compared
                     y = layer(x)
-                    y.float().sum().backward()
+                    y.backward(dy)
                     if variant == "torchtitan EP":
                         ref = y.detach().float()
                     elif variant != "comm-free":
@@ -137,7 +138,7 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
                             torch.cuda.synchronize()
                         t0 = time.perf_counter()
                         for _ in range(steps):
-                            layer(x).float().sum().backward()
+                            layer(x).backward(dy)
                         if cuda:
                             torch.cuda.synchronize()
                         times[variant].append((time.perf_counter() - t0) / steps * 1e3)
@@ -207,12 +208,14 @@ def pieces(models: dict, tokens_list: list, worlds: list, rounds: int) -> list:
                 whole = torch.full((nl,), per_piece * world, device=dev, dtype=torch.int64)
                 piece = torch.full((nl,), per_piece, device=dev, dtype=torch.int64)
                 chunks = x.split(per_piece * nl)
+                # a dense output gradient: the grouped GEMM's backward refuses .sum()'s expanded one
+                grad = torch.randn(x.shape, device=dev, dtype=torch.bfloat16)
 
                 def run_whole():
-                    swiglu(x, whole).sum().backward()
+                    swiglu(x, whole).backward(grad)
 
                 def run_pieces():
-                    torch.cat([swiglu(c, piece) for c in chunks]).sum().backward()
+                    torch.cat([swiglu(c, piece) for c in chunks]).backward(grad)
 
                 times = {"whole": [], "pieces": []}
                 for fn in (run_whole, run_pieces):

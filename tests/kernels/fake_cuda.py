@@ -102,7 +102,6 @@ def fake_runtimes(world: int = 2, owned: tuple[str, ...] = ()) -> list[symm.Grou
         rt._warned_capture_debug = False
         rt._order_event, rt._event_pools, rt._untaken, rt._begin_batches = None, {}, {}, {}
         rt._new_event = lambda events=events: next(events)
-        rt._marks_stream, rt._marks_events = FakeStream(), (next(events), next(events))  # a capture's start marks
         runtimes.append(rt)
     return runtimes
 

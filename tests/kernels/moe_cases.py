@@ -60,10 +60,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / max(scale, 1e-30) if a.numel() else 0.0
 
 
-def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device: str = "cpu") -> list[tuple[str, float]]:
+def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device: str = "cpu",
+                  staged: bool = False) -> list[tuple[str, float]]:
     """[(case, largest relative error over output, x's gradient and the local experts' weight
     gradients)] for every schedule and routing; the schedules run on `device` ("cuda": this rank's
-    GPU), the reference on the CPU."""
+    GPU), the reference on the CPU.  staged: every transfer through host staging buffers, as gloo
+    moves CUDA tensors (exchange._staged)."""
+    if staged:
+        from torch_commopt.kernels.moe import exchange
+        exchange._staged = lambda t, group: True
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     group = dist.group.WORLD

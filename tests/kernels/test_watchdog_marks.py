@@ -2,9 +2,9 @@
 real host code runs with CUDA faked (fake_cuda.py) and the watchdog on.  Every call's start batch
 (ticket, seen = 0, busy = 1) comes before anything the call queues on its stream and its end mark
 (busy = 0) after, every wait of the call lies between them, and the watchdog's record of the call
-lists every wait the call queued, on any stream, with the value awaited.  In a capture the start
-batch forks onto a stream of its own (after what precedes the call) and joins back before the end
-mark."""
+lists every wait the call queued, on any stream, with the value awaited.  A captured call queues the
+same (a start mark forked onto a stream of its own measured slower in replays:
+benchmarks/bench_watchdog.py)."""
 
 from __future__ import annotations
 
@@ -56,31 +56,16 @@ def test_every_wait_of_a_call_lies_between_its_marks_and_is_recorded(dog, world,
                 spans[rank].append((first, len(queue)))
     for rank in range(world):
         compute = runtimes[rank].compute.cuda_stream
-        side = runtimes[rank]._marks_stream.cuda_stream
-        fork, join = runtimes[rank]._marks_events
         for (lo, hi), name in zip(spans[rank], names):
             ops = queue[lo:hi]
             marks = [(i, _mark(op[1]), op[2]) for i, (r, s, op) in enumerate(ops)
                      if op[0] == "write" and _mark(op[1]) is not None]
+            assert all(ops[i][1] == compute for i, _, _ in marks), name  # on the caller's stream
             busy = [(i, v) for i, (slot, word), v in marks if word == watchdog.BUSY]
             assert [v for _, v in busy] == [1, 0], (name, marks)
             start, end = busy[0][0], busy[1][0]
-            assert ops[end][1] == compute, name  # the end mark on the caller's stream
             on_compute = [i for i, (_, s, _) in enumerate(ops) if s == compute]
-            assert on_compute[-1] == end, name  # the last thing on the stream
-            if not captured:
-                assert all(ops[i][1] == compute for i, _, _ in marks), name  # on the caller's stream
-                assert on_compute[0] <= start, name  # the first thing on the stream
-            else:
-                # the start batch on the marks stream, after a fork recorded on the caller's
-                # stream before any of the call's work, and joined back before the end mark
-                on_side = [(i, op) for i, (_, s, op) in enumerate(ops) if s == side]
-                assert [op[0] for _, op in on_side] == ["wait_event", "write", "write", "write", "record"], name
-                assert on_side[0][1][1] == fork and on_side[-1][1][1] == join and on_side[1][0] <= start, name
-                assert ops[on_compute[0]][2][:2] == ("record", fork), name
-                joins = [i for i in on_compute if ops[i][2][:2] == ("wait_event", join)]
-                assert len(joins) == 1 and on_side[-1][0] < joins[0] < end, name
-                assert ops[joins[0]][2][2] == on_side[-1][1][2], name  # bound to this call's record
+            assert on_compute[0] <= start and on_compute[-1] == end, name  # first and last on the stream
             waits = [(i, op) for i, (_, s, op) in enumerate(ops) if op[0] == "wait"]
             assert all(start < i < end for i, _ in waits if ops[i][1] == compute), name
             ticket = [v for _, (slot, word), v in marks if word == watchdog.TICKET][0]
@@ -89,4 +74,5 @@ def test_every_wait_of_a_call_lies_between_its_marks_and_is_recorded(dog, world,
             recorded = sorted((base + 4 * w.index, w.value) for w in call.waits)
             queued = sorted((op[1], op[2]) for _, op in waits)
             assert recorded == queued, (name, recorded, queued)
+            assert call.captured == captured, name
             assert call.op in ("ag_matmul", "matmul_rs", "matmul_ar") and str(call.schedule) in name, name

@@ -186,13 +186,6 @@ class Watched:
     stream: object  # the torch stream its marks are queued on
     end: int  # the device address its end mark writes 0 into (the slot's busy word)
     ended: bool = False  # the end mark rode on the call's last batch (done_reading)
-    join: int | None = None  # in a capture: the start mark's event, waited for before the end mark
-
-    def before_end(self) -> None:
-        """Order the end mark after the start mark (a capture forks the start mark off the call)."""
-        if self.join is not None:
-            driver.wait_event(self.stream, self.join)
-            self.join = None
 
 
 class SymmAllocError(RuntimeError):
@@ -254,8 +247,6 @@ class GroupRuntime:
         # flags with -- made here, not when a wait is stuck, when allocating could block.
         self._begin_batches: dict[int, object] = {}
         self._peek_stream = torch.cuda.Stream(device=device, priority=-1)
-        self._marks_stream: torch.cuda.Stream | None = None  # a capture's start marks (begin_call)
-        self._marks_events: tuple[int, int] | None = None
         self._peek_host = driver.host_mapped(FLAG_SLOTS * 4)[0]
         self._context = driver.current_context()  # made current on the watchdog's thread
         log.info("commopt: symmetric runtime for group %s (rank %d of %d) on %s", group_name, self.rank, self.world, device)
@@ -558,31 +549,13 @@ class GroupRuntime:
                 [("write", marks.address(slot, watchdog.TICKET), 0), ("write", marks.address(slot, watchdog.SEEN), 0),
                  ("write", marks.address(slot, watchdog.BUSY), 1)])
         batch[0].value = dog.ticket(call)  # the driver reads the batch during the call only
-        watched = Watched(call, stream, dog.slots.address(slot, watchdog.BUSY))
-        if not call.captured:
-            driver.batch_array(stream, batch)
-            return watched
-        # In a capture the start mark forks off the call: a graph node of its own that depends on
-        # what precedes the call and that the call's first work does not wait for, joined back only
-        # before the end mark.  Replays then pay no serial memory-op node at the call's head (a
-        # stream memory op costs the front end microseconds, a share of a short replayed call); an
-        # eager call keeps the one op on its stream, as a fork would take three host calls more.
-        if self._marks_stream is None:
-            self._marks_stream = torch.cuda.Stream(device=self.device)
-            self._marks_events = (driver.event_create(), driver.event_create())
-        fork, join = self._marks_events
-        driver.record(fork, stream)
-        driver.wait_event(self._marks_stream, fork)
-        driver.batch_array(self._marks_stream, batch)
-        driver.record(join, self._marks_stream)
-        watched.join = join
-        return watched
+        driver.batch_array(stream, batch)
+        return Watched(call, stream, dog.slots.address(slot, watchdog.BUSY))
 
     def end_call(self, watched: Watched | None) -> None:
         """The call's work is all queued (on its stream, or joined into it): lower its busy mark,
         unless its last batch of flag writes took it along (done_reading)."""
         if watched is not None and not watched.ended:
-            watched.before_end()
             driver.write_value32(watched.stream, watched.end, 0)
 
     def check_open(self) -> None:
@@ -662,7 +635,6 @@ class GroupRuntime:
         w = self.watch
         if w is not None and not w.ended and w.stream.cuda_stream == driver._handle(stream):
             # the call's last operation on its stream: its end mark rides along (one driver call less)
-            w.before_end()
             ops.append(("write", w.end, 0))
             w.ended = True
         for start in range(0, len(ops), driver.MAX_BATCH):

@@ -11,9 +11,7 @@ kernels:
   writes the call's ticket, clears `seen` and raises `busy`; at its end, one write lowers `busy`
   (riding on the call's last batch of flag writes where it has one, GroupRuntime.done_reading).
   The GPU's front end runs them, in stream order, without an SM.  A call captured in a CUDA graph
-  (ours per call, or Inductor's) captures both with its ticket, so every replay is watched too;
-  there the start mark forks off onto a stream of its own (a graph branch that the call's work
-  does not wait for) and joins back before the end mark.
+  (ours per call, or Inductor's) captures both with its ticket, so every replay is watched too.
 - One thread per process reads the slots from host memory, no CUDA call, every `poll` seconds.
   A slot busy with `seen` clear is a call it has not seen yet: it sets `seen` and notes the time.
   A new call clears `seen` again (its start batch), so `seen` still set while `busy` is raised

@@ -10,11 +10,15 @@ rows for r's local expert e.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+log = logging.getLogger(__name__)
+_told: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ def exchange_counts(counts: Tensor, group: dist.ProcessGroup) -> Routing:
     if experts % world:
         raise ValueError(f"commopt moe: {experts} experts do not divide over an expert-parallel group of {world}")
     mine = counts.detach().reshape(-1).to(torch.int64)
+    if _staged(mine, group):
+        mine = mine.cpu()
     theirs = torch.empty_like(mine)
     dist.all_to_all_single(theirs, mine, group=group)
     send, recv = mine.view(world, -1).tolist(), theirs.view(world, -1).tolist()
@@ -66,6 +72,38 @@ def _global(group: dist.ProcessGroup, rank: int) -> int:
     return dist.get_global_rank(group, rank)
 
 
+def _staged(t: Tensor, group) -> bool:
+    """Whether `t` travels through host memory: gloo moves no CUDA tensor point to point nor by
+    all_to_all (ranks sharing one GPU run gloo: kernels/gpu/shared_device.py).  Logged once."""
+    if not t.is_cuda or dist.get_backend(group) != "gloo":
+        return False
+    if "gloo" not in _told:
+        _told.add("gloo")
+        log.warning("commopt moe: gloo moves no CUDA tensors; the token exchange is staged through host memory")
+    return True
+
+
+def _all_to_all(out: Tensor, x: Tensor, out_splits, in_splits, group) -> None:
+    if _staged(x, group):
+        host = torch.empty(out.shape, dtype=out.dtype)
+        dist.all_to_all_single(host, x.cpu(), out_splits, in_splits, group=group)
+        out.copy_(host)
+        return
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+
+
+class _Landing:
+    """A staged swap's transfers: waiting for them copies the host receive into its device buffer."""
+
+    def __init__(self, requests: list, host: Tensor, buf: Tensor):
+        self.requests, self.host, self.buf = requests, host, buf
+
+    def wait(self) -> None:
+        for req in self.requests:
+            req.wait()
+        self.buf.copy_(self.host)
+
+
 class AllToAll(torch.autograd.Function):
     """all_to_all_single with split sizes; its backward is the reverse exchange."""
 
@@ -73,14 +111,14 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        _all_to_all(out, x.contiguous(), out_splits, in_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        _all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.group)
         return back, None, None, None
 
 
@@ -89,12 +127,15 @@ def swap_start(x: Tensor, dst: int, src: int, rows: int, group) -> tuple[Tensor,
     src, both started: (the receive buffer, the requests to wait on).  A side with nothing to
     move posts nothing (both ends know the sizes from the Routing)."""
     buf = x.new_empty((rows,) + tuple(x.shape[1:]))
+    staged = _staged(x, group)
     ops = []
     if x.shape[0]:
-        ops.append(dist.P2POp(dist.isend, x.contiguous(), _global(group, dst), group))
+        ops.append(dist.P2POp(dist.isend, x.contiguous().cpu() if staged else x.contiguous(), _global(group, dst), group))
+    land = torch.empty(buf.shape, dtype=buf.dtype) if staged else buf
     if rows:
-        ops.append(dist.P2POp(dist.irecv, buf, _global(group, src), group))
-    return buf, (dist.batch_isend_irecv(ops) if ops else [])
+        ops.append(dist.P2POp(dist.irecv, land, _global(group, src), group))
+    requests = dist.batch_isend_irecv(ops) if ops else []
+    return buf, ([_Landing(requests, land, buf)] if staged and rows else requests)
 
 
 def wait_all(requests) -> None:
