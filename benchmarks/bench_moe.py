@@ -6,7 +6,8 @@ Mixtral-8x7B (hidden size, expert FFN size, experts, top-k), T tokens a rank, ba
 routing.  The variants, in alternating order each round, all with the layer's children other than
 the experts compiled by Inductor as torchtitan compiles them:
 - `torchtitan EP`: torchtitan's ExpertParallel (all-to-alls, host read of the splits);
-- `commopt a2a`, `commopt by_peer`: commopt's schedules swapped in (kernels/moe/module.py);
+- `commopt a2a`, `commopt by_peer`, `commopt by_expert`: commopt's schedules swapped in
+  (kernels/moe/module.py);
 - `comm-free`: the same layer with the exchange removed.  Each rank runs its local experts over
   its own tokens, with the per-expert rows an exchange would bring it on balanced routing.  This is
   the bound that hiding the exchange can reach.
@@ -15,8 +16,9 @@ Per case: each variant's ms (median over rounds of the mean of back-to-back step
 speedup over torchtitan's EP, the share of the exposed exchange hidden ((t_tt - t) / (t_tt - t_free)),
 and the largest relative error of the output against torchtitan's EP.
 
-`--pieces` (one GPU, one process): what pipelining by source costs the experts' compute, i.e. the
-SwiGLU grouped GEMMs fwd+bwd over a rank's received rows whole against in W pieces.
+`--pieces` (one GPU, one process): what pipelining costs the experts' compute, i.e. the SwiGLU
+grouped GEMMs fwd+bwd over a rank's received rows whole against in the pieces a schedule runs (by
+source: by_peer; by expert chunk: by_expert).
 
     python3 -m benchmarks.bench_moe --out OUT [--world 2] [--tokens 8192 ...]   # W GPUs (NCCL)
     python3 -m benchmarks.bench_moe --out OUT --pieces                         # one GPU
@@ -26,6 +28,7 @@ SwiGLU grouped GEMMs fwd+bwd over a rank's received rows whole against in W piec
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -38,7 +41,7 @@ MODELS = {
     "mixtral-8x7b": (4096, 14336, 8, 2, 0),
 }
 CPU_MODELS = {"tiny": (64, 48, 8, 2, 1)}
-VARIANTS = ("torchtitan EP", "commopt a2a", "commopt by_peer", "comm-free")
+VARIANTS = ("torchtitan EP", "commopt a2a", "commopt by_peer", "commopt by_expert", "comm-free")
 
 
 def _layer(model: tuple, device, dtype, seed: int, compile_children: bool):
@@ -167,26 +170,41 @@ def report(cases: list, meta: dict) -> str:
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; fwd+bwd of one layer, median of "
              f"{meta['rounds']} rounds of {meta['steps']} steps, the slowest rank; variants in alternating order.", "",
              "| model | tokens/rank | routing | " + " | ".join(f"{v} ms" for v in VARIANTS)
-             + " | a2a × | by_peer × | by_peer hidden | max rel. error |",
-             "|---|---|---|" + "---|" * (len(VARIANTS) + 4)]
+             + " | a2a × | by_peer × | by_expert × | by_peer hidden | by_expert hidden | max rel. error |",
+             "|---|---|---|" + "---|" * (len(VARIANTS) + 6)]
     for c in cases:
-        ms, sp, hid = c["ms"], c["speedup_vs_torchtitan"], c["hidden_share"]["commopt by_peer"]
+        ms, sp, hid = c["ms"], c["speedup_vs_torchtitan"], c["hidden_share"]
         err = max(c["max_rel_error"].values())
         lines.append(f"| {c['model']} | {c['tokens_per_rank']} | {c['routing']} | "
                      + " | ".join(fmt(ms[v], 2) for v in VARIANTS)
-                     + f" | {fmt(sp['commopt a2a'])} | {fmt(sp['commopt by_peer'])} | {fmt(hid, 2)} | {err:.1e} |")
+                     + "".join(f" | {fmt(sp[v])}" for v in ("commopt a2a", "commopt by_peer", "commopt by_expert"))
+                     + "".join(f" | {fmt(hid[v], 2)}" for v in ("commopt by_peer", "commopt by_expert"))
+                     + f" | {err:.1e} |")
     lines += ["", "×: speedup over torchtitan's EP. Hidden: the share of the exposed exchange "
               "(torchtitan EP − comm-free) that the variant removes.", ""]
     return "\n".join(lines)
 
 
-def pieces(models: dict, tokens_list: list, worlds: list, rounds: int) -> list:
-    """One GPU: the SwiGLU grouped GEMMs fwd+bwd over a rank's received rows whole and in W pieces
-    (by source, as by_peer runs them); ms each and the ratio."""
+def pieces(models: dict, tokens_list: list, worlds: list, rounds: int, chunk_counts=(2, 4)) -> list:
+    """One GPU: the experts' SwiGLU fwd+bwd over a rank's received rows (balanced routing), ms
+    each and the ratios to whole:
+    - whole: three autograd grouped GEMMs over all rows, as torchtitan runs its experts;
+    - by source: the same in W pieces of one source's rows (by_peer's compute: every piece has every
+      local expert, so each expert's GEMMs shrink and its weight gradient is summed over pieces);
+    - by_expert:C: the by_expert schedule itself over a one-rank group (its all-to-alls local
+      copies), in C chunks of experts: by_expert:1 is its compute unpipelined, the others what the
+      pipelining adds (no GEMM shrinks; the weight gradients run once over all rows)."""
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
 
+    from torch_commopt.kernels.moe.by_expert import by_expert
+    from torch_commopt.kernels.moe.exchange import Routing
+
     dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
+    group = dist.group.WORLD
     out = []
     for name, (dim, hidden, experts, top_k, _) in models.items():
         for world in worlds:
@@ -195,11 +213,12 @@ def pieces(models: dict, tokens_list: list, worlds: list, rounds: int) -> list:
             w3 = torch.randn(nl, hidden, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
             w2 = torch.randn(nl, dim, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
 
-            def swiglu(x, per):
+            def swiglu(x, per, ws=(w1, w2, w3)):
+                a, b, c = ws
                 offs = torch.cumsum(per, 0, dtype=torch.int32)
-                h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-                h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-                return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+                h = F.silu(torch._grouped_mm(x, a.transpose(-2, -1), offs=offs))
+                h = h * torch._grouped_mm(x, c.transpose(-2, -1), offs=offs)
+                return torch._grouped_mm(h, b.transpose(-2, -1), offs=offs)
 
             for tokens in tokens_list:
                 rows = tokens * top_k  # what a rank receives on balanced routing
@@ -207,44 +226,51 @@ def pieces(models: dict, tokens_list: list, worlds: list, rounds: int) -> list:
                 x = torch.randn(per_piece * world * nl, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
                 whole = torch.full((nl,), per_piece * world, device=dev, dtype=torch.int64)
                 piece = torch.full((nl,), per_piece, device=dev, dtype=torch.int64)
-                chunks = x.split(per_piece * nl)
+                by_source = x.split(per_piece * nl)
                 # a dense output gradient: the grouped GEMM's backward refuses .sum()'s expanded one
                 grad = torch.randn(x.shape, device=dev, dtype=torch.bfloat16)
-
-                def run_whole():
-                    swiglu(x, whole).backward(grad)
-
-                def run_pieces():
-                    torch.cat([swiglu(c, piece) for c in chunks]).backward(grad)
-
-                times = {"whole": [], "pieces": []}
-                for fn in (run_whole, run_pieces):
+                runs = {"whole": lambda: swiglu(x, whole).backward(grad),
+                        "by source": lambda: torch.cat([swiglu(c, piece) for c in by_source]).backward(grad)}
+                # by_expert itself over a one-rank group (its all-to-alls local copies), the routing
+                # giving each local expert the rows W ranks would send it
+                routing = Routing(0, 1, send=((per_piece * world,) * nl,), recv=((per_piece * world,) * nl,))
+                for chunks in (1,) + tuple(c for c in chunk_counts if c <= nl):
+                    runs[f"by_expert:{chunks}"] = functools.partial(
+                        lambda c: by_expert(x, routing, (w1, w2, w3), group, c).backward(grad), chunks)
+                times = {label: [] for label in runs}
+                for fn in runs.values():
                     fn()
+                labels = list(runs)
                 for r in range(rounds):
-                    for label, fn in ((("whole", run_whole), ("pieces", run_pieces)) if r % 2 == 0
-                                      else (("pieces", run_pieces), ("whole", run_whole))):
+                    for label in (labels if r % 2 == 0 else labels[::-1]):
                         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         start.record()
                         for _ in range(5):
-                            fn()
+                            runs[label]()
                         end.record()
                         end.synchronize()
                         times[label].append(start.elapsed_time(end) / 5)
-                w, p = statistics.median(times["whole"]), statistics.median(times["pieces"])
+                med = {label: statistics.median(v) for label, v in times.items()}
                 out.append({"model": name, "world": world, "tokens_per_rank": tokens, "rows_received": rows,
-                            "whole_ms": w, "pieces_ms": p, "ratio": p / w, "raw_ms": times})
+                            "ms": med, "ratio": {k: v / med["whole"] for k, v in med.items() if k != "whole"},
+                            "raw_ms": times})
+    dist.destroy_process_group()
     return out
 
 
 def pieces_report(rows: list, meta: dict) -> str:
-    lines = [f"# MoE: the experts' grouped GEMMs whole vs in pieces by source ({meta['device']}, one GPU)", "",
-             f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; SwiGLU grouped GEMMs fwd+bwd in bf16, "
-             f"median of {meta['rounds']} rounds of 5 runs; pieces: W grouped GEMMs of one source's rows each.", "",
-             "| model | W | tokens/rank | rows received | whole ms | pieces ms | pieces / whole |",
-             "|---|---|---|---|---|---|---|"]
+    labels = list(dict.fromkeys(k for r in rows for k in r["ratio"]))  # every row's, in order
+    lines = [f"# MoE: the experts' compute whole vs in a schedule's pieces ({meta['device']}, one GPU)", "",
+             f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; SwiGLU fwd+bwd in bf16 over a rank's "
+             f"received rows on balanced routing, median of {meta['rounds']} rounds of 5 runs. Whole: torchtitan's "
+             "grouped GEMMs under autograd. By source: the same in W pieces of one source's rows (by_peer). "
+             "by_expert:C: that schedule's own compute over a one-rank group, in C chunks of experts.", "",
+             "| model | W | tokens/rank | rows received | whole ms | " + " | ".join(f"{k} / whole" for k in labels) + " |",
+             "|---|---|---|---|---|" + "---|" * len(labels)]
     for r in rows:
+        cells = [fmt(r["ratio"][k]) if k in r["ratio"] else "-" for k in labels]
         lines.append(f"| {r['model']} | {r['world']} | {r['tokens_per_rank']} | {r['rows_received']} | "
-                     f"{fmt(r['whole_ms'])} | {fmt(r['pieces_ms'])} | {fmt(r['ratio'])} |")
+                     f"{fmt(r['ms']['whole'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_commopt.core.moe_spec import MOE_SCHEDULES
+from torch_commopt.core.moe_spec import parse_moe_schedule
 from torch_commopt.core.schedule import Schedule
 
 PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar", "attention")
@@ -50,7 +50,7 @@ class Config:
     regather_for_backward: bool = False  # save each forward all-gather's shard; backward gathers again
     saved_gather_budget_mib: float | None = None  # MiB of gathered activations kept for backward
     attention_schedule: str = "auto"  # context-parallel attention schedule: "auto" or a CPSchedule string
-    moe_schedule: str = "a2a"  # expert-parallel token exchange of optimize()'d MoE modules (MOE_SCHEDULES)
+    moe_schedule: str = "a2a"  # expert-parallel token exchange of optimize()'d MoE modules (core/moe_spec)
     extra_inductor_options: dict[str, Any] = field(default_factory=dict)  # passed on to Inductor
 
     # Experimental: measured as not paying by default; see docs/configuration.md#experimental
@@ -121,8 +121,10 @@ class Config:
                 CPSchedule.parse(self.attention_schedule)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"Config.attention_schedule: {e}") from e
-        if self.moe_schedule not in MOE_SCHEDULES:
-            raise ValueError(f"Config.moe_schedule: expected one of {MOE_SCHEDULES}, got {self.moe_schedule!r}")
+        try:
+            parse_moe_schedule(self.moe_schedule)
+        except ValueError as e:
+            raise ValueError(f"Config.moe_schedule: {e}") from e
         if self.ar_split_policy not in ("cost", "always"):
             raise ValueError(f"Config.ar_split_policy: expected 'cost' or 'always', got {self.ar_split_policy!r}")
         _check_number("consistency_timeout_s", self.consistency_timeout_s, what="a positive number of seconds",

@@ -16,10 +16,10 @@ from torch_commopt.testing.launch import run_distributed  # noqa: E402
 
 
 # 2 ranks: the schedules at 4 ranks are tests/kernels/test_moe_schedules.py's (the layer adds nothing per rank)
-@pytest.mark.parametrize("world,grouped,extra", [(2, False, ("optimize by_peer",)), (2, True, ())],
+@pytest.mark.parametrize("world,grouped,extra", [(2, False, ("optimize by_expert:2",)), (2, True, ())],
                          ids=["w2 loop", "w2 grouped"])
 def test_swapped_schedules_match_the_unsharded_layer(world, grouped, extra):
-    schedules = ("a2a", "by_peer") + extra
+    schedules = ("a2a", "by_peer", "by_expert") + extra
     for results in run_distributed(run_moe_layer, world, schedules, grouped, backend="gloo", timeout_s=300):
         assert [case.split(" world")[0] for case, _ in results] == ["torchtitan", *schedules]
         # fp32; the grouped path computes the experts in bf16 (torchtitan's _run_experts_grouped_mm)

@@ -10,10 +10,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torch_commopt.kernels.moe.by_expert import by_expert
+from torch_commopt.kernels.moe.exchange import exchange_counts
 from torch_commopt.kernels.moe.module import swiglu_per_expert
-from torch_commopt.kernels.moe.schedules import SCHEDULES, expert_parallel
+from torch_commopt.kernels.moe.schedules import expert_parallel
 
-D, H, NL = 12, 20, 2  # model dim, expert hidden dim, local experts per rank
+D, H, NL = 12, 20, 3  # model dim, expert hidden dim, local experts per rank
+# every schedule; by_expert in 2 uneven chunks (2 + 1 experts), in one chunk per expert, and with
+# its groups padded to 8 rows as on a GPU
+CASES = ("a2a", "by_peer", "by_expert", "by_expert:3", "by_expert padded")
 
 
 def _tokens(p: int, world: int, routing: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,10 +100,13 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device
         loss.backward()
         x, ids = data[rank]
         counts = torch.bincount(ids, minlength=NL * world).to(device)
-        for schedule in SCHEDULES:
+        for schedule in CASES:
             local = [w[rank * NL:(rank + 1) * NL].to(device, copy=True).requires_grad_() for w in full]
             xr = x.to(device, copy=True).requires_grad_()
-            out = expert_parallel(xr, counts, _local_experts(*local), group, schedule)
+            if schedule == "by_expert padded":
+                out = by_expert(xr, exchange_counts(counts, group), local, group, 2, align=8)
+            else:
+                out = expert_parallel(xr, counts, _local_experts(*local), group, schedule, weights=local)
             (out * grads_out[rank].to(device)).sum().backward()
             ref_grad = xs_ref[rank].grad if xs_ref[rank].grad is not None else torch.zeros_like(x)  # no tokens
             errors = [_rel(out.detach().cpu(), outs_ref[rank].detach()), _rel(xr.grad.cpu(), ref_grad)]
@@ -107,10 +115,10 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device
     return results
 
 
-def run_install(rank: int, world: int) -> float:
+def run_install(rank: int, world: int, schedule: str = "by_peer") -> float:
     """A plain GroupedExperts-like module holding this rank's experts, made expert-parallel by
-    `install` (by_peer): its forward against expert_parallel with the same experts (checked above
-    against one process); the largest difference over output and weight gradients."""
+    `install` with `schedule`: its forward against expert_parallel with the same experts (checked
+    above against one process); the largest difference over output and weight gradients."""
     from torch import nn
 
     from torch_commopt.kernels.moe.module import install
@@ -125,11 +133,77 @@ def run_install(rank: int, world: int) -> float:
             self.w1, self.w2, self.w3 = (nn.Parameter(w[rank * NL:(rank + 1) * NL].clone()) for w in full)
 
     module = Experts()
-    install(module, dist.group.WORLD, "by_peer")
+    install(module, dist.group.WORLD, schedule)
     out = module(x, counts)
     out.sum().backward()
     local = [w[rank * NL:(rank + 1) * NL].clone().requires_grad_() for w in full]
-    want = expert_parallel(x, counts, _local_experts(*local), dist.group.WORLD, "by_peer")
+    want = expert_parallel(x, counts, _local_experts(*local), dist.group.WORLD, schedule, weights=local)
     want.sum().backward()
     pairs = [(out, want)] + [(p.grad, w.grad) for p, w in zip((module.w1, module.w2, module.w3), local)]
     return max((a - b).abs().max().item() if a.numel() else 0.0 for a, b in pairs)  # rank 0 routes no tokens
+
+
+def run_bf16(rank: int, world: int, routings=("balanced", "skewed")) -> list[tuple[str, float, float]]:
+    """On this rank's GPU in bf16, where by_expert runs torch._grouped_mm over padded groups:
+    [(case, by_expert's largest relative error, a2a's)] over output, x's gradient and the local
+    weight gradients, both against one process in float64 on the CPU; a2a runs the experts as
+    torchtitan's grouped GEMM does (bf16 grouped_mm, groups padded), so its error is the bf16
+    reference's own."""
+    from torch_commopt.kernels.moe.module import padded
+
+    device = f"cuda:{torch.cuda.current_device()}"
+    group = dist.group.WORLD
+    d, h, nl = 256, 384, 4
+    results = []
+    for routing in routings:
+        g = torch.Generator().manual_seed(5 if routing == "balanced" else 9)
+        experts = nl * world
+        full = [torch.randn(experts, h, d, generator=g, dtype=torch.float64) / d ** 0.5,
+                torch.randn(experts, d, h, generator=g, dtype=torch.float64) / h ** 0.5,
+                torch.randn(experts, h, d, generator=g, dtype=torch.float64) / d ** 0.5]
+        data = []
+        for p in range(world):
+            n = 0 if (routing == "skewed" and p == 0) else 600 + 37 * p
+            if routing == "balanced":
+                ids = torch.randint(0, experts, (n,), generator=g)
+            else:  # most to expert 0, none to expert 1 nor to the last rank's experts
+                allowed = torch.tensor([e for e in range(experts) if e != 1 and e < nl * (world - 1)])
+                ids = torch.where(torch.rand(n, generator=g) < 0.8, torch.zeros(n, dtype=torch.int64),
+                                  allowed[torch.randint(0, allowed.numel(), (n,), generator=g)])
+            data.append((torch.randn(n, d, generator=g, dtype=torch.float64), ids.sort().values,
+                         torch.randn(n, d, generator=g, dtype=torch.float64)))
+        ws_ref = [w.clone().requires_grad_() for w in full]
+        x, ids, go = data[rank]
+        xr = x.clone().requires_grad_()
+        loss = 0
+        for p, (xp, idp, gp) in enumerate(data):
+            xp = xr if p == rank else xp
+            out = torch.zeros_like(xp)
+            for e in range(experts):
+                rows = (idp == e).nonzero().flatten()
+                if rows.numel():
+                    out = out.index_add(0, rows, _swiglu(xp[rows], ws_ref[0][e], ws_ref[1][e], ws_ref[2][e]))
+            if p == rank:
+                out_ref = out.detach()
+            loss = loss + (out * gp).sum()
+        loss.backward()
+        counts = torch.bincount(ids, minlength=experts).to(device)
+        errs = {}
+        for schedule in ("a2a", "by_expert"):
+            local = [w[rank * nl:(rank + 1) * nl].to(device, torch.bfloat16).requires_grad_() for w in full]
+            xb = x.to(device, torch.bfloat16).requires_grad_()
+
+            def grouped(rows, per, ws=local):
+                offs = torch.cumsum(per, 0, dtype=torch.int32)
+                a = F.silu(torch._grouped_mm(rows, ws[0].transpose(-2, -1), offs=offs))
+                a = a * torch._grouped_mm(rows, ws[2].transpose(-2, -1), offs=offs)
+                return torch._grouped_mm(a, ws[1].transpose(-2, -1), offs=offs)
+
+            out = expert_parallel(xb, counts, padded(grouped), group, schedule, weights=local)
+            out.backward(go.to(device, torch.bfloat16))
+            gx = xr.grad if xr.grad is not None else torch.zeros_like(x)
+            e = [_rel(out.detach().double().cpu(), out_ref), _rel(xb.grad.double().cpu(), gx)]
+            e += [_rel(w.grad.double().cpu(), wr.grad[rank * nl:(rank + 1) * nl]) for w, wr in zip(local, ws_ref)]
+            errs[schedule] = max(e)
+        results.append((f"{routing} world {world} rank {rank}", errs["by_expert"], errs["a2a"]))
+    return results

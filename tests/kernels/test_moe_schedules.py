@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_cases import run_install, run_schedules
+from moe_cases import CASES, run_install, run_schedules
 
 from torch_commopt.kernels.moe.exchange import Routing
 from torch_commopt.kernels.moe.module import install
@@ -18,7 +18,7 @@ from torch_commopt.testing.launch import run_distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_schedule_matches_one_process_computing_every_expert(world):
     for results in run_distributed(run_schedules, world, backend="gloo", timeout_s=300):
-        assert len(results) == 4
+        assert len(results) == 2 * len(CASES)
         bad = [(case, err) for case, err in results if not err <= 1e-12]  # float64: only the order of sums moves
         assert not bad, bad
 
@@ -26,7 +26,7 @@ def test_every_schedule_matches_one_process_computing_every_expert(world):
 def test_transfers_staged_through_host_memory_match_too():
     # gloo moves no CUDA tensor: ranks sharing one GPU stage every transfer through host buffers
     for results in run_distributed(run_schedules, 2, ("skewed",), "cpu", True, backend="gloo", timeout_s=300):
-        assert len(results) == 2 and all(err <= 1e-12 for _, err in results), results
+        assert len(results) == len(CASES) and all(err <= 1e-12 for _, err in results), results
 
 
 def test_expert_major_order_interleaves_the_sources_per_expert():
@@ -44,13 +44,19 @@ def test_bad_calls_are_refused_with_the_reason():
     x = torch.zeros(3, 4)
     with pytest.raises(ValueError, match="unknown expert-parallel schedule 'ring'"):
         expert_parallel(x, torch.tensor([3]), lambda r, c: r, None, "ring")
+    for bad in ("by_expert:0", "by_expert:x", "a2a:2"):
+        with pytest.raises(ValueError, match="malformed expert-parallel schedule"):
+            expert_parallel(x, torch.tensor([3]), lambda r, c: r, None, bad)
+    with pytest.raises(ValueError, match="by_expert runs the experts' SwiGLU itself and needs their weights"):
+        expert_parallel(x, torch.tensor([3]), lambda r, c: r, None, "by_expert")
     routing = Routing(0, 1, send=((2,),), recv=((2,),))
     with pytest.raises(ValueError, match="sum to 2 tokens, x has 3 rows"):
         expert_parallel(x, torch.tensor([2]), lambda r, c: r, None, "a2a", routing=routing)
 
 
-def test_install_makes_a_plain_grouped_experts_module_expert_parallel():
-    assert run_distributed(run_install, 2, backend="gloo", timeout_s=300) == [0.0, 0.0]
+@pytest.mark.parametrize("schedule", ["by_peer", "by_expert"])
+def test_install_makes_a_plain_grouped_experts_module_expert_parallel(schedule):
+    assert run_distributed(run_install, 2, schedule, backend="gloo", timeout_s=300) == [0.0, 0.0]
 
 
 def test_install_refuses_what_it_cannot_run():

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torch_commopt import report
-from torch_commopt.kernels.moe.schedules import SCHEDULES, expert_parallel
+from torch_commopt.core.moe_spec import parse_moe_schedule
+from torch_commopt.kernels.moe.schedules import expert_parallel
 
 log = logging.getLogger("torch_commopt.kernels.moe.module")
 
@@ -76,25 +77,30 @@ def padded(run: Local, align: int = ALIGN) -> Local:
 class ExpertParallelForward:
     """The forward `install` puts on a module: its tokens through `expert_parallel`."""
 
-    def __init__(self, group, schedule: str, run_local: Local):
-        self.group, self.schedule, self.run_local = group, schedule, run_local
+    def __init__(self, group, schedule: str, run_local: Local, module: nn.Module):
+        self.group, self.schedule, self.run_local, self.module = group, schedule, run_local, module
 
     @torch.compiler.disable
     def __call__(self, routed_input: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
-        return expert_parallel(routed_input, num_tokens_per_expert, self.run_local, self.group, self.schedule)
+        m = self.module
+        weights = (_local(m.w1), _local(m.w2), _local(m.w3)) if self.schedule.startswith("by_expert") else None
+        return expert_parallel(routed_input, num_tokens_per_expert, self.run_local, self.group, self.schedule,
+                               weights=weights)
 
 
 def install(module: nn.Module, group, schedule: str, run_local: Local | None = None) -> None:
     """Make `module` (GroupedExperts-like, its weights this rank's experts or DTensors sharded on
     dim 0 over `group`) exchange its tokens over `group` with `schedule`."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"commopt moe: unknown expert-parallel schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
+    try:
+        parse_moe_schedule(schedule)
+    except ValueError as e:
+        raise ValueError(f"commopt moe: {e}") from e
     if not is_grouped_experts(module):
         raise TypeError(f"commopt moe: {type(module).__name__} has no GroupedExperts weights (3-D w1, w2, w3)")
     if run_local is None:
         def run_local(rows: Tensor, per_expert: Tensor) -> Tensor:
             return swiglu_per_expert(_local(module.w1), _local(module.w2), _local(module.w3), rows, per_expert)
-    module.forward = ExpertParallelForward(group, schedule, run_local)
+    module.forward = ExpertParallelForward(group, schedule, run_local, module)
     module._commopt_moe_schedule = schedule  # noqa: SLF001  (for inspection)
 
 

@@ -17,7 +17,11 @@ Schedules (reference implementations, any backend; exchange.py has the transfers
   outputs' trips home only at the end, so on a backend whose transfers progress on their own
   (NCCL's stream on a GPU, gloo's threads on CPU) they move under the experts' compute.  Its
   backward swaps each gradient back with one posted-and-waited transfer per step, in autograd's
-  order, which is the same on every rank.
+  order, which is the same on every rank.  On a GPU each expert's GEMMs shrink to a source's rows
+  and its weight gradient is summed over the pieces, which costs the compute more than by_expert
+  (benchmarks/results/moe_pieces_*).
+- `by_expert[:C]`: the exchange in C chunks of experts, pipelined both ways (by_expert.py).  It
+  runs the experts itself (GroupedExperts' SwiGLU), so it takes their `weights`.
 
 Every rank must call with the same schedule and group; the Routing's counts tell every rank how
 many rows each transfer moves, so empty runs (an expert or a rank receiving nothing) move nothing.
@@ -31,18 +35,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_commopt.core.moe_spec import MOE_SCHEDULES as SCHEDULES
+from torch_commopt.core.moe_spec import parse_moe_schedule
+from torch_commopt.kernels.moe.by_expert import DEFAULT_CHUNKS, by_expert
 from torch_commopt.kernels.moe.exchange import AllToAll, Routing, exchange_counts, finish_swap, post_swap
 
 Experts = Callable[[Tensor, Tensor], Tensor]
 
 
 def expert_parallel(x: Tensor, counts: Tensor, experts: Experts, group: dist.ProcessGroup,
-                    schedule: str = "a2a", routing: Routing | None = None) -> Tensor:
+                    schedule: str = "a2a", routing: Routing | None = None,
+                    weights: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """The experts' outputs for x's rows (module docstring).  routing: the call's Routing when the
-    caller has it (exchange_counts otherwise: one all-to-all of the counts and a host read)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"commopt moe: unknown expert-parallel schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
+    caller has it (exchange_counts otherwise: one all-to-all of the counts and a host read).
+    weights: the local experts' (w1, w2, w3), which by_expert runs itself."""
+    try:
+        name, chunks = parse_moe_schedule(schedule)
+    except ValueError as e:
+        raise ValueError(f"commopt moe: {e}") from e
+    if name == "by_expert" and weights is None:
+        raise ValueError("commopt moe: by_expert runs the experts' SwiGLU itself and needs their weights (w1, w2, w3)")
     if x.dim() != 2:
         raise ValueError(f"commopt moe: routed tokens must be (T, D), got shape {tuple(x.shape)}")
     routing = routing or exchange_counts(counts, group)
@@ -50,7 +61,9 @@ def expert_parallel(x: Tensor, counts: Tensor, experts: Experts, group: dist.Pro
         raise ValueError(f"commopt moe: counts sum to {sum(map(sum, routing.send))} tokens, x has {x.shape[0]} rows")
     if routing.world == 1:
         return experts(x, _counts(routing.recv[0], x.device))
-    return (_a2a if schedule == "a2a" else _by_peer)(x, routing, experts, group)
+    if name == "by_expert":
+        return by_expert(x, routing, weights, group, chunks or DEFAULT_CHUNKS)
+    return (_a2a if name == "a2a" else _by_peer)(x, routing, experts, group)
 
 
 def _counts(values, device) -> Tensor:
