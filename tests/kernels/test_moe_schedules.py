@@ -33,10 +33,10 @@ def test_expert_major_order_interleaves_the_sources_per_expert():
     # 2 sources, 2 local experts: source 0 sent (2, 1) rows, source 1 sent (0, 3)
     routing = Routing(0, 2, send=((2, 1), (0, 3)), recv=((2, 1), (0, 3)))
     # source-major rows: s0e0: 0,1  s0e1: 2  s1e1: 3,4,5 -> expert 0 first, then expert 1's of both sources
-    assert expert_major(routing) == [0, 1, 2, 3, 4, 5]
+    assert expert_major(routing).tolist() == [0, 1, 2, 3, 4, 5]
     routing = Routing(0, 2, send=((1, 1), (1, 1)), recv=((1, 2), (3, 0)))
     # s0e0: 0  s0e1: 1,2  s1e0: 3,4,5 -> e0: 0,3,4,5  e1: 1,2
-    assert expert_major(routing) == [0, 3, 4, 5, 1, 2]
+    assert expert_major(routing).tolist() == [0, 3, 4, 5, 1, 2]
     assert routing.per_expert() == (4, 2) and routing.send_offset(1) == 2
 
 
@@ -66,3 +66,23 @@ def test_install_refuses_what_it_cannot_run():
     experts.w1, experts.w2, experts.w3 = (torch.nn.Parameter(torch.zeros(s)) for s in ((2, 3, 4), (2, 4, 3), (2, 3, 4)))
     with pytest.raises(ValueError, match="unknown expert-parallel schedule 'ring'"):
         install(experts, None, "ring")
+
+
+def test_padded_groups_are_zero_filled_to_the_alignment_and_dropped_after():
+    from torch_commopt.kernels.moe.exchange import ranges
+    from torch_commopt.kernels.moe.module import padded
+
+    rows, per = torch.randn(11, 3), torch.tensor([0, 5, 6])
+    seen = []
+
+    def run(r, sizes):
+        seen.append((sizes.tolist(), r.clone()))
+        return r * 2 + 1
+
+    out = padded(run, 4)(rows, per)
+    assert torch.equal(out, rows * 2 + 1)
+    (sizes, given), = seen
+    assert sizes == [4, 8, 8]  # an empty group still gets 4 rows
+    assert torch.equal(given[4:9], rows[:5]) and torch.equal(given[12:18], rows[5:])
+    assert not given[:4].any() and not given[9:12].any() and not given[18:].any()
+    assert ranges([(5, 2), (0, 0), (1, 3)], "cpu").tolist() == [5, 6, 1, 2, 3]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from torch_commopt.kernels.moe.exchange import Routing, _staged
+from torch_commopt.kernels.moe.exchange import Routing, _staged, ranges
 
 ALIGN = 8  # rows per group on the GPU (bf16: 16-byte aligned group starts in the weight gradients)
 DEFAULT_CHUNKS = 2  # chunks of experts when the schedule names none (benchmarks/results/moe_pieces_*)
@@ -61,13 +61,14 @@ def chunk_bounds(local_experts: int, chunks: int) -> list[tuple[int, int]]:
 class Plan:
     """Host-side layout of one by_expert call (indices are built once per call, on x's device).
 
-    perm: x's rows in send order (chunk-major, then destination, then expert);
+    perm: x's rows in send order (chunk-major, then destination, then expert); perms[c]: chunk c's;
     send[c] / recv[c]: chunk c's all-to-all split sizes (per destination / per source);
     place[c]: for chunk c's received rows (source-major), their row in the padded expert-major buffer;
     rows[c]: chunk c's [start, end) rows in that buffer; experts[c]: its [lo, hi) local experts;
     groups / group_sizes: padded rows per local expert (on the device / on the host)."""
 
     perm: Tensor
+    perms: list[Tensor]
     send: list[list[int]]
     recv: list[list[int]]
     place: list[Tensor]
@@ -87,26 +88,22 @@ def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
     starts = [sum(padded[:e]) for e in range(nl)]
     perm, send, recv, place, rows = [], [], [], [], []
     for lo, hi in bounds:
-        send_c, recv_c, place_c = [], [], []
+        send_c, place_c = [], []
         for q in range(world):
-            first = routing.send_offset(q) + sum(routing.send[q][:lo])
             n = sum(routing.send[q][lo:hi])
-            perm.extend(range(first, first + n))
+            perm.append((routing.send_offset(q) + sum(routing.send[q][:lo]), n))
             send_c.append(n)
         filled = {e: 0 for e in range(lo, hi)}
         for p in range(world):
-            recv_c.append(sum(routing.recv[p][lo:hi]))
             for e in range(lo, hi):
-                n = routing.recv[p][e]
-                at = starts[e] + filled[e]
-                place_c.extend(range(at, at + n))
-                filled[e] += n
+                place_c.append((starts[e] + filled[e], routing.recv[p][e]))
+                filled[e] += routing.recv[p][e]
         send.append(send_c)
-        recv.append(recv_c)
-        place.append(torch.tensor(place_c, dtype=torch.int64, device=device))
+        recv.append([sum(routing.recv[p][lo:hi]) for p in range(world)])
+        place.append(ranges(place_c, device))
         rows.append((starts[lo], starts[hi - 1] + padded[hi - 1]))
-    return Plan(torch.tensor(perm, dtype=torch.int64, device=device), send, recv, place, rows, bounds,
-                torch.tensor(padded, dtype=torch.int64, device=device), padded, sum(padded))
+    return Plan(ranges(perm, device), [ranges(perm[c * world:(c + 1) * world], device) for c in range(len(bounds))],
+                send, recv, place, rows, bounds, torch.tensor(padded, dtype=torch.int64).to(device), padded, sum(padded))
 
 
 def _gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
@@ -171,7 +168,8 @@ class _ByExpert(torch.autograd.Function):
         for work, _ in homes:
             _wait(work)
         out = x.new_empty((x.shape[0], w2.shape[1]))
-        out.index_copy_(0, p.perm, torch.cat(outs))
+        for c, o in enumerate(outs):
+            out.index_copy_(0, p.perms[c], o)
         ctx.save_for_backward(xe, h1, h3, w1c, w2c, w3c)
         ctx.plan, ctx.group, ctx.wdtypes = p, group, (w1.dtype, w2.dtype, w3.dtype)
         return out
@@ -212,7 +210,8 @@ class _ByExpert(torch.autograd.Function):
         for work, _ in homes:
             _wait(work)
         dx = dout.new_empty((dout.shape[0], xe.shape[1]))
-        dx.index_copy_(0, p.perm, torch.cat(dxs))
+        for c, d in enumerate(dxs):
+            dx.index_copy_(0, p.perms[c], d)
         t1, t2, t3 = ctx.wdtypes
         return dx, dw1.to(t1), dw2.to(t2), dw3.to(t3), None, None
 

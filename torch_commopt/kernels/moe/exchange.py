@@ -52,6 +52,18 @@ class Routing:
         return tuple(sum(self.recv[p][e] for p in range(self.world)) for e in range(self.local_experts))
 
 
+def ranges(pairs: list[tuple[int, int]], device) -> Tensor:
+    """The concatenation of range(start, start + n) over `pairs`, built on `device` by tensor ops
+    (no per-row host loop: a rank's routed rows run to 10^5 and more)."""
+    total = sum(n for _, n in pairs)
+    if not total:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    both = torch.tensor(pairs, dtype=torch.int64).to(device, non_blocking=True)
+    starts, lens = both[:, 0], both[:, 1]
+    shift = torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens, output_size=total)
+    return shift + torch.arange(total, dtype=torch.int64, device=device)
+
+
 def exchange_counts(counts: Tensor, group: dist.ProcessGroup) -> Routing:
     """The Routing of a call whose sorted tokens have `counts` (E,) per expert: one all-to-all of
     the counts, then one host read of them (the split sizes of a host-driven exchange)."""

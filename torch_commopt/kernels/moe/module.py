@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from torch_commopt import report
 from torch_commopt.core.moe_spec import parse_moe_schedule
+from torch_commopt.kernels.moe.exchange import ranges
 from torch_commopt.kernels.moe.schedules import expert_parallel
 
 log = logging.getLogger("torch_commopt.kernels.moe.module")
@@ -62,15 +63,11 @@ def padded(run: Local, align: int = ALIGN) -> Local:
     def call(rows: Tensor, per_expert: Tensor) -> Tensor:
         counts = per_expert.tolist()
         sizes = [max(align, -(-c // align) * align) for c in counts]
-        index, keep, at, out_at = [], [], 0, 0
-        for c, size in zip(counts, sizes):
-            index += list(range(at, at + c)) + [-1] * (size - c)  # -1: the zero row appended below
-            keep += range(out_at, out_at + c)
-            at, out_at = at + c, out_at + size
-        src = torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
-        idx = torch.tensor(index, dtype=torch.int64, device=rows.device)
-        out = run(src.index_select(0, idx), torch.tensor(sizes, dtype=per_expert.dtype, device=per_expert.device))
-        return out.index_select(0, torch.tensor(keep, dtype=torch.int64, device=rows.device))
+        starts = [sum(sizes[:e]) for e in range(len(sizes))]
+        at = ranges(list(zip(starts, counts)), rows.device)  # each real row's place among the padded
+        src = rows.new_zeros((sum(sizes),) + tuple(rows.shape[1:])).index_copy(0, at, rows)
+        out = run(src, torch.tensor(sizes, dtype=per_expert.dtype).to(per_expert.device))
+        return out.index_select(0, at)
     return call
 
 

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from torch_commopt.core.moe_spec import parse_moe_schedule
 from torch_commopt.kernels.moe.by_expert import DEFAULT_CHUNKS, by_expert
-from torch_commopt.kernels.moe.exchange import AllToAll, Routing, exchange_counts, finish_swap, post_swap
+from torch_commopt.kernels.moe.exchange import AllToAll, Routing, exchange_counts, finish_swap, post_swap, ranges
 
 Experts = Callable[[Tensor, Tensor], Tensor]
 
@@ -70,9 +70,9 @@ def _counts(values, device) -> Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def expert_major(routing: Routing) -> list[int]:
+def expert_major(routing: Routing, device=None) -> Tensor:
     """For the rows received in source-major order (source p's run, expert-major within it), the
-    source-major row of each expert-major row."""
+    source-major row of each expert-major row (an index on `device`)."""
     starts, at = [], 0
     for p in range(routing.world):
         row = []
@@ -80,11 +80,8 @@ def expert_major(routing: Routing) -> list[int]:
             row.append(at)
             at += routing.recv[p][e]
         starts.append(row)
-    order = []
-    for e in range(routing.local_experts):
-        for p in range(routing.world):
-            order.extend(range(starts[p][e], starts[p][e] + routing.recv[p][e]))
-    return order
+    return ranges([(starts[p][e], routing.recv[p][e]) for e in range(routing.local_experts)
+                   for p in range(routing.world)], device)
 
 
 def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
@@ -92,7 +89,7 @@ def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
     sends = [routing.send_rows(q) for q in range(world)]
     recvs = [routing.recv_rows(p) for p in range(world)]
     got = AllToAll.apply(x, recvs, sends, group)
-    order = torch.tensor(expert_major(routing), dtype=torch.int64, device=x.device)
+    order = expert_major(routing, x.device)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=x.device)
     out = experts(got.index_select(0, order), _counts(routing.per_expert(), x.device))
