@@ -11,12 +11,12 @@ outputs go home while later chunks compute:
               wait every combine
     backward  every chunk's output gradient posted home-to-expert at once
               for c: wait; the data gradients of chunk c; post its input gradient home
-              the weight gradients of all experts in one grouped GEMM each, while those travel
+              the weight gradients, chunk by chunk of experts, while those travel
               wait every input gradient
 
 Unlike pieces by source (`by_peer`), no GEMM shrinks: a chunk holds every source's rows of its
-experts, so each expert's GEMMs keep their whole size, and the weight gradients are computed once
-over all rows at the end of the backward, not summed over pieces
+experts, so each expert's GEMMs keep their whole size, and an expert's weight gradient comes from
+its one chunk, never summed over pieces
 (benchmarks/results/moe_pieces_*: what pieces by source and by expert cost the compute).
 
 The experts are GroupedExperts' SwiGLU, torchtitan's `_run_experts_grouped_mm` written out with its
@@ -136,8 +136,25 @@ def _wait(work) -> None:
         work.wait()
 
 
-def _chunk(t: Tensor, rows: tuple[int, int]) -> Tensor:
-    return t[rows[0]: rows[1]]
+def _sends(t: Tensor, p: Plan) -> list[Tensor]:
+    """t's rows as each chunk sends them (one chunk: t itself, already in send order)."""
+    if len(p.perms) == 1:
+        return [t.contiguous()]
+    return list(t.index_select(0, p.perm).split([sum(s) for s in p.send]))
+
+
+def _home(pieces: list[Tensor], p: Plan, like: Tensor) -> Tensor:
+    """The chunks' returned rows back in x's row order."""
+    if len(pieces) == 1:
+        return pieces[0]
+    out = like.new_empty((sum(t.shape[0] for t in pieces), pieces[0].shape[1]))
+    for c, t in enumerate(pieces):
+        out.index_copy_(0, p.perms[c], t)
+    return out
+
+
+def _cat(ts: list[Tensor]) -> Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
 
 
 class _ByExpert(torch.autograd.Function):
@@ -145,75 +162,68 @@ class _ByExpert(torch.autograd.Function):
     def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, p: Plan, group) -> Tensor:
         dt = x.dtype
         w1c, w2c, w3c = (w.to(dt) for w in (w1, w2, w3))
-        cuda = _grouped(x)
-        sends = x.index_select(0, p.perm).split([sum(s) for s in p.send])
+        grouped = _grouped(x)
+        sends = _sends(x, p)
         recvd = [x.new_empty((sum(r), x.shape[1])) for r in p.recv]
         works = [_post(recvd[c], sends[c], p.recv[c], p.send[c], group) for c in range(len(p.send))]
-        xe = x.new_zeros((p.padded_rows, x.shape[1]))  # every local expert's rows, padded, expert-major
-        h1 = x.new_empty((p.padded_rows, w1.shape[1]))
-        h3 = torch.empty_like(h1)
         outs = [x.new_empty((sum(s), w2.shape[1])) for s in p.send]
-        homes = []
-        for c, rows in enumerate(p.rows):
+        homes, saved = [], []
+        for c, (start, end) in enumerate(p.rows):
             _wait(works[c])
-            xc = _chunk(xe, rows)
-            xe.index_copy_(0, p.place[c], recvd[c])
-            sizes, offs = _chunk_groups(p, c, cuda)
+            place = p.place[c] - start
+            xc = x.new_zeros((end - start, x.shape[1])).index_copy_(0, place, recvd[c])  # expert-major, padded
+            sizes, offs = _chunk_groups(p, c, grouped)
             lo, hi = _experts(p, c)
-            _chunk(h1, rows).copy_(_gmm(xc, w1c[lo:hi], sizes, offs))
-            _chunk(h3, rows).copy_(_gmm(xc, w3c[lo:hi], sizes, offs))
-            y = _gmm(F.silu(_chunk(h1, rows)) * _chunk(h3, rows), w2c[lo:hi], sizes, offs)
-            back = y.index_select(0, p.place[c] - rows[0])  # source-major, as the chunk came
+            h1 = _gmm(xc, w1c[lo:hi], sizes, offs)
+            h3 = _gmm(xc, w3c[lo:hi], sizes, offs)
+            y = _gmm(F.silu(h1) * h3, w2c[lo:hi], sizes, offs)
+            back = y.index_select(0, place)  # source-major, as the chunk came
             homes.append((_post(outs[c], back, p.send[c], p.recv[c], group), back))
+            saved.append((xc, h1, h3))
         for work, _ in homes:
             _wait(work)
-        out = x.new_empty((x.shape[0], w2.shape[1]))
-        for c, o in enumerate(outs):
-            out.index_copy_(0, p.perms[c], o)
-        ctx.save_for_backward(xe, h1, h3, w1c, w2c, w3c)
-        ctx.plan, ctx.group, ctx.wdtypes = p, group, (w1.dtype, w2.dtype, w3.dtype)
-        return out
+        ctx.save_for_backward(w1c, w2c, w3c)
+        ctx.chunks, ctx.plan, ctx.group, ctx.wdtypes = saved, p, group, (w1.dtype, w2.dtype, w3.dtype)
+        return _home(outs, p, x)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        xe, h1, h3, w1c, w2c, w3c = ctx.saved_tensors
-        p, group = ctx.plan, ctx.group
-        cuda = _grouped(dout)
-        dout = dout.contiguous()
-        sends = dout.index_select(0, p.perm).split([sum(s) for s in p.send])
+        w1c, w2c, w3c = ctx.saved_tensors
+        p, group, saved = ctx.plan, ctx.group, ctx.chunks
+        grouped = _grouped(dout)
+        sends = _sends(dout, p)
         recvd = [dout.new_empty((sum(r), dout.shape[1])) for r in p.recv]
         works = [_post(recvd[c], sends[c], p.recv[c], p.send[c], group) for c in range(len(p.send))]
-        dy = dout.new_zeros((p.padded_rows, dout.shape[1]))
-        dh1, dh3, act = torch.empty_like(h1), torch.empty_like(h3), torch.empty_like(h1)
-        dxs = [dout.new_empty((sum(s), xe.shape[1])) for s in p.send]
-        homes = []
-        for c, rows in enumerate(p.rows):
+        dxs = [dout.new_empty((sum(s), w1c.shape[2])) for s in p.send]
+        homes, for_weights = [], []
+        for c, (start, end) in enumerate(p.rows):
             _wait(works[c])
-            dy.index_copy_(0, p.place[c], recvd[c])
-            sizes, offs = _chunk_groups(p, c, cuda)
+            place = p.place[c] - start
+            xc, h1, h3 = saved[c]
+            dy = dout.new_zeros((end - start, dout.shape[1])).index_copy_(0, place, recvd[c])
+            sizes, offs = _chunk_groups(p, c, grouped)
             lo, hi = _experts(p, c)
-            a1, a3 = _chunk(h1, rows), _chunk(h3, rows)
-            s1 = torch.sigmoid(a1)
-            silu = a1 * s1
-            _chunk(act, rows).copy_(silu * a3)
-            da = _gmm(_chunk(dy, rows), w2c[lo:hi].transpose(-2, -1), sizes, offs)
-            _chunk(dh3, rows).copy_(da * silu)
-            _chunk(dh1, rows).copy_(da * a3 * s1 * (1 + a1 * (1 - s1)))
-            dxc = (_gmm(_chunk(dh1, rows), w1c[lo:hi].transpose(-2, -1), sizes, offs)
-                   + _gmm(_chunk(dh3, rows), w3c[lo:hi].transpose(-2, -1), sizes, offs))
-            back = dxc.index_select(0, p.place[c] - rows[0])
+            silu = F.silu(h1)
+            da = _gmm(dy, w2c[lo:hi].transpose(-2, -1), sizes, offs)
+            dh3 = da * silu
+            dh1 = torch.ops.aten.silu_backward(da * h3, h1)
+            dxc = _gmm(dh1, w1c[lo:hi].transpose(-2, -1), sizes, offs)
+            dxc += _gmm(dh3, w3c[lo:hi].transpose(-2, -1), sizes, offs)
+            back = dxc.index_select(0, place)
             homes.append((_post(dxs[c], back, p.send[c], p.recv[c], group), back))
-        offs = torch.cumsum(p.groups, 0, dtype=torch.int32) if cuda else None
-        dw2 = _gmm_wgrad(dy, act, p.group_sizes, offs)
-        dw1 = _gmm_wgrad(dh1, xe, p.group_sizes, offs)
-        dw3 = _gmm_wgrad(dh3, xe, p.group_sizes, offs)
+            for_weights.append((dy, silu * h3, dh1, dh3, xc, sizes, offs))
+        # every chunk's input gradient on its way home: the weight gradients, per chunk of experts
+        # (a chunk's experts see only its rows: nothing to sum)
+        dw1, dw2, dw3 = [], [], []
+        for dy, act, dh1, dh3, xc, sizes, offs in for_weights:
+            dw2.append(_gmm_wgrad(dy, act, sizes, offs))
+            dw1.append(_gmm_wgrad(dh1, xc, sizes, offs))
+            dw3.append(_gmm_wgrad(dh3, xc, sizes, offs))
         for work, _ in homes:
             _wait(work)
-        dx = dout.new_empty((dout.shape[0], xe.shape[1]))
-        for c, d in enumerate(dxs):
-            dx.index_copy_(0, p.perms[c], d)
+        ctx.chunks = None
         t1, t2, t3 = ctx.wdtypes
-        return dx, dw1.to(t1), dw2.to(t2), dw3.to(t3), None, None
+        return _home(dxs, p, dout), _cat(dw1).to(t1), _cat(dw2).to(t2), _cat(dw3).to(t3), None, None
 
 
 def _grouped(t: Tensor) -> bool:
