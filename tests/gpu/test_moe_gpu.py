@@ -29,3 +29,13 @@ def test_by_expert_in_bf16_is_as_close_as_the_grouped_gemm_reference(two_ranks):
         assert len(results) == 2
         bad = [(case, mine, ref) for case, mine, ref in results if not (ref < 0.05 and mine <= 1.5 * ref + 1e-3)]
         assert not bad, bad
+
+
+@pytest.mark.gpu
+def test_by_expert_on_nccl_with_one_rank(one_gpu):
+    # NCCL's all_to_all of views (by_expert's transfers there), on a one-rank group: what one GPU
+    # can run of it; two GPUs run the test above on NCCL
+    for results in run_distributed(run_bf16, 1, ("balanced",), backend="nccl", timeout_s=300):
+        assert len(results) == 1
+        bad = [(case, mine, ref) for case, mine, ref in results if not (ref < 0.05 and mine <= 1.5 * ref + 1e-3)]
+        assert not bad, bad

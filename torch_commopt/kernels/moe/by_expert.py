@@ -11,12 +11,12 @@ outputs go home while later chunks compute:
               wait every combine
     backward  every chunk's output gradient posted home-to-expert at once
               for c: wait; the data gradients of chunk c; post its input gradient home
-              the weight gradients, chunk by chunk of experts, while those travel
+              the weight gradients of all experts in one grouped GEMM each, while those travel
               wait every input gradient
 
 Unlike pieces by source (`by_peer`), no GEMM shrinks: a chunk holds every source's rows of its
-experts, so each expert's GEMMs keep their whole size, and an expert's weight gradient comes from
-its one chunk, never summed over pieces
+experts, so each expert's GEMMs keep their whole size, and the weight gradients are computed once
+over all rows at the end of the backward, never summed over pieces
 (benchmarks/results/moe_pieces_*: what pieces by source and by expert cost the compute).
 
 The experts are GroupedExperts' SwiGLU, torchtitan's `_run_experts_grouped_mm` written out with its
@@ -25,9 +25,11 @@ each product is one `torch._grouped_mm` over groups padded to ALIGN rows (the gr
 group, and its weight-gradient form needs 16-byte aligned group starts); otherwise a loop over the
 experts.  Padding rows are zero, so they add nothing to any gradient.
 
-Transfers: `all_to_all_single` with `async_op=True` (on NCCL they run on NCCL's stream, under the
-experts' GEMMs); with gloo and CUDA tensors (ranks sharing one GPU) they are staged through host
-memory and complete before the call returns (exchange._staged).
+Transfers (`_post`): on NCCL, `all_to_all` of per-rank views with `async_op=True`: each chunk's
+piece for rank q is read straight out of x, and what comes home lands straight in the output, so
+nothing is packed or unpacked; they run on NCCL's stream, under the experts' GEMMs.  On gloo,
+whose list form takes equal sizes only, the pieces are packed into one `all_to_all_single`; with
+CUDA tensors (ranks sharing one GPU) staged through host memory (exchange._staged).
 """
 
 from __future__ import annotations
@@ -59,16 +61,17 @@ def chunk_bounds(local_experts: int, chunks: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Plan:
-    """Host-side layout of one by_expert call (indices are built once per call, on x's device).
+    """Host-side layout of one by_expert call (index tensors built on x's device).
 
-    perm: x's rows in send order (chunk-major, then destination, then expert); perms[c]: chunk c's;
-    send[c] / recv[c]: chunk c's all-to-all split sizes (per destination / per source);
-    place[c]: for chunk c's received rows (source-major), their row in the padded expert-major buffer;
-    rows[c]: chunk c's [start, end) rows in that buffer; experts[c]: its [lo, hi) local experts;
+    slices[c][q]: (start, rows) of x's rows that chunk c sends to rank q, a contiguous piece of
+        x's run for q (x is sorted by expert, so by destination);
+    send[c] / recv[c]: chunk c's rows per destination / per source;
+    place[c]: for chunk c's received rows (source-major), their row in the padded expert-major
+        buffer of every local expert; rows[c]: chunk c's [start, end) rows in that buffer;
+    experts[c]: chunk c's [lo, hi) local experts;
     groups / group_sizes: padded rows per local expert (on the device / on the host)."""
 
-    perm: Tensor
-    perms: list[Tensor]
+    slices: list[list[tuple[int, int]]]
     send: list[list[int]]
     recv: list[list[int]]
     place: list[Tensor]
@@ -86,24 +89,21 @@ def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
     sizes = [sum(routing.recv[p][e] for p in range(world)) for e in range(nl)]
     padded = [max(align, -(-s // align) * align) if align > 1 else s for s in sizes]
     starts = [sum(padded[:e]) for e in range(nl)]
-    perm, send, recv, place, rows = [], [], [], [], []
+    slices, send, recv, place, rows = [], [], [], [], []
     for lo, hi in bounds:
-        send_c, place_c = [], []
-        for q in range(world):
-            n = sum(routing.send[q][lo:hi])
-            perm.append((routing.send_offset(q) + sum(routing.send[q][:lo]), n))
-            send_c.append(n)
-        filled = {e: 0 for e in range(lo, hi)}
+        slices.append([(routing.send_offset(q) + sum(routing.send[q][:lo]), sum(routing.send[q][lo:hi]))
+                       for q in range(world)])
+        send.append([n for _, n in slices[-1]])
+        recv.append([sum(routing.recv[p][lo:hi]) for p in range(world)])
+        place_c, filled = [], {e: 0 for e in range(lo, hi)}
         for p in range(world):
             for e in range(lo, hi):
                 place_c.append((starts[e] + filled[e], routing.recv[p][e]))
                 filled[e] += routing.recv[p][e]
-        send.append(send_c)
-        recv.append([sum(routing.recv[p][lo:hi]) for p in range(world)])
         place.append(ranges(place_c, device))
         rows.append((starts[lo], starts[hi - 1] + padded[hi - 1]))
-    return Plan(ranges(perm, device), [ranges(perm[c * world:(c + 1) * world], device) for c in range(len(bounds))],
-                send, recv, place, rows, bounds, torch.tensor(padded, dtype=torch.int64).to(device), padded, sum(padded))
+    return Plan(slices, send, recv, place, rows, bounds, torch.tensor(padded, dtype=torch.int64).to(device),
+                padded, sum(padded))
 
 
 def _gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
@@ -121,40 +121,44 @@ def _gmm_wgrad(dy: Tensor, x: Tensor, sizes: list[int], offs: Tensor | None) -> 
     return torch.stack([a.T @ b for a, b in zip(dy.split(sizes), x.split(sizes))])
 
 
-def _post(out: Tensor, x: Tensor, out_splits: list[int], in_splits: list[int], group):
-    """all_to_all_single posted: its work (None when it already completed: staged through host)."""
-    if _staged(x, group):
-        host = torch.empty(out.shape, dtype=out.dtype)
-        dist.all_to_all_single(host, x.cpu(), out_splits, in_splits, group=group)
-        out.copy_(host)
-        return None
-    return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+class _Unpacked:
+    """A packed all-to-all's work: waiting for it copies the packed rows into their places."""
+
+    def __init__(self, work, packed: Tensor, outs: list[Tensor]):
+        self.work, self.packed, self.outs = work, packed, outs
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        for o, t in zip(self.outs, self.packed.split([o.shape[0] for o in self.outs])):
+            o.copy_(t)
+
+
+def _post(outs: list[Tensor], ins: list[Tensor], group):
+    """all_to_all of per-rank pieces, posted: its work.  On NCCL each piece is a view that NCCL reads
+    or writes in place (a group of sends and receives: nothing is packed).  Gloo's list form takes
+    equal sizes only, so there the pieces are packed into one all_to_all_single and unpacked on
+    waiting; with CUDA tensors through host memory, completed before this returns."""
+    if dist.get_backend(group) == "nccl":
+        return dist.all_to_all(outs, ins, group=group, async_op=True)
+    in_splits, out_splits = [t.shape[0] for t in ins], [o.shape[0] for o in outs]
+    packed_in = torch.cat(ins)
+    if _staged(packed_in, group):
+        host = torch.empty((sum(out_splits),) + tuple(outs[0].shape[1:]), dtype=outs[0].dtype)
+        dist.all_to_all_single(host, packed_in.cpu(), out_splits, in_splits, group=group)
+        return _Unpacked(None, host, outs)
+    packed = packed_in.new_empty((sum(out_splits),) + tuple(outs[0].shape[1:]))
+    return _Unpacked(dist.all_to_all_single(packed, packed_in, out_splits, in_splits, group=group, async_op=True),
+                     packed, outs)
+
+
+def _pieces(t: Tensor, spans: list[tuple[int, int]]) -> list[Tensor]:
+    return [t[start: start + n] for start, n in spans]
 
 
 def _wait(work) -> None:
     if work is not None:
         work.wait()
-
-
-def _sends(t: Tensor, p: Plan) -> list[Tensor]:
-    """t's rows as each chunk sends them (one chunk: t itself, already in send order)."""
-    if len(p.perms) == 1:
-        return [t.contiguous()]
-    return list(t.index_select(0, p.perm).split([sum(s) for s in p.send]))
-
-
-def _home(pieces: list[Tensor], p: Plan, like: Tensor) -> Tensor:
-    """The chunks' returned rows back in x's row order."""
-    if len(pieces) == 1:
-        return pieces[0]
-    out = like.new_empty((sum(t.shape[0] for t in pieces), pieces[0].shape[1]))
-    for c, t in enumerate(pieces):
-        out.index_copy_(0, p.perms[c], t)
-    return out
-
-
-def _cat(ts: list[Tensor]) -> Tensor:
-    return ts[0] if len(ts) == 1 else torch.cat(ts)
 
 
 class _ByExpert(torch.autograd.Function):
@@ -163,67 +167,70 @@ class _ByExpert(torch.autograd.Function):
         dt = x.dtype
         w1c, w2c, w3c = (w.to(dt) for w in (w1, w2, w3))
         grouped = _grouped(x)
-        sends = _sends(x, p)
+        x = x.contiguous()
         recvd = [x.new_empty((sum(r), x.shape[1])) for r in p.recv]
-        works = [_post(recvd[c], sends[c], p.recv[c], p.send[c], group) for c in range(len(p.send))]
-        outs = [x.new_empty((sum(s), w2.shape[1])) for s in p.send]
+        works = [_post(list(recvd[c].split(p.recv[c])), _pieces(x, p.slices[c]), group) for c in range(len(p.rows))]
+        xe = x.new_zeros((p.padded_rows, x.shape[1]))  # every local expert's rows, padded, expert-major
+        out = x.new_empty((x.shape[0], w2.shape[1]))
         homes, saved = [], []
         for c, (start, end) in enumerate(p.rows):
             _wait(works[c])
-            place = p.place[c] - start
-            xc = x.new_zeros((end - start, x.shape[1])).index_copy_(0, place, recvd[c])  # expert-major, padded
+            xe.index_copy_(0, p.place[c], recvd[c])
+            xc = xe[start:end]
             sizes, offs = _chunk_groups(p, c, grouped)
             lo, hi = _experts(p, c)
             h1 = _gmm(xc, w1c[lo:hi], sizes, offs)
             h3 = _gmm(xc, w3c[lo:hi], sizes, offs)
             y = _gmm(F.silu(h1) * h3, w2c[lo:hi], sizes, offs)
-            back = y.index_select(0, place)  # source-major, as the chunk came
-            homes.append((_post(outs[c], back, p.send[c], p.recv[c], group), back))
-            saved.append((xc, h1, h3))
+            back = y.index_select(0, p.place[c] - start)  # source-major, as the chunk came
+            homes.append((_post(_pieces(out, p.slices[c]), list(back.split(p.recv[c])), group), back))
+            saved.append((h1, h3))
         for work, _ in homes:
             _wait(work)
-        ctx.save_for_backward(w1c, w2c, w3c)
+        ctx.save_for_backward(xe, w1c, w2c, w3c)
         ctx.chunks, ctx.plan, ctx.group, ctx.wdtypes = saved, p, group, (w1.dtype, w2.dtype, w3.dtype)
-        return _home(outs, p, x)
+        return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        w1c, w2c, w3c = ctx.saved_tensors
+        xe, w1c, w2c, w3c = ctx.saved_tensors
         p, group, saved = ctx.plan, ctx.group, ctx.chunks
         grouped = _grouped(dout)
-        sends = _sends(dout, p)
+        dout = dout.contiguous()
         recvd = [dout.new_empty((sum(r), dout.shape[1])) for r in p.recv]
-        works = [_post(recvd[c], sends[c], p.recv[c], p.send[c], group) for c in range(len(p.send))]
-        dxs = [dout.new_empty((sum(s), w1c.shape[2])) for s in p.send]
-        homes, for_weights = [], []
+        works = [_post(list(recvd[c].split(p.recv[c])), _pieces(dout, p.slices[c]), group) for c in range(len(p.rows))]
+        # whole-call buffers that each chunk writes its rows of in place (elementwise out=), so
+        # that the weight gradients run once over all rows, with nothing to concatenate
+        dy = dout.new_zeros((p.padded_rows, dout.shape[1]))
+        hidden = (p.padded_rows, w1c.shape[1])
+        act, dh1, dh3 = dout.new_empty(hidden), dout.new_empty(hidden), dout.new_empty(hidden)
+        dx = dout.new_empty((dout.shape[0], w1c.shape[2]))
+        homes = []
         for c, (start, end) in enumerate(p.rows):
             _wait(works[c])
-            place = p.place[c] - start
-            xc, h1, h3 = saved[c]
-            dy = dout.new_zeros((end - start, dout.shape[1])).index_copy_(0, place, recvd[c])
+            dy.index_copy_(0, p.place[c], recvd[c])
+            h1, h3 = saved[c]
             sizes, offs = _chunk_groups(p, c, grouped)
             lo, hi = _experts(p, c)
             silu = F.silu(h1)
-            da = _gmm(dy, w2c[lo:hi].transpose(-2, -1), sizes, offs)
-            dh3 = da * silu
-            dh1 = torch.ops.aten.silu_backward(da * h3, h1)
-            dxc = _gmm(dh1, w1c[lo:hi].transpose(-2, -1), sizes, offs)
-            dxc += _gmm(dh3, w3c[lo:hi].transpose(-2, -1), sizes, offs)
-            back = dxc.index_select(0, place)
-            homes.append((_post(dxs[c], back, p.send[c], p.recv[c], group), back))
-            for_weights.append((dy, silu * h3, dh1, dh3, xc, sizes, offs))
-        # every chunk's input gradient on its way home: the weight gradients, per chunk of experts
-        # (a chunk's experts see only its rows: nothing to sum)
-        dw1, dw2, dw3 = [], [], []
-        for dy, act, dh1, dh3, xc, sizes, offs in for_weights:
-            dw2.append(_gmm_wgrad(dy, act, sizes, offs))
-            dw1.append(_gmm_wgrad(dh1, xc, sizes, offs))
-            dw3.append(_gmm_wgrad(dh3, xc, sizes, offs))
+            torch.mul(silu, h3, out=act[start:end])
+            da = _gmm(dy[start:end], w2c[lo:hi].transpose(-2, -1), sizes, offs)
+            torch.mul(da, silu, out=dh3[start:end])
+            torch.ops.aten.silu_backward.grad_input(da * h3, h1, grad_input=dh1[start:end])
+            dxc = _gmm(dh1[start:end], w1c[lo:hi].transpose(-2, -1), sizes, offs)
+            dxc += _gmm(dh3[start:end], w3c[lo:hi].transpose(-2, -1), sizes, offs)
+            back = dxc.index_select(0, p.place[c] - start)
+            homes.append((_post(_pieces(dx, p.slices[c]), list(back.split(p.recv[c])), group), back))
+        # every chunk's input gradient on its way home: the weight gradients meanwhile
+        offs = torch.cumsum(p.groups, 0, dtype=torch.int32) if grouped else None
+        dw2 = _gmm_wgrad(dy, act, p.group_sizes, offs)
+        dw1 = _gmm_wgrad(dh1, xe, p.group_sizes, offs)
+        dw3 = _gmm_wgrad(dh3, xe, p.group_sizes, offs)
         for work, _ in homes:
             _wait(work)
         ctx.chunks = None
         t1, t2, t3 = ctx.wdtypes
-        return _home(dxs, p, dout), _cat(dw1).to(t1), _cat(dw2).to(t2), _cat(dw3).to(t3), None, None
+        return dx, dw1.to(t1), dw2.to(t2), dw3.to(t3), None, None
 
 
 def _grouped(t: Tensor) -> bool:
