@@ -559,11 +559,12 @@ def run_compiled_wrapper(rank: int, world: int, seed: int = 0) -> list[tuple[str
 
 
 def run_a2a_votes(rank: int, world: int) -> list[tuple[bool, str]]:
-    """ce_a2a.vote on the default group: one host with peer access everywhere; rank 1 on
-    another host; one rank without peer access (every rank must get the same answer)."""
-    from torch_commopt.kernels.attention import ce_a2a
+    """peers.vote (the copy-engine transports' agreement) on the default group: one host with peer
+    access everywhere; rank 1 on another host; one rank without peer access (every rank must get
+    the same answer)."""
+    from torch_commopt.kernels.gpu import peers
 
     group, cpu = dist.group.WORLD, torch.device("cpu")
-    return [ce_a2a.vote(group, cpu, "node-a", True),
-            ce_a2a.vote(group, cpu, "node-b" if rank == 1 else "node-a", True),
-            ce_a2a.vote(group, cpu, "node-a", rank != world - 1)]
+    return [peers.vote(group, cpu, "node-a", True),
+            peers.vote(group, cpu, "node-b" if rank == 1 else "node-a", True),
+            peers.vote(group, cpu, "node-a", rank != world - 1)]

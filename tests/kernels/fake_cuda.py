@@ -29,6 +29,7 @@ import torch
 from torch_commopt.core import env
 from torch_commopt.kernels.attention import ce_a2a
 from torch_commopt.kernels.gpu import driver, symm
+from torch_commopt.kernels.moe import ce_exchange
 
 FLAG_BASE = 1 << 40  # rank r's flags live at FLAG_BASE * (r + 1) in the fake address space
 BUFFER_BYTES = 1 << 20
@@ -185,6 +186,7 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
         stack.enter_context(mock.patch.dict(os.environ, {env.WATCHDOG: "0"}))
         stack.enter_context(mock.patch.object(FakeStream, "driver_calls", entry_points))
         stack.enter_context(mock.patch.object(ce_a2a, "_sm_copy", _sm_copy_recorder(queue, state)))
+        stack.enter_context(mock.patch.object(ce_exchange, "_read", _sm_copy_recorder(queue, state)))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None))
         stack.enter_context(mock.patch.object(symm, "runtime", lambda *a, **k: runtimes[state["rank"]]))
         stack.enter_context(mock.patch.object(driver, "_lib", lambda: entry_points))

@@ -50,9 +50,10 @@ def _flag(address: int) -> tuple[int, int]:
 
 
 TOKENS = [(symm.FREE, symm.HALVES * symm.MAX_WORLD), (symm.A2A_FREE, 2 * symm.HALVES * symm.MAX_WORLD),
-          (symm.RING_FREE, 2 * symm.HALVES)]
+          (symm.RING_FREE, 2 * symm.HALVES), (symm.MOE_FREE, 2 * symm.MAX_WORLD)]
 DATA_FLAGS = [(symm.DATA, 2 * symm.HALVES * symm.PHASE_SLOTS),  # DATA and DATA2 (matmul_ar's second phase)
-              (symm.A2A_DATA, 2 * symm.HALVES * symm.MAX_WORLD), (symm.RING_DATA, 2 * symm.HALVES)]
+              (symm.A2A_DATA, 2 * symm.HALVES * symm.MAX_WORLD), (symm.RING_DATA, 2 * symm.HALVES),
+              (symm.MOE_DATA, 2 * symm.MAX_WORLD)]
 
 
 def _within(index: int, regions) -> bool:

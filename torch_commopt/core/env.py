@@ -29,10 +29,12 @@ ATTENTION_LANE = "TORCH_COMMOPT_ATTENTION_LANE"
 SYMM_CAP_MIB = "TORCH_COMMOPT_SYMM_CAP_MIB"
 AGREE_TIMEOUT_S = "TORCH_COMMOPT_AGREE_TIMEOUT_S"
 WATCHDOG = "TORCH_COMMOPT_WATCHDOG"
+MOE_TRANSPORT = "TORCH_COMMOPT_MOE_TRANSPORT"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
-         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG)
+         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
+         MOE_TRANSPORT)
 
 DEFAULT_WAIT_TIMEOUT_S = 60.0
 DEFAULT_AGREE_TIMEOUT_S = 30.0
@@ -123,6 +125,13 @@ def attention_a2a() -> str:
     the copy engine over symmetric memory (kernels/attention/ce_a2a.py), or "nccl".  Case and
     surrounding spaces ignored; the caller logs an unknown value and reads it as "nccl"."""
     return _choice(ATTENTION_A2A, "ce")
+
+
+def moe_transport() -> str:
+    """TORCH_COMMOPT_MOE_TRANSPORT (default "ce"): how by_expert's transfers run on CUDA -- "ce",
+    the copy engine over symmetric memory (kernels/moe/ce_exchange.py), or "nccl".  Case and
+    surrounding spaces ignored; the caller logs an unknown value and reads it as "nccl"."""
+    return _choice(MOE_TRANSPORT, "ce")
 
 
 def attention_group_streams() -> str:

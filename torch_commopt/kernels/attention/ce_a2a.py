@@ -48,12 +48,9 @@ off; logged once); inside a CUDA-graph capture before the buffer exists, NCCL ru
 from __future__ import annotations
 
 import logging
-import socket
-import zlib
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from torch_commopt.core import env
@@ -66,7 +63,6 @@ _SECOND: dict[int, "torch.cuda.Stream"] = {}  # device index -> the second compu
 PURPOSE = "attention all-to-all"  # the runtime's own_buffer key
 IN, OUT = 0, 1  # flag regions
 _ALIGN = 256  # bytes: every tensor's place in a slot starts aligned
-_AGREED: dict[str, bool] = {}  # group name -> every rank can take part
 Spec = tuple[Sequence[int], torch.dtype]
 
 
@@ -144,9 +140,9 @@ def usable(xs: Sequence[Tensor], group, groups: int, outs: Sequence[Spec]) -> bo
     if transport() != "ce" or group is None or group.size() < 2 or xs[0].device.type != "cuda":
         return False
     if torch.cuda.is_current_stream_capturing():
-        from torch_commopt.kernels.gpu import symm
+        from torch_commopt.kernels.gpu import peers, symm
 
-        rt = symm.existing(group.group_name, xs[0].device) if _AGREED.get(group.group_name) else None
+        rt = symm.existing(group.group_name, xs[0].device) if peers.known(group.group_name) else None
         need = 2 * _Layout(xs, outs, groups, group.size()).half
         if rt is None or not rt.has_own_buffer(PURPOSE, need):
             _once("capture", logging.INFO, "commopt attention: copy-engine all-to-all buffer not yet allocated inside "
@@ -159,34 +155,15 @@ def usable(xs: Sequence[Tensor], group, groups: int, outs: Sequence[Spec]) -> bo
 
 
 def _agreed(group, device: torch.device) -> bool:
-    """Whether every rank of `group` can take part, decided once per group by all of them
-    together (vote: one small all-reduce, so no rank goes on alone): all on one host, where
-    this process sees peer access between every pair of its GPUs (symmetric memory maps peers'
-    buffers through NVLink/P2P; a group across hosts keeps NCCL's all-to-alls, logged)."""
-    name = group.group_name
-    if name not in _AGREED:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        peers = all(torch.cuda.can_device_access_peer(index, j) for j in range(torch.cuda.device_count()) if j != index)
-        ok, why = vote(group, device, socket.gethostname(), peers)
-        _AGREED[name] = ok
-        if not ok:
-            _once(f"refused {name}", logging.INFO, "commopt attention: group %s %s; its Ulysses all-to-alls stay on "
-                  "NCCL", name, why)
-    return _AGREED[name]
+    """Whether every rank of `group` can take part (kernels/gpu/peers.py: one vote per group; a
+    group across hosts keeps NCCL's all-to-alls, logged)."""
+    from torch_commopt.kernels.gpu import peers
 
-
-def vote(group, device: torch.device, host: str, peers: bool) -> tuple[bool, str]:
-    """(every rank is on `host`'s host and has peer access, why not): the same answer on every
-    rank of `group` (collective)."""
-    mine = zlib.crc32(host.encode())
-    votes = torch.tensor([mine, -mine, int(peers)], dtype=torch.int64, device=device)
-    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
-    low, high, all_peers = votes.tolist()
-    if low != -high:
-        return False, "spans hosts"
-    if not all_peers:
-        return False, "has GPUs without peer access"
-    return True, ""
+    ok, why = peers.agreed(group, device)
+    if not ok:
+        _once(f"refused {group.group_name}", logging.INFO, "commopt attention: group %s %s; its Ulysses all-to-alls "
+              "stay on NCCL", group.group_name, why)
+    return ok
 
 
 def pipelined(xs: list[Tensor], compute: Callable, group, groups: int, outs: Sequence[Spec],

@@ -91,7 +91,13 @@ MAX_BUFFERS = 32
 # this rank's slot (r, h) -- in region 1, the number of results p has written (in order).
 A2A_FREE = BUFFER_PTRS + MAX_BUFFERS * 2 * MAX_WORLD
 A2A_DATA = A2A_FREE + 2 * HALVES * MAX_WORLD
-assert A2A_DATA + 2 * HALVES * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0
+# Expert parallelism's copy-engine exchange (kernels/moe/ce_exchange.py), region r (0: tokens to
+# their experts, 1: outputs home): MOE_FREE [r * MAX_WORLD + p]: token, 1 while peer p has no
+# unfinished reads of what this rank wrote into its region r; MOE_DATA [same index with p the
+# source]: how many chunks of the call source p has written into this rank's region r.
+MOE_FREE = A2A_DATA + 2 * HALVES * MAX_WORLD
+MOE_DATA = MOE_FREE + 2 * MAX_WORLD
+assert MOE_DATA + 2 * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0
 assert RING_DATA + 2 * HALVES <= DATA
 
 MIN_BUFFER_BYTES = 1 << 24
@@ -227,6 +233,7 @@ class GroupRuntime:
         flags[FREE: FREE + HALVES * MAX_WORLD].fill_(1)  # every token starts free
         flags[RING_FREE: RING_FREE + 2 * HALVES].fill_(1)
         flags[A2A_FREE: A2A_FREE + 2 * HALVES * MAX_WORLD].fill_(1)
+        flags[MOE_FREE: MOE_FREE + 2 * MAX_WORLD].fill_(1)
         # A peer may write our flags as soon as rendezvous returns: the zeroing must be done.
         torch.cuda.synchronize(device)
         self.flags_handle = off_thread(lambda: self._rendezvous(flags), device)
@@ -705,8 +712,9 @@ def data_index(half: int, src: int, chunk: int, phase: int = 0) -> int:
 
 WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk": 5, "free buffer": 6,
               "ring block": 7, "free ring slot": 8,
-              "all-to-all piece": 9, "free all-to-all slot": 10}
-TOKEN_WAITS = frozenset({"free buffer", "free ring slot", "free all-to-all slot"})  # taken (set 0) once passed
+              "all-to-all piece": 9, "free all-to-all slot": 10, "moe piece": 11, "free moe slot": 12}
+# taken (set 0) once passed
+TOKEN_WAITS = frozenset({"free buffer", "free ring slot", "free all-to-all slot", "free moe slot"})
 
 _RUNTIMES: dict[tuple[str, int], GroupRuntime] = {}
 # Runtimes whose flag array the group's ranks did not all allocate (e.g. past the cap), and why:

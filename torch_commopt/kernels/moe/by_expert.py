@@ -25,11 +25,13 @@ each product is one `torch._grouped_mm` over groups padded to ALIGN rows (the gr
 group, and its weight-gradient form needs 16-byte aligned group starts); otherwise a loop over the
 experts.  Padding rows are zero, so they add nothing to any gradient.
 
-Transfers (`_post`): on NCCL, `all_to_all` of per-rank views with `async_op=True`: each chunk's
-piece for rank q is read straight out of x, and what comes home lands straight in the output, so
-nothing is packed or unpacked; they run on NCCL's stream, under the experts' GEMMs.  On gloo,
-whose list form takes equal sizes only, the pieces are packed into one `all_to_all_single`; with
-CUDA tensors (ranks sharing one GPU) staged through host memory (exchange._staged).
+Transfers: by the copy engine over symmetric memory where every rank can map its peers' memory
+(ce_exchange.py; TORCH_COMMOPT_MOE_TRANSPORT=nccl turns it off).  Otherwise (`_post`): on NCCL,
+`all_to_all` of per-rank views with `async_op=True`: each chunk's piece for rank q is read
+straight out of x, and what comes home lands straight in the output, so nothing is packed or
+unpacked; they run on NCCL's stream, beside the experts' GEMMs.  On gloo, whose list form takes
+equal sizes only, the pieces are packed into one `all_to_all_single`; with CUDA tensors (ranks
+sharing one GPU) staged through host memory (exchange._staged).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from torch_commopt.kernels.moe.ce_exchange import IN, OUT, exchange_for
 from torch_commopt.kernels.moe.exchange import Routing, _staged, ranges
 
 ALIGN = 8  # rows per group on the GPU (bf16: 16-byte aligned group starts in the weight gradients)
@@ -80,6 +83,7 @@ class Plan:
     groups: Tensor
     group_sizes: list[int]
     padded_rows: int
+    peak: int | None  # Routing.peak: sizes the copy-engine exchange's slots
 
 
 def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
@@ -103,7 +107,7 @@ def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
         place.append(ranges(place_c, device))
         rows.append((starts[lo], starts[hi - 1] + padded[hi - 1]))
     return Plan(slices, send, recv, place, rows, bounds, torch.tensor(padded, dtype=torch.int64).to(device),
-                padded, sum(padded))
+                padded, sum(padded), routing.peak)
 
 
 def _gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
@@ -168,8 +172,9 @@ class _ByExpert(torch.autograd.Function):
         w1c, w2c, w3c = (w.to(dt) for w in (w1, w2, w3))
         grouped = _grouped(x)
         x = x.contiguous()
+        ex = exchange_for(x, group, p.peak, f"by_expert forward, {len(p.rows)} chunks", _post)
         recvd = [x.new_empty((sum(r), x.shape[1])) for r in p.recv]
-        works = [_post(list(recvd[c].split(p.recv[c])), _pieces(x, p.slices[c]), group) for c in range(len(p.rows))]
+        works = [ex.post(IN, c, list(recvd[c].split(p.recv[c])), _pieces(x, p.slices[c])) for c in range(len(p.rows))]
         xe = x.new_zeros((p.padded_rows, x.shape[1]))  # every local expert's rows, padded, expert-major
         out = x.new_empty((x.shape[0], w2.shape[1]))
         homes, saved = [], []
@@ -183,10 +188,13 @@ class _ByExpert(torch.autograd.Function):
             h3 = _gmm(xc, w3c[lo:hi], sizes, offs)
             y = _gmm(F.silu(h1) * h3, w2c[lo:hi], sizes, offs)
             back = y.index_select(0, p.place[c] - start)  # source-major, as the chunk came
-            homes.append((_post(_pieces(out, p.slices[c]), list(back.split(p.recv[c])), group), back))
+            homes.append((ex.post(OUT, c, _pieces(out, p.slices[c]), list(back.split(p.recv[c]))), back))
             saved.append((h1, h3))
+        ex.release(IN)
         for work, _ in homes:
             _wait(work)
+        ex.release(OUT)
+        ex.close()
         ctx.save_for_backward(xe, w1c, w2c, w3c)
         ctx.chunks, ctx.plan, ctx.group, ctx.wdtypes = saved, p, group, (w1.dtype, w2.dtype, w3.dtype)
         return out
@@ -197,8 +205,9 @@ class _ByExpert(torch.autograd.Function):
         p, group, saved = ctx.plan, ctx.group, ctx.chunks
         grouped = _grouped(dout)
         dout = dout.contiguous()
+        ex = exchange_for(dout, group, p.peak, f"by_expert backward, {len(p.rows)} chunks", _post)
         recvd = [dout.new_empty((sum(r), dout.shape[1])) for r in p.recv]
-        works = [_post(list(recvd[c].split(p.recv[c])), _pieces(dout, p.slices[c]), group) for c in range(len(p.rows))]
+        works = [ex.post(IN, c, list(recvd[c].split(p.recv[c])), _pieces(dout, p.slices[c])) for c in range(len(p.rows))]
         # whole-call buffers that each chunk writes its rows of in place (elementwise out=), so
         # that the weight gradients run once over all rows, with nothing to concatenate
         dy = dout.new_zeros((p.padded_rows, dout.shape[1]))
@@ -220,7 +229,8 @@ class _ByExpert(torch.autograd.Function):
             dxc = _gmm(dh1[start:end], w1c[lo:hi].transpose(-2, -1), sizes, offs)
             dxc += _gmm(dh3[start:end], w3c[lo:hi].transpose(-2, -1), sizes, offs)
             back = dxc.index_select(0, p.place[c] - start)
-            homes.append((_post(_pieces(dx, p.slices[c]), list(back.split(p.recv[c])), group), back))
+            homes.append((ex.post(OUT, c, _pieces(dx, p.slices[c]), list(back.split(p.recv[c]))), back))
+        ex.release(IN)
         # every chunk's input gradient on its way home: the weight gradients meanwhile
         offs = torch.cumsum(p.groups, 0, dtype=torch.int32) if grouped else None
         dw2 = _gmm_wgrad(dy, act, p.group_sizes, offs)
@@ -228,6 +238,8 @@ class _ByExpert(torch.autograd.Function):
         dw3 = _gmm_wgrad(dh3, xe, p.group_sizes, offs)
         for work, _ in homes:
             _wait(work)
+        ex.release(OUT)
+        ex.close()
         ctx.chunks = None
         t1, t2, t3 = ctx.wdtypes
         return dx, dw1.to(t1), dw2.to(t2), dw3.to(t3), None, None

@@ -26,12 +26,15 @@ class Routing:
     """Who sends how many tokens to whom, for one call on one rank of an EP group.
 
     send[q][e]: rows this rank sends to rank q for q's local expert e;
-    recv[p][e]: rows this rank receives from rank p for its own local expert e."""
+    recv[p][e]: rows this rank receives from rank p for its own local expert e;
+    peak: the most rows any rank of the group routes in this call (the same on every rank: what a
+    symmetric buffer that any source may fill must hold); None when not exchanged."""
 
     rank: int
     world: int
     send: tuple[tuple[int, ...], ...]
     recv: tuple[tuple[int, ...], ...]
+    peak: int | None = None
 
     @property
     def local_experts(self) -> int:
@@ -66,18 +69,22 @@ def ranges(pairs: list[tuple[int, int]], device) -> Tensor:
 
 def exchange_counts(counts: Tensor, group: dist.ProcessGroup) -> Routing:
     """The Routing of a call whose sorted tokens have `counts` (E,) per expert: one all-to-all of
-    the counts, then one host read of them (the split sizes of a host-driven exchange)."""
+    the counts, each rank's piece carrying its total rows too, then one host read (the split
+    sizes of a host-driven exchange, and the call's peak)."""
     world, rank = group.size(), group.rank()
     experts = counts.numel()
     if experts % world:
         raise ValueError(f"commopt moe: {experts} experts do not divide over an expert-parallel group of {world}")
-    mine = counts.detach().reshape(-1).to(torch.int64)
+    per = counts.detach().reshape(world, -1).to(torch.int64)
+    mine = torch.cat([per, per.sum().expand(world, 1)], dim=1).reshape(-1)  # [q]: counts for q, my rows
     if _staged(mine, group):
         mine = mine.cpu()
     theirs = torch.empty_like(mine)
     dist.all_to_all_single(theirs, mine, group=group)
-    send, recv = mine.view(world, -1).tolist(), theirs.view(world, -1).tolist()
-    return Routing(rank, world, tuple(map(tuple, send)), tuple(map(tuple, recv)))
+    got = theirs.view(world, -1).tolist()
+    send = per.tolist()
+    recv = [row[:-1] for row in got]
+    return Routing(rank, world, tuple(map(tuple, send)), tuple(map(tuple, recv)), max(row[-1] for row in got))
 
 
 def _global(group: dist.ProcessGroup, rank: int) -> int:
