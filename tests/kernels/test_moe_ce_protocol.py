@@ -47,7 +47,7 @@ def _queue_calls(world: int, chunks: int, seed: int, calls: int = 2, break_relea
         for obj, name, value in patches:
             setattr(obj, name, value)
         try:
-            for call in range(calls):
+            for _ in range(calls):
                 for phase in ("forward", "backward"):
                     for rank in range(world):
                         active(rank)
