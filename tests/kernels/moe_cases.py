@@ -208,5 +208,8 @@ def run_bf16(rank: int, world: int, routings=("balanced", "skewed")) -> list[tup
             e = [_rel(out.detach().double().cpu(), out_ref), _rel(xb.grad.double().cpu(), gx)]
             e += [_rel(w.grad.double().cpu(), wr.grad[rank * nl:(rank + 1) * nl]) for w, wr in zip(local, ws_ref)]
             errs[schedule] = max(e)
-        results.append((f"{routing} world {world} rank {rank}", errs["by_expert"], errs["a2a"]))
+        from torch_commopt.kernels.moe.ce_exchange import CEExchange
+
+        results.append((f"{routing} world {world} rank {rank} ce passes {CEExchange.passes}", errs["by_expert"],
+                        errs["a2a"]))
     return results
