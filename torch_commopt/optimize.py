@@ -30,6 +30,7 @@ from torch import nn
 
 from torch_commopt.config import Config
 from torch_commopt.kernels.moe.module import swap_expert_parallel
+from torch_commopt.tuner.moe.choose import moe_chooser
 
 T = TypeVar("T")
 
@@ -70,7 +71,7 @@ def _apply(target: T, *, cfg: Config, dynamic: Optional[bool], fullgraph: bool) 
     if isinstance(target, nn.Module):
         # expert parallelism is a module's, not a graph's: its exchange is swapped before compiling
         # (its sizes are data; the swapped forward is left uncompiled, as torchtitan leaves its own)
-        swap_expert_parallel(target, cfg.moe_schedule)
+        swap_expert_parallel(target, cfg.moe_schedule, moe_chooser(cfg))
         target.compile(**kwargs)
         target._commopt_config = cfg  # noqa: SLF001  (what optimized it, for inspection)
         return target

@@ -82,6 +82,10 @@ def run_moe_layer(rank: int, world: int, schedules=("a2a", "by_peer"), grouped: 
                 dist.all_reduce(grad)
                 want = ref_grads[name]
             errors.append(_rel(grad, want))
+        if schedule == "optimize auto":  # the tuner's pick ran, the same on every rank
+            picks = [None] * world
+            dist.all_gather_object(picks, layer.experts.forward.last)
+            assert picks[0] in ("a2a", "by_expert:2", "by_expert:4") and len(set(picks)) == 1, picks
         results.append((f"{schedule} world {world} rank {rank}", max(errors)))
     return results
 

@@ -66,6 +66,10 @@ def test_install_refuses_what_it_cannot_run():
     experts.w1, experts.w2, experts.w3 = (torch.nn.Parameter(torch.zeros(s)) for s in ((2, 3, 4), (2, 4, 3), (2, 3, 4)))
     with pytest.raises(ValueError, match="unknown expert-parallel schedule 'ring'"):
         install(experts, None, "ring")
+    with pytest.raises(ValueError, match="schedule 'auto' needs a chooser"):
+        install(experts, None, "auto")
+    with pytest.raises(ValueError, match="'auto' is resolved by the tuner per call"):
+        expert_parallel(torch.zeros(3, 4), torch.tensor([3]), lambda r, c: r, None, "auto")
 
 
 def test_padded_groups_are_zero_filled_to_the_alignment_and_dropped_after():

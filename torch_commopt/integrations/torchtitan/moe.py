@@ -21,6 +21,7 @@ from torch import nn
 
 from torch_commopt.integrations.torchtitan.config import commopt_section
 from torch_commopt.kernels.moe.module import swap_expert_parallel
+from torch_commopt.tuner.moe.choose import moe_chooser
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ def moe_parallelize(base: Callable) -> Callable:
         section = commopt_section(job_config)
         if not section.enable:
             return model
-        schedule = section.to_config().moe_schedule
-        swapped = swap_expert_parallel(model, schedule)
+        cfg = section.to_config()
+        schedule = cfg.moe_schedule
+        swapped = swap_expert_parallel(model, schedule, moe_chooser(cfg))
         log.info("commopt: %d MoE layers exchange their tokens with %s%s", len(swapped), schedule,
                  "" if swapped or not parallel_dims.ep_enabled else " (none found: is expert parallelism on?)")
         return model

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from torch_commopt import report
 from torch_commopt.core.moe_spec import parse_moe_schedule
-from torch_commopt.kernels.moe.exchange import ranges
+from torch_commopt.kernels.moe.exchange import exchange_counts, ranges
 from torch_commopt.kernels.moe.schedules import expert_parallel
 
 log = logging.getLogger("torch_commopt.kernels.moe.module")
@@ -71,33 +71,48 @@ def padded(run: Local, align: int = ALIGN) -> Local:
     return call
 
 
-class ExpertParallelForward:
-    """The forward `install` puts on a module: its tokens through `expert_parallel`."""
+Choose = Callable[..., str]  # (routing, x, weights, group) -> a schedule (tuner/moe/choose.py)
 
-    def __init__(self, group, schedule: str, run_local: Local, module: nn.Module):
-        self.group, self.schedule, self.run_local, self.module = group, schedule, run_local, module
+
+class ExpertParallelForward:
+    """The forward `install` puts on a module: its tokens through `expert_parallel`.  With schedule
+    "auto", `choose` picks each call's schedule from its Routing (the same on every rank)."""
+
+    def __init__(self, group, schedule: str, run_local: Local, module: nn.Module, choose: Choose | None = None):
+        self.group, self.schedule, self.run_local, self.module, self.choose = group, schedule, run_local, module, choose
+        self.last: str | None = None  # the schedule of the latest call (for inspection)
 
     @torch.compiler.disable
     def __call__(self, routed_input: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         m = self.module
-        weights = (_local(m.w1), _local(m.w2), _local(m.w3)) if self.schedule.startswith("by_expert") else None
-        return expert_parallel(routed_input, num_tokens_per_expert, self.run_local, self.group, self.schedule,
-                               weights=weights)
+        weights = (_local(m.w1), _local(m.w2), _local(m.w3))
+        routing, schedule = None, self.schedule
+        if schedule == "auto":
+            routing = exchange_counts(num_tokens_per_expert, self.group)
+            schedule = self.choose(routing, routed_input, weights, self.group)
+        self.last = schedule
+        return expert_parallel(routed_input, num_tokens_per_expert, self.run_local, self.group, schedule,
+                               routing=routing, weights=weights if schedule.startswith("by_expert") else None)
 
 
-def install(module: nn.Module, group, schedule: str, run_local: Local | None = None) -> None:
+def install(module: nn.Module, group, schedule: str, run_local: Local | None = None,
+            choose: Choose | None = None) -> None:
     """Make `module` (GroupedExperts-like, its weights this rank's experts or DTensors sharded on
-    dim 0 over `group`) exchange its tokens over `group` with `schedule`."""
+    dim 0 over `group`) exchange its tokens over `group` with `schedule` ("auto": `choose` picks
+    per call; torch_commopt.optimize passes the tuner's)."""
     try:
         parse_moe_schedule(schedule)
     except ValueError as e:
         raise ValueError(f"commopt moe: {e}") from e
+    if schedule == "auto" and choose is None:
+        raise ValueError("commopt moe: schedule 'auto' needs a chooser (torch_commopt.tuner.moe.choose.chooser; "
+                         "torch_commopt.optimize and the torchtitan recipe pass it)")
     if not is_grouped_experts(module):
         raise TypeError(f"commopt moe: {type(module).__name__} has no GroupedExperts weights (3-D w1, w2, w3)")
     if run_local is None:
         def run_local(rows: Tensor, per_expert: Tensor) -> Tensor:
             return swiglu_per_expert(_local(module.w1), _local(module.w2), _local(module.w3), rows, per_expert)
-    module.forward = ExpertParallelForward(group, schedule, run_local, module)
+    module.forward = ExpertParallelForward(group, schedule, run_local, module, choose)
     module._commopt_moe_schedule = schedule  # noqa: SLF001  (for inspection)
 
 
@@ -124,7 +139,7 @@ def torchtitan_ep_hooks(module: nn.Module):
     return pre[0][0], post[0][0], pre[0][1][1]
 
 
-def swap_expert_parallel(root: nn.Module, schedule: str) -> list[str]:
+def swap_expert_parallel(root: nn.Module, schedule: str, choose: Choose | None = None) -> list[str]:
     """In `root`, every GroupedExperts-like module that torchtitan's ExpertParallel parallelized
     exchanges its tokens with `schedule` instead: its two hooks removed, `install` on the same EP
     group (torchtitan's grouped GEMM kept as the local experts when the module uses it).  The
@@ -140,7 +155,7 @@ def swap_expert_parallel(root: nn.Module, schedule: str) -> list[str]:
             continue
         del module._forward_pre_hooks[pre]  # noqa: SLF001
         del module._forward_hooks[post]  # noqa: SLF001
-        install(module, mesh.get_group(), schedule, torchtitan_local(module))
+        install(module, mesh.get_group(), schedule, torchtitan_local(module), choose)
         swapped.append(name)
         report.record_module(report.ModuleReport(name, "moe", f"token exchange {schedule} over {mesh.size()} ranks "
                                                                f"(was torchtitan's ExpertParallel)"))

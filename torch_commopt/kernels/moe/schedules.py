@@ -52,6 +52,9 @@ def expert_parallel(x: Tensor, counts: Tensor, experts: Experts, group: dist.Pro
         name, chunks = parse_moe_schedule(schedule)
     except ValueError as e:
         raise ValueError(f"commopt moe: {e}") from e
+    if name == "auto":
+        raise ValueError("commopt moe: 'auto' is resolved by the tuner per call (kernels/moe/module.install with "
+                         "choose=, as torch_commopt.optimize does); expert_parallel takes the schedule it picked")
     if name == "by_expert" and weights is None:
         raise ValueError("commopt moe: by_expert runs the experts' SwiGLU itself and needs their weights (w1, w2, w3)")
     if x.dim() != 2:

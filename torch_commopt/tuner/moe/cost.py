@@ -1,0 +1,70 @@
+"""Cost estimates of the expert-parallel schedules: alpha-beta links + GEMM fits (calibration.py).
+
+Pure arithmetic (no device, no process group).  Per pass (forward: the three products of the
+SwiGLU; backward: twice that, data and weight gradients), for R rows a rank routes (the call's
+peak), D model dim, H expert hidden dim, W ranks, b bytes an element, on balanced routing:
+
+    exchange X of one direction:  link(R * D * b * (W - 1) / W)    (every rank sends and receives)
+    a2a          2 X + G                                 both exchanges exposed
+    by_expert:C  2 link(bytes / C) + max(G, B) + s * min(G, B) + o_C * G,
+                 B = 2 (C - 1) link(bytes / C)           the transfers beside the experts
+
+The first chunk's dispatch and the last chunk's combine are exposed; the others run beside the
+experts' GEMMs, which they slow by s times the shorter of the two (the calibration's
+overlap_slowdown for the copy engine, collective_overlap_slowdown for NCCL's kernels, which take
+SMs).  o_C is what cutting the experts into C chunks costs their compute, measured on one H200
+(benchmarks/results/moe_pieces_h200x1_*: by_expert:2 0.97-1.02x of by_expert:1 at 8K-16K tokens
+a rank, by_expert:4 up to 1.11x).  by_peer is never proposed: its pieces by source cost the
+compute 13-76% on the fine-grained shapes (the same report).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch_commopt.tuner.calibration import Calibration
+
+CHUNK_OVERHEAD = {2: 0.01, 4: 0.06}  # o_C (module docstring)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    rows: int  # rows a rank routes (the peak over ranks)
+    dim: int
+    hidden: int
+    local_experts: int
+    world: int
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    transport: str  # "ce" or "nccl"
+
+    @property
+    def elt(self) -> int:
+        return {"float64": 8, "float32": 4}.get(self.dtype, 2)
+
+
+def estimates(shape: MoEShape, cal: Calibration) -> dict[str, float]:
+    """Seconds of a forward and backward pass of each candidate schedule (module docstring)."""
+    fit = cal.gemm.get(shape.dtype) or cal.gemm.get("float32") or next(iter(cal.gemm.values()))
+    r, d, h = shape.rows, shape.dim, shape.hidden
+    forward = 2 * fit.time(r, h, d) + fit.time(r, d, h)
+    if shape.transport == "ce" and cal.p2p is not None:
+        link, slowdown = cal.p2p, cal.overlap_slowdown
+    else:
+        link = cal.collective["all_gather"]
+        slowdown = cal.overlap_slowdown if cal.collective_overlap_slowdown is None else cal.collective_overlap_slowdown
+    volume = r * d * shape.elt * (shape.world - 1) / shape.world
+    out = {"a2a": sum(2 * link.time(volume) + g for g in (forward, 2 * forward))}
+    for chunks, overhead in CHUNK_OVERHEAD.items():
+        if chunks > shape.local_experts:
+            continue
+        piece = link.time(volume / chunks)
+        beside = 2 * (chunks - 1) * piece
+        out[f"by_expert:{chunks}"] = sum(2 * piece + max(g, beside) + slowdown * min(g, beside) + overhead * g
+                                         for g in (forward, 2 * forward))
+    return out
+
+
+def best(shape: MoEShape, cal: Calibration) -> tuple[str, dict[str, float]]:
+    """The cheapest schedule (a2a on a tie: it is always a candidate) and every estimate."""
+    est = estimates(shape, cal)
+    return min(est, key=lambda k: (est[k], k != "a2a")), est
