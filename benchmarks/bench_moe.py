@@ -6,8 +6,9 @@ Mixtral-8x7B (hidden size, expert FFN size, experts, top-k), T tokens a rank, ba
 routing.  The variants, in alternating order each round, all with the layer's children other than
 the experts compiled by Inductor as torchtitan compiles them:
 - `torchtitan EP`: torchtitan's ExpertParallel (all-to-alls, host read of the splits);
-- `commopt a2a`, `commopt by_peer`, `commopt by_expert`: commopt's schedules swapped in
-  (kernels/moe/module.py);
+- `commopt a2a`, `commopt by_peer`, `commopt by_expert`, `commopt auto`: commopt's schedules
+  swapped in (kernels/moe/module.py; by_expert's exchange by the copy engine on GPUs, auto the
+  tuner's pick);
 - `comm-free`: the same layer with the exchange removed.  Each rank runs its local experts over
   its own tokens, with the per-expert rows an exchange would bring it on balanced routing.  This is
   the bound that hiding the exchange can reach.
@@ -41,7 +42,7 @@ MODELS = {
     "mixtral-8x7b": (4096, 14336, 8, 2, 0),
 }
 CPU_MODELS = {"tiny": (64, 48, 8, 2, 1)}
-VARIANTS = ("torchtitan EP", "commopt a2a", "commopt by_peer", "commopt by_expert", "comm-free")
+VARIANTS = ("torchtitan EP", "commopt a2a", "commopt by_peer", "commopt by_expert", "commopt auto", "comm-free")
 
 
 def _layer(model: tuple, device, dtype, seed: int, compile_children: bool):
@@ -95,6 +96,7 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
 
     from torch_commopt.kernels.moe.module import swap_expert_parallel
     from torch_commopt.testing.optional import torchtitan_moe_cpu_shims
+    from torch_commopt.tuner.moe.choose import chooser
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -111,7 +113,8 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
                     layer = _layer(model, device, dtype, 11, compile_children)
                     parallelize_module(layer.experts, mesh, ExpertParallel())
                     if variant.startswith("commopt"):
-                        swap_expert_parallel(layer, variant.split()[1])
+                        schedule = variant.split()[1]
+                        swap_expert_parallel(layer, schedule, chooser(60.0) if schedule == "auto" else None)
                     elif variant == "comm-free":
                         swap_expert_parallel(layer, "a2a")  # the hooks gone; then the exchange removed
                         layer.experts.forward = _free_forward(layer, world)
@@ -170,15 +173,16 @@ def report(cases: list, meta: dict) -> str:
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; fwd+bwd of one layer, median of "
              f"{meta['rounds']} rounds of {meta['steps']} steps, the slowest rank; variants in alternating order.", "",
              "| model | tokens/rank | routing | " + " | ".join(f"{v} ms" for v in VARIANTS)
-             + " | a2a × | by_peer × | by_expert × | by_peer hidden | by_expert hidden | max rel. error |",
-             "|---|---|---|" + "---|" * (len(VARIANTS) + 6)]
+             + " | a2a × | by_peer × | by_expert × | auto × | by_expert hidden | auto hidden | max rel. error |",
+             "|---|---|---|" + "---|" * (len(VARIANTS) + 7)]
     for c in cases:
         ms, sp, hid = c["ms"], c["speedup_vs_torchtitan"], c["hidden_share"]
         err = max(c["max_rel_error"].values())
         lines.append(f"| {c['model']} | {c['tokens_per_rank']} | {c['routing']} | "
                      + " | ".join(fmt(ms[v], 2) for v in VARIANTS)
-                     + "".join(f" | {fmt(sp[v])}" for v in ("commopt a2a", "commopt by_peer", "commopt by_expert"))
-                     + "".join(f" | {fmt(hid[v], 2)}" for v in ("commopt by_peer", "commopt by_expert"))
+                     + "".join(f" | {fmt(sp[v])}" for v in ("commopt a2a", "commopt by_peer", "commopt by_expert",
+                                                             "commopt auto"))
+                     + "".join(f" | {fmt(hid[v], 2)}" for v in ("commopt by_expert", "commopt auto"))
                      + f" | {err:.1e} |")
     lines += ["", "×: speedup over torchtitan's EP. Hidden: the share of the exposed exchange "
               "(torchtitan EP − comm-free) that the variant removes.", ""]
