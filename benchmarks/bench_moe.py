@@ -189,7 +189,7 @@ def report(cases: list, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def pieces(models: dict, tokens_list: list, worlds: list, rounds: int, chunk_counts=(2, 4)) -> list:
+def pieces(models: dict, tokens_list: list, worlds: list, rounds: int, chunk_counts=(2, 4, 6)) -> list:
     """One GPU: the experts' SwiGLU fwd+bwd over a rank's received rows (balanced routing), ms
     each and the ratios to whole:
     - whole: three autograd grouped GEMMs over all rows, as torchtitan runs its experts;

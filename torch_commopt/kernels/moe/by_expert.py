@@ -1,6 +1,7 @@
 """The `by_expert` schedule: the token exchange pipelined with the experts chunk by chunk of experts.
 
-A rank's nl local experts are cut into C chunks of consecutive experts.  Chunk c's exchange is one
+A rank's nl local experts are cut into C chunks of consecutive experts (from three chunks on the
+first and last are half the size of the others: chunk_weights).  Chunk c's exchange is one
 all-to-all of the rows routed to chunk c's experts of every rank (each rank's share of it is a
 contiguous piece of its run for that rank, the runs being expert-major), so the experts of chunk c
 start as soon as chunk c has arrived, while later chunks are still on the way, and chunk c's
@@ -50,16 +51,25 @@ ALIGN = 8  # rows per group on the GPU (bf16: 16-byte aligned group starts in th
 DEFAULT_CHUNKS = 2  # chunks of experts when the schedule names none (benchmarks/results/moe_pieces_*)
 
 
+def chunk_weights(chunks: int) -> list[int]:
+    """Relative sizes of the chunks: two even halves; from three on, the first and the last half
+    the size of the others (what is exposed is the first chunk's dispatch and the last one's
+    combine, so they are kept small, and the middle ones large enough to keep the GEMMs whole)."""
+    return [1] * chunks if chunks <= 2 else [1] + [2] * (chunks - 2) + [1]
+
+
 def chunk_bounds(local_experts: int, chunks: int) -> list[tuple[int, int]]:
-    """[lo, hi) local-expert ranges of `chunks` near-equal chunks (fewer when there are fewer experts)."""
+    """[lo, hi) local-expert ranges of `chunks` chunks sized by chunk_weights (fewer chunks when
+    there are fewer experts; every chunk has at least one)."""
     chunks = max(1, min(chunks, local_experts))
-    base, extra = divmod(local_experts, chunks)
-    bounds, lo = [], 0
-    for c in range(chunks):
-        hi = lo + base + (c < extra)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
+    weights = chunk_weights(chunks)
+    total, at, ends = sum(weights), 0, []
+    for c, w in enumerate(weights):
+        at += w
+        lowest = (ends[-1] if ends else 0) + 1  # at least one expert in this chunk
+        highest = local_experts - (chunks - 1 - c)  # and one left for each later chunk
+        ends.append(min(highest, max(lowest, round(local_experts * at / total))))
+    return list(zip([0] + ends[:-1], ends))
 
 
 @dataclass(frozen=True)
