@@ -4,27 +4,30 @@ Pure arithmetic (no device, no process group).  Per pass (forward: the three pro
 SwiGLU; backward: twice that, data and weight gradients), for R rows a rank routes (the call's
 peak), D model dim, H expert hidden dim, W ranks, b bytes an element, on balanced routing:
 
-    exchange X of one direction:  link(R * D * b * (W - 1) / W)    (every rank sends and receives)
-    a2a          2 X + G                                 both exchanges exposed
-    by_expert:C  2 link(bytes / C) + max(G, B) + s * min(G, B) + o_C * G,
-                 B = 2 (C - 1) link(bytes / C)           the transfers beside the experts
+    exchange of one direction:  V = R * D * b * (W - 1) / W bytes  (every rank sends and receives)
+    a2a          2 link(V) + G                            both exchanges exposed
+    by_expert:C  link(f_0 V) + link(f_last V) + max(G, B) + s * min(G, B) + o_C * G,
+                 B = sum over c > 0 of link(f_c V) + sum over c < last of link(f_c V)
 
-The first chunk's dispatch and the last chunk's combine are exposed; the others run beside the
-experts' GEMMs, which they slow by s times the shorter of the two (the calibration's
-overlap_slowdown for the copy engine, collective_overlap_slowdown for NCCL's kernels, which take
-SMs).  o_C is what cutting the experts into C chunks costs their compute, measured on one H200
-(benchmarks/results/moe_pieces_h200x1_*: by_expert:2 0.97-1.02x of by_expert:1 at 8K-16K tokens
-a rank, by_expert:4 up to 1.11x).  by_peer is never proposed: its pieces by source cost the
-compute 13-76% on the fine-grained shapes (the same report).
+f_c is chunk c's share of the experts (by_expert.chunk_bounds: from three chunks on, the first and
+last are half the others).  The first chunk's dispatch and the last chunk's combine are exposed;
+the others run beside the experts' GEMMs, which they slow by s times the shorter of the two (the
+calibration's overlap_slowdown for the copy engine, collective_overlap_slowdown for NCCL's
+kernels, which take SMs).  o_C is what cutting the experts into C chunks costs their compute,
+measured on one H200 at 8K-16K tokens a rank on the fine-grained shapes
+(benchmarks/results/moe_pieces_h200x1_*: by_expert:2 0.98-1.05x of by_expert:1, by_expert:4
+1.01-1.24x, by_expert:6 1.06-1.69x).  by_peer is never proposed: its pieces by source cost the
+compute 9-77% there (the same report).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch_commopt.kernels.moe.by_expert import chunk_bounds
 from torch_commopt.tuner.calibration import Calibration
 
-CHUNK_OVERHEAD = {2: 0.01, 4: 0.06}  # o_C (module docstring)
+CHUNK_OVERHEAD = {2: 0.01, 4: 0.10, 6: 0.25}  # o_C (module docstring)
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,11 @@ def estimates(shape: MoEShape, cal: Calibration) -> dict[str, float]:
     for chunks, overhead in CHUNK_OVERHEAD.items():
         if chunks > shape.local_experts:
             continue
-        piece = link.time(volume / chunks)
-        beside = 2 * (chunks - 1) * piece
-        out[f"by_expert:{chunks}"] = sum(2 * piece + max(g, beside) + slowdown * min(g, beside) + overhead * g
+        pieces = [link.time(volume * (hi - lo) / shape.local_experts)
+                  for lo, hi in chunk_bounds(shape.local_experts, chunks)]
+        exposed = pieces[0] + pieces[-1]
+        beside = sum(pieces[1:]) + sum(pieces[:-1])
+        out[f"by_expert:{chunks}"] = sum(exposed + max(g, beside) + slowdown * min(g, beside) + overhead * g
                                          for g in (forward, 2 * forward))
     return out
 
