@@ -273,12 +273,16 @@ def _chunk_groups(p: Plan, c: int, cuda: bool):
 
 
 def by_expert(x: Tensor, routing: Routing, weights: tuple[Tensor, Tensor, Tensor], group, chunks: int,
-              align: int | None = None) -> Tensor:
+              align: int | None = None, compute_dtype: torch.dtype | None = None) -> Tensor:
     """The experts' outputs for x's rows (see the module docstring); differentiable in x and the
     weights (w1 (nl, H, D), w2 (nl, D, H), w3 (nl, H, D): this rank's experts).  align: rows per
-    padded group (default ALIGN on a GPU, none elsewhere)."""
+    padded group (default ALIGN on a GPU, none elsewhere).  compute_dtype: the experts and the
+    exchange in this dtype, the output back in x's (torchtitan's grouped GEMM path computes in
+    bf16 whatever x's dtype); default x's."""
     w1, w2, w3 = weights
     if w1.shape[0] != routing.local_experts:
         raise ValueError(f"commopt moe: {w1.shape[0]} local experts' weights, the routing has {routing.local_experts}")
     p = plan(routing, chunks, x.device, align if align is not None else (ALIGN if x.is_cuda else 1))
-    return _ByExpert.apply(x, w1, w2, w3, p, group)
+    if compute_dtype is None or compute_dtype == x.dtype:
+        return _ByExpert.apply(x, w1, w2, w3, p, group)
+    return _ByExpert.apply(x.to(compute_dtype), w1, w2, w3, p, group).to(x.dtype)

@@ -91,8 +91,11 @@ class ExpertParallelForward:
             routing = exchange_counts(num_tokens_per_expert, self.group)
             schedule = self.choose(routing, routed_input, weights, self.group)
         self.last = schedule
+        # a module on the grouped GEMM computes its experts in bf16 (torchtitan's _run_experts_grouped_mm)
+        dtype = torch.bfloat16 if getattr(m, "use_grouped_mm", False) else None
         return expert_parallel(routed_input, num_tokens_per_expert, self.run_local, self.group, schedule,
-                               routing=routing, weights=weights if schedule.startswith("by_expert") else None)
+                               routing=routing, weights=weights if schedule.startswith("by_expert") else None,
+                               compute_dtype=dtype)
 
 
 def install(module: nn.Module, group, schedule: str, run_local: Local | None = None,

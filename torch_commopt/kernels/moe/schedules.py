@@ -44,10 +44,12 @@ Experts = Callable[[Tensor, Tensor], Tensor]
 
 def expert_parallel(x: Tensor, counts: Tensor, experts: Experts, group: dist.ProcessGroup,
                     schedule: str = "a2a", routing: Routing | None = None,
-                    weights: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+                    weights: tuple[Tensor, Tensor, Tensor] | None = None,
+                    compute_dtype: torch.dtype | None = None) -> Tensor:
     """The experts' outputs for x's rows (module docstring).  routing: the call's Routing when the
     caller has it (exchange_counts otherwise: one all-to-all of the counts and a host read).
-    weights: the local experts' (w1, w2, w3), which by_expert runs itself."""
+    weights: the local experts' (w1, w2, w3), which by_expert runs itself, in compute_dtype when
+    given (by_expert.by_expert)."""
     try:
         name, chunks = parse_moe_schedule(schedule)
     except ValueError as e:
@@ -65,7 +67,7 @@ def expert_parallel(x: Tensor, counts: Tensor, experts: Experts, group: dist.Pro
     if routing.world == 1:
         return experts(x, _counts(routing.recv[0], x.device))
     if name == "by_expert":
-        return by_expert(x, routing, weights, group, chunks or DEFAULT_CHUNKS)
+        return by_expert(x, routing, weights, group, chunks or DEFAULT_CHUNKS, compute_dtype=compute_dtype)
     return (_a2a if name == "a2a" else _by_peer)(x, routing, experts, group)
 
 
