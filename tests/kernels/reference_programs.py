@@ -11,6 +11,7 @@ from torch_commopt.testing.validate import rel_err
 
 SCHEDULES = ("sequential", "chunked:2", "chunked:3", "chunked:64")
 AG_ONLY = ("local_first",)
+AR_ONLY = ("gather_sum", "scatter_gather")
 
 
 def _rand(gen, *shape):
@@ -83,7 +84,8 @@ def run_reference_cases(rank: int, world: int, seed: int = 0):
         weights = [_rand(gen, shape[-1], n) for _ in range(world)]
         bias = _rand(gen, n) if with_bias else None
         for reduce_op in ("sum", "avg"):
-            for sched in SCHEDULES:
+            for sched in SCHEDULES + AR_ONLY:
+                ar_only = sched in AR_ONLY
                 def t_sum(dtype):
                     total = sum(torch.matmul(a.to(dtype), w.to(dtype)) + (0 if bias is None else bias.to(dtype))
                                 for a, w in zip(a_all, weights))
@@ -96,11 +98,14 @@ def run_reference_cases(rank: int, world: int, seed: int = 0):
                 rs_args = (a_all[rank].float(), weights[rank].float(), b, d, reduce_op, world, group, sched)
                 ar_args = (a_all[rank].float(), weights[rank].float(), b, reduce_op, world, group, sched)
                 rs, ar = torch.ops.commopt.matmul_rs.default, torch.ops.commopt.matmul_ar.default
-                _check(f"rs{i} {reduce_op} {sched}", lambda: rs(*rs_args), expected_rs(torch.float32),
-                       expected_rs(torch.float64), results)
+                if not ar_only:
+                    _check(f"rs{i} {reduce_op} {sched}", lambda: rs(*rs_args), expected_rs(torch.float32),
+                           expected_rs(torch.float64), results)
                 _check(f"ar{i} {reduce_op} {sched}", lambda: ar(*ar_args), t_sum(torch.float32), t_sum(torch.float64), results)
-                if _fake_shapes(rs, *rs_args) != [tuple(rs(*rs_args).shape)]:
+                if not ar_only and _fake_shapes(rs, *rs_args) != [tuple(rs(*rs_args).shape)]:
                     fake_mismatch.append(f"rs{i}")
+                if ar_only and _fake_shapes(ar, *ar_args) != [tuple(ar(*ar_args).shape)]:
+                    fake_mismatch.append(f"ar{i} {sched}")
                 # the same product as K parts (concat-K's terms): K = 6 + 3 + 7, the first part
                 # contiguous, the others strided views of A
                 a32, w32 = a_all[rank].float(), weights[rank].float()
@@ -109,8 +114,34 @@ def run_reference_cases(rank: int, world: int, seed: int = 0):
                 parts = {"more_a": [x for x, _ in more], "more_w": [w for _, w in more]}
                 rs_parts = (first[0].contiguous(), first[1], *rs_args[2:])
                 ar_parts = (first[0].contiguous(), first[1], *ar_args[2:])
-                _check(f"rs{i} {reduce_op} {sched} K parts", lambda: rs(*rs_parts, **parts), expected_rs(torch.float32),
-                       expected_rs(torch.float64), results)
+                if not ar_only:
+                    _check(f"rs{i} {reduce_op} {sched} K parts", lambda: rs(*rs_parts, **parts),
+                           expected_rs(torch.float32), expected_rs(torch.float64), results)
                 _check(f"ar{i} {reduce_op} {sched} K parts", lambda: ar(*ar_parts, **parts), t_sum(torch.float32),
                        t_sum(torch.float64), results)
     return results, fake_mismatch
+
+
+def run_rank_order_sums(rank: int, world: int) -> list:
+    """gather_sum and scatter_gather in bf16 at decode-sized rows (M = 1, 3, 8; N not a multiple of
+    W; bias; sum and avg): [(case, bits of the result)] for the test to compare across ranks and
+    schedules, and [(case, error vs float64, plain all-reduce's error)]."""
+    group = dist.group.WORLD.group_name
+    bits, errors = [], []
+    for m in (1, 3, 8):
+        for n in (7, 64 * world + 5):
+            gen = torch.Generator().manual_seed(m * 1000 + n)
+            a_all = [torch.randn(m, 32, generator=gen, dtype=torch.float64) for _ in range(world)]
+            w_all = [torch.randn(32, n, generator=gen, dtype=torch.float64) for _ in range(world)]
+            bias = torch.randn(n, generator=gen, dtype=torch.float64)
+            for reduce_op in ("sum", "avg"):
+                total = sum(a @ w + bias for a, w in zip(a_all, w_all))
+                want = total / world if reduce_op == "avg" else total
+                args = (a_all[rank].bfloat16(), w_all[rank].bfloat16(), bias.bfloat16(), reduce_op, world, group)
+                plain = torch.ops.commopt.matmul_ar(*args, "sequential")
+                for sched in AR_ONLY:
+                    out = torch.ops.commopt.matmul_ar(*args, sched)
+                    case = f"m{m} n{n} {reduce_op}"
+                    bits.append((f"{case} {sched}", out.view(torch.int16).tolist()))
+                    errors.append((f"{case} {sched}", rel_err(out, want), rel_err(plain, want)))
+    return bits, errors

@@ -5,7 +5,7 @@ that do not divide the rows or exceed them; and the fake impls give the real sha
 from __future__ import annotations
 
 import pytest
-from reference_programs import run_reference_cases
+from reference_programs import run_rank_order_sums, run_reference_cases
 
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
@@ -66,3 +66,19 @@ def test_k_parts_that_do_not_fit_are_refused_clearly():
         for m in messages[1:3]:
             assert "does not match a (4, 8) @ weight (8, 4) (same rows, same N)" in m, messages
         assert "dtypes / devices differ" in messages[3], messages
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_rank_order_sums_give_every_rank_the_same_bits(world):
+    # the one-shot / two-shot all-reduces' references: the same bits on every rank and from both
+    # schedules (fp32 sums in rank order, one cast), as close to float64 as plain all-reduce
+    per_rank = run_distributed(run_rank_order_sums, world)
+    bits0 = dict(per_rank[0][0])
+    for bits, errors in per_rank:
+        assert dict(bits) == bits0
+        for name, err, ref_err in errors:
+            assert within_tolerance(err, ref_err), f"{name}: error {err:.2e} vs plain all-reduce {ref_err:.2e}"
+    by_case: dict[str, set] = {}
+    for name, value in bits0.items():
+        by_case.setdefault(name.rsplit(" ", 1)[0], set()).add(str(value))
+    assert all(len(v) == 1 for v in by_case.values()), "gather_sum and scatter_gather differ"

@@ -4,7 +4,8 @@ String form: `name[:chunks[:key=value,key=value...]]`, e.g. `sequential`, `chunk
 `ce_push:2`, `fused:4:bm=128,bn=256,bk=64,warps=8,stages=3,store=direct`.  Parsing is strict
 (`Schedule.parse`): chunks are decimal digits, each key is known and given once, integer values
 are decimal digits, text values are tokens of letters, digits and `_.-`; `sequential` has no
-piece count but 1 (its string with parameters is `sequential:1:dbg=1`).
+piece count but 1 (its string with parameters is `sequential:1:dbg=1`), nor do `gather_sum` and
+`scatter_gather`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from typing import ClassVar
 OP_SCHEDULES = {
     "ag_matmul": ("sequential", "chunked", "local_first", "ce_push", "fused", "autotune", "auto"),
     "matmul_rs": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused", "autotune", "auto"),
-    "matmul_ar": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "autotune", "auto"),
+    "matmul_ar": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "autotune", "auto", "gather_sum",
+                  "scatter_gather"),
 }
+# Schedules of one piece only: their string form is the name alone.
+SINGLE = ("sequential", "gather_sum", "scatter_gather")
 GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
@@ -59,6 +63,12 @@ class Schedule:
     fused(S): GPU.  One persistent Triton GEMM that waits on per-chunk flags (all-gather)
         or releases per-chunk tile counters (reduce-scatter); params: tile sizes
         bm/bn/bk, group gm, warps, stages, sms (grid), store=ce|direct.
+    gather_sum: all-reduce only.  Every rank's partial all-gathered, then summed in fp32 in rank
+        order 0..W-1 and cast once: every rank gets the same bits, and so does scatter_gather.
+        Plain torch + c10d: the reference of the low-latency one-shot all-reduce.
+    scatter_gather: all-reduce only.  The partial cut into W element segments; rank r sums
+        segment r of every rank in fp32 in rank order (an all-to-all), then the sums are
+        all-gathered.  Plain torch + c10d: the reference of the two-shot all-reduce.
     autotune(id=...): a placeholder of Config.mode="autotune": the first call times the
         candidates registered under `id` (tuner.autotune) and runs the winner from then on.
     auto(S): a region whose row count is symbolic (compiled with dynamic shapes): each call
@@ -75,15 +85,15 @@ class Schedule:
     params: tuple[tuple[str, int | str], ...] = ()
 
     NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "local_first", "ce_push", "ce_pull", "direct", "fused",
-                                        "autotune", "auto")
+                                        "autotune", "auto", "gather_sum", "scatter_gather")
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
             raise ValueError(f"schedule: unknown name {self.name!r}; known: {self.NAMES}")
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
             raise ValueError(f"schedule: chunks must be an integer >= 1, got {self.chunks!r}")
-        if self.name == "sequential" and self.chunks != 1:
-            raise ValueError(f"schedule: sequential takes no piece count, got {self.chunks}")
+        if self.name in SINGLE and self.chunks != 1:
+            raise ValueError(f"schedule: {self.name} takes no piece count, got {self.chunks}")
         keys = [kv[0] for kv in self.params]
         if len(set(keys)) != len(keys):
             raise ValueError(f"schedule: a parameter is given twice in {keys}")
@@ -117,7 +127,7 @@ class Schedule:
         object.__setattr__(self, "params", tuple(sorted(self.params)))
 
     def __str__(self) -> str:
-        if self.name == "sequential" and not self.params:
+        if self.name in SINGLE and not self.params:
             return self.name
         text = f"{self.name}:{self.chunks}"
         if self.params:
@@ -186,13 +196,15 @@ class Schedule:
 
     def reference_twin(self) -> "Schedule":
         """The plain torch + c10d schedule computing the same pieces in the same order."""
+        if self.name in ("gather_sum", "scatter_gather"):
+            return Schedule(self.name)
         if self.name == "sequential" or self.chunks == 1:
             return Schedule("sequential")
         return Schedule("chunked", self.chunks)
 
     def clamp(self, size: int) -> "Schedule":
         """The same schedule with at most `size` chunks (a dimension of `size` rows)."""
-        if self.name != "sequential" and self.chunks > size:
+        if self.name not in SINGLE and self.chunks > size:
             return Schedule(self.name, max(1, size), self.params)
         return self
 
