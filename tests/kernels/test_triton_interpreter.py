@@ -28,7 +28,7 @@ def _interpreter_indexes_by_scalars() -> bool:
         return tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7)
 
 
-GROUPS = ["ag", "rs", "waits"]
+GROUPS = ["ag", "rs", "waits", "ll"]
 
 
 def test_gpu_kernels_in_the_interpreter(triton_interpreter):

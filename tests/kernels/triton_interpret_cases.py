@@ -13,6 +13,10 @@ program waiting for a later one would wait forever):
 - rs:    the reduce-scatter GEMM (matmul_reduce.launch_rs_fused: rs_gemm_kernel), pointer
          loads and TMA, direct stores into a peer's slot through an address read from
          recv_bases and copy-engine staging, the tile counters it bumps, avg scaling;
+- ll:    the one-shot all-reduce (kernels/gpu/lowlat.ll_oneshot_kernel): the fp32 rank-order sum
+         bit for bit as its reference, avg, a tail, a grid smaller than the blocks of work; each
+         barrier's flags told to every peer and cleared at home; a peer that never arrives
+         reported in debug mode;
 - waits: spin_geq's debug bound (waits.bounded_wait): a flag that is set passes, one that
          never is gives up after the bound and records (code, src, chunk, seen, expected);
          the consumers above with debug=True, where a wrong flag index is reported in
@@ -223,6 +227,56 @@ def group_waits():
     triton_kernels.copy_rows(src, dst, blocks=3)
     assert torch.equal(src, dst)
     return 8
+
+
+def _ll(name, *, world, me, n, dtype, avg=False, debug=False, missing=None):
+    """The one-shot all-reduce kernel (lowlat.ll_oneshot_kernel) of rank `me`, its peers stood in
+    for: every rank's slot filled, the peers' barrier flags (both phases, every block) set in
+    me's flag array -- but `missing`'s, when given, whose wait must then be reported."""
+    from torch_commopt.kernels.gpu import lowlat, symm
+    from torch_commopt.kernels.matmul.reference.matmul_reduce import _rank_order_sum
+
+    gen = torch.Generator().manual_seed(n + world)
+    slots = [torch.randn(n, generator=gen).to(dtype) for _ in range(world)]
+    flags = [torch.zeros(symm.FLAG_SLOTS, dtype=torch.int32) for _ in range(world)]
+    blocks = lowlat.blocks_for(n)
+    phase1 = symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD
+    for bar in (symm.LL_BAR, phase1):
+        for b in range(blocks):
+            for p in range(world):
+                if p != me and p != missing:
+                    flags[me][bar + b * symm.MAX_WORLD + p] = 1
+    out, status = torch.zeros(n, dtype=dtype), torch.zeros(8, dtype=torch.int32)
+    table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+    lowlat.launch_oneshot(table(slots), out, table(flags), me, world, status, avg=avg, debug=debug, bound=BOUND_NS)
+    if missing is not None:  # reported: (code, src, chunk) of the first wait that gave up
+        assert status[0] == 1 and status[1:4].tolist() == [symm.WAIT_CODES["ll barrier"], missing, 0], (name, status)
+        return
+    assert status.tolist() == [0] * 8, (name, status.tolist())
+    want = _rank_order_sum(torch.stack(slots), "avg" if avg else "sum")
+    assert torch.equal(out, want), (name, (out.float() - want.float()).abs().max())  # the reference's very bits
+    mine = flags[me]
+    assert not mine[symm.LL_BAR: phase1 + symm.LL_BLOCKS * symm.MAX_WORLD].any(), f"{name}: flags not cleared"
+    for p in range(world):  # me's arrival told to every peer, at both barriers, for every block
+        if p != me:
+            got = [int(flags[p][bar + b * symm.MAX_WORLD + me]) for bar in (symm.LL_BAR, phase1) for b in range(blocks)]
+            assert got == [1] * (2 * blocks), (name, p, got)
+
+
+def group_ll():
+    _ll("one element, 2 ranks", world=2, me=0, n=1, dtype=torch.float32)
+    _ll("a block and a tail, 3 ranks", world=3, me=1, n=lowlat_block() + 37, dtype=torch.float16)
+    _ll("more blocks than the grid, 4 ranks, avg", world=4, me=3, n=lowlat_block() * 70 + 5, dtype=torch.float32,
+        avg=True)
+    _ll("debug waits, all there", world=2, me=1, n=300, dtype=torch.float16, debug=True)
+    _ll("a peer that never arrives", world=3, me=0, n=300, dtype=torch.float32, debug=True, missing=2)
+    return 5
+
+
+def lowlat_block():
+    from torch_commopt.kernels.gpu import lowlat
+
+    return lowlat.BLOCK
 
 
 if __name__ == "__main__":

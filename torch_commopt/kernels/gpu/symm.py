@@ -97,7 +97,13 @@ A2A_DATA = A2A_FREE + 2 * HALVES * MAX_WORLD
 # source]: how many chunks of the call source p has written into this rank's region r.
 MOE_FREE = A2A_DATA + 2 * HALVES * MAX_WORLD
 MOE_DATA = MOE_FREE + 2 * MAX_WORLD
-assert MOE_DATA + 2 * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0
+# The low-latency collectives' in-kernel barriers (kernels/gpu/lowlat.py): LL_BAR [(phase *
+# LL_BLOCKS + block) * MAX_WORLD + p]: 1 once block `block` of rank p has reached barrier `phase`
+# (0: before reading the peers' slots, 1: after), back to 0 once this rank's block has seen it.
+LL_BLOCKS = 64
+LL_BAR = MOE_DATA + 2 * MAX_WORLD
+LL_PTRS = LL_BAR + 2 * LL_BLOCKS * MAX_WORLD  # int64 [MAX_WORLD]: every rank's LL buffer address
+assert LL_PTRS + 2 * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0 and LL_PTRS % 2 == 0
 assert RING_DATA + 2 * HALVES <= DATA
 
 MIN_BUFFER_BYTES = 1 << 24
@@ -712,7 +718,8 @@ def data_index(half: int, src: int, chunk: int, phase: int = 0) -> int:
 
 WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk": 5, "free buffer": 6,
               "ring block": 7, "free ring slot": 8,
-              "all-to-all piece": 9, "free all-to-all slot": 10, "moe piece": 11, "free moe slot": 12}
+              "all-to-all piece": 9, "free all-to-all slot": 10, "moe piece": 11, "free moe slot": 12,
+              "ll barrier": 13}
 # taken (set 0) once passed
 TOKEN_WAITS = frozenset({"free buffer", "free ring slot", "free all-to-all slot", "free moe slot"})
 

@@ -1,0 +1,71 @@
+"""Per-rank programs for the low-latency one-shot all-reduce on GPUs (kernels/gpu/lowlat.py):
+every rank regenerates every rank's partials from seeds, so each can check its result against the
+reference's very bits (gather_sum: fp32 sums in rank order) without another collective."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torch_commopt.kernels.gpu import lowlat, symm
+from torch_commopt.kernels.matmul.reference.matmul_reduce import _rank_order_sum
+
+
+def _partials(call: int, world: int, n: int, dtype, device) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(1000 * call + n)
+    return [torch.randn(n, generator=gen, device=device).to(dtype) for _ in range(world)]
+
+
+def run_oneshot(rank: int, world: int, debug: bool) -> list[str]:
+    """Eager calls back to back (sizes from one element to past a block per grid slot, sum and
+    avg, bf16 and fp32), then 8 calls captured in one CUDA graph replayed 20 times on fresh
+    partials, eager calls between the replays; [failures]."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    rt = symm.runtime(dist.group.WORLD.group_name, device)
+    ll = lowlat.for_runtime(rt)
+    bad = []
+    call = 0
+    for n in (1, 7, 1000, 4096, 65 * lowlat.BLOCK + 3, 1 << 20):
+        for dtype in (torch.bfloat16, torch.float32):
+            for op in ("sum", "avg"):
+                call += 1
+                parts = _partials(call, world, n, dtype, device)
+                ll.slot((n,), dtype).copy_(parts[rank])
+                out = ll.all_reduce(torch.empty(n, dtype=dtype, device=device), op, debug)
+                if not torch.equal(out, _rank_order_sum(torch.stack(parts), op)):
+                    bad.append(f"eager n={n} {dtype} {op}")
+    # captured: the graph copies its input into the slot and reduces, 8 times
+    n, dtype = 4096, torch.bfloat16
+    ins = [torch.zeros(n, dtype=dtype, device=device) for _ in range(8)]
+    outs = [torch.zeros(n, dtype=dtype, device=device) for _ in range(8)]
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        for i in range(8):  # warm-up outside the capture (eager calls)
+            ll.slot((n,), dtype).copy_(ins[i])
+            ll.all_reduce(outs[i], "sum", False)
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(8):
+                ll.slot((n,), dtype).copy_(ins[i])
+                ll.all_reduce(outs[i], "sum", False)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    for replay in range(20):
+        parts = [_partials(10_000 + 8 * replay + i, world, n, dtype, device) for i in range(8)]
+        for i in range(8):
+            ins[i].copy_(parts[i][rank])
+        graph.replay()
+        for i in range(8):
+            if not torch.equal(outs[i], _rank_order_sum(torch.stack(parts[i]), "sum")):
+                bad.append(f"replay {replay} call {i}")
+        call += 1  # an eager call between replays
+        extra = _partials(call, world, 333, dtype, device)
+        ll.slot((333,), dtype).copy_(extra[rank])
+        if not torch.equal(ll.all_reduce(torch.empty(333, dtype=dtype, device=device), "sum", debug),
+                           _rank_order_sum(torch.stack(extra), "sum")):
+            bad.append(f"eager between replays {replay}")
+    torch.cuda.synchronize(device)
+    rest = rt.flags[symm.LL_BAR: symm.LL_BAR + 2 * symm.LL_BLOCKS * symm.MAX_WORLD]
+    if rest.any():
+        bad.append("barrier flags not at rest")
+    return bad

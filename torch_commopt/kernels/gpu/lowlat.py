@@ -1,0 +1,135 @@
+"""Low-latency collectives for decode-sized messages: the one-shot all-reduce.
+
+A decode step's all-reduces move a few KB.  NCCL takes tens of microseconds for that; the time
+is latency, not bandwidth.  The one-shot all-reduce is one kernel launch: every rank has written
+its partial into its slot of a symmetric buffer, then each block of the kernel
+
+    barrier 0    tells every peer it has arrived, and waits until every peer has: every
+                 partial is in place (each was written before its rank's kernel started)
+    sum          loads its range of every rank's slot and sums in fp32 in rank order 0..W-1,
+                 cast once: every rank gets the same bits (the reference, Schedule gather_sum,
+                 sums the same way)
+    barrier 1    tells every peer it has read, and waits until every peer has: no rank
+                 writes its slot again (its next call's partial) while a peer still reads it
+
+Each barrier is per block: block b of a rank waits only for block b of its peers, which read
+the same range.  Its flags (symm.LL_BAR, per phase, block and peer) take the values 0 and 1
+only and are back at 0 when the kernel ends -- no epoch, no token, no host step -- so eager
+calls and any number of CUDA graphs holding such calls may be replayed in any order, as long
+as the calls of a group stay in one stream order (every rank issues them in the same order).
+A peer's signal for phase p of call n + 1 cannot land before this rank cleared it in call n:
+the peer passes phase 1 - p of call n only after this rank signalled it, which it does after
+clearing.
+
+The buffer (LL_CAP_BYTES) is allocated once per group, at the first call, and never regrown:
+a larger message runs another schedule.  Waits are spins on the flags, acquire at system
+scope (waits.spin_geq); in debug mode each is bounded in wall time and a timeout is recorded
+in the runtime's status.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_commopt.kernels.gpu import symm
+from torch_commopt.kernels.gpu.waits import spin_geq
+
+PURPOSE = "low-latency"  # the runtime's own_buffer key
+LL_CAP_BYTES = 16 << 20  # the buffer: the largest message the low-latency collectives take
+BLOCK = 1024  # elements a block sums per step
+
+
+@triton.jit
+def _ll_barrier(flag_bases, me, block, status, bound, BAR: tl.constexpr, W: tl.constexpr, CODE: tl.constexpr,
+                MAX_WORLD: tl.constexpr, DEBUG: tl.constexpr):
+    """Block `block` of rank `me` at the barrier whose flags start at BAR (see the module
+    docstring): its flag set in every peer (release), then every peer's awaited and cleared."""
+    base = BAR + block * MAX_WORLD
+    mine = tl.load(flag_bases + me).to(tl.pointer_type(tl.int32))
+    for p in tl.static_range(W):
+        if p != me:
+            peer = tl.load(flag_bases + p).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(peer + base + me, 1, sem="release", scope="sys")
+    for p in tl.static_range(W):
+        if p != me:
+            spin_geq(mine + base + p, 1, status, CODE, p, block, bound, DEBUG)
+            tl.atomic_xchg(mine + base + p, 0, sem="relaxed", scope="sys")
+
+
+@triton.jit(do_not_specialize=["me", "n", "bound"])
+def ll_oneshot_kernel(slot_bases, out, n, flag_bases, me, status, bound, W: tl.constexpr, BAR0: tl.constexpr,
+                      BAR1: tl.constexpr, CODE: tl.constexpr, MAX_WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                      AVG: tl.constexpr, DEBUG: tl.constexpr):
+    """out[:n] = the sum over ranks r = 0..W-1 of rank r's slot[:n] (fp32, in rank order; AVG:
+    divided by W), every rank's slot address in slot_bases (int64 [W])."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    _ll_barrier(flag_bases, me, pid, status, bound, BAR0, W, CODE, MAX_WORLD, DEBUG)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(W):
+            src = tl.load(slot_bases + r).to(tl.pointer_type(out.dtype.element_ty))
+            acc += tl.load(src + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        if AVG:
+            acc = acc / W
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+    _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG)
+
+
+def blocks_for(n: int) -> int:
+    """The grid of a one-shot call over n elements (the same on every rank: n is)."""
+    return max(1, min(symm.LL_BLOCKS, triton.cdiv(n, BLOCK)))
+
+
+def launch_oneshot(slot_bases: torch.Tensor, out: torch.Tensor, flag_bases: torch.Tensor, me: int, world: int,
+                   status: torch.Tensor, *, avg: bool, debug: bool, bound: int) -> None:
+    """The one-shot all-reduce of every rank's slot (slot_bases) into `out` (contiguous, its
+    numel elements), on the current stream."""
+    n = out.numel()
+    ll_oneshot_kernel[(blocks_for(n),)](
+        slot_bases, out, n, flag_bases, me, status, bound, W=world, BAR0=symm.LL_BAR,
+        BAR1=symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD, CODE=symm.WAIT_CODES["ll barrier"],
+        MAX_WORLD=symm.MAX_WORLD, BLOCK=BLOCK, AVG=avg, DEBUG=debug, num_warps=4)
+
+
+class LowLatency:
+    """A group's low-latency buffer: this rank's slot (a view to compute a partial into) and the
+    one-shot all-reduce over every rank's slot."""
+
+    def __init__(self, rt) -> None:
+        self.rt = rt
+        self.buf = rt.own_buffer(PURPOSE, LL_CAP_BYTES)  # collective, once per group
+        self.slot_bases = rt._int64_table(symm.LL_PTRS, [self.buf.address(r, 0) for r in range(rt.world)])  # noqa: SLF001
+
+    @staticmethod
+    def fits(numel: int, dtype: torch.dtype) -> bool:
+        return numel * torch.empty((), dtype=dtype).element_size() <= LL_CAP_BYTES
+
+    def slot(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's slot as a (shape, dtype) tensor: what the peers read."""
+        return self.buf.view(self.rt.rank, 0, tuple(shape), dtype)
+
+    def all_reduce(self, out: torch.Tensor, reduce_op: str, debug: bool) -> torch.Tensor:
+        """out = every rank's slot (as out's shape and dtype) summed (avg: / W), on the current
+        stream; the slots were written before, on this stream."""
+        rt = self.rt
+        launch_oneshot(self.slot_bases, out, rt.flag_bases_dev, rt.rank, rt.world, rt.status,
+                       avg=reduce_op == "avg", debug=debug, bound=symm.wait_bound())
+        if debug:
+            rt.check_status("low-latency all-reduce")
+        return out
+
+
+_BY_RUNTIME: dict[int, LowLatency] = {}
+
+
+def for_runtime(rt) -> LowLatency:
+    """The group's LowLatency, made at its first call (collective: every rank of the group)."""
+    ll = _BY_RUNTIME.get(id(rt))
+    if ll is None or ll.rt is not rt:
+        ll = _BY_RUNTIME[id(rt)] = LowLatency(rt)
+    return ll
