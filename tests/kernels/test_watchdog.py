@@ -196,3 +196,20 @@ def test_eager_tickets_cycle_and_captured_ones_are_kept(dog):
     for _ in range(watchdog.EAGER_KEPT):
         dog.ticket(_call(rt))
     assert kept in dog.calls and len([t for t in dog.calls if t < watchdog.CAPTURED]) == watchdog.EAGER_KEPT
+
+
+def test_a_wait_over_several_flags_names_its_peer_and_releases_every_flag(dog):
+    # the one-shot all-reduce's barrier: one wait per peer and barrier, over every block's flag
+    # (stride apart); blocks 0 and 2 arrived, block 1 and 3 did not
+    flags = [0] * 64
+    flags[4], flags[4 + 2 * 8] = 1, 1
+    rt = FakeRuntime(flags)
+    call = _call(rt, waits=[Wait(4, 1, 1, "ll barrier", token=True, stride=8, count=4)])
+    _begin(dog, rt, call)
+    dog.poll_once()
+    dog.test_clock.now += 11.0
+    caller = Caller()
+    call.thread = caller.thread.ident
+    dog.poll_once()
+    assert len(caller.result()) == 1 and "ll barrier from rank 1" in rt.closed, rt.closed
+    assert rt.released == [(12, 1), (28, 1)]  # every flag of the wait still down, no other

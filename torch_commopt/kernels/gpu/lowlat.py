@@ -24,7 +24,7 @@ clearing.
 The buffer (LL_CAP_BYTES) is allocated once per group, at the first call, and never regrown:
 a larger message runs another schedule.  Waits are spins on the flags, acquire at system
 scope (waits.spin_geq); in debug mode each is bounded in wall time and a timeout is recorded
-in the runtime's status.
+in the runtime's status; otherwise the watchdog watches the call (LowLatency.all_reduce).
 """
 
 from __future__ import annotations
@@ -115,10 +115,23 @@ class LowLatency:
 
     def all_reduce(self, out: torch.Tensor, reduce_op: str, debug: bool) -> torch.Tensor:
         """out = every rank's slot (as out's shape and dtype) summed (avg: / W), on the current
-        stream; the slots were written before, on this stream."""
+        stream; the slots were written before, on this stream.  Outside debug mode the call is
+        watched by the GPU-wait watchdog (kernels/gpu/watchdog.py): its barrier spins are told as
+        one wait per peer and barrier, over every block's flag, so that a stuck call is named and
+        all of its spins released."""
         rt = self.rt
-        launch_oneshot(self.slot_bases, out, rt.flag_bases_dev, rt.rank, rt.world, rt.status,
-                       avg=reduce_op == "avg", debug=debug, bound=symm.wait_bound())
+        watched = rt.begin_call("low-latency all-reduce", label="one-shot all-reduce") if not debug else None
+        if watched is not None:
+            blocks = blocks_for(out.numel())
+            for bar in (symm.LL_BAR, symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD):
+                for p in rt.peers:
+                    rt.expect(bar + p, 1, src=p, what="ll barrier", watched=watched, stride=symm.MAX_WORLD,
+                              count=blocks)
+        try:
+            launch_oneshot(self.slot_bases, out, rt.flag_bases_dev, rt.rank, rt.world, rt.status,
+                           avg=reduce_op == "avg", debug=debug, bound=symm.wait_bound())
+        finally:
+            rt.end_call(watched)
         if debug:
             rt.check_status("low-latency all-reduce")
         return out

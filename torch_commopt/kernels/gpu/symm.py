@@ -532,12 +532,13 @@ class GroupRuntime:
                          bound=wait_bound())
 
     def expect(self, index: int, value: int, *, src: int, what: str, chunk: int = -1,
-               watched: Watched | None = None) -> None:
+               watched: Watched | None = None, stride: int = 0, count: int = 1) -> None:
         """Tell the watchdog that the call waits for this rank's flag `index` >= value (a stream wait
-        does it itself; a kernel's spins are told by its launcher)."""
+        does it itself; a kernel's spins are told by its launcher); stride, count: the same wait
+        on `count` flags `stride` apart (watchdog.Wait)."""
         w = watched or self.watch
         if w is not None:
-            w.call.waits.append(watchdog.Wait(index, value, src, what, chunk, what in TOKEN_WAITS))
+            w.call.waits.append(watchdog.Wait(index, value, src, what, chunk, what in TOKEN_WAITS, stride, count))
 
     # ---- the watchdog ------------------------------------------------------------------------
     def begin_call(self, op: str, schedule=None, lane: str = "", label: str | None = None) -> Watched | None:
@@ -721,7 +722,7 @@ WAIT_CODES = {"barrier": 1, "chunk": 2, "partial": 3, "tiles": 4, "reduced chunk
               "all-to-all piece": 9, "free all-to-all slot": 10, "moe piece": 11, "free moe slot": 12,
               "ll barrier": 13}
 # taken (set 0) once passed
-TOKEN_WAITS = frozenset({"free buffer", "free ring slot", "free all-to-all slot", "free moe slot"})
+TOKEN_WAITS = frozenset({"free buffer", "free ring slot", "free all-to-all slot", "free moe slot", "ll barrier"})
 
 _RUNTIMES: dict[tuple[str, int], GroupRuntime] = {}
 # Runtimes whose flag array the group's ranks did not all allocate (e.g. past the cap), and why:

@@ -71,6 +71,10 @@ class Wait:
     what: str
     chunk: int = -1
     token: bool = False  # a token wait: the call takes the flag back to 0 once it has passed
+    # more flags of the same wait, released with it: index + k * stride for k < count (the
+    # low-latency kernels' per-block barrier flags, told as one wait per peer and barrier)
+    stride: int = 0
+    count: int = 1
 
 
 @dataclass(slots=True, eq=False)
@@ -98,13 +102,18 @@ def _after(value: int, expected: int) -> bool:
     return ((value - expected) & 0xFFFFFFFF) < 0x80000000
 
 
+def _unmet(w: Wait, flags) -> list[int]:
+    """The indexes of w's flags (index + k * stride) not yet at the value awaited."""
+    return [i for i in (w.index + k * w.stride for k in range(w.count)) if not _after(flags[i], w.value)]
+
+
 def stuck_message(call: Call, flags, elapsed: float, timeout: float) -> str:
     """The error of a call stuck for `elapsed` seconds: its first unsatisfied wait (by flags, this
     rank's flag values, or None when they could not be read) named."""
     head = f"{call.describe()} waited {elapsed:.0f} s ({env.WAIT_TIMEOUT_S}={timeout:g})"
     if flags is None:
         return f"{head}; its flags could not be read. A peer stalled, crashed, or runs a different schedule."
-    pending = [w for w in call.waits if not _after(flags[w.index], w.value)]
+    pending = [w for w in call.waits if _unmet(w, flags)]
     # A token reads 0 once passed and taken, so a data wait (its flag lowered only after the call's
     # last read) names the stall better; a token is named when no data wait is pending.
     pending.sort(key=lambda w: w.token)
@@ -114,8 +123,9 @@ def stuck_message(call: Call, flags, elapsed: float, timeout: float) -> str:
     w = pending[0]
     where = f" from rank {w.src}" if w.src >= 0 else ""
     chunk = f", chunk {w.chunk}" if w.chunk >= 0 else ""
+    index = _unmet(w, flags)[0]
     more = f" ({len(pending) - 1} more waits of the call pending)" if len(pending) > 1 else ""
-    return (f"{head} for {w.what}{where}{chunk} (flag {flags[w.index]}, awaited >= {w.value}){more}: "
+    return (f"{head} for {w.what}{where}{chunk} (flag {flags[index]}, awaited >= {w.value}){more}: "
             f"rank {w.src if w.src >= 0 else '?'} stalled, crashed, or runs a different schedule. The call's "
             "results are garbage and the group's GPU schedules are closed in this process: every later "
             "call raises this error.")
@@ -253,8 +263,9 @@ class Watchdog:
             self.told.add(id(runtime))
             raise_in(call.thread, runtime.closed)
         for w in call.waits:
-            if flags is None or not _after(flags[w.index], w.value):
-                runtime.release(w.index, w.value)
+            for index in (w.index + k * w.stride for k in range(w.count)):
+                if flags is None or not _after(flags[index], w.value):
+                    runtime.release(index, w.value)
         self.since[slot] = self.clock()  # released: look again after a poll, not at once
         return message
 
