@@ -69,3 +69,26 @@ def run_oneshot(rank: int, world: int, debug: bool) -> list[str]:
     if rest.any():
         bad.append("barrier flags not at rest")
     return bad
+
+
+def run_matmul_oneshot(rank: int, world: int) -> list[str]:
+    """torch.ops.commopt.matmul_ar with schedule oneshot at decode-sized rows (1, 8, 32; bias; a
+    3-D input), against every rank's partial recomputed here and summed as the reference does."""
+    import torch_commopt  # noqa: F401  (registers the ops)
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD.group_name
+    bad = []
+    for rows in (1, 8, 32):
+        for with_bias in (False, True):
+            gen = torch.Generator(device=device).manual_seed(rows * 10 + with_bias)
+            a_all = [torch.randn(rows, 512, generator=gen, device=device).bfloat16() for _ in range(world)]
+            w_all = [torch.randn(512, 1024, generator=gen, device=device).bfloat16() for _ in range(world)]
+            bias = torch.randn(1024, generator=gen, device=device).bfloat16() if with_bias else None
+            parts = [torch.mm(a, w) if bias is None else torch.addmm(bias, a, w) for a, w in zip(a_all, w_all)]
+            want = _rank_order_sum(torch.stack(parts), "sum")
+            got = torch.ops.commopt.matmul_ar(a_all[rank].view(1, rows, 512), w_all[rank], bias, "sum", world, group,
+                                              "oneshot")
+            if not torch.equal(got.view(rows, 1024), want):
+                bad.append(f"rows {rows} bias {with_bias}: {(got.view(rows, 1024).float() - want.float()).abs().max()}")
+    return bad

@@ -4,8 +4,8 @@ String form: `name[:chunks[:key=value,key=value...]]`, e.g. `sequential`, `chunk
 `ce_push:2`, `fused:4:bm=128,bn=256,bk=64,warps=8,stages=3,store=direct`.  Parsing is strict
 (`Schedule.parse`): chunks are decimal digits, each key is known and given once, integer values
 are decimal digits, text values are tokens of letters, digits and `_.-`; `sequential` has no
-piece count but 1 (its string with parameters is `sequential:1:dbg=1`), nor do `gather_sum` and
-`scatter_gather`.
+piece count but 1 (its string with parameters is `sequential:1:dbg=1`), nor do `gather_sum`,
+`scatter_gather` and `oneshot`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ OP_SCHEDULES = {
     "ag_matmul": ("sequential", "chunked", "local_first", "ce_push", "fused", "autotune", "auto"),
     "matmul_rs": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused", "autotune", "auto"),
     "matmul_ar": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "autotune", "auto", "gather_sum",
-                  "scatter_gather"),
+                  "scatter_gather", "oneshot"),
 }
 # Schedules of one piece only: their string form is the name alone.
-SINGLE = ("sequential", "gather_sum", "scatter_gather")
-GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused")
+SINGLE = ("sequential", "gather_sum", "scatter_gather", "oneshot")
+GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused", "oneshot")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
     "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int, "graphs": int,
@@ -69,6 +69,9 @@ class Schedule:
     scatter_gather: all-reduce only.  The partial cut into W element segments; rank r sums
         segment r of every rank in fp32 in rank order (an all-to-all), then the sums are
         all-gathered.  Plain torch + c10d: the reference of the two-shot all-reduce.
+    oneshot: GPU, all-reduce only, decode-sized calls.  The product computed into this rank's slot
+        of the low-latency buffer, then one kernel: a barrier, every rank's slot summed in fp32 in
+        rank order (gather_sum's bits, its reference twin), a barrier.  Any row count.
     autotune(id=...): a placeholder of Config.mode="autotune": the first call times the
         candidates registered under `id` (tuner.autotune) and runs the winner from then on.
     auto(S): a region whose row count is symbolic (compiled with dynamic shapes): each call
@@ -85,7 +88,7 @@ class Schedule:
     params: tuple[tuple[str, int | str], ...] = ()
 
     NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "local_first", "ce_push", "ce_pull", "direct", "fused",
-                                        "autotune", "auto", "gather_sum", "scatter_gather")
+                                        "autotune", "auto", "gather_sum", "scatter_gather", "oneshot")
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -198,6 +201,8 @@ class Schedule:
         """The plain torch + c10d schedule computing the same pieces in the same order."""
         if self.name in ("gather_sum", "scatter_gather"):
             return Schedule(self.name)
+        if self.name == "oneshot":
+            return Schedule("gather_sum")
         if self.name == "sequential" or self.chunks == 1:
             return Schedule("sequential")
         return Schedule("chunked", self.chunks)
