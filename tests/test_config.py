@@ -136,7 +136,7 @@ def test_gpu_schedule_strings_round_trip(text):
     "auto:4:dbg=1,graphs=1", "autotune:1:id=0123abcd", "autotune:1:cg=1,id=x", "ce_push:1:par=1", "ce_push:2:gemm=whole",
     "ce_push:1:cg=1,dbg=1", "fused:2:bk=64,bm=64,bn=128,stages=3,warps=4", "fused:1:store=ce,tma=1",
     "fused:2:store=direct,tma=1", "fused:1:bm=64,bn=128,store=ce,warps=4", "direct:3", "gather_sum",
-    "scatter_gather", "gather_sum:1:dbg=1", "oneshot", "oneshot:1:cg=1,dbg=1"])
+    "scatter_gather", "gather_sum:1:dbg=1", "oneshot", "oneshot:1:cg=1,dbg=1", "twoshot"])
 def test_every_schedule_form_in_use_parses_and_round_trips(text):
     sched = Schedule.parse(text)
     assert str(sched) == text and Schedule.parse(str(sched)) == sched
@@ -176,6 +176,7 @@ def test_the_rank_order_sums_are_all_reduce_references_of_their_own():
         assert sched.valid_for("matmul_ar") and not sched.valid_for("matmul_rs") and not sched.valid_for("ag_matmul")
     oneshot = Schedule.parse("oneshot")
     assert oneshot.is_gpu and oneshot.reference_twin() == Schedule("gather_sum") and oneshot.in_capture("matmul_ar") == oneshot
+    assert Schedule.parse("twoshot").reference_twin() == Schedule("scatter_gather")
 
 
 def test_schedules_built_in_code_are_checked_too():

@@ -16,7 +16,7 @@ def _partials(call: int, world: int, n: int, dtype, device) -> list[torch.Tensor
     return [torch.randn(n, generator=gen, device=device).to(dtype) for _ in range(world)]
 
 
-def run_oneshot(rank: int, world: int, debug: bool) -> list[str]:
+def run_oneshot(rank: int, world: int, debug: bool, two_shot: bool = False) -> list[str]:
     """Eager calls back to back (sizes from one element to past a block per grid slot, sum and
     avg, bf16 and fp32), then 8 calls captured in one CUDA graph replayed 20 times on fresh
     partials, eager calls between the replays; [failures]."""
@@ -31,7 +31,7 @@ def run_oneshot(rank: int, world: int, debug: bool) -> list[str]:
                 call += 1
                 parts = _partials(call, world, n, dtype, device)
                 ll.slot((n,), dtype).copy_(parts[rank])
-                out = ll.all_reduce(torch.empty(n, dtype=dtype, device=device), op, debug)
+                out = ll.all_reduce(torch.empty(n, dtype=dtype, device=device), op, debug, two_shot)
                 if not torch.equal(out, _rank_order_sum(torch.stack(parts), op)):
                     bad.append(f"eager n={n} {dtype} {op}")
     # captured: the graph copies its input into the slot and reduces, 8 times
@@ -44,11 +44,11 @@ def run_oneshot(rank: int, world: int, debug: bool) -> list[str]:
     with torch.cuda.stream(stream):
         for i in range(8):  # warm-up outside the capture (eager calls)
             ll.slot((n,), dtype).copy_(ins[i])
-            ll.all_reduce(outs[i], "sum", False)
+            ll.all_reduce(outs[i], "sum", False, two_shot)
         with torch.cuda.graph(graph, stream=stream):
             for i in range(8):
                 ll.slot((n,), dtype).copy_(ins[i])
-                ll.all_reduce(outs[i], "sum", False)
+                ll.all_reduce(outs[i], "sum", False, two_shot=two_shot)
     torch.cuda.current_stream(device).wait_stream(stream)
     for replay in range(20):
         parts = [_partials(10_000 + 8 * replay + i, world, n, dtype, device) for i in range(8)]
@@ -61,7 +61,7 @@ def run_oneshot(rank: int, world: int, debug: bool) -> list[str]:
         call += 1  # an eager call between replays
         extra = _partials(call, world, 333, dtype, device)
         ll.slot((333,), dtype).copy_(extra[rank])
-        if not torch.equal(ll.all_reduce(torch.empty(333, dtype=dtype, device=device), "sum", debug),
+        if not torch.equal(ll.all_reduce(torch.empty(333, dtype=dtype, device=device), "sum", debug, two_shot),
                            _rank_order_sum(torch.stack(extra), "sum")):
             bad.append(f"eager between replays {replay}")
     torch.cuda.synchronize(device)
@@ -71,8 +71,8 @@ def run_oneshot(rank: int, world: int, debug: bool) -> list[str]:
     return bad
 
 
-def run_matmul_oneshot(rank: int, world: int) -> list[str]:
-    """torch.ops.commopt.matmul_ar with schedule oneshot at decode-sized rows (1, 8, 32; bias; a
+def run_matmul_oneshot(rank: int, world: int, schedule: str = "oneshot") -> list[str]:
+    """torch.ops.commopt.matmul_ar with schedule oneshot (or twoshot) at decode-sized rows (1, 8, 32; bias; a
     3-D input), against every rank's partial recomputed here and summed as the reference does."""
     import torch_commopt  # noqa: F401  (registers the ops)
 
@@ -88,7 +88,7 @@ def run_matmul_oneshot(rank: int, world: int) -> list[str]:
             parts = [torch.mm(a, w) if bias is None else torch.addmm(bias, a, w) for a, w in zip(a_all, w_all)]
             want = _rank_order_sum(torch.stack(parts), "sum")
             got = torch.ops.commopt.matmul_ar(a_all[rank].view(1, rows, 512), w_all[rank], bias, "sum", world, group,
-                                              "oneshot")
+                                              schedule)
             if not torch.equal(got.view(rows, 1024), want):
                 bad.append(f"rows {rows} bias {with_bias}: {(got.view(rows, 1024).float() - want.float()).abs().max()}")
     return bad

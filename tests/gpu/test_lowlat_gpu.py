@@ -1,4 +1,4 @@
-"""The low-latency one-shot all-reduce (kernels/gpu/lowlat.py) on GPUs: every result equal to its
+"""The low-latency one-shot and two-shot all-reduces (kernels/gpu/lowlat.py) on GPUs: every result equal to its
 reference's bits (gather_sum), eager and replayed from a CUDA graph with eager calls between, in
 production and in debug mode, and the barrier flags at rest afterwards."""
 
@@ -11,15 +11,17 @@ from torch_commopt.testing.launch import run_distributed
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one-shot", "two-shot"])
 @pytest.mark.parametrize("debug", [False, True], ids=["production", "debug"])
-def test_oneshot_all_reduce_gives_the_reference_bits(two_ranks, debug):
+def test_low_latency_all_reduce_gives_the_reference_bits(two_ranks, debug, two_shot):
     world, backend = two_ranks
-    for bad in run_distributed(run_oneshot, world, debug, backend=backend, timeout_s=300):
+    for bad in run_distributed(run_oneshot, world, debug, two_shot, backend=backend, timeout_s=300):
         assert not bad, bad
 
 
 @pytest.mark.gpu
-def test_matmul_ar_oneshot_gives_the_reference_bits(two_ranks):
+@pytest.mark.parametrize("schedule", ["oneshot", "twoshot"])
+def test_matmul_ar_low_latency_gives_the_reference_bits(two_ranks, schedule):
     world, backend = two_ranks
-    for bad in run_distributed(run_matmul_oneshot, world, backend=backend, timeout_s=300):
+    for bad in run_distributed(run_matmul_oneshot, world, schedule, backend=backend, timeout_s=300):
         assert not bad, bad

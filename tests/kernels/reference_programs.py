@@ -11,7 +11,7 @@ from torch_commopt.testing.validate import rel_err
 
 SCHEDULES = ("sequential", "chunked:2", "chunked:3", "chunked:64")
 AG_ONLY = ("local_first",)
-AR_ONLY = ("gather_sum", "scatter_gather", "oneshot")  # oneshot: its twin gather_sum off the GPU
+AR_ONLY = ("gather_sum", "scatter_gather", "oneshot", "twoshot")  # off the GPU: their twins
 
 
 def _rand(gen, *shape):

@@ -16,7 +16,8 @@ program waiting for a later one would wait forever):
 - ll:    the one-shot all-reduce (kernels/gpu/lowlat.ll_oneshot_kernel): the fp32 rank-order sum
          bit for bit as its reference, avg, a tail, a grid smaller than the blocks of work; each
          barrier's flags told to every peer and cleared at home; a peer that never arrives
-         reported in debug mode;
+         reported in debug mode; the two-shot one (ll_twoshot_kernel), the peers' reduced
+         segments stood in for: its own segment's sum and the whole result, bit for bit;
 - waits: spin_geq's debug bound (waits.bounded_wait): a flag that is set passes, one that
          never is gives up after the bound and records (code, src, chunk, seen, expected);
          the consumers above with debug=True, where a wrong flag index is reported in
@@ -263,14 +264,53 @@ def _ll(name, *, world, me, n, dtype, avg=False, debug=False, missing=None):
             assert got == [1] * (2 * blocks), (name, p, got)
 
 
+def _ll2(name, *, world, me, n, dtype, avg=False):
+    """The two-shot all-reduce kernel (lowlat.ll_twoshot_kernel) of rank `me`: every slot filled,
+    the peers' reduced regions holding their segments' sums (their kernels' first step, which the
+    interpreter cannot run beside this one), their barrier flags set."""
+    from torch_commopt.kernels.gpu import lowlat, symm
+    from torch_commopt.kernels.matmul.reference.matmul_reduce import _rank_order_sum
+
+    gen = torch.Generator().manual_seed(7 * n + world)
+    slots = [torch.randn(n, generator=gen).to(dtype) for _ in range(world)]
+    want = _rank_order_sum(torch.stack(slots), "avg" if avg else "sum")
+    seg = lowlat.segment(n, world)
+    reds = [torch.zeros(seg, dtype=dtype) for _ in range(world)]
+    for q in range(world):
+        if q != me:
+            piece = want[q * seg: (q + 1) * seg]
+            reds[q][: piece.numel()] = piece
+    flags = [torch.zeros(symm.FLAG_SLOTS, dtype=torch.int32) for _ in range(world)]
+    phase1 = symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD
+    for bar in (symm.LL_BAR, phase1):
+        for b in range(lowlat.blocks_for(seg)):
+            for p in range(world):
+                if p != me:
+                    flags[me][bar + b * symm.MAX_WORLD + p] = 1
+    out, status = torch.zeros(n, dtype=dtype), torch.zeros(8, dtype=torch.int32)
+    table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+    lowlat.launch_twoshot(table(slots), table(reds), out, table(flags), me, world, status, avg=avg, debug=True,
+                          bound=BOUND_NS)
+    assert status.tolist() == [0] * 8, (name, status.tolist())
+    assert torch.equal(out, want), (name, (out.float() - want.float()).abs().max())
+    mine = want[me * seg: (me + 1) * seg]
+    assert torch.equal(reds[me][: mine.numel()], mine), f"{name}: its own segment's sum"
+    assert not flags[me][symm.LL_BAR: phase1 + symm.LL_BLOCKS * symm.MAX_WORLD].any(), f"{name}: flags not cleared"
+
+
 def group_ll():
+    _ll2("two-shot, one element, 2 ranks", world=2, me=1, n=1, dtype=torch.float32)
+    _ll2("two-shot, segments with a short last one, 3 ranks", world=3, me=2, n=lowlat_block() * 2 + 5,
+         dtype=torch.float16)
+    _ll2("two-shot, more blocks than the grid, 4 ranks, avg", world=4, me=0, n=lowlat_block() * 300 + 9,
+         dtype=torch.float32, avg=True)
     _ll("one element, 2 ranks", world=2, me=0, n=1, dtype=torch.float32)
     _ll("a block and a tail, 3 ranks", world=3, me=1, n=lowlat_block() + 37, dtype=torch.float16)
     _ll("more blocks than the grid, 4 ranks, avg", world=4, me=3, n=lowlat_block() * 70 + 5, dtype=torch.float32,
         avg=True)
     _ll("debug waits, all there", world=2, me=1, n=300, dtype=torch.float16, debug=True)
     _ll("a peer that never arrives", world=3, me=0, n=300, dtype=torch.float32, debug=True, missing=2)
-    return 5
+    return 8
 
 
 def lowlat_block():

@@ -5,7 +5,7 @@ String form: `name[:chunks[:key=value,key=value...]]`, e.g. `sequential`, `chunk
 (`Schedule.parse`): chunks are decimal digits, each key is known and given once, integer values
 are decimal digits, text values are tokens of letters, digits and `_.-`; `sequential` has no
 piece count but 1 (its string with parameters is `sequential:1:dbg=1`), nor do `gather_sum`,
-`scatter_gather` and `oneshot`.
+`scatter_gather`, `oneshot` and `twoshot`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ OP_SCHEDULES = {
     "ag_matmul": ("sequential", "chunked", "local_first", "ce_push", "fused", "autotune", "auto"),
     "matmul_rs": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "fused", "autotune", "auto"),
     "matmul_ar": ("sequential", "chunked", "ce_push", "ce_pull", "direct", "autotune", "auto", "gather_sum",
-                  "scatter_gather", "oneshot"),
+                  "scatter_gather", "oneshot", "twoshot"),
 }
 # Schedules of one piece only: their string form is the name alone.
-SINGLE = ("sequential", "gather_sum", "scatter_gather", "oneshot")
-GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused", "oneshot")
+SINGLE = ("sequential", "gather_sum", "scatter_gather", "oneshot", "twoshot")
+GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused", "oneshot", "twoshot")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
     "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int, "graphs": int,
@@ -72,6 +72,9 @@ class Schedule:
     oneshot: GPU, all-reduce only, decode-sized calls.  The product computed into this rank's slot
         of the low-latency buffer, then one kernel: a barrier, every rank's slot summed in fp32 in
         rank order (gather_sum's bits, its reference twin), a barrier.  Any row count.
+    twoshot: GPU, all-reduce only.  The same slot; the kernel sums one element segment per rank
+        and copies every rank's sums out (scatter_gather's bits, its twin): fewer bytes read than
+        oneshot at more ranks and larger messages.
     autotune(id=...): a placeholder of Config.mode="autotune": the first call times the
         candidates registered under `id` (tuner.autotune) and runs the winner from then on.
     auto(S): a region whose row count is symbolic (compiled with dynamic shapes): each call
@@ -88,7 +91,7 @@ class Schedule:
     params: tuple[tuple[str, int | str], ...] = ()
 
     NAMES: ClassVar[tuple[str, ...]] = ("sequential", "chunked", "local_first", "ce_push", "ce_pull", "direct", "fused",
-                                        "autotune", "auto", "gather_sum", "scatter_gather", "oneshot")
+                                        "autotune", "auto", "gather_sum", "scatter_gather", "oneshot", "twoshot")
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -201,8 +204,8 @@ class Schedule:
         """The plain torch + c10d schedule computing the same pieces in the same order."""
         if self.name in ("gather_sum", "scatter_gather"):
             return Schedule(self.name)
-        if self.name == "oneshot":
-            return Schedule("gather_sum")
+        if self.name in ("oneshot", "twoshot"):
+            return Schedule("gather_sum" if self.name == "oneshot" else "scatter_gather")
         if self.name == "sequential" or self.chunks == 1:
             return Schedule("sequential")
         return Schedule("chunked", self.chunks)

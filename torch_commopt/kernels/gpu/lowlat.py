@@ -1,4 +1,4 @@
-"""Low-latency collectives for decode-sized messages: the one-shot all-reduce.
+"""Low-latency collectives for decode-sized messages: the one-shot and two-shot all-reduces.
 
 A decode step's all-reduces move a few KB.  NCCL takes tens of microseconds for that; the time
 is latency, not bandwidth.  The one-shot all-reduce is one kernel launch: every rank has written
@@ -12,6 +12,10 @@ its partial into its slot of a symmetric buffer, then each block of the kernel
     barrier 1    tells every peer it has read, and waits until every peer has: no rank
                  writes its slot again (its next call's partial) while a peer still reads it
 
+The two-shot all-reduce (ll_twoshot_kernel) reads less at more ranks: each rank sums one segment
+of every rank's slot into its reduced region, then copies every rank's reduced segment out, with
+the same two barriers around the first step (the same bits: Schedule scatter_gather).
+
 Each barrier is per block: block b of a rank waits only for block b of its peers, which read
 the same range.  Its flags (symm.LL_BAR, per phase, block and peer) take the values 0 and 1
 only and are back at 0 when the kernel ends -- no epoch, no token, no host step -- so eager
@@ -21,7 +25,7 @@ A peer's signal for phase p of call n + 1 cannot land before this rank cleared i
 the peer passes phase 1 - p of call n only after this rank signalled it, which it does after
 clearing.
 
-The buffer (LL_CAP_BYTES) is allocated once per group, at the first call, and never regrown:
+The buffer (a slot and a reduced region, LL_CAP_BYTES each) is allocated once per group, at the first call, and never regrown:
 a larger message runs another schedule.  Waits are spins on the flags, acquire at system
 scope (waits.spin_geq); in debug mode each is bounded in wall time and a timeout is recorded
 in the runtime's status; otherwise the watchdog watches the call (LowLatency.all_reduce).
@@ -80,6 +84,39 @@ def ll_oneshot_kernel(slot_bases, out, n, flag_bases, me, status, bound, W: tl.c
     _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG)
 
 
+@triton.jit(do_not_specialize=["me", "n", "seg", "bound"])
+def ll_twoshot_kernel(slot_bases, red_bases, out, n, seg, flag_bases, me, status, bound, W: tl.constexpr,
+                      BAR0: tl.constexpr, BAR1: tl.constexpr, CODE: tl.constexpr, MAX_WORLD: tl.constexpr,
+                      BLOCK: tl.constexpr, AVG: tl.constexpr, DEBUG: tl.constexpr):
+    """The two-shot all-reduce: after barrier 0, rank `me` sums its segment [me * seg, (me + 1) *
+    seg) of every rank's slot (fp32, rank order, cast once) into its reduced region (red_bases);
+    after barrier 1, it copies every rank's reduced segment into out.  No third barrier: a rank
+    rewrites its slot (its next partial) only once its kernel passed barrier 1, when every peer has
+    read its segment of it, and its reduced region only after barrier 0 of its next call, which no
+    peer reaches before it has copied this call's segments out."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    _ll_barrier(flag_bases, me, pid, status, bound, BAR0, W, CODE, MAX_WORLD, DEBUG)
+    mine = tl.load(red_bases + me).to(tl.pointer_type(out.dtype.element_ty))
+    for start in range(pid * BLOCK, seg, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = (offs < seg) & (me * seg + offs < n)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(W):
+            src = tl.load(slot_bases + r).to(tl.pointer_type(out.dtype.element_ty))
+            acc += tl.load(src + me * seg + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        if AVG:
+            acc = acc / W
+        tl.store(mine + offs, acc.to(out.dtype.element_ty), mask=mask)
+    _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG)
+    for start in range(pid * BLOCK, seg, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        for q in tl.static_range(W):
+            mask = (offs < seg) & (q * seg + offs < n)
+            red = tl.load(red_bases + q).to(tl.pointer_type(out.dtype.element_ty))
+            tl.store(out + q * seg + offs, tl.load(red + offs, mask=mask, other=0.0, volatile=True), mask=mask)
+
+
 def blocks_for(n: int) -> int:
     """The grid of a one-shot call over n elements (the same on every rank: n is)."""
     return max(1, min(symm.LL_BLOCKS, triton.cdiv(n, BLOCK)))
@@ -96,14 +133,35 @@ def launch_oneshot(slot_bases: torch.Tensor, out: torch.Tensor, flag_bases: torc
         MAX_WORLD=symm.MAX_WORLD, BLOCK=BLOCK, AVG=avg, DEBUG=debug, num_warps=4)
 
 
+def segment(n: int, world: int) -> int:
+    """Elements of a rank's segment in the two-shot all-reduce (the last one shorter)."""
+    return triton.cdiv(n, world)
+
+
+def launch_twoshot(slot_bases: torch.Tensor, red_bases: torch.Tensor, out: torch.Tensor, flag_bases: torch.Tensor,
+                   me: int, world: int, status: torch.Tensor, *, avg: bool, debug: bool, bound: int) -> None:
+    """The two-shot all-reduce of every rank's slot (slot_bases) into `out`, through every rank's
+    reduced region (red_bases), on the current stream."""
+    n = out.numel()
+    seg = segment(n, world)
+    ll_twoshot_kernel[(blocks_for(seg),)](
+        slot_bases, red_bases, out, n, seg, flag_bases, me, status, bound, W=world, BAR0=symm.LL_BAR,
+        BAR1=symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD, CODE=symm.WAIT_CODES["ll barrier"],
+        MAX_WORLD=symm.MAX_WORLD, BLOCK=BLOCK, AVG=avg, DEBUG=debug, num_warps=4)
+
+
 class LowLatency:
     """A group's low-latency buffer: this rank's slot (a view to compute a partial into) and the
     one-shot all-reduce over every rank's slot."""
 
     def __init__(self, rt) -> None:
         self.rt = rt
-        self.buf = rt.own_buffer(PURPOSE, LL_CAP_BYTES)  # collective, once per group
-        self.slot_bases = rt._int64_table(symm.LL_PTRS, [self.buf.address(r, 0) for r in range(rt.world)])  # noqa: SLF001
+        # the slot, then the two-shot's reduced region: LL_CAP_BYTES each; collective, once per group
+        self.buf = rt.own_buffer(PURPOSE, 2 * LL_CAP_BYTES)
+        addresses = [self.buf.address(r, 0) for r in range(rt.world)]
+        self.slot_bases = rt._int64_table(symm.LL_PTRS, addresses)  # noqa: SLF001
+        self.red_bases = rt._int64_table(symm.LL_PTRS + 2 * symm.MAX_WORLD,  # noqa: SLF001
+                                         [x + LL_CAP_BYTES for x in addresses])
 
     @staticmethod
     def fits(numel: int, dtype: torch.dtype) -> bool:
@@ -113,23 +171,28 @@ class LowLatency:
         """This rank's slot as a (shape, dtype) tensor: what the peers read."""
         return self.buf.view(self.rt.rank, 0, tuple(shape), dtype)
 
-    def all_reduce(self, out: torch.Tensor, reduce_op: str, debug: bool) -> torch.Tensor:
+    def all_reduce(self, out: torch.Tensor, reduce_op: str, debug: bool, two_shot: bool = False) -> torch.Tensor:
         """out = every rank's slot (as out's shape and dtype) summed (avg: / W), on the current
-        stream; the slots were written before, on this stream.  Outside debug mode the call is
-        watched by the GPU-wait watchdog (kernels/gpu/watchdog.py): its barrier spins are told as
-        one wait per peer and barrier, over every block's flag, so that a stuck call is named and
-        all of its spins released."""
+        stream; the slots were written before, on this stream.  two_shot: the two-shot kernel.
+        Outside debug mode the call is watched by the GPU-wait watchdog (kernels/gpu/watchdog.py):
+        its barrier spins are told as one wait per peer and barrier, over every block's flag, so
+        that a stuck call is named and all of its spins released."""
         rt = self.rt
-        watched = rt.begin_call("low-latency all-reduce", label="one-shot all-reduce") if not debug else None
+        label = "two-shot all-reduce" if two_shot else "one-shot all-reduce"
+        watched = rt.begin_call("low-latency all-reduce", label=label) if not debug else None
         if watched is not None:
-            blocks = blocks_for(out.numel())
+            blocks = blocks_for(segment(out.numel(), rt.world) if two_shot else out.numel())
             for bar in (symm.LL_BAR, symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD):
                 for p in rt.peers:
                     rt.expect(bar + p, 1, src=p, what="ll barrier", watched=watched, stride=symm.MAX_WORLD,
                               count=blocks)
         try:
-            launch_oneshot(self.slot_bases, out, rt.flag_bases_dev, rt.rank, rt.world, rt.status,
-                           avg=reduce_op == "avg", debug=debug, bound=symm.wait_bound())
+            if two_shot:
+                launch_twoshot(self.slot_bases, self.red_bases, out, rt.flag_bases_dev, rt.rank, rt.world, rt.status,
+                               avg=reduce_op == "avg", debug=debug, bound=symm.wait_bound())
+            else:
+                launch_oneshot(self.slot_bases, out, rt.flag_bases_dev, rt.rank, rt.world, rt.status,
+                               avg=reduce_op == "avg", debug=debug, bound=symm.wait_bound())
         finally:
             rt.end_call(watched)
         if debug:

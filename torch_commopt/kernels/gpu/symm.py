@@ -102,8 +102,9 @@ MOE_DATA = MOE_FREE + 2 * MAX_WORLD
 # (0: before reading the peers' slots, 1: after), back to 0 once this rank's block has seen it.
 LL_BLOCKS = 64
 LL_BAR = MOE_DATA + 2 * MAX_WORLD
-LL_PTRS = LL_BAR + 2 * LL_BLOCKS * MAX_WORLD  # int64 [MAX_WORLD]: every rank's LL buffer address
-assert LL_PTRS + 2 * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0 and LL_PTRS % 2 == 0
+# int64 [2][MAX_WORLD]: every rank's low-latency slot address, then its reduced region's (two-shot)
+LL_PTRS = LL_BAR + 2 * LL_BLOCKS * MAX_WORLD
+assert LL_PTRS + 4 * MAX_WORLD <= FLAG_SLOTS and FLAG_BASES % 2 == 0 and LL_PTRS % 2 == 0
 assert RING_DATA + 2 * HALVES <= DATA
 
 MIN_BUFFER_BYTES = 1 << 24

@@ -1,7 +1,8 @@
-"""matmul + all-reduce for decode-sized calls: `oneshot`, the product computed straight into this
-rank's slot of the low-latency buffer, then the one-shot all-reduce kernel (kernels/gpu/lowlat.py).
+"""matmul + all-reduce for decode-sized calls: `oneshot` / `twoshot`, the product computed straight
+into this rank's slot of the low-latency buffer, then the one-shot / two-shot all-reduce kernel
+(kernels/gpu/lowlat.py).
 Two launches a call (cuBLAS, then the kernel), no copy of the partial; every rank gets the same
-bits as the reference, Schedule gather_sum (fp32 sums in rank order).  Any row count runs: no row
+bits as the reference, Schedule gather_sum / scatter_gather (fp32 sums in rank order).  Any row count runs: no row
 splits over the ranks, every rank sums every element of its own output."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def refusal(a, weight, world: int, group_name: str, capturing: bool, sc) -> str | None:
-    """Why this call cannot run `oneshot` (None: it can)."""
+    """Why this call cannot run `oneshot` or `twoshot` (None: it can)."""
     if weight.dim() != 2:
         return "batched (3-D) weight"
     if sc is not None:
@@ -35,8 +36,9 @@ def refusal(a, weight, world: int, group_name: str, capturing: bool, sc) -> str 
     return None
 
 
-def matmul_ar_oneshot(prod: Product, reduce_op: str, group_name: str, sched: Schedule) -> torch.Tensor:
-    """t = a @ weight (+ bias) (+ the K parts' products), all-reduced by the one-shot kernel."""
+def matmul_ar_lowlat(prod: Product, reduce_op: str, group_name: str, sched: Schedule) -> torch.Tensor:
+    """t = a @ weight (+ bias) (+ the K parts' products), all-reduced by the one-shot or two-shot
+    kernel (sched.name)."""
     a, weight, bias = prod.a, prod.weight, prod.bias
     ll = lowlat.for_runtime(symm.runtime(group_name, a.device))
     rows, n = a.numel() // a.shape[-1], weight.shape[-1]
@@ -49,4 +51,4 @@ def matmul_ar_oneshot(prod: Product, reduce_op: str, group_name: str, sched: Sch
     for x, w in prod.parts:
         slot.addmm_(x.reshape(rows, x.shape[-1]), w)
     out = a.new_empty(list(a.shape[:-1]) + [n])
-    return ll.all_reduce(out, reduce_op, debug=symm.debug_waits(sched))
+    return ll.all_reduce(out, reduce_op, debug=symm.debug_waits(sched), two_shot=sched.name == "twoshot")

@@ -100,7 +100,7 @@ def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule:
                        capturing: bool = False, sc: Scaled | None = None) -> str | None:
     """Why this call cannot run the GPU schedule (None: it can).  K parts (ops.k_parts) run
     on every schedule: they are no reason."""
-    if schedule.name == "oneshot":
+    if schedule.name in ("oneshot", "twoshot"):
         from torch_commopt.kernels.matmul.gpu.lowlat_ar import refusal
 
         return refusal(a, weight, world, group_name, capturing, sc)
@@ -276,10 +276,10 @@ def matmul_rs_gpu(prod: Product, scatter_dim, reduce_op, group_name, sched: Sche
 
 
 def matmul_ar_gpu(prod: Product, reduce_op, group_name, sched: Schedule):
-    if sched.name == "oneshot":
-        from torch_commopt.kernels.matmul.gpu.lowlat_ar import matmul_ar_oneshot
+    if sched.name in ("oneshot", "twoshot"):
+        from torch_commopt.kernels.matmul.gpu.lowlat_ar import matmul_ar_lowlat
 
-        return matmul_ar_oneshot(prod, reduce_op, group_name, sched)
+        return matmul_ar_lowlat(prod, reduce_op, group_name, sched)
     prod = _for_fused(prod, sched)
     a, weight, bias, sc = prod.a, prod.weight, prod.bias, prod.sc
     rt = symm.runtime(group_name, a.device)
