@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -87,6 +87,10 @@ if [[ $what == moe ]]; then
   python3 -m pip install -q --no-deps --target "$ttsite" .whl/*.whl > "$out/tt_install.log" 2>&1
   PYTHONPATH=$ttsite:$PYTHONPATH timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_moe --out "$out" \
     ${BENCH_ARGS:-} 2>&1 | tee "$out/moe.log"
+fi
+if [[ $what == decode ]]; then
+  # issue 69 (a), W GPUs: decode-sized GEMM + all-reduce, NCCL vs torch symm_mem vs oneshot/twoshot, from CUDA graphs
+  timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_decode --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/decode.log"
 fi
 if [[ $what == attention1 ]]; then
   # one GPU: the CUDA local-attention backends vs math, and each schedule's compute alone per rank
