@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torch_commopt import Config, Schedule
-from torch_commopt.backend import RefusedOptions, commopt_backend
+from torch_commopt.backend import RefusedOptions, commopt_backend, replayed_by_mode
 from torch_commopt.core.attention_spec import CPSchedule
 
 
@@ -58,6 +58,15 @@ def test_good_numbers_and_inductor_keys_pass():
                  extra_inductor_options={"triton.cudagraphs": False, "fx_graph_cache": True})
     assert cfg.memory_budget_mib == 0 and cfg.consistency_timeout_s == 1
     assert Config(saved_gather_budget_mib=512.5).saved_gather_budget_mib == 512.5
+
+
+def test_a_mode_that_replays_cuda_graphs_ranks_schedules_as_replayed():
+    # torch.compile(mode="reduce-overhead") makes Inductor capture CUDA graphs: decode runs so
+    assert replayed_by_mode(Config(), "reduce-overhead").cuda_graphs
+    assert replayed_by_mode(Config(), "max-autotune").cuda_graphs
+    assert not replayed_by_mode(Config(), "default").cuda_graphs and not replayed_by_mode(Config(), None).cuda_graphs
+    kept = Config(cuda_graphs=True)
+    assert replayed_by_mode(kept, None) is kept
 
 
 def test_a_dead_peer_is_waited_for_30_s_by_default():

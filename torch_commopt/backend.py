@@ -88,7 +88,20 @@ def commopt_backend(gm: torch.fx.GraphModule, example_inputs, *, options: Any = 
         return RefusedOptions(str(e))
     from torch._inductor.compile_fx import compile_fx
 
+    config = replayed_by_mode(config, mode)
     return compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode))
+
+
+def replayed_by_mode(config: Config, mode: str | None) -> Config:
+    """`config` with cuda_graphs on when torch.compile's `mode` makes Inductor replay CUDA graphs
+    ("reduce-overhead", "max-autotune"): the schedules are then ranked as replayed (no per-call
+    host cost), as they run.  Logged once per compile."""
+    if config.cuda_graphs or mode is None or not torch._inductor.list_mode_options(mode).get("triton.cudagraphs"):
+        return config
+    import dataclasses
+
+    log.info("commopt backend: mode=%r replays CUDA graphs; ranking schedules as replayed (cuda_graphs=True)", mode)
+    return dataclasses.replace(config, cuda_graphs=True)
 
 
 def register() -> None:
