@@ -249,7 +249,8 @@ def _ll(name, *, world, me, n, dtype, avg=False, debug=False, missing=None):
                     flags[me][bar + b * symm.MAX_WORLD + p] = 1
     out, status = torch.zeros(n, dtype=dtype), torch.zeros(8, dtype=torch.int32)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
-    lowlat.launch_oneshot(table(slots), out, table(flags), me, world, status, avg=avg, debug=debug, bound=BOUND_NS)
+    ranks = lowlat.Ranks(table(slots), None, table(flags), me, world, status)
+    lowlat.launch_oneshot(ranks, out, avg=avg, debug=debug, bound=BOUND_NS)
     if missing is not None:  # reported: (code, src, chunk) of the first wait that gave up
         assert status[0] == 1 and status[1:4].tolist() == [symm.WAIT_CODES["ll barrier"], missing, 0], (name, status)
         return
@@ -289,8 +290,8 @@ def _ll2(name, *, world, me, n, dtype, avg=False):
                     flags[me][bar + b * symm.MAX_WORLD + p] = 1
     out, status = torch.zeros(n, dtype=dtype), torch.zeros(8, dtype=torch.int32)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
-    lowlat.launch_twoshot(table(slots), table(reds), out, table(flags), me, world, status, avg=avg, debug=True,
-                          bound=BOUND_NS)
+    ranks = lowlat.Ranks(table(slots), table(reds), table(flags), me, world, status)
+    lowlat.launch_twoshot(ranks, out, avg=avg, debug=True, bound=BOUND_NS)
     assert status.tolist() == [0] * 8, (name, status.tolist())
     assert torch.equal(out, want), (name, (out.float() - want.float()).abs().max())
     mine = want[me * seg: (me + 1) * seg]

@@ -33,6 +33,8 @@ in the runtime's status; otherwise the watchdog watches the call (LowLatency.all
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -122,15 +124,32 @@ def blocks_for(n: int) -> int:
     return max(1, min(symm.LL_BLOCKS, triton.cdiv(n, BLOCK)))
 
 
-def launch_oneshot(slot_bases: torch.Tensor, out: torch.Tensor, flag_bases: torch.Tensor, me: int, world: int,
-                   status: torch.Tensor, *, avg: bool, debug: bool, bound: int) -> None:
-    """The one-shot all-reduce of every rank's slot (slot_bases) into `out` (contiguous, its
-    numel elements), on the current stream."""
+@dataclass(frozen=True)
+class Ranks:
+    """Where a low-latency kernel finds every rank of its group: the slots' addresses, the reduced
+    regions' (two-shot), the flag arrays' (int64 [W] device tables each); this rank, the group's
+    size, and the status words a debug-mode timeout is recorded in."""
+
+    slot_bases: torch.Tensor
+    red_bases: torch.Tensor | None
+    flag_bases: torch.Tensor
+    me: int
+    world: int
+    status: torch.Tensor
+
+
+def _barriers() -> dict:
+    return dict(BAR0=symm.LL_BAR, BAR1=symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD,
+                CODE=symm.WAIT_CODES["ll barrier"], MAX_WORLD=symm.MAX_WORLD, BLOCK=BLOCK)
+
+
+def launch_oneshot(ranks: Ranks, out: torch.Tensor, *, avg: bool, debug: bool, bound: int) -> None:
+    """The one-shot all-reduce of every rank's slot into `out` (contiguous, its numel elements),
+    on the current stream."""
     n = out.numel()
     ll_oneshot_kernel[(blocks_for(n),)](
-        slot_bases, out, n, flag_bases, me, status, bound, W=world, BAR0=symm.LL_BAR,
-        BAR1=symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD, CODE=symm.WAIT_CODES["ll barrier"],
-        MAX_WORLD=symm.MAX_WORLD, BLOCK=BLOCK, AVG=avg, DEBUG=debug, num_warps=4)
+        ranks.slot_bases, out, n, ranks.flag_bases, ranks.me, ranks.status, bound, W=ranks.world, AVG=avg,
+        DEBUG=debug, num_warps=4, **_barriers())
 
 
 def segment(n: int, world: int) -> int:
@@ -138,16 +157,14 @@ def segment(n: int, world: int) -> int:
     return triton.cdiv(n, world)
 
 
-def launch_twoshot(slot_bases: torch.Tensor, red_bases: torch.Tensor, out: torch.Tensor, flag_bases: torch.Tensor,
-                   me: int, world: int, status: torch.Tensor, *, avg: bool, debug: bool, bound: int) -> None:
-    """The two-shot all-reduce of every rank's slot (slot_bases) into `out`, through every rank's
-    reduced region (red_bases), on the current stream."""
+def launch_twoshot(ranks: Ranks, out: torch.Tensor, *, avg: bool, debug: bool, bound: int) -> None:
+    """The two-shot all-reduce of every rank's slot into `out`, through every rank's reduced
+    region, on the current stream."""
     n = out.numel()
-    seg = segment(n, world)
+    seg = segment(n, ranks.world)
     ll_twoshot_kernel[(blocks_for(seg),)](
-        slot_bases, red_bases, out, n, seg, flag_bases, me, status, bound, W=world, BAR0=symm.LL_BAR,
-        BAR1=symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD, CODE=symm.WAIT_CODES["ll barrier"],
-        MAX_WORLD=symm.MAX_WORLD, BLOCK=BLOCK, AVG=avg, DEBUG=debug, num_warps=4)
+        ranks.slot_bases, ranks.red_bases, out, n, seg, ranks.flag_bases, ranks.me, ranks.status, bound,
+        W=ranks.world, AVG=avg, DEBUG=debug, num_warps=4, **_barriers())
 
 
 class LowLatency:
@@ -162,6 +179,7 @@ class LowLatency:
         self.slot_bases = rt._int64_table(symm.LL_PTRS, addresses)  # noqa: SLF001
         self.red_bases = rt._int64_table(symm.LL_PTRS + 2 * symm.MAX_WORLD,  # noqa: SLF001
                                          [x + LL_CAP_BYTES for x in addresses])
+        self.ranks = Ranks(self.slot_bases, self.red_bases, rt.flag_bases_dev, rt.rank, rt.world, rt.status)
 
     @staticmethod
     def fits(numel: int, dtype: torch.dtype) -> bool:
@@ -187,12 +205,8 @@ class LowLatency:
                     rt.expect(bar + p, 1, src=p, what="ll barrier", watched=watched, stride=symm.MAX_WORLD,
                               count=blocks)
         try:
-            if two_shot:
-                launch_twoshot(self.slot_bases, self.red_bases, out, rt.flag_bases_dev, rt.rank, rt.world, rt.status,
-                               avg=reduce_op == "avg", debug=debug, bound=symm.wait_bound())
-            else:
-                launch_oneshot(self.slot_bases, out, rt.flag_bases_dev, rt.rank, rt.world, rt.status,
-                               avg=reduce_op == "avg", debug=debug, bound=symm.wait_bound())
+            launch = launch_twoshot if two_shot else launch_oneshot
+            launch(self.ranks, out, avg=reduce_op == "avg", debug=debug, bound=symm.wait_bound())
         finally:
             rt.end_call(watched)
         if debug:
