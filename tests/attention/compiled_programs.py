@@ -222,3 +222,41 @@ def trained_ulysses(rank: int, world: int, heads: tuple[int, int], causal: bool,
     if not return_saved:
         return errs, notes, a2as
     return errs, notes, a2as, sum(saved.values())
+
+
+def _decode(q, k, v, mask):
+    """gpt-fast style decoding over a sequence-sharded cache: the cache gathered, a few queries."""
+    kf = funcol.all_gather_tensor(k, gather_dim=2, group=dist.group.WORLD)
+    vf = funcol.all_gather_tensor(v, gather_dim=2, group=dist.group.WORLD)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, kf, vf, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def compiled_decode(rank: int, world: int, s_q: int, masked: bool):
+    """(error of the compiled decode vs whole-cache attention in float64, eager float32's, the
+    explain notes, the all-gathers left in the compiled graph, the result's bits on this rank)."""
+    b, h, h_kv, s_loc, d = 2, 4, 2, 8, 16
+    gen = torch.Generator().manual_seed(7 + s_q)
+    q = torch.randn(b, h, s_q, d, generator=gen)
+    k, v = (torch.randn(b, h_kv, world * s_loc, d, generator=gen) for _ in range(2))
+    # a cache filled up to a length per batch row: the later ranks' shares masked for the first
+    lengths = torch.tensor([3, world * s_loc - 2])
+    mask = (torch.arange(world * s_loc).view(1, 1, 1, -1) < lengths.view(b, 1, 1, 1)).expand(b, 1, s_q, -1) \
+        if masked else None
+
+    def whole(dtype):
+        m = None if mask is None else mask
+        return F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=m, enable_gqa=True)
+
+    truth, eager = whole(torch.float64), whole(torch.float32)
+    share = slice(rank * s_loc, (rank + 1) * s_loc)
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(_decode, backend="commopt")
+    with torch.no_grad():
+        got = compiled(q, k[:, :, share].contiguous(), v[:, :, share].contiguous(), mask)
+    graphs = torch_commopt.explain().graphs
+    notes = [n for g in graphs for n in g.notes if "attention" in n]
+    gathers = sum(g.collectives_after.get("all_gather", 0) for g in graphs)
+    return rel_err(got, truth), rel_err(eager, truth), notes, gathers, got.flatten().tolist()

@@ -6,7 +6,7 @@ import pytest
 from compiled_programs import close
 
 from torch_commopt.testing.launch import run_distributed
-from torch_commopt.testing.validate import TOLERANCE_FACTOR
+from torch_commopt.testing.validate import TOLERANCE_FACTOR, within_tolerance
 
 # Four ranks on the CI's two cores: the world-4 Ulysses programs are held to 100x eager
 # float32's error, the rest to the usual 4x.  With two intra-op threads per rank, about one run
@@ -156,3 +156,18 @@ def test_training_ulysses_program_keeps_the_moved_tensors_for_a_moving_schedule(
         # or the other, and nothing else
         b, s_loc, d, (h, h_kv) = 2, 8, 16, (4, 2)
         assert saved == 4 * (b * s_loc * d * (h + 2 * h_kv + h) + b * h * s_loc), saved
+
+
+@pytest.mark.parametrize("s_q,masked", [(1, False), (1, True), (4, True)])
+def test_decoding_over_a_sequence_sharded_cache_runs_as_decode_attention(s_q, masked):
+    # the cache's gathers become one all-gather of partial outputs and LSEs (inside the op): the
+    # compiled graph keeps no all_gather of its own, the result matches whole-cache attention
+    # and is the same on every rank
+    from compiled_programs import compiled_decode
+
+    per_rank = run_distributed(compiled_decode, 2, s_q, masked)
+    for err, eager_err, notes, gathers, bits in per_rank:
+        assert any("decode_attention" in n for n in notes), notes
+        assert gathers == 0, notes
+        assert within_tolerance(err, eager_err), (err, eager_err, notes)
+        assert bits == per_rank[0][4]

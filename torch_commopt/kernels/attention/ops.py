@@ -43,6 +43,11 @@ _LIB.define("cp_attention_bwd_kept(Tensor dout, Tensor q_kept, Tensor k_kept, Te
             "Tensor lse_kept, str schedule, bool causal, float? scale, int group_size, str group_name, "
             "str backend='auto') -> (Tensor, Tensor, Tensor)")
 
+# Decoding attention over a KV cache sharded along the sequence (kernels/attention/decode.py):
+# q replicated, k and v this rank's share, mask this rank's columns of the whole mask (or None).
+_LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale, int group_size, "
+            "str group_name) -> Tensor")
+
 
 def _group(group_size: int, group_name: str):
     group = resolve_group(group_name)
@@ -103,6 +108,25 @@ _LIB.impl("cp_attention_fwd", cp_attention_fwd_op, "CompositeExplicitAutograd")
 _LIB.impl("cp_attention_bwd", cp_attention_bwd_op, "CompositeExplicitAutograd")
 _LIB.impl("cp_attention_fwd_keep", cp_attention_fwd_keep_op, "CompositeExplicitAutograd")
 _LIB.impl("cp_attention_bwd_kept", cp_attention_bwd_kept_op, "CompositeExplicitAutograd")
+
+
+def decode_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
+                        group_size: int, group_name: str) -> Tensor:
+    """The attention of the replicated queries q (B, H, S_q, D) over the whole sequence-sharded
+    cache, this rank's share k (B, H_kv, S_loc, D), v (B, H_kv, S_loc, Dv): (B, H, S_q, Dv) in q's
+    dtype, the same on every rank."""
+    from torch_commopt.kernels.attention.decode import decode_attention_reference
+
+    return decode_attention_reference(q, k, v, mask, scale, _group(group_size, group_name)).contiguous()
+
+
+_LIB.impl("decode_attention", decode_attention_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("commopt::decode_attention")
+def _(q, k, v, mask, scale, group_size, group_name):
+    b, h, s, _ = q.shape
+    return q.new_empty(b, h, s, v.shape[-1])
 
 
 def _refuse_at_trace(schedule, q, k, v, group_size, causal, layout) -> None:

@@ -9,6 +9,8 @@ comes from a collective is reported as a Skip, never taken: see _flex_skip):
                 for a gather dim g > 0), then layout-only ops (permute, transpose, views that
                 keep the gathered dim whole, clones) that bring the gathered dim to the
                 attention's sequence dim 2; Q local (S_q * W == S_kv, not gathered).
+  decode_kv     the same gathers with a few queries (S_q <= 16, not a shard): decoding over a
+                sequence-sharded KV cache, an optional mask over the whole cache.
   ulysses       Q, K and V each from all_to_all_single -> wait -> layout-only ops, attention on
                 the full sequence (S_q == S_kv), its output -> layout-only ops -> all_to_all_single.
 
@@ -89,7 +91,9 @@ ATTENTION_BACKWARD = {
 class AttentionRegion:
     """One context-parallel attention found in a graph.
 
-    form: "allgather_kv" or "ulysses".  attention: the SDPA node; op: its kind (ATTENTION_OPS).
+    form: "allgather_kv", "ulysses" or "decode_kv" (allgather_kv's gathers with a few queries that
+        are not a sequence shard: decoding over a sequence-sharded cache; inputs["mask"]: its mask
+        over the whole cache, if any).  attention: the SDPA node; op: its kind (ATTENTION_OPS).
     shape: the global attention (batch, heads, kv heads, total sequence, head dim).
     inputs: {"q", "k", "v"} -> the local (sequence-sharded) tensors before their collective:
         allgather_kv: q is the attention's own q, k/v the all-gathers' inputs; ulysses: the
@@ -249,6 +253,8 @@ def _allgather_kv(node: Node, args: dict, sources: dict, mask: Any = None) -> At
         raise Unsupported(f"K and V are gathered over different groups {sorted(groups)}")
     (group_name, world), = groups
     q, k = static_shape(args["query"]), static_shape(args["key"])
+    if q[SEQ_DIM] * world != k[SEQ_DIM] and q[SEQ_DIM] <= DECODE_MAX_QUERIES:
+        return _decode_kv(node, args, gathers, paths, group_name, world, mask)
     if q[SEQ_DIM] * world != k[SEQ_DIM]:
         raise Unsupported(f"q holds {q[SEQ_DIM]} positions, gathered k {k[SEQ_DIM]} over {world} ranks: q is not "
                           "this rank's sequence shard")
@@ -263,6 +269,28 @@ def _allgather_kv(node: Node, args: dict, sources: dict, mask: Any = None) -> At
     shape = AttentionShape(q[0], q[1], k[1], k[SEQ_DIM], q[3])
     inputs = {"q": args["query"], "k": gathers["k"].args[0], "v": gathers["v"].args[0]}
     return AttentionRegion("allgather_kv", node, ATTENTION_OPS[node.target], group_name, world, shape, causal,
+                           args.get("scale"), inputs, list(gathers.values()), _output_of(node), paths)
+
+
+DECODE_MAX_QUERIES = 16  # a few new tokens against the cache: decoding, not a sequence shard
+
+
+def _decode_kv(node: Node, args: dict, gathers: dict, paths: dict, group_name: str, world: int,
+               mask: Any) -> AttentionRegion:
+    """K and V gathered along the sequence, a few queries that are not a sequence shard: decoding
+    over a sequence-sharded KV cache.  The mask, if any, covers the whole cache (its last dim is
+    the gathered sequence); each rank takes its columns."""
+    q, k = static_shape(args["query"]), static_shape(args["key"])
+    if args.get("is_causal"):
+        raise Unsupported("is_causal with decoding queries against a gathered cache (top-left aligned, not the cache's)")
+    inputs = {"q": args["query"], "k": gathers["k"].args[0], "v": gathers["v"].args[0]}
+    if mask is not None:
+        m = static_shape(mask)
+        if m is None or len(m) > 4 or m[-1] != k[SEQ_DIM]:
+            raise Unsupported(f"a decoding mask of shape {m} does not cover the gathered sequence ({k[SEQ_DIM]})")
+        inputs["mask"] = mask
+    shape = AttentionShape(q[0], q[1], k[1], k[SEQ_DIM], q[3])
+    return AttentionRegion("decode_kv", node, ATTENTION_OPS[node.target], group_name, world, shape, False,
                            args.get("scale"), inputs, list(gathers.values()), _output_of(node), paths)
 
 

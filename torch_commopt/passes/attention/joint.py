@@ -70,6 +70,9 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
     plans = {}
     for region in regions:
+        if region.form == "decode_kv":
+            notes.append(f"{describe(region)}: found; decoding attention is rewritten in inference graphs only")
+            continue
         if region.attention.target not in ATTENTION_BACKWARD:
             notes.append(f"{describe(region)}: found; {region.form} with {region.op} is not rewritten in training "
                          "(the program keeps its own)")

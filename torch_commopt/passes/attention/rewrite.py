@@ -8,6 +8,11 @@ model ranks first (or Config.attention_schedule); the gathers are dropped.  The 
 replaces the attention's; a region whose other outputs (the LSE, philox state) are used is
 left alone.
 
+A `decode_kv` region (a few queries against K and V gathered along the sequence: decoding over
+a sequence-sharded cache) becomes one `commopt.decode_attention` on the queries and the rank's
+share of K and V, its mask cut to the rank's columns (shard_rows): the ranks all-gather partial
+outputs and LSEs of a few KB instead of the cache.
+
 A `ulysses` region (all-to-all -> attention -> all-to-all, operands in the program's own
 layout) becomes cp_attention_fwd too, on the rank's q, k, v before their all-to-alls brought
 to the op's layout, its output brought to the one the output all-to-all delivered
@@ -64,6 +69,10 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
             notes.append(f"{what}: {reasons[id(region)]}")
             continue
         chosen, _, why = choices[id(region)]
+        if region.form == "decode_kv":
+            _apply_decode(graph, region)
+            notes.append(f"{what}: decode_attention ({why})")
+            continue
         if region.form == "ulysses":
             _apply_ulysses(graph, region, plans[id(region)], chosen)
         else:
@@ -136,6 +145,9 @@ def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None
     one; else the attention model's first with the machine's tuner calibration (rank 0's; else
     the priors).  backward: rank and measure forward + backward (a training graph runs both),
     else the forward."""
+    if region.form == "decode_kv":  # one schedule: the partials merged by their LSE
+        return "lse_merge", [], ("each rank attends over its share of the cache; the partial outputs and LSEs are "
+                                 "all-gathered and merged, instead of the cache")
     q = val(region.inputs["q"])
     dtype = str(q.dtype).removeprefix("torch.")
     machine = machine_for(q.device, region.world, region.group_name, dtype, cache_dir, timeout_s)
@@ -173,6 +185,22 @@ def _apply(graph: Graph, region: AttentionRegion, schedule: str) -> None:
         cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default,
                       (region.inputs["q"], k, v, schedule, region.causal, region.scale, region.world, region.group_name))
         out = add_node(graph, operator.getitem, (cp, 0))
+    region.output.replace_all_uses_with(out)
+    erase_unused(graph, [node, *node.users, *region.paths["k"], *region.paths["v"]], region.collectives)
+
+
+def _apply_decode(graph: Graph, region: AttentionRegion) -> None:
+    """decode_kv: the queries against this rank's share of the cache (k and v before their
+    gathers, through the same layout ops), the mask cut to this rank's columns."""
+    node = region.attention
+    with graph.inserting_before(node):
+        k = _local(graph, region, "k")
+        v = _local(graph, region, "v")
+        mask = region.inputs.get("mask")
+        if mask is not None:
+            mask = add_node(graph, torch.ops.commopt.shard_rows.default, (mask, region.world, region.group_name, False, -1))
+        out = add_node(graph, torch.ops.commopt.decode_attention.default,
+                       (region.inputs["q"], k, v, mask, region.scale, region.world, region.group_name))
     region.output.replace_all_uses_with(out)
     erase_unused(graph, [node, *node.users, *region.paths["k"], *region.paths["v"]], region.collectives)
 
