@@ -233,3 +233,35 @@ def test_flex_attention_with_gathered_kv_is_a_skip_with_the_reason(fake_world):
     (regions, skips), = found
     assert regions == [] and len(skips) == 1
     assert "flex_attention with all_gather K and all_gather V" in skips[0].reason
+
+
+def _decode_program(mask_kind):
+    def program(q, k, v):
+        k, v = (funcol_gather(t, 2) for t in (k, v))
+        q = q[:, :, :1]  # one new token's query: not a sequence shard
+        if mask_kind == "cache":
+            return _sdpa(q, k, v, attn_mask=torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool))
+        if mask_kind == "short":  # a mask over part of the cache only
+            return _sdpa(q, k[:, :, :4], v[:, :, :4], attn_mask=torch.ones(1, 1, 1, 4, dtype=torch.bool))
+        if mask_kind == "causal":
+            return _sdpa(q, k, v, is_causal=True)
+        return _sdpa(q, k, v)
+    return program
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("mask_kind", ["none", "cache"])
+def test_a_few_queries_against_a_gathered_cache_are_decoding(fake_world, mask_kind):
+    (regions, skips), *_ = _found(_decode_program(mask_kind), *_qkv(fake_world, h=4, h_kv=2))
+    assert skips == [] and len(regions) == 1, (regions, skips)
+    region = regions[0]
+    assert region["form"] == "decode_kv" and region["shape"] == [2, 4, 2, 8 * fake_world, 16]
+    assert ("mask" in region["inputs"]) == (mask_kind == "cache")
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("mask_kind,reason", [("causal", "is_causal with decoding queries"),
+                                              ("short", "")])
+def test_decoding_that_cannot_be_taken_is_left_alone(fake_world, mask_kind, reason):
+    (regions, skips), *_ = _found(_decode_program(mask_kind), *_qkv(fake_world, h=4, h_kv=2))
+    assert regions == [] and (not reason or (len(skips) == 1 and reason in skips[0].reason)), (regions, skips)
