@@ -8,7 +8,7 @@ the experts compiled by Inductor as torchtitan compiles them:
 - `torchtitan EP`: torchtitan's ExpertParallel (all-to-alls, host read of the splits);
 - `commopt a2a`, `commopt by_peer`, `commopt by_expert`, `commopt auto`: commopt's schedules
   swapped in (kernels/moe/module.py; by_expert's exchange by the copy engine on GPUs, auto the
-  tuner's pick);
+  tuner's pick); `commopt by_expert nccl`: by_expert with its exchange on NCCL;
 - `comm-free`: the same layer with the exchange removed.  Each rank runs its local experts over
   its own tokens, with the per-expert rows an exchange would bring it on balanced routing.  This is
   the bound that hiding the exchange can reach.
@@ -42,7 +42,21 @@ MODELS = {
     "mixtral-8x7b": (4096, 14336, 8, 2, 0),
 }
 CPU_MODELS = {"tiny": (64, 48, 8, 2, 1)}
-VARIANTS = ("torchtitan EP", "commopt a2a", "commopt by_peer", "commopt by_expert", "commopt auto", "comm-free")
+VARIANTS = ("torchtitan EP", "commopt a2a", "commopt by_peer", "commopt by_expert", "commopt by_expert nccl",
+            "commopt auto", "comm-free")
+
+
+def _transport(variant: str) -> None:
+    """by_expert's transport for `variant` (TORCH_COMMOPT_MOE_TRANSPORT, read at every call):
+    NCCL for the "... nccl" variant, else the default (the copy engine on GPUs)."""
+    import os
+
+    from torch_commopt.core import env
+
+    if variant.endswith(" nccl"):
+        os.environ[env.MOE_TRANSPORT] = "nccl"
+    else:
+        os.environ.pop(env.MOE_TRANSPORT, None)
 
 
 def _layer(model: tuple, device, dtype, seed: int, compile_children: bool):
@@ -129,6 +143,7 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
                 times = {v: [] for v in VARIANTS}
                 errors = {}
                 for variant, layer in layers.items():  # warm-up (compiles), and the outputs compared
+                    _transport(variant)
                     y = layer(x)
                     y.backward(dy)
                     if variant == "torchtitan EP":
@@ -139,6 +154,7 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
                     order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
                     for variant in order:
                         layer = layers[variant]
+                        _transport(variant)
                         dist.barrier()
                         if cuda:
                             torch.cuda.synchronize()
