@@ -70,10 +70,10 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device
     """[(case, largest relative error over output, x's gradient and the local experts' weight
     gradients)] for every schedule and routing; the schedules run on `device` ("cuda": this rank's
     GPU), the reference on the CPU.  staged: every transfer through host staging buffers, as gloo
-    moves CUDA tensors (exchange._staged)."""
+    moves CUDA tensors (exchange.staged)."""
     if staged:
         from torch_commopt.kernels.moe import exchange
-        exchange._staged = lambda t, group: True
+        exchange.staged = lambda t, group: True
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     group = dist.group.WORLD

@@ -102,9 +102,14 @@ def _after(value: int, expected: int) -> bool:
     return ((value - expected) & 0xFFFFFFFF) < 0x80000000
 
 
+def _flags_of(w: Wait) -> list[int]:
+    """The indexes of w's flags: index + k * stride for k < count."""
+    return [w.index + k * w.stride for k in range(w.count)]
+
+
 def _unmet(w: Wait, flags) -> list[int]:
-    """The indexes of w's flags (index + k * stride) not yet at the value awaited."""
-    return [i for i in (w.index + k * w.stride for k in range(w.count)) if not _after(flags[i], w.value)]
+    """The indexes of w's flags not yet at the value awaited."""
+    return [i for i in _flags_of(w) if not _after(flags[i], w.value)]
 
 
 def stuck_message(call: Call, flags, elapsed: float, timeout: float) -> str:
@@ -263,9 +268,8 @@ class Watchdog:
             self.told.add(id(runtime))
             raise_in(call.thread, runtime.closed)
         for w in call.waits:
-            for index in (w.index + k * w.stride for k in range(w.count)):
-                if flags is None or not _after(flags[index], w.value):
-                    runtime.release(index, w.value)
+            for index in (_flags_of(w) if flags is None else _unmet(w, flags)):
+                runtime.release(index, w.value)
         self.since[slot] = self.clock()  # released: look again after a poll, not at once
         return message
 

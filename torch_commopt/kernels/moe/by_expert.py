@@ -32,7 +32,7 @@ Transfers: by the copy engine over symmetric memory where every rank can map its
 straight out of x, and what comes home lands straight in the output, so nothing is packed or
 unpacked; they run on NCCL's stream, beside the experts' GEMMs.  On gloo, whose list form takes
 equal sizes only, the pieces are packed into one `all_to_all_single`; with CUDA tensors (ranks
-sharing one GPU) staged through host memory (exchange._staged).
+sharing one GPU) staged through host memory (exchange.staged).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from torch_commopt.kernels.moe import exchange
 from torch_commopt.kernels.moe.ce_exchange import IN, OUT, exchange_for
-from torch_commopt.kernels.moe.exchange import Routing, _staged, ranges
+from torch_commopt.kernels.moe.exchange import Routing, ranges
 
 ALIGN = 8  # rows per group on the GPU (bf16: 16-byte aligned group starts in the weight gradients)
 DEFAULT_CHUNKS = 2  # chunks of experts when the schedule names none (benchmarks/results/moe_pieces_*)
@@ -157,11 +158,10 @@ def _post(outs: list[Tensor], ins: list[Tensor], group):
         return dist.all_to_all(outs, ins, group=group, async_op=True)
     in_splits, out_splits = [t.shape[0] for t in ins], [o.shape[0] for o in outs]
     packed_in = torch.cat(ins)
-    if _staged(packed_in, group):
-        host = torch.empty((sum(out_splits),) + tuple(outs[0].shape[1:]), dtype=outs[0].dtype)
-        dist.all_to_all_single(host, packed_in.cpu(), out_splits, in_splits, group=group)
-        return _Unpacked(None, host, outs)
     packed = packed_in.new_empty((sum(out_splits),) + tuple(outs[0].shape[1:]))
+    if exchange.staged(packed_in, group):  # completed here, through host memory
+        exchange.all_to_all_single(packed, packed_in, out_splits, in_splits, group)
+        return _Unpacked(None, packed, outs)
     return _Unpacked(dist.all_to_all_single(packed, packed_in, out_splits, in_splits, group=group, async_op=True),
                      packed, outs)
 

@@ -77,7 +77,7 @@ def exchange_counts(counts: Tensor, group: dist.ProcessGroup) -> Routing:
         raise ValueError(f"commopt moe: {experts} experts do not divide over an expert-parallel group of {world}")
     per = counts.detach().reshape(world, -1).to(torch.int64)
     mine = torch.cat([per, per.sum().expand(world, 1)], dim=1).reshape(-1)  # [q]: counts for q, my rows
-    if _staged(mine, group):
+    if staged(mine, group):
         mine = mine.cpu()
     theirs = torch.empty_like(mine)
     dist.all_to_all_single(theirs, mine, group=group)
@@ -91,7 +91,7 @@ def _global(group: dist.ProcessGroup, rank: int) -> int:
     return dist.get_global_rank(group, rank)
 
 
-def _staged(t: Tensor, group) -> bool:
+def staged(t: Tensor, group) -> bool:
     """Whether `t` travels through host memory: gloo moves no CUDA tensor point to point nor by
     all_to_all (ranks sharing one GPU run gloo: kernels/gpu/shared_device.py).  Logged once."""
     if not t.is_cuda or dist.get_backend(group) != "gloo":
@@ -102,8 +102,10 @@ def _staged(t: Tensor, group) -> bool:
     return True
 
 
-def _all_to_all(out: Tensor, x: Tensor, out_splits, in_splits, group) -> None:
-    if _staged(x, group):
+def all_to_all_single(out: Tensor, x: Tensor, out_splits, in_splits, group) -> None:
+    """dist.all_to_all_single, completed before it returns, staged through host memory where gloo
+    moves CUDA tensors (`staged`)."""
+    if staged(x, group):
         host = torch.empty(out.shape, dtype=out.dtype)
         dist.all_to_all_single(host, x.cpu(), out_splits, in_splits, group=group)
         out.copy_(host)
@@ -130,14 +132,14 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        _all_to_all(out, x.contiguous(), out_splits, in_splits, group)
+        all_to_all_single(out, x.contiguous(), out_splits, in_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        _all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.group)
+        all_to_all_single(back, grad.contiguous(), in_splits, out_splits, ctx.group)
         return back, None, None, None
 
 
@@ -146,15 +148,15 @@ def swap_start(x: Tensor, dst: int, src: int, rows: int, group) -> tuple[Tensor,
     src, both started: (the receive buffer, the requests to wait on).  A side with nothing to
     move posts nothing (both ends know the sizes from the Routing)."""
     buf = x.new_empty((rows,) + tuple(x.shape[1:]))
-    staged = _staged(x, group)
+    through_host = staged(x, group)
     ops = []
     if x.shape[0]:
-        ops.append(dist.P2POp(dist.isend, x.contiguous().cpu() if staged else x.contiguous(), _global(group, dst), group))
-    land = torch.empty(buf.shape, dtype=buf.dtype) if staged else buf
+        ops.append(dist.P2POp(dist.isend, x.contiguous().cpu() if through_host else x.contiguous(), _global(group, dst), group))
+    land = torch.empty(buf.shape, dtype=buf.dtype) if through_host else buf
     if rows:
         ops.append(dist.P2POp(dist.irecv, land, _global(group, src), group))
     requests = dist.batch_isend_irecv(ops) if ops else []
-    return buf, ([_Landing(requests, land, buf)] if staged and rows else requests)
+    return buf, ([_Landing(requests, land, buf)] if through_host and rows else requests)
 
 
 def wait_all(requests) -> None:
