@@ -92,3 +92,65 @@ def run_matmul_oneshot(rank: int, world: int, schedule: str = "oneshot") -> list
             if not torch.equal(got.view(rows, 1024), want):
                 bad.append(f"rows {rows} bias {with_bias}: {(got.view(rows, 1024).float() - want.float()).abs().max()}")
     return bad
+
+
+def run_small_message_calibration(rank: int, world: int) -> tuple[dict, list[str]]:
+    """calibrate._small_message_times on this group: (the table, [failures]).  The low-latency
+    schedules are timed at every size, positive, and every rank holds the same table (NCCL's
+    capture fails on ranks sharing a GPU over gloo: then it is missing on every rank alike)."""
+    from torch_commopt.tuner import calibrate
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    table = calibrate._small_message_times(dist.group.WORLD.group_name, world, device, 3)  # noqa: SLF001
+    bad = []
+    sizes = [float(r * n * 2) for r, n in calibrate.SMALL_MSG_SHAPES]
+    for sched in ("oneshot", "twoshot"):
+        got = table.get(sched, [])
+        if [b for b, _ in got] != sizes or not all(0 < t < 0.01 for _, t in got):
+            bad.append(f"{sched}: {got}")
+    tables = [None] * world
+    dist.all_gather_object(tables, table)
+    if any(t != tables[0] for t in tables):
+        bad.append(f"tables differ across ranks: {tables}")
+    return table, bad
+
+
+def run_compiled_decode_projection(rank: int, world: int, calls: int = 6) -> tuple[list[str], list[str], list[str]]:
+    """A row-parallel projection at decode rows (matmul -> all-reduce of 8 x 4096 bf16, 64 KiB),
+    compiled with backend commopt and mode="reduce-overhead": the rule leaves the region to a
+    first-call measurement of NCCL, oneshot and twoshot as replays (pick.LOWLAT_CANDIDATES), and
+    Inductor's CUDA-graph trees replay the winner; each call on fresh inputs is checked against
+    every rank's partial recomputed here and summed in rank order.  Returns ([failures], notes,
+    what the placeholder resolved to)."""
+    import torch_commopt
+    from torch_commopt.core.schedule import Schedule
+    from torch_commopt.tuner.matmul import autotune
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(7)
+    w_all = [(torch.randn(512, 4096, generator=gen, device=device) / 512 ** 0.5).bfloat16() for _ in range(world)]
+    group = dist.group.WORLD
+
+    def proj(x):
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(x @ w_all[rank], "sum", group)
+
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(proj, backend="commopt", mode="reduce-overhead")
+    bad = []
+    for i in range(calls):
+        g = torch.Generator(device=device).manual_seed(100 + i)
+        xs = [torch.randn(8, 512, generator=g, device=device).bfloat16() for _ in range(world)]
+        got = compiled(xs[rank]).clone()
+        parts = torch.stack([x @ w for x, w in zip(xs, w_all)])
+        want = _rank_order_sum(parts, "sum")
+        ref_err = (parts.double().sum(0) - want.double()).abs().max().item()  # the bf16 cast's own error
+        err = (got.double() - parts.double().sum(0)).abs().max().item()
+        if err > 2 * ref_err + 1e-6:
+            bad.append(f"call {i}: error {err:.3e} vs the reference's {ref_err:.3e}")
+    graphs = torch_commopt.explain().graphs
+    schedules = [r.schedule for g in graphs for r in g.rewritten]
+    ran = [autotune.decided(Schedule.parse(s)) for s in schedules if s.startswith("autotune")]
+    return bad, [n for g in graphs for n in g.notes], ran

@@ -25,3 +25,24 @@ def test_matmul_ar_low_latency_gives_the_reference_bits(two_ranks, schedule):
     world, backend = two_ranks
     for bad in run_distributed(run_matmul_oneshot, world, schedule, backend=backend, timeout_s=300):
         assert not bad, bad
+
+
+@pytest.mark.gpu
+def test_calibration_times_the_small_all_reduces_alike_on_every_rank(two_ranks):
+    from lowlat_cases import run_small_message_calibration
+
+    world, backend = two_ranks
+    for table, bad in run_distributed(run_small_message_calibration, world, backend=backend, timeout_s=300):
+        assert not bad, bad
+        assert backend != "nccl" or "sequential" in table, table  # NCCL is captured on GPUs of their own
+
+
+@pytest.mark.gpu
+def test_a_decode_projection_under_reduce_overhead_measures_the_low_latency_schedules(two_ranks):
+    from lowlat_cases import run_compiled_decode_projection
+
+    world, backend = two_ranks
+    for bad, notes, ran in run_distributed(run_compiled_decode_projection, world, backend=backend, timeout_s=400):
+        assert not bad, bad
+        assert any("replayed small all-reduce" in n for n in notes), notes
+        assert ran and ran[0] in ("sequential", "oneshot", "twoshot"), (ran, notes)

@@ -222,6 +222,28 @@ def test_replayed_short_two_rank_all_gathers_are_measured_as_replays():
     assert measure_band("matmul_rs", [512, 4096], [[4096, 8192]], 0, 2, "bfloat16", graphs=True) is None
 
 
+@pytest.mark.parametrize("rows,n,world", [(1, 4096, 2), (8, 4096, 2), (32, 8192, 4), (3, 4096, 8), (64, 8192, 2)])
+def test_replayed_small_all_reduces_time_the_low_latency_schedules_against_nccl(rows, n, world):
+    """A decoder's row-parallel projection replayed from CUDA graphs (1-64 rows, a few KB to 1 MiB):
+    NCCL, oneshot and twoshot are timed as replays at the first call, any row count (3 rows over 8
+    ranks too); NCCL runs until then."""
+    args = ("matmul_ar", [rows, 1024], [[1024, n]], None, world)
+    assert measure_band(*args, "bfloat16", graphs=True) == ["sequential", "oneshot", "twoshot"]
+    sched, why = pick(*args, "bfloat16", graphs=True)
+    assert str(sched) == "sequential" and "until measured" in why
+
+
+def test_the_low_latency_band_ends_at_1_mib_and_leaves_eager_float8_and_other_kinds_alone():
+    assert measure_band("matmul_ar", [128, 1024], [[1024, 4096]], None, 2, "bfloat16", graphs=True) == \
+        ["sequential", "oneshot", "twoshot"]  # exactly 1 MiB
+    assert measure_band("matmul_ar", [129, 1024], [[1024, 4096]], None, 2, "bfloat16", graphs=True) is None
+    assert measure_band("matmul_ar", [8, 1024], [[1024, 4096]], None, 2, "bfloat16") is None  # eager: host-bound
+    assert measure_band("matmul_ar", [8, 1024], [[1024, 4096]], None, 2, "bfloat16", graphs="call") is None
+    assert measure_band("matmul_ar", [8, 1024], [[1024, 4096]], None, 2, "float8_e4m3fn", graphs=True) is None
+    assert measure_band("matmul_ar", [8, 1024], [[1024, 4096]], None, 16, "bfloat16", graphs=True) is None
+    assert measure_band("matmul_rs", [8, 1024], [[1024, 4096]], 0, 2, "bfloat16", graphs=True) is None
+
+
 def test_a_replayed_band_request_times_replays_without_a_host_check():
     from torch_commopt.tuner.matmul import autotune
 

@@ -678,3 +678,43 @@ def test_fused_host_cost_is_probed_and_keeps_fused_off_host_bound_shapes():
     fused, seq = (predict(shape, Schedule.parse(s), cal) for s in ("fused:1", "sequential"))
     assert fused.host_s == pytest.approx(380e-6) and fused.seconds > seq.seconds
     assert cal.host("fused", "matmul_rs") == pytest.approx(400e-6)
+
+
+def test_small_message_times_interpolate_in_log_log_and_stop_at_the_largest_sample():
+    cal = dataclasses.replace(H200, small_msg={"oneshot": [[65536.0, 8e-6], [4096.0, 4e-6]]})  # unsorted on purpose
+    assert cal.small_message_time("oneshot", 1024) == 4e-6  # below the smallest: latency-bound
+    assert cal.small_message_time("oneshot", 16384) == pytest.approx((4e-6 * 8e-6) ** 0.5)  # the log-log midpoint
+    assert cal.small_message_time("oneshot", 65536) == pytest.approx(8e-6)
+    assert cal.small_message_time("oneshot", 65537) is None  # past the table: the bandwidth models
+    assert cal.small_message_time("twoshot", 4096) is None  # not measured
+    assert Calibration.from_json(cal.to_json()).small_msg == {"oneshot": [[65536.0, 8e-6], [4096.0, 4e-6]]}
+
+
+def test_replayed_small_all_reduces_rank_by_their_measured_latency():
+    """A decoder's projection (8 rows, 64 KiB product), replayed: the low-latency schedules are
+    candidates and the measured table orders them against NCCL, both ways; eager calls, float8
+    products and products past the buffer keep to the other schedules."""
+    shape = RegionShape("matmul_ar", 8, 2048, (4096,), 2)
+    nbytes = 8 * 4096 * 2
+    assert {"oneshot", "twoshot"} <= {str(s) for s in candidates(shape, H200, graphs=True)}
+    assert not {"oneshot", "twoshot"} & {str(s) for s in candidates(shape, H200)}
+    fast_ll = dataclasses.replace(H200, small_msg={"sequential": [[nbytes, 20e-6]], "oneshot": [[nbytes, 5e-6]],
+                                                   "twoshot": [[nbytes, 7e-6]]})
+    assert [str(p.schedule) for p in rank(shape, fast_ll, graphs=True)[:2]] == ["oneshot", "twoshot"]
+    slow_ll = dataclasses.replace(H200, small_msg={"sequential": [[nbytes, 5e-6]], "oneshot": [[nbytes, 20e-6]],
+                                                   "twoshot": [[nbytes, 25e-6]]})
+    best = rank(shape, slow_ll, graphs=True)[0]
+    assert str(best.schedule) == "sequential"
+    oneshot = predict(shape, Schedule("oneshot"), slow_ll, graphs=True)
+    assert best.gpu_s - oneshot.gpu_s == pytest.approx(5e-6 - 20e-6)  # the same GEMM, the measured all-reduces
+    assert oneshot.pool_bytes == 32 << 20 and oneshot.host_s == 0.0  # the buffer, held once per group
+    big = RegionShape("matmul_ar", 4096, 2048, (4096,), 2)  # 32 MiB: past the buffer
+    assert not {"oneshot", "twoshot"} & {str(s) for s in candidates(big, H200, graphs=True)}
+
+
+def test_the_model_sizes_the_low_latency_buffer_as_the_kernels_do():
+    pytest.importorskip("triton")
+    from torch_commopt.kernels.gpu import lowlat, symm
+    from torch_commopt.tuner.matmul import model
+
+    assert model.LOWLAT_CAP_BYTES == lowlat.LL_CAP_BYTES and model.LOWLAT_MAX_WORLD <= symm.MAX_WORLD

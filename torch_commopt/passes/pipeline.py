@@ -187,7 +187,8 @@ def _band(region: Region, facts: RegionFacts, band: list[str], rule_pick: Schedu
 
     dev, replayed = device_name(val(region.a).device), _replayed(region, config)
     key = band_key(facts, dev, band, replayed)
-    what = "replayed short all-gather" if replayed else "host-bound band"
+    what = ("replayed small all-reduce" if "oneshot" in band else "replayed short all-gather") if replayed \
+        else "host-bound band"
     cache = TunerCache(config.cache_dir)
     cached = decide(region.group_name, key, lambda: cache.get(key), config.consistency_timeout_s)
     if isinstance(cached, dict) and cached.get("schedule") in band:

@@ -8,7 +8,8 @@ for a 2-core CI machine (gloo) to finish in seconds and for 2x H200 well under 3
 Measured (`Calibration.measured` lists it): the collectives' alpha-beta, the GEMM fit per
 dtype (device time, sustained clocks), the host cost of a call per schedule family and per
 piece; on GPUs also the copy-engine links (push, pull, local copy) and the GEMM slowdowns
-beside a copy-engine push, beside an NCCL collective and when storing into a peer, and
+beside a copy-engine push, beside an NCCL collective and when storing into a peer, the
+small all-reduces' latency (NCCL's, one-shot's and two-shot's, 4 KiB to 8 MiB, replayed), and
 then each schedule family's measured / predicted time on a probe shape (M_global 12288,
 K = N = 6144 -- not a benchmark shape), which the model applies to that family.  Taken from
 the prior: the Triton GEMM's speed relative to cuBLAS (`fused_efficiency`; the fused
@@ -227,6 +228,35 @@ def _collective_times_checked(group, world: int, device: torch.device, reps: int
     second = slowest(_collective_times(group, world, device, reps))
     log.info("commopt calibrate: no line fits the collective timings (%s); measured again: %s", out, second)
     return {c: tuple(min(a, b) for a, b in zip(out[c], second[c])) for c in COLLECTIVES}
+
+
+# Calibration.small_msg: products of (rows, N) bf16 from 4 KiB to 8 MiB (a decoder's row-parallel
+# projections at batch 1-64, and past the low-latency band's 1 MiB end), each the product of a
+# short GEMM (K = SMALL_MSG_K) so that the all-reduce is the call.
+SMALL_MSG_SHAPES = ((1, 2048), (8, 4096), (64, 4096), (256, 4096), (1024, 4096))
+SMALL_MSG_K = 256
+SMALL_MSG_SCHEDULES = ("sequential", "oneshot", "twoshot")
+
+
+def _small_message_times(group_name: str, world: int, device: torch.device, reps: int) -> dict[str, list[list[float]]]:
+    """{schedule: [[product bytes, seconds], ...]} of NCCL's and the low-latency all-reduces
+    alone: matmul_ar calls replayed from CUDA graphs (as a decoder runs them; the tuner's timing,
+    slowest rank) less their GEMM's device time (slowest rank).  A schedule whose capture fails
+    (NCCL on ranks sharing a GPU over gloo) is left out of every rank's table alike."""
+    from torch_commopt.tuner.matmul.autotune import Timing, measure_candidates
+
+    group = resolve_group(group_name)
+    out: dict[str, list[list[float]]] = {}
+    for rows, n in SMALL_MSG_SHAPES:
+        a = torch.randn(rows, SMALL_MSG_K, device=device, dtype=torch.bfloat16)
+        w = torch.randn(SMALL_MSG_K, n, device=device, dtype=torch.bfloat16) / SMALL_MSG_K ** 0.5
+        run = runner("matmul_ar", a, [w], world, group_name)
+        ms = measure_candidates(run, list(SMALL_MSG_SCHEDULES), group_name, device, "small all-reduce",
+                                timing=Timing(graphs=True, paired=False))
+        (gemm_s,) = _slowest([device_time(lambda: torch.mm(a, w), device, reps)], group, device)
+        for sched, t in ms.items():  # never below 0.1 us: a GEMM timed slower alone than in the call
+            out.setdefault(sched, []).append([float(rows * n * 2), max(t / 1e3 - gemm_s, 1e-7)])
+    return out
 
 
 # one block of local attention: (B, H, S, D) per device type
@@ -614,11 +644,13 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
     lap("collectives")
     hosts.append(host_pass())
     lap("host")
-    probes, far_probes = {}, []
+    probes, far_probes, small = {}, [], {}
     if device.type == "cuda" and world > 1:
         probe_pass = lambda: _slowest_figures(_gpu_probes(group_name, world, device, reps), group, device)  # noqa: E731
         probes, far_probes = agreed([probe_pass(), probe_pass()], probe_pass, "copy-engine and overlap")
         lap("copy-engine probes")
+        small = _small_message_times(group_name, world, device, reps)
+        lap("small all-reduces")
     attn = {d: _attention_times(device, getattr(torch, d), reps) for d in dtype_names}
     lap("attention")
     hosts, far_hosts = agreed(hosts, host_pass, "host")
@@ -657,8 +689,9 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         gemm_samples={d: [list(sample) for sample in gemm[d]] for d in dtype_names},
         host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece, host_per_piece_by_kind=by_kind,
         fused_efficiency=base.fused_efficiency, attention_flops={d: f / t for d, (f, t, _) in attn.items()},
-        attention_bwd_factor=statistics.median(b / t for _, t, b in attn.values()),
-        source="measured", measured=tuple(measured) + ("attention_flops", "attention_bwd_factor"),
+        attention_bwd_factor=statistics.median(b / t for _, t, b in attn.values()), small_msg=small,
+        source="measured", measured=tuple(measured) + ("attention_flops", "attention_bwd_factor")
+        + (("small_msg",) if small else ()),
         remeasured=tuple(f"host {k}" for k in far_hosts) + tuple(f"probe {k}" for k in far_probes), **fields)
     lap("fits")
     if probes:  # the probes' own GEMMs timed at their shapes, so their factors hold no GEMM-fit error

@@ -170,6 +170,11 @@ class Calibration:
         (K 3072, N 6144) take 3.9% longer than its halves, the sweep's 4096-row quarters
         (K 4096, N 8192) 1.6% less, so without the table the probe factors of the four-piece
         schedules carry a penalty to shapes that do not pay it.
+    small_msg: {"sequential" | "oneshot" | "twoshot": [[bytes, seconds], ...]} the all-reduce of a
+        small product alone (its GEMM's time taken out), timed as CUDA-graph replays of back-to-back
+        calls (calibrate._small_message_times): NCCL's latency at a few KB is its protocol's, not
+        the ring's alpha-beta fitted at MBs, and the low-latency kernels have no ring at all.  Read
+        by `small_message_time`; empty: the model's priors (model.LOWLAT_PRIOR).
     """
 
     device: str
@@ -196,6 +201,7 @@ class Calibration:
     eager_over_replayed: float = 0.0
     attention_flops: dict[str, float] = field(default_factory=dict)
     attention_bwd_factor: float = 0.0
+    small_msg: dict[str, list[list[float]]] = field(default_factory=dict)
     source: str = "prior"  # "prior" or "measured"
     measured: tuple[str, ...] = ()  # the fields a measurement set; the rest are the prior's
     remeasured: tuple[str, ...] = ()  # figures whose two passes disagreed: a third decided (calibrate.agreed)
@@ -248,6 +254,22 @@ class Calibration:
         if len(curve) < 2 or predicted_s <= 0:
             return self.schedule_factor.get(key, 1.0)
         return _interpolate(curve, predicted_s)
+
+    def small_message_time(self, name: str, nbytes: float) -> float | None:
+        """Seconds of an all-reduce of `nbytes` by `name` from small_msg: interpolated in log-log
+        between its samples; below the smallest, the smallest's (latency-bound); above the largest,
+        None (the bandwidth-bound models take over).  None where `name` was not measured."""
+        curve = sorted(self.small_msg.get(name, ()))
+        if not curve or nbytes > curve[-1][0]:
+            return None
+        if nbytes <= curve[0][0]:
+            return curve[0][1]
+        x = math.log(nbytes)
+        for (ba, ta), (bb, tb) in zip(curve, curve[1:]):
+            if nbytes <= bb:
+                w = (x - math.log(ba)) / max(math.log(bb) - math.log(ba), 1e-12)
+                return math.exp(math.log(ta) + w * (math.log(tb) - math.log(ta)))
+        return None
 
     def per_piece(self, kind: str) -> float:
         """Host seconds per piece of a `kind` call: its own figure where measured, else the shared one."""

@@ -9,7 +9,9 @@ for a uniform pipeline of S steps it is the closed form
 max(GPU time, host time): below ~0.2 ms of GEMM a GPU schedule is bound by its Python.
 
 Collectives use alpha-beta costs with the ring's (P-1)/P factors; copy-engine transfers
-one alpha-beta link per piece; GEMMs the shape-dependent fit of the calibration.
+one alpha-beta link per piece; GEMMs the shape-dependent fit of the calibration.  Small
+all-reduces (a decoder's few KB) take their measured latency where the calibration has it
+(Calibration.small_msg), and the low-latency schedules `oneshot` / `twoshot` a prior else.
 """
 
 from __future__ import annotations
@@ -182,7 +184,8 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
     fn = _ag_time if shape.kind == "ag_matmul" else _reduce_time
     raw = fn(shape, sched, cal)
     gpu = raw * cal.factor(factor_key(shape.kind, sched), raw, graphs=graphs) + _graph_copies(shape, sched, cal)
-    pieces = 1 if sched.name in ("sequential", "local_first") else sched.chunks * max(1, shape.world - 1)
+    pieces = 1 if sched.name in ("sequential", "local_first", "oneshot", "twoshot") \
+        else sched.chunks * max(1, shape.world - 1)
     family = host_family(sched)
     if family != sched.name and f"{shape.kind} {family}" not in cal.host_s:  # not probed: its name's figure
         family = sched.name
@@ -305,13 +308,40 @@ def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
     return simulate(steps)
 
 
+# The fixed seconds of the low-latency all-reduces (kernels/gpu/lowlat.py) where the calibration
+# has not timed them (lowlat_time adds the bytes moved): a kernel launch and two barriers of one
+# flag round trip each over NVLink, a few microseconds as the published one-shot all-reduces
+# report; two-shot passes its barriers with more work between.  Priors, not measurements here:
+# `python -m torch_commopt calibrate` times them (Calibration.small_msg).
+LOWLAT_PRIOR = {"oneshot": 4e-6, "twoshot": 6e-6}
+# The low-latency buffer's two regions (lowlat.LL_CAP_BYTES each; a test ties the two), held once
+# per group, and the largest product they take.
+LOWLAT_CAP_BYTES = 16 << 20
+LOWLAT_MAX_WORLD = 8  # one NVLink host's GPUs (the kernels take up to symm.MAX_WORLD)
+
+
+def lowlat_time(cal: Calibration, name: str, full_bytes: float, world: int) -> float:
+    """Seconds of a low-latency all-reduce (`oneshot`, `twoshot`) of a `full_bytes` product
+    alone: measured (Calibration.small_msg) where it was, else the prior: LOWLAT_PRIOR's fixed
+    part plus the bytes each rank moves over its links (one-shot: (W-1) products read; two-shot:
+    2 (W-1)/W of one, read then written) at the copy-engine link's bandwidth."""
+    measured = cal.small_message_time(name, full_bytes)
+    if measured is not None:
+        return measured
+    moved = (world - 1) * full_bytes if name == "oneshot" else 2 * (world - 1) / world * full_bytes
+    return LOWLAT_PRIOR[name] + moved / cal.p2p.bytes_per_s
+
+
 def _reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
     w, n = shape.world, shape.ns[0]
     m_seg = shape.rows / w
     full_bytes = shape.rows * n * shape.out_elt
     name = "all_reduce" if shape.kind == "matmul_ar" else "reduce_scatter"
+    if sched.name in ("oneshot", "twoshot"):
+        return _gemm(shape, cal, shape.rows) + lowlat_time(cal, sched.name, full_bytes, w)
     if sched.name == "sequential":
-        return _gemm(shape, cal, shape.rows) + collective_time(cal, name, full_bytes, w)
+        small = cal.small_message_time("sequential", full_bytes) if shape.kind == "matmul_ar" else None
+        return _gemm(shape, cal, shape.rows) + (small if small is not None else collective_time(cal, name, full_bytes, w))
     s = max(1, min(sched.chunks, int(m_seg)))
     if sched.name == "chunked":  # per piece: its GEMM, then its collective
         comm = collective_time(cal, name, full_bytes / s, w)
@@ -423,6 +453,8 @@ def pool_bytes(shape: RegionShape, sched: Schedule) -> int:
     extra_bytes is per call.  0 for the schedules without one."""
     if not sched.is_gpu:
         return 0
+    if sched.name in ("oneshot", "twoshot"):
+        return 2 * LOWLAT_CAP_BYTES  # the slot and the reduced region, whatever the message
     if shape.kind == "ag_matmul":
         return 2 * shape.world * shape.rows * shape.k * shape.elt  # twice the gathered input
     phases = 2 if shape.kind == "matmul_ar" else 1
@@ -444,8 +476,17 @@ def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool | str = Fal
         gpu += [Schedule("direct", s) for s in (1, 2)] + ([] if shape.scaled else [Schedule("ce_pull", 2)])
     if shape.dtype in ("bfloat16", "float16"):
         gpu += [Schedule("fused", s) for s in (1, 4)]
+    if lowlat_fits(shape) and graphs:  # eager, a Triton launch's host cost outweighs what they save
+        gpu += [Schedule("oneshot"), Schedule("twoshot")]
     # replayed, a schedule that runs as another one inside a capture would only repeat it
     return out + [s for s in gpu if s.valid_for(shape.kind) and not (graphs and s.in_capture(shape.kind) != s)]
+
+
+def lowlat_fits(shape: RegionShape) -> bool:
+    """Whether the low-latency schedules take the region: an all-reduce of an unscaled product
+    that fits their buffer, over at most LOWLAT_MAX_WORLD ranks."""
+    return (shape.kind == "matmul_ar" and not shape.scaled and shape.world <= LOWLAT_MAX_WORLD
+            and shape.rows * shape.ns[0] * shape.out_elt <= LOWLAT_CAP_BYTES)
 
 
 def rank(shape: RegionShape, cal: Calibration, schedules: list[Schedule] | None = None, *,

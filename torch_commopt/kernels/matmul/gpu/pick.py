@@ -48,6 +48,18 @@ SHORT_GRAPHS_WIDE_S = 0.05e-3
 # Figures: docs/gpu-schedules.md, "The built-in rule".
 BAND_CANDIDATES = {"ag_matmul": ["sequential", "ce_push:1"], "matmul_rs": ["sequential", "ce_push:1", "direct:1"],
                    "matmul_ar": ["sequential", "ce_push:1"]}
+# Replayed all-reduces of a product of at most LOWLAT_BAND_BYTES (a decoder's row-parallel
+# projections: a few KB a token): their time is the collective's latency, not its bandwidth, and
+# nothing is left to overlap.  The low-latency schedules (kernels/gpu/lowlat.py: one launch after
+# the GEMM, the partials read straight from the peers' slots) and NCCL are timed against each other
+# as graph replays at the first call (the rule cannot tell from the shape how the card's NVLink
+# latency, NCCL's protocol choice and the kernel's launch compare); under a capture, and until
+# measured, NCCL runs.  The band ends well below the 16 MiB low-latency buffer (lowlat.LL_CAP_BYTES):
+# above ~1 MiB a message is bandwidth-bound, where NCCL's ring and the copy-engine schedules run.
+LOWLAT_BAND_BYTES = 1 << 20
+LOWLAT_CANDIDATES = ["sequential", "oneshot", "twoshot"]
+LOWLAT_DTYPES = ("bfloat16", "float16", "float32")
+LOWLAT_MAX_WORLD = 8  # one NVLink host's GPUs: the band is not for wider groups (unmeasured there)
 # Replayed two-rank bf16 / fp16 all-gathers under MIN_GEMM_S_GRAPHS: the two kinds of card
 # order the GPU schedules differently, so the first call times them as graph replays: at
 # M_global 512, K = N = 8192 (est. 49 us), H200 runs ce_push:1:par=1 ~6% ahead of gemm=whole
@@ -118,6 +130,8 @@ def measure_band(kind: str, a_shape: list[int], weight_shapes: list[list[int]], 
     """Candidates to time at the first call when the rule cannot tell from the shape alone
     (an eager call in the host-bound band, see BAND_CANDIDATES; a replayed short two-rank
     all-gather, see REPLAYED_BAND_CANDIDATES: timed as replays, by GPU time), else None."""
+    if graphs is True and lowlat_band(kind, a_shape, weight_shapes, world, dtype):
+        return list(LOWLAT_CANDIDATES)
     if gpu_refusal(kind, a_shape, weight_shapes, dim, world) is not None:
         return None
     gemm_s, comm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)
@@ -136,6 +150,17 @@ def measure_band(kind: str, a_shape: list[int], weight_shapes: list[list[int]], 
     return list(BAND_CANDIDATES[kind])
 
 
+def lowlat_band(kind: str, a_shape: list[int], weight_shapes: list[list[int]], world: int, dtype: str) -> bool:
+    """Whether a region is a small all-reduce the low-latency schedules take (LOWLAT_BAND_BYTES;
+    whether its calls are replayed is the caller's to check).  Any row count: the kernels split
+    no rows over the ranks."""
+    if kind != "matmul_ar" or dtype not in LOWLAT_DTYPES or not 2 <= world <= LOWLAT_MAX_WORLD:
+        return False
+    if len(weight_shapes) != 1 or len(weight_shapes[0]) != 2:
+        return False
+    return math.prod(a_shape[:-1]) * weight_shapes[0][-1] * ELEMENT_BYTES[dtype] <= LOWLAT_BAND_BYTES
+
+
 def gpu_refusal(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int) -> str | None:
     """Why no GPU schedule can take a region of this shape (the kernels' own checks), or None."""
     if any(len(w) != 2 for w in weight_shapes):
@@ -152,6 +177,10 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     """(schedule, why) for a region running on CUDA.  graphs=True: the calls are replayed
     from a CUDA graph (Config.cuda_graphs), so the host cost that makes short GEMMs run
     `sequential` in eager mode is not paid; only the GPU-side fixed costs count."""
+    if graphs is True and lowlat_band(kind, a_shape, weight_shapes, world, dtype):
+        nbytes = math.prod(a_shape[:-1]) * weight_shapes[0][-1] * ELEMENT_BYTES[dtype]
+        return Schedule("sequential"), (f"replayed all-reduce of {nbytes / 1024:.0f} KiB: NCCL until measured "
+                                        "against the low-latency schedules")
     refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
     if refusal is not None:
         return Schedule("sequential"), refusal + ": NCCL + cuBLAS"
