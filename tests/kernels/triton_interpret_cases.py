@@ -13,7 +13,7 @@ program waiting for a later one would wait forever):
 - rs:    the reduce-scatter GEMM (matmul_reduce.launch_rs_fused: rs_gemm_kernel), pointer
          loads and TMA, direct stores into a peer's slot through an address read from
          recv_bases and copy-engine staging, the tile counters it bumps, avg scaling;
-- ll:    the one-shot all-reduce (kernels/gpu/lowlat.ll_oneshot_kernel): the fp32 rank-order sum
+- ll:    the one-shot all-reduce and all-gather (kernels/gpu/lowlat.py): the fp32 rank-order sum
          bit for bit as its reference, avg, a tail, a grid smaller than the blocks of work; each
          barrier's flags told to every peer and cleared at home; a peer that never arrives
          reported in debug mode; the two-shot one (ll_twoshot_kernel), the peers' reduced
@@ -299,7 +299,33 @@ def _ll2(name, *, world, me, n, dtype, avg=False):
     assert not flags[me][symm.LL_BAR: phase1 + symm.LL_BLOCKS * symm.MAX_WORLD].any(), f"{name}: flags not cleared"
 
 
+def _llg(name, *, world, me, n, dtype):
+    """The one-shot all-gather kernel (lowlat.ll_gather_kernel) of rank `me`: every slot filled, the
+    peers' barrier flags set; out must hold every slot in rank order, and the flags be at rest."""
+    from torch_commopt.kernels.gpu import lowlat, symm
+
+    gen = torch.Generator().manual_seed(3 * n + world)
+    slots = [torch.randn(n + 5, generator=gen).to(dtype) for _ in range(world)]  # longer than n: only n travel
+    flags = [torch.zeros(symm.FLAG_SLOTS, dtype=torch.int32) for _ in range(world)]
+    phase1 = symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD
+    for bar in (symm.LL_BAR, phase1):
+        for b in range(lowlat.blocks_for(n)):
+            for p in range(world):
+                if p != me:
+                    flags[me][bar + b * symm.MAX_WORLD + p] = 1
+    out, status = torch.full((world * n,), 7.0, dtype=dtype), torch.zeros(8, dtype=torch.int32)
+    table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+    lowlat.launch_gather(lowlat.Ranks(table(slots), None, table(flags), me, world, status), out, n, debug=True,
+                         bound=BOUND_NS)
+    assert status.tolist() == [0] * 8, (name, status.tolist())
+    assert torch.equal(out, torch.cat([s[:n] for s in slots])), name
+    assert not flags[me][symm.LL_BAR: phase1 + symm.LL_BLOCKS * symm.MAX_WORLD].any(), f"{name}: flags not cleared"
+
+
 def group_ll():
+    _llg("all-gather, one element, 2 ranks", world=2, me=1, n=1, dtype=torch.float32)
+    _llg("all-gather, more blocks than the grid, 3 ranks", world=3, me=0, n=lowlat_block() * 70 + 3,
+         dtype=torch.float32)
     _ll2("two-shot, one element, 2 ranks", world=2, me=1, n=1, dtype=torch.float32)
     _ll2("two-shot, segments with a short last one, 3 ranks", world=3, me=2, n=lowlat_block() * 2 + 5,
          dtype=torch.float16)
@@ -311,7 +337,7 @@ def group_ll():
         avg=True)
     _ll("debug waits, all there", world=2, me=1, n=300, dtype=torch.float16, debug=True)
     _ll("a peer that never arrives", world=3, me=0, n=300, dtype=torch.float32, debug=True, missing=2)
-    return 8
+    return 10
 
 
 def lowlat_block():

@@ -30,11 +30,12 @@ SYMM_CAP_MIB = "TORCH_COMMOPT_SYMM_CAP_MIB"
 AGREE_TIMEOUT_S = "TORCH_COMMOPT_AGREE_TIMEOUT_S"
 WATCHDOG = "TORCH_COMMOPT_WATCHDOG"
 MOE_TRANSPORT = "TORCH_COMMOPT_MOE_TRANSPORT"
+DECODE_TRANSPORT = "TORCH_COMMOPT_DECODE_TRANSPORT"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
          ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
-         MOE_TRANSPORT)
+         MOE_TRANSPORT, DECODE_TRANSPORT)
 
 DEFAULT_WAIT_TIMEOUT_S = 60.0
 DEFAULT_AGREE_TIMEOUT_S = 30.0
@@ -132,6 +133,14 @@ def moe_transport() -> str:
     the copy engine over symmetric memory (kernels/moe/ce_exchange.py), or "nccl".  Case and
     surrounding spaces ignored; the caller logs an unknown value and reads it as "nccl"."""
     return _choice(MOE_TRANSPORT, "ce")
+
+
+def decode_transport() -> str:
+    """TORCH_COMMOPT_DECODE_TRANSPORT (default "ll"): how the decoding attention's partials travel
+    on CUDA -- "ll", the low-latency all-gather over symmetric memory (kernels/gpu/lowlat.py), or
+    "nccl".  Case and surrounding spaces ignored; the caller logs an unknown value and reads it
+    as "nccl"."""
+    return _choice(DECODE_TRANSPORT, "ll")
 
 
 def attention_group_streams() -> str:

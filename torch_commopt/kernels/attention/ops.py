@@ -115,9 +115,9 @@ def decode_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     """The attention of the replicated queries q (B, H, S_q, D) over the whole sequence-sharded
     cache, this rank's share k (B, H_kv, S_loc, D), v (B, H_kv, S_loc, Dv): (B, H, S_q, Dv) in q's
     dtype, the same on every rank."""
-    from torch_commopt.kernels.attention.decode import decode_attention_reference
+    from torch_commopt.kernels.attention.decode import decode_attention
 
-    return decode_attention_reference(q, k, v, mask, scale, _group(group_size, group_name)).contiguous()
+    return decode_attention(q, k, v, mask, scale, _group(group_size, group_name)).contiguous()
 
 
 _LIB.impl("decode_attention", decode_attention_op, "CompositeExplicitAutograd")

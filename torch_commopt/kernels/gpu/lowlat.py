@@ -119,6 +119,25 @@ def ll_twoshot_kernel(slot_bases, red_bases, out, n, seg, flag_bases, me, status
             tl.store(out + q * seg + offs, tl.load(red + offs, mask=mask, other=0.0, volatile=True), mask=mask)
 
 
+@triton.jit(do_not_specialize=["me", "n", "bound"])
+def ll_gather_kernel(slot_bases, out, n, flag_bases, me, status, bound, W: tl.constexpr, BAR0: tl.constexpr,
+                     BAR1: tl.constexpr, CODE: tl.constexpr, MAX_WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                     DEBUG: tl.constexpr):
+    """The one-shot all-gather: out[r * n:(r + 1) * n] = rank r's slot[:n] for every r, between the
+    same two barriers as the one-shot all-reduce (every slot written before, none rewritten while
+    read)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    _ll_barrier(flag_bases, me, pid, status, bound, BAR0, W, CODE, MAX_WORLD, DEBUG)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        for r in tl.static_range(W):
+            src = tl.load(slot_bases + r).to(tl.pointer_type(out.dtype.element_ty))
+            tl.store(out + r * n + offs, tl.load(src + offs, mask=mask, other=0.0, volatile=True), mask=mask)
+    _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG)
+
+
 def blocks_for(n: int) -> int:
     """The grid of a one-shot call over n elements (the same on every rank: n is)."""
     return max(1, min(symm.LL_BLOCKS, triton.cdiv(n, BLOCK)))
@@ -167,6 +186,13 @@ def launch_twoshot(ranks: Ranks, out: torch.Tensor, *, avg: bool, debug: bool, b
         W=ranks.world, AVG=avg, DEBUG=debug, num_warps=4, **_barriers())
 
 
+def launch_gather(ranks: Ranks, out: torch.Tensor, n: int, *, debug: bool, bound: int) -> None:
+    """The one-shot all-gather of every rank's slot[:n] into `out` (W * n elements), on the current stream."""
+    ll_gather_kernel[(blocks_for(n),)](
+        ranks.slot_bases, out, n, ranks.flag_bases, ranks.me, ranks.status, bound, W=ranks.world, DEBUG=debug,
+        num_warps=4, **_barriers())
+
+
 class LowLatency:
     """A group's low-latency buffer: this rank's slot (a view to compute a partial into) and the
     one-shot all-reduce over every rank's slot."""
@@ -189,6 +215,31 @@ class LowLatency:
         """This rank's slot as a (shape, dtype) tensor: what the peers read."""
         return self.buf.view(self.rt.rank, 0, tuple(shape), dtype)
 
+    def all_gather(self, out: torch.Tensor, debug: bool) -> torch.Tensor:
+        """out (W * n elements, contiguous) = every rank's slot[:n] (as out's dtype) in rank order,
+        on the current stream; the slots were written before, on this stream.  Watched as
+        all_reduce is."""
+        n = out.numel() // self.rt.world
+        self._run(lambda bound: launch_gather(self.ranks, out, n, debug=debug, bound=bound), blocks_for(n),
+                  "one-shot all-gather", debug)
+        return out
+
+    def _run(self, launch, blocks: int, label: str, debug: bool) -> None:
+        """launch(bound) with the watchdog told of its barrier waits (outside debug mode)."""
+        rt = self.rt
+        watched = rt.begin_call("low-latency all-reduce", label=label) if not debug else None
+        if watched is not None:
+            for bar in (symm.LL_BAR, symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD):
+                for p in rt.peers:
+                    rt.expect(bar + p, 1, src=p, what="ll barrier", watched=watched, stride=symm.MAX_WORLD,
+                              count=blocks)
+        try:
+            launch(symm.wait_bound())
+        finally:
+            rt.end_call(watched)
+        if debug:
+            rt.check_status(label)
+
     def all_reduce(self, out: torch.Tensor, reduce_op: str, debug: bool, two_shot: bool = False) -> torch.Tensor:
         """out = every rank's slot (as out's shape and dtype) summed (avg: / W), on the current
         stream; the slots were written before, on this stream.  two_shot: the two-shot kernel.
@@ -197,20 +248,10 @@ class LowLatency:
         that a stuck call is named and all of its spins released."""
         rt = self.rt
         label = "two-shot all-reduce" if two_shot else "one-shot all-reduce"
-        watched = rt.begin_call("low-latency all-reduce", label=label) if not debug else None
-        if watched is not None:
-            blocks = blocks_for(segment(out.numel(), rt.world) if two_shot else out.numel())
-            for bar in (symm.LL_BAR, symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD):
-                for p in rt.peers:
-                    rt.expect(bar + p, 1, src=p, what="ll barrier", watched=watched, stride=symm.MAX_WORLD,
-                              count=blocks)
-        try:
-            launch = launch_twoshot if two_shot else launch_oneshot
-            launch(self.ranks, out, avg=reduce_op == "avg", debug=debug, bound=symm.wait_bound())
-        finally:
-            rt.end_call(watched)
-        if debug:
-            rt.check_status("low-latency all-reduce")
+        blocks = blocks_for(segment(out.numel(), rt.world) if two_shot else out.numel())
+        launch = launch_twoshot if two_shot else launch_oneshot
+        self._run(lambda bound: launch(self.ranks, out, avg=reduce_op == "avg", debug=debug, bound=bound), blocks,
+                  label, debug)
         return out
 
 
