@@ -76,3 +76,41 @@ def run_stuck_peer(rank: int, world: int):
             results.append((label, message, seconds, usable, later))
         dist.barrier()
     return results
+
+
+def run_stuck_lowlat(rank: int, world: int, debug: bool):
+    """The low-latency all-reduce (matmul_ar oneshot and twoshot, and the decoding attention's
+    all-gather), each on a group of its own: every rank makes one good call, then rank 0 one more
+    that the last rank skips.  Production waits (the watchdog) or debug ones (the kernel's bounded
+    spin).  Returns per case (label, message, seconds, whether a plain GPU op ran afterwards)."""
+    from torch_commopt.kernels.gpu import lowlat, symm
+
+    if debug:
+        os.environ[env.DEBUG_WAITS] = "1"
+    else:
+        os.environ.pop(env.DEBUG_WAITS, None)
+    os.environ[env.WAIT_TIMEOUT_S] = str(BOUND_S)
+    a = _global(rank + 1, (8, 512), torch.bfloat16)
+    w = _global(rank + 11, (512, 1024), torch.bfloat16) / 32
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def gather(gn):
+        ll = lowlat.for_runtime(symm.runtime(gn, device))
+        ll.slot((1000,), torch.float32).normal_()
+        return ll.all_gather(torch.empty(world * 1000, device=device), debug=debug)
+
+    cases = [("one-shot all-reduce", lambda gn: torch.ops.commopt.matmul_ar(a, w, None, "sum", world, gn, "oneshot")),
+             ("two-shot all-reduce", lambda gn: torch.ops.commopt.matmul_ar(a, w, None, "sum", world, gn, "twoshot")),
+             ("one-shot all-gather", gather)]
+    results = []
+    for label, call in cases:
+        gn = dist.new_group(backend=dist.get_backend()).group_name
+        call(gn)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            message, seconds = _caught(lambda: call(gn))
+            x = torch.randn(256, 256, device="cuda")
+            results.append((label, message, seconds, bool(torch.isfinite(x @ x).all().item())))
+        dist.barrier()
+    return results

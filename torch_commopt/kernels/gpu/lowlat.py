@@ -227,7 +227,7 @@ class LowLatency:
     def _run(self, launch, blocks: int, label: str, debug: bool) -> None:
         """launch(bound) with the watchdog told of its barrier waits (outside debug mode)."""
         rt = self.rt
-        watched = rt.begin_call("low-latency all-reduce", label=label) if not debug else None
+        watched = rt.begin_call("low-latency collective", label=label) if not debug else None
         if watched is not None:
             for bar in (symm.LL_BAR, symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD):
                 for p in rt.peers:
