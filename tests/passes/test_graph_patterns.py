@@ -324,3 +324,37 @@ def test_plan_view_adds_the_edges_reshards_to_the_graph_total():
     (line,) = describe_edges(edges, cands, {"a": "ce_push:1", "b": "sequential"})
     assert line == "edges: 2, 1 with a reshard (0.250 ms, 8 MiB at most); graph total 1.750 ms", line
     assert describe_edges(edges, cands, {"a": "autotune:1", "b": "sequential"}) == []  # not yet decided
+
+
+# --- a tensor-parallel decoder's row-parallel projections at decode size --------------------
+
+@world_param
+def test_decode_sized_row_parallel_projections_are_all_reduce_regions(fake_world):
+    """One token for each of two sequences (B 2, S 1) through a TP MLP as DTensor emits it
+    (Colwise, then Rowwise to Replicate), and gpt-fast's form (the row-parallel product all-reduced
+    in place by dist.all_reduce): each is one matmul -> all-reduce region, with rows that do not
+    split over the ranks (the low-latency schedules split none).  (A single row is not a matmul
+    here: Inductor's CPU decompositions turn a one-row mm into a pointwise product and sum before
+    the pass runs, as they do on CUDA under coordinate_descent_tuning; docs/decode.md.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    mesh = init_device_mesh("cpu", (fake_world,))
+    parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with torch.no_grad():
+        graph = only_graph(mlp, torch.randn(2, 1, 16))
+    assert_rewritten(graph, "matmul_ar")
+    assert graph.collectives_after == {}
+
+    w = torch.randn(32 // fake_world, 16)
+
+    def gpt_fast_wo(h):
+        y = torch.nn.functional.linear(h, w.t())
+        dist.all_reduce(y)
+        return y
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        graph = only_graph(gpt_fast_wo, torch.randn(3, 1, 32 // fake_world))
+    assert_rewritten(graph, "matmul_ar")
