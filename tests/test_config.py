@@ -224,6 +224,10 @@ def test_config_schedule_auto_and_fixed():
     assert str(Config(schedule="ce_push", chunks=3).fixed_schedule) == "ce_push:3"
     assert str(Config(schedule="fused:2:bm=64").fixed_schedule) == "fused:2:bm=64"
     assert str(Config(schedule="sequential", chunks=5).fixed_schedule) == "sequential"
+    # the single-piece schedules stay one piece whatever chunks says (a bare "oneshot" used to take
+    # chunks = 4, which it refuses: the pass then left the graph untouched)
+    for name in ("oneshot", "twoshot", "gather_sum", "scatter_gather"):
+        assert str(Config(schedule=name, chunks=4).fixed_schedule) == name
     with pytest.raises(ValueError, match="debug_waits"):
         Config(debug_waits="yes")
     with pytest.raises(ValueError, match="cuda_graphs"):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_commopt.core.moe_spec import parse_moe_schedule
-from torch_commopt.core.schedule import Schedule
+from torch_commopt.core.schedule import SINGLE, Schedule
 
 PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar", "attention")
 MODES = ("auto", "model", "autotune", "fixed")
@@ -135,11 +135,12 @@ class Config:
 
     @property
     def fixed_schedule(self) -> Schedule | None:
-        """The schedule named by the config (None for "auto"); a bare name takes `chunks`."""
+        """The schedule named by the config (None for "auto"); a bare name of a schedule in pieces
+        takes `chunks` (the single-piece ones, core.schedule.SINGLE, stay one)."""
         if self.schedule == "auto":
             return None
         sched = Schedule.parse(self.schedule)
-        if ":" not in self.schedule and sched.name != "sequential":
+        if ":" not in self.schedule and sched.name not in SINGLE:
             sched = Schedule(sched.name, self.chunks)
         return sched
 
