@@ -46,17 +46,16 @@ def test_only_forward_gathers_are_marked():
 def test_saved_gather_budget_regathers_only_what_does_not_fit():
     # tp_sp_block (seq 16, dim 64, fp32, W=2) gathers two norm outputs of 2x16x64x4 B = 8 KiB
     # each, 4 KiB of each kept beyond its shard: a budget of 5 KiB keeps one and re-gathers
-    # the other, 0 keeps none, a large one re-gathers nothing
+    # the other, 0 keeps none, a large one re-gathers nothing (as no budget: the other tests)
     from regather_programs import saved_and_gathers_by_budget
 
-    per_rank = run_distributed(saved_and_gathers_by_budget, 2, "tp_sp_block", (None, 5 / 1024, 0.0, 1.0))
+    per_rank = run_distributed(saved_and_gathers_by_budget, 2, "tp_sp_block", (1.0, 5 / 1024, 0.0))
     runs = {b: [per_rank[r][b] for r in range(2)] for b in per_rank[0]}
     for rank in range(2):
         saved = {b: runs[b][rank][0] for b in runs}
         gathers = {b: runs[b][rank][1] for b in runs}
-        assert saved[1.0] == saved[None] and gathers[1.0] == gathers[None]
-        assert saved[0.0] < saved[5 / 1024] < saved[None], saved
-        assert gathers[0.0] == gathers[None] + 2 and gathers[5 / 1024] == gathers[None] + 1, gathers
+        assert saved[0.0] < saved[5 / 1024] < saved[1.0], saved
+        assert gathers[0.0] == gathers[1.0] + 2 and gathers[5 / 1024] == gathers[1.0] + 1, gathers
         notes = runs[5 / 1024][rank][3]
         assert any("re-gather 1 of 2" in n for n in notes), notes
         for b in runs:
