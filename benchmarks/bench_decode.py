@@ -16,6 +16,14 @@ error ≤ 1e-2; oneshot and twoshot also equal on every rank, bit for bit).
 
     python3 -m benchmarks.bench_decode --out OUT [--world 2] [--rounds 15]   # W GPUs (NCCL)
     python3 -m benchmarks.bench_decode --cpu                                   # gloo smoke, tiny shapes
+
+(b), `--step`: a whole decoder step of a Llama-3-8B-shaped model at TP=W, every variant replayed
+from CUDA graphs (benchmarks/decode_step.py: the model, the variants, the figures):
+
+    python3 -m benchmarks.bench_decode --step --out OUT [--world 2] [--layers 32] [--batch 1,8,32]
+        [--ctx 4096,32768] [--variants ...] [--rounds 15] [--steps 10]     # W GPUs (NCCL)
+    python3 -m benchmarks.bench_decode --step --shared --out OUT           # 2 ranks on one GPU (gloo)
+    python3 -m benchmarks.bench_decode --step --cpu                        # gloo smoke, tiny dims
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from benchmarks import decode_step
 from benchmarks.common import fmt, machine_meta, max_over_ranks, result_stem, write_report
 
 # (model, projection, K over all ranks, N)
@@ -183,7 +192,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--cpu", action="store_true", help="gloo smoke run, tiny shapes; prints, writes nothing")
     p.add_argument("--commit", default="")
+    decode_step.add_arguments(p)
     args = p.parse_args()
+    if args.step:
+        decode_step.main_step(args)
+        return
 
     from torch_commopt.testing.launch import run_distributed
 

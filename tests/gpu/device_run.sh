@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -91,6 +91,16 @@ fi
 if [[ $what == decode ]]; then
   # issue 69 (a), W GPUs: decode-sized GEMM + all-reduce, NCCL vs torch symm_mem vs oneshot/twoshot, from CUDA graphs
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_decode --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/decode.log"
+fi
+if [[ $what == decode_step ]]; then
+  # issue 69 (b), W GPUs: a Llama-3-8B-shaped TP decoder step from CUDA graphs (inductor + NCCL,
+  # inductor + torch symm_mem, commopt, the comm-free bound); BENCH_ARGS e.g. "--batch 1 --commit abc"
+  # (a 32-layer case compiles every variant: split by batch to stay inside one call)
+  timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_decode --step --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/decode_step.log"
+fi
+if [[ $what == decode_step_shared ]]; then
+  # issue 69 (b), one GPU: the decoder step with both ranks on it (correctness: commopt vs the unsharded model)
+  timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_decode --step --shared --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/decode_step_shared.log"
 fi
 if [[ $what == attention1 ]]; then
   # one GPU: the CUDA local-attention backends vs math, and each schedule's compute alone per rank
