@@ -1,0 +1,148 @@
+"""FlexAttention over a sequence split into W contiguous shares: the block mask cut per (rank, source)
+and one block's forward and backward (issue 70's foundation).
+
+A FlexAttention program states its mask twice: as a `mask_mod(b, h, q, kv)` function of global
+positions and as a `BlockMask`, the same mask at block granularity (per row of Q blocks, which KV
+blocks are partly or fully unmasked).  In a context-parallel schedule rank p holds the rows
+[p * L, (p + 1) * L) and meets the keys of source s, [s * L, (s + 1) * L), one block at a time.
+`step_mask` builds that block's BlockMask from the whole one without evaluating the mask again:
+rank p's rows of the block tables, the KV blocks in source s's column range kept (in their order)
+and shifted to start at 0, and the mask_mod moved by the two offsets.  `work` counts, for every
+(p, s), the tiles such a block computes; a block with none is neither computed nor, where the
+schedule allows, sent.
+
+`block_forward` / `block_backward` run torch's flex-attention operators on one block
+(`flex_attention_hop` and `flex_attention_backward`: dense math on a CPU, the Triton kernels under
+Inductor on a GPU).  The forward returns the block's output and its log-sum-exp in natural log
+(the operator's is base 2), to be merged with the others (merge.merge_); the backward takes the
+*global* output and LSE of the rows, as flash attention's backward does, so the blocks' gradients
+add up to the whole attention's.  Only masks are handled (score_mod the identity).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LN2 = math.log(2.0)
+
+
+def slice_columns(num: Tensor, idx: Tensor, c0: int, c1: int) -> tuple[Tensor, Tensor]:
+    """Block tables (num [..., rows], idx [..., rows, cols]) cut to the column blocks [c0, c1),
+    shifted to 0: per row, the kept blocks first in their order, their count, and the table
+    c1 - c0 wide."""
+    cols = idx.shape[-1]
+    valid = torch.arange(cols, device=idx.device) < num[..., None]
+    keep = valid & (idx >= c0) & (idx < c1)
+    width = c1 - c0
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept first, in order
+    moved = torch.gather(idx - c0, -1, order)
+    if moved.shape[-1] < width:  # a table narrower than the range: pad (never read past num)
+        moved = torch.cat([moved, moved.new_zeros(*moved.shape[:-1], width - moved.shape[-1])], -1)
+    new_idx = moved[..., :width].clamp(0, width - 1).to(torch.int32)
+    return keep.sum(-1).to(torch.int32).contiguous(), new_idx.contiguous()
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A whole sequence's block mask: kv_num [B|1, H|1, NQ], kv_idx [.., NQ, NK] and the full-block
+    tables (None: none), the block size, the mask function of global positions, the sequence length."""
+
+    kv_num: Tensor
+    kv_idx: Tensor
+    full_num: Tensor | None
+    full_idx: Tensor | None
+    block: int
+    mask_mod: Callable
+    seq_len: int
+
+    @classmethod
+    def of(cls, block_mask) -> "Blocks":
+        """From a torch BlockMask over the whole sequence (square: Q_LEN == KV_LEN)."""
+        q_len, kv_len = block_mask.seq_lengths
+        if q_len != kv_len:
+            raise ValueError(f"flex CP: the whole block mask must be square, got {q_len} x {kv_len}")
+        bq, bk = block_mask.BLOCK_SIZE
+        if bq != bk:
+            raise ValueError(f"flex CP: Q and KV blocks of one size, got {bq} and {bk}")
+        return cls(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                   block_mask.full_kv_indices, bq, block_mask.mask_mod, q_len)
+
+    def share(self, world: int) -> int:
+        """Rows of a rank's share (the sequence in `world` equal shares of whole blocks)."""
+        if self.seq_len % (world * self.block):
+            raise ValueError(f"flex CP: a sequence of {self.seq_len} does not split into {world} shares of whole "
+                             f"{self.block}-token blocks")
+        return self.seq_len // world
+
+
+def step_mask(blocks: Blocks, p: int, s: int, world: int):
+    """The BlockMask of rank p's rows against source s's keys (both length L = seq / world), its
+    mask_mod in global positions moved by the two offsets."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    length = blocks.share(world)
+    nb = length // blocks.block
+    rows = slice(p * nb, (p + 1) * nb)
+    c0, c1 = s * nb, (s + 1) * nb
+    kn, ki = slice_columns(blocks.kv_num[..., rows], blocks.kv_idx[..., rows, :], c0, c1)
+    fn = fi = None
+    if blocks.full_num is not None:
+        fn, fi = slice_columns(blocks.full_num[..., rows], blocks.full_idx[..., rows, :], c0, c1)
+    q_off, kv_off, mod = p * length, s * length, blocks.mask_mod
+
+    def moved(b, h, q, kv):
+        return mod(b, h, q + q_off, kv + kv_off)
+
+    return BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blocks.block, mask_mod=moved,
+                                    seq_lengths=(length, length))
+
+
+def work(blocks: Blocks, world: int) -> Tensor:
+    """(world, world) int64: the tiles rank p computes against source s's keys (partial and full
+    blocks, summed over batch and heads of the block tables)."""
+    nb = blocks.share(world) // blocks.block
+    out = torch.zeros(world, world, dtype=torch.int64)
+    for num, idx in ((blocks.kv_num, blocks.kv_idx), (blocks.full_num, blocks.full_idx)):
+        if num is None:
+            continue
+        valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+        src = torch.where(valid, idx // nb, -1)  # the source rank of every kept column block
+        for p in range(world):
+            mine = src[..., p * nb:(p + 1) * nb, :]
+            for s in range(world):
+                out[p, s] += int((mine == s).sum())
+    return out
+
+
+def _kernel_options(q: Tensor, k: Tensor, v: Tensor):
+    from torch.nn.attention.flex_attention import _apply_kernel_options
+
+    return _apply_kernel_options(q, k, v, True, None)
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of q against one block of keys under `block_mask` (lse natural log, rows with no
+    key -inf and output 0); GQA where k and v have fewer heads than q."""
+    from torch.nn.attention.flex_attention import _identity, flex_attention_hop
+
+    res = flex_attention_hop(q, k, v, _identity, block_mask.as_tuple(), scale, _kernel_options(q, k, v))
+    return res[0], res[1] * LN2
+
+
+def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, block_mask,
+                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one block's share of the attention, from the rows' *global* out and lse
+    (natural log) and dout; dk and dv with k's heads (GQA summed)."""
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph, flex_attention_backward
+    from torch.nn.attention.flex_attention import _identity
+
+    index = [torch.zeros((), dtype=torch.int) for _ in range(4)]
+    fw, joint = create_fw_bw_graph(_identity, (torch.zeros((), dtype=q.dtype, requires_grad=True), *index), ())
+    grads = flex_attention_backward(q, k, v, out, lse / LN2, dout, None, fw, joint, block_mask.as_tuple(), scale,
+                                    _kernel_options(q, k, v), (), ())
+    return grads[0], grads[1], grads[2]
