@@ -230,6 +230,20 @@ def group_waits():
     return 8
 
 
+def _peer_flags(world, me, blocks, missing=None):
+    """Every rank's flag array, with the peers' arrivals at both low-latency barriers, for every
+    block, already set in me's (but `missing`'s, when given)."""
+    from torch_commopt.kernels.gpu import symm
+
+    flags = [torch.zeros(symm.FLAG_SLOTS, dtype=torch.int32) for _ in range(world)]
+    for bar in (symm.LL_BAR, symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD):
+        for b in range(blocks):
+            for p in range(world):
+                if p != me and p != missing:
+                    flags[me][bar + b * symm.MAX_WORLD + p] = 1
+    return flags
+
+
 def _ll(name, *, world, me, n, dtype, avg=False, debug=False, missing=None):
     """The one-shot all-reduce kernel (lowlat.ll_oneshot_kernel) of rank `me`, its peers stood in
     for: every rank's slot filled, the peers' barrier flags (both phases, every block) set in
@@ -239,14 +253,9 @@ def _ll(name, *, world, me, n, dtype, avg=False, debug=False, missing=None):
 
     gen = torch.Generator().manual_seed(n + world)
     slots = [torch.randn(n, generator=gen).to(dtype) for _ in range(world)]
-    flags = [torch.zeros(symm.FLAG_SLOTS, dtype=torch.int32) for _ in range(world)]
     blocks = lowlat.blocks_for(n)
+    flags = _peer_flags(world, me, blocks, missing)
     phase1 = symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD
-    for bar in (symm.LL_BAR, phase1):
-        for b in range(blocks):
-            for p in range(world):
-                if p != me and p != missing:
-                    flags[me][bar + b * symm.MAX_WORLD + p] = 1
     out, status = torch.zeros(n, dtype=dtype), torch.zeros(8, dtype=torch.int32)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     ranks = lowlat.Ranks(table(slots), None, table(flags), me, world, status)
@@ -281,13 +290,8 @@ def _ll2(name, *, world, me, n, dtype, avg=False):
         if q != me:
             piece = want[q * seg: (q + 1) * seg]
             reds[q][: piece.numel()] = piece
-    flags = [torch.zeros(symm.FLAG_SLOTS, dtype=torch.int32) for _ in range(world)]
+    flags = _peer_flags(world, me, lowlat.blocks_for(seg))
     phase1 = symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD
-    for bar in (symm.LL_BAR, phase1):
-        for b in range(lowlat.blocks_for(seg)):
-            for p in range(world):
-                if p != me:
-                    flags[me][bar + b * symm.MAX_WORLD + p] = 1
     out, status = torch.zeros(n, dtype=dtype), torch.zeros(8, dtype=torch.int32)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     ranks = lowlat.Ranks(table(slots), table(reds), table(flags), me, world, status)
@@ -306,13 +310,8 @@ def _llg(name, *, world, me, n, dtype):
 
     gen = torch.Generator().manual_seed(3 * n + world)
     slots = [torch.randn(n + 5, generator=gen).to(dtype) for _ in range(world)]  # longer than n: only n travel
-    flags = [torch.zeros(symm.FLAG_SLOTS, dtype=torch.int32) for _ in range(world)]
+    flags = _peer_flags(world, me, lowlat.blocks_for(n))
     phase1 = symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD
-    for bar in (symm.LL_BAR, phase1):
-        for b in range(lowlat.blocks_for(n)):
-            for p in range(world):
-                if p != me:
-                    flags[me][bar + b * symm.MAX_WORLD + p] = 1
     out, status = torch.full((world * n,), 7.0, dtype=dtype), torch.zeros(8, dtype=torch.int32)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     lowlat.launch_gather(lowlat.Ranks(table(slots), None, table(flags), me, world, status), out, n, debug=True,
