@@ -371,11 +371,8 @@ def _refuse_gloo_collectives(mode: str | None, options: dict | None) -> Callable
     return backend
 
 
-# A fixed single-piece schedule takes chunks=1: Config.fixed_schedule gives a bare name
-# Config.chunks pieces, which gather_sum and oneshot refuse (and the pass then leaves the graph
-# as compiled).
-COMMOPT_OPTIONS = {"commopt gather_sum": {"schedule": "gather_sum", "mode": "fixed", "chunks": 1},
-                   "commopt oneshot": {"schedule": "oneshot", "mode": "fixed", "chunks": 1, "cuda_graphs": True}}
+COMMOPT_OPTIONS = {"commopt gather_sum": {"schedule": "gather_sum", "mode": "fixed"},
+                   "commopt oneshot": {"schedule": "oneshot", "mode": "fixed", "cuda_graphs": True}}
 
 
 def _commopt(variant: str, model: nn.Module, plan: Plan) -> nn.Module:
