@@ -33,12 +33,14 @@ def test_a_step_mask_is_the_block_mask_of_its_rows_and_keys(kind):
             direct = create_block_mask(lambda b, h, q, kv: mod(b, h, q + p * length, kv + s * length), batch, None,
                                        length, length, device="cpu", BLOCK_SIZE=BLOCK)
             # the same tiles kept, partial and full, and the same elementwise mask
-            for got, want in ((step.kv_num_blocks, direct.kv_num_blocks),
-                              (step.full_kv_num_blocks, direct.full_kv_num_blocks)):
+            for got, want in ((step.tables[2], direct.kv_num_blocks), (step.tables[4], direct.full_kv_num_blocks)):
                 assert torch.equal(got, want), (kind, p, s)
-            for b in range(batch):
-                assert torch.equal(step.mask_mod(b, 0, pos[:, None], pos[None, :]),
+            assert step.tiles() == int(direct.kv_num_blocks.sum() + direct.full_kv_num_blocks.sum())
+            for b in range(batch):  # the lifted mask (its document ids a buffer) moved by the offsets
+                assert torch.equal(step.mask(torch.tensor(b), 0, pos[:, None], pos[None, :]),
                                    direct.mask_mod(b, 0, pos[:, None], pos[None, :])), (kind, p, s, b)
+    if kind.startswith("document"):
+        assert len(blocks.buffers) == 1 and torch.equal(blocks.buffers[0], docs)  # lifted, not a constant
     work = flex.work(blocks, world)
     assert work.sum() == int(blocks.kv_num.sum() + blocks.full_num.sum())
     assert (work.triu(1) == 0).all()  # causal: no rank attends a later share

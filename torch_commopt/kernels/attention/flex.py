@@ -47,6 +47,32 @@ def slice_columns(num: Tensor, idx: Tensor, c0: int, c1: int) -> tuple[Tensor, T
     return keep.sum(-1).to(torch.int32).contiguous(), new_idx.contiguous()
 
 
+def lift(mask_mod: Callable, device: torch.device) -> tuple[torch.fx.GraphModule, tuple[Tensor, ...]]:
+    """mask_mod traced into a graph of aten ops whose tensors read from outside (document ids, a
+    window table) are inputs: (graph(b, h, q, kv, *buffers) -> bool, buffers).  The compiled
+    kernels take such buffers as arguments (a traced constant cannot be compiled into a flex
+    kernel's mask), and new values of them each batch recompile nothing."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    index = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(4)]  # 1-D: tensor indexing traces
+    gm = make_fx(mask_mod)(*index)
+    graph = gm.graph
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    lifted: dict[str, torch.fx.Node] = {}
+    buffers = []
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        if node.target not in lifted:
+            with graph.inserting_after(last):
+                last = lifted[node.target] = graph.placeholder(f"buffer{len(buffers)}")
+            buffers.append(getattr(gm, node.target))
+        node.replace_all_uses_with(lifted[node.target])
+        graph.erase_node(node)
+    gm.recompile()
+    return gm, tuple(buffers)
+
+
 @dataclass(frozen=True)
 class Blocks:
     """A whole sequence's block mask: kv_num [B|1, H|1, NQ], kv_idx [.., NQ, NK] and the full-block
@@ -59,6 +85,8 @@ class Blocks:
     block: int
     mask_mod: Callable
     seq_len: int
+    graph: torch.fx.GraphModule | None = None  # mask_mod lifted (lift): (b, h, q, kv, *buffers)
+    buffers: tuple[Tensor, ...] = ()
 
     @classmethod
     def of(cls, block_mask) -> "Blocks":
@@ -69,8 +97,9 @@ class Blocks:
         bq, bk = block_mask.BLOCK_SIZE
         if bq != bk:
             raise ValueError(f"flex CP: Q and KV blocks of one size, got {bq} and {bk}")
+        graph, buffers = lift(block_mask.mask_mod, block_mask.kv_num_blocks.device)
         return cls(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-                   block_mask.full_kv_indices, bq, block_mask.mask_mod, q_len)
+                   block_mask.full_kv_indices, bq, block_mask.mask_mod, q_len, graph, buffers)
 
     def share(self, world: int) -> int:
         """Rows of a rank's share (the sequence in `world` equal shares of whole blocks)."""
@@ -80,9 +109,30 @@ class Blocks:
         return self.seq_len // world
 
 
-def step_mask(blocks: Blocks, p: int, s: int, world: int):
-    """The BlockMask of rank p's rows against source s's keys (both length L = seq / world), its
-    mask_mod in global positions moved by the two offsets."""
+@dataclass(frozen=True)
+class Step:
+    """One (rank p's rows, source s's keys) block's mask as flex's operators take it: the block
+    tables (BlockMask.as_tuple) with, last, the mask function of block-local positions
+    mod(b, h, q, kv, q_off, kv_off, *buffers), and its buffers (q_off, kv_off, *the lifted
+    mask's buffers)."""
+
+    tables: tuple
+    buffers: tuple[Tensor, ...]
+
+    def mask(self, b, h, q, kv):
+        """The block's elementwise mask (True: attended)."""
+        return self.tables[-1](b, h, q, kv, *self.buffers)
+
+    def tiles(self) -> int:
+        """Tiles the block computes (partial and full); a host read."""
+        num, full = self.tables[2], self.tables[4]
+        return int(num.sum()) + (int(full.sum()) if full is not None else 0)
+
+
+def step_mask(blocks: Blocks, p: int, s: int, world: int) -> Step:
+    """The mask of rank p's rows against source s's keys (both length L = seq / world): the block
+    tables cut (slice_columns), the lifted mask moved by the two offsets, which travel as tensors
+    so that one compiled kernel serves every (p, s)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     length = blocks.share(world)
@@ -93,13 +143,16 @@ def step_mask(blocks: Blocks, p: int, s: int, world: int):
     fn = fi = None
     if blocks.full_num is not None:
         fn, fi = slice_columns(blocks.full_num[..., rows], blocks.full_idx[..., rows, :], c0, c1)
-    q_off, kv_off, mod = p * length, s * length, blocks.mask_mod
+    cut = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blocks.block, seq_lengths=(length, length))
+    graph = blocks.graph
 
-    def moved(b, h, q, kv):
-        return mod(b, h, q + q_off, kv + kv_off)
+    def moved(b, h, q, kv, q_off, kv_off, *buffers):
+        return graph(b, h, q + q_off, kv + kv_off, *buffers)
 
-    return BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blocks.block, mask_mod=moved,
-                                    seq_lengths=(length, length))
+    device = kn.device
+    offsets = (torch.tensor(p * length, dtype=torch.int32, device=device),
+               torch.tensor(s * length, dtype=torch.int32, device=device))
+    return Step(cut.as_tuple()[:-1] + (moved,), offsets + blocks.buffers)
 
 
 def work(blocks: Blocks, world: int) -> Tensor:
@@ -125,24 +178,75 @@ def _kernel_options(q: Tensor, k: Tensor, v: Tensor):
     return _apply_kernel_options(q, k, v, True, None)
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> tuple[Tensor, Tensor]:
-    """(out, lse) of q against one block of keys under `block_mask` (lse natural log, rows with no
-    key -inf and output 0); GQA where k and v have fewer heads than q."""
+def block_forward(q: Tensor, k: Tensor, v: Tensor, step: Step, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of q against one block of keys under `step`'s mask (lse natural log, rows with no
+    key -inf and output 0); GQA where k and v have fewer heads than q.  On CUDA a compiled
+    kernel (_compiled), on a CPU the operator's dense math."""
     from torch.nn.attention.flex_attention import _identity, flex_attention_hop
 
-    res = flex_attention_hop(q, k, v, _identity, block_mask.as_tuple(), scale, _kernel_options(q, k, v))
-    return res[0], res[1] * LN2
+    def run(q, k, v, *tensors):
+        tables, buffers = _unflatten(step, tensors)
+        return flex_attention_hop(q, k, v, _identity, tables, scale, _kernel_options(q, k, v), (), buffers)[:2]
+
+    args = (q, k, v, *_flatten(step))
+    out, lse2 = _compiled("forward", run, args, step, scale)(*args) if q.is_cuda else run(*args)
+    return out, lse2 * LN2
 
 
-def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, block_mask,
+def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, step: Step,
                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one block's share of the attention, from the rows' *global* out and lse
     (natural log) and dout; dk and dv with k's heads (GQA summed)."""
     from torch._higher_order_ops.flex_attention import create_fw_bw_graph, flex_attention_backward
     from torch.nn.attention.flex_attention import _identity
 
-    index = [torch.zeros((), dtype=torch.int) for _ in range(4)]
-    fw, joint = create_fw_bw_graph(_identity, (torch.zeros((), dtype=q.dtype, requires_grad=True), *index), ())
-    grads = flex_attention_backward(q, k, v, out, lse / LN2, dout, None, fw, joint, block_mask.as_tuple(), scale,
-                                    _kernel_options(q, k, v), (), ())
-    return grads[0], grads[1], grads[2]
+    index = [torch.zeros((), dtype=torch.int, device=q.device) for _ in range(4)]
+    fw, joint = create_fw_bw_graph(_identity, (torch.zeros((), dtype=q.dtype, device=q.device, requires_grad=True),
+                                               *index), ())
+
+    def run(q, k, v, out, lse2, dout, *tensors):
+        tables, buffers = _unflatten(step, tensors)
+        return flex_attention_backward(q, k, v, out, lse2, dout, None, fw, joint, tables, scale,
+                                       _kernel_options(q, k, v), (), buffers)[:3]
+
+    args = (q, k, v, out, (lse / LN2).to(torch.float32) if q.is_cuda else lse / LN2, dout, *_flatten(step))
+    dq, dk, dv = _compiled("backward", run, args, step, scale)(*args) if q.is_cuda else run(*args)
+    return dq, dk, dv
+
+
+def _flatten(step: Step) -> tuple[Tensor, ...]:
+    """The step's tensors, the block tables' then the buffers, as one flat argument list."""
+    return tuple(t for t in step.tables if isinstance(t, Tensor)) + step.buffers
+
+
+def _unflatten(step: Step, tensors: tuple) -> tuple[tuple, tuple]:
+    """(block tables, buffers) from _flatten's list: the step's tables with their tensors replaced."""
+    it = iter(tensors)
+    tables = tuple(next(it) if isinstance(t, Tensor) else t for t in step.tables)
+    return tables, tuple(it)
+
+
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def _compiled(kind: str, run: Callable, args: tuple, step: Step, scale: float) -> Callable:
+    """run traced (make_fx) and compiled by Inductor into the flex Triton kernels, once per kind,
+    argument shapes and dtypes, scale and mask graph: every (p, s) block of a call and every layer
+    of a step share it (the offsets, tables and buffers are arguments)."""
+    key = (kind, scale, id(step.tables[-1].__code__), _mask_graph_key(step),
+           tuple((tuple(a.shape), a.dtype) if isinstance(a, Tensor) else a for a in args),
+           tuple(t for t in step.tables if not isinstance(t, Tensor) and not callable(t)))
+    fn = _COMPILED.get(key)
+    if fn is None:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        gm = make_fx(run)(*args)
+        fn = _COMPILED[key] = torch._inductor.compile(gm, list(args))
+    return fn
+
+
+def _mask_graph_key(step: Step) -> str:
+    """The code of the lifted mask graph the step's mask function calls (its closure's graph)."""
+    cells = step.tables[-1].__closure__ or ()
+    graphs = [c.cell_contents for c in cells if isinstance(c.cell_contents, torch.fx.GraphModule)]
+    return graphs[0].code if graphs else ""
