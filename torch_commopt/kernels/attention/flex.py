@@ -230,7 +230,7 @@ _COMPILED: dict[tuple, Callable] = {}
 
 
 def _compiled(kind: str, run: Callable, args: tuple, step: Step, scale: float) -> Callable:
-    """run traced (make_fx) and compiled by Inductor into the flex Triton kernels, once per kind,
+    """run traced (make_fx, fake tensors) and compiled by Inductor into the flex Triton kernels, once per kind,
     argument shapes and dtypes, scale and mask graph: every (p, s) block of a call and every layer
     of a step share it (the offsets, tables and buffers are arguments)."""
     key = (kind, scale, id(step.tables[-1].__code__), _mask_graph_key(step),
@@ -240,7 +240,9 @@ def _compiled(kind: str, run: Callable, args: tuple, step: Step, scale: float) -
     if fn is None:
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        gm = make_fx(run)(*args)
+        # fake tensors: tracing with real ones runs the operator's dense math (a 32 GiB score
+        # matrix at 8K rows a rank), only to throw it away
+        gm = make_fx(run, tracing_mode="fake")(*args)
         fn = _COMPILED[key] = torch._inductor.compile(gm, list(args))
     return fn
 
