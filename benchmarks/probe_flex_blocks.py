@@ -166,6 +166,9 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=400.0, help="stop starting cases after this many seconds")
     p.add_argument("--commit", default="")
     args = p.parse_args()
+    # one compiled whole-sequence kernel per mask and length: past Dynamo's default limit of
+    # recompiles, flex_attention would run eagerly (its dense math: 128 GiB of scores at 32K)
+    torch._dynamo.config.recompile_limit = 64
     start, cases = time.perf_counter(), []
     for seq in (int(x) for x in args.seq.split(",")):
         for kind in args.masks.split(","):
