@@ -197,12 +197,9 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one block's share of the attention, from the rows' *global* out and lse
     (natural log) and dout; dk and dv with k's heads (GQA summed)."""
-    from torch._higher_order_ops.flex_attention import create_fw_bw_graph, flex_attention_backward
-    from torch.nn.attention.flex_attention import _identity
+    from torch._higher_order_ops.flex_attention import flex_attention_backward
 
-    index = [torch.zeros((), dtype=torch.int, device=q.device) for _ in range(4)]
-    fw, joint = create_fw_bw_graph(_identity, (torch.zeros((), dtype=q.dtype, device=q.device, requires_grad=True),
-                                               *index), ())
+    fw, joint = _score_graphs(q.dtype, q.device)
 
     def run(q, k, v, out, lse2, dout, *tensors):
         tables, buffers = _unflatten(step, tensors)
@@ -212,6 +209,23 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
     args = (q, k, v, out, (lse / LN2).to(torch.float32) if q.is_cuda else lse / LN2, dout, *_flatten(step))
     dq, dk, dv = _compiled("backward", run, args, step, scale)(*args) if q.is_cuda else run(*args)
     return dq, dk, dv
+
+
+_SCORE_GRAPHS: dict[tuple, tuple] = {}
+
+
+def _score_graphs(dtype: torch.dtype, device: torch.device) -> tuple:
+    """The identity score_mod's forward and joint graphs (create_fw_bw_graph), traced once per dtype
+    and device: tracing them is milliseconds of host time, which every block's backward would pay."""
+    key = (dtype, device)
+    if key not in _SCORE_GRAPHS:
+        from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+        from torch.nn.attention.flex_attention import _identity
+
+        index = [torch.zeros((), dtype=torch.int, device=device) for _ in range(4)]
+        score = torch.zeros((), dtype=dtype, device=device, requires_grad=True)
+        _SCORE_GRAPHS[key] = create_fw_bw_graph(_identity, (score, *index), ())
+    return _SCORE_GRAPHS[key]
 
 
 def _flatten(step: Step) -> tuple[Tensor, ...]:
