@@ -1,11 +1,13 @@
 """One GPU: the per-rank compute of FlexAttention's ring schedule against the whole-sequence kernel (issue 70).
 
-The bound that no transfer can beat: rank p of W computes its rows against every source's keys
-block by block (kernels/attention/flex.py: the cut block mask, one compiled kernel per direction),
-and the whole-sequence kernel computes every row against every key in one call.  Their work rates
-(tiles a millisecond) are compared, forward and backward, for the last rank (the causal masks'
-busiest), with the merged forward checked against the whole kernel's rows and the blocks' dq
-against the whole backward's.  Masks: causal, documents of mean 1K / 4K / 16K tokens (lengths
+The bound that no transfer can beat: rank p of W computes its rows against every source's keys,
+and the whole-sequence kernel computes every row against every key in one call.  Two ways of the
+rank's (kernels/attention/flex.py: the cut block mask, one compiled kernel per direction):
+- `ring`: block by block, one call per source with a kept tile, merged by LSE (flex_ring.py);
+- `allgather`: one call of its rows against every key (flex_allgather.py, one head group).
+Their work rates (tiles a millisecond) are compared with the whole kernel's, forward and
+backward, for the last rank (the causal masks' busiest), with the forward checked against the
+whole kernel's rows and dq against the whole backward's.  Masks: causal, documents of mean 1K / 4K / 16K tokens (lengths
 drawn uniformly from [mean / 4, 7 mean / 4]), a 4K sliding window; bf16, B 1, H 32, H_kv 8, D 128.
 
     python3 -m benchmarks.probe_flex_blocks --out OUT [--seq 16384,32768] [--world 2] [--commit abc]
@@ -108,19 +110,33 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
     def rank_bwd():
         return [flex.block_backward(q_rows, *keys[s], out_rows, lse_rows, dout_rows, steps[s], scale) for s in live]
 
+    every = flex.step_mask(blocks, p, None, world)
+
+    def gather_fwd():
+        return flex.block_forward(q_rows, k, v, every, scale)
+
+    def gather_bwd():
+        return flex.block_backward(q_rows, k, v, out_rows, lse_rows, dout_rows, every, scale)
+
     acc, lse = rank_fwd()
     grads = rank_bwd()
+    gathered_out, _ = gather_fwd()
+    gathered_dq = gather_bwd()[0].float()
     whole_fwd_bwd()
     compile_s = time.perf_counter() - t0
     dq = sum(g[0].float() for g in grads)
     fwd_whole, both_whole = _ms(whole_fwd, reps), _ms(whole_fwd_bwd, reps)
     fwd_rank, bwd_rank = _ms(rank_fwd, reps), _ms(rank_bwd, reps)
+    fwd_gather, bwd_gather = _ms(gather_fwd, reps), _ms(gather_bwd, reps)
     tiles_whole = int(blocks.kv_num.sum()) + int(blocks.full_num.sum())
     tiles_rank = sum(steps[s].tiles() for s in live)
     return {"mask": kind, "seq": seq, "world": world, "rank": p, "tiles_whole": tiles_whole, "tiles_rank": tiles_rank,
             "blocks_computed": len(live), "ms": {"whole fwd": fwd_whole, "whole bwd": both_whole - fwd_whole,
-                                                 "rank fwd": fwd_rank, "rank bwd": bwd_rank},
+                                                 "rank fwd": fwd_rank, "rank bwd": bwd_rank,
+                                                 "allgather fwd": fwd_gather, "allgather bwd": bwd_gather},
             "fwd_error": float((acc - out_rows.float()).abs().max()),
+            "allgather_fwd_error": float((gathered_out.float() - out_rows.float()).abs().max()),
+            "allgather_dq_error": float((gathered_dq - qa.grad[:, :, rows].float()).abs().max()),
             "lse_error": float((lse - lse_rows)[torch.isfinite(lse_rows)].abs().max()),
             "dq_error": float((dq - qa.grad[:, :, rows].float()).abs().max()),
             "dq_scale": float(qa.grad[:, :, rows].float().abs().max()), "compile_s": compile_s}
@@ -133,6 +149,8 @@ def derive(cases: list) -> list:
         for d in ("fwd", "bwd"):
             whole_rate = c["tiles_whole"] / ms[f"whole {d}"]
             c[f"{d}_ratio"] = (c["tiles_rank"] / ms[f"rank {d}"]) / whole_rate
+            if f"allgather {d}" in ms:
+                c[f"allgather_{d}_ratio"] = (c["tiles_rank"] / ms[f"allgather {d}"]) / whole_rate
     return cases
 
 
@@ -142,17 +160,22 @@ def report(cases: list, meta: dict) -> str:
              f"{BLOCK}-token blocks; the last rank of W; ms: median of {meta['rounds']} calls. Ratio: the rank's tiles "
              "per ms over the whole kernel's (1.0: the blocks run at the whole kernel's rate; the issue asks >= 0.95 "
              "at >= 8K tokens a rank).", "",
-             "| mask | seq | W | tiles whole / rank | blocks | whole fwd ms | rank fwd ms | fwd ratio | whole bwd ms "
-             "| rank bwd ms | bwd ratio | fwd err | dq err / max |dq| |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mask | seq | W | tiles whole / rank | ring blocks | whole fwd ms | ring fwd ms | ring fwd ratio "
+             "| allgather fwd ms | allgather fwd ratio | whole bwd ms | ring bwd ms | ring bwd ratio | allgather bwd ms "
+             "| allgather bwd ratio | fwd err | dq err / max |dq| |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         ms = c["ms"]
+        errors = [c["fwd_error"], c.get("allgather_fwd_error", 0.0)], [c["dq_error"], c.get("allgather_dq_error", 0.0)]
         lines.append(f"| {c['mask']} | {c['seq']} | {c['world']} | {c['tiles_whole']} / {c['tiles_rank']} | "
                      f"{c['blocks_computed']} | {fmt(ms['whole fwd'], 3)} | {fmt(ms['rank fwd'], 3)} | "
-                     f"{fmt(c['fwd_ratio'], 3)} | {fmt(ms['whole bwd'], 3)} | {fmt(ms['rank bwd'], 3)} | "
-                     f"{fmt(c['bwd_ratio'], 3)} | {c['fwd_error']:.1e} | {c['dq_error']:.1e} / {c['dq_scale']:.1e} |")
+                     f"{fmt(c['fwd_ratio'], 3)} | {fmt(ms.get('allgather fwd'), 3)} | {fmt(c.get('allgather_fwd_ratio'), 3)} | "
+                     f"{fmt(ms['whole bwd'], 3)} | {fmt(ms['rank bwd'], 3)} | {fmt(c['bwd_ratio'], 3)} | "
+                     f"{fmt(ms.get('allgather bwd'), 3)} | {fmt(c.get('allgather_bwd_ratio'), 3)} | "
+                     f"{max(errors[0]):.1e} | {max(errors[1]):.1e} / {c['dq_scale']:.1e} |")
     lines += ["", "The whole backward is the compiled fwd+bwd minus the forward (AOT autograd's compiled backward); "
-              "the rank's backward is one make_fx + Inductor kernel per block (flex.block_backward).", ""]
+              "the rank's backward is one make_fx + Inductor kernel per call (flex.block_backward). Errors: the larger of "
+              "the two schedules'.", ""]
     return "\n".join(lines)
 
 

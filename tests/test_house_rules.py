@@ -33,6 +33,8 @@ CUSTOM_OPS = {
     "commopt::cp_attention_bwd": "the schema of its backward (the forward's tensors beside dout)",
     "commopt::cp_attention_fwd_keep": "the schema of the training forward that keeps its moved inputs",
     "commopt::cp_attention_bwd_kept": "the schema of its backward (the kept tensors beside dout)",
+    "commopt::cp_flex_attention_fwd": "the schema of FlexAttention CP's forward (the mask's tables, code, buffers)",
+    "commopt::cp_flex_attention_bwd": "the schema of its backward (the forward's out and lse beside dout)",
 }
 
 

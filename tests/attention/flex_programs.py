@@ -44,21 +44,29 @@ def _dense(q, k, v, dense_mask, scale):
     return probs @ vr
 
 
-def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, heads: int = 4, kv_heads: int = 2) -> dict:
+def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: str = "ring", own_rows: bool = False) -> dict:
     """{"errors": {name: max abs error vs dense float64}, "work": the (W, W) tiles, "computed": the
-    blocks this rank's forward computed}."""
+    blocks this rank's forward computed}.  schedule: "ring" or "allgather[:G]" (G head groups);
+    4 query heads over 2 KV heads.  own_rows: each rank states the mask of its rows only (against
+    every key, its row offset added in its mask_mod), as a context-parallel program does."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from torch_commopt.kernels.attention import flex, flex_ring
+    from torch_commopt.kernels.attention import flex, flex_allgather, flex_ring
+
+    heads, kv_heads = 4, 2
 
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(11)
     q, dout = (torch.randn(batch, heads, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(batch, kv_heads, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
     mod = mask_mod_of(kind, doc_ids(batch))
-    block_mask = create_block_mask(mod, batch, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
     scale = 1 / math.sqrt(D)
     length = S // world
+    if own_rows:
+        block_mask = create_block_mask(lambda b, h, q, kv: mod(b, h, q + rank * length, kv), batch, None, length, S,
+                                       device="cpu", BLOCK_SIZE=BLOCK)
+    else:
+        block_mask = create_block_mask(mod, batch, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
     mine = slice(rank * length, (rank + 1) * length)
     computed = []
     forward = flex.block_forward
@@ -70,7 +78,11 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, heads: int =
     flex.block_forward = counted
     try:
         qs, ks, vs = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
-        out = flex_ring.flex_ring(qs, ks, vs, block_mask, scale, group)
+        if schedule == "ring":
+            out = flex_ring.flex_ring(qs, ks, vs, block_mask, scale, group)
+        else:
+            groups = int(schedule.split(":")[1]) if ":" in schedule else 1
+            out = flex_allgather.flex_allgather(qs, ks, vs, block_mask, scale, group, groups)
         out.backward(dout[:, :, mine])
     finally:
         flex.block_forward = forward
@@ -83,4 +95,38 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, heads: int =
               "dq": (qs.grad - qt.grad[:, :, mine]).abs().max().item(),
               "dk": (ks.grad - kt.grad[:, :, mine]).abs().max().item(),
               "dv": (vs.grad - vt.grad[:, :, mine]).abs().max().item()}
-    return {"errors": errors, "work": flex.work(flex.Blocks.of(block_mask), world).tolist(), "computed": len(computed)}
+    work = flex.work(flex.Blocks.of(block_mask, own_rows=own_rows), world).tolist()
+    return {"errors": errors, "work": work if not own_rows else [None] * rank + work, "computed": len(computed)}
+
+
+def run_flex_ops(rank: int, world: int, kind: str, schedule: str, own_rows: bool = False) -> dict:
+    """torch.ops.commopt.cp_flex_attention_fwd / _bwd as a rewritten graph calls them (the block
+    tables, the lifted mask's code and buffers): {name: max abs error vs dense float64}."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import torch_commopt  # noqa: F401  (registers the ops)
+    from torch_commopt.kernels.attention import flex
+
+    gen = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(1, 4, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    mod = mask_mod_of(kind, doc_ids(1))
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    rows = (lambda b, h, qi, kv: mod(b, h, qi + rank * length, kv)) if own_rows else mod
+    block_mask = create_block_mask(rows, 1, None, length if own_rows else S, S, device="cpu", BLOCK_SIZE=BLOCK)
+    graph, buffers = flex.lift(block_mask.mask_mod, torch.device("cpu"))
+    tables = [block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices]
+    sizes = [length if own_rows else S, S, BLOCK]
+    scale, group = 1 / math.sqrt(D), dist.group.WORLD
+    args = (tables, list(buffers), graph.code, sizes, scale, world, group.group_name, schedule)
+    qs, ks, vs, ds = (t[:, :, mine].contiguous() for t in (q, k, v, dout))
+    out, lse = torch.ops.commopt.cp_flex_attention_fwd(qs, ks, vs, *args)
+    dq, dk, dv = torch.ops.commopt.cp_flex_attention_bwd(ds, qs, ks, vs, out, lse, *args)
+    pos = torch.arange(S)
+    dense_mask = mod(0, 0, pos[:, None], pos[None, :])[None, None]
+    qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
+    want = _dense(qt, kt, vt, dense_mask, scale)
+    want.backward(dout)
+    return {"out": (out - want[:, :, mine]).abs().max().item(), "dq": (dq - qt.grad[:, :, mine]).abs().max().item(),
+            "dk": (dk - kt.grad[:, :, mine]).abs().max().item(), "dv": (dv - vt.grad[:, :, mine]).abs().max().item()}

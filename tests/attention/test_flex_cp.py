@@ -17,6 +17,7 @@ KINDS = ["causal", "document", "window", "document+window"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_step_mask_is_the_block_mask_of_its_rows_and_keys(kind):
+    """Each (p, s) block, and each rank's rows against every key (s None, the all-gather schedule's)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from torch_commopt.kernels.attention import flex
@@ -39,6 +40,13 @@ def test_a_step_mask_is_the_block_mask_of_its_rows_and_keys(kind):
             for b in range(batch):  # the lifted mask (its document ids a buffer) moved by the offsets
                 assert torch.equal(step.mask(torch.tensor(b), 0, pos[:, None], pos[None, :]),
                                    direct.mask_mod(b, 0, pos[:, None], pos[None, :])), (kind, p, s, b)
+    for p in range(world):
+        rows = flex.step_mask(blocks, p, None, world)
+        direct = create_block_mask(lambda b, h, q, kv: mod(b, h, q + p * length, kv), batch, None, length, S,
+                                   device="cpu", BLOCK_SIZE=BLOCK)
+        assert torch.equal(rows.tables[2], direct.kv_num_blocks) and torch.equal(rows.tables[4], direct.full_kv_num_blocks)
+        assert torch.equal(rows.mask(torch.tensor(1), 0, pos[:, None], torch.arange(S)[None, :]),
+                           direct.mask_mod(1, 0, pos[:, None], torch.arange(S)[None, :])), (kind, p)
     if kind.startswith("document"):
         assert len(blocks.buffers) == 1 and torch.equal(blocks.buffers[0], docs)  # lifted, not a constant
     work = flex.work(blocks, world)
@@ -57,3 +65,47 @@ def test_the_ring_gives_dense_attention_and_its_gradients(world, kind):
         assert got["computed"] == sum(n > 0 for n in got["work"][rank]), (rank, got)
     if kind == "window" and world == 4:  # a 200-token window over 256-token shares: own and previous share only
         assert all(got["computed"] == min(rank + 1, 2) for rank, got in enumerate(per_rank)), per_rank
+
+
+@pytest.mark.parametrize("world, kind, schedule", [(2, "document", "allgather"), (4, "document+window", "allgather:2"),
+                                                    (4, "causal", "allgather:2"), (2, "window", "allgather:2")])
+def test_the_all_gather_schedule_gives_dense_attention_and_its_gradients(world, kind, schedule):
+    """One flex call per head group over every key (the rows' own mask, no merge), K/V gathered a
+    group ahead; dK/dV reduce-scattered to their owners."""
+    per_rank = run_distributed(run_flex_ring, world, kind, 2 if kind == "document" else 1, schedule, backend="gloo",
+                               timeout_s=300)
+    for rank, got in enumerate(per_rank):
+        assert all(e < 1e-10 for e in got["errors"].values()), (rank, schedule, got["errors"])
+        assert got["computed"] == int(schedule.split(":")[-1]) if ":" in schedule else got["computed"] == 1
+
+
+@pytest.mark.parametrize("schedule", ["ring", "allgather:2"])
+def test_a_mask_stated_for_the_rank_s_own_rows_runs_the_same(schedule):
+    """A context-parallel program states the mask of its rows only, against every key (its row
+    offset added in its mask_mod, as torch's context_parallel does): the same attention, and the
+    ring computes only the sources with a kept tile."""
+    per_rank = run_distributed(run_flex_ring, 4, "document+window", 1, schedule, True, backend="gloo", timeout_s=300)
+    for rank, got in enumerate(per_rank):
+        assert all(e < 1e-10 for e in got["errors"].values()), (rank, schedule, got["errors"])
+        if schedule == "ring":
+            assert got["computed"] == sum(n > 0 for n in got["work"][rank]), (rank, got)
+
+
+@pytest.mark.parametrize("schedule, own_rows", [("ring", False), ("allgather:2", True)])
+def test_the_ops_a_rewritten_graph_calls_give_dense_attention(schedule, own_rows):
+    """cp_flex_attention_fwd / _bwd with the mask as a rewritten graph carries it (tables, the lifted
+    graph's code, its buffers): the forward's out and lse feed the backward, as in a joint graph."""
+    from flex_programs import run_flex_ops
+
+    for rank, errors in enumerate(run_distributed(run_flex_ops, 2, "document", schedule, own_rows, backend="gloo",
+                                                  timeout_s=300)):
+        assert all(e < 1e-10 for e in errors.values()), (rank, schedule, errors)
+
+
+def test_a_flex_schedule_name_is_checked():
+    from torch_commopt.kernels.attention.ops import flex_schedule
+
+    assert flex_schedule("ring") == ("ring", 1) and flex_schedule("allgather:4") == ("allgather", 4)
+    for bad in ("ring:2", "allgather:0", "zigzag", "allgather:x"):
+        with pytest.raises(ValueError, match="unknown schedule"):
+            flex_schedule(bad)

@@ -73,10 +73,36 @@ def lift(mask_mod: Callable, device: torch.device) -> tuple[torch.fx.GraphModule
     return gm, tuple(buffers)
 
 
+class _FromCode:
+    """A mask function defined by a mask graph's code (`def forward(self, b, h, q, kv, *buffers)`)."""
+
+    def __init__(self, code: str) -> None:
+        namespace = {"torch": torch, "inf": math.inf, "nan": math.nan, "device": torch.device}
+        exec(compile(code, "<commopt flex mask>", "exec"), namespace)  # noqa: S102  (the program's own mask graph)
+        self.code, self._forward = code, namespace["forward"]
+
+    def __call__(self, *args):
+        return self._forward(None, *args)
+
+
+_FROM_CODE: dict[str, _FromCode] = {}
+
+
+def mask_from_code(code: str) -> _FromCode:
+    """The mask function of a mask graph's code, defined once per code."""
+    if code not in _FROM_CODE:
+        _FROM_CODE[code] = _FromCode(code)
+    return _FROM_CODE[code]
+
+
 @dataclass(frozen=True)
 class Blocks:
-    """A whole sequence's block mask: kv_num [B|1, H|1, NQ], kv_idx [.., NQ, NK] and the full-block
-    tables (None: none), the block size, the mask function of global positions, the sequence length."""
+    """A block mask over the whole sequence's keys: kv_num [B|1, H|1, NQ], kv_idx [.., NQ, NK] and the
+    full-block tables (None: none), the block size, the mask function, the sequence length.
+    own_rows False: the rows are the whole sequence's too, and mask_mod takes global positions;
+    True: the rows are this rank's share only, as a context-parallel program states its mask
+    (torch's context_parallel, an all-gather of K/V into flex_attention), and mask_mod takes the
+    share's row positions (the program added the rank's offset itself) and global key positions."""
 
     kv_num: Tensor
     kv_idx: Tensor
@@ -85,24 +111,43 @@ class Blocks:
     block: int
     mask_mod: Callable
     seq_len: int
-    graph: torch.fx.GraphModule | None = None  # mask_mod lifted (lift): (b, h, q, kv, *buffers)
+    graph: Callable | None = None  # mask_mod lifted (lift; or mask_from_code): (b, h, q, kv, *buffers)
     buffers: tuple[Tensor, ...] = ()
+    own_rows: bool = False
 
     @classmethod
-    def of(cls, block_mask) -> "Blocks":
-        """From a torch BlockMask over the whole sequence (square: Q_LEN == KV_LEN)."""
+    def of(cls, block_mask, own_rows: bool = False) -> "Blocks":
+        """From a torch BlockMask over the whole sequence (square), or with own_rows one of this
+        rank's rows against the whole sequence's keys."""
         q_len, kv_len = block_mask.seq_lengths
-        if q_len != kv_len:
+        if not own_rows and q_len != kv_len:
             raise ValueError(f"flex CP: the whole block mask must be square, got {q_len} x {kv_len}")
         bq, bk = block_mask.BLOCK_SIZE
         if bq != bk:
             raise ValueError(f"flex CP: Q and KV blocks of one size, got {bq} and {bk}")
         graph, buffers = lift(block_mask.mask_mod, block_mask.kv_num_blocks.device)
         return cls(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-                   block_mask.full_kv_indices, bq, block_mask.mask_mod, q_len, graph, buffers)
+                   block_mask.full_kv_indices, bq, block_mask.mask_mod, kv_len, graph, buffers, own_rows)
+
+    def code(self) -> str:
+        """The lifted mask's code: what a compiled kernel and a rewritten graph's op carry of it."""
+        return self.graph.code if isinstance(self.graph, torch.fx.GraphModule) else getattr(self.graph, "code", "")
+
+    @classmethod
+    def from_tables(cls, tables: list, sizes: list[int], code: str, buffers: tuple[Tensor, ...]) -> "Blocks":
+        """From a rewritten graph's op arguments: the block tables [kv_num, kv_idx, full_num,
+        full_idx], [rows, keys, block size], the mask graph's code (mask_from_code) and its buffers;
+        own rows where there are fewer rows than keys."""
+        q_len, kv_len, block = sizes
+        graph = mask_from_code(code)
+        return cls(tables[0], tables[1], tables[2], tables[3], block, graph, kv_len, graph, tuple(buffers),
+                   q_len != kv_len)
 
     def share(self, world: int) -> int:
         """Rows of a rank's share (the sequence in `world` equal shares of whole blocks)."""
+        if self.own_rows and self.kv_num.shape[-1] * self.block * world != self.seq_len:
+            raise ValueError(f"flex CP: {self.kv_num.shape[-1] * self.block} rows a rank over {world} ranks is not "
+                             f"the {self.seq_len}-token sequence")
         if self.seq_len % (world * self.block):
             raise ValueError(f"flex CP: a sequence of {self.seq_len} does not split into {world} shares of whole "
                              f"{self.block}-token blocks")
@@ -118,6 +163,7 @@ class Step:
 
     tables: tuple
     buffers: tuple[Tensor, ...]
+    key: str = ""  # the mask's identity for the compiled kernels' cache: its graph's code
 
     def mask(self, b, h, q, kv):
         """The block's elementwise mask (True: attended)."""
@@ -129,47 +175,56 @@ class Step:
         return int(num.sum()) + (int(full.sum()) if full is not None else 0)
 
 
-def step_mask(blocks: Blocks, p: int, s: int, world: int) -> Step:
-    """The mask of rank p's rows against source s's keys (both length L = seq / world): the block
-    tables cut (slice_columns), the lifted mask moved by the two offsets, which travel as tensors
-    so that one compiled kernel serves every (p, s)."""
+def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
+    """The mask of rank p's rows against source s's keys (both length L = seq / world; s None: every
+    key, the whole sequence): the block tables cut (slice_columns), the lifted mask moved by the
+    two offsets, which travel as tensors so that one compiled kernel serves every (p, s)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     length = blocks.share(world)
     nb = length // blocks.block
-    rows = slice(p * nb, (p + 1) * nb)
-    c0, c1 = s * nb, (s + 1) * nb
+    rows = slice(None) if blocks.own_rows else slice(p * nb, (p + 1) * nb)
+    c0, c1 = (0, world * nb) if s is None else (s * nb, (s + 1) * nb)
     kn, ki = slice_columns(blocks.kv_num[..., rows], blocks.kv_idx[..., rows, :], c0, c1)
     fn = fi = None
     if blocks.full_num is not None:
         fn, fi = slice_columns(blocks.full_num[..., rows], blocks.full_idx[..., rows, :], c0, c1)
-    cut = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blocks.block, seq_lengths=(length, length))
+    keys = length * (c1 - c0) // nb
+    cut = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blocks.block, seq_lengths=(length, keys))
     graph = blocks.graph
 
     def moved(b, h, q, kv, q_off, kv_off, *buffers):
         return graph(b, h, q + q_off, kv + kv_off, *buffers)
 
     device = kn.device
-    offsets = (torch.tensor(p * length, dtype=torch.int32, device=device),
-               torch.tensor(s * length, dtype=torch.int32, device=device))
-    return Step(cut.as_tuple()[:-1] + (moved,), offsets + blocks.buffers)
+    offsets = (torch.tensor(0 if blocks.own_rows else p * length, dtype=torch.int32, device=device),
+               torch.tensor(c0 * blocks.block, dtype=torch.int32, device=device))
+    return Step(cut.as_tuple()[:-1] + (moved,), offsets + blocks.buffers, blocks.code())
 
 
 def work(blocks: Blocks, world: int) -> Tensor:
     """(world, world) int64: the tiles rank p computes against source s's keys (partial and full
-    blocks, summed over batch and heads of the block tables)."""
+    blocks, summed over batch and heads of the block tables); one row, this rank's, where the
+    blocks hold only its rows (own_rows)."""
     nb = blocks.share(world) // blocks.block
-    out = torch.zeros(world, world, dtype=torch.int64)
+    ranks = 1 if blocks.own_rows else world
+    out = torch.zeros(ranks, world, dtype=torch.int64)
     for num, idx in ((blocks.kv_num, blocks.kv_idx), (blocks.full_num, blocks.full_idx)):
         if num is None:
             continue
         valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
         src = torch.where(valid, idx // nb, -1)  # the source rank of every kept column block
-        for p in range(world):
+        for p in range(ranks):
             mine = src[..., p * nb:(p + 1) * nb, :]
             for s in range(world):
                 out[p, s] += int((mine == s).sum())
     return out
+
+
+def row_work(blocks: Blocks, world: int, p: int) -> list[int]:
+    """The tiles rank p computes against each source's keys (work's row p)."""
+    table = work(blocks, world)
+    return table[0 if blocks.own_rows else p].tolist()
 
 
 def _kernel_options(q: Tensor, k: Tensor, v: Tensor):
@@ -247,7 +302,7 @@ def _compiled(kind: str, run: Callable, args: tuple, step: Step, scale: float) -
     """run traced (make_fx, fake tensors) and compiled by Inductor into the flex Triton kernels, once per kind,
     argument shapes and dtypes, scale and mask graph: every (p, s) block of a call and every layer
     of a step share it (the offsets, tables and buffers are arguments)."""
-    key = (kind, scale, id(step.tables[-1].__code__), _mask_graph_key(step),
+    key = (kind, scale, step.key,
            tuple((tuple(a.shape), a.dtype) if isinstance(a, Tensor) else a for a in args),
            tuple(t for t in step.tables if not isinstance(t, Tensor) and not callable(t)))
     fn = _COMPILED.get(key)
@@ -259,10 +314,3 @@ def _compiled(kind: str, run: Callable, args: tuple, step: Step, scale: float) -
         gm = make_fx(run, tracing_mode="fake")(*args)
         fn = _COMPILED[key] = torch._inductor.compile(gm, list(args))
     return fn
-
-
-def _mask_graph_key(step: Step) -> str:
-    """The code of the lifted mask graph the step's mask function calls (its closure's graph)."""
-    cells = step.tables[-1].__closure__ or ()
-    graphs = [c.cell_contents for c in cells if isinstance(c.cell_contents, torch.fx.GraphModule)]
-    return graphs[0].code if graphs else ""

@@ -33,7 +33,7 @@ TAG_KV, TAG_GRAD = 71, 72
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: float, group) -> tuple[Tensor, Tensor]:
     """(out in the acc dtype, lse) of this rank's rows over the whole sequence."""
     world, p = comm.size(group), comm.rank(group)
-    need = flex.work(blocks, world)[p]
+    need = flex.row_work(blocks, world, p)
     acc = acc_dtype(q.dtype)
     out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -67,7 +67,7 @@ def ring_backward(saved: Saved, dout: Tensor, blocks: flex.Blocks, scale: float,
     """(dq, dk, dv) of this rank's shares, in the inputs' dtypes."""
     q, k, v, out, lse = saved.q, saved.k, saved.v, saved.out, saved.lse
     world, p = comm.size(group), comm.rank(group)
-    need = flex.work(blocks, world)[p]
+    need = flex.row_work(blocks, world, p)
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     out_q = out.to(q.dtype)
@@ -113,7 +113,15 @@ class FlexRing(torch.autograd.Function):
 
 def flex_ring(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float | None, group) -> Tensor:
     """FlexAttention of this rank's rows (q, k, v: (B, H, L, D), (B, H_kv, L, D), the rank's shares
-    of the sequence) under `block_mask`, the whole sequence's BlockMask, over the ring."""
-    blocks = flex.Blocks.of(block_mask)
+    of the sequence) under `block_mask` (the whole sequence's BlockMask, or this rank's rows
+    against the whole sequence's keys), over the ring."""
+    blocks = flex.Blocks.of(block_mask, own_rows=_own_rows(block_mask))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return FlexRing.apply(q, k, v, blocks, scale, group)
+
+
+def _own_rows(block_mask) -> bool:
+    """Whether `block_mask` holds this rank's rows only (fewer rows than keys), as a
+    context-parallel program states it, rather than the whole sequence's."""
+    q_len, kv_len = block_mask.seq_lengths
+    return q_len != kv_len

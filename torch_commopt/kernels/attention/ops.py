@@ -43,6 +43,15 @@ _LIB.define("cp_attention_bwd_kept(Tensor dout, Tensor q_kept, Tensor k_kept, Te
             "Tensor lse_kept, str schedule, bool causal, float? scale, int group_size, str group_name, "
             "str backend='auto') -> (Tensor, Tensor, Tensor)")
 
+# FlexAttention over a sequence-sharded Q, K and V (kernels/attention/flex.py): the block mask as its
+# tables [kv_num, kv_idx, full_num, full_idx], [rows, keys, block size], the mask graph's code and
+# its buffers; schedule "ring" or "allgather[:G]".  The backward takes the forward's out and lse.
+_LIB.define("cp_flex_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor?[] tables, Tensor[] buffers, str mask_code, "
+            "int[] sizes, float scale, int group_size, str group_name, str schedule) -> (Tensor, Tensor)")
+_LIB.define("cp_flex_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            "Tensor?[] tables, Tensor[] buffers, str mask_code, int[] sizes, float scale, int group_size, "
+            "str group_name, str schedule) -> (Tensor, Tensor, Tensor)")
+
 # Decoding attention over a KV cache sharded along the sequence (kernels/attention/decode.py):
 # q replicated, k and v this rank's share, mask this rank's columns of the whole mask (or None).
 _LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale, int group_size, "
@@ -108,6 +117,69 @@ _LIB.impl("cp_attention_fwd", cp_attention_fwd_op, "CompositeExplicitAutograd")
 _LIB.impl("cp_attention_bwd", cp_attention_bwd_op, "CompositeExplicitAutograd")
 _LIB.impl("cp_attention_fwd_keep", cp_attention_fwd_keep_op, "CompositeExplicitAutograd")
 _LIB.impl("cp_attention_bwd_kept", cp_attention_bwd_kept_op, "CompositeExplicitAutograd")
+
+
+def flex_schedule(schedule: str) -> tuple[str, int]:
+    """(name, head groups) of a FlexAttention CP schedule: "ring", "allgather" or "allgather:G"."""
+    name, _, groups = schedule.partition(":")
+    if name == "ring" and not groups:
+        return name, 1
+    if name == "allgather" and (not groups or (groups.isdigit() and int(groups) >= 1)):
+        return name, int(groups or 1)
+    raise ValueError(f"commopt cp_flex_attention: unknown schedule {schedule!r} (ring, allgather, allgather:G)")
+
+
+def _flex_blocks(tables, sizes, mask_code: str, buffers):
+    from torch_commopt.kernels.attention import flex
+
+    return flex.Blocks.from_tables(list(tables), list(sizes), mask_code, tuple(buffers))
+
+
+def cp_flex_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, tables: list, buffers: list, mask_code: str,
+                             sizes: list, scale: float, group_size: int, group_name: str,
+                             schedule: str) -> tuple[Tensor, Tensor]:
+    """(out in q's dtype, lse in the acc dtype) of this rank's rows over the whole sequence."""
+    from torch_commopt.kernels.attention import flex_allgather, flex_ring
+
+    name, groups = flex_schedule(schedule)
+    blocks, group = _flex_blocks(tables, sizes, mask_code, buffers), _group(group_size, group_name)
+    if name == "ring":
+        out, lse = flex_ring.ring_forward(q, k, v, blocks, scale, group)
+    else:
+        out, lse = flex_allgather.allgather_forward(q, k, v, flex_allgather.Options(blocks, scale, group, groups))
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def cp_flex_attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, tables: list,
+                             buffers: list, mask_code: str, sizes: list, scale: float, group_size: int,
+                             group_name: str, schedule: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of this rank's shares."""
+    from torch_commopt.kernels.attention import flex_allgather, flex_ring
+
+    name, groups = flex_schedule(schedule)
+    blocks, group = _flex_blocks(tables, sizes, mask_code, buffers), _group(group_size, group_name)
+    if name == "ring":
+        grads = flex_ring.ring_backward(flex_ring.Saved(q, k, v, out, lse), dout.contiguous(), blocks, scale, group)
+    else:
+        grads = flex_allgather.allgather_backward((q, k, v, out, lse), dout.contiguous(),
+                                                  flex_allgather.Options(blocks, scale, group, groups))
+    return tuple(g.contiguous() for g in grads)
+
+
+_LIB.impl("cp_flex_attention_fwd", cp_flex_attention_fwd_op, "CompositeExplicitAutograd")
+_LIB.impl("cp_flex_attention_bwd", cp_flex_attention_bwd_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("commopt::cp_flex_attention_fwd")
+def _(q, k, v, tables, buffers, mask_code, sizes, scale, group_size, group_name, schedule):
+    flex_schedule(schedule)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=acc)
+
+
+@torch.library.register_fake("commopt::cp_flex_attention_bwd")
+def _(dout, q, k, v, out, lse, tables, buffers, mask_code, sizes, scale, group_size, group_name, schedule):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def decode_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],

@@ -1,0 +1,120 @@
+"""The reference all-gather schedule of FlexAttention over a sequence-sharded Q, K and V (plain torch + c10d).
+
+Rank p holds rows and keys [p * L, (p + 1) * L).  Forward: the whole sequence's K and V are gathered
+in G groups of KV heads, group g + 1's gather in flight while group g attends; each group is one
+flex call of the rank's rows against every key under its rows' mask (flex.step_mask(p, None)).  That
+is the program's own kernel on 1/W of the rows: no merge, and the whole mask's block sparsity kept
+(an empty tile is skipped inside the kernel).  Backward: each group's K/V gathered again (nothing
+gathered is kept between the passes), dq from its call, and the whole sequence's dK/dV of the group
+reduce-scattered in the acc dtype to their owners.
+
+Head groups need a mask that is the same for every head (its tables broadcast over heads); a
+per-head mask runs in one group.  Every key is sent to every rank whatever the mask; the ring
+(flex_ring.py) computes per source and is the schedule that can skip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from torch_commopt.kernels.attention import comm, flex
+from torch_commopt.kernels.attention.local import acc_dtype
+from torch_commopt.kernels.collectives import all_gather, reduce_scatter
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the schedule runs: the mask's blocks, the softmax scale, the group and the head groups."""
+
+    blocks: flex.Blocks
+    scale: float
+    group: object
+    groups: int = 1
+
+
+def _head_groups(q: Tensor, k: Tensor, opts: Options) -> list[tuple[slice, slice]]:
+    """(query heads, KV heads) of each head group: opts.groups groups of whole KV heads' GQA
+    families; one group where the mask differs per head or the KV heads do not split."""
+    h_kv, rep = k.shape[1], q.shape[1] // k.shape[1]
+    per_head = opts.blocks.kv_num.shape[1] > 1
+    g = 1 if per_head or h_kv % opts.groups else opts.groups
+    size = h_kv // g
+    return [(slice(i * size * rep, (i + 1) * size * rep), slice(i * size, (i + 1) * size)) for i in range(g)]
+
+
+def _gathers(k: Tensor, v: Tensor, heads: list[tuple[slice, slice]], group):
+    """The groups' K/V all-gathers along the sequence, each issued one group ahead of its use."""
+    issue = lambda kv: [all_gather(t[:, kv].contiguous(), 2, group, async_op=True) for t in (k, v)]  # noqa: E731
+    pending = issue(heads[0][1])
+    for i in range(len(heads)):
+        nxt = issue(heads[i + 1][1]) if i + 1 < len(heads) else None
+        yield i, [p.wait() for p in pending]
+        pending = nxt
+
+
+def allgather_forward(q: Tensor, k: Tensor, v: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
+    """(out, lse) of this rank's rows over the whole sequence (out in q's dtype, lse in the acc dtype)."""
+    world, p = comm.size(opts.group), comm.rank(opts.group)
+    step = flex.step_mask(opts.blocks, p, None, world)
+    heads = _head_groups(q, k, opts)
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
+    for i, (k_all, v_all) in _gathers(k, v, heads, opts.group):
+        hq = heads[i][0]
+        o, l_g = flex.block_forward(q[:, hq].contiguous(), k_all, v_all, step, opts.scale)
+        out[:, hq], lse[:, hq] = o.to(out.dtype), l_g.to(lse.dtype)
+    return out, lse
+
+
+def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of this rank's shares from saved = (q, k, v, out, lse), in the inputs' dtypes."""
+    q, k, v, out, lse = saved
+    world, p = comm.size(opts.group), comm.rank(opts.group)
+    step = flex.step_mask(opts.blocks, p, None, world)
+    heads = _head_groups(q, k, opts)
+    acc = acc_dtype(q.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scattering = []
+    for i, (k_all, v_all) in _gathers(k, v, heads, opts.group):
+        hq, hk = heads[i]
+        gq, gk, gv = flex.block_backward(q[:, hq].contiguous(), k_all, v_all, out[:, hq].contiguous(),
+                                         lse[:, hq].contiguous(), dout[:, hq].contiguous(), step, opts.scale)
+        dq[:, hq] = gq.to(dq.dtype)
+        scattering.append((hk, [reduce_scatter(g.to(acc), 2, "sum", opts.group, async_op=True) for g in (gk, gv)]))
+    for hk, (pk, pv) in scattering:
+        dk[:, hk], dv[:, hk] = pk.wait().to(dk.dtype), pv.wait().to(dv.dtype)
+    return dq, dk, dv
+
+
+class FlexAllGather(torch.autograd.Function):
+    """All-gather FlexAttention with autograd: forward(q, k, v, opts) -> out in q's dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, opts):
+        out, lse = allgather_forward(q, k, v, opts)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.opts = opts
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = allgather_backward(ctx.saved_tensors, dout.contiguous(), ctx.opts)
+        return dq, dk, dv, None
+
+
+def flex_allgather(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float | None, group, groups: int = 1) -> Tensor:
+    """FlexAttention of this rank's rows (q, k, v: the rank's shares of the sequence) under
+    `block_mask` (the whole sequence's BlockMask, or this rank's rows against the whole sequence's
+    keys), with K/V all-gathered in `groups` head groups."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return FlexAllGather.apply(q, k, v, Options(flex.Blocks.of(block_mask, own_rows=_own_rows(block_mask)), scale, group, groups))
+
+
+def _own_rows(block_mask) -> bool:
+    """Whether `block_mask` holds this rank's rows only (fewer rows than keys), as a
+    context-parallel program states it, rather than the whole sequence's."""
+    q_len, kv_len = block_mask.seq_lengths
+    return q_len != kv_len
