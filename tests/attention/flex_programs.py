@@ -46,7 +46,7 @@ def _dense(q, k, v, dense_mask, scale):
 
 def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: str = "ring", own_rows: bool = False) -> dict:
     """{"errors": {name: max abs error vs dense float64}, "work": the (W, W) tiles, "computed": the
-    blocks this rank's forward computed}.  schedule: "ring" or "allgather[:G]" (G head groups);
+    blocks this rank's forward computed}.  schedule: "ring" or "allgather[:g=G]" (G head groups);
     4 query heads over 2 KV heads.  own_rows: each rank states the mask of its rows only (against
     every key, its row offset added in its mask_mod), as a context-parallel program does."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -81,7 +81,7 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
         if schedule == "ring":
             out = flex_ring.flex_ring(qs, ks, vs, block_mask, scale, group)
         else:
-            groups = int(schedule.split(":")[1]) if ":" in schedule else 1
+            groups = int(schedule.split("g=")[1]) if "g=" in schedule else 1
             out = flex_allgather.flex_allgather(qs, ks, vs, block_mask, scale, group, groups)
         out.backward(dout[:, :, mine])
     finally:
@@ -130,3 +130,40 @@ def run_flex_ops(rank: int, world: int, kind: str, schedule: str, own_rows: bool
     want.backward(dout)
     return {"out": (out - want[:, :, mine]).abs().max().item(), "dq": (dq - qt.grad[:, :, mine]).abs().max().item(),
             "dk": (dk - kt.grad[:, :, mine]).abs().max().item(), "dv": (dv - vt.grad[:, :, mine]).abs().max().item()}
+
+
+def run_flex_compiled(rank: int, world: int, kind: str, schedule: str) -> dict:
+    """A context-parallel program compiled with backend="commopt" (inference): K and V all-gathered
+    along the sequence into flex_attention with the rank's local queries and the mask of its rows
+    (offset added in its mask_mod), GQA 4:2.  {"error": max abs error vs dense float64, "notes":
+    explain's notes, "ops": the commopt ops left in the graphs}."""
+    from dist_programs import all_gather_on
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import torch_commopt
+
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, S, D, generator=gen)  # float32: Inductor's CPU flex (the program as written) takes no float64
+    k, v = (torch.randn(1, 2, S, D, generator=gen) for _ in range(2))
+    mod = mask_mod_of(kind, doc_ids(1))
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    block_mask = create_block_mask(lambda b, h, qi, kv: mod(b, h, qi + rank * length, kv), 1, None, length, S,
+                                   device="cpu", BLOCK_SIZE=BLOCK)
+
+    def program(q_loc, k_loc, v_loc):
+        return flex_attention(q_loc, all_gather_on(k_loc, 2), all_gather_on(v_loc, 2), block_mask=block_mask,
+                              enable_gqa=True)
+
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})
+    with torch.no_grad():
+        got = compiled(*(t[:, :, mine].contiguous() for t in (q, k, v)))
+    pos = torch.arange(S)
+    dense_mask = mod(0, 0, pos[:, None], pos[None, :])[None, None]
+    truth = _dense(q.double(), k.double(), v.double(), dense_mask, 1 / math.sqrt(D))[:, :, mine]
+    eager = _dense(q, k, v, dense_mask, 1 / math.sqrt(D))[:, :, mine]  # float32's own error
+    graphs = torch_commopt.explain().graphs
+    return {"error": (got.double() - truth).abs().max().item(), "eager_error": (eager.double() - truth).abs().max().item(),
+            "notes": [n for g in graphs for n in g.notes], "ops": {k_: v_ for g in graphs for k_, v_ in g.commopt_ops.items()}}

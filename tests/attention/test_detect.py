@@ -215,24 +215,44 @@ def test_the_post_grad_graph_gives_the_same_region(fake_world):
 
 
 def _flex_gathered(q, k, v):
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     k, v = (funcol_gather(t, 2) for t in (k, v))
-    return flex_attention(q, k, v)
+    if q.shape[2] < 128:  # no block mask: flex's full-attention sentinel
+        return flex_attention(q, k, v)
+    # rank 0's rows (offset 0) against every key, causal
+    mask = create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, q.shape[2], k.shape[2], device="cpu")
+    return flex_attention(q, k, v, block_mask=mask)
 
 
-def test_flex_attention_with_gathered_kv_is_a_skip_with_the_reason(fake_world):
+def _flex_found(seq_local: int):
     found = []
 
     def capture(gm, _):
         found.append(find_attention(gm.graph))
         return make_boxed_func(gm)
 
-    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))  # inference: flex has no CPU backward
+    q, k, v = (torch.randn(1, 2, seq_local, 16) for _ in range(3))  # inference: flex has no CPU backward
     torch.compile(_flex_gathered, backend=aot_autograd(fw_compiler=capture), fullgraph=True)(q, k, v)
-    (regions, skips), = found
+    (found,) = found
+    return found
+
+
+def test_flex_attention_with_gathered_kv_is_a_region_with_its_mask(fake_world):
+    """K/V gathered along the sequence into flex_attention with local queries: a flex_allgather_kv
+    region holding the mask as the graph does (its tables, the mask graph's code, [rows, keys, block])."""
+    regions, skips = _flex_found(256)
+    assert skips == [] and [r.form for r in regions] == ["flex_allgather_kv"]
+    (r,) = regions
+    assert r.world == fake_world and tuple(r.shape) == (1, 2, 2, 256 * fake_world, 16)
+    assert r.flex.sizes == [256, 256 * fake_world, 128] and len(r.flex.tables) == 4
+    assert "def forward(self" in r.flex.code and len(r.collectives) == 2
+
+
+def test_flex_attention_in_partial_blocks_is_a_skip_with_the_reason(fake_world):
+    regions, skips = _flex_found(8)  # 8 rows a rank, no block mask: not whole 128-token blocks
     assert regions == [] and len(skips) == 1
-    assert "flex_attention with all_gather K and all_gather V" in skips[0].reason
+    assert "flex_attention:" in skips[0].reason and "whole square blocks" in skips[0].reason
 
 
 def _decode_program(mask_kind):

@@ -11,6 +11,7 @@ import torch
 from flex_programs import BLOCK, S, doc_ids, mask_mod_of, run_flex_ring
 
 from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
 
 KINDS = ["causal", "document", "window", "document+window"]
 
@@ -18,7 +19,7 @@ KINDS = ["causal", "document", "window", "document+window"]
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_step_mask_is_the_block_mask_of_its_rows_and_keys(kind):
     """Each (p, s) block, and each rank's rows against every key (s None, the all-gather schedule's)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     from torch_commopt.kernels.attention import flex
 
@@ -47,6 +48,14 @@ def test_a_step_mask_is_the_block_mask_of_its_rows_and_keys(kind):
         assert torch.equal(rows.tables[2], direct.kv_num_blocks) and torch.equal(rows.tables[4], direct.full_kv_num_blocks)
         assert torch.equal(rows.mask(torch.tensor(1), 0, pos[:, None], torch.arange(S)[None, :]),
                            direct.mask_mod(1, 0, pos[:, None], torch.arange(S)[None, :])), (kind, p)
+    for p in range(world):  # the backward's Q-block tables, made without vmap, as BlockMask makes them
+        for s in [*range(world), None]:
+            step = flex.step_mask(blocks, p, s, world)
+            ref = BlockMask.from_kv_blocks(*step.tables[2:6], BLOCK_SIZE=BLOCK, seq_lengths=step.tables[:2]).as_tuple()
+            for num, idx in ((6, 7), (8, 9)):
+                kept = torch.arange(step.tables[idx].shape[-1]) < step.tables[num][..., None]
+                assert torch.equal(step.tables[num], ref[num]), (kind, p, s)
+                assert torch.equal(torch.where(kept, step.tables[idx], -1), torch.where(kept, ref[idx], -1)), (kind, p, s)
     if kind.startswith("document"):
         assert len(blocks.buffers) == 1 and torch.equal(blocks.buffers[0], docs)  # lifted, not a constant
     work = flex.work(blocks, world)
@@ -67,8 +76,8 @@ def test_the_ring_gives_dense_attention_and_its_gradients(world, kind):
         assert all(got["computed"] == min(rank + 1, 2) for rank, got in enumerate(per_rank)), per_rank
 
 
-@pytest.mark.parametrize("world, kind, schedule", [(2, "document", "allgather"), (4, "document+window", "allgather:2"),
-                                                    (4, "causal", "allgather:2"), (2, "window", "allgather:2")])
+@pytest.mark.parametrize("world, kind, schedule", [(2, "document", "allgather"), (4, "document+window", "allgather:g=2"),
+                                                    (4, "causal", "allgather:g=2"), (2, "window", "allgather:g=2")])
 def test_the_all_gather_schedule_gives_dense_attention_and_its_gradients(world, kind, schedule):
     """One flex call per head group over every key (the rows' own mask, no merge), K/V gathered a
     group ahead; dK/dV reduce-scattered to their owners."""
@@ -76,10 +85,10 @@ def test_the_all_gather_schedule_gives_dense_attention_and_its_gradients(world, 
                                timeout_s=300)
     for rank, got in enumerate(per_rank):
         assert all(e < 1e-10 for e in got["errors"].values()), (rank, schedule, got["errors"])
-        assert got["computed"] == int(schedule.split(":")[-1]) if ":" in schedule else got["computed"] == 1
+        assert got["computed"] == (int(schedule.split("g=")[1]) if "g=" in schedule else 1), (rank, got)
 
 
-@pytest.mark.parametrize("schedule", ["ring", "allgather:2"])
+@pytest.mark.parametrize("schedule", ["ring", "allgather:g=2"])
 def test_a_mask_stated_for_the_rank_s_own_rows_runs_the_same(schedule):
     """A context-parallel program states the mask of its rows only, against every key (its row
     offset added in its mask_mod, as torch's context_parallel does): the same attention, and the
@@ -91,7 +100,7 @@ def test_a_mask_stated_for_the_rank_s_own_rows_runs_the_same(schedule):
             assert got["computed"] == sum(n > 0 for n in got["work"][rank]), (rank, got)
 
 
-@pytest.mark.parametrize("schedule, own_rows", [("ring", False), ("allgather:2", True)])
+@pytest.mark.parametrize("schedule, own_rows", [("ring", False), ("allgather:g=2", True)])
 def test_the_ops_a_rewritten_graph_calls_give_dense_attention(schedule, own_rows):
     """cp_flex_attention_fwd / _bwd with the mask as a rewritten graph carries it (tables, the lifted
     graph's code, its buffers): the forward's out and lse feed the backward, as in a joint graph."""
@@ -105,7 +114,24 @@ def test_the_ops_a_rewritten_graph_calls_give_dense_attention(schedule, own_rows
 def test_a_flex_schedule_name_is_checked():
     from torch_commopt.kernels.attention.ops import flex_schedule
 
-    assert flex_schedule("ring") == ("ring", 1) and flex_schedule("allgather:4") == ("allgather", 4)
-    for bad in ("ring:2", "allgather:0", "zigzag", "allgather:x"):
+    assert flex_schedule("ring") == ("ring", 1) and flex_schedule("allgather:g=4") == ("allgather", 4)
+    for bad in ("ring:2", "allgather:g=0", "allgather:2", "zigzag", "allgather:g=x"):
         with pytest.raises(ValueError, match="unknown schedule"):
             flex_schedule(bad)
+
+
+@pytest.mark.parametrize("world, schedule", [(2, "ring"), (4, "allgather"), (2, "auto")])
+def test_a_compiled_flex_program_runs_the_named_schedule(world, schedule):
+    """K/V all-gathered into flex_attention (the rank's rows' mask, documents + window), compiled
+    with backend="commopt": the region becomes cp_flex_attention_fwd running the schedule
+    Config.attention_schedule names, and gives dense attention; with "auto" nothing picks a flex
+    schedule yet, so the program runs as written, and explain says so."""
+    from flex_programs import run_flex_compiled
+
+    for rank, got in enumerate(run_distributed(run_flex_compiled, world, "document+window", schedule, backend="gloo",
+                                               timeout_s=300)):
+        assert within_tolerance(got["error"], got["eager_error"]), (rank, got)
+        if schedule == "auto":
+            assert any("no rule picks it yet" in n for n in got["notes"]), got["notes"]
+        else:
+            assert any(f"cp_flex_attention_fwd {schedule}" in n for n in got["notes"]), got["notes"]

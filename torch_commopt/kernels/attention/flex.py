@@ -169,6 +169,17 @@ class Step:
         """The block's elementwise mask (True: attended)."""
         return self.tables[-1](b, h, q, kv, *self.buffers)
 
+    def dense(self, batch: int, heads: int) -> Tensor:
+        """The block's mask as a (batch, heads, rows, keys) bool tensor (broadcast where it does not
+        depend on them), evaluated on index grids: no vmap."""
+        rows, keys = self.tables[0], self.tables[1]
+        device = self.tables[2].device
+        b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+        h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+        q = torch.arange(rows, device=device).view(1, 1, -1, 1)
+        kv = torch.arange(keys, device=device).view(1, 1, 1, -1)
+        return self.mask(b, h, q, kv).expand(batch, heads, rows, keys)
+
     def tiles(self) -> int:
         """Tiles the block computes (partial and full); a host read."""
         num, full = self.tables[2], self.tables[4]
@@ -190,16 +201,34 @@ def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
     if blocks.full_num is not None:
         fn, fi = slice_columns(blocks.full_num[..., rows], blocks.full_idx[..., rows, :], c0, c1)
     keys = length * (c1 - c0) // nb
-    cut = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blocks.block, seq_lengths=(length, keys))
+    cut = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blocks.block, seq_lengths=(length, keys),
+                                   compute_q_blocks=False)
+    tables = list(cut.as_tuple()[:-1])
+    # the backward's Q-block tables (the KV tables transposed), computed here without vmap:
+    # BlockMask computes them under vmap, which fails where a compiled graph's op runs (functorch
+    # disabled there: "Cannot access storage of BatchedTensorImpl")
+    tables[6:10] = [*q_tables(kn, ki, c1 - c0), *(q_tables(fn, fi, c1 - c0) if fn is not None else (None, None))]
     graph = blocks.graph
 
     def moved(b, h, q, kv, q_off, kv_off, *buffers):
         return graph(b, h, q + q_off, kv + kv_off, *buffers)
 
-    device = kn.device
-    offsets = (torch.tensor(0 if blocks.own_rows else p * length, dtype=torch.int32, device=device),
-               torch.tensor(c0 * blocks.block, dtype=torch.int32, device=device))
-    return Step(cut.as_tuple()[:-1] + (moved,), offsets + blocks.buffers, blocks.code())
+    offsets = (0 if blocks.own_rows else p * length, c0 * blocks.block)
+    if kn.is_cuda:  # tensors: one compiled kernel for every (p, s) (python ints would be baked in)
+        offsets = tuple(torch.tensor(o, dtype=torch.int32, device=kn.device) for o in offsets)
+    return Step(tuple(tables) + (moved,), offsets + blocks.buffers, blocks.code())
+
+
+def q_tables(num: Tensor, idx: Tensor, cols: int) -> tuple[Tensor, Tensor]:
+    """The transposed block tables: for each KV block column, how many Q block rows keep it and
+    which, in order ([..., cols] and [..., cols, rows])."""
+    rows = num.shape[-1]
+    valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+    dense = torch.zeros(*num.shape, cols + 1, dtype=torch.bool, device=idx.device)  # a spare column for the padding
+    dense.scatter_(-1, torch.where(valid, idx.long(), cols), True)
+    kept = dense[..., :cols].transpose(-1, -2)  # [..., cols, rows]
+    order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)
+    return kept.sum(-1).to(torch.int32).contiguous(), order[..., :rows].to(torch.int32).contiguous()
 
 
 def work(blocks: Blocks, world: int) -> Tensor:
@@ -243,8 +272,10 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, step: Step, scale: float) -> 
         tables, buffers = _unflatten(step, tensors)
         return flex_attention_hop(q, k, v, _identity, tables, scale, _kernel_options(q, k, v), (), buffers)[:2]
 
+    if not q.is_cuda:
+        return _dense_forward(q, k, v, step, scale)
     args = (q, k, v, *_flatten(step))
-    out, lse2 = _compiled("forward", run, args, step, scale)(*args) if q.is_cuda else run(*args)
+    out, lse2 = _compiled("forward", run, args, step, scale)(*args)
     return out, lse2 * LN2
 
 
@@ -261,9 +292,41 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
         return flex_attention_backward(q, k, v, out, lse2, dout, None, fw, joint, tables, scale,
                                        _kernel_options(q, k, v), (), buffers)[:3]
 
-    args = (q, k, v, out, (lse / LN2).to(torch.float32) if q.is_cuda else lse / LN2, dout, *_flatten(step))
-    dq, dk, dv = _compiled("backward", run, args, step, scale)(*args) if q.is_cuda else run(*args)
+    if not q.is_cuda:
+        return _dense_backward(q, k, v, (out, lse, dout), step, scale)
+    args = (q, k, v, out, (lse / LN2).to(torch.float32), dout, *_flatten(step))
+    dq, dk, dv = _compiled("backward", run, args, step, scale)(*args)
     return dq, dk, dv
+
+
+# Off CUDA the block runs in plain torch on its dense mask, not by flex's operators: their dense
+# math vmaps the mask function, and vmap fails where a compiled graph's op runs ("NYI: querying
+# is_contiguous inside of vmap"); the flex kernels' block tables are checked on the GPU
+# (tests/gpu, benchmarks/probe_flex_blocks.py).
+
+
+def _dense_forward(q: Tensor, k: Tensor, v: Tensor, step: Step, scale: float) -> tuple[Tensor, Tensor]:
+    from torch_commopt.kernels.attention.decode import local_partial
+
+    return local_partial(q, k, v, step.dense(q.shape[0], q.shape[1]), scale)
+
+
+def _dense_backward(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, Tensor, Tensor], step: Step,
+                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The flash backward of one block from its rows' global (out, lse, dout): P = exp(S - lse)."""
+    out, lse, dout = rows
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = q.shape[1] // k.shape[1]
+    kf, vf = (t.to(acc).repeat_interleave(rep, dim=1) for t in (k, v))
+    qf, dof = q.to(acc), dout.to(acc)
+    scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~step.dense(q.shape[0], q.shape[1]), float("-inf"))
+    probs = torch.exp(scores - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(acc).unsqueeze(-1))
+    dv = probs.transpose(-1, -2) @ dof
+    ds = probs * (dof @ vf.transpose(-1, -2) - (dof * out.to(acc)).sum(-1, keepdim=True))
+    dq = ds @ kf * scale
+    dk = ds.transpose(-1, -2) @ qf * scale
+    fold = lambda g: g.unflatten(1, (k.shape[1], rep)).sum(2)  # noqa: E731  (GQA: a KV head's group summed)
+    return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
 _SCORE_GRAPHS: dict[tuple, tuple] = {}

@@ -45,7 +45,7 @@ _LIB.define("cp_attention_bwd_kept(Tensor dout, Tensor q_kept, Tensor k_kept, Te
 
 # FlexAttention over a sequence-sharded Q, K and V (kernels/attention/flex.py): the block mask as its
 # tables [kv_num, kv_idx, full_num, full_idx], [rows, keys, block size], the mask graph's code and
-# its buffers; schedule "ring" or "allgather[:G]".  The backward takes the forward's out and lse.
+# its buffers; schedule "ring" or "allgather[:g=G]".  The backward takes the forward's out and lse.
 _LIB.define("cp_flex_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor?[] tables, Tensor[] buffers, str mask_code, "
             "int[] sizes, float scale, int group_size, str group_name, str schedule) -> (Tensor, Tensor)")
 _LIB.define("cp_flex_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
@@ -120,13 +120,15 @@ _LIB.impl("cp_attention_bwd_kept", cp_attention_bwd_kept_op, "CompositeExplicitA
 
 
 def flex_schedule(schedule: str) -> tuple[str, int]:
-    """(name, head groups) of a FlexAttention CP schedule: "ring", "allgather" or "allgather:G"."""
+    """(name, head groups) of a FlexAttention CP schedule: "ring", "allgather" or "allgather:g=G"
+    (G head groups, as the SDPA schedules name their depth)."""
     name, _, groups = schedule.partition(":")
     if name == "ring" and not groups:
         return name, 1
-    if name == "allgather" and (not groups or (groups.isdigit() and int(groups) >= 1)):
-        return name, int(groups or 1)
-    raise ValueError(f"commopt cp_flex_attention: unknown schedule {schedule!r} (ring, allgather, allgather:G)")
+    depth = groups.removeprefix("g=")
+    if name == "allgather" and (not groups or (groups.startswith("g=") and depth.isdigit() and int(depth) >= 1)):
+        return name, int(depth or 1)
+    raise ValueError(f"commopt cp_flex_attention: unknown schedule {schedule!r} (ring, allgather, allgather:g=G)")
 
 
 def _flex_blocks(tables, sizes, mask_code: str, buffers):

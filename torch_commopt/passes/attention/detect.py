@@ -1,8 +1,8 @@
 """Find context-parallel attention regions in a post-grad FX graph: analysis only, no mutation.
 
 Two forward forms, attention being any of aten's SDPA ops (flash, efficient, cuDNN, CPU flash,
-or scaled_dot_product_attention itself) on (B, H, S, D) operands (flex_attention whose K or V
-comes from a collective is reported as a Skip, never taken: see _flex_skip):
+or scaled_dot_product_attention itself) on (B, H, S, D) operands, and flex_attention on a local Q
+with K/V all-gathered along the sequence (_flex_region; its other forms are reported as Skips):
 
   allgather_kv  K and V each all-gathered along the sequence: all_gather_into_tensor -> wait
                 (-> split(dim 0) -> W getitems -> cat(dim g): the form funcol and DTensor emit
@@ -87,13 +87,26 @@ ATTENTION_BACKWARD = {
 }
 
 
+@dataclass(frozen=True)
+class FlexMask:
+    """A flex_attention region's mask as the graph holds it: the block tables [kv_num, kv_idx,
+    full_num, full_idx] (nodes, or None), the mask graph's buffers (nodes), the mask graph's code
+    (`def forward(self, b, h, q, kv, *buffers)`), and [rows, keys, block size]."""
+
+    tables: list
+    buffers: list
+    code: str
+    sizes: list
+
+
 @dataclass
 class AttentionRegion:
     """One context-parallel attention found in a graph.
 
-    form: "allgather_kv", "ulysses" or "decode_kv" (allgather_kv's gathers with a few queries that
+    form: "allgather_kv", "ulysses", "decode_kv" (allgather_kv's gathers with a few queries that
         are not a sequence shard: decoding over a sequence-sharded cache; inputs["mask"]: its mask
-        over the whole cache, if any).  attention: the SDPA node; op: its kind (ATTENTION_OPS).
+        over the whole cache, if any) or "flex_allgather_kv" (allgather_kv into flex_attention:
+        `flex` holds its mask).  attention: the SDPA (or flex) node; op: its kind (ATTENTION_OPS).
     shape: the global attention (batch, heads, kv heads, total sequence, head dim).
     inputs: {"q", "k", "v"} -> the local (sequence-sharded) tensors before their collective:
         allgather_kv: q is the attention's own q, k/v the all-gathers' inputs; ulysses: the
@@ -119,6 +132,7 @@ class AttentionRegion:
     collectives: list[Node]
     output: Node
     paths: dict[str, list[Node]] = field(default_factory=dict)
+    flex: Optional[FlexMask] = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-able description (what explain would show)."""
@@ -135,9 +149,14 @@ def find_attention(graph: Graph) -> tuple[list[AttentionRegion], list[Skip]]:
     regions, skips = [], []
     for node in graph.nodes:
         if node.op == "call_function" and node.target is FLEX_ATTENTION:
-            skip = _flex_skip(node)
-            if skip is not None:
-                skips.append(skip)
+            try:
+                region = _flex_region(node)
+            except Unsupported as e:
+                skips.append(Skip("attention", node.name, f"flex_attention: {e}"))
+                log.info("attention %s left alone: %s", node.name, e)
+                continue
+            if region is not None:
+                regions.append(region)
             continue
         if node.op != "call_function" or node.target not in ATTENTION_OPS:
             continue
@@ -171,19 +190,63 @@ def _region_of(node: Node) -> Optional[AttentionRegion]:
                       "neither K/V gathered with a local Q nor all-to-alls on all three")
 
 
-def _flex_skip(node: Node) -> Optional[Skip]:
-    """flex_attention whose K or V comes from a collective: reported, never rewritten.  Its
-    score_mod / mask_mod are functions of the gathered positions; running it by blocks would
-    need them re-evaluated per block with global offsets and the block mask rebuilt per step,
-    which the schedules here (SDPA kernels with a causal flag) do not do."""
-    kinds = {name: _collective_kind(trace_back(node.args[i])[0]) for i, name in ((1, "key"), (2, "value"))}
+def _flex_region(node: Node) -> Optional[AttentionRegion]:
+    """flex_attention on a local Q and K/V all-gathered along the sequence (what a
+    context-parallel program and torch's context_parallel hand it), its mask stated for the
+    rank's rows against every key; None where no operand comes from a collective."""
+    sources = {name: trace_back(node.args[i]) for i, name in ((0, "query"), (1, "key"), (2, "value"))}
+    kinds = {name: _collective_kind(origin) for name, (origin, _) in sources.items()}
     if not any(kinds.values()):
         return None
-    why = (f"flex_attention with {kinds['key'] or 'local'} K and {kinds['value'] or 'local'} V: its "
-           "score_mod/mask_mod see the gathered positions, which the cp schedules do not re-evaluate per block; "
-           "left as the program runs it")
-    log.info("attention %s left alone: %s", node.name, why)
-    return Skip("attention", node.name, why)
+    if not (kinds["key"] == kinds["value"] == "all_gather" and kinds["query"] is None):
+        raise Unsupported(f"operands from {kinds['query']} (q), {kinds['key']} (k), {kinds['value']} (v): only K/V "
+                          "all-gathered into a local Q is taken")
+    if any(not is_getitem(u) or u.args[1] != 0 for u in node.users):
+        raise Unsupported("its log-sum-exp or max scores are used")
+    if not _is_identity(_submodule(node, node.args[3])):
+        raise Unsupported("a score_mod (only a mask_mod is taken)")
+    if node.args[7]:
+        raise Unsupported("score_mod buffers")
+    table = node.args[4]
+    q_len, kv_len, q_block, kv_block = table[0], table[1], table[-3], table[-2]
+    if any(t is not None for t in table[10:-3]):
+        raise Unsupported("dq write-order tables")
+    gathers, paths = {}, {}
+    for name, key in (("key", "k"), ("value", "v")):
+        origin, path = sources[name]
+        gather, dim = _gather_of(origin)
+        if _map_dim(dim, origin, path) != SEQ_DIM:
+            raise Unsupported(f"{name} is not gathered along the sequence dim {SEQ_DIM}")
+        gathers[key], paths[key] = gather, path
+    groups = {(group_name_of(g.args[2]), g.args[1]) for g in gathers.values()}
+    if len(groups) != 1:
+        raise Unsupported(f"K and V are gathered over different groups {sorted(groups)}")
+    (group_name, world), = groups
+    if not all(isinstance(x, int) for x in (q_len, kv_len, q_block, kv_block)):
+        raise Unsupported("symbolic sequence lengths or block sizes")
+    if q_len * world != kv_len or q_block != kv_block or q_len % q_block:
+        raise Unsupported(f"a {q_len} x {kv_len} mask of {q_block} x {kv_block} blocks over {world} ranks is not the "
+                          "rank's rows against every key in whole square blocks")
+    q, k = static_shape(node.args[0]), static_shape(node.args[1])
+    mask = FlexMask(list(table[2:6]), list(node.args[8]), _submodule(node, table[-1]).code, [q_len, kv_len, q_block])
+    inputs = {"q": node.args[0], "k": gathers["k"].args[0], "v": gathers["v"].args[0]}
+    return AttentionRegion("flex_allgather_kv", node, "flex_attention", group_name, world,
+                           AttentionShape(q[0], q[1], k[1], kv_len, q[3]), False, node.args[5], inputs,
+                           list(gathers.values()), _output_of(node), paths, mask)
+
+
+def _submodule(node: Node, ref: Node) -> torch.fx.GraphModule:
+    """The graph module a get_attr argument of `node` names."""
+    if not isinstance(ref, Node) or ref.op != "get_attr":
+        raise Unsupported(f"{node.name}: a score/mask function that is not a graph attribute")
+    return getattr(node.graph.owning_module, ref.target)
+
+
+def _is_identity(gm: torch.fx.GraphModule) -> bool:
+    """Whether a score_mod graph returns its score (its first input) unchanged."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return bool(placeholders) and out is placeholders[0]
 
 
 def _bound(node: Node) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
     plans: dict[int, ulysses.UlyssesPlan] = {}
-    reasons = {id(r): _why_kept(r, inference, plans) for r in regions}
+    reasons = {id(r): _why_kept(r, inference, plans) or _flex_unnamed(r, schedule) for r in regions}
     choices = {id(r): _choose(r, schedule, cache_dir, tune_timeout_s, mode=mode, top_k=top_k)
                for r in regions if reasons[id(r)] is None}
     if inference:
@@ -72,6 +72,10 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
         if region.form == "decode_kv":
             _apply_decode(graph, region)
             notes.append(f"{what}: decode_attention ({why})")
+            continue
+        if region.form == "flex_allgather_kv":
+            _apply_flex(graph, region, chosen)
+            notes.append(f"{what}: cp_flex_attention_fwd {chosen} ({why})")
             continue
         if region.form == "ulysses":
             _apply_ulysses(graph, region, plans[id(region)], chosen)
@@ -89,6 +93,17 @@ def describe(region: AttentionRegion) -> str:
 
 def _shown(ranked: list[tuple[str, float]]) -> str:
     return ", ".join(f"{n} {ms:.3f} ms" for n, ms in ranked[:4])
+
+
+def _flex_unnamed(region: AttentionRegion, schedule: str) -> str | None:
+    """Why a flex region stays as the program runs it: its schedules run where
+    Config.attention_schedule names one ("ring", "allgather[:g=G]"); no rule picks them yet, since
+    their per-rank kernels do not yet reach the whole kernel's rate on every mask
+    (docs/flex-attention.md)."""
+    if region.form != "flex_allgather_kv" or schedule != "auto":
+        return None
+    return ("not rewritten (flex_attention context parallelism runs where Config.attention_schedule names 'ring' "
+            "or 'allgather[:g=G]'; no rule picks it yet)")
 
 
 def _why_kept(region: AttentionRegion, inference: bool, plans: dict) -> str | None:
@@ -148,6 +163,11 @@ def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None
     if region.form == "decode_kv":  # one schedule: the partials merged by their LSE
         return "lse_merge", [], ("each rank attends over its share of the cache; the partial outputs and LSEs are "
                                  "all-gathered and merged, instead of the cache")
+    if region.form == "flex_allgather_kv":
+        from torch_commopt.kernels.attention.ops import flex_schedule
+
+        flex_schedule(schedule)  # a ValueError naming the schedules it takes
+        return schedule, [], "named by Config.attention_schedule"
     q = val(region.inputs["q"])
     dtype = str(q.dtype).removeprefix("torch.")
     machine = machine_for(q.device, region.world, region.group_name, dtype, cache_dir, timeout_s)
@@ -201,6 +221,21 @@ def _apply_decode(graph: Graph, region: AttentionRegion) -> None:
             mask = add_node(graph, torch.ops.commopt.shard_rows.default, (mask, region.world, region.group_name, False, -1))
         out = add_node(graph, torch.ops.commopt.decode_attention.default,
                        (region.inputs["q"], k, v, mask, region.scale, region.world, region.group_name))
+    region.output.replace_all_uses_with(out)
+    erase_unused(graph, [node, *node.users, *region.paths["k"], *region.paths["v"]], region.collectives)
+
+
+def _apply_flex(graph: Graph, region: AttentionRegion, schedule: str) -> None:
+    """flex_allgather_kv: one cp_flex_attention_fwd on the local q and the rank's own K and V,
+    with the mask's tables, code and buffers as the graph holds them; the gathers go."""
+    node, mask = region.attention, region.flex
+    with graph.inserting_before(node):
+        k = _local(graph, region, "k")
+        v = _local(graph, region, "v")
+        pair = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default,
+                        (region.inputs["q"], k, v, mask.tables, mask.buffers, mask.code, mask.sizes, region.scale,
+                         region.world, region.group_name, schedule))
+        out = add_node(graph, operator.getitem, (pair, 0))
     region.output.replace_all_uses_with(out)
     erase_unused(graph, [node, *node.users, *region.paths["k"], *region.paths["v"]], region.collectives)
 
