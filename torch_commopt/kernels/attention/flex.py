@@ -11,9 +11,9 @@ and shifted to start at 0, and the mask_mod moved by the two offsets.  `work` co
 (p, s), the tiles such a block computes; a block with none is neither computed nor, where the
 schedule allows, sent.
 
-`block_forward` / `block_backward` run torch's flex-attention operators on one block
-(`flex_attention_hop` and `flex_attention_backward`: dense math on a CPU, the Triton kernels under
-Inductor on a GPU).  The forward returns the block's output and its log-sum-exp in natural log
+`block_forward` / `block_backward` compute one block: on a GPU torch's flex-attention operators
+(`flex_attention_hop` and `flex_attention_backward`) compiled by Inductor into its Triton kernels,
+on a CPU plain torch on the block's dense mask.  The forward returns the block's output and its log-sum-exp in natural log
 (the operator's is base 2), to be merged with the others (merge.merge_); the backward takes the
 *global* output and LSE of the rows, as flash attention's backward does, so the blocks' gradients
 add up to the whole attention's.  Only masks are handled (score_mod the identity).
@@ -265,7 +265,7 @@ def _kernel_options(q: Tensor, k: Tensor, v: Tensor):
 def block_forward(q: Tensor, k: Tensor, v: Tensor, step: Step, scale: float) -> tuple[Tensor, Tensor]:
     """(out, lse) of q against one block of keys under `step`'s mask (lse natural log, rows with no
     key -inf and output 0); GQA where k and v have fewer heads than q.  On CUDA a compiled
-    kernel (_compiled), on a CPU the operator's dense math."""
+    kernel (_compiled), on a CPU plain torch on the dense mask (_dense_forward)."""
     from torch.nn.attention.flex_attention import _identity, flex_attention_hop
 
     def run(q, k, v, *tensors):
