@@ -63,8 +63,7 @@ def test_a_step_mask_is_the_block_mask_of_its_rows_and_keys(kind):
     assert (work.triu(1) == 0).all()  # causal: no rank attends a later share
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world, kind", [(2, "causal"), (4, "document"), (4, "window"), (2, "document+window")])
 def test_the_ring_gives_dense_attention_and_its_gradients(world, kind):
     per_rank = run_distributed(run_flex_ring, world, kind, 2 if kind == "document" else 1, backend="gloo",
                                timeout_s=300)
@@ -76,8 +75,7 @@ def test_the_ring_gives_dense_attention_and_its_gradients(world, kind):
         assert all(got["computed"] == min(rank + 1, 2) for rank, got in enumerate(per_rank)), per_rank
 
 
-@pytest.mark.parametrize("world, kind, schedule", [(2, "document", "allgather"), (4, "document+window", "allgather:g=2"),
-                                                    (4, "causal", "allgather:g=2"), (2, "window", "allgather:g=2")])
+@pytest.mark.parametrize("world, kind, schedule", [(2, "document", "allgather"), (4, "document+window", "allgather:g=2")])
 def test_the_all_gather_schedule_gives_dense_attention_and_its_gradients(world, kind, schedule):
     """One flex call per head group over every key (the rows' own mask, no merge), K/V gathered a
     group ahead; dK/dV reduce-scattered to their owners."""
@@ -120,7 +118,7 @@ def test_a_flex_schedule_name_is_checked():
             flex_schedule(bad)
 
 
-@pytest.mark.parametrize("world, schedule", [(2, "ring"), (4, "allgather"), (2, "auto")])
+@pytest.mark.parametrize("world, schedule", [(4, "ring"), (2, "allgather"), (2, "auto")])
 def test_a_compiled_flex_program_runs_the_named_schedule(world, schedule):
     """K/V all-gathered into flex_attention (the rank's rows' mask, documents + window), compiled
     with backend="commopt": the region becomes cp_flex_attention_fwd running the schedule

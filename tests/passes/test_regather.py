@@ -9,7 +9,7 @@ from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 
 
-@pytest.mark.parametrize("kind", ["tp_sp_mlp", "tp_sp_block"])
+@pytest.mark.parametrize("kind", ["tp_sp_block"])  # its MLP is tp_sp_mlp's (the block alone: ~11 s less CI)
 def test_regather_saves_the_shard_and_gathers_again_in_backward(kind):
     from regather_programs import saved_and_gathers
 

@@ -211,17 +211,7 @@ def _flex_region(node: Node) -> Optional[AttentionRegion]:
     q_len, kv_len, q_block, kv_block = table[0], table[1], table[-3], table[-2]
     if any(t is not None for t in table[10:-3]):
         raise Unsupported("dq write-order tables")
-    gathers, paths = {}, {}
-    for name, key in (("key", "k"), ("value", "v")):
-        origin, path = sources[name]
-        gather, dim = _gather_of(origin)
-        if _map_dim(dim, origin, path) != SEQ_DIM:
-            raise Unsupported(f"{name} is not gathered along the sequence dim {SEQ_DIM}")
-        gathers[key], paths[key] = gather, path
-    groups = {(group_name_of(g.args[2]), g.args[1]) for g in gathers.values()}
-    if len(groups) != 1:
-        raise Unsupported(f"K and V are gathered over different groups {sorted(groups)}")
-    (group_name, world), = groups
+    gathers, paths, group_name, world = _kv_gathers(sources)
     if not all(isinstance(x, int) for x in (q_len, kv_len, q_block, kv_block)):
         raise Unsupported("symbolic sequence lengths or block sizes")
     if q_len * world != kv_len or q_block != kv_block or q_len % q_block:
@@ -301,8 +291,10 @@ def _gather_of(origin: Node) -> tuple[Node, int]:
     return wait.args[0], cat_dim(origin)
 
 
-def _allgather_kv(node: Node, args: dict, sources: dict, mask: Any = None) -> AttentionRegion:
-    gathers, paths, world = {}, {}, None
+def _kv_gathers(sources: dict) -> tuple[dict, dict, str, int]:
+    """(the K and V gathers, their layout paths, the group, its size): each all-gathered along a dim
+    that lands on the sequence dim, both over one group."""
+    gathers, paths = {}, {}
     for name, key in (("key", "k"), ("value", "v")):
         origin, path = sources[name]
         gather, dim = _gather_of(origin)
@@ -315,6 +307,11 @@ def _allgather_kv(node: Node, args: dict, sources: dict, mask: Any = None) -> At
     if len(groups) != 1:
         raise Unsupported(f"K and V are gathered over different groups {sorted(groups)}")
     (group_name, world), = groups
+    return gathers, paths, group_name, world
+
+
+def _allgather_kv(node: Node, args: dict, sources: dict, mask: Any = None) -> AttentionRegion:
+    gathers, paths, group_name, world = _kv_gathers(sources)
     q, k = static_shape(args["query"]), static_shape(args["key"])
     if q[SEQ_DIM] * world != k[SEQ_DIM] and q[SEQ_DIM] <= DECODE_MAX_QUERIES:
         return _decode_kv(node, args, gathers, paths, group_name, world, mask)
