@@ -698,6 +698,7 @@ def test_replayed_small_all_reduces_rank_by_their_measured_latency():
     nbytes = 8 * 4096 * 2
     assert {"oneshot", "twoshot"} <= {str(s) for s in candidates(shape, H200, graphs=True)}
     assert not {"oneshot", "twoshot"} & {str(s) for s in candidates(shape, H200)}
+    assert not {"oneshot", "twoshot"} & {str(s) for s in candidates(shape, H200, graphs="call")}  # per-call graphs
     fast_ll = dataclasses.replace(H200, small_msg={"sequential": [[nbytes, 20e-6]], "oneshot": [[nbytes, 5e-6]],
                                                    "twoshot": [[nbytes, 7e-6]]})
     assert [str(p.schedule) for p in rank(shape, fast_ll, graphs=True)[:2]] == ["oneshot", "twoshot"]

@@ -476,7 +476,9 @@ def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool | str = Fal
         gpu += [Schedule("direct", s) for s in (1, 2)] + ([] if shape.scaled else [Schedule("ce_pull", 2)])
     if shape.dtype in ("bfloat16", "float16"):
         gpu += [Schedule("fused", s) for s in (1, 4)]
-    if lowlat_fits(shape) and graphs:  # eager, a Triton launch's host cost outweighs what they save
+    # the program's own graphs only: eager (or in per-call graphs, which they do not replay) a
+    # Triton launch's host cost outweighs what they save
+    if lowlat_fits(shape) and graphs is True:
         gpu += [Schedule("oneshot"), Schedule("twoshot")]
     # replayed, a schedule that runs as another one inside a capture would only repeat it
     return out + [s for s in gpu if s.valid_for(shape.kind) and not (graphs and s.in_capture(shape.kind) != s)]
