@@ -21,6 +21,7 @@ add up to the whole attention's.  Only masks are handled (score_mod the identity
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,8 +202,8 @@ def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
     if blocks.full_num is not None:
         fn, fi = slice_columns(blocks.full_num[..., rows], blocks.full_idx[..., rows, :], c0, c1)
     keys = length * (c1 - c0) // nb
-    cut = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blocks.block, seq_lengths=(length, keys),
-                                   compute_q_blocks=False)
+    skip_q = {"compute_q_blocks": False} if _takes_compute_q_blocks() else {}  # a keyword not every torch has
+    cut = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blocks.block, seq_lengths=(length, keys), **skip_q)
     tables = list(cut.as_tuple()[:-1])
     # the backward's Q-block tables (the KV tables transposed), computed here without vmap:
     # BlockMask computes them under vmap, which fails where a compiled graph's op runs (functorch
@@ -217,6 +218,16 @@ def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
     if kn.is_cuda:  # tensors: one compiled kernel for every (p, s) (python ints would be baked in)
         offsets = tuple(torch.tensor(o, dtype=torch.int32, device=kn.device) for o in offsets)
     return Step(tuple(tables) + (moved,), offsets + blocks.buffers, blocks.code())
+
+
+@functools.cache
+def _takes_compute_q_blocks() -> bool:  # noqa: N802
+    """Whether this torch's BlockMask.from_kv_blocks takes compute_q_blocks."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
 def q_tables(num: Tensor, idx: Tensor, cols: int) -> tuple[Tensor, Tensor]:
