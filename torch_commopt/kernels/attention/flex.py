@@ -221,7 +221,7 @@ def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
 
 
 @functools.cache
-def _takes_compute_q_blocks() -> bool:  # noqa: N802
+def _takes_compute_q_blocks() -> bool:
     """Whether this torch's BlockMask.from_kv_blocks takes compute_q_blocks."""
     import inspect
 
