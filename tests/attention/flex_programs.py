@@ -167,3 +167,48 @@ def run_flex_compiled(rank: int, world: int, kind: str, schedule: str) -> dict:
     graphs = torch_commopt.explain().graphs
     return {"error": (got.double() - truth).abs().max().item(), "eager_error": (eager.double() - truth).abs().max().item(),
             "notes": [n for g in graphs for n in g.notes], "ops": {k_: v_ for g in graphs for k_, v_ in g.commopt_ops.items()}}
+
+
+def run_flex_compiled_training(rank: int, world: int, schedule: str) -> dict:
+    """run_flex_compiled's program trained one step (documents + window mask, float32): the
+    output and the q/k/v gradients' largest errors against dense float64, float32 eager's own,
+    and explain's notes.  torch refuses flex_attention with gradients on a CPU at its public API
+    (_validate_device; its eager operators run dense math there): patched here."""
+    import torch.nn.attention.flex_attention as fa
+    from dist_programs import all_gather_on
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import torch_commopt
+
+    fa._validate_device = lambda *args, **kwargs: None  # noqa: SLF001
+    gen = torch.Generator().manual_seed(13)
+    q, dout = (torch.randn(1, 4, S, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, S, D, generator=gen) for _ in range(2))
+    mod = mask_mod_of("document+window", doc_ids(1))
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    block_mask = create_block_mask(lambda b, h, qi, kv: mod(b, h, qi + rank * length, kv), 1, None, length, S,
+                                   device="cpu", BLOCK_SIZE=BLOCK)
+
+    def program(q_loc, k_loc, v_loc):
+        return flex_attention(q_loc, all_gather_on(k_loc, 2), all_gather_on(v_loc, 2), block_mask=block_mask,
+                              enable_gqa=True)
+
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})
+    shares = [t[:, :, mine].contiguous().requires_grad_() for t in (q, k, v)]
+    compiled(*shares).backward(dout[:, :, mine])
+    pos = torch.arange(S)
+    dense_mask = mod(0, 0, pos[:, None], pos[None, :])[None, None]
+    errors = {}
+    for dtype in (torch.float64, torch.float32):  # the truth, and float32 eager's own error against it
+        full = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        _dense(*full, dense_mask, 1 / math.sqrt(D)).backward(dout.to(dtype))
+        errors[dtype] = [t.grad[:, :, mine] for t in full]
+    names = ("dq", "dk", "dv")
+    got = {n: (s.grad.double() - t.double()).abs().max().item() for n, s, t in zip(names, shares, errors[torch.float64])}
+    own = {n: (e.double() - t.double()).abs().max().item()
+           for n, e, t in zip(names, errors[torch.float32], errors[torch.float64])}
+    graphs = torch_commopt.explain().graphs
+    return {"errors": got, "eager_errors": own, "notes": [n for g in graphs for n in g.notes]}

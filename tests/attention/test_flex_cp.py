@@ -133,3 +133,17 @@ def test_a_compiled_flex_program_runs_the_named_schedule(world, schedule):
             assert any("no rule picks it yet" in n for n in got["notes"]), got["notes"]
         else:
             assert any(f"cp_flex_attention_fwd {schedule}" in n for n in got["notes"]), got["notes"]
+
+
+@pytest.mark.parametrize("world, schedule", [(2, "ring"), (4, "allgather")])
+def test_a_compiled_flex_training_step_runs_the_named_schedule_forward_and_backward(world, schedule):
+    """The same program trained one step: on the joint graph the forward and its backward become
+    cp_flex_attention_fwd / _bwd (the gathers and the gradients' reduce-scatters go), and q, k and v's
+    gradients are within float32's own error of dense float64 attention's."""
+    from flex_programs import run_flex_compiled_training
+
+    for rank, got in enumerate(run_distributed(run_flex_compiled_training, world, schedule, backend="gloo",
+                                               timeout_s=300)):
+        for name, err in got["errors"].items():
+            assert within_tolerance(err, got["eager_errors"][name]), (rank, name, got)
+        assert any(f"cp_flex_attention_fwd/bwd {schedule} in the joint graph" in n for n in got["notes"]), got["notes"]

@@ -76,6 +76,7 @@ LAYOUT_OPS = RESHAPES | {aten.permute.default, aten.transpose.int, aten.clone.de
                          aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default}
 SEQ_DIM = 2  # of the attention's (B, H, S, D) operands
 FLEX_ATTENTION = getattr(torch.ops.higher_order, "flex_attention", None)
+FLEX_BACKWARD = getattr(torch.ops.higher_order, "flex_attention_backward", None)
 # the backward ops a joint graph holds beside the forward ones (they read the forward's output)
 ATTENTION_BACKWARD = {
     aten._scaled_dot_product_flash_attention_for_cpu.default:
@@ -91,12 +92,14 @@ ATTENTION_BACKWARD = {
 class FlexMask:
     """A flex_attention region's mask as the graph holds it: the block tables [kv_num, kv_idx,
     full_num, full_idx] (nodes, or None), the mask graph's buffers (nodes), the mask graph's code
-    (`def forward(self, b, h, q, kv, *buffers)`), and [rows, keys, block size]."""
+    (`def forward(self, b, h, q, kv, *buffers)`), and [rows, keys, block size]; and the forward's
+    LSE output node where something uses it."""
 
     tables: list
     buffers: list
     code: str
     sizes: list
+    lse: Optional[Node] = None  # the forward's log-sum-exp output where the graph uses it (a joint graph's backward)
 
 
 @dataclass
@@ -201,8 +204,8 @@ def _flex_region(node: Node) -> Optional[AttentionRegion]:
     if not (kinds["key"] == kinds["value"] == "all_gather" and kinds["query"] is None):
         raise Unsupported(f"operands from {kinds['query']} (q), {kinds['key']} (k), {kinds['value']} (v): only K/V "
                           "all-gathered into a local Q is taken")
-    if any(not is_getitem(u) or u.args[1] != 0 for u in node.users):
-        raise Unsupported("its log-sum-exp or max scores are used")
+    if any(not is_getitem(u) or u.args[1] not in (0, 1) for u in node.users):
+        raise Unsupported("its max scores are used")
     if not _is_identity(_submodule(node, node.args[3])):
         raise Unsupported("a score_mod (only a mask_mod is taken)")
     if node.args[7]:
@@ -218,7 +221,9 @@ def _flex_region(node: Node) -> Optional[AttentionRegion]:
         raise Unsupported(f"a {q_len} x {kv_len} mask of {q_block} x {kv_block} blocks over {world} ranks is not the "
                           "rank's rows against every key in whole square blocks")
     q, k = static_shape(node.args[0]), static_shape(node.args[1])
-    mask = FlexMask(list(table[2:6]), list(node.args[8]), _submodule(node, table[-1]).code, [q_len, kv_len, q_block])
+    lse = next((u for u in node.users if u.args[1] == 1 and u.users), None)
+    mask = FlexMask(list(table[2:6]), list(node.args[8]), _submodule(node, table[-1]).code, [q_len, kv_len, q_block],
+                    lse)
     inputs = {"q": node.args[0], "k": gathers["k"].args[0], "v": gathers["v"].args[0]}
     return AttentionRegion("flex_allgather_kv", node, "flex_attention", group_name, world,
                            AttentionShape(q[0], q[1], k[1], kv_len, q[3]), False, node.args[5], inputs,

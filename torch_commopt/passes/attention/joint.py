@@ -32,9 +32,16 @@ from torch.fx import Graph, Node
 
 from torch_commopt.kernels.attention import schedules
 from torch_commopt.passes.attention import ulysses_joint
-from torch_commopt.passes.attention.detect import ATTENTION_BACKWARD, AttentionRegion, _reshaped_dim, find_attention
+from torch_commopt.passes.attention.detect import (
+    ATTENTION_BACKWARD,
+    FLEX_BACKWARD,
+    AttentionRegion,
+    _reshaped_dim,
+    find_attention,
+)
 from torch_commopt.passes.attention.rewrite import (
     _choose,
+    _flex_unnamed,
     _local,
     describe,
     insert_training_backward,
@@ -73,6 +80,16 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
         if region.form == "decode_kv":
             notes.append(f"{describe(region)}: found; decoding attention is rewritten in inference graphs only")
             continue
+        if region.form == "flex_allgather_kv":
+            why = _flex_unnamed(region, schedule)
+            try:
+                if why is None:
+                    plans[id(region)] = _match_flex(region)
+            except (NotMatched, Unsupported) as e:
+                why = f"not rewritten ({e})"
+            if why is not None:
+                notes.append(f"{describe(region)}: {why}")
+            continue
         if region.attention.target not in ATTENTION_BACKWARD:
             notes.append(f"{describe(region)}: found; {region.form} with {region.op} is not rewritten in training "
                          "(the program keeps its own)")
@@ -89,6 +106,10 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
     for region in regions:
         if id(region) in plans:
             chosen, _, why = choices[id(region)]
+            if region.form == "flex_allgather_kv":
+                _apply_flex(graph, region, plans[id(region)], chosen)
+                notes.append(f"{describe(region)}: cp_flex_attention_fwd/bwd {chosen} in the joint graph ({why})")
+                continue
             if region.form == "allgather_kv":
                 _apply(graph, region, plans[id(region)], chosen)
             else:
@@ -117,6 +138,62 @@ def _match(region: AttentionRegion) -> dict:
         grads[name] = _drain(outs[i], gather) if i in outs else None
         befores[name] = _local_shapes(region, name)
     return {"bwd": bwd, "dq": outs[0], "grads": grads, "befores": befores}
+
+
+def _match_flex(region: AttentionRegion) -> dict:
+    """_match for flex_attention: its flex_attention_backward (on the same gathered K/V, its out
+    and LSE from this forward, no LSE gradient), the dq getitem and each K/V gradient's wait."""
+    fwd = region.attention
+    key, value = fwd.args[1], fwd.args[2]
+    bwds = [u for u in key.users if u.target is FLEX_BACKWARD and u.args[1] is key and u.args[2] is value]
+    if len(bwds) != 1 or set(key.users) - {fwd, bwds[0]} or set(value.users) - {fwd, bwds[0]}:
+        raise NotMatched("the gathered K/V have users besides flex_attention and its backward")
+    bwd = bwds[0]
+    if bwd.args[6] is not None:
+        raise NotMatched("a gradient flows into the log-sum-exp")
+    outs = {u.args[1]: u for u in bwd.users if u.target is operator.getitem}
+    if set(outs) - {0, 1, 2, 3} or 0 not in outs or (3 in outs and outs[3].users):
+        raise NotMatched(f"{bwd.name}'s outputs are used unexpectedly (its score/mask buffers' gradients?)")
+    grads, befores = {}, {}
+    for i, name in ((1, "k"), (2, "v")):
+        grads[name] = _drain(outs[i], region.collectives[i - 1]) if i in outs else None
+        befores[name] = _local_shapes(region, name)
+    return {"bwd": bwd, "dq": outs[0], "grads": grads, "befores": befores}
+
+
+def _apply_flex(graph: Graph, region: AttentionRegion, plan: dict, schedule: str) -> None:
+    """The flex forward and backward as cp_flex_attention_fwd / _bwd on the rank's own K/V (its out
+    and LSE, natural log, carried from one to the other); the K/V gradients brought back to the
+    shards' layout where the reduce-scatters delivered them; the gathers and reduce-scatters go."""
+    fwd, bwd, mask = region.attention, plan["bwd"], region.flex
+    common = (mask.tables, mask.buffers, mask.code, mask.sizes, region.scale, region.world, region.group_name,
+              schedule)
+    with graph.inserting_before(fwd):
+        k, v = _local(graph, region, "k"), _local(graph, region, "v")
+        pair = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default, (region.inputs["q"], k, v, *common))
+        out, lse = (add_node(graph, operator.getitem, (pair, i)) for i in range(2))
+    region.output.replace_all_uses_with(out)
+    with graph.inserting_before(bwd):
+        grads = add_node(graph, torch.ops.commopt.cp_flex_attention_bwd.default,
+                         (bwd.args[5], region.inputs["q"], k, v, out, lse, *common))
+        parts = [add_node(graph, operator.getitem, (grads, i)) for i in range(3)]
+    plan["dq"].replace_all_uses_with(parts[0])
+    for i, name in ((1, "k"), (2, "v")):
+        wait = plan["grads"][name]
+        if wait is not None:
+            with graph.inserting_before(wait):
+                wait.replace_all_uses_with(_to_shard_layout(graph, region, name, parts[i], plan["befores"][name]))
+    stops = {fwd, bwd} | {w for w in plan["grads"].values() if w is not None}
+    chain, todo = set(), list(region.collectives) + [u for u in bwd.users if u.args[1] in (1, 2)] + list(fwd.users)
+    while todo:  # the gathers, the gradients' reduce-scatters and the old outputs' detaches, up to the replaced
+        node = todo.pop()
+        if node not in chain:
+            chain.add(node)
+            todo += [u for u in node.users if u not in stops]
+    chain |= stops | set(bwd.users)
+    for node in reversed(list(graph.nodes)):
+        if node in chain and not node.users:
+            graph.erase_node(node)
 
 
 def _drain(dgrad: Node, gather: Node) -> Node:

@@ -100,10 +100,32 @@ def _flex_unnamed(region: AttentionRegion, schedule: str) -> str | None:
     Config.attention_schedule names one ("ring", "allgather[:g=G]"); no rule picks them yet, since
     their per-rank kernels do not yet reach the whole kernel's rate on every mask
     (docs/flex-attention.md)."""
-    if region.form != "flex_allgather_kv" or schedule != "auto":
+    if region.form != "flex_allgather_kv":
         return None
-    return ("not rewritten (flex_attention context parallelism runs where Config.attention_schedule names 'ring' "
-            "or 'allgather[:g=G]'; no rule picks it yet)")
+    if schedule == "auto":
+        return ("not rewritten (flex_attention context parallelism runs where Config.attention_schedule names 'ring' "
+                "or 'allgather'; no rule picks it yet)")
+    if region.flex.lse is not None and not _only_backward_reads(region.flex.lse):
+        return "not rewritten (the program uses flex_attention's log-sum-exp)"
+    return None
+
+
+def _only_backward_reads(lse: Node) -> bool:
+    """Whether the LSE output only reaches flex_attention_backward (through detaches): a joint graph's."""
+    from torch_commopt.passes.attention.detect import FLEX_BACKWARD
+
+    todo, seen = list(lse.users), set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.target is FLEX_BACKWARD:
+            continue
+        if node.target is not aten.detach.default:
+            return False
+        todo += list(node.users)
+    return True
 
 
 def _why_kept(region: AttentionRegion, inference: bool, plans: dict) -> str | None:
