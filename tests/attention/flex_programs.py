@@ -132,22 +132,17 @@ def run_flex_ops(rank: int, world: int, kind: str, schedule: str, own_rows: bool
             "dk": (dk - kt.grad[:, :, mine]).abs().max().item(), "dv": (dv - vt.grad[:, :, mine]).abs().max().item()}
 
 
-def run_flex_compiled(rank: int, world: int, kind: str, schedule: str) -> dict:
-    """A context-parallel program compiled with backend="commopt" (inference): K and V all-gathered
-    along the sequence into flex_attention with the rank's local queries and the mask of its rows
-    (offset added in its mask_mod), GQA 4:2.  {"error": max abs error vs dense float64, "notes":
-    explain's notes, "ops": the commopt ops left in the graphs}."""
+def _compiled_program(rank: int, world: int, kind: str, schedule: str):
+    """(compiled, mask function, this rank's slice): a context-parallel program compiled with
+    backend="commopt" -- K and V all-gathered along the sequence into flex_attention with the
+    rank's local queries and the mask of its rows (offset added in its mask_mod), GQA 4:2."""
     from dist_programs import all_gather_on
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     import torch_commopt
 
-    gen = torch.Generator().manual_seed(9)
-    q = torch.randn(1, 4, S, D, generator=gen)  # float32: Inductor's CPU flex (the program as written) takes no float64
-    k, v = (torch.randn(1, 2, S, D, generator=gen) for _ in range(2))
     mod = mask_mod_of(kind, doc_ids(1))
     length = S // world
-    mine = slice(rank * length, (rank + 1) * length)
     block_mask = create_block_mask(lambda b, h, qi, kv: mod(b, h, qi + rank * length, kv), 1, None, length, S,
                                    device="cpu", BLOCK_SIZE=BLOCK)
 
@@ -158,6 +153,18 @@ def run_flex_compiled(rank: int, world: int, kind: str, schedule: str) -> dict:
     torch._dynamo.reset()
     torch_commopt.reset_explain()
     compiled = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})
+    return compiled, mod, slice(rank * length, (rank + 1) * length)
+
+
+def run_flex_compiled(rank: int, world: int, kind: str, schedule: str) -> dict:
+    """_compiled_program run for inference: {"error": max abs error vs dense float64,
+    "eager_error": float32 dense's own, "notes": explain's notes, "ops": the commopt ops left}."""
+    import torch_commopt
+
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, S, D, generator=gen)  # float32: Inductor's CPU flex (the program as written) takes no float64
+    k, v = (torch.randn(1, 2, S, D, generator=gen) for _ in range(2))
+    compiled, mod, mine = _compiled_program(rank, world, kind, schedule)
     with torch.no_grad():
         got = compiled(*(t[:, :, mine].contiguous() for t in (q, k, v)))
     pos = torch.arange(S)
@@ -170,13 +177,11 @@ def run_flex_compiled(rank: int, world: int, kind: str, schedule: str) -> dict:
 
 
 def run_flex_compiled_training(rank: int, world: int, schedule: str) -> dict:
-    """run_flex_compiled's program trained one step (documents + window mask, float32): the
-    output and the q/k/v gradients' largest errors against dense float64, float32 eager's own,
-    and explain's notes.  torch refuses flex_attention with gradients on a CPU at its public API
-    (_validate_device; its eager operators run dense math there): patched here."""
+    """_compiled_program (documents + window) trained one step in float32: the q/k/v gradients'
+    largest errors against dense float64, float32 eager's own, and explain's notes.  torch refuses
+    flex_attention with gradients on a CPU at its public API (_validate_device; its eager
+    operators run dense math there): patched here."""
     import torch.nn.attention.flex_attention as fa
-    from dist_programs import all_gather_on
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     import torch_commopt
 
@@ -184,19 +189,7 @@ def run_flex_compiled_training(rank: int, world: int, schedule: str) -> dict:
     gen = torch.Generator().manual_seed(13)
     q, dout = (torch.randn(1, 4, S, D, generator=gen) for _ in range(2))
     k, v = (torch.randn(1, 2, S, D, generator=gen) for _ in range(2))
-    mod = mask_mod_of("document+window", doc_ids(1))
-    length = S // world
-    mine = slice(rank * length, (rank + 1) * length)
-    block_mask = create_block_mask(lambda b, h, qi, kv: mod(b, h, qi + rank * length, kv), 1, None, length, S,
-                                   device="cpu", BLOCK_SIZE=BLOCK)
-
-    def program(q_loc, k_loc, v_loc):
-        return flex_attention(q_loc, all_gather_on(k_loc, 2), all_gather_on(v_loc, 2), block_mask=block_mask,
-                              enable_gqa=True)
-
-    torch._dynamo.reset()
-    torch_commopt.reset_explain()
-    compiled = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})
+    compiled, mod, mine = _compiled_program(rank, world, "document+window", schedule)
     shares = [t[:, :, mine].contiguous().requires_grad_() for t in (q, k, v)]
     compiled(*shares).backward(dout[:, :, mine])
     pos = torch.arange(S)

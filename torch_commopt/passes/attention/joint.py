@@ -177,6 +177,15 @@ def _apply_flex(graph: Graph, region: AttentionRegion, plan: dict, schedule: str
         grads = add_node(graph, torch.ops.commopt.cp_flex_attention_bwd.default,
                          (bwd.args[5], region.inputs["q"], k, v, out, lse, *common))
         parts = [add_node(graph, operator.getitem, (grads, i)) for i in range(3)]
+    _replace_gradients(graph, region, plan, parts, list(fwd.users))  # the old outputs' detaches go too
+
+
+def _replace_gradients(graph: Graph, region: AttentionRegion, plan: dict, parts: list[Node],
+                       also: list[Node] = ()) -> None:
+    """dq and the K/V gradients (brought back to the shards' layout where the reduce-scatters
+    delivered them) replaced by the op's `parts`; then the gathers, the gradients' reduce-scatters,
+    `also` and what they fed, up to the replaced nodes, erased where unused."""
+    fwd, bwd = region.attention, plan["bwd"]
     plan["dq"].replace_all_uses_with(parts[0])
     for i, name in ((1, "k"), (2, "v")):
         wait = plan["grads"][name]
@@ -184,13 +193,13 @@ def _apply_flex(graph: Graph, region: AttentionRegion, plan: dict, schedule: str
             with graph.inserting_before(wait):
                 wait.replace_all_uses_with(_to_shard_layout(graph, region, name, parts[i], plan["befores"][name]))
     stops = {fwd, bwd} | {w for w in plan["grads"].values() if w is not None}
-    chain, todo = set(), list(region.collectives) + [u for u in bwd.users if u.args[1] in (1, 2)] + list(fwd.users)
-    while todo:  # the gathers, the gradients' reduce-scatters and the old outputs' detaches, up to the replaced
+    chain, todo = set(), list(region.collectives) + [u for u in bwd.users if u.args[1] in (1, 2)] + list(also)
+    while todo:
         node = todo.pop()
         if node not in chain:
             chain.add(node)
             todo += [u for u in node.users if u not in stops]
-    chain |= stops | set(bwd.users)
+    chain |= stops | set(fwd.users) | set(bwd.users)
     for node in reversed(list(graph.nodes)):
         if node in chain and not node.users:
             graph.erase_node(node)
@@ -231,23 +240,7 @@ def _apply(graph: Graph, region: AttentionRegion, plan: dict, schedule: str) -> 
     with graph.inserting_before(bwd):
         grads = insert_training_backward(graph, bwd.args[0], saved, common)
         parts = [add_node(graph, operator.getitem, (grads, i)) for i in range(3)]
-    plan["dq"].replace_all_uses_with(parts[0])
-    for i, name in ((1, "k"), (2, "v")):
-        wait = plan["grads"][name]
-        if wait is not None:
-            with graph.inserting_before(wait):
-                wait.replace_all_uses_with(_to_shard_layout(graph, region, name, parts[i], plan["befores"][name]))
-    stops = {fwd, bwd} | {w for w in plan["grads"].values() if w is not None}
-    chain, todo = set(), list(region.collectives) + [u for u in bwd.users if u.args[1] in (1, 2)]
-    while todo:  # the gathers and the gradients' reduce-scatters, up to the replaced nodes
-        node = todo.pop()
-        if node not in chain:
-            chain.add(node)
-            todo += [u for u in node.users if u not in stops]
-    chain |= stops | set(fwd.users) | set(bwd.users)
-    for node in reversed(list(graph.nodes)):
-        if node in chain and not node.users:
-            graph.erase_node(node)
+    _replace_gradients(graph, region, plan, parts)
 
 
 def _to_shard_layout(graph: Graph, region: AttentionRegion, name: str, grad: Node, befores: list) -> Node:
