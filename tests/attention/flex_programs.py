@@ -95,7 +95,7 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
               "dq": (qs.grad - qt.grad[:, :, mine]).abs().max().item(),
               "dk": (ks.grad - kt.grad[:, :, mine]).abs().max().item(),
               "dv": (vs.grad - vt.grad[:, :, mine]).abs().max().item()}
-    work = flex.work(flex.Blocks.of(block_mask, own_rows=own_rows), world).tolist()
+    work = flex.work(flex.Blocks.of(block_mask), world).tolist()
     return {"errors": errors, "work": work if not own_rows else [None] * rank + work, "computed": len(computed)}
 
 

@@ -716,6 +716,7 @@ def test_replayed_small_all_reduces_rank_by_their_measured_latency():
 def test_the_model_sizes_the_low_latency_buffer_as_the_kernels_do():
     pytest.importorskip("triton")
     from torch_commopt.kernels.gpu import lowlat, symm
+    from torch_commopt.kernels.matmul.gpu import pick
     from torch_commopt.tuner.matmul import model
 
-    assert model.LOWLAT_CAP_BYTES == lowlat.LL_CAP_BYTES and model.LOWLAT_MAX_WORLD <= symm.MAX_WORLD
+    assert model.LOWLAT_CAP_BYTES == lowlat.LL_CAP_BYTES and pick.LOWLAT_MAX_WORLD <= symm.MAX_WORLD

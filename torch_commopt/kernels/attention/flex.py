@@ -117,18 +117,16 @@ class Blocks:
     own_rows: bool = False
 
     @classmethod
-    def of(cls, block_mask, own_rows: bool = False) -> "Blocks":
-        """From a torch BlockMask over the whole sequence (square), or with own_rows one of this
-        rank's rows against the whole sequence's keys."""
+    def of(cls, block_mask) -> "Blocks":
+        """From a torch BlockMask over the whole sequence (square), or of this rank's rows against the
+        whole sequence's keys (fewer rows than keys: own_rows)."""
         q_len, kv_len = block_mask.seq_lengths
-        if not own_rows and q_len != kv_len:
-            raise ValueError(f"flex CP: the whole block mask must be square, got {q_len} x {kv_len}")
         bq, bk = block_mask.BLOCK_SIZE
         if bq != bk:
             raise ValueError(f"flex CP: Q and KV blocks of one size, got {bq} and {bk}")
         graph, buffers = lift(block_mask.mask_mod, block_mask.kv_num_blocks.device)
         return cls(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-                   block_mask.full_kv_indices, bq, block_mask.mask_mod, kv_len, graph, buffers, own_rows)
+                   block_mask.full_kv_indices, bq, block_mask.mask_mod, kv_len, graph, buffers, q_len != kv_len)
 
     def code(self) -> str:
         """The lifted mask's code: what a compiled kernel and a rewritten graph's op carry of it."""

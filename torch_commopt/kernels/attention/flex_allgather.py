@@ -110,11 +110,4 @@ def flex_allgather(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float | N
     `block_mask` (the whole sequence's BlockMask, or this rank's rows against the whole sequence's
     keys), with K/V all-gathered in `groups` head groups."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return FlexAllGather.apply(q, k, v, Options(flex.Blocks.of(block_mask, own_rows=_own_rows(block_mask)), scale, group, groups))
-
-
-def _own_rows(block_mask) -> bool:
-    """Whether `block_mask` holds this rank's rows only (fewer rows than keys), as a
-    context-parallel program states it, rather than the whole sequence's."""
-    q_len, kv_len = block_mask.seq_lengths
-    return q_len != kv_len
+    return FlexAllGather.apply(q, k, v, Options(flex.Blocks.of(block_mask), scale, group, groups))

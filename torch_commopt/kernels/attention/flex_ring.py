@@ -115,13 +115,6 @@ def flex_ring(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float | None, 
     """FlexAttention of this rank's rows (q, k, v: (B, H, L, D), (B, H_kv, L, D), the rank's shares
     of the sequence) under `block_mask` (the whole sequence's BlockMask, or this rank's rows
     against the whole sequence's keys), over the ring."""
-    blocks = flex.Blocks.of(block_mask, own_rows=_own_rows(block_mask))
+    blocks = flex.Blocks.of(block_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return FlexRing.apply(q, k, v, blocks, scale, group)
-
-
-def _own_rows(block_mask) -> bool:
-    """Whether `block_mask` holds this rank's rows only (fewer rows than keys), as a
-    context-parallel program states it, rather than the whole sequence's."""
-    q_len, kv_len = block_mask.seq_lengths
-    return q_len != kv_len

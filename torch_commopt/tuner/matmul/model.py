@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_commopt.core.schedule import OP_SCHEDULES, Schedule
+from torch_commopt.kernels.matmul.gpu.pick import LOWLAT_MAX_WORLD  # the rule's band: one NVLink host
 from torch_commopt.tuner.calibration import Calibration
 
 
@@ -317,7 +318,6 @@ LOWLAT_PRIOR = {"oneshot": 4e-6, "twoshot": 6e-6}
 # The low-latency buffer's two regions (lowlat.LL_CAP_BYTES each; a test ties the two), held once
 # per group, and the largest product they take.
 LOWLAT_CAP_BYTES = 16 << 20
-LOWLAT_MAX_WORLD = 8  # one NVLink host's GPUs (the kernels take up to symm.MAX_WORLD)
 
 
 def lowlat_time(cal: Calibration, name: str, full_bytes: float, world: int) -> float:
