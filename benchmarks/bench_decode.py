@@ -35,7 +35,7 @@ import argparse
 import statistics
 
 from benchmarks import decode_step
-from benchmarks.common import fmt, machine_meta, max_over_ranks, result_stem, write_report
+from benchmarks.common import fmt, machine_meta, max_over_ranks, result_stem, schedule_ran, write_report
 
 # (model, projection, K over all ranks, N)
 PROJECTIONS = [("llama3-8b", "o_proj", 4096, 4096), ("llama3-8b", "down_proj", 14336, 4096),
@@ -95,15 +95,6 @@ def _runner(variant: str, a, w, group, world: int, symm_buf):
     return call
 
 
-def _picked(schedule: str) -> str:
-    """What a schedule runs: itself, or what a first-call measurement placeholder decided."""
-    from torch_commopt.core.schedule import Schedule
-    from torch_commopt.tuner.matmul import autotune
-
-    sched = Schedule.parse(schedule)
-    return (autotune.decided(sched) or "undecided") + " (measured)" if sched.name == "autotune" else schedule
-
-
 def _symm_mem_buffer(shape, dtype, device, group):
     """A buffer rendezvoused by torch's symmetric memory for its one-shot all-reduce, or None where
     this torch or this group has none (the variant is then reported as not run)."""
@@ -146,7 +137,7 @@ def _rank(rank: int, world: int, projections: list, rows_list: tuple, rounds: in
                 call = _runner(v, a, w, group, world, symm_buf)
                 outs[v] = call().clone()  # warm-up, and the output compared (and commopt's first call)
                 if v == "commopt":
-                    picked = _picked(call.schedule)
+                    picked = schedule_ran(call.schedule)
                 if cuda:
                     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
                     stream.wait_stream(torch.cuda.current_stream(device))

@@ -90,3 +90,15 @@ def write_report(out, stem: str, data, markdown: str) -> tuple[pathlib.Path, pat
     json_path.write_text(json.dumps(data, indent=1))
     md_path.write_text(markdown)
     return json_path, md_path
+
+
+def schedule_ran(schedule: str) -> str:
+    """What a region's schedule ran: itself, or for a first-call measurement's placeholder
+    (`autotune:...`) "measured: <what it decided>"."""
+    from torch_commopt.core.schedule import Schedule
+    from torch_commopt.tuner.matmul import autotune
+
+    sched = Schedule.parse(schedule)
+    if sched.name != "autotune":
+        return schedule
+    return f"measured: {autotune.decided(sched) or 'not yet'}"

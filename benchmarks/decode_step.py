@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import fmt, max_over_ranks
+from benchmarks.common import fmt, max_over_ranks, schedule_ran
 
 # H200's nominal HBM3e bandwidth (NVIDIA's data sheet, 4.8 TB/s): the HBM floor's denominator.
 # A nominal figure, not a measured one: no kernel reaches it, so the floor is a lower bound.
@@ -489,7 +489,7 @@ def _everywhere(ok: bool) -> bool:
 def _regions(graphs: list) -> dict:
     """What commopt did to a variant's graphs (its explain reports; a first-call measurement's
     placeholder by what it decided, once the warm-up calls ran)."""
-    rewritten = [f"{r.kind} {_decided(r.schedule)}" for g in graphs for r in g.regions if r.status == "rewritten"]
+    rewritten = [f"{r.kind} {schedule_ran(r.schedule)}" for g in graphs for r in g.regions if r.status == "rewritten"]
     return {"rewritten": len(rewritten), "kept": sum(r.status != "rewritten" for g in graphs for r in g.regions),
             "schedules": sorted(set(rewritten)), "skipped": sorted({s.reason for g in graphs for s in g.skipped}),
             "collectives_left": {k: v for g in graphs for k, v in g.collectives_after.items() if v},
@@ -512,17 +512,6 @@ def _prepare_one(variant: str, models: dict, plan: Plan, case: Case, ctx: dict) 
     if variant.startswith("commopt"):
         ctx["regions"][variant] = _regions(torch_commopt.explain().graphs[seen:])
     return call
-
-
-def _decided(schedule: str) -> str:
-    """`schedule`, or for an `autotune` placeholder "measured: <what its first call picked>"."""
-    from torch_commopt.core.schedule import Schedule
-    from torch_commopt.tuner.matmul import autotune
-
-    sched = Schedule.parse(schedule)
-    if sched.name != "autotune":
-        return schedule
-    return f"measured: {autotune.decided(sched) or 'not yet'}"
 
 
 def _why(e: BaseException) -> str:
