@@ -61,12 +61,31 @@ def _ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+class Preloaded:
+    """comm.ring_shift's interface over tensors already in place (no transfer): step i's current()
+    is per_step[i]; each wait() moves to the next."""
+
+    def __init__(self, per_step: list) -> None:
+        self.per_step, self.i = per_step, 0
+
+    def current(self) -> list:
+        return self.per_step[self.i]
+
+    def start(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        self.i += 1
+
+    def finish(self) -> None:
+        pass
+
+
 def case(kind: str, seq: int, world: int, reps: int) -> dict:
     """One mask and length: the rank's and the whole kernel's ms and tiles, forward and backward."""
     from torch.nn.attention import flex_attention as fa
 
-    from torch_commopt.kernels.attention import flex
-    from torch_commopt.kernels.attention.merge import merge_
+    from torch_commopt.kernels.attention import flex, flex_ring
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seq)
@@ -90,25 +109,23 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
         out, _ = whole(qa, ka, va, block_mask=whole_mask, scale=scale, enable_gqa=True, return_aux=aux)
         out.backward(dout)
 
-    steps = [flex.step_mask(blocks, p, s, world) for s in range(world)]
-    live = [s for s in range(world) if steps[s].tiles()]
+    ring = flex_ring.RankBlocks(*flex_ring.steps_of(blocks, world, p), scale, p, world)
+    live = [s for s in range(world) if ring.extents[s] is not None]
     keys = [(k[:, :, s * length:(s + 1) * length].contiguous(), v[:, :, s * length:(s + 1) * length].contiguous())
             for s in range(world)]
     q_rows, dout_rows = q[:, :, rows].contiguous(), dout[:, :, rows].contiguous()
+    sums = [[torch.zeros(B, H_KV, length, D, device=dev) for _ in range(2)] for _ in range(world + 1)]
     t0 = time.perf_counter()
     out_w, aux_w = whole_fwd()
     out_rows, lse_rows = out_w[:, :, rows].contiguous(), aux_w.lse[:, :, rows].float().contiguous()
 
-    def rank_fwd():
-        acc = torch.zeros(B, H, length, D, device=dev)
-        lse = torch.full((B, H, length), float("-inf"), device=dev)
-        for s in live:
-            o, lse_s = flex.block_forward(q_rows, *keys[s], steps[s], scale)
-            merge_(acc, lse, o, lse_s.float())
-        return acc, lse
+    def rank_fwd():  # the ring's own compute (flex_ring.forward_blocks), its K/V in place
+        return flex_ring.forward_blocks(q_rows, D, Preloaded([keys[s] for s in ring.order()]), ring)
 
     def rank_bwd():
-        return [flex.block_backward(q_rows, *keys[s], out_rows, lse_rows, dout_rows, steps[s], scale) for s in live]
+        saved = flex_ring.Saved(q_rows, *keys[p], out_rows, lse_rows)
+        return flex_ring.backward_blocks(saved, dout_rows, (Preloaded([keys[s] for s in ring.order()]),
+                                                            Preloaded(sums)), ring)
 
     every = flex.step_mask(blocks, p, None, world)
 
@@ -119,27 +136,31 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
         return flex.block_backward(q_rows, k, v, out_rows, lse_rows, dout_rows, every, scale)
 
     acc, lse = rank_fwd()
-    grads = rank_bwd()
+    dq = rank_bwd()[0].float()
     gathered_out, _ = gather_fwd()
     gathered_dq = gather_bwd()[0].float()
     whole_fwd_bwd()
     compile_s = time.perf_counter() - t0
-    dq = sum(g[0].float() for g in grads)
     fwd_whole, both_whole = _ms(whole_fwd, reps), _ms(whole_fwd_bwd, reps)
     fwd_rank, bwd_rank = _ms(rank_fwd, reps), _ms(rank_bwd, reps)
     fwd_gather, bwd_gather = _ms(gather_fwd, reps), _ms(gather_bwd, reps)
+    torch.cuda.synchronize()
+    host = time.perf_counter()
+    flex_ring.steps_of(blocks, world, p)  # what every ring call builds before its first kernel
+    steps_ms = (time.perf_counter() - host) * 1e3
     tiles_whole = int(blocks.kv_num.sum()) + int(blocks.full_num.sum())
-    tiles_rank = sum(steps[s].tiles() for s in live)
+    tiles_rank = sum(ring.extents[s].tiles for s in live)
     return {"mask": kind, "seq": seq, "world": world, "rank": p, "tiles_whole": tiles_whole, "tiles_rank": tiles_rank,
             "blocks_computed": len(live), "ms": {"whole fwd": fwd_whole, "whole bwd": both_whole - fwd_whole,
                                                  "rank fwd": fwd_rank, "rank bwd": bwd_rank,
                                                  "allgather fwd": fwd_gather, "allgather bwd": bwd_gather},
-            "fwd_error": float((acc - out_rows.float()).abs().max()),
+            "fwd_error": float((acc.float() - out_rows.float()).abs().max()),
             "allgather_fwd_error": float((gathered_out.float() - out_rows.float()).abs().max()),
             "allgather_dq_error": float((gathered_dq - qa.grad[:, :, rows].float()).abs().max()),
             "lse_error": float((lse - lse_rows)[torch.isfinite(lse_rows)].abs().max()),
             "dq_error": float((dq - qa.grad[:, :, rows].float()).abs().max()),
-            "dq_scale": float(qa.grad[:, :, rows].float().abs().max()), "compile_s": compile_s}
+            "dq_scale": float(qa.grad[:, :, rows].float().abs().max()), "compile_s": compile_s,
+            "steps_host_ms": steps_ms}
 
 
 def derive(cases: list) -> list:
@@ -162,8 +183,8 @@ def report(cases: list, meta: dict) -> str:
              "at >= 8K tokens a rank).", "",
              "| mask | seq | W | tiles whole / rank | ring blocks | whole fwd ms | ring fwd ms | ring fwd ratio "
              "| allgather fwd ms | allgather fwd ratio | whole bwd ms | ring bwd ms | ring bwd ratio | allgather bwd ms "
-             "| allgather bwd ratio | fwd err | dq err / max |dq| |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| allgather bwd ratio | fwd err | dq err / max |dq| | ring's blocks, host ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         ms = c["ms"]
         errors = [c["fwd_error"], c.get("allgather_fwd_error", 0.0)], [c["dq_error"], c.get("allgather_dq_error", 0.0)]
@@ -172,10 +193,11 @@ def report(cases: list, meta: dict) -> str:
                      f"{fmt(c['fwd_ratio'], 3)} | {fmt(ms.get('allgather fwd'), 3)} | {fmt(c.get('allgather_fwd_ratio'), 3)} | "
                      f"{fmt(ms['whole bwd'], 3)} | {fmt(ms['rank bwd'], 3)} | {fmt(c['bwd_ratio'], 3)} | "
                      f"{fmt(ms.get('allgather bwd'), 3)} | {fmt(c.get('allgather_bwd_ratio'), 3)} | "
-                     f"{max(errors[0]):.1e} | {max(errors[1]):.1e} / {c['dq_scale']:.1e} |")
+                     f"{max(errors[0]):.1e} | {max(errors[1]):.1e} / {c['dq_scale']:.1e} | {fmt(c.get('steps_host_ms'), 2)} |")
     lines += ["", "The whole backward is the compiled fwd+bwd minus the forward (AOT autograd's compiled backward); "
               "the rank's backward is one make_fx + Inductor kernel per call (flex.block_backward). Errors: the larger of "
-              "the two schedules'.", ""]
+              "the two schedules'. Host ms: building the ring's blocks (flex_ring.steps_of: the cut tables and their extents), "
+              "which every call does before its first kernel.", ""]
     return "\n".join(lines)
 
 

@@ -56,6 +56,18 @@ def test_a_step_mask_is_the_block_mask_of_its_rows_and_keys(kind):
                 kept = torch.arange(step.tables[idx].shape[-1]) < step.tables[num][..., None]
                 assert torch.equal(step.tables[num], ref[num]), (kind, p, s)
                 assert torch.equal(torch.where(kept, step.tables[idx], -1), torch.where(kept, ref[idx], -1)), (kind, p, s)
+    for p in range(world):  # the span of a block's tiles: the bounding box of its blocks with an unmasked score
+        steps = [flex.step_mask(blocks, p, s, world) for s in range(world)]
+        for s, (step, ext) in enumerate(zip(steps, flex.extents(steps), strict=True)):
+            live = step.dense(batch, 1)[:, 0].any(0)  # scores kept in any batch row
+            tiled = live.unflatten(0, (-1, BLOCK)).unflatten(-1, (-1, BLOCK)).any(-1).any(1)  # [row block, key block]
+            if not tiled.any():
+                assert ext is None, (kind, p, s)
+                continue
+            rows, cols = tiled.any(1).nonzero().flatten(), tiled.any(0).nonzero().flatten()
+            assert ext.rows == slice(int(rows[0]) * BLOCK, (int(rows[-1]) + 1) * BLOCK), (kind, p, s)
+            assert ext.keys == slice(int(cols[0]) * BLOCK, (int(cols[-1]) + 1) * BLOCK), (kind, p, s)
+            assert ext.tiles == step.tiles()
     if kind.startswith("document"):
         assert len(blocks.buffers) == 1 and torch.equal(blocks.buffers[0], docs)  # lifted, not a constant
     work = flex.work(blocks, world)

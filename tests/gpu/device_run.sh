@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -101,6 +101,13 @@ fi
 if [[ $what == decode_step_shared ]]; then
   # issue 69 (b), one GPU: the decoder step with both ranks on it (correctness: commopt vs the unsharded model)
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_decode --step --shared --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/decode_step_shared.log"
+fi
+if [[ $what == flex ]]; then
+  # issue 70, one GPU: the FlexAttention CP GPU tests with both ranks on it (numerics of the ops and
+  # of compiled programs), then each flex schedule's per-rank compute against the whole-sequence kernel
+  TORCH_COMMOPT_SHARED_DEVICE=1 TORCH_COMMOPT_DEBUG_WAITS=1 TORCH_COMMOPT_WAIT_TIMEOUT_S=120 \
+    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_flex_gpu.py ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_flex.log"
+  timeout ${PROBE_TIMEOUT:-400} python3 -m benchmarks.probe_flex_blocks --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
 fi
 if [[ $what == attention1 ]]; then
   # one GPU: the CUDA local-attention backends vs math, and each schedule's compute alone per rank

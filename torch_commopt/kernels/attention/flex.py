@@ -184,6 +184,41 @@ class Step:
         num, full = self.tables[2], self.tables[4]
         return int(num.sum()) + (int(full.sum()) if full is not None else 0)
 
+    def _extent(self) -> Tensor:
+        """[tiles, first row block, end row block, first key block, end key block] on the device:
+        the span of the blocks with a tile (the rows from the KV tables, the keys from the Q ones)."""
+        kv = self.tables[2] + (self.tables[4] if self.tables[4] is not None else 0)
+        qn = self.tables[6] + (self.tables[8] if self.tables[8] is not None else 0)
+        rows, cols = (t.flatten(0, -2).amax(0) > 0 for t in (kv, qn))
+
+        def ends(live: Tensor) -> list[Tensor]:
+            at = torch.arange(live.numel(), device=live.device)
+            return [torch.where(live, at, live.numel()).amin(), torch.where(live, at, -1).amax() + 1]
+
+        return torch.stack([kv.sum(), *ends(rows), *ends(cols)])
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where a block's tiles lie, in tokens of its rows and keys: what outside them a schedule
+    need not merge or add (the block's output there is empty, its gradients zero)."""
+
+    tiles: int
+    rows: slice
+    keys: slice
+
+
+def extents(steps: list[Step]) -> list[Extent | None]:
+    """Each step's Extent (None: no tile), read to the host at once."""
+    if not steps:
+        return []
+    values = torch.stack([s._extent() for s in steps]).tolist()  # noqa: SLF001  (one host read for every step)
+    out = []
+    for step, (tiles, r0, r1, c0, c1) in zip(steps, values, strict=True):
+        block = step.tables[-3]
+        out.append(Extent(tiles, slice(r0 * block, r1 * block), slice(c0 * block, c1 * block)) if tiles else None)
+    return out
+
 
 def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
     """The mask of rank p's rows against source s's keys (both length L = seq / world; s None: every
@@ -257,12 +292,6 @@ def work(blocks: Blocks, world: int) -> Tensor:
             for s in range(world):
                 out[p, s] += int((mine == s).sum())
     return out
-
-
-def row_work(blocks: Blocks, world: int, p: int) -> list[int]:
-    """The tiles rank p computes against each source's keys (work's row p)."""
-    table = work(blocks, world)
-    return table[0 if blocks.own_rows else p].tolist()
 
 
 def _kernel_options(q: Tensor, k: Tensor, v: Tensor):

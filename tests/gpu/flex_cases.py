@@ -1,0 +1,154 @@
+"""Per-rank programs for FlexAttention context parallelism on GPUs (issue 70): the ops a rewritten
+graph calls (cp_flex_attention_fwd / _bwd, ring and all-gather schedules, their flex kernels
+compiled by Inductor) and whole programs compiled with backend="commopt" -- inference and a
+training step -- against dense float64 attention over the whole sequence.  Every rank builds the
+whole sequence's inputs and mask from seeds; the tolerance is relative to single-GPU FlexAttention's
+own error over the whole sequence in the same dtype (torch.compile'd flex_attention)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+S, BLOCK, D, H, H_KV = 4096, 128, 64, 4, 2
+KINDS = ("causal", "document", "window", "document+window")
+
+
+def doc_ids(device) -> torch.Tensor:
+    """Documents over S tokens: ones that cross the shares at 2 and 4 ranks, a one-token one and
+    one longer than a share at 4 ranks."""
+    ids = torch.zeros(1, S, dtype=torch.int32)
+    for cut in (300, 1100, 1101, 2300, 3000):
+        ids[:, cut:] += 1
+    return ids.to(device)
+
+
+def mask_mod_of(kind: str, docs: torch.Tensor, window: int = 700):
+    if kind == "causal":
+        return lambda b, h, q, kv: q >= kv
+    if kind == "document":
+        return lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) & (q >= kv)
+    if kind == "window":
+        return lambda b, h, q, kv: (q >= kv) & (q - kv < window)
+    return lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) & (q >= kv) & (q - kv < window)
+
+
+def _inputs(seed: int, device) -> list[torch.Tensor]:
+    """q, k, v, dout over the whole sequence in float32 (cast by the caller)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = [(1, H, S, D), (1, H_KV, S, D), (1, H_KV, S, D), (1, H, S, D)]
+    return [torch.randn(*shape, device=device, generator=gen) for shape in shapes]
+
+
+def _dense(q, k, v, dense_mask, scale):
+    rep = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = ((q @ kr.transpose(-1, -2)) * scale).masked_fill(~dense_mask, float("-inf"))
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ vr
+
+
+def _truth(tensors, mod) -> list[torch.Tensor]:
+    """[out, dq, dk, dv] over the whole sequence in float64."""
+    q, k, v, dout = (t.double().requires_grad_() for t in tensors)
+    pos = torch.arange(S, device=q.device)
+    out = _dense(q, k, v, mod(0, 0, pos[:, None], pos[None, :])[None, None], 1 / math.sqrt(D))
+    out.backward(dout.detach())
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _whole_flex(tensors, mod, dtype) -> list[torch.Tensor]:
+    """[out, dq, dk, dv] of single-GPU FlexAttention over the whole sequence in `dtype`: the
+    reference whose own error sets the tolerance."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = (t.to(dtype).requires_grad_() for t in tensors[:3])
+    mask = create_block_mask(mod, 1, None, S, S, device=q.device, BLOCK_SIZE=BLOCK)
+    out = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=mask, enable_gqa=True)
+    out.backward(tensors[3].to(dtype))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _compare(label: str, got: list, truth: list, own: list, mine: slice) -> list[tuple[str, float, float]]:
+    """(label name, error of ours, the reference's own) per tensor, on this rank's rows."""
+    out = []
+    for name, g, t, o in zip(("out", "dq", "dk", "dv"), got, truth, own, strict=True):
+        t_mine = t[:, :, mine].double()
+        out.append((f"{label} {name}", float((g.double() - t_mine).abs().max()),
+                    float((o[:, :, mine].double() - t_mine).abs().max())))
+    return out
+
+
+def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, float, float]]:
+    """cp_flex_attention_fwd / _bwd as a rewritten graph calls them, every mask, ring and
+    all-gather (two head groups), the whole mask and the rank's rows only."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import torch_commopt  # noqa: F401  (registers the ops)
+    from torch_commopt.kernels.attention import flex
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    results = []
+    for i, kind in enumerate(KINDS):
+        tensors = _inputs(100 + i, device)
+        mod = mask_mod_of(kind, doc_ids(device))
+        truth, own = _truth(tensors, mod), _whole_flex(tensors, mod, dtype)
+        for own_rows in (False, True):
+            rows_mod = (lambda b, h, qi, kv, mod=mod: mod(b, h, qi + rank * length, kv)) if own_rows else mod
+            bm = create_block_mask(rows_mod, 1, None, length if own_rows else S, S, device=device, BLOCK_SIZE=BLOCK)
+            graph, buffers = flex.lift(bm.mask_mod, device)
+            tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+            for schedule in ("ring", "allgather:g=2"):
+                args = (tables, list(buffers), graph.code, [length if own_rows else S, S, BLOCK], 1 / math.sqrt(D),
+                        world, group.group_name, schedule)
+                q, k, v, dout = (t[:, :, mine].to(dtype).contiguous() for t in tensors)
+                out, lse = torch.ops.commopt.cp_flex_attention_fwd(q, k, v, *args)
+                grads = torch.ops.commopt.cp_flex_attention_bwd(dout, q, k, v, out, lse, *args)
+                label = f"ops {kind} {schedule}{' own rows' if own_rows else ''}"
+                results += _compare(label, [out, *grads], truth, own, mine)
+    return results
+
+
+def run_flex_compiled(rank: int, world: int, schedule: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A context-parallel program compiled with backend="commopt": K and V all-gathered along the
+    sequence into flex_attention with the rank's queries and its rows' mask (document + window),
+    run for inference and for a training step.  {"results": [(label, ours, reference's own)],
+    "notes": explain's notes, "ops": the commopt ops in the graphs}."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import torch_commopt
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    mod = mask_mod_of("document+window", doc_ids(device))
+    bm = create_block_mask(lambda b, h, qi, kv: mod(b, h, qi + rank * length, kv), 1, None, length, S, device=device,
+                           BLOCK_SIZE=BLOCK)
+
+    def gather(x):
+        return torch.cat(funcol.all_gather_tensor(x, gather_dim=0, group=dist.group.WORLD).chunk(world), dim=2)
+
+    def program(q, k, v):
+        return flex_attention(q, gather(k), gather(v), block_mask=bm, enable_gqa=True)
+
+    tensors = _inputs(7, device)
+    truth, own = _truth(tensors, mod), _whole_flex(tensors, mod, dtype)
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})
+    shares = [t[:, :, mine].to(dtype).contiguous() for t in tensors]
+    with torch.no_grad():
+        inference = compiled(*shares[:3])
+    results = _compare(f"compiled {schedule} inference", [inference], truth[:1], own[:1], mine)
+    q, k, v = (t.clone().requires_grad_() for t in shares[:3])
+    out = compiled(q, k, v)
+    out.backward(shares[3])
+    results += _compare(f"compiled {schedule} training", [out.detach(), q.grad, k.grad, v.grad], truth, own, mine)
+    graphs = torch_commopt.explain().graphs
+    return {"results": results, "notes": [n for g in graphs for n in g.notes],
+            "ops": {k_: v_ for g in graphs for k_, v_ in g.commopt_ops.items()}}
