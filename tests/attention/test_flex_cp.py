@@ -159,3 +159,27 @@ def test_a_compiled_flex_training_step_runs_the_named_schedule_forward_and_backw
         for name, err in got["errors"].items():
             assert within_tolerance(err, got["eager_errors"][name]), (rank, name, got)
         assert any(f"cp_flex_attention_fwd/bwd {schedule} in the joint graph" in n for n in got["notes"]), got["notes"]
+
+
+def test_a_mask_is_cut_once_for_its_very_tensors():
+    """flex.cached: every layer's call with the same mask tensors reuses the cut steps; a write into
+    them, a new mask at the same shapes, or an inference-mode one (no version counter) cuts again."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from torch_commopt.kernels.attention import flex, flex_ring
+
+    def mask_of(docs):
+        return create_block_mask(mask_mod_of("document", docs), 1, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+
+    docs = doc_ids(1)
+    blocks = flex.Blocks.of(mask_of(docs))
+    first = flex_ring.steps_of(blocks, 2, 1)
+    assert flex_ring.steps_of(blocks, 2, 1) is first
+    assert flex_ring.steps_of(blocks, 2, 0) is not first  # another rank's (or schedule's) cut
+    blocks.buffers[0][0, 500:] += 7  # the document ids written in place: the mask function's input changed
+    assert flex_ring.steps_of(blocks, 2, 1) is not first
+    again = flex.Blocks.of(mask_of(docs))  # equal values, other tensors
+    assert flex_ring.steps_of(again, 2, 1) is not flex_ring.steps_of(blocks, 2, 1)
+    with torch.inference_mode():
+        served = flex.Blocks.of(mask_of(doc_ids(1)))
+        assert flex_ring.steps_of(served, 2, 1) is not flex_ring.steps_of(served, 2, 1)

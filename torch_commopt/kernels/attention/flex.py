@@ -21,8 +21,10 @@ add up to the whole attention's.  Only masks are handled (score_mod the identity
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,7 +58,7 @@ def lift(mask_mod: Callable, device: torch.device) -> tuple[torch.fx.GraphModule
     from torch.fx.experimental.proxy_tensor import make_fx
 
     index = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(4)]  # 1-D: tensor indexing traces
-    gm = make_fx(mask_mod)(*index)
+    gm = make_fx(lambda b, h, q, kv: mask_mod(b, h, q, kv))(*index)  # four positions, whatever else it takes
     graph = gm.graph
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     lifted: dict[str, torch.fx.Node] = {}
@@ -251,6 +253,35 @@ def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
     if kn.is_cuda:  # tensors: one compiled kernel for every (p, s) (python ints would be baked in)
         offsets = tuple(torch.tensor(o, dtype=torch.int32, device=kn.device) for o in offsets)
     return Step(tuple(tables) + (moved,), offsets + blocks.buffers, blocks.code())
+
+
+_CACHE: collections.OrderedDict = collections.OrderedDict()
+CACHE_ENTRIES = 8  # masks (x schedules) kept: a step's layers share one; cut tables are ~MBs at 128K tokens
+
+
+def cached(blocks: Blocks, key: tuple, build: Callable):
+    """build() -- a schedule's cut masks (step_mask) and their extents -- once for a mask's very
+    tensors: every layer of a step passes the same BlockMask's tables to its attention, and
+    cutting them costs milliseconds of host time (dozens of small kernels and a host read) that
+    the GPU would wait for.  A hit needs the same tensor objects (held by weak references: a new
+    tensor at a freed one's address is another object) at the same versions (an in-place write
+    bumps it), so a new batch's mask is always cut again."""
+    tensors = tuple(t for t in (blocks.kv_num, blocks.kv_idx, blocks.full_num, blocks.full_idx, *blocks.buffers)
+                    if t is not None)
+    try:
+        versions = tuple((id(t), t._version) for t in tensors)  # noqa: SLF001  (the in-place write counter)
+    except RuntimeError:  # an inference-mode tensor keeps no version counter: nothing to tell a write by
+        return build()
+    full_key = (versions, key, blocks.own_rows, blocks.seq_len, blocks.block, blocks.code())
+    hit = _CACHE.get(full_key)
+    if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors, strict=True)):
+        _CACHE.move_to_end(full_key)
+        return hit[1]
+    value = build()
+    _CACHE[full_key] = (tuple(weakref.ref(t) for t in tensors), value)
+    while len(_CACHE) > CACHE_ENTRIES:
+        _CACHE.popitem(last=False)
+    return value
 
 
 @functools.cache

@@ -45,6 +45,11 @@ def _head_groups(q: Tensor, k: Tensor, opts: Options) -> list[tuple[slice, slice
     return [(slice(i * size * rep, (i + 1) * size * rep), slice(i * size, (i + 1) * size)) for i in range(g)]
 
 
+def _rows_step(blocks: flex.Blocks, p: int, world: int) -> flex.Step:
+    """Rank p's rows against every key, cut once for a mask's tensors (flex.cached)."""
+    return flex.cached(blocks, ("allgather", p, world), lambda: flex.step_mask(blocks, p, None, world))
+
+
 def _gathers(k: Tensor, v: Tensor, heads: list[tuple[slice, slice]], group):
     """The groups' K/V all-gathers along the sequence, each issued one group ahead of its use."""
     issue = lambda kv: [all_gather(t[:, kv].contiguous(), 2, group, async_op=True) for t in (k, v)]  # noqa: E731
@@ -58,7 +63,7 @@ def _gathers(k: Tensor, v: Tensor, heads: list[tuple[slice, slice]], group):
 def allgather_forward(q: Tensor, k: Tensor, v: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
     """(out, lse) of this rank's rows over the whole sequence (out in q's dtype, lse in the acc dtype)."""
     world, p = comm.size(opts.group), comm.rank(opts.group)
-    step = flex.step_mask(opts.blocks, p, None, world)
+    step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])
     lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
@@ -73,7 +78,7 @@ def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options) -
     """(dq, dk, dv) of this rank's shares from saved = (q, k, v, out, lse), in the inputs' dtypes."""
     q, k, v, out, lse = saved
     world, p = comm.size(opts.group), comm.rank(opts.group)
-    step = flex.step_mask(opts.blocks, p, None, world)
+    step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
     acc = acc_dtype(q.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -32,9 +32,14 @@ TAG_KV, TAG_GRAD = 71, 72
 
 
 def steps_of(blocks: flex.Blocks, world: int, p: int) -> tuple[list[flex.Step], list[flex.Extent | None]]:
-    """Rank p's blocks against every source, and where their tiles lie (one host read)."""
-    steps = [flex.step_mask(blocks, p, s, world) for s in range(world)]
-    return steps, flex.extents(steps)
+    """Rank p's blocks against every source, and where their tiles lie (one host read); built
+    once for a mask's tensors (flex.cached)."""
+
+    def build():
+        steps = [flex.step_mask(blocks, p, s, world) for s in range(world)]
+        return steps, flex.extents(steps)
+
+    return flex.cached(blocks, ("ring", p, world), build)
 
 
 @dataclass(frozen=True)
