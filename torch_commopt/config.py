@@ -115,12 +115,15 @@ class Config:
         if not isinstance(self.attention_schedule, str):
             raise ValueError(f"Config.attention_schedule: expected a string, got {self.attention_schedule!r}")
         if self.attention_schedule != "auto":
-            from torch_commopt.core.attention_spec import CPSchedule
+            from torch_commopt.core.attention_spec import CPSchedule, parse_flex_schedule
 
             try:
                 CPSchedule.parse(self.attention_schedule)
             except (TypeError, ValueError) as e:
-                raise ValueError(f"Config.attention_schedule: {e}") from e
+                try:  # a FlexAttention schedule (allgather:g=G is one, not an SDPA one)
+                    parse_flex_schedule(self.attention_schedule)
+                except ValueError as flex_e:
+                    raise ValueError(f"Config.attention_schedule: {e}; and as a flex_attention schedule: {flex_e}") from e
         try:
             parse_moe_schedule(self.moe_schedule)
         except ValueError as e:

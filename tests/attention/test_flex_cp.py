@@ -122,27 +122,32 @@ def test_the_ops_a_rewritten_graph_calls_give_dense_attention(schedule, own_rows
 
 
 def test_a_flex_schedule_name_is_checked():
-    from torch_commopt.kernels.attention.ops import flex_schedule
+    from torch_commopt.core.attention_spec import parse_flex_schedule as flex_schedule
 
     assert flex_schedule("ring") == ("ring", 1) and flex_schedule("allgather:g=4") == ("allgather", 4)
     for bad in ("ring:2", "allgather:g=0", "allgather:2", "zigzag", "allgather:g=x"):
         with pytest.raises(ValueError, match="unknown schedule"):
             flex_schedule(bad)
+    from torch_commopt.config import Config
+
+    assert Config(attention_schedule="allgather:g=2").attention_schedule == "allgather:g=2"  # a flex schedule
+    with pytest.raises(ValueError, match="as a flex_attention schedule"):
+        Config(attention_schedule="allgather:2")
 
 
 @pytest.mark.parametrize("world, schedule", [(4, "ring"), (2, "allgather"), (2, "auto")])
 def test_a_compiled_flex_program_runs_the_named_schedule(world, schedule):
     """K/V all-gathered into flex_attention (the rank's rows' mask, documents + window), compiled
     with backend="commopt": the region becomes cp_flex_attention_fwd running the schedule
-    Config.attention_schedule names, and gives dense attention; with "auto" nothing picks a flex
-    schedule yet, so the program runs as written, and explain says so."""
+    Config.attention_schedule names, or with "auto" the flex model's pick, and gives dense attention."""
     from flex_programs import run_flex_compiled
 
     for rank, got in enumerate(run_distributed(run_flex_compiled, world, "document+window", schedule, backend="gloo",
                                                timeout_s=300)):
         assert within_tolerance(got["error"], got["eager_error"]), (rank, got)
         if schedule == "auto":
-            assert any("no rule picks it yet" in n for n in got["notes"]), got["notes"]
+            picked = [n for n in got["notes"] if "cp_flex_attention_fwd" in n]
+            assert picked and "predicted at a causal mask's work: " in picked[0], got["notes"]
         else:
             assert any(f"cp_flex_attention_fwd {schedule}" in n for n in got["notes"]), got["notes"]
 

@@ -199,3 +199,19 @@ def pipeline_groups(schedule: Union[str, CPSchedule], q_bytes: int, heads: int, 
     if sched.name in ("ulysses", "hybrid"):
         return ulysses_head_groups(q_bytes, heads, kv_heads, sched.degrees(world)[0])
     return 1
+
+
+FLEX_SCHEDULES = ("ring", "allgather", "allgather:g=G")
+
+
+def parse_flex_schedule(schedule: str) -> tuple[str, int]:
+    """(name, head groups) of a FlexAttention CP schedule (kernels/attention/flex_ring.py,
+    flex_allgather.py): "ring", "allgather" or "allgather:g=G" (its K/V gathered in G head groups,
+    each group's gather in flight while the one before attends); ValueError for anything else."""
+    name, _, groups = schedule.partition(":") if isinstance(schedule, str) else ("", "", "")
+    if name == "ring" and not groups:
+        return name, 1
+    depth = groups.removeprefix("g=")
+    if name == "allgather" and (not groups or (groups.startswith("g=") and _DIGITS.fullmatch(depth) and int(depth) >= 1)):
+        return name, int(depth or 1)
+    raise ValueError(f"flex cp schedule: unknown schedule {schedule!r} (known: {', '.join(FLEX_SCHEDULES)})")

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torch_commopt.core.attention_spec import CPSchedule
+from torch_commopt.core.attention_spec import CPSchedule, parse_flex_schedule
 from torch_commopt.core.groups import resolve_group
 from torch_commopt.kernels.attention import schedules
 from torch_commopt.kernels.attention.local import Saved, acc_dtype
@@ -119,18 +119,6 @@ _LIB.impl("cp_attention_fwd_keep", cp_attention_fwd_keep_op, "CompositeExplicitA
 _LIB.impl("cp_attention_bwd_kept", cp_attention_bwd_kept_op, "CompositeExplicitAutograd")
 
 
-def flex_schedule(schedule: str) -> tuple[str, int]:
-    """(name, head groups) of a FlexAttention CP schedule: "ring", "allgather" or "allgather:g=G"
-    (G head groups, as the SDPA schedules name their depth)."""
-    name, _, groups = schedule.partition(":")
-    if name == "ring" and not groups:
-        return name, 1
-    depth = groups.removeprefix("g=")
-    if name == "allgather" and (not groups or (groups.startswith("g=") and depth.isdigit() and int(depth) >= 1)):
-        return name, int(depth or 1)
-    raise ValueError(f"commopt cp_flex_attention: unknown schedule {schedule!r} (ring, allgather, allgather:g=G)")
-
-
 def _flex_blocks(tables, sizes, mask_code: str, buffers):
     from torch_commopt.kernels.attention import flex
 
@@ -143,7 +131,7 @@ def cp_flex_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, tables: list, buff
     """(out in q's dtype, lse in the acc dtype) of this rank's rows over the whole sequence."""
     from torch_commopt.kernels.attention import flex_allgather, flex_ring
 
-    name, groups = flex_schedule(schedule)
+    name, groups = parse_flex_schedule(schedule)
     blocks, group = _flex_blocks(tables, sizes, mask_code, buffers), _group(group_size, group_name)
     if name == "ring":
         out, lse = flex_ring.ring_forward(q, k, v, blocks, scale, group)
@@ -158,7 +146,7 @@ def cp_flex_attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
     """(dq, dk, dv) of this rank's shares."""
     from torch_commopt.kernels.attention import flex_allgather, flex_ring
 
-    name, groups = flex_schedule(schedule)
+    name, groups = parse_flex_schedule(schedule)
     blocks, group = _flex_blocks(tables, sizes, mask_code, buffers), _group(group_size, group_name)
     if name == "ring":
         grads = flex_ring.ring_backward(flex_ring.Saved(q, k, v, out, lse), dout.contiguous(), blocks, scale, group)
@@ -174,7 +162,7 @@ _LIB.impl("cp_flex_attention_bwd", cp_flex_attention_bwd_op, "CompositeExplicitA
 
 @torch.library.register_fake("commopt::cp_flex_attention_fwd")
 def _(q, k, v, tables, buffers, mask_code, sizes, scale, group_size, group_name, schedule):
-    flex_schedule(schedule)
+    parse_flex_schedule(schedule)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=acc)
 

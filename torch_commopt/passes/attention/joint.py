@@ -41,7 +41,7 @@ from torch_commopt.passes.attention.detect import (
 )
 from torch_commopt.passes.attention.rewrite import (
     _choose,
-    _flex_unnamed,
+    _flex_kept,
     _local,
     describe,
     insert_training_backward,
@@ -81,7 +81,7 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
             notes.append(f"{describe(region)}: found; decoding attention is rewritten in inference graphs only")
             continue
         if region.form == "flex_allgather_kv":
-            why = _flex_unnamed(region, schedule)
+            why = _flex_kept(region)
             try:
                 if why is None:
                     plans[id(region)] = _match_flex(region)

@@ -56,7 +56,7 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
     plans: dict[int, ulysses.UlyssesPlan] = {}
-    reasons = {id(r): _why_kept(r, inference, plans) or _flex_unnamed(r, schedule) for r in regions}
+    reasons = {id(r): _why_kept(r, inference, plans) or _flex_kept(r) for r in regions}
     choices = {id(r): _choose(r, schedule, cache_dir, tune_timeout_s, mode=mode, top_k=top_k)
                for r in regions if reasons[id(r)] is None}
     if inference:
@@ -95,16 +95,11 @@ def _shown(ranked: list[tuple[str, float]]) -> str:
     return ", ".join(f"{n} {ms:.3f} ms" for n, ms in ranked[:4])
 
 
-def _flex_unnamed(region: AttentionRegion, schedule: str) -> str | None:
-    """Why a flex region stays as the program runs it: its schedules run where
-    Config.attention_schedule names one ("ring", "allgather[:g=G]"); no rule picks them yet, since
-    their per-rank kernels do not yet reach the whole kernel's rate on every mask
-    (docs/flex-attention.md)."""
+def _flex_kept(region: AttentionRegion) -> str | None:
+    """Why a flex region stays as the program runs it: its log-sum-exp used by the program (our
+    schedules give it only to their own backward)."""
     if region.form != "flex_allgather_kv":
         return None
-    if schedule == "auto":
-        return ("not rewritten (flex_attention context parallelism runs where Config.attention_schedule names 'ring' "
-                "or 'allgather'; no rule picks it yet)")
     if region.flex.lse is not None and not _only_backward_reads(region.flex.lse):
         return "not rewritten (the program uses flex_attention's log-sum-exp)"
     return None
@@ -186,10 +181,7 @@ def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None
         return "lse_merge", [], ("each rank attends over its share of the cache; the partial outputs and LSEs are "
                                  "all-gathered and merged, instead of the cache")
     if region.form == "flex_allgather_kv":
-        from torch_commopt.kernels.attention.ops import flex_schedule
-
-        flex_schedule(schedule)  # a ValueError naming the schedules it takes
-        return schedule, [], "named by Config.attention_schedule"
+        return _choose_flex(region, schedule, cache_dir, timeout_s, backward)
     q = val(region.inputs["q"])
     dtype = str(q.dtype).removeprefix("torch.")
     machine = machine_for(q.device, region.world, region.group_name, dtype, cache_dir, timeout_s)
@@ -217,6 +209,27 @@ def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None
     measured = sorted(entry["measured_ms"].items(), key=lambda kv: kv[1])
     return entry["schedule"], ranked, ("measured: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in measured[:5])
                                        + f" (cached); {shown}")
+
+
+def _choose_flex(region: AttentionRegion, schedule: str, cache_dir: str | None, timeout_s: float,
+                 backward: bool) -> tuple[str, list[tuple[str, float]], str]:
+    """_choose for flex_attention: the named schedule (checked), else the flex model's first
+    (tuner/attention/flex_cost.py) for a causal mask's work -- the mask's tables are a batch's
+    data, not the graph's -- with the machine's calibration (rank 0's; else the priors)."""
+    from torch_commopt.core.attention_spec import parse_flex_schedule
+    from torch_commopt.tuner.attention.flex_cost import causal_work, rank_flex_schedules
+
+    q = val(region.inputs["q"])
+    dtype = str(q.dtype).removeprefix("torch.")
+    machine = machine_for(q.device, region.world, region.group_name, dtype, cache_dir, timeout_s)
+    per_head = val(region.flex.tables[0]).shape[1] > 1  # kv_num (B|1, H|1, rows): one mask per head
+    ranked = rank_flex_schedules(region.shape, causal_work(region.world), dtype=dtype, machine=machine,
+                                 backward=backward, per_head_mask=per_head)
+    shown = f"predicted{' forward + backward' if backward else ''} at a causal mask's work: {_shown(ranked)}"
+    if schedule == "auto":
+        return ranked[0][0], ranked, shown
+    parse_flex_schedule(schedule)  # a ValueError naming the schedules it takes
+    return schedule, ranked, f"named by Config.attention_schedule; {shown}"
 
 
 def _apply(graph: Graph, region: AttentionRegion, schedule: str) -> None:

@@ -1,0 +1,110 @@
+"""Cost estimates of the FlexAttention context-parallel schedules from the mask's work.
+
+work[p][s] is the fraction of a full L x L block (L = S / W) that rank p computes against source
+s's keys: for a causal mask over contiguous shares 1 below the diagonal, 1/2 on it and 0 above; a
+document or window mask keeps less.  The schedules (kernels/attention/flex_ring.py,
+flex_allgather.py), with the links and launches of cost.CPMachine:
+
+    ring            W steps; step i computes block (p, p - i) beside the transfer of the next
+                    K/V share; the backward's dK/dV sums travel in fp32 one step behind.  Its
+                    blocks run at RING_BLOCK_RATE of one call's rate (a call and a merge per block).
+    allgather:g=G   the whole K/V gathered in G head groups, group g + 1's gather beside group g's
+                    one flex call of the rank's rows (no merge); the backward gathers again and
+                    reduce-scatters each group's whole-sequence dK/dV in fp32 beside the next
+                    group's call.  Only the first gather and the last reduce-scatter are exposed.
+
+The busiest rank sets the time.  Both move the same bytes (every share to every rank); the
+all-gather's one call a group runs faster, the ring holds one share of K/V at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch_commopt.core.attention_spec import AttentionShape
+from torch_commopt.tuner.attention.cost import DEPTH_MARGIN, CPMachine, _dtype, _ring_time
+
+# The ring's per-rank compute over the all-gather's (one call of the rank's rows against every
+# key): 0.74-0.99 forward and 0.69-0.99 backward by mask on an H200 (B1 H32/8 D128 bf16, 8K and
+# 16K tokens a rank; benchmarks/results/flex_blocks_h200x1_*.md), about 0.9 on the dense masks
+# where compute decides.
+RING_BLOCK_RATE = 0.9
+FLEX_MAX_HEAD_GROUPS = 4  # more groups' calls get too few heads to fill a GPU at 8K tokens a rank
+
+
+def causal_work(world: int) -> list[list[float]]:
+    """work of a causal mask over contiguous shares: what a rewrite assumes of a mask it cannot
+    read (its tables are a batch's data), the most a causal-based mask (documents, windows) keeps."""
+    return [[1.0 if s < p else 0.5 if s == p else 0.0 for s in range(world)] for p in range(world)]
+
+
+def _block_s(shape: AttentionShape, world: int, m: CPMachine) -> float:
+    """A full L x L block's forward: 4 B H L^2 D FLOPs."""
+    b, h, _, seq, d = shape
+    return 4 * b * h * (seq // world) ** 2 * d / m.flops_per_s
+
+
+def _share_bytes(shape: AttentionShape, world: int, elt: int) -> tuple[float, float]:
+    """(K + V bytes of one share, their fp32 gradients')."""
+    b, _, h_kv, seq, d = shape
+    kv = 2 * b * h_kv * (seq // world) * d * elt
+    return kv, kv * 4 / elt
+
+
+def _ring_ms(shape: AttentionShape, work: list, m: CPMachine, elt: int, backward: bool) -> float:
+    world = len(work)
+    rows = [[work[p][(p - i) % world] for i in range(world)] for p in range(world)]  # each rank's steps in ring order
+    block, (kv, dkv) = _block_s(shape, world, m) / RING_BLOCK_RATE, _share_bytes(shape, world, elt)
+    hop = m.launch_s + m.link(kv)
+    t = _ring_time(rows, block, m.launch_s, hop, 0.0)
+    if backward:
+        grad_hop = m.launch_s + m.link(dkv)
+        t += _ring_time(rows, m.bwd_factor * block, m.launch_s, hop + grad_hop, grad_hop)
+    return 1e3 * t
+
+
+def _allgather_ms(shape: AttentionShape, work: list, groups: int, m: CPMachine, elt: int, backward: bool) -> float:
+    world = len(work)
+    busiest = max(sum(row) for row in work) * _block_s(shape, world, m)
+    kv, dkv = _share_bytes(shape, world, elt)
+    gather = m.ring_collective(kv / groups, world)
+    call = busiest / groups + m.launch_s
+    t = gather + (groups - 1) * max(call, gather) + call
+    if backward:
+        scatter = m.ring_collective(dkv / groups, world)
+        call = m.bwd_factor * busiest / groups + m.launch_s
+        t += gather + (groups - 1) * max(call, gather + scatter) + call + scatter
+    return 1e3 * t
+
+
+def flex_estimate_ms(schedule: str, shape, work: list, *, dtype, machine: CPMachine, backward: bool = False) -> float:
+    """Predicted ms of one call (forward, or forward + backward) of a flex schedule
+    (core.attention_spec.parse_flex_schedule's names) for the global shape (B, H, H_kv, S, D)
+    over len(work) ranks; math.inf where the head groups do not split the KV heads."""
+    from torch_commopt.core.attention_spec import parse_flex_schedule
+
+    name, groups = parse_flex_schedule(schedule)
+    shape, elt = AttentionShape(*shape), _dtype(dtype).itemsize
+    if name == "ring":
+        return _ring_ms(shape, work, machine, elt, backward)
+    if shape.kv_heads % groups:
+        return math.inf
+    return _allgather_ms(shape, work, groups, machine, elt, backward)
+
+
+def flex_candidates(shape, per_head_mask: bool) -> list[str]:
+    """ring, allgather and allgather:g=G for the G <= FLEX_MAX_HEAD_GROUPS that split the KV heads
+    (none where the mask differs per head: its groups would run as one)."""
+    kv_heads = AttentionShape(*shape).kv_heads
+    depths = [] if per_head_mask else [g for g in range(2, FLEX_MAX_HEAD_GROUPS + 1) if kv_heads % g == 0]
+    return ["ring", "allgather", *(f"allgather:g={g}" for g in depths)]
+
+
+def rank_flex_schedules(shape, work: list, *, dtype, machine: CPMachine, backward: bool = False,
+                        per_head_mask: bool = False) -> list[tuple[str, float]]:
+    """(schedule, predicted ms), fastest first; a head-group depth ranks as if DEPTH_MARGIN slower
+    (cost.DEPTH_MARGIN: it goes first only where the model says it gains more than that)."""
+    est = [(s, flex_estimate_ms(s, shape, work, dtype=dtype, machine=machine, backward=backward))
+           for s in flex_candidates(shape, per_head_mask)]
+    est.sort(key=lambda e: (e[1] * (1 + DEPTH_MARGIN if ":g=" in e[0] else 1), e[0]))
+    return est
