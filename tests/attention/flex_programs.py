@@ -44,14 +44,17 @@ def _dense(q, k, v, dense_mask, scale):
     return probs @ vr
 
 
-def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: str = "ring", own_rows: bool = False) -> dict:
+def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: str = "ring", own_rows: bool = False,
+                  layout: str | None = None) -> dict:
     """{"errors": {name: max abs error vs dense float64}, "work": the (W, W) tiles, "computed": the
     blocks this rank's forward computed}.  schedule: "ring" or "allgather[:g=G]" (G head groups);
     4 query heads over 2 KV heads.  own_rows: each rank states the mask of its rows only (against
-    every key, its row offset added in its mask_mod), as a context-parallel program does."""
+    every key, its row offset added in its mask_mod), as a context-parallel program does.
+    layout: the sequence dealt to the ranks by balance.choose ("choose") first, the inputs and
+    the mask in its order (with "layout": its name and each rank's tiles)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from torch_commopt.kernels.attention import flex, flex_allgather, flex_ring
+    from torch_commopt.kernels.attention import balance, flex, flex_allgather, flex_ring
 
     heads, kv_heads = 4, 2
 
@@ -60,6 +63,11 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
     q, dout = (torch.randn(batch, heads, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(batch, kv_heads, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
     mod = mask_mod_of(kind, doc_ids(batch))
+    dealt = None
+    if layout == "choose":  # attention in layout order is the sequence's, its rows and keys permuted alike
+        dealt = balance.choose(create_block_mask(mod, batch, None, S, S, device="cpu", BLOCK_SIZE=BLOCK), world)
+        q, k, v, dout = (dealt.rearrange(t, 2) for t in (q, k, v, dout))
+        mod = dealt.mask_mod(mod)
     scale = 1 / math.sqrt(D)
     length = S // world
     if own_rows:
@@ -96,7 +104,10 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
               "dk": (ks.grad - kt.grad[:, :, mine]).abs().max().item(),
               "dv": (vs.grad - vt.grad[:, :, mine]).abs().max().item()}
     work = flex.work(flex.Blocks.of(block_mask), world).tolist()
-    return {"errors": errors, "work": work if not own_rows else [None] * rank + work, "computed": len(computed)}
+    got = {"errors": errors, "work": work if not own_rows else [None] * rank + work, "computed": len(computed)}
+    if dealt is not None:
+        got["layout"] = dealt.name
+    return got
 
 
 def run_flex_ops(rank: int, world: int, kind: str, schedule: str, own_rows: bool = False) -> dict:

@@ -188,3 +188,45 @@ def test_a_mask_is_cut_once_for_its_very_tensors():
     with torch.inference_mode():
         served = flex.Blocks.of(mask_of(doc_ids(1)))
         assert flex_ring.steps_of(served, 2, 1) is not flex_ring.steps_of(served, 2, 1)
+
+
+@pytest.mark.parametrize("world, kind, schedule, own_rows, layout", [(2, "causal", "ring", False, "head_tail"),
+                                                                      (4, "document", "allgather:g=2", True, "by_work")])
+def test_the_schedules_run_unchanged_on_a_balanced_layout(world, kind, schedule, own_rows, layout):
+    """The sequence dealt to the ranks by balance.choose (head_tail for causal, by_work for the
+    documents) with the mask stated over layout positions: dense attention and its gradients."""
+    per_rank = run_distributed(run_flex_ring, world, kind, 2 if kind == "document" else 1, schedule, own_rows,
+                               "choose", backend="gloo", timeout_s=300)
+    for rank, got in enumerate(per_rank):
+        assert got["layout"] == layout, got
+        assert all(e < 1e-10 for e in got["errors"].values()), (rank, got["errors"])
+
+
+def test_balanced_layouts_deal_whole_blocks_by_work():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from torch_commopt.kernels.attention import balance
+
+    x = torch.arange(2 * S).view(2, S)
+    for world in (2, 4):
+        mask = create_block_mask(mask_mod_of("document", doc_ids(2)), 2, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+        rows = balance.row_work(mask)
+        for lay in balance.candidates(rows, world, BLOCK):
+            shards = [lay.shard(x, 1, p) for p in range(world)]
+            assert torch.equal(lay.restore(torch.cat(shards, 1), 1), x)  # every token once, back in order
+            assert sum(lay.rank_work(rows)) == int(rows.sum())
+            pos = lay.positions()
+            assert torch.equal(pos.view(-1, BLOCK) % BLOCK, torch.arange(BLOCK).expand(S // BLOCK, BLOCK))  # whole blocks
+            # the mask over layout positions is the sequence's, permuted: a layout-order tile holds the same scores
+            moved = create_block_mask(lay.mask_mod(mask_mod_of("document", doc_ids(2))), 2, None, S, S, device="cpu",
+                                      BLOCK_SIZE=BLOCK)
+            assert torch.equal(balance.row_work(moved), rows[lay.order])
+        best = balance.by_work(rows, world, BLOCK)
+        assert max(best.rank_work(rows)) <= rows.sum() / world + rows.max()  # within one block of even
+        assert max(balance.choose(mask, world).rank_work(rows)) == min(max(lay.rank_work(rows))
+                                                                        for lay in balance.candidates(rows, world, BLOCK))
+    causal = create_block_mask(mask_mod_of("causal", None), None, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+    lay = balance.choose(causal, 2)
+    assert lay.name == "head_tail" and lay.rank_work(balance.row_work(causal)) == [18, 18]
+    with pytest.raises(ValueError, match="not a permutation"):
+        balance.Layout(torch.tensor([0, 0, 1, 2]), BLOCK, 2)
