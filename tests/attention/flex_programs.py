@@ -216,3 +216,73 @@ def run_flex_compiled_training(rank: int, world: int, schedule: str) -> dict:
            for n, e, t in zip(names, errors[torch.float32], errors[torch.float64])}
     graphs = torch_commopt.explain().graphs
     return {"errors": got, "eager_errors": own, "notes": [n for g in graphs for n in g.notes]}
+
+
+def run_torch_cp_flex(rank: int, world: int, schedule: str, train: bool = False) -> dict:
+    """torch's context_parallel with FlexAttention: an attention module parallelized with
+    _ContextParallel(FLEX) (K/V gathered by cplib::flex_cp_allgather), the block mask and the
+    inputs sharded by its PTRR load balancer (documents), and the block around it compiled with
+    backend="commopt" (the gather inside the compiled graph, as torchtitan compiles whole blocks).
+    {"errors", "eager_errors": {name: max abs error vs dense float64 on the rank's rearranged rows},
+    "notes"}; train: a step's q/k/v gradients too (torch's CPU flex check patched, as above)."""
+    import torch.nn.attention.flex_attention as fa
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import (
+        _context_parallel_shard,
+        _ContextParallel,
+        _PTRRLoadBalancer,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import torch_commopt
+
+    if train:
+        fa._validate_device = lambda *args, **kwargs: None  # noqa: SLF001
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, *, block_mask=None):
+            return fa.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    class Block(torch.nn.Module):
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, q, k, v, block_mask):
+            return self.attn(q * 1, k * 1, v * 1, block_mask=block_mask)
+
+    mesh = init_device_mesh("cpu", (world,))
+    attn = parallelize_module(Attention(), mesh, _ContextParallel(seq_dim=2,
+                                                                  attention_type=_ContextParallel.AttentionType.FLEX))
+    mod = mask_mod_of("document", doc_ids(1))
+    whole_mask = fa.create_block_mask(mod, 1, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+    balancer = _PTRRLoadBalancer(whole_mask, world)
+    (block_mask,) = _context_parallel_shard(mesh, [whole_mask], [2], load_balancer=balancer)
+    gen = torch.Generator().manual_seed(17)
+    q, dout = (torch.randn(1, 4, S, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, S, D, generator=gen) for _ in range(2))
+    shares = [t.contiguous() for t in _context_parallel_shard(mesh, [q, k, v, dout], [2] * 4, load_balancer=balancer)]
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(Block(attn), backend="commopt", options={"attention_schedule": schedule})
+    inputs = [t.clone().requires_grad_(train) for t in shares[:3]]
+    out = compiled(*inputs, block_mask)
+    if train:
+        out.backward(shares[3])
+    order = balancer._generate_indices()[0]  # noqa: SLF001  (the rearranged sequence's positions)
+    mine = order.view(world, -1)[rank]
+    pos = torch.arange(S)
+    dense_mask = mod(0, 0, pos[:, None], pos[None, :])[None, None]
+    errors, eager = {}, {}
+    results = {}
+    for dtype in (torch.float64, torch.float32):  # the truth, and float32 eager's own error against it
+        full = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        want = _dense(*full, dense_mask, 1 / math.sqrt(D))
+        want.backward(dout.to(dtype))
+        results[dtype] = [want.detach()[:, :, mine]] + ([t.grad[:, :, mine] for t in full] if train else [])
+    got = [out.detach()] + ([t.grad for t in inputs] if train else [])
+    for name, g, t64, t32 in zip(("out", "dq", "dk", "dv"), got, results[torch.float64], results[torch.float32]):
+        errors[name] = (g.double() - t64).abs().max().item()
+        eager[name] = (t32.double() - t64).abs().max().item()
+    graphs = torch_commopt.explain().graphs
+    return {"errors": errors, "eager_errors": eager, "notes": [n for g in graphs for n in g.notes]}

@@ -230,3 +230,18 @@ def test_balanced_layouts_deal_whole_blocks_by_work():
     assert lay.name == "head_tail" and lay.rank_work(balance.row_work(causal)) == [18, 18]
     with pytest.raises(ValueError, match="not a permutation"):
         balance.Layout(torch.tensor([0, 0, 1, 2]), BLOCK, 2)
+
+
+@pytest.mark.parametrize("schedule, train", [("ring", False), ("auto", True)])
+def test_torch_context_parallel_with_flex_attention_runs_the_cp_ops(schedule, train):
+    """torch's _ContextParallel(FLEX) gathers K/V with cplib::flex_cp_allgather (and scatters their
+    gradients with its backward) over the sequence its PTRR load balancer dealt: with the block
+    around it compiled with backend="commopt" the region runs the flex ops (the cplib ops written
+    out as the collectives they run, then replaced), within float32's own error of dense attention."""
+    from flex_programs import run_torch_cp_flex
+
+    for rank, got in enumerate(run_distributed(run_torch_cp_flex, 2, schedule, train, backend="gloo", timeout_s=300)):
+        for name, err in got["errors"].items():
+            assert within_tolerance(err, got["eager_errors"][name]), (rank, name, got)
+        want = "cp_flex_attention_fwd/bwd " if train else f"cp_flex_attention_fwd {schedule} "
+        assert any(want in n for n in got["notes"]), got["notes"]

@@ -222,7 +222,7 @@ def _flex_region(node: Node) -> Optional[AttentionRegion]:
                           "rank's rows against every key in whole square blocks")
     q, k = static_shape(node.args[0]), static_shape(node.args[1])
     lse = next((u for u in node.users if u.args[1] == 1 and u.users), None)
-    mask = FlexMask(list(table[2:6]), list(node.args[8]), _submodule(node, table[-1]).code, [q_len, kv_len, q_block],
+    mask = FlexMask(list(table[2:6]), list(node.args[8]), _mask_code(_submodule(node, table[-1])), [q_len, kv_len, q_block],
                     lse)
     inputs = {"q": node.args[0], "k": gathers["k"].args[0], "v": gathers["v"].args[0]}
     return AttentionRegion("flex_allgather_kv", node, "flex_attention", group_name, world,
@@ -235,6 +235,18 @@ def _submodule(node: Node, ref: Node) -> torch.fx.GraphModule:
     if not isinstance(ref, Node) or ref.op != "get_attr":
         raise Unsupported(f"{node.name}: a score/mask function that is not a graph attribute")
     return getattr(node.graph.owning_module, ref.target)
+
+
+def _mask_code(gm: torch.fx.GraphModule) -> str:
+    """The mask graph's code as an op carries it (run without its module: flex.mask_from_code), its
+    dead nodes dropped -- Inductor's passes leave unused constant attributes in it."""
+    import copy
+
+    graph = copy.deepcopy(gm.graph)
+    graph.eliminate_dead_code()
+    if any(n.op in ("get_attr", "call_module") for n in graph.nodes):
+        raise Unsupported("a mask function that holds constant tensors or modules")
+    return torch.fx.GraphModule(gm, graph).code
 
 
 def _is_identity(gm: torch.fx.GraphModule) -> bool:

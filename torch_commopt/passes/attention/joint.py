@@ -31,7 +31,7 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.kernels.attention import schedules
-from torch_commopt.passes.attention import ulysses_joint
+from torch_commopt.passes.attention import cplib, ulysses_joint
 from torch_commopt.passes.attention.detect import (
     ATTENTION_BACKWARD,
     FLEX_BACKWARD,
@@ -73,6 +73,7 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
     tune_timeout_s: as rewrite.rewrite_attention."""
     if not any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
         return []  # an inference graph (Inductor runs joint passes on those too): rewrite.py takes it
+    cplib.expand(graph)  # torch context_parallel's K/V gather op, as the collectives it runs
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
     plans = {}

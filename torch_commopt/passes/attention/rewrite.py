@@ -34,7 +34,7 @@ from torch.fx import Graph, Node
 
 from torch_commopt.core.attention_spec import refusal
 from torch_commopt.kernels.attention import schedules
-from torch_commopt.passes.attention import ulysses
+from torch_commopt.passes.attention import cplib, ulysses
 from torch_commopt.passes.attention.detect import AttentionRegion, _map_dim, find_attention
 from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import Unsupported, aten, static_shape, val
@@ -53,6 +53,7 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
     consistency_timeout_s: check the decisions across ranks first (None: no check); mode,
     top_k: Config.mode and autotune_top_k (_choose); tune_timeout_s: how long a rank waits for
     rank 0's calibration or cached answer."""
+    cplib.expand(graph)  # torch context_parallel's K/V gather op, as the collectives it runs
     regions, skips = find_attention(graph)
     notes = [f"attention {s.node}: left alone ({s.reason})" for s in skips]
     plans: dict[int, ulysses.UlyssesPlan] = {}
