@@ -286,3 +286,57 @@ def run_torch_cp_flex(rank: int, world: int, schedule: str, train: bool = False)
         eager[name] = (t32.double() - t64).abs().max().item()
     graphs = torch_commopt.explain().graphs
     return {"errors": errors, "eager_errors": eager, "notes": [n for g in graphs for n in g.notes]}
+
+
+def _rows_mask(mod, offset: int):
+    """The mask of a rank's rows (its offset added), as a context-parallel program states it."""
+    return lambda b, h, q, kv: mod(b, h, q + offset, kv)
+
+
+def batch_doc_ids(seed: int) -> torch.Tensor:
+    """Another batch's documents over S tokens: four cuts drawn from the seed."""
+    cuts = sorted(torch.randperm(S - 2, generator=torch.Generator().manual_seed(seed))[:4].add(1).tolist())
+    ids = torch.zeros(1, S, dtype=torch.int32)
+    for cut in cuts:
+        ids[:, cut:] += 1
+    return ids
+
+
+def run_flex_compiled_batches(rank: int, world: int, schedule: str, batches: int = 3) -> dict:
+    """One compiled program (K/V all-gathered into flex_attention, its block mask an argument)
+    called with a new documents mask each batch, a new mask_mod closure over new document ids as
+    torchtitan makes them:
+    {"errors": per batch, "eager_errors": float32's own, "graphs": how many graphs Dynamo compiled, "notes"}."""
+    from dist_programs import all_gather_on
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import torch_commopt
+
+    def program(q_loc, k_loc, v_loc, block_mask):
+        return flex_attention(q_loc, all_gather_on(k_loc, 2), all_gather_on(v_loc, 2), block_mask=block_mask,
+                              enable_gqa=True)
+
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    counters.clear()
+    compiled = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    errors, eager = [], []
+    for i in range(batches):
+        mod = mask_mod_of("document", batch_doc_ids(i))  # a new closure each batch, as torchtitan makes it
+        mask = create_block_mask(_rows_mask(mod, rank * length), 1, None, length, S, device="cpu", BLOCK_SIZE=BLOCK)
+        gen = torch.Generator().manual_seed(100 + i)
+        q = torch.randn(1, 4, S, D, generator=gen)
+        k, v = (torch.randn(1, 2, S, D, generator=gen) for _ in range(2))
+        with torch.no_grad():
+            got = compiled(*(t[:, :, mine].contiguous() for t in (q, k, v)), mask)
+        pos = torch.arange(S)
+        dense_mask = mod(0, 0, pos[:, None], pos[None, :])[None, None]
+        truth = _dense(q.double(), k.double(), v.double(), dense_mask, 1 / math.sqrt(D))[:, :, mine]
+        errors.append((got.double() - truth).abs().max().item())
+        eager.append((_dense(q, k, v, dense_mask, 1 / math.sqrt(D))[:, :, mine].double() - truth).abs().max().item())
+    graphs = torch_commopt.explain().graphs
+    return {"errors": errors, "eager_errors": eager, "graphs": counters["stats"]["unique_graphs"],
+            "notes": [n for g in graphs for n in g.notes]}

@@ -245,3 +245,15 @@ def test_torch_context_parallel_with_flex_attention_runs_the_cp_ops(schedule, tr
             assert within_tolerance(err, got["eager_errors"][name]), (rank, name, got)
         want = "cp_flex_attention_fwd/bwd " if train else f"cp_flex_attention_fwd {schedule} "
         assert any(want in n for n in got["notes"]), got["notes"]
+
+
+def test_a_new_documents_mask_each_batch_recompiles_nothing():
+    """A compiled program given a new mask each batch (new document ids in a new mask_mod closure,
+    new block tables) runs one compiled graph, its region rewritten, right on every batch: the
+    document ids and tables are the graph's inputs and the cut masks are made per call."""
+    from flex_programs import run_flex_compiled_batches
+
+    for rank, got in enumerate(run_distributed(run_flex_compiled_batches, 2, "ring", backend="gloo", timeout_s=300)):
+        assert got["graphs"] == 1, got
+        assert all(within_tolerance(e, r) for e, r in zip(got["errors"], got["eager_errors"], strict=True)), (rank, got)
+        assert any("cp_flex_attention_fwd ring" in n for n in got["notes"]), got["notes"]
