@@ -156,3 +156,105 @@ def run_flex_compiled(rank: int, world: int, schedule: str, dtype: torch.dtype =
     graphs = torch_commopt.explain().graphs
     return {"results": results, "notes": [n for g in graphs for n in g.notes],
             "ops": {k_: v_ for g in graphs for k_, v_ in g.commopt_ops.items()}}
+
+
+def run_torch_cp_flex(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """torch's context_parallel with FlexAttention on GPUs: _ContextParallel(FLEX) on an attention
+    module (cplib::flex_cp_allgather), its PTRR load balancer dealing the documents mask and the
+    inputs, the block around it compiled with backend="commopt" and trained one step.
+    {"results": [(label, ours, reference's own)] on the rank's rearranged rows, "notes"}."""
+    import torch.nn.attention.flex_attention as fa
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import (
+        _context_parallel_shard,
+        _ContextParallel,
+        _PTRRLoadBalancer,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import torch_commopt
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, *, block_mask=None):
+            return fa.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    class Block(torch.nn.Module):
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, q, k, v, block_mask):
+            return self.attn(q * 1, k * 1, v * 1, block_mask=block_mask)
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = init_device_mesh("cuda", (world,))
+    attn = parallelize_module(Attention(), mesh, _ContextParallel(seq_dim=2,
+                                                                  attention_type=_ContextParallel.AttentionType.FLEX))
+    mod = mask_mod_of("document", doc_ids(device))
+    whole_mask = fa.create_block_mask(mod, 1, None, S, S, device=device, BLOCK_SIZE=BLOCK)
+    balancer = _PTRRLoadBalancer(whole_mask, world)
+    (block_mask,) = _context_parallel_shard(mesh, [whole_mask], [2], load_balancer=balancer)
+    tensors = _inputs(31, device)
+    truth, own = _truth(tensors, mod), _whole_flex(tensors, mod, dtype)
+    shares = [t.to(dtype).contiguous()
+              for t in _context_parallel_shard(mesh, tensors, [2] * 4, load_balancer=balancer)]
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(Block(attn), backend="commopt")
+    q, k, v = (t.clone().requires_grad_() for t in shares[:3])
+    out = compiled(q, k, v, block_mask)
+    out.backward(shares[3])
+    mine = balancer._generate_indices()[0].to(device).view(world, -1)[rank]  # noqa: SLF001
+    results = []
+    for name, g, t, o in zip(("out", "dq", "dk", "dv"), [out.detach(), q.grad, k.grad, v.grad], truth, own):
+        t_mine = t.index_select(2, mine).double()
+        results.append((f"torch CP {name}", float((g.double() - t_mine).abs().max()),
+                        float((o.index_select(2, mine).double() - t_mine).abs().max())))
+    graphs = torch_commopt.explain().graphs
+    return {"results": results, "notes": [n for g in graphs for n in g.notes]}
+
+
+def run_flex_batches(rank: int, world: int, dtype: torch.dtype = torch.bfloat16, batches: int = 3) -> dict:
+    """A compiled program given a new documents mask each batch: {"results": per batch, "compiled":
+    the block kernels compiled after each batch (flex._COMPILED), "graphs": Dynamo's graphs after
+    each batch}."""
+    import torch.distributed._functional_collectives as funcol
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import torch_commopt
+    from torch_commopt.kernels.attention import flex
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+
+    def gather(x):
+        return torch.cat(funcol.all_gather_tensor(x, gather_dim=0, group=dist.group.WORLD).chunk(world), dim=2)
+
+    def program(q, k, v, block_mask):
+        return flex_attention(q, gather(k), gather(v), block_mask=block_mask, enable_gqa=True)
+
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    counters.clear()
+    compiled = torch.compile(program, backend="commopt")
+    torch._logging.set_logs(recompiles=True)  # the reason of any recompile, in the log
+    results, kernels, graphs = [], [], []
+    for i in range(batches):
+        ids = torch.zeros(1, S, dtype=torch.int32)
+        cuts = sorted(torch.randperm(S - 2, generator=torch.Generator().manual_seed(i))[:6].add(1).tolist())
+        for cut in cuts:
+            ids[:, cut:] += 1
+        mod = mask_mod_of("document", ids.to(device))
+        bm = create_block_mask(_rows_of(mod, rank * length), 1, None, length, S, device=device, BLOCK_SIZE=BLOCK)
+        tensors = _inputs(200 + i, device)
+        truth, own = _truth(tensors, mod), _whole_flex(tensors, mod, dtype)
+        q, k, v, dout = (t[:, :, mine].to(dtype).contiguous() for t in tensors)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = compiled(q, k, v, bm)
+        out.backward(dout)
+        results += _compare(f"batch {i}", [out.detach(), q.grad, k.grad, v.grad], truth, own, mine)
+        kernels.append(len(flex._COMPILED))  # noqa: SLF001
+        graphs.append(counters["stats"]["unique_graphs"])
+    return {"results": results, "compiled": kernels, "graphs": graphs}

@@ -7,7 +7,7 @@ backend="commopt" for inference and a training step -- against dense float64 att
 from __future__ import annotations
 
 import pytest
-from flex_cases import run_flex_compiled, run_flex_ops
+from flex_cases import run_flex_batches, run_flex_compiled, run_flex_ops, run_torch_cp_flex
 
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
@@ -34,4 +34,25 @@ def test_a_compiled_flex_program_runs_the_cp_ops_and_matches(two_ranks, schedule
         assert any(f"cp_flex_attention_fwd {schedule}" in n for n in got["notes"]), got["notes"]  # inference
         assert any(f"cp_flex_attention_fwd/bwd {schedule} in the joint graph" in n for n in got["notes"]), got["notes"]
         assert len(got["results"]) == 5
+        assert not _bad(got["results"]), "\n".join(_bad(got["results"]))
+
+
+@pytest.mark.gpu
+def test_torch_context_parallel_with_flex_runs_the_cp_ops_and_matches(two_ranks):
+    """torch's _ContextParallel(FLEX) with its PTRR load balancer (documents), the block compiled
+    with commopt and trained one step: its cplib gather becomes the flex ops (the model's pick)."""
+    world, backend = two_ranks
+    for got in run_distributed(run_torch_cp_flex, world, backend=backend, timeout_s=500):
+        assert any("cp_flex_attention_fwd/bwd" in n for n in got["notes"]), got["notes"]
+        assert not _bad(got["results"]), "\n".join(_bad(got["results"]))
+
+
+@pytest.mark.gpu
+def test_new_documents_each_batch_compile_no_kernel_again(two_ranks):
+    """Three batches of new documents through one compiled training step: one Dynamo graph, and
+    the block kernels compiled at the first batch serve the others."""
+    world, backend = two_ranks
+    for got in run_distributed(run_flex_batches, world, backend=backend, timeout_s=500):
+        assert got["graphs"][1:] == [got["graphs"][0]] * 2, got["graphs"]  # nothing compiled again
+        assert got["compiled"][0] > 0 and got["compiled"][1:] == [got["compiled"][0]] * 2, got["compiled"]
         assert not _bad(got["results"]), "\n".join(_bad(got["results"]))

@@ -109,6 +109,12 @@ def block_regions(rank: int, world: int, concat_k: bool, options: dict = CHUNKED
     return backward, notes, cats, [(e.name, e.compiled, e.eager) for e in errors]
 
 
+def block_regions_each(rank: int, world: int, configs: list) -> list:
+    """block_regions for each (concat_k, options) of `configs` in one process: one start of the
+    ranks (and of their imports) for a test's several compiles."""
+    return [block_regions(rank, world, concat_k, options) for concat_k, options in configs]
+
+
 def _readers(a1, w1, a2, w2, a3, w3):
     """The backward's form: pointwise operands that weight-gradient GEMMs also read, one of
     them (d2) defined after d1's reader, plus an operand read by a reshape (which cannot take a

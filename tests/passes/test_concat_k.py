@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from concat_k_programs import CHUNKED, KEPT, PROGRAMS, block_regions, graph_cases
+from concat_k_programs import CHUNKED, KEPT, PROGRAMS, block_regions_each, graph_cases
 
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
@@ -23,11 +23,9 @@ def test_sums_of_matmuls_before_a_reduction_fold_into_one_exact_matmul():
 
 
 def test_tp_sp_block_backward_reductions_become_regions_and_match_eager():
-    with_k = run_distributed(block_regions, 2, True, timeout_s=600)
-    without = run_distributed(block_regions, 2, False, timeout_s=600)
-    as_parts = run_distributed(block_regions, 2, True, {**CHUNKED, "k_parts": True}, timeout_s=600)
-    for (bwd, notes, cats, errors), (bwd0, notes0, cats0, _), (bwd_p, _, cats_p, errors_p) in zip(
-            with_k, without, as_parts):
+    configs = [(True, CHUNKED), (False, CHUNKED), (True, {**CHUNKED, "k_parts": True})]
+    for (bwd, notes, cats, errors), (bwd0, notes0, cats0, _), (bwd_p, _, cats_p, errors_p) in run_distributed(
+            block_regions_each, 2, configs, timeout_s=600):
         # dX = dq Wq + dk Wk + dv Wv and d1 W1 + d3 W3: two more reduce-scatter regions
         assert bwd.count("matmul_rs") == bwd_p.count("matmul_rs") == bwd0.count("matmul_rs") + 2, (bwd, bwd0)
         # as K parts (Config.k_parts) the ops take the terms: no cat of the operands or of the
@@ -43,9 +41,8 @@ def test_tp_sp_block_backward_reductions_become_regions_and_match_eager():
 
 
 def test_kept_regions_get_their_sum_of_matmuls_back():
-    with_k = run_distributed(block_regions, 2, True, KEPT, timeout_s=600)
-    without = run_distributed(block_regions, 2, False, KEPT, timeout_s=600)
-    for (bwd, notes, cats, errors), (bwd0, _, cats0, _) in zip(with_k, without):
+    for (bwd, notes, cats, errors), (bwd0, _, cats0, _) in run_distributed(block_regions_each, 2,
+                                                                           [(True, KEPT), (False, KEPT)], timeout_s=600):
         assert bwd == bwd0 == [], (bwd, bwd0)  # every region kept as compiled
         folded = [n for n in notes if "matmuls (K =" in n]
         undone = [n for n in notes if "concat-K undone" in n]
