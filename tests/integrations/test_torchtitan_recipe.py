@@ -166,11 +166,17 @@ FSDP2 = ("--parallelism.tensor_parallel_degree", "1", "--training.mixed_precisio
 MOE_EP2 = ("--model.name", "deepseek_v3_commopt", "--model.flavor", "debugmodel", "--parallelism.tensor_parallel_degree",
            "1", "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
            "--training.mixed_precision_param", "float32", *FP32)
+# llama3's debug flavor with FlexAttention (block-causal over the documents) and CP=2: torch's
+# context_parallel (its head-tail load balancer) over FSDP; 512 tokens (two 128-token blocks a rank)
+CP2_FLEX = ("--model.flavor", "debugmodel_flex_attn", "--parallelism.tensor_parallel_degree", "1",
+            "--parallelism.context_parallel_degree", "2", "--training.mixed_precision_param", "float32",
+            "--training.seq_len", "512", *FP32)
 JOBS = {
     "tp2 eager": ("--commopt.no-enable", *FP32), "tp2": FP32,
     "tp2 bf16 eager": ("--commopt.no-enable", *BF16), "tp2 bf16": BF16,
     "fsdp2 eager": ("--commopt.no-enable", *FSDP2), "fsdp2": FSDP2,
     "moe ep2 eager": ("--commopt.no-enable", *MOE_EP2), "moe ep2": ("--commopt.options", '{"moe_schedule": "by_peer"}', *MOE_EP2),
+    "cp2 flex eager": ("--commopt.no-enable", *CP2_FLEX), "cp2 flex": CP2_FLEX,
 }
 
 
@@ -261,3 +267,15 @@ def test_smoke_moe_ep2_exchanges_through_commopt_and_trains_like_torchtitan(trai
     assert len(losses) == STEPS and all(r["losses"] == losses for r in ours)
     torch.testing.assert_close(losses, theirs[0]["losses"], rtol=1e-5, atol=0)
     print("MoE EP=2 losses (commopt by_peer):", losses, "torchtitan:", theirs[0]["losses"])
+
+
+def test_smoke_cp2_flex_attention_runs_commopts_flex_schedule_and_trains_like_eager(trained):
+    """llama3 debugmodel with FlexAttention (block-causal over documents) and CP=2 over FSDP (2 gloo
+    ranks, fp32): torch's context_parallel gathers K/V with its cplib op inside each compiled
+    block, commopt runs the attention as cp_flex_attention_fwd/bwd (the model's pick), and the
+    losses of every step equal the same job without commopt."""
+    ours = trained["cp2 flex"]
+    losses = _check(ours, trained["cp2 flex eager"], rewritten=set(), rtol=1e-5)
+    for r in ours:
+        assert any("cp_flex_attention_fwd/bwd" in n for n in r["flex_notes"]), r["flex_notes"]
+    print("CP=2 flex losses (commopt):", losses, "eager:", trained["cp2 flex eager"][0]["losses"])

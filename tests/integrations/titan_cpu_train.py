@@ -18,7 +18,11 @@ its unchanged Trainer run on CPU:
     same way, so it is not commopt's; torch 2.11 has no NestedRedistribute.  The values are
     the same either way: only when the collective is waited for changes;
   - FSDP (data_parallel_shard_degree > 1) reduces gradients with ReduceOp.PREMUL_SUM once
-    torchtitan sets the divide factor to 1, which gloo lacks: plain sums (the factor is 1).
+    torchtitan sets the divide factor to 1, which gloo lacks: plain sums (the factor is 1);
+  - FlexAttention (the *_flex_attn flavors) trains on CPU only through its eager operators:
+    torch refuses gradients on a CPU at its public API (_validate_device) and Inductor's CPU
+    flex has no backward, so the check is lifted and torchtitan's FlexAttentionWrapper calls
+    flex_attention uncompiled (a commopt-compiled block still traces it into its graph).
 Then it runs `torchtitan.train.main` with a Trainer that, when $TT_RESULT is set, writes per
 rank to $TT_RESULT.<rank>.json: the logged losses, the class names of model.layers' children,
 whether torch_commopt.optimize compiled them, and torch_commopt.explain()'s graphs (kinds,
@@ -85,6 +89,12 @@ import torchtitan.models.llama4.infra.parallelize as _llama4_parallelize  # noqa
 
 _llama4_parallelize.disable_fsdp_gradient_division = _disable_division_gloo
 
+import torch.nn.attention.flex_attention as _flex  # noqa: E402
+import torchtitan.models.attention as _titan_attention  # noqa: E402
+
+_flex._validate_device = lambda *args, **kwargs: None
+_titan_attention.FlexAttentionWrapper._compiled_flex_attn = _flex.flex_attention
+
 from torch_commopt.testing.optional import torchtitan_moe_cpu_shims  # noqa: E402
 
 torchtitan_moe_cpu_shims()  # the MoE models (deepseek_v3's debug flavor)
@@ -119,6 +129,7 @@ class RecordingTrainer(Trainer):
             "graph_kinds": [g.graph_kind for g in graphs],
             "rewritten": [[r.kind, r.schedule] for g in graphs for r in g.rewritten],
             "commopt_ops": sum(sum(g.commopt_ops.values()) for g in graphs),
+            "flex_notes": [n for g in graphs for n in g.notes if "cp_flex_attention" in n],
         }
         with open(f"{path}.{torch.distributed.get_rank()}.json", "w") as f:
             json.dump(result, f)

@@ -169,7 +169,7 @@ def _(q, k, v, tables, buffers, mask_code, sizes, scale, group_size, group_name,
 
 @torch.library.register_fake("commopt::cp_flex_attention_bwd")
 def _(dout, q, k, v, out, lse, tables, buffers, mask_code, sizes, scale, group_size, group_name, schedule):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op gives them
 
 
 def decode_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
