@@ -38,12 +38,22 @@ def documents(seq: int, mean: int, device) -> torch.Tensor:
     return ids.to(device)
 
 
+def tokens(text: str) -> int:
+    """'4K' -> 4096, '256' -> 256."""
+    return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+
+
 def mask_mod(kind: str, seq: int, device):
+    """causal, "docs N" (documents of mean N tokens, causal within each), "window N" (causal, N back)."""
     if kind == "causal":
         return lambda b, h, q, kv: q >= kv
-    if kind.startswith("window"):
-        return lambda b, h, q, kv: (q >= kv) & (q - kv < 4096)
-    ids = documents(seq, int(kind.split()[1][:-1]) * 1024, device)
+    name, size = kind.split()
+    if name == "window":
+        width = tokens(size)
+        return lambda b, h, q, kv: (q >= kv) & (q - kv < width)
+    if name != "docs":
+        raise ValueError(f"unknown mask {kind!r} (causal, docs N, window N)")
+    ids = documents(seq, tokens(size), device)
     return lambda b, h, q, kv: (ids[q] == ids[kv]) & (q >= kv)
 
 

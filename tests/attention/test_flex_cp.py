@@ -232,7 +232,7 @@ def test_balanced_layouts_deal_whole_blocks_by_work():
         balance.Layout(torch.tensor([0, 0, 1, 2]), BLOCK, 2)
 
 
-@pytest.mark.parametrize("schedule, train", [("ring", False), ("auto", True)])
+@pytest.mark.parametrize("schedule, train", [("auto", True)])
 def test_torch_context_parallel_with_flex_attention_runs_the_cp_ops(schedule, train):
     """torch's _ContextParallel(FLEX) gathers K/V with cplib::flex_cp_allgather (and scatters their
     gradients with its backward) over the sequence its PTRR load balancer dealt: with the block

@@ -1,0 +1,27 @@
+"""benchmarks/bench_flex.py: its CPU/gloo smoke (every variant runs and agrees with the single
+device's attention) and the figures it derives from raw times."""
+
+import pytest
+
+from benchmarks import bench_flex
+
+
+def test_the_cpu_smoke_runs_every_variant_and_each_agrees_with_one_device():
+    (record,) = bench_flex.main(["--cpu", "--masks", "docs 128", "--seq", "512", "--repeats", "1"])
+    names = set(record["ms"])
+    assert {"single GPU", "torch CP head_tail", "torch CP ptrr"} <= names
+    for layout in ("contiguous", "by_work"):  # documents: choose deals the blocks by work
+        assert {f"commopt {s} @ {layout}" for s in ("ring", "allgather", "allgather:g=2")} <= names
+    tiles = record["tiles"]
+    assert record["layout"] == "by_work" and max(tiles["by_work"]) <= max(tiles["contiguous"]), tiles
+    assert max(record["errors"].values()) < 1e-5, record["errors"]
+
+
+def test_efficiency_and_speedup_come_from_the_times():
+    r = {"ms": {"single GPU": 10.0, "commopt allgather @ by_work": 6.0, "commopt ring @ by_work": 5.0,
+                "torch CP head_tail": 9.0, "torch CP ptrr": 7.5},
+         "tiles": {"contiguous": [1, 3], "by_work": [2, 2]}, "pick": "allgather", "errors": {"x": 1e-3}}
+    (d,) = bench_flex.derive([r], 2)
+    assert d["commopt_ms"] == 6.0 and d["best_commopt"] == "commopt ring @ by_work"
+    assert d["efficiency"] == pytest.approx(10 / 12) and d["speedup_vs_torch_cp"] == pytest.approx(7.5 / 6)
+    assert d["torch_cp_efficiency"] == pytest.approx(10 / 15)
