@@ -340,3 +340,55 @@ def run_flex_compiled_batches(rank: int, world: int, schedule: str, batches: int
     graphs = torch_commopt.explain().graphs
     return {"errors": errors, "eager_errors": eager, "graphs": counters["stats"]["unique_graphs"],
             "notes": [n for g in graphs for n in g.notes]}
+
+
+def run_sdpa_document_mask(rank: int, world: int, train: bool = False) -> dict:
+    """SDPA with a boolean documents mask of the rank's rows against every key, which the program
+    computes from the document ids (an input), K/V all-gathered, compiled with backend="commopt":
+    {"error", "eager_error": float32's own vs dense float64, "notes"}; train: a step's q/k/v
+    gradients instead (the joint graph keeps the program's attention)."""
+    import torch.nn.functional as F
+    from dist_programs import all_gather_on
+
+    import torch_commopt
+
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+
+    def program(q_loc, k_loc, v_loc, docs):
+        rows = torch.arange(length) + rank * length
+        keys = torch.arange(S)
+        mask = (docs[rows][:, None] == docs[None, :]) & (rows[:, None] >= keys[None, :])
+        return F.scaled_dot_product_attention(q_loc, all_gather_on(k_loc, 2), all_gather_on(v_loc, 2),
+                                              attn_mask=mask[None, None], enable_gqa=True)
+
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(program, backend="commopt")
+    gen = torch.Generator().manual_seed(23)
+    q, dout = (torch.randn(1, 4, S, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, S, D, generator=gen) for _ in range(2))
+    docs = doc_ids(1)[0]
+    shares = [t[:, :, mine].contiguous().requires_grad_(train) for t in (q, k, v)]
+    with torch.set_grad_enabled(train):
+        out = compiled(*shares, docs)
+    pos = torch.arange(S)
+    dense_mask = mask_mod_of("document", doc_ids(1))(0, 0, pos[:, None], pos[None, :])[None, None]
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        full = [t.to(dtype).requires_grad_(train) for t in (q, k, v)]
+        want = _dense(*full, dense_mask, 1 / math.sqrt(D))
+        if train:
+            want.backward(dout.to(dtype))
+            results[dtype] = torch.cat([t.grad[:, :, mine].flatten() for t in full])
+        else:
+            results[dtype] = want.detach()[:, :, mine]
+    if train:
+        out.backward(dout[:, :, mine])
+        got = torch.cat([t.grad.flatten() for t in shares])
+    else:
+        got = out.detach()
+    graphs = torch_commopt.explain().graphs
+    return {"error": (got.double() - results[torch.float64]).abs().max().item(),
+            "eager_error": (results[torch.float32].double() - results[torch.float64]).abs().max().item(),
+            "notes": [n for g in graphs for n in g.notes]}

@@ -257,3 +257,35 @@ def test_a_new_documents_mask_each_batch_recompiles_nothing():
         assert got["graphs"] == 1, got
         assert all(within_tolerance(e, r) for e, r in zip(got["errors"], got["eager_errors"], strict=True)), (rank, got)
         assert any("cp_flex_attention_fwd ring" in n for n in got["notes"]), got["notes"]
+
+
+def test_sdpa_with_a_documents_mask_runs_the_flex_ops_in_inference():
+    """SDPA with a boolean documents mask of the rank's rows (computed in the graph from the ids;
+    SDPA makes it additive, where(mask, 0, -inf)) over all-gathered K/V: in an inference graph it
+    runs as cp_flex_attention_fwd with the mask a buffer and its block tables made from it at run
+    time (commopt.dense_block_tables); in training the program keeps its own, and says so."""
+    from flex_programs import run_sdpa_document_mask
+
+    for train in (False, True):
+        for rank, got in enumerate(run_distributed(run_sdpa_document_mask, 2, train, backend="gloo", timeout_s=300)):
+            assert within_tolerance(got["error"], got["eager_error"]), (rank, train, got)
+            want = "inference graphs only" if train else "cp_flex_attention_fwd allgather"
+            assert any(want in n for n in got["notes"]), got["notes"]
+
+
+def test_a_dense_masks_block_tables_are_create_block_masks():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from torch_commopt.kernels.attention import flex
+
+    for kind in KINDS:
+        mod = mask_mod_of(kind, doc_ids(2))
+        pos = torch.arange(S)
+        dense = torch.stack([mod(b, 0, pos[:, None], pos[None, :]) for b in range(2)])[:, None]
+        want = create_block_mask(mod, 2, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+        kv_num, kv_idx, full_num, full_idx = flex.dense_tables(dense, BLOCK)
+        for num, idx, w_num, w_idx in ((kv_num, kv_idx, want.kv_num_blocks, want.kv_indices),
+                                       (full_num, full_idx, want.full_kv_num_blocks, want.full_kv_indices)):
+            kept = torch.arange(idx.shape[-1]) < num[..., None]
+            assert torch.equal(num, w_num) and torch.equal(torch.where(kept, idx, -1),
+                                                           torch.where(kept, w_idx[..., :idx.shape[-1]], -1)), kind

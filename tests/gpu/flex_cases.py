@@ -258,3 +258,53 @@ def run_flex_batches(rank: int, world: int, dtype: torch.dtype = torch.bfloat16,
         kernels.append(len(flex._COMPILED))  # noqa: SLF001
         graphs.append(counters["stats"]["unique_graphs"])
     return {"results": results, "compiled": kernels, "graphs": graphs}
+
+
+def run_sdpa_dense_mask(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """SDPA with a boolean documents mask of the rank's rows (computed in the graph from the ids)
+    over all-gathered K/V, compiled with backend="commopt" for inference: it runs the flex ops with
+    the mask a buffer.  {"results": [(label, ours, single-GPU flex's own)], "notes"}."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+
+    import torch_commopt
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    docs = doc_ids(device)[0]
+
+    def gather(x):
+        return torch.cat(funcol.all_gather_tensor(x, gather_dim=0, group=dist.group.WORLD).chunk(world), dim=2)
+
+    def program(q, k, v, ids):
+        rows = torch.arange(length, device=q.device) + rank * length
+        keys = torch.arange(S, device=q.device)
+        mask = (ids[rows][:, None] == ids[None, :]) & (rows[:, None] >= keys[None, :])
+        return F.scaled_dot_product_attention(q, gather(k), gather(v), attn_mask=mask[None, None], enable_gqa=True)
+
+    mod = mask_mod_of("document", docs[None])
+    tensors = _inputs(41, device)
+    truth, own = _truth(tensors, mod), _whole_flex(tensors, mod, dtype)
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(program, backend=_no_collectives_left)
+    with torch.no_grad():
+        out = compiled(*(t[:, :, mine].to(dtype).contiguous() for t in tensors[:3]), docs)
+    graphs = torch_commopt.explain().graphs
+    return {"results": _compare("sdpa dense mask", [out], truth[:1], own[:1], mine),
+            "notes": [n for g in graphs for n in g.notes]}
+
+
+def _no_collectives_left(gm, example_inputs):
+    """commopt's backend, refusing (at compile, before anything runs) a graph that still runs a
+    collective: with the ranks on one GPU over gloo, funcol on CUDA tensors crashes the process
+    (tests/gpu/results/shared_gpu_funcol_segfault_h200_2026-11-25.txt); the error names why."""
+    import torch_commopt
+    from torch_commopt.backend import commopt_backend
+
+    compiled = commopt_backend(gm, example_inputs)
+    graph = torch_commopt.explain().graphs[-1]
+    if any(graph.collectives_after.values()):
+        raise RuntimeError(f"collectives left {graph.collectives_after}; notes {graph.notes}; skipped {graph.skipped}")
+    return compiled

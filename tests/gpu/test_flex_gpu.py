@@ -7,7 +7,7 @@ backend="commopt" for inference and a training step -- against dense float64 att
 from __future__ import annotations
 
 import pytest
-from flex_cases import run_flex_batches, run_flex_compiled, run_flex_ops, run_torch_cp_flex
+from flex_cases import run_flex_batches, run_flex_compiled, run_flex_ops, run_sdpa_dense_mask, run_torch_cp_flex
 
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
@@ -55,4 +55,16 @@ def test_new_documents_each_batch_compile_no_kernel_again(two_ranks):
     for got in run_distributed(run_flex_batches, world, backend=backend, timeout_s=500):
         assert got["graphs"][1:] == [got["graphs"][0]] * 2, got["graphs"]  # nothing compiled again
         assert got["compiled"][0] > 0 and got["compiled"][1:] == [got["compiled"][0]] * 2, got["compiled"]
+        assert not _bad(got["results"]), "\n".join(_bad(got["results"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="on CUDA SDPA hands cuDNN the boolean mask as a bias in a form the finder "
+                   "does not read yet (it is left alone: 'made by ...' in the refusal names the form)")
+def test_sdpa_with_a_documents_mask_runs_the_flex_ops(two_ranks):
+    """SDPA with a boolean documents mask over all-gathered K/V (inference): the flex ops, the mask
+    a buffer of the compiled flex kernel, its tables made at run time."""
+    world, backend = two_ranks
+    for got in run_distributed(run_sdpa_dense_mask, world, backend=backend, timeout_s=300):
+        assert any("cp_flex_attention_fwd" in n for n in got["notes"]), got["notes"]
         assert not _bad(got["results"]), "\n".join(_bad(got["results"]))

@@ -284,6 +284,29 @@ def cached(blocks: Blocks, key: tuple, build: Callable):
     return value
 
 
+def dense_tables(mask: Tensor, block: int) -> list[Tensor]:
+    """The block tables [kv_num, kv_idx, full_num, full_idx] of a dense boolean mask
+    (B|1, H|1, rows, keys), both multiples of `block`: a tile with some kept score is partial, one
+    with every score kept full (what create_block_mask makes of the same mask)."""
+    rows, keys = mask.shape[-2] // block, mask.shape[-1] // block
+    tiles = mask.unflatten(-2, (rows, block)).unflatten(-1, (keys, block))  # [.., rows, block, keys, block]
+    some, every = tiles.any(-1).any(-2), tiles.all(-1).all(-2)  # [.., rows, keys]
+    out = []
+    for kept in (some & ~every, every):
+        order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)  # kept columns first, in order
+        out += [kept.sum(-1).to(torch.int32).contiguous(), order.to(torch.int32).contiguous()]
+    return out
+
+
+def dense_mask_code(batch_broadcast: bool, heads_broadcast: bool) -> str:
+    """The mask graph code (mask_from_code) that reads a dense boolean mask, its first buffer,
+    at (b, h, q, kv); index 0 on a dimension the mask broadcasts."""
+    b = "torch.zeros_like(b)" if batch_broadcast else "b"
+    h = "torch.zeros_like(h)" if heads_broadcast else "h"
+    return (f"def forward(self, b, h, q, kv, buffer0):\n"
+            f"    return torch.ops.aten.index.Tensor(buffer0, [{b}, {h}, q, kv])\n")
+
+
 @functools.cache
 def _takes_compute_q_blocks() -> bool:
     """Whether this torch's BlockMask.from_kv_blocks takes compute_q_blocks."""

@@ -46,6 +46,7 @@ _LIB.define("cp_attention_bwd_kept(Tensor dout, Tensor q_kept, Tensor k_kept, Te
 # FlexAttention over a sequence-sharded Q, K and V (kernels/attention/flex.py): the block mask as its
 # tables [kv_num, kv_idx, full_num, full_idx], [rows, keys, block size], the mask graph's code and
 # its buffers; schedule "ring" or "allgather[:g=G]".  The backward takes the forward's out and lse.
+_LIB.define("dense_block_tables(Tensor mask, int block) -> Tensor[]")
 _LIB.define("cp_flex_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor?[] tables, Tensor[] buffers, str mask_code, "
             "int[] sizes, float scale, int group_size, str group_name, str schedule) -> (Tensor, Tensor)")
 _LIB.define("cp_flex_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
@@ -156,6 +157,14 @@ def cp_flex_attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
     return tuple(g.contiguous() for g in grads)
 
 
+def dense_block_tables_op(mask: Tensor, block: int) -> list[Tensor]:
+    """[kv_num, kv_idx, full_num, full_idx] of a dense boolean mask (flex.dense_tables)."""
+    from torch_commopt.kernels.attention import flex
+
+    return flex.dense_tables(mask, block)
+
+
+_LIB.impl("dense_block_tables", dense_block_tables_op, "CompositeExplicitAutograd")
 _LIB.impl("cp_flex_attention_fwd", cp_flex_attention_fwd_op, "CompositeExplicitAutograd")
 _LIB.impl("cp_flex_attention_bwd", cp_flex_attention_bwd_op, "CompositeExplicitAutograd")
 
@@ -165,6 +174,14 @@ def _(q, k, v, tables, buffers, mask_code, sizes, scale, group_size, group_name,
     parse_flex_schedule(schedule)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=acc)
+
+
+@torch.library.register_fake("commopt::dense_block_tables")
+def _(mask, block):
+    rows, keys = mask.shape[-2] // block, mask.shape[-1] // block
+    lead = tuple(mask.shape[:-2])
+    num, idx = (lead + (rows,), lead + (rows, keys))
+    return [mask.new_empty(s, dtype=torch.int32) for s in (num, idx, num, idx)]
 
 
 @torch.library.register_fake("commopt::cp_flex_attention_bwd")

@@ -100,6 +100,7 @@ class FlexMask:
     code: str
     sizes: list
     lse: Optional[Node] = None  # the forward's log-sum-exp output where the graph uses it (a joint graph's backward)
+    dense: bool = False  # SDPA's dense boolean mask (buffers[0]); the tables are made from it at run time
 
 
 @dataclass
@@ -342,13 +343,77 @@ def _allgather_kv(node: Node, args: dict, sources: dict, mask: Any = None) -> At
     if causal:
         why = _not_global_causal(mask, q[SEQ_DIM], k[SEQ_DIM], group_name)
         if why:
-            raise Unsupported(f"explicit attention mask: {why}")
+            return _dense_mask_kv(node, args, mask, (gathers, paths, group_name, world), why)
     shape = AttentionShape(q[0], q[1], k[1], k[SEQ_DIM], q[3])
     inputs = {"q": args["query"], "k": gathers["k"].args[0], "v": gathers["v"].args[0]}
     return AttentionRegion("allgather_kv", node, ATTENTION_OPS[node.target], group_name, world, shape, causal,
                            args.get("scale"), inputs, list(gathers.values()), _output_of(node), paths)
 
 
+def _dense_mask_kv(node: Node, args: dict, mask: Node, gathered: tuple, why_not_causal: str) -> AttentionRegion:
+    """SDPA with a boolean mask of the rank's rows against every key (documents, windows: data
+    the graph computes) as a flex_allgather_kv region: the mask a buffer of the flex ops, its
+    block tables made from it at run time (commopt.dense_block_tables)."""
+    from torch_commopt.kernels.attention.flex import dense_mask_code
+
+    gathers, paths, group_name, world = gathered
+    given, mask = mask, _boolean_of(mask)
+    q, k, m = static_shape(args["query"]), static_shape(args["key"]), static_shape(mask) if mask is not None else ()
+    rows, keys = q[SEQ_DIM], k[SEQ_DIM]
+    block = DENSE_MASK_BLOCK
+    if mask is None:
+        raise Unsupported(f"explicit attention mask: {why_not_causal}; and not a boolean mask for the flex path "
+                          f"(made by {_producers(given)})")
+    if len(m) != 4 or tuple(m[2:]) != (rows, keys) or m[0] not in (1, q[0]) \
+            or m[1] not in (1, q[1]) or rows % block or keys % block:
+        raise Unsupported(f"explicit attention mask: {why_not_causal}; and not a boolean (B|1, H|1, {rows}, {keys}) "
+                          f"mask of whole {block}-token blocks for the flex path")
+    if args.get("dropout_p") or args.get("is_causal"):
+        raise Unsupported("explicit attention mask with dropout or is_causal")
+    flex_mask = FlexMask([], [mask], dense_mask_code(m[0] == 1, m[1] == 1), [rows, keys, block], dense=True)
+    inputs = {"q": args["query"], "k": gathers["k"].args[0], "v": gathers["v"].args[0]}
+    scale = args.get("scale") or q[3] ** -0.5
+    return AttentionRegion("flex_allgather_kv", node, ATTENTION_OPS[node.target], group_name, world,
+                           AttentionShape(q[0], q[1], k[1], keys, q[3]), False, scale, inputs, list(gathers.values()),
+                           _output_of(node), paths, flex_mask)
+
+
+def _boolean_of(mask: Node) -> Optional[Node]:
+    """The boolean mask SDPA's mask argument is: itself, or the condition of where(cond, 0, -inf)
+    (how SDPA makes a boolean mask additive before a kernel that takes a float bias); None else."""
+    if val(mask).dtype == torch.bool:
+        return mask
+    while mask.target in (aten.expand.default, aten._to_copy.default, aten.clone.default):  # a bias made to fit
+        mask = mask.args[0]
+    if mask.target is not aten.where.self or not isinstance(mask.args[0], Node) or val(mask.args[0]).dtype != torch.bool:
+        return None
+    cond, fills = mask.args[0], [_constant(a) for a in mask.args[1:]]
+    if fills == [0.0, float("-inf")]:
+        return cond
+    if fills == [float("-inf"), 0.0] and cond.target is aten.logical_not.default:  # where(~mask, -inf, 0)
+        return cond.args[0]
+    return None
+
+
+def _producers(node: Any, depth: int = 4) -> str:
+    """The ops that made `node`, nearest first, a few deep: what a refusal of its form names."""
+    names = []
+    while isinstance(node, Node) and node.op == "call_function" and len(names) < depth:
+        names.append(getattr(node.target, "__name__", str(node.target)))
+        node = next((a for a in node.args if isinstance(a, Node)), None)
+    return " <- ".join(names) or "an input"
+
+
+def _constant(arg: Any) -> Any:
+    """A number, or the value of a full / scalar_tensor node that makes one."""
+    if isinstance(arg, Node) and arg.target is aten.full.default:
+        return arg.args[1]
+    if isinstance(arg, Node) and arg.target is aten.scalar_tensor.default:
+        return arg.args[0]
+    return arg
+
+
+DENSE_MASK_BLOCK = 128  # flex's default block: a dense mask's tiles
 DECODE_MAX_QUERIES = 16  # a few new tokens against the cache: decoding, not a sequence shard
 
 

@@ -145,6 +145,9 @@ def _match_flex(region: AttentionRegion) -> dict:
     """_match for flex_attention: its flex_attention_backward (on the same gathered K/V, its out
     and LSE from this forward, no LSE gradient), the dq getitem and each K/V gradient's wait."""
     fwd = region.attention
+    if region.flex.dense:
+        raise NotMatched("SDPA with a dense boolean mask runs through the flex ops in inference graphs only; "
+                         "in training the program keeps its own")
     key, value = fwd.args[1], fwd.args[2]
     bwds = [u for u in key.users if u.target is FLEX_BACKWARD and u.args[1] is key and u.args[2] is value]
     if len(bwds) != 1 or set(key.users) - {fwd, bwds[0]} or set(value.users) - {fwd, bwds[0]}:

@@ -223,7 +223,8 @@ def _choose_flex(region: AttentionRegion, schedule: str, cache_dir: str | None, 
     q = val(region.inputs["q"])
     dtype = str(q.dtype).removeprefix("torch.")
     machine = machine_for(q.device, region.world, region.group_name, dtype, cache_dir, timeout_s)
-    per_head = val(region.flex.tables[0]).shape[1] > 1  # kv_num (B|1, H|1, rows): one mask per head
+    # kv_num (B|1, H|1, rows), or SDPA's dense mask (B|1, H|1, rows, keys): one mask per head?
+    per_head = val(region.flex.buffers[0] if region.flex.dense else region.flex.tables[0]).shape[1] > 1
     ranked = rank_flex_schedules(region.shape, causal_work(region.world), dtype=dtype, machine=machine,
                                  backward=backward, per_head_mask=per_head)
     shown = f"predicted{' forward + backward' if backward else ''} at a causal mask's work: {_shown(ranked)}"
@@ -268,8 +269,12 @@ def _apply_flex(graph: Graph, region: AttentionRegion, schedule: str) -> None:
     with graph.inserting_before(node):
         k = _local(graph, region, "k")
         v = _local(graph, region, "v")
+        tables = mask.tables
+        if mask.dense:  # SDPA's dense mask: its block tables made from it at run time
+            made = add_node(graph, torch.ops.commopt.dense_block_tables.default, (mask.buffers[0], mask.sizes[2]))
+            tables = [add_node(graph, operator.getitem, (made, i)) for i in range(4)]
         pair = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default,
-                        (region.inputs["q"], k, v, mask.tables, mask.buffers, mask.code, mask.sizes, region.scale,
+                        (region.inputs["q"], k, v, tables, mask.buffers, mask.code, mask.sizes, region.scale,
                          region.world, region.group_name, schedule))
         out = add_node(graph, operator.getitem, (pair, 0))
     region.output.replace_all_uses_with(out)
