@@ -319,3 +319,30 @@ def run_checkpointed_funcol_block(rank: int, world: int, how: str, options: dict
             "collectives": [dict(g.collectives_before) for g in graphs],
             "skipped": [[f"{k.kind}: {k.reason}" for k in g.skipped] for g in graphs],
             "errors": _errors(runs, "commopt"), "inductor_errors": _errors(runs, "inductor")}
+
+
+def torch_cp_flex_block(device_type: str, world: int) -> torch.nn.Module:
+    """torch's context_parallel for FlexAttention as torchtitan applies it: an attention module
+    parallelized with _ContextParallel(FLEX) (K/V gathered by cplib::flex_cp_allgather in its
+    pre-hook), inside a block whose forward a test compiles -- the gather then lies in the
+    compiled graph, as when torchtitan compiles whole blocks.  Called as block(q, k, v, block_mask)."""
+    import torch.nn.attention.flex_attention as fa
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import _ContextParallel
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, *, block_mask=None):
+            return fa.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    class Block(torch.nn.Module):
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, q, k, v, block_mask):
+            return self.attn(q * 1, k * 1, v * 1, block_mask=block_mask)
+
+    mesh = init_device_mesh(device_type, (world,))
+    plan = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)
+    return Block(parallelize_module(Attention(), mesh, plan))

@@ -226,34 +226,16 @@ def run_torch_cp_flex(rank: int, world: int, schedule: str, train: bool = False)
     {"errors", "eager_errors": {name: max abs error vs dense float64 on the rank's rearranged rows},
     "notes"}; train: a step's q/k/v gradients too (torch's CPU flex check patched, as above)."""
     import torch.nn.attention.flex_attention as fa
+    from dist_programs import torch_cp_flex_block
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental._attention import (
-        _context_parallel_shard,
-        _ContextParallel,
-        _PTRRLoadBalancer,
-    )
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _PTRRLoadBalancer
 
     import torch_commopt
 
     if train:
         fa._validate_device = lambda *args, **kwargs: None  # noqa: SLF001
-
-    class Attention(torch.nn.Module):
-        def forward(self, q, k, v, *, block_mask=None):
-            return fa.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-
-    class Block(torch.nn.Module):
-        def __init__(self, attn):
-            super().__init__()
-            self.attn = attn
-
-        def forward(self, q, k, v, block_mask):
-            return self.attn(q * 1, k * 1, v * 1, block_mask=block_mask)
-
+    block = torch_cp_flex_block("cpu", world)
     mesh = init_device_mesh("cpu", (world,))
-    attn = parallelize_module(Attention(), mesh, _ContextParallel(seq_dim=2,
-                                                                  attention_type=_ContextParallel.AttentionType.FLEX))
     mod = mask_mod_of("document", doc_ids(1))
     whole_mask = fa.create_block_mask(mod, 1, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
     balancer = _PTRRLoadBalancer(whole_mask, world)
@@ -264,7 +246,7 @@ def run_torch_cp_flex(rank: int, world: int, schedule: str, train: bool = False)
     shares = [t.contiguous() for t in _context_parallel_shard(mesh, [q, k, v, dout], [2] * 4, load_balancer=balancer)]
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    compiled = torch.compile(Block(attn), backend="commopt", options={"attention_schedule": schedule})
+    compiled = torch.compile(block, backend="commopt", options={"attention_schedule": schedule})
     inputs = [t.clone().requires_grad_(train) for t in shares[:3]]
     out = compiled(*inputs, block_mask)
     if train:
@@ -392,3 +374,8 @@ def run_sdpa_document_mask(rank: int, world: int, train: bool = False) -> dict:
     return {"error": (got.double() - results[torch.float64]).abs().max().item(),
             "eager_error": (results[torch.float32].double() - results[torch.float64]).abs().max().item(),
             "notes": [n for g in graphs for n in g.notes]}
+
+
+def run_sdpa_document_mask_both(rank: int, world: int) -> list[dict]:
+    """run_sdpa_document_mask for inference, then training, in one start of the ranks."""
+    return [run_sdpa_document_mask(rank, world, train) for train in (False, True)]

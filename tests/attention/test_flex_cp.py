@@ -264,10 +264,10 @@ def test_sdpa_with_a_documents_mask_runs_the_flex_ops_in_inference():
     SDPA makes it additive, where(mask, 0, -inf)) over all-gathered K/V: in an inference graph it
     runs as cp_flex_attention_fwd with the mask a buffer and its block tables made from it at run
     time (commopt.dense_block_tables); in training the program keeps its own, and says so."""
-    from flex_programs import run_sdpa_document_mask
+    from flex_programs import run_sdpa_document_mask_both
 
-    for train in (False, True):
-        for rank, got in enumerate(run_distributed(run_sdpa_document_mask, 2, train, backend="gloo", timeout_s=300)):
+    for rank, both in enumerate(run_distributed(run_sdpa_document_mask_both, 2, backend="gloo", timeout_s=300)):
+        for train, got in zip((False, True), both, strict=True):
             assert within_tolerance(got["error"], got["eager_error"]), (rank, train, got)
             want = "inference graphs only" if train else "cp_flex_attention_fwd allgather"
             assert any(want in n for n in got["notes"]), got["notes"]

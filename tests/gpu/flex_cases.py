@@ -164,32 +164,15 @@ def run_torch_cp_flex(rank: int, world: int, dtype: torch.dtype = torch.bfloat16
     inputs, the block around it compiled with backend="commopt" and trained one step.
     {"results": [(label, ours, reference's own)] on the rank's rearranged rows, "notes"}."""
     import torch.nn.attention.flex_attention as fa
+    from dist_programs import torch_cp_flex_block
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental._attention import (
-        _context_parallel_shard,
-        _ContextParallel,
-        _PTRRLoadBalancer,
-    )
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _PTRRLoadBalancer
 
     import torch_commopt
 
-    class Attention(torch.nn.Module):
-        def forward(self, q, k, v, *, block_mask=None):
-            return fa.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-
-    class Block(torch.nn.Module):
-        def __init__(self, attn):
-            super().__init__()
-            self.attn = attn
-
-        def forward(self, q, k, v, block_mask):
-            return self.attn(q * 1, k * 1, v * 1, block_mask=block_mask)
-
     device = torch.device("cuda", torch.cuda.current_device())
+    block = torch_cp_flex_block("cuda", world)
     mesh = init_device_mesh("cuda", (world,))
-    attn = parallelize_module(Attention(), mesh, _ContextParallel(seq_dim=2,
-                                                                  attention_type=_ContextParallel.AttentionType.FLEX))
     mod = mask_mod_of("document", doc_ids(device))
     whole_mask = fa.create_block_mask(mod, 1, None, S, S, device=device, BLOCK_SIZE=BLOCK)
     balancer = _PTRRLoadBalancer(whole_mask, world)
@@ -200,7 +183,7 @@ def run_torch_cp_flex(rank: int, world: int, dtype: torch.dtype = torch.bfloat16
               for t in _context_parallel_shard(mesh, tensors, [2] * 4, load_balancer=balancer)]
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    compiled = torch.compile(Block(attn), backend="commopt")
+    compiled = torch.compile(block, backend="commopt")
     q, k, v = (t.clone().requires_grad_() for t in shares[:3])
     out = compiled(q, k, v, block_mask)
     out.backward(shares[3])
