@@ -160,7 +160,6 @@ def test_parallelize_refuses_async_tp_memory_budget_ac_and_a_missing_section():
 STEPS = 3  # the first step runs the initial weights, the others two updates of them
 FP32 = ("--training.dtype", "float32")  # the toml's bf16 is for GPUs; fp32 keeps the comparisons tight
 BF16 = ("--training.dtype", "bfloat16")
-FSDP2 = ("--parallelism.tensor_parallel_degree", "1", "--training.mixed_precision_param", "float32", *FP32)
 # name -> the job's arguments after the example toml's: each smoke test compares a pair of them
 # deepseek_v3's debug flavor (1 dense + 5 MoE layers, 8 experts, top-3) with EP=2 over FSDP=2
 MOE_EP2 = ("--model.name", "deepseek_v3_commopt", "--model.flavor", "debugmodel", "--parallelism.tensor_parallel_degree",
@@ -174,7 +173,6 @@ CP2_FLEX = ("--model.flavor", "debugmodel_flex_attn", "--parallelism.tensor_para
 JOBS = {
     "tp2 eager": ("--commopt.no-enable", *FP32), "tp2": FP32,
     "tp2 bf16 eager": ("--commopt.no-enable", *BF16), "tp2 bf16": BF16,
-    "fsdp2 eager": ("--commopt.no-enable", *FSDP2), "fsdp2": FSDP2,
     "moe ep2 eager": ("--commopt.no-enable", *MOE_EP2), "moe ep2": ("--commopt.options", '{"moe_schedule": "by_peer"}', *MOE_EP2),
     "cp2 flex eager": ("--commopt.no-enable", *CP2_FLEX), "cp2 flex": CP2_FLEX,
 }
@@ -243,18 +241,6 @@ def test_smoke_tp2_in_bf16_as_the_toml_sets(trained):
     print("TP=2 bf16 losses (commopt):", losses, "eager:", trained["tp2 bf16 eager"][0]["losses"])
 
 
-def test_smoke_fsdp2_compiles_the_sharded_blocks(trained):
-    """FSDP=2 (no TP, fp32 parameters): the blocks, compiled in place after fully_shard
-    registered its hooks on them, compile whole (fullgraph) with FSDP's hooks left to run
-    eagerly; no TP collective is in a block, so nothing is rewritten, and the losses match the
-    job without commopt."""
-    ours = trained["fsdp2"]
-    losses = _check(ours, trained["fsdp2 eager"], rewritten=set(), rtol=1e-5)
-    assert all(b.startswith("FSDP") for b in ours[0]["blocks"])
-    print("FSDP=2 losses (commopt):", losses, "eager:", trained["fsdp2 eager"][0]["losses"])
-
-
-
 def test_smoke_moe_ep2_exchanges_through_commopt_and_trains_like_torchtitan(trained):
     """deepseek_v3 debugmodel with EP=2 over FSDP=2 (2 gloo ranks, fp32): the train spec
     "deepseek_v3_commopt" swaps each MoE layer's token exchange for commopt's by_peer after
@@ -269,13 +255,16 @@ def test_smoke_moe_ep2_exchanges_through_commopt_and_trains_like_torchtitan(trai
     print("MoE EP=2 losses (commopt by_peer):", losses, "torchtitan:", theirs[0]["losses"])
 
 
-def test_smoke_cp2_flex_attention_runs_commopts_flex_schedule_and_trains_like_eager(trained):
-    """llama3 debugmodel with FlexAttention (block-causal over documents) and CP=2 over FSDP (2 gloo
-    ranks, fp32): torch's context_parallel gathers K/V with its cplib op inside each compiled
-    block, commopt runs the attention as cp_flex_attention_fwd/bwd (the model's pick), and the
-    losses of every step equal the same job without commopt."""
+def test_smoke_fsdp_cp2_flex_attention_runs_commopts_flex_schedule_and_trains_like_eager(trained):
+    """llama3 debugmodel with FlexAttention (block-causal over documents) and CP=2 (2 gloo ranks,
+    fp32 parameters), so FSDP over the CP ranks too: the blocks, compiled in place after
+    fully_shard registered its hooks on them, compile whole (fullgraph) with FSDP's hooks left to
+    run eagerly; torch's context_parallel gathers K/V with its cplib op inside each compiled
+    block, commopt runs the attention as cp_flex_attention_fwd/bwd (the model's pick; no TP, so no
+    matmul region), and the losses of every step equal the same job without commopt."""
     ours = trained["cp2 flex"]
     losses = _check(ours, trained["cp2 flex eager"], rewritten=set(), rtol=1e-5)
+    assert all(b.startswith("FSDP") for b in ours[0]["blocks"])
     for r in ours:
         assert any("cp_flex_attention_fwd/bwd" in n for n in r["flex_notes"]), r["flex_notes"]
     print("CP=2 flex losses (commopt):", losses, "eager:", trained["cp2 flex eager"][0]["losses"])
