@@ -20,7 +20,11 @@ What it adds (torchtitan itself is unchanged and imported, never copied):
                   FSDP/HSDP/DDP unchanged) with its model compile off, then each
                   TransformerBlock compiled in place by torch_commopt.optimize(block,
                   fullgraph=True, dynamic=False, <the section's options>);
-                  `commopt.enable = false` runs the stock function.
+                  `commopt.enable = false` runs the stock function.  With CP and
+                  FlexAttention (llama3's *_flex_attn flavors) torch's context_parallel
+                  gathers K/V with its cplib op inside each compiled block, and commopt runs
+                  the attention as its flex schedules (docs/flex-attention.md; CPU smoke in
+                  tests/integrations).
   assets.py       a synthetic tokenizer and c4_test-style data set for offline debug runs.
   llama3_debug_tp2_commopt.toml   the example job: llama3 debugmodel, TP=2 + SP, commopt on.
 
