@@ -37,7 +37,7 @@ import pathlib
 import torch
 import torch.distributed as dist
 
-from benchmarks.bench_attention import LEAD_CALLS, TARGET_MS, Clock, time_variants
+from benchmarks.bench_attention import LEAD_CALLS, TARGET_MS, Clock, pick_machine, time_variants
 from benchmarks.common import fmt, machine_meta, result_stem, write_report
 from benchmarks.probe_flex_blocks import mask_mod
 from torch_commopt.testing.launch import run_distributed
@@ -168,12 +168,9 @@ def _torch_cp_variants(case: _Case, rank: int, world: int, mesh) -> tuple[dict, 
 def _pick(case: _Case, world: int, dtype: torch.dtype, device: str) -> str:
     """The schedule the rewrite runs: the flex model's first at a causal mask's work, with the
     machine figures the compiled path uses."""
-    from torch_commopt.tuner.attention.cost import machine_and_source
     from torch_commopt.tuner.attention.flex_cost import causal_work, rank_flex_schedules
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    machine, _ = machine_and_source(dev, world, dist.group.WORLD.group_name, str(dtype).removeprefix("torch."), None,
-                                    300.0)
+    machine, _ = pick_machine(device, world, dtype)
     return rank_flex_schedules(case.shape, causal_work(world), dtype=dtype, machine=machine, backward=True)[0][0]
 
 

@@ -35,6 +35,11 @@ def mask_mod_of(kind: str, docs: torch.Tensor, window: int = 200):
     raise ValueError(kind)
 
 
+def _rows_mask(mod, offset: int):
+    """The mask of a rank's rows (its offset added), as a context-parallel program states it."""
+    return lambda b, h, q, kv: mod(b, h, q + offset, kv)
+
+
 def _dense(q, k, v, dense_mask, scale):
     rep = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -71,7 +76,7 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
     scale = 1 / math.sqrt(D)
     length = S // world
     if own_rows:
-        block_mask = create_block_mask(lambda b, h, q, kv: mod(b, h, q + rank * length, kv), batch, None, length, S,
+        block_mask = create_block_mask(_rows_mask(mod, rank * length), batch, None, length, S,
                                        device="cpu", BLOCK_SIZE=BLOCK)
     else:
         block_mask = create_block_mask(mod, batch, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
@@ -124,7 +129,7 @@ def run_flex_ops(rank: int, world: int, kind: str, schedule: str, own_rows: bool
     mod = mask_mod_of(kind, doc_ids(1))
     length = S // world
     mine = slice(rank * length, (rank + 1) * length)
-    rows = (lambda b, h, qi, kv: mod(b, h, qi + rank * length, kv)) if own_rows else mod
+    rows = _rows_mask(mod, rank * length) if own_rows else mod
     block_mask = create_block_mask(rows, 1, None, length if own_rows else S, S, device="cpu", BLOCK_SIZE=BLOCK)
     graph, buffers = flex.lift(block_mask.mask_mod, torch.device("cpu"))
     tables = [block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices]
@@ -154,7 +159,7 @@ def _compiled_program(rank: int, world: int, kind: str, schedule: str):
 
     mod = mask_mod_of(kind, doc_ids(1))
     length = S // world
-    block_mask = create_block_mask(lambda b, h, qi, kv: mod(b, h, qi + rank * length, kv), 1, None, length, S,
+    block_mask = create_block_mask(_rows_mask(mod, rank * length), 1, None, length, S,
                                    device="cpu", BLOCK_SIZE=BLOCK)
 
     def program(q_loc, k_loc, v_loc):
@@ -268,11 +273,6 @@ def run_torch_cp_flex(rank: int, world: int, schedule: str, train: bool = False)
         eager[name] = (t32.double() - t64).abs().max().item()
     graphs = torch_commopt.explain().graphs
     return {"errors": errors, "eager_errors": eager, "notes": [n for g in graphs for n in g.notes]}
-
-
-def _rows_mask(mod, offset: int):
-    """The mask of a rank's rows (its offset added), as a context-parallel program states it."""
-    return lambda b, h, q, kv: mod(b, h, q + offset, kv)
 
 
 def batch_doc_ids(seed: int) -> torch.Tensor:
