@@ -171,6 +171,9 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
                 out.append({"model": name, "shape": dict(zip(("dim", "expert_ffn", "experts", "top_k", "shared"), model)),
                             "tokens_per_rank": tokens, "routing": routing, "raw_ms": times,
                             "ms": dict(zip(VARIANTS, med.tolist())), "max_rel_error": dict(zip(VARIANTS, err.tolist()))})
+                if rank == 0:  # progress: a run cut short by its time limit still tells its cases
+                    print(f"{name} T={tokens} {routing}: " + ", ".join(f"{v} {t:.2f}" for v, t in out[-1]["ms"].items())
+                          + " ms", flush=True)
     return out, (torch.cuda.get_device_name(device) if cuda else "cpu (gloo)")
 
 

@@ -14,7 +14,12 @@ so the jobs run in `--rounds` rounds, the variant order reversed every other rou
 A, ...: a drift that is linear in time cancels over two rounds), and the report compares each
 variant with the inductor job of the same round, then takes the median over rounds.
 
-    python3 benchmarks/bench_torchtitan.py --out DIR [--steps 20] [--flavor debugmodel]
+Other parallelisms (`--job`): `moe-ep`, deepseek_v3 (debug flavor) with expert parallelism over
+FSDP on every GPU, torchtitan's EP under inductor against commopt's exchange ("commopt-moe");
+`cp-flex`, llama3 with FlexAttention over documents and CP on every GPU (torch's context_parallel),
+inductor against the blocks compiled by commopt.
+
+    python3 benchmarks/bench_torchtitan.py --out DIR [--job tp|moe-ep|cp-flex] [--steps 20] [--flavor debugmodel]
         [--seq 2048] [--batch 8] [--rounds 2] [--commit SHA] [--extra=--optimizer.lr=3e-4]
         [--profile-step 10]
 
@@ -28,6 +33,7 @@ installs the carried wheels into a target directory and puts it on PYTHONPATH).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -64,6 +70,45 @@ VARIANTS = {
     "inductor": ["--commopt.no-enable", "--compile.enable"],
     # torchtitan's async TP: Inductor's micro-pipeline pass (needs its model compile)
     "inductor+async-TP": ["--commopt.no-enable", "--compile.enable", "--parallelism.enable_async_tensor_parallel"],
+    # MoE jobs: torchtitan compiles the layers' children (not the experts) with Inductor in both;
+    # commopt swaps the experts' token exchange for its schedule (integrations/torchtitan/moe.py),
+    # the tuner's pick; "inductor" above is torchtitan's own EP
+    "commopt-moe": ["--commopt.enable", "--commopt.options", '{"moe_schedule": "auto"}', "--compile.enable"],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A parallelism of the benchmark: torchtitan's arguments on `ngpu` GPUs, the default model
+    flavor and variants, and the data-parallel degree (global batch = local batch x dp)."""
+
+    name: str
+    flavor: str
+    variants: str
+    model: tuple = ()
+
+    def args(self, ngpu: int) -> list[str]:
+        n = str(ngpu)
+        return list(self.model) + {
+            "tp": ["--parallelism.tensor_parallel_degree", n],  # TP + SP over every GPU
+            # expert parallelism borrowed from FSDP over every GPU
+            "moe-ep": ["--parallelism.tensor_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", n,
+                       "--parallelism.expert_parallel_degree", n],
+            # torch's context_parallel (FlexAttention: its head-tail balancer) over every GPU, FSDP over them
+            "cp-flex": ["--parallelism.tensor_parallel_degree", "1", "--parallelism.context_parallel_degree", n],
+        }[self.name]
+
+    def dp(self, ngpu: int) -> int:
+        return ngpu if self.name == "moe-ep" else 1
+
+    def parallel(self, ngpu: int) -> str:
+        return {"tp": f"TP={ngpu}", "moe-ep": f"EP={ngpu} FSDP={ngpu}", "cp-flex": f"CP={ngpu}"}[self.name]
+
+
+JOBS = {
+    "tp": Job("tp", "debugmodel", "commopt,inductor,inductor+async-TP"),
+    "moe-ep": Job("moe-ep", "debugmodel", "commopt-moe,inductor", ("--model.name", "deepseek_v3_commopt")),
+    "cp-flex": Job("cp-flex", "debugmodel_flex_attn", "commopt,inductor"),
 }
 
 
@@ -76,7 +121,7 @@ def gpus() -> int:
 def run_variant(name: str, args, out: pathlib.Path, ngpu: int, rnd: int = 0) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}",
            "-m", "torchtitan.train", "--job.config_file", str(TOML),
-           "--parallelism.tensor_parallel_degree", str(ngpu), "--training.steps", str(args.steps),
+           *args.job.args(ngpu), "--training.steps", str(args.steps),
            "--training.seq_len", str(args.seq), "--training.local_batch_size", str(args.batch),
            "--model.flavor", args.flavor, "--debug.seed", "0",
            "--model.hf_assets_path", f"{args.assets}/tokenizer", "--training.dataset_path", f"{args.assets}/c4_test",
@@ -103,8 +148,9 @@ def run_variant(name: str, args, out: pathlib.Path, ngpu: int, rnd: int = 0) -> 
             steps[int(m.group(1))] = (float(m.group(2)), float(m.group(3)), int(m.group(4).replace(",", "")))
     losses = [steps[s][0] for s in sorted(steps)]
     tps = [steps[s][2] for s in sorted(steps)][max(1, len(steps) // 4):]  # past compile and warm-up
-    tokens_per_step = args.batch * args.seq  # TP over all GPUs, data-parallel degree 1: one batch a step
-    rec = {"model": f"llama3 {args.flavor}", "tp": ngpu, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
+    tokens_per_step = args.batch * args.seq * args.job.dp(ngpu)  # torchtitan's tps: per GPU of the whole step
+    rec = {"model": f"{args.job.model[1] if args.job.model else 'llama3'} {args.flavor}",
+           "parallel": args.job.parallel(ngpu), "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
            "backend": name, "round": rnd,
            "returncode": rc, "steps_logged": len(steps), "losses": losses,
            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
@@ -140,12 +186,12 @@ def paired(records: list[dict], ref: str = "inductor") -> dict[str, dict]:
 def report(meta: dict, records: list[dict]) -> str:
     lines = [f"# torchtitan {meta['torchtitan']} with commopt vs inductor ({meta['device']})", "",
              f"torch {meta['torch']}, commit {meta['commit']}, {meta['date']}; command: `{meta['command']}`", "",
-             "| backend | round | tp | seq | batch | dtype | rc | steps | step ms | tokens/s | peak GiB | loss first | "
+             "| backend | round | parallel | seq | batch | dtype | rc | steps | step ms | tokens/s | peak GiB | loss first | "
              "loss last |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     for r in records:
-        lines.append(f"| {r['backend']} | {r.get('round', 0)} | {r['tp']} | {r['seq']} | {r['batch']} | "
+        lines.append(f"| {r['backend']} | {r.get('round', 0)} | {r['parallel']} | {r['seq']} | {r['batch']} | "
                      f"{r.get('dtype', '?')} | "
                      f"{r['returncode']} | "
                      f"{r['steps_logged']} | {fmt(r['step_ms'], '.1f')} | {fmt(r['tokens_per_s'], ',.0f')} | "
@@ -180,11 +226,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--flavor", default="debugmodel")
+    ap.add_argument("--job", default="tp", choices=sorted(JOBS),
+                    help="tp: llama3 TP=W + SP; moe-ep: deepseek_v3 EP=W over FSDP=W; cp-flex: llama3 with "
+                         "FlexAttention (documents), CP=W")
+    ap.add_argument("--flavor", default=None, help="the model flavor (default: the job's)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--assets", default=None, help="the tokenizer and data set's directory (default: a new temporary one)")
-    ap.add_argument("--variants", default="commopt,inductor,inductor+async-TP", help=f"of {sorted(VARIANTS)}")
+    ap.add_argument("--variants", default=None, help=f"of {sorted(VARIANTS)} (default: the job's)")
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--rounds", type=int, default=2,
                     help="run every variant this many times, the order reversed every other round")
@@ -197,6 +246,9 @@ def main() -> None:
     ap.add_argument("--profile-step", dest="profile_step", type=int, default=0,
                     help="profile this train step (benchmarks/tt_profile.py): op tables in torchtitan_<variant>.log")
     args = ap.parse_args()
+    args.job = JOBS[args.job]
+    args.flavor = args.flavor or args.job.flavor
+    args.variants = args.variants or args.job.variants
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench_torchtitan_")  # no fixed shared path: the assets and torchtitan's outputs
@@ -217,7 +269,8 @@ def main() -> None:
         for name in names:
             records.append(run_variant(name, args, out, ngpu, rnd))
             print(json.dumps({k: v for k, v in records[-1].items() if k != "losses"}), flush=True)
-    stem = result_stem("torchtitan", device, ngpu, meta["date"], variant=f"b{args.batch}s{args.seq}")
+    job = "" if args.job.name == "tp" else f"{args.job.name}_"  # the TP reports keep their names
+    stem = result_stem("torchtitan", device, ngpu, meta["date"], variant=f"{job}b{args.batch}s{args.seq}")
     write_report(out, stem, {"meta": meta, "records": records, "paired": paired(records)}, report(meta, records))
     print(report(meta, records))
 

@@ -25,6 +25,6 @@ def test_each_variant_is_compared_with_the_inductor_job_of_its_round():
     assert got["alone"]["speedup_vs_inductor"] is None  # no inductor job in its round
     lines = bench_torchtitan.report({"torchtitan": "0.2.2", "device": "2x X", "torch": "t", "commit": "c", "date": "d",
                                      "command": "python3 x"},
-                                    [dict(r, tp=2, seq=8, batch=1, returncode=0, steps_logged=0, tokens_per_s=None,
+                                    [dict(r, parallel="TP=2", seq=8, batch=1, returncode=0, steps_logged=0, tokens_per_s=None,
                                           peak_mem_gib=None, loss_first=None, loss_last=None, losses=[]) for r in recs])
     assert "- commopt: 1.053x inductor's tokens/s (rounds: 1.053, 1.053); median step 99.8 ms" in lines
