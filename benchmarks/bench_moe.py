@@ -33,7 +33,7 @@ import functools
 import statistics
 import time
 
-from benchmarks.common import fmt, machine_meta, result_stem, write_report
+from benchmarks.common import fmt, machine_meta, max_over_ranks, result_stem, write_report
 
 # name -> (dim, expert FFN size, experts, top-k, shared experts)
 MODELS = {
@@ -164,13 +164,11 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
                         if cuda:
                             torch.cuda.synchronize()
                         times[variant].append((time.perf_counter() - t0) / steps * 1e3)
-                med = torch.tensor([statistics.median(times[v]) for v in VARIANTS], dtype=torch.float64)
-                dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank (a CPU tensor: gloo or NCCL)
-                err = torch.tensor([errors.get(v, 0.0) for v in VARIANTS], dtype=torch.float64)
-                dist.all_reduce(err, op=dist.ReduceOp.MAX)
+                med = max_over_ranks([statistics.median(times[v]) for v in VARIANTS], device)  # the slowest rank
+                err = max_over_ranks([errors.get(v, 0.0) for v in VARIANTS], device)
                 out.append({"model": name, "shape": dict(zip(("dim", "expert_ffn", "experts", "top_k", "shared"), model)),
                             "tokens_per_rank": tokens, "routing": routing, "raw_ms": times,
-                            "ms": dict(zip(VARIANTS, med.tolist())), "max_rel_error": dict(zip(VARIANTS, err.tolist()))})
+                            "ms": dict(zip(VARIANTS, med)), "max_rel_error": dict(zip(VARIANTS, err))})
                 if rank == 0:  # progress: a run cut short by its time limit still tells its cases
                     print(f"{name} T={tokens} {routing}: " + ", ".join(f"{v} {t:.2f}" for v, t in out[-1]["ms"].items())
                           + " ms", flush=True)
@@ -303,6 +301,24 @@ def pieces_report(rows: list, meta: dict) -> str:
     return "\n".join(lines + [""])
 
 
+def join(paths: list, out: str | None) -> None:
+    """One report of several runs of one card and world (their cases in the order given; the
+    first run's meta, its command noted as joined)."""
+    import json
+
+    runs = [json.loads(open(path).read()) for path in paths]
+    cards = {(r["meta"]["device"], r["meta"]["world"]) for r in runs}
+    if len(cards) != 1:
+        raise SystemExit(f"--join: runs of different cards or worlds: {sorted(cards)}")
+    meta = dict(runs[0]["meta"], joined=len(runs), commits=sorted({r["meta"]["commit"] for r in runs}))
+    cases = [c for r in runs for c in r["cases"]]
+    text = report(records(cases), meta)
+    print(text)
+    if out:
+        write_report(out, result_stem("moe", meta["device"], meta["world"], meta["date"]), {"meta": meta, "cases": cases},
+                     text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="directory for the report (required except with --cpu)")
@@ -315,7 +331,12 @@ def main() -> None:
     p.add_argument("--pieces", action="store_true", help="one GPU: the grouped GEMMs whole vs in pieces")
     p.add_argument("--cpu", action="store_true", help="gloo smoke run with a tiny layer; prints, writes nothing")
     p.add_argument("--commit", default="")
+    p.add_argument("--join", nargs="+", metavar="JSON",
+                   help="write one report of these runs' cases (runs split by model to fit a device call)")
     args = p.parse_args()
+    if args.join:
+        join(args.join, args.out)
+        return
 
     from torch_commopt.testing.launch import run_distributed
 
