@@ -90,3 +90,34 @@ def test_padded_groups_are_zero_filled_to_the_alignment_and_dropped_after():
     assert torch.equal(given[4:9], rows[:5]) and torch.equal(given[12:18], rows[5:])
     assert not given[:4].any() and not given[9:12].any() and not given[18:].any()
     assert ranges([(5, 2), (0, 0), (1, 3)], "cpu").tolist() == [5, 6, 1, 2, 3]
+
+
+@pytest.mark.parametrize("covers", [True, False])
+def test_gather_rows_matches_index_select_forward_and_backward(covers):
+    # its backward writes each row's gradient once instead of index_select's atomic accumulation
+    from torch_commopt.kernels.moe.exchange import gather_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    index = torch.randperm(12, generator=g)[: 12 if covers else 7]
+    dy = torch.randn(index.numel(), 5, dtype=torch.float64, generator=g)
+    y = gather_rows(x, index, covers)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    x2 = x.detach().clone().requires_grad_()
+    y2 = x2.index_select(0, index)
+    (gx2,) = torch.autograd.grad(y2, x2, dy)
+    assert torch.equal(y, y2) and torch.equal(gx, gx2)
+    if not covers:
+        missing = torch.ones(12, dtype=torch.bool)
+        missing[index] = False
+        assert missing.any() and not gx[missing].any()  # rows no output came from get zeros, not garbage
+
+
+def test_counts_on_keeps_the_host_values_so_the_experts_read_no_device_tensor():
+    from torch_commopt.kernels.moe.exchange import counts_on, host_counts
+
+    t = counts_on((3, 0, 5), "cpu", torch.int32)
+    assert t.dtype == torch.int32 and t.tolist() == [3, 0, 5]
+    t.fill_(7)  # host_counts answers from the values kept, not from the tensor
+    assert host_counts(t) == [3, 0, 5]
+    assert host_counts(torch.tensor([1, 2])) == [1, 2]  # any other tensor is read

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from torch_commopt.kernels.moe import exchange
 from torch_commopt.kernels.moe.ce_exchange import IN, OUT, exchange_for
-from torch_commopt.kernels.moe.exchange import Routing, ranges
+from torch_commopt.kernels.moe.exchange import Routing, counts_on, ranges
 
 ALIGN = 8  # rows per group on the GPU (bf16: 16-byte aligned group starts in the weight gradients)
 DEFAULT_CHUNKS = 2  # chunks of experts when the schedule names none (benchmarks/results/moe_pieces_*)
@@ -117,7 +117,7 @@ def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
                 filled[e] += routing.recv[p][e]
         place.append(ranges(place_c, device))
         rows.append((starts[lo], starts[hi - 1] + padded[hi - 1]))
-    return Plan(slices, send, recv, place, rows, bounds, torch.tensor(padded, dtype=torch.int64).to(device),
+    return Plan(slices, send, recv, place, rows, bounds, counts_on(padded, device),
                 padded, sum(padded), routing.peak)
 
 

@@ -55,6 +55,54 @@ class Routing:
         return tuple(sum(self.recv[p][e] for p in range(self.world)) for e in range(self.local_experts))
 
 
+HOST = "_commopt_host_counts"  # the attribute counts_on() keeps a counts tensor's host values in
+
+
+def counts_on(values, device, dtype: torch.dtype = torch.int64) -> Tensor:
+    """Per-expert row counts (host ints) as a tensor on `device`, with no stream sync
+    (`torch.tensor(values, device=cuda)` waits for the stream: a blocking copy), the host values
+    kept on the tensor for host_counts: the experts between two exchanges then never stall the
+    host, which runs ahead and queues the next kernels while the GPU computes."""
+    values = [int(v) for v in values]
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it until copied
+    setattr(t, HOST, values)
+    return t
+
+
+def host_counts(per_expert: Tensor) -> list[int]:
+    """The counts of a counts_on() tensor without reading the device; any other tensor is read
+    (a stream sync)."""
+    values = getattr(per_expert, HOST, None)
+    return list(values) if values is not None else per_expert.tolist()
+
+
+class _GatherRows(torch.autograd.Function):
+    """x.index_select(0, index) for an index without repeats; the backward writes each row's
+    gradient once (index_copy_) where index_select's own accumulates with atomics (index_add_,
+    slow in bf16: 0.9 ms of an 11 ms MoE layer step on an H200)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, covers: bool) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows, ctx.covers = x.shape[0], covers
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        shape = (ctx.rows,) + tuple(grad.shape[1:])
+        out = grad.new_empty(shape) if ctx.covers else grad.new_zeros(shape)
+        return out.index_copy_(0, index, grad), None, None
+
+
+def gather_rows(x: Tensor, index: Tensor, covers: bool = False) -> Tensor:
+    """x[index] along dim 0 for an index without repeats (covers: it names every row of x, a
+    permutation); differentiable, its backward a scatter without accumulation."""
+    return _GatherRows.apply(x, index, covers)
+
+
 def ranges(pairs: list[tuple[int, int]], device) -> Tensor:
     """The concatenation of range(start, start + n) over `pairs`, built on `device` by tensor ops
     (no per-row host loop: a rank's routed rows run to 10^5 and more)."""

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from torch_commopt import report
 from torch_commopt.core.moe_spec import parse_moe_schedule
-from torch_commopt.kernels.moe.exchange import exchange_counts, ranges
+from torch_commopt.kernels.moe.exchange import counts_on, exchange_counts, gather_rows, host_counts, ranges
 from torch_commopt.kernels.moe.schedules import expert_parallel
 
 log = logging.getLogger("torch_commopt.kernels.moe.module")
@@ -39,7 +39,7 @@ ALIGN = 8  # rows per group the CUDA grouped GEMM takes (bf16; torchtitan's TOKE
 
 def swiglu_per_expert(w1: Tensor, w2: Tensor, w3: Tensor, rows: Tensor, per_expert: Tensor) -> Tensor:
     """Each local expert's SwiGLU over its run of rows (expert-major), in the rows' dtype."""
-    pieces = torch.split(rows, per_expert.tolist())
+    pieces = torch.split(rows, host_counts(per_expert))
     outs = [(F.silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T for e, x in enumerate(pieces)]
     return torch.cat(outs) if outs else rows.new_zeros((0, w2.shape[1]))
 
@@ -61,13 +61,13 @@ def padded(run: Local, align: int = ALIGN) -> Local:
     """`run` over groups padded with zero rows to a multiple of `align` rows, at least `align` (the
     CUDA grouped GEMM takes no empty group), the padding's outputs dropped."""
     def call(rows: Tensor, per_expert: Tensor) -> Tensor:
-        counts = per_expert.tolist()
+        counts = host_counts(per_expert)
         sizes = [max(align, -(-c // align) * align) for c in counts]
         starts = [sum(sizes[:e]) for e in range(len(sizes))]
         at = ranges(list(zip(starts, counts)), rows.device)  # each real row's place among the padded
         src = rows.new_zeros((sum(sizes),) + tuple(rows.shape[1:])).index_copy(0, at, rows)
-        out = run(src, torch.tensor(sizes, dtype=per_expert.dtype).to(per_expert.device))
-        return out.index_select(0, at)
+        out = run(src, counts_on(sizes, per_expert.device, per_expert.dtype))
+        return gather_rows(out, at)
     return call
 
 

@@ -37,7 +37,16 @@ from torch import Tensor
 
 from torch_commopt.core.moe_spec import parse_moe_schedule
 from torch_commopt.kernels.moe.by_expert import DEFAULT_CHUNKS, by_expert
-from torch_commopt.kernels.moe.exchange import AllToAll, Routing, exchange_counts, finish_swap, post_swap, ranges
+from torch_commopt.kernels.moe.exchange import (
+    AllToAll,
+    Routing,
+    counts_on,
+    exchange_counts,
+    finish_swap,
+    gather_rows,
+    post_swap,
+    ranges,
+)
 
 Experts = Callable[[Tensor, Tensor], Tensor]
 
@@ -72,7 +81,7 @@ def expert_parallel(x: Tensor, counts: Tensor, experts: Experts, group: dist.Pro
 
 
 def _counts(values, device) -> Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return counts_on(values, device)
 
 
 def expert_major(routing: Routing, device=None) -> Tensor:
@@ -97,8 +106,8 @@ def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
     order = expert_major(routing, x.device)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=x.device)
-    out = experts(got.index_select(0, order), _counts(routing.per_expert(), x.device))
-    return AllToAll.apply(out.index_select(0, inverse), sends, recvs, group)
+    out = experts(gather_rows(got, order, covers=True), _counts(routing.per_expert(), x.device))
+    return AllToAll.apply(gather_rows(out, inverse, covers=True), sends, recvs, group)
 
 
 def _by_peer(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
