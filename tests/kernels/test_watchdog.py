@@ -37,6 +37,12 @@ class FakeRuntime:
     def stream_idle(self, handle: int) -> bool:
         return self.idle
 
+    def read_status(self):
+        return None if self.flags is None else self.flags[-6:]  # (the real status: 6 words of the flag array)
+
+    def status_message(self, words, op):
+        return f"commopt {op}: gave up waiting for code {words[1]} from rank {words[2]}"
+
 
 class Clock:
     def __init__(self):
@@ -213,3 +219,21 @@ def test_a_wait_over_several_flags_names_its_peer_and_releases_every_flag(dog):
     dog.poll_once()
     assert len(caller.result()) == 1 and "ll barrier from rank 1" in rt.closed, rt.closed
     assert rt.released == [(12, 1), (28, 1)]  # every flag of the wait still down, no other
+
+
+def test_a_self_bounded_call_that_gave_up_closes_the_group_and_raises_once(dog):
+    # the low-latency collectives mark no call: their spins give up after the bound and record it in
+    # the status words, which the watchdog reads at every poll
+    flags = [0] * 64
+    rt = FakeRuntime(flags)
+    caller = Caller()
+    dog.watch_status(rt, "one-shot all-reduce")
+    dog.bounded[id(rt)][1] = caller.thread.ident  # (registered by the issuing thread in real use)
+    assert dog.poll_once() == [] and rt.closed is None  # nothing recorded: nothing said
+    flags[-6:] = [1, 9, 1, 0, 0, 1]  # a spin gave up: code 9, peer 1
+    found = dog.poll_once()
+    assert len(found) == 1 and "one-shot all-reduce" in found[0] and "from rank 1" in found[0], found
+    assert "results are garbage" in found[0] and rt.closed == found[0]
+    assert len(caller.result()) == 1 and str(caller.caught[0]) == found[0]  # in the issuing thread
+    assert dog.poll_once() == []  # closed: said once
+    assert rt.released == []  # the kernel ended by itself: nothing to release

@@ -28,7 +28,8 @@ clearing.
 The buffer (a slot and a reduced region, LL_CAP_BYTES each) is allocated once per group, at the first call, and never regrown:
 a larger message runs another schedule.  Waits are spins on the flags, acquire at system
 scope (waits.spin_geq); in debug mode each is bounded in wall time and a timeout is recorded
-in the runtime's status; otherwise the watchdog watches the call (LowLatency.all_reduce).
+in the runtime's status; otherwise, with the watchdog on, the spins are bounded the same way and the
+watchdog reads the status (no per-call marks: LowLatency._run).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_commopt.kernels.gpu import symm
+from torch_commopt.core import env
+from torch_commopt.kernels.gpu import symm, watchdog
 from torch_commopt.kernels.gpu.waits import spin_geq
 
 PURPOSE = "low-latency"  # the runtime's own_buffer key
@@ -226,37 +228,35 @@ class LowLatency:
         on the current stream; the slots were written before, on this stream.  Watched as
         all_reduce is."""
         n = out.numel() // self.rt.world
-        self._run(lambda bound: launch_gather(self.ranks, out, n, debug=debug, bound=bound), blocks_for(n),
+        self._run(lambda bounded, bound: launch_gather(self.ranks, out, n, debug=bounded, bound=bound),
                   "one-shot all-gather", debug)
         return out
 
-    def _run(self, launch, blocks: int, label: str, debug: bool) -> None:
-        """launch(bound) with the watchdog told of its barrier waits (outside debug mode)."""
+    def _run(self, launch, label: str, debug: bool) -> None:
+        """launch(bounded, bound): debug mode bounds the spins and checks the status after the
+        call (a sync); otherwise, with the watchdog on, the spins bound themselves and the watchdog
+        reads the status (watchdog.Watchdog.watch_status: no per-call marks, which would cost a
+        replayed decode all-reduce more than the all-reduce itself); with it off, they are unbounded."""
         rt = self.rt
-        watched = rt.begin_call("low-latency collective", label=label) if not debug else None
-        if watched is not None:
-            for bar in (symm.LL_BAR, symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD):
-                for p in rt.peers:
-                    rt.expect(bar + p, 1, src=p, what="ll barrier", watched=watched, stride=symm.MAX_WORLD,
-                              count=blocks)
-        try:
-            launch(symm.wait_bound())
-        finally:
-            rt.end_call(watched)
         if debug:
+            launch(True, symm.wait_bound())
             rt.check_status(label)
+            return
+        rt.check_open()  # a closed group raises at once
+        dog = watchdog.get() if env.watchdog() else None
+        if dog is not None:
+            dog.watch_status(rt, label)
+        launch(dog is not None, symm.wait_bound())
 
     def all_reduce(self, out: torch.Tensor, reduce_op: str, debug: bool, two_shot: bool = False) -> torch.Tensor:
         """out = every rank's slot (as out's shape and dtype) summed (avg: / W), on the current
         stream; the slots were written before, on this stream.  two_shot: the two-shot kernel.
-        Outside debug mode the call is watched by the GPU-wait watchdog (kernels/gpu/watchdog.py):
-        its barrier spins are told as one wait per peer and barrier, over every block's flag, so
-        that a stuck call is named and all of its spins released."""
-        rt = self.rt
+        Outside debug mode, with the GPU-wait watchdog on (kernels/gpu/watchdog.py), its barrier
+        spins give up after the bound and the watchdog names the call and the peer from the
+        status words (_run)."""
         label = "two-shot all-reduce" if two_shot else "one-shot all-reduce"
-        blocks = blocks_for(segment(out.numel(), rt.world) if two_shot else out.numel())
         launch = launch_twoshot if two_shot else launch_oneshot
-        self._run(lambda bound: launch(self.ranks, out, avg=reduce_op == "avg", debug=debug, bound=bound), blocks,
+        self._run(lambda bounded, bound: launch(self.ranks, out, avg=reduce_op == "avg", debug=bounded, bound=bound),
                   label, debug)
         return out
 

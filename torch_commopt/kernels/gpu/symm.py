@@ -658,14 +658,26 @@ class GroupRuntime:
     def check_status(self, op: str) -> None:
         """Debug mode: synchronize and raise if any bounded wait of `op` timed out."""
         torch.cuda.synchronize(self.device)
-        timed_out, code, src, chunk, seen, expected = self.status[:6].tolist()
-        if timed_out:
+        words = self.status[:6].tolist()
+        if words[0]:
             self.status.zero_()
-            what = {v: k for k, v in WAIT_CODES.items()}.get(code, f"code {code}")
-            raise WaitTimeout(
-                f"commopt {op}: rank {self.rank} gave up waiting for {what} from rank {src}, chunk {chunk} "
+            raise WaitTimeout(self.status_message(words, op))
+
+    def status_message(self, words: list[int], op: str) -> str:
+        """What a bounded wait that gave up recorded in the status words (timed out, code, src,
+        chunk, seen, expected), as the error names it."""
+        _, code, src, chunk, seen, expected = words[:6]
+        what = {v: k for k, v in WAIT_CODES.items()}.get(code, f"code {code}")
+        return (f"commopt {op}: rank {self.rank} gave up waiting for {what} from rank {src}, chunk {chunk} "
                 f"(flag {seen}, expected >= {expected}, epoch {self.epoch}) in group {self.group_name}: "
                 "a peer stalled, crashed, or runs a different schedule")
+
+    def read_status(self) -> list[int] | None:
+        """The status words as the host sees them now (read_flags' copy: the status lives in the
+        flag array), or None when the copy did not end in time.  The watchdog's look at the calls
+        that bound their own spins (watchdog.Watchdog.watch_status)."""
+        flags = self.read_flags()
+        return None if flags is None else flags[STATUS: STATUS + 6]
 
 
 def off_thread(fn, device: torch.device | None = None):

@@ -27,6 +27,14 @@ kernels:
   call's results are garbage; the exception says so) and the GPU is usable again.  While the
   runtime is closed, calls queued before the close are released the same way without waiting.
 
+Kernels that bound their own spins (the low-latency collectives, kernels/gpu/lowlat.py: a
+decode all-reduce takes ~6 us, and the two marks cost a replayed call ~11 us on 2x H200) are not
+marked per call.  Each spin gives up after the timeout in wall time (waits.spin_geq, the same bound
+as debug mode) and records what it waited for in the runtime's status words; the call's issuer
+registers the runtime once (`watch_status`), and the thread reads those words with the flags'
+copy at every poll: a timeout found there closes the runtime and raises in the issuer's thread as
+a stuck call does.  The kernels have already ended, so nothing needs releasing.
+
 The asynchronous exception (`PyThreadState_SetAsyncExc`) fires when that thread next runs Python
 bytecode: at once if it runs, or when a blocking CUDA call it is in returns once the waits are
 released.  The runtime's later calls raise on their own (`GroupRuntime.begin_call`).
@@ -176,6 +184,7 @@ class Watchdog:
         self.next_eager, self.next_captured = 0, CAPTURED
         self.since: dict[int, float] = {}  # slot -> when its current call was first seen running
         self.told: set[int] = set()  # runtimes (id) whose failure was raised in a thread already
+        self.bounded: dict[int, list] = {}  # runtime id -> [runtime, issuing thread, last label] (watch_status)
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
@@ -206,6 +215,16 @@ class Watchdog:
                 self.next_eager += 1
             self.calls[ticket] = call
         return ticket
+
+    def watch_status(self, runtime, label: str) -> None:
+        """Watch `runtime`'s status words: its self-bounded call `label` (issued by this thread)
+        records a timeout there instead of marking its start and end (module docstring)."""
+        entry = self.bounded.get(id(runtime))
+        if entry is None:
+            with self.lock:
+                self.bounded[id(runtime)] = [runtime, threading.get_ident(), label]
+        else:
+            entry[1], entry[2] = threading.get_ident(), label
 
     def start(self) -> None:
         if self.thread is None:
@@ -239,7 +258,28 @@ class Watchdog:
                 message = self.expire(slot, now - start)
                 if message is not None:
                     found.append(message)
+        for runtime, thread, label in list(self.bounded.values()):
+            message = self.gave_up(runtime, thread, label)
+            if message is not None:
+                found.append(message)
         return found
+
+    def gave_up(self, runtime, thread: int, label: str) -> str | None:
+        """A self-bounded call of `runtime` gave up waiting (its status words say so): close the
+        runtime and raise in the issuing thread, once.  The message when new."""
+        if runtime.closed is not None:
+            return None
+        words = runtime.read_status()
+        if words is None or not words[0]:
+            return None
+        message = (runtime.status_message(words, label) + f". Its spin gave up after {self.timeout:.0f} s; the "
+                   "call's results are garbage and the group's GPU schedules are closed")
+        runtime.close(message)
+        log.error("%s", message)
+        if id(runtime) not in self.told:
+            self.told.add(id(runtime))
+            raise_in(thread, message)
+        return message
 
     def expire(self, slot: int, elapsed: float) -> str | None:
         """Slot `slot`'s call is stuck (or its runtime closed): name it, close the runtime, raise in
