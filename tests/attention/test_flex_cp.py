@@ -6,6 +6,8 @@ output and gradients, computing only the blocks whose mask keeps a tile."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from flex_programs import BLOCK, S, doc_ids, mask_mod_of, run_flex_ring
@@ -167,8 +169,9 @@ def test_a_compiled_flex_training_step_runs_the_named_schedule_forward_and_backw
 
 
 def test_a_mask_is_cut_once_for_its_very_tensors():
-    """flex.cached: every layer's call with the same mask tensors reuses the cut steps; a write into
-    them, a new mask at the same shapes, or an inference-mode one (no version counter) cuts again."""
+    """flex.cached: every layer's call with the same block tables reuses the cut steps; a write into
+    them, a new mask at the same shapes, or an inference-mode one (no version counter) cuts again.
+    The mask function's buffers are not part of the cut: a hit carries the call's own."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from torch_commopt.kernels.attention import flex, flex_ring
@@ -181,7 +184,15 @@ def test_a_mask_is_cut_once_for_its_very_tensors():
     first = flex_ring.steps_of(blocks, 2, 1)
     assert flex_ring.steps_of(blocks, 2, 1) is first
     assert flex_ring.steps_of(blocks, 2, 0) is not first  # another rank's (or schedule's) cut
-    blocks.buffers[0][0, 500:] += 7  # the document ids written in place: the mask function's input changed
+    # another tensor object for the same buffer (a compiled graph's alias of it), or new values in
+    # it: the same cut, with this call's buffer, which the kernels read when they run
+    alias = torch.as_strided(blocks.buffers[0].detach(), blocks.buffers[0].shape, blocks.buffers[0].stride())
+    rebound = flex_ring.steps_of(dataclasses.replace(blocks, buffers=(alias,)), 2, 1)
+    assert rebound is not first and rebound[1] is first[1] and rebound[0][0].tables is first[0][0].tables
+    assert all(step.buffers[2] is alias for step in rebound[0])
+    assert [step.mask(*map(torch.tensor, (0, 0, 3, 100))) for step in first[0]] == \
+        [step.mask(*map(torch.tensor, (0, 0, 3, 100))) for step in rebound[0]]
+    blocks.kv_num.add_(0)  # a write into the block tables: cut again
     assert flex_ring.steps_of(blocks, 2, 1) is not first
     again = flex.Blocks.of(mask_of(docs))  # equal values, other tensors
     assert flex_ring.steps_of(again, 2, 1) is not flex_ring.steps_of(blocks, 2, 1)

@@ -73,6 +73,7 @@ import torchtitan.models.llama3.infra.parallelize as _llama3_parallelize  # noqa
 
 import torch_commopt  # noqa: E402
 from torch_commopt.optimize import is_optimized  # noqa: E402
+from torch_commopt.kernels.attention import flex  # noqa: E402
 
 _disable_division = _llama3_parallelize.disable_fsdp_gradient_division
 
@@ -130,6 +131,7 @@ class RecordingTrainer(Trainer):
             "rewritten": [[r.kind, r.schedule] for g in graphs for r in g.rewritten],
             "commopt_ops": sum(sum(g.commopt_ops.values()) for g in graphs),
             "flex_notes": [n for g in graphs for n in g.notes if "cp_flex_attention" in n],
+            "flex_cuts": dict(flex.CACHE_STATS),
         }
         with open(f"{path}.{torch.distributed.get_rank()}.json", "w") as f:
             json.dump(result, f)
@@ -159,6 +161,7 @@ def run_jobs(jobs, base_args, result):
         os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False", TT_RESULT=f"{result}.{i}")
         torch._dynamo.reset()
         torch_commopt.reset_explain()
+        flex.CACHE_STATS.update(hits=0, cuts=0)
         # not main(): ConfigManager.parse_args's default is sys.argv[1:] as it was at import
         trainer = RecordingTrainer(ConfigManager().parse_args([*base_args, *args]))
         try:

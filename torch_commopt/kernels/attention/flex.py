@@ -22,6 +22,7 @@ add up to the whole attention's.  Only masks are handled (score_mod the identity
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import weakref
@@ -251,36 +252,56 @@ def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
 
     offsets = (0 if blocks.own_rows else p * length, c0 * blocks.block)
     if kn.is_cuda:  # tensors: one compiled kernel for every (p, s) (python ints would be baked in)
-        offsets = tuple(torch.tensor(o, dtype=torch.int32, device=kn.device) for o in offsets)
+        # (through pinned memory: a plain copy to the device waits for the stream)
+        offsets = tuple(torch.tensor(o, dtype=torch.int32).pin_memory().to(kn.device, non_blocking=True)
+                        for o in offsets)
     return Step(tuple(tables) + (moved,), offsets + blocks.buffers, blocks.code())
 
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 CACHE_ENTRIES = 8  # masks (x schedules) kept: a step's layers share one; cut tables are ~MBs at 128K tokens
+CACHE_STATS = {"hits": 0, "cuts": 0}  # cached()'s counts (a program's cuts should be one per mask and schedule)
 
 
 def cached(blocks: Blocks, key: tuple, build: Callable):
     """build() -- a schedule's cut masks (step_mask) and their extents -- once for a mask's very
-    tensors: every layer of a step passes the same BlockMask's tables to its attention, and
+    block tables: every layer of a step passes the same BlockMask's tables to its attention, and
     cutting them costs milliseconds of host time (dozens of small kernels and a host read) that
-    the GPU would wait for.  A hit needs the same tensor objects (held by weak references: a new
+    the GPU would wait for.  A hit needs the same table tensors (held by weak references: a new
     tensor at a freed one's address is another object) at the same versions (an in-place write
-    bumps it), so a new batch's mask is always cut again."""
-    tensors = tuple(t for t in (blocks.kv_num, blocks.kv_idx, blocks.full_num, blocks.full_idx, *blocks.buffers)
-                    if t is not None)
+    bumps it), so a new batch's mask is always cut again.  The cut reads the tables only; the mask
+    function's buffers ride along in each Step, and a hit carries this call's (a compiled graph
+    may hand each layer another tensor object for the same buffer)."""
+    tables = tuple(t for t in (blocks.kv_num, blocks.kv_idx, blocks.full_num, blocks.full_idx) if t is not None)
     try:
-        versions = tuple((id(t), t._version) for t in tensors)  # noqa: SLF001  (the in-place write counter)
+        versions = tuple((id(t), t._version) for t in tables)  # noqa: SLF001  (the in-place write counter)
     except RuntimeError:  # an inference-mode tensor keeps no version counter: nothing to tell a write by
         return build()
-    full_key = (versions, key, blocks.own_rows, blocks.seq_len, blocks.block, blocks.code())
+    full_key = (versions, key, blocks.own_rows, blocks.seq_len, blocks.block, blocks.code(),
+                tuple((tuple(b.shape), b.dtype, b.device) for b in blocks.buffers))
     hit = _CACHE.get(full_key)
-    if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors, strict=True)):
+    if hit is not None and all(ref() is t for ref, t in zip(hit[0], tables, strict=True)):
         _CACHE.move_to_end(full_key)
-        return hit[1]
+        CACHE_STATS["hits"] += 1
+        return _with_buffers(hit[1], tuple(blocks.buffers))
+    CACHE_STATS["cuts"] += 1
     value = build()
-    _CACHE[full_key] = (tuple(weakref.ref(t) for t in tensors), value)
+    _CACHE[full_key] = (tuple(weakref.ref(t) for t in tables), value)
     while len(_CACHE) > CACHE_ENTRIES:
         _CACHE.popitem(last=False)
+    return value
+
+
+def _with_buffers(value, buffers: tuple):
+    """A cut (a Step, or lists and tuples holding Steps) with each Step's mask buffers replaced
+    by `buffers` (its two offsets kept)."""
+    if isinstance(value, Step):
+        if len(value.buffers) == 2 + len(buffers) and all(a is b for a, b in zip(value.buffers[2:], buffers)):
+            return value
+        return dataclasses.replace(value, buffers=tuple(value.buffers[:2]) + buffers)
+    if isinstance(value, (list, tuple)):
+        out = type(value)(_with_buffers(v, buffers) for v in value)
+        return value if all(a is b for a, b in zip(out, value)) else out
     return value
 
 
