@@ -12,13 +12,14 @@ import torch.nn.functional as F
 
 from torch_commopt.kernels.moe.by_expert import by_expert
 from torch_commopt.kernels.moe.exchange import exchange_counts
-from torch_commopt.kernels.moe.module import swiglu_per_expert
+from torch_commopt.kernels.moe.module import PaddedLocal, swiglu_per_expert
 from torch_commopt.kernels.moe.schedules import expert_parallel
 
 D, H, NL = 12, 20, 3  # model dim, expert hidden dim, local experts per rank
 # every schedule; by_expert in 2 uneven chunks (2 + 1 experts), in one chunk per expert, and with
 # its groups padded to 8 rows as on a GPU
-CASES = ("a2a", "by_peer", "by_expert", "by_expert:3", "by_expert padded")
+# (and a2a with experts that want padded groups, module.PaddedLocal, padded on the CPU too)
+CASES = ("a2a", "by_peer", "by_expert", "by_expert:3", "by_expert padded", "a2a padded")
 
 
 def _tokens(p: int, world: int, routing: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +59,13 @@ def _swiglu(rows: torch.Tensor, w1, w2, w3) -> torch.Tensor:
 def _local_experts(w1, w2, w3):
     """A GroupedExperts-like callable over these (nl, ...) weights: the package's SwiGLU per expert."""
     return functools.partial(swiglu_per_expert, w1, w2, w3)
+
+
+class _PlacedByTheSchedule(PaddedLocal):
+    """Experts that want padded groups, which a2a must place the rows into itself (unpadded)."""
+
+    def __call__(self, rows, per_expert):
+        raise AssertionError("a2a called the padding wrapper instead of placing the rows in padded groups")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -105,6 +113,9 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device
             xr = x.to(device, copy=True).requires_grad_()
             if schedule == "by_expert padded":
                 out = by_expert(xr, exchange_counts(counts, group), local, group, 2, align=8)
+            elif schedule == "a2a padded":
+                experts = _PlacedByTheSchedule(_local_experts(*local), 8, on_cpu=True)
+                out = expert_parallel(xr, counts, experts, group, "a2a")
             else:
                 out = expert_parallel(xr, counts, _local_experts(*local), group, schedule, weights=local)
             (out * grads_out[rank].to(device)).sum().backward()

@@ -12,14 +12,27 @@ from torch_commopt.tuner.moe.cost import CHUNK_OVERHEAD, MoEShape, best, estimat
 DSV2_8K = MoEShape(rows=49152, dim=2048, hidden=1408, local_experts=32, world=2, dtype="bfloat16", transport="ce")
 
 
-def test_a_long_exchange_beside_the_experts_on_the_copy_engine_is_pipelined():
-    pick, est = best(DSV2_8K, prior("NVIDIA H200", 2))
+def test_on_nvlink_h200s_the_plain_exchange_wins_at_the_measured_shapes():
+    # 2x H200 (benchmarks/results/moe_h200x2_*): by_expert ran 0.80-0.89x of a2a at every case, its
+    # own compute 1.06-1.7x the grouped GEMMs' while the exchange exposed 8-25% of a2a's step
+    cal = prior("NVIDIA H200", 2)
+    for hidden, experts in ((1408, 32), (768, 64), (14336, 4)):
+        for rows in (4096 * 6, 8192 * 6, 16384 * 6):
+            shape = dataclasses.replace(DSV2_8K, rows=rows, hidden=hidden, local_experts=experts)
+            assert best(shape, cal)[0] == "a2a", shape
+
+
+def test_a_slow_link_beside_the_experts_is_pipelined():
+    # a link ten times slower (PCIe-like): the exchange outweighs by_expert's own compute
+    cal = prior("NVIDIA H200", 2)
+    slow = dataclasses.replace(cal.p2p, bytes_per_s=cal.p2p.bytes_per_s / 10)
+    cal = dataclasses.replace(cal, p2p=slow)
+    pick, est = best(DSV2_8K, cal)
     assert pick.startswith("by_expert:") and est[pick] < est["a2a"]
     # what a2a exposes is hidden but for the first chunk's dispatch and the last one's combine
-    # (1/C of it each way) and the chunks' cost: at C = 2 a little under half
-    cal = prior("NVIDIA H200", 2)
+    # (1/C of it each way), less by_expert's extra compute
     exposed = est["a2a"] - estimates(dataclasses.replace(DSV2_8K, world=1), cal)["a2a"]
-    assert 0.4 * exposed < est["a2a"] - est[pick] < (1 - 1 / int(pick.split(":")[1])) * exposed
+    assert 0.2 * exposed < est["a2a"] - est[pick] < (1 - 1 / int(pick.split(":")[1])) * exposed
 
 
 def test_with_no_overlap_at_all_the_plain_exchange_wins():

@@ -71,6 +71,24 @@ def padded(run: Local, align: int = ALIGN) -> Local:
     return call
 
 
+class PaddedLocal:
+    """A Local whose grouped GEMM takes groups padded to `align` rows (at least `align`): called as
+    a Local it pads its input itself (`padded`) where `pads(device)`; a schedule that places the
+    received rows into padded groups directly (schedules._a2a) calls `unpadded` instead, sparing
+    two copies of every row.  `on_cpu`: pad on the CPU too (torch's CPU grouped GEMM takes any
+    groups; the tests use it to check the schedules' own padding)."""
+
+    def __init__(self, run: Local, align: int = ALIGN, on_cpu: bool = False) -> None:
+        self.unpadded, self.align, self.on_cpu = run, align, on_cpu
+        self._padded = padded(run, align)
+
+    def pads(self, device: torch.device) -> bool:
+        return device.type != "cpu" or self.on_cpu
+
+    def __call__(self, rows: Tensor, per_expert: Tensor) -> Tensor:
+        return self._padded(rows, per_expert) if self.pads(rows.device) else self.unpadded(rows, per_expert)
+
+
 Choose = Callable[..., str]  # (routing, x, weights, group) -> a schedule (tuner/moe/choose.py)
 
 
@@ -178,10 +196,5 @@ def torchtitan_local(module: nn.Module) -> Local:
         return forward(module, rows, per_expert)
 
     if getattr(module, "use_grouped_mm", False):
-        aligned = padded(local)
-
-        def local_or_padded(rows: Tensor, per_expert: Tensor) -> Tensor:  # torch's CPU kernel takes any groups
-            return local(rows, per_expert) if rows.device.type == "cpu" else aligned(rows, per_expert)
-
-        return local_or_padded
+        return PaddedLocal(local)  # torch's CPU kernel takes any groups: padded on GPUs only
     return local

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_commopt.core.moe_spec import parse_moe_schedule
-from torch_commopt.kernels.moe.by_expert import DEFAULT_CHUNKS, by_expert
+from torch_commopt.kernels.moe.by_expert import DEFAULT_CHUNKS, by_expert, plan
 from torch_commopt.kernels.moe.exchange import (
     AllToAll,
     Routing,
@@ -103,6 +103,15 @@ def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
     sends = [routing.send_rows(q) for q in range(world)]
     recvs = [routing.recv_rows(p) for p in range(world)]
     got = AllToAll.apply(x, recvs, sends, group)
+    pads = getattr(experts, "pads", None)
+    if pads is not None and pads(x.device):
+        # experts whose groups must be padded (module.PaddedLocal): each received row straight to
+        # its place in its expert's padded group and back, one copy each way (torchtitan's count)
+        # where reordering and padding apart would copy every row twice each way
+        p = plan(routing, 1, x.device, experts.align)
+        src = got.new_zeros((p.padded_rows,) + tuple(got.shape[1:])).index_copy(0, p.place[0], got)
+        out = experts.unpadded(src, p.groups)
+        return AllToAll.apply(gather_rows(out, p.place[0]), sends, recvs, group)
     order = expert_major(routing, x.device)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=x.device)
