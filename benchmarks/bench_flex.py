@@ -100,9 +100,10 @@ def _variant(fn, *args):
     return lambda: contextlib.nullcontext((step, None))
 
 
-def _commopt_variants(case: _Case, rank: int, world: int, group) -> tuple[dict, dict, dict]:
+def _commopt_variants(case: _Case, rank: int, world: int, group, only: str | None) -> tuple[dict, dict, dict]:
     """({name: variant}, {name: errors}, {layout: tiles per rank}) of every schedule on the
-    contiguous layout and on balance.choose's."""
+    contiguous layout and on balance.choose's; `only`: that schedule on choose's layout alone
+    (each schedule and layout compiles kernels of its own: minutes a case on a GPU)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from torch_commopt.kernels.attention import balance, flex_allgather, flex_ring
@@ -110,7 +111,8 @@ def _commopt_variants(case: _Case, rank: int, world: int, group) -> tuple[dict, 
 
     length, scale = case.seq // world, case.q.shape[-1] ** -0.5
     rows = balance.row_work(case.mask)
-    layouts = {lay.name: lay for lay in (balance.contiguous(rows.numel(), world, BLOCK), balance.choose(case.mask, world))}
+    chosen = balance.choose(case.mask, world)
+    layouts = {lay.name: lay for lay in ([chosen] if only else [balance.contiguous(rows.numel(), world, BLOCK), chosen])}
     variants, errors, tiles = {}, {}, {}
     for name, lay in layouts.items():
         moved = lay.mask_mod(case.mod, case.device)
@@ -119,7 +121,7 @@ def _commopt_variants(case: _Case, rank: int, world: int, group) -> tuple[dict, 
         local = [lay.shard(t, 2, rank).contiguous() for t in (case.q, case.k, case.v, case.dout)]
         want = [lay.shard(t, 2, rank) for t in case.ref]
         tiles[name] = lay.rank_work(rows)
-        for schedule in flex_candidates(case.shape, per_head_mask=False):
+        for schedule in [only] if only else flex_candidates(case.shape, per_head_mask=False):
             groups = int(schedule.split("g=")[1]) if "g=" in schedule else 1
 
             def fn(q, k, v, *, block_mask, enable_gqa, schedule=schedule, groups=groups):
@@ -184,10 +186,12 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     mesh, clock, flex = init_device_mesh(device, (world,)), Clock(device), _flex(device)
     records = []
     for seq in (int(s) for s in (args.seq or preset["seq"]).split(",")):
-        for kind in (args.masks or preset["masks"]).split(","):
+        for kind in (args.masks or preset["masks"]).replace("_", " ").split(","):
             case = _Case(kind, seq, preset, device, flex)
             single = {"single GPU": _variant(_Case.fwd_bwd, case.flex, case.q, case.k, case.v, case.dout, case.mask)}
-            ours, errors, tiles = _commopt_variants(case, rank, world, dist.group.WORLD)
+            pick = _pick(case, world, preset["dtype"], device)
+            ours, errors, tiles = _commopt_variants(case, rank, world, dist.group.WORLD,
+                                                    pick if args.pick_only else None)
             # on a GPU the ranks share, torch CP's eager funcol gathers over gloo crash the process
             # (tests/gpu/results/shared_gpu_funcol_segfault_h200_2026-11-25.txt): not run there
             theirs, their_errors = ({}, {}) if args.shared else _torch_cp_variants(case, rank, world, mesh)
@@ -196,7 +200,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             dist.all_reduce(errs, op=dist.ReduceOp.MAX)
             records.append({"mask": kind, "seq": seq, "ms": {k: sorted(v)[len(v) // 2] for k, v in ms.items()},
                             "errors": dict(zip({**errors, **their_errors}, errs.tolist(), strict=True)),
-                            "tiles": tiles, "pick": _pick(case, world, preset["dtype"], device)})
+                            "tiles": tiles, "pick": pick})
             if rank == 0:
                 log.info("%s", records[-1])
     return records
@@ -246,10 +250,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="gloo smoke run: float32, 1K tokens, small heads")
     p.add_argument("--shared", action="store_true", help="both ranks on one GPU over gloo: a check of the GPU path")
     p.add_argument("--seq", help="comma-separated S_total values")
-    p.add_argument("--masks", help="comma-separated masks: causal, docs N, window N")
+    p.add_argument("--masks", help="comma-separated masks: causal, docs N, window N ('_' for a space: docs_4K)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--target-ms", dest="target_ms", type=float, default=None)
     p.add_argument("--lead", type=int, default=LEAD_CALLS)
+    p.add_argument("--pick-only", dest="pick_only", action="store_true",
+                   help="commopt's pick on balance.choose's layout alone (not every schedule on both layouts)")
     p.add_argument("--commit", default="")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.cpu else 5)

@@ -110,8 +110,11 @@ if [[ $what == flex ]]; then
   timeout ${PROBE_TIMEOUT:-400} python3 -m benchmarks.probe_flex_blocks --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
 fi
 if [[ $what == flex_bench ]]; then
-  # issue 70 on W GPUs: FlexAttention CP, commopt vs one GPU and torch's context_parallel (~8 min at the
-  # default sweep on 2x H200 is a guess: split it with BENCH_ARGS="--seq 16384,32768" etc.)
+  # issue 70 on W GPUs: FlexAttention CP, commopt vs one GPU and torch's context_parallel.  Every
+  # schedule and layout compiles kernels of its own: on 2x H200 not one case of "--seq 16384,32768"
+  # ended in 240 s.  Give BENCH_ARGS "--pick-only" (commopt's pick on choose's layout, torch CP's two
+  # balancers, the single GPU) and one S_total and a few masks a call, e.g. "--pick-only --seq 16384
+  # --masks causal,docs_4K" ('_' for the space BENCH_ARGS would split on)
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_flex --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_bench.log"
 fi
 if [[ $what == attention1 ]]; then
