@@ -587,18 +587,18 @@ class GroupRuntime:
         driver.use_context(self._context)
         return driver.stream_done(handle)
 
-    def read_flags(self, bound_s: float = 5.0):
-        """This rank's flag array as the host sees it now (a copy-engine copy on a stream of the
-        watchdog's, not behind the stuck ones), or None when the copy did not end within bound_s."""
-        nbytes = FLAG_SLOTS * 4
+    def read_flags(self, bound_s: float = 5.0, start: int = 0, count: int = FLAG_SLOTS):
+        """This rank's flags [start, start + count) as the host sees them now (a copy-engine copy on
+        a stream of the watchdog's, not behind the stuck ones), or None when the copy did not end
+        within bound_s."""
         driver.use_context(self._context)
-        driver.memcpy_dtoh_async(self._peek_stream, self._peek_host, self.flags.data_ptr(), nbytes)
+        driver.memcpy_dtoh_async(self._peek_stream, self._peek_host, self.flags.data_ptr() + 4 * start, 4 * count)
         deadline = time.monotonic() + bound_s
         while not driver.stream_done(self._peek_stream):
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.001)
-        return list((ctypes.c_int32 * FLAG_SLOTS).from_address(self._peek_host))
+        return list((ctypes.c_int32 * count).from_address(self._peek_host))
 
     def release(self, index: int, value: int) -> None:
         """Write `value` into this rank's flag `index` (the watchdog releasing a stuck wait)."""
@@ -673,11 +673,10 @@ class GroupRuntime:
                 "a peer stalled, crashed, or runs a different schedule")
 
     def read_status(self) -> list[int] | None:
-        """The status words as the host sees them now (read_flags' copy: the status lives in the
-        flag array), or None when the copy did not end in time.  The watchdog's look at the calls
+        """The status words as the host sees them now (read_flags: the status lives in the flag
+        array), or None when the copy did not end in time.  The watchdog's look at the calls
         that bound their own spins (watchdog.Watchdog.watch_status)."""
-        flags = self.read_flags()
-        return None if flags is None else flags[STATUS: STATUS + 6]
+        return self.read_flags(start=STATUS, count=6)  # 24 bytes at each poll, not the 512 KB flag array
 
 
 def off_thread(fn, device: torch.device | None = None):

@@ -95,7 +95,7 @@ class Call:
     rank: int
     epoch: int
     thread: int  # threading.get_ident() of the issuing thread
-    runtime: object  # the GroupRuntime: read_flags(), release(index, value), close(message), closed
+    runtime: object  # the GroupRuntime: read_flags(), read_status(), status_message(), release(), close(), closed
     stream: int = 0  # the caller's stream (raw handle) the call's marks are queued on
     waits: list[Wait] = field(default_factory=list)
     captured: bool = False
