@@ -328,7 +328,7 @@ def run_sdpa_document_mask(rank: int, world: int, train: bool = False) -> dict:
     """SDPA with a boolean documents mask of the rank's rows against every key, which the program
     computes from the document ids (an input), K/V all-gathered, compiled with backend="commopt":
     {"error", "eager_error": float32's own vs dense float64, "notes"}; train: a step's q/k/v
-    gradients instead (the joint graph keeps the program's attention)."""
+    gradients instead."""
     import torch.nn.functional as F
     from dist_programs import all_gather_on
 

@@ -270,17 +270,18 @@ def test_a_new_documents_mask_each_batch_recompiles_nothing():
         assert any("cp_flex_attention_fwd ring" in n for n in got["notes"]), got["notes"]
 
 
-def test_sdpa_with_a_documents_mask_runs_the_flex_ops_in_inference():
+def test_sdpa_with_a_documents_mask_runs_the_flex_ops():
     """SDPA with a boolean documents mask of the rank's rows (computed in the graph from the ids;
     SDPA makes it additive, where(mask, 0, -inf)) over all-gathered K/V: in an inference graph it
     runs as cp_flex_attention_fwd with the mask a buffer and its block tables made from it at run
-    time (commopt.dense_block_tables); in training the program keeps its own, and says so."""
+    time (commopt.dense_block_tables); in the joint graph as cp_flex_attention_fwd/bwd in place of
+    SDPA and its backward, the K/V gradients' reduce-scatters gone."""
     from flex_programs import run_sdpa_document_mask_both
 
     for rank, both in enumerate(run_distributed(run_sdpa_document_mask_both, 2, backend="gloo", timeout_s=300)):
         for train, got in zip((False, True), both, strict=True):
             assert within_tolerance(got["error"], got["eager_error"]), (rank, train, got)
-            want = "inference graphs only" if train else "cp_flex_attention_fwd allgather"
+            want = "cp_flex_attention_fwd/bwd allgather" if train else "cp_flex_attention_fwd allgather"
             assert any(want in n for n in got["notes"]), got["notes"]
 
 

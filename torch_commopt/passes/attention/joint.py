@@ -145,9 +145,11 @@ def _match_flex(region: AttentionRegion) -> dict:
     """_match for flex_attention: its flex_attention_backward (on the same gathered K/V, its out
     and LSE from this forward, no LSE gradient), the dq getitem and each K/V gradient's wait."""
     fwd = region.attention
-    if region.flex.dense:
-        raise NotMatched("SDPA with a dense boolean mask runs through the flex ops in inference graphs only; "
-                         "in training the program keeps its own")
+    if region.flex.dense:  # SDPA with a boolean mask: SDPA's own backward (no mask gradient)
+        if fwd.target not in ATTENTION_BACKWARD:
+            raise NotMatched(f"{fwd.target} has no backward here")
+        plan = _match(region)
+        return dict(plan, dout=plan["bwd"].args[0])
     key, value = fwd.args[1], fwd.args[2]
     bwds = [u for u in key.users if u.target is FLEX_BACKWARD and u.args[1] is key and u.args[2] is value]
     if len(bwds) != 1 or set(key.users) - {fwd, bwds[0]} or set(value.users) - {fwd, bwds[0]}:
@@ -162,7 +164,7 @@ def _match_flex(region: AttentionRegion) -> dict:
     for i, name in ((1, "k"), (2, "v")):
         grads[name] = _drain(outs[i], region.collectives[i - 1]) if i in outs else None
         befores[name] = _local_shapes(region, name)
-    return {"bwd": bwd, "dq": outs[0], "grads": grads, "befores": befores}
+    return {"bwd": bwd, "dq": outs[0], "grads": grads, "befores": befores, "dout": bwd.args[5]}
 
 
 def _apply_flex(graph: Graph, region: AttentionRegion, plan: dict, schedule: str) -> None:
@@ -170,16 +172,19 @@ def _apply_flex(graph: Graph, region: AttentionRegion, plan: dict, schedule: str
     and LSE, natural log, carried from one to the other); the K/V gradients brought back to the
     shards' layout where the reduce-scatters delivered them; the gathers and reduce-scatters go."""
     fwd, bwd, mask = region.attention, plan["bwd"], region.flex
-    common = (mask.tables, mask.buffers, mask.code, mask.sizes, region.scale, region.world, region.group_name,
-              schedule)
     with graph.inserting_before(fwd):
+        tables = mask.tables
+        if mask.dense:  # SDPA's boolean mask: its block tables made from it at run time, for both passes
+            made = add_node(graph, torch.ops.commopt.dense_block_tables.default, (mask.buffers[0], mask.sizes[2]))
+            tables = [add_node(graph, operator.getitem, (made, i)) for i in range(4)]
+        common = (tables, mask.buffers, mask.code, mask.sizes, region.scale, region.world, region.group_name, schedule)
         k, v = _local(graph, region, "k"), _local(graph, region, "v")
         pair = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default, (region.inputs["q"], k, v, *common))
         out, lse = (add_node(graph, operator.getitem, (pair, i)) for i in range(2))
     region.output.replace_all_uses_with(out)
     with graph.inserting_before(bwd):
         grads = add_node(graph, torch.ops.commopt.cp_flex_attention_bwd.default,
-                         (bwd.args[5], region.inputs["q"], k, v, out, lse, *common))
+                         (plan["dout"], region.inputs["q"], k, v, out, lse, *common))
         parts = [add_node(graph, operator.getitem, (grads, i)) for i in range(3)]
     _replace_gradients(graph, region, plan, parts, list(fwd.users))  # the old outputs' detaches go too
 
