@@ -379,3 +379,77 @@ def run_sdpa_document_mask(rank: int, world: int, train: bool = False) -> dict:
 def run_sdpa_document_mask_both(rank: int, world: int) -> list[dict]:
     """run_sdpa_document_mask for inference, then training, in one start of the ranks."""
     return [run_sdpa_document_mask(rank, world, train) for train in (False, True)]
+
+
+def run_flex_ulysses(rank: int, world: int, schedule: str = "auto", train: bool = False) -> dict:
+    """A Ulysses program around flex_attention (DeepSpeed-style on (B, S_loc, H, D) activations:
+    all-to-all sequence -> heads, flex_attention on H/W heads over the whole sequence with the
+    whole sequence's documents mask, all-to-all back) compiled with backend="commopt":
+    {"error", "eager_error": largest error of the rank's output (train: its q/k/v gradients) vs
+    dense float64, float32 eager's own; "notes"; "a2as": all-to-alls left in the graphs}."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.attention.flex_attention as fa
+
+    import torch_commopt
+
+    heads, kv_heads = 2 * world, world  # each rank: 2 query heads over 1 KV head
+    group = dist.group.WORLD
+    a2a = funcol.all_to_all_single_autograd if train else funcol.all_to_all_single
+    if train:
+        fa._validate_device = lambda *args, **kwargs: None  # noqa: SLF001
+
+    def seq_to_heads(x):  # (B, S_loc, H, D) -> (B, H/W, S, D), the sequence rank-major
+        b, s, h, d = x.shape
+        x = x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+        return a2a(x, None, None, group=group).permute(1, 0, 2, 3, 4).reshape(b, world * s, h // world, d).transpose(1, 2)
+
+    def heads_to_seq(x):  # (B, H/W, S, D) -> (B, S_loc, H, D)
+        b, h, s, d = x.shape
+        x = x.transpose(1, 2).reshape(b, world, s // world, h, d).permute(1, 0, 2, 3, 4).contiguous()
+        return a2a(x, None, None, group=group).permute(1, 2, 0, 3, 4).reshape(b, s // world, world * h, d)
+
+    mod = mask_mod_of("document", doc_ids(1))
+    block_mask = fa.create_block_mask(mod, 1, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+
+    def program(q, k, v):
+        out = fa.flex_attention(seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), block_mask=block_mask,
+                                enable_gqa=True)
+        return heads_to_seq(out)
+
+    gen = torch.Generator().manual_seed(29)
+    q, dout = (torch.randn(1, S, heads, D, generator=gen) for _ in range(2))  # (B, S, H, D)
+    k, v = (torch.randn(1, S, kv_heads, D, generator=gen) for _ in range(2))
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    shares = [t[:, mine].contiguous().requires_grad_(train) for t in (q, k, v)]
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})
+    with torch.set_grad_enabled(train):
+        out = compiled(*shares)
+    if train:
+        out.backward(dout[:, mine])
+        got = torch.cat([t.grad.flatten() for t in shares])
+    else:
+        got = out.detach().flatten()
+    pos = torch.arange(S)
+    dense_mask = mod(0, 0, pos[:, None], pos[None, :])[None, None]
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        full = [t.to(dtype).transpose(1, 2).requires_grad_(train) for t in (q, k, v)]  # (B, H, S, D)
+        want = _dense(*full, dense_mask, 1 / math.sqrt(D)).transpose(1, 2)  # (B, S, H, D)
+        if train:
+            want.backward(dout.to(dtype))
+            results[dtype] = torch.cat([t.grad.transpose(1, 2)[:, mine].flatten() for t in full])
+        else:
+            results[dtype] = want.detach()[:, mine].flatten()
+    graphs = torch_commopt.explain().graphs
+    return {"error": (got.double() - results[torch.float64]).abs().max().item(),
+            "eager_error": (results[torch.float32].double() - results[torch.float64]).abs().max().item(),
+            "notes": [n for g in graphs for n in g.notes if "attention" in n],
+            "a2as": sum(g.collectives_after.get("all_to_all", 0) for g in graphs)}
+
+
+def run_flex_ulysses_both(rank: int, world: int, schedule: str) -> list[dict]:
+    """run_flex_ulysses for inference, then a training step, in one start of the ranks."""
+    return [run_flex_ulysses(rank, world, schedule, train) for train in (False, True)]

@@ -283,7 +283,8 @@ def test_a_training_graph_ranks_schedules_by_forward_and_backward(monkeypatch):
     shape = (1, 32, 32, 8192, 128)
     q = Graph().placeholder("q")
     q.meta["val"] = torch.empty(1, 32, 4096, 128, dtype=torch.bfloat16, device="meta")
-    region = SimpleNamespace(form="allgather_kv", inputs={"q": q}, shape=shape, world=2, causal=True, group_name="unused")
+    region = SimpleNamespace(form="allgather_kv", inputs={"q": q}, shape=shape, world=2, causal=True, group_name="unused",
+                             flex=None)
     monkeypatch.setattr(rewrite, "machine_for", lambda *args: MACHINE)
     fwd = rank_schedules(shape, world=2, causal=True, dtype="bfloat16", machine=MACHINE)
     both = rank_schedules(shape, world=2, causal=True, dtype="bfloat16", machine=MACHINE, backward=True)

@@ -11,6 +11,7 @@ from torch_commopt.tuner.attention.flex_cost import (
     flex_candidates,
     flex_estimate_ms,
     rank_flex_schedules,
+    ulysses_ms,
 )
 
 SHAPE = (1, 32, 8, 32768, 128)
@@ -49,3 +50,16 @@ def test_a_per_head_mask_runs_in_one_group_and_the_ranking_is_sorted():
     ranked = rank_flex_schedules(SHAPE, causal_work(4), dtype="bfloat16", machine=m, backward=True)
     assert {n for n, _ in ranked} == set(flex_candidates(SHAPE, per_head_mask=False))
     assert ranked[-1][0] == "ring"  # same bytes moved, slower blocks
+
+
+def test_a_programs_ulysses_is_priced_at_the_average_work_and_its_all_to_alls():
+    # heads balance Ulysses exactly: with free links it takes the average rank's work, where the
+    # all-gather schedule on contiguous causal shares takes the busiest's (1.5 of 1.0 at W=2)
+    free = CPMachine(link_bytes_per_s=1e30, alpha_s=0.0, flops_per_s=400e12, launch_s=0.0)
+    block_ms = 4 * 32 * (32768 // 2) ** 2 * 128 / 400e12 * 1e3
+    work = causal_work(2)
+    assert ulysses_ms(SHAPE, work, dtype="bfloat16", machine=free) == pytest.approx(1.0 * block_ms)
+    # a slow link: its four all-to-alls a pass (q and out of 32 heads, k and v of 8) are what it pays
+    slow = CPMachine(link_bytes_per_s=1e9, alpha_s=0.0, flops_per_s=1e30, launch_s=0.0)
+    moved = (2 * 32 + 2 * 8) * (32768 // 2) * 128 * 2 / 2  # bytes a rank sends: half of each share leaves
+    assert ulysses_ms(SHAPE, work, dtype="bfloat16", machine=slow) == pytest.approx(moved / 1e9 * 1e3)

@@ -301,3 +301,20 @@ def test_a_dense_masks_block_tables_are_create_block_masks():
             kept = torch.arange(idx.shape[-1]) < num[..., None]
             assert torch.equal(num, w_num) and torch.equal(torch.where(kept, idx, -1),
                                                            torch.where(kept, w_idx[..., :idx.shape[-1]], -1)), kind
+
+
+@pytest.mark.parametrize("world, schedule", [(2, "allgather"), (4, "ring")])
+def test_a_ulysses_program_around_flex_attention_runs_the_flex_ops(world, schedule):
+    """Ulysses all-to-alls around flex_attention with the whole sequence's documents mask
+    (GQA): inference as cp_flex_attention_fwd and a training step as cp_flex_attention_fwd/bwd on
+    each rank's sequence share, every all-to-all gone, output and q/k/v gradients within float32's
+    own error of dense float64 attention."""
+    from flex_programs import run_flex_ulysses_both
+
+    for rank, both in enumerate(run_distributed(run_flex_ulysses_both, world, schedule, backend="gloo",
+                                                timeout_s=300)):
+        for train, got in zip((False, True), both, strict=True):
+            assert within_tolerance(got["error"], got["eager_error"]), (rank, train, got)
+            want = f"cp_flex_attention_fwd/bwd {schedule}" if train else f"cp_flex_attention_fwd {schedule}"
+            assert any("flex_ulysses" in n and want in n for n in got["notes"]), got["notes"]
+            assert got["a2as"] == 0, got

@@ -291,3 +291,54 @@ def _no_collectives_left(gm, example_inputs):
     if any(graph.collectives_after.values()):
         raise RuntimeError(f"collectives left {graph.collectives_after}; notes {graph.notes}; skipped {graph.skipped}")
     return compiled
+
+
+def run_flex_ulysses(rank: int, world: int, schedule: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A Ulysses program around flex_attention compiled with backend="commopt" (all-to-all
+    sequence -> heads on (B, S_loc, H, D) activations, flex_attention on H/W heads over the whole
+    sequence with its documents + window mask, all-to-all back), inference and a training step.
+    {"results": [(label, ours, reference's own)], "notes": explain's attention notes}."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import torch_commopt
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    mod = mask_mod_of("document+window", doc_ids(device))
+    bm = create_block_mask(mod, 1, None, S, S, device=device, BLOCK_SIZE=BLOCK)
+
+    def seq_to_heads(x):  # (B, S_loc, H, D) -> (B, H/W, S, D), the sequence rank-major
+        b, s, h, d = x.shape
+        x = x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+        y = funcol.all_to_all_single_autograd(x, None, None, group=group)
+        return y.permute(1, 0, 2, 3, 4).reshape(b, world * s, h // world, d).transpose(1, 2)
+
+    def heads_to_seq(x):  # (B, H/W, S, D) -> (B, S_loc, H, D)
+        b, h, s, d = x.shape
+        x = x.transpose(1, 2).reshape(b, world, s // world, h, d).permute(1, 0, 2, 3, 4).contiguous()
+        y = funcol.all_to_all_single_autograd(x, None, None, group=group)
+        return y.permute(1, 2, 0, 3, 4).reshape(b, s // world, world * h, d)
+
+    def program(q, k, v):
+        return heads_to_seq(flex_attention(seq_to_heads(q), seq_to_heads(k), seq_to_heads(v), block_mask=bm,
+                                           enable_gqa=True))
+
+    tensors = _inputs(31, device)
+    truth, own = _truth(tensors, mod), _whole_flex(tensors, mod, dtype)
+    torch._dynamo.reset()
+    torch_commopt.reset_explain()
+    compiled = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})
+    shares = [t[:, :, mine].transpose(1, 2).to(dtype).contiguous() for t in tensors]  # (B, S_loc, H, D)
+    with torch.no_grad():
+        inference = compiled(*shares[:3]).transpose(1, 2)
+    results = _compare(f"ulysses {schedule} inference", [inference], truth[:1], own[:1], mine)
+    q, k, v = (t.clone().requires_grad_() for t in shares[:3])
+    out = compiled(q, k, v)
+    out.backward(shares[3])
+    got = [out.detach().transpose(1, 2), *(t.grad.transpose(1, 2) for t in (q, k, v))]
+    results += _compare(f"ulysses {schedule} training", got, truth, own, mine)
+    graphs = torch_commopt.explain().graphs
+    return {"results": results, "notes": [n for g in graphs for n in g.notes if "attention" in n]}

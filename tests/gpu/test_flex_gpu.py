@@ -7,7 +7,14 @@ backend="commopt" for inference and a training step -- against dense float64 att
 from __future__ import annotations
 
 import pytest
-from flex_cases import run_flex_batches, run_flex_compiled, run_flex_ops, run_sdpa_dense_mask, run_torch_cp_flex
+from flex_cases import (
+    run_flex_batches,
+    run_flex_compiled,
+    run_flex_ops,
+    run_flex_ulysses,
+    run_sdpa_dense_mask,
+    run_torch_cp_flex,
+)
 
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
@@ -44,6 +51,23 @@ def test_torch_context_parallel_with_flex_runs_the_cp_ops_and_matches(two_ranks)
     world, backend = two_ranks
     for got in run_distributed(run_torch_cp_flex, world, backend=backend, timeout_s=500):
         assert any("cp_flex_attention_fwd/bwd" in n for n in got["notes"]), got["notes"]
+        assert not _bad(got["results"]), "\n".join(_bad(got["results"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["allgather", "auto"])
+def test_a_ulysses_program_around_flex_runs_the_cp_ops_or_keeps_its_own(two_ranks, schedule):
+    """Ulysses all-to-alls around flex_attention (whole-sequence documents + window mask): a named
+    schedule runs as the flex ops in inference and training; auto runs the model's pick, which
+    may keep the program's own Ulysses (explain says which); either way within tolerance."""
+    world, backend = two_ranks
+    for got in run_distributed(run_flex_ulysses, world, schedule, backend=backend, timeout_s=500):
+        done = [n for n in got["notes"] if "flex_ulysses" in n]
+        assert done, got["notes"]
+        if schedule != "auto":  # the inference graph's and the joint graph's
+            assert any("cp_flex_attention_fwd allgather (" in n for n in done), done
+            assert any("cp_flex_attention_fwd/bwd allgather in the joint graph" in n for n in done), done
+        assert len(got["results"]) == 5
         assert not _bad(got["results"]), "\n".join(_bad(got["results"]))
 
 

@@ -72,8 +72,8 @@ DTensor.redistribute = _sync_redistribute
 import torchtitan.models.llama3.infra.parallelize as _llama3_parallelize  # noqa: E402
 
 import torch_commopt  # noqa: E402
-from torch_commopt.optimize import is_optimized  # noqa: E402
 from torch_commopt.kernels.attention import flex  # noqa: E402
+from torch_commopt.optimize import is_optimized  # noqa: E402
 
 _disable_division = _llama3_parallelize.disable_fsdp_gradient_division
 

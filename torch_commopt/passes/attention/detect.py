@@ -35,6 +35,7 @@ find the sequence and head dims there and permute to the op's (B, H, S_loc, D).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -109,8 +110,9 @@ class AttentionRegion:
 
     form: "allgather_kv", "ulysses", "decode_kv" (allgather_kv's gathers with a few queries that
         are not a sequence shard: decoding over a sequence-sharded cache; inputs["mask"]: its mask
-        over the whole cache, if any) or "flex_allgather_kv" (allgather_kv into flex_attention:
-        `flex` holds its mask).  attention: the SDPA (or flex) node; op: its kind (ATTENTION_OPS).
+        over the whole cache, if any), "flex_allgather_kv" (allgather_kv into flex_attention:
+        `flex` holds its mask) or "flex_ulysses" (ulysses around flex_attention, the mask the whole
+        sequence's).  attention: the SDPA (or flex) node; op: its kind (ATTENTION_OPS).
     shape: the global attention (batch, heads, kv heads, total sequence, head dim).
     inputs: {"q", "k", "v"} -> the local (sequence-sharded) tensors before their collective:
         allgather_kv: q is the attention's own q, k/v the all-gathers' inputs; ulysses: the
@@ -202,9 +204,10 @@ def _flex_region(node: Node) -> Optional[AttentionRegion]:
     kinds = {name: _collective_kind(origin) for name, (origin, _) in sources.items()}
     if not any(kinds.values()):
         return None
-    if not (kinds["key"] == kinds["value"] == "all_gather" and kinds["query"] is None):
+    ulysses = kinds["query"] == kinds["key"] == kinds["value"] == "all_to_all"
+    if not ulysses and not (kinds["key"] == kinds["value"] == "all_gather" and kinds["query"] is None):
         raise Unsupported(f"operands from {kinds['query']} (q), {kinds['key']} (k), {kinds['value']} (v): only K/V "
-                          "all-gathered into a local Q is taken")
+                          "all-gathered into a local Q, or all three from all-to-alls (Ulysses), is taken")
     if any(not is_getitem(u) or u.args[1] not in (0, 1) for u in node.users):
         raise Unsupported("its max scores are used")
     if not _is_identity(_submodule(node, node.args[3])):
@@ -215,6 +218,8 @@ def _flex_region(node: Node) -> Optional[AttentionRegion]:
     q_len, kv_len, q_block, kv_block = table[0], table[1], table[-3], table[-2]
     if any(t is not None for t in table[10:-3]):
         raise Unsupported("dq write-order tables")
+    if ulysses:
+        return _flex_ulysses(node, sources, table)
     gathers, paths, group_name, world = _kv_gathers(sources)
     if not all(isinstance(x, int) for x in (q_len, kv_len, q_block, kv_block)):
         raise Unsupported("symbolic sequence lengths or block sizes")
@@ -229,6 +234,27 @@ def _flex_region(node: Node) -> Optional[AttentionRegion]:
     return AttentionRegion("flex_allgather_kv", node, "flex_attention", group_name, world,
                            AttentionShape(q[0], q[1], k[1], kv_len, q[3]), False, node.args[5], inputs,
                            list(gathers.values()), _output_of(node), paths, mask)
+
+
+def _flex_ulysses(node: Node, sources: dict, table: tuple) -> AttentionRegion:
+    """flex_attention between Ulysses all-to-alls: every rank's heads over the whole sequence, its
+    mask the whole sequence's, the same on every rank (one mask for every head: a rank's program
+    holds only its own heads' masks, the rewritten op needs every head's)."""
+    operands = {"query": node.args[0], "key": node.args[1], "value": node.args[2]}
+    region = _ulysses_region(node, operands, sources, "flex_attention", False, node.args[5], "flex_ulysses")
+    q_len, kv_len, block = table[0], table[1], table[-3]
+    seq = region.shape.seq
+    if not all(isinstance(x, int) for x in (q_len, kv_len, block, table[-2])):
+        raise Unsupported("symbolic sequence lengths or block sizes")
+    if q_len != seq or kv_len != seq or block != table[-2] or seq % (region.world * block):
+        raise Unsupported(f"a {q_len} x {kv_len} mask of {block} x {table[-2]} blocks is not the whole {seq}-token "
+                          f"sequence's in {region.world} shares of whole square blocks")
+    if static_shape(table[2])[1] != 1:
+        raise Unsupported("a mask per head (each rank's program holds its own heads' masks only)")
+    lse = next((u for u in node.users if u.args[1] == 1 and u.users), None)
+    flex = FlexMask(list(table[2:6]), list(node.args[8]), _mask_code(_submodule(node, table[-1])), [seq, seq, block],
+                    lse)
+    return dataclasses.replace(region, flex=flex)
 
 
 def _submodule(node: Node, ref: Node) -> torch.fx.GraphModule:
@@ -533,11 +559,19 @@ def _output_of(node: Node) -> Node:
 # ---- ulysses ---------------------------------------------------------------------------------
 
 def _ulysses(node: Node, args: dict, sources: dict) -> AttentionRegion:
+    operands = {name: args[name] for name in ("query", "key", "value")}
+    return _ulysses_region(node, operands, sources, ATTENTION_OPS[node.target], bool(args.get("is_causal")),
+                           args.get("scale"), "ulysses")
+
+
+def _ulysses_region(node: Node, operands: dict, sources: dict, op: str, causal: bool, scale: Any,
+                    form: str) -> AttentionRegion:
+    """The region of an attention op (`op`) whose q, k, v (`operands`) come from all-to-alls."""
     a2as, inputs, paths = [], {}, {}
     for name, key in (("query", "q"), ("key", "k"), ("value", "v")):
         origin, paths[f"{key}_post"] = sources[name]
         a2a = origin.args[0]
-        if val(a2a).numel() != val(args[name]).numel():
+        if val(a2a).numel() != val(operands[name]).numel():
             raise Unsupported(f"{name}: the ops between the all-to-all and the attention change its size")
         a2as.append(a2a)
         inputs[key], paths[f"{key}_pre"] = trace_back(a2a.args[0])
@@ -546,12 +580,11 @@ def _ulysses(node: Node, args: dict, sources: dict) -> AttentionRegion:
     if len(groups) != 1 or None in next(iter(groups)):
         raise Unsupported(f"the four all-to-alls differ in group or are split unevenly: {sorted(map(str, groups))}")
     (group_name, world), = groups
-    q, k = static_shape(args["query"]), static_shape(args["key"])
+    q, k = static_shape(operands["query"]), static_shape(operands["key"])
     if q[SEQ_DIM] != k[SEQ_DIM]:
         raise Unsupported(f"after the all-to-all q holds {q[SEQ_DIM]} positions and k {k[SEQ_DIM]}: not the full sequence")
     shape = AttentionShape(q[0], q[1] * world, k[1] * world, q[SEQ_DIM], q[3])
-    return AttentionRegion("ulysses", node, ATTENTION_OPS[node.target], group_name, world, shape,
-                           bool(args.get("is_causal")), args.get("scale"), inputs, a2as + [out_a2a],
+    return AttentionRegion(form, node, op, group_name, world, shape, causal, scale, inputs, a2as + [out_a2a],
                            only_user(out_a2a), paths)
 
 
@@ -560,7 +593,7 @@ def _drain_all_to_all(out: Node) -> tuple[Node, list[Node]]:
     forward graph may also return the output, saved for the backward, and a joint graph's
     attention backward reads it: those uses are allowed), and those layout ops in order."""
     node, path = out, []
-    backward = set(ATTENTION_BACKWARD.values())
+    backward = set(ATTENTION_BACKWARD.values()) | {FLEX_BACKWARD}
     while True:
         users = [u for u in node.users if not _only_returned(u) and not (node is out and u.target in backward)]
         if len(users) != 1:

@@ -40,6 +40,7 @@ from torch_commopt.passes.attention.detect import (
     find_attention,
 )
 from torch_commopt.passes.attention.rewrite import (
+    KEEP_ULYSSES,
     _choose,
     _flex_kept,
     _local,
@@ -81,11 +82,12 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
         if region.form == "decode_kv":
             notes.append(f"{describe(region)}: found; decoding attention is rewritten in inference graphs only")
             continue
-        if region.form == "flex_allgather_kv":
+        if region.flex is not None:
             why = _flex_kept(region)
             try:
                 if why is None:
-                    plans[id(region)] = _match_flex(region)
+                    plans[id(region)] = _match_flex(region) if region.form == "flex_allgather_kv" else \
+                        ulysses_joint.match(region)
             except (NotMatched, Unsupported) as e:
                 why = f"not rewritten ({e})"
             if why is not None:
@@ -107,6 +109,13 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
     for region in regions:
         if id(region) in plans:
             chosen, _, why = choices[id(region)]
+            if region.form == "flex_ulysses":
+                if chosen == KEEP_ULYSSES:
+                    notes.append(f"{describe(region)}: kept, the program's Ulysses ({why})")
+                else:
+                    ulysses_joint.apply(graph, region, plans[id(region)], chosen)
+                    notes.append(f"{describe(region)}: cp_flex_attention_fwd/bwd {chosen} in the joint graph ({why})")
+                continue
             if region.form == "flex_allgather_kv":
                 _apply_flex(graph, region, plans[id(region)], chosen)
                 notes.append(f"{describe(region)}: cp_flex_attention_fwd/bwd {chosen} in the joint graph ({why})")

@@ -42,6 +42,7 @@ from torch_commopt.tuner.attention.cost import machine_for, rank_schedules
 
 log = logging.getLogger("torch_commopt.passes.attention.rewrite")
 
+KEEP_ULYSSES = "ulysses"  # a flex_ulysses region's choice to keep the program's own all-to-alls
 RESIZE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 
 
@@ -78,6 +79,13 @@ def rewrite_attention(graph: Graph, *, inference: bool, schedule: str = "auto",
             _apply_flex(graph, region, chosen)
             notes.append(f"{what}: cp_flex_attention_fwd {chosen} ({why})")
             continue
+        if region.form == "flex_ulysses":
+            if chosen == KEEP_ULYSSES:
+                notes.append(f"{what}: kept, the program's Ulysses ({why})")
+            else:
+                _apply_ulysses(graph, region, plans[id(region)], chosen)
+                notes.append(f"{what}: cp_flex_attention_fwd {chosen} ({why})")
+            continue
         if region.form == "ulysses":
             _apply_ulysses(graph, region, plans[id(region)], chosen)
         else:
@@ -99,7 +107,7 @@ def _shown(ranked: list[tuple[str, float]]) -> str:
 def _flex_kept(region: AttentionRegion) -> str | None:
     """Why a flex region stays as the program runs it: its log-sum-exp used by the program (our
     schedules give it only to their own backward)."""
-    if region.form != "flex_allgather_kv":
+    if region.flex is None:
         return None
     if region.flex.lse is not None and not _only_backward_reads(region.flex.lse):
         return "not rewritten (the program uses flex_attention's log-sum-exp)"
@@ -130,7 +138,7 @@ def _why_kept(region: AttentionRegion, inference: bool, plans: dict) -> str | No
     if not inference:
         return "found in a training graph and left as it is (the joint-graph rewrite did not take it; see its note)"
     why = _unsupported(region)
-    if why is None and region.form == "ulysses":
+    if why is None and region.form in ("ulysses", "flex_ulysses"):
         try:
             plans[id(region)] = ulysses.plan(region)
         except Unsupported as e:
@@ -181,7 +189,7 @@ def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None
     if region.form == "decode_kv":  # one schedule: the partials merged by their LSE
         return "lse_merge", [], ("each rank attends over its share of the cache; the partial outputs and LSEs are "
                                  "all-gathered and merged, instead of the cache")
-    if region.form == "flex_allgather_kv":
+    if region.flex is not None:
         return _choose_flex(region, schedule, cache_dir, timeout_s, backward)
     q = val(region.inputs["q"])
     dtype = str(q.dtype).removeprefix("torch.")
@@ -218,15 +226,19 @@ def _choose_flex(region: AttentionRegion, schedule: str, cache_dir: str | None, 
     (tuner/attention/flex_cost.py) for a causal mask's work -- the mask's tables are a batch's
     data, not the graph's -- with the machine's calibration (rank 0's; else the priors)."""
     from torch_commopt.core.attention_spec import parse_flex_schedule
-    from torch_commopt.tuner.attention.flex_cost import causal_work, rank_flex_schedules
+    from torch_commopt.tuner.attention.flex_cost import causal_work, rank_flex_schedules, ulysses_ms
 
     q = val(region.inputs["q"])
     dtype = str(q.dtype).removeprefix("torch.")
     machine = machine_for(q.device, region.world, region.group_name, dtype, cache_dir, timeout_s)
     # kv_num (B|1, H|1, rows), or SDPA's dense mask (B|1, H|1, rows, keys): one mask per head?
     per_head = val(region.flex.buffers[0] if region.flex.dense else region.flex.tables[0]).shape[1] > 1
-    ranked = rank_flex_schedules(region.shape, causal_work(region.world), dtype=dtype, machine=machine,
-                                 backward=backward, per_head_mask=per_head)
+    work = causal_work(region.world)
+    ranked = rank_flex_schedules(region.shape, work, dtype=dtype, machine=machine, backward=backward,
+                                 per_head_mask=per_head)
+    if region.form == "flex_ulysses":  # leaving the program's own Ulysses is a candidate too
+        kept = ulysses_ms(region.shape, work, dtype=dtype, machine=machine, backward=backward)
+        ranked = sorted(ranked + [(KEEP_ULYSSES, kept)], key=lambda e: e[1])
     shown = f"predicted{' forward + backward' if backward else ''} at a causal mask's work: {_shown(ranked)}"
     if schedule == "auto":
         return ranked[0][0], ranked, shown

@@ -2,7 +2,9 @@
 training in ulysses_joint.py (which reuses the Algebra below).
 
 The program's q, k, v go through layout ops, an all-to-all (sequence -> heads), layout ops,
-attention over the full sequence on H/W heads, and back the mirrored way.  The rewrite takes
+attention over the full sequence on H/W heads, and back the mirrored way.  With flex_attention
+(form "flex_ulysses") the op is cp_flex_attention_fwd with the program's whole-sequence mask, and
+the sequence must be rank-major as for a causal mask.  The rewrite takes
 the rank's q, k, v before their all-to-alls, brings them to the op's (B, H, S_loc, D) layout,
 runs cp_attention_fwd with the schedule the cost model ranks first (ulysses itself, a ring,
 hybrid, all-gather), and brings its output to the layout the output all-to-all delivered; the
@@ -41,7 +43,7 @@ class UlyssesPlan:
 
 def plan(region: AttentionRegion) -> UlyssesPlan:
     """Raises Unsupported where the region's element movement is not a relayout of the op's."""
-    algebra = Algebra(region.world, region.causal)
+    algebra = Algebra(region.world, positions(region))
     for i, key in enumerate("qkv"):
         algebra.operand(key, region.inputs[key], region.paths[f"{key}_pre"], region.collectives[i],
                         region.paths[f"{key}_post"])
@@ -49,6 +51,12 @@ def plan(region: AttentionRegion) -> UlyssesPlan:
     out_in = region.paths["out"][0].args[0] if region.paths["out"] else region.collectives[3].args[0]
     output = algebra.result("out", "q", static_shape(out_in)[-1], region.paths["out"], region.output)
     return UlyssesPlan(inputs, output)
+
+
+def positions(region: AttentionRegion) -> bool:
+    """Whether the op must see the sequence rank-major: a causal mask, or a flex mask (its
+    positions are the program's, and the op's ranks own contiguous shares of them)."""
+    return region.causal or region.flex is not None
 
 
 class Algebra:
@@ -123,12 +131,23 @@ def apply(graph: Graph, region: AttentionRegion, ulysses: UlyssesPlan, schedule:
     and return the op's node (the replaced nodes are erased by the caller)."""
     with graph.inserting_before(region.attention):
         q, k, v = (emit(graph, region.inputs[key], ulysses.inputs[key]) for key in "qkv")
-        cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default,
-                      (q, k, v, schedule, region.causal, region.scale, region.world, region.group_name))
+        if region.flex is not None:  # flex_attention: the whole sequence's mask, each rank its rows of it
+            cp = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default,
+                          (q, k, v, *flex_arguments(region, schedule)))
+        else:
+            cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default,
+                          (q, k, v, schedule, region.causal, region.scale, region.world, region.group_name))
         out = add_node(graph, operator.getitem, (cp, 0))
         result = emit(graph, out, ulysses.output)
     region.output.replace_all_uses_with(result)
     return cp
+
+
+def flex_arguments(region: AttentionRegion, schedule: str) -> tuple:
+    """cp_flex_attention_fwd/bwd's arguments after the tensors, for a flex region."""
+    mask = region.flex
+    scale = region.scale if region.scale is not None else region.shape.head_dim ** -0.5
+    return (mask.tables, mask.buffers, mask.code, mask.sizes, scale, region.world, region.group_name, schedule)
 
 
 def emit(graph: Graph, x: Node, how: Relayout) -> Node:

@@ -18,8 +18,10 @@ all-to-all delivered like the output.  The partitioner then saves the kept q, k,
 in the layout the attention ran in (the program's own Ulysses saves the same), so the backward
 moves dout alone; a schedule the cost model picks that moves nothing (a ring) gets the plain
 pair, cp_attention_fwd / cp_attention_bwd on q', k', v', out, lse.  The eight all-to-alls go
-(the schedule moves what it needs).  A region whose backward does not
-have exactly this form is left alone with the reason.
+(the schedule moves what it needs).  With flex_attention (form "flex_ulysses") the pair is
+cp_flex_attention_fwd / _bwd on q', k', v' with the program's whole-sequence mask, in place of
+flex_attention and flex_attention_backward.  A region whose backward does not have exactly this
+form is left alone with the reason.
 """
 
 from __future__ import annotations
@@ -27,18 +29,20 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.passes.attention.detect import (
     ALL_TO_ALL,
     ATTENTION_BACKWARD,
+    FLEX_BACKWARD,
     LAYOUT_OPS,
     AttentionRegion,
     trace_back,
 )
 from torch_commopt.passes.attention.layout import Relayout
 from torch_commopt.passes.attention.rewrite import erase_unused, insert_training_backward, insert_training_forward
-from torch_commopt.passes.attention.ulysses import Algebra, emit
+from torch_commopt.passes.attention.ulysses import Algebra, emit, flex_arguments, positions
 from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import WAIT, Unsupported, only_user, static_shape
 
@@ -56,27 +60,37 @@ class JointPlan:
     grads: dict[str, Relayout]
 
 
+# where the backward op takes (q, k, v), out, lse and dout: SDPA's backwards, flex_attention_backward
+SDPA_ARGS = {"qkv": slice(1, 4), "out": 4, "lse": 5, "dout": 0}
+FLEX_ARGS = {"qkv": slice(0, 3), "out": 3, "lse": 4, "dout": 5}
+
+
 def match(region: AttentionRegion) -> JointPlan:
     """Raises Unsupported where the backward is not the mirror the rewrite replaces."""
     fwd = region.attention
     out = region.paths["out"][0].args[0] if region.paths["out"] else region.collectives[3].args[0]
-    bwds = [u for u in out.users if u.target is ATTENTION_BACKWARD.get(fwd.target)]
+    flex = region.flex is not None
+    at = FLEX_ARGS if flex else SDPA_ARGS
+    bwds = [u for u in out.users if u.target is (FLEX_BACKWARD if flex else ATTENTION_BACKWARD.get(fwd.target))]
     if len(bwds) != 1:
         raise Unsupported(f"{len(bwds)} attention backward ops read the output")
     bwd = bwds[0]
     lse = [u for u in fwd.users if u.target is operator.getitem and u.args[1] == 1]
-    if tuple(bwd.args[1:4]) != tuple(fwd.args[:3]) or bwd.args[4] is not out or not lse or bwd.args[5] is not lse[0]:
+    if tuple(bwd.args[at["qkv"]]) != tuple(fwd.args[:3]) or bwd.args[at["out"]] is not out or not lse \
+            or bwd.args[at["lse"]] is not lse[0]:
         raise Unsupported(f"{bwd.name} does not take the forward's q, k, v, out and lse")
+    if flex and bwd.args[6] is not None:
+        raise Unsupported("a gradient flows into the log-sum-exp")
     for operand in fwd.args[:3]:
         if set(operand.users) - {fwd, bwd}:
             raise Unsupported(f"{operand.name} has users besides the attention and its backward")
-    origin, dout_post = trace_back(bwd.args[0])
+    origin, dout_post = trace_back(bwd.args[at["dout"]])
     if origin.target is not WAIT or origin.args[0].target is not ALL_TO_ALL:
         raise Unsupported(f"{bwd.name}'s dout does not come from an all-to-all")
     dout_a2a = origin.args[0]
     dy, dy_pre = trace_back(dout_a2a.args[0])
 
-    algebra = Algebra(region.world, region.causal)
+    algebra = Algebra(region.world, positions(region))
     for i, key in enumerate("qkv"):
         algebra.operand(key, region.inputs[key], region.paths[f"{key}_pre"], region.collectives[i],
                         region.paths[f"{key}_post"])
@@ -86,6 +100,8 @@ def match(region: AttentionRegion) -> JointPlan:
 
     waits, collectives, grads = {}, [], {}
     outs = {u.args[1]: u for u in bwd.users if u.target is operator.getitem}
+    if flex and 3 in outs and outs[3].users:
+        raise Unsupported(f"{bwd.name}'s mask buffers' gradients are used")
     for i, key in enumerate("qkv"):
         if i not in outs:
             raise Unsupported(f"{bwd.name}: the gradient of {key} is not taken")
@@ -118,12 +134,20 @@ def apply(graph: Graph, region: AttentionRegion, plan: JointPlan, schedule: str)
     common = (schedule, region.causal, region.scale, region.world, region.group_name)
     with graph.inserting_before(fwd):
         q, k, v = (emit(graph, region.inputs[key], plan.to_op[key]) for key in "qkv")
-        out, saved = insert_training_forward(graph, q, k, v, common)
+        if region.flex is not None:  # the flex pair on the rank's shares, its out and LSE carried
+            common = flex_arguments(region, schedule)
+            pair = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default, (q, k, v, *common))
+            out, lse = (add_node(graph, operator.getitem, (pair, i)) for i in range(2))
+        else:
+            out, saved = insert_training_forward(graph, q, k, v, common)
         result = emit(graph, out, plan.output)
     region.output.replace_all_uses_with(result)
     with graph.inserting_before(bwd):
         dout = emit(graph, plan.dy, plan.to_op["dout"])
-        grads = insert_training_backward(graph, dout, saved, common)
+        if region.flex is not None:
+            grads = add_node(graph, torch.ops.commopt.cp_flex_attention_bwd.default, (dout, q, k, v, out, lse, *common))
+        else:
+            grads = insert_training_backward(graph, dout, saved, common)
         for i, key in enumerate("qkv"):
             part = add_node(graph, operator.getitem, (grads, i))
             plan.grad_waits[key].replace_all_uses_with(emit(graph, part, plan.grads[key]))

@@ -77,6 +77,22 @@ def _allgather_ms(shape: AttentionShape, work: list, groups: int, m: CPMachine, 
     return 1e3 * t
 
 
+def ulysses_ms(shape, work: list, *, dtype, machine: CPMachine, backward: bool = False) -> float:
+    """Predicted ms of a program's own Ulysses around flex_attention (what a flex_ulysses region
+    keeps when it is not rewritten): every rank's H/W heads over the whole mask, the busiest rank
+    then doing the average work (heads balance it exactly), with its all-to-alls of q, k, v and
+    the output (backward: of dout, and of dq, dk, dv) exposed."""
+    shape, m = AttentionShape(*shape), machine
+    world, elt = len(work), _dtype(dtype).itemsize
+    b, h, h_kv, seq, d = shape
+    compute = sum(map(sum, work)) / world * _block_s(shape, world, m)
+    q_bytes, kv_bytes = b * (seq // world) * h * d * elt, b * (seq // world) * h_kv * d * elt
+    t = 2 * m.all_to_all(q_bytes, world) + 2 * m.all_to_all(kv_bytes, world) + compute + m.launch_s
+    if backward:
+        t += 2 * m.all_to_all(q_bytes, world) + 2 * m.all_to_all(kv_bytes, world) + m.bwd_factor * compute + m.launch_s
+    return 1e3 * t
+
+
 def flex_estimate_ms(schedule: str, shape, work: list, *, dtype, machine: CPMachine, backward: bool = False) -> float:
     """Predicted ms of one call (forward, or forward + backward) of a flex schedule
     (core.attention_spec.parse_flex_schedule's names) for the global shape (B, H, H_kv, S, D)
