@@ -318,3 +318,16 @@ def test_a_ulysses_program_around_flex_attention_runs_the_flex_ops(world, schedu
             want = f"cp_flex_attention_fwd/bwd {schedule}" if train else f"cp_flex_attention_fwd {schedule}"
             assert any("flex_ulysses" in n and want in n for n in got["notes"]), got["notes"]
             assert got["a2as"] == 0, got
+
+
+def test_a_dtensor_program_with_flex_attention_runs_the_flex_ops():
+    """K and V as DTensors sharded along the sequence, redistributed to Replicate (gradients
+    Partial) into flex_attention -- the collectives DTensor emits: funcol's gather in its split/cat
+    form for the sequence dim, and a reduce-scatter back: a training step runs
+    cp_flex_attention_fwd/bwd, its q/k/v gradients within float32's own error of dense float64."""
+    from flex_programs import run_flex_dtensor
+
+    for rank, got in enumerate(run_distributed(run_flex_dtensor, 2, backend="gloo", timeout_s=300)):
+        for name, err in got["errors"].items():
+            assert within_tolerance(err, got["eager_errors"][name]), (rank, name, got)
+        assert any("cp_flex_attention_fwd/bwd allgather in the joint graph" in n for n in got["notes"]), got["notes"]
