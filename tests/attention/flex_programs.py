@@ -89,6 +89,15 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
         return forward(*args)
 
     flex.block_forward = counted
+    from torch_commopt.kernels.attention import comm
+
+    p2p, sent = comm._p2p, []  # noqa: SLF001
+
+    def counted_p2p(sends, recvs, group):  # the messages this rank sends (forward and backward)
+        sent.extend(t.numel() for t, _, _ in sends)
+        return p2p(sends, recvs, group)
+
+    comm._p2p = counted_p2p  # noqa: SLF001
     try:
         qs, ks, vs = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
         if schedule == "ring":
@@ -99,6 +108,7 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
         out.backward(dout[:, :, mine])
     finally:
         flex.block_forward = forward
+        comm._p2p = p2p  # noqa: SLF001
     pos = torch.arange(S)
     dense_mask = torch.stack([mod(b, 0, pos[:, None], pos[None, :]) for b in range(batch)])[:, None]
     qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
@@ -109,7 +119,8 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
               "dk": (ks.grad - kt.grad[:, :, mine]).abs().max().item(),
               "dv": (vs.grad - vt.grad[:, :, mine]).abs().max().item()}
     work = flex.work(flex.Blocks.of(block_mask), world).tolist()
-    got = {"errors": errors, "work": work if not own_rows else [None] * rank + work, "computed": len(computed)}
+    got = {"errors": errors, "work": work if not own_rows else [None] * rank + work, "computed": len(computed),
+           "sent": len(sent)}
     if dealt is not None:
         got["layout"] = dealt.name
     return got

@@ -87,6 +87,16 @@ def test_the_ring_gives_dense_attention_and_its_gradients(world, kind):
         assert got["computed"] == sum(n > 0 for n in got["work"][rank]), (rank, got)
     if kind == "window" and world == 4:  # a 200-token window over 256-token shares: own and previous share only
         assert all(got["computed"] == min(rank + 1, 2) for rank, got in enumerate(per_rank)), per_rank
+        # the shares go straight to the one rank that needs them, and its dK/dV terms straight back
+        # (flex_ring.DirectShift / DirectGrads): each rank sends its K/V once in the forward and once
+        # in the backward, and its terms of the previous share's dK/dV once; the ring sends 10
+        assert [got["sent"] for got in per_rank] == [2, 3, 3, 1], per_rank
+    work = per_rank[0]["work"]
+    skips = world > 2 and any(work[p][s] == 0 for p in range(world) for s in range(world) if p != s)
+    for p, got in enumerate(per_rank):  # what each rank sends: to those who need it, or round the ring
+        others = [q for q in range(world) if q != p]
+        direct = 2 * sum(work[q][p] > 0 for q in others) + sum(work[p][s] > 0 for s in others)
+        assert got["sent"] == (direct if skips else 3 * world - 2), (p, got, work)  # the ring: its sums W hops
 
 
 @pytest.mark.parametrize("world, kind, schedule", [(2, "document", "allgather"), (4, "document+window", "allgather:g=2")])

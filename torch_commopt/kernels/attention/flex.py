@@ -223,6 +223,25 @@ def extents(steps: list[Step]) -> list[Extent | None]:
     return out
 
 
+def needs(blocks: Blocks, world: int) -> list[list[bool]]:
+    """need[p][s]: whether rank p's rows keep a tile of source s's keys, for every (p, s), from the
+    whole sequence's block tables (the same on every rank; one host read); the rank's own rows'
+    (own_rows) tell nothing of the others': ValueError."""
+    if blocks.own_rows:
+        raise ValueError("flex CP: a mask of this rank's rows only tells nothing of what the others need")
+    nb = blocks.share(world) // blocks.block
+    counts = torch.zeros(world * world, dtype=torch.int64, device=blocks.kv_num.device)
+    for num, idx in ((blocks.kv_num, blocks.kv_idx), (blocks.full_num, blocks.full_idx)):
+        if num is None:
+            continue
+        kept = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]  # [.., rows, slots]
+        row_rank = (torch.arange(idx.shape[-2], device=idx.device) // nb)[:, None]
+        pair = (row_rank * world + idx.long() // nb).expand(kept.shape)
+        counts.scatter_add_(0, pair[kept], torch.ones_like(pair[kept]))
+    flat = (counts > 0).tolist()
+    return [flat[p * world:(p + 1) * world] for p in range(world)]
+
+
 def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
     """The mask of rank p's rows against source s's keys (both length L = seq / world; s None: every
     key, the whole sequence): the block tables cut (slice_columns), the lifted mask moved by the

@@ -8,8 +8,14 @@ over the rows their tiles reach).  A block whose mask keeps no tile (flex.extent
 computed: a sliding window or a document boundary leaves most of a long sequence's blocks empty.
 Backward: the K/V shares travel round again, with their dK/dV sums in the acc dtype one step
 behind them; each rank adds its block's terms, computed from its rows' *global* out and LSE, and
-the sums reach their owner after W shifts.  Every block is sent whatever its mask (skipping sends
-needs the mask on the host of every rank; a later schedule).
+the sums reach their owner after W shifts.
+
+Sends skipped: where every rank holds the whole sequence's mask (not its own rows only) and some
+rank needs none of another's keys (flex.needs: a sliding window, documents, at W > 2), the shares
+go straight from their owner to the ranks that need them instead of round the ring (DirectShift:
+step i, rank p receives source p - i's share from it and sends its own to p + i, each only if
+needed), and in the backward each rank sends its terms of source s's dK/dV straight to s, which
+adds them up (DirectGrads).  The steps, and what each rank computes, are the ring's.
 
 The mask is the program's whole-sequence BlockMask and its mask_mod of global positions
 (flex.Blocks); every rank holds it, as a program that builds it from document ids on every rank
@@ -21,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from torch_commopt.kernels.attention import comm, flex
@@ -80,13 +87,80 @@ def forward_blocks(q: Tensor, v_dim: int, shift, ring: RankBlocks) -> tuple[Tens
     return acc.result()
 
 
+def skipping(blocks: flex.Blocks, world: int) -> list[list[bool]] | None:
+    """need[p][s] (flex.needs) where a send can be skipped -- the whole mask known and some rank
+    needs none of another's keys --, else None: the plain ring.  Built once per mask (flex.cached),
+    the same on every rank."""
+    if blocks.own_rows or world < 3:  # at W = 2 a rank that needs nothing of its peer is sent it all the same
+        return None
+
+    def build():
+        need = flex.needs(blocks, world)
+        return need if not all(map(all, need)) else None
+
+    return flex.cached(blocks, ("needs", world), build)
+
+
+def _checked(need: list[list[bool]] | None, ring: RankBlocks) -> list[list[bool]] | None:
+    """need, where its row for this rank says what the rank's own cut computes (a block is
+    computed exactly where a share is received): else a RuntimeError, not a wrong sum."""
+    if need is not None and need[ring.rank] != [e is not None for e in ring.extents]:
+        raise RuntimeError(f"flex CP: rank {ring.rank}'s blocks {[e is not None for e in ring.extents]} disagree with "
+                           f"the mask's needs {need[ring.rank]}")
+    return need
+
+
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: float, group) -> tuple[Tensor, Tensor]:
     """(out, lse) of this rank's rows over the whole sequence: out in q's dtype where at most
     two blocks were computed (the first is kept as it came, the second merged into it in fp32 and
     rounded once), else in the acc dtype; lse in the acc dtype."""
     world, p = comm.size(group), comm.rank(group)
     ring = RankBlocks(*steps_of(blocks, world, p), scale, p, world)
-    return forward_blocks(q, v.shape[-1], comm.ring_shift([k, v], group, TAG_KV), ring)
+    need = _checked(skipping(blocks, world), ring)
+    shift = comm.ring_shift([k, v], group, TAG_KV) if need is None else DirectShift([k, v], group, TAG_KV, need)
+    return forward_blocks(q, v.shape[-1], shift, ring)
+
+
+class DirectShift:
+    """comm.RingShift's interface (current, start, wait, finish), each share sent by its owner
+    straight to the ranks that need it: at step i rank p holds source (p - i)'s share, received
+    from that rank only if need[p][p - i], and sends its own to p + i only if need[p + i][p]
+    (a step whose share is not needed computes nothing: current() then gives this rank's own)."""
+
+    def __init__(self, tensors: list[Tensor], group, tag: int, need: list[list[bool]]) -> None:
+        self.shapes = [t.shape for t in tensors]
+        self.own = torch.cat([t.reshape(-1) for t in tensors])
+        self.group, self.tag, self.need = group, tag, need
+        self.world, self.rank = comm.size(group), comm.rank(group)
+        self.step, self.held, self.got, self.pending = 0, self.own, None, None
+
+    def _views(self, flat: Tensor) -> list[Tensor]:
+        views, offset = [], 0
+        for shape in self.shapes:
+            views.append(flat[offset: offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        return views
+
+    def current(self) -> list[Tensor]:
+        return self._views(self.held)
+
+    def start(self) -> None:
+        i, n, p = self.step + 1, self.world, self.rank
+        dst, src = (p + i) % n, (p - i) % n
+        sends = [(self.own, dist.get_global_rank(self.group, dst), self.tag)] if self.need[dst][p] else []
+        self.got = torch.empty_like(self.own) if self.need[p][src] else None
+        recvs = [(self.got, dist.get_global_rank(self.group, src), self.tag)] if self.got is not None else []
+        self.pending = comm._p2p(sends, recvs, self.group) if sends or recvs else None  # noqa: SLF001
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending()
+        self.step += 1
+        self.held = self.got if self.got is not None else self.own
+        self.pending = self.got = None
+
+    def finish(self) -> None:
+        """After the last use of the current tensors (nothing to release here)."""
 
 
 @dataclass(frozen=True)
@@ -140,10 +214,65 @@ def ring_backward(saved: Saved, dout: Tensor, blocks: flex.Blocks, scale: float,
     world, p = comm.size(group), comm.rank(group)
     ring = RankBlocks(*steps_of(blocks, world, p), scale, p, world)
     acc = acc_dtype(saved.q.dtype)
-    kv = comm.ring_shift([saved.k, saved.v], group, TAG_KV)
-    grads = comm.ring_shift([torch.zeros(saved.k.shape, dtype=acc, device=saved.k.device),
-                             torch.zeros(saved.v.shape, dtype=acc, device=saved.v.device)], group, TAG_GRAD)
-    return backward_blocks(saved, dout, (kv, grads), ring)
+    zeros = [torch.zeros(saved.k.shape, dtype=acc, device=saved.k.device),
+             torch.zeros(saved.v.shape, dtype=acc, device=saved.v.device)]
+    need = _checked(skipping(blocks, world), ring)
+    if need is None:
+        shifts = (comm.ring_shift([saved.k, saved.v], group, TAG_KV), comm.ring_shift(zeros, group, TAG_GRAD))
+    else:
+        shifts = (DirectShift([saved.k, saved.v], group, TAG_KV, need), DirectGrads(zeros, group, TAG_GRAD, need))
+    return backward_blocks(saved, dout, shifts, ring)
+
+
+class DirectGrads:
+    """The dK/dV sums' shift of backward_blocks with each rank's terms sent straight to their
+    owner: at step i current() gives the zeroed buffers for source (p - i)'s terms (step 0: this
+    rank's own, which collects everything), start() sends them to that rank if it computed any
+    (need[p][p - i]) and receives rank p + i's terms of this rank's keys if it computed any, wait()
+    adds those in; after the last step current() gives this rank's whole dK/dV."""
+
+    def __init__(self, zeros: list[Tensor], group, tag: int, need: list[list[bool]]) -> None:
+        self.shapes = [t.shape for t in zeros]
+        self.total = torch.cat([t.reshape(-1) for t in zeros])
+        self.group, self.tag, self.need = group, tag, need
+        self.world, self.rank = comm.size(group), comm.rank(group)
+        self.step, self.terms, self.got, self.pending = 0, self.total, None, None
+
+    def _views(self, flat: Tensor) -> list[Tensor]:
+        views, offset = [], 0
+        for shape in self.shapes:
+            views.append(flat[offset: offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        return views
+
+    def current(self) -> list[Tensor]:
+        # (a step whose source this rank needs nothing of computes nothing: the total stands in, unwritten)
+        return self._views(self.total if self.step >= self.world or self.terms is None else self.terms)
+
+    def start(self) -> None:
+        i, n, p = self.step, self.world, self.rank
+        if i == 0:  # this rank's own terms are in the total already
+            self.pending = None
+            return
+        owner, src = (p - i) % n, (p + i) % n
+        sends = [(self.terms, dist.get_global_rank(self.group, owner), self.tag)] if self.terms is not None else []
+        self.got = torch.empty_like(self.total) if self.need[src][p] else None
+        recvs = [(self.got, dist.get_global_rank(self.group, src), self.tag)] if self.got is not None else []
+        self.pending = comm._p2p(sends, recvs, self.group) if sends or recvs else None  # noqa: SLF001
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending()
+        if self.got is not None:
+            self.total += self.got
+        self.step += 1
+        self.got = self.pending = None
+        if self.step < self.world:
+            owner = (self.rank - self.step) % self.world
+            self.terms = torch.zeros_like(self.total) if self.need[self.rank][owner] else None
+
+    def finish(self) -> None:
+        """After the last use of the current tensors (nothing to release here)."""
 
 
 class FlexRing(torch.autograd.Function):
