@@ -189,6 +189,8 @@ def report(cases: list, meta: dict) -> str:
     lines = [f"# MoE layer with expert parallelism ({meta['device']}, {meta['world']} ranks)", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; fwd+bwd of one layer, median of "
              f"{meta['rounds']} rounds of {meta['steps']} steps, the slowest rank; variants in alternating order.", "",
+             *([f"Joined from {meta['joined']} runs (commits {', '.join(meta['commits'])}): "
+                + "; ".join(f"`{c}`" for c in meta['commands']), ""] if meta.get("joined") else []),
              "| model | tokens/rank | routing | " + " | ".join(f"{v} ms" for v in VARIANTS)
              + " | a2a × | by_peer × | by_expert × | auto × | by_expert hidden | auto hidden | max rel. error |",
              "|---|---|---|" + "---|" * (len(VARIANTS) + 7)]
@@ -310,7 +312,8 @@ def join(paths: list, out: str | None) -> None:
     cards = {(r["meta"]["device"], r["meta"]["world"]) for r in runs}
     if len(cards) != 1:
         raise SystemExit(f"--join: runs of different cards or worlds: {sorted(cards)}")
-    meta = dict(runs[0]["meta"], joined=len(runs), commits=sorted({r["meta"]["commit"] for r in runs}))
+    meta = dict(runs[0]["meta"], joined=len(runs), commits=sorted({r["meta"]["commit"] for r in runs}),
+                commands=[r["meta"].get("command", "?") for r in runs])
     cases = [c for r in runs for c in r["cases"]]
     text = report(records(cases), meta)
     print(text)

@@ -35,3 +35,27 @@ def test_speedup_and_hidden_share_come_from_the_times():
     assert c["hidden_share"]["commopt by_expert"] == pytest.approx(0.75)
     (c,) = bench_moe.records([dict(c, ms=dict(ms, **{"comm-free": 11.0}))])
     assert c["hidden_share"]["commopt by_peer"] is None  # nothing exposed to hide
+
+
+def test_runs_split_by_model_join_into_one_report(tmp_path):
+    import json
+
+    ms = {v: 1.0 + i for i, v in enumerate(bench_moe.VARIANTS)}
+    paths = []
+    for i, (model, commit) in enumerate((("dsv2-lite", "a1"), ("mixtral-8x7b", "b2"))):
+        meta = {"device": "NVIDIA H200", "world": 2, "commit": commit, "date": "2026-11-29", "torch": "t",
+                "rounds": 7, "steps": 5, "command": f"bench_moe --models {model}"}
+        case = {"ms": ms, "max_rel_error": {v: 0.0 for v in ms}, "model": model, "tokens_per_rank": 8192,
+                "routing": "balanced"}
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps({"meta": meta, "cases": [case]}))
+    bench_moe.join([str(p) for p in paths], str(tmp_path / "out"))
+    (md,) = (tmp_path / "out").glob("moe_h200x2_2026-11-29.md")
+    text = md.read_text()
+    assert "| dsv2-lite | 8192 |" in text and "| mixtral-8x7b | 8192 |" in text
+    assert "Joined from 2 runs (commits a1, b2)" in text and "`bench_moe --models mixtral-8x7b`" in text
+    other = json.loads(paths[1].read_text())
+    other["meta"]["world"] = 4
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="different cards or worlds"):
+        bench_moe.join([str(p) for p in paths], None)

@@ -4,7 +4,8 @@
 `python -m torch_commopt explain (--shape KIND:ROWSxKxN | --attention B,H,HKV,S,D[:causal][:train]) ...
 [--world N] [--device NAME]` and
 `python -m torch_commopt tune (--shape KIND:ROWSxKxN ... --attention B,H,HKV,S,D[:causal][:train] ... |
---model demo) [--world N] [--cache-dir D]`."""
+--model demo) [--world N] [--cache-dir D]` and
+`python -m torch_commopt timeline TRACE [TRACE ...] [--label NAME ...] [--out DIR]`."""
 
 from __future__ import annotations
 
@@ -55,12 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--cache-dir", default=None)
     tune.add_argument("--cuda-graphs", action="store_true",
                       help="tune for a program replayed from CUDA graphs (Config.cuda_graphs): time graph replays")
+    line = sub.add_parser("timeline", help="a picture of where a profiled step's time goes (PNG and HTML)")
+    line.add_argument("traces", nargs="+", help="torch.profiler Chrome traces (export_chrome_trace), drawn one "
+                                                "above the other, e.g. commopt's and the baseline's")
+    line.add_argument("--label", action="append", default=[], help="a name per trace (default: the file's)")
+    line.add_argument("--out", default=".", help="directory for timeline.png and timeline.html")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     if args.command == "demo":
         from torch_commopt.testing.demo import run_demo
 
         return run_demo(args.world, {"schedule": args.schedule, "chunks": args.chunks}, args.backend)
+    if args.command == "timeline":
+        return _timeline(parser, args)
     if args.command == "explain":
         if not (args.shape or args.attention):
             parser.error("explain: give --shape and/or --attention (one or more)")
@@ -150,3 +158,21 @@ def run_tune(specs: list[str], world: int, backend: str = "auto", dtype: str | N
         lines.append(f"{spec}: {best}  (" + ", ".join(f"{s} {t:.3f} ms" for s, t in sorted(measured.items(), key=lambda x: x[1]))
                      + ")")
     return "\n".join(lines)
+
+
+def _timeline(parser, args) -> int:
+    import pathlib
+
+    from torch_commopt import timeline
+
+    if args.label and len(args.label) != len(args.traces):
+        parser.error(f"timeline: {len(args.label)} --label for {len(args.traces)} traces")
+    labels = args.label or [pathlib.Path(t).stem for t in args.traces]
+    steps = [timeline.load(t, label) for t, label in zip(args.traces, labels)]
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timeline.render(steps, out / "timeline.png", out / "timeline.html")
+    for step in steps:
+        print(step.label, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in step.summary().items()}))
+    print(f"wrote {out / 'timeline.png'} and {out / 'timeline.html'}")
+    return 0
