@@ -121,18 +121,16 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: fl
     return forward_blocks(q, v.shape[-1], shift, ring)
 
 
-class DirectShift:
-    """comm.RingShift's interface (current, start, wait, finish), each share sent by its owner
-    straight to the ranks that need it: at step i rank p holds source (p - i)'s share, received
-    from that rank only if need[p][p - i], and sends its own to p + i only if need[p + i][p]
-    (a step whose share is not needed computes nothing: current() then gives this rank's own)."""
+class _Direct:
+    """What DirectShift and DirectGrads share: tensors packed into one flat buffer (one message a
+    transfer), the group, the needs table, the step."""
 
     def __init__(self, tensors: list[Tensor], group, tag: int, need: list[list[bool]]) -> None:
         self.shapes = [t.shape for t in tensors]
-        self.own = torch.cat([t.reshape(-1) for t in tensors])
+        self.flat = torch.cat([t.reshape(-1) for t in tensors])
         self.group, self.tag, self.need = group, tag, need
         self.world, self.rank = comm.size(group), comm.rank(group)
-        self.step, self.held, self.got, self.pending = 0, self.own, None, None
+        self.step, self.got, self.pending = 0, None, None
 
     def _views(self, flat: Tensor) -> list[Tensor]:
         views, offset = [], 0
@@ -141,26 +139,42 @@ class DirectShift:
             offset += shape.numel()
         return views
 
+    def _post(self, send: Tensor | None, dst: int, src: int | None) -> None:
+        """Send `send` to group rank dst (None: nothing) and receive a buffer from src (None:
+        nothing) into self.got; self.pending waits for both."""
+        sends = [(send, dist.get_global_rank(self.group, dst), self.tag)] if send is not None else []
+        self.got = torch.empty_like(self.flat) if src is not None else None
+        recvs = [(self.got, dist.get_global_rank(self.group, src), self.tag)] if src is not None else []
+        self.pending = comm._p2p(sends, recvs, self.group) if sends or recvs else None  # noqa: SLF001
+
+    def finish(self) -> None:
+        """After the last use of the current tensors (nothing to release here)."""
+
+
+class DirectShift(_Direct):
+    """comm.RingShift's interface (current, start, wait, finish), each share sent by its owner
+    straight to the ranks that need it: at step i rank p holds source (p - i)'s share, received
+    from that rank only if need[p][p - i], and sends its own to p + i only if need[p + i][p]
+    (a step whose share is not needed computes nothing: current() then gives this rank's own)."""
+
+    def __init__(self, tensors: list[Tensor], group, tag: int, need: list[list[bool]]) -> None:
+        super().__init__(tensors, group, tag, need)
+        self.held = self.flat
+
     def current(self) -> list[Tensor]:
         return self._views(self.held)
 
     def start(self) -> None:
         i, n, p = self.step + 1, self.world, self.rank
         dst, src = (p + i) % n, (p - i) % n
-        sends = [(self.own, dist.get_global_rank(self.group, dst), self.tag)] if self.need[dst][p] else []
-        self.got = torch.empty_like(self.own) if self.need[p][src] else None
-        recvs = [(self.got, dist.get_global_rank(self.group, src), self.tag)] if self.got is not None else []
-        self.pending = comm._p2p(sends, recvs, self.group) if sends or recvs else None  # noqa: SLF001
+        self._post(self.flat if self.need[dst][p] else None, dst, src if self.need[p][src] else None)
 
     def wait(self) -> None:
         if self.pending is not None:
             self.pending()
         self.step += 1
-        self.held = self.got if self.got is not None else self.own
+        self.held = self.got if self.got is not None else self.flat
         self.pending = self.got = None
-
-    def finish(self) -> None:
-        """After the last use of the current tensors (nothing to release here)."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +238,7 @@ def ring_backward(saved: Saved, dout: Tensor, blocks: flex.Blocks, scale: float,
     return backward_blocks(saved, dout, shifts, ring)
 
 
-class DirectGrads:
+class DirectGrads(_Direct):
     """The dK/dV sums' shift of backward_blocks with each rank's terms sent straight to their
     owner: at step i current() gives the zeroed buffers for source (p - i)'s terms (step 0: this
     rank's own, which collects everything), start() sends them to that rank if it computed any
@@ -232,22 +246,12 @@ class DirectGrads:
     adds those in; after the last step current() gives this rank's whole dK/dV."""
 
     def __init__(self, zeros: list[Tensor], group, tag: int, need: list[list[bool]]) -> None:
-        self.shapes = [t.shape for t in zeros]
-        self.total = torch.cat([t.reshape(-1) for t in zeros])
-        self.group, self.tag, self.need = group, tag, need
-        self.world, self.rank = comm.size(group), comm.rank(group)
-        self.step, self.terms, self.got, self.pending = 0, self.total, None, None
-
-    def _views(self, flat: Tensor) -> list[Tensor]:
-        views, offset = [], 0
-        for shape in self.shapes:
-            views.append(flat[offset: offset + shape.numel()].view(shape))
-            offset += shape.numel()
-        return views
+        super().__init__(zeros, group, tag, need)
+        self.terms = self.flat  # step 0: this rank's own terms, into the total (self.flat) itself
 
     def current(self) -> list[Tensor]:
         # (a step whose source this rank needs nothing of computes nothing: the total stands in, unwritten)
-        return self._views(self.total if self.step >= self.world or self.terms is None else self.terms)
+        return self._views(self.flat if self.step >= self.world or self.terms is None else self.terms)
 
     def start(self) -> None:
         i, n, p = self.step, self.world, self.rank
@@ -255,24 +259,18 @@ class DirectGrads:
             self.pending = None
             return
         owner, src = (p - i) % n, (p + i) % n
-        sends = [(self.terms, dist.get_global_rank(self.group, owner), self.tag)] if self.terms is not None else []
-        self.got = torch.empty_like(self.total) if self.need[src][p] else None
-        recvs = [(self.got, dist.get_global_rank(self.group, src), self.tag)] if self.got is not None else []
-        self.pending = comm._p2p(sends, recvs, self.group) if sends or recvs else None  # noqa: SLF001
+        self._post(self.terms, owner, src if self.need[src][p] else None)
 
     def wait(self) -> None:
         if self.pending is not None:
             self.pending()
         if self.got is not None:
-            self.total += self.got
+            self.flat += self.got
         self.step += 1
         self.got = self.pending = None
         if self.step < self.world:
             owner = (self.rank - self.step) % self.world
-            self.terms = torch.zeros_like(self.total) if self.need[self.rank][owner] else None
-
-    def finish(self) -> None:
-        """After the last use of the current tensors (nothing to release here)."""
+            self.terms = torch.zeros_like(self.flat) if self.need[self.rank][owner] else None
 
 
 class FlexRing(torch.autograd.Function):
