@@ -58,7 +58,7 @@ class Step:
 
     @property
     def lanes(self) -> list[str]:
-        return sorted({s.lane for s in self.spans}, key=lambda lane: (lane.split()[0], int(lane.split()[-1])))
+        return sorted({s.lane for s in self.spans}, key=lambda lane: tuple(int(x) for x in lane.split()[1::2]))
 
     def summary(self) -> dict:
         """Milliseconds: the step, each kind's busy time (a kind's spans merged), the idle gaps."""

@@ -13,8 +13,8 @@ DSV2_8K = MoEShape(rows=49152, dim=2048, hidden=1408, local_experts=32, world=2,
 
 
 def test_on_nvlink_h200s_the_plain_exchange_wins_at_the_measured_shapes():
-    # 2x H200 (benchmarks/results/moe_h200x2_*): by_expert ran 0.80-0.89x of a2a at every case, its
-    # own compute 1.06-1.7x the grouped GEMMs' while the exchange exposed 8-25% of a2a's step
+    # 2x H200 (benchmarks/results/moe_h200x2_*): by_expert ran 0.79-0.99x of a2a at every case, its
+    # own compute 1.06-1.7x the grouped GEMMs' while torchtitan exposed 6-32% of its step in the exchange
     cal = prior("NVIDIA H200", 2)
     for hidden, experts in ((1408, 32), (768, 64), (14336, 4)):
         for rows in (4096 * 6, 8192 * 6, 16384 * 6):

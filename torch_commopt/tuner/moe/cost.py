@@ -16,7 +16,7 @@ calibration's overlap_slowdown for the copy engine, collective_overlap_slowdown 
 kernels, which take SMs).  by_expert's compute is its own SwiGLU with its reorders (kernels/moe/by_expert.py), which costs
 k(H) = 1 + BASE_OVERHEAD / H times torchtitan's grouped GEMMs that a2a runs (H the expert hidden
 size; one H200, by_expert:1 / whole: 1.30-1.36 at H 1408, 1.58-1.70 at H 768, 1.06-1.07 at H 14336
-in benchmarks/results/moe_pieces_h200x1_*; on 2x H200, by_expert 0.80-0.89x of a2a at every case of
+in benchmarks/results/moe_pieces_h200x1_*; on 2x H200, by_expert 0.79-0.99x of a2a at every case of
 benchmarks/results/moe_h200x2_*).  o_C is what cutting the experts into C chunks costs their compute,
 measured on one H200 at 8K-16K tokens a rank on the fine-grained shapes
 (benchmarks/results/moe_pieces_h200x1_*: by_expert:2 0.98-1.05x of by_expert:1, by_expert:4
