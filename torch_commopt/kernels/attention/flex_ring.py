@@ -121,11 +121,26 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: fl
     return forward_blocks(q, v.shape[-1], shift, ring)
 
 
+_READY: set[str] = set()  # groups whose communicator the direct sends have made sure of
+
+
+def _ready(group) -> None:
+    """Before a group's first direct sends: one barrier of every rank.  A step where a rank has
+    nothing to send or receive is skipped by it, and NCCL wants every rank of a group in the first
+    point-to-point batch that creates the group's communicator.  Every rank takes the direct path
+    at the same calls (the needs table is the same everywhere), so they all come here together."""
+    name = group.group_name
+    if name not in _READY:
+        dist.barrier(group=group)
+        _READY.add(name)
+
+
 class _Direct:
     """What DirectShift and DirectGrads share: tensors packed into one flat buffer (one message a
     transfer), the group, the needs table, the step."""
 
     def __init__(self, tensors: list[Tensor], group, tag: int, need: list[list[bool]]) -> None:
+        _ready(group)
         self.shapes = [t.shape for t in tensors]
         self.flat = torch.cat([t.reshape(-1) for t in tensors])
         self.group, self.tag, self.need = group, tag, need
