@@ -393,7 +393,8 @@ def _dense_mask_kv(node: Node, args: dict, mask: Node, gathered: tuple, why_not_
     if len(m) != 4 or tuple(m[2:]) != (rows, keys) or m[0] not in (1, q[0]) \
             or m[1] not in (1, q[1]) or rows % block or keys % block:
         raise Unsupported(f"explicit attention mask: {why_not_causal}; and not a boolean (B|1, H|1, {rows}, {keys}) "
-                          f"mask of whole {block}-token blocks for the flex path")
+                          f"mask of whole {block}-token blocks for the flex path (its boolean is {tuple(m)}, "
+                          f"made by {_producers(given)})")
     if args.get("dropout_p") or args.get("is_causal"):
         raise Unsupported("explicit attention mask with dropout or is_causal")
     flex_mask = FlexMask([], [mask], dense_mask_code(m[0] == 1, m[1] == 1), [rows, keys, block], dense=True)
