@@ -124,7 +124,9 @@ def load(trace, label: str, min_gap_us: float = MIN_GAP_US) -> Step:
         lane = f"GPU {e['pid']} stream {e['tid']}"
         span = Span(lane, _kind(e), e["ts"] - t0, e["ts"] + e["dur"] - t0, e["name"])
         step.spans.append(span)
-        by_correlation[e.get("args", {}).get("correlation")] = span
+        correlation = e.get("args", {}).get("correlation")
+        if correlation is not None:  # (an event without one belongs to no launch)
+            by_correlation[correlation] = span
     launches = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and e.get("args", {}).get("correlation") in by_correlation]
     hosts = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")
