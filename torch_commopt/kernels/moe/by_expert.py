@@ -186,6 +186,8 @@ class _ByExpert(torch.autograd.Function):
         recvd = [x.new_empty((sum(r), x.shape[1])) for r in p.recv]
         works = [ex.post(IN, c, list(recvd[c].split(p.recv[c])), _pieces(x, p.slices[c])) for c in range(len(p.rows))]
         xe = x.new_zeros((p.padded_rows, x.shape[1]))  # every local expert's rows, padded, expert-major
+        # the SwiGLU's product over every chunk's rows, which the backward's w2 gradient reads as it is
+        act = x.new_empty((p.padded_rows, w1c.shape[1]))
         out = x.new_empty((x.shape[0], w2.shape[1]))
         homes, saved = [], []
         for c, (start, end) in enumerate(p.rows):
@@ -196,22 +198,24 @@ class _ByExpert(torch.autograd.Function):
             lo, hi = _experts(p, c)
             h1 = _gmm(xc, w1c[lo:hi], sizes, offs)
             h3 = _gmm(xc, w3c[lo:hi], sizes, offs)
-            y = _gmm(F.silu(h1) * h3, w2c[lo:hi], sizes, offs)
+            silu = F.silu(h1)
+            torch.mul(silu, h3, out=act[start:end])
+            y = _gmm(act[start:end], w2c[lo:hi], sizes, offs)
             back = y.index_select(0, p.place[c] - start)  # source-major, as the chunk came
             homes.append((ex.post(OUT, c, _pieces(out, p.slices[c]), list(back.split(p.recv[c]))), back))
-            saved.append((h1, h3))
+            saved.append((h1, h3, silu))  # what autograd would keep: the backward recomputes nothing
         ex.release(IN)
         for work, _ in homes:
             _wait(work)
         ex.release(OUT)
         ex.close()
-        ctx.save_for_backward(xe, w1c, w2c, w3c)
+        ctx.save_for_backward(xe, act, w1c, w2c, w3c)
         ctx.chunks, ctx.plan, ctx.group, ctx.wdtypes = saved, p, group, (w1.dtype, w2.dtype, w3.dtype)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        xe, w1c, w2c, w3c = ctx.saved_tensors
+        xe, act, w1c, w2c, w3c = ctx.saved_tensors
         p, group, saved = ctx.plan, ctx.group, ctx.chunks
         grouped = _grouped(dout)
         dout = dout.contiguous()
@@ -222,17 +226,15 @@ class _ByExpert(torch.autograd.Function):
         # that the weight gradients run once over all rows, with nothing to concatenate
         dy = dout.new_zeros((p.padded_rows, dout.shape[1]))
         hidden = (p.padded_rows, w1c.shape[1])
-        act, dh1, dh3 = dout.new_empty(hidden), dout.new_empty(hidden), dout.new_empty(hidden)
+        dh1, dh3 = dout.new_empty(hidden), dout.new_empty(hidden)
         dx = dout.new_empty((dout.shape[0], w1c.shape[2]))
         homes = []
         for c, (start, end) in enumerate(p.rows):
             _wait(works[c])
             dy.index_copy_(0, p.place[c], recvd[c])
-            h1, h3 = saved[c]
+            h1, h3, silu = saved[c]
             sizes, offs = _chunk_groups(p, c, grouped)
             lo, hi = _experts(p, c)
-            silu = F.silu(h1)
-            torch.mul(silu, h3, out=act[start:end])
             da = _gmm(dy[start:end], w2c[lo:hi].transpose(-2, -1), sizes, offs)
             torch.mul(da, silu, out=dh3[start:end])
             torch.ops.aten.silu_backward.grad_input(da * h3, h1, grad_input=dh1[start:end])
