@@ -31,6 +31,15 @@ def rank(group: Group) -> int:
     return 0 if group is None else group.rank()
 
 
+def views(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+    """The tensors of `shapes` packed one after another in `flat`, as views of it."""
+    out, offset = [], 0
+    for shape in shapes:
+        out.append(flat[offset : offset + shape.numel()].view(shape))
+        offset += shape.numel()
+    return out
+
+
 class RingShift:
     """Tensors shifted one peer along the ring per step: group rank p sends to p+1 and
     receives from p-1.  Double-buffered: `start()` sends the current buffer while the
@@ -55,12 +64,7 @@ class RingShift:
 
     def current(self) -> list[Tensor]:
         """Views of the tensors of this step."""
-        views, offset = [], 0
-        for shape in self.shapes:
-            n = shape.numel()
-            views.append(self.bufs[self.cur][offset : offset + n].view(shape))
-            offset += n
-        return views
+        return views(self.bufs[self.cur], self.shapes)
 
     def start(self) -> None:
         if self.group is None or self.group.size() == 1:

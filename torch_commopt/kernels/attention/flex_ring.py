@@ -147,13 +147,6 @@ class _Direct:
         self.world, self.rank = comm.size(group), comm.rank(group)
         self.step, self.got, self.pending = 0, None, None
 
-    def _views(self, flat: Tensor) -> list[Tensor]:
-        views, offset = [], 0
-        for shape in self.shapes:
-            views.append(flat[offset: offset + shape.numel()].view(shape))
-            offset += shape.numel()
-        return views
-
     def _post(self, send: Tensor | None, dst: int, src: int | None) -> None:
         """Send `send` to group rank dst (None: nothing) and receive a buffer from src (None:
         nothing) into self.got; self.pending waits for both."""
@@ -177,7 +170,7 @@ class DirectShift(_Direct):
         self.held = self.flat
 
     def current(self) -> list[Tensor]:
-        return self._views(self.held)
+        return comm.views(self.held, self.shapes)
 
     def start(self) -> None:
         i, n, p = self.step + 1, self.world, self.rank
@@ -266,7 +259,7 @@ class DirectGrads(_Direct):
 
     def current(self) -> list[Tensor]:
         # (a step whose source this rank needs nothing of computes nothing: the total stands in, unwritten)
-        return self._views(self.flat if self.step >= self.world or self.terms is None else self.terms)
+        return comm.views(self.flat if self.step >= self.world or self.terms is None else self.terms, self.shapes)
 
     def start(self) -> None:
         i, n, p = self.step, self.world, self.rank

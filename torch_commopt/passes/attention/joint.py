@@ -45,6 +45,7 @@ from torch_commopt.passes.attention.rewrite import (
     _flex_kept,
     _local,
     describe,
+    flex_arguments,
     insert_training_backward,
     insert_training_forward,
     ranks_disagree,
@@ -180,13 +181,9 @@ def _apply_flex(graph: Graph, region: AttentionRegion, plan: dict, schedule: str
     """The flex forward and backward as cp_flex_attention_fwd / _bwd on the rank's own K/V (its out
     and LSE, natural log, carried from one to the other); the K/V gradients brought back to the
     shards' layout where the reduce-scatters delivered them; the gathers and reduce-scatters go."""
-    fwd, bwd, mask = region.attention, plan["bwd"], region.flex
+    fwd, bwd = region.attention, plan["bwd"]
     with graph.inserting_before(fwd):
-        tables = mask.tables
-        if mask.dense:  # SDPA's boolean mask: its block tables made from it at run time, for both passes
-            made = add_node(graph, torch.ops.commopt.dense_block_tables.default, (mask.buffers[0], mask.sizes[2]))
-            tables = [add_node(graph, operator.getitem, (made, i)) for i in range(4)]
-        common = (tables, mask.buffers, mask.code, mask.sizes, region.scale, region.world, region.group_name, schedule)
+        common = flex_arguments(graph, region, schedule)
         k, v = _local(graph, region, "k"), _local(graph, region, "v")
         pair = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default, (region.inputs["q"], k, v, *common))
         out, lse = (add_node(graph, operator.getitem, (pair, i)) for i in range(2))

@@ -277,24 +277,34 @@ def _apply_decode(graph: Graph, region: AttentionRegion) -> None:
 def _apply_flex(graph: Graph, region: AttentionRegion, schedule: str) -> None:
     """flex_allgather_kv: one cp_flex_attention_fwd on the local q and the rank's own K and V,
     with the mask's tables, code and buffers as the graph holds them; the gathers go."""
-    node, mask = region.attention, region.flex
+    node = region.attention
     with graph.inserting_before(node):
         k = _local(graph, region, "k")
         v = _local(graph, region, "v")
-        tables = mask.tables
-        if mask.dense:  # SDPA's dense mask: its block tables made from it at run time
-            made = add_node(graph, torch.ops.commopt.dense_block_tables.default, (mask.buffers[0], mask.sizes[2]))
-            tables = [add_node(graph, operator.getitem, (made, i)) for i in range(4)]
         pair = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default,
-                        (region.inputs["q"], k, v, tables, mask.buffers, mask.code, mask.sizes, region.scale,
-                         region.world, region.group_name, schedule))
+                        (region.inputs["q"], k, v, *flex_arguments(graph, region, schedule)))
         out = add_node(graph, operator.getitem, (pair, 0))
     region.output.replace_all_uses_with(out)
     erase_unused(graph, [node, *node.users, *region.paths["k"], *region.paths["v"]], region.collectives)
 
 
+def flex_arguments(graph: Graph, region: AttentionRegion, schedule: str) -> tuple:
+    """cp_flex_attention_fwd/bwd's arguments after the tensors, for a flex region (inserted where
+    the graph's insertion point is): SDPA's dense mask gets its block tables made from it at run
+    time, once for both passes."""
+    mask = region.flex
+    tables = mask.tables
+    if mask.dense:
+        made = add_node(graph, torch.ops.commopt.dense_block_tables.default, (mask.buffers[0], mask.sizes[2]))
+        tables = [add_node(graph, operator.getitem, (made, i)) for i in range(4)]
+    scale = region.scale if region.scale is not None else region.shape.head_dim ** -0.5
+    return (tables, mask.buffers, mask.code, mask.sizes, scale, region.world, region.group_name, schedule)
+
+
 def _apply_ulysses(graph: Graph, region: AttentionRegion, plan: ulysses.UlyssesPlan, schedule: str) -> None:
-    ulysses.apply(graph, region, plan, schedule)
+    with graph.inserting_before(region.attention):
+        flex_args = flex_arguments(graph, region, schedule) if region.flex is not None else None
+    ulysses.apply(graph, region, plan, schedule, flex_args)
     node = region.attention
     pre = [n for key in "qkv" for n in region.paths[f"{key}_pre"]]
     post = [n for key in "qkv" for n in region.paths[f"{key}_post"]] + region.paths["out"]

@@ -126,14 +126,15 @@ def _local_seq(atoms: Atoms, seq: list[str], owner: list[str], causal: bool, key
     return [f for f in seq if f not in own]
 
 
-def apply(graph: Graph, region: AttentionRegion, ulysses: UlyssesPlan, schedule: str) -> Node:
+def apply(graph: Graph, region: AttentionRegion, ulysses: UlyssesPlan, schedule: str,
+          flex_args: tuple | None = None) -> Node:
     """Insert the op before the attention, route the output all-to-all's users to its result,
-    and return the op's node (the replaced nodes are erased by the caller)."""
+    and return the op's node (the replaced nodes are erased by the caller).  flex_args: a flex
+    region's op arguments after the tensors (rewrite.flex_arguments)."""
     with graph.inserting_before(region.attention):
         q, k, v = (emit(graph, region.inputs[key], ulysses.inputs[key]) for key in "qkv")
         if region.flex is not None:  # flex_attention: the whole sequence's mask, each rank its rows of it
-            cp = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default,
-                          (q, k, v, *flex_arguments(region, schedule)))
+            cp = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default, (q, k, v, *flex_args))
         else:
             cp = add_node(graph, torch.ops.commopt.cp_attention_fwd.default,
                           (q, k, v, schedule, region.causal, region.scale, region.world, region.group_name))
@@ -141,13 +142,6 @@ def apply(graph: Graph, region: AttentionRegion, ulysses: UlyssesPlan, schedule:
         result = emit(graph, out, ulysses.output)
     region.output.replace_all_uses_with(result)
     return cp
-
-
-def flex_arguments(region: AttentionRegion, schedule: str) -> tuple:
-    """cp_flex_attention_fwd/bwd's arguments after the tensors, for a flex region."""
-    mask = region.flex
-    scale = region.scale if region.scale is not None else region.shape.head_dim ** -0.5
-    return (mask.tables, mask.buffers, mask.code, mask.sizes, scale, region.world, region.group_name, schedule)
 
 
 def emit(graph: Graph, x: Node, how: Relayout) -> Node:

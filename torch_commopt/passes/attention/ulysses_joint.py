@@ -41,8 +41,13 @@ from torch_commopt.passes.attention.detect import (
     trace_back,
 )
 from torch_commopt.passes.attention.layout import Relayout
-from torch_commopt.passes.attention.rewrite import erase_unused, insert_training_backward, insert_training_forward
-from torch_commopt.passes.attention.ulysses import Algebra, emit, flex_arguments, positions
+from torch_commopt.passes.attention.rewrite import (
+    erase_unused,
+    flex_arguments,
+    insert_training_backward,
+    insert_training_forward,
+)
+from torch_commopt.passes.attention.ulysses import Algebra, emit, positions
 from torch_commopt.passes.chains import add_node
 from torch_commopt.passes.graph_utils import WAIT, Unsupported, only_user, static_shape
 
@@ -135,7 +140,7 @@ def apply(graph: Graph, region: AttentionRegion, plan: JointPlan, schedule: str)
     with graph.inserting_before(fwd):
         q, k, v = (emit(graph, region.inputs[key], plan.to_op[key]) for key in "qkv")
         if region.flex is not None:  # the flex pair on the rank's shares, its out and LSE carried
-            common = flex_arguments(region, schedule)
+            common = flex_arguments(graph, region, schedule)
             pair = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default, (q, k, v, *common))
             out, lse = (add_node(graph, operator.getitem, (pair, i)) for i in range(2))
         else:
