@@ -30,7 +30,8 @@ def _check_errors(rank, errors, what="commopt"):
     assert not bad, f"rank {rank}: {what}'s tensors {bad} off: {errors}"
 
 
-@pytest.mark.parametrize("how", ["full", "selective"])
+# the DTensor form with one policy (both policies' passes run in the funcol form's pair)
+@pytest.mark.parametrize("how", ["full"])
 def test_checkpointed_dtensor_block_matches_eager(how):
     ranks = run_distributed(run_checkpointed_block, 2, how, OPTIONS, timeout_s=600)
     for rank, res in enumerate(ranks):

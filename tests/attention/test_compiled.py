@@ -92,8 +92,7 @@ def test_ranks_that_decide_differently_leave_the_attention_alone():
         assert err < 1e-5, (err, notes)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("world,causal", [(2, False), (4, True)])
 def test_inference_ulysses_program_runs_as_cp_attention(world, causal):
     # the program's four all-to-alls and attention become one cp_attention_fwd on its q, k, v
     # brought to the op's layout (GQA 8/4: kv heads split over the ranks as the program does)

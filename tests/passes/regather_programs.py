@@ -9,9 +9,12 @@ import torch_commopt
 SHAPE = {"batch": 2, "seq": 16, "dim": 64, "hidden": 128, "heads": 4}
 
 
-def saved_and_gathers_by_budget(rank: int, world: int, kind: str, budgets: tuple) -> dict:
-    """{budget_mib: saved_and_gathers(..., budget_mib)} in one process (one spawn for them all)."""
-    return {b: saved_and_gathers(rank, world, kind, False, b) for b in budgets}
+def saved_and_gathers_by_option(rank: int, world: int, kind: str, budgets: tuple) -> dict:
+    """{budget_mib: saved_and_gathers(..., budget_mib)} and {"regather": saved_and_gathers(...,
+    regather=True)} in one process (one spawn for them all)."""
+    runs = {b: saved_and_gathers(rank, world, kind, False, b) for b in budgets}
+    runs["regather"] = saved_and_gathers(rank, world, kind, True)
+    return runs
 
 
 def saved_and_gathers(rank: int, world: int, kind: str, regather: bool, budget_mib: float | None = None):

@@ -11,10 +11,16 @@ from tuner_programs import compile_with_autotune, compile_with_cache_fault
 from torch_commopt.testing.launch import run_distributed
 
 
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """A tuner cache filled by an autotuned compile (each test faults a copy of it)."""
+    warm = tmp_path_factory.mktemp("warm_cache")
+    run_distributed(compile_with_autotune, 2, str(warm), timeout_s=600)
+    return warm
+
+
 @pytest.mark.parametrize("fault", ["corrupt", "unwritable"])
-def test_a_faulty_cache_on_rank_0_leaves_every_rank_agreeing(tmp_path, fault):
-    warm = tmp_path / "warm"
-    run_distributed(compile_with_autotune, 2, str(warm), timeout_s=600)  # fills the cache
+def test_a_faulty_cache_on_rank_0_leaves_every_rank_agreeing(tmp_path, fault, warm):
     for rank in range(2):
         shutil.copytree(warm, tmp_path / f"rank{rank}")
     results = run_distributed(compile_with_cache_fault, 2, str(tmp_path), fault, timeout_s=600)
