@@ -1,6 +1,8 @@
 """What the GPU-wait watchdog costs (kernels/gpu/watchdog.py): GPU schedules' calls timed with the
 watchdog on and off (TORCH_COMMOPT_WATCHDOG), in alternating turns within one run, eager and
-replayed from per-call graphs, from a host-bound small shape to a GPU-bound one.
+replayed from per-call graphs, from a host-bound small shape to a GPU-bound one, and the decode-sized
+GEMM + one-shot all-reduce whose kernels bound their own spins (no per-call marks), eager and
+replayed from a CUDA graph of the call captured in each mode.
 
 Per case and mode: the GPU time per call (CUDA events around `--calls` back-to-back calls, the
 median over `--rounds`, the slowest rank) and the host time per call (the enqueue loop).  On one
@@ -19,6 +21,7 @@ import statistics
 import time
 
 from benchmarks.common import fmt, machine_meta, result_stem, write_report
+from torch_commopt.core import env
 
 # (label, op, schedule, rows per rank, K, N)
 CASES = [
@@ -29,6 +32,8 @@ CASES = [
     ("rs ce_push", "rs", "ce_push:2", 4096, 4096, 4096),
     ("rs fused", "rs", "fused:2:store=direct", 4096, 4096, 4096),
     ("rs replayed", "rs", "ce_push:2:cg=1", 4096, 4096, 4096),
+    ("ar oneshot eager", "ar", "oneshot", 1, 4096, 4096),
+    ("ar oneshot replayed", "ar:graph", "oneshot", 1, 4096, 4096),
 ]
 MODES = ("on", "off")
 
@@ -38,7 +43,31 @@ def _call(op: str, a, w, sched: str, group_name: str, world: int):
 
     if op == "ag":
         return torch.ops.commopt.ag_matmul(a, [w], [None], 0, world, group_name, sched, False)[0]
+    if op.startswith("ar"):
+        return torch.ops.commopt.matmul_ar(a, w, None, "sum", world, group_name, sched)
     return torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", world, group_name, sched)
+
+
+def _callers(op: str, a, w, sched: str, group_name: str, world: int) -> dict:
+    """mode -> a call: the op itself, or (op "ar:graph") a replay of a CUDA graph of one call
+    captured with the watchdog in that mode (what a decode step replays; the low-latency kernels
+    take their spin bound when launched, so each mode needs its own capture)."""
+    import torch
+
+    callers = {}
+    for mode in MODES:
+        os.environ[env.WATCHDOG] = "1" if mode == "on" else "0"
+        for _ in range(6):  # warm-up in both modes (compiles; the low-latency buffer before a capture)
+            _call(op, a, w, sched, group_name, world)
+        torch.cuda.synchronize()
+        if op.endswith(":graph"):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _call(op, a, w, sched, group_name, world)
+            callers[mode] = graph.replay
+        else:
+            callers[mode] = lambda: _call(op, a, w, sched, group_name, world)
+    return callers
 
 
 def _rank(rank: int, world: int, rounds: int, calls: int):
@@ -46,8 +75,6 @@ def _rank(rank: int, world: int, rounds: int, calls: int):
     import torch.distributed as dist
 
     import torch_commopt  # noqa: F401
-    from torch_commopt.core import env
-
     os.environ.pop(env.DEBUG_WAITS, None)
     gn, dev = dist.group.WORLD.group_name, torch.device("cuda", torch.cuda.current_device())
     out = []
@@ -56,11 +83,7 @@ def _rank(rank: int, world: int, rounds: int, calls: int):
         rows = m * world if op == "rs" else m
         a = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g)
         w = torch.randn(k, n, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(k)
-        for mode in MODES:  # warm-up in both modes (captures, compiles)
-            os.environ[env.WATCHDOG] = "1" if mode == "on" else "0"
-            for _ in range(6):
-                _call(op, a, w, sched, gn, world)
-        torch.cuda.synchronize()
+        callers = _callers(op, a, w, sched, gn, world)
         times = {mode: {"gpu_ms": [], "host_us": []} for mode in MODES}
         for r in range(rounds):
             for mode in (MODES if r % 2 == 0 else MODES[::-1]):
@@ -70,7 +93,7 @@ def _rank(rank: int, world: int, rounds: int, calls: int):
                 start.record()
                 t0 = time.perf_counter()
                 for _ in range(calls):
-                    _call(op, a, w, sched, gn, world)
+                    callers[mode]()
                 host = time.perf_counter() - t0
                 end.record()
                 end.synchronize()

@@ -25,7 +25,8 @@ def run_oneshot(rank: int, world: int, debug: bool, two_shot: bool = False) -> l
     ll = lowlat.for_runtime(rt)
     bad = []
     call = 0
-    for n in (1, 7, 1000, 4096, 65 * lowlat.BLOCK + 3, 1 << 20):
+    # (sizes: one element, tails, each block size, more blocks than the grid, an unaligned length)
+    for n in (1, 7, 1000, 4096, 65 * lowlat.MIN_BLOCK + 3, 1 << 20, 70 * lowlat.MAX_BLOCK + 5):
         for dtype in (torch.bfloat16, torch.float32):
             for op in ("sum", "avg"):
                 call += 1
@@ -34,6 +35,12 @@ def run_oneshot(rank: int, world: int, debug: bool, two_shot: bool = False) -> l
                 out = ll.all_reduce(torch.empty(n, dtype=dtype, device=device), op, debug, two_shot)
                 if not torch.equal(out, _rank_order_sum(torch.stack(parts), op)):
                     bad.append(f"eager n={n} {dtype} {op}")
+    call += 1  # an `out` off 16 bytes (the kernels' unaligned form)
+    parts = _partials(call, world, 5000, torch.bfloat16, device)
+    ll.slot((5000,), torch.bfloat16).copy_(parts[rank])
+    out = ll.all_reduce(torch.empty(5001, dtype=torch.bfloat16, device=device)[1:], "sum", debug, two_shot)
+    if not torch.equal(out, _rank_order_sum(torch.stack(parts), "sum")):
+        bad.append("eager, out off 16 bytes")
     # captured: the graph copies its input into the slot and reduces, 8 times
     n, dtype = 4096, torch.bfloat16
     ins = [torch.zeros(n, dtype=dtype, device=device) for _ in range(8)]

@@ -22,5 +22,13 @@ def test_decode_sized_calls_run_and_the_rest_is_refused_with_the_reason():
 
 
 def test_the_grid_follows_the_message_only():
-    assert lowlat.blocks_for(1) == 1 and lowlat.blocks_for(lowlat.BLOCK + 1) == 2
+    assert lowlat.blocks_for(1) == 1 and lowlat.blocks_for(lowlat.MIN_BLOCK + 1) == 2
     assert lowlat.blocks_for(10**9) == symm.LL_BLOCKS
+    # the block grows with the message so that the grid covers it in one step, up to MAX_BLOCK
+    assert lowlat.block_for(1) == lowlat.MIN_BLOCK and lowlat.block_for(10**9) == lowlat.MAX_BLOCK
+    assert lowlat.block_for(symm.LL_BLOCKS * 2048) == 2048 and lowlat.block_for(symm.LL_BLOCKS * 2048 + 1) == 4096
+
+
+def test_a_segment_of_the_two_shot_lies_on_16_bytes():
+    assert lowlat.segment(1, 2, 2) == 8 and lowlat.segment(17, 2, 2) == 16 and lowlat.segment(17, 3, 4) == 8
+    assert all(lowlat.segment(n, w, 2) * w >= n for n in (1, 7, 1000, 4097) for w in (2, 3, 4))

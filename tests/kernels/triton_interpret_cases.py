@@ -244,10 +244,11 @@ def _peer_flags(world, me, blocks, missing=None):
     return flags
 
 
-def _ll(name, *, world, me, n, dtype, avg=False, debug=False, missing=None):
+def _ll(name, *, world, me, n, dtype, avg=False, debug=False, missing=None, shift=0):
     """The one-shot all-reduce kernel (lowlat.ll_oneshot_kernel) of rank `me`, its peers stood in
     for: every rank's slot filled, the peers' barrier flags (both phases, every block) set in
-    me's flag array -- but `missing`'s, when given, whose wait must then be reported."""
+    me's flag array -- but `missing`'s, when given, whose wait must then be reported.  shift:
+    `out` starts that many elements into its storage (off 16 bytes: the kernel's unaligned form)."""
     from torch_commopt.kernels.gpu import lowlat, symm
     from torch_commopt.kernels.matmul.reference.matmul_reduce import _rank_order_sum
 
@@ -256,7 +257,7 @@ def _ll(name, *, world, me, n, dtype, avg=False, debug=False, missing=None):
     blocks = lowlat.blocks_for(n)
     flags = _peer_flags(world, me, blocks, missing)
     phase1 = symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD
-    out, status = torch.zeros(n, dtype=dtype), torch.zeros(8, dtype=torch.int32)
+    out, status = torch.zeros(n + shift, dtype=dtype)[shift:], torch.zeros(8, dtype=torch.int32)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     ranks = lowlat.Ranks(table(slots), None, table(flags), me, world, status)
     lowlat.launch_oneshot(ranks, out, avg=avg, debug=debug, bound=BOUND_NS)
@@ -284,7 +285,7 @@ def _ll2(name, *, world, me, n, dtype, avg=False):
     gen = torch.Generator().manual_seed(7 * n + world)
     slots = [torch.randn(n, generator=gen).to(dtype) for _ in range(world)]
     want = _rank_order_sum(torch.stack(slots), "avg" if avg else "sum")
-    seg = lowlat.segment(n, world)
+    seg = lowlat.segment(n, world, torch.empty((), dtype=dtype).element_size())
     reds = [torch.zeros(seg, dtype=dtype) for _ in range(world)]
     for q in range(world):
         if q != me:
@@ -332,17 +333,19 @@ def group_ll():
          dtype=torch.float32, avg=True)
     _ll("one element, 2 ranks", world=2, me=0, n=1, dtype=torch.float32)
     _ll("a block and a tail, 3 ranks", world=3, me=1, n=lowlat_block() + 37, dtype=torch.float16)
+    _ll("out off 16 bytes, 2 ranks", world=2, me=1, n=lowlat_block() + 37, dtype=torch.float16, shift=1)
     _ll("more blocks than the grid, 4 ranks, avg", world=4, me=3, n=lowlat_block() * 70 + 5, dtype=torch.float32,
         avg=True)
     _ll("debug waits, all there", world=2, me=1, n=300, dtype=torch.float16, debug=True)
     _ll("a peer that never arrives", world=3, me=0, n=300, dtype=torch.float32, debug=True, missing=2)
-    return 10
+    return 11
 
 
 def lowlat_block():
+    """The largest block: n past LL_BLOCKS of them gives more blocks than the grid."""
     from torch_commopt.kernels.gpu import lowlat
 
-    return lowlat.BLOCK
+    return lowlat.MAX_BLOCK
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ from torch_commopt.kernels.gpu.waits import spin_geq
 
 PURPOSE = "low-latency"  # the runtime's own_buffer key
 LL_CAP_BYTES = 16 << 20  # the buffer: the largest message the low-latency collectives take
-BLOCK = 1024  # elements a block sums per step
 
 
 @triton.jit
@@ -72,83 +71,128 @@ def _ll_barrier(flag_bases, me, block, status, bound, BAR: tl.constexpr, W: tl.c
             tl.atomic_xchg(mine + base + p, 0, sem="relaxed", scope="sys")
 
 
+@triton.jit
+def _slot(slot_bases, r, like, ALIGNED: tl.constexpr):
+    """Rank r's slot (address in slot_bases[r]) as a pointer of like's element type.  ALIGNED (the
+    launcher checked that every slot and `like` lie on 16 bytes): the compiler is told so -- an
+    address loaded from a table has no alignment it can see -- and loads 16 bytes a thread at a
+    time instead of one element."""
+    addr = tl.load(slot_bases + r)
+    if ALIGNED:
+        size: tl.constexpr = like.dtype.element_ty.primitive_bitwidth // 8
+        delta = (addr - like.to(tl.int64, bitcast=True)) // size
+        return like + tl.multiple_of(delta, 16 // size)
+    return addr.to(tl.pointer_type(like.dtype.element_ty))
+
+
+@triton.jit
+def _sum_into(dst, slot_bases, like, at, start, lim, W: tl.constexpr, BLOCK: tl.constexpr, AVG: tl.constexpr,
+              ALIGNED: tl.constexpr):
+    """dst[start + i] = the sum over ranks 0..W-1 (fp32, in rank order; AVG: divided by W) of every
+    rank's slot[at + start + i], as like's dtype, for i < BLOCK below lim; a whole block unmasked
+    (vector loads and stores where the addresses allow)."""
+    offs = start + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if start + BLOCK <= lim:
+        for r in tl.static_range(W):
+            acc += tl.load(_slot(slot_bases, r, like, ALIGNED) + at + offs, volatile=True).to(tl.float32)
+        if AVG:
+            acc = acc / W
+        tl.store(dst + offs, acc.to(like.dtype.element_ty))
+    else:
+        mask = offs < lim
+        for r in tl.static_range(W):
+            acc += tl.load(_slot(slot_bases, r, like, ALIGNED) + at + offs, mask=mask, other=0.0,
+                           volatile=True).to(tl.float32)
+        if AVG:
+            acc = acc / W
+        tl.store(dst + offs, acc.to(like.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy(dst, src, start, lim, BLOCK: tl.constexpr):
+    """dst[start + i] = src[start + i] for i < BLOCK below lim; a whole block unmasked."""
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= lim:
+        tl.store(dst + offs, tl.load(src + offs, volatile=True))
+    else:
+        mask = offs < lim
+        tl.store(dst + offs, tl.load(src + offs, mask=mask, other=0.0, volatile=True), mask=mask)
+
+
 @triton.jit(do_not_specialize=["me", "n", "bound"])
 def ll_oneshot_kernel(slot_bases, out, n, flag_bases, me, status, bound, W: tl.constexpr, BAR0: tl.constexpr,
                       BAR1: tl.constexpr, CODE: tl.constexpr, MAX_WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                      AVG: tl.constexpr, DEBUG: tl.constexpr):
+                      AVG: tl.constexpr, ALIGNED: tl.constexpr, DEBUG: tl.constexpr):
     """out[:n] = the sum over ranks r = 0..W-1 of rank r's slot[:n] (fp32, in rank order; AVG:
     divided by W), every rank's slot address in slot_bases (int64 [W])."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     _ll_barrier(flag_bases, me, pid, status, bound, BAR0, W, CODE, MAX_WORLD, DEBUG)
     for start in range(pid * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(W):
-            src = tl.load(slot_bases + r).to(tl.pointer_type(out.dtype.element_ty))
-            acc += tl.load(src + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
-        if AVG:
-            acc = acc / W
-        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+        _sum_into(out, slot_bases, out, 0, start, n, W, BLOCK, AVG, ALIGNED)
     _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG)
 
 
 @triton.jit(do_not_specialize=["me", "n", "seg", "bound"])
 def ll_twoshot_kernel(slot_bases, red_bases, out, n, seg, flag_bases, me, status, bound, W: tl.constexpr,
                       BAR0: tl.constexpr, BAR1: tl.constexpr, CODE: tl.constexpr, MAX_WORLD: tl.constexpr,
-                      BLOCK: tl.constexpr, AVG: tl.constexpr, DEBUG: tl.constexpr):
+                      BLOCK: tl.constexpr, AVG: tl.constexpr, ALIGNED: tl.constexpr, DEBUG: tl.constexpr):
     """The two-shot all-reduce: after barrier 0, rank `me` sums its segment [me * seg, (me + 1) *
     seg) of every rank's slot (fp32, rank order, cast once) into its reduced region (red_bases);
     after barrier 1, it copies every rank's reduced segment into out.  No third barrier: a rank
     rewrites its slot (its next partial) only once its kernel passed barrier 1, when every peer has
     read its segment of it, and its reduced region only after barrier 0 of its next call, which no
-    peer reaches before it has copied this call's segments out."""
+    peer reaches before it has copied this call's segments out.  seg is a multiple of 16 bytes
+    (segment()), which the compiler is told where ALIGNED."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    if ALIGNED:
+        vec: tl.constexpr = 16 // (out.dtype.element_ty.primitive_bitwidth // 8)
+        seg = seg // vec * vec
     _ll_barrier(flag_bases, me, pid, status, bound, BAR0, W, CODE, MAX_WORLD, DEBUG)
-    mine = tl.load(red_bases + me).to(tl.pointer_type(out.dtype.element_ty))
+    mine = _slot(red_bases, me, out, ALIGNED)
+    lim = tl.minimum(seg, n - me * seg)  # this rank's segment's length (the last may be short or empty)
     for start in range(pid * BLOCK, seg, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = (offs < seg) & (me * seg + offs < n)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(W):
-            src = tl.load(slot_bases + r).to(tl.pointer_type(out.dtype.element_ty))
-            acc += tl.load(src + me * seg + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
-        if AVG:
-            acc = acc / W
-        tl.store(mine + offs, acc.to(out.dtype.element_ty), mask=mask)
+        _sum_into(mine, slot_bases, out, me * seg, start, lim, W, BLOCK, AVG, ALIGNED)
     _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG)
     for start in range(pid * BLOCK, seg, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
         for q in tl.static_range(W):
-            mask = (offs < seg) & (q * seg + offs < n)
-            red = tl.load(red_bases + q).to(tl.pointer_type(out.dtype.element_ty))
-            tl.store(out + q * seg + offs, tl.load(red + offs, mask=mask, other=0.0, volatile=True), mask=mask)
+            _copy(out + q * seg, _slot(red_bases, q, out, ALIGNED), start, tl.minimum(seg, n - q * seg), BLOCK)
 
 
 @triton.jit(do_not_specialize=["me", "n", "bound"])
 def ll_gather_kernel(slot_bases, out, n, flag_bases, me, status, bound, W: tl.constexpr, BAR0: tl.constexpr,
                      BAR1: tl.constexpr, CODE: tl.constexpr, MAX_WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                     DEBUG: tl.constexpr):
+                     ALIGNED: tl.constexpr, N_ALIGNED: tl.constexpr, DEBUG: tl.constexpr):
     """The one-shot all-gather: out[r * n:(r + 1) * n] = rank r's slot[:n] for every r, between the
     same two barriers as the one-shot all-reduce (every slot written before, none rewritten while
-    read)."""
+    read).  N_ALIGNED: n is a multiple of 16 bytes (rank r's part of out lies on 16 bytes)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    if N_ALIGNED:
+        vec: tl.constexpr = 16 // (out.dtype.element_ty.primitive_bitwidth // 8)
+        n = n // vec * vec
     _ll_barrier(flag_bases, me, pid, status, bound, BAR0, W, CODE, MAX_WORLD, DEBUG)
     for start in range(pid * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
         for r in tl.static_range(W):
-            src = tl.load(slot_bases + r).to(tl.pointer_type(out.dtype.element_ty))
-            tl.store(out + r * n + offs, tl.load(src + offs, mask=mask, other=0.0, volatile=True), mask=mask)
+            _copy(out + r * n, _slot(slot_bases, r, out, ALIGNED), start, n, BLOCK)
     _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG)
+
+
+MIN_BLOCK, MAX_BLOCK = 1024, 8192
+
+
+def block_for(n: int) -> int:
+    """Elements a block sums per step for a message of n: at least MIN_BLOCK (16 bytes a thread of
+    four warps at bf16), and so that the grid's LL_BLOCKS blocks cover n in one step, up to
+    MAX_BLOCK (each step waits out a round trip over the link: more steps, more round trips)."""
+    return max(MIN_BLOCK, min(MAX_BLOCK, triton.next_power_of_2(triton.cdiv(n, symm.LL_BLOCKS))))
 
 
 def blocks_for(n: int) -> int:
     """The grid of a one-shot call over n elements (the same on every rank: n is)."""
-    return max(1, min(symm.LL_BLOCKS, triton.cdiv(n, BLOCK)))
+    return max(1, min(symm.LL_BLOCKS, triton.cdiv(n, block_for(n))))
 
 
 @dataclass(frozen=True)
@@ -165,9 +209,13 @@ class Ranks:
     status: torch.Tensor
 
 
-def _barriers() -> dict:
+def _constants(n: int, out: torch.Tensor) -> dict:
+    """The kernels' constants for a message of n elements into `out`: the barriers' flags, the
+    block and its warps, and whether `out` lies on 16 bytes as the slots do (the vector loads)."""
+    block = block_for(n)
     return dict(BAR0=symm.LL_BAR, BAR1=symm.LL_BAR + symm.LL_BLOCKS * symm.MAX_WORLD,
-                CODE=symm.WAIT_CODES["ll barrier"], MAX_WORLD=symm.MAX_WORLD, BLOCK=BLOCK)
+                CODE=symm.WAIT_CODES["ll barrier"], MAX_WORLD=symm.MAX_WORLD, BLOCK=block,
+                num_warps=4 if block <= 1024 else 8, ALIGNED=out.data_ptr() % 16 == 0)
 
 
 def launch_oneshot(ranks: Ranks, out: torch.Tensor, *, avg: bool, debug: bool, bound: int) -> None:
@@ -176,29 +224,31 @@ def launch_oneshot(ranks: Ranks, out: torch.Tensor, *, avg: bool, debug: bool, b
     n = out.numel()
     ll_oneshot_kernel[(blocks_for(n),)](
         ranks.slot_bases, out, n, ranks.flag_bases, ranks.me, ranks.status, bound, W=ranks.world, AVG=avg,
-        DEBUG=debug, num_warps=4, **_barriers())
+        DEBUG=debug, **_constants(n, out))
 
 
-def segment(n: int, world: int) -> int:
-    """Elements of a rank's segment in the two-shot all-reduce (the last one shorter)."""
-    return triton.cdiv(n, world)
+def segment(n: int, world: int, element_size: int) -> int:
+    """Elements of a rank's segment in the two-shot all-reduce, a multiple of 16 bytes (the last
+    one shorter, or empty)."""
+    vec = 16 // element_size
+    return triton.cdiv(triton.cdiv(n, world), vec) * vec
 
 
 def launch_twoshot(ranks: Ranks, out: torch.Tensor, *, avg: bool, debug: bool, bound: int) -> None:
     """The two-shot all-reduce of every rank's slot into `out`, through every rank's reduced
     region, on the current stream."""
     n = out.numel()
-    seg = segment(n, ranks.world)
+    seg = segment(n, ranks.world, out.element_size())
     ll_twoshot_kernel[(blocks_for(seg),)](
         ranks.slot_bases, ranks.red_bases, out, n, seg, ranks.flag_bases, ranks.me, ranks.status, bound,
-        W=ranks.world, AVG=avg, DEBUG=debug, num_warps=4, **_barriers())
+        W=ranks.world, AVG=avg, DEBUG=debug, **_constants(seg, out))
 
 
 def launch_gather(ranks: Ranks, out: torch.Tensor, n: int, *, debug: bool, bound: int) -> None:
     """The one-shot all-gather of every rank's slot[:n] into `out` (W * n elements), on the current stream."""
     ll_gather_kernel[(blocks_for(n),)](
         ranks.slot_bases, out, n, ranks.flag_bases, ranks.me, ranks.status, bound, W=ranks.world, DEBUG=debug,
-        num_warps=4, **_barriers())
+        N_ALIGNED=n * out.element_size() % 16 == 0, **_constants(n, out))
 
 
 class LowLatency:
