@@ -161,3 +161,41 @@ def run_compiled_decode_projection(rank: int, world: int, calls: int = 6) -> tup
     schedules = [r.schedule for g in graphs for r in g.rewritten]
     ran = [autotune.decided(Schedule.parse(s)) for s in schedules if s.startswith("autotune")]
     return bad, [n for g in graphs for n in g.notes], ran
+
+
+def run_captures_while_watched(rank: int, world: int, rounds: int = 300) -> list[str]:
+    """Production waits with a short bound (the watchdog polls every 0.1 s and, once a low-latency
+    call registered its runtime, copies its status words at each poll): CUDA graphs of one-shot
+    all-reduces captured and replayed back to back, in the default (global) capture mode, while the
+    watchdog's thread polls.  Every capture must succeed (a CUDA call of that thread during a
+    capture invalidated it) and every replay give the reference's bits; [failures]."""
+    import os
+
+    from torch_commopt.core import env
+
+    os.environ.pop(env.DEBUG_WAITS, None)
+    os.environ[env.WAIT_TIMEOUT_S] = "2"
+    device = torch.device("cuda", torch.cuda.current_device())
+    ll = lowlat.for_runtime(symm.runtime(dist.group.WORLD.group_name, device))
+    n, dtype = 4096, torch.bfloat16
+    src, out = torch.empty(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)
+    ll.slot((n,), dtype).copy_(src)
+    ll.all_reduce(out, "sum", False)  # eager: the runtime is now watched
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    bad = []
+    for i in range(rounds):
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                ll.slot((n,), dtype).copy_(src)
+                ll.all_reduce(out, "sum", False)
+        except Exception as e:  # noqa: BLE001 - the failure is the finding
+            return bad + [f"capture {i}: {type(e).__name__}: {e}"[:300]]
+        parts = _partials(50_000 + i, world, n, dtype, device)
+        src.copy_(parts[rank])
+        graph.replay()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        if not torch.equal(out, _rank_order_sum(torch.stack(parts), "sum")):
+            bad.append(f"replay {i}")
+    return bad

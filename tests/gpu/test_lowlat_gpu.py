@@ -46,3 +46,15 @@ def test_a_decode_projection_under_reduce_overhead_measures_the_low_latency_sche
         assert not bad, bad
         assert any("replayed small all-reduce" in n for n in notes), notes
         assert ran and ran[0] in ("sequential", "oneshot", "twoshot"), (ran, notes)
+
+
+@pytest.mark.gpu
+def test_captures_succeed_while_the_watchdog_polls(two_ranks):
+    """The watchdog's thread copies the status words of watched runtimes at every poll; in the
+    default capture mode that copy, made while another thread captures, failed and invalidated the
+    capture (CUDA error 900): its thread now runs in relaxed capture mode."""
+    from lowlat_cases import run_captures_while_watched
+
+    world, backend = two_ranks
+    for bad in run_distributed(run_captures_while_watched, world, backend=backend, timeout_s=300):
+        assert not bad, bad

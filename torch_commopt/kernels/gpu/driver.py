@@ -48,6 +48,7 @@ def _lib():
         "cuStreamQuery": [ctypes.c_void_p],
         "cuCtxGetCurrent": [ctypes.POINTER(ctypes.c_void_p)],
         "cuCtxSetCurrent": [ctypes.c_void_p],
+        "cuThreadExchangeStreamCaptureMode": [ctypes.POINTER(ctypes.c_int)],
     }
     fns = {}
     for name, argtypes in signatures.items():  # the versioned entry point where there is one
@@ -212,6 +213,19 @@ def use_context(ctx: int) -> None:
 
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
+_CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
+
+
+def relax_capture_mode() -> None:
+    """Let the calling thread make CUDA calls while another thread captures a CUDA graph.
+
+    A capture in the default (global) mode -- torch.cuda.graph's, Inductor's CUDA-graph trees' --
+    forbids "potentially unsafe" calls (a stream query, an asynchronous copy) in every other
+    thread of the process: such a call fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900) and
+    invalidates the capture.  The watchdog's thread copies flags on a non-blocking stream of its
+    own, which no capture touches: relaxed mode (per thread) lets it, and leaves the capture alone."""
+    mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+    _check(_lib()["cuThreadExchangeStreamCaptureMode"](ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
 
 
 def stream_done(stream) -> bool:

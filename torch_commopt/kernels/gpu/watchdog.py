@@ -232,6 +232,12 @@ class Watchdog:
             self.thread.start()
 
     def _run(self) -> None:
+        try:  # its flag copies must neither fail nor break a capture running in another thread
+            from torch_commopt.kernels.gpu import driver
+
+            driver.relax_capture_mode()
+        except Exception:  # noqa: BLE001 - no driver here (the CPU tests' fake runtimes)
+            log.debug("commopt: the watchdog thread keeps the default capture mode", exc_info=True)
         while True:
             time.sleep(self.poll)
             try:
