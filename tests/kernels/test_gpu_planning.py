@@ -233,10 +233,14 @@ def test_replayed_small_all_reduces_time_the_low_latency_schedules_against_nccl(
     assert str(sched) == "sequential" and "until measured" in why
 
 
-def test_the_low_latency_band_ends_at_1_mib_and_leaves_eager_float8_and_other_kinds_alone():
-    assert measure_band("matmul_ar", [128, 1024], [[1024, 4096]], None, 2, "bfloat16", graphs=True) == \
-        ["sequential", "oneshot", "twoshot"]  # exactly 1 MiB
-    assert measure_band("matmul_ar", [129, 1024], [[1024, 4096]], None, 2, "bfloat16", graphs=True) is None
+def test_the_low_latency_band_ends_at_the_16_mib_buffer_and_leaves_eager_float8_and_other_kinds_alone():
+    big = ("matmul_ar", [2048, 14336], [[14336, 4096]], None, 2)  # exactly 16 MiB of product
+    band = measure_band(*big, "bfloat16", graphs=True)
+    rule, why = pick(*big, "bfloat16", graphs=True)
+    # a long GEMM: the rule's own overlapped schedule is timed too, and runs until measured
+    assert band[:3] == ["sequential", "oneshot", "twoshot"] and band[3:] == [str(rule)] != ["sequential"], band
+    assert "until measured" in why
+    assert measure_band("matmul_ar", [2049, 14336], [[14336, 4096]], None, 2, "bfloat16", graphs=True) is None
     assert measure_band("matmul_ar", [8, 1024], [[1024, 4096]], None, 2, "bfloat16") is None  # eager: host-bound
     assert measure_band("matmul_ar", [8, 1024], [[1024, 4096]], None, 2, "bfloat16", graphs="call") is None
     assert measure_band("matmul_ar", [8, 1024], [[1024, 4096]], None, 2, "float8_e4m3fn", graphs=True) is None

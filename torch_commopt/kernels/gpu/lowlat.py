@@ -50,15 +50,26 @@ LL_CAP_BYTES = 16 << 20  # the buffer: the largest message the low-latency colle
 
 @triton.jit
 def _ll_barrier(flag_bases, me, block, status, bound, BAR: tl.constexpr, W: tl.constexpr, CODE: tl.constexpr,
-                MAX_WORLD: tl.constexpr, DEBUG: tl.constexpr):
+                MAX_WORLD: tl.constexpr, DEBUG: tl.constexpr, RELEASE: tl.constexpr = True):
     """Block `block` of rank `me` at the barrier whose flags start at BAR (see the module
-    docstring): its flag set in every peer (release), then every peer's awaited and cleared."""
+    docstring): its flag set in every peer, then every peer's awaited and cleared.  RELEASE: the
+    signal releases this rank's writes (the slot, before barrier 0); else it is relaxed, where it
+    only says this block is done reading (its loads have returned: the block's stores of their
+    sum come first), which saves a system-scope fence."""
     base = BAR + block * MAX_WORLD
     mine = tl.load(flag_bases + me).to(tl.pointer_type(tl.int32))
+    # every warp of the block past its loads and stores before one thread signals for the block
+    # (a scalar atomic is one thread's: without this, a peer told "done reading" could rewrite
+    # its slot under another warp's loads, and the two-shot's reduced segment could be read
+    # before every warp stored its part)
+    tl.debug_barrier()
     for p in tl.static_range(W):
         if p != me:
             peer = tl.load(flag_bases + p).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(peer + base + me, 1, sem="release", scope="sys")
+            if RELEASE:
+                tl.atomic_xchg(peer + base + me, 1, sem="release", scope="sys")
+            else:
+                tl.atomic_xchg(peer + base + me, 1, sem="relaxed", scope="sys")
     for p in tl.static_range(W):
         if p != me:
             if DEBUG:
@@ -131,7 +142,7 @@ def ll_oneshot_kernel(slot_bases, out, n, flag_bases, me, status, bound, W: tl.c
     _ll_barrier(flag_bases, me, pid, status, bound, BAR0, W, CODE, MAX_WORLD, DEBUG)
     for start in range(pid * BLOCK, n, nprog * BLOCK):
         _sum_into(out, slot_bases, out, 0, start, n, W, BLOCK, AVG, ALIGNED)
-    _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG)
+    _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG, False)
 
 
 @triton.jit(do_not_specialize=["me", "n", "seg", "bound"])
@@ -177,7 +188,7 @@ def ll_gather_kernel(slot_bases, out, n, flag_bases, me, status, bound, W: tl.co
     for start in range(pid * BLOCK, n, nprog * BLOCK):
         for r in tl.static_range(W):
             _copy(out + r * n, _slot(slot_bases, r, out, ALIGNED), start, n, BLOCK)
-    _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG)
+    _ll_barrier(flag_bases, me, pid, status, bound, BAR1, W, CODE, MAX_WORLD, DEBUG, False)
 
 
 MIN_BLOCK, MAX_BLOCK = 1024, 8192
@@ -288,6 +299,8 @@ class LowLatency:
         reads the status (watchdog.Watchdog.watch_status: no per-call marks, which would cost a
         replayed decode all-reduce more than the all-reduce itself); with it off, they are unbounded."""
         rt = self.rt
+        if debug and torch.cuda.is_current_stream_capturing():
+            debug = False  # the debug-mode status check synchronizes: under a capture, the production bound
         if debug:
             launch(True, symm.wait_bound())
             rt.check_status(label)

@@ -49,14 +49,15 @@ SHORT_GRAPHS_WIDE_S = 0.05e-3
 BAND_CANDIDATES = {"ag_matmul": ["sequential", "ce_push:1"], "matmul_rs": ["sequential", "ce_push:1", "direct:1"],
                    "matmul_ar": ["sequential", "ce_push:1"]}
 # Replayed all-reduces of a product of at most LOWLAT_BAND_BYTES (a decoder's row-parallel
-# projections: a few KB a token): their time is the collective's latency, not its bandwidth, and
-# nothing is left to overlap.  The low-latency schedules (kernels/gpu/lowlat.py: one launch after
-# the GEMM, the partials read straight from the peers' slots) and NCCL are timed against each other
-# as graph replays at the first call (the rule cannot tell from the shape how the card's NVLink
+# projections, a few KB a token, up to prefill-sized chunks): the low-latency schedules
+# (kernels/gpu/lowlat.py: one launch after the GEMM, the partials read straight from the peers'
+# slots) and NCCL are timed against each other as graph replays at the first call, with the rule's
+# own pick where it is another schedule (the rule cannot tell from the shape how the card's NVLink
 # latency, NCCL's protocol choice and the kernel's launch compare); under a capture, and until
-# measured, NCCL runs.  The band ends well below the 16 MiB low-latency buffer (lowlat.LL_CAP_BYTES):
-# above ~1 MiB a message is bandwidth-bound, where NCCL's ring and the copy-engine schedules run.
-LOWLAT_BAND_BYTES = 1 << 20
+# measured, the rule's pick runs.  The band is the low-latency buffer (lowlat.LL_CAP_BYTES): with
+# 16-byte loads the one-shot kernel is not only a latency play (2x H200, bf16: 1.13-1.47x NCCL at
+# 1-8 MiB products, benchmarks/results/decode_gemm_ar_h200x2_*.md).
+LOWLAT_BAND_BYTES = 16 << 20
 LOWLAT_CANDIDATES = ["sequential", "oneshot", "twoshot"]
 LOWLAT_DTYPES = ("bfloat16", "float16", "float32")
 LOWLAT_MAX_WORLD = 8  # one NVLink host's GPUs: the band is not for wider groups (unmeasured there)
@@ -131,7 +132,8 @@ def measure_band(kind: str, a_shape: list[int], weight_shapes: list[list[int]], 
     (an eager call in the host-bound band, see BAND_CANDIDATES; a replayed short two-rank
     all-gather, see REPLAYED_BAND_CANDIDATES: timed as replays, by GPU time), else None."""
     if graphs is True and lowlat_band(kind, a_shape, weight_shapes, world, dtype):
-        return list(LOWLAT_CANDIDATES)
+        rule = str(_rule(kind, a_shape, weight_shapes, dim, world, dtype, graphs=True)[0])
+        return list(LOWLAT_CANDIDATES) + ([rule] if rule not in LOWLAT_CANDIDATES else [])
     if gpu_refusal(kind, a_shape, weight_shapes, dim, world) is not None:
         return None
     gemm_s, comm_s = estimate(kind, a_shape, [w[-1] for w in weight_shapes], world, dtype)
@@ -179,8 +181,15 @@ def pick(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int
     `sequential` in eager mode is not paid; only the GPU-side fixed costs count."""
     if graphs is True and lowlat_band(kind, a_shape, weight_shapes, world, dtype):
         nbytes = math.prod(a_shape[:-1]) * weight_shapes[0][-1] * ELEMENT_BYTES[dtype]
-        return Schedule("sequential"), (f"replayed all-reduce of {nbytes / 1024:.0f} KiB: NCCL until measured "
-                                        "against the low-latency schedules")
+        sched, why = _rule(kind, a_shape, weight_shapes, dim, world, dtype, graphs=True)
+        return sched, (f"{why}; replayed all-reduce of {nbytes / 1024:.0f} KiB: this until measured "
+                       "against the low-latency schedules")
+    return _rule(kind, a_shape, weight_shapes, dim, world, dtype, graphs=graphs)
+
+
+def _rule(kind: str, a_shape: list[int], weight_shapes: list[list[int]], dim: int | None, world: int,
+          dtype: str, *, graphs: bool = False) -> tuple[Schedule, str]:
+    """pick() outside the low-latency band: the rule from the shape alone."""
     refusal = gpu_refusal(kind, a_shape, weight_shapes, dim, world)
     if refusal is not None:
         return Schedule("sequential"), refusal + ": NCCL + cuBLAS"
