@@ -100,8 +100,9 @@ def _rank(rank: int, world: int, rounds: int, calls: int):
                 times[mode]["gpu_ms"].append(start.elapsed_time(end) / calls)
                 times[mode]["host_us"].append(host / calls * 1e6)
         medians = [statistics.median(times[mode][key]) for mode in MODES for key in ("gpu_ms", "host_us")]
-        t = torch.tensor(medians, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank (a CPU tensor: gloo or NCCL alike)
+        # the slowest rank (NCCL reduces device tensors only, gloo either)
+        t = torch.tensor(medians, dtype=torch.float64, device=dev if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out.append({"label": label, "op": op, "schedule": sched, "rows_per_rank": m, "k": k, "n": n,
                     "raw": times, "slowest": dict(zip(["on_gpu_ms", "on_host_us", "off_gpu_ms", "off_host_us"],
                                                       t.tolist()))})
