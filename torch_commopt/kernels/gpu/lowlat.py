@@ -299,11 +299,10 @@ class LowLatency:
         reads the status (watchdog.Watchdog.watch_status: no per-call marks, which would cost a
         replayed decode all-reduce more than the all-reduce itself); with it off, they are unbounded."""
         rt = self.rt
-        if debug and torch.cuda.is_current_stream_capturing():
-            debug = False  # the debug-mode status check synchronizes: under a capture, the production bound
         if debug:
             launch(True, symm.wait_bound())
-            rt.check_status(label)
+            if not torch.cuda.is_current_stream_capturing():  # the check synchronizes: not in a capture
+                rt.check_status(label)  # (a replay's timeout stays in the status: the next eager check reports it)
             return
         rt.check_open()  # a closed group raises at once
         dog = watchdog.get() if env.watchdog() else None

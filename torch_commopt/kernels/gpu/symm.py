@@ -778,4 +778,5 @@ def runtime(group_name: str, device: torch.device) -> GroupRuntime:
         except SymmAllocError as e:
             _REFUSED[key] = f"{e} (refused since)"
             raise
+        watchdog.prepare()  # started here, outside any capture (a first watched call may be captured)
     return rt

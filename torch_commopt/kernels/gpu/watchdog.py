@@ -323,15 +323,33 @@ class Watchdog:
 _WATCHDOG: Watchdog | None = None
 _UNAVAILABLE: list[str] = []  # why the process has no watchdog (tried once)
 _LOCK = threading.Lock()
+_CAPTURE_WARNED: list[bool] = []
+
+
+def prepare() -> None:
+    """Start the process's watchdog now if it is on (a runtime's creation calls this: outside any
+    capture, so a first call made inside one finds it running)."""
+    if env.watchdog():
+        get()
 
 
 def get() -> Watchdog | None:
     """The process's watchdog (created and started at the first watched call, with the bound
     TORCH_COMMOPT_WAIT_TIMEOUT_S has then), or None when the host memory for it could not be had
-    (logged once; calls then run unwatched)."""
+    (logged once; calls then run unwatched).  Never created under a CUDA-graph capture: the host
+    allocation is forbidden there and would invalidate the capture (the runtimes make it at their
+    creation, outside any capture: prepare()); such a call runs unwatched, with a warning."""
     global _WATCHDOG
     if _WATCHDOG is not None or _UNAVAILABLE:
         return _WATCHDOG
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if not _CAPTURE_WARNED:
+            _CAPTURE_WARNED.append(True)
+            log.warning("commopt: a first watched call inside a CUDA-graph capture: the GPU-wait watchdog cannot "
+                        "start there; this capture's waits are unwatched")
+        return None
     with _LOCK:
         if _WATCHDOG is None and not _UNAVAILABLE:
             from torch_commopt.kernels.gpu import driver
