@@ -121,7 +121,7 @@ def _commopt_variants(case: _Case, rank: int, world: int, group, only: str | Non
         local = [lay.shard(t, 2, rank).contiguous() for t in (case.q, case.k, case.v, case.dout)]
         want = [lay.shard(t, 2, rank) for t in case.ref]
         tiles[name] = lay.rank_work(rows)
-        for schedule in [only] if only else flex_candidates(case.shape, per_head_mask=False):
+        for schedule in [only] if only else flex_candidates(case.shape, False, world, own_rows=True):  # rows' masks
             groups = int(schedule.split("g=")[1]) if "g=" in schedule else 1
 
             def fn(q, k, v, *, block_mask, enable_gqa, schedule=schedule, groups=groups):

@@ -11,6 +11,7 @@ from torch_commopt.tuner.attention.flex_cost import (
     flex_candidates,
     flex_estimate_ms,
     rank_flex_schedules,
+    segment_work,
     ulysses_ms,
 )
 
@@ -48,7 +49,7 @@ def test_a_per_head_mask_runs_in_one_group_and_the_ranking_is_sorted():
     assert flex_candidates(SHAPE, per_head_mask=False) == ["ring", "allgather", "allgather:g=2", "allgather:g=4"]
     m = CPMachine(link_bytes_per_s=300e9, alpha_s=20e-6, flops_per_s=400e12, launch_s=20e-6)
     ranked = rank_flex_schedules(SHAPE, causal_work(4), dtype="bfloat16", machine=m, backward=True)
-    assert {n for n, _ in ranked} == set(flex_candidates(SHAPE, per_head_mask=False))
+    assert {n for n, _ in ranked} == set(flex_candidates(SHAPE, False, 4))
     assert ranked[-1][0] == "ring"  # same bytes moved, slower blocks
 
 
@@ -63,3 +64,33 @@ def test_a_programs_ulysses_is_priced_at_the_average_work_and_its_all_to_alls():
     slow = CPMachine(link_bytes_per_s=1e9, alpha_s=0.0, flops_per_s=1e30, launch_s=0.0)
     moved = (2 * 32 + 2 * 8) * (32768 // 2) * 128 * 2 / 2  # bytes a rank sends: half of each share leaves
     assert ulysses_ms(SHAPE, work, dtype="bfloat16", machine=slow) == pytest.approx(moved / 1e9 * 1e3)
+
+
+def test_the_hybrid_is_a_candidate_where_its_ulysses_ranks_split_the_heads_and_the_mask_is_whole():
+    assert [c for c in flex_candidates(SHAPE, False, 4) if c.startswith("hybrid")] == ["hybrid:2:2"]
+    assert [c for c in flex_candidates(SHAPE, False, 8) if c.startswith("hybrid")] == ["hybrid:2:4", "hybrid:4:2"]
+    assert [c for c in flex_candidates((1, 32, 2, 32768, 128), False, 8) if "hybrid" in c] == ["hybrid:2:4"]
+    assert not [c for c in flex_candidates(SHAPE, False, 8, own_rows=True) if "hybrid" in c]
+    assert not [c for c in flex_candidates(SHAPE, True, 8) if "hybrid" in c]
+    assert not [c for c in flex_candidates(SHAPE, False, 2) if "hybrid" in c]
+
+
+def test_a_segments_work_is_the_mean_of_its_ranks_blocks():
+    assert segment_work(causal_work(4), 2) == [[0.5, 0.0], [1.0, 0.5]]  # causal again, over 2 segments
+    assert segment_work([[1.0, 0.0], [0.0, 1.0]], 2) == [[0.5]]
+
+
+def test_the_hybrid_is_its_ring_over_the_segments_on_a_head_shard_plus_its_all_to_alls():
+    free = CPMachine(link_bytes_per_s=1e30, alpha_s=0.0, flops_per_s=400e12, launch_s=0.0)
+    ring_r = flex_estimate_ms("ring", (1, 16, 4, 32768, 128), causal_work(2), dtype="bfloat16", machine=free)
+    hybrid = flex_estimate_ms("hybrid:2:2", SHAPE, causal_work(4), dtype="bfloat16", machine=free)
+    assert hybrid == pytest.approx(ring_r)  # free links: the ring of 2 segments on half the heads
+    assert flex_estimate_ms("hybrid:2:2", SHAPE, causal_work(8), dtype="bfloat16", machine=free) == math.inf
+    assert flex_estimate_ms("hybrid:16:2", (1, 32, 8, 32768, 128), causal_work(32), dtype="bfloat16",
+                            machine=free) == math.inf  # 16 Ulysses ranks do not split 8 KV heads
+    # a slow link: the all-to-alls of q, k, v and out over 2 ranks are added to the ring's transfers
+    slow = CPMachine(link_bytes_per_s=1e9, alpha_s=0.0, flops_per_s=1e30, launch_s=0.0)
+    ring_slow = flex_estimate_ms("ring", (1, 16, 4, 32768, 128), causal_work(2), dtype="bfloat16", machine=slow)
+    moved = (2 * 32 + 2 * 8) * (32768 // 4) * 128 * 2 / 2  # a rank's shares, half of each leaving
+    assert flex_estimate_ms("hybrid:2:2", SHAPE, causal_work(4), dtype="bfloat16", machine=slow) == \
+        pytest.approx(ring_slow + moved / 1e9 * 1e3)

@@ -133,11 +133,27 @@ def test_the_ops_a_rewritten_graph_calls_give_dense_attention(schedule, own_rows
         assert all(e < 1e-10 for e in errors.values()), (rank, schedule, errors)
 
 
+def test_the_hybrid_gives_dense_attention_and_refuses_a_mask_of_the_rank_s_rows():
+    """hybrid:2:2 on 4 ranks: Ulysses over pairs of ranks, the flex ring over the two segments (GQA
+    4:2, a documents and window mask): out, dq, dk, dv as dense float64 attention's.  A mask of the
+    rank's own rows cannot give a segment's rows: a ValueError that says so, on every rank."""
+    from flex_programs import run_flex_ops
+
+    for rank, errors in enumerate(run_distributed(run_flex_ops, 4, "document+window", "hybrid:2:2", backend="gloo",
+                                                  timeout_s=300)):
+        assert all(e < 1e-10 for e in errors.values()), (rank, errors)
+    with pytest.raises(RuntimeError, match="a mask of this rank's rows only") as got:
+        run_distributed(run_flex_ops, 4, "document", "hybrid:2:2", True, backend="gloo", timeout_s=300)
+    assert str(got.value).count("ValueError: flex CP hybrid:2:2") == 4, str(got.value)[-2000:]
+
+
 def test_a_flex_schedule_name_is_checked():
     from torch_commopt.core.attention_spec import parse_flex_schedule as flex_schedule
 
     assert flex_schedule("ring") == ("ring", 1) and flex_schedule("allgather:g=4") == ("allgather", 4)
-    for bad in ("ring:2", "allgather:g=0", "allgather:2", "zigzag", "allgather:g=x"):
+    assert flex_schedule("hybrid:2:4") == ("hybrid", 1)
+    for bad in ("ring:2", "allgather:g=0", "allgather:2", "zigzag", "allgather:g=x", "hybrid:1:4", "hybrid:4",
+                "hybrid:2:2:g=2"):
         with pytest.raises(ValueError, match="unknown schedule"):
             flex_schedule(bad)
     from torch_commopt.config import Config

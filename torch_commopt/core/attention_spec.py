@@ -201,17 +201,30 @@ def pipeline_groups(schedule: Union[str, CPSchedule], q_bytes: int, heads: int, 
     return 1
 
 
-FLEX_SCHEDULES = ("ring", "allgather", "allgather:g=G")
+FLEX_SCHEDULES = ("ring", "allgather", "allgather:g=G", "hybrid:U:R")
 
 
 def parse_flex_schedule(schedule: str) -> tuple[str, int]:
     """(name, head groups) of a FlexAttention CP schedule (kernels/attention/flex_ring.py,
-    flex_allgather.py): "ring", "allgather" or "allgather:g=G" (its K/V gathered in G head groups,
-    each group's gather in flight while the one before attends); ValueError for anything else."""
+    flex_allgather.py, flex_hybrid.py): "ring", "allgather" or "allgather:g=G" (its K/V gathered in
+    G head groups, each group's gather in flight while the one before attends), "hybrid:U:R"
+    (Ulysses over U consecutive ranks, a flex ring over R such groups; U, R >= 2: with a degree of
+    one it is the ring or a Ulysses program); ValueError for anything else."""
     name, _, groups = schedule.partition(":") if isinstance(schedule, str) else ("", "", "")
     if name == "ring" and not groups:
+        return name, 1
+    if name == "hybrid" and flex_hybrid_degrees(schedule) is not None:
         return name, 1
     depth = groups.removeprefix("g=")
     if name == "allgather" and (not groups or (groups.startswith("g=") and _DIGITS.fullmatch(depth) and int(depth) >= 1)):
         return name, int(depth or 1)
     raise ValueError(f"flex cp schedule: unknown schedule {schedule!r} (known: {', '.join(FLEX_SCHEDULES)})")
+
+
+def flex_hybrid_degrees(schedule: str) -> tuple[int, int] | None:
+    """(U, R) of a flex "hybrid:U:R" with U, R >= 2, else None."""
+    parts = schedule.split(":") if isinstance(schedule, str) else []
+    if len(parts) != 3 or parts[0] != "hybrid" or not all(_DIGITS.fullmatch(x) for x in parts[1:]):
+        return None
+    u, r = int(parts[1]), int(parts[2])
+    return (u, r) if u >= 2 and r >= 2 else None

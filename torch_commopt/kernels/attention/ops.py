@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torch_commopt.core.attention_spec import CPSchedule, parse_flex_schedule
+from torch_commopt.core.attention_spec import CPSchedule, flex_hybrid_degrees, parse_flex_schedule
 from torch_commopt.core.groups import resolve_group
 from torch_commopt.kernels.attention import schedules
 from torch_commopt.kernels.attention.local import Saved, acc_dtype
@@ -130,12 +130,14 @@ def cp_flex_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, tables: list, buff
                              sizes: list, scale: float, group_size: int, group_name: str,
                              schedule: str) -> tuple[Tensor, Tensor]:
     """(out in q's dtype, lse in the acc dtype) of this rank's rows over the whole sequence."""
-    from torch_commopt.kernels.attention import flex_allgather, flex_ring
+    from torch_commopt.kernels.attention import flex_allgather, flex_hybrid, flex_ring
 
     name, groups = parse_flex_schedule(schedule)
     blocks, group = _flex_blocks(tables, sizes, mask_code, buffers), _group(group_size, group_name)
     if name == "ring":
         out, lse = flex_ring.ring_forward(q, k, v, blocks, scale, group)
+    elif name == "hybrid":
+        out, lse = flex_hybrid.hybrid_forward(q, k, v, blocks, scale, group, flex_hybrid_degrees(schedule))
     else:
         out, lse = flex_allgather.allgather_forward(q, k, v, flex_allgather.Options(blocks, scale, group, groups))
     return out.to(q.dtype).contiguous(), lse.contiguous()
@@ -145,12 +147,15 @@ def cp_flex_attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
                              buffers: list, mask_code: str, sizes: list, scale: float, group_size: int,
                              group_name: str, schedule: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of this rank's shares."""
-    from torch_commopt.kernels.attention import flex_allgather, flex_ring
+    from torch_commopt.kernels.attention import flex_allgather, flex_hybrid, flex_ring
 
     name, groups = parse_flex_schedule(schedule)
     blocks, group = _flex_blocks(tables, sizes, mask_code, buffers), _group(group_size, group_name)
     if name == "ring":
         grads = flex_ring.ring_backward(flex_ring.Saved(q, k, v, out, lse), dout.contiguous(), blocks, scale, group)
+    elif name == "hybrid":
+        grads = flex_hybrid.hybrid_backward(flex_ring.Saved(q, k, v, out, lse), dout.contiguous(), blocks, scale,
+                                            group, flex_hybrid_degrees(schedule))
     else:
         grads = flex_allgather.allgather_backward((q, k, v, out, lse), dout.contiguous(),
                                                   flex_allgather.Options(blocks, scale, group, groups))

@@ -233,9 +233,10 @@ def _choose_flex(region: AttentionRegion, schedule: str, cache_dir: str | None, 
     machine = machine_for(q.device, region.world, region.group_name, dtype, cache_dir, timeout_s)
     # kv_num (B|1, H|1, rows), or SDPA's dense mask (B|1, H|1, rows, keys): one mask per head?
     per_head = val(region.flex.buffers[0] if region.flex.dense else region.flex.tables[0]).shape[1] > 1
+    own_rows = region.flex.sizes[0] != region.flex.sizes[1]  # the mask of the rank's rows only
     work = causal_work(region.world)
     ranked = rank_flex_schedules(region.shape, work, dtype=dtype, machine=machine, backward=backward,
-                                 per_head_mask=per_head)
+                                 per_head_mask=per_head, own_rows=own_rows)
     if region.form == "flex_ulysses":  # leaving the program's own Ulysses is a candidate too
         kept = ulysses_ms(region.shape, work, dtype=dtype, machine=machine, backward=backward)
         ranked = sorted(ranked + [(KEEP_ULYSSES, kept)], key=lambda e: e[1])
@@ -243,6 +244,11 @@ def _choose_flex(region: AttentionRegion, schedule: str, cache_dir: str | None, 
     if schedule == "auto":
         return ranked[0][0], ranked, shown
     parse_flex_schedule(schedule)  # a ValueError naming the schedules it takes
+    if schedule.startswith("hybrid") and schedule not in dict(ranked):
+        raise ValueError(f"flex cp schedule {schedule!r} cannot run here: it needs U * R = {region.world} ranks, U "
+                         f"splitting the heads, and the whole sequence's mask the same for every head "
+                         f"(this one: {'per head' if per_head else 'one for every head'}, "
+                         f"{'the rank s own rows' if own_rows else 'the whole sequence'})")
     return schedule, ranked, f"named by Config.attention_schedule; {shown}"
 
 

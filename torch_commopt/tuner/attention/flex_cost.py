@@ -12,6 +12,9 @@ flex_allgather.py), with the links and launches of cost.CPMachine:
                     one flex call of the rank's rows (no merge); the backward gathers again and
                     reduce-scatters each group's whole-sequence dK/dV in fp32 beside the next
                     group's call.  Only the first gather and the last reduce-scatter are exposed.
+    hybrid:U:R      Ulysses over U ranks (its all-to-alls of q, k, v and out exposed; backward: of
+                    q, k, v, out, dout and the gradients), then the ring over R segments of U
+                    ranks' rows on H / U heads: the mask's work cut in R x R blocks.
 
 The busiest rank sets the time.  Both move the same bytes (every share to every rank); the
 all-gather's one call a group runs faster, the ring holds one share of K/V at a time.
@@ -77,6 +80,25 @@ def _allgather_ms(shape: AttentionShape, work: list, groups: int, m: CPMachine, 
     return 1e3 * t
 
 
+def segment_work(work: list, u: int) -> list[list[float]]:
+    """The work of R = W / U segments of U consecutive ranks' rows against each other's keys, as
+    fractions of a full segment x segment block (its U x U blocks' mean)."""
+    r = len(work) // u
+    return [[sum(work[g * u + i][h * u + j] for i in range(u) for j in range(u)) / (u * u) for h in range(r)]
+            for g in range(r)]
+
+
+def _hybrid_ms(shape: AttentionShape, work: list, u: int, m: CPMachine, elt: int, backward: bool) -> float:
+    world = len(work)
+    b, h, h_kv, seq, d = shape
+    ring = _ring_ms(AttentionShape(b, h // u, h_kv // u, seq, d), segment_work(work, u), m, elt, backward) / 1e3
+    q_bytes, kv_bytes = b * (seq // world) * h * d * elt, b * (seq // world) * h_kv * d * elt
+    t = 2 * m.all_to_all(q_bytes, u) + 2 * m.all_to_all(kv_bytes, u) + ring
+    if backward:
+        t += 4 * m.all_to_all(q_bytes, u) + 4 * m.all_to_all(kv_bytes, u)
+    return 1e3 * t
+
+
 def ulysses_ms(shape, work: list, *, dtype, machine: CPMachine, backward: bool = False) -> float:
     """Predicted ms of a program's own Ulysses around flex_attention (what a flex_ulysses region
     keeps when it is not rewritten): every rank's H/W heads over the whole mask, the busiest rank
@@ -96,31 +118,42 @@ def ulysses_ms(shape, work: list, *, dtype, machine: CPMachine, backward: bool =
 def flex_estimate_ms(schedule: str, shape, work: list, *, dtype, machine: CPMachine, backward: bool = False) -> float:
     """Predicted ms of one call (forward, or forward + backward) of a flex schedule
     (core.attention_spec.parse_flex_schedule's names) for the global shape (B, H, H_kv, S, D)
-    over len(work) ranks; math.inf where the head groups do not split the KV heads."""
-    from torch_commopt.core.attention_spec import parse_flex_schedule
+    over len(work) ranks; math.inf where the head groups (the hybrid's Ulysses ranks) do not split the
+    KV heads, or the hybrid's degrees are not the group's."""
+    from torch_commopt.core.attention_spec import flex_hybrid_degrees, parse_flex_schedule
 
     name, groups = parse_flex_schedule(schedule)
     shape, elt = AttentionShape(*shape), _dtype(dtype).itemsize
     if name == "ring":
         return _ring_ms(shape, work, machine, elt, backward)
+    if name == "hybrid":
+        u, r = flex_hybrid_degrees(schedule)
+        if u * r != len(work) or shape.kv_heads % u or shape.heads % u:
+            return math.inf
+        return _hybrid_ms(shape, work, u, machine, elt, backward)
     if shape.kv_heads % groups:
         return math.inf
     return _allgather_ms(shape, work, groups, machine, elt, backward)
 
 
-def flex_candidates(shape, per_head_mask: bool) -> list[str]:
+def flex_candidates(shape, per_head_mask: bool, world: int = 2, own_rows: bool = False) -> list[str]:
     """ring, allgather and allgather:g=G for the G <= FLEX_MAX_HEAD_GROUPS that split the KV heads
-    (none where the mask differs per head: its groups would run as one)."""
-    kv_heads = AttentionShape(*shape).kv_heads
-    depths = [] if per_head_mask else [g for g in range(2, FLEX_MAX_HEAD_GROUPS + 1) if kv_heads % g == 0]
-    return ["ring", "allgather", *(f"allgather:g={g}" for g in depths)]
+    (none where the mask differs per head: its groups would run as one), and hybrid:U:R for the
+    U, R >= 2 of the world whose U splits the heads (not for a per-head mask, nor one of the rank's
+    own rows: the hybrid's ring runs a segment's)."""
+    shape = AttentionShape(*shape)
+    depths = [] if per_head_mask else [g for g in range(2, FLEX_MAX_HEAD_GROUPS + 1) if shape.kv_heads % g == 0]
+    hybrids = [] if per_head_mask or own_rows else [
+        f"hybrid:{u}:{world // u}" for u in range(2, world // 2 + 1)
+        if world % u == 0 and shape.kv_heads % u == 0 and shape.heads % u == 0]
+    return ["ring", "allgather", *(f"allgather:g={g}" for g in depths), *hybrids]
 
 
 def rank_flex_schedules(shape, work: list, *, dtype, machine: CPMachine, backward: bool = False,
-                        per_head_mask: bool = False) -> list[tuple[str, float]]:
+                        per_head_mask: bool = False, own_rows: bool = False) -> list[tuple[str, float]]:
     """(schedule, predicted ms), fastest first; a head-group depth ranks as if DEPTH_MARGIN slower
     (cost.DEPTH_MARGIN: it goes first only where the model says it gains more than that)."""
     est = [(s, flex_estimate_ms(s, shape, work, dtype=dtype, machine=machine, backward=backward))
-           for s in flex_candidates(shape, per_head_mask)]
+           for s in flex_candidates(shape, per_head_mask, len(work), own_rows)]
     est.sort(key=lambda e: (e[1] * (1 + DEPTH_MARGIN if ":g=" in e[0] else 1), e[0]))
     return est
