@@ -1,0 +1,52 @@
+"""Per-rank programs for the reference 2D GEMMs (kernels/mesh2d/reference.py): every rank makes
+the same global float64 tensors from one seed, runs its blocks on an R x C DeviceMesh of gloo
+ranks, and returns its blocks' largest errors against the unsharded products."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+
+def _blocks(shape: tuple[int, int], rank: int):
+    r, c = shape
+    i, j = divmod(rank, c)
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        h, w = t.shape[0] // r, t.shape[1] // c
+        return t[i * h:(i + 1) * h, j * w:(j + 1) * w].contiguous()
+    return block
+
+
+def run_gemms(rank: int, world: int, shape: tuple[int, int], slices: tuple[int, ...]) -> dict[str, float]:
+    """{case: max abs error} for os / ls / rs in each slice count, SUMMA, and the os and ls FC
+    layers' forward and backward."""
+    from torch_commopt.kernels.mesh2d.reference import fc_2d, gemm_2d, summa_os
+
+    mesh = init_device_mesh("cpu", shape)
+    rows, cols = mesh.get_group(0), mesh.get_group(1)
+    block = _blocks(shape, rank)
+    m = k = 16 * shape[0] * shape[1]
+    n = m + 8 * shape[0] * shape[1]  # not square: a mixed-up dimension would not fit
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen, dtype=torch.float64)
+    x, w, w_t, x_t, dy = rand(m, k), rand(k, n), rand(n, k), rand(k, m), rand(m, n)  # w_t: W stored [N, K]
+    errors = {}
+    for s in slices:
+        errors[f"os S={s}"] = (gemm_2d("os", block(x), block(w), rows, cols, s) - block(x @ w)).abs().max().item()
+        errors[f"ls S={s}"] = (gemm_2d("ls", block(x), block(w_t), rows, cols, s) - block(x @ w_t.T)).abs().max().item()
+        errors[f"rs S={s}"] = (gemm_2d("rs", block(x_t), block(w), rows, cols, s) - block(x_t.T @ w)).abs().max().item()
+    errors["summa os"] = (summa_os(block(x), block(w), rows, cols) - block(x @ w)).abs().max().item()
+    for flow, weight in (("os", w), ("ls", w_t)):
+        xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        want = xg @ (wg if flow == "os" else wg.T)
+        want.backward(dy)
+        xb, wb = block(x).requires_grad_(), block(weight).requires_grad_()
+        got = fc_2d(xb, wb, flow, rows, cols, slices[-1])
+        got.backward(block(dy))
+        errors[f"fc {flow} y"] = (got - block(want)).abs().max().item()
+        errors[f"fc {flow} dx"] = (xb.grad - block(xg.grad)).abs().max().item()
+        errors[f"fc {flow} dw"] = (wb.grad - block(wg.grad)).abs().max().item()
+    return errors

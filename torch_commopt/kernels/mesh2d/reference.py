@@ -1,0 +1,169 @@
+"""The reference 2D GEMMs on an R x C device mesh (plain torch + c10d): MeshSlice's sliced
+dataflows, the Collective 2D GEMM and SUMMA; the FC layer's forward and backward built from them.
+
+Every operand is sharded over both mesh axes, P(row, col): rank (i, j) holds block (i, j) of each
+2D operand; `rows` is the group along mesh dim 0 (the R ranks of column j) and `cols` the group
+along dim 1 (the C ranks of row i), as torch's DeviceMesh.get_group(0) / (1) give them.
+
+    os  Y = X W     X [M, K], W [K, N]: slice s of K all-gathered -- X's along cols, W's along
+                    rows -- and multiplied into Y, which stays
+    ls  Y = X W^T   X [M, K] stays, W stored [N, K]: slice s of N of W all-gathered along rows,
+                    X W_s^T reduce-scattered along cols into Y's slice s
+    rs  Y = X^T W   X stored [K, M], W [K, N] stays: slice s of M of X all-gathered along cols,
+                    X_s^T W reduce-scattered along rows into Y's slice s
+
+Slices interleave: slice s of a sharded dimension is the positions p with (p // b) % S == s (b
+the granule).  With every shard a multiple of S * b long, slice s gathered over an axis in rank
+order is the same global positions, ascending, whichever axis holds the dimension -- which is what
+makes X's and W's gathered K-slices meet, and a reduce-scatter's chunk land in its owner's block.
+Slice s + 1's all-gathers are in flight while slice s multiplies; S = 1 is the Collective 2D
+GEMM (whole-shard collectives, then one GEMM).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_commopt.kernels.collectives import all_gather, reduce_scatter
+
+GRANULE = 1  # elements of a slice's smallest piece on one rank (the tuner's SLICE_GRANULE is for speed)
+
+
+def _slice(x: Tensor, dim: int, s: int, slices: int, granule: int = GRANULE) -> Tensor:
+    """Positions p of `dim` with (p // granule) % slices == s, in order."""
+    n = x.shape[dim]
+    if n % (slices * granule):
+        raise ValueError(f"mesh2d: a shard of {n} does not cut into {slices} slices of {granule}-element granules")
+    shape = list(x.shape)
+    parts = x.reshape(shape[:dim] + [n // (slices * granule), slices, granule] + shape[dim + 1:])
+    return parts.select(dim + 1, s).reshape(shape[:dim] + [n // slices] + shape[dim + 1:])
+
+
+def _place(out: Tensor, dim: int, s: int, slices: int, piece: Tensor, granule: int = GRANULE) -> None:
+    """out's slice s of `dim` (as _slice cuts it) = piece."""
+    n = out.shape[dim]
+    shape = list(out.shape)
+    parts = out.view(shape[:dim] + [n // (slices * granule), slices, granule] + shape[dim + 1:])
+    parts.select(dim + 1, s).copy_(piece.reshape(parts.select(dim + 1, s).shape))
+
+
+def _check(kind: str, slices: int, rows, cols) -> None:
+    if kind not in ("os", "ls", "rs"):
+        raise ValueError(f"mesh2d: unknown dataflow {kind!r} (os, ls, rs)")
+    if slices < 1:
+        raise ValueError(f"mesh2d: {slices} slices")
+    if rows is None or cols is None:
+        raise ValueError("mesh2d: a 2D GEMM needs the row and the col group")
+
+
+def gemm_2d(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist.ProcessGroup, slices: int = 1) -> Tensor:
+    """This rank's block of the 2D GEMM `kind` (module docstring) of the blocks a and b, in
+    `slices` pipelined slices."""
+    _check(kind, slices, rows, cols)
+    if kind == "os":  # a = X [M/R, K/C], b = W [K/R, N/C]
+        def fetch(s):
+            return (all_gather(_slice(a, 1, s, slices), 1, cols, async_op=True),
+                    all_gather(_slice(b, 0, s, slices), 0, rows, async_op=True))
+        out = a.new_zeros(a.shape[0], b.shape[1])
+        pending = fetch(0)
+        for s in range(slices):
+            xs, ws = (p.wait() for p in pending)
+            if s + 1 < slices:
+                pending = fetch(s + 1)
+            out += xs @ ws
+        return out
+    if kind == "ls":  # a = X [M/R, K/C], b = W [N/R, K/C]
+        out = a.new_empty(a.shape[0], b.shape[0] * rows.size() // cols.size())
+        pending, scattered = all_gather(_slice(b, 0, 0, slices), 0, rows, async_op=True), []
+        for s in range(slices):
+            ws = pending.wait()
+            if s + 1 < slices:
+                pending = all_gather(_slice(b, 0, s + 1, slices), 0, rows, async_op=True)
+            scattered.append(reduce_scatter(a @ ws.T, 1, "sum", cols, async_op=True))
+        for s, p in enumerate(scattered):
+            _place(out, 1, s, slices, p.wait())
+        return out
+    # rs: a = X stored [K/R, M/C], b = W [K/R, N/C]
+    out = b.new_empty(a.shape[1] * cols.size() // rows.size(), b.shape[1])
+    pending, scattered = all_gather(_slice(a, 1, 0, slices), 1, cols, async_op=True), []
+    for s in range(slices):
+        xs = pending.wait()
+        if s + 1 < slices:
+            pending = all_gather(_slice(a, 1, s + 1, slices), 1, cols, async_op=True)
+        scattered.append(reduce_scatter(xs.T @ b, 0, "sum", rows, async_op=True))
+    for s, p in enumerate(scattered):
+        _place(out, 0, s, slices, p.wait())
+    return out
+
+
+def summa_os(a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist.ProcessGroup) -> Tensor:
+    """SUMMA of Y = X W: lcm(R, C) steps over K panels; panel t is broadcast from the rank of this
+    row that holds it (X's, along cols) and from the rank of this column that holds it (W's, along
+    rows), and multiplied in; panel t + 1's broadcasts are in flight while panel t multiplies."""
+    r, c = rows.size(), cols.size()
+    steps = math.lcm(r, c)
+    per_x, per_w = steps // c, steps // r  # panels in a rank's X block, in its W block
+    width = a.shape[1] // per_x
+    if a.shape[1] % per_x or b.shape[0] // per_w != width:
+        raise ValueError(f"mesh2d SUMMA: K blocks {a.shape[1]} / {b.shape[0]} do not cut into {steps} panels")
+    me_col, me_row = cols.rank(), rows.rank()
+
+    def fetch(t):
+        owner_col, owner_row = t // per_x, t // per_w
+        xp = a[:, (t % per_x) * width:(t % per_x + 1) * width].contiguous() if owner_col == me_col \
+            else a.new_empty(a.shape[0], width)
+        wp = b[(t % per_w) * width:(t % per_w + 1) * width].contiguous() if owner_row == me_row \
+            else b.new_empty(width, b.shape[1])
+        works = [dist.broadcast(xp, dist.get_global_rank(cols, owner_col), group=cols, async_op=True),
+                 dist.broadcast(wp, dist.get_global_rank(rows, owner_row), group=rows, async_op=True)]
+        return xp, wp, works
+
+    out = a.new_zeros(a.shape[0], b.shape[1])
+    pending = fetch(0)
+    for t in range(steps):
+        xp, wp, works = pending
+        for w in works:
+            w.wait()
+        if t + 1 < steps:
+            pending = fetch(t + 1)
+        out += xp @ wp
+    return out
+
+
+class FCLayer2D(torch.autograd.Function):
+    """Y = X W (os: W [I, O]) or Y = X W^T (ls: W stored [O, I], nn.Linear's), every operand's
+    block P(row, col), forward and backward as the paper pairs the dataflows (os: forward OS,
+    dX by LS, dW by RS; ls: forward LS, dX by OS, dW by RS), each in `slices` slices."""
+
+    @staticmethod
+    def forward(ctx, x, w, dataflow: str, rows, cols, slices: int):
+        ctx.save_for_backward(x, w)
+        ctx.meta = (dataflow, rows, cols, slices)
+        return gemm_2d(dataflow, x, w, rows, cols, slices)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dataflow, rows, cols, slices = ctx.meta
+        dy = dy.contiguous()
+        if dataflow == "os":  # dX = dY W^T (LS on W [I, O] stored as [N, K]); dW = X^T dY (RS)
+            dx = gemm_2d("ls", dy, w, rows, cols, slices)
+            dw = gemm_2d("rs", x, dy, rows, cols, slices)
+        elif dataflow == "ls":  # dX = dY W (OS on W [O, I]); dW = dY^T X (RS)
+            dx = gemm_2d("os", dy, w, rows, cols, slices)
+            dw = gemm_2d("rs", dy, x, rows, cols, slices)
+        else:
+            raise NotImplementedError(f"mesh2d: the {dataflow!r} layer's backward (a transposed activation)")
+        return dx, dw, None, None, None, None
+
+
+def fc_2d(x: Tensor, w: Tensor, dataflow: str, rows, cols, slices: int = 1) -> Tensor:
+    """An FC layer on the mesh (FCLayer2D), differentiable."""
+    if dataflow not in ("os", "ls"):
+        raise ValueError(f"mesh2d: FC layers run os or ls here, not {dataflow!r} (rs stores its output transposed)")
+    _check(dataflow, slices, rows, cols)
+    return FCLayer2D.apply(x, w, dataflow, rows, cols, slices)
