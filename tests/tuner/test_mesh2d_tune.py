@@ -82,3 +82,36 @@ def test_the_exact_tuner_picks_a_mesh_no_slower_than_the_analytic_ones():
     priced = sum(layer_s(layer, analytic.mesh, TPU_V4, "meshslice", analytic.slices[layer.name]) for layer in layers)
     assert exact.score_s <= priced
     assert tune.mesh_shapes(256) == [(4, 64), (8, 32), (16, 16), (32, 8), (64, 4)]
+
+
+def test_on_the_authors_simulation_figures_the_analytic_tuner_gives_their_simulation_answers():
+    """Their `simulation` branch's analytic step at 256 chips: (64, 4) with S 6, 4, 6, 6 for GPT-3,
+    (32, 8) with S 10 for Megatron-NLG."""
+    from torch_commopt.tuner.mesh2d.simulate import MODELS, SEQ, TPU_V4_SIM
+
+    got = {}
+    for name, (heads, dim) in MODELS.items():
+        plan = tune.analytic_plan(tune.transformer_block(256 * SEQ, heads * dim), 256, TPU_V4_SIM)
+        got[name] = (plan.mesh, tuple(plan.slices.values()))
+    assert got == {"gpt3-175b": ((64, 4), (6, 4, 6, 6)), "megatron-nlg-530b": ((32, 8), (10, 10, 10, 10))}
+
+
+def test_a_gpu_mesh_axis_inside_a_node_runs_at_nvlink_and_two_crossing_axes_share_the_nic():
+    from torch_commopt.tuner.mesh2d.simulate import GPUCluster
+
+    cluster = GPUCluster()
+    assert cluster.inside((2, 4)) == (True, True) and cluster.inside((8, 8)) == (False, True)
+    assert cluster.inside((4, 16)) == (False, False)
+    inside, across = cluster.links((8, 8)), cluster.links((4, 16))
+    assert inside.ag_bw == (cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s) and not inside.shared
+    assert across.shared and across.both(1.0, 2.0) == 3.0 and inside.both(1.0, 2.0) == 2.0
+
+
+def test_the_simulator_prices_every_algorithm_and_meshslice_leads_on_tpu_figures():
+    from torch_commopt.tuner.mesh2d.simulate import TPU_V4_SIM, compare
+
+    layers = tune.transformer_block(256 * 2048, 160 * 128)
+    res = compare(layers, 256, TPU_V4_SIM)
+    assert set(res) == {"meshslice", "collective", "summa", "wang"}
+    assert min(res.values(), key=lambda r: r.seconds).algorithm == "meshslice"
+    assert all(0 < r.utilisation <= 1 for r in res.values())

@@ -46,18 +46,30 @@ class MeshLinks:
     ag_overhead_s: float
     rs_overhead_s: float
     flops_per_s: float
+    shared: bool = False  # both axes' transfers share one link (a GPU's NIC where both cross nodes)
+    axis_alpha_s: tuple[float, float] | None = None  # per-axis hop latency, for both collectives (else theirs)
+
+    def both(self, a: float, b: float) -> float:
+        """Two transfers on different axes at once: side by side on links of their own, one after
+        the other on a shared link."""
+        return a + b if self.shared else max(a, b)
+
+    def alpha(self, collective: str, axis: int) -> float:
+        if self.axis_alpha_s is not None:
+            return self.axis_alpha_s[axis]
+        return self.ag_alpha_s if collective == "ag" else self.rs_alpha_s
 
     def all_gather(self, shard_bytes: float, axis: int, p: int) -> float:
-        return self.ag_overhead_s + (p - 1) * (shard_bytes / self.ag_bw[axis] + self.ag_alpha_s) if p > 1 else 0.0
+        return self.ag_overhead_s + (p - 1) * (shard_bytes / self.ag_bw[axis] + self.alpha("ag", axis)) if p > 1 else 0.0
 
     def reduce_scatter(self, shard_bytes: float, axis: int, p: int) -> float:
-        return self.rs_overhead_s + (p - 1) * (shard_bytes / self.rs_bw[axis] + self.rs_alpha_s) if p > 1 else 0.0
+        return self.rs_overhead_s + (p - 1) * (shard_bytes / self.rs_bw[axis] + self.alpha("rs", axis)) if p > 1 else 0.0
 
     def broadcast(self, nbytes: float, axis: int, p: int) -> float:
-        return self.ag_overhead_s + nbytes / self.ag_bw[axis] + (p - 1) * self.ag_alpha_s if p > 1 else 0.0
+        return self.ag_overhead_s + nbytes / self.ag_bw[axis] + (p - 1) * self.alpha("ag", axis) if p > 1 else 0.0
 
     def reduce(self, nbytes: float, axis: int, p: int) -> float:
-        return self.rs_overhead_s + nbytes / self.rs_bw[axis] + (p - 1) * self.rs_alpha_s if p > 1 else 0.0
+        return self.rs_overhead_s + nbytes / self.rs_bw[axis] + (p - 1) * self.alpha("rs", axis) if p > 1 else 0.0
 
     def gemm(self, m: float, n: float, k: float) -> float:
         return 2.0 * m * n * k / self.flops_per_s
@@ -76,17 +88,17 @@ def meshslice_s(kind: str, m: int, n: int, k: int, mesh: tuple[int, int], slices
         ag_x = links.all_gather(_bytes(m / r, k / (c * s)), 1, c)
         ag_w = links.all_gather(_bytes(k / (r * s), n / c), 0, r)
         g = links.gemm(m / r, n / c, k / s)
-        return max(ag_x, ag_w) + (s - 1) * max(ag_x, ag_w, g) + g
+        return links.both(ag_x, ag_w) + (s - 1) * max(links.both(ag_x, ag_w), g) + g
     if kind == "ls":
         ag_w = links.all_gather(_bytes(n / (r * s), k / c), 0, r)
         rs_y = links.reduce_scatter(_bytes(m / r, n / (c * s)), 1, c)
         g = links.gemm(m / r, n / s, k / c)
-        return ag_w + rs_y + g + (s - 1) * max(ag_w, rs_y, g)
+        return ag_w + rs_y + g + (s - 1) * max(links.both(ag_w, rs_y), g)
     if kind == "rs":
         ag_x = links.all_gather(_bytes(k / r, m / (c * s)), 1, c)
         rs_y = links.reduce_scatter(_bytes(m / (r * s), n / c), 0, r)
         g = links.gemm(m / s, n / c, k / r)
-        return ag_x + rs_y + g + (s - 1) * max(ag_x, rs_y, g)
+        return ag_x + rs_y + g + (s - 1) * max(links.both(ag_x, rs_y), g)
     raise ValueError(f"mesh2d: unknown dataflow {kind!r} (known: {', '.join(DATAFLOWS)})")
 
 
@@ -118,17 +130,17 @@ def summa_s(kind: str, m: int, n: int, k: int, mesh: tuple[int, int], links: Mes
         bx = links.broadcast(_bytes(m / r, k / steps), 1, c)
         bw = links.broadcast(_bytes(k / steps, n / c), 0, r)
         g = links.gemm(m / r, n / c, k / steps)
-        return max(bx, bw) + (steps - 1) * max(bx, bw, g) + g
+        return links.both(bx, bw) + (steps - 1) * max(links.both(bx, bw), g) + g
     if kind == "ls":
         bw = links.broadcast(_bytes(n / steps, k / c), 0, r)
         red = links.reduce(_bytes(m / r, n / steps), 1, c)
         g = links.gemm(m / r, n / steps, k / c)
-        return bw + red + (steps - 1) * max(bw, red, g) + g
+        return bw + red + (steps - 1) * max(links.both(bw, red), g) + g
     if kind == "rs":
         bx = links.broadcast(_bytes(k / r, m / steps), 1, c)
         red = links.reduce(_bytes(m / steps, n / c), 0, r)
         g = links.gemm(m / steps, n / c, k / r)
-        return bx + red + (steps - 1) * max(bx, red, g) + g
+        return bx + red + (steps - 1) * max(links.both(bx, red), g) + g
     raise ValueError(f"mesh2d: unknown dataflow {kind!r} (known: {', '.join(DATAFLOWS)})")
 
 
@@ -137,7 +149,7 @@ def wang_s(kind: str, m: int, n: int, k: int, mesh: tuple[int, int], links: Mesh
     each a GEMM of one col-block while the next halves move both ways round the col ring (a shift
     of half a block each way: n / (2 bw) + alpha)."""
     r, c = mesh
-    bw1, alpha = links.ag_bw[1], links.ag_alpha_s
+    bw1, alpha = links.ag_bw[1], links.alpha("ag", 1)
     if kind == "os":
         exposed = links.all_gather(_bytes(k / r, n / c), 0, r)
         shift = _bytes(m / r, k / c) / (2 * bw1) + alpha

@@ -116,29 +116,34 @@ class Plan:
     score_s: float
 
 
-def analytic_plan(layers: list[FCLayer], chips: int, links: MeshLinks, shapes=None) -> Plan:
-    """The paper's analytic tuner (module docstring)."""
+def _links_of(links, mesh: tuple[int, int]) -> MeshLinks:
+    """links, or links(mesh) where the figures depend on the shape (a GPU cluster's nodes)."""
+    return links(mesh) if callable(links) else links
+
+
+def analytic_plan(layers: list[FCLayer], chips: int, links, shapes=None) -> Plan:
+    """The paper's analytic tuner (module docstring); links: MeshLinks, or mesh -> MeshLinks."""
     best = None
     for mesh in shapes or mesh_shapes(chips):
-        slices, score = {}, 0.0
+        links_here, slices, score = _links_of(links, mesh), {}, 0.0
         for layer in layers:
-            score += traffic_s(layer, mesh, links)
+            score += traffic_s(layer, mesh, links_here)
             s = min(slice_counts(layer, mesh),
-                    key=lambda s: latency_s(layer, mesh, links, s) + 2 * pipeline_s(layer, mesh, links, s))
+                    key=lambda s: latency_s(layer, mesh, links_here, s) + 2 * pipeline_s(layer, mesh, links_here, s))
             slices[layer.name] = s
-            score += latency_s(layer, mesh, links, s)
+            score += latency_s(layer, mesh, links_here, s)
         if best is None or score < best.score_s:
             best = Plan(mesh, slices, score)
     return best
 
 
-def exact_plan(layers: list[FCLayer], chips: int, links: MeshLinks, shapes=None) -> Plan:
+def exact_plan(layers: list[FCLayer], chips: int, links, shapes=None) -> Plan:
     """Every shape and every layer's every S priced by the cost model; the fastest."""
     best = None
     for mesh in shapes or mesh_shapes(chips):
-        slices, total = {}, 0.0
+        links_here, slices, total = _links_of(links, mesh), {}, 0.0
         for layer in layers:
-            times = {s: layer_s(layer, mesh, links, "meshslice", s) for s in slice_counts(layer, mesh)}
+            times = {s: layer_s(layer, mesh, links_here, "meshslice", s) for s in slice_counts(layer, mesh)}
             s = min(times, key=times.get)
             slices[layer.name], total = s, total + times[s]
         if best is None or total < best.score_s:

@@ -1,0 +1,19 @@
+"""benchmarks/bench_meshslice.py --simulate: the report's rows come from the simulator (no GPU)."""
+
+import json
+import sys
+
+
+def test_the_simulation_report_has_every_machine_model_and_algorithm(tmp_path, monkeypatch):
+    from benchmarks import bench_meshslice
+
+    monkeypatch.setattr(sys, "argv", ["bench_meshslice", "--simulate", "--out", str(tmp_path), "--commit", "test"])
+    bench_meshslice.main()
+    (report,) = tmp_path.glob("meshslice_sim_*.json")
+    data = json.loads(report.read_text())
+    assert len(data["tpu"]) == 4 and len(data["gpu"]) == 6
+    for row in data["tpu"] + data["gpu"]:
+        assert set(row["results"]) == {"meshslice", "collective", "summa", "wang"}
+    sim_gpt3 = next(r for r in data["tpu"] if r["machine"] == "simulation figures" and r["model"] == "gpt3-175b")
+    assert sim_gpt3["analytic"]["mesh"] == [64, 4]  # the authors' simulation tuner's pick
+    assert "| 256 | megatron-nlg-530b |" in (tmp_path / report.name.replace(".json", ".md")).read_text()

@@ -1,0 +1,128 @@
+"""A cluster simulator for 2D tensor parallelism: the cost model (model.py) driven at scales that
+cannot run here, for the FC layers of a transformer block.
+
+Two machines:
+- a TPUv4-like torus with the authors' simulation figures (their `simulation` branch: every axis
+  60 GB/s all-gather and 50 GB/s reduce-scatter per direction, 6 us a hop, 100 us a collective's
+  fixed cost, 249 TFLOP/s a chip): links of their own per mesh axis;
+- a GPU cluster of NVLink nodes (H200: 8 GPUs a node on NVSwitch, one 400 Gb/s NIC a GPU): a mesh
+  axis whose ranks share a node runs at NVLink's rate, one that crosses nodes at the NIC's; where
+  both axes cross nodes their transfers share the NIC (model.MeshLinks.shared).  Its 1D
+  alternative, tensor parallelism inside a node and data parallelism across nodes, is priced too.
+
+Per algorithm (model.ALGORITHMS) and mesh shape: the FC layers' seconds (forward and both
+backward GEMMs; MeshSlice with each layer's best slice count) and the FLOP utilisation, the
+layers' FLOPs over chips x peak x seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch_commopt.tuner.mesh2d.model import ALGORITHMS, FCLayer, MeshLinks, layer_flops, layer_s
+from torch_commopt.tuner.mesh2d.tune import mesh_shapes, slice_counts
+
+# The authors' simulation figures (hwnam831/meshslice, branch `simulation`, Autotuner.py).
+TPU_V4_SIM = MeshLinks(ag_bw=(60e9, 60e9), rs_bw=(50e9, 50e9), ag_alpha_s=6e-6, rs_alpha_s=6e-6,
+                       ag_overhead_s=100e-6, rs_overhead_s=100e-6, flops_per_s=249e12)
+
+# Model sizes the paper evaluates: (heads, head dim); seq 2048, batch = chips sequences.
+MODELS = {"gpt3-175b": (96, 128), "megatron-nlg-530b": (160, 128)}
+SEQ = 2048
+
+
+@dataclass(frozen=True)
+class GPUCluster:
+    """Nodes of `gpus_per_node` GPUs on NVSwitch, one NIC a GPU between nodes.  Rates per GPU and
+    direction as a ring collective reaches them (H200: NVLink 450 GB/s a direction, NCCL's rings
+    ~360; NDR InfiniBand 400 Gb/s = 50 GB/s, ~45 reached), bf16 GEMMs at a large GEMM's rate."""
+
+    gpus_per_node: int = 8
+    nvlink_bytes_per_s: float = 360e9
+    nic_bytes_per_s: float = 45e9
+    nvlink_alpha_s: float = 3e-6
+    nic_alpha_s: float = 8e-6
+    overhead_s: float = 10e-6
+    flops_per_s: float = 700e12
+
+    def inside(self, mesh: tuple[int, int]) -> tuple[bool, bool]:
+        """Whether each mesh axis's ranks share a node (ranks row-major: a row's C ranks are
+        consecutive; a column's R ranks are C apart)."""
+        r, c = mesh
+        g = self.gpus_per_node
+        col = c <= g and g % c == 0
+        return col and r * c <= g, col
+
+    def links(self, mesh: tuple[int, int]) -> MeshLinks:
+        inside = self.inside(mesh)
+        bw = tuple(self.nvlink_bytes_per_s if i else self.nic_bytes_per_s for i in inside)
+        alpha = tuple(self.nvlink_alpha_s if i else self.nic_alpha_s for i in inside)
+        return MeshLinks(ag_bw=bw, rs_bw=bw, ag_alpha_s=max(alpha), rs_alpha_s=max(alpha), ag_overhead_s=self.overhead_s,
+                         rs_overhead_s=self.overhead_s, flops_per_s=self.flops_per_s, shared=not any(inside),
+                         axis_alpha_s=alpha)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One algorithm at one mesh shape: the FC layers' seconds, their FLOP utilisation, and
+    (MeshSlice) each layer's slice count."""
+
+    algorithm: str
+    mesh: tuple[int, int]
+    seconds: float
+    utilisation: float
+    slices: dict
+
+
+def evaluate(layers: list[FCLayer], chips: int, links, algorithm: str, mesh: tuple[int, int]) -> Result:
+    """The layers under `algorithm` on `mesh` (links: MeshLinks, or mesh -> MeshLinks)."""
+    lk = links(mesh) if callable(links) else links
+    total, slices = 0.0, {}
+    for layer in layers:
+        if algorithm == "meshslice":
+            times = {s: layer_s(layer, mesh, lk, "meshslice", s) for s in slice_counts(layer, mesh)}
+            slices[layer.name] = min(times, key=times.get)
+            total += times[slices[layer.name]]
+        else:
+            total += layer_s(layer, mesh, lk, algorithm)
+    flops = sum(layer_flops(layer) for layer in layers)
+    return Result(algorithm, mesh, total, flops / (chips * lk.flops_per_s * total), slices)
+
+
+def best(layers: list[FCLayer], chips: int, links, algorithm: str, shapes=None) -> Result:
+    """The algorithm at its fastest mesh shape."""
+    return min((evaluate(layers, chips, links, algorithm, mesh) for mesh in shapes or mesh_shapes(chips)),
+               key=lambda r: r.seconds)
+
+
+def compare(layers: list[FCLayer], chips: int, links, shapes=None) -> dict[str, Result]:
+    """Every algorithm at its own best mesh shape."""
+    return {alg: best(layers, chips, links, alg, shapes) for alg in ALGORITHMS}
+
+
+def tp_dp_seconds(layers: list[FCLayer], chips: int, cluster: GPUCluster) -> float:
+    """The 1D alternative on a GPU cluster: tensor parallelism over each node's GPUs (the
+    activations all-gathered and the outputs reduce-scattered over NVLink, overlapped with the
+    GEMMs as async-TP does: each of the three GEMMs takes the longer of the two), data parallelism
+    over the nodes (each layer's weight-gradient shard all-reduced over the NICs, hidden behind
+    the layer's backward where it is shorter)."""
+    tp = cluster.gpus_per_node
+    dp = max(1, chips // tp)
+    total = 0.0
+    for layer in layers:
+        tokens = layer.tokens / dp
+        gemm = 2.0 * tokens * layer.in_features * layer.out_features / tp / cluster.flops_per_s
+        moved = max(layer.in_features, layer.out_features) * tokens * 2 * (tp - 1) / tp
+        comm = cluster.overhead_s + moved / cluster.nvlink_bytes_per_s + (tp - 1) * cluster.nvlink_alpha_s
+        step = max(gemm, comm)
+        grad_bytes = 2.0 * layer.in_features * layer.out_features / tp
+        all_reduce = 2 * (dp - 1) / dp * grad_bytes / cluster.nic_bytes_per_s if dp > 1 else 0.0
+        total += 3 * step + max(0.0, all_reduce - 2 * step)
+    return total
+
+
+def weight_bytes_per_chip(layers: list[FCLayer], chips: int, tp: int) -> float:
+    """The FC weights' training state a chip holds (bf16 weight and gradient, fp32 Adam moments and
+    master copy: 16 bytes a parameter) when the weights are split over `tp` of the `chips`."""
+    params = sum(layer.in_features * layer.out_features for layer in layers)
+    return 16.0 * params / tp
