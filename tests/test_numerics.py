@@ -11,9 +11,9 @@ from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 
 SCHEDULES = [{"schedule": "sequential"}, {"schedule": "chunked", "chunks": 3}]
-# sequential runs the program's own collective + matmul whatever the world: world 2 covers it,
-# and the larger worlds run the overlapped schedule (~45 s less CI)
-CASES = [(2, SCHEDULES[0]), (2, SCHEDULES[1]), (4, SCHEDULES[1])]
+# the overlapped schedule at 2 and 4 ranks; `sequential` (the program's own collective + matmul
+# through our op) runs the whole TP+SP block, forward and backward, in tests/passes/test_regather.py
+CASES = [(2, SCHEDULES[1]), (4, SCHEDULES[1])]
 # the models at an odd world only: world 2 runs them in the demo, the regather, dynamic-shape and
 # checkpointing tests, world 4 in the (dp, tp) mesh test
 IDS = lambda x: f"world{x}" if isinstance(x, int) else x["schedule"]  # noqa: E731
@@ -35,8 +35,7 @@ def test_funcol_patterns_match_eager(world, options):
 @pytest.mark.parametrize("world, options", [(3, SCHEDULES[1])], ids=IDS)
 def test_models_forward_backward_match_eager(world, options):
     # world 3: an odd world (blocks of 36 / 72 features, 6 heads), the overlapped schedule; four
-    # ranks run the funcol patterns above and the (dp, tp) mesh (tests/test_mesh_2d.py), and
-    # `sequential` (the program's own collective and matmul through our op) the funcol patterns
+    # ranks run the funcol patterns above and the (dp, tp) mesh (tests/test_mesh_2d.py)
     kinds = ("funcol_mlp", "tp_sp_mlp", "tp_sp_block")
     for rank_results in run_distributed(run_models, world, options, kinds):
         for kind, (errors, rewritten) in rank_results.items():

@@ -136,15 +136,23 @@ def test_the_ops_a_rewritten_graph_calls_give_dense_attention(schedule, own_rows
 def test_the_hybrid_gives_dense_attention_and_refuses_a_mask_of_the_rank_s_rows():
     """hybrid:2:2 on 4 ranks: Ulysses over pairs of ranks, the flex ring over the two segments (GQA
     4:2, a documents and window mask): out, dq, dk, dv as dense float64 attention's.  A mask of the
-    rank's own rows cannot give a segment's rows: a ValueError that says so, on every rank."""
+    rank's own rows cannot give a segment's rows, nor a per-head mask a head shard's: a ValueError that
+    says so, before any collective."""
     from flex_programs import run_flex_ops
 
     for rank, errors in enumerate(run_distributed(run_flex_ops, 4, "document+window", "hybrid:2:2", backend="gloo",
                                                   timeout_s=300)):
         assert all(e < 1e-10 for e in errors.values()), (rank, errors)
-    with pytest.raises(RuntimeError, match="a mask of this rank's rows only") as got:
-        run_distributed(run_flex_ops, 4, "document", "hybrid:2:2", True, backend="gloo", timeout_s=300)
-    assert str(got.value).count("ValueError: flex CP hybrid:2:2") == 4, str(got.value)[-2000:]
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from torch_commopt.kernels.attention import flex, flex_hybrid
+
+    rows = create_block_mask(lambda b, h, q, kv: q + 128 >= kv, 1, None, 128, 256, device="cpu", BLOCK_SIZE=128)
+    with pytest.raises(ValueError, match="a mask of this rank's rows only"):  # raised before any collective
+        flex_hybrid._groups(flex.Blocks.of(rows), (4, 2), None, 2, 2)  # noqa: SLF001
+    per_head = create_block_mask(lambda b, h, q, kv: q >= kv + h, 1, 4, 256, 256, device="cpu", BLOCK_SIZE=128)
+    with pytest.raises(ValueError, match="differs per head"):
+        flex_hybrid._groups(flex.Blocks.of(per_head), (4, 2), None, 2, 2)  # noqa: SLF001
 
 
 def test_a_flex_schedule_name_is_checked():
