@@ -19,9 +19,9 @@ def _blocks(shape: tuple[int, int], rank: int):
 
 
 def run_gemms(rank: int, world: int, shape: tuple[int, int], slices: tuple[int, ...]) -> dict[str, float]:
-    """{case: max abs error} for os / ls / rs in each slice count, SUMMA, and the os and ls FC
-    layers' forward and backward."""
-    from torch_commopt.kernels.mesh2d.reference import fc_2d, gemm_2d, summa_os
+    """{case: max abs error} for os / ls / rs in each slice count and by SUMMA, and the os and ls FC
+    layers' forward and backward (the os layer by SUMMA too)."""
+    from torch_commopt.kernels.mesh2d.reference import fc_2d, gemm_2d, summa
 
     mesh = init_device_mesh("cpu", shape)
     rows, cols = mesh.get_group(0), mesh.get_group(1)
@@ -38,15 +38,18 @@ def run_gemms(rank: int, world: int, shape: tuple[int, int], slices: tuple[int, 
         errors[f"os S={s}"] = (gemm_2d("os", block(x), block(w), rows, cols, s) - block(x @ w)).abs().max().item()
         errors[f"ls S={s}"] = (gemm_2d("ls", block(x), block(w_t), rows, cols, s) - block(x @ w_t.T)).abs().max().item()
         errors[f"rs S={s}"] = (gemm_2d("rs", block(x_t), block(w), rows, cols, s) - block(x_t.T @ w)).abs().max().item()
-    errors["summa os"] = (summa_os(block(x), block(w), rows, cols) - block(x @ w)).abs().max().item()
-    for flow, weight in (("os", w), ("ls", w_t)):
+    errors["summa os"] = (summa("os", block(x), block(w), rows, cols) - block(x @ w)).abs().max().item()
+    errors["summa ls"] = (summa("ls", block(x), block(w_t), rows, cols) - block(x @ w_t.T)).abs().max().item()
+    errors["summa rs"] = (summa("rs", block(x_t), block(w), rows, cols) - block(x_t.T @ w)).abs().max().item()
+    for flow, weight, slices_here in (("os", w, slices[-1]), ("ls", w_t, slices[-1]), ("os", w, 0)):
         xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
         want = xg @ (wg if flow == "os" else wg.T)
         want.backward(dy)
         xb, wb = block(x).requires_grad_(), block(weight).requires_grad_()
-        got = fc_2d(xb, wb, flow, rows, cols, slices[-1])
+        got = fc_2d(xb, wb, flow, rows, cols, slices_here)
         got.backward(block(dy))
-        errors[f"fc {flow} y"] = (got - block(want)).abs().max().item()
-        errors[f"fc {flow} dx"] = (xb.grad - block(xg.grad)).abs().max().item()
-        errors[f"fc {flow} dw"] = (wb.grad - block(wg.grad)).abs().max().item()
+        tag = f"fc {flow}" + (" summa" if slices_here == 0 else "")
+        errors[f"{tag} y"] = (got - block(want)).abs().max().item()
+        errors[f"{tag} dx"] = (xb.grad - block(xg.grad)).abs().max().item()
+        errors[f"{tag} dw"] = (wb.grad - block(wg.grad)).abs().max().item()
     return errors

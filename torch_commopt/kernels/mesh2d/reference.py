@@ -1,5 +1,6 @@
 """The reference 2D GEMMs on an R x C device mesh (plain torch + c10d): MeshSlice's sliced
-dataflows, the Collective 2D GEMM and SUMMA; the FC layer's forward and backward built from them.
+dataflows, the Collective 2D GEMM and SUMMA (all three dataflows); the FC layer's forward and
+backward built from them.
 
 Every operand is sharded over both mesh axes, P(row, col): rank (i, j) holds block (i, j) of each
 2D operand; `rows` is the group along mesh dim 0 (the R ranks of column j) and `cols` the group
@@ -100,50 +101,100 @@ def gemm_2d(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist
     return out
 
 
-def summa_os(a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist.ProcessGroup) -> Tensor:
-    """SUMMA of Y = X W: lcm(R, C) steps over K panels; panel t is broadcast from the rank of this
-    row that holds it (X's, along cols) and from the rank of this column that holds it (W's, along
-    rows), and multiplied in; panel t + 1's broadcasts are in flight while panel t multiplies."""
+def _panel(x: Tensor, dim: int, t: int, per: int, mine: bool) -> Tensor:
+    """Panel t of dim (one of the `per` panels a rank's block holds) if this rank holds it, else an
+    empty tensor of its shape to receive it."""
+    width = x.shape[dim] // per
+    if mine:
+        return x.narrow(dim, (t % per) * width, width).contiguous()
+    shape = list(x.shape)
+    shape[dim] = width
+    return x.new_empty(shape)
+
+
+def summa(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist.ProcessGroup) -> Tensor:
+    """SUMMA in lcm(R, C) steps over panels of the dimension `kind`'s collectives carry, panel t + 1's
+    collectives in flight while panel t multiplies:
+        os  K panels of X broadcast along cols and of W along rows, multiplied into Y;
+        ls  N panels of W broadcast along rows, X W_t^T reduced along cols to the panel's owner;
+        rs  M panels of X broadcast along cols, X_t^T W reduced along rows to the panel's owner."""
+    _check(kind, 1, rows, cols)
     r, c = rows.size(), cols.size()
     steps = math.lcm(r, c)
-    per_x, per_w = steps // c, steps // r  # panels in a rank's X block, in its W block
-    width = a.shape[1] // per_x
-    if a.shape[1] % per_x or b.shape[0] // per_w != width:
-        raise ValueError(f"mesh2d SUMMA: K blocks {a.shape[1]} / {b.shape[0]} do not cut into {steps} panels")
-    me_col, me_row = cols.rank(), rows.rank()
+    me_row, me_col = rows.rank(), cols.rank()
+    if kind == "os":  # a = X [M/R, K/C], b = W [K/R, N/C]
+        per_x, per_w = steps // c, steps // r
+        if a.shape[1] % per_x or b.shape[0] % per_w or a.shape[1] // per_x != b.shape[0] // per_w:
+            raise ValueError(f"mesh2d SUMMA: K blocks {a.shape[1]} / {b.shape[0]} do not cut into {steps} panels")
+
+        def fetch(t):
+            ox, ow = t // per_x, t // per_w
+            xp, wp = _panel(a, 1, t, per_x, ox == me_col), _panel(b, 0, t, per_w, ow == me_row)
+            return xp, wp, [dist.broadcast(xp, dist.get_global_rank(cols, ox), group=cols, async_op=True),
+                            dist.broadcast(wp, dist.get_global_rank(rows, ow), group=rows, async_op=True)]
+        out = a.new_zeros(a.shape[0], b.shape[1])
+        pending = fetch(0)
+        for t in range(steps):
+            xp, wp, works = pending
+            for w in works:
+                w.wait()
+            if t + 1 < steps:
+                pending = fetch(t + 1)
+            out += xp @ wp
+        return out
+    # ls: a = X [M/R, K/C], b = W [N/R, K/C], out [M/R, N/C];  rs: a = X [K/R, M/C], b = W [K/R, N/C]
+    moving, along, mover = (b, rows, me_row) if kind == "ls" else (a, cols, me_col)
+    into, owners, owner_me = (cols, c, me_col) if kind == "ls" else (rows, r, me_row)
+    dim_in = 0 if kind == "ls" else 1  # the panel's dimension in the moving operand
+    per_in, per_out = steps // along.size(), steps // owners
+    if kind == "ls":
+        out = a.new_empty(a.shape[0], b.shape[0] * r // c)
+    else:
+        out = b.new_empty(a.shape[1] * c // r, b.shape[1])
+    dim_out = 1 if kind == "ls" else 0
 
     def fetch(t):
-        owner_col, owner_row = t // per_x, t // per_w
-        xp = a[:, (t % per_x) * width:(t % per_x + 1) * width].contiguous() if owner_col == me_col \
-            else a.new_empty(a.shape[0], width)
-        wp = b[(t % per_w) * width:(t % per_w + 1) * width].contiguous() if owner_row == me_row \
-            else b.new_empty(width, b.shape[1])
-        works = [dist.broadcast(xp, dist.get_global_rank(cols, owner_col), group=cols, async_op=True),
-                 dist.broadcast(wp, dist.get_global_rank(rows, owner_row), group=rows, async_op=True)]
-        return xp, wp, works
-
-    out = a.new_zeros(a.shape[0], b.shape[1])
-    pending = fetch(0)
+        owner = t // per_in
+        p = _panel(moving, dim_in, t, per_in, owner == mover)
+        return p, dist.broadcast(p, dist.get_global_rank(along, owner), group=along, async_op=True)
+    pending, reduced = fetch(0), []
     for t in range(steps):
-        xp, wp, works = pending
-        for w in works:
-            w.wait()
+        p, work = pending
+        work.wait()
         if t + 1 < steps:
             pending = fetch(t + 1)
-        out += xp @ wp
+        part = (a @ p.T) if kind == "ls" else (p.T @ b)
+        owner = t // per_out
+        reduced.append((t, owner, part, dist.reduce(part, dist.get_global_rank(into, owner), group=into,
+                                                    async_op=True)))
+    width = out.shape[dim_out] // per_out
+    for t, owner, part, work in reduced:
+        work.wait()
+        if owner == owner_me:
+            out.narrow(dim_out, (t % per_out) * width, width).copy_(part)
     return out
+
+
+def summa_os(a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist.ProcessGroup) -> Tensor:
+    """SUMMA of Y = X W (summa("os", ...))."""
+    return summa("os", a, b, rows, cols)
+
+
+def _gemm(kind: str, a: Tensor, b: Tensor, rows, cols, slices: int) -> Tensor:
+    """MeshSlice's sliced GEMM, or SUMMA where slices is 0."""
+    return summa(kind, a, b, rows, cols) if slices == 0 else gemm_2d(kind, a, b, rows, cols, slices)
 
 
 class FCLayer2D(torch.autograd.Function):
     """Y = X W (os: W [I, O]) or Y = X W^T (ls: W stored [O, I], nn.Linear's), every operand's
     block P(row, col), forward and backward as the paper pairs the dataflows (os: forward OS,
-    dX by LS, dW by RS; ls: forward LS, dX by OS, dW by RS), each in `slices` slices."""
+    dX by LS, dW by RS; ls: forward LS, dX by OS, dW by RS), each in `slices` slices (0: SUMMA)."""
 
     @staticmethod
     def forward(ctx, x, w, dataflow: str, rows, cols, slices: int):
         ctx.save_for_backward(x, w)
         ctx.meta = (dataflow, rows, cols, slices)
-        return gemm_2d(dataflow, x, w, rows, cols, slices)
+        return _gemm(dataflow, x, w, rows, cols, slices)
 
     @staticmethod
     def backward(ctx, dy):
@@ -151,19 +202,19 @@ class FCLayer2D(torch.autograd.Function):
         dataflow, rows, cols, slices = ctx.meta
         dy = dy.contiguous()
         if dataflow == "os":  # dX = dY W^T (LS on W [I, O] stored as [N, K]); dW = X^T dY (RS)
-            dx = gemm_2d("ls", dy, w, rows, cols, slices)
-            dw = gemm_2d("rs", x, dy, rows, cols, slices)
+            dx = _gemm("ls", dy, w, rows, cols, slices)
+            dw = _gemm("rs", x, dy, rows, cols, slices)
         elif dataflow == "ls":  # dX = dY W (OS on W [O, I]); dW = dY^T X (RS)
-            dx = gemm_2d("os", dy, w, rows, cols, slices)
-            dw = gemm_2d("rs", dy, x, rows, cols, slices)
+            dx = _gemm("os", dy, w, rows, cols, slices)
+            dw = _gemm("rs", dy, x, rows, cols, slices)
         else:
             raise NotImplementedError(f"mesh2d: the {dataflow!r} layer's backward (a transposed activation)")
         return dx, dw, None, None, None, None
 
 
 def fc_2d(x: Tensor, w: Tensor, dataflow: str, rows, cols, slices: int = 1) -> Tensor:
-    """An FC layer on the mesh (FCLayer2D), differentiable."""
+    """An FC layer on the mesh (FCLayer2D), differentiable; slices 0 runs its three GEMMs by SUMMA."""
     if dataflow not in ("os", "ls"):
         raise ValueError(f"mesh2d: FC layers run os or ls here, not {dataflow!r} (rs stores its output transposed)")
-    _check(dataflow, slices, rows, cols)
+    _check(dataflow, max(slices, 1), rows, cols)
     return FCLayer2D.apply(x, w, dataflow, rows, cols, slices)
