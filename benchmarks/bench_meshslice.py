@@ -10,6 +10,16 @@ mesh shape:
   inside a node with data parallelism across nodes, and each one's FC weight state a GPU holds.
 
     python3 -m benchmarks.bench_meshslice --simulate --out benchmarks/results [--commit SHA]
+
+--measure (issue 73, 4 GPUs as a 2 x 2 mesh; --cpu: a gloo smoke run with small layers): the same
+block's FC layers at tokens x dim (default 8192 x 4096, bf16) trained forward and backward through
+the reference kernels (kernels/mesh2d/reference.py: c10d collectives, each slice's in flight while
+the one before multiplies) as Collective (S = 1), MeshSlice (each layer's S from the exact tuner
+on the simulator's figures for one NVLink node) and SUMMA, each layer's ms the median of rounds on
+the slowest rank, beside the simulator's prediction for that machine.
+
+    python3 -m benchmarks.bench_meshslice --measure --out DIR [--world 4] [--tokens 8192 --dim 4096]
+    python3 -m benchmarks.bench_meshslice --measure --cpu    # gloo smoke run: prints, writes nothing
 """
 
 from __future__ import annotations
@@ -56,13 +66,117 @@ def _gpu_rows(sim, tune) -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
+ALGS = {"collective": 1, "summa": 0}  # fc_2d's slices for the baselines; MeshSlice's come from the tuner
+
+
+def _measure_rank(rank: int, world: int, tokens: int, dim: int, rounds: int, cpu: bool) -> dict:
+    """{layer: {algorithm: slowest rank's median ms of forward + backward}} on a sqrt(W) mesh."""
+    import math
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_commopt.kernels.mesh2d.reference import fc_2d
+    from torch_commopt.tuner.mesh2d import simulate as sim
+    from torch_commopt.tuner.mesh2d import tune
+
+    side = math.isqrt(world)
+    shape = (side, world // side)
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    mesh = init_device_mesh(device.type, shape)
+    rows, cols = mesh.get_group(0), mesh.get_group(1)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    links = sim.GPUCluster().links(shape)
+    out = {}
+    for layer in tune.transformer_block(tokens, dim):
+        plan = tune.exact_plan([layer], world, links, shapes=[shape])
+        algs = {**ALGS, "meshslice": plan.slices[layer.name]}
+        i_in, i_out = layer.in_features, layer.out_features
+        gen = torch.Generator(device=device).manual_seed(rank)
+        x = torch.randn(tokens // shape[0], i_in // shape[1], generator=gen, device=device, dtype=dtype)
+        w_shape = (i_in // shape[0], i_out // shape[1]) if layer.dataflow == "os" else (i_out // shape[0], i_in // shape[1])
+        w = (torch.randn(*w_shape, generator=gen, device=device, dtype=dtype) / i_in ** 0.5).requires_grad_()
+        dy = torch.randn(tokens // shape[0], i_out // shape[1], generator=gen, device=device, dtype=dtype)
+        times = {a: [] for a in algs}
+
+        def step(slices):
+            xg = x.detach().requires_grad_()
+            fc_2d(xg, w, layer.dataflow, rows, cols, slices).backward(dy)
+        for s in algs.values():  # warm-up
+            step(s)
+        for r in range(rounds):
+            for a, s in (list(algs.items()) if r % 2 == 0 else list(algs.items())[::-1]):
+                dist.barrier()
+                if not cpu:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                step(s)
+                if not cpu:
+                    torch.cuda.synchronize(device)
+                times[a].append((time.perf_counter() - t0) * 1e3)
+        med = torch.tensor([statistics.median(times[a]) for a in algs], dtype=torch.float64,
+                           device=device if not cpu else "cpu")
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        predicted = {a: sim.layer_s(layer, shape, links, "meshslice" if a == "meshslice" else a,
+                                    algs["meshslice"]) * 1e3 for a in algs}
+        out[layer.name] = {"dataflow": layer.dataflow, "slices": algs["meshslice"],
+                           "measured_ms": dict(zip(algs, med.tolist())), "predicted_ms": predicted}
+    return out
+
+
+def measure(args) -> None:
+    import torch
+
+    from torch_commopt.testing.launch import run_distributed
+
+    tokens, dim = (64 * args.world, 32 * args.world) if args.cpu else (args.tokens, args.dim)
+    per_rank = run_distributed(_measure_rank, args.world, tokens, dim, args.rounds, args.cpu,
+                               backend="gloo" if args.cpu else "nccl", timeout_s=560)
+    layers = per_rank[0]
+    device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
+    lines = [f"# MeshSlice on a real mesh: {args.world} ranks ({device})", "",
+             f"`{' '.join(['python3', '-m', 'benchmarks.bench_meshslice', '--measure'])}`, tokens {tokens}, dim {dim}; "
+             "forward + backward of each FC layer through the reference kernels, median of "
+             f"{args.rounds} rounds, slowest rank; predicted: the simulator's one-node figures.", "",
+             "| layer | dataflow | S | collective ms | meshslice ms | summa ms | meshslice vs collective | "
+             "predicted (coll. / mesh. / summa) | predicted / measured (meshslice) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in layers.items():
+        m, p = r["measured_ms"], r["predicted_ms"]
+        lines.append(f"| {name} | {r['dataflow']} | {r['slices']} | {m['collective']:.3f} | {m['meshslice']:.3f} | "
+                     f"{m['summa']:.3f} | {m['collective'] / m['meshslice']:.2f} | {p['collective']:.3f} / "
+                     f"{p['meshslice']:.3f} / {p['summa']:.3f} | {p['meshslice'] / m['meshslice']:.2f} |")
+    print("\n".join(lines))
+    if args.cpu:
+        return
+    meta = machine_meta(device, args.world, args.commit, tokens=tokens, dim=dim, rounds=args.rounds)
+    paths = write_report(args.out, result_stem("meshslice", device, args.world), {"meta": meta, "layers": layers},
+                         "\n".join(lines) + "\n")
+    print("wrote", *paths)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--simulate", action="store_true", required=True,
-                        help="the simulator's comparison (the only mode: real 2x2 runs belong to the 4-GPU issue)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--simulate", action="store_true", help="the simulator's comparison")
+    parser.add_argument("--measure", action="store_true", help="a real 2 x 2 mesh (4 GPUs, or --cpu)")
+    parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default="")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--cpu", action="store_true", help="--measure as a gloo smoke run with small layers")
     args = parser.parse_args()
+    if args.simulate == args.measure:
+        parser.error("give one of --simulate and --measure")
+    if args.out is None and not args.cpu:
+        parser.error("--out is required")
+    if args.measure:
+        measure(args)
+        return
 
     from torch_commopt.tuner.mesh2d import model, tune
     from torch_commopt.tuner.mesh2d import simulate as sim

@@ -17,3 +17,13 @@ def test_the_simulation_report_has_every_machine_model_and_algorithm(tmp_path, m
     sim_gpt3 = next(r for r in data["tpu"] if r["machine"] == "simulation figures" and r["model"] == "gpt3-175b")
     assert sim_gpt3["analytic"]["mesh"] == [64, 4]  # the authors' simulation tuner's pick
     assert "| 256 | megatron-nlg-530b |" in (tmp_path / report.name.replace(".json", ".md")).read_text()
+
+
+def test_the_measured_mode_runs_every_algorithm_on_a_2x2_gloo_mesh(capsys, monkeypatch):
+    from benchmarks import bench_meshslice
+
+    monkeypatch.setattr(sys, "argv", ["bench_meshslice", "--measure", "--cpu", "--rounds", "1"])
+    bench_meshslice.main()
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| in_proj", "| out_proj",
+                                                                                       "| ff1", "| ff2"))]
+    assert [line.split(" | ")[1] for line in table] == ["os", "ls", "os", "ls"], table

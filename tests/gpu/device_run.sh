@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_bench|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_bench|meshslice|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -116,6 +116,11 @@ if [[ $what == flex_bench ]]; then
   # balancers, the single GPU) and one S_total and a few masks a call, e.g. "--pick-only --seq 16384
   # --masks causal,docs_4K" ('_' for the space BENCH_ARGS would split on)
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_flex --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_bench.log"
+fi
+if [[ $what == meshslice ]]; then
+  # issue 71/73, 4 GPUs as a 2 x 2 mesh: the FC layers through the reference 2D GEMMs, Collective vs
+  # MeshSlice vs SUMMA, beside the simulator's prediction (BENCH_ARGS e.g. "--commit abc --tokens 8192")
+  timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_meshslice --measure --world 4 --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/meshslice.log"
 fi
 if [[ $what == attention1 ]]; then
   # one GPU: the CUDA local-attention backends vs math, and each schedule's compute alone per rank
