@@ -84,10 +84,10 @@ def _ll_barrier(flag_bases, me, block, status, bound, BAR: tl.constexpr, W: tl.c
 
 @triton.jit
 def _slot(slot_bases, r, like, ALIGNED: tl.constexpr):
-    """Rank r's slot (address in slot_bases[r]) as a pointer of like's element type.  ALIGNED (the
-    launcher checked that every slot and `like` lie on 16 bytes): the compiler is told so -- an
-    address loaded from a table has no alignment it can see -- and loads 16 bytes a thread at a
-    time instead of one element."""
+    """Rank r's slot (address in slot_bases[r]) as a pointer of like's element type.  ALIGNED (`like`
+    lies on 16 bytes, the launcher checked; every slot does, LowLatency checked at its creation):
+    the compiler is told so -- an address loaded from a table has no alignment it can see -- and
+    loads 16 bytes a thread at a time instead of one element."""
     addr = tl.load(slot_bases + r)
     if ALIGNED:
         size: tl.constexpr = like.dtype.element_ty.primitive_bitwidth // 8
@@ -271,6 +271,8 @@ class LowLatency:
         # the slot, then the two-shot's reduced region: LL_CAP_BYTES each; collective, once per group
         self.buf = rt.own_buffer(PURPOSE, 2 * LL_CAP_BYTES)
         addresses = [self.buf.address(r, 0) for r in range(rt.world)]
+        if any(a % 16 for a in addresses):  # what the kernels' 16-byte loads assume (_slot)
+            raise RuntimeError(f"commopt: low-latency slots off 16 bytes: {[hex(a) for a in addresses]}")
         self.slot_bases = rt._int64_table(symm.LL_PTRS, addresses)  # noqa: SLF001
         self.red_bases = rt._int64_table(symm.LL_PTRS + 2 * symm.MAX_WORLD,  # noqa: SLF001
                                          [x + LL_CAP_BYTES for x in addresses])
