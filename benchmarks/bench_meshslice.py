@@ -82,6 +82,7 @@ def _measure_rank(rank: int, world: int, tokens: int, dim: int, rounds: int, cpu
     from torch_commopt.kernels.mesh2d.reference import fc_2d
     from torch_commopt.tuner.mesh2d import simulate as sim
     from torch_commopt.tuner.mesh2d import tune
+    from torch_commopt.tuner.mesh2d.model import layer_s
 
     side = math.isqrt(world)
     shape = (side, world // side)
@@ -120,7 +121,7 @@ def _measure_rank(rank: int, world: int, tokens: int, dim: int, rounds: int, cpu
         med = torch.tensor([statistics.median(times[a]) for a in algs], dtype=torch.float64,
                            device=device if not cpu else "cpu")
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        predicted = {a: sim.layer_s(layer, shape, links, "meshslice" if a == "meshslice" else a,
+        predicted = {a: layer_s(layer, shape, links, "meshslice" if a == "meshslice" else a,
                                     algs["meshslice"]) * 1e3 for a in algs}
         out[layer.name] = {"dataflow": layer.dataflow, "slices": algs["meshslice"],
                            "measured_ms": dict(zip(algs, med.tolist())), "predicted_ms": predicted}

@@ -13,8 +13,8 @@ along dim 1 (the C ranks of row i), as torch's DeviceMesh.get_group(0) / (1) giv
     rs  Y = X^T W   X stored [K, M], W [K, N] stays: slice s of M of X all-gathered along cols,
                     X_s^T W reduce-scattered along rows into Y's slice s
 
-Slices interleave: slice s of a sharded dimension is the positions p with (p // b) % S == s (b
-the granule).  With every shard a multiple of S * b long, slice s gathered over an axis in rank
+Slices interleave: slice s of a sharded dimension is the positions p with p % S == s.  With every
+shard a multiple of S long, slice s gathered over an axis in rank
 order is the same global positions, ascending, whichever axis holds the dimension -- which is what
 makes X's and W's gathered K-slices meet, and a reduce-scatter's chunk land in its owner's block.
 Slice s + 1's all-gathers are in flight while slice s multiplies; S = 1 is the Collective 2D
@@ -31,25 +31,23 @@ from torch import Tensor
 
 from torch_commopt.kernels.collectives import all_gather, reduce_scatter
 
-GRANULE = 1  # elements of a slice's smallest piece on one rank (the tuner's SLICE_GRANULE is for speed)
 
-
-def _slice(x: Tensor, dim: int, s: int, slices: int, granule: int = GRANULE) -> Tensor:
-    """Positions p of `dim` with (p // granule) % slices == s, in order."""
+def _cut(x: Tensor, dim: int, slices: int) -> Tensor:
+    """x with `dim` split into (n / slices, slices): slice s is index s of the new dim + 1."""
     n = x.shape[dim]
-    if n % (slices * granule):
-        raise ValueError(f"mesh2d: a shard of {n} does not cut into {slices} slices of {granule}-element granules")
-    shape = list(x.shape)
-    parts = x.reshape(shape[:dim] + [n // (slices * granule), slices, granule] + shape[dim + 1:])
-    return parts.select(dim + 1, s).reshape(shape[:dim] + [n // slices] + shape[dim + 1:])
+    if n % slices:
+        raise ValueError(f"mesh2d: a shard of {n} does not cut into {slices} slices")
+    return x.view(list(x.shape[:dim]) + [n // slices, slices] + list(x.shape[dim + 1:]))
 
 
-def _place(out: Tensor, dim: int, s: int, slices: int, piece: Tensor, granule: int = GRANULE) -> None:
+def _slice(x: Tensor, dim: int, s: int, slices: int) -> Tensor:
+    """Positions p of `dim` with p % slices == s, in order."""
+    return _cut(x.contiguous(), dim, slices).select(dim + 1, s)
+
+
+def _place(out: Tensor, dim: int, s: int, slices: int, piece: Tensor) -> None:
     """out's slice s of `dim` (as _slice cuts it) = piece."""
-    n = out.shape[dim]
-    shape = list(out.shape)
-    parts = out.view(shape[:dim] + [n // (slices * granule), slices, granule] + shape[dim + 1:])
-    parts.select(dim + 1, s).copy_(piece.reshape(parts.select(dim + 1, s).shape))
+    _cut(out, dim, slices).select(dim + 1, s).copy_(piece)
 
 
 def _check(kind: str, slices: int, rows, cols) -> None:
@@ -173,11 +171,6 @@ def summa(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist.P
         if owner == owner_me:
             out.narrow(dim_out, (t % per_out) * width, width).copy_(part)
     return out
-
-
-def summa_os(a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist.ProcessGroup) -> Tensor:
-    """SUMMA of Y = X W (summa("os", ...))."""
-    return summa("os", a, b, rows, cols)
 
 
 def _gemm(kind: str, a: Tensor, b: Tensor, rows, cols, slices: int) -> Tensor:

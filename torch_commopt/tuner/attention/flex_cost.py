@@ -88,15 +88,19 @@ def segment_work(work: list, u: int) -> list[list[float]]:
             for g in range(r)]
 
 
+def _moves_s(shape: AttentionShape, world: int, over: int, m: CPMachine, elt: int) -> float:
+    """A Ulysses pass's exposed all-to-alls over `over` ranks: q and the output (H heads), k and v
+    (H_kv heads), each of a rank's share of S / world tokens."""
+    b, h, h_kv, seq, d = shape
+    q_bytes, kv_bytes = b * (seq // world) * h * d * elt, b * (seq // world) * h_kv * d * elt
+    return 2 * m.all_to_all(q_bytes, over) + 2 * m.all_to_all(kv_bytes, over)
+
+
 def _hybrid_ms(shape: AttentionShape, work: list, u: int, m: CPMachine, elt: int, backward: bool) -> float:
-    world = len(work)
     b, h, h_kv, seq, d = shape
     ring = _ring_ms(AttentionShape(b, h // u, h_kv // u, seq, d), segment_work(work, u), m, elt, backward) / 1e3
-    q_bytes, kv_bytes = b * (seq // world) * h * d * elt, b * (seq // world) * h_kv * d * elt
-    t = 2 * m.all_to_all(q_bytes, u) + 2 * m.all_to_all(kv_bytes, u) + ring
-    if backward:
-        t += 4 * m.all_to_all(q_bytes, u) + 4 * m.all_to_all(kv_bytes, u)
-    return 1e3 * t
+    moves = _moves_s(shape, len(work), u, m, elt)
+    return 1e3 * (ring + (3 if backward else 1) * moves)
 
 
 def ulysses_ms(shape, work: list, *, dtype, machine: CPMachine, backward: bool = False) -> float:
@@ -105,13 +109,12 @@ def ulysses_ms(shape, work: list, *, dtype, machine: CPMachine, backward: bool =
     then doing the average work (heads balance it exactly), with its all-to-alls of q, k, v and
     the output (backward: of dout, and of dq, dk, dv) exposed."""
     shape, m = AttentionShape(*shape), machine
-    world, elt = len(work), _dtype(dtype).itemsize
-    b, h, h_kv, seq, d = shape
+    world = len(work)
     compute = sum(map(sum, work)) / world * _block_s(shape, world, m)
-    q_bytes, kv_bytes = b * (seq // world) * h * d * elt, b * (seq // world) * h_kv * d * elt
-    t = 2 * m.all_to_all(q_bytes, world) + 2 * m.all_to_all(kv_bytes, world) + compute + m.launch_s
+    moves = _moves_s(shape, world, world, m, _dtype(dtype).itemsize)
+    t = moves + compute + m.launch_s
     if backward:
-        t += 2 * m.all_to_all(q_bytes, world) + 2 * m.all_to_all(kv_bytes, world) + m.bwd_factor * compute + m.launch_s
+        t += moves + m.bwd_factor * compute + m.launch_s
     return 1e3 * t
 
 

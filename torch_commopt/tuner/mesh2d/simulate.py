@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch_commopt.tuner.mesh2d.model import ALGORITHMS, FCLayer, MeshLinks, layer_flops, layer_s
-from torch_commopt.tuner.mesh2d.tune import mesh_shapes, slice_counts
+from torch_commopt.tuner.mesh2d.tune import best_slices, links_of, mesh_shapes
 
 # The authors' simulation figures (hwnam831/meshslice, branch `simulation`, Autotuner.py).
 TPU_V4_SIM = MeshLinks(ag_bw=(60e9, 60e9), rs_bw=(50e9, 50e9), ag_alpha_s=6e-6, rs_alpha_s=6e-6,
@@ -76,13 +76,12 @@ class Result:
 
 def evaluate(layers: list[FCLayer], chips: int, links, algorithm: str, mesh: tuple[int, int]) -> Result:
     """The layers under `algorithm` on `mesh` (links: MeshLinks, or mesh -> MeshLinks)."""
-    lk = links(mesh) if callable(links) else links
+    lk = links_of(links, mesh)
     total, slices = 0.0, {}
     for layer in layers:
         if algorithm == "meshslice":
-            times = {s: layer_s(layer, mesh, lk, "meshslice", s) for s in slice_counts(layer, mesh)}
-            slices[layer.name] = min(times, key=times.get)
-            total += times[slices[layer.name]]
+            slices[layer.name], seconds = best_slices(layer, mesh, lk)
+            total += seconds
         else:
             total += layer_s(layer, mesh, lk, algorithm)
     flops = sum(layer_flops(layer) for layer in layers)

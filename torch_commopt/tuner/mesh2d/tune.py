@@ -11,7 +11,7 @@ traffic / S).  The exact step prices every (shape, S) with model.meshslice_s and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torch_commopt.tuner.mesh2d.model import FCLayer, MeshLinks, layer_s, stationary_rule
 
@@ -116,16 +116,23 @@ class Plan:
     score_s: float
 
 
-def _links_of(links, mesh: tuple[int, int]) -> MeshLinks:
+def links_of(links, mesh: tuple[int, int]) -> MeshLinks:
     """links, or links(mesh) where the figures depend on the shape (a GPU cluster's nodes)."""
     return links(mesh) if callable(links) else links
+
+
+def best_slices(layer: FCLayer, mesh: tuple[int, int], links: MeshLinks) -> tuple[int, float]:
+    """(S, seconds) of the layer's fastest slice count on the mesh, by the cost model."""
+    times = {s: layer_s(layer, mesh, links, "meshslice", s) for s in slice_counts(layer, mesh)}
+    s = min(times, key=times.get)
+    return s, times[s]
 
 
 def analytic_plan(layers: list[FCLayer], chips: int, links, shapes=None) -> Plan:
     """The paper's analytic tuner (module docstring); links: MeshLinks, or mesh -> MeshLinks."""
     best = None
     for mesh in shapes or mesh_shapes(chips):
-        links_here, slices, score = _links_of(links, mesh), {}, 0.0
+        links_here, slices, score = links_of(links, mesh), {}, 0.0
         for layer in layers:
             score += traffic_s(layer, mesh, links_here)
             s = min(slice_counts(layer, mesh),
@@ -141,16 +148,10 @@ def exact_plan(layers: list[FCLayer], chips: int, links, shapes=None) -> Plan:
     """Every shape and every layer's every S priced by the cost model; the fastest."""
     best = None
     for mesh in shapes or mesh_shapes(chips):
-        links_here, slices, total = _links_of(links, mesh), {}, 0.0
+        links_here, slices, total = links_of(links, mesh), {}, 0.0
         for layer in layers:
-            times = {s: layer_s(layer, mesh, links_here, "meshslice", s) for s in slice_counts(layer, mesh)}
-            s = min(times, key=times.get)
-            slices[layer.name], total = s, total + times[s]
+            slices[layer.name], seconds = best_slices(layer, mesh, links_here)
+            total += seconds
         if best is None or total < best.score_s:
             best = Plan(mesh, slices, total)
     return best
-
-
-def with_dataflow(layers: list[FCLayer], flows: dict[str, str]) -> list[FCLayer]:
-    """The layers with some dataflows replaced (a check of the paper's rule against the others)."""
-    return [replace(layer, dataflow=flows.get(layer.name, layer.dataflow)) for layer in layers]
