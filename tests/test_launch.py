@@ -93,6 +93,33 @@ def test_ranks_start_from_a_server_that_imported_the_package():
     assert all(preloaded for _, preloaded in run_distributed(_env_and_modules, 2, ()))
 
 
+def _warm_state(rank: int, world: int) -> tuple[int, int, int]:
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.fx_passes import joint_graph
+
+    return (cpu_vec_isa.valid_vec_isa_list.cache_info().currsize, len(threading.enumerate()),
+            joint_graph.lazy_init.cache_info().currsize)
+
+
+def test_forked_ranks_start_with_inductors_once_per_process_work_done():
+    import multiprocessing
+    import subprocess
+    import sys
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork server on this platform: the ranks are spawned")
+    # in the rank, before any compile: the ISA probe and the pattern tracing are already cached,
+    # and the only thread is the rank's own (the server must not fork with another one running)
+    assert run_distributed(_warm_state, 2) == [(1, 1, 1)] * 2
+    # the same for a fresh process that only imports the module (the server's own state)
+    code = ("import threading, torch_commopt.testing.warm as w; from torch._inductor import cpu_vec_isa; "
+            "print(len(threading.enumerate()), cpu_vec_isa.valid_vec_isa_list.cache_info().currsize)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["1", "1"], out.stdout + out.stderr
+
+
 def test_ranks_that_may_use_cuda_are_spawned(monkeypatch):
     # a fork server's preload initializes CUDA, and torch refuses CUDA in a process forked after
     import torch

@@ -5,10 +5,11 @@ is killed and reported, never waited on forever.
 
 On a machine without a visible CUDA device the ranks are forked from a fork server that
 imported torch and torch_commopt once (where the platform has one): a spawned rank spends ~3 s
-of CPU importing them, which on the 2-core CI machine would be half of the test suite's time.  A
-rank takes the caller's environment as it is at the call (the fork server's is the one it
-started with), and nothing in torch_commopt reads its switches at import.  With CUDA devices
-the ranks are spawned: the preload initializes CUDA in the server, and torch refuses CUDA in a
+of CPU importing them, which on the 2-core CI machine would be half of the test suite's time; the
+server also does inductor's once-per-process work (testing/warm.py).  A rank takes the caller's
+environment as it is at the call (the fork server's is the one it started with), and nothing in
+torch_commopt reads its switches at import (inductor's vector-ISA pick is the fork server's).
+With CUDA devices the ranks are spawned: the preload initializes CUDA in the server, and torch refuses CUDA in a
 process forked after that ("Cannot re-initialize CUDA in forked subprocess").
 """
 
@@ -37,8 +38,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What the fork server imports before it forks any rank.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "torch_commopt")
+# What the fork server imports before it forks any rank (warm: inductor's once-per-process work).
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "torch_commopt",
+           "torch_commopt.testing.warm")
 
 
 def _context(backend: str = "gloo"):
