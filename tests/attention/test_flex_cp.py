@@ -235,6 +235,52 @@ def test_a_mask_is_cut_once_for_its_very_tensors():
         assert flex_ring.steps_of(served, 2, 1) is not flex_ring.steps_of(served, 2, 1)
 
 
+class _Holder:
+    ids = None
+
+
+_HOLDER = _Holder()
+GLOBAL_IDS = None
+
+
+def test_a_mask_function_is_traced_once_for_the_objects_it_reads():
+    """flex.lifted_mask: an eager call of a schedule traces its mask function (~10 ms) once for
+    the function and the tensors it reads; a tensor rebound in its closure or in the globals it
+    names is another mask; new values written into the same tensor are read through the buffer;
+    a function reading an object's attribute (which could be rebound unseen) is traced every call."""
+    from torch_commopt.kernels.attention import flex
+
+    global GLOBAL_IDS
+    cpu = torch.device("cpu")
+    docs = doc_ids(1)[0]
+    mod = mask_mod_of("document", doc_ids(1))
+    first = flex.lifted_mask(mod, cpu)
+    assert flex.lifted_mask(mod, cpu) is first
+    q, kv = torch.tensor([5]), torch.tensor([3])
+    GLOBAL_IDS = docs.clone()
+
+    def reads_a_global(b, h, q, kv):
+        return GLOBAL_IDS[q] == GLOBAL_IDS[kv]
+
+    graph, buffers = flex.lifted_mask(reads_a_global, cpu)
+    assert buffers[0] is GLOBAL_IDS and flex.lifted_mask(reads_a_global, cpu)[1][0] is GLOBAL_IDS
+    GLOBAL_IDS[:] = torch.arange(GLOBAL_IDS.numel())  # in place: the same trace, reading the new values
+    assert flex.lifted_mask(reads_a_global, cpu)[0] is graph and not graph(0, 0, q, kv, *buffers).item()
+    GLOBAL_IDS = torch.zeros_like(docs)  # rebound: traced again, over the new tensor
+    again = flex.lifted_mask(reads_a_global, cpu)
+    assert again[0] is not graph and again[1][0] is GLOBAL_IDS and again[0](0, 0, q, kv, *again[1]).item()
+
+    _HOLDER.ids = docs
+
+    def reads_an_attribute(b, h, q, kv):
+        return _HOLDER.ids[q] == _HOLDER.ids[kv]
+
+    traced = flex.lifted_mask(reads_an_attribute, cpu)
+    assert flex.lifted_mask(reads_an_attribute, cpu) is not traced  # nothing to key it by
+    _HOLDER.ids = torch.zeros_like(docs)
+    assert flex.lifted_mask(reads_an_attribute, cpu)[1][0] is _HOLDER.ids
+
+
 @pytest.mark.parametrize("world, kind, schedule, own_rows, layout", [(2, "causal", "ring", False, "head_tail"),
                                                                       (4, "document", "allgather:g=2", True, "by_work")])
 def test_the_schedules_run_unchanged_on_a_balanced_layout(world, kind, schedule, own_rows, layout):

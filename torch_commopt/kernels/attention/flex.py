@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import functools
 import math
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,80 @@ def lift(mask_mod: Callable, device: torch.device) -> tuple[torch.fx.GraphModule
     return gm, tuple(buffers)
 
 
+# lift()'s results by the mask function and what it reads (lifted_mask): tracing costs ~10 ms of
+# host time, which an eager call of the schedules (flex_ring / flex_allgather) paid every call
+_LIFTED: collections.OrderedDict = collections.OrderedDict()
+LIFT_ENTRIES = 16
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+_STABLE_MODULES = frozenset({"torch", "math", "operator", "builtins", "functools"})
+_CAPTURE_DEPTH = 8  # functions within functions
+
+
+def _reads(obj, out: list, depth: int = 0) -> bool:
+    """Append to `out` what obj (a mask function, or something it reads) is made of: tensors and
+    functions as objects, plain values as values; False where some of it could change while its
+    identity stays (an object's attribute rebound, a dict's entry replaced), which no key can tell."""
+    if depth > _CAPTURE_DEPTH:
+        return False
+    if isinstance(obj, _PLAIN):
+        out.append((type(obj), obj))
+        return True
+    if isinstance(obj, Tensor) or callable(obj) and isinstance(obj, (types.BuiltinFunctionType, torch._ops.OpOverload,
+                                                                     torch._ops.OpOverloadPacket)):
+        out.append(obj)
+        return True
+    if isinstance(obj, tuple):
+        out.append(("tuple", len(obj)))
+        return all(_reads(o, out, depth) for o in obj)
+    if isinstance(obj, types.ModuleType):
+        out.append(("module", obj.__name__))
+        return obj.__name__.split(".")[0] in _STABLE_MODULES
+    if isinstance(obj, functools.partial):
+        out.append(obj)
+        return _reads((obj.func, obj.args, tuple(sorted(obj.keywords.items()))), out, depth + 1)
+    if isinstance(obj, types.FunctionType):
+        out.append(obj)
+        try:
+            cells = tuple(c.cell_contents for c in obj.__closure__ or ())
+        except ValueError:  # an empty cell (a name bound later)
+            return False
+        names = tuple(n for n in obj.__code__.co_names if n in obj.__globals__)
+        read_globals = tuple(obj.__globals__[n] for n in names)
+        kw = tuple(sorted((obj.__kwdefaults__ or {}).items()))
+        return _reads((cells, obj.__defaults__ or (), kw, names, read_globals), out, depth + 1)
+    return False
+
+
+def _key_part(x):
+    if isinstance(x, Tensor):
+        return ("tensor", id(x), tuple(x.shape), x.dtype, x.device)
+    return ("object", id(x)) if not isinstance(x, tuple) else x
+
+
+def lifted_mask(mask_mod: Callable, device: torch.device) -> tuple[torch.fx.GraphModule, tuple[Tensor, ...]]:
+    """lift(mask_mod, device), traced once for a mask function and the objects it reads: the
+    same function over the same tensors (by identity: the lifted graph reads them as buffers,
+    so new values written into them in place are read too) is the same graph.  A function that
+    reads anything whose contents could change under the same identity is traced every call."""
+    reads: list = []
+    if not _reads(mask_mod, reads):
+        return lift(mask_mod, device)
+    key = (str(device), tuple(_key_part(x) for x in reads))
+    refs = [x for x in reads if not isinstance(x, tuple)]
+    hit = _LIFTED.get(key)
+    if hit is not None and all(r() is x for r, x in zip(hit[0], refs, strict=True)):
+        _LIFTED.move_to_end(key)
+        return hit[1]
+    try:
+        weak = tuple(weakref.ref(x) for x in refs)
+    except TypeError:  # an object without weak references: its id could be another's later
+        return lift(mask_mod, device)
+    value = _LIFTED[key] = (weak, lift(mask_mod, device))
+    while len(_LIFTED) > LIFT_ENTRIES:
+        _LIFTED.popitem(last=False)
+    return value[1]
+
+
 class _FromCode:
     """A mask function defined by a mask graph's code (`def forward(self, b, h, q, kv, *buffers)`)."""
 
@@ -127,7 +202,7 @@ class Blocks:
         bq, bk = block_mask.BLOCK_SIZE
         if bq != bk:
             raise ValueError(f"flex CP: Q and KV blocks of one size, got {bq} and {bk}")
-        graph, buffers = lift(block_mask.mask_mod, block_mask.kv_num_blocks.device)
+        graph, buffers = lifted_mask(block_mask.mask_mod, block_mask.kv_num_blocks.device)
         return cls(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                    block_mask.full_kv_indices, bq, block_mask.mask_mod, kv_len, graph, buffers, q_len != kv_len)
 
