@@ -19,8 +19,8 @@ def _blocks(shape: tuple[int, int], rank: int):
 
 
 def run_gemms(rank: int, world: int, shape: tuple[int, int], slices: tuple[int, ...]) -> dict[str, float]:
-    """{case: max abs error} for os / ls / rs in each slice count and by SUMMA, and the os and ls FC
-    layers' forward and backward (the os layer by SUMMA too)."""
+    """{case: max abs error} for os / ls / rs in each slice count and by SUMMA, and the os, ls and
+    rs FC layers' forward and backward (os and rs by SUMMA too)."""
     from torch_commopt.kernels.mesh2d.reference import fc_2d, gemm_2d, summa
 
     mesh = init_device_mesh("cpu", shape)
@@ -41,11 +41,12 @@ def run_gemms(rank: int, world: int, shape: tuple[int, int], slices: tuple[int, 
     errors["summa os"] = (summa("os", block(x), block(w), rows, cols) - block(x @ w)).abs().max().item()
     errors["summa ls"] = (summa("ls", block(x), block(w_t), rows, cols) - block(x @ w_t.T)).abs().max().item()
     errors["summa rs"] = (summa("rs", block(x_t), block(w), rows, cols) - block(x_t.T @ w)).abs().max().item()
-    for flow, weight, slices_here in (("os", w, slices[-1]), ("ls", w_t, slices[-1]), ("os", w, 0)):
-        xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        want = xg @ (wg if flow == "os" else wg.T)
+    for flow, act, weight, slices_here in (("os", x, w, slices[-1]), ("ls", x, w_t, slices[-1]),
+                                           ("rs", x_t, w, slices[-1]), ("os", x, w, 0), ("rs", x_t, w, 0)):
+        xg, wg = act.clone().requires_grad_(), weight.clone().requires_grad_()
+        want = {"os": lambda: xg @ wg, "ls": lambda: xg @ wg.T, "rs": lambda: xg.T @ wg}[flow]()
         want.backward(dy)
-        xb, wb = block(x).requires_grad_(), block(weight).requires_grad_()
+        xb, wb = block(act).requires_grad_(), block(weight).requires_grad_()
         got = fc_2d(xb, wb, flow, rows, cols, slices_here)
         got.backward(block(dy))
         tag = f"fc {flow}" + (" summa" if slices_here == 0 else "")

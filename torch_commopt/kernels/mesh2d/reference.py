@@ -179,9 +179,11 @@ def _gemm(kind: str, a: Tensor, b: Tensor, rows, cols, slices: int) -> Tensor:
 
 
 class FCLayer2D(torch.autograd.Function):
-    """Y = X W (os: W [I, O]) or Y = X W^T (ls: W stored [O, I], nn.Linear's), every operand's
-    block P(row, col), forward and backward as the paper pairs the dataflows (os: forward OS,
-    dX by LS, dW by RS; ls: forward LS, dX by OS, dW by RS), each in `slices` slices (0: SUMMA)."""
+    """Y = X W (os: W [I, O]), Y = X W^T (ls: W stored [O, I], nn.Linear's) or Y = X^T W (rs: the
+    activation stored transposed, [I, T], as a transposed dataflow hands it on; W [I, O]), every
+    operand's block P(row, col), forward and backward as the paper pairs the dataflows (os:
+    forward OS, dX by LS, dW by RS; ls: forward LS, dX by OS, dW by RS; rs: forward RS, dX -- stored
+    like X, [I, T] -- by LS of W and dY, dW by OS of X and dY), each in `slices` slices (0: SUMMA)."""
 
     @staticmethod
     def forward(ctx, x, w, dataflow: str, rows, cols, slices: int):
@@ -200,14 +202,14 @@ class FCLayer2D(torch.autograd.Function):
         elif dataflow == "ls":  # dX = dY W (OS on W [O, I]); dW = dY^T X (RS)
             dx = _gemm("os", dy, w, rows, cols, slices)
             dw = _gemm("rs", dy, x, rows, cols, slices)
-        else:
-            raise NotImplementedError(f"mesh2d: the {dataflow!r} layer's backward (a transposed activation)")
+        else:  # rs, X stored [I, T]: dX (stored so) = W dY^T (LS on dY [T, O]); dW = X dY (OS)
+            dx = _gemm("ls", w, dy, rows, cols, slices)
+            dw = _gemm("os", x, dy, rows, cols, slices)
         return dx, dw, None, None, None, None
 
 
 def fc_2d(x: Tensor, w: Tensor, dataflow: str, rows, cols, slices: int = 1) -> Tensor:
-    """An FC layer on the mesh (FCLayer2D), differentiable; slices 0 runs its three GEMMs by SUMMA."""
-    if dataflow not in ("os", "ls"):
-        raise ValueError(f"mesh2d: FC layers run os or ls here, not {dataflow!r} (rs stores its output transposed)")
+    """An FC layer on the mesh (FCLayer2D), differentiable; slices 0 runs its three GEMMs by SUMMA.
+    rs takes the activation stored transposed ([I, T]) and returns Y [T, O]."""
     _check(dataflow, max(slices, 1), rows, cols)
     return FCLayer2D.apply(x, w, dataflow, rows, cols, slices)
