@@ -60,18 +60,31 @@ def _gathers(k: Tensor, v: Tensor, heads: list[tuple[slice, slice]], group):
         pending = nxt
 
 
+def _joined(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """The head groups' pieces as one tensor along the heads, in `dtype` (one group: no copy where
+    it already is)."""
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).to(dtype)
+
+
 def allgather_forward(q: Tensor, k: Tensor, v: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
     """(out, lse) of this rank's rows over the whole sequence (out in q's dtype, lse in the acc dtype)."""
     world, p = comm.size(opts.group), comm.rank(opts.group)
     step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
-    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
-    lse = torch.empty(q.shape[:-1], dtype=acc_dtype(q.dtype), device=q.device)
+    outs, lses = [], []
     for i, (k_all, v_all) in _gathers(k, v, heads, opts.group):
-        hq = heads[i][0]
-        o, l_g = flex.block_forward(q[:, hq].contiguous(), k_all, v_all, step, opts.scale)
-        out[:, hq], lse[:, hq] = o.to(out.dtype), l_g.to(lse.dtype)
-    return out, lse
+        o, l_g = flex.block_forward(q[:, heads[i][0]].contiguous(), k_all, v_all, step, opts.scale)
+        outs.append(o)
+        lses.append(l_g)
+    return _joined(outs, q.dtype), _joined(lses, acc_dtype(q.dtype))
+
+
+def _scatter_dtype(g: Tensor, world: int) -> torch.dtype:
+    """The dtype dK/dV are reduce-scattered in: their own over two ranks, where the reduction is
+    one sum of two values rounded once (as the acc-dtype sum rounded back is, to a last-bit tie)
+    at half the bytes of bf16's acc dtype; the acc dtype over more ranks, where each hop of a ring
+    would round again."""
+    return g.dtype if world == 2 else acc_dtype(g.dtype)
 
 
 def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options) -> tuple[Tensor, Tensor, Tensor]:
@@ -80,18 +93,17 @@ def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options) -
     world, p = comm.size(opts.group), comm.rank(opts.group)
     step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
-    acc = acc_dtype(q.dtype)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    scattering = []
+    dqs, scattering = [], []
     for i, (k_all, v_all) in _gathers(k, v, heads, opts.group):
-        hq, hk = heads[i]
+        hq = heads[i][0]
         gq, gk, gv = flex.block_backward(q[:, hq].contiguous(), k_all, v_all, out[:, hq].contiguous(),
                                          lse[:, hq].contiguous(), dout[:, hq].contiguous(), step, opts.scale)
-        dq[:, hq] = gq.to(dq.dtype)
-        scattering.append((hk, [reduce_scatter(g.to(acc), 2, "sum", opts.group, async_op=True) for g in (gk, gv)]))
-    for hk, (pk, pv) in scattering:
-        dk[:, hk], dv[:, hk] = pk.wait().to(dk.dtype), pv.wait().to(dv.dtype)
-    return dq, dk, dv
+        dqs.append(gq)
+        scattering.append([reduce_scatter(g.to(_scatter_dtype(g, world)), 2, "sum", opts.group, async_op=True)
+                           for g in (gk, gv)])
+    dk = _joined([pk.wait() for pk, _ in scattering], k.dtype)
+    dv = _joined([pv.wait() for _, pv in scattering], v.dtype)
+    return _joined(dqs, q.dtype), dk, dv
 
 
 class FlexAllGather(torch.autograd.Function):
