@@ -187,6 +187,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     records = []
     for seq in (int(s) for s in (args.seq or preset["seq"]).split(",")):
         for kind in (args.masks or preset["masks"]).replace("_", " ").split(","):
+            # Dynamo keys torch's compiled flex_attention on the mask function's closure: every mask
+            # of the sweep recompiles it, and past the recompile limit torch's variants fell back to
+            # the unfused kernel (PTRR's window ran 353 ms on 2x H200).  A case starts afresh.
+            torch._dynamo.reset()
             case = _Case(kind, seq, preset, device, flex)
             single = {"single GPU": _variant(_Case.fwd_bwd, case.flex, case.q, case.k, case.v, case.dout, case.mask)}
             pick = _pick(case, world, preset["dtype"], device)
