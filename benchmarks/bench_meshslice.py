@@ -79,7 +79,7 @@ def _measure_rank(rank: int, world: int, tokens: int, dim: int, rounds: int, cpu
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torch_commopt.kernels.mesh2d.reference import fc_2d
+    from torch_commopt.kernels.mesh2d.reference import fc_2d, stored_shapes
     from torch_commopt.tuner.mesh2d import simulate as sim
     from torch_commopt.tuner.mesh2d import tune
     from torch_commopt.tuner.mesh2d.model import layer_s
@@ -95,17 +95,16 @@ def _measure_rank(rank: int, world: int, tokens: int, dim: int, rounds: int, cpu
     for layer in tune.transformer_block(tokens, dim):
         plan = tune.exact_plan([layer], world, links, shapes=[shape])
         algs = {**ALGS, "meshslice": plan.slices[layer.name]}
-        i_in, i_out = layer.in_features, layer.out_features
         gen = torch.Generator(device=device).manual_seed(rank)
-        x = torch.randn(tokens // shape[0], i_in // shape[1], generator=gen, device=device, dtype=dtype)
-        w_shape = (i_in // shape[0], i_out // shape[1]) if layer.dataflow == "os" else (i_out // shape[0], i_in // shape[1])
-        w = (torch.randn(*w_shape, generator=gen, device=device, dtype=dtype) / i_in ** 0.5).requires_grad_()
-        dy = torch.randn(tokens // shape[0], i_out // shape[1], generator=gen, device=device, dtype=dtype)
+        x, w, dy = (torch.randn(a // shape[0], b // shape[1], generator=gen, device=device, dtype=dtype)
+                    for a, b in stored_shapes(layer.dataflow, layer.transposed, tokens, layer.in_features,
+                                              layer.out_features))
+        w = (w / layer.in_features ** 0.5).requires_grad_()
         times = {a: [] for a in algs}
 
         def step(slices):
             xg = x.detach().requires_grad_()
-            fc_2d(xg, w, layer.dataflow, rows, cols, slices).backward(dy)
+            fc_2d(xg, w, layer.dataflow, rows, cols, slices, transposed=layer.transposed).backward(dy)
         for s in algs.values():  # warm-up
             step(s)
         for r in range(rounds):

@@ -19,8 +19,8 @@ def _blocks(shape: tuple[int, int], rank: int):
 
 
 def run_gemms(rank: int, world: int, shape: tuple[int, int], slices: tuple[int, ...]) -> dict[str, float]:
-    """{case: max abs error} for os / ls / rs in each slice count and by SUMMA, and the os, ls and
-    rs FC layers' forward and backward (os and rs by SUMMA too)."""
+    """{case: max abs error} for os / ls / rs in each slice count and by SUMMA, and the FC layer's
+    forward and backward in every dataflow and its transposed form (two by SUMMA too)."""
     from torch_commopt.kernels.mesh2d.reference import fc_2d, gemm_2d, summa
 
     mesh = init_device_mesh("cpu", shape)
@@ -32,7 +32,7 @@ def run_gemms(rank: int, world: int, shape: tuple[int, int], slices: tuple[int, 
 
     def rand(*size):
         return torch.randn(*size, generator=gen, dtype=torch.float64)
-    x, w, w_t, x_t, dy = rand(m, k), rand(k, n), rand(n, k), rand(k, m), rand(m, n)  # w_t: W stored [N, K]
+    x, w, w_t, x_t = rand(m, k), rand(k, n), rand(n, k), rand(k, m)  # w_t: W stored [N, K]
     errors = {}
     for s in slices:
         errors[f"os S={s}"] = (gemm_2d("os", block(x), block(w), rows, cols, s) - block(x @ w)).abs().max().item()
@@ -41,16 +41,28 @@ def run_gemms(rank: int, world: int, shape: tuple[int, int], slices: tuple[int, 
     errors["summa os"] = (summa("os", block(x), block(w), rows, cols) - block(x @ w)).abs().max().item()
     errors["summa ls"] = (summa("ls", block(x), block(w_t), rows, cols) - block(x @ w_t.T)).abs().max().item()
     errors["summa rs"] = (summa("rs", block(x_t), block(w), rows, cols) - block(x_t.T @ w)).abs().max().item()
-    for flow, act, weight, slices_here in (("os", x, w, slices[-1]), ("ls", x, w_t, slices[-1]),
-                                           ("rs", x_t, w, slices[-1]), ("os", x, w, 0), ("rs", x_t, w, 0)):
-        xg, wg = act.clone().requires_grad_(), weight.clone().requires_grad_()
-        want = {"os": lambda: xg @ wg, "ls": lambda: xg @ wg.T, "rs": lambda: xg.T @ wg}[flow]()
+    # the FC layers in their stored forms (reference.FC_GEMMS): T tokens, I in, O out features,
+    # three sizes, so that a mixed-up dimension does not fit
+    rc = shape[0] * shape[1]
+    t, i_f, o_f = 16 * rc, 32 * rc, 24 * rc
+    stored = {("os", False): ((t, i_f), (i_f, o_f), lambda x, w: x @ w),
+              ("ls", False): ((t, i_f), (o_f, i_f), lambda x, w: x @ w.T),
+              ("rs", False): ((i_f, t), (i_f, o_f), lambda x, w: x.T @ w),
+              ("os", True): ((i_f, t), (o_f, i_f), lambda x, w: w @ x),
+              ("ls", True): ((i_f, t), (i_f, o_f), lambda x, w: w.T @ x),
+              ("rs", True): ((t, i_f), (o_f, i_f), lambda x, w: w @ x.T)}
+    layers = [(flow, tr, slices[-1]) for flow, tr in stored] + [("os", False, 0), ("rs", True, 0)]
+    for flow, tr, slices_here in layers:
+        x_shape, w_shape, product = stored[(flow, tr)]
+        xg, wg = rand(*x_shape).requires_grad_(), rand(*w_shape).requires_grad_()
+        want = product(xg, wg)
+        dy = rand(*want.shape)
         want.backward(dy)
-        xb, wb = block(act).requires_grad_(), block(weight).requires_grad_()
-        got = fc_2d(xb, wb, flow, rows, cols, slices_here)
+        xb, wb = block(xg.detach()).requires_grad_(), block(wg.detach()).requires_grad_()
+        got = fc_2d(xb, wb, flow, rows, cols, slices_here, transposed=tr)
         got.backward(block(dy))
-        tag = f"fc {flow}" + (" summa" if slices_here == 0 else "")
-        errors[f"{tag} y"] = (got - block(want)).abs().max().item()
+        tag = f"fc {flow}{'^T' if tr else ''}" + (" summa" if slices_here == 0 else "")
+        errors[f"{tag} y"] = (got - block(want.detach())).abs().max().item()
         errors[f"{tag} dx"] = (xb.grad - block(xg.grad)).abs().max().item()
         errors[f"{tag} dw"] = (wb.grad - block(wg.grad)).abs().max().item()
     return errors

@@ -1,7 +1,7 @@
 """The reference 2D GEMMs (kernels/mesh2d/reference.py) on gloo meshes of 4 ranks (2 x 2) and 8
 (2 x 4, 4 x 2): MeshSlice's os / ls / rs in 1 (the Collective 2D GEMM), 2 and 4 slices and by SUMMA, and
-the os, ls and rs FC layers forward and backward (os and rs by SUMMA too), each rank's blocks against the
-unsharded float64 products."""
+the FC layer forward and backward in every dataflow and its transposed form (two by SUMMA too), each
+rank's blocks against the unsharded float64 products and autograd's gradients."""
 
 import pytest
 from mesh2d_programs import run_gemms
@@ -12,7 +12,7 @@ from torch_commopt.testing.launch import run_distributed
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_every_2d_gemm_gives_the_unsharded_product_and_gradients(shape):
     for rank, errors in enumerate(run_distributed(run_gemms, shape[0] * shape[1], shape, (1, 2, 4), timeout_s=300)):
-        assert len(errors) == 3 * 3 + 3 + 5 * 3, errors
+        assert len(errors) == 3 * 3 + 3 + 8 * 3, errors
         bad = {k: e for k, e in errors.items() if not e < 1e-10}
         assert not bad, (rank, bad)
 
@@ -26,3 +26,26 @@ def test_a_slice_count_that_does_not_cut_the_shard_is_refused():
         _slice(torch.zeros(4, 8), 1, 0, 3)
     x = torch.arange(12.0).view(1, 12)
     assert _slice(x, 1, 1, 3).tolist() == [[1.0, 4.0, 7.0, 10.0]]  # interleaved: p % 3 == 1
+
+
+def test_the_fc_layer_runs_the_gemms_the_model_prices():
+    """reference.FC_GEMMS (what fc_2d runs) and the cost model's _LAYER_GEMMS (what the tuner
+    prices) agree on every dataflow and transposed form: the same kernels with the same M, N, K,
+    read off the operands' stored forms (B tokens, I in-features, O out-features)."""
+    from torch_commopt.kernels.mesh2d.reference import FC_GEMMS, stored_shapes
+    from torch_commopt.tuner.mesh2d.model import _LAYER_GEMMS
+
+    x_of = {("os", False): "BI", ("ls", False): "BI", ("rs", False): "IB",
+            ("os", True): "IB", ("ls", True): "IB", ("rs", True): "BI"}
+    w_of = {("os", False): "IO", ("ls", False): "OI", ("rs", False): "IO",
+            ("os", True): "OI", ("ls", True): "IO", ("rs", True): "OI"}
+    mnk = {"os": lambda a, b: a[0] + b[1] + a[1], "ls": lambda a, b: a[0] + b[0] + a[1],
+           "rs": lambda a, b: a[1] + b[1] + a[0]}
+    assert set(FC_GEMMS) == set(_LAYER_GEMMS)
+    for form, gemms in FC_GEMMS.items():
+        sizes = {"B": 2, "I": 3, "O": 5}
+        as_letters = [tuple(sizes[c] for c in letters) for letters in (x_of[form], w_of[form], "OB" if form[1] else "BO")]
+        assert list(stored_shapes(*form, 2, 3, 5)) == as_letters, form
+        stored = {"x": x_of[form], "w": w_of[form], "dy": "OB" if form[1] else "BO"}
+        got = tuple((kind, mnk[kind](stored[left], stored[right])) for kind, left, right in gemms)
+        assert got == tuple(_LAYER_GEMMS[form]), form

@@ -178,38 +178,57 @@ def _gemm(kind: str, a: Tensor, b: Tensor, rows, cols, slices: int) -> Tensor:
     return summa(kind, a, b, rows, cols) if slices == 0 else gemm_2d(kind, a, b, rows, cols, slices)
 
 
+# (dataflow, transposed) -> the FC layer's forward, dX and dW GEMMs, each (kind, left, right) of
+# the stored operands x, w and dy (dy stored as the layer's output is), as the paper pairs them and
+# tuner/mesh2d/model.py prices them (_LAYER_GEMMS, the same order and dimensions).  Stored forms:
+#   os  x [T, I], w [I, O] -> y [T, O]        os^T  x [I, T], w [O, I] -> y [O, T]
+#   ls  x [T, I], w [O, I] -> y [T, O]        ls^T  x [I, T], w [I, O] -> y [O, T]
+#   rs  x [I, T], w [I, O] -> y [T, O]        rs^T  x [T, I], w [O, I] -> y [O, T]
+# (^T: the activations stored transposed, as a transposed dataflow hands them on to the next layer)
+FC_GEMMS = {
+    ("os", False): (("os", "x", "w"), ("ls", "dy", "w"), ("rs", "x", "dy")),
+    ("ls", False): (("ls", "x", "w"), ("os", "dy", "w"), ("rs", "dy", "x")),
+    ("rs", False): (("rs", "x", "w"), ("ls", "w", "dy"), ("os", "x", "dy")),
+    ("os", True): (("os", "w", "x"), ("rs", "w", "dy"), ("ls", "dy", "x")),
+    ("ls", True): (("rs", "w", "x"), ("os", "w", "dy"), ("ls", "x", "dy")),
+    ("rs", True): (("ls", "w", "x"), ("rs", "dy", "w"), ("os", "dy", "x")),
+}
+
+
+def stored_shapes(dataflow: str, transposed: bool, tokens: int, in_features: int,
+                  out_features: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """The whole x, w and y of an FC layer as FC_GEMMS stores them for (dataflow, transposed)."""
+    dims = {"B": tokens, "I": in_features, "O": out_features}
+    x = {("os", False): "BI", ("ls", False): "BI", ("rs", False): "IB",
+         ("os", True): "IB", ("ls", True): "IB", ("rs", True): "BI"}[(dataflow, transposed)]
+    w = "OI" if (dataflow == "ls") != transposed else "IO"
+    y = "OB" if transposed else "BO"
+    return tuple(tuple(dims[c] for c in letters) for letters in (x, w, y))
+
+
 class FCLayer2D(torch.autograd.Function):
-    """Y = X W (os: W [I, O]), Y = X W^T (ls: W stored [O, I], nn.Linear's) or Y = X^T W (rs: the
-    activation stored transposed, [I, T], as a transposed dataflow hands it on; W [I, O]), every
-    operand's block P(row, col), forward and backward as the paper pairs the dataflows (os:
-    forward OS, dX by LS, dW by RS; ls: forward LS, dX by OS, dW by RS; rs: forward RS, dX -- stored
-    like X, [I, T] -- by LS of W and dY, dW by OS of X and dY), each in `slices` slices (0: SUMMA)."""
+    """An FC layer in one of MeshSlice's dataflows (FC_GEMMS: its stored forms and its three
+    GEMMs), every operand's block P(row, col), each GEMM in `slices` slices (0: SUMMA)."""
 
     @staticmethod
-    def forward(ctx, x, w, dataflow: str, rows, cols, slices: int):
+    def forward(ctx, x, w, dataflow: str, transposed: bool, rows, cols, slices: int):
         ctx.save_for_backward(x, w)
-        ctx.meta = (dataflow, rows, cols, slices)
-        return _gemm(dataflow, x, w, rows, cols, slices)
+        ctx.meta = (FC_GEMMS[(dataflow, transposed)], rows, cols, slices)
+        kind, left, right = ctx.meta[0][0]
+        ops = {"x": x, "w": w}
+        return _gemm(kind, ops[left], ops[right], rows, cols, slices)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dataflow, rows, cols, slices = ctx.meta
-        dy = dy.contiguous()
-        if dataflow == "os":  # dX = dY W^T (LS on W [I, O] stored as [N, K]); dW = X^T dY (RS)
-            dx = _gemm("ls", dy, w, rows, cols, slices)
-            dw = _gemm("rs", x, dy, rows, cols, slices)
-        elif dataflow == "ls":  # dX = dY W (OS on W [O, I]); dW = dY^T X (RS)
-            dx = _gemm("os", dy, w, rows, cols, slices)
-            dw = _gemm("rs", dy, x, rows, cols, slices)
-        else:  # rs, X stored [I, T]: dX (stored so) = W dY^T (LS on dY [T, O]); dW = X dY (OS)
-            dx = _gemm("ls", w, dy, rows, cols, slices)
-            dw = _gemm("os", x, dy, rows, cols, slices)
-        return dx, dw, None, None, None, None
+        gemms, rows, cols, slices = ctx.meta
+        ops = {"x": x, "w": w, "dy": dy.contiguous()}
+        dx, dw = (_gemm(kind, ops[left], ops[right], rows, cols, slices) for kind, left, right in gemms[1:])
+        return dx, dw, None, None, None, None, None
 
 
-def fc_2d(x: Tensor, w: Tensor, dataflow: str, rows, cols, slices: int = 1) -> Tensor:
-    """An FC layer on the mesh (FCLayer2D), differentiable; slices 0 runs its three GEMMs by SUMMA.
-    rs takes the activation stored transposed ([I, T]) and returns Y [T, O]."""
+def fc_2d(x: Tensor, w: Tensor, dataflow: str, rows, cols, slices: int = 1, transposed: bool = False) -> Tensor:
+    """An FC layer on the mesh (FCLayer2D), differentiable; x and w stored as FC_GEMMS says for
+    (dataflow, transposed); slices 0 runs its three GEMMs by SUMMA."""
     _check(dataflow, max(slices, 1), rows, cols)
-    return FCLayer2D.apply(x, w, dataflow, rows, cols, slices)
+    return FCLayer2D.apply(x, w, dataflow, bool(transposed), rows, cols, slices)
