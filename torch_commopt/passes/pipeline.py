@@ -131,8 +131,9 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         log.exception("commopt: analysis of graph %d failed; graph left untouched", report.graph_id)
         report.notes.append(f"NOT rewritten: analysis failed ({type(e).__name__}: {e})")
         regions, schedules = [], []
-    report.plan_hash = consistency.plan_hash([_decision(r, s) for r, s in zip(regions, schedules)])
-    if regions and not _ranks_agree(graph, regions, report, config):
+    decisions = [_decision(r, s) for r, s in zip(regions, schedules)]
+    report.plan_hash = consistency.plan_hash(decisions)
+    if regions and not _ranks_agree(graph, regions, decisions, report, config):
         regions, schedules = [], []
     replaced, rewritten = {}, 0
     for region, schedule in zip(regions, schedules):
@@ -588,7 +589,8 @@ def _chunk_rows(region: Region, chunks: int) -> int:
     return chunk_rows(region.kind, static_shape(region.a), region.t_shape, region.dim, region.group_size, chunks)
 
 
-def _ranks_agree(graph: Graph, regions: list[Region], report: explain.GraphReport, config: Config) -> bool:
+def _ranks_agree(graph: Graph, regions: list[Region], decisions: list[dict], report: explain.GraphReport,
+                 config: Config) -> bool:
     if not config.check_rank_consistency:
         report.notes.append("rank consistency check disabled by config")
         return True
@@ -598,9 +600,14 @@ def _ranks_agree(graph: Graph, regions: list[Region], report: explain.GraphRepor
         return True
     # The identity is the original graph's collectives with the plan: a rank compiling the same
     # graph again on its own (a guard that failed on it alone) finds the outcome and follows it.
-    value = f"{consistency.digest(_collective_signature(graph))}:{report.plan_hash}"
+    # Each group compares them with every other group rendered as its role (_group_role): on a
+    # 2D mesh the ranks of one row sit in different columns' groups, whose names differ.  (Groups
+    # are visited in name order, the same on every rank: no two ranks wait on each other in turn.)
     what = f"plan of graph {report.graph_id} ({report.graph_kind})"
     for name in sorted({r.group_name for r in regions}):
+        seen = functools.partial(_as_seen_by, name)
+        value = (f"{consistency.digest(_collective_signature(graph, seen))}:"
+                 f"{consistency.plan_hash([dict(d, group=seen(d['group'])) for d in decisions])}")
         decision = consistency.Decision("plan", name, consistency.digest([value]), what)
         outcome = consistency.agree(decision, value, config.consistency_timeout_s)
         if not outcome.agreed:
@@ -620,10 +627,30 @@ def _decision(region: Region, schedule: Schedule) -> dict:
     return dict(summary, schedule=str(schedule))
 
 
-def _collective_signature(graph: Graph) -> list:
-    """The graph's collectives in program order, with their arguments and input shapes."""
-    return [(str(n.target), [a for a in n.args[1:] if isinstance(a, (int, str))], str(getattr(val(n.args[0]), "shape", None)))
-            for n in graph.nodes if n.op == "call_function" and n.target in _COLLECTIVES]
+def _collective_signature(graph: Graph, group_as=lambda name: name) -> list:
+    """The graph's collectives in program order, with their arguments (the group, funcol's last,
+    through `group_as`) and input shapes."""
+    sig = []
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in _COLLECTIVES:
+            args = [a for a in n.args[1:] if isinstance(a, (int, str))]
+            if args and isinstance(n.args[-1], str):
+                args[-1] = group_as(args[-1])
+            sig.append((str(n.target), args, str(getattr(val(n.args[0]), "shape", None))))
+    return sig
+
+
+def _as_seen_by(voting: str, name: str) -> str:
+    """Group `name` as the ranks of group `voting` compare it: itself by name, any other by its role."""
+    return name if name == voting else _group_role(name)
+
+
+@functools.lru_cache(maxsize=256)
+def _group_role(name: str) -> str:
+    """A group by its size and the gaps between its ranks: a mesh dimension's groups (rows {0, 2}
+    and {1, 3} of a 2 x 2 mesh) all look alike, whatever their names."""
+    ranks = sorted(torch.distributed.get_process_group_ranks(resolve_group(name)))
+    return f"group of {len(ranks)}, steps {[b - a for a, b in zip(ranks, ranks[1:])]}"
 
 
 def _graph_kind(graph: Graph, is_inference: bool | None) -> str:
