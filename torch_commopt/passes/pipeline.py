@@ -645,10 +645,10 @@ def _as_seen_by(voting: str, name: str) -> str:
     return name if name == voting else _group_role(name)
 
 
-@functools.lru_cache(maxsize=256)
 def _group_role(name: str) -> str:
     """A group by its size and the gaps between its ranks: a mesh dimension's groups (rows {0, 2}
-    and {1, 3} of a 2 x 2 mesh) all look alike, whatever their names."""
+    and {1, 3} of a 2 x 2 mesh) all look alike, whatever their names.  (Not cached: a name can
+    be another group's after a process group is destroyed and made again.)"""
     ranks = sorted(torch.distributed.get_process_group_ranks(resolve_group(name)))
     return f"group of {len(ranks)}, steps {[b - a for a, b in zip(ranks, ranks[1:])]}"
 
