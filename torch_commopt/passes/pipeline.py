@@ -18,7 +18,7 @@ from torch.fx import Graph
 from torch_commopt import report as explain
 from torch_commopt.config import Config
 from torch_commopt.core import consistency
-from torch_commopt.core.groups import resolve_group
+from torch_commopt.core.groups import group_role, resolve_group
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.matmul.reference.chunking import chunk_rows
 from torch_commopt.passes.graph_utils import (
@@ -600,13 +600,16 @@ def _ranks_agree(graph: Graph, regions: list[Region], decisions: list[dict], rep
         return True
     # The identity is the original graph's collectives with the plan: a rank compiling the same
     # graph again on its own (a guard that failed on it alone) finds the outcome and follows it.
-    # Each group compares them with every other group rendered as its role (_group_role): on a
+    # Each group compares them with every other group rendered as its role (group_role): on a
     # 2D mesh the ranks of one row sit in different columns' groups, whose names differ.  (Groups
     # are visited in name order, the same on every rank: no two ranks wait on each other in turn.)
     what = f"plan of graph {report.graph_id} ({report.graph_kind})"
+    signature = _collective_signature(graph)
     for name in sorted({r.group_name for r in regions}):
         seen = functools.partial(_as_seen_by, name)
-        value = (f"{consistency.digest(_collective_signature(graph, seen))}:"
+        sig = [(target, args[:-1] + [seen(args[-1])] if named else args, shape)
+               for target, args, named, shape in signature]
+        value = (f"{consistency.digest(sig)}:"
                  f"{consistency.plan_hash([dict(d, group=seen(d['group'])) for d in decisions])}")
         decision = consistency.Decision("plan", name, consistency.digest([value]), what)
         outcome = consistency.agree(decision, value, config.consistency_timeout_s)
@@ -627,30 +630,21 @@ def _decision(region: Region, schedule: Schedule) -> dict:
     return dict(summary, schedule=str(schedule))
 
 
-def _collective_signature(graph: Graph, group_as=lambda name: name) -> list:
-    """The graph's collectives in program order, with their arguments (the group, funcol's last,
-    through `group_as`) and input shapes."""
+def _collective_signature(graph: Graph) -> list:
+    """The graph's collectives in program order: (target, its int and str arguments, whether the
+    last of them is the group's name -- funcol's last argument --, the input's shape)."""
     sig = []
     for n in graph.nodes:
         if n.op == "call_function" and n.target in _COLLECTIVES:
             args = [a for a in n.args[1:] if isinstance(a, (int, str))]
-            if args and isinstance(n.args[-1], str):
-                args[-1] = group_as(args[-1])
-            sig.append((str(n.target), args, str(getattr(val(n.args[0]), "shape", None))))
+            sig.append((str(n.target), args, bool(args) and isinstance(n.args[-1], str),
+                        str(getattr(val(n.args[0]), "shape", None))))
     return sig
 
 
 def _as_seen_by(voting: str, name: str) -> str:
     """Group `name` as the ranks of group `voting` compare it: itself by name, any other by its role."""
-    return name if name == voting else _group_role(name)
-
-
-def _group_role(name: str) -> str:
-    """A group by its size and the gaps between its ranks: a mesh dimension's groups (rows {0, 2}
-    and {1, 3} of a 2 x 2 mesh) all look alike, whatever their names.  (Not cached: a name can
-    be another group's after a process group is destroyed and made again.)"""
-    ranks = sorted(torch.distributed.get_process_group_ranks(resolve_group(name)))
-    return f"group of {len(ranks)}, steps {[b - a for a, b in zip(ranks, ranks[1:])]}"
+    return name if name == voting else group_role(name)
 
 
 def _graph_kind(graph: Graph, is_inference: bool | None) -> str:

@@ -96,8 +96,7 @@ def _reads(obj, out: list, depth: int = 0) -> bool:
     if isinstance(obj, _PLAIN):
         out.append((type(obj), obj))
         return True
-    if isinstance(obj, Tensor) or callable(obj) and isinstance(obj, (types.BuiltinFunctionType, torch._ops.OpOverload,
-                                                                     torch._ops.OpOverloadPacket)):
+    if isinstance(obj, (Tensor, types.BuiltinFunctionType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         out.append(obj)
         return True
     if isinstance(obj, tuple):
