@@ -65,6 +65,7 @@ from benchmarks.common import result_stem, write_report  # noqa: E402
 from benchmarks.compiled_variants import allow_entries, check_unchanged, compile_counts  # noqa: E402
 from benchmarks.gpu_clocks import ClockSampler  # noqa: E402
 from benchmarks.step_profile import breakdown, format_idle, split  # noqa: E402
+from torch_commopt.core import env  # noqa: E402
 from torch_commopt.testing.launch import run_distributed  # noqa: E402
 from torch_commopt.testing.validate import check_shape  # noqa: E402
 
@@ -90,7 +91,11 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt model no concat-K": {"mode": "model", "concat_k": False},
                    # replayed from CUDA graphs (Inductor's CUDA-graph trees): no per-call host cost
                    "commopt graphs": {"cuda_graphs": True},
-                   "commopt model graphs": {"mode": "model", "cuda_graphs": True}}
+                   "commopt model graphs": {"mode": "model", "cuda_graphs": True},
+                   # the GPU-wait watchdog off around its steps (what the watchdog costs a step)
+                   "commopt watchdog off": {}}
+# environment variables a variant's steps run with (read at each call: set around each step)
+VARIANT_ENV = {"commopt watchdog off": {env.WATCHDOG: "0"}}
 # Inductor's own compile options of the baseline variants (and of the comm-free bound)
 COMM_FREE = "inductor comm-free"
 INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraphs": {"triton.cudagraphs": True},
@@ -182,6 +187,8 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             torch.cuda.reset_peak_memory_stats()
         model = build(variant, shape, dev)
         step = _train_step(model, x, target, fused=dev == "cuda")
+        if variant in VARIANT_ENV:
+            step = _with_env(step, VARIANT_ENV[variant])
         losses = []
         # the blocks compile at their first call: the bound's pass must be installed then
         with comm_free.installed() if variant == COMM_FREE else contextlib.nullcontext():
@@ -272,6 +279,24 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
 
         print(f"rank {rank} call_graphs {call_graphs.stats()} moved {call_graphs.moves()}", flush=True)
     return out
+
+
+def _with_env(step, values: dict[str, str]):
+    """step() run with the environment variables `values` set, the previous values back after."""
+    import os
+
+    def run():
+        saved = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            return step()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return run
 
 
 def _train_step(model, x: torch.Tensor, target: torch.Tensor, fused: bool = False):
@@ -456,6 +481,8 @@ def main() -> None:
                    help="steps run back to back per turn (one synchronize at the end): the step time reported")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--commit", default="")
+    p.add_argument("--tag", default="", help="appended to the report's name: a run of other variants than the "
+                   "comparison's (e.g. 'watchdog' for commopt with the watchdog on and off) keeps its own report")
     p.add_argument("--host-profile", dest="host_profile", type=int, default=0, metavar="STEPS",
                    help="cProfile STEPS steps on rank 0 per variant: the host's own time by function")
     p.add_argument("--cpu", action="store_true", help="gloo smoke run with tiny shapes; prints, writes nothing")
@@ -493,7 +520,8 @@ def main() -> None:
             "commit": args.commit, "shape": shape, "steps": args.steps, "repeats": args.repeats, "burst": args.burst,
             "profile_steps": args.profile_steps, "profile_lead": args.profile_lead,
             "command": "python3 " + " ".join(sys.argv)}
-    stem = result_stem("e2e", meta["device"], args.world, date, variant=f"b{args.batch}s{args.seq}")
+    stem = result_stem("e2e", meta["device"], args.world, date,
+                       variant=f"b{args.batch}s{args.seq}" + (f"_{args.tag}" if args.tag else ""))
     write_report(args.out, stem, {"meta": meta, "records": rows, "raw": res}, report(rows, meta))
     print(report(rows, meta))
 

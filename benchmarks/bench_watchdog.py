@@ -113,11 +113,12 @@ def _rank(rank: int, world: int, rounds: int, calls: int):
 def _marks_cost(rounds: int, calls: int) -> list[dict]:
     """One GPU, one process (no other rank time-slicing the device): a call modelled as a GEMM and
     the flag-write batch a schedule's call ends with (done_reading), with and without the
-    watchdog's marks as GroupRuntime.begin_call / end_call queue them -- the start batch of three
-    writes into host-mapped memory before the GEMM, the end write riding on the last batch --
-    eager, and replayed from a CUDA graph with the start mark on the call's stream ("serial") or
-    forked onto a stream of its own and joined before the end mark ("forked", what a capture
-    does): what the marks add per call on the GPU, and on the host (eager)."""
+    watchdog's marks as GroupRuntime.begin_call / end_call queue them: eager, the call's number
+    riding on that last batch into host-mapped memory (no start mark); replayed from a CUDA graph,
+    a captured call's start batch of three writes before the GEMM and its end write riding on the
+    last batch, the start batch on the call's stream ("serial") or forked onto a stream of its own
+    and joined before the end mark ("forked"): what the marks add per call on the GPU, and on the
+    host (eager)."""
     import torch
 
     from torch_commopt.kernels.gpu import driver
@@ -129,6 +130,7 @@ def _marks_cost(rounds: int, calls: int) -> list[dict]:
     begin = driver.batch_params([("write", marks, 7), ("write", marks + 4, 0), ("write", marks + 8, 1)])
     fork, join = driver.event_create(), driver.event_create()
     out = []
+    number = [0]
     for m in (256, 4096):
         a = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
         w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
@@ -141,27 +143,32 @@ def _marks_cost(rounds: int, calls: int) -> list[dict]:
                     driver.wait_event(side, fork)
                     driver.batch_array(side, begin)
                     driver.record(join, side)
-                elif mode == "on":
+                elif mode == "captured":
                     driver.batch_array(stream, begin)
                 torch.mm(a, w)
                 tail = [("write", flags.data_ptr(), 0), ("write", flags.data_ptr() + 4, 1)]
                 if mode == "forked":
                     driver.wait_event(stream, join)
-                if mode != "off":
-                    tail.append(("write", marks + 8, 0))
-                driver.batch(stream, tail)
+                if mode == "off":
+                    driver.batch(stream, tail)
+                elif mode == "on":  # eager: the call's number into DONE, riding on the last batch
+                    number[0] += 1
+                    driver.batch(stream, tail + [("write", marks + 12, 0)], last=number[0])
+                else:
+                    driver.batch(stream, tail + [("write", marks + 8, 0)])
 
         graphs = {}
         with torch.cuda.stream(stream):
             for mode in ("on", "off"):
                 steps(mode)
-            for mode in ("on", "forked", "off"):
+            for mode in ("captured", "forked", "off"):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, stream=stream):
                     steps(mode)
                 graphs[mode] = g
         torch.cuda.synchronize()
-        runs = [("eager", "on"), ("eager", "off"), ("replayed", "on"), ("replayed", "forked"), ("replayed", "off")]
+        runs = [("eager", "on"), ("eager", "off"), ("replayed", "captured"), ("replayed", "forked"),
+                ("replayed", "off")]
         times = {f"{how} {mode}": [] for how, mode in runs}
         host = {mode: [] for mode in MODES}
         for r in range(rounds):
@@ -179,7 +186,7 @@ def _marks_cost(rounds: int, calls: int) -> list[dict]:
         med = {k: statistics.median(v) for k, v in times.items()}
         out.append({"gemm": f"{m}x4096x4096 bf16", "raw_us": times, "host_raw_us": host,
                     "eager_on_us": med["eager on"], "eager_off_us": med["eager off"],
-                    "replayed_on_us": med["replayed on"], "replayed_forked_us": med["replayed forked"],
+                    "replayed_on_us": med["replayed captured"], "replayed_forked_us": med["replayed forked"],
                     "replayed_off_us": med["replayed off"],
                     "host_on_us": statistics.median(host["on"]), "host_off_us": statistics.median(host["off"])})
     return out
@@ -229,11 +236,12 @@ def main() -> None:
         lines += ["Ranks sharing one GPU are time-sliced by the device, which sets a floor of about 2 ms per "
                   "call whatever the shape: the GPU columns bound the watchdog's cost, the marks below measure it."]
     lines += ["", "## The marks alone, one process on one GPU", "",
-              "A call modelled as a GEMM and the flag-write batch it ends with, with and without the marks (a "
-              "batch of three writes into host-mapped memory before the GEMM, the end write riding on the "
-              "last batch), 200 calls back to back; us per call, median of "
-              f"{args.rounds} rounds. Replayed: the start mark on the call's stream (serial) or forked onto "
-              "a stream of its own and joined before the end mark (forked: what a capture does).", "",
+              "A call modelled as a GEMM and the flag-write batch it ends with, with and without the marks, "
+              "200 calls back to back; us per call, median of "
+              f"{args.rounds} rounds. Eager: the call's number riding on the last batch into host-mapped "
+              "memory (no start mark). Replayed: a captured call's batch of three writes before the GEMM "
+              "and its end write riding on the last batch, the start batch on the call's stream (serial) or "
+              "forked onto a stream of its own and joined before the end mark (forked).", "",
               "| GEMM | eager on | eager off | replayed serial | replayed forked | replayed off | forked cost "
               "| host us on | host us off |",
               "|---|---|---|---|---|---|---|---|---|"]

@@ -101,7 +101,7 @@ def fake_runtimes(world: int = 2, owned: tuple[str, ...] = ()) -> list[symm.Grou
         rt.owned = {purpose: [symm.SymmBuffer(bufs[rank], _Handle(bufs), rank, None)] for purpose, bufs in own.items()}
         rt._debug_kernel_loaded = False
         rt._warned_capture_debug = False
-        rt._order_event, rt._event_pools, rt._untaken, rt._begin_batches = None, {}, {}, {}
+        rt._order_event, rt._event_pools, rt._untaken, rt._begin_batches, rt._eager = None, {}, {}, {}, {}
         rt._new_event = lambda events=events: next(events)
         runtimes.append(rt)
     return runtimes
@@ -191,6 +191,8 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
         stack.enter_context(mock.patch.object(symm, "runtime", lambda *a, **k: runtimes[state["rank"]]))
         stack.enter_context(mock.patch.object(driver, "_lib", lambda: entry_points))
         stack.enter_context(mock.patch.object(driver, "_handle", _handle))
+        stack.enter_context(mock.patch.object(driver, "current_handle",
+                                              lambda *a, **k: runtimes[state["rank"]].compute.cuda_stream))
         stack.enter_context(mock.patch.object(torch.cuda, "current_stream",
                                               lambda *a, **k: runtimes[state["rank"]].compute))
         stack.enter_context(mock.patch.object(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()))

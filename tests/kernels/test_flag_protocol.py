@@ -33,10 +33,12 @@ def queued(monkeypatch):
     monkeypatch.setattr(driver, "wait_value32", lambda s, a, v: log.append((s, "wait", *where(a), v)))
     monkeypatch.setattr(driver, "write_value32", lambda s, a, v: log.append((s, "write", *where(a), v)))
 
-    def batch(stream, ops):
+    def batch(stream, ops, last=None):
         ops = list(ops)
         if len(ops) > driver.MAX_BATCH:
             raise ValueError("too many")
+        if last is not None:  # the last operation's value, given apart (driver.batch)
+            ops[-1] = (*ops[-1][:2], last)
         log.append((stream, "batch", [(kind, *where(a), v) for kind, a, v in ops]))
     monkeypatch.setattr(driver, "batch", batch)
     return log
@@ -112,3 +114,16 @@ def test_batch_parameters_are_built_once_and_hold_the_ops():
         driver._batch_params((("add", 0x1000, 1),))
     with pytest.raises(ValueError, match="at most"):
         driver._batch_params((("write", 0x1000, 1),) * (driver.MAX_BATCH + 1))
+
+
+def test_a_batch_whose_last_value_changes_every_call_reuses_its_array(monkeypatch):
+    # the watchdog's eager end mark (an eager call's number) rides on done_reading's batch: the value
+    # is set in the cached array before each call, not a new cached array per number
+    seen = []
+    monkeypatch.setattr(driver, "_lib", lambda: {"cuStreamBatchMemOp": lambda s, n, params, f: seen.append(
+        (params, [(p.address, p.value) for p in params[:n]])) or 0})
+    ops = [("write", 0x3000, 0), ("write", 0x4000, 0)]
+    for number in (7, 8, (1 << 32) + 9):
+        driver.batch(0x55, ops, last=number)
+    assert [v for _, v in seen] == [[(0x3000, 0), (0x4000, 7)], [(0x3000, 0), (0x4000, 8)], [(0x3000, 0), (0x4000, 9)]]
+    assert seen[0][0] is seen[1][0] is seen[2][0]  # one cached array

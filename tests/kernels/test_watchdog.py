@@ -12,7 +12,9 @@ import time
 import pytest
 
 from torch_commopt.kernels.gpu import watchdog
-from torch_commopt.kernels.gpu.watchdog import BUSY, SEEN, TICKET, Call, Slots, Wait, WaitTimeout, Watchdog
+from torch_commopt.kernels.gpu.watchdog import BUSY, DONE, SEEN, TICKET, Call, Slots, Wait, WaitTimeout, Watchdog
+
+KINDS = ["eager", "captured"]
 
 
 class FakeRuntime:
@@ -62,12 +64,26 @@ def dog():
 
 
 def _begin(d: Watchdog, rt, call: Call, lane: str = "") -> int:
-    """What GroupRuntime.begin_call queues, done by 'the GPU' at once: ticket, seen = 0, busy = 1."""
+    """What GroupRuntime.begin_call queues for a captured call, done by 'the GPU' at once: ticket,
+    seen = 0, busy = 1."""
+    call.captured = True
     slot = d.slot_for(rt, 0x1234, lane)
     d.slots.put(slot, TICKET, d.ticket(call))
     d.slots.put(slot, SEEN, 0)
     d.slots.put(slot, BUSY, 1)
     return slot
+
+
+def _issue(d: Watchdog, rt, call: Call, lane: str = ""):
+    """What GroupRuntime.begin_call does for an eager call: nothing queued, the call counted."""
+    es = d.eager_slot(rt, 0x1234, lane)
+    call.end = es.done
+    call.value = es.add(call)
+    return es
+
+
+def _start(d: Watchdog, rt, call: Call, kind: str, lane: str = "") -> None:
+    (_issue if kind == "eager" else _begin)(d, rt, call, lane)
 
 
 class Caller:
@@ -99,14 +115,19 @@ def _call(rt, thread: int = 0, waits=None, captured: bool = False) -> Call:
                 waits=list(waits or []), captured=captured)
 
 
-def test_a_call_stuck_past_the_timeout_is_named_closed_and_released(dog):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_call_stuck_past_the_timeout_is_named_closed_and_released(dog, kind):
     flags = [0] * 64
     flags[10] = 1  # the first wait is satisfied, the second (from rank 1, chunk 3) is not
     rt = FakeRuntime(flags)
+    if kind == "eager":  # two calls before it ended: the oldest one pending is named
+        es = _issue(dog, rt, _call(rt, waits=[Wait(9, 1, 1, "partial", 0)]))
+        dog.slots.put(es.slot, DONE, 1)
     call = _call(rt, waits=[Wait(10, 1, 1, "partial", 0), Wait(11, 1, 1, "partial", 3), Wait(12, 5, 1, "tiles", 3)])
-    slot = _begin(dog, rt, call)
+    _start(dog, rt, call, kind)
+    if kind == "eager":
+        _issue(dog, rt, _call(rt, waits=[Wait(13, 1, 1, "partial", 0)]))  # queued behind it
     dog.poll_once()  # first sight: noted, not judged
-    assert dog.slots.get(slot, SEEN) == 1
     dog.test_clock.now += 9.5
     assert dog.poll_once() == [] and rt.closed is None  # under the bound: a slow peer, not a stuck one
     dog.test_clock.now += 1.0
@@ -124,12 +145,13 @@ def test_a_call_stuck_past_the_timeout_is_named_closed_and_released(dog):
     assert len(messages) == 1
 
 
-def test_a_data_wait_is_named_before_a_token_taken_after_it_passed(dog):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_data_wait_is_named_before_a_token_taken_after_it_passed(dog, kind):
     """A token reads 0 once the call passed its wait and took it: the pending data wait is the stall."""
     rt = FakeRuntime([0] * 16)
     caller = Caller()
-    _begin(dog, rt, _call(rt, thread=caller.thread.ident,
-                          waits=[Wait(2, 1, 1, "free buffer", -1, token=True), Wait(5, 1, 1, "partial", 0)]))
+    _start(dog, rt, _call(rt, thread=caller.thread.ident,
+                          waits=[Wait(2, 1, 1, "free buffer", -1, token=True), Wait(5, 1, 1, "partial", 0)]), kind)
     dog.poll_once()
     dog.test_clock.now += 11
     dog.poll_once()
@@ -138,29 +160,56 @@ def test_a_data_wait_is_named_before_a_token_taken_after_it_passed(dog):
 
 
 def test_calls_that_keep_turning_over_are_never_stuck(dog):
-    """busy stays raised across polls, but each new call clears seen: the clock restarts."""
+    """Captured: busy stays raised across polls, but each new call clears seen: the clock restarts.
+    Eager: a call is always pending, but DONE moves between polls."""
     rt = FakeRuntime([0] * 16)
-    for _ in range(50):
-        slot = _begin(dog, rt, _call(rt, waits=[Wait(3, 1, 1, "chunk", 0)]))
+    for i in range(50):
+        slot = _begin(dog, rt, _call(rt, waits=[Wait(3, 1, 1, "chunk", 0)]), lane="captured")
+        es = _issue(dog, rt, _call(rt, waits=[Wait(4, 1, 1, "chunk", 0)]))
+        _issue(dog, rt, _call(rt, waits=[Wait(4, 2, 1, "chunk", 0)]))
+        dog.slots.put(es.slot, DONE, 2 * i + 1)  # the first of the two ended
         dog.poll_once()
         dog.test_clock.now += 5.0  # 250 s in all, each call 5 s
     assert rt.closed is None and rt.released == []
-    assert dog.slots.get(slot, SEEN) == 1
+    assert dog.slots.get(slot, SEEN) == 1 and es.noted == 99
 
 
-def test_a_call_whose_end_was_never_queued_is_not_a_stuck_wait(dog):
+def test_an_eager_slot_whose_calls_all_ended_is_not_watched(dog):
+    rt = FakeRuntime([0] * 16)
+    for _ in range(3):
+        es = _issue(dog, rt, _call(rt, waits=[Wait(3, 1, 1, "chunk", 0)]))
+    dog.slots.put(es.slot, DONE, 3)
+    for _ in range(3):
+        dog.poll_once()
+        dog.test_clock.now += 30
+    assert rt.closed is None and es.noted == -1
+
+
+def test_an_eager_call_whose_end_was_never_queued_is_not_a_stuck_wait(dog):
     rt = FakeRuntime([0] * 16, idle=True)  # its stream has nothing left to run
-    _begin(dog, rt, _call(rt, waits=[Wait(3, 1, 1, "chunk", 0)]))
+    _issue(dog, rt, _call(rt, waits=[Wait(3, 1, 1, "chunk", 0)]))
     dog.poll_once()
     dog.test_clock.now += 30
     assert dog.poll_once() == [] and rt.closed is None and rt.released == []
 
 
-def test_a_closed_runtime_releases_later_calls_at_once_and_raises_once(dog):
+def test_an_eager_call_whose_record_the_ring_let_go_closes_the_group(dog):
+    rt = FakeRuntime([0] * 16)
+    es = _issue(dog, rt, _call(rt, waits=[Wait(3, 1, 1, "chunk", 0)]))
+    for _ in range(watchdog.EAGER_KEPT):  # the host ran a whole ring ahead of the stuck call
+        _issue(dog, rt, _call(rt))
+    assert es.ring[1 % watchdog.EAGER_KEPT].value == 1 + watchdog.EAGER_KEPT
+    dog.poll_once()
+    dog.test_clock.now += 11
+    assert dog.poll_once() == [] and "its record is gone" in rt.closed and rt.released == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_closed_runtime_releases_later_calls_at_once_and_raises_once(dog, kind):
     rt = FakeRuntime([0] * 16)
     caller = Caller()
     first = _call(rt, thread=caller.thread.ident, waits=[Wait(3, 1, 1, "chunk", 0)])
-    _begin(dog, rt, first)
+    _start(dog, rt, first, kind)
     dog.poll_once()
     dog.test_clock.now += 11
     dog.poll_once()
@@ -175,11 +224,13 @@ def test_a_closed_runtime_releases_later_calls_at_once_and_raises_once(dog):
     assert (4, 1) in rt.released
 
 
-def test_unreadable_flags_still_close_and_release_every_wait(dog):
+@pytest.mark.parametrize("kind", KINDS)
+def test_unreadable_flags_still_close_and_release_every_wait(dog, kind):
     rt = FakeRuntime(None)
     rt.release = lambda index, value: rt.released.append((index, value))
     caller = Caller()
-    _begin(dog, rt, _call(rt, thread=caller.thread.ident, waits=[Wait(3, 1, 1, "chunk", 0), Wait(4, 1, 1, "chunk", 1)]))
+    _start(dog, rt, _call(rt, thread=caller.thread.ident, waits=[Wait(3, 1, 1, "chunk", 0), Wait(4, 1, 1, "chunk", 1)]),
+           kind)
     dog.poll_once()
     dog.test_clock.now += 11
     dog.poll_once()
@@ -194,24 +245,27 @@ def test_wrap_around_compare_matches_the_gpu():
     assert not watchdog._after(2**31 - 1, -2**31)
 
 
-def test_eager_tickets_cycle_and_captured_ones_are_kept(dog):
+def test_eager_numbers_count_per_slot_and_captured_tickets_are_kept(dog):
     rt = FakeRuntime([0])
-    eager = [dog.ticket(_call(rt)) for _ in range(3)]
+    numbers = [_issue(dog, rt, c := _call(rt)) and c.value for _ in range(3)]
+    other = _call(rt)
+    _issue(dog, rt, other, lane="ring1")
     kept = dog.ticket(_call(rt, captured=True))
-    assert eager == [1, 2, 3] and kept == watchdog.CAPTURED
-    for _ in range(watchdog.EAGER_KEPT):
-        dog.ticket(_call(rt))
-    assert kept in dog.calls and len([t for t in dog.calls if t < watchdog.CAPTURED]) == watchdog.EAGER_KEPT
+    assert numbers == [1, 2, 3] and other.value == 1 and kept == watchdog.CAPTURED
+    for _ in range(watchdog.MAX_CAPTURED):
+        dog.ticket(_call(rt, captured=True))
+    assert kept not in dog.calls and len(dog.calls) == watchdog.MAX_CAPTURED  # bounded: the oldest went
 
 
-def test_a_wait_over_several_flags_names_its_peer_and_releases_every_flag(dog):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_wait_over_several_flags_names_its_peer_and_releases_every_flag(dog, kind):
     # the one-shot all-reduce's barrier: one wait per peer and barrier, over every block's flag
     # (stride apart); blocks 0 and 2 arrived, block 1 and 3 did not
     flags = [0] * 64
     flags[4], flags[4 + 2 * 8] = 1, 1
     rt = FakeRuntime(flags)
     call = _call(rt, waits=[Wait(4, 1, 1, "ll barrier", token=True, stride=8, count=4)])
-    _begin(dog, rt, call)
+    _start(dog, rt, call, kind)
     dog.poll_once()
     dog.test_clock.now += 11.0
     caller = Caller()

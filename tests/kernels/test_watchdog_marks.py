@@ -1,10 +1,11 @@
 """Where the GPU schedules put the watchdog's marks (kernels/gpu/watchdog.py), on the CPU: each rank's
-real host code runs with CUDA faked (fake_cuda.py) and the watchdog on.  Every call's start batch
-(ticket, seen = 0, busy = 1) comes before anything the call queues on its stream and its end mark
-(busy = 0) after, every wait of the call lies between them, and the watchdog's record of the call
-lists every wait the call queued, on any stream, with the value awaited.  A captured call queues the
-same (a start mark forked onto a stream of its own measured slower in replays:
-benchmarks/bench_watchdog.py)."""
+real host code runs with CUDA faked (fake_cuda.py) and the watchdog on.  A captured call's start
+batch (ticket, seen = 0, busy = 1) comes before anything the call queues on its stream and its end
+mark (busy = 0) after, every wait of the call lies between them; an eager call queues no start mark
+and its end mark (the call's number into DONE) is the last thing it queues on its stream, after
+every wait there.  The watchdog's record of the call lists every wait the call queued, on any stream,
+with the value awaited.  (A start mark forked onto a stream of its own measured slower in replays:
+benchmarks/bench_watchdog.py.)"""
 
 from __future__ import annotations
 
@@ -56,23 +57,33 @@ def test_every_wait_of_a_call_lies_between_its_marks_and_is_recorded(dog, world,
                 spans[rank].append((first, len(queue)))
     for rank in range(world):
         compute = runtimes[rank].compute.cuda_stream
+        numbers = []
         for (lo, hi), name in zip(spans[rank], names):
             ops = queue[lo:hi]
             marks = [(i, _mark(op[1]), op[2]) for i, (r, s, op) in enumerate(ops)
                      if op[0] == "write" and _mark(op[1]) is not None]
             assert all(ops[i][1] == compute for i, _, _ in marks), name  # on the caller's stream
-            busy = [(i, v) for i, (slot, word), v in marks if word == watchdog.BUSY]
-            assert [v for _, v in busy] == [1, 0], (name, marks)
-            start, end = busy[0][0], busy[1][0]
             on_compute = [i for i, (_, s, _) in enumerate(ops) if s == compute]
-            assert on_compute[0] <= start and on_compute[-1] == end, name  # first and last on the stream
             waits = [(i, op) for i, (_, s, op) in enumerate(ops) if op[0] == "wait"]
+            if captured:
+                busy = [(i, v) for i, (slot, word), v in marks if word == watchdog.BUSY]
+                assert [v for _, v in busy] == [1, 0], (name, marks)
+                start, end = busy[0][0], busy[1][0]
+                assert on_compute[0] <= start, name  # first on the stream
+                ticket = [v for _, (slot, word), v in marks if word == watchdog.TICKET][0]
+                call = dog.calls[ticket]
+            else:
+                assert [word for _, (slot, word), _ in marks] == [watchdog.DONE], (name, marks)  # no start mark
+                (end, (slot, _), number), start = marks[0], -1
+                call = dog.eager[slot].ring[number % watchdog.EAGER_KEPT]
+                numbers.append(number)
+                assert call.value == number, name
+            assert on_compute[-1] == end, name  # the end mark: last on the stream
             assert all(start < i < end for i, _ in waits if ops[i][1] == compute), name
-            ticket = [v for _, (slot, word), v in marks if word == watchdog.TICKET][0]
-            call = dog.calls[ticket]
             base = runtimes[rank].flag_bases[rank]
-            recorded = sorted((base + 4 * w.index, w.value) for w in call.waits)
+            recorded = sorted((base + 4 * w.index, w.value) for w in call.wait_list())
             queued = sorted((op[1], op[2]) for _, op in waits)
             assert recorded == queued, (name, recorded, queued)
             assert call.captured == captured, name
             assert call.op in ("ag_matmul", "matmul_rs", "matmul_ar") and str(call.schedule) in name, name
+        assert numbers == list(range(1, len(numbers) + 1))  # one sequence per slot, every call counted

@@ -37,6 +37,31 @@ NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOS
          ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
          MOE_TRANSPORT, DECODE_TRANSPORT)
 
+# CPython's POSIX os.environ keeps the encoded strings in `_data`; os.environ.get encodes the name
+# and decodes the value at every read (~1 us on a slow host, several reads in a GPU schedule's call).
+_ENCODED = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_NAMES: dict[str, bytes] = {}
+_DECODED: dict[str, tuple[bytes, str]] = {}  # name -> (the encoded value last read, its decoding)
+
+
+def _get(name: str, default: str) -> str:
+    """os.environ.get(name, default) for the switches read on every call: the same value, read
+    from os.environ's own encoded mapping, decoded again only when the variable was set anew
+    (a new value is a new object there)."""
+    if _ENCODED is None:
+        return os.environ.get(name, default)
+    key = _NAMES.get(name)
+    if key is None:
+        key = _NAMES[name] = os.fsencode(name)
+    raw = _ENCODED.get(key)
+    if raw is None:
+        return default
+    hit = _DECODED.get(name)
+    if hit is None or hit[0] is not raw:
+        hit = _DECODED[name] = (raw, os.fsdecode(raw))
+    return hit[1]
+
+
 DEFAULT_WAIT_TIMEOUT_S = 60.0
 DEFAULT_AGREE_TIMEOUT_S = 30.0
 ATTENTION_GROUP_STREAMS_DEFAULT = "1"
@@ -57,7 +82,7 @@ def debug_waits() -> bool:
     the attention transports in wall time and raise an error naming the op, rank and piece
     instead of hanging, as `Config.debug_waits` does for one compile.  Off when unset or
     "", "0", "false", "False"; on for any other value."""
-    return os.environ.get(DEBUG_WAITS, "0") not in ("", "0", "false", "False")
+    return _get(DEBUG_WAITS, "0") not in ("", "0", "false", "False")
 
 
 def wait_timeout_s() -> float:
@@ -77,7 +102,7 @@ def watchdog() -> bool:
     WaitTimeout naming the op, schedule and peer.  "0", "false", "False" or "off" turn it off
     (a stuck peer then hangs the program, as NCCL without its watchdog would); anything else,
     "" included, leaves it on."""
-    return os.environ.get(WATCHDOG, "1") not in ("0", "false", "False", "off")
+    return _get(WATCHDOG, "1") not in ("0", "false", "False", "off")
 
 
 def under_ci() -> bool:
@@ -98,7 +123,7 @@ def call_graphs() -> bool:
     may capture and replay per-call CUDA graphs in this process.  "0", "false", "False" or "off"
     turn the replays off (those calls then run eagerly); any other value, "" included, leaves
     them on."""
-    return os.environ.get(CALL_GRAPHS, "1") not in ("0", "false", "False", "off")
+    return _get(CALL_GRAPHS, "1") not in ("0", "false", "False", "off")
 
 
 def host_timing() -> bool:

@@ -63,6 +63,14 @@ def _handle(stream) -> int:
     return stream if isinstance(stream, int) else stream.cuda_stream
 
 
+def current_handle(device) -> int:
+    """The raw handle of `device`'s current stream, without the torch Stream object that
+    torch.cuda.current_stream() builds (a few microseconds on a per-call path)."""
+    import torch
+
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
 _MEMORY_DEVICE = 2  # CU_MEMORYTYPE_DEVICE
 
 
@@ -137,15 +145,20 @@ _OP_WAIT32, _OP_WRITE32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STREAM_MEM_
 MAX_BATCH = 256  # the driver's limit on one batch
 
 
-def batch(stream, ops) -> None:
+def batch(stream, ops, last: int | None = None) -> None:
     """Queue `ops` -- ("wait", address, value) (>=, as wait_value32) or ("write", address, value)
     (fenced, as write_value32) -- as ONE stream memory operation, executed in order.  Replayed
     from a CUDA graph it is one node where separate calls are one each, and every node on a
-    stream's path costs the GPU's front end a few microseconds (docs/gpu-schedules.md)."""
+    stream's path costs the GPU's front end a few microseconds (docs/gpu-schedules.md).
+    last: the value of the last operation instead of its own (a value that changes every call,
+    e.g. the watchdog's call numbers, without a new cached array each call: the driver reads the
+    array during the call only)."""
     ops = tuple(ops)
     if not ops:
         return
     params = _batch_params(ops)
+    if last is not None:
+        params[len(ops) - 1].value = last & 0xFFFFFFFF
     _check(_lib()["cuStreamBatchMemOp"](_handle(stream), len(ops), params, 0), "cuStreamBatchMemOp")
 
 

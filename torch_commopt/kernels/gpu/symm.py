@@ -191,14 +191,7 @@ class SymmBuffer:
         return self.handle.get_buffer(rank, shape, dtype, offset_bytes // elt)
 
 
-@dataclass(slots=True)
-class Watched:
-    """A call under the watchdog (GroupRuntime.begin_call): its record, its stream and its end mark."""
-
-    call: watchdog.Call
-    stream: object  # the torch stream its marks are queued on
-    end: int  # the device address its end mark writes 0 into (the slot's busy word)
-    ended: bool = False  # the end mark rode on the call's last batch (done_reading)
+Watched = watchdog.Call  # a call under the watchdog (GroupRuntime.begin_call): its record and its end mark
 
 
 class SymmAllocError(RuntimeError):
@@ -259,7 +252,8 @@ class GroupRuntime:
         # The watchdog's view (kernels/gpu/watchdog.py): why the runtime was closed, the call whose
         # waits are being recorded, each slot's start batch, and what the watchdog thread reads the
         # flags with -- made here, not when a wait is stuck, when allocating could block.
-        self._begin_batches: dict[int, object] = {}
+        self._begin_batches: dict[int, object] = {}  # captured calls' start batches, per slot
+        self._eager: dict[tuple[int, str], watchdog.EagerSlot | None] = {}  # (stream, lane) -> its slot
         self._peek_stream = torch.cuda.Stream(device=device, priority=-1)
         self._peek_host = driver.host_mapped(FLAG_SLOTS * 4)[0]
         self._context = driver.current_context()  # made current on the watchdog's thread
@@ -539,24 +533,38 @@ class GroupRuntime:
         on `count` flags `stride` apart (watchdog.Wait)."""
         w = watched or self.watch
         if w is not None:
-            w.call.waits.append(watchdog.Wait(index, value, src, what, chunk, what in TOKEN_WAITS, stride, count))
+            w.waits.append((index, value, src, what, chunk, what in TOKEN_WAITS, stride, count))  # a Wait's fields
 
     # ---- the watchdog ------------------------------------------------------------------------
     def begin_call(self, op: str, schedule=None, lane: str = "", label: str | None = None) -> Watched | None:
         """Start watching a call on the caller's current stream (None: not watched -- the watchdog
         is off, the call bounds its waits itself in debug mode, or no slot is left).  Raises
         WaitTimeout when a stuck call closed this runtime.  Every watched call ends with `end_call`
-        on the same stream."""
-        self.check_open()
+        on the same stream.  An eager call queues nothing here (its end mark says when it ended); a
+        captured one its start batch (kernels/gpu/watchdog.py)."""
+        if self.closed is not None:
+            raise WaitTimeout(self.closed)
         if not env.watchdog() or debug_waits(schedule):
             return None
         dog = watchdog.get()
-        stream = torch.cuda.current_stream(self.device)
-        slot = None if dog is None else dog.slot_for(self, stream.cuda_stream, lane)
+        if dog is None:
+            return None
+        handle = driver.current_handle(self.device)
+        if not capturing():
+            es = self._eager.get((handle, lane), False)
+            if es is False:
+                es = self._eager[(handle, lane)] = dog.eager_slot(self, handle, lane)
+            if es is None:
+                return None
+            call = watchdog.Call(op, label or schedule, self.group_name, self.rank, self.epoch + 1,
+                                 threading.get_ident(), self, handle, [], False, es.done)
+            call.value = es.add(call)
+            return call
+        slot = dog.slot_for(self, handle, lane)
         if slot is None:
             return None
         call = watchdog.Call(op, label or schedule, self.group_name, self.rank, self.epoch + 1, threading.get_ident(),
-                             self, stream.cuda_stream, captured=capturing())
+                             self, handle, captured=True, end=dog.slots.address(slot, watchdog.BUSY))
         batch = self._begin_batches.get(slot)
         if batch is None:
             marks = dog.slots
@@ -564,14 +572,14 @@ class GroupRuntime:
                 [("write", marks.address(slot, watchdog.TICKET), 0), ("write", marks.address(slot, watchdog.SEEN), 0),
                  ("write", marks.address(slot, watchdog.BUSY), 1)])
         batch[0].value = dog.ticket(call)  # the driver reads the batch during the call only
-        driver.batch_array(stream, batch)
-        return Watched(call, stream, dog.slots.address(slot, watchdog.BUSY))
+        driver.batch_array(handle, batch)
+        return call
 
     def end_call(self, watched: Watched | None) -> None:
-        """The call's work is all queued (on its stream, or joined into it): lower its busy mark,
-        unless its last batch of flag writes took it along (done_reading)."""
+        """The call's work is all queued (on its stream, or joined into it): its end mark, unless its
+        last batch of flag writes took it along (done_reading)."""
         if watched is not None and not watched.ended:
-            driver.write_value32(watched.stream, watched.end, 0)
+            driver.write_value32(watched.stream, watched.end, watched.value)
 
     def check_open(self) -> None:
         """WaitTimeout when the watchdog closed this runtime (a call of the group got stuck)."""
@@ -647,13 +655,15 @@ class GroupRuntime:
                 first = data_index(half, src, 0, phase)
                 ops += [("write", self.flag_address(self.rank, first + c), 0) for c in range(chunks)]
         ops += [("write", self.flag_address(src, FREE + half * MAX_WORLD + self.rank), 1) for src in self.sources]
-        w = self.watch
-        if w is not None and not w.ended and w.stream.cuda_stream == driver._handle(stream):
-            # the call's last operation on its stream: its end mark rides along (one driver call less)
+        w, last = self.watch, None
+        if w is not None and not w.ended and w.stream == driver._handle(stream):
+            # the call's last operation on its stream: its end mark rides along (one driver call less);
+            # its value (an eager call's number) is set in the batch's cached parameters (driver.batch)
             ops.append(("write", w.end, 0))
-            w.ended = True
+            w.ended, last = True, w.value
         for start in range(0, len(ops), driver.MAX_BATCH):
-            driver.batch(stream, ops[start: start + driver.MAX_BATCH])
+            end = start + driver.MAX_BATCH
+            driver.batch(stream, ops[start: end], last=last if end >= len(ops) else None)
 
     def check_status(self, op: str) -> None:
         """Debug mode: synchronize and raise if any bounded wait of `op` timed out."""

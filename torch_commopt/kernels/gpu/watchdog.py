@@ -6,18 +6,28 @@ something else stalls the program forever.  NCCL's answer is a watchdog thread t
 collective stuck past a timeout into an error; this is ours, at a cost that does not touch the
 kernels:
 
-- Every watched call brackets its work on the caller's stream with two stream memory operations
-  into host-mapped pinned memory (one *slot* per runtime and stream): at its start, one batch
-  writes the call's ticket, clears `seen` and raises `busy`; at its end, one write lowers `busy`
-  (riding on the call's last batch of flag writes where it has one, GroupRuntime.done_reading).
-  The GPU's front end runs them, in stream order, without an SM.  A call captured in a CUDA graph
-  (ours per call, or Inductor's) captures both with its ticket, so every replay is watched too.
-- One thread per process reads the slots from host memory, no CUDA call, every `poll` seconds.
-  A slot busy with `seen` clear is a call it has not seen yet: it sets `seen` and notes the time.
-  A new call clears `seen` again (its start batch), so `seen` still set while `busy` is raised
-  means the same call has been running since the note: past the timeout it is stuck.  (A host
-  write racing a call's end and the next call's start marks the *next* call, from about its own
-  start: never an old call's time.)
+Two kinds of marks, both stream memory operations into host-mapped pinned memory (one *slot* of
+WORDS int32 words per runtime, stream and lane), which one thread per process reads every `poll`
+seconds from host memory, no CUDA call:
+
+- An **eager call** (the host issues it now) costs one write: at its end, on the caller's stream,
+  its number in the slot's sequence goes into the slot's DONE word (riding on the call's last batch
+  of flag writes where it has one, GroupRuntime.done_reading).  The host knows how many calls it
+  issued (`EagerSlot.issued`, a Python int), so a slot whose DONE lags is *pending*: its oldest
+  unfinished call is DONE + 1, its record in the slot's ring.  The thread notes the time when it
+  first sees a slot pending at some DONE value; DONE still there after the timeout means that call
+  has not finished all that time.  As NCCL's watchdog, the time counts from when the call could
+  start (its predecessor on the slot done, at the poll's resolution), not from when its first
+  kernel ran: a stream busy with a minute of other work queued between two calls would read as
+  stuck, which no real program does.  No start mark: that batch and its bookkeeping were most of
+  the watchdog's cost on the host-bound eager calls (benchmarks/results/watchdog_overhead_*.md).
+- A **captured call** (ours per call, or Inductor's graph trees) brackets its work with a start
+  batch (its ticket, `seen` = 0, `busy` = 1) and an end write (`busy` = 0): the host does not see
+  a graph's replays, so the GPU must say when one starts.  A slot busy with `seen` clear is a call
+  the thread has not seen yet: it sets `seen` and notes the time.  A new call clears `seen` again,
+  so `seen` still set while `busy` is raised means the same call has been running since the note:
+  past the timeout it is stuck.  (A host write racing a call's end and the next call's start marks
+  the *next* call, from about its own start: never an old call's time.)
 - A stuck call (`expire`): the thread reads this rank's flags (a device-to-host copy on a stream
   of its own: the copy engine, not the stuck stream), names the first wait of the call that is
   not satisfied -- what, from which peer, the flag's value and the value awaited --, closes the
@@ -39,9 +49,9 @@ The asynchronous exception (`PyThreadState_SetAsyncExc`) fires when that thread 
 bytecode: at once if it runs, or when a blocking CUDA call it is in returns once the waits are
 released.  The runtime's later calls raise on their own (`GroupRuntime.begin_call`).
 
-Cost per call: one stream memory operation, the start batch (on the GPU's front end ~3.5 us, a
-node in a replayed graph; on the host a driver call and the bookkeeping), measured in
-benchmarks/results/watchdog_overhead_*.md.  TORCH_COMMOPT_WATCHDOG=0 turns it off,
+Cost per call: eager, a number in a batch the call queues anyway (or one write) and a few
+microseconds of Python; captured, the start batch (on the GPU's front end ~3.5 us a replay), measured
+in benchmarks/results/watchdog_overhead_*.md.  TORCH_COMMOPT_WATCHDOG=0 turns it off,
 TORCH_COMMOPT_WAIT_TIMEOUT_S sets the bound (default 60 s).
 """
 
@@ -59,9 +69,9 @@ from torch_commopt.core import env
 log = logging.getLogger("torch_commopt.kernels.gpu.watchdog")
 
 WORDS = 4  # int32 words per slot
-TICKET, SEEN, BUSY = 0, 1, 2
+TICKET, SEEN, BUSY, DONE = 0, 1, 2, 3  # a captured call's marks; DONE: the last eager call that ended
 MAX_SLOTS = 256
-EAGER_KEPT = 1 << 16  # records of eager calls kept (a ring): far more than a host runs ahead of its GPU
+EAGER_KEPT = 1 << 12  # records of eager calls kept per slot (a ring): far more than a host runs ahead of its GPU
 CAPTURED = 1 << 30  # tickets of captured calls start here and are kept while the process lives
 MAX_CAPTURED = 1 << 16
 
@@ -97,8 +107,16 @@ class Call:
     thread: int  # threading.get_ident() of the issuing thread
     runtime: object  # the GroupRuntime: read_flags(), read_status(), status_message(), release(), close(), closed
     stream: int = 0  # the caller's stream (raw handle) the call's marks are queued on
-    waits: list[Wait] = field(default_factory=list)
+    # its waits: Wait, or the tuple of a Wait's fields (what GroupRuntime.expect records: a tuple
+    # costs a tenth of a Wait, on every call; the Wait is made when a call is stuck)
+    waits: list = field(default_factory=list)
     captured: bool = False
+    end: int = 0  # the device address its end mark writes (the slot's BUSY word, or DONE when eager)
+    value: int = 0  # what the end mark writes there (0, or the eager call's number)
+    ended: bool = False  # the end mark rode on the call's last batch (GroupRuntime.done_reading)
+
+    def wait_list(self) -> list[Wait]:
+        return [w if isinstance(w, Wait) else Wait(*w) for w in self.waits]
 
     def describe(self) -> str:
         kind = "a captured call" if self.captured else f"call #{self.epoch}"
@@ -126,7 +144,7 @@ def stuck_message(call: Call, flags, elapsed: float, timeout: float) -> str:
     head = f"{call.describe()} waited {elapsed:.0f} s ({env.WAIT_TIMEOUT_S}={timeout:g})"
     if flags is None:
         return f"{head}; its flags could not be read. A peer stalled, crashed, or runs a different schedule."
-    pending = [w for w in call.waits if _unmet(w, flags)]
+    pending = [w for w in call.wait_list() if _unmet(w, flags)]
     # A token reads 0 once passed and taken, so a data wait (its flag lowered only after the call's
     # last read) names the stall better; a token is named when no data wait is pending.
     pending.sort(key=lambda w: w.token)
@@ -170,6 +188,27 @@ class Slots:
         return self.device + 4 * (slot * WORDS + word)
 
 
+@dataclass(slots=True, eq=False)
+class EagerSlot:
+    """A slot's eager calls: the issuing side counts them and keeps their records, the GPU writes
+    the number of each that ends into the slot's DONE word (module docstring)."""
+
+    slot: int
+    runtime: object
+    done: int  # the DONE word's device address
+    issued: int = 0  # calls issued on the slot (the latest one's number); written by the issuer only
+    ring: list = field(default_factory=lambda: [None] * EAGER_KEPT)  # number % EAGER_KEPT -> its Call
+    noted: int = -1  # the DONE value the thread saw with calls pending, and since when
+    since: float = 0.0
+
+    def add(self, call: Call) -> int:
+        """Record the issuer's next call on this slot; its number (what its end mark writes)."""
+        number = self.issued + 1
+        self.ring[number % EAGER_KEPT] = call
+        self.issued = number  # after the record: the thread never sees a number without its call
+        return number
+
+
 class Watchdog:
     """The per-process watchdog (module docstring).  `poll_once` is the whole decision, callable
     with a clock of the caller's (the CPU tests drive it with hand-written slots)."""
@@ -180,8 +219,9 @@ class Watchdog:
         self.poll = poll_s if poll_s is not None else min(1.0, max(0.02, timeout_s / 20))
         self.keys: dict[tuple, int] = {}  # (runtime id, stream handle) -> slot
         self.owner: dict[int, object] = {}  # slot -> its runtime
-        self.calls: dict[int, Call] = {}
-        self.next_eager, self.next_captured = 0, CAPTURED
+        self.calls: dict[int, Call] = {}  # ticket -> captured call
+        self.eager: dict[int, EagerSlot] = {}  # slot -> its eager calls
+        self.next_captured = CAPTURED
         self.since: dict[int, float] = {}  # slot -> when its current call was first seen running
         self.told: set[int] = set()  # runtimes (id) whose failure was raised in a thread already
         self.bounded: dict[int, list] = {}  # runtime id -> [runtime, issuing thread, last label] (watch_status)
@@ -202,17 +242,24 @@ class Watchdog:
                 self.owner[slot] = runtime
         return slot
 
-    def ticket(self, call: Call) -> int:
-        """A ticket for `call`, remembered (eager: in a ring of EAGER_KEPT; captured: for good)."""
+    def eager_slot(self, runtime, stream_handle: int, lane: str = "") -> EagerSlot | None:
+        """The eager calls of (runtime, stream, lane)'s slot (None: no slot left); the caller caches it."""
+        slot = self.slot_for(runtime, stream_handle, lane)
+        if slot is None:
+            return None
         with self.lock:
-            if call.captured:
-                ticket = self.next_captured
-                self.next_captured += 1
-                if ticket - CAPTURED >= MAX_CAPTURED:  # bounded: the oldest captured record goes
-                    self.calls.pop(ticket - MAX_CAPTURED, None)
-            else:
-                ticket = self.next_eager % EAGER_KEPT + 1  # never 0: a slot's value before any call
-                self.next_eager += 1
+            es = self.eager.get(slot)
+            if es is None:
+                es = self.eager[slot] = EagerSlot(slot, runtime, self.slots.address(slot, DONE))
+        return es
+
+    def ticket(self, call: Call) -> int:
+        """A ticket for captured `call`, remembered (the latest MAX_CAPTURED)."""
+        with self.lock:
+            ticket = self.next_captured
+            self.next_captured += 1
+            if ticket - CAPTURED >= MAX_CAPTURED:  # bounded: the oldest captured record goes
+                self.calls.pop(ticket - MAX_CAPTURED, None)
             self.calls[ticket] = call
         return ticket
 
@@ -264,11 +311,43 @@ class Watchdog:
                 message = self.expire(slot, now - start)
                 if message is not None:
                     found.append(message)
+        for es in list(self.eager.values()):
+            message = self.look_eager(es, now)
+            if message is not None:
+                found.append(message)
         for runtime, thread, label in list(self.bounded.values()):
             message = self.gave_up(runtime, thread, label)
             if message is not None:
                 found.append(message)
         return found
+
+    def look_eager(self, es: EagerSlot, now: float) -> str | None:
+        """One look at an eager slot: pending since when, stuck past the timeout (module docstring)."""
+        done = self.slots.get(es.slot, DONE) & 0xFFFFFFFF
+        pending = (es.issued - done) & 0xFFFFFFFF
+        if pending == 0 or pending >= 0x80000000:  # all ended (a number "ahead": a slot's first calls)
+            es.noted = -1
+            return None
+        if es.noted != done:  # first sight of this call pending, or the slot moved on since
+            es.noted, es.since = done, now
+            return None
+        runtime = es.runtime
+        if getattr(runtime, "closed", None) is None and now - es.since <= self.timeout:
+            return None
+        number = es.issued - pending + 1  # the oldest call not ended
+        call = es.ring[number % EAGER_KEPT]
+        if call is None or (call.value - number) & 0xFFFFFFFF:  # the ring let its record go
+            return self.forget(runtime, now - es.since)
+        message = self.judge(call, now - es.since)
+        es.since = self.clock()  # released (or not stuck): look again after a poll, not at once
+        return message
+
+    def forget(self, runtime, elapsed: float) -> None:
+        """A stuck call whose record is gone: nothing to name or release; the runtime is closed."""
+        if getattr(runtime, "closed", None) is None:
+            runtime.close(f"commopt: a call of group {getattr(runtime, 'group_name', '?')} waited "
+                          f"{elapsed:.0f} s on the GPU and its record is gone; the group's GPU schedules are closed")
+        return None
 
     def gave_up(self, runtime, thread: int, label: str) -> str | None:
         """A self-bounded call of `runtime` gave up waiting (its status words say so): close the
@@ -291,17 +370,21 @@ class Watchdog:
         """Slot `slot`'s call is stuck (or its runtime closed): name it, close the runtime, raise in
         the issuing thread (once per runtime), release its waits.  The message when new."""
         call = self.calls.get(self.slots.get(slot, TICKET))
-        runtime = self.owner[slot]
-        if call is None:  # a record the ring let go: nothing to name or release
-            if getattr(runtime, "closed", None) is None:
-                runtime.close(f"commopt: a call of group {getattr(runtime, 'group_name', '?')} waited "
-                              f"{elapsed:.0f} s on the GPU and its record is gone; the group's GPU schedules are closed")
-            return None
+        if call is None:  # a record let go: nothing to name or release
+            return self.forget(self.owner[slot], elapsed)
+        message = self.judge(call, elapsed)
+        self.since[slot] = self.clock()  # released (or not stuck): look again after a poll, not at once
+        return message
+
+    def judge(self, call: Call, elapsed: float) -> str | None:
+        """`call` has not ended for `elapsed` s past the timeout (or its runtime is closed): unless
+        it is an eager call whose stream is idle, name it, close the runtime, raise in the issuing
+        thread (once per runtime), release its waits.  The message when new."""
+        runtime = call.runtime
         if not call.captured and runtime.closed is None and runtime.stream_idle(call.stream):
             # Nothing left to run on the call's stream: its end mark was never queued (the call raised
             # between its start and its end), not a stuck wait.  Watched again after a timeout.
             log.info("%s: its stream is idle but the call never marked its end; not a stuck wait", call.describe())
-            self.since[slot] = self.clock()
             return None
         flags = runtime.read_flags()
         new = runtime.closed is None
@@ -313,10 +396,9 @@ class Watchdog:
         if id(runtime) not in self.told:
             self.told.add(id(runtime))
             raise_in(call.thread, runtime.closed)
-        for w in call.waits:
+        for w in call.wait_list():
             for index in (_flags_of(w) if flags is None else _unmet(w, flags)):
                 runtime.release(index, w.value)
-        self.since[slot] = self.clock()  # released: look again after a poll, not at once
         return message
 
 
