@@ -110,6 +110,13 @@ def _rank(rank: int, world: int, rounds: int, calls: int):
     return out, torch.cuda.get_device_name(dev)
 
 
+def _paired(raw: dict) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of the per-round on / off GPU-time cost, in %."""
+    costs = sorted((on / off - 1) * 100 for on, off in zip(raw["on"]["gpu_ms"], raw["off"]["gpu_ms"]))
+    q1, median, q3 = statistics.quantiles(costs, n=4) if len(costs) > 1 else costs * 3
+    return q1, median, q3
+
+
 def _marks_cost(rounds: int, calls: int) -> list[dict]:
     """One GPU, one process (no other rank time-slicing the device): a call modelled as a GEMM and
     the flag-write batch a schedule's call ends with (done_reading), with and without the
@@ -212,6 +219,8 @@ def main() -> None:
     per_rank = run_distributed(_rank, args.world, args.rounds, args.calls, backend="gloo" if shared else "nccl",
                                timeout_s=560)
     cases, device = per_rank[0]
+    for i, c in enumerate(cases):  # the paired cost: on / off of the same round (drifts cancel), per rank
+        c["paired"] = [_paired(rank_cases[i]["raw"]) for rank_cases, _ in per_rank]
     marks = _marks_cost(args.rounds, 200)  # after the ranks: CUDA initialized here only now
     variant = "shared1gpu" if shared else ""
     meta = machine_meta(device, args.world, args.commit, shared_device=shared, rounds=args.rounds, calls=args.calls)
@@ -220,17 +229,22 @@ def main() -> None:
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; "
              f"median of {args.rounds} rounds of {args.calls} back-to-back calls, the slowest rank; modes in "
              "alternating order each round.", "",
-             "| case | schedule | shape (rows/rank x K x N) | GPU ms on | GPU ms off | GPU cost | host us on | host us off |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| case | schedule | shape (rows/rank x K x N) | GPU ms on | GPU ms off | GPU cost | paired cost "
+             "(quartiles) | host us on | host us off |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         s = c["slowest"]
         cost = (s["on_gpu_ms"] / s["off_gpu_ms"] - 1) * 100
         c["gpu_cost_pct"] = cost
+        paired = max(c["paired"], key=lambda p: p[1])  # the rank whose median paired cost is largest
         lines.append(f"| {c['label']} | `{c['schedule']}` | {c['rows_per_rank']}x{c['k']}x{c['n']} | "
                      f"{fmt(s['on_gpu_ms'], 4)} | {fmt(s['off_gpu_ms'], 4)} | {cost:+.2f}% | "
+                     f"{paired[1]:+.2f}% ({paired[0]:+.2f}..{paired[2]:+.2f}) | "
                      f"{fmt(s['on_host_us'], 1)} | {fmt(s['off_host_us'], 1)} |")
     worst = max(c["gpu_cost_pct"] for c in cases)
     lines += ["", f"Largest GPU-time cost: {worst:+.2f}% (negative: within the noise of the alternating turns).",
+              "Paired cost: each round's on / off GPU time (the two modes run back to back, so a drift of the "
+              "clocks cancels), the median over rounds and its quartiles, on the rank where that median is largest. "
               "Host time is the enqueue loop's wall time per call (the GPU runs behind it)."]
     if shared:
         lines += ["Ranks sharing one GPU are time-sliced by the device, which sets a floor of about 2 ms per "
