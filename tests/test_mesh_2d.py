@@ -39,11 +39,12 @@ def test_progress_without_a_bar_logs_and_a_hidden_one_is_silent(caplog, capsys):
     assert capsys.readouterr().err == ""
 
 
-def _two_axis_matmul(rank: int, world: int) -> tuple[float, list[float], int, list[str]]:
+def _two_axis_matmul(rank: int, world: int, slices=(None,)) -> list:
     """relu(X W).sum() with X and W sharded over both dims of a 2 x 2 mesh (DTensor gathers X
     along the columns and W along the rows; the backward gathers along both too), forward and
-    backward: (seconds of the compile and first step, the loss's and the gradients' largest
-    errors against eager, regions rewritten, the explain notes)."""
+    backward, once per entry of `slices` (Config.mesh2d_slices): per entry (seconds of the compile
+    and first step, the loss's and the gradients' largest errors against eager, the regions
+    rewritten as (kind, schedule), the explain notes)."""
     import time
 
     import torch
@@ -66,13 +67,19 @@ def _two_axis_matmul(rank: int, world: int) -> tuple[float, list[float], int, li
         return torch.relu(x @ w).sum()
 
     want = step(loss_of)
-    torch_commopt.reset_explain()
-    t0 = time.perf_counter()
-    got = step(torch.compile(loss_of, backend="commopt", options={"consistency_timeout_s": 20.0}))
-    seconds = time.perf_counter() - t0
-    graphs = torch_commopt.explain().graphs
-    return (seconds, [(g - e).abs().max().item() for g, e in zip(got, want, strict=True)],
-            sum(r.status == "rewritten" for g in graphs for r in g.regions), [n for g in graphs for n in g.notes])
+    out = []
+    for s in slices:
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        t0 = time.perf_counter()
+        got = step(torch.compile(loss_of, backend="commopt",
+                                 options={"consistency_timeout_s": 20.0, "mesh2d_slices": s}))
+        seconds = time.perf_counter() - t0
+        graphs = torch_commopt.explain().graphs
+        out.append((seconds, [(g - e).abs().max().item() for g, e in zip(got, want, strict=True)],
+                    [(r.kind, r.schedule) for g in graphs for r in g.regions if r.status == "rewritten"],
+                    [n for g in graphs for n in g.notes]))
+    return out
 
 
 def test_a_graph_with_collectives_on_both_mesh_dims_is_agreed_at_once():
@@ -80,7 +87,21 @@ def test_a_graph_with_collectives_on_both_mesh_dims_is_agreed_at_once():
     they compare renders the other dim's groups by role, so they agree at once instead of each
     waiting out the timeout for the other's vote and leaving the graph untouched.  Forward and
     backward, float64: the same loss and gradients as eager."""
-    for rank, (seconds, errors, rewritten, notes) in enumerate(run_distributed(_two_axis_matmul, 4, timeout_s=300)):
+    for rank, [(seconds, errors, rewritten, notes)] in enumerate(run_distributed(_two_axis_matmul, 4, timeout_s=300)):
         assert not [n for n in notes if "did not vote" in n or "NOT rewritten" in n], (rank, notes)
-        assert rewritten == 2 and max(errors) < 1e-9, (rank, rewritten, errors)  # a region forward, one backward
+        # the forward's two gathers and matmul: one 2D GEMM; the backward's row gather: ag_matmul
+        assert [k for k, _ in rewritten] == ["gemm_2d", "ag_matmul"], (rank, rewritten)
+        assert max(errors) < 1e-9, (rank, errors)
         assert seconds < 20.0, (rank, seconds)
+        assert [n for n in notes if n.startswith("gemm_2d") and "picked S = " in n], notes  # the model's pick
+
+
+def test_the_2d_gemm_runs_every_slice_count_and_summa_against_eager():
+    """Config.mesh2d_slices forces MeshSlice's S (2: slice 1's gathers in flight while slice 0
+    multiplies; 1: the Collective 2D GEMM) or SUMMA (0): the same loss and gradients as eager."""
+    per_rank = run_distributed(_two_axis_matmul, 4, (2, 1, 0), timeout_s=300)
+    for rank, runs in enumerate(per_rank):
+        schedules = [dict(rewritten)["gemm_2d"] for _, _, rewritten, _ in runs]
+        assert schedules == ["meshslice:os:S=2", "collective (S=1)", "summa"], (rank, schedules)
+        for _, errors, _, notes in runs:
+            assert max(errors) < 1e-9 and not [n for n in notes if "NOT rewritten" in n], (rank, errors, notes)

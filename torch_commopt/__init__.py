@@ -16,6 +16,7 @@ from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.attention import balance
 from torch_commopt.kernels.attention import ops as _attention_ops  # noqa: F401  (and commopt.cp_attention_*)
 from torch_commopt.kernels.matmul import ops as _ops  # noqa: F401  (registers torch.ops.commopt.*)
+from torch_commopt.kernels.mesh2d import ops as _mesh2d_ops  # noqa: F401  (and commopt.gemm_2d)
 from torch_commopt.optimize import optimize
 from torch_commopt.report import ExplainReport, explain, reset_explain
 

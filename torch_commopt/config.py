@@ -17,7 +17,7 @@ from typing import Any
 from torch_commopt.core.moe_spec import parse_moe_schedule
 from torch_commopt.core.schedule import SINGLE, Schedule
 
-PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar", "attention")
+PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar", "attention", "gemm_2d")
 MODES = ("auto", "model", "autotune", "fixed")
 
 
@@ -57,6 +57,7 @@ class Config:
     call_graphs: bool | str = False  # eager GPU schedules replayed from per-call CUDA graphs (True or "all")
     host_bound_graphs: str = "overlap"  # "inductor": leave a graph whose host is behind its GPU to Inductor
     k_parts: bool = False  # hand a concat-K matmul's terms to our op as K parts instead of concatenated
+    mesh2d_slices: int | None = None  # gemm_2d regions' slice count S (1: Collective, 0: SUMMA); None: the model
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str):
@@ -90,6 +91,10 @@ class Config:
         _check_type("chunks", self.chunks, int)
         if self.chunks < 1:
             raise ValueError(f"Config.chunks: must be >= 1, got {self.chunks}")
+        if self.mesh2d_slices is not None:
+            _check_type("mesh2d_slices", self.mesh2d_slices, int)
+            if self.mesh2d_slices < 0:
+                raise ValueError(f"Config.mesh2d_slices: must be >= 0 (0: SUMMA) or None, got {self.mesh2d_slices}")
         if isinstance(self.patterns, (list, str)):
             object.__setattr__(self, "patterns", tuple([self.patterns] if isinstance(self.patterns, str) else self.patterns))
         unknown = [p for p in self.patterns if p not in PATTERNS]

@@ -34,6 +34,7 @@ from torch_commopt.passes.graph_utils import (
 )
 from torch_commopt.passes.matmul.find_ag_matmul import find_ag_matmul
 from torch_commopt.passes.matmul.find_matmul_reduce import find_matmul_reduce
+from torch_commopt.passes.matmul.gemm_2d import Region2D, find_gemm_2d, pick_slices, rewrite_gemm_2d, schedule_2d
 from torch_commopt.passes.matmul.rewrite import rewrite_region
 from torch_commopt.passes.regions import Region
 from torch_commopt.report import Skip
@@ -116,7 +117,8 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     except Exception as e:  # an explain note at most: never in the way of a compile
         log.debug("commopt: all-reduce split analysis failed: %s", e)
     try:
-        regions = _find_regions(graph, config, report)
+        regions2d = _find_2d(graph, config, report)
+        regions = _find_regions(graph, config, report, {r.mm for r, _ in regions2d})
         if regions and _left_host_bound(graph, regions, config, report):
             regions = []
         edges = _region_edges(regions, config)
@@ -130,12 +132,17 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
     except Exception as e:  # analysis only: the graph is still untouched, so leave it so
         log.exception("commopt: analysis of graph %d failed; graph left untouched", report.graph_id)
         report.notes.append(f"NOT rewritten: analysis failed ({type(e).__name__}: {e})")
-        regions, schedules = [], []
-    decisions = [_decision(r, s) for r, s in zip(regions, schedules)]
+        regions, schedules, regions2d = [], [], []
+    decisions = [_decision(r, s) for r, s in zip(regions, schedules)] + [_decision_2d(r, s) for r, s in regions2d]
     report.plan_hash = consistency.plan_hash(decisions)
-    if regions and not _ranks_agree(graph, regions, decisions, report, config):
-        regions, schedules = [], []
+    if (regions or regions2d) and not _ranks_agree(graph, regions, decisions, report, config, regions2d):
+        regions, schedules, regions2d = [], [], []
     replaced, rewritten = {}, 0
+    for region, slices in regions2d:
+        rewrite_gemm_2d(graph, region, slices)
+        rewritten += 1
+        report.regions.append(explain.RegionReport(region.kind, region.mm.name, region.summary(),
+                                                   schedule_2d(slices), "rewritten"))
     for region, schedule in zip(regions, schedules):
         if _keep_as_compiled(region, schedule, config):
             report.regions.append(explain.RegionReport(
@@ -215,8 +222,30 @@ def _keep_as_compiled(region: Region, schedule: Schedule, config: Config) -> boo
     return schedule.name == "sequential" and not (fixed is not None and fixed.valid_for(region.kind))
 
 
-def _find_regions(graph: Graph, config: Config, report: explain.GraphReport) -> list[Region]:
-    regions, claimed = [], set()
+def _find_2d(graph: Graph, config: Config, report: explain.GraphReport) -> list[tuple[Region2D, int]]:
+    """The graph's 2D GEMMs (passes/matmul/find_gemm_2d.py), each with its slice count: the
+    config's, or the cost model's (noted with its estimates)."""
+    if "gemm_2d" not in config.patterns:
+        return []
+    found, skipped = find_gemm_2d(graph)
+    report.skipped += skipped
+    out = []
+    for region in found:
+        if config.mesh2d_slices is not None:
+            slices = config.mesh2d_slices
+            report.notes.append(f"gemm_2d {region.mm.name}: S = {slices} (Config.mesh2d_slices)")
+        else:
+            slices, times = pick_slices(region)
+            est = ", ".join(f"S={s} {t * 1e3:.3f} ms" for s, t in sorted(times.items()))
+            report.notes.append(f"gemm_2d {region.mm.name}: MeshSlice os on {region.rows}x{region.cols}, "
+                                f"picked S = {slices} (model: {est})")
+        out.append((region, slices))
+    return out
+
+
+def _find_regions(graph: Graph, config: Config, report: explain.GraphReport, taken=frozenset()) -> list[Region]:
+    """The 1-D regions of the graph's collectives (`taken`: matmuls a 2D region holds already)."""
+    regions, claimed = [], set(taken)
     for name, finder in FINDERS:
         if name not in config.patterns:
             continue
@@ -590,7 +619,7 @@ def _chunk_rows(region: Region, chunks: int) -> int:
 
 
 def _ranks_agree(graph: Graph, regions: list[Region], decisions: list[dict], report: explain.GraphReport,
-                 config: Config) -> bool:
+                 config: Config, regions2d=()) -> bool:
     if not config.check_rank_consistency:
         report.notes.append("rank consistency check disabled by config")
         return True
@@ -605,18 +634,20 @@ def _ranks_agree(graph: Graph, regions: list[Region], decisions: list[dict], rep
     # are visited in name order, the same on every rank: no two ranks wait on each other in turn.)
     what = f"plan of graph {report.graph_id} ({report.graph_kind})"
     signature = _collective_signature(graph)
-    for name in sorted({r.group_name for r in regions}):
+    groups = {r.group_name for r in regions} | {g for r, _ in regions2d for g in (r.rows_group, r.cols_group)}
+    for name in sorted(groups):
         seen = functools.partial(_as_seen_by, name)
         sig = [(target, args[:-1] + [seen(args[-1])] if named else args, shape)
                for target, args, named, shape in signature]
-        value = (f"{consistency.digest(sig)}:"
-                 f"{consistency.plan_hash([dict(d, group=seen(d['group'])) for d in decisions])}")
+        plan = [dict(d, **{k: seen(d[k]) for k in ("group", "group2") if k in d}) for d in decisions]
+        value = f"{consistency.digest(sig)}:{consistency.plan_hash(plan)}"
         decision = consistency.Decision("plan", name, consistency.digest([value]), what)
         outcome = consistency.agree(decision, value, config.consistency_timeout_s)
         if not outcome.agreed:
             log.error("commopt: graph %d left untouched on every rank: %s", report.graph_id, outcome.detail)
             report.notes.append(f"NOT rewritten: {outcome.detail}")
             report.skipped += [Skip(r.kind, r.collective.name, "rank consistency check failed") for r in regions]
+            report.skipped += [Skip(r.kind, r.mm.name, "rank consistency check failed") for r, _ in regions2d]
             return False
     return True
 
@@ -628,6 +659,15 @@ def _decision(region: Region, schedule: Schedule) -> dict:
     summary.pop("matmuls")
     summary.pop("collective")
     return dict(summary, schedule=str(schedule))
+
+
+def _decision_2d(region: Region2D, slices: int) -> dict:
+    """A 2D GEMM's decision as _decision's: its groups (rendered by role for the other groups), shapes
+    and schedule."""
+    summary = region.summary()
+    summary.pop("matmul")
+    groups = summary.pop("groups")
+    return dict(summary, group=groups["rows"], group2=groups["cols"], schedule=schedule_2d(slices))
 
 
 def _collective_signature(graph: Graph) -> list:

@@ -1,0 +1,55 @@
+"""`torch.ops.commopt.gemm_2d`: one 2D GEMM of an R x C mesh as a graph op (passes/matmul/find_gemm_2d.py
+puts it where a program's per-axis all-gathers feed a matmul), run by the reference schedules
+(reference.py): MeshSlice's sliced GEMM in `slices` slices, 1 being the Collective 2D GEMM, 0 SUMMA.
+
+    gemm_2d(a, b, kind, slices, rows, cols, rows_group, cols_group) -> this rank's block of the product
+
+kind os, ls or rs (reference.py's module docstring: the stored forms of a and b); rows / cols: the
+mesh's sizes (R ranks along dim 0, C along dim 1), whose groups are rows_group (this rank's column:
+the R ranks along dim 0) and cols_group (its row: the C ranks along dim 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_commopt.core.groups import resolve_group
+from torch_commopt.kernels.mesh2d import reference
+
+# A fragment of the commopt namespace (kernels/matmul/ops.py holds its DEF library); plain
+# torch.library.Library as there: no autograd formula (the op sits in compiled forward and
+# inference graphs, after AOT autograd).
+_LIB = torch.library.Library("commopt", "FRAGMENT")
+_LIB.define("gemm_2d(Tensor a, Tensor b, str kind, int slices, int rows, int cols, str rows_group, "
+            "str cols_group) -> Tensor")
+
+
+def out_shape(kind: str, a_shape, b_shape, rows: int, cols: int) -> list[int]:
+    """This rank's block of the product of blocks a and b (reference.py's stored forms)."""
+    if kind == "os":  # X [M/R, K/C] W [K/R, N/C] -> [M/R, N/C]
+        return [a_shape[0], b_shape[1]]
+    if kind == "ls":  # X [M/R, K/C] W [N/R, K/C] -> [M/R, N/C]
+        return [a_shape[0], b_shape[0] * rows // cols]
+    if kind == "rs":  # X [K/R, M/C] W [K/R, N/C] -> [M/R, N/C]
+        return [a_shape[1] * cols // rows, b_shape[1]]
+    raise ValueError(f"commopt gemm_2d: unknown dataflow {kind!r} (os, ls, rs)")
+
+
+def gemm_2d(a: torch.Tensor, b: torch.Tensor, kind: str, slices: int, rows: int, cols: int, rows_group: str,
+            cols_group: str) -> torch.Tensor:
+    r, c = resolve_group(rows_group), resolve_group(cols_group)
+    if (r.size(), c.size()) != (rows, cols):
+        raise ValueError(f"commopt gemm_2d: groups {rows_group} / {cols_group} hold {r.size()} / {c.size()} ranks, "
+                         f"the op was built for a {rows} x {cols} mesh")
+    a, b = a.contiguous(), b.contiguous()
+    if slices == 0:
+        return reference.summa(kind, a, b, r, c)
+    return reference.gemm_2d(kind, a, b, r, c, slices)
+
+
+_LIB.impl("gemm_2d", gemm_2d, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("commopt::gemm_2d")
+def _gemm_2d_fake(a, b, kind, slices, rows, cols, rows_group, cols_group):
+    return a.new_empty(out_shape(kind, a.shape, b.shape, rows, cols))
