@@ -70,7 +70,7 @@ def _callers(op: str, a, w, sched: str, group_name: str, world: int) -> dict:
     return callers
 
 
-def _rank(rank: int, world: int, rounds: int, calls: int):
+def _rank(rank: int, world: int, rounds: int, calls: int, labels: list[str] | None = None):
     import torch
     import torch.distributed as dist
 
@@ -79,6 +79,8 @@ def _rank(rank: int, world: int, rounds: int, calls: int):
     gn, dev = dist.group.WORLD.group_name, torch.device("cuda", torch.cuda.current_device())
     out = []
     for label, op, sched, m, k, n in CASES:
+        if labels and label not in labels:
+            continue
         g = torch.Generator(device=dev).manual_seed(100 + rank)
         rows = m * world if op == "rs" else m
         a = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g)
@@ -206,7 +208,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--commit", default="")
+    parser.add_argument("--cases", default="", help="comma-separated case labels to run (default: all), e.g. "
+                        "'ag small eager' with many --rounds to pin a small call's cost down")
     args = parser.parse_args()
+    labels = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in labels if c not in [case[0] for case in CASES]]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; known: {[case[0] for case in CASES]}")
 
     import torch
 
@@ -216,13 +224,14 @@ def main() -> None:
     shared = shared_device.enabled()
     if not shared and torch.cuda.device_count() < args.world:
         raise SystemExit(f"needs {args.world} GPUs, or one with {shared_device.ENV}=1")
-    per_rank = run_distributed(_rank, args.world, args.rounds, args.calls, backend="gloo" if shared else "nccl",
+    per_rank = run_distributed(_rank, args.world, args.rounds, args.calls, labels, backend="gloo" if shared else "nccl",
                                timeout_s=560)
     cases, device = per_rank[0]
     for i, c in enumerate(cases):  # the paired cost: on / off of the same round (drifts cancel), per rank
         c["paired"] = [_paired(rank_cases[i]["raw"]) for rank_cases, _ in per_rank]
     marks = _marks_cost(args.rounds, 200)  # after the ranks: CUDA initialized here only now
-    variant = "shared1gpu" if shared else ""
+    # a run of some cases keeps a report of its own (the full one stays current)
+    variant = "_".join(v for v in ("shared1gpu" if shared else "", "cases" if labels else "") if v)
     meta = machine_meta(device, args.world, args.commit, shared_device=shared, rounds=args.rounds, calls=args.calls)
     lines = [f"# GPU-wait watchdog: cost per call, on vs off ({device}, {args.world} ranks"
              f"{' sharing one GPU' if shared else ''})", "",

@@ -183,7 +183,10 @@ class Schedule:
         return self.name in GPU_NAMES
 
     def param(self, key: str, default=None):
-        return dict(self.params).get(key, default)
+        for k, v in self.params:  # a few pairs, read several times a call: no dict built per lookup
+            if k == key:
+                return v
+        return default
 
     def with_params(self, **params) -> "Schedule":
         merged = dict(self.params, **params)
