@@ -223,7 +223,7 @@ def _keep_as_compiled(region: Region, schedule: Schedule, config: Config) -> boo
 
 
 def _find_2d(graph: Graph, config: Config, report: explain.GraphReport) -> list[tuple[Region2D, int]]:
-    """The graph's 2D GEMMs (passes/matmul/find_gemm_2d.py), each with its slice count: the
+    """The graph's 2D GEMMs (passes/matmul/gemm_2d.py), each with its slice count: the
     config's, or the cost model's (noted with its estimates)."""
     if "gemm_2d" not in config.patterns:
         return []

@@ -1,4 +1,4 @@
-"""`torch.ops.commopt.gemm_2d`: one 2D GEMM of an R x C mesh as a graph op (passes/matmul/find_gemm_2d.py
+"""`torch.ops.commopt.gemm_2d`: one 2D GEMM of an R x C mesh as a graph op (passes/matmul/gemm_2d.py
 puts it where a program's per-axis all-gathers feed a matmul), run by the reference schedules
 (reference.py): MeshSlice's sliced GEMM in `slices` slices, 1 being the Collective 2D GEMM, 0 SUMMA.
 
