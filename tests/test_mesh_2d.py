@@ -39,12 +39,14 @@ def test_progress_without_a_bar_logs_and_a_hidden_one_is_silent(caplog, capsys):
     assert capsys.readouterr().err == ""
 
 
-def _two_axis_matmul(rank: int, world: int, slices=(None,)) -> list:
+def _two_axis_matmul(rank: int, world: int, slices=(None,), linear: bool = False) -> list:
     """relu(X W).sum() with X and W sharded over both dims of a 2 x 2 mesh (DTensor gathers X
     along the columns and W along the rows; the backward gathers along both too), forward and
-    backward, once per entry of `slices` (Config.mesh2d_slices): per entry (seconds of the compile
-    and first step, the loss's and the gradients' largest errors against eager, the regions
-    rewritten as (kind, schedule), the explain notes)."""
+    backward, once per entry of `slices` (Config.mesh2d_slices).  linear: relu(F.linear(X, W)).sum()
+    with W [N, K] (DTensor gathers X's rows along the mesh's dim 0 and reduce-scatters the product
+    along dim 1; the gathered X is saved for the backward).  Per entry (seconds of the compile and
+    first step, the loss's and the gradients' largest errors against eager, the regions rewritten
+    as (kind, schedule), the explain notes)."""
     import time
 
     import torch
@@ -55,7 +57,8 @@ def _two_axis_matmul(rank: int, world: int, slices=(None,)) -> list:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rows", "cols"))
     gen = torch.Generator().manual_seed(0)
-    x_full, w_full = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((32, 64), (64, 48)))
+    shapes = ((32, 64), (48, 64)) if linear else ((32, 64), (64, 48))
+    x_full, w_full = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes)
 
     def step(fn):
         x, w = (distribute_tensor(t, mesh, [Shard(0), Shard(1)]).requires_grad_() for t in (x_full, w_full))
@@ -64,7 +67,7 @@ def _two_axis_matmul(rank: int, world: int, slices=(None,)) -> list:
         return [loss.full_tensor(), x.grad.full_tensor(), w.grad.full_tensor()]
 
     def loss_of(x, w):
-        return torch.relu(x @ w).sum()
+        return torch.relu(torch.nn.functional.linear(x, w) if linear else x @ w).sum()
 
     want = step(loss_of)
     out = []
@@ -103,5 +106,19 @@ def test_the_2d_gemm_runs_every_slice_count_and_summa_against_eager():
     for rank, runs in enumerate(per_rank):
         schedules = [dict(rewritten)["gemm_2d"] for _, _, rewritten, _ in runs]
         assert schedules == ["meshslice:os:S=2", "collective (S=1)", "summa"], (rank, schedules)
+        for _, errors, _, notes in runs:
+            assert max(errors) < 1e-9 and not [n for n in notes if "NOT rewritten" in n], (rank, errors, notes)
+
+
+def test_an_f_linear_on_a_2d_mesh_is_meshslices_rs_and_keeps_the_gathered_rows_for_backward():
+    """F.linear(X, W) with both [Shard(0), Shard(1)]: DTensor gathers X's rows over the mesh's dim 0,
+    multiplies by its W block and reduce-scatters the partial product over dim 1 -- MeshSlice's rs
+    with the axes swapped.  The op hands back the gathered rows the backward keeps.  S = 2, 1 and
+    0 (SUMMA cannot hand them back: S = 1 instead, noted); loss and gradients as eager's."""
+    per_rank = run_distributed(_two_axis_matmul, 4, (2, 1, 0), True, timeout_s=300)
+    for rank, runs in enumerate(per_rank):
+        schedules = [dict(rewritten).get("gemm_2d") for _, _, rewritten, _ in runs]
+        assert schedules == ["meshslice:rs:S=2", "collective (S=1)", "collective (S=1)"], (rank, schedules)
+        assert [n for n in runs[2][3] if "not SUMMA" in n], runs[2][3]
         for _, errors, _, notes in runs:
             assert max(errors) < 1e-9 and not [n for n in notes if "NOT rewritten" in n], (rank, errors, notes)

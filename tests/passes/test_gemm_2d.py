@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 from torch.fx import Graph
 
 from torch_commopt.kernels.mesh2d.ops import out_shape
-from torch_commopt.passes.graph_utils import ALL_GATHER, MM, WAIT, aten
+from torch_commopt.passes.graph_utils import ALL_GATHER, MM, REDUCE_SCATTER, WAIT, aten
 from torch_commopt.passes.matmul.gemm_2d import find_gemm_2d, pick_slices, rewrite_gemm_2d
 
 
@@ -78,8 +79,56 @@ def test_the_rewrite_leaves_one_op_and_no_collective():
     (region,), _ = find_gemm_2d(g)
     node = rewrite_gemm_2d(g, region, 4)
     targets = [n.target for n in g.nodes if n.op == "call_function"]
-    assert targets == [torch.ops.commopt.gemm_2d.default]
-    assert node.args[2:] == ("os", 4, 2, 2, "rows", "cols") and list(node.meta["val"].shape) == [16, 24]
+    assert targets == [torch.ops.commopt.gemm_2d.default, operator.getitem]
+    op = node.args[0]
+    assert op.args[2:] == ("os", 4, 2, 2, "rows", "cols", False) and list(node.meta["val"].shape) == [16, 24]
+
+
+def _linear_graph(x_block=(16, 32), b_block=(32, 24), mesh=(2, 2), keep=False):
+    """F.linear on a 2D mesh as DTensor emits it: X [M/R, K/C] gathered along its rows over "rows"
+    (R ranks), times the W block (transposed) [K/C, N/R], reduce-scattered along the rows over
+    "cols" (C ranks).  keep: the gathered X is also a graph output (saved for the backward)."""
+    r, c = mesh
+    g = Graph()
+
+    def node(target, args, shape):
+        n = g.call_function(target, args)
+        n.meta["val"] = torch.empty(shape, device="meta")
+        return n
+    x, b = g.placeholder("x"), g.placeholder("b")
+    x.meta["val"], b.meta["val"] = torch.empty(x_block, device="meta"), torch.empty(b_block, device="meta")
+    ag = node(ALL_GATHER, (x, r, "rows"), (r * x_block[0], x_block[1]))
+    wait = node(WAIT, (ag,), (r * x_block[0], x_block[1]))
+    mm = node(MM, (wait, b), (r * x_block[0], b_block[1]))
+    rs = node(REDUCE_SCATTER, (mm, "sum", c, "cols"), (r * x_block[0] // c, b_block[1]))
+    out = node(WAIT, (rs,), (r * x_block[0] // c, b_block[1]))
+    g.output((out, wait) if keep else (out,))
+    return g
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["alone", "gathered kept"])
+def test_f_linears_gather_and_reduce_scatter_are_one_rs_region(keep):
+    g = _linear_graph(keep=keep)
+    (region,), skips = find_gemm_2d(g)
+    assert skips == [] and region.dataflow == "rs" and region.keep_gathered == keep
+    # the op's mesh: rows = the reduce-scatter's group (K blocks), cols = the gather's (M blocks)
+    assert (region.rows_group, region.cols_group, region.rows, region.cols) == ("cols", "rows", 2, 2)
+    assert region.global_mnk == (32, 48, 64)  # M = 16 x 2, N = 24 x 2, K = 32 x 2
+    node = rewrite_gemm_2d(g, region, 2)
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert targets == [aten.permute.default, torch.ops.commopt.gemm_2d.default, operator.getitem] + (
+        [operator.getitem] if keep else [])
+    assert list(node.meta["val"].shape) == [16, 24]
+    outputs = list(g.output_node().args[0])
+    assert outputs[0] is node and (not keep or outputs[1].args == (node.args[0], 1))
+
+
+def test_a_product_reduce_scattered_over_the_gathers_own_group_is_1d():
+    g = _linear_graph()
+    rs = next(n for n in g.nodes if n.target is REDUCE_SCATTER)
+    rs.args = (rs.args[0], "sum", 2, "rows")
+    regions, skips = find_gemm_2d(g)
+    assert regions == [] and "1-D mesh" in skips[0].reason
 
 
 def test_the_ops_block_shape_per_dataflow():

@@ -142,7 +142,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         rewrite_gemm_2d(graph, region, slices)
         rewritten += 1
         report.regions.append(explain.RegionReport(region.kind, region.mm.name, region.summary(),
-                                                   schedule_2d(slices), "rewritten"))
+                                                   schedule_2d(slices, region.dataflow), "rewritten"))
     for region, schedule in zip(regions, schedules):
         if _keep_as_compiled(region, schedule, config):
             report.regions.append(explain.RegionReport(
@@ -231,13 +231,17 @@ def _find_2d(graph: Graph, config: Config, report: explain.GraphReport) -> list[
     report.skipped += skipped
     out = []
     for region in found:
-        if config.mesh2d_slices is not None:
+        if config.mesh2d_slices == 0 and region.keep_gathered:
+            slices = 1
+            report.notes.append(f"gemm_2d {region.mm.name}: S = 1, not SUMMA (Config.mesh2d_slices = 0): the "
+                                "program keeps the gathered operand, which SUMMA's broadcasts never assemble")
+        elif config.mesh2d_slices is not None:
             slices = config.mesh2d_slices
             report.notes.append(f"gemm_2d {region.mm.name}: S = {slices} (Config.mesh2d_slices)")
         else:
             slices, times = pick_slices(region)
             est = ", ".join(f"S={s} {t * 1e3:.3f} ms" for s, t in sorted(times.items()))
-            report.notes.append(f"gemm_2d {region.mm.name}: MeshSlice os on {region.rows}x{region.cols}, "
+            report.notes.append(f"gemm_2d {region.mm.name}: MeshSlice {region.dataflow} on {region.rows}x{region.cols}, "
                                 f"picked S = {slices} (model: {est})")
         out.append((region, slices))
     return out
@@ -667,7 +671,7 @@ def _decision_2d(region: Region2D, slices: int) -> dict:
     summary = region.summary()
     summary.pop("matmul")
     groups = summary.pop("groups")
-    return dict(summary, group=groups["rows"], group2=groups["cols"], schedule=schedule_2d(slices))
+    return dict(summary, group=groups["rows"], group2=groups["cols"], schedule=schedule_2d(slices, region.dataflow))
 
 
 def _collective_signature(graph: Graph) -> list:

@@ -2,7 +2,8 @@
 puts it where a program's per-axis all-gathers feed a matmul), run by the reference schedules
 (reference.py): MeshSlice's sliced GEMM in `slices` slices, 1 being the Collective 2D GEMM, 0 SUMMA.
 
-    gemm_2d(a, b, kind, slices, rows, cols, rows_group, cols_group) -> this rank's block of the product
+    gemm_2d(a, b, kind, slices, rows, cols, rows_group, cols_group, return_gathered)
+        -> [this rank's block of the product] (+ [the gathered operand], rs with return_gathered)
 
 kind os, ls or rs (reference.py's module docstring: the stored forms of a and b); rows / cols: the
 mesh's sizes (R ranks along dim 0, C along dim 1), whose groups are rows_group (this rank's column:
@@ -21,7 +22,7 @@ from torch_commopt.kernels.mesh2d import reference
 # inference graphs, after AOT autograd).
 _LIB = torch.library.Library("commopt", "FRAGMENT")
 _LIB.define("gemm_2d(Tensor a, Tensor b, str kind, int slices, int rows, int cols, str rows_group, "
-            "str cols_group) -> Tensor")
+            "str cols_group, bool return_gathered=False) -> Tensor[]")
 
 
 def out_shape(kind: str, a_shape, b_shape, rows: int, cols: int) -> list[int]:
@@ -35,21 +36,33 @@ def out_shape(kind: str, a_shape, b_shape, rows: int, cols: int) -> list[int]:
     raise ValueError(f"commopt gemm_2d: unknown dataflow {kind!r} (os, ls, rs)")
 
 
+def gathered_shape(kind: str, a_shape, cols: int) -> list[int]:
+    """rs's gathered operand as the program holds it: X's rows [M, K/R] (a = Xᵀ [K/R, M/C])."""
+    if kind != "rs":
+        raise ValueError(f"commopt gemm_2d: only rs returns its gathered operand, not {kind!r}")
+    return [a_shape[1] * cols, a_shape[0]]
+
+
 def gemm_2d(a: torch.Tensor, b: torch.Tensor, kind: str, slices: int, rows: int, cols: int, rows_group: str,
-            cols_group: str) -> torch.Tensor:
+            cols_group: str, return_gathered: bool = False) -> list[torch.Tensor]:
     r, c = resolve_group(rows_group), resolve_group(cols_group)
     if (r.size(), c.size()) != (rows, cols):
         raise ValueError(f"commopt gemm_2d: groups {rows_group} / {cols_group} hold {r.size()} / {c.size()} ranks, "
                          f"the op was built for a {rows} x {cols} mesh")
     a, b = a.contiguous(), b.contiguous()
+    gathered = a.new_empty(gathered_shape(kind, a.shape, cols)) if return_gathered else None
     if slices == 0:
-        return reference.summa(kind, a, b, r, c)
-    return reference.gemm_2d(kind, a, b, r, c, slices)
+        if gathered is not None:
+            raise ValueError("commopt gemm_2d: SUMMA does not hand back a gathered operand")
+        return [reference.summa(kind, a, b, r, c)]
+    out = reference.gemm_2d(kind, a, b, r, c, slices, gathered=gathered)
+    return [out] if gathered is None else [out, gathered]
 
 
 _LIB.impl("gemm_2d", gemm_2d, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("commopt::gemm_2d")
-def _gemm_2d_fake(a, b, kind, slices, rows, cols, rows_group, cols_group):
-    return a.new_empty(out_shape(kind, a.shape, b.shape, rows, cols))
+def _gemm_2d_fake(a, b, kind, slices, rows, cols, rows_group, cols_group, return_gathered=False):
+    out = [a.new_empty(out_shape(kind, a.shape, b.shape, rows, cols))]
+    return out + ([a.new_empty(gathered_shape(kind, a.shape, cols))] if return_gathered else [])

@@ -59,10 +59,15 @@ def _check(kind: str, slices: int, rows, cols) -> None:
         raise ValueError("mesh2d: a 2D GEMM needs the row and the col group")
 
 
-def gemm_2d(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist.ProcessGroup, slices: int = 1) -> Tensor:
+def gemm_2d(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist.ProcessGroup, slices: int = 1,
+            gathered: Tensor | None = None) -> Tensor:
     """This rank's block of the 2D GEMM `kind` (module docstring) of the blocks a and b, in
-    `slices` pipelined slices."""
+    `slices` pipelined slices.  gathered (rs only): filled with X's rows gathered along cols,
+    [M, K/R] (Xᵀ's slices as they arrive, transposed: what a program that gathers X whole keeps
+    for its backward)."""
     _check(kind, slices, rows, cols)
+    if gathered is not None and kind != "rs":
+        raise ValueError(f"mesh2d: only rs hands back its gathered operand, not {kind}")
     if kind == "os":  # a = X [M/R, K/C], b = W [K/R, N/C]
         def fetch(s):
             return (all_gather(_slice(a, 1, s, slices), 1, cols, async_op=True),
@@ -98,6 +103,8 @@ def gemm_2d(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist
         xs = pending.wait()
         if s + 1 < slices:
             pending = all_gather(_slice(a, 1, s + 1, slices), 1, cols, async_op=True)
+        if gathered is not None:
+            _place(gathered, 0, s, slices, xs.T)
         scattered.append(reduce_scatter(xs.T @ b, 0, "sum", rows, async_op=True))
     for s, p in enumerate(scattered):
         _place(out, 0, s, slices, p.wait())

@@ -18,6 +18,7 @@ dynamic shape -- is left to the 1-D finders (ag_matmul takes X's gather)."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ from torch.fx import Graph, Node
 from torch_commopt.passes.graph_utils import (
     ALL_GATHER,
     MM,
+    REDUCE_SCATTER,
     WAIT,
     Unsupported,
     aten,
@@ -34,6 +36,7 @@ from torch_commopt.passes.graph_utils import (
     is_static,
     split_cat_dim,
     static_shape,
+    wait_of,
 )
 from torch_commopt.report import Skip
 from torch_commopt.tuner.mesh2d.model import meshslice_s
@@ -45,27 +48,36 @@ CAT = aten.cat.default
 
 @dataclass
 class Region2D:
-    """One 2D GEMM found in a graph: mm = A @ B with A gathered over `cols_group` (C ranks, along
-    K = dim 1) and B over `rows_group` (R ranks, along K = dim 0)."""
+    """One 2D GEMM found in a graph, as the op takes it (kernels/mesh2d/reference.py's stored forms
+    on an R x C mesh whose groups are rows_group (R ranks) and cols_group (C ranks)):
+        os  mm = A @ B, A = X [M/R, K/C] gathered over cols along K, B = W [K/R, N/C] over rows
+        rs  reduce_scatter(mm, cols) of mm = gather(X over rows) @ B: the op's a = X^T [K/R, M/C],
+            b = B [K/R, N/C], its mesh the program's with the axes swapped
+    `out` is the node whose value the op's result replaces (the mm, or the reduce-scatter's wait)."""
 
     mm: Node
-    x: Node  # X's block [M/R, K/C]
-    w: Node  # W's block [K/R, N/C]
+    x: Node  # os: X's block; rs: the gathered block X [M/C, K/R] (the op takes its transpose)
+    w: Node  # the B operand's block [K/R, N/C]
     rows_group: str
     cols_group: str
     rows: int
     cols: int
-    nodes: list[Node] = field(default_factory=list)  # the gathers' nodes, erased by the rewrite
+    nodes: list[Node] = field(default_factory=list)  # the collectives' nodes, erased by the rewrite
+    dataflow: str = "os"
+    out: Node | None = None
+    keep_gathered: bool = False  # rs: the gathered X has other users (saved for backward): the op returns it
     kind: str = "gemm_2d"
 
     @property
     def global_mnk(self) -> tuple[int, int, int]:
-        (m, k), (_, n) = static_shape(self.x), static_shape(self.w)
-        return m * self.rows, n * self.cols, k * self.cols
+        (xr, xc), (_, n) = static_shape(self.x), static_shape(self.w)
+        if self.dataflow == "rs":  # a = X^T [K/R, M/C]: xr = M/C, xc = K/R
+            return xr * self.cols, n * self.cols, xc * self.rows
+        return xr * self.rows, n * self.cols, xc * self.cols
 
     def summary(self) -> dict:
         x = self.x.meta["val"]
-        return {"kind": self.kind, "dataflow": "os", "mesh": [self.rows, self.cols],
+        return {"kind": self.kind, "dataflow": self.dataflow, "mesh": [self.rows, self.cols],
                 "groups": {"rows": self.rows_group, "cols": self.cols_group},
                 "x_shape": list(static_shape(self.x)), "w_shape": list(static_shape(self.w)),
                 "dtype": str(x.dtype).removeprefix("torch."), "matmul": self.mm.name}
@@ -76,9 +88,9 @@ def find_gemm_2d(graph: Graph) -> tuple[list[Region2D], list[Skip]]:
     for node in graph.nodes:
         if node.op == "call_function" and node.target is MM:
             try:
-                region = _region_of(node)
+                region = _region_of(node) or _rs_region_of(node)
             except Unsupported as e:
-                if _both_gathered(node):  # a 2D candidate after all: say why not
+                if _both_gathered(node) or _rs_candidate(node):  # a 2D candidate after all: say why not
                     skips.append(Skip("gemm_2d", node.name, str(e)))
                 continue
             if region is not None:
@@ -135,13 +147,61 @@ def _region_of(mm: Node) -> Region2D | None:
     if x.meta["val"].dtype != w.meta["val"].dtype:
         raise Unsupported("X and W differ in dtype")
     return Region2D(mm=mm, x=x, w=w, rows_group=rows_group, cols_group=cols_group, rows=rows, cols=cols,
-                    nodes=[*chain_x, *chain_w])
+                    nodes=[*chain_x, *chain_w], out=mm)
+
+
+def _rs_candidate(mm: Node) -> tuple[Node, Node] | None:
+    """(the all-gather of A, the reduce-scatter of the product) when mm's A is all-gathered along its
+    rows and its product goes straight into a reduce-scatter along its rows."""
+    a = _gathered(mm.args[0])
+    users = list(mm.users)
+    if a is None or a[0] is not a[1].args[0] or len(users) != 1:  # a plain (dim 0) gather only
+        return None
+    rs = users[0]
+    if rs.op != "call_function" or rs.target is not REDUCE_SCATTER or rs.args[0] is not mm:
+        return None
+    return a[0], rs
+
+
+def _rs_region_of(mm: Node) -> Region2D | None:
+    """DTensor's F.linear on a 2D mesh (X and W both [Shard(0), Shard(1)]): X's rows gathered over
+    mesh dim 0, X_g @ W_local^T, the partial product reduce-scattered over dim 1 along its rows --
+    MeshSlice's rs dataflow with the mesh's axes swapped (Region2D)."""
+    found = _rs_candidate(mm)
+    if found is None:
+        return None
+    ag, rs = found
+    wait_x = mm.args[0]
+    rs_wait = wait_of(rs)
+    gather_group, gather_size = group_name_of(ag.args[2]), ag.args[1]
+    scatter_group, scatter_size, op = group_name_of(rs.args[3]), rs.args[2], rs.args[1]
+    if op != "sum":
+        raise Unsupported(f"the product is reduce-scattered with {op!r}, not summed")
+    if gather_group == scatter_group:
+        raise Unsupported("the gather and the reduce-scatter share one group: a 1-D mesh")
+    x, b = ag.args[0], mm.args[1]
+    xs, bs = x.meta["val"].shape, b.meta["val"].shape
+    if not (is_static(list(xs)) and is_static(list(bs))) or len(xs) != 2 or len(bs) != 2:
+        raise Unsupported("X and W blocks must be static 2-D")
+    if (xs[0] * gather_size) % scatter_size:
+        raise Unsupported(f"{xs[0] * gather_size} rows do not scatter over {scatter_size} ranks")
+    if x.meta["val"].dtype != b.meta["val"].dtype:
+        raise Unsupported("X and W differ in dtype")
+    # the op's mesh: rows = the scatter's group (its K blocks), cols = the gather's (its M blocks)
+    return Region2D(mm=mm, x=x, w=b, rows_group=scatter_group, cols_group=gather_group, rows=scatter_size,
+                    cols=gather_size, nodes=[ag, wait_x, mm, rs, rs_wait], dataflow="rs", out=rs_wait,
+                    keep_gathered=list(wait_x.users) != [mm])
 
 
 def slice_counts(region: Region2D) -> list[int]:
-    """The slice counts that cut both K blocks (1: the Collective 2D GEMM), at most MAX_SLICES."""
-    kx, kw = static_shape(region.x)[1], static_shape(region.w)[0]
-    return [s for s in range(1, MAX_SLICES + 1) if kx % s == 0 and kw % s == 0]
+    """The slice counts that cut the sliced dimension's blocks (os: both K blocks; rs: X's M block
+    and the output's), at most MAX_SLICES (1: the Collective 2D GEMM)."""
+    if region.dataflow == "rs":
+        m_block = static_shape(region.x)[0]
+        cut = (m_block, m_block * region.cols // region.rows)
+    else:
+        cut = (static_shape(region.x)[1], static_shape(region.w)[0])
+    return [s for s in range(1, MAX_SLICES + 1) if all(d % s == 0 for d in cut)]
 
 
 def pick_slices(region: Region2D, cluster: GPUCluster | None = None) -> tuple[int, dict[int, float]]:
@@ -149,29 +209,46 @@ def pick_slices(region: Region2D, cluster: GPUCluster | None = None) -> tuple[in
     NVLink inside a node); the smallest S within 1% of the fastest (fewer, larger pieces)."""
     m, n, k = region.global_mnk
     links = (cluster or GPUCluster()).links((region.rows, region.cols))
-    times = {s: meshslice_s("os", m, n, k, (region.rows, region.cols), s, links) for s in slice_counts(region)}
+    times = {s: meshslice_s(region.dataflow, m, n, k, (region.rows, region.cols), s, links)
+             for s in slice_counts(region)}
     best = min(times.values())
     return min(s for s, t in times.items() if t <= best * 1.01), times
 
 
-def schedule_2d(slices: int) -> str:
+def schedule_2d(slices: int, dataflow: str = "os") -> str:
     """How explain names a 2D GEMM's schedule."""
-    return "summa" if slices == 0 else "collective (S=1)" if slices == 1 else f"meshslice:os:S={slices}"
+    return "summa" if slices == 0 else "collective (S=1)" if slices == 1 else f"meshslice:{dataflow}:S={slices}"
 
 
 def rewrite_gemm_2d(graph: Graph, region: Region2D, slices: int) -> Node:
     """Replace the region's mm and both gathers by one commopt.gemm_2d node; the new node."""
     import torch_commopt.kernels.mesh2d.ops  # noqa: F401  (registers commopt.gemm_2d)
 
-    mm = region.mm
-    with graph.inserting_before(mm):
-        node = graph.call_function(torch.ops.commopt.gemm_2d.default,
-                                   (region.x, region.w, "os", slices, region.rows, region.cols,
-                                    region.rows_group, region.cols_group))
-    node.meta.update(mm.meta)
-    mm.replace_all_uses_with(node)
-    graph.erase_node(mm)
-    for n in reversed(region.nodes):
+    out = region.out
+    with graph.inserting_before(region.mm):
+        a = region.x
+        if region.dataflow == "rs":  # the op's a is X^T (it makes it contiguous)
+            a = graph.call_function(torch.ops.aten.permute.default, (a, [1, 0]))
+            a.meta["val"] = region.x.meta["val"].permute(1, 0)
+        op = graph.call_function(torch.ops.commopt.gemm_2d.default,
+                                 (a, region.w, region.dataflow, slices, region.rows, region.cols,
+                                  region.rows_group, region.cols_group, region.keep_gathered))
+        node = graph.call_function(operator.getitem, (op, 0))
+    node.meta.update(out.meta)
+    if region.keep_gathered:  # the gathered X's other users (the backward's saved tensor) take the op's copy
+        wait_x = region.mm.args[0]
+        with graph.inserting_after(node):
+            gathered = graph.call_function(operator.getitem, (op, 1))
+        gathered.meta.update(wait_x.meta)
+        wait_x.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not region.mm)
+    op.meta["val"] = [node.meta["val"]] + ([gathered.meta["val"]] if region.keep_gathered else [])
+    out.replace_all_uses_with(node)
+    for n in sorted(set(region.nodes) | {region.mm, out}, key=_order(graph), reverse=True):
         if not n.users:
             graph.erase_node(n)
     return node
+
+
+def _order(graph: Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return index.__getitem__
