@@ -35,6 +35,7 @@ CUSTOM_OPS = {
     "commopt::cp_attention_bwd_kept": "the schema of its backward (the kept tensors beside dout)",
     "commopt::cp_flex_attention_fwd": "the schema of FlexAttention CP's forward (the mask's tables, code, buffers)",
     "commopt::cp_flex_attention_bwd": "the schema of its backward (the forward's out and lse beside dout)",
+    "commopt::gemm_2d": "the schema of a 2D GEMM region (dataflow, slices, both mesh sizes and groups, the gathered copy)",
 }
 
 

@@ -1,20 +1,28 @@
-"""2D GEMMs: a matmul whose two operands are each all-gathered over one axis of a 2D mesh
-(`gemm_2d`, MeshSlice's output-stationary dataflow).
+"""2D GEMMs: a matmul whose operands DTensor moves over both axes of a 2D mesh (`gemm_2d`,
+MeshSlice's sliced GEMMs), in two forms.
 
-DTensor multiplies X [M, K] and W [K, N], each sharded over both dims of an R x C mesh
-(`[Shard(0), Shard(1)]`: rank (i, j) holds block (i, j)), by gathering X's K blocks along the mesh's
-dim 1 (the C ranks of its row) and W's K blocks along dim 0 (the R ranks of its column), then
-one local mm: the Collective 2D GEMM.  In the post-grad graph:
+`X @ W`, X [M, K] and W [K, N] both sharded over both dims of an R x C mesh (`[Shard(0),
+Shard(1)]`: rank (i, j) holds block (i, j)): X's K blocks gathered along the mesh's dim 1 (the C
+ranks of its row), W's along dim 0 (the R ranks of its column), then one local mm -- the
+Collective 2D GEMM, MeshSlice's output-stationary `os`:
 
     all_gather(X, C, cols) -> wait -> split(M/R, dim 0) -> C getitems -> cat(dim 1)  = A
     all_gather(W, R, rows) -> wait                                                  = B
     mm(A, B)
 
-Both gathers feed only the mm.  The region becomes `commopt.gemm_2d(X, W, "os", S, R, C, rows, cols)`:
-MeshSlice's sliced GEMM, slice s + 1's two partial gathers in flight while slice s multiplies.  The
-slice count S is the cost model's (tuner/mesh2d) for the global shape on this mesh, or
-`Config.mesh2d_slices`.  Anything else -- one of the gathers used elsewhere, a 1-D mesh, a
-dynamic shape -- is left to the 1-D finders (ag_matmul takes X's gather)."""
+`F.linear(X, W)`, W [N, K], both sharded the same way: X's rows gathered along dim 0, the local
+product with W's block reduce-scattered along its rows over dim 1 -- MeshSlice's `rs` (Y = X^T W,
+W stationary) with the mesh's axes swapped (Region2D):
+
+    all_gather(X, R, rows) -> wait -> mm(., B) -> reduce_scatter(sum, C, cols) -> wait
+
+Each becomes one `commopt.gemm_2d`: slice s + 1's partial collectives in flight while slice s
+multiplies.  Both are the graph's own function for any inputs, whatever the groups: the slices
+interleave positions, so the gathered slices meet and each reduce-scattered chunk lands where the
+whole collective would put it (kernels/mesh2d/reference.py).  The slice count S is the cost
+model's (tuner/mesh2d) for the global shape on this mesh, or `Config.mesh2d_slices`.  Anything else
+-- a gathered A used elsewhere in `os`, one group for both, a dynamic shape -- is left to the 1-D
+finders (ag_matmul takes the gather)."""
 
 from __future__ import annotations
 
