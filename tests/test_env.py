@@ -130,3 +130,14 @@ def test_env_is_a_leaf():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not any(m.startswith("torch_commopt") for m in imported)
+
+
+def test_a_switch_read_on_every_call_follows_os_environ_replaced_whole(monkeypatch):
+    """env's per-call switches read os.environ's own encoded mapping; a test or launcher that puts
+    another mapping in its place is followed, not the first one."""
+    import os
+
+    monkeypatch.setenv(env.WATCHDOG, "0")
+    assert env.watchdog() is False
+    monkeypatch.setattr(os, "environ", {env.WATCHDOG: "1"})  # a plain dict: read through .get
+    assert env.watchdog() is True

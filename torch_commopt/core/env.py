@@ -39,7 +39,7 @@ NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOS
 
 # CPython's POSIX os.environ keeps the encoded strings in `_data`; os.environ.get encodes the name
 # and decodes the value at every read (~1 us on a slow host, several reads in a GPU schedule's call).
-_ENCODED = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_POSIX = os.name == "posix"
 _NAMES: dict[str, bytes] = {}
 _DECODED: dict[str, tuple[bytes, str]] = {}  # name -> (the encoded value last read, its decoding)
 
@@ -48,12 +48,13 @@ def _get(name: str, default: str) -> str:
     """os.environ.get(name, default) for the switches read on every call: the same value, read
     from os.environ's own encoded mapping, decoded again only when the variable was set anew
     (a new value is a new object there)."""
-    if _ENCODED is None:
+    encoded = getattr(os.environ, "_data", None) if _POSIX else None  # (read each time: os.environ may be replaced)
+    if not isinstance(encoded, dict):
         return os.environ.get(name, default)
     key = _NAMES.get(name)
     if key is None:
         key = _NAMES[name] = os.fsencode(name)
-    raw = _ENCODED.get(key)
+    raw = encoded.get(key)
     if raw is None:
         return default
     hit = _DECODED.get(name)
