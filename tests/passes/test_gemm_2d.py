@@ -15,18 +15,25 @@ from torch_commopt.passes.graph_utils import ALL_GATHER, MM, REDUCE_SCATTER, WAI
 from torch_commopt.passes.matmul.gemm_2d import find_gemm_2d, pick_slices, rewrite_gemm_2d
 
 
-def _graph(x_block=(16, 32), w_block=(32, 24), groups=("cols", "rows"), mesh=(2, 2), x_extra_use=False):
-    """X [M/R, K/C] gathered over `groups[0]` (C ranks) along dim 1 (split / cat), W [K/R, N/C] over
-    `groups[1]` (R ranks) along dim 0, and their mm."""
-    r, c = mesh
+def _builder(x_block, other_block):
+    """A graph with two placeholders holding meta values of the blocks' shapes, and node(target,
+    args, shape): a call added with a meta value of that shape."""
     g = Graph()
 
     def node(target, args, shape):
         n = g.call_function(target, args)
         n.meta["val"] = torch.empty(shape, device="meta")
         return n
-    x, w = g.placeholder("x"), g.placeholder("w")
-    x.meta["val"], w.meta["val"] = torch.empty(x_block, device="meta"), torch.empty(w_block, device="meta")
+    x, other = g.placeholder("x"), g.placeholder("other")
+    x.meta["val"], other.meta["val"] = torch.empty(x_block, device="meta"), torch.empty(other_block, device="meta")
+    return g, node, x, other
+
+
+def _graph(x_block=(16, 32), w_block=(32, 24), groups=("cols", "rows"), mesh=(2, 2), x_extra_use=False):
+    """X [M/R, K/C] gathered over `groups[0]` (C ranks) along dim 1 (split / cat), W [K/R, N/C] over
+    `groups[1]` (R ranks) along dim 0, and their mm."""
+    r, c = mesh
+    g, node, x, w = _builder(x_block, w_block)
     ag_x = node(ALL_GATHER, (x, c, groups[0]), (c * x_block[0], x_block[1]))
     wait_x = node(WAIT, (ag_x,), (c * x_block[0], x_block[1]))
     split = g.call_function(aten.split.Tensor, (wait_x, x_block[0]))
@@ -89,14 +96,7 @@ def _linear_graph(x_block=(16, 32), b_block=(32, 24), mesh=(2, 2), keep=False):
     (R ranks), times the W block (transposed) [K/C, N/R], reduce-scattered along the rows over
     "cols" (C ranks).  keep: the gathered X is also a graph output (saved for the backward)."""
     r, c = mesh
-    g = Graph()
-
-    def node(target, args, shape):
-        n = g.call_function(target, args)
-        n.meta["val"] = torch.empty(shape, device="meta")
-        return n
-    x, b = g.placeholder("x"), g.placeholder("b")
-    x.meta["val"], b.meta["val"] = torch.empty(x_block, device="meta"), torch.empty(b_block, device="meta")
+    g, node, x, b = _builder(x_block, b_block)
     ag = node(ALL_GATHER, (x, r, "rows"), (r * x_block[0], x_block[1]))
     wait = node(WAIT, (ag,), (r * x_block[0], x_block[1]))
     mm = node(MM, (wait, b), (r * x_block[0], b_block[1]))
