@@ -123,12 +123,20 @@ def test_f_linears_gather_and_reduce_scatter_are_one_rs_region(keep):
     assert outputs[0] is node and (not keep or outputs[1].args == (node.args[0], 1))
 
 
-def test_a_product_reduce_scattered_over_the_gathers_own_group_is_1d():
+def test_a_product_reduce_scattered_over_the_gathers_own_group_is_1d_tp_and_not_listed():
+    # (1-D TP's gather -> mm -> reduce-scatter: ag_matmul's, and no skip note in every TP program)
     g = _linear_graph()
     rs = next(n for n in g.nodes if n.target is REDUCE_SCATTER)
     rs.args = (rs.args[0], "sum", 2, "rows")
+    assert find_gemm_2d(g) == ([], [])
+
+
+def test_a_product_reduce_scattered_with_max_is_said():
+    g = _linear_graph()
+    rs = next(n for n in g.nodes if n.target is REDUCE_SCATTER)
+    rs.args = (rs.args[0], "max", 2, "cols")
     regions, skips = find_gemm_2d(g)
-    assert regions == [] and "1-D mesh" in skips[0].reason
+    assert regions == [] and "not summed" in skips[0].reason
 
 
 def test_the_ops_block_shape_per_dataflow():

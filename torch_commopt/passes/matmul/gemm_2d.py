@@ -168,6 +168,8 @@ def _rs_candidate(mm: Node) -> tuple[Node, Node] | None:
     rs = users[0]
     if rs.op != "call_function" or rs.target is not REDUCE_SCATTER or rs.args[0] is not mm:
         return None
+    if group_name_of(a[0].args[2]) == group_name_of(rs.args[3]):  # one group: 1-D TP, not a candidate
+        return None
     return a[0], rs
 
 
@@ -185,8 +187,6 @@ def _rs_region_of(mm: Node) -> Region2D | None:
     scatter_group, scatter_size, op = group_name_of(rs.args[3]), rs.args[2], rs.args[1]
     if op != "sum":
         raise Unsupported(f"the product is reduce-scattered with {op!r}, not summed")
-    if gather_group == scatter_group:
-        raise Unsupported("the gather and the reduce-scatter share one group: a 1-D mesh")
     x, b = ag.args[0], mm.args[1]
     xs, bs = x.meta["val"].shape, b.meta["val"].shape
     if not (is_static(list(xs)) and is_static(list(bs))) or len(xs) != 2 or len(bs) != 2:
