@@ -1,5 +1,5 @@
 """GPU tests run on the device machine (`make test-gpu`); each skips without the GPUs it needs
-(`two_gpus`: 2; `one_gpu`: 1; `two_ranks` / `more_ranks`: 2 / 3 and 4, or one GPU shared by that many
+(`two_gpus`: 2; `one_gpu`: 1; `two_ranks` / `four_ranks` / `more_ranks`: 2 / 4 / 3 and 4, or one GPU shared by that many
 ranks over gloo when TORCH_COMMOPT_SHARED_DEVICE=1 -- kernels/gpu/shared_device.py: correctness only).
 CUDA is queried inside the tests, never at import."""
 
@@ -49,6 +49,12 @@ def _ranks(world: int) -> tuple[int, str]:
 @pytest.fixture
 def two_ranks():
     return _ranks(2)
+
+
+@pytest.fixture
+def four_ranks():
+    """A 2 x 2 mesh's four ranks."""
+    return _ranks(4)
 
 
 @pytest.fixture(params=[3, 4], ids=lambda w: f"world{w}")

@@ -1,0 +1,53 @@
+"""Per-rank programs for the 2D GEMM regions on GPUs (issue 71): a DTensor program on a 2 x 2 mesh
+-- X @ W (MeshSlice's os) or F.linear(X, W) (rs) with both operands [Shard(0), Shard(1)] -- compiled
+with backend="commopt", forward and backward in bf16, against the whole product and its gradients
+in float64; beside it the same program run eagerly by DTensor, whose error is the reference's own."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from kernel_cases import _global, _rel
+
+import torch_commopt
+
+
+def run_gemm_2d(rank: int, world: int, linear: bool, slices: tuple) -> list:
+    """Per entry of `slices` (Config.mesh2d_slices; None: the model's S): (S, the compiled step's
+    [loss, dX, dW] errors, eager DTensor's, the regions rewritten as (kind, schedule))."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("rows", "cols"))
+    k = 512
+    x_full = _global(1, (256, k), torch.float32)  # fresh random, the same on every rank
+    w_full = _global(2, (384, k) if linear else (k, 384), torch.float32) / math.sqrt(k)
+
+    def loss_of(x, w):
+        y = F.linear(x, w) if linear else x @ w
+        return (y.float() ** 2).sum()
+
+    x64, w64 = (t.double().requires_grad_() for t in (x_full, w_full))
+    whole = loss_of(x64, w64)
+    whole.backward()
+    want = [whole.detach(), x64.grad, w64.grad]
+
+    def step(fn) -> list[float]:
+        x, w = (distribute_tensor(t.to(torch.bfloat16), mesh, [Shard(0), Shard(1)]).requires_grad_()
+                for t in (x_full, w_full))
+        loss = fn(x, w)
+        loss.backward()
+        return [_rel(t.full_tensor(), ref) for t, ref in zip((loss, x.grad, w.grad), want, strict=True)]
+
+    eager = step(loss_of)
+    out = []
+    for s in slices:
+        torch._dynamo.reset()
+        torch_commopt.reset_explain()
+        got = step(torch.compile(loss_of, backend="commopt", options={"mesh2d_slices": s}))
+        regions = [(r.kind, r.schedule) for g in torch_commopt.explain().graphs for r in g.regions
+                   if r.status == "rewritten"]
+        out.append((s, got, eager, regions))
+    return out

@@ -1,0 +1,29 @@
+"""The 2D GEMM regions (passes/matmul/gemm_2d.py, kernels/mesh2d/ops.py) on GPUs: four ranks as a
+2 x 2 mesh (four GPUs with NCCL, or one GPU shared by four ranks over gloo with
+TORCH_COMMOPT_SHARED_DEVICE=1), X @ W and F.linear, the model's S and S = 2, forward and backward
+in bf16 within the tolerance of eager DTensor's own error (mesh2d_cases)."""
+
+from __future__ import annotations
+
+import pytest
+from mesh2d_cases import run_gemm_2d
+
+from torch_commopt.testing.launch import run_distributed
+from torch_commopt.testing.validate import within_tolerance
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("linear", [False, True], ids=["matmul_os", "linear_rs"])
+def test_a_2d_gemm_region_matches_float64_within_eagers_own_error(four_ranks, linear):
+    world, backend = four_ranks
+    dataflow = "rs" if linear else "os"
+    for rank, runs in enumerate(run_distributed(run_gemm_2d, world, linear, (None, 2), backend=backend,
+                                                timeout_s=500)):
+        for s, got, eager, regions in runs:
+            kinds = dict(regions)
+            assert "gemm_2d" in kinds, (rank, s, regions)
+            if s == 2:
+                assert kinds["gemm_2d"] == f"meshslice:{dataflow}:S=2", (rank, regions)
+            bad = [(name, g, e) for name, g, e in zip(("loss", "dX", "dW"), got, eager, strict=True)
+                   if not within_tolerance(g, e)]
+            assert not bad, (rank, s, bad)
