@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
+import torch
+
 # cuStreamWaitValue32 flags: (int32)(*addr - value) >= 0, i.e. wrap-around safe epochs.
 WAIT_GEQ = 0x0
 # cuStreamWriteValue32 flags: default = preceded by a fence over the stream's earlier writes.
@@ -66,8 +68,6 @@ def _handle(stream) -> int:
 def current_handle(device) -> int:
     """The raw handle of `device`'s current stream, without the torch Stream object that
     torch.cuda.current_stream() builds (a few microseconds on a per-call path)."""
-    import torch
-
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 

@@ -550,21 +550,24 @@ class GroupRuntime:
         if dog is None:
             return None
         handle = driver.current_handle(self.device)
-        if not capturing():
+        captured = capturing()
+        if captured:
+            slot = dog.slot_for(self, handle, lane)
+            if slot is None:
+                return None
+            end = dog.slots.address(slot, watchdog.BUSY)
+        else:
             es = self._eager.get((handle, lane), False)
             if es is False:
                 es = self._eager[(handle, lane)] = dog.eager_slot(self, handle, lane)
             if es is None:
                 return None
-            call = watchdog.Call(op, label or schedule, self.group_name, self.rank, self.epoch + 1,
-                                 threading.get_ident(), self, handle, [], False, es.done)
+            end = es.done
+        call = watchdog.Call(op, label or schedule, self.group_name, self.rank, self.epoch + 1, threading.get_ident(),
+                             self, handle, [], captured, end)
+        if not captured:
             call.value = es.add(call)
             return call
-        slot = dog.slot_for(self, handle, lane)
-        if slot is None:
-            return None
-        call = watchdog.Call(op, label or schedule, self.group_name, self.rank, self.epoch + 1, threading.get_ident(),
-                             self, handle, captured=True, end=dog.slots.address(slot, watchdog.BUSY))
         batch = self._begin_batches.get(slot)
         if batch is None:
             marks = dog.slots

@@ -72,17 +72,18 @@ def gemm_2d(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist
         def fetch(s):
             return (all_gather(_slice(a, 1, s, slices), 1, cols, async_op=True),
                     all_gather(_slice(b, 0, s, slices), 0, rows, async_op=True))
+        pending = fetch(0)
+        if slices == 1:  # the Collective 2D GEMM: one product
+            xs, ws = (p.wait() for p in pending)
+            return xs @ ws
         # the slices' partial products summed in float32 for 16-bit operands (one GEMM accumulates
         # its K in float32; S additions in bf16 would add S roundings)
         acc = torch.float32 if a.dtype in (torch.bfloat16, torch.float16) else a.dtype
         out = a.new_zeros(a.shape[0], b.shape[1], dtype=acc)
-        pending = fetch(0)
         for s in range(slices):
             xs, ws = (p.wait() for p in pending)
             if s + 1 < slices:
                 pending = fetch(s + 1)
-            if slices == 1:
-                return xs @ ws
             out += (xs @ ws).to(acc)
         return out.to(a.dtype)
     if kind == "ls":  # a = X [M/R, K/C], b = W [N/R, K/C]

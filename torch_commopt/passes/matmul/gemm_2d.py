@@ -46,6 +46,7 @@ from torch_commopt.passes.graph_utils import (
     static_shape,
     wait_of,
 )
+from torch_commopt.passes.matmul.rewrite import erase_dead
 from torch_commopt.report import Skip
 from torch_commopt.tuner.mesh2d.model import meshslice_s
 from torch_commopt.tuner.mesh2d.simulate import GPUCluster
@@ -229,9 +230,8 @@ def schedule_2d(slices: int, dataflow: str = "os") -> str:
 
 
 def rewrite_gemm_2d(graph: Graph, region: Region2D, slices: int) -> Node:
-    """Replace the region's mm and both gathers by one commopt.gemm_2d node; the new node."""
-    import torch_commopt.kernels.mesh2d.ops  # noqa: F401  (registers commopt.gemm_2d)
-
+    """Replace the region's mm and its collectives by one commopt.gemm_2d call; the node holding
+    its product."""
     out = region.out
     with graph.inserting_before(region.mm):
         a = region.x
@@ -251,12 +251,5 @@ def rewrite_gemm_2d(graph: Graph, region: Region2D, slices: int) -> Node:
         wait_x.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not region.mm)
     op.meta["val"] = [node.meta["val"]] + ([gathered.meta["val"]] if region.keep_gathered else [])
     out.replace_all_uses_with(node)
-    for n in sorted(set(region.nodes) | {region.mm, out}, key=_order(graph), reverse=True):
-        if not n.users:
-            graph.erase_node(n)
+    erase_dead(graph, [*region.nodes, region.mm, out])
     return node
-
-
-def _order(graph: Graph):
-    index = {n: i for i, n in enumerate(graph.nodes)}
-    return index.__getitem__

@@ -81,12 +81,12 @@ def _rewrite_ag_matmul(graph: Graph, region: Region, schedule: Schedule, replace
         consumer.node.replace_all_uses_with(replacement)
         replaced[consumer.node] = replacement
         graph.erase_node(consumer.node)
-        _erase_dead(graph, consumer.path)
+        erase_dead(graph, consumer.path)
     if region.keep_gathered:
         with graph.inserting_after(op):
             gathered = _call(graph, operator.getitem, (op, len(region.consumers)))
         region.root.replace_all_uses_with(gathered)
-    _erase_dead(graph, region.nodes)
+    erase_dead(graph, region.nodes)
 
 
 def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, replaced: dict[Node, Node],
@@ -114,7 +114,7 @@ def _rewrite_matmul_reduce(graph: Graph, region: Region, schedule: Schedule, rep
             op = _call(graph, torch.ops.commopt.matmul_ar.default, args + _scaled_args(consumer, replaced), parts)
     region.wait.replace_all_uses_with(op)
     replaced[region.wait] = op
-    _erase_dead(graph, region.nodes)
+    erase_dead(graph, region.nodes)
     if split:
         drop_cats(graph, *cats)
 
@@ -125,7 +125,7 @@ def _scaled_args(consumer, replaced: dict[Node, Node]) -> tuple:
     return () if sc is None else (_now(sc.a_scale, replaced), _now(sc.b_scale, replaced), sc.out_dtype, sc.fast_accum)
 
 
-def _erase_dead(graph: Graph, nodes) -> None:
+def erase_dead(graph: Graph, nodes) -> None:
     """Erase the given nodes that have no users left, last first (users before producers)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in sorted({n for n in nodes if n in order}, key=order.__getitem__, reverse=True):
