@@ -100,8 +100,9 @@ def _free_forward(layer, world: int):
     return torch.compiler.disable(forward)
 
 
-def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list, rounds: int, steps: int,
-          compile_children: bool):
+def _rank(rank: int, world: int, models: dict, cases: tuple, rounds: int, steps: int, compile_children: bool,
+          variants: tuple = VARIANTS):
+    """cases: (tokens_list, routings)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -118,12 +119,13 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
     if not cuda:
         torchtitan_moe_cpu_shims()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    tokens_list, routings = cases
     out = []
     for name, model in models.items():
         for tokens in tokens_list:
             for routing in routings:
                 layers = {}
-                for variant in VARIANTS:
+                for variant in variants:
                     layer = _layer(model, device, dtype, 11, compile_children)
                     parallelize_module(layer.experts, mesh, ExpertParallel())
                     if variant.startswith("commopt"):
@@ -140,7 +142,7 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
                 x = torch.randn(1, tokens, model[0], device=device, dtype=dtype, generator=g)
                 dy = torch.randn(x.shape, device=device, dtype=dtype, generator=g)  # dense, as a loss's
                 ref = None
-                times = {v: [] for v in VARIANTS}
+                times = {v: [] for v in variants}
                 errors = {}
                 for variant, layer in layers.items():  # warm-up (compiles), and the outputs compared
                     _transport(variant)
@@ -151,7 +153,7 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
                     elif variant != "comm-free":
                         errors[variant] = ((y.detach().float() - ref).abs().max() / ref.abs().max()).item()
                 for r in range(rounds):
-                    order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+                    order = variants if r % 2 == 0 else variants[::-1]
                     for variant in order:
                         layer = layers[variant]
                         _transport(variant)
@@ -164,11 +166,11 @@ def _rank(rank: int, world: int, models: dict, tokens_list: list, routings: list
                         if cuda:
                             torch.cuda.synchronize()
                         times[variant].append((time.perf_counter() - t0) / steps * 1e3)
-                med = max_over_ranks([statistics.median(times[v]) for v in VARIANTS], device)  # the slowest rank
-                err = max_over_ranks([errors.get(v, 0.0) for v in VARIANTS], device)
+                med = max_over_ranks([statistics.median(times[v]) for v in variants], device)  # the slowest rank
+                err = max_over_ranks([errors.get(v, 0.0) for v in variants], device)
                 out.append({"model": name, "shape": dict(zip(("dim", "expert_ffn", "experts", "top_k", "shared"), model)),
                             "tokens_per_rank": tokens, "routing": routing, "raw_ms": times,
-                            "ms": dict(zip(VARIANTS, med)), "max_rel_error": dict(zip(VARIANTS, err))})
+                            "ms": dict(zip(variants, med)), "max_rel_error": dict(zip(variants, err))})
                 if rank == 0:  # progress: a run cut short by its time limit still tells its cases
                     print(f"{name} T={tokens} {routing}: " + ", ".join(f"{v} {t:.2f}" for v, t in out[-1]["ms"].items())
                           + " ms", flush=True)
@@ -180,8 +182,8 @@ def records(cases: list) -> list:
     for c in cases:
         ms = c["ms"]
         tt, free = ms["torchtitan EP"], ms["comm-free"]
-        c["speedup_vs_torchtitan"] = {v: tt / ms[v] for v in VARIANTS}
-        c["hidden_share"] = {v: ((tt - ms[v]) / (tt - free) if tt > free else None) for v in VARIANTS}
+        c["speedup_vs_torchtitan"] = {v: tt / t for v, t in ms.items()}
+        c["hidden_share"] = {v: ((tt - t) / (tt - free) if tt > free else None) for v, t in ms.items()}
     return cases
 
 
@@ -198,10 +200,10 @@ def report(cases: list, meta: dict) -> str:
         ms, sp, hid = c["ms"], c["speedup_vs_torchtitan"], c["hidden_share"]
         err = max(c["max_rel_error"].values())
         lines.append(f"| {c['model']} | {c['tokens_per_rank']} | {c['routing']} | "
-                     + " | ".join(fmt(ms[v], 2) for v in VARIANTS)
-                     + "".join(f" | {fmt(sp[v])}" for v in ("commopt a2a", "commopt by_peer", "commopt by_expert",
-                                                             "commopt auto"))
-                     + "".join(f" | {fmt(hid[v], 2)}" for v in ("commopt by_expert", "commopt auto"))
+                     + " | ".join(fmt(ms.get(v), 2) for v in VARIANTS)
+                     + "".join(f" | {fmt(sp.get(v))}" for v in ("commopt a2a", "commopt by_peer", "commopt by_expert",
+                                                                 "commopt auto"))
+                     + "".join(f" | {fmt(hid.get(v), 2)}" for v in ("commopt by_expert", "commopt auto"))
                      + f" | {err:.1e} |")
     lines += ["", "×: speedup over torchtitan's EP. Hidden: the share of the exposed exchange "
               "(torchtitan EP − comm-free) that the variant removes.", ""]
@@ -331,6 +333,8 @@ def main() -> None:
     p.add_argument("--routings", nargs="+", default=["balanced", "skewed"])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="VARIANT",
+                   help="a subset of the variants (torchtitan EP and comm-free always run: the figures need them)")
     p.add_argument("--pieces", action="store_true", help="one GPU: the grouped GEMMs whole vs in pieces")
     p.add_argument("--cpu", action="store_true", help="gloo smoke run with a tiny layer; prints, writes nothing")
     p.add_argument("--commit", default="")
@@ -359,8 +363,9 @@ def main() -> None:
     else:
         models, tokens, rounds, steps, backend, compile_children = (
             {m: MODELS[m] for m in args.models}, args.tokens, args.rounds, args.steps, "nccl", True)
-    per_rank = run_distributed(_rank, args.world, models, tokens, args.routings, rounds, steps, compile_children,
-                               backend=backend, timeout_s=560)
+    variants = tuple(v for v in VARIANTS if v in args.variants or v in ("torchtitan EP", "comm-free"))
+    per_rank = run_distributed(_rank, args.world, models, (tokens, args.routings), rounds, steps, compile_children,
+                               variants, backend=backend, timeout_s=560)
     cases, device = per_rank[0]
     meta = machine_meta(device, args.world, args.commit, rounds=rounds, steps=steps)
     text = report(records(cases), meta)
