@@ -13,6 +13,10 @@ the experts compiled by Inductor as torchtitan compiles them:
   its own tokens, with the per-expert rows an exchange would bring it on balanced routing.  This is
   the bound that hiding the exchange can reach.
 
+The layer's input x needs its gradient, as in a model (every MoE layer's input but the first
+layer's is an activation), so every variant's backward computes and sends home the input
+gradients.
+
 Per case: each variant's ms (median over rounds of the mean of back-to-back steps, slowest rank),
 speedup over torchtitan's EP, the share of the exposed exchange hidden ((t_tt - t) / (t_tt - t_free)),
 and the largest relative error of the output against torchtitan's EP.
@@ -139,7 +143,9 @@ def _rank(rank: int, world: int, models: dict, cases: tuple, rounds: int, steps:
                             layer.expert_bias.copy_(torch.linspace(2.0, -2.0, layer.expert_bias.numel()))
                     layers[variant] = layer
                 g = torch.Generator(device=device).manual_seed(100 + rank)
-                x = torch.randn(1, tokens, model[0], device=device, dtype=dtype, generator=g)
+                # the layer's input needs its gradient, as every MoE layer's but a model's first: its
+                # backward sends the input gradients home (without it torchtitan's autograd skips them)
+                x = torch.randn(1, tokens, model[0], device=device, dtype=dtype, generator=g).requires_grad_()
                 dy = torch.randn(x.shape, device=device, dtype=dtype, generator=g)  # dense, as a loss's
                 ref = None
                 times = {v: [] for v in variants}
@@ -190,7 +196,8 @@ def records(cases: list) -> list:
 def report(cases: list, meta: dict) -> str:
     lines = [f"# MoE layer with expert parallelism ({meta['device']}, {meta['world']} ranks)", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; fwd+bwd of one layer, median of "
-             f"{meta['rounds']} rounds of {meta['steps']} steps, the slowest rank; variants in alternating order.", "",
+             f"{meta['rounds']} rounds of {meta['steps']} steps, the slowest rank; variants in alternating order; the "
+             "input needs its gradient, as in a model.", "",
              *([f"Joined from {meta['joined']} runs (commits {', '.join(meta['commits'])}): "
                 + "; ".join(f"`{c}`" for c in meta['commands']), ""] if meta.get("joined") else []),
              "| model | tokens/rank | routing | " + " | ".join(f"{v} ms" for v in VARIANTS)

@@ -137,6 +137,18 @@ def _sm_copy_recorder(queue, active: dict):
     return sm_copy
 
 
+def _indexed_read_recorder(queue, active: dict):
+    """ce_exchange.read_rows, recorded as a copy that reads the landed piece's rows (and writes
+    the destination's, a plain tensor: the whole of it, conservatively)."""
+    def read_rows(stream, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        if queue is not None:
+            written = _tensor_rows(dst)
+            queue.append((active["rank"], _handle(stream),
+                          ("copy", dst.data_ptr(), written[0][1] - written[0][0], written, _tensor_rows(src))))
+        dst.index_copy_(0, index, src)
+    return read_rows
+
+
 def _entry_points(queue, active: dict):
     """The driver's entry points, recording into `queue` for the active rank (None: no-ops)."""
     instances: dict = {}
@@ -187,6 +199,7 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
         stack.enter_context(mock.patch.object(FakeStream, "driver_calls", entry_points))
         stack.enter_context(mock.patch.object(ce_a2a, "_sm_copy", _sm_copy_recorder(queue, state)))
         stack.enter_context(mock.patch.object(ce_exchange, "_read", _sm_copy_recorder(queue, state)))
+        stack.enter_context(mock.patch.object(ce_exchange, "read_rows", _indexed_read_recorder(queue, state)))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None))
         stack.enter_context(mock.patch.object(symm, "runtime", lambda *a, **k: runtimes[state["rank"]]))
         stack.enter_context(mock.patch.object(driver, "_lib", lambda: entry_points))

@@ -19,7 +19,9 @@ D, H, NL = 12, 20, 3  # model dim, expert hidden dim, local experts per rank
 # every schedule; by_expert in 2 uneven chunks (2 + 1 experts), in one chunk per expert, and with
 # its groups padded to 8 rows as on a GPU
 # (and a2a with experts that want padded groups, module.PaddedLocal, padded on the CPU too)
-CASES = ("a2a", "by_peer", "by_expert", "by_expert:3", "by_expert padded", "a2a padded")
+# "by_expert no dx": x needs no gradient (a layer's first input): the backward computes and sends
+# none, the weight gradients still right
+CASES = ("a2a", "by_peer", "by_expert", "by_expert:3", "by_expert padded", "a2a padded", "by_expert no dx")
 
 
 def _tokens(p: int, world: int, routing: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +112,10 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device
         counts = torch.bincount(ids, minlength=NL * world).to(device)
         for schedule in CASES:
             local = [w[rank * NL:(rank + 1) * NL].to(device, copy=True).requires_grad_() for w in full]
-            xr = x.to(device, copy=True).requires_grad_()
-            if schedule == "by_expert padded":
+            xr = x.to(device, copy=True).requires_grad_(schedule != "by_expert no dx")
+            if schedule == "by_expert no dx":
+                out = by_expert(xr, exchange_counts(counts, group), local, group, 2)
+            elif schedule == "by_expert padded":
                 out = by_expert(xr, exchange_counts(counts, group), local, group, 2, align=8)
             elif schedule == "a2a padded":
                 experts = _PlacedByTheSchedule(_local_experts(*local), 8, on_cpu=True)
@@ -120,7 +124,11 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device
                 out = expert_parallel(xr, counts, _local_experts(*local), group, schedule, weights=local)
             (out * grads_out[rank].to(device)).sum().backward()
             ref_grad = xs_ref[rank].grad if xs_ref[rank].grad is not None else torch.zeros_like(x)  # no tokens
-            errors = [_rel(out.detach().cpu(), outs_ref[rank].detach()), _rel(xr.grad.cpu(), ref_grad)]
+            errors = [_rel(out.detach().cpu(), outs_ref[rank].detach())]
+            if xr.requires_grad:
+                errors.append(_rel(xr.grad.cpu(), ref_grad))
+            elif xr.grad is not None:
+                errors.append(float("inf"))  # a gradient nobody asked for
             errors += [_rel(w.grad.cpu(), wr.grad[rank * NL:(rank + 1) * NL]) for w, wr in zip(local, ws_ref)]
             results.append((f"{schedule} {routing} world {world} rank {rank}", max(errors)))
     return results

@@ -34,7 +34,8 @@ def _routings(world: int, seed: int) -> list[Routing]:
                     tuple(tuple(counts[s, p].tolist()) for s in range(world)), peak) for p in range(world)]
 
 
-def _queue_calls(world: int, chunks: int, seed: int, calls: int = 2, break_release: bool = False):
+def _queue_calls(world: int, chunks: int, seed: int, calls: int = 2, break_release: bool = False,
+                 break_arrival: bool = False):
     runtimes, queue = fake_runtimes(world, owned=(ce_exchange.PURPOSE,)), []
     group = types.SimpleNamespace(group_name="fake", size=lambda: world)
     routings = _routings(world, seed)
@@ -43,6 +44,17 @@ def _queue_calls(world: int, chunks: int, seed: int, calls: int = 2, break_relea
         patches = [(ce_exchange, "usable", lambda x, grp: True)]
         if break_release:
             patches.append((ce_exchange.CEExchange, "release", lambda self, region: None))
+        if break_arrival:  # a planted bug: the pieces read without waiting for their data flags
+            arrive = ce_exchange.CEExchange.arrive
+
+            def unwaited(self, *args):
+                wait, self.rt.wait = self.rt.wait, lambda *a, **k: None
+                try:
+                    return arrive(self, *args)
+                finally:
+                    self.rt.wait = wait
+
+            patches.append((ce_exchange.CEExchange, "arrive", unwaited))
         saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
         for obj, name, value in patches:
             setattr(obj, name, value)
@@ -72,6 +84,14 @@ def test_the_exchange_protocol_runs_to_rest_in_every_interleaving(world, chunks,
     assert any(op[0] == "copy" for _, _, op in queue)  # pieces did move by DMA
     for order in range(4):
         simulate(queue, runtimes, seed=order)
+
+
+def test_pieces_read_in_place_before_their_flag_are_caught():
+    """The forward and backward read landed pieces where they lie (Arrival.place): those reads are
+    in the recorded protocol, so one made before its data flag is an early read."""
+    queue, runtimes = _queue_calls(2, 2, 0, break_arrival=True)
+    with pytest.raises(AssertionError, match="(?i)read"):
+        simulate(queue, runtimes, seed=0)
 
 
 def test_a_release_that_gives_no_token_back_is_caught():

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_commopt.kernels.moe import exchange
-from torch_commopt.kernels.moe.ce_exchange import IN, OUT, exchange_for
+from torch_commopt.kernels.moe.ce_exchange import IN, OUT, CEExchange, exchange_for
 from torch_commopt.kernels.moe.exchange import Routing, counts_on, ranges
 
 ALIGN = 8  # rows per group on the GPU (bf16: 16-byte aligned group starts in the weight gradients)
@@ -81,44 +81,67 @@ class Plan:
         x's run for q (x is sorted by expert, so by destination);
     send[c] / recv[c]: chunk c's rows per destination / per source;
     place[c]: for chunk c's received rows (source-major), their row in the padded expert-major
-        buffer of every local expert; rows[c]: chunk c's [start, end) rows in that buffer;
-    experts[c]: chunk c's [lo, hi) local experts;
-    groups / group_sizes: padded rows per local expert (on the device / on the host)."""
+        buffer of every local expert; by_source[c][p]: the part of it for source p's rows;
+        local[c]: place[c] less the chunk's first row (its rows in the chunk's own slice);
+    rows[c]: chunk c's [start, end) rows in that buffer; experts[c]: its [lo, hi) local experts;
+    pads: the buffer's padding rows (zeroed: they must add nothing to a weight gradient);
+    groups / group_sizes: padded rows per local expert (on the device / on the host);
+    offsets[c]: chunk c's grouped-GEMM group ends (int32, on the device)."""
 
     slices: list[list[tuple[int, int]]]
     send: list[list[int]]
     recv: list[list[int]]
     place: list[Tensor]
+    by_source: list[list[Tensor]]
+    local: list[Tensor]
     rows: list[tuple[int, int]]
     experts: list[tuple[int, int]]
+    pads: Tensor
     groups: Tensor
     group_sizes: list[int]
+    offsets: list[Tensor]
     padded_rows: int
     peak: int | None  # Routing.peak: sizes the copy-engine exchange's slots
 
 
 def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
+    """The call's layout.  Every index tensor comes from one host-to-device copy and a few
+    kernels (exchange.ranges over all of them at once): this runs between the host read of the
+    counts and the first transfer, while the GPU waits for the host."""
     world, nl = routing.world, routing.local_experts
     bounds = chunk_bounds(nl, chunks)
     # padded expert-major buffer: expert e's rows from every source, source-major within it
     sizes = [sum(routing.recv[p][e] for p in range(world)) for e in range(nl)]
     padded = [max(align, -(-s // align) * align) if align > 1 else s for s in sizes]
     starts = [sum(padded[:e]) for e in range(nl)]
-    slices, send, recv, place, rows = [], [], [], [], []
+    slices, send, recv, rows, spans, lengths = [], [], [], [], [], []
     for lo, hi in bounds:
         slices.append([(routing.send_offset(q) + sum(routing.send[q][:lo]), sum(routing.send[q][lo:hi]))
                        for q in range(world)])
         send.append([n for _, n in slices[-1]])
         recv.append([sum(routing.recv[p][lo:hi]) for p in range(world)])
-        place_c, filled = [], {e: 0 for e in range(lo, hi)}
+        filled = {e: 0 for e in range(lo, hi)}
         for p in range(world):
             for e in range(lo, hi):
-                place_c.append((starts[e] + filled[e], routing.recv[p][e]))
+                spans.append((starts[e] + filled[e], routing.recv[p][e]))
                 filled[e] += routing.recv[p][e]
-        place.append(ranges(place_c, device))
+        lengths.append(sum(recv[-1]))
         rows.append((starts[lo], starts[hi - 1] + padded[hi - 1]))
-    return Plan(slices, send, recv, place, rows, bounds, counts_on(padded, device),
-                padded, sum(padded), routing.peak)
+    pad_spans = [(starts[e] + sizes[e], padded[e] - sizes[e]) for e in range(nl)]
+    everything = ranges(spans + pad_spans, device)
+    *place, pads = everything.split(lengths + [sum(n for _, n in pad_spans)])
+    by_source = [list(pl.split(r)) for pl, r in zip(place, recv, strict=True)]
+    local = [pl - start for pl, (start, _) in zip(place, rows, strict=True)]
+    ends = []  # each chunk's group ends, counted from the chunk's first row
+    for lo, hi in bounds:
+        at = 0
+        for n in padded[lo:hi]:
+            at += n
+            ends.append(at)
+    flat = counts_on(ends, device, torch.int32)
+    offsets = list(flat.split([hi - lo for lo, hi in bounds]))
+    return Plan(slices, send, recv, place, by_source, local, rows, bounds, pads, counts_on(padded, device),
+                padded, offsets, sum(padded), routing.peak)
 
 
 def _gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
@@ -175,6 +198,31 @@ def _wait(work) -> None:
         work.wait()
 
 
+def _landing(ex, p: Plan, like: Tensor) -> list[Tensor] | None:
+    """Where each chunk's pieces land: on the copy engine nowhere but their slots (the caller
+    reads them in place, Arrival.views); over torch.distributed one (chunk rows, D) buffer a
+    chunk, like `like`, its rows source-major."""
+    if isinstance(ex, CEExchange):
+        return None
+    return [like.new_empty((sum(r), like.shape[1])) for r in p.recv]
+
+
+def _place(dst: Tensor, work, landing: list[Tensor] | None, p: Plan, c: int) -> None:
+    """dst's rows of chunk c (the padded expert-major buffer) <- chunk c's pieces, once landed."""
+    if landing is None:  # straight out of the slots, one indexed copy per source
+        work.place(dst, p.by_source[c], p.recv[c])
+        return
+    _wait(work)
+    if p.place[c].numel():
+        dst.index_copy_(0, p.place[c], landing[c])
+
+
+def _post_all(ex, region: int, p: Plan, src: Tensor, landing: list[Tensor] | None) -> list:
+    """Every chunk's pieces of src (x's rows, or their gradients) posted to the experts' ranks."""
+    return [ex.post(region, c, None if landing is None else list(landing[c].split(p.recv[c])),
+                    _pieces(src, p.slices[c])) for c in range(len(p.rows))]
+
+
 class _ByExpert(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, p: Plan, group) -> Tensor:
@@ -183,16 +231,16 @@ class _ByExpert(torch.autograd.Function):
         grouped = _grouped(x)
         x = x.contiguous()
         ex = exchange_for(x, group, p.peak, f"by_expert forward, {len(p.rows)} chunks", _post)
-        recvd = [x.new_empty((sum(r), x.shape[1])) for r in p.recv]
-        works = [ex.post(IN, c, list(recvd[c].split(p.recv[c])), _pieces(x, p.slices[c])) for c in range(len(p.rows))]
-        xe = x.new_zeros((p.padded_rows, x.shape[1]))  # every local expert's rows, padded, expert-major
+        landing = _landing(ex, p, x)
+        works = _post_all(ex, IN, p, x, landing)
+        xe = x.new_empty((p.padded_rows, x.shape[1]))  # every local expert's rows, padded, expert-major
+        xe.index_fill_(0, p.pads, 0)
         # the SwiGLU's product over every chunk's rows, which the backward's w2 gradient reads as it is
         act = x.new_empty((p.padded_rows, w1c.shape[1]))
         out = x.new_empty((x.shape[0], w2.shape[1]))
         homes, saved = [], []
         for c, (start, end) in enumerate(p.rows):
-            _wait(works[c])
-            xe.index_copy_(0, p.place[c], recvd[c])
+            _place(xe, works[c], landing, p, c)
             xc = xe[start:end]
             sizes, offs = _chunk_groups(p, c, grouped)
             lo, hi = _experts(p, c)
@@ -201,7 +249,7 @@ class _ByExpert(torch.autograd.Function):
             silu = F.silu(h1)
             torch.mul(silu, h3, out=act[start:end])
             y = _gmm(act[start:end], w2c[lo:hi], sizes, offs)
-            back = y.index_select(0, p.place[c] - start)  # source-major, as the chunk came
+            back = y.index_select(0, p.local[c])  # source-major, as the chunk came
             homes.append((ex.post(OUT, c, _pieces(out, p.slices[c]), list(back.split(p.recv[c]))), back))
             saved.append((h1, h3, silu))  # what autograd would keep: the backward recomputes nothing
         ex.release(IN)
@@ -215,46 +263,55 @@ class _ByExpert(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor):
+        """The data gradients chunk by chunk, each chunk's input gradient posted home as soon as it
+        is computed; the weight gradients over all rows while those travel.  What autograd does
+        not ask for is neither computed nor sent: without x's gradient (an input that needs none)
+        no input gradient travels home at all (the same on every rank: SPMD autograd)."""
         xe, act, w1c, w2c, w3c = ctx.saved_tensors
         p, group, saved = ctx.plan, ctx.group, ctx.chunks
+        want_x, want_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[1:4])
         grouped = _grouped(dout)
         dout = dout.contiguous()
         ex = exchange_for(dout, group, p.peak, f"by_expert backward, {len(p.rows)} chunks", _post)
-        recvd = [dout.new_empty((sum(r), dout.shape[1])) for r in p.recv]
-        works = [ex.post(IN, c, list(recvd[c].split(p.recv[c])), _pieces(dout, p.slices[c])) for c in range(len(p.rows))]
+        landing = _landing(ex, p, dout)
+        works = _post_all(ex, IN, p, dout, landing)
         # whole-call buffers that each chunk writes its rows of in place (elementwise out=), so
         # that the weight gradients run once over all rows, with nothing to concatenate
-        dy = dout.new_zeros((p.padded_rows, dout.shape[1]))
+        dy = dout.new_empty((p.padded_rows, dout.shape[1]))
+        dy.index_fill_(0, p.pads, 0)
         hidden = (p.padded_rows, w1c.shape[1])
         dh1, dh3 = dout.new_empty(hidden), dout.new_empty(hidden)
-        dx = dout.new_empty((dout.shape[0], w1c.shape[2]))
+        dx = dout.new_empty((dout.shape[0], w1c.shape[2])) if want_x else None
         homes = []
         for c, (start, end) in enumerate(p.rows):
-            _wait(works[c])
-            dy.index_copy_(0, p.place[c], recvd[c])
+            _place(dy, works[c], landing, p, c)
             h1, h3, silu = saved[c]
             sizes, offs = _chunk_groups(p, c, grouped)
             lo, hi = _experts(p, c)
             da = _gmm(dy[start:end], w2c[lo:hi].transpose(-2, -1), sizes, offs)
             torch.mul(da, silu, out=dh3[start:end])
             torch.ops.aten.silu_backward.grad_input(da * h3, h1, grad_input=dh1[start:end])
-            dxc = _gmm(dh1[start:end], w1c[lo:hi].transpose(-2, -1), sizes, offs)
-            dxc += _gmm(dh3[start:end], w3c[lo:hi].transpose(-2, -1), sizes, offs)
-            back = dxc.index_select(0, p.place[c] - start)
-            homes.append((ex.post(OUT, c, _pieces(dx, p.slices[c]), list(back.split(p.recv[c]))), back))
+            if want_x:
+                dxc = _gmm(dh1[start:end], w1c[lo:hi].transpose(-2, -1), sizes, offs)
+                dxc += _gmm(dh3[start:end], w3c[lo:hi].transpose(-2, -1), sizes, offs)
+                back = dxc.index_select(0, p.local[c])
+                homes.append((ex.post(OUT, c, _pieces(dx, p.slices[c]), list(back.split(p.recv[c]))), back))
         ex.release(IN)
         # every chunk's input gradient on its way home: the weight gradients meanwhile
-        offs = torch.cumsum(p.groups, 0, dtype=torch.int32) if grouped else None
-        dw2 = _gmm_wgrad(dy, act, p.group_sizes, offs)
-        dw1 = _gmm_wgrad(dh1, xe, p.group_sizes, offs)
-        dw3 = _gmm_wgrad(dh3, xe, p.group_sizes, offs)
+        dw1 = dw2 = dw3 = None
+        if want_w:
+            offs = torch.cumsum(p.groups, 0, dtype=torch.int32) if grouped else None
+            t1, t2, t3 = ctx.wdtypes
+            dw2 = _gmm_wgrad(dy, act, p.group_sizes, offs).to(t2)
+            dw1 = _gmm_wgrad(dh1, xe, p.group_sizes, offs).to(t1)
+            dw3 = _gmm_wgrad(dh3, xe, p.group_sizes, offs).to(t3)
         for work, _ in homes:
             _wait(work)
-        ex.release(OUT)
+        if want_x:
+            ex.release(OUT)
         ex.close()
         ctx.chunks = None
-        t1, t2, t3 = ctx.wdtypes
-        return dx, dw1.to(t1), dw2.to(t2), dw3.to(t3), None, None
+        return dx, dw1, dw2, dw3, None, None
 
 
 def _grouped(t: Tensor) -> bool:
@@ -269,9 +326,7 @@ def _experts(p: Plan, c: int) -> tuple[int, int]:
 
 def _chunk_groups(p: Plan, c: int, cuda: bool):
     lo, hi = _experts(p, c)
-    sizes = p.group_sizes[lo:hi]
-    offs = torch.cumsum(p.groups[lo:hi], 0, dtype=torch.int32) if cuda else None
-    return sizes, offs
+    return p.group_sizes[lo:hi], (p.offsets[c] if cuda else None)
 
 
 def by_expert(x: Tensor, routing: Routing, weights: tuple[Tensor, Tensor, Tensor], group, chunks: int,

@@ -84,15 +84,33 @@ def _read(stream, dst: Tensor, src: Tensor) -> None:
     dst.copy_(src)
 
 
+def read_rows(stream, dst: Tensor, index: Tensor, src: Tensor) -> None:
+    """dst[index] <- src, src a landed piece read where it lies in the symmetric buffer (on the
+    compute stream, the current one); the protocol tests record it as a read of the slot."""
+    dst.index_copy_(0, index, src)
+
+
 class Arrival:
     """Chunk c of a region, posted: `wait()` holds the compute stream until every source's piece
-    has landed and copies the pieces into the caller's views."""
+    has landed and copies the pieces into the caller's views; `views()` (a post without outs) holds
+    it the same way and hands back each source's piece where it lies: this rank's own piece as it
+    was given, a peer's as a view of its slot, valid until the region's `release` (no copy)."""
 
-    def __init__(self, ex: "CEExchange", region: int, chunk: int, outs: list[Tensor]):
-        self.ex, self.region, self.chunk, self.outs = ex, region, chunk, outs
+    def __init__(self, ex: "CEExchange", region: int, chunk: int, outs: list[Tensor] | None, own: Tensor):
+        self.ex, self.region, self.chunk, self.outs, self.own = ex, region, chunk, outs, own
 
     def wait(self) -> None:
         self.ex.arrive(self.region, self.chunk, self.outs)
+
+    def views(self, rows: list[int]) -> list[Tensor]:
+        """rows[src]: what source src sent in this chunk (the Routing's sizes)."""
+        return self.ex.arrive(self.region, self.chunk, None, (self.own, rows))
+
+    def place(self, dst: Tensor, index: list[Tensor], rows: list[int]) -> None:
+        """dst[index[src]] <- source src's piece for every source, read where it landed (views)."""
+        for src, got in enumerate(self.views(rows)):
+            if got.shape[0]:
+                read_rows(self.ex.compute, dst, index[src], got)
 
 
 class CEExchange:
@@ -112,6 +130,7 @@ class CEExchange:
         self.rt = rt = symm.runtime(group.group_name, device)
         self.me, self.world = rt.rank, rt.world
         self.row_bytes, self.dtype = row_bytes, dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.slot = slot_bytes(peak_rows, row_bytes)
         self.buf = rt.own_buffer(PURPOSE, 2 * self.world * self.slot)  # collective when it grows
         self.debug = rt.debug_waits()
@@ -156,20 +175,30 @@ class CEExchange:
                                     piece.data_ptr(), n * self.row_bytes)
             self.sent[region][q] += n
             rt.signal(self.side, q, self._data(region, self.me), chunk + 1)
-        if ins[self.me].shape[0]:
+        if outs is not None and ins[self.me].shape[0]:
             outs[self.me].copy_(ins[self.me])
-        return Arrival(self, region, chunk, outs)
+        return Arrival(self, region, chunk, outs, ins[self.me])
 
-    def arrive(self, region: int, chunk: int, outs: list[Tensor]) -> None:
+    def arrive(self, region: int, chunk: int, outs: list[Tensor] | None,
+               in_place: tuple[Tensor, list[int]] | None = None) -> list[Tensor] | None:
+        """Hold the compute stream until chunk c's pieces have landed; copy them into outs, or
+        (outs None, in_place = (own piece, rows per source)) return them where they lie: the own
+        piece for this rank, a view of its slot for each source."""
         rt = self.rt
+        views = None if outs is not None else [in_place[0]] * self.world
         for src in rt.sources:
             rt.wait(self.compute, self._data(region, src), chunk + 1, debug=self.debug, watched=self.watched,
                     what="moe piece", src=src, chunk=chunk)
-            n = outs[src].shape[0]
-            if n:
-                at = self._at(region, src, self.got[region][src])
+            n = outs[src].shape[0] if outs is not None else in_place[1][src]
+            at = self._at(region, src, self.got[region][src])
+            if outs is None:
+                width = self.row_bytes // self.itemsize
+                views[src] = (self.buf.view(self.me, at, (n, width), self.dtype) if n
+                              else in_place[0].new_empty((0, width)))
+            elif n:
                 _read(self.compute, outs[src], self.buf.view(self.me, at, tuple(outs[src].shape), self.dtype))
             self.got[region][src] += n
+        return views
 
     def release(self, region: int) -> None:
         """After this rank's last read of `region` in the pass (stream-ordered on the compute

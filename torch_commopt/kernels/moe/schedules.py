@@ -109,7 +109,9 @@ def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
         # its place in its expert's padded group and back, one copy each way (torchtitan's count)
         # where reordering and padding apart would copy every row twice each way
         p = plan(routing, 1, x.device, experts.align)
-        src = got.new_zeros((p.padded_rows,) + tuple(got.shape[1:])).index_copy(0, p.place[0], got)
+        src = got.new_empty((p.padded_rows,) + tuple(got.shape[1:]))
+        src.index_fill_(0, p.pads, 0)  # the padding rows only: every other row is written next
+        src = src.index_copy(0, p.place[0], got)
         out = experts.unpadded(src, p.groups)
         return AllToAll.apply(gather_rows(out, p.place[0]), sends, recvs, group)
     order = expert_major(routing, x.device)
