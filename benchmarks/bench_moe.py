@@ -343,6 +343,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="VARIANT",
                    help="a subset of the variants (torchtitan EP and comm-free always run: the figures need them)")
     p.add_argument("--pieces", action="store_true", help="one GPU: the grouped GEMMs whole vs in pieces")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="--pieces: the EP degrees whose rows it runs")
     p.add_argument("--cpu", action="store_true", help="gloo smoke run with a tiny layer; prints, writes nothing")
     p.add_argument("--commit", default="")
     p.add_argument("--join", nargs="+", metavar="JSON",
@@ -358,7 +359,7 @@ def main() -> None:
         import torch
 
         models = {m: MODELS[m] for m in args.models}
-        rows = pieces(models, args.tokens, [2, 4, 8], args.rounds)
+        rows = pieces(models, args.tokens, args.worlds, args.rounds)
         meta = machine_meta(torch.cuda.get_device_name(0), 1, args.commit, rounds=args.rounds)
         text = pieces_report(rows, meta)
         print(text)
