@@ -5,23 +5,31 @@ SwiGLU; backward: twice that, data and weight gradients), for R rows a rank rout
 peak), D model dim, H expert hidden dim, W ranks, b bytes an element, on balanced routing:
 
     exchange of one direction:  V = R * D * b * (W - 1) / W bytes  (every rank sends and receives)
-    a2a          2 link(V) + G                            both exchanges exposed
-    by_expert:C  link(f_0 V) + link(f_last V) + max(G', B) + s * min(G', B) + o_C * G',  G' = k(H) G,
+    rows moved on the device:   M = R * D * b bytes, priced by the calibration's local copy
+    a2a          2 link_nccl(V) + G + 2 copy(M)   (NCCL's all-to-all, whatever by_expert's transport)
+    by_expert:C  link(f_0 V) + link(f_last V) + max(G', B) + s * min(G', B) + 3 copy(M),
+                 G' = (1 + o_C + KNEE_ROWS / r_min) G,
                  B = sum over c > 0 of link(f_c V) + sum over c < last of link(f_c V)
 
 f_c is chunk c's share of the experts (by_expert.chunk_bounds: from three chunks on, the first and
 last are half the others).  The first chunk's dispatch and the last chunk's combine are exposed;
 the others run beside the experts' GEMMs, which they slow by s times the shorter of the two (the
 calibration's overlap_slowdown for the copy engine, collective_overlap_slowdown for NCCL's
-kernels, which take SMs).  by_expert's compute is its own SwiGLU with its reorders (kernels/moe/by_expert.py), which costs
-k(H) = 1 + BASE_OVERHEAD / H times torchtitan's grouped GEMMs that a2a runs (H the expert hidden
-size; one H200, by_expert:1 / whole: 1.30-1.36 at H 1408, 1.58-1.70 at H 768, 1.06-1.07 at H 14336
-in benchmarks/results/moe_pieces_h200x1_*; on 2x H200, by_expert 0.79-0.99x of a2a at every case of
-benchmarks/results/moe_h200x2_*).  o_C is what cutting the experts into C chunks costs their compute,
-measured on one H200 at 8K-16K tokens a rank on the fine-grained shapes
-(benchmarks/results/moe_pieces_h200x1_*: by_expert:2 0.98-1.05x of by_expert:1, by_expert:4
-1.01-1.24x, by_expert:6 1.06-1.69x).  by_peer is never proposed: its pieces by source cost the
-compute 9-77% there (the same report).
+kernels, which take SMs).
+
+The copies are what each schedule moves on the device besides its exchange: a2a places the
+received rows into their experts' padded groups and gathers the outputs back (2 M a pass);
+by_expert does the same from its landing slots and copies the outputs that come home out of
+theirs (3 M).  o_C is what cutting the experts into C chunks costs their GEMMs at 8K-16K tokens a
+rank (one H200, benchmarks/results/moe_pieces_h200x1_*: by_expert:2 0.98-1.01x of by_expert:1,
+by_expert:4 1.00-1.06x, by_expert:6 1.01-1.18x).  KNEE_ROWS / r_min (r_min the smallest chunk's
+rows) is what a chunk's grouped GEMMs lose when they get few rows: on 2x H200 the Mixtral-like
+layer at 4K tokens a rank (2 chunks of 4096 rows) ran its chunked GEMMs 6.8% slower than a2a's
+whole ones, and by_expert 3.4% slower than a2a, while at 8K and 16K it won by 2.0% and 1.5%; the
+DeepSeek-V2-Lite- and Qwen3-30B-A3B-like layers (12K+ rows a chunk) won by 3.5-9%
+(benchmarks/results/moe_h200x2_*).  150 rows gets the sign of all seven measured differences
+right.  by_peer is never proposed: its pieces by source cost the compute 10-47% there (the
+pieces report).
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ from dataclasses import dataclass
 from torch_commopt.kernels.moe.by_expert import chunk_bounds
 from torch_commopt.tuner.calibration import Calibration
 
-CHUNK_OVERHEAD = {2: 0.01, 4: 0.10, 6: 0.25}  # o_C (module docstring)
-BASE_OVERHEAD = 500.0  # k(H) = 1 + BASE_OVERHEAD / H: by_expert's compute over a2a's (module docstring)
+CHUNK_OVERHEAD = {2: 0.01, 4: 0.03, 6: 0.10}  # o_C (module docstring)
+KNEE_ROWS = 150.0  # a chunk's GEMMs lose KNEE_ROWS / its rows (module docstring)
+COPIES = {"a2a": 2, "by_expert": 3}  # passes over the routed rows on the device besides the exchange
 
 
 @dataclass(frozen=True)
@@ -61,17 +70,20 @@ def estimates(shape: MoEShape, cal: Calibration) -> dict[str, float]:
         link = cal.collective["all_gather"]
         slowdown = cal.overlap_slowdown if cal.collective_overlap_slowdown is None else cal.collective_overlap_slowdown
     volume = r * d * shape.elt * (shape.world - 1) / shape.world
-    out = {"a2a": sum(2 * link.time(volume) + g for g in (forward, 2 * forward))}
-    own = 1 + BASE_OVERHEAD / h  # by_expert's SwiGLU and reorders against the grouped GEMMs
+    moved = cal.local_copy.time(r * d * shape.elt)  # one pass over the routed rows on the device
+    nccl = cal.collective["all_gather"]  # a2a's exchange is NCCL's all-to-all whatever by_expert's transport
+    out = {"a2a": sum(2 * nccl.time(volume) + g + COPIES["a2a"] * moved for g in (forward, 2 * forward))}
     for chunks, overhead in CHUNK_OVERHEAD.items():
         if chunks > shape.local_experts:
             continue
-        pieces = [link.time(volume * (hi - lo) / shape.local_experts)
-                  for lo, hi in chunk_bounds(shape.local_experts, chunks)]
+        bounds = chunk_bounds(shape.local_experts, chunks)
+        pieces = [link.time(volume * (hi - lo) / shape.local_experts) for lo, hi in bounds]
         exposed = pieces[0] + pieces[-1]
         beside = sum(pieces[1:]) + sum(pieces[:-1])
-        out[f"by_expert:{chunks}"] = sum(exposed + max(g, beside) + slowdown * min(g, beside) + overhead * g
-                                         for g in (own * forward, 2 * own * forward))
+        fewest = r * min(hi - lo for lo, hi in bounds) / shape.local_experts  # the smallest chunk's rows
+        own = 1 + overhead + KNEE_ROWS / max(fewest, 1.0)
+        out[f"by_expert:{chunks}"] = sum(exposed + max(own * g, beside) + slowdown * min(own * g, beside)
+                                         + COPIES["by_expert"] * moved for g in (forward, 2 * forward))
     return out
 
 
