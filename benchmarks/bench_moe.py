@@ -124,6 +124,11 @@ def _rank(rank: int, world: int, models: dict, cases: tuple, rounds: int, steps:
         torchtitan_moe_cpu_shims()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
     tokens_list, routings = cases
+    if rank == 0 and "commopt auto" in variants:  # the log says what auto picked, and from which estimates
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("torch_commopt.tuner.moe").setLevel(logging.INFO)
     out = []
     for name, model in models.items():
         for tokens in tokens_list:
