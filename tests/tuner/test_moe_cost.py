@@ -64,3 +64,10 @@ def test_estimates_grow_with_the_rows(transport):
     small = estimates(dataclasses.replace(DSV2_8K, rows=8192, transport=transport), cal)
     large = estimates(dataclasses.replace(DSV2_8K, transport=transport), cal)
     assert all(large[k] > small[k] for k in small)
+
+
+def test_a_calibration_without_a_local_copy_prices_no_copies():
+    # a CPU's calibration has no local copy link: the estimates still come (as gloo runs them)
+    cal = dataclasses.replace(prior("NVIDIA H200", 2), local_copy=None)
+    est = estimates(DSV2_8K, cal)
+    assert set(est) >= {"a2a", "by_expert:2"} and all(v > 0 for v in est.values())

@@ -72,7 +72,9 @@ def estimates(shape: MoEShape, cal: Calibration) -> dict[str, float]:
         link = cal.collective["all_gather"]
         slowdown = cal.overlap_slowdown if cal.collective_overlap_slowdown is None else cal.collective_overlap_slowdown
     volume = r * d * shape.elt * (shape.world - 1) / shape.world
-    moved = cal.local_copy.time(r * d * shape.elt)  # one pass over the routed rows on the device
+    # one pass over the routed rows on the device (a calibration without a local copy, a CPU's:
+    # not priced, the same for every candidate's passes)
+    moved = cal.local_copy.time(r * d * shape.elt) if cal.local_copy is not None else 0.0
     nccl = cal.collective["all_gather"]  # a2a's exchange is NCCL's all-to-all whatever by_expert's transport
     out = {"a2a": sum(2 * nccl.time(volume) + g + COPIES["a2a"] * moved for g in (forward, 2 * forward))}
     for chunks, overhead in CHUNK_OVERHEAD.items():
