@@ -30,6 +30,7 @@ from torch_commopt.core import env
 from torch_commopt.kernels.attention import ce_a2a
 from torch_commopt.kernels.gpu import driver, symm
 from torch_commopt.kernels.moe import ce_exchange
+from torch_commopt.kernels.moe.runs import copy_runs
 
 FLAG_BASE = 1 << 40  # rank r's flags live at FLAG_BASE * (r + 1) in the fake address space
 BUFFER_BYTES = 1 << 20
@@ -140,12 +141,12 @@ def _sm_copy_recorder(queue, active: dict):
 def _indexed_read_recorder(queue, active: dict):
     """ce_exchange.read_rows, recorded as a copy that reads the landed piece's rows (and writes
     the destination's, a plain tensor: the whole of it, conservatively)."""
-    def read_rows(stream, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    def read_rows(stream, dst: torch.Tensor, runs: torch.Tensor, src: torch.Tensor) -> None:
         if queue is not None:
             written = _tensor_rows(dst)
             queue.append((active["rank"], _handle(stream),
                           ("copy", dst.data_ptr(), written[0][1] - written[0][0], written, _tensor_rows(src))))
-        dst.index_copy_(0, index, src)
+        copy_runs(dst, src, runs)
     return read_rows
 
 

@@ -38,6 +38,7 @@ sharing one GPU) staged through host memory (exchange.staged).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,8 @@ from torch import Tensor
 
 from torch_commopt.kernels.moe import exchange
 from torch_commopt.kernels.moe.ce_exchange import IN, OUT, CEExchange, exchange_for
-from torch_commopt.kernels.moe.exchange import Routing, counts_on, ranges
+from torch_commopt.kernels.moe.exchange import Routing, counts_on
+from torch_commopt.kernels.moe.runs import copy_runs, on_device, table, zero_runs
 
 ALIGN = 8  # rows per group on the GPU (bf16: 16-byte aligned group starts in the weight gradients)
 DEFAULT_CHUNKS = 2  # chunks of experts when the schedule names none (benchmarks/results/moe_pieces_*)
@@ -75,14 +77,16 @@ def chunk_bounds(local_experts: int, chunks: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Plan:
-    """Host-side layout of one by_expert call (index tensors built on x's device).
+    """Host-side layout of one by_expert call, its run tables on x's device (runs.py).
 
     slices[c][q]: (start, rows) of x's rows that chunk c sends to rank q, a contiguous piece of
         x's run for q (x is sorted by expert, so by destination);
     send[c] / recv[c]: chunk c's rows per destination / per source;
-    place[c]: for chunk c's received rows (source-major), their row in the padded expert-major
-        buffer of every local expert; by_source[c][p]: the part of it for source p's rows;
-        local[c]: place[c] less the chunk's first row (its rows in the chunk's own slice);
+    landed[c]: runs from chunk c's received rows (source-major, as they land over
+        torch.distributed) to the padded expert-major buffer of every local expert;
+    by_source[c][p]: the same from source p's piece alone (as it lies in its copy-engine slot);
+    back[c]: runs from the chunk's rows of that buffer (counted from its first row) to the
+        source-major order they go home in;
     rows[c]: chunk c's [start, end) rows in that buffer; experts[c]: its [lo, hi) local experts;
     pads: the buffer's padding rows (zeroed: they must add nothing to a weight gradient);
     groups / group_sizes: padded rows per local expert (on the device / on the host);
@@ -91,9 +95,9 @@ class Plan:
     slices: list[list[tuple[int, int]]]
     send: list[list[int]]
     recv: list[list[int]]
-    place: list[Tensor]
+    landed: list[Tensor]
     by_source: list[list[Tensor]]
-    local: list[Tensor]
+    back: list[Tensor]
     rows: list[tuple[int, int]]
     experts: list[tuple[int, int]]
     pads: Tensor
@@ -104,43 +108,54 @@ class Plan:
     peak: int | None  # Routing.peak: sizes the copy-engine exchange's slots
 
 
-def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
-    """The call's layout.  Every index tensor comes from one host-to-device copy and a few
-    kernels (exchange.ranges over all of them at once): this runs between the host read of the
-    counts and the first transfer, while the GPU waits for the host."""
-    world, nl = routing.world, routing.local_experts
-    bounds = chunk_bounds(nl, chunks)
-    # padded expert-major buffer: expert e's rows from every source, source-major within it
-    sizes = [sum(routing.recv[p][e] for p in range(world)) for e in range(nl)]
+def layout(routing: Routing, align: int) -> tuple[list[int], list[int], list[int]]:
+    """(rows, padded rows, first row) of each local expert in the padded expert-major buffer:
+    expert e's rows from every source, source-major within it, padded to `align` (at least one
+    group of `align` rows: the grouped GEMM takes no empty group)."""
+    nl = routing.local_experts
+    sizes = [sum(routing.recv[p][e] for p in range(routing.world)) for e in range(nl)]
     padded = [max(align, -(-s // align) * align) if align > 1 else s for s in sizes]
-    starts = [sum(padded[:e]) for e in range(nl)]
-    slices, send, recv, rows, spans, lengths = [], [], [], [], [], []
+    return sizes, padded, list(accumulate(padded, initial=0))[:-1]
+
+
+def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
+    """The call's layout: host arithmetic on the Routing, its run tables on the device in one
+    host-to-device copy.  It runs between the counts' host read and the first transfer, while the
+    GPU waits for the host, so it builds no per-row index."""
+    world = routing.world
+    bounds = chunk_bounds(routing.local_experts, chunks)
+    sizes, padded, starts = layout(routing, align)
+    slices, send, recv, rows, tables = [], [], [], [], []
     for lo, hi in bounds:
         slices.append([(routing.send_offset(q) + sum(routing.send[q][:lo]), sum(routing.send[q][lo:hi]))
                        for q in range(world)])
         send.append([n for _, n in slices[-1]])
         recv.append([sum(routing.recv[p][lo:hi]) for p in range(world)])
-        filled = {e: 0 for e in range(lo, hi)}
+        first = starts[lo]
+        rows.append((first, starts[hi - 1] + padded[hi - 1]))
+        filled = list(starts[lo:hi])  # the next free row of each of the chunk's experts
+        landed, back, per_source, at = [], [], [], 0
         for p in range(world):
+            mine, piece = [], 0
             for e in range(lo, hi):
-                spans.append((starts[e] + filled[e], routing.recv[p][e]))
-                filled[e] += routing.recv[p][e]
-        lengths.append(sum(recv[-1]))
-        rows.append((starts[lo], starts[hi - 1] + padded[hi - 1]))
-    pad_spans = [(starts[e] + sizes[e], padded[e] - sizes[e]) for e in range(nl)]
-    everything = ranges(spans + pad_spans, device)
-    *place, pads = everything.split(lengths + [sum(n for _, n in pad_spans)])
-    by_source = [list(pl.split(r)) for pl, r in zip(place, recv, strict=True)]
-    local = [pl - start for pl, (start, _) in zip(place, rows, strict=True)]
-    ends = []  # each chunk's group ends, counted from the chunk's first row
-    for lo, hi in bounds:
-        at = 0
-        for n in padded[lo:hi]:
-            at += n
-            ends.append(at)
-    flat = counts_on(ends, device, torch.int32)
-    offsets = list(flat.split([hi - lo for lo, hi in bounds]))
-    return Plan(slices, send, recv, place, by_source, local, rows, bounds, pads, counts_on(padded, device),
+                n = routing.recv[p][e]
+                mine.append((piece, filled[e - lo], n))
+                landed.append((at + piece, filled[e - lo], n))
+                back.append((filled[e - lo] - first, at + piece, n))
+                filled[e - lo] += n
+                piece += n
+            per_source.append(table(mine))
+            at += piece
+        tables += [table(landed), table(back), *per_source]
+    tables.append(table([(0, starts[e] + sizes[e], padded[e] - sizes[e]) for e in range(len(sizes))]))
+    *chunk_tables, pads = on_device(tables, device)
+    per_chunk = 2 + world
+    landed = chunk_tables[0::per_chunk]
+    back = chunk_tables[1::per_chunk]
+    by_source = [chunk_tables[c * per_chunk + 2: (c + 1) * per_chunk] for c in range(len(bounds))]
+    ends = [at for lo, hi in bounds for at in accumulate(padded[lo:hi])]  # group ends from each chunk's first row
+    offsets = list(counts_on(ends, device, torch.int32).split([hi - lo for lo, hi in bounds]))
+    return Plan(slices, send, recv, landed, by_source, back, rows, bounds, pads, counts_on(padded, device),
                 padded, offsets, sum(padded), routing.peak)
 
 
@@ -209,12 +224,19 @@ def _landing(ex, p: Plan, like: Tensor) -> list[Tensor] | None:
 
 def _place(dst: Tensor, work, landing: list[Tensor] | None, p: Plan, c: int) -> None:
     """dst's rows of chunk c (the padded expert-major buffer) <- chunk c's pieces, once landed."""
-    if landing is None:  # straight out of the slots, one indexed copy per source
+    if landing is None:  # straight out of the slots, one run copy per source
         work.place(dst, p.by_source[c], p.recv[c])
         return
     _wait(work)
-    if p.place[c].numel():
-        dst.index_copy_(0, p.place[c], landing[c])
+    copy_runs(dst, landing[c], p.landed[c])
+
+
+def _back(y: Tensor, p: Plan, c: int) -> Tensor:
+    """Chunk c's rows of y (expert-major, padded, from the chunk's first row) in the source-major
+    order they go home in."""
+    out = y.new_empty((sum(p.recv[c]), y.shape[1]))
+    copy_runs(out, y, p.back[c])
+    return out
 
 
 def _post_all(ex, region: int, p: Plan, src: Tensor, landing: list[Tensor] | None) -> list:
@@ -234,7 +256,7 @@ class _ByExpert(torch.autograd.Function):
         landing = _landing(ex, p, x)
         works = _post_all(ex, IN, p, x, landing)
         xe = x.new_empty((p.padded_rows, x.shape[1]))  # every local expert's rows, padded, expert-major
-        xe.index_fill_(0, p.pads, 0)
+        zero_runs(xe, p.pads)
         # the SwiGLU's product over every chunk's rows, which the backward's w2 gradient reads as it is
         act = x.new_empty((p.padded_rows, w1c.shape[1]))
         out = x.new_empty((x.shape[0], w2.shape[1]))
@@ -249,7 +271,7 @@ class _ByExpert(torch.autograd.Function):
             silu = F.silu(h1)
             torch.mul(silu, h3, out=act[start:end])
             y = _gmm(act[start:end], w2c[lo:hi], sizes, offs)
-            back = y.index_select(0, p.local[c])  # source-major, as the chunk came
+            back = _back(y, p, c)  # source-major, as the chunk came
             homes.append((ex.post(OUT, c, _pieces(out, p.slices[c]), list(back.split(p.recv[c]))), back))
             saved.append((h1, h3, silu))  # what autograd would keep: the backward recomputes nothing
         ex.release(IN)
@@ -278,7 +300,7 @@ class _ByExpert(torch.autograd.Function):
         # whole-call buffers that each chunk writes its rows of in place (elementwise out=), so
         # that the weight gradients run once over all rows, with nothing to concatenate
         dy = dout.new_empty((p.padded_rows, dout.shape[1]))
-        dy.index_fill_(0, p.pads, 0)
+        zero_runs(dy, p.pads)
         hidden = (p.padded_rows, w1c.shape[1])
         dh1, dh3 = dout.new_empty(hidden), dout.new_empty(hidden)
         dx = dout.new_empty((dout.shape[0], w1c.shape[2])) if want_x else None
@@ -294,7 +316,7 @@ class _ByExpert(torch.autograd.Function):
             if want_x:
                 dxc = _gmm(dh1[start:end], w1c[lo:hi].transpose(-2, -1), sizes, offs)
                 dxc += _gmm(dh3[start:end], w3c[lo:hi].transpose(-2, -1), sizes, offs)
-                back = dxc.index_select(0, p.local[c])
+                back = _back(dxc, p, c)
                 homes.append((ex.post(OUT, c, _pieces(dx, p.slices[c]), list(back.split(p.recv[c]))), back))
         ex.release(IN)
         # every chunk's input gradient on its way home: the weight gradients meanwhile

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from torch_commopt.core import env
+from torch_commopt.kernels.moe.runs import copy_runs
 
 log = logging.getLogger(__name__)
 PURPOSE = "moe exchange"  # the runtime's own_buffer key
@@ -84,10 +85,11 @@ def _read(stream, dst: Tensor, src: Tensor) -> None:
     dst.copy_(src)
 
 
-def read_rows(stream, dst: Tensor, index: Tensor, src: Tensor) -> None:
-    """dst[index] <- src, src a landed piece read where it lies in the symmetric buffer (on the
-    compute stream, the current one); the protocol tests record it as a read of the slot."""
-    dst.index_copy_(0, index, src)
+def read_rows(stream, dst: Tensor, runs: Tensor, src: Tensor) -> None:
+    """dst's rows <- src's by the run table `runs` (kernels/moe/runs.py), src a landed piece read
+    where it lies in the symmetric buffer (on the compute stream, the current one); the protocol
+    tests record it as a read of the slot."""
+    copy_runs(dst, src, runs)
 
 
 class Arrival:
@@ -106,11 +108,12 @@ class Arrival:
         """rows[src]: what source src sent in this chunk (the Routing's sizes)."""
         return self.ex.arrive(self.region, self.chunk, None, (self.own, rows))
 
-    def place(self, dst: Tensor, index: list[Tensor], rows: list[int]) -> None:
-        """dst[index[src]] <- source src's piece for every source, read where it landed (views)."""
+    def place(self, dst: Tensor, runs: list[Tensor], rows: list[int]) -> None:
+        """dst's rows <- source src's piece by the run table runs[src], for every source, each
+        read where it landed (views)."""
         for src, got in enumerate(self.views(rows)):
             if got.shape[0]:
-                read_rows(self.ex.compute, dst, index[src], got)
+                read_rows(self.ex.compute, dst, runs[src], got)
 
 
 class CEExchange:

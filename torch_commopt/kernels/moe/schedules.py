@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_commopt.core.moe_spec import parse_moe_schedule
-from torch_commopt.kernels.moe.by_expert import DEFAULT_CHUNKS, by_expert, plan
+from torch_commopt.kernels.moe.by_expert import DEFAULT_CHUNKS, by_expert, layout
 from torch_commopt.kernels.moe.exchange import (
     AllToAll,
     Routing,
@@ -98,6 +98,22 @@ def expert_major(routing: Routing, device=None) -> Tensor:
                    for p in range(routing.world)], device)
 
 
+def _padded_place(routing: Routing, device, align: int) -> tuple[Tensor, Tensor, Tensor, int]:
+    """For the rows received source-major: each one's row in the padded expert-major buffer
+    (by_expert.layout), the buffer's padding rows, its padded rows per expert on `device`, and
+    its rows; autograd's indexed copies take the per-row index (by_expert moves runs instead)."""
+    sizes, padded, starts = layout(routing, align)
+    filled, spans = list(starts), []
+    for p in range(routing.world):
+        for e, n in enumerate(routing.recv[p]):
+            spans.append((filled[e], n))
+            filled[e] += n
+    received = sum(n for _, n in spans)
+    pad_spans = [(starts[e] + sizes[e], padded[e] - sizes[e]) for e in range(len(sizes))]
+    place, pads = ranges(spans + pad_spans, device).split([received, sum(padded) - received])
+    return place, pads, counts_on(padded, device), sum(padded)
+
+
 def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
     world = routing.world
     sends = [routing.send_rows(q) for q in range(world)]
@@ -108,12 +124,12 @@ def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
         # experts whose groups must be padded (module.PaddedLocal): each received row straight to
         # its place in its expert's padded group and back, one copy each way (torchtitan's count)
         # where reordering and padding apart would copy every row twice each way
-        p = plan(routing, 1, x.device, experts.align)
-        src = got.new_empty((p.padded_rows,) + tuple(got.shape[1:]))
-        src.index_fill_(0, p.pads, 0)  # the padding rows only: every other row is written next
-        src = src.index_copy(0, p.place[0], got)
-        out = experts.unpadded(src, p.groups)
-        return AllToAll.apply(gather_rows(out, p.place[0]), sends, recvs, group)
+        place, pads, groups, rows = _padded_place(routing, x.device, experts.align)
+        src = got.new_empty((rows,) + tuple(got.shape[1:]))
+        src.index_fill_(0, pads, 0)  # the padding rows only: every other row is written next
+        src = src.index_copy(0, place, got)
+        out = experts.unpadded(src, groups)
+        return AllToAll.apply(gather_rows(out, place), sends, recvs, group)
     order = expert_major(routing, x.device)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=x.device)
