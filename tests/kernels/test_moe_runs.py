@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from torch_commopt.kernels.moe.runs import copy_runs, on_device, table, zero_runs
+from torch_commopt.kernels.moe.runs import copy_runs, on_device, table
 
 
 def _by_index(dst: torch.Tensor, src: torch.Tensor, runs) -> torch.Tensor:
@@ -24,22 +24,18 @@ def test_runs_move_exactly_their_rows_and_leave_the_rest():
     gen = torch.Generator().manual_seed(5)
     src, dst = torch.randn(40, 6, generator=gen), torch.randn(50, 6, generator=gen)
     runs = [(0, 10, 3), (3, 0, 0), (3, 30, 7), (10, 2, 5), (15, 45, 5)]
-    moves, zeros = on_device([table(runs), table([(0, 20, 4), (0, 49, 1)])], "cpu")
+    (moves, more), (index,) = on_device([table(runs), table([(2, 20, 4)])], "cpu", ([7, 3, 11],))
+    assert index.tolist() == [7, 3, 11] and more.tolist() == [[2, 20, 4]]  # one copy, every part in place
     assert moves.shape == (4, 3)  # the empty run dropped
     want = _by_index(dst, src, runs)
     copy_runs(dst, src, moves)
     assert torch.equal(dst, want)
-    want[20:24] = 0
-    want[49] = 0
-    zero_runs(dst, zeros)
-    assert torch.equal(dst, want)
 
 
 def test_a_table_of_no_runs_moves_nothing():
-    (empty,) = on_device([table([(0, 0, 0)])], "cpu")
+    (empty,), _ = on_device([table([(0, 0, 0)])], "cpu")
     dst = torch.ones(3, 2)
     copy_runs(dst, torch.zeros(3, 2), empty)
-    zero_runs(dst, empty)
     assert torch.equal(dst, torch.ones(3, 2))
 
 
@@ -53,16 +49,11 @@ for width, dtype in ((48, torch.float32), (1536, torch.bfloat16)):  # one column
     src = torch.randn(300, width, generator=gen).to(dtype)
     dst = torch.randn(400, width, generator=gen).to(dtype)
     runs = [(0, 5, 70), (70, 100, 1), (71, 390, 10), (81, 200, 130)]
-    (moves,) = on_device([table(runs)], "cpu")
+    (moves,), _ = on_device([table(runs)], "cpu")
     want = dst.clone()
     for s, d, n in runs:
         want[d:d + n] = src[s:s + n]
     runs_triton.copy_runs(dst, src, moves, 130)
-    assert torch.equal(dst, want), (width, dtype)
-    (zeros,) = on_device([table([(0, 0, 3), (0, 398, 2)])], "cpu")
-    runs_triton.copy_runs(dst, None, zeros, 3)
-    want[0:3] = 0
-    want[398:400] = 0
     assert torch.equal(dst, want), (width, dtype)
 print("ok")
 """

@@ -48,7 +48,7 @@ from torch import Tensor
 from torch_commopt.kernels.moe import exchange
 from torch_commopt.kernels.moe.ce_exchange import IN, OUT, CEExchange, exchange_for
 from torch_commopt.kernels.moe.exchange import Routing, counts_on
-from torch_commopt.kernels.moe.runs import copy_runs, on_device, table, zero_runs
+from torch_commopt.kernels.moe.runs import copy_runs, on_device, table
 
 ALIGN = 8  # rows per group on the GPU (bf16: 16-byte aligned group starts in the weight gradients)
 DEFAULT_CHUNKS = 2  # chunks of experts when the schedule names none (benchmarks/results/moe_pieces_*)
@@ -88,7 +88,8 @@ class Plan:
     back[c]: runs from the chunk's rows of that buffer (counted from its first row) to the
         source-major order they go home in;
     rows[c]: chunk c's [start, end) rows in that buffer; experts[c]: its [lo, hi) local experts;
-    pads: the buffer's padding rows (zeroed: they must add nothing to a weight gradient);
+    pads: the buffer's padding rows, an index (zeroed: they must add nothing to a weight gradient;
+        at most align - 1 rows an expert, so one index_fill_ launch, cheaper on the host than a kernel's);
     groups / group_sizes: padded rows per local expert (on the device / on the host);
     offsets[c]: chunk c's grouped-GEMM group ends (int32, on the device)."""
 
@@ -147,8 +148,8 @@ def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
             per_source.append(table(mine))
             at += piece
         tables += [table(landed), table(back), *per_source]
-    tables.append(table([(0, starts[e] + sizes[e], padded[e] - sizes[e]) for e in range(len(sizes))]))
-    *chunk_tables, pads = on_device(tables, device)
+    pad_rows = [row for e in range(len(sizes)) for row in range(starts[e] + sizes[e], starts[e] + padded[e])]
+    chunk_tables, (pads,) = on_device(tables, device, (pad_rows,))
     per_chunk = 2 + world
     landed = chunk_tables[0::per_chunk]
     back = chunk_tables[1::per_chunk]
@@ -256,7 +257,7 @@ class _ByExpert(torch.autograd.Function):
         landing = _landing(ex, p, x)
         works = _post_all(ex, IN, p, x, landing)
         xe = x.new_empty((p.padded_rows, x.shape[1]))  # every local expert's rows, padded, expert-major
-        zero_runs(xe, p.pads)
+        xe.index_fill_(0, p.pads, 0)
         # the SwiGLU's product over every chunk's rows, which the backward's w2 gradient reads as it is
         act = x.new_empty((p.padded_rows, w1c.shape[1]))
         out = x.new_empty((x.shape[0], w2.shape[1]))
@@ -300,7 +301,7 @@ class _ByExpert(torch.autograd.Function):
         # whole-call buffers that each chunk writes its rows of in place (elementwise out=), so
         # that the weight gradients run once over all rows, with nothing to concatenate
         dy = dout.new_empty((p.padded_rows, dout.shape[1]))
-        zero_runs(dy, p.pads)
+        dy.index_fill_(0, p.pads, 0)
         hidden = (p.padded_rows, w1c.shape[1])
         dh1, dh3 = dout.new_empty(hidden), dout.new_empty(hidden)
         dx = dout.new_empty((dout.shape[0], w1c.shape[2])) if want_x else None

@@ -9,8 +9,7 @@ where an index per row took half a dozen kernels and a pageable copy between the
 read and the first transfer, while the GPU waited (docs/moe.md).
 
 On CUDA one Triton kernel (runs_triton.py) moves every run of a table: a program per (run, block
-of rows); elsewhere a loop of slice copies.  `zero_runs` writes zeros into runs of dst (the
-padding rows of the padded groups).
+of rows); elsewhere a loop of slice copies.
 """
 
 from __future__ import annotations
@@ -42,34 +41,27 @@ def copy_runs(dst: Tensor, src: Tensor, runs: Tensor) -> None:
         dst[d: d + n].copy_(src[s: s + n])
 
 
-def zero_runs(dst: Tensor, runs: Tensor) -> None:
-    """dst[d : d + n] = 0 for every run (_, d, n) of `runs`."""
-    host = getattr(runs, HOST)
-    if not host:
-        return
-    if dst.is_cuda and _triton_fits(dst, dst):
-        from torch_commopt.kernels.moe import runs_triton
-
-        runs_triton.copy_runs(dst, None, runs, max(n for _, _, n in host))
-        return
-    for _, d, n in host:
-        dst[d: d + n].zero_()
-
-
-def on_device(tables: list[list[tuple[int, int, int]]], device) -> list[Tensor]:
-    """Every table on `device` from one host-to-device copy (pinned memory on CUDA: no stream
-    sync), each a view of it carrying its host runs."""
+def on_device(tables: list[list[tuple[int, int, int]]], device, indexes: tuple[list[int], ...] = ()):
+    """Every table on `device`, each a view carrying its host runs, and every index (a plain int64
+    vector), all from one host-to-device copy (pinned memory on CUDA: no stream sync).  Returns
+    (tables, indexes)."""
     flat = [v for t in tables for run in t for v in run]
+    for index in indexes:
+        flat.extend(index)
     whole = torch.tensor(flat or [0], dtype=torch.int64)
     if torch.device(device).type == "cuda":
         whole = whole.pin_memory().to(device, non_blocking=True)
     out, at = [], 0
     for t in tables:
-        view = whole[3 * at: 3 * (at + len(t))].view(len(t), 3)
+        view = whole[at: at + 3 * len(t)].view(len(t), 3)
         setattr(view, HOST, t)
         out.append(view)
-        at += len(t)
-    return out
+        at += 3 * len(t)
+    vectors = []
+    for index in indexes:
+        vectors.append(whole[at: at + len(index)])
+        at += len(index)
+    return out, vectors
 
 
 def _triton_fits(dst: Tensor, src: Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""runs.copy_runs / zero_runs as one Triton kernel on CUDA.
+"""runs.copy_runs as one Triton kernel on CUDA.
 
 A program moves one block of BLOCK_R rows of one run, BLOCK_D columns at a time: the grid is
 (runs, blocks of the longest run), and a program past its run's end does nothing.  Every run
@@ -17,7 +17,7 @@ from torch import Tensor
 
 @triton.jit
 def _runs_kernel(dst_ptr, src_ptr, runs_ptr, dst_stride, src_stride, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_D: tl.constexpr, ZERO: tl.constexpr):
+                 BLOCK_D: tl.constexpr):
     run = tl.program_id(0)
     block = tl.program_id(1)
     s0 = tl.load(runs_ptr + 3 * run)
@@ -28,18 +28,15 @@ def _runs_kernel(dst_ptr, src_ptr, runs_ptr, dst_stride, src_stride, D: tl.const
     for c in tl.static_range(0, D, BLOCK_D):
         cols = c + tl.arange(0, BLOCK_D)
         mask = live[:, None] & (cols[None, :] < D)
-        if ZERO:
-            value = tl.zeros((BLOCK_R, BLOCK_D), dtype=dst_ptr.dtype.element_ty)
-        else:
-            value = tl.load(src_ptr + (s0 + r)[:, None] * src_stride + cols[None, :], mask=mask)
+        value = tl.load(src_ptr + (s0 + r)[:, None] * src_stride + cols[None, :], mask=mask)
         tl.store(dst_ptr + (d0 + r)[:, None] * dst_stride + cols[None, :], value, mask=mask)
 
 
-def copy_runs(dst: Tensor, src: Tensor | None, runs: Tensor, longest: int) -> None:
-    """Every run (s, d, n) of `runs`: dst[d : d + n] = src[s : s + n] (zeros without src)."""
+def copy_runs(dst: Tensor, src: Tensor, runs: Tensor, longest: int) -> None:
+    """Every run (s, d, n) of `runs`: dst[d : d + n] = src[s : s + n]."""
     width = dst.shape[1]
     block_d = min(triton.next_power_of_2(width), 1024)
     block_r = max(1, min(64, 8192 // block_d), triton.next_power_of_2(triton.cdiv(longest, 65535)))
     grid = (runs.shape[0], triton.cdiv(longest, block_r))  # (a grid's second dim takes at most 65535)
-    _runs_kernel[grid](dst, dst if src is None else src, runs, dst.stride(0), dst.stride(0) if src is None else src.stride(0),
-                       D=width, BLOCK_R=block_r, BLOCK_D=block_d, ZERO=src is None, num_warps=4)
+    _runs_kernel[grid](dst, src, runs, dst.stride(0), src.stride(0), D=width, BLOCK_R=block_r, BLOCK_D=block_d,
+                       num_warps=4)

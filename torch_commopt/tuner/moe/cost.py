@@ -30,7 +30,15 @@ layer at 4K tokens a rank (2 chunks of 4096 rows) ran its chunked GEMMs 6.8% slo
 whole ones, and by_expert 3.4% slower than a2a, while at 8K and 16K it won by 2.0% and 1.5%; the
 DeepSeek-V2-Lite- and Qwen3-30B-A3B-like layers (12K+ rows a chunk) won by 3.5-9%
 (benchmarks/results/moe_h200x2_*).  150 rows gets the sign of all seven measured differences
-right.  by_peer is never proposed: its pieces by source cost the compute 10-47% there (the
+right.
+
+by_expert does more on the host than a2a (its plan, a run copy a chunk and source, the flag
+operations of each transfer): on 2x H200, 1.4-1.5 ms more per forward and backward at 4K tokens a
+rank, where the layer's GPU work is short enough that the host sets the pace.  There by_expert ran
+0.99x torchtitan's EP while a2a ran 1.16-1.17x (the DeepSeek-V2-Lite- and Qwen3-30B-A3B-like
+layers, a2a estimated at 3.8 and 2.8 ms); from 8K tokens (a2a estimated at 5.5 ms and more) by_expert
+won.  So by_expert is proposed only for calls whose a2a estimate is at least MIN_PIPELINED_S.
+by_peer is never proposed: its pieces by source cost the compute 10-47% there (the
 pieces report).
 """
 
@@ -43,6 +51,7 @@ from torch_commopt.tuner.calibration import Calibration
 
 CHUNK_OVERHEAD = {2: 0.01, 4: 0.20, 6: 0.35}  # o_C (module docstring)
 KNEE_ROWS = 150.0  # a chunk's GEMMs lose KNEE_ROWS / its rows (module docstring)
+MIN_PIPELINED_S = 4.5e-3  # below this much a2a work a call, by_expert's host work is exposed (module docstring)
 COPIES = {"a2a": 2, "by_expert": 3}  # passes over the routed rows on the device besides the exchange
 
 
@@ -78,7 +87,7 @@ def estimates(shape: MoEShape, cal: Calibration) -> dict[str, float]:
     nccl = cal.collective["all_gather"]  # a2a's exchange is NCCL's all-to-all whatever by_expert's transport
     out = {"a2a": sum(2 * nccl.time(volume) + g + COPIES["a2a"] * moved for g in (forward, 2 * forward))}
     for chunks, overhead in CHUNK_OVERHEAD.items():
-        if chunks > shape.local_experts:
+        if chunks > shape.local_experts or out["a2a"] < MIN_PIPELINED_S:
             continue
         bounds = chunk_bounds(shape.local_experts, chunks)
         pieces = [link.time(volume * (hi - lo) / shape.local_experts) for lo, hi in bounds]
