@@ -141,7 +141,7 @@ def _sm_copy_recorder(queue, active: dict):
 def _indexed_read_recorder(queue, active: dict):
     """ce_exchange.read_rows, recorded as a copy that reads the landed piece's rows (and writes
     the destination's, a plain tensor: the whole of it, conservatively)."""
-    def read_rows(stream, dst: torch.Tensor, runs: torch.Tensor, src: torch.Tensor) -> None:
+    def read_rows(stream, dst: torch.Tensor, runs, src: torch.Tensor) -> None:
         if queue is not None:
             written = _tensor_rows(dst)
             queue.append((active["rank"], _handle(stream),

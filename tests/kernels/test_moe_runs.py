@@ -25,8 +25,9 @@ def test_runs_move_exactly_their_rows_and_leave_the_rest():
     src, dst = torch.randn(40, 6, generator=gen), torch.randn(50, 6, generator=gen)
     runs = [(0, 10, 3), (3, 0, 0), (3, 30, 7), (10, 2, 5), (15, 45, 5)]
     (moves, more), (index,) = on_device([table(runs), table([(2, 20, 4)])], "cpu", ([7, 3, 11],))
-    assert index.tolist() == [7, 3, 11] and more.tolist() == [[2, 20, 4]]  # one copy, every part in place
-    assert moves.shape == (4, 3)  # the empty run dropped
+    # one copy, every part in place
+    assert index.tolist() == [7, 3, 11] and more.device_rows().tolist() == [[2, 20, 4]] and more.whole is moves.whole
+    assert moves.device_rows().shape == (4, 3) and moves.longest == 7  # the empty run dropped
     want = _by_index(dst, src, runs)
     copy_runs(dst, src, moves)
     assert torch.equal(dst, want)
@@ -49,11 +50,11 @@ for width, dtype in ((48, torch.float32), (1536, torch.bfloat16)):  # one column
     src = torch.randn(300, width, generator=gen).to(dtype)
     dst = torch.randn(400, width, generator=gen).to(dtype)
     runs = [(0, 5, 70), (70, 100, 1), (71, 390, 10), (81, 200, 130)]
-    (moves,), _ = on_device([table(runs)], "cpu")
+    (_, moves), _ = on_device([table([(0, 0, 2)]), table(runs)], "cpu")  # a table after another: its start is not 0
     want = dst.clone()
     for s, d, n in runs:
         want[d:d + n] = src[s:s + n]
-    runs_triton.copy_runs(dst, src, moves, 130)
+    runs_triton.copy_runs(dst, src, moves)
     assert torch.equal(dst, want), (width, dtype)
 print("ok")
 """

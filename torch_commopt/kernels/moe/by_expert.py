@@ -47,8 +47,8 @@ from torch import Tensor
 
 from torch_commopt.kernels.moe import exchange
 from torch_commopt.kernels.moe.ce_exchange import IN, OUT, CEExchange, exchange_for
-from torch_commopt.kernels.moe.exchange import Routing, counts_on
-from torch_commopt.kernels.moe.runs import copy_runs, on_device, table
+from torch_commopt.kernels.moe.exchange import Routing
+from torch_commopt.kernels.moe.runs import RunTable, copy_runs, on_device, table
 
 ALIGN = 8  # rows per group on the GPU (bf16: 16-byte aligned group starts in the weight gradients)
 DEFAULT_CHUNKS = 2  # chunks of experts when the schedule names none (benchmarks/results/moe_pieces_*)
@@ -96,9 +96,9 @@ class Plan:
     slices: list[list[tuple[int, int]]]
     send: list[list[int]]
     recv: list[list[int]]
-    landed: list[Tensor]
-    by_source: list[list[Tensor]]
-    back: list[Tensor]
+    landed: list[RunTable]
+    by_source: list[list[RunTable]]
+    back: list[RunTable]
     rows: list[tuple[int, int]]
     experts: list[tuple[int, int]]
     pads: Tensor
@@ -113,16 +113,16 @@ def layout(routing: Routing, align: int) -> tuple[list[int], list[int], list[int
     """(rows, padded rows, first row) of each local expert in the padded expert-major buffer:
     expert e's rows from every source, source-major within it, padded to `align` (at least one
     group of `align` rows: the grouped GEMM takes no empty group)."""
-    nl = routing.local_experts
-    sizes = [sum(routing.recv[p][e] for p in range(routing.world)) for e in range(nl)]
+    sizes = [sum(column) for column in zip(*routing.recv, strict=True)]
     padded = [max(align, -(-s // align) * align) if align > 1 else s for s in sizes]
     return sizes, padded, list(accumulate(padded, initial=0))[:-1]
 
 
 def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
-    """The call's layout: host arithmetic on the Routing, its run tables on the device in one
-    host-to-device copy.  It runs between the counts' host read and the first transfer, while the
-    GPU waits for the host, so it builds no per-row index."""
+    """The call's layout: host arithmetic on the Routing; its run tables, padding rows and group
+    sizes and ends on the device from one host-to-device copy.  It runs between the counts' host
+    read and the first transfer, while the GPU waits for the host, so it builds no per-row index
+    and no tensor per table."""
     world = routing.world
     bounds = chunk_bounds(routing.local_experts, chunks)
     sizes, padded, starts = layout(routing, align)
@@ -149,15 +149,15 @@ def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
             at += piece
         tables += [table(landed), table(back), *per_source]
     pad_rows = [row for e in range(len(sizes)) for row in range(starts[e] + sizes[e], starts[e] + padded[e])]
-    chunk_tables, (pads,) = on_device(tables, device, (pad_rows,))
+    ends = [at for lo, hi in bounds for at in accumulate(padded[lo:hi])]  # group ends from each chunk's first row
+    chunk_tables, (pads, groups, ends_dev) = on_device(tables, device, (pad_rows, padded, ends))
     per_chunk = 2 + world
     landed = chunk_tables[0::per_chunk]
     back = chunk_tables[1::per_chunk]
     by_source = [chunk_tables[c * per_chunk + 2: (c + 1) * per_chunk] for c in range(len(bounds))]
-    ends = [at for lo, hi in bounds for at in accumulate(padded[lo:hi])]  # group ends from each chunk's first row
-    offsets = list(counts_on(ends, device, torch.int32).split([hi - lo for lo, hi in bounds]))
-    return Plan(slices, send, recv, landed, by_source, back, rows, bounds, pads, counts_on(padded, device),
-                padded, offsets, sum(padded), routing.peak)
+    offsets = list(ends_dev.to(torch.int32).split([hi - lo for lo, hi in bounds]))  # the grouped GEMM's offs
+    return Plan(slices, send, recv, landed, by_source, back, rows, bounds, pads, groups, padded, offsets,
+                sum(padded), routing.peak)
 
 
 def _gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:

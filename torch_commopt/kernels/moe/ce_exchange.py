@@ -85,7 +85,7 @@ def _read(stream, dst: Tensor, src: Tensor) -> None:
     dst.copy_(src)
 
 
-def read_rows(stream, dst: Tensor, runs: Tensor, src: Tensor) -> None:
+def read_rows(stream, dst: Tensor, runs, src: Tensor) -> None:
     """dst's rows <- src's by the run table `runs` (kernels/moe/runs.py), src a landed piece read
     where it lies in the symmetric buffer (on the compute stream, the current one); the protocol
     tests record it as a read of the slot."""
@@ -108,7 +108,7 @@ class Arrival:
         """rows[src]: what source src sent in this chunk (the Routing's sizes)."""
         return self.ex.arrive(self.region, self.chunk, None, (self.own, rows))
 
-    def place(self, dst: Tensor, runs: list[Tensor], rows: list[int]) -> None:
+    def place(self, dst: Tensor, runs: list, rows: list[int]) -> None:
         """dst's rows <- source src's piece by the run table runs[src], for every source, each
         read where it landed (views)."""
         for src, got in enumerate(self.views(rows)):

@@ -14,11 +14,32 @@ of rows); elsewhere a loop of slice copies.
 
 from __future__ import annotations
 
+from array import array
+from itertools import chain
+
 import torch
 from torch import Tensor
 
-# a run table: int64 (n, 3) rows [src row, dst row, rows]; its host copy rides along (HOST)
-HOST = "_commopt_runs"
+
+class RunTable:
+    """A table of runs: rows [start, start + len(runs)) of `whole`, an int64 (n, 3) tensor of
+    [src row, dst row, rows] on the device that several tables share (one copy brought them all),
+    and the same runs as the host keeps them.  Not a tensor view of its own: building one per
+    table cost the host more than the kernel launch it feeds."""
+
+    __slots__ = ("whole", "start", "runs")
+
+    def __init__(self, whole: Tensor, start: int, runs: list[tuple[int, int, int]]):
+        self.whole, self.start, self.runs = whole, start, runs
+
+    @property
+    def longest(self) -> int:
+        """The most rows of any run (what the kernel's grid must cover)."""
+        return max((n for _, _, n in self.runs), default=0)
+
+    def device_rows(self) -> Tensor:
+        """The table's rows of `whole` (a view: for tests and inspection)."""
+        return self.whole.view(-1, 3)[self.start: self.start + len(self.runs)]
 
 
 def table(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -26,38 +47,64 @@ def table(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return [r for r in runs if r[2] > 0]
 
 
-def copy_runs(dst: Tensor, src: Tensor, runs: Tensor) -> None:
+def copy_runs(dst: Tensor, src: Tensor, runs: RunTable) -> None:
     """dst[d : d + n] = src[s : s + n] for every run (s, d, n) of `runs` (a table from
     `on_device`).  Rows of dst outside every run are left as they are."""
-    host = getattr(runs, HOST)
-    if not host:
+    if not runs.runs:
         return
     if dst.is_cuda and _triton_fits(dst, src):
         from torch_commopt.kernels.moe import runs_triton
 
-        runs_triton.copy_runs(dst, src, runs, max(n for _, _, n in host))
+        runs_triton.copy_runs(dst, src, runs)
         return
-    for s, d, n in host:
+    for s, d, n in runs.runs:
         dst[d: d + n].copy_(src[s: s + n])
 
 
+class _Staging:
+    """A pinned host buffer per device through which on_device's copies go: pinned, so a copy
+    queues without a stream sync; kept, so no pinned allocation per call; an event marks the last
+    copy out of it, which must have finished before the buffer is written again (a call later, it
+    long has)."""
+
+    def __init__(self) -> None:
+        self.host: Tensor | None = None
+        self.event = None
+
+    def send(self, values: Tensor, device) -> Tensor:
+        n = values.numel()
+        if self.event is not None:
+            self.event.synchronize()
+        if self.host is None or self.host.numel() < n:
+            self.host = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
+        self.host[:n].copy_(values)
+        out = torch.empty(n, dtype=torch.int64, device=device)
+        out.copy_(self.host[:n], non_blocking=True)
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record()
+        return out
+
+
+_staging: dict[torch.device, _Staging] = {}
+
+
 def on_device(tables: list[list[tuple[int, int, int]]], device, indexes: tuple[list[int], ...] = ()):
-    """Every table on `device`, each a view carrying its host runs, and every index (a plain int64
-    vector), all from one host-to-device copy (pinned memory on CUDA: no stream sync).  Returns
-    (tables, indexes)."""
-    flat = [v for t in tables for run in t for v in run]
+    """Every table on `device` (RunTable) and every index (a plain int64 vector), all from one
+    host-to-device copy (through a pinned buffer kept per device on CUDA).  Returns (tables,
+    indexes)."""
+    flat = array("q", chain.from_iterable(chain.from_iterable(tables)))
     for index in indexes:
         flat.extend(index)
-    whole = torch.tensor(flat or [0], dtype=torch.int64)
-    if torch.device(device).type == "cuda":
-        whole = whole.pin_memory().to(device, non_blocking=True)
+    whole = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.zeros(1, dtype=torch.int64)
+    device = torch.device(device)
+    if device.type == "cuda":
+        whole = _staging.setdefault(device, _Staging()).send(whole, device)
     out, at = [], 0
     for t in tables:
-        view = whole[at: at + 3 * len(t)].view(len(t), 3)
-        setattr(view, HOST, t)
-        out.append(view)
-        at += 3 * len(t)
-    vectors = []
+        out.append(RunTable(whole, at, t))
+        at += len(t)
+    vectors, at = [], 3 * at
     for index in indexes:
         vectors.append(whole[at: at + len(index)])
         at += len(index)

@@ -16,9 +16,9 @@ from torch import Tensor
 
 
 @triton.jit
-def _runs_kernel(dst_ptr, src_ptr, runs_ptr, dst_stride, src_stride, D: tl.constexpr, BLOCK_R: tl.constexpr,
+def _runs_kernel(dst_ptr, src_ptr, runs_ptr, first, dst_stride, src_stride, D: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_D: tl.constexpr):
-    run = tl.program_id(0)
+    run = first + tl.program_id(0)
     block = tl.program_id(1)
     s0 = tl.load(runs_ptr + 3 * run)
     d0 = tl.load(runs_ptr + 3 * run + 1)
@@ -32,11 +32,11 @@ def _runs_kernel(dst_ptr, src_ptr, runs_ptr, dst_stride, src_stride, D: tl.const
         tl.store(dst_ptr + (d0 + r)[:, None] * dst_stride + cols[None, :], value, mask=mask)
 
 
-def copy_runs(dst: Tensor, src: Tensor, runs: Tensor, longest: int) -> None:
-    """Every run (s, d, n) of `runs`: dst[d : d + n] = src[s : s + n]."""
-    width = dst.shape[1]
+def copy_runs(dst: Tensor, src: Tensor, runs) -> None:
+    """Every run (s, d, n) of `runs` (a runs.RunTable): dst[d : d + n] = src[s : s + n]."""
+    width, longest = dst.shape[1], runs.longest
     block_d = min(triton.next_power_of_2(width), 1024)
     block_r = max(1, min(64, 8192 // block_d), triton.next_power_of_2(triton.cdiv(longest, 65535)))
-    grid = (runs.shape[0], triton.cdiv(longest, block_r))  # (a grid's second dim takes at most 65535)
-    _runs_kernel[grid](dst, src, runs, dst.stride(0), src.stride(0), D=width, BLOCK_R=block_r, BLOCK_D=block_d,
-                       num_warps=4)
+    grid = (len(runs.runs), triton.cdiv(longest, block_r))  # (a grid's second dim takes at most 65535)
+    _runs_kernel[grid](dst, src, runs.whole, runs.start, dst.stride(0), src.stride(0), D=width, BLOCK_R=block_r,
+                       BLOCK_D=block_d, num_warps=4)
