@@ -35,7 +35,7 @@ def _routings(world: int, seed: int) -> list[Routing]:
 
 
 def _queue_calls(world: int, chunks: int, seed: int, calls: int = 2, break_release: bool = False,
-                 break_arrival: bool = False):
+                 break_arrival: bool = False, input_grad: bool = True):
     runtimes, queue = fake_runtimes(world, owned=(ce_exchange.PURPOSE,)), []
     group = types.SimpleNamespace(group_name="fake", size=lambda: world)
     routings = _routings(world, seed)
@@ -65,7 +65,7 @@ def _queue_calls(world: int, chunks: int, seed: int, calls: int = 2, break_relea
                         active(rank)
                         r = routings[rank]
                         if phase == "forward":
-                            x = torch.randn(sum(map(sum, r.send)), D, requires_grad=True)
+                            x = torch.randn(sum(map(sum, r.send)), D, requires_grad=input_grad)
                             ws = [torch.randn(NL, H, D, requires_grad=True), torch.randn(NL, D, H, requires_grad=True),
                                   torch.randn(NL, H, D, requires_grad=True)]
                             outs[rank] = be.by_expert(x, r, ws, group, chunks)
@@ -82,6 +82,13 @@ def _queue_calls(world: int, chunks: int, seed: int, calls: int = 2, break_relea
 def test_the_exchange_protocol_runs_to_rest_in_every_interleaving(world, chunks, seed):
     queue, runtimes = _queue_calls(world, chunks, seed)
     assert any(op[0] == "copy" for _, _, op in queue)  # pieces did move by DMA
+    for order in range(4):
+        simulate(queue, runtimes, seed=order)
+
+
+def test_a_backward_that_sends_no_input_gradient_leaves_every_flag_at_rest():
+    # an input that needs no gradient: the backward posts no input gradient home (no OUT region)
+    queue, runtimes = _queue_calls(2, 2, 0, input_grad=False)
     for order in range(4):
         simulate(queue, runtimes, seed=order)
 

@@ -82,7 +82,7 @@ class _Staging:
         out.copy_(self.host[:n], non_blocking=True)
         if self.event is None:
             self.event = torch.cuda.Event()
-        self.event.record()
+        self.event.record(torch.cuda.current_stream(device))  # the stream the copy went on (device's)
         return out
 
 
