@@ -221,7 +221,7 @@ def report(cases: list, meta: dict) -> str:
                      + f" | {err:.1e} |")
     lines += ["", "×: speedup over torchtitan's EP. Hidden: the share of the exposed exchange "
               "(torchtitan EP − comm-free) that the variant removes. Error: the largest relative error of "
-              "the output (and, from commit 8435fe4 on, of the input's gradient) against torchtitan's EP.", ""]
+              "the output and of the input's gradient against torchtitan's EP.", ""]
     return "\n".join(lines)
 
 
