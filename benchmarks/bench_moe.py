@@ -339,6 +339,14 @@ def join(paths: list, out: str | None) -> None:
                      text)
 
 
+def _variant(name: str) -> str:
+    """A variant by its name ("commopt a2a") or its schedule ("a2a"), as a shell passes it."""
+    for v in (name, f"commopt {name}"):
+        if v in VARIANTS:
+            return v
+    raise argparse.ArgumentTypeError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="directory for the report (required except with --cpu)")
@@ -348,8 +356,9 @@ def main() -> None:
     p.add_argument("--routings", nargs="+", default=["balanced", "skewed"])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="VARIANT",
-                   help="a subset of the variants (torchtitan EP and comm-free always run: the figures need them)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=_variant, metavar="VARIANT",
+                   help="a subset of the variants, by name or by schedule (a2a, by_expert, 'by_expert nccl', auto, "
+                        "...; torchtitan EP and comm-free always run: the figures need them)")
     p.add_argument("--pieces", action="store_true", help="one GPU: the grouped GEMMs whole vs in pieces")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="--pieces: the EP degrees whose rows it runs")
     p.add_argument("--cpu", action="store_true", help="gloo smoke run with a tiny layer; prints, writes nothing")

@@ -59,3 +59,14 @@ def test_runs_split_by_model_join_into_one_report(tmp_path):
     paths[1].write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="different cards or worlds"):
         bench_moe.join([str(p) for p in paths], None)
+
+
+def test_variants_are_named_by_name_or_by_schedule():
+    import argparse
+
+    import pytest
+
+    assert bench_moe._variant("a2a") == "commopt a2a" and bench_moe._variant("commopt auto") == "commopt auto"
+    assert bench_moe._variant("comm-free") == "comm-free"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'ring'"):
+        bench_moe._variant("ring")

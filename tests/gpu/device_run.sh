@@ -81,12 +81,19 @@ if [[ $what == moe_pieces ]]; then
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_moe --pieces --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/moe_pieces.log"
 fi
 if [[ $what == moe ]]; then
-  # issue 68, W GPUs: one MoE layer, torchtitan's EP vs commopt's schedules vs the comm-free bound;
+  # issue 68, W GPUs: the MoE GPU tests, then one MoE layer, torchtitan's EP vs commopt's schedules
+  # vs the comm-free bound, the fine-grained models and Mixtral in two runs joined into one report
+  # (~4 min on 2x H200 with BENCH_ARGS="--commit abc --variants a2a by_expert auto --rounds 5");
   # torchtitan 0.2.2 carried in .whl/ as for the torchtitan mode
+  TORCH_COMMOPT_DEBUG_WAITS=1 TORCH_COMMOPT_WAIT_TIMEOUT_S=60 timeout ${TEST_TIMEOUT:-150} \
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py 2>&1 | tee "$out/gpu_moe.log"
   ttsite=$(mktemp -d)
   python3 -m pip install -q --no-deps --target "$ttsite" .whl/*.whl > "$out/tt_install.log" 2>&1
-  PYTHONPATH=$ttsite:$PYTHONPATH timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_moe --out "$out" \
-    ${BENCH_ARGS:-} 2>&1 | tee "$out/moe.log"
+  for part in "dsv2-lite qwen3-30b-a3b" "mixtral-8x7b"; do
+    PYTHONPATH=$ttsite:$PYTHONPATH timeout ${BENCH_TIMEOUT:-280} python3 -m benchmarks.bench_moe --out "$out/${part%% *}" \
+      --models $part ${BENCH_ARGS:-} 2>&1 | tee -a "$out/moe.log"
+  done
+  python3 -m benchmarks.bench_moe --join "$out"/dsv2-lite/moe_*.json "$out"/mixtral-8x7b/moe_*.json --out "$out"
 fi
 if [[ $what == decode ]]; then
   # issue 69 (a), W GPUs: decode-sized GEMM + all-reduce, NCCL vs torch symm_mem vs oneshot/twoshot, from CUDA graphs
