@@ -64,8 +64,6 @@ def test_runs_split_by_model_join_into_one_report(tmp_path):
 def test_variants_are_named_by_name_or_by_schedule():
     import argparse
 
-    import pytest
-
     assert bench_moe._variant("a2a") == "commopt a2a" and bench_moe._variant("commopt auto") == "commopt auto"
     assert bench_moe._variant("comm-free") == "comm-free"
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'ring'"):
