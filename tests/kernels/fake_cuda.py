@@ -138,7 +138,7 @@ def _sm_copy_recorder(queue, active: dict):
     return sm_copy
 
 
-def _indexed_read_recorder(queue, active: dict):
+def _run_read_recorder(queue, active: dict):
     """ce_exchange.read_rows, recorded as a copy that reads the landed piece's rows (and writes
     the destination's, a plain tensor: the whole of it, conservatively)."""
     def read_rows(stream, dst: torch.Tensor, runs, src: torch.Tensor) -> None:
@@ -200,7 +200,7 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
         stack.enter_context(mock.patch.object(FakeStream, "driver_calls", entry_points))
         stack.enter_context(mock.patch.object(ce_a2a, "_sm_copy", _sm_copy_recorder(queue, state)))
         stack.enter_context(mock.patch.object(ce_exchange, "_read", _sm_copy_recorder(queue, state)))
-        stack.enter_context(mock.patch.object(ce_exchange, "read_rows", _indexed_read_recorder(queue, state)))
+        stack.enter_context(mock.patch.object(ce_exchange, "read_rows", _run_read_recorder(queue, state)))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None))
         stack.enter_context(mock.patch.object(symm, "runtime", lambda *a, **k: runtimes[state["rank"]]))
         stack.enter_context(mock.patch.object(driver, "_lib", lambda: entry_points))

@@ -45,16 +45,16 @@ def _queue_calls(world: int, chunks: int, seed: int, calls: int = 2, break_relea
         if break_release:
             patches.append((ce_exchange.CEExchange, "release", lambda self, region: None))
         if break_arrival:  # a planted bug: the pieces read without waiting for their data flags
-            arrive = ce_exchange.CEExchange.arrive
+            landed = ce_exchange.CEExchange.landed
 
             def unwaited(self, *args):
                 wait, self.rt.wait = self.rt.wait, lambda *a, **k: None
                 try:
-                    return arrive(self, *args)
+                    return landed(self, *args)
                 finally:
                     self.rt.wait = wait
 
-            patches.append((ce_exchange.CEExchange, "arrive", unwaited))
+            patches.append((ce_exchange.CEExchange, "landed", unwaited))
         saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
         for obj, name, value in patches:
             setattr(obj, name, value)

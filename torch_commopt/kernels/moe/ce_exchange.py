@@ -94,9 +94,9 @@ def read_rows(stream, dst: Tensor, runs, src: Tensor) -> None:
 
 class Arrival:
     """Chunk c of a region, posted: `wait()` holds the compute stream until every source's piece
-    has landed and copies the pieces into the caller's views; `views()` (a post without outs) holds
-    it the same way and hands back each source's piece where it lies: this rank's own piece as it
-    was given, a peer's as a view of its slot, valid until the region's `release` (no copy)."""
+    has landed and copies the pieces into the caller's views; `place()` (a post without outs)
+    holds it the same way and moves each piece from where it lies -- this rank's own piece as it
+    was given, a peer's in its slot -- straight into the caller's buffer by run tables."""
 
     def __init__(self, ex: "CEExchange", region: int, chunk: int, outs: list[Tensor] | None, own: Tensor):
         self.ex, self.region, self.chunk, self.outs, self.own = ex, region, chunk, outs, own
@@ -104,16 +104,15 @@ class Arrival:
     def wait(self) -> None:
         self.ex.arrive(self.region, self.chunk, self.outs)
 
-    def views(self, rows: list[int]) -> list[Tensor]:
-        """rows[src]: what source src sent in this chunk (the Routing's sizes)."""
-        return self.ex.arrive(self.region, self.chunk, None, (self.own, rows))
-
     def place(self, dst: Tensor, runs: list, rows: list[int]) -> None:
-        """dst's rows <- source src's piece by the run table runs[src], for every source, each
-        read where it landed (views)."""
-        for src, got in enumerate(self.views(rows)):
-            if got.shape[0]:
-                read_rows(self.ex.compute, dst, runs[src], got)
+        """dst's rows <- source src's piece by the run table runs[src], for every source;
+        rows[src]: what src sent in this chunk (the Routing's sizes)."""
+        ex, width = self.ex, self.own.shape[1]
+        if self.own.shape[0]:
+            read_rows(ex.compute, dst, runs[ex.me], self.own)
+        for src, at, n in ex.landed(self.region, self.chunk, rows):
+            if n:
+                read_rows(ex.compute, dst, runs[src], ex.buf.view(ex.me, at, (n, width), ex.dtype))
 
 
 class CEExchange:
@@ -133,7 +132,6 @@ class CEExchange:
         self.rt = rt = symm.runtime(group.group_name, device)
         self.me, self.world = rt.rank, rt.world
         self.row_bytes, self.dtype = row_bytes, dtype
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.slot = slot_bytes(peak_rows, row_bytes)
         self.buf = rt.own_buffer(PURPOSE, 2 * self.world * self.slot)  # collective when it grows
         self.debug = rt.debug_waits()
@@ -182,26 +180,22 @@ class CEExchange:
             outs[self.me].copy_(ins[self.me])
         return Arrival(self, region, chunk, outs, ins[self.me])
 
-    def arrive(self, region: int, chunk: int, outs: list[Tensor] | None,
-               in_place: tuple[Tensor, list[int]] | None = None) -> list[Tensor] | None:
-        """Hold the compute stream until chunk c's pieces have landed; copy them into outs, or
-        (outs None, in_place = (own piece, rows per source)) return them where they lie: the own
-        piece for this rank, a view of its slot for each source."""
-        rt = self.rt
-        views = None if outs is not None else [in_place[0]] * self.world
+    def landed(self, region: int, chunk: int, rows: list[int]) -> list[tuple[int, int, int]]:
+        """Hold the compute stream until chunk c's pieces have landed; (source, byte offset in this
+        rank's buffer, rows) of each, rows[src] the rows src sent in the chunk."""
+        rt, out = self.rt, []
         for src in rt.sources:
             rt.wait(self.compute, self._data(region, src), chunk + 1, debug=self.debug, watched=self.watched,
                     what="moe piece", src=src, chunk=chunk)
-            n = outs[src].shape[0] if outs is not None else in_place[1][src]
-            at = self._at(region, src, self.got[region][src])
-            if outs is None:
-                width = self.row_bytes // self.itemsize
-                views[src] = (self.buf.view(self.me, at, (n, width), self.dtype) if n
-                              else in_place[0].new_empty((0, width)))
-            elif n:
+            out.append((src, self._at(region, src, self.got[region][src]), rows[src]))
+            self.got[region][src] += rows[src]
+        return out
+
+    def arrive(self, region: int, chunk: int, outs: list[Tensor]) -> None:
+        """Hold the compute stream until chunk c's pieces have landed and copy them into outs."""
+        for src, at, n in self.landed(region, chunk, [o.shape[0] for o in outs]):
+            if n:
                 _read(self.compute, outs[src], self.buf.view(self.me, at, tuple(outs[src].shape), self.dtype))
-            self.got[region][src] += n
-        return views
 
     def release(self, region: int) -> None:
         """After this rank's last read of `region` in the pass (stream-ordered on the compute

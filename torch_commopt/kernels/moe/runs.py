@@ -37,10 +37,6 @@ class RunTable:
         """The most rows of any run (what the kernel's grid must cover)."""
         return max((n for _, _, n in self.runs), default=0)
 
-    def device_rows(self) -> Tensor:
-        """The table's rows of `whole` (a view: for tests and inspection)."""
-        return self.whole.view(-1, 3)[self.start: self.start + len(self.runs)]
-
 
 def table(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """The runs worth moving (no empty one), as the host keeps them."""
