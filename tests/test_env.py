@@ -141,3 +141,17 @@ def test_a_switch_read_on_every_call_follows_os_environ_replaced_whole(monkeypat
     assert env.watchdog() is False
     monkeypatch.setattr(os, "environ", {env.WATCHDOG: "1"})  # a plain dict: read through .get
     assert env.watchdog() is True
+
+
+@pytest.mark.parametrize("watchdog, debug, watched", [(None, None, True), ("0", None, False), ("off", "", False),
+                                                      (None, "1", False), ("1", "0", True), ("", "false", True)])
+def test_a_call_is_watched_when_the_watchdog_is_on_and_waits_are_not_bounded_by_debug_mode(
+        monkeypatch, watchdog, debug, watched):
+    """watch_calls, read at every GPU call's start, agrees with the two switches it stands for."""
+    for name, value in ((env.WATCHDOG, watchdog), (env.DEBUG_WAITS, debug)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert env.watch_calls() is watched
+    assert env.watch_calls() is (env.watchdog() and not env.debug_waits())

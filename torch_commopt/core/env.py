@@ -106,6 +106,14 @@ def watchdog() -> bool:
     return _get(WATCHDOG, "1") not in ("0", "false", "False", "off")
 
 
+def watch_calls() -> bool:
+    """Whether a GPU schedule's call is watched by the watchdog, as far as the environment says:
+    TORCH_COMMOPT_WATCHDOG on and TORCH_COMMOPT_DEBUG_WAITS off (a debug-mode call bounds its
+    waits itself).  One function for the two switches: it is read at every call's start."""
+    return (_get(WATCHDOG, "1") not in ("0", "false", "False", "off")
+            and _get(DEBUG_WAITS, "0") in ("", "0", "false", "False"))
+
+
 def under_ci() -> bool:
     """$CI (set by CI runners; not one of ours): whether the test harness runs under CI, where an
     optional package the test extras install must be there (testing/optional.py)."""
