@@ -344,6 +344,9 @@ def _variant(name: str) -> str:
     for v in (name, f"commopt {name}"):
         if v in VARIANTS:
             return v
+    chunks = name.removeprefix("commopt ").removeprefix("by_expert:")
+    if name.removeprefix("commopt ").startswith("by_expert:") and chunks.isdigit() and int(chunks) > 0:
+        return f"commopt by_expert:{chunks}"  # a chunk count of its own (the table's by_expert column is the default's)
     raise argparse.ArgumentTypeError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
 
 

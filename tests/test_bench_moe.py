@@ -66,5 +66,7 @@ def test_variants_are_named_by_name_or_by_schedule():
 
     assert bench_moe._variant("a2a") == "commopt a2a" and bench_moe._variant("commopt auto") == "commopt auto"
     assert bench_moe._variant("comm-free") == "comm-free"
-    with pytest.raises(argparse.ArgumentTypeError, match="unknown variant 'ring'"):
-        bench_moe._variant("ring")
+    assert bench_moe._variant("by_expert:4") == bench_moe._variant("commopt by_expert:4") == "commopt by_expert:4"
+    for bad in ("ring", "by_expert:0", "by_expert:x", "a2a:2"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"unknown variant '{bad}'"):
+            bench_moe._variant(bad)

@@ -77,36 +77,52 @@ def chunk_bounds(local_experts: int, chunks: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Plan:
-    """Host-side layout of one by_expert call, its run tables on x's device (runs.py).
+    """Host-side layout of one by_expert call (host arithmetic on the Routing, no device work:
+    it is made between the counts' host read and the first transfer, while the GPU waits).
 
     slices[c][q]: (start, rows) of x's rows that chunk c sends to rank q, a contiguous piece of
         x's run for q (x is sorted by expert, so by destination);
     send[c] / recv[c]: chunk c's rows per destination / per source;
+    rows[c]: chunk c's [start, end) rows in the padded expert-major buffer; experts[c]: its [lo, hi)
+        local experts;
+    group_sizes: padded rows per local expert;
+    runs: per chunk, its run tables' runs as the host keeps them (Tables); pad_rows, ends: the
+        padding rows and every chunk's group ends, for `tables`."""
+
+    slices: list[list[tuple[int, int]]]
+    send: list[list[int]]
+    recv: list[list[int]]
+    rows: list[tuple[int, int]]
+    experts: list[tuple[int, int]]
+    group_sizes: list[int]
+    padded_rows: int
+    peak: int | None  # Routing.peak: sizes the copy-engine exchange's slots
+    runs: list[list[tuple[int, int, int]]]
+    pad_rows: list[int]
+    ends: list[int]
+
+
+@dataclass(frozen=True)
+class Tables:
+    """A Plan's tables on x's device, from one host-to-device copy (runs.on_device), made once the
+    forward's transfers are posted (they need the Plan only): the copy and its set-up then run
+    while the first chunk is on its way, not while the GPU waits.
+
     landed[c]: runs from chunk c's received rows (source-major, as they land over
         torch.distributed) to the padded expert-major buffer of every local expert;
     by_source[c][p]: the same from source p's piece alone (as it lies in its copy-engine slot);
     back[c]: runs from the chunk's rows of that buffer (counted from its first row) to the
         source-major order they go home in;
-    rows[c]: chunk c's [start, end) rows in that buffer; experts[c]: its [lo, hi) local experts;
     pads: the buffer's padding rows, an index (zeroed: they must add nothing to a weight gradient;
         at most align - 1 rows an expert, so one index_fill_ launch, cheaper on the host than a kernel's);
-    groups / group_sizes: padded rows per local expert (on the device / on the host);
-    offsets[c]: chunk c's grouped-GEMM group ends (int32, on the device)."""
+    groups: padded rows per local expert; offsets[c]: chunk c's grouped-GEMM group ends (int32)."""
 
-    slices: list[list[tuple[int, int]]]
-    send: list[list[int]]
-    recv: list[list[int]]
     landed: list[RunTable]
     by_source: list[list[RunTable]]
     back: list[RunTable]
-    rows: list[tuple[int, int]]
-    experts: list[tuple[int, int]]
     pads: Tensor
     groups: Tensor
-    group_sizes: list[int]
     offsets: list[Tensor]
-    padded_rows: int
-    peak: int | None  # Routing.peak: sizes the copy-engine exchange's slots
 
 
 def layout(routing: Routing, align: int) -> tuple[list[int], list[int], list[int]]:
@@ -118,15 +134,12 @@ def layout(routing: Routing, align: int) -> tuple[list[int], list[int], list[int
     return sizes, padded, list(accumulate(padded, initial=0))[:-1]
 
 
-def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
-    """The call's layout: host arithmetic on the Routing; its run tables, padding rows and group
-    sizes and ends on the device from one host-to-device copy.  It runs between the counts' host
-    read and the first transfer, while the GPU waits for the host, so it builds no per-row index
-    and no tensor per table."""
+def plan(routing: Routing, chunks: int, align: int) -> Plan:
+    """The call's layout, on the host from the Routing alone: no per-row index, no tensor."""
     world = routing.world
     bounds = chunk_bounds(routing.local_experts, chunks)
     sizes, padded, starts = layout(routing, align)
-    slices, send, recv, rows, tables = [], [], [], [], []
+    slices, send, recv, rows, runs = [], [], [], [], []
     for lo, hi in bounds:
         slices.append([(routing.send_offset(q) + sum(routing.send[q][:lo]), sum(routing.send[q][lo:hi]))
                        for q in range(world)])
@@ -147,17 +160,19 @@ def plan(routing: Routing, chunks: int, device, align: int) -> Plan:
                 piece += n
             per_source.append(table(mine))
             at += piece
-        tables += [table(landed), table(back), *per_source]
+        runs += [table(landed), table(back), *per_source]
     pad_rows = [row for e in range(len(sizes)) for row in range(starts[e] + sizes[e], starts[e] + padded[e])]
     ends = [at for lo, hi in bounds for at in accumulate(padded[lo:hi])]  # group ends from each chunk's first row
-    chunk_tables, (pads, groups, ends_dev) = on_device(tables, device, (pad_rows, padded, ends))
-    per_chunk = 2 + world
-    landed = chunk_tables[0::per_chunk]
-    back = chunk_tables[1::per_chunk]
-    by_source = [chunk_tables[c * per_chunk + 2: (c + 1) * per_chunk] for c in range(len(bounds))]
-    offsets = list(ends_dev.to(torch.int32).split([hi - lo for lo, hi in bounds]))  # the grouped GEMM's offs
-    return Plan(slices, send, recv, landed, by_source, back, rows, bounds, pads, groups, padded, offsets,
-                sum(padded), routing.peak)
+    return Plan(slices, send, recv, rows, bounds, padded, sum(padded), routing.peak, runs, pad_rows, ends)
+
+
+def tables(p: Plan, device) -> Tables:
+    """p's run tables, padding rows and group sizes and ends on `device`, from one host-to-device copy."""
+    chunk_tables, (pads, groups, ends) = on_device(p.runs, device, (p.pad_rows, p.group_sizes, p.ends))
+    per_chunk = len(chunk_tables) // len(p.rows)
+    by_source = [chunk_tables[c * per_chunk + 2: (c + 1) * per_chunk] for c in range(len(p.rows))]
+    offsets = list(ends.to(torch.int32).split([hi - lo for lo, hi in p.experts]))  # the grouped GEMM's offs
+    return Tables(chunk_tables[0::per_chunk], by_source, chunk_tables[1::per_chunk], pads, groups, offsets)
 
 
 def _gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
@@ -223,20 +238,20 @@ def _landing(ex, p: Plan, like: Tensor) -> list[Tensor] | None:
     return [like.new_empty((sum(r), like.shape[1])) for r in p.recv]
 
 
-def _place(dst: Tensor, work, landing: list[Tensor] | None, p: Plan, c: int) -> None:
+def _place(dst: Tensor, work, landing: list[Tensor] | None, p: Plan, t: Tables, c: int) -> None:
     """dst's rows of chunk c (the padded expert-major buffer) <- chunk c's pieces, once landed."""
     if landing is None:  # straight out of the slots, one run copy per source
-        work.place(dst, p.by_source[c], p.recv[c])
+        work.place(dst, t.by_source[c], p.recv[c])
         return
     _wait(work)
-    copy_runs(dst, landing[c], p.landed[c])
+    copy_runs(dst, landing[c], t.landed[c])
 
 
-def _back(y: Tensor, p: Plan, c: int) -> Tensor:
+def _back(y: Tensor, p: Plan, t: Tables, c: int) -> Tensor:
     """Chunk c's rows of y (expert-major, padded, from the chunk's first row) in the source-major
     order they go home in."""
     out = y.new_empty((sum(p.recv[c]), y.shape[1]))
-    copy_runs(out, y, p.back[c])
+    copy_runs(out, y, t.back[c])
     return out
 
 
@@ -256,23 +271,24 @@ class _ByExpert(torch.autograd.Function):
         ex = exchange_for(x, group, p.peak, f"by_expert forward, {len(p.rows)} chunks", _post)
         landing = _landing(ex, p, x)
         works = _post_all(ex, IN, p, x, landing)
+        t = tables(p, x.device)  # while the first chunk travels
         xe = x.new_empty((p.padded_rows, x.shape[1]))  # every local expert's rows, padded, expert-major
-        xe.index_fill_(0, p.pads, 0)
+        xe.index_fill_(0, t.pads, 0)
         # the SwiGLU's product over every chunk's rows, which the backward's w2 gradient reads as it is
         act = x.new_empty((p.padded_rows, w1c.shape[1]))
         out = x.new_empty((x.shape[0], w2.shape[1]))
         homes, saved = [], []
         for c, (start, end) in enumerate(p.rows):
-            _place(xe, works[c], landing, p, c)
+            _place(xe, works[c], landing, p, t, c)
             xc = xe[start:end]
-            sizes, offs = _chunk_groups(p, c, grouped)
+            sizes, offs = _chunk_groups(p, t, c, grouped)
             lo, hi = _experts(p, c)
             h1 = _gmm(xc, w1c[lo:hi], sizes, offs)
             h3 = _gmm(xc, w3c[lo:hi], sizes, offs)
             silu = F.silu(h1)
             torch.mul(silu, h3, out=act[start:end])
             y = _gmm(act[start:end], w2c[lo:hi], sizes, offs)
-            back = _back(y, p, c)  # source-major, as the chunk came
+            back = _back(y, p, t, c)  # source-major, as the chunk came
             homes.append((ex.post(OUT, c, _pieces(out, p.slices[c]), list(back.split(p.recv[c]))), back))
             saved.append((h1, h3, silu))  # what autograd would keep: the backward recomputes nothing
         ex.release(IN)
@@ -281,7 +297,7 @@ class _ByExpert(torch.autograd.Function):
         ex.release(OUT)
         ex.close()
         ctx.save_for_backward(xe, act, w1c, w2c, w3c)
-        ctx.chunks, ctx.plan, ctx.group, ctx.wdtypes = saved, p, group, (w1.dtype, w2.dtype, w3.dtype)
+        ctx.chunks, ctx.plan, ctx.tables, ctx.group, ctx.wdtypes = saved, p, t, group, (w1.dtype, w2.dtype, w3.dtype)
         return out
 
     @staticmethod
@@ -291,7 +307,7 @@ class _ByExpert(torch.autograd.Function):
         not ask for is neither computed nor sent: without x's gradient (an input that needs none)
         no input gradient travels home at all (the same on every rank: SPMD autograd)."""
         xe, act, w1c, w2c, w3c = ctx.saved_tensors
-        p, group, saved = ctx.plan, ctx.group, ctx.chunks
+        p, t, group, saved = ctx.plan, ctx.tables, ctx.group, ctx.chunks
         want_x, want_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[1:4])
         grouped = _grouped(dout)
         dout = dout.contiguous()
@@ -301,15 +317,15 @@ class _ByExpert(torch.autograd.Function):
         # whole-call buffers that each chunk writes its rows of in place (elementwise out=), so
         # that the weight gradients run once over all rows, with nothing to concatenate
         dy = dout.new_empty((p.padded_rows, dout.shape[1]))
-        dy.index_fill_(0, p.pads, 0)
+        dy.index_fill_(0, t.pads, 0)
         hidden = (p.padded_rows, w1c.shape[1])
         dh1, dh3 = dout.new_empty(hidden), dout.new_empty(hidden)
         dx = dout.new_empty((dout.shape[0], w1c.shape[2])) if want_x else None
         homes = []
         for c, (start, end) in enumerate(p.rows):
-            _place(dy, works[c], landing, p, c)
+            _place(dy, works[c], landing, p, t, c)
             h1, h3, silu = saved[c]
-            sizes, offs = _chunk_groups(p, c, grouped)
+            sizes, offs = _chunk_groups(p, t, c, grouped)
             lo, hi = _experts(p, c)
             da = _gmm(dy[start:end], w2c[lo:hi].transpose(-2, -1), sizes, offs)
             torch.mul(da, silu, out=dh3[start:end])
@@ -317,13 +333,13 @@ class _ByExpert(torch.autograd.Function):
             if want_x:
                 dxc = _gmm(dh1[start:end], w1c[lo:hi].transpose(-2, -1), sizes, offs)
                 dxc += _gmm(dh3[start:end], w3c[lo:hi].transpose(-2, -1), sizes, offs)
-                back = _back(dxc, p, c)
+                back = _back(dxc, p, t, c)
                 homes.append((ex.post(OUT, c, _pieces(dx, p.slices[c]), list(back.split(p.recv[c]))), back))
         ex.release(IN)
         # every chunk's input gradient on its way home: the weight gradients meanwhile
         dw1 = dw2 = dw3 = None
         if want_w:
-            offs = torch.cumsum(p.groups, 0, dtype=torch.int32) if grouped else None
+            offs = torch.cumsum(t.groups, 0, dtype=torch.int32) if grouped else None
             t1, t2, t3 = ctx.wdtypes
             dw2 = _gmm_wgrad(dy, act, p.group_sizes, offs).to(t2)
             dw1 = _gmm_wgrad(dh1, xe, p.group_sizes, offs).to(t1)
@@ -333,7 +349,7 @@ class _ByExpert(torch.autograd.Function):
         if want_x:
             ex.release(OUT)
         ex.close()
-        ctx.chunks = None
+        ctx.chunks = ctx.tables = None
         return dx, dw1, dw2, dw3, None, None
 
 
@@ -347,9 +363,9 @@ def _experts(p: Plan, c: int) -> tuple[int, int]:
     return p.experts[c]
 
 
-def _chunk_groups(p: Plan, c: int, cuda: bool):
+def _chunk_groups(p: Plan, t: Tables, c: int, cuda: bool):
     lo, hi = _experts(p, c)
-    return p.group_sizes[lo:hi], (p.offsets[c] if cuda else None)
+    return p.group_sizes[lo:hi], (t.offsets[c] if cuda else None)
 
 
 def by_expert(x: Tensor, routing: Routing, weights: tuple[Tensor, Tensor, Tensor], group, chunks: int,
@@ -362,7 +378,7 @@ def by_expert(x: Tensor, routing: Routing, weights: tuple[Tensor, Tensor, Tensor
     w1, w2, w3 = weights
     if w1.shape[0] != routing.local_experts:
         raise ValueError(f"commopt moe: {w1.shape[0]} local experts' weights, the routing has {routing.local_experts}")
-    p = plan(routing, chunks, x.device, align if align is not None else (ALIGN if x.is_cuda else 1))
+    p = plan(routing, chunks, align if align is not None else (ALIGN if x.is_cuda else 1))
     if compute_dtype is None or compute_dtype == x.dtype:
         return _ByExpert.apply(x, w1, w2, w3, p, group)
     return _ByExpert.apply(x.to(compute_dtype), w1, w2, w3, p, group).to(x.dtype)
