@@ -392,6 +392,7 @@ def main() -> None:
         models, tokens, rounds, steps, backend, compile_children = (
             {m: MODELS[m] for m in args.models}, args.tokens, args.rounds, args.steps, "nccl", True)
     variants = tuple(v for v in VARIANTS if v in args.variants or v in ("torchtitan EP", "comm-free"))
+    variants += tuple(dict.fromkeys(v for v in args.variants if v not in VARIANTS))  # by_expert:C, in the order given
     per_rank = run_distributed(_rank, args.world, models, (tokens, args.routings), rounds, steps, compile_children,
                                variants, backend=backend, timeout_s=560)
     cases, device = per_rank[0]
