@@ -86,3 +86,28 @@ def test_a_short_call_keeps_the_plain_exchange_whatever_the_pipeline_would_hide(
     assert est == {"a2a": est["a2a"]} and est["a2a"] < MIN_PIPELINED_S
     monkeypatch.setattr(cost, "MIN_PIPELINED_S", 0.0)  # the floor lifted, by_expert would be picked
     assert best(short, cal)[0].startswith("by_expert")
+
+
+def test_the_chooser_asks_the_group_once_per_shape_and_answers_later_calls_itself(monkeypatch):
+    """Every MoE call asks its chooser, right after the counts' host read while the GPU waits: a
+    shape seen before is answered from a key cheap to build, without a new question to the group."""
+    import types
+
+    import torch
+
+    from torch_commopt.kernels.moe.exchange import Routing
+    from torch_commopt.tuner.moe import choose
+
+    asked = []
+    monkeypatch.setattr(choose, "calibration_for", lambda *a: prior("NVIDIA H200", 2))
+    monkeypatch.setattr(choose, "decide", lambda group, question, answer, timeout: asked.append(question) or answer())
+    pick = choose.chooser(5.0)
+    group = types.SimpleNamespace(group_name="ep", size=lambda: 2)
+    x = torch.zeros(8, 2048)
+    weights = (torch.zeros(32, 1408, 2048),)
+    routing = Routing(0, 2, ((1,) * 32, (1,) * 32), ((1,) * 32, (1,) * 32), peak=49152)
+    first = pick(routing, x, weights, group)
+    assert pick(routing, x, weights, group) == first and len(asked) == 1
+    assert pick(dataclasses.replace(routing, peak=40000), x, weights, group) == first and len(asked) == 1  # same pow2
+    pick(dataclasses.replace(routing, peak=4096), x, weights, group)
+    assert len(asked) == 2 and asked[1]["rows"] == 4096
