@@ -51,3 +51,32 @@ def run_gemm_2d(rank: int, world: int, linear: bool, slices: tuple) -> list:
                    if r.status == "rewritten"]
         out.append((s, got, eager, regions))
     return out
+
+
+def run_ops_2d(rank: int, world: int, slices: tuple) -> list:
+    """commopt's 2D GEMM op itself (no DTensor) on bf16 CUDA blocks of a 2 x 2 mesh, every dataflow
+    in each slice count: [(kind, S, the op's relative error, one GPU's bf16 product's)] against
+    the float64 product's block, both within this rank's block."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("rows", "cols"))
+    i, j = divmod(rank, 2)
+    rows, cols = mesh.get_group(0).group_name, mesh.get_group(1).group_name
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        h, w = t.shape[0] // 2, t.shape[1] // 2
+        return t[i * h:(i + 1) * h, j * w:(j + 1) * w].contiguous()
+
+    m, k, n = 256, 512, 384  # three sizes: a mixed-up dimension does not fit
+    x, w = _global(11, (m, k), torch.float32), _global(12, (k, n), torch.float32) / math.sqrt(k)
+    stored = {"os": (x, w, lambda a, b: a @ b), "ls": (x, w.T.contiguous(), lambda a, b: a @ b.T),
+              "rs": (x.T.contiguous(), w, lambda a, b: a.T @ b)}
+    out = []
+    for kind, (a, b, product) in stored.items():
+        want = block(product(a.double(), b.double()))
+        one_gpu = block(product(a.to(torch.bfloat16), b.to(torch.bfloat16)))
+        for s in slices:
+            got = torch.ops.commopt.gemm_2d(block(a).to(torch.bfloat16), block(b).to(torch.bfloat16), kind, s, 2, 2,
+                                            rows, cols)[0]
+            out.append((kind, s, _rel(got, want), _rel(one_gpu, want)))
+    return out

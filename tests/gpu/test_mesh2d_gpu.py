@@ -6,7 +6,7 @@ in bf16 within the tolerance of eager DTensor's own error (mesh2d_cases)."""
 from __future__ import annotations
 
 import pytest
-from mesh2d_cases import run_gemm_2d
+from mesh2d_cases import run_gemm_2d, run_ops_2d
 
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
@@ -34,3 +34,16 @@ def test_a_2d_gemm_region_matches_float64_within_eagers_own_error(four_ranks, li
             bad = [(name, g, e) for name, g, e in zip(("loss", "dX", "dW"), got, eager, strict=True)
                    if not within_tolerance(g, e)]
             assert not bad, (rank, s, bad)
+
+
+@pytest.mark.gpu
+def test_the_2d_gemm_op_matches_float64_within_one_gpus_own_error(four_ranks):
+    """commopt's gemm_2d on bf16 CUDA blocks, every dataflow, MeshSlice's S = 2 and 4 and the
+    Collective 2D GEMM (S = 1), called directly: where four ranks share one GPU (gloo, whose
+    collectives the reference kernels stage through host memory) this is the GPU check of the
+    2D GEMMs' numerics that DTensor's programs cannot run (the test above)."""
+    world, backend = four_ranks
+    for rank, cases in enumerate(run_distributed(run_ops_2d, world, (1, 2, 4), backend=backend, timeout_s=300)):
+        assert len(cases) == 9, (rank, cases)
+        bad = [(kind, s, got, one) for kind, s, got, one in cases if not within_tolerance(got, one)]
+        assert not bad, (rank, bad)

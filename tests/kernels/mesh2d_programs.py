@@ -66,3 +66,12 @@ def run_gemms(rank: int, world: int, shape: tuple[int, int], slices: tuple[int, 
         errors[f"{tag} dx"] = (xb.grad - block(xg.grad)).abs().max().item()
         errors[f"{tag} dw"] = (wb.grad - block(wg.grad)).abs().max().item()
     return errors
+
+
+def run_gemms_staged(rank: int, world: int, shape: tuple[int, int], slices: tuple[int, ...]) -> dict[str, float]:
+    """run_gemms with every all-gather and reduce-scatter of the reference kernels staged through
+    host memory, as where ranks sharing one GPU run gloo on CUDA tensors (collectives.staged)."""
+    from torch_commopt.kernels import collectives
+
+    collectives.staged = lambda t, group: True
+    return run_gemms(rank, world, shape, slices)

@@ -4,7 +4,7 @@ the FC layer forward and backward in every dataflow and its transposed form (two
 rank's blocks against the unsharded float64 products and autograd's gradients."""
 
 import pytest
-from mesh2d_programs import run_gemms
+from mesh2d_programs import run_gemms, run_gemms_staged
 
 from torch_commopt.testing.launch import run_distributed
 
@@ -15,6 +15,13 @@ def test_every_2d_gemm_gives_the_unsharded_product_and_gradients(shape):
         assert len(errors) == 3 * 3 + 3 + 8 * 3, errors
         bad = {k: e for k, e in errors.items() if not e < 1e-10}
         assert not bad, (rank, bad)
+
+
+def test_the_2d_gemms_staged_through_host_memory_give_the_same_products():
+    """The path of ranks sharing one GPU over gloo (kernels/collectives.staged), run on the CPU."""
+    for rank, errors in enumerate(run_distributed(run_gemms_staged, 4, (2, 2), (1, 2), timeout_s=300)):
+        bad = {k: e for k, e in errors.items() if not e < 1e-10}
+        assert len(errors) == 2 * 3 + 3 + 8 * 3 and not bad, (rank, bad)
 
 
 def test_a_slice_count_that_does_not_cut_the_shard_is_refused():

@@ -63,14 +63,35 @@ class Pending:
         return self.finish(self.buffer)
 
 
+def staged(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether a collective of `t` over `group` goes through host memory: gloo moves no CUDA
+    tensor in the tensor forms of all-gather and reduce-scatter (nor point to point, nor by
+    all-to-all), and ranks sharing one GPU run gloo (kernels/gpu/shared_device.py: correctness
+    runs only).  Such a collective completes before it returns."""
+    return t.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def _on_host(out: torch.Tensor, x: torch.Tensor, collective: Callable) -> None:
+    """out <- collective(host out, host x), completed (`staged`)."""
+    host = torch.empty(out.shape, dtype=out.dtype)
+    collective(host, x.cpu())
+    out.copy_(host)
+
+
 def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, async_op: bool) -> Pending:
     """All-gather `x` along `dim` (rank-major pieces merged into `dim` on wait)."""
     world = group.size()
     x = x.contiguous()
     # The flat (W*d0, ...) buffer is what every backend (the fake one too) expects.
     buf = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+    def merge(b: torch.Tensor) -> torch.Tensor:
+        return merge_rank_dim(b.view((world,) + tuple(x.shape)), dim)
+
+    if staged(x, group):
+        _on_host(buf, x, lambda out, src: _all_gather_single(wire(out), wire(src), group=group))
+        return Pending(None, buf, merge)
     work = _all_gather_single(wire(buf), wire(x), group=group, async_op=async_op)
-    return Pending(work if async_op else None, buf, lambda b: merge_rank_dim(b.view((world,) + tuple(x.shape)), dim))
+    return Pending(work if async_op else None, buf, merge)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, op: str, group: dist.ProcessGroup, *, async_op: bool) -> Pending:
@@ -78,17 +99,26 @@ def reduce_scatter(x: torch.Tensor, dim: int, op: str, group: dist.ProcessGroup,
     world = group.size()
     rank_major = split_rank_dim(x, dim, world)
     buf = x.new_empty(rank_major.shape[1:])
-    work = _reduce_scatter_single(buf, rank_major.flatten(0, 1), op=_REDUCE_OPS[op], group=group, async_op=async_op)
     # "avg" runs as a sum and a division: gloo has no AVG reduction.
     finish = (lambda b: b.div_(world)) if op == "avg" else (lambda b: b)
+    if staged(x, group):
+        _on_host(buf, rank_major.flatten(0, 1),
+                 lambda out, src: _reduce_scatter_single(out, src, op=_REDUCE_OPS[op], group=group))
+        return Pending(None, buf, finish)
+    work = _reduce_scatter_single(buf, rank_major.flatten(0, 1), op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return Pending(work if async_op else None, buf, finish)
 
 
 def all_reduce(x: torch.Tensor, op: str, group: dist.ProcessGroup, *, async_op: bool) -> Pending:
     world = group.size()
     buf = x.contiguous()
-    work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     finish = (lambda b: b.div_(world)) if op == "avg" else (lambda b: b)
+    if staged(buf, group):
+        host = buf.cpu()
+        dist.all_reduce(host, op=_REDUCE_OPS[op], group=group)
+        buf.copy_(host)
+        return Pending(None, buf, finish)
+    work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return Pending(work if async_op else None, buf, finish)
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torch_commopt.kernels import collectives
+
 log = logging.getLogger(__name__)
 _told: set[str] = set()
 
@@ -142,7 +144,7 @@ def _global(group: dist.ProcessGroup, rank: int) -> int:
 def staged(t: Tensor, group) -> bool:
     """Whether `t` travels through host memory: gloo moves no CUDA tensor point to point nor by
     all_to_all (ranks sharing one GPU run gloo: kernels/gpu/shared_device.py).  Logged once."""
-    if not t.is_cuda or dist.get_backend(group) != "gloo":
+    if not collectives.staged(t, group):
         return False
     if "gloo" not in _told:
         _told.add("gloo")
