@@ -92,8 +92,10 @@ def test_a_graph_with_collectives_on_both_mesh_dims_is_agreed_at_once():
     backward, float64: the same loss and gradients as eager."""
     for rank, [(seconds, errors, rewritten, notes)] in enumerate(run_distributed(_two_axis_matmul, 4, timeout_s=300)):
         assert not [n for n in notes if "did not vote" in n or "NOT rewritten" in n], (rank, notes)
-        # the forward's two gathers and matmul: one 2D GEMM; the backward's row gather: ag_matmul
-        assert [k for k, _ in rewritten] == ["gemm_2d", "ag_matmul"], (rank, rewritten)
+        # the forward's two gathers and matmul: one 2D GEMM; the backward's row gather (dX) and its
+        # column gather (dW = Xᵀ dY, turned around: passes/matmul/b_gather.py): ag_matmul each
+        assert [k for k, _ in rewritten] == ["gemm_2d", "ag_matmul", "ag_matmul"], (rank, rewritten)
+        assert [n for n in notes if "B-side gather" in n], (rank, notes)
         assert max(errors) < 1e-9, (rank, errors)
         assert seconds < 20.0, (rank, seconds)
         assert [n for n in notes if n.startswith("gemm_2d") and "picked S = " in n], notes  # the model's pick

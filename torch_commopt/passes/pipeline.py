@@ -101,6 +101,10 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         decide = None if config.ar_split_policy == "always" else _split_decider(graph, config, report)
         _graph_rewrite("all-reduce split", lambda: split_all_reduces(graph, check=config.ar_split == "checked",
                                                                      decide=decide), report)
+    if "ag_matmul" in config.patterns:
+        from torch_commopt.passes.matmul.b_gather import transpose_b_gathers
+
+        _graph_rewrite("B-side gathers", lambda: transpose_b_gathers(graph), report)
     if "attention" in config.patterns:
         from torch_commopt.passes.attention.rewrite import rewrite_attention
 

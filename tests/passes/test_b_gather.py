@@ -1,0 +1,77 @@
+"""B-side gathers (passes/matmul/b_gather.py) on hand-built post-grad graphs: the column gather of
+a matmul's second operand -- DTensor's dW = Xᵀ dY in the backward of a 2D output-stationary GEMM --
+turned into a row gather of the first, which the all-gather -> matmul finder then takes; what is
+left alone.  Numerics: tests/test_mesh_2d.py (the 2D GEMM's backward against eager)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Graph
+
+from torch_commopt.passes.graph_utils import ALL_GATHER, MM, WAIT, aten
+from torch_commopt.passes.matmul.b_gather import transpose_b_gathers
+from torch_commopt.passes.matmul.find_ag_matmul import find_ag_matmul
+
+
+def _graph(a_shape=(32, 16), b_shape=(16, 24), world=2, b_as_first=False, cat_reused=False, cat_dim=1):
+    """mm(A, cat(split(wait(all_gather(b)), rows), cat_dim)) over group "cols"."""
+    g = Graph()
+
+    def node(target, args, shape):
+        n = g.call_function(target, args)
+        n.meta["val"] = torch.empty(shape, device="meta")
+        return n
+    a, b = g.placeholder("a"), g.placeholder("b")
+    a.meta["val"], b.meta["val"] = torch.empty(a_shape, device="meta"), torch.empty(b_shape, device="meta")
+    ag = node(ALL_GATHER, (b, world, "cols"), (world * b_shape[0], b_shape[1]))
+    wait = node(WAIT, (ag,), (world * b_shape[0], b_shape[1]))
+    split = g.call_function(aten.split.Tensor, (wait, b_shape[0]))
+    pieces = []
+    for i in range(world):
+        gi = g.call_function(operator.getitem, (split, i))
+        gi.meta["val"] = torch.empty(b_shape, device="meta")
+        pieces.append(gi)
+    cat_shape = (b_shape[0], world * b_shape[1]) if cat_dim == 1 else (world * b_shape[0], b_shape[1])
+    cat = node(aten.cat.default, (pieces, cat_dim), cat_shape)
+    if b_as_first:
+        mm = node(MM, (cat, a), (cat_shape[0], a_shape[1]))
+    else:
+        mm = node(MM, (a, cat), (a_shape[0], cat_shape[1]))
+    outs = [mm] + ([node(aten.relu.default, (cat,), cat_shape)] if cat_reused else [])
+    g.output(tuple(outs))
+    return g
+
+
+def _calls(g: Graph, target) -> list:
+    return [n for n in g.nodes if n.op == "call_function" and n.target is target]
+
+
+def test_a_column_gathered_second_operand_becomes_a_row_gathered_first_one():
+    g = _graph()
+    (note,) = transpose_b_gathers(g)
+    assert "B-side gather" in note
+    g.lint()
+    assert not _calls(g, aten.cat.default) and not _calls(g, aten.split.Tensor)
+    (ag,) = _calls(g, ALL_GATHER)
+    shard = ag.args[0]  # bᵀ made contiguous, gathered along dim 0 over the same group
+    assert shard.target is aten.clone.default and shard.args[0].target is aten.permute.default
+    assert ag.args[1:] == (2, "cols") and tuple(ag.meta["val"].shape) == (48, 16)
+    (mm,) = _calls(g, MM)
+    assert mm.args[0].target is WAIT and tuple(mm.meta["val"].shape) == (48, 32)  # (A B)ᵀ
+    out = g.output_node().args[0][0]  # the product as the graph had it: [32, 48], contiguous
+    assert out.target is aten.clone.default and tuple(out.meta["val"].shape) == (32, 48)
+    assert out.meta["val"].stride() == (48, 1)
+    (region,), skips = find_ag_matmul(g)  # what the turn is for: an ag_matmul region, gathered along dim 0
+    assert region.dim == 0 and skips == []
+
+
+def test_what_is_not_a_column_gather_of_the_second_operand_is_left_alone():
+    for kwargs in ({"b_as_first": True},  # the gather feeds the first operand: ag_matmul's own form
+                   {"cat_reused": True},  # the gathered tensor has another reader
+                   {"cat_dim": 0}):  # gathered along the rows: the contracted dim of the second operand
+        g = _graph(**kwargs)
+        before = len(g.nodes)
+        assert transpose_b_gathers(g) == [], kwargs
+        assert len(g.nodes) == before and _calls(g, aten.cat.default), kwargs
