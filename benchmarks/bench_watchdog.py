@@ -25,7 +25,11 @@ from torch_commopt.core import env
 
 # (label, op, schedule, rows per rank, K, N)
 CASES = [
-    ("ag small eager", "ag", "ce_push:1", 256, 4096, 4096),
+    ("ag small eager", "ag", "ce_push:1", 256, 4096, 4096),  # host-bound: a size the rule leaves to NCCL eagerly
+    # the smallest eager calls the rule may give a GPU schedule (its timed band, M_global 2048:
+    # kernels/matmul/gpu/pick.py), near host-bound
+    ("ag band eager", "ag", "ce_push:1", 1024, 8192, 8192),
+    ("rs band eager", "rs", "ce_push:1", 1024, 8192, 8192),
     ("ag small replayed", "ag", "ce_push:1:cg=1", 256, 4096, 4096),
     ("ag ce_push", "ag", "ce_push:2", 4096, 4096, 4096),
     ("ag fused", "ag", "fused:2", 4096, 4096, 4096),
