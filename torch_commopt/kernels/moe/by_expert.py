@@ -77,17 +77,17 @@ def chunk_bounds(local_experts: int, chunks: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Plan:
-    """Host-side layout of one by_expert call (host arithmetic on the Routing, no device work:
-    it is made between the counts' host read and the first transfer, while the GPU waits).
+    """Host-side layout of one by_expert call: what its transfers need, host arithmetic on the
+    Routing and nothing more (it is made between the counts' host read and the first transfer,
+    while the GPU waits; the run tables come after the first transfers are posted: `tables`).
 
     slices[c][q]: (start, rows) of x's rows that chunk c sends to rank q, a contiguous piece of
         x's run for q (x is sorted by expert, so by destination);
     send[c] / recv[c]: chunk c's rows per destination / per source;
     rows[c]: chunk c's [start, end) rows in the padded expert-major buffer; experts[c]: its [lo, hi)
         local experts;
-    group_sizes: padded rows per local expert;
-    runs: per chunk, its run tables' runs as the host keeps them (Tables); pad_rows, ends: the
-        padding rows and every chunk's group ends, for `tables`."""
+    group_sizes / starts: padded rows and first row per local expert in that buffer;
+    routing: the call's Routing (the run tables' rows per source and expert)."""
 
     slices: list[list[tuple[int, int]]]
     send: list[list[int]]
@@ -95,11 +95,10 @@ class Plan:
     rows: list[tuple[int, int]]
     experts: list[tuple[int, int]]
     group_sizes: list[int]
+    starts: list[int]
     padded_rows: int
     peak: int | None  # Routing.peak: sizes the copy-engine exchange's slots
-    runs: list[list[tuple[int, int, int]]]
-    pad_rows: list[int]
-    ends: list[int]
+    routing: Routing
 
 
 @dataclass(frozen=True)
@@ -135,24 +134,30 @@ def layout(routing: Routing, align: int) -> tuple[list[int], list[int], list[int
 
 
 def plan(routing: Routing, chunks: int, align: int) -> Plan:
-    """The call's layout, on the host from the Routing alone: no per-row index, no tensor."""
+    """The call's transfer layout, on the host from the Routing alone: no run, no tensor."""
     world = routing.world
     bounds = chunk_bounds(routing.local_experts, chunks)
-    sizes, padded, starts = layout(routing, align)
-    slices, send, recv, rows, runs = [], [], [], [], []
+    _, padded, starts = layout(routing, align)
+    slices, send, recv, rows = [], [], [], []
     for lo, hi in bounds:
         slices.append([(routing.send_offset(q) + sum(routing.send[q][:lo]), sum(routing.send[q][lo:hi]))
                        for q in range(world)])
         send.append([n for _, n in slices[-1]])
         recv.append([sum(routing.recv[p][lo:hi]) for p in range(world)])
-        first = starts[lo]
-        rows.append((first, starts[hi - 1] + padded[hi - 1]))
-        filled = list(starts[lo:hi])  # the next free row of each of the chunk's experts
+        rows.append((starts[lo], starts[hi - 1] + padded[hi - 1]))
+    return Plan(slices, send, recv, rows, bounds, padded, starts, sum(padded), routing.peak, routing)
+
+
+def _runs(p: Plan) -> list[list[tuple[int, int, int]]]:
+    """Per chunk, its run tables as the host keeps them: landed, back, then one per source (Tables)."""
+    routing, runs = p.routing, []
+    for (lo, hi), (first, _) in zip(p.experts, p.rows, strict=True):
+        filled = list(p.starts[lo:hi])  # the next free row of each of the chunk's experts
         landed, back, per_source, at = [], [], [], 0
-        for p in range(world):
+        for src in range(routing.world):
             mine, piece = [], 0
             for e in range(lo, hi):
-                n = routing.recv[p][e]
+                n = routing.recv[src][e]
                 mine.append((piece, filled[e - lo], n))
                 landed.append((at + piece, filled[e - lo], n))
                 back.append((filled[e - lo] - first, at + piece, n))
@@ -161,14 +166,15 @@ def plan(routing: Routing, chunks: int, align: int) -> Plan:
             per_source.append(table(mine))
             at += piece
         runs += [table(landed), table(back), *per_source]
-    pad_rows = [row for e in range(len(sizes)) for row in range(starts[e] + sizes[e], starts[e] + padded[e])]
-    ends = [at for lo, hi in bounds for at in accumulate(padded[lo:hi])]  # group ends from each chunk's first row
-    return Plan(slices, send, recv, rows, bounds, padded, sum(padded), routing.peak, runs, pad_rows, ends)
+    return runs
 
 
 def tables(p: Plan, device) -> Tables:
     """p's run tables, padding rows and group sizes and ends on `device`, from one host-to-device copy."""
-    chunk_tables, (pads, groups, ends) = on_device(p.runs, device, (p.pad_rows, p.group_sizes, p.ends))
+    sizes = [sum(column) for column in zip(*p.routing.recv, strict=True)]
+    pad_rows = [row for e, (first, n) in enumerate(zip(p.starts, sizes)) for row in range(first + n, first + p.group_sizes[e])]
+    ends = [at for lo, hi in p.experts for at in accumulate(p.group_sizes[lo:hi])]  # from each chunk's first row
+    chunk_tables, (pads, groups, ends) = on_device(_runs(p), device, (pad_rows, p.group_sizes, ends))
     per_chunk = len(chunk_tables) // len(p.rows)
     by_source = [chunk_tables[c * per_chunk + 2: (c + 1) * per_chunk] for c in range(len(p.rows))]
     offsets = list(ends.to(torch.int32).split([hi - lo for lo, hi in p.experts]))  # the grouped GEMM's offs

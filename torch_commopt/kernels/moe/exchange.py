@@ -131,10 +131,11 @@ def exchange_counts(counts: Tensor, group: dist.ProcessGroup) -> Routing:
         mine = mine.cpu()
     theirs = torch.empty_like(mine)
     dist.all_to_all_single(theirs, mine, group=group)
-    got = theirs.view(world, -1).tolist()
-    send = per.tolist()
-    recv = [row[:-1] for row in got]
-    return Routing(rank, world, tuple(map(tuple, send)), tuple(map(tuple, recv)), max(row[-1] for row in got))
+    # one host read for what came and what went: the GPU idles from this read to the first transfer
+    rows = torch.cat([theirs, mine]).view(2 * world, -1).tolist()
+    got, sent = rows[:world], rows[world:]
+    return Routing(rank, world, tuple(tuple(row[:-1]) for row in sent), tuple(tuple(row[:-1]) for row in got),
+                   max(row[-1] for row in got))
 
 
 def _global(group: dist.ProcessGroup, rank: int) -> int:
