@@ -49,7 +49,9 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -457,6 +459,31 @@ def report(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+TIMELINE = ("commopt", "inductor")  # the step picture's variants, drawn in this order, top down
+
+
+def timeline_picture(trace_dir, variants: list[str], out_dir, stem: str) -> str | None:
+    """The step picture (torch_commopt/timeline.py) of commopt's and inductor's traced steps on
+    rank 0 (step_profile writes them under COMMOPT_TRACE_DIR), as `<stem>_timeline.png` and `.html`
+    in out_dir: the PNG's file name, or None with the reason printed (a variant not run, a trace
+    missing, no matplotlib)."""
+    from torch_commopt import timeline
+
+    labels = [v for v in TIMELINE if v in variants]
+    paths = [pathlib.Path(trace_dir) / f"{re.sub(r'[^A-Za-z0-9]+', '_', v)}_rank0.json" for v in labels]
+    missing = [str(path) for path in paths if not path.exists()]
+    if len(labels) < len(TIMELINE) or missing:
+        print(f"no step picture: it needs the variants {list(TIMELINE)} and their traces (missing: {missing})")
+        return None
+    png = pathlib.Path(out_dir) / f"{stem}_timeline.png"
+    try:
+        timeline.render([timeline.load(str(path), v) for path, v in zip(paths, labels)], png, png.with_suffix(".html"))
+    except RuntimeError as e:
+        print(f"no step picture: {e}")
+        return None
+    return png.name
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -486,6 +513,9 @@ def main() -> None:
     p.add_argument("--host-profile", dest="host_profile", type=int, default=0, metavar="STEPS",
                    help="cProfile STEPS steps on rank 0 per variant: the host's own time by function")
     p.add_argument("--cpu", action="store_true", help="gloo smoke run with tiny shapes; prints, writes nothing")
+    p.add_argument("--timeline", action="store_true",
+                   help="trace one more step of each variant (under OUT/traces) and put the picture of commopt's "
+                        "and inductor's in the report (<report>_timeline.png / .html beside it)")
     args = p.parse_args()
     if args.cpu:  # head dim 16, two query heads and one kv head per rank
         args.heads, args.kv_heads = 2 * args.world, args.world
@@ -507,6 +537,9 @@ def main() -> None:
         from torch_commopt.cli import run_calibration
 
         print(run_calibration(args.world, backend), flush=True)
+    trace_dir = pathlib.Path(args.out) / "traces"
+    if args.timeline and not args.cpu:  # read by step_profile.breakdown in the ranks (their env is this one's)
+        os.environ["COMMOPT_TRACE_DIR"] = str(trace_dir)
     res = run_distributed(worker, args.world, shape, args.steps, args.repeats, variants, args.host_profile, args.burst,
                           args.profile_steps, args.profile_lead,
                           backend=backend,
@@ -522,8 +555,14 @@ def main() -> None:
             "command": "python3 " + " ".join(sys.argv)}
     stem = result_stem("e2e", meta["device"], args.world, date,
                        variant=f"b{args.batch}s{args.seq}" + (f"_{args.tag}" if args.tag else ""))
-    write_report(args.out, stem, {"meta": meta, "records": rows, "raw": res}, report(rows, meta))
-    print(report(rows, meta))
+    text = report(rows, meta)
+    picture = timeline_picture(trace_dir, variants, args.out, stem) if args.timeline else None
+    if picture:
+        text += (f"\n\n## One step, commopt above and inductor below (rank 0, one time scale)\n\n![the step's "
+                 f"GPU lanes, commopt and inductor]({picture})\n\nThe same picture with a table of where the time "
+                 f"went: `{pathlib.Path(picture).with_suffix('.html').name}` (torch_commopt/timeline.py).\n")
+    write_report(args.out, stem, {"meta": meta, "records": rows, "raw": res, "timeline": picture}, text)
+    print(text)
 
 
 if __name__ == "__main__":

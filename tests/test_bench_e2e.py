@@ -79,3 +79,22 @@ def test_the_comm_free_bound_is_reported_as_a_bound():
     assert "| inductor comm-free | 45.00 |" in text and "(bound: no communication, losses meaningless) | - |" in text
     assert ("could reach at best: 1.111x inductor. Share of that gain each variant won: inductor 0.00, commopt 0.60."
             in text)
+
+
+def test_the_step_picture_draws_commopt_above_inductor_from_their_traces(tmp_path, capsys):
+    """--timeline: the traced steps that step_profile writes (rank 0, one file per variant) drawn
+    one above the other; without a variant's trace, no picture and the reason said."""
+    import gzip
+    import pathlib
+
+    trace = gzip.decompress((pathlib.Path(__file__).parent / "data" / "moe_a2a_h200x2_trace.json.gz").read_bytes())
+    (tmp_path / "commopt_rank0.json").write_bytes(trace)
+    assert bench_e2e.timeline_picture(tmp_path, ["inductor", "commopt"], tmp_path, "e2e_x") is None
+    assert "inductor_rank0.json" in capsys.readouterr().out
+    (tmp_path / "inductor_rank0.json").write_bytes(trace)
+    assert bench_e2e.timeline_picture(tmp_path, ["commopt"], tmp_path, "e2e_x") is None  # inductor not run
+    name = bench_e2e.timeline_picture(tmp_path, ["inductor", "inductor+async-TP", "commopt"], tmp_path, "e2e_x")
+    assert name == "e2e_x_timeline.png"
+    assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    html = (tmp_path / "e2e_x_timeline.html").read_text()
+    assert "commopt" in html and "inductor" in html
