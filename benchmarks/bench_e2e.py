@@ -559,8 +559,7 @@ def main() -> None:
     picture = timeline_picture(trace_dir, variants, args.out, stem) if args.timeline else None
     if picture:
         text += (f"\n\n## One step, commopt above and inductor below (rank 0, one time scale)\n\n![the step's "
-                 f"GPU lanes, commopt and inductor]({picture})\n\nThe same picture with a table of where the time "
-                 f"went: `{pathlib.Path(picture).with_suffix('.html').name}` (torch_commopt/timeline.py).\n")
+                 f"GPU lanes, commopt and inductor]({picture})\n")
     write_report(args.out, stem, {"meta": meta, "records": rows, "raw": res, "timeline": picture}, text)
     print(text)
 
