@@ -18,10 +18,10 @@ def test_a_2d_gemm_region_matches_float64_within_eagers_own_error(four_ranks, li
     world, backend = four_ranks
     if backend == "gloo":
         # DTensor's programs (the eager reference and the compiled one alike: the loss's reduction
-        # stays a functional collective) run their collectives on CUDA tensors, which gloo does not
-        # move: four ranks sharing one H200 all died with SIGSEGV in
-        # _c10d_functional.all_gather_into_tensor's wait (PYTHONFAULTHANDLER, 2026-11-30).  The
-        # 2 x 2 mesh needs four GPUs; the same programs run on gloo with CPU tensors in the CPU suite.
+        # stays a functional collective) run their collectives on CUDA tensors, which crash gloo:
+        # four ranks sharing one H200 all died with SIGSEGV in _c10d_functional.all_gather_into_tensor's
+        # wait (docs/meshslice.md).  The 2 x 2 mesh needs four GPUs; the same programs run on gloo
+        # with CPU tensors in the CPU suite.
         pytest.skip("a DTensor program's collectives on CUDA tensors need NCCL: four GPUs")
     dataflow = "rs" if linear else "os"
     for rank, runs in enumerate(run_distributed(run_gemm_2d, world, linear, (None, 2), backend=backend,

@@ -64,10 +64,12 @@ class Pending:
 
 
 def staged(t: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether a collective of `t` over `group` goes through host memory: gloo moves no CUDA
-    tensor in the tensor forms of all-gather and reduce-scatter (nor point to point, nor by
-    all-to-all), and ranks sharing one GPU run gloo (kernels/gpu/shared_device.py: correctness
-    runs only).  Such a collective completes before it returns."""
+    """Whether a collective of `t` over `group` goes through host memory: a CUDA tensor over gloo,
+    as where ranks share one GPU (kernels/gpu/shared_device.py: correctness runs only).  gloo's
+    CUDA support does not cover every collective these kernels issue (point to point and
+    all-to-all not at all; DTensor's all-gather of CUDA tensors crashed every rank on an H200
+    host, docs/meshslice.md), so none is left to it.  Such a collective completes before it
+    returns."""
     return t.is_cuda and dist.get_backend(group) == "gloo"
 
 
@@ -84,6 +86,7 @@ def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, async_op:
     x = x.contiguous()
     # The flat (W*d0, ...) buffer is what every backend (the fake one too) expects.
     buf = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+
     def merge(b: torch.Tensor) -> torch.Tensor:
         return merge_rank_dim(b.view((world,) + tuple(x.shape)), dim)
 
