@@ -5,9 +5,7 @@ left alone.  Numerics: tests/test_mesh_2d.py (the 2D GEMM's backward against eag
 
 from __future__ import annotations
 
-import operator
-
-import torch
+from hand_graphs import builder, gather_split_cat
 from torch.fx import Graph
 
 from torch_commopt.passes.graph_utils import ALL_GATHER, MM, WAIT, aten
@@ -17,24 +15,9 @@ from torch_commopt.passes.matmul.find_ag_matmul import find_ag_matmul
 
 def _graph(a_shape=(32, 16), b_shape=(16, 24), world=2, b_as_first=False, cat_reused=False, cat_dim=1):
     """mm(A, cat(split(wait(all_gather(b)), rows), cat_dim)) over group "cols"."""
-    g = Graph()
-
-    def node(target, args, shape):
-        n = g.call_function(target, args)
-        n.meta["val"] = torch.empty(shape, device="meta")
-        return n
-    a, b = g.placeholder("a"), g.placeholder("b")
-    a.meta["val"], b.meta["val"] = torch.empty(a_shape, device="meta"), torch.empty(b_shape, device="meta")
-    ag = node(ALL_GATHER, (b, world, "cols"), (world * b_shape[0], b_shape[1]))
-    wait = node(WAIT, (ag,), (world * b_shape[0], b_shape[1]))
-    split = g.call_function(aten.split.Tensor, (wait, b_shape[0]))
-    pieces = []
-    for i in range(world):
-        gi = g.call_function(operator.getitem, (split, i))
-        gi.meta["val"] = torch.empty(b_shape, device="meta")
-        pieces.append(gi)
-    cat_shape = (b_shape[0], world * b_shape[1]) if cat_dim == 1 else (world * b_shape[0], b_shape[1])
-    cat = node(aten.cat.default, (pieces, cat_dim), cat_shape)
+    g, node, a, b = builder(a_shape, b_shape, names=("a", "b"))
+    _, cat = gather_split_cat(g, node, b, world, "cols", cat_dim)
+    cat_shape = tuple(cat.meta["val"].shape)
     if b_as_first:
         mm = node(MM, (cat, a), (cat_shape[0], a_shape[1]))
     else:

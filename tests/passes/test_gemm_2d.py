@@ -8,7 +8,7 @@ import operator
 
 import pytest
 import torch
-from torch.fx import Graph
+from hand_graphs import builder, gather_split_cat
 
 from torch_commopt.kernels.mesh2d.ops import out_shape
 from torch_commopt.passes.graph_utils import ALL_GATHER, MM, REDUCE_SCATTER, WAIT, aten
@@ -16,17 +16,9 @@ from torch_commopt.passes.matmul.gemm_2d import find_gemm_2d, pick_slices, rewri
 
 
 def _builder(x_block, other_block):
-    """A graph with two placeholders holding meta values of the blocks' shapes, and node(target,
-    args, shape): a call added with a meta value of that shape."""
-    g = Graph()
-
-    def node(target, args, shape):
-        n = g.call_function(target, args)
-        n.meta["val"] = torch.empty(shape, device="meta")
-        return n
-    x, other = g.placeholder("x"), g.placeholder("other")
-    x.meta["val"], other.meta["val"] = torch.empty(x_block, device="meta"), torch.empty(other_block, device="meta")
-    return g, node, x, other
+    """A graph with placeholders x and other holding meta values of the blocks' shapes, and
+    node(target, args, shape) (hand_graphs.builder)."""
+    return builder(x_block, other_block, names=("x", "other"))
 
 
 def _graph(x_block=(16, 32), w_block=(32, 24), groups=("cols", "rows"), mesh=(2, 2), x_extra_use=False):
@@ -34,15 +26,7 @@ def _graph(x_block=(16, 32), w_block=(32, 24), groups=("cols", "rows"), mesh=(2,
     `groups[1]` (R ranks) along dim 0, and their mm."""
     r, c = mesh
     g, node, x, w = _builder(x_block, w_block)
-    ag_x = node(ALL_GATHER, (x, c, groups[0]), (c * x_block[0], x_block[1]))
-    wait_x = node(WAIT, (ag_x,), (c * x_block[0], x_block[1]))
-    split = g.call_function(aten.split.Tensor, (wait_x, x_block[0]))
-    pieces = []
-    for i in range(c):
-        gi = g.call_function(operator.getitem, (split, i))
-        gi.meta["val"] = torch.empty(x_block, device="meta")
-        pieces.append(gi)
-    cat = node(aten.cat.default, (pieces, 1), (x_block[0], c * x_block[1]))
+    _, cat = gather_split_cat(g, node, x, c, groups[0], 1)
     ag_w = node(ALL_GATHER, (w, r, groups[1]), (r * w_block[0], w_block[1]))
     wait_w = node(WAIT, (ag_w,), (r * w_block[0], w_block[1]))
     mm = node(MM, (cat, wait_w), (x_block[0], w_block[1]))
