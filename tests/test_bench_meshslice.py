@@ -14,6 +14,12 @@ def test_the_simulation_report_has_every_machine_model_and_algorithm(tmp_path, m
     assert len(data["tpu"]) == 4 and len(data["gpu"]) == 6
     for row in data["tpu"] + data["gpu"]:
         assert set(row["results"]) == {"meshslice", "collective", "summa", "wang"}
+    for row in data["tpu"]:  # the whole block: the FC layers plus the same local rest for every algorithm
+        rest, fc = row["rest_of_block_s"], {a: r["seconds"] for a, r in row["results"].items()}
+        assert 0 < rest < 0.1 * fc["meshslice"]
+        assert all(abs(row["block_s"][a] - (fc[a] + rest)) < 1e-12 for a in fc)
+        fc_gain = fc["wang"] / fc["meshslice"]
+        assert 1 < row["block_s"]["wang"] / row["block_s"]["meshslice"] < fc_gain  # diluted, not reversed
     sim_gpt3 = next(r for r in data["tpu"] if r["machine"] == "simulation figures" and r["model"] == "gpt3-175b")
     assert sim_gpt3["analytic"]["mesh"] == [64, 4]  # the authors' simulation tuner's pick
     assert "| 256 | megatron-nlg-530b |" in (tmp_path / report.name.replace(".json", ".md")).read_text()

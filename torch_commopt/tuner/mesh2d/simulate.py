@@ -12,7 +12,9 @@ Two machines:
 
 Per algorithm (model.ALGORITHMS) and mesh shape: the FC layers' seconds (forward and both
 backward GEMMs; MeshSlice with each layer's best slice count) and the FLOP utilisation, the
-layers' FLOPs over chips x peak x seconds.
+layers' FLOPs over chips x peak x seconds.  The rest of the block (attention's core, the
+elementwise passes: rest_of_block_s) is local and the same for every algorithm; added to the FC
+layers it gives the whole block's time, what an end-to-end comparison divides.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ TPU_V4_SIM = MeshLinks(ag_bw=(60e9, 60e9), rs_bw=(50e9, 50e9), ag_alpha_s=6e-6, 
 # Model sizes the paper evaluates: (heads, head dim); seq 2048, batch = chips sequences.
 MODELS = {"gpt3-175b": (96, 128), "megatron-nlg-530b": (160, 128)}
 SEQ = 2048
+# Memory bandwidth a chip: TPUv4's HBM (1.2 TB/s) and an H200's (4.8 TB/s), for the block's
+# elementwise passes (rest_of_block_s).
+TPU_V4_HBM_BYTES_PER_S = 1.2e12
+H200_HBM_BYTES_PER_S = 4.8e12
+# The block's elementwise passes, forward, in reads and writes of a token's d-wide activation:
+# two layer norms (read, write: 2 each), two residual adds (two reads, a write: 3 each) and the
+# FFN's activation on its 4d-wide hidden state (read, write: 8); the backward about twice that.
+ELEMENTWISE_ACCESSES = 3 * (2 * 2 + 2 * 3 + 8)
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,20 @@ def best(layers: list[FCLayer], chips: int, links, algorithm: str, shapes=None) 
 def compare(layers: list[FCLayer], chips: int, links, shapes=None) -> dict[str, Result]:
     """Every algorithm at its own best mesh shape."""
     return {alg: best(layers, chips, links, alg, shapes) for alg in ALGORITHMS}
+
+
+def rest_of_block_s(heads: int, head_dim: int, flops_per_s: float, hbm_bytes_per_s: float, seq: int = SEQ) -> float:
+    """A block's work besides its four FC layers, forward and backward, a chip (batch = chips
+    sequences, so one sequence's worth a chip): the attention core -- QK^T and AV over causal scores,
+    2 S^2 d FLOPs a sequence forward, the backward twice that, at the GEMM rate (a flash kernel:
+    the scores never reach memory) -- and the elementwise passes at memory speed
+    (ELEMENTWISE_ACCESSES of a token's activation, bf16).  It is local however the FC layers are
+    split (each chip holds whole sequences of its heads, under 2D TP as under 1D TP), so it is the
+    same for every algorithm: what makes the FC layers' speedups an end-to-end one."""
+    d = heads * head_dim
+    attention = 3 * 2.0 * seq * seq * d / flops_per_s
+    elementwise = ELEMENTWISE_ACCESSES * seq * d * 2 / hbm_bytes_per_s
+    return attention + elementwise
 
 
 def tp_dp_seconds(layers: list[FCLayer], chips: int, cluster: GPUCluster) -> float:
