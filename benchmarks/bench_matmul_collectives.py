@@ -87,9 +87,18 @@ SCHEDULES = {  # one or two piece counts per mechanism (the rest measured slower
 KIND = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}
 
 
-def shapes_for(world: int) -> list[Shape]:
+# PyTorch's symm-mem recipes' fused all-gather + GEMM shapes (their 8x H100 figures are the TP=8
+# anchor): Llama-3 8B, 70B and 105B projections, N and K a rank, M gathered 4096 / 8192 / 16384.
+RECIPE_NK = ((1792, 4096), (3584, 8192), (6656, 16384))
+RECIPE_M = (4096, 8192, 16384)
+
+
+def shapes_for(world: int, recipes: bool = False) -> list[Shape]:
     """The sweep at `world` ranks: SHAPES, and above 2 ranks PyTorch async-TP's own AG+GEMM
-    shape (M 16384, K 8192, N 3584 per rank; issue 8)."""
+    shape (M 16384, K 8192, N 3584 per rank; issue 8).  recipes: the symm-mem recipes' nine
+    all-gather shapes instead, N a rank times the world."""
+    if recipes:
+        return [Shape("ag", m, k, n * world) for n, k in RECIPE_NK for m in RECIPE_M]
     return SHAPES + ([Shape("ag", 16384, 8192, 3584 * world)] if world > 2 else [])
 
 
@@ -562,8 +571,11 @@ def main() -> None:
                         help="eager picks as with Config.call_graphs=True (per-call graphs, cg rows)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", FLOAT8],
                         help=f"{FLOAT8}: float8 operands with tensor-wise scales, bf16 products (_scaled_mm)")
+    parser.add_argument("--recipes", action="store_true",
+                        help="the symm-mem recipes' nine all-gather + GEMM shapes (N a rank 1792 / 3584 / 6656, "
+                             "K 4096 / 8192 / 16384, M 4096-16384) instead of the sweep; a report of its own")
     args = parser.parse_args()
-    shapes = [s for s in shapes_for(args.world) if (not args.only or s.op in args.only.split(","))
+    shapes = [s for s in shapes_for(args.world, args.recipes) if (not args.only or s.op in args.only.split(","))
               and (not args.m or str(s.M) in args.m.split(","))]
     modes = tuple(m for m in args.modes.split(",") if m)
     out = pathlib.Path(args.out)
@@ -574,7 +586,8 @@ def main() -> None:
     records = per_rank[0]
     meta = machine_meta(torch.cuda.get_device_name(0), args.world, args.commit or git_commit(), dtype=args.dtype)
     stem = result_stem("matmul_collectives", meta["device"], args.world, meta["date"],
-                       variant="float8" if args.dtype == FLOAT8 else "")
+                       variant="_".join(v for v in ("float8" if args.dtype == FLOAT8 else "",
+                                                    "recipes" if args.recipes else "") if v))
     tagged = [dict(r, device=meta["device"], torch=meta["torch"], triton=meta["triton"], commit=meta["commit"],
                    date=meta["date"]) for r in records]
     write_report(out, stem, tagged, _report(records, meta))

@@ -56,3 +56,16 @@ def test_the_overlap_floor_gives_the_hidden_fraction_ceiling():
     assert "| 5.700 | 0.750 (0.750) |" in text
     old = _mode(0.2)
     assert old["hidden_fraction_ceiling"] is None and "| - | - (-) |" in bench._report([_record(eager=old)], META)
+
+
+def test_the_recipe_shapes_are_the_symm_mem_recipes_nine_all_gathers_at_any_world():
+    """--recipes: N and K a rank as the recipes give them (Llama-3 8B, 70B, 105B), M gathered."""
+    from benchmarks.bench_matmul_collectives import Shape, shapes_for
+
+    for world in (2, 4, 8):
+        shapes = shapes_for(world, recipes=True)
+        assert len(shapes) == 9 and {s.op for s in shapes} == {"ag"}
+        assert Shape("ag", 16384, 8192, 3584 * world) in shapes  # the 70B one the issue anchors at
+        assert {(s.N // world, s.K) for s in shapes} == {(1792, 4096), (3584, 8192), (6656, 16384)}
+        assert {s.M for s in shapes} == {4096, 8192, 16384}
+    assert shapes_for(2) != shapes_for(2, recipes=True)
