@@ -26,6 +26,7 @@ def ag_cases(world):
         ((2, 5, 16), 1, [(16, 8), (16, 4)], True),
         ((3, 4, 16), 0, [(16, 8)], False),
         ((2, 5, 8), 2, [(8 * world, 8)], False),
+        ((6, 8), 1, [(8 * world, 5), (8 * world, 3)], True),  # the contracted dim gathered: a sum over ranks
         ((3, 4, 16), 0, [(3 * world, 16, 8)], False),  # bmm, batch gathered
         ((3, 4, 16), 1, [(3, 16, 8)], False),  # bmm, rows gathered
     ]

@@ -45,10 +45,12 @@ def ag_matmul_local_first(a, weights, biases, gather_dim, group, return_gathered
     The gather lands rank-major in a flat (W * d0, ...) buffer, so the peers before and
     after this rank are two contiguous row ranges: at most two more GEMMs per weight,
     written straight into a rank-major output (a view of the result when gather_dim is 0,
-    one copy otherwise).  Batched (3-D) weights follow the gathered batch rows, and a
-    gather along the contracted dim has no own-rows product: both run `sequential`."""
-    if any(w.dim() != 2 for w in weights) or gather_dim == a.dim() - 1:
+    one copy otherwise).  A gather along the contracted dim sums instead: `_local_first_k`.
+    Batched (3-D) weights follow the gathered batch rows: they run `sequential`."""
+    if any(w.dim() != 2 for w in weights):
         return ag_matmul_sequential(a, weights, biases, gather_dim, group, return_gathered, sc)
+    if gather_dim == a.dim() - 1:
+        return _local_first_k(a, weights, biases, group, return_gathered, sc)
     world, rank = group.size(), group.rank()
     a = a.contiguous()
     pending = all_gather(a, gather_dim, group, async_op=True)
@@ -65,6 +67,32 @@ def ag_matmul_local_first(a, weights, biases, gather_dim, group, return_gathered
             for i, (blk, w, b) in enumerate(zip(blocks, weights, biases)):
                 matmul(src[lo * rows: hi * rows], w, b, sc, i, out=blk[lo:hi].view((hi - lo) * rows, -1))
     outs = [merge_rank_dim(blk, gather_dim) for blk in blocks]
+    return outs + ([pending.finish(pending.buffer)] if return_gathered else [])
+
+
+def _local_first_k(a, weights, biases, group, return_gathered, sc=None):
+    """local_first for a gather along the contracted dim (the backward's dW = dY^T X with dY's
+    tokens gathered): the product is a sum over the ranks' pieces, A_r @ W[rows of r], so this
+    rank's term (and the bias) is computed while the gather travels and every peer's is added to
+    it once it has landed -- two GEMMs over two ranks, their sum in the second's accumulator (one
+    more rounding than a single GEMM: the output is the dtype's).  Scaled (float8) products, whose
+    scales apply to the whole sum, run `sequential`."""
+    if sc is not None:
+        return ag_matmul_sequential(a, weights, biases, a.dim() - 1, group, return_gathered, sc)
+    world, rank = group.size(), group.rank()
+    a = a.contiguous()
+    k = a.shape[-1]
+    pending = all_gather(a, a.dim() - 1, group, async_op=True)
+    own = a.reshape(-1, k)
+    outs = [matmul(own, w[rank * k: (rank + 1) * k], b) for w, b in zip(weights, biases)]
+    if pending.work is not None:
+        pending.work.wait()
+    pieces = pending.buffer.view(world, -1, k)  # rank-major: rank r's piece of A, as it came
+    for r in range(world):
+        if r != rank:
+            for out, w in zip(outs, weights):
+                out.addmm_(pieces[r], w[r * k: (r + 1) * k])
+    outs = [out.view(*a.shape[:-1], out.shape[-1]) for out in outs]
     return outs + ([pending.finish(pending.buffer)] if return_gathered else [])
 
 
