@@ -30,7 +30,7 @@ from torch_commopt.core import env
 from torch_commopt.kernels.attention import ce_a2a
 from torch_commopt.kernels.gpu import driver, symm
 from torch_commopt.kernels.moe import ce_exchange
-from torch_commopt.kernels.moe.runs import copy_runs
+from torch_commopt.kernels.moe.runs import copy_runs2, other
 
 FLAG_BASE = 1 << 40  # rank r's flags live at FLAG_BASE * (r + 1) in the fake address space
 BUFFER_BYTES = 1 << 20
@@ -138,16 +138,20 @@ def _sm_copy_recorder(queue, active: dict):
     return sm_copy
 
 
-def _run_read_recorder(queue, active: dict):
-    """ce_exchange.read_rows, recorded as a copy that reads the landed piece's rows (and writes
-    the destination's, a plain tensor: the whole of it, conservatively)."""
-    def read_rows(stream, dst: torch.Tensor, runs, src: torch.Tensor) -> None:
+def _run_read2_recorder(queue, active: dict):
+    """ce_exchange.read_rows2, recorded as a copy that reads exactly its runs' rows -- of this
+    rank's own piece, or of the slots (negative source rows: runs.other) -- and writes the
+    destination's (the whole of it, conservatively)."""
+    def read_rows2(stream, dst: torch.Tensor, runs, own: torch.Tensor, slots: torch.Tensor) -> None:
         if queue is not None:
-            written = _tensor_rows(dst)
+            written, read = _tensor_rows(dst), []
+            for s, _, n in runs.runs:
+                src, at = (own, s) if s >= 0 else (slots, other(s))
+                read += _tensor_rows(src[at: at + n])
             queue.append((active["rank"], _handle(stream),
-                          ("copy", dst.data_ptr(), written[0][1] - written[0][0], written, _tensor_rows(src))))
-        copy_runs(dst, src, runs)
-    return read_rows
+                          ("copy", dst.data_ptr(), written[0][1] - written[0][0], written, tuple(read))))
+        copy_runs2(dst, own, slots, runs)
+    return read_rows2
 
 
 def _entry_points(queue, active: dict):
@@ -200,7 +204,7 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
         stack.enter_context(mock.patch.object(FakeStream, "driver_calls", entry_points))
         stack.enter_context(mock.patch.object(ce_a2a, "_sm_copy", _sm_copy_recorder(queue, state)))
         stack.enter_context(mock.patch.object(ce_exchange, "_read", _sm_copy_recorder(queue, state)))
-        stack.enter_context(mock.patch.object(ce_exchange, "read_rows", _run_read_recorder(queue, state)))
+        stack.enter_context(mock.patch.object(ce_exchange, "read_rows2", _run_read2_recorder(queue, state)))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None))
         stack.enter_context(mock.patch.object(symm, "runtime", lambda *a, **k: runtimes[state["rank"]]))
         stack.enter_context(mock.patch.object(driver, "_lib", lambda: entry_points))

@@ -48,7 +48,7 @@ from torch import Tensor
 from torch_commopt.kernels.moe import exchange
 from torch_commopt.kernels.moe.ce_exchange import IN, OUT, CEExchange, exchange_for
 from torch_commopt.kernels.moe.exchange import Routing
-from torch_commopt.kernels.moe.runs import RunTable, copy_runs, on_device, table
+from torch_commopt.kernels.moe.runs import RunTable, copy_runs, on_device, other, table
 
 ALIGN = 8  # rows per group on the GPU (bf16: 16-byte aligned group starts in the weight gradients)
 DEFAULT_CHUNKS = 2  # chunks of experts when the schedule names none (benchmarks/results/moe_pieces_*)
@@ -109,7 +109,11 @@ class Tables:
 
     landed[c]: runs from chunk c's received rows (source-major, as they land over
         torch.distributed) to the padded expert-major buffer of every local expert;
-    by_source[c][p]: the same from source p's piece alone (as it lies in its copy-engine slot);
+    placed[c] (the copy engine's exchange): the same from where the pieces lie, this rank's own
+        piece (source rows >= 0) and the peers' in this rank's slots (negative: runs.other), so
+        that one launch places the chunk whatever the world; slot_rows: the rows of a slot they
+        were laid out for; at_slot[c][p]: the slot row chunk c's piece from peer p lands at, which
+        the exchange's own count must match;
     back[c]: runs from the chunk's rows of that buffer (counted from its first row) to the
         source-major order they go home in;
     pads: the buffer's padding rows, an index (zeroed: they must add nothing to a weight gradient;
@@ -117,7 +121,9 @@ class Tables:
     groups: padded rows per local expert; offsets[c]: chunk c's grouped-GEMM group ends (int32)."""
 
     landed: list[RunTable]
-    by_source: list[list[RunTable]]
+    placed: list[RunTable] | None
+    slot_rows: int | None
+    at_slot: list[list[int]] | None
     back: list[RunTable]
     pads: Tensor
     groups: Tensor
@@ -148,37 +154,44 @@ def plan(routing: Routing, chunks: int, align: int) -> Plan:
     return Plan(slices, send, recv, rows, bounds, padded, starts, sum(padded), routing.peak, routing)
 
 
-def _runs(p: Plan) -> list[list[tuple[int, int, int]]]:
-    """Per chunk, its run tables as the host keeps them: landed, back, then one per source (Tables)."""
-    routing, runs = p.routing, []
+def _runs(p: Plan, slot_rows: int | None) -> tuple[list[list[tuple[int, int, int]]], list[list[int]]]:
+    """Per chunk, its run tables as the host keeps them -- landed, back and, given the copy-engine
+    slots' rows (slot_rows), placed (Tables) -- and the slot row each peer's piece lands at."""
+    routing, runs, at_slot = p.routing, [], []
+    got = [0] * routing.world  # rows each source has landed in its slot before this chunk
     for (lo, hi), (first, _) in zip(p.experts, p.rows, strict=True):
         filled = list(p.starts[lo:hi])  # the next free row of each of the chunk's experts
-        landed, back, per_source, at = [], [], [], 0
+        landed, back, placed, at = [], [], [], 0
+        at_slot.append([src * (slot_rows or 0) + got[src] for src in range(routing.world)])
         for src in range(routing.world):
-            mine, piece = [], 0
+            piece = 0
             for e in range(lo, hi):
                 n = routing.recv[src][e]
-                mine.append((piece, filled[e - lo], n))
                 landed.append((at + piece, filled[e - lo], n))
                 back.append((filled[e - lo] - first, at + piece, n))
+                placed.append((piece if src == routing.rank else other(at_slot[-1][src] + piece), filled[e - lo], n))
                 filled[e - lo] += n
                 piece += n
-            per_source.append(table(mine))
+            got[src] += piece
             at += piece
-        runs += [table(landed), table(back), *per_source]
-    return runs
+        runs += [table(landed), table(back)] + ([table(placed)] if slot_rows is not None else [])
+    return runs, at_slot
 
 
-def tables(p: Plan, device) -> Tables:
-    """p's run tables, padding rows and group sizes and ends on `device`, from one host-to-device copy."""
+def tables(p: Plan, device, slot_rows: int | None = None) -> Tables:
+    """p's run tables, padding rows and group sizes and ends on `device`, from one host-to-device
+    copy.  slot_rows: the rows of a copy-engine exchange's slot (its pieces are placed from there),
+    None over torch.distributed."""
     sizes = [sum(column) for column in zip(*p.routing.recv, strict=True)]
     pad_rows = [row for e, (first, n) in enumerate(zip(p.starts, sizes)) for row in range(first + n, first + p.group_sizes[e])]
     ends = [at for lo, hi in p.experts for at in accumulate(p.group_sizes[lo:hi])]  # from each chunk's first row
-    chunk_tables, (pads, groups, ends) = on_device(_runs(p), device, (pad_rows, p.group_sizes, ends))
+    runs, at_slot = _runs(p, slot_rows)
+    chunk_tables, (pads, groups, ends) = on_device(runs, device, (pad_rows, p.group_sizes, ends))
     per_chunk = len(chunk_tables) // len(p.rows)
-    by_source = [chunk_tables[c * per_chunk + 2: (c + 1) * per_chunk] for c in range(len(p.rows))]
+    placed = chunk_tables[2::per_chunk] if slot_rows is not None else None
     offsets = list(ends.to(torch.int32).split([hi - lo for lo, hi in p.experts]))  # the grouped GEMM's offs
-    return Tables(chunk_tables[0::per_chunk], by_source, chunk_tables[1::per_chunk], pads, groups, offsets)
+    return Tables(chunk_tables[0::per_chunk], placed, slot_rows, at_slot if slot_rows is not None else None,
+                  chunk_tables[1::per_chunk], pads, groups, offsets)
 
 
 def _gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
@@ -246,8 +259,8 @@ def _landing(ex, p: Plan, like: Tensor) -> list[Tensor] | None:
 
 def _place(dst: Tensor, work, landing: list[Tensor] | None, p: Plan, t: Tables, c: int) -> None:
     """dst's rows of chunk c (the padded expert-major buffer) <- chunk c's pieces, once landed."""
-    if landing is None:  # straight out of the slots, one run copy per source
-        work.place(dst, t.by_source[c], p.recv[c])
+    if landing is None:  # straight out of the slots and this rank's own piece, one run copy
+        work.place(dst, t.placed[c], p.recv[c], t.at_slot[c])
         return
     _wait(work)
     copy_runs(dst, landing[c], t.landed[c])
@@ -277,7 +290,7 @@ class _ByExpert(torch.autograd.Function):
         ex = exchange_for(x, group, p.peak, f"by_expert forward, {len(p.rows)} chunks", _post)
         landing = _landing(ex, p, x)
         works = _post_all(ex, IN, p, x, landing)
-        t = tables(p, x.device)  # while the first chunk travels
+        t = tables(p, x.device, ex.slot_rows() if isinstance(ex, CEExchange) else None)  # while the first chunk travels
         xe = x.new_empty((p.padded_rows, x.shape[1]))  # every local expert's rows, padded, expert-major
         xe.index_fill_(0, t.pads, 0)
         # the SwiGLU's product over every chunk's rows, which the backward's w2 gradient reads as it is
@@ -320,6 +333,8 @@ class _ByExpert(torch.autograd.Function):
         ex = exchange_for(dout, group, p.peak, f"by_expert backward, {len(p.rows)} chunks", _post)
         landing = _landing(ex, p, dout)
         works = _post_all(ex, IN, p, dout, landing)
+        if isinstance(ex, CEExchange) and t.slot_rows != ex.slot_rows():  # not the forward's exchange's slots
+            t = tables(p, dout.device, ex.slot_rows())
         # whole-call buffers that each chunk writes its rows of in place (elementwise out=), so
         # that the weight gradients run once over all rows, with nothing to concatenate
         dy = dout.new_empty((p.padded_rows, dout.shape[1]))

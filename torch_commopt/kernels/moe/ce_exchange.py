@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from torch_commopt.core import env
-from torch_commopt.kernels.moe.runs import copy_runs
+from torch_commopt.kernels.moe.runs import copy_runs2
 
 log = logging.getLogger(__name__)
 PURPOSE = "moe exchange"  # the runtime's own_buffer key
@@ -85,18 +85,19 @@ def _read(stream, dst: Tensor, src: Tensor) -> None:
     dst.copy_(src)
 
 
-def read_rows(stream, dst: Tensor, runs, src: Tensor) -> None:
-    """dst's rows <- src's by the run table `runs` (kernels/moe/runs.py), src a landed piece read
-    where it lies in the symmetric buffer (on the compute stream, the current one); the protocol
-    tests record it as a read of the slot."""
-    copy_runs(dst, src, runs)
+def read_rows2(stream, dst: Tensor, runs, own: Tensor, slots: Tensor) -> None:
+    """dst's rows <- this rank's own piece's and the landed pieces' by one run table (runs.copy_runs2:
+    negative source rows read `slots`, this rank's buffer as rows), on the compute stream; the
+    protocol tests record it as reads of exactly the runs' rows."""
+    copy_runs2(dst, own, slots, runs)
 
 
 class Arrival:
     """Chunk c of a region, posted: `wait()` holds the compute stream until every source's piece
     has landed and copies the pieces into the caller's views; `place()` (a post without outs)
-    holds it the same way and moves each piece from where it lies -- this rank's own piece as it
-    was given, a peer's in its slot -- straight into the caller's buffer by run tables."""
+    holds it the same way and moves every piece from where it lies -- this rank's own piece as it
+    was given, the peers' in their slots -- straight into the caller's buffer by one run table:
+    one launch a chunk however many sources (kernels/moe/runs.copy_runs2)."""
 
     def __init__(self, ex: "CEExchange", region: int, chunk: int, outs: list[Tensor] | None, own: Tensor):
         self.ex, self.region, self.chunk, self.outs, self.own = ex, region, chunk, outs, own
@@ -104,15 +105,18 @@ class Arrival:
     def wait(self) -> None:
         self.ex.arrive(self.region, self.chunk, self.outs)
 
-    def place(self, dst: Tensor, runs: list, rows: list[int]) -> None:
-        """dst's rows <- source src's piece by the run table runs[src], for every source;
-        rows[src]: what src sent in this chunk (the Routing's sizes)."""
-        ex, width = self.ex, self.own.shape[1]
-        if self.own.shape[0]:
-            read_rows(ex.compute, dst, runs[ex.me], self.own)
-        for src, at, n in ex.landed(self.region, self.chunk, rows):
-            if n:
-                read_rows(ex.compute, dst, runs[src], ex.buf.view(ex.me, at, (n, width), ex.dtype))
+    def place(self, dst: Tensor, runs, rows: list[int], at_slot: list[int]) -> None:
+        """dst's rows <- every source's piece by one run table (by_expert.Tables.placed: this rank's
+        own piece as it was given, the peers' where they lie in their slots), once landed;
+        rows[src]: what src sent in this chunk (the Routing's sizes); at_slot[src]: the slot row
+        the table has src's piece at, which must be where it landed."""
+        ex = self.ex
+        for src, at, _ in ex.landed(self.region, self.chunk, rows):
+            if at != at_slot[src] * ex.row_bytes + self.region * ex.world * ex.slot:
+                raise RuntimeError(f"commopt moe: chunk {self.chunk}'s piece from rank {src} landed at byte {at}, its "
+                                   f"run table has it at slot row {at_slot[src]}: the plan and the exchange disagree")
+        rows_all = 2 * ex.world * ex.slot // ex.row_bytes  # both regions, as rows
+        read_rows2(ex.compute, dst, runs, self.own, ex.buf.view(ex.me, 0, (rows_all, self.own.shape[1]), ex.dtype))
 
 
 class CEExchange:
@@ -142,6 +146,10 @@ class CEExchange:
         self._events = 0
         self.watched = rt.begin_call("moe exchange", label=label)
         CEExchange.passes += 1
+
+    def slot_rows(self) -> int:
+        """The rows of a source's slot (what by_expert's placed run tables are laid out for)."""
+        return self.slot // self.row_bytes
 
     def _free(self, region: int, peer: int) -> int:
         return self.symm.MOE_FREE + region * self.symm.MAX_WORLD + peer

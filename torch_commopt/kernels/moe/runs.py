@@ -57,6 +57,27 @@ def copy_runs(dst: Tensor, src: Tensor, runs: RunTable) -> None:
         dst[d: d + n].copy_(src[s: s + n])
 
 
+def other(row: int) -> int:
+    """A run's source row in the second source of copy_runs2, as its table holds it (negative)."""
+    return -row - 1
+
+
+def copy_runs2(dst: Tensor, first: Tensor, second: Tensor, runs: RunTable) -> None:
+    """copy_runs from two sources in one move: a run (s, d, n) with s >= 0 reads first[s : s + n],
+    one with s < 0 second[other(s) : other(s) + n] (a chunk's pieces, this rank's own and the
+    peers' landed in their slots, placed by one launch however many sources)."""
+    if not runs.runs:
+        return
+    if dst.is_cuda and _triton_fits(dst, first) and _triton_fits(dst, second):
+        from torch_commopt.kernels.moe import runs_triton
+
+        runs_triton.copy_runs2(dst, first, second, runs)
+        return
+    for s, d, n in runs.runs:
+        src, at = (first, s) if s >= 0 else (second, other(s))
+        dst[d: d + n].copy_(src[at: at + n])
+
+
 class _Staging:
     """A pinned host buffer per device through which on_device's copies go: pinned, so a copy
     queues without a stream sync; kept, so no pinned allocation per call; an event marks the last

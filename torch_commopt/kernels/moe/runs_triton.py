@@ -1,4 +1,4 @@
-"""runs.copy_runs as one Triton kernel on CUDA.
+"""runs.copy_runs (and copy_runs2, from two sources) as one Triton kernel on CUDA.
 
 A program moves one block of BLOCK_R rows of one run, BLOCK_D columns at a time: the grid is
 (runs, blocks of the longest run), and a program past its run's end does nothing.  Every run
@@ -40,3 +40,42 @@ def copy_runs(dst: Tensor, src: Tensor, runs) -> None:
     grid = (len(runs.runs), triton.cdiv(longest, block_r))  # (a grid's second dim takes at most 65535)
     _runs_kernel[grid](dst, src, runs.whole, runs.start, dst.stride(0), src.stride(0), D=width, BLOCK_R=block_r,
                        BLOCK_D=block_d, num_warps=4)
+
+
+@triton.jit
+def _runs2_kernel(dst_ptr, first_ptr, second_ptr, runs_ptr, start, dst_stride, first_stride, second_stride,
+                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """_runs_kernel over two sources: a run whose source row is negative reads the second one at
+    -row - 1 (runs.other); each program's rows come from one source, the other load masked off."""
+    run = start + tl.program_id(0)
+    block = tl.program_id(1)
+    s0 = tl.load(runs_ptr + 3 * run)
+    d0 = tl.load(runs_ptr + 3 * run + 1)
+    n = tl.load(runs_ptr + 3 * run + 2)
+    r = block * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # 64-bit offsets
+    row = tl.zeros_like(r) + s0  # the run's source row, as a block: its sign picks the source
+    in_first = row >= 0
+    live = r < n
+    from_first = live & in_first
+    from_second = live & (row < 0)
+    s_first = tl.where(in_first, row, 0)
+    s_second = tl.where(in_first, 0, -row - 1)
+    for c in tl.static_range(0, D, BLOCK_D):
+        cols = c + tl.arange(0, BLOCK_D)
+        in_cols = cols[None, :] < D
+        a = tl.load(first_ptr + (s_first + r)[:, None] * first_stride + cols[None, :],
+                    mask=from_first[:, None] & in_cols)
+        b = tl.load(second_ptr + (s_second + r)[:, None] * second_stride + cols[None, :],
+                    mask=from_second[:, None] & in_cols)
+        tl.store(dst_ptr + (d0 + r)[:, None] * dst_stride + cols[None, :], tl.where(from_first[:, None], a, b),
+                 mask=live[:, None] & in_cols)
+
+
+def copy_runs2(dst: Tensor, first: Tensor, second: Tensor, runs) -> None:
+    """runs.copy_runs2: every run of `runs` from `first` or (negative source row) `second`."""
+    width, longest = dst.shape[1], runs.longest
+    block_d = min(triton.next_power_of_2(width), 1024)
+    block_r = max(1, min(64, 8192 // block_d), triton.next_power_of_2(triton.cdiv(longest, 65535)))
+    grid = (len(runs.runs), triton.cdiv(longest, block_r))
+    _runs2_kernel[grid](dst, first, second, runs.whole, runs.start, dst.stride(0), first.stride(0), second.stride(0),
+                        D=width, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)

@@ -32,7 +32,7 @@ DeepSeek-V2-Lite- and Qwen3-30B-A3B-like layers (12K+ rows a chunk) won by 3.5-9
 (benchmarks/results/moe_h200x2_*).  150 rows gets the sign of all seven measured differences
 right.
 
-by_expert does more on the host than a2a (its plan, a run copy a chunk and source, the flag
+by_expert does more on the host than a2a (its plan, a run copy or two a chunk, the flag
 operations of each transfer): on 2x H200, 1.4-1.5 ms more per forward and backward at 4K tokens a
 rank, where the layer's GPU work is short enough that the host sets the pace.  There by_expert ran
 0.99x torchtitan's EP while a2a ran 1.16-1.17x (the DeepSeek-V2-Lite- and Qwen3-30B-A3B-like
