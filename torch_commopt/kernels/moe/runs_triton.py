@@ -15,38 +15,18 @@ import triton.language as tl
 from torch import Tensor
 
 
-@triton.jit
-def _runs_kernel(dst_ptr, src_ptr, runs_ptr, first, dst_stride, src_stride, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    run = first + tl.program_id(0)
-    block = tl.program_id(1)
-    s0 = tl.load(runs_ptr + 3 * run)
-    d0 = tl.load(runs_ptr + 3 * run + 1)
-    n = tl.load(runs_ptr + 3 * run + 2)
-    r = block * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # 64-bit offsets
-    live = r < n
-    for c in tl.static_range(0, D, BLOCK_D):
-        cols = c + tl.arange(0, BLOCK_D)
-        mask = live[:, None] & (cols[None, :] < D)
-        value = tl.load(src_ptr + (s0 + r)[:, None] * src_stride + cols[None, :], mask=mask)
-        tl.store(dst_ptr + (d0 + r)[:, None] * dst_stride + cols[None, :], value, mask=mask)
-
-
 def copy_runs(dst: Tensor, src: Tensor, runs) -> None:
-    """Every run (s, d, n) of `runs` (a runs.RunTable): dst[d : d + n] = src[s : s + n]."""
-    width, longest = dst.shape[1], runs.longest
-    block_d = min(triton.next_power_of_2(width), 1024)
-    block_r = max(1, min(64, 8192 // block_d), triton.next_power_of_2(triton.cdiv(longest, 65535)))
-    grid = (len(runs.runs), triton.cdiv(longest, block_r))  # (a grid's second dim takes at most 65535)
-    _runs_kernel[grid](dst, src, runs.whole, runs.start, dst.stride(0), src.stride(0), D=width, BLOCK_R=block_r,
-                       BLOCK_D=block_d, num_warps=4)
+    """Every run (s, d, n) of `runs` (a runs.RunTable): dst[d : d + n] = src[s : s + n] (the two-source
+    kernel with one source: no row of the table is negative)."""
+    copy_runs2(dst, src, src, runs)
 
 
 @triton.jit
 def _runs2_kernel(dst_ptr, first_ptr, second_ptr, runs_ptr, start, dst_stride, first_stride, second_stride,
                   D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """_runs_kernel over two sources: a run whose source row is negative reads the second one at
-    -row - 1 (runs.other); each program's rows come from one source, the other load masked off."""
+    """A program moves one block of BLOCK_R rows of one run, BLOCK_D columns at a time, from the
+    first source or, where the run's source row is negative, the second at -row - 1 (runs.other);
+    the other load is masked off."""
     run = start + tl.program_id(0)
     block = tl.program_id(1)
     s0 = tl.load(runs_ptr + 3 * run)
