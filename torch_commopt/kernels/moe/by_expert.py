@@ -250,7 +250,7 @@ def _wait(work) -> None:
 
 def _landing(ex, p: Plan, like: Tensor) -> list[Tensor] | None:
     """Where each chunk's pieces land: on the copy engine nowhere but their slots (the caller
-    reads them in place, Arrival.views); over torch.distributed one (chunk rows, D) buffer a
+    reads them in place, Arrival.place); over torch.distributed one (chunk rows, D) buffer a
     chunk, like `like`, its rows source-major."""
     if isinstance(ex, CEExchange):
         return None
