@@ -38,6 +38,7 @@ import statistics
 import time
 
 from benchmarks.common import fmt, machine_meta, max_over_ranks, result_stem, write_report
+from torch_commopt.core.moe_spec import parse_moe_schedule
 
 # name -> (dim, expert FFN size, experts, top-k, shared experts)
 MODELS = {
@@ -344,8 +345,11 @@ def _variant(name: str) -> str:
     for v in (name, f"commopt {name}"):
         if v in VARIANTS:
             return v
-    chunks = name.removeprefix("commopt ").removeprefix("by_expert:")
-    if name.removeprefix("commopt ").startswith("by_expert:") and chunks.isdigit() and int(chunks) > 0:
+    try:
+        schedule, chunks = parse_moe_schedule(name.removeprefix("commopt "))
+    except ValueError:
+        schedule, chunks = None, None
+    if schedule == "by_expert" and chunks:
         return f"commopt by_expert:{chunks}"  # a chunk count of its own (the table's by_expert column is the default's)
     raise argparse.ArgumentTypeError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
 

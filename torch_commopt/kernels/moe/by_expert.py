@@ -162,14 +162,16 @@ def _runs(p: Plan, slot_rows: int | None) -> tuple[list[list[tuple[int, int, int
     for (lo, hi), (first, _) in zip(p.experts, p.rows, strict=True):
         filled = list(p.starts[lo:hi])  # the next free row of each of the chunk's experts
         landed, back, placed, at = [], [], [], 0
-        at_slot.append([src * (slot_rows or 0) + got[src] for src in range(routing.world)])
+        if slot_rows is not None:
+            at_slot.append([src * slot_rows + got[src] for src in range(routing.world)])
         for src in range(routing.world):
             piece = 0
             for e in range(lo, hi):
                 n = routing.recv[src][e]
                 landed.append((at + piece, filled[e - lo], n))
                 back.append((filled[e - lo] - first, at + piece, n))
-                placed.append((piece if src == routing.rank else other(at_slot[-1][src] + piece), filled[e - lo], n))
+                if slot_rows is not None:
+                    placed.append((piece if src == routing.rank else other(at_slot[-1][src] + piece), filled[e - lo], n))
                 filled[e - lo] += n
                 piece += n
             got[src] += piece
@@ -190,8 +192,8 @@ def tables(p: Plan, device, slot_rows: int | None = None) -> Tables:
     per_chunk = len(chunk_tables) // len(p.rows)
     placed = chunk_tables[2::per_chunk] if slot_rows is not None else None
     offsets = list(ends.to(torch.int32).split([hi - lo for lo, hi in p.experts]))  # the grouped GEMM's offs
-    return Tables(chunk_tables[0::per_chunk], placed, slot_rows, at_slot if slot_rows is not None else None,
-                  chunk_tables[1::per_chunk], pads, groups, offsets)
+    return Tables(chunk_tables[0::per_chunk], placed, slot_rows, at_slot or None, chunk_tables[1::per_chunk], pads,
+                  groups, offsets)
 
 
 def _gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
@@ -301,7 +303,7 @@ class _ByExpert(torch.autograd.Function):
             _place(xe, works[c], landing, p, t, c)
             xc = xe[start:end]
             sizes, offs = _chunk_groups(p, t, c, grouped)
-            lo, hi = _experts(p, c)
+            lo, hi = p.experts[c]
             h1 = _gmm(xc, w1c[lo:hi], sizes, offs)
             h3 = _gmm(xc, w3c[lo:hi], sizes, offs)
             silu = F.silu(h1)
@@ -347,7 +349,7 @@ class _ByExpert(torch.autograd.Function):
             _place(dy, works[c], landing, p, t, c)
             h1, h3, silu = saved[c]
             sizes, offs = _chunk_groups(p, t, c, grouped)
-            lo, hi = _experts(p, c)
+            lo, hi = p.experts[c]
             da = _gmm(dy[start:end], w2c[lo:hi].transpose(-2, -1), sizes, offs)
             torch.mul(da, silu, out=dh3[start:end])
             torch.ops.aten.silu_backward.grad_input(da * h3, h1, grad_input=dh1[start:end])
@@ -379,13 +381,8 @@ def _grouped(t: Tensor) -> bool:
     return t.is_cuda and t.dtype == torch.bfloat16
 
 
-def _experts(p: Plan, c: int) -> tuple[int, int]:
-    """Chunk c's local experts [lo, hi)."""
-    return p.experts[c]
-
-
 def _chunk_groups(p: Plan, t: Tables, c: int, cuda: bool):
-    lo, hi = _experts(p, c)
+    lo, hi = p.experts[c]
     return p.group_sizes[lo:hi], (t.offsets[c] if cuda else None)
 
 

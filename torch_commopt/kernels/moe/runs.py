@@ -46,15 +46,7 @@ def table(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 def copy_runs(dst: Tensor, src: Tensor, runs: RunTable) -> None:
     """dst[d : d + n] = src[s : s + n] for every run (s, d, n) of `runs` (a table from
     `on_device`).  Rows of dst outside every run are left as they are."""
-    if not runs.runs:
-        return
-    if dst.is_cuda and _triton_fits(dst, src):
-        from torch_commopt.kernels.moe import runs_triton
-
-        runs_triton.copy_runs(dst, src, runs)
-        return
-    for s, d, n in runs.runs:
-        dst[d: d + n].copy_(src[s: s + n])
+    copy_runs2(dst, src, src, runs)  # no source row is negative: every run reads src
 
 
 def other(row: int) -> int:
