@@ -14,8 +14,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from torch_commopt.kernels.gpu.launch import Launcher
-
 
 def copy_runs(dst: Tensor, src: Tensor, runs) -> None:
     """Every run (s, d, n) of `runs` (a runs.RunTable): dst[d : d + n] = src[s : s + n] (the two-source
@@ -53,14 +51,11 @@ def _runs2_kernel(dst_ptr, first_ptr, second_ptr, runs_ptr, start, dst_stride, f
                  mask=live[:, None] & in_cols)
 
 
-_launch_runs2 = Launcher(_runs2_kernel)  # one launch a chunk, on the path where the GPU waits for the host
-
-
 def copy_runs2(dst: Tensor, first: Tensor, second: Tensor, runs) -> None:
     """runs.copy_runs2: every run of `runs` from `first` or (negative source row) `second`."""
     width, longest = dst.shape[1], runs.longest
     block_d = min(triton.next_power_of_2(width), 1024)
     block_r = max(1, min(64, 8192 // block_d), triton.next_power_of_2(triton.cdiv(longest, 65535)))
     grid = (len(runs.runs), triton.cdiv(longest, block_r))
-    _launch_runs2(grid, dst, first, second, runs.whole, runs.start, dst.stride(0), first.stride(0), second.stride(0),
-                  D=width, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+    _runs2_kernel[grid](dst, first, second, runs.whole, runs.start, dst.stride(0), first.stride(0), second.stride(0),
+                        D=width, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
