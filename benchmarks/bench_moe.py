@@ -201,24 +201,32 @@ def records(cases: list) -> list:
     return cases
 
 
+def _columns(cases: list) -> list[str]:
+    """The variants the cases ran, VARIANTS' order first, then the by_expert:C ones in the order run."""
+    ran = [v for c in cases for v in c["ms"]]
+    return [v for v in VARIANTS if v in ran] + list(dict.fromkeys(v for v in ran if v not in VARIANTS))
+
+
 def report(cases: list, meta: dict) -> str:
+    cols = _columns(cases)
+    mine = [v for v in cols if v.startswith("commopt")]
+    short = [v.removeprefix("commopt ") for v in mine]
     lines = [f"# MoE layer with expert parallelism ({meta['device']}, {meta['world']} ranks)", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; fwd+bwd of one layer, median of "
              f"{meta['rounds']} rounds of {meta['steps']} steps, the slowest rank; variants in alternating order; the "
              "input needs its gradient, as in a model.", "",
              *([f"Joined from {meta['joined']} runs (commits {', '.join(meta['commits'])}): "
                 + "; ".join(f"`{c}`" for c in meta['commands']), ""] if meta.get("joined") else []),
-             "| model | tokens/rank | routing | " + " | ".join(f"{v} ms" for v in VARIANTS)
-             + " | a2a × | by_peer × | by_expert × | auto × | by_expert hidden | auto hidden | max rel. error |",
-             "|---|---|---|" + "---|" * (len(VARIANTS) + 7)]
+             "| model | tokens/rank | routing | " + " | ".join(f"{v} ms" for v in cols)
+             + "".join(f" | {v} ×" for v in short) + "".join(f" | {v} hidden" for v in short) + " | max rel. error |",
+             "|---|---|---|" + "---|" * (len(cols) + 2 * len(mine) + 1)]
     for c in cases:
         ms, sp, hid = c["ms"], c["speedup_vs_torchtitan"], c["hidden_share"]
         err = max(c["max_rel_error"].values())
         lines.append(f"| {c['model']} | {c['tokens_per_rank']} | {c['routing']} | "
-                     + " | ".join(fmt(ms.get(v), 2) for v in VARIANTS)
-                     + "".join(f" | {fmt(sp.get(v))}" for v in ("commopt a2a", "commopt by_peer", "commopt by_expert",
-                                                                 "commopt auto"))
-                     + "".join(f" | {fmt(hid.get(v), 2)}" for v in ("commopt by_expert", "commopt auto"))
+                     + " | ".join(fmt(ms.get(v), 2) for v in cols)
+                     + "".join(f" | {fmt(sp.get(v))}" for v in mine)
+                     + "".join(f" | {fmt(hid.get(v), 2)}" for v in mine)
                      + f" | {err:.1e} |")
     lines += ["", "×: speedup over torchtitan's EP. Hidden: the share of the exposed exchange "
               "(torchtitan EP − comm-free) that the variant removes. Error: the largest relative error of "
