@@ -58,12 +58,14 @@ if [[ $what == e2e_shapes ]]; then
   # issue 7 at three shapes of 8192 tokens a step (batch x seq: 1 x 8192, 2 x 4096, 4 x 2048), each
   # with the comm-free bound; batch > 1 gathers and scatters strided row blocks; ~100 s each
   # (E2E_VARIANTS replaces the variant list, e.g. "inductor,commopt,commopt call-graphs all,inductor comm-free");
-  # each report carries the picture of one commopt and one inductor step (--timeline), its traces then dropped
+  # each report carries the picture of one commopt and one inductor step (--timeline; TIMELINE_BATCHES
+  # names the batches that draw one, default all three), its traces then dropped
   for shp in "1 8192" "2 4096" "4 2048"; do
     set -- $shp
     mkdir -p "$out/e2e_b$1"
+    tl=--timeline; [[ " ${TIMELINE_BATCHES:-1 2 4} " == *" $1 "* ]] || tl=
     timeout ${E2E_TIMEOUT:-160} python3 -m benchmarks.bench_e2e --out "$out/e2e_b$1" --batch $1 --seq $2 --repeats 10 \
-      --timeline --variants "${E2E_VARIANTS:-inductor,inductor+async-TP,commopt,inductor comm-free}" ${BENCH_ARGS:-} \
+      $tl --variants "${E2E_VARIANTS:-inductor,inductor+async-TP,commopt,inductor comm-free}" ${BENCH_ARGS:-} \
       > "$out/e2e_b$1.log" 2>&1
     rm -rf "$out/e2e_b$1/traces"
     echo "== batch $1 seq $2"; grep -E "^\| (ind|com)" "$out/e2e_b$1.log"
