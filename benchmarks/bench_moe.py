@@ -192,12 +192,14 @@ def _rank(rank: int, world: int, models: dict, cases: tuple, rounds: int, steps:
 
 
 def records(cases: list) -> list:
-    """Each case with its derived figures: speedup over torchtitan's EP and the exposed exchange hidden."""
+    """Each case with its derived figures: speedup over its baseline (torchtitan's EP; for the
+    fixed-capacity rows, Inductor) and the exposed exchange hidden (where a comm-free bound ran)."""
     for c in cases:
         ms = c["ms"]
-        tt, free = ms["torchtitan EP"], ms["comm-free"]
+        tt, free = ms.get("torchtitan EP", ms.get("inductor")), ms.get("comm-free")
         c["speedup_vs_torchtitan"] = {v: tt / t for v, t in ms.items()}
-        c["hidden_share"] = {v: ((tt - t) / (tt - free) if tt > free else None) for v, t in ms.items()}
+        c["hidden_share"] = {v: ((tt - t) / (tt - free) if free is not None and tt > free else None)
+                             for v, t in ms.items()}
     return cases
 
 
@@ -228,7 +230,8 @@ def report(cases: list, meta: dict) -> str:
                      + "".join(f" | {fmt(sp.get(v))}" for v in mine)
                      + "".join(f" | {fmt(hid.get(v), 2)}" for v in mine)
                      + f" | {err:.1e} |")
-    lines += ["", "×: speedup over torchtitan's EP. Hidden: the share of the exposed exchange "
+    lines += ["", "×: speedup over torchtitan's EP (the fixed-capacity rows, `capacity ...`: over Inductor compiling the "
+              "layer whole; `bench_moe --capacity`). Hidden: the share of the exposed exchange "
               "(torchtitan EP − comm-free) that the variant removes. Error: the largest relative error of "
               "the output and of the input's gradient against torchtitan's EP.", ""]
     return "\n".join(lines)
@@ -362,6 +365,23 @@ def _variant(name: str) -> str:
     raise argparse.ArgumentTypeError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
 
 
+def _capacity(args) -> None:
+    from benchmarks.moe_capacity import CAPACITY_MODELS, capacity_rank
+    from torch_commopt.testing.launch import run_distributed
+
+    models = {m: CAPACITY_MODELS[m] for m in (args.models if set(args.models) <= set(CAPACITY_MODELS)
+                                              else CAPACITY_MODELS)}
+    per_rank = run_distributed(capacity_rank, args.world, models, args.tokens, args.rounds, args.steps,
+                               backend="nccl", timeout_s=560)
+    cases, device = per_rank[0]
+    meta = machine_meta(device, args.world, args.commit, rounds=args.rounds, steps=args.steps)
+    text = report(records(cases), meta)
+    print(text)
+    if args.out:
+        write_report(args.out, result_stem("moe", device, args.world, variant="capacity"), {"meta": meta, "cases": cases},
+                     text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="directory for the report (required except with --cpu)")
@@ -377,6 +397,8 @@ def main() -> None:
     p.add_argument("--pieces", action="store_true", help="one GPU: the grouped GEMMs whole vs in pieces")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="--pieces: the EP degrees whose rows it runs")
     p.add_argument("--cpu", action="store_true", help="gloo smoke run with a tiny layer; prints, writes nothing")
+    p.add_argument("--capacity", action="store_true",
+                   help="a fixed-capacity layer compiled whole: Inductor vs commopt's chunked exchanges (moe_capacity.py)")
     p.add_argument("--commit", default="")
     p.add_argument("--join", nargs="+", metavar="JSON",
                    help="write one report of these runs' cases (runs split by model to fit a device call)")
@@ -397,6 +419,9 @@ def main() -> None:
         print(text)
         if args.out:
             write_report(args.out, result_stem("moe_pieces", meta["device"], 1), {"meta": meta, "rows": rows}, text)
+        return
+    if args.capacity:
+        _capacity(args)
         return
     if args.cpu:
         models, tokens, rounds, steps, backend, compile_children = CPU_MODELS, [32], 2, 1, "gloo", False

@@ -17,7 +17,7 @@ from typing import Any
 from torch_commopt.core.moe_spec import parse_moe_schedule
 from torch_commopt.core.schedule import SINGLE, Schedule
 
-PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar", "attention", "gemm_2d")
+PATTERNS = ("ag_matmul", "matmul_rs", "matmul_ar", "attention", "gemm_2d", "moe")
 MODES = ("auto", "model", "autotune", "fixed")
 
 

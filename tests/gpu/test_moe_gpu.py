@@ -43,3 +43,17 @@ def test_by_expert_on_nccl_with_one_rank(one_gpu):
         assert len(results) == 1
         bad = [(case, mine, ref) for case, mine, ref in results if not (ref < 0.05 and mine <= 1.5 * ref + 1e-3)]
         assert not bad, bad
+
+
+@pytest.mark.gpu
+def test_compiled_fixed_capacity_moe_in_chunks_is_as_close_as_kept(two_ranks):
+    # passes/moe: the forward's and the backward's exchange pairs run in two chunks of experts on
+    # the graph's NCCL collectives, no further from float64 than the same layer with them kept
+    from capacity_cases import capacity_bf16
+
+    world, backend = two_ranks
+    if backend != "nccl":
+        pytest.skip("a compiled program's functional collectives on CUDA tensors need NCCL: two GPUs")
+    for notes, chunked, kept in run_distributed(capacity_bf16, world, backend=backend, timeout_s=300):
+        assert sum("rewritten, by_expert:2" in n for n in notes) == 2, notes
+        assert kept < 0.05 and chunked <= 1.5 * kept + 1e-3, (chunked, kept)

@@ -111,3 +111,39 @@ def test_the_chooser_asks_the_group_once_per_shape_and_answers_later_calls_itsel
     assert pick(dataclasses.replace(routing, peak=40000), x, weights, group) == first and len(asked) == 1  # same pow2
     pick(dataclasses.replace(routing, peak=4096), x, weights, group)
     assert len(asked) == 2 and asked[1]["rows"] == 4096
+
+
+def _capacity(shape: MoEShape, joined: float = 0.0, slower: float = 1.0):
+    """capacity_estimates for a SwiGLU's forward over `shape` on the H200 priors (NCCL's link
+    `slower` times slower)."""
+    cal = prior("NVIDIA H200", 2)
+    nccl = cal.collective["all_gather"]
+    cal = dataclasses.replace(cal, collective={**cal.collective, "all_gather": dataclasses.replace(
+        nccl, bytes_per_s=nccl.bytes_per_s / slower)})
+    fit = cal.gemm["bfloat16"]
+    r, d, h = shape.rows, shape.dim, shape.hidden
+    gemm = 2 * fit.time(r, h, d) + fit.time(r, d, h)
+    return cost.capacity_estimates(dataclasses.replace(shape, transport="nccl"), cal, gemm, joined, ops=17)
+
+
+def test_capacity_chunks_on_nccl_are_kept_out_where_nccl_slows_the_gemms_beside_it(monkeypatch):
+    # the H200 priors: NCCL's all-to-all kernels beside the GEMMs slow them by 0.8 of the overlap
+    # (collective_overlap_slowdown), so the chunks' copies are not won back on any link; where a
+    # collective overlaps well (slowdown 0.1) and the link is slow, they are; a tiny call never
+    nvlink = _capacity(DSV2_8K)
+    assert min(nvlink, key=nvlink.get) == "a2a"
+    real = prior("NVIDIA H200", 2)
+    monkeypatch.setattr(cost, "_link", lambda shape, cal: (cal.collective["all_gather"], 0.1))
+    slow = _capacity(DSV2_8K, slower=10)
+    assert min(slow, key=slow.get).startswith("by_expert:") and min(slow.values()) < slow["a2a"]
+    tiny = _capacity(dataclasses.replace(DSV2_8K, rows=512, dim=256, hidden=256), slower=10)
+    assert min(tiny, key=tiny.get) == "a2a"
+    assert real.collective_overlap_slowdown == 0.8  # what the first reading rests on
+
+
+def test_capacity_joins_cost_the_chunks_and_only_them():
+    free, joined = _capacity(DSV2_8K), _capacity(DSV2_8K, joined=4 * DSV2_8K.rows * DSV2_8K.dim * 2)
+    assert joined["a2a"] == free["a2a"]
+    assert all(joined[k] > free[k] for k in free if k != "a2a")
+    few = _capacity(dataclasses.replace(DSV2_8K, local_experts=2))
+    assert set(few) == {"a2a", "by_expert:2"}  # no more chunks than local experts

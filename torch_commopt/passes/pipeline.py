@@ -113,6 +113,12 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
             graph, inference=report.graph_kind == "inference", schedule=config.attention_schedule,
             consistency_timeout_s=timeout, cache_dir=config.cache_dir, mode=config.mode, top_k=config.autotune_top_k,
             tune_timeout_s=config.consistency_timeout_s), report)
+    if "moe" in config.patterns:
+        from torch_commopt.passes.moe.apply import rewrite_capacity_moe
+
+        timeout = config.consistency_timeout_s if config.check_rank_consistency else None
+        _graph_rewrite("moe rewrite", lambda: rewrite_capacity_moe(graph, config.moe_schedule, timeout,
+                                                                   config.cache_dir, report.skipped), report)
     try:
         from torch_commopt.passes.matmul.ar_split import find_ar_splits
 

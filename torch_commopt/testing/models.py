@@ -133,3 +133,35 @@ class FuncolMLP(nn.Module):
         full = funcol.all_gather_tensor_autograd(x, gather_dim=0, group=self.group_name)
         partial = F.gelu(full @ self.w1) @ self.w2
         return funcol.reduce_scatter_tensor_autograd(partial, "sum", scatter_dim=0, group=self.group_name)
+
+
+class CapacityMoE(nn.Module):
+    """A fixed-capacity MoE layer (GShard / Switch style) over `world` ranks: top-1 routing, each
+    expert takes at most `capacity` tokens a rank (the rest dropped), the tokens laid out
+    [experts, capacity, dim] and exchanged by all_to_all_single on equal splits, the local
+    experts a SwiGLU as batched GEMMs over [local experts, ranks x capacity, dim], the outputs
+    exchanged back and combined with the gate.  What torch.compile sees whole."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, world: int, capacity: int, group_name: str):
+        super().__init__()
+        self.world, self.local, self.capacity, self.group_name = world, experts // world, capacity, group_name
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(self.local, dim, hidden) / dim**0.5)
+        self.w3 = nn.Parameter(torch.randn(self.local, dim, hidden) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(self.local, hidden, dim) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens, dim = x.shape
+        experts, cap = self.world * self.local, self.capacity
+        gate, idx = self.router(x).softmax(-1).max(-1)
+        onehot = F.one_hot(idx, experts).to(x.dtype)
+        pos = (onehot.cumsum(0) - 1) * onehot  # each token's place in its expert's queue
+        keep = (pos < cap).to(x.dtype) * onehot
+        slot = F.one_hot(pos.long().clamp(max=cap - 1), cap).to(x.dtype) * keep.unsqueeze(-1)  # (T, E, C)
+        sent = torch.einsum("tec,td->ecd", slot, x).reshape(experts * cap, dim)
+        got = funcol.all_to_all_single_autograd(sent, None, None, self.group_name)
+        h = got.view(self.world, self.local, cap, dim).transpose(0, 1).reshape(self.local, self.world * cap, dim)
+        y = torch.bmm(F.silu(torch.bmm(h, self.w1)) * torch.bmm(h, self.w3), self.w2)
+        y = y.view(self.local, self.world, cap, dim).transpose(0, 1).reshape(experts * cap, dim)
+        back = funcol.all_to_all_single_autograd(y, None, None, self.group_name).view(experts, cap, dim)
+        return torch.einsum("tec,ecd->td", slot * gate[:, None, None], back)

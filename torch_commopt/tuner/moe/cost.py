@@ -52,7 +52,11 @@ from torch_commopt.tuner.calibration import Calibration
 CHUNK_OVERHEAD = {2: 0.01, 4: 0.20, 6: 0.35}  # o_C (module docstring)
 KNEE_ROWS = 150.0  # a chunk's GEMMs lose KNEE_ROWS / its rows (module docstring)
 MIN_PIPELINED_S = 4.5e-3  # below this much a2a work a call, by_expert's host work is exposed (module docstring)
-COPIES = {"a2a": 2, "by_expert": 3}  # passes over the routed rows on the device besides the exchange
+COPIES = {"a2a": 2, "by_expert": 3}
+# A compiled graph's launch of one op, what each op of a chunked region costs again per extra
+# chunk (capacity_estimates).  An assumption of the order of Inductor's launches on the H200
+# hosts (a few microseconds each), not a measurement of the chunked regions.
+LAUNCH_S = 5e-6  # passes over the routed rows on the device besides the exchange
 
 
 @dataclass(frozen=True)
@@ -75,15 +79,11 @@ def estimates(shape: MoEShape, cal: Calibration) -> dict[str, float]:
     fit = cal.gemm.get(shape.dtype) or cal.gemm.get("float32") or next(iter(cal.gemm.values()))
     r, d, h = shape.rows, shape.dim, shape.hidden
     forward = 2 * fit.time(r, h, d) + fit.time(r, d, h)
-    if shape.transport == "ce" and cal.p2p is not None:
-        link, slowdown = cal.p2p, cal.overlap_slowdown
-    else:
-        link = cal.collective["all_gather"]
-        slowdown = cal.overlap_slowdown if cal.collective_overlap_slowdown is None else cal.collective_overlap_slowdown
+    link, slowdown = _link(shape, cal)
     volume = r * d * shape.elt * (shape.world - 1) / shape.world
     # one pass over the routed rows on the device (a calibration without a local copy, a CPU's:
     # not priced, the same for every candidate's passes)
-    moved = cal.local_copy.time(r * d * shape.elt) if cal.local_copy is not None else 0.0
+    moved = _copy(cal, r * d * shape.elt)
     nccl = cal.collective["all_gather"]  # a2a's exchange is NCCL's all-to-all whatever by_expert's transport
     out = {"a2a": sum(2 * nccl.time(volume) + g + COPIES["a2a"] * moved for g in (forward, 2 * forward))}
     for chunks, overhead in CHUNK_OVERHEAD.items():
@@ -97,6 +97,49 @@ def estimates(shape: MoEShape, cal: Calibration) -> dict[str, float]:
         own = 1 + overhead + KNEE_ROWS / max(fewest, 1.0)
         out[f"by_expert:{chunks}"] = sum(exposed + max(own * g, beside) + slowdown * min(own * g, beside)
                                          + COPIES["by_expert"] * moved for g in (forward, 2 * forward))
+    return out
+
+
+def _link(shape: MoEShape, cal: Calibration):
+    """(the exchange's link, the slowdown it costs the GEMMs beside it) for shape's transport."""
+    if shape.transport == "ce" and cal.p2p is not None:
+        return cal.p2p, cal.overlap_slowdown
+    slowdown = cal.overlap_slowdown if cal.collective_overlap_slowdown is None else cal.collective_overlap_slowdown
+    return cal.collective["all_gather"], slowdown
+
+
+def _copy(cal: Calibration, nbytes: float) -> float:
+    return cal.local_copy.time(nbytes) if cal.local_copy is not None else 0.0
+
+
+def capacity_estimates(shape: MoEShape, cal: Calibration, gemm_s: float, joined_bytes: float,
+                       ops: int) -> dict[str, float]:
+    """Seconds of one graph's fixed-capacity exchange pair (passes/moe/capacity.py): kept ("a2a"),
+    or in C chunks of experts on the graph's own collectives (NCCL).  gemm_s: the region's
+    batched GEMMs; joined_bytes: the region's tensors the rest of the graph reads, put back
+    together from their chunks; ops: the region's ops, launched once a chunk.
+
+        a2a          2 nccl(V) + G
+        by_expert:C  nccl(f_0 V) + nccl(f_last V) + max(G', B) + s min(G', B)
+                     + copy(2 R D b + joined) + (C - 1) (ops + 4) LAUNCH_S
+
+    with G', B and s as in `estimates` (the cut of the send buffer and the join of what comes
+    home are one pass each over the rows); no MIN_PIPELINED_S: the chunks are the compiled
+    graph's own launches, with no plan on the host."""
+    link, slowdown = _link(shape, cal)
+    volume = shape.rows * shape.dim * shape.elt * (shape.world - 1) / shape.world
+    out = {"a2a": 2 * link.time(volume) + gemm_s}
+    copies = _copy(cal, 2 * shape.rows * shape.dim * shape.elt + joined_bytes)
+    for chunks, overhead in CHUNK_OVERHEAD.items():
+        if chunks > shape.local_experts:
+            continue
+        bounds = chunk_bounds(shape.local_experts, chunks)
+        pieces = [link.time(volume * (hi - lo) / shape.local_experts) for lo, hi in bounds]
+        beside = sum(pieces[1:]) + sum(pieces[:-1])
+        fewest = shape.rows * min(hi - lo for lo, hi in bounds) / shape.local_experts
+        own = (1 + overhead + KNEE_ROWS / max(fewest, 1.0)) * gemm_s
+        out[f"by_expert:{chunks}"] = (pieces[0] + pieces[-1] + max(own, beside) + slowdown * min(own, beside)
+                                      + copies + (chunks - 1) * (ops + 4) * LAUNCH_S)
     return out
 
 
