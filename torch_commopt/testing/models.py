@@ -154,10 +154,10 @@ class CapacityMoE(nn.Module):
         tokens, dim = x.shape
         experts, cap = self.world * self.local, self.capacity
         gate, idx = self.router(x).softmax(-1).max(-1)
-        onehot = F.one_hot(idx, experts).to(x.dtype)
+        onehot = F.one_hot(idx, experts)  # integers: a bf16 count is inexact past 256
         pos = (onehot.cumsum(0) - 1) * onehot  # each token's place in its expert's queue
-        keep = (pos < cap).to(x.dtype) * onehot
-        slot = F.one_hot(pos.long().clamp(max=cap - 1), cap).to(x.dtype) * keep.unsqueeze(-1)  # (T, E, C)
+        keep = ((pos < cap) * onehot).to(x.dtype)
+        slot = F.one_hot(pos.clamp(max=cap - 1), cap).to(x.dtype) * keep.unsqueeze(-1)  # (T, E, C)
         sent = torch.einsum("tec,td->ecd", slot, x).reshape(experts * cap, dim)
         got = funcol.all_to_all_single_autograd(sent, None, None, self.group_name)
         h = got.view(self.world, self.local, cap, dim).transpose(0, 1).reshape(self.local, self.world * cap, dim)
