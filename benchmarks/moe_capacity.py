@@ -31,7 +31,7 @@ def capacity_rank(rank: int, world: int, models: dict, tokens_list: list, rounds
     import torch
     import torch.distributed as dist
 
-    import torch_commopt  # noqa: F401  (the backend)
+    import torch_commopt
     from torch_commopt.testing.models import CapacityMoE
 
     device = torch.device("cuda", rank)
@@ -52,11 +52,13 @@ def capacity_rank(rank: int, world: int, models: dict, tokens_list: list, rounds
             g = torch.Generator(device=device).manual_seed(100 + rank)
             x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
             dy = torch.randn(x.shape, device=device, dtype=torch.bfloat16, generator=g)
-            ref, errors, times = None, {}, {v: [] for v in CAPACITY_VARIANTS}
+            ref, errors, times, notes = None, {}, {v: [] for v in CAPACITY_VARIANTS}, {}
             for v, layer in layers.items():  # warm-up (compiles), outputs and x's gradient compared
                 x.grad = None
+                torch_commopt.reset_explain()
                 y = layer(x)
                 y.backward(dy)
+                notes[v] = [n for g in torch_commopt.explain().graphs for n in g.notes if n.startswith("moe ")]
                 got = (y.detach().float(), x.grad.float())
                 ref = got if ref is None else ref
                 errors[v] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref))
@@ -74,8 +76,11 @@ def capacity_rank(rank: int, world: int, models: dict, tokens_list: list, rounds
             out.append({"model": name, "shape": {"dim": dim, "expert_ffn": hidden, "experts": experts, "top_k": 1,
                                                  "capacity": capacity},
                         "tokens_per_rank": tokens, "routing": "top-1, capacity 1.25", "raw_ms": times,
-                        "ms": dict(zip(CAPACITY_VARIANTS, med)), "max_rel_error": dict(zip(CAPACITY_VARIANTS, err))})
+                        "ms": dict(zip(CAPACITY_VARIANTS, med)), "max_rel_error": dict(zip(CAPACITY_VARIANTS, err)),
+                        "moe_notes": notes})
             if rank == 0:
                 print(f"{name} T={tokens}: " + ", ".join(f"{v} {t:.2f}" for v, t in out[-1]["ms"].items()) + " ms",
                       flush=True)
+                for v, said in notes.items():
+                    print(f"  {v}: " + " | ".join(said), flush=True)
     return out, torch.cuda.get_device_name(device)
