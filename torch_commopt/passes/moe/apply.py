@@ -29,7 +29,7 @@ def rewrite_capacity_moe(graph: Graph, schedule: str, timeout_s: float | None, c
         return []
     name, chunks = parse_moe_schedule(schedule)
     picks = [_pick(r, name, chunks, timeout_s, cache_dir) for r in regions]
-    disagree = _ranks_disagree(regions, picks, timeout_s)
+    disagree = _ranks_disagree(regions, picks, schedule, timeout_s)
     if disagree:
         return [disagree]
     notes = []
@@ -91,7 +91,7 @@ def _estimate(r: CapacityRegion, timeout_s: float | None, cache_dir: str | None)
     return pick, est
 
 
-def _ranks_disagree(regions: list[CapacityRegion], picks: list, timeout_s: float | None) -> str | None:
+def _ranks_disagree(regions: list[CapacityRegion], picks: list, setting: str, timeout_s: float | None) -> str | None:
     """Why no rank may rewrite: the ranks' decisions differ (a rank that chunks its exchanges while
     another does not would run different collectives).  None: they agree, or no check."""
     from torch_commopt.core import consistency
@@ -99,7 +99,9 @@ def _ranks_disagree(regions: list[CapacityRegion], picks: list, timeout_s: float
     if timeout_s is None or consistency.check_skipped_reason() is not None:
         return None
     value = consistency.digest(sorted(str((r.summary(), c)) for r, (c, _) in zip(regions, picks)))
-    key = consistency.digest(sorted(r.summary() for r in regions))  # the graph's regions, not the picks
+    # the graph's regions and the setting they are decided under (one process may compile one
+    # graph under several), not the picks
+    key = consistency.digest(sorted(r.summary() for r in regions) + [setting])
     decision = consistency.Decision("moe", regions[0].group_name, key, "capacity MoE rewrite")
     outcome = consistency.agree(decision, value, timeout_s)
     return None if outcome.agreed else f"moe NOT rewritten on any rank: {outcome.detail}"
