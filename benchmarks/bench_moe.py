@@ -341,8 +341,10 @@ def join(paths: list, out: str | None) -> None:
     cards = {(r["meta"]["device"], r["meta"]["world"]) for r in runs}
     if len(cards) != 1:
         raise SystemExit(f"--join: runs of different cards or worlds: {sorted(cards)}")
-    meta = dict(runs[0]["meta"], joined=len(runs), commits=sorted({r["meta"]["commit"] for r in runs}),
-                commands=[r["meta"].get("command", "?") for r in runs])
+    # a run joined before brings its own runs' commits and commands
+    commands = [c for r in runs for c in r["meta"].get("commands", [r["meta"].get("command", "?")])]
+    commits = {c for r in runs for c in r["meta"].get("commits", [r["meta"]["commit"]])}
+    meta = dict(runs[0]["meta"], joined=len(commands), commits=sorted(commits), commands=commands)
     cases = [c for r in runs for c in r["cases"]]
     text = report(records(cases), meta)
     print(text)
