@@ -70,6 +70,11 @@ def run_moe_layer(rank: int, world: int, schedules=("a2a", "by_peer"), grouped: 
         xe = x.clone().requires_grad_()
         out = layer(xe)
         (out * go).sum().backward()
+        if schedule != "torchtitan":  # the shared experts ran once, early, and the layer is itself again;
+            # not when the whole layer is compiled (optimize): a traced forward keeps its own order
+            early = layer.experts.forward.early.__self__
+            want_runs = 0 if schedule.startswith("optimize ") else 1
+            assert early.runs == want_runs and layer.shared_experts is early.shared, (schedule, early.runs)
         errors = [_rel(out.detach(), ref_out), _rel(xe.grad, xr.grad)]
         for name, p in layer.named_parameters():
             grad = p.grad

@@ -121,6 +121,37 @@ def exchange_counts(counts: Tensor, group: dist.ProcessGroup) -> Routing:
     """The Routing of a call whose sorted tokens have `counts` (E,) per expert: one all-to-all of
     the counts, each rank's piece carrying its total rows too, then one host read (the split
     sizes of a host-driven exchange, and the call's peak)."""
+    return post_counts(counts, group).routing()
+
+
+class PendingCounts:
+    """The counts' all-to-all posted, their host read not yet done (`post_counts`).  On CUDA the
+    counts come to pinned memory behind an event, so work queued between `post_counts` and
+    `routing()` runs on the GPU while the host waits for them and then plans the exchange:
+    the GPU idles from the read to the first transfer otherwise."""
+
+    def __init__(self, rows: Tensor, rank: int, world: int):
+        self.rank, self.world, self.event = rank, world, None
+        if rows.is_cuda:
+            self.rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            self.rows.copy_(rows, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.rows = rows
+
+    def routing(self) -> Routing:
+        if self.event is not None:
+            self.event.synchronize()
+        rows = self.rows.view(2 * self.world, -1).tolist()
+        got, sent = rows[:self.world], rows[self.world:]
+        return Routing(self.rank, self.world, tuple(tuple(row[:-1]) for row in sent),
+                       tuple(tuple(row[:-1]) for row in got), max(row[-1] for row in got))
+
+
+def post_counts(counts: Tensor, group: dist.ProcessGroup) -> PendingCounts:
+    """exchange_counts in two steps: the all-to-all of the counts posted, their host read left to
+    the returned PendingCounts' routing()."""
     world, rank = group.size(), group.rank()
     experts = counts.numel()
     if experts % world:
@@ -131,11 +162,7 @@ def exchange_counts(counts: Tensor, group: dist.ProcessGroup) -> Routing:
         mine = mine.cpu()
     theirs = torch.empty_like(mine)
     dist.all_to_all_single(theirs, mine, group=group)
-    # one host read for what came and what went: the GPU idles from this read to the first transfer
-    rows = torch.cat([theirs, mine]).view(2 * world, -1).tolist()
-    got, sent = rows[:world], rows[world:]
-    return Routing(rank, world, tuple(tuple(row[:-1]) for row in sent), tuple(tuple(row[:-1]) for row in got),
-                   max(row[-1] for row in got))
+    return PendingCounts(torch.cat([theirs, mine]), rank, world)
 
 
 def _global(group: dist.ProcessGroup, rank: int) -> int:

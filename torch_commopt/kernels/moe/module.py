@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from torch_commopt import report
 from torch_commopt.core.moe_spec import parse_moe_schedule
-from torch_commopt.kernels.moe.exchange import counts_on, exchange_counts, gather_rows, host_counts, ranges
+from torch_commopt.kernels.moe.exchange import counts_on, gather_rows, host_counts, post_counts, ranges
 from torch_commopt.kernels.moe.schedules import expert_parallel
 
 log = logging.getLogger("torch_commopt.kernels.moe.module")
@@ -99,14 +99,19 @@ class ExpertParallelForward:
     def __init__(self, group, schedule: str, run_local: Local, module: nn.Module, choose: Choose | None = None):
         self.group, self.schedule, self.run_local, self.module, self.choose = group, schedule, run_local, module, choose
         self.last: str | None = None  # the schedule of the latest call (for inspection)
+        # work to queue while the counts travel (EarlyShared.run): the GPU runs it while the host
+        # waits for the counts and plans the exchange, where it would idle
+        self.early: Callable[[], None] | None = None
 
     @torch.compiler.disable
     def __call__(self, routed_input: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         m = self.module
         weights = (_local(m.w1), _local(m.w2), _local(m.w3))
-        routing, schedule = None, self.schedule
+        pending = post_counts(num_tokens_per_expert, self.group)
+        if self.early is not None:
+            self.early()
+        routing, schedule = pending.routing(), self.schedule
         if schedule == "auto":
-            routing = exchange_counts(num_tokens_per_expert, self.group)
             schedule = self.choose(routing, routed_input, weights, self.group)
         self.last = schedule
         # a module on the grouped GEMM computes its experts in bf16 (torchtitan's _run_experts_grouped_mm)
@@ -177,6 +182,10 @@ def swap_expert_parallel(root: nn.Module, schedule: str, choose: Choose | None =
         del module._forward_pre_hooks[pre]  # noqa: SLF001
         del module._forward_hooks[post]  # noqa: SLF001
         install(module, mesh.get_group(), schedule, torchtitan_local(module), choose)
+        parent = _parent_with_shared(root, module)
+        if parent is not None:
+            module.forward.early = EarlyShared(parent).run
+            log.info("commopt moe: %s's shared experts run while its routed tokens' counts travel", name)
         swapped.append(name)
         report.record_module(report.ModuleReport(name, "moe", f"token exchange {schedule} over {mesh.size()} ranks "
                                                                f"(was torchtitan's ExpertParallel)"))
@@ -198,3 +207,66 @@ def torchtitan_local(module: nn.Module) -> Local:
     if getattr(module, "use_grouped_mm", False):
         return PaddedLocal(local)  # torch's CPU kernel takes any groups: padded on GPUs only
     return local
+
+
+def _parent_with_shared(root: nn.Module, experts: nn.Module) -> nn.Module | None:
+    """The module whose `experts` is `experts` and which has shared experts (torchtitan's MoE)."""
+    for m in root.modules():
+        if getattr(m, "experts", None) is experts and isinstance(getattr(m, "shared_experts", None), nn.Module):
+            return m
+    return None
+
+
+class EarlyShared:
+    """A torchtitan MoE's shared experts, run between the routed experts' counts exchange and its
+    host read (ExpertParallelForward.early), where the GPU would otherwise idle while the host
+    waits for the counts and plans the exchange.  torchtitan's MoE.forward calls its shared
+    experts after its routed ones, on x.view(-1, dim); during each forward the MoE's
+    `shared_experts` is a stand-in that returns the early output for that very tensor (same
+    storage, shape and version), and calls the real module for anything else.  Nothing happens
+    while the MoE's forward is being traced by a compiler (the stand-in would be traced)."""
+
+    def __init__(self, parent: nn.Module):
+        self.shared: nn.Module = parent.shared_experts
+        self.x: Tensor | None = None
+        self.out: Tensor | None = None
+        self.key: tuple | None = None
+        self.runs = 0  # early runs taken by the MoE's forward (for tests)
+        parent.register_forward_pre_hook(self._enter)
+        parent.register_forward_hook(self._leave, always_call=True)
+
+    def _enter(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling() or not args or not isinstance(args[0], Tensor) or args[0].dim() < 2:
+            return
+        self.x, self.out = args[0], None
+        module.shared_experts = _Deferred(self)
+
+    def run(self) -> None:
+        if self.x is None or self.out is not None:
+            return
+        x = self.x.reshape(-1, self.x.shape[-1])
+        self.key = (x.data_ptr(), tuple(x.shape), x._version)  # noqa: SLF001
+        self.out = self.shared(x)
+
+    def take(self, x: Tensor) -> Tensor:
+        if self.out is not None and self.key == (x.data_ptr(), tuple(x.shape), x._version):  # noqa: SLF001
+            out, self.out = self.out, None
+            self.runs += 1
+            return out
+        return self.shared(x)
+
+    def _leave(self, module: nn.Module, args, output) -> None:
+        if isinstance(module._modules.get("shared_experts"), _Deferred):  # noqa: SLF001
+            module.shared_experts = self.shared
+        self.x = self.out = None
+
+
+class _Deferred(nn.Module):
+    """The stand-in for a MoE's shared experts during its forward (EarlyShared)."""
+
+    def __init__(self, early: EarlyShared):
+        super().__init__()
+        self.early = early  # not a Module: no child registered, no parameter listed
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.early.take(x)
