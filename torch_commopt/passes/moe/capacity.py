@@ -121,7 +121,7 @@ def rewrite(graph: Graph, r: CapacityRegion, bounds: list[tuple[int, int]]) -> N
     sent = []
     with graph.inserting_before(r.dispatch):
         for lo, hi in bounds:
-            rows = _cut(graph, f, r.dispatch.args[0], f.dims(r.wait)[0], (lo, hi))
+            rows = _slice_dim(graph, f, r.dispatch.args[0], 0, f.dims(r.wait)[0], (lo, hi))
             sent.append(_exchange(graph, rows, r))
     inside = set(r.region) | {r.combine}
     outside = {n: [u for u in n.users if u not in inside] for n in r.read_outside()}
@@ -159,14 +159,11 @@ def _split_shape(shape: list[int], dim: int, sizes: list[int]) -> list[int]:
     return shape[:dim] + sizes + shape[dim + 1:]
 
 
-def _cut(graph: Graph, f: Analysis, x: Node, atoms: list[int], span: tuple[int, int]) -> Node:
-    """x with its dim 0 (made of `atoms`) cut to the experts in span: x viewed with that dim
-    split into its atoms, sliced on the experts' one, and viewed back (a copy where the slice
-    is not outermost)."""
-    return _slice_dim(graph, f, x, 0, atoms, span)
-
-
 def _slice_dim(graph: Graph, f: Analysis, x: Node, dim: int, atoms: list[int], span: tuple[int, int]) -> Node:
+    """x with its dim `dim` (made of `atoms`) cut to the experts in span: viewed with that dim
+    split into its atoms, sliced on the experts' one, and viewed back (a copy where the slice is
+    not outermost).  The dispatch's send buffer is cut this way, by the layout its rows arrive in
+    (every rank lays out its send blocks as the receivers read them: SPMD)."""
     shape = static_shape(x)
     sizes = [f.atoms.size[a] for a in atoms]
     at = dim + atoms.index(f.expert)
