@@ -129,6 +129,25 @@ def wait_of(collective: Node) -> Node:
     return user
 
 
+def equal_parts(a2a: Node) -> int | None:
+    """The group size of an all_to_all_single with equal (or default) splits, else None."""
+    outs, ins = a2a.args[1], a2a.args[2]
+    if not isinstance(outs, (list, tuple)) or not outs or len(set(outs) | set(ins)) != 1:
+        return None
+    return len(outs)
+
+
+def descendants(node: Node, stop: Node | None = None) -> set[Node]:
+    """Every node downstream of `node` (not through `stop`)."""
+    down, stack = set(), [node]
+    while stack:
+        for u in stack.pop().users:
+            if u not in down and u is not stop:
+                down.add(u)
+                stack.append(u)
+    return down
+
+
 def is_getitem(node: Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 

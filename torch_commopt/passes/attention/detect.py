@@ -54,6 +54,7 @@ from torch_commopt.passes.graph_utils import (
     Unsupported,
     aten,
     cat_dim,
+    equal_parts,
     group_name_of,
     is_getitem,
     only_user,
@@ -577,7 +578,7 @@ def _ulysses_region(node: Node, operands: dict, sources: dict, op: str, causal: 
         a2as.append(a2a)
         inputs[key], paths[f"{key}_pre"] = trace_back(a2a.args[0])
     out_a2a, paths["out"] = _drain_all_to_all(_output_of(node))
-    groups = {(group_name_of(n.args[3]), _equal_parts(n)) for n in a2as + [out_a2a]}
+    groups = {(group_name_of(n.args[3]), equal_parts(n)) for n in a2as + [out_a2a]}
     if len(groups) != 1 or None in next(iter(groups)):
         raise Unsupported(f"the four all-to-alls differ in group or are split unevenly: {sorted(map(str, groups))}")
     (group_name, world), = groups
@@ -616,11 +617,3 @@ def _only_returned(node: Node) -> bool:
     if node.op == "output":
         return True
     return node.target in LAYOUT_OPS and all(_only_returned(u) for u in node.users)
-
-
-def _equal_parts(a2a: Node) -> Optional[int]:
-    """The group size of an all_to_all_single with equal (or default) splits, else None."""
-    outs, ins = a2a.args[1], a2a.args[2]
-    if not isinstance(outs, (list, tuple)) or not outs or len(set(outs) | set(ins)) != 1:
-        return None
-    return len(outs)

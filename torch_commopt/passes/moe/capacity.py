@@ -27,7 +27,18 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.passes.chains import add_node
-from torch_commopt.passes.graph_utils import ALL_TO_ALL, BMM, RESHAPES, WAIT, Unsupported, aten, static_shape
+from torch_commopt.passes.graph_utils import (
+    ALL_TO_ALL,
+    BMM,
+    RESHAPES,
+    WAIT,
+    Unsupported,
+    aten,
+    descendants,
+    equal_parts,
+    only_user,
+    static_shape,
+)
 from torch_commopt.passes.moe.layout import Analysis, Slice, analyse, region_between
 from torch_commopt.report import Skip
 
@@ -69,16 +80,9 @@ class CapacityRegion:
                 f"{len(self.region)} ops between the exchanges")
 
 
-def _equal_world(a2a: Node) -> int | None:
-    outs, ins = a2a.args[1], a2a.args[2]
-    if not isinstance(outs, (list, tuple)) or not outs or len(set(outs) | set(ins)) != 1:
-        return None
-    return len(outs)
-
-
 def _wait(a2a: Node) -> Node | None:
-    users = list(a2a.users)
-    return users[0] if len(users) == 1 and users[0].target is WAIT else None
+    user = only_user(a2a)
+    return user if user is not None and user.target is WAIT else None
 
 
 def find(graph: Graph) -> tuple[list[CapacityRegion], list[Skip]]:
@@ -87,7 +91,7 @@ def find(graph: Graph) -> tuple[list[CapacityRegion], list[Skip]]:
     for node in graph.nodes:
         if node.target is not ALL_TO_ALL or node in claimed:
             continue
-        world, wait = _equal_world(node), _wait(node)
+        world, wait = equal_parts(node), _wait(node)
         if world is None or world < 2 or wait is None:
             continue
         combine = _next_exchange(wait, node.args[3], world)
@@ -105,14 +109,9 @@ def find(graph: Graph) -> tuple[list[CapacityRegion], list[Skip]]:
 def _next_exchange(wait: Node, group_name, world: int) -> Node | None:
     """The first all_to_all_single (in graph order) downstream of `wait` on the same group with
     equal splits over the same ranks."""
-    down, stack = set(), [wait]
-    while stack:
-        for u in stack.pop().users:
-            if u not in down:
-                down.add(u)
-                stack.append(u)
+    down = descendants(wait)
     return next((n for n in wait.graph.nodes if n in down and n.target is ALL_TO_ALL and n.args[3] == group_name
-                 and _equal_world(n) == world), None)
+                 and equal_parts(n) == world), None)
 
 
 def rewrite(graph: Graph, r: CapacityRegion, bounds: list[tuple[int, int]]) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-from torch_commopt.passes.graph_utils import BMM, MM, RESHAPES, Unsupported, aten, static_shape
+from torch_commopt.passes.graph_utils import BMM, MM, RESHAPES, Unsupported, aten, descendants, static_shape
 
 LAYOUT_SAME = {aten.clone.default, aten.alias.default, torch.ops.prims.convert_element_type.default,
                aten._to_copy.default, aten.contiguous.default}
@@ -219,12 +219,7 @@ def _check(found: Analysis, node: Node) -> None:
 
 def region_between(wait: Node, a2a: Node) -> list[Node]:
     """The nodes on a path from `wait` (the first exchange's) to `a2a`'s input, in graph order."""
-    down, stack = {wait}, [wait]
-    while stack:
-        for u in stack.pop().users:
-            if u not in down and u is not a2a:
-                down.add(u)
-                stack.append(u)
+    down = descendants(wait, stop=a2a) | {wait}
     up, stack = set(), [a2a.args[0]]
     while stack:
         n = stack.pop()

@@ -86,18 +86,25 @@ def estimates(shape: MoEShape, cal: Calibration) -> dict[str, float]:
     moved = _copy(cal, r * d * shape.elt)
     nccl = cal.collective["all_gather"]  # a2a's exchange is NCCL's all-to-all whatever by_expert's transport
     out = {"a2a": sum(2 * nccl.time(volume) + g + COPIES["a2a"] * moved for g in (forward, 2 * forward))}
-    for chunks, overhead in CHUNK_OVERHEAD.items():
+    for chunks in CHUNK_OVERHEAD:
         if chunks > shape.local_experts or out["a2a"] < MIN_PIPELINED_S:
             continue
-        bounds = chunk_bounds(shape.local_experts, chunks)
-        pieces = [link.time(volume * (hi - lo) / shape.local_experts) for lo, hi in bounds]
-        exposed = pieces[0] + pieces[-1]
-        beside = sum(pieces[1:]) + sum(pieces[:-1])
-        fewest = r * min(hi - lo for lo, hi in bounds) / shape.local_experts  # the smallest chunk's rows
-        own = 1 + overhead + KNEE_ROWS / max(fewest, 1.0)
-        out[f"by_expert:{chunks}"] = sum(exposed + max(own * g, beside) + slowdown * min(own * g, beside)
+        out[f"by_expert:{chunks}"] = sum(_pipelined(shape, (link, slowdown), volume, g, chunks)
                                          + COPIES["by_expert"] * moved for g in (forward, 2 * forward))
     return out
+
+
+def _pipelined(shape: MoEShape, link_slowdown: tuple, volume: float, gemm_s: float, chunks: int) -> float:
+    """The exchange of `volume` bytes in `chunks` chunks of experts beside `gemm_s` of GEMMs:
+    the first chunk's dispatch and the last one's combine exposed, the rest beside the chunked
+    GEMMs (module docstring: G', B and s)."""
+    link, slowdown = link_slowdown
+    bounds = chunk_bounds(shape.local_experts, chunks)
+    pieces = [link.time(volume * (hi - lo) / shape.local_experts) for lo, hi in bounds]
+    beside = sum(pieces[1:]) + sum(pieces[:-1])
+    fewest = shape.rows * min(hi - lo for lo, hi in bounds) / shape.local_experts  # the smallest chunk's rows
+    own = (1 + CHUNK_OVERHEAD[chunks] + KNEE_ROWS / max(fewest, 1.0)) * gemm_s
+    return pieces[0] + pieces[-1] + max(own, beside) + slowdown * min(own, beside)
 
 
 def _link(shape: MoEShape, cal: Calibration):
@@ -130,16 +137,10 @@ def capacity_estimates(shape: MoEShape, cal: Calibration, gemm_s: float, joined_
     volume = shape.rows * shape.dim * shape.elt * (shape.world - 1) / shape.world
     out = {"a2a": 2 * link.time(volume) + gemm_s}
     copies = _copy(cal, 2 * shape.rows * shape.dim * shape.elt + joined_bytes)
-    for chunks, overhead in CHUNK_OVERHEAD.items():
-        if chunks > shape.local_experts:
-            continue
-        bounds = chunk_bounds(shape.local_experts, chunks)
-        pieces = [link.time(volume * (hi - lo) / shape.local_experts) for lo, hi in bounds]
-        beside = sum(pieces[1:]) + sum(pieces[:-1])
-        fewest = shape.rows * min(hi - lo for lo, hi in bounds) / shape.local_experts
-        own = (1 + overhead + KNEE_ROWS / max(fewest, 1.0)) * gemm_s
-        out[f"by_expert:{chunks}"] = (pieces[0] + pieces[-1] + max(own, beside) + slowdown * min(own, beside)
-                                      + copies + (chunks - 1) * (ops + 4) * LAUNCH_S)
+    for chunks in CHUNK_OVERHEAD:
+        if chunks <= shape.local_experts:
+            out[f"by_expert:{chunks}"] = (_pipelined(shape, (link, slowdown), volume, gemm_s, chunks) + copies
+                                          + (chunks - 1) * (ops + 4) * LAUNCH_S)
     return out
 
 
