@@ -95,9 +95,11 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt graphs": {"cuda_graphs": True},
                    "commopt model graphs": {"mode": "model", "cuda_graphs": True},
                    # the GPU-wait watchdog off around its steps (what the watchdog costs a step)
-                   "commopt watchdog off": {}}
+                   "commopt watchdog off": {},
+                   # eager GPU-schedule calls queued from their recorded host traces (kernels/gpu/host_replay.py)
+                   "commopt host replay": {}}
 # environment variables a variant's steps run with (read at each call: set around each step)
-VARIANT_ENV = {"commopt watchdog off": {env.WATCHDOG: "0"}}
+VARIANT_ENV = {"commopt watchdog off": {env.WATCHDOG: "0"}, "commopt host replay": {env.HOST_REPLAY: "1"}}
 # Inductor's own compile options of the baseline variants (and of the comm-free bound)
 COMM_FREE = "inductor comm-free"
 INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraphs": {"triton.cudagraphs": True},

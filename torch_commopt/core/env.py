@@ -31,11 +31,12 @@ AGREE_TIMEOUT_S = "TORCH_COMMOPT_AGREE_TIMEOUT_S"
 WATCHDOG = "TORCH_COMMOPT_WATCHDOG"
 MOE_TRANSPORT = "TORCH_COMMOPT_MOE_TRANSPORT"
 DECODE_TRANSPORT = "TORCH_COMMOPT_DECODE_TRANSPORT"
+HOST_REPLAY = "TORCH_COMMOPT_HOST_REPLAY"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
          ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
-         MOE_TRANSPORT, DECODE_TRANSPORT)
+         MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY)
 
 # CPython's POSIX os.environ keeps the encoded strings in `_data`; os.environ.get encodes the name
 # and decodes the value at every read (~1 us on a slow host, several reads in a GPU schedule's call).
@@ -133,6 +134,12 @@ def call_graphs() -> bool:
     turn the replays off (those calls then run eagerly); any other value, "" included, leaves
     them on."""
     return _get(CALL_GRAPHS, "1") not in ("0", "false", "False", "off")
+
+
+def host_replay() -> bool:
+    """TORCH_COMMOPT_HOST_REPLAY (default off): "1" queues an eager GPU schedule's later calls
+    from the trace its first calls recorded, in native code (kernels/gpu/host_replay.py)."""
+    return _get(HOST_REPLAY, "0") == "1"
 
 
 def host_timing() -> bool:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 
 from torch_commopt.core import env
+from torch_commopt.kernels.gpu import host_replay
 
 log = logging.getLogger("torch_commopt.kernels.gpu.call_graphs")
 
@@ -242,6 +243,9 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body: Callable[[], 
     is watched (the runtime's begin_call / end_call, kernels/gpu/watchdog.py): a capture takes the
     watchdog's marks with it, so replays are watched too."""
     rt.check_open()
+    if not sched.param("cg") and host_replay.eligible(sched) and not capturing():
+        host_replay.call(op, sched, rt, tensors, scalars, body)
+        return
     body = functools.partial(_watched, op, sched, rt, body)
     if not sched.param("cg") or capturing():  # inside the program's own capture: part of its graph
         body()

@@ -183,7 +183,7 @@ class SymmBuffer:
 
     def _make_view(self, rank: int, offset_bytes: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
-        elt = torch.empty((), dtype=dtype).element_size()
+        elt = dtype.itemsize
         if offset_bytes % elt or offset_bytes + numel * elt > self.nbytes:
             raise ValueError(f"commopt: symmetric view [{offset_bytes}, +{numel * elt}) outside a {self.nbytes}-byte buffer")
         if rank == self.rank:
