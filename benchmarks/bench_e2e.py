@@ -96,10 +96,10 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt model graphs": {"mode": "model", "cuda_graphs": True},
                    # the GPU-wait watchdog off around its steps (what the watchdog costs a step)
                    "commopt watchdog off": {},
-                   # eager GPU-schedule calls queued from their recorded host traces (kernels/gpu/host_replay.py)
-                   "commopt host replay": {}}
+                   # every eager GPU-schedule call through its Python host code (no native host replay)
+                   "commopt python host": {}}
 # environment variables a variant's steps run with (read at each call: set around each step)
-VARIANT_ENV = {"commopt watchdog off": {env.WATCHDOG: "0"}, "commopt host replay": {env.HOST_REPLAY: "1"}}
+VARIANT_ENV = {"commopt watchdog off": {env.WATCHDOG: "0"}, "commopt python host": {env.HOST_REPLAY: "0"}}
 # Inductor's own compile options of the baseline variants (and of the comm-free bound)
 COMM_FREE = "inductor comm-free"
 INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraphs": {"triton.cudagraphs": True},

@@ -16,7 +16,8 @@ from torch_commopt.core import env
 CASES = [("ag", "ce_push:1:par=1", (4, 256, 512), 1, (384, 128)),  # batch 4, SP rows: batched GEMMs
          ("ag", "ce_push:2", (512, 512), 0, (640,)),
          ("rs", "ce_pull:2", (4, 512, 256), 1, (512,)),
-         ("rs", "direct:1", (1024, 384), 0, (256,))]
+         ("rs", "direct:1", (1024, 384), 0, (256,)),
+         ("rs", "ce_push:1", (4, 256, 512), 1, (384,))]  # the own GEMM, then the partial added (cuBLAS axpy)
 
 
 def _inputs(op: str, shape, ns, seed: int, rank: int, world: int):

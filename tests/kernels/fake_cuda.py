@@ -199,8 +199,9 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
 
     entry_points = _entry_points(queue, state)
     with contextlib.ExitStack() as stack:
-        # no watchdog marks (host-mapped memory) in the recorded protocol: test_watchdog.py has them
-        stack.enter_context(mock.patch.dict(os.environ, {env.WATCHDOG: "0"}))
+        # no watchdog marks (host-mapped memory) in the recorded protocol: test_watchdog.py has them;
+        # every call through the Python host code: test_host_replay.py replays them
+        stack.enter_context(mock.patch.dict(os.environ, {env.WATCHDOG: "0", env.HOST_REPLAY: "0"}))
         stack.enter_context(mock.patch.object(FakeStream, "driver_calls", entry_points))
         stack.enter_context(mock.patch.object(ce_a2a, "_sm_copy", _sm_copy_recorder(queue, state)))
         stack.enter_context(mock.patch.object(ce_exchange, "_read", _sm_copy_recorder(queue, state)))

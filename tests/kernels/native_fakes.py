@@ -57,6 +57,12 @@ def entry_points(fake: dict, gemms: list) -> tuple[list[int], list]:
         gemms.append((m, n, k, count))
         return _gemm(ta, tb, m, n, k, al, a, lda, sa, b, ldb, sb, be, c, ldc, sc, count, at)
 
+    def axpy(h, n, alpha, alpha_type, x, xt, incx, y, yt, incy, exec_type):
+        gemms.append(("axpy", n))
+        xs, ys = _matrix(x, _DTYPES[xt], (n,), (incx,)), _matrix(y, _DTYPES[yt], (n,), (incy,))
+        ys.copy_((ys.float() + ctypes.c_float.from_address(alpha).value * xs.float()).to(ys.dtype))
+        return 0
+
     value = ctypes.CFUNCTYPE(I32, U64, U64, ctypes.c_uint32, ctypes.c_uint)
     callbacks = [
         ctypes.CFUNCTYPE(I32, U64, U64, ctypes.c_size_t, U64)(lambda d, s, n, st: fake["cuMemcpyDtoDAsync"](d, s, n, st)),
@@ -70,5 +76,6 @@ def entry_points(fake: dict, gemms: list) -> tuple[list[int], list]:
         ctypes.CFUNCTYPE(I32, P, I32, I32, I32, I32, I32, P, P, I32, I32, P, I32, I32, P, P, I32, I32, I32, I32)(gemm),
         ctypes.CFUNCTYPE(I32, P, I32, I32, I32, I32, I32, P, P, I32, I32, I64, P, I32, I32, I64, P, P, I32, I32, I64,
                          I32, I32, I32)(gemm_batched),
+        ctypes.CFUNCTYPE(I32, P, I32, P, I32, P, I32, I32, P, I32, I32, I32)(axpy),
     ]
     return [ctypes.cast(cb, ctypes.c_void_p).value for cb in callbacks], callbacks

@@ -10,9 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from torch_commopt.core import env
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu import call_graphs
 from torch_commopt.kernels.gpu.call_graphs import CallGraphs
+
+
+@pytest.fixture(autouse=True)
+def _no_host_replay(monkeypatch):
+    """Eager calls here run their body (test_host_replay.py covers the replayed ones)."""
+    monkeypatch.setenv(env.HOST_REPLAY, "0")
 
 
 class FakeRuntime:

@@ -40,20 +40,20 @@ def _ag(sched: str, shape: tuple, gather_dim: int, n_weights: int):
     return lambda a: agm.ag_matmul_gpu(a, ws, [None] * n_weights, gather_dim, "fake", Schedule.parse(sched), False), ws
 
 
-def _rs(sched: str):
+def _rs(sched: str, op: str = "sum"):
     w = torch.randn(16, 8, dtype=torch.bfloat16).t()
-    return lambda a: [mr.matmul_rs_gpu(Product(a, w), a.dim() - 2, "sum", "fake", Schedule.parse(sched))], w
+    return lambda a: [mr.matmul_rs_gpu(Product(a, w), a.dim() - 2, op, "fake", Schedule.parse(sched))], w
 
 
 def _run(call, inputs: list, replay: bool, monkeypatch, runtimes=None) -> tuple[list, list, list]:
     """(queue, outputs, native GEMMs) of rank 0's calls on `inputs`, on `runtimes` from their
     first call on (the same streams, events and buffers: the same queue for the same tensors)."""
-    monkeypatch.setenv(env.HOST_REPLAY, "1" if replay else "0")
     runtimes = runtimes or fake_runtimes(2)
     for rt in runtimes:
         rt.epoch = 0
     queue, gemms, outs = [], [], []
     with faked_cuda(runtimes, queue) as active:
+        monkeypatch.setenv(env.HOST_REPLAY, "1" if replay else "0")
         active(0)
         _copying(driver._lib())
         points, keep = entry_points(driver._lib(), gemms)
@@ -103,6 +103,8 @@ CASES = [  # (label, call maker, input shape)
     ("ag ce_push:2:par=1 blocks", lambda: _ag("ce_push:2:par=1", (2, 8, 16), 1, 2)[0], (2, 8, 16)),
     ("rs ce_pull:2 rows", lambda: _rs("ce_pull:2")[0], (16, 8)),
     ("rs direct:1 blocks", lambda: _rs("direct:1")[0], (2, 8, 8)),
+    ("rs ce_push:1 rows (own GEMM, then the partial added)", lambda: _rs("ce_push:1")[0], (16, 8)),
+    ("rs ce_push:2 blocks", lambda: _rs("ce_push:2")[0], (2, 8, 8)),
 ]
 
 
@@ -124,17 +126,16 @@ def test_a_replayed_call_queues_and_computes_what_the_python_host_code_does(fres
 
 
 def test_a_call_with_other_device_work_runs_its_python_host_code_every_time(fresh, monkeypatch, caplog):
-    """ce_push:1 at two ranks stages its product in a tensor of its own and adds the received
-    partial with an elementwise op after its GEMM: not a replayable call; it is said once per
-    kind and every call still computes right."""
-    call, w = _rs("ce_push:1")
+    """An average reduce-scatter (ce_push:1 at two ranks) scales its sum with an elementwise mul_
+    after the add: not a replayable call; it is said once per kind and every call still computes
+    right."""
+    call, w = _rs("ce_push:1", "avg")
     inputs = [torch.randn(16, 8, dtype=torch.bfloat16) for _ in range(CALLS)]
     runtimes = fake_runtimes(2)
     with caplog.at_level(logging.INFO, logger=host_replay.log.name):
         queue, outs, gemms = _run(call, inputs, True, monkeypatch, runtimes)
     assert not gemms
-    reasons = set(host_replay._kinds.values())  # its staging tensor, or the add
-    assert len(reasons) == 1 and next(iter(reasons)).endswith("besides its GEMMs")
+    assert set(host_replay._kinds.values()) == {"the call runs aten.mul_.Tensor besides its GEMMs"}
     assert sum("not a replay" in r.getMessage() for r in caplog.records) == 2  # once per half
     _, want_outs, _ = _run(call, inputs, False, monkeypatch, runtimes)
     for got, want in zip(outs, want_outs):

@@ -137,9 +137,10 @@ def call_graphs() -> bool:
 
 
 def host_replay() -> bool:
-    """TORCH_COMMOPT_HOST_REPLAY (default off): "1" queues an eager GPU schedule's later calls
-    from the trace its first calls recorded, in native code (kernels/gpu/host_replay.py)."""
-    return _get(HOST_REPLAY, "0") == "1"
+    """TORCH_COMMOPT_HOST_REPLAY (default on): an eager GPU schedule's later calls are queued from
+    the trace its first calls recorded, in native code (kernels/gpu/host_replay.py); "0", "false",
+    "False" or "off" keep every call's Python host code."""
+    return _get(HOST_REPLAY, "1") not in ("0", "false", "False", "off")
 
 
 def host_timing() -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 
@@ -61,9 +62,15 @@ def _lib():
     return fns
 
 
-# kernels/gpu/host_replay.py's recording of one call: while a list, every queued operation is
-# appended to it as (kind, stream handle, *arguments) before it is queued.
+# kernels/gpu/host_replay.py's recording of one call: while a list, every operation the recording
+# thread (_tap_thread) queues is appended to it as (kind, stream handle, *arguments) first.
 _tap: list | None = None
+_tap_thread = 0
+
+
+def _note(op: tuple) -> None:
+    if threading.get_ident() == _tap_thread:  # not the watchdog thread's releases
+        _tap.append(op)
 
 
 def _handle(stream) -> int:
@@ -98,7 +105,7 @@ def memcpy2d_async(stream, dst: int, dst_pitch: int, src: int, src_pitch: int, w
     if height == 0 or width == 0:
         return
     if _tap is not None:
-        _tap.append(("memcpy2d", _handle(stream), dst, dst_pitch, src, src_pitch, width, height))
+        _note(("memcpy2d", _handle(stream), dst, dst_pitch, src, src_pitch, width, height))
     desc = _Memcpy2D(srcMemoryType=_MEMORY_DEVICE, srcDevice=src, srcPitch=src_pitch,
                      dstMemoryType=_MEMORY_DEVICE, dstDevice=dst, dstPitch=dst_pitch,
                      WidthInBytes=width, Height=height)
@@ -110,7 +117,7 @@ def memcpy_async(stream, dst: int, src: int, nbytes: int) -> None:
     (the copy engine; either side may be a peer's symmetric memory)."""
     if nbytes:
         if _tap is not None:
-            _tap.append(("memcpy", _handle(stream), dst, src, nbytes))
+            _note(("memcpy", _handle(stream), dst, src, nbytes))
         _check(_lib()["cuMemcpyDtoDAsync"](dst, src, nbytes, _handle(stream)), "cuMemcpyDtoDAsync")
 
 
@@ -127,14 +134,14 @@ def event_create() -> int:
 def record(event: int, stream) -> None:
     """cuEventRecord: the event completes once `stream`'s work queued so far is done."""
     if _tap is not None:
-        _tap.append(("record", _handle(stream), event))
+        _note(("record", _handle(stream), event))
     _check(_lib()["cuEventRecord"](event, _handle(stream)), "cuEventRecord")
 
 
 def wait_event(waiter, event: int) -> None:
     """cuStreamWaitEvent: `waiter`'s later work waits for the event's latest record."""
     if _tap is not None:
-        _tap.append(("wait_event", _handle(waiter), event))
+        _note(("wait_event", _handle(waiter), event))
     _check(_lib()["cuStreamWaitEvent"](_handle(waiter), event, 0), "cuStreamWaitEvent")
 
 
@@ -171,7 +178,7 @@ def batch(stream, ops, last: int | None = None) -> None:
         return
     params = _batch_params(ops)
     if _tap is not None:
-        _tap.append(("batch", _handle(stream), ops, last))
+        _note(("batch", _handle(stream), ops, last))
     if last is not None:
         params[len(ops) - 1].value = last & 0xFFFFFFFF
     _check(_lib()["cuStreamBatchMemOp"](_handle(stream), len(ops), params, 0), "cuStreamBatchMemOp")
@@ -199,7 +206,7 @@ def batch_array(stream, params: ctypes.Array) -> None:
     """Queue a batch built by `batch_params` (or mutated since: the driver reads the array during
     the call only) as one stream memory operation."""
     if _tap is not None:
-        _tap.append(("batch_array", _handle(stream)))
+        _note(("batch_array", _handle(stream)))
     _check(_lib()["cuStreamBatchMemOp"](_handle(stream), len(params), params, 0), "cuStreamBatchMemOp")
 
 
@@ -275,7 +282,7 @@ def _check(rc: int, what: str) -> None:
 def wait_value32(stream, address: int, value: int) -> None:
     """Hold `stream` until the uint32 at `address` is >= value (modulo 2**32)."""
     if _tap is not None:
-        _tap.append(("wait32", _handle(stream), address, value & 0xFFFFFFFF))
+        _note(("wait32", _handle(stream), address, value & 0xFFFFFFFF))
     _check(_lib()["cuStreamWaitValue32"](_handle(stream), address, value & 0xFFFFFFFF, WAIT_GEQ),
            "cuStreamWaitValue32")
 
@@ -283,6 +290,6 @@ def wait_value32(stream, address: int, value: int) -> None:
 def write_value32(stream, address: int, value: int) -> None:
     """Queue on `stream`: fence the stream's earlier writes, then store `value` at `address`."""
     if _tap is not None:
-        _tap.append(("write32", _handle(stream), address, value & 0xFFFFFFFF))
+        _note(("write32", _handle(stream), address, value & 0xFFFFFFFF))
     _check(_lib()["cuStreamWriteValue32"](_handle(stream), address, value & 0xFFFFFFFF, WRITE_FENCED),
            "cuStreamWriteValue32")

@@ -1,4 +1,4 @@
-"""Eager GPU-schedule calls queued from a recorded host trace, in native code (TORCH_COMMOPT_HOST_REPLAY=1).
+"""Eager GPU-schedule calls queued from a recorded host trace, in native code (TORCH_COMMOPT_HOST_REPLAY, on).
 
 An eager call of a copy-engine schedule is host-bound at training sizes: its Python, ~15 driver
 calls through ctypes and 2-6 cuBLAS launches through ATen cost 0.25-0.6 ms of host against
@@ -7,7 +7,8 @@ that host (docs/gpu-schedules.md#host-cost).  Per-call CUDA graphs remove it onl
 call's tensors come back to the same addresses, which a training step's do not.
 
 So the first call of a kind is recorded: every driver operation it queues (driver._tap) and every
-GEMM it runs (an ATen mm / bmm / addmm_ / baddbmm_, seen by a dispatch mode), each device
+GEMM it runs (an ATen mm / bmm / addmm_ / baddbmm_, seen by a dispatch mode; an add_ of two
+contiguous tensors becomes cuBLAS's axpy), each device
 address written as an offset into one of the call's tensors or as an absolute address (symmetric
 buffers, flags, host-mapped marks).  The next call of the same kind is recorded again and must
 give the same trace (a value that changes from call to call, e.g. an epoch, would show there);
@@ -32,6 +33,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import threading
 from typing import NamedTuple
 
 import torch
@@ -43,7 +45,8 @@ from torch_commopt.kernels.gpu import driver
 log = logging.getLogger("torch_commopt.kernels.gpu.host_replay")
 
 WORDS = 24  # int64 words per step (replay.c)
-KINDS = {"memcpy": 1, "memcpy2d": 2, "record": 3, "wait_event": 4, "wait32": 5, "write32": 6, "batch": 7, "gemm": 8}
+KINDS = {"memcpy": 1, "memcpy2d": 2, "record": 3, "wait_event": 4, "wait32": 5, "write32": 6, "batch": 7, "gemm": 8,
+         "axpy": 9}
 # Schedules whose calls queue only driver operations and cuBLAS GEMMs (the fused ones launch Triton
 # kernels, which no tap sees).
 SCHEDULES = ("ce_push", "ce_pull", "direct")
@@ -107,7 +110,12 @@ def load(entry_points: list[int] | None = None):
         _state["set"] = False
     lib = _state["lib"]
     if lib is not None and (entry_points is not None or not _state["set"]):
-        points = entry_points if entry_points is not None else _cuda_entry_points()
+        try:
+            points = entry_points if entry_points is not None else _cuda_entry_points()
+        except Exception as e:  # noqa: BLE001 - no cuBLAS or driver entry point: say so, run Python
+            _state["lib"], _state["why"] = None, f"the driver's or cuBLAS's entry points were not found: {e}"
+            log.warning("commopt: %s; eager calls run their Python host code", _state["why"])
+            return None
         lib.commopt_replay_init((ctypes.c_void_p * len(points))(*points))
         _state["set"] = True
     return lib
@@ -132,7 +140,7 @@ def _cuda_entry_points() -> list[int]:
              "cuStreamWriteValue32", "cuStreamBatchMemOp"]
     points = [ctypes.cast(fns[n], ctypes.c_void_p).value for n in names]
     points += [ctypes.cast(getattr(blas, n), ctypes.c_void_p).value
-               for n in ("cublasSetStream_v2", "cublasGemmEx", "cublasGemmStridedBatchedEx")]
+               for n in ("cublasSetStream_v2", "cublasGemmEx", "cublasGemmStridedBatchedEx", "cublasAxpyEx")]
     return points
 
 
@@ -178,6 +186,8 @@ class _Tap(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _GEMMS:
             self.ops.append(_gemm(func, args, kwargs, driver.current_handle(self.device)))
+        elif func is torch.ops.aten.add_.Tensor:
+            self.ops.append(_axpy(args, kwargs, driver.current_handle(self.device)))
         elif not func.is_view and self.refused is None:
             self.refused = f"the call runs {func} besides its GEMMs"
         return func(*args, **kwargs)
@@ -202,6 +212,16 @@ def _gemm(func, args, kwargs, stream: int):
     strides = [t.stride(0) if batch else 0 for t in (b, a, c)]
     return ("gemm", stream, a.dtype, first[0], second[0], n, m, k, b.data_ptr(), first[1], strides[0],
             a.data_ptr(), second[1], strides[1], c.data_ptr(), c0, strides[2], batch, alpha, beta)
+
+
+def _axpy(args, kwargs, stream: int):
+    """("axpy", stream, dtype, n, x, y, alpha): self.add_(other, alpha) of two contiguous tensors of
+    one shape and dtype as cuBLAS's y += alpha * x in fp32 (ATen's own arithmetic), or why not."""
+    y, x = args[0], args[1]
+    if not (isinstance(x, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype in CUDA_TYPES
+            and x.is_contiguous() and y.is_contiguous()):
+        return "an add of other than two contiguous bf16/fp16 tensors of one shape"
+    return ("axpy", stream, y.dtype, y.numel(), x.data_ptr(), y.data_ptr(), float(kwargs.get("alpha", 1.0)))
 
 
 def _operand(t: torch.Tensor, rows: int, cols: int):
@@ -247,7 +267,7 @@ def _relocate(ops: list, tensors) -> list | str:
             out.append(op)
             continue
         positions = {"memcpy": (2, 3), "memcpy2d": (2, 4), "wait32": (2,), "write32": (2,),
-                     "gemm": (8, 11, 14)}.get(kind, ())
+                     "gemm": (8, 11, 14), "axpy": (4, 5)}.get(kind, ())
         step = list(op)
         for i in positions:
             step[i] = _where(op[i], extents)
@@ -277,6 +297,9 @@ def _words(step: tuple, device: torch.device, arrays: list) -> list[int]:
         params = driver.batch_params(step[2])  # the trace's own array: replay.c writes its last value
         arrays.append(params)
         return head + [ctypes.addressof(params), len(step[2]), int(step[3] is not None)]
+    if kind == "axpy":
+        (_, _, dtype, n, x, y, alpha) = step
+        return head + [blas_handle(stream, dtype, device), n, *x, *y, CUDA_TYPES[dtype], _bits(alpha)]
     (_, _, dtype, opa, opb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc, batch, alpha, beta) = step
     handle = blas_handle(stream, dtype, device)
     return head + [handle, opa, opb, m, n, k, *a, lda, sa, *b, ldb, sb, *c, ldc, sc, batch, CUDA_TYPES[dtype],
@@ -333,7 +356,7 @@ def _record(key: tuple, first, rt, tensors: tuple, body) -> None:
     with it and packed (or the reason it is not replayed, logged)."""
     ops: list = []
     tap = _Tap(ops, rt.device)
-    driver._tap = ops
+    driver._tap, driver._tap_thread = ops, threading.get_ident()
     try:
         with tap:
             body()

@@ -11,9 +11,9 @@
 #include <string.h>
 
 #define WORDS 24
-enum { MEMCPY = 1, MEMCPY2D = 2, RECORD = 3, WAIT_EVENT = 4, WAIT32 = 5, WRITE32 = 6, BATCH = 7, GEMM = 8 };
+enum { MEMCPY = 1, MEMCPY2D = 2, RECORD = 3, WAIT_EVENT = 4, WAIT32 = 5, WRITE32 = 6, BATCH = 7, GEMM = 8, AXPY = 9 };
 enum { F_MEMCPY, F_MEMCPY2D, F_RECORD, F_WAIT_EVENT, F_WAIT32, F_WRITE32, F_BATCH, F_SET_STREAM, F_GEMM,
-       F_GEMM_BATCHED, F_COUNT };
+       F_GEMM_BATCHED, F_AXPY, F_COUNT };
 
 typedef int (*memcpy_t)(uint64_t, uint64_t, size_t, void *);
 typedef int (*memcpy2d_t)(const void *, void *);
@@ -27,6 +27,7 @@ typedef int (*gemm_t)(void *, int, int, int, int, int, const void *, const void 
 typedef int (*gemm_batched_t)(void *, int, int, int, int, int, const void *, const void *, int, int, long long,
                               const void *, int, int, long long, const void *, void *, int, int, long long, int, int,
                               int);
+typedef int (*axpy_t)(void *, int, const void *, int, const void *, int, int, void *, int, int, int);
 
 static void *fns[F_COUNT];
 
@@ -79,6 +80,19 @@ static int gemm(const int64_t *w, const int64_t *bases) {
                                                  dtype, (int)w[18], w[19], (int)w[20], COMPUTE_32F, DEFAULT_TENSOR_OP);
 }
 
+/* y += alpha * x over n contiguous elements, in fp32 (cublasAxpyEx): an elementwise add of ATen's */
+static int axpy(const int64_t *w, const int64_t *bases) {
+    void *stream = (void *)w[1], *handle = (void *)w[2];
+    float alpha;
+    int32_t a32 = (int32_t)w[9];
+    memcpy(&alpha, &a32, 4);
+    int rc = ((set_stream_t)fns[F_SET_STREAM])(handle, stream);
+    if (rc) return rc;
+    int dtype = (int)w[8];
+    return ((axpy_t)fns[F_AXPY])(handle, (int)w[3], &alpha, 0 /* CUDA_R_32F */, (const void *)at(bases, w[4], w[5]),
+                                 dtype, 1, (void *)at(bases, w[6], w[7]), dtype, 1, 0);
+}
+
 static int step(const int64_t *w, const int64_t *bases, uint32_t call_value) {
     void *stream = (void *)w[1];
     switch (w[0]) {
@@ -115,6 +129,8 @@ static int step(const int64_t *w, const int64_t *bases, uint32_t call_value) {
     }
     case GEMM:
         return gemm(w, bases);
+    case AXPY:
+        return axpy(w, bases);
     default:
         return -1;
     }

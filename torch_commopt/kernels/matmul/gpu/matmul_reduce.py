@@ -343,8 +343,7 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
         # that has landed is moved in while those GEMMs still run.  (Ordered after them, the
         # first own GEMM waits for its copy: ~40 us idle per call at rs 8192^3 ce_push:2.)
         rt.after(rt.local, call.cur)
-    staging = None if call.sched.name == "direct" else torch.empty(
-        (call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
+    staging = None if call.sched.name == "direct" else _staging(call, own)
     for p in rt.peers:
         a_p, slot = call.segment_a(p), call.peer_slot(p)
         if staging is None:
@@ -377,6 +376,18 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
         _sum_slots(call, call.recv if call.n_chunks == 1 else call.recv[:, lo:hi], piece_rows(own, lo, hi))
         if after_piece is not None:
             after_piece(c, lo, hi)
+
+
+def _staging(call: _Call, own):
+    """ce_push's staging of each peer's product (staging[p]: (m_seg, N)).  At two ranks, this rank's
+    own receive slot of the buffer half: no peer writes it (the one peer's partial lands in the
+    peer's slot), and the call's closing join orders its next writer after this call's copies out
+    of it -- a buffer's address, where a per-call allocation would be elsewhere at every call
+    (kernels/gpu/host_replay.py replays the recorded address).  At W > 2 the own slot takes the own
+    product: a fresh (W, m_seg, N) tensor."""
+    if call.world == 2:
+        return {call.rt.peers[0]: call.slot(call.rank, call.rank)}
+    return torch.empty((call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
 
 
 def _own_in_place(call: _Call, a_r, own, src: int, after_piece):
