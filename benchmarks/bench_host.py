@@ -6,9 +6,11 @@ The regions are a Llama-3-8B-shaped TP + SP layer's forward (bench_e2e's model):
 w1/w3 as all-gather + matmuls, wo and w2 as matmul + reduce-scatter, at `--batch` x `--seq`
 tokens.  Per region and schedule: the host time per call (perf_counter around `--calls`
 back-to-back calls, well inside the launch queue, so the host never waits for the GPU; the
-median over `--rounds`, the slowest rank) and the GPU time per call (CUDA events around them).
-`--profile N`: cProfile of N calls of each region's first GPU schedule and of its `sequential`,
-the functions with the most own time, so the cost can be placed.
+median over `--rounds`, the slowest rank) and the GPU time per call (CUDA events around them),
+each GPU schedule twice: queued from its recorded host trace (kernels/gpu/host_replay.py, the
+default) and through its Python host code (TORCH_COMMOPT_HOST_REPLAY=0), in alternating rounds.
+`--profile N`: cProfile of N replayed calls of each region's first overlapped schedule and of its
+`sequential`, the functions with the most own time, so the cost can be placed.
 
     python3 -m benchmarks.bench_host --out OUT [--batch 4 --seq 2048] [--rounds 15] [--calls 10]
 """
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 
 from benchmarks.common import fmt, machine_meta, result_stem, write_report
+from torch_commopt.core import env
 
 DIM, HEADS, KV_HEADS, HIDDEN, HEAD_DIM = 4096, 32, 8, 14336, 128
 AG_SCHEDULES = ("nccl+cublas", "cublas only", "sequential", "ce_push:1", "ce_push:1:par=1", "fused:1")
@@ -84,25 +88,31 @@ def _profile(fn, calls: int, top: int = 25) -> list[str]:
             f"{pathlib.Path(f).name}:{line}({name})" for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
-def _time(fn, rounds: int, calls: int, dev) -> tuple[list[float], list[float]]:
-    """(host us per call, GPU ms per call) of each round."""
+MODES = {"replayed": "1", "python": "0"}  # TORCH_COMMOPT_HOST_REPLAY per mode
+
+
+def _time(fn, rounds: int, calls: int, dev, modes: tuple) -> dict:
+    """mode -> (host us per call, GPU ms per call) of each round; the modes in alternating order."""
     import torch
     import torch.distributed as dist
 
-    host, gpu = [], []
-    for _ in range(rounds):
-        torch.cuda.synchronize(dev)
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host.append((time.perf_counter() - t0) / calls * 1e6)
-        end.record()
-        end.synchronize()
-        gpu.append(start.elapsed_time(end) / calls)
-    return host, gpu
+    out = {mode: ([], []) for mode in modes}
+    for r in range(rounds):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            os.environ[env.HOST_REPLAY] = MODES[mode]
+            torch.cuda.synchronize(dev)
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out[mode][0].append((time.perf_counter() - t0) / calls * 1e6)
+            end.record()
+            end.synchronize()
+            out[mode][1].append(start.elapsed_time(end) / calls)
+    os.environ.pop(env.HOST_REPLAY, None)
+    return out
 
 
 def _rank(rank: int, world: int, args: dict):
@@ -110,6 +120,7 @@ def _rank(rank: int, world: int, args: dict):
     import torch.distributed as dist
 
     import torch_commopt  # noqa: F401  (the ops)
+    from torch_commopt.kernels.gpu import host_replay
 
     dev = torch.device("cuda", torch.cuda.current_device())
     out = []
@@ -123,20 +134,20 @@ def _rank(rank: int, world: int, args: dict):
             fn = _caller(op, sched, a, ws, world)
             for _ in range(5):
                 fn()
-            host, gpu = _time(fn, args["rounds"], args["calls"], dev)
-            med = torch.tensor([statistics.median(host), statistics.median(gpu)], dtype=torch.float64, device=dev)
-            dist.all_reduce(med, op=dist.ReduceOp.MAX)
-            row = {"region": label, "op": op, "schedule": sched, "shape": list(shape), "weights": wshapes,
-                   "host_us": med[0].item(), "gpu_ms": med[1].item(), "host_us_rounds": host}
+            modes = ("replayed", "python") if sched.split(":")[0] in host_replay.SCHEDULES else ("python",)
+            for mode, (host, gpu) in _time(fn, args["rounds"], args["calls"], dev, modes).items():
+                med = torch.tensor([statistics.median(host), statistics.median(gpu)], dtype=torch.float64, device=dev)
+                dist.all_reduce(med, op=dist.ReduceOp.MAX)
+                row = {"region": label, "op": op, "schedule": sched, "mode": mode, "shape": list(shape),
+                       "weights": wshapes, "host_us": med[0].item(), "gpu_ms": med[1].item(), "host_us_rounds": host}
+                out.append(row)
+                if rank == 0:
+                    print(f"{label:6s} {sched:18s} {mode:8s} host {row['host_us']:7.1f} us  gpu {row['gpu_ms']:.3f} ms",
+                          flush=True)
             if args["profile"] and sched in ("sequential", AG_SCHEDULES[4] if op == "ag" else RS_SCHEDULES[4]):
                 dist.barrier()
-                row["profile"] = _profile(fn, args["profile"])
+                out[-1]["profile"] = _profile(fn, args["profile"])
                 torch.cuda.synchronize(dev)
-            out.append(row)
-            if rank == 0:
-                print(f"{label:6s} {sched:18s} host {row['host_us']:7.1f} us  gpu {row['gpu_ms']:.3f} ms", flush=True)
-    from torch_commopt.kernels.gpu import host_replay
-
     if rank == 0:
         print(f"host replay {host_replay.STATS}", flush=True)
     return out, torch.cuda.get_device_name(dev)
@@ -149,11 +160,16 @@ def markdown(rows: list[dict], meta: dict, args) -> str:
              f"{args.rounds} rounds of {args.calls} back-to-back calls, the slowest rank.", "",
              f"Command: `python3 -m benchmarks.bench_host --batch {args.batch} --seq {args.seq} --rounds {args.rounds} "
              f"--calls {args.calls}`", "",
-             "| region | schedule | host us / call | vs nccl+cublas | GPU ms / call |", "|---|---|---|---|---|"]
+             "| region | schedule | host us / call: replayed | Python host code | replayed vs nccl+cublas | "
+             "GPU ms / call (replayed) |", "|---|---|---|---|---|---|"]
     base = {r["region"]: r["host_us"] for r in rows if r["schedule"] == "nccl+cublas"}
-    for r in rows:
-        lines.append(f"| {r['region']} | `{r['schedule']}` | {fmt(r['host_us'], 1)} | "
-                     f"{r['host_us'] / base[r['region']]:.2f}x | {fmt(r['gpu_ms'], 3)} |")
+    by = {(r["region"], r["schedule"], r["mode"]): r for r in rows}
+    for (region, sched, mode), r in by.items():
+        if mode == "python" and (region, sched, "replayed") in by:
+            continue
+        python = by.get((region, sched, "python"), r)
+        lines.append(f"| {region} | `{sched}` | {fmt(r['host_us'], 1) if mode == 'replayed' else '-'} | "
+                     f"{fmt(python['host_us'], 1)} | {r['host_us'] / base[region]:.2f}x | {fmt(r['gpu_ms'], 3)} |")
     for r in rows:
         if r.get("profile"):
             lines += ["", f"cProfile, {r['region']} `{r['schedule']}` (rank 0; own us/call | cumulative us/call | "
