@@ -5,6 +5,7 @@ that do not divide the rows or exceed them; and the fake impls give the real sha
 from __future__ import annotations
 
 import pytest
+import torch
 from reference_programs import run_rank_order_sums, run_reference_cases
 
 from torch_commopt.testing.launch import run_distributed
@@ -82,3 +83,18 @@ def test_rank_order_sums_give_every_rank_the_same_bits(world):
     for name, value in bits0.items():
         by_case.setdefault(name.rsplit(" ", 1)[0], set()).add(str(value))
     assert all(len(v) == 1 for v in by_case.values()), "gather_sum and scatter_gather differ"
+
+
+def test_the_lean_sequential_path_covers_every_dim_but_the_contracted_one():
+    """A sequence-parallel (B, S, K) activation gathered or scattered along S takes the lean path
+    (process-group calls, one copy into place), which run_reference_cases checks against plain
+    torch; the contracted dim, 3-D weights and uneven splits take the reference path."""
+    from torch_commopt.kernels.matmul import sequential
+
+    a, w = torch.zeros(2, 6, 16), torch.zeros(16, 8)
+    assert sequential.applies(a, [w], 1, 2, cut=True) and sequential.applies(a, [w], -2, 3, cut=True)
+    assert sequential.applies(a, [w], 0, 2, cut=True) and sequential.applies(a, [w], None, 2, cut=False)
+    assert not sequential.applies(a, [w], 2, 2, cut=False)  # K
+    assert not sequential.applies(a, [w], 1, 4, cut=True)  # 6 rows in 4
+    assert not sequential.applies(a, [torch.zeros(2, 16, 8)], 1, 2, cut=False)
+    assert not sequential.applies(a.transpose(0, 1), [w], 1, 2, cut=False)

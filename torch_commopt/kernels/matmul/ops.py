@@ -222,7 +222,7 @@ def ag_matmul(
     sc = scaled.of(a, a_scale, b_scales, out_dtype, fast_accum, len(weights))
     schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, weights, gather_dim, group_size, cut=False):
-        return sequential.ag_matmul(a, weights, biases, group_name, return_gathered, sc)
+        return sequential.ag_matmul(a, weights, biases, group_name, return_gathered, sc, gather_dim)
     def why_not(sched, in_capture):
         from torch_commopt.kernels.matmul.gpu.ag_matmul import unsupported_reason
 
@@ -242,7 +242,8 @@ def ag_matmul(
             return out
         sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, weights, gather_dim, group_size, cut=False):
-        return sequential.ag_matmul(a, weights, biases, group_name, return_gathered, sc)  # e.g. autotune's winner
+        return sequential.ag_matmul(a, weights, biases, group_name, return_gathered, sc,
+                                    gather_dim)  # e.g. autotune's winner
     return ag_matmul_reference(a, weights, biases, gather_dim, group_name, str(sched), return_gathered, sc)
 
 
@@ -286,7 +287,7 @@ def matmul_rs(
     parts = k_parts(a, weight, more_a, more_w, sc is not None)
     schedule = _DECIDED.get(schedule, schedule)  # an autotune placeholder that has decided
     if schedule == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
-        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc, parts)  # rows split: checked there
+        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc, parts, scatter_dim)  # split: checked
     _check_scatter(a, weight, scatter_dim, group_size)
 
     def why_not(sched, in_capture):
@@ -308,7 +309,8 @@ def matmul_rs(
             return out
         sched = Schedule("sequential")
     if sched.name == "sequential" and sequential.applies(a, [weight], scatter_dim, group_size, cut=True):
-        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc, parts)  # e.g. autotune's winner
+        return sequential.matmul_rs(a, weight, bias, reduce_op, group_name, sc, parts,
+                                    scatter_dim)  # e.g. autotune's winner
     return matmul_rs_reference(Product(a, weight, bias, sc, parts), scatter_dim, reduce_op, group_name, str(sched))
 
 

@@ -3,9 +3,12 @@
 The schedule is the NCCL + cuBLAS baseline itself; on a short GEMM its cost is host time.
 The `torch.distributed` wrappers (`all_gather_into_tensor`, ...) check their arguments,
 resolve the group and build an options object on every call; here the process group's
-own methods are called with options built once, and the rank-major layout
-shuffles of the general reference path are skipped.  Covered: the collective along dim 0
-of a contiguous input (what TP/SP regions use); anything else takes the reference path.
+own methods are called with options built once, and the general reference path's
+layout shuffles are skipped.  Covered: the collective along any dim but the last of a
+contiguous input (what TP/SP regions use); along dim d > 0 -- a sequence-parallel (B, S, K)
+activation -- the all-gather's rank-major result is moved into place, and the reduce-scatter's
+input made rank-major, by one copy each, as Inductor's own graph does.  Anything else takes the
+reference path.
 """
 
 from __future__ import annotations
@@ -32,11 +35,15 @@ def _options():
 
 
 def applies(a: torch.Tensor, weights: list[torch.Tensor], dim: int | None, world: int, *, cut: bool) -> bool:
-    """Whether the lean path covers this call: the collective along dim 0 of a contiguous
-    input, 2-D weights, and (cut=True: reduce-scatter) rows that split evenly."""
-    if dim not in (None, 0) or not a.is_contiguous() or a.dim() < 2 or any(w.dim() != 2 for w in weights):
+    """Whether the lean path covers this call: the collective along a dim before the last (None:
+    an all-reduce) of a contiguous input, 2-D weights, and (cut=True: reduce-scatter) a dim that
+    splits evenly."""
+    if a.dim() < 2 or not a.is_contiguous() or any(w.dim() != 2 for w in weights):
         return False
-    return not cut or a.shape[0] % world == 0
+    if dim is None:
+        return True
+    dim = dim % a.dim()
+    return dim < a.dim() - 1 and (not cut or a.shape[dim] % world == 0)
 
 
 def _wait(work) -> None:
@@ -51,10 +58,17 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b, sc: Scaled | None = None, i: in
     return matmul(rows, w, b, sc, i).view(*x.shape[:-1], w.shape[-1])
 
 
-def ag_matmul(a, weights, biases, group_name: str, return_gathered: bool, sc: Scaled | None = None) -> list[torch.Tensor]:
+def ag_matmul(a, weights, biases, group_name: str, return_gathered: bool, sc: Scaled | None = None,
+              dim: int = 0) -> list[torch.Tensor]:
     group, (opts, _, _) = resolve_group(group_name), _options()
-    gathered = a.new_empty((group.size() * a.shape[0],) + tuple(a.shape[1:]))
-    _wait(group._allgather_base(wire(gathered), wire(a), opts))
+    world, dim = group.size(), dim % a.dim()
+    stacked = a.new_empty((world * a.shape[0],) + tuple(a.shape[1:]))  # rank-major
+    _wait(group._allgather_base(wire(stacked), wire(a), opts))
+    gathered = stacked
+    if dim:  # rank r's block in place along dim: (W, *shape) -> (..., W * shape[dim], ...), one copy
+        shape = list(a.shape)
+        shape[dim] *= world
+        gathered = stacked.view(world, *a.shape).movedim(0, dim).reshape(shape)
     outs = [_linear(gathered, w, b, sc, i) for i, (w, b) in enumerate(zip(weights, biases))]
     return outs + [gathered] if return_gathered else outs
 
@@ -67,11 +81,17 @@ def _product(a, weight, bias, sc: Scaled | None, parts) -> torch.Tensor:
     return full
 
 
-def matmul_rs(a, weight, bias, reduce_op: str, group_name: str, sc: Scaled | None = None, parts=()) -> torch.Tensor:
+def matmul_rs(a, weight, bias, reduce_op: str, group_name: str, sc: Scaled | None = None, parts=(),
+              dim: int = 0) -> torch.Tensor:
     group, (_, opts, _) = resolve_group(group_name), _options()
-    world = group.size()
+    world, dim = group.size(), dim % a.dim()
     full = _product(a, weight, bias, sc, parts)
-    out = full.new_empty((full.shape[0] // world,) + tuple(full.shape[1:]))
+    shape = list(full.shape)
+    shape[dim] //= world
+    if dim:  # rank-major: rank r's block along dim first, one copy
+        full = full.view(*shape[:dim], world, *shape[dim:]).movedim(dim, 0).contiguous()
+        full = full.view(world * shape[0], *shape[1:])  # rank-major rows, as _reduce_scatter_base takes them
+    out = full.new_empty(shape)
     _wait(group._reduce_scatter_base(out, full, opts))
     return out.div_(world) if reduce_op == "avg" else out
 
