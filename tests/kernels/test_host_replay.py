@@ -173,3 +173,28 @@ def test_gemm_parameters_follow_cublas_column_major_convention():
     assert step[9] == 7 and step[12] == 7 and step[15] == 3 and step[17:] == (0, 1.0, 0.0)
     spaced = torch.randn(10, 14, dtype=torch.bfloat16)[::2, ::2]  # no unit stride: ATen would copy it
     assert isinstance(host_replay._gemm(torch.ops.aten.mm.out, (spaced, w), {"out": out}, 9), str)
+
+
+def test_a_recording_that_fails_costs_its_kind_the_replay_not_the_call(fresh, monkeypatch, caplog):
+    def broken(ops, tensors):
+        raise ValueError("injected")
+    monkeypatch.setattr(host_replay, "_relocate", broken)
+    call, _ = _ag("ce_push:1", (8, 16), 0, 1)
+    inputs = [torch.randn(8, 16, dtype=torch.bfloat16) for _ in range(CALLS)]
+    runtimes = fake_runtimes(2)
+    with caplog.at_level(logging.INFO, logger=host_replay.log.name):
+        _, outs, gemms = _run(call, inputs, True, monkeypatch, runtimes)
+    _, want, _ = _run(call, inputs, False, monkeypatch, runtimes)
+    assert not gemms and set(host_replay._kinds.values()) == {"its recording failed: ValueError: injected"}
+    for got, w in zip(outs, want):
+        torch.testing.assert_close(got[0], w[0], rtol=0, atol=0)
+
+
+def test_past_the_kinds_cap_new_kinds_are_not_recorded(fresh, monkeypatch, caplog):
+    monkeypatch.setattr(host_replay, "MAX_KINDS", 1)
+    call, _ = _ag("ce_push:1", (8, 16), 0, 1)
+    with caplog.at_level(logging.WARNING, logger=host_replay.log.name):
+        _, _, gemms = _run(call, [torch.randn(8, 16, dtype=torch.bfloat16) for _ in range(CALLS)], True, monkeypatch)
+    # the first buffer half's kind is known and replays; the other half's is never recorded
+    assert gemms and [type(v) for v in host_replay._kinds.values()] == [host_replay.Trace]
+    assert sum("kinds of eager calls recorded" in r.getMessage() for r in caplog.records) == 1

@@ -68,6 +68,7 @@ class Trace(NamedTuple):
 
 _state: dict = {"lib": None, "why": None, "handles": {}, "workspaces": []}
 STATS = {"python": 0, "recorded": 0, "replayed": 0}  # eager calls of eligible schedules, by how they ran
+MAX_KINDS = 4096  # kinds remembered; past it, new kinds are not recorded (logged once)
 _SEEN = object()  # a kind whose first call ran (made the symmetric views and buffers it uses): record the next
 _kinds: dict[tuple, object] = {}  # kind -> _SEEN | its first recording (a tuple) | Trace | why not replayed (str)
 
@@ -151,7 +152,8 @@ def blas_handle(stream: int, dtype: torch.dtype, device: torch.device) -> int:
     handle = _state["handles"].get(key)
     if handle is None:
         blas, h = _cublas(), ctypes.c_void_p()
-        _check_blas(blas.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+        with torch.cuda.device(device):  # the handle's device is the current one
+            _check_blas(blas.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
         work = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         _state["workspaces"].append(work)
         _check_blas(blas.cublasSetStream_v2(h, ctypes.c_void_p(stream)), "cublasSetStream")
@@ -338,8 +340,12 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body) -> None:
                 STATS["replayed"] += 1
                 return
         elif isinstance(known, str) or known is None:  # a kind's first call makes its views and buffers
-            if known is None:
+            if known is None and len(_kinds) < MAX_KINDS:
                 _kinds[key] = _SEEN
+            elif known is None and not _state.get("full"):
+                _state["full"] = True
+                log.warning("commopt: %d kinds of eager calls recorded (shapes that keep changing?): new kinds "
+                            "run their Python host code", MAX_KINDS)
             body()
         else:
             _record(key, known, rt, tensors, body)
@@ -362,8 +368,17 @@ def _record(key: tuple, first, rt, tensors: tuple, body) -> None:
             body()
     finally:
         driver._tap = None
+    try:  # the call has run: whatever goes wrong from here costs the kind its replay, not the call
+        _settle(key, first, rt, tensors, (ops, tap.refused))
+    except Exception as e:  # noqa: BLE001
+        _refuse(key, f"its recording failed: {type(e).__name__}: {e}")
+
+
+def _settle(key: tuple, first, rt, tensors: tuple, tapped: tuple) -> None:
+    """A recording's outcome: kept as the kind's first, packed as its trace, or refused."""
+    ops, refused = tapped
     watched = rt.watch
-    steps = tap.refused or _relocate(ops, tensors)
+    steps = refused or _relocate(ops, tensors)
     waits = list(watched.waits) if watched is not None else []
     end = watched.end if watched is not None and watched.ended else 0
     if isinstance(steps, str):
