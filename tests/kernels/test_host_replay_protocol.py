@@ -5,7 +5,6 @@ ends with its own number in its end mark, after every wait, with every wait reco
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 
@@ -15,7 +14,7 @@ from fake_cuda import fake_runtimes, faked_cuda
 from native_fakes import entry_points
 from protocol_sim import simulate
 from test_protocol_sim import SEQUENCES, _call
-from test_watchdog_marks import MARKS, _mark
+from test_watchdog_marks import _mark, fake_watchdog
 
 from torch_commopt.core import env
 from torch_commopt.kernels.gpu import driver, host_replay, watchdog
@@ -77,16 +76,8 @@ def test_replayed_calls_neither_deadlock_nor_race_and_come_to_rest(fresh, world,
     assert all(not rt._untaken for rt in runtimes)
 
 
-@pytest.fixture
-def dog(monkeypatch):
-    words = (ctypes.c_int32 * (watchdog.MAX_SLOTS * watchdog.WORDS))()
-    d = watchdog.Watchdog(watchdog.Slots(ctypes.addressof(words), MARKS), timeout_s=60.0)
-    d.keep = words
-    monkeypatch.setattr(watchdog, "get", lambda: d)
-    return d
-
-
-def test_a_replayed_call_ends_with_its_own_number_after_its_waits_and_lists_them(fresh, dog):
+def test_a_replayed_call_ends_with_its_own_number_after_its_waits_and_lists_them(fresh, monkeypatch):
+    dog = fake_watchdog(monkeypatch)
     world = 2
     queue, runtimes, spans = _replayed_queue(world, ["ag ce_push:1:par=1", "rs ce_pull:2", "rs direct:1"], watched=True)
     assert host_replay.STATS["replayed"] >= 3 * world * (REPEATS - 6)

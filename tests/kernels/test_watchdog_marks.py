@@ -22,13 +22,18 @@ from torch_commopt.kernels.gpu import symm, watchdog
 MARKS = 1 << 45  # the fake device address of the host-mapped slots
 
 
-@pytest.fixture
-def dog(monkeypatch):
+def fake_watchdog(monkeypatch) -> watchdog.Watchdog:
+    """The process's watchdog, its slots in host memory at the fake device address MARKS."""
     words = (ctypes.c_int32 * (watchdog.MAX_SLOTS * watchdog.WORDS))()
     d = watchdog.Watchdog(watchdog.Slots(ctypes.addressof(words), MARKS), timeout_s=60.0)
     d.keep = words
     monkeypatch.setattr(watchdog, "get", lambda: d)
     return d
+
+
+@pytest.fixture
+def dog(monkeypatch):
+    return fake_watchdog(monkeypatch)
 
 
 def _mark(address: int) -> tuple[int, int] | None:
