@@ -198,3 +198,34 @@ def test_past_the_kinds_cap_new_kinds_are_not_recorded(fresh, monkeypatch, caplo
     # the first buffer half's kind is known and replays; the other half's is never recorded
     assert gemms and [type(v) for v in host_replay._kinds.values()] == [host_replay.Trace]
     assert sum("kinds of eager calls recorded" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_tied_weights_are_not_replayed_and_views_at_moving_offsets_are(fresh, monkeypatch):
+    """A pointer inside two of the call's tensors (the same weight twice) cannot be relocated: that
+    kind keeps its Python host code.  Inputs that are views into larger tensors, at another offset
+    every call, relocate by their own data pointers: replayed, same queue, same bits."""
+    k = 16
+    w = torch.randn(12, k, dtype=torch.bfloat16).t()
+    tied = lambda a: agm.ag_matmul_gpu(a, [w, w], [None, None], 0, "fake", Schedule.parse("ce_push:1"), False)  # noqa: E731
+    inputs = [torch.randn(8, k, dtype=torch.bfloat16) for _ in range(CALLS)]
+    _, _, gemms = _run(tied, inputs, True, monkeypatch)
+    assert not gemms and set(host_replay._kinds.values()) == {"an address inside two of the call's tensors"}
+
+    host_replay._kinds.clear()
+    call, _ = _ag("ce_push:1", (8, k), 0, 2)
+    big = torch.randn(CALLS * 8 + 5, k, dtype=torch.bfloat16)
+    views = [big[i * 8 + (i % 3): i * 8 + (i % 3) + 8] for i in range(CALLS)]  # contiguous, offsets vary
+    runtimes = fake_runtimes(2)
+    want_queue, want_outs, _ = _run(call, views, False, monkeypatch, runtimes)
+    got_queue, got_outs, gemms = _run(call, views, True, monkeypatch, runtimes)
+    assert gemms and got_queue == want_queue
+    for got, want in zip(got_outs, want_outs):
+        for g, w2 in zip(got, want):
+            torch.testing.assert_close(g, w2, rtol=0, atol=0)
+
+
+def test_a_strided_input_copied_by_the_call_is_not_replayed(fresh, monkeypatch):
+    call, _ = _ag("ce_push:1", (8, 16), 0, 1)
+    inputs = [torch.randn(16, 16, dtype=torch.bfloat16)[::2] for _ in range(CALLS)]  # a.contiguous() copies
+    _, _, gemms = _run(call, inputs, True, monkeypatch)
+    assert not gemms and set(host_replay._kinds.values()) == {"the call runs aten.clone.default besides its GEMMs"}
