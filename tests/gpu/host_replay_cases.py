@@ -12,12 +12,15 @@ import torch.distributed as dist
 
 from torch_commopt.core import env
 
-# (op, schedule, A shape on this rank, dim, weights' N): an all-gather's shard or a reduce-scatter's input
+# (op, schedule, A shape on this rank, dim, weights' N): an all-gather's shard, a reduce-scatter's or an
+# all-reduce's input
 CASES = [("ag", "ce_push:1:par=1", (4, 256, 512), 1, (384, 128)),  # batch 4, SP rows: batched GEMMs
          ("ag", "ce_push:2", (512, 512), 0, (640,)),
          ("rs", "ce_pull:2", (4, 512, 256), 1, (512,)),
          ("rs", "direct:1", (1024, 384), 0, (256,)),
-         ("rs", "ce_push:1", (4, 256, 512), 1, (384,))]  # the own GEMM, then the partial added (cuBLAS axpy)
+         ("rs", "ce_push:1", (4, 256, 512), 1, (384,)),  # the own GEMM, then the partial added (cuBLAS axpy)
+         ("ar", "ce_push:1", (512, 512), None, (384,)),
+         ("ar", "ce_pull:2", (512, 512), None, (384,))]
 
 
 def _inputs(op: str, shape, ns, seed: int, rank: int, world: int):
@@ -29,11 +32,13 @@ def _inputs(op: str, shape, ns, seed: int, rank: int, world: int):
     k = shape[-1]
     a_all = [draw(seed + 10 * r, shape).bfloat16() for r in range(world)]
     ws_all = [[(draw(seed + 10 * r + 1 + i, (n, k)) / math.sqrt(k)).bfloat16().t() for i, n in enumerate(ns)]
-              for r in range(world if op == "rs" else 1)]
+              for r in range(1 if op == "ag" else world)]
     if op == "ag":
         full = torch.cat(a_all, dim=len(shape) - 2)
         return a_all[rank], ws_all[0], [full.double() @ w.double() for w in ws_all[0]]
     total = sum(a.double() @ ws[0].double() for a, ws in zip(a_all, ws_all))
+    if op == "ar":
+        return a_all[rank], ws_all[rank], [total]
     return a_all[rank], ws_all[rank], [total.chunk(world, dim=len(shape) - 2)[rank]]
 
 
@@ -41,6 +46,8 @@ def _call(op: str, a, ws, dim: int, sched: str, world: int):
     gn = dist.group.WORLD.group_name
     if op == "ag":
         return torch.ops.commopt.ag_matmul(a, ws, [None] * len(ws), dim, world, gn, sched, False)
+    if op == "ar":
+        return [torch.ops.commopt.matmul_ar(a, ws[0], None, "sum", world, gn, sched)]
     return [torch.ops.commopt.matmul_rs(a, ws[0], None, dim, "sum", world, gn, sched)]
 
 

@@ -98,6 +98,11 @@ def _named(queue: list, outs: list) -> list:
     return [name(op) for op in queue]
 
 
+def _ar(sched: str):
+    w = torch.randn(16, 8, dtype=torch.bfloat16).t()
+    return lambda a: [mr.matmul_ar_gpu(Product(a, w), "sum", "fake", Schedule.parse(sched))], w
+
+
 CASES = [  # (label, call maker, input shape)
     ("ag ce_push:1 rows", lambda: _ag("ce_push:1", (8, 16), 0, 3)[0], (8, 16)),
     ("ag ce_push:2:par=1 blocks", lambda: _ag("ce_push:2:par=1", (2, 8, 16), 1, 2)[0], (2, 8, 16)),
@@ -105,6 +110,8 @@ CASES = [  # (label, call maker, input shape)
     ("rs direct:1 blocks", lambda: _rs("direct:1")[0], (2, 8, 8)),
     ("rs ce_push:1 rows (own GEMM, then the partial added)", lambda: _rs("ce_push:1")[0], (16, 8)),
     ("rs ce_push:2 blocks", lambda: _rs("ce_push:2")[0], (2, 8, 8)),
+    ("ar ce_push:1 rows", lambda: _ar("ce_push:1")[0], (16, 8)),
+    ("ar ce_pull:2 rows", lambda: _ar("ce_pull:2")[0], (16, 8)),
 ]
 
 
