@@ -236,3 +236,15 @@ def test_a_strided_input_copied_by_the_call_is_not_replayed(fresh, monkeypatch):
     inputs = [torch.randn(16, 16, dtype=torch.bfloat16)[::2] for _ in range(CALLS)]  # a.contiguous() copies
     _, _, gemms = _run(call, inputs, True, monkeypatch)
     assert not gemms and set(host_replay._kinds.values()) == {"the call runs aten.clone.default besides its GEMMs"}
+
+
+def test_under_a_dispatch_mode_of_the_callers_calls_run_their_python_host_code(fresh, monkeypatch):
+    """A FLOP counter (or any dispatch mode) around the step sees every GEMM: nothing is recorded
+    or replayed under it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    call, _ = _ag("ce_push:1", (8, 16), 0, 1)
+    with FlopCounterMode(display=False) as flops:
+        _, _, gemms = _run(call, [torch.randn(8, 16, dtype=torch.bfloat16) for _ in range(CALLS)], True, monkeypatch)
+    assert not gemms and not host_replay._kinds
+    assert flops.get_total_flops() == CALLS * 2 * (2 * 8) * 16 * 12  # every call's two GEMMs counted

@@ -74,10 +74,11 @@ _kinds: dict[tuple, object] = {}  # kind -> _SEEN | its first recording (a tuple
 
 
 def eligible(sched) -> bool:
-    """Whether this call of `sched` goes through `call` (not under bounded waits: their kernels
-    are Triton launches)."""
+    """Whether this call of `sched` goes through `call`: not under bounded waits (their kernels are
+    Triton launches), nor under a dispatch mode of the caller's (a FLOP counter, a debug mode: a
+    replayed call's GEMMs would bypass it)."""
     return (env.host_replay() and sched.name in SCHEDULES and not sched.param("dbg", 0)
-            and not env.debug_waits())
+            and not env.debug_waits() and torch._C._len_torch_dispatch_stack() == 0)
 
 
 def _compile() -> pathlib.Path:
