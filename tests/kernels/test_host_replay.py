@@ -248,3 +248,13 @@ def test_under_a_dispatch_mode_of_the_callers_calls_run_their_python_host_code(f
         _, _, gemms = _run(call, [torch.randn(8, 16, dtype=torch.bfloat16) for _ in range(CALLS)], True, monkeypatch)
     assert not gemms and not host_replay._kinds
     assert flops.get_total_flops() == CALLS * 2 * (2 * 8) * 16 * 12  # every call's two GEMMs counted
+
+
+def test_with_atens_gemms_on_another_blas_library_nothing_is_replayed(fresh, monkeypatch):
+    lt = type(torch.backends.cuda.preferred_blas_library()).Cublaslt
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda: lt)
+    call, _ = _ag("ce_push:1", (8, 16), 0, 1)
+    _, _, gemms = _run(call, [torch.randn(8, 16, dtype=torch.bfloat16) for _ in range(CALLS)], True, monkeypatch)
+    assert not gemms
+    assert set(host_replay._kinds.values()) == {
+        "ATen's GEMMs run through Cublaslt (torch.backends.cuda.preferred_blas_library)"}

@@ -379,6 +379,9 @@ def _settle(key: tuple, first, rt, tensors: tuple, tapped: tuple) -> None:
     """A recording's outcome: kept as the kind's first, packed as its trace, or refused."""
     ops, refused = tapped
     watched = rt.watch
+    blas = torch.backends.cuda.preferred_blas_library()
+    if not refused and blas.name != "Cublas":  # replay.c calls cuBLAS as ATen's default backend does
+        refused = f"ATen's GEMMs run through {blas.name} (torch.backends.cuda.preferred_blas_library)"
     steps = refused or _relocate(ops, tensors)
     waits = list(watched.waits) if watched is not None else []
     end = watched.end if watched is not None and watched.ended else 0
