@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_bench|meshslice|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_bench|meshslice|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -28,6 +28,12 @@ if [[ $what == shared ]]; then
   # worlds_3_and_4 and not per_call_graphs"` then `... shared "worlds_3_and_4 or per_call_graphs"`.
   TORCH_COMMOPT_SHARED_DEVICE=1 TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
     timeout ${TEST_TIMEOUT:-540} python3 -m pytest -v -p no:cacheprovider tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests_shared.log"
+fi
+if [[ $what == host ]]; then
+  # issue 67: replayed host traces against the Python host code (numerics, bit equality), then each
+  # region call's host time at the training step's shapes (benchmarks/bench_host.py, ~1 min)
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_host_replay_gpu.py 2>&1 | tee "$out/host_replay_tests.log"
+  timeout ${BENCH_TIMEOUT:-240} python3 -m benchmarks.bench_host --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/host_bench.log"
 fi
 if [[ $what == watchdog ]]; then
   # issue 66: a stuck peer bounded by the watchdog (production waits), then its cost on vs off;
