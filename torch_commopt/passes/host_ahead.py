@@ -1,8 +1,9 @@
 """Whether a compiled graph's host runs ahead of its GPU (the rule's host-bound band, CUDA).
 
 The built-in rule times a region in the band (0.1-0.5 ms of GEMM, pick.measure_band) at its first
-call, back to back on its own, where a GPU schedule's larger host enqueue (0.2-0.4 ms against
-NCCL's ~0.1) can decide.  Inside a graph whose host enqueues everything well before the GPU gets
+call, back to back on its own, where a GPU schedule's larger host enqueue (0.2-0.4 ms through its
+Python host code, 0.11-0.17 ms replayed from its host trace: kernels/gpu/host_replay.py; NCCL's
+~0.1-0.2) can decide.  Inside a graph whose host enqueues everything well before the GPU gets
 there, that enqueue is hidden and only the GPU time counts, as when replayed from CUDA graphs.
 In TP=2 training of four Llama-3-8B layers the step enqueues in 30 ms against 48 ms of busy
 GPU, yet first-call timing keeps the backward's o_proj all-gather and q/k/v reduce-scatter
@@ -42,7 +43,10 @@ from torch_commopt.passes.graph_utils import is_static, val
 # nodes (~500) with 32 regions (~0.3 ms each), i.e. ~40 us a node with the optimizer, autograd
 # and guards counted in (Inductor fuses many nodes into one kernel, so a kernel costs more).
 LAUNCH_S = 40e-6
-REGION_HOST_S = 0.4e-3  # a region's GPU-schedule call (that step's backward band: 0.17-0.38 ms a call)
+# a region's GPU-schedule call (that step's backward band: 0.17-0.38 ms a call through the Python host
+# code; replayed, 0.11-0.17 ms at the training step's shapes -- kept at 0.4 until a training run
+# measures what the lower figure changes)
+REGION_HOST_S = 0.4e-3
 ATTENTION_BWD = 2.5  # an attention backward's matmul work over its forward's
 BWD_MATMUL = 2.0  # a forward matmul's backward: its input's and its weight's gradients
 # A backward graph's launches over its forward's (that step: 69-83 nodes against 43, at most 1.93;
