@@ -279,9 +279,10 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             sync()
     check_unchanged(compiled, "bench_e2e")
     if dev == "cuda":  # per-call graphs over the whole run (every variant): eager, captured, replayed, dropped
-        from torch_commopt.kernels.gpu import call_graphs
+        from torch_commopt.kernels.gpu import call_graphs, host_replay
 
         print(f"rank {rank} call_graphs {call_graphs.stats()} moved {call_graphs.moves()}", flush=True)
+        print(f"rank {rank} host replay {host_replay.STATS}; not replayed: {host_replay.refusals()}", flush=True)
     return out
 
 

@@ -143,6 +143,7 @@ def test_a_call_with_other_device_work_runs_its_python_host_code_every_time(fres
         queue, outs, gemms = _run(call, inputs, True, monkeypatch, runtimes)
     assert not gemms
     assert set(host_replay._kinds.values()) == {"the call runs aten.mul_.Tensor besides its GEMMs"}
+    assert host_replay.refusals() == ["matmul_rs ce_push:1: the call runs aten.mul_.Tensor besides its GEMMs"]
     assert sum("not a replay" in r.getMessage() for r in caplog.records) == 2  # once per half
     _, want_outs, _ = _run(call, inputs, False, monkeypatch, runtimes)
     for got, want in zip(outs, want_outs):

@@ -397,6 +397,11 @@ def _settle(key: tuple, first, rt, tensors: tuple, tapped: tuple) -> None:
         _kinds[key] = pack(steps, waits, end, rt.device)
 
 
+def refusals() -> list[str]:
+    """'op schedule: why' for every (op, schedule) with a kind that is not replayed (a run's summary)."""
+    return sorted({f"{key[0]} {key[2]}: {why}" for key, why in _kinds.items() if isinstance(why, str)})
+
+
 def _refuse(key: tuple, why: str) -> None:
     _kinds[key] = why
     log.info("commopt %s %s: eager calls of this kind run their Python host code, not a replay (%s)",
