@@ -243,11 +243,12 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body: Callable[[], 
     is watched (the runtime's begin_call / end_call, kernels/gpu/watchdog.py): a capture takes the
     watchdog's marks with it, so replays are watched too."""
     rt.check_open()
-    if not sched.param("cg") and host_replay.eligible(sched) and not capturing():
+    per_call, in_capture = sched.param("cg"), capturing()
+    if not per_call and not in_capture and host_replay.eligible(sched):
         host_replay.call(op, sched, rt, tensors, scalars, body)
         return
     body = functools.partial(_watched, op, sched, rt, body)
-    if not sched.param("cg") or capturing():  # inside the program's own capture: part of its graph
+    if not per_call or in_capture:  # inside the program's own capture: part of its graph
         body()
         return
     why = replayable(op, sched, rt)

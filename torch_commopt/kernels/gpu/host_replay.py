@@ -6,12 +6,12 @@ calls through ctypes and 2-6 cuBLAS launches through ATen cost 0.25-0.6 ms of ho
 that host (docs/gpu-schedules.md#host-cost).  Per-call CUDA graphs remove it only where the
 call's tensors come back to the same addresses, which a training step's do not.
 
-So the first call of a kind is recorded: every driver operation it queues (driver._tap) and every
-GEMM it runs (an ATen mm / bmm / addmm_ / baddbmm_, seen by a dispatch mode; an add_ of two
-contiguous tensors becomes cuBLAS's axpy), each device
-address written as an offset into one of the call's tensors or as an absolute address (symmetric
-buffers, flags, host-mapped marks).  The next call of the same kind is recorded again and must
-give the same trace (a value that changes from call to call, e.g. an epoch, would show there);
+So a kind's first call runs as it is (it makes the symmetric views and buffers it uses) and its
+second is recorded: every driver operation it queues (driver._tap) and every GEMM it runs (an ATen
+mm / bmm / addmm_ / baddbmm_, seen by a dispatch mode; an add_ of two contiguous tensors becomes
+cuBLAS's axpy), each device address written as an offset into one of the call's tensors or as an
+absolute address (symmetric buffers, flags, host-mapped marks).  The third is recorded again and
+must give the same trace (a value that changes from call to call, e.g. an epoch, would show there);
 from the fourth on, native/replay.c queues the trace with this call's tensor addresses, one
 ctypes call: the same driver operations and the same cuBLAS GEMMs (cublasGemmEx /
 cublasGemmStridedBatchedEx with the parameters ATen passes for those layouts), no Python per
@@ -254,6 +254,11 @@ def _where(ptr: int, extents: list):
     return (hits[0] + 1, ptr - extents[hits[0]][0]) if hits else (0, ptr)
 
 
+# where each tapped operation holds device addresses (the tuple positions _relocate rewrites)
+_ADDRESSES = {"memcpy": (2, 3), "memcpy2d": (2, 4), "wait32": (2,), "write32": (2,), "gemm": (8, 11, 14),
+              "axpy": (4, 5)}
+
+
 def _relocate(ops: list, tensors) -> list | str:
     """The tapped operations with every device address as (base, offset) (`_where`), or why not."""
     extents = [_extent(t) for t in tensors]
@@ -269,10 +274,8 @@ def _relocate(ops: list, tensors) -> list | str:
                 return "a flag batch writes into the call's tensors"
             out.append(op)
             continue
-        positions = {"memcpy": (2, 3), "memcpy2d": (2, 4), "wait32": (2,), "write32": (2,),
-                     "gemm": (8, 11, 14), "axpy": (4, 5)}.get(kind, ())
         step = list(op)
-        for i in positions:
+        for i in _ADDRESSES.get(kind, ()):
             step[i] = _where(op[i], extents)
             if step[i] is None:
                 return "an address inside two of the call's tensors"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 
 from torch_commopt.core.groups import resolve_group
+from torch_commopt.kernels.collectives import merge_rank_dim, split_rank_dim
 from torch_commopt.kernels.scaled import Scaled, matmul, wire
 
 
@@ -64,11 +65,8 @@ def ag_matmul(a, weights, biases, group_name: str, return_gathered: bool, sc: Sc
     world, dim = group.size(), dim % a.dim()
     stacked = a.new_empty((world * a.shape[0],) + tuple(a.shape[1:]))  # rank-major
     _wait(group._allgather_base(wire(stacked), wire(a), opts))
-    gathered = stacked
-    if dim:  # rank r's block in place along dim: (W, *shape) -> (..., W * shape[dim], ...), one copy
-        shape = list(a.shape)
-        shape[dim] *= world
-        gathered = stacked.view(world, *a.shape).movedim(0, dim).reshape(shape)
+    # rank r's block in place along dim (one copy)
+    gathered = merge_rank_dim(stacked.view(world, *a.shape), dim) if dim else stacked
     outs = [_linear(gathered, w, b, sc, i) for i, (w, b) in enumerate(zip(weights, biases))]
     return outs + [gathered] if return_gathered else outs
 
@@ -88,9 +86,8 @@ def matmul_rs(a, weight, bias, reduce_op: str, group_name: str, sc: Scaled | Non
     full = _product(a, weight, bias, sc, parts)
     shape = list(full.shape)
     shape[dim] //= world
-    if dim:  # rank-major: rank r's block along dim first, one copy
-        full = full.view(*shape[:dim], world, *shape[dim:]).movedim(dim, 0).contiguous()
-        full = full.view(world * shape[0], *shape[1:])  # rank-major rows, as _reduce_scatter_base takes them
+    if dim:  # rank-major rows, as _reduce_scatter_base takes them (one copy)
+        full = split_rank_dim(full, dim, world).view(world * shape[0], *shape[1:])
     out = full.new_empty(shape)
     _wait(group._reduce_scatter_base(out, full, opts))
     return out.div_(world) if reduce_op == "avg" else out
