@@ -47,6 +47,8 @@ def test_config_round_trips_through_json():
     ({"ar_split": 0}, "Config.ar_split"),
     ({"extra_inductor_options": {"no_such_inductor_option": 1}}, "Config.extra_inductor_options"),
     ({"fx_graph_cache": "yes"}, "Config.fx_graph_cache"),
+    ({"k_parts": "yes"}, "Config.k_parts"),
+    ({"k_parts": 1}, "Config.k_parts"),
 ])
 def test_bad_options_raise_value_error_naming_the_field(options, field):
     with pytest.raises(ValueError, match=field):

@@ -44,6 +44,7 @@ class Config:
     cuda_graphs: bool = False  # the program is replayed from Inductor's CUDA graphs; rank by GPU time only
     band_in_graph: bool | str = True  # host-bound band regions take the GPU-time pick where the host runs ahead
     concat_k: bool = True  # a sum of matmuls feeding a reduction becomes one matmul over concatenated K
+    k_parts: bool | str = "auto"  # concat-K's terms as K parts of our op, not concatenated ("auto": where cheaper)
     coconet: bool = False  # move an all-gather after the unary ops that consume it (not yet measured)
     ar_split: bool | str = False  # all-reduce -> reduce-scatter + row ops + all-gather; "checked" verifies
     ar_split_policy: str = "cost"  # which ar_split candidates split: "cost" (predicted faster) or "always"
@@ -56,7 +57,6 @@ class Config:
     # Experimental: measured as not paying by default; see docs/configuration.md#experimental
     call_graphs: bool | str = False  # eager GPU schedules replayed from per-call CUDA graphs (True or "all")
     host_bound_graphs: str = "overlap"  # "inductor": leave a graph whose host is behind its GPU to Inductor
-    k_parts: bool = False  # hand a concat-K matmul's terms to our op as K parts instead of concatenated
     mesh2d_slices: int | None = None  # gemm_2d regions' slice count S (1: Collective, 0: SUMMA); None: the model
 
     def __post_init__(self) -> None:
@@ -101,8 +101,10 @@ class Config:
         if unknown:
             raise ValueError(f"Config.patterns: unknown pattern(s) {unknown}; known: {PATTERNS}")
         for name in ("check_rank_consistency", "fx_graph_cache", "debug", "debug_waits", "cuda_graphs", "coconet",
-                     "concat_k", "k_parts", "regather_for_backward"):
+                     "concat_k", "regather_for_backward"):
             _check_type(name, getattr(self, name), bool)
+        if not (isinstance(self.k_parts, bool) or self.k_parts == "auto"):
+            raise ValueError(f"Config.k_parts: expected False, True or 'auto', got {self.k_parts!r}")
         if not (isinstance(self.call_graphs, bool) or self.call_graphs == "all"):
             raise ValueError(f"Config.call_graphs: expected False, True or 'all', got {self.call_graphs!r}")
         _check_number("saved_gather_budget_mib", self.saved_gather_budget_mib,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concat_k_programs import CHUNKED, KEPT, PROGRAMS, block_regions_each, graph_cases
 
+from torch_commopt.passes.matmul.concat_k import parts_cheaper
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 
@@ -23,7 +24,7 @@ def test_sums_of_matmuls_before_a_reduction_fold_into_one_exact_matmul():
 
 
 def test_tp_sp_block_backward_reductions_become_regions_and_match_eager():
-    configs = [(True, CHUNKED), (False, CHUNKED), (True, {**CHUNKED, "k_parts": True})]
+    configs = [(True, {**CHUNKED, "k_parts": False}), (False, CHUNKED), (True, {**CHUNKED, "k_parts": True})]
     for (bwd, notes, cats, errors), (bwd0, notes0, cats0, _), (bwd_p, _, cats_p, errors_p) in run_distributed(
             block_regions_each, 2, configs, timeout_s=600):
         # dX = dq Wq + dk Wk + dv Wv and d1 W1 + d3 W3: two more reduce-scatter regions
@@ -64,3 +65,18 @@ def test_operands_other_readers_take_slices_so_pointwise_operands_are_not_copied
         assert charged == expect, (charged, expect)
         assert left == 0
         assert kept == kept_expect
+
+
+def test_k_parts_auto_takes_the_parts_where_they_move_fewer_bytes():
+    # Llama-3-8B, TP=2, 8192 rows, bf16: dX = d1 W1 + d3 W3 (stacked weights 14336 x 4096)
+    # against dX = dq Wq + dk Wk + dv Wv (3072 x 4096, no operand copied: attention's clone
+    # writes them in place)
+    rows, dim, bf16 = 8192, 4096, 2
+    assert parts_cheaper(rows, dim, bf16, 2, 14336 * dim * bf16)
+    assert not parts_cheaper(rows, dim, bf16, 3, 3072 * dim * bf16)
+    # an operand copied into the cat counts for the cats: one of 8192 x 14336 tips q/k/v over
+    assert parts_cheaper(rows, dim, bf16, 3, 3072 * dim * bf16 + rows * 14336 * bf16)
+    # decode: a few rows, any weights
+    assert parts_cheaper(4, dim, bf16, 3, 3072 * dim * bf16)
+    # one term is no sum at all: never "parts"
+    assert not parts_cheaper(rows, dim, bf16, 1, 0)

@@ -158,7 +158,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
             report.regions.append(explain.RegionReport(
                 region.kind, region.collective.name, region.summary(), str(schedule), KEPT))
             continue
-        rewrite_region(graph, region, schedule, replaced, k_parts=config.k_parts)
+        rewrite_region(graph, region, schedule, replaced, k_parts=_as_parts(region, config))
         rewritten += 1
         report.regions.append(explain.RegionReport(
             region.kind, region.collective.name, region.summary(), str(schedule), "rewritten"))
@@ -216,12 +216,23 @@ def _band(region: Region, facts: RegionFacts, band: list[str], rule_pick: Schedu
     return sched, why + f": {what}, {', '.join(band)} timed at the first call ({rule_pick} under a capture)"
 
 
+def _as_parts(region: Region, config: Config) -> bool:
+    """Whether a reduction's op takes its concat-K matmul's terms as K parts (Config.k_parts:
+    always, never, or "auto": where the parts move fewer bytes than the cats)."""
+    from torch_commopt.passes.matmul.concat_k import operand_parts, parts_pay
+
+    if region.kind == "ag_matmul" or not config.k_parts or region.consumers[0].scaled is not None:
+        return False
+    node = region.consumers[0].node
+    return parts_pay(node) if config.k_parts == "auto" else operand_parts(node) is not None
+
+
 def _k_parts(region: Region, config: Config) -> tuple[int, ...]:
-    """The K of each product a reduction's op multiplies apart (Config.k_parts: concat-K's
-    terms; () : one)."""
+    """The K of each product a reduction's op multiplies apart (concat-K's terms where
+    `_as_parts`; () : one)."""
     from torch_commopt.passes.matmul.concat_k import k_parts
 
-    return k_parts(region.consumers[0].node) if config.k_parts and region.kind != "ag_matmul" else ()
+    return k_parts(region.consumers[0].node) if _as_parts(region, config) else ()
 
 
 def _keep_as_compiled(region: Region, schedule: Schedule, config: Config) -> bool:
@@ -592,7 +603,7 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
     facts = RegionFacts(region.kind, op_a_shape(region), weights, region.dim, region.group_size, region_dtype(region),
                         bias=[c.bias is not None for c in region.consumers], reduce_op=region.reduce_op,
                         keep_gathered=region.keep_gathered,
-                        copy_bytes=sum(copy_bytes(c.node, config.k_parts) for c in region.consumers),
+                        copy_bytes=sum(copy_bytes(c.node, _as_parts(region, config)) for c in region.consumers),
                         kept_bytes=sum(kept_bytes(c.node) for c in region.consumers), k_parts=_k_parts(region, config))
     sched, preds, top, key, why = plan(
         facts, device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, _replayed(region, config),

@@ -18,14 +18,15 @@ attention's dq/dk/dv) is written straight into its slice by Inductor, no copy; a
 operand is copied (`copy_bytes`).  A reader whose output would change layout on the strided
 slice (other than a transpose feeding matmuls) keeps the operand, which is then copied.
 
-With Config.k_parts the region rewrite (passes/matmul/rewrite.py) hands the op the terms as K parts
-(kernels/ops.k_parts: each piece's product one GEMM per term, added in place), takes both cats
-out again and gives the operands' other readers their operands back (`operand_parts`,
+With K parts (Config.k_parts) the region rewrite (passes/matmul/rewrite.py) hands the op the
+terms (kernels/ops.k_parts: each piece's product one GEMM per term, added in place), takes both
+cats out again and gives the operands' other readers their operands back (`operand_parts`,
 `drop_cats`): the cats only serve to find and price the region as one matmul, and the copies
-they would cost (the stacked weights: ~90 us a layer for w1/w3 at TP 2, seq 8192; and
-SwiGLU's backward writing into the strided cat, +30%) are not paid.
-Only `fused` multiplies the parts concatenated, inside the op.  Off by default: a TP=2
-training step runs the same either way (docs/architecture.md, "Measurements behind the constants").
+they would cost (the stacked weights, ~55 us a layer for w1/w3 at TP 2 and 8192 rows on H200;
+SwiGLU's backward writing into the strided cat, 2.1x its own time) are not paid; each term
+after the first costs a pass over the product instead.  By default ("auto") a region takes
+the parts where they move fewer bytes (`parts_pay`).  Only `fused` multiplies the parts
+concatenated, inside the op.
 
 The rewrite is a bet on the region: it pays only where an op of ours takes the fused matmul.
 Where the region is kept as compiled (its chosen schedule is `sequential`, or it was not
@@ -303,6 +304,32 @@ def k_parts(mm: Node) -> tuple[int, ...]:
     """The K of each term where the op takes them as K parts (RegionShape.k_parts; () : not)."""
     terms = operand_parts(mm)
     return tuple(size_hint(val(x).shape[-1]) for x, _ in terms) if terms else ()
+
+
+def parts_pay(mm: Node) -> bool:
+    """Config.k_parts="auto": whether the op takes this concat-K matmul's terms as K parts,
+    i.e. whether the parts move fewer bytes than the cats (`parts_cheaper`)."""
+    terms = operand_parts(mm)
+    if not terms:
+        return False
+    out, cat_a = val(mm), mm.args[0]
+    copied = sum(size_hint(val(x).numel()) * val(x).element_size() for x, _ in terms if not _in_place(x, cat_a))
+    stacked = size_hint(val(mm.args[1]).numel()) * val(mm.args[1]).element_size()
+    m, n = size_hint(out.numel()) // size_hint(out.shape[-1]), size_hint(out.shape[-1])
+    return parts_cheaper(m, n, out.element_size(), len(terms), stacked + copied)
+
+
+def parts_cheaper(m: int, n: int, out_bytes: int, terms: int, cat_bytes: int) -> bool:
+    """K parts against the cats, in bytes moved per call.  The parts: every term after the
+    first is a GEMM that reads and writes the (m, n) product again (beta = 1).  The cats: the
+    stacked weights and each A operand Inductor cannot compute in its slice (cat_bytes) are
+    read and written once more.  At a Llama-3-8B layer's TP=2 backward (8192 rows) the w1/w3
+    sum (two terms of K 7168, stacked weights 117 MB) takes parts (134 MB of product traffic
+    against 235 MB of weight copy), the q/k/v sum (three terms of K 2048/512/512, 25 MB) keeps
+    its cats (268 MB against 50 MB), and a decode step's short rows always take parts.  Not
+    counted, and only in the parts' favour: a pointwise producer writing into its slice of the
+    cat can run slower than on its own (SwiGLU's backward: 2.1x, 290 against 135 us on H200)."""
+    return (terms - 1) * 2 * m * n * out_bytes < 2 * cat_bytes
 
 
 def drop_cats(graph: Graph, cat_a: Node, cat_w: Node, undo: "_Undo") -> None:
