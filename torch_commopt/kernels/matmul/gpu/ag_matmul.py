@@ -150,15 +150,17 @@ def _gather_and_multiply(rt, a, sched: Schedule, mm: Products, lay, pieces, gath
             driver.memcpy_async(side, dst_ptr + lo * row_bytes, src_ptr + lo * row_bytes, (hi - lo) * row_bytes)
             rt.signal(side, p, data_index(half, rank, c), 1)
 
-    if sched.param("gemm") == "whole":
-        _consume_whole(call, slots, cur)
-    elif sched.name == "fused":
-        _consume_fused(call, slots, sched)
+    if sched.param("gemm") == "whole" or sched.name == "fused":
+        if sched.name == "fused":
+            _consume_fused(call, slots, sched)
+        else:
+            _consume_whole(call, slots, cur)
+        if gathered is not None:
+            _gathered(call, slots, gathered, side)
     else:
         slot_of = functools.partial(_source_slot, buf, rank, base, m_loc, k, row_bytes, a.dtype)
-        _consume_cublas(call, slot_of, cur, rt.compute2 if sched.param("par") else None)
-    if gathered is not None:
-        _gathered(call, slots, gathered, side)
+        landed = None if gathered is None else functools.partial(_gather_landed, call, slots, gathered, side)
+        _consume_cublas(call, slot_of, cur, rt.compute2 if sched.param("par") else None, landed)
     rt.after(cur, side)
     rt.done_reading(cur, half, len(pieces))
     if debug:
@@ -172,10 +174,12 @@ def _source_slot(buf, rank: int, base: int, m_loc: int, k: int, row_bytes: int, 
     return buf.view(rank, base + src * m_loc * row_bytes, (m_loc, k), dtype)
 
 
-def _consume_cublas(call: _Gather, slot_of, cur, second=None):
+def _consume_cublas(call: _Gather, slot_of, cur, second=None, landed=None):
     """cuBLAS per piece; slot_of(src): source src's (M_loc, K) slot.  second (par=1): the peers'
     pieces run on that stream, so their GEMMs can share the SMs with the own shard's (the GEMMs
-    write disjoint rows).  call.mm.sc: each piece is a scaled (float8) product."""
+    write disjoint rows).  call.mm.sc: each piece is a scaled (float8) product.  landed(stream,
+    src, first): called once each source's last piece has landed, right before that piece's
+    GEMMs are queued on `stream` (`_gather_landed`)."""
     rt, mm, lay = call.rt, call.mm, call.lay
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in mm.outs]
@@ -185,11 +189,14 @@ def _consume_cublas(call: _Gather, slot_of, cur, second=None):
         rt.after(second, cur)  # the outputs were allocated on the caller's stream
     # Own shard first, as one GEMM: it needs nothing from the peers.
     _piece_matmuls(call.a2, full, wide, mm, lay, rank, 0, lay.local_rows)
+    last = len(call.pieces) - 1
     with contextlib.nullcontext() if second is None else torch.cuda.stream(second):
-        for src in rt.sources:
+        for i, src in enumerate(rt.sources):
             slot = slot_of(src)
             for c, (lo, hi) in enumerate(call.pieces):
                 rt.wait(peers, data_index(call.half, src, c), 1, debug=call.debug, what="chunk", src=src, chunk=c)
+                if c == last and landed is not None:
+                    landed(peers, src, i == 0)
                 _piece_matmuls(piece_rows(slot, lo, hi), full, wide, mm, lay, src, lo, hi)
     if second is not None:
         rt.after(cur, second)
@@ -289,26 +296,46 @@ def launch_fused(a2, slots2, mm: Products, at: Arrivals, params, debug=False):
 
 
 def _gathered(call: _Gather, slots, gathered, side):
-    """The all-gathered input, assembled by the copy engine off the critical path: rank s's
-    rows are one run of lin rows in every outer block of `gathered`, one 2-D copy (a
-    contiguous one at outer == 1) from its shard, addressed without a view of either."""
-    rt, a2, lay, half, debug = call.rt, call.a2, call.lay, call.half, call.debug
+    """The all-gathered input, assembled by the copy engine off the critical path (for the
+    consumers that queue no GEMM per source: `fused`, gemm=whole); the side stream waits for
+    each peer's last flag itself.  The cuBLAS consumer starts these copies at its GEMMs
+    instead (`_gather_landed`)."""
     last = len(call.pieces) - 1
+    _gather_rows(call, slots, gathered, side, call.rt.rank)
+    for src in call.rt.sources:  # pieces from one peer land in order: the last flag covers the slot
+        call.rt.wait(side, data_index(call.half, src, last), 1, debug=call.debug, what="chunk", src=src, chunk=last)
+        _gather_rows(call, slots, gathered, side, src)
+    return gathered
+
+
+def _gather_landed(call: _Gather, slots, gathered, side, stream, src: int, first: bool) -> None:
+    """Source src's rows into `gathered` (and this rank's own rows with the first source), on
+    the side stream once `stream` has seen them land: queued right before the GEMMs that read
+    them, so the copies run while those GEMMs do.  A device-local copy holds back the start of
+    every kernel queued behind it on the GPU until it ends (2026-11-30, H200: a 24 us GEMM
+    waited for a 33 MB copy on another stream to finish), so it must start under a long
+    kernel, not between two."""
+    call.rt.after(side, stream)
+    if first:
+        _gather_rows(call, slots, gathered, side, call.rt.rank)
+    _gather_rows(call, slots, gathered, side, src)
+
+
+def _gather_rows(call: _Gather, slots, gathered, side, src: int) -> None:
+    """Rank src's rows of the all-gathered input, queued on `side`: one run of lin rows in
+    every outer block of `gathered`, one 2-D copy (a contiguous one at outer == 1) from its
+    shard (this rank's input, or its slot), addressed without a view of either."""
+    rt, a2, lay = call.rt, call.a2, call.lay
     run = lay.lin * a2.shape[-1] * a2.element_size()  # bytes of one rank's rows in one outer block
     pitch = lay.world * run
-    for src in [rt.rank] + rt.sources:
-        if src != rt.rank:
-            # Pieces from one peer land in order, so the last flag covers the whole slot.
-            rt.wait(side, data_index(half, src, last), 1, debug=debug, what="chunk", src=src, chunk=last)
-        shard = a2.data_ptr() if src == rt.rank else slots.data_ptr() + src * lay.outer * run  # (M_loc, K) each
-        if lay.outer == 1:
-            driver.memcpy_async(side, gathered.data_ptr() + src * run, shard, run)
-        elif pitch <= symm.MAX_PITCH:
-            driver.memcpy2d_async(side, gathered.data_ptr() + src * run, pitch, shard, run, run, lay.outer)
-        else:
-            rt.copy(side, lay.block_rows(gathered.view(-1, a2.shape[-1]), src, 0, lay.local_rows),
-                    a2 if src == rt.rank else slots[src])
-    return gathered
+    shard = a2.data_ptr() if src == rt.rank else slots.data_ptr() + src * lay.outer * run  # (M_loc, K) each
+    if lay.outer == 1:
+        driver.memcpy_async(side, gathered.data_ptr() + src * run, shard, run)
+    elif pitch <= symm.MAX_PITCH:
+        driver.memcpy2d_async(side, gathered.data_ptr() + src * run, pitch, shard, run, run, lay.outer)
+    else:
+        rt.copy(side, lay.block_rows(gathered.view(-1, a2.shape[-1]), src, 0, lay.local_rows),
+                a2 if src == rt.rank else slots[src])
 
 
 def _pad3(xs):
