@@ -15,7 +15,8 @@ Reported as errors:
   too (calls whose slot layouts differ
   reuse the same bytes under different flags);
 - Early read: a copy by rank p out of a buffer p's op owns (the attention's; the matmul
-  schedules' kernels write the shared one unseen) from bytes that no copy has
+  schedules' kernels write the shared one unseen, so it is checked there only where asked:
+  simulate(shared_reads=True), for calls whose every write into it is a copy) from bytes that no copy has
   put there since p last lowered the flag of the piece they held (landed pieces, waited for or
   not, and p's own local copies count) -- a piece read before it landed, which a wait on the
   wrong flag or value lets happen in some interleavings;
@@ -71,7 +72,7 @@ def _token(index: int) -> bool:
 
 
 class Machine:
-    def __init__(self, runtimes, seed: int):
+    def __init__(self, runtimes, seed: int, shared_reads: bool = False):
         self.runtimes, self.rng = runtimes, random.Random(seed)
         self.mem: dict[tuple[int, int], int] = defaultdict(int)
         for rank in range(len(runtimes)):  # every token starts free
@@ -94,6 +95,9 @@ class Machine:
         # checked there (the matmul schedules' kernels store into the shared one unseen)
         self.owned = [[(b.local.data_ptr(), b.nbytes) for bufs in getattr(rt, "owned", {}).values()
                        for b in bufs[:1]] for rt in runtimes]
+        if shared_reads:  # the shared buffer too (its every write a recorded copy: ag_matmul's calls)
+            self.owned = [spans + [(rt.buffers[0].local.data_ptr(), rt.buffers[0].nbytes)]
+                          for spans, rt in zip(self.owned, runtimes)]
 
     def ready(self, rank: int, op) -> bool:
         kind = op[0]
@@ -226,9 +230,10 @@ def _describe(op) -> tuple:
     return op[1:]
 
 
-def simulate(queue, runtimes, seed: int) -> None:
+def simulate(queue, runtimes, seed: int, shared_reads: bool = False) -> None:
     """Run `queue` (fake_cuda's) on a machine of len(runtimes) GPUs; raise on a deadlock, a
-    race or flags not at rest."""
-    machine = Machine(runtimes, seed)
+    race or flags not at rest.  shared_reads: copies out of the shared symmetric buffer are
+    checked for early reads too (module docstring)."""
+    machine = Machine(runtimes, seed, shared_reads)
     machine.run(queue)
     machine.check_at_rest()

@@ -77,6 +77,29 @@ def test_the_protocol_neither_deadlocks_nor_races_and_comes_to_rest(world, seque
     assert all(not rt._untaken for rt in runtimes)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence", ["ag", "outer blocks ag"])
+def test_the_gathered_copies_read_only_landed_pieces(world, sequence):
+    # ag_matmul's kept gathered input is copied out of the slots by the side stream, ordered
+    # after the consumer's flag waits by an event (the cuBLAS consumer) or by waits of its own
+    names = [n for n in SEQUENCES[sequence.removesuffix(" ag")] if n.startswith("ag")]
+    queue, runtimes = _queue(world, names)
+    for seed in range(12):
+        simulate(queue, runtimes, seed, shared_reads=True)
+
+
+def test_gathered_copies_not_ordered_after_the_flag_waits_read_early(monkeypatch):
+    def unordered(call, slots, gathered, side, stream, src, first):  # _gather_landed without its event
+        if first:
+            agm._gather_rows(call, slots, gathered, side, call.rt.rank)
+        agm._gather_rows(call, slots, gathered, side, src)
+    monkeypatch.setattr(agm, "_gather_landed", unordered)
+    queue, runtimes = _queue(2, ["ag ce_push:1", "ag ce_push:2"])
+    with pytest.raises(Race, match="before any piece landed"):
+        for seed in range(40):
+            simulate(queue, runtimes, seed, shared_reads=True)
+
+
 def test_a_token_never_given_back_deadlocks_the_next_call_on_that_half(monkeypatch):
     def forgetful(self, stream, half, chunks, *, phases=1):
         for src in self.sources:  # lowers the flags, keeps the tokens
