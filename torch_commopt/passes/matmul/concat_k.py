@@ -22,9 +22,9 @@ With K parts (Config.k_parts) the region rewrite (passes/matmul/rewrite.py) hand
 terms (kernels/ops.k_parts: each piece's product one GEMM per term, added in place), takes both
 cats out again and gives the operands' other readers their operands back (`operand_parts`,
 `drop_cats`): the cats only serve to find and price the region as one matmul, and the copies
-they would cost (the stacked weights, ~55 us a layer for w1/w3 at TP 2 and 8192 rows on H200;
-SwiGLU's backward writing into the strided cat, 2.1x its own time) are not paid; each term
-after the first costs a pass over the product instead.  By default ("auto") a region takes
+they would cost (the stacked weights; a pointwise producer such as SwiGLU's backward writing
+into the strided cat) are not paid; each term after the first costs a pass over the product
+instead.  By default ("auto") a region takes
 the parts where they move fewer bytes (`parts_pay`).  Only `fused` multiplies the parts
 concatenated, inside the op.
 
@@ -328,7 +328,8 @@ def parts_cheaper(m: int, n: int, out_bytes: int, terms: int, cat_bytes: int) ->
     against 235 MB of weight copy), the q/k/v sum (three terms of K 2048/512/512, 25 MB) keeps
     its cats (268 MB against 50 MB), and a decode step's short rows always take parts.  Not
     counted, and only in the parts' favour: a pointwise producer writing into its slice of the
-    cat can run slower than on its own (SwiGLU's backward: 2.1x, 290 against 135 us on H200)."""
+    cat can run slower than on its own (SwiGLU's backward: docs/architecture.md, "Measurements
+    behind the constants")."""
     return (terms - 1) * 2 * m * n * out_bytes < 2 * cat_bytes
 
 

@@ -312,9 +312,9 @@ def _gather_landed(call: _Gather, slots, gathered, side, stream, src: int, first
     """Source src's rows into `gathered` (and this rank's own rows with the first source), on
     the side stream once `stream` has seen them land: queued right before the GEMMs that read
     them, so the copies run while those GEMMs do.  A device-local copy holds back the start of
-    every kernel queued behind it on the GPU until it ends (2026-11-30, H200: a 24 us GEMM
-    waited for a 33 MB copy on another stream to finish), so it must start under a long
-    kernel, not between two."""
+    every kernel queued behind it on the GPU until it ends, whatever its stream (a kernel
+    already running goes on), so it must start under a long kernel, not between two
+    (docs/gpu-schedules.md#why-the-copy-engine-produces-and-cublas-consumes)."""
     call.rt.after(side, stream)
     if first:
         _gather_rows(call, slots, gathered, side, call.rt.rank)
