@@ -48,6 +48,9 @@ def test_config_round_trips_through_json():
     ({"extra_inductor_options": {"no_such_inductor_option": 1}}, "Config.extra_inductor_options"),
     ({"fx_graph_cache": "yes"}, "Config.fx_graph_cache"),
     ({"k_parts": "yes"}, "Config.k_parts"),
+    ({"mesh2d_axis_schedule": "ce_push:1:par=1"}, "Config.mesh2d_axis_schedule"),
+    ({"mesh2d_axis_schedule": "nope:2"}, "Config.mesh2d_axis_schedule"),
+    ({"mesh2d_axis_schedule": 1}, "Config.mesh2d_axis_schedule"),
     ({"k_parts": 1}, "Config.k_parts"),
 ])
 def test_bad_options_raise_value_error_naming_the_field(options, field):

@@ -39,14 +39,14 @@ def test_progress_without_a_bar_logs_and_a_hidden_one_is_silent(caplog, capsys):
     assert capsys.readouterr().err == ""
 
 
-def _two_axis_matmul(rank: int, world: int, slices=(None,), linear: bool = False) -> list:
+def _two_axis_matmul(rank: int, world: int, slices=(None,), linear: bool = False, axis: str = "") -> list:
     """relu(X W).sum() with X and W sharded over both dims of a 2 x 2 mesh (DTensor gathers X
     along the columns and W along the rows; the backward gathers along both too), forward and
     backward, once per entry of `slices` (Config.mesh2d_slices).  linear: relu(F.linear(X, W)).sum()
     with W [N, K] (DTensor gathers X's rows along the mesh's dim 0 and reduce-scatters the product
-    along dim 1; the gathered X is saved for the backward).  Per entry (seconds of the compile and
-    first step, the loss's and the gradients' largest errors against eager, the regions rewritten
-    as (kind, schedule), the explain notes)."""
+    along dim 1; the gathered X is saved for the backward); axis: Config.mesh2d_axis_schedule.  Per
+    entry (seconds of the compile and first step, the loss's and the gradients' largest errors
+    against eager, the regions rewritten as (kind, schedule), the explain notes)."""
     import time
 
     import torch
@@ -76,7 +76,8 @@ def _two_axis_matmul(rank: int, world: int, slices=(None,), linear: bool = False
         torch_commopt.reset_explain()
         t0 = time.perf_counter()
         got = step(torch.compile(loss_of, backend="commopt",
-                                 options={"consistency_timeout_s": 20.0, "mesh2d_slices": s}))
+                                 options={"consistency_timeout_s": 20.0, "mesh2d_slices": s,
+                                          "mesh2d_axis_schedule": axis}))
         seconds = time.perf_counter() - t0
         graphs = torch_commopt.explain().graphs
         out.append((seconds, [(g - e).abs().max().item() for g, e in zip(got, want, strict=True)],
@@ -123,4 +124,16 @@ def test_an_f_linear_on_a_2d_mesh_is_meshslices_rs_and_keeps_the_gathered_rows_f
         assert schedules == ["meshslice:rs:S=2", "collective (S=1)", "collective (S=1)"], (rank, schedules)
         assert [n for n in runs[2][3] if "not SUMMA" in n], runs[2][3]
         for _, errors, _, notes in runs:
+            assert max(errors) < 1e-9 and not [n for n in notes if "NOT rewritten" in n], (rank, errors, notes)
+
+
+def test_a_per_axis_schedule_runs_the_rs_region_and_os_keeps_c10d():
+    """Config.mesh2d_axis_schedule: F.linear's region (rs) runs each slice's GEMM + reduce-scatter
+    as the 1-D op with that schedule; X @ W's (os) reduces nothing and keeps c10d's gathers, noted.
+    Loss and gradients as eager's."""
+    for linear, want in ((True, "meshslice:rs:S=2, ce_push:1 per axis"), (False, "meshslice:os:S=2")):
+        for rank, [(_, errors, rewritten, notes)] in enumerate(
+                run_distributed(_two_axis_matmul, 4, (2,), linear, "ce_push:1", timeout_s=300)):
+            assert dict(rewritten)["gemm_2d"] == want, (rank, rewritten)
+            assert linear or [n for n in notes if "not ce_push:1 per axis" in n], (rank, notes)
             assert max(errors) < 1e-9 and not [n for n in notes if "NOT rewritten" in n], (rank, errors, notes)

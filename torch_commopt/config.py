@@ -58,6 +58,7 @@ class Config:
     call_graphs: bool | str = False  # eager GPU schedules replayed from per-call CUDA graphs (True or "all")
     host_bound_graphs: str = "overlap"  # "inductor": leave a graph whose host is behind its GPU to Inductor
     mesh2d_slices: int | None = None  # gemm_2d regions' slice count S (1: Collective, 0: SUMMA); None: the model
+    mesh2d_axis_schedule: str = ""  # ls/rs gemm_2d regions: each slice's GEMM + reduce-scatter as this matmul_rs schedule
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str):
@@ -95,6 +96,16 @@ class Config:
             _check_type("mesh2d_slices", self.mesh2d_slices, int)
             if self.mesh2d_slices < 0:
                 raise ValueError(f"Config.mesh2d_slices: must be >= 0 (0: SUMMA) or None, got {self.mesh2d_slices}")
+        if not isinstance(self.mesh2d_axis_schedule, str):
+            raise ValueError(f"Config.mesh2d_axis_schedule: expected a string, got {self.mesh2d_axis_schedule!r}")
+        if self.mesh2d_axis_schedule:
+            try:
+                axis = Schedule.parse(self.mesh2d_axis_schedule)
+            except ValueError as e:
+                raise ValueError(f"Config.mesh2d_axis_schedule: {str(e).removeprefix('schedule: ')}") from e
+            if not axis.valid_for("matmul_rs"):
+                raise ValueError(f"Config.mesh2d_axis_schedule: {self.mesh2d_axis_schedule!r} is not a matmul_rs "
+                                 "schedule")
         if isinstance(self.patterns, (list, str)):
             object.__setattr__(self, "patterns", tuple([self.patterns] if isinstance(self.patterns, str) else self.patterns))
         unknown = [p for p in self.patterns if p not in PATTERNS]

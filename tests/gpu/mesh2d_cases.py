@@ -53,10 +53,11 @@ def run_gemm_2d(rank: int, world: int, linear: bool, slices: tuple) -> list:
     return out
 
 
-def run_ops_2d(rank: int, world: int, slices: tuple) -> list:
+def run_ops_2d(rank: int, world: int, slices: tuple, axes: tuple = ("",)) -> list:
     """commopt's 2D GEMM op itself (no DTensor) on bf16 CUDA blocks of a 2 x 2 mesh, every dataflow
-    in each slice count: [(kind, S, the op's relative error, one GPU's bf16 product's)] against
-    the float64 product's block, both within this rank's block."""
+    in each slice count, ls and rs also with each per-axis schedule of `axes` ("": c10d's
+    reduce-scatter): [(kind, S, the op's relative error, one GPU's bf16 product's)] against the
+    float64 product's block, both within this rank's block."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("rows", "cols"))
@@ -76,7 +77,8 @@ def run_ops_2d(rank: int, world: int, slices: tuple) -> list:
         want = block(product(a.double(), b.double()))
         one_gpu = block(product(a.to(torch.bfloat16), b.to(torch.bfloat16)))
         for s in slices:
-            got = torch.ops.commopt.gemm_2d(block(a).to(torch.bfloat16), block(b).to(torch.bfloat16), kind, s, 2, 2,
-                                            rows, cols)[0]
-            out.append((kind, s, _rel(got, want), _rel(one_gpu, want)))
+            for axis in axes if kind != "os" else ("",):
+                got = torch.ops.commopt.gemm_2d(block(a).to(torch.bfloat16), block(b).to(torch.bfloat16), kind, s,
+                                                2, 2, rows, cols, False, axis)[0]
+                out.append((f"{kind} {axis}".strip(), s, _rel(got, want), _rel(one_gpu, want)))
     return out

@@ -41,9 +41,12 @@ def test_the_2d_gemm_op_matches_float64_within_one_gpus_own_error(four_ranks):
     """commopt's gemm_2d on bf16 CUDA blocks, every dataflow, MeshSlice's S = 2 and 4 and the
     Collective 2D GEMM (S = 1), called directly: where four ranks share one GPU (gloo, whose
     collectives the reference kernels stage through host memory) this is the GPU check of the
-    2D GEMMs' numerics that DTensor's programs cannot run (the test above)."""
+    2D GEMMs' numerics that DTensor's programs cannot run (the test above).  ls and rs also with
+    each slice's GEMM + reduce-scatter as the 1-D GPU schedule ce_push:1 on the reducing axis
+    (Config.mesh2d_axis_schedule)."""
     world, backend = four_ranks
-    for rank, cases in enumerate(run_distributed(run_ops_2d, world, (1, 2, 4), backend=backend, timeout_s=300)):
-        assert len(cases) == 9, (rank, cases)
+    for rank, cases in enumerate(run_distributed(run_ops_2d, world, (1, 2, 4), ("", "ce_push:1"), backend=backend,
+                                                 timeout_s=300)):
+        assert len(cases) == 3 + 2 * 3 * 2, (rank, cases)
         bad = [(kind, s, got, one) for kind, s, got, one in cases if not within_tolerance(got, one)]
         assert not bad, (rank, bad)

@@ -75,3 +75,29 @@ def run_gemms_staged(rank: int, world: int, shape: tuple[int, int], slices: tupl
 
     collectives.staged = lambda t, group: True
     return run_gemms(rank, world, shape, slices)
+
+
+def run_axis_schedules(rank: int, world: int, shape: tuple[int, int], schedules: tuple[str, ...]) -> dict[str, float]:
+    """{case: max abs error} of commopt's 2D GEMM op (kernels/mesh2d/ops.py) for ls and rs in 1
+    and 2 slices, each slice's GEMM + reduce-scatter run as the 1-D op with each per-axis
+    schedule (its reference twin on gloo), against the unsharded float64 product."""
+    import torch_commopt  # noqa: F401  (registers the commopt ops)
+
+    mesh = init_device_mesh("cpu", shape)
+    rows, cols = mesh.get_group(0).group_name, mesh.get_group(1).group_name
+    block = _blocks(shape, rank)
+    rc = shape[0] * shape[1]
+    m, k, n = 16 * rc, 32 * rc, 24 * rc
+    gen = torch.Generator().manual_seed(5)
+    x, w_t, x_t, w = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((m, k), (n, k), (k, m), (k, n)))
+    errors = {}
+    for axis in schedules:
+        for s in (1, 2):
+            ls = torch.ops.commopt.gemm_2d(block(x), block(w_t), "ls", s, *shape, rows, cols, False, axis)[0]
+            rs, gathered = torch.ops.commopt.gemm_2d(block(x_t), block(w), "rs", s, *shape, rows, cols, True, axis)
+            errors[f"ls S={s} {axis}"] = (ls - block(x @ w_t.T)).abs().max().item()
+            errors[f"rs S={s} {axis}"] = (rs - block(x_t.T @ w)).abs().max().item()
+            # rs hands back X's rows gathered along cols: [M, K/R], this rank's column block of X
+            want_gathered = x_t.T[:, (rank // shape[1]) * (k // shape[0]):(rank // shape[1] + 1) * (k // shape[0])]
+            errors[f"rs S={s} {axis} gathered"] = (gathered - want_gathered).abs().max().item()
+    return errors

@@ -4,7 +4,7 @@ the FC layer forward and backward in every dataflow and its transposed form (two
 rank's blocks against the unsharded float64 products and autograd's gradients."""
 
 import pytest
-from mesh2d_programs import run_gemms, run_gemms_staged
+from mesh2d_programs import run_axis_schedules, run_gemms, run_gemms_staged
 
 from torch_commopt.testing.launch import run_distributed
 
@@ -56,3 +56,25 @@ def test_the_fc_layer_runs_the_gemms_the_model_prices():
         stored = {"x": x_of[form], "w": w_of[form], "dy": "OB" if form[1] else "BO"}
         got = tuple((kind, mnk[kind](stored[left], stored[right])) for kind, left, right in gemms)
         assert got == tuple(_LAYER_GEMMS[form]), form
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_per_axis_schedules_give_the_same_2d_products(shape):
+    """ls and rs with each slice's GEMM + reduce-scatter as the 1-D matmul_rs op on the reducing
+    axis (Config.mesh2d_axis_schedule): the unsharded product, as with c10d's reduce-scatter."""
+    schedules = ("", "ce_push:1", "ce_pull:2")
+    for rank, errors in enumerate(run_distributed(run_axis_schedules, shape[0] * shape[1], shape, schedules,
+                                                  timeout_s=300)):
+        assert len(errors) == len(schedules) * 2 * 3, errors
+        bad = {k: e for k, e in errors.items() if not e < 1e-10}
+        assert not bad, (rank, bad)
+
+
+def test_a_per_axis_schedule_is_refused_where_it_cannot_run():
+    from torch_commopt.kernels.mesh2d.ops import axis_schedule_error
+
+    assert axis_schedule_error("rs", 2, "") is None and axis_schedule_error("ls", 1, "ce_push:1") is None
+    assert "not os" in axis_schedule_error("os", 2, "ce_push:1")
+    assert "SUMMA" in axis_schedule_error("rs", 0, "ce_push:1")
+    assert "not a matmul_rs schedule" in axis_schedule_error("rs", 2, "ce_push:1:par=1")
+    assert axis_schedule_error("rs", 2, "bogus:1") is not None

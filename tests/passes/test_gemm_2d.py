@@ -72,7 +72,7 @@ def test_the_rewrite_leaves_one_op_and_no_collective():
     targets = [n.target for n in g.nodes if n.op == "call_function"]
     assert targets == [torch.ops.commopt.gemm_2d.default, operator.getitem]
     op = node.args[0]
-    assert op.args[2:] == ("os", 4, 2, 2, "rows", "cols", False) and list(node.meta["val"].shape) == [16, 24]
+    assert op.args[2:] == ("os", 4, 2, 2, "rows", "cols", False, "") and list(node.meta["val"].shape) == [16, 24]
 
 
 def _linear_graph(x_block=(16, 32), b_block=(32, 24), mesh=(2, 2), keep=False):

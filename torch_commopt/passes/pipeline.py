@@ -128,7 +128,7 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         log.debug("commopt: all-reduce split analysis failed: %s", e)
     try:
         regions2d = _find_2d(graph, config, report)
-        regions = _find_regions(graph, config, report, {r.mm for r, _ in regions2d})
+        regions = _find_regions(graph, config, report, {r.mm for r, *_ in regions2d})
         if regions and _left_host_bound(graph, regions, config, report):
             regions = []
         edges = _region_edges(regions, config)
@@ -143,16 +143,16 @@ def run_commopt_pass(graph: Graph, config: Config, *, is_inference: bool | None 
         log.exception("commopt: analysis of graph %d failed; graph left untouched", report.graph_id)
         report.notes.append(f"NOT rewritten: analysis failed ({type(e).__name__}: {e})")
         regions, schedules, regions2d = [], [], []
-    decisions = [_decision(r, s) for r, s in zip(regions, schedules)] + [_decision_2d(r, s) for r, s in regions2d]
+    decisions = [_decision(r, s) for r, s in zip(regions, schedules)] + [_decision_2d(r, s, a) for r, s, a in regions2d]
     report.plan_hash = consistency.plan_hash(decisions)
     if (regions or regions2d) and not _ranks_agree(graph, regions, decisions, report, config, regions2d):
         regions, schedules, regions2d = [], [], []
     replaced, rewritten = {}, 0
-    for region, slices in regions2d:
-        rewrite_gemm_2d(graph, region, slices)
+    for region, slices, axis in regions2d:
+        rewrite_gemm_2d(graph, region, slices, axis)
         rewritten += 1
         report.regions.append(explain.RegionReport(region.kind, region.mm.name, region.summary(),
-                                                   schedule_2d(slices, region.dataflow), "rewritten"))
+                                                   schedule_2d(slices, region.dataflow, axis), "rewritten"))
     for region, schedule in zip(regions, schedules):
         if _keep_as_compiled(region, schedule, config):
             report.regions.append(explain.RegionReport(
@@ -243,9 +243,9 @@ def _keep_as_compiled(region: Region, schedule: Schedule, config: Config) -> boo
     return schedule.name == "sequential" and not (fixed is not None and fixed.valid_for(region.kind))
 
 
-def _find_2d(graph: Graph, config: Config, report: explain.GraphReport) -> list[tuple[Region2D, int]]:
-    """The graph's 2D GEMMs (passes/matmul/gemm_2d.py), each with its slice count: the
-    config's, or the cost model's (noted with its estimates)."""
+def _find_2d(graph: Graph, config: Config, report: explain.GraphReport) -> list[tuple[Region2D, int, str]]:
+    """The graph's 2D GEMMs (passes/matmul/gemm_2d.py), each with its slice count (the
+    config's, or the cost model's, noted with its estimates) and per-axis schedule (`_axis`)."""
     if "gemm_2d" not in config.patterns:
         return []
     found, skipped = find_gemm_2d(graph)
@@ -264,8 +264,21 @@ def _find_2d(graph: Graph, config: Config, report: explain.GraphReport) -> list[
             est = ", ".join(f"S={s} {t * 1e3:.3f} ms" for s, t in sorted(times.items()))
             report.notes.append(f"gemm_2d {region.mm.name}: MeshSlice {region.dataflow} on {region.rows}x{region.cols}, "
                                 f"picked S = {slices} (model: {est})")
-        out.append((region, slices))
+        out.append((region, slices, _axis(region, slices, config, report)))
     return out
+
+
+def _axis(region: Region2D, slices: int, config: Config, report: explain.GraphReport) -> str:
+    """Config.mesh2d_axis_schedule where the region can take it (ls and rs, sliced or
+    Collective), else "" with the reason noted."""
+    from torch_commopt.kernels.mesh2d.ops import axis_schedule_error
+
+    axis = config.mesh2d_axis_schedule
+    why = axis_schedule_error(region.dataflow, slices, axis)
+    if why is not None:
+        report.notes.append(f"gemm_2d {region.mm.name}: c10d's collectives, not {axis} per axis ({why})")
+        return ""
+    return axis
 
 
 def _find_regions(graph: Graph, config: Config, report: explain.GraphReport, taken=frozenset()) -> list[Region]:
@@ -659,7 +672,7 @@ def _ranks_agree(graph: Graph, regions: list[Region], decisions: list[dict], rep
     # are visited in name order, the same on every rank: no two ranks wait on each other in turn.)
     what = f"plan of graph {report.graph_id} ({report.graph_kind})"
     signature = _collective_signature(graph)
-    groups = {r.group_name for r in regions} | {g for r, _ in regions2d for g in (r.rows_group, r.cols_group)}
+    groups = {r.group_name for r in regions} | {g for r, *_ in regions2d for g in (r.rows_group, r.cols_group)}
     for name in sorted(groups):
         seen = functools.partial(_as_seen_by, name)
         sig = [(target, args[:-1] + [seen(args[-1])] if named else args, shape)
@@ -672,7 +685,7 @@ def _ranks_agree(graph: Graph, regions: list[Region], decisions: list[dict], rep
             log.error("commopt: graph %d left untouched on every rank: %s", report.graph_id, outcome.detail)
             report.notes.append(f"NOT rewritten: {outcome.detail}")
             report.skipped += [Skip(r.kind, r.collective.name, "rank consistency check failed") for r in regions]
-            report.skipped += [Skip(r.kind, r.mm.name, "rank consistency check failed") for r, _ in regions2d]
+            report.skipped += [Skip(r.kind, r.mm.name, "rank consistency check failed") for r, *_ in regions2d]
             return False
     return True
 
@@ -686,13 +699,14 @@ def _decision(region: Region, schedule: Schedule) -> dict:
     return dict(summary, schedule=str(schedule))
 
 
-def _decision_2d(region: Region2D, slices: int) -> dict:
+def _decision_2d(region: Region2D, slices: int, axis: str = "") -> dict:
     """A 2D GEMM's decision as _decision's: its groups (rendered by role for the other groups), shapes
-    and schedule."""
+    and schedule (the per-axis one included)."""
     summary = region.summary()
     summary.pop("matmul")
     groups = summary.pop("groups")
-    return dict(summary, group=groups["rows"], group2=groups["cols"], schedule=schedule_2d(slices, region.dataflow))
+    return dict(summary, group=groups["rows"], group2=groups["cols"],
+                schedule=schedule_2d(slices, region.dataflow, axis))
 
 
 def _collective_signature(graph: Graph) -> list:

@@ -2,12 +2,14 @@
 puts it where a program's per-axis all-gathers feed a matmul), run by the reference schedules
 (reference.py): MeshSlice's sliced GEMM in `slices` slices, 1 being the Collective 2D GEMM, 0 SUMMA.
 
-    gemm_2d(a, b, kind, slices, rows, cols, rows_group, cols_group, return_gathered)
+    gemm_2d(a, b, kind, slices, rows, cols, rows_group, cols_group, return_gathered, axis_schedule)
         -> [this rank's block of the product] (+ [the gathered operand], rs with return_gathered)
 
 kind os, ls or rs (reference.py's module docstring: the stored forms of a and b); rows / cols: the
 mesh's sizes (R ranks along dim 0, C along dim 1), whose groups are rows_group (this rank's column:
-the R ranks along dim 0) and cols_group (its row: the C ranks along dim 1).
+the R ranks along dim 0) and cols_group (its row: the C ranks along dim 1); axis_schedule (ls and
+rs, "": c10d's collectives): a `matmul_rs` schedule that each slice's GEMM and reduce-scatter run
+as, on the reducing axis (reference.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from torch_commopt.core.groups import resolve_group
+from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.mesh2d import reference
 
 # A fragment of the commopt namespace (kernels/matmul/ops.py holds its DEF library); plain
@@ -22,7 +25,7 @@ from torch_commopt.kernels.mesh2d import reference
 # inference graphs, after AOT autograd).
 _LIB = torch.library.Library("commopt", "FRAGMENT")
 _LIB.define("gemm_2d(Tensor a, Tensor b, str kind, int slices, int rows, int cols, str rows_group, "
-            "str cols_group, bool return_gathered=False) -> Tensor[]")
+            "str cols_group, bool return_gathered=False, str axis_schedule=\"\") -> Tensor[]")
 
 
 def out_shape(kind: str, a_shape, b_shape, rows: int, cols: int) -> list[int]:
@@ -43,8 +46,26 @@ def gathered_shape(kind: str, a_shape, cols: int) -> list[int]:
     return [a_shape[1] * cols, a_shape[0]]
 
 
+def axis_schedule_error(kind: str, slices: int, axis_schedule: str) -> str | None:
+    """Why `axis_schedule` cannot run this 2D GEMM (None: it can)."""
+    if not axis_schedule:
+        return None
+    if kind == "os" or slices == 0:
+        return f"a per-axis schedule runs ls and rs sliced GEMMs, not {'SUMMA' if slices == 0 else 'os'}"
+    try:
+        sched = Schedule.parse(axis_schedule)
+    except ValueError as e:
+        return str(e)
+    if not sched.valid_for("matmul_rs"):
+        return f"{axis_schedule!r} is not a matmul_rs schedule"
+    return None
+
+
 def gemm_2d(a: torch.Tensor, b: torch.Tensor, kind: str, slices: int, rows: int, cols: int, rows_group: str,
-            cols_group: str, return_gathered: bool = False) -> list[torch.Tensor]:
+            cols_group: str, return_gathered: bool = False, axis_schedule: str = "") -> list[torch.Tensor]:
+    why = axis_schedule_error(kind, slices, axis_schedule)
+    if why is not None:
+        raise ValueError(f"commopt gemm_2d: axis_schedule {axis_schedule!r}: {why}")
     r, c = resolve_group(rows_group), resolve_group(cols_group)
     if (r.size(), c.size()) != (rows, cols):
         raise ValueError(f"commopt gemm_2d: groups {rows_group} / {cols_group} hold {r.size()} / {c.size()} ranks, "
@@ -55,7 +76,7 @@ def gemm_2d(a: torch.Tensor, b: torch.Tensor, kind: str, slices: int, rows: int,
         if gathered is not None:
             raise ValueError("commopt gemm_2d: SUMMA does not hand back a gathered operand")
         return [reference.summa(kind, a, b, r, c)]
-    out = reference.gemm_2d(kind, a, b, r, c, slices, gathered=gathered)
+    out = reference.gemm_2d(kind, a, b, r, c, slices, gathered=gathered, axis_schedule=axis_schedule)
     return [out] if gathered is None else [out, gathered]
 
 
@@ -63,6 +84,6 @@ _LIB.impl("gemm_2d", gemm_2d, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("commopt::gemm_2d")
-def _gemm_2d_fake(a, b, kind, slices, rows, cols, rows_group, cols_group, return_gathered=False):
+def _gemm_2d_fake(a, b, kind, slices, rows, cols, rows_group, cols_group, return_gathered=False, axis_schedule=""):
     out = [a.new_empty(out_shape(kind, a.shape, b.shape, rows, cols))]
     return out + ([a.new_empty(gathered_shape(kind, a.shape, cols))] if return_gathered else [])

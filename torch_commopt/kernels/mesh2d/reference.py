@@ -19,6 +19,13 @@ order is the same global positions, ascending, whichever axis holds the dimensio
 makes X's and W's gathered K-slices meet, and a reduce-scatter's chunk land in its owner's block.
 Slice s + 1's all-gathers are in flight while slice s multiplies; S = 1 is the Collective 2D
 GEMM (whole-shard collectives, then one GEMM).
+
+Per-axis schedules (`axis_schedule`, ls and rs): each slice's GEMM and its reduce-scatter run as
+one `commopt.matmul_rs` call on the reducing axis's group with that schedule -- the 1-D GPU
+schedules (copy-engine pushes on symmetric memory, the GEMM in pieces beside them) on CUDA, their
+reference twins elsewhere -- while the next slice's all-gather is in flight on the other axis.
+ls's reduce-scatter runs along Y's columns, which the 1-D op does not cut, so it multiplies the
+transposed product (W_s X^T, scattered along its rows) and places each block transposed.
 """
 
 from __future__ import annotations
@@ -59,13 +66,31 @@ def _check(kind: str, slices: int, rows, cols) -> None:
         raise ValueError("mesh2d: a 2D GEMM needs the row and the col group")
 
 
+def _matmul_rs(a: Tensor, w: Tensor, group: dist.ProcessGroup, schedule: str):
+    """a @ w reduce-scattered (sum) along its rows over `group` by the 1-D op with `schedule`:
+    an object with the reduce-scatter's `wait()` (the op has returned it done)."""
+    out = torch.ops.commopt.matmul_rs(a, w, None, 0, "sum", group.size(), group.group_name, schedule)
+    return _Done(out)
+
+
+class _Done:
+    def __init__(self, value: Tensor):
+        self.value = value
+
+    def wait(self) -> Tensor:
+        return self.value
+
+
 def gemm_2d(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist.ProcessGroup, slices: int = 1,
-            gathered: Tensor | None = None) -> Tensor:
+            gathered: Tensor | None = None, axis_schedule: str = "") -> Tensor:
     """This rank's block of the 2D GEMM `kind` (module docstring) of the blocks a and b, in
     `slices` pipelined slices.  gathered (rs only): filled with X's rows gathered along cols,
     [M, K/R] (Xᵀ's slices as they arrive, transposed: what a program that gathers X whole keeps
-    for its backward)."""
+    for its backward).  axis_schedule (ls, rs; "": c10d's reduce-scatter): each slice's GEMM and
+    reduce-scatter as one 1-D `matmul_rs` with this schedule (module docstring)."""
     _check(kind, slices, rows, cols)
+    if axis_schedule and kind == "os":
+        raise ValueError("mesh2d: os reduces nothing; a per-axis schedule is for ls and rs")
     if gathered is not None and kind != "rs":
         raise ValueError(f"mesh2d: only rs hands back its gathered operand, not {kind}")
     if kind == "os":  # a = X [M/R, K/C], b = W [K/R, N/C]
@@ -93,9 +118,10 @@ def gemm_2d(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist
             ws = pending.wait()
             if s + 1 < slices:
                 pending = all_gather(_slice(b, 0, s + 1, slices), 0, rows, async_op=True)
-            scattered.append(reduce_scatter(a @ ws.T, 1, "sum", cols, async_op=True))
+            scattered.append(_matmul_rs(ws, a.T, cols, axis_schedule) if axis_schedule
+                             else reduce_scatter(a @ ws.T, 1, "sum", cols, async_op=True))
         for s, p in enumerate(scattered):
-            _place(out, 1, s, slices, p.wait())
+            _place(out, 1, s, slices, p.wait().T if axis_schedule else p.wait())
         return out
     # rs: a = X stored [K/R, M/C], b = W [K/R, N/C]
     out = b.new_empty(a.shape[1] * cols.size() // rows.size(), b.shape[1])
@@ -106,7 +132,8 @@ def gemm_2d(kind: str, a: Tensor, b: Tensor, rows: dist.ProcessGroup, cols: dist
             pending = all_gather(_slice(a, 1, s + 1, slices), 1, cols, async_op=True)
         if gathered is not None:
             _place(gathered, 0, s, slices, xs.T)
-        scattered.append(reduce_scatter(xs.T @ b, 0, "sum", rows, async_op=True))
+        scattered.append(_matmul_rs(xs.T, b, rows, axis_schedule) if axis_schedule
+                         else reduce_scatter(xs.T @ b, 0, "sum", rows, async_op=True))
     for s, p in enumerate(scattered):
         _place(out, 0, s, slices, p.wait())
     return out

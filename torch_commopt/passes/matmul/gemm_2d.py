@@ -224,14 +224,15 @@ def pick_slices(region: Region2D, cluster: GPUCluster | None = None) -> tuple[in
     return min(s for s, t in times.items() if t <= best * 1.01), times
 
 
-def schedule_2d(slices: int, dataflow: str = "os") -> str:
+def schedule_2d(slices: int, dataflow: str = "os", axis_schedule: str = "") -> str:
     """How explain names a 2D GEMM's schedule."""
-    return "summa" if slices == 0 else "collective (S=1)" if slices == 1 else f"meshslice:{dataflow}:S={slices}"
+    name = "summa" if slices == 0 else "collective (S=1)" if slices == 1 else f"meshslice:{dataflow}:S={slices}"
+    return name + (f", {axis_schedule} per axis" if axis_schedule else "")
 
 
-def rewrite_gemm_2d(graph: Graph, region: Region2D, slices: int) -> Node:
+def rewrite_gemm_2d(graph: Graph, region: Region2D, slices: int, axis_schedule: str = "") -> Node:
     """Replace the region's mm and its collectives by one commopt.gemm_2d call; the node holding
-    its product."""
+    its product.  axis_schedule: the op's (kernels/mesh2d/ops.py; "" for os and SUMMA)."""
     out = region.out
     with graph.inserting_before(region.mm):
         a = region.x
@@ -240,7 +241,7 @@ def rewrite_gemm_2d(graph: Graph, region: Region2D, slices: int) -> Node:
             a.meta["val"] = region.x.meta["val"].permute(1, 0)
         op = graph.call_function(torch.ops.commopt.gemm_2d.default,
                                  (a, region.w, region.dataflow, slices, region.rows, region.cols,
-                                  region.rows_group, region.cols_group, region.keep_gathered))
+                                  region.rows_group, region.cols_group, region.keep_gathered, axis_schedule))
         node = graph.call_function(operator.getitem, (op, 0))
     node.meta.update(out.meta)
     if region.keep_gathered:  # the gathered X's other users (the backward's saved tensor) take the op's copy
