@@ -92,16 +92,16 @@ CHUNKED = {"schedule": "chunked", "chunks": 2}
 KEPT = {"mode": "model", "memory_budget_mib": 0}  # the least-memory plan: every region kept as compiled
 
 
-def block_regions(rank: int, world: int, concat_k: bool, options: dict = CHUNKED):
+def block_regions(rank: int, world: int, concat_k: bool, options: dict = CHUNKED, shape: dict | None = None):
     """A TP+SP Llama block (GQA) compiled with commopt: backward regions, concat-K notes, the
     backward graphs' aten.cat count, and each output's and gradient's error vs eager
-    (validate.check)."""
+    (validate.check).  shape: the block's (default: batch 2, seq 8 W, dim 32, hidden 64, 2 W heads)."""
     from torch_commopt.testing.validate import check
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()
     errors = check("tp_sp_block", {**options, "concat_k": concat_k, "debug": True},
-                   shape={"batch": 2, "seq": 8 * world, "dim": 32, "hidden": 64, "heads": 2 * world})
+                   shape=shape or {"batch": 2, "seq": 8 * world, "dim": 32, "hidden": 64, "heads": 2 * world})
     graphs = torch_commopt.explain().graphs
     backward = [r.kind for g in graphs if g.graph_kind == "backward" for r in g.rewritten]
     notes = [n for g in graphs for n in g.notes if "concat-K" in n]
@@ -110,9 +110,9 @@ def block_regions(rank: int, world: int, concat_k: bool, options: dict = CHUNKED
 
 
 def block_regions_each(rank: int, world: int, configs: list) -> list:
-    """block_regions for each (concat_k, options) of `configs` in one process: one start of the
-    ranks (and of their imports) for a test's several compiles."""
-    return [block_regions(rank, world, concat_k, options) for concat_k, options in configs]
+    """block_regions for each (concat_k, options[, shape]) of `configs` in one process: one start
+    of the ranks (and of their imports) for a test's several compiles."""
+    return [block_regions(rank, world, *config) for config in configs]
 
 
 def _readers(a1, w1, a2, w2, a3, w3):

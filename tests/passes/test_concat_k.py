@@ -41,6 +41,21 @@ def test_tp_sp_block_backward_reductions_become_regions_and_match_eager():
             assert within_tolerance(c, e), f"{name}: commopt error {c:.2e} vs eager {e:.2e}"
 
 
+def test_k_parts_auto_splits_the_w1_w3_sum_and_keeps_the_q_k_v_cats():
+    # 128 rows, dim 32, float32, per rank q/k/v K 16 + 16 + 16 (its operands copied into the cat
+    # here) and w1/w3 K 128 + 128.  q/k/v: two more passes over the 128 x 32 product (64 KiB)
+    # against its cats twice over (6 KiB of weights + 24 KiB of operands: 60 KiB): cats kept.
+    # w1/w3: one more pass (32 KiB) against its 32 KiB weight stack twice over (64 KiB): parts.
+    shape = {"batch": 8, "seq": 16, "dim": 32, "hidden": 256, "heads": 4}
+    configs = [(True, {**CHUNKED, "k_parts": k}, shape) for k in (False, True, "auto")]
+    for (_, _, cats, _), (_, _, cats_p, _), (bwd_a, _, cats_a, errors_a) in run_distributed(
+            block_regions_each, 2, configs, timeout_s=600):
+        assert cats_p < cats_a < cats, (cats_p, cats_a, cats)
+        assert bwd_a.count("matmul_rs") >= 2, bwd_a
+        for name, c, e in errors_a:
+            assert within_tolerance(c, e), f"{name}: commopt error {c:.2e} vs eager {e:.2e}"
+
+
 def test_kept_regions_get_their_sum_of_matmuls_back():
     for (bwd, notes, cats, errors), (bwd0, _, cats0, _) in run_distributed(block_regions_each, 2,
                                                                            [(True, KEPT), (False, KEPT)], timeout_s=600):
