@@ -74,6 +74,8 @@ def _matmul_rs(a: Tensor, w: Tensor, group: dist.ProcessGroup, schedule: str):
 
 
 class _Done:
+    """A finished collective's result behind c10d's `wait()`, so both kinds of slice read alike."""
+
     def __init__(self, value: Tensor):
         self.value = value
 
