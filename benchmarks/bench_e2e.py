@@ -66,7 +66,7 @@ from benchmarks import comm_free  # noqa: E402
 from benchmarks.common import result_stem, write_report  # noqa: E402
 from benchmarks.compiled_variants import allow_entries, check_unchanged, compile_counts  # noqa: E402
 from benchmarks.gpu_clocks import ClockSampler  # noqa: E402
-from benchmarks.step_profile import breakdown, format_idle, split  # noqa: E402
+from benchmarks.step_profile import breakdown, format_idle, kernel_differences, split  # noqa: E402
 from torch_commopt.core import env  # noqa: E402
 from torch_commopt.testing.launch import run_distributed  # noqa: E402
 from torch_commopt.testing.validate import check_shape  # noqa: E402
@@ -444,6 +444,11 @@ def report(rows: list[dict], meta: dict) -> str:
         lines += ["", "GPU clocks while the profiled steps (and their lead) ran (nvidia-smi every 20 ms; as "
                   "above):", ""]
         lines += _clock_lines(rows, "profile_gpu_clocks")
+    kernels = _kernel_lines(rows)
+    if kernels:
+        lines += ["", "Kernels whose time differs most from the comm-free bound's, by name (the profiled steps, "
+                  "rank 0; what the categories hide: a kernel of the same name running longer, one only one side "
+                  "runs):", "", *kernels]
     idle = [x for r in rows for x in format_idle(r["backend"], split(r["breakdown_ms"])[1])]
     if idle:
         lines += ["", "Where the device sat idle in those steps (rank 0, all of them; the kernel before and after "
@@ -463,6 +468,17 @@ def report(rows: list[dict], meta: dict) -> str:
 
 
 TIMELINE = ("commopt", "inductor")  # the step picture's variants, drawn in this order, top down
+
+
+def _kernel_lines(rows: list[dict]) -> list[str]:
+    """Each commopt variant's kernels against the comm-free bound's (step_profile.kernel_differences)."""
+    bound = next((r for r in rows if r["backend"] == "inductor comm-free"), None)
+    if bound is None:
+        return []
+    theirs = (bound.get("breakdown_ms") or {}).get("kernels")
+    return [x for r in rows if r["backend"].startswith("commopt")
+            for x in kernel_differences(r["backend"], (r.get("breakdown_ms") or {}).get("kernels"),
+                                        "the bound", theirs)]
 
 
 def timeline_picture(trace_dir, variants: list[str], out_dir, stem: str) -> str | None:

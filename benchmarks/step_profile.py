@@ -80,6 +80,7 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
     if spans:
         totals["gpu_span"] = (max(hi for _, hi in spans) - spans[0][0]) / 1e3
         totals["gpu_busy"] = busy / 1e3
+    kernels: dict[str, list[float]] = {}
     for evt in prof.key_averages():
         ms = getattr(evt, "device_time_total", getattr(evt, "cuda_time_total", 0.0)) / 1e3
         if ms <= 0:
@@ -87,10 +88,18 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
         name = evt.key.lower()
         cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
         totals[cat] = totals.get(cat, 0.0) + ms
+        acc = kernels.setdefault(_short(evt.key, KERNEL_NAME), [0.0, 0])
+        acc[0], acc[1] = acc[0] + ms, acc[1] + evt.count
     out = {k: round(v / steps, 3) for k, v in sorted(totals.items())}
+    out["kernels"] = {k: [round(ms / steps, 3), n / steps] for k, (ms, n) in
+                      sorted(kernels.items(), key=lambda kv: -kv[1][0])[:KERNELS_KEPT]}
     out["idle_gaps"] = idle_gaps(events)
     out["window"] = window
     return out
+
+
+KERNELS_KEPT = 60  # the kernels (by name) a breakdown keeps, longest first
+KERNEL_NAME = 56  # characters of a kernel's name kept
 
 
 def _short(name: str, width: int = 48) -> str:
@@ -125,10 +134,27 @@ def idle_gaps(events: list[tuple[str, float, float]], min_us: float = 5.0, top: 
 
 def split(breakdown_ms: dict | None) -> tuple[dict, dict | None]:
     """The category totals and the idle-gap summary of one `breakdown` (either may be absent;
-    its wall-clock window is left out)."""
+    its wall-clock window and its kernels are left out)."""
     b = dict(breakdown_ms or {})
     b.pop("window", None)
+    b.pop("kernels", None)
     return b, b.pop("idle_gaps", None)
+
+
+def kernel_differences(label: str, mine: dict | None, other_label: str, other: dict | None, top: int = 8) -> list[str]:
+    """Markdown lines: the `top` kernels (by name) whose time per step differs most between two
+    breakdowns' `kernels` ({name: [ms, launches] per step}), with both sides' figures; [] when
+    either has none.  What a category total hides: one kernel of the same name running twice as
+    long (a layout the program changed), one that only one side runs."""
+    if not mine or not other:
+        return []
+    names = set(mine) | set(other)
+    diffs = sorted(names, key=lambda n: -abs(mine.get(n, [0.0, 0])[0] - other.get(n, [0.0, 0])[0]))[:top]
+    lines = [f"- {label} against {other_label} (ms per step, launches per step):"]
+    for n in diffs:
+        (a, na), (b, nb) = mine.get(n, [0.0, 0]), other.get(n, [0.0, 0])
+        lines.append(f"  - {a - b:+.3f} ms: {n} ({a:.3f} ms x{na:g} against {b:.3f} ms x{nb:g})")
+    return lines
 
 
 def format_idle(label: str, idle: dict | None) -> list[str]:

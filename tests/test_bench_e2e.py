@@ -98,3 +98,17 @@ def test_the_step_picture_draws_commopt_above_inductor_from_their_traces(tmp_pat
     assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     html = (tmp_path / "e2e_x_timeline.html").read_text()
     assert "commopt" in html and "inductor" in html
+
+
+def test_the_kernels_that_differ_from_the_bounds_are_reported():
+    res = {"inductor": _result(50.0, 52.0, [2.0, 1.0]), "commopt": _result(47.0, 48.0, [2.0, 1.0]),
+           bench_e2e.COMM_FREE: dict(_result(45.0, 46.0, [2.0, 7.0]), bound=True, comm_free={"replaced x": 1})}
+    res["commopt"]["breakdown_ms"] = dict(res["commopt"]["breakdown_ms"], kernels={"silu_bwd": [1.16, 4.0]})
+    res[bench_e2e.COMM_FREE]["breakdown_ms"] = dict(res[bench_e2e.COMM_FREE]["breakdown_ms"],
+                                                    kernels={"silu_bwd": [0.54, 4.0]})
+    rows = bench_e2e.records(res, {"layers": 4, "seq": 8192, "batch": 1}, 2)
+    text = bench_e2e.report(rows, {"device": "X", "world": 2, "date": "d", "torch": "t", "commit": "c", "shape": {},
+                                   "steps": 2, "command": "x"})
+    assert "Kernels whose time differs most from the comm-free bound's" in text
+    assert "  - +0.620 ms: silu_bwd (1.160 ms x4 against 0.540 ms x4)" in text
+    assert "'kernels'" not in text  # not printed with the categories

@@ -1,6 +1,6 @@
 """The step profiler's idle-gap attribution (benchmarks/step_profile.py), on synthetic timelines."""
 
-from benchmarks.step_profile import format_idle, idle_gaps, split
+from benchmarks.step_profile import format_idle, idle_gaps, kernel_differences, split
 
 
 def test_gaps_are_named_by_the_last_to_end_and_the_next_to_start():
@@ -32,3 +32,16 @@ def test_long_names_are_cut_and_reports_split_out_the_gaps():
     lines = format_idle("commopt", idle)
     assert lines[0].startswith("- commopt: idle 0.01 ms in 1 gaps") and "x1" in lines[0]
     assert split(None) == ({}, None) and format_idle("x", None) == []
+
+
+def test_the_kernels_that_differ_most_from_the_other_side_are_named_with_both_figures():
+    mine = {"silu_backward": [1.16, 4], "gemm": [30.0, 80], "t_copy": [0.21, 4]}
+    bound = {"silu_backward": [0.54, 4], "gemm": [29.9, 72], "cat_split": [0.38, 8]}
+    lines = kernel_differences("commopt", mine, "the bound", bound, top=3)
+    assert lines[0] == "- commopt against the bound (ms per step, launches per step):"
+    # largest first: a kernel running longer, one only this side runs, one only the other side runs
+    assert lines[1] == "  - +0.620 ms: silu_backward (1.160 ms x4 against 0.540 ms x4)"
+    assert lines[2].startswith("  - -0.380 ms: cat_split (0.000 ms x0 against 0.380 ms x8)")
+    assert lines[3].startswith("  - +0.210 ms: t_copy") and len(lines) == 4
+    assert kernel_differences("a", None, "b", bound) == [] and kernel_differences("a", mine, "b", {}) == []
+    assert split({"gemm": 1.0, "kernels": mine}) == ({"gemm": 1.0}, None)  # kernels are not a category

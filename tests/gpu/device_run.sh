@@ -65,7 +65,8 @@ if [[ $what == e2e_shapes ]]; then
   # with the comm-free bound; batch > 1 gathers and scatters strided row blocks; ~100 s each
   # (E2E_VARIANTS replaces the variant list, e.g. "inductor,commopt,commopt call-graphs all,inductor comm-free");
   # each report carries the picture of one commopt and one inductor step (--timeline; TIMELINE_BATCHES
-  # names the batches that draw one, default all three), its traces then dropped
+  # names the batches that draw one, default all three); its traces are dropped but the profiled
+  # steps' of both ranks (OUT/e2e_bB_traces.tgz)
   for shp in "1 8192" "2 4096" "4 2048"; do
     set -- $shp
     mkdir -p "$out/e2e_b$1"
@@ -73,6 +74,10 @@ if [[ $what == e2e_shapes ]]; then
     timeout ${E2E_TIMEOUT:-160} python3 -m benchmarks.bench_e2e --out "$out/e2e_b$1" --batch $1 --seq $2 --repeats 10 \
       $tl --variants "${E2E_VARIANTS:-inductor,inductor+async-TP,commopt,inductor comm-free}" ${BENCH_ARGS:-} \
       > "$out/e2e_b$1.log" 2>&1
+    # both ranks' sustained traces (the profiled steps, device and launch calls only), compressed
+    # for a closer look than the report's (a few hundred KB a batch); the rest of the traces dropped
+    (cd "$out/e2e_b$1" && ls traces/*_sustained_rank*.json > /dev/null 2>&1 \
+      && tar czf "../e2e_b$1_traces.tgz" traces/*_sustained_rank*.json)
     rm -rf "$out/e2e_b$1/traces"
     echo "== batch $1 seq $2"; grep -E "^\| (ind|com)" "$out/e2e_b$1.log"
   done
