@@ -24,6 +24,8 @@ default) in bf16 from the same seed:
                         reduce-scatters keep their first rows): the step's computation alone,
                         the best that hiding all of its communication could reach on these GPUs.
                         Its losses are meaningless and not compared.
+    inductor sync-only  the same with a one-element all-reduce where each collective was: the
+                        ranks meet at every exchange and move no bytes (what meeting costs).
 
 Per variant: the loss of every step (the curves must agree within bf16 noise), step time
 (median over rounds, slowest rank, of --burst steps run back to back with one synchronize at
@@ -102,8 +104,10 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
 VARIANT_ENV = {"commopt watchdog off": {env.WATCHDOG: "0"}, "commopt python host": {env.HOST_REPLAY: "0"}}
 # Inductor's own compile options of the baseline variants (and of the comm-free bound)
 COMM_FREE = "inductor comm-free"
+SYNC_ONLY = "inductor sync-only"  # the ranks meet at every exchange, no bytes move (benchmarks/comm_free.py)
 INDUCTOR_OPTIONS = {"inductor": {}, "inductor+async-TP": {}, "inductor+cudagraphs": {"triton.cudagraphs": True},
-                    COMM_FREE: comm_free.OPTIONS}
+                    COMM_FREE: comm_free.OPTIONS, SYNC_ONLY: comm_free.SYNC_OPTIONS}
+BOUNDS = (COMM_FREE, SYNC_ONLY)  # no data moved: their losses are not compared
 class Stack(torch.nn.Module):
     def __init__(self, layers: int, dim: int, heads: int, kv_heads: int, hidden: int) -> None:
         super().__init__()
@@ -195,17 +199,18 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
             step = _with_env(step, VARIANT_ENV[variant])
         losses = []
         # the blocks compile at their first call: the bound's pass must be installed then
-        with comm_free.installed() if variant == COMM_FREE else contextlib.nullcontext():
+        with comm_free.installed(variant == SYNC_ONLY) if variant in BOUNDS else contextlib.nullcontext():
             for _ in range(steps):  # the loss curve (the first steps also compile and warm up)
                 loss = step()
                 dist.all_reduce(loss)
                 losses.append(loss.item() / world)
         rec = {"losses": losses,  # its own memory: what the variants built before it hold is not counted
                "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else None}
-        if variant == COMM_FREE:
-            rec["bound"], rec["comm_free"] = True, comm_free.stats()
+        if variant in BOUNDS:
+            rec["bound"], rec["comm_free"] = variant == COMM_FREE, comm_free.stats(variant == SYNC_ONLY)
+            rec["sync_only"] = variant == SYNC_ONLY
             if not comm_free.valid(rec["comm_free"]):  # reported, the rest runs
-                print(f"rank {rank} bench_e2e {COMM_FREE}: NOT a bound, collectives left: {rec['comm_free']}",
+                print(f"rank {rank} bench_e2e {variant}: NOT a bound, collectives left: {rec['comm_free']}",
                       flush=True)
         if variant.startswith("commopt"):
             graphs = torch_commopt.explain().graphs
@@ -363,7 +368,8 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                      "step_ms_isolated": r.get("step_ms_isolated"), "burst_enqueue_ms": r.get("burst_enqueue_ms"),
                      "host_profile": r.get("host_profile"), "gpu_clocks": r.get("gpu_clocks"),
                      "profile_gpu_clocks": r.get("profile_gpu_clocks"), "band_notes": r.get("band_notes"),
-                     "bound": r.get("bound", False), "comm_free": r.get("comm_free")})
+                     "bound": r.get("bound", False), "sync_only": r.get("sync_only", False),
+                     "comm_free": r.get("comm_free")})
     base = {r["backend"]: r for r in rows}
     for r in rows:
         for ref in ("inductor", "inductor+async-TP"):
@@ -371,7 +377,7 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                 r[f"speedup_vs_{ref}"] = base[ref]["step_ms"] / r["step_ms"]
                 if r.get("step_ms_isolated") and base[ref].get("step_ms_isolated"):
                     r[f"isolated_speedup_vs_{ref}"] = base[ref]["step_ms_isolated"] / r["step_ms_isolated"]
-        if "inductor" in base and not r["bound"]:
+        if "inductor" in base and not r["bound"] and not r["sync_only"]:
             ref_l = base["inductor"]["losses"]
             r["max_loss_rel_diff_vs_inductor"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_l))
     bound = next((r for r in rows if r["bound"]), None)
@@ -405,6 +411,7 @@ def report(rows: list[dict], meta: dict) -> str:
         iso = (f"{r['step_ms_isolated']:.2f} ({r.get('isolated_speedup_vs_inductor', float('nan')):.3f})"
                if r.get("step_ms_isolated") else "-")
         losses = ("(bound: no communication, losses meaningless) | -" if r.get("bound") else
+                  "(no data moved: losses meaningless) | -" if r.get("sync_only") else
                   f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {r.get('max_loss_rel_diff_vs_inductor', 0):.1e}")
         lines.append(f"| {r['backend']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
                      f"{r.get('speedup_vs_inductor', float('nan')):.3f} | "
@@ -425,6 +432,7 @@ def report(rows: list[dict], meta: dict) -> str:
                   "per rank; benchmarks/comm_free.py), i.e. the step's computation alone on these GPUs, what "
                   f"hiding all of its communication could reach at best: {at_best:.3f}x "
                   f"inductor. Share of that gain each variant won: {won or '-'}."]
+    lines += _sync_only_lines(rows)
     lead = meta.get("profile_lead", 0)
     start = f" after {lead} unprofiled ones" if lead else ", from an idle GPU"
     lines += ["", f"Device time per step by kernel category ({meta.get('profile_steps', 1)} steps profiled back to "
@@ -470,9 +478,23 @@ def report(rows: list[dict], meta: dict) -> str:
 TIMELINE = ("commopt", "inductor")  # the step picture's variants, drawn in this order, top down
 
 
+def _sync_only_lines(rows: list[dict]) -> list[str]:
+    """What the sync-only variant is, beside the bound (empty where it did not run)."""
+    sync = next((r for r in rows if r.get("sync_only")), None)
+    if sync is None:
+        return []
+    met = ", ".join(f"{k} {v}" for k, v in sorted((sync["comm_free"] or {}).items()) if k.startswith("synced"))
+    return ["", f"{SYNC_ONLY} is not a backend either: the bound's program with a one-element all-reduce where "
+            f"each collective was ({met or 'none'} per rank): the ranks meet wherever the program exchanges "
+            "data and move no bytes, so its distance from the bound is what meeting costs -- each rank waits for "
+            "the slower one at every exchange, where the bound pays the slower rank once a step -- apart from "
+            f"moving the data: {sync.get('speedup_vs_inductor', float('nan')):.3f}x inductor, "
+            f"{sync.get('share_of_comm_free_gain') or float('nan'):.2f} of the bound's gain."]
+
+
 def _kernel_lines(rows: list[dict]) -> list[str]:
     """Each commopt variant's kernels against the comm-free bound's (step_profile.kernel_differences)."""
-    bound = next((r for r in rows if r["backend"] == "inductor comm-free"), None)
+    bound = next((r for r in rows if r["backend"] == COMM_FREE), None)
     if bound is None:
         return []
     theirs = (bound.get("breakdown_ms") or {}).get("kernels")

@@ -12,6 +12,13 @@ know is left in place and counted (`stats()`), so a bound that still communicate
 Collectives outside the compiled graphs (DTensor's eager all-reduces of the replicated norm
 weights' gradients) stay, as in every variant.
 
+The sync-only variant (`installed(sync=True)`, bench_e2e's `inductor sync-only`) strips the same
+collectives and puts a one-element all-reduce (and its wait) where each one was, on one element of
+its input: the ranks still meet wherever the program exchanges data, but move no bytes.  Between
+the bound and a real program: what a program that communicates pays for the ranks' different
+speeds (each waits for the slower at every exchange, where the bound pays the slower rank once a
+step) and for the exchanges' latency, apart from moving the data.  Its numerics are meaningless too.
+
 Used two ways at once (bench_e2e): `OPTIONS`, the variant's own Inductor compile options (so
 that Dynamo does not take the inductor variant's compiled entries for its blocks: on torch 2.11
 two `block.compile()` of equal options share them, and the pass never ran), and `installed()`,
@@ -29,6 +36,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 _STATS: Counter = Counter()
+_SYNC_STATS: Counter = Counter()  # the sync-only pass's, apart: both variants run in one process
 _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
@@ -37,10 +45,10 @@ def _op(name: str):
     return getattr(getattr(ns, name, None), "default", None)
 
 
-def stats() -> dict[str, int]:
+def stats(sync: bool = False) -> dict[str, int]:
     """{'replaced <op>': count, 'left <op>': count, 'graphs': graphs the pass was called on}
-    over every graph it has seen."""
-    return dict(_STATS)
+    over every graph it has seen (sync: the sync-only pass's, its collectives 'synced <op>' too)."""
+    return dict(_SYNC_STATS if sync else _STATS)
 
 
 def valid(counts: dict[str, int]) -> bool:
@@ -57,22 +65,43 @@ def _constant(val) -> torch.Tensor:
     return _CONSTANTS[key]
 
 
-def strip_collectives(graph: torch.fx.Graph) -> None:
-    """Replace the functional collectives of `graph` in place (see the module docstring)."""
+def _meet(graph: torch.fx.Graph, node: torch.fx.Node, group: str, counts: Counter) -> None:
+    """Before `node` (a collective on `group`): a one-element all-reduce of its input's first
+    element and its wait, so that the ranks meet there (the sync-only variant)."""
+    src = node.args[0]
+    with graph.inserting_before(node):
+        one = graph.call_function(torch.ops.aten.as_strided.default, (src, [1], [1]))
+        met = graph.call_function(_op("all_reduce"), (one, "sum", group))
+        done = graph.call_function(_op("wait_tensor"), (met,))
+    one.meta["val"] = src.meta["val"].as_strided([1], [1])
+    met.meta["val"] = done.meta["val"] = one.meta["val"].clone()
+    counts[f"synced {node.target.__name__.split('.')[0]}"] += 1
+
+
+def strip_collectives(graph: torch.fx.Graph, sync: bool = False) -> None:
+    """Replace the functional collectives of `graph` in place (see the module docstring); sync:
+    each by a one-element all-reduce where it was, its result as without (the sync-only variant)."""
     wait, gather, scatter = _op("wait_tensor"), _op("all_gather_into_tensor"), _op("reduce_scatter_tensor")
     reduce_, reduce_inplace = _op("all_reduce"), _op("all_reduce_")
     gm = graph.owning_module
+    stats_ = _SYNC_STATS if sync else _STATS
+    originals = {n for n in graph.nodes if n.op == "call_function" and n.target in (gather, scatter, reduce_,
+                                                                                     reduce_inplace)}
+    if sync:
+        for node in originals:
+            _meet(graph, node, node.kwargs.get("group_name", node.args[-1]), stats_)  # every one's last argument
+    waited = {n for n in graph.nodes if n.op == "call_function" and n.target is wait and n.args[0] in originals}
     for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
+        if node.op != "call_function" or (node.target in (wait, reduce_) and node not in originals | waited):
+            continue  # the sync-only pass's own all-reduces and waits stay
         if node.target is wait:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
-            _STATS["replaced wait_tensor"] += 1
+            stats_["replaced wait_tensor"] += 1
         elif node.target in (reduce_, reduce_inplace):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
-            _STATS["replaced all_reduce"] += 1
+            stats_["replaced all_reduce"] += 1
         elif node.target is scatter:
             src, world = node.args[0], node.args[2]
             with graph.inserting_before(node):
@@ -80,7 +109,7 @@ def strip_collectives(graph: torch.fx.Graph) -> None:
             rows.meta = dict(node.meta)
             node.replace_all_uses_with(rows)
             graph.erase_node(node)
-            _STATS["replaced reduce_scatter_tensor"] += 1
+            stats_["replaced reduce_scatter_tensor"] += 1
         elif node.target is gather:
             name = f"_comm_free_gathered_{node.name}"  # node names are unique in a graph
             gm.register_buffer(name, _constant(node.meta["val"]), persistent=False)
@@ -89,28 +118,34 @@ def strip_collectives(graph: torch.fx.Graph) -> None:
             const.meta = dict(node.meta)
             node.replace_all_uses_with(const)
             graph.erase_node(node)
-            _STATS["replaced all_gather_into_tensor"] += 1
+            stats_["replaced all_gather_into_tensor"] += 1
         elif "_c10d_functional" in str(node.target):
-            _STATS[f"left {node.target}"] += 1
+            stats_[f"left {node.target}"] += 1
 
 
 class _Pass(CustomGraphPass):
+    def __init__(self, sync: bool = False):
+        self.sync = sync
+
     def __call__(self, graph: torch.fx.Graph) -> None:
-        _STATS["graphs"] += 1
-        strip_collectives(graph)
+        (_SYNC_STATS if self.sync else _STATS)["graphs"] += 1
+        strip_collectives(graph, self.sync)
 
     def uuid(self) -> str:
-        return "torch_commopt benchmarks comm_free v1"
+        return f"torch_commopt benchmarks comm_free v1{' sync' if self.sync else ''}"
 
 
-PASS = _Pass()
+PASS, SYNC_PASS = _Pass(), _Pass(sync=True)
 OPTIONS = {"post_grad_custom_post_pass": PASS, "fx_graph_cache": False}
+SYNC_OPTIONS = {"post_grad_custom_post_pass": SYNC_PASS, "fx_graph_cache": False}
 
 
 @contextlib.contextmanager
-def installed():
-    """Inductor compiles with the collectives stripped inside this context."""
+def installed(sync: bool = False):
+    """Inductor compiles with the collectives stripped inside this context (sync: the sync-only
+    variant's pass)."""
     import torch._functorch.config as functorch_config
 
-    with torch._inductor.config.patch(OPTIONS), functorch_config.patch(enable_autograd_cache=False):
+    with torch._inductor.config.patch(SYNC_OPTIONS if sync else OPTIONS), functorch_config.patch(
+            enable_autograd_cache=False):
         yield

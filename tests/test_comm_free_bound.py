@@ -86,3 +86,47 @@ def test_its_compile_options_are_accepted_and_differ_from_plain_inductor():
     plain = torch._TorchCompileInductorWrapper("default", None, False)
     bound = torch._TorchCompileInductorWrapper("default", comm_free.OPTIONS, False)
     assert bound.config["post_grad_custom_post_pass"] is comm_free.PASS and bound != plain
+
+
+def test_the_sync_only_variant_meets_where_each_collective_was_and_moves_nothing(fake_world):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD.group_name
+
+    def program(x, w):
+        g = funcol.wait_tensor.default(funcol.all_gather_into_tensor.default(x, 2, group))
+        y = torch.ops.aten.mm.default(g, w)
+        r = funcol.wait_tensor.default(funcol.reduce_scatter_tensor.default(y, "sum", 2, group))
+        return torch.ops.aten.add.Tensor(r, 1.0)
+
+    gm = torch.fx.symbolic_trace(program)
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    vals = {"x": x, "w": w}
+    for node in gm.graph.nodes:  # every node's meta["val"], as in Inductor's post-grad graphs
+        if node.op == "placeholder":
+            node.meta["val"] = vals[node.name]
+        elif node.op == "call_function":
+            node.meta["val"] = {funcol.all_gather_into_tensor.default: torch.empty(8, 3),
+                                torch.ops.aten.mm.default: torch.empty(8, 5),
+                                funcol.reduce_scatter_tensor.default: torch.empty(4, 5)}.get(node.target)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.meta["val"] is None:
+            node.meta["val"] = node.args[0].meta["val"]
+    before = dict(comm_free.stats(sync=True))
+    comm_free.strip_collectives(gm.graph, sync=True)
+    gm.recompile()
+    got = {k: v - before.get(k, 0) for k, v in comm_free.stats(sync=True).items() if k != "graphs"}
+    assert got == {"synced all_gather_into_tensor": 1, "synced reduce_scatter_tensor": 1,
+                   "replaced all_gather_into_tensor": 1, "replaced reduce_scatter_tensor": 1,
+                   "replaced wait_tensor": 2}
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    names = [str(n.target).split(".")[-2] for n in calls]
+    # a one-element all-reduce and its wait before the (constant) gathered rows' reader, and again
+    # before the product's first rows are read: the collectives' places, in order
+    assert names == ["as_strided", "all_reduce", "wait_tensor", "mm", "as_strided", "all_reduce", "wait_tensor",
+                     "slice", "add"], names
+    assert all(list(n.meta["val"].shape) == [1] for n in calls if "all_reduce" in str(n.target))
+    assert comm_free.stats().get("synced all_gather_into_tensor") is None  # the bound's counts stay apart
+    out = gm(x, w)  # runs on the fake process group: only the one-element all-reduces communicate
+    gathered = next(getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
+    assert torch.equal(out, (gathered @ w)[:4] + 1.0)
