@@ -65,9 +65,9 @@ def _constant(val) -> torch.Tensor:
     return _CONSTANTS[key]
 
 
-def _meet(graph: torch.fx.Graph, node: torch.fx.Node, group: str, counts: Counter) -> None:
+def _meet(graph: torch.fx.Graph, node: torch.fx.Node, group: str, counts: Counter) -> tuple:
     """Before `node` (a collective on `group`): a one-element all-reduce of its input's first
-    element and its wait, so that the ranks meet there (the sync-only variant)."""
+    element and its wait, so that the ranks meet there (the sync-only variant); the nodes added."""
     src = node.args[0]
     with graph.inserting_before(node):
         one = graph.call_function(torch.ops.aten.as_strided.default, (src, [1], [1]))
@@ -76,6 +76,7 @@ def _meet(graph: torch.fx.Graph, node: torch.fx.Node, group: str, counts: Counte
     one.meta["val"] = src.meta["val"].as_strided([1], [1])
     met.meta["val"] = done.meta["val"] = one.meta["val"].clone()
     counts[f"synced {node.target.__name__.split('.')[0]}"] += 1
+    return one, met, done
 
 
 def strip_collectives(graph: torch.fx.Graph, sync: bool = False) -> None:
@@ -85,15 +86,14 @@ def strip_collectives(graph: torch.fx.Graph, sync: bool = False) -> None:
     reduce_, reduce_inplace = _op("all_reduce"), _op("all_reduce_")
     gm = graph.owning_module
     stats_ = _SYNC_STATS if sync else _STATS
-    originals = {n for n in graph.nodes if n.op == "call_function" and n.target in (gather, scatter, reduce_,
-                                                                                     reduce_inplace)}
+    added: set = set()  # the sync-only pass's own all-reduces and waits: they stay
     if sync:
-        for node in originals:
-            _meet(graph, node, node.kwargs.get("group_name", node.args[-1]), stats_)  # every one's last argument
-    waited = {n for n in graph.nodes if n.op == "call_function" and n.target is wait and n.args[0] in originals}
+        for node in [n for n in graph.nodes if n.op == "call_function"
+                     and n.target in (gather, scatter, reduce_, reduce_inplace)]:
+            added.update(_meet(graph, node, node.kwargs.get("group_name", node.args[-1]), stats_))  # its last argument
     for node in list(graph.nodes):
-        if node.op != "call_function" or (node.target in (wait, reduce_) and node not in originals | waited):
-            continue  # the sync-only pass's own all-reduces and waits stay
+        if node.op != "call_function" or node in added:
+            continue
         if node.target is wait:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)

@@ -613,10 +613,11 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
     a = val(region.a)
     cal = calibration_for(a.device, region.group_size, region.group_name, config.cache_dir, config.consistency_timeout_s)
     weights = [list(c.weight.meta["val"].shape) for c in region.consumers]
+    as_parts = _as_parts(region, config)
     facts = RegionFacts(region.kind, op_a_shape(region), weights, region.dim, region.group_size, region_dtype(region),
                         bias=[c.bias is not None for c in region.consumers], reduce_op=region.reduce_op,
                         keep_gathered=region.keep_gathered,
-                        copy_bytes=sum(copy_bytes(c.node, _as_parts(region, config)) for c in region.consumers),
+                        copy_bytes=sum(copy_bytes(c.node, as_parts) for c in region.consumers),
                         kept_bytes=sum(kept_bytes(c.node) for c in region.consumers), k_parts=_k_parts(region, config))
     sched, preds, top, key, why = plan(
         facts, device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, _replayed(region, config),
