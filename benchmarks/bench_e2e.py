@@ -65,7 +65,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks import comm_free  # noqa: E402
-from benchmarks.common import result_stem, write_report  # noqa: E402
+from benchmarks.common import result_stem, with_env, write_report  # noqa: E402
 from benchmarks.compiled_variants import allow_entries, check_unchanged, compile_counts  # noqa: E402
 from benchmarks.gpu_clocks import ClockSampler  # noqa: E402
 from benchmarks.step_profile import breakdown, format_idle, kernel_differences, split  # noqa: E402
@@ -196,7 +196,7 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
         model = build(variant, shape, dev)
         step = _train_step(model, x, target, fused=dev == "cuda")
         if variant in VARIANT_ENV:
-            step = _with_env(step, VARIANT_ENV[variant])
+            step = with_env(step, VARIANT_ENV[variant])
         losses = []
         # the blocks compile at their first call: the bound's pass must be installed then
         with comm_free.installed(variant == SYNC_ONLY) if variant in BOUNDS else contextlib.nullcontext():
@@ -289,24 +289,6 @@ def worker(rank: int, world: int, shape: dict, steps: int, repeats: int, variant
         print(f"rank {rank} call_graphs {call_graphs.stats()} moved {call_graphs.moves()}", flush=True)
         print(f"rank {rank} host replay {host_replay.STATS}; not replayed: {host_replay.refusals()}", flush=True)
     return out
-
-
-def _with_env(step, values: dict[str, str]):
-    """step() run with the environment variables `values` set, the previous values back after."""
-    import os
-
-    def run():
-        saved = {k: os.environ.get(k) for k in values}
-        os.environ.update(values)
-        try:
-            return step()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-    return run
 
 
 def _train_step(model, x: torch.Tensor, target: torch.Tensor, fused: bool = False):

@@ -102,3 +102,22 @@ def schedule_ran(schedule: str) -> str:
     if sched.name != "autotune":
         return schedule
     return f"measured: {autotune.decided(sched) or 'not yet'}"
+
+
+def with_env(fn, values: dict[str, str]):
+    """fn(*args) run with the environment variables `values` set, the previous values back after
+    (a variant that differs from another only in a switch read at each call)."""
+    import os
+
+    def run(*args, **kwargs):
+        saved = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return run

@@ -63,7 +63,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import fmt, max_over_ranks, schedule_ran
+from benchmarks.common import fmt, max_over_ranks, schedule_ran, with_env
+from torch_commopt.core import env
 
 # H200's nominal HBM3e bandwidth (NVIDIA's data sheet, 4.8 TB/s): the HBM floor's denominator.
 # A nominal figure, not a measured one: no kernel reaches it, so the floor is a lower bound.
@@ -75,6 +76,11 @@ VARIANTS = {"gpu": ("inductor+nccl", "commopt", "commopt oneshot", "inductor com
             "shared": ("unsharded", "commopt oneshot", "commopt", "inductor+nccl", "inductor+symm_mem", "inductor comm-free"),
             "cpu": ("unsharded", "eager", "inductor", "commopt", "commopt gather_sum", "inductor comm-free")}
 BOUND = "inductor comm-free"
+# Variants run only when asked for (--variants): commopt's rule with the GPU-wait watchdog off while
+# it compiles, captures and replays -- the low-latency kernels take their spin bound at the capture
+# (kernels/gpu/watchdog.py), so the pair measures what the watchdog costs a decode step.
+OPTIONAL = {"gpu": ("commopt watchdog off",)}
+VARIANT_ENV = {"commopt watchdog off": {env.WATCHDOG: "0"}}
 NOT_RUN_SHARED = {"inductor+nccl": "NCCL refuses two ranks on one GPU",
                   "inductor+symm_mem": "torch's symmetric memory refuses ranks that share a device",
                   BOUND: "a bound's only figure is a time, and ranks sharing one GPU give no timing"}
@@ -450,6 +456,8 @@ def compiled(variant: str, models: dict, plan: Plan, case: Case, group) -> Calla
         if plan.mode == "cpu":
             return models["unsharded"]
         return torch.compile(models["unsharded"], mode="reduce-overhead", dynamic=False)
+    if variant in VARIANT_ENV:
+        return with_env(_commopt(variant, models["sharded"], plan), VARIANT_ENV[variant])
     if variant.startswith("commopt"):
         return _commopt(variant, models["sharded"], plan)
     if variant == "inductor+symm_mem":
@@ -822,9 +830,10 @@ def plan_from(args) -> Plan:
     variants = VARIANTS[mode]
     if args.variants:
         variants = tuple(v.strip().replace("_", " ") for v in args.variants.split(",") if v.strip())
-        unknown = set(variants) - set(VARIANTS[mode]) - set(NOT_RUN_SHARED)
+        known = VARIANTS[mode] + OPTIONAL.get(mode, ())
+        unknown = set(variants) - set(known) - set(NOT_RUN_SHARED)
         if unknown:
-            raise ValueError(f"--variants: unknown {sorted(unknown)}; known here: {VARIANTS[mode]}")
+            raise ValueError(f"--variants: unknown {sorted(unknown)}; known here: {known}")
     bad = [f"{name} {getattr(shape, name)}" for name in ("heads", "kv_heads", "ffn") if getattr(shape, name) % args.world]
     if bad:
         raise ValueError(f"--world {args.world} does not split {', '.join(bad)}")
@@ -844,8 +853,6 @@ def main_step(args) -> None:
     except ValueError as e:
         raise SystemExit(f"bench_decode --step: {e}") from e
     if plan.mode == "shared":
-        from torch_commopt.core import env
-
         os.environ[env.SHARED_DEVICE] = "1"  # the ranks take this process's environment
     if args.out and plan.mode != "cpu":
         os.makedirs(args.out, exist_ok=True)
@@ -868,4 +875,5 @@ def report_variant(plan: Plan) -> str:
     runs of different cases, split over several calls, do not replace one another."""
     batches = "-".join(str(b) for b in sorted({c.batch for c in plan.cases}))
     ctxs = "-".join(f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in sorted({c.ctx for c in plan.cases}))
-    return f"{plan.shape.layers}l_b{batches}_c{ctxs}" + ("_shared1gpu" if plan.mode == "shared" else "")
+    return (f"{plan.shape.layers}l_b{batches}_c{ctxs}" + ("_shared1gpu" if plan.mode == "shared" else "")
+            + ("_watchdog" if "commopt watchdog off" in plan.variants else ""))

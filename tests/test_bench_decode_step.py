@@ -4,6 +4,7 @@ projection, and every variant agrees with the unsharded model within a bound set
 own error against float64; and the report derives its figures from the raw times."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -136,6 +137,13 @@ def test_the_command_line_refuses_a_plan_it_cannot_run(argv, error):
     assert plan.mode == "shared" and plan.cases == (decode_step.Case(batch=1, ctx=4096),)
     assert plan.shape == dataclasses.replace(decode_step.LLAMA3_8B, layers=decode_step.SHARED_LAYERS)
     assert decode_step.report_variant(plan) == f"{decode_step.SHARED_LAYERS}l_b1_c4k_shared1gpu"
+    # the watchdog's pair: asked for on the GPUs only, and its report kept apart from the full one's
+    plan = decode_step.plan_from(p.parse_args(["--step", "--batch", "1", "--ctx", "4096", "--variants",
+                                               "commopt,commopt_watchdog_off"]))
+    assert plan.variants == ("commopt", "commopt watchdog off")
+    assert decode_step.report_variant(plan) == "32l_b1_c4k_watchdog"
+    with pytest.raises(ValueError, match="unknown"):
+        decode_step.plan_from(p.parse_args(["--step", "--cpu", "--variants", "commopt,commopt_watchdog_off"]))
 
 
 def test_a_run_cut_short_keeps_the_cases_it_finished(tmp_path, capsys):
@@ -148,3 +156,25 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tmp_path, capsys):
     kept = [json.loads(line) for line in (tmp_path / "partial.jsonl").read_text().splitlines()]
     assert [r["batch"] for r in kept] == [1, 8] and "tokens_per_s" not in kept[0]  # the raw record
     assert "batch 8, context 4096:\n| inductor+nccl | 10.000 | 800 |" in capsys.readouterr().out
+
+
+def test_the_watchdog_off_variant_runs_with_the_switch_off_and_leaves_it_as_it_was(monkeypatch):
+    """compiled() wraps the variant's step in its environment (read at the compile, the capture
+    and each replay); the caller's value comes back after each call, also after a failure."""
+    from benchmarks.common import with_env
+    from torch_commopt.core import env
+
+    monkeypatch.setenv(env.WATCHDOG, "1")
+    seen = []
+
+    def step(x):
+        seen.append(os.environ.get(env.WATCHDOG))
+        if x is None:
+            raise RuntimeError("boom")
+        return x + 1
+
+    run = with_env(step, decode_step.VARIANT_ENV["commopt watchdog off"])
+    assert run(1) == 2 and seen == ["0"] and os.environ[env.WATCHDOG] == "1"
+    with pytest.raises(RuntimeError):
+        run(None)
+    assert seen == ["0", "0"] and os.environ[env.WATCHDOG] == "1"

@@ -11,6 +11,7 @@ import torch
 from kernel_cases import _global, _rel
 
 import torch_commopt
+from torch_commopt.kernels.gpu import shared_device
 
 
 def run_gemm_2d(rank: int, world: int, linear: bool, slices: tuple) -> list:
@@ -61,6 +62,8 @@ def run_ops_2d(rank: int, world: int, slices: tuple, axes: tuple = ("",)) -> lis
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("rows", "cols"))
+    if shared_device.enabled():  # the mesh put rank r on GPU r % count: all ranks share GPU 0 here
+        torch.cuda.set_device(0)
     i, j = divmod(rank, 2)
     rows, cols = mesh.get_group(0).group_name, mesh.get_group(1).group_name
 

@@ -207,8 +207,10 @@ def group_waits():
     flags = torch.zeros(16, dtype=torch.int32)
     flags[3] = 5
     status = torch.zeros(8, dtype=torch.int32)
+    before = next(_clock)
     waits.bounded_wait(flags, 3, 5, status, code=2, src=1, chunk=3, bound=BOUND_NS)
     assert status.tolist() == [0] * 8, status.tolist()
+    assert next(_clock) == before + 1000, "a flag there at the first look read the clock (the bound's cost)"
     waits.bounded_wait(flags, 3, 4, status, code=2, src=1, chunk=3, bound=BOUND_NS)  # >=, not ==
     assert status.tolist() == [0] * 8, status.tolist()
     start = next(_clock)
@@ -260,9 +262,12 @@ def _ll(name, *, world, me, n, dtype, avg=False, debug=False, missing=None, shif
     out, status = torch.zeros(n + shift, dtype=dtype)[shift:], torch.zeros(8, dtype=torch.int32)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
     ranks = lowlat.Ranks(table(slots), None, table(flags), me, world, status)
+    start = next(_clock)
     lowlat.launch_oneshot(ranks, out, avg=avg, debug=debug, bound=BOUND_NS)
     if missing is not None:  # reported: (code, src, chunk) of the first wait that gave up
         assert status[0] == 1 and status[1:4].tolist() == [symm.WAIT_CODES["ll barrier"], missing, 0], (name, status)
+        # the other blocks' and the second barrier's waits give up at once: one bound in all
+        assert next(_clock) - start < 2 * BOUND_NS, (name, "waited out more than one bound")
         return
     assert status.tolist() == [0] * 8, (name, status.tolist())
     want = _rank_order_sum(torch.stack(slots), "avg" if avg else "sum")
@@ -338,7 +343,9 @@ def group_ll():
         avg=True)
     _ll("debug waits, all there", world=2, me=1, n=300, dtype=torch.float16, debug=True)
     _ll("a peer that never arrives", world=3, me=0, n=300, dtype=torch.float32, debug=True, missing=2)
-    return 11
+    _ll("a peer that never arrives, three blocks", world=3, me=1, n=lowlat_block() * 2 + 7, dtype=torch.float32,
+        debug=True, missing=0)
+    return 12
 
 
 def lowlat_block():

@@ -269,6 +269,8 @@ def _relocate(ops: list, tensors) -> list | str:
         kind = op[0]
         if kind == "batch_array":
             return "a prepared batch (a captured call's start marks)"
+        if kind == "write32" and len(op) > 4:  # the native replay's writes are all fenced
+            return "an unfenced stream write (a watchdog mark inside the call)"
         if kind == "batch":
             if any(_where(addr, extents) != (0, addr) for _, addr, _ in op[2]):
                 return "a flag batch writes into the call's tensors"
@@ -327,12 +329,13 @@ def _comparable(steps: list) -> list:
 
 
 def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body) -> None:
-    """body() of one eager call, watched (begin_call / end_call) -- recorded, or replayed from
+    """body() of one eager call, watched (begin_eager / end_call) -- recorded, or replayed from
     its kind's trace (module docstring)."""
-    key = (op, rt.group_name, str(sched), scalars, driver.current_handle(rt.device), (rt.epoch + 1) % 2,
-           env.watch_calls()) + tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors)
+    handle, watch = driver.current_handle(rt.device), env.watch_calls()  # (eligible: no dbg=1 schedule)
+    key = (op, rt.group_name, str(sched), scalars, handle, (rt.epoch + 1) % 2,
+           watch) + tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors)
     known = _kinds.get(key)
-    watched = rt.begin_call(op, sched)
+    watched = rt.begin_eager(op, sched, handle) if watch else None  # (call_graphs.call: never under a capture)
     rt.watch = watched
     try:
         if isinstance(known, Trace):

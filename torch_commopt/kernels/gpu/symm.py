@@ -550,16 +550,7 @@ class GroupRuntime:
             return None
         handle = driver.current_handle(self.device)
         if not capturing():
-            es = self._eager.get((handle, lane), False)
-            if es is False:
-                dog = watchdog.get()
-                es = self._eager[(handle, lane)] = None if dog is None else dog.eager_slot(self, handle, lane)
-            if es is None:
-                return None
-            call = watchdog.Call(op, label or schedule, self.group_name, self.rank, self.epoch + 1,
-                                 threading.get_ident(), self, handle, [], False, es.done)
-            call.value = es.add(call)
-            return call
+            return self.begin_eager(op, schedule, handle, lane, label)
         dog = watchdog.get()
         slot = None if dog is None else dog.slot_for(self, handle, lane)
         if slot is None:
@@ -576,11 +567,29 @@ class GroupRuntime:
         driver.batch_array(handle, batch)
         return call
 
+    def begin_eager(self, op: str, schedule, handle: int, lane: str = "", label: str | None = None) -> Watched | None:
+        """begin_call for an eager call on stream `handle`, the caller having found the watchdog on
+        (env.watch_calls()) and no capture under way (host_replay.call: its per-call host time)."""
+        if self.closed is not None:
+            raise WaitTimeout(self.closed)
+        es = self._eager.get((handle, lane), False)
+        if es is False:
+            dog = watchdog.get()
+            es = self._eager[(handle, lane)] = None if dog is None else dog.eager_slot(self, handle, lane)
+        if es is None:
+            return None
+        call = watchdog.Call(op, label or schedule, self.group_name, self.rank, self.epoch + 1,
+                             threading.get_ident(), self, handle, [], False, es.done)
+        call.value = es.add(call)
+        return call
+
     def end_call(self, watched: Watched | None) -> None:
         """The call's work is all queued (on its stream, or joined into it): its end mark, unless its
         last batch of flag writes took it along (done_reading)."""
         if watched is not None and not watched.ended:
-            driver.write_value32(watched.stream, watched.end, watched.value)
+            # no memory barrier: the mark says the call's work has run (stream order), no data of
+            # its is read on the strength of it (kernels/gpu/watchdog.py)
+            driver.write_value32(watched.stream, watched.end, watched.value, fenced=False)
 
     def check_open(self) -> None:
         """WaitTimeout when the watchdog closed this runtime (a call of the group got stuck)."""

@@ -15,22 +15,30 @@ import triton.language.extra.cuda as cuda_extra
 
 
 @triton.jit
-def spin_geq(ptr, expected, status, code, src, chunk, bound, DEBUG: tl.constexpr):
+def spin_geq(ptr, expected, status, code, src, chunk, bound, DEBUG: tl.constexpr, ONCE: tl.constexpr = False):
     """Spin until *ptr >= expected (int32 wrap-around compare); acquire, system scope.
     DEBUG: give up after `bound` nanoseconds of wall time (not iterations: a peer that is
-    JIT-compiling a kernel for seconds is slow, not stuck)."""
+    JIT-compiling a kernel for seconds is slow, not stuck).  A flag already there at the first
+    look costs what it costs unbounded: the clock (and, ONCE, the status) is read only when the
+    flag is short.  ONCE: a wait of this call that gave up already (status[0] set) gives up at once
+    -- waiting out another bound would only double the time to the error."""
     v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     if DEBUG:
-        deadline = cuda_extra.globaltimer() + bound
-        while ((v - expected) < 0) & (cuda_extra.globaltimer() < deadline):
-            v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         if (v - expected) < 0:
-            tl.store(status + 1, code)
-            tl.store(status + 2, src)
-            tl.store(status + 3, chunk)
-            tl.store(status + 4, v)
-            tl.store(status + 5, expected)
-            tl.atomic_xchg(status, 1, sem="release", scope="gpu")
+            go = True
+            if ONCE:
+                go = tl.atomic_add(status, 0, sem="relaxed", scope="gpu") == 0
+            if go:
+                deadline = cuda_extra.globaltimer() + bound
+                while ((v - expected) < 0) & (cuda_extra.globaltimer() < deadline):
+                    v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+                if (v - expected) < 0:
+                    tl.store(status + 1, code)
+                    tl.store(status + 2, src)
+                    tl.store(status + 3, chunk)
+                    tl.store(status + 4, v)
+                    tl.store(status + 5, expected)
+                    tl.atomic_xchg(status, 1, sem="release", scope="gpu")
     else:
         while (v - expected) < 0:
             v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
