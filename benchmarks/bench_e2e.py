@@ -347,7 +347,8 @@ def records(res: dict, shape: dict, world: int) -> list[dict]:
                      "loss_first": r["losses"][0], "loss_last": r["losses"][-1], "losses": r["losses"],
                      "breakdown_ms": r.get("breakdown_ms"), "regions": r.get("regions"),
                      "host_enqueue_ms": r.get("host_enqueue_ms"), "step_ms_all": r.get("step_ms_all"),
-                     "step_ms_isolated": r.get("step_ms_isolated"), "burst_enqueue_ms": r.get("burst_enqueue_ms"),
+                     "step_ms_isolated": r.get("step_ms_isolated"),
+                     "step_ms_isolated_all": r.get("step_ms_isolated_all"), "burst_enqueue_ms": r.get("burst_enqueue_ms"),
                      "host_profile": r.get("host_profile"), "gpu_clocks": r.get("gpu_clocks"),
                      "profile_gpu_clocks": r.get("profile_gpu_clocks"), "band_notes": r.get("band_notes"),
                      "bound": r.get("bound", False), "sync_only": r.get("sync_only", False),
@@ -414,7 +415,7 @@ def report(rows: list[dict], meta: dict) -> str:
                   "per rank; benchmarks/comm_free.py), i.e. the step's computation alone on these GPUs, what "
                   f"hiding all of its communication could reach at best: {at_best:.3f}x "
                   f"inductor. Share of that gain each variant won: {won or '-'}."]
-    lines += _sync_only_lines(rows)
+    lines += _sync_only_lines(rows) + _paired_lines(rows)
     lead = meta.get("profile_lead", 0)
     start = f" after {lead} unprofiled ones" if lead else ", from an idle GPU"
     lines += ["", f"Device time per step by kernel category ({meta.get('profile_steps', 1)} steps profiled back to "
@@ -472,6 +473,27 @@ def _sync_only_lines(rows: list[dict]) -> list[str]:
             "the slower one at every exchange, where the bound pays the slower rank once a step -- apart from "
             f"moving the data: {sync.get('speedup_vs_inductor', float('nan')):.3f}x inductor, "
             f"{sync.get('share_of_comm_free_gain') or float('nan'):.2f} of the bound's gain."]
+
+
+def _paired_lines(rows: list[dict]) -> list[str]:
+    """For a variant that is commopt with one switch flipped (VARIANT_ENV): commopt's cost over it
+    round by round -- the two ran back to back in each round, so a drift of the power-capped clocks
+    between rounds cancels -- as the median and quartiles of the per-round ratios (rank 0's times)."""
+    base = next((r for r in rows if r["backend"] == "commopt"), None)
+    out = []
+    for r in rows:
+        if base is None or r["backend"] not in VARIANT_ENV or not r.get("step_ms_all"):
+            continue
+        parts = []
+        for key, what in (("step_ms_all", "back to back"), ("step_ms_isolated_all", "isolated")):
+            ratios = [(a / b - 1) * 100 for a, b in zip(base.get(key) or [], r.get(key) or [])]
+            if len(ratios) >= 2:
+                q1, med, q3 = statistics.quantiles(ratios, n=4)
+                parts.append(f"{what} {med:+.2f}% ({q1:+.2f}..{q3:+.2f})")
+        if parts:
+            out.append(f"- commopt against {r['backend']}, paired by round ({len(r['step_ms_all'])} rounds; median "
+                       f"(quartiles) of commopt's step / its - 1): {'; '.join(parts)}")
+    return ["", *out] if out else []
 
 
 def _kernel_lines(rows: list[dict]) -> list[str]:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import os
 import re
@@ -456,8 +457,12 @@ def compiled(variant: str, models: dict, plan: Plan, case: Case, group) -> Calla
         if plan.mode == "cpu":
             return models["unsharded"]
         return torch.compile(models["unsharded"], mode="reduce-overhead", dynamic=False)
-    if variant in VARIANT_ENV:
-        return with_env(_commopt(variant, models["sharded"], plan), VARIANT_ENV[variant])
+    if variant in VARIANT_ENV:  # a backend object of its own: Dynamo would reuse commopt's compiled step
+        from torch_commopt.backend import commopt_backend
+
+        mode = "reduce-overhead" if plan.mode == "gpu" else None
+        step = torch.compile(models["sharded"], backend=functools.partial(commopt_backend, mode=mode), dynamic=False)
+        return with_env(step, VARIANT_ENV[variant])
     if variant.startswith("commopt"):
         return _commopt(variant, models["sharded"], plan)
     if variant == "inductor+symm_mem":

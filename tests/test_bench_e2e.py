@@ -112,3 +112,17 @@ def test_the_kernels_that_differ_from_the_bounds_are_reported():
     assert "Kernels whose time differs most from the comm-free bound's" in text
     assert "  - +0.620 ms: silu_bwd (1.160 ms x4 against 0.540 ms x4)" in text
     assert "'kernels'" not in text  # not printed with the categories
+
+
+def test_a_switched_off_variant_is_compared_with_commopt_round_by_round():
+    """'commopt watchdog off' beside commopt: the per-round ratios' median and quartiles (the two
+    ran back to back in each round), for the burst and the isolated step."""
+    on, off = _result(42.0, 43.0, [2.0, 1.0]), _result(41.0, 42.0, [2.0, 1.0])
+    on.update(step_ms_all=[42.0, 41.0, 46.0, 40.4], step_ms_isolated_all=[43.0, 43.0, 43.0, 43.0])
+    off.update(step_ms_all=[40.0, 41.0, 40.0, 40.0], step_ms_isolated_all=[43.0, 43.0, 43.0, 43.0])
+    rows = bench_e2e.records({"commopt": on, "commopt watchdog off": off}, {"layers": 4, "seq": 2048, "batch": 4}, 2)
+    text = bench_e2e.report(rows, {"device": "X", "world": 2, "date": "d", "torch": "t", "commit": "c", "shape": {},
+                                   "steps": 2, "command": "x"})
+    # ratios +5%, 0%, +15%, +1%: median +3%, not the medians' ratio (41.5 / 40 = +3.75%)
+    assert "- commopt against commopt watchdog off, paired by round (4 rounds; " in text
+    assert "back to back +3.00% (+0.25..+12.50); isolated +0.00% (+0.00..+0.00)" in text
