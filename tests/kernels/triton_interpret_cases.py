@@ -207,10 +207,8 @@ def group_waits():
     flags = torch.zeros(16, dtype=torch.int32)
     flags[3] = 5
     status = torch.zeros(8, dtype=torch.int32)
-    before = next(_clock)
     waits.bounded_wait(flags, 3, 5, status, code=2, src=1, chunk=3, bound=BOUND_NS)
     assert status.tolist() == [0] * 8, status.tolist()
-    assert next(_clock) == before + 1000, "a flag there at the first look read the clock (the bound's cost)"
     waits.bounded_wait(flags, 3, 4, status, code=2, src=1, chunk=3, bound=BOUND_NS)  # >=, not ==
     assert status.tolist() == [0] * 8, status.tolist()
     start = next(_clock)
@@ -266,7 +264,7 @@ def _ll(name, *, world, me, n, dtype, avg=False, debug=False, missing=None, shif
     lowlat.launch_oneshot(ranks, out, avg=avg, debug=debug, bound=BOUND_NS)
     if missing is not None:  # reported: (code, src, chunk) of the first wait that gave up
         assert status[0] == 1 and status[1:4].tolist() == [symm.WAIT_CODES["ll barrier"], missing, 0], (name, status)
-        # the other blocks' and the second barrier's waits give up at once: one bound in all
+        # the other blocks' and the second barrier's waits do not spin (a wait of the call gave up): one bound
         assert next(_clock) - start < 2 * BOUND_NS, (name, "waited out more than one bound")
         return
     assert status.tolist() == [0] * 8, (name, status.tolist())

@@ -72,9 +72,13 @@ def _ll_barrier(flag_bases, me, block, status, bound, BAR: tl.constexpr, W: tl.c
                 tl.atomic_xchg(peer + base + me, 1, sem="relaxed", scope="sys")
     for p in tl.static_range(W):
         if p != me:
-            # ONCE: after a wait of this call gave up (the call is garbage and reported), the
-            # others do not wait out their bounds
-            spin_geq(mine + base + p, 1, status, CODE, p, block, bound, DEBUG, ONCE=True)
+            if DEBUG:
+                # a wait of this call that gave up already (status[0]): the call is garbage and
+                # reported; waiting out another bound would only double the time to the error
+                if tl.atomic_add(status, 0, sem="relaxed", scope="gpu") == 0:
+                    spin_geq(mine + base + p, 1, status, CODE, p, block, bound, DEBUG)
+            else:
+                spin_geq(mine + base + p, 1, status, CODE, p, block, bound, DEBUG)
             tl.atomic_xchg(mine + base + p, 0, sem="relaxed", scope="sys")
 
 

@@ -13,40 +13,24 @@ import triton
 import triton.language as tl
 import triton.language.extra.cuda as cuda_extra
 
-POLLS: tl.constexpr = tl.constexpr(8)  # a bounded spin's polls of its flag per look at the clock (spin_geq)
-
 
 @triton.jit
-def spin_geq(ptr, expected, status, code, src, chunk, bound, DEBUG: tl.constexpr, ONCE: tl.constexpr = False):
+def spin_geq(ptr, expected, status, code, src, chunk, bound, DEBUG: tl.constexpr):
     """Spin until *ptr >= expected (int32 wrap-around compare); acquire, system scope.
     DEBUG: give up after `bound` nanoseconds of wall time (not iterations: a peer that is
-    JIT-compiling a kernel for seconds is slow, not stuck).  What the bound costs stays off the
-    flag's path: nothing when the flag is there at the first look, else the clock read once per
-    POLLS polls, so a flag that lands is seen as soon as unbounded.  ONCE: give up, without a
-    record of its own, once another wait of the call gave up (status[0] set, read with the clock)
-    -- waiting out another bound would only double the time to the error."""
+    JIT-compiling a kernel for seconds is slow, not stuck)."""
     v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     if DEBUG:
+        deadline = cuda_extra.globaltimer() + bound
+        while ((v - expected) < 0) & (cuda_extra.globaltimer() < deadline):
+            v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
         if (v - expected) < 0:
-            deadline = cuda_extra.globaltimer() + bound
-            live = (v - expected) < 0  # true here; a tensor, as the loop carries it
-            while ((v - expected) < 0) & live:
-                for _ in tl.static_range(POLLS):
-                    if (v - expected) < 0:
-                        v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-                live = cuda_extra.globaltimer() < deadline
-                if ONCE:
-                    live = live & (tl.atomic_add(status, 0, sem="relaxed", scope="gpu") == 0)
-            first = True
-            if ONCE:
-                first = tl.atomic_add(status, 0, sem="relaxed", scope="gpu") == 0
-            if ((v - expected) < 0) & first:
-                tl.store(status + 1, code)
-                tl.store(status + 2, src)
-                tl.store(status + 3, chunk)
-                tl.store(status + 4, v)
-                tl.store(status + 5, expected)
-                tl.atomic_xchg(status, 1, sem="release", scope="gpu")
+            tl.store(status + 1, code)
+            tl.store(status + 2, src)
+            tl.store(status + 3, chunk)
+            tl.store(status + 4, v)
+            tl.store(status + 5, expected)
+            tl.atomic_xchg(status, 1, sem="release", scope="gpu")
     else:
         while (v - expected) < 0:
             v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
