@@ -38,8 +38,8 @@ seconds from host memory, no CUDA call:
   runtime is closed, calls queued before the close are released the same way without waiting.
 
 Kernels that bound their own spins (the low-latency collectives, kernels/gpu/lowlat.py: a
-decode all-reduce takes ~6 us, and the two marks cost a replayed call ~11 us on 2x H200) are not
-marked per call.  Each spin gives up after the timeout in wall time (waits.spin_geq, the same bound
+decode all-reduce takes a few microseconds, less than the two marks would cost a replayed call;
+docs/gpu-schedules.md) are not marked per call.  Each spin gives up after the timeout in wall time (waits.spin_geq, the same bound
 as debug mode) and records what it waited for in the runtime's status words; the call's issuer
 registers the runtime once (`watch_status`), and the thread reads those words with the flags'
 copy at every poll: a timeout found there closes the runtime and raises in the issuer's thread as
