@@ -27,7 +27,6 @@ import torch
 WAIT_GEQ = 0x0
 # cuStreamWriteValue32 flags: default = preceded by a fence over the stream's earlier writes.
 WRITE_FENCED = 0x0
-WRITE_UNFENCED = 0x1  # CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
 
 
 @functools.cache
@@ -288,11 +287,9 @@ def wait_value32(stream, address: int, value: int) -> None:
            "cuStreamWaitValue32")
 
 
-def write_value32(stream, address: int, value: int, fenced: bool = True) -> None:
-    """Queue on `stream`: fence the stream's earlier writes (unless not `fenced`: the store may
-    become visible before them; it still runs after the stream's earlier work), then store
-    `value` at `address`."""
+def write_value32(stream, address: int, value: int) -> None:
+    """Queue on `stream`: fence the stream's earlier writes, then store `value` at `address`."""
     if _tap is not None:
-        _note(("write32", _handle(stream), address, value & 0xFFFFFFFF) + (() if fenced else ("unfenced",)))
-    _check(_lib()["cuStreamWriteValue32"](_handle(stream), address, value & 0xFFFFFFFF,
-                                          WRITE_FENCED if fenced else WRITE_UNFENCED), "cuStreamWriteValue32")
+        _note(("write32", _handle(stream), address, value & 0xFFFFFFFF))
+    _check(_lib()["cuStreamWriteValue32"](_handle(stream), address, value & 0xFFFFFFFF, WRITE_FENCED),
+           "cuStreamWriteValue32")

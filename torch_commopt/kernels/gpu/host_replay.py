@@ -269,8 +269,6 @@ def _relocate(ops: list, tensors) -> list | str:
         kind = op[0]
         if kind == "batch_array":
             return "a prepared batch (a captured call's start marks)"
-        if kind == "write32" and len(op) > 4:  # the native replay's writes are all fenced
-            return "an unfenced stream write (a watchdog mark inside the call)"
         if kind == "batch":
             if any(_where(addr, extents) != (0, addr) for _, addr, _ in op[2]):
                 return "a flag batch writes into the call's tensors"

@@ -587,9 +587,7 @@ class GroupRuntime:
         """The call's work is all queued (on its stream, or joined into it): its end mark, unless its
         last batch of flag writes took it along (done_reading)."""
         if watched is not None and not watched.ended:
-            # no memory barrier: the mark says the call's work has run (stream order), no data of
-            # its is read on the strength of it (kernels/gpu/watchdog.py)
-            driver.write_value32(watched.stream, watched.end, watched.value, fenced=False)
+            driver.write_value32(watched.stream, watched.end, watched.value)
 
     def check_open(self) -> None:
         """WaitTimeout when the watchdog closed this runtime (a call of the group got stuck)."""

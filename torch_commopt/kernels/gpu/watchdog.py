@@ -39,11 +39,12 @@ seconds from host memory, no CUDA call:
 
 Kernels that bound their own spins (the low-latency collectives, kernels/gpu/lowlat.py: a
 decode all-reduce takes a few microseconds, less than the two marks would cost a replayed call;
-docs/gpu-schedules.md) are not marked per call.  Each spin gives up after the timeout in wall time (waits.spin_geq, the same bound
-as debug mode) and records what it waited for in the runtime's status words; the call's issuer
-registers the runtime once (`watch_status`), and the thread reads those words with the flags'
-copy at every poll: a timeout found there closes the runtime and raises in the issuer's thread as
-a stuck call does.  The kernels have already ended, so nothing needs releasing.
+docs/gpu-schedules.md) are not marked per call.  Each spin gives up after the timeout in wall
+time (waits.spin_geq, the same bound as debug mode) and records what it waited for in the
+runtime's status words; the call's issuer registers the runtime once (`watch_status`), and the
+thread reads those words with the flags' copy at every poll: a timeout found there closes the
+runtime and raises in the issuer's thread as a stuck call does.  The kernels have already ended,
+so nothing needs releasing.
 
 The asynchronous exception (`PyThreadState_SetAsyncExc`) fires when that thread next runs Python
 bytecode: at once if it runs, or when a blocking CUDA call it is in returns once the waits are
