@@ -475,25 +475,46 @@ def _sync_only_lines(rows: list[dict]) -> list[str]:
             f"{sync.get('share_of_comm_free_gain') or float('nan'):.2f} of the bound's gain."]
 
 
+def _quartiles(values: list[float], form: str) -> str | None:
+    """'median (first..third quartile)' of `values` in `form` (None: fewer than two)."""
+    if len(values) < 2:
+        return None
+    q1, med, q3 = statistics.quantiles(values, n=4)
+    return f"{form.format(med)} ({form.format(q1)}..{form.format(q3)})"
+
+
+def _per_round(rows: list[dict], r: dict, key: str) -> list[str]:
+    """r's per-round comparisons on `key` (the burst's or the isolated step's times)."""
+    by = {x["backend"]: x for x in rows if x.get(key)}
+    ind, bound, mine = by.get("inductor"), next((x for x in by.values() if x.get("bound")), None), r.get(key) or []
+    parts = []
+    if ind is not None and r is not ind:
+        parts.append(("× inductor", _quartiles([a / b for a, b in zip(ind[key], mine)], "{:.3f}")))
+        if bound is not None and r is not bound and not r.get("bound"):
+            shares = [(i - v) / (i - b) for i, v, b in zip(ind[key], mine, bound[key]) if i > b]
+            parts.append(("share of the bound's gain", _quartiles(shares, "{:.2f}")))
+    if r["backend"] in VARIANT_ENV and "commopt" in by:  # commopt with one switch flipped
+        cost = [(a / b - 1) * 100 for a, b in zip(by["commopt"][key], mine)]
+        parts.append(("commopt's cost over it", _quartiles(cost, "{:+.2f}%")))
+    return [f"{what} {text}" for what, text in parts if text]
+
+
 def _paired_lines(rows: list[dict]) -> list[str]:
-    """For a variant that is commopt with one switch flipped (VARIANT_ENV): commopt's cost over it
-    round by round -- the two ran back to back in each round, so a drift of the power-capped clocks
-    between rounds cancels -- as the median and quartiles of the per-round ratios (rank 0's times)."""
-    base = next((r for r in rows if r["backend"] == "commopt"), None)
+    """Each variant against inductor round by round (and against the bound's gain, and a
+    VARIANT_ENV variant against commopt): the variants ran back to back in each round, so a drift
+    of the power-capped clocks between rounds cancels; medians and quartiles of the per-round
+    figures, rank 0's times."""
     out = []
     for r in rows:
-        if base is None or r["backend"] not in VARIANT_ENV or not r.get("step_ms_all"):
-            continue
-        parts = []
-        for key, what in (("step_ms_all", "back to back"), ("step_ms_isolated_all", "isolated")):
-            ratios = [(a / b - 1) * 100 for a, b in zip(base.get(key) or [], r.get(key) or [])]
-            if len(ratios) >= 2:
-                q1, med, q3 = statistics.quantiles(ratios, n=4)
-                parts.append(f"{what} {med:+.2f}% ({q1:+.2f}..{q3:+.2f})")
-        if parts:
-            out.append(f"- commopt against {r['backend']}, paired by round ({len(r['step_ms_all'])} rounds; median "
-                       f"(quartiles) of commopt's step / its - 1): {'; '.join(parts)}")
-    return ["", *out] if out else []
+        burst, isolated = _per_round(rows, r, "step_ms_all"), _per_round(rows, r, "step_ms_isolated_all")
+        if burst or isolated:
+            rounds = len(r.get("step_ms_all") or [])
+            out.append(f"- {r['backend']} ({rounds} rounds): back to back {', '.join(burst) or '-'}; "
+                       f"isolated {', '.join(isolated) or '-'}")
+    if not out:
+        return []
+    return ["", "Paired by round (each round's figures from variants that ran back to back; median "
+            "(quartiles) over rounds, rank 0):", "", *out]
 
 
 def _kernel_lines(rows: list[dict]) -> list[str]:

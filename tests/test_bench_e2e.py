@@ -124,5 +124,20 @@ def test_a_switched_off_variant_is_compared_with_commopt_round_by_round():
     text = bench_e2e.report(rows, {"device": "X", "world": 2, "date": "d", "torch": "t", "commit": "c", "shape": {},
                                    "steps": 2, "command": "x"})
     # ratios +5%, 0%, +15%, +1%: median +3%, not the medians' ratio (41.5 / 40 = +3.75%)
-    assert "- commopt against commopt watchdog off, paired by round (4 rounds; " in text
-    assert "back to back +3.00% (+0.25..+12.50); isolated +0.00% (+0.00..+0.00)" in text
+    assert ("- commopt watchdog off (4 rounds): back to back commopt's cost over it +3.00% (+0.25%..+12.50%); "
+            "isolated commopt's cost over it +0.00% (+0.00%..+0.00%)") in text
+
+
+def test_each_variant_is_compared_with_inductor_and_the_bound_round_by_round():
+    """Speedups and shares of the bound's gain per round: a drift between rounds cancels."""
+    ind, com, bound = _result(50.0, 51.0, [2.0, 1.0]), _result(45.0, 46.0, [2.0, 1.0]), _result(40.0, 41.0, [2.0, 1.0])
+    ind.update(step_ms_all=[50.0, 60.0, 50.0], step_ms_isolated_all=[51.0, 51.0, 51.0])
+    com.update(step_ms_all=[45.0, 54.0, 48.0], step_ms_isolated_all=[46.0, 46.0, 46.0])
+    bound.update(step_ms_all=[40.0, 48.0, 40.0], step_ms_isolated_all=[41.0, 41.0, 41.0], bound=True, comm_free={})
+    rows = bench_e2e.records({"inductor": ind, "commopt": com, "inductor comm-free": bound},
+                             {"layers": 4, "seq": 2048, "batch": 4}, 2)
+    text = "\n".join(bench_e2e._paired_lines(rows))
+    # per round: speedups 1.111, 1.111, 1.042; shares 0.5, 0.5, 0.2
+    assert "- commopt (3 rounds): back to back × inductor 1.111 (1.042..1.111), share of the bound's gain 0.50 " in text
+    assert "- inductor comm-free (3 rounds): back to back × inductor 1.250 (1.250..1.250); isolated" in text
+    assert "- inductor (" not in text  # nothing to compare it with
