@@ -35,8 +35,8 @@ from collections import Counter
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-_STATS: Counter = Counter()
-_SYNC_STATS: Counter = Counter()  # the sync-only pass's, apart: both variants run in one process
+# per pass (sync: the sync-only one's), apart: both variants run in one process
+_STATS: dict[bool, Counter] = {False: Counter(), True: Counter()}
 _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
@@ -48,7 +48,7 @@ def _op(name: str):
 def stats(sync: bool = False) -> dict[str, int]:
     """{'replaced <op>': count, 'left <op>': count, 'graphs': graphs the pass was called on}
     over every graph it has seen (sync: the sync-only pass's, its collectives 'synced <op>' too)."""
-    return dict(_SYNC_STATS if sync else _STATS)
+    return dict(_STATS[sync])
 
 
 def valid(counts: dict[str, int]) -> bool:
@@ -85,7 +85,7 @@ def strip_collectives(graph: torch.fx.Graph, sync: bool = False) -> None:
     wait, gather, scatter = _op("wait_tensor"), _op("all_gather_into_tensor"), _op("reduce_scatter_tensor")
     reduce_, reduce_inplace = _op("all_reduce"), _op("all_reduce_")
     gm = graph.owning_module
-    stats_ = _SYNC_STATS if sync else _STATS
+    stats_ = _STATS[sync]
     added: set = set()  # the sync-only pass's own all-reduces and waits: they stay
     if sync:
         for node in [n for n in graph.nodes if n.op == "call_function"
@@ -128,7 +128,7 @@ class _Pass(CustomGraphPass):
         self.sync = sync
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        (_SYNC_STATS if self.sync else _STATS)["graphs"] += 1
+        _STATS[self.sync]["graphs"] += 1
         strip_collectives(graph, self.sync)
 
     def uuid(self) -> str:

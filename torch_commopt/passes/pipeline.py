@@ -227,12 +227,12 @@ def _as_parts(region: Region, config: Config) -> bool:
     return parts_pay(node) if config.k_parts == "auto" else operand_parts(node) is not None
 
 
-def _k_parts(region: Region, config: Config) -> tuple[int, ...]:
-    """The K of each product a reduction's op multiplies apart (concat-K's terms where
-    `_as_parts`; () : one)."""
+def _k_parts(region: Region, as_parts: bool) -> tuple[int, ...]:
+    """The K of each product a reduction's op multiplies apart (concat-K's terms where the
+    region takes them as parts, `_as_parts`; () : one)."""
     from torch_commopt.passes.matmul.concat_k import k_parts
 
-    return k_parts(region.consumers[0].node) if _as_parts(region, config) else ()
+    return k_parts(region.consumers[0].node) if as_parts else ()
 
 
 def _keep_as_compiled(region: Region, schedule: Schedule, config: Config) -> bool:
@@ -392,7 +392,7 @@ def _choose_schedule(region: Region, config: Config, report: explain.GraphReport
                 why += ": host-bound band, but the graph's host runs ahead: ranked by GPU time"
             elif band is not None:
                 facts = RegionFacts(region.kind, shape, weights, region.dim, region.group_size, dtype,
-                                    k_parts=_k_parts(region, config))
+                                    k_parts=_k_parts(region, _as_parts(region, config)))
                 wanted, why = _band(region, facts, band, wanted, why, config, report)
             report.notes.append(f"{name}: picked {wanted} ({why})")
         else:
@@ -618,7 +618,7 @@ def _choose_by_model(region: Region, config: Config, report: explain.GraphReport
                         bias=[c.bias is not None for c in region.consumers], reduce_op=region.reduce_op,
                         keep_gathered=region.keep_gathered,
                         copy_bytes=sum(copy_bytes(c.node, as_parts) for c in region.consumers),
-                        kept_bytes=sum(kept_bytes(c.node) for c in region.consumers), k_parts=_k_parts(region, config))
+                        kept_bytes=sum(kept_bytes(c.node) for c in region.consumers), k_parts=_k_parts(region, as_parts))
     sched, preds, top, key, why = plan(
         facts, device_name(a.device), cal, _chunk_rows(region, 8), config.autotune_top_k, _replayed(region, config),
         lambda shape, pool, graphs: with_gemms(cal, shape, pool, a.device, region.group_name, config.cache_dir,
