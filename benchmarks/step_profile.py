@@ -37,6 +37,7 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
     recorded) and its Chrome trace written there, one file per rank (<label>_rank<r>.json), for the
     timelines the categories cannot show (which stream waited on what, what the host was doing); the
     profiled steps' own trace goes beside it (<label>_sustained_rank<r>.json)."""
+    import json
     import os
 
     from torch.profiler import ProfilerActivity, profile
@@ -50,7 +51,7 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
             step()
         sync()
         window = (t0, time.time())
-    trace_dir = os.environ.get("COMMOPT_TRACE_DIR")
+    trace_dir, causes = os.environ.get("COMMOPT_TRACE_DIR"), None
     if trace_dir:  # one more step, host ops (with their input shapes and strides) and device, for the trace only
         import re
 
@@ -61,7 +62,10 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
         name = re.sub(r"[^A-Za-z0-9]+", "_", label) or "step"
         # the profiled steps themselves (device and launch calls only): the sustained timeline
         # whose idle gaps the figures below count, where the traced step below starts from an idle GPU
-        prof.export_chrome_trace(os.path.join(trace_dir, f"{name}_sustained_rank{rank}.json"))
+        sustained = os.path.join(trace_dir, f"{name}_sustained_rank{rank}.json")
+        prof.export_chrome_trace(sustained)
+        with open(sustained) as f:
+            causes = gap_causes(json.load(f))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as traced:
             step()
             sync()
@@ -94,6 +98,8 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
     out["kernels"] = {k: [round(ms / steps, 3), n / steps] for k, (ms, n) in
                       sorted(kernels.items(), key=lambda kv: -kv[1][0])[:KERNELS_KEPT]}
     out["idle_gaps"] = idle_gaps(events)
+    if causes is not None:
+        out["idle_gaps"]["causes"] = causes
     out["window"] = window
     return out
 
@@ -132,6 +138,34 @@ def idle_gaps(events: list[tuple[str, float, float]], min_us: float = 5.0, top: 
                         for (b, a), v in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def gap_causes(trace: dict, min_us: float = 5.0) -> dict:
+    """Why the device sat idle, from a profiled step's Chrome trace (its device operations and the
+    host calls that queued them, matched by correlation id): a gap of at least `min_us` is the
+    host's ("host_late") where the call queuing the operation after it returned after the device
+    went idle, else a dependency's ("queued"): that operation was already queued and waited on
+    another stream, a peer's flag or copy, or an event.  ("unmatched": no queuing call in the
+    trace.)  {cause: {"ms", "count"}}."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATS),
+                    key=lambda e: (e["ts"], e["ts"] + e["dur"]))
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("ph") == "X" and e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}
+    out = {c: {"ms": 0.0, "count": 0} for c in ("host_late", "queued", "unmatched")}
+    idle_from = None
+    for e in device:
+        if idle_from is not None and e["ts"] - idle_from >= min_us:
+            call = launches.get(e.get("args", {}).get("correlation"))
+            cause = "unmatched" if call is None else "host_late" if call["ts"] + call["dur"] > idle_from else "queued"
+            out[cause]["ms"] += (e["ts"] - idle_from) / 1e3
+            out[cause]["count"] += 1
+        idle_from = max(idle_from, e["ts"] + e["dur"]) if idle_from is not None else e["ts"] + e["dur"]
+    return {c: {"ms": round(v["ms"], 3), "count": v["count"]} for c, v in out.items()}
+
+
 def split(breakdown_ms: dict | None) -> tuple[dict, dict | None]:
     """The category totals and the idle-gap summary of one `breakdown` (either may be absent;
     its wall-clock window and its kernels are left out)."""
@@ -164,5 +198,15 @@ def format_idle(label: str, idle: dict | None) -> list[str]:
     lines = [f"- {label}: idle {idle['idle_ms']} ms in {idle['gaps']} gaps of >= {idle['min_us']:g} us; by "
              "(before -> after): " + "; ".join(f"{p['before']} -> {p['after']} {p['ms']} ms x{p['count']}"
                                                for p in idle["by_pair"][:6])]
+    causes = idle.get("causes")
+    if causes:
+        lines.append("  - why (from the trace's queuing calls): " + "; ".join(
+            f"{what} {causes[c]['ms']} ms in {causes[c]['count']}" for c, what in _CAUSE_WORDS if causes[c]["count"]))
     lines += [f"  - at {g['at_ms']} ms: {g['us']} us, {g['before']} -> {g['after']}" for g in idle["largest"][:5]]
     return lines
+
+
+_CAUSE_WORDS = (("host_late", "the host queued the next operation after the device went idle"),
+                ("queued", "the next operation was queued and waited on a dependency (another stream, a peer, "
+                           "an event)"),
+                ("unmatched", "no queuing call found"))

@@ -1,6 +1,6 @@
 """The step profiler's idle-gap attribution (benchmarks/step_profile.py), on synthetic timelines."""
 
-from benchmarks.step_profile import format_idle, idle_gaps, kernel_differences, split
+from benchmarks.step_profile import format_idle, gap_causes, idle_gaps, kernel_differences, split
 
 
 def test_gaps_are_named_by_the_last_to_end_and_the_next_to_start():
@@ -45,3 +45,37 @@ def test_the_kernels_that_differ_most_from_the_other_side_are_named_with_both_fi
     assert lines[3].startswith("  - +0.210 ms: t_copy") and len(lines) == 4
     assert kernel_differences("a", None, "b", bound) == [] and kernel_differences("a", mine, "b", {}) == []
     assert split({"gemm": 1.0, "kernels": mine}) == ({"gemm": 1.0}, None)  # kernels are not a category
+
+
+def _trace(*ops):
+    """A Chrome trace: each op (name, device start, device end, the queuing call's start and end or
+    None) as a device event and its launch call, matched by correlation id."""
+    events = []
+    for i, (name, lo, hi, call) in enumerate(ops):
+        events.append({"ph": "X", "cat": "kernel", "name": name, "ts": lo, "dur": hi - lo, "args": {"correlation": i}})
+        if call is not None:
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": call[0],
+                           "dur": call[1] - call[0], "args": {"correlation": i}})
+    return {"traceEvents": events}
+
+
+def test_each_gap_is_the_late_host_s_or_a_dependency_s_from_the_queuing_calls():
+    trace = _trace(("a", 100.0, 200.0, (0.0, 5.0)),
+                   ("b", 230.0, 300.0, (10.0, 15.0)),   # queued long before the device went idle at 200
+                   ("c", 350.0, 400.0, (320.0, 340.0)),  # its call returned at 340, after idle from 300
+                   ("d", 402.0, 410.0, (20.0, 25.0)),   # 2 us: under the threshold
+                   ("e", 460.0, 470.0, None))            # no queuing call in the trace
+    got = gap_causes(trace, min_us=5.0)
+    assert got == {"host_late": {"ms": 0.05, "count": 1}, "queued": {"ms": 0.03, "count": 1},
+                   "unmatched": {"ms": 0.05, "count": 1}}
+    idle = dict(idle_gaps([("a", 100.0, 200.0), ("b", 230.0, 300.0)]), causes=got)
+    why = [line for line in format_idle("commopt", idle) if "why" in line]
+    assert len(why) == 1 and "after the device went idle 0.05 ms in 1" in why[0] and "waited on a dependency" in why[0]
+
+
+def test_an_overlapping_operation_keeps_the_device_busy_for_the_causes_too():
+    # a copy running beside a kernel: the gap starts when the later of the two ends
+    trace = _trace(("gemm", 0.0, 100.0, (-50.0, -40.0)), ("copy", 20.0, 150.0, (-30.0, -20.0)),
+                   ("next", 160.0, 170.0, (155.0, 158.0)))
+    assert gap_causes(trace)["host_late"] == {"ms": 0.01, "count": 1}
+    assert gap_causes(trace)["queued"]["count"] == 0
