@@ -201,7 +201,7 @@ def format_idle(label: str, idle: dict | None) -> list[str]:
     causes = idle.get("causes")
     if causes:
         lines.append("  - why (from the trace's queuing calls): " + "; ".join(
-            f"{what} {causes[c]['ms']} ms in {causes[c]['count']}" for c, what in _CAUSE_WORDS if causes[c]["count"]))
+            f"{what}: {causes[c]['ms']} ms in {causes[c]['count']}" for c, what in _CAUSE_WORDS if causes[c]["count"]))
     lines += [f"  - at {g['at_ms']} ms: {g['us']} us, {g['before']} -> {g['after']}" for g in idle["largest"][:5]]
     return lines
 

@@ -70,7 +70,7 @@ def test_each_gap_is_the_late_host_s_or_a_dependency_s_from_the_queuing_calls():
                    "unmatched": {"ms": 0.05, "count": 1}}
     idle = dict(idle_gaps([("a", 100.0, 200.0), ("b", 230.0, 300.0)]), causes=got)
     why = [line for line in format_idle("commopt", idle) if "why" in line]
-    assert len(why) == 1 and "after the device went idle 0.05 ms in 1" in why[0] and "waited on a dependency" in why[0]
+    assert len(why) == 1 and "after the device went idle: 0.05 ms in 1" in why[0] and "waited on a dependency" in why[0]
 
 
 def test_an_overlapping_operation_keeps_the_device_busy_for_the_causes_too():
