@@ -132,6 +132,8 @@ def run_variant(name: str, args, out: pathlib.Path, ngpu: int, rnd: int = 0) -> 
     if args.profile_step:  # benchmarks/tt_profile.py: one step under torch.profiler, tables in the log
         cmd += ["--experimental.custom_import", "benchmarks.tt_profile"]
         env["TT_PROFILE_STEP"] = str(args.profile_step)
+        # each rank's Chrome trace of that step, Python stacks included (device_run.sh tars them)
+        env.update(TT_TRACE_DIR=str(out / "tt_traces"), TT_VARIANT=f"{name}_r{rnd}")
     log_path = out / f"torchtitan_{name}_r{rnd}.log"
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
@@ -244,7 +246,8 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="more torchtitan CLI arguments for every variant")
     ap.add_argument("--commit", default="?")
     ap.add_argument("--profile-step", dest="profile_step", type=int, default=0,
-                    help="profile this train step (benchmarks/tt_profile.py): op tables in torchtitan_<variant>.log")
+                    help="profile this train step (benchmarks/tt_profile.py): op tables in torchtitan_<variant>.log, "
+                         "each rank's Chrome trace in OUT/tt_traces")
     args = ap.parse_args()
     args.job = JOBS[args.job]
     args.flavor = args.flavor or args.job.flavor

@@ -5,7 +5,9 @@ first, so the commopt train spec stays registered).  When TT_PROFILE_STEP=N is s
 trainer's N-th `train_step` runs under torch.profiler (CPU and CUDA activity) and rank 0
 prints two tables into the job's log between "commopt-tt-profile" markers: the top ops by
 device time and by host time.  Every rank profiles the same step (collectives), only rank 0
-prints.  Nothing changes without the variable.
+prints.  With TT_TRACE_DIR set too, every rank also writes that step's Chrome trace there, with
+the Python stack of every host op (`<variant>_rank<r>.json`): which code called a host sync, and
+what each rank's device waited for.  Nothing changes without the variables.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import torch_commopt.integrations.torchtitan.register  # noqa: F401  (the train spec)
 
 ENV = "TT_PROFILE_STEP"
+TRACE_ENV = "TT_TRACE_DIR"  # where each rank writes the profiled step's Chrome trace (optional)
 
 
 def _install() -> None:
@@ -41,9 +44,14 @@ def _install() -> None:
         if calls["n"] != step_to_profile:
             return original(self, *args, **kwargs)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trace_dir = os.environ.get(TRACE_ENV)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(trace_dir)) as prof:
             result = original(self, *args, **kwargs)
             torch.cuda.synchronize()
+        if trace_dir:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            os.makedirs(trace_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(trace_dir, f"{os.environ.get('TT_VARIANT', 'step')}_rank{rank}.json"))
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             table = prof.key_averages()
             print(f"commopt-tt-profile begin (train_step call {step_to_profile})", flush=True)

@@ -28,3 +28,39 @@ def test_each_variant_is_compared_with_the_inductor_job_of_its_round():
                                     [dict(r, parallel="TP=2", seq=8, batch=1, returncode=0, steps_logged=0, tokens_per_s=None,
                                           peak_mem_gib=None, loss_first=None, loss_last=None, losses=[]) for r in recs])
     assert "- commopt: 1.053x inductor's tokens/s (rounds: 1.053, 1.053); median step 99.8 ms" in lines
+
+
+def test_the_profiled_step_writes_each_rank_s_chrome_trace_where_asked(tmp_path, monkeypatch):
+    """benchmarks/tt_profile.py on a stand-in trainer (CPU: the CUDA activity and synchronize are
+    stood in for): only the N-th train_step is profiled, its tables printed, and with TT_TRACE_DIR
+    its Chrome trace written under the variant's name, Python stacks included."""
+    import importlib
+    import json
+    import sys
+    import types
+
+    import torch
+    import torch.profiler
+
+    class Trainer:
+        def train_step(self, x):
+            return torch.relu(x @ x).sum()
+
+    real_profile = torch.profiler.profile
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.profiler, "profile",
+                        lambda activities, **kw: real_profile(activities=[torch.profiler.ProfilerActivity.CPU], **kw))
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(Trainer=Trainer))
+    monkeypatch.setenv("TT_PROFILE_STEP", "2")
+    monkeypatch.setenv("TT_TRACE_DIR", str(tmp_path / "traces"))
+    monkeypatch.setenv("TT_VARIANT", "commopt_r0")
+    sys.modules.pop("benchmarks.tt_profile", None)
+    importlib.import_module("benchmarks.tt_profile")
+    trainer, x = Trainer(), torch.randn(8, 8)
+    trainer.train_step(x)
+    assert not (tmp_path / "traces").exists()  # the first call is not the profiled one
+    trainer.train_step(x)
+    trace = json.loads((tmp_path / "traces" / "commopt_r0_rank0.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::relu" in names and any("train_step" in str(n) for n in names)  # the op and its Python stack
+    sys.modules.pop("benchmarks.tt_profile", None)

@@ -91,6 +91,8 @@ if [[ $what == torchtitan ]]; then
   # an --extra there holds one argument), e.g. TT_EXTRA="--optimizer.lr=3e-4 --metrics.log_freq=10"
   PYTHONPATH=$ttsite:$PYTHONPATH timeout ${TT_TIMEOUT:-560} python3 -m benchmarks.bench_torchtitan --out "$out" \
     ${BENCH_ARGS:-} ${TT_EXTRA:+"--extra=$TT_EXTRA"} 2>&1 | tee "$out/torchtitan.log"
+  # --profile-step's Chrome traces of every rank (benchmarks/tt_profile.py), compressed
+  if [[ -d $out/tt_traces ]]; then (cd "$out" && tar czf tt_traces.tgz tt_traces && rm -rf tt_traces); fi
 fi
 if [[ $what == moe_pieces ]]; then
   # issue 68, one GPU: the experts' grouped GEMMs whole vs in pieces by source (what by_peer costs the compute)
