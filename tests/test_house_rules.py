@@ -35,6 +35,8 @@ CUSTOM_OPS = {
     "commopt::cp_attention_bwd_kept": "the schema of its backward (the kept tensors beside dout)",
     "commopt::cp_flex_attention_fwd": "the schema of FlexAttention CP's forward (the mask's tables, code, buffers)",
     "commopt::cp_flex_attention_bwd": "the schema of its backward (the forward's out and lse beside dout)",
+    "commopt::cp_flex_attention_fwd_keep": "the one-group all-gather's forward, its gathered K/V returned too",
+    "commopt::cp_flex_attention_bwd_kept": "its backward, on the forward's gathered K/V (nothing gathered)",
     "commopt::gemm_2d": "the schema of a 2D GEMM region (dataflow, slices, both mesh sizes and groups, the gathered copy)",
 }
 

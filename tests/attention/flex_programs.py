@@ -126,9 +126,11 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
     return got
 
 
-def run_flex_ops(rank: int, world: int, kind: str, schedule: str, own_rows: bool = False) -> dict:
+def run_flex_ops(rank: int, world: int, kind: str, schedule: str, own_rows: bool = False, keep: bool = False) -> dict:
     """torch.ops.commopt.cp_flex_attention_fwd / _bwd as a rewritten graph calls them (the block
-    tables, the lifted mask's code and buffers): {name: max abs error vs dense float64}."""
+    tables, the lifted mask's code and buffers): {name: max abs error vs dense float64}.  keep: the
+    _keep / _kept pair, the forward's gathered K/V into the backward; then also "gathered" (their
+    error against the whole sequence's K/V) and "backward_gathers" (all-gathers the backward ran)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     import torch_commopt  # noqa: F401  (registers the ops)
@@ -148,18 +150,33 @@ def run_flex_ops(rank: int, world: int, kind: str, schedule: str, own_rows: bool
     scale, group = 1 / math.sqrt(D), dist.group.WORLD
     args = (tables, list(buffers), graph.code, sizes, scale, world, group.group_name, schedule)
     qs, ks, vs, ds = (t[:, :, mine].contiguous() for t in (q, k, v, dout))
-    out, lse = torch.ops.commopt.cp_flex_attention_fwd(qs, ks, vs, *args)
-    dq, dk, dv = torch.ops.commopt.cp_flex_attention_bwd(ds, qs, ks, vs, out, lse, *args)
+    extra = {}
+    if keep:
+        from torch_commopt.kernels.attention import flex_allgather
+
+        out, lse, k_all, v_all = torch.ops.commopt.cp_flex_attention_fwd_keep(qs, ks, vs, *args)
+        extra["gathered"] = max((k_all - k).abs().max().item(), (v_all - v).abs().max().item())
+        real, calls = flex_allgather.all_gather, []
+        flex_allgather.all_gather = lambda *a, **kw: calls.append(a) or real(*a, **kw)
+        try:
+            dq, dk, dv = torch.ops.commopt.cp_flex_attention_bwd_kept(ds, qs, k_all, v_all, out, lse, *args)
+        finally:
+            flex_allgather.all_gather = real
+        extra["backward_gathers"] = len(calls)
+    else:
+        out, lse = torch.ops.commopt.cp_flex_attention_fwd(qs, ks, vs, *args)
+        dq, dk, dv = torch.ops.commopt.cp_flex_attention_bwd(ds, qs, ks, vs, out, lse, *args)
     pos = torch.arange(S)
     dense_mask = mod(0, 0, pos[:, None], pos[None, :])[None, None]
     qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
     want = _dense(qt, kt, vt, dense_mask, scale)
     want.backward(dout)
     return {"out": (out - want[:, :, mine]).abs().max().item(), "dq": (dq - qt.grad[:, :, mine]).abs().max().item(),
-            "dk": (dk - kt.grad[:, :, mine]).abs().max().item(), "dv": (dv - vt.grad[:, :, mine]).abs().max().item()}
+            "dk": (dk - kt.grad[:, :, mine]).abs().max().item(), "dv": (dv - vt.grad[:, :, mine]).abs().max().item(),
+            **extra}
 
 
-def _compiled_program(rank: int, world: int, kind: str, schedule: str):
+def _compiled_program(rank: int, world: int, kind: str, schedule: str, options: dict | None = None):
     """(compiled, mask function, this rank's slice): a context-parallel program compiled with
     backend="commopt" -- K and V all-gathered along the sequence into flex_attention with the
     rank's local queries and the mask of its rows (offset added in its mask_mod), GQA 4:2."""
@@ -179,7 +196,7 @@ def _compiled_program(rank: int, world: int, kind: str, schedule: str):
 
     torch._dynamo.reset()
     torch_commopt.reset_explain()
-    compiled = torch.compile(program, backend="commopt", options={"attention_schedule": schedule})
+    compiled = torch.compile(program, backend="commopt", options={"attention_schedule": schedule, **(options or {})})
     return compiled, mod, slice(rank * length, (rank + 1) * length)
 
 
@@ -203,7 +220,7 @@ def run_flex_compiled(rank: int, world: int, kind: str, schedule: str) -> dict:
             "notes": [n for g in graphs for n in g.notes], "ops": {k_: v_ for g in graphs for k_, v_ in g.commopt_ops.items()}}
 
 
-def run_flex_compiled_training(rank: int, world: int, schedule: str) -> dict:
+def run_flex_compiled_training(rank: int, world: int, schedule: str, options: dict | None = None) -> dict:
     """_compiled_program (documents + window) trained one step in float32: the q/k/v gradients'
     largest errors against dense float64, float32 eager's own, and explain's notes.  torch refuses
     flex_attention with gradients on a CPU at its public API (_validate_device; its eager
@@ -216,7 +233,7 @@ def run_flex_compiled_training(rank: int, world: int, schedule: str) -> dict:
     gen = torch.Generator().manual_seed(13)
     q, dout = (torch.randn(1, 4, S, D, generator=gen) for _ in range(2))
     k, v = (torch.randn(1, 2, S, D, generator=gen) for _ in range(2))
-    compiled, mod, mine = _compiled_program(rank, world, "document+window", schedule)
+    compiled, mod, mine = _compiled_program(rank, world, "document+window", schedule, options)
     shares = [t[:, :, mine].contiguous().requires_grad_() for t in (q, k, v)]
     compiled(*shares).backward(dout[:, :, mine])
     pos = torch.arange(S)

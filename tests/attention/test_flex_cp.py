@@ -188,6 +188,39 @@ def test_a_compiled_flex_program_runs_the_named_schedule(world, schedule):
             assert any(f"cp_flex_attention_fwd {schedule}" in n for n in got["notes"]), got["notes"]
 
 
+def test_the_kept_pair_carries_the_gathered_kv_into_a_backward_that_gathers_nothing():
+    """cp_flex_attention_fwd_keep returns the whole sequence's K/V beside out and lse, and
+    cp_flex_attention_bwd_kept on them gives dense attention's gradients without an all-gather; a
+    schedule other than the one-group all-gather is refused."""
+    from flex_programs import run_flex_ops
+
+    for rank, got in enumerate(run_distributed(run_flex_ops, 2, "document", "allgather", False, True, backend="gloo",
+                                               timeout_s=300)):
+        assert got["backward_gathers"] == 0 and got["gathered"] == 0, (rank, got)
+        assert all(got[n] < 1e-10 for n in ("out", "dq", "dk", "dv")), (rank, got)
+    import torch_commopt  # noqa: F401  (registers the ops)
+    from torch_commopt.kernels.attention.ops import _kept_schedule
+
+    for schedule in ("ring", "allgather:g=2", "hybrid:2:2"):
+        with pytest.raises(ValueError, match="one head group keeps"):
+            _kept_schedule(schedule)
+
+
+@pytest.mark.parametrize("options, kept", [({}, True), ({"regather_for_backward": True}, False)])
+def test_a_compiled_training_step_keeps_the_gathered_kv_unless_asked_to_gather_again(options, kept):
+    """The one-group all-gather in a joint graph runs as the kept pair by default (the program's own
+    gathered K/V were saved for its backward too), and as the plain pair under
+    regather_for_backward; the gradients within float32's own error either way."""
+    from flex_programs import run_flex_compiled_training
+
+    for rank, got in enumerate(run_distributed(run_flex_compiled_training, 2, "allgather", options, backend="gloo",
+                                               timeout_s=300)):
+        for name, err in got["errors"].items():
+            assert within_tolerance(err, got["eager_errors"][name]), (rank, name, got)
+        notes = [n for n in got["notes"] if "cp_flex_attention_fwd/bwd allgather in the joint graph" in n]
+        assert notes and all(("gathered K/V kept" in n) == kept for n in notes), got["notes"]
+
+
 @pytest.mark.parametrize("world, schedule", [(2, "ring"), (4, "allgather")])
 def test_a_compiled_flex_training_step_runs_the_named_schedule_forward_and_backward(world, schedule):
     """The same program trained one step: on the joint graph the forward and its backward become

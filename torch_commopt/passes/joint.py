@@ -36,7 +36,8 @@ class JointPass(CustomGraphPass):
                 timeout = self.config.consistency_timeout_s if self.config.check_rank_consistency else None
                 notes += rewrite_joint_attention(graph, self.config.attention_schedule, timeout, self.config.cache_dir,
                                                  mode=self.config.mode, top_k=self.config.autotune_top_k,
-                                                 tune_timeout_s=self.config.consistency_timeout_s)
+                                                 tune_timeout_s=self.config.consistency_timeout_s,
+                                                 keep_gathered=_keeps_gathered(self.config))
             except Exception as e:  # noqa: BLE001 - the joint graph is left as far as it got: each
                 # region is edited only after it matched, so a failure leaves whole regions
                 log.exception("commopt: attention rewrite of the joint graph stopped")
@@ -70,3 +71,10 @@ class JointPass(CustomGraphPass):
 
 # notes of the joint-graph pass, picked up by the report of the next graph the post-grad pass sees
 PENDING_NOTES: list[str] = []
+
+
+def _keeps_gathered(config) -> bool:
+    """Whether flex attention's all-gather keeps its gathered K/V for the backward, as the program's
+    own gather does: not where the backward is asked to gather again (regather_for_backward), nor
+    under a saved-gather budget, which counts the matmul gathers only."""
+    return not config.regather_for_backward and config.saved_gather_budget_mib is None

@@ -4,9 +4,11 @@ Rank p holds rows and keys [p * L, (p + 1) * L).  Forward: the whole sequence's 
 in G groups of KV heads, group g + 1's gather in flight while group g attends; each group is one
 flex call of the rank's rows against every key under its rows' mask (flex.step_mask(p, None)).  That
 is the program's own kernel on 1/W of the rows: no merge, and the whole mask's block sparsity kept
-(an empty tile is skipped inside the kernel).  Backward: each group's K/V gathered again (nothing
-gathered is kept between the passes), dq from its call, and the whole sequence's dK/dV of the group
-reduce-scattered in the acc dtype to their owners.
+(an empty tile is skipped inside the kernel).  Backward: dq from each group's call, and the whole
+sequence's dK/dV of the group reduce-scattered to their owners.  One head group's gathered K/V can
+be kept from the forward (`allgather_forward(keep=True)`, as the program's own all-gather keeps
+them: W times the rank's K/V a layer), so that its backward gathers nothing; else (and with more
+groups) each group's K/V is gathered again.
 
 Head groups need a mask that is the same for every head (its tables broadcast over heads); a
 per-head mask runs in one group.  Every key is sent to every rank whatever the mask; the ring
@@ -50,8 +52,14 @@ def _rows_step(blocks: flex.Blocks, p: int, world: int) -> flex.Step:
     return flex.cached(blocks, ("allgather", p, world), lambda: flex.step_mask(blocks, p, None, world))
 
 
-def _gathers(k: Tensor, v: Tensor, heads: list[tuple[slice, slice]], group):
-    """The groups' K/V all-gathers along the sequence, each issued one group ahead of its use."""
+def _gathers(k: Tensor, v: Tensor, heads: list[tuple[slice, slice]], group, kept: tuple[Tensor, Tensor] | None = None):
+    """The groups' K/V all-gathers along the sequence, each issued one group ahead of its use
+    (kept: the one group's gathered K/V, from the forward: nothing gathered)."""
+    if kept is not None:
+        if len(heads) != 1:
+            raise ValueError(f"flex all-gather: gathered K/V are kept for one head group, not {len(heads)}")
+        yield 0, list(kept)
+        return
     issue = lambda kv: [all_gather(t[:, kv].contiguous(), 2, group, async_op=True) for t in (k, v)]  # noqa: E731
     pending = issue(heads[0][1])
     for i in range(len(heads)):
@@ -66,17 +74,28 @@ def _joined(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
     return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).to(dtype)
 
 
-def allgather_forward(q: Tensor, k: Tensor, v: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
-    """(out, lse) of this rank's rows over the whole sequence (out in q's dtype, lse in the acc dtype)."""
+def keeps(q: Tensor, k: Tensor, opts: Options) -> bool:
+    """Whether the forward can keep its gathered K/V for the backward: one head group."""
+    return len(_head_groups(q, k, opts)) == 1
+
+
+def allgather_forward(q: Tensor, k: Tensor, v: Tensor, opts: Options, *,
+                      keep: bool = False) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """(out, lse, kept) of this rank's rows over the whole sequence (out in q's dtype, lse in the acc
+    dtype); kept: with keep (one head group only, `keeps`), the gathered (K, V) for
+    allgather_backward, else None."""
     world, p = comm.size(opts.group), comm.rank(opts.group)
     step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
-    outs, lses = [], []
+    if keep and len(heads) != 1:
+        raise ValueError(f"flex all-gather: gathered K/V are kept for one head group, not {len(heads)}")
+    outs, lses, kept = [], [], None
     for i, (k_all, v_all) in _gathers(k, v, heads, opts.group):
         o, l_g = flex.block_forward(q[:, heads[i][0]].contiguous(), k_all, v_all, step, opts.scale)
         outs.append(o)
         lses.append(l_g)
-    return _joined(outs, q.dtype), _joined(lses, acc_dtype(q.dtype))
+        kept = (k_all, v_all) if keep else None
+    return _joined(outs, q.dtype), _joined(lses, acc_dtype(q.dtype)), kept
 
 
 def _scatter_dtype(g: Tensor, world: int) -> torch.dtype:
@@ -87,14 +106,17 @@ def _scatter_dtype(g: Tensor, world: int) -> torch.dtype:
     return g.dtype if world == 2 else acc_dtype(g.dtype)
 
 
-def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of this rank's shares from saved = (q, k, v, out, lse), in the inputs' dtypes."""
+def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options,
+                       kept: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of this rank's shares from saved = (q, k, v, out, lse), in the inputs' dtypes
+    (kept: the forward's gathered K/V, allgather_forward(keep=True); k and v then give only their
+    shapes and dtypes)."""
     q, k, v, out, lse = saved
     world, p = comm.size(opts.group), comm.rank(opts.group)
     step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
     dqs, scattering = [], []
-    for i, (k_all, v_all) in _gathers(k, v, heads, opts.group):
+    for i, (k_all, v_all) in _gathers(k, v, heads, opts.group, kept):
         hq = heads[i][0]
         gq, gk, gv = flex.block_backward(q[:, hq].contiguous(), k_all, v_all, out[:, hq].contiguous(),
                                          lse[:, hq].contiguous(), dout[:, hq].contiguous(), step, opts.scale)
@@ -111,14 +133,17 @@ class FlexAllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, opts):
-        out, lse = allgather_forward(q, k, v, opts)
-        ctx.save_for_backward(q, k, v, out, lse)
+        keep = keeps(q, k, opts)  # as the program's own all-gather keeps its gathered K/V
+        out, lse, kept = allgather_forward(q, k, v, opts, keep=keep)
+        ctx.save_for_backward(q, k, v, out, lse, *(kept or ()))
         ctx.opts = opts
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dk, dv = allgather_backward(ctx.saved_tensors, dout.contiguous(), ctx.opts)
+        saved = ctx.saved_tensors
+        kept = tuple(saved[5:]) or None
+        dq, dk, dv = allgather_backward(saved[:5], dout.contiguous(), ctx.opts, kept)
         return dq, dk, dv, None
 
 

@@ -52,6 +52,14 @@ _LIB.define("cp_flex_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor?[] table
 _LIB.define("cp_flex_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "Tensor?[] tables, Tensor[] buffers, str mask_code, int[] sizes, float scale, int group_size, "
             "str group_name, str schedule) -> (Tensor, Tensor, Tensor)")
+# The all-gather schedule of one head group keeping its gathered K/V for the backward, as the
+# program's own all-gather does: the forward returns them too, the backward takes them for k and v.
+_LIB.define("cp_flex_attention_fwd_keep(Tensor q, Tensor k, Tensor v, Tensor?[] tables, Tensor[] buffers, "
+            "str mask_code, int[] sizes, float scale, int group_size, str group_name, str schedule) "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("cp_flex_attention_bwd_kept(Tensor dout, Tensor q, Tensor k_all, Tensor v_all, Tensor out, Tensor lse, "
+            "Tensor?[] tables, Tensor[] buffers, str mask_code, int[] sizes, float scale, int group_size, "
+            "str group_name, str schedule) -> (Tensor, Tensor, Tensor)")
 
 # Decoding attention over a KV cache sharded along the sequence (kernels/attention/decode.py):
 # q replicated, k and v this rank's share, mask this rank's columns of the whole mask (or None).
@@ -139,7 +147,7 @@ def cp_flex_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, tables: list, buff
     elif name == "hybrid":
         out, lse = flex_hybrid.hybrid_forward(q, k, v, blocks, scale, group, flex_hybrid_degrees(schedule))
     else:
-        out, lse = flex_allgather.allgather_forward(q, k, v, flex_allgather.Options(blocks, scale, group, groups))
+        out, lse, _ = flex_allgather.allgather_forward(q, k, v, flex_allgather.Options(blocks, scale, group, groups))
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
@@ -162,6 +170,42 @@ def cp_flex_attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
     return tuple(g.contiguous() for g in grads)
 
 
+def _kept_schedule(schedule: str) -> int:
+    """The head groups of a schedule the kept pair runs: the all-gather of one group only."""
+    name, groups = parse_flex_schedule(schedule)
+    if name != "allgather" or groups != 1:
+        raise ValueError(f"commopt cp_flex_attention keep: the all-gather of one head group keeps its K/V, "
+                         f"not {schedule!r}")
+    return groups
+
+
+def cp_flex_attention_fwd_keep_op(q: Tensor, k: Tensor, v: Tensor, tables: list, buffers: list, mask_code: str,
+                                  sizes: list, scale: float, group_size: int, group_name: str,
+                                  schedule: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, K, V): cp_flex_attention_fwd's out and lse, and the whole sequence's gathered K and V."""
+    from torch_commopt.kernels.attention import flex_allgather
+
+    groups = _kept_schedule(schedule)
+    opts = flex_allgather.Options(_flex_blocks(tables, sizes, mask_code, buffers), scale,
+                                  _group(group_size, group_name), groups)
+    out, lse, (k_all, v_all) = flex_allgather.allgather_forward(q, k, v, opts, keep=True)
+    return out.to(q.dtype).contiguous(), lse.contiguous(), k_all, v_all
+
+
+def cp_flex_attention_bwd_kept_op(dout: Tensor, q: Tensor, k_all: Tensor, v_all: Tensor, out: Tensor, lse: Tensor,
+                                  tables: list, buffers: list, mask_code: str, sizes: list, scale: float,
+                                  group_size: int, group_name: str, schedule: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of this rank's shares from the forward's gathered K and V (nothing gathered)."""
+    from torch_commopt.kernels.attention import flex_allgather
+
+    groups, group = _kept_schedule(schedule), _group(group_size, group_name)
+    opts = flex_allgather.Options(_flex_blocks(tables, sizes, mask_code, buffers), scale, group, groups)
+    share = k_all.shape[2] // group_size
+    k, v = (t.narrow(2, 0, share) for t in (k_all, v_all))  # a share's shape and dtype (not read)
+    grads = flex_allgather.allgather_backward((q, k, v, out, lse), dout.contiguous(), opts, (k_all, v_all))
+    return tuple(g.contiguous() for g in grads)
+
+
 def dense_block_tables_op(mask: Tensor, block: int) -> list[Tensor]:
     """[kv_num, kv_idx, full_num, full_idx] of a dense boolean mask (flex.dense_tables)."""
     from torch_commopt.kernels.attention import flex
@@ -172,6 +216,8 @@ def dense_block_tables_op(mask: Tensor, block: int) -> list[Tensor]:
 _LIB.impl("dense_block_tables", dense_block_tables_op, "CompositeExplicitAutograd")
 _LIB.impl("cp_flex_attention_fwd", cp_flex_attention_fwd_op, "CompositeExplicitAutograd")
 _LIB.impl("cp_flex_attention_bwd", cp_flex_attention_bwd_op, "CompositeExplicitAutograd")
+_LIB.impl("cp_flex_attention_fwd_keep", cp_flex_attention_fwd_keep_op, "CompositeExplicitAutograd")
+_LIB.impl("cp_flex_attention_bwd_kept", cp_flex_attention_bwd_kept_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("commopt::cp_flex_attention_fwd")
@@ -192,6 +238,20 @@ def _(mask, block):
 @torch.library.register_fake("commopt::cp_flex_attention_bwd")
 def _(dout, q, k, v, out, lse, tables, buffers, mask_code, sizes, scale, group_size, group_name, schedule):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op gives them
+
+
+@torch.library.register_fake("commopt::cp_flex_attention_fwd_keep")
+def _(q, k, v, tables, buffers, mask_code, sizes, scale, group_size, group_name, schedule):
+    _kept_schedule(schedule)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    gathered = [t.new_empty(t.shape[:2] + (t.shape[2] * group_size,) + t.shape[3:]) for t in (k, v)]
+    return (q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=acc), *gathered)
+
+
+@torch.library.register_fake("commopt::cp_flex_attention_bwd_kept")
+def _(dout, q, k_all, v_all, out, lse, tables, buffers, mask_code, sizes, scale, group_size, group_name, schedule):
+    share = lambda t: t.new_empty(t.shape[:2] + (t.shape[2] // group_size,) + t.shape[3:])  # noqa: E731
+    return q.new_empty(q.shape), share(k_all), share(v_all)
 
 
 def decode_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],

@@ -16,7 +16,9 @@ and becomes
 so the partitioner saves q, the local k/v, out and the LSE instead of the gathered K/V, and no
 all-gather or reduce-scatter of K/V runs (the schedule moves what it needs).  A schedule that
 moves its inputs (ulysses, ring_zigzag: schedules.moves_inputs) runs as the kept pair,
-cp_attention_fwd_keep / cp_attention_bwd_kept (rewrite.insert_training_forward).  Ulysses programs
+cp_attention_fwd_keep / cp_attention_bwd_kept (rewrite.insert_training_forward).  Flex's one-group
+all-gather keeps its gathered K/V for the backward as the program did (cp_flex_attention_fwd_keep /
+_bwd_kept), unless the config asks the backward to gather again.  Ulysses programs
 (all-to-all -> attention -> all-to-all, and the mirror in backward) go the same way through
 ulysses_joint.py.  A region whose
 pieces do not match exactly (another user of K or dK, an expand in the layout, a reduce-scatter
@@ -30,6 +32,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
+from torch_commopt.core.attention_spec import parse_flex_schedule
 from torch_commopt.kernels.attention import schedules
 from torch_commopt.passes.attention import cplib, ulysses_joint
 from torch_commopt.passes.attention.detect import (
@@ -69,10 +72,11 @@ class NotMatched(Exception):
 
 def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_timeout_s: float | None = None,
                             cache_dir: str | None = None, *, mode: str = "auto", top_k: int = 4,
-                            tune_timeout_s: float = 300.0) -> list[str]:
+                            tune_timeout_s: float = 300.0, keep_gathered: bool = False) -> list[str]:
     """Rewrite every all-gather CP attention of a joint graph whose backward matches; notes.
     consistency_timeout_s: check the decisions across ranks first (None: no check); mode, top_k,
-    tune_timeout_s: as rewrite.rewrite_attention."""
+    tune_timeout_s: as rewrite.rewrite_attention; keep_gathered: flex's one-group all-gather keeps
+    its gathered K/V for the backward (cp_flex_attention_fwd_keep / _bwd_kept)."""
     if not any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
         return []  # an inference graph (Inductor runs joint passes on those too): rewrite.py takes it
     cplib.expand(graph)  # torch context_parallel's K/V gather op, as the collectives it runs
@@ -118,8 +122,10 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
                     notes.append(f"{describe(region)}: cp_flex_attention_fwd/bwd {chosen} in the joint graph ({why})")
                 continue
             if region.form == "flex_allgather_kv":
-                _apply_flex(graph, region, plans[id(region)], chosen)
-                notes.append(f"{describe(region)}: cp_flex_attention_fwd/bwd {chosen} in the joint graph ({why})")
+                keep = keep_gathered and parse_flex_schedule(chosen) == ("allgather", 1)
+                _apply_flex(graph, region, plans[id(region)], chosen, keep)
+                form = ", gathered K/V kept for the backward" if keep else ""
+                notes.append(f"{describe(region)}: cp_flex_attention_fwd/bwd {chosen} in the joint graph{form} ({why})")
                 continue
             if region.form == "allgather_kv":
                 _apply(graph, region, plans[id(region)], chosen)
@@ -177,20 +183,23 @@ def _match_flex(region: AttentionRegion) -> dict:
     return {"bwd": bwd, "dq": outs[0], "grads": grads, "befores": befores, "dout": bwd.args[5]}
 
 
-def _apply_flex(graph: Graph, region: AttentionRegion, plan: dict, schedule: str) -> None:
+def _apply_flex(graph: Graph, region: AttentionRegion, plan: dict, schedule: str, keep: bool = False) -> None:
     """The flex forward and backward as cp_flex_attention_fwd / _bwd on the rank's own K/V (its out
     and LSE, natural log, carried from one to the other); the K/V gradients brought back to the
-    shards' layout where the reduce-scatters delivered them; the gathers and reduce-scatters go."""
+    shards' layout where the reduce-scatters delivered them; the gathers and reduce-scatters go.
+    keep: the _keep / _kept pair instead, the forward's gathered K/V carried to the backward (the
+    partitioner saves them, as it saved the program's own gathered K/V)."""
     fwd, bwd = region.attention, plan["bwd"]
+    ops = (torch.ops.commopt.cp_flex_attention_fwd_keep, torch.ops.commopt.cp_flex_attention_bwd_kept) if keep \
+        else (torch.ops.commopt.cp_flex_attention_fwd, torch.ops.commopt.cp_flex_attention_bwd)
     with graph.inserting_before(fwd):
         common = flex_arguments(graph, region, schedule)
         k, v = _local(graph, region, "k"), _local(graph, region, "v")
-        pair = add_node(graph, torch.ops.commopt.cp_flex_attention_fwd.default, (region.inputs["q"], k, v, *common))
-        out, lse = (add_node(graph, operator.getitem, (pair, i)) for i in range(2))
+        pair = add_node(graph, ops[0].default, (region.inputs["q"], k, v, *common))
+        out, lse, *kept = (add_node(graph, operator.getitem, (pair, i)) for i in range(4 if keep else 2))
     region.output.replace_all_uses_with(out)
     with graph.inserting_before(bwd):
-        grads = add_node(graph, torch.ops.commopt.cp_flex_attention_bwd.default,
-                         (plan["dout"], region.inputs["q"], k, v, out, lse, *common))
+        grads = add_node(graph, ops[1].default, (plan["dout"], region.inputs["q"], *(kept or (k, v)), out, lse, *common))
         parts = [add_node(graph, operator.getitem, (grads, i)) for i in range(3)]
     _replace_gradients(graph, region, plan, parts, list(fwd.users))  # the old outputs' detaches go too
 
