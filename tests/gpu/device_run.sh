@@ -76,8 +76,11 @@ if [[ $what == e2e_shapes ]]; then
       > "$out/e2e_b$1.log" 2>&1
     # both ranks' sustained traces (the profiled steps, device and launch calls only), compressed
     # for a closer look than the report's (a few hundred KB a batch); the rest of the traces dropped
+    # (E2E_HOST_TRACES=1: commopt's and inductor's traced steps with their host ops too, for
+    # where the host's enqueue time goes; a few MB more a batch)
+    host=; [[ ${E2E_HOST_TRACES:-0} == 1 ]] && host=$(cd "$out/e2e_b$1" && ls traces/commopt_rank*.json traces/inductor_rank*.json 2> /dev/null)
     (cd "$out/e2e_b$1" && ls traces/*_sustained_rank*.json > /dev/null 2>&1 \
-      && tar czf "../e2e_b$1_traces.tgz" traces/*_sustained_rank*.json)
+      && tar czf "../e2e_b$1_traces.tgz" traces/*_sustained_rank*.json $host)
     rm -rf "$out/e2e_b$1/traces"
     echo "== batch $1 seq $2"; grep -E "^\| (ind|com)" "$out/e2e_b$1.log"
   done

@@ -87,7 +87,8 @@ def _compare(label: str, got: list, truth: list, own: list, mine: slice) -> list
 
 def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, float, float]]:
     """cp_flex_attention_fwd / _bwd as a rewritten graph calls them, every mask, ring and
-    all-gather (two head groups), the whole mask and the rank's rows only."""
+    all-gather (two head groups), the whole mask and the rank's rows only; and the one-group
+    all-gather's kept pair (cp_flex_attention_fwd_keep / _bwd_kept, the gathered K/V carried)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     import torch_commopt  # noqa: F401  (registers the ops)
@@ -107,12 +108,16 @@ def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> 
             bm = create_block_mask(rows_mod, 1, None, length if own_rows else S, S, device=device, BLOCK_SIZE=BLOCK)
             graph, buffers = flex.lift(bm.mask_mod, device)
             tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
-            for schedule in ("ring", "allgather:g=2"):
+            for schedule in ("ring", "allgather:g=2", "allgather kept"):
                 args = (tables, list(buffers), graph.code, [length if own_rows else S, S, BLOCK], 1 / math.sqrt(D),
-                        world, group.group_name, schedule)
+                        world, group.group_name, schedule.removesuffix(" kept"))
                 q, k, v, dout = (t[:, :, mine].to(dtype).contiguous() for t in tensors)
-                out, lse = torch.ops.commopt.cp_flex_attention_fwd(q, k, v, *args)
-                grads = torch.ops.commopt.cp_flex_attention_bwd(dout, q, k, v, out, lse, *args)
+                if schedule.endswith(" kept"):
+                    out, lse, k_all, v_all = torch.ops.commopt.cp_flex_attention_fwd_keep(q, k, v, *args)
+                    grads = torch.ops.commopt.cp_flex_attention_bwd_kept(dout, q, k_all, v_all, out, lse, *args)
+                else:
+                    out, lse = torch.ops.commopt.cp_flex_attention_fwd(q, k, v, *args)
+                    grads = torch.ops.commopt.cp_flex_attention_bwd(dout, q, k, v, out, lse, *args)
                 label = f"ops {kind} {schedule}{' own rows' if own_rows else ''}"
                 results += _compare(label, [out, *grads], truth, own, mine)
     return results
