@@ -19,10 +19,19 @@ import time
 import torch
 
 CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+              # cuBLAS's axpy (a replayed call's partial added into the output: host_replay's
+              # cublasAxpyEx) is an elementwise add, not a GEMM, though its name says cublas
+              ("add (axpy)", ("axpy",)),
               ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
               ("commopt/triton", ("triton", "commopt")),
               # copy-engine transfers to a peer (commopt's pushes) apart from the device-local ones
               ("copy to peer", ("memcpy ptop",)), ("copy", ("memcpy", "memset", "copy")))
+
+
+def category(kernel: str) -> str:
+    """The category (CATEGORIES) of a kernel or copy by its name: the first whose keys it holds."""
+    name = kernel.lower()
+    return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
 
 
 def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dict[str, float]:
@@ -89,8 +98,7 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
         ms = getattr(evt, "device_time_total", getattr(evt, "cuda_time_total", 0.0)) / 1e3
         if ms <= 0:
             continue
-        name = evt.key.lower()
-        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+        cat = category(evt.key)
         totals[cat] = totals.get(cat, 0.0) + ms
         acc = kernels.setdefault(_short(evt.key, KERNEL_NAME), [0.0, 0])
         acc[0], acc[1] = acc[0] + ms, acc[1] + evt.count

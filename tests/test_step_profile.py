@@ -1,6 +1,6 @@
 """The step profiler's idle-gap attribution (benchmarks/step_profile.py), on synthetic timelines."""
 
-from benchmarks.step_profile import format_idle, gap_causes, idle_gaps, kernel_differences, split
+from benchmarks.step_profile import category, format_idle, gap_causes, idle_gaps, kernel_differences, split
 
 
 def test_gaps_are_named_by_the_last_to_end_and_the_next_to_start():
@@ -79,3 +79,14 @@ def test_an_overlapping_operation_keeps_the_device_busy_for_the_causes_too():
                    ("next", 160.0, 170.0, (155.0, 158.0)))
     assert gap_causes(trace)["host_late"] == {"ms": 0.01, "count": 1}
     assert gap_causes(trace)["queued"]["count"] == 0
+
+
+def test_kernels_fall_in_their_categories_and_cublas_s_axpy_is_no_gemm():
+    assert category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert category("void axpy_kernel_val<__nv_bfloat16, float>(cublasAxpyParamsVal<...>)") == "add (axpy)"
+    assert category("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "nccl"
+    assert category("Memcpy PtoP (Device -> Device)") == "copy to peer"
+    assert category("Memcpy DtoD (Device -> Device)") == "copy"
+    assert category("triton_poi_fused_add_3") == "commopt/triton"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert category("void at::native::vectorized_elementwise_kernel") == "other"
