@@ -169,11 +169,13 @@ def _torch_cp_variants(case: _Case, rank: int, world: int, mesh) -> tuple[dict, 
 
 def _pick(case: _Case, world: int, dtype: torch.dtype, device: str) -> str:
     """The schedule the rewrite runs: the flex model's first at a causal mask's work, with the
-    machine figures the compiled path uses."""
+    machine figures the compiled path uses (the one-group all-gather keeping its gathered K/V, as
+    under the default config and in flex_allgather's autograd function)."""
     from torch_commopt.tuner.attention.flex_cost import causal_work, rank_flex_schedules
 
     machine, _ = pick_machine(device, world, dtype)
-    return rank_flex_schedules(case.shape, causal_work(world), dtype=dtype, machine=machine, backward=True)[0][0]
+    return rank_flex_schedules(case.shape, causal_work(world), dtype=dtype, machine=machine, backward=True,
+                               kept_gathers=True)[0][0]
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:

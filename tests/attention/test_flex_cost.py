@@ -94,3 +94,26 @@ def test_the_hybrid_is_its_ring_over_the_segments_on_a_head_shard_plus_its_all_t
     moved = (2 * 32 + 2 * 8) * (32768 // 4) * 128 * 2 / 2  # a rank's shares, half of each leaving
     assert flex_estimate_ms("hybrid:2:2", SHAPE, causal_work(4), dtype="bfloat16", machine=slow) == \
         pytest.approx(ring_slow + moved / 1e9 * 1e3)
+
+
+def test_the_one_group_all_gather_that_keeps_its_kv_gathers_nothing_in_the_backward():
+    # compute free: the forward + backward is its gathers and its reduce-scatter alone
+    m = CPMachine(link_bytes_per_s=50e9, alpha_s=0.0, flops_per_s=1e30, launch_s=0.0)
+    work = causal_work(2)
+    share = 2 * 8 * (32768 // 2) * 128 * 2  # K + V of one share, bf16
+    hop_ms = share / 50e9 * 1e3  # a two-rank gather (or reduce-scatter) of one share's bytes
+    again = flex_estimate_ms("allgather", SHAPE, work, dtype="bfloat16", machine=m, backward=True)
+    kept = flex_estimate_ms("allgather", SHAPE, work, dtype="bfloat16", machine=m, backward=True, kept_gathers=True)
+    assert m.ring_collective(share, 2) * 1e3 == pytest.approx(hop_ms)
+    # forward gather + backward gather + dK/dV reduce-scattered in bf16 over two ranks
+    assert again == pytest.approx(3 * hop_ms)
+    assert kept == pytest.approx(2 * hop_ms)
+    # head groups gather again whatever is kept; over four ranks dK/dV travel in fp32
+    two = [flex_estimate_ms("allgather:g=2", SHAPE, work, dtype="bfloat16", machine=m, backward=True, kept_gathers=k)
+           for k in (False, True)]
+    assert two[0] == two[1]
+    w4 = causal_work(4)
+    base = flex_estimate_ms("allgather", SHAPE, w4, dtype="bfloat16", machine=m, kept_gathers=True)
+    both = flex_estimate_ms("allgather", SHAPE, w4, dtype="bfloat16", machine=m, backward=True, kept_gathers=True)
+    share4 = 2 * 8 * (32768 // 4) * 128 * 2
+    assert both - base == pytest.approx(m.ring_collective(2 * share4, 4) * 1e3)  # one fp32 reduce-scatter

@@ -106,7 +106,8 @@ def rewrite_joint_attention(graph: Graph, schedule: str = "auto", consistency_ti
             plans[id(region)] = _match(region) if region.form == "allgather_kv" else ulysses_joint.match(region)
         except (NotMatched, Unsupported) as e:
             notes.append(f"{describe(region)}: not rewritten ({e})")
-    choices = {id(r): _choose(r, schedule, cache_dir, tune_timeout_s, backward=True, mode=mode, top_k=top_k)
+    choices = {id(r): _choose(r, schedule, cache_dir, tune_timeout_s, backward=True, mode=mode, top_k=top_k,
+                              kept_gathers=keep_gathered and r.form == "flex_allgather_kv")
                for r in regions if id(r) in plans}
     disagree = ranks_disagree(regions, skips, choices, consistency_timeout_s)
     if disagree:

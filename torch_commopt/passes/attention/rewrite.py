@@ -180,17 +180,17 @@ def _unsupported(region: AttentionRegion) -> str | None:
 
 def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None,
             timeout_s: float = 300.0, *, backward: bool = False, mode: str = "auto",
-            top_k: int = 4) -> tuple[str, list[tuple[str, float]], str]:
+            top_k: int = 4, kept_gathers: bool = False) -> tuple[str, list[tuple[str, float]], str]:
     """(schedule, ranked predictions, why, for explain): the named one (checked); else with
     mode="autotune" rank 0's cached measurement of this shape (tuner/attention/tune.py) where there is
     one; else the attention model's first with the machine's tuner calibration (rank 0's; else
     the priors).  backward: rank and measure forward + backward (a training graph runs both),
-    else the forward."""
+    else the forward.  kept_gathers: flex's one-group all-gather will keep its gathered K/V."""
     if region.form == "decode_kv":  # one schedule: the partials merged by their LSE
         return "lse_merge", [], ("each rank attends over its share of the cache; the partial outputs and LSEs are "
                                  "all-gathered and merged, instead of the cache")
     if region.flex is not None:
-        return _choose_flex(region, schedule, cache_dir, timeout_s, backward)
+        return _choose_flex(region, schedule, cache_dir, timeout_s, backward, kept_gathers)
     q = val(region.inputs["q"])
     dtype = str(q.dtype).removeprefix("torch.")
     machine = machine_for(q.device, region.world, region.group_name, dtype, cache_dir, timeout_s)
@@ -221,7 +221,7 @@ def _choose(region: AttentionRegion, schedule: str, cache_dir: str | None = None
 
 
 def _choose_flex(region: AttentionRegion, schedule: str, cache_dir: str | None, timeout_s: float,
-                 backward: bool) -> tuple[str, list[tuple[str, float]], str]:
+                 backward: bool, kept_gathers: bool = False) -> tuple[str, list[tuple[str, float]], str]:
     """_choose for flex_attention: the named schedule (checked), else the flex model's first
     (tuner/attention/flex_cost.py) for a causal mask's work -- the mask's tables are a batch's
     data, not the graph's -- with the machine's calibration (rank 0's; else the priors)."""
@@ -236,7 +236,7 @@ def _choose_flex(region: AttentionRegion, schedule: str, cache_dir: str | None, 
     own_rows = region.flex.sizes[0] != region.flex.sizes[1]  # the mask of the rank's rows only
     work = causal_work(region.world)
     ranked = rank_flex_schedules(region.shape, work, dtype=dtype, machine=machine, backward=backward,
-                                 per_head_mask=per_head, own_rows=own_rows)
+                                 per_head_mask=per_head, own_rows=own_rows, kept_gathers=kept_gathers)
     if region.form == "flex_ulysses":  # leaving the program's own Ulysses is a candidate too
         kept = ulysses_ms(region.shape, work, dtype=dtype, machine=machine, backward=backward)
         ranked = sorted(ranked + [(KEEP_ULYSSES, kept)], key=lambda e: e[1])

@@ -10,8 +10,11 @@ flex_allgather.py), with the links and launches of cost.CPMachine:
                     blocks run at RING_BLOCK_RATE of one call's rate (a call and a merge per block).
     allgather:g=G   the whole K/V gathered in G head groups, group g + 1's gather beside group g's
                     one flex call of the rank's rows (no merge); the backward gathers again and
-                    reduce-scatters each group's whole-sequence dK/dV in fp32 beside the next
-                    group's call.  Only the first gather and the last reduce-scatter are exposed.
+                    reduce-scatters each group's whole-sequence dK/dV (in their own dtype over
+                    two ranks, fp32 over more) beside the next group's call.  Only the first
+                    gather and the last reduce-scatter are exposed.  One group (allgather) keeps
+                    its gathered K/V where the program's config lets it (kept_gathers): its
+                    backward gathers nothing.
     hybrid:U:R      Ulysses over U ranks (its all-to-alls of q, k, v and out exposed; backward: of
                     q, k, v, out, dout and the gradients), then the ring over R segments of U
                     ranks' rows on H / U heads: the mask's work cut in R x R blocks.
@@ -66,7 +69,9 @@ def _ring_ms(shape: AttentionShape, work: list, m: CPMachine, elt: int, backward
     return 1e3 * t
 
 
-def _allgather_ms(shape: AttentionShape, work: list, groups: int, m: CPMachine, elt: int, backward: bool) -> float:
+def _allgather_ms(shape: AttentionShape, work: list, groups: int, m: CPMachine, elt: int, backward: bool,
+                  kept: bool = False) -> float:
+    """kept: one group whose gathered K/V the backward reuses (no gather there)."""
     world = len(work)
     busiest = max(sum(row) for row in work) * _block_s(shape, world, m)
     kv, dkv = _share_bytes(shape, world, elt)
@@ -74,9 +79,11 @@ def _allgather_ms(shape: AttentionShape, work: list, groups: int, m: CPMachine, 
     call = busiest / groups + m.launch_s
     t = gather + (groups - 1) * max(call, gather) + call
     if backward:
-        scatter = m.ring_collective(dkv / groups, world)
+        # dK/dV reduce-scattered in their own dtype over two ranks, in fp32 over more
+        scatter = m.ring_collective((kv if world == 2 else dkv) / groups, world)
         call = m.bwd_factor * busiest / groups + m.launch_s
-        t += gather + (groups - 1) * max(call, gather + scatter) + call + scatter
+        regather = 0.0 if kept and groups == 1 else gather
+        t += regather + (groups - 1) * max(call, gather + scatter) + call + scatter
     return 1e3 * t
 
 
@@ -118,11 +125,13 @@ def ulysses_ms(shape, work: list, *, dtype, machine: CPMachine, backward: bool =
     return 1e3 * t
 
 
-def flex_estimate_ms(schedule: str, shape, work: list, *, dtype, machine: CPMachine, backward: bool = False) -> float:
+def flex_estimate_ms(schedule: str, shape, work: list, *, dtype, machine: CPMachine, backward: bool = False,
+                     kept_gathers: bool = False) -> float:
     """Predicted ms of one call (forward, or forward + backward) of a flex schedule
     (core.attention_spec.parse_flex_schedule's names) for the global shape (B, H, H_kv, S, D)
     over len(work) ranks; math.inf where the head groups (the hybrid's Ulysses ranks) do not split the
-    KV heads, or the hybrid's degrees are not the group's."""
+    KV heads, or the hybrid's degrees are not the group's.  kept_gathers: the one-group all-gather
+    keeps its gathered K/V for the backward."""
     from torch_commopt.core.attention_spec import flex_hybrid_degrees, parse_flex_schedule
 
     name, groups = parse_flex_schedule(schedule)
@@ -136,7 +145,7 @@ def flex_estimate_ms(schedule: str, shape, work: list, *, dtype, machine: CPMach
         return _hybrid_ms(shape, work, u, machine, elt, backward)
     if shape.kv_heads % groups:
         return math.inf
-    return _allgather_ms(shape, work, groups, machine, elt, backward)
+    return _allgather_ms(shape, work, groups, machine, elt, backward, kept_gathers)
 
 
 def flex_candidates(shape, per_head_mask: bool, world: int = 2, own_rows: bool = False) -> list[str]:
@@ -153,10 +162,12 @@ def flex_candidates(shape, per_head_mask: bool, world: int = 2, own_rows: bool =
 
 
 def rank_flex_schedules(shape, work: list, *, dtype, machine: CPMachine, backward: bool = False,
-                        per_head_mask: bool = False, own_rows: bool = False) -> list[tuple[str, float]]:
+                        per_head_mask: bool = False, own_rows: bool = False,
+                        kept_gathers: bool = False) -> list[tuple[str, float]]:
     """(schedule, predicted ms), fastest first; a head-group depth ranks as if DEPTH_MARGIN slower
     (cost.DEPTH_MARGIN: it goes first only where the model says it gains more than that)."""
-    est = [(s, flex_estimate_ms(s, shape, work, dtype=dtype, machine=machine, backward=backward))
+    est = [(s, flex_estimate_ms(s, shape, work, dtype=dtype, machine=machine, backward=backward,
+                                kept_gathers=kept_gathers))
            for s in flex_candidates(shape, per_head_mask, len(work), own_rows)]
     est.sort(key=lambda e: (e[1] * (1 + DEPTH_MARGIN if ":g=" in e[0] else 1), e[0]))
     return est
