@@ -188,14 +188,16 @@ def test_a_compiled_flex_program_runs_the_named_schedule(world, schedule):
             assert any(f"cp_flex_attention_fwd {schedule}" in n for n in got["notes"]), got["notes"]
 
 
-def test_the_kept_pair_carries_the_gathered_kv_into_a_backward_that_gathers_nothing():
+@pytest.mark.parametrize("own_rows", [False, True])
+def test_the_kept_pair_carries_the_gathered_kv_into_a_backward_that_gathers_nothing(own_rows):
     """cp_flex_attention_fwd_keep returns the whole sequence's K/V beside out and lse, and
-    cp_flex_attention_bwd_kept on them gives dense attention's gradients without an all-gather; a
-    schedule other than the one-group all-gather is refused."""
+    cp_flex_attention_bwd_kept on them gives dense attention's gradients without an all-gather,
+    with the whole mask or the rank's rows' (torch CP's form); a schedule other than the one-group
+    all-gather is refused."""
     from flex_programs import run_flex_ops
 
-    for rank, got in enumerate(run_distributed(run_flex_ops, 2, "document", "allgather", False, True, backend="gloo",
-                                               timeout_s=300)):
+    for rank, got in enumerate(run_distributed(run_flex_ops, 2, "document", "allgather", own_rows, True,
+                                               backend="gloo", timeout_s=300)):
         assert got["backward_gathers"] == 0 and got["gathered"] == 0, (rank, got)
         assert all(got[n] < 1e-10 for n in ("out", "dq", "dk", "dv")), (rank, got)
     import torch_commopt  # noqa: F401  (registers the ops)
