@@ -115,8 +115,12 @@ CASES = [  # (label, call maker, input shape)
 ]
 
 
+@pytest.mark.parametrize("tokens_on_side", [False, True])
 @pytest.mark.parametrize("label,make,shape", CASES, ids=[c[0] for c in CASES])
-def test_a_replayed_call_queues_and_computes_what_the_python_host_code_does(fresh, monkeypatch, label, make, shape):
+def test_a_replayed_call_queues_and_computes_what_the_python_host_code_does(fresh, monkeypatch, label, make, shape,
+                                                                          tokens_on_side):
+    if tokens_on_side:  # env.tokens_on_side: the tokens' batch on the side stream, recorded and replayed there too
+        monkeypatch.setenv(env.TOKENS_ON_SIDE, "1")
     torch.manual_seed(0)
     call = make()
     inputs = [torch.randn(*shape, dtype=torch.bfloat16) for _ in range(CALLS)]  # fresh addresses every call

@@ -64,9 +64,12 @@ def _replayed_queue(world: int, names: list[str], watched: bool = False) -> tupl
     return queue, runtimes, spans
 
 
+@pytest.mark.parametrize("tokens_on_side", [False, True])
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("sequence", sorted(SEQUENCES))
-def test_replayed_calls_neither_deadlock_nor_race_and_come_to_rest(fresh, world, sequence):
+def test_replayed_calls_neither_deadlock_nor_race_and_come_to_rest(fresh, world, sequence, tokens_on_side, monkeypatch):
+    if tokens_on_side:
+        monkeypatch.setenv(env.TOKENS_ON_SIDE, "1")
     queue, runtimes, _ = _replayed_queue(world, SEQUENCES[sequence])
     # at W > 2 the reductions allocate their staging and sum their slots: only all-gathers replay there
     if world == 2 or any(name.startswith("ag") for name in SEQUENCES[sequence]):

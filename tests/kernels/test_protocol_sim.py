@@ -9,11 +9,14 @@ copy-engine ring runs rings on both channels.  Planted protocol bugs are caught.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from fake_cuda import fake_runtimes, faked_cuda
-from protocol_sim import Deadlock, NotAtRest, Race, simulate
+from protocol_sim import Deadlock, NotAtRest, Race, _flag, simulate
 
+from torch_commopt.core import env
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu import symm
 from torch_commopt.kernels.matmul.gpu import ag_matmul as agm
@@ -75,6 +78,45 @@ def test_the_protocol_neither_deadlocks_nor_races_and_comes_to_rest(world, seque
     for seed in range(8):
         simulate(queue, runtimes, seed)
     assert all(not rt._untaken for rt in runtimes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence", ["reductions", "mixed", "outer blocks"])
+def test_tokens_given_back_from_the_side_stream_keep_the_protocol(world, sequence, monkeypatch):
+    # env.tokens_on_side: every call's token writes leave the caller's stream for the side stream,
+    # after an event on the caller's stream (its reads done, its flags lowered)
+    monkeypatch.setenv(env.TOKENS_ON_SIDE, "1")
+    queue, runtimes = _queue(world, SEQUENCES[sequence])
+    given = [(r, s) for r, s, op in queue if op[0] == "write" and op[2] == 1 and _is_token(op[1])]
+    assert given and all(s == runtimes[r].side.cuda_stream for r, s in given), given
+    for seed in range(8):
+        simulate(queue, runtimes, seed)
+    assert all(not rt._untaken for rt in runtimes)
+
+
+def _is_token(address: int) -> bool:
+    """Whether a flag address is a FREE token (a reader gives it back at a call's end)."""
+    index = _flag(address)[1]
+    return symm.FREE <= index < symm.FREE + symm.HALVES * symm.MAX_WORLD
+
+
+def test_a_token_given_back_before_the_reads_end_races(monkeypatch):
+    # the same, the side stream not ordered after the caller's reads: a token given back before
+    # the peer took it for this very call is lost (the take overwrites it), or the peer's next
+    # push lands on bytes this rank still reads
+    monkeypatch.setenv(env.TOKENS_ON_SIDE, "1")
+    ordered = symm.GroupRuntime.after
+
+    def after(self, waiter, stream):  # done_reading's ordering of the side stream dropped, no other
+        if waiter is self.side and sys._getframe(1).f_code.co_name == "done_reading":
+            return None
+        return ordered(self, waiter, stream)
+
+    monkeypatch.setattr(symm.GroupRuntime, "after", after)
+    queue, runtimes = _queue(2, ["rs ce_push:1", "rs ce_pull:2", "rs ce_push:1", "rs ce_pull:2"])
+    with pytest.raises((Race, NotAtRest, Deadlock)):
+        for seed in range(40):
+            simulate(queue, runtimes, seed)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -32,11 +32,12 @@ WATCHDOG = "TORCH_COMMOPT_WATCHDOG"
 MOE_TRANSPORT = "TORCH_COMMOPT_MOE_TRANSPORT"
 DECODE_TRANSPORT = "TORCH_COMMOPT_DECODE_TRANSPORT"
 HOST_REPLAY = "TORCH_COMMOPT_HOST_REPLAY"
+TOKENS_ON_SIDE = "TORCH_COMMOPT_TOKENS_ON_SIDE"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
          ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
-         MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY)
+         MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY, TOKENS_ON_SIDE)
 
 # CPython's POSIX os.environ keeps the encoded strings in `_data`; os.environ.get encodes the name
 # and decodes the value at every read (~1 us on a slow host, several reads in a GPU schedule's call).
@@ -141,6 +142,15 @@ def host_replay() -> bool:
     the trace its first calls recorded, in native code (kernels/gpu/host_replay.py); "0", "false",
     "False" or "off" keep every call's Python host code."""
     return _get(HOST_REPLAY, "1") not in ("0", "false", "False", "off")
+
+
+def tokens_on_side() -> bool:
+    """TORCH_COMMOPT_TOKENS_ON_SIDE (default off; experimental, not yet measured): a matmul
+    schedule's eager call gives its peers their tokens back from the side stream, after the
+    call's reads, instead of from the caller's stream, so that the caller's next kernel does not
+    wait behind those remote writes (symm.GroupRuntime.done_reading).  "1", "true", "True" or
+    "on" turn it on; read at every call."""
+    return _get(TOKENS_ON_SIDE, "0") in ("1", "true", "True", "on")
 
 
 def host_timing() -> bool:

@@ -653,7 +653,7 @@ class GroupRuntime:
         call waited for (`chunks` per source and phase), then give every source its token
         back, as few stream memory operations as the driver takes (a batch runs in order).
         The flags are lowered first: a source writes them again only after it has taken the
-        token back."""
+        token back.  With env.tokens_on_side the tokens go from the side stream (below)."""
         if self._untaken:  # a deferred take no signal made: a schedule's bug, not the user's
             peers, self._untaken = sorted(self._untaken), {}
             raise RuntimeError(f"commopt: rank {self.rank} acquired the tokens of peers {peers} and never took them")
@@ -662,7 +662,12 @@ class GroupRuntime:
             for phase in range(phases):
                 first = data_index(half, src, 0, phase)
                 ops += [("write", self.flag_address(self.rank, first + c), 0) for c in range(chunks)]
-        ops += [("write", self.flag_address(src, FREE + half * MAX_WORLD + self.rank), 1) for src in self.sources]
+        tokens = [("write", self.flag_address(src, FREE + half * MAX_WORLD + self.rank), 1) for src in self.sources]
+        # env.tokens_on_side: the remote writes leave the caller's stream for the side stream,
+        # ordered after the lowered flags (the side stream waits for the caller's stream as it
+        # stands then); not under a capture, whose forked streams must be joined by its end
+        side = self.side if env.tokens_on_side() and not capturing() else None
+        ops += tokens if side is None else []
         w, last = self.watch, None
         if w is not None and not w.ended and w.stream == driver._handle(stream):
             # the call's last operation on its stream: its end mark rides along (one driver call less);
@@ -672,6 +677,10 @@ class GroupRuntime:
         for start in range(0, len(ops), driver.MAX_BATCH):
             end = start + driver.MAX_BATCH
             driver.batch(stream, ops[start: end], last=last if end >= len(ops) else None)
+        if side is not None:
+            self.after(side, stream)
+            for start in range(0, len(tokens), driver.MAX_BATCH):
+                driver.batch(side, tokens[start: start + driver.MAX_BATCH])
 
     def check_status(self, op: str) -> None:
         """Debug mode: synchronize and raise if any bounded wait of `op` timed out."""
