@@ -74,27 +74,20 @@ def _joined(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
     return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).to(dtype)
 
 
-def keeps(q: Tensor, k: Tensor, opts: Options) -> bool:
-    """Whether the forward can keep its gathered K/V for the backward: one head group."""
-    return len(_head_groups(q, k, opts)) == 1
-
-
 def allgather_forward(q: Tensor, k: Tensor, v: Tensor, opts: Options, *,
                       keep: bool = False) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """(out, lse, kept) of this rank's rows over the whole sequence (out in q's dtype, lse in the acc
-    dtype); kept: with keep (one head group only, `keeps`), the gathered (K, V) for
+    dtype); kept: with keep, where the call ran in one head group, the gathered (K, V) for
     allgather_backward, else None."""
     world, p = comm.size(opts.group), comm.rank(opts.group)
     step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
-    if keep and len(heads) != 1:
-        raise ValueError(f"flex all-gather: gathered K/V are kept for one head group, not {len(heads)}")
-    outs, lses, kept = [], [], None
+    outs, lses = [], []
     for i, (k_all, v_all) in _gathers(k, v, heads, opts.group):
         o, l_g = flex.block_forward(q[:, heads[i][0]].contiguous(), k_all, v_all, step, opts.scale)
         outs.append(o)
         lses.append(l_g)
-        kept = (k_all, v_all) if keep else None
+    kept = (k_all, v_all) if keep and len(heads) == 1 else None
     return _joined(outs, q.dtype), _joined(lses, acc_dtype(q.dtype)), kept
 
 
@@ -133,8 +126,8 @@ class FlexAllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, opts):
-        keep = keeps(q, k, opts)  # as the program's own all-gather keeps its gathered K/V
-        out, lse, kept = allgather_forward(q, k, v, opts, keep=keep)
+        # one head group keeps its gathered K/V, as the program's own all-gather does
+        out, lse, kept = allgather_forward(q, k, v, opts, keep=True)
         ctx.save_for_backward(q, k, v, out, lse, *(kept or ()))
         ctx.opts = opts
         return out

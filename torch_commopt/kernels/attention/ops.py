@@ -185,7 +185,7 @@ def cp_flex_attention_fwd_keep_op(q: Tensor, k: Tensor, v: Tensor, tables: list,
     """(out, lse, K, V): cp_flex_attention_fwd's out and lse, and the whole sequence's gathered K and V."""
     from torch_commopt.kernels.attention import flex_allgather
 
-    groups = _kept_schedule(schedule)
+    groups = _kept_schedule(schedule)  # one head group: allgather_forward keeps its K/V
     opts = flex_allgather.Options(_flex_blocks(tables, sizes, mask_code, buffers), scale,
                                   _group(group_size, group_name), groups)
     out, lse, (k_all, v_all) = flex_allgather.allgather_forward(q, k, v, opts, keep=True)
@@ -220,11 +220,16 @@ _LIB.impl("cp_flex_attention_fwd_keep", cp_flex_attention_fwd_keep_op, "Composit
 _LIB.impl("cp_flex_attention_bwd_kept", cp_flex_attention_bwd_kept_op, "CompositeExplicitAutograd")
 
 
+def _fake_out_lse(q, v) -> tuple:
+    """The flex forwards' out (q's rows, v's head dim, q's dtype) and lse (the acc dtype)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=acc)
+
+
 @torch.library.register_fake("commopt::cp_flex_attention_fwd")
 def _(q, k, v, tables, buffers, mask_code, sizes, scale, group_size, group_name, schedule):
     parse_flex_schedule(schedule)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=acc)
+    return _fake_out_lse(q, v)
 
 
 @torch.library.register_fake("commopt::dense_block_tables")
@@ -243,9 +248,8 @@ def _(dout, q, k, v, out, lse, tables, buffers, mask_code, sizes, scale, group_s
 @torch.library.register_fake("commopt::cp_flex_attention_fwd_keep")
 def _(q, k, v, tables, buffers, mask_code, sizes, scale, group_size, group_name, schedule):
     _kept_schedule(schedule)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     gathered = [t.new_empty(t.shape[:2] + (t.shape[2] * group_size,) + t.shape[3:]) for t in (k, v)]
-    return (q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=acc), *gathered)
+    return (*_fake_out_lse(q, v), *gathered)
 
 
 @torch.library.register_fake("commopt::cp_flex_attention_bwd_kept")

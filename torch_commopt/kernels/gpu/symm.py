@@ -200,6 +200,14 @@ class SymmAllocError(RuntimeError):
     docstring), so the caller can run another schedule instead."""
 
 
+def _batches(stream, ops: list, last: int | None = None) -> None:
+    """`ops` queued on `stream` in as few stream memory operations as the driver takes (each batch
+    runs in order); last: the value of the final batch's cached last write (driver.batch)."""
+    for start in range(0, len(ops), driver.MAX_BATCH):
+        end = start + driver.MAX_BATCH
+        driver.batch(stream, ops[start: end], last=last if end >= len(ops) else None)
+
+
 class GroupRuntime:
     """Everything the GPU schedules of one process group need, allocated once."""
 
@@ -674,13 +682,10 @@ class GroupRuntime:
             # its value (an eager call's number) is set in the batch's cached parameters (driver.batch)
             ops.append(("write", w.end, 0))
             w.ended, last = True, w.value
-        for start in range(0, len(ops), driver.MAX_BATCH):
-            end = start + driver.MAX_BATCH
-            driver.batch(stream, ops[start: end], last=last if end >= len(ops) else None)
+        _batches(stream, ops, last)
         if side is not None:
             self.after(side, stream)
-            for start in range(0, len(tokens), driver.MAX_BATCH):
-                driver.batch(side, tokens[start: start + driver.MAX_BATCH])
+            _batches(side, tokens)
 
     def check_status(self, op: str) -> None:
         """Debug mode: synchronize and raise if any bounded wait of `op` timed out."""
