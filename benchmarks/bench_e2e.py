@@ -99,7 +99,9 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    # the GPU-wait watchdog off around its steps (what the watchdog costs a step)
                    "commopt watchdog off": {},
                    # every eager GPU-schedule call through its Python host code (no native host replay)
-                   "commopt python host": {}}
+                   "commopt python host": {},
+                   # a call's token writes to its peers from the side stream (env.TOKENS_ON_SIDE)
+                   "commopt tokens on side": {}}
 # environment variables a variant's steps run with (read at each call: set around each step)
 VARIANT_ENV = {"commopt watchdog off": {env.WATCHDOG: "0"}, "commopt python host": {env.HOST_REPLAY: "0"},
                "commopt tokens on side": {env.TOKENS_ON_SIDE: "1"}}

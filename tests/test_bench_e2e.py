@@ -141,3 +141,8 @@ def test_each_variant_is_compared_with_inductor_and_the_bound_round_by_round():
     assert "- commopt (3 rounds): back to back × inductor 1.111 (1.042..1.111), share of the bound's gain 0.50 " in text
     assert "- inductor comm-free (3 rounds): back to back × inductor 1.250 (1.250..1.250); isolated" in text
     assert "- inductor (" not in text  # nothing to compare it with
+
+
+def test_every_variant_with_an_environment_is_a_known_commopt_variant():
+    # a variant listed only in VARIANT_ENV would be refused by --variants on the device
+    assert set(bench_e2e.VARIANT_ENV) <= set(bench_e2e.COMMOPT_OPTIONS)
