@@ -16,8 +16,8 @@ variant with the inductor job of the same round, then takes the median over roun
 
 Other parallelisms (`--job`): `moe-ep`, deepseek_v3 (debug flavor) with expert parallelism over
 FSDP on every GPU, torchtitan's EP under inductor against commopt's exchange ("commopt-moe");
-`cp-flex`, llama3 with FlexAttention over documents and CP on every GPU (torch's context_parallel),
-inductor against the blocks compiled by commopt.
+`cp-flex`, llama3 (8B_flex_4layers) with FlexAttention over documents and CP on every GPU (torch's
+context_parallel), inductor against the blocks compiled by commopt.
 
     python3 benchmarks/bench_torchtitan.py --out DIR [--job tp|moe-ep|cp-flex] [--steps 20] [--flavor debugmodel]
         [--seq 2048] [--batch 8] [--rounds 2] [--commit SHA] [--extra=--optimizer.lr=3e-4]
@@ -108,7 +108,8 @@ class Job:
 JOBS = {
     "tp": Job("tp", "debugmodel", "commopt,inductor,inductor+async-TP"),
     "moe-ep": Job("moe-ep", "debugmodel", "commopt-moe,inductor", ("--model.name", "deepseek_v3_commopt")),
-    "cp-flex": Job("cp-flex", "debugmodel_flex_attn", "commopt,inductor"),
+    # Llama-3-8B's layers with FlexAttention: the debug model's step is host time, not attention
+    "cp-flex": Job("cp-flex", "8B_flex_4layers", "commopt,inductor"),
 }
 
 

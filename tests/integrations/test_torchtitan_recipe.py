@@ -82,6 +82,8 @@ def test_the_train_spec_is_llama3_with_our_parallelize_fn():
     assert {k: v for k, v in ours.model_args.items() if k in stock.model_args} == dict(stock.model_args)
     four = ours.model_args["8B_4layers"]  # llama3 8B's layers, four of them
     assert four.n_layers == 4 and dataclasses.replace(four, n_layers=32) == stock.model_args["8B"]
+    flex = ours.model_args["8B_flex_4layers"]  # and llama3 8B_flex's (FlexAttention over documents)
+    assert flex.n_layers == 4 and dataclasses.replace(flex, n_layers=32) == stock.model_args["8B_flex"]
     register()  # again: a no-op
     assert get_train_spec(TRAIN_SPEC_NAME) is ours
     with pytest.raises(ValueError, match="already has a train spec"):

@@ -18,8 +18,10 @@ log = logging.getLogger(__name__)
 
 
 # Extra flavors: Llama-3-8B's layer shapes (dim 4096, 32 / 8 heads, SwiGLU hidden 14336) with
-# fewer layers, for speed runs on 2 GPUs (docs/torchtitan.md's end-to-end figure) that compile fast.
-EXTRA_FLAVORS = {"8B_4layers": ("8B", 4), "8B_8layers": ("8B", 8)}
+# fewer layers, for speed runs on 2 GPUs (docs/torchtitan.md's end-to-end figure) that compile fast;
+# 8B_flex_4layers is llama3's 8B_flex (FlexAttention, block-causal over documents) the same way,
+# the context-parallel job's model (the debug model's step is all host time).
+EXTRA_FLAVORS = {"8B_4layers": ("8B", 4), "8B_8layers": ("8B", 8), "8B_flex_4layers": ("8B_flex", 4)}
 
 
 def llama3_commopt_train_spec() -> Any:
