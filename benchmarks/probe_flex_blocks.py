@@ -207,13 +207,19 @@ def layouts(kind: str, seq: int, world: int, reps: int, tensors: list) -> dict:
                                                      BLOCK_SIZE=BLOCK))
         q, k, v, dout, o, lse = (lay.rearrange(t, 2) for t in tensors)
         lse = lse.float()  # the public API's: natural log
-        fwd, bwd = [], []
+        fwd, bwd, own = [], [], {"fwd": [], "bwd": []}
         for p in range(world):
             step, mine = flex.step_mask(blocks, p, None, world), slice(p * length, (p + 1) * length)
             q_p, dout_p, o_p, lse_p = (t[:, :, mine].contiguous() for t in (q, dout, o, lse))
             fwd.append(_ms(lambda: flex.block_forward(q_p, k, v, step, scale), reps))
             bwd.append(_ms(lambda: flex.block_backward(q_p, k, v, o_p, lse_p, dout_p, step, scale), reps))
+            if lay.name == "contiguous":  # the share's rows against its own keys only, as if nothing came in
+                alone, k_p, v_p = flex.step_mask(blocks, p, p, world), k[:, :, mine].contiguous(), v[:, :, mine].contiguous()
+                own["fwd"].append(_ms(lambda: flex.block_forward(q_p, k_p, v_p, alone, scale), reps))
+                own["bwd"].append(_ms(lambda: flex.block_backward(q_p, k_p, v_p, o_p, lse_p, dout_p, alone, scale), reps))
         out[lay.name] = {"tiles": lay.rank_work(rows), "fwd": fwd, "bwd": bwd}
+        if own["fwd"]:
+            out[lay.name]["own"] = own
     return out
 
 
@@ -232,6 +238,9 @@ def derive(cases: list) -> list:
             lay["bound"] = {"fwd": ms["whole fwd"] / (c["world"] * max(lay["fwd"])),
                             "bwd": ms["whole bwd"] / (c["world"] * max(lay["bwd"])),
                             "fwd+bwd": (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(both))}
+            if "own" in lay:  # every rank's share alone: the kernel's own strong scaling from S to S / W tokens
+                alone = [f + b for f, b in zip(lay["own"]["fwd"], lay["own"]["bwd"], strict=True)]
+                lay["bound"]["alone"] = (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(alone))
     return cases
 
 
@@ -264,15 +273,17 @@ def report(cases: list, meta: dict) -> str:
               "Each rank's rows against every key in one call (the all-gather schedule's compute), on the contiguous "
               "layout and on balance.choose's, both with the mask stated over layout positions. Bound: the whole "
               "kernel's ms over W times the busiest rank's, the efficiency no transfer can beat (the 2-GPU target is "
-              ">= 0.90).", "",
+              ">= 0.90). Shares alone (contiguous only): each rank's rows against its own share's keys and nothing "
+              "else, the whole kernel over W times the slowest share -- what the kernel itself loses going from S to "
+              "S / W tokens: for documents cut at the shares' ends, the bound of a schedule that sends nothing.", "",
               "| mask | seq | W | layout | tiles per rank | busiest fwd ms | busiest bwd ms | bound fwd | bound bwd "
-              "| bound fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| bound fwd+bwd | shares alone fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         for name, lay in c.get("layouts", {}).items():
             b = lay["bound"]
             lines.append(f"| {c['mask']} | {c['seq']} | {c['world']} | {name} | {' / '.join(map(str, lay['tiles']))} | "
                          f"{fmt(max(lay['fwd']), 3)} | {fmt(max(lay['bwd']), 3)} | {fmt(b['fwd'], 3)} | "
-                         f"{fmt(b['bwd'], 3)} | {fmt(b['fwd+bwd'], 3)} |")
+                         f"{fmt(b['bwd'], 3)} | {fmt(b['fwd+bwd'], 3)} | {fmt(b.get('alone'), 3)} |")
     lines.append("")
     return "\n".join(lines)
 
