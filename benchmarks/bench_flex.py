@@ -22,6 +22,7 @@ speedup = torch CP's best / commopt.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
       python3 -m benchmarks.bench_flex --out benchmarks/results --commit SHA [--seq 16384,32768] [--world 2]
+        [--pick-only] [--profile 3]   # --profile: each variant's device time by kernel, every rank's
     python3 -m benchmarks.bench_flex --cpu       # gloo smoke run: float32, 1K tokens, small heads
     python3 -m benchmarks.bench_flex --shared    # both ranks on one GPU over gloo: the GPU path, not timings
 """
@@ -201,15 +202,59 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             # on a GPU the ranks share, torch CP's eager funcol gathers over gloo crash the process
             # (tests/gpu/results/shared_gpu_funcol_segfault_h200_2026-11-25.txt): not run there
             theirs, their_errors = ({}, {}) if args.shared else _torch_cp_variants(case, rank, world, mesh)
-            ms = time_variants({**single, **ours, **theirs}, clock, device, args.repeats, args.target_ms, args.lead)
+            variants = {**single, **ours, **theirs}
+            ms = time_variants(variants, clock, device, args.repeats, args.target_ms, args.lead)
             errs = torch.tensor(list({**errors, **their_errors}.values()), dtype=torch.float64, device=device)
             dist.all_reduce(errs, op=dist.ReduceOp.MAX)
             records.append({"mask": kind, "seq": seq, "ms": {k: sorted(v)[len(v) // 2] for k, v in ms.items()},
                             "errors": dict(zip({**errors, **their_errors}, errs.tolist(), strict=True)),
                             "tiles": tiles, "pick": pick})
+            if args.profile and device == "cuda":
+                records[-1]["profile"] = _profiles(variants, args.profile)
             if rank == 0:
                 log.info("%s", records[-1])
     return records
+
+
+PROFILE_KERNELS = 8  # the longest kernels of each variant the report lists
+
+
+def _profiles(variants: dict, calls: int) -> dict:
+    """{variant: [each rank's step_profile.breakdown of `calls` calls back to back, after as many
+    unprofiled ones]}: where each variant's device time goes, every rank's (the slowest sets the time)."""
+    from benchmarks import step_profile
+
+    def sync():
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    out = {}
+    for name, variant in variants.items():
+        with variant() as (step, _):
+            mine = step_profile.breakdown(step, sync, name, steps=calls, lead=calls)
+        mine.pop("window", None)
+        mine["kernels"] = dict(list(mine["kernels"].items())[:PROFILE_KERNELS])
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        out[name] = every
+    return out
+
+
+def profile_lines(records: list[dict]) -> list[str]:
+    """The report's section on each profiled variant's device time, per rank."""
+    lines = []
+    for r in records:
+        if not r.get("profile"):
+            continue
+        lines += ["", f"### {r['mask']}, S {r['seq']}: device ms a call, by rank", ""]
+        for name, ranks in r["profile"].items():
+            for rank, prof in enumerate(ranks):
+                cats = ", ".join(f"{k} {v}" for k, v in prof.items() if isinstance(v, float))
+                top = "; ".join(f"{k} {v[0]} (x{v[1]:g})" for k, v in prof["kernels"].items())
+                idle = prof.get("idle_gaps", {})
+                lines.append(f"- {name}, rank {rank}: {cats}; idle {idle.get('idle_ms')} ms in {idle.get('gaps')} gaps; "
+                             f"longest kernels: {top}")
+    return (["", "## Where each call's device time goes (--profile)"] + lines) if lines else []
 
 
 def derive(records: list[dict], world: int) -> list[dict]:
@@ -246,7 +291,7 @@ def report(records: list[dict], meta: dict) -> str:
     for r in records:
         cells = ", ".join(f"{k} {fmt(v)}" for k, v in r["ms"].items())
         lines.append(f"- {r['mask']} S {r['seq']}: {cells}; tiles {r['tiles']}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + profile_lines(records)) + "\n"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -262,6 +307,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lead", type=int, default=LEAD_CALLS)
     p.add_argument("--pick-only", dest="pick_only", action="store_true",
                    help="commopt's pick on balance.choose's layout alone (not every schedule on both layouts)")
+    p.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                   help="after the timing, each variant's device time by kernel on every rank: CALLS calls profiled "
+                        "back to back behind as many unprofiled ones (step_profile.breakdown)")
     p.add_argument("--commit", default="")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.cpu else 5)

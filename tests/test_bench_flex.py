@@ -25,3 +25,15 @@ def test_efficiency_and_speedup_come_from_the_times():
     assert d["commopt_ms"] == 6.0 and d["best_commopt"] == "commopt ring @ by_work"
     assert d["efficiency"] == pytest.approx(10 / 12) and d["speedup_vs_torch_cp"] == pytest.approx(7.5 / 6)
     assert d["torch_cp_efficiency"] == pytest.approx(10 / 15)
+
+
+def test_the_profile_section_lists_every_rank_of_every_profiled_variant():
+    prof = {"attention": 4.5, "nccl": 0.3, "gpu_busy": 5.0, "gpu_span": 5.4, "kernels": {"flex_fwd": [1.2, 1.0]},
+            "idle_gaps": {"idle_ms": 0.4, "gaps": 3}}
+    r = {"mask": "causal", "seq": 16384, "profile": {"commopt allgather @ head_tail": [prof, prof]}}
+    lines = bench_flex.profile_lines([r, {"mask": "docs 1K", "seq": 16384}])  # the second was not profiled
+    rows = [line for line in lines if line.startswith("- ")]
+    assert [row.split(":")[0] for row in rows] == ["- commopt allgather @ head_tail, rank 0",
+                                                   "- commopt allgather @ head_tail, rank 1"]
+    assert "gpu_span 5.4" in rows[0] and "idle 0.4 ms in 3 gaps" in rows[0] and "flex_fwd 1.2 (x1)" in rows[0]
+    assert bench_flex.profile_lines([{"mask": "causal", "seq": 1}]) == []
