@@ -406,9 +406,17 @@ def _dense_mask_kv(node: Node, args: dict, mask: Node, gathered: tuple, why_not_
                            _output_of(node), paths, flex_mask)
 
 
+# What SDPA fills a boolean mask's masked scores with when it makes the mask additive for a
+# kernel that takes a float bias: -inf, or -65504.0 before cuDNN (ATen's
+# convert_boolean_attn_mask_cudnn, its workaround for cuDNN's handling of -inf).  Either means
+# "masked" in the program's own terms, the boolean it was given.
+MASKED_FILLS = (float("-inf"), -65504.0)
+
+
 def _boolean_of(mask: Node) -> Optional[Node]:
     """The boolean mask SDPA's mask argument is: itself, or the condition of where(cond, 0, -inf)
-    (how SDPA makes a boolean mask additive before a kernel that takes a float bias); None else."""
+    or where(~cond, -inf, 0) (how SDPA makes a boolean mask additive before a kernel that takes a
+    float bias; -65504 for -inf before cuDNN: MASKED_FILLS); None else."""
     if val(mask).dtype == torch.bool:
         return mask
     while mask.target in (aten.expand.default, aten._to_copy.default, aten.clone.default):  # a bias made to fit
@@ -416,9 +424,9 @@ def _boolean_of(mask: Node) -> Optional[Node]:
     if mask.target is not aten.where.self or not isinstance(mask.args[0], Node) or val(mask.args[0]).dtype != torch.bool:
         return None
     cond, fills = mask.args[0], [_constant(a) for a in mask.args[1:]]
-    if fills == [0.0, float("-inf")]:
+    if fills[0] == 0.0 and fills[1] in MASKED_FILLS:
         return cond
-    if fills == [float("-inf"), 0.0] and cond.target is aten.logical_not.default:  # where(~mask, -inf, 0)
+    if fills[1] == 0.0 and fills[0] in MASKED_FILLS and cond.target is aten.logical_not.default:  # where(~mask, -inf, 0)
         return cond.args[0]
     return None
 
