@@ -33,11 +33,12 @@ MOE_TRANSPORT = "TORCH_COMMOPT_MOE_TRANSPORT"
 DECODE_TRANSPORT = "TORCH_COMMOPT_DECODE_TRANSPORT"
 HOST_REPLAY = "TORCH_COMMOPT_HOST_REPLAY"
 TOKENS_ON_SIDE = "TORCH_COMMOPT_TOKENS_ON_SIDE"
+FLEX_AUTOTUNE = "TORCH_COMMOPT_FLEX_AUTOTUNE"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
          ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
-         MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY, TOKENS_ON_SIDE)
+         MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY, TOKENS_ON_SIDE, FLEX_AUTOTUNE)
 
 # CPython's POSIX os.environ keeps the encoded strings in `_data`; os.environ.get encodes the name
 # and decodes the value at every read (~1 us on a slow host, several reads in a GPU schedule's call).
@@ -145,12 +146,20 @@ def host_replay() -> bool:
 
 
 def tokens_on_side() -> bool:
-    """TORCH_COMMOPT_TOKENS_ON_SIDE (default off; experimental, not yet measured): a matmul
+    """TORCH_COMMOPT_TOKENS_ON_SIDE (default off; experimental: it did not pay on 2x H200): a matmul
     schedule's eager call gives its peers their tokens back from the side stream, after the
     call's reads, instead of from the caller's stream, so that the caller's next kernel does not
     wait behind those remote writes (symm.GroupRuntime.done_reading).  "1", "true", "True" or
     "on" turn it on; read at every call."""
     return _get(TOKENS_ON_SIDE, "0") in ("1", "true", "True", "on")
+
+
+def flex_autotune() -> bool:
+    """TORCH_COMMOPT_FLEX_AUTOTUNE (default off): the flex CP schedules' block kernels are compiled
+    with Inductor's max-autotune, each kernel timed over flex's candidate tile configurations
+    once per shape and mask (seconds to a minute a kernel) instead of taking its one default.
+    "1", "true", "True" or "on" turn it on; read when a kernel is first compiled."""
+    return _get(FLEX_AUTOTUNE, "0") in ("1", "true", "True", "on")
 
 
 def host_timing() -> bool:
