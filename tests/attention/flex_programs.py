@@ -32,7 +32,12 @@ def mask_mod_of(kind: str, docs: torch.Tensor, window: int = 200):
         return lambda b, h, q, kv: (q >= kv) & (q - kv < window)
     if kind == "document+window":
         return lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) & (q >= kv) & (q - kv < window)
+    if kind == "empty rows":  # a window of earlier tokens only (token 0 sees none) and padding at the end
+        return lambda b, h, q, kv: (q > kv) & (q - kv <= window) & (q < PADDED_FROM)
     raise ValueError(kind)
+
+
+PADDED_FROM = S - 40  # "empty rows": the last 40 tokens are padding, rows with no key at all
 
 
 def _rows_mask(mod, offset: int):
@@ -44,8 +49,11 @@ def _dense(q, k, v, dense_mask, scale):
     rep = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = (q @ kr.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~dense_mask, float("-inf"))
-    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row with no key: 0
+    # a row with no key: output 0 and no gradient (its softmax taken over zeros, then dropped, so
+    # that no NaN reaches the gradients as softmax over all -inf would)
+    some = dense_mask.any(-1, keepdim=True)
+    scores = scores.masked_fill(~dense_mask, float("-inf")).masked_fill(~some, 0.0)
+    probs = torch.softmax(scores, -1) * some
     return probs @ vr
 
 

@@ -110,6 +110,16 @@ def test_the_all_gather_schedule_gives_dense_attention_and_its_gradients(world, 
         assert got["computed"] == (int(schedule.split("g=")[1]) if "g=" in schedule else 1), (rank, got)
 
 
+@pytest.mark.parametrize("world, schedule", [(2, "ring"), (4, "ring"), (2, "allgather"), (4, "allgather:g=2")])
+def test_rows_with_no_key_give_zero_output_and_no_gradient(world, schedule):
+    """Empty windows and padding (flex_programs "empty rows": token 0 sees no earlier token, the
+    last 40 tokens are padding): their output rows are 0, nothing of them reaches any gradient,
+    and no NaN anywhere -- in the ring's LSE merges too, where a row's every block is empty."""
+    per_rank = run_distributed(run_flex_ring, world, "empty rows", 1, schedule, backend="gloo", timeout_s=300)
+    for rank, got in enumerate(per_rank):
+        assert all(e < 1e-10 for e in got["errors"].values()), (rank, schedule, got["errors"])
+
+
 @pytest.mark.parametrize("schedule", ["ring", "allgather:g=2"])
 def test_a_mask_stated_for_the_rank_s_own_rows_runs_the_same(schedule):
     """A context-parallel program states the mask of its rows only, against every key (its row
