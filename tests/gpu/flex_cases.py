@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 S, BLOCK, D, H, H_KV = 4096, 128, 64, 4, 2
-KINDS = ("causal", "document", "window", "document+window")
+KINDS = ("causal", "document", "window", "document+window", "empty rows")
+PADDED_FROM = S - 100  # "empty rows": the last 100 tokens are padding, rows with no key
 
 
 def doc_ids(device) -> torch.Tensor:
@@ -32,6 +33,8 @@ def mask_mod_of(kind: str, docs: torch.Tensor, window: int = 700):
         return lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) & (q >= kv)
     if kind == "window":
         return lambda b, h, q, kv: (q >= kv) & (q - kv < window)
+    if kind == "empty rows":  # earlier tokens only (token 0 sees none), padding at the end
+        return lambda b, h, q, kv: (q > kv) & (q - kv <= window) & (q < PADDED_FROM)
     return lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) & (q >= kv) & (q - kv < window)
 
 
@@ -45,8 +48,10 @@ def _inputs(seed: int, device) -> list[torch.Tensor]:
 def _dense(q, k, v, dense_mask, scale):
     rep = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = ((q @ kr.transpose(-1, -2)) * scale).masked_fill(~dense_mask, float("-inf"))
-    return torch.softmax(scores, -1).nan_to_num(0.0) @ vr
+    # a row with no key: output 0 and no gradient (softmax over zeros, dropped: no NaN in the gradients)
+    some = dense_mask.any(-1, keepdim=True)
+    scores = ((q @ kr.transpose(-1, -2)) * scale).masked_fill(~dense_mask, float("-inf")).masked_fill(~some, 0.0)
+    return (torch.softmax(scores, -1) * some) @ vr
 
 
 def _truth(tensors, mod) -> list[torch.Tensor]:

@@ -29,7 +29,7 @@ def _bad(results) -> list[str]:
 def test_flex_ops_match_whole_sequence_attention(two_ranks):
     world, backend = two_ranks
     for results in run_distributed(run_flex_ops, world, backend=backend, timeout_s=500):
-        assert len(results) == 4 * 2 * 3 * 4  # masks x (whole, own rows) x schedules x (out, dq, dk, dv)
+        assert len(results) == 5 * 2 * 3 * 4  # masks x (whole, own rows) x schedules x (out, dq, dk, dv)
         assert not _bad(results), "\n".join(_bad(results))
 
 
