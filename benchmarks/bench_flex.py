@@ -101,10 +101,12 @@ def _variant(fn, *args):
     return lambda: contextlib.nullcontext((step, None))
 
 
-def _commopt_variants(case: _Case, rank: int, world: int, group, only: str | None) -> tuple[dict, dict, dict]:
+def _commopt_variants(case: _Case, rank: int, world: int, group, args: argparse.Namespace,
+                      only: str | None) -> tuple[dict, dict, dict]:
     """({name: variant}, {name: errors}, {layout: tiles per rank}) of every schedule on the
-    contiguous layout and on balance.choose's; `only`: that schedule on choose's layout alone
-    (each schedule and layout compiles kernels of its own: minutes a case on a GPU)."""
+    contiguous layout and on balance.choose's; `only`: that schedule on one layout alone, choose's
+    or args.layout's (each schedule and layout compiles kernels of its own: minutes a case on a
+    GPU).  The ops take the rank's rows' mask, or with args.whole_mask the whole sequence's."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from torch_commopt.kernels.attention import balance, flex_allgather, flex_ring
@@ -112,17 +114,21 @@ def _commopt_variants(case: _Case, rank: int, world: int, group, only: str | Non
 
     length, scale = case.seq // world, case.q.shape[-1] ** -0.5
     rows = balance.row_work(case.mask)
-    chosen = balance.choose(case.mask, world)
-    layouts = {lay.name: lay for lay in ([chosen] if only else [balance.contiguous(rows.numel(), world, BLOCK), chosen])}
+    contiguous = balance.contiguous(rows.numel(), world, BLOCK)
+    chosen = contiguous if args.layout == "contiguous" else balance.choose(case.mask, world)
+    layouts = {lay.name: lay for lay in ([chosen] if only else [contiguous, chosen])}
     variants, errors, tiles = {}, {}, {}
     for name, lay in layouts.items():
         moved = lay.mask_mod(case.mod, case.device)
-        mine = create_block_mask(lambda b, h, q, kv, moved=moved: moved(b, h, q + rank * length, kv), None, None,
-                                 length, case.seq, device=case.device, BLOCK_SIZE=BLOCK)
+        if args.whole_mask:  # every rank holds the whole sequence's mask (over layout positions)
+            mine = create_block_mask(moved, None, None, case.seq, case.seq, device=case.device, BLOCK_SIZE=BLOCK)
+        else:
+            mine = create_block_mask(lambda b, h, q, kv, moved=moved: moved(b, h, q + rank * length, kv), None, None,
+                                     length, case.seq, device=case.device, BLOCK_SIZE=BLOCK)
         local = [lay.shard(t, 2, rank).contiguous() for t in (case.q, case.k, case.v, case.dout)]
         want = [lay.shard(t, 2, rank) for t in case.ref]
         tiles[name] = lay.rank_work(rows)
-        for schedule in [only] if only else flex_candidates(case.shape, False, world, own_rows=True):  # rows' masks
+        for schedule in [only] if only else flex_candidates(case.shape, False, world, own_rows=not args.whole_mask):
             groups = int(schedule.split("g=")[1]) if "g=" in schedule else 1
 
             def fn(q, k, v, *, block_mask, enable_gqa, schedule=schedule, groups=groups):
@@ -196,8 +202,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
             torch._dynamo.reset()
             case = _Case(kind, seq, preset, device, flex)
             single = {"single GPU": _variant(_Case.fwd_bwd, case.flex, case.q, case.k, case.v, case.dout, case.mask)}
-            pick = _pick(case, world, preset["dtype"], device)
-            ours, errors, tiles = _commopt_variants(case, rank, world, dist.group.WORLD,
+            pick = args.schedule or _pick(case, world, preset["dtype"], device)
+            ours, errors, tiles = _commopt_variants(case, rank, world, dist.group.WORLD, args,
                                                     pick if args.pick_only else None)
             # on a GPU the ranks share, torch CP's eager funcol gathers over gloo crash the process
             # (tests/gpu/results/shared_gpu_funcol_segfault_h200_2026-11-25.txt): not run there
@@ -279,6 +285,7 @@ def report(records: list[dict], meta: dict) -> str:
              f"{meta['heads']}, D {meta['head_dim']}, forward + backward; ms per call, median of {meta['repeats']} "
              "rounds, slowest rank. efficiency = single GPU / (W x ms). commopt: its pick on balance.choose's layout "
              "(the layout in the table)" + (", its block kernels with max-autotune" if meta.get("autotune") else "")
+             + (", the whole sequence's mask" if meta.get("whole_mask") else ", the rank's rows' mask")
              + "; torch CP: the faster of its head-tail and PTRR balancers.", "",
              "| mask | S_total | single GPU ms | commopt pick | layout | commopt ms | efficiency | torch CP ms "
              "| torch CP efficiency | speedup vs torch CP | fastest commopt | max rel error |",
@@ -295,6 +302,15 @@ def report(records: list[dict], meta: dict) -> str:
     return "\n".join(lines + profile_lines(records)) + "\n"
 
 
+def report_variant(args: argparse.Namespace) -> str:
+    """The report's name suffix for a run off the defaults (e.g. "ring_contiguous_whole"): each
+    such run is a report of its own beside the default one."""
+    parts = [args.schedule and args.schedule.replace(":", "-").replace("=", ""),
+             args.layout if args.layout != "choose" else None, "whole" if args.whole_mask else None,
+             "autotune" if args.autotune else None]
+    return "_".join(p for p in parts if p)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
@@ -308,6 +324,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lead", type=int, default=LEAD_CALLS)
     p.add_argument("--pick-only", dest="pick_only", action="store_true",
                    help="commopt's pick on balance.choose's layout alone (not every schedule on both layouts)")
+    p.add_argument("--schedule", default=None, help="commopt's schedule in place of the flex model's pick")
+    p.add_argument("--layout", choices=("choose", "contiguous"), default="choose",
+                   help="the layout of --pick-only (and the second layout of the full sweep)")
+    p.add_argument("--whole-mask", dest="whole_mask", action="store_true",
+                   help="commopt's ops take the whole sequence's mask, not the rank's rows' (torch CP's form): the "
+                        "ring then sends each rank only the span of keys it needs (flex_ring.DirectShift)")
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="after the timing, each variant's device time by kernel on every rank: CALLS calls profiled "
                         "back to back behind as many unprofiled ones (step_profile.breakdown)")
@@ -336,11 +358,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = "CPU (gloo)" if args.cpu else torch.cuda.get_device_name(0) + (" shared by the ranks" if args.shared else "")
     meta = machine_meta(device, args.world, args.commit,
                         dtype=str(preset["dtype"]).removeprefix("torch."), heads="/".join(map(str, preset["heads"])),
-                        head_dim=preset["head_dim"], repeats=args.repeats, autotune=args.autotune)
+                        head_dim=preset["head_dim"], repeats=args.repeats, autotune=args.autotune,
+                        whole_mask=args.whole_mask, layout=args.layout, schedule=args.schedule)
     text = report(derive(records, args.world), meta)
     if args.out and not args.shared:  # a shared GPU's times are no figures
         write_report(pathlib.Path(args.out), result_stem("flex_cp", meta["device"], args.world, meta["date"],
-                                                         "autotune" if args.autotune else ""),
+                                                         report_variant(args)),
                      {**meta, "records": records}, text)
     print(text)
     return records

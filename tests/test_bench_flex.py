@@ -37,3 +37,18 @@ def test_the_profile_section_lists_every_rank_of_every_profiled_variant():
                                                    "- commopt allgather @ head_tail, rank 1"]
     assert "gpu_span 5.4" in rows[0] and "idle 0.4 ms in 3 gaps" in rows[0] and "flex_fwd 1.2 (x1)" in rows[0]
     assert bench_flex.profile_lines([{"mask": "causal", "seq": 1}]) == []
+
+
+def test_a_run_off_the_defaults_is_a_report_of_its_own():
+    assert bench_flex.report_variant(bench_flex.parse_args([])) == ""
+    args = bench_flex.parse_args(["--schedule", "allgather:g=2", "--layout", "contiguous", "--whole-mask", "--autotune"])
+    assert bench_flex.report_variant(args) == "allgather-g2_contiguous_whole_autotune"
+
+
+def test_the_cpu_smoke_runs_the_ring_with_the_whole_mask_on_the_contiguous_layout():
+    """Documents dealt contiguously, every rank given the whole mask: the ring sends each rank the
+    span of keys it needs (flex_ring.DirectShift) and agrees with one device."""
+    (record,) = bench_flex.main(["--cpu", "--masks", "docs 128", "--seq", "512", "--repeats", "1", "--pick-only",
+                                 "--schedule", "ring", "--layout", "contiguous", "--whole-mask"])
+    assert set(record["ms"]) >= {"single GPU", "commopt ring @ contiguous"} and record["layout"] == "contiguous"
+    assert max(record["errors"].values()) < 1e-5, record["errors"]

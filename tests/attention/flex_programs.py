@@ -127,8 +127,9 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
               "dk": (ks.grad - kt.grad[:, :, mine]).abs().max().item(),
               "dv": (vs.grad - vt.grad[:, :, mine]).abs().max().item()}
     work = flex.work(flex.Blocks.of(block_mask), world).tolist()
+    spans = None if own_rows else flex_ring.skipping(flex.Blocks.of(block_mask), world)
     got = {"errors": errors, "work": work if not own_rows else [None] * rank + work, "computed": len(computed),
-           "sent": len(sent)}
+           "sent": len(sent), "sent_numel": sum(sent), "spans": spans, "kv_row": batch * kv_heads * D}
     if dealt is not None:
         got["layout"] = dealt.name
     return got

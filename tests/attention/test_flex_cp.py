@@ -70,6 +70,11 @@ def test_a_step_mask_is_the_block_mask_of_its_rows_and_keys(kind):
             assert ext.rows == slice(int(rows[0]) * BLOCK, (int(rows[-1]) + 1) * BLOCK), (kind, p, s)
             assert ext.keys == slice(int(cols[0]) * BLOCK, (int(cols[-1]) + 1) * BLOCK), (kind, p, s)
             assert ext.tiles == step.tiles()
+    spans = flex.spans(blocks, world)  # every rank's key spans from the whole tables: each rank's own extents'
+    for p in range(world):
+        steps = [flex.step_mask(blocks, p, s, world) for s in range(world)]
+        want = [(e.keys.start, e.keys.stop) if e is not None else None for e in flex.extents(steps)]
+        assert spans[p] == want, (kind, p, spans[p], want)
     if kind.startswith("document"):
         assert len(blocks.buffers) == 1 and torch.equal(blocks.buffers[0], docs)  # lifted, not a constant
     work = flex.work(blocks, world)
@@ -77,7 +82,8 @@ def test_a_step_mask_is_the_block_mask_of_its_rows_and_keys(kind):
     assert (work.triu(1) == 0).all()  # causal: no rank attends a later share
 
 
-@pytest.mark.parametrize("world, kind", [(2, "causal"), (4, "document"), (4, "window"), (2, "document+window")])
+@pytest.mark.parametrize("world, kind", [(2, "causal"), (2, "document"), (4, "document"), (4, "window"),
+                                         (2, "document+window")])
 def test_the_ring_gives_dense_attention_and_its_gradients(world, kind):
     per_rank = run_distributed(run_flex_ring, world, kind, 2 if kind == "document" else 1, backend="gloo",
                                timeout_s=300)
@@ -91,12 +97,19 @@ def test_the_ring_gives_dense_attention_and_its_gradients(world, kind):
         # (flex_ring.DirectShift / DirectGrads): each rank sends its K/V once in the forward and once
         # in the backward, and its terms of the previous share's dK/dV once; the ring sends 10
         assert [got["sent"] for got in per_rank] == [2, 3, 3, 1], per_rank
-    work = per_rank[0]["work"]
-    skips = world > 2 and any(work[p][s] == 0 for p in range(world) for s in range(world) if p != s)
+    work, spans = per_rank[0]["work"], per_rank[0]["spans"]
+    pairs = [(p, s) for p in range(world) for s in range(world) if p != s]
+    cut = spans is not None and any(work[p][s] == 0 or spans[p][s] != (0, S // world) for p, s in pairs)
+    assert (spans is not None) == cut, spans  # the direct path only where something is skipped or cut
+    assert cut or all(work[p][s] > 0 for p, s in pairs), work  # and wherever something is skipped
     for p, got in enumerate(per_rank):  # what each rank sends: to those who need it, or round the ring
         others = [q for q in range(world) if q != p]
         direct = 2 * sum(work[q][p] > 0 for q in others) + sum(work[p][s] > 0 for s in others)
-        assert got["sent"] == (direct if skips else 3 * world - 2), (p, got, work)  # the ring: its sums W hops
+        assert got["sent"] == (direct if cut else 3 * world - 2), (p, got, work)  # the ring: its sums W hops
+        if cut:  # K and V twice (forward, backward) over the span each peer needs; dK/dV terms over its own spans
+            rows = 2 * sum(2 * (b - a) for a, b in (spans[q][p] for q in others if spans[q][p])) \
+                + sum(2 * (b - a) for a, b in (spans[p][s] for s in others if spans[p][s]))
+            assert got["sent_numel"] == rows * got["kv_row"], (p, got, spans)
 
 
 @pytest.mark.parametrize("world, kind, schedule", [(2, "document", "allgather"), (4, "document+window", "allgather:g=2")])

@@ -299,22 +299,28 @@ def extents(steps: list[Step]) -> list[Extent | None]:
     return out
 
 
-def needs(blocks: Blocks, world: int) -> list[list[bool]]:
-    """need[p][s]: whether rank p's rows keep a tile of source s's keys, for every (p, s), from the
-    whole sequence's block tables (the same on every rank; one host read); the rank's own rows'
-    (own_rows) tell nothing of the others': ValueError."""
+def spans(blocks: Blocks, world: int) -> list[list[tuple[int, int] | None]]:
+    """spans[p][s]: the keys of source s's share that rank p's rows keep a tile of, as token
+    offsets [start, end) within the share from its first such key block to its last (None: no
+    tile), for every (p, s), from the whole sequence's block tables (the same on every rank; one
+    host read); the rank's own rows' (own_rows) tell nothing of the others': ValueError."""
     if blocks.own_rows:
         raise ValueError("flex CP: a mask of this rank's rows only tells nothing of what the others need")
     nb = blocks.share(world) // blocks.block
-    counts = torch.zeros(world * world, dtype=torch.int64, device=blocks.kv_num.device)
+    device = blocks.kv_num.device
+    first = torch.full((world * world,), nb, dtype=torch.int64, device=device)
+    last = torch.full((world * world,), -1, dtype=torch.int64, device=device)
     for num, idx in ((blocks.kv_num, blocks.kv_idx), (blocks.full_num, blocks.full_idx)):
         if num is None:
             continue
         kept = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]  # [.., rows, slots]
+        col = idx.long().expand(kept.shape)
         row_rank = (torch.arange(idx.shape[-2], device=idx.device) // nb)[:, None]
-        pair = (row_rank * world + idx.long() // nb).expand(kept.shape)
-        counts.scatter_add_(0, pair[kept], torch.ones_like(pair[kept]))
-    flat = (counts > 0).tolist()
+        pair = (row_rank * world + col // nb)[kept]
+        first.scatter_reduce_(0, pair, (col % nb)[kept], "amin")
+        last.scatter_reduce_(0, pair, (col % nb)[kept], "amax")
+    lo, hi = torch.stack([first, last]).tolist()
+    flat = [(a * blocks.block, (b + 1) * blocks.block) if b >= 0 else None for a, b in zip(lo, hi, strict=True)]
     return [flat[p * world:(p + 1) * world] for p in range(world)]
 
 

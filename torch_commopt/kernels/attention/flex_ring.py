@@ -10,12 +10,16 @@ Backward: the K/V shares travel round again, with their dK/dV sums in the acc dt
 behind them; each rank adds its block's terms, computed from its rows' *global* out and LSE, and
 the sums reach their owner after W shifts.
 
-Sends skipped: where every rank holds the whole sequence's mask (not its own rows only) and some
-rank needs none of another's keys (flex.needs: a sliding window, documents, at W > 2), the shares
-go straight from their owner to the ranks that need them instead of round the ring (DirectShift:
-step i, rank p receives source p - i's share from it and sends its own to p + i, each only if
-needed), and in the backward each rank sends its terms of source s's dK/dV straight to s, which
-adds them up (DirectGrads).  The steps, and what each rank computes, are the ring's.
+Sends skipped and cut: where every rank holds the whole sequence's mask (not its own rows only)
+and some rank needs none of another's keys, or only part of them (flex.spans: the key blocks
+from the first a rank's rows keep a tile of to the last -- a sliding window, documents, a causal
+mask over contiguous shares), the shares go straight from their owner to the ranks that need
+them instead of round the ring, and only the span they need (DirectShift: step i, rank p
+receives its span of source p - i's share from it and sends the span p + i needs of its own to
+p + i, each only if there is one); in the backward each rank sends its terms of source s's
+dK/dV, over the same span, straight to s, which adds them up (DirectGrads).  The steps, and what
+each rank computes, are the ring's.  Documents dealt contiguously (balance.contiguous) then move
+the documents that cross a share's end, not the shares.
 
 The mask is the program's whole-sequence BlockMask and its mask_mod of global positions
 (flex.Blocks); every rank holds it, as a program that builds it from document ids on every rank
@@ -87,27 +91,32 @@ def forward_blocks(q: Tensor, v_dim: int, shift, ring: RankBlocks) -> tuple[Tens
     return acc.result()
 
 
-def skipping(blocks: flex.Blocks, world: int) -> list[list[bool]] | None:
-    """need[p][s] (flex.needs) where a send can be skipped -- the whole mask known and some rank
-    needs none of another's keys --, else None: the plain ring.  Built once per mask (flex.cached),
-    the same on every rank."""
-    if blocks.own_rows or world < 3:  # at W = 2 a rank that needs nothing of its peer is sent it all the same
+Spans = list[list[tuple[int, int] | None]]
+
+
+def skipping(blocks: flex.Blocks, world: int) -> Spans | None:
+    """spans[p][s] (flex.spans) where a send can be skipped or cut -- the whole mask known, and
+    some rank needing none of another's keys or only part of them --, else None: the plain ring.
+    Built once per mask (flex.cached), the same on every rank."""
+    if blocks.own_rows:
         return None
 
     def build():
-        need = flex.needs(blocks, world)
-        return need if not all(map(all, need)) else None
+        table = flex.spans(blocks, world)
+        whole = (0, blocks.share(world))
+        return None if all(table[p][s] == whole for p in range(world) for s in range(world) if p != s) else table
 
-    return flex.cached(blocks, ("needs", world), build)
+    return flex.cached(blocks, ("spans", world), build)
 
 
-def _checked(need: list[list[bool]] | None, ring: RankBlocks) -> list[list[bool]] | None:
-    """need, where its row for this rank says what the rank's own cut computes (a block is
-    computed exactly where a share is received): else a RuntimeError, not a wrong sum."""
-    if need is not None and need[ring.rank] != [e is not None for e in ring.extents]:
-        raise RuntimeError(f"flex CP: rank {ring.rank}'s blocks {[e is not None for e in ring.extents]} disagree with "
-                           f"the mask's needs {need[ring.rank]}")
-    return need
+def _checked(spans: Spans | None, ring: RankBlocks) -> Spans | None:
+    """spans, where its row for this rank says what the rank's own cut computes (a block is
+    computed exactly where a share's span is received): else a RuntimeError, not a wrong sum."""
+    mine = [(e.keys.start, e.keys.stop) if e is not None else None for e in ring.extents]
+    if spans is not None and spans[ring.rank] != mine:
+        raise RuntimeError(f"flex CP: rank {ring.rank}'s blocks' keys {mine} disagree with the mask's spans "
+                           f"{spans[ring.rank]}")
+    return spans
 
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: float, group) -> tuple[Tensor, Tensor]:
@@ -116,8 +125,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: fl
     rounded once), else in the acc dtype; lse in the acc dtype."""
     world, p = comm.size(group), comm.rank(group)
     ring = RankBlocks(*steps_of(blocks, world, p), scale, p, world)
-    need = _checked(skipping(blocks, world), ring)
-    shift = comm.ring_shift([k, v], group, TAG_KV) if need is None else DirectShift([k, v], group, TAG_KV, need)
+    spans = _checked(skipping(blocks, world), ring)
+    shift = comm.ring_shift([k, v], group, TAG_KV) if spans is None else DirectShift([k, v], group, TAG_KV, spans)
     return forward_blocks(q, v.shape[-1], shift, ring)
 
 
@@ -136,23 +145,35 @@ def _ready(group) -> None:
 
 
 class _Direct:
-    """What DirectShift and DirectGrads share: tensors packed into one flat buffer (one message a
-    transfer), the group, the needs table, the step."""
+    """What DirectShift and DirectGrads share: the tensors ((B, H, L, D) shares, cut along the
+    sequence), the group, the spans table, the step.  A transfer is one message: the tensors'
+    rows of one span packed one after another."""
 
-    def __init__(self, tensors: list[Tensor], group, tag: int, need: list[list[bool]]) -> None:
+    def __init__(self, tensors: list[Tensor], group, tag: int, spans: Spans) -> None:
         _ready(group)
-        self.shapes = [t.shape for t in tensors]
-        self.flat = torch.cat([t.reshape(-1) for t in tensors])
-        self.group, self.tag, self.need = group, tag, need
+        self.tensors = tensors
+        self.group, self.tag, self.spans = group, tag, spans
         self.world, self.rank = comm.size(group), comm.rank(group)
         self.step, self.got, self.pending = 0, None, None
 
-    def _post(self, send: Tensor | None, dst: int, src: int | None) -> None:
-        """Send `send` to group rank dst (None: nothing) and receive a buffer from src (None:
-        nothing) into self.got; self.pending waits for both."""
+    def _pack(self, tensors: list[Tensor], span: tuple[int, int]) -> Tensor:
+        return torch.cat([t[:, :, span[0]:span[1]].reshape(-1) for t in tensors])
+
+    def _unpack(self, flat: Tensor, span: tuple[int, int]) -> list[Tensor]:
+        """The tensors' rows of `span` as views of a packed message."""
+        shapes = [t.shape[:2] + (span[1] - span[0],) + t.shape[3:] for t in self.tensors]
+        return comm.views(flat, [torch.Size(shape) for shape in shapes])
+
+    def _post(self, send: Tensor | None, dst: int, recv: tuple[int, tuple[int, int]] | None) -> None:
+        """Send `send` to group rank dst (None: nothing) and receive the span recv = (src, span)
+        from group rank src (None: nothing) into self.got; self.pending waits for both."""
         sends = [(send, dist.get_global_rank(self.group, dst), self.tag)] if send is not None else []
-        self.got = torch.empty_like(self.flat) if src is not None else None
-        recvs = [(self.got, dist.get_global_rank(self.group, src), self.tag)] if src is not None else []
+        self.got = None
+        if recv is not None:
+            src, span = recv
+            numel = sum(t[:, :, span[0]:span[1]].numel() for t in self.tensors)
+            self.got = self.tensors[0].new_empty(numel)
+        recvs = [(self.got, dist.get_global_rank(self.group, recv[0]), self.tag)] if recv is not None else []
         self.pending = comm._p2p(sends, recvs, self.group) if sends or recvs else None  # noqa: SLF001
 
     def finish(self) -> None:
@@ -161,27 +182,36 @@ class _Direct:
 
 class DirectShift(_Direct):
     """comm.RingShift's interface (current, start, wait, finish), each share sent by its owner
-    straight to the ranks that need it: at step i rank p holds source (p - i)'s share, received
-    from that rank only if need[p][p - i], and sends its own to p + i only if need[p + i][p]
-    (a step whose share is not needed computes nothing: current() then gives this rank's own)."""
+    straight to the ranks that need it, and only the span of it they need: at step i rank p holds
+    source (p - i)'s share, its span spans[p][p - i] received from that rank (zeros elsewhere: no
+    tile reads them), and sends the span spans[p + i][p] of its own to p + i; a span of None is
+    not sent (a step whose share is not needed computes nothing: current() then gives this
+    rank's own)."""
 
-    def __init__(self, tensors: list[Tensor], group, tag: int, need: list[list[bool]]) -> None:
-        super().__init__(tensors, group, tag, need)
-        self.held = self.flat
+    def __init__(self, tensors: list[Tensor], group, tag: int, spans: Spans) -> None:
+        super().__init__(tensors, group, tag, spans)
+        self.held, self.wanted = tensors, None
 
     def current(self) -> list[Tensor]:
-        return comm.views(self.held, self.shapes)
+        return self.held
 
     def start(self) -> None:
         i, n, p = self.step + 1, self.world, self.rank
         dst, src = (p + i) % n, (p - i) % n
-        self._post(self.flat if self.need[dst][p] else None, dst, src if self.need[p][src] else None)
+        theirs, mine = self.spans[dst][p], self.spans[p][src]
+        self.wanted = mine
+        self._post(self._pack(self.tensors, theirs) if theirs else None, dst, (src, mine) if mine else None)
 
     def wait(self) -> None:
         if self.pending is not None:
             self.pending()
         self.step += 1
-        self.held = self.got if self.got is not None else self.flat
+        self.held = self.tensors
+        if self.got is not None:
+            a, b = self.wanted
+            self.held = [torch.zeros_like(t) for t in self.tensors]
+            for full, part in zip(self.held, self._unpack(self.got, self.wanted), strict=True):
+                full[:, :, a:b] = part
         self.pending = self.got = None
 
 
@@ -238,28 +268,29 @@ def ring_backward(saved: Saved, dout: Tensor, blocks: flex.Blocks, scale: float,
     acc = acc_dtype(saved.q.dtype)
     zeros = [torch.zeros(saved.k.shape, dtype=acc, device=saved.k.device),
              torch.zeros(saved.v.shape, dtype=acc, device=saved.v.device)]
-    need = _checked(skipping(blocks, world), ring)
-    if need is None:
+    spans = _checked(skipping(blocks, world), ring)
+    if spans is None:
         shifts = (comm.ring_shift([saved.k, saved.v], group, TAG_KV), comm.ring_shift(zeros, group, TAG_GRAD))
     else:
-        shifts = (DirectShift([saved.k, saved.v], group, TAG_KV, need), DirectGrads(zeros, group, TAG_GRAD, need))
+        shifts = (DirectShift([saved.k, saved.v], group, TAG_KV, spans), DirectGrads(zeros, group, TAG_GRAD, spans))
     return backward_blocks(saved, dout, shifts, ring)
 
 
 class DirectGrads(_Direct):
     """The dK/dV sums' shift of backward_blocks with each rank's terms sent straight to their
-    owner: at step i current() gives the zeroed buffers for source (p - i)'s terms (step 0: this
-    rank's own, which collects everything), start() sends them to that rank if it computed any
-    (need[p][p - i]) and receives rank p + i's terms of this rank's keys if it computed any, wait()
-    adds those in; after the last step current() gives this rank's whole dK/dV."""
+    owner, the span of keys they reach only: at step i current() gives the zeroed buffers for
+    source (p - i)'s terms (step 0: this rank's own, which collects everything), start() sends
+    their span spans[p][p - i] to that rank if it computed any and receives rank p + i's terms of
+    this rank's keys (their span spans[p + i][p]) if it computed any, wait() adds those in; after
+    the last step current() gives this rank's whole dK/dV."""
 
-    def __init__(self, zeros: list[Tensor], group, tag: int, need: list[list[bool]]) -> None:
-        super().__init__(zeros, group, tag, need)
-        self.terms = self.flat  # step 0: this rank's own terms, into the total (self.flat) itself
+    def __init__(self, zeros: list[Tensor], group, tag: int, spans: Spans) -> None:
+        super().__init__(zeros, group, tag, spans)
+        self.terms, self.arriving = zeros, None  # step 0: this rank's own terms, into the total itself
 
     def current(self) -> list[Tensor]:
         # (a step whose source this rank needs nothing of computes nothing: the total stands in, unwritten)
-        return comm.views(self.flat if self.step >= self.world or self.terms is None else self.terms, self.shapes)
+        return self.tensors if self.step >= self.world or self.terms is None else self.terms
 
     def start(self) -> None:
         i, n, p = self.step, self.world, self.rank
@@ -267,18 +298,23 @@ class DirectGrads(_Direct):
             self.pending = None
             return
         owner, src = (p - i) % n, (p + i) % n
-        self._post(self.terms, owner, src if self.need[src][p] else None)
+        mine, theirs = self.spans[p][owner], self.spans[src][p]
+        self.arriving = theirs
+        self._post(self._pack(self.terms, mine) if self.terms is not None else None, owner,
+                   (src, theirs) if theirs else None)
 
     def wait(self) -> None:
         if self.pending is not None:
             self.pending()
         if self.got is not None:
-            self.flat += self.got
+            a, b = self.arriving
+            for total, part in zip(self.tensors, self._unpack(self.got, self.arriving), strict=True):
+                total[:, :, a:b] += part
         self.step += 1
         self.got = self.pending = None
         if self.step < self.world:
             owner = (self.rank - self.step) % self.world
-            self.terms = torch.zeros_like(self.flat) if self.need[self.rank][owner] else None
+            self.terms = [torch.zeros_like(t) for t in self.tensors] if self.spans[self.rank][owner] else None
 
 
 class FlexRing(torch.autograd.Function):
