@@ -154,7 +154,7 @@ class _Direct:
         self.tensors = tensors
         self.group, self.tag, self.spans = group, tag, spans
         self.world, self.rank = comm.size(group), comm.rank(group)
-        self.step, self.got, self.pending = 0, None, None
+        self.step, self.got, self.pending, self.sending = 0, None, None, None
 
     def _pack(self, tensors: list[Tensor], span: tuple[int, int]) -> Tensor:
         return torch.cat([t[:, :, span[0]:span[1]].reshape(-1) for t in tensors])
@@ -168,7 +168,7 @@ class _Direct:
         """Send `send` to group rank dst (None: nothing) and receive the span recv = (src, span)
         from group rank src (None: nothing) into self.got; self.pending waits for both."""
         sends = [(send, dist.get_global_rank(self.group, dst), self.tag)] if send is not None else []
-        self.got = None
+        self.sending, self.got = send, None  # the packed message kept alive until the wait
         if recv is not None:
             src, span = recv
             numel = sum(t[:, :, span[0]:span[1]].numel() for t in self.tensors)
@@ -212,7 +212,7 @@ class DirectShift(_Direct):
             self.held = [torch.zeros_like(t) for t in self.tensors]
             for full, part in zip(self.held, self._unpack(self.got, self.wanted), strict=True):
                 full[:, :, a:b] = part
-        self.pending = self.got = None
+        self.pending = self.got = self.sending = None
 
 
 @dataclass(frozen=True)
@@ -311,7 +311,7 @@ class DirectGrads(_Direct):
             for total, part in zip(self.tensors, self._unpack(self.got, self.arriving), strict=True):
                 total[:, :, a:b] += part
         self.step += 1
-        self.got = self.pending = None
+        self.got = self.pending = self.sending = None
         if self.step < self.world:
             owner = (self.rank - self.step) % self.world
             self.terms = [torch.zeros_like(t) for t in self.tensors] if self.spans[self.rank][owner] else None
