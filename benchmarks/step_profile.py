@@ -93,6 +93,7 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
     if spans:
         totals["gpu_span"] = (max(hi for _, hi in spans) - spans[0][0]) / 1e3
         totals["gpu_busy"] = busy / 1e3
+        totals["local copy alone"] = copies_alone(events) / 1e3
     kernels: dict[str, list[float]] = {}
     for evt in prof.key_averages():
         ms = getattr(evt, "device_time_total", getattr(evt, "cuda_time_total", 0.0)) / 1e3
@@ -110,6 +111,40 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
         out["idle_gaps"]["causes"] = causes
     out["window"] = window
     return out
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    out: list[list[float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
+
+
+def copies_alone(events: list[tuple[str, float, float]]) -> float:
+    """Time (us) in which a device-local copy (Memcpy DtoD / HtoD / DtoH, Memset) ran and no kernel
+    did: such a copy holds back every kernel queued behind it, so this is device time the copies
+    cost the step outright (a copy to a peer runs on the copy engines beside kernels: not counted)."""
+    def is_copy(name: str) -> bool:
+        low = name.lower()
+        return ("memcpy" in low or "memset" in low) and "ptop" not in low
+
+    copies = _merged([(lo, hi) for name, lo, hi in events if is_copy(name)])
+    kernels = _merged([(lo, hi) for name, lo, hi in events if not is_copy(name) and "ptop" not in name.lower()])
+    alone, j = 0.0, 0
+    for lo, hi in copies:
+        at = lo
+        while j < len(kernels) and kernels[j][1] <= at:
+            j += 1
+        k = j
+        while k < len(kernels) and kernels[k][0] < hi:
+            alone += max(0.0, kernels[k][0] - at)
+            at = max(at, kernels[k][1])
+            k += 1
+        alone += max(0.0, hi - at)
+    return alone
 
 
 KERNELS_KEPT = 60  # the kernels (by name) a breakdown keeps, longest first

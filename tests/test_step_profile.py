@@ -90,3 +90,14 @@ def test_kernels_fall_in_their_categories_and_cublas_s_axpy_is_no_gemm():
     assert category("triton_poi_fused_add_3") == "commopt/triton"
     assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
     assert category("void at::native::vectorized_elementwise_kernel") == "other"
+
+
+def test_a_local_copy_counts_where_no_kernel_runs_beside_it():
+    from benchmarks.step_profile import copies_alone
+
+    events = [("gemm", 0.0, 10.0), ("Memcpy DtoD (Device -> Device)", 5.0, 20.0),  # 10 us alone (10..20)
+              ("Memset (Device)", 25.0, 30.0),  # 5 us alone
+              ("Memcpy PtoP (Device -> Device)", 30.0, 40.0),  # to a peer: not a local copy
+              ("Memcpy DtoD (Device -> Device)", 40.0, 50.0), ("attn", 42.0, 44.0), ("attn", 46.0, 60.0)]  # 4 us
+    assert copies_alone(events) == 10.0 + 5.0 + 4.0
+    assert copies_alone([("gemm", 0.0, 5.0)]) == 0.0 and copies_alone([]) == 0.0
