@@ -179,7 +179,7 @@ def _consume_cublas(call: _Gather, slot_of, cur, second=None, landed=None):
     pieces run on that stream, so their GEMMs can share the SMs with the own shard's (the GEMMs
     write disjoint rows).  call.mm.sc: each piece is a scaled (float8) product.  landed(stream,
     src, first): called once each source's last piece has landed, right before that piece's
-    GEMMs are queued on `stream`; it returns what to call once they are queued (`_gather_landed`)."""
+    GEMMs are queued on `stream` (`_gather_landed`)."""
     rt, mm, lay = call.rt, call.mm, call.lay
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in mm.outs]
@@ -195,10 +195,9 @@ def _consume_cublas(call: _Gather, slot_of, cur, second=None, landed=None):
             slot = slot_of(src)
             for c, (lo, hi) in enumerate(call.pieces):
                 rt.wait(peers, data_index(call.half, src, c), 1, debug=call.debug, what="chunk", src=src, chunk=c)
-                copies = landed(peers, src, i == 0) if c == last and landed is not None else None
+                if c == last and landed is not None:
+                    landed(peers, src, i == 0)
                 _piece_matmuls(piece_rows(slot, lo, hi), full, wide, mm, lay, src, lo, hi)
-                if copies is not None:  # queued behind the GEMM, started with it: they run under it
-                    copies()
     if second is not None:
         rt.after(cur, second)
 
@@ -309,25 +308,17 @@ def _gathered(call: _Gather, slots, gathered, side):
     return gathered
 
 
-def _gather_landed(call: _Gather, slots, gathered, side, stream, src: int, first: bool):
+def _gather_landed(call: _Gather, slots, gathered, side, stream, src: int, first: bool) -> None:
     """Source src's rows into `gathered` (and this rank's own rows with the first source), on
-    the side stream once `stream` has seen them land.  Called right before the GEMMs that read
-    them are queued: it marks that point on `stream` and returns the copies, which the caller
-    queues right after those GEMMs, so that the GEMMs are queued on the GPU first and the copies
-    run while they do.  A device-local copy holds back the start of every kernel queued behind
-    it on the GPU until it ends, whatever its stream (a kernel already running goes on): queued
-    before the GEMM, the copy that became ready with it went first and held it back
+    the side stream once `stream` has seen them land: queued right before the GEMMs that read
+    them, so the copies run while those GEMMs do.  A device-local copy holds back the start of
+    every kernel queued behind it on the GPU until it ends, whatever its stream (a kernel
+    already running goes on), so it must start under a long kernel, not between two
     (docs/gpu-schedules.md#why-the-copy-engine-produces-and-cublas-consumes)."""
-    landed = call.rt.pooled_event("gather landed", src)
-    driver.record(landed, stream)
-
-    def copies() -> None:
-        driver.wait_event(side, landed)
-        if first:
-            _gather_rows(call, slots, gathered, side, call.rt.rank)
-        _gather_rows(call, slots, gathered, side, src)
-
-    return copies
+    call.rt.after(side, stream)
+    if first:
+        _gather_rows(call, slots, gathered, side, call.rt.rank)
+    _gather_rows(call, slots, gathered, side, src)
 
 
 def _gather_rows(call: _Gather, slots, gathered, side, src: int) -> None:
