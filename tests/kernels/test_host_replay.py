@@ -34,10 +34,10 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(host_replay, "blas_handle", lambda stream, dtype, device: 1)
 
 
-def _ag(sched: str, shape: tuple, gather_dim: int, n_weights: int):
+def _ag(sched: str, shape: tuple, gather_dim: int, n_weights: int, keep: bool = False):
     k = shape[-1]
     ws = [torch.randn(12 + 4 * i, k, dtype=torch.bfloat16).t() for i in range(n_weights)]  # (N, K) params, viewed
-    return lambda a: agm.ag_matmul_gpu(a, ws, [None] * n_weights, gather_dim, "fake", Schedule.parse(sched), False), ws
+    return lambda a: agm.ag_matmul_gpu(a, ws, [None] * n_weights, gather_dim, "fake", Schedule.parse(sched), keep), ws
 
 
 def _rs(sched: str, op: str = "sum"):
@@ -106,6 +106,7 @@ def _ar(sched: str):
 CASES = [  # (label, call maker, input shape)
     ("ag ce_push:1 rows", lambda: _ag("ce_push:1", (8, 16), 0, 3)[0], (8, 16)),
     ("ag ce_push:2:par=1 blocks", lambda: _ag("ce_push:2:par=1", (2, 8, 16), 1, 2)[0], (2, 8, 16)),
+    ("ag ce_push:2 blocks, the gathered input kept", lambda: _ag("ce_push:2", (2, 8, 16), 1, 1, True)[0], (2, 8, 16)),
     ("rs ce_pull:2 rows", lambda: _rs("ce_pull:2")[0], (16, 8)),
     ("rs direct:1 blocks", lambda: _rs("direct:1")[0], (2, 8, 8)),
     ("rs ce_push:1 rows (own GEMM, then the partial added)", lambda: _rs("ce_push:1")[0], (16, 8)),
@@ -115,12 +116,14 @@ CASES = [  # (label, call maker, input shape)
 ]
 
 
-@pytest.mark.parametrize("tokens_on_side", [False, True])
+# env.tokens_on_side: the tokens' batch on the side stream; env.gather_own_early: the own rows'
+# gathered copy on the local stream -- recorded and replayed there too
+@pytest.mark.parametrize("switch", [None, env.TOKENS_ON_SIDE, env.GATHER_OWN_EARLY])
 @pytest.mark.parametrize("label,make,shape", CASES, ids=[c[0] for c in CASES])
 def test_a_replayed_call_queues_and_computes_what_the_python_host_code_does(fresh, monkeypatch, label, make, shape,
-                                                                          tokens_on_side):
-    if tokens_on_side:  # env.tokens_on_side: the tokens' batch on the side stream, recorded and replayed there too
-        monkeypatch.setenv(env.TOKENS_ON_SIDE, "1")
+                                                                          switch):
+    if switch:
+        monkeypatch.setenv(switch, "1")
     torch.manual_seed(0)
     call = make()
     inputs = [torch.randn(*shape, dtype=torch.bfloat16) for _ in range(CALLS)]  # fresh addresses every call

@@ -121,18 +121,24 @@ def test_a_token_given_back_before_the_reads_end_races(monkeypatch):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("sequence", ["ag", "outer blocks ag"])
-def test_the_gathered_copies_read_only_landed_pieces(world, sequence):
+@pytest.mark.parametrize("own_early", [False, True])
+def test_the_gathered_copies_read_only_landed_pieces(world, sequence, own_early, monkeypatch):
     # ag_matmul's kept gathered input is copied out of the slots by the side stream, ordered
-    # after the consumer's flag waits by an event (the cuBLAS consumer) or by waits of its own
+    # after the consumer's flag waits by an event (the cuBLAS consumer) or by waits of its own;
+    # env.gather_own_early: this rank's rows copied on the local stream under its own GEMM
+    if own_early:
+        monkeypatch.setenv(env.GATHER_OWN_EARLY, "1")
     names = [n for n in SEQUENCES[sequence.removesuffix(" ag")] if n.startswith("ag")]
     queue, runtimes = _queue(world, names)
+    local = [r for r, s, op in queue if op[0] == "copy" and s == runtimes[r].local.cuda_stream]
+    assert bool(local) == own_early, local  # the own rows' copies on the local stream only when asked
     for seed in range(12):
         simulate(queue, runtimes, seed, shared_reads=True)
 
 
 def test_gathered_copies_not_ordered_after_the_flag_waits_read_early(monkeypatch):
-    def unordered(call, slots, gathered, side, stream, src, first):  # _gather_landed without its event
-        if first:
+    def unordered(call, slots, gathered, side, stream, src, first, own=True):  # _gather_landed without its event
+        if first and own:
             agm._gather_rows(call, slots, gathered, side, call.rt.rank)
         agm._gather_rows(call, slots, gathered, side, src)
     monkeypatch.setattr(agm, "_gather_landed", unordered)

@@ -34,11 +34,13 @@ DECODE_TRANSPORT = "TORCH_COMMOPT_DECODE_TRANSPORT"
 HOST_REPLAY = "TORCH_COMMOPT_HOST_REPLAY"
 TOKENS_ON_SIDE = "TORCH_COMMOPT_TOKENS_ON_SIDE"
 FLEX_AUTOTUNE = "TORCH_COMMOPT_FLEX_AUTOTUNE"
+GATHER_OWN_EARLY = "TORCH_COMMOPT_GATHER_OWN_EARLY"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
          ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
-         MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY, TOKENS_ON_SIDE, FLEX_AUTOTUNE)
+         MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY, TOKENS_ON_SIDE, FLEX_AUTOTUNE,
+         GATHER_OWN_EARLY)
 
 # CPython's POSIX os.environ keeps the encoded strings in `_data`; os.environ.get encodes the name
 # and decodes the value at every read (~1 us on a slow host, several reads in a GPU schedule's call).
@@ -152,6 +154,15 @@ def tokens_on_side() -> bool:
     wait behind those remote writes (symm.GroupRuntime.done_reading).  "1", "true", "True" or
     "on" turn it on; read at every call."""
     return _get(TOKENS_ON_SIDE, "0") in ("1", "true", "True", "on")
+
+
+def gather_own_early() -> bool:
+    """TORCH_COMMOPT_GATHER_OWN_EARLY (default off; experimental, not yet measured): an all-gather
+    region that keeps its gathered input (the cuBLAS consumer) copies this rank's rows into it
+    under the own shard's GEMM, on the local copy stream, instead of with the first peer's rows
+    under that peer's GEMM (kernels/matmul/gpu/ag_matmul.py).  "1", "true", "True" or "on" turn
+    it on; read at every call."""
+    return _get(GATHER_OWN_EARLY, "0") in ("1", "true", "True", "on")
 
 
 def flex_autotune() -> bool:

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from torch_commopt.core import env
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu import call_graphs, driver, symm
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
@@ -159,8 +160,13 @@ def _gather_and_multiply(rt, a, sched: Schedule, mm: Products, lay, pieces, gath
             _gathered(call, slots, gathered, side)
     else:
         slot_of = functools.partial(_source_slot, buf, rank, base, m_loc, k, row_bytes, a.dtype)
-        landed = None if gathered is None else functools.partial(_gather_landed, call, slots, gathered, side)
-        _consume_cublas(call, slot_of, cur, rt.compute2 if sched.param("par") else None, landed)
+        early = gathered is not None and env.gather_own_early()
+        landed = None if gathered is None else functools.partial(_gather_landed, call, slots, gathered, side,
+                                                                 own=not early)
+        own = functools.partial(_gather_own_early, call, slots, gathered) if early else None
+        _consume_cublas(call, slot_of, cur, rt.compute2 if sched.param("par") else None, landed, own)
+        if early:
+            rt.after(cur, rt.local)
     rt.after(cur, side)
     rt.done_reading(cur, half, len(pieces))
     if debug:
@@ -174,12 +180,13 @@ def _source_slot(buf, rank: int, base: int, m_loc: int, k: int, row_bytes: int, 
     return buf.view(rank, base + src * m_loc * row_bytes, (m_loc, k), dtype)
 
 
-def _consume_cublas(call: _Gather, slot_of, cur, second=None, landed=None):
+def _consume_cublas(call: _Gather, slot_of, cur, second=None, landed=None, own=None):
     """cuBLAS per piece; slot_of(src): source src's (M_loc, K) slot.  second (par=1): the peers'
     pieces run on that stream, so their GEMMs can share the SMs with the own shard's (the GEMMs
     write disjoint rows).  call.mm.sc: each piece is a scaled (float8) product.  landed(stream,
     src, first): called once each source's last piece has landed, right before that piece's
-    GEMMs are queued on `stream` (`_gather_landed`)."""
+    GEMMs are queued on `stream` (`_gather_landed`).  own(stream): the own rows' copy into the
+    gathered input, called around the own shard's GEMM (`_gather_own_early`)."""
     rt, mm, lay = call.rt, call.mm, call.lay
     rank = rt.rank
     full = [o.view(-1, o.shape[-1]) for o in mm.outs]
@@ -187,8 +194,11 @@ def _consume_cublas(call: _Gather, slot_of, cur, second=None, landed=None):
     peers = cur if second is None else second
     if second is not None:
         rt.after(second, cur)  # the outputs were allocated on the caller's stream
+    copy_own = own(cur) if own is not None else None
     # Own shard first, as one GEMM: it needs nothing from the peers.
     _piece_matmuls(call.a2, full, wide, mm, lay, rank, 0, lay.local_rows)
+    if copy_own is not None:
+        copy_own()
     last = len(call.pieces) - 1
     with contextlib.nullcontext() if second is None else torch.cuda.stream(second):
         for i, src in enumerate(rt.sources):
@@ -308,17 +318,33 @@ def _gathered(call: _Gather, slots, gathered, side):
     return gathered
 
 
-def _gather_landed(call: _Gather, slots, gathered, side, stream, src: int, first: bool) -> None:
-    """Source src's rows into `gathered` (and this rank's own rows with the first source), on
-    the side stream once `stream` has seen them land: queued right before the GEMMs that read
-    them, so the copies run while those GEMMs do.  A device-local copy holds back the start of
-    every kernel queued behind it on the GPU until it ends, whatever its stream (a kernel
-    already running goes on), so it must start under a long kernel, not between two
-    (docs/gpu-schedules.md#why-the-copy-engine-produces-and-cublas-consumes)."""
+def _gather_landed(call: _Gather, slots, gathered, side, stream, src: int, first: bool, own: bool = True) -> None:
+    """Source src's rows into `gathered` (and this rank's own rows with the first source, unless
+    `own` is off: _gather_own_early copies them), on the side stream once `stream` has seen them
+    land: queued right before the GEMMs that read them, so the copies run while those GEMMs do.
+    A device-local copy holds back the start of every kernel queued behind it on the GPU until it
+    ends, whatever its stream (a kernel already running goes on), so it must start under a long
+    kernel, not between two (docs/gpu-schedules.md#why-the-copy-engine-produces-and-cublas-consumes)."""
     call.rt.after(side, stream)
-    if first:
+    if first and own:
         _gather_rows(call, slots, gathered, side, call.rt.rank)
     _gather_rows(call, slots, gathered, side, src)
+
+
+def _gather_own_early(call: _Gather, slots, gathered, stream):
+    """This rank's rows into `gathered` under the own shard's GEMM (env.gather_own_early): marks
+    `stream` before that GEMM is queued and returns the copy, which the caller queues right after
+    it, on the runtime's local copy stream (the side stream is busy with the pushes to the
+    peers), so that the GEMM reaches the GPU first and the copy runs beside it; the caller's
+    stream waits for the local stream at the call's end."""
+    mark = call.rt.pooled_event("gather own", 0)
+    driver.record(mark, stream)
+
+    def copy() -> None:
+        driver.wait_event(call.rt.local, mark)
+        _gather_rows(call, slots, gathered, call.rt.local, call.rt.rank)
+
+    return copy
 
 
 def _gather_rows(call: _Gather, slots, gathered, side, src: int) -> None:
