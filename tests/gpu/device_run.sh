@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_bench|meshslice|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|meshslice|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -136,6 +136,10 @@ if [[ $what == flex ]]; then
   TORCH_COMMOPT_SHARED_DEVICE=1 TORCH_COMMOPT_DEBUG_WAITS=1 TORCH_COMMOPT_WAIT_TIMEOUT_S=120 \
     timeout ${TEST_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_flex_gpu.py ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_flex.log"
   timeout ${PROBE_TIMEOUT:-400} python3 -m benchmarks.probe_flex_blocks --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
+fi
+if [[ $what == flex_probe ]]; then
+  # issue 70, one GPU: the probe alone (no tests), e.g. BENCH_ARGS="--seq 16384 --autotune --commit abc"
+  timeout ${PROBE_TIMEOUT:-540} python3 -m benchmarks.probe_flex_blocks --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
 fi
 if [[ $what == flex_bench ]]; then
   # issue 70 on W GPUs: FlexAttention CP, commopt vs one GPU and torch's context_parallel.  Every
