@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from torch_commopt.timeline import merge_intervals
+
 CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
               # cuBLAS's axpy (a replayed call's partial added into the output: host_replay's
               # cublasAxpyEx) is an elementwise add, not a GEMM, though its name says cublas
@@ -113,16 +115,6 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
     return out
 
 
-def _merged(intervals: list[tuple[float, float]]) -> list[list[float]]:
-    out: list[list[float]] = []
-    for lo, hi in sorted(intervals):
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
-        else:
-            out.append([lo, hi])
-    return out
-
-
 def copies_alone(events: list[tuple[str, float, float]]) -> float:
     """Time (us) in which a device-local copy (Memcpy DtoD / HtoD / DtoH, Memset) ran and no kernel
     did: such a copy holds back every kernel queued behind it, so this is device time the copies
@@ -131,8 +123,8 @@ def copies_alone(events: list[tuple[str, float, float]]) -> float:
         low = name.lower()
         return ("memcpy" in low or "memset" in low) and "ptop" not in low
 
-    copies = _merged([(lo, hi) for name, lo, hi in events if is_copy(name)])
-    kernels = _merged([(lo, hi) for name, lo, hi in events if not is_copy(name) and "ptop" not in name.lower()])
+    copies = merge_intervals([(lo, hi) for name, lo, hi in events if is_copy(name)])
+    kernels = merge_intervals([(lo, hi) for name, lo, hi in events if not is_copy(name) and "ptop" not in name.lower()])
     alone, j = 0.0, 0
     for lo, hi in copies:
         at = lo

@@ -72,7 +72,7 @@ def test_a_recorded_step_draws_as_png_and_html(tmp_path):
     assert step.lanes == ["GPU 0 stream 7"] and s["nccl_ms"] > 0 and s["compute_ms"] > s["nccl_ms"]
     assert any(r.label == "nccl:all_to_all" for r in step.regions)
     assert 0 < s["idle_ms"] < s["step_ms"] and s["gaps"] == len(step.gaps) > 0
-    busy = timeline._merged([(x.start, x.end) for x in step.spans])  # noqa: SLF001
+    busy = timeline.merge_intervals([(x.start, x.end) for x in step.spans])
     assert timeline._length(busy) / 1e3 + s["idle_ms"] <= s["step_ms"] + 1e-9  # noqa: SLF001
     synthetic = timeline.load(_trace(), "hand-written")
     timeline.render([step, synthetic], tmp_path / "t.png", tmp_path / "t.html")

@@ -62,13 +62,14 @@ class Step:
 
     def summary(self) -> dict:
         """Milliseconds: the step, each kind's busy time (a kind's spans merged), the idle gaps."""
-        busy = {kind: _length(_merged([(s.start, s.end) for s in self.spans if s.kind == kind])) / 1e3
+        busy = {kind: _length(merge_intervals([(s.start, s.end) for s in self.spans if s.kind == kind])) / 1e3
                 for kind in COLORS}
         return {"step_ms": self.duration / 1e3, **{f"{k}_ms": v for k, v in busy.items()},
                 "idle_ms": sum(b - a for a, b in self.gaps) / 1e3, "gaps": len(self.gaps)}
 
 
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as disjoint intervals, in order."""
     out: list[list[float]] = []
     for a, b in sorted(intervals):
         if out and a <= out[-1][1]:
@@ -140,7 +141,7 @@ def load(trace, label: str, min_gap_us: float = MIN_GAP_US) -> Step:
             schedule = _schedule(op)
             step.regions.append(Region(f"{name} {schedule}".strip(), min(s.start for s in inside),
                                        max(s.end for s in inside)))
-    busy = _merged([(s.start, s.end) for s in step.spans])
+    busy = merge_intervals([(s.start, s.end) for s in step.spans])
     edges = [0.0] + [x for a, b in busy for x in (a, b)] + [step.duration]
     step.gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b - a >= min_gap_us]
     return step
