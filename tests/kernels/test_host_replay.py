@@ -116,6 +116,24 @@ CASES = [  # (label, call maker, input shape)
 ]
 
 
+@pytest.mark.parametrize("shape, gather_dim", [((8, 16), 0), ((2, 8, 16), 1)])
+def test_the_own_rows_copied_early_give_the_same_gathered_input_and_products(fresh, monkeypatch, shape, gather_dim):
+    """env.gather_own_early moves the own rows' copy to the local stream under the own GEMM: the
+    outputs (the products and the kept gathered input, this rank's rows in it) are the same."""
+    torch.manual_seed(0)
+    call = _ag("ce_push:2", shape, gather_dim, 1, True)[0]
+    inputs = [torch.randn(*shape, dtype=torch.bfloat16) for _ in range(3)]
+    outs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(env.GATHER_OWN_EARLY, switch)
+        queue, outs[switch], _ = _run(call, inputs, False, monkeypatch)
+        assert any(entry[-1][0] == "copy" for entry in queue), queue  # the gathered copies ran
+    for off, on, a in zip(outs["0"], outs["1"], inputs, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(off, on, strict=True))
+        own = on[-1].narrow(gather_dim, 0, a.shape[gather_dim])  # rank 0's rows come first in the gathered input
+        assert torch.equal(own, a)
+
+
 # env.tokens_on_side: the tokens' batch on the side stream; env.gather_own_early: the own rows'
 # gathered copy on the local stream -- recorded and replayed there too
 @pytest.mark.parametrize("switch", [None, env.TOKENS_ON_SIDE, env.GATHER_OWN_EARLY])
