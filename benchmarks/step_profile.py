@@ -85,16 +85,10 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
     # GPU idle: the union of every kernel / copy interval of the step against its span
     events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    spans = sorted((lo, hi) for _, lo, hi in events)
-    busy, last = 0.0, None
-    for lo, hi in spans:
-        if last is None or lo > last:
-            busy, last = busy + hi - lo, hi
-        elif hi > last:
-            busy, last = busy + hi - last, hi
+    spans = merge_intervals([(lo, hi) for _, lo, hi in events])
     if spans:
-        totals["gpu_span"] = (max(hi for _, hi in spans) - spans[0][0]) / 1e3
-        totals["gpu_busy"] = busy / 1e3
+        totals["gpu_span"] = (spans[-1][1] - spans[0][0]) / 1e3
+        totals["gpu_busy"] = _length(spans) / 1e3
         totals["local copy alone"] = copies_alone(events) / 1e3
     kernels: dict[str, list[float]] = {}
     for evt in prof.key_averages():
@@ -123,20 +117,14 @@ def copies_alone(events: list[tuple[str, float, float]]) -> float:
         low = name.lower()
         return ("memcpy" in low or "memset" in low) and "ptop" not in low
 
-    copies = merge_intervals([(lo, hi) for name, lo, hi in events if is_copy(name)])
-    kernels = merge_intervals([(lo, hi) for name, lo, hi in events if not is_copy(name) and "ptop" not in name.lower()])
-    alone, j = 0.0, 0
-    for lo, hi in copies:
-        at = lo
-        while j < len(kernels) and kernels[j][1] <= at:
-            j += 1
-        k = j
-        while k < len(kernels) and kernels[k][0] < hi:
-            alone += max(0.0, kernels[k][0] - at)
-            at = max(at, kernels[k][1])
-            k += 1
-        alone += max(0.0, hi - at)
-    return alone
+    copies = [(lo, hi) for name, lo, hi in events if is_copy(name)]
+    kernels = [(lo, hi) for name, lo, hi in events if not is_copy(name) and "ptop" not in name.lower()]
+    # what the copies add to the kernels' union is the time they ran alone
+    return _length(merge_intervals(copies + kernels)) - _length(merge_intervals(kernels))
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(hi - lo for lo, hi in intervals)
 
 
 KERNELS_KEPT = 60  # the kernels (by name) a breakdown keeps, longest first
