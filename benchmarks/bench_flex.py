@@ -284,7 +284,7 @@ def report(records: list[dict], meta: dict) -> str:
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; {meta['dtype']}, B 1, H/H_kv "
              f"{meta['heads']}, D {meta['head_dim']}, forward + backward; ms per call, median of {meta['repeats']} "
              "rounds, slowest rank. efficiency = single GPU / (W x ms). commopt: its pick on balance.choose's layout "
-             "(the layout in the table)" + (", its block kernels with max-autotune" if meta.get("autotune") else "")
+             "(the layout in the table)"
              + (", the whole sequence's mask" if meta.get("whole_mask") else ", the rank's rows' mask")
              + "; torch CP: the faster of its head-tail and PTRR balancers.", "",
              "| mask | S_total | single GPU ms | commopt pick | layout | commopt ms | efficiency | torch CP ms "
@@ -306,8 +306,7 @@ def report_variant(args: argparse.Namespace) -> str:
     """The report's name suffix for a run off the defaults (e.g. "ring_contiguous_whole"): each
     such run is a report of its own beside the default one."""
     parts = [args.schedule and args.schedule.replace(":", "-").replace("=", ""),
-             args.layout if args.layout != "choose" else None, "whole" if args.whole_mask else None,
-             "autotune" if args.autotune else None]
+             args.layout if args.layout != "choose" else None, "whole" if args.whole_mask else None]
     return "_".join(p for p in parts if p)
 
 
@@ -333,9 +332,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="after the timing, each variant's device time by kernel on every rank: CALLS calls profiled "
                         "back to back behind as many unprofiled ones (step_profile.breakdown)")
-    p.add_argument("--autotune", action="store_true",
-                   help="commopt's block kernels with max-autotune (TORCH_COMMOPT_FLEX_AUTOTUNE=1); the single GPU "
-                        "and torch CP keep torch.compile's defaults, as their users run them")
     p.add_argument("--commit", default="")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.cpu else 5)
@@ -350,15 +346,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     if args.shared:
         os.environ[env.SHARED_DEVICE] = "1"  # the ranks take this process's environment
-    if args.autotune:
-        os.environ[env.FLEX_AUTOTUNE] = "1"
     records = run_distributed(worker, args.world, args, backend="gloo" if args.cpu or args.shared else "nccl",
                               timeout_s=3600)[0]
     preset = PRESETS["cpu" if args.cpu else "gpu"]
     device = "CPU (gloo)" if args.cpu else torch.cuda.get_device_name(0) + (" shared by the ranks" if args.shared else "")
     meta = machine_meta(device, args.world, args.commit,
                         dtype=str(preset["dtype"]).removeprefix("torch."), heads="/".join(map(str, preset["heads"])),
-                        head_dim=preset["head_dim"], repeats=args.repeats, autotune=args.autotune,
+                        head_dim=preset["head_dim"], repeats=args.repeats,
                         whole_mask=args.whole_mask, layout=args.layout, schedule=args.schedule)
     text = report(derive(records, args.world), meta)
     if args.out and not args.shared:  # a shared GPU's times are no figures

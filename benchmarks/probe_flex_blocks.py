@@ -10,13 +10,12 @@ backward, for the last rank (the causal masks' busiest), with the forward checke
 whole kernel's rows and dq against the whole backward's.  Masks: causal, documents of mean 1K / 4K / 16K tokens (lengths
 drawn uniformly from [mean / 4, 7 mean / 4]), a 4K sliding window; bf16, B 1, H 32, H_kv 8, D 128.
 
-    python3 -m benchmarks.probe_flex_blocks --out OUT [--seq 16384,32768] [--world 2] [--autotune] [--commit abc]
+    python3 -m benchmarks.probe_flex_blocks --out OUT [--seq 16384,32768] [--world 2] [--commit abc]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -101,9 +100,8 @@ class Preloaded:
         pass
 
 
-def case(kind: str, seq: int, world: int, reps: int, autotune: bool = False) -> dict:
-    """One mask and length: the rank's and the whole kernel's ms and tiles, forward and backward
-    (autotune: every kernel compiled with Inductor's max-autotune, the rank's by env.flex_autotune)."""
+def case(kind: str, seq: int, world: int, reps: int) -> dict:
+    """One mask and length: the rank's and the whole kernel's ms and tiles, forward and backward."""
     from torch.nn.attention import flex_attention as fa
 
     from torch_commopt.kernels.attention import flex, flex_ring
@@ -117,8 +115,7 @@ def case(kind: str, seq: int, world: int, reps: int, autotune: bool = False) -> 
     blocks = flex.Blocks.of(whole_mask)
     scale, length, p = D ** -0.5, seq // world, world - 1
     rows = slice(p * length, (p + 1) * length)
-    # --autotune: the whole kernel with max-autotune too, so the ratios compare tuned with tuned
-    whole = torch.compile(fa.flex_attention, dynamic=False, options={"max_autotune": True} if autotune else None)
+    whole = torch.compile(fa.flex_attention, dynamic=False)
     aux = fa.AuxRequest(lse=True)
 
     def whole_fwd():
@@ -250,7 +247,7 @@ def derive(cases: list) -> list:
 def report(cases: list, meta: dict) -> str:
     lines = [f"# FlexAttention CP: per-rank compute against the whole-sequence kernel ({meta['device']})", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}. bf16, B {B}, H {H}, H_kv {H_KV}, D {D}, "
-             f"{BLOCK}-token blocks; {'every kernel with max-autotune' if meta.get('autotune') else 'default kernels'}; "
+             f"{BLOCK}-token blocks; default kernels; "
              f"the last rank of W; ms: device time, the median of {meta['rounds']} calls, each "
              "queued behind a busy-wait (the host's time is not in it). Ratio: the rank's tiles "
              "per ms over the whole kernel's (1.0: the blocks run at the whole kernel's rate; the issue asks >= 0.95 "
@@ -300,14 +297,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--masks", default=",".join(MASKS))
     p.add_argument("--budget-s", type=float, default=400.0, help="stop starting cases after this many seconds")
-    p.add_argument("--autotune", action="store_true",
-                   help="every kernel with Inductor's max-autotune (the rank's: TORCH_COMMOPT_FLEX_AUTOTUNE=1)")
     p.add_argument("--commit", default="")
     args = p.parse_args()
-    if args.autotune:
-        from torch_commopt.core import env
-
-        os.environ[env.FLEX_AUTOTUNE] = "1"
     # one compiled whole-sequence kernel per mask and length: past Dynamo's default limit of
     # recompiles, flex_attention would run eagerly (its dense math: 128 GiB of scores at 32K)
     torch._dynamo.config.recompile_limit = 64
@@ -317,14 +308,13 @@ def main() -> None:
             if time.perf_counter() - start > args.budget_s:
                 print(f"budget spent: {kind} at {seq} not run", flush=True)
                 continue
-            c = case(kind, seq, args.world, args.reps, args.autotune)
+            c = case(kind, seq, args.world, args.reps)
             cases.append(c)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items()}, flush=True)
-    meta = machine_meta(torch.cuda.get_device_name(), 1, args.commit, rounds=args.reps, autotune=args.autotune)
+    meta = machine_meta(torch.cuda.get_device_name(), 1, args.commit, rounds=args.reps)
     text = report(derive(cases), meta)
     print(text)
-    write_report(args.out, result_stem("flex_blocks", torch.cuda.get_device_name(), 1,
-                                       variant="autotune" if args.autotune else ""), {"meta": meta, "cases": cases}, text)
+    write_report(args.out, result_stem("flex_blocks", torch.cuda.get_device_name(), 1), {"meta": meta, "cases": cases}, text)
 
 
 if __name__ == "__main__":

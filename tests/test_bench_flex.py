@@ -41,8 +41,8 @@ def test_the_profile_section_lists_every_rank_of_every_profiled_variant():
 
 def test_a_run_off_the_defaults_is_a_report_of_its_own():
     assert bench_flex.report_variant(bench_flex.parse_args([])) == ""
-    args = bench_flex.parse_args(["--schedule", "allgather:g=2", "--layout", "contiguous", "--whole-mask", "--autotune"])
-    assert bench_flex.report_variant(args) == "allgather-g2_contiguous_whole_autotune"
+    args = bench_flex.parse_args(["--schedule", "allgather:g=2", "--layout", "contiguous", "--whole-mask"])
+    assert bench_flex.report_variant(args) == "allgather-g2_contiguous_whole"
 
 
 def test_the_cpu_smoke_runs_the_ring_with_the_whole_mask_on_the_contiguous_layout():

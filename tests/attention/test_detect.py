@@ -287,21 +287,25 @@ def test_decoding_that_cannot_be_taken_is_left_alone(fake_world, mask_kind, reas
     assert regions == [] and (not reason or (len(skips) == 1 and reason in skips[0].reason)), (regions, skips)
 
 
-@pytest.mark.parametrize("fill, read", [(float("-inf"), True), (-65504.0, True), (-1.0, False)])
+@pytest.mark.parametrize("fill, read", [(float("-inf"), True), (-65504.0, True), (torch.finfo(torch.bfloat16).min, True),
+                                        (torch.finfo(torch.float32).min, True), (-1024.0, False), (-1.0, False)])
 def test_sdpa_s_additive_forms_of_a_boolean_mask_are_read_back_to_the_boolean(fill, read):
     """where(~mask, fill, 0) is SDPA's boolean mask made additive: -inf before flash/efficient
-    kernels, -65504 before cuDNN (ATen's convert_boolean_attn_mask_cudnn); where(mask, 0, fill) the
-    same; any other fill is a bias of the program's own, not a boolean's."""
+    kernels, a large finite negative before cuDNN (ATen's convert_boolean_attn_mask_cudnn: -65504
+    or the dtype's lowest by release); where(mask, 0, fill) the same; a fill above -65504 is a bias
+    of the program's own, not a boolean's."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_commopt.passes.attention.detect import _boolean_of
+    from torch_commopt.passes.attention.mask_forms import boolean_of as _boolean_of
 
     aten = torch.ops.aten
     zero = lambda: aten.scalar_tensor(0.0, dtype=torch.bfloat16)  # noqa: E731
+    held = torch.tensor(fill, dtype=torch.float32)  # a tensor constant of the traced graph (get_attr)
     forms = [lambda m: aten.where.ScalarSelf(aten.logical_not(m), fill, zero()),
-             lambda m: aten.where.ScalarOther(m, zero(), fill).expand(2, 4, 8, 8)]
-    for form in forms:
-        gm = make_fx(form, tracing_mode="fake")(torch.rand(1, 1, 8, 8) > 0.5)
+             lambda m: aten.where.ScalarOther(m, zero(), fill).expand(2, 4, 8, 8),
+             lambda m: aten.where.self(m, zero(), held)]
+    for i, form in enumerate(forms):
+        gm = make_fx(form, tracing_mode="real" if i == 2 else "fake")(torch.rand(1, 1, 8, 8) > 0.5)
         mask = next(n for n in gm.graph.nodes if n.op == "placeholder")
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         assert (_boolean_of(out) is mask) == read, (fill, gm.code)

@@ -51,8 +51,7 @@ def test_the_report_shows_the_shares_alone_only_for_the_contiguous_layout():
     assert layout_rows[1].endswith("| - |") and "by_work" in layout_rows[1]
 
 
-def test_the_report_says_whether_the_kernels_were_autotuned():
+def test_the_report_states_its_kernels_and_rounds():
     meta = {"device": "GPU", "commit": "abc", "date": "d", "torch": "t", "rounds": 3}
     cases = probe.derive([_case()])
     assert "default kernels" in probe.report(cases, meta) and "median of 3 calls" in probe.report(cases, meta)
-    assert "every kernel with max-autotune" in probe.report(cases, {**meta, "autotune": True})

@@ -138,7 +138,7 @@ if [[ $what == flex ]]; then
   timeout ${PROBE_TIMEOUT:-400} python3 -m benchmarks.probe_flex_blocks --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
 fi
 if [[ $what == flex_probe ]]; then
-  # issue 70, one GPU: the probe alone (no tests), e.g. BENCH_ARGS="--seq 16384 --autotune --commit abc"
+  # issue 70, one GPU: the probe alone (no tests), e.g. BENCH_ARGS="--seq 16384 --commit abc"
   timeout ${PROBE_TIMEOUT:-540} python3 -m benchmarks.probe_flex_blocks --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
 fi
 if [[ $what == flex_bench ]]; then

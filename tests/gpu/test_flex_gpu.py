@@ -86,7 +86,7 @@ def test_new_documents_each_batch_compile_no_kernel_again(two_ranks):
 def test_sdpa_with_a_documents_mask_runs_the_flex_ops(two_ranks):
     """SDPA with a boolean documents mask over all-gathered K/V (inference): the flex ops, the mask
     a buffer of the compiled flex kernel, its tables made at run time (on CUDA SDPA hands cuDNN
-    the mask as where(~mask, -65504, 0), read back to the boolean: detect.MASKED_FILLS)."""
+    the mask as an additive where() of it, read back to the boolean: mask_forms.boolean_of)."""
     world, backend = two_ranks
     for got in run_distributed(run_sdpa_dense_mask, world, backend=backend, timeout_s=300):
         assert any("cp_flex_attention_fwd" in n for n in got["notes"]), got["notes"]

@@ -33,13 +33,12 @@ MOE_TRANSPORT = "TORCH_COMMOPT_MOE_TRANSPORT"
 DECODE_TRANSPORT = "TORCH_COMMOPT_DECODE_TRANSPORT"
 HOST_REPLAY = "TORCH_COMMOPT_HOST_REPLAY"
 TOKENS_ON_SIDE = "TORCH_COMMOPT_TOKENS_ON_SIDE"
-FLEX_AUTOTUNE = "TORCH_COMMOPT_FLEX_AUTOTUNE"
 GATHER_OWN_EARLY = "TORCH_COMMOPT_GATHER_OWN_EARLY"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
          ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
-         MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY, TOKENS_ON_SIDE, FLEX_AUTOTUNE,
+         MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY, TOKENS_ON_SIDE,
          GATHER_OWN_EARLY)
 
 # CPython's POSIX os.environ keeps the encoded strings in `_data`; os.environ.get encodes the name
@@ -163,14 +162,6 @@ def gather_own_early() -> bool:
     under that peer's GEMM (kernels/matmul/gpu/ag_matmul.py).  "1", "true", "True" or "on" turn
     it on; read at every call."""
     return _get(GATHER_OWN_EARLY, "0") in ("1", "true", "True", "on")
-
-
-def flex_autotune() -> bool:
-    """TORCH_COMMOPT_FLEX_AUTOTUNE (default off): the flex CP schedules' block kernels are compiled
-    with Inductor's max-autotune, each kernel timed over flex's candidate tile configurations
-    once per shape and mask (seconds to a minute a kernel) instead of taking its one default.
-    "1", "true", "True" or "on" turn it on; read when a kernel is first compiled."""
-    return _get(FLEX_AUTOTUNE, "0") in ("1", "true", "True", "on")
 
 
 def host_timing() -> bool:

@@ -33,8 +33,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from torch_commopt.core import env
-
 LN2 = math.log(2.0)
 
 
@@ -577,10 +575,10 @@ _COMPILED: dict[tuple, Callable] = {}
 
 def _compiled(kind: str, run: Callable, args: tuple, step: Step, scale: float) -> Callable:
     """run traced (make_fx, fake tensors) and compiled by Inductor into the flex Triton kernels, once per kind,
-    argument shapes and dtypes, scale, mask graph and autotune switch: every (p, s) block of a call and every
-    layer of a step share it (the offsets, tables and buffers are arguments)."""
-    autotune = env.flex_autotune()
-    key = (kind, scale, step.key, autotune,
+    argument shapes and dtypes, scale and mask graph: every (p, s) block of a call and every layer of a step
+    share it (the offsets, tables and buffers are arguments).  With Inductor's default tile configuration:
+    max-autotune of these templates hit an illegal memory access on torch 2.11 (docs/flex-attention.md)."""
+    key = (kind, scale, step.key,
            tuple((tuple(a.shape), a.dtype) if isinstance(a, Tensor) else a for a in args),
            tuple(t for t in step.tables if not isinstance(t, Tensor) and not callable(t)))
     fn = _COMPILED.get(key)
@@ -590,7 +588,5 @@ def _compiled(kind: str, run: Callable, args: tuple, step: Step, scale: float) -
         # fake tensors: tracing with real ones runs the operator's dense math (a 32 GiB score
         # matrix at 8K rows a rank), only to throw it away
         gm = make_fx(run, tracing_mode="fake")(*args)
-        # max-autotune: flex's templates time their candidate tile configurations (env.flex_autotune)
-        with torch._inductor.config.patch(max_autotune=autotune):
-            fn = _COMPILED[key] = torch._inductor.compile(gm, list(args))
+        fn = _COMPILED[key] = torch._inductor.compile(gm, list(args))
     return fn

@@ -45,6 +45,7 @@ import torch
 from torch.fx import Graph, Node
 
 from torch_commopt.core.attention_spec import AttentionShape
+from torch_commopt.passes.attention.mask_forms import boolean_of, fills, producers
 from torch_commopt.passes.graph_utils import (
     ALL_GATHER,
     ALL_TO_ALL,
@@ -384,18 +385,18 @@ def _dense_mask_kv(node: Node, args: dict, mask: Node, gathered: tuple, why_not_
     from torch_commopt.kernels.attention.flex import dense_mask_code
 
     gathers, paths, group_name, world = gathered
-    given, mask = mask, _boolean_of(mask)
+    given, mask = mask, boolean_of(mask)
     q, k, m = static_shape(args["query"]), static_shape(args["key"]), static_shape(mask) if mask is not None else ()
     rows, keys = q[SEQ_DIM], k[SEQ_DIM]
     block = DENSE_MASK_BLOCK
     if mask is None:
         raise Unsupported(f"explicit attention mask: {why_not_causal}; and not a boolean mask for the flex path "
-                          f"(made by {_producers(given)})")
+                          f"(made by {producers(given)}{fills(given)})")
     if len(m) != 4 or tuple(m[2:]) != (rows, keys) or m[0] not in (1, q[0]) \
             or m[1] not in (1, q[1]) or rows % block or keys % block:
         raise Unsupported(f"explicit attention mask: {why_not_causal}; and not a boolean (B|1, H|1, {rows}, {keys}) "
                           f"mask of whole {block}-token blocks for the flex path (its boolean is {tuple(m)}, "
-                          f"made by {_producers(given)})")
+                          f"made by {producers(given)}{fills(given)})")
     if args.get("dropout_p") or args.get("is_causal"):
         raise Unsupported("explicit attention mask with dropout or is_causal")
     flex_mask = FlexMask([], [mask], dense_mask_code(m[0] == 1, m[1] == 1), [rows, keys, block], dense=True)
@@ -404,49 +405,6 @@ def _dense_mask_kv(node: Node, args: dict, mask: Node, gathered: tuple, why_not_
     return AttentionRegion("flex_allgather_kv", node, ATTENTION_OPS[node.target], group_name, world,
                            AttentionShape(q[0], q[1], k[1], keys, q[3]), False, scale, inputs, list(gathers.values()),
                            _output_of(node), paths, flex_mask)
-
-
-# What SDPA fills a boolean mask's masked scores with when it makes the mask additive for a
-# kernel that takes a float bias: -inf, or -65504.0 before cuDNN (ATen's
-# convert_boolean_attn_mask_cudnn, its workaround for cuDNN's handling of -inf).  Either means
-# "masked" in the program's own terms, the boolean it was given.
-MASKED_FILLS = (float("-inf"), -65504.0)
-
-
-def _boolean_of(mask: Node) -> Optional[Node]:
-    """The boolean mask SDPA's mask argument is: itself, or the condition of where(cond, 0, -inf)
-    or where(~cond, -inf, 0) (how SDPA makes a boolean mask additive before a kernel that takes a
-    float bias; -65504 for -inf before cuDNN: MASKED_FILLS); None else."""
-    if val(mask).dtype == torch.bool:
-        return mask
-    while mask.target in (aten.expand.default, aten._to_copy.default, aten.clone.default):  # a bias made to fit
-        mask = mask.args[0]
-    if mask.target is not aten.where.self or not isinstance(mask.args[0], Node) or val(mask.args[0]).dtype != torch.bool:
-        return None
-    cond, fills = mask.args[0], [_constant(a) for a in mask.args[1:]]
-    if fills[0] == 0.0 and fills[1] in MASKED_FILLS:
-        return cond
-    if fills[1] == 0.0 and fills[0] in MASKED_FILLS and cond.target is aten.logical_not.default:  # where(~mask, -inf, 0)
-        return cond.args[0]
-    return None
-
-
-def _producers(node: Any, depth: int = 4) -> str:
-    """The ops that made `node`, nearest first, a few deep: what a refusal of its form names."""
-    names = []
-    while isinstance(node, Node) and node.op == "call_function" and len(names) < depth:
-        names.append(getattr(node.target, "__name__", str(node.target)))
-        node = next((a for a in node.args if isinstance(a, Node)), None)
-    return " <- ".join(names) or "an input"
-
-
-def _constant(arg: Any) -> Any:
-    """A number, or the value of a full / scalar_tensor node that makes one."""
-    if isinstance(arg, Node) and arg.target is aten.full.default:
-        return arg.args[1]
-    if isinstance(arg, Node) and arg.target is aten.scalar_tensor.default:
-        return arg.args[0]
-    return arg
 
 
 DENSE_MASK_BLOCK = 128  # flex's default block: a dense mask's tiles
