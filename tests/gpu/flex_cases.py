@@ -8,6 +8,7 @@ own error over the whole sequence in the same dtype (torch.compile'd flex_attent
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -126,6 +127,57 @@ def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> 
                 label = f"ops {kind} {schedule}{' own rows' if own_rows else ''}"
                 results += _compare(label, [out, *grads], truth, own, mine)
     return results
+
+
+def run_flex_ce(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The one-group all-gather's ops with K/V moved by the copy engine (ce_gather; the caller
+    set TORCH_COMMOPT_ATTENTION_TRANSPORT=ce), the kept pair and the unkept one, causal and
+    documents over the rank's rows: {"results" against float64 and single-GPU flex, "same": the
+    outputs equal to NCCL's bit for bit (the gather only copies), "moves": ce_gather's calls}."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import torch_commopt  # noqa: F401  (registers the ops)
+    from torch_commopt.core import env
+    from torch_commopt.kernels.attention import ce_gather, flex
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    group, length = dist.group.WORLD, S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    moves = {"all_gather_kv": 0, "reduce_scatter_kv": 0}
+
+    def counted(name, fn):
+        def call(*a):
+            moves[name] += 1
+            return fn(*a)
+        return call
+
+    for name in moves:
+        setattr(ce_gather, name, counted(name, getattr(ce_gather, name)))
+    results, same = [], []
+    for i, kind in enumerate(("causal", "document")):
+        tensors = _inputs(300 + i, device)
+        mod = mask_mod_of(kind, doc_ids(device))
+        truth, own = _truth(tensors, mod), _whole_flex(tensors, mod, dtype)
+        bm = create_block_mask(_rows_of(mod, rank * length), 1, None, length, S, device=device, BLOCK_SIZE=BLOCK)
+        graph, buffers = flex.lift(bm.mask_mod, device)
+        tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+        args = (tables, list(buffers), graph.code, [length, S, BLOCK], 1 / math.sqrt(D), world, group.group_name,
+                "allgather")
+        q, k, v, dout = (t[:, :, mine].to(dtype).contiguous() for t in tensors)
+        got = {}
+        for transport in ("ce", "nccl"):
+            os.environ[env.ATTENTION_TRANSPORT] = transport
+            out, lse, k_all, v_all = torch.ops.commopt.cp_flex_attention_fwd_keep(q, k, v, *args)
+            kept = torch.ops.commopt.cp_flex_attention_bwd_kept(dout, q, k_all, v_all, out, lse, *args)
+            out2, lse2 = torch.ops.commopt.cp_flex_attention_fwd(q, k, v, *args)
+            grads = torch.ops.commopt.cp_flex_attention_bwd(dout, q, k, v, out2, lse2, *args)
+            got[transport] = [out, *kept, out2, *grads, k_all, v_all]
+        os.environ[env.ATTENTION_TRANSPORT] = "ce"
+        ce = got["ce"]
+        results += _compare(f"ce {kind} kept", ce[:4], truth, own, mine)
+        results += _compare(f"ce {kind}", ce[4:8], truth, own, mine)
+        same.append((kind, [torch.equal(a, b) for a, b in zip(ce, got["nccl"], strict=True)]))
+    return {"results": results, "same": same, "moves": moves}
 
 
 def run_flex_compiled(rank: int, world: int, schedule: str, dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from flex_cases import (
     run_flex_batches,
+    run_flex_ce,
     run_flex_compiled,
     run_flex_ops,
     run_flex_ulysses,
@@ -31,6 +32,20 @@ def test_flex_ops_match_whole_sequence_attention(two_ranks):
     for results in run_distributed(run_flex_ops, world, backend=backend, timeout_s=500):
         assert len(results) == 5 * 2 * 3 * 4  # masks x (whole, own rows) x schedules x (out, dq, dk, dv)
         assert not _bad(results), "\n".join(_bad(results))
+
+
+@pytest.mark.gpu
+def test_the_all_gather_s_k_v_moved_by_the_copy_engine_match_nccl_s(two_ranks, monkeypatch):
+    """ce_gather under TORCH_COMMOPT_ATTENTION_TRANSPORT=ce: the gathered K/V and the forward equal
+    NCCL's bit for bit (copies only), dK/dV within single-GPU flex's error, and the copy engine
+    did move them (two gathers and one sum a mask and pass pair)."""
+    monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", "ce")
+    world, backend = two_ranks
+    for got in run_distributed(run_flex_ce, world, backend=backend, timeout_s=400):
+        assert not _bad(got["results"]), "\n".join(_bad(got["results"]))
+        assert got["moves"] == {"all_gather_kv": 2 * 3, "reduce_scatter_kv": 2 * 2}, got["moves"]
+        for kind, equal in got["same"]:  # out, dq, dk, dv (kept); out, dq, dk, dv; K, V gathered
+            assert equal[0] and equal[4] and equal[8] and equal[9], (kind, equal)
 
 
 @pytest.mark.gpu

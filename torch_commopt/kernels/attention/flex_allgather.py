@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from torch_commopt.kernels.attention import comm, flex
+from torch_commopt.kernels.attention import ce_gather, comm, flex
 from torch_commopt.kernels.attention.local import acc_dtype
 from torch_commopt.kernels.collectives import all_gather, reduce_scatter
 
@@ -60,12 +60,31 @@ def _gathers(k: Tensor, v: Tensor, heads: list[tuple[slice, slice]], group, kept
             raise ValueError(f"flex all-gather: gathered K/V are kept for one head group, not {len(heads)}")
         yield 0, list(kept)
         return
+    moved = _by_copy_engine(ce_gather.all_gather_kv, k, v, group) if len(heads) == 1 else None
+    if moved is not None:
+        yield 0, list(moved)
+        return
     issue = lambda kv: [all_gather(t[:, kv].contiguous(), 2, group, async_op=True) for t in (k, v)]  # noqa: E731
     pending = issue(heads[0][1])
     for i in range(len(heads)):
         nxt = issue(heads[i + 1][1]) if i + 1 < len(heads) else None
         yield i, [p.wait() for p in pending]
         pending = nxt
+
+
+def _by_copy_engine(move, a: Tensor, b: Tensor, group):
+    """move(a, b, group) (ce_gather's all-gather or reduce-scatter of one head group's K/V or
+    their gradients) where ce_gather.usable says the copy engine moves them; None where NCCL
+    does: not asked for, or a symmetric buffer refused on every rank alike (logged once)."""
+    if not ce_gather.usable([a, b], group):
+        return None
+    from torch_commopt.kernels.gpu.symm import SymmAllocError
+
+    try:
+        return move(a, b, group)
+    except SymmAllocError as e:  # on every rank of the group together, before anything moved
+        comm.refused_once(f"commopt flex all-gather: {e}; K/V move on NCCL")
+        return None
 
 
 def _joined(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
@@ -114,6 +133,9 @@ def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options,
         gq, gk, gv = flex.block_backward(q[:, hq].contiguous(), k_all, v_all, out[:, hq].contiguous(),
                                          lse[:, hq].contiguous(), dout[:, hq].contiguous(), step, opts.scale)
         dqs.append(gq)
+        summed = _by_copy_engine(ce_gather.reduce_scatter_kv, gk, gv, opts.group) if len(heads) == 1 else None
+        if summed is not None:
+            return _joined([gq], q.dtype), summed[0].to(k.dtype), summed[1].to(v.dtype)
         scattering.append([reduce_scatter(g.to(_scatter_dtype(g, world)), 2, "sum", opts.group, async_op=True)
                            for g in (gk, gv)])
     dk = _joined([pk.wait() for pk, _ in scattering], k.dtype)

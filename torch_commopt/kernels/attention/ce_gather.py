@@ -1,0 +1,178 @@
+"""The flex all-gather schedule's K/V all-gather and dK/dV reduce-scatter by the copy engine.
+
+NCCL's all-gather of K and V (and the reduce-scatter of their gradients) costs the all-gather
+schedule three things a call (docs/flex-attention.md#where-a-calls-time-goes): its kernels (an
+NCCL kernel per tensor and pass, on SMs), the copies that merge the rank-major buffer into the
+sequence-major [B, H, S, D] tensor flex reads (and split the gradients back out), and its host
+time (an NCCL call costs the host about ten times a driver call).  Here a rank's block moves as
+one DMA per tensor into each peer's symmetric buffer, and lands in its final place with one 2-D
+DMA (the block's B * H rows at the gathered tensor's pitch):
+
+  all-gather: the side stream pushes this rank's K and V (contiguous [B, H, L, D]) into every
+      peer's slot `rank` of buffer half h, then sets the peer's DATA[h, rank, 0]; the local copy
+      stream copies this rank's own block into the gathered tensors, then, once DATA[h, src, 0]
+      is set, each source's block out of its slot; the caller's stream joins both and gives the
+      slots back (done_reading).
+  reduce-scatter: the side stream pushes each peer's rows of the gathered gradients (a 2-D DMA
+      out of [B, H, S, D]) into the peer's slot `rank`; the caller's stream waits for every
+      source's flag and sums this rank's own rows with the slots' (in float32 from three ranks
+      on, in the gradients' dtype, one rounding, over two as NCCL's sum of two does), then gives
+      the slots back.
+
+The protocol is the matmul schedules' (kernels/gpu/symm.py: shared buffer size classes, halves
+alternating call by call, DATA flags, FREE tokens), so these calls interleave with theirs.
+Selected with the ring's switch, TORCH_COMMOPT_ATTENTION_TRANSPORT=ce (off by default: not yet
+measured against NCCL on two GPUs); one head group only, outside CUDA-graph captures, and on
+groups whose ranks agreed on peer access (kernels/gpu/peers.py); otherwise NCCL runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from torch_commopt.kernels.attention import switches
+
+log = logging.getLogger(__name__)
+_ALIGN = 256  # bytes: V starts aligned in its slot
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def usable(tensors: list[Tensor], group) -> bool:
+    """Whether the K/V moves of the all-gather schedule over `group` run on the copy engine:
+    asked for (ce_ring.transport() == "ce"), contiguous CUDA tensors, two or more ranks that
+    agreed on peer access, and not inside a CUDA-graph capture (a new buffer's rendezvous is
+    collective and synchronizes; the capture keeps NCCL, logged once)."""
+    from torch_commopt.kernels.attention import ce_ring
+
+    if ce_ring.transport() != "ce" or group is None or group.size() < 2:
+        return False
+    if any(t.device.type != "cuda" or not t.is_contiguous() for t in tensors):
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        switches.once(log, "capture", logging.INFO, "commopt flex all-gather: inside a CUDA-graph capture the K/V "
+                      "moves run on NCCL")
+        return False
+    from torch_commopt.kernels.gpu import peers
+
+    ok, why = peers.agreed(group, tensors[0].device)
+    if not ok:
+        switches.once(log, f"refused {group.group_name}", logging.INFO, "commopt flex all-gather: group %s %s; its K/V "
+                      "moves stay on NCCL", group.group_name, why)
+        return False
+    switches.once(log, "on", logging.INFO, "commopt flex all-gather: K/V moves by the copy engine (%s=ce)",
+                  ce_ring.ENV)
+    return True
+
+
+class _Call:
+    """One call's runtime, buffer half, slot size and streams."""
+
+    def __init__(self, group, tensors: list[Tensor], what: str) -> None:
+        from torch_commopt.kernels.gpu import driver, symm
+
+        self.symm, self.driver = symm, driver
+        self.rt = rt = symm.runtime(group.group_name, tensors[0].device)
+        self.per = [t.numel() * t.element_size() // rt.world if what == "scatter" else t.numel() * t.element_size()
+                    for t in tensors]
+        self.offsets = [0, _aligned(self.per[0])]
+        self.slot = _aligned(self.offsets[1] + self.per[1])
+        self.buf = rt.buffer(2 * rt.world * self.slot)  # both halves (SymmAllocError on every rank alike)
+        self.half = rt.next_epoch() % 2
+        self.base = self.half * (self.buf.nbytes // 2)
+        self.debug = rt.debug_waits()
+        self.cur = torch.cuda.current_stream(tensors[0].device)
+        self.watched = rt.begin_call(f"flex all-gather {what}", label=f"copy-engine {what} of K/V")
+
+    def slot_address(self, rank: int, src: int, i: int) -> int:
+        """Rank `rank`'s slot of source `src`, tensor i's place in it (device address)."""
+        return self.buf.address(rank, self.base + src * self.slot + self.offsets[i])
+
+    def arrived(self, stream) -> None:
+        """`stream` holds until every source's block has landed in this rank's half."""
+        for src in self.rt.sources:
+            self.rt.wait(stream, self.symm.data_index(self.half, src, 0), 1, debug=self.debug, what="chunk", src=src,
+                         chunk=0)
+
+    def finish(self, op: str) -> None:
+        """After the caller's stream's last read of the slots: flags down, tokens back."""
+        self.rt.done_reading(self.cur, self.half, 1)
+        self.rt.end_call(self.watched)
+        if self.debug:
+            self.rt.check_status(op)
+
+
+def _block_rows(t: Tensor) -> tuple[int, int]:
+    """(rows, bytes a row) of a [B, H, L, D] block: its B * H rows of L * D elements."""
+    return t.shape[0] * t.shape[1], t.shape[2] * t.shape[3] * t.element_size()
+
+
+def all_gather_kv(k: Tensor, v: Tensor, group) -> tuple[Tensor, Tensor]:
+    """(K, V) of the whole sequence, [B, H, W * L, D], from every rank's contiguous [B, H, L, D]
+    blocks (usable() first)."""
+    call = _Call(group, [k, v], "gather")
+    rt, driver, world = call.rt, call.driver, call.rt.world
+    outs = [t.new_empty(t.shape[:2] + (world * t.shape[2], t.shape[3])) for t in (k, v)]  # before the side streams sync
+    rows, width = _block_rows(k)
+    pitch = world * width
+    rt.after(rt.side, call.cur)
+    rt.after(rt.local, call.cur)
+    for p in rt.peers:
+        rt.acquire(rt.side, p, call.half, debug=call.debug, defer_take=True)  # taken with the signal
+        for i, t in enumerate((k, v)):
+            driver.memcpy_async(rt.side, call.slot_address(p, rt.rank, i), t.data_ptr(), call.per[i])
+        rt.signal(rt.side, p, call.symm.data_index(call.half, rt.rank, 0), 1)
+    for i, t in enumerate((k, v)):  # the own block, beside the pushes
+        driver.memcpy2d_async(rt.local, outs[i].data_ptr() + rt.rank * width, pitch, t.data_ptr(), width, width, rows)
+    for src in rt.sources:
+        rt.wait(rt.local, call.symm.data_index(call.half, src, 0), 1, debug=call.debug, what="chunk", src=src, chunk=0)
+        for i in range(2):
+            driver.memcpy2d_async(rt.local, outs[i].data_ptr() + src * width, pitch, call.slot_address(rt.rank, src, i),
+                                  width, width, rows)
+    rt.after(call.cur, rt.local)
+    rt.after(call.cur, rt.side)  # k and v are read by the pushes: the caller may free them after this
+    call.finish("flex all-gather of K/V")
+    return outs[0], outs[1]
+
+
+def reduce_scatter_kv(gk: Tensor, gv: Tensor, group) -> tuple[Tensor, Tensor]:
+    """This rank's rows of dK and dV summed over ranks, [B, H, L, D] in their dtypes, from every
+    rank's contiguous [B, H, W * L, D] gradients (usable() first)."""
+    call = _Call(group, [gk, gv], "scatter")
+    rt, driver, world = call.rt, call.driver, call.rt.world
+    length = gk.shape[2] // world
+    rows, width = gk.shape[0] * gk.shape[1], length * gk.shape[3] * gk.element_size()
+    rt.after(rt.side, call.cur)
+    for p in rt.peers:
+        rt.acquire(rt.side, p, call.half, debug=call.debug, defer_take=True)
+        for i, g in enumerate((gk, gv)):
+            driver.memcpy2d_async(rt.side, call.slot_address(p, rt.rank, i), width, g.data_ptr() + p * width,
+                                  world * width, width, rows)
+        rt.signal(rt.side, p, call.symm.data_index(call.half, rt.rank, 0), 1)
+    call.arrived(call.cur)
+    sums = []
+    for i, g in enumerate((gk, gv)):
+        shape = g.shape[:2] + (length, g.shape[3])
+        parts = [g[:, :, rt.rank * length:(rt.rank + 1) * length]]
+        parts += [call.buf.view(rt.rank, call.base + src * call.slot + call.offsets[i], shape, g.dtype)
+                  for src in rt.sources]
+        sums.append(_sum(parts, g.dtype))
+    rt.after(call.cur, rt.side)  # the gradients are read by the pushes
+    call.finish("flex reduce-scatter of dK/dV")
+    return sums[0], sums[1]
+
+
+def _sum(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """The parts' sum in `dtype`: two added as one rounding (a sum of two in float32, rounded
+    once, as NCCL's), more accumulated in float32 and rounded at the end."""
+    if len(parts) == 2:
+        return torch.add(parts[0], parts[1])
+    acc = parts[0].float()
+    for part in parts[1:]:
+        acc.add_(part)
+    return acc.to(dtype)
