@@ -12,8 +12,12 @@
 Everything not named runs as before (eager, or however the caller compiles it).  In a module,
 the experts that torchtitan's ExpertParallel parallelized exchange their tokens with
 `Config.moe_schedule` (kernels/moe, docs/moe.md).  A module is
-compiled with `nn.Module.compile` (its forward traced on the first call, so parallelize it
-with DTensor before or after: the trace sees what it is called with).  The options are
+compiled in place (its forward traced on the first call, so parallelize it with DTensor before
+or after: the trace sees what it is called with).  A module whose own forward hooks redistribute
+its input or output (DTensor's ColwiseParallel / RowwiseParallel applied to the module itself,
+e.g. a model's output projection) is compiled with those hooks in its graph: `nn.Module.compile`
+traces the hooks and the forward as separate frames, so the all-gather in the hook would never
+meet the matmul it feeds.  FSDP2's hooks are left out, as `nn.Module.compile` leaves them.  The options are
 `torch_commopt.Config`'s fields (docs/configuration.md), checked when `optimize` is called: a bad
 one raises there, not inside a training step.
 """
@@ -72,7 +76,10 @@ def _apply(target: T, *, cfg: Config, dynamic: Optional[bool], fullgraph: bool) 
         # expert parallelism is a module's, not a graph's: its exchange is swapped before compiling
         # (its sizes are data; the swapped forward is left uncompiled, as torchtitan leaves its own)
         swap_expert_parallel(target, cfg.moe_schedule, moe_chooser(cfg))
-        target.compile(**kwargs)
+        if _hooks_to_inline(target):
+            target._compiled_call_impl = torch.compile(functools.partial(_call_with_hooks, target), **kwargs)  # noqa: SLF001
+        else:
+            target.compile(**kwargs)
         target._commopt_config = cfg  # noqa: SLF001  (what optimized it, for inspection)
         return target
     if inspect.isclass(target) and issubclass(target, nn.Module):
@@ -83,6 +90,20 @@ def _apply(target: T, *, cfg: Config, dynamic: Optional[bool], fullgraph: bool) 
         return compiled
     raise TypeError(f"torch_commopt.optimize: expected an nn.Module, a Module subclass or a function, "
                     f"got {type(target).__name__}")
+
+
+def _hooks_to_inline(module: nn.Module) -> bool:
+    """Whether `module` has forward hooks of its own to compile with its forward: any, unless
+    FSDP2 manages it (its class renamed FSDP<name>: its hooks are dynamo-disabled and stay eager,
+    as nn.Module.compile runs them)."""
+    own = module._forward_pre_hooks or module._forward_hooks  # noqa: SLF001
+    return bool(own) and not type(module).__name__.startswith("FSDP")
+
+
+def _call_with_hooks(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The module's call with its hooks, as `torch.compile(module)` traces it (one frame), without
+    wrapping the module (its state-dict keys stay)."""
+    return nn.Module._call_impl(module, *args, **kwargs)  # noqa: SLF001
 
 
 def _compiling_class(cls: type, kwargs: dict, cfg: Config) -> type:

@@ -240,6 +240,8 @@ def test_smoke_tp2_in_bf16_as_the_toml_sets(trained):
     """The toml's training.dtype = bfloat16 (what the GPU runs use): TP=2 + SP trains through
     commopt's rewritten regions, losses within bf16 noise of the job without commopt."""
     losses = _check(trained["tp2 bf16"], trained["tp2 bf16 eager"], rewritten={"ag_matmul", "matmul_rs"}, rtol=2e-2)
+    # the output projection too (ColwiseParallel on itself, no FSDP): its gather and matmul in one graph
+    assert all(r["output_optimized"] for r in trained["tp2 bf16"]) and not trained["tp2 bf16 eager"][0]["output_optimized"]
     print("TP=2 bf16 losses (commopt):", losses, "eager:", trained["tp2 bf16 eager"][0]["losses"])
 
 

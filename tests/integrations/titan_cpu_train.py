@@ -10,7 +10,7 @@ its unchanged Trainer run on CPU:
     and memory statistics that torch.cpu does not have: constants;
   - set_pg_timeouts (distributed/utils.py) calls barrier(device_ids=[current_device()]), and
     torch.cpu.current_device() is the string "cpu": 0;
-  - DTensor.redistribute runs synchronously (async_op=False).  On torch 2.13 (CPU) the
+  - RowwiseParallel's output redistribute runs synchronously (async_op=False).  On torch 2.13 (CPU) the
     tensor-parallel styles' asynchronous redistribute of an eager module's output (llama3's
     tok_embeddings, RowwiseParallel) feeding a compiled block fails in backward
     (Redistribute.backward -> NestedRedistribute gets a plain Tensor: "'Tensor' object has no
@@ -58,16 +58,20 @@ for _name, _fn in {"get_device_name": lambda *a, **k: "cpu", "get_device_propert
         setattr(torch.cpu, _name, _fn)
 torch.cpu.current_device = lambda: 0
 
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-_redistribute = DTensor.redistribute
+from torch.distributed.tensor.parallel import style as _tp_style  # noqa: E402
 
 
-def _sync_redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):
-    return _redistribute(self, device_mesh, placements, async_op=False, **kwargs)
+def _sync_rowwise_output(output_layouts, use_local_output, mod, outputs, device_mesh):
+    """RowwiseParallel's output hook with a synchronous redistribute (the shim above)."""
+    if outputs.placements != output_layouts:
+        outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+    return outputs.to_local() if use_local_output else outputs
 
 
-DTensor.redistribute = _sync_redistribute
+# Not DTensor.redistribute itself: a Python wrapper there is traced by Dynamo in place of the
+# method it knows, and a module compiled with its TP hooks (the output projection) then fails to
+# trace the redistribute's autograd.Function ("get_active_debug_mode" is skipped).
+_tp_style.RowwiseParallel._prepare_output_fn = staticmethod(_sync_rowwise_output)
 
 import torchtitan.models.llama3.infra.parallelize as _llama3_parallelize  # noqa: E402
 
@@ -127,6 +131,7 @@ class RecordingTrainer(Trainer):
             "losses": self.losses,
             "blocks": [type(b).__name__ for b in self.model_parts[0].layers.children()],
             "optimized": [is_optimized(b) for b in self.model_parts[0].layers.children()],
+            "output_optimized": is_optimized(self.model_parts[0].output),
             "graph_kinds": [g.graph_kind for g in graphs],
             "rewritten": [[r.kind, r.schedule] for g in graphs for r in g.rewritten],
             "commopt_ops": sum(sum(g.commopt_ops.values()) for g in graphs),

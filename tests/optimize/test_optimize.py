@@ -17,8 +17,13 @@ def test_only_the_optimized_module_is_rewritten(how):
     for errors, weights, graphs, attention_compiled in run_distributed(only_feed_forward, 2, how):
         assert not attention_compiled and graphs >= 1
         # dim 64, hidden 128, W=2: the feed_forward's local weights are 64x64 (w1/w3 column-,
-        # w2 row-sharded), the attention's 32x64 / 64x32: only the former are rewritten
-        assert weights and set(weights) == {(64, 64)}, weights
+        # w2 row-sharded), the attention's 32x64 / 64x32: only the former are rewritten.  The
+        # instance is compiled with its own input hook (PrepareModuleInput's all-gather), so its
+        # w1/w3 gather-matmul is a region too, and so is its backward's reduce-scatter of both
+        # products (their weights as one 128x64 operand); the function form compiles the forward
+        # alone, where the gather is not.
+        want = {(64, 64), (128, 64)} if how == "instance" else {(64, 64)}
+        assert weights and set(weights) == want, weights
         bad = [f"{n}: {c:.2e} vs eager {e:.2e}" for n, c, e in errors if not within_tolerance(c, e)]
         assert not bad, bad
 
@@ -97,3 +102,26 @@ def test_a_changed_shape_compiles_a_static_graph_of_its_own(fake_world):
     graphs = torch_commopt.explain().graphs
     assert len(graphs) == 2 and all(g.rewritten for g in graphs), [g.skipped for g in graphs]
     assert not any("dynamic shape" in s.reason for g in graphs for s in g.skipped)
+
+
+def test_a_module_parallelized_itself_is_compiled_with_its_hooks():
+    """ColwiseParallel on the Linear itself: its all-gather hook and its matmul in one graph
+    (ag_matmul forward, matmul_rs backward), state-dict keys unchanged, same numbers as eager."""
+    from optimize_programs import self_parallelized_linear
+
+    for kinds, keys, err, optimized in run_distributed(self_parallelized_linear, 2):
+        assert kinds == [("forward", ["ag_matmul"]), ("backward", ["matmul_rs"])], kinds
+        assert keys == ["weight"] and optimized
+        assert err < 1e-5, err
+
+
+def test_fsdp_managed_modules_keep_module_compile():
+    from torch_commopt.optimize import _hooks_to_inline
+
+    lin = torch.nn.Linear(4, 4)
+    assert not _hooks_to_inline(lin)  # no hooks: nn.Module.compile as before
+    lin.register_forward_pre_hook(lambda m, a: None)
+    assert _hooks_to_inline(lin)
+    fsdp = type("FSDPLinear", (torch.nn.Linear,), {})(4, 4)
+    fsdp.register_forward_pre_hook(lambda m, a: None)
+    assert not _hooks_to_inline(fsdp)

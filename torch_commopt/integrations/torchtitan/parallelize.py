@@ -3,7 +3,8 @@
 `parallelize_llama_commopt(model, parallel_dims, job_config)` runs torchtitan's own
 `parallelize_llama` (tensor/sequence parallelism, context parallelism, activation
 checkpointing, FSDP/HSDP or DDP: all unchanged) with torchtitan's compile of the model turned
-off, then compiles each block of `model.layers` in place:
+off, then compiles each block of `model.layers` in place, and the output projection where TP shards it
+without FSDP (`compile_output`):
 
     torch_commopt.optimize(block, config=<the [commopt] options>, fullgraph=True, dynamic=False)
 
@@ -47,6 +48,19 @@ def compile_blocks(model: nn.Module, config: Config) -> int:
     for block in blocks:
         optimize(block, config=config, fullgraph=True, dynamic=False)
     return len(blocks)
+
+
+def compile_output(model: nn.Module, config: Config, parallel_dims: Any) -> bool:
+    """torch_commopt.optimize(model.output, ...) where tensor parallelism shards it and FSDP does
+    not manage it: ColwiseParallel's hooks on the output projection itself all-gather its
+    sequence-sharded input, which optimize compiles into the projection's graph (an ag_matmul
+    region, and matmul_rs in its backward) instead of leaving NCCL exposed outside every block.
+    Returns whether it was compiled."""
+    output = getattr(model, "output", None)
+    if not isinstance(output, nn.Module) or not parallel_dims.tp_enabled or parallel_dims.fsdp_enabled:
+        return False
+    optimize(output, config=config, fullgraph=True, dynamic=False)
+    return True
 
 
 def fp32_tp_warning(parallel_dims: Any, job_config: Any) -> str | None:
@@ -96,5 +110,7 @@ def parallelize_llama_commopt(model: nn.Module, parallel_dims: Any, job_config: 
         job_config, compile=dataclasses.replace(job_config.compile, components=[c for c in components if c != "model"]))
     model = parallelize_llama(model, parallel_dims, no_model_compile)
     n = compile_blocks(model, config)
-    log.info("commopt: compiling %d TransformerBlocks with %s", n, config)
+    head = compile_output(model, config, parallel_dims)
+    log.info("commopt: compiling %d TransformerBlocks%s with %s", n, " and the output projection" if head else "",
+             config)
     return model
