@@ -284,7 +284,8 @@ def report(records: list[dict], meta: dict) -> str:
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}; {meta['dtype']}, B 1, H/H_kv "
              f"{meta['heads']}, D {meta['head_dim']}, forward + backward; ms per call, median of {meta['repeats']} "
              "rounds, slowest rank. efficiency = single GPU / (W x ms). commopt: its pick on balance.choose's layout "
-             "(the layout in the table)"
+             "(the layout in the table)" + ("; K/V moved by the copy engine (ce_gather)" if meta.get("transport") == "ce"
+                                            else "")
              + (", the whole sequence's mask" if meta.get("whole_mask") else ", the rank's rows' mask")
              + "; torch CP: the faster of its head-tail and PTRR balancers.", "",
              "| mask | S_total | single GPU ms | commopt pick | layout | commopt ms | efficiency | torch CP ms "
@@ -306,8 +307,17 @@ def report_variant(args: argparse.Namespace) -> str:
     """The report's name suffix for a run off the defaults (e.g. "ring_contiguous_whole"): each
     such run is a report of its own beside the default one."""
     parts = [args.schedule and args.schedule.replace(":", "-").replace("=", ""),
-             args.layout if args.layout != "choose" else None, "whole" if args.whole_mask else None]
+             args.layout if args.layout != "choose" else None, "whole" if args.whole_mask else None,
+             "ce" if _moves_by_copy_engine() else None]
     return "_".join(p for p in parts if p)
+
+
+def _moves_by_copy_engine() -> bool:
+    """Whether commopt's K/V moves run on the copy engine in this run (TORCH_COMMOPT_ATTENTION_TRANSPORT=ce:
+    the ring's shifts, the all-gather's gathers and sums): a report of its own beside NCCL's."""
+    from torch_commopt.kernels.attention import ce_ring
+
+    return ce_ring.transport() == "ce"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -353,7 +363,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = machine_meta(device, args.world, args.commit,
                         dtype=str(preset["dtype"]).removeprefix("torch."), heads="/".join(map(str, preset["heads"])),
                         head_dim=preset["head_dim"], repeats=args.repeats,
-                        whole_mask=args.whole_mask, layout=args.layout, schedule=args.schedule)
+                        whole_mask=args.whole_mask, layout=args.layout, schedule=args.schedule,
+                        transport="ce" if _moves_by_copy_engine() else "nccl")
     text = report(derive(records, args.world), meta)
     if args.out and not args.shared:  # a shared GPU's times are no figures
         write_report(pathlib.Path(args.out), result_stem("flex_cp", meta["device"], args.world, meta["date"],

@@ -45,6 +45,14 @@ def test_a_run_off_the_defaults_is_a_report_of_its_own():
     assert bench_flex.report_variant(args) == "allgather-g2_contiguous_whole"
 
 
+def test_a_run_with_k_v_on_the_copy_engine_is_a_report_of_its_own(monkeypatch):
+    monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", "ce")
+    assert bench_flex.report_variant(bench_flex.parse_args([])) == "ce"
+    meta = {"world": 2, "device": "GPU", "commit": "abc", "date": "d", "torch": "t", "dtype": "bfloat16", "heads": "32/8",
+            "head_dim": 128, "repeats": 5, "transport": "ce"}
+    assert "K/V moved by the copy engine" in bench_flex.report([], meta)
+
+
 def test_the_cpu_smoke_runs_the_ring_with_the_whole_mask_on_the_contiguous_layout():
     """Documents dealt contiguously, every rank given the whole mask: the ring sends each rank the
     span of keys it needs (flex_ring.DirectShift) and agrees with one device."""
