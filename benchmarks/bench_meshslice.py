@@ -60,17 +60,36 @@ def _gpu_rows(sim, tune) -> tuple[list[dict], list[str]]:
             layers = tune.transformer_block(chips * sim.SEQ, heads * dim)
             res = sim.compare(layers, chips, cluster.links, shapes)
             tp_dp = sim.tp_dp_seconds(layers, chips, cluster)
+            tp_fsdp = sim.tp_fsdp_seconds(layers, chips, cluster)
             rest = sim.rest_of_block_s(heads, dim, cluster.flops_per_s, sim.H200_HBM_BYTES_PER_S)
             mem_2d = sim.weight_bytes_per_chip(layers, chips, chips) / 2**30
             mem_1d = sim.weight_bytes_per_chip(layers, chips, cluster.gpus_per_node) / 2**30
             rows.append({"gpus": chips, "model": name, "results": {a: dataclasses.asdict(r) for a, r in res.items()},
-                         "tp_dp_s": tp_dp, "rest_of_block_s": rest, "fc_state_gib_2d": mem_2d,
+                         "tp_dp_s": tp_dp, "tp_fsdp_s": tp_fsdp, "rest_of_block_s": rest, "fc_state_gib_2d": mem_2d,
                          "fc_state_gib_tp8": mem_1d})
             ms = res["meshslice"].seconds
             lines.append(f"| {chips} | {name} | " + " | ".join(
                 f"{r.seconds * 1e3:.1f} ({r.mesh[0]}x{r.mesh[1]}, {r.utilisation:.2f})" for r in res.values())
-                + f" | {tp_dp * 1e3:.1f} | {tp_dp / ms:.2f} | {rest * 1e3:.2f} | {(tp_dp + rest) / (ms + rest):.2f} | "
-                f"{mem_2d:.2f} / {mem_1d:.2f} |")
+                + f" | {tp_dp * 1e3:.1f} | {tp_dp / ms:.2f} | {tp_fsdp * 1e3:.1f} | {tp_fsdp / ms:.2f} | {rest * 1e3:.2f} | "
+                f"{(tp_dp + rest) / (ms + rest):.2f} | {(tp_fsdp + rest) / (ms + rest):.2f} | {mem_2d:.2f} / {mem_1d:.2f} |")
+    return rows, lines
+
+
+def _batch_rows(sim, tune) -> tuple[list[dict], list[str]]:
+    """The H200 clusters at fewer tokens a GPU (a node's GEMMs shorter against its weight
+    gathers): MeshSlice at its best shape, 1D TP=8 + DP, 1D TP=8 + FSDP."""
+    cluster, rows, lines = sim.GPUCluster(), [], []
+    for per_gpu in (2048, 1024, 512, 256):
+        for chips in (64, 256):
+            shapes = [(chips // c, c) for c in (2, 4, 8, 16, 32) if chips // c >= 2]
+            for name, (heads, dim) in sim.MODELS.items():
+                layers = tune.transformer_block(chips * per_gpu, heads * dim)
+                ms = sim.compare(layers, chips, cluster.links, shapes)["meshslice"]
+                tp_dp, tp_fsdp = sim.tp_dp_seconds(layers, chips, cluster), sim.tp_fsdp_seconds(layers, chips, cluster)
+                rows.append({"tokens_a_gpu": per_gpu, "gpus": chips, "model": name, "meshslice_s": ms.seconds,
+                             "mesh": ms.mesh, "tp_dp_s": tp_dp, "tp_fsdp_s": tp_fsdp})
+                lines.append(f"| {per_gpu} | {chips} | {name} | {ms.seconds * 1e3:.1f} ({ms.mesh[0]}x{ms.mesh[1]}) | "
+                             f"{tp_dp * 1e3:.1f} | {tp_fsdp * 1e3:.1f} | {tp_fsdp / ms.seconds:.2f} |")
     return rows, lines
 
 
@@ -191,6 +210,7 @@ def main() -> None:
 
     tpu, tpu_lines = _tpu_rows(sim, tune, model)
     gpu, gpu_lines = _gpu_rows(sim, tune)
+    batch, batch_lines = _batch_rows(sim, tune)
     meta = machine_meta("cpu", 1, args.commit, simulated=True)
     algs = " | ".join(f"{a} ms (mesh, util.)" for a in model.ALGORITHMS)
     lines = [
@@ -211,15 +231,25 @@ def main() -> None:
         "algorithm, and the block columns divide the whole block's times: the end-to-end figure, a training step "
         "being its blocks. Wang's cost here is this model's (the authors' code has none).", "",
         "## H200 clusters (8-GPU NVLink nodes, one 400 Gb/s NIC a GPU)", "",
-        f"| GPUs | model | {algs} | 1D TP=8 + DP ms | 1D / MeshSlice | rest of the block ms | block: 1D / MeshSlice "
-        "| FC state a GPU, GiB (2D / TP=8) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|", *gpu_lines, "",
+        f"| GPUs | model | {algs} | 1D TP=8 + DP ms | 1D / MeshSlice | 1D TP=8 + FSDP ms | 1D+FSDP / MeshSlice "
+        "| rest of the block ms | block: 1D / MeshSlice | block: 1D+FSDP / MeshSlice | FC state a GPU, GiB (2D, 1D+FSDP "
+        "/ TP=8) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *gpu_lines, "",
         "1D TP + DP: TP over a node's 8 GPUs (async-TP: each GEMM against its NVLink all-gather or "
         "reduce-scatter), DP over the nodes (the weight-gradient all-reduce hidden behind the layer's backward "
-        "where shorter). FC state: bf16 weights and gradients, fp32 Adam moments and master weights, for this one "
-        "block; a model holds its layer count of them (96 for GPT-3, 105 for Megatron-NLG).", ""]
+        "where shorter). 1D TP + FSDP: the same TP, FSDP (ZeRO-3) over the nodes, so a GPU holds what 2D TP leaves it: "
+        "each layer's TP-shard weight all-gathered over the NICs before its forward and its backward, its gradient "
+        "reduce-scattered, each gather prefetched behind the layer before's GEMMs (`simulate.tp_fsdp_seconds`). FC "
+        "state: bf16 weights and gradients, fp32 Adam moments and master weights, for this one block; a model holds "
+        "its layer count of them (96 for GPT-3, 105 for Megatron-NLG).", "",
+        "### Fewer tokens a GPU", "",
+        "The FC layers' ms at fewer tokens a GPU (the global batch in 2048-token sequences scaled down): a node's "
+        "GEMMs shrink with its tokens while FSDP's weight gathers do not, and so does 2D TP's traffic where a "
+        "layer keeps its output or input in place (the dataflow rule) and moves weight blocks.", "",
+        "| tokens a GPU | GPUs | model | meshslice ms (mesh) | 1D TP=8 + DP ms | 1D TP=8 + FSDP ms | 1D+FSDP / MeshSlice |",
+        "|---|---|---|---|---|---|---|", *batch_lines, ""]
     stem = result_stem("meshslice_sim", "cpu", 1)
-    paths = write_report(args.out, stem, {"meta": meta, "tpu": tpu, "gpu": gpu}, "\n".join(lines))
+    paths = write_report(args.out, stem, {"meta": meta, "tpu": tpu, "gpu": gpu, "gpu_batch": batch}, "\n".join(lines))
     print("\n".join(lines))
     print("wrote", *paths)
 

@@ -23,6 +23,9 @@ def test_the_simulation_report_has_every_machine_model_and_algorithm(tmp_path, m
     sim_gpt3 = next(r for r in data["tpu"] if r["machine"] == "simulation figures" and r["model"] == "gpt3-175b")
     assert sim_gpt3["analytic"]["mesh"] == [64, 4]  # the authors' simulation tuner's pick
     assert "| 256 | megatron-nlg-530b |" in (tmp_path / report.name.replace(".json", ".md")).read_text()
+    # 1D TP + FSDP beside 1D TP + DP, and at fewer tokens a GPU (4 sizes x 2 cluster sizes x 2 models)
+    assert all(row["tp_fsdp_s"] >= row["tp_dp_s"] - 1e-12 for row in data["gpu"])
+    assert len(data["gpu_batch"]) == 16 and {r["tokens_a_gpu"] for r in data["gpu_batch"]} == {2048, 1024, 512, 256}
 
 
 def test_the_measured_mode_runs_every_algorithm_on_a_2x2_gloo_mesh(capsys, monkeypatch):

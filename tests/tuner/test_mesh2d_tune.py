@@ -115,3 +115,22 @@ def test_the_simulator_prices_every_algorithm_and_meshslice_leads_on_tpu_figures
     assert set(res) == {"meshslice", "collective", "summa", "wang"}
     assert min(res.values(), key=lambda r: r.seconds).algorithm == "meshslice"
     assert all(0 < r.utilisation <= 1 for r in res.values())
+
+
+def test_fsdp_gathers_hide_behind_long_gemms_and_cost_where_a_node_holds_few_tokens():
+    """1D TP + FSDP: at one 2048-token sequence a GPU the weight gathers hide behind the GEMMs (the
+    same time as 1D TP + DP, which keeps the whole TP state a GPU); at 256 tokens a GPU they do
+    not, and a slower NIC costs it more; it never beats the TP steps alone."""
+    from dataclasses import replace
+
+    from torch_commopt.tuner.mesh2d import simulate as sim
+    from torch_commopt.tuner.mesh2d import tune as tn
+
+    cluster = sim.GPUCluster()
+    big, small = (tn.transformer_block(64 * n, 96 * 128) for n in (2048, 256))
+    assert abs(sim.tp_fsdp_seconds(big, 64, cluster) - sim.tp_dp_seconds(big, 64, cluster)) < 1e-9
+    steps = 3 * sum(sim._tp_step_s(layer, layer.tokens / 8, 8, cluster) for layer in small)  # noqa: SLF001
+    assert sim.tp_fsdp_seconds(small, 64, cluster) > 1.5 * steps  # the gathers exposed
+    slow = replace(cluster, nic_bytes_per_s=cluster.nic_bytes_per_s / 2)
+    assert sim.tp_fsdp_seconds(small, 64, slow) > sim.tp_fsdp_seconds(small, 64, cluster)
+    assert sim.tp_fsdp_seconds(big, 8, cluster) == sim.tp_dp_seconds(big, 8, cluster)  # one node: no FSDP traffic

@@ -123,24 +123,53 @@ def rest_of_block_s(heads: int, head_dim: int, flops_per_s: float, hbm_bytes_per
     return attention + elementwise
 
 
+def _tp_step_s(layer: FCLayer, tokens: float, tp: int, cluster: GPUCluster) -> float:
+    """One of a layer's three GEMMs under 1D TP over a node (async-TP: the GEMM against its
+    NVLink all-gather or reduce-scatter, the longer of the two)."""
+    gemm = 2.0 * tokens * layer.in_features * layer.out_features / tp / cluster.flops_per_s
+    moved = max(layer.in_features, layer.out_features) * tokens * 2 * (tp - 1) / tp
+    return max(gemm, cluster.overhead_s + moved / cluster.nvlink_bytes_per_s + (tp - 1) * cluster.nvlink_alpha_s)
+
+
+def _nic_s(nbytes: float, dp: int, cluster: GPUCluster) -> float:
+    """A ring collective over the dp nodes that leaves each GPU with nbytes (all-gather) or starts
+    from them (reduce-scatter): (dp - 1) / dp of them over the GPU's NIC, a hop's latency each."""
+    if dp <= 1:
+        return 0.0
+    return cluster.overhead_s + (dp - 1) / dp * nbytes / cluster.nic_bytes_per_s + (dp - 1) * cluster.nic_alpha_s
+
+
 def tp_dp_seconds(layers: list[FCLayer], chips: int, cluster: GPUCluster) -> float:
-    """The 1D alternative on a GPU cluster: tensor parallelism over each node's GPUs (the
-    activations all-gathered and the outputs reduce-scattered over NVLink, overlapped with the
-    GEMMs as async-TP does: each of the three GEMMs takes the longer of the two), data parallelism
-    over the nodes (each layer's weight-gradient shard all-reduced over the NICs, hidden behind
-    the layer's backward where it is shorter)."""
+    """The 1D alternative on a GPU cluster: tensor parallelism over each node's GPUs (_tp_step_s),
+    data parallelism over the nodes (each layer's weight-gradient shard all-reduced over the
+    NICs, hidden behind the layer's backward where it is shorter).  Every GPU holds its TP
+    shard's whole training state (weight_bytes_per_chip(..., tp))."""
     tp = cluster.gpus_per_node
     dp = max(1, chips // tp)
     total = 0.0
     for layer in layers:
-        tokens = layer.tokens / dp
-        gemm = 2.0 * tokens * layer.in_features * layer.out_features / tp / cluster.flops_per_s
-        moved = max(layer.in_features, layer.out_features) * tokens * 2 * (tp - 1) / tp
-        comm = cluster.overhead_s + moved / cluster.nvlink_bytes_per_s + (tp - 1) * cluster.nvlink_alpha_s
-        step = max(gemm, comm)
+        step = _tp_step_s(layer, layer.tokens / dp, tp, cluster)
         grad_bytes = 2.0 * layer.in_features * layer.out_features / tp
-        all_reduce = 2 * (dp - 1) / dp * grad_bytes / cluster.nic_bytes_per_s if dp > 1 else 0.0
+        all_reduce = 2 * _nic_s(grad_bytes, dp, cluster)  # reduce-scatter + all-gather
         total += 3 * step + max(0.0, all_reduce - 2 * step)
+    return total
+
+
+def tp_fsdp_seconds(layers: list[FCLayer], chips: int, cluster: GPUCluster) -> float:
+    """1D TP over each node with FSDP (ZeRO-3) over the nodes: the state split over every GPU as
+    2D TP splits it (weight_bytes_per_chip(..., chips)), paid for in NIC traffic.  Each layer's
+    bf16 TP-shard weight is all-gathered over the nodes before its forward and again before its
+    backward, and its gradient reduce-scattered after; FSDP prefetches, so a gather runs behind
+    the layer before's GEMMs: the forward takes the longer of its GEMM and its gather, the
+    backward the longer of its two GEMMs and its gather plus its gradient's reduce-scatter."""
+    tp = cluster.gpus_per_node
+    dp = max(1, chips // tp)
+    total = 0.0
+    for layer in layers:
+        step = _tp_step_s(layer, layer.tokens / dp, tp, cluster)
+        shard = 2.0 * layer.in_features * layer.out_features / tp
+        gather = _nic_s(shard, dp, cluster)
+        total += max(step, gather) + max(2 * step, gather + _nic_s(shard, dp, cluster))
     return total
 
 
