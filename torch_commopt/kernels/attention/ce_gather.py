@@ -71,7 +71,8 @@ def usable(tensors: list[Tensor], group) -> bool:
 
 
 class _Call:
-    """One call's runtime, buffer half, slot size and streams."""
+    """One call's runtime, buffer half, slot size and streams; a context watched by the runtime's
+    watchdog from its start to its end, whatever happens between."""
 
     def __init__(self, group, tensors: list[Tensor], what: str) -> None:
         from torch_commopt.kernels.gpu import driver, symm
@@ -93,16 +94,25 @@ class _Call:
         """Rank `rank`'s slot of source `src`, tensor i's place in it (device address)."""
         return self.buf.address(rank, self.base + src * self.slot + self.offsets[i])
 
+    def __enter__(self) -> "_Call":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.rt.end_call(self.watched)
+
+    def landed(self, stream, src: int) -> None:
+        """`stream` holds until source src's block has landed in this rank's half."""
+        self.rt.wait(stream, self.symm.data_index(self.half, src, 0), 1, debug=self.debug, what="chunk", src=src,
+                     chunk=0)
+
     def arrived(self, stream) -> None:
         """`stream` holds until every source's block has landed in this rank's half."""
         for src in self.rt.sources:
-            self.rt.wait(stream, self.symm.data_index(self.half, src, 0), 1, debug=self.debug, what="chunk", src=src,
-                         chunk=0)
+            self.landed(stream, src)
 
     def finish(self, op: str) -> None:
         """After the caller's stream's last read of the slots: flags down, tokens back."""
         self.rt.done_reading(self.cur, self.half, 1)
-        self.rt.end_call(self.watched)
         if self.debug:
             self.rt.check_status(op)
 
@@ -115,55 +125,56 @@ def _block_rows(t: Tensor) -> tuple[int, int]:
 def all_gather_kv(k: Tensor, v: Tensor, group) -> tuple[Tensor, Tensor]:
     """(K, V) of the whole sequence, [B, H, W * L, D], from every rank's contiguous [B, H, L, D]
     blocks (usable() first)."""
-    call = _Call(group, [k, v], "gather")
-    rt, driver, world = call.rt, call.driver, call.rt.world
-    outs = [t.new_empty(t.shape[:2] + (world * t.shape[2], t.shape[3])) for t in (k, v)]  # before the side streams sync
-    rows, width = _block_rows(k)
-    pitch = world * width
-    rt.after(rt.side, call.cur)
-    rt.after(rt.local, call.cur)
-    for p in rt.peers:
-        rt.acquire(rt.side, p, call.half, debug=call.debug, defer_take=True)  # taken with the signal
-        for i, t in enumerate((k, v)):
-            driver.memcpy_async(rt.side, call.slot_address(p, rt.rank, i), t.data_ptr(), call.per[i])
-        rt.signal(rt.side, p, call.symm.data_index(call.half, rt.rank, 0), 1)
-    for i, t in enumerate((k, v)):  # the own block, beside the pushes
-        driver.memcpy2d_async(rt.local, outs[i].data_ptr() + rt.rank * width, pitch, t.data_ptr(), width, width, rows)
-    for src in rt.sources:
-        rt.wait(rt.local, call.symm.data_index(call.half, src, 0), 1, debug=call.debug, what="chunk", src=src, chunk=0)
-        for i in range(2):
-            driver.memcpy2d_async(rt.local, outs[i].data_ptr() + src * width, pitch, call.slot_address(rt.rank, src, i),
-                                  width, width, rows)
-    rt.after(call.cur, rt.local)
-    rt.after(call.cur, rt.side)  # k and v are read by the pushes: the caller may free them after this
-    call.finish("flex all-gather of K/V")
+    with _Call(group, [k, v], "gather") as call:
+        rt, driver, world = call.rt, call.driver, call.rt.world
+        outs = [t.new_empty(t.shape[:2] + (world * t.shape[2], t.shape[3])) for t in (k, v)]  # before the streams sync
+        rows, width = _block_rows(k)
+        pitch = world * width
+        rt.after(rt.side, call.cur)
+        rt.after(rt.local, call.cur)
+        for p in rt.peers:
+            rt.acquire(rt.side, p, call.half, debug=call.debug, defer_take=True)  # taken with the signal
+            for i, t in enumerate((k, v)):
+                driver.memcpy_async(rt.side, call.slot_address(p, rt.rank, i), t.data_ptr(), call.per[i])
+            rt.signal(rt.side, p, call.symm.data_index(call.half, rt.rank, 0), 1)
+        for i, t in enumerate((k, v)):  # the own block, beside the pushes
+            driver.memcpy2d_async(rt.local, outs[i].data_ptr() + rt.rank * width, pitch, t.data_ptr(), width, width,
+                                  rows)
+        for src in rt.sources:
+            call.landed(rt.local, src)
+            for i in range(2):
+                driver.memcpy2d_async(rt.local, outs[i].data_ptr() + src * width, pitch,
+                                      call.slot_address(rt.rank, src, i), width, width, rows)
+        rt.after(call.cur, rt.local)
+        rt.after(call.cur, rt.side)  # k and v are read by the pushes: the caller may free them after this
+        call.finish("flex all-gather of K/V")
     return outs[0], outs[1]
 
 
 def reduce_scatter_kv(gk: Tensor, gv: Tensor, group) -> tuple[Tensor, Tensor]:
     """This rank's rows of dK and dV summed over ranks, [B, H, L, D] in their dtypes, from every
     rank's contiguous [B, H, W * L, D] gradients (usable() first)."""
-    call = _Call(group, [gk, gv], "scatter")
-    rt, driver, world = call.rt, call.driver, call.rt.world
-    length = gk.shape[2] // world
-    rows, width = gk.shape[0] * gk.shape[1], length * gk.shape[3] * gk.element_size()
-    rt.after(rt.side, call.cur)
-    for p in rt.peers:
-        rt.acquire(rt.side, p, call.half, debug=call.debug, defer_take=True)
+    with _Call(group, [gk, gv], "scatter") as call:
+        rt, driver, world = call.rt, call.driver, call.rt.world
+        length = gk.shape[2] // world
+        rows, width = gk.shape[0] * gk.shape[1], length * gk.shape[3] * gk.element_size()
+        rt.after(rt.side, call.cur)
+        for p in rt.peers:
+            rt.acquire(rt.side, p, call.half, debug=call.debug, defer_take=True)
+            for i, g in enumerate((gk, gv)):
+                driver.memcpy2d_async(rt.side, call.slot_address(p, rt.rank, i), width, g.data_ptr() + p * width,
+                                      world * width, width, rows)
+            rt.signal(rt.side, p, call.symm.data_index(call.half, rt.rank, 0), 1)
+        call.arrived(call.cur)
+        sums = []
         for i, g in enumerate((gk, gv)):
-            driver.memcpy2d_async(rt.side, call.slot_address(p, rt.rank, i), width, g.data_ptr() + p * width,
-                                  world * width, width, rows)
-        rt.signal(rt.side, p, call.symm.data_index(call.half, rt.rank, 0), 1)
-    call.arrived(call.cur)
-    sums = []
-    for i, g in enumerate((gk, gv)):
-        shape = g.shape[:2] + (length, g.shape[3])
-        parts = [g[:, :, rt.rank * length:(rt.rank + 1) * length]]
-        parts += [call.buf.view(rt.rank, call.base + src * call.slot + call.offsets[i], shape, g.dtype)
-                  for src in rt.sources]
-        sums.append(_sum(parts, g.dtype))
-    rt.after(call.cur, rt.side)  # the gradients are read by the pushes
-    call.finish("flex reduce-scatter of dK/dV")
+            shape = g.shape[:2] + (length, g.shape[3])
+            parts = [g[:, :, rt.rank * length:(rt.rank + 1) * length]]
+            parts += [call.buf.view(rt.rank, call.base + src * call.slot + call.offsets[i], shape, g.dtype)
+                      for src in rt.sources]
+            sums.append(_sum(parts, g.dtype))
+        rt.after(call.cur, rt.side)  # the gradients are read by the pushes
+        call.finish("flex reduce-scatter of dK/dV")
     return sums[0], sums[1]
 
 
