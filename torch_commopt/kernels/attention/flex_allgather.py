@@ -76,6 +76,7 @@ def _by_copy_engine(move, a: Tensor, b: Tensor, group):
     """move(a, b, group) (ce_gather's all-gather or reduce-scatter of one head group's K/V or
     their gradients) where ce_gather.usable says the copy engine moves them; None where NCCL
     does: not asked for, or a symmetric buffer refused on every rank alike (logged once)."""
+    a, b = a.contiguous(), b.contiguous()  # what NCCL's path copies too, where they are not
     if not ce_gather.usable([a, b], group):
         return None
     from torch_commopt.kernels.gpu.symm import SymmAllocError
