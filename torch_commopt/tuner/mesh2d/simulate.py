@@ -139,18 +139,24 @@ def _nic_s(nbytes: float, dp: int, cluster: GPUCluster) -> float:
     return cluster.overhead_s + (dp - 1) / dp * nbytes / cluster.nic_bytes_per_s + (dp - 1) * cluster.nic_alpha_s
 
 
+def _tp_layers(layers: list[FCLayer], chips: int, cluster: GPUCluster):
+    """Per layer under 1D TP over a node and the nodes as the other axis: (one GEMM's step,
+    _tp_step_s; a collective of its bf16 TP-shard weight or gradient over the nodes, _nic_s)."""
+    tp = cluster.gpus_per_node
+    dp = max(1, chips // tp)
+    for layer in layers:
+        shard = 2.0 * layer.in_features * layer.out_features / tp
+        yield _tp_step_s(layer, layer.tokens / dp, tp, cluster), _nic_s(shard, dp, cluster)
+
+
 def tp_dp_seconds(layers: list[FCLayer], chips: int, cluster: GPUCluster) -> float:
     """The 1D alternative on a GPU cluster: tensor parallelism over each node's GPUs (_tp_step_s),
     data parallelism over the nodes (each layer's weight-gradient shard all-reduced over the
     NICs, hidden behind the layer's backward where it is shorter).  Every GPU holds its TP
     shard's whole training state (weight_bytes_per_chip(..., tp))."""
-    tp = cluster.gpus_per_node
-    dp = max(1, chips // tp)
     total = 0.0
-    for layer in layers:
-        step = _tp_step_s(layer, layer.tokens / dp, tp, cluster)
-        grad_bytes = 2.0 * layer.in_features * layer.out_features / tp
-        all_reduce = 2 * _nic_s(grad_bytes, dp, cluster)  # reduce-scatter + all-gather
+    for step, shard_s in _tp_layers(layers, chips, cluster):
+        all_reduce = 2 * shard_s  # reduce-scatter + all-gather of the gradient shard
         total += 3 * step + max(0.0, all_reduce - 2 * step)
     return total
 
@@ -162,14 +168,9 @@ def tp_fsdp_seconds(layers: list[FCLayer], chips: int, cluster: GPUCluster) -> f
     backward, and its gradient reduce-scattered after; FSDP prefetches, so a gather runs behind
     the layer before's GEMMs: the forward takes the longer of its GEMM and its gather, the
     backward the longer of its two GEMMs and its gather plus its gradient's reduce-scatter."""
-    tp = cluster.gpus_per_node
-    dp = max(1, chips // tp)
     total = 0.0
-    for layer in layers:
-        step = _tp_step_s(layer, layer.tokens / dp, tp, cluster)
-        shard = 2.0 * layer.in_features * layer.out_features / tp
-        gather = _nic_s(shard, dp, cluster)
-        total += max(step, gather) + max(2 * step, gather + _nic_s(shard, dp, cluster))
+    for step, shard_s in _tp_layers(layers, chips, cluster):
+        total += max(step, shard_s) + max(2 * step, 2 * shard_s)  # gather; gather + the gradient's reduce-scatter
     return total
 
 
