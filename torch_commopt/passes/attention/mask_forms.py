@@ -20,9 +20,10 @@ _FITTED = (aten.expand.default, aten._to_copy.default, aten.clone.default)  # a 
 # fp16 minimum, in some releases; the dtype's lowest value or another constant in others, and
 # where(mask, 0, fill) or where(~mask, fill, 0) by release).  Any fill at or below -65504 leaves a
 # masked score no weight beside an unmasked one (exp of it underflows in every float dtype), so it
-# means "masked" in the program's own terms: the boolean it was given.  A fully masked row is where
-# the forms differ (a finite fill averages V there, -inf and flex give 0): the boolean's own
-# meaning is read, as SDPA's math and flash paths state it.
+# means "masked" in the program's own terms: the boolean it was given.  A row with no allowed key
+# is where the forms differ: a finite fill leaves it attention over every key (or V's plain
+# average, where the fill swamps the scores' differences in rounding), -inf and flex give it 0.
+# The boolean's own meaning is read, as SDPA's math and flash paths state it (0 since torch 2.5).
 MASKED_FILL_AT_MOST = -65504.0
 
 
