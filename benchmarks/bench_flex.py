@@ -23,6 +23,7 @@ speedup = torch CP's best / commopt.
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
       python3 -m benchmarks.bench_flex --out benchmarks/results --commit SHA [--seq 16384,32768] [--world 2]
         [--pick-only] [--profile 3]   # --profile: each variant's device time by kernel, every rank's
+        [--host 10]                   # each variant's host time a call (calls queued behind a GPU sleep)
     python3 -m benchmarks.bench_flex --cpu       # gloo smoke run: float32, 1K tokens, small heads
     python3 -m benchmarks.bench_flex --shared    # both ranks on one GPU over gloo: the GPU path, not timings
 """
@@ -217,6 +218,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                             "tiles": tiles, "pick": pick})
             if args.profile and device == "cuda":
                 records[-1]["profile"] = _profiles(variants, args.profile)
+            if args.host and device == "cuda":
+                records[-1]["host_ms"] = _host_ms(variants, args.host)
             if rank == 0:
                 log.info("%s", records[-1])
     return records
@@ -244,6 +247,41 @@ def _profiles(variants: dict, calls: int) -> dict:
         dist.all_gather_object(every, mine)
         out[name] = every
     return out
+
+
+HOST_SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU sleep at H200 clocks: far longer than the calls' enqueue
+
+
+def _host_ms(variants: dict, calls: int) -> dict:
+    """{variant: [each rank's host ms a call]}: `calls` calls queued behind a GPU sleep, so the
+    host never waits for the GPU and the time to queue them is the host's alone (where a variant
+    takes longer to queue than the GPU to run, the call is the host's, whatever its kernels)."""
+    import time
+
+    out = {}
+    for name, variant in variants.items():
+        with variant() as (step, _):
+            step()  # warm: caches, lazy inits
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda._sleep(HOST_SLEEP_CYCLES)  # noqa: SLF001
+            start = time.perf_counter()
+            for _ in range(calls):
+                step()
+            mine = (time.perf_counter() - start) * 1e3 / calls
+            torch.cuda.synchronize()
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        out[name] = every
+    return out
+
+
+def host_lines(records: list[dict]) -> list[str]:
+    """The report's section on each variant's host time a call (--host), every rank's."""
+    lines = [f"- {r['mask']} S {r['seq']}: " + "; ".join(f"{name} {' / '.join(f'{v:.2f}' for v in ranks)}"
+                                                      for name, ranks in r["host_ms"].items())
+             for r in records if r.get("host_ms")]
+    return (["", "## Host ms a call, by rank (--host: calls queued behind a GPU sleep)", "", *lines]) if lines else []
 
 
 def profile_lines(records: list[dict]) -> list[str]:
@@ -300,7 +338,7 @@ def report(records: list[dict], meta: dict) -> str:
     for r in records:
         cells = ", ".join(f"{k} {fmt(v)}" for k, v in r["ms"].items())
         lines.append(f"- {r['mask']} S {r['seq']}: {cells}; tiles {r['tiles']}")
-    return "\n".join(lines + profile_lines(records)) + "\n"
+    return "\n".join(lines + host_lines(records) + profile_lines(records)) + "\n"
 
 
 def report_variant(args: argparse.Namespace) -> str:
@@ -342,6 +380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="after the timing, each variant's device time by kernel on every rank: CALLS calls profiled "
                         "back to back behind as many unprofiled ones (step_profile.breakdown)")
+    p.add_argument("--host", type=int, default=0, metavar="CALLS",
+                   help="after the timing, each variant's host time a call: CALLS calls queued behind a GPU sleep")
     p.add_argument("--commit", default="")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.cpu else 5)

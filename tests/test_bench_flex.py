@@ -60,3 +60,13 @@ def test_the_cpu_smoke_runs_the_ring_with_the_whole_mask_on_the_contiguous_layou
                                  "--schedule", "ring", "--layout", "contiguous", "--whole-mask"])
     assert set(record["ms"]) >= {"single GPU", "commopt ring @ contiguous"} and record["layout"] == "contiguous"
     assert max(record["errors"].values()) < 1e-5, record["errors"]
+
+
+def test_the_host_section_lists_every_variant_s_host_time_by_rank():
+    host = {"single GPU": [1.0, 0.96], "commopt allgather @ by_work": [2.69, 2.51]}
+    records = [{"mask": "docs 1K", "seq": 16384, "host_ms": host}]
+    lines = bench_flex.host_lines(records)
+    assert lines[1].startswith("## Host ms a call")
+    assert lines[-1] == "- docs 1K S 16384: single GPU 1.00 / 0.96; commopt allgather @ by_work 2.69 / 2.51"
+    assert bench_flex.host_lines([{"mask": "causal", "seq": 1}]) == []
+    assert bench_flex.parse_args(["--host", "10"]).host == 10
