@@ -68,6 +68,10 @@ VARIANTS = {
     "commopt-host-bound-inductor": ["--commopt.enable", "--commopt.options", '{"host_bound_graphs": "inductor"}',
                                     "--compile.enable", "--compile.components", "loss"],
     "inductor": ["--commopt.no-enable", "--compile.enable"],
+    # a bound, not a backend: the inductor job with its compiled graphs' collectives taken out
+    # (benchmarks/tt_comm_free.py): the blocks' communication all hidden; the eager parts keep theirs
+    "inductor-comm-free": ["--commopt.no-enable", "--compile.enable", "--experimental.custom_import",
+                           "benchmarks.tt_comm_free"],
     # torchtitan's async TP: Inductor's micro-pipeline pass (needs its model compile)
     "inductor+async-TP": ["--commopt.no-enable", "--compile.enable", "--parallelism.enable_async_tensor_parallel"],
     # MoE jobs: torchtitan compiles the layers' children (not the experts) with Inductor in both;
@@ -131,7 +135,8 @@ def run_variant(name: str, args, out: pathlib.Path, ngpu: int, rnd: int = 0) -> 
            *shlex.split(args.extra)]
     env = dict(os.environ)
     if args.profile_step:  # benchmarks/tt_profile.py: one step under torch.profiler, tables in the log
-        cmd += ["--experimental.custom_import", "benchmarks.tt_profile"]
+        if "--experimental.custom_import" not in cmd:  # tt_comm_free imports tt_profile itself
+            cmd += ["--experimental.custom_import", "benchmarks.tt_profile"]
         env["TT_PROFILE_STEP"] = str(args.profile_step)
         # each rank's Chrome trace of that step, Python stacks included (device_run.sh tars them)
         env.update(TT_TRACE_DIR=str(out / "tt_traces"), TT_VARIANT=f"{name}_r{rnd}")
@@ -201,7 +206,7 @@ def report(meta: dict, records: list[dict]) -> str:
                      f"{fmt(r['peak_mem_gib'], '.2f')} | {fmt(r['loss_first'], '.4f')} | "
                      f"{fmt(r['loss_last'], '.4f')} |")
     ref = next((r for r in records if r["backend"] == "inductor" and r["losses"]), None)
-    others = [r for r in records if r is not ref and r["losses"]]
+    others = [r for r in records if r is not ref and r["losses"] and r["backend"] != "inductor-comm-free"]
     if ref is not None and others:
         lines.append("")
         for r in others:  # the loss curves against the first inductor job (speed: paired by round, below)
@@ -218,6 +223,11 @@ def report(meta: dict, records: list[dict]) -> str:
                 lines.append(f"- {backend}: {p['speedup_vs_inductor']:.3f}x inductor's tokens/s (rounds: "
                              + ", ".join(f"{x:.3f}" for x in p["speedup_vs_inductor_by_round"])
                              + f"); median step {p['step_ms_median']:.1f} ms")
+    if "inductor-comm-free" in pairs:
+        lines += ["", "inductor-comm-free is a bound, not a backend: the inductor job with every collective taken out "
+                  "of its compiled graphs (the blocks', benchmarks/tt_comm_free.py), what hiding all of the blocks' "
+                  "communication could reach at best; the embedding, output projection and loss keep their "
+                  "collectives, and its losses are meaningless."]
     if any(r["losses"] for r in records):
         lines += ["", "Losses: " + "; ".join(f"{r['backend']} (round {r.get('round', 0)}): "
                                              + ", ".join(f"{x:.3f}" for x in r["losses"])

@@ -64,3 +64,35 @@ def test_the_profiled_step_writes_each_rank_s_chrome_trace_where_asked(tmp_path,
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "aten::relu" in names and any("train_step" in str(n) for n in names)  # the op and its Python stack
     sys.modules.pop("benchmarks.tt_profile", None)
+
+
+def test_the_comm_free_bound_strips_the_compiled_graphs_collectives_and_is_reported_as_a_bound(monkeypatch):
+    """benchmarks/tt_comm_free.py (the inductor-comm-free variant's custom import) sets comm_free's
+    post-grad pass and turns the caches off; the report names the variant a bound and compares no
+    losses with it; a profiled step keeps the one custom import."""
+    import importlib
+    import sys
+
+    import torch
+    import torch._functorch.config as functorch_config
+
+    from benchmarks import comm_free
+
+    for name in ("post_grad_custom_post_pass", "fx_graph_cache"):
+        monkeypatch.setattr(torch._inductor.config, name, getattr(torch._inductor.config, name))
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
+    monkeypatch.delenv("TT_PROFILE_STEP", raising=False)
+    sys.modules.pop("benchmarks.tt_comm_free", None)
+    importlib.import_module("benchmarks.tt_comm_free")
+    assert torch._inductor.config.post_grad_custom_post_pass is comm_free.PASS
+    assert torch._inductor.config.fx_graph_cache is False and functorch_config.enable_autograd_cache is False
+    sys.modules.pop("benchmarks.tt_comm_free", None)
+
+    recs = [dict(backend=b, round=0, step_ms=ms, parallel="TP=2", seq=8, batch=1, returncode=0, steps_logged=2,
+                 tokens_per_s=1.0, peak_mem_gib=None, loss_first=1.0, loss_last=0.5, losses=[1.0, 0.5])
+            for b, ms in (("inductor", 100.0), ("commopt", 96.0), ("inductor-comm-free", 93.0))]
+    text = bench_torchtitan.report({"torchtitan": "0.2.2", "device": "2x X", "torch": "t", "commit": "c", "date": "d",
+                                    "command": "python3 x"}, recs)
+    assert "inductor-comm-free is a bound, not a backend" in text
+    assert "- inductor-comm-free: 1.075x inductor's tokens/s" in text
+    assert "inductor-comm-free (round 0) vs inductor" not in text  # its losses are meaningless
