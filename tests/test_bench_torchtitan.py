@@ -78,14 +78,16 @@ def test_the_comm_free_bound_strips_the_compiled_graphs_collectives_and_is_repor
 
     from benchmarks import comm_free
 
-    for name in ("post_grad_custom_post_pass", "fx_graph_cache"):
-        monkeypatch.setattr(torch._inductor.config, name, getattr(torch._inductor.config, name))
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
     monkeypatch.delenv("TT_PROFILE_STEP", raising=False)
     sys.modules.pop("benchmarks.tt_comm_free", None)
-    importlib.import_module("benchmarks.tt_comm_free")
-    assert torch._inductor.config.post_grad_custom_post_pass is comm_free.PASS
-    assert torch._inductor.config.fx_graph_cache is False and functorch_config.enable_autograd_cache is False
+    # the config modules' own patch restores what the import sets (pytest's monkeypatch would
+    # delete a config entry it cannot see as an attribute)
+    with torch._inductor.config.patch({"post_grad_custom_post_pass": None, "fx_graph_cache": True}), \
+            functorch_config.patch(enable_autograd_cache=True):
+        importlib.import_module("benchmarks.tt_comm_free")
+        assert torch._inductor.config.post_grad_custom_post_pass is comm_free.PASS
+        assert torch._inductor.config.fx_graph_cache is False and functorch_config.enable_autograd_cache is False
+    assert torch._inductor.config.post_grad_custom_post_pass is None
     sys.modules.pop("benchmarks.tt_comm_free", None)
 
     recs = [dict(backend=b, round=0, step_ms=ms, parallel="TP=2", seq=8, batch=1, returncode=0, steps_logged=2,
