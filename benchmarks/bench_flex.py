@@ -237,12 +237,21 @@ def _profiles(variants: dict, calls: int) -> dict:
         torch.cuda.synchronize()
         dist.barrier()
 
+    def measure(name, step):
+        mine = step_profile.breakdown(step, sync, name, steps=calls, lead=calls)
+        mine.pop("window", None)
+        mine["kernels"] = dict(list(mine["kernels"].items())[:PROFILE_KERNELS])
+        return mine
+
+    return _every_rank(variants, measure)
+
+
+def _every_rank(variants: dict, measure) -> dict:
+    """{variant: [every rank's measure(name, step)]}, each variant's context entered for it."""
     out = {}
     for name, variant in variants.items():
         with variant() as (step, _):
-            mine = step_profile.breakdown(step, sync, name, steps=calls, lead=calls)
-        mine.pop("window", None)
-        mine["kernels"] = dict(list(mine["kernels"].items())[:PROFILE_KERNELS])
+            mine = measure(name, step)
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         out[name] = every
@@ -258,22 +267,19 @@ def _host_ms(variants: dict, calls: int) -> dict:
     takes longer to queue than the GPU to run, the call is the host's, whatever its kernels)."""
     import time
 
-    out = {}
-    for name, variant in variants.items():
-        with variant() as (step, _):
-            step()  # warm: caches, lazy inits
-            torch.cuda.synchronize()
-            dist.barrier()
-            torch.cuda._sleep(HOST_SLEEP_CYCLES)  # noqa: SLF001
-            start = time.perf_counter()
-            for _ in range(calls):
-                step()
-            mine = (time.perf_counter() - start) * 1e3 / calls
-            torch.cuda.synchronize()
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        out[name] = every
-    return out
+    def measure(name, step):
+        step()  # warm: caches, lazy inits
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda._sleep(HOST_SLEEP_CYCLES)  # noqa: SLF001
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        ms = (time.perf_counter() - start) * 1e3 / calls
+        torch.cuda.synchronize()
+        return ms
+
+    return _every_rank(variants, measure)
 
 
 def host_lines(records: list[dict]) -> list[str]:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from torch_commopt.timeline import merge_intervals
+from torch_commopt.timeline import merge_intervals, total_length
 
 CATEGORIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
               # cuBLAS's axpy (a replayed call's partial added into the output: host_replay's
@@ -88,7 +88,7 @@ def breakdown(step, sync, label: str = "", steps: int = 1, lead: int = 0) -> dic
     spans = merge_intervals([(lo, hi) for _, lo, hi in events])
     if spans:
         totals["gpu_span"] = (spans[-1][1] - spans[0][0]) / 1e3
-        totals["gpu_busy"] = _length(spans) / 1e3
+        totals["gpu_busy"] = total_length(spans) / 1e3
         totals["local copy alone"] = copies_alone(events) / 1e3
     kernels: dict[str, list[float]] = {}
     for evt in prof.key_averages():
@@ -120,11 +120,7 @@ def copies_alone(events: list[tuple[str, float, float]]) -> float:
     copies = [(lo, hi) for name, lo, hi in events if is_copy(name)]
     kernels = [(lo, hi) for name, lo, hi in events if not is_copy(name) and "ptop" not in name.lower()]
     # what the copies add to the kernels' union is the time they ran alone
-    return _length(merge_intervals(copies + kernels)) - _length(merge_intervals(kernels))
-
-
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(hi - lo for lo, hi in intervals)
+    return total_length(merge_intervals(copies + kernels)) - total_length(merge_intervals(kernels))
 
 
 KERNELS_KEPT = 60  # the kernels (by name) a breakdown keeps, longest first

@@ -73,7 +73,7 @@ def test_a_recorded_step_draws_as_png_and_html(tmp_path):
     assert any(r.label == "nccl:all_to_all" for r in step.regions)
     assert 0 < s["idle_ms"] < s["step_ms"] and s["gaps"] == len(step.gaps) > 0
     busy = timeline.merge_intervals([(x.start, x.end) for x in step.spans])
-    assert timeline._length(busy) / 1e3 + s["idle_ms"] <= s["step_ms"] + 1e-9  # noqa: SLF001
+    assert timeline.total_length(busy) / 1e3 + s["idle_ms"] <= s["step_ms"] + 1e-9
     synthetic = timeline.load(_trace(), "hand-written")
     timeline.render([step, synthetic], tmp_path / "t.png", tmp_path / "t.html")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -62,7 +62,7 @@ class Step:
 
     def summary(self) -> dict:
         """Milliseconds: the step, each kind's busy time (a kind's spans merged), the idle gaps."""
-        busy = {kind: _length(merge_intervals([(s.start, s.end) for s in self.spans if s.kind == kind])) / 1e3
+        busy = {kind: total_length(merge_intervals([(s.start, s.end) for s in self.spans if s.kind == kind])) / 1e3
                 for kind in COLORS}
         return {"step_ms": self.duration / 1e3, **{f"{k}_ms": v for k, v in busy.items()},
                 "idle_ms": sum(b - a for a, b in self.gaps) / 1e3, "gaps": len(self.gaps)}
@@ -79,7 +79,8 @@ def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, f
     return [(a, b) for a, b in out]
 
 
-def _length(intervals: list[tuple[float, float]]) -> float:
+def total_length(intervals: list[tuple[float, float]]) -> float:
+    """The summed length of (start, end) intervals (disjoint ones: merge_intervals first)."""
     return sum(b - a for a, b in intervals)
 
 

@@ -159,10 +159,13 @@ class _Direct:
     def _pack(self, tensors: list[Tensor], span: tuple[int, int]) -> Tensor:
         return torch.cat([t[:, :, span[0]:span[1]].reshape(-1) for t in tensors])
 
+    def _shapes(self, span: tuple[int, int]) -> list[torch.Size]:
+        """The tensors' shapes cut to the rows of `span`."""
+        return [torch.Size(t.shape[:2] + (span[1] - span[0],) + t.shape[3:]) for t in self.tensors]
+
     def _unpack(self, flat: Tensor, span: tuple[int, int]) -> list[Tensor]:
         """The tensors' rows of `span` as views of a packed message."""
-        shapes = [t.shape[:2] + (span[1] - span[0],) + t.shape[3:] for t in self.tensors]
-        return comm.views(flat, [torch.Size(shape) for shape in shapes])
+        return comm.views(flat, self._shapes(span))
 
     def _post(self, send: Tensor | None, dst: int, recv: tuple[int, tuple[int, int]] | None) -> None:
         """Send `send` to group rank dst (None: nothing) and receive the span recv = (src, span)
@@ -171,8 +174,7 @@ class _Direct:
         self.sending, self.got = send, None  # the packed message kept alive until the wait
         if recv is not None:
             src, span = recv
-            numel = sum(t[:, :, span[0]:span[1]].numel() for t in self.tensors)
-            self.got = self.tensors[0].new_empty(numel)
+            self.got = self.tensors[0].new_empty(sum(shape.numel() for shape in self._shapes(span)))
         recvs = [(self.got, dist.get_global_rank(self.group, recv[0]), self.tag)] if recv is not None else []
         self.pending = comm._p2p(sends, recvs, self.group) if sends or recvs else None  # noqa: SLF001
 
