@@ -220,6 +220,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                 records[-1]["profile"] = _profiles(variants, args.profile)
             if args.host and device == "cuda":
                 records[-1]["host_ms"] = _host_ms(variants, args.host)
+            if args.host_profile and device == "cuda":
+                _host_profile({k: v for k, v in variants.items() if k.startswith("commopt")}, args.host_profile,
+                              rank == 0)
             if rank == 0:
                 log.info("%s", records[-1])
     return records
@@ -280,6 +283,32 @@ def _host_ms(variants: dict, calls: int) -> dict:
         return ms
 
     return _every_rank(variants, measure)
+
+
+def _host_profile(variants: dict, calls: int, show: bool, top: int = 45) -> None:
+    """Where this rank's host time goes in `calls` calls of each variant, queued behind a GPU sleep
+    as in _host_ms (cProfile, by own and by cumulative time; printed where `show`): for finding
+    the Python a host-bound call spends, not a figure of the report."""
+    import cProfile
+    import io
+    import pstats
+
+    for name, variant in variants.items():
+        with variant() as (step, _):
+            step()
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda._sleep(HOST_SLEEP_CYCLES)  # noqa: SLF001
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                step()
+            prof.disable()
+            torch.cuda.synchronize()
+        for order in ("tottime", "cumulative") if show else ():
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(top)
+            print(f"== host profile of {name}, {calls} calls, by {order}\n{text.getvalue()}")
 
 
 def host_lines(records: list[dict]) -> list[str]:
@@ -388,6 +417,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "back to back behind as many unprofiled ones (step_profile.breakdown)")
     p.add_argument("--host", type=int, default=0, metavar="CALLS",
                    help="after the timing, each variant's host time a call: CALLS calls queued behind a GPU sleep")
+    p.add_argument("--host-profile", dest="host_profile", type=int, default=0, metavar="CALLS",
+                   help="after the timing, rank 0 prints a cProfile of commopt's variants' host work over CALLS calls")
     p.add_argument("--commit", default="")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.cpu else 5)
