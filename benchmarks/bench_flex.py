@@ -381,16 +381,37 @@ def report_variant(args: argparse.Namespace) -> str:
     such run is a report of its own beside the default one."""
     parts = [args.schedule and args.schedule.replace(":", "-").replace("=", ""),
              args.layout if args.layout != "choose" else None, "whole" if args.whole_mask else None,
-             "ce" if _moves_by_copy_engine() else None]
+             None if _moves_by_copy_engine() else "nccl"]
     return "_".join(p for p in parts if p)
 
 
 def _moves_by_copy_engine() -> bool:
-    """Whether commopt's K/V moves run on the copy engine in this run (TORCH_COMMOPT_ATTENTION_TRANSPORT=ce:
-    the ring's shifts, the all-gather's gathers and sums): a report of its own beside NCCL's."""
+    """Whether commopt's all-gather moves K/V on the copy engine in this run (TORCH_COMMOPT_ATTENTION_TRANSPORT
+    auto, the default, or ce); with nccl a report of its own beside the default one."""
     from torch_commopt.kernels.attention import ce_ring
 
-    return ce_ring.transport() == "ce"
+    return ce_ring.transport() != "nccl"
+
+
+def join(paths: list[str], out: str | None) -> str:
+    """One report of several runs' JSON reports (e.g. one S_total a device call): their records in
+    the order given, the first's fields, each run's commit and command kept; written to `out`
+    under the first's name."""
+    import json
+
+    runs = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    if len({(r["device"], r["world"], r.get("transport", "nccl")) for r in runs}) != 1:
+        raise SystemExit("bench_flex --join: the reports differ in device, world or transport")
+    meta = {k: v for k, v in runs[0].items() if k != "records"}
+    meta["commit"] = "/".join(dict.fromkeys(r["commit"] for r in runs))
+    meta["command"] = " ; ".join(r["command"] for r in runs)
+    meta["repeats"] = "/".join(dict.fromkeys(str(r["repeats"]) for r in runs))
+    records = [rec for r in runs for rec in r["records"]]
+    text = report(records, meta)
+    if out:
+        name = pathlib.Path(paths[0]).stem
+        write_report(pathlib.Path(out), name, {**meta, "records": records}, text)
+    return text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -419,6 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after the timing, each variant's host time a call: CALLS calls queued behind a GPU sleep")
     p.add_argument("--host-profile", dest="host_profile", type=int, default=0, metavar="CALLS",
                    help="after the timing, rank 0 prints a cProfile of commopt's variants' host work over CALLS calls")
+    p.add_argument("--join", nargs="+", metavar="JSON", help="write one report of these runs' reports to --out")
     p.add_argument("--commit", default="")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.cpu else 5)
@@ -429,6 +451,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.join:
+        print(join(args.join, args.out))
+        return []
     from torch_commopt.core import env
 
     if args.shared:

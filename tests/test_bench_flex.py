@@ -1,6 +1,9 @@
 """benchmarks/bench_flex.py: its CPU/gloo smoke (every variant runs and agrees with the single
 device's attention) and the figures it derives from raw times."""
 
+import json
+import pathlib
+
 import pytest
 
 from benchmarks import bench_flex
@@ -45,12 +48,42 @@ def test_a_run_off_the_defaults_is_a_report_of_its_own():
     assert bench_flex.report_variant(args) == "allgather-g2_contiguous_whole"
 
 
-def test_a_run_with_k_v_on_the_copy_engine_is_a_report_of_its_own(monkeypatch):
+def test_k_v_move_on_the_copy_engine_by_default_and_an_nccl_run_is_a_report_of_its_own(monkeypatch):
+    monkeypatch.delenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", raising=False)
+    assert bench_flex.report_variant(bench_flex.parse_args([])) == ""
     monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", "ce")
-    assert bench_flex.report_variant(bench_flex.parse_args([])) == "ce"
+    assert bench_flex.report_variant(bench_flex.parse_args([])) == ""
+    monkeypatch.setenv("TORCH_COMMOPT_ATTENTION_TRANSPORT", "nccl")
+    assert bench_flex.report_variant(bench_flex.parse_args(["--layout", "contiguous"])) == "contiguous_nccl"
     meta = {"world": 2, "device": "GPU", "commit": "abc", "date": "d", "torch": "t", "dtype": "bfloat16", "heads": "32/8",
             "head_dim": 128, "repeats": 5, "transport": "ce"}
     assert "K/V moved by the copy engine" in bench_flex.report([], meta)
+    assert "copy engine" not in bench_flex.report([], {**meta, "transport": "nccl"})
+
+
+def _record(mask: str, seq: int, commopt: float) -> dict:
+    ms = {"single GPU": 2 * commopt, "commopt allgather @ by_work": commopt, "torch CP ptrr": 1.1 * commopt}
+    return bench_flex.derive([{"mask": mask, "seq": seq, "ms": ms, "errors": {"x": 1e-3}, "tiles": {"by_work": [1, 1]},
+                               "pick": "allgather"}], 2)[0]
+
+
+def test_join_writes_one_report_of_several_runs(tmp_path):
+    meta = {"world": 2, "device": "NVIDIA H200", "commit": "abc", "date": "2026-11-30", "torch": "t",
+            "dtype": "bfloat16", "heads": "32/8", "head_dim": 128, "repeats": 5, "transport": "ce", "command": "run"}
+    paths = []
+    for i, (seq, commopt) in enumerate([(16384, 2.0), (32768, 4.0)]):
+        path = tmp_path / f"run{i}" / "flex_cp_h200x2_2026-11-30.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({**meta, "commit": f"c{i}", "records": [_record("causal", seq, commopt)]}))
+        paths.append(str(path))
+    text = bench_flex.join(paths, str(tmp_path / "out"))
+    rows = [line for line in text.splitlines() if line.startswith("| causal")]
+    assert [row.split(" | ")[1] for row in rows] == ["16384", "32768"]
+    joined = json.loads((tmp_path / "out" / "flex_cp_h200x2_2026-11-30.json").read_text())
+    assert joined["commit"] == "c0/c1" and len(joined["records"]) == 2
+    pathlib.Path(paths[1]).write_text(json.dumps({**meta, "transport": "nccl", "records": []}))
+    with pytest.raises(SystemExit, match="transport"):
+        bench_flex.join(paths, None)
 
 
 def test_the_cpu_smoke_runs_the_ring_with_the_whole_mask_on_the_contiguous_layout():

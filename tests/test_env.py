@@ -91,7 +91,7 @@ def test_every_config_field_is_in_the_configuration_reference():
      {None: True, "": True, "1": True, "0": False, "false": False, "False": False, "off": False}),
     (env.host_timing, env.HOST_TIMING, {None: False, "": False, "0": False, "1": True, "true": False}),
     (env.attention_lane, env.ATTENTION_LANE, {None: False, "0": False, "1": True, "on": False}),
-    (env.attention_transport, env.ATTENTION_TRANSPORT, {None: "nccl", "": "nccl", " CE ": "ce", "x": "x"}),
+    (env.attention_transport, env.ATTENTION_TRANSPORT, {None: "auto", "": "auto", " CE ": "ce", "x": "x"}),
     (env.attention_a2a, env.ATTENTION_A2A, {None: "ce", "": "ce", "NCCL": "nccl"}),
     (env.attention_group_streams, env.ATTENTION_GROUP_STREAMS, {None: "1", " ": "1", "Fwd": "fwd", "0": "0"}),
     (env.wait_timeout_s, env.WAIT_TIMEOUT_S, {None: 60.0, "": 60.0, "5": 5.0, " 0.5 ": 0.5}),

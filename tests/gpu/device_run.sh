@@ -147,7 +147,7 @@ if [[ $what == flex_bench ]]; then
   # ended in 240 s.  Give BENCH_ARGS "--pick-only" (commopt's pick on choose's layout, torch CP's two
   # balancers, the single GPU) and one S_total and a few masks a call, e.g. "--pick-only --seq 16384
   # --masks causal,docs_4K" ('_' for the space BENCH_ARGS would split on); with
-  # TORCH_COMMOPT_ATTENTION_TRANSPORT=ce exported, commopt's K/V move by the copy engine (a report of its own, _ce)
+  # TORCH_COMMOPT_ATTENTION_TRANSPORT=nccl exported, commopt's K/V move by NCCL, not the copy engine (a report of its own, _nccl)
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_flex --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_bench.log"
 fi
 if [[ $what == meshslice ]]; then

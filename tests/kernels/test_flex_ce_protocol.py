@@ -122,3 +122,26 @@ def test_the_copy_engine_moves_only_when_asked_for_on_cuda_tensors(monkeypatch):
     monkeypatch.setenv(env.ATTENTION_TRANSPORT, "ce")
     assert not ce_gather.usable([k, k], group)  # CPU tensors: NCCL (gloo) moves them
     assert not ce_gather.usable([k, k], types.SimpleNamespace(group_name="one", size=lambda: 1))
+
+
+def test_by_default_the_flex_all_gather_moves_on_the_copy_engine_and_the_ring_on_nccl(monkeypatch):
+    """TORCH_COMMOPT_ATTENTION_TRANSPORT unset reads "auto": ce_gather's moves where everything
+    else allows them (CUDA tensors, a group whose ranks agreed on peer access), the ring's
+    shifts on NCCL; "ce" both, "nccl" neither; an unknown value is read as nccl."""
+    from torch_commopt.core import env
+    from torch_commopt.kernels.attention import ce_ring
+    from torch_commopt.kernels.gpu import peers
+
+    group = types.SimpleNamespace(group_name="fake", size=lambda: 2)
+    fake = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), is_contiguous=lambda: True)
+    monkeypatch.setattr(peers, "agreed", lambda group, device: (True, ""))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    want = {None: ("auto", True), "ce": ("ce", True), "nccl": ("nccl", False), "copy": ("nccl", False)}
+    for value, (transport, gathers) in want.items():
+        if value is None:
+            monkeypatch.delenv(env.ATTENTION_TRANSPORT, raising=False)
+        else:
+            monkeypatch.setenv(env.ATTENTION_TRANSPORT, value)
+        assert ce_ring.transport() == transport, value
+        assert ce_gather.usable([fake, fake], group) is gathers, value
+        assert ce_ring.usable([fake], group) is (value == "ce"), value

@@ -177,12 +177,13 @@ def _choice(name: str, default: str) -> str:
 
 
 def attention_transport() -> str:
-    """TORCH_COMMOPT_ATTENTION_TRANSPORT (default "nccl"): how the ring attention schedules move
+    """TORCH_COMMOPT_ATTENTION_TRANSPORT (default "auto"): how the ring attention schedules move
     K/V, and the flex all-gather schedule its K/V and their gradients -- "nccl" (send/recv, an
-    all-gather and a reduce-scatter), or "ce": the copy engine over symmetric memory
-    (kernels/attention/ce_ring.py, ce_gather.py).  Case and surrounding spaces ignored; the caller logs an
+    all-gather and a reduce-scatter), "ce": the copy engine over symmetric memory
+    (kernels/attention/ce_ring.py, ce_gather.py), or "auto": the copy engine for the flex
+    all-gather, NCCL for the rings.  Case and surrounding spaces ignored; the caller logs an
     unknown value and reads it as "nccl"."""
-    return _choice(ATTENTION_TRANSPORT, "nccl")
+    return _choice(ATTENTION_TRANSPORT, "auto")
 
 
 def attention_a2a() -> str:

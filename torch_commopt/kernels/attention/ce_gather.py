@@ -21,9 +21,10 @@ DMA (the block's B * H rows at the gathered tensor's pitch):
 
 The protocol is the matmul schedules' (kernels/gpu/symm.py: shared buffer size classes, halves
 alternating call by call, DATA flags, FREE tokens), so these calls interleave with theirs.
-Selected with the ring's switch, TORCH_COMMOPT_ATTENTION_TRANSPORT=ce (off by default: not yet
-measured against NCCL on two GPUs); one head group only, outside CUDA-graph captures, and on
-groups whose ranks agreed on peer access (kernels/gpu/peers.py); otherwise NCCL runs.
+On by default (TORCH_COMMOPT_ATTENTION_TRANSPORT auto or ce; nccl turns it off): it measured
+faster than NCCL's moves at every mask (docs/flex-attention.md); one head group only, outside
+CUDA-graph captures, and on groups whose ranks agreed on peer access (kernels/gpu/peers.py);
+otherwise NCCL runs.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ def _aligned(n: int) -> int:
 
 def usable(tensors: list[Tensor], group) -> bool:
     """Whether the K/V moves of the all-gather schedule over `group` run on the copy engine:
-    asked for (ce_ring.transport() == "ce"), contiguous CUDA tensors, two or more ranks that
+    asked for (ce_ring.transport() "ce" or "auto", the default), contiguous CUDA tensors, two or more ranks that
     agreed on peer access, and not inside a CUDA-graph capture (a new buffer's rendezvous is
     collective and synchronizes; the capture keeps NCCL, logged once)."""
     from torch_commopt.kernels.attention import ce_ring
 
-    if ce_ring.transport() != "ce" or group is None or group.size() < 2:
+    if ce_ring.transport() == "nccl" or group is None or group.size() < 2:
         return False
     if any(t.device.type != "cuda" or not t.is_contiguous() for t in tensors):
         return False
@@ -65,8 +66,8 @@ def usable(tensors: list[Tensor], group) -> bool:
         switches.once(log, f"refused {group.group_name}", logging.INFO, "commopt flex all-gather: group %s %s; its K/V "
                       "moves stay on NCCL", group.group_name, why)
         return False
-    switches.once(log, "on", logging.INFO, "commopt flex all-gather: K/V moves by the copy engine (%s=ce)",
-                  ce_ring.ENV)
+    switches.once(log, "on", logging.INFO, "commopt flex all-gather: K/V moves by the copy engine (%s=%s)",
+                  ce_ring.ENV, ce_ring.transport())
     return True
 
 

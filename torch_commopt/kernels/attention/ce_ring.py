@@ -47,9 +47,11 @@ def _once(key: str, level: int, msg: str, *args) -> None:
 
 
 def transport() -> str:
-    """The transport the environment asks for (default nccl; an unknown value is logged and
-    read as nccl: a typo must not stop a training step)."""
-    return switches.transport(log, ENV, env.attention_transport())
+    """The transport the environment asks for: "auto" (the default: the copy engine where it
+    measured faster than NCCL, the flex all-gather's moves; NCCL for the rings), "nccl" or
+    "ce" (everywhere it can); an unknown value is logged and read as nccl: a typo must not
+    stop a training step."""
+    return switches.transport(log, ENV, env.attention_transport(), ("auto", *switches.TRANSPORTS))
 
 
 def _layout(tensors: Sequence[Tensor]) -> tuple[list[int], int]:
