@@ -207,20 +207,46 @@ def layouts(kind: str, seq: int, world: int, reps: int, tensors: list) -> dict:
                                                      BLOCK_SIZE=BLOCK))
         q, k, v, dout, o, lse = (lay.rearrange(t, 2) for t in tensors)
         lse = lse.float()  # the public API's: natural log
-        fwd, bwd, own = [], [], {"fwd": [], "bwd": []}
+        fwd, bwd, own, cut = [], [], {"fwd": [], "bwd": []}, {"keys": [], "fwd": [], "bwd": []}
         for p in range(world):
             step, mine = flex.step_mask(blocks, p, None, world), slice(p * length, (p + 1) * length)
             q_p, dout_p, o_p, lse_p = (t[:, :, mine].contiguous() for t in (q, dout, o, lse))
             fwd.append(_ms(lambda: flex.block_forward(q_p, k, v, step, scale), reps))
             bwd.append(_ms(lambda: flex.block_backward(q_p, k, v, o_p, lse_p, dout_p, step, scale), reps))
+            for key, value in _compact_ms(blocks, step, (q_p, k, v, o_p, lse_p, dout_p), reps,
+                                          (fwd[-1], bwd[-1])).items():
+                cut[key].append(value)
             if lay.name == "contiguous":  # the share's rows against its own keys only, as if nothing came in
                 alone, k_p, v_p = flex.step_mask(blocks, p, p, world), k[:, :, mine].contiguous(), v[:, :, mine].contiguous()
                 own["fwd"].append(_ms(lambda: flex.block_forward(q_p, k_p, v_p, alone, scale), reps))
                 own["bwd"].append(_ms(lambda: flex.block_backward(q_p, k_p, v_p, o_p, lse_p, dout_p, alone, scale), reps))
-        out[lay.name] = {"tiles": lay.rank_work(rows), "fwd": fwd, "bwd": bwd}
+        out[lay.name] = {"tiles": lay.rank_work(rows), "fwd": fwd, "bwd": bwd, "compact": cut}
         if own["fwd"]:
             out[lay.name]["own"] = own
     return out
+
+
+def _compact_ms(blocks, step, tensors: tuple, reps: int, full: tuple) -> dict:
+    """The rank's all-gather compute on the key blocks its rows reach (flex_compact, as
+    TORCH_COMMOPT_FLEX_COMPACT_KEYS runs it: the keys picked out, dK/dV put back in place):
+    {"keys": how many, "fwd", "bwd" ms}; every key and the `full` (fwd, bwd) ms where no cut pays."""
+    from torch_commopt.kernels.attention import flex, flex_compact
+
+    q, k, v, o, lse, dout = tensors
+    cut = flex_compact.compact(blocks, step)
+    if cut is None:
+        return {"keys": k.shape[2], "fwd": full[0], "bwd": full[1]}
+    scale = D ** -0.5
+
+    def fwd():
+        return flex.block_forward(q, flex_compact.keys_of(k, cut), flex_compact.keys_of(v, cut), cut.step, scale)
+
+    def bwd():
+        kc, vc = flex_compact.keys_of(k, cut), flex_compact.keys_of(v, cut)
+        _, gk, gv = flex.block_backward(q, kc, vc, o, lse, dout, cut.step, scale)
+        return [flex_compact.put_back(g, cut, k.shape[2]) for g in (gk, gv)]
+
+    return {"keys": int(cut.index.numel()), "fwd": _ms(fwd, reps), "bwd": _ms(bwd, reps)}
 
 
 def derive(cases: list) -> list:
@@ -238,6 +264,9 @@ def derive(cases: list) -> list:
             lay["bound"] = {"fwd": ms["whole fwd"] / (c["world"] * max(lay["fwd"])),
                             "bwd": ms["whole bwd"] / (c["world"] * max(lay["bwd"])),
                             "fwd+bwd": (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(both))}
+            if lay.get("compact"):  # the rows against the key blocks they reach (flex_compact)
+                cut = [f + b for f, b in zip(lay["compact"]["fwd"], lay["compact"]["bwd"], strict=True)]
+                lay["bound"]["compact"] = (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(cut))
             if "own" in lay:  # every rank's share alone: the kernel's own strong scaling from S to S / W tokens
                 alone = [f + b for f, b in zip(lay["own"]["fwd"], lay["own"]["bwd"], strict=True)]
                 lay["bound"]["alone"] = (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(alone))
@@ -276,15 +305,20 @@ def report(cases: list, meta: dict) -> str:
               "kernel's ms over W times the busiest rank's, the efficiency no transfer can beat (the 2-GPU target is "
               ">= 0.90). Shares alone (contiguous only): each rank's rows against its own share's keys and nothing "
               "else, the whole kernel over W times the slowest share -- what the kernel itself loses going from S to "
-              "S / W tokens: for documents cut at the shares' ends, the bound of a schedule that sends nothing.", "",
+              "S / W tokens: for documents cut at the shares' ends, the bound of a schedule that sends nothing. "
+              "Compact keys: each rank's rows against only the key blocks they reach (TORCH_COMMOPT_FLEX_COMPACT_KEYS, "
+              "the keys picked out and dK/dV put back included), the keys per rank and the bound.", "",
               "| mask | seq | W | layout | tiles per rank | busiest fwd ms | busiest bwd ms | bound fwd | bound bwd "
-              "| bound fwd+bwd | shares alone fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| bound fwd+bwd | shares alone fwd+bwd | compact keys per rank | compact keys fwd+bwd |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         for name, lay in c.get("layouts", {}).items():
             b = lay["bound"]
             lines.append(f"| {c['mask']} | {c['seq']} | {c['world']} | {name} | {' / '.join(map(str, lay['tiles']))} | "
                          f"{fmt(max(lay['fwd']), 3)} | {fmt(max(lay['bwd']), 3)} | {fmt(b['fwd'], 3)} | "
-                         f"{fmt(b['bwd'], 3)} | {fmt(b['fwd+bwd'], 3)} | {fmt(b.get('alone'), 3)} |")
+                         f"{fmt(b['bwd'], 3)} | {fmt(b['fwd+bwd'], 3)} | {fmt(b.get('alone'), 3)} | "
+                         f"{' / '.join(map(str, lay.get('compact', {}).get('keys', []))) or '-'} | "
+                         f"{fmt(b.get('compact'), 3)} |")
     lines.append("")
     return "\n".join(lines)
 

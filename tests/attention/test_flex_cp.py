@@ -123,6 +123,37 @@ def test_the_all_gather_schedule_gives_dense_attention_and_its_gradients(world, 
         assert got["computed"] == (int(schedule.split("g=")[1]) if "g=" in schedule else 1), (rank, got)
 
 
+@pytest.mark.parametrize("world, kind, own_rows", [(2, "document", False), (4, "document+window", True),
+                                                   (4, "window", False), (2, "causal", False)])
+def test_the_all_gather_schedule_on_compact_keys_gives_dense_attention_and_its_gradients(monkeypatch, world, kind,
+                                                                                          own_rows):
+    """TORCH_COMMOPT_FLEX_COMPACT_KEYS=1: a rank's rows attend only the key blocks they reach
+    (flex_compact), padded to whole eighths of the sequence's; the output and gradients stay
+    dense attention's.  Causal rows reach more than three quarters of the keys on the last
+    rank, which then attends every key; documents and windows cut."""
+    monkeypatch.setenv("TORCH_COMMOPT_FLEX_COMPACT_KEYS", "1")
+    per_rank = run_distributed(run_flex_ring, world, kind, 2 if kind == "document" else 1, "allgather", own_rows,
+                               backend="gloo", timeout_s=300)
+    for rank, got in enumerate(per_rank):
+        assert all(e < 1e-10 for e in got["errors"].values()), (rank, kind, got["errors"])
+    keys = [got["keys"][0] for got in per_rank]  # the forward's one call a rank
+    assert all(n % BLOCK == 0 and n <= S for n in keys), keys
+    if kind == "causal":  # rank 0 reaches its own half only; rank 1 every key: no cut
+        assert keys == [S // 2, S], keys
+    else:
+        assert any(n < S for n in keys), keys
+    if kind == "window":  # a 200-token window: rows from 256 on reach back into the block before theirs
+        assert keys == [256, 512, 512, 512], keys
+
+
+def test_compact_widths_come_in_whole_eighths_and_only_where_they_pay():
+    from torch_commopt.kernels.attention import flex_compact
+
+    assert flex_compact.width(1, 64) == 8 and flex_compact.width(9, 64) == 16 and flex_compact.width(48, 64) == 48
+    assert flex_compact.width(49, 64) is None and flex_compact.width(3, 4) == 3 and flex_compact.width(4, 4) is None
+    assert flex_compact.width(0, 8) == 1  # no tile at all: one block of keys, never an empty call
+
+
 @pytest.mark.parametrize("world, schedule", [(2, "ring"), (4, "ring"), (2, "allgather"), (4, "allgather:g=2")])
 def test_rows_with_no_key_give_zero_output_and_no_gradient(world, schedule):
     """Empty windows and padding (flex_programs "empty rows": token 0 sees no earlier token, the

@@ -1,6 +1,7 @@
-"""The attention transports' environment switches (kernels/attention/switches.py): the ring's K/V on
-NCCL unless asked for the copy engine, Ulysses's all-to-alls on the copy engine unless asked for
-NCCL, and an unknown value logged and read as nccl."""
+"""The attention transports' environment switches (kernels/attention/switches.py): "auto" by
+default for the ring's K/V (NCCL for the rings, the copy engine for the flex all-gather's moves),
+Ulysses's all-to-alls on the copy engine unless asked for NCCL, and an unknown value logged and
+read as nccl."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from torch_commopt.kernels.attention import ce_a2a, ce_ring
 
 
-@pytest.mark.parametrize("module,default,other", [(ce_ring, "nccl", "ce"), (ce_a2a, "ce", "nccl")])
+@pytest.mark.parametrize("module,default,other", [(ce_ring, "auto", "ce"), (ce_ring, "auto", "nccl"),
+                                                  (ce_a2a, "ce", "nccl")])
 def test_transport_default_and_the_other_value(monkeypatch, module, default, other):
     monkeypatch.delenv(module.ENV, raising=False)
     assert module.transport() == default

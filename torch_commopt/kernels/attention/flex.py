@@ -322,12 +322,27 @@ def spans(blocks: Blocks, world: int) -> list[list[tuple[int, int] | None]]:
     return [flat[p * world:(p + 1) * world] for p in range(world)]
 
 
+def kv_tables(kv: tuple, block: int, rows: int, keys: int) -> list:
+    """The block tables flex's operators take (BlockMask.as_tuple() without the mask function) of
+    (kv_num, kv_idx, full_num, full_idx) over `rows` x `keys` tokens.  The backward's Q-block
+    tables (the KV tables transposed) are computed here without vmap: BlockMask computes them
+    under vmap, which fails where a compiled graph's op runs (functorch disabled there: "Cannot
+    access storage of BatchedTensorImpl")."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kn, ki, fn, fi = kv
+    skip_q = {"compute_q_blocks": False} if _takes_compute_q_blocks() else {}  # a keyword not every torch has
+    cut = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=block, seq_lengths=(rows, keys), **skip_q)
+    tables = list(cut.as_tuple()[:-1])
+    cols = keys // block
+    tables[6:10] = [*q_tables(kn, ki, cols), *(q_tables(fn, fi, cols) if fn is not None else (None, None))]
+    return tables
+
+
 def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
     """The mask of rank p's rows against source s's keys (both length L = seq / world; s None: every
     key, the whole sequence): the block tables cut (slice_columns), the lifted mask moved by the
     two offsets, which travel as tensors so that one compiled kernel serves every (p, s)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     length = blocks.share(world)
     nb = length // blocks.block
     rows = slice(None) if blocks.own_rows else slice(p * nb, (p + 1) * nb)
@@ -336,14 +351,7 @@ def step_mask(blocks: Blocks, p: int, s: int | None, world: int) -> Step:
     fn = fi = None
     if blocks.full_num is not None:
         fn, fi = slice_columns(blocks.full_num[..., rows], blocks.full_idx[..., rows, :], c0, c1)
-    keys = length * (c1 - c0) // nb
-    skip_q = {"compute_q_blocks": False} if _takes_compute_q_blocks() else {}  # a keyword not every torch has
-    cut = BlockMask.from_kv_blocks(kn, ki, fn, fi, BLOCK_SIZE=blocks.block, seq_lengths=(length, keys), **skip_q)
-    tables = list(cut.as_tuple()[:-1])
-    # the backward's Q-block tables (the KV tables transposed), computed here without vmap:
-    # BlockMask computes them under vmap, which fails where a compiled graph's op runs (functorch
-    # disabled there: "Cannot access storage of BatchedTensorImpl")
-    tables[6:10] = [*q_tables(kn, ki, c1 - c0), *(q_tables(fn, fi, c1 - c0) if fn is not None else (None, None))]
+    tables = kv_tables((kn, ki, fn, fi), blocks.block, length, length * (c1 - c0) // nb)
     graph = blocks.graph
 
     def moved(b, h, q, kv, q_off, kv_off, *buffers):
