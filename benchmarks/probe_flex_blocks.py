@@ -100,7 +100,7 @@ class Preloaded:
         pass
 
 
-def case(kind: str, seq: int, world: int, reps: int) -> dict:
+def case(kind: str, seq: int, world: int, reps: int, parts: tuple = ()) -> dict:
     """One mask and length: the rank's and the whole kernel's ms and tiles, forward and backward."""
     from torch.nn.attention import flex_attention as fa
 
@@ -171,7 +171,7 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
     host = time.perf_counter()
     flex_ring.steps_of(blocks, world, p)  # what a call with a mask already cut (another layer's) finds
     cached_ms = (time.perf_counter() - host) * 1e3
-    balanced = layouts(kind, seq, world, reps, [q, k, v, dout, out_w, aux_w.lse])
+    balanced = layouts(kind, seq, world, reps, [q, k, v, dout, out_w, aux_w.lse], parts)
     tiles_whole = int(blocks.kv_num.sum()) + int(blocks.full_num.sum())
     tiles_rank = sum(ring.extents[s].tiles for s in live)
     return {"mask": kind, "seq": seq, "world": world, "rank": p, "tiles_whole": tiles_whole, "tiles_rank": tiles_rank,
@@ -187,10 +187,11 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
             "steps_host_ms": steps_ms, "steps_cached_ms": cached_ms, "layouts": balanced}
 
 
-def layouts(kind: str, seq: int, world: int, reps: int, tensors: list) -> dict:
+def layouts(kind: str, seq: int, world: int, reps: int, tensors: list, parts: tuple = ()) -> dict:
     """Every rank's all-gather compute (one call of its rows against every key) on the contiguous
-    layout and on balance.choose's: {layout: {"tiles": per rank, "fwd": per rank ms, "bwd": ...}}.
-    tensors: q, k, v, dout, and the whole kernel's out and lse (the backward's global rows)."""
+    layout, on balance.choose's and on balance.segments' of each P in `parts`: {layout: {"tiles":
+    per rank, "fwd": per rank ms, "bwd": ..., "compact": ...}}.  tensors: q, k, v, dout, and the
+    whole kernel's out and lse (the backward's global rows)."""
     from torch.nn.attention import flex_attention as fa
 
     from torch_commopt.kernels.attention import balance, flex
@@ -200,8 +201,9 @@ def layouts(kind: str, seq: int, world: int, reps: int, tensors: list) -> dict:
     whole_mask = fa.create_block_mask(mod, None, None, seq, seq, device=dev, BLOCK_SIZE=BLOCK)
     rows = balance.row_work(whole_mask)
     out = {}
-    for lay in {lay.name: lay for lay in (balance.contiguous(rows.numel(), world, BLOCK),
-                                          balance.choose(whole_mask, world))}.values():
+    dealt = (balance.contiguous(rows.numel(), world, BLOCK), balance.choose(whole_mask, world),
+             *(balance.segments(rows, world, BLOCK, n) for n in parts))
+    for lay in {lay.name: lay for lay in dealt}.values():
         # the mask over layout positions for both layouts (one compiled kernel: the same mask code)
         blocks = flex.Blocks.of(fa.create_block_mask(lay.mask_mod(mod, dev), None, None, seq, seq, device=dev,
                                                      BLOCK_SIZE=BLOCK))
@@ -301,7 +303,8 @@ def report(cases: list, meta: dict) -> str:
               "finding them cut for a mask another layer's call cut (flex.cached).", ""]
     lines += ["## The layouts: every rank's all-gather compute", "",
               "Each rank's rows against every key in one call (the all-gather schedule's compute), on the contiguous "
-              "layout and on balance.choose's, both with the mask stated over layout positions. Bound: the whole "
+              "layout, on balance.choose's and on any --segments layout, each with the mask stated over layout "
+              "positions. Bound: the whole "
               "kernel's ms over W times the busiest rank's, the efficiency no transfer can beat (the 2-GPU target is "
               ">= 0.90). Shares alone (contiguous only): each rank's rows against its own share's keys and nothing "
               "else, the whole kernel over W times the slowest share -- what the kernel itself loses going from S to "
@@ -331,8 +334,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--masks", default=",".join(MASKS))
     p.add_argument("--budget-s", type=float, default=400.0, help="stop starting cases after this many seconds")
+    p.add_argument("--segments", default="", help="comma-separated P: also time balance.segments(P)'s layout")
     p.add_argument("--commit", default="")
     args = p.parse_args()
+    parts = tuple(int(n) for n in args.segments.split(",") if n)
     # one compiled whole-sequence kernel per mask and length: past Dynamo's default limit of
     # recompiles, flex_attention would run eagerly (its dense math: 128 GiB of scores at 32K)
     torch._dynamo.config.recompile_limit = 64
@@ -342,7 +347,7 @@ def main() -> None:
             if time.perf_counter() - start > args.budget_s:
                 print(f"budget spent: {kind} at {seq} not run", flush=True)
                 continue
-            c = case(kind, seq, args.world, args.reps)
+            c = case(kind, seq, args.world, args.reps, parts)
             cases.append(c)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items()}, flush=True)
     meta = machine_meta(torch.cuda.get_device_name(), 1, args.commit, rounds=args.reps)

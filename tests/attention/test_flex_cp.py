@@ -412,6 +412,38 @@ def test_balanced_layouts_deal_whole_blocks_by_work():
         balance.Layout(torch.tensor([0, 0, 1, 2]), BLOCK, 2)
 
 
+def test_segments_deal_whole_runs_and_keep_documents_with_their_keys():
+    """segments:P: W * P equal runs of blocks, each whole on one rank in sequence order, balanced
+    by work to within a run's; one-block runs are by_work; a rank's rows reach fewer key blocks
+    than under by_work (flex_compact.reached on its rows' step): 4096 tokens of 100- to
+    500-token documents, causal within each."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from torch_commopt.kernels.attention import balance, flex, flex_compact
+
+    seq, lengths = 4096, [100, 500, 230, 410, 170, 350, 290, 460, 120, 380]
+    docs = torch.repeat_interleave(torch.arange(20), torch.tensor(lengths * 2))[:seq][None].to(torch.int32)
+    mod = mask_mod_of("document", docs)
+    mask = create_block_mask(mod, 1, None, seq, seq, device="cpu", BLOCK_SIZE=BLOCK)
+    rows = balance.row_work(mask)
+    lay = balance.segments(rows, 2, BLOCK, 4)
+    assert lay.name == "segments:4" and sorted(lay.order.tolist()) == list(range(seq // BLOCK))
+    runs = lay.order.view(8, -1)  # each run a range of consecutive blocks
+    assert all(torch.equal(r, torch.arange(int(r[0]), int(r[0]) + r.numel())) for r in runs)
+    assert max(lay.rank_work(rows)) <= rows.sum() / 2 + max(rows.view(8, -1).sum(1))
+    assert torch.equal(balance.segments(rows, 2, BLOCK, seq // BLOCK // 2).order, balance.by_work(rows, 2, BLOCK).order)
+
+    def reached(layout):  # key blocks each rank's rows reach, the mask over layout positions
+        moved = create_block_mask(layout.mask_mod(mod), 1, None, seq, seq, device="cpu", BLOCK_SIZE=BLOCK)
+        blocks = flex.Blocks.of(moved)
+        return [int(flex_compact.reached(flex.step_mask(blocks, p, None, 2)).sum()) for p in range(2)]
+
+    mine, scattered = reached(lay), reached(balance.by_work(rows, 2, BLOCK))
+    assert max(mine) <= 16 + 8 < max(scattered), (mine, scattered)  # its 16 blocks and one more a run's start at most
+    with pytest.raises(ValueError, match="runs"):
+        balance.segments(rows, 2, BLOCK, 3)
+
+
 @pytest.mark.parametrize("schedule, train", [("auto", True)])
 def test_torch_context_parallel_with_flex_attention_runs_the_cp_ops(schedule, train):
     """torch's _ContextParallel(FLEX) gathers K/V with cplib::flex_cp_allgather (and scatters their
