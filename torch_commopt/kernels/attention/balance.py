@@ -21,9 +21,9 @@ Layouts: `contiguous`; `head_tail` (rank p holds chunks p and 2W - 1 - p: the zi
 a causal mask); `by_work` (blocks dealt greedily, heaviest first, to the least loaded rank with
 room: balances any mask within one block's work); `segments:P` (P equal runs of blocks a rank,
 dealt the same way: a document stays whole on a rank except where a run ends, for kernels given
-only the keys a rank's rows reach; not among `choose`'s candidates until measured).  `choose` takes the layout whose busiest rank
-has the fewest tiles -- the time every schedule's compute is bound by (the transfers do not
-depend on the layout) -- preferring the simpler layout on a tie.
+only the keys a rank's rows reach; not among `choose`'s candidates until measured).  `choose`
+takes the layout whose busiest rank has the fewest tiles -- the time every schedule's compute is
+bound by (the transfers do not depend on the layout) -- preferring the simpler layout on a tie.
 """
 
 from __future__ import annotations

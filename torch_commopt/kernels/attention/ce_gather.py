@@ -46,9 +46,9 @@ def _aligned(n: int) -> int:
 
 def usable(tensors: list[Tensor], group) -> bool:
     """Whether the K/V moves of the all-gather schedule over `group` run on the copy engine:
-    asked for (ce_ring.transport() "ce" or "auto", the default), contiguous CUDA tensors, two or more ranks that
-    agreed on peer access, and not inside a CUDA-graph capture (a new buffer's rendezvous is
-    collective and synchronizes; the capture keeps NCCL, logged once)."""
+    asked for (ce_ring.transport() "ce" or "auto", the default), contiguous CUDA tensors, two or
+    more ranks that agreed on peer access, and not inside a CUDA-graph capture (a new buffer's
+    rendezvous is collective and synchronizes; the capture keeps NCCL, logged once)."""
     from torch_commopt.kernels.attention import ce_ring
 
     if ce_ring.transport() == "nccl" or group is None or group.size() < 2:
