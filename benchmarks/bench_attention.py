@@ -472,10 +472,12 @@ def _global_errors(errors: dict[str, float], dev: str) -> dict[str, float]:
 
 
 def _transport() -> str:
-    """How the ring schedules move K/V on CUDA (kernels/attention/ce_ring.py's switch)."""
+    """How the ring schedules move K/V on CUDA (kernels/attention/ce_ring.py's switch; "auto"
+    moves the rings on NCCL)."""
     from torch_commopt.kernels.attention.ce_ring import ENV, transport
 
-    return f"{transport()} ({ENV})"
+    asked = transport()
+    return f"{'nccl' if asked == 'auto' else asked} ({ENV}={asked})"
 
 
 def _a2a_transport() -> str:

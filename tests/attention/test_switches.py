@@ -71,3 +71,12 @@ def test_only_a_ring_of_one_runs_its_head_groups_concurrently(monkeypatch):
     schedules._moved(route(), [], None, 2, [], backward=True)
     schedules._moved(route(), [], None, 2, [])
     assert seen == [True, False, True, False, True]
+
+
+def test_the_attention_report_names_the_rings_transport_under_auto(monkeypatch):
+    from benchmarks import bench_attention
+
+    monkeypatch.delenv(ce_ring.ENV, raising=False)
+    assert bench_attention._transport() == f"nccl ({ce_ring.ENV}=auto)"
+    monkeypatch.setenv(ce_ring.ENV, "ce")
+    assert bench_attention._transport() == f"ce ({ce_ring.ENV}=ce)"
