@@ -119,6 +119,51 @@ def test_a_token_given_back_before_the_reads_end_races(monkeypatch):
             simulate(queue, runtimes, seed)
 
 
+def _pulls_into_own_buffer(queue, runtimes) -> int:
+    """Copies on a rank's local stream that write into its own symmetric buffer (ce_pull's
+    staging under env.rs_own_first; else its pulls write the output)."""
+    def mine(rank, written):
+        buf = runtimes[rank].buffers[0].local
+        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+        return all(lo <= a and b <= hi for a, b in written)
+    return sum(1 for r, st, op in queue if op[0] == "copy" and st == runtimes[r].local.cuda_stream and mine(r, op[3]))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence", ["reductions", "k parts", "outer blocks"])
+def test_the_own_product_first_keeps_the_protocol(world, sequence, monkeypatch):
+    # env.rs_own_first: a two-rank ce_pull pulls the peer's partial into this rank's own slot and
+    # adds it after the own product (more ranks, and matmul_ar, keep their form)
+    monkeypatch.setenv(env.RS_OWN_FIRST, "1")
+    queue, runtimes = _queue(world, SEQUENCES[sequence])
+    staged = _pulls_into_own_buffer(queue, runtimes)
+    monkeypatch.delenv(env.RS_OWN_FIRST)
+    plain = _pulls_into_own_buffer(*_queue(world, SEQUENCES[sequence]))
+    pulls = sum(1 for name in SEQUENCES[sequence] if name.startswith("rs") and "ce_pull" in name)
+    assert (staged - plain) == (2 * pulls * 2 if world == 2 else 0), (staged, plain)  # 2 ranks x 2 pieces a call
+    for seed in range(8):
+        simulate(queue, runtimes, seed)
+    assert all(not rt._untaken for rt in runtimes)
+
+
+def test_an_own_first_add_not_ordered_after_its_pulls_gives_the_token_back_early(monkeypatch):
+    # without the caller's stream joining the local stream after the pulls, the call's token goes
+    # back to the peer while this rank's pull still reads the peer's slot
+    monkeypatch.setenv(env.RS_OWN_FIRST, "1")
+    ordered = symm.GroupRuntime.after
+
+    def after(self, waiter, stream):
+        if sys._getframe(1).f_code.co_name == "_own_first_pull_after":
+            return None
+        return ordered(self, waiter, stream)
+
+    monkeypatch.setattr(symm.GroupRuntime, "after", after)
+    queue, runtimes = _queue(2, ["rs ce_pull:2"] * 4)
+    with pytest.raises((Race, NotAtRest, Deadlock)):
+        for seed in range(40):
+            simulate(queue, runtimes, seed)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("sequence", ["ag", "outer blocks ag"])
 @pytest.mark.parametrize("own_early", [False, True])

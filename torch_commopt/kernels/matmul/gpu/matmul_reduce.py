@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from torch_commopt.core import env
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu import call_graphs, driver, symm
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
@@ -456,6 +457,9 @@ def _pull_reduce(call: _Call, own, after_piece):
             call.product(call.piece(a_p, lo, hi), call.slot(call.rank, p, 0, lo, hi))
             call.signal(call.cur, p, c)
     a_r = call.segment_a(call.rank)
+    if pulled is None and after_piece is None and env.rs_own_first():
+        _own_first_pull_after(call, own, a_r, sources[0])
+        return
     for c, (lo, hi) in enumerate(call.pieces):
         own_piece = piece_rows(own, lo, hi)
         for src in sources:
@@ -471,6 +475,25 @@ def _pull_reduce(call: _Call, own, after_piece):
             _sum_slots(call, pulled[:, lo:hi], own_piece)
         if after_piece is not None:
             after_piece(c, lo, hi)
+
+
+def _own_first_pull_after(call: _Call, own, a_r, src: int) -> None:
+    """ce_pull at W = 2 with env.rs_own_first: this rank's own product into the output at once,
+    whatever the peer's progress; the peer's partial pulled beside it, piece by piece as each
+    lands, into this rank's own receive slot (at two ranks in ce_pull no peer writes or reads
+    it), and added after.  A late peer then delays the add only, where the in-place form's own
+    GEMM pieces each wait for their piece's pull; the price is one more pass over the segment
+    (and two roundings, as NCCL's sum of two rounded partials)."""
+    rt, local = call.rt, call.rt.local
+    call.product(a_r, own)
+    staging = call.slot(call.rank, call.rank)
+    for c, (lo, hi) in enumerate(call.pieces):
+        call.wait(local, src, c, "partial")
+        rt.copy(local, piece_rows(staging, lo, hi), call.slot(src, call.rank, 0, lo, hi))
+    rt.after(call.cur, local)
+    own.add_(staging)
+    if call.alpha != 1.0:
+        own.mul_(call.alpha)
 
 
 def _ship(call: _Call, src_piece, dst_piece, p, c):
