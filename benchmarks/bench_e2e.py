@@ -104,7 +104,7 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    "commopt tokens on side": {},
                    # a kept gather's own rows copied under the own shard's GEMM (env.GATHER_OWN_EARLY)
                    "commopt own rows early": {},
-                   # a two-rank ce_pull reduce-scatter's own product first, the peer's partial added after
+                   # a two-rank reduce-scatter's own product first, the peer's partial added after
                    # (env.RS_OWN_FIRST)
                    "commopt own product first": {}}
 # environment variables a variant's steps run with (read at each call: set around each step)

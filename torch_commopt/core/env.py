@@ -167,11 +167,11 @@ def gather_own_early() -> bool:
 
 
 def rs_own_first() -> bool:
-    """TORCH_COMMOPT_RS_OWN_FIRST (default off: not yet measured on GPUs): a two-rank ce_pull
-    reduce-scatter (matmul_rs) runs this rank's own product first, whatever the peer's progress,
-    and adds the peer's pulled partial after it, instead of each own GEMM piece adding into its
-    pulled piece (kernels/matmul/gpu/matmul_reduce.py): a late peer delays the add only.  "1",
-    "true", "True" or "on" turn it on; read at every call."""
+    """TORCH_COMMOPT_RS_OWN_FIRST (default off: not yet measured on GPUs): a two-rank
+    reduce-scatter (matmul_rs: ce_pull, direct, chunked ce_push) runs this rank's own product
+    first, whatever the peer's progress, and adds the peer's partial after it, instead of each own
+    GEMM piece adding into its landed piece (kernels/matmul/gpu/matmul_reduce.py): a late peer
+    delays the add only.  "1", "true", "True" or "on" turn it on; read at every call."""
     return _get(RS_OWN_FIRST, "0") in ("1", "true", "True", "on")
 
 

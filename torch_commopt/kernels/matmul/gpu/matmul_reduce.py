@@ -337,7 +337,8 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
         _pull_reduce(call, own, after_piece)
         return
     rt = call.rt
-    in_place = _adds_in_place(call)
+    # env.rs_own_first: a reduce-scatter that would add in place adds after the own GEMM instead
+    in_place = _adds_in_place(call) and not (after_piece is None and env.rs_own_first())
     if in_place:
         # The local copy stream writes `own` (allocated on the caller's stream): order it
         # after the caller's work so far, before the peers' GEMMs are queued, so a partial
@@ -419,18 +420,21 @@ def _adds_in_place(call: _Call) -> bool:
 
 
 def _own_then_add(call: _Call, a_r, own, src: int, after_piece):
-    """ce_push:1 at W = 2: the own GEMM starts at once, while the copy engine is still
-    moving the peer's partial here, and the partial is added after it (the sum NCCL's
-    reduce-scatter makes of two rounded partials).  In place, the own GEMM would wait for
-    the whole partial: peer GEMM -> copy -> own GEMM in series (1.02 vs 0.86 ms for
+    """ce_push:1 at W = 2 (and every W = 2 reduce-scatter that would add in place, under
+    env.rs_own_first): the own GEMM starts at once, while the peer's partial is still landing
+    here, and the partial is added after it (the sum NCCL's reduce-scatter makes of two rounded
+    partials): a late peer delays the add only.  In place at one piece, the own GEMM would wait
+    for the whole partial: peer GEMM -> copy -> own GEMM in series (1.02 vs 0.86 ms for
     ce_push:2 at 8192^3)."""
     call.product(a_r, own)
-    call.wait(call.cur, src, 0, "partial")
+    for c in range(call.n_chunks):
+        call.wait(call.cur, src, c, "partial")
     own.add_(call.slot(call.rank, src))
     if call.alpha != 1.0:
         own.mul_(call.alpha)
     if after_piece is not None:
-        after_piece(0, *call.pieces[0])
+        for c, (lo, hi) in enumerate(call.pieces):
+            after_piece(c, lo, hi)
 
 
 def _pull_reduce(call: _Call, own, after_piece):
