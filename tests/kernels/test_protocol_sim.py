@@ -147,7 +147,7 @@ def _own_first_changes(names: list[str], world: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("sequence", ["reductions", "k parts", "outer blocks"])
+@pytest.mark.parametrize("sequence", ["reductions", "k parts", "outer blocks", "mixed"])
 def test_the_own_product_first_keeps_the_protocol(world, sequence, monkeypatch):
     # env.rs_own_first: at two ranks a reduce-scatter adds the peer's partial after the own product
     # (ce_pull pulls it into this rank's own slot first); more ranks, and matmul_ar, keep their form
