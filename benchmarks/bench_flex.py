@@ -276,6 +276,15 @@ def _every_rank(variants: dict, measure) -> dict:
 HOST_SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU sleep at H200 clocks: far longer than the calls' enqueue
 
 
+def _behind_sleep(step) -> None:
+    """One warm call of `step` (caches, lazy inits), every rank at rest, then a GPU sleep queued:
+    calls queued after it cost the host only (the GPU is busy far longer than their enqueue)."""
+    step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(HOST_SLEEP_CYCLES)  # noqa: SLF001
+
+
 def _host_ms(variants: dict, calls: int) -> dict:
     """{variant: [each rank's host ms a call]}: `calls` calls queued behind a GPU sleep, so the
     host never waits for the GPU and the time to queue them is the host's alone (where a variant
@@ -283,10 +292,7 @@ def _host_ms(variants: dict, calls: int) -> dict:
     import time
 
     def measure(name, step):
-        step()  # warm: caches, lazy inits
-        torch.cuda.synchronize()
-        dist.barrier()
-        torch.cuda._sleep(HOST_SLEEP_CYCLES)  # noqa: SLF001
+        _behind_sleep(step)
         start = time.perf_counter()
         for _ in range(calls):
             step()
@@ -307,10 +313,7 @@ def _host_profile(variants: dict, calls: int, show: bool, top: int = 45) -> None
 
     for name, variant in variants.items():
         with variant() as (step, _):
-            step()
-            torch.cuda.synchronize()
-            dist.barrier()
-            torch.cuda._sleep(HOST_SLEEP_CYCLES)  # noqa: SLF001
+            _behind_sleep(step)
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(calls):

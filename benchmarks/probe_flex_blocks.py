@@ -241,10 +241,10 @@ def _compact_ms(blocks, step, tensors: tuple, reps: int, full: tuple) -> dict:
     scale = D ** -0.5
 
     def fwd():
-        return flex.block_forward(q, flex_compact.keys_of(k, cut), flex_compact.keys_of(v, cut), cut.step, scale)
+        return flex.block_forward(q, *flex_compact.keys_of(cut, k, v), cut.step, scale)
 
     def bwd():
-        kc, vc = flex_compact.keys_of(k, cut), flex_compact.keys_of(v, cut)
+        kc, vc = flex_compact.keys_of(cut, k, v)
         _, gk, gv = flex.block_backward(q, kc, vc, o, lse, dout, cut.step, scale)
         return [flex_compact.put_back(g, cut, k.shape[2]) for g in (gk, gv)]
 

@@ -123,8 +123,8 @@ def allgather_forward(q: Tensor, k: Tensor, v: Tensor, opts: Options, *,
     step, cut = _rows(opts.blocks, p, world, heads)
     outs, lses = [], []
     for i, (k_all, v_all) in _gathers(k, v, heads, opts.group):
-        keys = (k_all, v_all) if cut is None else (flex_compact.keys_of(k_all, cut), flex_compact.keys_of(v_all, cut))
-        o, l_g = flex.block_forward(q[:, heads[i][0]].contiguous(), *keys, step, opts.scale)
+        o, l_g = flex.block_forward(q[:, heads[i][0]].contiguous(), *flex_compact.keys_of(cut, k_all, v_all), step,
+                                    opts.scale)
         outs.append(o)
         lses.append(l_g)
     kept = (k_all, v_all) if keep and len(heads) == 1 else None
@@ -151,8 +151,8 @@ def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options,
     dqs, scattering = [], []
     for i, (k_all, v_all) in _gathers(k, v, heads, opts.group, kept):
         hq = heads[i][0]
-        keys = (k_all, v_all) if cut is None else (flex_compact.keys_of(k_all, cut), flex_compact.keys_of(v_all, cut))
-        gq, gk, gv = flex.block_backward(q[:, hq].contiguous(), *keys, out[:, hq].contiguous(),
+        gq, gk, gv = flex.block_backward(q[:, hq].contiguous(), *flex_compact.keys_of(cut, k_all, v_all),
+                                         out[:, hq].contiguous(),
                                          lse[:, hq].contiguous(), dout[:, hq].contiguous(), step, opts.scale)
         if cut is not None:  # the compact keys' dK/dV in place among every key, for their reduce-scatter
             gk, gv = (flex_compact.put_back(g, cut, k_all.shape[2]) for g in (gk, gv))

@@ -65,10 +65,11 @@ def compact(blocks: flex.Blocks, step: flex.Step) -> Compact | None:
     the key blocks they reach, padded to `width`; None where no cut pays (one host read)."""
     block, cols = step.tables[-2], step.tables[1] // step.tables[-2]
     used = reached(step).cpu()
-    wide = width(int(used.sum()), cols)
+    count = int(used.sum())
+    wide = width(count, cols)
     if wide is None:
         return None
-    pad = wide - int(used.sum())
+    pad = wide - count
     if pad:
         used[(~used).nonzero().flatten()[:pad]] = True
     chosen = used.nonzero().flatten()  # [wide] key blocks, in sequence order
@@ -95,9 +96,9 @@ def _to(t: Tensor, device: torch.device) -> Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def keys_of(t: Tensor, c: Compact) -> Tensor:
-    """The compact keys of a [B, H, S, D] tensor of every key."""
-    return t.index_select(2, c.index)
+def keys_of(c: Compact | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The compact keys of [B, H, S, D] tensors of every key (c None: the tensors as they are)."""
+    return tensors if c is None else tuple(t.index_select(2, c.index) for t in tensors)
 
 
 def put_back(g: Tensor, c: Compact, length: int) -> Tensor:

@@ -429,9 +429,7 @@ def _own_then_add(call: _Call, a_r, own, src: int, after_piece):
     call.product(a_r, own)
     for c in range(call.n_chunks):
         call.wait(call.cur, src, c, "partial")
-    own.add_(call.slot(call.rank, src))
-    if call.alpha != 1.0:
-        own.mul_(call.alpha)
+    _add_partial(call, own, call.slot(call.rank, src))
     if after_piece is not None:
         for c, (lo, hi) in enumerate(call.pieces):
             after_piece(c, lo, hi)
@@ -495,7 +493,13 @@ def _own_first_pull_after(call: _Call, own, a_r, src: int) -> None:
         call.wait(local, src, c, "partial")
         rt.copy(local, piece_rows(staging, lo, hi), call.slot(src, call.rank, 0, lo, hi))
     rt.after(call.cur, local)
-    own.add_(staging)
+    _add_partial(call, own, staging)
+
+
+def _add_partial(call: _Call, own, partial) -> None:
+    """own += the peer's landed partial (two rounded partials summed, as NCCL's), then the mean's
+    scale for avg."""
+    own.add_(partial)
     if call.alpha != 1.0:
         own.mul_(call.alpha)
 
