@@ -242,7 +242,6 @@ def backward_blocks(saved: Saved, dout: Tensor, shifts: tuple, ring: RankBlocks)
         k_s, v_s = kv.current()
         if i < ring.world - 1:
             kv.start()
-        dk_s, dv_s = grads.current()
         if ring.extents[s] is not None:
             gq, gk, gv = flex.block_backward(q, k_s, v_s, out_q, lse, dout, ring.steps[s], ring.scale)
             rows, keys = ring.extents[s].rows, ring.extents[s].keys
@@ -250,8 +249,10 @@ def backward_blocks(saved: Saved, dout: Tensor, shifts: tuple, ring: RankBlocks)
                 dq = gq.to(acc_dtype(q.dtype)) if wide else gq
             else:
                 dq[:, :, rows] += gq[:, :, rows]
-            dk_s[:, :, keys] += gk[:, :, keys]
-            dv_s[:, :, keys] += gv[:, :, keys]
+            if not (i == 0 and getattr(grads, "adopt", lambda *_: False)(gk, gv, keys)):
+                dk_s, dv_s = grads.current()
+                dk_s[:, :, keys] += gk[:, :, keys]
+                dv_s[:, :, keys] += gv[:, :, keys]
         grads.start()  # block s's sums to the next rank: after W shifts at their owner
         if i < ring.world - 1:
             kv.wait()
@@ -267,14 +268,18 @@ def ring_backward(saved: Saved, dout: Tensor, blocks: flex.Blocks, scale: float,
     """(dq, dk, dv) of this rank's shares, in the inputs' dtypes."""
     world, p = comm.size(group), comm.rank(group)
     ring = RankBlocks(*steps_of(blocks, world, p), scale, p, world)
-    acc = acc_dtype(saved.q.dtype)
+    spans = _checked(skipping(blocks, world), ring)
+    # Over two ranks with sends cut, a rank's dK/dV total is its own block's terms plus at most one
+    # arriving span: one sum, rounded once in the inputs' dtype as in fp32, so the own block's
+    # terms become the total as the kernel gave them (no fp32 zeros over the share, no cast back).
+    acc = saved.k.dtype if spans is not None and world == 2 else acc_dtype(saved.q.dtype)
     zeros = [torch.zeros(saved.k.shape, dtype=acc, device=saved.k.device),
              torch.zeros(saved.v.shape, dtype=acc, device=saved.v.device)]
-    spans = _checked(skipping(blocks, world), ring)
     if spans is None:
         shifts = (comm.ring_shift([saved.k, saved.v], group, TAG_KV), comm.ring_shift(zeros, group, TAG_GRAD))
     else:
-        shifts = (DirectShift([saved.k, saved.v], group, TAG_KV, spans), DirectGrads(zeros, group, TAG_GRAD, spans))
+        shifts = (DirectShift([saved.k, saved.v], group, TAG_KV, spans),
+                  DirectGrads(zeros, group, TAG_GRAD, spans, adopt_own=world == 2))
     return backward_blocks(saved, dout, shifts, ring)
 
 
@@ -286,9 +291,23 @@ class DirectGrads(_Direct):
     this rank's keys (their span spans[p + i][p]) if it computed any, wait() adds those in; after
     the last step current() gives this rank's whole dK/dV."""
 
-    def __init__(self, zeros: list[Tensor], group, tag: int, spans: Spans) -> None:
+    def __init__(self, zeros: list[Tensor], group, tag: int, spans: Spans, adopt_own: bool = False) -> None:
         super().__init__(zeros, group, tag, spans)
         self.terms, self.arriving = zeros, None  # step 0: this rank's own terms, into the total itself
+        self.adopt_own = adopt_own
+
+    def adopt(self, gk: Tensor, gv: Tensor, keys: slice) -> bool:
+        """At step 0 with adopt_own (two ranks, the totals in the terms' dtype): the own block's
+        terms become the totals themselves instead of being added into zeros (outside `keys`, the
+        keys its tiles reach, zeroed as the sum would leave them); False where they are added as
+        usual."""
+        if not self.adopt_own or self.step != 0 or gk.dtype != self.tensors[0].dtype:
+            return False
+        for g in (gk, gv):
+            g[:, :, :keys.start].zero_()
+            g[:, :, keys.stop:].zero_()
+        self.tensors = self.terms = [gk, gv]
+        return True
 
     def current(self) -> list[Tensor]:
         # (a step whose source this rank needs nothing of computes nothing: the total stands in, unwritten)

@@ -1,0 +1,75 @@
+"""The ring's dK/dV totals over two ranks with sends cut (flex_ring.DirectGrads adopt_own): the own
+block's terms become the totals, in the inputs' dtype, and the result is bitwise the fp32 sum's."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from torch_commopt.testing.launch import run_distributed
+
+S, BLOCK, D = 1024, 128, 16
+
+
+def _ring_grads(rank: int, world: int, lean: bool) -> tuple[list[torch.Tensor], int]:
+    """(dq, dk, dv) of this rank's shares by flex_ring's backward in bf16 over a documents mask that
+    crosses the shares' end (the whole mask on every rank, so the sends are cut), and how many
+    times the own block's terms were adopted.  lean False: the totals summed in fp32 from zeros,
+    as before adopt_own."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from torch_commopt.kernels.attention import flex, flex_ring
+
+    gen = torch.Generator().manual_seed(5)
+    q, out, dout = (torch.randn(1, 4, S, D, generator=gen).to(torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(1, 2, S, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    lse = torch.randn(1, 4, S, generator=gen)
+    docs = torch.zeros(S, dtype=torch.int32)
+    for cut in (200, 450, 700):  # 450..700 crosses the shares' end at 512
+        docs[cut:] += 1
+    mask = create_block_mask(lambda b, h, qi, kv: (docs[qi] == docs[kv]) & (qi >= kv), 1, None, S, S,
+                             device="cpu", BLOCK_SIZE=BLOCK)
+    blocks, group, length = flex.Blocks.of(mask), dist.group.WORLD, S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    saved = flex_ring.Saved(*(t[:, :, mine].contiguous() for t in (q, k, v, out)), lse[:, :, mine].contiguous())
+    adopted = []
+    adopt = flex_ring.DirectGrads.adopt
+
+    def counted(self, gk, gv, keys):
+        took = adopt(self, gk, gv, keys) if lean else False
+        adopted.append(took)
+        return took
+
+    flex_ring.DirectGrads.adopt = counted
+    try:
+        if lean:
+            grads = flex_ring.ring_backward(saved, dout[:, :, mine].contiguous(), blocks, 1 / math.sqrt(D), group)
+        else:
+            ring = flex_ring.RankBlocks(*flex_ring.steps_of(blocks, world, rank), 1 / math.sqrt(D), rank, world)
+            spans = flex_ring.skipping(blocks, world)
+            zeros = [torch.zeros(t.shape, dtype=torch.float32) for t in (saved.k, saved.v)]
+            shifts = (flex_ring.DirectShift([saved.k, saved.v], group, flex_ring.TAG_KV, spans),
+                      flex_ring.DirectGrads(zeros, group, flex_ring.TAG_GRAD, spans))
+            grads = flex_ring.backward_blocks(saved, dout[:, :, mine].contiguous(), shifts, ring)
+    finally:
+        flex_ring.DirectGrads.adopt = adopt
+    return list(grads), sum(adopted)
+
+
+def run_totals(rank: int, world: int) -> dict:
+    lean, took = _ring_grads(rank, world, True)
+    plain, _ = _ring_grads(rank, world, False)
+    return {"adopted": took, "dtypes": [str(g.dtype) for g in lean],
+            "equal": [torch.equal(a, b) for a, b in zip(lean, plain, strict=True)],
+            "nonzero": [bool(g.abs().sum() > 0) for g in lean]}
+
+
+def test_two_rank_totals_adopt_the_own_terms_and_equal_the_fp32_sum_bitwise():
+    per_rank = run_distributed(run_totals, 2, backend="gloo", timeout_s=300)
+    for rank, got in enumerate(per_rank):
+        assert got["adopted"] == 1, (rank, got)  # the own block's terms became the totals
+        assert got["dtypes"] == ["torch.bfloat16"] * 3, (rank, got)
+        assert all(got["nonzero"]), (rank, got)
+        assert all(got["equal"]), (rank, got)  # bitwise the fp32 path's sum, rounded once
