@@ -103,14 +103,10 @@ COMMOPT_OPTIONS = {"commopt": {}, "commopt model": {"mode": "model"},
                    # a call's token writes to its peers from the side stream (env.TOKENS_ON_SIDE)
                    "commopt tokens on side": {},
                    # a kept gather's own rows copied under the own shard's GEMM (env.GATHER_OWN_EARLY)
-                   "commopt own rows early": {},
-                   # a two-rank reduce-scatter's own product first, the peer's partial added after
-                   # (env.RS_OWN_FIRST)
-                   "commopt own product first": {}}
+                   "commopt own rows early": {}}
 # environment variables a variant's steps run with (read at each call: set around each step)
 VARIANT_ENV = {"commopt watchdog off": {env.WATCHDOG: "0"}, "commopt python host": {env.HOST_REPLAY: "0"},
-               "commopt tokens on side": {env.TOKENS_ON_SIDE: "1"}, "commopt own rows early": {env.GATHER_OWN_EARLY: "1"},
-               "commopt own product first": {env.RS_OWN_FIRST: "1"}}
+               "commopt tokens on side": {env.TOKENS_ON_SIDE: "1"}, "commopt own rows early": {env.GATHER_OWN_EARLY: "1"}}
 # Inductor's own compile options of the baseline variants (and of the comm-free bound)
 COMM_FREE = "inductor comm-free"
 SYNC_ONLY = "inductor sync-only"  # the ranks meet at every exchange, no bytes move (benchmarks/comm_free.py)

@@ -35,7 +35,6 @@ import contextlib
 import logging
 import os
 import pathlib
-import re
 
 import torch
 import torch.distributed as dist
@@ -117,7 +116,7 @@ def _commopt_variants(case: _Case, rank: int, world: int, group, args: argparse.
     length, scale = case.seq // world, case.q.shape[-1] ** -0.5
     rows = balance.row_work(case.mask)
     contiguous = balance.contiguous(rows.numel(), world, BLOCK)
-    chosen = _layout(args.layout, case.mask, rows, world, contiguous)
+    chosen = contiguous if args.layout == "contiguous" else balance.choose(case.mask, world)
     layouts = {lay.name: lay for lay in ([chosen] if only else [contiguous, chosen])}
     variants, errors, tiles = {}, {}, {}
     for name, lay in layouts.items():
@@ -142,17 +141,6 @@ def _commopt_variants(case: _Case, rank: int, world: int, group, args: argparse.
             errors[key] = max(_rel(g, w) for g, w in zip(_Case.fwd_bwd(fn, *local, mine), want, strict=True))
             variants[key] = _variant(_Case.fwd_bwd, fn, *local, mine)
     return variants, errors, tiles
-
-
-def _layout(name: str, mask, rows, world: int, contiguous):
-    """The layout --layout names: choose's, contiguous, or segments:P (balance.segments)."""
-    from torch_commopt.kernels.attention import balance
-
-    if name == "contiguous":
-        return contiguous
-    if name.startswith("segments:"):
-        return balance.segments(rows, world, BLOCK, int(name.split(":")[1]))
-    return balance.choose(mask, world)
 
 
 def _torch_cp_variants(case: _Case, rank: int, world: int, mesh) -> tuple[dict, dict]:
@@ -395,7 +383,7 @@ def report_variant(args: argparse.Namespace) -> str:
     """The report's name suffix for a run off the defaults (e.g. "ring_contiguous_whole"): each
     such run is a report of its own beside the default one."""
     parts = [args.schedule and args.schedule.replace(":", "-").replace("=", ""),
-             args.layout.replace(":", "") if args.layout != "choose" else None, "whole" if args.whole_mask else None,
+             args.layout if args.layout != "choose" else None, "whole" if args.whole_mask else None,
              None if _moves_by_copy_engine() else "nccl"]
     return "_".join(p for p in parts if p)
 
@@ -443,9 +431,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pick-only", dest="pick_only", action="store_true",
                    help="commopt's pick on balance.choose's layout alone (not every schedule on both layouts)")
     p.add_argument("--schedule", default=None, help="commopt's schedule in place of the flex model's pick")
-    p.add_argument("--layout", default="choose",
-                   help="the layout of --pick-only (and the second layout of the full sweep): choose, contiguous or "
-                        "segments:P (balance.segments, P runs a rank)")
+    p.add_argument("--layout", choices=("choose", "contiguous"), default="choose",
+                   help="the layout of --pick-only (and the second layout of the full sweep)")
     p.add_argument("--whole-mask", dest="whole_mask", action="store_true",
                    help="commopt's ops take the whole sequence's mask, not the rank's rows' (torch CP's form): the "
                         "ring then sends each rank only the span of keys it needs (flex_ring.DirectShift)")
@@ -459,8 +446,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--join", nargs="+", metavar="JSON", help="write one report of these runs' reports to --out")
     p.add_argument("--commit", default="")
     args = p.parse_args(argv)
-    if args.layout not in ("choose", "contiguous") and not re.fullmatch(r"segments:[1-9]\d*", args.layout):
-        p.error(f"--layout {args.layout!r}: choose, contiguous or segments:P")
     args.repeats = args.repeats or (1 if args.cpu else 5)
     args.target_ms = args.target_ms or (1.0 if args.cpu else TARGET_MS)
     return args

@@ -100,7 +100,7 @@ class Preloaded:
         pass
 
 
-def case(kind: str, seq: int, world: int, reps: int, parts: tuple = ()) -> dict:
+def case(kind: str, seq: int, world: int, reps: int) -> dict:
     """One mask and length: the rank's and the whole kernel's ms and tiles, forward and backward."""
     from torch.nn.attention import flex_attention as fa
 
@@ -171,7 +171,7 @@ def case(kind: str, seq: int, world: int, reps: int, parts: tuple = ()) -> dict:
     host = time.perf_counter()
     flex_ring.steps_of(blocks, world, p)  # what a call with a mask already cut (another layer's) finds
     cached_ms = (time.perf_counter() - host) * 1e3
-    balanced = layouts(kind, seq, world, reps, [q, k, v, dout, out_w, aux_w.lse], parts)
+    balanced = layouts(kind, seq, world, reps, [q, k, v, dout, out_w, aux_w.lse])
     tiles_whole = int(blocks.kv_num.sum()) + int(blocks.full_num.sum())
     tiles_rank = sum(ring.extents[s].tiles for s in live)
     return {"mask": kind, "seq": seq, "world": world, "rank": p, "tiles_whole": tiles_whole, "tiles_rank": tiles_rank,
@@ -187,11 +187,10 @@ def case(kind: str, seq: int, world: int, reps: int, parts: tuple = ()) -> dict:
             "steps_host_ms": steps_ms, "steps_cached_ms": cached_ms, "layouts": balanced}
 
 
-def layouts(kind: str, seq: int, world: int, reps: int, tensors: list, parts: tuple = ()) -> dict:
+def layouts(kind: str, seq: int, world: int, reps: int, tensors: list) -> dict:
     """Every rank's all-gather compute (one call of its rows against every key) on the contiguous
-    layout, on balance.choose's and on balance.segments' of each P in `parts`: {layout: {"tiles":
-    per rank, "fwd": per rank ms, "bwd": ..., "compact": ...}}.  tensors: q, k, v, dout, and the
-    whole kernel's out and lse (the backward's global rows)."""
+    layout and on balance.choose's: {layout: {"tiles": per rank, "fwd": per rank ms, "bwd": ...}}.
+    tensors: q, k, v, dout, and the whole kernel's out and lse (the backward's global rows)."""
     from torch.nn.attention import flex_attention as fa
 
     from torch_commopt.kernels.attention import balance, flex
@@ -201,54 +200,27 @@ def layouts(kind: str, seq: int, world: int, reps: int, tensors: list, parts: tu
     whole_mask = fa.create_block_mask(mod, None, None, seq, seq, device=dev, BLOCK_SIZE=BLOCK)
     rows = balance.row_work(whole_mask)
     out = {}
-    dealt = (balance.contiguous(rows.numel(), world, BLOCK), balance.choose(whole_mask, world),
-             *(balance.segments(rows, world, BLOCK, n) for n in parts))
-    for lay in {lay.name: lay for lay in dealt}.values():
+    for lay in {lay.name: lay for lay in (balance.contiguous(rows.numel(), world, BLOCK),
+                                          balance.choose(whole_mask, world))}.values():
         # the mask over layout positions for both layouts (one compiled kernel: the same mask code)
         blocks = flex.Blocks.of(fa.create_block_mask(lay.mask_mod(mod, dev), None, None, seq, seq, device=dev,
                                                      BLOCK_SIZE=BLOCK))
         q, k, v, dout, o, lse = (lay.rearrange(t, 2) for t in tensors)
         lse = lse.float()  # the public API's: natural log
-        fwd, bwd, own, cut = [], [], {"fwd": [], "bwd": []}, {"keys": [], "fwd": [], "bwd": []}
+        fwd, bwd, own = [], [], {"fwd": [], "bwd": []}
         for p in range(world):
             step, mine = flex.step_mask(blocks, p, None, world), slice(p * length, (p + 1) * length)
             q_p, dout_p, o_p, lse_p = (t[:, :, mine].contiguous() for t in (q, dout, o, lse))
             fwd.append(_ms(lambda: flex.block_forward(q_p, k, v, step, scale), reps))
             bwd.append(_ms(lambda: flex.block_backward(q_p, k, v, o_p, lse_p, dout_p, step, scale), reps))
-            for key, value in _compact_ms(blocks, step, (q_p, k, v, o_p, lse_p, dout_p), reps,
-                                          (fwd[-1], bwd[-1])).items():
-                cut[key].append(value)
             if lay.name == "contiguous":  # the share's rows against its own keys only, as if nothing came in
                 alone, k_p, v_p = flex.step_mask(blocks, p, p, world), k[:, :, mine].contiguous(), v[:, :, mine].contiguous()
                 own["fwd"].append(_ms(lambda: flex.block_forward(q_p, k_p, v_p, alone, scale), reps))
                 own["bwd"].append(_ms(lambda: flex.block_backward(q_p, k_p, v_p, o_p, lse_p, dout_p, alone, scale), reps))
-        out[lay.name] = {"tiles": lay.rank_work(rows), "fwd": fwd, "bwd": bwd, "compact": cut}
+        out[lay.name] = {"tiles": lay.rank_work(rows), "fwd": fwd, "bwd": bwd}
         if own["fwd"]:
             out[lay.name]["own"] = own
     return out
-
-
-def _compact_ms(blocks, step, tensors: tuple, reps: int, full: tuple) -> dict:
-    """The rank's all-gather compute on the key blocks its rows reach (flex_compact, as
-    TORCH_COMMOPT_FLEX_COMPACT_KEYS runs it: the keys picked out, dK/dV put back in place):
-    {"keys": how many, "fwd", "bwd" ms}; every key and the `full` (fwd, bwd) ms where no cut pays."""
-    from torch_commopt.kernels.attention import flex, flex_compact
-
-    q, k, v, o, lse, dout = tensors
-    cut = flex_compact.compact(blocks, step)
-    if cut is None:
-        return {"keys": k.shape[2], "fwd": full[0], "bwd": full[1]}
-    scale = D ** -0.5
-
-    def fwd():
-        return flex.block_forward(q, *flex_compact.keys_of(cut, k, v), cut.step, scale)
-
-    def bwd():
-        kc, vc = flex_compact.keys_of(cut, k, v)
-        _, gk, gv = flex.block_backward(q, kc, vc, o, lse, dout, cut.step, scale)
-        return [flex_compact.put_back(g, cut, k.shape[2]) for g in (gk, gv)]
-
-    return {"keys": int(cut.index.numel()), "fwd": _ms(fwd, reps), "bwd": _ms(bwd, reps)}
 
 
 def derive(cases: list) -> list:
@@ -266,9 +238,6 @@ def derive(cases: list) -> list:
             lay["bound"] = {"fwd": ms["whole fwd"] / (c["world"] * max(lay["fwd"])),
                             "bwd": ms["whole bwd"] / (c["world"] * max(lay["bwd"])),
                             "fwd+bwd": (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(both))}
-            if lay.get("compact"):  # the rows against the key blocks they reach (flex_compact)
-                cut = [f + b for f, b in zip(lay["compact"]["fwd"], lay["compact"]["bwd"], strict=True)]
-                lay["bound"]["compact"] = (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(cut))
             if "own" in lay:  # every rank's share alone: the kernel's own strong scaling from S to S / W tokens
                 alone = [f + b for f, b in zip(lay["own"]["fwd"], lay["own"]["bwd"], strict=True)]
                 lay["bound"]["alone"] = (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(alone))
@@ -303,25 +272,19 @@ def report(cases: list, meta: dict) -> str:
               "finding them cut for a mask another layer's call cut (flex.cached).", ""]
     lines += ["## The layouts: every rank's all-gather compute", "",
               "Each rank's rows against every key in one call (the all-gather schedule's compute), on the contiguous "
-              "layout, on balance.choose's and on any --segments layout, each with the mask stated over layout "
-              "positions. Bound: the whole "
+              "layout and on balance.choose's, both with the mask stated over layout positions. Bound: the whole "
               "kernel's ms over W times the busiest rank's, the efficiency no transfer can beat (the 2-GPU target is "
               ">= 0.90). Shares alone (contiguous only): each rank's rows against its own share's keys and nothing "
               "else, the whole kernel over W times the slowest share -- what the kernel itself loses going from S to "
-              "S / W tokens: for documents cut at the shares' ends, the bound of a schedule that sends nothing. "
-              "Compact keys: each rank's rows against only the key blocks they reach (TORCH_COMMOPT_FLEX_COMPACT_KEYS, "
-              "the keys picked out and dK/dV put back included), the keys per rank and the bound.", "",
+              "S / W tokens: for documents cut at the shares' ends, the bound of a schedule that sends nothing.", "",
               "| mask | seq | W | layout | tiles per rank | busiest fwd ms | busiest bwd ms | bound fwd | bound bwd "
-              "| bound fwd+bwd | shares alone fwd+bwd | compact keys per rank | compact keys fwd+bwd |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| bound fwd+bwd | shares alone fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         for name, lay in c.get("layouts", {}).items():
             b = lay["bound"]
             lines.append(f"| {c['mask']} | {c['seq']} | {c['world']} | {name} | {' / '.join(map(str, lay['tiles']))} | "
                          f"{fmt(max(lay['fwd']), 3)} | {fmt(max(lay['bwd']), 3)} | {fmt(b['fwd'], 3)} | "
-                         f"{fmt(b['bwd'], 3)} | {fmt(b['fwd+bwd'], 3)} | {fmt(b.get('alone'), 3)} | "
-                         f"{' / '.join(map(str, lay.get('compact', {}).get('keys', []))) or '-'} | "
-                         f"{fmt(b.get('compact'), 3)} |")
+                         f"{fmt(b['bwd'], 3)} | {fmt(b['fwd+bwd'], 3)} | {fmt(b.get('alone'), 3)} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -334,10 +297,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--masks", default=",".join(MASKS))
     p.add_argument("--budget-s", type=float, default=400.0, help="stop starting cases after this many seconds")
-    p.add_argument("--segments", default="", help="comma-separated P: also time balance.segments(P)'s layout")
     p.add_argument("--commit", default="")
     args = p.parse_args()
-    parts = tuple(int(n) for n in args.segments.split(",") if n)
     # one compiled whole-sequence kernel per mask and length: past Dynamo's default limit of
     # recompiles, flex_attention would run eagerly (its dense math: 128 GiB of scores at 32K)
     torch._dynamo.config.recompile_limit = 64
@@ -347,7 +308,7 @@ def main() -> None:
             if time.perf_counter() - start > args.budget_s:
                 print(f"budget spent: {kind} at {seq} not run", flush=True)
                 continue
-            c = case(kind, seq, args.world, args.reps, parts)
+            c = case(kind, seq, args.world, args.reps)
             cases.append(c)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items()}, flush=True)
     meta = machine_meta(torch.cuda.get_device_name(), 1, args.commit, rounds=args.reps)

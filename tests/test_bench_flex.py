@@ -103,16 +103,3 @@ def test_the_host_section_lists_every_variant_s_host_time_by_rank():
     assert lines[-1] == "- docs 1K S 16384: single GPU 1.00 / 0.96; commopt allgather @ by_work 2.69 / 2.51"
     assert bench_flex.host_lines([{"mask": "causal", "seq": 1}]) == []
     assert bench_flex.parse_args(["--host", "10"]).host == 10
-
-
-def test_the_cpu_smoke_runs_the_all_gather_on_compact_keys_over_segments(monkeypatch):
-    """--layout segments:P deals the tokens in runs (balance.segments); with compact keys on, the
-    all-gather agrees with one device; a layout that is none of the three is refused."""
-    monkeypatch.setenv("TORCH_COMMOPT_FLEX_COMPACT_KEYS", "1")
-    (record,) = bench_flex.main(["--cpu", "--masks", "docs 128", "--seq", "512", "--repeats", "1", "--pick-only",
-                                 "--schedule", "allgather", "--layout", "segments:2"])
-    assert record["layout"] == "segments:2" and "commopt allgather @ segments:2" in record["ms"]
-    assert max(record["errors"].values()) < 1e-5, record["errors"]
-    assert bench_flex.report_variant(bench_flex.parse_args(["--layout", "segments:2"])) == "segments2"
-    with pytest.raises(SystemExit):
-        bench_flex.parse_args(["--layout", "zigzag"])

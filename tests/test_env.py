@@ -95,8 +95,6 @@ def test_every_config_field_is_in_the_configuration_reference():
     (env.attention_a2a, env.ATTENTION_A2A, {None: "ce", "": "ce", "NCCL": "nccl"}),
     (env.attention_group_streams, env.ATTENTION_GROUP_STREAMS, {None: "1", " ": "1", "Fwd": "fwd", "0": "0"}),
     (env.wait_timeout_s, env.WAIT_TIMEOUT_S, {None: 60.0, "": 60.0, "5": 5.0, " 0.5 ": 0.5}),
-    (env.rs_own_first, env.RS_OWN_FIRST, {None: False, "": False, "true": True, "off": False}),
-    (env.flex_compact_keys, env.FLEX_COMPACT_KEYS, {None: False, "": False, "1": True, "on": True, "yes": False}),
     (env.watchdog, env.WATCHDOG, {None: True, "": True, "1": True, "0": False, "off": False, "False": False}),
 ])
 def test_each_variable_is_read_at_call_time(monkeypatch, accessor, name, cases):

@@ -123,37 +123,6 @@ def test_the_all_gather_schedule_gives_dense_attention_and_its_gradients(world, 
         assert got["computed"] == (int(schedule.split("g=")[1]) if "g=" in schedule else 1), (rank, got)
 
 
-@pytest.mark.parametrize("world, kind, own_rows", [(2, "document", False), (4, "document+window", True),
-                                                   (4, "window", False), (2, "causal", False)])
-def test_the_all_gather_schedule_on_compact_keys_gives_dense_attention_and_its_gradients(monkeypatch, world, kind,
-                                                                                          own_rows):
-    """TORCH_COMMOPT_FLEX_COMPACT_KEYS=1: a rank's rows attend only the key blocks they reach
-    (flex_compact), padded to whole eighths of the sequence's; the output and gradients stay
-    dense attention's.  Causal rows reach more than three quarters of the keys on the last
-    rank, which then attends every key; documents and windows cut."""
-    monkeypatch.setenv("TORCH_COMMOPT_FLEX_COMPACT_KEYS", "1")
-    per_rank = run_distributed(run_flex_ring, world, kind, 2 if kind == "document" else 1, "allgather", own_rows,
-                               backend="gloo", timeout_s=300)
-    for rank, got in enumerate(per_rank):
-        assert all(e < 1e-10 for e in got["errors"].values()), (rank, kind, got["errors"])
-    keys = [got["keys"][0] for got in per_rank]  # the forward's one call a rank
-    assert all(n % BLOCK == 0 and n <= S for n in keys), keys
-    if kind == "causal":  # rank 0 reaches its own half only; rank 1 every key: no cut
-        assert keys == [S // 2, S], keys
-    else:
-        assert any(n < S for n in keys), keys
-    if kind == "window":  # a 200-token window: rows from 256 on reach back into the block before theirs
-        assert keys == [256, 512, 512, 512], keys
-
-
-def test_compact_widths_come_in_whole_eighths_and_only_where_they_pay():
-    from torch_commopt.kernels.attention import flex_compact
-
-    assert flex_compact.width(1, 64) == 8 and flex_compact.width(9, 64) == 16 and flex_compact.width(48, 64) == 48
-    assert flex_compact.width(49, 64) is None and flex_compact.width(3, 4) == 3 and flex_compact.width(4, 4) is None
-    assert flex_compact.width(0, 8) == 1  # no tile at all: one block of keys, never an empty call
-
-
 @pytest.mark.parametrize("world, schedule", [(2, "ring"), (4, "ring"), (2, "allgather"), (4, "allgather:g=2")])
 def test_rows_with_no_key_give_zero_output_and_no_gradient(world, schedule):
     """Empty windows and padding (flex_programs "empty rows": token 0 sees no earlier token, the
@@ -410,38 +379,6 @@ def test_balanced_layouts_deal_whole_blocks_by_work():
     assert lay.name == "head_tail" and lay.rank_work(balance.row_work(causal)) == [18, 18]
     with pytest.raises(ValueError, match="not a permutation"):
         balance.Layout(torch.tensor([0, 0, 1, 2]), BLOCK, 2)
-
-
-def test_segments_deal_whole_runs_and_keep_documents_with_their_keys():
-    """segments:P: W * P equal runs of blocks, each whole on one rank in sequence order, balanced
-    by work to within a run's; one-block runs are by_work; a rank's rows reach fewer key blocks
-    than under by_work (flex_compact.reached on its rows' step): 4096 tokens of 100- to
-    500-token documents, causal within each."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from torch_commopt.kernels.attention import balance, flex, flex_compact
-
-    seq, lengths = 4096, [100, 500, 230, 410, 170, 350, 290, 460, 120, 380]
-    docs = torch.repeat_interleave(torch.arange(20), torch.tensor(lengths * 2))[:seq][None].to(torch.int32)
-    mod = mask_mod_of("document", docs)
-    mask = create_block_mask(mod, 1, None, seq, seq, device="cpu", BLOCK_SIZE=BLOCK)
-    rows = balance.row_work(mask)
-    lay = balance.segments(rows, 2, BLOCK, 4)
-    assert lay.name == "segments:4" and sorted(lay.order.tolist()) == list(range(seq // BLOCK))
-    runs = lay.order.view(8, -1)  # each run a range of consecutive blocks
-    assert all(torch.equal(r, torch.arange(int(r[0]), int(r[0]) + r.numel())) for r in runs)
-    assert max(lay.rank_work(rows)) <= rows.sum() / 2 + max(rows.view(8, -1).sum(1))
-    assert torch.equal(balance.segments(rows, 2, BLOCK, seq // BLOCK // 2).order, balance.by_work(rows, 2, BLOCK).order)
-
-    def reached(layout):  # key blocks each rank's rows reach, the mask over layout positions
-        moved = create_block_mask(layout.mask_mod(mod), 1, None, seq, seq, device="cpu", BLOCK_SIZE=BLOCK)
-        blocks = flex.Blocks.of(moved)
-        return [int(flex_compact.reached(flex.step_mask(blocks, p, None, 2)).sum()) for p in range(2)]
-
-    mine, scattered = reached(lay), reached(balance.by_work(rows, 2, BLOCK))
-    assert max(mine) <= 16 + 8 < max(scattered), (mine, scattered)  # its 16 blocks and one more a run's start at most
-    with pytest.raises(ValueError, match="runs"):
-        balance.segments(rows, 2, BLOCK, 3)
 
 
 @pytest.mark.parametrize("schedule, train", [("auto", True)])

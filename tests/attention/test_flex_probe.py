@@ -47,19 +47,8 @@ def test_the_report_shows_the_shares_alone_only_for_the_contiguous_layout():
     meta = {"device": "GPU", "commit": "abc", "date": "d", "torch": "t", "rounds": 3}
     rows = [line for line in probe.report(probe.derive([_case()]), meta).splitlines() if line.startswith("| docs 1K")]
     layout_rows = [r for r in rows if "contiguous" in r or "by_work" in r]
-    assert layout_rows[0].endswith("| 0.833 | - | - |") and "contiguous" in layout_rows[0]
-    assert layout_rows[1].endswith("| - | - | - |") and "by_work" in layout_rows[1]
-
-
-def test_the_compact_keys_bound_is_the_whole_kernel_over_world_times_the_slowest_compact_rank():
-    c = _case()
-    c["layouts"]["contiguous"]["compact"] = {"keys": [8448, 16384], "fwd": [0.3, 0.5], "bwd": [0.8, 1.3]}
-    lay = probe.derive([c])[0]["layouts"]
-    # the slowest rank on its compact keys: 0.5 + 1.3 = 1.8 ms (rank 1 cut nothing: its full times)
-    assert lay["contiguous"]["bound"]["compact"] == pytest.approx(2.5 / (2 * 1.8))
-    meta = {"device": "GPU", "commit": "abc", "date": "d", "torch": "t", "rounds": 3}
-    row = [r for r in probe.report(probe.derive([c]), meta).splitlines() if "| contiguous |" in r][0]
-    assert row.endswith("| 0.833 | 8448 / 16384 | 0.694 |"), row
+    assert layout_rows[0].endswith("| 0.833 |") and "contiguous" in layout_rows[0]
+    assert layout_rows[1].endswith("| - |") and "by_work" in layout_rows[1]
 
 
 def test_the_report_states_its_kernels_and_rounds():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|flex_compact|meshslice|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|meshslice|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -149,19 +149,6 @@ if [[ $what == flex_bench ]]; then
   # --masks causal,docs_4K" ('_' for the space BENCH_ARGS would split on); with
   # TORCH_COMMOPT_ATTENTION_TRANSPORT=nccl exported, commopt's K/V move by NCCL, not the copy engine (a report of its own, _nccl)
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_flex --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_bench.log"
-fi
-if [[ $what == flex_compact ]]; then
-  # issue 70, W GPUs: compact keys (TORCH_COMMOPT_FLEX_COMPACT_KEYS) and segment layouts -- their GPU
-  # test, then each layout's per-rank compute on every key and on compact keys (one GPU), then the
-  # whole call on the segments layout with compact keys against torch CP (e.g. BENCH_ARGS="--commit
-  # abc", SEGMENTS=4, FLEX_SEQ=32768, FLEX_MASKS=docs_1K,docs_4K); ~8 min on 2x H200
-  TORCH_COMMOPT_DEBUG_WAITS=1 TORCH_COMMOPT_WAIT_TIMEOUT_S=120 timeout ${TEST_TIMEOUT:-200} \
-    python3 -m pytest -v -p no:cacheprovider tests/gpu/test_flex_gpu.py -k compact_keys 2>&1 | tee "$out/gpu_flex_compact.log"
-  timeout ${PROBE_TIMEOUT:-200} python3 -m benchmarks.probe_flex_blocks --out "$out" --seq ${FLEX_SEQ:-32768} \
-    --masks "$(echo ${FLEX_MASKS:-docs_1K,docs_4K} | tr _ ' ')" --segments ${SEGMENTS:-4} ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
-  TORCH_COMMOPT_FLEX_COMPACT_KEYS=1 timeout ${BENCH_TIMEOUT:-240} python3 -m benchmarks.bench_flex --out "$out" --pick-only \
-    --schedule allgather --layout segments:${SEGMENTS:-4} --seq ${FLEX_SEQ:-32768} --masks ${FLEX_MASKS:-docs_1K,docs_4K} \
-    ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_bench.log"
 fi
 if [[ $what == meshslice ]]; then
   # issue 71/73, 4 GPUs as a 2 x 2 mesh: the FC layers through the reference 2D GEMMs, Collective vs

@@ -129,28 +129,6 @@ def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> 
     return results
 
 
-def run_flex_ops_compact(rank: int, world: int) -> dict:
-    """run_flex_ops with TORCH_COMMOPT_FLEX_COMPACT_KEYS=1: {"results", "cuts": the rows' compact
-    keys made (flex_compact.compact's calls that cut)}."""
-    from torch_commopt.core import env
-    from torch_commopt.kernels.attention import flex_compact
-
-    real, cuts = flex_compact.compact, []
-
-    def counted(blocks, step):
-        cut = real(blocks, step)
-        cuts.append(cut is not None)
-        return cut
-
-    os.environ[env.FLEX_COMPACT_KEYS] = "1"
-    flex_compact.compact = counted
-    try:
-        return {"results": run_flex_ops(rank, world), "cuts": sum(cuts)}
-    finally:
-        flex_compact.compact = real
-        del os.environ[env.FLEX_COMPACT_KEYS]
-
-
 def run_flex_ce(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The one-group all-gather's ops with K/V moved by the copy engine (ce_gather; the caller
     set TORCH_COMMOPT_ATTENTION_TRANSPORT=ce), the kept pair and the unkept one, causal and

@@ -62,18 +62,6 @@ def test_back_to_back_calls_do_not_corrupt(two_ranks):
 
 
 @pytest.mark.gpu
-def test_the_own_product_first_matches_reference_and_survives_back_to_back_calls(two_ranks, monkeypatch):
-    """TORCH_COMMOPT_RS_OWN_FIRST=1: the two-rank reduce-scatters add the peer's partial after
-    the own product (matmul_reduce._own_then_add, _own_first_pull_after); every schedule's
-    results and the back-to-back calls' stay within the reference's error."""
-    monkeypatch.setenv("TORCH_COMMOPT_RS_OWN_FIRST", "1")
-    for results in run_distributed(run_schedule_cases, two_ranks[0], backend=two_ranks[1]):
-        _check(results)
-    for results in run_distributed(run_back_to_back, two_ranks[0], backend=two_ranks[1]):
-        _check(results)
-
-
-@pytest.mark.gpu
 def test_every_gpu_schedule_matches_reference_at_worlds_3_and_4(more_ranks):
     # three and four peers: rotated send orders, a token per peer, rows split three and four ways
     for results in run_distributed(run_schedule_cases, more_ranks[0], ("bfloat16",), backend=more_ranks[1],

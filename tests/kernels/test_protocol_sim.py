@@ -119,67 +119,6 @@ def test_a_token_given_back_before_the_reads_end_races(monkeypatch):
             simulate(queue, runtimes, seed)
 
 
-def _local_copies(queue, runtimes) -> tuple[int, int]:
-    """(copies on a rank's local stream into its own symmetric buffer, into anything else): ce_pull's
-    staging under env.rs_own_first, and the in-place reductions' and plain pulls' copies into the output."""
-    def mine(rank, written):
-        buf = runtimes[rank].buffers[0].local
-        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
-        return all(lo <= a and b <= hi for a, b in written)
-    local = [(r, op) for r, st, op in queue if op[0] == "copy" and st == runtimes[r].local.cuda_stream]
-    inside = sum(mine(r, op[3]) for r, op in local)
-    return inside, len(local) - inside
-
-
-def _own_first_changes(names: list[str], world: int) -> tuple[int, int]:
-    """What env.rs_own_first changes in _local_copies at two ranks: every ce_pull reduce-scatter's
-    pieces staged in the own buffer instead of copied into the output, and every reduce-scatter
-    that adds in place (ce_push:S > 1, direct) copying nothing on the local stream."""
-    staged = moved = 0
-    for name in names:
-        op, sched = name.split()[:2]
-        kind, chunks = sched.split(":")[0], int(sched.split(":")[1])
-        if not op.startswith("rs") or world != 2:
-            continue
-        staged += world * chunks if kind == "ce_pull" else 0
-        moved += world * chunks if kind == "ce_pull" or kind == "direct" or (kind == "ce_push" and chunks > 1) else 0
-    return staged, -moved
-
-
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("sequence", ["reductions", "k parts", "outer blocks", "mixed"])
-def test_the_own_product_first_keeps_the_protocol(world, sequence, monkeypatch):
-    # env.rs_own_first: at two ranks a reduce-scatter adds the peer's partial after the own product
-    # (ce_pull pulls it into this rank's own slot first); more ranks, and matmul_ar, keep their form
-    monkeypatch.setenv(env.RS_OWN_FIRST, "1")
-    queue, runtimes = _queue(world, SEQUENCES[sequence])
-    first = _local_copies(queue, runtimes)
-    monkeypatch.delenv(env.RS_OWN_FIRST)
-    plain = _local_copies(*_queue(world, SEQUENCES[sequence]))
-    assert (first[0] - plain[0], first[1] - plain[1]) == _own_first_changes(SEQUENCES[sequence], world), (first, plain)
-    for seed in range(8):
-        simulate(queue, runtimes, seed)
-    assert all(not rt._untaken for rt in runtimes)
-
-
-def test_an_own_first_add_not_ordered_after_its_pulls_gives_the_token_back_early(monkeypatch):
-    # without the caller's stream joining the local stream after the pulls, the call's token goes
-    # back to the peer while this rank's pull still reads the peer's slot
-    monkeypatch.setenv(env.RS_OWN_FIRST, "1")
-    ordered = symm.GroupRuntime.after
-
-    def after(self, waiter, stream):
-        if sys._getframe(1).f_code.co_name == "_own_first_pull_after":
-            return None
-        return ordered(self, waiter, stream)
-
-    monkeypatch.setattr(symm.GroupRuntime, "after", after)
-    queue, runtimes = _queue(2, ["rs ce_pull:2"] * 4)
-    with pytest.raises((Race, NotAtRest, Deadlock)):
-        for seed in range(40):
-            simulate(queue, runtimes, seed)
-
-
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("sequence", ["ag", "outer blocks ag"])
 @pytest.mark.parametrize("own_early", [False, True])

@@ -34,14 +34,12 @@ DECODE_TRANSPORT = "TORCH_COMMOPT_DECODE_TRANSPORT"
 HOST_REPLAY = "TORCH_COMMOPT_HOST_REPLAY"
 TOKENS_ON_SIDE = "TORCH_COMMOPT_TOKENS_ON_SIDE"
 GATHER_OWN_EARLY = "TORCH_COMMOPT_GATHER_OWN_EARLY"
-FLEX_COMPACT_KEYS = "TORCH_COMMOPT_FLEX_COMPACT_KEYS"
-RS_OWN_FIRST = "TORCH_COMMOPT_RS_OWN_FIRST"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
          ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
          MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY, TOKENS_ON_SIDE,
-         GATHER_OWN_EARLY, FLEX_COMPACT_KEYS, RS_OWN_FIRST)
+         GATHER_OWN_EARLY)
 
 # CPython's POSIX os.environ keeps the encoded strings in `_data`; os.environ.get encodes the name
 # and decodes the value at every read (~1 us on a slow host, several reads in a GPU schedule's call).
@@ -164,23 +162,6 @@ def gather_own_early() -> bool:
     under that peer's GEMM (kernels/matmul/gpu/ag_matmul.py).  "1", "true", "True" or "on" turn
     it on; read at every call."""
     return _get(GATHER_OWN_EARLY, "0") in ("1", "true", "True", "on")
-
-
-def rs_own_first() -> bool:
-    """TORCH_COMMOPT_RS_OWN_FIRST (default off: not yet measured on GPUs): a two-rank
-    reduce-scatter (matmul_rs: ce_pull, direct, chunked ce_push) runs this rank's own product
-    first, whatever the peer's progress, and adds the peer's partial after it, instead of each own
-    GEMM piece adding into its landed piece (kernels/matmul/gpu/matmul_reduce.py): a late peer
-    delays the add only.  "1", "true", "True" or "on" turn it on; read at every call."""
-    return _get(RS_OWN_FIRST, "0") in ("1", "true", "True", "on")
-
-
-def flex_compact_keys() -> bool:
-    """TORCH_COMMOPT_FLEX_COMPACT_KEYS (default off: not yet measured on GPUs): the flex all-gather
-    schedule (one head group) gives its kernels only the key blocks this rank's rows reach, where
-    that drops at least a quarter of them (kernels/attention/flex_compact.py).  "1", "true",
-    "True" or "on" turn it on; read at every call."""
-    return _get(FLEX_COMPACT_KEYS, "0") in ("1", "true", "True", "on")
 
 
 def host_timing() -> bool:

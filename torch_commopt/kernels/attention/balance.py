@@ -19,11 +19,9 @@ every commopt flex schedule runs on any layout unchanged.
 
 Layouts: `contiguous`; `head_tail` (rank p holds chunks p and 2W - 1 - p: the zigzag that balances
 a causal mask); `by_work` (blocks dealt greedily, heaviest first, to the least loaded rank with
-room: balances any mask within one block's work); `segments:P` (P equal runs of blocks a rank,
-dealt the same way: a document stays whole on a rank except where a run ends, for kernels given
-only the keys a rank's rows reach; not among `choose`'s candidates until measured).  `choose`
-takes the layout whose busiest rank has the fewest tiles -- the time every schedule's compute is
-bound by (the transfers do not depend on the layout) -- preferring the simpler layout on a tie.
+room: balances any mask within one block's work).  `choose` takes the layout whose busiest rank
+has the fewest tiles -- the time every schedule's compute is bound by (the transfers do not
+depend on the layout) -- preferring the simpler layout on a tie.
 """
 
 from __future__ import annotations
@@ -117,28 +115,6 @@ def by_work(rows: Tensor, world: int, block: int) -> Layout:
         if len(held[p]) < share:
             heapq.heappush(heap, (load + work[i], p))
     return Layout(torch.tensor([i for blocks in held for i in sorted(blocks)]), block, world, "by_work")
-
-
-def segments(rows: Tensor, world: int, block: int, parts: int) -> Layout:
-    """The sequence in world * parts equal runs of blocks, dealt heaviest first to the rank with
-    the fewest tiles that has room (parts each); each rank's runs in sequence order.  A document
-    is cut only where a run ends, so a rank's rows reach few key blocks beyond its own (what
-    flex_compact's compact keys need), while the runs' dealing balances the work to within a run's.
-    by_work is the case of one-block runs."""
-    n, count = rows.numel(), world * parts
-    if parts < 1 or n % count:
-        raise ValueError(f"balance.segments: {n} blocks do not split into {count} runs over {world} ranks")
-    run = n // count
-    work = rows.to(torch.int64).cpu().view(count, run).sum(1).tolist()
-    held: list[list[int]] = [[] for _ in range(world)]
-    heap = [(0, p) for p in range(world)]
-    for i in sorted(range(count), key=lambda i: (-work[i], i)):
-        load, p = heapq.heappop(heap)
-        held[p].append(i)
-        if len(held[p]) < parts:
-            heapq.heappush(heap, (load + work[i], p))
-    order = torch.cat([torch.arange(i * run, (i + 1) * run) for runs in held for i in sorted(runs)])
-    return Layout(order, block, world, f"segments:{parts}")
 
 
 def candidates(rows: Tensor, world: int, block: int) -> list[Layout]:

@@ -10,9 +10,6 @@ be kept from the forward (`allgather_forward(keep=True)`, as the program's own a
 them: W times the rank's K/V a layer), so that its backward gathers nothing; else (and with more
 groups) each group's K/V is gathered again.
 
-With TORCH_COMMOPT_FLEX_COMPACT_KEYS on, one head group's kernels take only the key blocks the
-rank's rows reach (flex_compact); the gathers and reduce-scatters are the same.
-
 Head groups need a mask that is the same for every head (its tables broadcast over heads); a
 per-head mask runs in one group.  Every key is sent to every rank whatever the mask; the ring
 (flex_ring.py) computes per source and is the schedule that can skip.
@@ -25,8 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from torch_commopt.core import env
-from torch_commopt.kernels.attention import ce_gather, comm, flex, flex_compact
+from torch_commopt.kernels.attention import ce_gather, comm, flex
 from torch_commopt.kernels.attention.local import acc_dtype
 from torch_commopt.kernels.collectives import all_gather, reduce_scatter
 
@@ -54,21 +50,6 @@ def _head_groups(q: Tensor, k: Tensor, opts: Options) -> list[tuple[slice, slice
 def _rows_step(blocks: flex.Blocks, p: int, world: int) -> flex.Step:
     """Rank p's rows against every key, cut once for a mask's tensors (flex.cached)."""
     return flex.cached(blocks, ("allgather", p, world), lambda: flex.step_mask(blocks, p, None, world))
-
-
-def _rows(blocks: flex.Blocks, p: int, world: int, heads: list) -> tuple[flex.Step, flex_compact.Compact | None]:
-    """Rank p's rows' step, and (one head group, TORCH_COMMOPT_FLEX_COMPACT_KEYS on, and a cut that
-    pays) the compact keys it runs on instead of every key (flex_compact), both cut once a mask."""
-    step = _rows_step(blocks, p, world)
-    if len(heads) != 1 or not env.flex_compact_keys():
-        return step, None
-
-    def build():
-        cut = flex_compact.compact(blocks, step)
-        return None if cut is None else (cut.step, cut.index)  # a tuple: a cache hit gives its Step this call's buffers
-
-    cut = flex.cached(blocks, ("allgather compact", p, world), build)
-    return (step, None) if cut is None else (cut[0], flex_compact.Compact(*cut))
 
 
 def _gathers(k: Tensor, v: Tensor, heads: list[tuple[slice, slice]], group, kept: tuple[Tensor, Tensor] | None = None):
@@ -119,12 +100,11 @@ def allgather_forward(q: Tensor, k: Tensor, v: Tensor, opts: Options, *,
     dtype); kept: with keep, where the call ran in one head group, the gathered (K, V) for
     allgather_backward, else None."""
     world, p = comm.size(opts.group), comm.rank(opts.group)
+    step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
-    step, cut = _rows(opts.blocks, p, world, heads)
     outs, lses = [], []
     for i, (k_all, v_all) in _gathers(k, v, heads, opts.group):
-        o, l_g = flex.block_forward(q[:, heads[i][0]].contiguous(), *flex_compact.keys_of(cut, k_all, v_all), step,
-                                    opts.scale)
+        o, l_g = flex.block_forward(q[:, heads[i][0]].contiguous(), k_all, v_all, step, opts.scale)
         outs.append(o)
         lses.append(l_g)
     kept = (k_all, v_all) if keep and len(heads) == 1 else None
@@ -146,16 +126,13 @@ def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options,
     shapes and dtypes)."""
     q, k, v, out, lse = saved
     world, p = comm.size(opts.group), comm.rank(opts.group)
+    step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
-    step, cut = _rows(opts.blocks, p, world, heads)
     dqs, scattering = [], []
     for i, (k_all, v_all) in _gathers(k, v, heads, opts.group, kept):
         hq = heads[i][0]
-        gq, gk, gv = flex.block_backward(q[:, hq].contiguous(), *flex_compact.keys_of(cut, k_all, v_all),
-                                         out[:, hq].contiguous(),
+        gq, gk, gv = flex.block_backward(q[:, hq].contiguous(), k_all, v_all, out[:, hq].contiguous(),
                                          lse[:, hq].contiguous(), dout[:, hq].contiguous(), step, opts.scale)
-        if cut is not None:  # the compact keys' dK/dV in place among every key, for their reduce-scatter
-            gk, gv = (flex_compact.put_back(g, cut, k_all.shape[2]) for g in (gk, gv))
         dqs.append(gq)
         summed = _by_copy_engine(ce_gather.reduce_scatter_kv, gk, gv, opts.group) if len(heads) == 1 else None
         if summed is not None:

@@ -17,7 +17,7 @@ ctypes call: the same driver operations and the same cuBLAS GEMMs (cublasGemmEx 
 cublasGemmStridedBatchedEx with the parameters ATen passes for those layouts), no Python per
 operation.  "The same kind": op, schedule, scalars, buffer half, caller stream, whether the
 watchdog watches it, which stream gives the tokens back (env.tokens_on_side), and every tensor's
-shape, strides and dtype (env.gather_own_early and env.rs_own_first too: they queue other work).
+shape, strides and dtype (env.gather_own_early too: it queues the own rows' copy elsewhere).
 
 Any other device work in a recorded call (an elementwise op, an allocation, a Triton launch is
 refused by schedule name) makes the kind Python-only for the process, logged once.  Replayed
@@ -332,7 +332,7 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body) -> None:
     its kind's trace (module docstring)."""
     handle, watch = driver.current_handle(rt.device), env.watch_calls()  # (eligible: no dbg=1 schedule)
     key = (op, rt.group_name, str(sched), scalars, handle, (rt.epoch + 1) % 2,
-           watch, env.tokens_on_side(), env.gather_own_early(), env.rs_own_first()) + tuple(
+           watch, env.tokens_on_side(), env.gather_own_early()) + tuple(
                None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors)
     known = _kinds.get(key)
     watched = rt.begin_eager(op, sched, handle) if watch else None  # (call_graphs.call: never under a capture)

@@ -40,7 +40,6 @@ from typing import NamedTuple
 
 import torch
 
-from torch_commopt.core import env
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu import call_graphs, driver, symm
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
@@ -337,8 +336,7 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
         _pull_reduce(call, own, after_piece)
         return
     rt = call.rt
-    # env.rs_own_first: a reduce-scatter that would add in place adds after the own GEMM instead
-    in_place = _adds_in_place(call) and not (after_piece is None and env.rs_own_first())
+    in_place = _adds_in_place(call)
     if in_place:
         # The local copy stream writes `own` (allocated on the caller's stream): order it
         # after the caller's work so far, before the peers' GEMMs are queued, so a partial
@@ -420,19 +418,18 @@ def _adds_in_place(call: _Call) -> bool:
 
 
 def _own_then_add(call: _Call, a_r, own, src: int, after_piece):
-    """ce_push:1 at W = 2 (and every W = 2 reduce-scatter that would add in place, under
-    env.rs_own_first): the own GEMM starts at once, while the peer's partial is still landing
-    here, and the partial is added after it (the sum NCCL's reduce-scatter makes of two rounded
-    partials): a late peer delays the add only.  In place at one piece, the own GEMM would wait
-    for the whole partial: peer GEMM -> copy -> own GEMM in series (1.02 vs 0.86 ms for
+    """ce_push:1 at W = 2: the own GEMM starts at once, while the copy engine is still
+    moving the peer's partial here, and the partial is added after it (the sum NCCL's
+    reduce-scatter makes of two rounded partials).  In place, the own GEMM would wait for
+    the whole partial: peer GEMM -> copy -> own GEMM in series (1.02 vs 0.86 ms for
     ce_push:2 at 8192^3)."""
     call.product(a_r, own)
-    for c in range(call.n_chunks):
-        call.wait(call.cur, src, c, "partial")
-    _add_partial(call, own, call.slot(call.rank, src))
+    call.wait(call.cur, src, 0, "partial")
+    own.add_(call.slot(call.rank, src))
+    if call.alpha != 1.0:
+        own.mul_(call.alpha)
     if after_piece is not None:
-        for c, (lo, hi) in enumerate(call.pieces):
-            after_piece(c, lo, hi)
+        after_piece(0, *call.pieces[0])
 
 
 def _pull_reduce(call: _Call, own, after_piece):
@@ -459,9 +456,6 @@ def _pull_reduce(call: _Call, own, after_piece):
             call.product(call.piece(a_p, lo, hi), call.slot(call.rank, p, 0, lo, hi))
             call.signal(call.cur, p, c)
     a_r = call.segment_a(call.rank)
-    if pulled is None and after_piece is None and env.rs_own_first():
-        _own_first_pull_after(call, own, a_r, sources[0])
-        return
     for c, (lo, hi) in enumerate(call.pieces):
         own_piece = piece_rows(own, lo, hi)
         for src in sources:
@@ -477,31 +471,6 @@ def _pull_reduce(call: _Call, own, after_piece):
             _sum_slots(call, pulled[:, lo:hi], own_piece)
         if after_piece is not None:
             after_piece(c, lo, hi)
-
-
-def _own_first_pull_after(call: _Call, own, a_r, src: int) -> None:
-    """ce_pull at W = 2 with env.rs_own_first: this rank's own product into the output at once,
-    whatever the peer's progress; the peer's partial pulled beside it, piece by piece as each
-    lands, into this rank's own receive slot (at two ranks in ce_pull no peer writes or reads
-    it), and added after.  A late peer then delays the add only, where the in-place form's own
-    GEMM pieces each wait for their piece's pull; the price is one more pass over the segment
-    (and two roundings, as NCCL's sum of two rounded partials)."""
-    rt, local = call.rt, call.rt.local
-    call.product(a_r, own)
-    staging = call.slot(call.rank, call.rank)
-    for c, (lo, hi) in enumerate(call.pieces):
-        call.wait(local, src, c, "partial")
-        rt.copy(local, piece_rows(staging, lo, hi), call.slot(src, call.rank, 0, lo, hi))
-    rt.after(call.cur, local)
-    _add_partial(call, own, staging)
-
-
-def _add_partial(call: _Call, own, partial) -> None:
-    """own += the peer's landed partial (two rounded partials summed, as NCCL's), then the mean's
-    scale for avg."""
-    own.add_(partial)
-    if call.alpha != 1.0:
-        own.mul_(call.alpha)
 
 
 def _ship(call: _Call, src_piece, dst_piece, p, c):
