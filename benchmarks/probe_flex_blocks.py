@@ -195,32 +195,55 @@ def layouts(kind: str, seq: int, world: int, reps: int, tensors: list) -> dict:
 
     from torch_commopt.kernels.attention import balance, flex
 
-    dev, scale, length = tensors[0].device, D ** -0.5, seq // world
+    dev = tensors[0].device
     mod = mask_mod(kind, seq, dev)
     whole_mask = fa.create_block_mask(mod, None, None, seq, seq, device=dev, BLOCK_SIZE=BLOCK)
     rows = balance.row_work(whole_mask)
+    dealt = [balance.contiguous(rows.numel(), world, BLOCK), balance.choose(whole_mask, world)]
+    if world == 2:
+        dealt.append(balance.rotated(balance.tile_matrix(whole_mask), BLOCK))
     out = {}
-    for lay in {lay.name: lay for lay in (balance.contiguous(rows.numel(), world, BLOCK),
-                                          balance.choose(whole_mask, world))}.values():
-        # the mask over layout positions for both layouts (one compiled kernel: the same mask code)
+    for lay in {lay.name: lay for lay in dealt}.values():
+        # the mask over layout positions for every layout (one compiled kernel: the same mask code)
         blocks = flex.Blocks.of(fa.create_block_mask(lay.mask_mod(mod, dev), None, None, seq, seq, device=dev,
                                                      BLOCK_SIZE=BLOCK))
         q, k, v, dout, o, lse = (lay.rearrange(t, 2) for t in tensors)
-        lse = lse.float()  # the public API's: natural log
-        fwd, bwd, own = [], [], {"fwd": [], "bwd": []}
-        for p in range(world):
-            step, mine = flex.step_mask(blocks, p, None, world), slice(p * length, (p + 1) * length)
-            q_p, dout_p, o_p, lse_p = (t[:, :, mine].contiguous() for t in (q, dout, o, lse))
-            fwd.append(_ms(lambda: flex.block_forward(q_p, k, v, step, scale), reps))
-            bwd.append(_ms(lambda: flex.block_backward(q_p, k, v, o_p, lse_p, dout_p, step, scale), reps))
-            if lay.name == "contiguous":  # the share's rows against its own keys only, as if nothing came in
-                alone, k_p, v_p = flex.step_mask(blocks, p, p, world), k[:, :, mine].contiguous(), v[:, :, mine].contiguous()
-                own["fwd"].append(_ms(lambda: flex.block_forward(q_p, k_p, v_p, alone, scale), reps))
-                own["bwd"].append(_ms(lambda: flex.block_backward(q_p, k_p, v_p, o_p, lse_p, dout_p, alone, scale), reps))
-        out[lay.name] = {"tiles": lay.rank_work(rows), "fwd": fwd, "bwd": bwd}
-        if own["fwd"]:
-            out[lay.name]["own"] = own
+        ranks = [_rank_times(blocks, p, world, (q, k, v, dout, o, lse.float()), reps, per_source=lay.name != "by_work")
+                 for p in range(world)]
+        out[lay.name] = {"tiles": lay.rank_work(rows), "fwd": [r["fwd"] for r in ranks], "bwd": [r["bwd"] for r in ranks]}
+        if ranks[0].get("ring"):
+            out[lay.name]["ring"] = {d: [sum(r["ring"][d]) for r in ranks] for d in ("fwd", "bwd")}
+        if lay.name == "contiguous":
+            out[lay.name]["own"] = {d: [r["ring"][d][0] for r in ranks] for d in ("fwd", "bwd")}
     return out
+
+
+def _rank_times(blocks, p: int, world: int, tensors: tuple, reps: int, per_source: bool) -> dict:
+    """Rank p's compute on a layout: its rows against every key in one call (fwd, bwd ms), and with
+    per_source the ring's: its rows against each source's keys that its tiles reach, one call a
+    source, its own first ({"ring": {"fwd": [ms a source], "bwd": [...]}}; merges not included).
+    tensors: q, k, v, dout and the whole kernel's out and lse (natural log), in layout order."""
+    from torch_commopt.kernels.attention import flex
+
+    q, k, v, dout, o, lse = tensors
+    scale, length = D ** -0.5, q.shape[2] // world
+    mine = slice(p * length, (p + 1) * length)
+    q_p, dout_p, o_p, lse_p = (t[:, :, mine].contiguous() for t in (q, dout, o, lse))
+    step = flex.step_mask(blocks, p, None, world)
+    got = {"fwd": _ms(lambda: flex.block_forward(q_p, k, v, step, scale), reps),
+           "bwd": _ms(lambda: flex.block_backward(q_p, k, v, o_p, lse_p, dout_p, step, scale), reps)}
+    if per_source:
+        got["ring"] = {"fwd": [], "bwd": []}
+        for s in [(p - i) % world for i in range(world)]:
+            cut = flex.step_mask(blocks, p, s, world)
+            if s != p and flex.extents([cut])[0] is None:
+                continue  # no tile: the ring computes nothing
+            keys = slice(s * length, (s + 1) * length)
+            k_s, v_s = k[:, :, keys].contiguous(), v[:, :, keys].contiguous()
+            got["ring"]["fwd"].append(_ms(lambda: flex.block_forward(q_p, k_s, v_s, cut, scale), reps))
+            got["ring"]["bwd"].append(_ms(lambda: flex.block_backward(q_p, k_s, v_s, o_p, lse_p, dout_p, cut, scale),
+                                          reps))
+    return got
 
 
 def derive(cases: list) -> list:
@@ -238,9 +261,10 @@ def derive(cases: list) -> list:
             lay["bound"] = {"fwd": ms["whole fwd"] / (c["world"] * max(lay["fwd"])),
                             "bwd": ms["whole bwd"] / (c["world"] * max(lay["bwd"])),
                             "fwd+bwd": (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(both))}
-            if "own" in lay:  # every rank's share alone: the kernel's own strong scaling from S to S / W tokens
-                alone = [f + b for f, b in zip(lay["own"]["fwd"], lay["own"]["bwd"], strict=True)]
-                lay["bound"]["alone"] = (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(alone))
+            for key, name in (("own", "alone"), ("ring", "ring")):
+                if key in lay:  # own: every rank's share alone, the kernel's own scaling from S to S / W tokens
+                    each = [f + b for f, b in zip(lay[key]["fwd"], lay[key]["bwd"], strict=True)]
+                    lay["bound"][name] = (ms["whole fwd"] + ms["whole bwd"]) / (c["world"] * max(each))
     return cases
 
 
@@ -276,15 +300,18 @@ def report(cases: list, meta: dict) -> str:
               "kernel's ms over W times the busiest rank's, the efficiency no transfer can beat (the 2-GPU target is "
               ">= 0.90). Shares alone (contiguous only): each rank's rows against its own share's keys and nothing "
               "else, the whole kernel over W times the slowest share -- what the kernel itself loses going from S to "
-              "S / W tokens: for documents cut at the shares' ends, the bound of a schedule that sends nothing.", "",
+              "S / W tokens: for documents cut at the shares' ends, the bound of a schedule that sends nothing. "
+              "Ring (every layout but by_work): each rank's rows against each source's keys its tiles reach, one "
+              "call a source (the ring's compute, its merges not included), the same bound over those calls.", "",
               "| mask | seq | W | layout | tiles per rank | busiest fwd ms | busiest bwd ms | bound fwd | bound bwd "
-              "| bound fwd+bwd | shares alone fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| bound fwd+bwd | shares alone fwd+bwd | ring fwd+bwd |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         for name, lay in c.get("layouts", {}).items():
             b = lay["bound"]
             lines.append(f"| {c['mask']} | {c['seq']} | {c['world']} | {name} | {' / '.join(map(str, lay['tiles']))} | "
                          f"{fmt(max(lay['fwd']), 3)} | {fmt(max(lay['bwd']), 3)} | {fmt(b['fwd'], 3)} | "
-                         f"{fmt(b['bwd'], 3)} | {fmt(b['fwd+bwd'], 3)} | {fmt(b.get('alone'), 3)} |")
+                         f"{fmt(b['bwd'], 3)} | {fmt(b['fwd+bwd'], 3)} | {fmt(b.get('alone'), 3)} | "
+                         f"{fmt(b.get('ring'), 3)} |")
     lines.append("")
     return "\n".join(lines)
 
