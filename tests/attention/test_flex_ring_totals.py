@@ -73,3 +73,56 @@ def test_two_rank_totals_adopt_the_own_terms_and_equal_the_fp32_sum_bitwise():
         assert got["dtypes"] == ["torch.bfloat16"] * 3, (rank, got)
         assert all(got["nonzero"]), (rank, got)
         assert all(got["equal"]), (rank, got)  # bitwise the fp32 path's sum, rounded once
+
+
+def run_own_rows(rank: int, world: int) -> dict:
+    """flex_ring over two ranks with each rank's own rows' mask (sends not cut): the direct sends of
+    whole shares (the default) against the plain ring (TORCH_COMMOPT_ATTENTION_TRANSPORT=ce, which
+    keeps it; on a CPU it then runs on gloo), forward and backward, and the messages each sent."""
+    import os
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from torch_commopt.kernels.attention import comm, flex_ring
+
+    gen = torch.Generator().manual_seed(9)
+    q, dout = (torch.randn(1, 4, S, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 2, S, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    docs = torch.zeros(S, dtype=torch.int32)
+    for cut in (200, 450, 700):
+        docs[cut:] += 1
+    length = S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    rows = create_block_mask(lambda b, h, qi, kv: (docs[qi + rank * length] == docs[kv]) & (qi + rank * length >= kv),
+                             1, None, length, S, device="cpu", BLOCK_SIZE=BLOCK)
+    got, sent = {}, {}
+    p2p = comm._p2p  # noqa: SLF001
+    for transport in ("auto", "ce"):
+        os.environ["TORCH_COMMOPT_ATTENTION_TRANSPORT"] = transport
+        sent[transport] = 0
+
+        def counted(sends, recvs, group, transport=transport):
+            sent[transport] += len(sends)
+            return p2p(sends, recvs, group)
+
+        comm._p2p = counted  # noqa: SLF001
+        try:
+            qs, ks, vs = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
+            out = flex_ring.flex_ring(qs, ks, vs, rows, 1 / math.sqrt(D), dist.group.WORLD)
+            out.backward(dout[:, :, mine])
+        finally:
+            comm._p2p = p2p  # noqa: SLF001
+            del os.environ["TORCH_COMMOPT_ATTENTION_TRANSPORT"]
+        got[transport] = [out.detach(), qs.grad, ks.grad, vs.grad]
+    return {"equal": [torch.equal(a, b) for a, b in zip(got["auto"], got["ce"], strict=True)], "sent": sent,
+            "dtypes": [str(g.dtype) for g in got["auto"]]}
+
+
+def test_two_ranks_own_rows_masks_send_whole_shares_directly_and_sum_as_the_ring_does():
+    per_rank = run_distributed(run_own_rows, 2, backend="gloo", timeout_s=300)
+    for rank, got in enumerate(per_rank):
+        assert all(got["equal"]), (rank, got)  # out, dq, dk, dv bitwise the plain ring's
+        assert got["dtypes"] == ["torch.bfloat16"] * 4, (rank, got)
+        # direct: K/V once in the forward, K/V and the bf16 terms once each in the backward; the plain
+        # ring: its fp32 sums travel twice (to the peer and back)
+        assert got["sent"] == {"auto": 3, "ce": 4}, (rank, got)

@@ -19,7 +19,9 @@ receives its span of source p - i's share from it and sends the span p + i needs
 p + i, each only if there is one); in the backward each rank sends its terms of source s's
 dK/dV, over the same span, straight to s, which adds them up (DirectGrads).  The steps, and what
 each rank computes, are the ring's.  Documents dealt contiguously (balance.contiguous) then move
-the documents that cross a share's end, not the shares.
+the documents that cross a share's end, not the shares.  Two ranks send directly even where the
+sends cannot be cut (whole shares): the ring's fp32 sums would travel twice; the direct terms
+go once in the inputs' dtype, and the owner's total starts as its own block's terms.
 
 The mask is the program's whole-sequence BlockMask and its mask_mod of global positions
 (flex.Blocks); every rank holds it, as a program that builds it from document ids on every rank
@@ -110,13 +112,29 @@ def skipping(blocks: flex.Blocks, world: int) -> Spans | None:
 
 
 def _checked(spans: Spans | None, ring: RankBlocks) -> Spans | None:
-    """spans, where its row for this rank says what the rank's own cut computes (a block is
-    computed exactly where a share's span is received): else a RuntimeError, not a wrong sum."""
+    """spans, where its row for this rank holds what the rank's own cut computes (every block
+    computed gets at least the keys its tiles reach): else a RuntimeError, not a wrong sum."""
     mine = [(e.keys.start, e.keys.stop) if e is not None else None for e in ring.extents]
-    if spans is not None and spans[ring.rank] != mine:
+    if spans is not None and not all(need is None or (got is not None and got[0] <= need[0] and need[1] <= got[1])
+                                     for got, need in zip(spans[ring.rank], mine, strict=True)):
         raise RuntimeError(f"flex CP: rank {ring.rank}'s blocks' keys {mine} disagree with the mask's spans "
                            f"{spans[ring.rank]}")
     return spans
+
+
+def _sends(blocks: flex.Blocks, world: int, ring: RankBlocks) -> Spans | None:
+    """The spans the direct sends move (checked against this rank's cut), None for the plain ring.
+    Two ranks whose sends cannot be cut (a rank's own rows' mask; or every span whole) still send
+    directly, whole shares, unless the rings are asked to move by the copy engine
+    (TORCH_COMMOPT_ATTENTION_TRANSPORT=ce; the direct sends are NCCL's): a ring of two moves the
+    same K/V, but its backward's dK/dV sums travel in fp32 twice over (to the peer and back),
+    where the direct terms go once, in the inputs' dtype, to be added at their owner."""
+    from torch_commopt.kernels.attention import ce_ring
+
+    spans = skipping(blocks, world)
+    if spans is None and world == 2 and ce_ring.transport() != "ce":
+        spans = [[(0, blocks.share(world))] * world for _ in range(world)]
+    return _checked(spans, ring)
 
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: float, group) -> tuple[Tensor, Tensor]:
@@ -125,7 +143,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: fl
     rounded once), else in the acc dtype; lse in the acc dtype."""
     world, p = comm.size(group), comm.rank(group)
     ring = RankBlocks(*steps_of(blocks, world, p), scale, p, world)
-    spans = _checked(skipping(blocks, world), ring)
+    spans = _sends(blocks, world, ring)
     shift = comm.ring_shift([k, v], group, TAG_KV) if spans is None else DirectShift([k, v], group, TAG_KV, spans)
     return forward_blocks(q, v.shape[-1], shift, ring)
 
@@ -268,7 +286,7 @@ def ring_backward(saved: Saved, dout: Tensor, blocks: flex.Blocks, scale: float,
     """(dq, dk, dv) of this rank's shares, in the inputs' dtypes."""
     world, p = comm.size(group), comm.rank(group)
     ring = RankBlocks(*steps_of(blocks, world, p), scale, p, world)
-    spans = _checked(skipping(blocks, world), ring)
+    spans = _sends(blocks, world, ring)
     # Over two ranks with sends cut, a rank's dK/dV total is its own block's terms plus at most one
     # arriving span: one sum, rounded once in the inputs' dtype as in fp32, so the own block's
     # terms become the total as the kernel gave them (no fp32 zeros over the share, no cast back).
