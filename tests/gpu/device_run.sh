@@ -151,17 +151,16 @@ if [[ $what == flex_bench ]]; then
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_flex --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_bench.log"
 fi
 if [[ $what == flex_rotated ]]; then
-  # issue 70, 2 GPUs: the rotated layout (balance.rotated) -- the ring GPU test on it, each layout's
-  # per-rank compute with the ring's calls a source (one GPU), then the ring on it with the whole
-  # mask (its sends cut to spans) and the all-gather on it, against torch CP (FLEX_SEQ, FLEX_MASKS;
-  # BENCH_ARGS e.g. "--commit abc"); ~8 min on 2x H200
-  TORCH_COMMOPT_DEBUG_WAITS=1 TORCH_COMMOPT_WAIT_TIMEOUT_S=120 timeout ${TEST_TIMEOUT:-200} \
-    python3 -m pytest -v -p no:cacheprovider tests/gpu/test_flex_gpu.py -k rotated 2>&1 | tee "$out/gpu_flex_rotated.log"
+  # issue 70, 2 GPUs: the rotated layout (balance.rotated) -- each layout's per-rank compute with
+  # the ring's calls a source (one GPU), then on it the ring with the whole mask (its sends cut
+  # to spans), the ring with the rank's rows' mask (whole shares sent directly) and the
+  # all-gather, against torch CP (FLEX_SEQ, FLEX_MASKS; BENCH_ARGS e.g. "--commit abc"); ~8 min
+  # on 2x H200.  Its GPU test first, in a call of its own: `... tests rotated`
   timeout ${PROBE_TIMEOUT:-200} python3 -m benchmarks.probe_flex_blocks --out "$out" --seq ${FLEX_SEQ:-32768} \
-    --masks "$(echo ${FLEX_MASKS:-docs_1K,docs_4K,window_4K} | tr _ ' ')" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
-  for sched in "ring --whole-mask" allgather; do
+    --masks "$(echo ${FLEX_MASKS:-docs_1K,docs_4K} | tr _ ' ')" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
+  for sched in "ring --whole-mask" ring allgather; do
     timeout ${BENCH_TIMEOUT:-150} python3 -m benchmarks.bench_flex --out "$out" --pick-only --layout rotated \
-      --schedule $sched --seq ${FLEX_SEQ:-32768} --masks ${FLEX_MASKS:-docs_1K,docs_4K,window_4K} ${BENCH_ARGS:-} \
+      --schedule $sched --seq ${FLEX_SEQ:-32768} --masks ${FLEX_MASKS:-docs_1K,docs_4K} ${BENCH_ARGS:-} \
       2>&1 | tee -a "$out/flex_bench.log"
   done
 fi
