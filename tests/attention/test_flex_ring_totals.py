@@ -78,7 +78,8 @@ def test_two_rank_totals_adopt_the_own_terms_and_equal_the_fp32_sum_bitwise():
 def run_own_rows(rank: int, world: int) -> dict:
     """flex_ring over two ranks with each rank's own rows' mask (sends not cut): the direct sends of
     whole shares (the default) against the plain ring (TORCH_COMMOPT_ATTENTION_TRANSPORT=ce, which
-    keeps it; on a CPU it then runs on gloo), forward and backward, and the messages each sent."""
+    keeps it; on a CPU it then runs on gloo), forward and backward, and the bytes each sent (in
+    shares of K and V)."""
     import os
 
     from torch.nn.attention.flex_attention import create_block_mask
@@ -102,7 +103,7 @@ def run_own_rows(rank: int, world: int) -> dict:
         sent[transport] = 0
 
         def counted(sends, recvs, group, transport=transport):
-            sent[transport] += len(sends)
+            sent[transport] += sum(t.numel() * t.element_size() for t, _, _ in sends)
             return p2p(sends, recvs, group)
 
         comm._p2p = counted  # noqa: SLF001
@@ -114,7 +115,9 @@ def run_own_rows(rank: int, world: int) -> dict:
             comm._p2p = p2p  # noqa: SLF001
             del os.environ["TORCH_COMMOPT_ATTENTION_TRANSPORT"]
         got[transport] = [out.detach(), qs.grad, ks.grad, vs.grad]
-    return {"equal": [torch.equal(a, b) for a, b in zip(got["auto"], got["ce"], strict=True)], "sent": sent,
+    share = 2 * k[:, :, mine].numel() * k.element_size()  # a rank's K and V in bf16
+    return {"equal": [torch.equal(a, b) for a, b in zip(got["auto"], got["ce"], strict=True)],
+            "sent": {name: count / share for name, count in sent.items()},
             "dtypes": [str(g.dtype) for g in got["auto"]]}
 
 
@@ -124,5 +127,5 @@ def test_two_ranks_own_rows_masks_send_whole_shares_directly_and_sum_as_the_ring
         assert all(got["equal"]), (rank, got)  # out, dq, dk, dv bitwise the plain ring's
         assert got["dtypes"] == ["torch.bfloat16"] * 4, (rank, got)
         # direct: K/V once in the forward, K/V and the bf16 terms once each in the backward; the plain
-        # ring: its fp32 sums travel twice (to the peer and back)
-        assert got["sent"] == {"auto": 3, "ce": 4}, (rank, got)
+        # ring: its K/V twice too, and its fp32 sums (twice the bytes) to the peer and back
+        assert got["sent"] == {"auto": 3.0, "ce": 6.0}, (rank, got)

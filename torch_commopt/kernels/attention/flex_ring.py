@@ -164,8 +164,10 @@ def _ready(group) -> None:
 
 class _Direct:
     """What DirectShift and DirectGrads share: the tensors ((B, H, L, D) shares, cut along the
-    sequence), the group, the spans table, the step.  A transfer is one message: the tensors'
-    rows of one span packed one after another."""
+    sequence), the group, the spans table, the step.  A transfer of part of a share is one
+    message, the tensors' rows of its span packed one after another; a whole share goes as the
+    tensors themselves, one message each, and lands in tensors of their own (nothing packed,
+    nothing unpacked).  Both sides tell the two apart by the span alone."""
 
     def __init__(self, tensors: list[Tensor], group, tag: int, spans: Spans) -> None:
         _ready(group)
@@ -174,26 +176,36 @@ class _Direct:
         self.world, self.rank = comm.size(group), comm.rank(group)
         self.step, self.got, self.pending, self.sending = 0, None, None, None
 
-    def _pack(self, tensors: list[Tensor], span: tuple[int, int]) -> Tensor:
-        return torch.cat([t[:, :, span[0]:span[1]].reshape(-1) for t in tensors])
+    def _whole(self, span: tuple[int, int]) -> bool:
+        return span == (0, self.tensors[0].shape[2])
+
+    def _pack(self, tensors: list[Tensor], span: tuple[int, int]) -> list[Tensor]:
+        if self._whole(span):
+            return [t.contiguous() for t in tensors]
+        return [torch.cat([t[:, :, span[0]:span[1]].reshape(-1) for t in tensors])]
 
     def _shapes(self, span: tuple[int, int]) -> list[torch.Size]:
         """The tensors' shapes cut to the rows of `span`."""
         return [torch.Size(t.shape[:2] + (span[1] - span[0],) + t.shape[3:]) for t in self.tensors]
 
-    def _unpack(self, flat: Tensor, span: tuple[int, int]) -> list[Tensor]:
-        """The tensors' rows of `span` as views of a packed message."""
-        return comm.views(flat, self._shapes(span))
+    def _unpack(self, got: list[Tensor], span: tuple[int, int]) -> list[Tensor]:
+        """The tensors' rows of `span`: the received tensors of a whole share, else views of the
+        packed message."""
+        return got if self._whole(span) else comm.views(got[0], self._shapes(span))
 
-    def _post(self, send: Tensor | None, dst: int, recv: tuple[int, tuple[int, int]] | None) -> None:
-        """Send `send` to group rank dst (None: nothing) and receive the span recv = (src, span)
-        from group rank src (None: nothing) into self.got; self.pending waits for both."""
-        sends = [(send, dist.get_global_rank(self.group, dst), self.tag)] if send is not None else []
-        self.sending, self.got = send, None  # the packed message kept alive until the wait
+    def _post(self, send: list[Tensor] | None, dst: int, recv: tuple[int, tuple[int, int]] | None) -> None:
+        """Send `send` (_pack's messages) to group rank dst (None: nothing) and receive the span
+        recv = (src, span) from group rank src (None: nothing) into self.got; self.pending waits
+        for both."""
+        sends = [(t, dist.get_global_rank(self.group, dst), self.tag) for t in send or ()]
+        self.sending, self.got = send, None  # the messages kept alive until the wait
+        recvs = []
         if recv is not None:
             src, span = recv
-            self.got = self.tensors[0].new_empty(sum(shape.numel() for shape in self._shapes(span)))
-        recvs = [(self.got, dist.get_global_rank(self.group, recv[0]), self.tag)] if recv is not None else []
+            self.got = ([torch.empty_like(t, memory_format=torch.contiguous_format) for t in self.tensors]
+                        if self._whole(span) else
+                        [self.tensors[0].new_empty(sum(shape.numel() for shape in self._shapes(span)))])
+            recvs = [(g, dist.get_global_rank(self.group, src), self.tag) for g in self.got]
         self.pending = comm._p2p(sends, recvs, self.group) if sends or recvs else None  # noqa: SLF001
 
     def finish(self) -> None:
@@ -227,7 +239,9 @@ class DirectShift(_Direct):
             self.pending()
         self.step += 1
         self.held = self.tensors
-        if self.got is not None:
+        if self.got is not None and self._whole(self.wanted):
+            self.held = self.got
+        elif self.got is not None:
             a, b = self.wanted
             self.held = [torch.zeros_like(t) for t in self.tensors]
             for full, part in zip(self.held, self._unpack(self.got, self.wanted), strict=True):
