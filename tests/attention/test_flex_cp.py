@@ -112,14 +112,18 @@ def test_the_ring_gives_dense_attention_and_its_gradients(world, kind):
             assert got["sent"] == 3 * world - 2, (p, got, work)
             continue
         # a span is one packed message, a whole share two (K and V, or their terms, as they are);
-        # two ranks send directly even where nothing is cut
+        # two ranks send directly even where nothing is cut, and keep the peer's K/V from the
+        # forward (FlexRing: pair_backward), so their K/V go once, not again in the backward
         msgs = lambda span: 2 if span == whole else 1  # noqa: E731
-        direct = 2 * sum(msgs(direct_spans[q][p]) for q in others if work[q][p] > 0) \
-            + sum(msgs(direct_spans[p][s]) for s in others if work[p][s] > 0)
+        kv_times = 1 if world == 2 else 2
+        needed = [q for q in others if direct_spans[q][p]]  # who receives this rank's K/V
+        reached = [s for s in others if direct_spans[p][s]]  # whose keys this rank's terms go to
+        direct = kv_times * sum(msgs(direct_spans[q][p]) for q in needed) \
+            + sum(msgs(direct_spans[p][s]) for s in reached)
         assert got["sent"] == direct, (p, got, work)
-        if cut:  # K and V twice (forward, backward) over the span each peer needs; dK/dV terms over its own spans
-            rows = 2 * sum(2 * (b - a) for a, b in (spans[q][p] for q in others if spans[q][p])) \
-                + sum(2 * (b - a) for a, b in (spans[p][s] for s in others if spans[p][s]))
+        if cut:  # K and V over the span each peer needs; dK/dV terms over its own spans
+            rows = kv_times * sum(2 * (b - a) for a, b in (spans[q][p] for q in needed)) \
+                + sum(2 * (b - a) for a, b in (spans[p][s] for s in reached))
             assert got["sent_numel"] == rows * got["kv_row"], (p, got, spans)
 
 

@@ -137,15 +137,77 @@ def _sends(blocks: flex.Blocks, world: int, ring: RankBlocks) -> Spans | None:
     return _checked(spans, ring)
 
 
-def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: float, group) -> tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: float, group, *,
+                 keep: bool = False):
     """(out, lse) of this rank's rows over the whole sequence: out in q's dtype where at most
     two blocks were computed (the first is kept as it came, the second merged into it in fp32 and
-    rounded once), else in the acc dtype; lse in the acc dtype."""
+    rounded once), else in the acc dtype; lse in the acc dtype.  keep: (out, lse, kept), kept the
+    peer's K/V as this rank received them where two ranks send directly (pair_backward's; (None,
+    None) where this rank needed none of them), else None (ring_backward's)."""
     world, p = comm.size(group), comm.rank(group)
     ring = RankBlocks(*steps_of(blocks, world, p), scale, p, world)
     spans = _sends(blocks, world, ring)
     shift = comm.ring_shift([k, v], group, TAG_KV) if spans is None else DirectShift([k, v], group, TAG_KV, spans)
-    return forward_blocks(q, v.shape[-1], shift, ring)
+    out, lse = forward_blocks(q, v.shape[-1], shift, ring)
+    if not keep:
+        return out, lse
+    if spans is None or world != 2:
+        return out, lse, None
+    return out, lse, tuple(shift.held) if ring.extents[1 - p] is not None else (None, None)
+
+
+def pair_backward(saved: "Saved", dout: Tensor, blocks: flex.Blocks, scale: float, group,
+                  kept: tuple) -> tuple[Tensor, Tensor, Tensor]:
+    """ring_backward over two ranks that send directly, from the peer's K/V kept by the forward
+    (ring_forward(keep=True)): nothing is sent again; the block against the peer's keys runs
+    first and its dK/dV terms travel to their owner while the own block runs; the sums and their
+    rounding are ring_backward's (dq: the own block's, the other's added over its rows; dK/dV: the
+    own block's terms, the arriving span added).  Every rank of the pair takes this path together
+    (where the forward kept, i.e. wherever the two send directly)."""
+    q, k, v, out, lse = saved.q, saved.k, saved.v, saved.out, saved.lse
+    p = comm.rank(group)
+    ring = RankBlocks(*steps_of(blocks, 2, p), scale, p, 2)
+    spans, s = _sends(blocks, 2, ring), 1 - p
+    out_q, moves = out.to(q.dtype), _Direct([k, v], group, TAG_GRAD, spans)
+    cross = None
+    if ring.extents[s] is not None:
+        cross = flex.block_backward(q, kept[0], kept[1], out_q, lse, dout, ring.steps[s], scale)
+        keys = ring.extents[s].keys
+        for g in cross[1:]:  # zero outside the keys its tiles reach, as the ring's sums leave them
+            g[:, :, :keys.start].zero_()
+            g[:, :, keys.stop:].zero_()
+    # what the peer waits for: a span of terms wherever the table holds one, zeros if no tile
+    # reached it (the table, not the tiles, tells both ranks what moves)
+    mine, theirs = spans[p][s], spans[s][p]
+    terms = list(cross[1:]) if cross is not None else [torch.zeros_like(k), torch.zeros_like(v)]
+    moves._post(moves._pack(terms, mine) if mine else None, s, (s, theirs) if theirs else None)  # noqa: SLF001
+    dq, totals = _own_terms(q, k, v, (out_q, lse, dout), ring)
+    if cross is not None:
+        rows = ring.extents[s].rows
+        dq = cross[0] if dq is None else dq
+        if dq is not cross[0]:
+            dq[:, :, rows] += cross[0][:, :, rows]
+    if moves.pending is not None:
+        moves.pending()
+    if moves.got is not None:
+        a, b = theirs
+        for total, part in zip(totals, moves._unpack(moves.got, theirs), strict=True):  # noqa: SLF001
+            total[:, :, a:b] += part
+    dq = torch.zeros_like(q) if dq is None else dq
+    return dq.to(q.dtype), totals[0].to(k.dtype), totals[1].to(v.dtype)
+
+
+def _own_terms(q: Tensor, k: Tensor, v: Tensor, rows: tuple, ring: RankBlocks) -> tuple:
+    """(dq or None, [dK, dV] totals) of the own block (zeroed outside the keys its tiles reach;
+    zeros in the inputs' dtype where it has no tile).  rows: out in q's dtype, lse, dout."""
+    own = ring.extents[ring.rank]
+    if own is None:
+        return None, [torch.zeros_like(k), torch.zeros_like(v)]
+    gq, gk, gv = flex.block_backward(q, k, v, *rows, ring.steps[ring.rank], ring.scale)
+    for g in (gk, gv):
+        g[:, :, :own.keys.start].zero_()
+        g[:, :, own.keys.stop:].zero_()
+    return gq, [gk, gv]
 
 
 _READY: set[str] = set()  # groups whose communicator the direct sends have made sure of
@@ -375,15 +437,22 @@ class FlexRing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, scale, group):
-        out, lse = ring_forward(q, k, v, blocks, scale, group)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # two ranks that send directly keep the peer's K/V, as the all-gather keeps its gathered K/V
+        out, lse, kept = ring_forward(q, k, v, blocks, scale, group, keep=True)
+        ctx.paired = kept is not None
+        ctx.save_for_backward(q, k, v, out, lse, *(t for t in kept or () if t is not None))
         ctx.blocks, ctx.scale, ctx.group = blocks, scale, group
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dk, dv = ring_backward(Saved(*ctx.saved_tensors), dout.contiguous(), ctx.blocks, ctx.scale, ctx.group)
-        return dq, dk, dv, None, None, None
+        saved = ctx.saved_tensors
+        if ctx.paired:
+            kept = tuple(saved[5:]) or (None, None)
+            grads = pair_backward(Saved(*saved[:5]), dout.contiguous(), ctx.blocks, ctx.scale, ctx.group, kept)
+        else:
+            grads = ring_backward(Saved(*saved), dout.contiguous(), ctx.blocks, ctx.scale, ctx.group)
+        return *grads, None, None, None
 
 
 def flex_ring(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float | None, group) -> Tensor:
