@@ -180,18 +180,18 @@ def pair_backward(saved: "Saved", dout: Tensor, blocks: flex.Blocks, scale: floa
     # reached it (the table, not the tiles, tells both ranks what moves)
     mine, theirs = spans[p][s], spans[s][p]
     terms = list(cross[1:]) if cross is not None else [torch.zeros_like(k), torch.zeros_like(v)]
-    moves._post(moves._pack(terms, mine) if mine else None, s, (s, theirs) if theirs else None)  # noqa: SLF001
+    moves.post(moves.pack(terms, mine) if mine else None, s, (s, theirs) if theirs else None)
     dq, totals = _own_terms(q, k, v, (out_q, lse, dout), ring)
-    if cross is not None:
+    if cross is not None and dq is None:
+        dq = cross[0]
+    elif cross is not None:
         rows = ring.extents[s].rows
-        dq = cross[0] if dq is None else dq
-        if dq is not cross[0]:
-            dq[:, :, rows] += cross[0][:, :, rows]
+        dq[:, :, rows] += cross[0][:, :, rows]
     if moves.pending is not None:
         moves.pending()
     if moves.got is not None:
         a, b = theirs
-        for total, part in zip(totals, moves._unpack(moves.got, theirs), strict=True):  # noqa: SLF001
+        for total, part in zip(totals, moves.unpack(moves.got, theirs), strict=True):
             total[:, :, a:b] += part
     dq = torch.zeros_like(q) if dq is None else dq
     return dq.to(q.dtype), totals[0].to(k.dtype), totals[1].to(v.dtype)
@@ -241,7 +241,7 @@ class _Direct:
     def _whole(self, span: tuple[int, int]) -> bool:
         return span == (0, self.tensors[0].shape[2])
 
-    def _pack(self, tensors: list[Tensor], span: tuple[int, int]) -> list[Tensor]:
+    def pack(self, tensors: list[Tensor], span: tuple[int, int]) -> list[Tensor]:
         if self._whole(span):
             return [t.contiguous() for t in tensors]
         return [torch.cat([t[:, :, span[0]:span[1]].reshape(-1) for t in tensors])]
@@ -250,13 +250,13 @@ class _Direct:
         """The tensors' shapes cut to the rows of `span`."""
         return [torch.Size(t.shape[:2] + (span[1] - span[0],) + t.shape[3:]) for t in self.tensors]
 
-    def _unpack(self, got: list[Tensor], span: tuple[int, int]) -> list[Tensor]:
+    def unpack(self, got: list[Tensor], span: tuple[int, int]) -> list[Tensor]:
         """The tensors' rows of `span`: the received tensors of a whole share, else views of the
         packed message."""
         return got if self._whole(span) else comm.views(got[0], self._shapes(span))
 
-    def _post(self, send: list[Tensor] | None, dst: int, recv: tuple[int, tuple[int, int]] | None) -> None:
-        """Send `send` (_pack's messages) to group rank dst (None: nothing) and receive the span
+    def post(self, send: list[Tensor] | None, dst: int, recv: tuple[int, tuple[int, int]] | None) -> None:
+        """Send `send` (pack's messages) to group rank dst (None: nothing) and receive the span
         recv = (src, span) from group rank src (None: nothing) into self.got; self.pending waits
         for both."""
         sends = [(t, dist.get_global_rank(self.group, dst), self.tag) for t in send or ()]
@@ -294,7 +294,7 @@ class DirectShift(_Direct):
         dst, src = (p + i) % n, (p - i) % n
         theirs, mine = self.spans[dst][p], self.spans[p][src]
         self.wanted = mine
-        self._post(self._pack(self.tensors, theirs) if theirs else None, dst, (src, mine) if mine else None)
+        self.post(self.pack(self.tensors, theirs) if theirs else None, dst, (src, mine) if mine else None)
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -306,7 +306,7 @@ class DirectShift(_Direct):
         elif self.got is not None:
             a, b = self.wanted
             self.held = [torch.zeros_like(t) for t in self.tensors]
-            for full, part in zip(self.held, self._unpack(self.got, self.wanted), strict=True):
+            for full, part in zip(self.held, self.unpack(self.got, self.wanted), strict=True):
                 full[:, :, a:b] = part
         self.pending = self.got = self.sending = None
 
@@ -415,7 +415,7 @@ class DirectGrads(_Direct):
         owner, src = (p - i) % n, (p + i) % n
         mine, theirs = self.spans[p][owner], self.spans[src][p]
         self.arriving = theirs
-        self._post(self._pack(self.terms, mine) if self.terms is not None else None, owner,
+        self.post(self.pack(self.terms, mine) if self.terms is not None else None, owner,
                    (src, theirs) if theirs else None)
 
     def wait(self) -> None:
@@ -423,7 +423,7 @@ class DirectGrads(_Direct):
             self.pending()
         if self.got is not None:
             a, b = self.arriving
-            for total, part in zip(self.tensors, self._unpack(self.got, self.arriving), strict=True):
+            for total, part in zip(self.tensors, self.unpack(self.got, self.arriving), strict=True):
                 total[:, :, a:b] += part
         self.step += 1
         self.got = self.pending = self.sending = None
