@@ -189,7 +189,9 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
 
 def layouts(kind: str, seq: int, world: int, reps: int, tensors: list) -> dict:
     """Every rank's all-gather compute (one call of its rows against every key) on the contiguous
-    layout and on balance.choose's: {layout: {"tiles": per rank, "fwd": per rank ms, "bwd": ...}}.
+    layout, on balance.choose's and (two ranks) on balance.rotated's: {layout: {"tiles": per rank,
+    "fwd": per rank ms, "bwd": ..., "ring": the ring's calls summed, "own": contiguous only}}; the
+    ring's calls on every layout but by_work (whose scattered blocks reach every source).
     tensors: q, k, v, dout, and the whole kernel's out and lse (the backward's global rows)."""
     from torch.nn.attention import flex_attention as fa
 
