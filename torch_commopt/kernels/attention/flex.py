@@ -24,7 +24,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import math
+import time
 import types
 import weakref
 from collections.abc import Callable
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 LN2 = math.log(2.0)
 
@@ -593,8 +597,12 @@ def _compiled(kind: str, run: Callable, args: tuple, step: Step, scale: float) -
     if fn is None:
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        start = time.perf_counter()
         # fake tensors: tracing with real ones runs the operator's dense math (a 32 GiB score
         # matrix at 8K rows a rank), only to throw it away
         gm = make_fx(run, tracing_mode="fake")(*args)
         fn = _COMPILED[key] = torch._inductor.compile(gm, list(args))
+        shapes = [tuple(a.shape) for a in args[:2] if isinstance(a, Tensor)]  # q's and k's
+        log.info("commopt flex: the %s kernels for %s compiled in %.1f s (once per shape and mask)", kind,
+                 " and ".join(map(str, shapes)), time.perf_counter() - start)
     return fn
