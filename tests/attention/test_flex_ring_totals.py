@@ -130,3 +130,23 @@ def test_two_ranks_own_rows_masks_send_whole_shares_directly_and_sum_as_the_ring
         # backward; the plain ring: its K/V in both passes, and its fp32 sums (twice the bytes) to
         # the peer and back
         assert got["sent"] == {"auto": 2.0, "ce": 6.0}, (rank, got)
+
+
+def test_a_capture_before_the_first_direct_sends_takes_the_plain_ring(monkeypatch):
+    """Inside a CUDA-graph capture, a group the direct sends have not met yet (its barrier cannot
+    run there) goes round the plain ring; a group they have met keeps them."""
+    from types import SimpleNamespace
+
+    from torch_commopt.kernels.attention import flex_ring
+
+    group = SimpleNamespace(group_name="g-test")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(flex_ring, "_READY", set())
+    assert flex_ring._first_in_capture(group)  # noqa: SLF001
+    assert flex_ring._sends(None, 2, None, group) is None  # noqa: SLF001  (nothing else is read)
+    flex_ring._READY.add("g-test")  # noqa: SLF001
+    assert not flex_ring._first_in_capture(group)  # noqa: SLF001
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    flex_ring._READY.clear()  # noqa: SLF001
+    assert not flex_ring._first_in_capture(group)  # noqa: SLF001

@@ -122,7 +122,7 @@ def _checked(spans: Spans | None, ring: RankBlocks) -> Spans | None:
     return spans
 
 
-def _sends(blocks: flex.Blocks, world: int, ring: RankBlocks) -> Spans | None:
+def _sends(blocks: flex.Blocks, world: int, ring: RankBlocks, group=None) -> Spans | None:
     """The spans the direct sends move (checked against this rank's cut), None for the plain ring.
     Two ranks whose sends cannot be cut (a rank's own rows' mask; or every span whole) still send
     directly, whole shares, unless the rings are asked to move by the copy engine
@@ -131,10 +131,21 @@ def _sends(blocks: flex.Blocks, world: int, ring: RankBlocks) -> Spans | None:
     where the direct terms go once, in the inputs' dtype, to be added at their owner."""
     from torch_commopt.kernels.attention import ce_ring
 
+    if _first_in_capture(group):
+        return None
     spans = skipping(blocks, world)
     if spans is None and world == 2 and ce_ring.transport() != "ce":
         spans = [[(0, blocks.share(world))] * world for _ in range(world)]
     return _checked(spans, ring)
+
+
+def _first_in_capture(group) -> bool:
+    """Whether the direct sends would meet the group for the first time inside a CUDA-graph
+    capture, where _ready's barrier cannot run: the shares then go round the plain ring, which
+    moves every share and computes the same blocks (the same on every rank: they capture
+    together, and meet a group's first direct sends at the same call)."""
+    return (group is not None and group.group_name not in _READY and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing())
 
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: float, group, *,
@@ -146,7 +157,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, blocks: flex.Blocks, scale: fl
     None) where this rank needed none of them), else None (ring_backward's)."""
     world, p = comm.size(group), comm.rank(group)
     ring = RankBlocks(*steps_of(blocks, world, p), scale, p, world)
-    spans = _sends(blocks, world, ring)
+    spans = _sends(blocks, world, ring, group)
     shift = comm.ring_shift([k, v], group, TAG_KV) if spans is None else DirectShift([k, v], group, TAG_KV, spans)
     out, lse = forward_blocks(q, v.shape[-1], shift, ring)
     if not keep:
@@ -167,7 +178,7 @@ def pair_backward(saved: "Saved", dout: Tensor, blocks: flex.Blocks, scale: floa
     q, k, v, out, lse = saved.q, saved.k, saved.v, saved.out, saved.lse
     p = comm.rank(group)
     ring = RankBlocks(*steps_of(blocks, 2, p), scale, p, 2)
-    spans, s = _sends(blocks, 2, ring), 1 - p
+    spans, s = _sends(blocks, 2, ring, group), 1 - p
     out_q, moves = out.to(q.dtype), _Direct([k, v], group, TAG_GRAD, spans)
     cross = None
     if ring.extents[s] is not None:
@@ -362,7 +373,7 @@ def ring_backward(saved: Saved, dout: Tensor, blocks: flex.Blocks, scale: float,
     """(dq, dk, dv) of this rank's shares, in the inputs' dtypes."""
     world, p = comm.size(group), comm.rank(group)
     ring = RankBlocks(*steps_of(blocks, world, p), scale, p, world)
-    spans = _sends(blocks, world, ring)
+    spans = _sends(blocks, world, ring, group)
     # Over two ranks with sends cut, a rank's dK/dV total is its own block's terms plus at most one
     # arriving span: one sum, rounded once in the inputs' dtype as in fp32, so the own block's
     # terms become the total as the kernel gave them (no fp32 zeros over the share, no cast back).
