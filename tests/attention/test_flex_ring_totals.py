@@ -13,6 +13,14 @@ from torch_commopt.testing.launch import run_distributed
 S, BLOCK, D = 1024, 128, 16
 
 
+def _docs() -> torch.Tensor:
+    """Document ids over S tokens; the document 450..700 crosses the two shares' end at 512."""
+    docs = torch.zeros(S, dtype=torch.int32)
+    for cut in (200, 450, 700):
+        docs[cut:] += 1
+    return docs
+
+
 def _ring_grads(rank: int, world: int, lean: bool) -> tuple[list[torch.Tensor], int]:
     """(dq, dk, dv) of this rank's shares by flex_ring's backward in bf16 over a documents mask that
     crosses the shares' end (the whole mask on every rank, so the sends are cut), and how many
@@ -26,9 +34,7 @@ def _ring_grads(rank: int, world: int, lean: bool) -> tuple[list[torch.Tensor], 
     q, out, dout = (torch.randn(1, 4, S, D, generator=gen).to(torch.bfloat16) for _ in range(3))
     k, v = (torch.randn(1, 2, S, D, generator=gen).to(torch.bfloat16) for _ in range(2))
     lse = torch.randn(1, 4, S, generator=gen)
-    docs = torch.zeros(S, dtype=torch.int32)
-    for cut in (200, 450, 700):  # 450..700 crosses the shares' end at 512
-        docs[cut:] += 1
+    docs = _docs()
     mask = create_block_mask(lambda b, h, qi, kv: (docs[qi] == docs[kv]) & (qi >= kv), 1, None, S, S,
                              device="cpu", BLOCK_SIZE=BLOCK)
     blocks, group, length = flex.Blocks.of(mask), dist.group.WORLD, S // world
@@ -89,9 +95,7 @@ def run_own_rows(rank: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(9)
     q, dout = (torch.randn(1, 4, S, D, generator=gen).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, 2, S, D, generator=gen).to(torch.bfloat16) for _ in range(2))
-    docs = torch.zeros(S, dtype=torch.int32)
-    for cut in (200, 450, 700):
-        docs[cut:] += 1
+    docs = _docs()
     length = S // world
     mine = slice(rank * length, (rank + 1) * length)
     rows = create_block_mask(lambda b, h, qi, kv: (docs[qi + rank * length] == docs[kv]) & (qi + rank * length >= kv),

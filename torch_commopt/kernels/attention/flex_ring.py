@@ -115,11 +115,15 @@ def _checked(spans: Spans | None, ring: RankBlocks) -> Spans | None:
     """spans, where its row for this rank holds what the rank's own cut computes (every block
     computed gets at least the keys its tiles reach): else a RuntimeError, not a wrong sum."""
     mine = [(e.keys.start, e.keys.stop) if e is not None else None for e in ring.extents]
-    if spans is not None and not all(need is None or (got is not None and got[0] <= need[0] and need[1] <= got[1])
-                                     for got, need in zip(spans[ring.rank], mine, strict=True)):
+    if spans is not None and not all(map(_covers, spans[ring.rank], mine)):
         raise RuntimeError(f"flex CP: rank {ring.rank}'s blocks' keys {mine} disagree with the mask's spans "
                            f"{spans[ring.rank]}")
     return spans
+
+
+def _covers(got: tuple[int, int] | None, need: tuple[int, int] | None) -> bool:
+    """Whether a received span `got` holds the keys `need` (None: nothing received / needed)."""
+    return need is None or (got is not None and got[0] <= need[0] and need[1] <= got[1])
 
 
 def _sends(blocks: flex.Blocks, world: int, ring: RankBlocks, group=None) -> Spans | None:
@@ -183,10 +187,7 @@ def pair_backward(saved: "Saved", dout: Tensor, blocks: flex.Blocks, scale: floa
     cross = None
     if ring.extents[s] is not None:
         cross = flex.block_backward(q, kept[0], kept[1], out_q, lse, dout, ring.steps[s], scale)
-        keys = ring.extents[s].keys
-        for g in cross[1:]:  # zero outside the keys its tiles reach, as the ring's sums leave them
-            g[:, :, :keys.start].zero_()
-            g[:, :, keys.stop:].zero_()
+        _zero_outside(cross[1:], ring.extents[s].keys)  # as the ring's sums leave them
     # what the peer waits for: a span of terms wherever the table holds one, zeros if no tile
     # reached it (the table, not the tiles, tells both ranks what moves)
     mine, theirs = spans[p][s], spans[s][p]
@@ -215,10 +216,15 @@ def _own_terms(q: Tensor, k: Tensor, v: Tensor, rows: tuple, ring: RankBlocks) -
     if own is None:
         return None, [torch.zeros_like(k), torch.zeros_like(v)]
     gq, gk, gv = flex.block_backward(q, k, v, *rows, ring.steps[ring.rank], ring.scale)
-    for g in (gk, gv):
-        g[:, :, :own.keys.start].zero_()
-        g[:, :, own.keys.stop:].zero_()
-    return gq, [gk, gv]
+    return gq, _zero_outside([gk, gv], own.keys)
+
+
+def _zero_outside(grads, keys: slice) -> list[Tensor]:
+    """A block's dK/dV terms (B, H, L, D), zeroed in place outside the keys its tiles reach."""
+    for g in grads:
+        g[:, :, :keys.start].zero_()
+        g[:, :, keys.stop:].zero_()
+    return list(grads)
 
 
 _READY: set[str] = set()  # groups whose communicator the direct sends have made sure of
@@ -408,10 +414,7 @@ class DirectGrads(_Direct):
         usual."""
         if not self.adopt_own or self.step != 0 or gk.dtype != self.tensors[0].dtype:
             return False
-        for g in (gk, gv):
-            g[:, :, :keys.start].zero_()
-            g[:, :, keys.stop:].zero_()
-        self.tensors = self.terms = [gk, gv]
+        self.tensors = self.terms = _zero_outside([gk, gv], keys)
         return True
 
     def current(self) -> list[Tensor]:
