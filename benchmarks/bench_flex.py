@@ -116,8 +116,7 @@ def _commopt_variants(case: _Case, rank: int, world: int, group, args: argparse.
     length, scale = case.seq // world, case.q.shape[-1] ** -0.5
     rows = balance.row_work(case.mask)
     contiguous = balance.contiguous(rows.numel(), world, BLOCK)
-    chosen = {"contiguous": lambda: contiguous, "choose": lambda: balance.choose(case.mask, world),
-              "rotated": lambda: balance.rotated(balance.tile_matrix(case.mask), BLOCK)}[args.layout]()
+    chosen = contiguous if args.layout == "contiguous" else balance.choose(case.mask, world)
     layouts = {lay.name: lay for lay in ([chosen] if only else [contiguous, chosen])}
     variants, errors, tiles = {}, {}, {}
     for name, lay in layouts.items():
@@ -432,9 +431,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pick-only", dest="pick_only", action="store_true",
                    help="commopt's pick on balance.choose's layout alone (not every schedule on both layouts)")
     p.add_argument("--schedule", default=None, help="commopt's schedule in place of the flex model's pick")
-    p.add_argument("--layout", choices=("choose", "contiguous", "rotated"), default="choose",
-                   help="the layout of --pick-only (and the second layout of the full sweep); rotated: two ranks "
-                        "(balance.rotated)")
+    p.add_argument("--layout", choices=("choose", "contiguous"), default="choose",
+                   help="the layout of --pick-only (and the second layout of the full sweep)")
     p.add_argument("--whole-mask", dest="whole_mask", action="store_true",
                    help="commopt's ops take the whole sequence's mask, not the rank's rows' (torch CP's form): the "
                         "ring then sends each rank only the span of keys it needs (flex_ring.DirectShift)")
@@ -448,8 +446,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--join", nargs="+", metavar="JSON", help="write one report of these runs' reports to --out")
     p.add_argument("--commit", default="")
     args = p.parse_args(argv)
-    if args.layout == "rotated" and args.world != 2:
-        p.error(f"--layout rotated deals two ranks, not --world {args.world}")
     args.repeats = args.repeats or (1 if args.cpu else 5)
     args.target_ms = args.target_ms or (1.0 if args.cpu else TARGET_MS)
     return args

@@ -189,7 +189,7 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
 
 def layouts(kind: str, seq: int, world: int, reps: int, tensors: list) -> dict:
     """Every rank's all-gather compute (one call of its rows against every key) on the contiguous
-    layout, on balance.choose's and (two ranks) on balance.rotated's: {layout: {"tiles": per rank,
+    layout and on balance.choose's: {layout: {"tiles": per rank,
     "fwd": per rank ms, "bwd": ..., "ring": the ring's calls summed, "own": contiguous only}}; the
     ring's calls on every layout but by_work (whose scattered blocks reach every source).
     tensors: q, k, v, dout, and the whole kernel's out and lse (the backward's global rows)."""
@@ -202,8 +202,6 @@ def layouts(kind: str, seq: int, world: int, reps: int, tensors: list) -> dict:
     whole_mask = fa.create_block_mask(mod, None, None, seq, seq, device=dev, BLOCK_SIZE=BLOCK)
     rows = balance.row_work(whole_mask)
     dealt = [balance.contiguous(rows.numel(), world, BLOCK), balance.choose(whole_mask, world)]
-    if world == 2:
-        dealt.append(balance.rotated(balance.tile_matrix(whole_mask), BLOCK))
     out = {}
     for lay in {lay.name: lay for lay in dealt}.values():
         # the mask over layout positions for every layout (one compiled kernel: the same mask code)

@@ -95,15 +95,6 @@ def test_the_cpu_smoke_runs_the_ring_with_the_whole_mask_on_the_contiguous_layou
     assert max(record["errors"].values()) < 1e-5, record["errors"]
 
 
-def test_the_cpu_smoke_runs_the_ring_on_the_rotated_layout_and_refuses_it_beyond_two_ranks():
-    (record,) = bench_flex.main(["--cpu", "--masks", "docs 128", "--seq", "1024", "--repeats", "1", "--pick-only",
-                                 "--schedule", "ring", "--layout", "rotated", "--whole-mask"])
-    assert set(record["ms"]) >= {"single GPU", "commopt ring @ rotated"} and record["layout"] == "rotated"
-    assert max(record["errors"].values()) < 1e-5, record["errors"]
-    with pytest.raises(SystemExit):
-        bench_flex.parse_args(["--cpu", "--layout", "rotated", "--world", "4"])
-
-
 def test_the_host_section_lists_every_variant_s_host_time_by_rank():
     host = {"single GPU": [1.0, 0.96], "commopt allgather @ by_work": [2.69, 2.51]}
     records = [{"mask": "docs 1K", "seq": 16384, "host_ms": host}]

@@ -63,8 +63,8 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
     blocks this rank's forward computed}.  schedule: "ring" or "allgather[:g=G]" (G head groups);
     4 query heads over 2 KV heads.  own_rows: each rank states the mask of its rows only (against
     every key, its row offset added in its mask_mod), as a context-parallel program does.
-    layout: the sequence dealt to the ranks by balance.choose ("choose") or balance.rotated
-    ("rotated", two ranks) first, the inputs and the mask in its order (with "layout": its name)."""
+    layout: "choose", the sequence dealt to the ranks by balance.choose first, the inputs and the
+    mask in its order (with "layout": its name)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from torch_commopt.kernels.attention import balance, flex, flex_allgather, flex_ring
@@ -77,10 +77,8 @@ def run_flex_ring(rank: int, world: int, kind: str, batch: int = 1, schedule: st
     k, v = (torch.randn(batch, kv_heads, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
     mod = mask_mod_of(kind, doc_ids(batch))
     dealt = None
-    if layout in ("choose", "rotated"):  # attention in layout order is the sequence's, its rows and keys permuted alike
-        whole = create_block_mask(mod, batch, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
-        dealt = balance.choose(whole, world) if layout == "choose" else balance.rotated(balance.tile_matrix(whole),
-                                                                                         BLOCK)
+    if layout == "choose":  # attention in layout order is the sequence's, its rows and keys permuted alike
+        dealt = balance.choose(create_block_mask(mod, batch, None, S, S, device="cpu", BLOCK_SIZE=BLOCK), world)
         q, k, v, dout = (dealt.rearrange(t, 2) for t in (q, k, v, dout))
         mod = dealt.mask_mod(mod)
     scale = 1 / math.sqrt(D)

@@ -54,15 +54,14 @@ def test_the_report_shows_the_shares_alone_only_for_the_contiguous_layout():
 
 def test_the_ring_bound_sums_each_rank_s_calls_a_source():
     case = _case()
-    case["layouts"]["rotated"] = {"tiles": [390, 390], "fwd": [0.45, 0.45], "bwd": [1.2, 1.25],
-                                  "ring": {"fwd": [0.5, 0.42], "bwd": [1.3, 1.2]}}
+    case["layouts"]["contiguous"]["ring"] = {"fwd": [0.5, 0.42], "bwd": [1.3, 1.2]}
     lay = probe.derive([case])[0]["layouts"]
     # the busiest rank's calls: 0.5 + 1.3 = 1.8 ms; whole 2.5 ms over 2 ranks
-    assert lay["rotated"]["bound"]["ring"] == pytest.approx(2.5 / (2 * 1.8))
+    assert lay["contiguous"]["bound"]["ring"] == pytest.approx(2.5 / (2 * 1.8))
     assert "ring" not in lay["by_work"]["bound"]
     meta = {"device": "GPU", "commit": "abc", "date": "d", "torch": "t", "rounds": 3}
-    row = [r for r in probe.report([case], meta).splitlines() if r.startswith("| docs 1K") and "rotated" in r]
-    assert row and row[0].endswith("| - | 0.694 |")
+    row = [r for r in probe.report([case], meta).splitlines() if r.startswith("| docs 1K") and "contiguous" in r]
+    assert row and row[0].endswith("| 0.833 | 0.694 |")
 
 
 def test_the_report_states_its_kernels_and_rounds():
@@ -72,8 +71,8 @@ def test_the_report_states_its_kernels_and_rounds():
 
 
 def test_every_layout_s_calls_run_on_a_cpu_with_the_ring_s_per_source_calls(monkeypatch):
-    """layouts() on a CPU (flex's blocks in plain torch there), each call run once: every layout of
-    two ranks, the ring's calls a source where asked (not by_work's), own first."""
+    """layouts() on a CPU (flex's blocks in plain torch there), each call run once: the contiguous
+    layout and choose's, the ring's calls a source where asked (not by_work's), own first."""
     calls = []
     monkeypatch.setattr(probe, "_ms", lambda fn, reps: calls.append(fn()) or 1.0)
     seq, gen = 1024, torch.Generator().manual_seed(0)
@@ -81,8 +80,8 @@ def test_every_layout_s_calls_run_on_a_cpu_with_the_ring_s_per_source_calls(monk
     k, v = (torch.randn(1, probe.H_KV, seq, probe.D, generator=gen) for _ in range(2))
     lse = torch.randn(1, probe.H, seq, generator=gen)
     got = probe.layouts("docs 128", seq, 2, 1, [q, k, v, dout, out, lse])
-    assert {"contiguous", "rotated"} <= set(got) and len(got) >= 2  # choose's may be contiguous itself
-    assert "ring" in got["rotated"] and "own" in got["contiguous"]
+    assert "contiguous" in set(got)  # choose's may be contiguous itself
+    assert "ring" in got["contiguous"] and "own" in got["contiguous"]
     assert all("ring" not in got[name] for name in got if name == "by_work")
     assert all(len(got[name]["fwd"]) == 2 for name in got)
-    assert all(1.0 <= ms <= 2.0 for ms in got["rotated"]["ring"]["fwd"])  # own, and at most one other source
+    assert all(1.0 <= ms <= 2.0 for ms in got["contiguous"]["ring"]["fwd"])  # own, and at most one other source

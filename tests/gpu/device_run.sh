@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|flex_rotated|meshslice|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|meshslice|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -149,20 +149,6 @@ if [[ $what == flex_bench ]]; then
   # --masks causal,docs_4K" ('_' for the space BENCH_ARGS would split on); with
   # TORCH_COMMOPT_ATTENTION_TRANSPORT=nccl exported, commopt's K/V move by NCCL, not the copy engine (a report of its own, _nccl)
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_flex --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_bench.log"
-fi
-if [[ $what == flex_rotated ]]; then
-  # issue 70, 2 GPUs: the rotated layout (balance.rotated) -- each layout's per-rank compute with
-  # the ring's calls a source (one GPU), then on it the ring with the whole mask (its sends cut
-  # to spans), the ring with the rank's rows' mask (whole shares sent directly) and the
-  # all-gather, against torch CP (FLEX_SEQ, FLEX_MASKS; BENCH_ARGS e.g. "--commit abc"); ~8 min
-  # on 2x H200.  Its GPU test first, in a call of its own: `... tests rotated`
-  timeout ${PROBE_TIMEOUT:-200} python3 -m benchmarks.probe_flex_blocks --out "$out" --seq ${FLEX_SEQ:-32768} \
-    --masks "$(echo ${FLEX_MASKS:-docs_1K,docs_4K} | tr _ ' ')" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
-  for sched in "ring --whole-mask" ring allgather; do
-    timeout ${BENCH_TIMEOUT:-150} python3 -m benchmarks.bench_flex --out "$out" --pick-only --layout rotated \
-      --schedule $sched --seq ${FLEX_SEQ:-32768} --masks ${FLEX_MASKS:-docs_1K,docs_4K} ${BENCH_ARGS:-} \
-      2>&1 | tee -a "$out/flex_bench.log"
-  done
 fi
 if [[ $what == meshslice ]]; then
   # issue 71/73, 4 GPUs as a 2 x 2 mesh: the FC layers through the reference 2D GEMMs, Collective vs

@@ -129,39 +129,6 @@ def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> 
     return results
 
 
-def run_flex_rotated(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The ring (the whole mask: sends cut to spans, the two-rank dK/dV totals adopted) and the
-    one-group all-gather on balance.rotated's layout, documents and windows, through the ops:
-    {"results": _compare's, "layouts": each mask's rank work}."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    import torch_commopt  # noqa: F401  (registers the ops)
-    from torch_commopt.kernels.attention import balance, flex
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    group, length = dist.group.WORLD, S // world
-    mine = slice(rank * length, (rank + 1) * length)
-    results, work = [], {}
-    for i, kind in enumerate(("document", "window", "document+window")):
-        mod = mask_mod_of(kind, doc_ids(device))
-        whole = create_block_mask(mod, 1, None, S, S, device=device, BLOCK_SIZE=BLOCK)
-        lay = balance.rotated(balance.tile_matrix(whole), BLOCK)
-        work[kind] = lay.rank_work(balance.row_work(whole))
-        tensors = _inputs(200 + i, device)
-        truth, own = ([lay.rearrange(t, 2) for t in ts] for ts in (_truth(tensors, mod), _whole_flex(tensors, mod, dtype)))
-        bm = create_block_mask(lay.mask_mod(mod, device), 1, None, S, S, device=device, BLOCK_SIZE=BLOCK)
-        graph, buffers = flex.lift(bm.mask_mod, device)
-        tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
-        q, k, v, dout = (lay.shard(t, 2, rank).to(dtype).contiguous() for t in tensors)
-        for schedule in ("ring", "allgather"):
-            args = (tables, list(buffers), graph.code, [S, S, BLOCK], 1 / math.sqrt(D), world, group.group_name,
-                    schedule)
-            out, lse = torch.ops.commopt.cp_flex_attention_fwd(q, k, v, *args)
-            grads = torch.ops.commopt.cp_flex_attention_bwd(dout, q, k, v, out, lse, *args)
-            results += _compare(f"rotated {kind} {schedule}", [out, *grads], truth, own, mine)
-    return {"results": results, "layouts": work}
-
-
 def run_flex_ce(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The one-group all-gather's ops with K/V moved by the copy engine (ce_gather; the caller
     set TORCH_COMMOPT_ATTENTION_TRANSPORT=ce), the kept pair and the unkept one, causal and

@@ -12,7 +12,6 @@ from flex_cases import (
     run_flex_ce,
     run_flex_compiled,
     run_flex_ops,
-    run_flex_rotated,
     run_flex_ulysses,
     run_sdpa_dense_mask,
     run_torch_cp_flex,
@@ -33,18 +32,6 @@ def test_flex_ops_match_whole_sequence_attention(two_ranks):
     for results in run_distributed(run_flex_ops, world, backend=backend, timeout_s=500):
         assert len(results) == 5 * 2 * 3 * 4  # masks x (whole, own rows) x schedules x (out, dq, dk, dv)
         assert not _bad(results), "\n".join(_bad(results))
-
-
-@pytest.mark.gpu
-def test_the_ring_and_the_all_gather_on_the_rotated_layout_match_whole_sequence_attention(two_ranks):
-    world, backend = two_ranks
-    if world != 2:
-        pytest.skip("balance.rotated deals two ranks")
-    for got in run_distributed(run_flex_rotated, world, backend=backend, timeout_s=400):
-        assert len(got["results"]) == 3 * 2 * 4, got  # masks x schedules x (out, dq, dk, dv)
-        assert not _bad(got["results"]), "\n".join(_bad(got["results"]))
-        for kind, work in got["layouts"].items():  # the run placed where the ranks' tiles balance
-            assert max(work) - min(work) <= max(work) // 8, (kind, work)
 
 
 @pytest.mark.gpu

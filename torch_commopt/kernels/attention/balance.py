@@ -22,14 +22,6 @@ a causal mask); `by_work` (blocks dealt greedily, heaviest first, to the least l
 room: balances any mask within one block's work).  `choose` takes the layout whose busiest rank
 has the fewest tiles -- the time every schedule's compute is bound by (the all-gather's transfers
 do not depend on the layout) -- preferring the simpler layout on a tie.
-
-`rotated` (two ranks): rank 1 holds one run of half the blocks, rank 0 the rest (the blocks
-before the run and after it), the run placed where the two ranks' tiles balance best and, among
-those places, where the fewest tiles join a rank's rows to the other's keys.  It balances work as
-`by_work` does on documents and windows, but only the tiles around the run's two ends cross
-ranks, and a rank's rows reach one short span of the other's keys: what the ring needs moved
-where its sends are cut (flex_ring.skipping), where `by_work`'s scattered blocks reach nearly all
-of them.  Not among `choose`'s candidates: the all-gather moves every key whatever the layout.
 """
 
 from __future__ import annotations
@@ -123,46 +115,6 @@ def by_work(rows: Tensor, world: int, block: int) -> Layout:
         if len(held[p]) < share:
             heapq.heappush(heap, (load + work[i], p))
     return Layout(torch.tensor([i for blocks in held for i in sorted(blocks)]), block, world, "by_work")
-
-
-def tile_matrix(block_mask) -> Tensor:
-    """int64 [n, n]: the tiles of row block i against key block j of a whole-sequence BlockMask
-    (partial and full blocks, summed over batch and heads)."""
-    n = block_mask.kv_num_blocks.shape[-1]
-    out = torch.zeros(n * n, dtype=torch.int64)
-    for num, idx in ((block_mask.kv_num_blocks, block_mask.kv_indices),
-                     (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
-        if num is None:
-            continue
-        idx = idx.cpu().to(torch.int64).flatten(0, -3)  # [B * H, n, columns]
-        valid = torch.arange(idx.shape[-1]) < num.cpu().to(torch.int64).flatten(0, -2)[..., None]
-        cells = torch.arange(n)[:, None] * n + idx
-        out += torch.bincount(cells[valid], minlength=n * n)
-    return out.view(n, n)
-
-
-def rotated(tiles: Tensor, block: int) -> Layout:
-    """Two ranks: rank 1 holds blocks [c, c + n / 2), rank 0 the others in sequence order, c the
-    start whose busiest rank has the fewest tiles, then the fewest tiles between the ranks, then
-    the earliest (tiles: tile_matrix's [n, n])."""
-    n = tiles.shape[0]
-    if n % 2:
-        raise ValueError(f"balance.rotated: {n} blocks do not split over 2 ranks")
-    half, t = n // 2, tiles.to(torch.int64).cpu()
-    rows, cols = (torch.cat([torch.zeros(1, dtype=torch.int64), t.sum(d).cumsum(0)]) for d in (1, 0))
-    square = torch.zeros(n + 1, n + 1, dtype=torch.int64)
-    square[1:, 1:] = t.cumsum(0).cumsum(1)
-    starts = torch.arange(half + 1)
-    ends = starts + half
-    run_rows, run_cols = rows[ends] - rows[starts], cols[ends] - cols[starts]
-    inside = square[ends, ends] - square[starts, ends] - square[ends, starts] + square[starts, starts]
-    busiest = torch.maximum(run_rows, rows[-1] - run_rows)
-    crossing = run_rows + run_cols - 2 * inside  # tiles of the run's rows outside it, and of its keys' other rows
-    c = min(range(half + 1), key=lambda i: (int(busiest[i]), int(crossing[i]), i))
-    mine = torch.zeros(n, dtype=torch.bool)
-    mine[c:c + half] = True
-    order = torch.cat([torch.arange(n)[~mine], torch.arange(n)[mine]])
-    return Layout(order, block, 2, "rotated")
 
 
 def candidates(rows: Tensor, world: int, block: int) -> list[Layout]:
