@@ -129,6 +129,35 @@ def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> 
     return results
 
 
+def run_flex_hybrid(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, float, float]]:
+    """hybrid:2:2 at four ranks through cp_flex_attention_fwd / _bwd: Ulysses over each pair of
+    consecutive ranks (one KV head each), the flex ring over the two pairs, the whole mask (the same
+    for every head, as the hybrid needs), every mask but the padded one."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import torch_commopt  # noqa: F401  (registers the ops)
+    from torch_commopt.kernels.attention import flex
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    group, length = dist.group.WORLD, S // world
+    mine = slice(rank * length, (rank + 1) * length)
+    results = []
+    for i, kind in enumerate(KINDS[:4]):
+        tensors = _inputs(300 + i, device)
+        mod = mask_mod_of(kind, doc_ids(device))
+        truth, own = _truth(tensors, mod), _whole_flex(tensors, mod, dtype)
+        bm = create_block_mask(mod, 1, None, S, S, device=device, BLOCK_SIZE=BLOCK)
+        graph, buffers = flex.lift(bm.mask_mod, device)
+        tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+        args = (tables, list(buffers), graph.code, [S, S, BLOCK], 1 / math.sqrt(D), world, group.group_name,
+                "hybrid:2:2")
+        q, k, v, dout = (t[:, :, mine].to(dtype).contiguous() for t in tensors)
+        out, lse = torch.ops.commopt.cp_flex_attention_fwd(q, k, v, *args)
+        grads = torch.ops.commopt.cp_flex_attention_bwd(dout, q, k, v, out, lse, *args)
+        results += _compare(f"hybrid {kind}", [out, *grads], truth, own, mine)
+    return results
+
+
 def run_flex_ce(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The one-group all-gather's ops with K/V moved by the copy engine (ce_gather; the caller
     set TORCH_COMMOPT_ATTENTION_TRANSPORT=ce), the kept pair and the unkept one, causal and

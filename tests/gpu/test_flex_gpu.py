@@ -11,6 +11,7 @@ from flex_cases import (
     run_flex_batches,
     run_flex_ce,
     run_flex_compiled,
+    run_flex_hybrid,
     run_flex_ops,
     run_flex_ulysses,
     run_sdpa_dense_mask,
@@ -31,6 +32,14 @@ def test_flex_ops_match_whole_sequence_attention(two_ranks):
     world, backend = two_ranks
     for results in run_distributed(run_flex_ops, world, backend=backend, timeout_s=500):
         assert len(results) == 5 * 2 * 3 * 4  # masks x (whole, own rows) x schedules x (out, dq, dk, dv)
+        assert not _bad(results), "\n".join(_bad(results))
+
+
+@pytest.mark.gpu
+def test_the_hybrid_schedule_at_four_ranks_matches_whole_sequence_attention(four_ranks):
+    world, backend = four_ranks
+    for results in run_distributed(run_flex_hybrid, world, backend=backend, timeout_s=500):
+        assert len(results) == 4 * 4, results  # masks x (out, dq, dk, dv)
         assert not _bad(results), "\n".join(_bad(results))
 
 
