@@ -8,7 +8,8 @@ the experts compiled by Inductor as torchtitan compiles them:
 - `torchtitan EP`: torchtitan's ExpertParallel (all-to-alls, host read of the splits);
 - `commopt a2a`, `commopt by_peer`, `commopt by_expert`, `commopt auto`: commopt's schedules
   swapped in (kernels/moe/module.py; by_expert's exchange by the copy engine on GPUs, auto the
-  tuner's pick); `commopt by_expert nccl`: by_expert with its exchange on NCCL;
+  tuner's pick); `commopt by_expert nccl`: by_expert with its exchange on NCCL; `commopt sync_free`
+  (asked for by --variants): no host read of the counts, equal blocks of a capacity (fixed per case);
 - `comm-free`: the same layer with the exchange removed.  Each rank runs its local experts over
   its own tokens, with the per-expert rows an exchange would bring it on balanced routing.  This is
   the bound that hiding the exchange can reach.
@@ -48,7 +49,8 @@ MODELS = {
 }
 CPU_MODELS = {"tiny": (64, 48, 8, 2, 1)}
 VARIANTS = ("torchtitan EP", "commopt a2a", "commopt by_peer", "commopt by_expert", "commopt by_expert nccl",
-            "commopt auto", "comm-free")
+            "commopt auto", "commopt sync_free", "comm-free")
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "commopt sync_free")  # its buffers are the worst case's: asked for
 
 
 def _transport(variant: str) -> None:
@@ -106,7 +108,7 @@ def _free_forward(layer, world: int):
 
 
 def _rank(rank: int, world: int, models: dict, cases: tuple, rounds: int, steps: int, compile_children: bool,
-          variants: tuple = VARIANTS):
+          variants: tuple = DEFAULT_VARIANTS):
     """cases: (tokens_list, routings)."""
     import torch
     import torch.distributed as dist
@@ -114,6 +116,7 @@ def _rank(rank: int, world: int, models: dict, cases: tuple, rounds: int, steps:
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
+    from torch_commopt.kernels.moe import sync_free
     from torch_commopt.kernels.moe.module import swap_expert_parallel
     from torch_commopt.testing.optional import torchtitan_moe_cpu_shims
     from torch_commopt.tuner.moe.choose import chooser
@@ -134,6 +137,7 @@ def _rank(rank: int, world: int, models: dict, cases: tuple, rounds: int, steps:
     for name, model in models.items():
         for tokens in tokens_list:
             for routing in routings:
+                sync_free.reset()  # sync_free's capacity: fixed anew by each case's first call
                 layers = {}
                 for variant in variants:
                     layer = _layer(model, device, dtype, 11, compile_children)
@@ -393,7 +397,7 @@ def main() -> None:
     p.add_argument("--routings", nargs="+", default=["balanced", "skewed"])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=_variant, metavar="VARIANT",
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), type=_variant, metavar="VARIANT",
                    help="a subset of the variants, by name or by schedule (a2a, by_expert, 'by_expert nccl', auto, "
                         "...; torchtitan EP and comm-free always run: the figures need them)")
     p.add_argument("--pieces", action="store_true", help="one GPU: the grouped GEMMs whole vs in pieces")

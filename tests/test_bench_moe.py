@@ -13,7 +13,7 @@ from torch_commopt.testing.launch import run_distributed  # noqa: E402
 
 def test_the_cpu_smoke_run_measures_every_variant_and_agrees_with_torchtitan():
     per_rank = run_distributed(bench_moe._rank, 2, bench_moe.CPU_MODELS, ([32], ["balanced", "skewed"]), 1, 1, False,
-                               backend="gloo", timeout_s=300)
+                               bench_moe.VARIANTS, backend="gloo", timeout_s=300)
     cases, device = per_rank[0]
     assert device == "cpu (gloo)" and [c["routing"] for c in cases] == ["balanced", "skewed"]
     for c in bench_moe.records(cases):

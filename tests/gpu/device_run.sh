@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|meshslice|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|moe_sync_free|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|meshslice|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -100,6 +100,19 @@ fi
 if [[ $what == moe_pieces ]]; then
   # issue 68, one GPU: the experts' grouped GEMMs whole vs in pieces by source (what by_peer costs the compute)
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_moe --pieces --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/moe_pieces.log"
+fi
+if [[ $what == moe_sync_free ]]; then
+  # issue 68, 2 GPUs: the MoE GPU tests (sync_free among them: no host read after its first call,
+  # under torch.cuda.set_sync_debug_mode), then one layer at few tokens a rank, torchtitan's EP vs
+  # a2a vs sync_free vs the comm-free bound (SYNC_FREE_TOKENS; BENCH_ARGS e.g. "--commit abc");
+  # torchtitan 0.2.2 carried in .whl/
+  TORCH_COMMOPT_DEBUG_WAITS=1 TORCH_COMMOPT_WAIT_TIMEOUT_S=60 timeout ${TEST_TIMEOUT:-150} \
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py 2>&1 | tee "$out/gpu_moe.log"
+  ttsite=$(mktemp -d)
+  python3 -m pip install -q --no-deps --target "$ttsite" .whl/*.whl > "$out/tt_install.log" 2>&1
+  PYTHONPATH=$ttsite:$PYTHONPATH timeout ${BENCH_TIMEOUT:-240} python3 -m benchmarks.bench_moe --out "$out" \
+    --models dsv2-lite qwen3-30b-a3b --tokens ${SYNC_FREE_TOKENS:-256 1024 4096} --routings balanced \
+    --variants a2a sync_free --rounds 5 ${BENCH_ARGS:-} 2>&1 | tee "$out/moe.log"
 fi
 if [[ $what == moe ]]; then
   # issue 68, W GPUs: the MoE GPU tests, then one MoE layer, torchtitan's EP vs commopt's schedules

@@ -14,6 +14,7 @@ from torch_commopt.kernels.moe.by_expert import by_expert
 from torch_commopt.kernels.moe.exchange import exchange_counts
 from torch_commopt.kernels.moe.module import PaddedLocal, swiglu_per_expert
 from torch_commopt.kernels.moe.schedules import expert_parallel
+from torch_commopt.kernels.moe.sync_free import sync_free
 
 D, H, NL = 12, 20, 3  # model dim, expert hidden dim, local experts per rank
 # every schedule; by_expert in 2 uneven chunks (2 + 1 experts), in one chunk per expert, and with
@@ -21,7 +22,9 @@ D, H, NL = 12, 20, 3  # model dim, expert hidden dim, local experts per rank
 # (and a2a with experts that want padded groups, module.PaddedLocal, padded on the CPU too)
 # "by_expert no dx": x needs no gradient (a layer's first input): the backward computes and sends
 # none, the weight gradients still right
-CASES = ("a2a", "by_peer", "by_expert", "by_expert:3", "by_expert padded", "a2a padded", "by_expert no dx")
+# "sync_free" (every size on the device) and "sync_free padded" (its groups padded to 8 rows)
+CASES = ("a2a", "by_peer", "by_expert", "by_expert:3", "by_expert padded", "a2a padded", "by_expert no dx",
+         "sync_free", "sync_free padded")
 
 
 def _tokens(p: int, world: int, routing: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +120,8 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device
                 out = by_expert(xr, exchange_counts(counts, group), local, group, 2)
             elif schedule == "by_expert padded":
                 out = by_expert(xr, exchange_counts(counts, group), local, group, 2, align=8)
+            elif schedule == "sync_free padded":
+                out = sync_free(xr, counts, local, group, align=8)
             elif schedule == "a2a padded":
                 experts = _PlacedByTheSchedule(_local_experts(*local), 8, on_cpu=True)
                 out = expert_parallel(xr, counts, experts, group, "a2a")
@@ -163,8 +168,8 @@ def run_install(rank: int, world: int, schedule: str = "by_peer") -> float:
 
 
 def run_bf16(rank: int, world: int, routings=("balanced", "skewed")) -> list[tuple[str, float, float]]:
-    """On this rank's GPU in bf16, where by_expert runs torch._grouped_mm over padded groups:
-    [(case, by_expert's largest relative error, a2a's)] over output, x's gradient and the local
+    """On this rank's GPU in bf16, where by_expert and sync_free run torch._grouped_mm over padded
+    groups: [(case, by_expert's largest relative error, a2a's, sync_free's)] over output, x's gradient and the local
     weight gradients, both against one process in float64 on the CPU; a2a runs the experts as
     torchtitan's grouped GEMM does (bf16 grouped_mm, groups padded), so its error is the bf16
     reference's own."""
@@ -208,7 +213,7 @@ def run_bf16(rank: int, world: int, routings=("balanced", "skewed")) -> list[tup
         loss.backward()
         counts = torch.bincount(ids, minlength=experts).to(device)
         errs = {}
-        for schedule in ("a2a", "by_expert"):
+        for schedule in ("a2a", "by_expert", "sync_free"):
             local = [w[rank * nl:(rank + 1) * nl].to(device, torch.bfloat16).requires_grad_() for w in full]
             xb = x.to(device, torch.bfloat16).requires_grad_()
 
@@ -220,6 +225,8 @@ def run_bf16(rank: int, world: int, routings=("balanced", "skewed")) -> list[tup
 
             if schedule == "by_expert":  # itself, also on one rank (expert_parallel runs one rank's experts alone)
                 out = by_expert(xb, exchange_counts(counts, group), local, group, 2)
+            elif schedule == "sync_free":
+                out = sync_free(xb, counts, local, group)
             else:
                 out = expert_parallel(xb, counts, padded(grouped), group, schedule)
             out.backward(go.to(device, torch.bfloat16))
@@ -230,5 +237,82 @@ def run_bf16(rank: int, world: int, routings=("balanced", "skewed")) -> list[tup
         from torch_commopt.kernels.moe.ce_exchange import CEExchange
 
         results.append((f"{routing} world {world} rank {rank} ce passes {CEExchange.passes}", errs["by_expert"],
-                        errs["a2a"]))
+                        errs["a2a"], errs["sync_free"]))
     return results
+
+
+def run_sync_free_errors(rank: int, world: int) -> dict:
+    """sync_free past its capacity, and with one rank's counts not adding up to its rows: the
+    outputs NaN on every rank, check() raising on every rank; then a right call, right again.
+    {case: (all outputs NaN, check's message or "")}."""
+    from torch_commopt.kernels.moe import sync_free as sf
+
+    group = dist.group.WORLD
+    sf.reset()
+    full = _weights(world, 7)
+    x, ids = _tokens(rank, world, "balanced", 7)
+    local = [w[rank * NL:(rank + 1) * NL] for w in full]
+    counts = torch.bincount(ids, minlength=NL * world)
+    got = {}
+    for case, cap, extra in (("over capacity", 5, 0), ("counts off on the last rank", 1000, 1), ("right", 1000, 0)):
+        sf.set_capacity(group, cap)
+        mine = counts.clone()
+        if rank == world - 1:
+            mine[0] += extra
+        out = sf.sync_free(x, mine, local, group)
+        try:
+            sf.check(group)
+            told = ""
+        except RuntimeError as e:
+            told = str(e)
+        got[case] = (bool(torch.isnan(out).all()), told, _rel(out, expert_parallel(x, counts, _local_experts(*local),
+                                                                                     group, "a2a")) if not extra and
+                     cap > 5 else None)
+    return got
+
+
+def run_sync_free_unsynced(rank: int, world: int, calls: int = 3) -> dict:
+    """sync_free in bf16 on this rank's GPU with torch.cuda.set_sync_debug_mode("error") after its
+    first call (which fixes the capacity: one host read): `calls` forward and backward passes, a
+    new routing each, against a2a's outputs in the same dtype.  {"error": a sync's message or
+    "", "rel": the largest relative difference from a2a's output}."""
+    from torch_commopt.kernels.moe import sync_free as sf
+    from torch_commopt.kernels.moe.module import padded
+
+    device = f"cuda:{torch.cuda.current_device()}"
+    group = dist.group.WORLD
+    d, h, nl, n = 256, 384, 4, 512
+    g = torch.Generator().manual_seed(3)
+    ws = [(torch.randn(nl * world, *shape, generator=g) / shape[1] ** 0.5)[rank * nl:(rank + 1) * nl]
+          .to(device, torch.bfloat16).requires_grad_() for shape in ((h, d), (d, h), (h, d))]
+
+    def routed(seed: int):
+        ids = torch.randint(0, nl * world, (n,), generator=torch.Generator().manual_seed(seed + rank)).sort().values
+        return (torch.randn(n, d, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16),
+                torch.bincount(ids, minlength=nl * world).to(device))
+
+    def grouped(rows, per):
+        offs = torch.cumsum(per, 0, dtype=torch.int32)
+        a = F.silu(torch._grouped_mm(rows, ws[0].transpose(-2, -1), offs=offs))
+        return torch._grouped_mm(a * torch._grouped_mm(rows, ws[2].transpose(-2, -1), offs=offs),
+                                 ws[1].transpose(-2, -1), offs=offs)
+
+    sf.reset()
+    x, counts = routed(0)
+    sf.sync_free(x, counts, ws, group).sum().backward()  # fixes the capacity
+    rels, error = [], ""
+    for call in range(1, calls + 1):
+        x, counts = routed(call)
+        xr = x.clone().requires_grad_()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = sf.sync_free(xr, counts, ws, group)
+            out.float().square().sum().backward()
+        except RuntimeError as e:
+            error = error or str(e)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if not error:
+            ref = expert_parallel(x, counts, padded(grouped), group, "a2a")
+            rels.append(_rel(out.detach().float(), ref.detach().float()))
+    return {"error": error, "rel": max(rels) if rels else float("nan")}

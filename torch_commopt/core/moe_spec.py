@@ -7,8 +7,9 @@ from __future__ import annotations
 # a2a: torchtitan's exchange (one all-to-all each way, nothing overlapped); by_peer: one ring step
 # per peer, the experts on each source's rows as they arrive; by_expert[:C]: the exchange in C
 # chunks of experts (default 2), each chunk's experts running as it arrives and its outputs going
-# home while later chunks compute; auto: the tuner's pick among a2a and by_expert (docs/moe.md)
-MOE_SCHEDULES = ("a2a", "by_peer", "by_expert", "auto")
+# home while later chunks compute; sync_free: every size on the device, no host read of the counts,
+# fixed shapes (equal blocks of a capacity); auto: the tuner's pick among a2a and by_expert (docs/moe.md)
+MOE_SCHEDULES = ("a2a", "by_peer", "by_expert", "sync_free", "auto")
 
 
 def parse_moe_schedule(schedule: str) -> tuple[str, int | None]:

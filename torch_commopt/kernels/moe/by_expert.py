@@ -196,7 +196,7 @@ def tables(p: Plan, device, slot_rows: int | None = None) -> Tables:
                   groups, offsets)
 
 
-def _gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
+def gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
     """Per expert e: x's rows of group e @ w[e]^T (w (E, out, in)), groups of `sizes` rows."""
     if offs is not None:
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
@@ -204,7 +204,7 @@ def _gmm(x: Tensor, w: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
     return torch.cat(outs) if outs else x.new_zeros((0, w.shape[1]))
 
 
-def _gmm_wgrad(dy: Tensor, x: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
+def gmm_wgrad(dy: Tensor, x: Tensor, sizes: list[int], offs: Tensor | None) -> Tensor:
     """Per expert e: dy's rows of group e ^T @ x's rows of group e -> (E, out, in)."""
     if offs is not None:
         return torch._grouped_mm(dy.transpose(-2, -1), x, offs=offs)
@@ -304,11 +304,11 @@ class _ByExpert(torch.autograd.Function):
             xc = xe[start:end]
             sizes, offs = _chunk_groups(p, t, c, grouped)
             lo, hi = p.experts[c]
-            h1 = _gmm(xc, w1c[lo:hi], sizes, offs)
-            h3 = _gmm(xc, w3c[lo:hi], sizes, offs)
+            h1 = gmm(xc, w1c[lo:hi], sizes, offs)
+            h3 = gmm(xc, w3c[lo:hi], sizes, offs)
             silu = F.silu(h1)
             torch.mul(silu, h3, out=act[start:end])
-            y = _gmm(act[start:end], w2c[lo:hi], sizes, offs)
+            y = gmm(act[start:end], w2c[lo:hi], sizes, offs)
             back = _back(y, p, t, c)  # source-major, as the chunk came
             homes.append((ex.post(OUT, c, _pieces(out, p.slices[c]), list(back.split(p.recv[c]))), back))
             saved.append((h1, h3, silu))  # what autograd would keep: the backward recomputes nothing
@@ -350,12 +350,12 @@ class _ByExpert(torch.autograd.Function):
             h1, h3, silu = saved[c]
             sizes, offs = _chunk_groups(p, t, c, grouped)
             lo, hi = p.experts[c]
-            da = _gmm(dy[start:end], w2c[lo:hi].transpose(-2, -1), sizes, offs)
+            da = gmm(dy[start:end], w2c[lo:hi].transpose(-2, -1), sizes, offs)
             torch.mul(da, silu, out=dh3[start:end])
             torch.ops.aten.silu_backward.grad_input(da * h3, h1, grad_input=dh1[start:end])
             if want_x:
-                dxc = _gmm(dh1[start:end], w1c[lo:hi].transpose(-2, -1), sizes, offs)
-                dxc += _gmm(dh3[start:end], w3c[lo:hi].transpose(-2, -1), sizes, offs)
+                dxc = gmm(dh1[start:end], w1c[lo:hi].transpose(-2, -1), sizes, offs)
+                dxc += gmm(dh3[start:end], w3c[lo:hi].transpose(-2, -1), sizes, offs)
                 back = _back(dxc, p, t, c)
                 homes.append((ex.post(OUT, c, _pieces(dx, p.slices[c]), list(back.split(p.recv[c]))), back))
         ex.release(IN)
@@ -364,9 +364,9 @@ class _ByExpert(torch.autograd.Function):
         if want_w:
             offs = torch.cumsum(t.groups, 0, dtype=torch.int32) if grouped else None
             t1, t2, t3 = ctx.wdtypes
-            dw2 = _gmm_wgrad(dy, act, p.group_sizes, offs).to(t2)
-            dw1 = _gmm_wgrad(dh1, xe, p.group_sizes, offs).to(t1)
-            dw3 = _gmm_wgrad(dh3, xe, p.group_sizes, offs).to(t3)
+            dw2 = gmm_wgrad(dy, act, p.group_sizes, offs).to(t2)
+            dw1 = gmm_wgrad(dh1, xe, p.group_sizes, offs).to(t1)
+            dw3 = gmm_wgrad(dh3, xe, p.group_sizes, offs).to(t3)
         for work, _ in homes:
             _wait(work)
         if want_x:

@@ -107,6 +107,14 @@ class ExpertParallelForward:
     def __call__(self, routed_input: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         m = self.module
         weights = (_local(m.w1), _local(m.w2), _local(m.w3))
+        # a module on the grouped GEMM computes its experts in bf16 (torchtitan's _run_experts_grouped_mm)
+        dtype = torch.bfloat16 if getattr(m, "use_grouped_mm", False) else None
+        if self.schedule == "sync_free":  # no counts' host read to fill: the early work just runs first
+            if self.early is not None:
+                self.early()
+            self.last = "sync_free"
+            return expert_parallel(routed_input, num_tokens_per_expert, self.run_local, self.group, "sync_free",
+                                   weights=weights, compute_dtype=dtype)
         pending = post_counts(num_tokens_per_expert, self.group)
         if self.early is not None:
             self.early()
@@ -114,8 +122,6 @@ class ExpertParallelForward:
         if schedule == "auto":
             schedule = self.choose(routing, routed_input, weights, self.group)
         self.last = schedule
-        # a module on the grouped GEMM computes its experts in bf16 (torchtitan's _run_experts_grouped_mm)
-        dtype = torch.bfloat16 if getattr(m, "use_grouped_mm", False) else None
         return expert_parallel(routed_input, num_tokens_per_expert, self.run_local, self.group, schedule,
                                routing=routing, weights=weights if schedule.startswith("by_expert") else None,
                                compute_dtype=dtype)

@@ -22,6 +22,8 @@ Schedules (reference implementations, any backend; exchange.py has the transfers
   (benchmarks/results/moe_pieces_*).
 - `by_expert[:C]`: the exchange in C chunks of experts, pipelined both ways (by_expert.py).  It
   runs the experts itself (GroupedExperts' SwiGLU), so it takes their `weights`.
+- `sync_free`: every size on the device (sync_free.py): the counts all-gathered, never read on the
+  host, equal blocks of a fixed capacity exchanged; it runs the experts itself too.
 
 Every rank must call with the same schedule and group; the Routing's counts tell every rank how
 many rows each transfer moves, so empty runs (an expert or a rank receiving nothing) move nothing.
@@ -47,6 +49,7 @@ from torch_commopt.kernels.moe.exchange import (
     post_swap,
     ranges,
 )
+from torch_commopt.kernels.moe.sync_free import sync_free
 
 Experts = Callable[[Tensor, Tensor], Tensor]
 
@@ -66,10 +69,12 @@ def expert_parallel(x: Tensor, counts: Tensor, experts: Experts, group: dist.Pro
     if name == "auto":
         raise ValueError("commopt moe: 'auto' is resolved by the tuner per call (kernels/moe/module.install with "
                          "choose=, as torch_commopt.optimize does); expert_parallel takes the schedule it picked")
-    if name == "by_expert" and weights is None:
-        raise ValueError("commopt moe: by_expert runs the experts' SwiGLU itself and needs their weights (w1, w2, w3)")
+    if name in ("by_expert", "sync_free") and weights is None:
+        raise ValueError(f"commopt moe: {name} runs the experts' SwiGLU itself and needs their weights (w1, w2, w3)")
     if x.dim() != 2:
         raise ValueError(f"commopt moe: routed tokens must be (T, D), got shape {tuple(x.shape)}")
+    if name == "sync_free":  # before any host read of the counts: it makes none
+        return sync_free(x, counts, weights, group, compute_dtype=compute_dtype)
     routing = routing or exchange_counts(counts, group)
     if sum(routing.send_rows(q) for q in range(routing.world)) != x.shape[0]:
         raise ValueError(f"commopt moe: counts sum to {sum(map(sum, routing.send))} tokens, x has {x.shape[0]} rows")

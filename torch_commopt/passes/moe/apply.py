@@ -55,8 +55,8 @@ def _pick(r: CapacityRegion, name: str, chunks: int | None, timeout_s: float | N
     """(chunks, why): 1 keeps the region as compiled."""
     if name == "a2a":
         return 1, "Config.moe_schedule a2a"
-    if name == "by_peer":
-        return 1, "by_peer runs on optimize()'d modules only"
+    if name in ("by_peer", "sync_free"):
+        return 1, f"{name} runs on optimize()'d modules only"
     if name == "by_expert":
         return chunks or DEFAULT_CHUNKS, f"Config.moe_schedule {name}{f':{chunks}' if chunks else ''}"
     pick, est = _estimate(r, timeout_s, cache_dir)

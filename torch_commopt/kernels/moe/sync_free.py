@@ -1,0 +1,266 @@
+"""The `sync_free` schedule: the token exchange with every size on the device.
+
+Every other schedule reads the counts on the host after exchanging them (as torchtitan's EP does):
+the split sizes of its transfers and its run tables come from there.  That read drains the GPU's
+queue, and the GPU then idles until the host has queued the next kernels; a call's shapes depend
+on the counts, so the layer cannot be captured in a CUDA graph either.  Here nothing is read:
+
+    counts    one all-gather of each rank's counts (E,) on the device, with one flag per rank
+              (its counts do not add up to its rows)
+    dispatch  this rank's rows for rank q gathered into block q of a [W, C, D] send buffer (C: the
+              capacity, the most rows any rank routes, fixed once per group); one all-to-all of
+              equal blocks: block p of the receive buffer holds rank p's rows for this rank's
+              experts, expert-major, in its first rows
+    experts   the received rows gathered into a padded expert-major buffer of a fixed W * C +
+              nl * align rows (each local expert's group padded with zero rows to `align`; the rows
+              past the last group are never read), the experts' SwiGLU over it: on a GPU in bf16
+              one grouped GEMM per product with the group ends on the device
+    combine   each source's outputs gathered back into its block, one all-to-all home, and this
+              rank's rows picked out of the blocks in their own order
+
+Every index is computed on the device from the gathered counts (cumsums and searchsorted), so a
+call's shapes depend only on (rows, D, E, W, C): a new routing every step compiles and allocates
+nothing, and no host read sits between the router and the experts.  The price: each all-to-all
+moves W * C rows a rank however few are routed (a fixed-capacity exchange, as DeepEP's
+low-latency mode has), and the buffers are sized for the worst case -- the schedule for calls
+whose rows are few (decoding, small batches), where the host read costs more than the bytes.
+
+The capacity C is fixed at a group's first call (the most rows any of its ranks routes then: one
+collective and one host read, once), or by `set_capacity` on every rank.  A later call in which
+some rank routes more than C rows, or passes counts that do not add up to its rows, cannot be
+told apart on the host without the read this schedule avoids: every rank sees it in the
+gathered counts, the call's outputs become NaN on every rank, and a flag kept on the device
+makes `check(group)` raise, on every rank alike, when the caller asks (one host read, where the
+loss is read anyway).  No wrong result goes unmarked, and every rank runs the same collectives
+whatever the counts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from torch_commopt.kernels.moe.by_expert import gmm, gmm_wgrad
+from torch_commopt.kernels.moe.exchange import AllToAll, gather_rows, staged
+
+_CAPACITY: dict[str, int] = {}  # group name -> rows a rank may route (fixed at its first call)
+_TRIPPED: dict[str, Tensor] = {}  # group name -> whether a call since the last check() was flagged (on the device)
+
+
+def set_capacity(group, rows: int) -> None:
+    """Fix `group`'s capacity to `rows` (the most rows a rank may route a call); every rank of the
+    group must call it with the same value before its next sync_free call."""
+    if rows < 1:
+        raise ValueError(f"commopt moe sync_free: a capacity of {rows} rows")
+    _CAPACITY[_name(group)] = int(rows)
+
+
+def reset() -> None:
+    """Forget every group's capacity and error flag (tests; a new process group)."""
+    _CAPACITY.clear()
+    _TRIPPED.clear()
+
+
+def _name(group) -> str:
+    return group.group_name if group is not None else "default"
+
+
+def _capacity(group, rows: int, device) -> int:
+    """The group's capacity: fixed at its first call as the most rows any rank routes (one
+    all-reduce and one host read, once a group)."""
+    name = _name(group)
+    if name not in _CAPACITY:
+        t = torch.tensor([rows], dtype=torch.int64)
+        on_device = dist.get_backend(group) != "gloo"
+        t = t.to(device) if on_device else t
+        dist.all_reduce(t, dist.ReduceOp.MAX, group=group)
+        _CAPACITY[name] = max(1, int(t.item()))
+    return _CAPACITY[name]
+
+
+def _trip(group, bad: Tensor) -> None:
+    """OR the call's error flag into the group's, on the device (read by `check`)."""
+    name = _name(group)
+    if name in _TRIPPED and _TRIPPED[name].device == bad.device:
+        _TRIPPED[name].logical_or_(bad)
+    else:
+        _TRIPPED[name] = bad.clone()
+
+
+def check(group) -> None:
+    """Raise if a sync_free call on `group` since the last check had a rank route more rows than
+    the capacity or pass counts that do not add up to its rows (their outputs were NaN on every
+    rank).  It reads a flag the calls keep on the device: one host read, when the caller asks
+    (e.g. where the loss is read anyway); the same answer on every rank."""
+    tripped = _TRIPPED.pop(_name(group), None)
+    if tripped is not None and bool(tripped.item()):
+        raise RuntimeError(f"commopt moe sync_free: a call on group {_name(group)} had a rank route more rows than the "
+                           f"capacity of {_CAPACITY.get(_name(group))} or pass counts that do not add up to its rows; "
+                           "its outputs were NaN on every rank. Fix the capacity on every rank "
+                           "(kernels.moe.sync_free.set_capacity) or the counts")
+
+
+def _all_counts(counts: Tensor, rows: int, group) -> Tensor:
+    """[W, E + 1] int64 on counts' device: every rank's counts, and last its flag (its counts do
+    not add up to its rows); no host read on NCCL."""
+    mine = torch.cat([counts.to(torch.int64), (counts.sum() != rows).to(torch.int64).reshape(1)])
+    world = dist.get_world_size(group)
+    if staged(mine, group) or dist.get_backend(group) == "gloo":
+        parts = [torch.empty_like(mine, device="cpu") for _ in range(world)]
+        dist.all_gather(parts, mine.cpu(), group=group)
+        return torch.stack(parts).to(counts.device)
+    out = mine.new_empty((world, mine.numel()))
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out
+
+
+def _exclusive(t: Tensor, dim: int) -> Tensor:
+    return torch.cumsum(t, dim) - t
+
+
+class _PaddedGather(torch.autograd.Function):
+    """x's rows at `index`, a zero row where index == len(x); the backward writes each row's
+    gradient once (the index names every row of x at most once; its padding entries go to a
+    scratch row)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor) -> Tensor:
+        index = index.clamp(max=x.shape[0])  # past the end (inconsistent counts, flagged): the zero row
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        if x.shape[0] == 0:
+            return x.new_zeros((index.numel(),) + tuple(x.shape[1:]))
+        picked = x.index_select(0, index.clamp(max=x.shape[0] - 1))
+        return torch.where((index < x.shape[0]).unsqueeze(-1), picked, picked.new_zeros(()))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.rows + 1,) + tuple(grad.shape[1:]))
+        return out.index_copy_(0, index, grad)[:ctx.rows], None
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """GroupedExperts' SwiGLU over expert-major rows whose group ends (int64, the last group's
+    end at most the rows) are on the device: on a GPU in bf16 one grouped GEMM per product, the
+    ends never read; elsewhere a loop over the experts (the ends read).  Rows past the last
+    group are left unset and get no gradient."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, ends: Tensor) -> Tensor:
+        rows = h.shape[0]
+        offs, sizes = _groups(h, ends)
+        h = h if offs is not None else h[:sum(sizes)]
+        h1, h3 = gmm(h, w1, sizes, offs), gmm(h, w3, sizes, offs)
+        silu = F.silu(h1)
+        act = silu * h3
+        ctx.save_for_backward(h, w1, w2, w3, h1, h3, silu, act)
+        ctx.groups, ctx.rows = (offs, sizes), rows
+        return _rest(gmm(act, w2, sizes, offs), rows)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        h, w1, w2, w3, h1, h3, silu, act = ctx.saved_tensors
+        offs, sizes = ctx.groups
+        dy = dy[:h.shape[0]].contiguous()  # h: the rows the groups hold (all of them on the grouped GEMM)
+        da = gmm(dy, w2.transpose(-2, -1), sizes, offs)
+        dh3 = da * silu
+        dh1 = torch.ops.aten.silu_backward(da * h3, h1)
+        dh = _rest(gmm(dh1, w1.transpose(-2, -1), sizes, offs) + gmm(dh3, w3.transpose(-2, -1), sizes, offs),
+                   ctx.rows)
+        dw1 = gmm_wgrad(dh1, h, sizes, offs)
+        dw2 = gmm_wgrad(dy, act, sizes, offs)
+        dw3 = gmm_wgrad(dh3, h, sizes, offs)
+        return dh, dw1, dw2, dw3, None
+
+
+def _groups(h: Tensor, ends: Tensor) -> tuple[Tensor | None, list[int]]:
+    """(offs for torch._grouped_mm, None elsewhere; the group sizes where the ends are read)."""
+    if h.is_cuda and h.dtype == torch.bfloat16:
+        return ends.to(torch.int32), []
+    bounds = [0] + ends.tolist()  # the loop's host read (a CPU's, or a GPU's outside bf16)
+    return None, [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _rest(y: Tensor, rows: int) -> Tensor:
+    """y grown to `rows` rows with zeros (the loop computes the groups' rows only)."""
+    return y if y.shape[0] == rows else torch.cat([y, y.new_zeros((rows - y.shape[0],) + tuple(y.shape[1:]))])
+
+
+def _dispatch_index(counts: Tensor, rank: int, cap: int, rows: int) -> tuple[Tensor, Tensor]:
+    """(send index [W * C]: this rank's row in block q's slot i, `rows` where the slot is empty;
+    home index [rows]: where each of its rows comes back in the [W * C] blocks), from the
+    gathered counts [W, E]."""
+    world = counts.shape[0]
+    tot = counts[rank].view(world, -1).sum(1)  # rows this rank sends each rank
+    start = _exclusive(tot, 0)
+    i = torch.arange(cap, device=counts.device)
+    send = torch.where(i < tot[:, None], start[:, None] + i, rows).clamp(max=rows)
+    t = torch.arange(rows, device=counts.device)
+    q = torch.searchsorted(torch.cumsum(tot, 0), t, right=True).clamp(max=world - 1)
+    home = (q * cap + (t - start[q]).clamp(0, cap - 1)).clamp(max=world * cap - 1)
+    return send.flatten(), home
+
+
+def _expert_index(counts: Tensor, rank: int, cap: int, align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(place [M]: for each row of the padded expert-major buffer, its row of the received blocks
+    [W * C], W * C for a padding or unused row; ends: each local expert's group end in that
+    buffer; back [W * C]: for each source's slot i, its row of the buffer, M for an empty slot),
+    M = W * C + nl * align, from the gathered counts [W, E]."""
+    world, dev = counts.shape[0], counts.device
+    nl = counts.shape[1] // world
+    n = counts[:, rank * nl:(rank + 1) * nl].clamp(max=cap)  # [W, nl]: rows from p for local expert e
+    off, tot = _exclusive(n, 1), n.sum(0)  # expert e's start in p's block; expert e's rows
+    padded = tot if align == 1 else torch.clamp(-(-tot // align) * align, min=align)
+    rows = world * cap + nl * align
+    ends = torch.cumsum(padded, 0).clamp(max=rows)  # within the buffer even for counts over the capacity (flagged)
+    estart, pstart = ends - padded, _exclusive(n, 0)  # group starts; source p's start within a group
+    j = torch.arange(rows, device=dev)
+    e = torch.searchsorted(ends, j, right=True).clamp(max=nl - 1)
+    r = j - estart[e]
+    p = torch.searchsorted(torch.cumsum(n, 0).T[e].contiguous(), r[:, None], right=True).squeeze(1).clamp(max=world - 1)
+    src = p * cap + off[p, e] + (r - pstart[p, e])
+    ok = (j < ends[-1]) & (r < tot[e]) & (src < (p + 1) * cap)
+    place = torch.where(ok, src, world * cap).clamp(0, world * cap)
+    i = torch.arange(cap, device=dev).expand(world, cap)
+    es = torch.searchsorted(torch.cumsum(n, 1), i.contiguous(), right=True).clamp(max=nl - 1)  # [W, C]
+    ps = torch.arange(world, device=dev)[:, None]
+    slot = estart[es] + pstart[ps, es] + (i - off[ps, es])
+    back = torch.where(i < n.sum(1, keepdim=True), slot, rows).clamp(0, rows)
+    return place, ends, back.flatten()
+
+
+def _exchange(t: Tensor, cap: int, group) -> Tensor:
+    """All-to-all of equal blocks of `cap` rows (t [W * C, ...]): block p of the result is rank p's
+    block for this rank; differentiable (its backward the reverse exchange)."""
+    splits = [cap] * dist.get_world_size(group)
+    return AllToAll.apply(t, splits, splits, group)
+
+
+def sync_free(x: Tensor, counts: Tensor, weights: tuple[Tensor, Tensor, Tensor], group,
+              align: int | None = None, compute_dtype: torch.dtype | None = None) -> Tensor:
+    """The experts' outputs for x's rows (the module docstring), x (T, D) sorted by expert over
+    all E experts with `counts` (E,) on x's device, weights this rank's (w1 (nl, H, D), w2 (nl, D,
+    H), w3 (nl, H, D)); differentiable in x and the weights.  No host read of the counts.  align:
+    rows per padded group (default 8 on a GPU, none elsewhere); compute_dtype: the experts and the
+    exchange in this dtype, the output in x's."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    w1, w2, w3 = weights
+    if counts.numel() != w1.shape[0] * world:
+        raise ValueError(f"commopt moe sync_free: {counts.numel()} experts' counts for {w1.shape[0]} local experts "
+                         f"over {world} ranks")
+    dt = compute_dtype or x.dtype
+    align = align if align is not None else (8 if x.is_cuda else 1)
+    cap = -(-_capacity(group, x.shape[0], x.device) // align) * align  # whole groups of rows a block
+    every = _all_counts(counts, x.shape[0], group)
+    routed = every[:, :-1]
+    bad = (every[:, -1] != 0).any() | (routed.sum(1) > cap).any()
+    _trip(group, bad)
+    send, home = _dispatch_index(routed, rank, cap, x.shape[0])
+    place, ends, back = _expert_index(routed, rank, cap, align)
+    got = _exchange(_PaddedGather.apply(x.to(dt), send), cap, group)
+    y = _GroupedSwiGLU.apply(_PaddedGather.apply(got, place), *(w.to(dt) for w in (w1, w2, w3)), ends)
+    out = gather_rows(_exchange(_PaddedGather.apply(y, back), cap, group), home).to(x.dtype)
+    return torch.where(bad, torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
