@@ -5,7 +5,7 @@ every rank's tokens.  With NCCL, by_peer's posted transfers run on NCCL's stream
 from __future__ import annotations
 
 import pytest
-from moe_cases import CASES, run_bf16, run_schedules, run_sync_free_unsynced
+from moe_cases import CASES, run_bf16, run_schedules, run_sync_free_graphed, run_sync_free_unsynced
 
 from torch_commopt.core import env
 from torch_commopt.testing.launch import run_distributed
@@ -63,6 +63,14 @@ def test_sync_free_reads_nothing_on_the_host_on_a_one_rank_nccl_group(one_gpu):
     # what one GPU can check of the above: the same calls over NCCL on a one-rank group
     for got in run_distributed(run_sync_free_unsynced, 1, backend="nccl", timeout_s=300):
         assert got["error"] == "" and got["rel"] < 0.02, got
+
+
+@pytest.mark.gpu
+def test_sync_free_runs_captured_in_a_cuda_graph_on_new_routings(one_gpu):
+    # the forward captured once over NCCL (a one-rank group: what one GPU runs), replayed on new
+    # tokens and counts copied into its inputs: the eager call's bits each time
+    for got in run_distributed(run_sync_free_graphed, 1, backend="nccl", timeout_s=300):
+        assert got["same"] and got["rel"] < 0.02, got
 
 
 @pytest.mark.gpu

@@ -19,8 +19,9 @@ on the counts, so the layer cannot be captured in a CUDA graph either.  Here not
               rank's rows picked out of the blocks in their own order
 
 Every index is computed on the device from the gathered counts (cumsums and searchsorted), so a
-call's shapes depend only on (rows, D, E, W, C): a new routing every step compiles and allocates
-nothing, and no host read sits between the router and the experts.  The price: each all-to-all
+call's shapes depend only on (rows, D, E, W, C): a new routing compiles nothing, the forward can
+be captured in a CUDA graph and replayed on new routings, and no host read sits between the router
+and the experts.  The price: each all-to-all
 moves W * C rows a rank however few are routed (a fixed-capacity exchange, as DeepEP's
 low-latency mode has), and the buffers are sized for the worst case -- the schedule for calls
 whose rows are few (decoding, small batches), where the host read costs more than the bytes.
