@@ -271,50 +271,67 @@ def run_sync_free_errors(rank: int, world: int) -> dict:
     return got
 
 
+class _Bf16Experts:
+    """This rank's bf16 experts (nl of them, d -> h -> d) on `device`, new routings of n rows a
+    call, and a2a over torchtitan's grouped GEMM as the reference: what the sync_free GPU cases share."""
+
+    d, h, nl, n = 256, 384, 4, 512
+
+    def __init__(self, rank: int, world: int, seed: int, device, grad: bool) -> None:
+        g = torch.Generator().manual_seed(seed)
+        nl, d, h = self.nl, self.d, self.h
+        self.rank, self.world, self.device = rank, world, device
+        self.ws = [(torch.randn(nl * world, *shape, generator=g) / shape[1] ** 0.5)[rank * nl:(rank + 1) * nl]
+                   .to(device, torch.bfloat16).requires_grad_(grad) for shape in ((h, d), (d, h), (h, d))]
+
+    def routed(self, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x (n, d) sorted by expert, counts (E,)) of a new routing."""
+        gen = torch.Generator().manual_seed(seed + self.rank)
+        ids = torch.randint(0, self.nl * self.world, (self.n,), generator=gen).sort().values
+        return (torch.randn(self.n, self.d, generator=torch.Generator().manual_seed(seed)).to(self.device, torch.bfloat16),
+                torch.bincount(ids, minlength=self.nl * self.world).to(self.device))
+
+    def a2a(self, x: torch.Tensor, counts: torch.Tensor, group) -> torch.Tensor:
+        """a2a with the experts as torchtitan's grouped GEMM runs them (groups padded)."""
+        from torch_commopt.kernels.moe.module import padded
+
+        ws = self.ws
+
+        def grouped(rows, per):
+            offs = torch.cumsum(per, 0, dtype=torch.int32)
+            a = F.silu(torch._grouped_mm(rows, ws[0].transpose(-2, -1), offs=offs))
+            return torch._grouped_mm(a * torch._grouped_mm(rows, ws[2].transpose(-2, -1), offs=offs),
+                                     ws[1].transpose(-2, -1), offs=offs)
+
+        return expert_parallel(x, counts, padded(grouped), group, "a2a")
+
+
 def run_sync_free_unsynced(rank: int, world: int, calls: int = 3) -> dict:
     """sync_free in bf16 on this rank's GPU with torch.cuda.set_sync_debug_mode("error") after its
     first call (which fixes the capacity: one host read): `calls` forward and backward passes, a
     new routing each, against a2a's outputs in the same dtype.  {"error": a sync's message or
     "", "rel": the largest relative difference from a2a's output}."""
     from torch_commopt.kernels.moe import sync_free as sf
-    from torch_commopt.kernels.moe.module import padded
 
-    device = f"cuda:{torch.cuda.current_device()}"
     group = dist.group.WORLD
-    d, h, nl, n = 256, 384, 4, 512
-    g = torch.Generator().manual_seed(3)
-    ws = [(torch.randn(nl * world, *shape, generator=g) / shape[1] ** 0.5)[rank * nl:(rank + 1) * nl]
-          .to(device, torch.bfloat16).requires_grad_() for shape in ((h, d), (d, h), (h, d))]
-
-    def routed(seed: int):
-        ids = torch.randint(0, nl * world, (n,), generator=torch.Generator().manual_seed(seed + rank)).sort().values
-        return (torch.randn(n, d, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16),
-                torch.bincount(ids, minlength=nl * world).to(device))
-
-    def grouped(rows, per):
-        offs = torch.cumsum(per, 0, dtype=torch.int32)
-        a = F.silu(torch._grouped_mm(rows, ws[0].transpose(-2, -1), offs=offs))
-        return torch._grouped_mm(a * torch._grouped_mm(rows, ws[2].transpose(-2, -1), offs=offs),
-                                 ws[1].transpose(-2, -1), offs=offs)
-
+    case = _Bf16Experts(rank, world, 3, f"cuda:{torch.cuda.current_device()}", grad=True)
     sf.reset()
-    x, counts = routed(0)
-    sf.sync_free(x, counts, ws, group).sum().backward()  # fixes the capacity
+    x, counts = case.routed(0)
+    sf.sync_free(x, counts, case.ws, group).sum().backward()  # fixes the capacity
     rels, error = [], ""
     for call in range(1, calls + 1):
-        x, counts = routed(call)
+        x, counts = case.routed(call)
         xr = x.clone().requires_grad_()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = sf.sync_free(xr, counts, ws, group)
+            out = sf.sync_free(xr, counts, case.ws, group)
             out.float().square().sum().backward()
         except RuntimeError as e:
             error = error or str(e)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         if not error:
-            ref = expert_parallel(x, counts, padded(grouped), group, "a2a")
-            rels.append(_rel(out.detach().float(), ref.detach().float()))
+            rels.append(_rel(out.detach().float(), case.a2a(x, counts, group).detach().float()))
     return {"error": error, "rel": max(rels) if rels else float("nan")}
 
 
@@ -323,28 +340,12 @@ def run_sync_free_graphed(rank: int, world: int, calls: int = 3) -> dict:
     `calls` new routings copied into its static inputs: {"same": the replays equal to the eager
     calls bit for bit, "rel": the largest relative difference from a2a's output}."""
     from torch_commopt.kernels.moe import sync_free as sf
-    from torch_commopt.kernels.moe.module import padded
 
-    device = f"cuda:{torch.cuda.current_device()}"
     group = dist.group.WORLD
-    d, h, nl, n = 256, 384, 4, 512
-    g = torch.Generator().manual_seed(4)
-    ws = [(torch.randn(nl * world, *shape, generator=g) / shape[1] ** 0.5)[rank * nl:(rank + 1) * nl]
-          .to(device, torch.bfloat16) for shape in ((h, d), (d, h), (h, d))]
-
-    def routed(seed: int):
-        ids = torch.randint(0, nl * world, (n,), generator=torch.Generator().manual_seed(seed + rank)).sort().values
-        return (torch.randn(n, d, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16),
-                torch.bincount(ids, minlength=nl * world).to(device))
-
-    def grouped(rows, per):
-        offs = torch.cumsum(per, 0, dtype=torch.int32)
-        a = F.silu(torch._grouped_mm(rows, ws[0].transpose(-2, -1), offs=offs))
-        return torch._grouped_mm(a * torch._grouped_mm(rows, ws[2].transpose(-2, -1), offs=offs),
-                                 ws[1].transpose(-2, -1), offs=offs)
-
+    case = _Bf16Experts(rank, world, 4, f"cuda:{torch.cuda.current_device()}", grad=False)
+    ws = case.ws
     sf.reset()
-    x, counts = routed(0)
+    x, counts = case.routed(0)
     with torch.no_grad():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -357,13 +358,12 @@ def run_sync_free_graphed(rank: int, world: int, calls: int = 3) -> dict:
             out = sf.sync_free(x, counts, ws, group)
         same, rels = True, []
         for call in range(1, calls + 1):
-            new_x, new_counts = routed(call)
+            new_x, new_counts = case.routed(call)
             x.copy_(new_x)
             counts.copy_(new_counts)
             graph.replay()
             eager = sf.sync_free(new_x, new_counts, ws, group)
             same = same and torch.equal(out, eager)
-            ref = expert_parallel(new_x, new_counts, padded(grouped), group, "a2a")
-            rels.append(_rel(out.float(), ref.float()))
+            rels.append(_rel(out.float(), case.a2a(new_x, new_counts, group).float()))
     sf.check(group)
     return {"same": same, "rel": max(rels)}
