@@ -95,8 +95,12 @@ def check(group) -> None:
     the capacity or pass counts that do not add up to its rows (their outputs were NaN on every
     rank).  It reads a flag the calls keep on the device: one host read, when the caller asks
     (e.g. where the loss is read anyway); the same answer on every rank."""
-    tripped = _TRIPPED.pop(_name(group), None)
-    if tripped is not None and bool(tripped.item()):
+    tripped = _TRIPPED.get(_name(group))
+    if tripped is None:
+        return
+    hit = bool(tripped.item())
+    tripped.zero_()  # in place: a CUDA graph that captured a call keeps writing this very tensor
+    if hit:
         raise RuntimeError(f"commopt moe sync_free: a call on group {_name(group)} had a rank route more rows than the "
                            f"capacity of {_CAPACITY.get(_name(group))} or pass counts that do not add up to its rows; "
                            "its outputs were NaN on every rank. Fix the capacity on every rank "
