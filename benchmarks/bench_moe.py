@@ -29,6 +29,7 @@ source: by_peer; by expert chunk: by_expert).
     python3 -m benchmarks.bench_moe --out OUT [--world 2] [--tokens 8192 ...]   # W GPUs (NCCL)
     python3 -m benchmarks.bench_moe --out OUT --pieces                         # one GPU
     python3 -m benchmarks.bench_moe --cpu                                      # gloo smoke, tiny shapes
+    python3 -m benchmarks.bench_moe --out OUT --graph                          # decoding sizes, CUDA graphs
 """
 
 from __future__ import annotations
@@ -388,11 +389,30 @@ def _capacity(args) -> None:
                      text)
 
 
+def _graph(args) -> None:
+    from benchmarks.moe_graph import graph_rank, graph_report
+    from torch_commopt.testing.launch import run_distributed
+
+    models = CPU_MODELS if args.cpu else {m: MODELS[m] for m in args.models}
+    tokens = [4] if args.cpu else args.tokens
+    per_rank = run_distributed(graph_rank, args.world, models, tokens, 1 if args.cpu else args.rounds,
+                               1 if args.cpu else args.steps, not args.cpu, backend="gloo" if args.cpu else "nccl",
+                               timeout_s=560)
+    cases, device = per_rank[0]
+    meta = machine_meta(device, args.world, args.commit, rounds=args.rounds, steps=args.steps)
+    text = graph_report(cases, meta)
+    print(text)
+    if args.out and not args.cpu:
+        write_report(args.out, result_stem("moe", device, args.world, variant="graph"), {"meta": meta, "cases": cases},
+                     text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="directory for the report (required except with --cpu)")
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="tokens a rank (default 4096 8192 16384; with --graph 8 64 512)")
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--routings", nargs="+", default=["balanced", "skewed"])
     p.add_argument("--rounds", type=int, default=7)
@@ -405,10 +425,16 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="gloo smoke run with a tiny layer; prints, writes nothing")
     p.add_argument("--capacity", action="store_true",
                    help="a fixed-capacity layer compiled whole: Inductor vs commopt's chunked exchanges (moe_capacity.py)")
+    p.add_argument("--graph", action="store_true",
+                   help="the layer's forward at decoding sizes, eager and sync_free replayed from a CUDA graph")
     p.add_argument("--commit", default="")
     p.add_argument("--join", nargs="+", metavar="JSON",
                    help="write one report of these runs' cases (runs split by model to fit a device call)")
     args = p.parse_args()
+    if args.tokens is None:
+        from benchmarks.moe_graph import GRAPH_TOKENS
+
+        args.tokens = list(GRAPH_TOKENS) if args.graph else [4096, 8192, 16384]
     if args.join:
         join(args.join, args.out)
         return
@@ -428,6 +454,9 @@ def main() -> None:
         return
     if args.capacity:
         _capacity(args)
+        return
+    if args.graph:
+        _graph(args)
         return
     if args.cpu:
         models, tokens, rounds, steps, backend, compile_children = CPU_MODELS, [32], 2, 1, "gloo", False

@@ -70,3 +70,31 @@ def test_variants_are_named_by_name_or_by_schedule():
     for bad in ("ring", "by_expert:0", "by_expert:x", "a2a:2"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"unknown variant '{bad}'"):
             bench_moe._variant(bad)
+
+
+def test_the_graph_mode_s_cpu_smoke_runs_the_eager_variants_and_reports_them():
+    from benchmarks import moe_graph
+
+    per_rank = run_distributed(moe_graph.graph_rank, 2, bench_moe.CPU_MODELS, [4, 16], 1, 1, False, backend="gloo",
+                               timeout_s=300)
+    cases, device = per_rank[0]
+    assert device == "cpu (gloo)" and [c["tokens_per_rank"] for c in cases] == [4, 16]
+    for c in cases:
+        assert set(c["ms"]) == set(moe_graph.EAGER) and all(ms > 0 for ms in c["ms"].values())
+        assert max(c["max_rel_error"].values()) < 1e-2, c["max_rel_error"]  # sync_free and a2a give torchtitan's output
+    meta = {"device": device, "world": 2, "commit": "c", "date": "d", "torch": "t", "rounds": 1, "steps": 1}
+    text = moe_graph.graph_report(cases, meta)
+    assert "| tiny | 4 |" in text and "| tiny | 16 |" in text and "sync_free graphed" not in text
+
+
+def test_the_graph_report_shows_the_replayed_variant_and_a_failed_capture():
+    from benchmarks import moe_graph
+
+    ms = {"torchtitan EP": 2.0, "commopt a2a": 1.6, "commopt sync_free": 2.2, "commopt sync_free graphed": 0.5}
+    case = {"model": "m", "tokens_per_rank": 8, "ms": ms, "max_rel_error": {v: 1e-3 for v in ms},
+            "syncs": {"torchtitan EP": 3, "commopt a2a": 1, "commopt sync_free": 0}, "capture_failed": None}
+    meta = {"device": "GPU", "world": 2, "commit": "c", "date": "d", "torch": "t", "rounds": 3, "steps": 10}
+    text = moe_graph.graph_report([case, dict(case, capture_failed="operation not permitted")], meta)
+    row = [r for r in text.splitlines() if r.startswith("| m | 8 |")]
+    assert row[0].endswith("| 1.25 | 0.91 | 4.00 | 3 / 1 / 0 | 1.0e-03 | ok |"), row[0]
+    assert row[1].endswith("| failed: operation not permitted |")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|moe_sync_free|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|meshslice|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|moe_sync_free|moe_graph|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|meshslice|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -113,6 +113,15 @@ if [[ $what == moe_sync_free ]]; then
   PYTHONPATH=$ttsite:$PYTHONPATH timeout ${BENCH_TIMEOUT:-240} python3 -m benchmarks.bench_moe --out "$out" \
     --models dsv2-lite qwen3-30b-a3b --tokens ${SYNC_FREE_TOKENS:-256 1024 4096} --routings balanced \
     --variants a2a sync_free --rounds 5 ${BENCH_ARGS:-} 2>&1 | tee "$out/moe.log"
+fi
+if [[ $what == moe_graph ]]; then
+  # issue 68, 2 GPUs: one MoE layer's forward at decoding sizes (8, 64, 512 tokens a rank), eager
+  # (torchtitan's EP, a2a, sync_free) and sync_free's replayed from a CUDA graph, with each
+  # variant's host syncs (BENCH_ARGS e.g. "--commit abc"); torchtitan 0.2.2 carried in .whl/
+  ttsite=$(mktemp -d)
+  python3 -m pip install -q --no-deps --target "$ttsite" .whl/*.whl > "$out/tt_install.log" 2>&1
+  PYTHONPATH=$ttsite:$PYTHONPATH timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.bench_moe --out "$out" --graph \
+    --models dsv2-lite qwen3-30b-a3b --rounds 5 --steps 20 ${BENCH_ARGS:-} 2>&1 | tee "$out/moe_graph.log"
 fi
 if [[ $what == moe ]]; then
   # issue 68, W GPUs: the MoE GPU tests, then one MoE layer, torchtitan's EP vs commopt's schedules
