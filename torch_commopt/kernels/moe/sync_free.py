@@ -38,6 +38,8 @@ whatever the counts.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -46,6 +48,7 @@ from torch import Tensor
 from torch_commopt.kernels.moe.by_expert import gmm, gmm_wgrad
 from torch_commopt.kernels.moe.exchange import AllToAll, gather_rows, staged
 
+log = logging.getLogger(__name__)
 _CAPACITY: dict[str, int] = {}  # group name -> rows a rank may route (fixed at its first call)
 _TRIPPED: dict[str, Tensor] = {}  # group name -> whether a call since the last check() was flagged (on the device)
 
@@ -62,6 +65,7 @@ def reset() -> None:
     """Forget every group's capacity and error flag (tests; a new process group)."""
     _CAPACITY.clear()
     _TRIPPED.clear()
+    _PLANS.clear()
 
 
 def _name(group) -> str:
@@ -237,6 +241,55 @@ def _expert_index(counts: Tensor, rank: int, cap: int, align: int) -> tuple[Tens
     return place, ends, back.flatten()
 
 
+def _plan(every: Tensor, rank: int, cap: int, align: int, rows: int) -> tuple[Tensor, ...]:
+    """(send, home, place, ends, back, bad) from the gathered counts and flags [W, E + 1]: the
+    indices (_dispatch_index, _expert_index) and whether the call is flagged."""
+    routed = every[:, :-1]
+    bad = (every[:, -1] != 0).any() | (routed.sum(1) > cap).any()
+    send, home = _dispatch_index(routed, rank, cap, rows)
+    place, ends, back = _expert_index(routed, rank, cap, align)
+    return send, home, place, ends, back, bad
+
+
+class _Replayed:
+    """_plan captured once in a CUDA graph for one (shape, rank, capacity, align, rows): a call
+    copies the gathered counts in, replays it and clones what it made (a later call's replay
+    overwrites the graph's tensors, which autograd may still hold).  _plan is about a hundred
+    small operations, each costing the host more than its kernel costs the GPU at these sizes."""
+
+    def __init__(self, every: Tensor, key: tuple) -> None:
+        self.counts = every.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.outputs = _plan(self.counts, *key)
+
+    def __call__(self, every: Tensor) -> tuple[Tensor, ...]:
+        self.counts.copy_(every)
+        self.graph.replay()
+        return tuple(t.clone() for t in self.outputs)
+
+
+_PLANS: dict[tuple, _Replayed | None] = {}  # None: the capture failed, _plan runs as operations
+
+
+def _indices(every: Tensor, key: tuple) -> tuple[Tensor, ...]:
+    """_plan(every, *key): replayed from a CUDA graph on a GPU outside a capture (one replay in
+    place of its operations' launches), else run as operations (a graph being captured holds
+    them itself)."""
+    if not every.is_cuda or torch.cuda.is_current_stream_capturing():
+        return _plan(every, *key)
+    full = (tuple(every.shape), every.device, *key)
+    if full not in _PLANS:
+        try:
+            _PLANS[full] = _Replayed(every, key)
+        except RuntimeError as e:  # the same shapes and ops on every rank: the same outcome
+            log.warning("commopt moe sync_free: its index plan could not be captured in a CUDA graph (%s); it runs "
+                        "as operations", str(e).splitlines()[0])
+            _PLANS[full] = None
+    plan = _PLANS[full]
+    return plan(every) if plan is not None else _plan(every, *key)
+
+
 def _exchange(t: Tensor, cap: int, group) -> Tensor:
     """All-to-all of equal blocks of `cap` rows (t [W * C, ...]): block p of the result is rank p's
     block for this rank; differentiable (its backward the reverse exchange)."""
@@ -260,11 +313,8 @@ def sync_free(x: Tensor, counts: Tensor, weights: tuple[Tensor, Tensor, Tensor],
     align = align if align is not None else (8 if x.is_cuda else 1)
     cap = -(-_capacity(group, x.shape[0], x.device) // align) * align  # whole groups of rows a block
     every = _all_counts(counts, x.shape[0], group)
-    routed = every[:, :-1]
-    bad = (every[:, -1] != 0).any() | (routed.sum(1) > cap).any()
+    send, home, place, ends, back, bad = _indices(every, (rank, cap, align, x.shape[0]))
     _trip(group, bad)
-    send, home = _dispatch_index(routed, rank, cap, x.shape[0])
-    place, ends, back = _expert_index(routed, rank, cap, align)
     got = _exchange(_PaddedGather.apply(x.to(dt), send), cap, group)
     y = _GroupedSwiGLU.apply(_PaddedGather.apply(got, place), *(w.to(dt) for w in (w1, w2, w3)), ends)
     out = gather_rows(_exchange(_PaddedGather.apply(y, back), cap, group), home).to(x.dtype)
