@@ -367,3 +367,46 @@ def run_sync_free_graphed(rank: int, world: int, calls: int = 3) -> dict:
             rels.append(_rel(out.float(), case.a2a(new_x, new_counts, group).float()))
     sf.check(group)
     return {"same": same, "rel": max(rels)}
+
+
+def run_capture_switch(rank: int, world: int, schedule: str = "a2a") -> dict:
+    """An installed module (`schedule`) called eagerly, then as inside a CUDA-graph capture
+    (sync_free.capturing patched: gloo has none): the captured call runs sync_free with the
+    capacity the eager call's counts gave, its output the eager one's; and a capture before any
+    eager call raises the reason.  {"diff", "last", "capacity", "peak", "refused"}."""
+    from torch import nn
+
+    from torch_commopt.kernels.moe import sync_free as sf
+    from torch_commopt.kernels.moe.module import install
+
+    group = dist.group.WORLD
+    full = _weights(world, 5)
+    x, ids = _tokens(rank, world, "balanced", 5)
+    counts = torch.bincount(ids, minlength=NL * world)
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2, self.w3 = (nn.Parameter(w[rank * NL:(rank + 1) * NL].clone()) for w in full)
+
+    module = Experts()
+    install(module, group, schedule)
+    real, got = sf.capturing, {}
+    try:
+        sf.reset()
+        sf.capturing = lambda t: True
+        try:
+            module(x, counts)
+            got["refused"] = ""
+        except RuntimeError as e:
+            got["refused"] = str(e)
+        sf.capturing = real
+        eager = module(x, counts)
+        got["capacity"], got["peak"] = sf._CAPACITY.get(group.group_name), 30 + 7 * (world - 1)  # noqa: SLF001
+        sf.capturing = lambda t: True
+        captured = module(x, counts)
+        got["last"] = module.forward.last
+    finally:
+        sf.capturing = real
+    got["diff"] = (captured - eager).abs().max().item()
+    return got

@@ -56,3 +56,13 @@ def test_refuses_counts_of_the_wrong_size():
         mp.setattr(dist, "get_rank", lambda group=None: 0)
         with pytest.raises(ValueError, match="3 experts' counts for 2 local experts over 2 ranks"):
             sf.sync_free(x, torch.tensor([1, 2, 1]), (w, w.transpose(1, 2), w), Group())
+
+
+@pytest.mark.parametrize("schedule", ["a2a", "by_expert"])
+def test_a_module_captured_in_a_cuda_graph_runs_sync_free_sized_by_its_eager_calls(schedule):
+    from moe_cases import run_capture_switch
+
+    for got in run_distributed(run_capture_switch, 2, schedule, backend="gloo", timeout_s=300):
+        assert "no capacity inside a CUDA-graph capture" in got["refused"], got  # before any eager call
+        assert got["capacity"] == got["peak"], got  # the eager call's exchanged peak, no collective of its own
+        assert got["last"] == "sync_free" and got["diff"] < 1e-12, got

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from torch_commopt import report
 from torch_commopt.core.moe_spec import parse_moe_schedule
+from torch_commopt.kernels.moe import sync_free
 from torch_commopt.kernels.moe.exchange import counts_on, gather_rows, host_counts, post_counts, ranges
 from torch_commopt.kernels.moe.schedules import expert_parallel
 
@@ -90,6 +91,15 @@ class PaddedLocal:
 
 
 Choose = Callable[..., str]  # (routing, x, weights, group) -> a schedule (tuner/moe/choose.py)
+_told_capture: list[bool] = []
+
+
+def _capture_once() -> None:
+    """Log, once a process, that a CUDA-graph capture runs the exchange as sync_free."""
+    if not _told_capture:
+        _told_capture.append(True)
+        log.info("commopt moe: inside a CUDA-graph capture the token exchange runs as sync_free (every other "
+                 "schedule reads the counts on the host), its capacity the most rows the eager calls routed")
 
 
 class ExpertParallelForward:
@@ -109,7 +119,10 @@ class ExpertParallelForward:
         weights = (_local(m.w1), _local(m.w2), _local(m.w3))
         # a module on the grouped GEMM computes its experts in bf16 (torchtitan's _run_experts_grouped_mm)
         dtype = torch.bfloat16 if getattr(m, "use_grouped_mm", False) else None
-        if self.schedule == "sync_free":  # no counts' host read to fill: the early work just runs first
+        if self.schedule == "sync_free" or sync_free.capturing(routed_input):
+            # no counts' host read to fill: the early work just runs first
+            if self.schedule != "sync_free":
+                _capture_once()
             if self.early is not None:
                 self.early()
             self.last = "sync_free"
@@ -119,6 +132,7 @@ class ExpertParallelForward:
         if self.early is not None:
             self.early()
         routing, schedule = pending.routing(), self.schedule
+        sync_free.note_peak(self.group, routing.peak)  # sizes a later capture's exchange
         if schedule == "auto":
             schedule = self.choose(routing, routed_input, weights, self.group)
         self.last = schedule

@@ -72,10 +72,28 @@ def _name(group) -> str:
     return group.group_name if group is not None else "default"
 
 
+def capturing(t: Tensor) -> bool:
+    """Whether `t`'s work is being captured into a CUDA graph (no host read may happen there)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def note_peak(group, peak: int | None) -> None:
+    """Grow `group`'s capacity to `peak`, the most rows any rank routed in a call whose counts the
+    other schedules exchanged and read (the same value on every rank): their eager calls before a
+    CUDA-graph capture size the sync_free exchange that the capture runs (module.py)."""
+    if peak is not None:
+        name = _name(group)
+        _CAPACITY[name] = max(_CAPACITY.get(name, 1), int(peak))
+
+
 def _capacity(group, rows: int, device) -> int:
     """The group's capacity: fixed at its first call as the most rows any rank routes (one
-    all-reduce and one host read, once a group)."""
+    all-reduce and one host read, once a group), or grown by the other schedules' calls."""
     name = _name(group)
+    if name not in _CAPACITY and capturing(torch.empty(0, device=device)):
+        raise RuntimeError(f"commopt moe sync_free: group {name} has no capacity inside a CUDA-graph capture, which "
+                           "cannot read one on the host: run the layer eagerly once first, or call "
+                           "kernels.moe.sync_free.set_capacity on every rank")
     if name not in _CAPACITY:
         t = torch.tensor([rows], dtype=torch.int64)
         on_device = dist.get_backend(group) != "gloo"
