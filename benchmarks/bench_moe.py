@@ -108,26 +108,35 @@ def _free_forward(layer, world: int):
     return torch.compiler.disable(forward)
 
 
+def ep_setup(world: int):
+    """(cuda, device, dtype, EP mesh) of this rank: bf16 on its GPU, or float32 on the CPU with
+    torchtitan's MoE shimmed for it."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_commopt.testing.optional import torchtitan_moe_cpu_shims
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        torchtitan_moe_cpu_shims()
+    return cuda, device, torch.bfloat16 if cuda else torch.float32, init_device_mesh(device.type, (world,),
+                                                                                     mesh_dim_names=("ep",))
+
+
 def _rank(rank: int, world: int, models: dict, cases: tuple, rounds: int, steps: int, compile_children: bool,
           variants: tuple = DEFAULT_VARIANTS):
     """cases: (tokens_list, routings)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
     from torch_commopt.kernels.moe import sync_free
     from torch_commopt.kernels.moe.module import swap_expert_parallel
-    from torch_commopt.testing.optional import torchtitan_moe_cpu_shims
     from torch_commopt.tuner.moe.choose import chooser
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    if not cuda:
-        torchtitan_moe_cpu_shims()
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    cuda, device, dtype, mesh = ep_setup(world)
     tokens_list, routings = cases
     if rank == 0 and "commopt auto" in variants:  # the log says what auto picked, and from which estimates
         import logging

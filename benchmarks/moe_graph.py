@@ -126,17 +126,11 @@ def graph_rank(rank: int, world: int, models: dict, tokens_list: list, rounds: i
                compile_children: bool):
     """This rank's cases (bench_moe --graph); (cases, device name)."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
 
+    from benchmarks.bench_moe import ep_setup
     from torch_commopt.kernels.moe import sync_free
-    from torch_commopt.testing.optional import torchtitan_moe_cpu_shims
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    if not cuda:
-        torchtitan_moe_cpu_shims()
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    cuda, device, dtype, mesh = ep_setup(world)
     out = []
     for name, model in models.items():
         for tokens in tokens_list:

@@ -5,7 +5,14 @@ every rank's tokens.  With NCCL, by_peer's posted transfers run on NCCL's stream
 from __future__ import annotations
 
 import pytest
-from moe_cases import CASES, run_bf16, run_schedules, run_sync_free_graphed, run_sync_free_unsynced
+from moe_cases import (
+    CASES,
+    run_bf16,
+    run_module_graphed,
+    run_schedules,
+    run_sync_free_graphed,
+    run_sync_free_unsynced,
+)
 
 from torch_commopt.core import env
 from torch_commopt.testing.launch import run_distributed
@@ -71,6 +78,13 @@ def test_sync_free_runs_captured_in_a_cuda_graph_on_new_routings(one_gpu):
     # tokens and counts copied into its inputs: the eager call's bits each time
     for got in run_distributed(run_sync_free_graphed, 1, backend="nccl", timeout_s=300):
         assert got["same"] and got["rel"] < 0.02, got
+
+
+@pytest.mark.gpu
+def test_an_a2a_module_captured_in_a_cuda_graph_runs_sync_free(one_gpu):
+    # a module installed with a2a, warmed up eagerly, captured: sync_free inside the capture
+    for got in run_distributed(run_module_graphed, 1, backend="nccl", timeout_s=300):
+        assert got["last"] == "sync_free" and got["rel"] < 0.02, got
 
 
 @pytest.mark.gpu

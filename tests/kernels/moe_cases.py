@@ -139,24 +139,28 @@ def run_schedules(rank: int, world: int, routings=("balanced", "skewed"), device
     return results
 
 
+def _module(local: list, grad: bool = True):
+    """A plain GroupedExperts-like module holding these (nl, ...) weights as its parameters."""
+    from torch import nn
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2, self.w3 = (nn.Parameter(w.clone(), requires_grad=grad) for w in local)
+
+    return Experts()
+
+
 def run_install(rank: int, world: int, schedule: str = "by_peer") -> float:
     """A plain GroupedExperts-like module holding this rank's experts, made expert-parallel by
     `install` with `schedule`: its forward against expert_parallel with the same experts (checked
     above against one process); the largest difference over output and weight gradients."""
-    from torch import nn
-
     from torch_commopt.kernels.moe.module import install
 
     full = _weights(world, 3)
     x, ids = _tokens(rank, world, "skewed", 3)
     counts = torch.bincount(ids, minlength=NL * world)
-
-    class Experts(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1, self.w2, self.w3 = (nn.Parameter(w[rank * NL:(rank + 1) * NL].clone()) for w in full)
-
-    module = Experts()
+    module = _module([w[rank * NL:(rank + 1) * NL] for w in full])
     install(module, dist.group.WORLD, schedule)
     out = module(x, counts)
     out.sum().backward()
@@ -335,6 +339,21 @@ def run_sync_free_unsynced(rank: int, world: int, calls: int = 3) -> dict:
     return {"error": error, "rel": max(rels) if rels else float("nan")}
 
 
+def _captured(run):
+    """(graph, its output) of run() captured in a CUDA graph after two calls on a side stream (as
+    CUDA graphs ask)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
 def run_sync_free_graphed(rank: int, world: int, calls: int = 3) -> dict:
     """sync_free's forward (inference) captured once in a CUDA graph on this rank's GPU, replayed on
     `calls` new routings copied into its static inputs: {"same": the replays equal to the eager
@@ -347,15 +366,7 @@ def run_sync_free_graphed(rank: int, world: int, calls: int = 3) -> dict:
     sf.reset()
     x, counts = case.routed(0)
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream, as CUDA graphs ask
-            for _ in range(2):
-                sf.sync_free(x, counts, ws, group)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = sf.sync_free(x, counts, ws, group)
+        graph, out = _captured(lambda: sf.sync_free(x, counts, ws, group))
         same, rels = True, []
         for call in range(1, calls + 1):
             new_x, new_counts = case.routed(call)
@@ -374,8 +385,6 @@ def run_capture_switch(rank: int, world: int, schedule: str = "a2a") -> dict:
     (sync_free.capturing patched: gloo has none): the captured call runs sync_free with the
     capacity the eager call's counts gave, its output the eager one's; and a capture before any
     eager call raises the reason.  {"diff", "last", "capacity", "peak", "refused"}."""
-    from torch import nn
-
     from torch_commopt.kernels.moe import sync_free as sf
     from torch_commopt.kernels.moe.module import install
 
@@ -383,13 +392,7 @@ def run_capture_switch(rank: int, world: int, schedule: str = "a2a") -> dict:
     full = _weights(world, 5)
     x, ids = _tokens(rank, world, "balanced", 5)
     counts = torch.bincount(ids, minlength=NL * world)
-
-    class Experts(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1, self.w2, self.w3 = (nn.Parameter(w[rank * NL:(rank + 1) * NL].clone()) for w in full)
-
-    module = Experts()
+    module = _module([w[rank * NL:(rank + 1) * NL] for w in full])
     install(module, group, schedule)
     real, got = sf.capturing, {}
     try:
@@ -410,3 +413,30 @@ def run_capture_switch(rank: int, world: int, schedule: str = "a2a") -> dict:
         sf.capturing = real
     got["diff"] = (captured - eager).abs().max().item()
     return got
+
+
+def run_module_graphed(rank: int, world: int, calls: int = 3) -> dict:
+    """A module installed with a2a, called eagerly (its capacity for a capture), then its forward
+    captured in a CUDA graph (it runs sync_free there) and replayed on new routings:
+    {"last": the schedule the captured call ran, "rel": the replays' largest relative difference
+    from a2a's output}."""
+    from torch_commopt.kernels.moe import sync_free as sf
+    from torch_commopt.kernels.moe.module import install
+
+    group = dist.group.WORLD
+    case = _Bf16Experts(rank, world, 6, f"cuda:{torch.cuda.current_device()}", grad=False)
+    module = _module(case.ws, grad=False)
+    install(module, group, "a2a")
+    sf.reset()
+    x, counts = case.routed(0)
+    with torch.no_grad():  # the eager warm-up runs a2a, whose exchanged peak sizes the capture
+        graph, out = _captured(lambda: module(x, counts))
+        rels = []
+        for call in range(1, calls + 1):
+            new_x, new_counts = case.routed(call)
+            x.copy_(new_x)
+            counts.copy_(new_counts)
+            graph.replay()
+            rels.append(_rel(out.float(), case.a2a(new_x, new_counts, group).float()))
+    sf.check(group)
+    return {"last": module.forward.last, "rel": max(rels)}
