@@ -50,11 +50,7 @@ def _tokens(p: int, world: int, routing: str, seed: int) -> tuple[torch.Tensor, 
 
 
 def _weights(world: int, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    e = NL * world
-    return [torch.randn(e, H, D, generator=g, dtype=torch.float64) / D ** 0.5,
-            torch.randn(e, D, H, generator=g, dtype=torch.float64) / H ** 0.5,
-            torch.randn(e, H, D, generator=g, dtype=torch.float64) / D ** 0.5]
+    return _weights_of(NL, world, seed)
 
 
 def _swiglu(rows: torch.Tensor, w1, w2, w3) -> torch.Tensor:
@@ -440,3 +436,44 @@ def run_module_graphed(rank: int, world: int, calls: int = 3) -> dict:
             rels.append(_rel(out.float(), case.a2a(new_x, new_counts, group).float()))
     sf.check(group)
     return {"last": module.forward.last, "rel": max(rels)}
+
+
+def run_sync_free_shapes(rank: int, world: int) -> list[tuple[str, float]]:
+    """sync_free against a2a (output, x's and the weights' gradients, float64) over routings of
+    every kind: 1, 2 and 5 local experts, groups padded to 1 and 8 rows, ranks routing nothing,
+    every row to one expert, a capacity well above the rows; [(case, largest relative error)]."""
+    from torch_commopt.kernels.moe import sync_free as sf
+
+    group, out = dist.group.WORLD, []
+    for nl in (1, 2, 5):
+        for align in (1, 8):
+            for kind in ("random", "one expert", "nothing on rank 0"):
+                sf.reset()
+                if kind == "random":
+                    sf.set_capacity(group, 200)  # above every rank's rows
+                g = torch.Generator().manual_seed(17 * nl + align + len(kind) + 1000 * rank)
+                n = 0 if (kind == "nothing on rank 0" and rank == 0) else int(torch.randint(1, 40, (1,), generator=g))
+                ids = (torch.randint(0, nl * world, (n,), generator=g) if kind != "one expert"
+                       else torch.full((n,), nl * world - 1)).sort().values
+                full = _weights_of(nl, world, 23 * nl)
+                x = torch.randn(n, D, generator=g, dtype=torch.float64)
+                counts = torch.bincount(ids, minlength=nl * world)
+                grads = []
+                for schedule in ("a2a", "sync_free"):
+                    local = [w[rank * nl:(rank + 1) * nl].clone().requires_grad_() for w in full]
+                    xr = x.clone().requires_grad_()
+                    y = (expert_parallel(xr, counts, _local_experts(*local), group, "a2a") if schedule == "a2a"
+                         else sf.sync_free(xr, counts, local, group, align=align))
+                    (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y).cos()).sum().backward()
+                    grads.append([y.detach(), xr.grad] + [w.grad for w in local])
+                errs = [_rel(a, b) for a, b in zip(grads[1], grads[0])]
+                out.append((f"nl {nl} align {align} {kind} rank {rank}", max(errs)))
+    return out
+
+
+def _weights_of(nl: int, world: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    e = nl * world
+    return [torch.randn(e, H, D, generator=g, dtype=torch.float64) / D ** 0.5,
+            torch.randn(e, D, H, generator=g, dtype=torch.float64) / H ** 0.5,
+            torch.randn(e, H, D, generator=g, dtype=torch.float64) / D ** 0.5]

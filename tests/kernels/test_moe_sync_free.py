@@ -66,3 +66,12 @@ def test_a_module_captured_in_a_cuda_graph_runs_sync_free_sized_by_its_eager_cal
         assert "no capacity inside a CUDA-graph capture" in got["refused"], got  # before any eager call
         assert got["capacity"] == got["peak"], got  # the eager call's exchanged peak, no collective of its own
         assert got["last"] == "sync_free" and got["diff"] < 1e-12, got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sync_free_equals_a2a_over_every_kind_of_routing(world):
+    from moe_cases import run_sync_free_shapes
+
+    for results in run_distributed(run_sync_free_shapes, world, backend="gloo", timeout_s=300):
+        bad = [(case, err) for case, err in results if not err <= 1e-12]
+        assert len(results) == 18 and not bad, bad
