@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from torch_commopt.kernels.attention import flex_dense
+
 log = logging.getLogger(__name__)
 
 LN2 = math.log(2.0)
@@ -489,7 +491,7 @@ def _kernel_options(q: Tensor, k: Tensor, v: Tensor):
 def block_forward(q: Tensor, k: Tensor, v: Tensor, step: Step, scale: float) -> tuple[Tensor, Tensor]:
     """(out, lse) of q against one block of keys under `step`'s mask (lse natural log, rows with no
     key -inf and output 0); GQA where k and v have fewer heads than q.  On CUDA a compiled
-    kernel (_compiled), on a CPU plain torch on the dense mask (_dense_forward)."""
+    kernel (_compiled), on a CPU plain torch on the dense mask (flex_dense)."""
     from torch.nn.attention.flex_attention import _identity, flex_attention_hop
 
     def run(q, k, v, *tensors):
@@ -497,7 +499,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, step: Step, scale: float) -> 
         return flex_attention_hop(q, k, v, _identity, tables, scale, _kernel_options(q, k, v), (), buffers)[:2]
 
     if not q.is_cuda:
-        return _dense_forward(q, k, v, step, scale)
+        return flex_dense.forward(q, k, v, step.dense(q.shape[0], q.shape[1]), scale)
     args = (q, k, v, *_flatten(step))
     out, lse2 = _compiled("forward", run, args, step, scale)(*args)
     return out, lse2 * LN2
@@ -517,40 +519,10 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
                                        _kernel_options(q, k, v), (), buffers)[:3]
 
     if not q.is_cuda:
-        return _dense_backward(q, k, v, (out, lse, dout), step, scale)
+        return flex_dense.backward(q, k, v, (out, lse, dout), step.dense(q.shape[0], q.shape[1]), scale)
     args = (q, k, v, out, (lse / LN2).to(torch.float32), dout, *_flatten(step))
     dq, dk, dv = _compiled("backward", run, args, step, scale)(*args)
     return dq, dk, dv
-
-
-# Off CUDA the block runs in plain torch on its dense mask, not by flex's operators: their dense
-# math vmaps the mask function, and vmap fails where a compiled graph's op runs ("NYI: querying
-# is_contiguous inside of vmap"); the flex kernels' block tables are checked on the GPU
-# (tests/gpu, benchmarks/probe_flex_blocks.py).
-
-
-def _dense_forward(q: Tensor, k: Tensor, v: Tensor, step: Step, scale: float) -> tuple[Tensor, Tensor]:
-    from torch_commopt.kernels.attention.decode import local_partial
-
-    return local_partial(q, k, v, step.dense(q.shape[0], q.shape[1]), scale)
-
-
-def _dense_backward(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, Tensor, Tensor], step: Step,
-                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The flash backward of one block from its rows' global (out, lse, dout): P = exp(S - lse)."""
-    out, lse, dout = rows
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    rep = q.shape[1] // k.shape[1]
-    kf, vf = (t.to(acc).repeat_interleave(rep, dim=1) for t in (k, v))
-    qf, dof = q.to(acc), dout.to(acc)
-    scores = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~step.dense(q.shape[0], q.shape[1]), float("-inf"))
-    probs = torch.exp(scores - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(acc).unsqueeze(-1))
-    dv = probs.transpose(-1, -2) @ dof
-    ds = probs * (dof @ vf.transpose(-1, -2) - (dof * out.to(acc)).sum(-1, keepdim=True))
-    dq = ds @ kf * scale
-    dk = ds.transpose(-1, -2) @ qf * scale
-    fold = lambda g: g.unflatten(1, (k.shape[1], rep)).sum(2)  # noqa: E731  (GQA: a KV head's group summed)
-    return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
 _SCORE_GRAPHS: dict[tuple, tuple] = {}
