@@ -148,25 +148,25 @@ def _exclusive(t: Tensor, dim: int) -> Tensor:
 
 
 class _PaddedGather(torch.autograd.Function):
-    """x's rows at `index`, a zero row where index == len(x); the backward writes each row's
-    gradient once (the index names every row of x at most once; its padding entries go to a
-    scratch row)."""
+    """x's rows at `index` (each in [0, len(x)], the plan's: len(x) names no row), with `zero` a zero
+    row where index == len(x), else any row of x there (a slot nobody reads: fewer kernels); the
+    backward writes each row's gradient once (the index names every row of x at most once; its
+    padding entries go to a scratch row)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor) -> Tensor:
-        index = index.clamp(max=x.shape[0])  # past the end (inconsistent counts, flagged): the zero row
+    def forward(ctx, x: Tensor, index: Tensor, zero: bool) -> Tensor:
         ctx.save_for_backward(index)
         ctx.rows = x.shape[0]
         if x.shape[0] == 0:
             return x.new_zeros((index.numel(),) + tuple(x.shape[1:]))
         picked = x.index_select(0, index.clamp(max=x.shape[0] - 1))
-        return torch.where((index < x.shape[0]).unsqueeze(-1), picked, picked.new_zeros(()))
+        return torch.where((index < x.shape[0]).unsqueeze(-1), picked, picked.new_zeros(())) if zero else picked
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (index,) = ctx.saved_tensors
         out = grad.new_zeros((ctx.rows + 1,) + tuple(grad.shape[1:]))
-        return out.index_copy_(0, index, grad)[:ctx.rows], None
+        return out.index_copy_(0, index, grad)[:ctx.rows], None, None
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
@@ -333,7 +333,9 @@ def sync_free(x: Tensor, counts: Tensor, weights: tuple[Tensor, Tensor, Tensor],
     every = _all_counts(counts, x.shape[0], group)
     send, home, place, ends, back, bad = _indices(every, (rank, cap, align, x.shape[0]))
     _trip(group, bad)
-    got = _exchange(_PaddedGather.apply(x.to(dt), send), cap, group)
-    y = _GroupedSwiGLU.apply(_PaddedGather.apply(got, place), *(w.to(dt) for w in (w1, w2, w3)), ends)
-    out = gather_rows(_exchange(_PaddedGather.apply(y, back), cap, group), home).to(x.dtype)
+    # a block's empty slots are never read (the receiver's place skips them): any row will do there;
+    # the experts' padding rows must be zero (they add nothing to a weight gradient)
+    got = _exchange(_PaddedGather.apply(x.to(dt), send, False), cap, group)
+    y = _GroupedSwiGLU.apply(_PaddedGather.apply(got, place, True), *(w.to(dt) for w in (w1, w2, w3)), ends)
+    out = gather_rows(_exchange(_PaddedGather.apply(y, back, False), cap, group), home).to(x.dtype)
     return torch.where(bad, torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
