@@ -106,7 +106,7 @@ if [[ $what == moe_sync_free ]]; then
   # under torch.cuda.set_sync_debug_mode), then one layer at few tokens a rank, torchtitan's EP vs
   # a2a vs sync_free vs the comm-free bound (SYNC_FREE_TOKENS; BENCH_ARGS e.g. "--commit abc");
   # torchtitan 0.2.2 carried in .whl/
-  TORCH_COMMOPT_DEBUG_WAITS=1 TORCH_COMMOPT_WAIT_TIMEOUT_S=60 timeout ${TEST_TIMEOUT:-150} \
+  TORCH_COMMOPT_DEBUG_WAITS=1 TORCH_COMMOPT_WAIT_TIMEOUT_S=60 timeout ${TEST_TIMEOUT:-200} \
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py 2>&1 | tee "$out/gpu_moe.log"
   ttsite=$(mktemp -d)
   python3 -m pip install -q --no-deps --target "$ttsite" .whl/*.whl > "$out/tt_install.log" 2>&1
