@@ -393,7 +393,7 @@ def run_capture_switch(rank: int, world: int, schedule: str = "a2a") -> dict:
     real, got = sf.capturing, {}
     try:
         sf.reset()
-        sf.capturing = lambda t: True
+        sf.capturing = lambda device: True
         try:
             module(x, counts)
             got["refused"] = ""
@@ -402,7 +402,7 @@ def run_capture_switch(rank: int, world: int, schedule: str = "a2a") -> dict:
         sf.capturing = real
         eager = module(x, counts)
         got["capacity"], got["peak"] = sf._CAPACITY.get(group.group_name), 30 + 7 * (world - 1)  # noqa: SLF001
-        sf.capturing = lambda t: True
+        sf.capturing = lambda device: True
         captured = module(x, counts)
         got["last"] = module.forward.last
     finally:

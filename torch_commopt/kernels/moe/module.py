@@ -119,7 +119,7 @@ class ExpertParallelForward:
         weights = (_local(m.w1), _local(m.w2), _local(m.w3))
         # a module on the grouped GEMM computes its experts in bf16 (torchtitan's _run_experts_grouped_mm)
         dtype = torch.bfloat16 if getattr(m, "use_grouped_mm", False) else None
-        if self.schedule == "sync_free" or sync_free.capturing(routed_input):
+        if self.schedule == "sync_free" or sync_free.capturing(routed_input.device):
             # no counts' host read to fill: the early work just runs first
             if self.schedule != "sync_free":
                 _capture_once()

@@ -38,6 +38,7 @@ whatever the counts.
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import torch
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_commopt.kernels.moe.by_expert import gmm, gmm_wgrad
-from torch_commopt.kernels.moe.exchange import AllToAll, gather_rows, staged
+from torch_commopt.kernels.moe.exchange import AllToAll, gather_rows
 
 log = logging.getLogger(__name__)
 _CAPACITY: dict[str, int] = {}  # group name -> rows a rank may route (fixed at its first call)
@@ -72,9 +73,11 @@ def _name(group) -> str:
     return group.group_name if group is not None else "default"
 
 
-def capturing(t: Tensor) -> bool:
-    """Whether `t`'s work is being captured into a CUDA graph (no host read may happen there)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def capturing(device) -> bool:
+    """Whether work on `device` is being captured into a CUDA graph (no host read may happen there)."""
+    from torch_commopt.kernels.gpu.call_graphs import capturing as stream_capturing
+
+    return torch.device(device).type == "cuda" and stream_capturing()
 
 
 def note_peak(group, peak: int | None) -> None:
@@ -90,7 +93,7 @@ def _capacity(group, rows: int, device) -> int:
     """The group's capacity: fixed at its first call as the most rows any rank routes (one
     all-reduce and one host read, once a group), or grown by the other schedules' calls."""
     name = _name(group)
-    if name not in _CAPACITY and capturing(torch.empty(0, device=device)):
+    if name not in _CAPACITY and capturing(device):
         raise RuntimeError(f"commopt moe sync_free: group {name} has no capacity inside a CUDA-graph capture, which "
                            "cannot read one on the host: run the layer eagerly once first, or call "
                            "kernels.moe.sync_free.set_capacity on every rank")
@@ -134,7 +137,7 @@ def _all_counts(counts: Tensor, rows: int, group) -> Tensor:
     not add up to its rows); no host read on NCCL."""
     mine = torch.cat([counts.to(torch.int64), (counts.sum() != rows).to(torch.int64).reshape(1)])
     world = dist.get_world_size(group)
-    if staged(mine, group) or dist.get_backend(group) == "gloo":
+    if dist.get_backend(group) == "gloo":  # its list form, through the host for CUDA tensors
         parts = [torch.empty_like(mine, device="cpu") for _ in range(world)]
         dist.all_gather(parts, mine.cpu(), group=group)
         return torch.stack(parts).to(counts.device)
@@ -287,7 +290,8 @@ class _Replayed:
         return tuple(t.clone() for t in self.outputs)
 
 
-_PLANS: dict[tuple, _Replayed | None] = {}  # None: the capture failed, _plan runs as operations
+_PLANS: collections.OrderedDict = collections.OrderedDict()  # key -> _Replayed, None: the capture failed
+PLAN_ENTRIES = 16  # plans kept (a graph and its memory each): a server's batch sizes, the least recent dropped
 
 
 def _indices(every: Tensor, key: tuple) -> tuple[Tensor, ...]:
@@ -304,6 +308,9 @@ def _indices(every: Tensor, key: tuple) -> tuple[Tensor, ...]:
             log.warning("commopt moe sync_free: its index plan could not be captured in a CUDA graph (%s); it runs "
                         "as operations", str(e).splitlines()[0])
             _PLANS[full] = None
+        while len(_PLANS) > PLAN_ENTRIES:
+            _PLANS.popitem(last=False)
+    _PLANS.move_to_end(full)
     plan = _PLANS[full]
     return plan(every) if plan is not None else _plan(every, *key)
 
