@@ -264,8 +264,10 @@ def pieces(models: dict, tokens_list: list, worlds: list, rounds: int, chunk_cou
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from torch_commopt.kernels.moe import sync_free as sync_free_mod
     from torch_commopt.kernels.moe.by_expert import by_expert
     from torch_commopt.kernels.moe.exchange import Routing
+    from torch_commopt.kernels.moe.schedules import expert_parallel
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -300,6 +302,11 @@ def pieces(models: dict, tokens_list: list, worlds: list, rounds: int, chunk_cou
                 # by_expert itself over a one-rank group (its all-to-alls local copies), the routing
                 # giving each local expert the rows W ranks would send it
                 routing = Routing(0, 1, send=((per_piece * world,) * nl,), recv=((per_piece * world,) * nl,))
+                # the plain schedule (a2a) and sync_free, over the same one-rank group: by_expert:1's
+                # fair baseline (the same reorders and local exchanges, one whole GEMM each)
+                runs["a2a"] = lambda: expert_parallel(x, whole, swiglu, group, "a2a", routing).backward(grad)
+                sync_free_mod.set_capacity(group, x.shape[0])
+                runs["sync_free"] = lambda: sync_free_mod.sync_free(x, whole, (w1, w2, w3), group).backward(grad)
                 for chunks in (1,) + tuple(c for c in chunk_counts if c <= nl):
                     runs[f"by_expert:{chunks}"] = functools.partial(
                         lambda c: by_expert(x, routing, (w1, w2, w3), group, c).backward(grad), chunks)
@@ -319,6 +326,8 @@ def pieces(models: dict, tokens_list: list, worlds: list, rounds: int, chunk_cou
                 med = {label: statistics.median(v) for label, v in times.items()}
                 out.append({"model": name, "world": world, "tokens_per_rank": tokens, "rows_received": rows,
                             "ms": med, "ratio": {k: v / med["whole"] for k, v in med.items() if k != "whole"},
+                            # each schedule's compute against the plain one's, all exchanging locally
+                            "vs_a2a": {k: v / med["a2a"] for k, v in med.items() if k in ("by_expert:1", "sync_free")},
                             # what pipelining by_expert in C chunks costs its own compute
                             "chunked": {k: v / med["by_expert:1"] for k, v in med.items()
                                         if k.startswith("by_expert:") and k != "by_expert:1"},
@@ -334,15 +343,18 @@ def pieces_report(rows: list, meta: dict) -> str:
              f"received rows on balanced routing, median of {meta['rounds']} rounds of 5 runs. Whole: torchtitan's "
              "grouped GEMMs under autograd. By source: the same in W pieces of one source's rows (by_peer). "
              "by_expert:C: that schedule's own compute (its reorders and its all-to-alls, local copies over a "
-             "one-rank group, included) in C chunks of experts; by_expert:1 is it unpipelined.", "",
-             "| model | W | tokens/rank | rows received | whole ms | by source / whole | by_expert:1 / whole | "
-             + " | ".join(f"{k} / by_expert:1" for k in chunked) + " |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(chunked)]
+             "one-rank group, included) in C chunks of experts; by_expert:1 is it unpipelined. a2a: the plain "
+             "schedule over the same group (the same reorders and local exchanges, the GEMMs whole), by_expert:1's "
+             "and sync_free's baseline; sync_free: its padded blocks and device-side index plan.", "",
+             "| model | W | tokens/rank | rows received | whole ms | by source / whole | a2a / whole | "
+             "by_expert:1 / a2a | sync_free / a2a | " + " | ".join(f"{k} / by_expert:1" for k in chunked) + " |",
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(chunked)]
     for r in rows:
         cells = [fmt(r["chunked"][k]) if k in r["chunked"] else "-" for k in chunked]
+        vs = r.get("vs_a2a", {})
         lines.append(f"| {r['model']} | {r['world']} | {r['tokens_per_rank']} | {r['rows_received']} | "
-                     f"{fmt(r['ms']['whole'])} | {fmt(r['ratio']['by source'])} | {fmt(r['ratio']['by_expert:1'])} | "
-                     + " | ".join(cells) + " |")
+                     f"{fmt(r['ms']['whole'])} | {fmt(r['ratio']['by source'])} | {fmt(r['ratio'].get('a2a'))} | "
+                     f"{fmt(vs.get('by_expert:1'))} | {fmt(vs.get('sync_free'))} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 
 

@@ -13,36 +13,26 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch_commopt.testing.fused_standins import ag_standins, rs_standins
 from torch_commopt.testing.validate import rel_err, within_tolerance
-
-FLAG_BASE = 1024
 
 
 def _run(one_gpu, *, world, m_loc, k, ns, lin=None, bias=False, kmajor=True, dtype=torch.bfloat16, tma=1, seed=0):
-    from torch_commopt.kernels.matmul.gpu.ag_matmul import Arrivals, Products, launch_fused
+    from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(dtype)  # noqa: E731
-    rank, lin = 1 % world, lin or m_loc
-    a2, slots2 = mk(m_loc, k), mk(world * m_loc, k)
-    ws = [mk(n, k).t() / k ** 0.5 if kmajor else mk(k, n) / k ** 0.5 for n in ns]
-    bs = [mk(n) if bias else None for n in ns]
-    flags = torch.zeros(FLAG_BASE + (world + 1) * 256, dtype=torch.int32, device="cuda")
-    flags[FLAG_BASE: FLAG_BASE + world * 256] = 1
-    status = torch.zeros(8, dtype=torch.int32, device="cuda")
-    outer = m_loc // lin
-    outs = [torch.empty(world * m_loc, n, device="cuda", dtype=dtype) for n in ns]
-    arrivals = Arrivals(flags, status, FLAG_BASE, rank, world, lin, max(1, m_loc // 3))
-    launch_fused(a2, slots2, Products(ws, bs, outs), arrivals,
+    st = ag_standins(m_loc, k, ns, world=world, lin=lin, kmajor=kmajor, bias=bias, dtype=dtype, gen=gen)
+    rank, lin = st.arrivals.rank, st.arrivals.lin
+    launch_fused(st.a2, st.slots2, st.products, st.arrivals,
                  {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3})
-    shards = [a2 if s == rank else slots2[s * m_loc:(s + 1) * m_loc] for s in range(world)]
+    shards = [st.a2 if s == rank else st.slots2[s * m_loc:(s + 1) * m_loc] for s in range(world)]
     # gathered rows (outer, world, lin): block s of outer block o is rank s's rows o*lin..o*lin+lin
-    gathered = torch.stack([sh.view(outer, lin, k) for sh in shards], dim=1).reshape(-1, k)
-    for out, w, b in zip(outs, ws, bs):
+    gathered = torch.stack([sh.view(m_loc // lin, lin, k) for sh in shards], dim=1).reshape(-1, k)
+    for out, w, b in zip(st.products.outs, st.weights, st.biases):
         truth = gathered.float() @ w.float() + (b.float() if b is not None else 0)
         cublas = torch.mm(gathered, w) + (b if b is not None else 0)
         assert within_tolerance(rel_err(out, truth), rel_err(cublas, truth)), (rel_err(out, truth), rel_err(cublas, truth))
-    assert int(status[0]) == 0
+    assert int(st.arrivals.status[0]) == 0
 
 
 @pytest.mark.parametrize("tma", [0, 1])
@@ -69,40 +59,20 @@ def _run_rs(one_gpu, monkeypatch, *, world, m_seg, k, n, lin=None, kmajor=True, 
     from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS
     from torch_commopt.kernels.matmul.gpu import tma as tma_mod
     from torch_commopt.kernels.matmul.gpu.layout import cdiv
-    from torch_commopt.kernels.matmul.gpu.matmul_reduce import RsSegments, RsSignals, RsTargets, launch_rs_fused
+    from torch_commopt.kernels.matmul.gpu.matmul_reduce import launch_rs_fused
 
     took = []
     descriptors = tma_mod.descriptors
     monkeypatch.setattr(tma_mod, "descriptors", lambda *a, **kw: took.append(descriptors(*a, **kw)) or took[-1])
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(dtype)  # noqa: E731
-    rank, lin = 1 % world, lin or m_seg
-    outer = m_seg // lin
-    a2 = mk(world * m_seg, k)  # rows (outer, world, lin): segment s is block s of every outer block
-    w = mk(n, k).t() / k ** 0.5 if kmajor else mk(k, n) / k ** 0.5
-    recv = mk(world, m_seg, n)  # the peers' partials, landed
-    peer_bufs = [torch.zeros(world, m_seg, n, device="cuda", dtype=dtype) for _ in range(world)]
-    flag_len = COUNTERS + world * MAX_CHUNKS
-    flags = torch.zeros(flag_len, dtype=torch.int32, device="cuda")
-    peer_flags = [torch.zeros(flag_len, dtype=torch.int32, device="cuda") for _ in range(world)]
+    st = rs_standins(m_seg, k, n, world=world, lin=lin, kmajor=kmajor, direct=direct, dtype=dtype, gen=gen,
+                     bases_aligned=bases_aligned)
+    a2, w, recv, rank, lin = st.a2, st.weight, st.recv, st.segments.rank, st.segments.lin
+    outer, chunk_mt, tiles_m, tiles_n = m_seg // lin, st.segments.chunk_mt, cdiv(m_seg, 128), cdiv(n, 128)
     params = {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3, "gm": 8}
-    tiles_m, tiles_n = cdiv(m_seg, 128), cdiv(n, 128)
-    chunk_mt = max(1, cdiv(tiles_m, 3))
-    for src in range(world):  # every partial this rank waits for has arrived
-        if src != rank and direct:  # the peers' tile counts of this rank's segment
-            flags[COUNTERS + src * MAX_CHUNKS: COUNTERS + (src + 1) * MAX_CHUNKS] = 1 << 20
-        elif src != rank:  # the copy engine's DATA flags (data_base 0) at epoch 1
-            flags[src * MAX_CHUNKS: (src + 1) * MAX_CHUNKS] = 1
-    send = torch.zeros(world, m_seg, n, device="cuda", dtype=dtype)
-    out = torch.empty(m_seg, n, device="cuda", dtype=dtype)
-    recv_bases = torch.tensor([(recv if s == rank else peer_bufs[s]).data_ptr() for s in range(world)],
-                              dtype=torch.int64, device="cuda")
-    flag_bases = torch.tensor([(flags if s == rank else peer_flags[s]).data_ptr() for s in range(world)],
-                              dtype=torch.int64, device="cuda")
-    status = torch.zeros(8, dtype=torch.int32, device="cuda")
-    targets = RsTargets(out, send, recv, recv_bases, 0, direct, bases_aligned)
-    signals = RsSignals(flags, flag_bases, status, 0)
-    launch_rs_fused(a2, w, targets, signals, RsSegments(rank, world, lin, m_seg, chunk_mt), alpha, params)
+    launch_rs_fused(a2, w, st.targets, st.signals, st.segments, alpha, params)
+    out, status, peer_bufs, send, flags, peer_flags = (st.targets.out, st.signals.status, st.peer_bufs, st.send,
+                                                       st.flags, st.peer_flags)
     torch.cuda.synchronize()
     assert int(status[0]) == 0
     if want_tma is not None:

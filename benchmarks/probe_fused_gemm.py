@@ -1,0 +1,171 @@
+"""One GPU: the fused Triton GEMMs' throughput against cuBLAS at the training step's GEMMs (issue 67).
+
+Each fused kernel runs alone with its arrival flags raised beforehand and local stand-ins for the
+peers (torch_commopt/testing/fused_standins.py), so what is timed is its GEMM and its epilogue,
+never a wait: the all-gather consumer (ag_matmul.launch_fused, q/k/v and w1/w3 as several B's in one
+pass) and the reduce-scatter producer (matmul_reduce.launch_rs_fused, direct stores into the stand-in
+peers, the own segment adding the landed partials).  cuBLAS multiplies the same rows: for the
+all-gathers the gathered A against each weight, and against the weights concatenated (one GEMM,
+as a fused q/k/v projection would run), whichever is faster; for the reductions A against the
+weight.  Shapes: bench_e2e's Llama-3-8B layer (dim 4096, 32 / 8 heads of 128, SwiGLU 14336) at
+TP=2 + SP and 8192 tokens a step: M 8192 gathered rows, each rank 4096.  Every tile configuration
+of the sweep is timed; the report gives each region's best against cuBLAS.
+
+    python3 -m benchmarks.probe_fused_gemm --out OUT [--commit abc] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+
+import torch
+
+from benchmarks.common import fmt, machine_meta, result_stem, write_report
+
+WORLD, M_LOC = 2, 4096
+# region -> (kind, K, N of each weight) at TP=2 (bench_e2e's layer)
+REGIONS = {"qkv": ("ag", 4096, (2048, 512, 512)), "w1/w3": ("ag", 4096, (7168, 7168)),
+           "wo": ("rs", 2048, (4096,)), "w2": ("rs", 7168, (4096,))}
+# (bm, bn, bk, warps, stages, gm): the schedules' default first
+CONFIGS = [(128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8),
+           (128, 256, 64, 8, 3, 16), (256, 128, 64, 8, 3, 8), (128, 128, 128, 8, 3, 8), (64, 256, 64, 4, 4, 8)]
+
+
+def _timed(fns: dict, rounds: int, runs: int = 10) -> dict:
+    """Median ms a call of each fn, rounds alternating their order (the clocks drift)."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    labels = list(fns)
+    for r in range(rounds):
+        for label in (labels if r % 2 == 0 else labels[::-1]):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(runs):
+                fns[label]()
+            end.record()
+            end.synchronize()
+            times[label].append(start.elapsed_time(end) / runs)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _params(cfg) -> dict:
+    bm, bn, bk, warps, stages, gm = cfg
+    return {"tma": 1, "bm": bm, "bn": bn, "bk": bk, "warps": warps, "stages": stages, "gm": gm}
+
+
+def _label(cfg) -> str:
+    return "{}x{}x{} w{} s{} g{}".format(*cfg)
+
+
+def _checked(out: torch.Tensor, truth: torch.Tensor, cublas: torch.Tensor, what: str) -> None:
+    """The fused output as close to the fp32 product as cuBLAS's own (validate.within_tolerance)."""
+    from torch_commopt.testing.validate import rel_err, within_tolerance
+
+    if not within_tolerance(rel_err(out, truth), rel_err(cublas, truth)):
+        raise RuntimeError(f"{what}: fused error {rel_err(out, truth):.3g} against cuBLAS's {rel_err(cublas, truth):.3g}")
+
+
+def _ag_runs(k: int, ns: tuple, gen) -> tuple[dict, dict]:
+    from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
+    from torch_commopt.testing.fused_standins import ag_standins
+
+    st = ag_standins(M_LOC, k, list(ns), world=WORLD, gen=gen)
+    gathered = torch.cat([st.slots2[:M_LOC], st.a2])  # rank 1 of 2, one run of rows a rank
+    cat = torch.cat(st.weights, dim=1)
+    runs = {"cublas": lambda: [torch.mm(gathered, w) for w in st.weights]}
+    if len(ns) > 1:
+        runs["cublas one GEMM"] = lambda: torch.mm(gathered, cat)
+
+    def check(label):
+        truth = gathered.float() @ cat.float()
+        _checked(torch.cat(st.products.outs, dim=1), truth, torch.mm(gathered, cat), label)
+
+    for cfg in CONFIGS:
+        runs[_label(cfg)] = functools.partial(launch_fused, st.a2, st.slots2, st.products, st.arrivals, _params(cfg))
+    return runs, {"status": st.arrivals.status, "check": check}
+
+
+def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
+    from torch_commopt.kernels.matmul.gpu.matmul_reduce import launch_rs_fused
+    from torch_commopt.testing.fused_standins import rs_standins
+
+    runs, status, calls = {}, torch.zeros(8, dtype=torch.int32, device="cuda"), {}
+    for cfg in CONFIGS:
+        st = rs_standins(M_LOC, k, n, world=WORLD, gen=gen, bm=cfg[0])
+        calls[_label(cfg)] = st
+        sig = st.signals._replace(status=status)
+        runs[_label(cfg)] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets, sig, st.segments, 1.0,
+                                              _params(cfg))
+    runs["cublas"] = lambda a=st.a2, w=st.weight: torch.mm(a, w)
+
+    def check(label):
+        s = calls[label]
+        own = s.a2[M_LOC:]  # rank 1's segment (one run of rows a segment)
+        partial = s.recv[0].float()
+        _checked(s.targets.out, own.float() @ s.weight.float() + partial,
+                 (torch.mm(own, s.weight).float() + partial).to(own.dtype), label)
+
+    return runs, {"status": status, "check": check}
+
+
+def probe(rounds: int) -> list:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for region, (kind, k, ns) in REGIONS.items():
+        runs, probe_of = _ag_runs(k, ns, gen) if kind == "ag" else _rs_runs(k, ns[0], gen)
+        ms = _timed(runs, rounds)
+        torch.cuda.synchronize()
+        if int(probe_of["status"][0]) != 0:
+            raise RuntimeError(f"{region}: a fused kernel reported wait status {int(probe_of['status'][0])}")
+        for label in runs:  # each configuration's own output, as close as cuBLAS's
+            if not label.startswith("cublas"):
+                runs[label]()
+                probe_of["check"](f"{region} {label}")
+        base = min(v for key, v in ms.items() if key.startswith("cublas"))
+        fused = {key: v for key, v in ms.items() if not key.startswith("cublas")}
+        best = min(fused, key=fused.get)
+        flops = 2 * WORLD * M_LOC * k * sum(ns)
+        rows.append({"region": region, "kind": kind, "m": WORLD * M_LOC, "k": k, "ns": list(ns), "ms": ms,
+                     "cublas_ms": base, "best": best, "best_ms": fused[best],
+                     "default_ms": fused[_label(CONFIGS[0])], "ratio_best": base / fused[best],
+                     "ratio_default": base / fused[_label(CONFIGS[0])], "cublas_tflops": flops / base / 1e9})
+    return rows
+
+
+def report(rows: list, meta: dict) -> str:
+    lines = [f"# The fused GEMMs alone against cuBLAS ({meta['device']}, one GPU)", "",
+             f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; "
+             f"`{meta['command']}`. Arrival flags raised beforehand, the peers local stand-ins "
+             "(benchmarks/probe_fused_gemm.py); bf16; Llama-3-8B layer at TP=2 + SP, 8192 tokens; median of "
+             f"{meta['rounds']} rounds of 10 calls. Throughput = cuBLAS ms / fused ms (1.00: as fast).", "",
+             "| region | op | M x K x N | cuBLAS ms (TFLOP/s) | fused default ms | default / cuBLAS "
+             "throughput | best tile | best ms | best / cuBLAS throughput |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ns = "+".join(map(str, r["ns"]))
+        lines.append(f"| {r['region']} | {'AG+GEMM' if r['kind'] == 'ag' else 'GEMM+RS'} | {r['m']} x {r['k']} x {ns} "
+                     f"| {fmt(r['cublas_ms'])} ({r['cublas_tflops']:.0f}) | {fmt(r['default_ms'])} | "
+                     f"{fmt(r['ratio_default'])} | {r['best']} | {fmt(r['best_ms'])} | {fmt(r['ratio_best'])} |")
+    return "\n".join(lines + [""])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--commit", default="")
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args(argv)
+    torch.cuda.set_device(0)
+    rows = probe(args.rounds)
+    meta = machine_meta(torch.cuda.get_device_name(0), 1, args.commit, rounds=args.rounds)
+    text = report(rows, meta)
+    print(text)
+    write_report(args.out, result_stem("fused_gemm", meta["device"], 1), {"meta": meta, "rows": rows}, text)
+
+
+if __name__ == "__main__":
+    main()
