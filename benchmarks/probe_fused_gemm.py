@@ -80,9 +80,9 @@ def _ag_runs(k: int, ns: tuple, gen) -> tuple[dict, dict]:
     if len(ns) > 1:
         runs["cublas one GEMM"] = lambda: torch.mm(gathered, cat)
 
-    def check(label):
+    def check(label, region):
         truth = gathered.float() @ cat.float()
-        _checked(torch.cat(st.products.outs, dim=1), truth, torch.mm(gathered, cat), label)
+        _checked(torch.cat(st.products.outs, dim=1), truth, torch.mm(gathered, cat), f"{region} {label}")
 
     for cfg in CONFIGS:
         runs[_label(cfg)] = functools.partial(launch_fused, st.a2, st.slots2, st.products, st.arrivals, _params(cfg))
@@ -102,12 +102,12 @@ def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
                                               _params(cfg))
     runs["cublas"] = lambda a=st.a2, w=st.weight: torch.mm(a, w)
 
-    def check(label):
+    def check(label, region):
         s = calls[label]
         own = s.a2[M_LOC:]  # rank 1's segment (one run of rows a segment)
         partial = s.recv[0].float()
         _checked(s.targets.out, own.float() @ s.weight.float() + partial,
-                 (torch.mm(own, s.weight).float() + partial).to(own.dtype), label)
+                 (torch.mm(own, s.weight).float() + partial).to(own.dtype), f"{region} {label}")
 
     return runs, {"status": status, "check": check}
 
@@ -124,7 +124,7 @@ def probe(rounds: int) -> list:
         for label in runs:  # each configuration's own output, as close as cuBLAS's
             if not label.startswith("cublas"):
                 runs[label]()
-                probe_of["check"](f"{region} {label}")
+                probe_of["check"](label, region)
         base = min(v for key, v in ms.items() if key.startswith("cublas"))
         fused = {key: v for key, v in ms.items() if not key.startswith("cublas")}
         best = min(fused, key=fused.get)
