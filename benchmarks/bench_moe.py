@@ -267,7 +267,8 @@ def pieces(models: dict, tokens_list: list, worlds: list, rounds: int, chunk_cou
     from torch_commopt.kernels.moe import sync_free as sync_free_mod
     from torch_commopt.kernels.moe.by_expert import by_expert
     from torch_commopt.kernels.moe.exchange import Routing
-    from torch_commopt.kernels.moe.schedules import expert_parallel
+    from torch_commopt.kernels.moe.module import PaddedLocal
+    from torch_commopt.kernels.moe.schedules import a2a_exchanged
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -288,6 +289,7 @@ def pieces(models: dict, tokens_list: list, worlds: list, rounds: int, chunk_cou
                 h = h * torch._grouped_mm(x, c.transpose(-2, -1), offs=offs)
                 return torch._grouped_mm(h, b.transpose(-2, -1), offs=offs)
 
+            padded = PaddedLocal(swiglu)  # as an installed module's experts: the rows placed into padded groups
             for tokens in tokens_list:
                 rows = tokens * top_k  # what a rank receives on balanced routing
                 per_piece = -(-rows // (world * nl) // 8) * 8  # rows per (source, expert), 8-aligned
@@ -303,8 +305,8 @@ def pieces(models: dict, tokens_list: list, worlds: list, rounds: int, chunk_cou
                 # giving each local expert the rows W ranks would send it
                 routing = Routing(0, 1, send=((per_piece * world,) * nl,), recv=((per_piece * world,) * nl,))
                 # the plain schedule (a2a) and sync_free, over the same one-rank group: by_expert:1's
-                # fair baseline (the same reorders and local exchanges, one whole GEMM each)
-                runs["a2a"] = lambda: expert_parallel(x, whole, swiglu, group, "a2a", routing).backward(grad)
+                # fair baseline (reorders and local exchanges as theirs, the GEMMs whole)
+                runs["a2a"] = lambda: a2a_exchanged(x, routing, padded, group).backward(grad)
                 sync_free_mod.set_capacity(group, x.shape[0])
                 runs["sync_free"] = lambda: sync_free_mod.sync_free(x, whole, (w1, w2, w3), group).backward(grad)
                 for chunks in (1,) + tuple(c for c in chunk_counts if c <= nl):

@@ -99,3 +99,22 @@ def test_compiled_fixed_capacity_moe_in_chunks_is_as_close_as_kept(two_ranks):
     for notes, chunked, kept in run_distributed(capacity_bf16, world, backend=backend, timeout_s=300):
         assert sum("rewritten, by_expert:2" in n for n in notes) == 2, notes
         assert kept < 0.05 and chunked <= 1.5 * kept + 1e-3, (chunked, kept)
+
+
+@pytest.mark.gpu
+def test_the_padded_gather_kernel_gives_the_rows_the_cpu_gives(one_gpu):
+    """runs.gather_padded's Triton kernel (the MoE gathers and their backwards) against its CPU
+    path: fresh random rows, empty slots (zero rows), and a flagged call (every row NaN)."""
+    import torch
+
+    from torch_commopt.kernels.moe.runs import gather_padded
+
+    gen = torch.Generator().manual_seed(21)
+    for rows, width, dtype in ((5000, 2048, torch.bfloat16), (777, 1000, torch.float32)):
+        src = torch.randn(rows, width, generator=gen).to(dtype)
+        index = torch.randint(0, rows + rows // 5, (rows + 333,), generator=gen).clamp(max=rows)
+        for flag in (None, torch.tensor(False), torch.tensor(True)):
+            want = gather_padded(src, index, flag, float("nan"))
+            got = gather_padded(src.cuda(), index.cuda(), flag.cuda() if flag is not None else None, float("nan"))
+            assert torch.equal(got.cpu().nan_to_num(), want.nan_to_num()), (rows, width, flag)
+            assert torch.equal(got.isnan().cpu(), want.isnan()), (rows, width, flag)

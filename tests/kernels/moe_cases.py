@@ -259,15 +259,19 @@ def run_sync_free_errors(rank: int, world: int) -> dict:
         mine = counts.clone()
         if rank == world - 1:
             mine[0] += extra
-        out = sf.sync_free(x, mine, local, group)
+        xr, ws = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in local]
+        out = sf.sync_free(xr, mine, ws, group)
+        out.backward(torch.randn_like(out))
         try:
             sf.check(group)
             told = ""
         except RuntimeError as e:
             told = str(e)
+        # a flagged call's gradients are zero (its outputs NaN): nothing of it reaches the weights
+        zero_grads = all(bool((t.grad == 0).all()) for t in [xr, *ws])
         got[case] = (bool(torch.isnan(out).all()), told, _rel(out, expert_parallel(x, counts, _local_experts(*local),
                                                                                      group, "a2a")) if not extra and
-                     cap > 5 else None)
+                     cap > 5 else None, zero_grads)
     return got
 
 

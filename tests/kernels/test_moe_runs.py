@@ -112,3 +112,67 @@ def test_the_two_source_triton_kernel_in_the_interpreter_moves_the_same_rows(tri
     res = subprocess.run([sys.executable, "-c", TRITON_CHECK2], env=triton_interpreter, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-3000:]
+
+
+def _padded_reference(src, index, flag, fill):
+    """gather_padded's meaning, row by row."""
+    out = torch.zeros((index.numel(),) + tuple(src.shape[1:]), dtype=src.dtype)
+    for i, j in enumerate(index.tolist()):
+        if 0 <= j < src.shape[0]:
+            out[i] = src[j]
+    return torch.full_like(out, fill) if flag else out
+
+
+def test_padded_gather_picks_rows_zeros_empty_slots_and_fills_a_flagged_call():
+    from torch_commopt.kernels.moe.runs import gather_padded
+
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(30, 5, generator=gen)
+    index = torch.randperm(40, generator=gen)[:35].clamp(max=30)  # rows of src and the empty slot (30)
+    for flag in (None, torch.tensor(False), torch.tensor(True)):
+        got = gather_padded(src, index, flag, float("nan"))
+        want = _padded_reference(src, index, flag is not None and bool(flag), float("nan"))
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), flag
+    assert torch.equal(gather_padded(src[:0], index[:4]), torch.zeros(4, 5))  # no rows at all: zeros
+
+
+def test_gathered_rows_with_an_inverse_give_the_gradient_the_indexed_copy_gives():
+    from torch_commopt.kernels.moe.exchange import gather_rows, inverse_of
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(20, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    index = torch.randperm(20, generator=gen)[:14]  # 6 rows of x picked by none
+    padded = torch.cat([index, torch.full((3,), 20)])  # and 3 empty slots (zero rows)
+    grad = torch.randn(17, 3, generator=gen, dtype=torch.float64)
+    out = gather_rows(x, padded, inverse=inverse_of(padded, 20))
+    out.backward(grad)
+    want = torch.zeros_like(x)
+    want[index] = grad[:14]
+    assert torch.equal(out[:14], x[index]) and torch.equal(out[14:], torch.zeros(3, 3, dtype=torch.float64))
+    assert torch.equal(x.grad, want)
+    assert torch.equal(inverse_of(index, 20)[index], torch.arange(14)) and (inverse_of(index, 20) == 14).sum() == 6
+
+
+TRITON_GATHER = r"""
+import torch
+from torch_commopt.kernels.moe import runs_triton
+
+gen = torch.Generator().manual_seed(12)
+for width, dtype in ((48, torch.float32), (1536, torch.bfloat16)):
+    src = torch.randn(90, width, generator=gen).to(dtype)
+    index = torch.randint(0, 95, (130,), generator=gen)  # past 89: no row, a zero row
+    for flag in (None, torch.tensor([False]), torch.tensor([True])):
+        dst = torch.randn(130, width, generator=gen).to(dtype)
+        runs_triton.gather_padded(dst, src, index, flag, float("nan"))
+        want = torch.where((index < 90)[:, None], src[index.clamp(max=89)], torch.zeros((), dtype=dtype))
+        if flag is not None and bool(flag):
+            want = torch.full_like(want, float("nan"))
+        assert torch.equal(dst.isnan(), want.isnan()) and torch.equal(dst.nan_to_num(), want.nan_to_num()), (width, flag)
+print("ok")
+"""
+
+
+def test_the_padded_gather_kernel_in_the_interpreter_gives_the_same_rows(triton_interpreter):
+    res = subprocess.run([sys.executable, "-c", TRITON_GATHER], env=triton_interpreter, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-3000:]

@@ -17,10 +17,10 @@ from torch_commopt.testing.launch import run_distributed
 def test_a_call_past_the_capacity_or_with_counts_off_is_nan_on_every_rank_and_check_raises(world):
     for got in run_distributed(run_sync_free_errors, world, backend="gloo", timeout_s=300):
         for case in ("over capacity", "counts off on the last rank"):
-            nan, told, _ = got[case]
-            assert nan and "outputs were NaN on every rank" in told, (case, got[case])
-        nan, told, err = got["right"]
-        assert not nan and told == "" and err < 1e-12, got["right"]
+            nan, told, _, zero_grads = got[case]
+            assert nan and "outputs were NaN on every rank" in told and zero_grads, (case, got[case])
+        nan, told, err, zero_grads = got["right"]
+        assert not nan and told == "" and err < 1e-12 and not zero_grads, got["right"]
 
 
 def test_the_indices_pad_each_expert_s_group_as_by_expert_does():

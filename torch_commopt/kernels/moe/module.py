@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch_commopt import report
 from torch_commopt.core.moe_spec import parse_moe_schedule
 from torch_commopt.kernels.moe import sync_free
-from torch_commopt.kernels.moe.exchange import counts_on, gather_rows, host_counts, post_counts, ranges
+from torch_commopt.kernels.moe.exchange import counts_on, gather_rows, host_counts, inverse_of, post_counts, ranges
 from torch_commopt.kernels.moe.schedules import expert_parallel
 
 log = logging.getLogger("torch_commopt.kernels.moe.module")
@@ -66,9 +66,9 @@ def padded(run: Local, align: int = ALIGN) -> Local:
         sizes = [max(align, -(-c // align) * align) for c in counts]
         starts = [sum(sizes[:e]) for e in range(len(sizes))]
         at = ranges(list(zip(starts, counts)), rows.device)  # each real row's place among the padded
-        src = rows.new_zeros((sum(sizes),) + tuple(rows.shape[1:])).index_copy(0, at, rows)
-        out = run(src, counts_on(sizes, per_expert.device, per_expert.dtype))
-        return gather_rows(out, at)
+        taken = inverse_of(at, sum(sizes))  # each padded row's real row, or none (a zero row)
+        out = run(gather_rows(rows, taken, inverse=at), counts_on(sizes, per_expert.device, per_expert.dtype))
+        return gather_rows(out, at, inverse=taken)
     return call
 
 

@@ -10,6 +10,7 @@ Imported on the first CUDA call (runs.py), never at package import.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -59,3 +60,37 @@ def copy_runs2(dst: Tensor, first: Tensor, second: Tensor, runs) -> None:
     grid = (len(runs.runs), triton.cdiv(longest, block_r))
     _runs2_kernel[grid](dst, first, second, runs.whole, runs.start, dst.stride(0), first.stride(0), second.stride(0),
                         D=width, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+
+
+@triton.jit
+def _gather_kernel(dst_ptr, src_ptr, index_ptr, flag_ptr, rows, n_src, dst_stride, src_stride, fill,
+                   D: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program writes BLOCK_R rows of dst, BLOCK_D columns at a time: row i is src's row index[i],
+    zeros where index[i] is n_src (or out of range), every row `fill` where HAS_FLAG and *flag_ptr."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    live = r < rows
+    j = tl.load(index_ptr + r, mask=live, other=n_src).to(tl.int64)
+    picked = live & (j >= 0) & (j < n_src)
+    if HAS_FLAG:
+        unflagged = tl.load(flag_ptr + tl.zeros_like(r)) == 0  # the flag, one per row of the block
+        picked = picked & unflagged
+    j = tl.where(picked, j, 0)
+    for c in tl.static_range(0, D, BLOCK_D):
+        cols = c + tl.arange(0, BLOCK_D)
+        in_cols = cols[None, :] < D
+        v = tl.load(src_ptr + j[:, None] * src_stride + cols[None, :], mask=picked[:, None] & in_cols, other=0.0)
+        if HAS_FLAG:
+            v = tl.where(unflagged[:, None], v, fill).to(v.dtype)
+        tl.store(dst_ptr + r[:, None] * dst_stride + cols[None, :], v, mask=live[:, None] & in_cols)
+
+
+def gather_padded(dst: Tensor, src: Tensor, index: Tensor, flag: Tensor | None, fill: float) -> None:
+    """runs.gather_padded on CUDA: one pass over dst's rows (2-D, rows contiguous, src's width and
+    dtype; index int32/int64 of dst's rows)."""
+    width, rows = dst.shape[1], dst.shape[0]
+    block_d = min(triton.next_power_of_2(width), 1024)
+    block_r = max(1, min(64, 8192 // block_d))
+    flag_bytes = flag.view(torch.uint8) if flag is not None else index  # a bool as a byte (a free view)
+    _gather_kernel[(triton.cdiv(rows, block_r),)](
+        dst, src, index, flag_bytes, rows, src.shape[0], dst.stride(0), src.stride(0), fill,
+        D=width, HAS_FLAG=flag is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)

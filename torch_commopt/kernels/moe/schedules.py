@@ -46,6 +46,7 @@ from torch_commopt.kernels.moe.exchange import (
     exchange_counts,
     finish_swap,
     gather_rows,
+    inverse_of,
     post_swap,
     ranges,
 )
@@ -103,20 +104,23 @@ def expert_major(routing: Routing, device=None) -> Tensor:
                    for p in range(routing.world)], device)
 
 
-def _padded_place(routing: Routing, device, align: int) -> tuple[Tensor, Tensor, Tensor, int]:
+def _padded_place(routing: Routing, device, align: int) -> tuple[Tensor, Tensor, int]:
     """For the rows received source-major: each one's row in the padded expert-major buffer
-    (by_expert.layout), the buffer's padding rows, its padded rows per expert on `device`, and
-    its rows; autograd's indexed copies take the per-row index (by_expert moves runs instead)."""
+    (by_expert.layout), its padded rows per expert on `device`, and its rows; the gathers take
+    the per-row index (by_expert moves runs instead)."""
     sizes, padded, starts = layout(routing, align)
     filled, spans = list(starts), []
     for p in range(routing.world):
         for e, n in enumerate(routing.recv[p]):
             spans.append((filled[e], n))
             filled[e] += n
-    received = sum(n for _, n in spans)
-    pad_spans = [(starts[e] + sizes[e], padded[e] - sizes[e]) for e in range(len(sizes))]
-    place, pads = ranges(spans + pad_spans, device).split([received, sum(padded) - received])
-    return place, pads, counts_on(padded, device), sum(padded)
+    return ranges(spans, device), counts_on(padded, device), sum(padded)
+
+
+def a2a_exchanged(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
+    """The a2a schedule itself at any world, one rank included (expert_parallel calls the experts
+    directly there): what one GPU can time of its reorders and exchanges (bench_moe --pieces)."""
+    return _a2a(x, routing, experts, group)
 
 
 def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
@@ -129,17 +133,16 @@ def _a2a(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
         # experts whose groups must be padded (module.PaddedLocal): each received row straight to
         # its place in its expert's padded group and back, one copy each way (torchtitan's count)
         # where reordering and padding apart would copy every row twice each way
-        place, pads, groups, rows = _padded_place(routing, x.device, experts.align)
-        src = got.new_empty((rows,) + tuple(got.shape[1:]))
-        src.index_fill_(0, pads, 0)  # the padding rows only: every other row is written next
-        src = src.index_copy(0, place, got)
-        out = experts.unpadded(src, groups)
-        return AllToAll.apply(gather_rows(out, place), sends, recvs, group)
+        # both copies are gathers, forward and backward, with place and its inverse (the padding
+        # rows: zeros): an indexed copy runs at under half the copy speed
+        place, groups, rows = _padded_place(routing, x.device, experts.align)
+        taken = inverse_of(place, rows)
+        out = experts.unpadded(gather_rows(got, taken, inverse=place), groups)
+        return AllToAll.apply(gather_rows(out, place, inverse=taken), sends, recvs, group)
     order = expert_major(routing, x.device)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=x.device)
-    out = experts(gather_rows(got, order, covers=True), _counts(routing.per_expert(), x.device))
-    return AllToAll.apply(gather_rows(out, inverse, covers=True), sends, recvs, group)
+    inverse = inverse_of(order, order.numel())
+    out = experts(gather_rows(got, order, covers=True, inverse=inverse), _counts(routing.per_expert(), x.device))
+    return AllToAll.apply(gather_rows(out, inverse, covers=True, inverse=order), sends, recvs, group)
 
 
 def _by_peer(x: Tensor, routing: Routing, experts: Experts, group) -> Tensor:
