@@ -21,10 +21,11 @@ The copies are what each schedule moves on the device besides its exchange: a2a 
 received rows into their experts' padded groups and gathers the outputs back (2 M a pass);
 by_expert does the same from its landing slots and copies the outputs that come home out of
 theirs (3 M).  o_C is what cutting the experts into C chunks costs: 1% for two chunks (one H200,
-benchmarks/results/moe_pieces_h200x1_*: by_expert:2 0.98-1.01x of by_expert:1 at 8K-16K tokens a
-rank); for four and six, set from 2x H200, where by_expert:4 ran 1-23% slower than by_expert:2 on
-the fine-grained layers at 4K-16K tokens a rank (the one-GPU pieces, which move nothing between
-GPUs, had it 0-6%).  KNEE_ROWS / r_min (r_min the smallest chunk's
+benchmarks/results/moe_pieces_h200x1_*: by_expert:2 1.01-1.05x of by_expert:1 at 8K-16K tokens a
+rank, median 1.02, a few percent apart from run to run; on 2x H200 two chunks ran the Mixtral-like
+layer at 16K tokens a rank 1.5% ahead of a2a, which 2% would not pick); for four and six, set from 2x H200, where by_expert:4 ran 1-23% slower than
+by_expert:2 on the fine-grained layers at 4K-16K tokens a rank (the one-GPU pieces, which move
+nothing between GPUs, had it 2-18%).  KNEE_ROWS / r_min (r_min the smallest chunk's
 rows) is what a chunk's grouped GEMMs lose when they get few rows: on 2x H200 the Mixtral-like
 layer at 4K tokens a rank (2 chunks of 4096 rows) ran its chunked GEMMs 6.8% slower than a2a's
 whole ones, and by_expert 3.4% slower than a2a, while at 8K and 16K it won by 2.0% and 1.5%; the
