@@ -1,4 +1,5 @@
-"""One GPU: the fused Triton GEMMs' throughput against cuBLAS at the training step's GEMMs (issue 67).
+"""One GPU: the fused Triton GEMMs' throughput against cuBLAS at the training step's GEMMs, and what
+the cuBLAS schedules' pieces cost the GEMMs (issue 67).
 
 Each fused kernel runs alone with its arrival flags raised beforehand and local stand-ins for the
 peers (torch_commopt/testing/fused_standins.py), so what is timed is its GEMM and its epilogue,
@@ -9,7 +10,9 @@ all-gathers the gathered A against each weight, and against the weights concaten
 as a fused q/k/v projection would run), whichever is faster; for the reductions A against the
 weight.  Shapes: bench_e2e's Llama-3-8B layer (dim 4096, 32 / 8 heads of 128, SwiGLU 14336) at
 TP=2 + SP and 8192 tokens a step: M 8192 gathered rows, each rank 4096.  Every tile configuration
-of the sweep is timed; the report gives each region's best against cuBLAS.
+of the sweep is timed; the report gives each region's best against cuBLAS.  Then cuBLAS whole
+against the pieces the cuBLAS schedules cut each region into, at bench_e2e's three row layouts
+(batch x seq 1 x 8192, 2 x 4096, 4 x 2048: the sequence cut over the ranks).
 
     python3 -m benchmarks.probe_fused_gemm --out OUT [--commit abc] [--rounds 7]
 """
@@ -136,6 +139,59 @@ def probe(rounds: int) -> list:
     return rows
 
 
+def _ag_pieces(shards: list, ws: list, lay) -> None:
+    """The cuBLAS schedules' GEMMs of an all-gather (ag_matmul._piece_matmuls): the own shard's
+    rows, then the peer's (each a rank's rows, contiguous as in its slot), each one GEMM (a
+    batched one over outer blocks of a 3-D activation) into its rows of the outputs."""
+    from torch_commopt.kernels.scaled import matmul
+
+    k, per = shards[0].shape[1], lay.local_rows
+    outs = [torch.empty(WORLD * per, w.shape[1], device=shards[0].device, dtype=shards[0].dtype) for w in ws]
+    for block in (1, 0):  # rank 1: its own shard first
+        rows = shards[block]
+        for out, w in zip(outs, ws):
+            if lay.outer == 1:
+                matmul(rows, w, None, out=lay.block_rows(out, block, 0, per))
+            else:
+                matmul(rows.view(lay.outer, lay.lin, k), w, None, out=lay.block_rows(out, block, 0, per))
+
+
+def _rs_pieces(a: torch.Tensor, w: torch.Tensor, lay) -> None:
+    """The cuBLAS schedules' GEMMs of a reduce-scatter (matmul_reduce._Call.product): one per
+    destination segment, its rows in every outer block (a strided batched GEMM at outer > 1)."""
+    from torch_commopt.kernels.scaled import matmul
+
+    per = lay.local_rows
+    for seg in range(WORLD):
+        rows = lay.block_rows(a, seg, 0, per)
+        out = torch.empty(per, w.shape[1], device=a.device, dtype=a.dtype)
+        matmul(rows, w, None, out=out if lay.outer == 1 else out.view(lay.outer, lay.lin, w.shape[1]))
+
+
+def pieces(rounds: int) -> list:
+    """cuBLAS whole (as inductor runs the region's GEMMs: one per weight over all rows) against
+    the pieces the cuBLAS schedules cut them into, at each e2e shape's row layout."""
+    from torch_commopt.kernels.matmul.gpu.layout import RowLayout
+    from torch_commopt.testing.fused_standins import weight
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)  # noqa: E731
+    rows = []
+    for batch in (1, 2, 4):
+        lay = RowLayout(batch, WORLD * M_LOC // batch // WORLD, WORLD)  # seq cut over the ranks (SP)
+        for region, (kind, k, ns) in REGIONS.items():
+            a = mk(WORLD * M_LOC, k)
+            ws = [weight(n, k, True, mk) for n in ns]
+            shards = list(a.view(lay.outer, WORLD, lay.lin, k).transpose(0, 1).reshape(WORLD, -1, k))
+            runs = {"whole": lambda a=a, ws=ws: [torch.mm(a, w) for w in ws],
+                    "pieces": (lambda s=shards, ws=ws, lay=lay: _ag_pieces(s, ws, lay)) if kind == "ag"
+                    else (lambda a=a, w=ws[0], lay=lay: _rs_pieces(a, w, lay))}
+            ms = _timed(runs, rounds)
+            rows.append({"batch": batch, "seq": WORLD * M_LOC // batch, "region": region, "kind": kind, "ms": ms,
+                         "ratio": ms["pieces"] / ms["whole"]})
+    return rows
+
+
 def report(rows: list, meta: dict) -> str:
     lines = [f"# The fused GEMMs alone against cuBLAS ({meta['device']}, one GPU)", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; "
@@ -153,6 +209,18 @@ def report(rows: list, meta: dict) -> str:
     return "\n".join(lines + [""])
 
 
+def pieces_report(rows: list) -> str:
+    lines = ["## cuBLAS whole against the cuBLAS schedules' pieces", "",
+             "Whole: one GEMM per weight over all 8192 rows (as inductor runs the region). Pieces: what "
+             "`ce_push` / `ce_pull` / `direct` run (an all-gather's own shard then the peer's, a reduce-scatter's one "
+             "GEMM per destination segment; a batched GEMM over the outer blocks of a 3-D activation).", "",
+             "| batch x seq | region | whole ms | pieces ms | pieces / whole |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} x {r['seq']} | {r['region']} | {fmt(r['ms']['whole'])} | "
+                     f"{fmt(r['ms']['pieces'])} | {fmt(r['ratio'])} |")
+    return "\n".join(lines + [""])
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -160,11 +228,12 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
     torch.cuda.set_device(0)
-    rows = probe(args.rounds)
+    rows, cut = probe(args.rounds), pieces(args.rounds)
     meta = machine_meta(torch.cuda.get_device_name(0), 1, args.commit, rounds=args.rounds)
-    text = report(rows, meta)
+    text = report(rows, meta) + "\n" + pieces_report(cut)
     print(text)
-    write_report(args.out, result_stem("fused_gemm", meta["device"], 1), {"meta": meta, "rows": rows}, text)
+    write_report(args.out, result_stem("fused_gemm", meta["device"], 1), {"meta": meta, "rows": rows, "pieces": cut},
+                 text)
 
 
 if __name__ == "__main__":
