@@ -74,9 +74,9 @@ def _checked(out: torch.Tensor, truth: torch.Tensor, cublas: torch.Tensor, what:
 
 def _ag_runs(k: int, ns: tuple, gen) -> tuple[dict, dict]:
     from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
-    from torch_commopt.testing.fused_standins import ag_standins
+    from torch_commopt.testing.fused_standins import Standin, ag_standins
 
-    st = ag_standins(M_LOC, k, list(ns), world=WORLD, gen=gen)
+    st = ag_standins(M_LOC, k, list(ns), Standin(WORLD, gen=gen))
     gathered = torch.cat([st.slots2[:M_LOC], st.a2])  # rank 1 of 2, one run of rows a rank
     cat = torch.cat(st.weights, dim=1)
     runs = {"cublas": lambda: [torch.mm(gathered, w) for w in st.weights]}
@@ -94,11 +94,11 @@ def _ag_runs(k: int, ns: tuple, gen) -> tuple[dict, dict]:
 
 def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
     from torch_commopt.kernels.matmul.gpu.matmul_reduce import launch_rs_fused
-    from torch_commopt.testing.fused_standins import rs_standins
+    from torch_commopt.testing.fused_standins import Standin, rs_standins
 
     runs, status, calls = {}, torch.zeros(8, dtype=torch.int32, device="cuda"), {}
     for cfg in CONFIGS:
-        st = rs_standins(M_LOC, k, n, world=WORLD, gen=gen, bm=cfg[0])
+        st = rs_standins(M_LOC, k, n, Standin(WORLD, gen=gen), bm=cfg[0])
         calls[_label(cfg)] = st
         sig = st.signals._replace(status=status)
         runs[_label(cfg)] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets, sig, st.segments, 1.0,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_commopt.testing.fused_standins import ag_standins, rs_standins
+from torch_commopt.testing.fused_standins import Standin, ag_standins, rs_standins
 from torch_commopt.testing.validate import rel_err, within_tolerance
 
 
@@ -21,7 +21,7 @@ def _run(one_gpu, *, world, m_loc, k, ns, lin=None, bias=False, kmajor=True, dty
     from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    st = ag_standins(m_loc, k, ns, world=world, lin=lin, kmajor=kmajor, bias=bias, dtype=dtype, gen=gen)
+    st = ag_standins(m_loc, k, ns, Standin(world, lin, kmajor, dtype, gen), bias=bias)
     rank, lin = st.arrivals.rank, st.arrivals.lin
     launch_fused(st.a2, st.slots2, st.products, st.arrivals,
                  {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3})
@@ -49,6 +49,22 @@ def test_fused_kernel_ragged_shapes_three_weights_bias_3d(one_gpu, tma):
          seed=3)
 
 
+def test_fused_tma_stores_by_tma_where_a_tile_is_one_run_of_rows(one_gpu, monkeypatch):
+    """The TMA store (tma.out_descriptors) where every tile's rows are one run of the output, the
+    pointer stores where a tile would cross into another rank's rows (lin 111 < bm 128); both
+    checked against cuBLAS by _run."""
+    from torch_commopt.kernels.matmul.gpu import tma as tma_mod
+
+    took, made = [], tma_mod.out_descriptors
+    monkeypatch.setattr(tma_mod, "out_descriptors", lambda *a: took.append(made(*a)) or took[-1])
+    _run(one_gpu, world=2, m_loc=1024, k=512, ns=[768, 256], bias=True, tma=1, seed=7)
+    assert took and took[-1] is not None
+    _run(one_gpu, world=2, m_loc=2 * 256, k=256, ns=[384], lin=256, tma=1, seed=8)  # 2 outer blocks of 256 rows
+    assert took[-1] is not None
+    _run(one_gpu, world=4, m_loc=333, k=520, ns=[1000], lin=111, dtype=torch.float16, tma=1, seed=9)
+    assert took[-1] is None
+
+
 def test_fused_tma_small_shard(one_gpu):
     """A shard smaller than one tile (TMA boxes beyond the tensor read zeros)."""
     _run(one_gpu, world=2, m_loc=40, k=64, ns=[48], tma=1, seed=5)
@@ -65,8 +81,7 @@ def _run_rs(one_gpu, monkeypatch, *, world, m_seg, k, n, lin=None, kmajor=True, 
     descriptors = tma_mod.descriptors
     monkeypatch.setattr(tma_mod, "descriptors", lambda *a, **kw: took.append(descriptors(*a, **kw)) or took[-1])
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    st = rs_standins(m_seg, k, n, world=world, lin=lin, kmajor=kmajor, direct=direct, dtype=dtype, gen=gen,
-                     bases_aligned=bases_aligned)
+    st = rs_standins(m_seg, k, n, Standin(world, lin, kmajor, dtype, gen), direct=direct, bases_aligned=bases_aligned)
     a2, w, recv, rank, lin = st.a2, st.weight, st.recv, st.segments.rank, st.segments.lin
     outer, chunk_mt, tiles_m, tiles_n = m_seg // lin, st.segments.chunk_mt, cdiv(m_seg, 128), cdiv(n, 128)
     params = {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3, "gm": 8}

@@ -40,6 +40,18 @@ class RsStandins(NamedTuple):
     peer_flags: list
 
 
+class Standin(NamedTuple):
+    """How the stand-ins are made: the group's size, each rank's rows in runs of `lin` (its whole
+    shard or segment by default), the weights K-major (nn.Linear's) or not, the dtype and the
+    generator of the random values."""
+
+    world: int
+    lin: int | None = None
+    kmajor: bool = True
+    dtype: torch.dtype = torch.bfloat16
+    gen: torch.Generator | None = None
+
+
 def _maker(dtype, gen):
     return lambda *s: torch.randn(*s, device="cuda", generator=gen).to(dtype)
 
@@ -50,14 +62,14 @@ def weight(n: int, k: int, kmajor: bool, mk) -> torch.Tensor:
     return mk(n, k).t() / k ** 0.5 if kmajor else mk(k, n) / k ** 0.5
 
 
-def ag_standins(m_loc: int, k: int, ns: list, *, world: int, lin: int | None = None, kmajor: bool = True,
-                bias: bool = False, dtype=torch.bfloat16, gen=None) -> AgStandins:
+def ag_standins(m_loc: int, k: int, ns: list, how: Standin, bias: bool = False) -> AgStandins:
     """launch_fused's arguments for rank 1 % world: a shard of m_loc rows (runs of lin), the
     products against one weight per entry of ns, every piece of every slot landed."""
     from torch_commopt.kernels.matmul.gpu.ag_matmul import Arrivals, Products
 
-    mk = _maker(dtype, gen)
-    rank, lin = 1 % world, lin or m_loc
+    world, kmajor, dtype = how.world, how.kmajor, how.dtype
+    mk = _maker(dtype, how.gen)
+    rank, lin = 1 % world, how.lin or m_loc
     a2, slots2 = mk(m_loc, k), mk(world * m_loc, k)
     ws = [weight(n, k, kmajor, mk) for n in ns]
     bs = [mk(n) if bias else None for n in ns]
@@ -69,8 +81,7 @@ def ag_standins(m_loc: int, k: int, ns: list, *, world: int, lin: int | None = N
     return AgStandins(a2, slots2, Products(ws, bs, outs), arrivals, ws, bs)
 
 
-def rs_standins(m_seg: int, k: int, n: int, *, world: int, lin: int | None = None, kmajor: bool = True,
-                direct: bool = True, dtype=torch.bfloat16, gen=None, bm: int = 128,
+def rs_standins(m_seg: int, k: int, n: int, how: Standin, direct: bool = True, bm: int = 128,
                 bases_aligned: bool = True) -> RsStandins:
     """launch_rs_fused's arguments for rank 1 % world: A of world segments of m_seg rows (runs of
     lin), the peers' partials landed; the flag counts per chunk of ceil(tiles_m / 3) row tiles
@@ -79,9 +90,10 @@ def rs_standins(m_seg: int, k: int, n: int, *, world: int, lin: int | None = Non
     from torch_commopt.kernels.matmul.gpu.layout import cdiv
     from torch_commopt.kernels.matmul.gpu.matmul_reduce import RsSegments, RsSignals, RsTargets
 
-    mk = _maker(dtype, gen)
-    rank, lin = 1 % world, lin or m_seg
-    a2, w = mk(world * m_seg, k), weight(n, k, kmajor, mk)
+    world, dtype = how.world, how.dtype
+    mk = _maker(dtype, how.gen)
+    rank, lin = 1 % world, how.lin or m_seg
+    a2, w = mk(world * m_seg, k), weight(n, k, how.kmajor, mk)
     recv = mk(world, m_seg, n)
     peer_bufs = [torch.zeros(world, m_seg, n, device="cuda", dtype=dtype) for _ in range(world)]
     flag_len = COUNTERS + world * MAX_CHUNKS

@@ -23,7 +23,8 @@ by_expert does the same from its landing slots and copies the outputs that come 
 theirs (3 M).  o_C is what cutting the experts into C chunks costs: 1% for two chunks (one H200,
 benchmarks/results/moe_pieces_h200x1_*: by_expert:2 1.01-1.05x of by_expert:1 at 8K-16K tokens a
 rank, median 1.02, a few percent apart from run to run; on 2x H200 two chunks ran the Mixtral-like
-layer at 16K tokens a rank 1.5% ahead of a2a, which 2% would not pick); for four and six, set from 2x H200, where by_expert:4 ran 1-23% slower than
+layer at 16K tokens a rank 1.5% ahead of a2a, which 2% would not pick); for four and six, set from
+2x H200, where by_expert:4 ran 1-23% slower than
 by_expert:2 on the fine-grained layers at 4K-16K tokens a rank (the one-GPU pieces, which move
 nothing between GPUs, had it 2-18%).  KNEE_ROWS / r_min (r_min the smallest chunk's
 rows) is what a chunk's grouped GEMMs lose when they get few rows: on 2x H200 the Mixtral-like

@@ -65,3 +65,17 @@ def descriptors(op: str, a_operands: Sequence[torch.Tensor], weights: Sequence[t
     boxes = _boxes(a_operands, bs, kmajor, bm, bn, bk)
     descs = [TensorDescriptor.from_tensor(t, block) for t, block in boxes]
     return descs[:len(a_operands)], descs[len(a_operands):], kmajor
+
+
+def out_descriptors(outs: Sequence[torch.Tensor], lin: int, bm: int, bn: int) -> Optional[list]:
+    """Descriptors [bm, bn] of a fused all-gather's outputs (2-D, full rows) for the TMA store,
+    or None where a tile's rows would not be one run of an output (lin not a multiple of bm:
+    the tile would cross into another rank's rows) or an output is not aligned: then the
+    kernel stores by pointers."""
+    if lin % bm or not all(o.dim() == 2 and o.stride(1) == 1 and aligned(o) for o in outs):
+        return None
+    if any(d < blk for o in outs for d, blk in zip(o.shape, (bm, bn))):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return [TensorDescriptor.from_tensor(o, [bm, bn]) for o in outs]

@@ -148,11 +148,14 @@ def _tma_acc(a_desc, a_row, b_desc, n0, K, BM: tl.constexpr, BN: tl.constexpr, B
 def _tma_sweep(g0, pid, num_progs, a_desc, b_desc, c, bias, n_i, flags, status, epoch, bound, M_loc, K, LIN, rank,
                chunk_rows, flag_base, OWN: tl.constexpr, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr,
                B_KMAJOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-               DEBUG: tl.constexpr):
+               DEBUG: tl.constexpr, TMA_STORE: tl.constexpr):
     """One phase of ag_gemm_tma_kernel: the tiles of one B over this rank's own shard (OWN) or
     over the peers' slots (in arrival order rank-1, rank-2, ...).  Phases number their tiles
     after the previous one's (g0 on): program pid takes the global tiles g = pid (mod
-    num_progs), so no phase leaves a tail of idle programs.  Returns the next phase's g0."""
+    num_progs), so no phase leaves a tail of idle programs.  TMA_STORE: c is a descriptor of the
+    output [BM, BN] and every tile's rows one run of it (LIN a multiple of BM): the TMA unit
+    stores the tile, asynchronously, where pointer stores from every thread held the next
+    tile's loads back.  Returns the next phase's g0."""
     tiles_m = tl.cdiv(M_loc, BM)
     tiles_n = tl.cdiv(n_i, BN)
     per_slot = tiles_m * tiles_n
@@ -183,9 +186,13 @@ def _tma_sweep(g0, pid, num_progs, a_desc, b_desc, c, bias, n_i, flags, status, 
         n_mask = offs_n < n_i
         if HAS_BIAS:
             acc += tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        rows = _block_rows(slot, i, LIN, WORLD)
-        c_ptrs = c + rows.to(tl.int64)[:, None] * n_i + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(i < M_loc)[:, None] & n_mask[None, :])
+        if TMA_STORE:
+            i0 = pid_m * BM
+            c.store([(i0 // LIN) * (WORLD * LIN) + slot * LIN + i0 % LIN, pid_n * BN], acc.to(c.dtype))
+        else:
+            rows = _block_rows(slot, i, LIN, WORLD)
+            c_ptrs = c + rows.to(tl.int64)[:, None] * n_i + offs_n[None, :]
+            tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(i < M_loc)[:, None] & n_mask[None, :])
     return g0 + count
 
 
@@ -196,9 +203,11 @@ def ag_gemm_tma_kernel(
     M_loc, K, LIN, rank, chunk_rows, flag_base, num_progs,
     WORLD: tl.constexpr, NUM_B: tl.constexpr, HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DEBUG: tl.constexpr,
+    TMA_STORE: tl.constexpr = False,
 ):
     """ag_gemm_kernel with TMA loads: a_local (M_loc, K) and a_slots (WORLD * M_loc, K) and the
-    B's are tensor descriptors (block [BM, BK], and [BN, BK] or [BK, BN]); c and bias pointers
+    B's are tensor descriptors (block [BM, BK], and [BN, BK] or [BK, BN]); c pointers as there,
+    or with TMA_STORE descriptors of the outputs (block [BM, BN]: _tma_sweep); bias pointers
     as there (NUM_B of the three used; descriptors go as separate arguments: Triton 3.6's
     launcher refuses them inside tuples, so the kernel builds its tuples).  Same flag protocol;
     after a peer slot's flag the proxy fence orders the flag's acquire before the TMA reads.
@@ -214,7 +223,7 @@ def ag_gemm_tma_kernel(
         for j in tl.static_range(NUM_B):
             g = _tma_sweep(g, pid, num_progs, a_descs[phase], b_descs[j], cs[j], biases[j], ns[j], flags, status,
                            epoch, bound, M_loc, K, LIN, rank, chunk_rows, flag_base, phase == 0, WORLD, HAS_BIAS,
-                           B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG)
+                           B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG, TMA_STORE)
 
 
 @triton.jit
