@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 log = logging.getLogger(__name__)
+SMEM_SLACK = 4096  # shared memory a kernel needs beside its tiles (barriers, reductions), in bytes
 _logged: set[tuple[str, str]] = set()
 
 
@@ -67,12 +68,18 @@ def descriptors(op: str, a_operands: Sequence[torch.Tensor], weights: Sequence[t
     return descs[:len(a_operands)], descs[len(a_operands):], kmajor
 
 
-def out_descriptors(outs: Sequence[torch.Tensor], lin: int, bm: int, bn: int) -> Optional[list]:
+def out_descriptors(outs: Sequence[torch.Tensor], lin: int, params: dict) -> Optional[list]:
     """Descriptors [bm, bn] of a fused all-gather's outputs (2-D, full rows) for the TMA store,
     or None where a tile's rows would not be one run of an output (lin not a multiple of bm:
-    the tile would cross into another rank's rows) or an output is not aligned: then the
+    the tile would cross into another rank's rows), an output is not aligned, or the tile's
+    staging buffer would not fit in shared memory beside the mainloop's stages: then the
     kernel stores by pointers."""
+    bm, bn, bk, stages = params["bm"], params["bn"], params["bk"], params["stages"]
     if lin % bm or not all(o.dim() == 2 and o.stride(1) == 1 and aligned(o) for o in outs):
+        return None
+    elt = outs[0].element_size()
+    need = (stages * (bm + bn) * bk + bm * bn) * elt + SMEM_SLACK
+    if need > torch.cuda.get_device_properties(outs[0].device).shared_memory_per_block_optin:
         return None
     if any(d < blk for o in outs for d, blk in zip(o.shape, (bm, bn))):
         return None
