@@ -17,14 +17,15 @@ from torch_commopt.testing.fused_standins import Standin, ag_standins, rs_standi
 from torch_commopt.testing.validate import rel_err, within_tolerance
 
 
-def _run(one_gpu, *, world, m_loc, k, ns, lin=None, bias=False, kmajor=True, dtype=torch.bfloat16, tma=1, seed=0):
+def _run(one_gpu, *, world, m_loc, k, ns, lin=None, bias=False, kmajor=True, dtype=torch.bfloat16, tma=1, seed=0,
+         tma_store=0):
     from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     st = ag_standins(m_loc, k, ns, Standin(world, lin, kmajor, dtype, gen), bias=bias)
     rank, lin = st.arrivals.rank, st.arrivals.lin
     launch_fused(st.a2, st.slots2, st.products, st.arrivals,
-                 {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3})
+                 {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3, "tma_store": tma_store})
     shards = [st.a2 if s == rank else st.slots2[s * m_loc:(s + 1) * m_loc] for s in range(world)]
     # gathered rows (outer, world, lin): block s of outer block o is rank s's rows o*lin..o*lin+lin
     gathered = torch.stack([sh.view(m_loc // lin, lin, k) for sh in shards], dim=1).reshape(-1, k)
@@ -50,18 +51,18 @@ def test_fused_kernel_ragged_shapes_three_weights_bias_3d(one_gpu, tma):
 
 
 def test_fused_tma_stores_by_tma_where_a_tile_is_one_run_of_rows(one_gpu, monkeypatch):
-    """The TMA store (tma.out_descriptors) where every tile's rows are one run of the output, the
-    pointer stores where a tile would cross into another rank's rows (lin 111 < bm 128); both
-    checked against cuBLAS by _run."""
+    """tma_store=1: the TMA store (tma.out_descriptors) where every tile's rows are one run of the
+    output, the pointer stores where a tile would cross into another rank's rows (lin 111 < bm
+    128); both checked against cuBLAS by _run."""
     from torch_commopt.kernels.matmul.gpu import tma as tma_mod
 
     took, made = [], tma_mod.out_descriptors
     monkeypatch.setattr(tma_mod, "out_descriptors", lambda *a: took.append(made(*a)) or took[-1])
-    _run(one_gpu, world=2, m_loc=1024, k=512, ns=[768, 256], bias=True, tma=1, seed=7)
+    _run(one_gpu, world=2, m_loc=1024, k=512, ns=[768, 256], bias=True, tma=1, seed=7, tma_store=1)
     assert took and took[-1] is not None
-    _run(one_gpu, world=2, m_loc=2 * 256, k=256, ns=[384], lin=256, tma=1, seed=8)  # 2 outer blocks of 256 rows
+    _run(one_gpu, world=2, m_loc=2 * 256, k=256, ns=[384], lin=256, tma=1, seed=8, tma_store=1)  # 2 outer blocks
     assert took[-1] is not None
-    _run(one_gpu, world=4, m_loc=333, k=520, ns=[1000], lin=111, dtype=torch.float16, tma=1, seed=9)
+    _run(one_gpu, world=4, m_loc=333, k=520, ns=[1000], lin=111, dtype=torch.float16, tma=1, seed=9, tma_store=1)
     assert took[-1] is None
 
 

@@ -482,9 +482,10 @@ def test_the_tma_fused_variant_is_its_own_candidate():
     assert str(tma) == "fused:1:tma=1" and tma.param("tma") == 1
     assert factor_key("ag_matmul", tma) == "ag_matmul fused:1:tma=1"
     assert factor_key("ag_matmul", Schedule.parse("fused:1")) == "ag_matmul fused:1"
-    for bad in ("ce_push:1:tma=1", "fused:1:tma=2"):
+    for bad in ("ce_push:1:tma=1", "fused:1:tma=2", "fused:1:tma_store=1", "fused:1:tma=1,tma_store=2"):
         with pytest.raises(ValueError, match="tma"):
             Schedule.parse(bad)
+    assert Schedule.parse("fused:1:tma=1,tma_store=1").param("tma_store") == 1
 
 
 def test_transfers_beside_gemms_take_the_calibrated_slowdown():

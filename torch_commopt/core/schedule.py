@@ -28,7 +28,7 @@ GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused", "oneshot", "twoshot")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
     "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int, "graphs": int,
-    "cg": int,
+    "cg": int, "tma_store": int,
 }
 STORES = ("ce", "direct")  # fused's store=
 _DIGITS = re.compile(r"[0-9]+")
@@ -124,6 +124,10 @@ class Schedule:
             raise ValueError(f"schedule: par=0/1 is a ce_push option (not with gemm=whole); got {self.name} par={par!r}")
         if dict(self.params).get("tma") is not None and (self.name != "fused" or dict(self.params)["tma"] not in (0, 1)):
             raise ValueError(f"schedule: tma=0/1 is a fused option; got {self.name} tma={dict(self.params)['tma']!r}")
+        tstore = dict(self.params).get("tma_store")
+        if tstore is not None and (self.name != "fused" or tstore not in (0, 1) or dict(self.params).get("tma") != 1):
+            raise ValueError(f"schedule: tma_store=0/1 is a fused option with tma=1; got {self.name} "
+                             f"{dict(self.params)}")
         graphs = self.param("graphs")
         if graphs is not None and (self.name != "auto" or graphs not in (0, 1)):
             raise ValueError(f"schedule: graphs=0/1 is an auto option; got {self.name} graphs={graphs!r}")

@@ -294,7 +294,7 @@ def launch_fused(a2, slots2, mm: Products, at: Arrivals, params, debug=False):
         descs = tma.descriptors("ag_matmul", [a2, slots2], ws3, p["bm"], p["bn"], p["bk"]) if p.get("tma") else None
         if descs is not None:
             (a_d, s_d), b_ds, kmajor = descs
-            outs = tma.out_descriptors(cs, lin, p) if p.get("tma_store", 1) else None
+            outs = tma.out_descriptors(cs, lin, p) if p.get("tma_store") else None
             ag_gemm_tma_kernel[(grid,)](
                 a_d, s_d, flags, status, epoch, symm.wait_bound(), *b_ds, *(_pad3(outs) if outs else cs3), *bs3, *ns,
                 m_loc, k, lin, rank, chunk_rows, flag_base, grid, B_KMAJOR=kmajor, TMA_STORE=outs is not None,
