@@ -68,9 +68,13 @@ class Layout:
         return x.index_select(dim, torch.argsort(self.positions(x.device)))
 
     def mask_mod(self, mask_mod, device=None):
-        """mask_mod(b, h, q, kv) of sequence positions, stated over layout positions."""
-        pos = self.positions(device)
-        return lambda b, h, q, kv: mask_mod(b, h, pos[q], pos[kv])
+        """mask_mod(b, h, q, kv) of sequence positions, stated over layout positions: what it reads
+        at a position (document ids, a window table) read through the layout's positions once,
+        here (mask_fold.over_positions), so the kernels load it in one step; the mask describes
+        those tensors as they are now, like the block mask built from it."""
+        from torch_commopt.kernels.attention.mask_fold import over_positions
+
+        return over_positions(mask_mod, self.positions(device))
 
     def rank_work(self, rows: Tensor) -> list[int]:
         """Each rank's tiles, from the tiles of every row block of the sequence (row_work)."""
