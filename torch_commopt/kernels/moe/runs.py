@@ -10,6 +10,10 @@ read and the first transfer, while the GPU waited (docs/moe.md).
 
 On CUDA one Triton kernel (runs_triton.py) moves every run of a table: a program per (run, block
 of rows); elsewhere a loop of slice copies.
+
+`gather_padded` is the per-row counterpart for the schedules that move rows by an index (a2a's
+reorders, sync_free's blocks): a gather with empty slots, whose backward is a gather by the
+index's inverse (exchange.gather_rows), one pass each way.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""runs.copy_runs (and copy_runs2, from two sources) as one Triton kernel on CUDA.
+"""runs.copy_runs (and copy_runs2, from two sources) as one Triton kernel on CUDA, and
+runs.gather_padded's row gather with empty slots and a device-side flag.
 
 A program moves one block of BLOCK_R rows of one run, BLOCK_D columns at a time: the grid is
 (runs, blocks of the longest run), and a program past its run's end does nothing.  Every run
