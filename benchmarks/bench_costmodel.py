@@ -86,13 +86,13 @@ def ranked_shape(shape, rank_: int, world: int, group_name: str, cal, device, ca
 
 def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = False, gemm_shapes=None,
            call_graphs: bool = False, probes_paired: bool = False, order: str = ""):
-    from torch_commopt.tuner import calibrate
+    from torch_commopt.tuner import calibrate, probe_factors
     from torch_commopt.tuner.calibrate import calibrate_and_store
     from torch_commopt.tuner.matmul import autotune
 
     if gemm_shapes:  # an A/B of the GEMM fit's samples (--gemm-shapes)
         calibrate.GEMM_SHAPES["cuda"] = gemm_shapes
-    calibrate.PROBES_PAIRED = probes_paired  # (--probes-paired) in every rank's process
+    probe_factors.PROBES_PAIRED = probes_paired  # (--probes-paired) in every rank's process
     autotune.ORDER = order or autotune.ORDER  # (--order) every measurement's round order
 
     device = torch.device("cuda", rank_)
@@ -102,7 +102,7 @@ def worker(rank_: int, world: int, cache_dir: str, only: str, graphs: bool = Fal
     cal = calibrate_and_store(group_name, device, cache_dir)
     calibration_s = time.perf_counter() - t0
     phases = {k: round(v, 2) for k, v in calibrate.LAST_PHASES.items()}
-    per_call_stats = dict(calibrate.LAST_PER_CALL_STATS)  # did the per-call probes replay?
+    per_call_stats = dict(probe_factors.LAST_PER_CALL_STATS)  # did the per-call probes replay?
     records, shapes, first = [], [], None
     for shape in shapes_for(world):
         if only and shape.op not in only.split(","):
@@ -360,7 +360,7 @@ def main() -> None:
                         help="m,n,k;m,n,k...: the calibration's GEMM samples instead of calibrate.GEMM_SHAPES "
                              "(an A/B of the GEMM fit)")
     parser.add_argument("--probes-paired", action="store_true",
-                        help="the calibration's schedule probes read round-paired (calibrate.PROBES_PAIRED), "
+                        help="the calibration's schedule probes read round-paired (probe_factors.PROBES_PAIRED), "
                              "an A/B against their medians")
     parser.add_argument("--order", choices=("rotate", "shuffle"), default="",
                         help="every measurement's round order (autotune.ORDER; default: its value)")

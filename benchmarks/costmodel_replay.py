@@ -51,8 +51,8 @@ from torch_commopt.tuner.matmul.model import predict  # noqa: E402
 
 def _probe_schedule(key: str) -> Schedule:
     """The schedule a factor key was probed with: "kind name:S..." itself; a family key
-    ("kind name") is a copy of its family's first probe (calibrate._schedule_factors)."""
-    from torch_commopt.tuner.calibrate import PROBE_SCHEDULES
+    ("kind name") is a copy of its family's first probe (probe_factors._schedule_factors)."""
+    from torch_commopt.tuner.probe_factors import PROBE_SCHEDULES
 
     kind, sched = key.split(" ")
     if ":" in sched:
@@ -98,8 +98,8 @@ def refit(cal: Calibration) -> Calibration:
     replay; the long one: eager, and replayed in schedule_factor_curve_graphs).  A factor
     without a curve (runs before the two-point factors) keeps the probe time today's model
     gives with the run's own GEMM fit."""
-    from torch_commopt.tuner.calibrate import FACTOR_RANGE, PROBE_SHAPES, SHORT_PROBE_SHAPES
     from torch_commopt.tuner.matmul.model import RegionShape
+    from torch_commopt.tuner.probe_factors import FACTOR_RANGE, PROBE_SHAPES, SHORT_PROBE_SHAPES
 
     stored = dataclasses.replace(cal, schedule_factor={}, schedule_factor_curve={}, schedule_factor_curve_graphs={})
     cal = refit_gemm(cal)

@@ -37,9 +37,9 @@ def test_refit_factors_reproduce_the_probe_times_the_run_measured():
     # the refit, today's model times its new factor must give the same measured probe time
     import json
 
-    from torch_commopt.tuner.calibrate import PROBE_SHAPES, SHORT_PROBE_SHAPES
     from torch_commopt.tuner.calibration import Calibration
     from torch_commopt.tuner.matmul.model import RegionShape, predict
+    from torch_commopt.tuner.probe_factors import PROBE_SHAPES, SHORT_PROBE_SHAPES
 
     cal = Calibration.from_json(json.dumps(json.loads(EAGER_CURVES.read_text())["calibration"]))
     new = costmodel_replay.refit(cal)
@@ -92,9 +92,9 @@ def test_refit_rederives_the_replay_timed_curve_too():
 
     import pytest
 
-    from torch_commopt.tuner.calibrate import PROBE_SHAPES, SHORT_PROBE_SHAPES
     from torch_commopt.tuner.calibration import Calibration
     from torch_commopt.tuner.matmul.model import RegionShape, factor_key, predict
+    from torch_commopt.tuner.probe_factors import PROBE_SHAPES, SHORT_PROBE_SHAPES
 
     run = _run("graphs")
     cal = Calibration.from_json(json.dumps(json.loads(run.read_text())["calibration"]))

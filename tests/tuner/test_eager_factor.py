@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from torch_commopt.tuner.calibrate import _eager_over_replayed
 from torch_commopt.tuner.calibration import PER_CALL, prior
+from torch_commopt.tuner.probe_factors import _eager_over_replayed
 
 KEY = "matmul_rs ce_pull:2"
 CAL = dataclasses.replace(prior("NVIDIA H100 80GB HBM3", 2),

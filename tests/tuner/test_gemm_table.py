@@ -10,9 +10,9 @@ import torch
 
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.tuner import gemm_table
-from torch_commopt.tuner.calibrate import PROBE_SHAPES, _probe_gemm_keys
 from torch_commopt.tuner.calibration import Calibration, gemm_key, prior
 from torch_commopt.tuner.matmul.model import RegionShape, gemm_keys, predict
+from torch_commopt.tuner.probe_factors import PROBE_SHAPES, _probe_gemm_keys
 
 H100 = prior("NVIDIA H100 80GB HBM3", 2)
 RS = RegionShape("matmul_rs", 8192, 4096, (8192,), 2)  # rs 8192^3 at two ranks: K_local 4096

@@ -338,7 +338,7 @@ def test_family_factor_is_interpolated_between_a_short_and_a_long_probe():
 
 
 def test_factor_curves_pair_the_two_probes_of_each_family():
-    from torch_commopt.tuner.calibrate import _factor_curves
+    from torch_commopt.tuner.probe_factors import _factor_curves
 
     long = {"matmul_rs ce_push": (1e-3, 1.1), "matmul_rs fused": (1e-3, 1.3)}
     short = {"matmul_rs ce_push": (1e-4, 0.85), "ag_matmul ce_push": (1e-4, 0.9)}
@@ -355,7 +355,7 @@ def test_a_probed_piece_count_has_its_own_factor():
 
 
 def test_factors_are_keyed_by_family_and_by_piece_count():
-    from torch_commopt.tuner.calibrate import _schedule_factors
+    from torch_commopt.tuner.probe_factors import _schedule_factors
 
     shape = {"matmul_rs": ((8192, 4096), (4096, 8192))}
     raw = {s: predict(RegionShape("matmul_rs", 8192, 4096, (8192,), 2, "bfloat16"), Schedule.parse(s), H200).gpu_s
@@ -367,7 +367,7 @@ def test_factors_are_keyed_by_family_and_by_piece_count():
 
 
 def test_an_eager_probe_is_host_bound_by_its_measured_time_not_by_the_uncorrected_model():
-    from torch_commopt.tuner.calibrate import HOST_BOUND, PROBE_SHAPES, _schedule_factors
+    from torch_commopt.tuner.probe_factors import HOST_BOUND, PROBE_SHAPES, _schedule_factors
 
     (rows, k), (_, n) = PROBE_SHAPES["matmul_rs"]
     shape = RegionShape("matmul_rs", rows, k, (n,), 2, "bfloat16")
@@ -384,14 +384,14 @@ def test_an_eager_probe_is_host_bound_by_its_measured_time_not_by_the_uncorrecte
 
 
 def test_a_family_its_probes_gave_no_factor_takes_its_ops_median_not_one(caplog):
-    from torch_commopt.tuner.calibrate import _unmeasured_families
+    from torch_commopt.tuner.probe_factors import _unmeasured_families
 
     probed = ["matmul_rs sequential", "matmul_rs ce_push:2", "matmul_rs ce_pull:2", "matmul_rs fused:2",
               "matmul_rs fused:2:tma=1", "matmul_ar ce_push:2"]
     eager = {"matmul_rs sequential": 1.1, "matmul_rs sequential:1": 1.1, "matmul_rs ce_pull": 1.2,
              "matmul_rs ce_pull:2": 1.2, "matmul_rs direct": 1.3, "matmul_rs direct:2": 1.9}
     replayed = {"matmul_rs ce_push": (1e-3, 1.25), "matmul_ar ce_push": (1e-3, 1.2)}
-    with caplog.at_level("WARNING", logger="torch_commopt.tuner.calibrate"):
+    with caplog.at_level("WARNING", logger="torch_commopt.tuner.probe_factors"):
         out = _unmeasured_families(probed, eager, replayed)
     assert out == {"matmul_rs fused": pytest.approx(1.2)}  # median of 1.1, 1.2, 1.3; ce_push has its replayed curve
     assert "matmul_rs fused got no factor" in caplog.text
@@ -430,8 +430,8 @@ def test_reductions_over_several_peers_run_the_own_gemm_before_the_last_partial_
 
 
 def test_whole_gemm_all_gather_pays_the_push_then_one_gemm_and_keys_its_own_factor():
-    from torch_commopt.tuner.calibrate import _schedule_factors
     from torch_commopt.tuner.matmul.model import _gemm, factor_key
+    from torch_commopt.tuner.probe_factors import _schedule_factors
 
     whole = Schedule.parse("ce_push:1:gemm=whole")
     shape = RegionShape("ag_matmul", 256, 8192, (4096,), 2, "bfloat16")
@@ -598,7 +598,7 @@ def test_per_call_graphs_take_the_replayed_factor_times_their_measured_slowdown(
 
 
 def test_call_graph_slowdown_is_per_call_over_replayed_on_the_same_probe():
-    from torch_commopt.tuner.calibrate import _call_graph_slowdown
+    from torch_commopt.tuner.probe_factors import _call_graph_slowdown
 
     replayed = {"matmul_ar ce_push:2": 2e-4, "matmul_ar ce_pull:2": 2e-4, "matmul_ar ce_push:4": 3e-4,
                 "matmul_ar direct:1": 2e-4}
@@ -614,7 +614,7 @@ def test_call_graph_slowdown_is_per_call_over_replayed_on_the_same_probe():
 
 
 def test_the_per_call_probes_counters_are_summed_over_streams():
-    from torch_commopt.tuner.calibrate import _call_graph_counts
+    from torch_commopt.tuner.probe_factors import _call_graph_counts
 
     stats = {"0:0x1": {"eager": 2, "captured": 2, "replayed": 50}, "1:0x2": {"eager": 1, "replayed": 7}}
     assert _call_graph_counts(stats) == {"eager": 3, "captured": 2, "replayed": 57}
@@ -622,7 +622,7 @@ def test_the_per_call_probes_counters_are_summed_over_streams():
 
 
 def test_per_call_probes_time_the_capturable_gpu_schedules_with_cg():
-    from torch_commopt.tuner.calibrate import PROBE_SCHEDULES, _probed, _with_per_call_graph
+    from torch_commopt.tuner.probe_factors import PROBE_SCHEDULES, _probed, _with_per_call_graph
 
     rs = [s for s in PROBE_SCHEDULES["matmul_rs"] if _probed("matmul_rs", Schedule.parse(s), False, True)]
     assert "ce_pull:2" in rs and "ce_push:1" in rs
@@ -637,8 +637,8 @@ def test_the_second_stream_all_gather_is_a_candidate_with_its_own_factor():
     # ce_push:1:par=1 (the rule's pick for two-rank all-gathers of 0.5-3 ms, replayed from 0.1):
     # the same device-time pipeline as ce_push:1 (two GEMMs beside each other share the SMs), so
     # its probed factor alone tells them apart
-    from torch_commopt.tuner.calibrate import PROBE_SCHEDULES
     from torch_commopt.tuner.matmul.model import factor_key
+    from torch_commopt.tuner.probe_factors import PROBE_SCHEDULES
 
     par = Schedule.parse("ce_push:1:par=1")
     shape = RegionShape("ag_matmul", 4096, 8192, (4096,), 2, "bfloat16")

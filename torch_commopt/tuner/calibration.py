@@ -131,7 +131,7 @@ class Calibration:
         0 where not measured.
     fused_efficiency: Triton persistent GEMM speed relative to cuBLAS.
     schedule_factor: {"kind family" or "kind family:S": measured / predicted device time} of each schedule
-        family on a probe shape (calibrate._schedule_probes): what the pipeline model
+        family on a probe shape (probe_factors._schedule_probes): what the pipeline model
         leaves out (flag round trips, the order the streams really run in, a family's
         own inefficiencies), applied to that family's predicted device time.
     attention_flops: {dtype name: flop/s} of the local attention kernel (kernels/attention/local.py's
