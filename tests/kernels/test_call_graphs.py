@@ -275,31 +275,31 @@ def _region(kind, a_shape, w_shape, device="cuda"):
 
 def test_short_eager_regions_replay_per_call_graphs_and_are_ranked_as_replayed():
     from torch_commopt.config import Config
-    from torch_commopt.passes import pipeline
+    from torch_commopt.passes import choose
 
     short = _region("ag_matmul", [1024, 8192], [8192, 4096])  # M_global 2048: est. GEMM 0.2 ms
     long = _region("ag_matmul", [4096, 8192], [8192, 4096])  # est. GEMM 0.8 ms
     tiny = _region("ag_matmul", [256, 8192], [8192, 4096])  # M_global 512: est. GEMM 0.05 ms
     on, off, graphs = Config(call_graphs=True), Config(), Config(cuda_graphs=True, call_graphs=True)
     assert not Config().call_graphs  # opt-in (see Config's docstring)
-    assert pipeline._call_graphs(short, on) and pipeline._replayed(short, on)
-    assert not pipeline._call_graphs(long, on) and not pipeline._replayed(long, on)
-    assert not pipeline._call_graphs(tiny, on) and not pipeline._replayed(tiny, on)  # host-bound even replayed
-    assert not pipeline._call_graphs(short, off) and not pipeline._replayed(short, off)
-    assert not pipeline._call_graphs(short, graphs) and pipeline._replayed(short, graphs)
-    assert not pipeline._call_graphs(_region("ag_matmul", [1024, 8192], [8192, 4096], device="cpu"), on)
+    assert choose.per_call_graphs(short, on) and choose.replay_mode(short, on)
+    assert not choose.per_call_graphs(long, on) and not choose.replay_mode(long, on)
+    assert not choose.per_call_graphs(tiny, on) and not choose.replay_mode(tiny, on)  # host-bound even replayed
+    assert not choose.per_call_graphs(short, off) and not choose.replay_mode(short, off)
+    assert not choose.per_call_graphs(short, graphs) and choose.replay_mode(short, graphs)
+    assert not choose.per_call_graphs(_region("ag_matmul", [1024, 8192], [8192, 4096], device="cpu"), on)
 
 
 def test_the_short_eager_region_gets_the_replayed_pick_with_cg(monkeypatch, tmp_path):
     from torch_commopt import report as explain
     from torch_commopt.config import Config
-    from torch_commopt.passes import pipeline
+    from torch_commopt.passes import choose
 
     report = explain.GraphReport(graph_id=0, graph_kind="forward", compile_id=None)
     region = _region("ag_matmul", [1024, 8192], [8192, 4096])  # in the band: no first-call timing
     region.collective = SimpleNamespace(name="all_gather_0")
-    assert str(pipeline._choose_schedule(region, Config(call_graphs=True), report)) == "ce_push:1:cg=1,par=1"
-    assert str(pipeline._choose_schedule(region, Config(cuda_graphs=True, call_graphs=True), report)) == "ce_push:1:par=1"
+    assert str(choose.schedule_for(region, Config(call_graphs=True), report)) == "ce_push:1:cg=1,par=1"
+    assert str(choose.schedule_for(region, Config(cuda_graphs=True, call_graphs=True), report)) == "ce_push:1:par=1"
     assert any("all_gather_0: picked ce_push:1:par=1 " in n for n in report.notes)
     # M_global 512: NCCL + cuBLAS eager; a replayed program times one GEMM after the gather, the
     # peer's GEMM beside the own shard's and NCCL as replays at its first call (the rule's
@@ -310,8 +310,8 @@ def test_the_short_eager_region_gets_the_replayed_pick_with_cg(monkeypatch, tmp_
     monkeypatch.setattr(machine, "device_name", lambda device: "fake GPU")
     tiny = _region("ag_matmul", [256, 8192], [8192, 4096])
     tiny.collective, tiny.group_name = SimpleNamespace(name="all_gather_1"), "g"
-    assert str(pipeline._choose_schedule(tiny, Config(call_graphs=True), report)) == "sequential"
-    placeholder = pipeline._choose_schedule(tiny, Config(cuda_graphs=True, cache_dir=str(tmp_path)), report)
+    assert str(choose.schedule_for(tiny, Config(call_graphs=True), report)) == "sequential"
+    placeholder = choose.schedule_for(tiny, Config(cuda_graphs=True, cache_dir=str(tmp_path)), report)
     req = autotune._REQUESTS[placeholder.param("id")]
     assert placeholder.name == "autotune" and req.graphs and req.fallback == "ce_push:1:gemm=whole"
     assert req.candidates == ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]
@@ -323,18 +323,18 @@ def test_all_regions_replay_per_call_graphs_when_asked():
     import pytest
 
     from torch_commopt.config import Config
-    from torch_commopt.passes import pipeline
+    from torch_commopt.passes import choose
 
     every = Config(call_graphs="all")
     short = _region("ag_matmul", [1024, 8192], [8192, 4096])
     long = _region("ag_matmul", [4096, 8192], [8192, 4096])
     tiny = _region("ag_matmul", [256, 8192], [8192, 4096])
-    assert pipeline._call_graphs(short, every) and pipeline._call_graphs(long, every)
-    assert pipeline._replayed(long, every)
-    assert not pipeline._call_graphs(long, Config(call_graphs=True))  # the band alone
-    assert not pipeline._call_graphs(tiny, every)
-    assert not pipeline._call_graphs(long, Config(call_graphs="all", cuda_graphs=True))  # the program's own graphs
-    assert not pipeline._call_graphs(_region("ag_matmul", [4096, 8192], [8192, 4096], device="cpu"), every)
+    assert choose.per_call_graphs(short, every) and choose.per_call_graphs(long, every)
+    assert choose.replay_mode(long, every)
+    assert not choose.per_call_graphs(long, Config(call_graphs=True))  # the band alone
+    assert not choose.per_call_graphs(tiny, every)
+    assert not choose.per_call_graphs(long, Config(call_graphs="all", cuda_graphs=True))  # the program's own graphs
+    assert not choose.per_call_graphs(_region("ag_matmul", [4096, 8192], [8192, 4096], device="cpu"), every)
     with pytest.raises(ValueError, match="Config.call_graphs: expected False, True or 'all'"):
         Config(call_graphs="some")
 

@@ -294,11 +294,11 @@ def test_band_request_is_an_autotune_placeholder_with_the_rule_as_fallback():
 
 
 def test_band_region_uses_the_cached_measurement_or_a_first_call_placeholder(tmp_path):
-    # pipeline._band, the compile pass's side of the host-bound band (no process group: the
+    # choose.band_pick, the compile pass's side of the host-bound band (no process group: the
     # decision is local, as in single-process tracing)
     from types import SimpleNamespace
 
-    import torch_commopt.passes.pipeline as pipeline
+    import torch_commopt.passes.choose as choose
     from torch_commopt import report as explain
     from torch_commopt.config import Config
     from torch_commopt.tuner.cache import TunerCache
@@ -312,19 +312,19 @@ def test_band_region_uses_the_cached_measurement_or_a_first_call_placeholder(tmp
     config = Config(cache_dir=str(tmp_path))
     report = explain.GraphReport(graph_id=0, graph_kind="forward", compile_id=None)
     facts = RegionFacts("matmul_rs", shape, weights, 0, 2, "bfloat16")
-    sched, why = pipeline._band(region, facts, band, Schedule("sequential"), "est.", config, report)
+    sched, why = choose.band_pick(region, facts, band, Schedule("sequential"), "est.", config, report)
     assert sched.name == "autotune" and "timed at the first call" in why
     req = autotune._REQUESTS[sched.param("id")]
     assert req.candidates == band and req.fallback == "sequential" and req.cache_dir == str(tmp_path)
     # what the first call stores (rank 0) is what the next compile emits, without a placeholder
     TunerCache(str(tmp_path)).put(req.key, {"schedule": "direct:1", "measured_ms": {"direct:1": 0.3}})
-    sched, why = pipeline._band(region, facts, band, Schedule("sequential"), "est.", config, report)
+    sched, why = choose.band_pick(region, facts, band, Schedule("sequential"), "est.", config, report)
     assert str(sched) == "direct:1" and "cached measurement" in why
     # a program replayed from CUDA graphs: its band region (a short all-gather) is timed as replays
     region.kind, cands = "ag_matmul", ["sequential", "ce_push:1:gemm=whole", "ce_push:1:par=1"]
     replayed = Config(cache_dir=str(tmp_path), cuda_graphs=True)
     facts = RegionFacts("ag_matmul", [256, 8192], [[8192, 4096]], 0, 2, "bfloat16")
-    sched, why = pipeline._band(region, facts, cands, Schedule.parse("ce_push:1:gemm=whole"), "est.", replayed, report)
+    sched, why = choose.band_pick(region, facts, cands, Schedule.parse("ce_push:1:gemm=whole"), "est.", replayed, report)
     req = autotune._REQUESTS[sched.param("id")]
     assert req.graphs and req.headroom == 0.0 and "replayed short all-gather" in why
 
@@ -411,7 +411,7 @@ def test_reduction_regions_are_planned_with_the_operand_the_op_receives():
 
     from torch.fx import Graph
 
-    from torch_commopt.passes.pipeline import op_a_shape
+    from torch_commopt.passes.choose import op_a_shape
 
     a = Graph().placeholder("a")
     a.meta["val"] = torch.empty(8192, 2048, device="meta")

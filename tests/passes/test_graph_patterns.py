@@ -273,6 +273,7 @@ def test_region_dag_links_regions_through_the_ops_between_them(fake_world):
 def test_a_chosen_sequential_keeps_the_graph_as_compiled(fake_world, monkeypatch):
     # The rule or the model choosing `sequential` leaves the region's own collective + matmul
     # (no op of ours in between); a user who fixes schedule="sequential" gets the op.
+    import torch_commopt.passes.choose as choose
     import torch_commopt.passes.pipeline as pipeline
     from torch_commopt.core.schedule import Schedule
 
@@ -281,7 +282,7 @@ def test_a_chosen_sequential_keeps_the_graph_as_compiled(fake_world, monkeypatch
     def fn(a, b):
         return funcol.reduce_scatter_tensor(a @ b, "sum", 0, group())
 
-    monkeypatch.setattr(pipeline, "_choose_schedule", lambda region, config, report, *ahead: Schedule("sequential"))
+    monkeypatch.setattr(choose, "schedule_for", lambda region, config, report, *ahead: Schedule("sequential"))
     graph = only_graph(fn, a, b)
     assert not graph.rewritten and not graph.commopt_ops
     assert [r.status for r in graph.regions] == [pipeline.KEPT]

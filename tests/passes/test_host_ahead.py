@@ -1,4 +1,4 @@
-"""passes/host_ahead.py and the rule's use of it (pipeline._host_ahead, _choose_schedule): a
+"""passes/host_ahead.py and the rule's use of it (pipeline._host_ahead, choose.schedule_for): a
 band region of a graph whose host runs ahead takes the rule's GPU-time pick, else it is timed
 at its first call.  Fake CUDA tensors: no GPU needed."""
 
@@ -15,6 +15,7 @@ import torch_commopt.passes.pipeline as pipeline
 from torch_commopt import report as explain
 from torch_commopt.config import Config
 from torch_commopt.kernels.matmul.gpu.pick import GEMM_FLOPS_PER_S
+from torch_commopt.passes import choose
 from torch_commopt.passes.host_ahead import LAUNCH_S, REGION_HOST_S, estimate, host_runs_ahead
 
 aten = torch.ops.aten
@@ -98,12 +99,12 @@ def test_band_regions_take_the_gpu_time_pick_where_the_host_runs_ahead(tmp_path,
     report = explain.GraphReport(graph_id=0, graph_kind="backward", compile_id=None)
     ahead = pipeline._host_ahead(graph, [band_ag, long_rs], config, report)
     assert ahead is ahead_graph and report.notes[-1].startswith("graph: est.")
-    sched = pipeline._choose_schedule(band_ag, config, report, ahead)
+    sched = choose.schedule_for(band_ag, config, report, ahead)
     if ahead_graph:
         assert str(sched) == "ce_push:1:par=1" and "ranked by GPU time" in report.notes[-1]
     else:
         assert sched.name == "autotune" and "timed at the first call" in report.notes[-1]
-    assert str(pipeline._choose_schedule(long_rs, config, report, ahead)) == "ce_pull:2"  # outside the band
+    assert str(choose.schedule_for(long_rs, config, report, ahead)) == "ce_pull:2"  # outside the band
 
 
 def test_only_the_rule_on_eager_calls_asks(tmp_path):
