@@ -63,3 +63,18 @@ def test_masks_it_cannot_fold_or_trace_keep_their_composed_form():
         want = mod(ZERO, ZERO, pos[torch.arange(S).view(-1, 1)], pos[torch.arange(S).view(1, -1)])
         assert torch.equal(_grid(folded), want), name
         assert folded.__name__ == "composed", name  # nothing folded: the composed mask itself
+
+
+def test_the_folded_mask_s_trace_is_the_one_the_schedules_take(monkeypatch):
+    """lay.mask_mod traces once: flex.lifted_mask answers the folded mask from that trace (the
+    schedules would otherwise trace it again, ~10 ms of host time a new mask)."""
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 200, 112, 100]))
+    folded = _layout(5).mask_mod(lambda b, h, q, kv: (ids[q] == ids[kv]) & (q >= kv))
+
+    def no_trace(*args):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(flex, "lift", no_trace)  # a second trace would fail the test
+    gm, buffers = flex.lifted_mask(folded, torch.device("cpu"))
+    assert torch.equal(gm(ZERO, ZERO, torch.arange(S).view(-1, 1), torch.arange(S).view(1, -1), *buffers),
+                       _grid(folded))

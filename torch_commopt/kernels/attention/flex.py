@@ -138,23 +138,43 @@ def lifted_mask(mask_mod: Callable, device: torch.device) -> tuple[torch.fx.Grap
     same function over the same tensors (by identity: the lifted graph reads them as buffers,
     so new values written into them in place are read too) is the same graph.  A function that
     reads anything whose contents could change under the same identity is traced every call."""
-    reads: list = []
-    if not _reads(mask_mod, reads):
+    found = _lift_key(mask_mod, device)
+    if found is None:
         return lift(mask_mod, device)
-    key = (str(device), tuple(_key_part(x) for x in reads))
-    refs = [x for x in reads if not isinstance(x, tuple)]
+    key, refs = found
     hit = _LIFTED.get(key)
     if hit is not None and all(r() is x for r, x in zip(hit[0], refs, strict=True)):
         _LIFTED.move_to_end(key)
         return hit[1]
+    return remember_lift(mask_mod, device, lift(mask_mod, device))
+
+
+def remember_lift(mask_mod: Callable, device: torch.device, lifted: tuple) -> tuple:
+    """Keep `lifted` (lift's (graph, buffers) of mask_mod, traced by the caller) as lifted_mask's
+    answer for mask_mod, where its reads can be keyed (mask_fold's folded masks: their trace is
+    made once, not again by the schedules).  Returns `lifted`."""
+    found = _lift_key(mask_mod, device)
+    if found is None:
+        return lifted
+    key, refs = found
     try:
         weak = tuple(weakref.ref(x) for x in refs)
     except TypeError:  # an object without weak references: its id could be another's later
-        return lift(mask_mod, device)
-    value = _LIFTED[key] = (weak, lift(mask_mod, device))
+        return lifted
+    _LIFTED[key] = (weak, lifted)
+    _LIFTED.move_to_end(key)
     while len(_LIFTED) > LIFT_ENTRIES:
         _LIFTED.popitem(last=False)
-    return value[1]
+    return lifted
+
+
+def _lift_key(mask_mod: Callable, device: torch.device) -> tuple | None:
+    """(lifted_mask's key of mask_mod on device, the objects it reads by identity), or None where
+    what it reads could change under the same identity (_reads)."""
+    reads: list = []
+    if not _reads(mask_mod, reads):
+        return None
+    return (str(device), tuple(_key_part(x) for x in reads)), [x for x in reads if not isinstance(x, tuple)]
 
 
 class _FromCode:

@@ -10,10 +10,10 @@ torch.compile's flex_attention; the outputs and gradients were bit-equal.
 
 `over_positions` traces the composed mask once (flex.lift: aten ops, the tensors it reads as
 buffers), replaces every buf[pos[x]] by a gather from buf[pos], computed here, and returns the
-mask as a plain function over those tensors (what flex.lifted_mask keys its traces by).  The
-tensors are read now: like the block tables built from the mask, the folded mask describes the
-buffers as they are when it is made.  A mask it cannot trace or fold is returned composed as
-before.
+mask as a plain function over those tensors (what flex.lifted_mask keys its traces by), its
+trace handed to lifted_mask so that the schedules do not trace it again.  The tensors are read
+now: like the block tables built from the mask, the folded mask describes the buffers as they
+are when it is made.  A mask it cannot trace or fold is returned composed as before.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def over_positions(mask_mod: Callable, pos: Tensor) -> Callable:
     def mask(b, h, q, kv, _forward=forward, _buffers=tuple(folded)):
         return _forward(None, b, h, q, kv, *_buffers)
 
+    flex.remember_lift(mask, pos.device, (gm, tuple(folded)))  # the schedules' lift of it: this trace
     return mask
 
 
