@@ -98,3 +98,18 @@ def test_the_graph_report_shows_the_replayed_variant_and_a_failed_capture():
     row = [r for r in text.splitlines() if r.startswith("| m | 8 |")]
     assert row[0].endswith("| 1.25 | 0.91 | 4.00 | 3 / 1 / 0 | 1.0e-03 | ok |"), row[0]
     assert row[1].endswith("| failed: operation not permitted |")
+
+
+def test_the_pieces_report_shows_each_schedule_against_the_plain_one():
+    """--pieces' report (one GPU) from its rows: by_expert:1 and sync_free against a2a's same
+    exchanges, the chunk counts against by_expert:1; a row from before the a2a baseline shows '-'."""
+    ms = {"whole": 4.0, "by source": 5.0, "a2a": 5.0, "sync_free": 5.5, "by_expert:1": 5.1, "by_expert:2": 5.2}
+    row = {"model": "m", "world": 2, "tokens_per_rank": 8192, "rows_received": 49152, "ms": ms,
+           "ratio": {k: v / ms["whole"] for k, v in ms.items() if k != "whole"},
+           "vs_a2a": {"by_expert:1": 5.1 / 5.0, "sync_free": 5.5 / 5.0}, "chunked": {"by_expert:2": 5.2 / 5.1}}
+    old = dict(row, ratio={k: v for k, v in row["ratio"].items() if k not in ("a2a", "sync_free")})
+    del old["vs_a2a"]
+    meta = {"device": "GPU", "commit": "c", "date": "d", "torch": "t", "rounds": 3}
+    text = bench_moe.pieces_report([row, old], meta)
+    assert "| m | 2 | 8192 | 49152 | 4.000 | 1.250 | 1.250 | 1.020 | 1.100 | 1.020 |" in text, text
+    assert "| m | 2 | 8192 | 49152 | 4.000 | 1.250 | - | - | - | 1.020 |" in text, text
