@@ -86,12 +86,12 @@ def _fold(gm: torch.fx.GraphModule, buffers: list, pos: Tensor) -> list | None:
     if not changed:
         return None
     graph.eliminate_dead_code()
-    kept = [(n, t) for n, t in zip(buffer_ph, buffers) if n.users]
+    kept = [t for n, t in zip(buffer_ph, buffers) if n.users]
     for n in buffer_ph:
         if not n.users:
             graph.erase_node(n)
     gm.recompile()
-    return [t for _, t in kept]
+    return kept
 
 
 def _gather_of(node) -> tuple | None:

@@ -141,14 +141,11 @@ def gather_padded(src: Tensor, index: Tensor, flag: Tensor | None = None, fill: 
             runs_triton.gather_padded(flat, flat_src, index, flag, fill)
             return out
     if src.shape[0] == 0:
-        out.zero_()
+        picked = out.zero_()
     else:
-        picked = src.index_select(0, index.clamp(0, src.shape[0] - 1))
         keep = ((index >= 0) & (index < src.shape[0])).view((-1,) + (1,) * (src.dim() - 1))
-        out.copy_(torch.where(keep, picked, picked.new_zeros(())))
-    if flag is not None:
-        out.copy_(torch.where(flag.reshape(()), out.new_full((), fill), out))
-    return out
+        picked = torch.where(keep, src.index_select(0, index.clamp(0, src.shape[0] - 1)), src.new_zeros(()))
+    return picked if flag is None else torch.where(flag.reshape(()), picked.new_full((), fill), picked)
 
 
 def _triton_fits(dst: Tensor, src: Tensor) -> bool:
