@@ -10,7 +10,8 @@ all-gathers the gathered A against each weight, and against the weights concaten
 as a fused q/k/v projection would run), whichever is faster; for the reductions A against the
 weight.  Shapes: bench_e2e's Llama-3-8B layer (dim 4096, 32 / 8 heads of 128, SwiGLU 14336) at
 TP=2 + SP and 8192 tokens a step: M 8192 gathered rows, each rank 4096.  Every tile configuration
-of the sweep is timed; the report gives each region's best against cuBLAS.  Then cuBLAS whole
+of the sweep is timed (the all-gather's with its loops flattened, flat=1, the default, and
+nested); the report gives each region's best against cuBLAS.  Then cuBLAS whole
 against the pieces the cuBLAS schedules cut each region into, at bench_e2e's three row layouts
 (batch x seq 1 x 8192, 2 x 4096, 4 x 2048: the sequence cut over the ranks).
 
@@ -55,13 +56,18 @@ def _timed(fns: dict, rounds: int, runs: int = 10) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _params(cfg) -> dict:
+def _params(cfg, flat: int = 0) -> dict:
     bm, bn, bk, warps, stages, gm = cfg
-    return {"tma": 1, "bm": bm, "bn": bn, "bk": bk, "warps": warps, "stages": stages, "gm": gm}
+    return {"tma": 1, "bm": bm, "bn": bn, "bk": bk, "warps": warps, "stages": stages, "gm": gm, "flat": flat}
 
 
-def _label(cfg) -> str:
-    return "{}x{}x{} w{} s{} g{}".format(*cfg)
+def _label(cfg, flat: int = 0) -> str:
+    return "{}x{}x{} w{} s{} g{}".format(*cfg) + (" flat" if flat else "")
+
+
+def _default(kind: str) -> str:
+    """The schedules' default tile (FUSED_DEFAULTS): flat=1 on the all-gather consumer."""
+    return _label(CONFIGS[0], 1 if kind == "ag" else 0)
 
 
 def _checked(out: torch.Tensor, truth: torch.Tensor, cublas: torch.Tensor, what: str) -> None:
@@ -88,10 +94,12 @@ def _ag_runs(k: int, ns: tuple, gen) -> tuple[dict, dict]:
         _checked(torch.cat(st.products.outs, dim=1), truth, torch.mm(gathered, cat), f"{region} {label}")
 
     for cfg in CONFIGS:
-        runs[_label(cfg)] = functools.partial(launch_fused, st.a2, st.slots2, st.products, st.arrivals, _params(cfg))
-    # the default tile with the TMA store (tma_store=1) instead of pointer stores
-    runs[_label(CONFIGS[0]) + " tma_store"] = functools.partial(
-        launch_fused, st.a2, st.slots2, st.products, st.arrivals, {**_params(CONFIGS[0]), "tma_store": 1})
+        for flat in (0, 1):
+            runs[_label(cfg, flat)] = functools.partial(launch_fused, st.a2, st.slots2, st.products, st.arrivals,
+                                                        _params(cfg, flat))
+    # the default with the TMA store (tma_store=1) instead of pointer stores
+    runs[_default("ag") + " tma_store"] = functools.partial(
+        launch_fused, st.a2, st.slots2, st.products, st.arrivals, {**_params(CONFIGS[0], 1), "tma_store": 1})
     return runs, {"status": st.arrivals.status, "check": check}
 
 
@@ -102,8 +110,8 @@ def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
     runs, status, calls = {}, torch.zeros(8, dtype=torch.int32, device="cuda"), {}
     for cfg in CONFIGS:
         st = rs_standins(M_LOC, k, n, Standin(WORLD, gen=gen), bm=cfg[0])
-        calls[_label(cfg)] = st
         sig = st.signals._replace(status=status)
+        calls[_label(cfg)] = st
         runs[_label(cfg)] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets, sig, st.segments, 1.0,
                                               _params(cfg))
     runs["cublas"] = lambda a=st.a2, w=st.weight: torch.mm(a, w)
@@ -137,8 +145,8 @@ def probe(rounds: int) -> list:
         flops = 2 * WORLD * M_LOC * k * sum(ns)
         rows.append({"region": region, "kind": kind, "m": WORLD * M_LOC, "k": k, "ns": list(ns), "ms": ms,
                      "cublas_ms": base, "best": best, "best_ms": fused[best],
-                     "default_ms": fused[_label(CONFIGS[0])], "ratio_best": base / fused[best],
-                     "ratio_default": base / fused[_label(CONFIGS[0])], "cublas_tflops": flops / base / 1e9})
+                     "default_ms": fused[_default(kind)], "ratio_best": base / fused[best],
+                     "ratio_default": base / fused[_default(kind)], "cublas_tflops": flops / base / 1e9})
     return rows
 
 

@@ -18,14 +18,15 @@ from torch_commopt.testing.validate import rel_err, within_tolerance
 
 
 def _run(one_gpu, *, world, m_loc, k, ns, lin=None, bias=False, kmajor=True, dtype=torch.bfloat16, tma=1, seed=0,
-         tma_store=0):
+         tma_store=0, flat=0):
     from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     st = ag_standins(m_loc, k, ns, Standin(world, lin, kmajor, dtype, gen), bias=bias)
     rank, lin = st.arrivals.rank, st.arrivals.lin
     launch_fused(st.a2, st.slots2, st.products, st.arrivals,
-                 {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3, "tma_store": tma_store})
+                 {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3, "tma_store": tma_store,
+                  "flat": flat})
     shards = [st.a2 if s == rank else st.slots2[s * m_loc:(s + 1) * m_loc] for s in range(world)]
     # gathered rows (outer, world, lin): block s of outer block o is rank s's rows o*lin..o*lin+lin
     gathered = torch.stack([sh.view(m_loc // lin, lin, k) for sh in shards], dim=1).reshape(-1, k)
@@ -66,13 +67,43 @@ def test_fused_tma_stores_by_tma_where_a_tile_is_one_run_of_rows(one_gpu, monkey
     assert took[-1] is None
 
 
+def _flat_taken(monkeypatch) -> list:
+    """Records tma.flat_ok's answers (whether a launch ran its tiles as one pipelined loop)."""
+    from torch_commopt.kernels.matmul.gpu import tma as tma_mod
+
+    took, judge = [], tma_mod.flat_ok
+    monkeypatch.setattr(tma_mod, "flat_ok", lambda *a: took.append(judge(*a)) or took[-1])
+    return took
+
+
+def test_fused_flat_all_gather_consumer(one_gpu, monkeypatch):
+    """flat=1 (the default with tma=1): each phase one pipelined loop of tiles and k steps, flags
+    awaited a tile ahead;
+    several B's with biases, ragged 3-D rows at world 4, the TMA store; and a K too short for
+    the pipeline (k steps <= stages), where the loops stay nested.  The other tests run flat=0."""
+    took = _flat_taken(monkeypatch)
+    _run(one_gpu, world=2, m_loc=1024, k=512, ns=[768, 256], bias=True, seed=11, flat=1)
+    _run(one_gpu, world=4, m_loc=333, k=520, ns=[1000, 136, 264], lin=111, bias=True, dtype=torch.float16, seed=12,
+         flat=1)
+    _run(one_gpu, world=2, m_loc=1024, k=512, ns=[768], seed=13, tma_store=1, flat=1)
+    assert took == [True, True, True]
+    _run(one_gpu, world=2, m_loc=512, k=192, ns=[384], seed=14, flat=1)
+    assert took[-1] is False
+
+
+def test_fused_flat_is_refused_on_the_reduce_scatter(one_gpu, monkeypatch):
+    """flat=1 is the all-gather consumer's option: the reduce-scatter producer refuses it."""
+    with pytest.raises(ValueError, match="flat=1"):
+        _run_rs(one_gpu, monkeypatch, world=2, m_seg=256, k=256, n=256, seed=15, flat=1)
+
+
 def test_fused_tma_small_shard(one_gpu):
     """A shard smaller than one tile (TMA boxes beyond the tensor read zeros)."""
     _run(one_gpu, world=2, m_loc=40, k=64, ns=[48], tma=1, seed=5)
 
 
 def _run_rs(one_gpu, monkeypatch, *, world, m_seg, k, n, lin=None, kmajor=True, direct=True, tma=1, alpha=1.0,
-            dtype=torch.bfloat16, seed=0, want_tma=None, bases_aligned=True):
+            dtype=torch.bfloat16, seed=0, want_tma=None, bases_aligned=True, flat=0):
     from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS
     from torch_commopt.kernels.matmul.gpu import tma as tma_mod
     from torch_commopt.kernels.matmul.gpu.layout import cdiv
@@ -85,7 +116,7 @@ def _run_rs(one_gpu, monkeypatch, *, world, m_seg, k, n, lin=None, kmajor=True, 
     st = rs_standins(m_seg, k, n, Standin(world, lin, kmajor, dtype, gen), direct=direct, bases_aligned=bases_aligned)
     a2, w, recv, rank, lin = st.a2, st.weight, st.recv, st.segments.rank, st.segments.lin
     outer, chunk_mt, tiles_m, tiles_n = m_seg // lin, st.segments.chunk_mt, cdiv(m_seg, 128), cdiv(n, 128)
-    params = {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3, "gm": 8}
+    params = {"tma": tma, "bm": 128, "bn": 128, "bk": 64, "warps": 4, "stages": 3, "gm": 8, "flat": flat}
     launch_rs_fused(a2, w, st.targets, st.signals, st.segments, alpha, params)
     out, status, peer_bufs, send, flags, peer_flags = (st.targets.out, st.signals.status, st.peer_bufs, st.send,
                                                        st.flags, st.peer_flags)

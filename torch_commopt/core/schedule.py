@@ -28,7 +28,7 @@ GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused", "oneshot", "twoshot")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
     "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int, "graphs": int,
-    "cg": int, "tma_store": int,
+    "cg": int, "tma_store": int, "flat": int,
 }
 STORES = ("ce", "direct")  # fused's store=
 _DIGITS = re.compile(r"[0-9]+")
@@ -128,6 +128,9 @@ class Schedule:
         if tstore is not None and (self.name != "fused" or tstore not in (0, 1) or dict(self.params).get("tma") != 1):
             raise ValueError(f"schedule: tma_store=0/1 is a fused option with tma=1; got {self.name} "
                              f"{dict(self.params)}")
+        flat = dict(self.params).get("flat")
+        if flat is not None and (self.name != "fused" or flat not in (0, 1) or dict(self.params).get("tma") != 1):
+            raise ValueError(f"schedule: flat=0/1 is a fused option with tma=1; got {self.name} {dict(self.params)}")
         graphs = self.param("graphs")
         if graphs is not None and (self.name != "auto" or graphs not in (0, 1)):
             raise ValueError(f"schedule: graphs=0/1 is an auto option; got {self.name} graphs={graphs!r}")

@@ -31,7 +31,7 @@ from torch_commopt.kernels.matmul.gpu import tma
 from torch_commopt.kernels.matmul.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.scaled import Expanded, Scaled, call_key, matmul, out_dtype
 
-FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3}
+FUSED_DEFAULTS = {"bm": 128, "bn": 256, "bk": 64, "gm": 8, "warps": 8, "stages": 3, "flat": 1}
 
 
 # The values below are built on every call: NamedTuples, which cost a fraction of a frozen
@@ -269,7 +269,8 @@ def launch_fused(a2, slots2, mm: Products, at: Arrivals, params, debug=False):
     says), writing mm.outs[i] (full rows, N_i) = gathered A @ mm.weights[i] (+ mm.biases[i];
     plain products only).  params: the schedule's (bm, bn, bk, gm, warps, stages, sms,
     tma).  tma=1 moves the tiles with the TMA unit (ag_gemm_tma_kernel) where the operands
-    allow it (16-byte aligned rows and bases), else the pointer-load kernel runs.  Callable on
+    allow it (16-byte aligned rows and bases), else the pointer-load kernel runs; with tma=1,
+    flat=1 (the default) pipelines each phase's tiles as one loop (tma.flat_ok).  Callable on
     one GPU with flags set beforehand (tests/gpu/test_fused_gemm_one_gpu.py)."""
     from torch_commopt.kernels.matmul.gpu.triton_kernels import ag_gemm_kernel, ag_gemm_tma_kernel, num_sms
 
@@ -298,7 +299,7 @@ def launch_fused(a2, slots2, mm: Products, at: Arrivals, params, debug=False):
             ag_gemm_tma_kernel[(grid,)](
                 a_d, s_d, flags, status, epoch, symm.wait_bound(), *b_ds, *(_pad3(outs) if outs else cs3), *bs3, *ns,
                 m_loc, k, lin, rank, chunk_rows, flag_base, grid, B_KMAJOR=kmajor, TMA_STORE=outs is not None,
-                **common)
+                FLAT=tma.flat_ok(p, k), **common)
             continue
         ag_gemm_kernel[(grid,)](
             a2, slots2, flags, status, epoch, symm.wait_bound(),

@@ -547,6 +547,9 @@ def launch_rs_fused(a2, weight, targets: RsTargets, signals: RsSignals, segments
     from torch_commopt.kernels.matmul.gpu.triton_kernels import num_sms, rs_gemm_kernel
 
     p = {**FUSED_DEFAULTS, **params}
+    if p.get("flat"):
+        raise ValueError("commopt matmul_rs fused: flat=1 is an option of the all-gather consumer; the "
+                         "reduce-scatter kernel keeps its tile and k loops nested")
     k, n = a2.shape[-1], weight.shape[-1]
     out, send, recv, recv_bases, recv_off, direct, bases_aligned = targets
     flags, flag_bases, status, data_base, epoch = signals

@@ -86,3 +86,11 @@ def out_descriptors(outs: Sequence[torch.Tensor], lin: int, params: dict) -> Opt
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return [TensorDescriptor.from_tensor(o, [bm, bn]) for o in outs]
+
+
+def flat_ok(params: dict, k: int) -> bool:
+    """Whether the fused all-gather TMA kernel runs its tile and k loops as one pipelined loop
+    (flat=1): only where a tile has more k steps than the pipeline has stages, so that the loads
+    the pipeline runs ahead never reach past the next tile, whose flag the kernel awaits one
+    tile ahead (triton_kernels._tma_sweep)."""
+    return bool(params.get("flat")) and -(-k // params["bk"]) > params["stages"]

@@ -145,17 +145,47 @@ def _tma_acc(a_desc, a_row, b_desc, n0, K, BM: tl.constexpr, BN: tl.constexpr, B
 
 
 @triton.jit
+def _sweep_tile(lt, rank, per_slot, tiles_m, tiles_n, OWN: tl.constexpr, WORLD: tl.constexpr, GROUP_M: tl.constexpr):
+    """(slot, pid_m, pid_n) of a sweep's local tile lt: this rank's own shard (OWN), or the
+    peers' slots in arrival order rank-1, rank-2, ..."""
+    if OWN:
+        slot = rank
+        local = lt
+    else:
+        slot = (rank - 1 - lt // per_slot + WORLD) % WORLD
+        local = lt % per_slot
+    pid_m, pid_n = _tile_coords(local, tiles_m, tiles_n, GROUP_M)
+    return slot, pid_m, pid_n
+
+
+@triton.jit
+def _slot_wait(slot, pid_m, flags, status, epoch, bound, M_loc, chunk_rows, flag_base, BM: tl.constexpr,
+               DEBUG: tl.constexpr):
+    """Spin until the piece of slot `slot` holding row tile pid_m has landed, then order the
+    flag's acquire before the TMA reads of it."""
+    last = tl.minimum(pid_m * BM + BM, M_loc) - 1
+    chunk = last // chunk_rows
+    spin_geq(flags + flag_base + slot * 256 + chunk, epoch, status, 2, slot, chunk, bound, DEBUG)
+    _fence_proxy_async()
+
+
+@triton.jit
 def _tma_sweep(g0, pid, num_progs, a_desc, b_desc, c, bias, n_i, flags, status, epoch, bound, M_loc, K, LIN, rank,
                chunk_rows, flag_base, OWN: tl.constexpr, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr,
                B_KMAJOR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-               DEBUG: tl.constexpr, TMA_STORE: tl.constexpr):
+               DEBUG: tl.constexpr, TMA_STORE: tl.constexpr, FLAT: tl.constexpr):
     """One phase of ag_gemm_tma_kernel: the tiles of one B over this rank's own shard (OWN) or
     over the peers' slots (in arrival order rank-1, rank-2, ...).  Phases number their tiles
     after the previous one's (g0 on): program pid takes the global tiles g = pid (mod
     num_progs), so no phase leaves a tail of idle programs.  TMA_STORE: c is a descriptor of the
     output [BM, BN] and every tile's rows one run of it (LIN a multiple of BM): the TMA unit
     stores the tile, asynchronously, where pointer stores from every thread held the next
-    tile's loads back.  Returns the next phase's g0."""
+    tile's loads back.  FLAT: the tile and k loops are one pipelined loop, so the next tile's
+    first loads are in flight during this tile's last steps and its epilogue; a peer tile's
+    flag is then awaited one tile ahead (the first before the loop, each next one at the start
+    of the tile before it), which keeps every wait ahead of the loads it guards as long as a
+    tile has more k steps than the pipeline has stages (the host's condition).  Returns the
+    next phase's g0."""
     tiles_m = tl.cdiv(M_loc, BM)
     tiles_n = tl.cdiv(n_i, BN)
     per_slot = tiles_m * tiles_n
@@ -164,21 +194,21 @@ def _tma_sweep(g0, pid, num_progs, a_desc, b_desc, c, bias, n_i, flags, status, 
     else:
         count = (WORLD - 1) * per_slot
     first = ((pid - g0) % num_progs + num_progs) % num_progs
-    for lt in range(first, count, num_progs):
-        if OWN:
-            slot = rank
-            local = lt
-        else:
-            slot = (rank - 1 - lt // per_slot + WORLD) % WORLD
-            local = lt % per_slot
-        pid_m, pid_n = _tile_coords(local, tiles_m, tiles_n, GROUP_M)
+    if FLAT and not OWN:
+        if first < count:
+            slot0, m0, _n0 = _sweep_tile(first, rank, per_slot, tiles_m, tiles_n, OWN, WORLD, GROUP_M)
+            _slot_wait(slot0, m0, flags, status, epoch, bound, M_loc, chunk_rows, flag_base, BM, DEBUG)
+    for lt in tl.range(first, count, num_progs, flatten=FLAT):
+        slot, pid_m, pid_n = _sweep_tile(lt, rank, per_slot, tiles_m, tiles_n, OWN, WORLD, GROUP_M)
         if OWN:
             a_row = pid_m * BM
         else:
-            last = tl.minimum(pid_m * BM + BM, M_loc) - 1
-            chunk = last // chunk_rows
-            spin_geq(flags + flag_base + slot * 256 + chunk, epoch, status, 2, slot, chunk, bound, DEBUG)
-            _fence_proxy_async()
+            if FLAT:
+                if lt + num_progs < count:
+                    slot1, m1, _n1 = _sweep_tile(lt + num_progs, rank, per_slot, tiles_m, tiles_n, OWN, WORLD, GROUP_M)
+                    _slot_wait(slot1, m1, flags, status, epoch, bound, M_loc, chunk_rows, flag_base, BM, DEBUG)
+            else:
+                _slot_wait(slot, pid_m, flags, status, epoch, bound, M_loc, chunk_rows, flag_base, BM, DEBUG)
             a_row = slot * M_loc + pid_m * BM
         acc = _tma_acc(a_desc, a_row, b_desc, pid_n * BN, K, BM, BN, BK, B_KMAJOR)
         i = pid_m * BM + tl.arange(0, BM)
@@ -203,7 +233,7 @@ def ag_gemm_tma_kernel(
     M_loc, K, LIN, rank, chunk_rows, flag_base, num_progs,
     WORLD: tl.constexpr, NUM_B: tl.constexpr, HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, DEBUG: tl.constexpr,
-    TMA_STORE: tl.constexpr = False,
+    TMA_STORE: tl.constexpr = False, FLAT: tl.constexpr = False,
 ):
     """ag_gemm_kernel with TMA loads: a_local (M_loc, K) and a_slots (WORLD * M_loc, K) and the
     B's are tensor descriptors (block [BM, BK], and [BN, BK] or [BK, BN]); c pointers as there,
@@ -213,9 +243,8 @@ def ag_gemm_tma_kernel(
     after a peer slot's flag the proxy fence orders the flag's acquire before the TMA reads.
     The tiles run as sequential phases (own shard x each B, then the peers x each B), one
     mainloop each: a descriptor cannot be picked per tile like a pointer, and mainloops in
-    branches each keep their own shared-memory pipeline (2-6x the shared memory).  The loops
-    are not flattened: a pipelined prefetch of the next tile's A would run ahead of that
-    tile's flag wait."""
+    branches each keep their own shared-memory pipeline (2-6x the shared memory).  FLAT: each
+    phase's loops are flattened, its waits one tile ahead (_tma_sweep)."""
     pid = tl.program_id(0)
     a_descs, b_descs, cs, biases, ns = (a_local, a_slots), (b0, b1, b2), (c0, c1, c2), (bias0, bias1, bias2), (N0, N1, N2)
     g = 0
@@ -223,7 +252,7 @@ def ag_gemm_tma_kernel(
         for j in tl.static_range(NUM_B):
             g = _tma_sweep(g, pid, num_progs, a_descs[phase], b_descs[j], cs[j], biases[j], ns[j], flags, status,
                            epoch, bound, M_loc, K, LIN, rank, chunk_rows, flag_base, phase == 0, WORLD, HAS_BIAS,
-                           B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG, TMA_STORE)
+                           B_KMAJOR, BM, BN, BK, GROUP_M, DEBUG, TMA_STORE, FLAT)
 
 
 @triton.jit
