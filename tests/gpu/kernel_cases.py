@@ -390,15 +390,18 @@ def _graph_call(op: str, a, w, sched: str):
     return torch.ops.commopt.matmul_ar(a, w, None, "sum", world, gn, sched)
 
 
-def run_graph_replay(rank: int, world: int, replays: int = 4):
+def run_graph_replay(rank: int, world: int, replays: int = 4, cases=None):
     """Each GPU schedule captured in a CUDA graph (after one eager call that sets up its
     buffers) and replayed on fresh inputs copied into the captured ones, with an eager call
     of another schedule on other data right after every replay and no synchronization in
     between (graph replays and eager calls share buffers and flags); then one graph that
-    holds two ops back to back.  Returns [(name, error, reference error)]."""
+    holds two ops back to back.  A replay takes no new epoch, so every other eager call uses
+    the replay's buffer half at another shape: its writes into its own buffer must wait for
+    the peer's token, the peer may still be pulling there.  cases: GRAPH_CASES by default.
+    Returns [(name, error, reference error)]."""
     dtype, m, k, n = torch.bfloat16, 256, 512, 384
     results, seed = [], 20000
-    for op, sched in GRAPH_CASES:
+    for op, sched in GRAPH_CASES if cases is None else cases:
         a, w, _ = _graph_inputs(op, seed, rank, world, m, k, n, dtype)
         static_a, static_w = a.clone(), w.clone()
         _graph_call(op, static_a, static_w, sched)  # eager: creates the buffers, compiles kernels

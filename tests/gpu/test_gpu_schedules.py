@@ -175,6 +175,19 @@ def test_cuda_graph_capture_and_replay(two_ranks):
 
 
 @pytest.mark.gpu
+def test_a_replayed_pull_keeps_its_bytes_from_the_next_call(two_ranks):
+    """A captured ce_pull reduce-scatter replayed, each replay followed by an eager ce_push:1 of
+    another shape, every other one in the replay's buffer half: its staging writes into its own
+    buffer must wait for the token of the peer that may still be pulling there."""
+    from kernel_cases import run_graph_replay
+
+    for results in run_distributed(run_graph_replay, two_ranks[0], 4, [("rs", "ce_pull:2")], backend=two_ranks[1],
+                                   timeout_s=300):
+        assert len(results) >= 8
+        _check(results)
+
+
+@pytest.mark.gpu
 def test_compiled_with_cuda_graph_trees(two_ranks):
     _funcol_ranks(two_ranks)
     from kernel_cases import run_compiled_cuda_graphs

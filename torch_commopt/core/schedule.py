@@ -205,10 +205,8 @@ class Schedule:
 
     def in_capture(self, op: str) -> "Schedule":
         """What runs for `op` inside a CUDA-graph capture: a fused reduction's barrier counts
-        epochs, so it runs ce_push with the same pieces (and debug setting); so does a ce_pull
-        reduce-scatter, whose replays, interleaved with eager calls, read stale partials on two
-        ranks sharing one GPU (tests/gpu/kernel_cases.run_graph_replay); the rest as is."""
-        if (self.name == "fused" and op != "ag_matmul") or (self.name == "ce_pull" and op == "matmul_rs"):
+        epochs, so it runs ce_push with the same pieces (and debug setting); the rest as is."""
+        if self.name == "fused" and op != "ag_matmul":
             return Schedule("ce_push", self.chunks, tuple(kv for kv in self.params if kv[0] == "dbg"))
         return self
 

@@ -142,16 +142,24 @@ def _gather_and_multiply(rt, a, sched: Schedule, mm: Products, lay, pieces, gath
     cur, side = torch.cuda.current_stream(a.device), rt.side
     call = _Gather(rt, a2, mm, lay, pieces, half, debug)
 
+    # Each peer's token is taken with the first piece's signal to it and awaited before the
+    # pushes into its buffer: on the side stream, or for gemm=whole on the caller's stream, which
+    # the side stream then follows, since gemm=whole also copies into this rank's own slot, bytes a
+    # peer may still be pulling (left by a reduce-scatter of another shape in this half).
+    whole = sched.param("gemm") == "whole"
+    for p in rt.peers if whole else ():
+        rt.acquire(cur, p, half, debug=debug, defer_take=True)
     rt.after(side, cur)
     src_ptr = a2.data_ptr()
     for p in rt.peers:  # driver calls on the side stream: no stream context, no tensor views
-        rt.acquire(side, p, half, debug=debug, defer_take=True)  # taken with the first piece's signal
+        if not whole:
+            rt.acquire(side, p, half, debug=debug, defer_take=True)
         dst_ptr = buf.address(p, base + rank * m_loc * row_bytes)
         for c, (lo, hi) in enumerate(pieces):
             driver.memcpy_async(side, dst_ptr + lo * row_bytes, src_ptr + lo * row_bytes, (hi - lo) * row_bytes)
             rt.signal(side, p, data_index(half, rank, c), 1)
 
-    if sched.param("gemm") == "whole" or sched.name == "fused":
+    if whole or sched.name == "fused":
         if sched.name == "fused":
             _consume_fused(call, slots, sched)
         else:
@@ -218,7 +226,7 @@ def _consume_whole(call: _Gather, slots, cur):
     overlapped form (one GEMM per shard) reads B W times; this one reads it once and hides
     nothing (AG 512x8192x8192 replayed: GEMM alone 0.047 ms, ce_push:1 0.082)."""
     rt, a2, mm, lay = call.rt, call.a2, call.mm, call.lay
-    slots[rt.rank].copy_(a2)
+    slots[rt.rank].copy_(a2)  # after the tokens, awaited on this stream (_gather_and_multiply)
     last = len(call.pieces) - 1
     for src in rt.sources:  # pieces from one peer land in order: the last flag covers the slot
         rt.wait(cur, data_index(call.half, src, last), 1, debug=call.debug, what="chunk", src=src, chunk=last)

@@ -344,11 +344,15 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
         # first own GEMM waits for its copy: ~40 us idle per call at rs 8192^3 ce_push:2.)
         rt.after(rt.local, call.cur)
     staging = None if call.sched.name == "direct" else _staging(call, own)
+    # Every peer's token before this call's first write on the caller's stream: direct writes
+    # into the peers' buffers, and ce_push stages in this rank's own buffer half (W = 2) and
+    # puts the own product there (W > 2), bytes that a peer may still be pulling from, at a
+    # ce_pull call of another shape in this half, until it gives the token back.
+    for p in rt.peers:
+        call.acquire(call.cur, p, defer_take=True)
     for p in rt.peers:
         a_p, slot = call.segment_a(p), call.peer_slot(p)
-        if staging is None:
-            call.acquire(call.cur, p, defer_take=True)
-        else:
+        if staging is not None:
             staged = staging[p]
         for c, (lo, hi) in enumerate(call.pieces):
             rows = call.piece(a_p, lo, hi)
@@ -381,8 +385,10 @@ def _reduce_scatter_into(call: _Call, weight, own, after_piece=None):
 def _staging(call: _Call, own):
     """ce_push's staging of each peer's product (staging[p]: (m_seg, N)).  At two ranks, this rank's
     own receive slot of the buffer half: no peer writes it (the one peer's partial lands in the
-    peer's slot), and the call's closing join orders its next writer after this call's copies out
-    of it -- a buffer's address, where a per-call allocation would be elsewhere at every call
+    peer's slot), no peer reads it once the caller's stream has the peer's token (a ce_pull of
+    another shape may have left the peer bytes to pull there), and the call's closing join orders
+    its next writer after this call's copies out of it -- a buffer's address, where a per-call
+    allocation would be elsewhere at every call
     (kernels/gpu/host_replay.py replays the recorded address).  At W > 2 the own slot takes the own
     product: a fresh (W, m_seg, N) tensor."""
     if call.world == 2:
@@ -474,10 +480,9 @@ def _pull_reduce(call: _Call, own, after_piece):
 
 
 def _ship(call: _Call, src_piece, dst_piece, p, c):
-    """Copy engine: staging piece -> peer p's receive slot, then flag it."""
+    """Copy engine: staging piece -> peer p's receive slot, then flag it (the first signal
+    takes the token the caller's stream waited for: _reduce_scatter_into)."""
     call.after_caller()
-    if c == 0:
-        call.acquire(call.side, p, defer_take=True)
     call.rt.copy(call.side, dst_piece, src_piece)
     call.signal(call.side, p, c)
 
