@@ -48,6 +48,21 @@ def test_with_free_compute_slicing_costs_nothing_and_os_moves_both_axes_at_once(
     assert collective_s("os", m, n, k, (2, 4), SLOW) == pytest.approx(x_s + w_s)  # one of the two hides
 
 
+def test_wangs_ring_steps_pay_the_shifts_own_figures_each_step():
+    """With point-to-point figures, each of Wang's C ring steps moves half a block each way at their
+    bandwidth and pays their latency and overhead (the authors' LogicalRing); without them, the
+    all-gather's bandwidth and latency, and its overhead once."""
+    import dataclasses
+
+    m, n, k, mesh = 4096, 4096, 4096, (2, 4)
+    exposed = (k / 2) * (n / 4) * 2 / 1e9  # OS: W's shard round the 2-chip row axis, not overlapped
+    moved = (m / 2) * (k / 4) * 2  # X's block a step
+    assert wang_s("os", m, n, k, mesh, SLOW) == pytest.approx(exposed + 4 * moved / (2 * 2e9))
+    p2p = dataclasses.replace(SLOW, sr_bw=(5e8, 4e8), sr_alpha_s=1e-6, sr_overhead_s=1e-4, ag_overhead_s=3e-5)
+    exposed += 3e-5  # the row axis's all-gather pays its own overhead
+    assert wang_s("os", m, n, k, mesh, p2p) == pytest.approx(exposed + 4 * (moved / (2 * 4e8) + 1e-6 + 1e-4))
+
+
 def test_meshslice_hides_what_collective_exposes_on_a_large_layer():
     layer = FCLayer("ff1", 256 * 2048, 12288, 4 * 12288, "os")
     sliced = layer_s(layer, (32, 8), TPU_V4, "meshslice", 8)

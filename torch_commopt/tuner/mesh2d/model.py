@@ -37,7 +37,8 @@ ALGORITHMS = ("meshslice", "collective", "summa", "wang")
 class MeshLinks:
     """What the model knows of a mesh's links and chips: per axis (0: row, 1: col) the all-gather's
     and the reduce-scatter's bandwidth per direction (bytes/s), per-hop latencies and fixed
-    overheads (s), and a chip's GEMM throughput (FLOP/s)."""
+    overheads (s), and a chip's GEMM throughput (FLOP/s).  sr_*: the point-to-point shift's own
+    figures (the authors' `sendrecv`, which Wang's ring steps use), where they were measured."""
 
     ag_bw: tuple[float, float]
     rs_bw: tuple[float, float]
@@ -48,6 +49,9 @@ class MeshLinks:
     flops_per_s: float
     shared: bool = False  # both axes' transfers share one link (a GPU's NIC where both cross nodes)
     axis_alpha_s: tuple[float, float] | None = None  # per-axis hop latency, for both collectives (else theirs)
+    sr_bw: tuple[float, float] | None = None  # a shift's bandwidth per axis and direction (else the all-gather's)
+    sr_alpha_s: float = 0.0
+    sr_overhead_s: float = 0.0
 
     def both(self, a: float, b: float) -> float:
         """Two transfers on different axes at once: side by side on links of their own, one after
@@ -70,6 +74,15 @@ class MeshLinks:
 
     def reduce(self, nbytes: float, axis: int, p: int) -> float:
         return self.rs_overhead_s + nbytes / self.rs_bw[axis] + (p - 1) * self.alpha("rs", axis) if p > 1 else 0.0
+
+    def ring_shift(self, nbytes: float, axis: int) -> tuple[float, float]:
+        """(seconds a step, seconds once) of a ring shift moving nbytes a step, half each way round
+        the axis's ring.  With point-to-point figures every step pays their latency and overhead, as
+        the authors price a ring of sendrecvs (`CostModel.LogicalRing_ISplit`, Cannon); without,
+        the all-gather's bandwidth and latency, and its overhead once."""
+        if self.sr_bw is None:
+            return nbytes / (2 * self.ag_bw[axis]) + self.alpha("ag", axis), self.ag_overhead_s
+        return nbytes / (2 * self.sr_bw[axis]) + self.sr_alpha_s + self.sr_overhead_s, 0.0
 
     def gemm(self, m: float, n: float, k: float) -> float:
         return 2.0 * m * n * k / self.flops_per_s
@@ -146,25 +159,25 @@ def summa_s(kind: str, m: int, n: int, k: int, mesh: tuple[int, int], links: Mes
 
 def wang_s(kind: str, m: int, n: int, k: int, mesh: tuple[int, int], links: MeshLinks) -> float:
     """Wang et al.'s collective matmul on one axis (col), the other axis's collective exposed: C steps,
-    each a GEMM of one col-block while the next halves move both ways round the col ring (a shift
-    of half a block each way: n / (2 bw) + alpha)."""
+    each a GEMM of one col-block while the next halves move both ways round the col ring
+    (MeshLinks.ring_shift)."""
     r, c = mesh
-    bw1, alpha = links.ag_bw[1], links.alpha("ag", 1)
     if kind == "os":
         exposed = links.all_gather(_bytes(k / r, n / c), 0, r)
-        shift = _bytes(m / r, k / c) / (2 * bw1) + alpha
+        moved = _bytes(m / r, k / c)
         g = links.gemm(m / r, n / c, k / c)
     elif kind == "ls":
         exposed = links.all_gather(_bytes(n / r, k / c), 0, r)
-        shift = _bytes(m / r, n / c) / (2 * bw1) + alpha
+        moved = _bytes(m / r, n / c)
         g = links.gemm(m / r, n / c, k / c)
     elif kind == "rs":
         exposed = links.reduce_scatter(_bytes(m / r, n / c), 0, r)
-        shift = _bytes(k / r, m / c) / (2 * bw1) + alpha
+        moved = _bytes(k / r, m / c)
         g = links.gemm(m / c, n / c, k / r)
     else:
         raise ValueError(f"mesh2d: unknown dataflow {kind!r} (known: {', '.join(DATAFLOWS)})")
-    return exposed + links.ag_overhead_s + c * max(g, shift if c > 1 else 0.0)
+    step, once = links.ring_shift(moved, 1)
+    return exposed + once + c * max(g, step if c > 1 else 0.0)
 
 
 # The three GEMMs of an FC layer Y = X W (X [B, I] tokens x features, W [I, O]) under each layer
@@ -236,7 +249,9 @@ def layer_flops(layer: FCLayer) -> float:
 
 
 # The authors' figures for a TPUv4 slice (their tuner's globals, hwnam831/meshslice `Autotuner.py`):
-# measured on a v4-32, axis 0 across hosts and axis 1 within one (per-direction GB/s), and the
-# FLOP rate their tuner passes (242 TiFLOP/s; the analytic step does not use it).
+# measured on a v4-32, axis 0 across hosts and axis 1 within one (per-direction GB/s), with their
+# sendrecv's for a ring shift, and the FLOP rate their tuner passes (242 TiFLOP/s; the analytic
+# step does not use it).
 TPU_V4 = MeshLinks(ag_bw=(27.472e9, 79.751e9), rs_bw=(37.506e9, 63.167e9), ag_alpha_s=5e-6, rs_alpha_s=5e-6,
-                   ag_overhead_s=13e-6, rs_overhead_s=26e-6, flops_per_s=242 * 1024 ** 4)
+                   ag_overhead_s=13e-6, rs_overhead_s=26e-6, flops_per_s=242 * 1024 ** 4,
+                   sr_bw=(38.801e9, 35.224e9), sr_alpha_s=5e-5, sr_overhead_s=13e-6)

@@ -26,7 +26,8 @@ from torch_commopt.tuner.mesh2d.tune import best_slices, links_of, mesh_shapes
 
 # The authors' simulation figures (hwnam831/meshslice, branch `simulation`, Autotuner.py).
 TPU_V4_SIM = MeshLinks(ag_bw=(60e9, 60e9), rs_bw=(50e9, 50e9), ag_alpha_s=6e-6, rs_alpha_s=6e-6,
-                       ag_overhead_s=100e-6, rs_overhead_s=100e-6, flops_per_s=249e12)
+                       ag_overhead_s=100e-6, rs_overhead_s=100e-6, flops_per_s=249e12,
+                       sr_bw=(38.801e9, 35.224e9), sr_alpha_s=6e-6, sr_overhead_s=100e-6)
 
 # Model sizes the paper evaluates: (heads, head dim); seq 2048, batch = chips sequences.
 MODELS = {"gpt3-175b": (96, 128), "megatron-nlg-530b": (160, 128)}
