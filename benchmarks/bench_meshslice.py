@@ -229,7 +229,9 @@ def main() -> None:
         "(attention's core over causal scores at the GEMM rate, the layer norms, residual adds and the FFN's "
         "activation at HBM speed, forward and backward: `simulate.rest_of_block_s`) is local and the same for every "
         "algorithm, and the block columns divide the whole block's times: the end-to-end figure, a training step "
-        "being its blocks. Wang's cost here is this model's (the authors' code has none).", "",
+        "being its blocks. The authors' code has no Wang model; Wang's ring steps here are priced as it prices a "
+        "ring of sendrecvs (`CostModel.LogicalRing_ISplit`: per step max(GEMM, bytes / (2 bw) + latency + overhead), "
+        "its sendrecv figures), the row axis's collective exposed, each algorithm at its fastest mesh shape.", "",
         "## H200 clusters (8-GPU NVLink nodes, one 400 Gb/s NIC a GPU)", "",
         f"| GPUs | model | {algs} | 1D TP=8 + DP ms | 1D / MeshSlice | 1D TP=8 + FSDP ms | 1D+FSDP / MeshSlice "
         "| rest of the block ms | block: 1D / MeshSlice | block: 1D+FSDP / MeshSlice | FC state a GPU, GiB (2D, 1D+FSDP "
