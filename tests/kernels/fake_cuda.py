@@ -9,10 +9,17 @@ once on the CPU and everything the schedules queue through the
 driver or torch's stream events -- flag waits and writes (batched or not), copies (ce_a2a's SM
 copies too), event
 records and waits -- is appended to `queue` as (rank, stream handle, op), or dropped when `queue` is None (the host
-timing probe).  protocol_sim.py executes such a queue.
+timing probe).  So are the compute kernels' writes into a symmetric buffer (any rank's, shared or
+owned), as "store"s: a torch call whose out= or in-place target (mm/bmm/addmm(out=), addmm_,
+copy_, add_, sum(out=), __setitem__, ...) lies in one, on the stream it was issued on (the rank's
+compute stream, or the one of the innermost torch.cuda.stream block) -- a kernel of the rank's
+stream writes those bytes when the stream reaches it, which the simulator must see as much as a
+copy's (a GEMM staging into a half a peer still pulls from: commit 9f13be4).  protocol_sim.py
+executes such a queue.
 
     op: ("wait", address, value) | ("write", address, value) | ("copy", dst address, bytes, the
         [start, end) byte intervals it writes, those it reads)
+        | ("store", dst address, bytes, the intervals it writes, ()) (its reads are not recorded)
         | ("record", event, instance) | ("wait_event", event, instance)
 
 An event's `instance` numbers its records: a wait binds to the record queued before it."""
@@ -25,6 +32,7 @@ import os
 from unittest import mock
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from torch_commopt.core import env
 from torch_commopt.kernels.attention import ce_a2a
@@ -127,6 +135,89 @@ def _tensor_rows(t: torch.Tensor) -> tuple:
     return tuple((s, s + width) for s in starts)
 
 
+def _spans(t: torch.Tensor) -> tuple:
+    """The byte intervals a tensor covers: one for a contiguous one, one per row where the last
+    dim is contiguous, else (conservatively) one from its first byte to its last."""
+    start, elt = t.data_ptr(), t.element_size()
+    if t.is_contiguous():
+        return ((start, start + t.numel() * elt),)
+    if t.stride(-1) == 1:
+        return _tensor_rows(t)
+    return ((start, start + elt * (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))),)
+
+
+# in-place ops that change a tensor's metadata, not its bytes; and the in-place dunders
+_METADATA = frozenset({"requires_grad_", "detach_", "resize_", "resize_as_", "set_", "as_strided_", "squeeze_",
+                       "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "share_memory_", "rename_"})
+_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                      "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors a torch call writes: its out= (one or several), or the first argument of an
+    in-place op (add_, copy_, addmm_, baddbmm_, __setitem__, ...)."""
+    out = kwargs.get("out") if kwargs else None
+    if out is not None:
+        return [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+    name = getattr(func, "__name__", "")
+    inplace = name in _DUNDERS or (name.endswith("_") and not name.startswith("_") and name not in _METADATA)
+    return [args[0]] if inplace and args and isinstance(args[0], torch.Tensor) else []
+
+
+class _StoreRecorder(TorchFunctionMode):
+    """Records each torch call that writes into a symmetric buffer as a "store" on the stream it
+    is issued on (module docstring).  Intercepted rather than inferred from the buffers'
+    contents: what matters is where the write sits among the stream's flag operations."""
+
+    def __init__(self, queue: list, state: dict, runtimes):
+        super().__init__()
+        self.queue, self.state, self.runtimes = queue, state, runtimes
+        self.bounds = [(b.local.data_ptr(), b.local.data_ptr() + b.nbytes) for rt in runtimes
+                       for b in [*rt.buffers, *(buf for bufs in getattr(rt, "owned", {}).values() for buf in bufs)]]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.state["quiet"]:
+            for t in _written(func, args, kwargs):
+                self._store(t)
+        return func(*args, **(kwargs or {}))
+
+    def _store(self, t: torch.Tensor) -> None:
+        ptr = t.data_ptr()
+        if t.numel() == 0 or not any(lo <= ptr < hi for lo, hi in self.bounds):
+            return
+        streams, rank = self.state["streams"], self.state["rank"]
+        stream = streams[-1] if streams else self.runtimes[rank].compute.cuda_stream
+        written = _spans(t)
+        self.queue.append((rank, stream, ("store", ptr, written[0][1] - written[0][0], written, ())))
+
+
+@contextlib.contextmanager
+def _quiet(state: dict):
+    """The fakes' own tensor copies (already recorded as copies): no stores."""
+    state["quiet"] += 1
+    try:
+        yield
+    finally:
+        state["quiet"] -= 1
+
+
+def _stream_context(state: dict):
+    """torch.cuda.stream's stand-in: the stream a store within it is queued on (a fake, a raw
+    handle; anything else, or None, leaves the current one)."""
+    @contextlib.contextmanager
+    def stream(s=None):
+        handle = s if isinstance(s, int) else getattr(s, "cuda_stream", None)
+        if handle is None:
+            yield
+            return
+        state["streams"].append(handle)
+        try:
+            yield
+        finally:
+            state["streams"].pop()
+    return stream
+
+
 def _sm_copy_recorder(queue, active: dict):
     """ce_a2a._sm_copy, recorded as a copy of the rows it writes and reads (and done)."""
     def sm_copy(stream, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -134,7 +225,8 @@ def _sm_copy_recorder(queue, active: dict):
             written = _tensor_rows(dst)
             queue.append((active["rank"], _handle(stream),
                           ("copy", dst.data_ptr(), written[0][1] - written[0][0], written, _tensor_rows(src))))
-        dst.copy_(src)
+        with _quiet(active):
+            dst.copy_(src)
     return sm_copy
 
 
@@ -150,7 +242,8 @@ def _run_read2_recorder(queue, active: dict):
                 read += _tensor_rows(src[at: at + n])
             queue.append((active["rank"], _handle(stream),
                           ("copy", dst.data_ptr(), written[0][1] - written[0][0], written, tuple(read))))
-        copy_runs2(dst, own, slots, runs)
+        with _quiet(active):
+            copy_runs2(dst, own, slots, runs)
     return read_rows2
 
 
@@ -191,8 +284,9 @@ def _entry_points(queue, active: dict):
 @contextlib.contextmanager
 def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
     """Within: symm.runtime() is the active rank's runtime (`active(rank)` switches), the
-    driver records into `queue`, torch.cuda.current_stream() is the rank's compute stream."""
-    state = {"rank": 0}
+    driver records into `queue`, torch.cuda.current_stream() is the rank's compute stream, and
+    torch calls writing into a symmetric buffer are recorded as stores (not when `queue` is None)."""
+    state = {"rank": 0, "streams": [], "quiet": 0}
 
     def active(rank: int) -> None:
         state["rank"] = rank
@@ -214,6 +308,8 @@ def faked_cuda(runtimes: list[symm.GroupRuntime], queue: list | None = None):
                                               lambda *a, **k: runtimes[state["rank"]].compute.cuda_stream))
         stack.enter_context(mock.patch.object(torch.cuda, "current_stream",
                                               lambda *a, **k: runtimes[state["rank"]].compute))
-        stack.enter_context(mock.patch.object(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()))
+        stack.enter_context(mock.patch.object(torch.cuda, "stream", _stream_context(state)))
         stack.enter_context(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False))
+        if queue is not None:
+            stack.enter_context(_StoreRecorder(queue, state, runtimes))
         yield active

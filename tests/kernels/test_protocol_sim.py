@@ -5,7 +5,11 @@ protocol_sim.py in several interleavings of every rank's streams: no deadlock, n
 buffer half its reader still reads, every flag back at rest.  Sequences of calls mix ops and
 piece counts, so both buffer halves are reused across ops; the attention's copy-engine
 all-to-alls run a Ulysses training step (the forward keeping its moved tensors), and the
-copy-engine ring runs rings on both channels.  Planted protocol bugs are caught."""
+copy-engine ring runs rings on both channels.  The compute kernels' writes into the buffers
+(GEMM outputs, Tensor.copy_) are checked as the copies are, and a ce_pull reader's copies out of
+its source's buffer hold those bytes until it gives the token back: a call that lands in a
+replayed ce_pull's half (a CUDA-graph replay takes no epoch) must not write them before.
+Planted protocol bugs are caught."""
 
 from __future__ import annotations
 
@@ -27,22 +31,24 @@ M, K, N = 24, 16, 8  # global rows, contracted dim, output columns (tiny fp32)
 
 
 def _call(name: str, world: int):
-    op, sched, *k_parts = name.split(" ")
+    op, sched, *extra = name.split(" ")
     s = Schedule.parse(sched)
     gen = torch.Generator().manual_seed(len(name))
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    # "... m=48": another global row count than M (other slot offsets in the buffer half)
+    m = next((int(x[2:]) for x in extra if x.startswith("m=")), M)
     # "ag3" / "rs3": a (2, rows, K) activation gathered / scattered along dim 1 (outer blocks:
     # strided row blocks multiplied by batched GEMMs, the gathered copy a 2-D one)
     blocked = op.endswith("3")
     op = op.rstrip("3")
     if op == "ag":
-        a, ws = rnd(M // world * 2, K), [rnd(K, N), rnd(K, N)]
-        a = a.view(2, M // world, K) if blocked else a
+        a, ws = rnd(m // world * 2, K), [rnd(K, N), rnd(K, N)]
+        a = a.view(2, m // world, K) if blocked else a
         return lambda: agm.ag_matmul_gpu(a, ws, [None, None], int(blocked), "fake", s, True)
-    a, w = rnd(M, K), rnd(K, N)
-    parts = ((rnd(M, 4), rnd(4, N)), (rnd(M, 6), rnd(6, N))) if k_parts else ()  # "... parts": K parts
+    a, w = rnd(m, K), rnd(K, N)
+    parts = ((rnd(m, 4), rnd(4, N)), (rnd(m, 6), rnd(6, N))) if "parts" in extra else ()  # "... parts": K parts
     if op == "rs" and blocked:
-        a, parts = a.view(2, M // 2, K), tuple((x.view(2, M // 2, -1), y) for x, y in parts)
+        a, parts = a.view(2, m // 2, K), tuple((x.view(2, m // 2, -1), y) for x, y in parts)
         return lambda: mr.matmul_rs_gpu(Product(a, w, parts=parts), 1, "sum", "fake", s)
     if op == "rs":
         return lambda: mr.matmul_rs_gpu(Product(a, w, parts=parts), 0, "sum", "fake", s)
@@ -60,10 +66,24 @@ SEQUENCES = {
 }
 
 
+# A CUDA-graph replay takes no epoch, so the eager call after it lands in the replayed call's
+# half ("replayed": the call before took none).  There a ce_pull's source may still hold bytes
+# its peer is to pull, in slots laid out by another row count than the next call's own slot:
+# ce_push at W = 2 stages there, gemm=whole copies its shard there (commit 9f13be4).
+REPLAYED = {
+    "rs ce_push": ["rs ce_pull:2", "replayed", "rs ce_push:1 m=48"],
+    "ag gemm=whole": ["rs ce_pull:2", "replayed", "ag ce_push:1:gemm=whole"],
+}
+
+
 def _queue(world: int, names: list[str]) -> tuple[list, list]:
     runtimes, queue = fake_runtimes(world), []
     with faked_cuda(runtimes, queue) as active:
         for name in names:  # every rank queues the call, then the next call: the GPUs run them later
+            if name == "replayed":  # the call before took no epoch (module comment at REPLAYED)
+                for rt in runtimes:
+                    rt.rewind(rt.epoch - 1)
+                continue
             for rank in range(world):
                 active(rank)
                 _call(name, world)()
@@ -75,8 +95,8 @@ def _queue(world: int, names: list[str]) -> tuple[list, list]:
 def test_the_protocol_neither_deadlocks_nor_races_and_comes_to_rest(world, sequence):
     queue, runtimes = _queue(world, SEQUENCES[sequence])
     assert any(op[0] == "copy" for _, _, op in queue) and any(op[0] == "wait" for _, _, op in queue)
-    for seed in range(8):
-        simulate(queue, runtimes, seed)
+    for seed in range(8):  # the GEMMs' writes recorded (stores): the shared buffer's reads checked too
+        simulate(queue, runtimes, seed, shared_reads=True)
     assert all(not rt._untaken for rt in runtimes)
 
 
@@ -92,6 +112,57 @@ def test_tokens_given_back_from_the_side_stream_keep_the_protocol(world, sequenc
     for seed in range(8):
         simulate(queue, runtimes, seed)
     assert all(not rt._untaken for rt in runtimes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence", sorted(REPLAYED))
+def test_a_call_in_a_replayed_pulls_half_writes_its_own_slots_after_the_pulls(world, sequence):
+    queue, runtimes = _queue(world, REPLAYED[sequence])
+    given = [op[1] for _, _, op in queue if op[0] == "write" and _is_token(op[1]) and op[2] == 1]
+    assert len({(_flag(a)[1] - symm.FREE) // symm.MAX_WORLD for a in given}) == 1  # both calls in one half
+    assert any(op[0] == "store" for _, _, op in queue)  # the GEMMs' and copy_'s writes are seen
+    for seed in range(12):
+        simulate(queue, runtimes, seed, shared_reads=True)
+
+
+def _pre_fix(monkeypatch) -> None:
+    """Planted: 9f13be4 undone.  ce_push takes no token on the caller's stream before its
+    products (the staging in the own slot at W = 2) but on the side stream at each peer's first
+    copy out (the old _ship); gemm=whole waits for them on the side stream once it follows the
+    caller's, so its copy of the own shard into the own slot waits for none."""
+    acquire, rt_acquire = mr._Call.acquire, symm.GroupRuntime.acquire
+
+    def late(self, stream, p, *, defer_take=False):
+        caller = sys._getframe(1).f_code.co_name == "_reduce_scatter_into"
+        if not (caller and stream is self.cur and self.sched.name == "ce_push"):
+            acquire(self, stream, p, defer_take=defer_take)
+
+    def old_ship(call, src_piece, dst_piece, p, c):
+        call.after_caller()
+        if c == 0:
+            call.acquire(call.side, p, defer_take=True)
+        call.rt.copy(call.side, dst_piece, src_piece)
+        call.signal(call.side, p, c)
+
+    def on_side(self, stream, peer, half, **kw):
+        if sys._getframe(1).f_code.co_name == "_gather_and_multiply" and stream is not self.side:
+            self.after(self.side, stream)  # as before: the side stream follows the caller's, then waits
+            stream = self.side
+        rt_acquire(self, stream, peer, half, **kw)
+
+    monkeypatch.setattr(mr._Call, "acquire", late)
+    monkeypatch.setattr(mr, "_ship", old_ship)
+    monkeypatch.setattr(symm.GroupRuntime, "acquire", on_side)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence", sorted(REPLAYED))
+def test_an_own_slot_written_before_the_tokens_races_with_a_replayed_pull(world, sequence, monkeypatch):
+    _pre_fix(monkeypatch)
+    queue, runtimes = _queue(world, REPLAYED[sequence])
+    with pytest.raises(Race, match="still pulls from there"):
+        for seed in range(12):
+            simulate(queue, runtimes, seed)
 
 
 def _is_token(address: int) -> bool:
