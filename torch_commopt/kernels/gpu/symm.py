@@ -14,8 +14,9 @@ One `GroupRuntime` per (process group, device), created on first use and kept:
     waits for the token and takes it (sets 0); p gives it back (sets 1, a remote write)
     after its last read of that call.  Any write into its own buffer half waits for every
     peer's token on the same stream: slots follow the call's shape, so a call of another
-    shape may cover bytes a peer still pulls, and a replayed graph takes no new half.  Calls alternate the halves, so in steady state the
-    wait is already satisfied and the ranks are not coupled call by call.
+    shape may cover bytes a peer still pulls, and a replayed graph takes no new half.
+    Calls alternate the halves, so in steady state the wait is already satisfied and the
+    ranks are not coupled call by call.
   Tile counters (fused schedules) count up within a call and are zeroed at its start,
   before a barrier (epochs, eager only) that lets peers write into this rank again.
 - data buffers by size class (powers of two, >= 16 MiB), allocated with
