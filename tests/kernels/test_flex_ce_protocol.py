@@ -5,7 +5,12 @@ protocol_sim.py in several interleavings of every rank's streams: no deadlock, n
 a peer still reads, no read of a piece before it landed, every flag back at rest.  Gathers and
 sums back to back (both buffer halves reused), and between the matmul schedules' calls, which
 share the buffers, flags and tokens; planted bugs (a sum that does not wait for its pieces, a
-call that gives no token back) are caught."""
+call that gives no token back) are caught.  Calls of other lengths in one buffer half: gathers and
+sums after a replayed call (a CUDA-graph replay takes no epoch), and the copy-engine all-to-alls
+(ce_a2a.py) and rings (ce_ring.py), whose calls all start in half 0, back to back (a ring's first
+push waits for both halves' tokens: without, a longer ring after a shorter one races over three
+ranks; ce_pull runs over two ranks only, since a third rank's pulls are guarded by no token a
+writer holds)."""
 
 from __future__ import annotations
 
@@ -13,11 +18,12 @@ import types
 
 import pytest
 import torch
-from fake_cuda import _tensor_rows, fake_runtimes, faked_cuda
-from protocol_sim import Deadlock, NotAtRest, Race, simulate
+from fake_cuda import FakeStream, _tensor_rows, fake_runtimes, faked_cuda
+from protocol_sim import Deadlock, NotAtRest, Race, _flag, simulate
 
 from torch_commopt.core.schedule import Schedule
-from torch_commopt.kernels.attention import ce_gather
+from torch_commopt.kernels.attention import ce_a2a, ce_gather, ce_ring
+from torch_commopt.kernels.gpu import symm
 from torch_commopt.kernels.matmul.gpu import ag_matmul as agm
 from torch_commopt.kernels.matmul.gpu import matmul_reduce as mr
 from torch_commopt.kernels.matmul.product import Product
@@ -43,11 +49,13 @@ def _recorded_sum(queue, active):
 def _call(name: str, world: int):
     gen = torch.Generator().manual_seed(len(name) + world)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    name, _, length = name.partition(" L=")  # "gather L=20": another block length than L (other slots)
+    n = int(length) if length else L
     if name == "gather":
-        k, v = rnd(B, H, L, D), rnd(B, H, L, D)
+        k, v = rnd(B, H, n, D), rnd(B, H, n, D)
         return lambda: ce_gather.all_gather_kv(k, v, GROUP)
     if name == "scatter":
-        gk, gv = rnd(B, H, world * L, D), rnd(B, H, world * L, D)
+        gk, gv = rnd(B, H, world * n, D), rnd(B, H, world * n, D)
         return lambda: ce_gather.reduce_scatter_kv(gk, gv, GROUP)
     op, sched = name.split(" ")
     s = Schedule.parse(sched)
@@ -70,6 +78,10 @@ def _queue(world: int, names: list[str]) -> tuple[list, list]:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ce_gather, "_sum", _recorded_sum(queue, state))
             for name in names:  # every rank queues the call, then the next: the GPUs run them later
+                if name == "replayed":  # the call before took no epoch (a CUDA-graph replay): REPLAYED
+                    for rt in runtimes:
+                        rt.rewind(rt.epoch - 1)
+                    continue
                 for rank in range(world):
                     switch(rank)
                     _call(name, world)()
@@ -110,6 +122,178 @@ def test_a_call_that_gives_no_token_back_stalls_the_next_on_its_half(monkeypatch
     queue, runtimes = _queue(2, ["gather", "gather", "gather"])
     with pytest.raises((Deadlock, NotAtRest)):
         simulate(queue, runtimes, 0, shared_reads=True)
+
+
+# A CUDA-graph replay takes no epoch (symm.GroupRuntime.next_epoch), so the eager call after it
+# lands in the replayed call's buffer half ("replayed": every runtime's epoch rewound by one, as in
+# test_protocol_sim.py's REPLAYED).  ce_gather's half is rt.next_epoch() % 2 and its slots follow
+# the block length, so a call of another length covers other bytes of that half under the same
+# tokens.  ce_gather itself never runs in a capture: the sequences of gathers and sums alone are
+# the conservative check, a matmul schedule's replayed call before a gather the realistic one.
+REPLAYED = {
+    "gather, longer gather": ["gather", "replayed", "gather L=20"],
+    "gather, shorter gather": ["gather L=20", "replayed", "gather"],
+    "sum, longer sum": ["scatter", "replayed", "scatter L=20"],
+    "gather, sum, gather": ["gather L=20", "replayed", "scatter", "replayed", "gather L=12"],
+}
+REPLAYED_MIXED = {
+    "ag, gather": ["ag ce_push:1", "replayed", "gather L=20"],
+    "rs ce_push, gather": ["rs ce_push:1", "replayed", "gather L=20"],
+    "gemm=whole, sum": ["ag ce_push:1:gemm=whole", "replayed", "scatter L=20"],
+    "ce_pull, gather": ["rs ce_pull:2", "replayed", "gather L=20"],
+    "ce_pull, sum": ["rs ce_pull:2", "replayed", "scatter L=20"],
+}
+
+
+def _one_half(queue) -> bool:
+    """Whether every token given back in `queue` is of one buffer half (the calls shared it)."""
+    given = [_flag(op[1])[1] for _, _, op in queue if op[0] == "write" and op[2] == 1]
+    halves = {(i - symm.FREE) // symm.MAX_WORLD for i in given if symm.FREE <= i < symm.FREE + symm.HALVES * symm.MAX_WORLD}
+    return len(halves) == 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence", sorted(REPLAYED))
+def test_a_gather_of_another_length_in_a_replayed_calls_half_waits_for_its_reads(world, sequence):
+    queue, runtimes = _queue(world, REPLAYED[sequence])
+    assert _one_half(queue)
+    for seed in range(12):
+        simulate(queue, runtimes, seed, shared_reads=True)
+    assert all(not rt._untaken for rt in runtimes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence", sorted(REPLAYED_MIXED))
+def test_a_gather_in_a_replayed_matmul_calls_half_waits_for_its_reads(world, sequence):
+    queue, runtimes = _queue(world, REPLAYED_MIXED[sequence])
+    assert _one_half(queue)
+    for seed in range(12):
+        simulate(queue, runtimes, seed)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_gather_that_takes_no_token_races_in_a_replayed_calls_half(world, monkeypatch):
+    monkeypatch.setattr(symm.GroupRuntime, "acquire", lambda self, *args, **kwargs: None)  # planted
+    for sequence in [*REPLAYED.values(), *REPLAYED_MIXED.values()]:
+        queue, runtimes = _queue(world, sequence)
+        with pytest.raises(Race):
+            for seed in range(12):
+                simulate(queue, runtimes, seed, shared_reads=sequence in REPLAYED.values())
+
+
+# The all-to-all's and the ring's halves are not the epoch's: ce_a2a's is the head group's
+# (g % 2, every call starts in half 0), ce_ring's the step's (every ring starts in half 0), each
+# in a buffer of its own (own_buffer), so any two calls share a half, replayed or not, and a
+# call of another shape lays that half out anew: nothing to rewind, the calls back to back are
+# the check.
+
+def _a2a_shapes_queue(world: int, plan: list[tuple], monkeypatch) -> tuple[list, list]:
+    """ce_a2a.pipelined calls of several shapes, every rank's in turn: ("fwd", tokens a rank
+    holds, head groups, keep the moved tensors) or ("bwd", tokens, head groups)."""
+    monkeypatch.setenv(ce_a2a.GROUP_STREAMS_ENV, "0")
+    monkeypatch.setattr(ce_a2a, "_SECOND", {})
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def call(kind: str, s_loc: int, groups: int, keep: bool = False):
+        h, h_kv, sm = 2 * world * groups, world * groups, s_loc * world
+        hq, hk = h // (groups * world), h_kv // (groups * world)
+        if kind == "bwd":
+            dout = torch.randn(B, h, s_loc, D)
+            specs = [(dout.shape, dout.dtype), ((B, h_kv, s_loc, D), dout.dtype), ((B, h_kv, s_loc, D), dout.dtype)]
+            return lambda: ce_a2a.pipelined([dout], lambda dh: [dh * 2, torch.ones(B, hk, sm, D), torch.ones(B, hk, sm, D)],
+                                            GROUP, groups, specs)
+        q, k, v = torch.randn(B, h, s_loc, D), torch.randn(B, h_kv, s_loc, D), torch.randn(B, h_kv, s_loc, D)
+        keep_in = [torch.empty(groups, B, x, sm, D) for x in (hq, hk, hk)] if keep else None
+        keep_out = [torch.empty(groups, B, hq, sm, D)] if keep else None
+        return lambda: ce_a2a.pipelined([q, k, v], lambda qh, kh, vh: [qh * 2], GROUP, groups, [(q.shape, q.dtype)],
+                                        keep_in, keep_out)
+
+    runtimes, queue = fake_runtimes(world, owned=(ce_a2a.PURPOSE,)), []
+    with faked_cuda(runtimes, queue) as active:
+        for entry in plan:
+            for rank in range(world):
+                active(rank)
+                call(*entry)()
+    return queue, runtimes
+
+
+A2A_SHAPES = {  # each with a call whose layout outgrows the one before (what _drained guards)
+    "longer forward": [("fwd", 4, 1), ("fwd", 12, 1, True)],
+    "longer backward": [("bwd", 4, 1), ("bwd", 12, 1)],
+    "backward, longer forward": [("bwd", 4, 1), ("fwd", 12, 1)],
+    "steps": [("fwd", 12, 2, True), ("bwd", 12, 2), ("fwd", 4, 2, True), ("bwd", 4, 1), ("fwd", 12, 1), ("bwd", 12, 1)],
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("plan", sorted(A2A_SHAPES))
+def test_all_to_alls_of_other_lengths_in_one_half_wait_for_the_reads(world, plan, monkeypatch):
+    queue, runtimes = _a2a_shapes_queue(world, A2A_SHAPES[plan], monkeypatch)
+    for seed in range(12):
+        simulate(queue, runtimes, seed)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_all_to_all_of_another_length_that_does_not_drain_races(world, monkeypatch):
+    monkeypatch.setattr(ce_a2a._Pipeline, "_drained", lambda self: None)  # planted: session 30's bug back
+    for plan in A2A_SHAPES.values():
+        queue, runtimes = _a2a_shapes_queue(world, plan, monkeypatch)
+        with pytest.raises(Race):
+            for seed in range(12):
+                simulate(queue, runtimes, seed)
+
+
+def _rings_queue(world: int, lengths: list[int]) -> tuple[list, list]:
+    """ce_ring.CEShift rings on channel 0 one after the other, each of blocks (K, V) of its
+    length, world - 1 steps each (a ring attention call's)."""
+    runtimes, queue = fake_runtimes(world, owned=(ce_ring.PURPOSE,)), []
+    with faked_cuda(runtimes, queue) as active:
+        for length in lengths:
+            shifts = []
+            for rank in range(world):
+                active(rank)
+                shifts.append(ce_ring.CEShift([torch.randn(B, H, length, D), torch.randn(B, H, length, D)], GROUP))
+            for _ in range(world - 1):
+                for step in ("start", "wait"):
+                    for rank, shift in enumerate(shifts):
+                        active(rank)
+                        getattr(shift, step)()
+            for rank, shift in enumerate(shifts):
+                active(rank)
+                shift.finish()
+    return queue, runtimes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_ring_of_longer_blocks_after_a_shorter_one_waits_for_its_reads(world):
+    # the first ring the longest: the ring buffer has grown already (own_buffer keeps it), as on
+    # a GPU, where a longer ring than any before makes a new buffer (a synchronizing rendezvous).
+    # Over two ranks a ring has one step: its block lies in half 0, whose token the next ring takes
+    queue, runtimes = _rings_queue(world, [16, 4, 16, 8])
+    for seed in range(12):
+        simulate(queue, runtimes, seed)
+
+
+def test_a_ring_whose_first_push_waits_for_its_half_only_races_with_the_ring_before(monkeypatch):
+    wait = symm.GroupRuntime.wait
+    monkeypatch.setattr(symm.GroupRuntime, "wait", lambda self, stream, index, value, **kw:  # planted
+                        None if kw.get("what") == "free ring slot" and kw.get("chunk") == -1
+                        else wait(self, stream, index, value, **kw))
+    queue, runtimes = _rings_queue(3, [16, 4, 16, 8])
+    with pytest.raises(Race):
+        for seed in range(12):
+            simulate(queue, runtimes, seed)
+
+
+def test_a_ring_that_takes_no_token_races_with_the_ring_before(monkeypatch):
+    wait = symm.GroupRuntime.wait
+    monkeypatch.setattr(symm.GroupRuntime, "wait", lambda self, stream, index, value, **kw:  # planted
+                        None if kw.get("what") == "free ring slot" else wait(self, stream, index, value, **kw))
+    queue, runtimes = _rings_queue(2, [16, 4, 16, 8])
+    with pytest.raises(Race):
+        for seed in range(12):
+            simulate(queue, runtimes, seed)
 
 
 def test_the_copy_engine_moves_only_when_asked_for_on_cuda_tensors(monkeypatch):

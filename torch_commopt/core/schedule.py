@@ -57,6 +57,7 @@ class Schedule:
     ce_pull(S): GPU, reductions.  Each rank computes a peer's partial into its own
         symmetric buffer (local stores) and flags it; the peer's copy engine pulls it
         straight into its output, where its own GEMM adds in place (no staging copy).
+        Two ranks only: over more it runs ce_push (matmul_reduce.pull_placed).
     direct(S): GPU, reductions.  cuBLAS writes each peer's partial straight into that
         peer's symmetric buffer (NVLink stores); the reduction is fused into the
         epilogue (addmm) of the rank's own piece.

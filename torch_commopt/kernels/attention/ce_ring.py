@@ -122,6 +122,9 @@ class CEShift:
         side.wait_stream(self.compute)
         with torch.cuda.stream(side):
             free = self._index(self.symm.RING_FREE, half)
+            if self.step == 0:  # the ring before may have left its last block in the other half
+                rt.wait(side, self._index(self.symm.RING_FREE, 1 - half), 1, debug=self.debug, what="free ring slot",
+                        src=self.next, chunk=-1, watched=self.watched)
             rt.wait(side, free, 1, debug=self.debug, what="free ring slot", src=self.next, chunk=self.step,
                     watched=self.watched)
             self.symm.driver.write_value32(side, rt.flag_address(rt.rank, free), 0)

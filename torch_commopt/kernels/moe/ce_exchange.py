@@ -174,6 +174,8 @@ class CEExchange:
                 raise RuntimeError(f"commopt moe: {self.sent[region][q] + n} rows for rank {q} overflow its slot "
                                    f"of {self.slot // self.row_bytes} (the Routing's peak is wrong)")
             if q not in self.taken[region]:  # q has read everything this rank sent it before
+                if q not in self.taken[1 - region]:  # this pass's first push to q: the other region too
+                    self._drained(1 - region, q, chunk)
                 rt.wait(self.side, self._free(region, q), 1, debug=self.debug, watched=self.watched,
                         what="free moe slot", src=q, chunk=chunk)
                 driver.write_value32(self.side, rt.flag_address(self.me, self._free(region, q)), 0)
@@ -187,6 +189,14 @@ class CEExchange:
         if outs is not None and ins[self.me].shape[0]:
             outs[self.me].copy_(ins[self.me])
         return Arrival(self, region, chunk, outs, ins[self.me])
+
+    def _drained(self, region: int, q: int, chunk: int) -> None:
+        """Side stream: hold until q has read what this rank sent into its `region` in the pass
+        before, without taking that token.  Slots follow the pass's peak (slot_bytes), so a push
+        into one region of a larger layout can land on the other region's bytes of the pass
+        before, which q may still be reading under that region's token."""
+        self.rt.wait(self.side, self._free(region, q), 1, debug=self.debug, watched=self.watched,
+                     what="free moe slot", src=q, chunk=chunk)
 
     def landed(self, region: int, chunk: int, rows: list[int]) -> list[tuple[int, int, int]]:
         """Hold the compute stream until chunk c's pieces have landed; (source, byte offset in this
