@@ -408,7 +408,7 @@ def _ring_queue(world: int):
     from torch_commopt.kernels.attention import ce_ring
 
     group = SimpleNamespace(group_name="fake")
-    runtimes, queue = fake_runtimes(world, owned=(ce_ring.PURPOSE,)), []
+    runtimes, queue = fake_runtimes(world, owned=(ce_ring.PURPOSE, ce_ring.channel_purpose(1))), []
     with faked_cuda(runtimes, queue) as active:
         for channel in (0, 1, 0):
             shifts = []
@@ -426,6 +426,50 @@ def _ring_queue(world: int):
                 active(rank)
                 shift.finish()
     return queue, runtimes
+
+
+def _concurrent_rings_queue(world: int, channels: tuple[int, int]):
+    """Two CEShift rings at once, as FlexAttention's backward runs them: K/V (bf16) and the
+    dK/dV sums (fp32, larger slots), each step starting both, then waiting for both."""
+    from types import SimpleNamespace
+
+    from torch_commopt.kernels.attention import ce_ring
+
+    group = SimpleNamespace(group_name="fake")
+    runtimes, queue = fake_runtimes(world, owned=(ce_ring.PURPOSE, ce_ring.channel_purpose(1))), []
+    with faked_cuda(runtimes, queue) as active:
+        rings = []
+        for rank in range(world):
+            active(rank)
+            kv = [torch.randn(2, 4, 8, dtype=torch.bfloat16), torch.randn(2, 4, 8, dtype=torch.bfloat16)]
+            rings.append([ce_ring.CEShift(kv, group, channels[0]),
+                          ce_ring.CEShift([torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)], group, channels[1])])
+        for _ in range(world - 1):
+            for step in ("start", "wait"):
+                for rank, shifts in enumerate(rings):
+                    active(rank)
+                    for shift in shifts:
+                        getattr(shift, step)()
+        for rank, shifts in enumerate(rings):
+            active(rank)
+            for shift in shifts:
+                shift.finish()
+    return queue, runtimes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_rings_at_once_on_their_own_channels_keep_the_protocol(world):
+    queue, runtimes = _concurrent_rings_queue(world, (0, 1))
+    for seed in range(8):
+        simulate(queue, runtimes, seed)
+
+
+def test_two_rings_at_once_on_one_channel_are_caught():
+    """What flex_ring's backward did before its dK/dV ring took channel 1."""
+    queue, runtimes = _concurrent_rings_queue(3, (0, 0))
+    with pytest.raises((Race, Deadlock, NotAtRest)):
+        for seed in range(8):
+            simulate(queue, runtimes, seed)
 
 
 @pytest.mark.parametrize("world", [2, 3])

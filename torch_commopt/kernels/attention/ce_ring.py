@@ -11,15 +11,18 @@ comm.ring_shift.
 Protocol (rank p of n, channel c, steps i = 0, 1, ...; kernels/gpu/symm.py's RING_ flags):
   start (step i, half h = i % 2), side stream: wait for the compute stream (the current
       block is complete), take the token RING_FREE[c, h] (rank p+1 has finished reading
-      slot (c, h) of its buffer: the push of step i-2), copy the block into p+1's slot
-      (c, h), then set p+1's RING_DATA[c, h] = 1.
+      slot (c, h) of its buffer: the push of step i-2; at step 0 the other half's token
+      too, not taken: slots follow the blocks, and the ring before, of other blocks, may
+      have ended in that half), copy the block into p+1's slot (c, h), then set p+1's
+      RING_DATA[c, h] = 1.
   wait (step i), compute stream: hold until this rank's RING_DATA[c, h] = 1 (p-1's block
       has landed in slot (c, h): the current block of step i+1), then join the side stream
       (the push of step i has read the old current block) and release the old block's
       slot: lower its RING_DATA and give p-1 its token back.
   finish: release the last block's slot after its last use.
 Every value is a constant and every flag is back at rest after finish, as in symm.py.
-Channel 1 is spare (a second concurrent ring, e.g. the backward's dK/dV sums).
+Channel 1 runs a second ring at the same time (FlexAttention's backward: its dK/dV sums beside
+K/V), in a buffer of its own (channel_purpose).
 
 Off by default: TORCH_COMMOPT_ATTENTION_TRANSPORT=ce (core/env.py) turns it on (logged once);
 inside a CUDA-graph capture before the ring buffer exists, NCCL runs (logged once).
@@ -38,7 +41,14 @@ from torch_commopt.kernels.attention import switches
 
 log = logging.getLogger(__name__)
 ENV = env.ATTENTION_TRANSPORT
-PURPOSE = "attention ring"  # the runtime's own_buffer key
+PURPOSE = "attention ring"  # the runtime's own_buffer key (channel 0's; channel_purpose)
+
+
+def channel_purpose(channel: int) -> str:
+    """A channel's own buffer key: each channel a buffer of its own, since two rings may run at
+    once (FlexAttention's backward shifts K/V and the dK/dV sums together), each laid out by its
+    own blocks, and a buffer that grows for one must not be let go under the other."""
+    return PURPOSE if channel == 0 else f"{PURPOSE} {channel}"
 _ALIGN = 256  # bytes: every tensor of a message starts aligned in its slot
 
 
@@ -68,7 +78,7 @@ def slot_bytes(tensors: Sequence[Tensor]) -> int:
     return _layout(tensors)[1]
 
 
-def usable(tensors: Sequence[Tensor], group) -> bool:
+def usable(tensors: Sequence[Tensor], group, channel: int = 0) -> bool:
     """Whether a ring shift of these tensors over `group` runs on the copy engine: asked for
     (transport() == "ce"), CUDA tensors, two or more ranks, and outside a CUDA-graph capture
     unless the ring buffer already exists (creating it is collective and synchronizes)."""
@@ -78,7 +88,7 @@ def usable(tensors: Sequence[Tensor], group) -> bool:
         from torch_commopt.kernels.gpu import symm
 
         rt = symm.existing(group.group_name, tensors[0].device)
-        if rt is None or not rt.has_own_buffer(PURPOSE, 2 * slot_bytes(tensors)):
+        if rt is None or not rt.has_own_buffer(channel_purpose(channel), 2 * slot_bytes(tensors)):
             _once("capture", logging.INFO, "commopt attention: copy-engine ring buffer not yet allocated inside a "
                   "CUDA-graph capture; the ring runs on NCCL (run a call outside the graph first)")
             return False
@@ -97,7 +107,7 @@ class CEShift:
         self.rt = rt = symm.runtime(group.group_name, tensors[0].device)
         self.specs = [(t.shape, t.dtype) for t in tensors]
         self.offsets, self.slot = _layout(tensors)
-        self.buf = rt.own_buffer(PURPOSE, (channel + 1) * 2 * self.slot)  # two halves per channel
+        self.buf = rt.own_buffer(channel_purpose(channel), 2 * self.slot)  # two halves
         n, p = rt.world, rt.rank
         self.next, self.prev = (p + 1) % n, (p - 1) % n
         self.views = [t.contiguous() for t in tensors]
@@ -109,7 +119,7 @@ class CEShift:
         self.watched = rt.begin_call("cp attention ring", lane=f"ring{channel}", label=f"copy-engine ring, channel {channel}")
 
     def _base(self, half: int) -> int:
-        return (self.channel * 2 + half) * self.slot
+        return half * self.slot
 
     def _index(self, region: int, half: int) -> int:
         return region + self.channel * self.symm.HALVES + half

@@ -107,19 +107,20 @@ class Unmoved:
         pass
 
 
-def ring_shift(tensors: Sequence[Tensor], group: Group, tag: int):
+def ring_shift(tensors: Sequence[Tensor], group: Group, tag: int, channel: int = 0):
     """A RingShift, or on CUDA with TORCH_COMMOPT_ATTENTION_TRANSPORT=ce the copy-engine
     shift of kernels/attention/ce_ring.py (same interface: current, start, wait, finish); Unmoved
-    for a ring of one rank."""
+    for a ring of one rank.  channel: the copy-engine ring's (its buffer, flags and tokens); two
+    shifts that run at once need two."""
     from torch_commopt.kernels.attention import ce_ring
 
     if size(group) == 1:
         return Unmoved(tensors)
-    if ce_ring.usable(tensors, group):
+    if ce_ring.usable(tensors, group, channel):
         from torch_commopt.kernels.gpu.symm import SymmAllocError
 
         try:
-            return ce_ring.CEShift(tensors, group)
+            return ce_ring.CEShift(tensors, group, channel)
         except SymmAllocError as e:  # on every rank of the group together, before anything moved
             refused_once(f"commopt attention: {e}; the ring runs on NCCL")
     return RingShift(tensors, group, tag)

@@ -387,7 +387,8 @@ def ring_backward(saved: Saved, dout: Tensor, blocks: flex.Blocks, scale: float,
     zeros = [torch.zeros(saved.k.shape, dtype=acc, device=saved.k.device),
              torch.zeros(saved.v.shape, dtype=acc, device=saved.v.device)]
     if spans is None:
-        shifts = (comm.ring_shift([saved.k, saved.v], group, TAG_KV), comm.ring_shift(zeros, group, TAG_GRAD))
+        shifts = (comm.ring_shift([saved.k, saved.v], group, TAG_KV),
+                  comm.ring_shift(zeros, group, TAG_GRAD, channel=1))  # both at once: two channels
     else:
         shifts = (DirectShift([saved.k, saved.v], group, TAG_KV, spans),
                   DirectGrads(zeros, group, TAG_GRAD, spans, adopt_own=world == 2))
