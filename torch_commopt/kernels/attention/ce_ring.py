@@ -49,6 +49,8 @@ def channel_purpose(channel: int) -> str:
     once (FlexAttention's backward shifts K/V and the dK/dV sums together), each laid out by its
     own blocks, and a buffer that grows for one must not be let go under the other."""
     return PURPOSE if channel == 0 else f"{PURPOSE} {channel}"
+
+
 _ALIGN = 256  # bytes: every tensor of a message starts aligned in its slot
 
 
