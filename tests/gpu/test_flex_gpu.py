@@ -35,6 +35,29 @@ def test_flex_ops_match_whole_sequence_attention(two_ranks):
         assert not _bad(results), "\n".join(_bad(results))
 
 
+def _with_the_copy_engine_ring(ranks, monkeypatch) -> None:
+    """run_flex_ops with the ring on the copy engine (ce_ring) and bounded waits: its backward
+    runs the K/V ring and the dK/dV ring at once, on channels 0 and 1."""
+    for name, value in {"TORCH_COMMOPT_ATTENTION_TRANSPORT": "ce", "TORCH_COMMOPT_DEBUG_WAITS": "1",
+                        "TORCH_COMMOPT_WAIT_TIMEOUT_S": "60"}.items():
+        monkeypatch.setenv(name, value)
+    world, backend = ranks
+    for results in run_distributed(run_flex_ops, world, backend=backend, timeout_s=500):
+        assert len(results) == 5 * 2 * 3 * 4
+        assert not _bad(results), "\n".join(_bad(results))
+
+
+@pytest.mark.gpu
+def test_flex_ops_with_the_copy_engine_ring_match_whole_sequence_attention(two_ranks, monkeypatch):
+    _with_the_copy_engine_ring(two_ranks, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_flex_ops_with_the_copy_engine_ring_at_worlds_3_and_4(more_ranks, monkeypatch):
+    """Rings of two and three steps: blocks in both halves of a channel."""
+    _with_the_copy_engine_ring(more_ranks, monkeypatch)
+
+
 @pytest.mark.gpu
 def test_the_hybrid_schedule_at_four_ranks_matches_whole_sequence_attention(four_ranks):
     world, backend = four_ranks
