@@ -90,7 +90,9 @@ def out_descriptors(outs: Sequence[torch.Tensor], lin: int, params: dict) -> Opt
 
 def flat_ok(params: dict, k: int) -> bool:
     """Whether the fused all-gather TMA kernel runs its tile and k loops as one pipelined loop
-    (flat=1): only where a tile has more k steps than the pipeline has stages, so that the loads
-    the pipeline runs ahead never reach past the next tile, whose flag the kernel awaits one
-    tile ahead (triton_kernels._tma_sweep)."""
-    return bool(params.get("flat")) and -(-k // params["bk"]) > params["stages"]
+    (flat=1): only where a tile has at least twice as many k steps as the pipeline has stages.
+    The kernel awaits a tile's flag at the start of the tile before it
+    (triton_kernels._tma_sweep); the pipeline issues a step's loads up to stages - 1 steps
+    early, and may run that start's wait up to stages - 1 steps late, so the wait stays ahead
+    of the loads it guards while a tile has more than 2 (stages - 1) k steps."""
+    return bool(params.get("flat")) and -(-k // params["bk"]) >= 2 * params["stages"]

@@ -184,8 +184,8 @@ def _tma_sweep(g0, pid, num_progs, a_desc, b_desc, c, bias, n_i, flags, status, 
     first loads are in flight during this tile's last steps and its epilogue; a peer tile's
     flag is then awaited one tile ahead (the first before the loop, each next one at the start
     of the tile before it), which keeps every wait ahead of the loads it guards as long as a
-    tile has more k steps than the pipeline has stages (the host's condition).  Returns the
-    next phase's g0."""
+    tile has enough k steps for the pipeline's stages (the host's condition, tma.flat_ok).
+    Returns the next phase's g0."""
     tiles_m = tl.cdiv(M_loc, BM)
     tiles_n = tl.cdiv(n_i, BN)
     per_slot = tiles_m * tiles_n
