@@ -40,3 +40,13 @@ def test_a_refusal_is_logged_once_per_op_and_reason(caplog):
         assert tma.descriptors("matmul_rs", [a], [w], 128, 128, 64, why_not="rows span two runs") is None
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and all("pointer-load kernel" in m for m in messages)
+
+
+def test_the_all_gather_flattens_only_tiles_of_at_least_twice_its_stages_in_k_steps():
+    """flat=1 flattens where a tile's k steps leave its lookahead flag wait ahead of the next
+    tile's loads (a step's loads up to stages - 1 steps early, the wait up to as many late)."""
+    p = {"flat": 1, "bk": 64, "stages": 3}
+    assert tma.flat_ok(p, 6 * 64) and tma.flat_ok(p, 4096)
+    assert not tma.flat_ok(p, 5 * 64) and tma.flat_ok(p, 5 * 64 + 1)  # a partial last step counts
+    assert not tma.flat_ok({**p, "stages": 4}, 7 * 64) and tma.flat_ok({**p, "stages": 4}, 8 * 64)
+    assert not tma.flat_ok({**p, "flat": 0}, 4096) and not tma.flat_ok({"bk": 64, "stages": 3}, 4096)
