@@ -317,6 +317,14 @@ def test_replayed_fused_reductions_are_ranked_as_what_runs():
     assert [c for c in candidates(shape, H200) if c.name == "fused"]
 
 
+def test_ce_pull_is_a_candidate_over_two_ranks_only():
+    # over more it runs ce_push (matmul_reduce.pull_placed): ranking it would rank ce_push twice
+    for kind in ("matmul_rs", "matmul_ar"):
+        pulls = {w: [c for c in candidates(RegionShape(kind, 8192, 4096, (8192,), w, "bfloat16"), H200)
+                     if c.name == "ce_pull"] for w in (2, 4)}
+        assert pulls[2] and not pulls[4], kind
+
+
 def test_family_factor_is_interpolated_between_a_short_and_a_long_probe():
     cal = dataclasses.replace(prior("NVIDIA H200", 2), schedule_factor={"matmul_rs ce_push": 1.0},
                               schedule_factor_curve={"matmul_rs ce_push": [[1e-3, 1.0], [1e-4, 0.8]]})

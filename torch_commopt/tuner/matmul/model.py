@@ -473,7 +473,9 @@ def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool | str = Fal
     if shape.kind == "ag_matmul":
         gpu += [Schedule("ce_push", 1, (("gemm", "whole"),)), Schedule("ce_push", 1, (("par", 1),))]
     else:
-        gpu += [Schedule("direct", s) for s in (1, 2)] + ([] if shape.scaled else [Schedule("ce_pull", 2)])
+        # ce_pull over two ranks only: over more it runs ce_push (matmul_reduce.pull_placed)
+        pull = [] if shape.scaled or shape.world > 2 else [Schedule("ce_pull", 2)]
+        gpu += [Schedule("direct", s) for s in (1, 2)] + pull
     if shape.dtype in ("bfloat16", "float16"):
         gpu += [Schedule("fused", s) for s in (1, 4)]
     # the program's own graphs only: eager (or in per-call graphs, which they do not replay) a
