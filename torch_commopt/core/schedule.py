@@ -211,6 +211,15 @@ class Schedule:
             return Schedule("ce_push", self.chunks, tuple(kv for kv in self.params if kv[0] == "dbg"))
         return self
 
+    def at_world(self, world: int) -> "Schedule":
+        """What runs over `world` ranks: ce_pull over two only, ce_push with the same pieces (and
+        debug and call-graph settings) over more -- a push into a peer's buffer half waits for that
+        peer's token to the writer, while a third rank's pulls of that half are guarded by a token
+        in the peer's flags, which no writer waits for; the rest as is."""
+        if self.name == "ce_pull" and world > 2:
+            return Schedule("ce_push", self.chunks, tuple(kv for kv in self.params if kv[0] in ("dbg", "cg")))
+        return self
+
     def reference_twin(self) -> "Schedule":
         """The plain torch + c10d schedule computing the same pieces in the same order."""
         if self.name in ("gather_sum", "scatter_gather"):

@@ -473,17 +473,17 @@ def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool | str = Fal
     if shape.kind == "ag_matmul":
         gpu += [Schedule("ce_push", 1, (("gemm", "whole"),)), Schedule("ce_push", 1, (("par", 1),))]
     else:
-        # ce_pull over two ranks only: over more it runs ce_push (matmul_reduce.pull_placed)
-        pull = [] if shape.scaled or shape.world > 2 else [Schedule("ce_pull", 2)]
-        gpu += [Schedule("direct", s) for s in (1, 2)] + pull
+        gpu += [Schedule("direct", s) for s in (1, 2)] + ([] if shape.scaled else [Schedule("ce_pull", 2)])
     if shape.dtype in ("bfloat16", "float16"):
         gpu += [Schedule("fused", s) for s in (1, 4)]
     # the program's own graphs only: eager (or in per-call graphs, which they do not replay) a
     # Triton launch's host cost outweighs what they save
     if lowlat_fits(shape) and graphs is True:
         gpu += [Schedule("oneshot"), Schedule("twoshot")]
-    # replayed, a schedule that runs as another one inside a capture would only repeat it
-    return out + [s for s in gpu if s.valid_for(shape.kind) and not (graphs and s.in_capture(shape.kind) != s)]
+    # a schedule that runs as another one over this world (ce_pull over 3+ ranks), or replayed
+    # inside a capture, would only repeat it
+    return out + [s for s in gpu if s.valid_for(shape.kind) and s.at_world(shape.world) == s
+                  and not (graphs and s.in_capture(shape.kind) != s)]
 
 
 def lowlat_fits(shape: RegionShape) -> bool:

@@ -147,8 +147,9 @@ def _gather_and_multiply(rt, a, sched: Schedule, mm: Products, lay, pieces, gath
     # the side stream then follows, since gemm=whole also copies into this rank's own slot, bytes a
     # peer may still be pulling (left by a reduce-scatter of another shape in this half).
     whole = sched.param("gemm") == "whole"
-    for p in rt.peers if whole else ():
-        rt.acquire(cur, p, half, debug=debug, defer_take=True)
+    if whole:
+        for p in rt.peers:
+            rt.acquire(cur, p, half, debug=debug, defer_take=True)
     rt.after(side, cur)
     src_ptr = a2.data_ptr()
     for p in rt.peers:  # driver calls on the side stream: no stream context, no tensor views

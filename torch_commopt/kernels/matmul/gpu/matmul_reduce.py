@@ -55,16 +55,13 @@ _said: set[tuple[str, str]] = set()
 
 
 def pull_placed(sched: Schedule, world: int, op: str) -> Schedule:
-    """What runs for `sched` over `world` ranks: ce_pull at two ranks only; over more, ce_push
-    with the same pieces (and debug and call-graph settings), logged once.  A push into a peer's
-    buffer half waits for that peer's token to the writer, but a third rank may still be pulling
-    bytes of that half left by a ce_pull of another shape (a replayed graph takes no new half,
-    so the eager call after it shares the replay's), and its token sits in the peer's flags,
-    where no writer waits for it (tests/kernels/test_flex_ce_protocol.py)."""
-    if sched.name != "ce_pull" or world <= 2:
-        return sched
-    alt = Schedule("ce_push", sched.chunks, tuple(kv for kv in sched.params if kv[0] in ("dbg", "cg")))
-    if (op, str(sched)) not in _said:
+    """What runs for `sched` over `world` ranks (Schedule.at_world: ce_pull over two ranks only),
+    logged once where that is another schedule.  A third rank may still be pulling bytes of a
+    peer's half left by a ce_pull of another shape (a replayed graph takes no new half, so the
+    eager call after it shares the replay's), under a token no writer into that half waits for
+    (tests/kernels/test_flex_ce_protocol.py)."""
+    alt = sched.at_world(world)
+    if alt != sched and (op, str(sched)) not in _said:
         _said.add((op, str(sched)))
         log.info("commopt %s: schedule %s over %d ranks runs %s (a third rank's pulls are guarded by no token "
                  "a writer holds)", op, sched, world, alt)
