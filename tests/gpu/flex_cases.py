@@ -15,19 +15,26 @@ import torch.distributed as dist
 
 S, BLOCK, D, H, H_KV = 4096, 128, 64, 4, 2
 KINDS = ("causal", "document", "window", "document+window", "empty rows")
-PADDED_FROM = S - 100  # "empty rows": the last 100 tokens are padding, rows with no key
+PADDING = 100  # "empty rows": the last 100 tokens are padding, rows with no key
 
 
-def doc_ids(device) -> torch.Tensor:
-    """Documents over S tokens: ones that cross the shares at 2 and 4 ranks, a one-token one and
-    one longer than a share at 4 ranks."""
-    ids = torch.zeros(1, S, dtype=torch.int32)
+def seq_len(world: int) -> int:
+    """The whole sequence over `world` ranks: S where it splits into whole blocks a rank, else the
+    longest that does (3840 over three ranks: ten blocks each)."""
+    return S // (world * BLOCK) * world * BLOCK
+
+
+def doc_ids(device, seq: int = S) -> torch.Tensor:
+    """Documents over `seq` tokens: ones that cross the shares at 2, 3 and 4 ranks, a one-token one
+    and one longer than a share at 4 ranks."""
+    ids = torch.zeros(1, seq, dtype=torch.int32)
     for cut in (300, 1100, 1101, 2300, 3000):
         ids[:, cut:] += 1
     return ids.to(device)
 
 
 def mask_mod_of(kind: str, docs: torch.Tensor, window: int = 700):
+    padded_from = docs.shape[-1] - PADDING
     if kind == "causal":
         return lambda b, h, q, kv: q >= kv
     if kind == "document":
@@ -35,14 +42,14 @@ def mask_mod_of(kind: str, docs: torch.Tensor, window: int = 700):
     if kind == "window":
         return lambda b, h, q, kv: (q >= kv) & (q - kv < window)
     if kind == "empty rows":  # earlier tokens only (token 0 sees none), padding at the end
-        return lambda b, h, q, kv: (q > kv) & (q - kv <= window) & (q < PADDED_FROM)
+        return lambda b, h, q, kv: (q > kv) & (q - kv <= window) & (q < padded_from)
     return lambda b, h, q, kv: (docs[b, q] == docs[b, kv]) & (q >= kv) & (q - kv < window)
 
 
-def _inputs(seed: int, device) -> list[torch.Tensor]:
+def _inputs(seed: int, device, seq: int = S) -> list[torch.Tensor]:
     """q, k, v, dout over the whole sequence in float32 (cast by the caller)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    shapes = [(1, H, S, D), (1, H_KV, S, D), (1, H_KV, S, D), (1, H, S, D)]
+    shapes = [(1, H, seq, D), (1, H_KV, seq, D), (1, H_KV, seq, D), (1, H, seq, D)]
     return [torch.randn(*shape, device=device, generator=gen) for shape in shapes]
 
 
@@ -58,7 +65,7 @@ def _dense(q, k, v, dense_mask, scale):
 def _truth(tensors, mod) -> list[torch.Tensor]:
     """[out, dq, dk, dv] over the whole sequence in float64."""
     q, k, v, dout = (t.double().requires_grad_() for t in tensors)
-    pos = torch.arange(S, device=q.device)
+    pos = torch.arange(q.shape[2], device=q.device)
     out = _dense(q, k, v, mod(0, 0, pos[:, None], pos[None, :])[None, None], 1 / math.sqrt(D))
     out.backward(dout.detach())
     return [out.detach(), q.grad, k.grad, v.grad]
@@ -70,7 +77,7 @@ def _whole_flex(tensors, mod, dtype) -> list[torch.Tensor]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     q, k, v = (t.to(dtype).requires_grad_() for t in tensors[:3])
-    mask = create_block_mask(mod, 1, None, S, S, device=q.device, BLOCK_SIZE=BLOCK)
+    mask = create_block_mask(mod, 1, None, q.shape[2], q.shape[2], device=q.device, BLOCK_SIZE=BLOCK)
     out = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=mask, enable_gqa=True)
     out.backward(tensors[3].to(dtype))
     return [out.detach(), q.grad, k.grad, v.grad]
@@ -102,20 +109,21 @@ def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> 
 
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD
-    length = S // world
+    seq = seq_len(world)
+    length = seq // world
     mine = slice(rank * length, (rank + 1) * length)
     results = []
     for i, kind in enumerate(KINDS):
-        tensors = _inputs(100 + i, device)
-        mod = mask_mod_of(kind, doc_ids(device))
+        tensors = _inputs(100 + i, device, seq)
+        mod = mask_mod_of(kind, doc_ids(device, seq))
         truth, own = _truth(tensors, mod), _whole_flex(tensors, mod, dtype)
         for own_rows in (False, True):
             rows_mod = _rows_of(mod, rank * length) if own_rows else mod
-            bm = create_block_mask(rows_mod, 1, None, length if own_rows else S, S, device=device, BLOCK_SIZE=BLOCK)
+            bm = create_block_mask(rows_mod, 1, None, length if own_rows else seq, seq, device=device, BLOCK_SIZE=BLOCK)
             graph, buffers = flex.lift(bm.mask_mod, device)
             tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
             for schedule in ("ring", "allgather:g=2", "allgather kept"):
-                args = (tables, list(buffers), graph.code, [length if own_rows else S, S, BLOCK], 1 / math.sqrt(D),
+                args = (tables, list(buffers), graph.code, [length if own_rows else seq, seq, BLOCK], 1 / math.sqrt(D),
                         world, group.group_name, schedule.removesuffix(" kept"))
                 q, k, v, dout = (t[:, :, mine].to(dtype).contiguous() for t in tensors)
                 if schedule.endswith(" kept"):
