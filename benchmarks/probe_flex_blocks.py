@@ -16,15 +16,12 @@ drawn uniformly from [mean / 4, 7 mean / 4]), a 4K sliding window; bf16, B 1, H 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import time
 
 import torch
 
 from benchmarks.common import fmt, machine_meta, result_stem, write_report
-from torch_commopt.core import env
 
 MASKS = ("causal", "docs 1K", "docs 4K", "docs 16K", "window 4K")
 B, H, H_KV, D, BLOCK = 1, 32, 8, 128, 128
@@ -67,20 +64,6 @@ def mask_mod(kind: str, seq: int, device):
 HOST_AHEAD_CYCLES = 3_000_000
 
 
-@contextlib.contextmanager
-def tiles(name: str):
-    """The flex backward's tiles fixed to `name` (TORCH_COMMOPT_FLEX_BWD_TILES) inside."""
-    old = os.environ.get(env.FLEX_BWD_TILES)
-    os.environ[env.FLEX_BWD_TILES] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[env.FLEX_BWD_TILES]
-        else:
-            os.environ[env.FLEX_BWD_TILES] = old
-
-
 def _ms(fn, reps: int) -> float:
     """Device ms of fn(): the median of `reps` calls, each queued behind a busy-wait."""
     fn()
@@ -121,7 +104,7 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
     """One mask and length: the rank's and the whole kernel's ms and tiles, forward and backward."""
     from torch.nn.attention import flex_attention as fa
 
-    from torch_commopt.kernels.attention import flex, flex_ring, flex_tiles
+    from torch_commopt.kernels.attention import flex, flex_ring
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seq)
@@ -172,18 +155,14 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
         return flex.block_backward(q_rows, k, v, out_rows, lse_rows, dout_rows, every, scale)
 
     acc, lse = rank_fwd()
-    before = flex_tiles.picked()
     dq = rank_bwd()[0].float()
     gathered_out, _ = gather_fwd()
     gathered_dq = gather_bwd()[0].float()
-    picks = sorted({v for k, v in flex_tiles.picked().items() if k not in before})  # this case's new keys'
     whole_fwd_bwd()
     compile_s = time.perf_counter() - t0
     fwd_whole, both_whole = _ms(whole_fwd, reps), _ms(whole_fwd_bwd, reps)
     fwd_rank, bwd_rank = _ms(rank_fwd, reps), _ms(rank_bwd, reps)
     fwd_gather, bwd_gather = _ms(gather_fwd, reps), _ms(gather_bwd, reps)
-    with tiles("default"):  # Inductor's tiles, for the pick's gain
-        bwd_gather_default = _ms(gather_bwd, reps)
     torch.cuda.synchronize()
     host = time.perf_counter()
     cut = [flex.step_mask(blocks, p, s, world) for s in range(world)]  # what a call builds for a new mask
@@ -198,9 +177,7 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
     return {"mask": kind, "seq": seq, "world": world, "rank": p, "tiles_whole": tiles_whole, "tiles_rank": tiles_rank,
             "blocks_computed": len(live), "ms": {"whole fwd": fwd_whole, "whole bwd": both_whole - fwd_whole,
                                                  "rank fwd": fwd_rank, "rank bwd": bwd_rank,
-                                                 "allgather fwd": fwd_gather, "allgather bwd": bwd_gather,
-                                                 "allgather bwd default tiles": bwd_gather_default},
-            "tiles_picked": picks,
+                                                 "allgather fwd": fwd_gather, "allgather bwd": bwd_gather},
             "fwd_error": float((acc.float() - out_rows.float()).abs().max()),
             "allgather_fwd_error": float((gathered_out.float() - out_rows.float()).abs().max()),
             "allgather_dq_error": float((gathered_dq - qa.grad[:, :, rows].float()).abs().max()),
@@ -294,17 +271,15 @@ def derive(cases: list) -> list:
 def report(cases: list, meta: dict) -> str:
     lines = [f"# FlexAttention CP: per-rank compute against the whole-sequence kernel ({meta['device']})", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}. bf16, B {B}, H {H}, H_kv {H_KV}, D {D}, "
-             f"{BLOCK}-token blocks; the rank's backward tiles picked by measurement (flex_tiles, auto), the whole "
-             "kernel's Inductor's default; "
+             f"{BLOCK}-token blocks; default kernels; "
              f"the last rank of W; ms: device time, the median of {meta['rounds']} calls, each "
              "queued behind a busy-wait (the host's time is not in it). Ratio: the rank's tiles "
              "per ms over the whole kernel's (1.0: the blocks run at the whole kernel's rate; the issue asks >= 0.95 "
              "at >= 8K tokens a rank).", "",
              "| mask | seq | W | tiles whole / rank | ring blocks | whole fwd ms | ring fwd ms | ring fwd ratio "
              "| allgather fwd ms | allgather fwd ratio | whole bwd ms | ring bwd ms | ring bwd ratio | allgather bwd ms "
-             "| allgather bwd ratio | allgather bwd ms, default tiles | bwd tiles picked | fwd err | dq err / max |dq| "
-             "| ring's blocks, host ms: cut / cached |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| allgather bwd ratio | fwd err | dq err / max |dq| | ring's blocks, host ms: cut / cached |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         ms = c["ms"]
         errors = [c["fwd_error"], c.get("allgather_fwd_error", 0.0)], [c["dq_error"], c.get("allgather_dq_error", 0.0)]
@@ -313,15 +288,12 @@ def report(cases: list, meta: dict) -> str:
                      f"{fmt(c['fwd_ratio'], 3)} | {fmt(ms.get('allgather fwd'), 3)} | {fmt(c.get('allgather_fwd_ratio'), 3)} | "
                      f"{fmt(ms['whole bwd'], 3)} | {fmt(ms['rank bwd'], 3)} | {fmt(c['bwd_ratio'], 3)} | "
                      f"{fmt(ms.get('allgather bwd'), 3)} | {fmt(c.get('allgather_bwd_ratio'), 3)} | "
-                     f"{fmt(ms.get('allgather bwd default tiles'), 3)} | {', '.join(c.get('tiles_picked', [])) or '-'} | "
                      f"{max(errors[0]):.1e} | {max(errors[1]):.1e} / {c['dq_scale']:.1e} | {fmt(c.get('steps_host_ms'), 2)} / "
                      f"{fmt(c.get('steps_cached_ms'), 3)} |")
     lines += ["", "The whole backward is the compiled fwd+bwd minus the forward (AOT autograd's compiled backward); "
               "the rank's backward is one make_fx + Inductor kernel per call (flex.block_backward). Errors: the larger of "
               "the two schedules'. Host ms: building the ring's blocks (the cut tables and their extents) for a new mask, and "
-              "finding them cut for a mask another layer's call cut (flex.cached). Tiles picked: the configurations "
-              "flex_tiles kept for this case's new kernels (the ring's and the all-gather's backward; a kernel "
-              "another case measured keeps its pick).", ""]
+              "finding them cut for a mask another layer's call cut (flex.cached).", ""]
     lines += ["## The layouts: every rank's all-gather compute", "",
               "Each rank's rows against every key in one call (the all-gather schedule's compute), on the contiguous "
               "layout and on balance.choose's, both with the mask stated over layout positions. Bound: the whole "

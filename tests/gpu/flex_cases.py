@@ -98,9 +98,8 @@ def _compare(label: str, got: list, truth: list, own: list, mine: slice) -> list
     return out
 
 
-def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16,
-                 kinds: tuple[str, ...] = KINDS) -> list[tuple[str, float, float]]:
-    """cp_flex_attention_fwd / _bwd as a rewritten graph calls them, every mask of `kinds`, ring and
+def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, float, float]]:
+    """cp_flex_attention_fwd / _bwd as a rewritten graph calls them, every mask, ring and
     all-gather (two head groups), the whole mask and the rank's rows only; and the one-group
     all-gather's kept pair (cp_flex_attention_fwd_keep / _bwd_kept, the gathered K/V carried)."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -114,7 +113,7 @@ def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16,
     length = seq // world
     mine = slice(rank * length, (rank + 1) * length)
     results = []
-    for i, kind in enumerate(kinds):
+    for i, kind in enumerate(KINDS):
         tensors = _inputs(100 + i, device, seq)
         mod = mask_mod_of(kind, doc_ids(device, seq))
         truth, own = _truth(tensors, mod), _whole_flex(tensors, mod, dtype)

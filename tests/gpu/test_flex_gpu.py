@@ -53,20 +53,6 @@ def test_flex_ops_with_the_copy_engine_ring_match_whole_sequence_attention(two_r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", ["small", "default"])
-def test_flex_ops_with_each_backward_tile_configuration_match(two_ranks, monkeypatch, tiles):
-    """Each of flex_tiles' configurations fixed (auto picks among them), a sparse mask and a dense one."""
-    import torch
-
-    monkeypatch.setenv("TORCH_COMMOPT_FLEX_BWD_TILES", tiles)
-    world, backend = two_ranks
-    for results in run_distributed(run_flex_ops, world, torch.bfloat16, ("document", "causal"), backend=backend,
-                                   timeout_s=500):
-        assert len(results) == 2 * 2 * 3 * 4
-        assert not _bad(results), "\n".join(_bad(results))
-
-
-@pytest.mark.gpu
 def test_flex_ops_with_the_copy_engine_ring_at_worlds_3_and_4(more_ranks, monkeypatch):
     """Rings of two and three steps: blocks in both halves of a channel."""
     _with_the_copy_engine_ring(more_ranks, monkeypatch)

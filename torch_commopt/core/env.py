@@ -26,7 +26,6 @@ ATTENTION_TRANSPORT = "TORCH_COMMOPT_ATTENTION_TRANSPORT"
 ATTENTION_A2A = "TORCH_COMMOPT_ATTENTION_A2A"
 ATTENTION_GROUP_STREAMS = "TORCH_COMMOPT_ATTENTION_GROUP_STREAMS"
 ATTENTION_LANE = "TORCH_COMMOPT_ATTENTION_LANE"
-FLEX_BWD_TILES = "TORCH_COMMOPT_FLEX_BWD_TILES"
 SYMM_CAP_MIB = "TORCH_COMMOPT_SYMM_CAP_MIB"
 AGREE_TIMEOUT_S = "TORCH_COMMOPT_AGREE_TIMEOUT_S"
 WATCHDOG = "TORCH_COMMOPT_WATCHDOG"
@@ -38,7 +37,7 @@ GATHER_OWN_EARLY = "TORCH_COMMOPT_GATHER_OWN_EARLY"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
-         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, FLEX_BWD_TILES, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
+         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
          MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY, TOKENS_ON_SIDE,
          GATHER_OWN_EARLY)
 
@@ -192,15 +191,6 @@ def attention_a2a() -> str:
     the copy engine over symmetric memory (kernels/attention/ce_a2a.py), or "nccl".  Case and
     surrounding spaces ignored; the caller logs an unknown value and reads it as "nccl"."""
     return _choice(ATTENTION_A2A, "ce")
-
-
-def flex_bwd_tiles() -> str:
-    """TORCH_COMMOPT_FLEX_BWD_TILES (default "auto"): the tiles of the flex backward kernels a
-    context-parallel schedule runs on CUDA (kernels/attention/flex_tiles.py) -- "default"
-    (Inductor's), "small", or "auto": both timed at the first call of a shape and mask function,
-    the faster kept.  Case and surrounding spaces ignored; the caller logs an unknown value and
-    reads it as "default"."""
-    return _choice(FLEX_BWD_TILES, "auto")
 
 
 def moe_transport() -> str:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from torch_commopt.kernels.attention import flex_dense, flex_tiles
+from torch_commopt.kernels.attention import flex_dense
 
 log = logging.getLogger(__name__)
 
@@ -531,20 +531,17 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, do
     (natural log) and dout; dk and dv with k's heads (GQA summed)."""
     from torch._higher_order_ops.flex_attention import flex_attention_backward
 
+    fw, joint = _score_graphs(q.dtype, q.device)
+
+    def run(q, k, v, out, lse2, dout, *tensors):
+        tables, buffers = _unflatten(step, tensors)
+        return flex_attention_backward(q, k, v, out, lse2, dout, None, fw, joint, tables, scale,
+                                       _kernel_options(q, k, v), (), buffers)[:3]
+
     if not q.is_cuda:
         return flex_dense.backward(q, k, v, (out, lse, dout), step.dense(q.shape[0], q.shape[1]), scale)
-    fw, joint = _score_graphs(q.dtype, q.device)
     args = (q, k, v, out, (lse / LN2).to(torch.float32), dout, *_flatten(step))
-
-    def call(tiles: dict):  # the kernels with these tile options (flex_tiles: measured, picked)
-        def run(q, k, v, out, lse2, dout, *tensors):
-            tables, buffers = _unflatten(step, tensors)
-            return flex_attention_backward(q, k, v, out, lse2, dout, None, fw, joint, tables, scale,
-                                           {**_kernel_options(q, k, v), **tiles}, (), buffers)[:3]
-
-        return _compiled("backward", run, args, step, scale, tiles)(*args)
-
-    dq, dk, dv = flex_tiles.run(_key("backward", args, step, scale), call, f"q {tuple(q.shape)}, k {tuple(k.shape)}")
+    dq, dk, dv = _compiled("backward", run, args, step, scale)(*args)
     return dq, dk, dv
 
 
@@ -580,19 +577,14 @@ def _unflatten(step: Step, tensors: tuple) -> tuple[tuple, tuple]:
 _COMPILED: dict[tuple, Callable] = {}
 
 
-def _key(kind: str, args: tuple, step: Step, scale: float) -> tuple:
-    """What a compiled kernel serves: its kind, scale, mask graph and argument shapes and dtypes."""
-    return (kind, scale, step.key,
-            tuple((tuple(a.shape), a.dtype) if isinstance(a, Tensor) else a for a in args),
-            tuple(t for t in step.tables if not isinstance(t, Tensor) and not callable(t)))
-
-
-def _compiled(kind: str, run: Callable, args: tuple, step: Step, scale: float, options: dict | None = None) -> Callable:
-    """run traced (make_fx, fake tensors) and compiled by Inductor into the flex Triton kernels, once per _key and
-    kernel options: every (p, s) block of a call and every layer of a step share it (the offsets, tables and
-    buffers are arguments).  Tiles fixed (Inductor's default, or flex_tiles' options), never autotuned:
+def _compiled(kind: str, run: Callable, args: tuple, step: Step, scale: float) -> Callable:
+    """run traced (make_fx, fake tensors) and compiled by Inductor into the flex Triton kernels, once per kind,
+    argument shapes and dtypes, scale and mask graph: every (p, s) block of a call and every layer of a step
+    share it (the offsets, tables and buffers are arguments).  With Inductor's default tile configuration:
     max-autotune of these templates hit an illegal memory access on torch 2.11 (docs/flex-attention.md)."""
-    key = (*_key(kind, args, step, scale), tuple(sorted((options or {}).items())))
+    key = (kind, scale, step.key,
+           tuple((tuple(a.shape), a.dtype) if isinstance(a, Tensor) else a for a in args),
+           tuple(t for t in step.tables if not isinstance(t, Tensor) and not callable(t)))
     fn = _COMPILED.get(key)
     if fn is None:
         from torch.fx.experimental.proxy_tensor import make_fx
