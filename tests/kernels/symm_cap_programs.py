@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from torch_commopt.core import env
 from torch_commopt.core.schedule import Schedule
-from torch_commopt.kernels.gpu import symm, symm_cap
+from torch_commopt.kernels.gpu import symm, symm_alloc, symm_cap
 from torch_commopt.kernels.matmul import ops
 
 MIB = 1 << 20
@@ -96,11 +96,11 @@ def supersede(rank: int, world: int, pin: bool):
     gc.collect()
     first_freed = freed() is None
     if pin:
-        capturing, symm.capturing = symm.capturing, lambda: True
+        capturing, symm_alloc.capturing = symm_alloc.capturing, lambda: True  # what own_buffer reads
         try:
             rt.own_buffer("ring", 20 * MIB)
         finally:
-            symm.capturing = capturing
+            symm_alloc.capturing = capturing
     rt.own_buffer("ring", 40 * MIB)
     after_growth.append([b.nbytes >> 20 for b in rt.owned["ring"]])
     held = symm_cap.held(None) // MIB

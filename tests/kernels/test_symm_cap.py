@@ -13,7 +13,7 @@ from fake_cuda import _Handle
 from symm_cap_programs import cap_on_one_rank, supersede
 
 from torch_commopt.core import env
-from torch_commopt.kernels.gpu import symm, symm_cap
+from torch_commopt.kernels.gpu import symm, symm_alloc, symm_cap
 from torch_commopt.testing.launch import run_distributed
 
 MIB = 1 << 20
@@ -106,7 +106,7 @@ def test_a_superseded_buffer_is_released_on_every_rank_at_the_same_call(pin):
 
 
 def test_the_views_cache_is_a_bounded_lru(monkeypatch):
-    monkeypatch.setattr(symm, "MAX_VIEWS", 8)
+    monkeypatch.setattr(symm_alloc, "MAX_VIEWS", 8)  # what SymmBuffer.view reads
     memory = [torch.arange(256, dtype=torch.uint8), torch.arange(256, dtype=torch.uint8).flip(0)]
     buf = symm.SymmBuffer(memory[0], _Handle(memory), 0, None)
     for n in range(1, 13):  # views of 1..12 bytes of the peer's copy: the first four are dropped

@@ -4,7 +4,7 @@ Every symmetric allocation of the runtime (kernels/gpu/symm.py: each group's fla
 shared size classes and the buffers a purpose owns) is counted here, per device and over all
 process groups, by its footprint: the bytes asked, plus the signal pad torch's symmetric memory
 puts in the same block, rounded up to the allocation granularity.  An allocation that would take
-the device past the cap is refused *inside* the allocation vote (symm.GroupRuntime._voted), so
+the device past the cap is refused *inside* the allocation vote (symm_alloc.Allocations._voted), so
 the group's other ranks refuse with it and every rank runs NCCL for that call; the refusing rank
 logs the cap, the bytes held and the bytes asked once.
 
@@ -35,7 +35,7 @@ GRANULARITY = 2 << 20
 MIB = 1 << 20
 
 _HELD: dict[str, int] = {}  # device -> bytes this process holds there (footprints)
-_LOCK = threading.Lock()  # allocations run on a helper thread (symm.off_thread)
+_LOCK = threading.Lock()  # allocations run on a helper thread (symm_alloc.off_thread)
 _told: set[tuple[str, str]] = set()
 
 
