@@ -67,8 +67,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.common import fmt as _f  # noqa: E402
+from benchmarks.attention_timing import LEAD_CALLS, TARGET_MS, Clock, time_variants  # noqa: E402
 from benchmarks.common import machine_meta, max_over_ranks, result_stem, write_report  # noqa: E402
+from benchmarks.render_attention import _row, report  # noqa: E402,F401  (report: this benchmark's, also read as bench_attention.report)
 from torch_commopt.testing.launch import run_distributed  # noqa: E402
 
 log = logging.getLogger("torch_commopt.bench_attention")
@@ -377,92 +378,6 @@ def torch_cp(case: Case, full: dict, how: TorchCP, mesh, warm: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------
-# timing
-
-
-class Clock:
-    """CUDA events on GPU, perf_counter on CPU."""
-
-    def __init__(self, dev: str):
-        self.cuda = dev == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def time_ms(self, step, count: int, lead: int = 0) -> float:
-        """ms per call of `count` back-to-back calls, after `lead` untimed calls queued just
-        before them (no synchronize between: the timed window opens on a busy device)."""
-        self.sync()
-        for _ in range(lead):
-            step()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(count):
-                step()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / count
-        t0 = time.perf_counter()
-        for _ in range(count):
-            step()
-        return (time.perf_counter() - t0) * 1e3 / count
-
-
-# A sample's calls run back to back after a barrier and a synchronize, sized from the fastest of
-# SIZING_CALLS single calls after WARMUP_CALLS untimed ones, so that one slow first-use call
-# cannot shrink them.  LEAD_CALLS untimed calls are queued right before a sample's timed ones (no
-# synchronize between), for every variant alike, so the timed window opens on a busy device with
-# the host ahead of it and the ranks already coupled by the lead's own transfers -- as an
-# attention call finds them inside a training step, where the layer's projections are still
-# running when the host queues it.  Without a lead (--lead 0) the window opens on an idle device
-# right after a barrier: the first call then carries the ranks' exit skew and its host's enqueue
-# ahead of its first kernel, which no training step pays (on 2x H200 at 16K the first call of a
-# sample read 0.9-1.0 ms slower than the ones after it; torch CP gains about as much from the
-# lead as commopt does).  20 ms samples read within the run-to-run spread of 100 ms ones.
-TARGET_MS, WARMUP_CALLS, SIZING_CALLS, LEAD_CALLS = 20.0, 2, 3, 1
-
-
-def sample_calls(step, clock: "Clock", target_ms: float) -> int:
-    """Calls per timed sample on this rank: after WARMUP_CALLS untimed calls (kernel selection,
-    allocator, buffers), enough to last target_ms at the fastest of SIZING_CALLS single calls."""
-    for _ in range(WARMUP_CALLS):
-        step()
-    ms = min(clock.time_ms(step, 1) for _ in range(SIZING_CALLS))
-    return max(1, min(200, int(target_ms / max(ms, 1e-3)) + 1))
-
-
-def _calls_per_sample(step, clock: "Clock", target_ms: float, dev: str) -> int:
-    """sample_calls, every rank the same (the largest)."""
-    n = torch.tensor([sample_calls(step, clock, target_ms)], device=dev, dtype=torch.float64)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return int(n.item())
-
-
-def time_variants(variants: dict, clock: Clock, dev: str, repeats: int, target_ms: float,
-                  lead: int = 0) -> dict[str, list[float]]:
-    """{name: [ms per call in each round, slowest rank]}.  A variant is a zero-argument
-    callable returning a fresh context manager that yields (step, outputs); torch CP's
-    contexts are entered once per sample, outside the timed window; lead: untimed calls queued
-    before each sample's timed ones (Clock.time_ms)."""
-    names = list(variants)
-    counts = {}
-    for name in names:
-        with variants[name]() as (step, _):
-            counts[name] = _calls_per_sample(step, clock, target_ms, dev)
-    samples = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            with variants[name]() as (step, _):
-                dist.barrier()
-                samples[name].append(clock.time_ms(step, counts[name], lead))
-    t = torch.tensor([samples[n] for n in names], device=dev, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return dict(zip(names, t.tolist()))
-
-
-# ---------------------------------------------------------------------------------------------
 # one case
 
 
@@ -593,13 +508,6 @@ def run_case(case: Case, rank: int, world: int, dev: str, dtype: torch.dtype, me
     return rec
 
 
-def _pred(rec: dict, sched: str) -> str:
-    """The model's predicted ms of a timed schedule; '-' where it ranked none by that name (a
-    depth named explicitly that is the rule's own, e.g. ulysses:g=2 where `ulysses` means it)."""
-    ms = rec["commopt_predicted_ms"].get(sched)
-    return "-" if ms is None else f"{ms:.3f}"
-
-
 def _record(case: Case, world: int, dtype: torch.dtype, rounds: dict, errors: dict, tol: float, pick: str,
             ranked: list, cp: dict, pick_by: str) -> dict:
     from torch_commopt.core.attention_spec import zigzag_head_groups
@@ -666,89 +574,6 @@ def worker(rank: int, world: int, cases: list[Case], args: argparse.Namespace, p
         if dev == "cuda":
             torch.cuda.empty_cache()
     return records
-
-
-# ---------------------------------------------------------------------------------------------
-# report
-
-
-def _case_cell(r: dict) -> str:
-    return (f"{r['B']} | {r['H']}/{r['H_kv']} | {r['D']} | {r['S_total']} | {'yes' if r['causal'] else 'no'} | "
-            f"{r['pass']}")
-
-
-def _row(r: dict) -> str:
-    return (f"B{r['B']} H{r['H']}/{r['H_kv']} D{r['D']} S{r['S_total']} {'causal' if r['causal'] else 'full'} "
-            f"{r['pass']}: single {_f(r['single_gpu_full_ms'])} | torch CP ag {_f(r['torch_cp_allgather_ms'])} "
-            f"a2a {_f(r['torch_cp_alltoall_ms'])} | commopt {_f(r['commopt_ms'])} ({r['commopt_schedule']}) | "
-            f"eff {_f(r['efficiency'], 2)} speedup {_f(r['speedup_vs_torch_cp'])} | best {r['best_schedule']}")
-
-
-def report(records: list[dict], meta: dict) -> str:
-    lines = [f"# Context-parallel attention on {meta['device']} x{meta['world']} ({meta['date']})", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, {meta['dtype']}.", "",
-             f"Command: `{meta['command']}`; ring transfers: {meta.get('ring_transport', 'nccl')}; Ulysses "
-             f"all-to-alls: {meta.get('a2a_transport', 'nccl')}.", ""]
-    if meta["device"].startswith("CPU"):
-        lines += ["CPU smoke run (gloo): the figures mean nothing. torch CP's ring dispatches only the CUDA SDPA "
-                  "kernels; what runs here (if anything) is DTensor's generic SDPA sharding, not its ring.", ""]
-    lines += ["| B | H/H_kv | D | S_total | causal | pass | single GPU full | torch CP allgather | torch CP alltoall "
-             "| commopt | schedule | efficiency | speedup vs torch CP | best schedule (ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        flag = "" if r["numerics_ok"][r["commopt_schedule"]] else " (NUMERICS FAILED)"
-        lines.append(f"| {_case_cell(r)} | {_f(r['single_gpu_full_ms'])} | {_f(r['torch_cp_allgather_ms'])} | "
-                     f"{_f(r['torch_cp_alltoall_ms'])} | {_f(r['commopt_ms'])} | {r['commopt_schedule']}{flag} | "
-                     f"{_f(r['efficiency'], 2)} | {_f(r['speedup_vs_torch_cp'])} | "
-                     f"{r['best_schedule']} ({_f(r['best_schedule_ms'])}) |")
-    lead = meta.get("lead_calls", 0)
-    after = (f"; each sample's timed calls follow {lead} untimed one{'s' if lead > 1 else ''} queued right before "
-             "them, so its window opens on a busy device" if lead else
-             "; no lead: each sample's window opens on an idle device, its first call carrying the ranks' exit "
-             "skew and its host's enqueue")
-    lines += ["", f"Times in ms per call (back-to-back calls{after}, median of rounds in rotated order, slowest rank). "
-              "Single GPU full: every rank computes the whole-sequence attention on its own device at the same "
-              "time. efficiency = single / (W x commopt); speedup = faster torch CP / commopt. commopt's pick "
-              "is attention.cost.rank_schedules' first with the figures the compiled path uses "
-              f"({records[0]['commopt_pick_by'].split(' with ', 1)[-1] if records else '-'}); "
-              "its time is that schedule's. '-': not measured (reason below).", "",
-              "## Every commopt schedule (ms; max relative error vs single-device full attention over out, "
-              "dq, dk, dv; predicted ms)", ""]
-    for r in records:
-        cells = ", ".join(f"`{s}` {t:.3f} ({max(r['schedule_errors'][s].values()):.1e}"
-                          f"{'' if r['numerics_ok'][s] else ' FAILED'}; pred {_pred(r, s)})"
-                          for s, t in r["schedules_ms"].items())
-        lines.append(f"- {_row_key(r)}: {cells}")
-    zz = [r for r in records if r.get("commopt_zigzag_layout_ms")]
-    if zz:
-        lines += ["", "## ring_zigzag on zigzag-sharded inputs (torch CP's head-tail layout: no relayouts)", "",
-                  "| B | H/H_kv | D | S_total | causal | pass | ms | efficiency | vs faster torch CP | max error |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in zz:
-            t = r["commopt_zigzag_layout_ms"]
-            cp = [x for x in (r["torch_cp_allgather_ms"], r["torch_cp_alltoall_ms"]) if x is not None]
-            err = max(r["zigzag_layout_errors"].values())
-            lines.append(f"| {_case_cell(r)} | {_f(t)} | {_f(r['efficiency_zigzag_layout'], 2)} | "
-                         f"{_f(min(cp) / t) if cp else '-'} | {err:.1e}"
-                         f"{'' if r['zigzag_layout_numerics_ok'] else ' FAILED'} |")
-    lines += ["", "## torch CP (per rotate method: layout, GQA, error vs full attention, or why not run)", ""]
-    for r in records:
-        cells = []
-        for m, p in r["torch_cp"].items():
-            what = (f"{p['layout']}{', ' + p['gqa'] if p['gqa'] else ''}, err "
-                    f"{max(p['errors'].values()):.1e}" if p["errors"] else f"not run: {p['reason']}")
-            cells.append(f"{m}: {what}")
-        lines.append(f"- {_row_key(r)}: " + "; ".join(cells))
-    lines += ["", "## Spread (fastest..slowest round, ms)", ""]
-    for r in records:
-        lines.append(f"- {_row_key(r)}: " + ", ".join(f"{k} {lo:.3f}..{hi:.3f}"
-                                                     for k, (lo, hi) in r["round_range_ms"].items()))
-    return "\n".join(lines) + "\n"
-
-
-def _row_key(r: dict) -> str:
-    return (f"B{r['B']} H{r['H']}/{r['H_kv']} D{r['D']} S{r['S_total']} {'causal' if r['causal'] else 'full'} "
-            f"{r['pass']}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ import pathlib
 import torch
 import torch.distributed as dist
 
-from benchmarks.bench_attention import LEAD_CALLS, TARGET_MS, Clock, pick_machine, time_variants
+from benchmarks.attention_timing import LEAD_CALLS, TARGET_MS, Clock, time_variants
+from benchmarks.bench_attention import pick_machine
 from benchmarks.common import fmt, machine_meta, result_stem, write_report
 from benchmarks.probe_flex_blocks import mask_mod
 from torch_commopt.testing.launch import run_distributed
