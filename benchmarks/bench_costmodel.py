@@ -47,12 +47,11 @@ from torch_commopt.tuner.matmul.autotune import (  # noqa: E402
     Readings,
     Timing,
     measure_candidates,
-    paired_ms,
-    ratio_summary,
     timed_candidates,
     winner,
 )
 from torch_commopt.tuner.matmul.model import candidates, rank  # noqa: E402
+from torch_commopt.tuner.matmul.rounds import paired_ms, ratio_summary  # noqa: E402
 
 TOP_K = 4  # Config.autotune_top_k's default
 DUEL_ROUNDS = 15  # the head-to-head's rounds before its near-tie ones

@@ -10,7 +10,7 @@ from dist_programs import run_dp_tp_block
 
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
-from torch_commopt.tuner.matmul.autotune import Progress
+from torch_commopt.tuner.matmul.rounds import Progress
 
 # on CPU the rule runs chunked (Config.chunks pieces); autotune times its model's best two a region
 OPTIONS = [{}, {"mode": "autotune", "autotune_top_k": 2}]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from torch_commopt.tuner.matmul import autotune
+from torch_commopt.tuner.matmul import autotune, rounds
 from torch_commopt.tuner.matmul.model import RegionFacts
 
 
@@ -26,7 +26,7 @@ def test_paired_reading_cancels_clocks_that_move_between_rounds():
     medians = {s: sorted(ms for _, t, ms in rows if t == s)[len([1 for _, t, _ in rows if t == s]) // 2]
                for s in "abc"}
     assert min(medians, key=medians.get) == "c"  # what medians over unequal rounds conclude
-    paired = autotune.paired_ms(rows, "a")
+    paired = rounds.paired_ms(rows, "a")
     assert min(paired, key=paired.get) == "a"
     assert paired["c"] / paired["a"] == pytest.approx(1.10)
     assert paired["b"] / paired["a"] == pytest.approx(1.01)
@@ -34,17 +34,17 @@ def test_paired_reading_cancels_clocks_that_move_between_rounds():
 
 def test_paired_reading_of_a_schedule_never_timed_with_the_reference():
     rows = [(0, "a", 1.0), (1, "b", 0.5)]
-    assert autotune.paired_ms(rows, "a") == {"a": 1.0, "b": math.inf}
+    assert rounds.paired_ms(rows, "a") == {"a": 1.0, "b": math.inf}
 
 
 @pytest.mark.parametrize("n, ranks", [(25, (8, 18)), (15, (4, 12)), (6, (1, 6))])
 def test_median_confidence_interval_is_the_binomial_order_statistics(n, ranks):
     values = [float(v) for v in range(1, n + 1)]  # x_(k) == k
-    assert autotune.median_ci(list(reversed(values))) == ranks
+    assert rounds.median_ci(list(reversed(values))) == ranks
 
 
 def test_median_confidence_interval_is_unbounded_below_six_samples():
-    assert autotune.median_ci([1.0, 2.0, 3.0, 4.0, 5.0]) == (-math.inf, math.inf)
+    assert rounds.median_ci([1.0, 2.0, 3.0, 4.0, 5.0]) == (-math.inf, math.inf)
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
@@ -74,15 +74,15 @@ def test_measure_candidates_traces_every_sample(fake_world, monkeypatch, paired)
 
 
 def test_rotated_rounds_keep_each_candidates_predecessor_shuffled_ones_vary_it():
-    rotated = [autotune.round_order([0, 1, 2, 3], r, "rotate") for r in range(4)]
+    rotated = [rounds.round_order([0, 1, 2, 3], r, "rotate") for r in range(4)]
     assert rotated == [[0, 1, 2, 3], [1, 2, 3, 0], [2, 3, 0, 1], [3, 0, 1, 2]]
-    shuffled = [autotune.round_order([0, 1, 2, 3], r, "shuffle", 5) for r in range(12)]
+    shuffled = [rounds.round_order([0, 1, 2, 3], r, "shuffle", 5) for r in range(12)]
     assert all(sorted(order) == [0, 1, 2, 3] for order in shuffled)
-    assert shuffled == [autotune.round_order([0, 1, 2, 3], r, "shuffle", 5) for r in range(12)]  # every rank alike
+    assert shuffled == [rounds.round_order([0, 1, 2, 3], r, "shuffle", 5) for r in range(12)]  # every rank alike
     before_2 = {order[order.index(2) - 1] for order in shuffled if order.index(2) > 0}
     assert len(before_2) > 1  # rotated, 1 always runs right before 2
     with pytest.raises(ValueError, match="round order"):
-        autotune.round_order([0, 1], 0, "sorted")
+        rounds.round_order([0, 1], 0, "sorted")
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)

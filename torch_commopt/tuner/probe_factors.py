@@ -49,7 +49,7 @@ PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_p
 
 
 # How the schedule probes are read: each schedule's own median (False), or round-paired
-# (autotune.paired_ms).  A probe times ten or eleven schedules in one measurement, so the drift
+# (rounds.paired_ms).  A probe times ten or eleven schedules in one measurement, so the drift
 # that can make medians pick a slower schedule (see autotune.PAIRED) reaches the
 # probes' near-ties and, through them, the factors; the paired read is not yet measured against
 # the model's figures (bench_costmodel.py --probes-paired is the A/B).  A calibration is cached:
