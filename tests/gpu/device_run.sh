@@ -11,6 +11,9 @@ set -uo pipefail
 out=${1:?output dir}; what=${2:-all}; sel=${3:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# A test that runs long fails on its own bound (pytest-timeout), with its traceback and the run's
+# summary, instead of the call's outer `timeout` killing pytest before either is written.
+GPU_PYTEST="-v -p no:cacheprovider --timeout ${PER_TEST_TIMEOUT:-300} --tb=short -rfE --durations=10"
 mkdir -p "$out"
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'GPUs')"
@@ -18,7 +21,7 @@ python3 -m benchmarks.gpu_health 2>&1 | tee "$out/health.txt"  # a sick machine 
 if [[ $what == tests || $what == all ]]; then
   # Bounded waits during the tests: a protocol bug fails a test instead of hanging the run.
   TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
-    timeout ${TEST_TIMEOUT:-480} python3 -m pytest -v -p no:cacheprovider tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests.log"
+    timeout ${TEST_TIMEOUT:-480} python3 -m pytest $GPU_PYTEST tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests.log"
 fi
 if [[ $what == shared ]]; then
   # One GPU, two ranks sharing it over gloo (torch_commopt/kernels/gpu/shared_device.py): every
@@ -27,7 +30,7 @@ if [[ $what == shared ]]; then
   # than one call leaves after start-up: split it, e.g. `... shared "not
   # worlds_3_and_4 and not per_call_graphs"` then `... shared "worlds_3_and_4 or per_call_graphs"`.
   TORCH_COMMOPT_SHARED_DEVICE=1 TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
-    timeout ${TEST_TIMEOUT:-540} python3 -m pytest -v -p no:cacheprovider tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests_shared.log"
+    timeout ${TEST_TIMEOUT:-540} python3 -m pytest $GPU_PYTEST tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests_shared.log"
 fi
 if [[ $what == host ]]; then
   # issue 67: replayed host traces against the Python host code (numerics, bit equality), then each
@@ -162,7 +165,7 @@ if [[ $what == flex ]]; then
   # issue 70, one GPU: the FlexAttention CP GPU tests with both ranks on it (numerics of the ops and
   # of compiled programs), then each flex schedule's per-rank compute against the whole-sequence kernel
   TORCH_COMMOPT_SHARED_DEVICE=1 TORCH_COMMOPT_DEBUG_WAITS=1 TORCH_COMMOPT_WAIT_TIMEOUT_S=120 \
-    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_flex_gpu.py ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_flex.log"
+    timeout ${TEST_TIMEOUT:-300} python3 -m pytest $GPU_PYTEST tests/gpu/test_flex_gpu.py ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_flex.log"
   timeout ${PROBE_TIMEOUT:-400} python3 -m benchmarks.probe_flex_blocks --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_blocks.log"
 fi
 if [[ $what == flex_probe ]]; then
