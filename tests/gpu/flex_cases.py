@@ -98,10 +98,15 @@ def _compare(label: str, got: list, truth: list, own: list, mine: slice) -> list
     return out
 
 
-def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, float, float]]:
+OPS_SCHEDULES = ("ring", "allgather:g=2", "allgather kept")
+
+
+def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16,
+                 schedules: tuple[str, ...] = OPS_SCHEDULES) -> list[tuple[str, float, float]]:
     """cp_flex_attention_fwd / _bwd as a rewritten graph calls them, every mask, ring and
     all-gather (two head groups), the whole mask and the rank's rows only; and the one-group
-    all-gather's kept pair (cp_flex_attention_fwd_keep / _bwd_kept, the gathered K/V carried)."""
+    all-gather's kept pair (cp_flex_attention_fwd_keep / _bwd_kept, the gathered K/V carried)
+    (`schedules`: those, or others, e.g. the one-group "allgather" that gathers again)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     import torch_commopt  # noqa: F401  (registers the ops)
@@ -122,7 +127,7 @@ def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> 
             bm = create_block_mask(rows_mod, 1, None, length if own_rows else seq, seq, device=device, BLOCK_SIZE=BLOCK)
             graph, buffers = flex.lift(bm.mask_mod, device)
             tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
-            for schedule in ("ring", "allgather:g=2", "allgather kept"):
+            for schedule in schedules:
                 args = (tables, list(buffers), graph.code, [length if own_rows else seq, seq, BLOCK], 1 / math.sqrt(D),
                         world, group.group_name, schedule.removesuffix(" kept"))
                 q, k, v, dout = (t[:, :, mine].to(dtype).contiguous() for t in tensors)
@@ -134,6 +139,16 @@ def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16) -> 
                     grads = torch.ops.commopt.cp_flex_attention_bwd(dout, q, k, v, out, lse, *args)
                 label = f"ops {kind} {schedule}{' own rows' if own_rows else ''}"
                 results += _compare(label, [out, *grads], truth, own, mine)
+    return results
+
+
+def run_flex_ops_pulled(rank: int, world: int) -> list[tuple[str, float, float]]:
+    """run_flex_ops with the one-group all-gathers (kept and gathered again), checking that the
+    pulled gather ran (TORCH_COMMOPT_FLEX_GATHER_CUT=1 set by the caller)."""
+    from torch_commopt.kernels.attention import ce_gather
+
+    results = run_flex_ops(rank, world, torch.bfloat16, ("allgather", "allgather kept"))
+    assert ce_gather.STATS["pulled"] > 0, "the pulled all-gather never ran"
     return results
 
 

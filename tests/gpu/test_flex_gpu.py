@@ -13,6 +13,7 @@ from flex_cases import (
     run_flex_compiled,
     run_flex_hybrid,
     run_flex_ops,
+    run_flex_ops_pulled,
     run_flex_ulysses,
     run_sdpa_dense_mask,
     run_torch_cp_flex,
@@ -50,6 +51,17 @@ def _with_the_copy_engine_ring(ranks, monkeypatch) -> None:
 @pytest.mark.gpu
 def test_flex_ops_with_the_copy_engine_ring_match_whole_sequence_attention(two_ranks, monkeypatch):
     _with_the_copy_engine_ring(two_ranks, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_flex_ops_with_the_pulled_gather_match_whole_sequence_attention(two_ranks, monkeypatch):
+    """TORCH_COMMOPT_FLEX_GATHER_CUT=1: the one-group all-gather pulls only the keys its rows keep
+    tiles of (ce_gather.all_gather_kv_pulled), kept for the backward and gathered again."""
+    monkeypatch.setenv("TORCH_COMMOPT_FLEX_GATHER_CUT", "1")
+    world, backend = two_ranks
+    for results in run_distributed(run_flex_ops_pulled, world, backend=backend, timeout_s=500):
+        assert len(results) == 5 * 2 * 2 * 4
+        assert not _bad(results), "\n".join(_bad(results))
 
 
 @pytest.mark.gpu

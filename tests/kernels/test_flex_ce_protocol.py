@@ -57,6 +57,10 @@ def _call(name: str, world: int):
     if name == "scatter":
         gk, gv = rnd(B, H, world * n, D), rnd(B, H, world * n, D)
         return lambda: ce_gather.reduce_scatter_kv(gk, gv, GROUP)
+    if name in ("pulled", "pulled none"):  # spans per source: rank 0 pulls spans[1], rank 1 spans[0]
+        k, v = rnd(B, H, n, D), rnd(B, H, n, D)
+        spans = [None, None] if name == "pulled none" else [(2, n - 2), (1, n)]
+        return lambda: ce_gather.all_gather_kv_pulled(k, v, GROUP, spans)
     op, sched = name.split(" ")
     s = Schedule.parse(sched)
     if op == "ag":
@@ -292,6 +296,64 @@ def test_a_ring_that_takes_no_token_races_with_the_ring_before(monkeypatch):
     with pytest.raises(Race):
         for seed in range(12):
             simulate(queue, runtimes, seed)
+
+
+# The pulled all-gather (two ranks): each rank publishes its K/V in its own slot and pulls the
+# peer's span out of the peer's buffer, as ce_pull's readers do.
+PULLED = {
+    "back to back": ["pulled", "pulled", "gather", "pulled none", "scatter", "pulled"],
+    "between the matmul schedules": ["pulled", "ag ce_push:1", "rs ce_pull:2", "pulled", "rs ce_push:1", "pulled"],
+    "ce_pull, replayed, pulled": ["rs ce_pull:2", "replayed", "pulled L=20"],
+    "pulled, replayed, longer gather": ["pulled", "replayed", "gather L=20"],
+    "gather, replayed, pulled": ["gather L=20", "replayed", "pulled"],
+    "pulled, replayed, longer pulled": ["pulled", "replayed", "pulled L=20"],
+    "ag, replayed, pulled": ["ag ce_push:1", "replayed", "pulled L=20"],
+}
+PULLED_READS_CHECKED = ("back to back", "pulled, replayed, longer gather", "gather, replayed, pulled",
+                        "pulled, replayed, longer pulled")  # only copies write the buffer in these
+
+
+@pytest.mark.parametrize("sequence", sorted(PULLED))
+def test_pulled_gathers_neither_deadlock_nor_race_nor_read_early(sequence):
+    queue, runtimes = _queue(2, PULLED[sequence])
+    pulls = [op for _, _, op in queue if op[0] == "copy" and op[2] not in (B * H * 8 * D * 4,)]
+    assert pulls  # the cut copies (a span's bytes a row, not the block's) are there
+    for seed in range(12):
+        simulate(queue, runtimes, seed, shared_reads=sequence in PULLED_READS_CHECKED)
+    assert all(not rt._untaken for rt in runtimes)
+
+
+def test_a_pulled_gather_pulls_only_its_span_of_the_peer_s_block():
+    queue, _ = _queue(2, ["pulled"])
+    span_rows = sorted({op[2] for rank, _, op in queue if op[0] == "copy" and op[2] < 8 * D * 4})
+    assert span_rows == [4 * D * 4, 7 * D * 4]  # rank 1 pulls tokens [2, 6), rank 0 tokens [1, 8)
+    none, _ = _queue(2, ["pulled none"])
+    assert not [op for _, _, op in none if op[0] == "copy" and op[2] < 8 * D * 4]
+
+
+def test_a_pulled_gather_that_takes_no_token_is_caught(monkeypatch):
+    """Its publishing copy may land over bytes the peer still pulls, and its flags fall out of step
+    with the peer's (a deadlock in some interleavings)."""
+    monkeypatch.setattr(symm.GroupRuntime, "acquire", lambda self, *args, **kwargs: None)  # planted
+    queue, runtimes = _queue(2, ["pulled L=20", "replayed", "pulled"])
+    with pytest.raises((Race, Deadlock)):
+        for seed in range(12):
+            simulate(queue, runtimes, seed, shared_reads=True)
+
+
+def test_a_pulled_gather_that_does_not_wait_for_the_peer_is_caught(monkeypatch):
+    """It lowers the peer's data flag before the peer raised it (the simulator sees no pull without
+    its wait: what it catches is the flag left raised)."""
+    monkeypatch.setattr(ce_gather._Call, "landed", lambda self, stream, src: None)  # planted
+    queue, runtimes = _queue(2, ["pulled", "pulled"])
+    with pytest.raises((Race, NotAtRest)):
+        for seed in range(12):
+            simulate(queue, runtimes, seed, shared_reads=True)
+
+
+def test_a_pulled_gather_over_three_ranks_is_refused():
+    with pytest.raises(ValueError, match="two ranks"):
+        _queue(3, ["pulled"])
 
 
 def test_the_copy_engine_moves_only_when_asked_for_on_cuda_tensors(monkeypatch):

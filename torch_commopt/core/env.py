@@ -26,6 +26,7 @@ ATTENTION_TRANSPORT = "TORCH_COMMOPT_ATTENTION_TRANSPORT"
 ATTENTION_A2A = "TORCH_COMMOPT_ATTENTION_A2A"
 ATTENTION_GROUP_STREAMS = "TORCH_COMMOPT_ATTENTION_GROUP_STREAMS"
 ATTENTION_LANE = "TORCH_COMMOPT_ATTENTION_LANE"
+FLEX_GATHER_CUT = "TORCH_COMMOPT_FLEX_GATHER_CUT"
 SYMM_CAP_MIB = "TORCH_COMMOPT_SYMM_CAP_MIB"
 AGREE_TIMEOUT_S = "TORCH_COMMOPT_AGREE_TIMEOUT_S"
 WATCHDOG = "TORCH_COMMOPT_WATCHDOG"
@@ -37,7 +38,7 @@ GATHER_OWN_EARLY = "TORCH_COMMOPT_GATHER_OWN_EARLY"
 
 # Every variable above (tests/test_env.py checks that docs/configuration.md lists each one).
 NAMES = (CACHE_DIR, DEBUG_WAITS, WAIT_TIMEOUT_S, SHARED_DEVICE, CALL_GRAPHS, HOST_TIMING, ATTENTION_TRANSPORT,
-         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
+         ATTENTION_A2A, ATTENTION_GROUP_STREAMS, ATTENTION_LANE, FLEX_GATHER_CUT, SYMM_CAP_MIB, AGREE_TIMEOUT_S, WATCHDOG,
          MOE_TRANSPORT, DECODE_TRANSPORT, HOST_REPLAY, TOKENS_ON_SIDE,
          GATHER_OWN_EARLY)
 
@@ -191,6 +192,14 @@ def attention_a2a() -> str:
     the copy engine over symmetric memory (kernels/attention/ce_a2a.py), or "nccl".  Case and
     surrounding spaces ignored; the caller logs an unknown value and reads it as "nccl"."""
     return _choice(ATTENTION_A2A, "ce")
+
+
+def flex_gather_cut() -> bool:
+    """TORCH_COMMOPT_FLEX_GATHER_CUT (default off; experimental): over two ranks, the flex all-gather
+    schedule's copy-engine K/V gather pulls from the peer's buffer only the keys this rank's rows
+    keep tiles of (kernels/attention/ce_gather.py, all_gather_kv_pulled).  "1", "true", "True" or
+    "on" turn it on; the group's ranks agree on it at their first call."""
+    return _get(FLEX_GATHER_CUT, "0") in ("1", "true", "True", "on")
 
 
 def moe_transport() -> str:

@@ -19,6 +19,14 @@ DMA (the block's B * H rows at the gathered tensor's pitch):
       on, in the gradients' dtype, one rounding, over two as NCCL's sum of two does), then gives
       the slots back.
 
+  pulled all-gather (two ranks, TORCH_COMMOPT_FLEX_GATHER_CUT, experimental): the side stream
+      takes the peer's token, copies this rank's K and V into its *own* slot `rank` of half h and
+      sets the peer's DATA[h, rank, 0]; the local stream, once DATA[h, peer, 0] is set, copies out
+      of the peer's slot only the keys this rank's rows keep tiles of (`spans`: flex kernels read
+      no key block outside them, so the rest of the gathered tensors is left unwritten); then as
+      the all-gather.  Two ranks only, as ce_pull (Schedule.at_world): over more, a third rank's
+      pushes into a peer's half are guarded by no token of the rank still pulling from it.
+
 The protocol is the matmul schedules' (kernels/gpu/symm.py: shared buffer size classes, halves
 alternating call by call, DATA flags, FREE tokens), so these calls interleave with theirs.
 On by default (TORCH_COMMOPT_ATTENTION_TRANSPORT auto or ce; nccl turns it off): it measured
@@ -38,6 +46,7 @@ from torch_commopt.kernels.attention import switches
 
 log = logging.getLogger(__name__)
 _ALIGN = 256  # bytes: V starts aligned in its slot
+STATS = {"pulled": 0}  # pulled all-gathers run (all_gather_kv_pulled) in this process
 
 
 def _aligned(n: int) -> int:
@@ -150,6 +159,64 @@ def all_gather_kv(k: Tensor, v: Tensor, group) -> tuple[Tensor, Tensor]:
         rt.after(call.cur, rt.side)  # k and v are read by the pushes: the caller may free them after this
         call.finish("flex all-gather of K/V")
     return outs[0], outs[1]
+
+
+def all_gather_kv_pulled(k: Tensor, v: Tensor, group, spans: list) -> tuple[Tensor, Tensor]:
+    """all_gather_kv over two ranks, each pulling from the peer's slot only spans[peer]: (start,
+    end) tokens of the peer's block, or None for none of it (the module docstring's pulled
+    all-gather).  The gathered tensors hold garbage outside the spans and the own block."""
+    with _Call(group, [k, v], "gather") as call:
+        rt, driver, world = call.rt, call.driver, call.rt.world
+        if world != 2:
+            raise ValueError(f"commopt flex all-gather: a pulled gather runs over two ranks, not {world}")
+        STATS["pulled"] += 1
+        outs = [t.new_empty(t.shape[:2] + (world * t.shape[2], t.shape[3])) for t in (k, v)]  # before the streams sync
+        rows, width = _block_rows(k)
+        pitch, token_bytes = world * width, k.shape[3] * k.element_size()
+        rt.after(rt.side, call.cur)
+        rt.after(rt.local, call.cur)
+        (peer,) = rt.peers
+        # a write into this rank's own half: after the peer's token (its pulls of the half are done)
+        rt.acquire(rt.side, peer, call.half, debug=call.debug, defer_take=True)  # taken with the signal
+        for i, t in enumerate((k, v)):
+            driver.memcpy_async(rt.side, call.slot_address(rt.rank, rt.rank, i), t.data_ptr(), call.per[i])
+        rt.signal(rt.side, peer, call.symm.data_index(call.half, rt.rank, 0), 1)
+        for i, t in enumerate((k, v)):  # the own block, beside the publishing copies
+            driver.memcpy2d_async(rt.local, outs[i].data_ptr() + rt.rank * width, pitch, t.data_ptr(), width, width,
+                                  rows)
+        call.landed(rt.local, peer)  # waited for even when nothing is pulled: every flag back at rest
+        if spans[peer] is not None:
+            start, end = (x * token_bytes for x in spans[peer])
+            for i in range(2):
+                driver.memcpy2d_async(rt.local, outs[i].data_ptr() + peer * width + start, pitch,
+                                      call.slot_address(peer, peer, i) + start, width, end - start, rows)
+        rt.after(call.cur, rt.local)
+        rt.after(call.cur, rt.side)  # k and v are read by the publishing copies
+        call.finish("flex pulled all-gather of K/V")
+    return outs[0], outs[1]
+
+
+_AGREED: dict[str, bool] = {}
+
+
+def cut_agreed(group) -> bool:
+    """Whether this group pulls cut gathers (env.flex_gather_cut): asked for on this rank and, at
+    the group's first call, on every rank of it (a vote through the c10d store: a rank that pulls
+    while its peer pushes would read slots nobody wrote).  A disagreement is logged; the group
+    then gathers whole."""
+    from torch_commopt.core import consistency, env
+
+    if not env.flex_gather_cut():
+        return False
+    if group.group_name not in _AGREED:
+        decision = consistency.Decision("flex gather cut", group.group_name, consistency.digest(["flex gather cut"]),
+                                        "the flex all-gather's pulled K/V gather")
+        outcome = consistency.agree(decision, "on", env.agree_timeout_s())
+        _AGREED[group.group_name] = outcome.agreed and outcome.value == "on"
+        if not _AGREED[group.group_name]:
+            log.warning("commopt flex all-gather: %s=1 is not set on every rank of group %s (%s); its K/V gathers stay "
+                        "whole", env.FLEX_GATHER_CUT, group.group_name, outcome.detail)
+    return _AGREED[group.group_name]
 
 
 def reduce_scatter_kv(gk: Tensor, gv: Tensor, group) -> tuple[Tensor, Tensor]:

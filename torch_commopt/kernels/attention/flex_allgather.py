@@ -11,12 +11,15 @@ them: W times the rank's K/V a layer), so that its backward gathers nothing; els
 groups) each group's K/V is gathered again.
 
 Head groups need a mask that is the same for every head (its tables broadcast over heads); a
-per-head mask runs in one group.  Every key is sent to every rank whatever the mask; the ring
-(flex_ring.py) computes per source and is the schedule that can skip.
+per-head mask runs in one group.  Every key is sent to every rank whatever the mask (the ring,
+flex_ring.py, computes per source and is the schedule that can skip); over two ranks with
+TORCH_COMMOPT_FLEX_GATHER_CUT (experimental) a one-group gather on the copy engine pulls only the
+keys the rank's rows keep tiles of (_pull_spans, ce_gather.all_gather_kv_pulled).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,15 +55,40 @@ def _rows_step(blocks: flex.Blocks, p: int, world: int) -> flex.Step:
     return flex.cached(blocks, ("allgather", p, world), lambda: flex.step_mask(blocks, p, None, world))
 
 
-def _gathers(k: Tensor, v: Tensor, heads: list[tuple[slice, slice]], group, kept: tuple[Tensor, Tensor] | None = None):
+def _pull_spans(opts: Options, step: flex.Step, k: Tensor, heads: list) -> list | None:
+    """Per source, the (start, end) tokens of its share that this rank's rows keep tiles of (None:
+    none), where the one-group gather pulls cut (ce_gather.cut_agreed, two ranks, CUDA); else
+    None.  From the rows' extent over every key (one host read, once for a mask's tensors): a
+    superset of every key block the flex kernels read."""
+    world = comm.size(opts.group)
+    if world != 2 or len(heads) != 1 or not k.is_cuda or not ce_gather.cut_agreed(opts.group):
+        return None
+    p, length = comm.rank(opts.group), opts.blocks.share(world)
+
+    def build():
+        extent = flex.extents([step])[0]
+        spans = []
+        for s in range(world):
+            lo = s * length if extent is None else max(extent.keys.start, s * length)
+            hi = s * length if extent is None else min(extent.keys.stop, (s + 1) * length)
+            spans.append((lo - s * length, hi - s * length) if lo < hi else None)
+        return spans
+
+    return flex.cached(opts.blocks, ("allgather spans", p, world), build)
+
+
+def _gathers(k: Tensor, v: Tensor, heads: list[tuple[slice, slice]], group, kept: tuple[Tensor, Tensor] | None = None,
+             spans: list | None = None):
     """The groups' K/V all-gathers along the sequence, each issued one group ahead of its use
-    (kept: the one group's gathered K/V, from the forward: nothing gathered)."""
+    (kept: the one group's gathered K/V, from the forward: nothing gathered; spans: the one
+    group's gather pulls only these keys, _pull_spans)."""
     if kept is not None:
         if len(heads) != 1:
             raise ValueError(f"flex all-gather: gathered K/V are kept for one head group, not {len(heads)}")
         yield 0, list(kept)
         return
-    moved = _by_copy_engine(ce_gather.all_gather_kv, k, v, group) if len(heads) == 1 else None
+    move = ce_gather.all_gather_kv if spans is None else functools.partial(ce_gather.all_gather_kv_pulled, spans=spans)
+    moved = _by_copy_engine(move, k, v, group) if len(heads) == 1 else None
     if moved is not None:
         yield 0, list(moved)
         return
@@ -103,7 +131,7 @@ def allgather_forward(q: Tensor, k: Tensor, v: Tensor, opts: Options, *,
     step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
     outs, lses = [], []
-    for i, (k_all, v_all) in _gathers(k, v, heads, opts.group):
+    for i, (k_all, v_all) in _gathers(k, v, heads, opts.group, spans=_pull_spans(opts, step, k, heads)):
         o, l_g = flex.block_forward(q[:, heads[i][0]].contiguous(), k_all, v_all, step, opts.scale)
         outs.append(o)
         lses.append(l_g)
@@ -129,7 +157,8 @@ def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options,
     step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
     dqs, scattering = [], []
-    for i, (k_all, v_all) in _gathers(k, v, heads, opts.group, kept):
+    spans = None if kept is not None else _pull_spans(opts, step, k, heads)
+    for i, (k_all, v_all) in _gathers(k, v, heads, opts.group, kept, spans):
         hq = heads[i][0]
         gq, gk, gv = flex.block_backward(q[:, hq].contiguous(), k_all, v_all, out[:, hq].contiguous(),
                                          lse[:, hq].contiguous(), dout[:, hq].contiguous(), step, opts.scale)
