@@ -24,6 +24,7 @@ speedup = torch CP's best / commopt.
       python3 -m benchmarks.bench_flex --out benchmarks/results --commit SHA [--seq 16384,32768] [--world 2]
         [--pick-only] [--profile 3]   # --profile: each variant's device time by kernel, every rank's
         [--host 10]                   # each variant's host time a call (calls queued behind a GPU sleep)
+        [--pulled]                    # each one-group all-gather also with its pulled, cut K/V gather
     python3 -m benchmarks.bench_flex --cpu       # gloo smoke run: float32, 1K tokens, small heads
     python3 -m benchmarks.bench_flex --shared    # both ranks on one GPU over gloo: the GPU path, not timings
 """
@@ -103,6 +104,31 @@ def _variant(fn, *args):
     return lambda: contextlib.nullcontext((step, None))
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """The environment variable `name` set to `value` inside (the ops read it at each call)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _pulled(fn):
+    """fn with the all-gather's pulled, cut K/V gather asked for (TORCH_COMMOPT_FLEX_GATHER_CUT=1)
+    during its calls: the forward's gather, whose K/V one head group keeps for its backward."""
+    from torch_commopt.core import env
+
+    def call(*args, **kwargs):
+        with _env(env.FLEX_GATHER_CUT, "1"):
+            return fn(*args, **kwargs)
+    return call
+
+
 def _commopt_variants(case: _Case, rank: int, world: int, group, args: argparse.Namespace,
                       only: str | None) -> tuple[dict, dict, dict]:
     """({name: variant}, {name: errors}, {layout: tiles per rank}) of every schedule on the
@@ -138,9 +164,12 @@ def _commopt_variants(case: _Case, rank: int, world: int, group, args: argparse.
                     return flex_ring.flex_ring(q, k, v, block_mask, scale, group)
                 return flex_allgather.flex_allgather(q, k, v, block_mask, scale, group, groups)
 
-            key = f"commopt {schedule} @ {name}"
-            errors[key] = max(_rel(g, w) for g, w in zip(_Case.fwd_bwd(fn, *local, mine), want, strict=True))
-            variants[key] = _variant(_Case.fwd_bwd, fn, *local, mine)
+            runs = {f"commopt {schedule} @ {name}": fn}
+            if args.pulled and schedule == "allgather":  # one head group: the gather it keeps, cut
+                runs[f"commopt allgather pulled @ {name}"] = _pulled(fn)
+            for key, run in runs.items():
+                errors[key] = max(_rel(g, w) for g, w in zip(_Case.fwd_bwd(run, *local, mine), want, strict=True))
+                variants[key] = _variant(_Case.fwd_bwd, run, *local, mine)
     return variants, errors, tiles
 
 
@@ -385,7 +414,7 @@ def report_variant(args: argparse.Namespace) -> str:
     such run is a report of its own beside the default one."""
     parts = [args.schedule and args.schedule.replace(":", "-").replace("=", ""),
              args.layout if args.layout != "choose" else None, "whole" if args.whole_mask else None,
-             None if _moves_by_copy_engine() else "nccl"]
+             "pulled" if args.pulled else None, None if _moves_by_copy_engine() else "nccl"]
     return "_".join(p for p in parts if p)
 
 
@@ -437,6 +466,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--whole-mask", dest="whole_mask", action="store_true",
                    help="commopt's ops take the whole sequence's mask, not the rank's rows' (torch CP's form): the "
                         "ring then sends each rank only the span of keys it needs (flex_ring.DirectShift)")
+    p.add_argument("--pulled", action="store_true",
+                   help="beside each one-group all-gather, the same with its K/V gather pulled and cut to the keys "
+                        "the rank's rows keep (TORCH_COMMOPT_FLEX_GATHER_CUT=1, experimental; two ranks, copy engine)")
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="after the timing, each variant's device time by kernel on every rank: CALLS calls profiled "
                         "back to back behind as many unprofiled ones (step_profile.breakdown)")

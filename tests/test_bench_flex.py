@@ -46,6 +46,7 @@ def test_a_run_off_the_defaults_is_a_report_of_its_own():
     assert bench_flex.report_variant(bench_flex.parse_args([])) == ""
     args = bench_flex.parse_args(["--schedule", "allgather:g=2", "--layout", "contiguous", "--whole-mask"])
     assert bench_flex.report_variant(args) == "allgather-g2_contiguous_whole"
+    assert bench_flex.report_variant(bench_flex.parse_args(["--pulled"])) == "pulled"
 
 
 def test_k_v_move_on_the_copy_engine_by_default_and_an_nccl_run_is_a_report_of_its_own(monkeypatch):
@@ -93,6 +94,21 @@ def test_the_cpu_smoke_runs_the_ring_with_the_whole_mask_on_the_contiguous_layou
                                  "--schedule", "ring", "--layout", "contiguous", "--whole-mask"])
     assert set(record["ms"]) >= {"single GPU", "commopt ring @ contiguous"} and record["layout"] == "contiguous"
     assert max(record["errors"].values()) < 1e-5, record["errors"]
+
+
+def test_pulled_adds_the_one_group_all_gather_with_its_cut_gather_asked_for(monkeypatch):
+    """On the CPU nothing is pulled (gloo, no copy engine): the variant runs, agrees, and asks for the
+    switch during its calls only."""
+    from torch_commopt.core import env
+
+    monkeypatch.delenv(env.FLEX_GATHER_CUT, raising=False)
+    (record,) = bench_flex.main(["--cpu", "--masks", "docs 128", "--seq", "512", "--repeats", "1", "--pick-only",
+                                 "--schedule", "allgather", "--pulled"])
+    assert {"commopt allgather @ by_work", "commopt allgather pulled @ by_work"} <= set(record["ms"])
+    assert max(record["errors"].values()) < 1e-5, record["errors"]
+    seen = []
+    bench_flex._pulled(lambda: seen.append(env.flex_gather_cut()))()
+    assert seen == [True] and not env.flex_gather_cut()
 
 
 def test_the_host_section_lists_every_variant_s_host_time_by_rank():
