@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|fused_probe|moe_sync_free|moe_graph|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|meshslice|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|fused_probe|moe_sync_free|moe_graph|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|flex_pulled|meshslice|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -180,6 +180,17 @@ if [[ $what == flex_bench ]]; then
   # --masks causal,docs_4K" ('_' for the space BENCH_ARGS would split on); with
   # TORCH_COMMOPT_ATTENTION_TRANSPORT=nccl exported, commopt's K/V move by NCCL, not the copy engine (a report of its own, _nccl)
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.bench_flex --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_bench.log"
+fi
+if [[ $what == flex_pulled ]]; then
+  # issue 70, one GPU (both ranks on it): the pulled, cut K/V gather (TORCH_COMMOPT_FLEX_GATHER_CUT)
+  # -- its numerics through the ops, then bench_flex's check of every variant beside the whole
+  # gather, with each variant's host time a call and a cProfile of commopt's host work (times of two
+  # ranks sharing one GPU are no figures: the report is not written in shared mode)
+  TORCH_COMMOPT_SHARED_DEVICE=1 TORCH_COMMOPT_DEBUG_WAITS=1 TORCH_COMMOPT_WAIT_TIMEOUT_S=60 \
+    timeout ${TEST_TIMEOUT:-300} python3 -m pytest $GPU_PYTEST tests/gpu/test_flex_gpu.py -k "pulled_gather" 2>&1 \
+    | tee "$out/gpu_flex_pulled.log"
+  timeout ${BENCH_TIMEOUT:-400} python3 -m benchmarks.bench_flex --shared --pick-only --pulled --seq 16384 \
+    --masks docs_1K --host 10 --host-profile 5 ${BENCH_ARGS:-} 2>&1 | tee "$out/flex_pulled_bench.log"
 fi
 if [[ $what == meshslice ]]; then
   # issue 71/73, 4 GPUs as a 2 x 2 mesh: the FC layers through the reference 2D GEMMs, Collective vs
