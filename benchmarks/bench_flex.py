@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from benchmarks.attention_timing import LEAD_CALLS, TARGET_MS, Clock, time_variants
 from benchmarks.bench_attention import pick_machine
-from benchmarks.common import fmt, machine_meta, result_stem, write_report
+from benchmarks.common import fmt, machine_meta, result_stem, with_env, write_report
 from benchmarks.probe_flex_blocks import mask_mod
 from torch_commopt.testing.launch import run_distributed
 
@@ -104,29 +104,12 @@ def _variant(fn, *args):
     return lambda: contextlib.nullcontext((step, None))
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    """The environment variable `name` set to `value` inside (the ops read it at each call)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def _pulled(fn):
     """fn with the all-gather's pulled, cut K/V gather asked for (TORCH_COMMOPT_FLEX_GATHER_CUT=1)
     during its calls: the forward's gather, whose K/V one head group keeps for its backward."""
     from torch_commopt.core import env
 
-    def call(*args, **kwargs):
-        with _env(env.FLEX_GATHER_CUT, "1"):
-            return fn(*args, **kwargs)
-    return call
+    return with_env(fn, {env.FLEX_GATHER_CUT: "1"})
 
 
 def _commopt_variants(case: _Case, rank: int, world: int, group, args: argparse.Namespace,

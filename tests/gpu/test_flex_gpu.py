@@ -30,9 +30,14 @@ def _bad(results) -> list[str]:
 
 @pytest.mark.gpu
 def test_flex_ops_match_whole_sequence_attention(two_ranks):
-    world, backend = two_ranks
-    for results in run_distributed(run_flex_ops, world, backend=backend, timeout_s=500):
-        assert len(results) == 5 * 2 * 3 * 4  # masks x (whole, own rows) x schedules x (out, dq, dk, dv)
+    _all_within_tolerance(two_ranks, run_flex_ops, 5 * 2 * 3 * 4)  # masks x (whole, own rows) x schedules x (out, dq, dk, dv)
+
+
+def _all_within_tolerance(ranks, fn, count: int, *args) -> None:
+    """fn's results on every rank: `count` of them, each within single-GPU flex's own error."""
+    world, backend = ranks
+    for results in run_distributed(fn, world, *args, backend=backend, timeout_s=500):
+        assert len(results) == count
         assert not _bad(results), "\n".join(_bad(results))
 
 
@@ -42,10 +47,7 @@ def _with_the_copy_engine_ring(ranks, monkeypatch) -> None:
     for name, value in {"TORCH_COMMOPT_ATTENTION_TRANSPORT": "ce", "TORCH_COMMOPT_DEBUG_WAITS": "1",
                         "TORCH_COMMOPT_WAIT_TIMEOUT_S": "60"}.items():
         monkeypatch.setenv(name, value)
-    world, backend = ranks
-    for results in run_distributed(run_flex_ops, world, backend=backend, timeout_s=500):
-        assert len(results) == 5 * 2 * 3 * 4
-        assert not _bad(results), "\n".join(_bad(results))
+    _all_within_tolerance(ranks, run_flex_ops, 5 * 2 * 3 * 4)
 
 
 @pytest.mark.gpu
@@ -58,10 +60,7 @@ def test_flex_ops_with_the_pulled_gather_match_whole_sequence_attention(two_rank
     """TORCH_COMMOPT_FLEX_GATHER_CUT=1: the one-group all-gather pulls only the keys its rows keep
     tiles of (ce_gather.all_gather_kv_pulled), kept for the backward and gathered again."""
     monkeypatch.setenv("TORCH_COMMOPT_FLEX_GATHER_CUT", "1")
-    world, backend = two_ranks
-    for results in run_distributed(run_flex_ops_pulled, world, backend=backend, timeout_s=500):
-        assert len(results) == 5 * 2 * 2 * 4
-        assert not _bad(results), "\n".join(_bad(results))
+    _all_within_tolerance(two_ranks, run_flex_ops_pulled, 5 * 2 * 2 * 4)
 
 
 @pytest.mark.gpu

@@ -132,24 +132,32 @@ def _block_rows(t: Tensor) -> tuple[int, int]:
     return t.shape[0] * t.shape[1], t.shape[2] * t.shape[3] * t.element_size()
 
 
+def _start_gather(call: _Call, k: Tensor, v: Tensor) -> tuple[list[Tensor], int, int, int]:
+    """(gathered K and V [B, H, W * L, D], their B * H rows, a block row's bytes, a gathered row's):
+    allocated before the streams sync with the caller's, then the own block copied into place on
+    the local stream, beside whatever the side stream moves."""
+    rt, driver = call.rt, call.driver
+    outs = [t.new_empty(t.shape[:2] + (rt.world * t.shape[2], t.shape[3])) for t in (k, v)]
+    rows, width = _block_rows(k)
+    pitch = rt.world * width
+    rt.after(rt.side, call.cur)
+    rt.after(rt.local, call.cur)
+    for i, t in enumerate((k, v)):
+        driver.memcpy2d_async(rt.local, outs[i].data_ptr() + rt.rank * width, pitch, t.data_ptr(), width, width, rows)
+    return outs, rows, width, pitch
+
+
 def all_gather_kv(k: Tensor, v: Tensor, group) -> tuple[Tensor, Tensor]:
     """(K, V) of the whole sequence, [B, H, W * L, D], from every rank's contiguous [B, H, L, D]
     blocks (usable() first)."""
     with _Call(group, [k, v], "gather") as call:
-        rt, driver, world = call.rt, call.driver, call.rt.world
-        outs = [t.new_empty(t.shape[:2] + (world * t.shape[2], t.shape[3])) for t in (k, v)]  # before the streams sync
-        rows, width = _block_rows(k)
-        pitch = world * width
-        rt.after(rt.side, call.cur)
-        rt.after(rt.local, call.cur)
+        rt, driver = call.rt, call.driver
+        outs, rows, width, pitch = _start_gather(call, k, v)
         for p in rt.peers:
             rt.acquire(rt.side, p, call.half, debug=call.debug, defer_take=True)  # taken with the signal
             for i, t in enumerate((k, v)):
                 driver.memcpy_async(rt.side, call.slot_address(p, rt.rank, i), t.data_ptr(), call.per[i])
             rt.signal(rt.side, p, call.symm.data_index(call.half, rt.rank, 0), 1)
-        for i, t in enumerate((k, v)):  # the own block, beside the pushes
-            driver.memcpy2d_async(rt.local, outs[i].data_ptr() + rt.rank * width, pitch, t.data_ptr(), width, width,
-                                  rows)
         for src in rt.sources:
             call.landed(rt.local, src)
             for i in range(2):
@@ -166,24 +174,18 @@ def all_gather_kv_pulled(k: Tensor, v: Tensor, group, spans: list) -> tuple[Tens
     end) tokens of the peer's block, or None for none of it (the module docstring's pulled
     all-gather).  The gathered tensors hold garbage outside the spans and the own block."""
     with _Call(group, [k, v], "gather") as call:
-        rt, driver, world = call.rt, call.driver, call.rt.world
-        if world != 2:
-            raise ValueError(f"commopt flex all-gather: a pulled gather runs over two ranks, not {world}")
+        rt, driver = call.rt, call.driver
+        if rt.world != 2:
+            raise ValueError(f"commopt flex all-gather: a pulled gather runs over two ranks, not {rt.world}")
         STATS["pulled"] += 1
-        outs = [t.new_empty(t.shape[:2] + (world * t.shape[2], t.shape[3])) for t in (k, v)]  # before the streams sync
-        rows, width = _block_rows(k)
-        pitch, token_bytes = world * width, k.shape[3] * k.element_size()
-        rt.after(rt.side, call.cur)
-        rt.after(rt.local, call.cur)
+        outs, rows, width, pitch = _start_gather(call, k, v)
+        token_bytes = k.shape[3] * k.element_size()
         (peer,) = rt.peers
         # a write into this rank's own half: after the peer's token (its pulls of the half are done)
         rt.acquire(rt.side, peer, call.half, debug=call.debug, defer_take=True)  # taken with the signal
         for i, t in enumerate((k, v)):
             driver.memcpy_async(rt.side, call.slot_address(rt.rank, rt.rank, i), t.data_ptr(), call.per[i])
         rt.signal(rt.side, peer, call.symm.data_index(call.half, rt.rank, 0), 1)
-        for i, t in enumerate((k, v)):  # the own block, beside the publishing copies
-            driver.memcpy2d_async(rt.local, outs[i].data_ptr() + rt.rank * width, pitch, t.data_ptr(), width, width,
-                                  rows)
         call.landed(rt.local, peer)  # waited for even when nothing is pulled: every flag back at rest
         if spans[peer] is not None:
             start, end = (x * token_bytes for x in spans[peer])
