@@ -28,8 +28,9 @@ GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused", "oneshot", "twoshot")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
     "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int, "graphs": int,
-    "cg": int, "tma_store": int, "flat": int,
+    "cg": int, "tma_store": int, "flat": int, "impl": str,
 }
+IMPLS = ("triton", "sm90")  # fused's impl= (kernels of the all-gather consumer)
 STORES = ("ce", "direct")  # fused's store=
 _DIGITS = re.compile(r"[0-9]+")
 _TOKEN = re.compile(r"[A-Za-z0-9_.-]+")  # a text parameter's value (store, gemm, an autotune id)
@@ -132,6 +133,9 @@ class Schedule:
         flat = dict(self.params).get("flat")
         if flat is not None and (self.name != "fused" or flat not in (0, 1) or dict(self.params).get("tma") != 1):
             raise ValueError(f"schedule: flat=0/1 is a fused option with tma=1; got {self.name} {dict(self.params)}")
+        impl = self.param("impl")
+        if impl is not None and (self.name != "fused" or impl not in IMPLS):
+            raise ValueError(f"schedule: impl is a fused option, one of {IMPLS}; got {self.name} impl={impl!r}")
         graphs = self.param("graphs")
         if graphs is not None and (self.name != "auto" or graphs not in (0, 1)):
             raise ValueError(f"schedule: graphs=0/1 is an auto option; got {self.name} graphs={graphs!r}")

@@ -27,7 +27,7 @@ from torch_commopt.core import env
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu import call_graphs, driver, symm
 from torch_commopt.kernels.gpu.symm import MAX_CHUNKS, data_index
-from torch_commopt.kernels.matmul.gpu import tma
+from torch_commopt.kernels.matmul.gpu import sm90, tma
 from torch_commopt.kernels.matmul.gpu.layout import RowLayout, cdiv, piece_rows
 from torch_commopt.kernels.scaled import Expanded, Scaled, call_key, matmul, out_dtype
 
@@ -277,17 +277,24 @@ def launch_fused(a2, slots2, mm: Products, at: Arrivals, params, debug=False):
     the peers' slots2 (world * M_loc, K) (slot s: rank s's shard, its pieces ready as `at`
     says), writing mm.outs[i] (full rows, N_i) = gathered A @ mm.weights[i] (+ mm.biases[i];
     plain products only).  params: the schedule's (bm, bn, bk, gm, warps, stages, sms,
-    tma).  tma=1 moves the tiles with the TMA unit (ag_gemm_tma_kernel) where the operands
-    allow it (16-byte aligned rows and bases), else the pointer-load kernel runs; with tma=1,
-    flat=1 (the default) pipelines each phase's tiles as one loop (tma.flat_ok).  Callable on
+    tma, impl).  impl=sm90 runs the CUDA kernel (sm90.ag_gemm: its own tile, gm and sms kept)
+    where it takes the operands, else (logged once) the Triton one.  tma=1 moves the tiles with
+    the TMA unit (ag_gemm_tma_kernel) where the operands allow it (16-byte aligned rows and
+    bases), else the pointer-load kernel runs; with tma=1, flat=1 (the default) pipelines each
+    phase's tiles as one loop (tma.flat_ok).  Callable on
     one GPU with flags set beforehand (tests/gpu/test_fused_gemm_one_gpu.py)."""
     from torch_commopt.kernels.matmul.gpu.triton_kernels import ag_gemm_kernel, ag_gemm_tma_kernel, num_sms
 
     p = {**FUSED_DEFAULTS, **params}
     m_loc, k = a2.shape
+    sms = p.get("sms") or num_sms(a2.device)
+    if p.get("impl") == "sm90" and sm90.ag_gemm(a2, slots2, mm.weights, mm.outs, mm.biases, at,
+                                               group_m=params.get("gm", sm90.GROUP_M),
+                                               grid=max(1, sms - (1 if debug else 0)),
+                                               bound_ns=symm.wait_bound() if debug else 0):
+        return
     world, flags, status, epoch = at.world, at.flags, at.status, at.epoch
     lin, rank, chunk_rows, flag_base = at.lin, at.rank, at.chunk_rows, at.flag_base
-    sms = p.get("sms") or num_sms(a2.device)
     for first in range(0, len(mm.weights), 3):  # one pass over A serves up to three B's
         ws, bs = mm.weights[first:first + 3], mm.biases[first:first + 3]
         cs = mm.outs[first:first + 3]

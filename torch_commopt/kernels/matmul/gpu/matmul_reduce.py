@@ -132,6 +132,8 @@ def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule:
         return f"{schedule.name} has no scaled (float8) product: cuBLAS's _scaled_mm cannot add into its output"
     if schedule.name == "fused" and a.dtype not in (torch.bfloat16, torch.float16):
         return f"fused needs bf16/fp16, got {a.dtype}"
+    if schedule.param("impl") == "sm90":
+        return "impl=sm90 is the all-gather consumer's kernel; the reduce-scatter producer has only Triton's"
     if weight.dtype != a.dtype and sc is None:
         return "mixed dtypes"
     if capturing:

@@ -1,0 +1,122 @@
+"""The CUDA (sm_90a) all-gather consumer (kernels/matmul/gpu/sm90.py) on one GPU, with local
+stand-ins for the peers: its tile order, row mappings (runs of lin rows, ragged tiles), both
+epilogues (TMA store where a warpgroup's rows are one run of the output, pointer stores
+elsewhere), biases and several B's, the flag wait (a piece landing after the kernel started), the
+bounded debug wait, and the logged fallback to the Triton kernel.  Fresh random inputs; tolerance
+relative to cuBLAS's own error against an fp32 product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_commopt.testing.fused_standins import Standin, ag_standins
+from torch_commopt.testing.validate import rel_err, within_tolerance
+
+
+def _sm90(one_gpu):
+    from torch_commopt.kernels.matmul.gpu import sm90
+
+    if torch.cuda.get_device_capability(one_gpu) != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    if sm90.library() is None:
+        pytest.fail(f"the sm_90a kernel did not build: {sm90.why_not()}")
+    return sm90
+
+
+def _gathered(st, world, m_loc, k):
+    rank, lin = st.arrivals.rank, st.arrivals.lin
+    shards = [st.a2 if s == rank else st.slots2[s * m_loc:(s + 1) * m_loc] for s in range(world)]
+    return torch.stack([sh.view(m_loc // lin, lin, k) for sh in shards], dim=1).reshape(-1, k)
+
+
+def _check(st, world, m_loc, k):
+    gathered = _gathered(st, world, m_loc, k)
+    for out, w, b in zip(st.products.outs, st.weights, st.biases):
+        truth = gathered.float() @ w.float() + (b.float() if b is not None else 0)
+        cublas = torch.mm(gathered, w) + (b if b is not None else 0)
+        assert within_tolerance(rel_err(out, truth), rel_err(cublas, truth)), (rel_err(out, truth), rel_err(cublas, truth))
+
+
+@pytest.mark.parametrize("world, m_loc, k, ns, lin, bias", [
+    (2, 1024, 512, [768], None, False),          # TMA store, one B
+    (2, 2048, 4096, [2048, 512, 512], 512, True),  # q/k/v with biases, 3-D rows (runs of 512)
+    (4, 333, 520, [1000, 264, 512], 111, True),  # ragged tiles and K, runs of 111: pointer stores
+    (3, 640, 256, [256, 256, 256, 384], 320, False),  # four B's: two launches
+])
+def test_sm90_consumer_matches_cublas(one_gpu, world, m_loc, k, ns, lin, bias):
+    from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
+
+    sm90 = _sm90(one_gpu)
+    gen = torch.Generator(device="cuda").manual_seed(world * 7 + k)
+    st = ag_standins(m_loc, k, ns, Standin(world, lin, True, torch.bfloat16, gen), bias=bias)
+    for out in st.products.outs:
+        out.fill_(float("nan"))
+    ran = []
+    real = sm90.ag_gemm
+
+    def spy(*args, **kw):
+        ran.append(real(*args, **kw))
+        return ran[-1]
+
+    sm90.ag_gemm = spy
+    try:
+        launch_fused(st.a2, st.slots2, st.products, st.arrivals, {"impl": "sm90"})
+    finally:
+        sm90.ag_gemm = real
+    assert ran == [True]
+    _check(st, world, m_loc, k)
+    assert int(st.arrivals.status[0]) == 0
+
+
+def test_sm90_refusal_runs_triton_and_says_why(one_gpu, caplog):
+    """fp16 and row-major weights are not the kernel's: the Triton consumer runs, logged once."""
+    from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
+
+    sm90 = _sm90(one_gpu)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    st = ag_standins(512, 256, [512], Standin(2, None, False, torch.bfloat16, gen))
+    assert sm90.ag_refusal(st.a2, st.slots2, st.weights, st.products.outs, st.biases) == \
+        "a weight is not K-major (nn.Linear's layout)"
+    with caplog.at_level("INFO", logger=sm90.__name__):
+        launch_fused(st.a2, st.slots2, st.products, st.arrivals, {"impl": "sm90", "tma": 1})
+    _check(st, 2, 512, 256)
+    assert any("not K-major" in r.getMessage() for r in caplog.records)
+
+
+def test_sm90_waits_for_a_piece_that_lands_after_it_started(one_gpu):
+    """The peer's rows and then their flag written on another stream after a sleep, while the
+    kernel (on fewer blocks than SMs, leaving room for the writer's kernels) already runs: its
+    tiles of that slot wait, and the product is the landed rows'."""
+    sm90 = _sm90(one_gpu)
+    world, m_loc, k, ns = 2, 1024, 1024, [512]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    st = ag_standins(m_loc, k, ns, Standin(world, None, True, torch.bfloat16, gen))
+    at = st.arrivals
+    landed = st.slots2[:m_loc].clone()
+    st.slots2[:m_loc].normal_()  # stale rows until the piece lands
+    at.flags[at.flag_base: at.flag_base + 256] = 0  # slot 0 (the peer's): nothing landed yet
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # tens of ms: the kernel is spinning by then
+        st.slots2[:m_loc].copy_(landed)
+        at.flags[at.flag_base: at.flag_base + 256].fill_(1)
+    assert sm90.ag_gemm(st.a2, st.slots2, st.weights, st.products.outs, st.biases, at, group_m=8, grid=64)
+    torch.cuda.synchronize()
+    _check(st, world, m_loc, k)
+
+
+def test_sm90_debug_wait_gives_up_and_reports_the_piece(one_gpu):
+    """A piece that never lands: with a bound the kernel stops spinning, ends, and records (code 2,
+    slot, chunk, seen, expected) in the status words, as the Triton kernels' debug waits do."""
+    sm90 = _sm90(one_gpu)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    st = ag_standins(512, 256, [256], Standin(2, None, True, torch.bfloat16, gen))
+    at = st.arrivals
+    at.flags[at.flag_base: at.flag_base + 256] = 0
+    assert sm90.ag_gemm(st.a2, st.slots2, st.weights, st.products.outs, st.biases, at, group_m=8, grid=8,
+                        bound_ns=20_000_000)
+    torch.cuda.synchronize()
+    status = at.status.tolist()
+    assert status[0] == 1 and status[1] == 2 and status[2] == 0 and status[4] == 0 and status[5] == at.epoch

@@ -1,0 +1,58 @@
+"""The CUDA (sm_90a) all-gather consumer on the CPU: its source builds with nvcc (where there is
+one) into a library with its entry points, it refuses what it cannot take, and `impl=sm90` is a
+fused all-gather option only (its GPU numerics: tests/gpu/test_sm90_gemm.py)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from torch_commopt.core.schedule import Schedule
+from torch_commopt.kernels.matmul.gpu import sm90
+
+
+def test_the_kernel_source_builds_with_its_entry_points(tmp_path, monkeypatch):
+    if sm90._nvcc() is None:
+        pytest.skip("no nvcc")
+    monkeypatch.setenv("TORCH_COMMOPT_CACHE_DIR", str(tmp_path))
+    built = sm90._compile()
+    assert built.parent == tmp_path / "native" and built.stat().st_size > 0
+    lib = ctypes.CDLL(str(built))
+    assert hasattr(lib, "commopt_sm90_ag_gemm") and hasattr(lib, "commopt_sm90_clusters")
+    assert sm90._compile() == built  # cached by the source's and flags' digest
+
+
+def test_a_failed_build_is_reported_and_the_triton_kernel_named(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_COMMOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sm90, "_nvcc", lambda: None)
+    monkeypatch.setattr(sm90, "_state", {"lib": None, "why": None})
+    with caplog.at_level("WARNING", logger=sm90.__name__):
+        assert sm90.library() is None
+    assert "no nvcc" in sm90.why_not()
+    assert any("Triton fused kernels run" in r.getMessage() for r in caplog.records)
+
+
+def test_the_kernel_refuses_what_it_cannot_take():
+    a = torch.zeros(256, 128, dtype=torch.bfloat16)
+    w = torch.zeros(256, 128, dtype=torch.bfloat16).t()
+    out = torch.zeros(256, 256, dtype=torch.bfloat16)
+    assert sm90.ag_refusal(a, a, [w], [out], [None]) == "not an sm_90 GPU"
+
+
+def test_impl_is_a_fused_option_with_known_values():
+    assert Schedule.parse("fused:1:impl=sm90").param("impl") == "sm90"
+    assert Schedule.parse("fused:2:impl=triton").param("impl") == "triton"
+    for bad in ("ce_push:1:impl=sm90", "fused:1:impl=cuda"):
+        with pytest.raises(ValueError, match="impl is a fused option"):
+            Schedule.parse(bad)
+
+
+def test_the_reduce_scatter_refuses_impl_sm90():
+    from torch_commopt.kernels.matmul.gpu.matmul_reduce import unsupported_reason
+
+    a, w = torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16)
+    why = unsupported_reason(a, w, 0, 2, Schedule.parse("fused:2:impl=sm90"), "g")
+    assert why is not None and "all-gather consumer's kernel" in why
+    assert unsupported_reason(a, w, 0, 2, Schedule.parse("fused:2"), "g") is None

@@ -1,0 +1,146 @@
+"""The CUDA (sm_90a) fused GEMMs: warp-specialized persistent kernels with wgmma and the TMA unit,
+built from native/*.cu with nvcc on first use and called through ctypes.
+
+Triton 3.6 does not warp-specialize for sm_90 (docs/gpu-schedules.md): its fused GEMMs pipeline
+loads and MMAs within one instruction stream and reach 0.85-0.94 of cuBLAS at the training step's
+GEMMs.  These kernels give the loads a warpgroup of their own, so a flag wait or a tile's
+epilogue never stalls the tensor cores' next k step.  Where they cannot run (no sm_90 GPU, no
+nvcc, operands they do not take) the Triton kernels run, and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from torch_commopt.core import env
+
+log = logging.getLogger(__name__)
+SOURCE = pathlib.Path(__file__).with_name("native") / "ag_gemm_sm90.cu"
+BM, BN, BK = 128, 256, 64  # the kernel's tile (ag_gemm_sm90.cu)
+GROUP_M = 16  # row tiles a group sweeps before its next column tile (B's tiles stay in L2)
+NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
+_state: dict = {"lib": None, "why": None}
+_logged: set = set()
+
+
+def _nvcc() -> Optional[str]:
+    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.exists(cand):
+            return cand
+    return None
+
+
+def _compile() -> pathlib.Path:
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    out = env.cache_dir() / "native" / f"ag_gemm_sm90_{digest}.so"
+    if not out.exists():
+        nvcc = _nvcc()
+        if nvcc is None:
+            raise OSError("no nvcc (PATH, $CUDA_HOME/bin)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        run = subprocess.run([nvcc, *NVCC_FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
+                             timeout=300)
+        if run.returncode != 0:
+            raise OSError(f"nvcc failed: {run.stderr.strip()[-800:]}")
+        tmp.replace(out)
+    return out
+
+
+def library():
+    """The built library, or None (the reason logged once, kept in `why_not`)."""
+    if _state["lib"] is None and _state["why"] is None:
+        try:
+            lib = ctypes.CDLL(str(_compile()))
+        except (OSError, subprocess.SubprocessError) as e:
+            _state["why"] = f"the sm_90a kernels could not be built or loaded: {e}"
+            log.warning("commopt: %s; the Triton fused kernels run", _state["why"])
+            return None
+        fn = lib.commopt_sm90_ag_gemm
+        fn.restype = ctypes.c_int
+        i32, i64, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, i32, i32, ptr, ptr, i64, i32, ptr, ptr, ptr,
+                       ptr, ptr, i32, i32, ptr]
+        _state["lib"] = lib
+    return _state["lib"]
+
+
+def why_not() -> Optional[str]:
+    return _state["why"]
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
+
+
+def ag_refusal(a2: torch.Tensor, slots2: torch.Tensor, weights: Sequence[torch.Tensor],
+               outs: Sequence[torch.Tensor], biases: Sequence) -> Optional[str]:
+    """Why the sm_90a all-gather consumer cannot take these operands (None: it can)."""
+    dev = a2.device
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+        return "not an sm_90 GPU"
+    if any(t.dtype != torch.bfloat16 for t in [a2, slots2, *weights, *outs]):
+        return "not bfloat16"
+    if any(b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous()) for b in biases):
+        return "a bias is not a contiguous bfloat16 vector"
+    if not all(w.stride(0) == 1 for w in weights):
+        return "a weight is not K-major (nn.Linear's layout)"
+    ops = [a2, slots2, *(w.t() for w in weights)]
+    if not all(t.stride(-1) == 1 and _aligned(t) for t in ops):
+        return "a base or row pitch is not 16-byte aligned"
+    if any(not o.is_contiguous() or o.data_ptr() % 16 for o in outs):
+        return "an output is not contiguous and 16-byte aligned"
+    if any(w.shape[-1] % 8 for w in weights):
+        return "an N is not a multiple of 8"
+    if a2.shape[0] < BM or a2.shape[1] < BK or any(w.shape[-1] < BN for w in weights):
+        return "a tensor is smaller than one tile"
+    return None
+
+
+def _log_once(op: str, why: str) -> None:
+    if (op, why) not in _logged:
+        _logged.add((op, why))
+        log.info("commopt %s impl=sm90: %s; the Triton kernel runs", op, why)
+
+
+def ag_gemm(a2, slots2, weights, outs, biases, at, *, group_m: int, grid: int, bound_ns: int = 0) -> bool:
+    """outs[i] (full rows) = gathered A @ weights[i] (+ biases[i]) by the sm_90a kernel, up to three
+    weights a launch: a2 (M_loc, K) this rank's shard, slots2 (world * M_loc, K) the slots, `at`
+    the arrivals (ag_matmul.Arrivals).  Returns False, queueing nothing, where it cannot run
+    (logged once per reason)."""
+    why = ag_refusal(a2, slots2, weights, outs, biases)
+    lib = library() if why is None else None
+    if why is None and lib is None:
+        why = why_not()
+    if why is not None:
+        _log_once("ag_matmul", why)
+        return False
+    m_loc, k = a2.shape
+    stream = torch.cuda.current_stream(a2.device).cuda_stream
+    for first in range(0, len(weights), 3):
+        ws, cs, bs = weights[first:first + 3], outs[first:first + 3], biases[first:first + 3]
+        n = len(ws)
+        ptrs = ctypes.c_void_p * 3
+        b_ptrs = ptrs(*[w.data_ptr() for w in ws])
+        pitches = (ctypes.c_longlong * 3)(*[w.stride(1) for w in ws])
+        ns = (ctypes.c_int * 3)(*[w.shape[-1] for w in ws])
+        c_ptrs = ptrs(*[c.data_ptr() for c in cs])
+        bias_ptrs = ptrs(*[b.data_ptr() if b is not None else None for b in bs])
+        rc = lib.commopt_sm90_ag_gemm(
+            a2.data_ptr(), a2.stride(0), slots2.data_ptr(), slots2.stride(0), m_loc, k, at.world, at.rank, at.lin,
+            at.chunk_rows, at.flag_base, at.epoch, at.flags.data_ptr(), at.status.data_ptr(), bound_ns, n, b_ptrs,
+            pitches, ns, c_ptrs, bias_ptrs, group_m, grid, stream)
+        if rc != 0:
+            raise RuntimeError(f"commopt sm90 ag_gemm: launch failed with CUDA error {rc}")
+    return True
