@@ -78,6 +78,21 @@ def _checked(out: torch.Tensor, truth: torch.Tensor, cublas: torch.Tensor, what:
         raise RuntimeError(f"{what}: fused error {rel_err(out, truth):.3g} against cuBLAS's {rel_err(cublas, truth):.3g}")
 
 
+def _whole_tiles(run):
+    """`run` with the sm90 kernel's stream-K tail off (no workspace: every tile whole)."""
+    from torch_commopt.kernels.matmul.gpu import sm90
+
+    def whole() -> None:
+        real = sm90._workspace
+        sm90._workspace = lambda *args: None
+        try:
+            run()
+        finally:
+            sm90._workspace = real
+
+    return whole
+
+
 def _ag_runs(k: int, ns: tuple, gen) -> tuple[dict, dict]:
     from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
     from torch_commopt.testing.fused_standins import Standin, ag_standins
@@ -100,8 +115,9 @@ def _ag_runs(k: int, ns: tuple, gen) -> tuple[dict, dict]:
     # the default with the TMA store (tma_store=1) instead of pointer stores
     runs[_default("ag") + " tma_store"] = functools.partial(
         launch_fused, st.a2, st.slots2, st.products, st.arrivals, {**_params(CONFIGS[0], 1), "tma_store": 1})
-    # the CUDA kernel (sm90.py), warp-specialized
+    # the CUDA kernel (sm90.py), warp-specialized, with its stream-K tail and without it
     runs["sm90"] = functools.partial(launch_fused, st.a2, st.slots2, st.products, st.arrivals, {"impl": "sm90"})
+    runs["sm90 whole tiles"] = _whole_tiles(runs["sm90"])
     return runs, {"status": st.arrivals.status, "check": check}
 
 
@@ -213,7 +229,8 @@ def report(rows: list, meta: dict) -> str:
              "(benchmarks/probe_fused_gemm.py); bf16; Llama-3-8B layer at TP=2 + SP, 8192 tokens; median of "
              f"{meta['rounds']} rounds of 10 calls. Throughput = cuBLAS ms / fused ms (1.00: as fast).", "",
              "Triton: the default tile and the sweep's best (`best tile`); sm90: the CUDA kernel "
-             "(kernels/matmul/gpu/sm90.py, warp-specialized; the all-gather consumer only).", "",
+             "(kernels/matmul/gpu/sm90.py, warp-specialized, its last partial round of tiles split "
+             "stream-K; `sm90 whole tiles`: without that split; the all-gather consumer only).", "",
              "| region | op | M x K x N | cuBLAS ms (TFLOP/s) | Triton default ms | default / cuBLAS "
              "throughput | best tile | best ms | best / cuBLAS throughput | sm90 ms | sm90 / cuBLAS throughput |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

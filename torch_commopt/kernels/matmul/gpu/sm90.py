@@ -31,6 +31,7 @@ GROUP_M = 16  # row tiles a group sweeps before its next column tile (B's tiles 
 NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
 _state: dict = {"lib": None, "why": None}
 _logged: set = set()
+_workspaces: dict = {}  # (device, stream) -> (fp32 partials grid x BM x BN, int32 counters grid)
 
 
 def _nvcc() -> Optional[str]:
@@ -71,7 +72,7 @@ def library():
         fn.restype = ctypes.c_int
         i32, i64, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, i32, i32, ptr, ptr, i64, i32, ptr, ptr, ptr,
-                       ptr, ptr, i32, i32, ptr]
+                       ptr, ptr, i32, i32, ptr, ptr, ptr]
         _state["lib"] = lib
     return _state["lib"]
 
@@ -108,6 +109,22 @@ def ag_refusal(a2: torch.Tensor, slots2: torch.Tensor, weights: Sequence[torch.T
     return None
 
 
+def _workspace(device: torch.device, stream: int, grid: int):
+    """The stream-K tail's partials and counters for launches on `stream` (one pair per stream: a
+    launch leaves its counters at zero, and launches on one stream never overlap); None under a
+    CUDA-graph capture that finds none (the kernel then runs whole tiles only)."""
+    key = (device.index, stream)
+    have = _workspaces.get(key)
+    if have is not None and have[1].numel() >= grid:
+        return have
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    have = (torch.empty(grid * BM * BN, device=device, dtype=torch.float32),
+            torch.zeros(grid, device=device, dtype=torch.int32))
+    _workspaces[key] = have
+    return have
+
+
 def _log_once(op: str, why: str) -> None:
     if (op, why) not in _logged:
         _logged.add((op, why))
@@ -128,6 +145,8 @@ def ag_gemm(a2, slots2, weights, outs, biases, at, *, group_m: int, grid: int, b
         return False
     m_loc, k = a2.shape
     stream = torch.cuda.current_stream(a2.device).cuda_stream
+    work = _workspace(a2.device, stream, grid)
+    work_ptr, counters_ptr = (work[0].data_ptr(), work[1].data_ptr()) if work is not None else (None, None)
     for first in range(0, len(weights), 3):
         ws, cs, bs = weights[first:first + 3], outs[first:first + 3], biases[first:first + 3]
         n = len(ws)
@@ -140,7 +159,7 @@ def ag_gemm(a2, slots2, weights, outs, biases, at, *, group_m: int, grid: int, b
         rc = lib.commopt_sm90_ag_gemm(
             a2.data_ptr(), a2.stride(0), slots2.data_ptr(), slots2.stride(0), m_loc, k, at.world, at.rank, at.lin,
             at.chunk_rows, at.flag_base, at.epoch, at.flags.data_ptr(), at.status.data_ptr(), bound_ns, n, b_ptrs,
-            pitches, ns, c_ptrs, bias_ptrs, group_m, grid, stream)
+            pitches, ns, c_ptrs, bias_ptrs, group_m, grid, work_ptr, counters_ptr, stream)
         if rc != 0:
             raise RuntimeError(f"commopt sm90 ag_gemm: launch failed with CUDA error {rc}")
     return True

@@ -41,6 +41,7 @@ constexpr int THREADS = 384, CONSUMER_WARPS = 8;
 // so B crosses from L2 once for all of them.  Built with 1 (no cluster): 2 measured no faster on
 // one H200 at the training step's GEMMs (docs/gpu-schedules.md).
 constexpr int CLUSTER = COMMOPT_CLUSTER, B_PART = BN / CLUSTER;
+constexpr int MIN_SHARE = 4;  // fewest k steps a block's stream-K share may have
 // The output tile staged for the TMA store: per consumer warpgroup 64 rows x PASS_COLS columns at a
 // time, as 64 x 64 boxes with 128-byte swizzle (8 KB each).
 constexpr int BOX = 64, BOX_BYTES = BOX * BOX * 2, PASS_COLS = COMMOPT_PASS_COLS;
@@ -63,7 +64,56 @@ struct Params {
   int num_b, tiles_m, tiles_n, group_m;
   int total;  // units of work: CLUSTER row tiles of one column tile of one slot
   int tma_store;  // every warpgroup's 64 rows one run of an output (lin and m_loc multiples of 64)
+  // Stream-K tail (CLUSTER 1): the first `full` tiles run whole, a round of the grid at a time; the
+  // k steps of the last `tail` tiles (fewer than the grid) are dealt evenly over all blocks. A
+  // block whose share starts inside a tile leaves its fp32 partial in workspace[block] and counts
+  // it in counters[tile]; the tile's owner (the block holding its first k step) adds them in.
+  int full, tail;
+  float* workspace;
+  int* counters;
 };
+
+// A block's next piece of work: k steps [kb0, kb1) of tile `tile`; `partial`: a share left to the
+// tile's owner; else the block stores the tile, after adding the partials of `helpers` blocks
+// (blockIdx.x + 1, ...) when it owns a stream-K tile.
+struct Unit {
+  int tile, kb0, kb1, helpers;
+  bool partial;
+};
+
+struct Walk {
+  int t;              // the next whole tile
+  long long pos, end; // the block's stream-K share: k steps pos .. end of the tail tiles
+};
+
+__device__ __forceinline__ long long owner_of(long long pos, long long total) {
+  return ((pos + 1) * gridDim.x + total - 1) / total - 1;  // the block whose share holds k step pos
+}
+
+__device__ __forceinline__ Walk walk_start(const Params& p, int nk) {
+  Walk w;
+  long long total = (long long)p.tail * nk;
+  w.t = blockIdx.x / CLUSTER;
+  w.pos = blockIdx.x * total / gridDim.x;
+  w.end = (blockIdx.x + 1) * total / gridDim.x;
+  return w;
+}
+
+__device__ __forceinline__ bool next_unit(const Params& p, int nk, Walk& w, Unit& u) {
+  if (w.t < p.full) {
+    u = {w.t, 0, nk, 0, false};
+    w.t += gridDim.x / CLUSTER;
+    return true;
+  }
+  if (w.pos >= w.end) return false;
+  long long total = (long long)p.tail * nk;
+  int j = (int)(w.pos / nk), kb0 = (int)(w.pos % nk);
+  int kb1 = (int)min((long long)nk, kb0 + (w.end - w.pos));
+  u = {p.full + j, kb0, kb1, 0, kb0 != 0};
+  if (!u.partial) u.helpers = (int)(owner_of((long long)(j + 1) * nk - 1, total) - blockIdx.x);
+  w.pos += kb1 - kb0;
+  return true;
+}
 
 struct Tile {
   int slot, pid_m, bi, col;
@@ -161,6 +211,12 @@ __device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap*
 __device__ __forceinline__ int ld_acquire_sys(const int* ptr) {
   int v;
   asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
   return v;
 }
 
@@ -316,8 +372,9 @@ __device__ void store_tile_tma(const Params& p, const Tile& t, float (&d)[128], 
 
 __device__ void produce(const Params& p, uint8_t* stages, uint64_t* full, uint64_t* empty, int cta) {
   int nk = (p.k + BK - 1) / BK, s = 0, phase = 0;
-  for (int t = blockIdx.x / CLUSTER; t < p.total; t += gridDim.x / CLUSTER) {
-    Tile tile = decode(p, t, cta);
+  Walk w = walk_start(p, nk);
+  for (Unit u; next_unit(p, nk, w, u);) {
+    Tile tile = decode(p, u.tile, cta);
     const CUtensorMap* a = &p.a_own;
     int row0 = tile.pid_m * BM;
     if (tile.slot != p.rank) {
@@ -327,7 +384,7 @@ __device__ void produce(const Params& p, uint8_t* stages, uint64_t* full, uint64
       a = &p.a_slots;
       row0 += tile.slot * p.m_loc;
     }
-    for (int kb = 0; kb < nk; ++kb) {
+    for (int kb = u.kb0; kb < u.kb1; ++kb) {
       mbar_wait(&empty[s], phase ^ 1);
       uint8_t* stage = stages + s * STAGE_BYTES;
       mbar_expect_tx(&full[s], STAGE_BYTES);
@@ -338,6 +395,45 @@ __device__ void produce(const Params& p, uint8_t* stages, uint64_t* full, uint64
       else
         tma_load_multicast(b_part, &p.b[tile.bi], &full[s], kb * BK, tile.col * BN + cta * B_PART);
       if (++s == STAGES) s = 0, phase ^= 1;
+    }
+  }
+}
+
+// The consumers' 256 threads (both warpgroups) at one barrier.
+constexpr int CONSUMERS_BARRIER = 3;
+
+// A stream-K share that does not start its tile: the accumulators into this block's workspace
+// slot (each thread's registers as float4s, thread-minor: coalesced), then, once every consumer
+// thread has stored, one release of the tile's counter.
+__device__ void leave_partial(const Params& p, int j, float (&d)[128], int wg) {
+  int tid = threadIdx.x % 128;
+  float4* slot = reinterpret_cast<float4*>(p.workspace) + (size_t)blockIdx.x * (BM * BN / 4);
+#pragma unroll
+  for (int q = 0; q < 32; ++q)
+    __stcg(slot + (wg * 32 + q) * 128 + tid, make_float4(d[4 * q], d[4 * q + 1], d[4 * q + 2], d[4 * q + 3]));
+  named_barrier(CONSUMERS_BARRIER, 256);
+  if (threadIdx.x == 128) {
+    __threadfence();
+    atomicAdd(p.counters + j, 1);
+  }
+}
+
+// The owner of a stream-K tile: wait until its `helpers` blocks have left their partials, add
+// them (in block order), and set the tile's counter back to 0 for the next launch.
+__device__ void add_partials(const Params& p, int j, int helpers, float (&d)[128], int wg) {
+  int tid = threadIdx.x % 128;
+  if (threadIdx.x == 128) {
+    while (ld_acquire_gpu(p.counters + j) < helpers) {
+    }
+    p.counters[j] = 0;
+  }
+  named_barrier(CONSUMERS_BARRIER, 256);
+  for (int h = 1; h <= helpers; ++h) {
+    const float4* slot = reinterpret_cast<const float4*>(p.workspace) + (size_t)(blockIdx.x + h) * (BM * BN / 4);
+#pragma unroll
+    for (int q = 0; q < 32; ++q) {
+      float4 v = __ldcg(slot + (wg * 32 + q) * 128 + tid);
+      d[4 * q] += v.x, d[4 * q + 1] += v.y, d[4 * q + 2] += v.z, d[4 * q + 3] += v.w;
     }
   }
 }
@@ -358,17 +454,18 @@ __device__ void consume(const Params& p, uint8_t* stages, uint64_t* full, uint64
   uint8_t* staging = stages + STAGES * STAGE_BYTES;
   int nk = (p.k + BK - 1) / BK, s = 0, phase = 0;
   float d[128];
-  for (int t = blockIdx.x / CLUSTER; t < p.total; t += gridDim.x / CLUSTER) {
-    Tile tile = decode(p, t, cta);
+  Walk w = walk_start(p, nk);
+  for (Unit u; next_unit(p, nk, w, u);) {
+    Tile tile = decode(p, u.tile, cta);
     int prev = -1;
-    for (int kb = 0; kb < nk; ++kb) {
+    for (int kb = u.kb0; kb < u.kb1; ++kb) {
       mbar_wait(&full[s], phase);
       uint8_t* a = stages + s * STAGE_BYTES + wg * 64 * BK * 2;
       uint8_t* b = stages + s * STAGE_BYTES + A_BYTES;
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk)
-        wgmma_m64n256k16(d, sw128_desc(a + kk * 32), sw128_desc(b + kk * 32), kb > 0 || kk > 0);
+        wgmma_m64n256k16(d, sw128_desc(a + kk * 32), sw128_desc(b + kk * 32), kb > u.kb0 || kk > 0);
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       if (prev >= 0) {
         asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
@@ -380,6 +477,11 @@ __device__ void consume(const Params& p, uint8_t* stages, uint64_t* full, uint64
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     fence_operands(d);
     release(&empty[prev]);
+    if (u.partial) {
+      leave_partial(p, u.tile - p.full, d, wg);
+      continue;
+    }
+    if (u.helpers > 0) add_partials(p, u.tile - p.full, u.helpers, d, wg);
     if (COMMOPT_TMA_STORE && p.tma_store)
       store_tile_tma(p, tile, d, wg, staging);
     else
@@ -478,6 +580,8 @@ int commopt_sm90_clusters(int grid) {
 }
 
 // Shapes the kernel takes: bf16 operands, K-major B's, 16-byte aligned bases and pitches, N_i even.
+// workspace (grid x BM x BN fp32) and counters (grid int32, zero) for the stream-K tail, or null
+// (whole tiles only; one pair per stream: a launch leaves the counters at zero).
 // Returns 0, or a CUresult / cudaError_t code (the launch is not queued).
 //   a_own (m_loc, k) pitch a_pitch; a_slots (world * m_loc, k) pitch s_pitch; bs[i] (ns[i], k) pitch
 //   b_pitch[i]; cs[i] (rows, ns[i]) contiguous; biases[i] or null; flags / status int32 arrays.
@@ -485,7 +589,7 @@ int commopt_sm90_ag_gemm(const void* a_own, long long a_pitch, const void* a_slo
                          int k, int world, int rank, int lin, int chunk_rows, int flag_base, int epoch, int* flags,
                          int* status, long long bound, int num_b, const void* const* bs, const long long* b_pitch,
                          const int* ns, void* const* cs, const void* const* biases, int group_m, int grid,
-                         void* stream) {
+                         float* workspace, int* counters, void* stream) {
   static bool configured = false;
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(ag_gemm_sm90, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
@@ -519,6 +623,8 @@ int commopt_sm90_ag_gemm(const void* a_own, long long a_pitch, const void* a_slo
   p.tiles_m = (m_loc + BM - 1) / BM;
   p.group_m = group_m;
   p.total = world * ((p.tiles_m + CLUSTER - 1) / CLUSTER) * p.tiles_n;
+  p.workspace = workspace;
+  p.counters = counters;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(max(CLUSTER, grid / CLUSTER * CLUSTER));
   config.blockDim = dim3(THREADS);
@@ -538,6 +644,13 @@ int commopt_sm90_ag_gemm(const void* a_own, long long a_pitch, const void* a_slo
     if (fitting <= 0) return fitting < 0 ? -fitting : (int)cudaErrorInvalidConfiguration;
     config.gridDim = dim3(min((int)config.gridDim.x, fitting * CLUSTER));
   }
+  // Stream-K for the last, partial round of tiles, where each block's share is worth it.
+  int blocks = (int)config.gridDim.x, nk = (k + BK - 1) / BK;
+  int tail = p.total % blocks;
+  bool streamk = CLUSTER == 1 && workspace != nullptr && counters != nullptr && tail > 0 &&
+                 (long long)tail * nk / blocks >= MIN_SHARE;
+  p.full = streamk ? p.total - tail : p.total;
+  p.tail = streamk ? tail : 0;
   return (int)cudaLaunchKernelEx(&config, ag_gemm_sm90, p);
 }
 
