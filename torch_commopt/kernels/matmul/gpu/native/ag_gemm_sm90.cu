@@ -644,10 +644,12 @@ int commopt_sm90_ag_gemm(const void* a_own, long long a_pitch, const void* a_slo
     if (fitting <= 0) return fitting < 0 ? -fitting : (int)cudaErrorInvalidConfiguration;
     config.gridDim = dim3(min((int)config.gridDim.x, fitting * CLUSTER));
   }
-  // Stream-K for the last, partial round of tiles, where each block's share is worth it.
+  // Stream-K for the last, partial round of tiles where at most half the blocks would have a tile
+  // in it (the split saves the idle rest of that round, and costs each share its partial's trip
+  // through L2 and the owner's wait), and each block's share is worth it.
   int blocks = (int)config.gridDim.x, nk = (k + BK - 1) / BK;
   int tail = p.total % blocks;
-  bool streamk = CLUSTER == 1 && workspace != nullptr && counters != nullptr && tail > 0 &&
+  bool streamk = CLUSTER == 1 && workspace != nullptr && counters != nullptr && tail > 0 && 2 * tail <= blocks &&
                  (long long)tail * nk / blocks >= MIN_SHARE;
   p.full = streamk ? p.total - tail : p.total;
   p.tail = streamk ? tail : 0;
