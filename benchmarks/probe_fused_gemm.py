@@ -229,7 +229,7 @@ def report(rows: list, meta: dict) -> str:
              "(benchmarks/probe_fused_gemm.py); bf16; Llama-3-8B layer at TP=2 + SP, 8192 tokens; median of "
              f"{meta['rounds']} rounds of 10 calls. Throughput = cuBLAS ms / fused ms (1.00: as fast).", "",
              "Triton: the default tile and the sweep's best (`best tile`); sm90: the CUDA kernel "
-             "(kernels/matmul/gpu/sm90.py, warp-specialized, its last partial round of tiles split "
+             "(kernels/matmul/gpu/sm90.py, warp-specialized; a last round of tiles at most half full split "
              "stream-K; `sm90 whole tiles`: without that split; the all-gather consumer only).", "",
              "| region | op | M x K x N | cuBLAS ms (TFLOP/s) | Triton default ms | default / cuBLAS "
              "throughput | best tile | best ms | best / cuBLAS throughput | sm90 ms | sm90 / cuBLAS throughput |",
