@@ -144,3 +144,71 @@ def test_sm90_stream_k_tail_matches_cublas(one_gpu, grid):
     _check(st, world, m_loc, k)
     assert int(counters.abs().sum()) == 0
     assert bool(work[: grid * sm90.BM * sm90.BN].isfinite().any()) == (2 * tail <= grid)
+
+
+def _run_rs(one_gpu, *, world, m_seg, k, n, lin=None, direct=True, alpha=1.0, seed=0):
+    """The sm_90a reduce-scatter producer through launch_rs_fused(impl=sm90), with local stand-ins
+    for the peers' receive slots and flags: this rank's reduced segment, every peer's partial where
+    it was sent, and every chunk's tile count."""
+    from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS
+    from torch_commopt.kernels.matmul.gpu.layout import cdiv
+    from torch_commopt.kernels.matmul.gpu.matmul_reduce import launch_rs_fused
+    from torch_commopt.testing.fused_standins import rs_standins
+
+    sm90 = _sm90(one_gpu)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    st = rs_standins(m_seg, k, n, Standin(world, lin, True, torch.bfloat16, gen), direct=direct, bm=sm90.BM)
+    a2, w, recv, rank, lin = st.a2, st.weight, st.recv, st.segments.rank, st.segments.lin
+    outer, chunk_mt, tiles_m, tiles_n = m_seg // lin, st.segments.chunk_mt, cdiv(m_seg, sm90.BM), cdiv(n, sm90.BN)
+    ran, real = [], sm90.rs_gemm
+    sm90.rs_gemm = lambda *a, **kw: ran.append(real(*a, **kw)) or ran[-1]
+    try:
+        launch_rs_fused(a2, w, st.targets, st.signals, st.segments, alpha, {"impl": "sm90"})
+    finally:
+        sm90.rs_gemm = real
+    assert ran == [True]
+    torch.cuda.synchronize()
+    assert int(st.signals.status[0]) == 0
+    seg_rows = [a2.view(outer, world, lin, k)[:, s].reshape(m_seg, k) for s in range(world)]
+    partials = sum(recv[s].float() for s in range(world) if s != rank)
+    truth = alpha * (seg_rows[rank].float() @ w.float() + partials)
+    cublas = (alpha * (torch.mm(seg_rows[rank], w).float() + partials)).to(torch.bfloat16)
+    out = st.targets.out
+    assert within_tolerance(rel_err(out, truth), rel_err(cublas, truth)), (rel_err(out, truth), rel_err(cublas, truth))
+    tiles = [min(chunk_mt, tiles_m - c * chunk_mt) * tiles_n for c in range(cdiv(tiles_m, chunk_mt))]
+    for s in range(world):
+        if s == rank:
+            continue
+        got = st.peer_bufs[s][rank] if direct else st.send[s]
+        truth_s = seg_rows[s].float() @ w.float()
+        assert within_tolerance(rel_err(got, truth_s), rel_err(torch.mm(seg_rows[s], w), truth_s))
+        counters = (st.peer_flags[s][COUNTERS + rank * MAX_CHUNKS:] if direct
+                    else st.flags[COUNTERS + s * MAX_CHUNKS:])[:len(tiles)]
+        assert counters.tolist() == tiles
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_sm90_rs_matches_cublas(one_gpu, direct):
+    _run_rs(one_gpu, world=2, m_seg=1024, k=512, n=768, direct=direct)
+
+
+def test_sm90_rs_ragged_avg_world4(one_gpu):
+    """Rows and K that are not tile multiples (a last tile reads the next segment's rows and masks
+    them), N not a multiple of the tile, avg scaling, world 4."""
+    _run_rs(one_gpu, world=4, m_seg=333, k=520, n=1000, alpha=0.25, seed=3)
+
+
+def test_sm90_rs_3d_rows_and_the_refusal(one_gpu, caplog):
+    """Rows of a 3-D scatter in runs that are a multiple of the tile; a run of 111 rows would
+    split a tile: refused, logged, and the Triton kernel runs."""
+    from torch_commopt.kernels.matmul.gpu.matmul_reduce import launch_rs_fused
+    from torch_commopt.testing.fused_standins import rs_standins
+
+    _run_rs(one_gpu, world=2, m_seg=512, k=256, n=384, lin=128, seed=4)
+    sm90 = _sm90(one_gpu)
+    st = rs_standins(333, 256, 384, Standin(2, 111, True, torch.bfloat16, torch.Generator(device="cuda")))
+    assert "span two runs" in sm90.rs_refusal(st.a2, st.weight, st.targets, st.segments)
+    with caplog.at_level("INFO", logger=sm90.__name__):
+        launch_rs_fused(st.a2, st.weight, st.targets, st.signals, st.segments, 1.0, {"impl": "sm90", "bn": 256})
+    torch.cuda.synchronize()
+    assert any("span two runs" in r.getMessage() for r in caplog.records)

@@ -1,6 +1,7 @@
-"""The CUDA (sm_90a) all-gather consumer on the CPU: its source builds with nvcc (where there is
-one) into a library with its entry points, it refuses what it cannot take, and `impl=sm90` is a
-fused all-gather option only (its GPU numerics: tests/gpu/test_sm90_gemm.py)."""
+"""The CUDA (sm_90a) fused GEMMs on the CPU: their sources build with nvcc (where there is one)
+into a library with both entry points, they refuse what they cannot take, and `impl=sm90` is a
+fused option that schedules offer for all-gathers only (their GPU numerics:
+tests/gpu/test_sm90_gemm.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_the_kernel_source_builds_with_its_entry_points(tmp_path, monkeypatch):
     built = sm90._compile()
     assert built.parent == tmp_path / "native" and built.stat().st_size > 0
     lib = ctypes.CDLL(str(built))
-    assert hasattr(lib, "commopt_sm90_ag_gemm") and hasattr(lib, "commopt_sm90_clusters")
+    assert hasattr(lib, "commopt_sm90_ag_gemm") and hasattr(lib, "commopt_sm90_rs_gemm")
     assert sm90._compile() == built  # cached by the source's and flags' digest
 
 
@@ -34,11 +35,15 @@ def test_a_failed_build_is_reported_and_the_triton_kernel_named(tmp_path, monkey
     assert any("Triton fused kernels run" in r.getMessage() for r in caplog.records)
 
 
-def test_the_kernel_refuses_what_it_cannot_take():
+def test_the_kernels_refuse_what_they_cannot_take():
+    from torch_commopt.kernels.matmul.gpu.matmul_reduce import RsSegments, RsTargets
+
     a = torch.zeros(256, 128, dtype=torch.bfloat16)
     w = torch.zeros(256, 128, dtype=torch.bfloat16).t()
     out = torch.zeros(256, 256, dtype=torch.bfloat16)
     assert sm90.ag_refusal(a, a, [w], [out], [None]) == "not an sm_90 GPU"
+    targets = RsTargets(out[:128], out, out.view(2, 128, 256), torch.zeros(2, dtype=torch.int64), 0, True, True)
+    assert sm90.rs_refusal(a, w, targets, RsSegments(0, 2, 128, 128, 1)) == "not an sm_90 GPU"
 
 
 def test_impl_is_a_fused_option_with_known_values():
@@ -54,5 +59,5 @@ def test_the_reduce_scatter_refuses_impl_sm90():
 
     a, w = torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16)
     why = unsupported_reason(a, w, 0, 2, Schedule.parse("fused:2:impl=sm90"), "g")
-    assert why is not None and "all-gather consumer's kernel" in why
+    assert why is not None and "not offered to schedules yet" in why
     assert unsupported_reason(a, w, 0, 2, Schedule.parse("fused:2"), "g") is None

@@ -44,7 +44,7 @@ import torch
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.kernels.gpu import call_graphs, driver, symm
 from torch_commopt.kernels.gpu.symm import COUNTERS, MAX_CHUNKS, data_index
-from torch_commopt.kernels.matmul.gpu import tma
+from torch_commopt.kernels.matmul.gpu import sm90, tma
 from torch_commopt.kernels.matmul.gpu.layout import RowLayout, as_blocks, blocks_of, cdiv, piece_rows
 from torch_commopt.kernels.matmul.product import Product
 from torch_commopt.kernels.scaled import Expanded, Scaled, add_matmul_, call_key, matmul, out_dtype
@@ -132,8 +132,8 @@ def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule:
         return f"{schedule.name} has no scaled (float8) product: cuBLAS's _scaled_mm cannot add into its output"
     if schedule.name == "fused" and a.dtype not in (torch.bfloat16, torch.float16):
         return f"fused needs bf16/fp16, got {a.dtype}"
-    if schedule.param("impl") == "sm90":
-        return "impl=sm90 is the all-gather consumer's kernel; the reduce-scatter producer has only Triton's"
+    if schedule.param("impl") == "sm90":  # launch_rs_fused takes it; schedules get it once measured on GPUs
+        return "impl=sm90 of the reduce-scatter producer is not offered to schedules yet (unmeasured)"
     if weight.dtype != a.dtype and sc is None:
         return "mixed dtypes"
     if capturing:
@@ -522,6 +522,8 @@ def _fused(call: _Call, weight, own):
     if p["store"] not in ("direct", "ce"):
         raise ValueError(f"commopt matmul_rs fused: store must be 'direct' or 'ce', got {p['store']!r}")
     direct = p["store"] == "direct"
+    if p.get("impl") == "sm90":  # its tile, also for the Triton kernel should it refuse the operands
+        p.update(bm=sm90.BM, bn=sm90.BN)
     tiles_m, tiles_n = cdiv(call.m_seg, p["bm"]), cdiv(call.n, p["bn"])
     chunk_mt = max(1, (call.pieces[0][1] - call.pieces[0][0]) // p["bm"])  # M tiles per piece
     n_chunks = cdiv(tiles_m, chunk_mt)
@@ -576,6 +578,12 @@ def launch_rs_fused(a2, weight, targets: RsTargets, signals: RsSignals, segments
     if p.get("flat"):
         raise ValueError("commopt matmul_rs fused: flat=1 is an option of the all-gather consumer; the "
                          "reduce-scatter kernel keeps its tile and k loops nested")
+    if p.get("impl") == "sm90" and sm90.rs_gemm(
+            a2, weight, targets, signals, segments, alpha, counters=COUNTERS, group_m=params.get("gm", sm90.GROUP_M),
+            grid=max(1, (p.get("sms") or torch.cuda.get_device_properties(a2.device).multi_processor_count)
+                     - (1 if debug else 0)),
+            bound_ns=symm.wait_bound() if debug else 0):
+        return
     k, n = a2.shape[-1], weight.shape[-1]
     out, send, recv, recv_bases, recv_off, direct, bases_aligned = targets
     flags, flag_bases, status, data_base, epoch = signals

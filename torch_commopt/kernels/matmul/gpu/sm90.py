@@ -1,5 +1,6 @@
 """The CUDA (sm_90a) fused GEMMs: warp-specialized persistent kernels with wgmma and the TMA unit,
-built from native/*.cu with nvcc on first use and called through ctypes.
+built from native/*.cu (sm90_common.cuh; ag_gemm_sm90.cu, the all-gather consumer; rs_gemm_sm90.cu,
+the reduce-scatter producer) with nvcc on first use and called through ctypes.
 
 Triton 3.6 does not warp-specialize for sm_90 (docs/gpu-schedules.md): its fused GEMMs pipeline
 loads and MMAs within one instruction stream and reach 0.85-0.94 of cuBLAS at the training step's
@@ -25,7 +26,9 @@ import torch
 from torch_commopt.core import env
 
 log = logging.getLogger(__name__)
-SOURCE = pathlib.Path(__file__).with_name("native") / "ag_gemm_sm90.cu"
+NATIVE = pathlib.Path(__file__).with_name("native")
+SOURCES = [NATIVE / "ag_gemm_sm90.cu", NATIVE / "rs_gemm_sm90.cu"]
+HEADERS = [NATIVE / "sm90_common.cuh"]
 BM, BN, BK = 128, 256, 64  # the kernel's tile (ag_gemm_sm90.cu)
 GROUP_M = 16  # row tiles a group sweeps before its next column tile (B's tiles stay in L2)
 NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
@@ -42,17 +45,17 @@ def _nvcc() -> Optional[str]:
 
 
 def _compile() -> pathlib.Path:
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
-    out = env.cache_dir() / "native" / f"ag_gemm_sm90_{digest}.so"
+    text = b"".join(f.read_bytes() for f in SOURCES + HEADERS)
+    digest = hashlib.sha256(text + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    out = env.cache_dir() / "native" / f"gemm_sm90_{digest}.so"
     if not out.exists():
         nvcc = _nvcc()
         if nvcc is None:
             raise OSError("no nvcc (PATH, $CUDA_HOME/bin)")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        run = subprocess.run([nvcc, *NVCC_FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
-                             timeout=300)
+        run = subprocess.run([nvcc, *NVCC_FLAGS, "-o", str(tmp), *map(str, SOURCES)], capture_output=True,
+                             text=True, timeout=300)
         if run.returncode != 0:
             raise OSError(f"nvcc failed: {run.stderr.strip()[-800:]}")
         tmp.replace(out)
@@ -73,6 +76,11 @@ def library():
         i32, i64, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, i32, i32, ptr, ptr, i64, i32, ptr, ptr, ptr,
                        ptr, ptr, i32, i32, ptr, ptr, ptr]
+        rs = lib.commopt_sm90_rs_gemm
+        rs.restype = ctypes.c_int
+        f32 = ctypes.c_float
+        rs.argtypes = [ptr, i64, ptr, i64, i32, i32, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i32,
+                       i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, ptr]
         _state["lib"] = lib
     return _state["lib"]
 
@@ -162,4 +170,59 @@ def ag_gemm(a2, slots2, weights, outs, biases, at, *, group_m: int, grid: int, b
             pitches, ns, c_ptrs, bias_ptrs, group_m, grid, work_ptr, counters_ptr, stream)
         if rc != 0:
             raise RuntimeError(f"commopt sm90 ag_gemm: launch failed with CUDA error {rc}")
+    return True
+
+
+def rs_refusal(a2: torch.Tensor, weight: torch.Tensor, targets, segments) -> Optional[str]:
+    """Why the sm_90a reduce-scatter producer cannot take these operands (None: it can)."""
+    out, send, recv, _bases, recv_off, direct, bases_aligned = targets
+    rank, world, lin, m_seg, chunk_mt = segments
+    if a2.device.type != "cuda" or torch.cuda.get_device_capability(a2.device) != (9, 0):
+        return "not an sm_90 GPU"
+    if any(t.dtype != torch.bfloat16 for t in (a2, weight, out, recv)):
+        return "not bfloat16"
+    if weight.stride(0) != 1:
+        return "the weight is not K-major (nn.Linear's layout)"
+    n = weight.shape[-1]
+    if n % 8 or n < BN or a2.shape[-1] < BK or a2.shape[0] < BM:
+        return "N not a multiple of 8, or a tensor smaller than one tile"
+    if not (_aligned(a2) and _aligned(weight.t()) and out.is_contiguous() and out.data_ptr() % 16 == 0):
+        return "a base or row pitch is not 16-byte aligned"
+    if direct and not (bases_aligned and (recv_off * out.element_size()) % 16 == 0):
+        return "a peer's receive slot is not 16-byte aligned"
+    if not direct and (not send.is_contiguous() or send.data_ptr() % 16):
+        return "the send buffer is not contiguous and 16-byte aligned"
+    if not (recv.is_contiguous() and recv.data_ptr() % 16 == 0):
+        return "the receive slots are not contiguous and 16-byte aligned"
+    if not (lin == m_seg or lin % BM == 0):
+        return f"a tile's rows span two runs of A (run of {lin} rows, tile {BM})"
+    if chunk_mt < 1:
+        return "no tile in a chunk"
+    return None
+
+
+def rs_gemm(a2, weight, targets, signals, segments, alpha: float, *, counters: int, group_m: int, grid: int,
+            bound_ns: int = 0) -> bool:
+    """The sm_90a reduce-scatter producer (matmul_reduce.launch_rs_fused's arguments; counters: the
+    flags' COUNTERS index).  Returns False, queueing nothing, where it cannot run (logged once per
+    reason)."""
+    why = rs_refusal(a2, weight, targets, segments)
+    lib = library() if why is None else None
+    if why is None and lib is None:
+        why = why_not()
+    if why is not None:
+        _log_once("matmul_rs", why)
+        return False
+    out, send, recv, recv_bases, recv_off, direct, _aligned_bases = targets
+    flags, flag_bases, status, data_base, epoch = signals
+    rank, world, lin, m_seg, chunk_mt = segments
+    n, k = weight.shape[-1], a2.shape[-1]
+    stream = torch.cuda.current_stream(a2.device).cuda_stream
+    rc = lib.commopt_sm90_rs_gemm(
+        a2.data_ptr(), a2.stride(0), weight.data_ptr(), weight.stride(1), n, k, out.data_ptr(), None, alpha, 0.0,
+        send.data_ptr(), recv.data_ptr(), recv_bases.data_ptr(), flag_bases.data_ptr(), recv_off, flags.data_ptr(),
+        status.data_ptr(), bound_ns, m_seg, lin, world, rank, chunk_mt, data_base, epoch, counters, int(direct),
+        group_m, grid, stream)
+    if rc != 0:
+        raise RuntimeError(f"commopt sm90 rs_gemm: launch failed with CUDA error {rc}")
     return True

@@ -1,0 +1,196 @@
+// The fused reduce-scatter producer GEMM for Hopper (sm_90a): one persistent, warp-specialized
+// kernel (sm90_common.cuh), the CUDA counterpart of triton_kernels.rs_gemm_kernel.
+//
+// A (world * m_seg rows in runs of lin per segment) @ B^T, reduce-scattered by row segments: rank p
+// gets segment p, summed.  Segments are produced in the order rank+1, rank+2, ..., rank (own last),
+// so every peer first computes what this rank needs.  A peer segment's tile is staged in shared
+// memory and written with 16-byte stores either straight into the peer's receive slot `rank`
+// (direct, NVLink stores) or into the local send buffer the copy engine ships (store=ce); once
+// every consumer thread has stored, one thread releases the tile at system scope on the peer's
+// counter (direct) or the local one the side stream's copy waits for.  An own-segment tile waits
+// for each peer's partial of its chunk, adds it in fp32, scales (avg), adds the bias and is stored
+// by the TMA unit: the reduction is the epilogue.  The flags are touched only after a tile's
+// mainloop, so the producer never waits on them.
+#include "sm90_common.cuh"
+
+namespace {
+
+struct RsParams {
+  CUtensorMap a;    // A (world * m_seg, K), box [BM, BK]
+  CUtensorMap b;    // B^T (N, K), box [BN, BK]
+  CUtensorMap out;  // this rank's reduced segment (m_seg, N), box [BOX, BOX]
+  const __nv_bfloat16* bias;  // or null
+  float alpha, bias_scale;
+  __nv_bfloat16* send;          // (world, m_seg, N): store=ce's staging
+  const __nv_bfloat16* recv;    // (world, m_seg, N): this rank's receive slots
+  const long long* recv_bases;  // (world,) every rank's receive buffer, device addresses
+  const long long* flag_bases;  // (world,) every rank's flags, device addresses
+  long long recv_off;           // elements from a receive buffer's base to its slots
+  int* flags;
+  int* status;
+  long long bound;  // debug waits: give up after this many ns (0: spin until the flag is raised)
+  int n, k, m_seg, lin, world, rank, chunk_mt, data_base, epoch, counters, direct, group_m, tiles_m, tiles_n;
+};
+
+struct RsTile {
+  int seg, pid_m, pid_n;
+};
+
+__device__ __forceinline__ RsTile rs_decode(const RsParams& p, int t) {
+  RsTile r;
+  int per_seg = p.tiles_m * p.tiles_n;
+  r.seg = (p.rank + 1 + t / per_seg) % p.world;
+  int local = t % per_seg, width = p.group_m * p.tiles_n;
+  int first_m = (local / width) * p.group_m;
+  int size_m = min(p.tiles_m - first_m, p.group_m);
+  r.pid_m = first_m + (local % width) % size_m;
+  r.pid_n = (local % width) / size_m;
+  return r;
+}
+
+// A's row holding row i of segment seg (runs of lin rows, segments interleaved by run).
+__device__ __forceinline__ int a_row(const RsParams& p, int seg, int i) {
+  return (i / p.lin) * p.world * p.lin + seg * p.lin + i % p.lin;
+}
+
+// A peer segment's tile: the staged bf16 partial to `dst` (the segment's (m_seg, N) rows) with
+// 16-byte stores, rows below m_seg and columns below n, then one release of `counter` at system
+// scope once every consumer thread has stored.
+__device__ void send_tile(const RsParams& p, const uint8_t* mine, __nv_bfloat16* dst, int* counter, int row0,
+                          int col0, int wg) {
+  int tid = threadIdx.x % 128;
+#pragma unroll 4
+  for (int it = 0; it < 16; ++it) {
+    int id = it * 128 + tid, r = id / 32, ch = id % 32;  // 64 rows x 32 chunks of 8 columns
+    int row = row0 + wg * 64 + r, col = col0 + ch * 8;
+    if (row < p.m_seg && col < p.n) {
+      uint4 v = *reinterpret_cast<const uint4*>(mine + (ch / 8) * BOX_BYTES + r * 128 + (((ch % 8) ^ (r % 8)) * 16));
+      *reinterpret_cast<uint4*>(dst + (long long)row * p.n + col) = v;
+    }
+  }
+  named_barrier(CONSUMERS_BARRIER, 256);
+  if (threadIdx.x == 128) {
+    __threadfence_system();
+    atomicAdd_system(counter, 1);
+  }
+}
+
+// An own-segment tile: for each peer (rank-1, rank-2, ...) wait until its partial of this chunk
+// has landed (direct: the peer's tile count; store=ce: the copy's DATA flag), then add it.
+__device__ void add_landed(const RsParams& p, float (&d)[128], int pid_m, int col0, int wg) {
+  int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  int chunk = pid_m / p.chunk_mt;
+  int tiles_in_chunk = min(p.chunk_mt, p.tiles_m - chunk * p.chunk_mt) * p.tiles_n;
+  long long seg_elems = (long long)p.m_seg * p.n;
+  for (int step = 1; step < p.world; ++step) {
+    int src = (p.rank - step + p.world) % p.world;
+    if (threadIdx.x == 128) {
+      if (p.direct)
+        spin_geq(p.flags + p.counters + src * 256 + chunk, tiles_in_chunk, p.status, p.bound, 4, src, chunk);
+      else
+        spin_geq(p.flags + p.data_base + src * 256 + chunk, p.epoch, p.status, p.bound, 3, src, chunk);
+    }
+    named_barrier(CONSUMERS_BARRIER, 256);
+    const __nv_bfloat16* part = p.recv + src * seg_elems;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      int row = pid_m * BM + wg * 64 + warp * 16 + lane / 4 + 8 * j;
+      if (row >= p.m_seg) continue;
+#pragma unroll
+      for (int q = 0; q < 32; ++q) {
+        int col = col0 + 8 * q + 2 * (lane % 4);
+        if (col < p.n) {
+          unsigned int bits = __ldcg(reinterpret_cast<const unsigned int*>(part + (long long)row * p.n + col));
+          __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&bits);
+          d[4 * q + 2 * j] += __low2float(v), d[4 * q + 2 * j + 1] += __high2float(v);
+        }
+      }
+    }
+  }
+}
+
+__device__ void rs_produce(const RsParams& p, uint8_t* stages, uint64_t* full, uint64_t* empty) {
+  int nk = (p.k + BK - 1) / BK;
+  Ring r;
+  for (int t = blockIdx.x; t < p.world * p.tiles_m * p.tiles_n; t += gridDim.x) {
+    RsTile tile = rs_decode(p, t);
+    load_k_steps(stages, full, empty, r, &p.a, a_row(p, tile.seg, tile.pid_m * BM), &p.b, tile.pid_n * BN, 0, nk);
+  }
+}
+
+__device__ void rs_consume(const RsParams& p, uint8_t* stages, uint64_t* full, uint64_t* empty, int wg) {
+  uint8_t* mine = wg_staging(stages, wg);
+  int nk = (p.k + BK - 1) / BK;
+  long long seg_elems = (long long)p.m_seg * p.n;
+  Ring r;
+  float d[128];
+  for (int t = blockIdx.x; t < p.world * p.tiles_m * p.tiles_n; t += gridDim.x) {
+    RsTile tile = rs_decode(p, t);
+    int row0 = tile.pid_m * BM, col0 = tile.pid_n * BN, chunk = tile.pid_m / p.chunk_mt;
+    mma_k_steps(d, stages, full, empty, r, 0, nk, wg);
+    if (tile.seg != p.rank) {
+      stage_tile(mine, d, 1.f, nullptr, 0.f, col0, p.n, wg);
+      __nv_bfloat16* dst = p.direct ? reinterpret_cast<__nv_bfloat16*>(p.recv_bases[tile.seg]) + p.recv_off +
+                                          p.rank * seg_elems
+                                    : p.send + tile.seg * seg_elems;
+      int* counter = p.direct ? reinterpret_cast<int*>(p.flag_bases[tile.seg]) + p.counters + p.rank * 256 + chunk
+                              : p.flags + p.counters + tile.seg * 256 + chunk;
+      send_tile(p, mine, dst, counter, row0, col0, wg);
+      continue;
+    }
+    add_landed(p, d, tile.pid_m, col0, wg);
+    stage_tile(mine, d, p.alpha, p.bias, p.bias_scale, col0, p.n, wg);
+    if (threadIdx.x % 128 == 0 && row0 + wg * 64 < p.m_seg) store_staged(&p.out, mine, col0, p.n, row0 + wg * 64);
+  }
+  if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+__global__ void __launch_bounds__(THREADS, 1) rs_gemm_sm90(const __grid_constant__ RsParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+  uint8_t* stages = aligned_stages(smem_raw);
+  init_ring(full, empty);
+  int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) rs_produce(p, stages, full, empty);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    rs_consume(p, stages, full, empty, wg - 1);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shapes the kernel takes: bf16 operands, a K-major B (b: B^T (n, k) with row pitch b_pitch), n a
+// multiple of 8, 16-byte aligned bases, pitches, receive slots and send rows, every tile's rows one
+// run of A (lin a multiple of 128, or lin == m_seg).  a: (world * m_seg, k) with row pitch a_pitch;
+// out (m_seg, n) contiguous; send / recv (world, m_seg, n); counters / data_base: flag indices
+// (symm.COUNTERS, the call's DATA flags).  Returns 0, or a CUresult / cudaError_t code (the launch
+// is not queued).
+int commopt_sm90_rs_gemm(const void* a, long long a_pitch, const void* b, long long b_pitch, int n, int k, void* out,
+                         const void* bias, float alpha, float bias_scale, void* send, const void* recv,
+                         const long long* recv_bases, const long long* flag_bases, long long recv_off, int* flags,
+                         int* status, long long bound, int m_seg, int lin, int world, int rank, int chunk_mt,
+                         int data_base, int epoch, int counters, int direct, int group_m, int grid, void* stream) {
+  RsParams p;
+  CUresult r = encode(&p.a, a, (long long)world * m_seg, k, a_pitch, BM);
+  if (r == CUDA_SUCCESS) r = encode(&p.b, b, n, k, b_pitch, BN);
+  if (r == CUDA_SUCCESS) r = encode(&p.out, out, m_seg, n, n, BOX, BOX);
+  if (r != CUDA_SUCCESS) return (int)r;
+  p.bias = static_cast<const __nv_bfloat16*>(bias);
+  p.alpha = alpha, p.bias_scale = bias_scale;
+  p.send = static_cast<__nv_bfloat16*>(send);
+  p.recv = static_cast<const __nv_bfloat16*>(recv);
+  p.recv_bases = recv_bases, p.flag_bases = flag_bases, p.recv_off = recv_off;
+  p.flags = flags, p.status = status, p.bound = bound;
+  p.n = n, p.k = k, p.m_seg = m_seg, p.lin = lin, p.world = world, p.rank = rank, p.chunk_mt = chunk_mt;
+  p.data_base = data_base, p.epoch = epoch, p.counters = counters, p.direct = direct, p.group_m = group_m;
+  p.tiles_m = (m_seg + BM - 1) / BM;
+  p.tiles_n = (n + BN - 1) / BN;
+  return launch(rs_gemm_sm90, p, grid, stream);
+}
+
+}  // extern "C"

@@ -1,0 +1,308 @@
+// What the sm_90a GEMM kernels share (ag_gemm_sm90.cu, rs_gemm_sm90.cu): the tile, the
+// shared-memory ring of TMA-loaded stages with its full / empty barriers, the wgmma mainloop, the
+// staging of a warpgroup's output in swizzled boxes, flag waits and tensor maps.
+//
+// A block has 384 threads: warpgroup 0 produces (one thread issues each k step's TMA loads into a
+// ring of STAGES stages), warpgroups 1 and 2 consume (each multiplies 64 of a tile's 128 rows by
+// its 256 columns with wgmma m64n256k16, accumulating in fp32 registers, and releases a stage
+// once the wgmma after it has been issued and the one reading it has completed).
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 3;
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int THREADS = 384, CONSUMER_WARPS = 8;
+// A warpgroup's 64 x 256 output tile staged as four 64 x 64 bf16 boxes with 128-byte swizzle.
+constexpr int BOX = 64, BOX_BYTES = BOX * BOX * 2, WG_STAGING = 4 * BOX_BYTES;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * WG_STAGING + 1024;  // + slack to align to 1024 B
+static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the output tile exceed a block's shared memory");
+constexpr int CONSUMERS_BARRIER = 3;  // named barrier of both consumer warpgroups (ids 1, 2: each one)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  uint32_t done = 0;
+  uint32_t addr = smem_u32(bar);
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred P;\n mbarrier.try_wait.parity.shared::cta.b64 P, [%1], %2;\n selp.u32 %0, 1, 0, P;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ int ld_acquire_sys(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ long long globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Spin until *ptr >= expected (int32 wrap-around compare), as waits.spin_geq does; with a bound > 0,
+// give up after `bound` ns and record (code, src, chunk, seen, expected) in status.  Then order the
+// acquire before the TMA unit's reads of what the flag guards.
+__device__ void spin_geq(const int* ptr, int expected, int* status, long long bound, int code, int src, int chunk) {
+  int v = ld_acquire_sys(ptr);
+  if (bound > 0) {
+    long long deadline = globaltimer() + bound;
+    while (v - expected < 0 && globaltimer() < deadline) v = ld_acquire_sys(ptr);
+    if (v - expected < 0) {
+      status[1] = code;
+      status[2] = src;
+      status[3] = chunk;
+      status[4] = v;
+      status[5] = expected;
+      __threadfence();
+      atomicExch(status, 1);
+    }
+  } else {
+    while (v - expected < 0) v = ld_acquire_sys(ptr);
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// wgmma matrix descriptor of a K-major tile with 128-byte swizzle: rows of 128 bytes, 8-row
+// groups 1024 bytes apart; the stage buffers are 1024-byte aligned (base offset 0).
+__device__ __forceinline__ uint64_t sw128_desc(const void* ptr) {
+  uint64_t addr = smem_u32(ptr);
+  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+__device__ __forceinline__ void fence_operands(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The ring's position: stage s, and the parity its barriers are in.
+struct Ring {
+  int s = 0, phase = 0;
+  __device__ __forceinline__ void next() {
+    if (++s == STAGES) s = 0, phase ^= 1;
+  }
+};
+
+// The producer's k steps [kb0, kb1) of one tile: A's rows a_row.. (box [BM, BK]) and B^T's rows
+// b_row.. (box [BN, BK]) into the ring, each stage once its consumers have released it.
+__device__ void load_k_steps(uint8_t* stages, uint64_t* full, uint64_t* empty, Ring& r, const CUtensorMap* a,
+                             int a_row, const CUtensorMap* b, int b_row, int kb0, int kb1) {
+  for (int kb = kb0; kb < kb1; ++kb) {
+    mbar_wait(&empty[r.s], r.phase ^ 1);
+    uint8_t* stage = stages + r.s * STAGE_BYTES;
+    mbar_expect_tx(&full[r.s], STAGE_BYTES);
+    tma_load(stage, a, &full[r.s], kb * BK, a_row);
+    tma_load(stage + A_BYTES, b, &full[r.s], kb * BK, b_row);
+    r.next();
+  }
+}
+
+// A consumer warpgroup's k steps [kb0, kb1) into d (overwritten at the first): each stage's four
+// wgmmas issued as one group, the stage before it released once that group is complete (one
+// group stays in flight); d is final on return.
+__device__ void mma_k_steps(float (&d)[128], uint8_t* stages, uint64_t* full, uint64_t* empty, Ring& r, int kb0,
+                            int kb1, int wg) {
+  bool lane0 = threadIdx.x % 32 == 0;
+  int prev = -1;
+  for (int kb = kb0; kb < kb1; ++kb) {
+    mbar_wait(&full[r.s], r.phase);
+    uint8_t* a = stages + r.s * STAGE_BYTES + wg * 64 * BK * 2;
+    uint8_t* b = stages + r.s * STAGE_BYTES + A_BYTES;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk)
+      wgmma_m64n256k16(d, sw128_desc(a + kk * 32), sw128_desc(b + kk * 32), kb > kb0 || kk > 0);
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    if (prev >= 0) {
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+      if (lane0) mbar_arrive(&empty[prev]);
+    }
+    prev = r.s;
+    r.next();
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  fence_operands(d);
+  if (lane0) mbar_arrive(&empty[prev]);
+}
+
+// The block's shared memory: the stages, 1024-byte aligned, then each consumer warpgroup's staging.
+__device__ __forceinline__ uint8_t* aligned_stages(uint8_t* smem_raw) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+}
+
+__device__ __forceinline__ uint8_t* wg_staging(uint8_t* stages, int wg) {
+  return stages + STAGES * STAGE_BYTES + wg * WG_STAGING;
+}
+
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], CONSUMER_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// A warpgroup's accumulators, scaled by alpha, plus bias (scaled by bias_scale; null: none), as
+// bf16 into its staging boxes, columns col0.. (bias read below n only), once the previous
+// tile's TMA stores from them have read them; ends with the boxes visible to the TMA unit.
+__device__ void stage_tile(uint8_t* mine, const float (&d)[128], float alpha, const __nv_bfloat16* bias,
+                           float bias_scale, int col0, int n, int wg) {
+  int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  named_barrier(1 + wg, 128);
+#pragma unroll
+  for (int q = 0; q < 32; ++q) {
+    int col = col0 + 8 * q + 2 * (lane % 4);
+    float b0 = 0.f, b1 = 0.f;
+    if (bias != nullptr && col < n)
+      b0 = bias_scale * __bfloat162float(bias[col]), b1 = bias_scale * __bfloat162float(bias[col + 1]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      int r = warp * 16 + lane / 4 + 8 * j;  // r % 8 == lane / 4: the swizzle's phase
+      uint32_t off = (q / 8) * BOX_BYTES + r * 128 + (((q % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
+      *reinterpret_cast<__nv_bfloat162*>(mine + off) =
+          __floats2bfloat162_rn(alpha * d[4 * q + 2 * j] + b0, alpha * d[4 * q + 2 * j + 1] + b1);
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  named_barrier(1 + wg, 128);
+}
+
+// The staged boxes' columns col0.. below n to the output's rows row.. by the TMA unit (one
+// thread of the warpgroup queues them as one bulk group).
+__device__ __forceinline__ void store_staged(const CUtensorMap* out, const uint8_t* mine, int col0, int n, int row) {
+  for (int b = 0; b < BN / BOX; ++b)
+    if (col0 + b * BOX < n) tma_store(out, mine + b * BOX_BYTES, col0 + b * BOX, row);
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// cuTensorMapEncodeTiled through the runtime's entry-point query: no link against libcuda.
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encode_tiled() {
+  static EncodeTiled fn = nullptr;
+  if (fn == nullptr) {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) ==
+            cudaSuccess &&
+        found == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiled>(ptr);
+  }
+  return fn;
+}
+
+// A 2-D tensor map of a bf16 matrix (rows, cols) with row pitch `pitch` elements, box [box_rows,
+// box_cols], 128-byte swizzle; out-of-bounds elements read as zeros (and are not stored).
+CUresult encode(CUtensorMap* map, const void* base, long long rows, long long cols, long long pitch, int box_rows,
+                int box_cols = BK) {
+  EncodeTiled fn = encode_tiled();
+  if (fn == nullptr) return CUDA_ERROR_NOT_FOUND;
+  cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+  cuuint64_t strides[1] = {(cuuint64_t)pitch * 2};
+  cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows};
+  cuuint32_t elem[2] = {1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// Launch `kernel` on `grid` blocks with the ring's shared memory (its limit raised once).
+template <class Kernel, class P>
+int launch(Kernel kernel, const P& p, int grid, void* stream) {
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    if (e != cudaSuccess) return (int)e;
+    configured = true;
+  }
+  kernel<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(p);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
