@@ -102,7 +102,7 @@ def test_sm90_waits_for_a_piece_that_lands_after_it_started(one_gpu):
         torch.cuda._sleep(50_000_000)  # tens of ms: the kernel is spinning by then
         st.slots2[:m_loc].copy_(landed)
         at.flags[at.flag_base: at.flag_base + 256].fill_(1)
-    assert sm90.ag_gemm(st.a2, st.slots2, st.weights, st.products.outs, st.biases, at, group_m=8, grid=64)
+    assert sm90.ag_gemm(st.a2, st.slots2, st.products, at, sm90.Launch(8, 64))
     torch.cuda.synchronize()
     _check(st, world, m_loc, k)
 
@@ -115,8 +115,7 @@ def test_sm90_debug_wait_gives_up_and_reports_the_piece(one_gpu):
     st = ag_standins(512, 256, [256], Standin(2, None, True, torch.bfloat16, gen))
     at = st.arrivals
     at.flags[at.flag_base: at.flag_base + 256] = 0
-    assert sm90.ag_gemm(st.a2, st.slots2, st.weights, st.products.outs, st.biases, at, group_m=8, grid=8,
-                        bound_ns=20_000_000)
+    assert sm90.ag_gemm(st.a2, st.slots2, st.products, at, sm90.Launch(8, 8, 20_000_000))
     torch.cuda.synchronize()
     status = at.status.tolist()
     assert status[0] == 1 and status[1] == 2 and status[2] == 0 and status[4] == 0 and status[5] == at.epoch
@@ -139,7 +138,7 @@ def test_sm90_stream_k_tail_matches_cublas(one_gpu, grid):
     stream = torch.cuda.current_stream().cuda_stream
     work, counters = sm90._workspace(one_gpu, stream, grid)
     work.fill_(float("nan"))
-    assert sm90.ag_gemm(st.a2, st.slots2, st.weights, st.products.outs, st.biases, st.arrivals, group_m=8, grid=grid)
+    assert sm90.ag_gemm(st.a2, st.slots2, st.products, st.arrivals, sm90.Launch(8, grid))
     torch.cuda.synchronize()
     _check(st, world, m_loc, k)
     assert int(counters.abs().sum()) == 0

@@ -83,6 +83,12 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "torch_commopt"
 
 
+def nvcc_candidates() -> list[str]:
+    """Where the sm_90a kernels look for nvcc besides PATH: $CUDA_HOME/bin (CUDA's own variable),
+    else /usr/local/cuda/bin."""
+    return [os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "bin", "nvcc")]
+
+
 def debug_waits() -> bool:
     """TORCH_COMMOPT_DEBUG_WAITS (default off): bound every spin-wait of the GPU schedules and
     the attention transports in wall time and raise an error naming the op, rank and piece

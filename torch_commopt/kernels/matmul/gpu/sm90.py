@@ -19,7 +19,7 @@ import pathlib
 import shutil
 import subprocess
 from collections.abc import Sequence
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -37,8 +37,17 @@ _logged: set = set()
 _workspaces: dict = {}  # (device, stream) -> (fp32 partials grid x BM x BN, int32 counters grid)
 
 
+class Launch(NamedTuple):
+    """How a kernel launches: GROUP_M row tiles a column sweep, `grid` persistent blocks (at most
+    one a multiprocessor), and the debug waits' bound in ns (0: none)."""
+
+    group_m: int
+    grid: int
+    bound_ns: int = 0
+
+
 def _nvcc() -> Optional[str]:
-    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+    for cand in (shutil.which("nvcc"), *env.nvcc_candidates()):
         if cand and os.path.exists(cand):
             return cand
     return None
@@ -139,11 +148,13 @@ def _log_once(op: str, why: str) -> None:
         log.info("commopt %s impl=sm90: %s; the Triton kernel runs", op, why)
 
 
-def ag_gemm(a2, slots2, weights, outs, biases, at, *, group_m: int, grid: int, bound_ns: int = 0) -> bool:
-    """outs[i] (full rows) = gathered A @ weights[i] (+ biases[i]) by the sm_90a kernel, up to three
-    weights a launch: a2 (M_loc, K) this rank's shard, slots2 (world * M_loc, K) the slots, `at`
-    the arrivals (ag_matmul.Arrivals).  Returns False, queueing nothing, where it cannot run
+def ag_gemm(a2, slots2, mm, at, launch: Launch) -> bool:
+    """mm.outs[i] (full rows) = gathered A @ mm.weights[i] (+ mm.biases[i]) by the sm_90a kernel, up
+    to three weights a launch: a2 (M_loc, K) this rank's shard, slots2 (world * M_loc, K) the slots,
+    `at` the arrivals (ag_matmul.Arrivals).  Returns False, queueing nothing, where it cannot run
     (logged once per reason)."""
+    weights, outs, biases = mm.weights, mm.outs, mm.biases
+    group_m, grid, bound_ns = launch
     why = ag_refusal(a2, slots2, weights, outs, biases)
     lib = library() if why is None else None
     if why is None and lib is None:
@@ -201,11 +212,11 @@ def rs_refusal(a2: torch.Tensor, weight: torch.Tensor, targets, segments) -> Opt
     return None
 
 
-def rs_gemm(a2, weight, targets, signals, segments, alpha: float, *, counters: int, group_m: int, grid: int,
-            bound_ns: int = 0) -> bool:
-    """The sm_90a reduce-scatter producer (matmul_reduce.launch_rs_fused's arguments; counters: the
-    flags' COUNTERS index).  Returns False, queueing nothing, where it cannot run (logged once per
-    reason)."""
+def rs_gemm(a2, weight, targets, signals, segments, alpha: float, launch: Launch) -> bool:
+    """The sm_90a reduce-scatter producer (matmul_reduce.launch_rs_fused's arguments).  Returns
+    False, queueing nothing, where it cannot run (logged once per reason)."""
+    from torch_commopt.kernels.gpu.symm import COUNTERS
+
     why = rs_refusal(a2, weight, targets, segments)
     lib = library() if why is None else None
     if why is None and lib is None:
@@ -216,12 +227,13 @@ def rs_gemm(a2, weight, targets, signals, segments, alpha: float, *, counters: i
     out, send, recv, recv_bases, recv_off, direct, _aligned_bases = targets
     flags, flag_bases, status, data_base, epoch = signals
     rank, world, lin, m_seg, chunk_mt = segments
+    group_m, grid, bound_ns = launch
     n, k = weight.shape[-1], a2.shape[-1]
     stream = torch.cuda.current_stream(a2.device).cuda_stream
     rc = lib.commopt_sm90_rs_gemm(
         a2.data_ptr(), a2.stride(0), weight.data_ptr(), weight.stride(1), n, k, out.data_ptr(), None, alpha, 0.0,
         send.data_ptr(), recv.data_ptr(), recv_bases.data_ptr(), flag_bases.data_ptr(), recv_off, flags.data_ptr(),
-        status.data_ptr(), bound_ns, m_seg, lin, world, rank, chunk_mt, data_base, epoch, counters, int(direct),
+        status.data_ptr(), bound_ns, m_seg, lin, world, rank, chunk_mt, data_base, epoch, COUNTERS, int(direct),
         group_m, grid, stream)
     if rc != 0:
         raise RuntimeError(f"commopt sm90 rs_gemm: launch failed with CUDA error {rc}")
