@@ -132,6 +132,11 @@ def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
         calls[_label(cfg)] = st
         runs[_label(cfg)] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets, sig, st.segments, 1.0,
                                               _params(cfg))
+    # the CUDA kernel (sm90.py) on the default configuration's stand-ins (its tile: 128 x 256)
+    st = rs_standins(M_LOC, k, n, Standin(WORLD, gen=gen), bm=CONFIGS[0][0])
+    calls["sm90"] = st
+    runs["sm90"] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets,
+                                     st.signals._replace(status=status), st.segments, 1.0, {"impl": "sm90"})
     runs["cublas"] = lambda a=st.a2, w=st.weight: torch.mm(a, w)
 
     def check(label, region):
@@ -229,8 +234,8 @@ def report(rows: list, meta: dict) -> str:
              "(benchmarks/probe_fused_gemm.py); bf16; Llama-3-8B layer at TP=2 + SP, 8192 tokens; median of "
              f"{meta['rounds']} rounds of 10 calls. Throughput = cuBLAS ms / fused ms (1.00: as fast).", "",
              "Triton: the default tile and the sweep's best (`best tile`); sm90: the CUDA kernel "
-             "(kernels/matmul/gpu/sm90.py, warp-specialized; a last round of tiles at most half full split "
-             "stream-K; `sm90 whole tiles`: without that split; the all-gather consumer only).", "",
+             "(kernels/matmul/gpu/sm90.py, warp-specialized; for the all-gathers a last round of tiles at "
+             "most half full split stream-K, `sm90 whole tiles` without that split).", "",
              "| region | op | M x K x N | cuBLAS ms (TFLOP/s) | Triton default ms | default / cuBLAS "
              "throughput | best tile | best ms | best / cuBLAS throughput | sm90 ms | sm90 / cuBLAS throughput |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
