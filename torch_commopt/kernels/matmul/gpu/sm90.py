@@ -148,6 +148,17 @@ def _log_once(op: str, why: str) -> None:
         log.info("commopt %s impl=sm90: %s; the Triton kernel runs", op, why)
 
 
+def _ready(op: str, why: Optional[str]):
+    """The library where the operands suit it (why: the refusal, None if they do) and it is built,
+    else None with the reason logged once."""
+    lib = library() if why is None else None
+    if why is None and lib is None:
+        why = why_not()
+    if why is not None:
+        _log_once(op, why)
+    return lib
+
+
 def ag_gemm(a2, slots2, mm, at, launch: Launch) -> bool:
     """mm.outs[i] (full rows) = gathered A @ mm.weights[i] (+ mm.biases[i]) by the sm_90a kernel, up
     to three weights a launch: a2 (M_loc, K) this rank's shard, slots2 (world * M_loc, K) the slots,
@@ -155,12 +166,8 @@ def ag_gemm(a2, slots2, mm, at, launch: Launch) -> bool:
     (logged once per reason)."""
     weights, outs, biases = mm.weights, mm.outs, mm.biases
     group_m, grid, bound_ns = launch
-    why = ag_refusal(a2, slots2, weights, outs, biases)
-    lib = library() if why is None else None
-    if why is None and lib is None:
-        why = why_not()
-    if why is not None:
-        _log_once("ag_matmul", why)
+    lib = _ready("ag_matmul", ag_refusal(a2, slots2, weights, outs, biases))
+    if lib is None:
         return False
     m_loc, k = a2.shape
     stream = torch.cuda.current_stream(a2.device).cuda_stream
@@ -217,12 +224,8 @@ def rs_gemm(a2, weight, targets, signals, segments, alpha: float, launch: Launch
     False, queueing nothing, where it cannot run (logged once per reason)."""
     from torch_commopt.kernels.gpu.symm import COUNTERS
 
-    why = rs_refusal(a2, weight, targets, segments)
-    lib = library() if why is None else None
-    if why is None and lib is None:
-        why = why_not()
-    if why is not None:
-        _log_once("matmul_rs", why)
+    lib = _ready("matmul_rs", rs_refusal(a2, weight, targets, segments))
+    if lib is None:
         return False
     out, send, recv, recv_bases, recv_off, direct, _aligned_bases = targets
     flags, flag_bases, status, data_base, epoch = signals

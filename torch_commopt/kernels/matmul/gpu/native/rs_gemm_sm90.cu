@@ -146,18 +146,7 @@ __device__ void rs_consume(const RsParams& p, uint8_t* stages, uint64_t* full, u
 }
 
 __global__ void __launch_bounds__(THREADS, 1) rs_gemm_sm90(const __grid_constant__ RsParams p) {
-  extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
-  uint8_t* stages = aligned_stages(smem_raw);
-  init_ring(full, empty);
-  int wg = threadIdx.x / 128;
-  if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0) rs_produce(p, stages, full, empty);
-  } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    rs_consume(p, stages, full, empty, wg - 1);
-  }
+  run_roles<RsParams, rs_produce, rs_consume>(p);
 }
 
 }  // namespace

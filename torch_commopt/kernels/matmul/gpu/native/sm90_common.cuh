@@ -225,6 +225,25 @@ __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty) {
   __syncthreads();
 }
 
+// A block of a kernel on the ring: its barriers set up, then warpgroup 0's first thread produces
+// (with few registers) and warpgroups 1 and 2 consume (with the registers given up).
+template <class P, void (*PRODUCE)(const P&, uint8_t*, uint64_t*, uint64_t*),
+          void (*CONSUME)(const P&, uint8_t*, uint64_t*, uint64_t*, int)>
+__device__ __forceinline__ void run_roles(const P& p) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+  uint8_t* stages = aligned_stages(smem_raw);
+  init_ring(full, empty);
+  int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) PRODUCE(p, stages, full, empty);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    CONSUME(p, stages, full, empty, wg - 1);
+  }
+}
+
 // A warpgroup's accumulators, scaled by alpha, plus bias (scaled by bias_scale; null: none), as
 // bf16 into its staging boxes, columns col0.. (bias read below n only), once the previous
 // tile's TMA stores from them have read them; ends with the boxes visible to the TMA unit.
