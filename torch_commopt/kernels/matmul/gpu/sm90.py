@@ -129,13 +129,14 @@ def ag_refusal(a2: torch.Tensor, slots2: torch.Tensor, weights: Sequence[torch.T
 def _workspace(device: torch.device, stream: int, grid: int):
     """The stream-K tail's partials and counters for launches on `stream` (one pair per stream: a
     launch leaves its counters at zero, and launches on one stream never overlap); None under a
-    CUDA-graph capture that finds none (the kernel then runs whole tiles only)."""
+    CUDA-graph capture (the kernel then runs whole tiles only): a replay may run on another stream
+    than the one whose pair it would have baked in, beside that stream's own launches."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
     key = (device.index, stream)
     have = _workspaces.get(key)
     if have is not None and have[1].numel() >= grid:
         return have
-    if torch.cuda.is_current_stream_capturing():
-        return None
     have = (torch.empty(grid * BM * BN, device=device, dtype=torch.float32),
             torch.zeros(grid, device=device, dtype=torch.int32))
     _workspaces[key] = have
