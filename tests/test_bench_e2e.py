@@ -3,7 +3,7 @@
 
 import pytest
 
-from benchmarks import bench_e2e
+from benchmarks import bench_e2e, render_e2e
 
 
 def _result(burst_ms: float, isolated_ms: float, losses: list[float]) -> dict:
@@ -136,7 +136,7 @@ def test_each_variant_is_compared_with_inductor_and_the_bound_round_by_round():
     bound.update(step_ms_all=[40.0, 48.0, 40.0], step_ms_isolated_all=[41.0, 41.0, 41.0], bound=True, comm_free={})
     rows = bench_e2e.records({"inductor": ind, "commopt": com, "inductor comm-free": bound},
                              {"layers": 4, "seq": 2048, "batch": 4}, 2)
-    text = "\n".join(bench_e2e._paired_lines(rows))
+    text = "\n".join(render_e2e._paired_lines(rows))
     # per round: speedups 1.111, 1.111, 1.042; shares 0.5, 0.5, 0.2
     assert "- commopt (3 rounds): back to back × inductor 1.111 (1.042..1.111), share of the bound's gain 0.50 " in text
     assert "- inductor comm-free (3 rounds): back to back × inductor 1.250 (1.250..1.250); isolated" in text
