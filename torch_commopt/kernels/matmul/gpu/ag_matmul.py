@@ -288,9 +288,7 @@ def launch_fused(a2, slots2, mm: Products, at: Arrivals, params, debug=False):
     p = {**FUSED_DEFAULTS, **params}
     m_loc, k = a2.shape
     sms = p.get("sms") or num_sms(a2.device)
-    launch = sm90.Launch(params.get("gm", sm90.GROUP_M), max(1, sms - (1 if debug else 0)),
-                         symm.wait_bound() if debug else 0)
-    if p.get("impl") == "sm90" and sm90.ag_gemm(a2, slots2, mm, at, launch):
+    if p.get("impl") == "sm90" and sm90.ag_gemm(a2, slots2, mm, at, sm90.Launch.of(params, a2.device, debug)):
         return
     world, flags, status, epoch = at.world, at.flags, at.status, at.epoch
     lin, rank, chunk_rows, flag_base = at.lin, at.rank, at.chunk_rows, at.flag_base

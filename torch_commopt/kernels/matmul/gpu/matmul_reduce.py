@@ -578,12 +578,9 @@ def launch_rs_fused(a2, weight, targets: RsTargets, signals: RsSignals, segments
     if p.get("flat"):
         raise ValueError("commopt matmul_rs fused: flat=1 is an option of the all-gather consumer; the "
                          "reduce-scatter kernel keeps its tile and k loops nested")
-    if p.get("impl") == "sm90":
-        sms = p.get("sms") or torch.cuda.get_device_properties(a2.device).multi_processor_count
-        launch = sm90.Launch(params.get("gm", sm90.GROUP_M), max(1, sms - (1 if debug else 0)),
-                             symm.wait_bound() if debug else 0)
-        if sm90.rs_gemm(a2, weight, targets, signals, segments, alpha, launch):
-            return
+    if p.get("impl") == "sm90" and sm90.rs_gemm(a2, weight, targets, signals, segments, alpha,
+                                               sm90.Launch.of(params, a2.device, debug)):
+        return
     k, n = a2.shape[-1], weight.shape[-1]
     out, send, recv, recv_bases, recv_off, direct, bases_aligned = targets
     flags, flag_bases, status, data_base, epoch = signals

@@ -45,6 +45,15 @@ class Launch(NamedTuple):
     grid: int
     bound_ns: int = 0
 
+    @classmethod
+    def of(cls, params: dict, device: torch.device, debug: bool) -> "Launch":
+        """A schedule's launch: its gm (else GROUP_M), a block per SM (its sms, else the device's),
+        less one under debug waits (their one-block kernels need an SM), and their bound."""
+        from torch_commopt.kernels.gpu import symm
+
+        sms = params.get("sms") or torch.cuda.get_device_properties(device).multi_processor_count
+        return cls(params.get("gm", GROUP_M), max(1, sms - (1 if debug else 0)), symm.wait_bound() if debug else 0)
+
 
 def _nvcc() -> Optional[str]:
     for cand in (shutil.which("nvcc"), *env.nvcc_candidates()):
