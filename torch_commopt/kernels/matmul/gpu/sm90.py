@@ -80,25 +80,31 @@ def _compile() -> pathlib.Path:
     return out
 
 
+def _declared(lib):
+    """`lib` with its entry points' signatures set."""
+    i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_float
+    ag, rs = lib.commopt_sm90_ag_gemm, lib.commopt_sm90_rs_gemm
+    ag.restype = rs.restype = ctypes.c_int
+    ag.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, i32, i32, ptr, ptr, i64, i32, ptr, ptr, ptr,
+                   ptr, ptr, i32, i32, ptr, ptr, ptr]
+    rs.argtypes = [ptr, i64, ptr, i64, i32, i32, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i32,
+                   i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, ptr]
+    return lib
+
+
 def library():
-    """The built library, or None (the reason logged once, kept in `why_not`)."""
+    """The built library with both kernels loaded on the current GPU (before any launch of theirs:
+    sm90_common.cuh's ready), or None (the reason logged once, kept in `why_not`)."""
     if _state["lib"] is None and _state["why"] is None:
         try:
-            lib = ctypes.CDLL(str(_compile()))
+            lib = _declared(ctypes.CDLL(str(_compile())))
+            failed = {tag: getattr(lib, f"commopt_sm90_{tag}_ready")() for tag in ("ag", "rs")}
+            if any(failed.values()):
+                raise OSError(f"a kernel did not load on this GPU (CUDA error by kernel: {failed})")
         except (OSError, subprocess.SubprocessError) as e:
             _state["why"] = f"the sm_90a kernels could not be built or loaded: {e}"
             log.warning("commopt: %s; the Triton fused kernels run", _state["why"])
             return None
-        fn = lib.commopt_sm90_ag_gemm
-        fn.restype = ctypes.c_int
-        i32, i64, ptr = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, i32, i32, ptr, ptr, i64, i32, ptr, ptr, ptr,
-                       ptr, ptr, i32, i32, ptr, ptr, ptr]
-        rs = lib.commopt_sm90_rs_gemm
-        rs.restype = ctypes.c_int
-        f32 = ctypes.c_float
-        rs.argtypes = [ptr, i64, ptr, i64, i32, i32, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i32,
-                       i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, ptr]
         _state["lib"] = lib
     return _state["lib"]
 

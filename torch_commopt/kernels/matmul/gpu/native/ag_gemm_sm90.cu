@@ -234,6 +234,10 @@ __global__ void __launch_bounds__(THREADS, 1) ag_gemm_sm90(const __grid_constant
 
 extern "C" {
 
+// The kernel loaded and configured on the current device (sm90_common.cuh's ready): 0, or a CUDA
+// error code.
+int commopt_sm90_ag_ready() { return ready(ag_gemm_sm90); }
+
 // Shapes the kernel takes: bf16 operands, K-major B's, 16-byte aligned bases and pitches, N_i even.
 // workspace (grid x BM x BN fp32) and counters (grid int32, zero) for the stream-K tail, or null
 // (whole tiles only; one pair per stream: a launch leaves the counters at zero).

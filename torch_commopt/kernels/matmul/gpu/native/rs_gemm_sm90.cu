@@ -153,6 +153,10 @@ __global__ void __launch_bounds__(THREADS, 1) rs_gemm_sm90(const __grid_constant
 
 extern "C" {
 
+// The kernel loaded and configured on the current device (sm90_common.cuh's ready): 0, or a CUDA
+// error code.
+int commopt_sm90_rs_ready() { return ready(rs_gemm_sm90); }
+
 // Shapes the kernel takes: bf16 operands, a K-major B (b: B^T (n, k) with row pitch b_pitch), n a
 // multiple of 8, 16-byte aligned bases, pitches, receive slots and send rows, every tile's rows one
 // run of A (lin a multiple of 128, or lin == m_seg).  a: (world * m_seg, k) with row pitch a_pitch;

@@ -312,14 +312,26 @@ CUresult encode(CUtensorMap* map, const void* base, long long rows, long long co
 }
 
 // Launch `kernel` on `grid` blocks with the ring's shared memory (its limit raised once).
-template <class Kernel, class P>
-int launch(Kernel kernel, const P& p, int grid, void* stream) {
+// The kernel loaded on the current device and its shared-memory limit raised.  Under CUDA's lazy
+// loading a kernel's module is otherwise loaded at its first launch, and loading a module waits for
+// the kernels running on the device, which may be spinning on what this rank has yet to send:
+// the library calls this once when it is opened (sm90.library), before any of its launches.
+template <class Kernel>
+int ready(Kernel kernel) {
   static bool configured = false;
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
+  return 0;
+}
+
+// Launch `kernel` on `grid` blocks with the ring's shared memory.
+template <class Kernel, class P>
+int launch(Kernel kernel, const P& p, int grid, void* stream) {
+  int e = ready(kernel);
+  if (e != 0) return e;
   kernel<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(p);
   return (int)cudaGetLastError();
 }
