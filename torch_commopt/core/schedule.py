@@ -30,7 +30,7 @@ PARAM_KEYS = {
     "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int, "graphs": int,
     "cg": int, "tma_store": int, "flat": int, "impl": str,
 }
-IMPLS = ("triton", "sm90")  # fused's impl= (kernels of the all-gather consumer)
+IMPLS = ("triton", "sm90")  # fused's impl=: the Triton kernels or the CUDA ones for Hopper (kernels/matmul/gpu/sm90.py)
 STORES = ("ce", "direct")  # fused's store=
 _DIGITS = re.compile(r"[0-9]+")
 _TOKEN = re.compile(r"[A-Za-z0-9_.-]+")  # a text parameter's value (store, gemm, an autotune id)

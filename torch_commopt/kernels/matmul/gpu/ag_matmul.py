@@ -287,11 +287,11 @@ def launch_fused(a2, slots2, mm: Products, at: Arrivals, params, debug=False):
 
     p = {**FUSED_DEFAULTS, **params}
     m_loc, k = a2.shape
-    sms = p.get("sms") or num_sms(a2.device)
     if p.get("impl") == "sm90" and sm90.ag_gemm(a2, slots2, mm, at, sm90.Launch.of(params, a2.device, debug)):
         return
     world, flags, status, epoch = at.world, at.flags, at.status, at.epoch
     lin, rank, chunk_rows, flag_base = at.lin, at.rank, at.chunk_rows, at.flag_base
+    sms = p.get("sms") or num_sms(a2.device)
     for first in range(0, len(mm.weights), 3):  # one pass over A serves up to three B's
         ws, bs = mm.weights[first:first + 3], mm.biases[first:first + 3]
         cs = mm.outs[first:first + 3]
