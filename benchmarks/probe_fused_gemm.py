@@ -132,7 +132,7 @@ def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
         calls[_label(cfg)] = st
         runs[_label(cfg)] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets, sig, st.segments, 1.0,
                                               _params(cfg))
-    # the CUDA kernel (sm90.py) on the default configuration's stand-ins (its tile: 128 x 256)
+    # the CUDA kernel (sm90.py) on the default configuration's stand-ins (row tiles of 128, as its own)
     st = rs_standins(M_LOC, k, n, Standin(WORLD, gen=gen), bm=CONFIGS[0][0])
     calls["sm90"] = st
     runs["sm90"] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets,

@@ -158,7 +158,7 @@ def _run_rs(one_gpu, *, world, m_seg, k, n, lin=None, direct=True, alpha=1.0, se
     gen = torch.Generator(device="cuda").manual_seed(seed)
     st = rs_standins(m_seg, k, n, Standin(world, lin, True, torch.bfloat16, gen), direct=direct, bm=sm90.BM)
     a2, w, recv, rank, lin = st.a2, st.weight, st.recv, st.segments.rank, st.segments.lin
-    outer, chunk_mt, tiles_m, tiles_n = m_seg // lin, st.segments.chunk_mt, cdiv(m_seg, sm90.BM), cdiv(n, sm90.BN)
+    outer, chunk_mt, tiles_m, tiles_n = m_seg // lin, st.segments.chunk_mt, cdiv(m_seg, sm90.BM), cdiv(n, sm90.RS_BN)
     ran, real = [], sm90.rs_gemm
     sm90.rs_gemm = lambda *a, **kw: ran.append(real(*a, **kw)) or ran[-1]
     try:

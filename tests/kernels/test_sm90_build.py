@@ -55,10 +55,9 @@ def test_impl_is_a_fused_option_with_known_values():
             Schedule.parse(bad)
 
 
-def test_the_reduce_scatter_refuses_impl_sm90():
+def test_the_reduce_scatter_takes_impl_sm90_as_fused_does():
     from torch_commopt.kernels.matmul.gpu.matmul_reduce import unsupported_reason
 
     a, w = torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16)
-    why = unsupported_reason(a, w, 0, 2, Schedule.parse("fused:2:impl=sm90"), "g")
-    assert why is not None and "not offered to schedules yet" in why
-    assert unsupported_reason(a, w, 0, 2, Schedule.parse("fused:2"), "g") is None
+    assert unsupported_reason(a, w, 0, 2, Schedule.parse("fused:2:impl=sm90"), "g") is None
+    assert unsupported_reason(a.float(), w.float(), 0, 2, Schedule.parse("fused:2:impl=sm90"), "g") is not None

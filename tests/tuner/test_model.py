@@ -731,9 +731,10 @@ def test_the_model_sizes_the_low_latency_buffer_as_the_kernels_do():
     assert model.LOWLAT_CAP_BYTES == lowlat.LL_CAP_BYTES and pick.LOWLAT_MAX_WORLD <= symm.MAX_WORLD
 
 
-def test_the_cuda_consumer_is_a_candidate_of_bf16_all_gathers_only():
+def test_the_cuda_kernels_are_candidates_of_bf16_all_gathers_and_reduce_scatters_only():
     sm90 = Schedule("fused", 1, (("impl", "sm90"),))
-    assert sm90 in candidates(RegionShape("ag_matmul", 8192, 4096, (4096,), 2, "bfloat16"), H200)
-    assert sm90 not in candidates(RegionShape("ag_matmul", 8192, 4096, (4096,), 2, "float16"), H200)
-    assert not [c for c in candidates(RegionShape("matmul_rs", 8192, 4096, (4096,), 2, "bfloat16"), H200)
+    for kind in ("ag_matmul", "matmul_rs"):
+        assert sm90 in candidates(RegionShape(kind, 8192, 4096, (4096,), 2, "bfloat16"), H200)
+        assert sm90 not in candidates(RegionShape(kind, 8192, 4096, (4096,), 2, "float16"), H200)
+    assert not [c for c in candidates(RegionShape("matmul_ar", 8192, 4096, (4096,), 2, "bfloat16"), H200)
                 if c.param("impl")]

@@ -476,8 +476,8 @@ def candidates(shape: RegionShape, cal: Calibration, *, graphs: bool | str = Fal
         gpu += [Schedule("direct", s) for s in (1, 2)] + ([] if shape.scaled else [Schedule("ce_pull", 2)])
     if shape.dtype in ("bfloat16", "float16"):
         gpu += [Schedule("fused", s) for s in (1, 4)]
-    if shape.kind == "ag_matmul" and shape.dtype == "bfloat16":
-        gpu.append(Schedule("fused", 1, (("impl", "sm90"),)))  # the CUDA consumer (kernels/matmul/gpu/sm90.py)
+    if shape.kind in ("ag_matmul", "matmul_rs") and shape.dtype == "bfloat16":
+        gpu.append(Schedule("fused", 1, (("impl", "sm90"),)))  # the CUDA kernels (kernels/matmul/gpu/sm90.py)
     # the program's own graphs only: eager (or in per-call graphs, which they do not replay) a
     # Triton launch's host cost outweighs what they save
     if lowlat_fits(shape) and graphs is True:

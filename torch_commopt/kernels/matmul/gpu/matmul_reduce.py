@@ -132,8 +132,6 @@ def unsupported_reason(a, weight, scatter_dim: int | None, world: int, schedule:
         return f"{schedule.name} has no scaled (float8) product: cuBLAS's _scaled_mm cannot add into its output"
     if schedule.name == "fused" and a.dtype not in (torch.bfloat16, torch.float16):
         return f"fused needs bf16/fp16, got {a.dtype}"
-    if schedule.param("impl") == "sm90":  # launch_rs_fused takes it; schedules get it once measured on GPUs
-        return "impl=sm90 of the reduce-scatter producer is not offered to schedules yet (unmeasured)"
     if weight.dtype != a.dtype and sc is None:
         return "mixed dtypes"
     if capturing:
@@ -523,7 +521,7 @@ def _fused(call: _Call, weight, own):
         raise ValueError(f"commopt matmul_rs fused: store must be 'direct' or 'ce', got {p['store']!r}")
     direct = p["store"] == "direct"
     if p.get("impl") == "sm90":  # its tile, also for the Triton kernel should it refuse the operands
-        p.update(bm=sm90.BM, bn=sm90.BN)
+        p.update(bm=sm90.BM, bn=sm90.RS_BN)
     tiles_m, tiles_n = cdiv(call.m_seg, p["bm"]), cdiv(call.n, p["bn"])
     chunk_mt = max(1, (call.pieces[0][1] - call.pieces[0][0]) // p["bm"])  # M tiles per piece
     n_chunks = cdiv(tiles_m, chunk_mt)

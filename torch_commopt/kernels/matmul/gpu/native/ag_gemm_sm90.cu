@@ -1,20 +1,21 @@
 // The fused all-gather consumer GEMM for Hopper (sm_90a): one persistent, warp-specialized kernel
-// (sm90_common.cuh).  out_i[full rows] = gathered A @ B_i^T for up to three K-major B's
-// (nn.Linear's weights).
+// (sm90_common.cuh), its consumer warpgroups cooperative.  out_i[full rows] = gathered A @ B_i^T
+// for up to three K-major B's (nn.Linear's weights).
 //
 // Tiles run slot by slot, this rank's own shard first, then the peers' in the order they push
 // (rank-1, ...), grouped GROUP_M row tiles at a time so that column tiles of B stay in L2.  Before
 // it loads a peer's rows the producer spins on the piece's arrival flag (acquire, system scope;
 // then a proxy fence orders that acquire before the TMA unit's reads), so the consumers never wait
 // on a flag themselves, only on the stage's full barrier.  Each tile's output is staged in shared
-// memory and stored by the TMA unit while the warpgroups go on to the next tile, where a
-// warpgroup's 64 rows are one run of the output (lin and M_loc multiples of 64); else by pointers.
+// memory and stored by the TMA unit while the warpgroups go on to the next tile, where each 64 rows
+// of a tile are one run of the output (lin and M_loc multiples of 64); else by pointers.
 //
 // Memory ordering of the flags is the Triton kernels' (triton_kernels.py): the peer's copy
 // engine wrote the rows, then the flag, with a fenced stream write.
 //
 // Measured and not kept (docs/gpu-schedules.md): pointer stores from the accumulators for every
 // tile, 4 stages with half the tile staged, clusters of two blocks multicasting B.
+#define COMMOPT_SM90_PINGPONG 0  // cooperative (sm90_common.cuh): its epilogue is a TMA store
 #include "sm90_common.cuh"
 
 namespace {
@@ -35,7 +36,7 @@ struct Params {
   long long bound;  // debug waits: give up after this many ns (0: spin until the flag is raised)
   int m_loc, k, lin, world, rank, chunk_rows, flag_base, epoch;
   int num_b, tiles_m, tiles_n, group_m, total;
-  int tma_store;  // every warpgroup's 64 rows one run of an output (lin and m_loc multiples of 64)
+  int tma_store;  // every 64-row half of a tile one run of an output (lin and m_loc multiples of 64)
   // Stream-K tail: the first `full` tiles run whole, a round of the grid at a time; the k steps of
   // the last `tail` tiles (fewer than the grid) are dealt evenly over all blocks. A block whose
   // share starts inside a tile leaves its fp32 partial in workspace[block] and counts it in
@@ -113,43 +114,55 @@ __device__ __forceinline__ bool next_unit(const Params& p, int nk, Walk& w, Unit
   return true;
 }
 
-__device__ __forceinline__ void store_tile(const Params& p, const Tile& t, float (&d)[128], int wg) {
+// The output row holding row i of the gathered slot's shard (runs of lin rows, slots interleaved).
+__device__ __forceinline__ long long out_row(const Params& p, int slot, int i) {
+  return (long long)(i / p.lin) * p.world * p.lin + (long long)slot * p.lin + i % p.lin;
+}
+
+// The epilogue by pointers (where a 64-row half is not one run of an output): bf16 pairs from the
+// accumulators (+ bias).
+__device__ void store_tile(const Params& p, const Tile& t, float (&d)[ACC], int wg) {
   int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   int n_i = p.n[t.bi];
-  __nv_bfloat16* c = p.c[t.bi];
   const __nv_bfloat16* bias = p.bias[t.bi];
   int col0 = t.col * BN + 2 * (lane % 4);
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    int i = t.pid_m * BM + wg * 64 + warp * 16 + lane / 4 + 8 * j;
-    if (i >= p.m_loc) continue;
-    long long row = (long long)(i / p.lin) * p.world * p.lin + (long long)t.slot * p.lin + i % p.lin;
-    __nv_bfloat16* out = c + row * n_i;
+  for (int h = 0; h < HALVES; ++h)
 #pragma unroll
-    for (int q = 0; q < 32; ++q) {
-      int col = col0 + 8 * q;
-      if (col < n_i) {
-        float v0 = d[4 * q + 2 * j], v1 = d[4 * q + 2 * j + 1];
-        if (bias != nullptr) {
-          v0 += __bfloat162float(bias[col]);
-          v1 += __bfloat162float(bias[col + 1]);
+    for (int j = 0; j < 2; ++j) {
+      int i = t.pid_m * BM + wg_row0(wg) + 64 * h + warp * 16 + lane / 4 + 8 * j;
+      if (i >= p.m_loc) continue;
+      __nv_bfloat16* out = p.c[t.bi] + out_row(p, t.slot, i) * n_i;
+#pragma unroll
+      for (int q = 0; q < BN / 8; ++q) {
+        int col = col0 + 8 * q;
+        if (col < n_i) {
+          float v0 = d[BN / 2 * h + 4 * q + 2 * j], v1 = d[BN / 2 * h + 4 * q + 2 * j + 1];
+          if (bias != nullptr) {
+            v0 += __bfloat162float(bias[col]);
+            v1 += __bfloat162float(bias[col + 1]);
+          }
+          *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(v0, v1);
         }
-        *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(v0, v1);
       }
     }
+}
+
+// The epilogue by the TMA unit: the warpgroup stages its rows of the tile (+ bias) and one thread
+// queues their stores; the warpgroup goes on to its next tile while they drain.
+__device__ void store_tile_tma(const Params& p, const Tile& t, float (&d)[ACC], int wg, uint8_t* mine) {
+  stage_tile(mine, d, 1.f, p.bias[t.bi], 1.f, t.col * BN, p.n[t.bi], wg);
+  if (threadIdx.x % 128 == 0) {
+    int rows[HALVES];
+    for (int h = 0; h < HALVES; ++h) {
+      int i = t.pid_m * BM + wg_row0(wg) + 64 * h;
+      rows[h] = i < p.m_loc ? (int)out_row(p, t.slot, i) : -1;
+    }
+    store_staged(&p.out[t.bi], mine, t.col * BN, p.n[t.bi], rows);
   }
 }
 
-// The epilogue by the TMA unit: the warpgroup stages its 64 x 256 outputs (+ bias) and one thread
-// queues their stores; the warpgroup goes on to the next tile while they drain.
-__device__ void store_tile_tma(const Params& p, const Tile& t, float (&d)[128], int wg, uint8_t* mine) {
-  int i = t.pid_m * BM + wg * 64;
-  stage_tile(mine, d, 1.f, p.bias[t.bi], 1.f, t.col * BN, p.n[t.bi], wg);
-  if (threadIdx.x % 128 == 0 && i < p.m_loc)
-    store_staged(&p.out[t.bi], mine, t.col * BN, p.n[t.bi], (i / p.lin) * p.world * p.lin + t.slot * p.lin + i % p.lin);
-}
-
-__device__ void produce(const Params& p, uint8_t* stages, uint64_t* full, uint64_t* empty) {
+__device__ void produce(const Params& p, const Shared& sh) {
   int nk = (p.k + BK - 1) / BK;
   Ring r;
   Walk w = walk_start(p, nk);
@@ -164,21 +177,26 @@ __device__ void produce(const Params& p, uint8_t* stages, uint64_t* full, uint64
       a = &p.a_slots;
       row0 += tile.slot * p.m_loc;
     }
-    load_k_steps(stages, full, empty, r, a, row0, &p.b[tile.bi], tile.col * BN, u.kb0, u.kb1);
+    load_k_steps(sh, r, a, row0, &p.b[tile.bi], tile.col * BN, u.kb0, u.kb1);
   }
 }
 
+// Where a warpgroup's float4s start in a workspace slot (one slot a block: a tile's partial).
+__device__ __forceinline__ int wg_part(int wg) {
+  return PINGPONG ? 0 : wg * ACC / 4;
+}
+
 // A stream-K share that does not start its tile: the accumulators into this block's workspace
-// slot (each thread's registers as float4s, thread-minor: coalesced), then, once every consumer
-// thread has stored, one release of the tile's counter.
-__device__ void leave_partial(const Params& p, int j, float (&d)[128], int wg) {
+// slot (each thread's registers as float4s, thread-minor: coalesced), then, once every thread on
+// the tile has stored, one release of the tile's counter.
+__device__ void leave_partial(const Params& p, int j, float (&d)[ACC], int wg) {
   int tid = threadIdx.x % 128;
   float4* slot = reinterpret_cast<float4*>(p.workspace) + (size_t)blockIdx.x * (BM * BN / 4);
 #pragma unroll
-  for (int q = 0; q < 32; ++q)
-    __stcg(slot + (wg * 32 + q) * 128 + tid, make_float4(d[4 * q], d[4 * q + 1], d[4 * q + 2], d[4 * q + 3]));
-  named_barrier(CONSUMERS_BARRIER, 256);
-  if (threadIdx.x == 128) {
+  for (int q = 0; q < ACC / 4; ++q)
+    __stcg(slot + (wg_part(wg) + q) * 128 + tid, make_float4(d[4 * q], d[4 * q + 1], d[4 * q + 2], d[4 * q + 3]));
+  tile_barrier(wg);
+  if (tile_leader()) {
     __threadfence();
     atomicAdd(p.counters + j, 1);
   }
@@ -186,33 +204,41 @@ __device__ void leave_partial(const Params& p, int j, float (&d)[128], int wg) {
 
 // The owner of a stream-K tile: wait until its `helpers` blocks have left their partials, add
 // them (in block order), and set the tile's counter back to 0 for the next launch.
-__device__ void add_partials(const Params& p, int j, int helpers, float (&d)[128], int wg) {
+__device__ void add_partials(const Params& p, int j, int helpers, float (&d)[ACC], int wg) {
   int tid = threadIdx.x % 128;
-  if (threadIdx.x == 128) {
+  if (tile_leader()) {
     while (ld_acquire_gpu(p.counters + j) < helpers) {
     }
     p.counters[j] = 0;
   }
-  named_barrier(CONSUMERS_BARRIER, 256);
+  tile_barrier(wg);
   for (int h = 1; h <= helpers; ++h) {
     const float4* slot = reinterpret_cast<const float4*>(p.workspace) + (size_t)(blockIdx.x + h) * (BM * BN / 4);
 #pragma unroll
-    for (int q = 0; q < 32; ++q) {
-      float4 v = __ldcg(slot + (wg * 32 + q) * 128 + tid);
+    for (int q = 0; q < ACC / 4; ++q) {
+      float4 v = __ldcg(slot + (wg_part(wg) + q) * 128 + tid);
       d[4 * q] += v.x, d[4 * q + 1] += v.y, d[4 * q + 2] += v.z, d[4 * q + 3] += v.w;
     }
   }
 }
 
-__device__ void consume(const Params& p, uint8_t* stages, uint64_t* full, uint64_t* empty, int wg) {
-  uint8_t* mine = wg_staging(stages, wg);
+// A consumer warpgroup: its share of the block's units (Turn::owns), its ring position past the
+// k steps of the units it does not take.
+__device__ void consume(const Params& p, const Shared& sh, int wg) {
+  uint8_t* mine = wg_staging(sh, wg);
   int nk = (p.k + BK - 1) / BK;
   Ring r;
-  float d[128];
+  Turn turn(sh.turn, wg);
+  float d[ACC];
   Walk w = walk_start(p, nk);
-  for (Unit u; next_unit(p, nk, w, u);) {
+  int i = 0;
+  for (Unit u; next_unit(p, nk, w, u); ++i) {
+    if (!turn.owns(i)) {
+      r.skip(u.kb1 - u.kb0);
+      continue;
+    }
     Tile tile = decode(p, u.tile);
-    mma_k_steps(d, stages, full, empty, r, u.kb0, u.kb1, wg);
+    mma_k_steps(d, sh, r, u.kb0, u.kb1, turn);
     if (u.partial) {
       leave_partial(p, u.tile - p.full, d, wg);
       continue;

@@ -1,16 +1,18 @@
 // The fused reduce-scatter producer GEMM for Hopper (sm_90a): one persistent, warp-specialized
-// kernel (sm90_common.cuh), the CUDA counterpart of triton_kernels.rs_gemm_kernel.
+// kernel (sm90_common.cuh), its consumer warpgroups in ping-pong, the CUDA counterpart of
+// triton_kernels.rs_gemm_kernel.
 //
 // A (world * m_seg rows in runs of lin per segment) @ B^T, reduce-scattered by row segments: rank p
 // gets segment p, summed.  Segments are produced in the order rank+1, rank+2, ..., rank (own last),
 // so every peer first computes what this rank needs.  A peer segment's tile is staged in shared
 // memory and written with 16-byte stores either straight into the peer's receive slot `rank`
 // (direct, NVLink stores) or into the local send buffer the copy engine ships (store=ce); once
-// every consumer thread has stored, one thread releases the tile at system scope on the peer's
+// every thread of its warpgroup has stored, one thread releases the tile at system scope on the peer's
 // counter (direct) or the local one the side stream's copy waits for.  An own-segment tile waits
 // for each peer's partial of its chunk, adds it in fp32, scales (avg), adds the bias and is stored
 // by the TMA unit: the reduction is the epilogue.  The flags are touched only after a tile's
 // mainloop, so the producer never waits on them.
+#define COMMOPT_SM90_PINGPONG 1  // ping-pong (sm90_common.cuh): its epilogue sends and reduces
 #include "sm90_common.cuh"
 
 namespace {
@@ -55,21 +57,22 @@ __device__ __forceinline__ int a_row(const RsParams& p, int seg, int i) {
 
 // A peer segment's tile: the staged bf16 partial to `dst` (the segment's (m_seg, N) rows) with
 // 16-byte stores, rows below m_seg and columns below n, then one release of `counter` at system
-// scope once every consumer thread has stored.
+// scope once every thread on the tile has stored.
 __device__ void send_tile(const RsParams& p, const uint8_t* mine, __nv_bfloat16* dst, int* counter, int row0,
                           int col0, int wg) {
   int tid = threadIdx.x % 128;
 #pragma unroll 4
-  for (int it = 0; it < 16; ++it) {
-    int id = it * 128 + tid, r = id / 32, ch = id % 32;  // 64 rows x 32 chunks of 8 columns
-    int row = row0 + wg * 64 + r, col = col0 + ch * 8;
+  for (int it = 0; it < HALVES * 64 * BN / 8 / 128; ++it) {
+    int id = it * 128 + tid, r = id / (BN / 8), ch = id % (BN / 8);  // the warpgroup's rows x chunks of 8 columns
+    int h = r / 64, rr = r % 64, row = row0 + wg_row0(wg) + r, col = col0 + ch * 8;
     if (row < p.m_seg && col < p.n) {
-      uint4 v = *reinterpret_cast<const uint4*>(mine + (ch / 8) * BOX_BYTES + r * 128 + (((ch % 8) ^ (r % 8)) * 16));
+      uint4 v = *reinterpret_cast<const uint4*>(mine + (h * (BN / BOX) + ch / 8) * BOX_BYTES + rr * 128 +
+                                                (((ch % 8) ^ (rr % 8)) * 16));
       *reinterpret_cast<uint4*>(dst + (long long)row * p.n + col) = v;
     }
   }
-  named_barrier(CONSUMERS_BARRIER, 256);
-  if (threadIdx.x == 128) {
+  tile_barrier(wg);
+  if (tile_leader()) {
     __threadfence_system();
     atomicAdd_system(counter, 1);
   }
@@ -77,57 +80,68 @@ __device__ void send_tile(const RsParams& p, const uint8_t* mine, __nv_bfloat16*
 
 // An own-segment tile: for each peer (rank-1, rank-2, ...) wait until its partial of this chunk
 // has landed (direct: the peer's tile count; store=ce: the copy's DATA flag), then add it.
-__device__ void add_landed(const RsParams& p, float (&d)[128], int pid_m, int col0, int wg) {
+__device__ void add_landed(const RsParams& p, float (&d)[ACC], int pid_m, int col0, int wg) {
   int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   int chunk = pid_m / p.chunk_mt;
   int tiles_in_chunk = min(p.chunk_mt, p.tiles_m - chunk * p.chunk_mt) * p.tiles_n;
   long long seg_elems = (long long)p.m_seg * p.n;
   for (int step = 1; step < p.world; ++step) {
     int src = (p.rank - step + p.world) % p.world;
-    if (threadIdx.x == 128) {
+    if (tile_leader()) {
       if (p.direct)
         spin_geq(p.flags + p.counters + src * 256 + chunk, tiles_in_chunk, p.status, p.bound, 4, src, chunk);
       else
         spin_geq(p.flags + p.data_base + src * 256 + chunk, p.epoch, p.status, p.bound, 3, src, chunk);
     }
-    named_barrier(CONSUMERS_BARRIER, 256);
+    tile_barrier(wg);
     const __nv_bfloat16* part = p.recv + src * seg_elems;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      int row = pid_m * BM + wg * 64 + warp * 16 + lane / 4 + 8 * j;
-      if (row >= p.m_seg) continue;
+    for (int h = 0; h < HALVES; ++h)
 #pragma unroll
-      for (int q = 0; q < 32; ++q) {
-        int col = col0 + 8 * q + 2 * (lane % 4);
-        if (col < p.n) {
-          unsigned int bits = __ldcg(reinterpret_cast<const unsigned int*>(part + (long long)row * p.n + col));
-          __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&bits);
-          d[4 * q + 2 * j] += __low2float(v), d[4 * q + 2 * j + 1] += __high2float(v);
+      for (int j = 0; j < 2; ++j) {
+        int row = pid_m * BM + wg_row0(wg) + 64 * h + warp * 16 + lane / 4 + 8 * j;
+        if (row >= p.m_seg) continue;
+#pragma unroll
+        for (int q = 0; q < BN / 8; ++q) {
+          int col = col0 + 8 * q + 2 * (lane % 4);
+          if (col < p.n) {
+            unsigned int bits = __ldcg(reinterpret_cast<const unsigned int*>(part + (long long)row * p.n + col));
+            __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&bits);
+            int at = BN / 2 * h + 4 * q + 2 * j;
+            d[at] += __low2float(v), d[at + 1] += __high2float(v);
+          }
         }
       }
-    }
   }
 }
 
-__device__ void rs_produce(const RsParams& p, uint8_t* stages, uint64_t* full, uint64_t* empty) {
+__device__ void rs_produce(const RsParams& p, const Shared& sh) {
   int nk = (p.k + BK - 1) / BK;
   Ring r;
   for (int t = blockIdx.x; t < p.world * p.tiles_m * p.tiles_n; t += gridDim.x) {
     RsTile tile = rs_decode(p, t);
-    load_k_steps(stages, full, empty, r, &p.a, a_row(p, tile.seg, tile.pid_m * BM), &p.b, tile.pid_n * BN, 0, nk);
+    load_k_steps(sh, r, &p.a, a_row(p, tile.seg, tile.pid_m * BM), &p.b, tile.pid_n * BN, 0, nk);
   }
 }
 
-__device__ void rs_consume(const RsParams& p, uint8_t* stages, uint64_t* full, uint64_t* empty, int wg) {
-  uint8_t* mine = wg_staging(stages, wg);
+// A consumer warpgroup: its share of the block's tiles (Turn::owns), its ring position past the k
+// steps of the tiles it does not take.
+__device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
+  uint8_t* mine = wg_staging(sh, wg);
   int nk = (p.k + BK - 1) / BK;
   long long seg_elems = (long long)p.m_seg * p.n;
   Ring r;
-  float d[128];
-  for (int t = blockIdx.x; t < p.world * p.tiles_m * p.tiles_n; t += gridDim.x) {
+  Turn turn(sh.turn, wg);
+  float d[ACC];
+  int i = 0;
+  for (int t = blockIdx.x; t < p.world * p.tiles_m * p.tiles_n; t += gridDim.x, ++i) {
+    if (!turn.owns(i)) {
+      r.skip(nk);
+      continue;
+    }
     RsTile tile = rs_decode(p, t);
     int row0 = tile.pid_m * BM, col0 = tile.pid_n * BN, chunk = tile.pid_m / p.chunk_mt;
-    mma_k_steps(d, stages, full, empty, r, 0, nk, wg);
+    mma_k_steps(d, sh, r, 0, nk, turn);
     if (tile.seg != p.rank) {
       stage_tile(mine, d, 1.f, nullptr, 0.f, col0, p.n, wg);
       __nv_bfloat16* dst = p.direct ? reinterpret_cast<__nv_bfloat16*>(p.recv_bases[tile.seg]) + p.recv_off +
@@ -140,7 +154,11 @@ __device__ void rs_consume(const RsParams& p, uint8_t* stages, uint64_t* full, u
     }
     add_landed(p, d, tile.pid_m, col0, wg);
     stage_tile(mine, d, p.alpha, p.bias, p.bias_scale, col0, p.n, wg);
-    if (threadIdx.x % 128 == 0 && row0 + wg * 64 < p.m_seg) store_staged(&p.out, mine, col0, p.n, row0 + wg * 64);
+    if (threadIdx.x % 128 == 0) {
+      int rows[HALVES];
+      for (int h = 0; h < HALVES; ++h) rows[h] = row0 + wg_row0(wg) + 64 * h < p.m_seg ? row0 + wg_row0(wg) + 64 * h : -1;
+      store_staged(&p.out, mine, col0, p.n, rows);
+    }
   }
   if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }

@@ -1,11 +1,18 @@
 // What the sm_90a GEMM kernels share (ag_gemm_sm90.cu, rs_gemm_sm90.cu): the tile, the
-// shared-memory ring of TMA-loaded stages with its full / empty barriers, the wgmma mainloop, the
-// staging of a warpgroup's output in swizzled boxes, flag waits and tensor maps.
+// shared-memory ring of TMA-loaded stages with its full / empty barriers, the two ways the
+// consumer warpgroups split the work, the wgmma mainloop, the staging of a warpgroup's output in
+// swizzled boxes, flag waits and tensor maps.
 //
 // A block has 384 threads: warpgroup 0 produces (one thread issues each k step's TMA loads into a
-// ring of STAGES stages), warpgroups 1 and 2 consume (each multiplies 64 of a tile's 128 rows by
-// its 256 columns with wgmma m64n256k16, accumulating in fp32 registers, and releases a stage
-// once the wgmma after it has been issued and the one reading it has completed).
+// ring of STAGES stages), warpgroups 1 and 2 consume, accumulating in fp32 registers, in one of two
+// ways a kernel picks by defining COMMOPT_SM90_PINGPONG before including this header:
+//   cooperative (0): both take every 128 x 256 tile, each its 64 rows, with wgmma m64n256k16;
+//     the widest tile, the fewest bytes through L2 a flop, but the tensor cores idle while they
+//     store a tile (the all-gather consumer, whose epilogue is a TMA store);
+//   ping-pong (1): they take the block's 128 x 128 tiles alternately, each tile whole with wgmma
+//     m64n128k16 over two row halves, so that one's epilogue runs under the other's mainloop (the
+//     reduce-scatter producer, whose epilogue also sends and reduces).
+// A stage is released once the wgmma after it has been issued and the one reading it has completed.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -14,14 +21,20 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 3;
+constexpr bool PINGPONG = COMMOPT_SM90_PINGPONG;
+constexpr int BM = 128, BN = PINGPONG ? 128 : 256, BK = 64, STAGES = PINGPONG ? 5 : 3;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int THREADS = 384, CONSUMER_WARPS = 8;
-// A warpgroup's 64 x 256 output tile staged as four 64 x 64 bf16 boxes with 128-byte swizzle.
-constexpr int BOX = 64, BOX_BYTES = BOX * BOX * 2, WG_STAGING = 4 * BOX_BYTES;
+constexpr int THREADS = 384, WG_WARPS = 4;
+// A warpgroup's rows of a tile: HALVES of 64, the first at row wg_row0(wg).  Its accumulators:
+// d[BN / 2 * h + 4 * q + 2 * j + e] holds row 64 * h + 16 * warp + lane / 4 + 8 * j, column 8 * q +
+// 2 * (lane % 4) + e of its rows (wgmma's fragment).
+constexpr int HALVES = PINGPONG ? 2 : 1, ACC = HALVES * BN / 2;
+__device__ __forceinline__ int wg_row0(int wg) { return PINGPONG ? 0 : 64 * wg; }
+// A warpgroup's output staged as four 64 x 64 bf16 boxes with 128-byte swizzle: box h * BN / 64 +
+// c holds row half h, columns 64 * c.. .
+constexpr int BOX = 64, BOX_BYTES = BOX * BOX * 2, WG_STAGING = HALVES * (BN / BOX) * BOX_BYTES;
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * WG_STAGING + 1024;  // + slack to align to 1024 B
-static_assert(SMEM_BYTES <= 227 * 1024, "the stages and the output tile exceed a block's shared memory");
-constexpr int CONSUMERS_BARRIER = 3;  // named barrier of both consumer warpgroups (ids 1, 2: each one)
+static_assert(SMEM_BYTES + 256 <= 227 * 1024, "the stages and the output tiles exceed a block's shared memory");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
@@ -118,6 +131,26 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* ptr) {
   return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
 }
 
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -150,10 +183,29 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
-__device__ __forceinline__ void fence_operands(float (&d)[128]) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+// Row half h of a warpgroup's accumulators, and one wgmma (k16) into it.
+__device__ __forceinline__ float (&half_of(float (&d)[ACC], int h))[BN / 2] {
+  return *reinterpret_cast<float (*)[BN / 2]>(d + BN / 2 * h);
 }
+
+__device__ __forceinline__ void wgmma_half(float (&d)[BN / 2], uint64_t da, uint64_t db, int accumulate) {
+#if COMMOPT_SM90_PINGPONG
+  wgmma_m64n128k16(d, da, db, accumulate);
+#else
+  wgmma_m64n256k16(d, da, db, accumulate);
+#endif
+}
+
+__device__ __forceinline__ void fence_operands(float (&d)[ACC]) {
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The block's shared memory: the ring's stages (1024-byte aligned), its barriers, and the turns.
+struct Shared {
+  uint8_t* stages;
+  uint64_t *full, *empty, *turn;
+};
 
 // The ring's position: stage s, and the parity its barriers are in.
 struct Ring {
@@ -161,120 +213,169 @@ struct Ring {
   __device__ __forceinline__ void next() {
     if (++s == STAGES) s = 0, phase ^= 1;
   }
+  // Past the other warpgroup's `steps` k steps.
+  __device__ __forceinline__ void skip(int steps) {
+    int at = s + steps;
+    phase ^= (at / STAGES) & 1;
+    s = at % STAGES;
+  }
+};
+
+// The ping-pong's order: a warpgroup starts a tile's mainloop once the other has waited on every
+// stage of the tile before (turn[wg] completes a phase), so no warpgroup waits on a stage more
+// than one fill ahead (a parity wait cannot tell fills two apart), and each one's epilogue runs
+// under the other's mainloop.  Warpgroup 0 takes the first tile without waiting.  Cooperative
+// warpgroups take every tile together: no turns.
+struct Turn {
+  uint64_t* bar;
+  int wg, waits = 0;
+  bool first = true;
+  __device__ Turn(uint64_t* turns, int w) : bar(turns), wg(w) {}
+  // Whether the warpgroup takes the block's i-th tile (else it skips the tile's k steps).
+  __device__ __forceinline__ bool owns(int i) const { return !PINGPONG || i % 2 == wg; }
+  __device__ __forceinline__ void take() {
+    if (PINGPONG && (wg == 1 || !first)) mbar_wait(&bar[wg], (waits++) & 1);
+    first = false;
+  }
+  __device__ __forceinline__ void pass() {
+    if (PINGPONG && threadIdx.x % 128 == 0) mbar_arrive(&bar[wg ^ 1]);
+  }
 };
 
 // The producer's k steps [kb0, kb1) of one tile: A's rows a_row.. (box [BM, BK]) and B^T's rows
-// b_row.. (box [BN, BK]) into the ring, each stage once its consumers have released it.
-__device__ void load_k_steps(uint8_t* stages, uint64_t* full, uint64_t* empty, Ring& r, const CUtensorMap* a,
-                             int a_row, const CUtensorMap* b, int b_row, int kb0, int kb1) {
+// b_row.. (box [BN, BK]) into the ring, each stage once its consumer has released it.
+__device__ void load_k_steps(const Shared& sh, Ring& r, const CUtensorMap* a, int a_row, const CUtensorMap* b,
+                             int b_row, int kb0, int kb1) {
   for (int kb = kb0; kb < kb1; ++kb) {
-    mbar_wait(&empty[r.s], r.phase ^ 1);
-    uint8_t* stage = stages + r.s * STAGE_BYTES;
-    mbar_expect_tx(&full[r.s], STAGE_BYTES);
-    tma_load(stage, a, &full[r.s], kb * BK, a_row);
-    tma_load(stage + A_BYTES, b, &full[r.s], kb * BK, b_row);
+    mbar_wait(&sh.empty[r.s], r.phase ^ 1);
+    uint8_t* stage = sh.stages + r.s * STAGE_BYTES;
+    mbar_expect_tx(&sh.full[r.s], STAGE_BYTES);
+    tma_load(stage, a, &sh.full[r.s], kb * BK, a_row);
+    tma_load(stage + A_BYTES, b, &sh.full[r.s], kb * BK, b_row);
     r.next();
   }
 }
 
-// A consumer warpgroup's k steps [kb0, kb1) into d (overwritten at the first): each stage's four
-// wgmmas issued as one group, the stage before it released once that group is complete (one
-// group stays in flight); d is final on return.
-__device__ void mma_k_steps(float (&d)[128], uint8_t* stages, uint64_t* full, uint64_t* empty, Ring& r, int kb0,
-                            int kb1, int wg) {
+// A consumer warpgroup's k steps [kb0, kb1) of its rows of a tile into d (overwritten at the
+// first), in its turn: each stage's wgmmas (its row halves, four k16 steps) issued as one group,
+// the stage before it released once that group is complete (one group stays in flight); the turn
+// passed once the last stage has landed; d is final on return.
+__device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0, int kb1, Turn& turn) {
   bool lane0 = threadIdx.x % 32 == 0;
   int prev = -1;
+  turn.take();
   for (int kb = kb0; kb < kb1; ++kb) {
-    mbar_wait(&full[r.s], r.phase);
-    uint8_t* a = stages + r.s * STAGE_BYTES + wg * 64 * BK * 2;
-    uint8_t* b = stages + r.s * STAGE_BYTES + A_BYTES;
+    mbar_wait(&sh.full[r.s], r.phase);
+    if (kb == kb1 - 1) turn.pass();
+    uint8_t* a = sh.stages + r.s * STAGE_BYTES + wg_row0(turn.wg) * BK * 2;
+    uint8_t* b = sh.stages + r.s * STAGE_BYTES + A_BYTES;
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
-      wgmma_m64n256k16(d, sw128_desc(a + kk * 32), sw128_desc(b + kk * 32), kb > kb0 || kk > 0);
+#pragma unroll
+      for (int h = 0; h < HALVES; ++h)
+        wgmma_half(half_of(d, h), sw128_desc(a + 64 * h * BK * 2 + kk * 32), sw128_desc(b + kk * 32),
+                   kb > kb0 || kk > 0);
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     if (prev >= 0) {
       asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-      if (lane0) mbar_arrive(&empty[prev]);
+      if (lane0) mbar_arrive(&sh.empty[prev]);
     }
     prev = r.s;
     r.next();
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   fence_operands(d);
-  if (lane0) mbar_arrive(&empty[prev]);
+  if (lane0) mbar_arrive(&sh.empty[prev]);
 }
 
-// The block's shared memory: the stages, 1024-byte aligned, then each consumer warpgroup's staging.
-__device__ __forceinline__ uint8_t* aligned_stages(uint8_t* smem_raw) {
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+__device__ __forceinline__ uint8_t* wg_staging(const Shared& sh, int wg) {
+  return sh.stages + STAGES * STAGE_BYTES + wg * WG_STAGING;
 }
 
-__device__ __forceinline__ uint8_t* wg_staging(uint8_t* stages, int wg) {
-  return stages + STAGES * STAGE_BYTES + wg * WG_STAGING;
+// The consumer warpgroup's own named barrier (ids 1, 2; 0 is __syncthreads).
+__device__ __forceinline__ void wg_barrier(int wg) {
+  named_barrier(1 + wg, 128);
 }
 
-__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty) {
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < STAGES; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], CONSUMER_WARPS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+// The threads that share a tile's epilogue meet (its warpgroup, or both cooperative ones), and the
+// one of them that signals for the tile.
+__device__ __forceinline__ void tile_barrier(int wg) {
+  if (PINGPONG)
+    wg_barrier(wg);
+  else
+    named_barrier(3, 256);
+}
+
+__device__ __forceinline__ bool tile_leader() {
+  return PINGPONG ? threadIdx.x % 128 == 0 : threadIdx.x == 128;
 }
 
 // A block of a kernel on the ring: its barriers set up, then warpgroup 0's first thread produces
 // (with few registers) and warpgroups 1 and 2 consume (with the registers given up).
-template <class P, void (*PRODUCE)(const P&, uint8_t*, uint64_t*, uint64_t*),
-          void (*CONSUME)(const P&, uint8_t*, uint64_t*, uint64_t*, int)>
+template <class P, void (*PRODUCE)(const P&, const Shared&), void (*CONSUME)(const P&, const Shared&, int)>
 __device__ __forceinline__ void run_roles(const P& p) {
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
-  uint8_t* stages = aligned_stages(smem_raw);
-  init_ring(full, empty);
+  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES], turn[2];
+  Shared sh{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023)), full,
+            empty, turn};
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], PINGPONG ? WG_WARPS : 2 * WG_WARPS);
+    }
+    mbar_init(&turn[0], 1);
+    mbar_init(&turn[1], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
   int wg = threadIdx.x / 128;
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0) PRODUCE(p, stages, full, empty);
+    if (threadIdx.x == 0) PRODUCE(p, sh);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    CONSUME(p, stages, full, empty, wg - 1);
+    CONSUME(p, sh, wg - 1);
   }
 }
 
 // A warpgroup's accumulators, scaled by alpha, plus bias (scaled by bias_scale; null: none), as
 // bf16 into its staging boxes, columns col0.. (bias read below n only), once the previous
 // tile's TMA stores from them have read them; ends with the boxes visible to the TMA unit.
-__device__ void stage_tile(uint8_t* mine, const float (&d)[128], float alpha, const __nv_bfloat16* bias,
+__device__ void stage_tile(uint8_t* mine, const float (&d)[ACC], float alpha, const __nv_bfloat16* bias,
                            float bias_scale, int col0, int n, int wg) {
   int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  named_barrier(1 + wg, 128);
+  wg_barrier(wg);
 #pragma unroll
-  for (int q = 0; q < 32; ++q) {
+  for (int q = 0; q < BN / 8; ++q) {
     int col = col0 + 8 * q + 2 * (lane % 4);
     float b0 = 0.f, b1 = 0.f;
     if (bias != nullptr && col < n)
       b0 = bias_scale * __bfloat162float(bias[col]), b1 = bias_scale * __bfloat162float(bias[col + 1]);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      int r = warp * 16 + lane / 4 + 8 * j;  // r % 8 == lane / 4: the swizzle's phase
-      uint32_t off = (q / 8) * BOX_BYTES + r * 128 + (((q % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
-      *reinterpret_cast<__nv_bfloat162*>(mine + off) =
-          __floats2bfloat162_rn(alpha * d[4 * q + 2 * j] + b0, alpha * d[4 * q + 2 * j + 1] + b1);
-    }
+    for (int h = 0; h < HALVES; ++h)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        int r = warp * 16 + lane / 4 + 8 * j;  // r % 8 == lane / 4: the swizzle's phase
+        uint32_t off = (h * (BN / BOX) + q / 8) * BOX_BYTES + r * 128 + (((q % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
+        int i = BN / 2 * h + 4 * q + 2 * j;
+        *reinterpret_cast<__nv_bfloat162*>(mine + off) =
+            __floats2bfloat162_rn(alpha * d[i] + b0, alpha * d[i + 1] + b1);
+      }
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  named_barrier(1 + wg, 128);
+  wg_barrier(wg);
 }
 
-// The staged boxes' columns col0.. below n to the output's rows row.. by the TMA unit (one
-// thread of the warpgroup queues them as one bulk group).
-__device__ __forceinline__ void store_staged(const CUtensorMap* out, const uint8_t* mine, int col0, int n, int row) {
-  for (int b = 0; b < BN / BOX; ++b)
-    if (col0 + b * BOX < n) tma_store(out, mine + b * BOX_BYTES, col0 + b * BOX, row);
+// The staged boxes' columns col0.. below n to the output by the TMA unit, row half h to rows
+// rows[h].. (skipped where negative); one thread of the warpgroup queues them as one bulk group.
+__device__ __forceinline__ void store_staged(const CUtensorMap* out, const uint8_t* mine, int col0, int n,
+                                             const int (&rows)[HALVES]) {
+  for (int h = 0; h < HALVES; ++h)
+    for (int c = 0; c < BN / BOX; ++c)
+      if (rows[h] >= 0 && col0 + c * BOX < n)
+        tma_store(out, mine + (h * (BN / BOX) + c) * BOX_BYTES, col0 + c * BOX, rows[h]);
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
