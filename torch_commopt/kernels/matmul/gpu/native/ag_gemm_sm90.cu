@@ -14,7 +14,8 @@
 // engine wrote the rows, then the flag, with a fenced stream write.
 //
 // Measured and not kept (docs/gpu-schedules.md): pointer stores from the accumulators for every
-// tile, 4 stages with half the tile staged, clusters of two blocks multicasting B.
+// tile, 4 stages with half the tile staged, clusters of two blocks multicasting B, ping-pong
+// consumer warpgroups on 128 x 128 tiles.
 #define COMMOPT_SM90_PINGPONG 0  // cooperative (sm90_common.cuh): its epilogue is a TMA store
 #include "sm90_common.cuh"
 
