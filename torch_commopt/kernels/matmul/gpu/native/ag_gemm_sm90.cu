@@ -22,10 +22,10 @@
 namespace {
 
 constexpr int MAX_B = 3;
-constexpr int MIN_SHARE = 4;  // fewest k steps a block's stream-K share may have
+constexpr int MIN_SHARE = 256 / BK;  // fewest k steps a block's stream-K share may have (256 of K)
 
 struct Params {
-  CUtensorMap a_own;    // this rank's shard (M_loc, K), box [BM, BK], 128-byte swizzle
+  CUtensorMap a_own;    // this rank's shard (M_loc, K), box [BM, BK], swizzled (OPERAND_SWIZZLE)
   CUtensorMap a_slots;  // every rank's slot (world * M_loc, K)
   CUtensorMap b[MAX_B]; // B_i^T (N_i, K), box [BN, BK]
   CUtensorMap out[MAX_B];  // the outputs (rows, N_i), box [BOX, BOX], 128-byte swizzle (tma_store)
@@ -287,7 +287,7 @@ int commopt_sm90_ag_gemm(const void* a_own, long long a_pitch, const void* a_slo
     bool used = i < num_b;
     if (used && r == CUDA_SUCCESS) r = encode(&p.b[i], bs[i], ns[i], k, b_pitch[i], BN);
     if (used && tma_store && r == CUDA_SUCCESS)
-      r = encode(&p.out[i], cs[i], (long long)world * m_loc, ns[i], ns[i], BOX, BOX);
+      r = encode(&p.out[i], cs[i], (long long)world * m_loc, ns[i], ns[i], BOX, BOX, CU_TENSOR_MAP_SWIZZLE_128B);
     p.c[i] = used ? static_cast<__nv_bfloat16*>(cs[i]) : nullptr;
     p.bias[i] = used ? static_cast<const __nv_bfloat16*>(biases[i]) : nullptr;
     p.n[i] = used ? ns[i] : 0;

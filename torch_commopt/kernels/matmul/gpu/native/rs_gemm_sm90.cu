@@ -189,7 +189,7 @@ int commopt_sm90_rs_gemm(const void* a, long long a_pitch, const void* b, long l
   RsParams p;
   CUresult r = encode(&p.a, a, (long long)world * m_seg, k, a_pitch, BM);
   if (r == CUDA_SUCCESS) r = encode(&p.b, b, n, k, b_pitch, BN);
-  if (r == CUDA_SUCCESS) r = encode(&p.out, out, m_seg, n, n, BOX, BOX);
+  if (r == CUDA_SUCCESS) r = encode(&p.out, out, m_seg, n, n, BOX, BOX, CU_TENSOR_MAP_SWIZZLE_128B);
   if (r != CUDA_SUCCESS) return (int)r;
   p.bias = static_cast<const __nv_bfloat16*>(bias);
   p.alpha = alpha, p.bias_scale = bias_scale;

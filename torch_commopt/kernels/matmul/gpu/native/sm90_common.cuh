@@ -22,7 +22,12 @@
 namespace {
 
 constexpr bool PINGPONG = COMMOPT_SM90_PINGPONG;
-constexpr int BM = 128, BN = PINGPONG ? 128 : 256, BK = 64, STAGES = PINGPONG ? 5 : 3;
+// A k step: 32 of K for the cooperative split (64-byte rows, swizzled at that width): with each
+// warpgroup holding two stages (the one its wgmmas read, the one queued behind), the rest of the
+// ring is what the loads have in flight, and narrower stages leave more of it in flight for the
+// same shared memory.  64 for ping-pong, where one warpgroup at a time issues: a narrower step's
+// few wgmmas no longer cover its own waits and releases.
+constexpr int BM = 128, BN = PINGPONG ? 128 : 256, BK = PINGPONG ? 64 : 32, STAGES = PINGPONG ? 5 : 6;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int THREADS = 384, WG_WARPS = 4;
 // A warpgroup's rows of a tile: HALVES of 64, the first at row wg_row0(wg).  Its accumulators:
@@ -124,11 +129,15 @@ __device__ void spin_geq(const int* ptr, int expected, int* status, long long bo
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-// wgmma matrix descriptor of a K-major tile with 128-byte swizzle: rows of 128 bytes, 8-row
-// groups 1024 bytes apart; the stage buffers are 1024-byte aligned (base offset 0).
-__device__ __forceinline__ uint64_t sw128_desc(const void* ptr) {
+// wgmma matrix descriptor of a K-major tile whose rows are BK * 2 bytes, swizzled at that width
+// (as the TMA unit loaded it): 8-row groups 8 * BK * 2 bytes apart; the stage buffers are
+// 1024-byte aligned (base offset 0).
+constexpr uint64_t DESC_SWIZZLE = BK == 64 ? 1 : BK == 32 ? 2 : 3;  // 128-, 64-, 32-byte swizzle
+constexpr CUtensorMapSwizzle OPERAND_SWIZZLE =
+    BK == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : BK == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B;
+__device__ __forceinline__ uint64_t kmajor_desc(const void* ptr) {
   uint64_t addr = smem_u32(ptr);
-  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(8 * BK * 2 >> 4) << 32) | (DESC_SWIZZLE << 62);
 }
 
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
@@ -274,7 +283,7 @@ __device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0,
     for (int kk = 0; kk < BK / 16; ++kk)
 #pragma unroll
       for (int h = 0; h < HALVES; ++h)
-        wgmma_half(half_of(d, h), sw128_desc(a + 64 * h * BK * 2 + kk * 32), sw128_desc(b + kk * 32),
+        wgmma_half(half_of(d, h), kmajor_desc(a + 64 * h * BK * 2 + kk * 32), kmajor_desc(b + kk * 32),
                    kb > kb0 || kk > 0);
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     if (prev >= 0) {
@@ -398,9 +407,10 @@ EncodeTiled encode_tiled() {
 }
 
 // A 2-D tensor map of a bf16 matrix (rows, cols) with row pitch `pitch` elements, box [box_rows,
-// box_cols], 128-byte swizzle; out-of-bounds elements read as zeros (and are not stored).
+// box_cols]: by default an operand's (box_cols BK, its swizzle); out-of-bounds elements read as
+// zeros (and are not stored).
 CUresult encode(CUtensorMap* map, const void* base, long long rows, long long cols, long long pitch, int box_rows,
-                int box_cols = BK) {
+                int box_cols = BK, CUtensorMapSwizzle swizzle = OPERAND_SWIZZLE) {
   EncodeTiled fn = encode_tiled();
   if (fn == nullptr) return CUDA_ERROR_NOT_FOUND;
   cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
@@ -408,7 +418,7 @@ CUresult encode(CUtensorMap* map, const void* base, long long rows, long long co
   cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows};
   cuuint32_t elem[2] = {1, 1};
   return fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
