@@ -17,14 +17,14 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m torch_commopt demo
 
-# TEST_WORKERS pytest-xdist workers, tests dealt one at a time except a module marked
-# xdist_group, run whole by one worker (its module fixture starts its ranks once). 2 is CI's core
+# TEST_WORKERS pytest-xdist workers, tests dealt one at a time (--dist load). 2 is CI's core
 # count; many tests start rank processes of their own, so the second worker saves about a sixth,
-# not half.  Where xdist is missing the suite runs serially.
+# not half (on a 2-core machine: 597-604 s serially, 494-497 s so; --dist loadfile and loadgroup,
+# which keep a module on one worker, 616-619 s).  Where xdist is missing the suite runs serially.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests --ignore=tests/gpu \
-	  $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadgroup")
+	  $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist load")
 
 # The layer contract (.importlinter: imports run one way, no cycles) and the linter; .ci/run runs both.
 lint: $(VENV)/.installed

@@ -14,9 +14,6 @@ import pytest
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 
-# one xdist worker runs the whole module: its module fixture runs ranks once (Makefile)
-pytestmark = pytest.mark.xdist_group("cp_attention")
-
 WORLDS = [2, 3, 4]
 
 

@@ -235,10 +235,10 @@ if [[ $what == costmodel ]]; then
 fi
 if [[ $what == cpu ]]; then
   # The CPU suite on this machine's torch (2.11: the oldest we support), CUDA hidden, in
-  # CPU_SHARDS pytest-xdist workers (grouped modules whole, as make test deals them).  The third
+  # CPU_SHARDS pytest-xdist workers (dealt one at a time, as make test does).  The third
   # argument, if any, names the test paths (the whole suite needs more than one call there).
   export CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=${CPU_THREADS:-1}
-  timeout ${CPU_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider -n ${CPU_SHARDS:-8} --dist loadgroup --durations=25 \
+  timeout ${CPU_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider -n ${CPU_SHARDS:-8} --dist load --durations=25 \
     ${sel:-tests} --ignore=tests/gpu > "$out/cpu_suite.log" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/cpu_suite.log" | tail -40
 fi

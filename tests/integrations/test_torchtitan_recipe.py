@@ -33,9 +33,6 @@ from torch_commopt.integrations.torchtitan.config import Commopt  # noqa: E402
 from torch_commopt.integrations.torchtitan.parallelize import parallelize_llama_commopt  # noqa: E402
 from torch_commopt.integrations.torchtitan.spec import TRAIN_SPEC_NAME, register  # noqa: E402
 
-# one xdist worker runs the whole module: its module fixture runs ranks once (Makefile)
-pytestmark = pytest.mark.xdist_group("torchtitan")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 EXAMPLE_TOML = os.path.join(REPO, "torch_commopt", "integrations", "torchtitan", "llama3_debug_tp2_commopt.toml")

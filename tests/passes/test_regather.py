@@ -8,9 +8,6 @@ import pytest
 from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 
-# one xdist worker runs the whole module: its module fixture runs ranks once (Makefile)
-pytestmark = pytest.mark.xdist_group("regather")
-
 # tp_sp_block (seq 16, dim 64, fp32, W=2) gathers two norm outputs of 2x16x64x4 B = 8 KiB each, 4 KiB
 # of each kept beyond its shard: a budget of 5 KiB keeps one and re-gathers the other, 0 keeps none,
 # a large one re-gathers nothing (as no budget); regather_for_backward re-gathers both.  Every case

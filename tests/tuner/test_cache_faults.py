@@ -10,9 +10,6 @@ from tuner_programs import compile_with_autotune, compile_with_cache_fault
 
 from torch_commopt.testing.launch import run_distributed
 
-# one xdist worker runs the whole module: its module fixture runs ranks once (Makefile)
-pytestmark = pytest.mark.xdist_group("cache_faults")
-
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
