@@ -17,10 +17,9 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m torch_commopt demo
 
-# TEST_WORKERS pytest-xdist workers, tests dealt one at a time (--dist load). 2 is CI's core
-# count; many tests start rank processes of their own, so the second worker saves about a sixth,
-# not half (on a 2-core machine: 597-604 s serially, 494-497 s so; --dist loadfile and loadgroup,
-# which keep a module on one worker, 616-619 s).  Where xdist is missing the suite runs serially.
+# TEST_WORKERS pytest-xdist workers, tests dealt one at a time (--dist load; keeping a module on
+# one worker measured slower). 2 is CI's core count; many tests start rank processes of their own,
+# so the second worker saves about a sixth, not half.  Where xdist is missing the suite runs serially.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests --ignore=tests/gpu \
