@@ -9,10 +9,11 @@ back-to-back calls, well inside the launch queue, so the host never waits for th
 median over `--rounds`, the slowest rank) and the GPU time per call (CUDA events around them),
 each GPU schedule twice: queued from its recorded host trace (kernels/gpu/host_replay.py, the
 default) and through its Python host code (TORCH_COMMOPT_HOST_REPLAY=0), in alternating rounds.
-`--profile N`: cProfile of N replayed calls of each region's first overlapped schedule and of its
-`sequential`, the functions with the most own time, so the cost can be placed.
+`--profile N`: cProfile of N replayed calls of each region's PROFILED schedule and of its
+`sequential`, the functions with the most own time, so the cost can be placed.  `--shared`: both
+ranks on one GPU (kernels/gpu/shared_device.py) where only one is lent: the host's cost only.
 
-    python3 -m benchmarks.bench_host --out OUT [--batch 4 --seq 2048] [--rounds 15] [--calls 10]
+    python3 -m benchmarks.bench_host --out OUT [--batch 4 --seq 2048] [--rounds 15] [--calls 10] [--shared]
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from benchmarks.common import fmt, machine_meta, result_stem, write_report
 from torch_commopt.core import env
 
 DIM, HEADS, KV_HEADS, HIDDEN, HEAD_DIM = 4096, 32, 8, 14336, 128
-AG_SCHEDULES = ("nccl+cublas", "cublas only", "sequential", "ce_push:1", "ce_push:1:par=1", "fused:1")
-RS_SCHEDULES = ("nccl+cublas", "cublas only", "sequential", "ce_push:1", "ce_pull:2", "direct:1")
+AG_SCHEDULES = ("nccl+cublas", "cublas only", "sequential", "ce_push:1", "ce_push:1:par=1", "fused:1",
+                "fused:1:impl=sm90")
+PROFILED = "fused:1:impl=sm90"  # --profile: this schedule's calls (replayed where it can be) and sequential's
+RS_SCHEDULES = ("nccl+cublas", "cublas only", "sequential", "ce_push:1", "ce_pull:2", "direct:1", "fused:1:impl=sm90")
 
 
 def regions(batch: int, seq: int, world: int) -> list[tuple]:
@@ -131,10 +134,12 @@ def _rank(rank: int, world: int, args: dict):
         ws = [(torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) / math.sqrt(k)).t()
               for k, n in wshapes]
         for sched in (AG_SCHEDULES if op == "ag" else RS_SCHEDULES):
+            if args["shared"] and sched == "nccl+cublas":
+                continue  # no NCCL between ranks of one GPU
             fn = _caller(op, sched, a, ws, world)
             for _ in range(5):
                 fn()
-            modes = ("replayed", "python") if sched.split(":")[0] in host_replay.SCHEDULES else ("python",)
+            modes = ("replayed", "python") if _replayable(sched) else ("python",)
             for mode, (host, gpu) in _time(fn, args["rounds"], args["calls"], dev, modes).items():
                 med = torch.tensor([statistics.median(host), statistics.median(gpu)], dtype=torch.float64, device=dev)
                 dist.all_reduce(med, op=dist.ReduceOp.MAX)
@@ -144,22 +149,32 @@ def _rank(rank: int, world: int, args: dict):
                 if rank == 0:
                     print(f"{label:6s} {sched:18s} {mode:8s} host {row['host_us']:7.1f} us  gpu {row['gpu_ms']:.3f} ms",
                           flush=True)
-            if args["profile"] and sched in ("sequential", AG_SCHEDULES[4] if op == "ag" else RS_SCHEDULES[4]):
+            if args["profile"] and sched in ("sequential", PROFILED):
                 dist.barrier()
                 out[-1]["profile"] = _profile(fn, args["profile"])
                 torch.cuda.synchronize(dev)
     if rank == 0:
-        print(f"host replay {host_replay.STATS}", flush=True)
-    return out, torch.cuda.get_device_name(dev)
+        print(f"host replay {host_replay.STATS}; not replayed: {host_replay.refusals()}", flush=True)
+    return out, torch.cuda.get_device_name(dev), host_replay.refusals()
+
+
+def _replayable(sched: str) -> bool:
+    from torch_commopt.core.schedule import Schedule
+    from torch_commopt.kernels.gpu import host_replay
+
+    return sched not in ("nccl+cublas", "cublas only") and host_replay.replayable(Schedule.parse(sched))
 
 
 def markdown(rows: list[dict], meta: dict, args) -> str:
+    shared = ("; both ranks on one GPU (shared-device mode: the host's cost is real, the GPU's time is shared "
+              "and not reported; NCCL cannot run, so the NCCL + cuBLAS reference is the 2-GPU report's)"
+              ) if args.shared else ""
     lines = [f"# Host cost per region call ({meta['device']}, {args.world} ranks)", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; Llama-3-8B-shaped "
              f"TP={args.world} + SP layer forward at batch {args.batch} x seq {args.seq}, bf16; median of "
-             f"{args.rounds} rounds of {args.calls} back-to-back calls, the slowest rank.", "",
+             f"{args.rounds} rounds of {args.calls} back-to-back calls, the slowest rank{shared}.", "",
              f"Command: `python3 -m benchmarks.bench_host --batch {args.batch} --seq {args.seq} --rounds {args.rounds} "
-             f"--calls {args.calls}`", "",
+             f"--calls {args.calls}{' --shared' if args.shared else ''}`", "",
              "| region | schedule | host us / call: replayed | Python host code | replayed vs nccl+cublas | "
              "GPU ms / call (replayed) |", "|---|---|---|---|---|---|"]
     base = {r["region"]: r["host_us"] for r in rows if r["schedule"] == "nccl+cublas"}
@@ -168,8 +183,13 @@ def markdown(rows: list[dict], meta: dict, args) -> str:
         if mode == "python" and (region, sched, "replayed") in by:
             continue
         python = by.get((region, sched, "python"), r)
+        ratio = f"{r['host_us'] / base[region]:.2f}x" if region in base else "-"
+        gpu = "-" if args.shared else fmt(r["gpu_ms"], 3)
         lines.append(f"| {region} | `{sched}` | {fmt(r['host_us'], 1) if mode == 'replayed' else '-'} | "
-                     f"{fmt(python['host_us'], 1)} | {r['host_us'] / base[region]:.2f}x | {fmt(r['gpu_ms'], 3)} |")
+                     f"{fmt(python['host_us'], 1)} | {ratio} | {gpu} |")
+    if meta.get("not_replayed"):
+        lines += ["", "Kinds of calls that ran their Python host code (host_replay.refusals):", "",
+                  *(f"- {why}" for why in meta["not_replayed"])]
     for r in rows:
         if r.get("profile"):
             lines += ["", f"cProfile, {r['region']} `{r['schedule']}` (rank 0; own us/call | cumulative us/call | "
@@ -187,18 +207,25 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--profile", type=int, default=0, metavar="CALLS")
     p.add_argument("--commit", default="")
+    p.add_argument("--shared", action="store_true",
+                   help="every rank on one GPU (kernels/gpu/shared_device.py, gloo): host cost only")
     args = p.parse_args()
 
     import torch
 
     from torch_commopt.testing.launch import run_distributed
 
-    if torch.cuda.device_count() < args.world:
-        raise SystemExit(f"needs {args.world} GPUs")
-    per_rank = run_distributed(_rank, args.world, vars(args), backend="nccl", timeout_s=560)
-    rows, device = per_rank[0]
-    meta = machine_meta(device, args.world, args.commit, batch=args.batch, seq=args.seq)
-    write_report(args.out, result_stem("host", device, args.world), {"meta": meta, "rows": rows},
+    if torch.cuda.device_count() < (1 if args.shared else args.world):
+        raise SystemExit(f"needs {args.world} GPUs, or --shared and one")
+    if args.shared:
+        os.environ[env.SHARED_DEVICE] = "1"
+    per_rank = run_distributed(_rank, args.world, vars(args), backend="gloo" if args.shared else "nccl",
+                               timeout_s=560)
+    rows, device, not_replayed = per_rank[0]
+    meta = machine_meta(device, 1 if args.shared else args.world, args.commit, batch=args.batch, seq=args.seq,
+                        not_replayed=not_replayed)
+    stem = result_stem("host", device, 1 if args.shared else args.world)
+    write_report(args.out, stem, {"meta": meta, "rows": rows},
                  markdown(rows, meta, args))
 
 

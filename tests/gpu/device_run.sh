@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|fused_probe|moe_sync_free|moe_graph|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|flex_pulled|meshslice|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|host_shared|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|fused_probe|moe_sync_free|moe_graph|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|flex_pulled|meshslice|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -99,6 +99,13 @@ if [[ $what == torchtitan ]]; then
     ${BENCH_ARGS:-} ${TT_EXTRA:+"--extra=$TT_EXTRA"} 2>&1 | tee "$out/torchtitan.log"
   # --profile-step's Chrome traces of every rank (benchmarks/tt_profile.py), compressed
   if [[ -d $out/tt_traces ]]; then (cd "$out" && tar czf tt_traces.tgz tt_traces && rm -rf tt_traces); fi
+fi
+if [[ $what == host_shared ]]; then
+  # issue 67, one GPU: the replayed host traces with both ranks on it (numerics, bit equality; the
+  # sm_90a fused cases among them), then each region call's host time (bench_host --shared: the
+  # host's cost is real, the GPU's time-sliced), ~3 min
+  TORCH_COMMOPT_SHARED_DEVICE=1 timeout ${TEST_TIMEOUT:-300} python3 -m pytest $GPU_PYTEST tests/gpu/test_host_replay_gpu.py 2>&1 | tee "$out/host_replay_tests_shared.log"
+  timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks.bench_host --shared --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/host_bench.log"
 fi
 if [[ $what == fused_probe ]]; then
   # issue 67, one GPU: the fused kernels' one-GPU tests (flags raised beforehand), then their GEMM

@@ -20,7 +20,10 @@ CASES = [("ag", "ce_push:1:par=1", (4, 256, 512), 1, (384, 128)),  # batch 4, SP
          ("rs", "direct:1", (1024, 384), 0, (256,)),
          ("rs", "ce_push:1", (4, 256, 512), 1, (384,)),  # the own GEMM, then the partial added (cuBLAS axpy)
          ("ar", "ce_push:1", (512, 512), None, (384,)),
-         ("ar", "ce_pull:2", (512, 512), None, (384,))]
+         ("ar", "ce_pull:2", (512, 512), None, (384,)),
+         # the sm_90a fused kernels (native launches; the reduce-scatter's barrier carries the epoch)
+         ("ag", "fused:1:impl=sm90", (2, 256, 512), 1, (512, 256, 256)),
+         ("rs", "fused:1:impl=sm90", (2, 512, 512), 1, (256,))]
 
 
 def _inputs(op: str, shape, ns, seed: int, rank: int, world: int):
@@ -55,15 +58,21 @@ def _rel(x, ref) -> float:
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
+def cases() -> list:
+    """CASES this GPU runs: the sm_90a kernels' only on sm_90 (elsewhere they fall back to Triton)."""
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    return [c for c in CASES if hopper or "impl=sm90" not in c[1]]
+
+
 def run_host_replay(rank: int, world: int, calls: int = 10):
-    """[(name, replayed error, reference error, bitwise equal to the Python host code)] and this
-    rank's host_replay.STATS."""
+    """[(name, replayed error, reference error, bitwise equal to the Python host code)], this
+    rank's host_replay.STATS and the number of cases run."""
     from torch_commopt.kernels.gpu import host_replay
 
     saved = {k: os.environ.pop(k, None) for k in (env.DEBUG_WAITS,)}  # bounded waits never replay
     results, seed = [], 70000
     try:
-        for op, sched, shape, dim, ns in CASES:
+        for op, sched, shape, dim, ns in cases():
             for i in range(calls):
                 seed += 100
                 a, ws, truth = _inputs(op, shape, ns, seed, rank, world)
@@ -82,4 +91,4 @@ def run_host_replay(rank: int, world: int, calls: int = 10):
         for k, v in saved.items():
             if v is not None:
                 os.environ[k] = v
-    return results, dict(host_replay.STATS)
+    return results, dict(host_replay.STATS), len(cases())

@@ -21,7 +21,7 @@ def test_the_kernel_source_builds_with_its_entry_points(tmp_path, monkeypatch):
     built = sm90._compile()
     assert built.parent == tmp_path / "native" and built.stat().st_size > 0
     lib = ctypes.CDLL(str(built))
-    for entry in ("ag_gemm", "rs_gemm", "ag_ready", "rs_ready"):
+    for entry in ("ag_gemm_words", "rs_gemm_words", "ag_ready", "rs_ready"):
         assert hasattr(lib, f"commopt_sm90_{entry}"), entry
     assert sm90._compile() == built  # cached by the source's and flags' digest
 

@@ -68,7 +68,7 @@ _tap: list | None = None
 _tap_thread = 0
 
 
-def _note(op: tuple) -> None:
+def _note(op: tuple | str) -> None:
     if threading.get_ident() == _tap_thread:  # not the watchdog thread's releases
         _tap.append(op)
 
@@ -285,6 +285,21 @@ def wait_value32(stream, address: int, value: int) -> None:
         _note(("wait32", _handle(stream), address, value & 0xFFFFFFFF))
     _check(_lib()["cuStreamWaitValue32"](_handle(stream), address, value & 0xFFFFFFFF, WAIT_GEQ),
            "cuStreamWaitValue32")
+
+
+def native_call(fn, words, addresses: tuple) -> int:
+    """fn(words): a launcher of ours that takes its arguments as one int64 array (the sm_90a fused
+    GEMMs, kernels/matmul/gpu/sm90.py), its status returned.  addresses: the indices of the words
+    that hold device addresses (a recording relocates them into the call's tensors)."""
+    if _tap is not None:
+        _note(("call", 0, ctypes.cast(fn, ctypes.c_void_p).value, tuple(words), addresses))
+    return fn((ctypes.c_int64 * len(words))(*words))
+
+
+def untapped(what: str) -> None:
+    """The caller queues work no tap sees (a Triton launch): a recording of this call is refused."""
+    if _tap is not None:
+        _note(f"the call {what}")
 
 
 def write_value32(stream, address: int, value: int) -> None:

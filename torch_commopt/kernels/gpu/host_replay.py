@@ -10,19 +10,23 @@ So a kind's first call runs as it is (it makes the symmetric views and buffers i
 second is recorded: every driver operation it queues (driver._tap) and every GEMM it runs (an ATen
 mm / bmm / addmm_ / baddbmm_, seen by a dispatch mode; an add_ of two contiguous tensors becomes
 cuBLAS's axpy), each device address written as an offset into one of the call's tensors or as an
-absolute address (symmetric buffers, flags, host-mapped marks).  The third is recorded again and
-must give the same trace (a value that changes from call to call, e.g. an epoch, would show there);
-from the fourth on, native/replay.c queues the trace with this call's tensor addresses, one
-ctypes call: the same driver operations and the same cuBLAS GEMMs (cublasGemmEx /
-cublasGemmStridedBatchedEx with the parameters ATen passes for those layouts), no Python per
-operation.  "The same kind": op, schedule, scalars, buffer half, caller stream, whether the
-watchdog watches it, which stream gives the tokens back (env.tokens_on_side), and every tensor's
-shape, strides and dtype (env.gather_own_early too: it queues the own rows' copy elsewhere).
+absolute address (symmetric buffers, flags, host-mapped marks), and every launch of our native
+kernels (driver.native_call: the sm_90a fused GEMMs) with its argument words.  The third is
+recorded again and must give the same trace, but for values that are each recording's own epoch
+(a barrier's, a kernel's argument): those are marked and replayed with the call's epoch; any
+other difference refuses the kind.  From the fourth call on, native/replay.c queues the trace
+with this call's tensor addresses and epoch, one ctypes call: the same driver operations, the
+same launches and the same cuBLAS GEMMs (cublasGemmEx / cublasGemmStridedBatchedEx with the
+parameters ATen passes for those layouts), no Python per operation.  "The same kind": op,
+schedule, scalars, buffer half, caller stream, whether the watchdog watches it, which stream gives
+the tokens back (env.tokens_on_side), and every tensor's shape, strides and dtype
+(env.gather_own_early too: it queues the own rows' copy elsewhere).
 
-Any other device work in a recorded call (an elementwise op, an allocation, a Triton launch is
-refused by schedule name) makes the kind Python-only for the process, logged once.  Replayed
-calls keep the protocol: the runtime counts the call (next_epoch), the watchdog registers it and
-its recorded waits, and its end mark carries this call's number.
+Any other device work in a recorded call (an elementwise op, an allocation, a Triton launch:
+refused by schedule name, or said by driver.untapped) makes the kind Python-only for the
+process, logged once.  Replayed calls keep the protocol: the runtime counts the call
+(next_epoch), the watchdog registers it and its recorded waits (their epochs this call's), and
+its end mark carries this call's number.
 """
 
 from __future__ import annotations
@@ -47,18 +51,27 @@ log = logging.getLogger("torch_commopt.kernels.gpu.host_replay")
 
 WORDS = 24  # int64 words per step (replay.c)
 KINDS = {"memcpy": 1, "memcpy2d": 2, "record": 3, "wait_event": 4, "wait32": 5, "write32": 6, "batch": 7, "gemm": 8,
-         "axpy": 9}
-# Schedules whose calls queue only driver operations and cuBLAS GEMMs (the fused ones launch Triton
-# kernels, which no tap sees).
+         "axpy": 9, "call": 10}
+# Schedules whose calls queue only driver operations and cuBLAS GEMMs; `fused` ones too with
+# impl=sm90, whose kernels are native launchers (driver.native_call) -- where those fall back to a
+# Triton kernel, which no tap sees, the recording says so and the kind is not replayed.
 SCHEDULES = ("ce_push", "ce_pull", "direct")
+class _Epoch:
+    def __repr__(self) -> str:
+        return "EPOCH"
+
+
+EPOCH = _Epoch()  # a recorded value that is the call's epoch (it changed with it between the two recordings)
+EPOCH_BASE = -1  # replay.c's relocation of a launcher's word to the call's epoch
 CUDA_TYPES = {torch.bfloat16: 14, torch.float16: 2}  # cudaDataType: CUDA_R_16BF, CUDA_R_16F
 WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace per handle, as ATen's on sm_90
 SOURCE = pathlib.Path(__file__).with_name("native") / "replay.c"
 
 
 class Trace(NamedTuple):
-    """A recorded call ready to replay: the encoded steps, the batch arrays they point to (kept
-    alive), the watchdog waits the call declared, and its end mark's address (0: none)."""
+    """A recorded call ready to replay: the encoded steps, the arrays they point to (kept alive),
+    the watchdog waits the call declared (a value EPOCH: the call's epoch), and its end mark's
+    address (0: none)."""
 
     steps: ctypes.Array
     count: int
@@ -78,8 +91,13 @@ def eligible(sched) -> bool:
     """Whether this call of `sched` goes through `call`: not under bounded waits (their kernels are
     Triton launches), nor under a dispatch mode of the caller's (a FLOP counter, a debug mode: a
     replayed call's GEMMs would bypass it)."""
-    return (env.host_replay() and sched.name in SCHEDULES and not sched.param("dbg", 0)
+    return (env.host_replay() and replayable(sched) and not sched.param("dbg", 0)
             and not env.debug_waits() and torch._C._len_torch_dispatch_stack() == 0)
+
+
+def replayable(sched) -> bool:
+    """Whether `sched`'s eager calls may be replayed (SCHEDULES)."""
+    return sched.name in SCHEDULES or (sched.name == "fused" and sched.param("impl") == "sm90")
 
 
 def _compile() -> pathlib.Path:
@@ -108,7 +126,8 @@ def load(entry_points: list[int] | None = None):
             log.warning("commopt: %s; eager calls run their Python host code", _state["why"])
             return None
         lib.commopt_replay.restype = ctypes.c_int64
-        lib.commopt_replay.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint32]
+        lib.commopt_replay.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint32,
+                                       ctypes.c_uint32]
         _state["lib"] = lib
         _state["set"] = False
     lib = _state["lib"]
@@ -275,6 +294,12 @@ def _relocate(ops: list, tensors) -> list | str:
                 return "a flag batch writes into the call's tensors"
             out.append(op)
             continue
+        if kind == "call":
+            step = _relocated_call(op, extents)
+            if step is None:
+                return "an address inside two of the call's tensors"
+            out.append(step)
+            continue
         step = list(op)
         for i in _ADDRESSES.get(kind, ()):
             step[i] = _where(op[i], extents)
@@ -282,6 +307,39 @@ def _relocate(ops: list, tensors) -> list | str:
                 return "an address inside two of the call's tensors"
         out.append(tuple(step))
     return out
+
+
+def _relocated_call(op: tuple, extents: list) -> tuple | None:
+    """("call", stream, launcher, words, relocations) of a tapped native_call: each address word
+    inside one of the call's tensors as its offset there, with (word index, tensor base) in
+    relocations, the others kept absolute; None when an address is inside two tensors."""
+    _, stream, fn, words, addresses = op
+    words, relocations = list(words), []
+    for i in addresses:
+        where = _where(words[i], extents)
+        if where is None:
+            return None
+        if where[0]:
+            words[i] = where[1]
+            relocations.append((i, where[0]))
+    return ("call", stream, fn, tuple(words), tuple(relocations))
+
+
+class _Differs(Exception):
+    """Two recordings of a kind differ in more than the call's epoch."""
+
+
+def _marked(first, second, epochs: tuple):
+    """`second` (a recording, or any part of one) with each value that is epochs[0] in `first` and
+    epochs[1] in `second` -- the recordings' epochs -- marked EPOCH; _Differs where the two
+    differ otherwise."""
+    if first == second:
+        return second
+    if isinstance(first, (tuple, list)) and type(first) is type(second) and len(first) == len(second):
+        return type(second)(_marked(x, y, epochs) for x, y in zip(first, second))
+    if isinstance(first, int) and isinstance(second, int) and (first, second) == epochs:
+        return EPOCH
+    raise _Differs
 
 
 # ---- packing and replaying ------------------------------------------------------------------
@@ -299,11 +357,18 @@ def _words(step: tuple, device: torch.device, arrays: list) -> list[int]:
     if kind in ("record", "wait_event"):
         return head + [step[2]]
     if kind in ("wait32", "write32"):
-        return head + [*step[2], step[3]]
+        return head + [*step[2], 0, 1] if step[3] == EPOCH else head + [*step[2], step[3], 0]
     if kind == "batch":
-        params = driver.batch_params(step[2])  # the trace's own array: replay.c writes its last value
+        ops = step[2]
+        if any(value == EPOCH for _, _, value in ops[64:]):
+            raise ValueError("an epoch past a batch's 64th operation")
+        # the trace's own array: replay.c writes its last value and its epochs
+        params = driver.batch_params([(op, addr, 0 if value == EPOCH else value) for op, addr, value in ops])
         arrays.append(params)
-        return head + [ctypes.addressof(params), len(step[2]), int(step[3] is not None)]
+        mask = sum(1 << i for i, (_, _, value) in enumerate(ops) if value == EPOCH)
+        return head + [ctypes.addressof(params), len(ops), int(step[3]), mask]
+    if kind == "call":
+        return head + _call_words(step, arrays)
     if kind == "axpy":
         (_, _, dtype, n, x, y, alpha) = step
         return head + [blas_handle(stream, dtype, device), n, *x, *y, CUDA_TYPES[dtype], _bits(alpha)]
@@ -313,17 +378,34 @@ def _words(step: tuple, device: torch.device, arrays: list) -> list[int]:
                    _bits(alpha), _bits(beta)]
 
 
+def _call_words(step: tuple, arrays: list) -> list[int]:
+    """A native launcher's step: its address, its argument words and their relocations (replay.c's
+    CALL), each word that is the call's epoch relocated to it."""
+    _, _, fn, words, relocations = step
+    epochs = [(i, EPOCH_BASE) for i, w in enumerate(words) if w == EPOCH]
+    template = (ctypes.c_int64 * len(words))(*(0 if w == EPOCH else w for w in words))
+    pairs = [x for pair in (*relocations, *epochs) for x in pair]
+    table = (ctypes.c_int64 * max(1, len(pairs)))(*pairs)
+    arrays += [template, table]
+    return [fn, ctypes.addressof(template), len(words), ctypes.addressof(table), len(pairs) // 2]
+
+
 def pack(steps: list, waits: list, end: int, device: torch.device) -> Trace:
+    """The steps encoded for replay.c (a batch's last value as a flag: _comparable's form); raises
+    ValueError where an epoch sits where replay.c takes none."""
     arrays: list = []
     flat: list[int] = []
     for step in steps:
         words = _words(step, device, arrays)
+        if any(w == EPOCH for w in words):
+            raise ValueError(f"an epoch in a {step[0]} step")
         flat += words + [0] * (WORDS - len(words))
     return Trace((ctypes.c_int64 * max(1, len(flat)))(*flat), len(steps), arrays, waits, end)
 
 
 def _comparable(steps: list) -> list:
-    """A batch's last value is the call's own (the watchdog's number): not part of the comparison."""
+    """A batch's last value is the call's own (the watchdog's number): only whether it has one is
+    part of the comparison."""
     return [s[:3] + (s[3] is not None,) if s[0] == "batch" else s for s in steps]
 
 
@@ -342,8 +424,7 @@ def call(op: str, sched, rt, tensors: tuple, scalars: tuple, body) -> None:
             if known.end and (watched is None or watched.end != known.end):  # its end mark rides elsewhere
                 body()
             else:
-                rt.next_epoch()
-                _replay(known, tensors, watched)
+                _replay(known, tensors, watched, rt.next_epoch())
                 STATS["replayed"] += 1
                 return
         elif isinstance(known, str) or known is None:  # a kind's first call makes its views and buffers
@@ -376,14 +457,15 @@ def _record(key: tuple, first, rt, tensors: tuple, body) -> None:
     finally:
         driver._tap = None
     try:  # the call has run: whatever goes wrong from here costs the kind its replay, not the call
-        _settle(key, first, rt, tensors, (ops, tap.refused))
+        _settle(key, first, rt, tensors, (ops, tap.refused, rt.epoch))
     except Exception as e:  # noqa: BLE001
         _refuse(key, f"its recording failed: {type(e).__name__}: {e}")
 
 
 def _settle(key: tuple, first, rt, tensors: tuple, tapped: tuple) -> None:
-    """A recording's outcome: kept as the kind's first, packed as its trace, or refused."""
-    ops, refused = tapped
+    """A recording's outcome: kept as the kind's first, packed as its trace (the values that
+    changed with the call's epoch between the two recordings marked EPOCH), or refused."""
+    ops, refused, epoch = tapped
     watched = rt.watch
     blas = torch.backends.cuda.preferred_blas_library()
     if not refused and blas.name != "Cublas":  # replay.c calls cuBLAS as ATen's default backend does
@@ -394,13 +476,19 @@ def _settle(key: tuple, first, rt, tensors: tuple, tapped: tuple) -> None:
     if isinstance(steps, str):
         _refuse(key, steps)
     elif first is _SEEN:
-        _kinds[key] = (steps, waits, end)
-    elif (_comparable(steps), waits, end) != (_comparable(first[0]), first[1], first[2]):
-        _refuse(key, "its operations changed from one call to the next")
-    elif load() is None:
-        _refuse(key, _state["why"])
+        _kinds[key] = (steps, waits, end, epoch)
+    elif end != first[2]:
+        _refuse(key, "its end mark changed from one call to the next")
     else:
-        _kinds[key] = pack(steps, waits, end, rt.device)
+        try:
+            marked = _marked((_comparable(first[0]), first[1]), (_comparable(steps), waits), (first[3], epoch))
+        except _Differs:
+            _refuse(key, "its operations changed from one call to the next in more than the call's epoch")
+            return
+        if load() is None:
+            _refuse(key, _state["why"])
+        else:
+            _kinds[key] = pack(*marked, end, rt.device)
 
 
 def refusals() -> list[str]:
@@ -414,13 +502,14 @@ def _refuse(key: tuple, why: str) -> None:
              key[0], key[2], why)
 
 
-def _replay(trace: Trace, tensors: tuple, watched) -> None:
+def _replay(trace: Trace, tensors: tuple, watched, epoch: int) -> None:
     bases = (ctypes.c_int64 * (len(tensors) + 1))(0, *[0 if t is None else t.data_ptr() for t in tensors])
     rc = _state["lib"].commopt_replay(ctypes.addressof(trace.steps), trace.count, bases,
-                                      watched.value & 0xFFFFFFFF if watched is not None else 0)
+                                      watched.value & 0xFFFFFFFF if watched is not None else 0, epoch & 0xFFFFFFFF)
     if rc:
         raise RuntimeError(f"commopt: replaying a call's host trace failed at step {(rc >> 32) - 1} "
                            f"with error {rc & 0xFFFFFFFF}")
     if watched is not None:
-        watched.waits.extend(trace.waits)
+        watched.waits.extend(w if EPOCH not in w else tuple(epoch if v == EPOCH else v for v in w)
+                             for w in trace.waits)
         watched.ended = watched.ended or bool(trace.end)

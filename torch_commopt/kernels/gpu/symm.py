@@ -430,9 +430,11 @@ class GroupRuntime(Allocations):
         driver.use_context(self._context)
         driver.write_value32(self._peek_stream, self.flag_address(self.rank, index), value)
 
-    def reset_counters(self, stream) -> None:
-        with torch.cuda.stream(stream):
-            self.flags[COUNTERS: COUNTERS + MAX_WORLD * MAX_CHUNKS].zero_()
+    def reset_counters(self, stream, chunks: int) -> None:
+        """Zero the tile counters of `chunks` pieces from every rank by stream memory operations
+        (driver operations: a host replay queues them again, where a fill kernel would not be)."""
+        _batches(stream, [("write", self.flag_address(self.rank, COUNTERS + src * MAX_CHUNKS + c), 0)
+                          for src in range(self.world) for c in range(chunks)])
 
     def barrier(self, stream, epoch: int, *, debug: bool) -> None:
         """Stream-ordered barrier: every rank's `stream` has reached this point of call `epoch`."""

@@ -5,13 +5,18 @@
  *
  * A trace is an array of steps of WORDS int64 each.  A device address is a (base, offset) pair:
  * base 0 is absolute (symmetric buffers, flags), base i > 0 the i-th tensor of the call
- * (bases[i], its data pointer this call).  Word 0 is the step's kind, word 1 its stream. */
+ * (bases[i], its data pointer this call).  Word 0 is the step's kind, word 1 its stream.  A value
+ * the recording saw change with the call's epoch (a barrier's, a kernel's argument) is marked and
+ * queued with this call's epoch. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
 #define WORDS 24
-enum { MEMCPY = 1, MEMCPY2D = 2, RECORD = 3, WAIT_EVENT = 4, WAIT32 = 5, WRITE32 = 6, BATCH = 7, GEMM = 8, AXPY = 9 };
+enum { MEMCPY = 1, MEMCPY2D = 2, RECORD = 3, WAIT_EVENT = 4, WAIT32 = 5, WRITE32 = 6, BATCH = 7, GEMM = 8, AXPY = 9,
+       CALL = 10 };
+#define MAX_CALL_WORDS 64 /* a native launcher's argument words (kernels/matmul/gpu/sm90.py) */
+#define EPOCH_BASE (-1)   /* a CALL word relocated to this call's epoch, not into a tensor */
 enum { F_MEMCPY, F_MEMCPY2D, F_RECORD, F_WAIT_EVENT, F_WAIT32, F_WRITE32, F_BATCH, F_SET_STREAM, F_GEMM,
        F_GEMM_BATCHED, F_AXPY, F_COUNT };
 
@@ -28,6 +33,7 @@ typedef int (*gemm_batched_t)(void *, int, int, int, int, int, const void *, con
                               const void *, int, int, long long, const void *, void *, int, int, long long, int, int,
                               int);
 typedef int (*axpy_t)(void *, int, const void *, int, const void *, int, int, void *, int, int, int);
+typedef int (*launcher_t)(const int64_t *);
 
 static void *fns[F_COUNT];
 
@@ -93,7 +99,24 @@ static int axpy(const int64_t *w, const int64_t *bases) {
                                  dtype, 1, (void *)at(bases, w[6], w[7]), dtype, 1, 0);
 }
 
-static int step(const int64_t *w, const int64_t *bases, uint32_t call_value) {
+/* A launcher of ours called with the recorded argument words, its relocated ones set for this call:
+ * w[2] the launcher, w[3] / w[4] the words and their count, w[5] / w[6] (word index, base) pairs and
+ * their count (base EPOCH_BASE: the word is the call's epoch, else the recorded offset into tensor
+ * base, or an absolute address for base 0). */
+static int call(const int64_t *w, const int64_t *bases, uint32_t epoch) {
+    int64_t args[MAX_CALL_WORDS];
+    int64_t n = w[4];
+    const int64_t *relocs = (const int64_t *)w[5];
+    if (n > MAX_CALL_WORDS) return -2;
+    memcpy(args, (const int64_t *)w[3], (size_t)n * 8);
+    for (int64_t i = 0; i < w[6]; i++) {
+        int64_t word = relocs[2 * i], base = relocs[2 * i + 1];
+        args[word] = base == EPOCH_BASE ? (int64_t)epoch : (int64_t)at(bases, base, args[word]);
+    }
+    return ((launcher_t)w[2])(args);
+}
+
+static int step(const int64_t *w, const int64_t *bases, uint32_t call_value, uint32_t epoch) {
     void *stream = (void *)w[1];
     switch (w[0]) {
     case MEMCPY:
@@ -114,10 +137,10 @@ static int step(const int64_t *w, const int64_t *bases, uint32_t call_value) {
         return ((record_t)fns[F_RECORD])((void *)w[2], stream);
     case WAIT_EVENT:
         return ((wait_event_t)fns[F_WAIT_EVENT])(stream, (void *)w[2], 0);
-    case WAIT32:
-        return ((value32_t)fns[F_WAIT32])(stream, at(bases, w[2], w[3]), (uint32_t)w[4], 0);
+    case WAIT32: /* w[5]: the value is the call's epoch */
+        return ((value32_t)fns[F_WAIT32])(stream, at(bases, w[2], w[3]), w[5] ? epoch : (uint32_t)w[4], 0);
     case WRITE32:
-        return ((value32_t)fns[F_WRITE32])(stream, at(bases, w[2], w[3]), (uint32_t)w[4], 0);
+        return ((value32_t)fns[F_WRITE32])(stream, at(bases, w[2], w[3]), w[5] ? epoch : (uint32_t)w[4], 0);
     case BATCH: {
         char *params = (char *)w[2];
         unsigned count = (unsigned)w[3];
@@ -125,21 +148,29 @@ static int step(const int64_t *w, const int64_t *bases, uint32_t call_value) {
             uint64_t v = call_value;
             memcpy(params + 48 * (count - 1) + BATCH_VALUE_OFFSET, &v, 8);
         }
+        for (unsigned i = 0; i < count && i < 64; i++) { /* w[5]: a bit per operation writing the epoch */
+            if ((uint64_t)w[5] >> i & 1) {
+                uint64_t v = epoch;
+                memcpy(params + 48 * i + BATCH_VALUE_OFFSET, &v, 8);
+            }
+        }
         return ((batch_t)fns[F_BATCH])(stream, count, params, 0);
     }
     case GEMM:
         return gemm(w, bases);
     case AXPY:
         return axpy(w, bases);
+    case CALL:
+        return call(w, bases, epoch);
     default:
         return -1;
     }
 }
 
 /* Queue the n steps; 0, or (index of the failing step + 1) << 32 | its error code. */
-int64_t commopt_replay(const int64_t *steps, int64_t n, const int64_t *bases, uint32_t call_value) {
+int64_t commopt_replay(const int64_t *steps, int64_t n, const int64_t *bases, uint32_t call_value, uint32_t epoch) {
     for (int64_t i = 0; i < n; i++) {
-        int rc = step(steps + i * WORDS, bases, call_value);
+        int rc = step(steps + i * WORDS, bases, call_value, epoch);
         if (rc) return ((i + 1) << 32) | (uint32_t)rc;
     }
     return 0;

@@ -287,8 +287,9 @@ def launch_fused(a2, slots2, mm: Products, at: Arrivals, params, debug=False):
 
     p = {**FUSED_DEFAULTS, **params}
     m_loc, k = a2.shape
-    if p.get("impl") == "sm90" and sm90.ag_gemm(a2, slots2, mm, at, sm90.Launch.of(params, a2.device, debug)):
+    if p.get("impl") == "sm90" and sm90.ag_gemm(a2, slots2, mm, at, sm90.Launch.of(params, a2.device, debug, at.world)):
         return
+    driver.untapped("launches a Triton kernel")
     world, flags, status, epoch = at.world, at.flags, at.status, at.epoch
     lin, rank, chunk_rows, flag_base = at.lin, at.rank, at.chunk_rows, at.flag_base
     sms = p.get("sms") or num_sms(a2.device)

@@ -530,7 +530,7 @@ def _fused(call: _Call, weight, own):
     call.n_chunks = n_chunks
     for q in rt.peers:  # the kernel (direct) or the side stream (ce) writes into every peer
         call.acquire(call.cur, q)
-    rt.reset_counters(call.cur)
+    rt.reset_counters(call.cur, n_chunks)
     rt.barrier(call.cur, call.epoch, debug=call.debug)
     send = own if direct else torch.empty((call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
     if not direct:
@@ -577,8 +577,9 @@ def launch_rs_fused(a2, weight, targets: RsTargets, signals: RsSignals, segments
         raise ValueError("commopt matmul_rs fused: flat=1 is an option of the all-gather consumer; the "
                          "reduce-scatter kernel keeps its tile and k loops nested")
     if p.get("impl") == "sm90" and sm90.rs_gemm(a2, weight, targets, signals, segments, alpha,
-                                               sm90.Launch.of(params, a2.device, debug)):
+                                               sm90.Launch.of(params, a2.device, debug, segments.world)):
         return
+    driver.untapped("launches a Triton kernel")
     k, n = a2.shape[-1], weight.shape[-1]
     out, send, recv, recv_bases, recv_off, direct, bases_aligned = targets
     flags, flag_bases, status, data_base, epoch = signals

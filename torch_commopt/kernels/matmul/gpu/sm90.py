@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from torch_commopt.core import env
+from torch_commopt.kernels.gpu import driver
 
 log = logging.getLogger(__name__)
 NATIVE = pathlib.Path(__file__).with_name("native")
@@ -47,12 +48,17 @@ class Launch(NamedTuple):
     bound_ns: int = 0
 
     @classmethod
-    def of(cls, params: dict, device: torch.device, debug: bool) -> "Launch":
+    def of(cls, params: dict, device: torch.device, debug: bool, world: int = 1) -> "Launch":
         """A schedule's launch: its gm (else GROUP_M), a block per SM (its sms, else the device's),
-        less one under debug waits (their one-block kernels need an SM), and their bound."""
+        less one under debug waits (their one-block kernels need an SM), and their bound.  With
+        the `world` ranks on one GPU (env.shared_device, correctness runs), a world-th of the SMs:
+        each rank's kernel waits on data the others' kernels and copies make, and two ranks'
+        full-grid all-gather kernels queued back to back deadlocked there, where half grids ran."""
         from torch_commopt.kernels.gpu import symm
 
         sms = params.get("sms") or torch.cuda.get_device_properties(device).multi_processor_count
+        if world > 1 and env.shared_device():
+            sms = max(1, sms // world)
         return cls(params.get("gm", GROUP_M), max(1, sms - (1 if debug else 0)), symm.wait_bound() if debug else 0)
 
 
@@ -81,15 +87,25 @@ def _compile() -> pathlib.Path:
     return out
 
 
+# The launchers' int64 argument words (native/*.cu, commopt_sm90_*_gemm_words), and which hold
+# device addresses (a host replay relocates those into a later call's tensors).
+AG_WORDS = ("a_own", "a_pitch", "a_slots", "s_pitch", "m_loc", "k", "world", "rank", "lin", "chunk_rows", "flag_base",
+            "epoch", "flags", "status", "bound", "num_b", "b0", "b1", "b2", "b_pitch0", "b_pitch1", "b_pitch2", "n0",
+            "n1", "n2", "c0", "c1", "c2", "bias0", "bias1", "bias2", "group_m", "grid", "workspace", "counters",
+            "stream")
+AG_ADDRESSES = tuple(AG_WORDS.index(w) for w in ("a_own", "a_slots", "flags", "status", "b0", "b1", "b2", "c0", "c1",
+                                                  "c2", "bias0", "bias1", "bias2", "workspace", "counters"))
+RS_WORDS = ("a", "a_pitch", "b", "b_pitch", "n", "k", "out", "bias", "alpha", "bias_scale", "send", "recv",
+            "recv_bases", "flag_bases", "recv_off", "flags", "status", "bound", "m_seg", "lin", "world", "rank",
+            "chunk_mt", "data_base", "epoch", "counters", "direct", "group_m", "grid", "stream")
+RS_ADDRESSES = tuple(RS_WORDS.index(w) for w in ("a", "b", "out", "bias", "send", "recv", "recv_bases", "flag_bases",
+                                                  "flags", "status"))
+
+
 def _declared(lib):
     """`lib` with its entry points' signatures set."""
-    i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_float
-    ag, rs = lib.commopt_sm90_ag_gemm, lib.commopt_sm90_rs_gemm
-    ag.restype = rs.restype = ctypes.c_int
-    ag.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, i32, i32, i32, i32, ptr, ptr, i64, i32, ptr, ptr, ptr,
-                   ptr, ptr, i32, i32, ptr, ptr, ptr]
-    rs.argtypes = [ptr, i64, ptr, i64, i32, i32, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i32,
-                   i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, ptr]
+    for fn in (lib.commopt_sm90_ag_gemm_words, lib.commopt_sm90_rs_gemm_words):
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.POINTER(ctypes.c_int64)]
     return lib
 
 
@@ -187,22 +203,19 @@ def ag_gemm(a2, slots2, mm, at, launch: Launch) -> bool:
     if lib is None:
         return False
     m_loc, k = a2.shape
-    stream = torch.cuda.current_stream(a2.device).cuda_stream
+    stream = driver.current_handle(a2.device)
     work = _workspace(a2.device, stream, grid)
-    work_ptr, counters_ptr = (work[0].data_ptr(), work[1].data_ptr()) if work is not None else (None, None)
+    work_ptr, counters_ptr = (work[0].data_ptr(), work[1].data_ptr()) if work is not None else (0, 0)
+    head = [a2.data_ptr(), a2.stride(0), slots2.data_ptr(), slots2.stride(0), m_loc, k, at.world, at.rank, at.lin,
+            at.chunk_rows, at.flag_base, at.epoch, at.flags.data_ptr(), at.status.data_ptr(), bound_ns]
     for first in range(0, len(weights), 3):
         ws, cs, bs = weights[first:first + 3], outs[first:first + 3], biases[first:first + 3]
-        n = len(ws)
-        ptrs = ctypes.c_void_p * 3
-        b_ptrs = ptrs(*[w.data_ptr() for w in ws])
-        pitches = (ctypes.c_longlong * 3)(*[w.stride(1) for w in ws])
-        ns = (ctypes.c_int * 3)(*[w.shape[-1] for w in ws])
-        c_ptrs = ptrs(*[c.data_ptr() for c in cs])
-        bias_ptrs = ptrs(*[b.data_ptr() if b is not None else None for b in bs])
-        rc = lib.commopt_sm90_ag_gemm(
-            a2.data_ptr(), a2.stride(0), slots2.data_ptr(), slots2.stride(0), m_loc, k, at.world, at.rank, at.lin,
-            at.chunk_rows, at.flag_base, at.epoch, at.flags.data_ptr(), at.status.data_ptr(), bound_ns, n, b_ptrs,
-            pitches, ns, c_ptrs, bias_ptrs, group_m, grid, work_ptr, counters_ptr, stream)
+        pad = [0] * (3 - len(ws))
+        words = head + [len(ws), *(w.data_ptr() for w in ws), *pad, *(w.stride(1) for w in ws), *pad,
+                        *(w.shape[-1] for w in ws), *pad, *(c.data_ptr() for c in cs), *pad,
+                        *(b.data_ptr() if b is not None else 0 for b in bs), *pad, group_m, grid, work_ptr,
+                        counters_ptr, stream]
+        rc = driver.native_call(lib.commopt_sm90_ag_gemm_words, words, AG_ADDRESSES)
         if rc != 0:
             raise RuntimeError(f"commopt sm90 ag_gemm: launch failed with CUDA error {rc}")
     return True
@@ -249,12 +262,15 @@ def rs_gemm(a2, weight, targets, signals, segments, alpha: float, launch: Launch
     rank, world, lin, m_seg, chunk_mt = segments
     group_m, grid, bound_ns = launch
     n, k = weight.shape[-1], a2.shape[-1]
-    stream = torch.cuda.current_stream(a2.device).cuda_stream
-    rc = lib.commopt_sm90_rs_gemm(
-        a2.data_ptr(), a2.stride(0), weight.data_ptr(), weight.stride(1), n, k, out.data_ptr(), None, alpha, 0.0,
-        send.data_ptr(), recv.data_ptr(), recv_bases.data_ptr(), flag_bases.data_ptr(), recv_off, flags.data_ptr(),
-        status.data_ptr(), bound_ns, m_seg, lin, world, rank, chunk_mt, data_base, epoch, COUNTERS, int(direct),
-        group_m, grid, stream)
+    words = [a2.data_ptr(), a2.stride(0), weight.data_ptr(), weight.stride(1), n, k, out.data_ptr(), 0,
+             _float_bits(alpha), _float_bits(0.0), send.data_ptr(), recv.data_ptr(), recv_bases.data_ptr(),
+             flag_bases.data_ptr(), recv_off, flags.data_ptr(), status.data_ptr(), bound_ns, m_seg, lin, world, rank,
+             chunk_mt, data_base, epoch, COUNTERS, int(direct), group_m, grid, driver.current_handle(a2.device)]
+    rc = driver.native_call(lib.commopt_sm90_rs_gemm_words, words, RS_ADDRESSES)
     if rc != 0:
         raise RuntimeError(f"commopt sm90 rs_gemm: launch failed with CUDA error {rc}")
     return True
+
+
+def _float_bits(x: float) -> int:
+    return ctypes.c_int32.from_buffer(ctypes.c_float(x)).value

@@ -316,4 +316,28 @@ int commopt_sm90_ag_gemm(const void* a_own, long long a_pitch, const void* a_slo
   return launch(ag_gemm_sm90, p, grid, stream);
 }
 
+// The same launch with its arguments as one int64 array (sm90.py's AG_WORDS order: the arguments
+// above, each array as MAX_B words): what sm90.py calls, and what a host replay calls by address
+// with one call's values (kernels/gpu/native/replay.c).
+int commopt_sm90_ag_gemm_words(const long long* w) {
+  const void* bs[MAX_B];
+  long long pitches[MAX_B];
+  int ns[MAX_B];
+  void* cs[MAX_B];
+  const void* biases[MAX_B];
+  for (int i = 0; i < MAX_B; ++i) {
+    bs[i] = reinterpret_cast<const void*>(w[16 + i]);
+    pitches[i] = w[19 + i];
+    ns[i] = static_cast<int>(w[22 + i]);
+    cs[i] = reinterpret_cast<void*>(w[25 + i]);
+    biases[i] = reinterpret_cast<const void*>(w[28 + i]);
+  }
+  auto ptr = [&](int i) { return reinterpret_cast<void*>(w[i]); };
+  auto i32 = [&](int i) { return static_cast<int>(w[i]); };
+  return commopt_sm90_ag_gemm(ptr(0), w[1], ptr(2), w[3], i32(4), i32(5), i32(6), i32(7), i32(8), i32(9), i32(10),
+                              i32(11), static_cast<int*>(ptr(12)), static_cast<int*>(ptr(13)), w[14], i32(15), bs,
+                              pitches, ns, cs, biases, i32(31), i32(32), static_cast<float*>(ptr(33)),
+                              static_cast<int*>(ptr(34)), ptr(35));
+}
+
 }  // extern "C"

@@ -15,6 +15,8 @@
 #define COMMOPT_SM90_PINGPONG 1  // ping-pong (sm90_common.cuh): its epilogue sends and reduces
 #include "sm90_common.cuh"
 
+#include <string.h>
+
 namespace {
 
 struct RsParams {
@@ -202,6 +204,25 @@ int commopt_sm90_rs_gemm(const void* a, long long a_pitch, const void* b, long l
   p.tiles_m = (m_seg + BM - 1) / BM;
   p.tiles_n = (n + BN - 1) / BN;
   return launch(rs_gemm_sm90, p, grid, stream);
+}
+
+// The same launch with its arguments as one int64 array (sm90.py's RS_WORDS order: the arguments
+// above, alpha and bias_scale as their float bits): what sm90.py calls, and what a host replay calls
+// by address with one call's values (kernels/gpu/native/replay.c).
+int commopt_sm90_rs_gemm_words(const long long* w) {
+  auto ptr = [&](int i) { return reinterpret_cast<void*>(w[i]); };
+  auto i32 = [&](int i) { return static_cast<int>(w[i]); };
+  auto f32 = [&](int i) {
+    int bits = static_cast<int>(w[i]);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+  };
+  return commopt_sm90_rs_gemm(ptr(0), w[1], ptr(2), w[3], i32(4), i32(5), ptr(6), ptr(7), f32(8), f32(9), ptr(10),
+                              ptr(11), static_cast<const long long*>(ptr(12)), static_cast<const long long*>(ptr(13)),
+                              w[14], static_cast<int*>(ptr(15)), static_cast<int*>(ptr(16)), w[17], i32(18), i32(19),
+                              i32(20), i32(21), i32(22), i32(23), i32(24), i32(25), i32(26), i32(27), i32(28),
+                              ptr(29));
 }
 
 }  // extern "C"
