@@ -167,7 +167,8 @@ def _replayable(sched: str) -> bool:
 
 def markdown(rows: list[dict], meta: dict, args) -> str:
     shared = ("; both ranks on one GPU (shared-device mode: the host's cost is real, the GPU's time is shared "
-              "and not reported; NCCL cannot run, so the NCCL + cuBLAS reference is the 2-GPU report's)"
+              "and not reported; NCCL cannot run, so the NCCL + cuBLAS reference is the 2-GPU report's, and "
+              "`sequential` waits for gloo's collective on the host)"
               ) if args.shared else ""
     lines = [f"# Host cost per region call ({meta['device']}, {args.world} ranks)", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; Llama-3-8B-shaped "
