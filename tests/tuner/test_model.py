@@ -689,6 +689,23 @@ def test_fused_host_cost_is_probed_and_keeps_fused_off_host_bound_shapes():
     assert cal.host("fused", "matmul_rs") == pytest.approx(400e-6)
 
 
+def test_sm90_fused_calls_pay_their_own_probed_host_cost_and_else_the_fused_figure():
+    """A fused call with impl=sm90 is replayed (one native launch), a Triton one runs its Python:
+    each pays its own probed figure; a calibration without the sm90 probe charges fused's."""
+    from torch_commopt.tuner.calibrate import HOST_PROBES, _host_families
+
+    assert {("ag_matmul", "fused:1:impl=sm90"), ("matmul_rs", "fused:1:impl=sm90")} <= set(HOST_PROBES["cuda"])
+    hosts = {"ag_matmul fused:1": 420e-6, "ag_matmul fused:1:impl=sm90": 150e-6}
+    fam, _ = _host_families(hosts, 2, 25e-6)
+    assert fam["ag_matmul fused"] == pytest.approx(420e-6) and fam["ag_matmul fused:impl=sm90"] == pytest.approx(150e-6)
+    short = RegionShape("ag_matmul", 1024, 8192, (4096,), 2, "bfloat16")
+    cal = dataclasses.replace(H200, host_s={**H200.host_s, **fam})
+    sm90, triton = (predict(short, Schedule.parse(s), cal) for s in ("fused:1:impl=sm90", "fused:1"))
+    assert sm90.host_s == pytest.approx(150e-6) and triton.host_s == pytest.approx(420e-6)
+    older = dataclasses.replace(H200, host_s={**H200.host_s, "ag_matmul fused": 420e-6})
+    assert predict(short, Schedule.parse("fused:1:impl=sm90"), older).host_s == pytest.approx(420e-6)
+
+
 def test_small_message_times_interpolate_in_log_log_and_stop_at_the_largest_sample():
     cal = dataclasses.replace(H200, small_msg={"oneshot": [[65536.0, 8e-6], [4096.0, 4e-6]]})  # unsorted on purpose
     assert cal.small_message_time("oneshot", 1024) == 4e-6  # below the smallest: latency-bound

@@ -75,7 +75,8 @@ HOST_PROBES = {"cpu": [("ag_matmul", "sequential"), ("ag_matmul", "local_first")
                         ("ag_matmul", "ce_push:1"), ("ag_matmul", "ce_push:4"), ("matmul_rs", "ce_pull:2"),
                         ("matmul_rs", "direct:1"), ("matmul_rs", "ce_push:1"), ("matmul_ar", "ce_push:1"),
                         ("ag_matmul", "ce_push:1:par=1"), ("matmul_rs", "ce_push:4"), ("matmul_ar", "ce_push:4"),
-                        ("ag_matmul", "fused:1"), ("matmul_rs", "fused:1")]}
+                        ("ag_matmul", "fused:1"), ("matmul_rs", "fused:1"), ("ag_matmul", "fused:1:impl=sm90"),
+                        ("matmul_rs", "fused:1:impl=sm90")]}
 
 
 def _host_time(fn, device: torch.device, calls: int = 30) -> float:

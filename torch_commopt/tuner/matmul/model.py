@@ -201,7 +201,11 @@ def predict(shape: RegionShape, sched: Schedule, cal: Calibration, *, graphs: bo
 
 def host_family(sched: Schedule) -> str:
     """The family a schedule's host cost is probed and looked up under (Calibration.host_s): its
-    name, and "ce_push:par=1" for the variant that also forks and joins a second stream."""
+    name, "ce_push:par=1" for the variant that also forks and joins a second stream, and
+    "fused:impl=sm90" for the fused calls whose one native launch is replayed (host_replay), where
+    the Triton kernels' calls run their Python host code."""
+    if sched.name == "fused" and sched.param("impl") == "sm90":
+        return "fused:impl=sm90"
     return sched.name + (":par=1" if sched.param("par") else "")
 
 
