@@ -23,6 +23,7 @@ struct RsParams {
   CUtensorMap a;    // A (world * m_seg, K), box [BM, BK]
   CUtensorMap b;    // B^T (N, K), box [BN, BK]
   CUtensorMap out;  // this rank's reduced segment (m_seg, N), box [BOX, BOX]
+  CUtensorMap recv_map;  // the receive slots as (world * m_seg, N), box [BOX, BOX], as `out`
   const __nv_bfloat16* bias;  // or null
   float alpha, bias_scale;
   __nv_bfloat16* send;          // (world, m_seg, N): store=ce's staging
@@ -81,12 +82,17 @@ __device__ void send_tile(const RsParams& p, const uint8_t* mine, __nv_bfloat16*
 }
 
 // An own-segment tile: for each peer (rank-1, rank-2, ...) wait until its partial of this chunk
-// has landed (direct: the peer's tile count; store=ce: the copy's DATA flag), then add it.
-__device__ void add_landed(const RsParams& p, float (&d)[ACC], int pid_m, int col0, int wg) {
+// has landed (direct: the peer's tile count; store=ce: the copy's DATA flag), then add it.  The
+// leader has the TMA unit load the partial into the warpgroup's staging boxes (once the previous
+// tile's stores have read them), in the layout stage_tile writes, and the warpgroup adds it from
+// there: one bulk load instead of 4-byte global loads whose latency the warpgroup would wait out.
+// Rows past the segment read the next segment's rows or zeros: they are never stored.  `loads`
+// counts the warpgroup's loads into its boxes (the barrier's parity).
+__device__ void add_landed(const RsParams& p, const Shared& sh, uint8_t* mine, float (&d)[ACC], int pid_m, int col0,
+                           int wg, int& loads) {
   int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   int chunk = pid_m / p.chunk_mt;
   int tiles_in_chunk = min(p.chunk_mt, p.tiles_m - chunk * p.chunk_mt) * p.tiles_n;
-  long long seg_elems = (long long)p.m_seg * p.n;
   for (int step = 1; step < p.world; ++step) {
     int src = (p.rank - step + p.world) % p.world;
     if (tile_leader()) {
@@ -94,26 +100,28 @@ __device__ void add_landed(const RsParams& p, float (&d)[ACC], int pid_m, int co
         spin_geq(p.flags + p.counters + src * 256 + chunk, tiles_in_chunk, p.status, p.bound, 4, src, chunk);
       else
         spin_geq(p.flags + p.data_base + src * 256 + chunk, p.epoch, p.status, p.bound, 3, src, chunk);
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the last tile's stores have read them
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // after this warpgroup's reads of them
+      mbar_expect_tx(&sh.staged[wg], HALVES * BN * 64 * 2);
+      for (int h = 0; h < HALVES; ++h)
+        for (int c = 0; c < BN / BOX; ++c)
+          tma_load(mine + (h * (BN / BOX) + c) * BOX_BYTES, &p.recv_map, &sh.staged[wg], col0 + c * BOX,
+                   src * p.m_seg + pid_m * BM + wg_row0(wg) + 64 * h);
     }
-    tile_barrier(wg);
-    const __nv_bfloat16* part = p.recv + src * seg_elems;
+    mbar_wait(&sh.staged[wg], (loads++) & 1);
 #pragma unroll
-    for (int h = 0; h < HALVES; ++h)
+    for (int q = 0; q < BN / 8; ++q)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        int row = pid_m * BM + wg_row0(wg) + 64 * h + warp * 16 + lane / 4 + 8 * j;
-        if (row >= p.m_seg) continue;
+      for (int h = 0; h < HALVES; ++h)
 #pragma unroll
-        for (int q = 0; q < BN / 8; ++q) {
-          int col = col0 + 8 * q + 2 * (lane % 4);
-          if (col < p.n) {
-            unsigned int bits = __ldcg(reinterpret_cast<const unsigned int*>(part + (long long)row * p.n + col));
-            __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&bits);
-            int at = BN / 2 * h + 4 * q + 2 * j;
-            d[at] += __low2float(v), d[at + 1] += __high2float(v);
-          }
+        for (int j = 0; j < 2; ++j) {
+          int r = warp * 16 + lane / 4 + 8 * j;  // stage_tile's offsets
+          uint32_t off = (h * (BN / BOX) + q / 8) * BOX_BYTES + r * 128 + (((q % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
+          __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(mine + off);
+          int at = BN / 2 * h + 4 * q + 2 * j;
+          d[at] += __low2float(v), d[at + 1] += __high2float(v);
         }
-      }
+    wg_barrier(wg);  // every thread has read the boxes before the next load or stage_tile writes them
   }
 }
 
@@ -135,7 +143,7 @@ __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
   Ring r;
   Turn turn(sh.turn, wg);
   float d[ACC];
-  int i = 0;
+  int i = 0, loads = 0;
   for (int t = blockIdx.x; t < p.world * p.tiles_m * p.tiles_n; t += gridDim.x, ++i) {
     if (!turn.owns(i)) {
       r.skip(nk);
@@ -154,7 +162,7 @@ __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
       send_tile(p, mine, dst, counter, row0, col0, wg);
       continue;
     }
-    add_landed(p, d, tile.pid_m, col0, wg);
+    add_landed(p, sh, mine, d, tile.pid_m, col0, wg, loads);
     stage_tile(mine, d, p.alpha, p.bias, p.bias_scale, col0, p.n, wg);
     if (threadIdx.x % 128 == 0) {
       int rows[HALVES];
@@ -192,6 +200,8 @@ int commopt_sm90_rs_gemm(const void* a, long long a_pitch, const void* b, long l
   CUresult r = encode(&p.a, a, (long long)world * m_seg, k, a_pitch, BM);
   if (r == CUDA_SUCCESS) r = encode(&p.b, b, n, k, b_pitch, BN);
   if (r == CUDA_SUCCESS) r = encode(&p.out, out, m_seg, n, n, BOX, BOX, CU_TENSOR_MAP_SWIZZLE_128B);
+  if (r == CUDA_SUCCESS)
+    r = encode(&p.recv_map, recv, (long long)world * m_seg, n, n, BOX, BOX, CU_TENSOR_MAP_SWIZZLE_128B);
   if (r != CUDA_SUCCESS) return (int)r;
   p.bias = static_cast<const __nv_bfloat16*>(bias);
   p.alpha = alpha, p.bias_scale = bias_scale;

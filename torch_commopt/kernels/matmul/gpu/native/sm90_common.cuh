@@ -195,10 +195,11 @@ __device__ __forceinline__ void fence_operands(float (&d)[ACC]) {
   for (int i = 0; i < ACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The block's shared memory: the ring's stages (1024-byte aligned), its barriers, and the turns.
+// The block's shared memory: the ring's stages (1024-byte aligned), its barriers, the turns, and
+// (ping-pong) each warpgroup's barrier for loads into its staging boxes.
 struct Shared {
   uint8_t* stages;
-  uint64_t *full, *empty, *turn;
+  uint64_t *full, *empty, *turn, *staged;
 };
 
 // The ring's position: stage s, and the parity its barriers are in.
@@ -310,9 +311,9 @@ __device__ __forceinline__ bool tile_leader() {
 template <class P, void (*PRODUCE)(const P&, const Shared&), void (*CONSUME)(const P&, const Shared&, int)>
 __device__ __forceinline__ void run_roles(const P& p) {
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES], turn[2];
+  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES], turn[2], staged[2];
   Shared sh{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023)), full,
-            empty, turn};
+            empty, turn, staged};
   if (threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&full[i], 1);
@@ -320,6 +321,10 @@ __device__ __forceinline__ void run_roles(const P& p) {
     }
     mbar_init(&turn[0], 1);
     mbar_init(&turn[1], 1);
+    if (PINGPONG) {
+      mbar_init(&staged[0], 1);
+      mbar_init(&staged[1], 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
