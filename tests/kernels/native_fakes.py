@@ -79,3 +79,20 @@ def entry_points(fake: dict, gemms: list) -> tuple[list[int], list]:
         ctypes.CFUNCTYPE(I32, P, I32, P, I32, P, I32, I32, P, I32, I32, I32)(axpy),
     ]
     return [ctypes.cast(cb, ctypes.c_void_p).value for cb in callbacks], callbacks
+
+
+def named(queue: list, outs: list) -> list:
+    """The queue with every address inside an output named (call, output, offset): outputs are
+    allocated per call, at other addresses in another run."""
+    extents = [(i, j, o.data_ptr(), o.data_ptr() + o.numel() * o.element_size())
+               for i, call_outs in enumerate(outs) for j, o in enumerate(call_outs)]
+
+    def name(x):
+        if isinstance(x, tuple):
+            return tuple(name(y) for y in x)
+        if isinstance(x, int) and not isinstance(x, bool):
+            for i, j, lo, hi in extents:
+                if lo <= x <= hi:
+                    return ("out", i, j, x - lo)
+        return x
+    return [name(op) for op in queue]

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 from fake_cuda import fake_runtimes, faked_cuda
-from native_fakes import entry_points
+from native_fakes import entry_points, named
 
 from torch_commopt.core import env
 from torch_commopt.core.schedule import Schedule
@@ -61,7 +61,7 @@ def _run(call, inputs: list, replay: bool, monkeypatch, runtimes=None) -> tuple[
         for a in inputs:
             outs.append(call(a))  # kept: every output at an address of its own
     del keep
-    return _named(queue, outs), outs, gemms
+    return named(queue, outs), outs, gemms
 
 
 def _copying(fake: dict) -> None:
@@ -79,23 +79,6 @@ def _copying(fake: dict) -> None:
             ctypes.memmove(d.dstDevice + row * d.dstPitch, d.srcDevice + row * d.srcPitch, d.WidthInBytes)
         return copy2d(desc, stream)
     fake["cuMemcpyDtoDAsync"], fake["cuMemcpy2DAsync"] = memcpy, memcpy2d
-
-
-def _named(queue: list, outs: list) -> list:
-    """The queue with every address inside an output named (call, output, offset): outputs are
-    allocated per call, at other addresses in another run."""
-    extents = [(i, j, o.data_ptr(), o.data_ptr() + o.numel() * o.element_size())
-               for i, call_outs in enumerate(outs) for j, o in enumerate(call_outs)]
-
-    def name(x):
-        if isinstance(x, tuple):
-            return tuple(name(y) for y in x)
-        if isinstance(x, int) and not isinstance(x, bool):
-            for i, j, lo, hi in extents:
-                if lo <= x <= hi:
-                    return ("out", i, j, x - lo)
-        return x
-    return [name(op) for op in queue]
 
 
 def _ar(sched: str):

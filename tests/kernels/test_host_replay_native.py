@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from fake_cuda import fake_runtimes, faked_cuda
-from native_fakes import _matrix, entry_points
+from native_fakes import _matrix, entry_points, named
 from torch.utils._python_dispatch import _disable_current_modes
 
 from torch_commopt.core import env
@@ -93,21 +93,6 @@ def _runtimes():
     return runtimes
 
 
-def _named(items: list, outs: list) -> list:
-    """Every address inside a call's output named (call, output, offset): outputs move from run to run."""
-    extents = [(i, j, o.data_ptr(), o.data_ptr() + o.numel() * o.element_size())
-               for i, call_outs in enumerate(outs) for j, o in enumerate(call_outs)]
-
-    def name(x):
-        if isinstance(x, tuple):
-            return tuple(name(y) for y in x)
-        if isinstance(x, int) and not isinstance(x, bool):
-            hit = next(((i, j, x - lo) for i, j, lo, hi in extents if lo <= x < hi), None)
-            return ("out", *hit) if hit else x
-        return x
-    return [name(x) for x in items]
-
-
 def _run(call, inputs: list, replay: bool, monkeypatch, runtimes, launches: list) -> tuple:
     """(queue, launches, outputs) of rank 0's calls on `inputs`, addresses in outputs named."""
     for rt in runtimes:
@@ -122,7 +107,7 @@ def _run(call, inputs: list, replay: bool, monkeypatch, runtimes, launches: list
         for a in inputs:
             outs.append(call(a))
     del keep
-    return _named(queue, outs), _named(list(launches), outs), outs
+    return named(queue, outs), named(list(launches), outs), outs
 
 
 def _ag(sched: str, ns=(256, 128, 128)):
