@@ -96,3 +96,15 @@ def named(queue: list, outs: list) -> list:
                     return ("out", i, j, x - lo)
         return x
     return [name(op) for op in queue]
+
+
+def forget_kinds(monkeypatch, tmp_path) -> None:
+    """host_replay as in a fresh process: no kind known, no library loaded (built under tmp_path,
+    its entry points set by the test), no cuBLAS handle needed."""
+    from torch_commopt.core import env
+    from torch_commopt.kernels.gpu import host_replay
+
+    monkeypatch.setenv(env.CACHE_DIR, str(tmp_path))
+    monkeypatch.setattr(host_replay, "_kinds", {})
+    monkeypatch.setattr(host_replay, "_state", {"lib": None, "why": None, "handles": {}, "workspaces": []})
+    monkeypatch.setattr(host_replay, "blas_handle", lambda stream, dtype, device: 1)

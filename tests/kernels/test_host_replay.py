@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 from fake_cuda import fake_runtimes, faked_cuda
-from native_fakes import entry_points, named
+from native_fakes import entry_points, forget_kinds, named
 
 from torch_commopt.core import env
 from torch_commopt.core.schedule import Schedule
@@ -28,10 +28,7 @@ CALLS = 10  # per buffer half: a first call, two recordings, then two replays
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """No kind known, the library's entry points set by the test, no cuBLAS handle needed."""
-    monkeypatch.setenv(env.CACHE_DIR, str(tmp_path))
-    monkeypatch.setattr(host_replay, "_kinds", {})
-    monkeypatch.setattr(host_replay, "_state", {"lib": None, "why": None, "handles": {}, "workspaces": []})
-    monkeypatch.setattr(host_replay, "blas_handle", lambda stream, dtype, device: 1)
+    forget_kinds(monkeypatch, tmp_path)
 
 
 def _ag(sched: str, shape: tuple, gather_dim: int, n_weights: int, keep: bool = False):

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from fake_cuda import fake_runtimes, faked_cuda
-from native_fakes import _matrix, entry_points, named
+from native_fakes import _matrix, entry_points, forget_kinds, named
 from torch.utils._python_dispatch import _disable_current_modes
 
 from torch_commopt.core import env
@@ -73,10 +73,7 @@ class _FakeLib:
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv(env.CACHE_DIR, str(tmp_path))
-    monkeypatch.setattr(host_replay, "_kinds", {})
-    monkeypatch.setattr(host_replay, "_state", {"lib": None, "why": None, "handles": {}, "workspaces": []})
-    monkeypatch.setattr(host_replay, "blas_handle", lambda stream, dtype, device: 1)
+    forget_kinds(monkeypatch, tmp_path)
     launches: list = []
     lib = _FakeLib(launches)
     monkeypatch.setattr(sm90, "_ready", lambda op, why: lib)
