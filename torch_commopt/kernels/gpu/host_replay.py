@@ -56,16 +56,21 @@ KINDS = {"memcpy": 1, "memcpy2d": 2, "record": 3, "wait_event": 4, "wait32": 5, 
 # impl=sm90, whose kernels are native launchers (driver.native_call) -- where those fall back to a
 # Triton kernel, which no tap sees, the recording says so and the kind is not replayed.
 SCHEDULES = ("ce_push", "ce_pull", "direct")
-class _Epoch:
-    def __repr__(self) -> str:
-        return "EPOCH"
-
-
-EPOCH = _Epoch()  # a recorded value that is the call's epoch (it changed with it between the two recordings)
 EPOCH_BASE = -1  # replay.c's relocation of a launcher's word to the call's epoch
 CUDA_TYPES = {torch.bfloat16: 14, torch.float16: 2}  # cudaDataType: CUDA_R_16BF, CUDA_R_16F
 WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace per handle, as ATen's on sm_90
 SOURCE = pathlib.Path(__file__).with_name("native") / "replay.c"
+
+
+class _Epoch:
+    """The mark of a recorded value that is the call's epoch (it changed with the epoch between the
+    kind's two recordings): replay.c writes each call's own there."""
+
+    def __repr__(self) -> str:
+        return "EPOCH"
+
+
+EPOCH = _Epoch()
 
 
 class Trace(NamedTuple):
