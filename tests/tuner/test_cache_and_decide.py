@@ -109,8 +109,13 @@ def test_calibration_is_measured_once_and_the_model_mode_reads_it(tmp_path):
     # host costs measured in two passes; any figure they disagreed on is named (a third pass decided it)
     assert {r.removeprefix("host ") for r in cal.remeasured} <= {f"{k} {s}" for k, s in HOST_PROBES["cpu"]}
     # the local attention kernel (math on CPU) measured too: its throughput and backward factor
-    assert cal.attention_flops["float32"] > 1e7 and 1.0 < cal.attention_bwd_factor < 10.0
-    assert {"attention_flops", "attention_bwd_factor"} <= set(cal.measured)
+    # (a backward timed no slower than its forward is a disturbed measurement: then 0, the
+    # model's default, and not listed as measured)
+    assert cal.attention_flops["float32"] > 1e7 and "attention_flops" in cal.measured
+    if "attention_bwd_factor" in cal.measured:
+        assert 1.0 < cal.attention_bwd_factor < 10.0
+    else:
+        assert cal.attention_bwd_factor == 0.0
     after = run_distributed(compile_with_model, 2, str(tmp_path), timeout_s=300)
     for cands, chosen, note, err in after:
         assert "measured calibration of cpu" in note and err < 1e-5

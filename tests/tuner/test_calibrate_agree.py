@@ -1,9 +1,13 @@
-"""The calibration's guard against one noisy pass (calibrate.agreed)."""
+"""The calibration's guards against noisy measurements: one noisy pass (calibrate.agreed), an
+implausible attention backward factor."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from torch_commopt.tuner import calibrate
 from torch_commopt.tuner.calibrate import AGREE, agreed, disagreeing
 
 
@@ -36,3 +40,13 @@ def test_the_tolerance_is_relative_to_the_smaller_figure():
     assert disagreeing({"a": 1.0}, {"a": edge * 1.001}) == ["a"]
     assert disagreeing({"a": edge * 1.001}, {"a": 1.0}) == ["a"]  # symmetric
     assert disagreeing({"a": 0.0}, {"a": 0.0}) == []
+
+
+def test_the_backward_factor_is_the_median_and_a_disturbed_one_falls_back_logged(caplog):
+    """A backward timed no slower than its forward (it does over twice the work) is a disturbed
+    measurement: 0, the attention model's default, with a warning."""
+    assert abs(calibrate._bwd_factor({"float32": (1.0, 1.0, 2.5), "bfloat16": (1.0, 2.0, 5.4),
+                                      "float16": (1.0, 1.0, 2.0)}) - 2.5) < 1e-12
+    with caplog.at_level(logging.WARNING, logger="torch_commopt.tuner.calibrate"):
+        assert calibrate._bwd_factor({"float32": (1.0, 1.0, 0.8)}) == 0.0
+    assert "disturbed" in caplog.text
