@@ -41,7 +41,7 @@ def test_both_modes_render_both_sections():
 
 def test_the_overlap_floor_gives_the_hidden_fraction_ceiling():
     """hidden ceiling = (NCCL seq - floor) / (NCCL seq - max(GEMM, comm)), per median and per round;
-    a run without the floor (before session 41) renders '-'."""
+    a run without the floor (an older report) renders '-'."""
     shape = bench.Shape("ag", 16384, 8192, 28672)
     rounds = {"gemm": [5.6, 5.5], "comm": [0.6, 0.6], "nccl_seq": [6.2, 6.1], "overlap_floor": [5.8, 5.6],
               "pick": [5.9, 5.7], "sched ce_push:1": [5.9, 5.7]}

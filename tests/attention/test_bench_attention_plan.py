@@ -10,7 +10,7 @@ from torch_commopt.tuner.calibration import prior
 
 
 def test_the_pick_runs_even_when_it_is_a_head_group_depth(monkeypatch):
-    """2x H200, session 23: without --schedules the pick `ulysses:g=1` was not among the
+    """2x H200: without --schedules the pick `ulysses:g=1` was not among the
     accepted names (which say `ulysses`), and the record's lookup of its time failed.  (With
     the head groups on one stream the model picks `ulysses:g=1` at 16K.)"""
     from torch_commopt.kernels.attention import ce_a2a

@@ -123,7 +123,7 @@ def test_machine_figures_come_from_the_tuner_calibration():
 def test_concurrent_head_groups_launch_once_and_turn_the_pick_to_two_groups(monkeypatch):
     """ce_a2a's group streams (on by default where the all-to-alls run by the copy engine): a
     later head group queues behind the first, so the model charges its launches once.  At 16K
-    tokens on 2 GPUs the two-group Ulysses then ranks first, as it measured (2x H100, session 29:
+    tokens on 2 GPUs the two-group Ulysses then ranks first, as it measured (2x H100:
     7.82 / 7.91 ms against one group's 8.07 / 7.96 in the same runs, MHA / GQA); with them off one
     group does."""
     import dataclasses
@@ -161,7 +161,7 @@ def test_concurrent_head_groups_launch_once_and_turn_the_pick_to_two_groups(monk
         for m in (on, both):
             assert rank_schedules(shape, machine=m, depths=True, **kw)[0][0] == "ulysses"  # the rule's two groups
         # on one stream the model has one group ahead, by less than the depth margin (measured a
-        # near-tie there, session 29: 0.97-1.02x), so the rule's two groups stay first
+        # near-tie there: 0.97-1.02x), so the rule's two groups stay first
         off_ms = dict(rank_schedules(shape, machine=off, depths=True, **kw))
         assert off_ms["ulysses:g=1"] < off_ms["ulysses"] < off_ms["ulysses:g=1"] * (1 + DEPTH_MARGIN)
         assert rank_schedules(shape, machine=off, depths=True, **kw)[0][0] == "ulysses"
@@ -192,7 +192,7 @@ def test_a_head_group_depth_goes_ahead_of_the_rules_only_beyond_the_depth_margin
 
 
 def test_short_ulysses_calls_are_host_bound_and_one_head_group_ranks_first(monkeypatch):
-    """The copy-engine pipeline's host time per head-group pass (2x H100, session 30): at 8K
+    """The copy-engine pipeline's host time per head-group pass (2x H100): at 8K
     tokens on 2 GPUs two groups on two streams measured 4.5-5.5 ms against one group's 2.6-3.5,
     where the device model alone ranked them 2.71 vs 2.89 ms; back-to-back calls take
     max(device, host), so one group ranks first there, and at 16K (device-bound) nothing moves."""
@@ -226,7 +226,7 @@ def test_short_ulysses_calls_are_host_bound_and_one_head_group_ranks_first(monke
                                                               + 2 * gpu.host_pass_s))
     inference = estimate_ms("ulysses:g=2", short, world=2, causal=True, dtype="bfloat16", machine=gpu)
     assert inference >= 1e3 * (gpu.host_call_s + 2 * gpu.host_pass_concurrent_s)
-    # one group has no second stream: its pass costs the one-stream figure (session 33: the 8K
+    # one group has no second stream: its pass costs the one-stream figure (the 8K
     # forward measured 0.75 ms where the two streams' figure had charged 1.1)
     one = estimate_ms("ulysses:g=1", short, world=2, causal=True, dtype="bfloat16", machine=gpu)
     one_device = estimate_ms("ulysses:g=1", short, world=2, causal=True, dtype="bfloat16", machine=device_only)
@@ -319,7 +319,7 @@ def test_head_group_depths_are_candidates_where_they_differ_from_the_rule():
 def test_copy_engine_all_to_alls_are_charged_the_link_without_a_collective_launch():
     """ce_a2a's all-to-alls launch no NCCL collective (their host time is the pipeline's, charged
     separately), so each of a training call's four exchanges costs the link alone; NCCL's pay
-    the calibrated launch each (session 33: the model had over-predicted one group at 16K by
+    the calibrated launch each (the model had over-predicted one group at 16K by
     ~0.4 ms on 2x H100)."""
     import dataclasses
 

@@ -148,12 +148,12 @@ def run_a2a_buffer_growth(rank: int, world: int, busy_ms: float = 0.0) -> list[t
     """Ulysses's training forward (cp_attention_fwd_keep, one head group: everything in one
     all-to-all) by the copy engine against the same call on NCCL's all-to-alls, on a fresh group
     whose buffer starts at 512 MiB and grows to 1 GiB at the second shape, as bench_attention's
-    sequence did when one such call came back wrong (session 20, 2x H100: 0.6 off at B1 H32/32
+    sequence did when one such call came back wrong (2x H100: 0.6 off at B1 H32/32
     S32768).  Both run the same local attention on the same inputs, so out and every kept tensor
     must agree bit for bit.  busy_ms: each copy-engine call queued behind that much GPU work
     (a spin), so the buffer grows while the GPU is busy -- bench_attention's condition (the
-    single-GPU reference runs right before its first check), under which session 21 reproduced
-    the wrong call before symm.GroupRuntime._settle.  [(label, equal, the copy-engine buffers'
+    single-GPU reference runs right before its first check), under which the wrong call was
+    reproduced before symm.GroupRuntime._settle.  [(label, equal, the copy-engine buffers'
     MiB)] per call."""
     import os
 

@@ -165,7 +165,7 @@ def run_schedule_cases(rank: int, world: int, dtypes: tuple[str, ...] = ("bfloat
     # K parts (concat-K's terms multiplied apart; fused concatenates them): the 2-D case of the
     # largest K and the 3-D case of scatter dim 1 among those that split `world` ways (picked by
     # shape, not position: the list's length follows the world -- at world 3 a fixed index
-    # ran past its end, session 52)
+    # ran past its end)
     rs_cases = _splitting(RS_CASES, world)
     two_d = [c for c in rs_cases if len(c[0]) == 2]
     three_d = [c for c in rs_cases if len(c[0]) == 3 and c[1] == 1]
@@ -333,8 +333,8 @@ def run_compiled_dynamic(rank: int, world: int, seqs: tuple[int, ...], shape: di
     """A TP+SP MLP compiled with dynamic shapes (bf16, the rule) and called with each global
     sequence length: ([(seq, [(name, compiled err, eager err)])], schedules emitted, the
     schedules `auto` resolved to, why the DTensor model was not run or None).  Where torch's
-    own inductor cannot compile the DTensor model with symbolic sizes (torch 2.11 on 2x H100,
-    session 20: "unhashable type: non-nested SymInt" hashing a DTensorSpec in AOTAutograd),
+    own inductor cannot compile the DTensor model with symbolic sizes (torch 2.11 on 2x H100:
+    "unhashable type: non-nested SymInt" hashing a DTensorSpec in AOTAutograd),
     the same MLP written with funcol collectives (the form DTensor lowers to) runs instead."""
     from torch_commopt.kernels.matmul import auto
     from torch_commopt.testing.validate import build, check_sizes
@@ -484,8 +484,8 @@ def run_compiled_cuda_graphs_short(rank: int, world: int, options: dict, calls: 
     band, pick.REPLAYED_BAND_CANDIDATES, gemm=whole its fallback) compiled with cuda_graphs=True
     and `options` (the rule, a fixed schedule, mode autotune), run by Inductor's CUDA-graph
     trees; every call on fresh inputs checked against float64 beside eager bf16's own error.
-    Returns (errors, schedules, notes, what an autotune placeholder resolved to).  (Session 41:
-    a first-call measurement of this region's candidates inside the trees' warm-up failed their
+    Returns (errors, schedules, notes, what an autotune placeholder resolved to).  (A first-call
+    measurement of this region's candidates inside the trees' warm-up failed their
     check "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"; the measurement
     now runs on a helper thread.)"""
     import torch.distributed._functional_collectives as funcol

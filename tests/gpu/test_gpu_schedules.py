@@ -202,8 +202,8 @@ def test_compiled_with_cuda_graph_trees(two_ranks):
 @pytest.mark.parametrize("options", [{}, {"schedule": "ce_push:1:gemm=whole"}, {"schedule": "ce_push:1:par=1"},
                                      {"mode": "autotune"}], ids=["rule", "gemm-whole", "par1", "autotune"])
 def test_short_all_gather_under_cuda_graph_trees(two_ranks, options):
-    # session 41: a first-call measurement of this region inside the trees' warm-up failed their
-    # live-tensor check; session 42 (2x H100): all four pass, timing on the helper thread
+    # a first-call measurement of this region inside the trees' warm-up once failed their
+    # live-tensor check: the timing now runs on a helper thread
     _funcol_ranks(two_ranks)
     from kernel_cases import run_compiled_cuda_graphs_short
 

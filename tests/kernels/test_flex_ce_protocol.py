@@ -238,7 +238,7 @@ def test_all_to_alls_of_other_lengths_in_one_half_wait_for_the_reads(world, plan
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_all_to_all_of_another_length_that_does_not_drain_races(world, monkeypatch):
-    monkeypatch.setattr(ce_a2a._Pipeline, "_drained", lambda self: None)  # planted: session 30's bug back
+    monkeypatch.setattr(ce_a2a._Pipeline, "_drained", lambda self: None)  # planted: the missing drain back
     for plan in A2A_SHAPES.values():
         queue, runtimes = _a2a_shapes_queue(world, plan, monkeypatch)
         with pytest.raises(Race):

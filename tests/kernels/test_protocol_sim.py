@@ -494,7 +494,7 @@ def test_a_ring_slot_never_given_back_deadlocks_the_next_ring(monkeypatch):
 
 
 def test_a_call_that_does_not_wait_for_the_peers_to_drain_races_on_a_new_layout(monkeypatch):
-    """Session 30: a forward (q, k, v in, out back) and its backward (dout in, dq, dk, dv back)
+    """A forward (q, k, v in, out back) and its backward (dout in, dq, dk, dv back)
     lay the all-to-all buffer out differently, so one slot's token does not guard the bytes a
     peer still reads as another slot of the call before; without the drain at a call's first
     push (ce_a2a._Pipeline._drained) a push lands on them (the GPU test's plain backward over

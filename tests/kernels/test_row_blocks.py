@@ -2,7 +2,7 @@
 rank's rows are one block in every batch element, strided in the full tensor.  The GPU
 schedules multiply such row blocks with one batched GEMM that reads and writes them in place
 (no copy into a matrix and back: at batch 4 those copies cost a TP=2 training step ~5 ms on 2x
-H200, session 53) and move them with one 2-D copy-engine copy.  Checked here on the CPU: the
+H200) and move them with one 2-D copy-engine copy.  Checked here on the CPU: the
 products against plain matmuls, that the segments are views of A, and that a strided copy is
 queued as one 2-D copy of the right rows."""
 

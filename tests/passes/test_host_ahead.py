@@ -120,8 +120,8 @@ def test_only_the_rule_on_eager_calls_asks(tmp_path):
     assert pipeline._host_ahead(graph, regions, Config(cache_dir=str(tmp_path)), report)
 
 
-def _forward_of_s42(pointwise: int = 38):
-    """A training forward graph at session 42's shapes (TP 2, 8192 tokens, dim 4096, 16 / 4
+def _forward_of_llama8b_tp2(pointwise: int = 38):
+    """A training forward graph at a Llama-3-8B layer's TP shapes (TP 2, 8192 tokens, dim 4096, 16 / 4
     local heads, hidden 7168 a rank): est. ~2.6 ms of matmuls and attention against 43
     launches and 4 regions of host -- not ahead alone."""
     mms = [(8192, 4096, 3072), (8192, 2048, 4096), (8192, 4096, 7168), (8192, 4096, 7168), (8192, 7168, 4096)]
@@ -131,7 +131,7 @@ def _forward_of_s42(pointwise: int = 38):
 def test_a_training_forward_counted_with_its_backward():
     from torch_commopt.passes.host_ahead import ATTENTION_BWD, BWD_LAUNCHES, BWD_MATMUL
 
-    graph = _forward_of_s42()
+    graph = _forward_of_llama8b_tp2()
     gpu, host, launches = estimate(graph, regions=4)
     assert not host_runs_ahead(graph, regions=4)[0]  # 43 launches + 4 regions of host > the GPU's work
     gpu2, host2, launches2 = estimate(graph, regions=4, with_backward=True)
@@ -148,7 +148,7 @@ def test_a_training_forward_counted_with_its_backward():
 
 @pytest.mark.parametrize("kind", ["forward", "backward", "inference"])
 def test_band_in_graph_training_counts_only_a_training_forward_with_its_backward(kind):
-    graph = _forward_of_s42()
+    graph = _forward_of_llama8b_tp2()
     # q/k/v's and w1/w3's all-gathers (in the band), o's and w2's reduce-scatters
     regions = [_region(graph, "ag_matmul", [4096, 4096], [4096, 2048]) for _ in range(2)]
     regions += [_region(graph, "matmul_rs", [8192, 2048], [2048, 4096]) for _ in range(2)]
@@ -167,7 +167,7 @@ def test_band_in_graph_takes_a_bool_or_training(bad):
 
 def test_host_bound_graphs_inductor_leaves_only_a_host_bound_graph_to_inductor():
     # s42's forward (host est. above its GPU work) and a backward-sized graph (the GPU's ahead)
-    forward = _forward_of_s42()
+    forward = _forward_of_llama8b_tp2()
     regions = [_region(forward, "ag_matmul", [4096, 4096], [4096, 2048]) for _ in range(2)]
     regions += [_region(forward, "matmul_rs", [8192, 2048], [2048, 4096]) for _ in range(2)]
     report = explain.GraphReport(graph_id=0, graph_kind="forward", compile_id=None)

@@ -86,7 +86,7 @@ def test_a_call_graphs_run_replays_its_band_as_ranked(tmp_path):
 
 
 def test_refit_rederives_the_replay_timed_curve_too():
-    # the replay-timed curve (since session 40): both of its points are graph replays, and after
+    # the replay-timed curve: both of its points are graph replays, and after
     # the refit today's replayed prediction times its factor gives the probe times the run measured
     import json
 

@@ -111,7 +111,7 @@ def test_measure_candidates_in_shuffled_rounds_times_each_candidate_once_a_round
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 @pytest.mark.parametrize("paired, want", [(False, "c"), (True, "a")])
 def test_clocks_dropping_during_the_near_tie_rounds(fake_world, monkeypatch, paired, want):
-    # 2x H100, session 43: a power-capped card slowed ~9% from the 5th round on.  The near-ties
+    # 2x H100: a power-capped card slowed ~9% from the 5th round on.  The near-ties
     # a and b then take their extra rounds slow; c (5% slower, no extra rounds) keeps its fast
     # samples and wins by medians; the paired read still finds a
     import types
@@ -140,7 +140,7 @@ def test_clocks_dropping_during_the_near_tie_rounds(fake_world, monkeypatch, pai
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 @pytest.mark.parametrize("warmup, sizing, want", [(1, 1, "b"), (autotune.WARMUP_CALLS, autotune.SIZING_CALLS, "a")])
 def test_a_candidate_slow_in_its_first_calls_is_not_measured_slow(fake_world, monkeypatch, warmup, sizing, want):
-    # 2x H100, session 44: the schedule whose per-call graphs a fresh process captured first was
+    # 2x H100: the schedule whose per-call graphs a fresh process captured first was
     # sized from a call that still paid for it, so each of its samples held a call or two and the
     # fixed start of a sample (the idle device's first launch after the barrier): 15-25% slow for
     # the whole measurement.  Here a's second and fourth calls take 20 ms (first uses, captures)
@@ -210,7 +210,7 @@ def _slow_first_calls_on_rank_1(rank: int, world: int) -> int:
 
 
 def test_every_rank_makes_the_same_untimed_calls():
-    # session 44 (2x H100): a first form of the warm-up stopped early where a rank's own calls
+    # 2x H100: a first form of the warm-up stopped early where a rank's own calls
     # were long; a rank whose calls waited on a peer's first use stopped, its peer went on, and the
     # next collective hung.  Here rank 1's first two calls are long and rank 0's first is not
     from torch_commopt.testing.launch import run_distributed
