@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first, pinned: pip then takes the CPU wheel on disk instead of a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint test-gpu clean
+.PHONY: demo test test-all lint test-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,10 +20,15 @@ demo: $(VENV)/.installed
 # TEST_WORKERS pytest-xdist workers, tests dealt one at a time (--dist load; keeping a module on
 # one worker measured slower). 2 is CI's core count; many tests start rank processes of their own,
 # so the second worker saves about a sixth, not half.  Where xdist is missing the suite runs serially.
+# make test leaves out the tests marked slow (more world sizes and parametrizations of what its
+# own cases drive, the torchtitan pairs beyond TP=2): CI's 15 minutes; make test-all runs them too.
 TEST_WORKERS ?= 2
+XDIST = $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist load")
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests --ignore=tests/gpu \
-	  $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist load")
+	$(PY) -m pytest -q tests --ignore=tests/gpu -m "not slow" $(XDIST)
+
+test-all: $(VENV)/.installed
+	$(PY) -m pytest -q tests --ignore=tests/gpu $(XDIST)
 
 # The layer contract (.importlinter: imports run one way, no cycles) and the linter; .ci/run runs both.
 lint: $(VENV)/.installed

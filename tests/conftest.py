@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 
@@ -25,7 +26,16 @@ TEST_CACHE_ENV = "COMMOPT_TEST_CACHE_DIR"
 
 def pytest_configure(config):
     # before any test spawns ranks (they inherit it)
-    os.environ[CACHE_ENV] = os.environ.get(TEST_CACHE_ENV) or tempfile.mkdtemp(prefix="commopt_test_cache_")
+    named = os.environ.get(TEST_CACHE_ENV)
+    os.environ[CACHE_ENV] = named or tempfile.mkdtemp(prefix="commopt_test_cache_")
+    config._commopt_made_cache = None if named else os.environ[CACHE_ENV]
+
+
+def pytest_unconfigure(config):
+    # the session's own cache directory goes with it (one named by COMMOPT_TEST_CACHE_DIR stays)
+    made = getattr(config, "_commopt_made_cache", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture

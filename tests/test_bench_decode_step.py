@@ -47,6 +47,7 @@ def test_the_bytes_a_step_reads_are_the_models_own():
     assert decode_step.step_bytes(shape, case, 2, 4) == (weights + caches) * 4
 
 
+@pytest.mark.slow
 def test_the_cpu_smoke_run_agrees_with_the_unsharded_model_in_every_variant():
     plan = _cpu_plan()
     (c,) = decode_step.derive(run_distributed(decode_step.rank_main, 2, plan, backend="gloo", timeout_s=300)[0][0])

@@ -9,6 +9,7 @@ import pytest
 from benchmarks import bench_flex
 
 
+@pytest.mark.slow
 def test_the_cpu_smoke_runs_every_variant_and_each_agrees_with_one_device():
     (record,) = bench_flex.main(["--cpu", "--masks", "docs 128", "--seq", "512", "--repeats", "1"])
     names = set(record["ms"])
@@ -87,6 +88,7 @@ def test_join_writes_one_report_of_several_runs(tmp_path):
         bench_flex.join(paths, None)
 
 
+@pytest.mark.slow
 def test_the_cpu_smoke_runs_the_ring_with_the_whole_mask_on_the_contiguous_layout():
     """Documents dealt contiguously, every rank given the whole mask: the ring sends each rank the
     span of keys it needs (flex_ring.DirectShift) and agrees with one device."""
@@ -96,6 +98,7 @@ def test_the_cpu_smoke_runs_the_ring_with_the_whole_mask_on_the_contiguous_layou
     assert max(record["errors"].values()) < 1e-5, record["errors"]
 
 
+@pytest.mark.slow
 def test_pulled_adds_the_one_group_all_gather_with_its_cut_gather_asked_for(monkeypatch):
     """On the CPU nothing is pulled (gloo, no copy engine): the variant runs, agrees, and asks for the
     switch during its calls only."""

@@ -31,7 +31,7 @@ def _check_errors(rank, errors, what="commopt"):
 
 
 # the DTensor form with one policy (both policies' passes run in the funcol form's pair)
-@pytest.mark.parametrize("how", ["full"])
+@pytest.mark.parametrize("how", [pytest.param("full", marks=pytest.mark.slow)])
 def test_checkpointed_dtensor_block_matches_eager(how):
     ranks = run_distributed(run_checkpointed_block, 2, how, OPTIONS, timeout_s=600)
     for rank, res in enumerate(ranks):
@@ -45,7 +45,7 @@ def test_checkpointed_dtensor_block_matches_eager(how):
         _check_errors(rank, res["errors"])
 
 
-@pytest.mark.parametrize("how", ["full", "selective"])
+@pytest.mark.parametrize("how", [pytest.param("full", marks=pytest.mark.slow), "selective"])
 def test_checkpointed_funcol_block_matches_eager(how):
     """Both graphs compiled by commopt; the backward gathers four times (two recomputed
     forward gathers, two gradients of the reduce-scatters).  Full AC recomputes the matmuls

@@ -103,6 +103,7 @@ def _warm_state(rank: int, world: int) -> tuple[int, int, int]:
             joint_graph.lazy_init.cache_info().currsize)
 
 
+@pytest.mark.slow
 def test_forked_ranks_start_with_inductors_once_per_process_work_done():
     import multiprocessing
     import subprocess

@@ -13,7 +13,7 @@ from torch_commopt.testing.validate import within_tolerance
 SCHEDULES = [{"schedule": "sequential"}, {"schedule": "chunked", "chunks": 3}]
 # the overlapped schedule at 2 and 4 ranks; `sequential` (the program's own collective + matmul
 # through our op) runs the whole TP+SP block, forward and backward, in tests/passes/test_regather.py
-CASES = [(2, SCHEDULES[1]), (4, SCHEDULES[1])]
+CASES = [(2, SCHEDULES[1]), pytest.param(4, SCHEDULES[1], marks=pytest.mark.slow)]
 # the models at an odd world only: world 2 runs them in the demo, the regather, dynamic-shape and
 # checkpointing tests, world 4 in the (dp, tp) mesh test
 IDS = lambda x: f"world{x}" if isinstance(x, int) else x["schedule"]  # noqa: E731

@@ -12,9 +12,8 @@ from torch_commopt.testing.validate import TOLERANCE_FACTOR, within_tolerance
 # float32's error, the rest to the usual 4x.  With two intra-op threads per rank, about one run
 # in 20 (6 of 122) came out 40-100x on every rank: one rank's first local attention returned a
 # logsumexp 1e-5..5e-5 too high in the rows of one batch half, on inputs checked bit-exact, and
-# the same call repeated in that process was exact (plain torch ops; benchmarks/NOTES.md,
-# session 26).  The ranks now run one thread (launch.run_distributed), which showed none in 70
-# runs.  A wrong mask, block or hop gives >= 1e-3.
+# the same call repeated in that process was exact (plain torch ops).  The ranks now run one
+# thread (launch.run_distributed), which showed none in 70 runs.  A wrong mask, block or hop gives >= 1e-3.
 WORLD4_FACTOR = 100.0
 
 
@@ -22,7 +21,7 @@ def _factor(world: int) -> float:
     return WORLD4_FACTOR if world == 4 else TOLERANCE_FACTOR
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("layout", [pytest.param("bhsd", marks=pytest.mark.slow), "bshd"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
 def test_inference_allgather_attention_runs_as_cp_attention(layout, heads):
     from compiled_programs import compiled_cp
@@ -55,6 +54,7 @@ def test_training_allgather_attention_runs_cp_forward_and_backward(layout, heads
         assert close(errs), (errs, notes)
 
 
+@pytest.mark.slow
 def test_head_parallel_attention_is_not_touched():
     from compiled_programs import head_parallel_notes
 
@@ -127,7 +127,8 @@ def test_interleaved_ulysses_sequence_is_rewritten_only_without_causal(causal):
             assert any("cp_attention_fwd" in n for n in notes) and a2as == 0, notes
 
 
-@pytest.mark.parametrize("world,heads,causal", [(2, (4, 4), True), (2, (4, 2), False), (4, (8, 4), True)])
+@pytest.mark.parametrize("world,heads,causal", [pytest.param(2, (4, 4), True, marks=pytest.mark.slow), (2, (4, 2), False),
+                                                           pytest.param(4, (8, 4), True, marks=pytest.mark.slow)])
 def test_training_ulysses_program_runs_cp_forward_and_backward(world, heads, causal):
     # the joint-graph rewrite: the forward's and the backward's all-to-alls go, out and
     # dq/dk/dv match full attention
@@ -139,7 +140,8 @@ def test_training_ulysses_program_runs_cp_forward_and_backward(world, heads, cau
         assert close(errs, _factor(world)), (errs, notes)
 
 
-@pytest.mark.parametrize("schedule,kept", [("ulysses", True), ("ring_zigzag", True), ("ring", False)])
+@pytest.mark.parametrize("schedule,kept", [("ulysses", True), pytest.param("ring_zigzag", True, marks=pytest.mark.slow),
+                                           ("ring", False)])
 def test_training_ulysses_program_keeps_the_moved_tensors_for_a_moving_schedule(schedule, kept):
     # a schedule that moves q, k, v (to heads, or to zigzag chunks) runs as the kept pair: the
     # backward takes what the forward's attention saw and moves dout alone; a ring moves
@@ -157,7 +159,7 @@ def test_training_ulysses_program_keeps_the_moved_tensors_for_a_moving_schedule(
         assert saved == 4 * (b * s_loc * d * (h + 2 * h_kv + h) + b * h * s_loc), saved
 
 
-@pytest.mark.parametrize("s_q,masked", [(1, False), (1, True), (4, True)])
+@pytest.mark.parametrize("s_q,masked", [(1, False), pytest.param(1, True, marks=pytest.mark.slow), (4, True)])
 def test_decoding_over_a_sequence_sharded_cache_runs_as_decode_attention(s_q, masked):
     # the cache's gathers become one all-gather of partial outputs and LSEs (inside the op): the
     # compiled graph keeps no all_gather of its own, the result matches whole-cache attention

@@ -82,8 +82,8 @@ def test_a_step_mask_is_the_block_mask_of_its_rows_and_keys(kind):
     assert (work.triu(1) == 0).all()  # causal: no rank attends a later share
 
 
-@pytest.mark.parametrize("world, kind", [(2, "causal"), (2, "document"), (4, "document"), (4, "window"),
-                                         (2, "document+window")])
+@pytest.mark.parametrize("world, kind", [(2, "causal"), pytest.param(2, "document", marks=pytest.mark.slow),
+                                         (4, "document"), (4, "window"), (2, "document+window")])
 def test_the_ring_gives_dense_attention_and_its_gradients(world, kind):
     per_rank = run_distributed(run_flex_ring, world, kind, 2 if kind == "document" else 1, backend="gloo",
                                timeout_s=300)
@@ -138,7 +138,8 @@ def test_the_all_gather_schedule_gives_dense_attention_and_its_gradients(world, 
         assert got["computed"] == (int(schedule.split("g=")[1]) if "g=" in schedule else 1), (rank, got)
 
 
-@pytest.mark.parametrize("world, schedule", [(2, "ring"), (4, "ring"), (2, "allgather"), (4, "allgather:g=2")])
+@pytest.mark.parametrize("world, schedule", [(2, "ring"), pytest.param(4, "ring", marks=pytest.mark.slow), (2, "allgather"),
+                                             pytest.param(4, "allgather:g=2", marks=pytest.mark.slow)])
 def test_rows_with_no_key_give_zero_output_and_no_gradient(world, schedule):
     """Empty windows and padding (flex_programs "empty rows": token 0 sees no earlier token, the
     last 40 tokens are padding): their output rows are 0, nothing of them reaches any gradient,
@@ -209,7 +210,7 @@ def test_a_flex_schedule_name_is_checked():
         Config(attention_schedule="allgather:2")
 
 
-@pytest.mark.parametrize("world, schedule", [(4, "ring"), (2, "allgather"), (2, "auto")])
+@pytest.mark.parametrize("world, schedule", [(4, "ring"), pytest.param(2, "allgather", marks=pytest.mark.slow), (2, "auto")])
 def test_a_compiled_flex_program_runs_the_named_schedule(world, schedule):
     """K/V all-gathered into flex_attention (the rank's rows' mask, documents + window), compiled
     with backend="commopt": the region becomes cp_flex_attention_fwd running the schedule
@@ -261,7 +262,7 @@ def test_a_compiled_training_step_keeps_the_gathered_kv_unless_asked_to_gather_a
         assert notes and all(("gathered K/V kept" in n) == kept for n in notes), got["notes"]
 
 
-@pytest.mark.parametrize("world, schedule", [(2, "ring"), (4, "allgather")])
+@pytest.mark.parametrize("world, schedule", [(2, "ring"), pytest.param(4, "allgather", marks=pytest.mark.slow)])
 def test_a_compiled_flex_training_step_runs_the_named_schedule_forward_and_backward(world, schedule):
     """The same program trained one step: on the joint graph the forward and its backward become
     cp_flex_attention_fwd / _bwd (the gathers and the gradients' reduce-scatters go), and q, k and v's
@@ -354,8 +355,9 @@ def test_a_mask_function_is_traced_once_for_the_objects_it_reads():
     assert flex.lifted_mask(reads_an_attribute, cpu)[1][0] is _HOLDER.ids
 
 
-@pytest.mark.parametrize("world, kind, schedule, own_rows, layout", [(2, "causal", "ring", False, "head_tail"),
-                                                                      (4, "document", "allgather:g=2", True, "by_work")])
+@pytest.mark.parametrize("world, kind, schedule, own_rows, layout", [
+    pytest.param(2, "causal", "ring", False, "head_tail", marks=pytest.mark.slow),
+    (4, "document", "allgather:g=2", True, "by_work")])
 def test_the_schedules_run_unchanged_on_a_balanced_layout(world, kind, schedule, own_rows, layout):
     """The sequence dealt to the ranks by balance.choose (head_tail for causal, by_work for the
     documents) with the mask stated over layout positions: dense attention and its gradients."""
@@ -456,7 +458,8 @@ def test_a_dense_masks_block_tables_are_create_block_masks():
                                                            torch.where(kept, w_idx[..., :idx.shape[-1]], -1)), kind
 
 
-@pytest.mark.parametrize("world, schedule", [(2, "allgather"), (2, "ring")])  # 4 ranks: the compiled flex tests
+# 4 ranks: the compiled flex tests
+@pytest.mark.parametrize("world, schedule", [(2, "allgather"), pytest.param(2, "ring", marks=pytest.mark.slow)])
 def test_a_ulysses_program_around_flex_attention_runs_the_flex_ops(world, schedule):
     """Ulysses all-to-alls around flex_attention with the whole sequence's documents mask
     (GQA): inference as cp_flex_attention_fwd and a training step as cp_flex_attention_fwd/bwd on

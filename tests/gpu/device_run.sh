@@ -241,8 +241,9 @@ if [[ $what == costmodel ]]; then
   tail -14 "$out/costmodel_eager.log"; tail -14 "$out/costmodel_graphs.log"
 fi
 if [[ $what == cpu ]]; then
-  # The CPU suite on this machine's torch (2.11: the oldest we support), CUDA hidden, in
-  # CPU_SHARDS pytest-xdist workers (dealt one at a time, as make test does).  The third
+  # The whole CPU suite, the slow tier included (make test-all), on this machine's torch (2.11:
+  # the oldest we support), CUDA hidden, in CPU_SHARDS pytest-xdist workers (dealt one at a time,
+  # as make test does).  The third
   # argument, if any, names the test paths (the whole suite needs more than one call there).
   export CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=${CPU_THREADS:-1}
   timeout ${CPU_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider -n ${CPU_SHARDS:-8} --dist load --durations=25 \

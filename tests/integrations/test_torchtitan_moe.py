@@ -16,8 +16,9 @@ from torch_commopt.testing.launch import run_distributed  # noqa: E402
 
 
 # 2 ranks: the schedules at 4 ranks are tests/kernels/test_moe_schedules.py's (the layer adds nothing per rank)
-@pytest.mark.parametrize("world,grouped,extra", [(2, False, ("optimize by_expert:2", "optimize auto")), (2, True, ())],
-                         ids=["w2 loop", "w2 grouped"])
+@pytest.mark.parametrize("world,grouped,extra", [
+    pytest.param(2, False, ("optimize by_expert:2", "optimize auto"), marks=pytest.mark.slow), (2, True, ())],
+    ids=["w2 loop", "w2 grouped"])
 def test_swapped_schedules_match_the_unsharded_layer(world, grouped, extra):
     schedules = ("a2a", "by_peer", "by_expert") + extra
     for results in run_distributed(run_moe_layer, world, schedules, grouped, backend="gloo", timeout_s=300):

@@ -110,7 +110,7 @@ def _small_llama(n_layers=2):
         return Transformer(args)
 
 
-@pytest.mark.parametrize("ac", ["none", "selective"])
+@pytest.mark.parametrize("ac", [pytest.param("none", marks=pytest.mark.slow), "selective"])
 def test_parallelize_compiles_each_block_with_commopt(ac):
     """One process, no parallelism: each TransformerBlock is compiled by commopt (after
     activation checkpointing when that is on) and the output equals the eager model's."""
@@ -186,17 +186,16 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Every job of JOBS trained by torchtitan's trainer (titan_cpu_train.py) on 2 gloo ranks
-    with the example toml, one job after another in one torchrun (its start and the imports
-    paid once); {name: each rank's result (losses, block classes, explain summary)}."""
+def _train(tmp_path_factory, names):
+    """The jobs `names` of JOBS trained by torchtitan's trainer (titan_cpu_train.py) on 2 gloo
+    ranks with the example toml, one job after another in one torchrun (its start and the
+    imports paid once); {name: each rank's result (losses, block classes, explain summary)}."""
     pytest.importorskip("tokenizers")
     from torch_commopt.integrations.torchtitan.assets import write_debug_assets
 
     nproc, out = 2, tmp_path_factory.mktemp("tt_run")
     tok_dir, data_dir = write_debug_assets(str(out / "assets"), docs=100, words_per_doc=200)
-    jobs = [[_free_port(), [*args, "--job.dump_folder", str(out / f"dump{i}")]] for i, args in enumerate(JOBS.values())]
+    jobs = [[_free_port(), [*JOBS[name], "--job.dump_folder", str(out / f"dump{i}")]] for i, name in enumerate(names)]
     env = dict(os.environ, TT_RESULT=str(out / "result"), TT_JOBS=json.dumps(jobs), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([REPO, *[p for p in sys.path if p]]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -207,12 +206,24 @@ def trained(tmp_path_factory):
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = {}
-    for i, name in enumerate(JOBS):
+    for i, name in enumerate(names):
         results[name] = []
         for rank in range(nproc):
             with open(out / f"result.{i}.{rank}.json") as f:
                 results[name].append(json.load(f))
     return results
+
+
+@pytest.fixture(scope="module")
+def trained_tp2(tmp_path_factory):
+    """The TP=2 + SP pair in fp32: the recipe's main path, in make test's tier."""
+    return _train(tmp_path_factory, ["tp2 eager", "tp2"])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The other pairs (bf16, MoE, CP + FlexAttention): the slow tier (make test-all)."""
+    return _train(tmp_path_factory, [name for name in JOBS if not name.startswith("tp2") or "bf16" in name])
 
 
 def _check(results, eager, *, rewritten, rtol):
@@ -227,15 +238,16 @@ def _check(results, eager, *, rewritten, rtol):
     return losses
 
 
-def test_smoke_tp2_sp_trains_like_eager(trained):
+def test_smoke_tp2_sp_trains_like_eager(trained_tp2):
     """llama3 debugmodel, TP=2 + SP, 2 gloo ranks: commopt rewrites the TP all-gather/matmul
     and matmul/reduce-scatter pairs in forward and backward, and the loss of every step
     equals the same job without commopt (fp32 on CPU; the chunked schedule only reorders
     when pieces arrive)."""
-    losses = _check(trained["tp2"], trained["tp2 eager"], rewritten={"ag_matmul", "matmul_rs"}, rtol=1e-5)
-    print("TP=2 losses (commopt):", losses, "eager:", trained["tp2 eager"][0]["losses"])
+    losses = _check(trained_tp2["tp2"], trained_tp2["tp2 eager"], rewritten={"ag_matmul", "matmul_rs"}, rtol=1e-5)
+    print("TP=2 losses (commopt):", losses, "eager:", trained_tp2["tp2 eager"][0]["losses"])
 
 
+@pytest.mark.slow
 def test_smoke_tp2_in_bf16_as_the_toml_sets(trained):
     """The toml's training.dtype = bfloat16 (what the GPU runs use): TP=2 + SP trains through
     commopt's rewritten regions, losses within bf16 noise of the job without commopt."""
@@ -245,6 +257,7 @@ def test_smoke_tp2_in_bf16_as_the_toml_sets(trained):
     print("TP=2 bf16 losses (commopt):", losses, "eager:", trained["tp2 bf16 eager"][0]["losses"])
 
 
+@pytest.mark.slow
 def test_smoke_moe_ep2_exchanges_through_commopt_and_trains_like_torchtitan(trained):
     """deepseek_v3 debugmodel with EP=2 over FSDP=2 (2 gloo ranks, fp32): the train spec
     "deepseek_v3_commopt" swaps each MoE layer's token exchange for commopt's by_peer after
@@ -259,6 +272,7 @@ def test_smoke_moe_ep2_exchanges_through_commopt_and_trains_like_torchtitan(trai
     print("MoE EP=2 losses (commopt by_peer):", losses, "torchtitan:", theirs[0]["losses"])
 
 
+@pytest.mark.slow
 def test_smoke_fsdp_cp2_flex_attention_runs_commopts_flex_schedule_and_trains_like_eager(trained):
     """llama3 debugmodel with FlexAttention (block-causal over documents) and CP=2 (2 gloo ranks,
     fp32 parameters), so FSDP over the CP ranks too: the blocks, compiled in place after

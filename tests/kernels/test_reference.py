@@ -12,7 +12,7 @@ from torch_commopt.testing.launch import run_distributed
 from torch_commopt.testing.validate import within_tolerance
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_reference_schedules_match_plain_torch(world):
     for results, fake_mismatch in run_distributed(run_reference_cases, world):
         assert not fake_mismatch, f"fake impl shapes differ from real ones: {fake_mismatch}"

@@ -112,6 +112,7 @@ def test_split_on_a_dtensor_tp_block_matches_eager_forward_and_backward():
         assert not bad, bad
 
 
+@pytest.mark.slow
 def test_split_of_a_batch_one_block_cuts_the_sequence_dim():
     # (1, S, D) activations: dim 0 cannot be cut, the split goes along the sequence (dim 1)
     # through the funcol split/cat forms, which the finders then overlap like DTensor's own

@@ -10,8 +10,9 @@ from capacity_moe_programs import capacity_moe_fwd_bwd
 from torch_commopt.testing.launch import run_distributed
 
 
-@pytest.mark.parametrize("world, schedule, chunks", [(2, "by_expert:2", 2), (2, "by_expert:3", 3),
-                                                     (4, "by_expert:2", 2)])
+@pytest.mark.parametrize("world, schedule, chunks", [(2, "by_expert:2", 2),
+                                                     pytest.param(2, "by_expert:3", 3, marks=pytest.mark.slow),
+                                                     pytest.param(4, "by_expert:2", 2, marks=pytest.mark.slow)])
 def test_chunked_exchanges_match_eager_forward_and_backward(world, schedule, chunks):
     # 8 experts: 4 local at 2 ranks (chunks of 1-2 experts), 2 local at 4 ranks
     for notes, counts, out_err, grad_errs in run_distributed(capacity_moe_fwd_bwd, world, schedule, timeout_s=400):
@@ -24,6 +25,7 @@ def test_chunked_exchanges_match_eager_forward_and_backward(world, schedule, chu
         assert out_err < 1e-12 and max(grad_errs) < 1e-12, (out_err, grad_errs)
 
 
+@pytest.mark.slow
 def test_a2a_keeps_the_exchanges_and_says_so():
     for notes, counts, out_err, grad_errs in run_distributed(capacity_moe_fwd_bwd, 2, "a2a", timeout_s=300):
         kept = [n for n in notes if n.startswith("moe ") and "kept" in n]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from concat_k_programs import CHUNKED, KEPT, PROGRAMS, block_regions_each, graph_cases
 
 from torch_commopt.passes.matmul.concat_k import parts_cheaper
@@ -41,6 +42,7 @@ def test_tp_sp_block_backward_reductions_become_regions_and_match_eager():
             assert within_tolerance(c, e), f"{name}: commopt error {c:.2e} vs eager {e:.2e}"
 
 
+@pytest.mark.slow
 def test_k_parts_auto_splits_the_w1_w3_sum_and_keeps_the_q_k_v_cats():
     # 128 rows, dim 32, float32, per rank q/k/v K 16 + 16 + 16 (its operands copied into the cat
     # here) and w1/w3 K 128 + 128.  q/k/v: two more passes over the 128 x 32 product (64 KiB)
@@ -56,6 +58,7 @@ def test_k_parts_auto_splits_the_w1_w3_sum_and_keeps_the_q_k_v_cats():
             assert within_tolerance(c, e), f"{name}: commopt error {c:.2e} vs eager {e:.2e}"
 
 
+@pytest.mark.slow
 def test_kept_regions_get_their_sum_of_matmuls_back():
     for (bwd, notes, cats, errors), (bwd0, _, cats0, _) in run_distributed(block_regions_each, 2,
                                                                            [(True, KEPT), (False, KEPT)], timeout_s=600):

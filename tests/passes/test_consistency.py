@@ -28,7 +28,7 @@ def test_forced_plan_mismatch_leaves_every_rank_untouched():
         assert result["max_abs_diff"] == 0.0
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_rank_late_past_the_timeout_runs_the_original_collectives_like_the_others(world):
     results = run_distributed(late_rank, world, timeout_s=240)
     for rank, result in enumerate(results):
@@ -49,7 +49,7 @@ def test_a_recompile_on_one_rank_only_follows_the_outcome_taken_for_that_graph()
     assert not any("did not vote" in n for g in results[1]["graphs"] for n in g["notes"])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_dead_peer_is_reported_within_the_timeout_naming_it(world):
     for outcome, seconds in run_distributed(dead_peer, world)[:-1]:
         assert not outcome.agreed and outcome.value is None
