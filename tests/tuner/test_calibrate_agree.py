@@ -20,7 +20,7 @@ def test_two_passes_that_agree_give_their_median_without_a_third():
 
 
 def test_a_pass_out_of_line_is_outvoted_by_a_third():
-    # a calibration seen on 2x H100: one pass in a host burst (134 us against ~70-110)
+    # a calibration run once read this: one pass in a host burst (134 us against ~70-110)
     first, second, third = {"host": 134e-6, "x": 1.0}, {"host": 70e-6, "x": 1.02}, {"host": 72e-6, "x": 0.5}
     calls = []
 
