@@ -110,7 +110,9 @@ def _small_llama(n_layers=2):
         return Transformer(args)
 
 
-@pytest.mark.parametrize("ac", [pytest.param("none", marks=pytest.mark.slow), "selective"])
+# slow: make test runs parallelize inside torchtitan's trainer (the TP=2 smoke pair below)
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", ["none", "selective"])
 def test_parallelize_compiles_each_block_with_commopt(ac):
     """One process, no parallelism: each TransformerBlock is compiled by commopt (after
     activation checkpointing when that is on) and the output equals the eager model's."""
