@@ -22,10 +22,11 @@ demo: $(VENV)/.installed
 # so the second worker saves about a sixth, not half.  Where xdist is missing the suite runs serially.
 # make test leaves out the tests marked slow (more world sizes and parametrizations of what its
 # own cases drive, the torchtitan pairs beyond TP=2): CI's 15 minutes; make test-all runs them too.
+# --durations: CI's log names its slowest tests (its machine's speed varies about 2x).
 TEST_WORKERS ?= 2
 XDIST = $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist load")
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests --ignore=tests/gpu -m "not slow" $(XDIST)
+	$(PY) -m pytest -q tests --ignore=tests/gpu -m "not slow" --durations=12 $(XDIST)
 
 test-all: $(VENV)/.installed
 	$(PY) -m pytest -q tests --ignore=tests/gpu $(XDIST)
