@@ -294,9 +294,9 @@ def _attention_times(device: torch.device, dtype: torch.dtype, reps: int) -> tup
 
 def _bwd_factor(attn: dict[str, tuple[float, float, float]]) -> float:
     """The backward's time over the forward's (median over dtypes), from the slowest rank's
-    figures (so every rank decides alike).  The backward recomputes the scores and does the
-    forward's two matmuls' worth three times over (dP, dQ, dK/dV), so a factor at or below 1 is
-    a disturbed measurement, not the kernel: 0 (the attention model's default factor), logged."""
+    figures (so every rank decides alike).  The backward runs five matmuls to the forward's two
+    (the scores again, dV, dP, dQ, dK), so a factor at or below 1 is a disturbed measurement,
+    not the kernel: 0 (the attention model's default factor), logged."""
     factor = statistics.median(b / t for _, t, b in attn.values())
     if factor > 1.0:
         return factor
