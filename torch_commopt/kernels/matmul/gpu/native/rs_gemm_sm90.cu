@@ -81,34 +81,46 @@ __device__ void send_tile(const RsParams& p, const uint8_t* mine, __nv_bfloat16*
   }
 }
 
-// An own-segment tile: for each peer (rank-1, rank-2, ...) wait until its partial of this chunk
-// has landed (direct: the peer's tile count; store=ce: the copy's DATA flag), then add it.  The
-// leader has the TMA unit load the partial into the warpgroup's staging boxes (once the previous
-// tile's stores have read them), in the layout stage_tile writes, and the warpgroup adds it from
-// there: one bulk load instead of 4-byte global loads whose latency the warpgroup would wait out.
-// Rows past the segment read the next segment's rows or zeros: they are never stored.  `loads`
-// counts the warpgroup's loads into its boxes (the barrier's parity).
-__device__ void add_landed(const RsParams& p, const Shared& sh, uint8_t* mine, float (&d)[ACC], int pid_m, int col0,
-                           int wg, int& loads) {
-  int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+// The leader's load of peer src's partial of an own-segment tile into its warpgroup's staging
+// boxes, in the layout stage_tile writes, once the partial has landed (direct: the peer's tile
+// count of the chunk; store=ce: the copy's DATA flag) and the last tile's stores have read the
+// boxes: one bulk load instead of 4-byte global loads whose latency the warpgroup would wait out.
+// Rows past the segment read the next segment's rows or zeros: they are never stored.  wait: spin
+// until it has landed; else look once and load only if it has (returns whether it loaded).
+__device__ bool load_partial(const RsParams& p, const Shared& sh, uint8_t* mine, int src, int pid_m, int col0, int wg,
+                             bool wait) {
   int chunk = pid_m / p.chunk_mt;
   int tiles_in_chunk = min(p.chunk_mt, p.tiles_m - chunk * p.chunk_mt) * p.tiles_n;
+  const int* flag = p.flags + (p.direct ? p.counters : p.data_base) + src * 256 + chunk;
+  int expected = p.direct ? tiles_in_chunk : p.epoch;
+  if (wait) {
+    spin_geq(flag, expected, p.status, p.bound, p.direct ? 4 : 3, src, chunk);
+  } else {
+    if (ld_acquire_sys(flag) - expected < 0) return false;
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire before the TMA unit's reads
+  }
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the last tile's stores have read them
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // after this warpgroup's reads of them
+  mbar_expect_tx(&sh.staged[wg], HALVES * BN * 64 * 2);
+  for (int h = 0; h < HALVES; ++h)
+    for (int c = 0; c < BN / BOX; ++c)
+      tma_load(mine + (h * (BN / BOX) + c) * BOX_BYTES, &p.recv_map, &sh.staged[wg], col0 + c * BOX,
+               src * p.m_seg + pid_m * BM + wg_row0(wg) + 64 * h);
+  return true;
+}
+
+// An own-segment tile's partials, peer by peer (rank-1, rank-2, ...), through the staging boxes:
+// each but the last added here, the last left landed in the boxes for stage_tile<true> to add as it
+// stages the tile.  `early`: the leader loaded the first one before the tile's mainloop.  `loads`
+// counts the warpgroup's loads into its boxes (the barrier's parity).
+__device__ void add_landed(const RsParams& p, const Shared& sh, uint8_t* mine, float (&d)[ACC], int pid_m, int col0,
+                           int wg, int& loads, bool early) {
+  int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   for (int step = 1; step < p.world; ++step) {
-    int src = (p.rank - step + p.world) % p.world;
-    if (tile_leader()) {
-      if (p.direct)
-        spin_geq(p.flags + p.counters + src * 256 + chunk, tiles_in_chunk, p.status, p.bound, 4, src, chunk);
-      else
-        spin_geq(p.flags + p.data_base + src * 256 + chunk, p.epoch, p.status, p.bound, 3, src, chunk);
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the last tile's stores have read them
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // after this warpgroup's reads of them
-      mbar_expect_tx(&sh.staged[wg], HALVES * BN * 64 * 2);
-      for (int h = 0; h < HALVES; ++h)
-        for (int c = 0; c < BN / BOX; ++c)
-          tma_load(mine + (h * (BN / BOX) + c) * BOX_BYTES, &p.recv_map, &sh.staged[wg], col0 + c * BOX,
-                   src * p.m_seg + pid_m * BM + wg_row0(wg) + 64 * h);
-    }
+    if (tile_leader() && !(step == 1 && early))
+      load_partial(p, sh, mine, (p.rank - step + p.world) % p.world, pid_m, col0, wg, true);
     mbar_wait(&sh.staged[wg], (loads++) & 1);
+    if (step == p.world - 1) return;
 #pragma unroll
     for (int q = 0; q < BN / 8; ++q)
 #pragma unroll
@@ -121,7 +133,7 @@ __device__ void add_landed(const RsParams& p, const Shared& sh, uint8_t* mine, f
           int at = BN / 2 * h + 4 * q + 2 * j;
           d[at] += __low2float(v), d[at + 1] += __high2float(v);
         }
-    wg_barrier(wg);  // every thread has read the boxes before the next load or stage_tile writes them
+    wg_barrier(wg);  // every thread has read the boxes before the next load writes them
   }
 }
 
@@ -151,6 +163,9 @@ __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
     }
     RsTile tile = rs_decode(p, t);
     int row0 = tile.pid_m * BM, col0 = tile.pid_n * BN, chunk = tile.pid_m / p.chunk_mt;
+    // An own tile's first partial, if it has landed, loads while the tile's mainloop runs.
+    bool early = p.world > 1 && tile.seg == p.rank && tile_leader() &&
+                 load_partial(p, sh, mine, (p.rank - 1 + p.world) % p.world, tile.pid_m, col0, wg, false);
     mma_k_steps(d, sh, r, 0, nk, turn);
     if (tile.seg != p.rank) {
       stage_tile(mine, d, 1.f, nullptr, 0.f, col0, p.n, wg);
@@ -162,8 +177,11 @@ __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
       send_tile(p, mine, dst, counter, row0, col0, wg);
       continue;
     }
-    add_landed(p, sh, mine, d, tile.pid_m, col0, wg, loads);
-    stage_tile(mine, d, p.alpha, p.bias, p.bias_scale, col0, p.n, wg);
+    add_landed(p, sh, mine, d, tile.pid_m, col0, wg, loads, early);
+    if (p.world > 1)
+      stage_tile<true>(mine, d, p.alpha, p.bias, p.bias_scale, col0, p.n, wg);
+    else
+      stage_tile(mine, d, p.alpha, p.bias, p.bias_scale, col0, p.n, wg);
     if (threadIdx.x % 128 == 0) {
       int rows[HALVES];
       for (int h = 0; h < HALVES; ++h) rows[h] = row0 + wg_row0(wg) + 64 * h < p.m_seg ? row0 + wg_row0(wg) + 64 * h : -1;

@@ -58,16 +58,23 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
+// A barrier's wait and arrive by its shared-window address (the mainloop's: no generic-to-shared
+// conversion a k step), and by pointer.
+// The retry loop is inside the asm: a loop in C++ on the asm's result would be one whose exit the
+// compiler cannot know to be warp-uniform, and what follows it would leave uniform registers.
+__device__ __forceinline__ void mbar_wait_at(uint32_t addr, int parity) {
+  asm volatile(
+      "{\n .reg .pred P;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n @!P bra WAIT_%=;\n}\n"
+      ::"r"(addr), "r"(parity)
+      : "memory");
+}
+
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
-  uint32_t done = 0;
-  uint32_t addr = smem_u32(bar);
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred P;\n mbarrier.try_wait.parity.shared::cta.b64 P, [%1], %2;\n selp.u32 %0, 1, 0, P;\n}\n"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  }
+  mbar_wait_at(smem_u32(bar), parity);
+}
+
+__device__ __forceinline__ void mbar_arrive_at(uint32_t addr) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
 }
 
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
@@ -135,9 +142,16 @@ __device__ void spin_geq(const int* ptr, int expected, int* status, long long bo
 constexpr uint64_t DESC_SWIZZLE = BK == 64 ? 1 : BK == 32 ? 2 : 3;  // 128-, 64-, 32-byte swizzle
 constexpr CUtensorMapSwizzle OPERAND_SWIZZLE =
     BK == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : BK == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B;
-__device__ __forceinline__ uint64_t kmajor_desc(const void* ptr) {
-  uint64_t addr = smem_u32(ptr);
-  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(8 * BK * 2 >> 4) << 32) | (DESC_SWIZZLE << 62);
+// Its low word holds the start address in 16-byte units (14 bits) and the leading-byte offset (1),
+// the high word the 8-row groups' stride and the swizzle.  Shared memory ends below 256 KB, so the
+// descriptor of address + off (a multiple of 16) is the low word plus off / 16: the mainloop adds
+// constants to one base word a stage instead of building 16 descriptors a k step.
+constexpr uint32_t DESC_HI = (uint32_t)(8 * BK * 2 >> 4) | (uint32_t)(DESC_SWIZZLE << 30);
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr) {
+  return ((addr & 0x3FFFF) >> 4) | (1u << 16);
+}
+__device__ __forceinline__ uint64_t desc_of(uint32_t lo) {
+  return ((uint64_t)DESC_HI << 32) | lo;
 }
 
 // wgmma's fp32 accumulator operands, eight at a time.
@@ -196,10 +210,12 @@ __device__ __forceinline__ void fence_operands(float (&d)[ACC]) {
 }
 
 // The block's shared memory: the ring's stages (1024-byte aligned), its barriers, the turns, and
-// (ping-pong) each warpgroup's barrier for loads into its staging boxes.
+// (ping-pong) each warpgroup's barrier for loads into its staging boxes; the full and empty
+// barriers' shared-window addresses and stage 0's descriptor word, for the mainloop.
 struct Shared {
   uint8_t* stages;
   uint64_t *full, *empty, *turn, *staged;
+  uint32_t full_at, empty_at, stage0_lo;
 };
 
 // The ring's position: stage s, and the parity its barriers are in.
@@ -259,29 +275,29 @@ __device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0,
   bool lane0 = threadIdx.x % 32 == 0;
   int prev = -1;
   turn.take();
+  const uint32_t a_lo = wg_row0(turn.wg) * BK * 2 >> 4;  // the warpgroup's rows of A in the stage
   for (int kb = kb0; kb < kb1; ++kb) {
-    mbar_wait(&sh.full[r.s], r.phase);
+    mbar_wait_at(sh.full_at + 8 * r.s, r.phase);
     if (kb == kb1 - 1) turn.pass();
-    uint8_t* a = sh.stages + r.s * STAGE_BYTES + wg_row0(turn.wg) * BK * 2;
-    uint8_t* b = sh.stages + r.s * STAGE_BYTES + A_BYTES;
+    uint32_t lo = sh.stage0_lo + r.s * (STAGE_BYTES >> 4);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
 #pragma unroll
       for (int h = 0; h < HALVES; ++h)
-        wgmma_half(half_of(d, h), kmajor_desc(a + 64 * h * BK * 2 + kk * 32), kmajor_desc(b + kk * 32),
-                   kb > kb0 || kk > 0);
+        wgmma_half(half_of(d, h), desc_of(lo + a_lo + ((64 * h * BK * 2 + kk * 32) >> 4)),
+                   desc_of(lo + ((A_BYTES + kk * 32) >> 4)), kb > kb0 || kk > 0);
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     if (prev >= 0) {
       asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-      if (lane0) mbar_arrive(&sh.empty[prev]);
+      if (lane0) mbar_arrive_at(sh.empty_at + 8 * prev);
     }
     prev = r.s;
     r.next();
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   fence_operands(d);
-  if (lane0) mbar_arrive(&sh.empty[prev]);
+  if (lane0) mbar_arrive_at(sh.empty_at + 8 * prev);
 }
 
 __device__ __forceinline__ uint8_t* wg_staging(const Shared& sh, int wg) {
@@ -312,8 +328,8 @@ template <class P, void (*PRODUCE)(const P&, const Shared&), void (*CONSUME)(con
 __device__ __forceinline__ void run_roles(const P& p) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES], turn[2], staged[2];
-  Shared sh{reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023)), full,
-            empty, turn, staged};
+  uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  Shared sh{stages, full, empty, turn, staged, smem_u32(full), smem_u32(empty), desc_lo(smem_u32(stages))};
   if (threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&full[i], 1);
@@ -328,7 +344,10 @@ __device__ __forceinline__ void run_roles(const P& p) {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  int wg = threadIdx.x / 128;
+  // Broadcast from lane 0 so that the compiler knows the warpgroup, and so everything a consumer
+  // derives from it and its ring, warp-uniform: the mainloop's descriptors then stay in uniform
+  // registers instead of being built in each thread's and moved over a k step.
+  int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) PRODUCE(p, sh);
@@ -340,7 +359,10 @@ __device__ __forceinline__ void run_roles(const P& p) {
 
 // A warpgroup's accumulators, scaled by alpha, plus bias (scaled by bias_scale; null: none), as
 // bf16 into its staging boxes, columns col0.. (bias read below n only), once the previous
-// tile's TMA stores from them have read them; ends with the boxes visible to the TMA unit.
+// tile's TMA stores from them have read them; ends with the boxes visible to the TMA unit.  ADD:
+// the boxes hold a bf16 partial in this layout (loaded by the TMA unit, landed): alpha * (acc +
+// partial) + bias replaces it, each thread reading and writing the same words.
+template <bool ADD = false>
 __device__ void stage_tile(uint8_t* mine, const float (&d)[ACC], float alpha, const __nv_bfloat16* bias,
                            float bias_scale, int col0, int n, int wg) {
   int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -359,8 +381,12 @@ __device__ void stage_tile(uint8_t* mine, const float (&d)[ACC], float alpha, co
         int r = warp * 16 + lane / 4 + 8 * j;  // r % 8 == lane / 4: the swizzle's phase
         uint32_t off = (h * (BN / BOX) + q / 8) * BOX_BYTES + r * 128 + (((q % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
         int i = BN / 2 * h + 4 * q + 2 * j;
-        *reinterpret_cast<__nv_bfloat162*>(mine + off) =
-            __floats2bfloat162_rn(alpha * d[i] + b0, alpha * d[i + 1] + b1);
+        float v0 = d[i], v1 = d[i + 1];
+        if (ADD) {
+          __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(mine + off);
+          v0 += __low2float(v), v1 += __high2float(v);
+        }
+        *reinterpret_cast<__nv_bfloat162*>(mine + off) = __floats2bfloat162_rn(alpha * v0 + b0, alpha * v1 + b1);
       }
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
