@@ -357,37 +357,80 @@ __device__ __forceinline__ void run_roles(const P& p) {
   }
 }
 
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float2 unpack_bf16(uint32_t w) {
+  __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&w);
+  return __bfloat1622float2(v);
+}
+
+// Four 8 x 8 bf16 matrices between shared memory and the accumulators' fragment (a thread holds
+// row lane / 4, columns 2 * (lane % 4) and + 1 of each): lanes 8m .. 8m + 7 address matrix m's rows.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr)
+               : "memory");
+}
+
 // A warpgroup's accumulators, scaled by alpha, plus bias (scaled by bias_scale; null: none), as
 // bf16 into its staging boxes, columns col0.. (bias read below n only), once the previous
 // tile's TMA stores from them have read them; ends with the boxes visible to the TMA unit.  ADD:
 // the boxes hold a bf16 partial in this layout (loaded by the TMA unit, landed): alpha * (acc +
-// partial) + bias replaces it, each thread reading and writing the same words.
+// partial) + bias replaces it, each warp reading and rewriting the same matrices.
+// By stmatrix (ldmatrix): a warp moves two 8-column groups of its 16 rows an instruction, matrix
+// m = 2 * (group - q) + j holding rows 8j.. of column group q + m / 2; lane L addresses row L % 8
+// of matrix L / 8, its 16 bytes at the box row's swizzled chunk.
 template <bool ADD = false>
 __device__ void stage_tile(uint8_t* mine, const float (&d)[ACC], float alpha, const __nv_bfloat16* bias,
                            float bias_scale, int col0, int n, int wg) {
   int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  int m = lane / 8, r8 = lane % 8;
+  uint32_t row_at = smem_u32(mine) + (warp * 16 + 8 * (m % 2) + r8) * 128;
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
   wg_barrier(wg);
 #pragma unroll
-  for (int q = 0; q < BN / 8; ++q) {
-    int col = col0 + 8 * q + 2 * (lane % 4);
-    float b0 = 0.f, b1 = 0.f;
-    if (bias != nullptr && col < n)
-      b0 = bias_scale * __bfloat162float(bias[col]), b1 = bias_scale * __bfloat162float(bias[col + 1]);
+  for (int q = 0; q < BN / 8; q += 2) {
+    float b[4] = {0.f, 0.f, 0.f, 0.f};  // columns 8q + 2 (lane % 4) + {0, 1}, then 8 (q + 1) + ...
+    if (bias != nullptr) {
 #pragma unroll
-    for (int h = 0; h < HALVES; ++h)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        int r = warp * 16 + lane / 4 + 8 * j;  // r % 8 == lane / 4: the swizzle's phase
-        uint32_t off = (h * (BN / BOX) + q / 8) * BOX_BYTES + r * 128 + (((q % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
-        int i = BN / 2 * h + 4 * q + 2 * j;
-        float v0 = d[i], v1 = d[i + 1];
-        if (ADD) {
-          __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(mine + off);
-          v0 += __low2float(v), v1 += __high2float(v);
-        }
-        *reinterpret_cast<__nv_bfloat162*>(mine + off) = __floats2bfloat162_rn(alpha * v0 + b0, alpha * v1 + b1);
+      for (int g = 0; g < 2; ++g) {
+        int col = col0 + 8 * (q + g) + 2 * (lane % 4);
+        if (col < n)
+          b[2 * g] = bias_scale * __bfloat162float(bias[col]), b[2 * g + 1] = bias_scale * __bfloat162float(bias[col + 1]);
       }
+    }
+    uint32_t chunk = ((q % 8 + m / 2) ^ r8) * 16;  // this lane's 16 bytes in its box row
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+      uint32_t at = row_at + (h * (BN / BOX) + q / 8) * BOX_BYTES + chunk;
+      int i = BN / 2 * h + 4 * q;  // d[i + 4g + 2j + e]: column group q + g, rows 8j.., element e
+      float v[8];
+#pragma unroll
+      for (int x = 0; x < 8; ++x) v[x] = d[i + x];
+      if (ADD) {
+        uint32_t w[4];
+        ldmatrix_x4(at, w[0], w[1], w[2], w[3]);  // matrices (q, j0), (q, j1), (q+1, j0), (q+1, j1)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          float2 p = unpack_bf16(w[x]);
+          v[2 * x] += p.x, v[2 * x + 1] += p.y;
+        }
+      }
+      uint32_t o[4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) o[x] = pack_bf16(alpha * v[2 * x] + b[2 * (x / 2)], alpha * v[2 * x + 1] + b[2 * (x / 2) + 1]);
+      stmatrix_x4(at, o[0], o[1], o[2], o[3]);
+    }
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   wg_barrier(wg);
