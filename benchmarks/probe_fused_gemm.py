@@ -13,7 +13,10 @@ TP=2 + SP and 8192 tokens a step: M 8192 gathered rows, each rank 4096.  Every t
 of the sweep is timed (the all-gather's with its loops flattened, flat=1, the default, and
 nested); the report gives each region's best against cuBLAS.  Then cuBLAS whole
 against the pieces the cuBLAS schedules cut each region into, at bench_e2e's three row layouts
-(batch x seq 1 x 8192, 2 x 4096, 4 x 2048: the sequence cut over the ranks).
+(batch x seq 1 x 8192, 2 x 4096, 4 x 2048: the sequence cut over the ranks).  While each region is
+timed, nvidia-smi samples the SM clock and power (benchmarks/gpu_clocks.py): the region's figures,
+and those of the samples taken during cuBLAS's and the CUDA kernel's own calls, since at the power
+cap a kernel's clock follows its energy per FLOP.
 
     python3 -m benchmarks.probe_fused_gemm --out OUT [--commit abc] [--rounds 7]
 """
@@ -23,10 +26,12 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import time
 
 import torch
 
 from benchmarks.common import fmt, machine_meta, result_stem, write_report
+from benchmarks.gpu_clocks import ClockSampler
 
 WORLD, M_LOC = 2, 4096
 # region -> (kind, K, N of each weight) at TP=2 (bench_e2e's layer)
@@ -37,8 +42,9 @@ CONFIGS = [(128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 64, 4, 4
            (128, 256, 64, 8, 3, 16), (256, 128, 64, 8, 3, 8), (128, 128, 128, 8, 3, 8), (64, 256, 64, 4, 4, 8)]
 
 
-def _timed(fns: dict, rounds: int, runs: int = 10) -> dict:
-    """Median ms a call of each fn, rounds alternating their order (the clocks drift)."""
+def _timed(fns: dict, rounds: int, runs: int = 10, windows: dict | None = None) -> dict:
+    """Median ms a call of each fn, rounds alternating their order (the clocks drift); `windows`,
+    if given, gets each fn's (start, end) time.time() spans (gpu_clocks.ClockSampler.summary)."""
     times = {k: [] for k in fns}
     for fn in fns.values():
         fn()
@@ -47,12 +53,15 @@ def _timed(fns: dict, rounds: int, runs: int = 10) -> dict:
     for r in range(rounds):
         for label in (labels if r % 2 == 0 else labels[::-1]):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began = time.time()
             start.record()
             for _ in range(runs):
                 fns[label]()
             end.record()
             end.synchronize()
             times[label].append(start.elapsed_time(end) / runs)
+            if windows is not None:
+                windows.setdefault(label, []).append((began, time.time()))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -154,7 +163,9 @@ def probe(rounds: int) -> list:
     rows = []
     for region, (kind, k, ns) in REGIONS.items():
         runs, probe_of = _ag_runs(k, ns, gen) if kind == "ag" else _rs_runs(k, ns[0], gen)
-        ms = _timed(runs, rounds)
+        windows: dict = {}
+        with ClockSampler(period_ms=20) as clocks:
+            ms = _timed(runs, rounds, windows=windows)
         torch.cuda.synchronize()
         if int(probe_of["status"][0]) != 0:
             raise RuntimeError(f"{region}: a fused kernel reported wait status {int(probe_of['status'][0])}")
@@ -170,8 +181,19 @@ def probe(rounds: int) -> list:
                      "cublas_ms": base, "best": best, "best_ms": fused[best],
                      "default_ms": fused[_default(kind)], "ratio_best": base / fused[best],
                      "ratio_default": base / fused[_default(kind)], "cublas_tflops": flops / base / 1e9,
-                     "sm90_ms": ms.get("sm90"), "ratio_sm90": base / ms["sm90"] if "sm90" in ms else None})
+                     "sm90_ms": ms.get("sm90"), "ratio_sm90": base / ms["sm90"] if "sm90" in ms else None,
+                     "clocks": _clocks(clocks, windows, min((key for key in ms if key.startswith("cublas")),
+                                                           key=ms.get))})
     return rows
+
+
+def _clocks(clocks: ClockSampler, windows: dict, cublas: str) -> dict:
+    """The GPU's figures over the region's timing, and over the samples inside cuBLAS's (the
+    faster form's) and the CUDA kernel's own calls, of the first GPU nvidia-smi lists (the probe runs
+    on cuda:0); None where nvidia-smi gave none."""
+    per = clocks.summary({"cublas": windows.get(cublas, []), "sm90": windows.get("sm90", [])})
+    first = lambda d: next(iter(d.values()), None)  # noqa: E731 - the one GPU's
+    return {"region": first(clocks.summary()), "cublas": first(per["cublas"]), "sm90": first(per["sm90"])}
 
 
 def _ag_pieces(shards: list, ws: list, lay) -> None:
@@ -248,6 +270,28 @@ def report(rows: list, meta: dict) -> str:
     return "\n".join(lines + [""])
 
 
+def clocks_report(rows: list) -> str:
+    """The clocks table: the region's SM clock and power while it was timed, and the clock during
+    cuBLAS's calls and the CUDA kernel's (few samples where a call is short: their count is given)."""
+    lines = ["## Clocks while each region was timed", "",
+             "nvidia-smi every 20 ms: the SM clock (mean, lowest, highest), the power and the share of samples with "
+             "the software power cap active over the region's timing; the mean SM clock of the samples taken during "
+             "cuBLAS's calls and during the sm90 kernel's (their counts in brackets).", "",
+             "| region | SM MHz | W | power-capped share | cuBLAS's calls MHz | sm90's calls MHz |",
+             "|---|---|---|---|---|---|"]
+
+    def during(c):
+        return "-" if not c else f"{c['sm_mhz_mean']:.0f} ({c['samples']})"
+
+    for r in rows:
+        c = r.get("clocks") or {}
+        g = c.get("region")
+        whole = "-" if not g else f"{g['sm_mhz_mean']:.0f} ({g['sm_mhz_min']:.0f}-{g['sm_mhz_max']:.0f})"
+        lines.append(f"| {r['region']} | {whole} | {fmt(g and g['power_w_mean'], 0)} | "
+                     f"{fmt(g and g['power_capped_share'], 2)} | {during(c.get('cublas'))} | {during(c.get('sm90'))} |")
+    return "\n".join(lines + [""])
+
+
 def pieces_report(rows: list) -> str:
     lines = ["## cuBLAS whole against the cuBLAS schedules' pieces", "",
              "Whole: one GEMM per weight over all 8192 rows (as inductor runs the region). Pieces: what "
@@ -269,7 +313,7 @@ def main(argv=None) -> None:
     torch.cuda.set_device(0)
     rows, cut = probe(args.rounds), pieces(args.rounds)
     meta = machine_meta(torch.cuda.get_device_name(0), 1, args.commit, rounds=args.rounds)
-    text = report(rows, meta) + "\n" + pieces_report(cut)
+    text = report(rows, meta) + "\n" + clocks_report(rows) + "\n" + pieces_report(cut)
     print(text)
     write_report(args.out, result_stem("fused_gemm", meta["device"], 1), {"meta": meta, "rows": rows, "pieces": cut},
                  text)
