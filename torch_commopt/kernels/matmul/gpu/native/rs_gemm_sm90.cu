@@ -127,7 +127,7 @@ __device__ void add_landed(const RsParams& p, const Shared& sh, uint8_t* mine, f
       for (int h = 0; h < HALVES; ++h)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          int r = warp * 16 + lane / 4 + 8 * j;  // stage_tile's offsets
+          int r = warp * 16 + lane / 4 + 8 * j;  // the boxes' layout (stage_tile's), r % 8 == lane / 4
           uint32_t off = (h * (BN / BOX) + q / 8) * BOX_BYTES + r * 128 + (((q % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
           __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(mine + off);
           int at = BN / 2 * h + 4 * q + 2 * j;

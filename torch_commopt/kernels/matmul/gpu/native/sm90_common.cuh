@@ -54,14 +54,10 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
                : "memory");
 }
 
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
 // A barrier's wait and arrive by its shared-window address (the mainloop's: no generic-to-shared
-// conversion a k step), and by pointer.
-// The retry loop is inside the asm: a loop in C++ on the asm's result would be one whose exit the
-// compiler cannot know to be warp-uniform, and what follows it would leave uniform registers.
+// conversion a k step), and by pointer.  The wait's retry loop is inside the asm: a loop in C++
+// on the asm's result would be one whose exit the compiler cannot know to be warp-uniform, and
+// what follows it would leave uniform registers.
 __device__ __forceinline__ void mbar_wait_at(uint32_t addr, int parity) {
   asm volatile(
       "{\n .reg .pred P;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n @!P bra WAIT_%=;\n}\n"
@@ -75,6 +71,10 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
 
 __device__ __forceinline__ void mbar_arrive_at(uint32_t addr) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  mbar_arrive_at(smem_u32(bar));
 }
 
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
