@@ -22,12 +22,11 @@
 namespace {
 
 constexpr bool PINGPONG = COMMOPT_SM90_PINGPONG;
-// A k step: 32 of K for the cooperative split (64-byte rows, swizzled at that width): with each
-// warpgroup holding two stages (the one its wgmmas read, the one queued behind), the rest of the
-// ring is what the loads have in flight, and narrower stages leave more of it in flight for the
-// same shared memory.  64 for ping-pong, where one warpgroup at a time issues: a narrower step's
-// few wgmmas no longer cover its own waits and releases.
-constexpr int BM = 128, BN = PINGPONG ? 128 : 256, BK = PINGPONG ? 64 : 32, STAGES = PINGPONG ? 5 : 6;
+// A k step: 64 of K (128-byte rows, swizzled at that width), in 3 stages for the cooperative split
+// (what shared memory holds beside its two staged output tiles), 5 for ping-pong.  At the power
+// cap, where these GEMMs run, a step's waits, releases and bookkeeping cost clock: 32 in 6 stages
+// (more loads in flight) took fewer cycles, but ran at a lower clock.
+constexpr int BM = 128, BN = PINGPONG ? 128 : 256, BK = 64, STAGES = PINGPONG ? 5 : 3;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int THREADS = 384, WG_WARPS = 4;
 // A warpgroup's rows of a tile: HALVES of 64, the first at row wg_row0(wg).  Its accumulators:
@@ -267,37 +266,53 @@ __device__ void load_k_steps(const Shared& sh, Ring& r, const CUtensorMap* a, in
   }
 }
 
+// One k step of a consumer warpgroup on stage S (a constant where the caller's loop is unrolled):
+// wait for the stage to land, issue its wgmmas (its row halves, four k16 steps) as one group,
+// overwriting d at the tile's first step, and, past that step, release the stage before it once
+// the group reading it is complete (one group stays in flight).
+__device__ __forceinline__ void mma_stage(float (&d)[ACC], const Shared& sh, int S, int phase, uint32_t a_lo,
+                                          bool first, bool last, Turn& turn) {
+  mbar_wait_at(sh.full_at + 8 * S, phase);
+  if (last) turn.pass();
+  const uint32_t lo = sh.stage0_lo + S * (STAGE_BYTES >> 4);
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk)
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h)
+      wgmma_half(half_of(d, h), desc_of(lo + a_lo + ((64 * h * BK * 2 + kk * 32) >> 4)),
+                 desc_of(lo + ((A_BYTES + kk * 32) >> 4)), !first || kk > 0);
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  if (!first) {
+    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+    if (threadIdx.x % 32 == 0) mbar_arrive_at(sh.empty_at + 8 * ((S + STAGES - 1) % STAGES));
+  }
+}
+
 // A consumer warpgroup's k steps [kb0, kb1) of its rows of a tile into d (overwritten at the
-// first), in its turn: each stage's wgmmas (its row halves, four k16 steps) issued as one group,
-// the stage before it released once that group is complete (one group stays in flight); the turn
-// passed once the last stage has landed; d is final on return.
+// first), in its turn; the turn passed once the last stage has landed; d is final on return.
+// The ring is walked a round of STAGES stages at a time, unrolled, so that each step's stage is
+// a constant: its barriers' addresses and its descriptors are the block's base words plus
+// constants, and a step costs little more than its wgmmas (at the power cap every instruction
+// a k step issues costs clock).
 __device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0, int kb1, Turn& turn) {
-  bool lane0 = threadIdx.x % 32 == 0;
-  int prev = -1;
   turn.take();
   const uint32_t a_lo = wg_row0(turn.wg) * BK * 2 >> 4;  // the warpgroup's rows of A in the stage
-  for (int kb = kb0; kb < kb1; ++kb) {
-    mbar_wait_at(sh.full_at + 8 * r.s, r.phase);
-    if (kb == kb1 - 1) turn.pass();
-    uint32_t lo = sh.stage0_lo + r.s * (STAGE_BYTES >> 4);
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  int kb = kb0, from = r.s, phase = r.phase;
+  while (kb < kb1) {
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk)
-#pragma unroll
-      for (int h = 0; h < HALVES; ++h)
-        wgmma_half(half_of(d, h), desc_of(lo + a_lo + ((64 * h * BK * 2 + kk * 32) >> 4)),
-                   desc_of(lo + ((A_BYTES + kk * 32) >> 4)), kb > kb0 || kk > 0);
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    if (prev >= 0) {
-      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-      if (lane0) mbar_arrive_at(sh.empty_at + 8 * prev);
+    for (int S = 0; S < STAGES; ++S) {
+      if (S >= from && kb < kb1) {
+        mma_stage(d, sh, S, phase, a_lo, kb == kb0, kb == kb1 - 1, turn);
+        ++kb;
+      }
     }
-    prev = r.s;
-    r.next();
+    from = 0, phase ^= 1;
   }
+  r.skip(kb1 - kb0);
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   fence_operands(d);
-  if (lane0) mbar_arrive_at(sh.empty_at + 8 * prev);
+  if (threadIdx.x % 32 == 0) mbar_arrive_at(sh.empty_at + 8 * ((r.s + STAGES - 1) % STAGES));
 }
 
 __device__ __forceinline__ uint8_t* wg_staging(const Shared& sh, int wg) {
@@ -329,7 +344,11 @@ __device__ __forceinline__ void run_roles(const P& p) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES], turn[2], staged[2];
   uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  Shared sh{stages, full, empty, turn, staged, smem_u32(full), smem_u32(empty), desc_lo(smem_u32(stages))};
+  // The mainloop's base words broadcast from lane 0: warp-uniform values the compiler keeps (in
+  // uniform registers) rather than rebuilding from the shared window each k step.
+  Shared sh{stages, full, empty, turn, staged, (uint32_t)__shfl_sync(0xffffffff, smem_u32(full), 0),
+            (uint32_t)__shfl_sync(0xffffffff, smem_u32(empty), 0),
+            (uint32_t)__shfl_sync(0xffffffff, desc_lo(smem_u32(stages)), 0)};
   if (threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&full[i], 1);
