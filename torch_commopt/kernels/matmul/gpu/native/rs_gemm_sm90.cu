@@ -12,12 +12,21 @@
 // for each peer's partial of its chunk, adds it in fp32, scales (avg), adds the bias and is stored
 // by the TMA unit: the reduction is the epilogue.  The flags are touched only after a tile's
 // mainloop, so the producer never waits on them.
-#define COMMOPT_SM90_PINGPONG 1  // ping-pong (sm90_common.cuh): its epilogue sends and reduces
+#define COMMOPT_SM90_PINGPONG 0  // cooperative (sm90_common.cuh), as the all-gather's
 #include "sm90_common.cuh"
 
 #include <string.h>
 
 namespace {
+
+// The tiles a chunk's counter counts are BM x COUNT_BN, whatever this kernel's tile: the Triton
+// kernel another rank may run instead (sm90.py's RS_BN) counts the same.
+constexpr int COUNT_BN = 128;
+
+// How many counted tiles the tile at column col0 covers.
+__device__ __forceinline__ int counted(int n, int col0) {
+  return (min(BN, n - col0) + COUNT_BN - 1) / COUNT_BN;
+}
 
 struct RsParams {
   CUtensorMap a;    // A (world * m_seg, K), box [BM, BK]
@@ -77,7 +86,7 @@ __device__ void send_tile(const RsParams& p, const uint8_t* mine, __nv_bfloat16*
   tile_barrier(wg);
   if (tile_leader()) {
     __threadfence_system();
-    atomicAdd_system(counter, 1);
+    atomicAdd_system(counter, counted(p.n, col0));
   }
 }
 
@@ -90,7 +99,7 @@ __device__ void send_tile(const RsParams& p, const uint8_t* mine, __nv_bfloat16*
 __device__ bool load_partial(const RsParams& p, const Shared& sh, uint8_t* mine, int src, int pid_m, int col0, int wg,
                              bool wait) {
   int chunk = pid_m / p.chunk_mt;
-  int tiles_in_chunk = min(p.chunk_mt, p.tiles_m - chunk * p.chunk_mt) * p.tiles_n;
+  int tiles_in_chunk = min(p.chunk_mt, p.tiles_m - chunk * p.chunk_mt) * ((p.n + COUNT_BN - 1) / COUNT_BN);
   const int* flag = p.flags + (p.direct ? p.counters : p.data_base) + src * 256 + chunk;
   int expected = p.direct ? tiles_in_chunk : p.epoch;
   if (wait) {
@@ -117,7 +126,7 @@ __device__ void add_landed(const RsParams& p, const Shared& sh, uint8_t* mine, f
                            int wg, int& loads, bool early) {
   int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   for (int step = 1; step < p.world; ++step) {
-    if (tile_leader() && !(step == 1 && early))
+    if (wg_leader() && !(step == 1 && early))
       load_partial(p, sh, mine, (p.rank - step + p.world) % p.world, pid_m, col0, wg, true);
     mbar_wait(&sh.staged[wg], (loads++) & 1);
     if (step == p.world - 1) return;
@@ -164,7 +173,7 @@ __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
     RsTile tile = rs_decode(p, t);
     int row0 = tile.pid_m * BM, col0 = tile.pid_n * BN, chunk = tile.pid_m / p.chunk_mt;
     // An own tile's first partial, if it has landed, loads while the tile's mainloop runs.
-    bool early = p.world > 1 && tile.seg == p.rank && tile_leader() &&
+    bool early = p.world > 1 && tile.seg == p.rank && wg_leader() &&
                  load_partial(p, sh, mine, (p.rank - 1 + p.world) % p.world, tile.pid_m, col0, wg, false);
     mma_k_steps(d, sh, r, 0, nk, turn);
     if (tile.seg != p.rank) {

@@ -337,6 +337,11 @@ __device__ __forceinline__ bool tile_leader() {
   return PINGPONG ? threadIdx.x % 128 == 0 : threadIdx.x == 128;
 }
 
+// The thread of a consumer warpgroup that queues the TMA unit's work on its staging boxes.
+__device__ __forceinline__ bool wg_leader() {
+  return threadIdx.x % 128 == 0;
+}
+
 // A block of a kernel on the ring: its barriers set up, then warpgroup 0's first thread produces
 // (with few registers) and warpgroups 1 and 2 consume (with the registers given up).
 template <class P, void (*PRODUCE)(const P&, const Shared&), void (*CONSUME)(const P&, const Shared&, int)>
@@ -356,10 +361,8 @@ __device__ __forceinline__ void run_roles(const P& p) {
     }
     mbar_init(&turn[0], 1);
     mbar_init(&turn[1], 1);
-    if (PINGPONG) {
-      mbar_init(&staged[0], 1);
-      mbar_init(&staged[1], 1);
-    }
+    mbar_init(&staged[0], 1);
+    mbar_init(&staged[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
