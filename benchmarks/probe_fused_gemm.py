@@ -13,12 +13,16 @@ TP=2 + SP and 8192 tokens a step: M 8192 gathered rows, each rank 4096.  Every t
 of the sweep is timed (the all-gather's with its loops flattened, flat=1, the default, and
 nested); the report gives each region's best against cuBLAS.  Then cuBLAS whole
 against the pieces the cuBLAS schedules cut each region into, at bench_e2e's three row layouts
-(batch x seq 1 x 8192, 2 x 4096, 4 x 2048: the sequence cut over the ranks).  While each region is
-timed, nvidia-smi samples the SM clock and power (benchmarks/gpu_clocks.py): the region's figures,
-and those of the samples taken during cuBLAS's and the CUDA kernel's own calls, since at the power
-cap a kernel's clock follows its energy per FLOP.
+(batch x seq 1 x 8192, 2 x 4096, 4 x 2048: the sequence cut over the ranks).
 
-    python3 -m benchmarks.probe_fused_gemm --out OUT [--commit abc] [--rounds 7]
+Sustained: cuBLAS (its faster form) and the CUDA kernel each run back to back for `--sustain`
+seconds, twice in alternating order, while nvidia-smi samples the SM clock and power
+(benchmarks/gpu_clocks.py); the time a call after the first 0.6 s, the mean clock and power.  A
+training step runs its GEMMs back to back like this, at the card's power cap, where a kernel's
+clock follows its energy per FLOP: two kernels of equal cycles can differ in speed by their
+clock.  Short calls interleaved with others (the rounds above) sample too little of each.
+
+    python3 -m benchmarks.probe_fused_gemm --out OUT [--commit abc] [--rounds 7] [--sustain 2.5]
 """
 
 from __future__ import annotations
@@ -42,9 +46,8 @@ CONFIGS = [(128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 64, 4, 4
            (128, 256, 64, 8, 3, 16), (256, 128, 64, 8, 3, 8), (128, 128, 128, 8, 3, 8), (64, 256, 64, 4, 4, 8)]
 
 
-def _timed(fns: dict, rounds: int, runs: int = 10, windows: dict | None = None) -> dict:
-    """Median ms a call of each fn, rounds alternating their order (the clocks drift); `windows`,
-    if given, gets each fn's (start, end) time.time() spans (gpu_clocks.ClockSampler.summary)."""
+def _timed(fns: dict, rounds: int, runs: int = 10) -> dict:
+    """Median ms a call of each fn, rounds alternating their order (the clocks drift)."""
     times = {k: [] for k in fns}
     for fn in fns.values():
         fn()
@@ -52,17 +55,61 @@ def _timed(fns: dict, rounds: int, runs: int = 10, windows: dict | None = None) 
     labels = list(fns)
     for r in range(rounds):
         for label in (labels if r % 2 == 0 else labels[::-1]):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began = time.time()
-            start.record()
-            for _ in range(runs):
-                fns[label]()
-            end.record()
-            end.synchronize()
-            times[label].append(start.elapsed_time(end) / runs)
-            if windows is not None:
-                windows.setdefault(label, []).append((began, time.time()))
+            times[label].append(_batch_ms(fns[label], runs))
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _batch_ms(fn, runs: int) -> float:
+    """ms a call of `runs` calls of fn queued back to back."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(runs):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / runs
+
+
+WARM_S = 0.6  # a sustained run's first seconds, not counted: the clock settles at the power cap
+
+
+def _back_to_back(fn, seconds: float) -> tuple[float, tuple[float, float]]:
+    """Median ms a call of fn run back to back (batches of 20) for `seconds`, past the first WARM_S,
+    and the (start, end) time.time() span that median covers."""
+    fn()
+    torch.cuda.synchronize()
+    t0, per = time.time(), []
+    while time.time() - t0 < seconds or not per:
+        ms = _batch_ms(fn, 20)
+        if time.time() - t0 > WARM_S:
+            per.append(ms)
+    return statistics.median(per), (t0 + WARM_S, time.time())
+
+
+def sustained(fns: dict, seconds: float) -> dict:
+    """{label: {ms, sm_mhz, power_w, capped, samples, mcycles}} of each fn run back to back for
+    `seconds`, twice in alternating order (ms: the mean of the two medians; the clock figures over
+    both spans; mcycles: ms x MHz / 1000, a call's cycles in millions)."""
+    ms, windows = {k: [] for k in fns}, {k: [] for k in fns}
+    labels = list(fns)
+    with ClockSampler(period_ms=20) as clocks:
+        for order in (labels, labels[::-1]):
+            for label in order:
+                t, span = _back_to_back(fns[label], seconds)
+                ms[label].append(t)
+                windows[label].append(span)
+    return _sustained_rows(ms, clocks.summary(windows))
+
+
+def _sustained_rows(ms: dict, per_label: dict) -> dict:
+    out = {}
+    for label, times in ms.items():
+        g = next(iter(per_label.get(label, {}).values()), None)  # the one GPU's
+        t = statistics.mean(times)
+        out[label] = {"ms": t, "sm_mhz": g and g["sm_mhz_mean"], "power_w": g and g["power_w_mean"],
+                      "capped": g and g["power_capped_share"], "samples": g and g["samples"],
+                      "mcycles": g and t * g["sm_mhz_mean"] / 1000}
+    return out
 
 
 def _params(cfg, flat: int = 0) -> dict:
@@ -158,14 +205,14 @@ def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
     return runs, {"status": status, "check": check}
 
 
-def probe(rounds: int) -> list:
+def probe(rounds: int, sustain: float) -> list:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for region, (kind, k, ns) in REGIONS.items():
         runs, probe_of = _ag_runs(k, ns, gen) if kind == "ag" else _rs_runs(k, ns[0], gen)
-        windows: dict = {}
-        with ClockSampler(period_ms=20) as clocks:
-            ms = _timed(runs, rounds, windows=windows)
+        ms = _timed(runs, rounds)
+        cublas = min((key for key in ms if key.startswith("cublas")), key=ms.get)  # the faster form
+        held = sustained({"cublas": runs[cublas], "sm90": runs["sm90"]}, sustain) if sustain > 0 else None
         torch.cuda.synchronize()
         if int(probe_of["status"][0]) != 0:
             raise RuntimeError(f"{region}: a fused kernel reported wait status {int(probe_of['status'][0])}")
@@ -182,18 +229,8 @@ def probe(rounds: int) -> list:
                      "default_ms": fused[_default(kind)], "ratio_best": base / fused[best],
                      "ratio_default": base / fused[_default(kind)], "cublas_tflops": flops / base / 1e9,
                      "sm90_ms": ms.get("sm90"), "ratio_sm90": base / ms["sm90"] if "sm90" in ms else None,
-                     "clocks": _clocks(clocks, windows, min((key for key in ms if key.startswith("cublas")),
-                                                           key=ms.get))})
+                     "sustained": held})
     return rows
-
-
-def _clocks(clocks: ClockSampler, windows: dict, cublas: str) -> dict:
-    """The GPU's figures over the region's timing, and over the samples inside cuBLAS's (the
-    faster form's) and the CUDA kernel's own calls, of the first GPU nvidia-smi lists (the probe runs
-    on cuda:0); None where nvidia-smi gave none."""
-    per = clocks.summary({"cublas": windows.get(cublas, []), "sm90": windows.get("sm90", [])})
-    first = lambda d: next(iter(d.values()), None)  # noqa: E731 - the one GPU's
-    return {"region": first(clocks.summary()), "cublas": first(per["cublas"]), "sm90": first(per["sm90"])}
 
 
 def _ag_pieces(shards: list, ws: list, lay) -> None:
@@ -270,25 +307,26 @@ def report(rows: list, meta: dict) -> str:
     return "\n".join(lines + [""])
 
 
-def clocks_report(rows: list) -> str:
-    """The clocks table: the region's SM clock and power while it was timed, and the clock during
-    cuBLAS's calls and the CUDA kernel's (few samples where a call is short: their count is given)."""
-    lines = ["## Clocks while each region was timed", "",
-             "nvidia-smi every 20 ms: the SM clock (mean, lowest, highest), the power and the share of samples with "
-             "the software power cap active over the region's timing; the mean SM clock of the samples taken during "
-             "cuBLAS's calls and during the sm90 kernel's (their counts in brackets).", "",
-             "| region | SM MHz | W | power-capped share | cuBLAS's calls MHz | sm90's calls MHz |",
-             "|---|---|---|---|---|---|"]
-
-    def during(c):
-        return "-" if not c else f"{c['sm_mhz_mean']:.0f} ({c['samples']})"
-
+def sustained_report(rows: list) -> str:
+    """The sustained table: cuBLAS's and the CUDA kernel's time a call, clock and power, each run
+    back to back, and the kernel's throughput and cycles against cuBLAS's."""
+    lines = ["## Sustained: each kernel back to back", "",
+             "cuBLAS (the faster form) and the sm90 kernel each run back to back for seconds, twice in alternating "
+             "order; ms a call past the first 0.6 s; nvidia-smi every 20 ms meanwhile: mean SM clock, power, share of "
+             "samples with the software power cap active. Cycles = ms x clock.", "",
+             "| region | cuBLAS ms | MHz | W | capped | sm90 ms | MHz | W | capped | sm90 / cuBLAS throughput "
+             "| sm90 / cuBLAS cycles |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        c = r.get("clocks") or {}
-        g = c.get("region")
-        whole = "-" if not g else f"{g['sm_mhz_mean']:.0f} ({g['sm_mhz_min']:.0f}-{g['sm_mhz_max']:.0f})"
-        lines.append(f"| {r['region']} | {whole} | {fmt(g and g['power_w_mean'], 0)} | "
-                     f"{fmt(g and g['power_capped_share'], 2)} | {during(c.get('cublas'))} | {during(c.get('sm90'))} |")
+        held = r.get("sustained")
+        if not held:
+            continue
+        c, f = held["cublas"], held["sm90"]
+        cycles = f["mcycles"] / c["mcycles"] if c["mcycles"] and f["mcycles"] else None
+
+        def cols(x):
+            return f"{fmt(x['ms'])} | {fmt(x['sm_mhz'], 0)} | {fmt(x['power_w'], 0)} | {fmt(x['capped'], 2)}"
+
+        lines.append(f"| {r['region']} | {cols(c)} | {cols(f)} | {fmt(c['ms'] / f['ms'])} | {fmt(cycles)} |")
     return "\n".join(lines + [""])
 
 
@@ -309,11 +347,12 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--commit", default="")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--sustain", type=float, default=2.5, help="seconds each kernel runs back to back (0: none)")
     args = p.parse_args(argv)
     torch.cuda.set_device(0)
-    rows, cut = probe(args.rounds), pieces(args.rounds)
-    meta = machine_meta(torch.cuda.get_device_name(0), 1, args.commit, rounds=args.rounds)
-    text = report(rows, meta) + "\n" + clocks_report(rows) + "\n" + pieces_report(cut)
+    rows, cut = probe(args.rounds, args.sustain), pieces(args.rounds)
+    meta = machine_meta(torch.cuda.get_device_name(0), 1, args.commit, rounds=args.rounds, sustain_s=args.sustain)
+    text = report(rows, meta) + "\n" + sustained_report(rows) + "\n" + pieces_report(cut)
     print(text)
     write_report(args.out, result_stem("fused_gemm", meta["device"], 1), {"meta": meta, "rows": rows, "pieces": cut},
                  text)

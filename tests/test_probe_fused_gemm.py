@@ -17,24 +17,46 @@ def test_the_reports_give_the_ratios_of_the_times():
     assert "| 4 x 2048 | qkv | 0.300 | 0.315 | 1.050 |" in probe.pieces_report(cut)
 
 
-def test_the_clocks_table_gives_the_regions_clock_and_each_forms_own():
-    """The region's SM clock and power over its timing, and the mean clock of the samples taken inside
-    the faster cuBLAS form's and the sm90 kernel's own calls (synthetic nvidia-smi output)."""
-    import datetime
+def test_sustained_runs_each_kernel_twice_in_alternating_order_and_reads_its_own_clock(monkeypatch):
+    """Each kernel's time is the mean of its two back-to-back runs' medians; its clock and power are
+    the samples inside its own spans (a fake sampler answers per span); cycles = ms x MHz."""
+    calls = []
 
-    from benchmarks import gpu_clocks
+    def back_to_back(fn, seconds):
+        calls.append(fn())
+        t = {"cublas": 0.20, "sm90": 0.22}[calls[-1]] + 0.01 * (len(calls) > 2)
+        return t, (len(calls), len(calls) + 0.5)
 
-    t0 = 1_800_000_000.0
-    c = gpu_clocks.ClockSampler()
-    c.out = "\n".join(f"{datetime.datetime.fromtimestamp(t0 + dt).strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}, 0, {mhz}, "
-                      f"{watts}, 0x{reasons:016x}"
-                      for dt, mhz, watts, reasons in [(0.01, 1500, 690.0, 4), (0.03, 1800, 500.0, 0),
-                                                      (0.05, 1600, 650.0, 4)])
-    windows = {"cublas": [(t0, t0 + 0.02)], "cublas one GEMM": [(t0 + 0.04, t0 + 0.06)],
-               "sm90": [(t0 + 0.025, t0 + 0.035)]}
-    got = probe._clocks(c, windows, "cublas one GEMM")
-    assert got["region"]["samples"] == 3
-    assert (got["cublas"]["sm_mhz_mean"], got["sm90"]["sm_mhz_mean"]) == (1600.0, 1800.0)
-    text = probe.clocks_report([{"region": "wo", "clocks": got}, {"region": "w2"}])
-    assert "| wo | 1633 (1500-1800) | 613 | 0.67 | 1600 (1) | 1800 (1) |" in text, text
-    assert "| w2 | - | - | - | - | - |" in text
+    class Sampler:
+        def __init__(self, period_ms):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def summary(self, windows):
+            mhz = {"cublas": 1500.0, "sm90": 1400.0}
+            return {label: {0: {"samples": 10 * len(spans), "sm_mhz_mean": mhz[label], "power_w_mean": 660.0,
+                                "power_capped_share": 1.0}} for label, spans in windows.items()}
+
+    monkeypatch.setattr(probe, "_back_to_back", back_to_back)
+    monkeypatch.setattr(probe, "ClockSampler", Sampler)
+    got = probe.sustained({"cublas": lambda: "cublas", "sm90": lambda: "sm90"}, 2.5)
+    assert calls == ["cublas", "sm90", "sm90", "cublas"]
+    assert abs(got["cublas"]["ms"] - 0.205) < 1e-9 and abs(got["sm90"]["ms"] - 0.225) < 1e-9
+    assert got["sm90"]["samples"] == 20 and got["sm90"]["sm_mhz"] == 1400.0
+    assert abs(got["sm90"]["mcycles"] - 0.225 * 1.4) < 1e-9
+    text = probe.sustained_report([{"region": "wo", "sustained": got}, {"region": "w2", "sustained": None}])
+    assert "| wo | 0.205 | 1500 | 660 | 1.00 | 0.225 | 1400 | 660 | 1.00 | 0.911 | 1.024 |" in text, text
+    assert "| w2 |" not in text
+
+
+def test_sustained_without_clock_samples_gives_times_only():
+    got = probe._sustained_rows({"cublas": [0.2, 0.2], "sm90": [0.25, 0.25]}, {"cublas": {}, "sm90": {}})
+    assert got["sm90"] == {"ms": 0.25, "sm_mhz": None, "power_w": None, "capped": None, "samples": None,
+                           "mcycles": None}
+    assert "| wo | 0.200 | - | - | - | 0.250 | - | - | - | 0.800 | - |" in probe.sustained_report(
+        [{"region": "wo", "sustained": got}])
