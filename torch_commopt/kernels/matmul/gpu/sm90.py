@@ -31,7 +31,7 @@ NATIVE = pathlib.Path(__file__).with_name("native")
 SOURCES = [NATIVE / "ag_gemm_sm90.cu", NATIVE / "rs_gemm_sm90.cu"]
 HEADERS = [NATIVE / "sm90_common.cuh"]
 BM, BN, BK = 128, 256, 64  # the all-gather consumer's tile (its warpgroups cooperative: sm90_common.cuh)
-RS_BN, RS_BK = 128, 64  # the reduce-scatter producer's tiles are BM x RS_BN, its k steps RS_BK (ping-pong)
+RS_BN, RS_BK = 128, 64  # the reduce-scatter counts BM x RS_BN tiles on its flags (its CUDA tiles are 128 x 256)
 GROUP_M = 16  # row tiles a group sweeps before its next column tile (B's tiles stay in L2)
 NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
 _state: dict = {"lib": None, "why": None}

@@ -14,9 +14,7 @@
 // engine wrote the rows, then the flag, with a fenced stream write.
 //
 // Measured and not kept (docs/gpu-schedules.md): pointer stores from the accumulators for every
-// tile, 4 stages with half the tile staged, clusters of two blocks multicasting B, ping-pong
-// consumer warpgroups on 128 x 128 tiles.
-#define COMMOPT_SM90_PINGPONG 0  // cooperative (sm90_common.cuh): its epilogue is a TMA store
+// tile, 4 stages with half the tile staged, clusters of two blocks multicasting B.
 #include "sm90_common.cuh"
 
 namespace {
@@ -128,25 +126,23 @@ __device__ void store_tile(const Params& p, const Tile& t, float (&d)[ACC], int 
   const __nv_bfloat16* bias = p.bias[t.bi];
   int col0 = t.col * BN + 2 * (lane % 4);
 #pragma unroll
-  for (int h = 0; h < HALVES; ++h)
+  for (int j = 0; j < 2; ++j) {
+    int i = t.pid_m * BM + wg_row0(wg) + warp * 16 + lane / 4 + 8 * j;
+    if (i >= p.m_loc) continue;
+    __nv_bfloat16* out = p.c[t.bi] + out_row(p, t.slot, i) * n_i;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      int i = t.pid_m * BM + wg_row0(wg) + 64 * h + warp * 16 + lane / 4 + 8 * j;
-      if (i >= p.m_loc) continue;
-      __nv_bfloat16* out = p.c[t.bi] + out_row(p, t.slot, i) * n_i;
-#pragma unroll
-      for (int q = 0; q < BN / 8; ++q) {
-        int col = col0 + 8 * q;
-        if (col < n_i) {
-          float v0 = d[BN / 2 * h + 4 * q + 2 * j], v1 = d[BN / 2 * h + 4 * q + 2 * j + 1];
-          if (bias != nullptr) {
-            v0 += __bfloat162float(bias[col]);
-            v1 += __bfloat162float(bias[col + 1]);
-          }
-          *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(v0, v1);
+    for (int q = 0; q < BN / 8; ++q) {
+      int col = col0 + 8 * q;
+      if (col < n_i) {
+        float v0 = d[4 * q + 2 * j], v1 = d[4 * q + 2 * j + 1];
+        if (bias != nullptr) {
+          v0 += __bfloat162float(bias[col]);
+          v1 += __bfloat162float(bias[col + 1]);
         }
+        *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(v0, v1);
       }
     }
+  }
 }
 
 // The epilogue by the TMA unit: the warpgroup stages its rows of the tile (+ bias) and one thread
@@ -154,12 +150,8 @@ __device__ void store_tile(const Params& p, const Tile& t, float (&d)[ACC], int 
 __device__ void store_tile_tma(const Params& p, const Tile& t, float (&d)[ACC], int wg, uint8_t* mine) {
   stage_tile(mine, d, 1.f, p.bias[t.bi], 1.f, t.col * BN, p.n[t.bi], wg);
   if (threadIdx.x % 128 == 0) {
-    int rows[HALVES];
-    for (int h = 0; h < HALVES; ++h) {
-      int i = t.pid_m * BM + wg_row0(wg) + 64 * h;
-      rows[h] = i < p.m_loc ? (int)out_row(p, t.slot, i) : -1;
-    }
-    store_staged(&p.out[t.bi], mine, t.col * BN, p.n[t.bi], rows);
+    int i = t.pid_m * BM + wg_row0(wg);
+    store_staged(&p.out[t.bi], mine, t.col * BN, p.n[t.bi], i < p.m_loc ? (int)out_row(p, t.slot, i) : -1);
   }
 }
 
@@ -184,7 +176,7 @@ __device__ void produce(const Params& p, const Shared& sh) {
 
 // Where a warpgroup's float4s start in a workspace slot (one slot a block: a tile's partial).
 __device__ __forceinline__ int wg_part(int wg) {
-  return PINGPONG ? 0 : wg * ACC / 4;
+  return wg * ACC / 4;
 }
 
 // A stream-K share that does not start its tile: the accumulators into this block's workspace
@@ -196,7 +188,7 @@ __device__ void leave_partial(const Params& p, int j, float (&d)[ACC], int wg) {
 #pragma unroll
   for (int q = 0; q < ACC / 4; ++q)
     __stcg(slot + (wg_part(wg) + q) * 128 + tid, make_float4(d[4 * q], d[4 * q + 1], d[4 * q + 2], d[4 * q + 3]));
-  tile_barrier(wg);
+  tile_barrier();
   if (tile_leader()) {
     __threadfence();
     atomicAdd(p.counters + j, 1);
@@ -212,7 +204,7 @@ __device__ void add_partials(const Params& p, int j, int helpers, float (&d)[ACC
     }
     p.counters[j] = 0;
   }
-  tile_barrier(wg);
+  tile_barrier();
   for (int h = 1; h <= helpers; ++h) {
     const float4* slot = reinterpret_cast<const float4*>(p.workspace) + (size_t)(blockIdx.x + h) * (BM * BN / 4);
 #pragma unroll
@@ -223,23 +215,16 @@ __device__ void add_partials(const Params& p, int j, int helpers, float (&d)[ACC
   }
 }
 
-// A consumer warpgroup: its share of the block's units (Turn::owns), its ring position past the
-// k steps of the units it does not take.
+// A consumer warpgroup: its rows of each of the block's units.
 __device__ void consume(const Params& p, const Shared& sh, int wg) {
   uint8_t* mine = wg_staging(sh, wg);
   int nk = (p.k + BK - 1) / BK;
   Ring r;
-  Turn turn(sh.turn, wg);
   float d[ACC];
   Walk w = walk_start(p, nk);
-  int i = 0;
-  for (Unit u; next_unit(p, nk, w, u); ++i) {
-    if (!turn.owns(i)) {
-      r.skip(u.kb1 - u.kb0);
-      continue;
-    }
+  for (Unit u; next_unit(p, nk, w, u);) {
     Tile tile = decode(p, u.tile);
-    mma_k_steps(d, sh, r, u.kb0, u.kb1, turn);
+    mma_k_steps(d, sh, r, u.kb0, u.kb1, wg);
     if (u.partial) {
       leave_partial(p, u.tile - p.full, d, wg);
       continue;

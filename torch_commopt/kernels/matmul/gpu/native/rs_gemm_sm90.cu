@@ -1,5 +1,5 @@
 // The fused reduce-scatter producer GEMM for Hopper (sm_90a): one persistent, warp-specialized
-// kernel (sm90_common.cuh), its consumer warpgroups in ping-pong, the CUDA counterpart of
+// kernel (sm90_common.cuh), its consumer warpgroups cooperative, the CUDA counterpart of
 // triton_kernels.rs_gemm_kernel.
 //
 // A (world * m_seg rows in runs of lin per segment) @ B^T, reduce-scattered by row segments: rank p
@@ -7,12 +7,11 @@
 // so every peer first computes what this rank needs.  A peer segment's tile is staged in shared
 // memory and written with 16-byte stores either straight into the peer's receive slot `rank`
 // (direct, NVLink stores) or into the local send buffer the copy engine ships (store=ce); once
-// every thread of its warpgroup has stored, one thread releases the tile at system scope on the peer's
-// counter (direct) or the local one the side stream's copy waits for.  An own-segment tile waits
-// for each peer's partial of its chunk, adds it in fp32, scales (avg), adds the bias and is stored
-// by the TMA unit: the reduction is the epilogue.  The flags are touched only after a tile's
-// mainloop, so the producer never waits on them.
-#define COMMOPT_SM90_PINGPONG 0  // cooperative (sm90_common.cuh), as the all-gather's
+// every thread of both warpgroups has stored, one thread releases the tile at system scope on the
+// peer's counter (direct) or the local one the side stream's copy waits for.  An own-segment tile
+// waits for each peer's partial of its chunk, adds it in fp32, scales (avg), adds the bias and is
+// stored by the TMA unit: the reduction is the epilogue.  The flags are touched only after a
+// tile's mainloop, so the producer never waits on them.
 #include "sm90_common.cuh"
 
 #include <string.h>
@@ -74,16 +73,16 @@ __device__ void send_tile(const RsParams& p, const uint8_t* mine, __nv_bfloat16*
                           int col0, int wg) {
   int tid = threadIdx.x % 128;
 #pragma unroll 4
-  for (int it = 0; it < HALVES * 64 * BN / 8 / 128; ++it) {
+  for (int it = 0; it < 64 * BN / 8 / 128; ++it) {
     int id = it * 128 + tid, r = id / (BN / 8), ch = id % (BN / 8);  // the warpgroup's rows x chunks of 8 columns
-    int h = r / 64, rr = r % 64, row = row0 + wg_row0(wg) + r, col = col0 + ch * 8;
+    int row = row0 + wg_row0(wg) + r, col = col0 + ch * 8;
     if (row < p.m_seg && col < p.n) {
-      uint4 v = *reinterpret_cast<const uint4*>(mine + (h * (BN / BOX) + ch / 8) * BOX_BYTES + rr * 128 +
-                                                (((ch % 8) ^ (rr % 8)) * 16));
+      int off = (ch / 8) * BOX_BYTES + r * 128 + ((ch % 8) ^ (r % 8)) * 16;  // stage_tile's swizzled layout
+      uint4 v = *reinterpret_cast<const uint4*>(mine + off);
       *reinterpret_cast<uint4*>(dst + (long long)row * p.n + col) = v;
     }
   }
-  tile_barrier(wg);
+  tile_barrier();
   if (tile_leader()) {
     __threadfence_system();
     atomicAdd_system(counter, counted(p.n, col0));
@@ -110,11 +109,10 @@ __device__ bool load_partial(const RsParams& p, const Shared& sh, uint8_t* mine,
   }
   asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the last tile's stores have read them
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // after this warpgroup's reads of them
-  mbar_expect_tx(&sh.staged[wg], HALVES * BN * 64 * 2);
-  for (int h = 0; h < HALVES; ++h)
-    for (int c = 0; c < BN / BOX; ++c)
-      tma_load(mine + (h * (BN / BOX) + c) * BOX_BYTES, &p.recv_map, &sh.staged[wg], col0 + c * BOX,
-               src * p.m_seg + pid_m * BM + wg_row0(wg) + 64 * h);
+  mbar_expect_tx(&sh.staged[wg], BN * 64 * 2);
+  for (int c = 0; c < BN / BOX; ++c)
+    tma_load(mine + c * BOX_BYTES, &p.recv_map, &sh.staged[wg], col0 + c * BOX,
+             src * p.m_seg + pid_m * BM + wg_row0(wg));
   return true;
 }
 
@@ -133,15 +131,12 @@ __device__ void add_landed(const RsParams& p, const Shared& sh, uint8_t* mine, f
 #pragma unroll
     for (int q = 0; q < BN / 8; ++q)
 #pragma unroll
-      for (int h = 0; h < HALVES; ++h)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          int r = warp * 16 + lane / 4 + 8 * j;  // the boxes' layout (stage_tile's), r % 8 == lane / 4
-          uint32_t off = (h * (BN / BOX) + q / 8) * BOX_BYTES + r * 128 + (((q % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
-          __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(mine + off);
-          int at = BN / 2 * h + 4 * q + 2 * j;
-          d[at] += __low2float(v), d[at + 1] += __high2float(v);
-        }
+      for (int j = 0; j < 2; ++j) {
+        int r = warp * 16 + lane / 4 + 8 * j;  // the boxes' layout (stage_tile's), r % 8 == lane / 4
+        uint32_t off = (q / 8) * BOX_BYTES + r * 128 + (((q % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
+        __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(mine + off);
+        d[4 * q + 2 * j] += __low2float(v), d[4 * q + 2 * j + 1] += __high2float(v);
+      }
     wg_barrier(wg);  // every thread has read the boxes before the next load writes them
   }
 }
@@ -155,27 +150,21 @@ __device__ void rs_produce(const RsParams& p, const Shared& sh) {
   }
 }
 
-// A consumer warpgroup: its share of the block's tiles (Turn::owns), its ring position past the k
-// steps of the tiles it does not take.
+// A consumer warpgroup: its rows of each of the block's tiles.
 __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
   uint8_t* mine = wg_staging(sh, wg);
   int nk = (p.k + BK - 1) / BK;
   long long seg_elems = (long long)p.m_seg * p.n;
   Ring r;
-  Turn turn(sh.turn, wg);
   float d[ACC];
-  int i = 0, loads = 0;
-  for (int t = blockIdx.x; t < p.world * p.tiles_m * p.tiles_n; t += gridDim.x, ++i) {
-    if (!turn.owns(i)) {
-      r.skip(nk);
-      continue;
-    }
+  int loads = 0;
+  for (int t = blockIdx.x; t < p.world * p.tiles_m * p.tiles_n; t += gridDim.x) {
     RsTile tile = rs_decode(p, t);
     int row0 = tile.pid_m * BM, col0 = tile.pid_n * BN, chunk = tile.pid_m / p.chunk_mt;
     // An own tile's first partial, if it has landed, loads while the tile's mainloop runs.
     bool early = p.world > 1 && tile.seg == p.rank && wg_leader() &&
                  load_partial(p, sh, mine, (p.rank - 1 + p.world) % p.world, tile.pid_m, col0, wg, false);
-    mma_k_steps(d, sh, r, 0, nk, turn);
+    mma_k_steps(d, sh, r, 0, nk, wg);
     if (tile.seg != p.rank) {
       stage_tile(mine, d, 1.f, nullptr, 0.f, col0, p.n, wg);
       __nv_bfloat16* dst = p.direct ? reinterpret_cast<__nv_bfloat16*>(p.recv_bases[tile.seg]) + p.recv_off +
@@ -192,9 +181,8 @@ __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
     else
       stage_tile(mine, d, p.alpha, p.bias, p.bias_scale, col0, p.n, wg);
     if (threadIdx.x % 128 == 0) {
-      int rows[HALVES];
-      for (int h = 0; h < HALVES; ++h) rows[h] = row0 + wg_row0(wg) + 64 * h < p.m_seg ? row0 + wg_row0(wg) + 64 * h : -1;
-      store_staged(&p.out, mine, col0, p.n, rows);
+      int row = row0 + wg_row0(wg);
+      store_staged(&p.out, mine, col0, p.n, row < p.m_seg ? row : -1);
     }
   }
   if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");

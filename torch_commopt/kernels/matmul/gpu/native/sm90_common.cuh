@@ -1,17 +1,12 @@
 // What the sm_90a GEMM kernels share (ag_gemm_sm90.cu, rs_gemm_sm90.cu): the tile, the
-// shared-memory ring of TMA-loaded stages with its full / empty barriers, the two ways the
-// consumer warpgroups split the work, the wgmma mainloop, the staging of a warpgroup's output in
-// swizzled boxes, flag waits and tensor maps.
+// shared-memory ring of TMA-loaded stages with its full / empty barriers, the wgmma mainloop, the
+// staging of a warpgroup's output in swizzled boxes, flag waits and tensor maps.
 //
 // A block has 384 threads: warpgroup 0 produces (one thread issues each k step's TMA loads into a
-// ring of STAGES stages), warpgroups 1 and 2 consume, accumulating in fp32 registers, in one of two
-// ways a kernel picks by defining COMMOPT_SM90_PINGPONG before including this header:
-//   cooperative (0): both take every 128 x 256 tile, each its 64 rows, with wgmma m64n256k16;
-//     the widest tile, the fewest bytes through L2 a flop, but the tensor cores idle while they
-//     store a tile (the all-gather consumer, whose epilogue is a TMA store);
-//   ping-pong (1): they take the block's 128 x 128 tiles alternately, each tile whole with wgmma
-//     m64n128k16 over two row halves, so that one's epilogue runs under the other's mainloop (the
-//     reduce-scatter producer, whose epilogue also sends and reduces).
+// ring of STAGES stages), warpgroups 1 and 2 consume, accumulating in fp32 registers.  The
+// consumers are cooperative: both take every 128 x 256 tile, each its 64 rows, with wgmma
+// m64n256k16, and share the tile's epilogue (the tensor cores idle while they store it).  Both
+// kernels use this split: the widest tile, the fewest bytes through L2 a flop.
 // A stage is released once the wgmma after it has been issued and the one reading it has completed.
 #pragma once
 #include <cuda.h>
@@ -21,22 +16,21 @@
 
 namespace {
 
-constexpr bool PINGPONG = COMMOPT_SM90_PINGPONG;
-// A k step: 64 of K (128-byte rows, swizzled at that width), in 3 stages for the cooperative split
-// (what shared memory holds beside its two staged output tiles), 5 for ping-pong.  At the power
-// cap, where these GEMMs run, a step's waits, releases and bookkeeping cost clock: 32 in 6 stages
-// (more loads in flight) took fewer cycles, but ran at a lower clock.
-constexpr int BM = 128, BN = PINGPONG ? 128 : 256, BK = 64, STAGES = PINGPONG ? 5 : 3;
+// A k step: 64 of K (128-byte rows, swizzled at that width), in 3 stages (what shared memory holds
+// beside the two warpgroups' staged output).  At the power cap, where these GEMMs run, a step's
+// waits, releases and bookkeeping cost clock: 32 in 6 stages (more loads in flight) took fewer
+// cycles, but ran at a lower clock.
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 3;
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int THREADS = 384, WG_WARPS = 4;
-// A warpgroup's rows of a tile: HALVES of 64, the first at row wg_row0(wg).  Its accumulators:
-// d[BN / 2 * h + 4 * q + 2 * j + e] holds row 64 * h + 16 * warp + lane / 4 + 8 * j, column 8 * q +
-// 2 * (lane % 4) + e of its rows (wgmma's fragment).
-constexpr int HALVES = PINGPONG ? 2 : 1, ACC = HALVES * BN / 2;
-__device__ __forceinline__ int wg_row0(int wg) { return PINGPONG ? 0 : 64 * wg; }
-// A warpgroup's output staged as four 64 x 64 bf16 boxes with 128-byte swizzle: box h * BN / 64 +
-// c holds row half h, columns 64 * c.. .
-constexpr int BOX = 64, BOX_BYTES = BOX * BOX * 2, WG_STAGING = HALVES * (BN / BOX) * BOX_BYTES;
+// A warpgroup's rows of a tile: 64, the first at row wg_row0(wg).  Its accumulators: d[4 * q +
+// 2 * j + e] holds row 16 * warp + lane / 4 + 8 * j, column 8 * q + 2 * (lane % 4) + e of its rows
+// (wgmma's fragment).
+constexpr int ACC = BN / 2;
+__device__ __forceinline__ int wg_row0(int wg) { return 64 * wg; }
+// A warpgroup's output staged as four 64 x 64 bf16 boxes with 128-byte swizzle: box c holds
+// columns 64 * c.. .
+constexpr int BOX = 64, BOX_BYTES = BOX * BOX * 2, WG_STAGING = (BN / BOX) * BOX_BYTES;
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * WG_STAGING + 1024;  // + slack to align to 1024 B
 static_assert(SMEM_BYTES + 256 <= 227 * 1024, "the stages and the output tiles exceed a block's shared memory");
 
@@ -53,10 +47,10 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
                : "memory");
 }
 
-// A barrier's wait and arrive by its shared-window address (the mainloop's: no generic-to-shared
-// conversion a k step), and by pointer.  The wait's retry loop is inside the asm: a loop in C++
-// on the asm's result would be one whose exit the compiler cannot know to be warp-uniform, and
-// what follows it would leave uniform registers.
+// A barrier's wait by its shared-window address (the mainloop's: no generic-to-shared conversion
+// a k step) and by pointer, and its arrive by address.  The wait's retry loop is inside the asm: a
+// loop in C++ on the asm's result would be one whose exit the compiler cannot know to be
+// warp-uniform, and what follows it would leave uniform registers.
 __device__ __forceinline__ void mbar_wait_at(uint32_t addr, int parity) {
   asm volatile(
       "{\n .reg .pred P;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n @!P bra WAIT_%=;\n}\n"
@@ -70,10 +64,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
 
 __device__ __forceinline__ void mbar_arrive_at(uint32_t addr) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  mbar_arrive_at(smem_u32(bar));
 }
 
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
@@ -158,19 +148,6 @@ __device__ __forceinline__ uint64_t desc_of(uint32_t lo) {
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
 
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : F8(0), F8(8), F8(16), F8(24), F8(32), F8(40), F8(48), F8(56)
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -190,30 +167,17 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
 }
 #undef F8
 
-// Row half h of a warpgroup's accumulators, and one wgmma (k16) into it.
-__device__ __forceinline__ float (&half_of(float (&d)[ACC], int h))[BN / 2] {
-  return *reinterpret_cast<float (*)[BN / 2]>(d + BN / 2 * h);
-}
-
-__device__ __forceinline__ void wgmma_half(float (&d)[BN / 2], uint64_t da, uint64_t db, int accumulate) {
-#if COMMOPT_SM90_PINGPONG
-  wgmma_m64n128k16(d, da, db, accumulate);
-#else
-  wgmma_m64n256k16(d, da, db, accumulate);
-#endif
-}
-
 __device__ __forceinline__ void fence_operands(float (&d)[ACC]) {
 #pragma unroll
   for (int i = 0; i < ACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The block's shared memory: the ring's stages (1024-byte aligned), its barriers, the turns, and
-// (ping-pong) each warpgroup's barrier for loads into its staging boxes; the full and empty
-// barriers' shared-window addresses and stage 0's descriptor word, for the mainloop.
+// The block's shared memory: the ring's stages (1024-byte aligned), its barriers, and each
+// warpgroup's barrier for loads into its staging boxes; the full and empty barriers'
+// shared-window addresses and stage 0's descriptor word, for the mainloop.
 struct Shared {
   uint8_t* stages;
-  uint64_t *full, *empty, *turn, *staged;
+  uint64_t *full, *empty, *staged;
   uint32_t full_at, empty_at, stage0_lo;
 };
 
@@ -223,32 +187,11 @@ struct Ring {
   __device__ __forceinline__ void next() {
     if (++s == STAGES) s = 0, phase ^= 1;
   }
-  // Past the other warpgroup's `steps` k steps.
+  // Past `steps` k steps.
   __device__ __forceinline__ void skip(int steps) {
     int at = s + steps;
     phase ^= (at / STAGES) & 1;
     s = at % STAGES;
-  }
-};
-
-// The ping-pong's order: a warpgroup starts a tile's mainloop once the other has waited on every
-// stage of the tile before (turn[wg] completes a phase), so no warpgroup waits on a stage more
-// than one fill ahead (a parity wait cannot tell fills two apart), and each one's epilogue runs
-// under the other's mainloop.  Warpgroup 0 takes the first tile without waiting.  Cooperative
-// warpgroups take every tile together: no turns.
-struct Turn {
-  uint64_t* bar;
-  int wg, waits = 0;
-  bool first = true;
-  __device__ Turn(uint64_t* turns, int w) : bar(turns), wg(w) {}
-  // Whether the warpgroup takes the block's i-th tile (else it skips the tile's k steps).
-  __device__ __forceinline__ bool owns(int i) const { return !PINGPONG || i % 2 == wg; }
-  __device__ __forceinline__ void take() {
-    if (PINGPONG && (wg == 1 || !first)) mbar_wait(&bar[wg], (waits++) & 1);
-    first = false;
-  }
-  __device__ __forceinline__ void pass() {
-    if (PINGPONG && threadIdx.x % 128 == 0) mbar_arrive(&bar[wg ^ 1]);
   }
 };
 
@@ -267,21 +210,18 @@ __device__ void load_k_steps(const Shared& sh, Ring& r, const CUtensorMap* a, in
 }
 
 // One k step of a consumer warpgroup on stage S (a constant where the caller's loop is unrolled):
-// wait for the stage to land, issue its wgmmas (its row halves, four k16 steps) as one group,
-// overwriting d at the tile's first step, and, past that step, release the stage before it once
-// the group reading it is complete (one group stays in flight).
+// wait for the stage to land, issue its wgmmas (four k16 steps) as one group, overwriting d at the
+// tile's first step, and, past that step, release the stage before it once the group reading it
+// is complete (one group stays in flight).
 __device__ __forceinline__ void mma_stage(float (&d)[ACC], const Shared& sh, int S, int phase, uint32_t a_lo,
-                                          bool first, bool last, Turn& turn) {
+                                          bool first) {
   mbar_wait_at(sh.full_at + 8 * S, phase);
-  if (last) turn.pass();
   const uint32_t lo = sh.stage0_lo + S * (STAGE_BYTES >> 4);
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
   for (int kk = 0; kk < BK / 16; ++kk)
-#pragma unroll
-    for (int h = 0; h < HALVES; ++h)
-      wgmma_half(half_of(d, h), desc_of(lo + a_lo + ((64 * h * BK * 2 + kk * 32) >> 4)),
-                 desc_of(lo + ((A_BYTES + kk * 32) >> 4)), !first || kk > 0);
+    wgmma_m64n256k16(d, desc_of(lo + a_lo + (kk * 32 >> 4)), desc_of(lo + ((A_BYTES + kk * 32) >> 4)),
+                     !first || kk > 0);
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   if (!first) {
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
@@ -289,21 +229,20 @@ __device__ __forceinline__ void mma_stage(float (&d)[ACC], const Shared& sh, int
   }
 }
 
-// A consumer warpgroup's k steps [kb0, kb1) of its rows of a tile into d (overwritten at the
-// first), in its turn; the turn passed once the last stage has landed; d is final on return.
+// Consumer warpgroup wg's k steps [kb0, kb1) of its rows of a tile into d (overwritten at the
+// first); d is final on return.
 // The ring is walked a round of STAGES stages at a time, unrolled, so that each step's stage is
 // a constant: its barriers' addresses and its descriptors are the block's base words plus
 // constants, and a step costs little more than its wgmmas (at the power cap every instruction
 // a k step issues costs clock).
-__device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0, int kb1, Turn& turn) {
-  turn.take();
-  const uint32_t a_lo = wg_row0(turn.wg) * BK * 2 >> 4;  // the warpgroup's rows of A in the stage
+__device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0, int kb1, int wg) {
+  const uint32_t a_lo = wg_row0(wg) * BK * 2 >> 4;  // the warpgroup's rows of A in the stage
   int kb = kb0, from = r.s, phase = r.phase;
   while (kb < kb1) {
 #pragma unroll
     for (int S = 0; S < STAGES; ++S) {
       if (S >= from && kb < kb1) {
-        mma_stage(d, sh, S, phase, a_lo, kb == kb0, kb == kb1 - 1, turn);
+        mma_stage(d, sh, S, phase, a_lo, kb == kb0);
         ++kb;
       }
     }
@@ -324,17 +263,14 @@ __device__ __forceinline__ void wg_barrier(int wg) {
   named_barrier(1 + wg, 128);
 }
 
-// The threads that share a tile's epilogue meet (its warpgroup, or both cooperative ones), and the
-// one of them that signals for the tile.
-__device__ __forceinline__ void tile_barrier(int wg) {
-  if (PINGPONG)
-    wg_barrier(wg);
-  else
-    named_barrier(3, 256);
+// The threads that share a tile's epilogue (both consumer warpgroups) meet, and the one of them
+// that signals for the tile.
+__device__ __forceinline__ void tile_barrier() {
+  named_barrier(3, 256);
 }
 
 __device__ __forceinline__ bool tile_leader() {
-  return PINGPONG ? threadIdx.x % 128 == 0 : threadIdx.x == 128;
+  return threadIdx.x == 128;
 }
 
 // The thread of a consumer warpgroup that queues the TMA unit's work on its staging boxes.
@@ -347,20 +283,18 @@ __device__ __forceinline__ bool wg_leader() {
 template <class P, void (*PRODUCE)(const P&, const Shared&), void (*CONSUME)(const P&, const Shared&, int)>
 __device__ __forceinline__ void run_roles(const P& p) {
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES], turn[2], staged[2];
+  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES], staged[2];
   uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   // The mainloop's base words broadcast from lane 0: warp-uniform values the compiler keeps (in
   // uniform registers) rather than rebuilding from the shared window each k step.
-  Shared sh{stages, full, empty, turn, staged, (uint32_t)__shfl_sync(0xffffffff, smem_u32(full), 0),
+  Shared sh{stages, full, empty, staged, (uint32_t)__shfl_sync(0xffffffff, smem_u32(full), 0),
             (uint32_t)__shfl_sync(0xffffffff, smem_u32(empty), 0),
             (uint32_t)__shfl_sync(0xffffffff, desc_lo(smem_u32(stages)), 0)};
   if (threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&full[i], 1);
-      mbar_init(&empty[i], PINGPONG ? WG_WARPS : 2 * WG_WARPS);
+      mbar_init(&empty[i], 2 * WG_WARPS);
     }
-    mbar_init(&turn[0], 1);
-    mbar_init(&turn[1], 1);
     mbar_init(&staged[0], 1);
     mbar_init(&staged[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -432,40 +366,33 @@ __device__ void stage_tile(uint8_t* mine, const float (&d)[ACC], float alpha, co
       }
     }
     uint32_t chunk = ((q % 8 + m / 2) ^ r8) * 16;  // this lane's 16 bytes in its box row
+    uint32_t at = row_at + (q / 8) * BOX_BYTES + chunk;
+    float v[8];  // d[4q + 4g + 2j + e]: column group q + g, rows 8j.., element e
 #pragma unroll
-    for (int h = 0; h < HALVES; ++h) {
-      uint32_t at = row_at + (h * (BN / BOX) + q / 8) * BOX_BYTES + chunk;
-      int i = BN / 2 * h + 4 * q;  // d[i + 4g + 2j + e]: column group q + g, rows 8j.., element e
-      float v[8];
+    for (int x = 0; x < 8; ++x) v[x] = d[4 * q + x];
+    if (ADD) {
+      uint32_t w[4];
+      ldmatrix_x4(at, w[0], w[1], w[2], w[3]);  // matrices (q, j0), (q, j1), (q+1, j0), (q+1, j1)
 #pragma unroll
-      for (int x = 0; x < 8; ++x) v[x] = d[i + x];
-      if (ADD) {
-        uint32_t w[4];
-        ldmatrix_x4(at, w[0], w[1], w[2], w[3]);  // matrices (q, j0), (q, j1), (q+1, j0), (q+1, j1)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          float2 p = unpack_bf16(w[x]);
-          v[2 * x] += p.x, v[2 * x + 1] += p.y;
-        }
+      for (int x = 0; x < 4; ++x) {
+        float2 p = unpack_bf16(w[x]);
+        v[2 * x] += p.x, v[2 * x + 1] += p.y;
       }
-      uint32_t o[4];
-#pragma unroll
-      for (int x = 0; x < 4; ++x) o[x] = pack_bf16(alpha * v[2 * x] + b[2 * (x / 2)], alpha * v[2 * x + 1] + b[2 * (x / 2) + 1]);
-      stmatrix_x4(at, o[0], o[1], o[2], o[3]);
     }
+    uint32_t o[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) o[x] = pack_bf16(alpha * v[2 * x] + b[2 * (x / 2)], alpha * v[2 * x + 1] + b[2 * (x / 2) + 1]);
+    stmatrix_x4(at, o[0], o[1], o[2], o[3]);
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   wg_barrier(wg);
 }
 
-// The staged boxes' columns col0.. below n to the output by the TMA unit, row half h to rows
-// rows[h].. (skipped where negative); one thread of the warpgroup queues them as one bulk group.
-__device__ __forceinline__ void store_staged(const CUtensorMap* out, const uint8_t* mine, int col0, int n,
-                                             const int (&rows)[HALVES]) {
-  for (int h = 0; h < HALVES; ++h)
-    for (int c = 0; c < BN / BOX; ++c)
-      if (rows[h] >= 0 && col0 + c * BOX < n)
-        tma_store(out, mine + (h * (BN / BOX) + c) * BOX_BYTES, col0 + c * BOX, rows[h]);
+// The staged boxes' columns col0.. below n to the output's rows row.. by the TMA unit (none where
+// row is negative); one thread of the warpgroup queues them as one bulk group.
+__device__ __forceinline__ void store_staged(const CUtensorMap* out, const uint8_t* mine, int col0, int n, int row) {
+  for (int c = 0; c < BN / BOX; ++c)
+    if (row >= 0 && col0 + c * BOX < n) tma_store(out, mine + c * BOX_BYTES, col0 + c * BOX, row);
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
