@@ -109,7 +109,7 @@ if [[ $what == host_shared ]]; then
 fi
 if [[ $what == fused_probe ]]; then
   # issue 67, one GPU: the fused kernels' one-GPU tests (flags raised beforehand), then their GEMM
-  # throughput against cuBLAS at the training step's shapes over a sweep of tiles (~2 min)
+  # throughput against cuBLAS at the training step's shapes over a sweep of tiles, then back to back (~3 min)
   timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_gemm_one_gpu.py tests/gpu/test_sm90_gemm.py 2>&1 | tee "$out/fused_tests.log"
   timeout ${BENCH_TIMEOUT:-300} python3 -m benchmarks.probe_fused_gemm --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/fused_probe.log"
 fi
