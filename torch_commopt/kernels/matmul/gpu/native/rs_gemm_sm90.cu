@@ -120,8 +120,9 @@ __device__ bool load_partial(const RsParams& p, const Shared& sh, uint8_t* mine,
 // each but the last added here, the last left landed in the boxes for stage_tile<true> to add as it
 // stages the tile.  `early`: the leader loaded the first one before the tile's mainloop.  `loads`
 // counts the warpgroup's loads into its boxes (the barrier's parity).
-__device__ void add_landed(const RsParams& p, const Shared& sh, uint8_t* mine, float (&d)[ACC], int pid_m, int col0,
-                           int wg, int& loads, bool early) {
+__device__ void add_landed(const RsParams& p, const Shared& sh, float (&d)[ACC], int pid_m, int col0, int wg, int& loads,
+                           bool early) {
+  uint8_t* mine = wg_staging(sh, wg);
   int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   for (int step = 1; step < p.world; ++step) {
     if (wg_leader() && !(step == 1 && early))
@@ -175,7 +176,7 @@ __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
       send_tile(p, mine, dst, counter, row0, col0, wg);
       continue;
     }
-    add_landed(p, sh, mine, d, tile.pid_m, col0, wg, loads, early);
+    add_landed(p, sh, d, tile.pid_m, col0, wg, loads, early);
     if (p.world > 1)
       stage_tile<true>(mine, d, p.alpha, p.bias, p.bias_scale, col0, p.n, wg);
     else
