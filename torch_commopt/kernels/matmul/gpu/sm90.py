@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 NATIVE = pathlib.Path(__file__).with_name("native")
 SOURCES = [NATIVE / "ag_gemm_sm90.cu", NATIVE / "rs_gemm_sm90.cu"]
 HEADERS = [NATIVE / "sm90_common.cuh"]
-BM, BN, BK = 128, 256, 64  # the all-gather consumer's tile (its warpgroups cooperative: sm90_common.cuh)
-RS_BN, RS_BK = 128, 64  # the reduce-scatter counts BM x RS_BN tiles on its flags (its CUDA tiles are 128 x 256)
+BM, BN, BK = 128, 256, 64  # both kernels' tile and k step (cooperative warpgroups: sm90_common.cuh)
+RS_BN = 128  # the reduce-scatter counts BM x RS_BN tiles on its flags, as the Triton kernel does
 GROUP_M = 16  # row tiles a group sweeps before its next column tile (B's tiles stay in L2)
 NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC"]
 _state: dict = {"lib": None, "why": None}
@@ -232,7 +232,7 @@ def rs_refusal(a2: torch.Tensor, weight: torch.Tensor, targets, segments) -> Opt
     if weight.stride(0) != 1:
         return "the weight is not K-major (nn.Linear's layout)"
     n = weight.shape[-1]
-    if n % 8 or n < RS_BN or a2.shape[-1] < RS_BK or a2.shape[0] < BM:
+    if n % 8 or n < RS_BN or a2.shape[-1] < BK or a2.shape[0] < BM:
         return "N not a multiple of 8, or a tensor smaller than one tile"
     if not (_aligned(a2) and _aligned(weight.t()) and out.is_contiguous() and out.data_ptr() % 16 == 0):
         return "a base or row pitch is not 16-byte aligned"

@@ -149,7 +149,7 @@ __device__ void store_tile(const Params& p, const Tile& t, float (&d)[ACC], int 
 // queues their stores; the warpgroup goes on to its next tile while they drain.
 __device__ void store_tile_tma(const Params& p, const Tile& t, float (&d)[ACC], int wg, uint8_t* mine) {
   stage_tile(mine, d, 1.f, p.bias[t.bi], 1.f, t.col * BN, p.n[t.bi], wg);
-  if (threadIdx.x % 128 == 0) {
+  if (wg_leader()) {
     int i = t.pid_m * BM + wg_row0(wg);
     store_staged(&p.out[t.bi], mine, t.col * BN, p.n[t.bi], i < p.m_loc ? (int)out_row(p, t.slot, i) : -1);
   }
@@ -235,7 +235,7 @@ __device__ void consume(const Params& p, const Shared& sh, int wg) {
     else
       store_tile(p, tile, d, wg);
   }
-  if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  if (wg_leader()) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 __global__ void __launch_bounds__(THREADS, 1) ag_gemm_sm90(const __grid_constant__ Params p) {

@@ -181,12 +181,12 @@ __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
       stage_tile<true>(mine, d, p.alpha, p.bias, p.bias_scale, col0, p.n, wg);
     else
       stage_tile(mine, d, p.alpha, p.bias, p.bias_scale, col0, p.n, wg);
-    if (threadIdx.x % 128 == 0) {
+    if (wg_leader()) {
       int row = row0 + wg_row0(wg);
       store_staged(&p.out, mine, col0, p.n, row < p.m_seg ? row : -1);
     }
   }
-  if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  if (wg_leader()) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 __global__ void __launch_bounds__(THREADS, 1) rs_gemm_sm90(const __grid_constant__ RsParams p) {
