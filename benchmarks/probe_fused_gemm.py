@@ -20,7 +20,10 @@ seconds, twice in alternating order, while nvidia-smi samples the SM clock and p
 (benchmarks/gpu_clocks.py); the time a call after the first 0.6 s, the mean clock and power.  A
 training step runs its GEMMs back to back like this, at the card's power cap, where a kernel's
 clock follows its energy per FLOP: two kernels of equal cycles can differ in speed by their
-clock.  Short calls interleaved with others (the rounds above) sample too little of each.
+clock.  Short calls interleaved with others (the rounds above) sample too little of each.  For
+the reductions a third run: cuBLAS then the own segment's sum with the landed partial as a
+separate add (`cuBLAS + add`), the unfused form of the work the fused kernel does on one rank
+(its epilogue reads and adds the peer's partial, which cuBLAS alone does not).
 
     python3 -m benchmarks.probe_fused_gemm --out OUT [--commit abc] [--rounds 7] [--sustain 2.5]
 """
@@ -194,6 +197,11 @@ def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
     runs["sm90"] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets,
                                      st.signals._replace(status=status), st.segments, 1.0, {"impl": "sm90"})
     runs["cublas"] = lambda a=st.a2, w=st.weight: torch.mm(a, w)
+    whole = torch.empty(WORLD * M_LOC, n, device="cuda", dtype=st.a2.dtype)
+
+    def unfused() -> None:  # the same rows' GEMM, then the own segment (rank 1's) plus the landed partial
+        torch.mm(st.a2, st.weight, out=whole)
+        torch.add(whole[M_LOC:], st.recv[0], out=st.targets.out)
 
     def check(label, region):
         s = calls[label]
@@ -202,7 +210,7 @@ def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
         _checked(s.targets.out, own.float() @ s.weight.float() + partial,
                  (torch.mm(own, s.weight).float() + partial).to(own.dtype), f"{region} {label}")
 
-    return runs, {"status": status, "check": check}
+    return runs, {"status": status, "check": check, "unfused": unfused}
 
 
 def probe(rounds: int, sustain: float) -> list:
@@ -212,7 +220,10 @@ def probe(rounds: int, sustain: float) -> list:
         runs, probe_of = _ag_runs(k, ns, gen) if kind == "ag" else _rs_runs(k, ns[0], gen)
         ms = _timed(runs, rounds)
         cublas = min((key for key in ms if key.startswith("cublas")), key=ms.get)  # the faster form
-        held = sustained({"cublas": runs[cublas], "sm90": runs["sm90"]}, sustain) if sustain > 0 else None
+        held_fns = {"cublas": runs[cublas], "sm90": runs["sm90"]}
+        if "unfused" in probe_of:
+            held_fns["cublas + add"] = probe_of["unfused"]
+        held = sustained(held_fns, sustain) if sustain > 0 else None
         torch.cuda.synchronize()
         if int(probe_of["status"][0]) != 0:
             raise RuntimeError(f"{region}: a fused kernel reported wait status {int(probe_of['status'][0])}")
@@ -313,9 +324,12 @@ def sustained_report(rows: list) -> str:
     lines = ["## Sustained: each kernel back to back", "",
              "cuBLAS (the faster form) and the sm90 kernel each run back to back for seconds, twice in alternating "
              "order; ms a call past the first 0.6 s; nvidia-smi every 20 ms meanwhile: mean SM clock, power, share of "
-             "samples with the software power cap active. Cycles = ms x clock.", "",
+             "samples with the software power cap active. Cycles = ms x clock. For the reductions, `cuBLAS + add`: "
+             "cuBLAS then the own segment's sum with the landed partial as a separate add, the unfused form of "
+             "the fused kernel's work on one rank.", "",
              "| region | cuBLAS ms | MHz | W | capped | sm90 ms | MHz | W | capped | sm90 / cuBLAS throughput "
-             "| sm90 / cuBLAS cycles |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| sm90 / cuBLAS cycles | cuBLAS + add ms | sm90 / (cuBLAS + add) throughput |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         held = r.get("sustained")
         if not held:
@@ -326,7 +340,9 @@ def sustained_report(rows: list) -> str:
         def cols(x):
             return f"{fmt(x['ms'])} | {fmt(x['sm_mhz'], 0)} | {fmt(x['power_w'], 0)} | {fmt(x['capped'], 2)}"
 
-        lines.append(f"| {r['region']} | {cols(c)} | {cols(f)} | {fmt(c['ms'] / f['ms'])} | {fmt(cycles)} |")
+        both = held.get("cublas + add")
+        unfused = f"{fmt(both['ms'])} | {fmt(both['ms'] / f['ms'])}" if both else "- | -"
+        lines.append(f"| {r['region']} | {cols(c)} | {cols(f)} | {fmt(c['ms'] / f['ms'])} | {fmt(cycles)} | {unfused} |")
     return "\n".join(lines + [""])
 
 

@@ -50,7 +50,7 @@ def test_sustained_runs_each_kernel_twice_in_alternating_order_and_reads_its_own
     assert got["sm90"]["samples"] == 20 and got["sm90"]["sm_mhz"] == 1400.0
     assert abs(got["sm90"]["mcycles"] - 0.225 * 1.4) < 1e-9
     text = probe.sustained_report([{"region": "wo", "sustained": got}, {"region": "w2", "sustained": None}])
-    assert "| wo | 0.205 | 1500 | 660 | 1.00 | 0.225 | 1400 | 660 | 1.00 | 0.911 | 1.024 |" in text, text
+    assert "| wo | 0.205 | 1500 | 660 | 1.00 | 0.225 | 1400 | 660 | 1.00 | 0.911 | 1.024 | - | - |" in text, text
     assert "| w2 |" not in text
 
 
@@ -58,5 +58,13 @@ def test_sustained_without_clock_samples_gives_times_only():
     got = probe._sustained_rows({"cublas": [0.2, 0.2], "sm90": [0.25, 0.25]}, {"cublas": {}, "sm90": {}})
     assert got["sm90"] == {"ms": 0.25, "sm_mhz": None, "power_w": None, "capped": None, "samples": None,
                            "mcycles": None}
-    assert "| wo | 0.200 | - | - | - | 0.250 | - | - | - | 0.800 | - |" in probe.sustained_report(
+    assert "| wo | 0.200 | - | - | - | 0.250 | - | - | - | 0.800 | - | - | - |" in probe.sustained_report(
         [{"region": "wo", "sustained": got}])
+
+
+def test_sustained_reports_the_reduction_against_cublas_and_a_separate_add():
+    """A reduction's row: the kernel against cuBLAS alone and against cuBLAS + the partial's add."""
+    got = probe._sustained_rows({"cublas": [0.2, 0.2], "sm90": [0.22, 0.22], "cublas + add": [0.24, 0.24]},
+                                {"cublas": {}, "sm90": {}, "cublas + add": {}})
+    text = probe.sustained_report([{"region": "wo", "sustained": got}])
+    assert "| wo | 0.200 | - | - | - | 0.220 | - | - | - | 0.909 | - | 0.240 | 1.091 |" in text, text
