@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from benchmarks.attention_timing import Clock
 from benchmarks.common import fmt, machine_meta, result_stem, write_report
 from benchmarks.gpu_clocks import ClockSampler
 
@@ -64,13 +65,7 @@ def _timed(fns: dict, rounds: int, runs: int = 10) -> dict:
 
 def _batch_ms(fn, runs: int) -> float:
     """ms a call of `runs` calls of fn queued back to back."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(runs):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / runs
+    return Clock("cuda").time_ms(fn, runs)
 
 
 WARM_S = 0.6  # a sustained run's first seconds, not counted: the clock settles at the power cap
