@@ -184,6 +184,10 @@ def _run_rs(one_gpu, *, world, m_seg, k, n, lin=None, direct=True, alpha=1.0, se
         counters = (st.peer_flags[s][COUNTERS + rank * MAX_CHUNKS:] if direct
                     else st.flags[COUNTERS + s * MAX_CHUNKS:])[:len(tiles)]
         assert counters.tolist() == tiles
+        # The TMA stores stay inside the segment's slot: the peer's other slots are untouched.
+        others = [q for q in range(world) if q != rank]
+        assert not direct or int(st.peer_bufs[s][others].count_nonzero()) == 0, s
+    assert direct or int(st.send[rank].count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -195,6 +199,29 @@ def test_sm90_rs_ragged_avg_world4(one_gpu):
     """Rows and K that are not tile multiples (a last tile reads the next segment's rows and masks
     them), N not a multiple of the tile, avg scaling, world 4."""
     _run_rs(one_gpu, world=4, m_seg=333, k=520, n=1000, alpha=0.25, seed=3)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_sm90_rs_eight_ranks_ragged(one_gpu, direct):
+    """The most ranks a launch takes (a destination tensor map each), segments of ragged rows
+    whose last tile's stores the maps clip at the slot's end."""
+    _run_rs(one_gpu, world=8, m_seg=200, k=320, n=520, direct=direct, seed=5)
+
+
+def test_sm90_rs_refuses_nine_ranks_and_unknown_peers(one_gpu):
+    """Nine ranks would need a ninth destination map; direct stores without the peers' host
+    addresses cannot encode theirs: both refused (the Triton kernel runs)."""
+    from torch_commopt.testing.fused_standins import rs_standins
+
+    sm90 = _sm90(one_gpu)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    st = rs_standins(128, 128, 256, Standin(9, None, True, torch.bfloat16, gen), bm=sm90.BM)
+    assert "more than 8 ranks" in sm90.rs_refusal(st.a2, st.weight, st.targets, st.segments)
+    st = rs_standins(128, 128, 256, Standin(2, None, True, torch.bfloat16, gen), bm=sm90.BM)
+    unknown = st.targets._replace(host_bases=())
+    assert "not known on the host" in sm90.rs_refusal(st.a2, st.weight, unknown, st.segments)
+    ce = rs_standins(128, 128, 256, Standin(2, None, True, torch.bfloat16, gen), direct=False, bm=sm90.BM)
+    assert sm90.rs_refusal(ce.a2, ce.weight, ce.targets._replace(host_bases=()), ce.segments) is None
 
 
 def test_sm90_rs_3d_rows_and_the_refusal(one_gpu, caplog):

@@ -111,7 +111,7 @@ def rs_standins(m_seg: int, k: int, n: int, how: Standin, direct: bool = True, b
     flag_bases = torch.tensor([(flags if s == rank else peer_flags[s]).data_ptr() for s in range(world)],
                               dtype=torch.int64, device="cuda")
     status = torch.zeros(8, dtype=torch.int32, device="cuda")
-    targets = RsTargets(out, send, recv, recv_bases, 0, direct, bases_aligned)
+    targets = RsTargets(out, send, recv, recv_bases, 0, direct, bases_aligned, tuple(bases))
     signals = RsSignals(flags, flag_bases, status, 0)
     segments = RsSegments(rank, world, lin, m_seg, max(1, cdiv(cdiv(m_seg, bm), 3)))
     return RsStandins(a2, w, targets, signals, segments, recv, peer_bufs, send, flags, peer_flags)

@@ -77,7 +77,8 @@ class RsTargets(NamedTuple):
     m_seg, N) the copy engine ships); recv (world, m_seg, N): this rank's receive slots, where
     the partials land; recv_bases: (world,) int64 device addresses of every rank's buffer;
     bases_aligned: every recv_bases entry is 16-byte aligned (the direct stores are then
-    vectorized when the slot offsets are too)."""
+    vectorized when the slot offsets are too); host_bases: the same addresses on the host (the
+    sm_90a kernel's tensor maps of the peers' slots are encoded there; empty: not known)."""
 
     out: torch.Tensor
     send: torch.Tensor
@@ -86,6 +87,7 @@ class RsTargets(NamedTuple):
     recv_off: int
     direct: bool
     bases_aligned: bool
+    host_bases: tuple = ()
 
 
 class RsSignals(NamedTuple):
@@ -535,8 +537,9 @@ def _fused(call: _Call, weight, own):
     send = own if direct else torch.empty((call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
     if not direct:
         call.after_caller()  # the side stream's copies below follow the barrier, not the kernel
+    host_bases = tuple(call.buf.handle.buffer_ptrs)
     targets = RsTargets(own, send, call.recv, call.buf.ptrs_dev, call.base // call.recv.element_size(), direct,
-                        all(int(ptr) % 16 == 0 for ptr in call.buf.handle.buffer_ptrs))
+                        all(int(ptr) % 16 == 0 for ptr in host_bases), host_bases)
     signals = RsSignals(rt.flags, rt.flag_bases_dev, rt.status, data_index(call.half, 0, 0))
     segments = RsSegments(rt.rank, rt.world, call.lay.lin, call.m_seg, chunk_mt)
     for src in rt.sources:  # the kernel's spins, for the watchdog
@@ -581,7 +584,7 @@ def launch_rs_fused(a2, weight, targets: RsTargets, signals: RsSignals, segments
         return
     driver.untapped("launches a Triton kernel")
     k, n = a2.shape[-1], weight.shape[-1]
-    out, send, recv, recv_bases, recv_off, direct, bases_aligned = targets
+    out, send, recv, recv_bases, recv_off, direct, bases_aligned, _host = targets
     flags, flag_bases, status, data_base, epoch = signals
     rank, world, lin, m_seg, chunk_mt = segments
     # Debug waits are one-block kernels on the side stream: leave them an SM, or a grid

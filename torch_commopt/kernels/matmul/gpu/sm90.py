@@ -95,11 +95,12 @@ AG_WORDS = ("a_own", "a_pitch", "a_slots", "s_pitch", "m_loc", "k", "world", "ra
             "stream")
 AG_ADDRESSES = tuple(AG_WORDS.index(w) for w in ("a_own", "a_slots", "flags", "status", "b0", "b1", "b2", "c0", "c1",
                                                   "c2", "bias0", "bias1", "bias2", "workspace", "counters"))
-RS_WORDS = ("a", "a_pitch", "b", "b_pitch", "n", "k", "out", "bias", "alpha", "bias_scale", "send", "recv",
-            "recv_bases", "flag_bases", "recv_off", "flags", "status", "bound", "m_seg", "lin", "world", "rank",
-            "chunk_mt", "data_base", "epoch", "counters", "direct", "group_m", "grid", "stream")
-RS_ADDRESSES = tuple(RS_WORDS.index(w) for w in ("a", "b", "out", "bias", "send", "recv", "recv_bases", "flag_bases",
-                                                  "flags", "status"))
+RS_MAX_RANKS = 8  # rs_gemm_sm90.cu's MAX_RANKS: a tensor map per destination segment in its parameters
+RS_WORDS = ("a", "a_pitch", "b", "b_pitch", "n", "k", "out", "bias", "alpha", "bias_scale", "recv", "flag_bases",
+            "flags", "status", "bound", "m_seg", "lin", "world", "rank", "chunk_mt", "data_base", "epoch", "counters",
+            "direct", "group_m", "grid", "stream", *(f"dst{s}" for s in range(RS_MAX_RANKS)))
+RS_ADDRESSES = tuple(RS_WORDS.index(w) for w in ("a", "b", "out", "bias", "recv", "flag_bases", "flags", "status",
+                                                  *(f"dst{s}" for s in range(RS_MAX_RANKS))))
 
 
 def _declared(lib):
@@ -223,7 +224,7 @@ def ag_gemm(a2, slots2, mm, at, launch: Launch) -> bool:
 
 def rs_refusal(a2: torch.Tensor, weight: torch.Tensor, targets, segments) -> Optional[str]:
     """Why the sm_90a reduce-scatter producer cannot take these operands (None: it can)."""
-    out, send, recv, _bases, recv_off, direct, bases_aligned = targets
+    out, send, recv, _bases, recv_off, direct, bases_aligned, host_bases = targets
     rank, world, lin, m_seg, chunk_mt = segments
     if a2.device.type != "cuda" or torch.cuda.get_device_capability(a2.device) != (9, 0):
         return "not an sm_90 GPU"
@@ -246,7 +247,26 @@ def rs_refusal(a2: torch.Tensor, weight: torch.Tensor, targets, segments) -> Opt
         return f"a tile's rows span two runs of A (run of {lin} rows, tile {BM})"
     if chunk_mt < 1:
         return "no tile in a chunk"
+    if world > RS_MAX_RANKS:
+        return f"more than {RS_MAX_RANKS} ranks (a tensor map per destination in the kernel's parameters)"
+    if direct and len(host_bases) != world:
+        return "the peers' receive buffers are not known on the host (their tensor maps are encoded there)"
     return None
+
+
+def rs_destinations(targets, segments, n: int) -> list:
+    """Where segment s's (m_seg, n) rows go, RS_MAX_RANKS words (device addresses; 0 past the world
+    and at this rank's own): direct, the peer's receive slot `rank` (its buffer's base + recv_off
+    elements + rank segments); store=ce, the local send buffer's segment s."""
+    out, send, _recv, _bases, recv_off, direct, _aligned_bases, host_bases = targets
+    rank, world, _lin, m_seg, _chunk_mt = segments
+    elt, seg_bytes = out.element_size(), m_seg * n * out.element_size()
+    if direct:
+        dst = [host_bases[s] + recv_off * elt + rank * seg_bytes for s in range(world)]
+    else:
+        dst = [send.data_ptr() + s * seg_bytes for s in range(world)]
+    dst[rank] = 0
+    return dst + [0] * (RS_MAX_RANKS - world)
 
 
 def rs_gemm(a2, weight, targets, signals, segments, alpha: float, launch: Launch) -> bool:
@@ -257,15 +277,15 @@ def rs_gemm(a2, weight, targets, signals, segments, alpha: float, launch: Launch
     lib = _ready("matmul_rs", rs_refusal(a2, weight, targets, segments))
     if lib is None:
         return False
-    out, send, recv, recv_bases, recv_off, direct, _aligned_bases = targets
+    out, recv, direct = targets.out, targets.recv, targets.direct
     flags, flag_bases, status, data_base, epoch = signals
     rank, world, lin, m_seg, chunk_mt = segments
     group_m, grid, bound_ns = launch
     n, k = weight.shape[-1], a2.shape[-1]
     words = [a2.data_ptr(), a2.stride(0), weight.data_ptr(), weight.stride(1), n, k, out.data_ptr(), 0,
-             _float_bits(alpha), _float_bits(0.0), send.data_ptr(), recv.data_ptr(), recv_bases.data_ptr(),
-             flag_bases.data_ptr(), recv_off, flags.data_ptr(), status.data_ptr(), bound_ns, m_seg, lin, world, rank,
-             chunk_mt, data_base, epoch, COUNTERS, int(direct), group_m, grid, driver.current_handle(a2.device)]
+             _float_bits(alpha), _float_bits(0.0), recv.data_ptr(), flag_bases.data_ptr(), flags.data_ptr(),
+             status.data_ptr(), bound_ns, m_seg, lin, world, rank, chunk_mt, data_base, epoch, COUNTERS, int(direct),
+             group_m, grid, driver.current_handle(a2.device), *rs_destinations(targets, segments, n)]
     rc = driver.native_call(lib.commopt_sm90_rs_gemm_words, words, RS_ADDRESSES)
     if rc != 0:
         raise RuntimeError(f"commopt sm90 rs_gemm: launch failed with CUDA error {rc}")

@@ -229,13 +229,19 @@ __device__ __forceinline__ void mma_stage(float (&d)[ACC], const Shared& sh, int
   }
 }
 
+// What a consumer does between two rounds of its mainloop: nothing by default.
+struct NoHook {
+  __device__ __forceinline__ void operator()() {}
+};
+
 // Consumer warpgroup wg's k steps [kb0, kb1) of its rows of a tile into d (overwritten at the
 // first); d is final on return.
 // The ring is walked a round of STAGES stages at a time, unrolled, so that each step's stage is
 // a constant: its barriers' addresses and its descriptors are the block's base words plus
 // constants, and a step costs little more than its wgmmas (at the power cap every instruction
-// a k step issues costs clock).
-__device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0, int kb1, int wg) {
+// a k step issues costs clock).  hook() runs after each round but the last, its wgmmas in flight.
+template <class Hook>
+__device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0, int kb1, int wg, Hook& hook) {
   const uint32_t a_lo = wg_row0(wg) * BK * 2 >> 4;  // the warpgroup's rows of A in the stage
   int kb = kb0, from = r.s, phase = r.phase;
   while (kb < kb1) {
@@ -247,11 +253,17 @@ __device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0,
       }
     }
     from = 0, phase ^= 1;
+    if (kb < kb1) hook();
   }
   r.skip(kb1 - kb0);
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   fence_operands(d);
   if (threadIdx.x % 32 == 0) mbar_arrive_at(sh.empty_at + 8 * ((r.s + STAGES - 1) % STAGES));
+}
+
+__device__ __forceinline__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0, int kb1, int wg) {
+  NoHook none;
+  mma_k_steps(d, sh, r, kb0, kb1, wg, none);
 }
 
 __device__ __forceinline__ uint8_t* wg_staging(const Shared& sh, int wg) {
