@@ -126,25 +126,21 @@ __device__ __forceinline__ void load_box(const RsParams& p, const Shared& sh, ui
 }
 
 // An own tile's first partial, spread over its mainloop (mma_k_steps' hook, the leader's): at the
-// first round, where it has landed, the boxes are armed and the first queued, then one more box
-// every PARTIAL_SPREAD rounds, so that its bytes come in beside the mainloop's loads rather than
-// as one burst.  `queued` boxes are in flight when the mainloop ends (add_landed queues the rest).
-constexpr int PARTIAL_SPREAD = 1;
-
+// first round where it has landed, the boxes are armed and the first queued, then one more box a
+// round, so that its bytes come in beside the mainloop's loads rather than as one burst.
+// `queued` boxes are in flight when the mainloop ends (add_landed queues the rest).
 struct SpreadPartial {
   const RsParams& p;
   const Shared& sh;
   uint8_t* mine;
   int src, pid_m, col0, wg;
-  int queued = 0, rounds = 0;
+  int queued = 0;
   bool on;  // this warpgroup's leader, on an own tile with peers
   __device__ __forceinline__ void operator()() {
     if (!on || queued == BN / BOX) return;
     if (queued == 0) {
       if (!partial_landed(p, src, pid_m, false)) return;
       begin_partial(sh, wg);
-    } else if (++rounds % PARTIAL_SPREAD) {
-      return;
     }
     load_box(p, sh, mine, src, pid_m, col0, wg, queued++);
   }
