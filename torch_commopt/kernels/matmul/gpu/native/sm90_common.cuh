@@ -525,6 +525,17 @@ int ready() {
   return 0;
 }
 
+// A launch of `grid` blocks with the ring's shared memory in clusters of `cluster` blocks, its
+// one attribute kept in *attr.
+inline cudaLaunchConfig_t ring_config(cudaLaunchAttribute* attr, int grid, int cluster, void* stream) {
+  cudaLaunchConfig_t cfg = {};
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = cluster, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
+  cfg.gridDim = dim3(grid), cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = static_cast<cudaStream_t>(stream), cfg.attrs = attr, cfg.numAttrs = 1;
+  return cfg;
+}
+
 // Launch KERNEL on `grid` blocks with the ring's shared memory, in clusters of `cluster` blocks
 // (1: none).
 template <auto KERNEL, class P>
@@ -535,12 +546,8 @@ int launch(const P& p, int grid, void* stream, int cluster = 1) {
     KERNEL<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(p);
     return (int)cudaGetLastError();
   }
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(grid), cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES;
-  cfg.stream = static_cast<cudaStream_t>(stream), cfg.attrs = attr, cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg = ring_config(&attr, grid, cluster, stream);
   return (int)cudaLaunchKernelEx(&cfg, KERNEL, p);
 }
 
@@ -551,12 +558,8 @@ template <auto KERNEL>
 int max_clusters(int cluster) {
   int e = ready<KERNEL>();
   if (e != 0) return -e;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(cluster), cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES;
-  cfg.attrs = attr, cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg = ring_config(&attr, cluster, cluster, nullptr);
   int n = 0;
   cudaError_t r = cudaOccupancyMaxActiveClusters(&n, KERNEL, &cfg);
   return r == cudaSuccess ? n : -(int)r;
