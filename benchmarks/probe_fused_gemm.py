@@ -176,6 +176,20 @@ def _ag_runs(k: int, ns: tuple, gen) -> tuple[dict, dict]:
     return runs, {"status": st.arrivals.status, "check": check}
 
 
+def _sm90_rs(st, signals, params: dict):
+    """A call of the sm_90a reduce-scatter kernel on stand-ins st that raises where the kernel
+    would not run (sm90.rs_gemm refuses: launch_rs_fused would run the Triton kernel instead, and
+    its times would stand in the CUDA kernel's row)."""
+    from torch_commopt.kernels.matmul.gpu import sm90
+
+    launch = sm90.Launch.of(params, st.a2.device, False)
+
+    def run() -> None:
+        if not sm90.rs_gemm(st.a2, st.weight, st.targets, signals, st.segments, 1.0, launch):
+            raise RuntimeError(f"the sm_90a reduce-scatter did not run with {params}: {sm90.why_not() or 'refused'}")
+    return run
+
+
 def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
     from torch_commopt.kernels.matmul.gpu.matmul_reduce import launch_rs_fused
     from torch_commopt.testing.fused_standins import Standin, rs_standins
@@ -187,16 +201,13 @@ def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
         calls[_label(cfg)] = st
         runs[_label(cfg)] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets, sig, st.segments, 1.0,
                                               _params(cfg))
-    # the CUDA kernel (sm90.py) on the default configuration's stand-ins (row tiles of 128, as its own)
-    st = rs_standins(M_LOC, k, n, Standin(WORLD, gen=gen), bm=CONFIGS[0][0])
-    calls["sm90"] = st
-    runs["sm90"] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets,
-                                     st.signals._replace(status=status), st.segments, 1.0, {"impl": "sm90"})
-    # the same in pairs of blocks sharing B's loads (cl=2), on stand-ins of its own
-    pair = rs_standins(M_LOC, k, n, Standin(WORLD, gen=gen), bm=CONFIGS[0][0])
-    calls[PAIRS] = pair
-    runs[PAIRS] = functools.partial(launch_rs_fused, pair.a2, pair.weight, pair.targets,
-                                    pair.signals._replace(status=status), pair.segments, 1.0, {"impl": "sm90", "cl": 2})
+    # the CUDA kernel (sm90.py) on the default configuration's stand-ins (row tiles of 128, as its
+    # own), and the same in pairs of blocks sharing B's loads (cl=2) on stand-ins of their own
+    for label, params in (("sm90", {"impl": "sm90"}), (PAIRS, {"impl": "sm90", "cl": 2})):
+        st = rs_standins(M_LOC, k, n, Standin(WORLD, gen=gen), bm=CONFIGS[0][0])
+        calls[label] = st
+        runs[label] = _sm90_rs(st, st.signals._replace(status=status), params)
+    st = calls["sm90"]
     runs["cublas"] = lambda a=st.a2, w=st.weight: torch.mm(a, w)
     whole = torch.empty(WORLD * M_LOC, n, device="cuda", dtype=st.a2.dtype)
 
