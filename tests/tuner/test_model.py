@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from torch_commopt.core.schedule import Schedule
 from torch_commopt.tuner.calibration import Calibration, GemmFit, Link, prior
@@ -755,3 +756,49 @@ def test_the_cuda_kernels_are_candidates_of_bf16_all_gathers_and_reduce_scatters
         assert sm90 not in candidates(RegionShape(kind, 8192, 4096, (4096,), 2, "float16"), H200)
     assert not [c for c in candidates(RegionShape("matmul_ar", 8192, 4096, (4096,), 2, "bfloat16"), H200)
                 if c.param("impl")]
+
+
+def test_the_sm90_kernels_are_priced_by_their_own_efficiency_and_factor():
+    """fused:1:impl=sm90 has its own factor key and GEMM efficiency (Calibration.sm90_efficiency),
+    not the Triton kernels' (fused_efficiency, the `fused` family's factor); a kind the
+    calibration has no sm90 figure for, or an older calibration without any, takes the Triton one."""
+    from torch_commopt.tuner.matmul.model import factor_key, fused_efficiency
+
+    sm90, triton = Schedule.parse("fused:1:impl=sm90"), Schedule.parse("fused:1")
+    assert factor_key("matmul_rs", sm90) == "matmul_rs fused:1:impl=sm90"
+    assert factor_key("matmul_rs", triton) == "matmul_rs fused:1"
+    assert fused_efficiency("matmul_rs", sm90, H200) == H200.sm90_efficiency["matmul_rs"] > H200.fused_efficiency
+    assert fused_efficiency("matmul_rs", triton, H200) == H200.fused_efficiency
+    older = dataclasses.replace(H200, sm90_efficiency={})
+    assert fused_efficiency("ag_matmul", sm90, older) == older.fused_efficiency
+    for kind, ns in (("ag_matmul", (3072,)), ("matmul_rs", (4096,))):
+        shape = RegionShape(kind, 8192, 4096, ns, 2, "bfloat16")
+        fast, slow = predict(shape, sm90, H200).gpu_s, predict(shape, triton, H200).gpu_s
+        assert fast < slow, (kind, fast, slow)
+        # a measured factor of its own applies to it alone
+        cal = dataclasses.replace(H200, schedule_factor={f"{kind} fused": 1.4, f"{kind} fused:1:impl=sm90": 1.05})
+        assert predict(shape, sm90, cal).gpu_s == pytest.approx(fast * 1.05)
+        assert predict(shape, triton, cal).gpu_s == pytest.approx(slow * 1.4)
+    back = Calibration.from_json(H200.to_json())
+    assert back.sm90_efficiency == H200.sm90_efficiency
+    raw = json.loads(H200.to_json())
+    del raw["sm90_efficiency"]  # a calibration stored before the field
+    assert Calibration.from_json(json.dumps(raw)).sm90_efficiency == {}
+
+
+def test_the_probes_give_the_sm90_kernels_their_weight_k_major(monkeypatch):
+    """The probe's weight is (K, N) row-major; the sm_90a kernels refuse it (and would run the
+    Triton kernel under their name), so their schedules get the same values K-major."""
+    from torch_commopt.tuner import probe_factors
+
+    seen = []
+    monkeypatch.setattr(probe_factors, "runner", lambda kind, a, ws, world, group: lambda s: seen.append((s, ws[0])))
+    w = torch.randn(64, 32)
+    run = probe_factors._probe_runner("matmul_rs", torch.randn(16, 64), w, 2, "g")
+    run("fused:1:impl=sm90")
+    run("fused:2")
+    (sm90, kmajor), (triton, plain) = seen
+    assert sm90 == "fused:1:impl=sm90" and kmajor.stride(0) == 1 and torch.equal(kmajor, w)
+    assert triton == "fused:2" and plain is w
+    assert "fused:1:impl=sm90" in probe_factors.PROBE_SCHEDULES["matmul_rs"]
+    assert "fused:1:impl=sm90" in probe_factors.PROBE_SCHEDULES["ag_matmul"]

@@ -13,7 +13,8 @@ small all-reduces' latency (NCCL's, one-shot's and two-shot's, 4 KiB to 8 MiB, r
 then each schedule family's measured / predicted time on a probe shape (M_global 12288,
 K = N = 6144 -- not a benchmark shape), which the model applies to that family.  Taken from
 the prior: the Triton GEMM's speed relative to cuBLAS (`fused_efficiency`; the fused
-family's factor absorbs what it misses).
+family's factor absorbs what it misses) and the sm_90a kernels' (`sm90_efficiency`; their
+probes' own factors, `fused:1:impl=sm90`, absorb what it misses).
 The schedule probes and their factors are `probe_factors.py`'s.
 Run it outside a compile (`python -m torch_commopt calibrate`, or `calibrate_and_store`
 from every rank): issuing collectives from inside the compile pass stalled two gloo ranks
@@ -493,7 +494,8 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         device=name, world=world, collective=links, gemm={d: fit_gemm(gemm[d], _sm_count(device)) for d in dtype_names},
         gemm_samples={d: [list(sample) for sample in gemm[d]] for d in dtype_names},
         host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece, host_per_piece_by_kind=by_kind,
-        fused_efficiency=base.fused_efficiency, attention_flops={d: f / t for d, (f, t, _) in attn.items()},
+        fused_efficiency=base.fused_efficiency, sm90_efficiency=dict(base.sm90_efficiency),
+        attention_flops={d: f / t for d, (f, t, _) in attn.items()},
         attention_bwd_factor=bwd_factor, small_msg=small,
         source="measured", measured=tuple(measured) + ("attention_flops",) + (("attention_bwd_factor",) if bwd_factor else ())
         + (("small_msg",) if small else ()),

@@ -130,6 +130,9 @@ class Calibration:
         peer timed on its own stream, alone and with GEMMs throughout (calibrate._push_timings).
         0 where not measured.
     fused_efficiency: Triton persistent GEMM speed relative to cuBLAS.
+    sm90_efficiency: {kind: speed relative to cuBLAS} of the sm_90a fused kernels (`impl=sm90`,
+        kernels/matmul/gpu/sm90.py) for ag_matmul and matmul_rs; a kind not here takes
+        fused_efficiency.
     schedule_factor: {"kind family" or "kind family:S": measured / predicted device time} of each schedule
         family on a probe shape (probe_factors._schedule_probes): what the pipeline model
         leaves out (flag round trips, the order the streams really run in, a family's
@@ -193,6 +196,7 @@ class Calibration:
     remote_store_slowdown: float = 0.0
     transfer_slowdown: float = 0.0
     fused_efficiency: float = 1.0
+    sm90_efficiency: dict[str, float] = field(default_factory=dict)
     schedule_factor: dict[str, float] = field(default_factory=dict)
     schedule_factor_curve: dict[str, list[list[float]]] = field(default_factory=dict)
     schedule_factor_curve_graphs: dict[str, list[list[float]]] = field(default_factory=dict)
@@ -339,6 +343,9 @@ def prior(device: str, world: int) -> Calibration:
         # an NCCL collective beside cuBLAS barely overlaps (calibrated 0.71-0.87 on 2x H200)
         collective_overlap_slowdown=0.8,
         fused_efficiency=0.87,
+        # the sm_90a kernels back to back against cuBLAS at the training step's GEMMs, one H200:
+        # all-gather 0.98-1.01, reduce-scatter 0.94-0.98 (docs/gpu-schedules.md)
+        sm90_efficiency={"ag_matmul": 0.99, "matmul_rs": 0.96},
         # cuDNN attention on one H200, B1 H32 D128 bf16, 16K-64K (docs/context-parallel-attention.md)
         attention_flops={"bfloat16": 600e12, "float16": 600e12}, attention_bwd_factor=2.75,
     )

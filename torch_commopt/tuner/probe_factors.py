@@ -41,9 +41,10 @@ HOST_BOUND = 1.2
 # (a family factor can rank rs direct:2 first where it runs ~8% slower than direct:1;
 # ce_push:1 reductions add the partial after the own GEMM, a different pipeline).
 PROBE_SCHEDULES = {"ag_matmul": ("sequential", "local_first", "chunked:2", "ce_push:2", "fused:1", "ce_push:1",
-                                 "ce_push:4", "fused:4", "ce_push:1:gemm=whole", "fused:1:tma=1", "ce_push:1:par=1"),
+                                 "ce_push:4", "fused:4", "ce_push:1:gemm=whole", "fused:1:tma=1", "ce_push:1:par=1",
+                                 "fused:1:impl=sm90"),
                    "matmul_rs": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "fused:2",
-                                 "ce_push:1", "ce_push:4", "direct:2", "fused:2:tma=1"),
+                                 "ce_push:1", "ce_push:4", "direct:2", "fused:2:tma=1", "fused:1:impl=sm90"),
                    "matmul_ar": ("sequential", "chunked:2", "ce_push:2", "ce_pull:2", "direct:1", "ce_push:1",
                                  "ce_push:4", "direct:2")}
 
@@ -72,12 +73,21 @@ def _schedule_probes(group_name: str, world: int, device: torch.device, shapes=P
         a = torch.randn(a_shape, device=device, dtype=torch.bfloat16)
         w = torch.randn(w_shape, device=device, dtype=torch.bfloat16) / w_shape[0] ** 0.5
         scheds = [s for s in PROBE_SCHEDULES[kind] if _probed(kind, Schedule.parse(s), graphs, call_graphs)]
-        run = runner(kind, a, [w], world, group_name)
+        run = _probe_runner(kind, a, w, world, group_name)
         if call_graphs:  # the same calls, each with cg=1
             run = functools.partial(_with_per_call_graph, run, kind)
         ms = measure_candidates(run, scheds, group_name, device, timing=Timing(graphs=graphs, paired=PROBES_PAIRED))
         out.update({f"{kind} {s}": t / 1e3 for s, t in ms.items()})
     return out
+
+
+def _probe_runner(kind: str, a: torch.Tensor, w: torch.Tensor, world: int, group_name: str):
+    """runner(kind, a, [w], ...), except that the sm_90a kernels' schedules (impl=sm90) get the
+    same weight K-major, nn.Linear's layout and the one they take: given w's, they would run the
+    Triton kernel under their name."""
+    plain = runner(kind, a, [w], world, group_name)
+    kmajor = runner(kind, a, [w.t().contiguous().t()], world, group_name)
+    return lambda s: (kmajor if "impl=sm90" in s else plain)(s)
 
 
 def _probed(kind: str, sched, graphs: bool, call_graphs: bool) -> bool:

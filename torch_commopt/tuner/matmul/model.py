@@ -224,7 +224,8 @@ def _graph_copies(shape: RegionShape, sched: Schedule, cal: Calibration) -> floa
 
 def factor_key(kind: str, sched: Schedule) -> str:
     """The calibration key of a schedule's own factor: "kind name:S", with its variant
-    parameters (gemm=whole, par=1, tma=1) where it has any; Calibration.factor falls back to "kind name"."""
+    parameters (gemm=whole, par=1, tma=1, impl=sm90) where it has any; Calibration.factor falls
+    back to "kind name"."""
     key = f"{kind} {sched.name}:{sched.chunks}"
     if sched.param("gemm") == "whole":
         key += ":gemm=whole"
@@ -232,7 +233,17 @@ def factor_key(kind: str, sched: Schedule) -> str:
         key += ":par=1"
     if sched.param("tma"):
         key += ":tma=1"
+    if sched.param("impl") == "sm90":
+        key += ":impl=sm90"
     return key
+
+
+def fused_efficiency(kind: str, sched: Schedule, cal: Calibration) -> float:
+    """A fused schedule's GEMM speed relative to cuBLAS: the sm_90a kernels' (impl=sm90) where the
+    calibration has their figure for this op, else the Triton kernels'."""
+    if sched.param("impl") == "sm90" and kind in cal.sm90_efficiency:
+        return cal.sm90_efficiency[kind]
+    return cal.fused_efficiency
 
 
 # A float8 GEMM without a float8 calibration: the bf16 fit at this rate (Hopper's dense
@@ -300,7 +311,7 @@ def _ag_time(shape: RegionShape, sched: Schedule, cal: Calibration) -> float:
     # par=1 runs the peers' GEMMs on a second compute stream: beside the own GEMM they share
     # its SMs, so the work adds up as queued here; what the second stream wins (the own GEMM's
     # last wave filled: 1-5% measured) is left to its own calibrated factor ("... :par=1").
-    fused = 1.0 / cal.fused_efficiency if sched.name == "fused" else 1.0
+    fused = 1.0 / fused_efficiency(shape.kind, sched, cal) if sched.name == "fused" else 1.0
     comm = cal.p2p.time(shard_bytes / s) * (1.0 + cal.transfer_slowdown)  # every push runs beside a GEMM
     own, piece = _gemm(shape, cal, m_loc) * fused, _gemm(shape, cal, m_loc / s) * fused
     # The copy engine slows the GEMMs only while it runs: charge the overlap once.
@@ -373,7 +384,7 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
     # stream (beside the GEMMs) before the GEMM adds into it; ce_pull pulls straight into the
     # output, fused adds in its epilogue.  (ce_push:1 at W = 2 and cuBLAS at W > 2: see below.)
     local_copy = cal.local_copy.time(piece_bytes) if cal.local_copy and sched.name in ("ce_push", "direct") else 0.0
-    fused = 1.0 / cal.fused_efficiency if sched.name == "fused" else 1.0
+    fused = 1.0 / fused_efficiency(shape.kind, sched, cal) if sched.name == "fused" else 1.0
     piece = _gemm(shape, cal, m_seg / s) * fused
     sent = (w - 1) * s
     if stores:  # epilogue stores over NVLink slow every peer piece
