@@ -65,12 +65,16 @@ class SymmBuffer:
     def nbytes(self) -> int:
         return self.local.numel()
 
-    def address(self, rank: int, offset_bytes: int) -> int:
-        """Device address of byte `offset_bytes` of rank `rank`'s copy (mapped here)."""
+    def host_bases(self) -> list[int]:
+        """Every rank's copy's address here, by rank (built at the first use, then kept)."""
         if self.bases is None:
             self.bases = [int(p) for p in self.handle.buffer_ptrs]
             self.bases[self.rank] = self.local.data_ptr()
-        return self.bases[rank] + offset_bytes
+        return self.bases
+
+    def address(self, rank: int, offset_bytes: int) -> int:
+        """Device address of byte `offset_bytes` of rank `rank`'s copy (mapped here)."""
+        return self.host_bases()[rank] + offset_bytes
 
     def view(self, rank: int, offset_bytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor on this device aliasing rank `rank`'s buffer (peer memory through P2P).

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -87,7 +88,7 @@ class RsTargets(NamedTuple):
     recv_off: int
     direct: bool
     bases_aligned: bool
-    host_bases: tuple = ()
+    host_bases: Sequence[int] = ()
 
 
 class RsSignals(NamedTuple):
@@ -537,9 +538,9 @@ def _fused(call: _Call, weight, own):
     send = own if direct else torch.empty((call.world, call.m_seg, call.n), dtype=call.dtype, device=own.device)
     if not direct:
         call.after_caller()  # the side stream's copies below follow the barrier, not the kernel
-    host_bases = tuple(call.buf.handle.buffer_ptrs)
+    host_bases = call.buf.host_bases()
     targets = RsTargets(own, send, call.recv, call.buf.ptrs_dev, call.base // call.recv.element_size(), direct,
-                        all(int(ptr) % 16 == 0 for ptr in host_bases), host_bases)
+                        all(ptr % 16 == 0 for ptr in host_bases), host_bases)
     signals = RsSignals(rt.flags, rt.flag_bases_dev, rt.status, data_index(call.half, 0, 0))
     segments = RsSegments(rt.rank, rt.world, call.lay.lin, call.m_seg, chunk_mt)
     for src in rt.sources:  # the kernel's spins, for the watchdog
