@@ -68,7 +68,6 @@ def _batch_ms(fn, runs: int) -> float:
     return Clock("cuda").time_ms(fn, runs)
 
 
-PAIRS = "sm90 cl=2"  # the reduce-scatter kernel in pairs of blocks sharing B's loads (schedule option cl=2)
 WARM_S = 0.6  # a sustained run's first seconds, not counted: the clock settles at the power cap
 
 
@@ -201,13 +200,10 @@ def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
         calls[_label(cfg)] = st
         runs[_label(cfg)] = functools.partial(launch_rs_fused, st.a2, st.weight, st.targets, sig, st.segments, 1.0,
                                               _params(cfg))
-    # the CUDA kernel (sm90.py) on the default configuration's stand-ins (row tiles of 128, as its
-    # own), and the same in pairs of blocks sharing B's loads (cl=2) on stand-ins of their own
-    for label, params in (("sm90", {"impl": "sm90"}), (PAIRS, {"impl": "sm90", "cl": 2})):
-        st = rs_standins(M_LOC, k, n, Standin(WORLD, gen=gen), bm=CONFIGS[0][0])
-        calls[label] = st
-        runs[label] = _sm90_rs(st, st.signals._replace(status=status), params)
-    st = calls["sm90"]
+    # the CUDA kernel (sm90.py) on the default configuration's stand-ins (row tiles of 128, as its own)
+    st = rs_standins(M_LOC, k, n, Standin(WORLD, gen=gen), bm=CONFIGS[0][0])
+    calls["sm90"] = st
+    runs["sm90"] = _sm90_rs(st, st.signals._replace(status=status), {"impl": "sm90"})
     runs["cublas"] = lambda a=st.a2, w=st.weight: torch.mm(a, w)
     whole = torch.empty(WORLD * M_LOC, n, device="cuda", dtype=st.a2.dtype)
 
@@ -235,8 +231,6 @@ def probe(rounds: int, sustain: float) -> list:
         held_fns = {"cublas": runs[cublas], "sm90": runs["sm90"]}
         if "unfused" in probe_of:
             held_fns["cublas + add"] = probe_of["unfused"]
-        if PAIRS in runs:
-            held_fns[PAIRS] = runs[PAIRS]
         held = sustained(held_fns, sustain) if sustain > 0 else None
         torch.cuda.synchronize()
         if int(probe_of["status"][0]) != 0:
@@ -340,12 +334,10 @@ def sustained_report(rows: list) -> str:
              "order; ms a call past the first 0.6 s; nvidia-smi every 20 ms meanwhile: mean SM clock, power, share of "
              "samples with the software power cap active. Cycles = ms x clock. For the reductions, `cuBLAS + add`: "
              "cuBLAS then the own segment's sum with the landed partial as a separate add, the unfused form of "
-             "the fused kernel's work on one rank; `cl=2`: the reduction kernel in clusters of two blocks on "
-             "neighbouring row tiles, each loading half of B's tile for both.", "",
+             "the fused kernel's work on one rank.", "",
              "| region | cuBLAS ms | MHz | W | capped | sm90 ms | MHz | W | capped | sm90 / cuBLAS throughput "
-             "| sm90 / cuBLAS cycles | cuBLAS + add ms | sm90 / (cuBLAS + add) throughput | cl=2 ms | cl=2 / cuBLAS "
-             "throughput |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| sm90 / cuBLAS cycles | cuBLAS + add ms | sm90 / (cuBLAS + add) throughput |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         held = r.get("sustained")
         if not held:
@@ -358,10 +350,7 @@ def sustained_report(rows: list) -> str:
 
         both = held.get("cublas + add")
         unfused = f"{fmt(both['ms'])} | {fmt(both['ms'] / f['ms'])}" if both else "- | -"
-        pairs = held.get(PAIRS)
-        paired = f"{fmt(pairs['ms'])} | {fmt(c['ms'] / pairs['ms'])}" if pairs else "- | -"
-        lines.append(f"| {r['region']} | {cols(c)} | {cols(f)} | {fmt(c['ms'] / f['ms'])} | {fmt(cycles)} | {unfused} "
-                     f"| {paired} |")
+        lines.append(f"| {r['region']} | {cols(c)} | {cols(f)} | {fmt(c['ms'] / f['ms'])} | {fmt(cycles)} | {unfused} |")
     return "\n".join(lines + [""])
 
 

@@ -23,8 +23,7 @@ AG_SCHEDULES = ["local_first", "ce_push:1", "ce_push:3", "ce_push:1:par=1", "ce_
 RS_SCHEDULES = ["ce_push:1", "ce_push:3", "ce_pull:1", "ce_pull:3", "direct:1", "direct:2", "fused:2:store=direct",
                 "fused:3:store=ce",
                 "fused:1:bm=64,bn=128,store=ce,warps=4", "fused:2:store=direct,tma=1", "fused:1:store=ce,tma=1",
-                "fused:2:impl=sm90,store=direct", "fused:3:impl=sm90,store=ce", "fused:2:cl=2,impl=sm90,store=direct",
-                "fused:1:cl=2,impl=sm90,store=ce"]
+                "fused:2:impl=sm90,store=direct", "fused:3:impl=sm90,store=ce"]
 AR_SCHEDULES = ["ce_push:2", "ce_pull:2", "direct:1", "direct:3"]
 
 # (shard shape, gather dim, weight widths, bias, return_gathered)

@@ -145,7 +145,7 @@ def test_sm90_stream_k_tail_matches_cublas(one_gpu, grid):
     assert bool(work[: grid * sm90.BM * sm90.BN].isfinite().any()) == (2 * tail <= grid)
 
 
-def _run_rs(one_gpu, *, world, m_seg, k, n, lin=None, direct=True, alpha=1.0, seed=0, cl=1):
+def _run_rs(one_gpu, *, world, m_seg, k, n, lin=None, direct=True, alpha=1.0, seed=0):
     """The sm_90a reduce-scatter producer through launch_rs_fused(impl=sm90), with local stand-ins
     for the peers' receive slots and flags: this rank's reduced segment, every peer's partial where
     it was sent, and every chunk's tile count."""
@@ -162,7 +162,7 @@ def _run_rs(one_gpu, *, world, m_seg, k, n, lin=None, direct=True, alpha=1.0, se
     ran, real = [], sm90.rs_gemm
     sm90.rs_gemm = lambda *a, **kw: ran.append(real(*a, **kw)) or ran[-1]
     try:
-        launch_rs_fused(a2, w, st.targets, st.signals, st.segments, alpha, {"impl": "sm90", "cl": cl})
+        launch_rs_fused(a2, w, st.targets, st.signals, st.segments, alpha, {"impl": "sm90"})
     finally:
         sm90.rs_gemm = real
     assert ran == [True]
@@ -206,15 +206,6 @@ def test_sm90_rs_eight_ranks_ragged(one_gpu, direct):
     """The most ranks a launch takes (a destination tensor map each), segments of ragged rows
     whose last tile's stores the maps clip at the slot's end."""
     _run_rs(one_gpu, world=8, m_seg=200, k=320, n=520, direct=direct, seed=5)
-
-
-@pytest.mark.parametrize("direct", [True, False])
-def test_sm90_rs_pairs_match_cublas(one_gpu, direct):
-    """cl=2: clusters of two blocks on neighbouring row tiles, each loading half of B's tile for
-    both; an even count of row tiles, and at world 4 an odd one (the last pair's second block a
-    phantom that only feeds its half of B) with ragged rows, K and N."""
-    _run_rs(one_gpu, world=2, m_seg=1024, k=512, n=768, direct=direct, cl=2)
-    _run_rs(one_gpu, world=4, m_seg=333, k=520, n=1000, alpha=0.25, direct=direct, seed=7, cl=2)
 
 
 def test_sm90_rs_refuses_nine_ranks_and_unknown_peers(one_gpu):

@@ -21,7 +21,7 @@ def test_the_kernel_source_builds_with_its_entry_points(tmp_path, monkeypatch):
     built = sm90._compile()
     assert built.parent == tmp_path / "native" and built.stat().st_size > 0
     lib = ctypes.CDLL(str(built))
-    for entry in ("ag_gemm_words", "rs_gemm_words", "ag_ready", "rs_ready", "rs_max_pairs"):
+    for entry in ("ag_gemm_words", "rs_gemm_words", "ag_ready", "rs_ready"):
         assert hasattr(lib, f"commopt_sm90_{entry}"), entry
     assert sm90._compile() == built  # cached by the source's and flags' digest
 
@@ -53,19 +53,6 @@ def test_impl_is_a_fused_option_with_known_values():
     for bad in ("ce_push:1:impl=sm90", "fused:1:impl=cuda"):
         with pytest.raises(ValueError, match="impl is a fused option"):
             Schedule.parse(bad)
-
-
-def test_cl_is_an_option_of_the_sm90_kernels_only():
-    """cl=2 (pairs of blocks sharing B's loads) with impl=sm90 only, 1 or 2; the all-gather
-    consumer refuses it with a clear error."""
-    from torch_commopt.kernels.matmul.gpu.ag_matmul import launch_fused
-
-    assert Schedule.parse("fused:2:impl=sm90,cl=2").param("cl") == 2
-    for bad in ("fused:2:cl=2", "fused:2:impl=triton,cl=2", "fused:2:impl=sm90,cl=4", "ce_push:1:cl=2"):
-        with pytest.raises(ValueError, match="cl=1/2 is an option of fused with impl=sm90"):
-            Schedule.parse(bad)
-    with pytest.raises(ValueError, match="cl=2 .* is an option of the sm_90a reduce-scatter"):
-        launch_fused(None, None, None, None, {"impl": "sm90", "cl": 2})
 
 
 def test_the_reduce_scatter_takes_impl_sm90_as_fused_does():

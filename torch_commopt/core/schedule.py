@@ -28,7 +28,7 @@ GPU_NAMES = ("ce_push", "ce_pull", "direct", "fused", "oneshot", "twoshot")
 PARAM_KEYS = {
     "bm": int, "bn": int, "bk": int, "gm": int, "warps": int, "stages": int, "sms": int,
     "store": str, "dbg": int, "id": str, "gemm": str, "tma": int, "par": int, "graphs": int,
-    "cg": int, "tma_store": int, "flat": int, "impl": str, "cl": int,
+    "cg": int, "tma_store": int, "flat": int, "impl": str,
 }
 IMPLS = ("triton", "sm90")  # fused's impl=: the Triton kernels or the CUDA ones for Hopper (kernels/matmul/gpu/sm90.py)
 STORES = ("ce", "direct")  # fused's store=
@@ -136,9 +136,6 @@ class Schedule:
         impl = self.param("impl")
         if impl is not None and (self.name != "fused" or impl not in IMPLS):
             raise ValueError(f"schedule: impl is a fused option, one of {IMPLS}; got {self.name} impl={impl!r}")
-        cl = self.param("cl")
-        if cl is not None and (impl != "sm90" or cl not in (1, 2)):
-            raise ValueError(f"schedule: cl=1/2 is an option of fused with impl=sm90; got {self.name} {dict(self.params)}")
         graphs = self.param("graphs")
         if graphs is not None and (self.name != "auto" or graphs not in (0, 1)):
             raise ValueError(f"schedule: graphs=0/1 is an auto option; got {self.name} graphs={graphs!r}")

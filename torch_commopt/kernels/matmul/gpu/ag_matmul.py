@@ -286,9 +286,6 @@ def launch_fused(a2, slots2, mm: Products, at: Arrivals, params, debug=False):
     from torch_commopt.kernels.matmul.gpu.triton_kernels import ag_gemm_kernel, ag_gemm_tma_kernel, num_sms
 
     p = {**FUSED_DEFAULTS, **params}
-    if p.get("cl", 1) != 1:
-        raise ValueError("commopt ag_matmul fused: cl=2 (blocks in pairs sharing B's loads) is an option of the "
-                         "sm_90a reduce-scatter producer")
     m_loc, k = a2.shape
     if p.get("impl") == "sm90" and sm90.ag_gemm(a2, slots2, mm, at, sm90.Launch.of(params, a2.device, debug, at.world)):
         return

@@ -37,18 +37,15 @@ NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcomp
 _state: dict = {"lib": None, "why": None}
 _logged: set = set()
 _workspaces: dict = {}  # (device, stream) -> (fp32 partials grid x BM x BN, int32 counters grid)
-_pairs: dict = {}  # device index -> the reduce-scatter's pairs of blocks that can be resident at once
 
 
 class Launch(NamedTuple):
     """How a kernel launches: GROUP_M row tiles a column sweep, `grid` persistent blocks (at most
-    one a multiprocessor), the debug waits' bound in ns (0: none), and the blocks in clusters of
-    `cluster` (2: the reduce-scatter's pairs of blocks sharing B's loads, schedule option cl=2)."""
+    one a multiprocessor), and the debug waits' bound in ns (0: none)."""
 
     group_m: int
     grid: int
     bound_ns: int = 0
-    cluster: int = 1
 
     @classmethod
     def of(cls, params: dict, device: torch.device, debug: bool, world: int = 1) -> "Launch":
@@ -62,8 +59,7 @@ class Launch(NamedTuple):
         sms = params.get("sms") or torch.cuda.get_device_properties(device).multi_processor_count
         if world > 1 and env.shared_device():
             sms = max(1, sms // world)
-        return cls(params.get("gm", GROUP_M), max(1, sms - (1 if debug else 0)), symm.wait_bound() if debug else 0,
-                   params.get("cl", 1))
+        return cls(params.get("gm", GROUP_M), max(1, sms - (1 if debug else 0)), symm.wait_bound() if debug else 0)
 
 
 def _nvcc() -> Optional[str]:
@@ -102,7 +98,7 @@ AG_ADDRESSES = tuple(AG_WORDS.index(w) for w in ("a_own", "a_slots", "flags", "s
 RS_MAX_RANKS = 8  # rs_gemm_sm90.cu's MAX_RANKS: a tensor map per destination segment in its parameters
 RS_WORDS = ("a", "a_pitch", "b", "b_pitch", "n", "k", "out", "bias", "alpha", "bias_scale", "recv", "flag_bases",
             "flags", "status", "bound", "m_seg", "lin", "world", "rank", "chunk_mt", "data_base", "epoch", "counters",
-            "direct", "group_m", "grid", "cluster", "stream", *(f"dst{s}" for s in range(RS_MAX_RANKS)))
+            "direct", "group_m", "grid", "stream", *(f"dst{s}" for s in range(RS_MAX_RANKS)))
 RS_ADDRESSES = tuple(RS_WORDS.index(w) for w in ("a", "b", "out", "bias", "recv", "flag_bases", "flags", "status",
                                                   *(f"dst{s}" for s in range(RS_MAX_RANKS))))
 
@@ -111,7 +107,6 @@ def _declared(lib):
     """`lib` with its entry points' signatures set."""
     for fn in (lib.commopt_sm90_ag_gemm_words, lib.commopt_sm90_rs_gemm_words):
         fn.restype, fn.argtypes = ctypes.c_int, [ctypes.POINTER(ctypes.c_int64)]
-    lib.commopt_sm90_rs_max_pairs.restype, lib.commopt_sm90_rs_max_pairs.argtypes = ctypes.c_int, []
     return lib
 
 
@@ -204,7 +199,7 @@ def ag_gemm(a2, slots2, mm, at, launch: Launch) -> bool:
     `at` the arrivals (ag_matmul.Arrivals).  Returns False, queueing nothing, where it cannot run
     (logged once per reason)."""
     weights, outs, biases = mm.weights, mm.outs, mm.biases
-    group_m, grid, bound_ns, _cluster = launch
+    group_m, grid, bound_ns = launch
     lib = _ready("ag_matmul", ag_refusal(a2, slots2, weights, outs, biases))
     if lib is None:
         return False
@@ -285,36 +280,16 @@ def rs_gemm(a2, weight, targets, signals, segments, alpha: float, launch: Launch
     out, recv, direct = targets.out, targets.recv, targets.direct
     flags, flag_bases, status, data_base, epoch = signals
     rank, world, lin, m_seg, chunk_mt = segments
-    group_m, grid, bound_ns, cluster = launch
-    if cluster == 2:
-        grid = 2 * min(grid // 2, _resident_pairs(lib, a2.device, world))
-        if grid == 0:
-            _log_once("matmul_rs", "no pair of blocks can be resident (cl=2)")
-            return False
+    group_m, grid, bound_ns = launch
     n, k = weight.shape[-1], a2.shape[-1]
     words = [a2.data_ptr(), a2.stride(0), weight.data_ptr(), weight.stride(1), n, k, out.data_ptr(), 0,
              _float_bits(alpha), _float_bits(0.0), recv.data_ptr(), flag_bases.data_ptr(), flags.data_ptr(),
              status.data_ptr(), bound_ns, m_seg, lin, world, rank, chunk_mt, data_base, epoch, COUNTERS, int(direct),
-             group_m, grid, cluster, driver.current_handle(a2.device), *rs_destinations(targets, segments, n)]
+             group_m, grid, driver.current_handle(a2.device), *rs_destinations(targets, segments, n)]
     rc = driver.native_call(lib.commopt_sm90_rs_gemm_words, words, RS_ADDRESSES)
     if rc != 0:
         raise RuntimeError(f"commopt sm90 rs_gemm: launch failed with CUDA error {rc}")
     return True
-
-
-def _resident_pairs(lib, device: torch.device, world: int) -> int:
-    """How many pairs of the reduce-scatter's blocks can run at once on `device` (cached), a
-    world-th of them with the ranks sharing it (env.shared_device): every block of the persistent
-    kernel must be resident, or a block waiting on a flag could hold the SMs that the blocks
-    producing what it waits for need."""
-    if device.index not in _pairs:
-        with torch.cuda.device(device):
-            n = lib.commopt_sm90_rs_max_pairs()
-        if n < 0:
-            raise RuntimeError(f"commopt sm90 rs_gemm: the pairs' occupancy query failed with CUDA error {-n}")
-        _pairs[device.index] = n
-    n = _pairs[device.index]
-    return n // world if world > 1 and env.shared_device() else n
 
 
 def _float_bits(x: float) -> int:

@@ -248,7 +248,7 @@ extern "C" {
 
 // The kernel loaded and configured on the current device (sm90_common.cuh's ready): 0, or a CUDA
 // error code.
-int commopt_sm90_ag_ready() { return ready<ag_gemm_sm90>(); }
+int commopt_sm90_ag_ready() { return ready(ag_gemm_sm90); }
 
 // Shapes the kernel takes: bf16 operands, K-major B's, 16-byte aligned bases and pitches, N_i even.
 // workspace (grid x BM x BN fp32) and counters (grid int32, zero) for the stream-K tail, or null
@@ -298,7 +298,7 @@ int commopt_sm90_ag_gemm(const void* a_own, long long a_pitch, const void* a_slo
                  (long long)tail * nk / grid >= MIN_SHARE;
   p.full = streamk ? p.total - tail : p.total;
   p.tail = streamk ? tail : 0;
-  return launch<ag_gemm_sm90>(p, grid, stream);
+  return launch(ag_gemm_sm90, p, grid, stream);
 }
 
 // The same launch with its arguments as one int64 array (sm90.py's AG_WORDS order: the arguments

@@ -35,7 +35,6 @@ constexpr int MAX_RANKS = 8;
 struct RsParams {
   CUtensorMap a;    // A (world * m_seg, K), box [BM, BK]
   CUtensorMap b;    // B^T (N, K), box [BN, BK]
-  CUtensorMap b_half;  // B^T (N, K), box [BN / 2, BK]: a pair's blocks load half a tile each
   CUtensorMap out;  // this rank's reduced segment (m_seg, N), box [BOX, BOX]
   CUtensorMap recv_map;  // the receive slots as (world * m_seg, N), box [BOX, BOX], as `out`
   CUtensorMap dst[MAX_RANKS];  // segment s's destination (m_seg, N), box [BOX, BOX], as `out`
@@ -48,33 +47,19 @@ struct RsParams {
   int n, k, m_seg, lin, world, rank, chunk_mt, data_base, epoch, counters, direct, group_m, tiles_m, tiles_n;
 };
 
-// A block's tile: segment, row and column tile.  phantom: a pair's second block past the last
-// row tile, which runs the mainloop (its half of B feeds the other block) and nothing else.
 struct RsTile {
   int seg, pid_m, pid_n;
-  bool phantom;
 };
 
-// The work units of the kernel: tiles, or with CL == 2 pairs of neighbouring row tiles of the
-// same columns (a cluster's two blocks take one pair, the block of rank c its row tile c).
-template <int CL>
-__device__ __forceinline__ int rs_units(const RsParams& p) {
-  return p.world * ((p.tiles_m + CL - 1) / CL) * p.tiles_n;
-}
-
-// Unit u's tile for this block: segments in the order rank+1, ..., rank; within a segment
-// group_m row units a column sweep.
-template <int CL>
-__device__ __forceinline__ RsTile rs_decode(const RsParams& p, int u) {
+__device__ __forceinline__ RsTile rs_decode(const RsParams& p, int t) {
   RsTile r;
-  int rows = (p.tiles_m + CL - 1) / CL, per_seg = rows * p.tiles_n;
-  r.seg = (p.rank + 1 + u / per_seg) % p.world;
-  int local = u % per_seg, width = p.group_m * p.tiles_n;
+  int per_seg = p.tiles_m * p.tiles_n;
+  r.seg = (p.rank + 1 + t / per_seg) % p.world;
+  int local = t % per_seg, width = p.group_m * p.tiles_n;
   int first_m = (local / width) * p.group_m;
-  int size_m = min(rows - first_m, p.group_m);
-  r.pid_m = CL * (first_m + (local % width) % size_m) + (CL > 1 ? cta_rank() : 0);
+  int size_m = min(p.tiles_m - first_m, p.group_m);
+  r.pid_m = first_m + (local % width) % size_m;
   r.pid_n = (local % width) / size_m;
-  r.phantom = CL > 1 && r.pid_m >= p.tiles_m;
   return r;
 }
 
@@ -194,22 +179,16 @@ __device__ void add_landed(const RsParams& p, const Shared& sh, float (&d)[ACC],
   }
 }
 
-template <int CL>
 __device__ void rs_produce(const RsParams& p, const Shared& sh) {
   int nk = (p.k + BK - 1) / BK;
   Ring r;
-  for (int u = blockIdx.x / CL; u < rs_units<CL>(p); u += gridDim.x / CL) {
-    RsTile tile = rs_decode<CL>(p, u);
-    int a_at = a_row(p, tile.seg, tile.pid_m * BM);  // a phantom's rows are past A's: read as zeros
-    if (CL == 1)
-      load_k_steps(sh, r, &p.a, a_at, &p.b, tile.pid_n * BN, 0, nk);
-    else
-      load_k_steps_pair(sh, r, &p.a, a_at, &p.b_half, tile.pid_n * BN, 0, nk);
+  for (int t = blockIdx.x; t < p.world * p.tiles_m * p.tiles_n; t += gridDim.x) {
+    RsTile tile = rs_decode(p, t);
+    load_k_steps(sh, r, &p.a, a_row(p, tile.seg, tile.pid_m * BM), &p.b, tile.pid_n * BN, 0, nk);
   }
 }
 
 // A consumer warpgroup: its rows of each of the block's tiles.
-template <int CL>
 __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
   uint8_t* mine = wg_staging(sh, wg);
   int nk = (p.k + BK - 1) / BK;
@@ -217,16 +196,15 @@ __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
   float d[ACC];
   int loads = 0;
   Sent sent;
-  for (int u = blockIdx.x / CL; u < rs_units<CL>(p); u += gridDim.x / CL) {
-    RsTile tile = rs_decode<CL>(p, u);
+  for (int t = blockIdx.x; t < p.world * p.tiles_m * p.tiles_n; t += gridDim.x) {
+    RsTile tile = rs_decode(p, t);
     int row0 = tile.pid_m * BM, col0 = tile.pid_n * BN, chunk = tile.pid_m / p.chunk_mt;
     int row = row0 + wg_row0(wg) < p.m_seg ? row0 + wg_row0(wg) : -1;  // the warpgroup's rows, or none
     // An own tile's first partial loads while the tile's mainloop runs, where it has landed.
     SpreadPartial spread{p, sh, mine, (p.rank - 1 + p.world) % p.world, tile.pid_m, col0, wg};
-    spread.on = p.world > 1 && tile.seg == p.rank && !tile.phantom && wg_leader();
-    mma_k_steps<(CL > 1)>(d, sh, r, 0, nk, wg, spread);
+    spread.on = p.world > 1 && tile.seg == p.rank && wg_leader();
+    mma_k_steps(d, sh, r, 0, nk, wg, spread);
     release_tile(sent);  // the last tile's stores ran under this mainloop
-    if (tile.phantom) continue;
     if (tile.seg != p.rank) {
       stage_tile(mine, d, 1.f, nullptr, 0.f, col0, p.n, wg);
       if (wg_leader()) store_staged(&p.dst[tile.seg], mine, col0, p.n, row);
@@ -246,11 +224,8 @@ __device__ void rs_consume(const RsParams& p, const Shared& sh, int wg) {
   if (wg_leader()) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-// CL 1: a block per tile.  CL 2: clusters of two blocks on neighbouring row tiles of the same
-// columns, each loading half of B's tile for both (the pair reads B from L2 once).
-template <int CL>
 __global__ void __launch_bounds__(THREADS, 1) rs_gemm_sm90(const __grid_constant__ RsParams p) {
-  run_roles<RsParams, rs_produce<CL>, rs_consume<CL>, CL>(p);
+  run_roles<RsParams, rs_produce, rs_consume>(p);
 }
 
 }  // namespace
@@ -259,14 +234,7 @@ extern "C" {
 
 // The kernel loaded and configured on the current device (sm90_common.cuh's ready): 0, or a CUDA
 // error code.
-int commopt_sm90_rs_ready() {
-  int e = ready<rs_gemm_sm90<1>>();
-  return e != 0 ? e : ready<rs_gemm_sm90<2>>();
-}
-
-// How many pairs (clusters of two blocks) of the reduce-scatter can run at once on the current
-// device, or a negative CUDA error code: a launch in pairs takes at most twice that many blocks.
-int commopt_sm90_rs_max_pairs() { return max_clusters<rs_gemm_sm90<2>>(2); }
+int commopt_sm90_rs_ready() { return ready(rs_gemm_sm90); }
 
 // Shapes the kernel takes: bf16 operands, a K-major B (b: B^T (n, k) with row pitch b_pitch), n a
 // multiple of 8, 16-byte aligned bases, pitches, receive slots and destinations, every tile's rows
@@ -274,20 +242,18 @@ int commopt_sm90_rs_max_pairs() { return max_clusters<rs_gemm_sm90<2>>(2); }
 // m_seg, k) with row pitch a_pitch; out (m_seg, n) contiguous; recv (world, m_seg, n); dst
 // (world,): where segment s's (m_seg, n) rows go, row pitch n (the peer's receive slot `rank`, or
 // the local send buffer's segment s; dst[rank] unused); counters / data_base: flag indices
-// (symm.COUNTERS, the call's DATA flags); cluster 1, or 2 for pairs of blocks sharing B's loads
-// (grid even, at most twice commopt_sm90_rs_max_pairs(): every block resident).  Returns 0, or a
-// CUresult / cudaError_t code (the launch is not queued).
+// (symm.COUNTERS, the call's DATA flags).  Returns 0, or a CUresult / cudaError_t code (the launch
+// is not queued).
 int commopt_sm90_rs_gemm(const void* a, long long a_pitch, const void* b, long long b_pitch, int n, int k, void* out,
                          const void* bias, float alpha, float bias_scale, const void* recv,
                          const long long* flag_bases, int* flags, int* status, long long bound, int m_seg, int lin,
                          int world, int rank, int chunk_mt, int data_base, int epoch, int counters, int direct,
-                         int group_m, int grid, int cluster, void* stream, const long long* dst) {
-  if (world > MAX_RANKS || (cluster != 1 && cluster != 2) || grid % cluster) return (int)CUDA_ERROR_INVALID_VALUE;
+                         int group_m, int grid, void* stream, const long long* dst) {
+  if (world > MAX_RANKS) return (int)CUDA_ERROR_INVALID_VALUE;
   RsParams p;
   memset(&p, 0, sizeof(p));
   CUresult r = encode(&p.a, a, (long long)world * m_seg, k, a_pitch, BM);
   if (r == CUDA_SUCCESS) r = encode(&p.b, b, n, k, b_pitch, BN);
-  if (r == CUDA_SUCCESS && cluster == 2) r = encode(&p.b_half, b, n, k, b_pitch, BN / 2);
   if (r == CUDA_SUCCESS) r = encode(&p.out, out, m_seg, n, n, BOX, BOX, CU_TENSOR_MAP_SWIZZLE_128B);
   if (r == CUDA_SUCCESS)
     r = encode(&p.recv_map, recv, (long long)world * m_seg, n, n, BOX, BOX, CU_TENSOR_MAP_SWIZZLE_128B);
@@ -303,7 +269,7 @@ int commopt_sm90_rs_gemm(const void* a, long long a_pitch, const void* b, long l
   p.data_base = data_base, p.epoch = epoch, p.counters = counters, p.direct = direct, p.group_m = group_m;
   p.tiles_m = (m_seg + BM - 1) / BM;
   p.tiles_n = (n + BN - 1) / BN;
-  return cluster == 1 ? launch<rs_gemm_sm90<1>>(p, grid, stream) : launch<rs_gemm_sm90<2>>(p, grid, stream, 2);
+  return launch(rs_gemm_sm90, p, grid, stream);
 }
 
 // The same launch with its arguments as one int64 array (sm90.py's RS_WORDS order: the arguments
@@ -321,7 +287,7 @@ int commopt_sm90_rs_gemm_words(const long long* w) {
   return commopt_sm90_rs_gemm(ptr(0), w[1], ptr(2), w[3], i32(4), i32(5), ptr(6), ptr(7), f32(8), f32(9), ptr(10),
                               static_cast<const long long*>(ptr(11)), static_cast<int*>(ptr(12)),
                               static_cast<int*>(ptr(13)), w[14], i32(15), i32(16), i32(17), i32(18), i32(19), i32(20),
-                              i32(21), i32(22), i32(23), i32(24), i32(25), i32(26), ptr(27), w + 28);
+                              i32(21), i32(22), i32(23), i32(24), i32(25), ptr(26), w + 27);
 }
 
 }  // extern "C"

@@ -74,38 +74,6 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
       : "memory");
 }
 
-// The same load written into every block of the cluster in `mask` (at the same shared-memory
-// offset), each block's barrier at `bar`'s offset completing its bytes.
-__device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
-                                                   uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
-      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(mask)
-      : "memory");
-}
-
-// This block's rank in its cluster.
-__device__ __forceinline__ int cta_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return (int)r;
-}
-
-// Arrive on the barrier at shared-window address `addr` of the cluster's block `cta`.
-__device__ __forceinline__ void mbar_arrive_remote(uint32_t addr, int cta) {
-  asm volatile(
-      "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
-      " mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(addr),
-      "r"(cta)
-      : "memory");
-}
-
-// Every thread of every block of the cluster meets (divergent threads allowed).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n barrier.cluster.wait.acquire;" ::: "memory");
-}
-
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map),
                "r"(smem_u32(src)), "r"(c0), "r"(c1)
@@ -241,39 +209,10 @@ __device__ void load_k_steps(const Shared& sh, Ring& r, const CUtensorMap* a, in
   }
 }
 
-// load_k_steps for a block of a pair (a cluster of two on the same B columns, neighbouring row
-// tiles): A's rows its own, B^T's BN rows loaded half by each block and written into both
-// (b_half: box [BN / 2, BK]), so the pair reads B from L2 once.  A stage is free once both blocks'
-// consumers have released it (their empty barriers count both).
-__device__ void load_k_steps_pair(const Shared& sh, Ring& r, const CUtensorMap* a, int a_row,
-                                  const CUtensorMap* b_half, int b_row, int kb0, int kb1) {
-  int half = cta_rank();
-  for (int kb = kb0; kb < kb1; ++kb) {
-    mbar_wait(&sh.empty[r.s], r.phase ^ 1);
-    uint8_t* stage = sh.stages + r.s * STAGE_BYTES;
-    mbar_expect_tx(&sh.full[r.s], STAGE_BYTES);
-    tma_load(stage, a, &sh.full[r.s], kb * BK, a_row);
-    tma_load_multicast(stage + A_BYTES + half * (B_BYTES / 2), b_half, &sh.full[r.s], kb * BK,
-                       b_row + half * (BN / 2), 0x3);
-    r.next();
-  }
-}
-
-// A consumer warp's release of stage S: on its block's empty barrier, and in a pair (PAIR) on the
-// other block's too, whose producer writes half of each stage into this block's.
-template <bool PAIR>
-__device__ __forceinline__ void release_stage(const Shared& sh, int S) {
-  if (threadIdx.x % 32 == 0) {
-    mbar_arrive_at(sh.empty_at + 8 * S);
-    if (PAIR) mbar_arrive_remote(sh.empty_at + 8 * S, cta_rank() ^ 1);
-  }
-}
-
 // One k step of a consumer warpgroup on stage S (a constant where the caller's loop is unrolled):
 // wait for the stage to land, issue its wgmmas (four k16 steps) as one group, overwriting d at the
 // tile's first step, and, past that step, release the stage before it once the group reading it
 // is complete (one group stays in flight).
-template <bool PAIR = false>
 __device__ __forceinline__ void mma_stage(float (&d)[ACC], const Shared& sh, int S, int phase, uint32_t a_lo,
                                           bool first) {
   mbar_wait_at(sh.full_at + 8 * S, phase);
@@ -286,7 +225,7 @@ __device__ __forceinline__ void mma_stage(float (&d)[ACC], const Shared& sh, int
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   if (!first) {
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-    release_stage<PAIR>(sh, (S + STAGES - 1) % STAGES);
+    if (threadIdx.x % 32 == 0) mbar_arrive_at(sh.empty_at + 8 * ((S + STAGES - 1) % STAGES));
   }
 }
 
@@ -301,7 +240,7 @@ struct NoHook {
 // a constant: its barriers' addresses and its descriptors are the block's base words plus
 // constants, and a step costs little more than its wgmmas (at the power cap every instruction
 // a k step issues costs clock).  hook() runs after each round but the last, its wgmmas in flight.
-template <bool PAIR = false, class Hook>
+template <class Hook>
 __device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0, int kb1, int wg, Hook& hook) {
   const uint32_t a_lo = wg_row0(wg) * BK * 2 >> 4;  // the warpgroup's rows of A in the stage
   int kb = kb0, from = r.s, phase = r.phase;
@@ -309,7 +248,7 @@ __device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0,
 #pragma unroll
     for (int S = 0; S < STAGES; ++S) {
       if (S >= from && kb < kb1) {
-        mma_stage<PAIR>(d, sh, S, phase, a_lo, kb == kb0);
+        mma_stage(d, sh, S, phase, a_lo, kb == kb0);
         ++kb;
       }
     }
@@ -319,7 +258,7 @@ __device__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0,
   r.skip(kb1 - kb0);
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   fence_operands(d);
-  release_stage<PAIR>(sh, (r.s + STAGES - 1) % STAGES);
+  if (threadIdx.x % 32 == 0) mbar_arrive_at(sh.empty_at + 8 * ((r.s + STAGES - 1) % STAGES));
 }
 
 __device__ __forceinline__ void mma_k_steps(float (&d)[ACC], const Shared& sh, Ring& r, int kb0, int kb1, int wg) {
@@ -353,12 +292,7 @@ __device__ __forceinline__ bool wg_leader() {
 
 // A block of a kernel on the ring: its barriers set up, then warpgroup 0's first thread produces
 // (with few registers) and warpgroups 1 and 2 consume (with the registers given up).
-// CLUSTER 2: the block is one of a pair (load_k_steps_pair): its empty barriers count both blocks'
-// consumers, the pair meets before either touches the other's barriers and before either exits
-// (the other's consumers may still arrive on this block's barriers, its producer write into this
-// block's stages).
-template <class P, void (*PRODUCE)(const P&, const Shared&), void (*CONSUME)(const P&, const Shared&, int),
-          int CLUSTER = 1>
+template <class P, void (*PRODUCE)(const P&, const Shared&), void (*CONSUME)(const P&, const Shared&, int)>
 __device__ __forceinline__ void run_roles(const P& p) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES], staged[2];
@@ -371,14 +305,13 @@ __device__ __forceinline__ void run_roles(const P& p) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&full[i], 1);
-      mbar_init(&empty[i], 2 * WG_WARPS * CLUSTER);
+      mbar_init(&empty[i], 2 * WG_WARPS);
     }
     mbar_init(&staged[0], 1);
     mbar_init(&staged[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (CLUSTER > 1) cluster_sync();
   // Broadcast from lane 0 so that the compiler knows the warpgroup, and so everything a consumer
   // derives from it and its ring, warp-uniform: the mainloop's descriptors then stay in uniform
   // registers instead of being built in each thread's and moved over a k step.
@@ -390,7 +323,6 @@ __device__ __forceinline__ void run_roles(const P& p) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     CONSUME(p, sh, wg - 1);
   }
-  if (CLUSTER > 1) cluster_sync();
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -510,59 +442,29 @@ CUresult encode(CUtensorMap* map, const void* base, long long rows, long long co
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
+// Launch `kernel` on `grid` blocks with the ring's shared memory (its limit raised once).
 // The kernel loaded on the current device and its shared-memory limit raised.  Under CUDA's lazy
 // loading a kernel's module is otherwise loaded at its first launch, and loading a module waits for
 // the kernels running on the device, which may be spinning on what this rank has yet to send:
 // the library calls this once when it is opened (sm90.library), before any of its launches.
-template <auto KERNEL>
-int ready() {
+template <class Kernel>
+int ready(Kernel kernel) {
   static bool configured = false;
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
   return 0;
 }
 
-// A launch of `grid` blocks with the ring's shared memory in clusters of `cluster` blocks, its
-// one attribute kept in *attr.
-inline cudaLaunchConfig_t ring_config(cudaLaunchAttribute* attr, int grid, int cluster, void* stream) {
-  cudaLaunchConfig_t cfg = {};
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = cluster, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
-  cfg.gridDim = dim3(grid), cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES;
-  cfg.stream = static_cast<cudaStream_t>(stream), cfg.attrs = attr, cfg.numAttrs = 1;
-  return cfg;
-}
-
-// Launch KERNEL on `grid` blocks with the ring's shared memory, in clusters of `cluster` blocks
-// (1: none).
-template <auto KERNEL, class P>
-int launch(const P& p, int grid, void* stream, int cluster = 1) {
-  int e = ready<KERNEL>();
+// Launch `kernel` on `grid` blocks with the ring's shared memory.
+template <class Kernel, class P>
+int launch(Kernel kernel, const P& p, int grid, void* stream) {
+  int e = ready(kernel);
   if (e != 0) return e;
-  if (cluster == 1) {
-    KERNEL<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(p);
-    return (int)cudaGetLastError();
-  }
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg = ring_config(&attr, grid, cluster, stream);
-  return (int)cudaLaunchKernelEx(&cfg, KERNEL, p);
-}
-
-// How many clusters of `cluster` blocks of KERNEL can run at once on the current device (every
-// block of a persistent kernel whose blocks wait on each other's flags must be resident), or a
-// negative CUDA error code.
-template <auto KERNEL>
-int max_clusters(int cluster) {
-  int e = ready<KERNEL>();
-  if (e != 0) return -e;
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg = ring_config(&attr, cluster, cluster, nullptr);
-  int n = 0;
-  cudaError_t r = cudaOccupancyMaxActiveClusters(&n, KERNEL, &cfg);
-  return r == cudaSuccess ? n : -(int)r;
+  kernel<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(p);
+  return (int)cudaGetLastError();
 }
 
 }  // namespace
