@@ -23,7 +23,8 @@ clock follows its energy per FLOP: two kernels of equal cycles can differ in spe
 clock.  Short calls interleaved with others (the rounds above) sample too little of each.  For
 the reductions a third run: cuBLAS then the own segment's sum with the landed partial as a
 separate add (`cuBLAS + add`), the unfused form of the work the fused kernel does on one rank
-(its epilogue reads and adds the peer's partial, which cuBLAS alone does not).
+(its epilogue reads and adds the peer's partial, which cuBLAS alone does not), and the kernel at
+world 1 over all the rows (`world 1`: its GEMM and stores without the reduction).
 
     python3 -m benchmarks.probe_fused_gemm --out OUT [--commit abc] [--rounds 7] [--sustain 2.5]
 """
@@ -218,7 +219,21 @@ def _rs_runs(k: int, n: int, gen) -> tuple[dict, dict]:
         _checked(s.targets.out, own.float() @ s.weight.float() + partial,
                  (torch.mm(own, s.weight).float() + partial).to(own.dtype), f"{region} {label}")
 
-    return runs, {"status": status, "check": check, "unfused": unfused}
+    return runs, {"status": status, "check": check, "unfused": unfused, "alone": _rs_alone(k, n, gen, status)}
+
+
+def _rs_alone(k: int, n: int, gen, status) -> tuple:
+    """(run, check): the same kernel at world 1 over all WORLD * M_LOC rows, the same GEMM and
+    stores with no partial to load or add, i.e. its GEMM throughput without the reduction."""
+    from torch_commopt.testing.fused_standins import Standin, rs_standins
+
+    st = rs_standins(WORLD * M_LOC, k, n, Standin(1, gen=gen), bm=CONFIGS[0][0])
+    run = _sm90_rs(st, st.signals._replace(status=status), {"impl": "sm90"})
+
+    def check(region: str) -> None:
+        _checked(st.targets.out, st.a2.float() @ st.weight.float(), torch.mm(st.a2, st.weight),
+                 f"{region} sm90 at world 1")
+    return run, check
 
 
 def probe(rounds: int, sustain: float) -> list:
@@ -231,6 +246,7 @@ def probe(rounds: int, sustain: float) -> list:
         held_fns = {"cublas": runs[cublas], "sm90": runs["sm90"]}
         if "unfused" in probe_of:
             held_fns["cublas + add"] = probe_of["unfused"]
+            held_fns["sm90 world 1"] = probe_of["alone"][0]
         held = sustained(held_fns, sustain) if sustain > 0 else None
         torch.cuda.synchronize()
         if int(probe_of["status"][0]) != 0:
@@ -239,6 +255,9 @@ def probe(rounds: int, sustain: float) -> list:
             if not label.startswith("cublas"):
                 runs[label]()
                 probe_of["check"](label, region)
+        if "alone" in probe_of:
+            probe_of["alone"][0]()
+            probe_of["alone"][1](region)
         base = min(v for key, v in ms.items() if key.startswith("cublas"))
         fused = {key: v for key, v in ms.items() if not key.startswith("cublas")}
         best = min(fused, key=fused.get)
@@ -334,10 +353,12 @@ def sustained_report(rows: list) -> str:
              "order; ms a call past the first 0.6 s; nvidia-smi every 20 ms meanwhile: mean SM clock, power, share of "
              "samples with the software power cap active. Cycles = ms x clock. For the reductions, `cuBLAS + add`: "
              "cuBLAS then the own segment's sum with the landed partial as a separate add, the unfused form of "
-             "the fused kernel's work on one rank.", "",
+             "the fused kernel's work on one rank; `world 1`: the same kernel alone over all the rows, its GEMM "
+             "and stores without the reduction (no partial to load or add).", "",
              "| region | cuBLAS ms | MHz | W | capped | sm90 ms | MHz | W | capped | sm90 / cuBLAS throughput "
-             "| sm90 / cuBLAS cycles | cuBLAS + add ms | sm90 / (cuBLAS + add) throughput |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| sm90 / cuBLAS cycles | cuBLAS + add ms | sm90 / (cuBLAS + add) throughput | world 1 ms "
+             "| world 1 / cuBLAS throughput |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         held = r.get("sustained")
         if not held:
@@ -348,9 +369,11 @@ def sustained_report(rows: list) -> str:
         def cols(x):
             return f"{fmt(x['ms'])} | {fmt(x['sm_mhz'], 0)} | {fmt(x['power_w'], 0)} | {fmt(x['capped'], 2)}"
 
-        both = held.get("cublas + add")
+        both, alone = held.get("cublas + add"), held.get("sm90 world 1")
         unfused = f"{fmt(both['ms'])} | {fmt(both['ms'] / f['ms'])}" if both else "- | -"
-        lines.append(f"| {r['region']} | {cols(c)} | {cols(f)} | {fmt(c['ms'] / f['ms'])} | {fmt(cycles)} | {unfused} |")
+        solo = f"{fmt(alone['ms'])} | {fmt(c['ms'] / alone['ms'])}" if alone else "- | -"
+        lines.append(f"| {r['region']} | {cols(c)} | {cols(f)} | {fmt(c['ms'] / f['ms'])} | {fmt(cycles)} | {unfused} "
+                     f"| {solo} |")
     return "\n".join(lines + [""])
 
 

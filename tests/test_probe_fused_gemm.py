@@ -58,7 +58,7 @@ def test_sustained_without_clock_samples_gives_times_only():
     got = probe._sustained_rows({"cublas": [0.2, 0.2], "sm90": [0.25, 0.25]}, {"cublas": {}, "sm90": {}})
     assert got["sm90"] == {"ms": 0.25, "sm_mhz": None, "power_w": None, "capped": None, "samples": None,
                            "mcycles": None}
-    assert "| wo | 0.200 | - | - | - | 0.250 | - | - | - | 0.800 | - | - | - |" in probe.sustained_report(
+    assert "| wo | 0.200 | - | - | - | 0.250 | - | - | - | 0.800 | - | - | - | - | - |" in probe.sustained_report(
         [{"region": "wo", "sustained": got}])
 
 
@@ -67,4 +67,12 @@ def test_sustained_reports_the_reduction_against_cublas_and_a_separate_add():
     got = probe._sustained_rows({"cublas": [0.2, 0.2], "sm90": [0.22, 0.22], "cublas + add": [0.24, 0.24]},
                                 {"cublas": {}, "sm90": {}, "cublas + add": {}})
     text = probe.sustained_report([{"region": "wo", "sustained": got}])
-    assert "| wo | 0.200 | - | - | - | 0.220 | - | - | - | 0.909 | - | 0.240 | 1.091 |" in text, text
+    assert "| wo | 0.200 | - | - | - | 0.220 | - | - | - | 0.909 | - | 0.240 | 1.091 | - | - |" in text, text
+
+
+def test_sustained_reports_the_reduction_kernel_alone_at_world_1():
+    """The kernel at world 1 (no partial) against cuBLAS: its GEMM throughput without the reduction."""
+    ms = {"cublas": [0.2, 0.2], "sm90": [0.22, 0.22], "cublas + add": [0.24, 0.24], "sm90 world 1": [0.25, 0.25]}
+    got = probe._sustained_rows(ms, {k: {} for k in ms})
+    text = probe.sustained_report([{"region": "wo", "sustained": got}])
+    assert "| 0.240 | 1.091 | 0.250 | 0.800 |" in text, text
