@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for the device machine (2 GPUs; on 4, the world-3/4 tests run on NCCL and the
 # benchmarks take --world 4 in BENCH_ARGS): GPU tests, then the benchmark.
-# Usage: bash tests/gpu/device_run.sh OUTDIR [tests|shared|cpu|bench|host|host_shared|watchdog|issues|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|fused_probe|moe_sync_free|moe_graph|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|flex_pulled|meshslice|all] [pytest -k expression]
+# Usage: bash tests/gpu/device_run.sh OUTDIR [x2_first|tests|shared|cpu|bench|host|host_shared|watchdog|float8|costmodel|plan|attention|attention1|e2e|e2e_shapes|torchtitan|moe|moe_pieces|fused_probe|moe_sync_free|moe_graph|decode|decode_step|decode_step_shared|flex|flex_probe|flex_bench|flex_pulled|meshslice|all] [pytest -k expression]
 # (BENCH_ARGS, e.g. "--commit abc1234", goes to the benchmarks: the device copy's git metadata
 # can be stale, so pass the commit explicitly.)
 # The whole GPU suite takes ~9-10 min on 2x H200, more than one device call may run: split it,
@@ -18,7 +18,17 @@ mkdir -p "$out"
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'GPUs')"
 python3 -m benchmarks.gpu_health 2>&1 | tee "$out/health.txt"  # a sick machine makes every timing useless
-if [[ $what == tests || $what == all ]]; then
+if [[ $what == x2_first ]]; then
+  # issue 72's first call on two GPUs (~8 min): the fused sm_90a kernels and the GPU schedules
+  # across two real GPUs (NCCL, peer stores over NVLink; shared mode only ever ran them on one),
+  # then each region call's host time of record (bench_host), then training at 4 x 2048 with the
+  # comm-free bound and the step's picture; the other e2e shapes, torchtitan, MoE, decode and
+  # flex are calls of their own (docs/benchmarking.md, "Two GPUs")
+  sel=${sel:-"sm90 or every_gpu_schedule or back_to_back_calls_do_not_corrupt"}
+  TEST_TIMEOUT=${TEST_TIMEOUT:-200} BENCH_TIMEOUT=${BENCH_TIMEOUT:-130}
+  E2E_SHAPES=${E2E_SHAPES:-4x2048} E2E_TIMEOUT=${E2E_TIMEOUT:-170}
+fi
+if [[ $what == tests || $what == all || $what == x2_first ]]; then
   # Bounded waits during the tests: a protocol bug fails a test instead of hanging the run.
   TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
     timeout ${TEST_TIMEOUT:-480} python3 -m pytest $GPU_PYTEST tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests.log"
@@ -32,7 +42,7 @@ if [[ $what == shared ]]; then
   TORCH_COMMOPT_SHARED_DEVICE=1 TORCH_COMMOPT_DEBUG_WAITS=${DEBUG_WAITS:-1} TORCH_COMMOPT_WAIT_TIMEOUT_S=${WAIT_TIMEOUT_S:-60} \
     timeout ${TEST_TIMEOUT:-540} python3 -m pytest $GPU_PYTEST tests/gpu ${sel:+-k "$sel"} 2>&1 | tee "$out/gpu_tests_shared.log"
 fi
-if [[ $what == host ]]; then
+if [[ $what == host || $what == x2_first ]]; then
   # issue 67: replayed host traces against the Python host code (numerics, bit equality), then each
   # region call's host time at the training step's shapes (benchmarks/bench_host.py, ~1 min)
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_host_replay_gpu.py 2>&1 | tee "$out/host_replay_tests.log"
@@ -63,15 +73,16 @@ if [[ $what == e2e ]]; then
   # issue 7: a few Llama-3-8B layers trained with inductor, inductor + async-TP and commopt
   timeout ${E2E_TIMEOUT:-560} python3 -m benchmarks.bench_e2e --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/e2e.log"
 fi
-if [[ $what == e2e_shapes ]]; then
-  # issue 7 at three shapes of 8192 tokens a step (batch x seq: 1 x 8192, 2 x 4096, 4 x 2048), each
-  # with the comm-free bound; batch > 1 gathers and scatters strided row blocks; ~100 s each
+if [[ $what == e2e_shapes || $what == x2_first ]]; then
+  # issue 7 at three shapes of 8192 tokens a step (batch x seq: 1 x 8192, 2 x 4096, 4 x 2048; or
+  # E2E_SHAPES, e.g. "4x2048"), each with the comm-free bound; batch > 1 gathers and scatters
+  # strided row blocks; ~100 s each
   # (E2E_VARIANTS replaces the variant list, e.g. "inductor,commopt,commopt call-graphs all,inductor comm-free");
   # each report carries the picture of one commopt and one inductor step (--timeline; TIMELINE_BATCHES
   # names the batches that draw one, default all three); its traces are dropped but the profiled
   # steps' of both ranks (OUT/e2e_bB_traces.tgz)
-  for shp in "1 8192" "2 4096" "4 2048"; do
-    set -- $shp
+  for shp in ${E2E_SHAPES:-1x8192 2x4096 4x2048}; do
+    set -- ${shp/x/ }
     mkdir -p "$out/e2e_b$1"
     tl=--timeline; [[ " ${TIMELINE_BATCHES:-1 2 4} " == *" $1 "* ]] || tl=
     timeout ${E2E_TIMEOUT:-160} python3 -m benchmarks.bench_e2e --out "$out/e2e_b$1" --batch $1 --seq $2 --repeats 10 \
@@ -208,22 +219,6 @@ if [[ $what == attention1 ]]; then
   # one GPU: the CUDA local-attention backends vs math, and each schedule's compute alone per rank
   timeout 200 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_attention_local.py 2>&1 | tee "$out/gpu_attention_local.log"
   timeout ${PROBE_TIMEOUT:-380} python3 -m benchmarks.probe_attention_blocks "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/attention_blocks.log"
-fi
-if [[ $what == issues ]]; then
-  # the open issues' figures in one call (~450 s on 2x H200): the kernels sweep with
-  # per-call graphs on the eager band (issue 3), the tuner eager-with-graphs and replayed (issue 4),
-  # TP=2 training (issue 7); attention (issue 6) needs a call of its own (mode attention)
-  mkdir -p "$out/kernels" "$out/tuner_cg" "$out/tuner_graphs" "$out/e2e"
-  timeout 230 python3 -m benchmarks.bench_matmul_collectives --out "$out/kernels" --call-graphs ${BENCH_ARGS:-} \
-    > "$out/kernels.log" 2>&1; grep -oE '\[(eager|graph)\] .*' "$out/kernels.log" | cut -c1-190
-  timeout 120 python3 -m benchmarks.bench_costmodel --out "$out/tuner_cg" --call-graphs ${BENCH_ARGS:-} > "$out/tuner_cg.log" 2>&1
-  tail -16 "$out/tuner_cg.log"
-  timeout 100 python3 -m benchmarks.bench_costmodel --out "$out/tuner_graphs" --cuda-graphs ${BENCH_ARGS:-} > "$out/tuner_graphs.log" 2>&1
-  tail -16 "$out/tuner_graphs.log"
-  # (with the comm-free bound: the step's computation alone, what hiding all communication could reach)
-  timeout 260 python3 -m benchmarks.bench_e2e --out "$out/e2e" \
-    --variants "inductor,inductor+async-TP,commopt,commopt model,inductor comm-free" \
-    ${BENCH_ARGS:-} > "$out/e2e.log" 2>&1; grep -E "^\| |is a bound" "$out/e2e.log" | head -9
 fi
 if [[ $what == float8 ]]; then
   # float8 (_scaled_mm) regions: the GPU tests, then the kernels sweep with float8 operands (~2 min)
