@@ -246,6 +246,7 @@ def probe(rounds: int, sustain: float) -> list:
         held_fns = {"cublas": runs[cublas], "sm90": runs["sm90"]}
         if "unfused" in probe_of:
             held_fns["cublas + add"] = probe_of["unfused"]
+        if "alone" in probe_of:
             held_fns["sm90 world 1"] = probe_of["alone"][0]
         held = sustained(held_fns, sustain) if sustain > 0 else None
         torch.cuda.synchronize()
