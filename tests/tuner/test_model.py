@@ -786,6 +786,28 @@ def test_the_sm90_kernels_are_priced_by_their_own_efficiency_and_factor():
     assert Calibration.from_json(json.dumps(raw)).sm90_efficiency == {}
 
 
+def test_the_sm90_reduce_scatter_pays_its_partials_by_their_bytes_not_its_k():
+    """The own segment's partials cost (W - 1) x its bytes / Calibration.sm90_partial_bytes_per_s
+    on top of the GEMM, whatever K is (one H200: 11 us at wo's K 2048 and at w2's K 7168 alike),
+    and nothing for the other schedules or kinds; a calibration stored before the field
+    charges nothing."""
+    sm90, triton = Schedule.parse("fused:1:impl=sm90"), Schedule.parse("fused:1")
+    free = dataclasses.replace(H200, sm90_partial_bytes_per_s=0.0, schedule_factor={}, schedule_factor_curve={})
+    paid = dataclasses.replace(free, sm90_partial_bytes_per_s=3.0e12)
+    for world in (2, 4):
+        seg_bytes = 8192 // world * 4096 * 2
+        for k in (2048, 7168):
+            shape = RegionShape("matmul_rs", 8192, k, (4096,), world, "bfloat16")
+            extra = predict(shape, sm90, paid).gpu_s - predict(shape, sm90, free).gpu_s
+            assert extra == pytest.approx((world - 1) * seg_bytes / 3.0e12), (world, k)
+            assert predict(shape, triton, paid).gpu_s == predict(shape, triton, free).gpu_s
+    ag = RegionShape("ag_matmul", 4096, 4096, (4096,), 2, "bfloat16")
+    assert predict(ag, sm90, paid).gpu_s == predict(ag, sm90, free).gpu_s
+    raw = json.loads(H200.to_json())
+    del raw["sm90_partial_bytes_per_s"]
+    assert Calibration.from_json(json.dumps(raw)).sm90_partial_bytes_per_s == 0.0
+
+
 def test_the_probes_give_the_sm90_kernels_their_weight_k_major(monkeypatch):
     """The probe's weight is (K, N) row-major; the sm_90a kernels refuse it (and would run the
     Triton kernel under their name), so their schedules get the same values K-major."""

@@ -495,6 +495,7 @@ def measure(group_name: str, device: torch.device, dtype_names: tuple[str, ...] 
         gemm_samples={d: [list(sample) for sample in gemm[d]] for d in dtype_names},
         host_s={**base.host_s, **host_s}, host_per_piece_s=per_piece, host_per_piece_by_kind=by_kind,
         fused_efficiency=base.fused_efficiency, sm90_efficiency=dict(base.sm90_efficiency),
+        sm90_partial_bytes_per_s=base.sm90_partial_bytes_per_s,
         attention_flops={d: f / t for d, (f, t, _) in attn.items()},
         attention_bwd_factor=bwd_factor, small_msg=small,
         source="measured", measured=tuple(measured) + ("attention_flops",) + (("attention_bwd_factor",) if bwd_factor else ())

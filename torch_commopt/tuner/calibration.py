@@ -131,8 +131,12 @@ class Calibration:
         0 where not measured.
     fused_efficiency: Triton persistent GEMM speed relative to cuBLAS.
     sm90_efficiency: {kind: speed relative to cuBLAS} of the sm_90a fused kernels (`impl=sm90`,
-        kernels/matmul/gpu/sm90.py) for ag_matmul and matmul_rs; a kind not here takes
+        kernels/matmul/gpu/sm90.py) for ag_matmul and matmul_rs, their GEMM and stores alone
+        (the reduce-scatter's reduction is sm90_partial_bytes_per_s's); a kind not here takes
         fused_efficiency.
+    sm90_partial_bytes_per_s: the rate at which the sm_90a reduce-scatter's own tiles take in and
+        add a peer's partial, in the partial's bytes: the own segment's (world - 1) partials cost
+        their bytes over this on top of its GEMM (0: not charged).
     schedule_factor: {"kind family" or "kind family:S": measured / predicted device time} of each schedule
         family on a probe shape (probe_factors._schedule_probes): what the pipeline model
         leaves out (flag round trips, the order the streams really run in, a family's
@@ -197,6 +201,7 @@ class Calibration:
     transfer_slowdown: float = 0.0
     fused_efficiency: float = 1.0
     sm90_efficiency: dict[str, float] = field(default_factory=dict)
+    sm90_partial_bytes_per_s: float = 0.0
     schedule_factor: dict[str, float] = field(default_factory=dict)
     schedule_factor_curve: dict[str, list[list[float]]] = field(default_factory=dict)
     schedule_factor_curve_graphs: dict[str, list[list[float]]] = field(default_factory=dict)
@@ -344,8 +349,10 @@ def prior(device: str, world: int) -> Calibration:
         collective_overlap_slowdown=0.8,
         fused_efficiency=0.87,
         # the sm_90a kernels back to back against cuBLAS at the training step's GEMMs, one H200:
-        # all-gather 0.98-1.01, reduce-scatter 0.94-0.98 (docs/gpu-schedules.md)
-        sm90_efficiency={"ag_matmul": 0.99, "matmul_rs": 0.96},
+        # all-gather 0.98-1.01; the reduce-scatter alone at world 1 (no partial) 0.975-0.994, and
+        # with the partial 11 us more at both wo and w2, a 32 MiB own segment each
+        # (docs/gpu-schedules.md)
+        sm90_efficiency={"ag_matmul": 0.99, "matmul_rs": 0.985}, sm90_partial_bytes_per_s=3.0e12,
         # cuDNN attention on one H200, B1 H32 D128 bf16, 16K-64K (docs/context-parallel-attention.md)
         attention_flops={"bfloat16": 600e12, "float16": 600e12}, attention_bwd_factor=2.75,
     )

@@ -411,14 +411,25 @@ def _gpu_reduce_time(shape: RegionShape, sched: Schedule, cal: Calibration, m_se
             pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes, beside if c < s - 1 else 1.0))
         _gathered_copies(shape, sched, cal, steps, piece_bytes, pushed)
         return simulate(steps)
+    own = piece + _sm90_partials(shape, sched, cal, piece_bytes)
     for c in range(s):
         if local_copy:
             steps.append(_Step("local", local_copy, tuple(arrival[c])))
             arrival[c] = [len(steps) - 1]
-        steps.append(_Step("compute", piece, tuple(arrival[c])))
+        steps.append(_Step("compute", own, tuple(arrival[c])))
         pushed.append(_push_reduced_step(shape, cal, steps, piece_bytes, beside if c < s - 1 else 1.0))
     _gathered_copies(shape, sched, cal, steps, piece_bytes, pushed)
     return simulate(steps)
+
+
+def _sm90_partials(shape: RegionShape, sched: Schedule, cal: Calibration, piece_bytes: float) -> float:
+    """What an own piece of the sm_90a reduce-scatter spends taking in and adding the peers'
+    partials of it (Calibration.sm90_partial_bytes_per_s); 0 for every other schedule.  It scales
+    with the segment's bytes, not with K: a short-K GEMM pays a larger share of its time."""
+    if (shape.kind != "matmul_rs" or sched.name != "fused" or sched.param("impl") != "sm90"
+            or cal.sm90_partial_bytes_per_s <= 0):
+        return 0.0
+    return (shape.world - 1) * piece_bytes / cal.sm90_partial_bytes_per_s
 
 
 def _push_reduced_step(shape: RegionShape, cal: Calibration, steps: list[_Step], piece_bytes: float,
