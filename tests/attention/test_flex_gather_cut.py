@@ -127,3 +127,44 @@ def test_a_group_whose_ranks_disagree_gathers_whole(votes, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=ce_gather.log.name):
         assert not ce_gather.cut_agreed(types.SimpleNamespace(group_name="g"))
     assert "not set on every rank" in caplog.text and "did not vote" in caplog.text
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_backward_s_cut_scatter_sends_the_peer_s_span_outside_which_its_gradients_are_zero(mask, rank,
+                                                                                                 monkeypatch):
+    """allgather_backward hands the cut reduce-scatter the span of the peer's share its rows keep
+    tiles of, and the gradients it would not send are zero (what the cut relies on)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setattr(flex_allgather.comm, "size", lambda group: 2)
+    monkeypatch.setattr(flex_allgather.comm, "rank", lambda group: rank)
+    monkeypatch.setattr(ce_gather, "cut_agreed", lambda group: True)
+    real = flex_allgather._pull_spans
+    monkeypatch.setattr(flex_allgather, "_pull_spans", lambda opts, step, k, heads: real(opts, step, CUDA_LIKE, heads))
+    moved = []
+
+    def by_copy_engine(move, a, b, group):
+        moved.append((move, a, b))
+        if move is ce_gather.all_gather_kv or getattr(move, "func", None) is ce_gather.all_gather_kv_pulled:
+            return whole_k, whole_v  # what the gather lands where the rows read
+        return a[:, :, rank * L:(rank + 1) * L], b[:, :, rank * L:(rank + 1) * L]
+    monkeypatch.setattr(flex_allgather, "_by_copy_engine", by_copy_engine)
+    gen = torch.Generator().manual_seed(7 + rank)
+    whole_q, whole_k, whole_v, whole_do = (torch.randn(1, 2, S, 16, generator=gen) for _ in range(4))
+    bm = create_block_mask(MASKS[mask], 1, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+    opts = flex_allgather.Options(flex.Blocks.of(bm), 0.25, object())
+    mine = slice(rank * L, (rank + 1) * L)
+    q, k, v, dout = (t[:, :, mine] for t in (whole_q, whole_k, whole_v, whole_do))
+    out, lse, _ = flex_allgather.allgather_forward(q, k, v, opts)
+    flex_allgather.allgather_backward((q, k, v, out, lse), dout, opts)
+    move, gk, gv = moved[-1]
+    sent = _needed(mask, rank)[1 - rank]
+    assert move.func is ce_gather.reduce_scatter_kv_cut and move.keywords == {"sent": sent}
+    peer = slice((1 - rank) * L, (2 - rank) * L)
+    for g in (gk[:, :, peer], gv[:, :, peer]):
+        outside = torch.ones(L, dtype=torch.bool)
+        if sent is not None:
+            outside[sent[0]:sent[1]] = False
+            assert g[:, :, ~outside].abs().sum() > 0
+        assert torch.equal(g[:, :, outside], torch.zeros_like(g[:, :, outside]))

@@ -144,11 +144,12 @@ def run_flex_ops(rank: int, world: int, dtype: torch.dtype = torch.bfloat16,
 
 def run_flex_ops_pulled(rank: int, world: int) -> list[tuple[str, float, float]]:
     """run_flex_ops with the one-group all-gathers (kept and gathered again), checking that the
-    pulled gather ran (TORCH_COMMOPT_FLEX_GATHER_CUT=1 set by the caller)."""
+    pulled gather and the cut reduce-scatter ran (TORCH_COMMOPT_FLEX_GATHER_CUT=1 set by the caller)."""
     from torch_commopt.kernels.attention import ce_gather
 
     results = run_flex_ops(rank, world, torch.bfloat16, ("allgather", "allgather kept"))
     assert ce_gather.STATS["pulled"] > 0, "the pulled all-gather never ran"
+    assert ce_gather.STATS["cut scatter"] > 0, "the cut reduce-scatter never ran"
     return results
 
 

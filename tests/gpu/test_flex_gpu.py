@@ -58,7 +58,8 @@ def test_flex_ops_with_the_copy_engine_ring_match_whole_sequence_attention(two_r
 @pytest.mark.gpu
 def test_flex_ops_with_the_pulled_gather_match_whole_sequence_attention(two_ranks, monkeypatch):
     """TORCH_COMMOPT_FLEX_GATHER_CUT=1: the one-group all-gather pulls only the keys its rows keep
-    tiles of (ce_gather.all_gather_kv_pulled), kept for the backward and gathered again."""
+    tiles of (ce_gather.all_gather_kv_pulled), kept for the backward and gathered again, and its
+    reduce-scatter pushes only their gradients (ce_gather.reduce_scatter_kv_cut)."""
     monkeypatch.setenv("TORCH_COMMOPT_FLEX_GATHER_CUT", "1")
     _all_within_tolerance(two_ranks, run_flex_ops_pulled, 5 * 2 * 2 * 4)
 

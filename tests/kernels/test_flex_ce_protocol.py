@@ -46,7 +46,29 @@ def _recorded_sum(queue, active):
     return summed
 
 
-def _call(name: str, world: int):
+def _recorded_within(queue, active):
+    """ce_gather._sum_within, recorded as a copy that reads the own rows, the header and the slot's
+    rows within the span the peer sent (active["cut"]: the call's CUT_SENT; the rest of the slot
+    is read too, and thrown away by the where, whatever it holds)."""
+    real = ce_gather._sum_within
+
+    def summed(own, slot, span):
+        out = real(own, slot, span)
+        written = _tensor_rows(out)
+        sent = active["cut"][1 - active["rank"]]
+        read = _tensor_rows(own) + _tensor_rows(span)
+        read += _tensor_rows(slot[:, :, sent[0]:sent[1]]) if sent else ()
+        queue.append((active["rank"], torch.cuda.current_stream().cuda_stream,
+                      ("copy", out.data_ptr(), written[0][1] - written[0][0], written, read)))
+        return out
+    return summed
+
+
+# a cut reduce-scatter's spans, by the sending rank: of the peer's share (tokens), None for none
+CUT_SENT = {"cut scatter": [(2, L - 2), (1, L)], "cut scatter none": [None, None]}
+
+
+def _call(name: str, world: int, rank: int = 0):
     gen = torch.Generator().manual_seed(len(name) + world)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     name, _, length = name.partition(" L=")  # "gather L=20": another block length than L (other slots)
@@ -57,6 +79,9 @@ def _call(name: str, world: int):
     if name == "scatter":
         gk, gv = rnd(B, H, world * n, D), rnd(B, H, world * n, D)
         return lambda: ce_gather.reduce_scatter_kv(gk, gv, GROUP)
+    if name in CUT_SENT:
+        gk, gv = rnd(B, H, world * n, D), rnd(B, H, world * n, D)
+        return lambda: ce_gather.reduce_scatter_kv_cut(gk, gv, GROUP, CUT_SENT[name][rank])
     if name in ("pulled", "pulled none"):  # spans per source: rank 0 pulls spans[1], rank 1 spans[0]
         k, v = rnd(B, H, n, D), rnd(B, H, n, D)
         spans = [None, None] if name == "pulled none" else [(2, n - 2), (1, n)]
@@ -81,14 +106,16 @@ def _queue(world: int, names: list[str]) -> tuple[list, list]:
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ce_gather, "_sum", _recorded_sum(queue, state))
+            mp.setattr(ce_gather, "_sum_within", _recorded_within(queue, state))
             for name in names:  # every rank queues the call, then the next: the GPUs run them later
                 if name == "replayed":  # the call before took no epoch (a CUDA-graph replay): REPLAYED
                     for rt in runtimes:
                         rt.rewind(rt.epoch - 1)
                     continue
+                state["cut"] = CUT_SENT.get(name)
                 for rank in range(world):
                     switch(rank)
-                    _call(name, world)()
+                    _call(name, world, rank)()
     return queue, runtimes
 
 
@@ -308,9 +335,14 @@ PULLED = {
     "gather, replayed, pulled": ["gather L=20", "replayed", "pulled"],
     "pulled, replayed, longer pulled": ["pulled", "replayed", "pulled L=20"],
     "ag, replayed, pulled": ["ag ce_push:1", "replayed", "pulled L=20"],
+    "pulled, cut scatters": ["pulled", "cut scatter", "pulled", "cut scatter none", "scatter", "cut scatter"],
+    "cut scatters between the matmul schedules": ["cut scatter", "ag ce_push:1", "rs ce_pull:2", "cut scatter",
+                                                  "rs ce_push:1", "cut scatter none", "gather"],
+    "gather, replayed, cut scatter": ["gather L=20", "replayed", "cut scatter"],
 }
 PULLED_READS_CHECKED = ("back to back", "pulled, replayed, longer gather", "gather, replayed, pulled",
-                        "pulled, replayed, longer pulled")  # only copies write the buffer in these
+                        "pulled, replayed, longer pulled", "pulled, cut scatters",
+                        "gather, replayed, cut scatter")  # only copies write the buffer in these
 
 
 @pytest.mark.parametrize("sequence", sorted(PULLED))
@@ -349,6 +381,41 @@ def test_a_pulled_gather_that_does_not_wait_for_the_peer_is_caught(monkeypatch):
     with pytest.raises((Race, NotAtRest)):
         for seed in range(12):
             simulate(queue, runtimes, seed, shared_reads=True)
+
+
+def test_a_cut_scatter_pushes_its_span_and_its_header_and_sums_after_both_landed():
+    def pushed(queue, runtimes):  # the side streams' copies, by their bytes a row
+        side = {rt.side.cuda_stream for rt in runtimes}
+        return sorted(op[2] for _, stream, op in queue if op[0] == "copy" and stream in side)
+
+    queue, runtimes = _queue(2, ["cut scatter"])
+    row = D * 4  # bytes a token of the tiny fp32 blocks
+    # each rank: the 8-byte header, then K's and V's span (rank 0: tokens [2, 6), rank 1: [1, 8))
+    assert pushed(queue, runtimes) == [8, 8, 4 * row, 4 * row, 7 * row, 7 * row]
+    for seed in range(12):
+        simulate(queue, runtimes, seed, shared_reads=True)
+    assert pushed(*_queue(2, ["cut scatter none"])) == [8, 8]
+
+
+def test_a_cut_scatter_that_sums_before_the_peer_s_span_landed_is_caught(monkeypatch):
+    monkeypatch.setattr(ce_gather._Call, "arrived", lambda self, stream: None)  # planted
+    queue, runtimes = _queue(2, ["cut scatter", "cut scatter"])
+    with pytest.raises((Race, NotAtRest)):
+        for seed in range(12):
+            simulate(queue, runtimes, seed, shared_reads=True)
+
+
+def test_a_cut_scatter_over_three_ranks_is_refused():
+    with pytest.raises(ValueError, match="two ranks"):
+        _queue(3, ["cut scatter"])
+
+
+def test_a_cut_sum_adds_the_peer_s_rows_only_within_the_span():
+    own, slot = torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    slot[:, :, :2] = float("nan")  # outside the span the slot holds whatever was last written there
+    got = ce_gather._sum_within(own, slot, torch.tensor([2, 6], dtype=torch.int32))
+    assert torch.equal(got[:, :, 2:6], own[:, :, 2:6] + slot[:, :, 2:6])
+    assert torch.equal(got[:, :, :2], own[:, :, :2]) and torch.equal(got[:, :, 6:], own[:, :, 6:])
 
 
 def test_a_pulled_gather_over_three_ranks_is_refused():

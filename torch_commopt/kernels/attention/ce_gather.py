@@ -26,6 +26,10 @@ DMA (the block's B * H rows at the gathered tensor's pitch):
       no key block outside them, so the rest of the gathered tensors is left unwritten); then as
       the all-gather.  Two ranks only, as ce_pull (Schedule.at_world): over more, a third rank's
       pushes into a peer's half are guarded by no token of the rank still pulling from it.
+  cut reduce-scatter (two ranks, the same switch): as the reduce-scatter, but each rank pushes
+      only the span of the peer's rows of dK/dV that its own rows reached (elsewhere its
+      gradients of those keys are zero), its span ahead of them in the slot's header; the
+      receiver adds the slot's rows within the header's span to its own on the device.
 
 The protocol is the matmul schedules' (kernels/gpu/symm.py: shared buffer size classes, halves
 alternating call by call, DATA flags, FREE tokens), so these calls interleave with theirs.
@@ -37,6 +41,7 @@ otherwise NCCL runs.
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import torch
@@ -46,7 +51,7 @@ from torch_commopt.kernels.attention import switches
 
 log = logging.getLogger(__name__)
 _ALIGN = 256  # bytes: V starts aligned in its slot
-STATS = {"pulled": 0}  # pulled all-gathers run (all_gather_kv_pulled) in this process
+STATS = {"pulled": 0, "cut scatter": 0}  # cut moves run in this process (all_gather_kv_pulled, reduce_scatter_kv_cut)
 
 
 def _aligned(n: int) -> int:
@@ -82,9 +87,10 @@ def usable(tensors: list[Tensor], group) -> bool:
 
 class _Call:
     """One call's runtime, buffer half, slot size and streams; a context watched by the runtime's
-    watchdog from its start to its end, whatever happens between."""
+    watchdog from its start to its end, whatever happens between.  A slot holds the two tensors'
+    pieces and, after them, `header` bytes."""
 
-    def __init__(self, group, tensors: list[Tensor], what: str) -> None:
+    def __init__(self, group, tensors: list[Tensor], what: str, header: int = 0) -> None:
         from torch_commopt.kernels.gpu import driver, symm
 
         self.symm, self.driver = symm, driver
@@ -92,7 +98,8 @@ class _Call:
         self.per = [t.numel() * t.element_size() // rt.world if what == "scatter" else t.numel() * t.element_size()
                     for t in tensors]
         self.offsets = [0, _aligned(self.per[0])]
-        self.slot = _aligned(self.offsets[1] + self.per[1])
+        self.offsets.append(_aligned(self.offsets[1] + self.per[1]))  # a header (cut reduce-scatter) after both
+        self.slot = _aligned(self.offsets[2] + header)
         self.buf = rt.buffer(2 * rt.world * self.slot)  # both halves (SymmAllocError on every rank alike)
         self.half = rt.next_epoch() % 2
         self.base = self.half * (self.buf.nbytes // 2)
@@ -246,6 +253,80 @@ def reduce_scatter_kv(gk: Tensor, gv: Tensor, group) -> tuple[Tensor, Tensor]:
         rt.after(call.cur, rt.side)  # the gradients are read by the pushes
         call.finish("flex reduce-scatter of dK/dV")
     return sums[0], sums[1]
+
+
+def reduce_scatter_kv_cut(gk: Tensor, gv: Tensor, group, sent: tuple | None) -> tuple[Tensor, Tensor]:
+    """reduce_scatter_kv over two ranks, pushing only what is not zero (the module docstring's cut
+    reduce-scatter): `sent`, (start, end) tokens of the peer's share that this rank's rows keep
+    tiles of, or None for none of it -- outside it this rank's gradients of those keys are zero
+    (flex writes zero for a key block no row reaches).  The span travels ahead of the rows in the
+    slot's header, so the receiver sums the peer's rows within it on the device, whatever its host
+    knows of the peer's mask (a compiled program's mask is its own rows')."""
+    with _Call(group, [gk, gv], "scatter", header=_HEADER) as call:
+        rt, driver = call.rt, call.driver
+        if rt.world != 2:
+            raise ValueError(f"commopt flex reduce-scatter: a cut reduce-scatter runs over two ranks, not {rt.world}")
+        STATS["cut scatter"] += 1
+        length = gk.shape[2] // 2
+        rows, width = gk.shape[0] * gk.shape[1], length * gk.shape[3] * gk.element_size()
+        token_bytes = gk.shape[3] * gk.element_size()
+        (peer,) = rt.peers
+        header = _span_header(sent, gk.device)
+        rt.after(rt.side, call.cur)
+        rt.acquire(rt.side, peer, call.half, debug=call.debug, defer_take=True)
+        driver.memcpy_async(rt.side, call.slot_address(peer, rt.rank, 2), header.data_ptr(), _HEADER)
+        if sent is not None:
+            start, end = (x * token_bytes for x in sent)
+            for i, g in enumerate((gk, gv)):
+                driver.memcpy2d_async(rt.side, call.slot_address(peer, rt.rank, i) + start, width,
+                                      g.data_ptr() + peer * width + start, 2 * width, end - start, rows)
+        rt.signal(rt.side, peer, call.symm.data_index(call.half, rt.rank, 0), 1)
+        call.arrived(call.cur)
+        at = call.base + peer * call.slot
+        span = call.buf.view(rt.rank, at + call.offsets[2], (2,), torch.int32)
+        sums = []
+        for i, g in enumerate((gk, gv)):
+            own = g[:, :, rt.rank * length:(rt.rank + 1) * length]
+            slot = call.buf.view(rt.rank, at + call.offsets[i], g.shape[:2] + (length, g.shape[3]), g.dtype)
+            sums.append(_sum_within(own, slot, span))
+        rt.after(call.cur, rt.side)  # the gradients and the header are read by the pushes
+        call.finish("flex cut reduce-scatter of dK/dV")
+    return sums[0], sums[1]
+
+
+_HEADER = 8  # bytes: a cut reduce-scatter's span, int32 (start, end) tokens
+_HEADERS: collections.OrderedDict = collections.OrderedDict()  # span headers on devices, the latest few
+_TOKENS: dict[tuple, Tensor] = {}
+
+
+def _span_header(sent: tuple | None, device) -> Tensor:
+    """The span as the int32 (start, end) a slot's header holds ((0, 0): none), on the device: one
+    for each of the last 64 spans (a mask each batch makes a new one; a header dropped here is freed
+    on the caller's stream, which the call joins with the side stream that copies it)."""
+    key = (sent, str(device))
+    if key not in _HEADERS:
+        _HEADERS[key] = torch.tensor(sent or (0, 0), dtype=torch.int32, device=device)
+        if len(_HEADERS) > 64:
+            _HEADERS.popitem(last=False)
+    _HEADERS.move_to_end(key)
+    return _HEADERS[key]
+
+
+def _tokens(length: int, device) -> Tensor:
+    """int32 0 .. length - 1 on the device, made once per length and device."""
+    key = (length, str(device))
+    if key not in _TOKENS:
+        _TOKENS[key] = torch.arange(length, dtype=torch.int32, device=device)
+    return _TOKENS[key]
+
+
+def _sum_within(own: Tensor, slot: Tensor, span: Tensor) -> Tensor:
+    """own + slot over the tokens (dim 2) within span (int32 (start, end), read on the device),
+    own elsewhere (the slot there holds whatever was last written in it): one sum of two, rounded
+    once, in own's dtype."""
+    tokens = _tokens(own.shape[2], own.device)
+    inside = ((tokens >= span[0]) & (tokens < span[1]))[:, None]
+    return torch.add(own, torch.where(inside, slot, 0.0))
 
 
 def _sum(parts: list[Tensor], dtype: torch.dtype) -> Tensor:

@@ -14,7 +14,8 @@ Head groups need a mask that is the same for every head (its tables broadcast ov
 per-head mask runs in one group.  Every key is sent to every rank whatever the mask (the ring,
 flex_ring.py, computes per source and is the schedule that can skip); over two ranks with
 TORCH_COMMOPT_FLEX_GATHER_CUT (experimental) a one-group gather on the copy engine pulls only the
-keys the rank's rows keep tiles of (_pull_spans, ce_gather.all_gather_kv_pulled).
+keys the rank's rows keep tiles of (_pull_spans, ce_gather.all_gather_kv_pulled), and its
+reduce-scatter pushes only the gradients of those keys (ce_gather.reduce_scatter_kv_cut).
 """
 
 from __future__ import annotations
@@ -157,13 +158,15 @@ def allgather_backward(saved: tuple[Tensor, ...], dout: Tensor, opts: Options,
     step = _rows_step(opts.blocks, p, world)
     heads = _head_groups(q, k, opts)
     dqs, scattering = [], []
-    spans = None if kept is not None else _pull_spans(opts, step, k, heads)
-    for i, (k_all, v_all) in _gathers(k, v, heads, opts.group, kept, spans):
+    spans = _pull_spans(opts, step, k, heads)
+    scatter = ce_gather.reduce_scatter_kv if spans is None else functools.partial(
+        ce_gather.reduce_scatter_kv_cut, sent=spans[1 - p])
+    for i, (k_all, v_all) in _gathers(k, v, heads, opts.group, kept, None if kept is not None else spans):
         hq = heads[i][0]
         gq, gk, gv = flex.block_backward(q[:, hq].contiguous(), k_all, v_all, out[:, hq].contiguous(),
                                          lse[:, hq].contiguous(), dout[:, hq].contiguous(), step, opts.scale)
         dqs.append(gq)
-        summed = _by_copy_engine(ce_gather.reduce_scatter_kv, gk, gv, opts.group) if len(heads) == 1 else None
+        summed = _by_copy_engine(scatter, gk, gv, opts.group) if len(heads) == 1 else None
         if summed is not None:
             return _joined([gq], q.dtype), summed[0].to(k.dtype), summed[1].to(v.dtype)
         scattering.append([reduce_scatter(g.to(_scatter_dtype(g, world)), 2, "sum", opts.group, async_op=True)
