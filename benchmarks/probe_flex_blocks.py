@@ -172,6 +172,11 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
     flex_ring.steps_of(blocks, world, p)  # what a call with a mask already cut (another layer's) finds
     cached_ms = (time.perf_counter() - host) * 1e3
     balanced = layouts(kind, seq, world, reps, [q, k, v, dout, out_w, aux_w.lse])
+    own_step = ring.steps[p] if ring.extents[p] is not None else None
+    kernels = {"whole fwd+bwd": _kernels(whole_fwd_bwd, reps), "rows, every key bwd": _kernels(gather_bwd, reps)}
+    if own_step is not None:  # the rank's rows against its own share's keys alone: no key block left empty
+        kernels["rows, own keys bwd"] = _kernels(lambda: flex.block_backward(
+            q_rows, *keys[p], out_rows, lse_rows, dout_rows, own_step, scale), reps)
     tiles_whole = int(blocks.kv_num.sum()) + int(blocks.full_num.sum())
     tiles_rank = sum(ring.extents[s].tiles for s in live)
     return {"mask": kind, "seq": seq, "world": world, "rank": p, "tiles_whole": tiles_whole, "tiles_rank": tiles_rank,
@@ -184,7 +189,25 @@ def case(kind: str, seq: int, world: int, reps: int) -> dict:
             "lse_error": float((lse - lse_rows)[torch.isfinite(lse_rows)].abs().max()),
             "dq_error": float((dq - qa.grad[:, :, rows].float()).abs().max()),
             "dq_scale": float(qa.grad[:, :, rows].float().abs().max()), "compile_s": compile_s,
-            "steps_host_ms": steps_ms, "steps_cached_ms": cached_ms, "layouts": balanced}
+            "steps_host_ms": steps_ms, "steps_cached_ms": cached_ms, "layouts": balanced, "kernels": kernels,
+            "tiles_own": ring.extents[p].tiles if own_step is not None else None}
+
+
+def _kernels(fn, reps: int) -> dict:
+    """Device ms a call of each CUDA kernel fn() launches, by name (the profiler's, over `reps` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total: dict = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            total[e.name] = total.get(e.name, 0.0) + e.device_time_total / 1e3 / reps
+    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
 
 
 def layouts(kind: str, seq: int, world: int, reps: int, tensors: list) -> dict:
@@ -312,8 +335,37 @@ def report(cases: list, meta: dict) -> str:
                          f"{fmt(max(lay['fwd']), 3)} | {fmt(max(lay['bwd']), 3)} | {fmt(b['fwd'], 3)} | "
                          f"{fmt(b['bwd'], 3)} | {fmt(b['fwd+bwd'], 3)} | {fmt(b.get('alone'), 3)} | "
                          f"{fmt(b.get('ring'), 3)} |")
+    lines += ["", "## Where the rank's backward goes: its kernels", "",
+              "Device ms a call by kernel (the profiler's, the median call's kernels not separated: the mean of "
+              f"{meta['rounds']} calls): the backward's main kernel (flex's template: dK/dV programs per key block, "
+              "dQ programs per row block) and the rest (its delta of out and dout, the conversions). Rows, every key: "
+              "the all-gather's call of the last rank's rows against the whole sequence's keys; rows, own keys: the "
+              "same rows against their own share's keys alone (the key blocks no row reaches gone: the tiles of "
+              "documents crossing into the share before are not in it). Rate: tiles a ms of the main kernel over "
+              "the whole backward's main kernel's.", "",
+              "| mask | seq | W | whole bwd main ms | rest ms | rows, every key: main ms | rest ms | rate | "
+              "rows, own keys: tiles | main ms | rate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        if "kernels" not in c:
+            continue
+        parts = {name: _main_and_rest(ks) for name, ks in c["kernels"].items()}
+        whole_rate = c["tiles_whole"] / parts["whole fwd+bwd"][0]
+        every, own = parts["rows, every key bwd"], parts.get("rows, own keys bwd")
+        own_cells = ("- | - | -" if own is None else
+                     f"{c['tiles_own']} | {fmt(own[0], 3)} | {fmt(c['tiles_own'] / own[0] / whole_rate, 3)}")
+        lines.append(f"| {c['mask']} | {c['seq']} | {c['world']} | {fmt(parts['whole fwd+bwd'][0], 3)} | "
+                     f"{fmt(parts['whole fwd+bwd'][1], 3)} | {fmt(every[0], 3)} | {fmt(every[1], 3)} | "
+                     f"{fmt(c['tiles_rank'] / every[0] / whole_rate, 3)} | {own_cells} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def _main_and_rest(kernels: dict) -> tuple[float, float]:
+    """(ms of flex's backward template kernel, ms of the other kernels a backward call launches; the
+    whole fwd+bwd's forward template kernel left out)."""
+    main = sum(ms for name, ms in kernels.items() if "flex_attention_backward" in name and "_tem_" in name)
+    rest = sum(ms for name, ms in kernels.items() if "_tem_" not in name)
+    return main, rest
 
 
 def main() -> None:

@@ -85,3 +85,19 @@ def test_every_layout_s_calls_run_on_a_cpu_with_the_ring_s_per_source_calls(monk
     assert all("ring" not in got[name] for name in got if name == "by_work")
     assert all(len(got[name]["fwd"]) == 2 for name in got)
     assert all(1.0 <= ms <= 2.0 for ms in got["contiguous"]["ring"]["fwd"])  # own, and at most one other source
+
+
+def test_the_kernels_section_rates_the_backward_s_main_kernel_apart_from_the_rest():
+    case = _case()
+    fwd_tem, bwd_tem = "triton_tem_fused_flex_attention_0", "triton_tem_fused_flex_attention_backward_1"
+    delta = "triton_per_fused_flex_attention_backward_0"
+    case["kernels"] = {"whole fwd+bwd": {bwd_tem: 1.56, fwd_tem: 0.6, delta: 0.06, "fill": 0.01},
+                       "rows, every key bwd": {bwd_tem: 1.0, delta: 0.03},
+                       "rows, own keys bwd": {bwd_tem: 0.9, delta: 0.03}}
+    case["tiles_own"] = 370
+    meta = {"device": "GPU", "commit": "abc", "date": "d", "torch": "t", "rounds": 3}
+    text = probe.report(probe.derive([case]), meta)
+    # whole rate 780 / 1.56 = 500 tiles a ms; rows: 380 / 1.0 = 380 (0.760), own keys 370 / 0.9 (0.822)
+    assert "| docs 1K | 16384 | 2 | 1.560 | 0.070 | 1.000 | 0.030 | 0.760 | 370 | 0.900 | 0.822 |" in text
+    del case["kernels"]["rows, own keys bwd"]
+    assert "| 0.760 | - | - | - |" in probe.report(probe.derive([case]), meta)
