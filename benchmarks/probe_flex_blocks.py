@@ -336,7 +336,7 @@ def report(cases: list, meta: dict) -> str:
                          f"{fmt(b['bwd'], 3)} | {fmt(b['fwd+bwd'], 3)} | {fmt(b.get('alone'), 3)} | "
                          f"{fmt(b.get('ring'), 3)} |")
     lines += ["", "## Where the rank's backward goes: its kernels", "",
-              "Device ms a call by kernel (the profiler's, the median call's kernels not separated: the mean of "
+              "Device ms a call by kernel (the profiler's, the mean over "
               f"{meta['rounds']} calls): the backward's main kernel (flex's template: dK/dV programs per key block, "
               "dQ programs per row block) and the rest (its delta of out and dout, the conversions). Rows, every key: "
               "the all-gather's call of the last rank's rows against the whole sequence's keys; rows, own keys: the "
