@@ -451,7 +451,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ring then sends each rank only the span of keys it needs (flex_ring.DirectShift)")
     p.add_argument("--pulled", action="store_true",
                    help="beside each one-group all-gather, the same with its K/V gather pulled and cut to the keys "
-                        "the rank's rows keep (TORCH_COMMOPT_FLEX_GATHER_CUT=1, experimental; two ranks, copy engine)")
+                        "the rank's rows keep and its dK/dV reduce-scatter cut to their gradients "
+                        "(TORCH_COMMOPT_FLEX_GATHER_CUT=1, experimental; two ranks, copy engine)")
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="after the timing, each variant's device time by kernel on every rank: CALLS calls profiled "
                         "back to back behind as many unprofiled ones (step_profile.breakdown)")
