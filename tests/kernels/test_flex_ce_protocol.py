@@ -47,21 +47,28 @@ def _recorded_sum(queue, active):
 
 
 def _recorded_within(queue, active):
-    """ce_gather._sum_within, recorded as a copy that reads the own rows, the header and the slot's
-    rows within the span the peer sent (active["cut"]: the call's CUT_SENT; the rest of the slot
-    is read too, and thrown away by the where, whatever it holds)."""
-    real = ce_gather._sum_within
+    """ce_gather._inside and _sum_within, recorded as copies: the first reads the header's span,
+    the second the own rows and the slot's rows within the span the peer sent (active["cut"]: the
+    call's CUT_SENT; the rest of the slot is read too, and thrown away by the where, whatever it
+    holds)."""
+    real_inside, real_sum = ce_gather._inside, ce_gather._sum_within
 
-    def summed(own, slot, span):
-        out = real(own, slot, span)
+    def record(out, read):
         written = _tensor_rows(out)
-        sent = active["cut"][1 - active["rank"]]
-        read = _tensor_rows(own) + _tensor_rows(span)
-        read += _tensor_rows(slot[:, :, sent[0]:sent[1]]) if sent else ()
         queue.append((active["rank"], torch.cuda.current_stream().cuda_stream,
                       ("copy", out.data_ptr(), written[0][1] - written[0][0], written, read)))
+
+    def inside(span, length):
+        out = real_inside(span, length)
+        record(out, _tensor_rows(span))
         return out
-    return summed
+
+    def summed(own, slot, inside):
+        out = real_sum(own, slot, inside)
+        sent = active["cut"][1 - active["rank"]]
+        record(out, _tensor_rows(own) + (_tensor_rows(slot[:, :, sent[0]:sent[1]]) if sent else ()))
+        return out
+    return inside, summed
 
 
 # a cut reduce-scatter's spans, by the sending rank: of the peer's share (tokens), None for none
@@ -106,7 +113,9 @@ def _queue(world: int, names: list[str]) -> tuple[list, list]:
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ce_gather, "_sum", _recorded_sum(queue, state))
-            mp.setattr(ce_gather, "_sum_within", _recorded_within(queue, state))
+            inside, summed = _recorded_within(queue, state)
+            mp.setattr(ce_gather, "_inside", inside)
+            mp.setattr(ce_gather, "_sum_within", summed)
             for name in names:  # every rank queues the call, then the next: the GPUs run them later
                 if name == "replayed":  # the call before took no epoch (a CUDA-graph replay): REPLAYED
                     for rt in runtimes:
@@ -413,7 +422,7 @@ def test_a_cut_scatter_over_three_ranks_is_refused():
 def test_a_cut_sum_adds_the_peer_s_rows_only_within_the_span():
     own, slot = torch.randn(B, H, L, D), torch.randn(B, H, L, D)
     slot[:, :, :2] = float("nan")  # outside the span the slot holds whatever was last written there
-    got = ce_gather._sum_within(own, slot, torch.tensor([2, 6], dtype=torch.int32))
+    got = ce_gather._sum_within(own, slot, ce_gather._inside(torch.tensor([2, 6], dtype=torch.int32), L))
     assert torch.equal(got[:, :, 2:6], own[:, :, 2:6] + slot[:, :, 2:6])
     assert torch.equal(got[:, :, :2], own[:, :, :2]) and torch.equal(got[:, :, 6:], own[:, :, 6:])
 

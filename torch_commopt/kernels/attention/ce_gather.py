@@ -283,12 +283,12 @@ def reduce_scatter_kv_cut(gk: Tensor, gv: Tensor, group, sent: tuple | None) -> 
         rt.signal(rt.side, peer, call.symm.data_index(call.half, rt.rank, 0), 1)
         call.arrived(call.cur)
         at = call.base + peer * call.slot
-        span = call.buf.view(rt.rank, at + call.offsets[2], (2,), torch.int32)
+        inside = _inside(call.buf.view(rt.rank, at + call.offsets[2], (2,), torch.int32), length)
         sums = []
         for i, g in enumerate((gk, gv)):
             own = g[:, :, rt.rank * length:(rt.rank + 1) * length]
             slot = call.buf.view(rt.rank, at + call.offsets[i], g.shape[:2] + (length, g.shape[3]), g.dtype)
-            sums.append(_sum_within(own, slot, span))
+            sums.append(_sum_within(own, slot, inside))
         rt.after(call.cur, rt.side)  # the gradients and the header are read by the pushes
         call.finish("flex cut reduce-scatter of dK/dV")
     return sums[0], sums[1]
@@ -320,12 +320,16 @@ def _tokens(length: int, device) -> Tensor:
     return _TOKENS[key]
 
 
-def _sum_within(own: Tensor, slot: Tensor, span: Tensor) -> Tensor:
-    """own + slot over the tokens (dim 2) within span (int32 (start, end), read on the device),
-    own elsewhere (the slot there holds whatever was last written in it): one sum of two, rounded
-    once, in own's dtype."""
-    tokens = _tokens(own.shape[2], own.device)
-    inside = ((tokens >= span[0]) & (tokens < span[1]))[:, None]
+def _inside(span: Tensor, length: int) -> Tensor:
+    """[length, 1] bool: the tokens within span (int32 (start, end), read on the device)."""
+    tokens = _tokens(length, span.device)
+    return ((tokens >= span[0]) & (tokens < span[1]))[:, None]
+
+
+def _sum_within(own: Tensor, slot: Tensor, inside: Tensor) -> Tensor:
+    """own + slot over the tokens (dim 2) `inside` holds ([tokens, 1] bool, _inside), own elsewhere
+    (the slot there holds whatever was last written in it): one sum of two, rounded once, in own's
+    dtype."""
     return torch.add(own, torch.where(inside, slot, 0.0))
 
 
